@@ -36,6 +36,13 @@ class RunCosts:
     idle_s: float = 0.0
     #: Its session's opening overhead (counter detection, idle baseline, settle measurement).
     session_s: float = 0.0
+    #: How many server starts, knob changes and settings' idle baselines it made, where known
+    #: (a sweep's journal says): with adaptive repeats it also runs cells beyond those left
+    #: (the further repeats it asks for as it goes), with their own starts and changes, which
+    #: the cells left do not count. None: as many as the cells left make (the closed form's).
+    starts: int | None = None
+    changes: int | None = None
+    settings: int | None = None
 
     @property
     def total_s(self) -> float:
@@ -68,22 +75,36 @@ def fleet_time(cells: Sequence[Cell], run: RunCosts, workers: int) -> FleetTime:
     there, and every worker (busy or not) opens its own session. The queue hands the next
     cell to the worker that has spent the least so far (`simulated_loads`)."""
     one = simulated_loads(cells, 1)[0]
-    per_start = run.start_s / one.starts if one.starts else 0.0
-    per_change = run.settle_s / one.changes if one.changes else 0.0
-    per_setting = run.idle_s / one.settings if one.settings else 0.0
+    # What `run` made of each (at least what `cells` make): a start, a change or a setting it
+    # made beyond those of `cells` was for the cells it ran beyond them (further repeats), not
+    # a dearer one of theirs.
+    starts = max(one.starts, run.starts or 0)
+    changes = max(one.changes, run.changes or 0)
+    settings = max(one.settings, run.settings or 0)
+    per_start = run.start_s / starts if starts else 0.0
+    per_change = run.settle_s / changes if changes else 0.0
+    per_setting = run.idle_s / settings if settings else 0.0
     # A cost `run` spent on what the cells' order does not count (none of them): every busy
     # worker spends it once, as its session.
     uncounted = math.fsum(
         [
-            0.0 if one.starts else run.start_s,
-            0.0 if one.changes else run.settle_s,
-            0.0 if one.settings else run.idle_s,
+            0.0 if starts else run.start_s,
+            0.0 if changes else run.settle_s,
+            0.0 if settings else run.idle_s,
         ]
     )
     # Cells `run` measured beyond `cells` (further repeats adaptive precision asked for as it
-    # ran): the fleet runs them too, shared out between its busy workers.
+    # ran), with the starts, changes and settings it made for them: the fleet runs them too,
+    # shared out between its busy workers.
     keys = {c.key for c in cells}
-    beyond = math.fsum(s for key, s in run.cell_s.items() if key not in keys)
+    beyond = math.fsum(
+        [
+            *(s for key, s in run.cell_s.items() if key not in keys),
+            (starts - one.starts) * per_start,
+            (changes - one.changes) * per_change,
+            (settings - one.settings) * per_setting,
+        ]
+    )
     loads = simulated_loads(
         cells,
         workers,

@@ -1162,6 +1162,10 @@ class DryRunPlan:
     #: The folder (`gpu-<model>`) of the GPU model with the most left, whose cells left the
     #: figures are of; None where the sweep journals in the folder itself.
     most_left_folder: str | None = None
+    #: Each GPU model's folder (as `done_per_model`) and how many cells it has left to run,
+    #: the extra repeats its journal asks for now included: a model with none left runs
+    #: nothing, its workers idle.
+    left_per_model: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def comparison_groups_left(self) -> int:
@@ -1513,6 +1517,11 @@ def plan_dry_run(
         most_left_folder=(
             most_left.parent.name if most_left is not None and most_left.parent != out_dir else None
         ),
+        left_per_model={
+            j.parent.name: len([c for c in [*cells, *extra_next[j]] if c.key not in finished[j]])
+            for j in journals
+            if j.parent != out_dir
+        },
         servers=servers,
         problems=tuple(problems),
         shard=shard.label if shard else None,
@@ -1832,6 +1841,7 @@ def _run_costs(journal: Path, *, attached: bool = False) -> RunCosts:
     session_s = float(((records[last] if records else {}).get("gpu_time_s") or {}).get("total", 0))
     cell_s: dict[str, float] = {}
     parts = dict.fromkeys(_WORKER_PARTS, 0.0)
+    made = dict.fromkeys(("starts", "changes", "settings"), 0)
     for record in records[last:]:
         if record.get("type") != "cell":
             continue
@@ -1841,6 +1851,9 @@ def _run_costs(journal: Path, *, attached: bool = False) -> RunCosts:
         cell_s[key] = cell_s.get(key, 0.0) + own
         for name in parts:
             parts[name] += time.get(name, 0.0)
+        made["starts"] += time.get("server_start", 0.0) + time.get("stabilise", 0.0) > 0
+        made["changes"] += time.get("settle", 0.0) > 0
+        made["settings"] += time.get("idle_baseline", 0.0) > 0
     if attached:  # an attached server is running already: no start is spent launching it
         parts["server_start"] = 0.0
     return RunCosts(
@@ -1849,6 +1862,7 @@ def _run_costs(journal: Path, *, attached: bool = False) -> RunCosts:
         settle_s=parts["settle"],
         idle_s=parts["idle_baseline"],
         session_s=session_s,
+        **made,
     )
 
 

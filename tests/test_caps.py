@@ -2050,6 +2050,45 @@ def test_an_earlier_dvfs_journals_one_found_cap_still_reads(nvml, tmp_path: Path
     )
 
 
+def test_a_merge_keeps_an_earlier_dvfs_cubes_cap_with_its_gpu(nvml, tmp_path: Path) -> None:
+    """Both GPUs capped at 450 W, each swept alone; the first GPU's cube an earlier dvfs's
+    (its cap found, not which GPU found it). Merged across GPUs, its 450 W was taken for the
+    other GPU's alone: "not the 450 W found at start on GPU-e3afe299", as if GPU-181a77a6's
+    stock cells had run at the limit found. A one-GPU cube's caps are that GPU's."""
+    from dvfs.cube import open_cube
+
+    uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))][:2]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile(tuple(GpuCap(uuid=u, power_limit_w=450.0) for u in uuids))))
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "clock.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
+    for i in (0, 1):
+        out = tmp_path / f"gpu-{i}"
+        invoke("sweep", str(campaign), "--gpus", str(i), "--out", str(out), "--no-progress")
+    earlier = open_cube(tmp_path / "gpu-0" / "cube.nc").load()
+    del earlier.attrs["power_limit_found_gpus"]  # an earlier dvfs's
+    earlier.to_netcdf(tmp_path / "earlier.nc")
+    merged = tmp_path / "g.nc"
+    invoke(
+        "cube",
+        "merge",
+        str(tmp_path / "earlier.nc"),
+        str(tmp_path / "gpu-1" / "cube.nc"),
+        "-o",
+        str(merged),
+    )
+    assert json.loads(open_cube(merged).attrs["power_limit_found_gpus"]) == {
+        uuids[0]: [450.0],
+        uuids[1]: [450.0],
+    }
+    assert (
+        f"not the caps found at start (450 W on {uuids[0][:12]}, 450 W on {uuids[1][:12]})"
+        in " ".join(invoke("cube", "info", str(merged)).split())
+    )
+
+
 def test_every_gpus_invalid_cap_is_reported_together(nvml, tmp_path: Path) -> None:
     """100 W on GPU 0 and 900 W on GPU 1: both named in one error, nothing applied."""
     uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]

@@ -115,6 +115,94 @@ def test_a_fleet_mixing_models_counts_its_model_s_workers_in_the_gpu_time(tmp_pa
     assert abs(plan["twin_gpu_s"] - h100) <= 0.1 * h100, (plan["twin_gpu_s"], h100)
 
 
+def test_a_fleet_mixing_models_finishes_with_its_slowest_model(tmp_path: Path) -> None:
+    """One H100 and three H200s: the makespan was the model with the fewest workers' (the
+    H100 running all four groups, 0.07 h), where the H200 worker that takes two of the four
+    groups starts its servers twice and ends last (0.10 h): it is the slowest model's now."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    out = tmp_path / "mixed"
+    args = (str(campaign), "--gpus", "0,h200-sxm:0-2", "--out", str(out))
+    plan = _dry(*args)
+    assert CliRunner().invoke(cli, ["sweep", *args, "--no-progress"]).exit_code == 0
+    makespan = max(max(_spent_per_worker(j).values()) for j in out.glob("gpu-*/journal.jsonl"))
+    makespan /= 3600
+    assert abs(plan["estimated_makespan_hours"] - makespan) <= 0.05 * makespan + 0.005, (
+        plan["estimated_makespan_hours"],
+        makespan,
+    )
+
+
+def test_a_resumed_fleet_mixing_models_counts_no_work_for_a_model_with_none_left(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """An H100 and an H200 (`--gpus 0,h200-sxm:0`), the H100's journal whole, the H200's
+    stopped after 6 of its 16 cells: the dry run counted the H100's worker as busy, starting
+    its two servers and running the H200's 10 cells left again (4 starts, 2 busy workers, and
+    --no-estimate's hours twice the H200's), where the resumed fleet starts 2 servers on the
+    H200 alone. A model with no cell left runs nothing now."""
+    from conftest import MIXED_FLEET, copy_sweep
+    from test_dry_run_folder import _interrupted
+
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    out = copy_sweep(tiny_exact_run("mixed"), tmp_path / "begun")
+    (out / "cube.nc").unlink()
+    _interrupted(out / "gpu-nvidia-h200-twin" / "journal.jsonl", 6)
+    args = (str(campaign), *MIXED_FLEET, "--out", str(out))
+    plan = _dry(*args)
+    closed = _dry(*args, "--no-estimate")
+    alone = _dry(str(campaign), "--no-estimate", "--out", str(tmp_path / "none"))
+    assert CliRunner().invoke(cli, ["sweep", *args, "--no-progress"]).exit_code == 0
+    started = 0
+    for journal in out.glob("gpu-*/journal.jsonl"):
+        records = read_records(journal)
+        last = max(i for i, r in enumerate(records) if r["type"] == "session")
+        started += sum(r["type"] == "server" for r in records[last:])
+    assert started == 2
+    for doc in (plan, closed):
+        assert (doc["server_starts"], doc["busy_workers"]) == (started, 1), doc
+    # one worker's sweep of 10 of the 16 cells, both servers started: less than all 16's
+    assert closed["estimated_hours_on_hardware"] <= alone["estimated_hours_on_hardware"], closed
+
+
+#: SMALL_CAMPAIGN on two clocks and one corpus with adaptive repeats: most groups' two repeats
+#: miss +-5%, so one GPU's sweep runs a third and a fourth, starting its servers again for them.
+ADAPTIVE = replace_block(
+    replace_block(
+        replace_block(SMALL_CAMPAIGN, "sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1005]"),
+        'corpora = ["code", "conversation"]',
+        'corpora = ["code"]',
+    ),
+    "repeats = 2\n",
+    "repeats = 2\nmax_repeats = 4\nprecision = 0.05\n",
+)
+
+
+def test_a_fleet_s_estimate_with_adaptive_repeats_prices_each_start_once(tmp_path: Path) -> None:
+    """With max_repeats, the twin's sweep of the cells left also runs the further repeats it
+    asks for, starting its servers for them too (5 starts, 2 for the cells left): each start
+    was priced at all five's cost over the two the cells left make, so a fleet of four, eight
+    starts, read 3,076 s and a 0.21-h makespan where it then spent 1,918 s and 0.13 h. The
+    starts, changes and baselines made for the further repeats are theirs now, shared out."""
+    campaign = write(tmp_path / "adaptive.toml", ADAPTIVE)
+    out = tmp_path / "four"
+    args = (str(campaign), "--gpus", "0-3", "--out", str(out))
+    plan = _dry(*args)
+    assert CliRunner().invoke(cli, ["sweep", *args, "--no-progress"]).exit_code == 0
+    spent = _spent_per_worker(out / "journal.jsonl")
+    assert any(c["repeat"] >= 2 for c in _cells(out / "journal.jsonl"))  # the premise
+    total = sum(spent.values())
+    assert abs(plan["twin_gpu_s"] - total) <= 0.2 * total, (plan["twin_gpu_s"], total)
+    makespan = max(spent.values()) / 3600
+    assert abs(plan["estimated_makespan_hours"] - makespan) <= 0.2 * makespan + 0.005, (
+        plan["estimated_makespan_hours"],
+        makespan,
+    )
+
+
+def _cells(journal: Path) -> list[dict[str, Any]]:
+    return [r["cell"] for r in read_records(journal) if r["type"] == "cell"]
+
+
 # -- fleet_time on its own --
 
 

@@ -460,8 +460,10 @@ def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_m
     tiny_exact_run, tmp_path: Path
 ) -> None:
     """Two GPU models each run the whole campaign on their own workers: the dry run counts
-    every model's cells, as the run measures them, and the model with the fewest workers sets
-    the makespan; a twin GPU named with the campaign's own profile is the same model."""
+    every model's cells, as the run measures them, and the model whose busiest worker ends
+    last sets the makespan (on 0-2,h200-sxm:0 the H100s', one of which runs two groups and
+    starts a server for the one left over, not the lone H200's); a twin GPU named with the
+    campaign's own profile is the same model."""
     from conftest import MIXED_FLEET, TINY_EXACT
 
     from dvfs.measure.plan import SERVER_START_S
@@ -470,20 +472,21 @@ def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_m
     starts_h = 2 * SERVER_START_S / 3600  # one worker's: both drafters' servers
     one = ["sweep", str(campaign), "--dry-run", "--no-estimate", "--json"]
     alone = json.loads(CliRunner().invoke(cli, one).output)
-    # (--gpus, models, the busiest worker's groups, the fleet's busy workers, left over)
+    # (--gpus, models, the busiest worker's groups and server starts, the fleet's busy
+    # workers, left over)
     cases = (
-        (MIXED_FLEET[1], 2, 4, 2, 0),
-        ("0-2,h200-sxm:0", 2, 4, 4, 1),
-        ("0,h100-sxm:1", 1, 2, 2, 0),
+        (MIXED_FLEET[1], 2, 4, 2, 2, 0),
+        ("0-2,h200-sxm:0", 2, 2, 3, 4, 1),
+        ("0,h100-sxm:1", 1, 2, 2, 2, 0),
     )
-    for spec, models, busiest, busy, leftover in cases:
+    for spec, models, busiest, busiest_starts, busy, leftover in cases:
         args = ["sweep", str(campaign), "--dry-run", "--no-estimate", "--gpus", spec, "--json"]
         doc = json.loads(CliRunner().invoke(cli, args).output)
         assert doc["gpu_models"] == models, spec
         assert doc["cells_all_models"] == 16 * models
         assert doc["server_starts"] == 2 * busy + leftover, spec
         hours = alone["estimated_hours_on_hardware"]  # one worker's, rounded to 0.01 h
-        makespan = (hours - starts_h) * busiest / 4 + starts_h
+        makespan = (hours - starts_h) * busiest / 4 + busiest_starts * SERVER_START_S / 3600
         assert abs(doc["estimated_makespan_hours"] - makespan) <= 0.011, spec
     out = tiny_exact_run("mixed")  # the session's run of TINY_EXACT on MIXED_FLEET
     measured = [

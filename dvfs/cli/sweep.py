@@ -377,31 +377,42 @@ def sweep(
             # each worker a session of its own that starts its drafters' servers, steps its
             # own GPU's knobs and takes its own idle baselines: `dvfs.estimate.fleet_time`
             # counts them as the fleet's queue hands the cells out. GPU models mixed: each
-            # runs the whole campaign on its own workers, so the model with the fewest workers
-            # finishes last (its GPU estimated as the campaign's).
+            # runs the whole campaign on its own workers, so the model whose busiest worker
+            # spends the most finishes last (not always the one with the fewest workers: each
+            # worker starts its own servers; every model's GPU estimated as the campaign's).
             import dataclasses
 
-            from dvfs.estimate import fleet_time
+            from dvfs.estimate import RunCosts, fleet_time
 
-            left = plan.comparison_groups_left
-            fewest = min(per_model.values())
             report["workers"] = len(groups)
             # Real GPUs' models not read: those of the journals resumed.
             report["gpu_models"] = max(len(per_model), plan.runs)
             report["cells_all_models"] = plan.cells * report["gpu_models"]
+            # Each model's workers run the cells the model with the most left has left (as
+            # estimated), or nothing where its own folder has none left (its workers idle).
+            folders = {model: _model_folder(campaign, model) for model in per_model}
+            # (A worker with nothing to run still opens its session.)
+            idle = RunCosts({}, session_s=plan.costs.session_s)
             fleets = {
-                n: fleet_time(plan.cells_left, plan.costs, n) for n in set(per_model.values())
+                model: (
+                    fleet_time((), idle, n)
+                    if _none_left(plan, folders[model])
+                    else fleet_time(plan.cells_left, plan.costs, n)
+                )
+                for model, n in per_model.items()
             }
-            report["busy_workers"] = sum(min(n, left) for n in per_model.values())
-            report["server_starts"] = sum(fleets[n].server_starts for n in per_model.values())
-            report["knob_changes"] = sum(fleets[n].knob_changes for n in per_model.values())
-            report["estimated_makespan_hours"] = round(fleets[fewest].makespan_s / 3600, 2)
+            report["busy_workers"] = sum(f.busy_workers for f in fleets.values())
+            report["server_starts"] = sum(f.server_starts for f in fleets.values())
+            report["knob_changes"] = sum(f.knob_changes for f in fleets.values())
+            report["estimated_makespan_hours"] = round(
+                max(f.makespan_s for f in fleets.values()) / 3600, 2
+            )
             # The twin's line is of one model's cells (the one with the most left); the closed
             # form's, as the counts, of every model's, each estimated as that one's.
             spent_s = (
-                fleets[_most_left_workers(campaign, per_model, plan)].gpu_s
+                fleets[_most_left_model(per_model, folders, plan)].gpu_s
                 if plan.estimate is not None
-                else sum(fleets[n].gpu_s for n in per_model.values())
+                else sum(f.gpu_s for f in fleets.values())
             )
             counted = (
                 dataclasses.replace(
@@ -437,20 +448,33 @@ def sweep(
         raise SystemExit(5)
 
 
-def _most_left_workers(campaign: Any, per_model: dict[str | None, int], plan: Any) -> int:
-    """How many workers the GPU model with the most left (`plan.most_left_folder`), whose
-    cells left the dry run's figures are of, runs on (one model: its workers; a model the
-    names do not tell: the fewest any model has)."""
+def _model_folder(campaign: Any, model: str | None) -> str | None:
+    """The folder (`gpu-<model>`) a fleet's workers of GPU model `model` journal in; None
+    where the names do not tell."""
     from dvfs.fleet.folders import model_folder
     from dvfs.sweep import model_names
 
+    names = model_names(campaign, [model])
+    return model_folder(names[0]) if names else None
+
+
+def _none_left(plan: Any, folder: str | None) -> bool:
+    """Whether the GPU model journalling in `folder` has no cell left to run."""
+    return folder is not None and plan.left_per_model.get(folder) == 0
+
+
+def _most_left_model(
+    per_model: dict[str | None, int], folders: dict[str | None, str | None], plan: Any
+) -> str | None:
+    """The GPU model with the most left (`plan.most_left_folder`), whose cells left the dry
+    run's figures are of (one model: that one; a model the names do not tell: the one with
+    the fewest workers)."""
     if len(per_model) == 1:
-        return next(iter(per_model.values()))
-    for model, workers in per_model.items():
-        names = model_names(campaign, [model])
-        if names and model_folder(names[0]) == plan.most_left_folder:
-            return workers
-    return min(per_model.values())
+        return next(iter(per_model))
+    for model in per_model:
+        if folders[model] is not None and folders[model] == plan.most_left_folder:
+            return model
+    return min(per_model, key=lambda model: per_model[model])
 
 
 def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any = None) -> Any:

@@ -88,7 +88,7 @@ def lifted_caps_text(ds: xr.Dataset) -> str | None:
     if not caps:
         return None
     by_gpu = lifted_caps_by_gpu(ds)
-    if len(_gpu_uuids(ds)) < 2 or not by_gpu:
+    if len(gpu_uuids(ds)) < 2 or not by_gpu:
         return f"the {_watts(caps)} found at start: a cap dvfs applied"
     named = {w for values in by_gpu.values() for w in values}
     unnamed = [w for w in caps if w not in named]  # an earlier dvfs's source's, GPU unsaid
@@ -100,7 +100,7 @@ def lifted_caps_text(ds: xr.Dataset) -> str | None:
     return f"the caps found at start ({', '.join(parts)}): caps dvfs applied"
 
 
-def _gpu_uuids(ds: xr.Dataset) -> list[str]:
+def gpu_uuids(ds: xr.Dataset) -> list[str]:
     """The UUIDs of the GPUs the cube's cells ran on: its `gpu_uuids`, or a cube merged across
     GPUs' `gpu` labels (each source's)."""
     if "gpu" in ds.coords:

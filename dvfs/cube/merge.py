@@ -861,14 +861,18 @@ def _found_limits(cubes: list[xr.Dataset]) -> dict[str, Any]:
     (as a sweep's sessions'), with the GPU each was found on where the source names it;
     nothing where no source lifted one. Else a merge of a capped GPU's cube with others said
     its stock limit was "as found at start", or a shard merge kept the first shard's alone."""
-    from dvfs.cube.info import lifted_caps_by_gpu, lifted_caps_w
+    from dvfs.cube.info import gpu_uuids, lifted_caps_by_gpu, lifted_caps_w
 
     found: list[tuple[str, float]] = []
     for ds in cubes:
         by_gpu = lifted_caps_by_gpu(ds)
         found.extend((uuid, w) for uuid, caps in by_gpu.items() for w in caps)
         named = {w for caps in by_gpu.values() for w in caps}
-        found.extend(("", w) for w in lifted_caps_w(ds) if w not in named)
+        # An earlier dvfs's cube did not say which GPU found its caps: one GPU's are that
+        # GPU's (else another source's GPU lifting the same watts took them for its own alone).
+        own = gpu_uuids(ds)
+        gpu = own[0] if len(own) == 1 else ""
+        found.extend((gpu, w) for w in lifted_caps_w(ds) if w not in named)
     return found_limits_attrs(found)
 
 
