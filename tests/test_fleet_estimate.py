@@ -40,6 +40,12 @@ def _dry(*args: str) -> dict[str, Any]:
     return json.loads(result.output)
 
 
+def _dry_text(*args: str) -> str:
+    result = CliRunner().invoke(cli, ["sweep", *args, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
 def _spent_per_worker(journal: Path) -> dict[str, float]:
     """Each worker's GPU time as its fleet's journal records it: its cells' and its session's."""
     spent: dict[str, float] = {}
@@ -150,6 +156,7 @@ def test_a_resumed_fleet_mixing_models_counts_no_work_for_a_model_with_none_left
     args = (str(campaign), *MIXED_FLEET, "--out", str(out))
     plan = _dry(*args)
     closed = _dry(*args, "--no-estimate")
+    text = " ".join(_dry_text(*args).split())
     alone = _dry(str(campaign), "--no-estimate", "--out", str(tmp_path / "none"))
     assert CliRunner().invoke(cli, ["sweep", *args, "--no-progress"]).exit_code == 0
     started = 0
@@ -160,6 +167,12 @@ def test_a_resumed_fleet_mixing_models_counts_no_work_for_a_model_with_none_left
     assert started == 2
     for doc in (plan, closed):
         assert (doc["server_starts"], doc["busy_workers"]) == (started, 1), doc
+    # and the text says the busy workers the numbers count (it said "only 2 busy", the
+    # campaign's comparison groups against its workers, whatever was left)
+    assert "2 workers in parallel, 2 GPU models" in text and "(only 1 busy:" in text, text
+    finished = copy_sweep(tiny_exact_run("mixed"), tmp_path / "finished")
+    said = " ".join(_dry_text(str(campaign), *MIXED_FLEET, "--out", str(finished)).split())
+    assert "(none busy: no cell is left to run)" in said, said
     # one worker's sweep of 10 of the 16 cells, both servers started: less than all 16's
     assert closed["estimated_hours_on_hardware"] <= alone["estimated_hours_on_hardware"], closed
 
@@ -192,8 +205,11 @@ def test_a_fleet_s_estimate_with_adaptive_repeats_prices_each_start_once(tmp_pat
     assert any(c["repeat"] >= 2 for c in _cells(out / "journal.jsonl"))  # the premise
     total = sum(spent.values())
     assert abs(plan["twin_gpu_s"] - total) <= 0.2 * total, (plan["twin_gpu_s"], total)
+    # Which worker's thread takes which group first follows the machine's load, so the
+    # fleet's makespan does too (0.13 h quiet, 0.17 h beside other work): only the estimate's
+    # excess over it is bounded (the fault's 0.21 h against 0.13 h).
     makespan = max(spent.values()) / 3600
-    assert abs(plan["estimated_makespan_hours"] - makespan) <= 0.2 * makespan + 0.005, (
+    assert plan["estimated_makespan_hours"] <= 1.2 * makespan + 0.005, (
         plan["estimated_makespan_hours"],
         makespan,
     )

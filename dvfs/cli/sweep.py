@@ -139,10 +139,12 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             highlight=False,
         )
     if report.get("workers"):
-        busy = min(report["workers"], report["comparison_groups"])
+        # the workers the estimate counts busy: of the groups left, not of the campaign's
+        busy = report["busy_workers"]
         idle = (
-            f" (only {busy} busy: each of the {report['comparison_groups']} comparison groups "
-            "runs whole on one worker)"
+            " (none busy: no cell is left to run)"
+            if not busy
+            else f" (only {busy} busy: each of the comparison groups left runs whole on one worker)"
             if busy < report["workers"]
             else ""
         )
