@@ -14,8 +14,9 @@ One call beyond /work/shared/NVML-CONTRACT.md's table; its row, as that table wo
   returns: an `nvmlViolationTime_t`: `.violationTime` the nanoseconds that policy held the
     clocks below the requested ones, cumulative; `.referenceTime` the CPU
     timestamp of the read (microseconds). Two reads' difference is the throttling between them.
-  may raise: `NotSupported`, `FunctionNotFound` (an older driver, or a pynvml without it):
-    unknown, None, never a failure (`NvmlGpu.throttle_violation_ns`).
+  may raise: `NotSupported`, `FunctionNotFound` (an older driver, or a pynvml without it),
+    `Deprecated` (code 26, a driver past the call's deprecation): unknown, None, never a
+    failure (`NvmlGpu.throttle_violation_ns`).
 
 The one adapter to the NVML API, kept whole near 400 lines: every method of `NvmlGpu` is a
 call, a deadline and a translation, so splitting it further would scatter one job.
@@ -277,8 +278,8 @@ class NvmlGpu:
     def throttle_violation_ns(self) -> int | None:
         """`nvmlDeviceGetViolationStatus`'s violationTime (ns) of each `THROTTLE_POLICIES`
         policy, summed; a policy the GPU or driver does not report (NotSupported, or
-        FunctionNotFound: the call is deprecated in favour of field values, and a pynvml
-        without it is the same) adds nothing, and None when none is reported."""
+        FunctionNotFound or Deprecated: the call is deprecated in favour of field values, and
+        a pynvml without it is the same) adds nothing, and None when none is reported."""
         fn = getattr(self.nvml, "nvmlDeviceGetViolationStatus", None)
         if fn is None:
             return None
@@ -287,6 +288,10 @@ class NvmlGpu:
             try:
                 status = self._call(fn, "read the throttle violation time", policy)
             except GpuNotSupportedError:
+                continue
+            except GpuError as exc:
+                if getattr(exc.__cause__, "value", None) != self.errors.deprecated:
+                    raise
                 continue
             total = (total or 0) + int(status.violationTime)
         return total

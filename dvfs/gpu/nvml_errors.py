@@ -61,6 +61,10 @@ class NvmlErrors:
             code("NVML_ERROR_INVALID_ARGUMENT", 2): GpuValueError,
         }
         self.function_not_found = code("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
+        #: "The requested functionality has been deprecated" (nvml.h): a driver's answer to a
+        #: call it no longer serves, which a deprecated call dvfs reads only where it can
+        #: (`NvmlGpu.throttle_violation_ns`) takes for unknown.
+        self.deprecated = code("NVML_ERROR_DEPRECATED", 26)
         self.library_not_found = {code("NVML_ERROR_LIBRARY_NOT_FOUND", 12)}
         self.driver_not_loaded = code("NVML_ERROR_DRIVER_NOT_LOADED", 9)
         self.lost = code("NVML_ERROR_GPU_IS_LOST", 15)
