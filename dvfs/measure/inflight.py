@@ -121,6 +121,7 @@ from dvfs.measure.meter import (
     summarise,
     throttle_violation_delta,
     throttle_violation_reads,
+    violation_throttled,
 )
 from dvfs.measure.plan import Cell
 from dvfs.measure.tenants import ForeignProcess, foreign_quality, idle_quality
@@ -755,6 +756,7 @@ def _measure_group(
     loads: dict[int, Workload] = {}  # and the prompts it sent
     # and how much its throttle violation counters grew (`summarise`; None: no GPU could tell)
     violations: dict[int, int | None] = {}
+    windows_ns: dict[int, int] = {}  # each decode's steady window (ns)
     sent: list[Workload] = []  # every level decodes each round's prompts
     step = rounds_step(scheme)
     max_rounds = max(step, m.max_rounds - m.max_rounds % step)
@@ -832,6 +834,7 @@ def _measure_group(
                 continue
             decodes[rounds] = result
             violations[rounds] = violation
+            windows_ns[rounds] = window[1] - window[0]
             loads[rounds] = workload
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
@@ -944,6 +947,11 @@ def _measure_group(
         # every level the decode measured is flagged, with the decode's time.
         grown = [v for r in own if (v := violations[r]) is not None]
         violation_s = sum(grown) * 1e-9 if grown else math.nan
+        # against those decodes' steady windows, as `summarise` holds a cell's rounds'
+        throttled = violation_throttled(
+            sum(grown) if grown else None,
+            sum(windows_ns[r] for r in own),
+        )
         cm = replace(
             cm,
             rounds=len(own),
@@ -961,7 +969,7 @@ def _measure_group(
             | idle_quality(idle_foreign[index])
             | idle_flags[index]
             | (unbalanced if index in placed else 0)
-            | (Q_THROTTLED if violation_s > 0 else 0),
+            | (Q_THROTTLED if throttled else 0),
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),

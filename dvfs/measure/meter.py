@@ -867,6 +867,21 @@ def throttle_violation_delta(start: Sequence[int | None], end: Sequence[int | No
     return sum(max(0, g) for g in grown) if grown else None
 
 
+#: The share of a cell's steady windows that throttle violation time (summed over its GPUs
+#: and the policies read) must exceed to flag the cell throttled. A counter that grows by a
+#: few microseconds over seconds of decode (a healthy GPU's brief thermal or board-limit
+#: excursion) cannot move the cell's energy or latency by a fraction of any precision a
+#: campaign asks for, yet would invalidate it: the time is recorded either way.
+THROTTLE_VIOLATION_SHARE = 0.01
+
+
+def violation_throttled(violation_ns: int | None, window_ns: float) -> bool:
+    """Whether `violation_ns` of throttle violation time (`throttle_violation_delta`, over
+    the rounds whose steady windows last `window_ns` in all) flags a cell throttled: more
+    than `THROTTLE_VIOLATION_SHARE` of the windows; never where no GPU could tell (None)."""
+    return violation_ns is not None and violation_ns > THROTTLE_VIOLATION_SHARE * window_ns
+
+
 def mean_prompt_tokens(loads: Iterable[Workload]) -> float:
     """The mean input tokens of the prompts `loads` (a cell's rounds) sent, each prompt once
     per round it went out in, by the count each carries (the journal's token count method);
@@ -908,10 +923,11 @@ def summarise(
     clock_held_low, invalid; at full clock 0x2 alone is not.
     Fewer than three samples inside the window make the energy an interpolation across
     other phases: invalid.
-    A throttle between two samples shows in no sampled reason: a round whose throttle
-    violation counters grew (`WindowPart.violation_ns`, read at its start and end) flags the
-    cell throttled as a sampled throttle reason does; the seconds are kept
-    (`throttle_violation_s`, NaN where no GPU could tell).
+    A throttle between two samples shows in no sampled reason: rounds whose throttle
+    violation counters grew (`WindowPart.violation_ns`, read at their starts and ends) by
+    more than `THROTTLE_VIOLATION_SHARE` of the windows flag the cell throttled as a sampled
+    throttle reason does; the seconds are kept (`throttle_violation_s`, NaN where no GPU
+    could tell).
 
     The highest power is the largest power sample inside the windows, or a round's mean power
     from the energy counter where that is larger: so the cell's mean power never exceeds it.
@@ -1017,7 +1033,7 @@ def summarise(
         # no better: a sync-boost group holds it to another GPU's, not this one's stock.
         if held_low and not reasons & ~(EVENT_APPLICATIONS_CLOCKS | EVENT_SYNC_BOOST):
             quality |= Q_CLOCK_HELD_LOW
-    if reasons & EVENT_THROTTLE_MASK or violation_ns:
+    if reasons & EVENT_THROTTLE_MASK or violation_throttled(violation_ns, window_ns):
         quality |= Q_THROTTLED
     if reasons & EVENT_SW_POWER_CAP:
         quality |= Q_POWER_CAPPED
