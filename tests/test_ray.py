@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -233,18 +234,13 @@ def test_a_restore_nvml_refuses_on_ray_says_why_as_one_gpus_sweep(
 
 @pytest.mark.timeout(300)
 def test_a_finished_folder_is_not_done_for_a_ray_cluster_with_another_gpu_model(
-    ray_nvml, tmp_path: Path
+    ray_nvml, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Real GPUs (the fake NVML's) on Ray: a folder the cluster's two H100s finished is done
     for them (nothing runs, no GPU is set), but not once an H200 is among the cluster's GPUs,
     whose cells were never measured there: refused as without Ray, where the run said "0
     cell(s) measured" and wrote the H100s' cube (the driver took the models for not known)."""
-    from nvml_support import NVML_CAMPAIGN
-
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=1))
-    out = tmp_path / "out"
-    first = sweep(str(campaign), "--executor", "ray", "--out", str(out))
-    assert first.exit_code == 0, first.output
+    campaign, out = finished_nvml_folder(tmp_path, tmp_path_factory)
     journal = (out / "journal.jsonl").read_text()
     set_calls = len(ray_nvml.fake_calls())
     # The dry run starts no Ray, so reads no GPU: it plans nothing to run, and says for which
@@ -268,27 +264,70 @@ def test_a_finished_folder_is_not_done_for_a_ray_cluster_with_another_gpu_model(
     assert (out / "journal.jsonl").read_text() == journal
 
 
-def finished_nvml_folder(tmp_path: Path) -> tuple[Path, Path]:
-    """The fake NVML's campaign, and the folder a Ray run on its two H100s finished."""
+#: `finished_nvml_folder`'s one Ray sweep per test session (per xdist worker): the folder it
+#: finished and the fake NVML's state file and dvfs's state folder as it left them.
+_FINISHED_NVML: dict[Path, Path] = {}
+
+
+def finished_nvml_folder(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """The fake NVML's campaign, and the folder a Ray run on its two H100s finished, in
+    `tmp_path`. Call it under `ray_nvml`.
+
+    The Ray sweep runs once (seconds of CPU for every test that reruns its folder); each test
+    gets a copy of its folder, with the fake NVML's state (GPUs, call log) and dvfs's state
+    folder put back as that sweep left them, as if it had just run here. The one path the
+    folder records is the campaign's folder (`campaign_dir`, in the journal's session and the
+    cube's attributes): the copy's names `tmp_path`, as the sweep's own would."""
+    import netCDF4
     from nvml_support import NVML_CAMPAIGN
 
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=1))
-    out = tmp_path / "out"
-    first = sweep(str(campaign), "--executor", "ray", "--out", str(out))
-    assert first.exit_code == 0, first.output
-    return campaign, out
+    state_file = Path(os.environ["DVFS_FAKE_NVML_STATE"])
+    state_dir = Path(os.environ["DVFS_STATE_DIR"])
+    base = tmp_path_factory.getbasetemp()
+    if base not in _FINISHED_NVML:
+        built = tmp_path_factory.mktemp("finished-nvml")
+        text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+        campaign = write(built / "run" / "nvml.toml", text)
+        first = sweep(str(campaign), "--executor", "ray", "--out", str(built / "run" / "out"))
+        assert first.exit_code == 0, first.output
+        shutil.copyfile(state_file, built / "fake-nvml.json")
+        if state_dir.exists():
+            shutil.copytree(state_dir, built / "dvfs-state")
+        _FINISHED_NVML[base] = built
+    built = _FINISHED_NVML[base]
+    shutil.copytree(built / "run", tmp_path, dirs_exist_ok=True)
+    journal = tmp_path / "out" / "journal.jsonl"
+    recorded = f'"campaign_dir":{json.dumps(str(built / "run"))}'
+    assert journal.read_text().count(recorded) == 1
+    journal.write_text(
+        journal.read_text().replace(recorded, f'"campaign_dir":{json.dumps(str(tmp_path))}')
+    )
+    with netCDF4.Dataset(tmp_path / "out" / "cube.nc", "a") as cube:
+        assert cube.getncattr("campaign_dir") == str(built / "run")
+        cube.setncattr("campaign_dir", str(tmp_path))
+    shutil.copyfile(built / "fake-nvml.json", state_file)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    if (built / "dvfs-state").exists():
+        shutil.copytree(built / "dvfs-state", state_dir)
+    return tmp_path / "nvml.toml", tmp_path / "out"
 
 
 @pytest.mark.timeout(300)
 def test_a_finished_folder_waits_for_gpus_ray_cannot_place_in_a_note_as_the_run_does(
-    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_nvml,
+    ray_cluster,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A finished folder on real GPUs, rerun while another job holds one of the cluster's two:
     the actors that read the GPUs' models wait for it as the run's workers do, and say so in
     the run's note, then give up in its one line (they waited the 30 minutes silently)."""
     from dvfs.fleet import ray_executor
 
-    campaign, out = finished_nvml_folder(tmp_path)
+    campaign, out = finished_nvml_folder(tmp_path, tmp_path_factory)
     monkeypatch.setattr(ray_executor, "OPEN_TIMEOUT_S", 3.0)
     monkeypatch.setattr(ray_executor, "OPEN_NOTE_S", 1.0)
 
@@ -312,13 +351,17 @@ def test_a_finished_folder_waits_for_gpus_ray_cannot_place_in_a_note_as_the_run_
 
 @pytest.mark.timeout(300)
 def test_ray_address_ignored_is_said_for_a_finished_folder_too_and_once(
-    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_nvml,
+    ray_cluster,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without --address, RAY_ADDRESS set: the Ray dvfs starts on this machine reads the GPUs'
     models of a finished folder, so the note that RAY_ADDRESS's cluster is not joined is said
     there too (the folder was done or refused for this machine's GPUs without a word), and
     said once where the run follows."""
-    campaign, out = finished_nvml_folder(tmp_path)
+    campaign, out = finished_nvml_folder(tmp_path, tmp_path_factory)
     # Ray "starts" here as without --address: the shared loopback instance stands for it.
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
     monkeypatch.setattr(ray_cluster, "is_initialized", lambda: False)
@@ -338,14 +381,19 @@ def test_ray_address_ignored_is_said_for_a_finished_folder_too_and_once(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_the_models_probe_waits_says_the_cube_is_whole(
-    ray_nvml, ray_cluster, sig: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_nvml,
+    ray_cluster,
+    sig: int,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Ctrl-C or SIGTERM while the actors read the GPUs' models of a finished folder: nothing
     was measured and its cube holds every cell, which the sweep says (it said "partial cube
     written", as of a sweep stopped midway); it ends as the signal, with no traceback."""
     from dvfs.fleet import ray_executor
 
-    campaign, out = finished_nvml_folder(tmp_path)
+    campaign, out = finished_nvml_folder(tmp_path, tmp_path_factory)
     journal = (out / "journal.jsonl").read_text()
     probe_wait = ray_executor.RayExecutor._open
 
@@ -368,13 +416,17 @@ def test_a_signal_while_the_models_probe_waits_says_the_cube_is_whole(
 
 @pytest.mark.timeout(300)
 def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
-    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_nvml,
+    ray_cluster,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A finished folder rerun where the Ray cluster offers no GPUs (its GPU nodes gone, or a
     login node's own Ray): no worker would measure a model it lacks, so it is done, as it is
     without Ray where NVML opens no GPU (it failed, exit 2: "the Ray cluster offers 0
     GPU(s)"), and its cube is written again."""
-    campaign, out = finished_nvml_folder(tmp_path)
+    campaign, out = finished_nvml_folder(tmp_path, tmp_path_factory)
     journal = (out / "journal.jsonl").read_text()
     (out / "cube.nc").unlink()
     monkeypatch.setattr(ray_cluster, "cluster_resources", lambda: {"CPU": 2.0})
@@ -389,7 +441,12 @@ def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("actor", ["probe", "worker"])
 def test_an_actor_that_dies_as_it_starts_is_one_line_not_an_internal_error(
-    ray_nvml, ray_cluster, actor: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_nvml,
+    ray_cluster,
+    actor: str,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Real GPUs on Ray: one of the actors placed to read the GPUs' models of a finished
     folder (`probe`), or one of a new run's workers as it opens its GPUs (`worker`), dies
@@ -397,7 +454,7 @@ def test_an_actor_that_dies_as_it_starts_is_one_line_not_an_internal_error(
     and to rerun (a worker's, that its GPUs may need `dvfs gpu reset`), not "internal error:
     ActorDiedError ...; please report it"; the journal is left as it was."""
     if actor == "probe":
-        campaign, out = finished_nvml_folder(tmp_path)
+        campaign, out = finished_nvml_folder(tmp_path, tmp_path_factory)
     else:
         from nvml_support import NVML_CAMPAIGN
 
@@ -439,13 +496,13 @@ def test_an_actor_that_dies_as_it_starts_is_one_line_not_an_internal_error(
 
 @pytest.mark.timeout(300)
 def test_a_finished_folder_is_not_done_for_a_new_model_beside_a_gpu_off_the_bus(
-    ray_nvml, tmp_path: Path
+    ray_nvml, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A folder the cluster's H100s finished, rerun once the cluster has an H200 and one GPU
     that fell off the bus: the H200's cells were never measured, so the run goes on (and
     fails, naming the lost GPU), where one GPU that could not be read made every model
     unknown and the folder done ("0 cell(s) measured", exit 0, the H200 never measured)."""
-    campaign, out = finished_nvml_folder(tmp_path)
+    campaign, out = finished_nvml_folder(tmp_path, tmp_path_factory)
     journal = (out / "journal.jsonl").read_text()
     ray_nvml.fake_reset_state("h100-sxm,h200-sxm")  # GPU 1 now an H200
     ray_nvml.fake_update_device(0, lost=True)  # and GPU 0 off the bus

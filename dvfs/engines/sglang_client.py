@@ -222,10 +222,11 @@ class SglangClient:
         ) as client:
             return client.get(self.base_url + path)
 
-    def health_status(self, timeout_s: float = HEALTH_PROBE_S) -> int | None:
+    def health_status(self, timeout_s: float | None = None) -> int | None:
         """HTTP status of /health, or None while nothing listens (or nothing answers within
-        `timeout_s`)."""
+        `timeout_s`; HEALTH_PROBE_S, read as it is called, where not given)."""
         httpx = _httpx()
+        timeout_s = HEALTH_PROBE_S if timeout_s is None else timeout_s
         try:
             return int(self._get("/health", timeout_s=timeout_s).status_code)
         except httpx.HTTPError:
