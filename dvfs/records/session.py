@@ -557,12 +557,13 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   cap, the decode tokens reserved per request, decode steps per scheduling round, how often
 #:   the scheduler polls for requests and whether it sleeps when idle, the radix cache's
 #:   eviction policy, the prefill delayer, and 0.5.23's retraction policy and prefill/decode
-#:   interleaving: neither release sets them per algorithm (0.5.23 picks an interleaving, a
-#:   delayer and an eviction policy per model: overrides for Qwen3-VL, env compat); another
-#:   value admits, chunks, retracts or steps a round's requests otherwise.
+#:   interleaving: neither release sets them per algorithm (the delayer may come from
+#:   SGLANG_SCHEDULER_DECREASE_PREFILL_IDLE and SGLANG_PREFILL_DELAYER_*; 0.5.23 picks an
+#:   interleaving and an eviction policy for Qwen3-VL on Hopper); another value admits,
+#:   chunks, retracts or steps a round's requests otherwise.
 #: - the hierarchical (host) KV cache, its write policy, IO backend and layout, and MLA's
-#:   chunked prefix cache: other copies and prefill kernels for the target; set per model or
-#:   with 0.5.23's unified memory, never per algorithm.
+#:   chunked prefix cache: other copies and prefill kernels for the target; set from one
+#:   another, the storage backend or 0.5.23's unified memory, never per algorithm.
 #: - weights offloaded to the CPU (`cpu_offload_gb`, the `offload_*` layer groups): the
 #:   target's layers stream from host memory; never set by SGLang.
 #: - CUDA graphs beyond the decode graph each batch replays (`decode_graph`): padding off (a
@@ -588,7 +589,12 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
-#: lines 1051-1057: a smaller KV pool, not other kernels), the speculative_* args. The attention
+#: lines 1051-1057: a smaller KV pool, not other kernels), the speculative_* args, multi-layer
+#: EAGLE (`enable_multi_layer_eagle`: 0.5.9 lines 1406 and 1427, 0.5.23 model overrides, for an
+#: EAGLE arm of some models), UNO's LoRA loading (`enable_lora_overlap_loading`,
+#: `lora_strict_loading`: 0.5.23 speculative_hook.py `_handle_uno`), the linear-attention
+#: verify kernels and the replay-SSM state dtype (`linear_attn_verify_backend`,
+#: `mamba_ssm_dtype`: 0.5.23 sets them for speculative verify). The attention
 #: kernels are compared apart (`SERVER_INVARIANTS`), and the decode CUDA graphs per batch size
 #: by `decode_graph`.
 ARM_ARGS: dict[str, str] = {
