@@ -224,6 +224,28 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
             ["--model-impl", "transformers"],
             "model implementation (model_impl): None -> 'transformers'",
         ),
+        (
+            ["--max-prefill-tokens", "4096"],
+            "prefill token budget (max_prefill_tokens): None -> 4096",
+        ),
+        (
+            ["--num-continuous-decode-steps", "4"],
+            "continuous decode steps (num_continuous_decode_steps): None -> '4'",
+        ),
+        (["--cpu-offload-gb", "8"], "CPU-offloaded weights (cpu_offload_gb): None -> '8'"),
+        (
+            ["--disable-cuda-graph-padding"],
+            "CUDA graph padding disabled (disable_cuda_graph_padding): False -> True",
+        ),
+        (["--moe-runner-backend", "triton"], "MoE kernels (moe_runner_backend): None -> 'triton'"),
+        (
+            ["--json-model-override-args", '{"rope_theta": 1}'],
+            """model config overrides (json_model_override_args): None -> '{"rope_theta": 1}'""",
+        ),
+        (
+            ["--enable-hicache"],
+            "hierarchical KV cache (enable_hierarchical_cache): False -> True",
+        ),
     ],
 )
 def test_a_server_resolving_other_engine_args_is_refused(
@@ -232,7 +254,9 @@ def test_a_server_resolving_other_engine_args_is_refused(
     """The server command is operational (it may change between runs): one that adds
     --dtype float16 serves the second drafter with another dtype than the first's, one that
     adds --sampling-backend pytorch with other sampling kernels, --enable-torch-compile with
-    compiled kernels: refused."""
+    compiled kernels, --max-prefill-tokens or --num-continuous-decode-steps with another
+    schedule, --cpu-offload-gb with weights streamed from the host, --json-model-override-args
+    with another model config: refused."""
     path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
     other = keep_first_drafter(out / "journal.jsonl")
     command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
@@ -327,11 +351,29 @@ def test_the_random_seed_is_compared_where_the_journal_pinned_it() -> None:
 
 def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
     """max_running_requests, the memory fraction, the graph limit and the speculative_* args
-    may differ between arms (SGLang sets them for a draft: the cube keeps each drafter's);
-    the dtype, the page size, the schedulers and chunked prefill may not (SGLang leaves those
-    alone, or dvfs makes them alike: `ARM_ARGS`)."""
+    may differ between arms (SGLang sets them for a draft: the cube keeps each drafter's), and
+    so may what SGLang sets for some algorithms or their options (multi-layer EAGLE, UNO's
+    LoRA loading, the linear-attention verify kernels, the replay-SSM state dtype); the dtype,
+    the page size, the schedulers, chunked prefill, and every other arg that changes the
+    target's kernels, schedule or numerics may not (SGLang leaves those alone, or dvfs makes
+    them alike: `ARM_ARGS`)."""
     base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
-    none = {**base, "args": {"dtype": "auto", "max_running_requests": None, "page_size": 1}}
+    per_algorithm = {
+        "enable_multi_layer_eagle": (False, True),
+        "enable_lora_overlap_loading": (None, False),
+        "lora_strict_loading": (None, True),
+        "linear_attn_verify_backend": (None, "flashinfer"),
+        "mamba_ssm_dtype": (None, "float32"),
+    }
+    none = {
+        **base,
+        "args": {
+            "dtype": "auto",
+            "max_running_requests": None,
+            "page_size": 1,
+            **{k: a for k, (a, _) in per_algorithm.items()},
+        },
+    }
     spec = {
         **base,
         "args": {
@@ -342,6 +384,7 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
             "page_size": 1,
             "speculative_algorithm": "EAGLE",
             "speculative_eagle_topk": 4,
+            **{k: b for k, (_, b) in per_algorithm.items()},
         },
     }
     assert arm_changes(none, spec) == []
@@ -366,10 +409,21 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         ("model_impl", "model implementation", "sglang", "transformers"),
         ("enable_fp32_lm_head", "FP32 logits", False, True),
         ("enable_tf32_matmul", "TF32 matmuls", False, True),
+        ("max_prefill_tokens", "prefill token budget", 16384, 4096),
+        ("max_total_tokens", "KV pool token cap", None, 100000),
+        ("num_continuous_decode_steps", "continuous decode steps", 1, 4),
+        ("enable_piecewise_cuda_graph", "piecewise CUDA graphs", False, True),
+        ("disable_prefill_cuda_graph", "prefill CUDA graphs disabled", False, True),
+        ("fp8_gemm_runner_backend", "FP8 GEMM kernels", "auto", "cutlass"),
+        ("triton_attention_num_kv_splits", "Triton attention KV splits", 8, 16),
+        ("enable_nan_detection", "NaN detection", False, True),
+        ("enable_lora", "LoRA layers", None, True),
     ]:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}
         assert arm_changes(before, after) == [f"{label} ({key}): {a!r} -> {b!r}"]
+        if key not in none["args"]:  # a record that does not report it: not compared
+            assert arm_changes(none, after) == []
 
 
 # -- an attached server -----------------------------------------------------------------------

@@ -553,10 +553,48 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   the NVIDIA_TF32_OVERRIDE the servers' environment is compared in): other kernels or
 #:   numerics for the target model, set per model architecture (0.5.23 overrides.py), never
 #:   per algorithm.
+#: - the scheduler's budgets and pace: the prefill token and request caps, the KV pool's token
+#:   cap, the decode tokens reserved per request, decode steps per scheduling round, how often
+#:   the scheduler polls for requests and whether it sleeps when idle, the radix cache's
+#:   eviction policy, the prefill delayer, and 0.5.23's retraction policy and prefill/decode
+#:   interleaving: neither release sets them per algorithm (the delayer may come from
+#:   SGLANG_SCHEDULER_DECREASE_PREFILL_IDLE and SGLANG_PREFILL_DELAYER_*; 0.5.23 picks an
+#:   interleaving and an eviction policy for Qwen3-VL on Hopper); another value admits,
+#:   chunks, retracts or steps a round's requests otherwise.
+#: - the hierarchical (host) KV cache, its write policy, IO backend and layout, and MLA's
+#:   chunked prefix cache: other copies and prefill kernels for the target; set from one
+#:   another, the storage backend or 0.5.23's unified memory, never per algorithm.
+#: - weights offloaded to the CPU (`cpu_offload_gb`, the `offload_*` layer groups): the
+#:   target's layers stream from host memory; never set by SGLang.
+#: - CUDA graphs beyond the decode graph each batch replays (`decode_graph`): padding off (a
+#:   batch between captured sizes runs eager), the torch.compile batch limit, 0.5.9's
+#:   piecewise prefill graphs, 0.5.23's prefill graphs and decode graph backend: another
+#:   prefill or decode path; set per model or from compared args (the chunked prefill size,
+#:   the KV pool cap), never per algorithm (0.5.23 sets torch_compile_max_bs on a CPU alone).
+#: - kernel choices and their numerics for the target model: Triton attention's KV splits,
+#:   tile and FP32 reduction; FP8/FP4/BF16 GEMM runners; MoE runner, all-to-all, DeepEP mode,
+#:   expert placement (EPLB), shared-expert fusion, two- and single-batch overlap, dense TP;
+#:   the DP LM head; all-reduce transports (symmetric memory, MSCCL++, NVLS, FlashInfer's
+#:   fused all-reduce); fused QK-norm/RoPE; FlashInfer autotuning; the sparse attention
+#:   backends of DeepSeek's NSA/DSA/V4 and the linear-attention/Mamba backends of hybrid
+#:   models (prefill and decode; not the verify backend, set for speculation); set per model,
+#:   quantization or device, never per algorithm (0.5.9 derives the draft's
+#:   `speculative_moe_runner_backend` from moe_runner_backend, not the other way round).
+#: - what the model computes: `json_model_override_args` (its config), the quantization's
+#:   parameters (`quantization_param_path`, `modelopt_quant`, 0.5.9 `torchao_config`), the RL
+#:   on-policy target, 0.5.9's NaN detection and double sparsity (approximate attention), LoRA
+#:   layers (`enable_lora`; 0.5.23 refuses them for UNO, which sets only the loading flags)
+#:   and the hidden states a decode graph keeps (`enable_return_hidden_states`): another model,
+#:   other numerics or other work per step; never set per algorithm.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
-#: lines 1051-1057: a smaller KV pool, not other kernels), the speculative_* args. The attention
+#: lines 1051-1057: a smaller KV pool, not other kernels), the speculative_* args, multi-layer
+#: EAGLE (`enable_multi_layer_eagle`: 0.5.9 lines 1406 and 1427, 0.5.23 model overrides, for an
+#: EAGLE arm of some models), UNO's LoRA loading (`enable_lora_overlap_loading`,
+#: `lora_strict_loading`: 0.5.23 speculative_hook.py `_handle_uno`), the linear-attention
+#: verify kernels and the replay-SSM state dtype (`linear_attn_verify_backend`,
+#: `mamba_ssm_dtype`: 0.5.23 sets them for speculative verify). The attention
 #: kernels are compared apart (`SERVER_INVARIANTS`), and the decode CUDA graphs per batch size
 #: by `decode_graph`.
 ARM_ARGS: dict[str, str] = {
@@ -593,6 +631,100 @@ ARM_ARGS: dict[str, str] = {
     "model_impl": "model implementation",
     "enable_fp32_lm_head": "FP32 logits",
     "enable_tf32_matmul": "TF32 matmuls",
+    "max_prefill_tokens": "prefill token budget",
+    "prefill_max_requests": "prefill request cap",
+    "max_total_tokens": "KV pool token cap",
+    "num_reserved_decode_tokens": "reserved decode tokens",
+    "num_continuous_decode_steps": "continuous decode steps",
+    "scheduler_recv_interval": "scheduler poll interval",
+    "sleep_on_idle": "sleep on idle",
+    "radix_eviction_policy": "radix cache eviction policy",
+    "enable_prefill_delayer": "prefill delayer",
+    "prefill_delayer_max_delay_passes": "prefill delayer passes",
+    "prefill_delayer_max_delay_ms": "prefill delayer delay",
+    "prefill_delayer_queue_min_ratio": "prefill delayer queue ratio",
+    "prefill_delayer_token_usage_low_watermark": "prefill delayer watermark",
+    "retraction_policy": "retraction policy",
+    "prefill_decode_interval": "prefill/decode interval",
+    "prefill_decode_interval_min_bs": "prefill/decode interval batch",
+    "enable_hierarchical_cache": "hierarchical KV cache",
+    "hicache_write_policy": "hierarchical cache write policy",
+    "hicache_io_backend": "hierarchical cache IO kernels",
+    "hicache_mem_layout": "hierarchical cache layout",
+    "disable_chunked_prefix_cache": "chunked prefix cache disabled",
+    "cpu_offload_gb": "CPU-offloaded weights",
+    "offload_group_size": "offload group size",
+    "offload_num_in_group": "offloaded layers per group",
+    "offload_prefetch_step": "offload prefetch step",
+    "offload_mode": "offload mode",
+    "disable_cuda_graph_padding": "CUDA graph padding disabled",
+    "torch_compile_max_bs": "torch.compile batch limit",
+    "enable_piecewise_cuda_graph": "piecewise CUDA graphs",
+    "piecewise_cuda_graph_max_tokens": "piecewise CUDA graph tokens limit",
+    "piecewise_cuda_graph_tokens": "piecewise CUDA graph tokens",
+    "piecewise_cuda_graph_compiler": "piecewise CUDA graph compiler",
+    "disable_prefill_cuda_graph": "prefill CUDA graphs disabled",
+    "cuda_graph_backend_prefill": "prefill CUDA graph backend",
+    "cuda_graph_max_bs_prefill": "prefill CUDA graph limit",
+    "cuda_graph_bs_prefill": "prefill CUDA graph sizes",
+    "cuda_graph_max_seq_len_prefill": "prefill CUDA graph sequence limit",
+    "cuda_graph_prefill_max_context": "prefill CUDA graph context limit",
+    "disable_decode_cuda_graph": "decode CUDA graphs disabled",
+    "cuda_graph_backend_decode": "decode CUDA graph backend",
+    "triton_attention_num_kv_splits": "Triton attention KV splits",
+    "triton_attention_split_tile_size": "Triton attention tile size",
+    "triton_attention_reduce_in_fp32": "Triton attention FP32 reduction",
+    "fp8_gemm_runner_backend": "FP8 GEMM kernels",
+    "fp4_gemm_runner_backend": "FP4 GEMM kernels",
+    "bf16_gemm_backend": "BF16 GEMM kernels",
+    "moe_runner_backend": "MoE kernels",
+    "moe_a2a_backend": "MoE all-to-all",
+    "flashinfer_mxfp4_moe_precision": "MXFP4 MoE precision",
+    "deepep_mode": "DeepEP mode",
+    "enable_eplb": "expert load balancing",
+    "ep_num_redundant_experts": "redundant experts",
+    "ep_dispatch_algorithm": "expert dispatch",
+    "init_expert_location": "expert placement",
+    "disable_shared_experts_fusion": "shared experts fusion disabled",
+    "enforce_shared_experts_fusion": "shared experts fusion enforced",
+    "enable_two_batch_overlap": "two-batch overlap",
+    "enable_single_batch_overlap": "single-batch overlap",
+    "tbo_token_distribution_threshold": "two-batch overlap threshold",
+    "moe_dense_tp_size": "MoE dense TP",
+    "enable_dp_lm_head": "DP LM head",
+    "enable_symm_mem": "symmetric memory",
+    "enable_torch_symm_mem": "torch symmetric memory",
+    "enable_mscclpp": "MSCCL++ all-reduce",
+    "enable_nccl_nvls": "NCCL NVLS",
+    "enable_flashinfer_allreduce_fusion": "fused all-reduce",
+    "enable_fused_qk_norm_rope": "fused QK norm and RoPE",
+    "disable_flashinfer_autotune": "FlashInfer autotune disabled",
+    "nsa_prefill_backend": "NSA prefill kernels",
+    "nsa_decode_backend": "NSA decode kernels",
+    "dsa_prefill_backend": "DSA prefill kernels",
+    "dsa_decode_backend": "DSA decode kernels",
+    "dsa_topk_backend": "DSA top-k kernels",
+    "dsa_paged_mqa_logits_backend": "DSA MQA logits kernels",
+    "dsv4_attn_backend": "DeepSeek-V4 attention kernels",
+    "dsv4_prefill_backend": "DeepSeek-V4 prefill kernels",
+    "linear_attn_backend": "linear attention kernels",
+    "linear_attn_prefill_backend": "linear attention prefill kernels",
+    "linear_attn_decode_backend": "linear attention decode kernels",
+    "mamba_backend": "Mamba kernels",
+    "json_model_override_args": "model config overrides",
+    "quantization_param_path": "quantization params",
+    "modelopt_quant": "ModelOpt quantization",
+    "torchao_config": "torchao quantization",
+    "rl_on_policy_target": "RL on-policy target",
+    "enable_nan_detection": "NaN detection",
+    "enable_double_sparsity": "double sparsity",
+    "ds_channel_config_path": "double sparsity channels",
+    "ds_heavy_channel_num": "double sparsity heavy channels",
+    "ds_heavy_channel_type": "double sparsity channel type",
+    "ds_heavy_token_num": "double sparsity heavy tokens",
+    "ds_sparse_decode_threshold": "double sparsity threshold",
+    "enable_lora": "LoRA layers",
+    "enable_return_hidden_states": "hidden states kept",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
