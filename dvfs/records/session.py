@@ -524,7 +524,10 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   overrides.py `_page_size_default`, memory_hook.py `handle_gpu_memory_settings`).
 #:   0.5.23 on Blackwell leaves fa4's page size at 1 for EAGLE trees (overrides.py
 #:   `_fa4_page_constraint`) and a trtllm_mha draft backend moves it to 64
-#:   (`_mla_backend_page_constraints`): compared, those arms are refused.
+#:   (`_mla_backend_page_constraints`): compared, those arms are refused. 0.5.9 also
+#:   disables the radix cache for a speculative arm of a hybrid Mamba model under the
+#:   `no_buffer` strategy (server_args.py lines 1760-1763): compared, such arms are refused
+#:   rather than measured with and without the cache.
 #: - the overlap scheduler: 0.5.9 turns it off for every speculative algorithm (server_args.py
 #:   lines 2372-2384 and 2473: EAGLE/EAGLE3/STANDALONE unless SGLANG_ENABLE_SPEC_V2, NGRAM
 #:   always), so dvfs turns it off for every arm there (`dvfs.engines.sglang_args`); 0.5.23
