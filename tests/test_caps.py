@@ -2247,21 +2247,45 @@ def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_
 ) -> None:
     """A folder where the caps record's lock or a governor record belongs was told "it is a
     folder, not a file; give a file's path for --state-dir", though --state-dir takes a
-    folder: it is named as unreadable, to remove, as the records are."""
+    folder: it is named as unreadable, to remove, as the records are. And it exits 1, as a
+    damaged record does (README's exit codes): `cap apply`, `cap reset` and `govern` exited 2
+    on it, bad usage, which the governor's unit is left failed on at once
+    (RestartPreventExitStatus=2, "a bad plan"), while `cap show`, `monitor` and `gpu reset`
+    exited 1 on the same folder in the same words."""
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     state = Path(os.environ["DVFS_STATE_DIR"])
     folder = state / name.format(uuid=uuid)
     folder.mkdir(parents=True)
     caps = tmp_path / "caps.toml"
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
-    for command in (["cap", "apply", str(caps)], ["cap", "reset"], ["gpu", "reset"]):
+    (tmp_path / "plan.toml").write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    governs = [a.format(tmp=tmp_path) for a in GOVERN] + ["--interval", "0.01"]
+    failed = []
+    for command in (
+        ["cap", "apply", str(caps)],
+        ["cap", "reset"],
+        ["gpu", "reset"],
+        [*governs, "--max-intervals", "1"],
+    ):
         result = CliRunner().invoke(cli, command)
         said = " ".join(result.output.split())
         assert "give a file's path" not in said, (command, said)
         if result.exit_code:
+            failed.append(command[:2])
+            assert result.exit_code == 1, (command, said)
             assert isinstance(result.exception, SystemExit), (command, said)
             assert f"{folder} is unreadable (" in said, (command, said)
             assert "remove it" in said, (command, said)
         if command[1] == "apply" and name.startswith("caps-applied"):
             # and it changed no GPU it could not record (it had locked GPU 0's clocks first)
             assert nvml.fake_device_state(0)["locked_clocks"] is None
+    # (the caps record's lock is opened by what writes the record; a governor record is
+    # cleared by `cap reset` and the governor, read by `gpu reset`)
+    assert failed == (
+        [["cap", "apply"], ["cap", "reset"]]
+        if name.startswith("caps-applied")
+        else [["cap", "reset"], ["gpu", "reset"], ["govern", "--plan"]]
+    ), failed
