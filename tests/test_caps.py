@@ -1266,8 +1266,8 @@ def test_a_damaged_record_is_a_failure_not_a_bad_option(
     """A damaged caps or governor record made `dvfs monitor`, `cap show` and `govern` exit 2,
     which the README gives bad usage and the monitor and governor units a bad option, not
     restarted (RestartPreventExitStatus=2), where a failure is restarted: a record is no
-    option, and a `cap apply` or governor rewriting it mends it. It fails as an error does,
-    exit 1, in one line naming the file."""
+    option, and removing it mends it. It fails as an error does, exit 1, in one line naming
+    the file."""
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     path = Path(os.environ["DVFS_STATE_DIR"]) / record.format(uuid=uuid)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1281,6 +1281,32 @@ def test_a_damaged_record_is_a_failure_not_a_bad_option(
     assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
     [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
     assert str(path) in line and "unreadable" in line, line
+
+
+def test_the_units_say_a_damaged_caps_record_is_removed_not_rewritten_by_cap_apply(
+    nvml, tmp_path: Path
+) -> None:
+    """The governor's and the monitor's units said their restarts on a damaged caps record
+    would last "until a `dvfs cap apply` rewrites it": `cap apply` refuses the record as it
+    is (exit 1, nothing changed, the record left), as its error says: remove it, then apply
+    again. The units say that."""
+    uuid = apply_caps(tmp_path, 1500, 600.0)
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    record.write_text('{"GPU-')
+    told = " ".join(invoke("cap", "apply", str(tmp_path / "caps.toml"), code=1).split())
+    assert f"{record} is unreadable" in told and "remove it and re-apply" in told, told
+    assert record.read_text() == '{"GPU-'  # not rewritten
+    record.unlink()  # what mends it
+    invoke("cap", "apply", str(tmp_path / "caps.toml"))
+    assert json.loads(record.read_text())[uuid]["lock_mhz"] == [210, 1500]
+    units = Path(__file__).resolve().parents[1] / "systemd"
+    for unit in ("dvfs-govern.service", "dvfs-monitor.service"):
+        comments = " ".join(
+            " ".join(line.lstrip("# ") for line in (units / unit).read_text().splitlines()).split()
+        )
+        assert "cap apply` rewrites it" not in comments, unit
+        assert "cap apply` or the governor rewrites it" not in comments, unit
+        assert "damaged: named in the journal, to remove" in comments, unit
 
 
 def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:
