@@ -22,7 +22,13 @@ from dvfs.backends import (
     twin_start_refusal,
 )
 from dvfs.campaign import Campaign
-from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError, JournalError
+from dvfs.errors import (
+    CampaignError,
+    CapsRecordError,
+    CorpusShortfallError,
+    DvfsError,
+    JournalError,
+)
 from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
 from dvfs.redact import redact_argv
 
@@ -333,7 +339,11 @@ def _gpu_checks(
                     if busy
                     else Check(f"lock GPU {g.identity.index}", OK, "no other dvfs holds it")
                 )
-            locks = AppliedCaps(directory).locks()
+            try:
+                locks = AppliedCaps(directory).locks()
+            except CapsRecordError as exc:  # dvfs's own record, named: not the driver's
+                checks.append(Check("caps", FAIL, str(exc)))
+                locks = {}
             for g in gpus:
                 checks.append(
                     _held_knobs(

@@ -163,7 +163,8 @@ class CapsError(DvfsError):
 
 class CapsRecordError(CapsError):
     """dvfs's own caps or governor record (in its state directory) is unreadable or damaged: a
-    failure, exit 1, not bad usage (2), which the units do not restart on; a `cap apply` or a
-    governor rewriting the record mends it."""
+    failure, exit 1, not bad usage (2), which the units do not restart on. Removing it mends it
+    (then `cap apply` again for the caps record, which it refuses as it is); a governor
+    starting on a GPU replaces that GPU's record."""
 
     exit_code = 1

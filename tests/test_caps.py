@@ -1266,8 +1266,8 @@ def test_a_damaged_record_is_a_failure_not_a_bad_option(
     """A damaged caps or governor record made `dvfs monitor`, `cap show` and `govern` exit 2,
     which the README gives bad usage and the monitor and governor units a bad option, not
     restarted (RestartPreventExitStatus=2), where a failure is restarted: a record is no
-    option, and a `cap apply` or governor rewriting it mends it. It fails as an error does,
-    exit 1, in one line naming the file."""
+    option, and removing it mends it. It fails as an error does, exit 1, in one line naming
+    the file."""
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     path = Path(os.environ["DVFS_STATE_DIR"]) / record.format(uuid=uuid)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1281,6 +1281,32 @@ def test_a_damaged_record_is_a_failure_not_a_bad_option(
     assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
     [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
     assert str(path) in line and "unreadable" in line, line
+
+
+def test_the_units_say_a_damaged_caps_record_is_removed_not_rewritten_by_cap_apply(
+    nvml, tmp_path: Path
+) -> None:
+    """The governor's and the monitor's units said their restarts on a damaged caps record
+    would last "until a `dvfs cap apply` rewrites it": `cap apply` refuses the record as it
+    is (exit 1, nothing changed, the record left), as its error says: remove it, then apply
+    again. The units say that."""
+    uuid = apply_caps(tmp_path, 1500, 600.0)
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    record.write_text('{"GPU-')
+    told = " ".join(invoke("cap", "apply", str(tmp_path / "caps.toml"), code=1).split())
+    assert f"{record} is unreadable" in told and "remove it and re-apply" in told, told
+    assert record.read_text() == '{"GPU-'  # not rewritten
+    record.unlink()  # what mends it
+    invoke("cap", "apply", str(tmp_path / "caps.toml"))
+    assert json.loads(record.read_text())[uuid]["lock_mhz"] == [210, 1500]
+    units = Path(__file__).resolve().parents[1] / "systemd"
+    for unit in ("dvfs-govern.service", "dvfs-monitor.service"):
+        comments = " ".join(
+            " ".join(line.lstrip("# ") for line in (units / unit).read_text().splitlines()).split()
+        )
+        assert "cap apply` rewrites it" not in comments, unit
+        assert "cap apply` or the governor rewrites it" not in comments, unit
+        assert "damaged: named in the journal, to remove" in comments, unit
 
 
 def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:
@@ -2286,21 +2312,45 @@ def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_
 ) -> None:
     """A folder where the caps record's lock or a governor record belongs was told "it is a
     folder, not a file; give a file's path for --state-dir", though --state-dir takes a
-    folder: it is named as unreadable, to remove, as the records are."""
+    folder: it is named as unreadable, to remove, as the records are. And it exits 1, as a
+    damaged record does (README's exit codes): `cap apply`, `cap reset` and `govern` exited 2
+    on it, bad usage, which the governor's unit is left failed on at once
+    (RestartPreventExitStatus=2, "a bad plan"), while `cap show`, `monitor` and `gpu reset`
+    exited 1 on the same folder in the same words."""
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     state = Path(os.environ["DVFS_STATE_DIR"])
     folder = state / name.format(uuid=uuid)
     folder.mkdir(parents=True)
     caps = tmp_path / "caps.toml"
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
-    for command in (["cap", "apply", str(caps)], ["cap", "reset"], ["gpu", "reset"]):
+    (tmp_path / "plan.toml").write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    governs = [a.format(tmp=tmp_path) for a in GOVERN] + ["--interval", "0.01"]
+    failed = []
+    for command in (
+        ["cap", "apply", str(caps)],
+        ["cap", "reset"],
+        ["gpu", "reset"],
+        [*governs, "--max-intervals", "1"],
+    ):
         result = CliRunner().invoke(cli, command)
         said = " ".join(result.output.split())
         assert "give a file's path" not in said, (command, said)
         if result.exit_code:
+            failed.append(command[:2])
+            assert result.exit_code == 1, (command, said)
             assert isinstance(result.exception, SystemExit), (command, said)
             assert f"{folder} is unreadable (" in said, (command, said)
             assert "remove it" in said, (command, said)
         if command[1] == "apply" and name.startswith("caps-applied"):
             # and it changed no GPU it could not record (it had locked GPU 0's clocks first)
             assert nvml.fake_device_state(0)["locked_clocks"] is None
+    # (the caps record's lock is opened by what writes the record; a governor record is
+    # cleared by `cap reset` and the governor, read by `gpu reset`)
+    assert failed == (
+        [["cap", "apply"], ["cap", "reset"]]
+        if name.startswith("caps-applied")
+        else [["cap", "reset"], ["gpu", "reset"], ["govern", "--plan"]]
+    ), failed

@@ -161,6 +161,32 @@ def test_compare_cli_with_the_arms_swapped_gives_the_opposite_verdict(tmp_path: 
     assert said_back == OPPOSITE.get(said, said), (said, said_back)
 
 
+def test_a_drafter_measured_at_zero_energy_saves_or_is_within_noise(tmp_path: Path) -> None:
+    """A valid cell may hold an energy per token of 0 (the cube admits any non-negative one):
+    its log ratio is minus infinity. Zero in every paired repeat (batch 1) is a ratio of 0
+    with no spread: it saves, never "costs"; zero in one repeat beside finite ratios (batch
+    8) leaves the interval unbounded: within noise. No warning of the arithmetic leaks."""
+    import warnings
+
+    ds = repeats_cube(lambda b, r: 0.0 if b == 1 or (b == 8 and r == 0) else 0.45 * BASE[r])
+    path = _twin_cube(ds, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        doc = json.loads(run("compare", str(path), "--json").stdout)
+    rows = {r["batch"]: r for r in doc["rows"]}
+    assert rows[1]["energy_ratio_at_stock"] == 0.0
+    assert rows[1]["energy_ratio_at_stock_interval"] == [0.0, 0.0]
+    assert rows[1]["verdict_at_stock"] == SAVES
+    assert rows[8]["energy_ratio_at_stock"] == 0.0
+    assert rows[8]["verdict_at_stock"] == WITHIN_NOISE
+    assert rows[64]["verdict_at_stock"] == SAVES
+    table = run("compare", str(path)).output
+    assert "saves at batches 1, 64; within noise at batch 8" in table
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run("compare", str(path), "--json")
+
+
 def test_verdict_rules() -> None:
     assert verdict(0.9, 0.8, 0.95, 3, point=False) == SAVES
     assert verdict(1.1, 1.05, 1.2, 3, point=False) == LOSES

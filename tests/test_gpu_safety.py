@@ -931,6 +931,31 @@ def test_doctor_does_not_call_a_gpu_whose_lock_is_no_file_a_running_dvfss(
     store.clear(uuid)
 
 
+def test_doctor_names_a_damaged_caps_record_as_such_not_as_the_driver(
+    nvml, tmp_path: Path, env
+) -> None:
+    """dvfs's caps record damaged made doctor say "FAIL driver: .../caps-applied.json is
+    unreadable" (the driver fine, checked ok just above) and skip the GPUs' held-knobs,
+    other-process and permission checks. It fails the caps check, naming the record, exit 1
+    (a failed check, as every command reading the record exits), and checks the rest."""
+    state_dir = tmp_path / "dvfs-state"
+    state_dir.mkdir()
+    record = state_dir / "caps-applied.json"
+    record.write_text('{"GPU-')
+    campaign = campaign_file(tmp_path)
+    result = dvfs_in_process("doctor", str(campaign), "--out", str(tmp_path / "out"), env=env)
+    assert result.returncode == 1, result.stdout
+    doc = dvfs_in_process(
+        "doctor", str(campaign), "--out", str(tmp_path / "out"), "--json", env=env
+    ).stdout
+    checked = {c["name"]: c for c in json.loads(doc)}
+    assert checked["driver"]["status"] == "ok", checked["driver"]
+    assert checked["caps"]["status"] == "fail", checked.get("caps")
+    assert f"{record} is unreadable" in checked["caps"]["detail"]
+    for name in ("held knobs GPU 0", "other processes GPU 0", "permissions"):
+        assert name in checked, sorted(checked)
+
+
 def _locked_with_a_state_file(nvml: Any, tmp_path: Path, index: int) -> tuple[Any, str]:
     """GPU `index` of the fake locked at 210-1200 MHz as a run that died left it, its state
     file recorded (for `dvfs gpu reset`): the state store and the GPU's UUID."""

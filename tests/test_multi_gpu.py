@@ -613,6 +613,55 @@ def test_real_gpus_each_worker_restores_its_own(fake_nvml, tmp_path: Path) -> No
     assert open_cube(outcome.cube_path)["cell_status"].values.all()
 
 
+def test_a_fleet_worker_says_what_takes_a_while_before_it_not_after(
+    fake_nvml, tmp_path: Path
+) -> None:
+    """On real GPUs each worker's lines for its counters' probe ("timing the GPUs' energy
+    counter updates") and its thermal stabilisation say what is about to take a while; in a
+    fleet they went back with the worker's next finished cell, so they came after the probe,
+    the idle baseline, the server start, the stabilisation and the cell itself. Each comes
+    as it is made: when it is said, none of that worker's cells is journalled yet."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.fleet.driver import run_fleet
+    from dvfs.fleet.local import LocalExecutor
+
+    nvml = fake_nvml()
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    campaign = load_campaign(
+        write(tmp_path / "nvml.toml", text.replace("thermal_max_s = 0\n", "thermal_max_s = 0.05\n"))
+    )
+    out = tmp_path / "out"
+    said: list[tuple[str, int]] = []  # each worker's note, and its cells journalled by then
+
+    class Said:
+        def start(self, total: int, done: int) -> None:
+            pass
+
+        def more(self, cells: int) -> None:
+            pass
+
+        def advance(self, cell, status: str) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def note(self, message: str) -> None:
+            journal = out / "journal.jsonl"
+            records = read_records(journal) if journal.exists() else []
+            worker = message.split(":", 1)[0]
+            cells = sum(r["type"] == "cell" and r.get("worker") == worker for r in records)
+            said.append((message, cells))
+
+    executor = LocalExecutor(out, state_dir=tmp_path / "dvfs-state", nvml=nvml)
+    outcome = run_fleet(campaign, out, [(0,), (1,)], executor, progress=Said())
+    assert outcome.summary.measured == 4
+    probes = [(m, n) for m, n in said if "timing the GPUs' energy counter updates" in m]
+    assert sorted(m.split(":")[0] for m, _ in probes) == ["gpu0", "gpu1"], said
+    stabilising = [(m, n) for m, n in said if "stabilising the GPU temperature" in m]
+    assert stabilising, said
+    for message, cells in probes + stabilising:
+        assert cells == 0, (message, said)
+
+
 def test_real_gpus_of_two_models_give_a_gpu_dimension(fake_nvml, tmp_path: Path) -> None:
     from nvml_support import NVML_CAMPAIGN
 

@@ -185,9 +185,18 @@ def paired_ratio(
     # per-repeat ratios and its interval, the reciprocals of the swapped arms'.
     side = (1 + confidence) / 2
     two = count >= 2
-    high, _ = upper_bounds(x, side, two)
-    low = -upper_bounds(-x, side, two)[0]
+    # A zero energy in one arm (a log ratio of minus or plus infinity, never both here) has
+    # no spread to take a t interval of: where every paired repeat has it, the interval is
+    # that one point (a ratio of 0 saves, as its geometric mean says); beside finite ones,
+    # it is unbounded (0 to infinity: within noise).
+    infinite = np.isinf(x)
+    some = infinite.any(axis=-1) & two
+    every = some & (infinite | np.isnan(x)).all(axis=-1)
+    high, _ = upper_bounds(x, side, two & ~some)
+    low = -upper_bounds(-x, side, two & ~some)[0]
     mean = finite_means(x)
+    high = np.where(every, mean, np.where(some, np.inf, high))
+    low = np.where(every, mean, np.where(some, -np.inf, low))
     with np.errstate(over="ignore"):
         ratio, low, high = np.exp(mean), np.exp(low), np.exp(high)
     # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.

@@ -201,7 +201,7 @@ class AppliedCaps:
         try:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
         except IsADirectoryError:  # no bad --state-dir: a folder in the lock's place
-            raise CapsError(_a_folder(path)) from None
+            raise CapsRecordError(_a_folder(path)) from None
 
 
 def _a_folder(path: Path) -> str:
@@ -278,7 +278,7 @@ class GovernorLocks:
         except FileNotFoundError:
             pass
         except IsADirectoryError:  # no bad --state-dir: a folder in the record's place
-            raise CapsError(_a_folder(self.path(uuid))) from None
+            raise CapsRecordError(_a_folder(self.path(uuid))) from None
 
     def read(self) -> dict[str, dict[str, Any]]:
         """Each governed GPU's record by UUID (a file that vanishes meanwhile: not governed),

@@ -350,9 +350,9 @@ def monitor(
         try:
             return locks_in_force(directory)
         except CapsError as exc:
-            # dvfs's own record damaged: a failure, exit 1, which the unit restarts on (a
-            # `cap apply` or governor rewriting it mends it), not a bad option (exit 2, on
-            # which it is left failed, as the README says)
+            # dvfs's own record damaged: a failure, exit 1, which the unit restarts on (until
+            # it is removed, or a governor starting on its GPU replaces it), not a bad option
+            # (exit 2, on which it is left failed, as the README says)
             raise DvfsError(str(exc)) from exc
 
     # Every GPU or those named: one fallen off the bus must not stop the others' metrics; one

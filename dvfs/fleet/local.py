@@ -127,6 +127,9 @@ class LocalExecutor:
             unit = None  # the cells in hand: one, or an in-flight group
             pacer: VirtualPacer | None = None
             gpu_time = 0.0
+            # Each note as it is made (not with the cell after it): said before what it
+            # announces takes its time.
+            worker.notes_live(lambda message: events.put(("note", worker.label, message)))
             try:
                 events.put(("session", worker.label, worker.open()))
                 go.wait()
@@ -215,6 +218,8 @@ class LocalExecutor:
                     if paced is not None:
                         paced["pacer"] = VirtualPacer(labels, fleet.lanes())
                     go.set()
+            elif kind == "note":
+                fleet.note(f"{label}: {event[2]}")
             elif kind == "start":
                 fleet.started(label, event[2])
             elif kind == "shipment":
@@ -243,3 +248,5 @@ class LocalExecutor:
                 continue
             if event[0] == "shipment":
                 fleet.shipped(event[1], event[2])
+            elif event[0] == "note":
+                fleet.note(f"{event[1]}: {event[2]}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -47,10 +47,14 @@ class ShippingJournal(Journal):
 
 
 class _Notes:
-    """The runner's progress inside a worker: notes go back with the cell; the driver draws."""
+    """The runner's progress inside a worker: notes go back with the cell; the driver draws.
+    With `live` (a worker in the driver's process), each note goes to it as it is made: a
+    line that says what is about to take a while (the counters' probe, a long idle baseline,
+    the thermal stabilisation) must come before it, not with the cell measured after it."""
 
     def __init__(self) -> None:
         self.messages: list[str] = []
+        self.live: Callable[[str], None] | None = None
 
     def start(self, total: int, done: int) -> None:
         pass
@@ -59,7 +63,10 @@ class _Notes:
         pass
 
     def note(self, message: str) -> None:
-        self.messages.append(message)
+        if self.live is not None:
+            self.live(message)
+        else:
+            self.messages.append(message)
 
 
 @dataclass
@@ -181,6 +188,10 @@ class Worker:
         self._block = self._stack.enter_context(
             PortBlock(sglang.host, self.slot, note=self._notes.note)
         )
+
+    def notes_live(self, sink: Callable[[str], None]) -> None:
+        """Send each note to `sink` as it is made instead of with the next shipment."""
+        self._notes.live = sink
 
     def gpu_time_s(self) -> float:
         """Seconds of the group's time (virtual on the twin) since `open`."""
