@@ -8,16 +8,28 @@ with the expected acceptance in place of random draws, and they are timed and po
 `dvfs.twin.physics.operating_point` at the cell's SM clock and power limit. No noise, no NVML
 traps, no settling: what a measurement would read with perfect instruments.
 
+A cell's figures are over the windows of all its rounds (`rounds`: energies, times and tokens
+summed), and each round sends other prompts (sampled by the round's index), so each window
+reads another context: a cell is predicted over its rounds' prompts as one representative
+window whose context sum and KV bytes at each iteration are the rounds' mean (the passes'
+FLOPs and bytes are linear in them, but for a windowed model's drafts, and the rounds' windows
+are alike in every other way here): within 0.03% of timing every round's window on the demo's
+cells, at the cost of one.
+The first round's prompts alone missed the cell's context by an error shared by every cell
+of its group, which the fit took up: `verify_attention_efficiency` came back 0.565 +- 0.0075
+for 0.5 on the demo campaign's cube without traps (0.5085 +- 0.005 over every round).
+
 The passes do not depend on the GPU's figures, so they are counted once per cube
-(`CubeCells`) and only timed for each profile the fit tries (`predict`): one operating point
-per knob setting over every cell measured there.
+(`CubeCells`) and only timed for each profile the fit tries (`predict`): at each clock only
+the passes of the cells measured there, then one operating point per knob setting.
 
 Tokens per verify pass come from the cube where it recorded them (`accept_length`, the pool
 over every request, less its prefill token: x (T - 1) / T for requests of T tokens, exact when
-they ran to length; the mean over the cell's knob settings: acceptance is a property of the
-text and the drafter, not of the GPU), else from the twin's expected acceptance on the
-corpus's text. Not `server_accept_length`: SGLang leaves each round's last partial block of
-decode iterations out of it, and has none for rounds shorter than a block.
+they ran to length; the mean over the knob settings whose cells took as many rounds, which
+sent the same prompts: acceptance is a property of the text and the drafter, not of the GPU),
+else from the twin's expected acceptance on the corpus's text. Not `server_accept_length`:
+SGLang leaves each round's last partial block of decode iterations out of it, and has none
+for rounds shorter than a block.
 """
 
 from __future__ import annotations
@@ -74,23 +86,35 @@ class PredictUnavailableError(PredictError):
 @dataclass(frozen=True)
 class Setting:
     """A knob setting of the cells, with what no GPU figure changes: the cells measured there,
-    the passes of their groups (indices into `CubeCells.passes`, ascending) and their groups."""
+    the passes of their groups (indices into its `Clock`'s passes, ascending) and their
+    groups."""
 
     clock_mhz: int
     limit_w: float
     cells: np.ndarray
-    take: np.ndarray | None  # None: every pass
+    take: np.ndarray | None  # None: every pass of its clock
     passes: Passes
     pass_group: np.ndarray
+
+
+@dataclass(frozen=True)
+class Clock:
+    """An SM clock of the cells: the passes of the groups measured there (at any power limit),
+    timed once per profile, and its knob settings."""
+
+    clock_mhz: int
+    passes: Passes
+    settings: tuple[Setting, ...]
 
 
 @dataclass(frozen=True)
 class CubeCells:
     """The cells of a cube the twin predicts, with their passes counted once.
 
-    Cells are flat arrays (one entry per cell). A group is a (batch, drafter, corpus, repeat)
-    whose passes every knob setting shares; `passes` holds every group's window passes end to
-    end, `pass_group` the group of each pass."""
+    Cells are flat arrays (one entry per cell). A group is a (batch, drafter, corpus, repeat,
+    rounds) whose passes every knob setting shares (the rounds' representative window:
+    `window_passes`); `passes` holds every group's window passes end to end, `pass_group` the
+    group of each pass."""
 
     labels: tuple[str, ...]
     sm_clock_mhz: np.ndarray
@@ -115,28 +139,38 @@ class CubeCells:
         return len(self.labels)
 
     @functools.cached_property
-    def settings(self) -> tuple[Setting, ...]:
-        """The knob settings of the cells, worked out once (a fit predicts the same cells
-        hundreds of times)."""
+    def clocks(self) -> tuple[Clock, ...]:
+        """The clocks and knob settings of the cells, worked out once (a fit predicts the same
+        cells hundreds of times): a clock's passes are those of the groups measured there, so
+        a group is timed only at the clocks it has cells at."""
         n_groups = len(self.group_tokens)
         found = []
-        pairs = np.unique(np.stack([self.sm_clock_mhz, self.power_limit_w], axis=1), axis=0)
-        for clock, limit in pairs:
-            at = np.flatnonzero((self.sm_clock_mhz == clock) & (self.power_limit_w == limit))
+        for clock in np.unique(self.sm_clock_mhz):
+            at_clock = self.sm_clock_mhz == clock
             wanted = np.zeros(n_groups, dtype=bool)
-            wanted[self.group[at]] = True
+            wanted[self.group[at_clock]] = True
             take = np.flatnonzero(wanted[self.pass_group])
             every = len(take) == len(self.passes)
-            found.append(
-                Setting(
-                    int(clock),
-                    float(limit),
-                    at,
-                    None if every else take,
-                    self.passes if every else self.passes.take(take),
-                    self.pass_group if every else self.pass_group[take],
+            passes = self.passes if every else self.passes.take(take)
+            pass_group = self.pass_group if every else self.pass_group[take]
+            settings = []
+            for limit in np.unique(self.power_limit_w[at_clock]):
+                at = np.flatnonzero(at_clock & (self.power_limit_w == limit))
+                wanted = np.zeros(n_groups, dtype=bool)
+                wanted[self.group[at]] = True
+                own = np.flatnonzero(wanted[pass_group])
+                all_of_clock = len(own) == len(passes)
+                settings.append(
+                    Setting(
+                        int(clock),
+                        float(limit),
+                        at,
+                        None if all_of_clock else own,
+                        passes if all_of_clock else passes.take(own),
+                        pass_group if all_of_clock else pass_group[own],
+                    )
                 )
-            )
+            found.append(Clock(int(clock), passes, tuple(settings)))
         return tuple(found)
 
     def subset(self, keep: np.ndarray) -> CubeCells:
@@ -170,16 +204,21 @@ def window_passes(
 ) -> tuple[Passes, float]:
     """The decode passes of a fixed batch's steady window with `tokens_per_verify` tokens per
     request per iteration (no draws: every request advances alike), and the output tokens in
-    the window. Built as the twin engine's `_plan_fixed` builds its full-batch decode."""
-    batch = len(lengths)
+    the window. Built as the twin engine's `_plan_fixed` builds its full-batch decode.
+
+    `lengths`: the batch's prompt lengths, or one row of them per round (rounds x batch): the
+    rounds' representative window, whose context sum and KV bytes read at each iteration are
+    the rounds' mean (every round's window has the same iterations here)."""
+    rounds = np.atleast_2d(np.asarray(lengths))
+    batch = rounds.shape[1]
     remaining = output_tokens - 1  # the first token comes from the prefill
     length = max(1.0, float(tokens_per_verify))
     n_iter = max(1, math.floor(remaining / length))
     before = length * np.arange(n_iter, dtype=float)  # tokens each request had before
-    context = lengths[:, None].astype(float) + 1.0 + before[None, :]
+    context = rounds[:, :, None].astype(float) + 1.0 + before[None, None, :]
     active = np.full(n_iter, float(batch))
-    ctx_sum = context.sum(axis=0)
-    ctx_kv = np.asarray(model.kv_bytes_read(context), dtype=float).sum(axis=0)
+    ctx_sum = context.sum(axis=1).mean(axis=0)
+    ctx_kv = np.asarray(model.kv_bytes_read(context), dtype=float).sum(axis=1).mean(axis=0)
     emitted = np.full(n_iter, batch * length)
     builder = PassBuilder(tp_size)
     decode_passes(builder, model, plan, active, ctx_sum, ctx_kv, ctx_sum / batch, emitted)
@@ -267,7 +306,37 @@ def cube_cells(
     coords = {d: ds[d].values for d in dims}
     labels = [str(v) for v in ds["drafter"].values]
     corpora_names = [str(v) for v in ds["corpus"].values]
-    groups: dict[tuple[int, int, int, int], int] = {}
+
+    def flat(values: xr.DataArray) -> np.ndarray:
+        grid = values.transpose(*dims).values.astype(float)
+        return grid[tuple(index.T)]
+
+    # Each cell's rounds (its figures are over all their windows), each round its own prompts
+    rounds_grid = ds.get("rounds")
+    if rounds_grid is not None:
+        seen_rounds = flat(rounds_grid)
+        cell_rounds = np.where(np.isfinite(seen_rounds) & (seen_rounds >= 1), seen_rounds, 1)
+    else:
+        notes.append("the cube records no rounds per cell: each is predicted on its first round")
+        cell_rounds = np.ones(len(index))
+    round_lengths: dict[tuple[int, int, int, int], np.ndarray] = {}
+
+    def prompt_lengths(batch: int, corpus: str, repeat: int, label: int) -> np.ndarray:
+        """The input tokens of the prompts a round sent (as `Runner._prompts_for` samples
+        them: by batch, repeat and the round's index)."""
+        key = (batch, corpora_names.index(corpus), repeat, label)
+        if key not in round_lengths:
+            prompts = sample_prompts(
+                corpora[corpus],
+                batch,
+                input_tokens=w.input_tokens,
+                seed=campaign.measurement.seed,
+                key=(batch, repeat, label),
+            )
+            round_lengths[key] = np.array([p.input_tokens for p in prompts], dtype=np.int64)
+        return round_lengths[key]
+
+    groups: dict[tuple[int, int, int, int, int], int] = {}
     parts: list[Passes] = []
     pass_group: list[np.ndarray] = []
     tokens: list[float] = []
@@ -275,7 +344,8 @@ def cube_cells(
     plans: dict[str, DraftPlan | None] = {}
     cell_group = np.empty(len(index), dtype=np.int64)
     for i, (_, _, b, d, c, r) in enumerate(index):
-        key = (int(b), int(d), int(c), int(r))
+        n_rounds = int(cell_rounds[i])
+        key = (int(b), int(d), int(c), int(r), n_rounds)
         if key not in groups:
             drafter_name, corpus = labels[d], corpora_names[c]
             if drafter_name not in drafters:
@@ -286,11 +356,7 @@ def cube_cells(
             batch = int(coords["batch"][b])
             length = 1.0
             if plan is not None:
-                seen = (
-                    float(accept.isel(batch=b, drafter=d, corpus=c, repeat=r).mean(skipna=True))
-                    if accept is not None
-                    else math.nan
-                )
+                seen = _accept_length(accept, rounds_grid, (b, d, c, r), n_rounds)
                 text = texts.get(corpus)
                 if math.isfinite(seen):
                     length = seen * (w.output_tokens - 1) / w.output_tokens
@@ -298,14 +364,8 @@ def cube_cells(
                     length = plan.expected_accept_length(text, w.temperature)
                 else:
                     length = plan.expected_accept_length(corpus, w.temperature)
-            prompts = sample_prompts(
-                corpora[corpus],
-                batch,
-                input_tokens=w.input_tokens,
-                seed=campaign.measurement.seed,
-                key=(batch, int(coords["repeat"][r]), 0),
-            )
-            lengths = np.array([p.input_tokens for p in prompts], dtype=np.int64)
+            repeat = int(coords["repeat"][r])
+            lengths = np.stack([prompt_lengths(batch, corpus, repeat, k) for k in range(n_rounds)])
             passes, n_tokens = window_passes(
                 model,
                 plan,
@@ -324,11 +384,6 @@ def cube_cells(
         " ".join(f"{d}={_label(ds, d, int(j))}" for d, j in zip(dims, row, strict=True))
         for row in index
     ]
-
-    def flat(values: xr.DataArray) -> np.ndarray:
-        grid = values.transpose(*dims).values.astype(float)
-        return grid[tuple(index.T)]
-
     return CubeCells(
         labels=tuple(names),
         sm_clock_mhz=coords["sm_clock"][index[:, 0]].astype(float),
@@ -349,6 +404,27 @@ def cube_cells(
     )
 
 
+def _accept_length(
+    accept: xr.DataArray | None,
+    rounds: xr.DataArray | None,
+    group: tuple[int, int, int, int],
+    n_rounds: int,
+) -> float:
+    """The group's (batch, drafter, corpus, repeat: indices) accept length over its knob
+    settings (acceptance is the text's and the drafter's, not the GPU's), from its cells of
+    `n_rounds` rounds where any recorded one (they sent the same prompts), else from all; NaN
+    where none is recorded."""
+    if accept is None:
+        return math.nan
+    b, d, c, r = group
+    seen = accept.isel(batch=b, drafter=d, corpus=c, repeat=r)
+    if rounds is not None:
+        alike = seen.where(rounds.isel(batch=b, drafter=d, corpus=c, repeat=r) == n_rounds)
+        if bool(np.isfinite(alike).any()):
+            seen = alike
+    return float(seen.mean(skipna=True))
+
+
 def _label(ds: xr.Dataset, dim: str, i: int) -> Any:
     value = ds[dim].values[i]
     if isinstance(value, np.generic):
@@ -360,42 +436,40 @@ def predict(gpu: GpuProfile, cells: CubeCells) -> Prediction:
     """Each cell's observables on `gpu`: one `physics.operating_point` per knob setting over
     the passes of every group measured there (the limit holds pass by pass, as the twin's).
 
-    The passes are timed once per clock (`physics.time_passes` is elementwise: a setting's
-    passes read their share), so two power limits at one clock cost one timing and the search
-    of the passes over the lower limit. Energy and power are the server's, as a cube records
-    them: its `gpus` (tensor-parallel) each run the passes, under the power limit each GPU
-    has."""
+    The passes of the groups measured at a clock are timed once there (`physics.time_passes`
+    is elementwise: a setting's passes read their share), so two power limits at one clock
+    cost one timing and the search of the passes over the lower limit. Energy and power are
+    the server's, as a cube records them: its `gpus` (tensor-parallel) each run the passes,
+    under the power limit each GPU has."""
     n_groups = len(cells.group_tokens)
     energy = np.zeros(len(cells))
     seconds = np.zeros(len(cells))
     capped = np.zeros(len(cells), dtype=bool)
-    at_clock: dict[int, physics.PassTiming] = {}
-    for s in cells.settings:
-        whole = at_clock.get(s.clock_mhz)
-        if whole is None:
-            whole = at_clock[s.clock_mhz] = physics.time_passes(gpu, cells.passes, s.clock_mhz)
-        timing = whole if s.take is None else _take(whole, s.take)
-        duration_s, power_w = timing.duration_s, timing.power_w
-        over = np.flatnonzero(power_w > s.limit_w)
-        groups = cells.group[s.cells]
-        if len(over):
-            # Only the passes over the limit are searched and timed again: the others keep
-            # the requested clock, as `operating_point` keeps them.
-            hot = physics.operating_point(
-                gpu, s.passes.take(over), s.clock_mhz, s.limit_w, _take(timing, over)
-            ).timing
-            duration_s, power_w = duration_s.copy(), power_w.copy()
-            duration_s[over], power_w[over] = hot.duration_s, hot.power_w
-            slowed = np.bincount(
-                s.pass_group[over],
-                weights=(hot.pass_clocks_mhz < s.clock_mhz).astype(float),
-                minlength=n_groups,
-            )
-            capped[s.cells] = slowed[groups] > 0
-        e_group = np.bincount(s.pass_group, weights=duration_s * power_w, minlength=n_groups)
-        s_group = np.bincount(s.pass_group, weights=duration_s, minlength=n_groups)
-        energy[s.cells] = e_group[groups]
-        seconds[s.cells] = s_group[groups]
+    for clock in cells.clocks:
+        whole = physics.time_passes(gpu, clock.passes, clock.clock_mhz)
+        for s in clock.settings:
+            timing = whole if s.take is None else _take(whole, s.take)
+            duration_s, power_w = timing.duration_s, timing.power_w
+            over = np.flatnonzero(power_w > s.limit_w)
+            groups = cells.group[s.cells]
+            if len(over):
+                # Only the passes over the limit are searched and timed again: the others
+                # keep the requested clock, as `operating_point` keeps them.
+                hot = physics.operating_point(
+                    gpu, s.passes.take(over), s.clock_mhz, s.limit_w, _take(timing, over)
+                ).timing
+                duration_s, power_w = duration_s.copy(), power_w.copy()
+                duration_s[over], power_w[over] = hot.duration_s, hot.power_w
+                slowed = np.bincount(
+                    s.pass_group[over],
+                    weights=(hot.pass_clocks_mhz < s.clock_mhz).astype(float),
+                    minlength=n_groups,
+                )
+                capped[s.cells] = slowed[groups] > 0
+            e_group = np.bincount(s.pass_group, weights=duration_s * power_w, minlength=n_groups)
+            s_group = np.bincount(s.pass_group, weights=duration_s, minlength=n_groups)
+            energy[s.cells] = e_group[groups]
+            seconds[s.cells] = s_group[groups]
     energy = energy * cells.gpus  # the server's: each of its GPUs runs these passes
     tokens = cells.group_tokens[cells.group]
     per_request = cells.group_request_tokens[cells.group]
