@@ -187,6 +187,34 @@ def test_a_drafter_measured_at_zero_energy_saves_or_is_within_noise(tmp_path: Pa
         run("compare", str(path), "--json")
 
 
+def test_the_readme_says_swapping_the_arms_inverts_the_ratio_at_stock_only(
+    tmp_path: Path,
+) -> None:
+    """README said swapping the arms (`--baseline`) gives each ratio's reciprocal and the
+    opposite verdict; at equal latency each arm is held to the baseline's own stock latency,
+    so swapped it is another ratio: a drafter faster and cheaper than `none` saves at equal
+    latency, and `none` against it is not within its target at all. The README says so."""
+    ds = make_cube(
+        clocks=[1000, 1500, 2000],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: (8.0 if d == "eagle3" else 10.0) * 2000 / c,
+        energy=lambda c, p, b, d, corpus, r: (0.5 if d == "eagle3" else 1.0) * c / 1000 + 0.01 * r,
+    )
+    path = _twin_cube(ds, tmp_path)
+    rows = {}
+    for baseline, drafter in (("none", "eagle3"), ("eagle3", "none")):
+        doc = json.loads(run("compare", str(path), "--json", "--baseline", baseline).stdout)
+        (rows[drafter],) = [r for r in doc["rows"] if r["drafter"] == drafter]
+    there, back = rows["eagle3"], rows["none"]
+    assert there["energy_ratio_at_stock"] == pytest.approx(1 / back["energy_ratio_at_stock"])
+    assert there["verdict_equal_latency"] == SAVES
+    assert back["verdict_equal_latency"] == NOT_WITHIN
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    said = readme.split("swapping the arms, `--baseline`, gives", 1)[1].split("), and", 1)[0]
+    assert "at stock" in said and "equal-latency" in said, said
+
+
 def test_verdict_rules() -> None:
     assert verdict(0.9, 0.8, 0.95, 3, point=False) == SAVES
     assert verdict(1.1, 1.05, 1.2, 3, point=False) == LOSES

@@ -15,11 +15,11 @@ are paired by repeat: each ratio is the geometric mean of the per-repeat ratios 
 valid in both arms (`paired_repeats`; `dropped_repeats`: valid in one arm only, left out of both).
 The arms ran in separate time blocks, so a drafter "saves" (or "costs") only where the
 two-sided Student-t interval of the mean log ratio at the confidence, taken back to a ratio,
-lies below (above) 1 (so swapping the arms gives the reciprocal ratio and the opposite
-verdict); otherwise it is "within noise", and a row with one paired repeat has no interval
-and no verdict. A cube with one repeat can give no interval anywhere: there the point value
-is judged, as headroom does. The break-even batch is the smallest batch judged not to save
-(costs or within noise).
+lies below (above) 1 (so swapping the arms gives the reciprocal ratio at stock and the
+opposite verdict; at equal latency the latency held to is then the other arm's); otherwise it
+is "within noise", and a row with one paired repeat has no interval and no verdict. A cube
+with one repeat can give no interval anywhere: there the point value is judged, as headroom
+does. The break-even batch is the smallest batch judged not to save (costs or within noise).
 """
 
 from __future__ import annotations
