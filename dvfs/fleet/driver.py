@@ -692,7 +692,13 @@ def run_fleet(
     )
     from dvfs.cube import write_cube
     from dvfs.measure.journal import iter_records
-    from dvfs.sweep import check_same_prompts, fresh_start, out_dir_lock, release_free_memory
+    from dvfs.sweep import (
+        check_same_prompts,
+        check_same_server_env,
+        fresh_start,
+        out_dir_lock,
+        release_free_memory,
+    )
 
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):
@@ -724,6 +730,9 @@ def run_fleet(
                     if path.is_file():
                         journal = Journal(path, iter_records(path))
                         check_same_prompts(journal, corpora[0], corpora[1], campaign)
+                        if getattr(executor, "shares_environment", False):
+                            # as a single run refuses it, before the workers probe their GPUs
+                            check_same_server_env(journal, campaign)
                 fleet = Fleet(
                     campaign,
                     out_dir,

@@ -84,6 +84,11 @@ class VirtualPacer:
 class LocalExecutor:
     """Threads of this process, one per GPU group (an `Executor`)."""
 
+    #: Its workers' servers start in this process's environment, so a resume whose servers
+    #: would start in another is refused before a worker opens a GPU (`run_fleet`); a Ray
+    #: worker's environment is its node's, compared once its session opens.
+    shares_environment = True
+
     def __init__(
         self,
         out_dir: Path,
