@@ -262,6 +262,24 @@ def test_a_cube_of_several_rounds_a_cell_is_fitted_over_all_its_rounds(tmp_path:
     assert abs(getattr(load_profile(out), name) - getattr(TRUTH, name)) < 3 * std_error
 
 
+def test_an_in_flight_cube_is_refused_in_one_line(tmp_path: Path) -> None:
+    """An in-flight cube's cells are knob levels stepped inside shared decodes (each carried
+    back along a drift fit), not the per-level steady windows the fit predicts: fitted as
+    such, one put the exact H100's host overhead at 3.6 times its value and its HBM
+    efficiency at the bound 1. Refused in one line, nothing written."""
+    text = fit_variant(sm_clock="[1980, 1005]", power_limit="[700]", batch="[16]")
+    campaign = write(
+        tmp_path / "c.toml", text.replace("repeats = 1\n", 'repeats = 1\nmode = "in-flight"\n')
+    )
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "s"), "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    out = tmp_path / "p.toml"
+    fit = invoke("twin", "fit", str(tmp_path / "s"), "-o", str(out), "--base", "h100-sxm:none")
+    assert fit.exit_code == 2, fit.output
+    assert "was measured in-flight" in fit.output and "per-level cells only" in fit.output
+    assert len(fit.output.strip().splitlines()) == 1 and not out.exists()
+
+
 @pytest.fixture(scope="module")
 def cells(made: dict[str, Path]):  # type: ignore[no-untyped-def]
     path = made["truth"] / "cube.nc"

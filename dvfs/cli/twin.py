@@ -61,7 +61,7 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
     by token count), the bandwidth knee and the power coefficients. From a sweep cube (file or
     sweep folder): the figures in `dvfs.twin.fitcube.CUBE_FIT_PARAMETERS` by least squares on
     each cell's energy per token, time per token and mean power, as the twin's own physics
-    predicts them (fixed-batch cubes)."""
+    predicts them (fixed-batch cubes measured per level, not in-flight)."""
     from dvfs.cli.report import check_output
     from dvfs.twin.fit import fit_input_kind
 

@@ -261,6 +261,13 @@ def cube_cells(
         raise PredictError(
             f"{where} was measured in {w.mode} mode; the cube fit predicts fixed-batch cells only"
         )
+    if campaign.measurement.mode == "in-flight":
+        # Its cells are knob levels stepped inside shared decodes, each carried back to a
+        # per-level cell's context along a drift fit: not the steady windows predicted here.
+        raise PredictError(
+            f"{where} was measured in-flight (knob levels stepped inside shared decodes); the "
+            'cube fit predicts per-level cells only: sweep with measurement.mode = "per-level"'
+        )
     try:
         model = model_profile(campaign.engine.simulated_model)
     except CampaignError as exc:
