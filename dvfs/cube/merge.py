@@ -115,12 +115,48 @@ SHARED = (
 #: SGLang's ServerArgs fills them from the GPU's memory when they are unset (its server_args.py):
 #: - chunked_prefill_size: 2048 below 35 GiB, 8192 below 160 GiB, else 16384;
 #: - mem_fraction_static: from the GPU's memory less what activations, CUDA graphs and a draft
-#:   model reserve.
+#:   model reserve;
+#: - 0.5.9's piecewise prefill graphs' token limit and sizes: the chunked prefill size's
+#:   (server_args.py lines 1006-1018);
+#: and from its architecture or platform, for some models (the `ARM_ARGS` the arms of one
+#: journal, on one GPU model, share):
+#: - the MoE kernels and with them shared-expert fusion (0.5.9 lines 1307-1624 and 2155,
+#:   FlashInfer TRT-LLM MoE on Blackwell; 0.5.23 model_overrides/*.py on SM100 and
+#:   overrides.py `_moe_runner_fusion_disable`), FP8 and FP4 GEMM kernels (0.5.23 overrides.py
+#:   line 838, model_overrides/deepseek_v4.py, muse_glimmer.py on SM100 or SM120), FlashInfer's
+#:   fused all-reduce (0.5.9 line 1697: Hopper or Blackwell, not an H20);
+#: - hybrid models' linear-attention decode kernels (0.5.23 attention_hook.py line 299 and
+#:   kimi_k3_hook.py on SM100), DeepSeek's sparse-attention kernels (0.5.9
+#:   `_set_default_nsa_backends` by compute capability, 0.5.23 overrides.py
+#:   `_dsa_split_backend_resolution`), Triton attention's KV splits (16 on ROCm: 0.5.9 line
+#:   2061, 0.5.23 platform_hook.py line 54);
+#: - Qwen3-VL's radix eviction policy and prefill/decode interval on a large Hopper GPU (0.5.23
+#:   model_overrides/qwen3_vl.py).
+#: The campaign, compared with the cubes, gives every GPU the same flags: a value it sets
+#: SGLang keeps on each.
 #: Not here, as dvfs pins them for every arm (`dvfs.engines.sglang_args.launch_argv`):
 #: cuda_graph_max_bs (and its 0.5.23 split) and the decode graphs' batch sizes,
 #: max_running_requests, random_seed; the model, parallelism and the drafter's speculative
 #: args come from the campaign.
-GPU_DERIVED_ARGS = ("chunked_prefill_size", "mem_fraction_static")
+GPU_DERIVED_ARGS = (
+    "chunked_prefill_size",
+    "mem_fraction_static",
+    "piecewise_cuda_graph_max_tokens",
+    "piecewise_cuda_graph_tokens",
+    "moe_runner_backend",
+    "disable_shared_experts_fusion",
+    "fp8_gemm_runner_backend",
+    "fp4_gemm_runner_backend",
+    "enable_flashinfer_allreduce_fusion",
+    "linear_attn_decode_backend",
+    "nsa_prefill_backend",
+    "nsa_decode_backend",
+    "dsa_prefill_backend",
+    "dsa_decode_backend",
+    "triton_attention_num_kv_splits",
+    "radix_eviction_policy",
+    "prefill_decode_interval",
+)
 #: What follows the attention kernels, which SGLang picks from the GPU's architecture when the
 #: campaign leaves them to it (engine.sglang.attention_backend = "auto": fa3 on Hopper,
 #: flashinfer elsewhere): the backends, the draft's, and the KV page size some backends set.
