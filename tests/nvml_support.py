@@ -11,6 +11,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 FAKE_DIR = REPO / "tests" / "fakes" / "nvml"
 
@@ -94,6 +96,21 @@ def root_fake_env(tmp: Path, monkeypatch: Any) -> dict[str, str]:
         monkeypatch.setenv(key, environment[key])
     monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
     return environment
+
+
+@pytest.fixture(name="env")
+def root_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The `env` fixture of tests that change a fake GPU's knobs in process (`root_fake_env`):
+    a module imports it with `fresh_nvml` to have both."""
+    return root_fake_env(tmp_path, monkeypatch)
+
+
+@pytest.fixture(name="nvml")
+def fresh_nvml(env: dict[str, str]) -> ModuleType:
+    """The fake pynvml on its default GPUs, fresh, in `env`'s state."""
+    module = load_fake()
+    module.fake_reset_state()
+    return module
 
 
 def dvfs_in_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

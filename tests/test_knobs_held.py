@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
-from nvml_support import (
+from nvml_support import (  # root_env, fresh_nvml: this module's `env` and `nvml` fixtures
     NVML_CAMPAIGN,
     cube_as_on_an_idle_machine,
     dvfs_in_process,
-    load_fake,
-    root_fake_env,
+    fresh_nvml,  # noqa: F401
+    root_env,  # noqa: F401
 )
 
 from dvfs.backends import Backends
@@ -37,18 +37,6 @@ from dvfs.twin.device import FreeRunningNode
 from dvfs.twin.profiles import gpu_profile, model_profile
 
 SET_LIMIT = "nvmlDeviceSetPowerManagementLimit"
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    return root_fake_env(tmp_path, monkeypatch)
-
-
-@pytest.fixture
-def nvml(env):
-    module = load_fake()
-    module.fake_reset_state()
-    return module
 
 
 def campaign_text(**replace: str) -> str:

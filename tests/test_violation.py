@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 import xarray as xr
-from nvml_support import NVML_CAMPAIGN, dvfs_in_process, load_fake, root_fake_env
+from nvml_support import (  # root_env, fresh_nvml: this module's `env` and `nvml` fixtures
+    NVML_CAMPAIGN,
+    dvfs_in_process,
+    fresh_nvml,  # noqa: F401
+    root_env,  # noqa: F401
+)
 
 from dvfs.backends import Backends
 from dvfs.campaign import load_campaign
@@ -32,18 +37,6 @@ from dvfs.twin.profiles import gpu_profile, model_profile
 BURST_NS = 1_000_000_000
 #: A healthy GPU's blip of violation time: far under that share of any window, recorded only.
 BLIP_NS = 5_000
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    return root_fake_env(tmp_path, monkeypatch)
-
-
-@pytest.fixture
-def nvml(env):
-    module = load_fake()
-    module.fake_reset_state()
-    return module
 
 
 def campaign(path: Path, device: int) -> Path:
