@@ -139,6 +139,15 @@ def test_swapping_the_arms_inverts_the_verdict(arms, confidence) -> None:
     assert r_high == pytest.approx(1 / low, rel=1e-12)
 
 
+def _both_ways(path: Path) -> tuple[dict, dict]:
+    """eagle3's row against none, and none's against eagle3 (`--baseline eagle3`)."""
+    rows = {}
+    for baseline, drafter in (("none", "eagle3"), ("eagle3", "none")):
+        doc = json.loads(run("compare", str(path), "--json", "--baseline", baseline).stdout)
+        (rows[drafter],) = [r for r in doc["rows"] if r["drafter"] == drafter]
+    return rows["eagle3"], rows["none"]
+
+
 def test_compare_cli_with_the_arms_swapped_gives_the_opposite_verdict(tmp_path: Path) -> None:
     """End to end: `--baseline` either way round over per-repeat ratios of 10 and 0.1 (an
     arithmetic mean of 5.05 both ways: "costs" twice) gives reciprocal ratios and verdicts."""
@@ -149,12 +158,7 @@ def test_compare_cli_with_the_arms_swapped_gives_the_opposite_verdict(tmp_path: 
         latency=lambda c, p, b, d, *_: 10.0 * 2000 / c,
         energy=lambda c, p, b, d, corpus, r: (SPREAD_MINE if d == "eagle3" else SPREAD_BASE)[r],
     )
-    path = _twin_cube(ds, tmp_path)
-    rows = {}
-    for baseline, drafter in (("none", "eagle3"), ("eagle3", "none")):
-        doc = json.loads(run("compare", str(path), "--json", "--baseline", baseline).stdout)
-        (rows[drafter],) = [r for r in doc["rows"] if r["drafter"] == drafter]
-    there, back = rows["eagle3"], rows["none"]
+    there, back = _both_ways(_twin_cube(ds, tmp_path))
     assert there["paired_repeats_at_stock"] == back["paired_repeats_at_stock"] == 10
     assert there["energy_ratio_at_stock"] == pytest.approx(1 / back["energy_ratio_at_stock"])
     said, said_back = there["verdict_at_stock"], back["verdict_at_stock"]
@@ -201,12 +205,7 @@ def test_the_readme_says_swapping_the_arms_inverts_the_ratio_at_stock_only(
         latency=lambda c, p, b, d, *_: (8.0 if d == "eagle3" else 10.0) * 2000 / c,
         energy=lambda c, p, b, d, corpus, r: (0.5 if d == "eagle3" else 1.0) * c / 1000 + 0.01 * r,
     )
-    path = _twin_cube(ds, tmp_path)
-    rows = {}
-    for baseline, drafter in (("none", "eagle3"), ("eagle3", "none")):
-        doc = json.loads(run("compare", str(path), "--json", "--baseline", baseline).stdout)
-        (rows[drafter],) = [r for r in doc["rows"] if r["drafter"] == drafter]
-    there, back = rows["eagle3"], rows["none"]
+    there, back = _both_ways(_twin_cube(ds, tmp_path))
     assert there["energy_ratio_at_stock"] == pytest.approx(1 / back["energy_ratio_at_stock"])
     assert there["verdict_equal_latency"] == SAVES
     assert back["verdict_equal_latency"] == NOT_WITHIN
