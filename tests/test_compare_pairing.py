@@ -214,6 +214,31 @@ def test_the_readme_says_swapping_the_arms_inverts_the_ratio_at_stock_only(
     assert "at stock" in said and "equal-latency" in said, said
 
 
+def test_a_baseline_measured_at_zero_energy_costs_or_is_within_noise(tmp_path: Path) -> None:
+    """The arms of the zero-energy test swapped: the baseline at zero energy per token makes
+    an infinite ratio. Zero in every paired repeat (batch 1) costs, the opposite of the
+    drafter's "saves", never "no data" beside three paired repeats; zero in one (batch 8) is
+    within noise, its interval [0, infinity) written [0.0, null], not null as if unpaired."""
+    ds = repeats_cube(lambda b, r: 0.0 if b == 1 or (b == 8 and r == 0) else 0.45 * BASE[r])
+    path = _twin_cube(ds, tmp_path)
+    doc = json.loads(run("compare", str(path), "--json", "--baseline", "eagle3").stdout)
+    rows = {r["batch"]: r for r in doc["rows"]}
+    assert rows[1]["verdict_at_stock"] == LOSES
+    assert rows[1]["paired_repeats_at_stock"] == 3
+    assert rows[1]["energy_ratio_at_stock"] is None  # infinite: JSON has no infinity
+    assert rows[8]["verdict_at_stock"] == WITHIN_NOISE
+    assert rows[8]["energy_ratio_at_stock_interval"] == [0.0, None]
+    assert rows[64]["verdict_at_stock"] == LOSES
+    table = run("compare", str(path), "--baseline", "eagle3").output
+    assert "never saves; within noise at batch 8" in table
+    assert "no data" not in table
+    assert "inf [0.00, inf]" in table
+    # The drafter's own side: its batch 8 interval is [0, infinity) too, not null.
+    doc = json.loads(run("compare", str(path), "--json").stdout)
+    (row,) = [r for r in doc["rows"] if r["batch"] == 8]
+    assert row["energy_ratio_at_stock_interval"] == [0.0, None]
+
+
 def test_verdict_rules() -> None:
     assert verdict(0.9, 0.8, 0.95, 3, point=False) == SAVES
     assert verdict(1.1, 1.05, 1.2, 3, point=False) == LOSES

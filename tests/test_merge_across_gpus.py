@@ -143,6 +143,12 @@ def _piecewise(max_tokens: int) -> dict[str, Any]:
         ),
         # a hybrid model's GDN decode on SM100 (0.5.23 arg_groups/attention_hook.py line 299)
         ({"linear_attn_decode_backend": None}, {"linear_attn_decode_backend": "flashinfer"}),
+        # DeepSeek-V3.2's sparse attention's KV cache, "auto": FP8 on SM100, bf16 on Hopper
+        # (0.5.9 server_args.py line 1143, 0.5.23 arg_groups/overrides.py line 534)
+        (
+            {"kv_cache_dtype": "bfloat16", "nsa_decode_backend": "fa3"},
+            {"kv_cache_dtype": "fp8_e4m3", "nsa_decode_backend": "flashmla_kv"},
+        ),
         # ROCm (0.5.9 line 2061, 0.5.23 platform_hook.py line 54)
         ({"triton_attention_num_kv_splits": 8}, {"triton_attention_num_kv_splits": 16}),
         # Qwen3-VL's serving defaults on a large Hopper GPU (0.5.23 model_overrides/qwen3_vl.py)
@@ -151,7 +157,7 @@ def _piecewise(max_tokens: int) -> dict[str, Any]:
             {"radix_eviction_policy": "priority", "prefill_decode_interval": 22},
         ),
     ],
-    ids=["piecewise", "moe", "allreduce", "linear-attn", "rocm", "qwen3-vl"],
+    ids=["piecewise", "moe", "allreduce", "linear-attn", "dsa-kv-cache", "rocm", "qwen3-vl"],
 )
 def test_cubes_of_two_gpu_models_merge_whatever_sglang_derives_for_each_gpu(
     runs: dict[str, Path], tmp_path: Path, first: dict[str, Any], second: dict[str, Any]

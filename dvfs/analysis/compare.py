@@ -132,7 +132,9 @@ def verdict(ratio: float, low: float, high: float, paired: int, *, point: bool) 
     rounding of 1 do not); `point` (a cube with one repeat, where no interval can exist)
     judges the point value instead: below 1 saves, at or above costs.
     """
-    if paired == 0 or not np.isfinite(ratio):
+    # An infinite ratio (the baseline at zero energy per token) is judged like any other:
+    # it costs, or is within noise beside finite ones; only NaN is no ratio.
+    if paired == 0 or np.isnan(ratio):
         return NO_DATA
     if point:
         return SAVES if ratio < 1.0 else LOSES

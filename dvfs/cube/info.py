@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
-from dvfs.measure.meter import describe_quality
+from dvfs.measure.meter import THROTTLE_VIOLATION_SHARE, describe_quality
 from dvfs.records import knobs_set, measurement_mode
 
 if TYPE_CHECKING:
@@ -226,7 +226,9 @@ FLAG_NOTES = {
     "instant (their clock_event_reasons hold HwSlowdown, SwThermalSlowdown, HwThermalSlowdown "
     "or HwPowerBrakeSlowdown), or between two samples, which no sampled reason shows: NVML's "
     "thermal and board-limit violation counters, read at each round's start and end, grew "
-    "(throttle_violation_s holds the seconds; NaN where the driver cannot tell). Check the "
+    f"by more than {THROTTLE_VIOLATION_SHARE:.0%} of the cells' steady windows (less flags "
+    "nothing; throttle_violation_s holds the seconds either way, NaN where the driver cannot "
+    "tell). Check the "
     "GPUs' cooling and what else runs on them",
     "idle_baseline_foreign": "another tenant's compute process was on a metered GPU right "
     "before or after the idle baseline these cells' above-idle energy subtracts (measured "
@@ -637,7 +639,8 @@ INVALID_ADVICE = {
     "outside dvfs (`nvidia-smi -rgc`, a GPU reset): keep other tools off the GPUs",
     "throttled": "the GPU slowed down for heat or a hardware brake, at a sampled instant (a "
     "clock-event reason) or between two (NVML's thermal or board-limit violation time grew "
-    "over a round: the cube's throttle_violation_s): check its cooling and what else runs "
+    f"past {THROTTLE_VIOLATION_SHARE:.0%} of the cell's steady windows: the cube's "
+    "throttle_violation_s): check its cooling and what else runs "
     "on it",
     "counter_stalled": "the energy counter did not advance: check the driver and GPU with "
     "`dvfs doctor`",

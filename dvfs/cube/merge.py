@@ -128,7 +128,9 @@ SHARED = (
 #: - hybrid models' linear-attention decode kernels (0.5.23 attention_hook.py line 299 and
 #:   kimi_k3_hook.py on SM100), DeepSeek's sparse-attention kernels (0.5.9
 #:   `_set_default_nsa_backends` by compute capability, 0.5.23 overrides.py
-#:   `_dsa_split_backend_resolution`), Triton attention's KV splits (16 on ROCm: 0.5.9 line
+#:   `_dsa_split_backend_resolution`) and its KV cache dtype, left "auto" (FP8 on SM100 and
+#:   later, bfloat16 before: 0.5.9 `_set_default_nsa_kv_cache_dtype` line 1143, 0.5.23
+#:   overrides.py line 534), Triton attention's KV splits (16 on ROCm: 0.5.9 line
 #:   2061, 0.5.23 platform_hook.py line 54);
 #: - Qwen3-VL's radix eviction policy and prefill/decode interval on a large Hopper GPU (0.5.23
 #:   model_overrides/qwen3_vl.py).
@@ -153,6 +155,7 @@ GPU_DERIVED_ARGS = (
     "nsa_decode_backend",
     "dsa_prefill_backend",
     "dsa_decode_backend",
+    "kv_cache_dtype",
     "triton_attention_num_kv_splits",
     "radix_eviction_policy",
     "prefill_decode_interval",

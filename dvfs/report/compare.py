@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,9 @@ NOT_WITHIN = "not within target"
 #: The verdict of a row whose settings were left unjudged for want of usable repeats
 #: (`dvfs.analysis.compare.TOO_FEW`).
 TOO_FEW = "too few repeats"
+#: Verdicts judged on a ratio (`dvfs.analysis.compare`): where one stands beside a null
+#: ratio, the ratio is infinite (the baseline at zero energy per token), not missing.
+JUDGED_ON_A_RATIO = ("costs", "within noise", "one paired repeat")
 #: A row not within target whose fastest setting's mean latency met the target (its bound at
 #: the confidence asked did not): not "too slow".
 MEAN_WITHIN = "equal_latency_mean_within_target"
@@ -194,10 +198,13 @@ def _paired(cmp: xr.Dataset, at: dict[str, Any], what: str) -> dict[str, Any]:
     and the repeats behind it and left out of it by pairing (absent from an older result)."""
     if f"verdict_{what}" not in cmp:
         return {}
-    low = as_float(cmp[f"energy_ratio_{what}_low"].sel(at))
-    high = as_float(cmp[f"energy_ratio_{what}_high"].sel(at))
+    low = float(cmp[f"energy_ratio_{what}_low"].sel(at))
+    high = float(cmp[f"energy_ratio_{what}_high"].sel(at))
+    # NaN ends: fewer than two paired repeats, no interval. An infinite end (a baseline at
+    # zero energy per token in some paired repeat) is unbounded: null in its place.
+    none = math.isnan(low) or math.isnan(high)
     return {
-        f"energy_ratio_{what}_interval": None if low is None or high is None else [low, high],
+        f"energy_ratio_{what}_interval": None if none else [as_float(low), as_float(high)],
         f"verdict_{what}": _text(cmp, f"verdict_{what}", at),
         f"paired_repeats_{what}": as_int(cmp[f"paired_repeats_{what}"].sel(at)),
         f"dropped_repeats_{what}": as_int(cmp[f"dropped_repeats_{what}"].sel(at)),
@@ -284,12 +291,14 @@ def _dropped_text(r: dict[str, Any]) -> str:
 
 def ratio_cell(r: dict[str, Any], what: str, missing: str = "-") -> str:
     """A row's ratio with its interval where it has one, and the repeats pairing left out."""
-    text = ratio_text(r[f"energy_ratio_{what}"], missing)
-    if r[f"energy_ratio_{what}"] is None:
-        return text
+    # A null ratio with a verdict judged on it is infinite (the baseline at zero energy).
+    infinite = r.get(f"verdict_{what}") in JUDGED_ON_A_RATIO
+    if r[f"energy_ratio_{what}"] is None and not infinite:
+        return ratio_text(None, missing)
+    text = ratio_text(r[f"energy_ratio_{what}"], "inf")
     span = r.get(f"energy_ratio_{what}_interval")
-    if span is not None:
-        text += f" [{ratio_text(span[0])}, {ratio_text(span[1])}]"
+    if span is not None and span != [None, None]:  # [inf, inf]: the point said already
+        text += f" [{ratio_text(span[0], 'inf')}, {ratio_text(span[1], 'inf')}]"
     if what == "equal_latency" and edge_arms(r):
         text += " (grid edge)"
     if r.get(f"dropped_repeats_{what}"):
