@@ -286,6 +286,49 @@ def test_mixed_chunks_for_some_drafters_only_are_refused(
     assert arm_mismatches(load(tmp_path, campaign_text(text, "[1]")), legacy=legacy, env={}) == []
 
 
+def test_mixed_chunks_with_a_gemma4_assistant_draft_are_refused_before_any_server(
+    tmp_path: Path,
+) -> None:
+    """0.5.23 serves EAGLE or NEXTN with a Gemma4 assistant draft as FROZEN_KV_MTP, without
+    mixed chunked prefill (speculative_hook.py `_handle_frozen_kv_mtp`): with
+    --enable-mixed-chunk such a campaign was refused only after its servers started. It is
+    refused before, in the words of the other algorithms, the draft found as a local folder
+    or in the Hub cache; another EAGLE draft keeps mixed chunks."""
+    local = tmp_path / "gemma4-assistant"
+    local.mkdir()
+    local.joinpath("config.json").write_text('{"architectures": ["Gemma4AssistantForCausalLM"]}')
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--google--g4-assistant" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    snapshot.joinpath("config.json").write_text(
+        '{"architectures": ["Gemma4UnifiedAssistantForCausalLM"]}'
+    )
+    (hub / "models--google--g4-assistant" / "refs").mkdir()
+    (hub / "models--google--g4-assistant" / "refs" / "main").write_text("a" * 40)
+    plain = tmp_path / "eagle-draft"
+    plain.mkdir()
+    plain.joinpath("config.json").write_text('{"architectures": ["LlamaForCausalLMEagle"]}')
+    flag = 'extra_args = ["--enable-mixed-chunk"]'
+    for algorithm, draft in (("EAGLE", local), ("NEXTN", "google/g4-assistant")):
+        drafters = (
+            '[drafters.none]\nalgorithm = "none"\n\n[drafters.mtp]\n'
+            f'algorithm = "{algorithm}"\ndraft_model = "{draft}"\n'
+        )
+        campaign = load(tmp_path, campaign_text(drafters, "[1]", flag))
+        [line] = arm_mismatches(campaign, legacy=False, env={"HF_HUB_CACHE": str(hub)})
+        assert line == (
+            "--enable-mixed-chunk in engine.sglang.extra_args: SGLang 0.5.23 turns mixed "
+            "chunked prefill off for drafters 'mtp' but not for 'none' (enable_mixed_chunk), "
+            "so the arms would schedule prefills differently; remove the flag"
+        )
+    drafters = (
+        '[drafters.none]\nalgorithm = "none"\n\n[drafters.eagle]\n'
+        f'algorithm = "EAGLE"\ndraft_model = "{plain}"\n'
+    )
+    campaign = load(tmp_path, campaign_text(drafters, "[1]", flag))
+    assert arm_mismatches(campaign, legacy=False, env={"HF_HUB_CACHE": str(hub)}) == []
+
+
 def shortest_prefix(flags: list[str], flag: str) -> str:
     """The shortest abbreviation of `flag` no other of `flags` starts with (argparse's rule)."""
     others = [f for f in flags if f != flag]
@@ -431,6 +474,28 @@ def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
     )
     campaign = load_campaign(path)
     with pytest.raises(ArmMismatchError, match=r"SGLang 0\.5\.23 turns mixed chunked prefill"):
+        SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    assert running(marker) == []
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_engine_refuses_a_gemma4_assistant_draft_with_mixed_chunks_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    """As for NGRAM: EAGLE with a Gemma4 assistant draft (FROZEN_KV_MTP to 0.5.23) and
+    --enable-mixed-chunk is refused at construction, no server started."""
+    draft = tmp_path / "gemma4-assistant"
+    draft.mkdir()
+    draft.joinpath("config.json").write_text('{"architectures": ["Gemma4AssistantForCausalLM"]}')
+    two = (
+        '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.mtp]\nalgorithm = "EAGLE"\n'
+        f'draft_model = "{draft}"\n'
+    )
+    path, marker = stub_campaign(
+        tmp_path, drafters=two, sglang_extra='extra_args = ["--enable-mixed-chunk"]'
+    )
+    campaign = load_campaign(path)
+    with pytest.raises(ArmMismatchError, match=r"off for drafters 'mtp' but not for 'none'"):
         SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
     assert running(marker) == []
     assert not (tmp_path / "logs").exists()
