@@ -203,6 +203,28 @@ def test_graph_sizes_hold_every_batch_and_pad_less_than_twice(batches: list[int]
         assert min(s for s in sizes if s >= b) < 2 * b
 
 
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_the_stub_reports_the_arm_args_by_sglangs_names_and_types(
+    stub: ModuleType, version: str
+) -> None:
+    """SGLang stores --fp8-gemm-backend / --fp4-gemm-backend as fp8_gemm_runner_backend /
+    fp4_gemm_runner_backend (0.5.9 server_args.py `dest=`, 0.5.23 arg_groups/fields/exec_.py
+    `cli_name=`) and types its numbers: the stub reported the flags' own names, and numbers
+    as strings, so the arm checks never saw the real names."""
+    args = resolve(
+        stub,
+        version,
+        *("--fp8-gemm-backend", "cutlass", "--fp4-gemm-backend", "flashinfer_cudnn"),
+        *("--num-continuous-decode-steps", "4", "--cpu-offload-gb", "8"),
+        *("--tbo-token-distribution-threshold", "0.3"),
+    )
+    assert args["fp8_gemm_runner_backend"] == "cutlass"
+    assert args["fp4_gemm_runner_backend"] == "flashinfer_cudnn"
+    assert "fp8_gemm_backend" not in args and "fp4_gemm_backend" not in args
+    assert args["num_continuous_decode_steps"] == 4 and args["cpu_offload_gb"] == 8
+    assert args["tbo_token_distribution_threshold"] == 0.3
+
+
 # -- what dvfs passes -------------------------------------------------------------------------
 
 
