@@ -230,9 +230,21 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
         ),
         (
             ["--num-continuous-decode-steps", "4"],
-            "continuous decode steps (num_continuous_decode_steps): None -> '4'",
+            "continuous decode steps (num_continuous_decode_steps): None -> 4",
         ),
-        (["--cpu-offload-gb", "8"], "CPU-offloaded weights (cpu_offload_gb): None -> '8'"),
+        (["--cpu-offload-gb", "8"], "CPU-offloaded weights (cpu_offload_gb): None -> 8"),
+        (
+            ["--fp8-gemm-backend", "cutlass"],
+            "FP8 GEMM kernels (fp8_gemm_runner_backend): None -> 'cutlass'",
+        ),
+        (
+            ["--fp4-gemm-backend", "flashinfer_cudnn"],
+            "FP4 GEMM kernels (fp4_gemm_runner_backend): None -> 'flashinfer_cudnn'",
+        ),
+        (
+            ["--tbo-token-distribution-threshold", "0.3"],
+            "two-batch overlap threshold (tbo_token_distribution_threshold): None -> 0.3",
+        ),
         (
             ["--disable-cuda-graph-padding"],
             "CUDA graph padding disabled (disable_cuda_graph_padding): False -> True",

@@ -203,6 +203,28 @@ def test_graph_sizes_hold_every_batch_and_pad_less_than_twice(batches: list[int]
         assert min(s for s in sizes if s >= b) < 2 * b
 
 
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_the_stub_reports_the_arm_args_by_sglangs_names_and_types(
+    stub: ModuleType, version: str
+) -> None:
+    """SGLang stores --fp8-gemm-backend / --fp4-gemm-backend as fp8_gemm_runner_backend /
+    fp4_gemm_runner_backend (0.5.9 server_args.py `dest=`, 0.5.23 arg_groups/fields/exec_.py
+    `cli_name=`) and types its numbers: the stub reported the flags' own names, and numbers
+    as strings, so the arm checks never saw the real names."""
+    args = resolve(
+        stub,
+        version,
+        *("--fp8-gemm-backend", "cutlass", "--fp4-gemm-backend", "flashinfer_cudnn"),
+        *("--num-continuous-decode-steps", "4", "--cpu-offload-gb", "8"),
+        *("--tbo-token-distribution-threshold", "0.3"),
+    )
+    assert args["fp8_gemm_runner_backend"] == "cutlass"
+    assert args["fp4_gemm_runner_backend"] == "flashinfer_cudnn"
+    assert "fp8_gemm_backend" not in args and "fp4_gemm_backend" not in args
+    assert args["num_continuous_decode_steps"] == 4 and args["cpu_offload_gb"] == 8
+    assert args["tbo_token_distribution_threshold"] == 0.3
+
+
 # -- what dvfs passes -------------------------------------------------------------------------
 
 
@@ -284,6 +306,49 @@ def test_mixed_chunks_for_some_drafters_only_are_refused(
         "(enable_mixed_chunk)", "(enable_mixed_chunk, which --enable-mixed abbreviates)"
     )
     assert arm_mismatches(load(tmp_path, campaign_text(text, "[1]")), legacy=legacy, env={}) == []
+
+
+def test_mixed_chunks_with_a_gemma4_assistant_draft_are_refused_before_any_server(
+    tmp_path: Path,
+) -> None:
+    """0.5.23 serves EAGLE or NEXTN with a Gemma4 assistant draft as FROZEN_KV_MTP, without
+    mixed chunked prefill (speculative_hook.py `_handle_frozen_kv_mtp`): with
+    --enable-mixed-chunk such a campaign was refused only after its servers started. It is
+    refused before, in the words of the other algorithms, the draft found as a local folder
+    or in the Hub cache; another EAGLE draft keeps mixed chunks."""
+    local = tmp_path / "gemma4-assistant"
+    local.mkdir()
+    local.joinpath("config.json").write_text('{"architectures": ["Gemma4AssistantForCausalLM"]}')
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--google--g4-assistant" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    snapshot.joinpath("config.json").write_text(
+        '{"architectures": ["Gemma4UnifiedAssistantForCausalLM"]}'
+    )
+    (hub / "models--google--g4-assistant" / "refs").mkdir()
+    (hub / "models--google--g4-assistant" / "refs" / "main").write_text("a" * 40)
+    plain = tmp_path / "eagle-draft"
+    plain.mkdir()
+    plain.joinpath("config.json").write_text('{"architectures": ["LlamaForCausalLMEagle"]}')
+    flag = 'extra_args = ["--enable-mixed-chunk"]'
+    for algorithm, draft in (("EAGLE", local), ("NEXTN", "google/g4-assistant")):
+        drafters = (
+            '[drafters.none]\nalgorithm = "none"\n\n[drafters.mtp]\n'
+            f'algorithm = "{algorithm}"\ndraft_model = "{draft}"\n'
+        )
+        campaign = load(tmp_path, campaign_text(drafters, "[1]", flag))
+        [line] = arm_mismatches(campaign, legacy=False, env={"HF_HUB_CACHE": str(hub)})
+        assert line == (
+            "--enable-mixed-chunk in engine.sglang.extra_args: SGLang 0.5.23 turns mixed "
+            "chunked prefill off for drafters 'mtp' but not for 'none' (enable_mixed_chunk), "
+            "so the arms would schedule prefills differently; remove the flag"
+        )
+    drafters = (
+        '[drafters.none]\nalgorithm = "none"\n\n[drafters.eagle]\n'
+        f'algorithm = "EAGLE"\ndraft_model = "{plain}"\n'
+    )
+    campaign = load(tmp_path, campaign_text(drafters, "[1]", flag))
+    assert arm_mismatches(campaign, legacy=False, env={"HF_HUB_CACHE": str(hub)}) == []
 
 
 def shortest_prefix(flags: list[str], flag: str) -> str:
@@ -431,6 +496,28 @@ def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
     )
     campaign = load_campaign(path)
     with pytest.raises(ArmMismatchError, match=r"SGLang 0\.5\.23 turns mixed chunked prefill"):
+        SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    assert running(marker) == []
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_engine_refuses_a_gemma4_assistant_draft_with_mixed_chunks_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    """As for NGRAM: EAGLE with a Gemma4 assistant draft (FROZEN_KV_MTP to 0.5.23) and
+    --enable-mixed-chunk is refused at construction, no server started."""
+    draft = tmp_path / "gemma4-assistant"
+    draft.mkdir()
+    draft.joinpath("config.json").write_text('{"architectures": ["Gemma4AssistantForCausalLM"]}')
+    two = (
+        '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.mtp]\nalgorithm = "EAGLE"\n'
+        f'draft_model = "{draft}"\n'
+    )
+    path, marker = stub_campaign(
+        tmp_path, drafters=two, sglang_extra='extra_args = ["--enable-mixed-chunk"]'
+    )
+    campaign = load_campaign(path)
+    with pytest.raises(ArmMismatchError, match=r"off for drafters 'mtp' but not for 'none'"):
         SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
     assert running(marker) == []
     assert not (tmp_path / "logs").exists()

@@ -2306,6 +2306,31 @@ def test_the_readmes_root_commands_read_caps_and_plans_root_installed() -> None:
         assert path in installed and path.startswith("/etc/dvfs/"), path
 
 
+def test_a_dry_run_refuses_a_folder_in_place_of_the_caps_records_lock_as_the_apply_does(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap apply` refuses (exit 1, changing nothing) a folder where the caps record's lock
+    belongs; its dry run exited 0, saying it would apply. It refuses it too, in the apply's
+    words, creating nothing."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    folder = state / "caps-applied.json.lock"
+    folder.mkdir(parents=True)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    real = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert real.exit_code == 1, real.output
+    before = sorted(state.rglob("*"))
+    dry = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--dry-run"])
+    said = " ".join(dry.output.split())
+    assert dry.exit_code == 1, said
+    assert said.startswith("Error: dry run, nothing changed: the apply would be refused: ")
+    assert f"{folder} is unreadable (no regular file: a folder); remove it" in said
+    assert "would apply" not in said
+    assert sorted(state.rglob("*")) == before
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 @pytest.mark.parametrize("name", ["caps-applied.json.lock", "governed-{uuid}.json"])
 def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_dir(
     nvml, tmp_path: Path, name: str

@@ -373,6 +373,35 @@ def test_compare_cli_pairs_repeats_and_says_so(tmp_path: Path) -> None:
     assert w_low <= low and w_high >= high
 
 
+def test_one_paired_repeat_is_its_own_ratio_and_zeros_in_both_arms_keep_their_pairs(
+    tmp_path: Path,
+) -> None:
+    """Batch 8 pairs one repeat (45 over 100 J): its ratio was exp(log 45 - log 100),
+    0.44999999999999973, where it is 45 / 100 = 0.45. Batch 64 has a zero energy in each arm
+    (ratios 0 and infinity): no ratio, but its 3 paired repeats were said as 0."""
+
+    def energy(c, p, b, d, corpus, r):
+        if b == 64:
+            return 0.0 if (d, r) in (("eagle3", 0), ("none", 1)) else 1.0
+        return 45.0 if d == "eagle3" else 100.0
+
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: (4.0 if d == "eagle3" else 10.0) * 2000 / c,
+        energy=energy,
+        valid=lambda c, p, b, d, corpus, r: not (b == 8 and r > 0),
+    )
+    doc = json.loads(run("compare", str(_twin_cube(ds, tmp_path)), "--json").stdout)
+    rows = {r["batch"]: r for r in doc["rows"]}
+    assert rows[8]["energy_ratio_at_stock"] == 0.45
+    assert rows[8]["paired_repeats_at_stock"] == 1 and rows[8]["verdict_at_stock"] == ONE_REPEAT
+    assert rows[64]["energy_ratio_at_stock"] is None, rows[64]
+    assert rows[64]["paired_repeats_at_stock"] == 3 and rows[64]["verdict_at_stock"] == NO_DATA
+
+
 def test_a_flagged_repeat_of_the_baselines_stock_keeps_equal_latency(tmp_path: Path) -> None:
     """End to end: repeat 0 of no speculation's stock cell flagged leaves its repeats 1 and 2
     as the reference, and staying at stock still meets its own latency: `dvfs headroom` keeps

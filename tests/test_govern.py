@@ -963,6 +963,46 @@ def test_a_step_that_changes_nothing_does_not_restart_the_dwell(
     assert "power limit 400 W" in change and change.endswith("(at 2.000 s)"), lines
 
 
+def test_a_step_that_sets_a_limit_changed_outside_dvfs_again_is_a_change(
+    nvml, tmp_path: Path
+) -> None:
+    """Under a static clock cap of 1200 MHz, batch 4's 1800 MHz leaves the GPU as the governor
+    left it; but an admin set the power limit to 500 W since the step before, and the step puts
+    the limit in force at start (700 W) back. That write was logged "no change at" and not
+    counted in dvfs_govern_changes_total: it is a change, said "set" and counted."""
+    from dvfs.backends import open_gpus
+    from dvfs.caps.actuation import AppliedCaps
+
+    state = tmp_path / "state"
+    load = iter([100, 4])
+
+    def scraper() -> ServerSample:
+        batch = next(load)
+        if batch == 4:  # changed outside dvfs since the governor's last step
+            nvml.fake_update_device(0, power_limit_mw=500_000)
+        return ServerSample(batch, None, None)
+
+    time, lines, live = VirtualTime(), [], LiveMetrics()
+    with open_gpus([0]) as gpus:
+        nvml.fake_update_device(0, locked_clocks=[210, 1200])
+        AppliedCaps(state).update(gpus[0].identity.uuid, {"lock_mhz": [210, 1200]})
+        changes = govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
+            live=live,
+            note=lines.append,
+            state_dir=state,
+        )
+        limits = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetPowerManagementLimit")]
+    assert limits[0] == [700_000], limits  # the step wrote the limit back
+    [step] = [line for line in lines if "running batch 4 -> " in line]
+    assert step.startswith("set running batch 4 -> "), lines
+    assert changes == 1 and live.latest().changes == 1, lines
+
+
 def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml, tmp_path: Path) -> None:
     """With no load to preview, one line says what the governor would hold the GPUs at
     meanwhile: its stock, the static caps in force (a lock `cap apply` recorded included),

@@ -178,6 +178,10 @@ def paired_ratio(
         # The log of each per-repeat ratio (paired_ratios, every row at once: NaN where either
         # arm is, or 0 / 0), as a difference of logs: swapping the arms negates it exactly.
         x = np.log(mine) - np.log(base)
+        # One paired repeat's ratio is its own a / b, exactly (exp(log a - log b) is not).
+        direct = mine / base
+    # The repeats paired, said as such even in a row that gets no ratio below.
+    pairs = np.count_nonzero(~np.isnan(x), axis=-1)
     # A row with a zero energy in each arm (ratios 0 and infinity) has no mean log: none.
     x[np.isposinf(x).any(axis=-1) & np.isneginf(x).any(axis=-1)] = np.nan
     count = np.count_nonzero(~np.isnan(x), axis=-1)
@@ -201,6 +205,8 @@ def paired_ratio(
     low = np.where(every, mean, np.where(some, -np.inf, low))
     with np.errstate(over="ignore"):
         ratio, low, high = np.exp(mean), np.exp(low), np.exp(high)
+    one = np.nansum(np.where(np.isnan(x), np.nan, direct), axis=-1)
+    ratio = np.where(count == 1, one, ratio)
     # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.
     lost = np.isnan(mine) != np.isnan(base)
     if unasked is not None:
@@ -212,7 +218,7 @@ def paired_ratio(
         ratio,
         low,
         high,
-        count.astype(int),
+        pairs.astype(int),
         np.where(nothing, 0, dropped).astype(int),
     )
 

@@ -190,6 +190,13 @@ class AppliedCaps:
         `update` with that GPU's clocks already locked, a cap no record lists."""
         os.close(self._open_lock())
 
+    def refuse_a_folder_lock(self) -> None:
+        """`check_writable`'s refusal of a folder in the lock's place, read without making
+        anything: a dry run's, which may not write the state folder."""
+        path = self.path.with_name(f"{self.path.name}.lock")
+        if path.is_dir():
+            raise CapsRecordError(_a_folder(path))
+
     def _open_lock(self) -> int:
         """The record's lock file, opened (made if missing) without blocking: a FIFO in its
         place (which no reader may ever open) is locked as the file is, not waited on for ever,

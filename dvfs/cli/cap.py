@@ -379,9 +379,10 @@ def _refuse_as_the_apply_would(
     actions: Sequence[CapAction], gpus: Sequence[Gpu], directory: Path
 ) -> None:
     """A dry run exits as the apply would: refused (exit 3) for a GPU another dvfs holds or
-    one holding an earlier run's unrestored changes, read without taking or changing
-    anything."""
-    from dvfs.errors import GpuStateError
+    one holding an earlier run's unrestored changes, and (exit 1) for a folder in the place of
+    the caps record's lock, read without taking or changing anything."""
+    from dvfs.caps import AppliedCaps
+    from dvfs.errors import CapsRecordError, GpuStateError
     from dvfs.gpu.safety import GpuLocks, StateStore
 
     wanted = {a.uuid for a in actions}
@@ -396,6 +397,11 @@ def _refuse_as_the_apply_would(
         StateStore(directory).refuse_if_pending(targets, drop_rebooted=False)
     except GpuStateError as exc:
         raise GpuStateError(prefix + str(exc)) from exc
+    if actions:  # as `apply_actions` refuses it, before any GPU is changed
+        try:
+            AppliedCaps(directory).refuse_a_folder_lock()
+        except CapsRecordError as exc:
+            raise CapsRecordError(prefix + str(exc)) from exc
 
 
 @cap.command("show")

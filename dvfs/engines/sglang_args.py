@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -327,6 +328,38 @@ EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 #: `_handle_uno`, `_handle_eagle_family`, `_handle_ngram`). 0.5.9 turns it off for every
 #: algorithm (server_args.py `_handle_speculative_decoding`).
 NO_MIXED_CHUNK_0523 = ("STANDALONE", "NGRAM", "UNO")
+#: The draft architectures for which 0.5.23 serves an EAGLE or NEXTN drafter as FROZEN_KV_MTP
+#: (arg_groups/speculative_hook.py `_resolve_speculative_algorithm_alias`), which it runs
+#: without mixed chunked prefill too (`_handle_frozen_kv_mtp`).
+FROZEN_KV_MTP_DRAFTS = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
+
+
+def _draft_architectures(draft_model: str | None, env: Mapping[str, str]) -> list[str]:
+    """The `architectures` of a draft model's config.json as far as it is here: a local folder,
+    or the Hub cache's snapshot of its branch main (empty where it cannot be read)."""
+    if not draft_model:
+        return []
+    from dvfs.engines.sglang import _hub_repo  # sglang imports this module
+
+    config = Path(draft_model) / "config.json"
+    repo = _hub_repo(draft_model, env)
+    try:
+        if repo is not None:
+            commit = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+            config = repo / "snapshots" / commit / "config.json"
+        found = json.loads(config.read_text(encoding="utf-8")).get("architectures")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return []
+    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+
+
+def _no_mixed_chunk_0523(drafter: DrafterSpec, env: Mapping[str, str]) -> bool:
+    """Whether 0.5.23 turns mixed chunked prefill off for `drafter` whatever the flags say."""
+    if drafter.algorithm in NO_MIXED_CHUNK_0523:
+        return True
+    return drafter.algorithm in ("EAGLE", "NEXTN") and any(
+        a in FROZEN_KV_MTP_DRAFTS for a in _draft_architectures(drafter.draft_model, env)
+    )
 
 
 #: Per release, the shortest abbreviation argparse reads as each flag dvfs looks for in
@@ -429,7 +462,7 @@ def arm_mismatches(campaign: Campaign, *, legacy: bool, env: Mapping[str, str]) 
         off = [
             d.name
             for d in campaign.drafters
-            if d.algorithm is not None and (legacy or d.algorithm in NO_MIXED_CHUNK_0523)
+            if d.algorithm is not None and (legacy or _no_mixed_chunk_0523(d, env))
         ]
         kept = [d.name for d in campaign.drafters if d.name not in off]
         if off and kept:

@@ -621,12 +621,17 @@ def govern(
                         )
                     else:
                         try:
-                            knobs.apply(KnobSetting(setting.sm_clock_mhz, setting.power_limit_w))
+                            wrote = knobs.apply(
+                                KnobSetting(setting.sm_clock_mhz, setting.power_limit_w)
+                            )
                         except GpuError as exc:  # a GPU gone silent, or a setter refused
                             silent = [r for r in map(read_gpu, gpus) if r.error is not None]
                             if not silent:
                                 raise
                             raise stopped_answering(silent) from exc
+                        # What the GPUs report decides, not the prediction: a limit changed
+                        # outside dvfs since the last step is written back, a change.
+                        holds = not wrote
                         note(f"{_held(state)} {line}" if holds else f"set {line}")
                     changes += 0 if holds else 1
                 # The dwell runs from the last change: a step that changed no GPU keeps the

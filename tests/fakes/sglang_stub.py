@@ -288,14 +288,35 @@ INT_DESTS = frozenset(
         "speculative_ngram_max_trie_depth", "stream_interval", "random_seed", "base_gpu_id",
         "decode_log_interval",
         "gpu_id_step", "nnodes", "node_rank", "max_queued_requests", "page_size",
+        # the ARM_ARGS both releases type int (0.5.9 server_args.py `type=int`, 0.5.23
+        # arg_groups/fields/*.py), or one of them
+        "prefill_max_requests", "num_reserved_decode_tokens", "num_continuous_decode_steps",
+        "scheduler_recv_interval", "prefill_delayer_max_delay_passes",
+        "prefill_decode_interval", "prefill_decode_interval_min_bs", "cpu_offload_gb",
+        "offload_group_size", "offload_num_in_group", "offload_prefetch_step",
+        "torch_compile_max_bs", "piecewise_cuda_graph_max_tokens",
+        "piecewise_cuda_graph_tokens", "cuda_graph_max_seq_len_prefill",
+        "cuda_graph_prefill_max_context", "triton_attention_num_kv_splits",
+        "triton_attention_split_tile_size", "ep_num_redundant_experts", "moe_dense_tp_size",
+        "ds_heavy_channel_num", "ds_heavy_token_num", "ds_sparse_decode_threshold",
     }
 )  # fmt: skip
 FLOAT_DESTS = frozenset(
     {
         "mem_fraction_static", "speculative_accept_threshold_single",
         "speculative_accept_threshold_acc", "schedule_conservativeness", "watchdog_timeout",
+        "prefill_delayer_max_delay_ms", "prefill_delayer_queue_min_ratio",
+        "prefill_delayer_token_usage_low_watermark", "tbo_token_distribution_threshold",
     }
 )  # fmt: skip
+#: Options SGLang stores under another name than argparse's own dest (0.5.9 server_args.py
+#: `dest=`, 0.5.23 arg_groups/fields `cli_name=`): /server_info reports them by that name.
+RENAMED_DESTS = {
+    "--fp8-gemm-backend": "fp8_gemm_runner_backend",
+    "--fp4-gemm-backend": "fp4_gemm_runner_backend",
+    "--elastic-ep-join-mode": "ep_join_mode",
+    "--elastic-ep-join-rank-offset": "ep_join_rank_offset",
+}
 # 0.5.9 names some options by their long flag first; SGLang copies them to these fields.
 FIELD_ALIASES = {
     "tensor_parallel_size": "tp_size",
@@ -496,8 +517,9 @@ class _LoraPaths(argparse.Action):
 
 
 def _dest_of(flags: Sequence[str]) -> str:
-    """argparse's own dest: the first long flag, dashes to underscores."""
-    return flags[0].lstrip("-").replace("-", "_")
+    """The dest SGLang gives the option: argparse's own (the first long flag, dashes to
+    underscores) unless it names another (`RENAMED_DESTS`)."""
+    return RENAMED_DESTS.get(flags[0]) or flags[0].lstrip("-").replace("-", "_")
 
 
 def _option_kwargs(option: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
@@ -525,7 +547,8 @@ def _option_kwargs(option: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         return positive, {"action": argparse.BooleanOptionalAction}
     if action not in simple:
         raise StubConfigError(f"option table uses an action class the stub lacks: {action}")
-    return flags, simple[action]
+    renamed = {"dest": dest} if flags[0] in RENAMED_DESTS else {}
+    return flags, {**simple[action], **renamed}
 
 
 def build_parser(version: str) -> argparse.ArgumentParser:
