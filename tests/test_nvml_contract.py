@@ -211,10 +211,11 @@ def test_violation_counters_read_as_dvfs_expects(nv: ModuleType, handle: Any) ->
     """`nvmlDeviceGetViolationStatus` (the throttle counters `NvmlGpu.throttle_violation_ns`
     reads between a round's ends): for each policy dvfs reads, an answer whose violationTime
     is an integer number of nanoseconds that never goes back, or NotSupported /
-    FunctionNotFound, which dvfs takes for unknown."""
+    FunctionNotFound / Deprecated, which dvfs takes for unknown."""
     from dvfs.gpu.base import PERF_POLICY_POWER, THROTTLE_POLICIES
 
-    unknown = (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND)
+    deprecated = getattr(nv, "NVML_ERROR_DEPRECATED", 26)  # nvml.h's code, in any pynvml
+    unknown = (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND, deprecated)
     for policy in (*THROTTLE_POLICIES, PERF_POLICY_POWER):
         try:
             first = nv.nvmlDeviceGetViolationStatus(handle, policy)
