@@ -1705,9 +1705,6 @@ class TwinEstimate:
     #: error: the sweep of the campaign would fail them too.
     failed: int = 0
     first_failure: str = ""
-    #: Of `dvfs_gpu_s`, what its server starts spent (each start and the thermal
-    #: stabilisation after it): a fleet's every busy worker spends it again.
-    start_s: float = 0.0
     #: Its sweep split as a fleet's workers spend it (`dvfs.estimate.RunCosts`): each cell's
     #: own time, and what every worker spends again (starts, settles, idle baselines, session).
     costs: RunCosts | None = None
@@ -1803,23 +1800,17 @@ def twin_estimate(
             earlier = before["gpu_time_total_s"].notnull()
             ds = ds.where(~earlier.reindex_like(ds["gpu_time_total_s"], fill_value=False))
         window = float(ds["gpu_time_window_s"].fillna(0.0).sum())
-        starts = sum(
-            float(ds[name].fillna(0.0).sum())
-            for name in ("gpu_time_server_start_s", "gpu_time_stabilise_s")
-            if name in ds
-        )
         # An attached server (engine.sglang.url) is running already: the stand-in's server
         # starts are not spent (the thermal stabilisation after each attach still is).
         attached = campaign.engine.backend == "sglang" and bool(campaign.engine.sglang.url)
         if attached and "gpu_time_server_start_s" in ds:
             launching = float(ds["gpu_time_server_start_s"].fillna(0.0).sum())
             spent -= launching
-            starts -= launching
         naive = naive_gpu_s(ds, stand_in, attached=attached)
         cells = int(ds["gpu_time_total_s"].notnull().sum())
         costs = _run_costs(swept.journal_path, attached=attached)
     return TwinEstimate(
-        profile, source, spent, window, naive, cells, skipped, failed, first_failure, starts, costs
+        profile, source, spent, window, naive, cells, skipped, failed, first_failure, costs
     )
 
 
