@@ -1982,7 +1982,7 @@ def test_a_merge_keeps_the_cap_each_source_found_and_lifted(nvml, tmp_path: Path
         str(tmp_path / "g.nc"),
     )
     lifted = (
-        "power_limit 1: not set: the GPU's default (700 W), not the 450 W found at start on "
+        "power_limit 1: not set: the GPUs' defaults (700 W), not the 450 W found at start on "
         f"{u0[:12]}: a cap dvfs applied, lifted while measuring and put back after"
     )
     for merged in (tmp_path / "s.nc", tmp_path / "g.nc"):
@@ -2042,11 +2042,12 @@ def test_each_gpus_cap_found_and_lifted_is_kept_and_said(nvml, tmp_path: Path, h
         "caps dvfs applied, lifted while measuring and put back after"
     )
     info = " ".join(invoke("cube", "info", str(out / "cube.nc")).split())
-    assert f"power_limit 1: not set: the GPU's default (700 W), {said}" in info
-    assert f"stock power limit the GPU's default, {said}" in info
+    # Two GPUs, each at its default (a cube of one said "the GPU's default"): plural.
+    assert f"power_limit 1: not set: the GPUs' defaults (700 W), {said}" in info
+    assert f"stock power limit the GPUs' defaults, {said}" in info
     [block, *_] = measured_section(cube).blocks
     assert isinstance(block, Facts)
-    assert dict(block.pairs)["Power limits"] == f"not set: the GPU's default (700 W), {said}"
+    assert dict(block.pairs)["Power limits"] == f"not set: the GPUs' defaults (700 W), {said}"
 
 
 def test_an_earlier_dvfs_journals_one_found_cap_still_reads(nvml, tmp_path: Path) -> None:

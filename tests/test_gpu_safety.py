@@ -1360,3 +1360,37 @@ def test_a_signal_held_by_a_restore_that_fails_at_the_sweeps_end_exits_as_interr
     assert "could not restore GPU settings" in errors[0] and "dvfs gpu reset" in errors[0], output
     assert (f"cube: {out / 'cube.nc'}" in text) is not cube_blocked, text
     assert list((tmp_path / "dvfs-state").glob("GPU-*.json")), "the state file is gone"
+
+
+@pytest.mark.parametrize("argv", [["gpu", "reset", "1"], ["cap", "reset", "1"]])
+def test_a_reset_of_one_gpu_is_not_stopped_by_another_gpus_damaged_governor_record(
+    nvml, env: dict[str, str], argv: list[str]
+) -> None:
+    """`dvfs gpu reset 1` with GPU 0's governor record damaged refused GPU 1 ("governed-<GPU
+    0>.json is unreadable"), exit 1, and left GPU 1 as the dead run left it: an operator could
+    not reset one GPU for another's record. Only the records of the GPUs reset stop it."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm")
+    state = _state_files(nvml, env, {1: None})  # the GPU as found: no lock, 500 W
+    nvml.fake_update_device(1, locked_clocks=[210, 1500], power_limit_mw=400_000)
+    (state / f"governed-{nvml.fake_device_state(0)['uuid']}.json").write_text("{damaged")
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"GPU 1 ({nvml.fake_device_state(1)['uuid']})" in result.stdout, result.stdout
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    assert nvml.fake_device_state(1)["power_limit_mw"] != 400_000
+    assert (state / f"governed-{nvml.fake_device_state(0)['uuid']}.json").exists()
+
+
+def test_a_reset_of_a_gpu_whose_own_governor_record_is_damaged_fails_in_one_line(
+    nvml, env: dict[str, str]
+) -> None:
+    """The damaged governor record of a GPU reset still stops it: named in one line, exit 1."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm")
+    state = _state_files(nvml, env, {1: [210, 1500]})
+    record = state / f"governed-{nvml.fake_device_state(1)['uuid']}.json"
+    record.write_text("{damaged")
+    result = dvfs_in_process("gpu", "reset", "1", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert "is unreadable" in error and f"governed-{nvml.fake_device_state(1)['uuid']}" in error
+    assert "Traceback" not in result.stdout + result.stderr

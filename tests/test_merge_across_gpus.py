@@ -182,6 +182,39 @@ def test_cubes_of_two_gpu_models_merge_whatever_sglang_derives_for_each_gpu(
 @pytest.mark.parametrize(
     ("first", "second", "named"),
     [
+        (
+            {"kv_cache_dtype": "bfloat16"},
+            {"kv_cache_dtype": "fp8_e4m3"},
+            "(kv_cache_dtype): 'bfloat16' -> 'fp8_e4m3'",
+        ),
+        (
+            _piecewise(4096),
+            _piecewise(8192),
+            "(piecewise_cuda_graph_max_tokens): 4096 -> 8192",
+        ),
+    ],
+    ids=["kv-cache-dtype", "piecewise"],
+)
+def test_cubes_of_one_gpu_model_differing_in_what_sglang_derives_from_the_gpu_are_refused(
+    runs: dict[str, Path], tmp_path: Path, first: dict[str, Any], second: dict[str, Any], named: str
+) -> None:
+    """Two runs on two H100s merged along `gpu` were compared as two GPU models are: without
+    what SGLang derives from the GPU, so a KV cache dtype or piecewise CUDA graphs that
+    differ between the two runs merged unseen (exit 0). One GPU model derives the same: a
+    difference there is the runs' own, refused as the shards of one run refuse it."""
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", args=first)
+    b = _cube(runs["h100"] / "cube.nc", tmp_path / "b.nc", args=second, gpu_uuids="GPU-twin-b")
+    refused = invoke("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
+    assert_one_line_error(refused, 2, "were not measured alike", named)
+    alike = _cube(runs["h100"] / "cube.nc", tmp_path / "c.nc", args=first, gpu_uuids="GPU-twin-c")
+    merged = invoke("cube", "merge", str(a), str(alike), "-o", str(tmp_path / "m.nc"))
+    assert merged.exit_code == 0, merged.output
+    assert open_cube(tmp_path / "m.nc").sizes["gpu"] == 2
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "named"),
+    [
         ({"random_seed": 1}, {"random_seed": 2}, "random seed (random_seed): 1 -> 2"),
         ({"dtype": "bfloat16"}, {"dtype": "float16"}, "dtype (dtype): 'bfloat16' -> 'float16'"),
         ({"speculative_num_steps": 3}, {"speculative_num_steps": 2}, "num_steps: 3 -> 2"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -296,14 +296,20 @@ class GovernorLocks:
             u: r for u, r in self.recorded().items() if now is None or r.get("boot") in (None, now)
         }
 
-    def recorded(self) -> dict[str, dict[str, Any]]:
-        """Every record on disk, an earlier boot's included."""
+    def recorded(self, uuids: Collection[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Every record on disk, an earlier boot's included; with `uuids`, only those GPUs'
+        (another GPU's damaged record must not stop a reset of these)."""
         if not self.directory.is_dir():
             return {}
         from dvfs.gpu.safety import read_record, record_problem
 
         found = {}
         for path in sorted(self.directory.glob(f"{self.PREFIX}GPU-*.json")):
+            if (
+                uuids is not None
+                and path.name.removeprefix(self.PREFIX).removesuffix(".json") not in uuids
+            ):
+                continue
             try:  # (a FIFO is refused, not waited on for ever; a folder is no record either)
                 data = json.loads(read_record(path))
             except FileNotFoundError:
@@ -867,7 +873,7 @@ def reset_gpus(
     governed = GovernorLocks(directory)
     # A governor killed after recording its lock but before changing the GPU left a record
     # with nothing to restore: cleared under the GPU's lock (a live governor holds it).
-    recorded = governed.recorded()
+    recorded = governed.recorded({g.identity.uuid for g in gpus})
     stale = [g for g in gpus if g.identity.uuid in recorded and g not in with_state]
     if not with_state and not stale and not defaults:
         if unreadable:

@@ -74,9 +74,15 @@ def stock_limit_text(ds: xr.Dataset) -> str:
     if not lifted:
         return "stock power limit as found at start"
     return (
-        f"stock power limit the GPU's default, not {lifted}, lifted while measuring and put "
-        "back after"
+        f"stock power limit {defaults_text(len(gpu_uuids(ds)))}, not {lifted}, lifted while "
+        "measuring and put back after"
     )
+
+
+def defaults_text(gpus: int) -> str:
+    """Whose default power limit the stock cells ran at: the GPU's, or the GPUs' of a cube of
+    several (a fleet's, a merge's)."""
+    return "the GPU's default" if gpus < 2 else "the GPUs' defaults"
 
 
 def lifted_caps_text(ds: xr.Dataset) -> str | None:
@@ -131,17 +137,19 @@ def _no_actuation(value: Any) -> bool:
         return False
 
 
-def unset_knob_text(dim: str, values: str, found: bool, lifted: str | None = None) -> str:
+def unset_knob_text(
+    dim: str, values: str, found: bool, lifted: str | None = None, gpus: int = 1
+) -> str:
     """A knob the campaign never set (`swept_knobs`) in words, beside `values`, the stock value
     its coordinate holds (the unlocked SM clock's maximum, the power limit as found), which
     dvfs never applied. `found`: measured observe-only, where a clock lock set outside dvfs
     stays (not "unlocked"). `lifted`: the power limits found at start where they were caps dvfs
     applied, lifted while the stock cells ran at the GPU's default, in words
-    (`lifted_caps_text`)."""
+    (`lifted_caps_text`); `gpus`: how many GPUs the cube holds (their defaults, several)."""
     if dim == "power_limit" and lifted:
         return (
-            f"not set: the GPU's default ({values}), not {lifted}, lifted while measuring and "
-            "put back after"
+            f"not set: {defaults_text(gpus)} ({values}), not {lifted}, lifted while measuring "
+            "and put back after"
         )
     if dim == "power_limit":
         return f"not set: as found at start ({values})"
@@ -160,7 +168,8 @@ def knobs_not_set(ds: xr.Dataset) -> dict[str, str]:
         if swept or dim not in ds.coords or not ds.sizes.get(dim):
             continue
         values = ", ".join(str(v).removesuffix(".0") for v in ds[dim].values.tolist())
-        said[dim] = unset_knob_text(dim, values + unit, observe_only(ds), lifted)
+        gpus = len(gpu_uuids(ds))
+        said[dim] = unset_knob_text(dim, values + unit, observe_only(ds), lifted, gpus)
     return said
 
 

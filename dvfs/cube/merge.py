@@ -335,7 +335,8 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     (`combine_shards`).
 
     Refused when a provenance key that must match differs (model, engine, method, schema...)
-    or when two cubes come from the same GPU. Grids may differ: missing cells are NaN.
+    or when two cubes come from the same GPU; what SGLang derives from the GPU is compared
+    only between cubes of one GPU model (`gpu_name`). Grids may differ: missing cells are NaN.
     """
     import xarray as xr
 
@@ -370,7 +371,9 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
                     f"{label}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
                 )
         _check_same_workload(first, ds, names[0], label)
-        changes = provenance_differences(first, ds, across_gpus=True)
+        # Two runs on one GPU model (two H100s) get the same from SGLang: compared in it all.
+        models = str(first.attrs.get("gpu_name")) != str(ds.attrs.get("gpu_name"))
+        changes = provenance_differences(first, ds, across_gpus=models)
         if changes:
             raise MergeRefusedError(
                 f"cannot merge: {names[0]} and {label} were not measured alike "

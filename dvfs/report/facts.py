@@ -44,19 +44,21 @@ def _knob_values(
     swept: bool,
     found: bool,
     lifted: str | None = None,
+    gpus: int = 1,
 ) -> str:
     """A knob's values (`_values`), or, where the campaign never set it, that it was not: its
     coordinate then holds the stock value the cube files the cells under (the unlocked SM
     clock's maximum, the power limit as found), which dvfs never applied. `found`: measured
     observe-only, where a clock lock set outside dvfs stays (not "unlocked"). `lifted`: the
     power limit found at start where it was a cap dvfs applied, which the stock cells ran
-    without, at the GPU's default limit (`lifted_caps_w`)."""
+    without, at the GPU's default limit (`lifted_caps_w`); `gpus`: how many GPUs the cube
+    holds."""
     from dvfs.cube.info import unset_knob_text
 
     values = _values(info, dim, unit)
     if swept or values == MISSING:
         return values
-    return unset_knob_text(dim, values, found, lifted)
+    return unset_knob_text(dim, values, found, lifted, gpus)
 
 
 def measured_section(cube: xr.Dataset) -> Section:
@@ -75,6 +77,7 @@ def measured_section(cube: xr.Dataset) -> Section:
     a = cube.attrs
     clock_set, limit_set = swept_knobs(cube)
     found = observe_only(cube)
+    uuids = gpu_uuids(cube)
     lifted = lifted_caps_text(cube)
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
@@ -87,7 +90,10 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Engine", info["engine"] if a.get("engine_backend") else MISSING),
         ("Model", _text(info["model"]) + tp),
         ("SM clocks", _knob_values(info, "sm_clock", " MHz", clock_set, found)),
-        ("Power limits", _knob_values(info, "power_limit", " W", limit_set, found, lifted)),
+        (
+            "Power limits",
+            _knob_values(info, "power_limit", " W", limit_set, found, lifted, len(uuids)),
+        ),
         ("Batch sizes", _values(info, "batch")),
         ("Drafters", _values(info, "drafter")),
         ("Corpora", _values(info, "corpus")),
