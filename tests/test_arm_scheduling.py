@@ -351,6 +351,38 @@ def test_mixed_chunks_with_a_gemma4_assistant_draft_are_refused_before_any_serve
     assert arm_mismatches(campaign, legacy=False, env={"HF_HUB_CACHE": str(hub)}) == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["fifo", "hub-ref-fifo", "deep"])
+def test_a_draft_config_that_is_no_small_json_file_is_ignored(tmp_path: Path, case: str) -> None:
+    """The draft's config.json (or the Hub cache's refs/main) read for its architectures: a
+    FIFO was waited on for ever (the sweep's dry run hung), and JSON nested too deeply escaped
+    as a RecursionError (blamed on the campaign file: "c.toml is nested too deeply to read").
+    Each is ignored, as a config.json that is not there: the campaign is not refused for it."""
+    import os
+
+    hub = tmp_path / "hub"
+    draft: object = tmp_path / "draft"
+    if case == "hub-ref-fifo":
+        draft = "google/g4-assistant"
+        (hub / "models--google--g4-assistant" / "refs").mkdir(parents=True)
+        os.mkfifo(hub / "models--google--g4-assistant" / "refs" / "main")  # no writer
+    else:
+        (tmp_path / "draft").mkdir()
+        config = tmp_path / "draft" / "config.json"
+        if case == "fifo":
+            os.mkfifo(config)  # no writer: a reader that opens it waits for ever
+        else:
+            config.write_text("[" * 100_000 + "]" * 100_000)
+    drafters = (
+        '[drafters.none]\nalgorithm = "none"\n\n[drafters.mtp]\n'
+        f'algorithm = "EAGLE"\ndraft_model = "{draft}"\n'
+    )
+    campaign = load(
+        tmp_path, campaign_text(drafters, "[1]", 'extra_args = ["--enable-mixed-chunk"]')
+    )
+    assert arm_mismatches(campaign, legacy=False, env={"HF_HUB_CACHE": str(hub)}) == []
+
+
 def shortest_prefix(flags: list[str], flag: str) -> str:
     """The shortest abbreviation of `flag` no other of `flags` starts with (argparse's rule)."""
     others = [f for f in flags if f != flag]

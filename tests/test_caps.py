@@ -2332,6 +2332,30 @@ def test_a_dry_run_refuses_a_folder_in_place_of_the_caps_records_lock_as_the_app
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+def test_a_dry_run_refuses_a_lock_linked_into_a_missing_folder_as_the_apply_does(
+    nvml, tmp_path: Path
+) -> None:
+    """A symlink in the place of the caps record's lock, to a file in a folder that is not
+    there: the apply cannot make the lock and refuses (exit 1, changing nothing); its dry run
+    exited 0, saying it would apply. It refuses it too, in the apply's words."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    lock = state / "caps-applied.json.lock"
+    lock.symlink_to(tmp_path / "gone" / "caps.lock")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    real = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    refusal = " ".join(real.output.split()).removeprefix("Error: ")
+    assert real.exit_code == 1 and f"cannot open {lock}: no such file" in refusal, refusal
+    dry = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--dry-run"])
+    said = " ".join(dry.output.split())
+    assert dry.exit_code == 1, said
+    assert said == "Error: dry run, nothing changed: the apply would be refused: " + refusal
+    assert not (tmp_path / "gone").exists()
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 @pytest.mark.parametrize("name", ["caps-applied.json.lock", "governed-{uuid}.json"])
 def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_dir(
     nvml, tmp_path: Path, name: str

@@ -11,6 +11,7 @@ model name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Callable, Collection, Sequence
@@ -191,11 +192,15 @@ class AppliedCaps:
         os.close(self._open_lock())
 
     def refuse_a_folder_lock(self) -> None:
-        """`check_writable`'s refusal of a folder in the lock's place, read without making
+        """`check_writable`'s refusal of a folder in the lock's place (`CapsRecordError`), or of
+        a link to a file in a missing folder (`FileNotFoundError`), read without making
         anything: a dry run's, which may not write the state folder."""
         path = self.path.with_name(f"{self.path.name}.lock")
         if path.is_dir():
             raise CapsRecordError(_a_folder(path))
+        if path.is_symlink() and not path.exists() and not path.resolve().parent.is_dir():
+            # a link to a file in a folder that is not there: the apply's open cannot make it
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
 
     def _open_lock(self) -> int:
         """The record's lock file, opened (made if missing) without blocking: a FIFO in its

@@ -382,6 +382,7 @@ def _refuse_as_the_apply_would(
     one holding an earlier run's unrestored changes, and (exit 1) for a folder in the place of
     the caps record's lock, read without taking or changing anything."""
     from dvfs.caps import AppliedCaps
+    from dvfs.cli.common import describe_os_error
     from dvfs.errors import CapsRecordError, GpuStateError
     from dvfs.gpu.safety import GpuLocks, StateStore
 
@@ -402,6 +403,8 @@ def _refuse_as_the_apply_would(
             AppliedCaps(directory).refuse_a_folder_lock()
         except CapsRecordError as exc:
             raise CapsRecordError(prefix + str(exc)) from exc
+        except OSError as exc:  # in the apply's words (`describe_os_error`)
+            raise CapsRecordError(prefix + describe_os_error(exc)) from exc
 
 
 @cap.command("show")

@@ -41,6 +41,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -345,12 +346,28 @@ def _draft_architectures(draft_model: str | None, env: Mapping[str, str]) -> lis
     repo = _hub_repo(draft_model, env)
     try:
         if repo is not None:
-            commit = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+            commit = _read_small(repo / "refs" / "main").strip()
             config = repo / "snapshots" / commit / "config.json"
-        found = json.loads(config.read_text(encoding="utf-8")).get("architectures")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return []
+        found = json.loads(_read_small(config)).get("architectures")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        return []  # (json nested too deeply: RecursionError)
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+
+
+def _read_small(path: Path) -> str:
+    """A model's small file (config.json, a ref) as text: opened without blocking and refused
+    (`ValueError`) unless a regular file of at most `MAX_SETTINGS_BYTES`, so that a FIFO is not
+    waited on for ever, nor a device (/dev/zero) read until memory runs out."""
+    from dvfs.inputs import MAX_SETTINGS_BYTES
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:  # (a folder: IsADirectoryError)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is no regular file")
+        data = f.read(MAX_SETTINGS_BYTES + 1)
+    if len(data) > MAX_SETTINGS_BYTES:
+        raise ValueError(f"{path} is larger than any config.json")
+    return data.decode("utf-8")
 
 
 def _no_mixed_chunk_0523(drafter: DrafterSpec, env: Mapping[str, str]) -> bool:
