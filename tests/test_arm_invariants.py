@@ -991,6 +991,11 @@ def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> 
     assert model_commit("org/m", "v2", {"HF_HOME": str(tmp_path / "elsewhere")}) == ""
     ref.write_text("not a commit")
     assert model_commit("org/m", "v2", env) == ""
+    # A ref that is no regular file (a FIFO: its read waited for a writer for ever) tells
+    # nothing, as one that cannot be read.
+    ref.unlink()
+    os.mkfifo(ref)
+    assert model_commit("org/m", "v2", env) == ""
 
 
 def _download_dir_campaign(tmp_path: Path) -> tuple[Path, Path, Path, str]:

@@ -60,6 +60,7 @@ from dvfs.engines.sglang_args import (
     launch_env,
     parse_version,
     probe_help,
+    read_small,
     server_command,
     server_env,
     server_keys,
@@ -229,7 +230,8 @@ def model_commit(
     repos = _hub_repos(model_path, env, download_dir)
     for repo in repos:
         try:
-            text = (repo / "refs" / rev).read_text(encoding="utf-8").strip()
+            # (a FIFO or device there is not waited on nor read for ever)
+            text = read_small(repo / "refs" / rev).strip()
         except (OSError, UnicodeDecodeError, ValueError):
             continue
         if _COMMIT_RE.match(text) and (repo == repos[-1] or (repo / "snapshots" / text).is_dir()):

@@ -346,15 +346,15 @@ def _draft_architectures(draft_model: str | None, env: Mapping[str, str]) -> lis
     repo = _hub_repo(draft_model, env)
     try:
         if repo is not None:
-            commit = _read_small(repo / "refs" / "main").strip()
+            commit = read_small(repo / "refs" / "main").strip()
             config = repo / "snapshots" / commit / "config.json"
-        found = json.loads(_read_small(config)).get("architectures")
+        found = json.loads(read_small(config)).get("architectures")
     except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
         return []  # (json nested too deeply: RecursionError)
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
-def _read_small(path: Path) -> str:
+def read_small(path: Path) -> str:
     """A model's small file (config.json, a ref) as text: opened without blocking and refused
     (`ValueError`) unless a regular file of at most `MAX_SETTINGS_BYTES`, so that a FIFO is not
     waited on for ever, nor a device (/dev/zero) read until memory runs out."""
