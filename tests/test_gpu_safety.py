@@ -1394,3 +1394,26 @@ def test_a_reset_of_a_gpu_whose_own_governor_record_is_damaged_fails_in_one_line
     [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
     assert "is unreadable" in error and f"governed-{nvml.fake_device_state(1)['uuid']}" in error
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_reset_of_every_gpu_restores_the_others_beside_a_damaged_governor_record(
+    nvml, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset` (every GPU, as a governor's unit runs it after a crash) with GPU 0's
+    governor record damaged refused every GPU, exit 1, and left GPU 1 as the dead run left it.
+    The damaged record's GPU is left as it is and named once the others are restored, as a
+    GPU whose state file is damaged is."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm")
+    state = _state_files(nvml, env, {1: None})
+    nvml.fake_update_device(1, locked_clocks=[210, 1500], power_limit_mw=400_000)
+    record = state / f"governed-{nvml.fake_device_state(0)['uuid']}.json"
+    record.write_text("{damaged")
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert nvml.fake_device_state(1)["locked_clocks"] is None, result.stdout + result.stderr
+    assert nvml.fake_device_state(1)["power_limit_mw"] != 400_000
+    assert f"GPU 1 ({nvml.fake_device_state(1)['uuid']})" in result.stdout, result.stdout
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert "is unreadable" in error and record.name in error, error
+    assert "Traceback" not in result.stdout + result.stderr
+    assert record.exists()

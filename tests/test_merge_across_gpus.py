@@ -212,6 +212,28 @@ def test_cubes_of_one_gpu_model_differing_in_what_sglang_derives_from_the_gpu_ar
     assert open_cube(tmp_path / "m.nc").sizes["gpu"] == 2
 
 
+def test_two_cubes_of_one_gpu_model_merged_after_another_models_are_compared_alike(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Each cube was compared with the first alone: an H200's cube first, two H100s' cubes
+    after it were each compared with it as across GPU models, and never with each other, so
+    their KV cache dtypes that differ merged unseen (exit 0)."""
+    h200 = _cube(runs["h200"] / "cube.nc", tmp_path / "h200.nc", args={"kv_cache_dtype": "auto"})
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", args={"kv_cache_dtype": "bfloat16"})
+    b = _cube(
+        runs["h100"] / "cube.nc",
+        tmp_path / "b.nc",
+        args={"kv_cache_dtype": "fp8_e4m3"},
+        gpu_uuids="GPU-twin-b",
+    )
+    refused = invoke("cube", "merge", str(h200), str(a), str(b), "-o", str(tmp_path / "m.nc"))
+    assert_one_line_error(refused, 2, "were not measured alike", "'bfloat16' -> 'fp8_e4m3'")
+    alike = _cube(a, tmp_path / "c.nc", gpu_uuids="GPU-twin-c")
+    merged = invoke("cube", "merge", str(h200), str(a), str(alike), "-o", str(tmp_path / "m.nc"))
+    assert merged.exit_code == 0, merged.output
+    assert open_cube(tmp_path / "m.nc").sizes["gpu"] == 3
+
+
 @pytest.mark.parametrize(
     ("first", "second", "named"),
     [

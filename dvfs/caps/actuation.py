@@ -873,16 +873,24 @@ def reset_gpus(
             unreadable.append(exc)
             continue
         readable.append(gpu)
-    gpus = readable
-    with_state = [g for g in gpus if store.pending(g.identity.uuid)]
     governed = GovernorLocks(directory)
     # A governor killed after recording its lock but before changing the GPU left a record
-    # with nothing to restore: cleared under the GPU's lock (a live governor holds it).
-    recorded = governed.recorded({g.identity.uuid for g in gpus})
+    # with nothing to restore: cleared under the GPU's lock (a live governor holds it). A
+    # GPU whose record is damaged is left as it is, named once the others are restored.
+    recorded: dict[str, dict[str, Any]] = {}
+    damaged: list[CapsRecordError] = []
+    gpus = []
+    for gpu in readable:
+        try:
+            recorded.update(governed.recorded({gpu.identity.uuid}))
+        except CapsRecordError as exc:
+            damaged.append(exc)
+            continue
+        gpus.append(gpu)
+    with_state = [g for g in gpus if store.pending(g.identity.uuid)]
     stale = [g for g in gpus if g.identity.uuid in recorded and g not in with_state]
     if not with_state and not stale and not defaults:
-        if unreadable:
-            _raise_together(unreadable)
+        _raise_all(unreadable, damaged)
         return False
     targets = list(gpus) if defaults else [*with_state, *stale]
     locks = GpuLocks(directory)
@@ -929,9 +937,17 @@ def reset_gpus(
                 reset_caps(others, AppliedCaps(directory), lambda line: note(f"reset {line}"))
             except GpuError as exc:
                 failed.append(exc)
-        if failed:
-            _raise_together(failed)
+        _raise_all(failed, damaged)
     return True
+
+
+def _raise_all(failed: Sequence[GpuError], damaged: Sequence[CapsRecordError]) -> None:
+    """`_raise_together` of the GPUs that failed and those whose governor record is damaged
+    (one such record alone raised as it is); nothing where there is neither."""
+    if len(damaged) == 1 and not failed:
+        raise damaged[0]
+    if failed or damaged:
+        _raise_together([*failed, *(GpuError(str(e)) for e in damaged)])
 
 
 def _raise_together(failed: Sequence[GpuError]) -> None:

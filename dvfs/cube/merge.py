@@ -371,12 +371,21 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
                     f"{label}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
                 )
         _check_same_workload(first, ds, names[0], label)
-        # Two runs on one GPU model (two H100s) get the same from SGLang: compared in it all.
-        models = str(first.attrs.get("gpu_name")) != str(ds.attrs.get("gpu_name"))
-        changes = provenance_differences(first, ds, across_gpus=models)
+        # Two runs on one GPU model (two H100s) get the same from SGLang: compared in it all,
+        # with the first cube of that model (not the first cube, another model's, alone).
+        ref, ref_label = next(
+            (c, n)
+            for c, n in zip(cubes, names, strict=True)
+            if str(c.attrs.get("gpu_name")) == str(ds.attrs.get("gpu_name"))
+        )
+        changes = provenance_differences(first, ds, across_gpus=ref is not first)
+        if not changes and ref is not first and ref is not ds:
+            changes, first_label = provenance_differences(ref, ds), ref_label
+        else:
+            first_label = names[0]
         if changes:
             raise MergeRefusedError(
-                f"cannot merge: {names[0]} and {label} were not measured alike "
+                f"cannot merge: {first_label} and {label} were not measured alike "
                 f"({_listed(changes)}): their GPUs would compare software or prompts too; "
                 "measure every GPU with one engine version, flags and server environment, the "
                 "same corpora and tokenizer"
