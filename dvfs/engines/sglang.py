@@ -56,6 +56,7 @@ from dvfs.engines.sglang_args import (
     check_same_kernels,
     host_family,
     host_url,
+    hub_repo,
     launch_argv,
     launch_env,
     parse_version,
@@ -165,48 +166,12 @@ def same_model(reported: object, wanted: str) -> bool:
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}\Z")
 
 
-def _hub_repo(model_path: object, env: Mapping[str, str]) -> Path | None:
-    """The Hub cache folder of model `model_path` for a server with environment `env`, found as
-    huggingface_hub's constants find it (HF_HUB_CACHE, else the legacy HUGGINGFACE_HUB_CACHE,
-    else HF_HOME/hub, else XDG_CACHE_HOME or ~/.cache, then huggingface/hub; '~' and $VARS
-    expanded in `env`); None for a local folder or file, or a name that is no Hub repo id."""
-    model = str(model_path or "")
-    parts = model.strip("/").split("/")
-    if len(parts) != 2 or not all(parts) or model.startswith(("/", ".", "~")):
-        return None
-    if os.path.exists(model):
-        return None
-    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
-    if not cache:
-        home = env.get("HF_HOME") or os.path.join(
-            env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
-        )
-        cache = os.path.join(_expanded(home, env), "hub")
-    return Path(_expanded(cache, env)) / f"models--{parts[0]}--{parts[1]}"
-
-
-_ENV_VAR_RE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
-
-
-def _expanded(path: str, env: Mapping[str, str]) -> str:
-    """`path` as huggingface_hub reads a cache variable in the server's environment `env`: a
-    leading '~' is its HOME, and each $NAME or ${NAME} set there its value (others kept)."""
-    if path == "~" or path.startswith("~/"):
-        path = (env.get("HOME") or str(Path.home())) + path[1:]
-
-    def value(match: re.Match[str]) -> str:
-        name = match.group(1) or match.group(2)
-        return env.get(name, match.group(0))
-
-    return _ENV_VAR_RE.sub(value, path)
-
-
 def _hub_repos(model_path: object, env: Mapping[str, str], download_dir: object) -> list[Path]:
     """Where a server's weights of model `model_path` may come from, in the order SGLang looks:
     its --download-dir `download_dir` (the cache_dir its weights are fetched to, 0.5.9 and
     0.5.23 model_loader/weight_utils.py `download_weights_from_hf`), then the Hub cache
-    (`_hub_repo`)."""
-    repo = _hub_repo(model_path, env)
+    (`hub_repo`)."""
+    repo = hub_repo(model_path, env)
     if repo is None:
         return []
     given = [Path(str(download_dir)) / repo.name] if download_dir else []  # as given: no shell

@@ -340,10 +340,8 @@ def _draft_architectures(draft_model: str | None, env: Mapping[str, str]) -> lis
     or the Hub cache's snapshot of its branch main (empty where it cannot be read)."""
     if not draft_model:
         return []
-    from dvfs.engines.sglang import _hub_repo  # sglang imports this module
-
     config = Path(draft_model) / "config.json"
-    repo = _hub_repo(draft_model, env)
+    repo = hub_repo(draft_model, env)
     try:
         if repo is not None:
             commit = read_small(repo / "refs" / "main").strip()
@@ -352,6 +350,42 @@ def _draft_architectures(draft_model: str | None, env: Mapping[str, str]) -> lis
     except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
         return []  # (json nested too deeply: RecursionError)
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+
+
+def hub_repo(model_path: object, env: Mapping[str, str]) -> Path | None:
+    """The Hub cache folder of model `model_path` for a server with environment `env`, found as
+    huggingface_hub's constants find it (HF_HUB_CACHE, else the legacy HUGGINGFACE_HUB_CACHE,
+    else HF_HOME/hub, else XDG_CACHE_HOME or ~/.cache, then huggingface/hub; '~' and $VARS
+    expanded in `env`); None for a local folder or file, or a name that is no Hub repo id."""
+    model = str(model_path or "")
+    parts = model.strip("/").split("/")
+    if len(parts) != 2 or not all(parts) or model.startswith(("/", ".", "~")):
+        return None
+    if os.path.exists(model):
+        return None
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = env.get("HF_HOME") or os.path.join(
+            env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+        )
+        cache = os.path.join(_expanded(home, env), "hub")
+    return Path(_expanded(cache, env)) / f"models--{parts[0]}--{parts[1]}"
+
+
+_ENV_VAR_RE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
+
+
+def _expanded(path: str, env: Mapping[str, str]) -> str:
+    """`path` as huggingface_hub reads a cache variable in the server's environment `env`: a
+    leading '~' is its HOME, and each $NAME or ${NAME} set there its value (others kept)."""
+    if path == "~" or path.startswith("~/"):
+        path = (env.get("HOME") or str(Path.home())) + path[1:]
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return env.get(name, match.group(0))
+
+    return _ENV_VAR_RE.sub(value, path)
 
 
 def read_small(path: Path) -> str:
