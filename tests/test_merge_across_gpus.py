@@ -950,6 +950,15 @@ def test_a_merged_cube_says_which_gpus_idle_power_is_from_power_readings(
     assert int(open_cube(whole).attrs["idle_from_power_readings"]) == 1
 
 
+def _merged_and_told(paths: list[Path], tmp_path: Path) -> tuple[Any, str]:
+    """`cube merge` of `paths` into tmp_path/m.nc (which must succeed): the merged cube, and
+    what `cube info` says of it, on one line."""
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", *map(str, paths), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    return open_cube(merged), " ".join(invoke("cube", "info", str(merged)).stdout.split())
+
+
 def test_shards_of_a_fleet_mixing_models_keep_any_shards_idle_from_power_readings(
     tiny_exact_run, tmp_path: Path
 ) -> None:
@@ -967,13 +976,9 @@ def test_shards_of_a_fleet_mixing_models_keep_any_shards_idle_from_power_reading
         ds.attrs["idle_from_power_readings"] = flag
         write_cube(ds, tmp_path / f"s{i}.nc")
         paths.append(tmp_path / f"s{i}.nc")
-    merged = tmp_path / "m.nc"
-    result = invoke("cube", "merge", *map(str, paths), "-o", str(merged))
-    assert result.exit_code == 0, result.output
-    cube = open_cube(merged)
+    cube, text = _merged_and_told(paths, tmp_path)
     assert int(cube.attrs["idle_from_power_readings"]) == 1
     h100, h200 = (str(g)[:12] for g in cube["gpu"].values)
-    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
     caveat = "(the mean of the instant power readings"
     assert f"idle power {h100} 75.0 W {caveat}" in text, text
     assert f"{h200} 75.0 W {caveat}" not in text, text
@@ -1001,11 +1006,7 @@ def test_shards_of_a_fleet_mixing_models_keep_each_shards_idle_power_per_model(
         ds.attrs["merged_from"] = json.dumps(sources)
         write_cube(ds, tmp_path / f"s{i}.nc")
         paths.append(tmp_path / f"s{i}.nc")
-    merged = tmp_path / "m.nc"
-    result = invoke("cube", "merge", *map(str, paths), "-o", str(merged))
-    assert result.exit_code == 0, result.output
-    cube = open_cube(merged)
+    cube, text = _merged_and_told(paths, tmp_path)
     h100, h200 = (str(g)[:12] for g in cube["gpu"].values)
-    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
     assert f"idle power {h100} 85.0 W (not idle: another tenant's process 4242" in text, text
     assert f"{h200} 75.0 W gpu" in text, text  # no tenant, the H200's own
