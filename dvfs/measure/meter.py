@@ -642,7 +642,7 @@ def acceptance(
         accepted = sum(accepted_ct) if None not in accepted_ct else sum(map(_or_zero, accepted_ct))
         completion = sum(map(_COMPLETION, requests))
     elif verify_ct.count(None) == len(verify_ct):
-        n = 0
+        n = verify = proposed = accepted = completion = 0  # none speculated
     else:
         n = verify = proposed = accepted = completion = 0
         for r in requests:
@@ -653,6 +653,21 @@ def acceptance(
             proposed += r.spec_proposed_drafts or 0
             accepted += r.spec_accepted_drafts or 0
             completion += r.completion_tokens
+    return _pooled(n, verify, proposed, accepted, completion, server_mean, covers)
+
+
+def _pooled(
+    n: int,
+    verify: int,
+    proposed: int,
+    accepted: int,
+    completion: int,
+    server_mean: float,
+    covers: float,
+) -> Acceptance:
+    """A cell's acceptance from its speculating requests' counts summed (`n` requests):
+    accept length over the verify passes, with and without each request's prefill token,
+    and the share of proposed drafts accepted; NaN where none speculated."""
     if not n:
         return Acceptance(math.nan, math.nan, server_mean, server_covers=covers)
     length = completion / verify if verify else math.nan
@@ -679,12 +694,7 @@ def _pooled_arrays(arrays: Sequence[RoundArrays], server_mean: float, covers: fl
         proposed += (chunks - len(a.counts)) * (a.verify_tokens - 1)
         accepted += done - chunks
         completion += done
-    if not n:
-        return Acceptance(math.nan, math.nan, server_mean, server_covers=covers)
-    length = completion / verify if verify else math.nan
-    decode = (completion - n) / verify if verify else math.nan
-    rate = accepted / proposed if proposed else math.nan
-    return Acceptance(length, rate, server_mean, decode, covers)
+    return _pooled(n, verify, proposed, accepted, completion, server_mean, covers)
 
 
 #: The cross-check runs only where the server's figure covers at least this share of each
