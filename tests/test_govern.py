@@ -889,6 +889,40 @@ def test_a_first_setting_of_stock_is_no_change(nvml, tmp_path: Path, dry_run: bo
     assert sum("set running batch 0" in line for line in lines) == 1, lines
 
 
+def _govern_capped(
+    nvml: Any,
+    tmp_path: Path,
+    scraper: Any,
+    steps: int,
+    params: PolicyParams,
+    *,
+    dry_run: bool = False,
+    live: LiveMetrics | None = None,
+) -> tuple[int, list[str]]:
+    """`govern` of GPU 0 under a static clock cap of 1200 MHz (locked, and in `cap apply`'s
+    record) for `steps` intervals of a second of virtual time: its changes and its lines."""
+    from dvfs.backends import open_gpus
+    from dvfs.caps.actuation import AppliedCaps
+
+    state = tmp_path / "state"
+    time, lines = VirtualTime(), []
+    with open_gpus([0]) as gpus:
+        nvml.fake_update_device(0, locked_clocks=[210, 1200])
+        AppliedCaps(state).update(gpus[0].identity.uuid, {"lock_mhz": [210, 1200]})
+        changes = govern(
+            PLAN,
+            gpus,
+            scraper,
+            params,
+            Ticker(1.0, steps, clock=time.clock, sleep=time.sleep),
+            live=live or LiveMetrics(),
+            note=lines.append,
+            dry_run=dry_run,
+            state_dir=state,
+        )
+    return changes, lines
+
+
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_a_step_the_static_caps_hold_already_is_no_change(
     nvml, tmp_path: Path, dry_run: bool
@@ -897,26 +931,15 @@ def test_a_step_the_static_caps_hold_already_is_no_change(
     16) both leave the GPU at 1200 MHz and its power limit: each was logged "set ..." and
     counted in dvfs_govern_changes_total ("Settings the governor changed"), with no setting
     changed. Only plan batch 1's 400 W (batch 0) changes the GPU: one change, one "set"."""
-    from dvfs.backends import open_gpus
-    from dvfs.caps.actuation import AppliedCaps
-
-    state = tmp_path / "state"
     script = iter([4, 16, 0])
-    time, lines = VirtualTime(), []
-    with open_gpus([0]) as gpus:
-        nvml.fake_update_device(0, locked_clocks=[210, 1200])
-        AppliedCaps(state).update(gpus[0].identity.uuid, {"lock_mhz": [210, 1200]})
-        changes = govern(
-            PLAN,
-            gpus,
-            lambda: ServerSample(next(script), None, None),
-            PolicyParams(dwell_s=0.0),
-            Ticker(1.0, 3, clock=time.clock, sleep=time.sleep),
-            live=LiveMetrics(),
-            note=lines.append,
-            dry_run=dry_run,
-            state_dir=state,
-        )
+    changes, lines = _govern_capped(
+        nvml,
+        tmp_path,
+        lambda: ServerSample(next(script), None, None),
+        3,
+        PolicyParams(dwell_s=0.0),
+        dry_run=dry_run,
+    )
     assert changes == 1, lines
     sets = [line for line in lines if " set " in f" {line}"]
     assert len(sets) == 1 and "running batch 0 -> plan batch 1: " in sets[0], lines
@@ -936,26 +959,15 @@ def test_a_step_that_changes_nothing_does_not_restart_the_dwell(
     batch 4's 1800 MHz (t=1) leaves the GPU as it is ("no change at"); batch 0's 400 W at t=2
     is the first change, and nothing changed within a dwell before it: it is set at once, not
     at t=5, a whole dwell after the step that changed nothing."""
-    from dvfs.backends import open_gpus
-    from dvfs.caps.actuation import AppliedCaps
-
-    state = tmp_path / "state"
     load = [100, 4, 0, 0, 0, 0, 0]
-    time, lines = VirtualTime(), []
-    with open_gpus([0]) as gpus:
-        nvml.fake_update_device(0, locked_clocks=[210, 1200])
-        AppliedCaps(state).update(gpus[0].identity.uuid, {"lock_mhz": [210, 1200]})
-        changes = govern(
-            PLAN,
-            gpus,
-            _scripted(list(load)),
-            PolicyParams(dwell_s=4.0, hysteresis=0.25),
-            Ticker(1.0, len(load), clock=time.clock, sleep=time.sleep),
-            live=LiveMetrics(),
-            note=lines.append,
-            dry_run=dry_run,
-            state_dir=state,
-        )
+    changes, lines = _govern_capped(
+        nvml,
+        tmp_path,
+        _scripted(list(load)),
+        len(load),
+        PolicyParams(dwell_s=4.0, hysteresis=0.25),
+        dry_run=dry_run,
+    )
     assert changes == 1, lines
     [held] = [line for line in lines if "running batch 4 -> " in line]
     assert held.startswith(("no change at", "dry run: no change at")), held
@@ -970,10 +982,6 @@ def test_a_step_that_sets_a_limit_changed_outside_dvfs_again_is_a_change(
     left it; but an admin set the power limit to 500 W since the step before, and the step puts
     the limit in force at start (700 W) back. That write was logged "no change at" and not
     counted in dvfs_govern_changes_total: it is a change, said "set" and counted."""
-    from dvfs.backends import open_gpus
-    from dvfs.caps.actuation import AppliedCaps
-
-    state = tmp_path / "state"
     load = iter([100, 4])
 
     def scraper() -> ServerSample:
@@ -982,21 +990,12 @@ def test_a_step_that_sets_a_limit_changed_outside_dvfs_again_is_a_change(
             nvml.fake_update_device(0, power_limit_mw=500_000)
         return ServerSample(batch, None, None)
 
-    time, lines, live = VirtualTime(), [], LiveMetrics()
-    with open_gpus([0]) as gpus:
-        nvml.fake_update_device(0, locked_clocks=[210, 1200])
-        AppliedCaps(state).update(gpus[0].identity.uuid, {"lock_mhz": [210, 1200]})
-        changes = govern(
-            PLAN,
-            gpus,
-            scraper,
-            PolicyParams(dwell_s=0.0),
-            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
-            live=live,
-            note=lines.append,
-            state_dir=state,
-        )
-        limits = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetPowerManagementLimit")]
+    live = LiveMetrics()
+    changes, lines = _govern_capped(
+        nvml, tmp_path, scraper, 2, PolicyParams(dwell_s=0.0), live=live
+    )
+    # (the first write is the step's; the GPUs' restore at the end comes after it)
+    limits = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetPowerManagementLimit")]
     assert limits[0] == [700_000], limits  # the step wrote the limit back
     [step] = [line for line in lines if "running batch 4 -> " in line]
     assert step.startswith("set running batch 4 -> "), lines
