@@ -137,8 +137,9 @@ VARIABLES = (
         "throttle_violation_s",
         "s",
         "time a thermal or board-limit throttle held a GPU below its clocks during the cell's "
-        "rounds, by NVML's violation counters read at each round's start and end, summed over "
-        "the GPUs (a throttle between two samples included; NaN: no GPU could tell)",
+        "rounds, by NVML's violation counters read at each round's start and end: each "
+        "round's most-throttled GPU's, summed over the rounds (a throttle between two samples "
+        "included; NaN: no GPU could tell)",
     ),
 )
 #: Where each cell's GPU time went (`dvfs.records.GPU_TIME_KEYS`), one variable per entry

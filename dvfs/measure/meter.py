@@ -753,8 +753,9 @@ class CellMeasurement:
     prompt_tokens: float = math.nan
     #: Seconds a throttle policy (`dvfs.gpu.base.THROTTLE_POLICIES`: thermal, board limit)
     #: held a GPU below its clocks during the cell's rounds, by NVML's violation counters read
-    #: at each round's start and end, summed over the GPUs that could tell and the rounds
-    #: (`throttle_violation_delta`); NaN where none could (a driver without the call).
+    #: at each round's start and end: each round's most-throttled GPU's, of those that could
+    #: tell (`throttle_violation_delta`), summed over the rounds; NaN where none could (a
+    #: driver without the call).
     throttle_violation_s: float = math.nan
 
     def __post_init__(self) -> None:
@@ -822,8 +823,8 @@ class WindowPart:
     window: tuple[int, int] | None
     samples: dict[str, np.ndarray]
     energy: RoundEnergy | None = None
-    #: Nanoseconds the throttle policies' violation counters grew over the round, summed over
-    #: the GPUs (`throttle_violation_delta`); None: no GPU could tell.
+    #: Nanoseconds the throttle policies' violation counters grew over the round, the
+    #: most-throttled GPU's (`throttle_violation_delta`); None: no GPU could tell.
     violation_ns: int | None = None
 
     def round_energy(self, periods_s: Sequence[float | None] = ()) -> RoundEnergy | None:
@@ -870,18 +871,27 @@ def throttle_violation_reads(gpus: Iterable[object]) -> tuple[int | None, ...]:
 
 
 def throttle_violation_delta(start: Sequence[int | None], end: Sequence[int | None]) -> int | None:
-    """How much the GPUs' throttle violation counters grew between two reads
-    (`throttle_violation_reads`), summed over the GPUs read both times; None where none was.
-    A counter that went back (a driver reloaded between the reads) adds nothing."""
+    """How much the most-throttled GPU's throttle violation counter grew between two reads
+    (`throttle_violation_reads`): the largest growth of the GPUs read both times; None where
+    none was. A counter that went back (a driver reloaded between the reads) grew by nothing.
+
+    The largest, not the sum: a tensor-parallel group's GPUs run the same wall-clock window,
+    so their times summed and held against that window (`violation_throttled`) flagged two
+    GPUs each throttled for 0.6% of it, neither past the share, and recorded more seconds
+    than any GPU was throttled. The time some GPU of the group was throttled lies between the
+    largest and the sum (their throttles may overlap in time or not); the largest is the
+    time certainly throttled, so the flag and the recorded seconds never count a throttle
+    twice (two GPUs' throttles at different times, each under the share, flag nothing)."""
     grown = [b - a for a, b in zip(start, end, strict=True) if a is not None and b is not None]
-    return sum(max(0, g) for g in grown) if grown else None
+    return max(max(0, g) for g in grown) if grown else None
 
 
-#: The share of a cell's steady windows that throttle violation time (summed over its GPUs
-#: and the policies read) must exceed to flag the cell throttled. A counter that grows by a
-#: few microseconds over seconds of decode (a healthy GPU's brief thermal or board-limit
-#: excursion) cannot move the cell's energy or latency by a fraction of any precision a
-#: campaign asks for, yet would invalidate it: the time is recorded either way.
+#: The share of a cell's steady windows that throttle violation time (each round's
+#: most-throttled GPU's, `throttle_violation_delta`) must exceed to flag the cell throttled.
+#: A counter that grows by a few microseconds over seconds of decode (a healthy GPU's brief
+#: thermal or board-limit excursion) cannot move the cell's energy or latency by a fraction
+#: of any precision a campaign asks for, yet would invalidate it: the time is recorded
+#: either way.
 THROTTLE_VIOLATION_SHARE = 0.01
 
 
