@@ -107,6 +107,21 @@ def test_a_tensor_parallel_cell_holds_its_most_throttled_gpu_against_its_window(
     assert total == pytest.approx(engine.added_ns * 1e-9)
 
 
+def test_one_throttle_both_policies_count_is_counted_once(nvml, env, tmp_path: Path) -> None:
+    """One GPU's throttle that its thermal and its board-limit counters both count (NVML's
+    policies may overlap in time): held against the windows once, not flagged, and recorded
+    once (the two counters' growth summed counted it twice)."""
+    engine = sweep_throttled(
+        tmp_path,
+        nvml,
+        [(0, nvml.NVML_PERF_POLICY_THERMAL), (0, nvml.NVML_PERF_POLICY_BOARD_LIMIT)],
+    )
+    for record in cells(tmp_path / "out").values():
+        assert "throttled" not in flags(record)
+    total = sum(r["measurement"]["throttle_violation_s"] for r in cells(tmp_path / "out").values())
+    assert total == pytest.approx(engine.added_ns * 1e-9)
+
+
 def test_two_gpus_each_past_the_share_flag_the_cell_with_one_gpus_time(
     nvml, env, tmp_path: Path
 ) -> None:
