@@ -15,8 +15,8 @@ Schema history (`attrs["dvfs_schema"]`):
       So is prompt_tokens (per cell, the mean input tokens of the prompts its rounds sent,
       which the roofline's context reads; NaN where a cell's record carries none).
       So is throttle_violation_s (per cell, the seconds NVML's thermal and board-limit
-      violation counters grew over its rounds; NaN where no GPU could tell or a cell's record
-      carries none).
+      violation counters grew over its rounds: in each round the largest growth of any GPU's
+      counter; NaN where no GPU could tell or a cell's record carries none).
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
 and read back as floats with NaN where missing (xarray's CF masking).
@@ -137,8 +137,10 @@ VARIABLES = (
         "throttle_violation_s",
         "s",
         "time a thermal or board-limit throttle held a GPU below its clocks during the cell's "
-        "rounds, by NVML's violation counters read at each round's start and end, summed over "
-        "the GPUs (a throttle between two samples included; NaN: no GPU could tell)",
+        "rounds, by NVML's violation counters read at each round's start and end: in each "
+        "round the largest growth of any GPU's thermal or board-limit counter (never a sum: "
+        "they may count the same throttle), summed over the rounds (a throttle between two "
+        "samples included; NaN: no GPU could tell)",
     ),
 )
 #: Where each cell's GPU time went (`dvfs.records.GPU_TIME_KEYS`), one variable per entry

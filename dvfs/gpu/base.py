@@ -160,11 +160,13 @@ class Gpu(Protocol):
 
     def clock_event_reasons(self) -> int: ...
 
-    def throttle_violation_ns(self) -> int | None:
-        """Nanoseconds, cumulative and monotone, that a `THROTTLE_POLICIES`
-        policy held the GPU below its requested clocks, summed over those policies: what the
-        sampled reasons miss between two samples shows as a difference of two reads. None:
-        the GPU or its driver cannot tell (unknown, never a failure)."""
+    def throttle_violation_ns(self) -> tuple[int | None, ...]:
+        """Nanoseconds, cumulative and monotone, that each `THROTTLE_POLICIES` policy held
+        the GPU below its requested clocks, in that order: what the sampled reasons miss
+        between two samples shows as a difference of two reads. Each policy's apart, as
+        NVML's policies may count the same throttle (`throttle_violation_delta` combines
+        their differences). None for a policy the GPU or its driver cannot tell (unknown,
+        never a failure)."""
         ...
 
     def mig_enabled(self) -> bool:

@@ -275,26 +275,29 @@ class NvmlGpu:
             )
         )
 
-    def throttle_violation_ns(self) -> int | None:
+    def throttle_violation_ns(self) -> tuple[int | None, ...]:
         """`nvmlDeviceGetViolationStatus`'s violationTime (ns) of each `THROTTLE_POLICIES`
-        policy, summed; a policy the GPU or driver does not report (NotSupported, or
-        FunctionNotFound or Deprecated: the call is deprecated in favour of field values, and
-        a pynvml without it is the same) adds nothing, and None when none is reported."""
+        policy, in that order, each apart (not summed: the policies may count the same
+        throttle, `throttle_violation_delta`); None for a policy the GPU or driver does not
+        report (NotSupported, or FunctionNotFound or Deprecated: the call is deprecated in
+        favour of field values, and a pynvml without it is the same)."""
         fn = getattr(self.nvml, "nvmlDeviceGetViolationStatus", None)
         if fn is None:
-            return None
-        total: int | None = None
+            return (None,) * len(THROTTLE_POLICIES)
+        reads: list[int | None] = []
         for policy in THROTTLE_POLICIES:
             try:
                 status = self._call(fn, "read the throttle violation time", policy)
             except GpuNotSupportedError:
+                reads.append(None)
                 continue
             except GpuError as exc:
                 if getattr(exc.__cause__, "value", None) != self.errors.deprecated:
                     raise
+                reads.append(None)
                 continue
-            total = (total or 0) + int(status.violationTime)
-        return total
+            reads.append(int(status.violationTime))
+        return tuple(reads)
 
     # -- inspection ---------------------------------------------------------------------------
     def mig_enabled(self) -> bool:

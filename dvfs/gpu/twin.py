@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from dvfs.errors import GpuValueError
-from dvfs.gpu.base import BulkReadings, DeviceInfo, GpuIdentity, PowerLimitRange
+from dvfs.gpu.base import (
+    THROTTLE_POLICIES,
+    BulkReadings,
+    DeviceInfo,
+    GpuIdentity,
+    PowerLimitRange,
+)
 from dvfs.twin.device import TwinDevice
 from dvfs.twin.identity import twin_driver_version
 from dvfs.twin.timeline import Timeline
@@ -154,10 +160,10 @@ class TwinGpu:
     def clock_event_reasons(self) -> int:
         return self.device.clock_event_reasons()
 
-    def throttle_violation_ns(self) -> int | None:
+    def throttle_violation_ns(self) -> tuple[int | None, ...]:
         """The device's (`TwinDevice.throttle_violation_ns`: 0, as it never throttles but by
-        its power limit)."""
-        return self.device.throttle_violation_ns()
+        its power limit), for each policy read."""
+        return (self.device.throttle_violation_ns(),) * len(THROTTLE_POLICIES)
 
     def mig_enabled(self) -> bool:
         return False

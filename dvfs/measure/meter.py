@@ -753,8 +753,9 @@ class CellMeasurement:
     prompt_tokens: float = math.nan
     #: Seconds a throttle policy (`dvfs.gpu.base.THROTTLE_POLICIES`: thermal, board limit)
     #: held a GPU below its clocks during the cell's rounds, by NVML's violation counters read
-    #: at each round's start and end, summed over the GPUs that could tell and the rounds
-    #: (`throttle_violation_delta`); NaN where none could (a driver without the call).
+    #: at each round's start and end: in each round the largest growth of any GPU's counter
+    #: of those that could tell (`throttle_violation_delta`), summed over the rounds; NaN
+    #: where none could (a driver without the call).
     throttle_violation_s: float = math.nan
 
     def __post_init__(self) -> None:
@@ -822,8 +823,8 @@ class WindowPart:
     window: tuple[int, int] | None
     samples: dict[str, np.ndarray]
     energy: RoundEnergy | None = None
-    #: Nanoseconds the throttle policies' violation counters grew over the round, summed over
-    #: the GPUs (`throttle_violation_delta`); None: no GPU could tell.
+    #: Nanoseconds the throttle policies' violation counters grew over the round, the
+    #: largest growth of any GPU's (`throttle_violation_delta`); None: no GPU could tell.
     violation_ns: int | None = None
 
     def round_energy(self, periods_s: Sequence[float | None] = ()) -> RoundEnergy | None:
@@ -859,29 +860,56 @@ def _mean(values: np.ndarray) -> float:
     return float(np.add.reduce(values, dtype=np.float64)) / len(values)
 
 
-def throttle_violation_reads(gpus: Iterable[object]) -> tuple[int | None, ...]:
-    """Each GPU's throttle violation counter now (`Gpu.throttle_violation_ns`, ns); None for
-    one that cannot tell, or has no such read (a stand-in GPU)."""
-    reads: list[int | None] = []
+#: One GPU's throttle violation counters at one instant (`Gpu.throttle_violation_ns`: each
+#: `THROTTLE_POLICIES` policy's, ns, None for one it cannot tell); None: a GPU without them.
+ViolationRead = tuple[int | None, ...] | None
+
+
+def throttle_violation_reads(gpus: Iterable[object]) -> tuple[ViolationRead, ...]:
+    """Each GPU's throttle violation counters now (`Gpu.throttle_violation_ns`, ns, one per
+    policy); None for a GPU that has no such read (a stand-in GPU)."""
+    reads: list[ViolationRead] = []
     for gpu in gpus:
         read = getattr(gpu, "throttle_violation_ns", None)
-        reads.append(None if read is None else read())
+        reads.append(None if read is None else tuple(read()))
     return tuple(reads)
 
 
-def throttle_violation_delta(start: Sequence[int | None], end: Sequence[int | None]) -> int | None:
-    """How much the GPUs' throttle violation counters grew between two reads
-    (`throttle_violation_reads`), summed over the GPUs read both times; None where none was.
-    A counter that went back (a driver reloaded between the reads) adds nothing."""
-    grown = [b - a for a, b in zip(start, end, strict=True) if a is not None and b is not None]
-    return sum(max(0, g) for g in grown) if grown else None
+def throttle_violation_delta(
+    start: Sequence[ViolationRead], end: Sequence[ViolationRead]
+) -> int | None:
+    """How long the most-throttled GPU was throttled between two reads
+    (`throttle_violation_reads`), by the counter that grew the most: the largest growth of
+    any policy's counter of any GPU read both times; None where none was. A counter that went
+    back (a driver reloaded between the reads) grew by nothing.
+
+    The largest, not a sum, over the GPUs: a tensor-parallel group's GPUs run the same
+    wall-clock window, so their times summed and held against that window
+    (`violation_throttled`) flagged two GPUs each throttled for 0.6% of it, neither past the
+    share, and recorded more seconds than any GPU was throttled. Nor over one GPU's policies:
+    nvml.h has each policy count how long it held the GPU below its clocks, and keeps the
+    time any limiter did apart (TOTAL_APP_CLOCKS, which counts the power cap too, so dvfs
+    cannot read it instead): two policies may hold the GPU at once, and a throttle both
+    thermal and board-limit counted was counted twice. The time some counter was growing lies
+    between the largest growth and the sum; the largest is the time certainly throttled, so
+    the flag and the recorded seconds never count a throttle twice (two throttles at
+    different times, on two GPUs or two policies, each under the share, flag nothing)."""
+    grown = [
+        b - a
+        for first, last in zip(start, end, strict=True)
+        if first is not None and last is not None
+        for a, b in zip(first, last, strict=True)
+        if a is not None and b is not None
+    ]
+    return max(max(0, g) for g in grown) if grown else None
 
 
-#: The share of a cell's steady windows that throttle violation time (summed over its GPUs
-#: and the policies read) must exceed to flag the cell throttled. A counter that grows by a
-#: few microseconds over seconds of decode (a healthy GPU's brief thermal or board-limit
-#: excursion) cannot move the cell's energy or latency by a fraction of any precision a
-#: campaign asks for, yet would invalidate it: the time is recorded either way.
+#: The share of a cell's steady windows that throttle violation time (each round's
+#: most-throttled GPU's, `throttle_violation_delta`) must exceed to flag the cell throttled.
+#: A counter that grows by a few microseconds over seconds of decode (a healthy GPU's brief
+#: thermal or board-limit excursion) cannot move the cell's energy or latency by a fraction
+#: of any precision a campaign asks for, yet would invalidate it: the time is recorded
+#: either way.
 THROTTLE_VIOLATION_SHARE = 0.01
 
 

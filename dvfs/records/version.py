@@ -49,7 +49,8 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       mean input tokens of the prompts its rounds sent, by the session's token count method.
       A cell measurement's optional `throttle_violation_s` (within 3; absent: an earlier
       dvfs): the seconds NVML's thermal and board-limit violation counters grew over its
-      rounds (null: no GPU could tell).
+      rounds, in each round the largest growth of any GPU's counter (null: no GPU could
+      tell).
 """
 
 from __future__ import annotations
