@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from nvml_support import (  # root_env, fresh_nvml: this module's `env` and `nvml` fixtures
     NVML_CAMPAIGN,
+    REPO,
     fresh_nvml,  # noqa: F401
     root_env,  # noqa: F401
 )
@@ -133,3 +134,26 @@ def test_two_gpus_each_past_the_share_flag_the_cell_with_one_gpus_time(
         assert "throttled" in flags(record)
     total = sum(r["measurement"]["throttle_violation_s"] for r in cells(tmp_path / "out").values())
     assert total == pytest.approx(2 * engine.added_ns * 1e-9)
+
+
+def test_one_counters_throttles_add_up_and_the_readme_says_which_flag_nothing(
+    nvml, env, tmp_path: Path
+) -> None:
+    """README said two throttles at different times, each under the share, flag nothing, and
+    that two GPUs each throttled for 0.6% of a window are not 1.2% of it. Only throttles two
+    counters count go unflagged so: one counter's add up (NVML's count is cumulative), so one
+    GPU's two thermal throttles in a round, each under the share, flag the cell with both
+    times; and two GPUs' throttles at different times did hold the group for their sum. The
+    README says which throttles flag nothing."""
+    thermal = nvml.NVML_PERF_POLICY_THERMAL
+    engine = sweep_throttled(tmp_path, nvml, [(0, thermal), (0, thermal)])
+    for record in cells(tmp_path / "out").values():
+        assert "throttled" in flags(record)
+    total = sum(r["measurement"]["throttle_violation_s"] for r in cells(tmp_path / "out").values())
+    assert total == pytest.approx(2 * engine.added_ns * 1e-9)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "two throttles at different times, each under the share, flag nothing" not in readme
+    assert "are not 1.2% of it" not in readme
+    said = "two throttles at different times that two counters count, on two GPUs or by two "
+    assert said + "policies, each under the share, flag nothing" in readme
+    assert "one counter's throttles in a round add up" in readme
