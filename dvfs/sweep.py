@@ -585,6 +585,7 @@ def run_sweep(
     folder's would (`twin_estimate`). `count_method`: how to count prompt tokens where the
     folder's journal recorded no method (a dry run's estimate counts as the journal it
     estimates for)."""
+    pad_heap()
     try:
         with out_dir_lock(out_dir, progress) as folder:
             moved = fresh_start(out_dir, folder.moves) if fresh else None
@@ -694,6 +695,29 @@ def _with_cube(summary: RunSummary, journal_path: Path, out_dir: Path) -> SweepO
             "writes the cube once that is fixed)"
         ) from exc
     return SweepOutcome(summary, journal_path, cube_path, cube=cube)
+
+
+#: glibc's mallopt parameter for the C heap's top padding (malloc.h's M_TOP_PAD).
+_M_TOP_PAD = -2
+#: Bytes the C heap grows by beyond what it needs, and keeps when it shrinks (`pad_heap`).
+HEAP_TOP_PAD = 8 << 20
+
+
+def pad_heap() -> None:
+    """Let the C heap grow, and shrink, HEAP_TOP_PAD at a time (glibc's M_TOP_PAD; elsewhere
+    nothing). Each round on the twin makes and drops many arrays on the heap (below glibc's
+    mmap threshold): at its default padding (128 kB) the heap's top went back to the OS as
+    they were freed and was taken again by the next round, every page faulted in anew: 190k
+    minor page faults on the demo sweep, 0.6 s of system CPU, against 43k and 0.25 s padded.
+    At most HEAP_TOP_PAD more stays resident; `release_free_memory` still hands every free
+    page back before the cube."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS)
+        return
+    mallopt(_M_TOP_PAD, HEAP_TOP_PAD)
 
 
 def release_free_memory() -> None:

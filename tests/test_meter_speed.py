@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
+from types import SimpleNamespace
 
 import numpy as np
 from hypothesis import given, settings
@@ -142,6 +143,50 @@ def test_order_statistics_of_many_equal_latencies_are_np_quantiles(n, distinct, 
     gaps = np.random.default_rng(seed).integers(1, 10**7, distinct) * 1e-6
     values = np.random.default_rng(seed + 1).choice(gaps, n)
     assert same(meter._ordered_quantiles(values), old_quantiles(values))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(-(10**9), 10**12), max_size=80),
+    st.lists(st.integers(0, 10**7), min_size=1, max_size=80),
+    st.lists(st.integers(1, 16), min_size=1, max_size=80),
+)
+def test_itl_order_statistics_on_integers_and_float_bits_are_np_quantiles(
+    any_gaps, gaps, tokens
+) -> None:
+    # one token a chunk: picked among the integer gaps (negative ones too), then scaled
+    ints = np.array(any_gaps, dtype=np.int64)
+    assert same(meter._gap_quantiles(ints.copy()), old_quantiles(ints * 1e-6))
+    # several: non-negative gaps spread over their tokens (zeros, equal values), by their bits
+    gaps, tokens = gaps[: len(tokens)], tokens[: len(gaps)]
+    itl = np.repeat(np.array(gaps, dtype=np.int64) * 1e-6 / np.array(tokens), tokens)
+    assert same(meter._nonnegative_quantiles(itl.copy()), old_quantiles(itl))
+    assert same(meter._nonnegative_quantiles(itl[:0]), old_quantiles(itl[:0]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(-(10**6), 10**6), st.integers(0, 6)), min_size=1),
+        max_size=6,
+    )
+)
+def test_latency_of_chunks_out_of_order_equals_the_code_it_replaced(requests) -> None:
+    # instants that go back (a negative gap; a trace refuses them, a round's arrays are not
+    # checked): the ITL's order statistics picked among the floats
+    ok = [
+        SimpleNamespace(
+            sent_ns=0,
+            chunk_ns=10**9 + np.array([g for g, _ in r], dtype=np.int64),
+            chunk_tokens=np.array([k for _, k in r], dtype=np.int64),
+            completion_tokens=sum(k for _, k in r),
+            error=None,
+        )
+        for r in requests
+    ]
+    new, old = meter._latency_of(ok), old_latency_of(ok)
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert same(getattr(new, name), getattr(old, name)), name
 
 
 def trace(sent: int, gaps: list[int], tokens: list[int], scale: int) -> RequestTrace:

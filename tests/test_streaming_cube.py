@@ -8,6 +8,8 @@ import gc
 import json
 import math
 import platform
+import subprocess
+import sys
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,10 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 import xarray as xr
+from conftest import _swept, copy_sweep, subprocess_env
 
 import dvfs
 import dvfs.cube.build
 import dvfs.measure.journal
+import dvfs.sweep
 from dvfs.campaign import load_campaign
 from dvfs.cube import STATUS_FAILED, STATUS_OK, build_cube
 from dvfs.measure.journal import Journal, read_records
@@ -193,6 +197,56 @@ def test_the_memory_a_sweep_freed_goes_back_to_the_os_before_its_cube() -> None:
     release_free_memory()
     assert before - _rss_bytes() > 25 * 1024 * 1024
     assert len(pin) == 64 * 1024
+
+
+#: A twin round's garbage, as `pad_heap`'s test makes it: arrays on the heap (96 kB, below
+#: glibc's mmap threshold), made and dropped round after round, in a fresh process (unpadded,
+#: with numpy alone: whatever else it imported, compiled or freed first moves glibc's
+#: thresholds).
+_ROUNDS = """
+import resource, sys
+import numpy as np
+if sys.argv[1] == "pad":
+    from dvfs.sweep import pad_heap
+    pad_heap()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(200):
+    arrays = [np.ones(12_000) for _ in range(8)]
+    del arrays
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="M_TOP_PAD is glibc's; faults read from getrusage"
+)
+def test_a_padded_heap_does_not_fault_a_rounds_arrays_in_again_every_round() -> None:
+    """Unpadded, the heap's top went back to the OS as each round's arrays were freed and the
+    next round faulted its pages in anew (~31k faults here); padded, the pages stay."""
+    faults = {
+        how: int(
+            subprocess.run(
+                [sys.executable, "-c", _ROUNDS, how],
+                env=subprocess_env(),
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
+            ).stdout
+        )
+        for how in ("plain", "pad")
+    }
+    assert faults["pad"] < 2_000 < 10_000 < faults["plain"], faults
+
+
+def test_a_sweep_pads_the_heap_first(
+    tiny_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    padded: list[bool] = []
+    monkeypatch.setattr(dvfs.sweep, "pad_heap", lambda: padded.append(True))
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
+    _swept(tiny_sweep.parent / "tiny.toml", out)  # every cell journaled: the cube again
+    assert padded == [True]
 
 
 def _expected(record: dict[str, Any]) -> dict[str, list[float]]:

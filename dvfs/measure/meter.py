@@ -438,6 +438,46 @@ def _ordered_quantiles(values: np.ndarray) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _gap_quantiles(gaps_ns: np.ndarray) -> tuple[float, ...]:
+    """`_ordered_quantiles(gaps_ns * 1e-6)` of integer nanosecond gaps, the order statistics
+    picked among the integers (an int64 partition costs about a quarter less than a float64
+    one) and only they scaled: x -> x * 1e-6 never reverses an order (float64 rounding is
+    monotone), so the k-th smallest scaled gap is the k-th smallest gap scaled, the same
+    float64 product. `gaps_ns` is the caller's own scratch array: partitioned in place (a
+    cell's tens of thousands of gaps are not copied first)."""
+    n = len(gaps_ns)
+    if n == 0:
+        return tuple(math.nan for _ in QUANTILES)
+    picks, kth = _picks(n)
+    ordered = gaps_ns
+    ordered.partition(kth)
+    out = []
+    for below, above, weight in picks:
+        lo, hi = float(ordered[below]) * 1e-6, float(ordered[above]) * 1e-6
+        step = hi - lo
+        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
+    return tuple(out)
+
+
+def _nonnegative_quantiles(values: np.ndarray) -> tuple[float, ...]:
+    """`_ordered_quantiles` of a float64 array known to hold no NaN and no negative value
+    (not even -0.0): such floats order as their bit patterns do as int64, so the partition
+    runs on those (a quarter cheaper than on the floats) and picks the very same values.
+    `values` is the caller's own scratch array: partitioned in place, not copied first."""
+    n = len(values)
+    if n == 0:
+        return tuple(math.nan for _ in QUANTILES)
+    picks, kth = _picks(n)
+    values.view(np.int64).partition(kth)
+    ordered = values
+    out = []
+    for below, above, weight in picks:
+        lo, hi = float(ordered[below]), float(ordered[above])
+        step = hi - lo
+        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
+    return tuple(out)
+
+
 class _RoundLatency(LatencyStats):
     """`LatencyStats` whose TTFT and ITL are computed when first read: a sweep reads a round's
     median TPOT as it measures and its other statistics hardly ever (the cell's come from all
@@ -584,16 +624,24 @@ def _latency_from(
     # A gap belongs to the chunk it ends, unless that chunk is a request's first.
     later = np.ones(len(ns), dtype=bool)
     later[starts] = False
-    gaps = np.diff(ns)[later[1:]] * 1e-6
+    gaps_ns = (ns[1:] - ns[:-1])[later[1:]]  # np.diff's own step: a fresh array, ours
     if (tokens == 1).all():  # one token a chunk (x / 1 == x): the gaps as they are
-        itl = gaps
+        itl_ms = _gap_quantiles(gaps_ns)
     else:  # each gap spread over its tokens, empty chunks dropped
         gap_tokens = tokens[1:][later[1:]]
         if not (gap_tokens > 0).all():
             keep = gap_tokens > 0
-            gaps, gap_tokens = gaps[keep], gap_tokens[keep]
-        itl = gaps if (gap_tokens == 1).all() else np.repeat(gaps / gap_tokens, gap_tokens)
-    return LatencyStats(_ordered_quantiles(ttft), _ordered_quantiles(tpot), _ordered_quantiles(itl))
+            gaps_ns, gap_tokens = gaps_ns[keep], gap_tokens[keep]
+        if (gap_tokens == 1).all():
+            itl_ms = _gap_quantiles(gaps_ns)
+        else:
+            gaps = gaps_ns * 1e-6
+            itl = np.repeat(gaps / gap_tokens, gap_tokens)
+            # gaps of ascending instants over positive tokens: no NaN, none negative
+            # (0 * 1e-6 / k is +0.0)
+            ascending = not len(gaps_ns) or int(_MIN(gaps_ns)) >= 0
+            itl_ms = _nonnegative_quantiles(itl) if ascending else _ordered_quantiles(itl)
+    return LatencyStats(_ordered_quantiles(ttft), _ordered_quantiles(tpot), itl_ms)
 
 
 @dataclass(frozen=True)
