@@ -553,8 +553,7 @@ def _capped_clocks(
     n, m = len(over), len(clocks)
     rows = np.arange(n)
     if n * m <= CAP_TABLE_MAX:
-        table = _timed(gpu, passes.take(np.tile(over, m)), np.repeat(clocks, n))[3]
-        fit_table = (table <= power_limit_w).reshape(m, n)
+        fit_table = _power_table(gpu, passes, over, clocks) <= power_limit_w
         fitting = fit_table.sum(axis=0)
         if np.array_equal(fit_table, np.arange(m)[:, None] < fitting):
             # Every pass fits up to a clock and not above (the usual shape): there the
@@ -580,6 +579,33 @@ def _capped_clocks(
         lo = np.where(searching & ok, mid + 1, lo)
         hi = np.where(searching & ~ok, mid - 1, hi)
     return clocks[best]
+
+
+#: Where `_power_table` keeps the last table it timed for a pass sequence (as `_CONSTANTS`).
+_POWER_TABLE = "_cap_power_table"
+
+
+def _power_table(
+    gpu: GpuProfile, passes: Passes, over: np.ndarray, clocks: np.ndarray
+) -> np.ndarray:
+    """The power of each pass at `over` (ascending) at each of `clocks` (ascending, from the
+    lowest supported clock up): `_timed`'s, one row per clock. Kept with `passes`: a sweep
+    searches the same round at each clock in turn, down from the top, and the passes over
+    the limit at a lower clock are mostly among those over it at a higher one, whose table
+    then has their rows (a pass's power at a clock is the same whatever else is timed with
+    it); another table is timed, and kept, when it has not."""
+    n, m = len(over), len(clocks)
+    known = passes.__dict__.get(_POWER_TABLE)
+    if known is not None and known[0] is gpu:
+        _, known_over, known_clocks, table = known
+        if m <= len(known_clocks) and np.array_equal(known_clocks[:m], clocks):
+            at = known_over.searchsorted(over)
+            if at[-1] < len(known_over) and np.array_equal(known_over[at], over):
+                return table[:m, at]
+    table = _timed(gpu, passes.take(np.tile(over, m)), np.repeat(clocks, n))[3].reshape(m, n)
+    table.flags.writeable = False
+    passes.__dict__[_POWER_TABLE] = (gpu, over.copy(), clocks, table)
+    return table
 
 
 @functools.lru_cache(maxsize=256)
