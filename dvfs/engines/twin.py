@@ -123,8 +123,8 @@ class TwinEngine:
         #: `_alphas` by corpus name, for a text found in `texts` (the text kept to check it)
         self._corpus_alphas: dict[tuple[str, float], tuple[TextProfile, float]] = {}
         self._rounds: OrderedDict[tuple[object, ...], _FixedRound] = OrderedDict()
-        #: `_prompt_lengths` by the prompts' id (the prompts kept to check it)
-        self._lengths: dict[int, tuple[tuple[Prompt, ...], np.ndarray, bytes]] = {}
+        #: `_lengths_of` by the prompts' id (the prompts kept to check it)
+        self._lengths: dict[int, tuple[tuple[Prompt, ...], np.ndarray, bytes, int]] = {}
         self._gc_thresholds: tuple[int, ...] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -211,9 +211,7 @@ class TwinEngine:
         limit = self._context_length
         if not limit:
             return
-        lengths, _ = self._prompt_lengths(workload.prompts)
-        reserved = reserved_tokens(self._plan)
-        longest = int(lengths.max()) + reserved if len(lengths) else reserved
+        longest = self._longest_prompt(workload.prompts) + reserved_tokens(self._plan)
         refusal = context_refusal(longest, workload.max_new_tokens, limit)
         if refusal is not None:
             raise EngineError(f"the server reported an error: {refusal}")
@@ -243,15 +241,29 @@ class TwinEngine:
     def _prompt_lengths(self, prompts: tuple[Prompt, ...]) -> tuple[np.ndarray, bytes]:
         """The prompts' token counts (read-only), and as bytes: remembered by the prompts'
         identity, as a sweep asks the same remembered workloads at every knob setting."""
+        known = self._lengths_of(prompts)
+        return known[1], known[2]
+
+    def _longest_prompt(self, prompts: tuple[Prompt, ...]) -> int:
+        """The most tokens a prompt of `prompts` has (0 for none), remembered with their
+        lengths: every round is checked against the context length."""
+        return self._lengths_of(prompts)[3]
+
+    def _lengths_of(
+        self, prompts: tuple[Prompt, ...]
+    ) -> tuple[tuple[Prompt, ...], np.ndarray, bytes, int]:
+        """(prompts, their lengths, as bytes, the longest), remembered by the prompts'
+        identity (the prompts kept with them, so the identity stays theirs)."""
         known = self._lengths.get(id(prompts))
         if known is not None and known[0] is prompts:
-            return known[1], known[2]
+            return known
         lengths = np.array([p.input_tokens for p in prompts], dtype=np.int64)
         lengths.flags.writeable = False
-        self._lengths[id(prompts)] = (prompts, lengths, lengths.tobytes())
+        longest = int(lengths.max()) if len(lengths) else 0
+        known = self._lengths[id(prompts)] = (prompts, lengths, lengths.tobytes(), longest)
         if len(self._lengths) > ROUND_CACHE_SIZE:
             del self._lengths[next(iter(self._lengths))]  # the oldest
-        return lengths, self._lengths[id(prompts)][2]
+        return known
 
     def _fixed_round(self, workload: Workload) -> _FixedRound:
         """The round's tokens and passes, from the cache when only the knobs changed."""
@@ -333,8 +345,12 @@ class TwinEngine:
         # Every request's chunks are its own first chunk then a prefix of the same
         # iterations: the latest first chunk and every iteration stand for them all
         # (`check_chunk_times` on that one row, in two steps).
-        first_max = first_ns.max()
-        if (planned.n_iter and first_max > iter_ns[0]) or (iter_ns[1:] < iter_ns[:-1]).any():
+        # (np.maximum.reduce and np.logical_or.reduce are what ndarray.max and .any call,
+        # without their dispatch)
+        first_max = np.maximum.reduce(first_ns)
+        if (planned.n_iter and first_max > iter_ns[0]) or np.logical_or.reduce(
+            iter_ns[1:] < iter_ns[:-1]
+        ):
             check_chunk_times(
                 np.concatenate([[first_max], iter_ns])[None, :], np.array([planned.n_iter + 1])
             )

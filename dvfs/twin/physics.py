@@ -553,8 +553,7 @@ def _capped_clocks(
     n, m = len(over), len(clocks)
     rows = np.arange(n)
     if n * m <= CAP_TABLE_MAX:
-        table = _timed(gpu, passes.take(np.tile(over, m)), np.repeat(clocks, n))[3]
-        fit_table = (table <= power_limit_w).reshape(m, n)
+        fit_table = _power_table(gpu, passes, over, clocks) <= power_limit_w
         fitting = fit_table.sum(axis=0)
         if np.array_equal(fit_table, np.arange(m)[:, None] < fitting):
             # Every pass fits up to a clock and not above (the usual shape): there the
@@ -580,6 +579,33 @@ def _capped_clocks(
         lo = np.where(searching & ok, mid + 1, lo)
         hi = np.where(searching & ~ok, mid - 1, hi)
     return clocks[best]
+
+
+#: Where `_power_table` keeps the last table it timed for a pass sequence (as `_CONSTANTS`).
+_POWER_TABLE = "_cap_power_table"
+
+
+def _power_table(
+    gpu: GpuProfile, passes: Passes, over: np.ndarray, clocks: np.ndarray
+) -> np.ndarray:
+    """The power of each pass at `over` (ascending) at each of `clocks` (ascending, from the
+    lowest supported clock up): `_timed`'s, one row per clock. Kept with `passes`: a sweep
+    searches the same round at each clock in turn, down from the top, and the passes over
+    the limit at a lower clock are mostly among those over it at a higher one, whose table
+    then has their rows (a pass's power at a clock is the same whatever else is timed with
+    it); another table is timed, and kept, when it has not."""
+    n, m = len(over), len(clocks)
+    known = passes.__dict__.get(_POWER_TABLE)
+    if known is not None and known[0] is gpu:
+        _, known_over, known_clocks, table = known
+        if m <= len(known_clocks) and np.array_equal(known_clocks[:m], clocks):
+            at = known_over.searchsorted(over)
+            if at[-1] < len(known_over) and np.array_equal(known_over[at], over):
+                return table[:m, at]
+    table = _timed(gpu, passes.take(np.tile(over, m)), np.repeat(clocks, n))[3].reshape(m, n)
+    table.flags.writeable = False
+    passes.__dict__[_POWER_TABLE] = (gpu, over.copy(), clocks, table)
+    return table
 
 
 @functools.lru_cache(maxsize=256)
@@ -613,10 +639,13 @@ def _remembered_schedule(
     power_limit_w: float,
 ) -> Schedule:
     """`schedule`, computed."""
-    whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
-    # every pass fits the limit (the usual case): no phase needs looking at alone
-    # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
-    fits = len(whole.power_w) == 0 or np.maximum.reduce(whole.power_w) <= power_limit_w
+    at_clock = _at_clock(gpu, phases, requested_mhz)
+    whole = at_clock.whole
+    # every pass fits the limit (the usual case): no phase needs looking at alone, and the
+    # schedule is the one every limit that fits gets (it does not depend on the limit)
+    fits = len(whole.power_w) == 0 or at_clock.peak_w <= power_limit_w
+    if fits and at_clock.fitting is not None:
+        return at_clock.fitting
     points = []
     start = 0
     for phase in phases:
@@ -631,7 +660,37 @@ def _remembered_schedule(
     joined = PassTiming(
         int(requested_mhz), whole.duration_s, whole.power_w, whole.tensor_util, whole.memory_util
     )
-    return Schedule(tuple(points), joined)
+    at_clock.fitting = Schedule(tuple(points), joined)
+    return at_clock.fitting
+
+
+class _AtClock:
+    """The phases timed at one requested clock (`time_passes` of them joined), their highest
+    pass power, and the schedule when every pass fits the limit (made when first asked)."""
+
+    __slots__ = ("whole", "peak_w", "fitting")
+
+    def __init__(self, whole: PassTiming) -> None:
+        self.whole = whole
+        # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
+        self.peak_w = np.maximum.reduce(whole.power_w) if len(whole.power_w) else 0.0
+        self.fitting: Schedule | None = None
+
+
+#: How many (phases, clock) timings `_at_clock` remembers: a sweep runs each planned round at
+#: every clock under one power limit, then at every clock again under the next; most rounds
+#: fit both limits and get the same schedule, worked out under the first.
+AT_CLOCK_MEMO = 2048
+
+
+@functools.lru_cache(maxsize=AT_CLOCK_MEMO)
+def _at_clock(gpu: GpuProfile, phases: tuple[Passes, ...], requested_mhz: int) -> _AtClock:
+    """The phases timed at `requested_mhz`, whatever the power limit (`_AtClock`): keyed by
+    the profile, the phases (by identity: a `Passes` never changes) and the clock, everything
+    `time_passes` reads; the limit only decides which passes are searched."""
+    return _AtClock(
+        time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
+    )
 
 
 @dataclass(frozen=True)
