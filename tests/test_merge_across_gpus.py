@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import TINY_EXACT, copy_sweep, replace_block
+from conftest import TINY_EXACT, copy_sweep, replace_block, unsaved_figure
 from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
@@ -870,7 +870,6 @@ def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_say
     merged = tmp_path / "m.nc"
     assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
     maps: dict[str, list[str]] = {}
-    save = dvfs.plots.save
 
     def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
         if name == "headroom":
@@ -878,7 +877,7 @@ def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_say
                 " ".join(t.get_text().split())
                 for t in fig.findobj(match=lambda x: hasattr(x, "get_text"))
             ]
-        return save(fig, out_dir, name, fmt)
+        return unsaved_figure(fig, out_dir, name, fmt)  # what it drew, not its pixels
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     report = tmp_path / "r.md"
