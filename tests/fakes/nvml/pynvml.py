@@ -708,10 +708,15 @@ def _integrate_energy(dev: dict[str, Any], now: float) -> None:
 
 @contextlib.contextmanager
 def _state_lock() -> Iterator[str]:
-    """Hold the exclusive ``flock`` on ``<state>.lock``; yields the state path."""
+    """Hold the exclusive ``flock`` on ``<state>.lock``; yields the state path. Its folder is
+    made where it is missing (tried first: a sampler's every reading takes the lock)."""
     path = _state_path()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".lock", "a") as lock:
+    try:
+        lock = open(path + ".lock", "a")  # noqa: SIM115 (closed by the `with` below)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        lock = open(path + ".lock", "a")  # noqa: SIM115 (closed by the `with` below)
+    with lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
             yield path
