@@ -711,17 +711,20 @@ def _state_lock() -> Iterator[str]:
     """Hold the exclusive ``flock`` on ``<state>.lock``; yields the state path. Its folder is
     made where it is missing (tried first: a sampler's every reading takes the lock)."""
     path = _state_path()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
     try:
-        lock = open(path + ".lock", "a")  # noqa: SIM115 (closed by the `with` below)
+        fd = os.open(path + ".lock", flags, 0o644)
     except FileNotFoundError:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        lock = open(path + ".lock", "a")  # noqa: SIM115 (closed by the `with` below)
-    with lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        fd = os.open(path + ".lock", flags, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield path
         finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -733,8 +736,8 @@ def _transaction(write: bool, integrate: bool | None = None) -> Iterator[dict[st
     the file is not rewritten on every reading, which cost most of a sampler's CPU."""
     with _state_lock() as path:
         try:
-            with open(path) as f:
-                state = json.load(f)
+            with open(path, "rb") as f:
+                state = json.loads(f.read())
         except FileNotFoundError:
             state = _new_state()
             _write_atomic(path, state)
