@@ -113,6 +113,16 @@ def unsaved_figure(fig: object, out_dir: Path, name: str, fmt: str) -> Path:
 
 
 @pytest.fixture
+def unsaved_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every figure `dvfs plot` and `dvfs report` draw left unrendered (`unsaved_figure`), for
+    a test that reads what a report or plot says in text, not its figures: rendering them is
+    most of a report's CPU (~0.5 s a report of the small sweep)."""
+    import dvfs.plots
+
+    monkeypatch.setattr(dvfs.plots, "save", unsaved_figure)
+
+
+@pytest.fixture
 def small_campaign(tmp_path: Path) -> Path:
     return write(tmp_path / "small.toml", SMALL_EXACT)
 

@@ -96,6 +96,7 @@ def adaptive_sweep(shared_run: Callable[..., Path]) -> Path:
     return out
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_a_finished_adaptive_sweep_is_not_partial(adaptive_sweep: Path, tmp_path: Path) -> None:
     taken = repeats_taken(adaptive_sweep)
     unused = sum(4 - n for n in taken.values())

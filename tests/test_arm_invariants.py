@@ -199,86 +199,94 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
     assert "were served differently (engine version: 0.5.9 -> 0.5.23)" in last_line(built)
 
 
-@pytest.mark.parametrize(
-    ("flags", "change"),
-    [
-        (["--dtype", "float16"], "dtype (dtype): None -> 'float16'"),
-        (
-            ["--sampling-backend", "pytorch"],
-            "sampling kernels (sampling_backend): None -> 'pytorch'",
-        ),
-        (["--enable-torch-compile"], "torch.compile (enable_torch_compile): False -> True"),
-        (
-            ["--enable-deterministic-inference"],
-            "deterministic inference (enable_deterministic_inference): False -> True",
-        ),
-        (["--stream-interval", "4"], "stream interval (stream_interval): 1 -> 4"),
-        (["--schedule-policy", "fcfs"], "schedule policy (schedule_policy): None -> 'fcfs'"),
-        (
-            ["--sampling-defaults", "openai"],
-            "sampling defaults (sampling_defaults): None -> 'openai'",
-        ),
-        (["--enable-tf32-matmul"], "TF32 matmuls (enable_tf32_matmul): None -> True"),
-        (["--enable-fp32-lm-head"], "FP32 logits (enable_fp32_lm_head): False -> True"),
-        (
-            ["--model-impl", "transformers"],
-            "model implementation (model_impl): None -> 'transformers'",
-        ),
-        (
-            ["--max-prefill-tokens", "4096"],
-            "prefill token budget (max_prefill_tokens): None -> 4096",
-        ),
-        (
-            ["--num-continuous-decode-steps", "4"],
-            "continuous decode steps (num_continuous_decode_steps): None -> 4",
-        ),
-        (["--cpu-offload-gb", "8"], "CPU-offloaded weights (cpu_offload_gb): None -> 8"),
-        (
-            ["--fp8-gemm-backend", "cutlass"],
-            "FP8 GEMM kernels (fp8_gemm_runner_backend): None -> 'cutlass'",
-        ),
-        (
-            ["--fp4-gemm-backend", "flashinfer_cudnn"],
-            "FP4 GEMM kernels (fp4_gemm_runner_backend): None -> 'flashinfer_cudnn'",
-        ),
-        (
-            ["--tbo-token-distribution-threshold", "0.3"],
-            "two-batch overlap threshold (tbo_token_distribution_threshold): None -> 0.3",
-        ),
-        (
-            ["--disable-cuda-graph-padding"],
-            "CUDA graph padding disabled (disable_cuda_graph_padding): False -> True",
-        ),
-        (["--moe-runner-backend", "triton"], "MoE kernels (moe_runner_backend): None -> 'triton'"),
-        (
-            ["--json-model-override-args", '{"rope_theta": 1}'],
-            """model config overrides (json_model_override_args): None -> '{"rope_theta": 1}'""",
-        ),
-        (
-            ["--enable-hicache"],
-            "hierarchical KV cache (enable_hierarchical_cache): False -> True",
-        ),
-    ],
-)
+#: Server flags that make SGLang resolve an engine arg the arms must share otherwise, and the
+#: change each one is refused with: `test_a_server_resolving_other_engine_args_is_refused`.
+ENGINE_ARG_CHANGES: list[tuple[list[str], str]] = [
+    (["--dtype", "float16"], "dtype (dtype): None -> 'float16'"),
+    (
+        ["--sampling-backend", "pytorch"],
+        "sampling kernels (sampling_backend): None -> 'pytorch'",
+    ),
+    (["--enable-torch-compile"], "torch.compile (enable_torch_compile): False -> True"),
+    (
+        ["--enable-deterministic-inference"],
+        "deterministic inference (enable_deterministic_inference): False -> True",
+    ),
+    (["--stream-interval", "4"], "stream interval (stream_interval): 1 -> 4"),
+    (["--schedule-policy", "fcfs"], "schedule policy (schedule_policy): None -> 'fcfs'"),
+    (
+        ["--sampling-defaults", "openai"],
+        "sampling defaults (sampling_defaults): None -> 'openai'",
+    ),
+    (["--enable-tf32-matmul"], "TF32 matmuls (enable_tf32_matmul): None -> True"),
+    (["--enable-fp32-lm-head"], "FP32 logits (enable_fp32_lm_head): False -> True"),
+    (
+        ["--model-impl", "transformers"],
+        "model implementation (model_impl): None -> 'transformers'",
+    ),
+    (
+        ["--max-prefill-tokens", "4096"],
+        "prefill token budget (max_prefill_tokens): None -> 4096",
+    ),
+    (
+        ["--num-continuous-decode-steps", "4"],
+        "continuous decode steps (num_continuous_decode_steps): None -> 4",
+    ),
+    (["--cpu-offload-gb", "8"], "CPU-offloaded weights (cpu_offload_gb): None -> 8"),
+    (
+        ["--fp8-gemm-backend", "cutlass"],
+        "FP8 GEMM kernels (fp8_gemm_runner_backend): None -> 'cutlass'",
+    ),
+    (
+        ["--fp4-gemm-backend", "flashinfer_cudnn"],
+        "FP4 GEMM kernels (fp4_gemm_runner_backend): None -> 'flashinfer_cudnn'",
+    ),
+    (
+        ["--tbo-token-distribution-threshold", "0.3"],
+        "two-batch overlap threshold (tbo_token_distribution_threshold): None -> 0.3",
+    ),
+    (
+        ["--disable-cuda-graph-padding"],
+        "CUDA graph padding disabled (disable_cuda_graph_padding): False -> True",
+    ),
+    (["--moe-runner-backend", "triton"], "MoE kernels (moe_runner_backend): None -> 'triton'"),
+    (
+        ["--json-model-override-args", '{"rope_theta": 1}'],
+        """model config overrides (json_model_override_args): None -> '{"rope_theta": 1}'""",
+    ),
+    (
+        ["--enable-hicache"],
+        "hierarchical KV cache (enable_hierarchical_cache): False -> True",
+    ),
+]
+
+
 def test_a_server_resolving_other_engine_args_is_refused(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, flags: list[str], change: str
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The server command is operational (it may change between runs): one that adds
     --dtype float16 serves the second drafter with another dtype than the first's, one that
     adds --sampling-backend pytorch with other sampling kernels, --enable-torch-compile with
     compiled kernels, --max-prefill-tokens or --num-continuous-decode-steps with another
     schedule, --cpu-offload-gb with weights streamed from the host, --json-model-override-args
-    with another model config: refused."""
+    with another model config: refused.
+
+    Every flag of `ENGINE_ARG_CHANGES` is added to one server command, which one resume starts:
+    the refusal names every arg that differs (`arm_changes` compares each one on its own), so
+    each change is checked in the one refusal, where a case per flag paid a server start and
+    a resume for each (the same path twenty times)."""
     path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
     other = keep_first_drafter(out / "journal.jsonl")
     command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
+    flags = [flag for case, _ in ENGINE_ARG_CHANGES for flag in case]
     added = "".join(f", {json.dumps(flag)}" for flag in flags)
     path.write_text(replace_block(path.read_text(), command, command + added))
     again = sweep(path, out)
     assert again.exit_code == 5, again.output
     records = read_records(out / "journal.jsonl")
     [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
-    assert change in failed["error"]
+    missing = [change for _, change in ENGINE_ARG_CHANGES if change not in failed["error"]]
+    assert missing == [], failed["error"]
     assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
     assert running(marker) == []
 

@@ -51,6 +51,7 @@ def merged(tmp_path: Path, second: str, second_slow_below: int) -> Path:
     return out
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_a_merged_cube_names_every_gpu(tmp_path: Path) -> None:
     cube = merged(tmp_path, H200, 1000)
     room = json.loads(run("headroom", str(cube), "--json").output)
@@ -135,6 +136,7 @@ def test_gpu_names_which_gpus_of_a_merged_document_are_capped(tmp_path: Path) ->
     assert other in refused.output and UUID_A in refused.output and UUID_B in refused.output
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_a_gpu_model_at_stock_leaves_the_others_capped(tmp_path: Path) -> None:
     """H100 chooses 1500 MHz, the H200 stock: the caps file caps the H100 and leaves the H200
     out, saying so (the whole plan was refused as "nothing to cap" before, while the report

@@ -69,6 +69,7 @@ def test_every_chosen_setting_below_stock_is_capped(
         assert len(said) == 1 and "stock" not in said[0], per_batch.stderr
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_the_reports_caps_are_taken_against_stock(no_stock: Path, tmp_path: Path) -> None:
     """The report's caps come from `cap plan`: none reads "stock" on this grid."""
     report = tmp_path / "report.md"

@@ -422,6 +422,7 @@ def test_the_roofline_context_note_says_why_the_prompts_cannot_be_read(
     assert loaded == []
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_compare_reads_the_context_the_cube_records_not_the_corpus_file(
     tmp_path, monkeypatch
 ) -> None:

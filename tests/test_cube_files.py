@@ -732,6 +732,7 @@ def test_a_built_cube_lists_its_variables_in_the_order_it_always_has(tiny_sweep:
     assert on_disk == [n for n in expected if n not in ("drafter", "corpus")]
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_cube_info_and_report_say_not_recorded_for_a_hand_built_cubes_missing_attributes(
     tmp_path: Path,
 ) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import TINY_EXACT, copy_sweep, replace_block
+from conftest import TINY_EXACT, copy_sweep, replace_block, unsaved_figure
 from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
@@ -126,57 +126,64 @@ def _piecewise(max_tokens: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(
-    ("first", "second"),
-    [
-        # 0.5.9 on an H100 and a B200: the piecewise graphs' limit follows the chunked size
-        (_piecewise(CHUNKED["h100"]), _piecewise(CHUNKED["h200"])),
-        # a DeepSeek-V3 FP8 checkpoint on Blackwell (0.5.9 server_args.py line 1307)
-        (
-            {"moe_runner_backend": "auto", "disable_shared_experts_fusion": False},
-            {"moe_runner_backend": "flashinfer_trtllm", "disable_shared_experts_fusion": True},
-        ),
-        # an MoE model on Hopper, not on an A100 or H20 (0.5.9 line 1697)
-        (
-            {"enable_flashinfer_allreduce_fusion": False},
-            {"enable_flashinfer_allreduce_fusion": True},
-        ),
-        # a hybrid model's GDN decode on SM100 (0.5.23 arg_groups/attention_hook.py line 299)
-        ({"linear_attn_decode_backend": None}, {"linear_attn_decode_backend": "flashinfer"}),
-        # DeepSeek-V3.2's sparse attention's KV cache, "auto": FP8 on SM100, bf16 on Hopper
-        # (0.5.9 server_args.py line 1143, 0.5.23 arg_groups/overrides.py line 534)
-        (
-            {"kv_cache_dtype": "bfloat16", "nsa_decode_backend": "fa3"},
-            {"kv_cache_dtype": "fp8_e4m3", "nsa_decode_backend": "flashmla_kv"},
-        ),
-        # ROCm (0.5.9 line 2061, 0.5.23 platform_hook.py line 54)
-        ({"triton_attention_num_kv_splits": 8}, {"triton_attention_num_kv_splits": 16}),
-        # Qwen3-VL's serving defaults on a large Hopper GPU (0.5.23 model_overrides/qwen3_vl.py)
-        (
-            {"radix_eviction_policy": "lru", "prefill_decode_interval": 0},
-            {"radix_eviction_policy": "priority", "prefill_decode_interval": 22},
-        ),
-    ],
-    ids=["piecewise", "moe", "allreduce", "linear-attn", "dsa-kv-cache", "rocm", "qwen3-vl"],
-)
+#: What SGLang resolves from the GPU it starts on, as one GPU's server and another's report it
+#: (`test_cubes_of_two_gpu_models_merge_whatever_sglang_derives_for_each_gpu`).
+DERIVED_PER_GPU: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    # 0.5.9 on an H100 and a B200: the piecewise graphs' limit follows the chunked size
+    (_piecewise(CHUNKED["h100"]), _piecewise(CHUNKED["h200"])),
+    # a DeepSeek-V3 FP8 checkpoint on Blackwell (0.5.9 server_args.py line 1307)
+    (
+        {"moe_runner_backend": "auto", "disable_shared_experts_fusion": False},
+        {"moe_runner_backend": "flashinfer_trtllm", "disable_shared_experts_fusion": True},
+    ),
+    # an MoE model on Hopper, not on an A100 or H20 (0.5.9 line 1697)
+    (
+        {"enable_flashinfer_allreduce_fusion": False},
+        {"enable_flashinfer_allreduce_fusion": True},
+    ),
+    # a hybrid model's GDN decode on SM100 (0.5.23 arg_groups/attention_hook.py line 299)
+    ({"linear_attn_decode_backend": None}, {"linear_attn_decode_backend": "flashinfer"}),
+    # DeepSeek-V3.2's sparse attention's KV cache, "auto": FP8 on SM100, bf16 on Hopper
+    # (0.5.9 server_args.py line 1143, 0.5.23 arg_groups/overrides.py line 534)
+    (
+        {"kv_cache_dtype": "bfloat16", "nsa_decode_backend": "fa3"},
+        {"kv_cache_dtype": "fp8_e4m3", "nsa_decode_backend": "flashmla_kv"},
+    ),
+    # ROCm (0.5.9 line 2061, 0.5.23 platform_hook.py line 54)
+    ({"triton_attention_num_kv_splits": 8}, {"triton_attention_num_kv_splits": 16}),
+    # Qwen3-VL's serving defaults on a large Hopper GPU (0.5.23 model_overrides/qwen3_vl.py)
+    (
+        {"radix_eviction_policy": "lru", "prefill_decode_interval": 0},
+        {"radix_eviction_policy": "priority", "prefill_decode_interval": 22},
+    ),
+]
+
+
 def test_cubes_of_two_gpu_models_merge_whatever_sglang_derives_for_each_gpu(
-    runs: dict[str, Path], tmp_path: Path, first: dict[str, Any], second: dict[str, Any]
+    runs: dict[str, Path], tmp_path: Path
 ) -> None:
     """What SGLang resolves from the GPU it starts on when the campaign leaves it unset (from
     its memory, through the chunked prefill size, or its architecture) differs between GPU
     models of one campaign: the cubes merge (a merge, and a fleet mixing models, were refused:
     "cannot merge: ... were not measured alike (drafter 'eagle3' piecewise CUDA graph tokens
-    limit (piecewise_cuda_graph_max_tokens): 8192 -> 16384 ...)"); each GPU's value is kept."""
+    limit (piecewise_cuda_graph_max_tokens): 8192 -> 16384 ...)"); each GPU's value is kept.
+
+    Every case of `DERIVED_PER_GPU` is in one pair of cubes, merged once: the merge compares
+    each arg on its own (`arm_changes`, one refusal naming every arg it would not leave out),
+    so one arg it compared refuses the pair as it refused a pair differing in that one alone,
+    where a pair per case wrote and merged two cubes each (the same path seven times)."""
+    first = {k: v for case, _ in DERIVED_PER_GPU for k, v in case.items()}
+    second = {k: v for _, case in DERIVED_PER_GPU for k, v in case.items()}
     a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", args=first)
     b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", args=second)
     out = tmp_path / "m.nc"
     merged = invoke("cube", "merge", str(a), str(b), "-o", str(out))
     assert merged.exit_code == 0, merged.output
     kept = json.loads(open_cube(out).attrs["merged_from"])
-    key = next(iter(second))
-    assert sorted(
-        json.dumps(json.loads(s["server_args"])["none"]["args"][key]) for s in kept.values()
-    ) == sorted(json.dumps(v) for v in (first[key], second[key]))
+    for key in second:
+        assert sorted(
+            json.dumps(json.loads(s["server_args"])["none"]["args"][key]) for s in kept.values()
+        ) == sorted(json.dumps(v) for v in (first[key], second[key])), key
 
 
 @pytest.mark.parametrize(
@@ -863,7 +870,6 @@ def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_say
     merged = tmp_path / "m.nc"
     assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
     maps: dict[str, list[str]] = {}
-    save = dvfs.plots.save
 
     def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
         if name == "headroom":
@@ -871,7 +877,7 @@ def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_say
                 " ".join(t.get_text().split())
                 for t in fig.findobj(match=lambda x: hasattr(x, "get_text"))
             ]
-        return save(fig, out_dir, name, fmt)
+        return unsaved_figure(fig, out_dir, name, fmt)  # what it drew, not its pixels
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     report = tmp_path / "r.md"

@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import CliRunner, Result
 from cubes import as_twin_sweep, make_cube
 from test_partial_cube import partial_sweep
@@ -133,6 +134,7 @@ def test_cap_plan_says_an_invalid_reference_cannot_be_fixed_by_loosening(tmp_pat
     assert "no setting meets the target" in out.output and "--slo" in out.output
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_the_report_gives_the_tables_reason_for_rows_never_measured(
     small_sweep: Path, tmp_path: Path
 ) -> None:

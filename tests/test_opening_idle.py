@@ -251,6 +251,7 @@ def test_an_opening_idle_from_instant_power_readings_is_recorded_where_no_cell_s
     assert "idle power 75.0 W (the mean of the instant power readings" in said, said
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_an_opening_idle_from_the_counter_is_not_called_one_from_power_readings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

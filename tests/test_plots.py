@@ -482,6 +482,7 @@ def _chosen_column(markdown: str) -> list[str]:
     return rows
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_the_headroom_table_of_a_power_limit_only_campaign_names_no_clock_lock(
     shared_run, tmp_path: Path
 ) -> None:

@@ -105,6 +105,7 @@ def test_a_cap_planned_at_the_grid_edge_says_so(one_gpu: Path, tmp_path: Path) -
         assert "grid_edge" not in plan.stdout and "lower cap" not in plan.stderr
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_every_command_names_the_same_reference(one_gpu: Path, tmp_path: Path) -> None:
     room = json.loads(run("headroom", str(one_gpu), "--json").output)
     assert room["reference"]["description"] == TOP_OF_GRID
@@ -145,6 +146,7 @@ def _moved(one_gpu: Path, tmp_path: Path, drafter: str) -> Path:
     return path
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_arms_on_different_gpus_are_said_to_be(one_gpu: Path, tmp_path: Path) -> None:
     moved = _moved(one_gpu, tmp_path, "eagle3")
     (row,) = json.loads(run("compare", str(moved), "--json").output)["rows"]

@@ -945,6 +945,7 @@ def test_the_report_and_cube_info_say_how_the_knobs_were_stepped(
     assert (f"mode {said}" in shown) is (measurement.get("mode") == "in-flight"), shown
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_the_report_names_no_clock_the_campaign_did_not_set(shared_run, tmp_path: Path) -> None:
     """A power-limit-only campaign never locks the SM clock: the report's facts said "SM
     clocks: 1980 MHz", a clock knob never swept (the cube files the unlocked cells under the

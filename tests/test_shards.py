@@ -907,6 +907,7 @@ def test_headroom_on_one_shard_says_to_merge_not_to_resume(runs: Path) -> None:
     assert "shard" not in whole
 
 
+@pytest.mark.usefixtures("unsaved_figures")
 def test_no_answer_advice_on_shard_cubes_names_the_shard_commands(
     runs: Path, tmp_path: Path
 ) -> None:
