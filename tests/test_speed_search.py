@@ -151,30 +151,6 @@ def test_a_remembered_schedule_is_the_schedule_computed_afresh(limit_w) -> None:
     assert other is not first
 
 
-def test_a_schedule_that_fits_two_limits_is_worked_out_once() -> None:
-    """A round that fits both a sweep's limits is timed once at a clock: the second limit gets
-    the first one's schedule, which is the schedule computed afresh under it; a limit the
-    round does not fit gets its own, capped."""
-    gpu = gpu_profile("h100-sxm")
-    phases = (passes_of(1, 16, 16.0), passes_of(50, 4, 1500.0))
-    peak = float(physics.time_passes(gpu, physics.Passes.concat(list(phases)), 1980).power_w.max())
-    high, low = peak + 300.0, peak + 1.0
-    first = physics.schedule(gpu, phases, 1980, high)
-    second = physics.schedule(gpu, phases, 1980, low)
-    assert second is first
-    fresh = physics._remembered_schedule.__wrapped__(gpu, phases, 1980, low)
-    assert fresh is first  # what `_at_clock` keeps for the clock
-    physics._at_clock.cache_clear()
-    afresh = physics._remembered_schedule.__wrapped__(gpu, phases, 1980, low)
-    assert afresh is not first and not afresh.power_capped
-    for got, want in zip(first.points, afresh.points, strict=True):
-        assert_same_point(got, want)
-    assert first.timing.duration_s.tobytes() == afresh.timing.duration_s.tobytes()
-    assert first.timing.power_w.tobytes() == afresh.timing.power_w.tobytes()
-    capped = physics.schedule(gpu, phases, 1980, peak - 1.0)
-    assert capped is not first and capped.power_capped
-
-
 @pytest.mark.parametrize("limits_w", [(400.0,), (400.0, 395.0, 390.0), (300.0, 400.0)])
 def test_a_round_searched_down_the_clocks_finds_what_the_replaced_bisection_found(
     limits_w,

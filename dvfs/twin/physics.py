@@ -639,13 +639,10 @@ def _remembered_schedule(
     power_limit_w: float,
 ) -> Schedule:
     """`schedule`, computed."""
-    at_clock = _at_clock(gpu, phases, requested_mhz)
-    whole = at_clock.whole
-    # every pass fits the limit (the usual case): no phase needs looking at alone, and the
-    # schedule is the one every limit that fits gets (it does not depend on the limit)
-    fits = len(whole.power_w) == 0 or at_clock.peak_w <= power_limit_w
-    if fits and at_clock.fitting is not None:
-        return at_clock.fitting
+    whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
+    # every pass fits the limit (the usual case): no phase needs looking at alone
+    # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
+    fits = len(whole.power_w) == 0 or np.maximum.reduce(whole.power_w) <= power_limit_w
     points = []
     start = 0
     for phase in phases:
@@ -660,37 +657,7 @@ def _remembered_schedule(
     joined = PassTiming(
         int(requested_mhz), whole.duration_s, whole.power_w, whole.tensor_util, whole.memory_util
     )
-    at_clock.fitting = Schedule(tuple(points), joined)
-    return at_clock.fitting
-
-
-class _AtClock:
-    """The phases timed at one requested clock (`time_passes` of them joined), their highest
-    pass power, and the schedule when every pass fits the limit (made when first asked)."""
-
-    __slots__ = ("whole", "peak_w", "fitting")
-
-    def __init__(self, whole: PassTiming) -> None:
-        self.whole = whole
-        # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
-        self.peak_w = np.maximum.reduce(whole.power_w) if len(whole.power_w) else 0.0
-        self.fitting: Schedule | None = None
-
-
-#: How many (phases, clock) timings `_at_clock` remembers: a sweep runs each planned round at
-#: every clock under one power limit, then at every clock again under the next; most rounds
-#: fit both limits and get the same schedule, worked out under the first.
-AT_CLOCK_MEMO = 2048
-
-
-@functools.lru_cache(maxsize=AT_CLOCK_MEMO)
-def _at_clock(gpu: GpuProfile, phases: tuple[Passes, ...], requested_mhz: int) -> _AtClock:
-    """The phases timed at `requested_mhz`, whatever the power limit (`_AtClock`): keyed by
-    the profile, the phases (by identity: a `Passes` never changes) and the clock, everything
-    `time_passes` reads; the limit only decides which passes are searched."""
-    return _AtClock(
-        time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
-    )
+    return Schedule(tuple(points), joined)
 
 
 @dataclass(frozen=True)
