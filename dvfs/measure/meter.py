@@ -376,9 +376,18 @@ def _quantiles(values: np.ndarray) -> tuple[float, ...]:
     if math.isnan(values.max()):  # NaN is the largest value in a sort: every quantile is NaN
         return tuple(math.nan for _ in QUANTILES)
     ordered = np.partition(values, kth)
+    return _interpolated(ordered, picks)
+
+
+def _interpolated(
+    ordered: np.ndarray, picks: tuple[tuple[int, int, float], ...], scale: float = 1.0
+) -> tuple[float, ...]:
+    """Each quantile of `_picks` read off `ordered` (its order statistics in place), each
+    value times `scale` first, interpolated as numpy's "linear" method does, on plain floats
+    (x * 1.0 is x to the bit, NaN and infinities included)."""
     out = []
     for below, above, weight in picks:
-        lo, hi = float(ordered[below]), float(ordered[above])
+        lo, hi = float(ordered[below]) * scale, float(ordered[above]) * scale
         step = hi - lo
         out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
     return tuple(out)
@@ -430,12 +439,7 @@ def _ordered_quantiles(values: np.ndarray) -> tuple[float, ...]:
         return tuple(math.nan for _ in QUANTILES)
     picks, kth = _picks(n)
     ordered = np.partition(values, kth)
-    out = []
-    for below, above, weight in picks:
-        lo, hi = float(ordered[below]), float(ordered[above])
-        step = hi - lo
-        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
-    return tuple(out)
+    return _interpolated(ordered, picks)
 
 
 def _gap_quantiles(gaps_ns: np.ndarray) -> tuple[float, ...]:
@@ -451,12 +455,7 @@ def _gap_quantiles(gaps_ns: np.ndarray) -> tuple[float, ...]:
     picks, kth = _picks(n)
     ordered = gaps_ns
     ordered.partition(kth)
-    out = []
-    for below, above, weight in picks:
-        lo, hi = float(ordered[below]) * 1e-6, float(ordered[above]) * 1e-6
-        step = hi - lo
-        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
-    return tuple(out)
+    return _interpolated(ordered, picks, 1e-6)
 
 
 def _nonnegative_quantiles(values: np.ndarray) -> tuple[float, ...]:
@@ -470,12 +469,7 @@ def _nonnegative_quantiles(values: np.ndarray) -> tuple[float, ...]:
     picks, kth = _picks(n)
     values.view(np.int64).partition(kth)
     ordered = values
-    out = []
-    for below, above, weight in picks:
-        lo, hi = float(ordered[below]), float(ordered[above])
-        step = hi - lo
-        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
-    return tuple(out)
+    return _interpolated(ordered, picks)
 
 
 class _RoundLatency(LatencyStats):
