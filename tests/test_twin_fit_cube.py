@@ -137,6 +137,22 @@ def invoke(*args: str):  # type: ignore[no-untyped-def]
     return CliRunner().invoke(cli, list(args))
 
 
+def truth_swept(campaign: Path, out: Path) -> None:
+    """`campaign` swept by `twin predict` on the truth's profile (written beside `out`) into
+    the folder `out`."""
+    truth = profile_file(out.parent / "truth.toml", TRUTH)
+    swept = invoke(
+        "twin", "predict", str(campaign), "--profile", str(truth), "-o", str(out), "--no-progress"
+    )
+    assert swept.exit_code == 0, swept.output
+
+
+def fit_to(folder: Path, out: Path):  # type: ignore[no-untyped-def]
+    """`twin fit` of the sweep in `folder` into the profile `out`, on the H100 without a
+    drafter's figures (`--base h100-sxm:none`): the CLI's result."""
+    return invoke("twin", "fit", str(folder), "-o", str(out), "--base", "h100-sxm:none")
+
+
 def _raw(path: Path) -> xr.Dataset:
     """The cube file as written (labels not decoded), loaded and its file closed: a file left
     open here (`open_dataset(...).load()` keeps it open until collected) that the code under
@@ -163,20 +179,9 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _make(base: Path) -> None:
     """`made`'s files: the truth's cube, its fit and the fitted profile's cube, in `base`."""
     campaign = write(base / "fitcube.toml", FIT_CAMPAIGN)
-    truth = profile_file(base / "truth.toml", TRUTH)
-    result = invoke(
-        "twin",
-        "predict",
-        str(campaign),
-        "--profile",
-        str(truth),
-        "-o",
-        str(base / "truth"),
-        "--no-progress",
-    )
-    assert result.exit_code == 0, result.output
+    truth_swept(campaign, base / "truth")
     fitted = base / "fitted.toml"
-    fit = invoke("twin", "fit", str(base / "truth"), "-o", str(fitted), "--base", "h100-sxm:none")
+    fit = fit_to(base / "truth", fitted)
     assert fit.exit_code == 0, fit.output
     again = invoke(
         "twin",
@@ -245,16 +250,11 @@ def test_a_cube_of_several_rounds_a_cell_is_fitted_over_all_its_rounds(tmp_path:
     efficiency at 0.629 +- 0.0036 for a true 0.6 (8 standard errors off). Its own standard
     error now bounds the miss."""
     campaign = write(tmp_path / "c.toml", fit_variant(max_rounds="4", min_window_s="2.0"))
-    truth = profile_file(tmp_path / "truth.toml", TRUTH)
-    made = invoke(
-        "twin", "predict", str(campaign), "--profile", str(truth), "-o", str(tmp_path / "t"),
-        "--no-progress",
-    )  # fmt: skip
-    assert made.exit_code == 0, made.output
+    truth_swept(campaign, tmp_path / "t")
     rounds = open_cube(tmp_path / "t" / "cube.nc")["rounds"]
     assert int(rounds.min()) > 1 and int(rounds.max()) > int(rounds.min())  # what is tested
     out = tmp_path / "p.toml"
-    fit = invoke("twin", "fit", str(tmp_path / "t"), "-o", str(out), "--base", "h100-sxm:none")
+    fit = fit_to(tmp_path / "t", out)
     assert fit.exit_code == 0, fit.output
     name = "verify_attention_efficiency"
     std_error = tomllib.loads(out.read_text())["fit"]["std_errors"][name]
@@ -274,7 +274,7 @@ def test_an_in_flight_cube_is_refused_in_one_line(tmp_path: Path) -> None:
     swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "s"), "--no-progress")
     assert swept.exit_code == 0, swept.output
     out = tmp_path / "p.toml"
-    fit = invoke("twin", "fit", str(tmp_path / "s"), "-o", str(out), "--base", "h100-sxm:none")
+    fit = fit_to(tmp_path / "s", out)
     assert fit.exit_code == 2, fit.output
     assert "was measured in-flight" in fit.output and "per-level cells only" in fit.output
     assert len(fit.output.strip().splitlines()) == 1 and not out.exists()
@@ -460,11 +460,11 @@ def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
     counted = _own_corpus_sweep(tmp_path, tmp_path / "out" / "counted")
     assert "tokenizer of" in _raw(counted / "cube.nc").attrs["token_count_method"]
     profile = tmp_path / "p.toml"
-    result = invoke("twin", "fit", str(estimated), "-o", str(profile), "--base", "h100-sxm:none")
+    result = fit_to(estimated, profile)
     assert result.exit_code == 0, result.output
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
     profile.unlink()
-    result = invoke("twin", "fit", str(counted), "-o", str(profile), "--base", "h100-sxm:none")
+    result = fit_to(counted, profile)
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert "chose its prompts by the tokenizer of" in result.output
     assert "huggingface-cli download" in result.output and not profile.exists()
@@ -473,7 +473,7 @@ def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
         raise CorpusUnavailableError("corpus 'tasks': the datasets library is not installed")
 
     monkeypatch.setattr(dvfs.corpora.prepare, "load_corpora", unavailable)
-    result = invoke("twin", "fit", str(estimated), "-o", str(profile), "--base", "h100-sxm:none")
+    result = fit_to(estimated, profile)
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert "cannot be read again here" in result.output and "datasets library" in result.output
     assert not profile.exists()
@@ -535,7 +535,7 @@ def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     (it looked beside the cube, and refused every such cube)."""
     out = _own_corpus_sweep(tmp_path, tmp_path / "out" / "own")
     profile = tmp_path / "p.toml"
-    result = invoke("twin", "fit", str(out), "-o", str(profile), "--base", "h100-sxm:none")
+    result = fit_to(out, profile)
     assert result.exit_code == 0, result.output
     assert load_profile(profile).key == "h100-sxm-fit"
     # a corpus edited since: the cells were measured on other prompts; refused in one line
@@ -545,7 +545,7 @@ def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     original = corpus_file.read_text()
     corpus_file.write_text(original.replace("prime", "square"))
     profile.unlink()
-    result = invoke("twin", "fit", str(out), "-o", str(profile), "--base", "h100-sxm:none")
+    result = fit_to(out, profile)
     # exit 1, as a resumed sweep refuses a corpus edited under its journal: the files are
     # valid (no invalid campaign, exit 2), the cube and they no longer agree
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
@@ -812,12 +812,7 @@ def test_a_tensor_parallel_cube_is_fitted_per_gpu_and_predicted_again(tmp_path: 
         .replace("batch = [1, 16, 64]", "batch = [1, 64]")
     )
     campaign = write(tmp_path / "c.toml", source)
-    truth = profile_file(tmp_path / "truth.toml", TRUTH)
-    made = invoke(
-        "twin", "predict", str(campaign), "--profile", str(truth), "-o", str(tmp_path / "t"),
-        "--no-progress",
-    )  # fmt: skip
-    assert made.exit_code == 0, made.output
+    truth_swept(campaign, tmp_path / "t")
     cube = open_cube(tmp_path / "t" / "cube.nc")
     assert int(cube.attrs["tp_size"]) == 2
     # the truth's own prediction is the cube's cells, the server's two GPUs summed
@@ -828,7 +823,7 @@ def test_a_tensor_parallel_cube_is_fitted_per_gpu_and_predicted_again(tmp_path: 
         rel = predicted[name] / cells.measured[name] - 1
         assert np.max(np.abs(rel)) < 0.01, (name, rel)
     out = tmp_path / "p.toml"
-    fit = invoke("twin", "fit", str(tmp_path / "t"), "-o", str(out), "--base", "h100-sxm:none")
+    fit = fit_to(tmp_path / "t", out)
     assert fit.exit_code == 0, fit.output
     fitted = load_profile(out)
     for name in ("idle_power_w", "sm_active_power_w", "memory_power_w"):
