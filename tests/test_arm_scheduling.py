@@ -520,17 +520,22 @@ def test_spec_v2_set_by_a_server_command_wrapper_is_seen(
     assert running(marker) == []
 
 
+def _refused_at_construction(tmp_path: Path, drafters: str, match: str) -> None:
+    """A stub campaign of `drafters` with --enable-mixed-chunk refused as SglangEngine is
+    made (`match` in its ArmMismatchError): no server started, no log folder made."""
+    path, marker = stub_campaign(
+        tmp_path, drafters=drafters, sglang_extra='extra_args = ["--enable-mixed-chunk"]'
+    )
+    with pytest.raises(ArmMismatchError, match=match):
+        SglangEngine(load_campaign(path), clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    assert running(marker) == []
+    assert not (tmp_path / "logs").exists()
+
+
 def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
     """SglangEngine checks at construction, by the release `launch_server --help` shows."""
     two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
-    path, marker = stub_campaign(
-        tmp_path, drafters=two, sglang_extra='extra_args = ["--enable-mixed-chunk"]'
-    )
-    campaign = load_campaign(path)
-    with pytest.raises(ArmMismatchError, match=r"SGLang 0\.5\.23 turns mixed chunked prefill"):
-        SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
-    assert running(marker) == []
-    assert not (tmp_path / "logs").exists()
+    _refused_at_construction(tmp_path, two, r"SGLang 0\.5\.23 turns mixed chunked prefill")
 
 
 def test_the_engine_refuses_a_gemma4_assistant_draft_with_mixed_chunks_before_it_starts(
@@ -545,14 +550,7 @@ def test_the_engine_refuses_a_gemma4_assistant_draft_with_mixed_chunks_before_it
         '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.mtp]\nalgorithm = "EAGLE"\n'
         f'draft_model = "{draft}"\n'
     )
-    path, marker = stub_campaign(
-        tmp_path, drafters=two, sglang_extra='extra_args = ["--enable-mixed-chunk"]'
-    )
-    campaign = load_campaign(path)
-    with pytest.raises(ArmMismatchError, match=r"off for drafters 'mtp' but not for 'none'"):
-        SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
-    assert running(marker) == []
-    assert not (tmp_path / "logs").exists()
+    _refused_at_construction(tmp_path, two, r"off for drafters 'mtp' but not for 'none'")
 
 
 def test_run_sweep_with_a_callers_backends_checks_the_engine_too(tmp_path: Path) -> None:
