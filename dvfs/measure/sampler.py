@@ -44,22 +44,51 @@ class Samples:
     Each GPU's energy counter carries its own timestamp (`gpu_energy_t_ns`: the middle of the
     call that read it), since a slow reading can land well after the sample's `t_ns`. Kept as
     chunks of int64 arrays (one per reading call, of one or many instants), joined by `arrays`.
+    One GPU's readings that come as one block of rows (`dvfs.gpu.twin.BlockReadings`: the
+    twin's) are kept as blocks while nothing else is added, and joined in one copy.
     """
 
     chunks: dict[str, list[np.ndarray]] = field(
         default_factory=lambda: {name: [] for name in SAMPLE_FIELDS}
     )
+    #: One GPU's instants and readings blocks ((5, n) int64, `BulkReadings`' fields in order),
+    #: before anything in `chunks` (`_unblock` moves them there when something else comes).
+    blocks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self.chunks["t_ns"])
+        return sum(len(t) for t in self.chunks["t_ns"]) + sum(len(t) for t, _ in self.blocks)
 
     def arrays(self) -> dict[str, np.ndarray]:
+        if self.blocks:  # (`chunks` is empty) the fields are the joined block's rows
+            t_ns = np.concatenate([t for t, _ in self.blocks])
+            energy, power, clock, temperature, reasons = np.concatenate(
+                [b for _, b in self.blocks], axis=1
+            )
+            return {
+                "t_ns": t_ns,
+                "energy_mj": energy,
+                "power_mw": power,
+                "sm_clock_mhz": clock,
+                "temperature_c": temperature,
+                "reasons": reasons,
+                "sm_clock_max_mhz": clock.copy(),
+                "gpu_energy_mj": energy[:, None],
+                "gpu_energy_t_ns": t_ns[:, None],
+            }
         return {
             name: np.concatenate(parts) if parts else np.array([], dtype=np.int64)
             for name, parts in self.chunks.items()
         }
 
+    def _unblock(self) -> None:
+        """Move the blocks into the per-field chunks, in order (something else is added)."""
+        blocks, self.blocks = self.blocks, []
+        for t_ns, block in blocks:
+            self._extend_one(t_ns, BulkReadings(*block))
+
     def _add(self, **columns: np.ndarray) -> None:
+        if self.blocks:
+            self._unblock()
         for name, values in columns.items():
             self.chunks[name].append(values)
 
@@ -94,19 +123,15 @@ class Samples:
     def extend(self, t_ns: np.ndarray, gpus: Sequence[BulkReadings]) -> None:
         """Append readings at several instants (arrays per GPU), combined as `append` does."""
         t_ns = np.asarray(t_ns, dtype=np.int64)
-        if len(gpus) == 1:  # the usual twin: one GPU's columns as they are, appended in place
+        if len(gpus) == 1:  # the usual twin: one GPU's columns as they are
             (g,) = gpus
-            total = g.energy_mj
-            c = self.chunks
-            c["t_ns"].append(t_ns)
-            c["energy_mj"].append(total if total.dtype == np.int64 else total[:, None].sum(axis=1))
-            c["power_mw"].append(g.power_mw)
-            c["sm_clock_mhz"].append(g.sm_clock_mhz)
-            c["temperature_c"].append(g.temperature_c)
-            c["reasons"].append(g.reasons)
-            c["sm_clock_max_mhz"].append(g.sm_clock_mhz)
-            c["gpu_energy_mj"].append(total[:, None])
-            c["gpu_energy_t_ns"].append(t_ns[:, None])
+            block = getattr(g, "block", None)
+            if block is not None and not self.chunks["t_ns"]:
+                self.blocks.append((t_ns, block))  # joined with the others in `arrays`
+                return
+            if self.blocks:
+                self._unblock()
+            self._extend_one(t_ns, g)
             return
         energy = np.stack([g.energy_mj for g in gpus], axis=1)
         self._add(
@@ -121,6 +146,20 @@ class Samples:
             # virtual time stands still while a GPU is read: each counter is read at the instant
             gpu_energy_t_ns=np.repeat(t_ns[:, None], len(gpus), axis=1),
         )
+
+    def _extend_one(self, t_ns: np.ndarray, g: BulkReadings) -> None:
+        """One GPU's columns at several instants, appended as they are."""
+        total = g.energy_mj
+        c = self.chunks
+        c["t_ns"].append(t_ns)
+        c["energy_mj"].append(total if total.dtype == np.int64 else total[:, None].sum(axis=1))
+        c["power_mw"].append(g.power_mw)
+        c["sm_clock_mhz"].append(g.sm_clock_mhz)
+        c["temperature_c"].append(g.temperature_c)
+        c["reasons"].append(g.reasons)
+        c["sm_clock_max_mhz"].append(g.sm_clock_mhz)
+        c["gpu_energy_mj"].append(total[:, None])
+        c["gpu_energy_t_ns"].append(t_ns[:, None])
 
 
 @functools.cache
