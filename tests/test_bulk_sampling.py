@@ -15,7 +15,7 @@ from dvfs.clock import Ticker, VirtualClock
 from dvfs.errors import GpuError
 from dvfs.gpu.base import EVENT_GPU_IDLE, BulkReadings
 from dvfs.gpu.twin import TwinGpu
-from dvfs.measure.sampler import Sampler
+from dvfs.measure.sampler import Sampler, Samples
 from dvfs.signals import signals_raise
 from dvfs.twin import physics
 from dvfs.twin.device import TwinDevice, TwinNode
@@ -290,3 +290,40 @@ def test_a_finished_sampler_is_freed_without_the_cyclic_collector(
     finally:
         if enabled:
             gc.enable()
+
+
+def test_samples_join_the_twins_blocks_as_they_join_its_columns() -> None:
+    """A twin GPU's readings come as one block of rows (`BlockReadings`), which `Samples` keeps
+    and joins in one copy: the same arrays as the per-field chunks, whatever else is added
+    after them (kept in order)."""
+    clock = VirtualClock()
+    device = TwinDevice(H100, clock)
+    gpu = TwinGpu(device)
+    TwinNode([device]).execute(workload([64] * 40))
+    t = np.arange(0, 60 * MS, 3 * MS, dtype=np.int64)
+    readings = [gpu.readings_at(t[:1]), gpu.readings_at(t[1:9]), gpu.readings_at(t[9:])]
+    assert all(r.block.shape == (5, len(r.energy_mj)) for r in readings)
+
+    def columns(r: BulkReadings) -> BulkReadings:  # the same readings, without the block
+        return BulkReadings(r.energy_mj, r.power_mw, r.sm_clock_mhz, r.temperature_c, r.reasons)
+
+    parts = [(t[:1], readings[0]), (t[1:9], readings[1]), (t[9:], readings[2])]
+    blocks, plain = Samples(), Samples()
+    for at, r in parts:
+        blocks.extend(at, [r])
+        plain.extend(at, [columns(r)])
+    assert blocks.blocks and not plain.blocks and len(blocks) == len(plain) == len(t)
+    mixed = Samples()  # a block, then columns, then a block: in order
+    mixed.extend(parts[0][0], [parts[0][1]])
+    mixed.extend(parts[1][0], [columns(parts[1][1])])
+    mixed.extend(parts[2][0], [parts[2][1]])
+    mixed.append(int(t[-1]) + MS, [7], [int(t[-1]) + MS], 1, 2, 3, 4)
+    plain.append(int(t[-1]) + MS, [7], [int(t[-1]) + MS], 1, 2, 3, 4)
+    expected = plain.arrays()
+    for got in (blocks.arrays(), mixed.arrays()):
+        assert set(got) == set(expected)
+        for name, array in got.items():
+            want = expected[name][: len(array)]
+            assert array.dtype == want.dtype and array.shape == want.shape, name
+            assert np.array_equal(array, want), name
+    assert len(blocks.arrays()["t_ns"]) == len(t) and len(mixed.arrays()["t_ns"]) == len(t) + 1

@@ -265,6 +265,48 @@ def test_two_updates_in_one_period_are_not_a_regular_grid() -> None:
     assert not regular and np.array_equal(t, (lo + lo + 1000) / 2.0)
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    # per reading: (ns since the last, whether the counter stepped at it, its step in mJ)
+    st.lists(
+        st.tuples(st.integers(1, 40_000_000), st.booleans(), st.integers(1, 5_000)),
+        max_size=80,
+    ),
+    st.sampled_from([None, 0.0, 0.1, 0.05, 0.025, -1.0]),
+    st.integers(-50_000_000, 3_000_000_000),
+    st.integers(-100_000_000, 3_000_000_000),
+)
+def test_a_rounds_counter_window_is_its_updates_window(readings, period_s, start, length):
+    # a round's readings of one counter: ascending instants, steps at some of them
+    rows = readings or [(1, False, 0)]
+    gaps, stepped, steps = (np.array(c, dtype=np.int64) for c in zip(*rows, strict=True))
+    t = np.cumsum(gaps)[: len(readings)]
+    v = np.cumsum(np.where(stepped, steps, 0)).astype(np.float64)[: len(readings)]
+    new = counter._update_window(t, v, period_s, start, start + length)
+    old = counter.counter_window(counter.updates(t, v, period_s), start, start + length)
+    assert new.updates == old.updates
+    assert same_bits(
+        [new.start_ns, new.end_ns, new.energy_mj, new.uncertainty_s],
+        [old.start_ns, old.end_ns, old.energy_mj, old.uncertainty_s],
+    )
+
+
+def test_a_rounds_counter_window_on_a_regular_counter_is_its_updates_window() -> None:
+    # a counter stepping every 100 ms read every 23 ms: a fitted grid (the regular branch)
+    t = np.arange(1, 200, dtype=np.int64) * 23_000_000 + 5_000_000
+    v = np.floor(t / 100_000_000).astype(np.float64) * 70_000
+    seen = counter.updates(t, v, 0.1)
+    assert seen.regular
+    for start, end in ((0, 5_000_000_000), (1_234_567_890, 3_456_789_012), (10**9, 10**9)):
+        new = counter._update_window(t, v, 0.1, start, end)
+        old = counter.counter_window(seen, start, end)
+        assert new.updates == old.updates
+        assert same_bits(
+            [new.start_ns, new.end_ns, new.energy_mj, new.uncertainty_s],
+            [old.start_ns, old.end_ns, old.energy_mj, old.uncertainty_s],
+        )
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__])
 

@@ -98,19 +98,9 @@ class TwinGpu:
         out = _nvml_units(*timeline.reported(t_ns))
         if t_ns.ndim == 1 and len(t_ns):
             # the last reading's five integers copied into one read-only block, a row each
-            # (from the five values at once: np.stack's handling costs more than the copy)
-            block = np.array(
-                (
-                    out.energy_mj[-1],
-                    out.power_mw[-1],
-                    out.sm_clock_mhz[-1],
-                    out.temperature_c[-1],
-                    out.reasons[-1],
-                ),
-                dtype=np.int64,
-            ).reshape(5, 1)
+            block = out.block[:, -1:].copy()
             block.flags.writeable = False
-            tail = BulkReadings(*block)
+            tail = _from_block(block)
             self._last = ((timeline, int(t_ns[-1])), tail)
             if len(t_ns) == 1:
                 return tail
@@ -196,22 +186,37 @@ class TwinGpu:
         )
 
 
+class BlockReadings(BulkReadings):
+    """`BulkReadings` whose arrays are the rows of one int64 array (`block`: the fields in
+    order, a row each): a sampler joins a round's readings in one copy of the blocks
+    (`dvfs.measure.sampler.Samples`), not one per field."""
+
+    block: np.ndarray
+
+
+def _from_block(block: np.ndarray) -> BlockReadings:
+    readings = BlockReadings(*block)
+    object.__setattr__(readings, "block", block)  # (a frozen dataclass's own way to set)
+    return readings
+
+
 def _nvml_units(
     energy_j: np.ndarray,
     power_w: np.ndarray,
     sm_clock_mhz: np.ndarray,
     temperature_c: np.ndarray,
     reasons: np.ndarray,
-) -> BulkReadings:
+) -> BlockReadings:
     """A timeline's reports (`Timeline.reported`) in NVML's integers (see
-    `TwinGpu.readings_at`)."""
+    `TwinGpu.readings_at`), written into the rows of one int64 block."""
     # np.round with no decimals is rint (half to even), called as the ufunc it is, in place
-    # on the product it rounds; a cast to int64 truncates toward zero, as np.trunc does
+    # on the product it rounds; a float written into an int64 row is truncated toward zero,
+    # as a cast with astype(np.int64) is (the same cast)
+    block = np.empty((5, *np.shape(energy_j)), dtype=np.int64)
+    block[0] = energy_j * 1000
     power_mw = power_w * 1000
-    return BulkReadings(
-        energy_mj=(energy_j * 1000).astype(np.int64),
-        power_mw=np.rint(power_mw, out=power_mw).astype(np.int64),
-        sm_clock_mhz=sm_clock_mhz.astype(np.int64, copy=False),
-        temperature_c=np.rint(temperature_c).astype(np.int64),
-        reasons=reasons.astype(np.int64, copy=False),
-    )
+    block[1] = np.rint(power_mw, out=power_mw)
+    block[2] = sm_clock_mhz
+    block[3] = np.rint(temperature_c)
+    block[4] = reasons
+    return _from_block(block)

@@ -352,6 +352,57 @@ def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
     )
 
 
+def _update_window(
+    t: np.ndarray, v: np.ndarray, period_s: float | None, start_ns: int, end_ns: int
+) -> CounterWindow:
+    """`counter_window(updates(t, v, period_s), start_ns, end_ns)` in one pass, the same
+    numbers by the same operations, for a round's one counter (int64 instants ascending,
+    float64 values): the brackets' widths and middles worked out once for the fit, the
+    window and its uncertainty, and the updates inside found by bisection (the instants
+    ascend with the readings: each lies in its own bracket, and the brackets follow one
+    another), without the `Updates` between them (a round's window is most of its work)."""
+    if len(t) < 2:
+        return CounterWindow(float(start_ns), float(end_ns), 0, math.nan)
+    changed = (v[1:] != v[:-1]).nonzero()[0] + 1
+    lo, hi = t[changed - 1], t[changed]
+    width = hi - lo
+    regular = continuous = False
+    if period_s == 0:
+        instants, continuous = hi.astype(np.float64), True
+    else:
+        # `_instants`, keeping the middles and widths for the uncertainty
+        instants = mid = (lo + hi) / 2.0
+        if period_s is not None and period_s > 0 and len(mid) >= 3:
+            period_ns = period_s * 1e9
+            grid = _grid(mid - mid[0], period_ns)
+            if grid is not None:
+                steps, slope, intercept = grid
+                fitted = mid[0] + intercept + slope * steps
+                if (np.abs(fitted - mid) <= width / 2.0 + 0.01 * period_ns).all():
+                    instants, regular = np.minimum(np.maximum(fitted, lo), hi), True
+    first = int(instants.searchsorted(start_ns, "left"))
+    count = int(instants.searchsorted(end_ns, "right")) - first
+    if count < 2:
+        return CounterWindow(float(start_ns), float(end_ns), max(count, 0), math.nan)
+    a, b = first, first + count - 1
+    if continuous:
+        uncertainty = 0.0
+    elif regular:  # as `counter_window`: the largest bracket is the largest width, scaled
+        n = len(instants)
+        scatter = float(np.sqrt(np.add.reduce((mid - instants) ** 2) / n)) * 1e-9
+        uncertainty = max(float(_MAX(width)) * 1e-9 / (n - 1), scatter * math.sqrt(12 / n))
+    else:
+        bracket = width * 1e-9
+        uncertainty = float(bracket[a] + bracket[b]) / 2
+    return CounterWindow(
+        float(instants[a]),
+        float(instants[b]),
+        count,
+        float(v[changed[b]] - v[changed[a]]),
+        uncertainty,
+    )
+
+
 def length_uncertainty(rounds: Sequence[RoundEnergy]) -> float:
     """The relative uncertainty of a cell's windows' length, which its energy per token
     carries (the energy between updates is exact): the rounds' length uncertainties over their
@@ -473,7 +524,7 @@ def round_energy(
     windows = []
     for g in range(times.shape[1]):
         period = periods_s[g] if g < len(periods_s) else None
-        windows.append(counter_window(updates(times[:, g], values[:, g], period), start, end))
+        windows.append(_update_window(times[:, g], values[:, g], period, start, end))
     counted = min(w.updates for w in windows)
     if len(periods_s) >= len(windows) and all(p == 0 for p in periods_s[: len(windows)]):
         # continuous counters: exact at every reading, so the window's own edges (chunk

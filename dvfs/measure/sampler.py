@@ -44,22 +44,51 @@ class Samples:
     Each GPU's energy counter carries its own timestamp (`gpu_energy_t_ns`: the middle of the
     call that read it), since a slow reading can land well after the sample's `t_ns`. Kept as
     chunks of int64 arrays (one per reading call, of one or many instants), joined by `arrays`.
+    One GPU's readings that come as one block of rows (`dvfs.gpu.twin.BlockReadings`: the
+    twin's) are kept as blocks while nothing else is added, and joined in one copy.
     """
 
     chunks: dict[str, list[np.ndarray]] = field(
         default_factory=lambda: {name: [] for name in SAMPLE_FIELDS}
     )
+    #: One GPU's instants and readings blocks ((5, n) int64, `BulkReadings`' fields in order),
+    #: before anything in `chunks` (`_unblock` moves them there when something else comes).
+    blocks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self.chunks["t_ns"])
+        return sum(len(t) for t in self.chunks["t_ns"]) + sum(len(t) for t, _ in self.blocks)
 
     def arrays(self) -> dict[str, np.ndarray]:
+        if self.blocks:  # (`chunks` is empty) the fields are the joined block's rows
+            t_ns = np.concatenate([t for t, _ in self.blocks])
+            energy, power, clock, temperature, reasons = np.concatenate(
+                [b for _, b in self.blocks], axis=1
+            )
+            return {
+                "t_ns": t_ns,
+                "energy_mj": energy,
+                "power_mw": power,
+                "sm_clock_mhz": clock,
+                "temperature_c": temperature,
+                "reasons": reasons,
+                "sm_clock_max_mhz": clock.copy(),
+                "gpu_energy_mj": energy[:, None],
+                "gpu_energy_t_ns": t_ns[:, None],
+            }
         return {
             name: np.concatenate(parts) if parts else np.array([], dtype=np.int64)
             for name, parts in self.chunks.items()
         }
 
+    def _unblock(self) -> None:
+        """Move the blocks into the per-field chunks, in order (something else is added)."""
+        blocks, self.blocks = self.blocks, []
+        for t_ns, block in blocks:
+            self._extend_one(t_ns, BulkReadings(*block))
+
     def _add(self, **columns: np.ndarray) -> None:
+        if self.blocks:
+            self._unblock()
         for name, values in columns.items():
             self.chunks[name].append(values)
 
@@ -94,19 +123,15 @@ class Samples:
     def extend(self, t_ns: np.ndarray, gpus: Sequence[BulkReadings]) -> None:
         """Append readings at several instants (arrays per GPU), combined as `append` does."""
         t_ns = np.asarray(t_ns, dtype=np.int64)
-        if len(gpus) == 1:  # the usual twin: one GPU's columns as they are, appended in place
+        if len(gpus) == 1:  # the usual twin: one GPU's columns as they are
             (g,) = gpus
-            total = g.energy_mj
-            c = self.chunks
-            c["t_ns"].append(t_ns)
-            c["energy_mj"].append(total if total.dtype == np.int64 else total[:, None].sum(axis=1))
-            c["power_mw"].append(g.power_mw)
-            c["sm_clock_mhz"].append(g.sm_clock_mhz)
-            c["temperature_c"].append(g.temperature_c)
-            c["reasons"].append(g.reasons)
-            c["sm_clock_max_mhz"].append(g.sm_clock_mhz)
-            c["gpu_energy_mj"].append(total[:, None])
-            c["gpu_energy_t_ns"].append(t_ns[:, None])
+            block = getattr(g, "block", None)
+            if block is not None and not self.chunks["t_ns"]:
+                self.blocks.append((t_ns, block))  # joined with the others in `arrays`
+                return
+            if self.blocks:
+                self._unblock()
+            self._extend_one(t_ns, g)
             return
         energy = np.stack([g.energy_mj for g in gpus], axis=1)
         self._add(
@@ -121,6 +146,20 @@ class Samples:
             # virtual time stands still while a GPU is read: each counter is read at the instant
             gpu_energy_t_ns=np.repeat(t_ns[:, None], len(gpus), axis=1),
         )
+
+    def _extend_one(self, t_ns: np.ndarray, g: BulkReadings) -> None:
+        """One GPU's columns at several instants, appended as they are."""
+        total = g.energy_mj
+        c = self.chunks
+        c["t_ns"].append(t_ns)
+        c["energy_mj"].append(total if total.dtype == np.int64 else total[:, None].sum(axis=1))
+        c["power_mw"].append(g.power_mw)
+        c["sm_clock_mhz"].append(g.sm_clock_mhz)
+        c["temperature_c"].append(g.temperature_c)
+        c["reasons"].append(g.reasons)
+        c["sm_clock_max_mhz"].append(g.sm_clock_mhz)
+        c["gpu_energy_mj"].append(total[:, None])
+        c["gpu_energy_t_ns"].append(t_ns[:, None])
 
 
 @functools.cache
@@ -194,6 +233,9 @@ class Sampler:
 
     def sample(self) -> None:
         """Read every GPU once and append the readings (unless the sampler was closed)."""
+        if self._pending is not None:
+            self._read_noted(np.array([self.clock.now_ns()], dtype=np.int64))
+            return
         if self._bulk is not None:
             self._sample_at(np.array([self.clock.now_ns()], dtype=np.int64))
             return
@@ -235,56 +277,52 @@ class Sampler:
     def _note(self, t_ns: np.ndarray) -> None:
         """Keep instants to read later, with the state each GPU is in now (deferring GPUs)."""
         assert self._pending is not None
-        gpus: list[Any] = self.gpus
-        states = (
-            (gpus[0].reading_state(),) if len(gpus) == 1 else tuple(g.reading_state() for g in gpus)
-        )
-        with self._cond:
-            if not self._closed:
-                self._pending.append((t_ns, states))
+        if not self._closed:
+            gpus: list[Any] = self.gpus
+            if len(gpus) == 1:
+                self._pending.append((t_ns, (gpus[0].reading_state(),)))
+            else:
+                self._pending.append((t_ns, tuple(g.reading_state() for g in gpus)))
 
-    def _read_pending(self) -> None:
-        """Read the noted instants, one call per GPU for each run of them due in one state,
-        and append the readings in order."""
+    def _read_noted(self, t_ns: np.ndarray | None) -> None:
+        """Read the noted instants and `t_ns` (due now, if given), one call per GPU for each
+        run of them due in one state, and append the readings in order.
+
+        Deferring GPUs sample on virtual time only (`_reads_in_bulk`), whose ticks are the
+        clock's callbacks in the thread that moves it, the one that enters and leaves the
+        sampler: nothing else touches the sampler's lists, so no lock is taken and nothing
+        is left in flight (a reading that raises leaves the sampler as it found it)."""
         assert self._pending is not None
-        with self._cond:
-            pending, self._pending = self._pending, []
-            if not pending or self._closed:
-                return
-            self._in_flight += 1
-        try:
-            runs: list[list[tuple[np.ndarray, tuple[object, ...]]]] = [[pending[0]]]
-            for entry in pending[1:]:  # states compare by identity (a tuple's == does)
-                if entry[1] == runs[-1][0][1]:
-                    runs[-1].append(entry)
-                else:
-                    runs.append([entry])
-            parts = []
-            for run in runs:
-                t_ns = run[0][0] if len(run) == 1 else np.concatenate([t for t, _ in run])
-                readings = []
-                for gpu, state in zip(self.gpus, run[0][1], strict=True):
-                    self._reading = "the readings of GPU " + str(gpu.identity.index)
-                    readings.append(cast(Any, gpu).readings_of(state, t_ns))
-                parts.append((t_ns, readings))
-        finally:
-            with self._cond:
-                self._in_flight -= 1
-                self._reading = None
-                self._cond.notify_all()
-        with self._cond:
-            if not self._closed:
-                for t_ns, readings in parts:
-                    self.samples.extend(t_ns, readings)
+        if self._closed:
+            return
+        if t_ns is not None:
+            self._note(t_ns)
+        pending, self._pending = self._pending, []
+        # runs of instants noted in one state (states compare by identity, as a tuple's ==
+        # does), each read in one call per GPU
+        runs: list[tuple[list[np.ndarray], tuple[object, ...]]] = []
+        for instants, states in pending:
+            if runs and runs[-1][1] == states:
+                runs[-1][0].append(instants)
+            else:
+                runs.append(([instants], states))
+        parts = []
+        for times, states in runs:
+            at = times[0] if len(times) == 1 else np.concatenate(times)
+            gpus: list[Any] = self.gpus
+            if len(gpus) == 1:
+                parts.append((at, [gpus[0].readings_of(states[0], at)]))
+            else:
+                parts.append(
+                    (at, [g.readings_of(s, at) for g, s in zip(gpus, states, strict=True)])
+                )
+        for at, readings in parts:
+            self.samples.extend(at, readings)
 
     def _sample_at(self, t_ns: np.ndarray) -> None:
         """Read every GPU at the instants `t_ns` in one call each and append the readings
         (with the noted ticks before them, deferring GPUs)."""
         assert self._bulk is not None
-        if self._pending is not None:
-            self._note(t_ns)
-            self._read_pending()
-            return
         with self._cond:
             if self._closed:
                 return
@@ -338,7 +376,10 @@ class Sampler:
             if self._ticker is not None:
                 self._ticker.stop()
         finally:
-            stuck = self._close()
+            if self._pending is None:
+                stuck = self._close()
+            else:  # deferring GPUs read in this thread only (`_read_noted`): none in flight
+                stuck, self._closed = None, False  # the final reading, as `_close` allows
         if exc_type is not None:
             return  # the block's own error matters more
         if stuck is not None:
@@ -372,9 +413,9 @@ class Sampler:
 
     def close(self) -> None:
         """No more readings: later ones are dropped (ticks already due are read first)."""
-        if self._pending:
+        if self._pending and not self._closed:
             try:
-                self._read_pending()
+                self._read_noted(None)
             except Exception as exc:  # kept, as a tick's error would be
                 self._fail(exc)
         with self._cond:
