@@ -23,7 +23,7 @@ from dvfs.plots.curves import (
     longest_corpus,
     pareto_title,
 )
-from dvfs.plots.data import pareto_front
+from dvfs.plots.data import pareto_front, usable_mask
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
 from dvfs.plots.split import draw_energy_split, split_panels, worth_drawing
 from dvfs.plots.style import save
@@ -78,16 +78,18 @@ def figures(
     )
     corpora = [str(c) for c in cube["corpus"].values]
     widest = longest_corpus(cube)
+    usable = usable_mask(cube)  # once for every figure: each would make it anew
     # One SM clock (a power-limit-only grid, or one clock locked): nothing varies along the
     # clock axis, and an unlocked clock would be drawn as a lock; each power limit's energy is
     # in the Pareto figure. As the energy-vs-batch figure for one batch size, none is drawn.
     if measured_clocks(cube) > 1:
         curves = corpus_panels(cube, energy_title(cube, widest))
         for corpus in corpora:
-            yield f"energy_vs_clock_{corpus}", draw_energy_vs_clock(cube, corpus, curves)
+            drawn = draw_energy_vs_clock(cube, corpus, curves, usable=usable)
+            yield f"energy_vs_clock_{corpus}", drawn
     fronts = corpus_panels(cube, pareto_title(target, widest))
     for corpus in corpora:
-        yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
+        yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts, usable=usable)
     if "energy_split_method" in cube:
         split = where_energy_goes(cube)
         worth = worth_drawing(split, no_estimate_reasons(cube))
@@ -96,10 +98,10 @@ def figures(
             if (fig := draw_energy_split(cube, corpus, split, bars)) is not None:
                 yield f"energy_split_{corpus}", fig
     for name, fig in (
-        ("acceptance", draw_acceptance(cube)),
+        ("acceptance", draw_acceptance(cube, usable)),
         ("headroom", draw_headroom(only_drafters(chosen, drafters))),
         ("timelines", draw_timelines(cube, chosen)),
-        ("energy_vs_batch", draw_energy_vs_batch(cube)),
+        ("energy_vs_batch", draw_energy_vs_batch(cube, usable)),
     ):
         if fig is not None:
             yield name, fig
