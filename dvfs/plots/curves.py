@@ -98,8 +98,7 @@ def _tidy(ax: Axes, xlabel: str) -> None:
 
     ax.xaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
     ax.yaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
-    ax.relim()  # a reused panel still holds the previous corpus's data limits
-    ax.autoscale_view()
+    ax.autoscale_view()  # a reused panel's data limits were emptied by clear_panels
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ENERGY_LABEL)
 

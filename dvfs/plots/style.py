@@ -330,10 +330,13 @@ def make_text_caching_canvas() -> type[FigureCanvasAgg]:
 
 
 def clear_panels(panels: Panels) -> Panels:
-    """The same panels emptied of data and legends, ready to draw the next corpus into."""
+    """The same panels emptied of data and legends, ready to draw the next corpus into: their
+    data limits emptied too, so that the artists drawn next set them as they are added, as on
+    new axes (`relim` after drawing would go over every artist again)."""
     for ax in panels.axes:
         for artist in [*ax.lines, *ax.collections, *ax.patches, *ax.texts, *ax.images]:
             artist.remove()
+        ax.relim()  # no artist left: only empties the limits
     if panels.spare is not None and (legend := panels.spare.get_legend()) is not None:
         legend.remove()
     panels.fig.legends.clear()
