@@ -697,6 +697,9 @@ def test_the_text_caching_canvas_changes_text_pixels_only() -> None:
         for f in (ours_fig, fig)
     ]
     assert extents[0] == extents[1]  # measured as matplotlib measures: the same layout
+    # and laid out so while drawing: the axis labels, placed then by the tick labels' boxes
+    positions = [[text.get_position() for text in f.findobj(Text)] for f in (ours_fig, fig)]
+    assert positions[0] == positions[1]
     height = ours.shape[0]
     near_text = np.zeros(ours.shape[:2], dtype=bool)
     boxes = []
