@@ -296,6 +296,33 @@ def test_the_energy_split_is_drawn_per_corpus_never_averaged_over_them() -> None
         assert top == pytest.approx(float(want))
 
 
+def test_reused_split_panels_draw_the_same_figure_as_fresh_ones() -> None:
+    """The split's panels drawn into for a corpus of taller bars, then emptied and drawn into
+    for one of lower bars, are scaled to the lower bars as new panels are."""
+    from dvfs.analysis.split import where_energy_goes
+    from dvfs.plots import draw_energy_split
+    from dvfs.plots.split import split_panels
+
+    cube = _split_cube()
+    cube = xr.concat([cube, cube.assign_coords(corpus=["math"]) * 1.0], dim="corpus")
+    for name in (
+        "energy_j",
+        *(f"energy_{p}_j" for p in ("prefill", "draft", "verify", "overhead")),
+    ):
+        cube[name].loc[{"corpus": "math"}] *= 3.0  # math's bars 3x code's
+    split = where_energy_goes(cube)
+    panels = split_panels(split)
+    draw_energy_split(cube, "math", split, panels)
+    reused = draw_energy_split(cube, "code", split, panels)
+    fresh = draw_energy_split(cube, "code", split)
+    assert reused is not None and fresh is not None
+    pairs = [(a, b) for a, b in zip(reused.axes, fresh.axes, strict=True) if a.patches]
+    assert pairs
+    for a, b in pairs:
+        assert _bar_tops(a) == _bar_tops(b)
+        assert a.get_ylim() == b.get_ylim() and a.get_xlim() == b.get_xlim()
+
+
 def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -> None:
     from dvfs.plots import draw_energy_split
 

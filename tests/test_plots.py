@@ -266,14 +266,28 @@ def test_power_limits_are_drawn_apart_from_clocks(cube: xr.Dataset) -> None:
     assert "700 W power limit (stock)" in labels and "300 W power limit (cap)" in labels
 
 
-def test_reused_panels_draw_the_same_figure_as_fresh_ones(cube: xr.Dataset) -> None:
+@pytest.mark.parametrize("kind", ["energy", "pareto"])
+@pytest.mark.parametrize("first", ["code", "math"])
+def test_reused_panels_draw_the_same_figure_as_fresh_ones(
+    cube: xr.Dataset, kind: str, first: str
+) -> None:
+    """Panels drawn into for one corpus, emptied and drawn into for the other, hold what new
+    panels hold: the same artists and the same limits, whichever corpus spans more."""
+    chosen = headroom(cube, target=TARGET)
+
+    def draw(corpus: str, panels: Any = None) -> Figure:
+        if kind == "energy":
+            return draw_energy_vs_clock(cube, corpus, panels)
+        return draw_pareto(cube, chosen, TARGET, corpus, panels)
+
+    second = "math" if first == "code" else "code"
     panels = corpus_panels(cube, energy_title(cube, "code"))
-    draw_energy_vs_clock(cube, "code", panels)
-    reused = draw_energy_vs_clock(cube, "math", panels)
-    fresh = draw_energy_vs_clock(cube, "math")
+    draw(first, panels)
+    reused = draw(second, panels)
+    fresh = draw(second)
     for a, b in zip(_data_axes(reused), _data_axes(fresh), strict=True):
         assert len(a.lines) == len(b.lines) and len(a.collections) == len(b.collections)
-        assert np.allclose(a.get_ylim(), b.get_ylim())
+        assert a.get_ylim() == b.get_ylim() and a.get_xlim() == b.get_xlim()
     assert len(_legends(reused)) == 1
 
 
@@ -683,6 +697,9 @@ def test_the_text_caching_canvas_changes_text_pixels_only() -> None:
         for f in (ours_fig, fig)
     ]
     assert extents[0] == extents[1]  # measured as matplotlib measures: the same layout
+    # and laid out so while drawing: the axis labels, placed then by the tick labels' boxes
+    positions = [[text.get_position() for text in f.findobj(Text)] for f in (ours_fig, fig)]
+    assert positions[0] == positions[1]
     height = ours.shape[0]
     near_text = np.zeros(ours.shape[:2], dtype=bool)
     boxes = []

@@ -1,21 +1,24 @@
 """Issue 15's shortcuts that must change nothing: the figures' style written out instead of
 imported from seaborn, the twin's traces built from a planned round's remembered fields, and the
-garbage collector's threshold raised only while a twin engine is open."""
+garbage collector's threshold raised only while a twin engine is open or figures are drawn."""
 
 from __future__ import annotations
 
 import gc
 from dataclasses import fields, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import dvfs.plots
 from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import VirtualClock
 from dvfs.corpora import load_corpus, sample_prompts
 from dvfs.engines.base import RequestTrace, Workload
 from dvfs.engines.twin import GC_THRESHOLD_0, TwinEngine
-from dvfs.plots import style
+from dvfs.plots import GC_THRESHOLD_0 as PLOT_GC_THRESHOLD_0
+from dvfs.plots import plot_all, style
 from dvfs.twin import traps
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.profiles import gpu_profile, model_profile
@@ -88,4 +91,42 @@ def test_the_gc_threshold_is_raised_only_while_a_twin_engine_is_open() -> None:
             raise RuntimeError("the sweep failed")
         assert gc.get_threshold() == (50_000, 5, 5)
     finally:
+        gc.set_threshold(*before)
+
+
+def test_figures_are_drawn_with_fewer_collections_and_the_collector_is_left_as_found(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """While plot_all draws, the collector runs less often and leaves out the objects that
+    existed before (frozen); after it, even when a figure fails, the threshold and the frozen
+    objects are as they were, someone else's frozen objects included."""
+    from cubes import make_cube
+
+    cube = make_cube(clocks=[1500, 1980], batches=[1, 8])
+    during: list[tuple[int, int]] = []
+
+    def note(fig: object, out_dir: Path, name: str, fmt: str) -> Path:
+        during.append((gc.get_threshold()[0], gc.get_freeze_count()))
+        if name == "fail":
+            raise RuntimeError("the disk is full")
+        return out_dir / name
+
+    monkeypatch.setattr(dvfs.plots, "save", note)
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        assert gc.get_freeze_count() == 0
+        plot_all(cube, tmp_path)
+        assert during and all(t == PLOT_GC_THRESHOLD_0 and frozen > 0 for t, frozen in during)
+        assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
+        monkeypatch.setattr(dvfs.plots, "figures", lambda *a, **k: iter([("fail", None)]))
+        with pytest.raises(RuntimeError, match="disk is full"):
+            plot_all(cube, tmp_path)
+        assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
+        gc.freeze()  # someone else's: kept frozen
+        with pytest.raises(RuntimeError):
+            plot_all(cube, tmp_path)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
         gc.set_threshold(*before)

@@ -44,11 +44,17 @@ def batch_title(cube: xr.Dataset) -> str:
     )
 
 
-def stock_energy(cube: xr.Dataset) -> np.ndarray:
-    """Energy per token (J) at the reference setting, axes (corpus, drafter, batch)."""
+def stock_energy(cube: xr.Dataset, usable: xr.DataArray | None = None) -> np.ndarray:
+    """Energy per token (J) at the reference setting, axes (corpus, drafter, batch); `usable`
+    as `cell_means` takes it."""
     ref = reference_setting(cube)
     return cell_means(
-        cube, "energy_per_token_j", DIMS, sm_clock=ref.sm_clock, power_limit=ref.power_limit
+        cube,
+        "energy_per_token_j",
+        DIMS,
+        usable=usable,
+        sm_clock=ref.sm_clock,
+        power_limit=ref.power_limit,
     )
 
 
@@ -71,9 +77,9 @@ def batch_handles(colors: dict[str, str]) -> list[Any]:
 
 
 @styled
-def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
+def draw_energy_vs_batch(cube: xr.Dataset, usable: xr.DataArray | None = None) -> Figure | None:
     """Energy per token (J, log scale) against batch (log scale), one line per drafter; None
-    when the cube holds a single batch size."""
+    when the cube holds a single batch size. `usable` as `cell_means` takes it."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
 
     batches = [int(b) for b in cube["batch"].values]
@@ -86,7 +92,7 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
     corpora = [str(c) for c in cube["corpus"].values]
     drafters = [str(d) for d in cube["drafter"].values]
     colors = cube_drafter_colors(cube)
-    energy = stock_energy(cube)[..., ascending]
+    energy = stock_energy(cube, usable)[..., ascending]
     title = batch_title(cube)
     at = "stock" if reference_setting(cube).is_stock else "the top of the grid"
     rows, cols = grid_shape(len(corpora))

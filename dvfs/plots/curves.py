@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dvfs.analysis.headroom import reference_setting
-from dvfs.plots.data import cell_means, pareto_front
+from dvfs.plots.data import cell_means, pareto_front, usable_mask
 from dvfs.plots.style import (
     CHOSEN_STYLE,
     ENERGY_LABEL,
@@ -98,16 +98,22 @@ def _tidy(ax: Axes, xlabel: str) -> None:
 
     ax.xaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
     ax.yaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
-    ax.relim()  # a reused panel still holds the previous corpus's data limits
-    ax.autoscale_view()
+    ax.autoscale_view()  # a reused panel's data limits were emptied by clear_panels
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ENERGY_LABEL)
 
 
 @styled
-def draw_energy_vs_clock(cube: xr.Dataset, corpus: str, panels: Panels | None = None) -> Figure:
+def draw_energy_vs_clock(
+    cube: xr.Dataset,
+    corpus: str,
+    panels: Panels | None = None,
+    *,
+    usable: xr.DataArray | None = None,
+) -> Figure:
     """Energy per token (J) against the SM clock lock: one line per drafter and power limit,
-    the stock setting ringed. `panels` (from corpus_panels) are emptied and drawn into."""
+    the stock setting ringed. `panels` (from corpus_panels) are emptied and drawn into;
+    `usable` is `usable_mask(cube)`, made here when not given (`figures` makes it once)."""
     ref = reference_setting(cube)
     clocks = np.asarray(cube["sm_clock"].values, dtype=float)
     batches = [int(b) for b in cube["batch"].values]
@@ -115,7 +121,7 @@ def draw_energy_vs_clock(cube: xr.Dataset, corpus: str, panels: Panels | None = 
     limits = [float(p) for p in cube["power_limit"].values]
     colors = cube_drafter_colors(cube)
     styles = limit_styles(limits, ref.power_limit)
-    energy = cell_means(cube, "energy_per_token_j", DIMS, corpus=corpus)
+    energy = cell_means(cube, "energy_per_token_j", DIMS, usable=usable, corpus=corpus)
     p_stock, c_stock = limits.index(ref.power_limit), int(np.flatnonzero(clocks == ref.sm_clock)[0])
     handles = [
         *color_handles(measured_colors(colors, energy)),
@@ -159,9 +165,11 @@ def draw_pareto(
     target: Target,
     corpus: str,
     panels: Panels | None = None,
+    *,
+    usable: xr.DataArray | None = None,
 ) -> Figure:
     """Energy against latency for every clock and power limit; the Pareto front per drafter,
-    the stock setting ringed, the headroom choice starred. `panels` as in
+    the stock setting ringed, the headroom choice starred. `panels` and `usable` as in
     draw_energy_vs_clock."""
     ref = reference_setting(cube)
     batches = [int(b) for b in cube["batch"].values]
@@ -170,8 +178,11 @@ def draw_pareto(
     clocks = [int(c) for c in cube["sm_clock"].values]
     colors = cube_drafter_colors(cube)
     styles = limit_styles(limits, ref.power_limit)
-    energy = cell_means(cube, "energy_per_token_j", DIMS, corpus=corpus)
-    latency = cell_means(cube, target.variable, DIMS, corpus=corpus, quantile=target.quantile)
+    usable = usable_mask(cube) if usable is None else usable
+    energy = cell_means(cube, "energy_per_token_j", DIMS, usable=usable, corpus=corpus)
+    latency = cell_means(
+        cube, target.variable, DIMS, usable=usable, corpus=corpus, quantile=target.quantile
+    )
     p_stock, c_stock = limits.index(ref.power_limit), clocks.index(ref.sm_clock)
     picks = chosen.sel(corpus=corpus).transpose("batch", "drafter")
     feasible = picks["feasible"].values

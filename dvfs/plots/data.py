@@ -21,10 +21,19 @@ def usable_mask(cube: xr.Dataset) -> xr.DataArray:
     return valid_mask(cube) & ~ruled_out_settings(cube)
 
 
-def cell_means(cube: xr.Dataset, name: str, dims: tuple[str, ...], **sel: Any) -> np.ndarray:
+def cell_means(
+    cube: xr.Dataset,
+    name: str,
+    dims: tuple[str, ...],
+    *,
+    usable: xr.DataArray | None = None,
+    **sel: Any,
+) -> np.ndarray:
     """`name` over valid cells, averaged over repeats, as an array with axes in `dims` order;
-    NaN for a setting with an invalid repeat (`usable_mask`)."""
-    values = cube[name].where(usable_mask(cube)).sel(**sel).mean("repeat")
+    NaN for a setting with an invalid repeat. `usable` is `usable_mask(cube)`, made here when
+    not given: a caller asking for several means of one cube makes it once."""
+    usable = usable_mask(cube) if usable is None else usable
+    values = cube[name].where(usable).sel(**sel).mean("repeat")
     return np.asarray(values.transpose(*dims).values, dtype=float)
 
 

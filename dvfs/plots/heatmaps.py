@@ -269,13 +269,14 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
 
 
 @styled
-def draw_acceptance(cube: xr.Dataset) -> Figure | None:
-    """Mean accept length (tokens per verify pass) per drafter and corpus; None without one."""
+def draw_acceptance(cube: xr.Dataset, usable: xr.DataArray | None = None) -> Figure | None:
+    """Mean accept length (tokens per verify pass) per drafter and corpus; None without one.
+    `usable` is `usable_mask(cube)`, made here when not given."""
     from matplotlib.colors import Normalize
 
     if "accept_length" not in cube:
         return None
-    accept = cube["accept_length"].where(usable_mask(cube))
+    accept = cube["accept_length"].where(usable_mask(cube) if usable is None else usable)
     table = accept.mean([d for d in accept.dims if d not in ("drafter", "corpus")])
     values = table.transpose("drafter", "corpus").values
     keep = ~np.all(np.isnan(values), axis=1)

@@ -163,8 +163,9 @@ def draw_energy_split(
         ax.set_xticks(x, drafters, rotation=60, ha="right")
         ax.set_ylabel(ENERGY_LABEL)
         ax.set_xlim(-0.6, len(drafters) - 0.4)
-        ax.autoscale(enable=True, axis="y")  # a reused panel holds the last corpus's limits
-        ax.relim()
+        # a reused panel may hold the last corpus's fixed y limits (its data limits were
+        # emptied by clear_panels)
+        ax.autoscale(enable=True, axis="y")
         ax.autoscale_view()
         if not split_known.any():  # a panel of text only: give it a scale to stand on
             ax.set_ylim(0.0, 1.0)
