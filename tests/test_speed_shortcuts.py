@@ -1,10 +1,13 @@
 """Issue 15's shortcuts that must change nothing: the figures' style written out instead of
-imported from seaborn, the twin's traces built from a planned round's remembered fields, and the
-garbage collector's threshold raised only while a twin engine is open or figures are drawn."""
+imported from seaborn, the twin's traces built from a planned round's remembered fields, the
+garbage collector's threshold raised only while a twin engine is open or figures are drawn, and a
+GPU profile's hash worked out once."""
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from dvfs.engines.base import RequestTrace, Workload
 from dvfs.engines.twin import GC_THRESHOLD_0, TwinEngine
 from dvfs.plots import GC_THRESHOLD_0 as PLOT_GC_THRESHOLD_0
 from dvfs.plots import plot_all, style
-from dvfs.twin import traps
+from dvfs.twin import profiles, traps
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.profiles import gpu_profile, model_profile
 
@@ -130,3 +133,28 @@ def test_figures_are_drawn_with_fewer_collections_and_the_collector_is_left_as_f
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_a_profiles_hash_is_its_fields_hash_worked_out_once(monkeypatch) -> None:
+    """A profile keys the physics' caches, looked up a few times a round: its fields are hashed
+    once, to the number the dataclass's own hash gives; equal profiles still hash equal, and a
+    copy or a pickle carries the fields alone (a string's hash differs between processes)."""
+    profile = replace(H100)  # a fresh one, never hashed
+    tuples = []
+
+    def counting_hash(value: object) -> int:
+        if isinstance(value, tuple):
+            tuples.append(value)
+        return hash(value)
+
+    monkeypatch.setattr(profiles, "hash", counting_hash, raising=False)
+    first = hash(profile)
+    assert hash(profile) == first
+    assert len(tuples) == 1  # the fields, hashed once
+    monkeypatch.undo()
+    assert first == hash(tuple(getattr(H100, f.name) for f in fields(H100))) == hash(H100)
+    assert replace(H100, ambient_c=H100.ambient_c + 1.5) != H100
+    assert len({H100: 1, replace(H100): 2}) == 1
+    names = {f.name for f in fields(H100)}
+    for other in (copy.copy(profile), copy.deepcopy(profile), pickle.loads(pickle.dumps(profile))):
+        assert set(vars(other)) == names and other == profile and hash(other) == first

@@ -14,6 +14,9 @@ from typing import Any
 from dvfs.errors import CampaignError
 from dvfs.gpu.base import PowerLimitRange
 
+#: Where `GpuProfile.__hash__` keeps the hash it worked out, beside the fields.
+_HASH = "_fields_hash"
+
 
 @dataclass(frozen=True)
 class GpuProfile:
@@ -94,6 +97,21 @@ class GpuProfile:
         ]
         if negative:
             raise CampaignError(f"GPU profile {self.key}: {', '.join(negative)} must be >= 0")
+
+    def __hash__(self) -> int:
+        """The hash of every field, as the dataclass's own hash is (so equal profiles hash
+        equal), worked out once: a profile keys the physics' caches, looked up a few times per
+        round of a sweep, and hashing its forty-odd fields took microseconds each time. The
+        fields are frozen, so the hash kept beside them cannot go stale; it is left out of a
+        pickle (`__getstate__`), as a string's hash differs from process to process."""
+        known = self.__dict__.get(_HASH)
+        if known is None:
+            known = self.__dict__[_HASH] = hash(tuple(getattr(self, f.name) for f in fields(self)))
+        return known
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields alone (what a pickle or a copy carries), without the kept hash."""
+        return {k: v for k, v in self.__dict__.items() if k != _HASH}
 
     def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
         """Lockable SM clocks, descending like NVML's list."""
