@@ -291,7 +291,8 @@ class Sampler:
         Deferring GPUs sample on virtual time only (`_reads_in_bulk`), whose ticks are the
         clock's callbacks in the thread that moves it, the one that enters and leaves the
         sampler: nothing else touches the sampler's lists, so no lock is taken and nothing
-        is left in flight (a reading that raises leaves the sampler as it found it)."""
+        is left in flight (a reading that raises drops the noted ticks and appends nothing:
+        its round fails with it)."""
         assert self._pending is not None
         if self._closed:
             return
