@@ -338,16 +338,18 @@ def test_protocol_faults_are_journaled_per_cell(
 
 @pytest.mark.slow
 def test_a_5xx_from_a_server_whose_health_check_takes_seconds_is_not_restarted(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang's /health runs a one-token generate and answers once the scheduler outputs
     anything: never under 1 s, and up to its 20 s health-check timeout on a busy server. A
-    round failed on such a server (here a 5xx, its /health answering 200 after 6 s) is failed
+    round failed on such a server (here a 5xx, its /health answering 200 after 3 s) is failed
     on that server, not taken for a hung one that is stopped and started again (dvfs gave
-    /health 5 s: each such failure cost a server restart, a model load on a real GPU)."""
+    /health HEALTH_PROBE_S, 5 s, 2 s here: each such failure cost a server restart, a model
+    load on a real GPU)."""
+    monkeypatch.setattr("dvfs.engines.sglang_client.HEALTH_PROBE_S", 2.0)
     cells, _ = _sweep_cells(
         tmp_path,
-        stub={"fail_after_requests": 1, "busy_health_s": 6.0},
+        stub={"fail_after_requests": 1, "busy_health_s": 3.0},
         drafters=ONE_DRAFTER,
         batch="[1]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
