@@ -1959,7 +1959,7 @@ def test_a_merge_keeps_the_cap_each_source_found_and_lifted(nvml, tmp_path: Path
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=u0, power_limit_w=450.0),))))
     invoke("cap", "apply", str(caps))
     campaign = tmp_path / "clock.toml"
-    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
     text = text.replace("power_limit = [700, 400]", 'power_limit = "stock"')
     campaign.write_text(text.replace("batch = [1]", "batch = [1, 2]"))
     for name, args in (

@@ -1341,7 +1341,7 @@ def test_a_signal_held_by_a_restore_that_fails_at_the_sweeps_end_exits_as_interr
     # The reset hangs until its deadline fails the restore: the signal comes meanwhile.
     hanging = {
         **env,
-        "DVFS_NVML_DEADLINE_S": "10",
+        "DVFS_NVML_DEADLINE_S": "4",
         "DVFS_FAKE_NVML_HANG": "nvmlDeviceResetGpuLockedClocks=inf",
     }
     proc = _start_sweep(campaign, out, hanging)
