@@ -282,7 +282,7 @@ def test_a_rounds_counter_window_is_its_updates_window(readings, period_s, start
     gaps, stepped, steps = (np.array(c, dtype=np.int64) for c in zip(*rows, strict=True))
     t = np.cumsum(gaps)[: len(readings)]
     v = np.cumsum(np.where(stepped, steps, 0)).astype(np.float64)[: len(readings)]
-    new = counter._update_window(t, v, period_s, start, start + length)
+    new = counter.update_window(t, v, period_s, start, start + length)
     old = counter.counter_window(counter.updates(t, v, period_s), start, start + length)
     assert new.updates == old.updates
     assert same_bits(
@@ -298,7 +298,7 @@ def test_a_rounds_counter_window_on_a_regular_counter_is_its_updates_window() ->
     seen = counter.updates(t, v, 0.1)
     assert seen.regular
     for start, end in ((0, 5_000_000_000), (1_234_567_890, 3_456_789_012), (10**9, 10**9)):
-        new = counter._update_window(t, v, 0.1, start, end)
+        new = counter.update_window(t, v, 0.1, start, end)
         old = counter.counter_window(seen, start, end)
         assert new.updates == old.updates
         assert same_bits(

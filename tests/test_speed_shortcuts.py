@@ -17,10 +17,10 @@ import pytest
 import dvfs.plots
 from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import VirtualClock
+from dvfs.collector import GC_THRESHOLD_0
 from dvfs.corpora import load_corpus, sample_prompts
 from dvfs.engines.base import RequestTrace, Workload
-from dvfs.engines.twin import GC_THRESHOLD_0, TwinEngine
-from dvfs.plots import GC_THRESHOLD_0 as PLOT_GC_THRESHOLD_0
+from dvfs.engines.twin import TwinEngine
 from dvfs.plots import plot_all, style
 from dvfs.twin import profiles, traps
 from dvfs.twin.device import TwinDevice, TwinNode
@@ -120,7 +120,7 @@ def test_figures_are_drawn_with_fewer_collections_and_the_collector_is_left_as_f
         gc.set_threshold(700, 10, 10)
         assert gc.get_freeze_count() == 0
         plot_all(cube, tmp_path)
-        assert during and all(t == PLOT_GC_THRESHOLD_0 and frozen > 0 for t, frozen in during)
+        assert during and all(t == GC_THRESHOLD_0 and frozen > 0 for t, frozen in during)
         assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
         monkeypatch.setattr(dvfs.plots, "figures", lambda *a, **k: iter([("fail", None)]))
         with pytest.raises(RuntimeError, match="disk is full"):

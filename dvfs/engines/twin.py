@@ -9,7 +9,7 @@ counting from `dvfs.twin.passes`), whose virtual clock advances by the work done
 
 from __future__ import annotations
 
-import gc
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ import numpy as np
 
 from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import Clock
+from dvfs.collector import few_collections
 from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import (
     ABORTED,
@@ -66,8 +67,6 @@ STARTUP_S = 60.0
 #: Fixed-batch rounds remembered per server: a sweep repeats each (prompts, seed) round at
 #: every knob setting, and only the timing differs (bounded, so memory stays flat).
 ROUND_CACHE_SIZE = 256
-#: The cyclic garbage collector's first threshold while a twin engine is open (`__enter__`).
-GC_THRESHOLD_0 = 10_000
 
 
 class Node(Protocol):
@@ -125,7 +124,8 @@ class TwinEngine:
         self._rounds: OrderedDict[tuple[object, ...], _FixedRound] = OrderedDict()
         #: `_lengths_of` by the prompts' id (the prompts kept to check it)
         self._lengths: dict[int, tuple[tuple[Prompt, ...], np.ndarray, bytes, int]] = {}
-        self._gc_thresholds: tuple[int, ...] | None = None
+        #: the garbage collector's settings while the engine is open (`__enter__`)
+        self._collections = contextlib.ExitStack()
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, drafter: DrafterSpec) -> ServerInfo:
@@ -175,22 +175,16 @@ class TwinEngine:
         self._rounds = OrderedDict()
 
     def __enter__(self) -> TwinEngine:
-        # A sweep on the twin makes and drops hundreds of thousands of small objects (traces,
-        # readings): at Python's default first threshold (700) the cyclic collector ran
-        # thousands of times, ~7% of the demo's CPU. Raised while the engine is open, restored
-        # on exit; reference counting still frees everything that is not in a cycle at once.
-        self._gc_thresholds = gc.get_threshold()
-        first, *rest = self._gc_thresholds
-        gc.set_threshold(max(first, GC_THRESHOLD_0), *rest)
+        # a sweep on the twin makes and drops hundreds of thousands of small objects (traces,
+        # readings): the cyclic collector runs less often while the engine is open
+        self._collections.enter_context(few_collections())
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.stop()
         finally:
-            if self._gc_thresholds is not None:
-                gc.set_threshold(*self._gc_thresholds)
-                self._gc_thresholds = None
+            self._collections.close()  # the collector as it was (once: a second close is a no-op)
 
     # -- workload ---------------------------------------------------------------------------
     def run(self, workload: Workload, timeline: KnobTimeline | None = None) -> RoundResult:

@@ -25,7 +25,7 @@ import numpy as np
 
 from dvfs.clock import Clock
 from dvfs.gpu.base import Gpu
-from dvfs.measure.counter import CounterWindow, counter_window, updates
+from dvfs.measure.counter import CounterWindow, update_window
 from dvfs.measure.settle import Probe
 
 
@@ -69,7 +69,7 @@ def counter_windows(
         back = (values[1:] < values[:-1]).nonzero()[0]
         if len(back):
             t, values = t[back[-1] + 1 :], values[back[-1] + 1 :]
-        windows.append(counter_window(updates(t, values, period_s), int(t[0]), int(t[-1])))
+        windows.append(update_window(t, values, period_s, int(t[0]), int(t[-1])))
     return windows
 
 

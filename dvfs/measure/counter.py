@@ -352,15 +352,18 @@ def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
     )
 
 
-def _update_window(
-    t: np.ndarray, v: np.ndarray, period_s: float | None, start_ns: int, end_ns: int
+def update_window(
+    t_ns: np.ndarray, value_mj: np.ndarray, period_s: float | None, start_ns: int, end_ns: int
 ) -> CounterWindow:
-    """`counter_window(updates(t, v, period_s), start_ns, end_ns)` in one pass, the same
-    numbers by the same operations, for a round's one counter (int64 instants ascending,
-    float64 values): the brackets' widths and middles worked out once for the fit, the
-    window and its uncertainty, and the updates inside found by bisection (the instants
-    ascend with the readings: each lies in its own bracket, and the brackets follow one
-    another), without the `Updates` between them (a round's window is most of its work)."""
+    """`counter_window(updates(t_ns, value_mj, period_s), start_ns, end_ns)` in one pass, the
+    same numbers by the same operations, for one counter's readings (instants ascending): the
+    brackets' widths and middles worked out once for the fit, the window and its
+    uncertainty, and the updates inside found by bisection (the instants ascend with the
+    readings: each lies in its own bracket, and the brackets follow one another), without
+    the `Updates` between them. The meter's windows (a round's, an idle baseline's) are
+    taken here; `counter_window` on `updates` is the definition its tests hold it to."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    v = np.asarray(value_mj, dtype=np.float64)
     if len(t) < 2:
         return CounterWindow(float(start_ns), float(end_ns), 0, math.nan)
     changed = (v[1:] != v[:-1]).nonzero()[0] + 1
@@ -524,7 +527,7 @@ def round_energy(
     windows = []
     for g in range(times.shape[1]):
         period = periods_s[g] if g < len(periods_s) else None
-        windows.append(_update_window(times[:, g], values[:, g], period, start, end))
+        windows.append(update_window(times[:, g], values[:, g], period, start, end))
     counted = min(w.updates for w in windows)
     if len(periods_s) >= len(windows) and all(p == 0 for p in periods_s[: len(windows)]):
         # continuous counters: exact at every reading, so the window's own edges (chunk

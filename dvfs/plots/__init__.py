@@ -6,15 +6,14 @@ draws every figure and saves it. Energy is in J per token, as in `dvfs headroom`
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.split import no_estimate_reasons, where_energy_goes
 from dvfs.analysis.targets import Target
+from dvfs.collector import few_collections
 from dvfs.cube.schema import SPLIT_MEANINGS, STATUS_MISSING
 from dvfs.plots.batch import draw_energy_vs_batch
 from dvfs.plots.curves import (
@@ -148,35 +147,6 @@ def missing_for_figures(cube: xr.Dataset) -> list[str]:
     return [name for name in needed if name not in cube]
 
 
-#: The cyclic garbage collector's first threshold while figures are drawn (`few_collections`),
-#: as the twin engine's while it is open.
-GC_THRESHOLD_0 = 10_000
-
-
-@contextmanager
-def few_collections() -> Iterator[None]:
-    """Fewer, shorter runs of the cyclic garbage collector while figures are drawn: the
-    objects that exist on entry (the libraries imported, the cube) are kept out of its runs
-    (`gc.freeze`, undone on exit, unless something else froze objects before), and it runs
-    after 10,000 new objects, not 700. The figures make hundreds of thousands of small objects
-    (artists, transforms, paths), and each full run went over every object pandas, xarray
-    and matplotlib hold: 0.2-0.25 s of the demo's 4.2 s `dvfs plot`. Reference counting still
-    frees at once what is in no cycle, and the runs still come (the demo's peak memory is
-    the same: 281 MiB)."""
-    thresholds = gc.get_threshold()
-    first, *rest = thresholds
-    freeze = gc.get_freeze_count() == 0  # else someone else's frozen objects: leave them be
-    gc.set_threshold(max(first, GC_THRESHOLD_0), *rest)
-    if freeze:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        if freeze:
-            gc.unfreeze()
-
-
 def plot_all(
     cube: xr.Dataset,
     out_dir: str | Path,
@@ -193,7 +163,9 @@ def plot_all(
     are the ones its table gives for them (`dvfs report` passes its own, and its --drafter
     as `drafters`, the headroom map's rows); each GPU's of a merged cube as `dvfs headroom`
     gives them on the merged cube (`grid_from_data`, as `figures` takes it)."""
-    with few_collections():
+    # the figures make hundreds of thousands of small objects (artists, transforms, paths):
+    # the collector runs less often, and leaves out the objects that exist before drawing
+    with few_collections(freeze=True):
         return _plot_all(
             cube,
             Path(out_dir),
