@@ -290,3 +290,51 @@ def test_a_sweep_stabilises_and_measures_as_the_plain_loop(
             else np.array_equal(a.astype(str), b.astype(str))
         )
         assert same, name
+
+
+def test_a_two_gpu_node_starts_one_schedule_for_the_same_load_again() -> None:
+    """A tensor-parallel node's schedule (each phase at its slowest device's point) is the
+    same object for the same devices' schedules, so a load run again and again starts one
+    schedule, whose thermal terms each device keeps (it made them anew every time when the
+    node built its schedule anew); the bits against `run` are
+    `test_the_repeater_leaves_the_twin_as_run_does`'."""
+    _, devices, engine = _twin(2, 700.0)
+    engine.start(EAGLE3)
+    again = engine.repeater(_workload(8, end_at_window=True))
+    started = []
+    for _ in range(4):
+        again()
+        started.append(devices[0].timeline.work)
+        assert all(d._terms is not None and d._terms[0] is devices[0]._terms[0] for d in devices)
+    assert all(d._terms is not None and d._terms[1] is not None for d in devices)
+    assert all(w is not None and w.terms is started[-1].terms for w in started[1:])
+
+
+def test_a_timeline_keeps_the_devices_pass_bounds_as_its_segments_starts() -> None:
+    """A device hands a timeline its passes' starts and last end in the one array it made
+    them in; the timeline keeps it as its segments' starts (read-only), as it builds them
+    from the starts and the end without it."""
+    from dvfs.twin.timeline import Timeline
+
+    _, devices, engine = _twin(1, 700.0)
+    engine.start(NONE)
+    engine.repeater(_workload(4, end_at_window=False))()
+    timeline = devices[0].timeline
+    work = timeline.work
+    assert work is not None and work.bounds_ns is not None
+    assert timeline._seg_start_ns is work.bounds_ns and not work.bounds_ns.flags.writeable
+    built = Timeline(
+        timeline.profile,
+        timeline.thermal,
+        timeline.sensor,
+        timeline.fold_ns,
+        None,
+        None,
+        None,
+        replace(work, bounds_ns=None),
+        timeline.idle_w,
+        timeline.idle_clock_mhz,
+        None,
+    )
+    assert np.array_equal(built._seg_start_ns, work.bounds_ns)
+

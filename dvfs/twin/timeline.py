@@ -31,8 +31,10 @@ from dvfs.twin.traps import settle_progress
 class Work:
     """Passes a device runs back to back: start and end (ns), dynamic power (the power model's,
     before leakage), clock and event reasons of each. Optionally, what follows from them
-    alone and was made before: each pass's `duration_s` (end - start, in s) and the thermal
-    model's `terms` (`dvfs.twin.thermal.segment_terms`, for the idle power they name)."""
+    alone and was made before: each pass's `duration_s` (end - start, in s), the thermal
+    model's `terms` (`dvfs.twin.thermal.segment_terms`, for the idle power they name) and
+    `bounds_ns`, the starts then the last end in one array (the segments' starts a timeline
+    keeps: passes back to back, each starting where the one before ended)."""
 
     starts_ns: np.ndarray
     ends_ns: np.ndarray
@@ -41,6 +43,7 @@ class Work:
     reasons: np.ndarray
     duration_s: np.ndarray | None = field(default=None, compare=False)
     terms: th.SegmentTerms | None = field(default=None, compare=False)
+    bounds_ns: np.ndarray | None = field(default=None, compare=False)
 
     def after(self, t_ns: int) -> Work | None:
         """What is left at `t_ns` (the pass under way cut to start there), None when done."""
@@ -146,10 +149,12 @@ class Timeline:
             )
             self.end_ns = int(work.ends_ns[-1])
             end_temp, end_energy = float(pass_temp_c[-1]), float(energy_before[-1])
-            n = len(work.starts_ns)
-            seg_start = np.empty(n + 1, dtype=np.int64)
-            seg_start[:n] = work.starts_ns
-            seg_start[n] = self.end_ns
+            seg_start = work.bounds_ns
+            if seg_start is None:
+                n = len(work.starts_ns)
+                seg_start = np.empty(n + 1, dtype=np.int64)
+                seg_start[:n] = work.starts_ns
+                seg_start[n] = self.end_ns
             self._seg_ends_ns = work.ends_ns
         else:
             self.end_ns = fold_ns
