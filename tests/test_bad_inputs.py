@@ -2341,6 +2341,7 @@ def test_a_netcdf_input_whose_path_holds_a_backslash_is_named_not_called_damaged
 # twin fit (seconds of fitting) is left out: `test_a_write_cut_short_keeps_the_old_file` shows
 # it writes through `dvfs.outputs` as the others do, whose handling of a pipe is tested here.
 @pytest.mark.parametrize("name", [n for n in OVERWRITES if n != "twin-fit-o"])
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
 def test_a_fifo_output_is_written_not_replaced(
     name: str, shared: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -2383,6 +2384,7 @@ def test_a_fifo_output_is_written_not_replaced(
 
 
 @pytest.mark.parametrize("name", ["report-o", "headroom-o"])
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
 def test_an_anonymous_pipe_output_is_written(
     name: str, shared: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -2412,6 +2414,7 @@ def test_an_anonymous_pipe_output_is_written(
 
 
 @pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
 def test_a_symlinked_output_keeps_its_link(
     name: str, shared: dict[str, Path], tmp_path: Path
 ) -> None:
