@@ -304,11 +304,13 @@ def test_every_netcdf_file_opened_is_closed_by_a_with() -> None:
     that ran `dvfs twin fit` on it took the worker down. Every open in dvfs and its tests is
     the subject of a `with`, which closes the file."""
     tests = Path(__file__).resolve().parent
-    files = [*ROOT.rglob("*.py"), *tests.glob("*.py")]
+    texts = {p: p.read_text(encoding="utf-8") for p in [*ROOT.rglob("*.py"), *tests.glob("*.py")]}
     found = {
         f"{path.relative_to(ROOT.parent)}:{line}"
-        for path in files
-        for line in _unclosed_opens(ast.parse(path.read_text(encoding="utf-8")))
+        for path, text in texts.items()
+        # a file naming neither call cannot make one: most are not parsed (seconds of CPU)
+        if "open_dataset" in text or ("netCDF4" in text and "Dataset" in text)
+        for line in _unclosed_opens(ast.parse(text))
     }
     assert not found, sorted(found)
 

@@ -2098,26 +2098,47 @@ def _capped_env(tmp_path: Path) -> dict[str, str]:
     return subprocess_env(PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
 
 
-def _run_capped(argv: list[str], limit: int, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """`dvfs ARGV` in a child whose files may not grow past `limit` bytes: a write past it
+def _small_files(limit: int) -> None:
+    """Files of this process may not grow past `limit` bytes from now on: a write past it
     fails part-way through (EFBIG, SIGXFSZ ignored), as on a full disk."""
     import resource
     import signal
 
-    from conftest import PYTHON
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    def small_files() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+def _run_capped(argv: list[str], limit: int, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`dvfs ARGV` in a child whose files may not grow past `limit` bytes (`_small_files`)."""
+    from conftest import PYTHON
 
     return subprocess.run(
         [PYTHON, "-m", "dvfs", *argv],
-        preexec_fn=small_files,
+        preexec_fn=lambda: _small_files(limit),
         capture_output=True,
         text=True,
         env=_capped_env(tmp_path),
         timeout=300,
     )
+
+
+def _invoke_capped(argv: list[str], limit: int) -> Any:
+    """`dvfs ARGV` in this process (CliRunner) under `_small_files(limit)`, set back after it:
+    the same limit without a child's ~1 s of imports. No bytecode is written meanwhile (as
+    `_capped_env`), and the output goes to CliRunner's memory, not a file."""
+    import resource
+    import signal
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.getsignal(signal.SIGXFSZ)
+    bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        _small_files(limit)
+        return CliRunner().invoke(cli, argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+        sys.dont_write_bytecode = bytecode
 
 
 @pytest.mark.parametrize("name", list(OVERWRITES))
@@ -2137,7 +2158,24 @@ def test_a_write_cut_short_keeps_the_old_file(
 
     if name == "twin-fit-o":
         shared = {**shared, "fit_cube": tiny_exact_run("one") / "cube.nc"}
-    proc = _run_capped(_argv(name, shared, out), limit, tmp_path)
+    result = _invoke_capped(_argv(name, shared, out), limit)
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # no traceback
+    assert str(out) in result.stderr.splitlines()[-1], result.stderr
+    assert out.read_bytes() == b"OLD\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["old.file"]
+
+
+def test_a_write_cut_short_in_a_process_of_its_own_is_one_line(
+    shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`test_a_write_cut_short_keeps_the_old_file` as a script sees it: `python -m dvfs` in a
+    process of its own (the limit set as it starts) exits 1 with one line naming the file on
+    stderr, no traceback, and the old file whole."""
+    out = tmp_path / "out" / "old.file"
+    out.parent.mkdir()
+    out.write_bytes(b"OLD\n")
+    proc = _run_capped(_argv("cap-plan-o", shared, out), 512, tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert str(out) in proc.stderr.splitlines()[-1], proc.stderr
@@ -2303,6 +2341,7 @@ def test_a_netcdf_input_whose_path_holds_a_backslash_is_named_not_called_damaged
 # twin fit (seconds of fitting) is left out: `test_a_write_cut_short_keeps_the_old_file` shows
 # it writes through `dvfs.outputs` as the others do, whose handling of a pipe is tested here.
 @pytest.mark.parametrize("name", [n for n in OVERWRITES if n != "twin-fit-o"])
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
 def test_a_fifo_output_is_written_not_replaced(
     name: str, shared: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -2345,6 +2384,7 @@ def test_a_fifo_output_is_written_not_replaced(
 
 
 @pytest.mark.parametrize("name", ["report-o", "headroom-o"])
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
 def test_an_anonymous_pipe_output_is_written(
     name: str, shared: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -2374,6 +2414,7 @@ def test_an_anonymous_pipe_output_is_written(
 
 
 @pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
 def test_a_symlinked_output_keeps_its_link(
     name: str, shared: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -2467,8 +2508,8 @@ def test_a_figure_cut_short_keeps_the_old_one(
     first.write_bytes(b"OLD\n")
 
     argv = ["plot", str(shared["cube"]), "--out", str(out), "--format", fmt]
-    proc = _run_capped(argv, 512, tmp_path)
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
+    result = _invoke_capped(argv, 512)
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     assert first.read_bytes() == b"OLD\n"
     assert [p.name for p in out.iterdir()] == [first.name]

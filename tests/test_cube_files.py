@@ -170,8 +170,7 @@ def test_a_merged_cube_labels_its_gpus(tiny_sweep: Path, tmp_path: Path) -> None
     )
 
 
-@pytest.mark.parametrize("command", ["build", "merge"])
-def test_a_cube_to_stdout_is_the_cube_alone(command: str, tiny_sweep: Path, tmp_path: Path) -> None:
+def test_a_cube_to_stdout_is_the_cube_alone(tiny_sweep: Path, tmp_path: Path) -> None:
     """`dvfs cube build SWEEP -o /dev/stdout | ssh host 'cat > cube.nc'`: the stream holds
     the netCDF file and nothing else; its "cube: /dev/stdout" line followed the file's last
     byte in the same stream (18 bytes not of the cube)."""
@@ -179,12 +178,7 @@ def test_a_cube_to_stdout_is_the_cube_alone(command: str, tiny_sweep: Path, tmp_
 
     from conftest import PYTHON, subprocess_env
 
-    if command == "build":
-        args = ["build", str(copy_sweep(tiny_sweep, tmp_path / "out"))]
-    else:
-        h200 = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h200-sxm"')
-        assert sweep(write(tmp_path / "b.toml", h200), tmp_path / "b").exit_code == 0
-        args = ["merge", str(tiny_sweep), str(tmp_path / "b")]
+    args = ["build", str(copy_sweep(tiny_sweep, tmp_path / "out"))]
     done = subprocess.run(
         [PYTHON, "-m", "dvfs", "cube", *args, "-o", "/dev/stdout"],
         capture_output=True,
@@ -198,6 +192,42 @@ def test_a_cube_to_stdout_is_the_cube_alone(command: str, tiny_sweep: Path, tmp_
     assert b"cube:" not in done.stdout[-200:], done.stdout[-80:]
     assert done.stderr.decode().startswith("cube: /dev/stdout"), done.stderr.decode()
     (tmp_path / "piped.nc").write_bytes(done.stdout)
+    assert open_cube(tmp_path / "piped.nc")["energy_j"].notnull().any()
+
+
+def test_a_merged_cube_to_a_pipe_is_the_cube_alone(tiny_sweep: Path, tmp_path: Path) -> None:
+    """`dvfs cube merge A B -o /dev/stdout | ...`, as `test_a_cube_to_stdout_is_the_cube_alone`
+    (whose process of its own shows the stream a script gets), in this process: `-o` a pipe's
+    /dev/fd path takes the netCDF file alone, and the "cube:" line goes to stderr, not stdout
+    (the stream that line shared with the file)."""
+    import threading
+
+    h200 = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h200-sxm"')
+    assert sweep(write(tmp_path / "b.toml", h200), tmp_path / "b").exit_code == 0
+    r, w = os.pipe()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := os.read(r, 1 << 16):
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    stream = f"/dev/fd/{w}"
+    try:
+        done = CliRunner().invoke(
+            cli, ["cube", "merge", str(tiny_sweep), str(tmp_path / "b"), "-o", stream]
+        )
+    finally:
+        os.close(w)
+        reader.join(timeout=60)
+        os.close(r)
+    assert done.exit_code == 0, done.output
+    piped = b"".join(got)
+    assert piped.startswith(b"\x89HDF"), piped[:16]
+    assert done.stdout == "", done.stdout
+    assert done.stderr.startswith(f"cube: {stream}"), done.stderr
+    (tmp_path / "piped.nc").write_bytes(piped)
     assert open_cube(tmp_path / "piped.nc")["energy_j"].notnull().any()
 
 

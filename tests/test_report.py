@@ -213,6 +213,20 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
     assert "| cap |" not in text
 
 
+#: The first bytes of every PNG file.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def unrendered_png(fig: object, out_dir: Path, name: str, fmt: str) -> Path:
+    """`unsaved_figure`, a PNG's signature in it when the figure is a PNG: for a test of where
+    a report's figures end up, not of their pixels (tests/test_plots.py's, and `html_report`'s,
+    are drawn)."""
+    path = unsaved_figure(fig, out_dir, name, fmt)
+    if fmt == "png":
+        path.write_bytes(PNG_SIGNATURE)
+    return path
+
+
 def test_a_markdown_page_that_cannot_be_written_leaves_no_figures(
     small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,6 +234,9 @@ def test_a_markdown_page_that_cannot_be_written_leaves_no_figures(
     immutable report.md, EPERM even for root; a full disk alike) left report_figures/ full
     beside it. Nothing new is left now, the old page included; written, the page and its
     figures are there as before."""
+    import dvfs.plots
+
+    monkeypatch.setattr(dvfs.plots, "save", unrendered_png)
     out = tmp_path / "report.md"
     out.write_text("the old page\n")
     replace = os.replace
@@ -251,6 +268,9 @@ def test_a_markdown_figure_that_cannot_be_written_leaves_the_old_page(
     reaches) failed after the new page had replaced the old one, its figures missing, exit 1.
     The file in the way is named with the old page kept and nothing new; the linked folder
     gets its figures, as before the staging."""
+    import dvfs.plots
+
+    monkeypatch.setattr(dvfs.plots, "save", unrendered_png)
     out = tmp_path / "report.md"
     out.write_text("the old page\n")
     (tmp_path / "report_figures").write_text("not a folder\n")
@@ -305,7 +325,6 @@ def test_the_figures_mark_the_settings_the_reports_table_chose(
     import dvfs.plots
 
     drawn: dict[str, Any] = {}
-    save = dvfs.plots.save
 
     def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
         if name == "headroom":  # each cell's text at (batch, drafter) in its corpus's panel
@@ -315,8 +334,7 @@ def test_the_figures_mark_the_settings_the_reports_table_chose(
                 for ax in fig.axes
                 for t in ax.texts
             ]
-            return save(fig, out_dir, name, fmt)
-        return unsaved_figure(fig, out_dir, name, fmt)
+        return unsaved_figure(fig, out_dir, name, fmt)  # what it drew, not its pixels
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     if command == "ds.dvfs.plot":  # the Python API takes the options as keywords
@@ -407,15 +425,13 @@ def test_a_report_on_one_drafter_maps_the_headroom_of_that_drafter_only(
     from dvfs.cube import open_analysable
 
     rows: dict[str, list[str]] = {}
-    save = dvfs.plots.save
 
     def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
         if name == "headroom":  # each corpus's panel's rows (labelled on a grid row's first)
             panels = [ax for ax in fig.axes if ax.get_title().startswith("corpus ")]
             rows["drafters"] = [t.get_text() for ax in panels for t in ax.get_yticklabels()]
             rows["cells"] = [t.get_text() for ax in panels for t in ax.texts]
-            return save(fig, out_dir, name, fmt)
-        return unsaved_figure(fig, out_dir, name, fmt)
+        return unsaved_figure(fig, out_dir, name, fmt)  # what it drew, not its pixels
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     args = ("--drafter", "eagle3", *target)
@@ -735,25 +751,37 @@ def test_an_unwritable_output_is_refused_before_any_work(small_sweep: Path, tmp_
 
 
 @pytest.mark.slow
-def test_a_report_to_stdout_is_the_page_alone(small_sweep: Path, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("unsaved_figures")  # the stream's content, not the figures' pixels
+def test_a_report_to_stdout_is_the_page_alone(small_sweep: Path) -> None:
     """`dvfs report CUBE -o /dev/stdout | gzip`: the stream holds the page and nothing else;
-    the "wrote" line went to stdout after it (text after </html>, shown on the page)."""
-    import subprocess
+    the "wrote" line went to stdout after it (text after </html>, shown on the page). In this
+    process, `-o` a pipe's /dev/fd path as /dev/stdout piped on is: the page alone in the pipe,
+    the line on stderr (tests/test_cube_files.py runs `-o /dev/stdout` in a process of its
+    own)."""
+    import threading
 
-    from conftest import PYTHON, subprocess_env
+    r, w = os.pipe()
+    got: list[bytes] = []
 
-    done = subprocess.run(
-        [PYTHON, "-m", "dvfs", "report", str(small_sweep), "-o", "/dev/stdout"],
-        capture_output=True,
-        env=subprocess_env(MPLCONFIGDIR=str(tmp_path)),
-        cwd=tmp_path,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr.decode()
-    assert done.stdout.startswith(b"<!DOCTYPE html>")
-    assert done.stdout.endswith(b"</html>\n"), done.stdout[-80:]
-    assert done.stderr.decode().strip() == "wrote /dev/stdout"
+    def drain() -> None:
+        while chunk := os.read(r, 1 << 16):
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    stream = f"/dev/fd/{w}"
+    try:
+        done = run("report", str(small_sweep), "-o", stream)
+    finally:
+        os.close(w)
+        reader.join(timeout=60)
+        os.close(r)
+    assert done.exit_code == 0, done.output
+    page = b"".join(got)
+    assert page.startswith(b"<!DOCTYPE html>")
+    assert page.endswith(b"</html>\n"), page[-80:]
+    assert done.stdout == "", done.stdout
+    assert done.stderr.strip() == f"wrote {stream}"
 
 
 def test_a_markdown_report_to_a_stream_is_refused_before_any_work(
