@@ -830,7 +830,7 @@ class CellMeasurement:
     #: Mean input tokens (by the journal's token count method) of the prompts the cell's
     #: rounds sent, each prompt once per round it went out in: the context its decode started
     #: from, which the roofline reads. NaN: not recorded (the meter does not know the prompts;
-    #: the runner sets it).
+    #: the runner passes it to `summarise`).
     prompt_tokens: float = math.nan
     #: Seconds a throttle policy (`dvfs.gpu.base.THROTTLE_POLICIES`: thermal, board limit)
     #: held a GPU below its clocks during the cell's rounds, by NVML's violation counters read
@@ -1020,8 +1020,11 @@ def summarise(
     counter_periods_s: Sequence[float | None] = (),
     precision: float = 0.01,
     confidence: float = 0.95,
+    prompt_tokens: float = math.nan,
 ) -> CellMeasurement:
     """Combine a cell's rounds into one measurement and run the quality checks.
+    `prompt_tokens`: the rounds' mean prompt length (`mean_prompt_tokens`), which the caller
+    knows and the measurement records as it is.
 
     Each round's energy and tokens are taken between counter updates (`WindowPart.round_energy`,
     with the GPUs' detected update periods); the cell's are their sums, and the rounds' energy
@@ -1186,5 +1189,6 @@ def summarise(
         counter_updates=intervals + sum(1 for p in parts if p.energy and p.energy.updates),
         temperature_start_c=float(temperatures[0][0]) if temperatures else math.nan,
         window_tokens=tokens,
+        prompt_tokens=prompt_tokens,
         throttle_violation_s=math.nan if violation_ns is None else violation_ns * 1e-9,
     )
