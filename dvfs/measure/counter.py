@@ -207,6 +207,7 @@ def gpu_counters(samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray
 
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 _MAX, _MIN, _SUM = np.maximum.reduce, np.minimum.reduce, np.add.reduce
+_ALL = np.logical_and.reduce
 try:  # what `np.interp` calls for real values, without its argument handling (numpy 2)
     from numpy._core.multiarray import interp as _compiled_interp
 
@@ -232,6 +233,26 @@ class TokenCurve:
         self._ns = np.asarray(ns, dtype=np.int64)
         self._tokens = np.asarray(tokens, dtype=np.float64)
         self._seen: dict[float, float] = {}
+        #: With distinct ascending instants (`steps`): the instants as float64 and the tokens
+        #: up to and at each, which `_at` reads by bisection.
+        self._steps: tuple[np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def steps(cls, instants: np.ndarray, tokens: np.ndarray) -> TokenCurve:
+        """The curve through chunk instants that are distinct and ascending (`instants`,
+        int64 ns) with the whole tokens that arrived at each (`tokens`: a lockstep batch's
+        chunks summed over its requests). It is the curve of every request's chunks, and
+        `_at` reads it by bisection instead of masked passes over the chunks: float64 is
+        how `ns <= x` compares them (NEP 50), the tokens up to and at each instant are exact
+        whole numbers however they are summed, and the two neighbours and their tokens are
+        the masked passes' very numbers. Falls back to the passes where the instants, as
+        float64, do not ascend strictly (beyond 2**53 ns) or the tokens are not integers."""
+        curve = cls(instants, tokens)
+        t = curve._ns.astype(np.float64)
+        whole = np.asarray(tokens).dtype.kind in "iu"
+        if whole and len(t) and bool(_ALL(t[1:] > t[:-1])):
+            curve._steps = (t, np.cumsum(curve._tokens))
+        return curve
 
     @classmethod
     def of(cls, chunk_ns: Sequence[np.ndarray], chunk_tokens: Sequence[np.ndarray]) -> TokenCurve:
@@ -260,6 +281,15 @@ class TokenCurve:
         return self._whole[1]
 
     def _at(self, x: float) -> float:
+        if self._steps is not None and x == x:  # (a NaN reads as the masked passes read it)
+            t, cumulative = self._steps
+            below = int(t.searchsorted(x, "right"))  # how many instants are <= x
+            if below == 0:  # before the first instant: the tokens at it
+                return float(cumulative[0])
+            if below == len(t):  # at or after the last instant: every token
+                return float(cumulative[-1])
+            pair, values = t[below - 1 : below + 1], cumulative[below - 1 : below + 1]
+            return float(_INTERP(x, pair, values, None, None))
         ns, tokens = self._ns, self._tokens
         if not len(ns):
             return 0.0

@@ -209,10 +209,18 @@ class RoundChunks:
     #: Each request's send instant (ns) and completion tokens (int64).
     sent: np.ndarray
     completion: np.ndarray
+    #: A lockstep round's distinct chunk instants, ascending (every request's chunks after
+    #: its first arrived at the same instants: a fixed batch decoding together, as the twin's
+    #: rounds do), and the tokens that arrived at each, summed over the requests
+    #: (`_lockstep`); None: not such a round.
+    lockstep: tuple[np.ndarray, np.ndarray] | None = None
 
     def curve(self) -> TokenCurve:
         """The round's token curve (`TokenCurve.of` on these chunks: the same arrays, cast as
-        it casts them)."""
+        it casts them); a lockstep round's through its instants once each
+        (`TokenCurve.steps`: the same curve, read without passes over every chunk)."""
+        if self.lockstep is not None:
+            return TokenCurve.steps(*self.lockstep)
         return TokenCurve(self.ns, self.tokens)
 
 
@@ -255,9 +263,11 @@ def _chunks_of_arrays(arrays: RoundArrays) -> RoundChunks:
         completion = completion[rows]
         fewest = int(_MIN(counts))
     width = chunk_ns.shape[1]
+    lockstep = None
     if fewest == width:  # every row whole (a round cut at its window's end): as they lie
         ns, tokens = chunk_ns.reshape(-1), chunk_tokens.reshape(-1)
         lasts = chunk_ns[:, -1].tolist()
+        lockstep = _lockstep(chunk_ns, chunk_tokens)
     else:  # row i's first counts[i] columns, row after row
         used = np.arange(width) < counts[:, None]
         ns, tokens = chunk_ns[used], chunk_tokens[used]
@@ -272,10 +282,39 @@ def _chunks_of_arrays(arrays: RoundArrays) -> RoundChunks:
         tokens,
         sent,
         completion.astype(np.int64, copy=False),
+        lockstep,
     )
     for array in (chunks.counts, chunks.ns, tokens, sent, chunks.completion):
         array.flags.writeable = False
     return chunks
+
+
+def _lockstep(
+    chunk_ns: np.ndarray, chunk_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A round's distinct chunk instants and the tokens that arrived at each, summed over its
+    requests (`RoundChunks.lockstep`), where its rows are whole and every request's chunks
+    after its first arrived at the first request's instants: a fixed batch decoding in
+    lockstep (its first chunks may come at a few instants, a prefill in parts). None
+    otherwise, or where the tokens are not whole numbers (summed in another order, fractions
+    could round otherwise). Instants that would not ascend `TokenCurve.steps` reads as any
+    chunks (it checks)."""
+    if chunk_tokens.dtype.kind not in "iu":
+        return None
+    row = chunk_ns[0]
+    if len(chunk_ns) == 1:
+        return row, chunk_tokens[0]
+    if not bool((chunk_ns[:, 1:] == row[1:]).all()):
+        return None
+    tokens = chunk_tokens.sum(axis=0)
+    firsts = chunk_ns[:, 0]
+    if bool((firsts == row[0]).all()):
+        return row, tokens
+    # the first chunks' few instants, each once, with the tokens that arrived at each (whole
+    # numbers, summed exactly as floats and back)
+    instants, inverse = np.unique(firsts, return_inverse=True)
+    at_first = np.bincount(inverse, weights=chunk_tokens[:, 0]).astype(tokens.dtype)
+    return np.concatenate([instants, row[1:]]), np.concatenate([at_first, tokens[1:]])
 
 
 #: The last few rounds' `RoundChunks`, by the identity of their (immutable) tuple of traces or
@@ -791,7 +830,7 @@ class CellMeasurement:
     #: Mean input tokens (by the journal's token count method) of the prompts the cell's
     #: rounds sent, each prompt once per round it went out in: the context its decode started
     #: from, which the roofline reads. NaN: not recorded (the meter does not know the prompts;
-    #: the runner sets it).
+    #: the runner passes it to `summarise`).
     prompt_tokens: float = math.nan
     #: Seconds a throttle policy (`dvfs.gpu.base.THROTTLE_POLICIES`: thermal, board limit)
     #: held a GPU below its clocks during the cell's rounds, by NVML's violation counters read
@@ -981,8 +1020,11 @@ def summarise(
     counter_periods_s: Sequence[float | None] = (),
     precision: float = 0.01,
     confidence: float = 0.95,
+    prompt_tokens: float = math.nan,
 ) -> CellMeasurement:
     """Combine a cell's rounds into one measurement and run the quality checks.
+    `prompt_tokens`: the rounds' mean prompt length (`mean_prompt_tokens`), which the caller
+    knows and the measurement records as it is.
 
     Each round's energy and tokens are taken between counter updates (`WindowPart.round_energy`,
     with the GPUs' detected update periods); the cell's are their sums, and the rounds' energy
@@ -1147,5 +1189,6 @@ def summarise(
         counter_updates=intervals + sum(1 for p in parts if p.energy and p.energy.updates),
         temperature_start_c=float(temperatures[0][0]) if temperatures else math.nan,
         window_tokens=tokens,
+        prompt_tokens=prompt_tokens,
         throttle_violation_s=math.nan if violation_ns is None else violation_ns * 1e-9,
     )

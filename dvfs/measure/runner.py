@@ -865,8 +865,8 @@ class Runner:
             counter_periods_s=fit_periods_s,
             precision=m.precision,
             confidence=m.confidence,
+            prompt_tokens=mean_prompt_tokens(sent),
         )
-        measurement = replace(measurement, prompt_tokens=mean_prompt_tokens(sent))
         reads = self._power_limit_reads(cell, limits_start, self._power_limits())
         self.last_power_limits = reads
         self.last_foreign = foreign_start + self.tenants.seen(self.gpus, "end")

@@ -1,0 +1,90 @@
+"""A lockstep round's token curve (issue 15): where a fixed batch's requests all took their
+chunks after the first at the same instants, as the twin's do, the meter reads the round's
+curve through those instants once each (`TokenCurve.steps`), by bisection, instead of masked
+passes over every request's chunks. The numbers are those of the curve on every chunk, to the
+bit, at any instant: on a chunk, between two, before the first, after the last."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_meter_round_reuse import bits
+
+from dvfs.engines.base import RoundArrays, RoundResult, check_chunks
+from dvfs.measure import meter
+from dvfs.measure.counter import TokenCurve
+
+
+@st.composite
+def lockstep_arrays(draw: st.DrawFn) -> RoundArrays:
+    """A fixed batch whose rows are whole and share their instants after the first chunk
+    (the first chunks at one instant, or at a few: a prefill in parts); or, now and then,
+    rows that do not share them (read chunk by chunk)."""
+    n = draw(st.integers(1, 6))
+    width = draw(st.integers(1, 8))
+    sent = draw(st.integers(0, 10**12))
+    first_gaps = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    # the first chunks before the second column's instant: each row ascends
+    firsts = sent + 10**6 + np.array(first_gaps, dtype=np.int64) * 1000
+    steps = draw(st.lists(st.integers(1, 10**7), min_size=width - 1, max_size=width - 1))
+    later = sent + 10**7 + np.cumsum(np.array(steps, dtype=np.int64))
+    chunk_ns = np.empty((n, width), dtype=np.int64)
+    chunk_ns[:, 0] = firsts
+    chunk_ns[:, 1:] = later
+    if draw(st.booleans()) and n > 1 and width > 2:  # one row off the others' instants
+        chunk_ns[-1, 2:] += 1
+    tokens = draw(st.lists(st.integers(0, 5), min_size=n * width, max_size=n * width))
+    chunk_tokens = np.array(tokens, dtype=np.int64).reshape(n, width)
+    counts = np.full(n, width, dtype=np.int64)
+    completion = chunk_tokens.sum(axis=1)
+    check_chunks(chunk_ns, chunk_tokens, counts, completion)
+    for array in (chunk_ns, chunk_tokens, counts, completion):
+        array.flags.writeable = False
+    return RoundArrays(
+        sent,
+        chunk_ns,
+        chunk_tokens,
+        counts,
+        completion,
+        np.full(n, 16, dtype=np.int64),
+        None,
+        None,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(lockstep_arrays(), st.lists(st.integers(-(10**6), 3 * 10**7), max_size=4))
+def test_a_lockstep_rounds_curve_reads_as_the_curve_on_every_chunk(arrays, offsets) -> None:
+    chunks = meter.round_chunks(RoundResult.of_arrays(arrays, 0, 1, None))
+    got = chunks.curve()
+    want = TokenCurve(chunks.ns, chunks.tokens)  # every chunk, read by masked passes
+    shared = bool((arrays.chunk_ns[:, 1:] == arrays.chunk_ns[0, 1:]).all())
+    assert (got._steps is not None) == shared  # the bisection is what is tested
+    instants = sorted(set(arrays.chunk_ns.reshape(-1).tolist()))
+    xs = [float(t) for t in instants] + [float(t) + 0.5 for t in instants]
+    xs += [float(arrays.sent_ns + o) for o in offsets] + [math.nan, -1e30, 1e30]
+    for x in xs:
+        assert bits([got.between(x, xs[0])]) == bits([want.between(x, xs[0])])
+        assert bits([float(got.at(x))]) == bits([float(want.at(x))])
+    assert np.array_equal(got.t_ns, want.t_ns) and np.array_equal(got.cumulative, want.cumulative)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2**62), st.integers(0, 9)), max_size=8, unique_by=lambda p: p[0]
+    ),
+    st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=6),
+)
+def test_a_curve_through_distinct_instants_reads_as_one_through_its_chunks(pairs, xs) -> None:
+    """`TokenCurve.steps` on distinct instants (int64, up to instants float64 cannot tell
+    apart) reads as the curve on the same chunks; it falls back where they do not ascend."""
+    pairs.sort()
+    ns = np.array([t for t, _ in pairs], dtype=np.int64)
+    tokens = np.array([k for _, k in pairs], dtype=np.int64)
+    got, want = TokenCurve.steps(ns, tokens), TokenCurve(ns, tokens)
+    for x in [*xs, *(float(t) for t in ns)]:
+        assert bits([float(got.at(x))]) == bits([float(want.at(x))])
