@@ -2125,9 +2125,13 @@ def _run_capped(argv: list[str], limit: int, tmp_path: Path) -> subprocess.Compl
 def _invoke_capped(argv: list[str], limit: int) -> Any:
     """`dvfs ARGV` in this process (CliRunner) under `_small_files(limit)`, set back after it:
     the same limit without a child's ~1 s of imports. No bytecode is written meanwhile (as
-    `_capped_env`), and the output goes to CliRunner's memory, not a file."""
+    `_capped_env`), matplotlib's font cache is loaded (or made and saved) before (the limit
+    would cut it short in the user's cache folder, where `_capped_env` keeps a child's apart),
+    and the output goes to CliRunner's memory, not a file."""
     import resource
     import signal
+
+    import matplotlib.font_manager  # noqa: F401  (its import loads the cache, made once)
 
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     handler = signal.getsignal(signal.SIGXFSZ)
@@ -2139,6 +2143,37 @@ def _invoke_capped(argv: list[str], limit: int) -> Any:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, handler)
         sys.dont_write_bytecode = bytecode
+
+
+def test_a_command_under_the_limit_in_process_leaves_matplotlibs_cache_whole(
+    shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`_invoke_capped` lowers the file-size limit of the whole test process: matplotlib, first
+    loaded in it under the limit (a worker whose first figure is `dvfs plot`'s here), wrote its
+    font cache cut short at the limit into the user's cache folder, which every later process
+    found damaged and built again (the child of `_run_capped` has its own, `_capped_env`).
+    Here a fresh process with a cache folder of its own does what such a worker did."""
+    from conftest import PYTHON, subprocess_env
+
+    mpl = tmp_path / "mpl"
+    script = (
+        "import sys; from test_bad_inputs import _invoke_capped; "
+        "result = _invoke_capped(sys.argv[1:], 512); "
+        "sys.exit(0 if result.exit_code == 1 else f'exit {result.exit_code}: {result.output}')"
+    )
+    argv = ["plot", str(shared["cube"]), "--out", str(tmp_path / "plots"), "--format", "svg"]
+    proc = subprocess.run(
+        [PYTHON, "-c", script, *argv],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=str(mpl)),
+        cwd=Path(__file__).parent,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    [cache] = mpl.glob("fontlist-*.json")
+    assert json.loads(cache.read_text(encoding="utf-8"))["_version"], cache
 
 
 @pytest.mark.parametrize("name", list(OVERWRITES))
