@@ -235,7 +235,9 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
     # Only a looser setting (batch 3's) may come within the dwell of the change before.
     at = re.findall(r"\(at ([0-9.]+) s(, within the dwell)?", log.read_text())
     gaps = [(float(b) - float(a), early) for (a, _), (b, early) in zip(at, at[1:], strict=False)]
-    assert all(gap >= 0.5 for gap, early in gaps if not early), at
+    # (the log prints each instant to the millisecond: a gap of the dwell exactly may read as
+    # 0.499, or as 0.7 - 0.2, one float below 0.5)
+    assert all(gap >= 0.5 - 1e-3 for gap, early in gaps if not early), at
     locks = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")]
     assert locks[:3] == [[210, 1200], [210, 1500], [210, 1200]]
     assert not any(c["index"] == 1 for c in nvml.fake_calls())  # GPU 1 is not governed
