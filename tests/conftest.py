@@ -26,6 +26,7 @@ about processes (signals, a kill, exit paths, a server's life) and pays ~1 s of 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -34,7 +35,8 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -159,6 +161,28 @@ TINY = replace_block(
 TINY_EXACT = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
 #: The `--gpus` of TINY_EXACT's runs on a fleet mixing GPU models.
 MIXED_FLEET = ("--gpus", "0,h200-sxm:0")
+
+
+@contextlib.contextmanager
+def pipe_output() -> Iterator[tuple[str, list[bytes]]]:
+    """A pipe's write end as a `/dev/fd/N` path for a command's `-o` (as `-o /dev/stdout`
+    piped on), and the chunks a thread drains from it meanwhile (a full pipe would block the
+    writer); all of them once the block ends, the write end closed."""
+    r, w = os.pipe()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := os.read(r, 1 << 16):
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        yield f"/dev/fd/{w}", got
+    finally:
+        os.close(w)
+        reader.join(timeout=60)
+        os.close(r)
 
 
 def copy_sweep(out: Path, dest: Path) -> Path:

@@ -36,7 +36,7 @@ from bad_inputs import (
     user_corpus_campaign,
 )
 from click.testing import CliRunner
-from conftest import made_once
+from conftest import made_once, pipe_output
 
 from dvfs.cli import cli
 
@@ -2426,24 +2426,8 @@ def test_an_anonymous_pipe_output_is_written(
     """`-o /dev/stdout` piped on (`dvfs report CUBE -o /dev/stdout | gzip`) or `-o >(...)`:
     the path is a link to an anonymous pipe, whose target (`pipe:[N]`) names no file. The
     content goes into the pipe; resolving the link first said "no such file or folder"."""
-    import os
-    import threading
-
-    r, w = os.pipe()
-    got: list[bytes] = []
-
-    def drain() -> None:
-        while chunk := os.read(r, 1 << 16):
-            got.append(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    try:
-        result = CliRunner().invoke(cli, _argv(name, shared, Path(f"/dev/fd/{w}")))
-    finally:
-        os.close(w)
-        reader.join(timeout=60)
-        os.close(r)
+    with pipe_output() as (stream, got):
+        result = CliRunner().invoke(cli, _argv(name, shared, Path(stream)))
     assert result.exit_code == 0, result.output
     assert len(b"".join(got)) > 100
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import TINY, copy_sweep, replace_block, write
+from conftest import TINY, copy_sweep, pipe_output, replace_block, write
 from test_journal import assert_one_line_error
 
 import dvfs.cube.files
@@ -200,28 +200,12 @@ def test_a_merged_cube_to_a_pipe_is_the_cube_alone(tiny_sweep: Path, tmp_path: P
     (whose process of its own shows the stream a script gets), in this process: `-o` a pipe's
     /dev/fd path takes the netCDF file alone, and the "cube:" line goes to stderr, not stdout
     (the stream that line shared with the file)."""
-    import threading
-
     h200 = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h200-sxm"')
     assert sweep(write(tmp_path / "b.toml", h200), tmp_path / "b").exit_code == 0
-    r, w = os.pipe()
-    got: list[bytes] = []
-
-    def drain() -> None:
-        while chunk := os.read(r, 1 << 16):
-            got.append(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    stream = f"/dev/fd/{w}"
-    try:
+    with pipe_output() as (stream, got):
         done = CliRunner().invoke(
             cli, ["cube", "merge", str(tiny_sweep), str(tmp_path / "b"), "-o", stream]
         )
-    finally:
-        os.close(w)
-        reader.join(timeout=60)
-        os.close(r)
     assert done.exit_code == 0, done.output
     piped = b"".join(got)
     assert piped.startswith(b"\x89HDF"), piped[:16]

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import MIXED_FLEET, SMALL_EXACT, TINY_EXACT, made_once, replace_block, unsaved_figure
+from conftest import (
+    MIXED_FLEET,
+    SMALL_EXACT,
+    TINY_EXACT,
+    made_once,
+    pipe_output,
+    replace_block,
+    unsaved_figure,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -758,24 +766,8 @@ def test_a_report_to_stdout_is_the_page_alone(small_sweep: Path) -> None:
     process, `-o` a pipe's /dev/fd path as /dev/stdout piped on is: the page alone in the pipe,
     the line on stderr (tests/test_cube_files.py runs `-o /dev/stdout` in a process of its
     own)."""
-    import threading
-
-    r, w = os.pipe()
-    got: list[bytes] = []
-
-    def drain() -> None:
-        while chunk := os.read(r, 1 << 16):
-            got.append(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    stream = f"/dev/fd/{w}"
-    try:
+    with pipe_output() as (stream, got):
         done = run("report", str(small_sweep), "-o", stream)
-    finally:
-        os.close(w)
-        reader.join(timeout=60)
-        os.close(r)
     assert done.exit_code == 0, done.output
     page = b"".join(got)
     assert page.startswith(b"<!DOCTYPE html>")

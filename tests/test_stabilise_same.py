@@ -337,4 +337,3 @@ def test_a_timeline_keeps_the_devices_pass_bounds_as_its_segments_starts() -> No
         None,
     )
     assert np.array_equal(built._seg_start_ns, work.bounds_ns)
-
