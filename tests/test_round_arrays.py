@@ -40,19 +40,35 @@ def round_arrays(draw: st.DrawFn) -> RoundArrays:
     chunk_tokens = np.array(tokens, dtype=np.int64).reshape(n, width)
     used = np.arange(width) < counts[:, None]
     completion = np.where(used, chunk_tokens, 0).sum(axis=1)
-    check_chunks(chunk_ns, chunk_tokens, counts, completion)
     aborted = draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=n, max_size=n)))
-    for array in (chunk_ns, chunk_tokens, counts, completion):
-        array.flags.writeable = False
-    return RoundArrays(
+    return checked_round(
         sent,
         chunk_ns,
         chunk_tokens,
         counts,
         completion,
-        np.full(n, 16, dtype=np.int64),
         None if aborted is None else np.array(aborted),
         draw(st.one_of(st.none(), st.integers(2, 16))),
+    )
+
+
+def checked_round(
+    sent: int,
+    chunk_ns: np.ndarray,
+    chunk_tokens: np.ndarray,
+    counts: np.ndarray,
+    completion: np.ndarray,
+    aborted: np.ndarray | None = None,
+    verify_tokens: int | None = None,
+) -> RoundArrays:
+    """A round's arrays as an engine hands them over: checked (`check_chunks`) and read-only,
+    every prompt 16 tokens."""
+    check_chunks(chunk_ns, chunk_tokens, counts, completion)
+    for array in (chunk_ns, chunk_tokens, counts, completion):
+        array.flags.writeable = False
+    prompts = np.full(len(counts), 16, dtype=np.int64)
+    return RoundArrays(
+        sent, chunk_ns, chunk_tokens, counts, completion, prompts, aborted, verify_tokens
     )
 
 

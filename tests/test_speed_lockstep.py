@@ -12,8 +12,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_meter_round_reuse import bits
+from test_round_arrays import checked_round
 
-from dvfs.engines.base import RoundArrays, RoundResult, check_chunks
+from dvfs.engines.base import RoundArrays, RoundResult
 from dvfs.measure import meter
 from dvfs.measure.counter import TokenCurve
 
@@ -40,19 +41,7 @@ def lockstep_arrays(draw: st.DrawFn) -> RoundArrays:
     chunk_tokens = np.array(tokens, dtype=np.int64).reshape(n, width)
     counts = np.full(n, width, dtype=np.int64)
     completion = chunk_tokens.sum(axis=1)
-    check_chunks(chunk_ns, chunk_tokens, counts, completion)
-    for array in (chunk_ns, chunk_tokens, counts, completion):
-        array.flags.writeable = False
-    return RoundArrays(
-        sent,
-        chunk_ns,
-        chunk_tokens,
-        counts,
-        completion,
-        np.full(n, 16, dtype=np.int64),
-        None,
-        None,
-    )
+    return checked_round(sent, chunk_ns, chunk_tokens, counts, completion)
 
 
 @settings(max_examples=300, deadline=None)
