@@ -11,6 +11,7 @@ and power) is kept beside them for tests (`true_energy_j_at`); dvfs's measuremen
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
@@ -318,7 +319,7 @@ class TwinNode:
                     d.profile, passes, requested, d.effective_power_limit_w(limit)
                 )
             )
-        return min(points, key=lambda p: p.sm_clock_mhz)
+        return _slowest(points)
 
     def execute(self, *phases: Passes) -> Schedule:
         """Start the phases on every device now, each at its own operating point; the caller
@@ -354,12 +355,8 @@ class TwinNode:
             and all(a is b for a, b in zip(last[0], per_device, strict=True))
         ):
             return last[1]
-        schedule = Schedule(
-            tuple(
-                min(points, key=lambda p: p.sm_clock_mhz)
-                for points in zip(*(s.points for s in per_device), strict=True)
-            )
-        )
+        phases = zip(*(s.points for s in per_device), strict=True)
+        schedule = Schedule(tuple(_slowest(points) for points in phases))
         self._slowest = (tuple(per_device), schedule)
         return schedule
 
@@ -384,6 +381,12 @@ class TwinNode:
             points.extend([head, rest])
             elapsed_ns += round(head.timing.total_s * 1e9) + round(rest.timing.total_s * 1e9)
         return tuple(points)
+
+
+def _slowest(points: Sequence[OperatingPoint]) -> OperatingPoint:
+    """The node's point among its devices' for one phase: tensor-parallel ranks wait for each
+    other, so the lowest clock sets the pace (the first of equals, as `min` keeps it)."""
+    return min(points, key=lambda p: p.sm_clock_mhz)
 
 
 class FreeRunningNode:
