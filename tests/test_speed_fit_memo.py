@@ -1,9 +1,14 @@
 """The counter's remembered grids: an update grid found again is the grid fitted anew, to the
-bit, whatever the updates' absolute instants, and the memory stays bounded."""
+bit, whatever the updates' absolute instants, the memory stays bounded, and threads sharing
+them (a local fleet's workers) each get their grid."""
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -68,3 +73,43 @@ def test_memory_is_bounded() -> None:
     for i in range(counter._GRIDS_SIZE + 50):
         counter._grid(since + i * np.arange(5), 1e8)
     assert len(counter._GRIDS) <= counter._GRIDS_SIZE
+
+
+def test_grids_remembered_by_threads_at_once_drop_each_oldest_once(monkeypatch) -> None:
+    """A local fleet's workers measure in threads of one process and share the remembered
+    grids: on real GPUs every round's updates fall at new offsets, so once the grids are full
+    each round drops the oldest, and two threads dropping the same one at once raised KeyError
+    in one (its worker lost, 'dvfs sweep --gpus 0,1' exiting 1). Threads switched as often as
+    the interpreter allows, a few grids kept so that each new one drops the oldest: every
+    thread gets the fit of its own offsets, none fails, the memory stays bounded."""
+    monkeypatch.setattr(counter, "_GRIDS_SIZE", 4)
+    counter._GRIDS.clear()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def measure(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(20_000):
+                if stop.is_set():
+                    return
+                since = np.arange(5) * 1e8 + rng.integers(0, 1000, 5)
+                since -= since[0]  # new offsets each round, as a real GPU's
+                grid = counter._grid(since, 1e8)
+                assert grid is not None and grid[1] == pytest.approx(1e8, rel=1e-4)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+            stop.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=measure, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(counter._GRIDS) <= 4

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,10 @@ def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> tuple[n
 #: sweep), and a grid is a function of those bits. The oldest is dropped past the size.
 _GRIDS: dict[tuple[str, bytes, float], tuple[np.ndarray, float, float] | None] = {}
 _GRIDS_SIZE = 4096
+#: Held while `_grid` drops the oldest grid and keeps a new one: a local fleet's workers
+#: measure in threads of one process and share `_GRIDS` (two dropping the same oldest grid at
+#: once raised KeyError in one, its worker lost), as the meter's memos of recent rounds.
+_GRIDS_LOCK = threading.Lock()
 
 
 def _grid(since: np.ndarray, period_ns: float) -> tuple[np.ndarray, float, float] | None:
@@ -106,9 +111,10 @@ def _grid(since: np.ndarray, period_ns: float) -> tuple[np.ndarray, float, float
     except KeyError:
         pass
     grid = _fit_grid(since, period_ns)
-    if len(_GRIDS) >= _GRIDS_SIZE:
-        del _GRIDS[next(iter(_GRIDS))]  # the oldest (dicts keep insertion order)
-    _GRIDS[key] = grid
+    with _GRIDS_LOCK:
+        if len(_GRIDS) >= _GRIDS_SIZE:
+            del _GRIDS[next(iter(_GRIDS))]  # the oldest (dicts keep insertion order)
+        _GRIDS[key] = grid
     return grid
 
 
