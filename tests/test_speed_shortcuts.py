@@ -97,6 +97,23 @@ def test_the_gc_threshold_is_raised_only_while_a_twin_engine_is_open() -> None:
         gc.set_threshold(*before)
 
 
+def test_engines_closed_in_another_order_than_opened_leave_the_collector_as_found() -> None:
+    """A local fleet's workers are threads whose twin engines close in any order: the first to
+    close must not put back the default while others run, nor the last one the raised one."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        first, second = engine(1980, 700.0)[0], engine(1980, 700.0)[0]
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert gc.get_threshold() == (GC_THRESHOLD_0, 10, 10)  # the second still runs
+        second.__exit__(None, None, None)
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)
+
+
 def test_figures_are_drawn_with_fewer_collections_and_the_collector_is_left_as_found(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
