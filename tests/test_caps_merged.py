@@ -192,3 +192,32 @@ def test_a_stock_limit_that_differs_across_merged_gpus_was_not_swept(tmp_path: P
     capped = [(c["name"], c["sm_clock_max_mhz"]) for c in caps["model"]]
     assert capped == [(H100, 1500), (H200, 1500)]
     assert "grid_edge" not in caps["meta"]
+
+
+def test_compare_marks_the_grid_edge_on_each_gpu_of_other_stock_limits(tmp_path: Path) -> None:
+    """Each GPU ran at its own stock power limit (700 and 600 W); the drafter, twice as fast,
+    meets the baseline's latency at the grid's lowest clock. Its cube alone marks that ratio
+    `(grid edge)` on either GPU; in the merge, the 700 W GPU's took the other GPU's 600 W for
+    a setting of its own not measured yet, below its answer, and marked no edge."""
+    cubes = []
+    for path, name, uuid, watts in (("a.nc", H100, UUID_A, 700.0), ("b.nc", H200, UUID_B, 600.0)):
+        ds = make_cube(
+            clocks=[1000, 1500, 1980],
+            limits=[watts],
+            drafters=["none", "eagle3"],
+            latency=lambda clock, _p, _b, drafter, *_: (
+                (5.0 if drafter == "eagle3" else 10.0) * 1980 / clock
+            ),
+            energy=lambda clock, *_: clock / 1000,
+        )
+        cubes.append(
+            write_cube(as_twin_sweep(ds, uuid=uuid, gpu_name=name, campaign="m"), tmp_path / path)
+        )
+    out = tmp_path / "merged.nc"
+    run("cube", "merge", *map(str, cubes), "-o", str(out))
+    for cube in (*cubes, out):
+        result = run("compare", str(cube), "--json")
+        rows = json.loads(result.stdout)["rows"]
+        assert [r["equal_latency_drafter_at_grid_edge"] for r in rows] == [True] * len(rows)
+    said = " ".join(run("compare", str(out)).stdout.split())
+    assert "grid edge: in 2 of 2 rows" in said, said
