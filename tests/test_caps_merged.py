@@ -158,3 +158,66 @@ def test_a_gpu_model_at_stock_leaves_the_others_capped(tmp_path: Path) -> None:
     run("headroom", str(merged(at_stock, H100, 1980)), "--json", "-o", str(both))
     refused = run("cap", "plan", str(both), "--batch", "1", "--drafter", "none", code=2)
     assert "nothing to cap" in refused.output and refused.output.count("\n") == 1
+
+
+def test_a_stock_limit_that_differs_across_merged_gpus_was_not_swept(tmp_path: Path) -> None:
+    """Each GPU ran at its own stock power limit (700 and 600 W), so the merged axis holds
+    two limits, one in each GPU's grid. Each GPU's headroom read both as its grid: a power
+    headroom of `≥0` W (a lower bound, "extend knobs.power_limit downward"), its chosen 1500
+    MHz (above the grid's 1000) at the grid's edge, and a caps file noting `grid_edge`. Each
+    cube alone says the power limit was not swept, and no edge: so must the merge."""
+    cubes = []
+    for path, name, uuid, watts in (("a.nc", H100, UUID_A, 700.0), ("b.nc", H200, UUID_B, 600.0)):
+        ds = make_cube(
+            clocks=[1000, 1500, 1980],
+            limits=[watts],
+            latency=lambda clock, *_: 10.0 if clock >= 1500 else 20.0,
+            energy=lambda clock, *_: clock / 1000,
+        )
+        cubes.append(
+            write_cube(as_twin_sweep(ds, uuid=uuid, gpu_name=name, campaign="m"), tmp_path / path)
+        )
+    out = tmp_path / "merged.nc"
+    run("cube", "merge", *map(str, cubes), "-o", str(out))
+    saved = tmp_path / "headroom.json"
+    doc = json.loads(run("headroom", str(out), "--slack", "5%", "--json", "-o", str(saved)).stdout)
+    assert doc["swept"] == {"sm_clock": True, "power_limit": False}
+    rows = doc["rows"]
+    assert [(r["chosen"]["sm_clock_mhz"], r["headroom_mhz"]) for r in rows] == [(1500, 480)] * 2
+    assert [r["headroom_w"] for r in rows] == [None, None]
+    assert not any(r["at_grid_edge"] or r["chosen_at_grid_edge"] for r in rows)
+    said = " ".join(run("headroom", str(out), "--slack", "5%").stdout.split())
+    assert "≥" not in said and "not swept: the cube has one power limit" in said
+    caps = tomllib.loads(run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none").stdout)
+    capped = [(c["name"], c["sm_clock_max_mhz"]) for c in caps["model"]]
+    assert capped == [(H100, 1500), (H200, 1500)]
+    assert "grid_edge" not in caps["meta"]
+
+
+def test_compare_marks_the_grid_edge_on_each_gpu_of_other_stock_limits(tmp_path: Path) -> None:
+    """Each GPU ran at its own stock power limit (700 and 600 W); the drafter, twice as fast,
+    meets the baseline's latency at the grid's lowest clock. Its cube alone marks that ratio
+    `(grid edge)` on either GPU; in the merge, the 700 W GPU's took the other GPU's 600 W for
+    a setting of its own not measured yet, below its answer, and marked no edge."""
+    cubes = []
+    for path, name, uuid, watts in (("a.nc", H100, UUID_A, 700.0), ("b.nc", H200, UUID_B, 600.0)):
+        ds = make_cube(
+            clocks=[1000, 1500, 1980],
+            limits=[watts],
+            drafters=["none", "eagle3"],
+            latency=lambda clock, _p, _b, drafter, *_: (
+                (5.0 if drafter == "eagle3" else 10.0) * 1980 / clock
+            ),
+            energy=lambda clock, *_: clock / 1000,
+        )
+        cubes.append(
+            write_cube(as_twin_sweep(ds, uuid=uuid, gpu_name=name, campaign="m"), tmp_path / path)
+        )
+    out = tmp_path / "merged.nc"
+    run("cube", "merge", *map(str, cubes), "-o", str(out))
+    for cube in (*cubes, out):
+        result = run("compare", str(cube), "--json")
+        rows = json.loads(result.stdout)["rows"]
+        assert [r["equal_latency_drafter_at_grid_edge"] for r in rows] == [True] * len(rows)
+    said = " ".join(run("compare", str(out)).stdout.split())
+    assert "grid edge: in 2 of 2 rows" in said, said

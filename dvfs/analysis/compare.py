@@ -230,8 +230,12 @@ def compare(
     metric: str = "tpot",
     quantile: float = 0.5,
     confidence: float = 0.95,
+    grid_from_data: bool = False,
 ) -> xr.Dataset:
-    """Energy of each drafter relative to `baseline`, per batch and corpus."""
+    """Energy of each drafter relative to `baseline`, per batch and corpus.
+
+    `grid_from_data`: one GPU of a merged cube, whose grid holds only its own stock setting of
+    a knob its campaign left at stock (`headroom`'s)."""
     import xarray as xr
 
     if "gpu" in cube.dims:  # merged cube: each GPU against its own stock setting
@@ -244,6 +248,7 @@ def compare(
                 metric=metric,
                 quantile=quantile,
                 confidence=confidence,
+                grid_from_data=True,
             )
             for g in cube["gpu"].values
         ]
@@ -297,9 +302,13 @@ def compare(
         cube,
         target=Target("vs-baseline", metric, quantile, baseline=baseline),
         confidence=confidence,
+        grid_from_data=grid_from_data,
     )
     baseline_best = headroom(
-        cube, target=Target("preserve", metric, quantile), confidence=confidence
+        cube,
+        target=Target("preserve", metric, quantile),
+        confidence=confidence,
+        grid_from_data=grid_from_data,
     )
     base_best_energy = baseline_best["chosen_energy_per_token_j"].sel(drafter=baseline, drop=True)
     by_latency = paired_ratio(

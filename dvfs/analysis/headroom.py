@@ -508,9 +508,11 @@ def headroom(
     # A knob with one value in the cube was never swept: its headroom is unknown, not 0. A
     # knob the search may move (`free`) has its answer cut off by the grid when the lowest
     # feasible value is the lowest value evaluated for the group.
-    clock_swept = int(cube.sizes["sm_clock"]) > 1
-    limit_swept = int(cube.sizes["power_limit"]) > 1
-    clock_free, limit_free = len(clocks) > 1, len(limits) > 1
+    # One GPU of a merged cube: a stock knob's axis holds the other GPUs' stock settings too,
+    # none of them in this GPU's grid (`data_grid_knobs`).
+    clock_swept = grid_size(cube, "sm_clock", grid_from_data) > 1
+    limit_swept = grid_size(cube, "power_limit", grid_from_data) > 1
+    clock_free, limit_free = clock_swept and len(clocks) > 1, limit_swept and len(limits) > 1
     drafters = list(cube["drafter"].values)
 
     # Every setting's bound at once; a setting with an invalid cell is never judged, but for
@@ -1170,6 +1172,20 @@ def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataAr
             others = [d for d in status.dims if d != dim]
             waiting = waiting & (status != STATUS_MISSING).any(others)
     return waiting
+
+
+def grid_size(cube: xr.Dataset, dim: str, grid_from_data: bool) -> int:
+    """How many settings of the knob `dim` the GPU's grid holds: the cube's axis, but for one
+    GPU of a merged cube (`grid_from_data`) a stock knob's (`data_grid_knobs`) only its own
+    stock setting and those it measured at, not the other GPUs' stock settings."""
+    if not grid_from_data or dim not in data_grid_knobs(cube) or "cell_status" not in cube:
+        return int(cube.sizes[dim])
+    status = cube["cell_status"]
+    own = (status != STATUS_MISSING).any([d for d in status.dims if d != dim]).values
+    stock = cube.attrs.get(STOCK_ATTRS[dim])  # the one `single_gpu` gave it, measured or not
+    if isinstance(stock, int | float | np.number):
+        own = own | (cube[dim].values.astype(float) == float(stock))
+    return int(np.count_nonzero(own))
 
 
 def data_grid_knobs(cube: xr.Dataset) -> tuple[str, ...]:

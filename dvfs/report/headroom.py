@@ -123,9 +123,13 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
         "confidence": a["confidence"],
         "bound": a["bound"],
         "reference": reference_setting(a),
+        # as the search saw it: one GPU of a merged cube holds only its own stock setting of a
+        # knob its campaign left at stock, however many the merged axis holds
         "swept": {
-            "sm_clock": bool(cube.sizes.get("sm_clock", 1) > 1),
-            "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
+            "sm_clock": bool(int(a.get("sm_clock_swept", cube.sizes.get("sm_clock", 1) > 1))),
+            "power_limit": bool(
+                int(a.get("power_limit_swept", cube.sizes.get("power_limit", 1) > 1))
+            ),
         },
         # Whether the campaign set each knob: an unset SM clock was the GPU's own, so a row's
         # `chosen.sm_clock_mhz` is the stock clock the cube files it under, not a lock.
