@@ -802,8 +802,8 @@ def headroom(
             "power headroom: reference limit minus the lowest feasible limit (NaN: the cube "
             "has one power limit, or --knob held the limit; see headroom_w_is_lower_bound)",
         ),
-        "chosen_headroom_mhz": ("MHz", "stock clock minus the chosen clock"),
-        "chosen_headroom_w": ("W", "stock power limit minus the chosen limit"),
+        "chosen_headroom_mhz": ("MHz", "reference clock minus the chosen clock"),
+        "chosen_headroom_w": ("W", "reference limit minus the chosen limit"),
         "repeats": ("1", "repeats behind the chosen setting's bound"),
     }
     data_vars = {
