@@ -221,3 +221,39 @@ def test_compare_marks_the_grid_edge_on_each_gpu_of_other_stock_limits(tmp_path:
         assert [r["equal_latency_drafter_at_grid_edge"] for r in rows] == [True] * len(rows)
     said = " ".join(run("compare", str(out)).stdout.split())
     assert "grid edge: in 2 of 2 rows" in said, said
+
+
+def mixed_references(tmp_path: Path) -> Path:
+    """Two GPUs swept over one grid of power limits, 700 and 400 W: the first's stock limit
+    (700 W) is on it, the second's (600 W, an operator's) is not. Each GPU's reference is its
+    own: the first's stock setting, the second's the top of the grid."""
+    cubes = []
+    for path, name, uuid, stock in (("a.nc", H100, UUID_A, 700.0), ("b.nc", H200, UUID_B, 600.0)):
+        ds = make_cube(
+            clocks=[1000, 1500, 1980],
+            limits=[400.0, 700.0],
+            latency=lambda clock, *_: 10.0 if clock >= 1500 else 20.0,
+            energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
+            stock_limit=stock,
+        )
+        cubes.append(
+            write_cube(as_twin_sweep(ds, uuid=uuid, gpu_name=name, campaign="m"), tmp_path / path)
+        )
+    out = tmp_path / "merged.nc"
+    run("cube", "merge", *map(str, cubes), "-o", str(out))
+    return out
+
+
+def test_merged_gpus_one_at_stock_one_at_the_top_of_the_grid(tmp_path: Path) -> None:
+    """Each GPU's headroom described the target against its own reference ("stock" for the
+    first, "top-of-grid" for the second); the merge dropped the two descriptions that differ,
+    and `dvfs headroom` (so `report` and `cap plan`) failed with an internal KeyError 'target'.
+    The target is now said against each GPU's reference, which the document gives per GPU."""
+    merged = mixed_references(tmp_path)
+    doc = json.loads(run("headroom", str(merged), "--slack", "5%", "--json").stdout)
+    assert doc["target"]["description"] == "TPOT p50 <= each drafter's own reference TPOT p50 + 5%"
+    per_gpu = doc["reference"]["per_gpu"]
+    assert [per_gpu[u]["is_stock"] for u in (UUID_A, UUID_B)] == [True, False]
+    assert [(r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]) for r in doc["rows"]] == [
+        (1500, 400.0)
+    ] * 2
