@@ -232,6 +232,7 @@ def mixed_references(tmp_path: Path) -> Path:
         ds = make_cube(
             clocks=[1000, 1500, 1980],
             limits=[400.0, 700.0],
+            batches=[1, 4],
             latency=lambda clock, *_: 10.0 if clock >= 1500 else 20.0,
             energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
             stock_limit=stock,
@@ -256,4 +257,28 @@ def test_merged_gpus_one_at_stock_one_at_the_top_of_the_grid(tmp_path: Path) -> 
     assert [per_gpu[u]["is_stock"] for u in (UUID_A, UUID_B)] == [True, False]
     assert [(r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]) for r in doc["rows"]] == [
         (1500, 400.0)
-    ] * 2
+    ] * 4
+
+
+def test_merged_gpus_of_two_reference_kinds_are_each_said_as_their_own(tmp_path: Path) -> None:
+    """The same merge: both GPUs' references are at 1980 MHz / 700 W, the first's its stock
+    setting, the second's the top of the grid. The reference line said "top of the grid" for
+    both (its setting alike, its kind taken as not stock), the report's findings "below the top
+    of the grid" and every figure's caption "at the reference (top of the grid)", the first
+    GPU's too. Each GPU is now said as its own, its figures captioned by its own reference."""
+    merged = mixed_references(tmp_path)
+    said = " ".join(run("headroom", str(merged), "--slack", "5%").stdout.split())
+    assert (
+        "reference: each GPU's own: GPU-aaaaaaaa stock (1980 MHz / 700 W), GPU-bbbbbbbb top of "
+        "the grid (1980 MHz / 700 W; stock 600 W not swept)"
+    ) in said
+    report = tmp_path / "report.md"
+    run("report", str(merged), "--slack", "5%", "-o", str(report))
+    text = report.read_text()
+    assert "below each GPU's reference while meeting" in text
+    assert "below the top of the grid" not in text
+    captions = [line for line in text.splitlines() if line.startswith("*GPU ")]
+    h100 = [c for c in captions if "GPU-aaaaaaaa" in c and "batch size at" in c]
+    h200 = [c for c in captions if "GPU-bbbbbbbb" in c and "batch size at" in c]
+    assert h100 and all("at the stock setting" in c for c in h100)
+    assert h200 and all("at the reference (top of the grid)" in c for c in h200)
