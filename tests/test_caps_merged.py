@@ -221,3 +221,64 @@ def test_compare_marks_the_grid_edge_on_each_gpu_of_other_stock_limits(tmp_path:
         assert [r["equal_latency_drafter_at_grid_edge"] for r in rows] == [True] * len(rows)
     said = " ".join(run("compare", str(out)).stdout.split())
     assert "grid edge: in 2 of 2 rows" in said, said
+
+
+def mixed_references(tmp_path: Path) -> Path:
+    """Two GPUs swept over one grid of power limits, 700 and 400 W: the first's stock limit
+    (700 W) is on it, the second's (600 W, an operator's) is not. Each GPU's reference is its
+    own: the first's stock setting, the second's the top of the grid."""
+    cubes = []
+    for path, name, uuid, stock in (("a.nc", H100, UUID_A, 700.0), ("b.nc", H200, UUID_B, 600.0)):
+        ds = make_cube(
+            clocks=[1000, 1500, 1980],
+            limits=[400.0, 700.0],
+            batches=[1, 4],
+            latency=lambda clock, *_: 10.0 if clock >= 1500 else 20.0,
+            energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
+            stock_limit=stock,
+        )
+        cubes.append(
+            write_cube(as_twin_sweep(ds, uuid=uuid, gpu_name=name, campaign="m"), tmp_path / path)
+        )
+    out = tmp_path / "merged.nc"
+    run("cube", "merge", *map(str, cubes), "-o", str(out))
+    return out
+
+
+def test_merged_gpus_one_at_stock_one_at_the_top_of_the_grid(tmp_path: Path) -> None:
+    """Each GPU's headroom described the target against its own reference ("stock" for the
+    first, "top-of-grid" for the second); the merge dropped the two descriptions that differ,
+    and `dvfs headroom` (so `report` and `cap plan`) failed with an internal KeyError 'target'.
+    The target is now said against each GPU's reference, which the document gives per GPU."""
+    merged = mixed_references(tmp_path)
+    doc = json.loads(run("headroom", str(merged), "--slack", "5%", "--json").stdout)
+    assert doc["target"]["description"] == "TPOT p50 <= each drafter's own reference TPOT p50 + 5%"
+    per_gpu = doc["reference"]["per_gpu"]
+    assert [per_gpu[u]["is_stock"] for u in (UUID_A, UUID_B)] == [True, False]
+    assert [(r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]) for r in doc["rows"]] == [
+        (1500, 400.0)
+    ] * 4
+
+
+def test_merged_gpus_of_two_reference_kinds_are_each_said_as_their_own(tmp_path: Path) -> None:
+    """The same merge: both GPUs' references are at 1980 MHz / 700 W, the first's its stock
+    setting, the second's the top of the grid. The reference line said "top of the grid" for
+    both (its setting alike, its kind taken as not stock), the report's findings "below the top
+    of the grid" and every figure's caption "at the reference (top of the grid)", the first
+    GPU's too. Each GPU is now said as its own, its figures captioned by its own reference."""
+    merged = mixed_references(tmp_path)
+    said = " ".join(run("headroom", str(merged), "--slack", "5%").stdout.split())
+    assert (
+        "reference: each GPU's own: GPU-aaaaaaaa stock (1980 MHz / 700 W), GPU-bbbbbbbb top of "
+        "the grid (1980 MHz / 700 W; stock 600 W not swept)"
+    ) in said
+    report = tmp_path / "report.md"
+    run("report", str(merged), "--slack", "5%", "-o", str(report))
+    text = report.read_text()
+    assert "below each GPU's reference while meeting" in text
+    assert "below the top of the grid" not in text
+    captions = [line for line in text.splitlines() if line.startswith("*GPU ")]
+    h100 = [c for c in captions if "GPU-aaaaaaaa" in c and "batch size at" in c]
+    h200 = [c for c in captions if "GPU-bbbbbbbb" in c and "batch size at" in c]
+    assert h100 and all("at the stock setting" in c for c in h100)
+    assert h200 and all("at the reference (top of the grid)" in c for c in h200)

@@ -756,3 +756,44 @@ def test_a_matplotlib_without_the_fonts_calls_draws_text_its_own_way(
 
     monkeypatch.delattr(FT2Font, "draw_glyphs_to_bitmap")
     assert make_text_caching_canvas() is FigureCanvasAgg
+
+
+def test_a_merged_gpu_figures_name_no_other_gpus_stock_limit(tmp_path: Path) -> None:
+    """Two GPUs whose campaign left the power limit at stock, at 700 and 600 W: the merged
+    axis holds both limits, each GPU's cells at its own. Each GPU's energy-vs-clock legend
+    named the other's stock limit as a "cap" it never ran at (the H200's "700 W power limit
+    (cap)", above its own stock), and its Pareto figure drew that limit's empty points; each
+    GPU's figures are now those of its own cube alone."""
+    from cubes import as_twin_sweep
+
+    from dvfs.cube import merge_cubes, write_cube
+    from dvfs.plots import per_gpu
+
+    alone = []
+    for name, uuid, watts in (
+        ("NVIDIA H100 80GB HBM3 (twin)", "GPU-aaaaaaaa-0000-4000-8000-000000000001", 700.0),
+        ("NVIDIA H200 (twin)", "GPU-bbbbbbbb-0000-4000-8000-000000000002", 600.0),
+    ):
+        ds = make_cube(
+            clocks=CLOCKS,
+            limits=[watts],
+            latency=lambda clock, *_: 10.0 if clock >= 1500 else 20.0,
+            energy=lambda clock, *_: clock / 1000,
+        )
+        path = tmp_path / f"{watts:.0f}.nc"
+        write_cube(as_twin_sweep(ds, uuid=uuid, gpu_name=name, campaign="m"), path)
+        alone.append(open_cube(path).load())
+    merged = merge_cubes(alone, ["a", "b"])
+    assert merged.sizes["power_limit"] == 2
+
+    def legends(cube: xr.Dataset, from_merge: bool) -> dict[str, list[str]]:
+        return {
+            name: [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+            for name, fig in figures(cube, TARGET, grid_from_data=from_merge)
+        }
+
+    for (_, one), own in zip(per_gpu(merged), alone, strict=True):
+        said = legends(one, True)
+        assert said == legends(own, False)
+        assert not any("(cap)" in label for labels in said.values() for label in labels)
+        assert one.sizes["power_limit"] == 1

@@ -106,10 +106,12 @@ def _describe(ref: dict[str, Any]) -> str:
 def reference_text(ref: dict[str, Any]) -> str:
     """The reference in the words every command uses: "stock (1980 MHz / 700 W)", "top of the
     grid (1800 MHz / 700 W; stock 1980 MHz not swept)", or each GPU's own where a merged
-    cube's GPUs differ."""
-    if ref["sm_clock_mhz"] is not None and ref["power_limit_w"] is not None:
-        return _describe(ref)
+    cube's GPUs differ: in their setting, or in whether it is their stock (one GPU's stock
+    setting is the top of the grid, another's stock is not on it)."""
     per_gpu = ref.get("per_gpu") or {}
+    alike = len({json.dumps(r, sort_keys=True) for r in per_gpu.values()}) <= 1
+    if ref["sm_clock_mhz"] is not None and ref["power_limit_w"] is not None and alike:
+        return _describe(ref)
     return "each GPU's own: " + ", ".join(f"{g[:12]} {_describe(r)}" for g, r in per_gpu.items())
 
 

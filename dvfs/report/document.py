@@ -63,7 +63,9 @@ def build_document(
         measured_section(cube),
         _headroom_section(room, options),
         _compare_section(comparison, compare_notes),
-        findings_section(room, comparison, [_figure(n, d, stock) for n, d in figures]),
+        findings_section(
+            room, comparison, [_figure(n, d, _stock_for(n, stock, cube, room)) for n, d in figures]
+        ),
         _caps_section(room, options, gpu_names(cube)),
     )
     gpu = ", ".join(gpu_names(cube).values()) or room["gpu"]["name"] or "unknown GPU"
@@ -88,6 +90,26 @@ def _selection(options: ReportOptions) -> str:
         if values
     ]
     return f"; only {'; '.join(chosen)}" if chosen else ""
+
+
+def _stock_for(name: str, stock: bool, cube: xr.Dataset, room: dict[str, Any]) -> bool:
+    """Whether the reference the figure `name` draws is stock: in a merged cube, the reference
+    of the GPU whose folder the figure is in (one GPU's stock setting may be on the grid and
+    another's not: its reference is then the top of the grid), else the document's."""
+    per_gpu = room["reference"].get("per_gpu") or {}
+    *folders, _ = name.split("/")
+    if not per_gpu or not folders or "gpu" not in cube.dims:
+        return stock
+    folder = folders[-1]
+    from dvfs.plots import gpu_folders
+
+    labels = [str(g) for g in cube["gpu"].values]
+    names = gpu_names(cube)
+    folders = gpu_folders(labels, [names.get(label, label) for label in labels])
+    for label, own in zip(labels, folders, strict=True):
+        if own == folder and label in per_gpu:
+            return bool(per_gpu[label].get("is_stock", True))
+    return stock
 
 
 def _figure(name: str, data: bytes, stock: bool = True) -> Figure:

@@ -49,10 +49,13 @@ def _named(items: list[str]) -> str:
 
 def _at(ref: dict[str, Any]) -> str:
     """Where the reference is, in a sentence: "stock", or "the top of the grid" (the grid
-    lacks stock; the headroom section says which setting that is)."""
+    lacks stock; the headroom section says which setting that is), or "each GPU's reference"
+    where a merged cube's GPUs have both (one GPU's stock setting on the grid, another's not)."""
     per_gpu = ref.get("per_gpu") or {}
-    stock = ref["is_stock"] and all(r.get("is_stock", True) for r in per_gpu.values())
-    return "stock" if stock else "the top of the grid"
+    kinds = {bool(r.get("is_stock", True)) for r in per_gpu.values()} or {bool(ref["is_stock"])}
+    if len(kinds) > 1:
+        return "each GPU's reference"
+    return "stock" if kinds == {True} else "the top of the grid"
 
 
 def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding:
