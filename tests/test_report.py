@@ -1083,6 +1083,7 @@ def test_the_reports_comparison_is_dvfs_compare_at_its_confidence(
     import dvfs.plots
 
     monkeypatch.setattr(dvfs.plots, "save", unsaved_figure)  # the tables, not the figures
+    figures_drawn_only(monkeypatch)
 
     def tables(text: str) -> list[str]:
         return [line.replace("\\", "") for line in text.splitlines() if line.startswith("| ")]
