@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import TINY_EXACT, copy_sweep, replace_block, unsaved_figure
+from conftest import TINY_EXACT, copy_sweep, figures_drawn_only, replace_block, unsaved_figure
 from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
@@ -880,6 +880,7 @@ def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_say
         return unsaved_figure(fig, out_dir, name, fmt)  # what it drew, not its pixels
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
+    figures_drawn_only(monkeypatch, "draw_headroom")  # the maps alone are read
     report = tmp_path / "r.md"
     slo = ("--slo", "tpot_p50<=1ms")
     result = invoke("report", str(merged), *slo, "-o", str(report))

@@ -21,6 +21,7 @@ from conftest import (
     MIXED_FLEET,
     SMALL_EXACT,
     TINY_EXACT,
+    figures_drawn_only,
     made_once,
     pipe_output,
     replace_block,
@@ -345,6 +346,7 @@ def test_the_figures_mark_the_settings_the_reports_table_chose(
         return unsaved_figure(fig, out_dir, name, fmt)  # what it drew, not its pixels
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
+    figures_drawn_only(monkeypatch, "draw_headroom")  # the map alone is read
     if command == "ds.dvfs.plot":  # the Python API takes the options as keywords
         import dvfs.accessor  # noqa: F401  (registers ds.dvfs)
         from dvfs.cube import open_analysable
@@ -405,10 +407,13 @@ def test_a_report_on_one_drafter_colours_it_as_dvfs_plot_does(
     compared = ("energy_vs_batch", "energy_vs_clock_code", "pareto_code")
 
     def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
-        drawn[name] = _legend_colours(fig)
+        if name in compared:
+            drawn[name] = _legend_colours(fig)
         return (save if name in compared else unsaved_figure)(fig, out_dir, name, fmt)
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
+    # the figures compared alone are drawn
+    figures_drawn_only(monkeypatch, "draw_energy_vs_batch", "draw_energy_vs_clock", "draw_pareto")
     out = tmp_path / "report.md"
     result = run("report", str(small_sweep), "-o", str(out), "--drafter", "eagle3")
     assert result.exit_code == 0, result.output
@@ -442,6 +447,7 @@ def test_a_report_on_one_drafter_maps_the_headroom_of_that_drafter_only(
         return unsaved_figure(fig, out_dir, name, fmt)  # what it drew, not its pixels
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
+    figures_drawn_only(monkeypatch, "draw_headroom")  # the map alone is read
     args = ("--drafter", "eagle3", *target)
     result = run("report", str(small_sweep), "-o", str(tmp_path / "one.md"), *args)
     assert result.exit_code == 0, result.output
@@ -1077,6 +1083,7 @@ def test_the_reports_comparison_is_dvfs_compare_at_its_confidence(
     import dvfs.plots
 
     monkeypatch.setattr(dvfs.plots, "save", unsaved_figure)  # the tables, not the figures
+    figures_drawn_only(monkeypatch)
 
     def tables(text: str) -> list[str]:
         return [line.replace("\\", "") for line in text.splitlines() if line.startswith("| ")]
