@@ -12,8 +12,10 @@ import pytest
 from click.testing import CliRunner, Result
 from cubes import as_twin_sweep, make_cube
 
+from dvfs.analysis.headroom import headroom
+from dvfs.analysis.targets import Target
 from dvfs.cli import cli
-from dvfs.cube import write_cube
+from dvfs.cube import open_cube, write_cube
 
 H100 = "NVIDIA H100 80GB HBM3 (twin)"
 H200 = "NVIDIA H200 (twin)"
@@ -252,7 +254,10 @@ def test_merged_gpus_one_at_stock_one_at_the_top_of_the_grid(tmp_path: Path) -> 
     The target is now said against each GPU's reference, which the document gives per GPU."""
     merged = mixed_references(tmp_path)
     doc = json.loads(run("headroom", str(merged), "--slack", "5%", "--json").stdout)
-    assert doc["target"]["description"] == "TPOT p50 <= each drafter's own reference TPOT p50 + 5%"
+    said = "TPOT p50 <= each drafter's own reference TPOT p50 + 5%"
+    assert doc["target"]["description"] == said
+    with open_cube(merged) as cube:  # and the Python API's result says it as the CLI does
+        assert headroom(cube, target=Target(slack=0.05)).attrs["target"] == said
     per_gpu = doc["reference"]["per_gpu"]
     assert [per_gpu[u]["is_stock"] for u in (UUID_A, UUID_B)] == [True, False]
     assert [(r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]) for r in doc["rows"]] == [

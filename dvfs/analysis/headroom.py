@@ -490,6 +490,9 @@ def headroom(
         ]
         merged = xr.concat(parts, dim="gpu", combine_attrs="drop_conflicts")
         merged.attrs["reference_per_gpu"] = reference_per_gpu(cube["gpu"].values, parts)
+        # GPUs whose references are of two kinds (one's stock setting, another's the top of the
+        # grid) described the target each against its own, and the concat dropped both
+        merged.attrs.setdefault("target", target.describe().replace(" stock ", " reference "))
         used = [int(p.attrs[REPEATS_USED[1]]) for p in parts if int(p.attrs[REPEATS_USED[1]])]
         lowest = [int(p.attrs[REPEATS_USED[0]]) for p in parts if int(p.attrs[REPEATS_USED[0]])]
         merged.attrs.update(

@@ -3,7 +3,6 @@ table rows and its Markdown."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,29 +31,6 @@ if TYPE_CHECKING:
     import xarray as xr
 
 HEADROOM_SCHEMA = "dvfs.headroom/1"
-
-
-def target_description(attrs: Mapping[str, Any]) -> str:
-    """The target as a headroom result describes it (its `target` attribute). A merged result
-    whose GPUs' references are of two kinds (one GPU's stock setting, another's the top of the
-    grid, its stock setting not on the campaign's grid) has none: each GPU's part described it
-    against its own ("stock", "top-of-grid"), and the merge drops descriptions that differ. It
-    is then against each GPU's reference, as the document's `reference.per_gpu` gives them."""
-    if "target" in attrs:
-        return str(attrs["target"])
-    from dvfs.analysis.targets import Target
-
-    slo = attrs["target_mode"] == "slo"
-    target = Target(
-        mode=str(attrs["target_mode"]),
-        metric=str(attrs["metric"]),
-        quantile=float(attrs["quantile"]),
-        slack=float(attrs["slack"]),
-        limit_ms=float(attrs["threshold"]) if slo else None,
-        baseline=str(attrs["baseline"]),
-        strict=bool(int(attrs.get("strict", 0))),
-    )
-    return target.describe().replace(" stock ", " reference ")
 
 
 def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
@@ -141,7 +117,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "threshold": a["threshold"],
             "strict": bool(a.get("strict", 0)),
             "baseline": a["baseline"],
-            "description": target_description(a),
+            "description": a["target"],
         },
         "knob": a["knob"],
         "confidence": a["confidence"],
