@@ -56,9 +56,10 @@ def make_cube(
             out[idx] = source(*args)
         return out
 
-    lat = fill(latency or (lambda *a: 10.0))
-    en = fill(energy or (lambda *a: 1.0))
-    ok = fill(valid or (lambda *a: True))
+    # (`is None`, not `or`: an array given has no truth value)
+    lat = fill((lambda *a: 10.0) if latency is None else latency)
+    en = fill((lambda *a: 1.0) if energy is None else energy)
+    ok = fill((lambda *a: True) if valid is None else valid)
     status = np.where(np.isnan(lat) | np.isnan(en), 0, 1).astype(np.int8)
     ok = np.where(status == 1, ok, np.nan)
     q = np.stack([lat] * len(QUANTILES), axis=-1)
