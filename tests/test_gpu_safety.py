@@ -1437,3 +1437,28 @@ def test_a_server_whose_gpus_differ_in_stock_power_limit_is_refused(
     assert "700 W" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "cube.nc").exists()
     assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_a_fleet_whose_gpus_differ_in_stock_power_limit_is_refused_with_advice_that_works(
+    nvml, env, tmp_path: Path
+) -> None:
+    """`--gpus 0,1`, GPU 0 at an operator's 650 W, GPU 1 at its default 700 W: refused, as
+    their stock cells would not compare. The advice was `dvfs gpu reset`, which leaves a limit
+    dvfs did not set (no state file) as it is; `--defaults` sets the default."""
+    result = dvfs_in_process(
+        "sweep",
+        str(campaign_file(tmp_path)),
+        "--gpus",
+        "0,1",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-progress",
+        env=env,
+    )
+    assert result.returncode == 1, result.stdout
+    said = " ".join(result.stderr.split())
+    assert "start from other stock settings" in said and "`dvfs gpu reset --defaults`" in said
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+    reset = dvfs_in_process("gpu", "reset", "--defaults", "0", env=env)
+    assert reset.returncode == 0, reset.stderr
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
