@@ -1417,3 +1417,48 @@ def test_a_reset_of_every_gpu_restores_the_others_beside_a_damaged_governor_reco
     assert "is unreadable" in error and record.name in error, error
     assert "Traceback" not in result.stdout + result.stderr
     assert record.exists()
+
+
+def test_a_server_whose_gpus_differ_in_stock_power_limit_is_refused(
+    nvml, env, tmp_path: Path
+) -> None:
+    """A tensor-parallel server's GPUs at other stock limits (GPU 0 at 650 W, GPU 1 at its
+    default 700 W): the cube has one stock limit, the first GPU's, while a stock cell ran GPU 1
+    at 700 W. Refused in one line before anything is measured, every GPU left as found."""
+    path = tmp_path / "tp.toml"
+    path.write_text(
+        campaign_file(tmp_path).read_text().replace("devices = [0]", "devices = [[0, 1]]")
+    )
+    result = dvfs_in_process(
+        "sweep", str(path), "--out", str(tmp_path / "out"), "--no-progress", env=env
+    )
+    assert result.returncode == 1, result.stdout
+    assert "stock power limits" in result.stderr and "650 W" in result.stderr
+    assert "700 W" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "cube.nc").exists()
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_a_fleet_whose_gpus_differ_in_stock_power_limit_is_refused_with_advice_that_works(
+    nvml, env, tmp_path: Path
+) -> None:
+    """`--gpus 0,1`, GPU 0 at an operator's 650 W, GPU 1 at its default 700 W: refused, as
+    their stock cells would not compare. The advice was `dvfs gpu reset`, which leaves a limit
+    dvfs did not set (no state file) as it is; `--defaults` sets the default."""
+    result = dvfs_in_process(
+        "sweep",
+        str(campaign_file(tmp_path)),
+        "--gpus",
+        "0,1",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-progress",
+        env=env,
+    )
+    assert result.returncode == 1, result.stdout
+    said = " ".join(result.stderr.split())
+    assert "start from other stock settings" in said and "`dvfs gpu reset --defaults`" in said
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+    reset = dvfs_in_process("gpu", "reset", "--defaults", "0", env=env)
+    assert reset.returncode == 0, reset.stderr
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000

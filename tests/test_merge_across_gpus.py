@@ -787,6 +787,53 @@ def test_a_gpu_whose_sweep_has_not_reached_a_listed_clock_is_partial_in_the_merg
     assert not any(r["chosen_at_grid_edge"] for r in rows)
 
 
+def without_clock(out: Path, mhz: int) -> None:
+    """A sweep folder's journals as its sweep left them had it stopped before `mhz`'s cells."""
+    for journal in [out / "journal.jsonl", *out.glob("gpu-*/journal.jsonl")]:
+        if journal.is_file():
+            kept = [
+                r
+                for r in read_records(journal)
+                if r["type"] != "cell" or r["cell"]["sm_clock_mhz"] != mhz
+            ]
+            journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def test_a_merge_of_unfinished_sweeps_says_to_merge_again_after_resuming(
+    runs: dict[str, Path], tiny_exact_run, tmp_path: Path
+) -> None:
+    """Two sweeps run apart, both stopped before their 1005 MHz cells, then `dvfs cube merge`d:
+    `cube info`'s resume line, headroom's partial-cube note (the report's warning) and compare's
+    said to run the same `dvfs sweep` command again, which rebuilds each sweep's own cube, not
+    the merged one. They now name the sweeps and the merge to run again. A fleet's merged cube,
+    which its sweep rebuilds, still asks for the sweep alone."""
+    parts = []
+    for gpu in ("h100", "h200"):
+        out = copy_sweep(runs[gpu], tmp_path / gpu)
+        without_clock(out, 1005)
+        assert invoke("cube", "build", str(out)).exit_code == 0
+        parts.append(str(out))
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", *parts, "-o", str(merged)).exit_code == 0
+    resume = json.loads(invoke("cube", "info", str(merged), "--json").stdout)["resume"]
+    assert "then `dvfs cube merge` them again" in resume, resume
+    assert all(part in resume for part in parts) and "run the same" not in resume
+    for command in (("headroom", str(merged), "--slack", "10%"), ("compare", str(merged))):
+        said = " ".join(invoke(*command).output.split())
+        assert "partial cube:" in said and "run the same `dvfs sweep`" not in said, said
+        assert "then `dvfs cube merge` them again" in said, said
+    from dvfs.report.reasons import no_answer_advice
+
+    failed = {"target_ms": None, "reference_problem": "failed"}
+    advice = no_answer_advice(failed, doc={"merged_cubes": parts})
+    assert "`dvfs cube merge` them again" in advice, advice
+    fleet = copy_sweep(tiny_exact_run("mixed"), tmp_path / "fleet")  # --gpus 0,h200-sxm:0
+    without_clock(fleet, 1005)
+    assert invoke("cube", "build", str(fleet)).exit_code == 0
+    resume = json.loads(invoke("cube", "info", str(fleet), "--json").stdout)["resume"]
+    assert resume == "run the same `dvfs sweep` command again to resume it"
+
+
 def at_stock_limit(path: Path, into: Path, watts: float) -> Path:
     """The cube at `path` as its campaign would have made it with the power limit left at
     stock, `watts` on that GPU, written to `into`."""

@@ -193,8 +193,12 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     different campaigns, counts or GPU models, a shard given twice or missing, and cells
     measured twice.
     """
-    from dvfs.cube import merge_cubes
+    import json
+
+    from dvfs.cube import CUBE_NAME, merge_cubes
+    from dvfs.cube.info import MERGED_CUBES_ATTR
     from dvfs.fleet.shard import cube_shard
+    from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.outputs import is_stream
 
     loaded = [_load_for_merge(p) for p in cubes]
@@ -211,6 +215,15 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
                 + ("" if alone is None else f" holding shard {alone.index}/{alone.count}")
             )
     merged = merge_cubes([ds for ds, _ in loaded], [name for _, name in loaded])
+    if "combined_from" not in merged.attrs:
+        # Cubes swept apart: resuming one rebuilds its own cube, not this one, so the advice
+        # on cells not measured yet says to merge again too (`resume_advice`).
+        merged.attrs[MERGED_CUBES_ATTR] = json.dumps(
+            [
+                name.removesuffix(f"/{CUBE_NAME}").removesuffix(f"/{JOURNAL_NAME}")
+                for _, name in loaded
+            ]
+        )
     parts = [f"{len(cubes)} shards"] if "combined_from" in merged.attrs else []
     if "gpu" in merged.dims:  # GPUs merged, or shards each run on a fleet mixing models
         parts.append(f"{merged.sizes['gpu']} GPUs")

@@ -415,7 +415,8 @@ def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
     shard's cube, the shards' `dvfs sweep --shard` commands and `dvfs cube merge` (another
     shard may hold them: this shard's command never measures them); for a cube merged from
     shards, the unfinished shards' commands and the merge again (resuming a shard does not
-    change the merged cube)."""
+    change the merged cube); for a cube `dvfs cube merge` merged from sweeps run apart
+    (`merged_cubes`), the unfinished sweeps' commands and the merge again alike."""
     doc = doc or {}
     shard = doc.get("shard")
     if shard:
@@ -435,27 +436,56 @@ def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
             f"`dvfs sweep CAMPAIGN --shard I/{count} --out SHARD_DIR` ({each}) to measure "
             f"{what}, then `dvfs cube merge` them again"
         )
+    folders = doc.get("merged_cubes")
+    if folders:
+        return (
+            f"this cube is merged from {len(folders)} sweeps' cubes ({', '.join(folders)}): "
+            f"run each unfinished sweep's `dvfs sweep` command again to measure {what}, then "
+            "`dvfs cube merge` them again (a resumed sweep rebuilds its own cube, not this one)"
+        )
     return f"resume the sweep: run the same `dvfs sweep` command again to measure {what}"
 
 
 def resume_note(doc: dict[str, Any]) -> str:
     """What measures a partial cube's cells not measured yet, for an analysis document `doc`
-    of it: `shard_note` for one shard's cube, the shards' commands and the merge again for a
-    cube merged from shards (`resume_advice`), else the sweep's own command again."""
+    of it: `shard_note` for one shard's cube, the shards' (or sweeps') commands and the merge
+    again for a cube merged from shards or from sweeps run apart (`resume_advice`), else the
+    sweep's own command again."""
     if doc.get("shard"):
         return str(shard_note(str(doc["shard"])))
-    if doc.get("merged_shards"):
+    if doc.get("merged_shards") or doc.get("merged_cubes"):
         return resume_advice("them", doc)
     return "run the same `dvfs sweep` command again to resume it"
 
 
 def shards_of(ds: xr.Dataset) -> dict[str, Any]:
     """What an analysis document records of a cube's shards: `shard` (one shard's cube: its
-    `I/N`) or `merged_shards` (a cube merged from shards: each shard's folder -> `I/N`)."""
+    `I/N`), `merged_shards` (a cube merged from shards: each shard's folder -> `I/N`) or
+    `merged_cubes` (a cube merged from sweeps run apart: their folders, `merged_cubes`)."""
     if ds.attrs.get("shard"):
         return {"shard": str(ds.attrs["shard"])}
     merged = merged_shards(ds)
-    return {"merged_shards": merged} if merged else {}
+    if merged:
+        return {"merged_shards": merged}
+    folders = merged_cubes(ds)
+    return {"merged_cubes": folders} if folders else {}
+
+
+#: A cube's attribute naming the cubes `dvfs cube merge` merged it from (JSON: their folders,
+#: as the merge was given them), where they were swept apart (not the shards of one run, nor
+#: the GPU models of one fleet, whose sweep writes its merged cube itself).
+MERGED_CUBES_ATTR = "merged_cubes"
+
+
+def merged_cubes(ds: xr.Dataset) -> list[str]:
+    """The folders of the cubes `dvfs cube merge` merged `ds` from, where they were swept
+    apart: resuming one of them rebuilds its own cube only, so the merge is run again too.
+    Empty for any other cube."""
+    try:
+        folders = json.loads(str(ds.attrs.get(MERGED_CUBES_ATTR) or "[]"))
+    except ValueError:
+        return []
+    return [str(f) for f in folders] if isinstance(folders, list) else []
 
 
 def idle_power_per_gpu(ds: xr.Dataset) -> dict[str, float]:

@@ -146,8 +146,8 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
             raise JournalError(
                 f"worker {s.get('worker')}'s GPUs start from other stock settings "
                 f"({s['stock']}) than worker {first.get('worker')}'s ({first['stock']}): "
-                "their stock cells would not compare; reset them (`dvfs gpu reset`) or leave "
-                "them out of --gpus"
+                "their stock cells would not compare; give them one power limit (`dvfs gpu "
+                "reset --defaults` sets the default) or leave them out of --gpus"
             )
     combined = {k: v for k, v in first.items() if k != "worker"}
     idle = [float(s["idle_power_w"]) for s in sessions]

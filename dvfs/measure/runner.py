@@ -374,6 +374,22 @@ class Runner:
             "source": "measured" if timed.observed else "knobs.settle_s (not observed)",
         }
 
+    def _refuse_mixed_stock(self) -> None:
+        """Refuse a server's GPUs (tensor parallel) whose stock power limits differ (an
+        operator's limit on one of them): the session, and so the cube, has one stock limit,
+        the first GPU's, while a cell that leaves the limit stock runs each GPU at its own, and
+        a cell at that limit raises the others to it: the cube's stock would be neither."""
+        stock = self.knobs.stock
+        limits = {g.identity.uuid: stock[g.identity.uuid].power_limit_mw for g in self.gpus}
+        if len(set(limits.values())) > 1:
+            said = ", ".join(f"{uuid} {mw / 1000:g} W" for uuid, mw in limits.items())
+            raise JournalError(
+                f"the GPUs of one server start from other stock power limits ({said}): the "
+                "cube has one stock setting, so their stock cells would not compare; give them "
+                "one power limit (`dvfs gpu reset --defaults` sets the default) or leave one "
+                "out of the server's GPUs"
+            )
+
     def _note_foreign_locks(self) -> None:
         """Say so when a GPU reports ApplicationsClocksSetting with no lock dvfs knows of: a
         clock lock (or applications clocks) set outside dvfs, which NVML cannot read back, so
@@ -408,6 +424,7 @@ class Runner:
 
     def _record_session(self) -> None:
         m = self.campaign.measurement
+        self._refuse_mixed_stock()
         self._note_foreign_locks()
         t0 = self.clock.now_ns()
         if not self.clock.virtual:  # real time passes before the first server's line

@@ -263,7 +263,7 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
             "headroom may be larger and a lower setting might save more: "
             + (
                 _resume_advice("them", doc)
-                if doc.get("shard") or doc.get("merged_shards")
+                if doc.get("shard") or doc.get("merged_shards") or doc.get("merged_cubes")
                 else "resume the sweep to measure them"
             )
             + " (the grid does not need extending)"

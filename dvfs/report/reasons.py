@@ -66,7 +66,7 @@ def no_answer_advice(
     problem = row.get("reference_problem") or ""
     if "target_ms" in row and row["target_ms"] is None:
         if problem == "failed":
-            if doc and doc.get("merged_shards"):  # the failed cell is one shard's to retry
+            if doc and (doc.get("merged_shards") or doc.get("merged_cubes")):  # its part's
                 return resume_advice("the reference (a rerun retries failed cells)", doc)
             return RETRY
         if problem.startswith("invalid"):
@@ -81,7 +81,7 @@ def no_answer_advice(
         return resume_advice("the reference", doc)
     reason = no_answer(row)
     if reason == "not measured yet (failed)":
-        if doc and doc.get("merged_shards"):  # the failed cells are their shards' to retry
+        if doc and (doc.get("merged_shards") or doc.get("merged_cubes")):  # their parts' to retry
             return resume_advice("them (a rerun retries failed cells)", doc)
         return RETRY
     if reason == "not measured yet":
