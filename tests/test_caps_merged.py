@@ -287,3 +287,53 @@ def test_merged_gpus_of_two_reference_kinds_are_each_said_as_their_own(tmp_path:
     h200 = [c for c in captions if "GPU-bbbbbbbb" in c and "batch size at" in c]
     assert h100 and all("at the stock setting" in c for c in h100)
     assert h200 and all("at the reference (top of the grid)" in c for c in h200)
+
+
+def test_a_gpu_whose_stock_clock_tops_no_other_is_referenced_on_its_own_grid(
+    tmp_path: Path,
+) -> None:
+    """The campaign left the SM clock at stock (1980 and 1755 MHz) and swept power limits that
+    hold neither GPU's stock limit: each GPU's reference is the top of its own grid, the second's
+    1755 MHz / 500 W. In the merge its reference was 1980 MHz, the merged axis's top (the
+    other GPU's stock clock, where it has no cell): "no valid reference cell (not measured
+    yet)" where its own cube answers, and `cube info` gave it that reference too."""
+    campaign = {
+        "name": "m",
+        "knobs": {"sm_clocks_mhz": None, "power_limits_w": [400.0, 500.0]},
+        "workload": {"batch_sizes": [1], "corpora": [{"name": "code"}]},
+        "measurement": {"repeats": 2},
+        "drafters": [{"name": "none"}],
+        "engine": {"model": "m", "tp_size": 1},
+        "gpu": {},
+    }
+    cubes = []
+    for path, name, uuid, mhz, watts in (
+        ("a.nc", H100, UUID_A, 1980, 700.0),
+        ("b.nc", H200, UUID_B, 1755, 600.0),
+    ):
+        ds = make_cube(
+            clocks=[mhz],
+            limits=[400.0, 500.0],
+            repeats=2,
+            latency=lambda _clock, limit, *_: 10.0 if limit >= 500 else 10.2,
+            energy=lambda _clock, limit, *_: limit / 500,
+            stock_clock=mhz,
+            stock_limit=watts,
+        )
+        ds = as_twin_sweep(ds, uuid=uuid, gpu_name=name, campaign="m")
+        cubes.append(write_cube(ds.assign_attrs(campaign=json.dumps(campaign)), tmp_path / path))
+    out = tmp_path / "merged.nc"
+    run("cube", "merge", *map(str, cubes), "-o", str(out))
+    doc = json.loads(run("headroom", str(out), "--slack", "5%", "--json").stdout)
+    per_gpu = doc["reference"]["per_gpu"]
+    assert [
+        (per_gpu[u]["sm_clock_mhz"], per_gpu[u]["power_limit_w"]) for u in (UUID_A, UUID_B)
+    ] == [
+        (1980, 500.0),
+        (1755, 500.0),
+    ]
+    for cube, row in zip(cubes, doc["rows"], strict=True):
+        (own,) = json.loads(run("headroom", str(cube), "--slack", "5%", "--json").stdout)["rows"]
+        assert row["chosen"] == own["chosen"] and row["headroom_w"] == own["headroom_w"] == 100
+    info = " ".join(run("cube", "info", str(out)).stdout.split())
+    assert "GPU-bbbbbbbb top of the grid (1755 MHz / 500 W; stock 600 W not swept)" in info

@@ -41,6 +41,7 @@ whose savings are real but uncertain, and ties within an interval do not chain. 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -511,11 +512,11 @@ def headroom(
     # A knob with one value in the cube was never swept: its headroom is unknown, not 0. A
     # knob the search may move (`free`) has its answer cut off by the grid when the lowest
     # feasible value is the lowest value evaluated for the group.
-    # One GPU of a merged cube: a stock knob's axis holds the other GPUs' stock settings too,
-    # none of them in this GPU's grid (`data_grid_knobs`).
-    clock_swept = grid_size(cube, "sm_clock", grid_from_data) > 1
-    limit_swept = grid_size(cube, "power_limit", grid_from_data) > 1
-    clock_free, limit_free = clock_swept and len(clocks) > 1, limit_swept and len(limits) > 1
+    # (One GPU of a merged cube holds only its own settings of a knob left at stock: its
+    # cube's axis, as `single_gpu` cuts it.)
+    clock_swept = int(cube.sizes["sm_clock"]) > 1
+    limit_swept = int(cube.sizes["power_limit"]) > 1
+    clock_free, limit_free = len(clocks) > 1, len(limits) > 1
     drafters = list(cube["drafter"].values)
 
     # Every setting's bound at once; a setting with an invalid cell is never judged, but for
@@ -1080,7 +1081,8 @@ def _maybe_float(value: object) -> float | None:
 
 
 def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
-    """One GPU of a merged cube, with that GPU's own stock setting as its reference."""
+    """One GPU of a merged cube, with that GPU's own stock setting as its reference, and along
+    a knob its campaign left at stock only its own settings (`own_grid`)."""
     import json
 
     one = cube.sel(gpu=gpu, drop=True)
@@ -1089,7 +1091,27 @@ def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
     for key in ("stock_sm_clock_mhz", "stock_power_limit_w"):
         if stock.get(key) not in (None, "None"):
             attrs[key] = float(stock[key])
-    return one.assign_attrs(attrs)
+    return own_grid(one.assign_attrs(attrs))
+
+
+def own_grid(one: xr.Dataset) -> xr.Dataset:
+    """One GPU of a merged cube cut, along each knob its campaign left at stock
+    (`data_grid_knobs`), to the settings in that GPU's grid: its own stock setting and those it
+    measured at. The merged axis also holds the other GPUs' stock settings, where this GPU has
+    no cell: kept, they were a setting of its own (the top of its grid, where its reference is
+    there; a second power limit, as if swept; a cap in its figures' legend it never ran at)."""
+    if "cell_status" not in one:
+        return one
+    status = one["cell_status"]
+    for dim in data_grid_knobs(one):
+        own = (status != STATUS_MISSING).any([d for d in status.dims if d != dim]).values
+        # its own stock setting, measured yet or not (`single_gpu` gave it)
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            own = own | (one[dim].values.astype(float) == float(one.attrs[STOCK_ATTRS[dim]]))
+        if own.any() and not own.all():
+            one = one.isel({dim: np.flatnonzero(own)})
+            status = one["cell_status"]
+    return one
 
 
 def unasked_repeats(cube: xr.Dataset) -> xr.DataArray:
@@ -1175,20 +1197,6 @@ def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataAr
             others = [d for d in status.dims if d != dim]
             waiting = waiting & (status != STATUS_MISSING).any(others)
     return waiting
-
-
-def grid_size(cube: xr.Dataset, dim: str, grid_from_data: bool) -> int:
-    """How many settings of the knob `dim` the GPU's grid holds: the cube's axis, but for one
-    GPU of a merged cube (`grid_from_data`) a stock knob's (`data_grid_knobs`) only its own
-    stock setting and those it measured at, not the other GPUs' stock settings."""
-    if not grid_from_data or dim not in data_grid_knobs(cube) or "cell_status" not in cube:
-        return int(cube.sizes[dim])
-    status = cube["cell_status"]
-    own = (status != STATUS_MISSING).any([d for d in status.dims if d != dim]).values
-    stock = cube.attrs.get(STOCK_ATTRS[dim])  # the one `single_gpu` gave it, measured or not
-    if isinstance(stock, int | float | np.number):
-        own = own | (cube[dim].values.astype(float) == float(stock))
-    return int(np.count_nonzero(own))
 
 
 def data_grid_knobs(cube: xr.Dataset) -> tuple[str, ...]:

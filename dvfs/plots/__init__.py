@@ -6,12 +6,9 @@ draws every figure and saves it. Energy is in J per token, as in `dvfs headroom`
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.split import no_estimate_reasons, where_energy_goes
@@ -246,30 +243,11 @@ def per_gpu(cube: xr.Dataset) -> list[tuple[str, xr.Dataset]]:
     for gpu, model, folder in zip(
         cube["gpu"].values, models, gpu_folders(labels, models), strict=True
     ):
-        one = own_grid(single_gpu(cube, gpu))
+        one = single_gpu(cube, gpu)
         one.attrs["gpu_name"] = model
         one.attrs.pop("gpu_names", None)
         out.append((folder, one))
     return out
-
-
-def own_grid(one: xr.Dataset) -> xr.Dataset:
-    """One GPU of a merged cube (`single_gpu`) cut, along each knob its campaign left at stock
-    (`data_grid_knobs`), to the settings in that GPU's grid: its own stock setting and those it
-    measured at. The merged axis also holds the other GPUs' stock settings, where this GPU has
-    no cell: drawn, they were a power limit in its legend (a "cap") it never ran at."""
-    from dvfs.analysis.headroom import STOCK_ATTRS, data_grid_knobs
-
-    status = one["cell_status"]
-    for dim in data_grid_knobs(one):
-        own = (status != STATUS_MISSING).any([d for d in status.dims if d != dim]).values
-        # its own stock setting, measured yet or not (`single_gpu` gave it)
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            own = own | (one[dim].values.astype(float) == float(one.attrs[STOCK_ATTRS[dim]]))
-        if own.any() and not own.all():
-            one = one.isel({dim: np.flatnonzero(own)})
-            status = one["cell_status"]
-    return one
 
 
 def gpu_folders(labels: list[str], models: list[str] | None = None) -> list[str]:
