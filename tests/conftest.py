@@ -222,6 +222,37 @@ def pipe_output() -> Iterator[tuple[str, list[bytes]]]:
         os.close(r)
 
 
+def race(make_round: Callable[[int], Callable[[], None]], rounds: int) -> list[BaseException]:
+    """Four threads, each running `rounds` rounds (thread i's from `make_round(i)`) switched as
+    often as the interpreter allows, as a local fleet's workers share dvfs's module caches; the
+    errors they raised (the first stops them all)."""
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def run(index: int) -> None:
+        one_round = make_round(index)
+        try:
+            for _ in range(rounds):
+                if stop.is_set():
+                    return
+                one_round()
+        except BaseException as exc:  # noqa: BLE001  (returned to the test)
+            errors.append(exc)
+            stop.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    return errors
+
+
 def copy_sweep(out: Path, dest: Path) -> Path:
     """A private copy of a session's finished sweep folder, for a test that changes it."""
     return Path(shutil.copytree(out, dest))

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import threading
+from collections.abc import Callable
 from dataclasses import asdict, fields
 
 import numpy as np
 import pytest
+from conftest import race
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_meter_speed import old_latency_of
@@ -256,29 +256,13 @@ def test_rounds_remembered_by_threads_at_once_drop_each_oldest_once() -> None:
     one (its worker lost). Threads switched as often as the interpreter allows, each round
     remembered and read back, no thread fails."""
     trace = RequestTrace(0, np.array([1, 2, 3]), np.array([1, 1, 1]), 4, 3)
-    errors: list[BaseException] = []
-    stop = threading.Event()
 
-    def measure() -> None:
-        try:
-            for _ in range(30_000):
-                if stop.is_set():
-                    return
-                round_ = (trace,)  # a new round each time: remembered, the oldest dropped
-                assert meter.round_chunks(round_).firsts == [1]
-                assert meter.latency_stats(round_).tpot_ms[0] == pytest.approx(1e-6)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-            stop.set()
+    def measure(_: int) -> Callable[[], None]:
+        def one_round() -> None:
+            round_ = (trace,)  # a new round each time: remembered, the oldest dropped
+            assert meter.round_chunks(round_).firsts == [1]
+            assert meter.latency_stats(round_).tpot_ms[0] == pytest.approx(1e-6)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=measure) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert errors == []
+        return one_round
+
+    assert race(measure, 30_000) == []

@@ -4,11 +4,11 @@ them (a local fleet's workers) each get their grid."""
 
 from __future__ import annotations
 
-import sys
-import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+from conftest import race
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -84,32 +84,17 @@ def test_grids_remembered_by_threads_at_once_drop_each_oldest_once(monkeypatch) 
     thread gets the fit of its own offsets, none fails, the memory stays bounded."""
     monkeypatch.setattr(counter, "_GRIDS_SIZE", 4)
     counter._GRIDS.clear()
-    errors: list[BaseException] = []
-    stop = threading.Event()
 
-    def measure(seed: int) -> None:
+    def measure(seed: int) -> Callable[[], None]:
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(20_000):
-                if stop.is_set():
-                    return
-                since = np.arange(5) * 1e8 + rng.integers(0, 1000, 5)
-                since -= since[0]  # new offsets each round, as a real GPU's
-                grid = counter._grid(since, 1e8)
-                assert grid is not None and grid[1] == pytest.approx(1e8, rel=1e-4)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-            stop.set()
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=measure, args=(seed,)) for seed in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert errors == []
+        def one_round() -> None:
+            since = np.arange(5) * 1e8 + rng.integers(0, 1000, 5)
+            since -= since[0]  # new offsets each round, as a real GPU's
+            grid = counter._grid(since, 1e8)
+            assert grid is not None and grid[1] == pytest.approx(1e8, rel=1e-4)
+
+        return one_round
+
+    assert race(measure, 20_000) == []
     assert len(counter._GRIDS) <= 4
