@@ -149,3 +149,20 @@ def test_little_dvfs_headroom_with_speculation_at_large_batch(findings) -> None:
             assert spec["headroom_mhz"] <= none / 2, (drafter, corpus)
             assert spec["headroom_mhz"] < rows[drafter, 1, corpus]["headroom_mhz"]
             assert spec["saving"] < rows["none", 64, corpus]["saving"] / 2
+
+
+def test_energy_alike_in_every_group_is_said_once_not_as_a_range() -> None:
+    """Energy per token at stock equal in every group was said as a range from one row to the
+    same row ('ranges from 2.68 J (batch 1, none, code) to 2.68 J (batch 1, none, code)')."""
+    from cubes import make_cube
+
+    from dvfs.analysis.headroom import headroom
+    from dvfs.analysis.targets import Target
+    from dvfs.report.findings import energy_finding
+    from dvfs.report.headroom import headroom_document
+
+    cube = make_cube(clocks=[1500, 1980], batches=[1, 8], energy=lambda *a: 2.68)
+    document = headroom_document(headroom(cube, target=Target(slack=0.05)), cube)
+    said = energy_finding(document, ()).headline
+    assert "energy per token is 2.68 J in all 2 (batch, drafter, corpus) groups." in said
+    assert "ranges" not in said

@@ -100,12 +100,13 @@ def energy_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding
         return Finding(f"No cell at {at} was measured: no energy there to report.", (), figures)
     low = min(rows, key=lambda r: r["stock_energy_per_token_j"])
     high = max(rows, key=lambda r: r["stock_energy_per_token_j"])
-    said = (
-        f"is {low['stock_energy_per_token_j']:.4g} J ({_where(low)})"  # one group: no range
-        if len(rows) == 1
-        else f"ranges from {low['stock_energy_per_token_j']:.4g} J ({_where(low)}) to "
-        f"{high['stock_energy_per_token_j']:.4g} J ({_where(high)})"
-    )
+    least, most = (f"{r['stock_energy_per_token_j']:.4g}" for r in (low, high))
+    if len(rows) == 1:  # one group: no range
+        said = f"is {least} J ({_where(low)})"
+    elif least == most:  # no range either: naming one row twice would say nothing
+        said = f"is {least} J in all {len(rows)} {_groups(rows)}"
+    else:
+        said = f"ranges from {least} J ({_where(low)}) to {most} J ({_where(high)})"
     return Finding(
         f"At {at}, energy per token {said}.",
         _batch_trend(rows, at),
