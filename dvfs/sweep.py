@@ -626,6 +626,30 @@ def servers_of(gpus: Sequence[Gpu], groups: Sequence[Sequence[Any]]) -> list[lis
     return [[next(it) for _ in group] for group in groups]
 
 
+def check_fleet_stock(
+    campaign: Campaign,
+    groups: Sequence[Sequence[int | str]],
+    *,
+    nvml: ModuleType | None = None,
+    state_dir: Path | None = None,
+) -> None:
+    """Before a fleet's workers open their GPUs (and each times its counters and measures its
+    idle power before its session is compared with the others'): its real GPUs opened
+    read-only here and refused as `check_stock_limits` refuses them. Nothing where they
+    cannot be opened here (the workers' own opening tells)."""
+    if not real_gpus(campaign):
+        return
+    from dvfs.backends import job_gpus, open_gpus
+
+    devices = [d for g in groups for d in g]
+    with contextlib.ExitStack() as stack:
+        try:
+            gpus = stack.enter_context(open_gpus(devices, nvml=nvml, visible=job_gpus()))
+        except GpuError:
+            return
+        check_stock_limits(campaign, servers_of(gpus, groups), state_dir=state_dir)
+
+
 def run_sweep(
     campaign: Campaign,
     out_dir: Path,

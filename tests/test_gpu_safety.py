@@ -1457,7 +1457,7 @@ def test_a_fleet_whose_gpus_differ_in_stock_power_limit_is_refused_with_advice_t
     )
     assert result.returncode == 1, result.stdout
     said = " ".join(result.stderr.split())
-    assert "start from other stock settings" in said and "`dvfs gpu reset --defaults`" in said
+    assert "start from other stock power limits" in said and "`dvfs gpu reset --defaults`" in said
     assert_as_found(nvml, tmp_path / "dvfs-state")
     reset = dvfs_in_process("gpu", "reset", "--defaults", "0", env=env)
     assert reset.returncode == 0, reset.stderr
@@ -1524,6 +1524,30 @@ def test_the_dry_run_says_the_sweep_would_stop_on_other_stock_power_limits(
         assert len(notes) == 1, result.stderr
         _said_the_limits(notes[0])
     assert setter_calls(nvml) == []
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_a_fleet_of_other_stock_power_limits_is_refused_before_its_workers_measure(
+    nvml, env, tmp_path: Path
+) -> None:
+    """`--gpus 0,1` at 650 W and 700 W: the fleet refused it only once each worker had timed
+    its energy counters and measured its idle power (minutes on real GPUs). It now reads the
+    limits first, read-only, and refuses in one line before any worker opens a GPU."""
+    result = dvfs_in_process(
+        "sweep",
+        str(campaign_file(tmp_path)),
+        "--gpus",
+        "0,1",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-progress",
+        env=env,
+    )
+    assert result.returncode == 1, result.stdout
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    _said_the_limits(result.stderr)
+    assert "the fleet's GPUs" in result.stderr
+    assert "timing the GPUs' energy counter" not in result.stderr  # no worker's session began
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
 
