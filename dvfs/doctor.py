@@ -198,7 +198,7 @@ def _gpu_checks(
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
     from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
-    from dvfs.sweep import check_knobs_against
+    from dvfs.sweep import check_knobs_against, servers_of
 
     checks: list[Check] = []
     try:
@@ -267,10 +267,13 @@ def _gpu_checks(
 
                 checks.append(_run("twin load", twin_load))
             # Each group's GPUs, in the order opened: one worker (and server) each.
-            sizes = [len(g) for g in groups]
-            by_group = [gpus[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(groups))]
+            by_group = servers_of(gpus, groups)
+            directory = state_dir or default_state_dir()
             if len(groups) > 1 or len(gpus) > 1:  # a fleet, or a tensor-parallel server
-                checks.append(_workers(groups, by_group, models))
+                servers = _workers(groups, by_group, models)
+                checks.append(servers)
+                if servers.status == OK:  # (GPUs of two models: that line says so)
+                    checks.append(_run("stock", lambda: _stock(campaign, by_group, directory)))
             else:
                 models.append(first.name)
             if _own_servers(campaign):
@@ -288,7 +291,6 @@ def _gpu_checks(
                     return OK, f"{servers} pinned to {'; '.join(pinned)} (CUDA_VISIBLE_DEVICES)"
 
                 checks.append(_run("server GPUs", server_gpus))
-            directory = state_dir or default_state_dir()
             # A file from before the last reboot refuses nothing (the reboot reset the GPU):
             # the sweep drops it.
             pending = [
@@ -408,6 +410,27 @@ def _workers(
         shown.append(f"{group_label(group)} ({model})")
     workers = f"{len(groups)} workers" if len(groups) > 1 else "1 worker"
     return Check("workers", OK, f"{workers}: {', '.join(shown)}")
+
+
+def _stock(
+    campaign: Campaign, servers: Sequence[Sequence[Gpu]], state_dir: Path
+) -> tuple[str, str]:
+    """The stock power limit each server's GPUs, and a fleet's of one model, start from, as
+    the sweep takes it (a cap dvfs applied counts as the default): other limits fail, as the
+    sweep refuses them (`check_stock_limits`), before it measures anything."""
+    from dvfs.sweep import check_stock_limits
+
+    stock = check_stock_limits(campaign, servers, state_dir=state_dir)
+    if stock is None:
+        return OK, (
+            "stock power limits not compared: the sweep refuses these GPUs first (the state, "
+            "lock or caps check says why)"
+        )
+    watts = sorted({s.power_limit_mw / 1000 for s in stock.values()})
+    if len(watts) == 1:
+        return OK, f"the GPUs start from one stock power limit, {watts[0]:g} W"
+    limits = ", ".join(f"{w:g} W" for w in watts)
+    return OK, f"each GPU model's GPUs start from one stock power limit ({limits})"
 
 
 def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool, observe_only: bool = False) -> Check:

@@ -68,7 +68,7 @@ from dvfs.fleet.shard_journal import (
     shard_cube,
 )
 from dvfs.gpu.base import Gpu, unsupported_clock
-from dvfs.gpu.knobs import KnobController
+from dvfs.gpu.knobs import GpuSettings, KnobController, check_one_stock_limit
 from dvfs.measure.journal import (
     JOURNAL_NAME,
     Journal,
@@ -564,6 +564,92 @@ def guarded_knobs(
             yield knobs
 
 
+def stock_as_swept(
+    campaign: Campaign, gpus: Sequence[Gpu], *, state_dir: Path | None = None
+) -> dict[str, GpuSettings] | None:
+    """Each of the campaign's real `gpus`' stock, by UUID, as `guarded_knobs`' controller
+    takes it (a power limit dvfs applied as a cap counts as the default; observe-only: as
+    found), read without holding or changing anything. None where the sweep refuses these GPUs
+    before it reads their stock (another dvfs holds one, an earlier run's changes on one, a
+    damaged caps record: its own refusal says so) or one cannot be read."""
+    from dvfs.caps import AppliedCaps
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+
+    directory = state_dir or default_state_dir()
+    try:
+        if any(GpuLocks(directory).holder(g) for g in gpus):
+            return None
+        StateStore(directory).refuse_if_pending(gpus, drop_rebooted=False)
+        controller = AppliedCaps(directory).measuring(gpus, actuation=campaign.gpu.actuation)
+        return controller.read_stock()
+    except DvfsError:
+        return None
+
+
+def check_stock_limits(
+    campaign: Campaign, servers: Sequence[Sequence[Gpu]], *, state_dir: Path | None = None
+) -> dict[str, GpuSettings] | None:
+    """Refuse, read-only, what the sweep refuses once it holds the GPUs: a server's GPUs, or
+    a fleet's of one GPU model (each server `servers`' one), that start from other stock power
+    limits (`check_one_stock_limit`, the sweep's own rule), each GPU's stock as the sweep
+    takes it (`stock_as_swept`). Returns that stock; None where it was not compared (the sweep
+    refuses the GPUs first for another reason)."""
+    gpus = [g for server in servers for g in server]
+    stock = stock_as_swept(campaign, gpus, state_dir=state_dir)
+    if stock is None:
+        return None
+    for server in servers:  # as each server's runner refuses it
+        check_one_stock_limit(
+            server,
+            stock,
+            of="the GPUs of one server",
+            leave_out="leave one out of the server's GPUs",
+        )
+    if len(servers) > 1:  # as the fleet refuses its workers of one model (`combine_sessions`)
+        by_model: dict[str, list[Gpu]] = {}
+        for g in gpus:
+            by_model.setdefault(g.identity.name, []).append(g)
+        for same in by_model.values():
+            check_one_stock_limit(
+                same,
+                stock,
+                of="the fleet's GPUs"
+                + (f" of model {same[0].identity.name}" if len(by_model) > 1 else ""),
+                leave_out="leave those at another limit out of the fleet (--gpus)",
+            )
+    return stock
+
+
+def servers_of(gpus: Sequence[Gpu], groups: Sequence[Sequence[Any]]) -> list[list[Gpu]]:
+    """`gpus`, opened in the order of `groups`' devices, cut into one list per group (server)."""
+    it = iter(gpus)
+    return [[next(it) for _ in group] for group in groups]
+
+
+def check_fleet_stock(
+    campaign: Campaign,
+    groups: Sequence[Sequence[int | str]],
+    *,
+    nvml: ModuleType | None = None,
+    state_dir: Path | None = None,
+) -> None:
+    """Before a fleet's workers open their GPUs (and each times its counters and measures its
+    idle power before its session is compared with the others'): its real GPUs opened
+    read-only here and refused as `check_stock_limits` refuses them. Nothing where they
+    cannot be opened here (the workers' own opening tells)."""
+    if not real_gpus(campaign):
+        return
+    from dvfs.backends import job_gpus, open_gpus
+
+    devices = [d for g in groups for d in g]
+    with contextlib.ExitStack() as stack:
+        try:
+            gpus = stack.enter_context(open_gpus(devices, nvml=nvml, visible=job_gpus()))
+        except GpuError:
+            return
+        check_stock_limits(campaign, servers_of(gpus, groups), state_dir=state_dir)
+
+
 def run_sweep(
     campaign: Campaign,
     out_dir: Path,
@@ -934,7 +1020,7 @@ def read_group_models(
     stop: str | None = None  # why the sweep would stop on this machine
     try:
         if check:
-            found, stop = check_gpus(campaign, devices, nvml=nvml)
+            found, stop = check_gpus(campaign, devices, nvml=nvml, groups=groups)
         else:
             found = read_gpu_names(devices, nvml=nvml, allow_mig=True)
     except GpuError as exc:
@@ -967,20 +1053,31 @@ def read_group_models(
 
 
 def check_gpus(
-    campaign: Campaign, devices: Sequence[int | str], *, nvml: ModuleType | None = None
+    campaign: Campaign,
+    devices: Sequence[int | str],
+    *,
+    nvml: ModuleType | None = None,
+    groups: Sequence[Sequence[int | str]] | None = None,
 ) -> tuple[list[tuple[int, str]], str | None]:
     """Each of the campaign's real GPUs `devices`' NVML index and model, opened as the sweep
-    opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set or read back, and
-    closed; and why the sweep would stop on them (a clock or power limit of the campaign one
-    does not take, `check_knobs_against`), None if nothing. A `GpuError` where one cannot be
-    opened (not here, fallen off the bus) or NVML does not answer."""
+    opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set, and closed; and why
+    the sweep would stop on them (a clock or power limit of the campaign one does not take,
+    `check_knobs_against`; with `groups`, `devices` cut into servers, a server's GPUs or a
+    fleet's of one model at other stock power limits, `check_stock_limits`), None if nothing.
+    A `GpuError` where one cannot be opened (not here, fallen off the bus) or NVML does not
+    answer."""
     from dvfs.backends import job_gpus, open_gpus
 
     with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
         found = [(g.identity.index, g.identity.name) for g in gpus]
         try:
             check_knobs_against(campaign, gpus)
-        except CampaignError as exc:
+            if groups is not None and len(gpus) > 1:
+                from dvfs.gpu.safety import records_dir
+
+                # dvfs's caps record as the sweep (as root) reads it, for a user too
+                check_stock_limits(campaign, servers_of(gpus, groups), state_dir=records_dir())
+        except (CampaignError, JournalError) as exc:
             return found, f"on this machine the sweep would stop: {exc}"
         return found, None
 

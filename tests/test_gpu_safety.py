@@ -1457,8 +1457,116 @@ def test_a_fleet_whose_gpus_differ_in_stock_power_limit_is_refused_with_advice_t
     )
     assert result.returncode == 1, result.stdout
     said = " ".join(result.stderr.split())
-    assert "start from other stock settings" in said and "`dvfs gpu reset --defaults`" in said
+    assert "start from other stock power limits" in said and "`dvfs gpu reset --defaults`" in said
     assert_as_found(nvml, tmp_path / "dvfs-state")
     reset = dvfs_in_process("gpu", "reset", "--defaults", "0", env=env)
     assert reset.returncode == 0, reset.stderr
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+def _tensor_parallel(tmp_path: Path) -> Path:
+    path = tmp_path / "tp.toml"
+    path.write_text(
+        campaign_file(tmp_path).read_text().replace("devices = [0]", "devices = [[0, 1]]")
+    )
+    return path
+
+
+def _said_the_limits(text: str) -> None:
+    said = " ".join(text.split())
+    assert "start from other stock power limits" in said, said
+    assert "GPU 0 (" in said and "at 650 W" in said and "GPU 1 (" in said and "at 700 W" in said
+    assert "`dvfs gpu reset --defaults`" in said, said
+
+
+@pytest.mark.parametrize("observe_only", [False, True])
+def test_doctor_fails_gpus_the_sweep_refuses_for_other_stock_power_limits(
+    nvml, env, tmp_path: Path, observe_only: bool
+) -> None:
+    """A tensor-parallel server (GPU 0 at an operator's 650 W, GPU 1 at its default 700 W) and
+    a fleet of those two GPUs (`--gpus 0,1`) are refused by the sweep, whose cube has one stock
+    limit: `dvfs doctor` passed both. It fails them in the sweep's line, exit 1, read-only
+    (no setter called); observe-only too, whose stock is what is in force: the cube's one
+    power limit would still misstate one GPU's."""
+    flag = ["--observe-only"] if observe_only else []
+    for args in (
+        [str(_tensor_parallel(tmp_path))],
+        [str(campaign_file(tmp_path)), "--gpus", "0,1"],
+    ):
+        out = ["--out", str(tmp_path / "out")]
+        result = dvfs_in_process("doctor", *args, *out, *flag, env=env)
+        assert result.returncode == 1, result.stdout
+        checked = dvfs_in_process("doctor", *args, *out, *flag, "--json", env=env).stdout
+        failed = [c for c in json.loads(checked) if c["status"] == "fail"]
+        assert [c["name"] for c in failed] == ["stock"], failed
+        _said_the_limits(failed[0]["detail"])
+        fleet = "--gpus" in args
+        assert ("the fleet's GPUs" if fleet else "the GPUs of one server") in failed[0]["detail"]
+    assert setter_calls(nvml) == []
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_the_dry_run_says_the_sweep_would_stop_on_other_stock_power_limits(
+    nvml, env, tmp_path: Path
+) -> None:
+    """The dry run opens the GPUs as the sweep does and says, in a note, what would stop the
+    sweep on this machine: GPUs of one server, or of a fleet, at other stock power limits
+    went unsaid. It plans all the same (exit 0: it may plan for another machine)."""
+    for args in (
+        [str(_tensor_parallel(tmp_path))],
+        [str(campaign_file(tmp_path)), "--gpus", "0,1"],
+    ):
+        result = dvfs_in_process(
+            "sweep", *args, "--out", str(tmp_path / "out"), "--dry-run", "--no-estimate", env=env
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        notes = [line for line in result.stderr.splitlines() if "sweep would stop" in line]
+        assert len(notes) == 1, result.stderr
+        _said_the_limits(notes[0])
+    assert setter_calls(nvml) == []
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_a_fleet_of_other_stock_power_limits_is_refused_before_its_workers_measure(
+    nvml, env, tmp_path: Path
+) -> None:
+    """`--gpus 0,1` at 650 W and 700 W: the fleet refused it only once each worker had timed
+    its energy counters and measured its idle power (minutes on real GPUs). It now reads the
+    limits first, read-only, and refuses in one line before any worker opens a GPU."""
+    result = dvfs_in_process(
+        "sweep",
+        str(campaign_file(tmp_path)),
+        "--gpus",
+        "0,1",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-progress",
+        env=env,
+    )
+    assert result.returncode == 1, result.stdout
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    _said_the_limits(result.stderr)
+    assert "the fleet's GPUs" in result.stderr
+    assert "timing the GPUs' energy counter" not in result.stderr  # no worker's session began
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_a_limit_dvfs_applied_as_a_cap_is_no_other_stock_for_doctor_as_for_the_sweep(
+    nvml, env, tmp_path: Path
+) -> None:
+    """GPU 0's 650 W applied by dvfs (its caps record): the sweep measures stock at the
+    default, 700 W, as GPU 1's, and runs the server; doctor agrees, and puts the cap back."""
+    from dvfs.caps import AppliedCaps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    AppliedCaps(tmp_path / "dvfs-state").update(uuid, {"lock_mhz": None, "power_limit_mw": 650_000})
+    path = _tensor_parallel(tmp_path)
+    checked = doctor_checks(path, tmp_path / "out", env)
+    assert checked["stock"]["status"] == "ok", checked["stock"]
+    assert "700 W" in checked["stock"]["detail"], checked["stock"]
+    result = dvfs_in_process(
+        "sweep", str(path), "--out", str(tmp_path / "out"), "--no-progress", env=env
+    )
+    assert "stock power limits" not in result.stderr, result.stderr
+    assert (tmp_path / "out" / "cube.nc").exists(), result.stderr
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 650_000

@@ -56,7 +56,8 @@ def doctor(
     as_json: bool,
 ) -> None:
     """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
-    limits in range, unrestored state, GPUs held by another dvfs, the server's GPUs, engine,
+    limits in range, unrestored state, GPUs held by another dvfs, the stock power limits of a
+    server's GPUs (or a fleet's of one model), the server's GPUs, engine,
     model paths, tokenizer, corpora, and the output folder (usable by the sweep, free disk).
 
     Exits 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the

@@ -733,6 +733,11 @@ def run_fleet(
                         if getattr(executor, "shares_environment", False):
                             # as a single run refuses it, before the workers probe their GPUs
                             check_same_server_env(journal, campaign)
+                # GPUs whose stock the workers' sessions would refuse to pool, refused
+                # before the workers open them where the executor's GPUs are this machine's.
+                check_gpus = getattr(executor, "check_gpus", None)
+                if check_gpus is not None:
+                    check_gpus(campaign, groups)
                 fleet = Fleet(
                     campaign,
                     out_dir,

@@ -103,6 +103,15 @@ class LocalExecutor:
         #: GPU was lost), by worker: the sweep's error line where a GPU was left changed.
         self.close_errors: dict[str, BaseException] = {}
 
+    def check_gpus(self, campaign: Campaign, groups: Sequence[Group]) -> None:
+        """Refuse, before any worker opens its GPUs, what the workers' sessions would refuse
+        only once each has timed its counters and measured its idle power: this machine's
+        GPUs of a server, or of one model across the workers, at other stock power limits
+        (`dvfs.sweep.check_fleet_stock`, read-only)."""
+        from dvfs.sweep import check_fleet_stock
+
+        check_fleet_stock(campaign, groups, nvml=self.nvml, state_dir=self.state_dir)
+
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         campaign: Campaign = fleet.campaign
         events: queue.Queue[tuple[Any, ...]] = queue.Queue()

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from dvfs.errors import GpuError, GpuNotSupportedError, GpuPermissionError, GpuValueError
+from dvfs.errors import (
+    GpuError,
+    GpuNotSupportedError,
+    GpuPermissionError,
+    GpuValueError,
+    JournalError,
+)
 from dvfs.gpu.base import Gpu
 from dvfs.signals import restoring, signals_raise
 
@@ -110,18 +116,27 @@ class KnobController:
             self._signals.close()
             raise
         self._current = dict(self._snapshot)
-        own = self.stock_without_caps and self.actuation  # observe-only changes nothing
-        self._stock = self._own_stock() if own else dict(self._snapshot)
+        self._stock = self._stock_of(self._snapshot)
         return self
 
-    def _own_stock(self) -> dict[str, GpuSettings]:
+    def read_stock(self) -> dict[str, GpuSettings]:
+        """What `stock` is once the controller is entered, read now without entering it (no
+        signal handlers, nothing written or put back): for the checks before a sweep
+        (`dvfs doctor`, the dry run, a fleet's driver) to take the stock the sweep takes."""
+        return self._stock_of(self.snapshot())
+
+    def _stock_of(self, snapshot: dict[str, GpuSettings]) -> dict[str, GpuSettings]:
+        own = self.stock_without_caps and self.actuation  # observe-only changes nothing
+        return self._own_stock(snapshot) if own else dict(snapshot)
+
+    def _own_stock(self, snapshot: dict[str, GpuSettings]) -> dict[str, GpuSettings]:
         """The GPUs' own stock settings under the caps dvfs applied (its caps record): clocks
         unlocked, and the default power limit where the limit found is the one dvfs applied.
         A limit set outside dvfs is the operator's stock and is kept."""
         stock = {}
         for gpu in self.gpus:
             uuid = gpu.identity.uuid
-            found = self._snapshot[uuid]
+            found = snapshot[uuid]
             limit = found.power_limit_mw
             if self._applied_power_mw.get(uuid) == limit:
                 limit = gpu.power_limit_range().default_mw
@@ -307,6 +322,29 @@ class KnobController:
                 raise
             current = replace(current, power_limit_mw=want.power_limit_mw)
             self._current[uuid] = current
+
+
+def check_one_stock_limit(
+    gpus: Sequence[Gpu], stock: Mapping[str, GpuSettings], *, of: str, leave_out: str
+) -> None:
+    """Refuse GPUs measured as one stock setting (a tensor-parallel server's, a fleet's of one
+    GPU model) whose stock power limits differ (an operator's limit on one of them): the cube
+    has one stock limit, while a cell that leaves the limit stock runs each GPU at its own,
+    and a cell at one GPU's limit raises or lowers the others to it, so their stock cells
+    would not compare. `stock`: each GPU's as the sweep takes it (`KnobController.stock`, or
+    `read_stock` before the sweep: a cap dvfs applied counts as the default). `of` names the
+    GPUs, `leave_out` the other way out. The one rule of the sweep and of its checks before."""
+    limits = {g: stock[g.identity.uuid].power_limit_mw for g in gpus}
+    if len(set(limits.values())) > 1:
+        said = ", ".join(
+            f"GPU {g.identity.index} ({g.identity.uuid}) at {mw / 1000:g} W"
+            for g, mw in limits.items()
+        )
+        raise JournalError(
+            f"{of} start from other stock power limits ({said}): the cube has one stock "
+            "setting, so their stock cells would not compare; give them one power limit "
+            f"(`dvfs gpu reset --defaults` sets the default) or {leave_out}"
+        )
 
 
 #: NVML's refusals of a setter, which changed nothing (no permission, an invalid value, a knob

@@ -31,7 +31,7 @@ from dvfs.errors import (
     JournalError,
 )
 from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
-from dvfs.gpu.knobs import KnobController, KnobSetting
+from dvfs.gpu.knobs import KnobController, KnobSetting, check_one_stock_limit
 from dvfs.measure.counter import (
     RoundEnergy,
     counter_update_period,
@@ -375,20 +375,15 @@ class Runner:
         }
 
     def _refuse_mixed_stock(self) -> None:
-        """Refuse a server's GPUs (tensor parallel) whose stock power limits differ (an
-        operator's limit on one of them): the session, and so the cube, has one stock limit,
-        the first GPU's, while a cell that leaves the limit stock runs each GPU at its own, and
-        a cell at that limit raises the others to it: the cube's stock would be neither."""
-        stock = self.knobs.stock
-        limits = {g.identity.uuid: stock[g.identity.uuid].power_limit_mw for g in self.gpus}
-        if len(set(limits.values())) > 1:
-            said = ", ".join(f"{uuid} {mw / 1000:g} W" for uuid, mw in limits.items())
-            raise JournalError(
-                f"the GPUs of one server start from other stock power limits ({said}): the "
-                "cube has one stock setting, so their stock cells would not compare; give them "
-                "one power limit (`dvfs gpu reset --defaults` sets the default) or leave one "
-                "out of the server's GPUs"
-            )
+        """Refuse a server's GPUs (tensor parallel) whose stock power limits differ
+        (`check_one_stock_limit`): the session, and so the cube, has one stock limit, the
+        first GPU's, and its stock would be neither."""
+        check_one_stock_limit(
+            self.gpus,
+            self.knobs.stock,
+            of="the GPUs of one server",
+            leave_out="leave one out of the server's GPUs",
+        )
 
     def _note_foreign_locks(self) -> None:
         """Say so when a GPU reports ApplicationsClocksSetting with no lock dvfs knows of: a
