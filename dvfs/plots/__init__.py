@@ -236,18 +236,24 @@ def per_gpu(cube: xr.Dataset) -> list[tuple[str, xr.Dataset]]:
     from dvfs.analysis.headroom import single_gpu
     from dvfs.report.common import gpu_names
 
-    labels = [str(gpu) for gpu in cube["gpu"].values]
     names = gpu_names(cube)
-    models = [names.get(label, label) for label in labels]
     out = []
-    for gpu, model, folder in zip(
-        cube["gpu"].values, models, gpu_folders(labels, models), strict=True
-    ):
+    for gpu, (label, folder) in zip(cube["gpu"].values, folders_of(cube).items(), strict=True):
         one = single_gpu(cube, gpu)
-        one.attrs["gpu_name"] = model
+        one.attrs["gpu_name"] = names.get(label, label)
         one.attrs.pop("gpu_names", None)
         out.append((folder, one))
     return out
+
+
+def folders_of(cube: xr.Dataset) -> dict[str, str]:
+    """Each GPU of a merged cube (its label) and the folder its figures go in
+    (`gpu_folders`): one naming for the figures and for the report that captions them."""
+    from dvfs.report.common import gpu_names
+
+    labels = [str(gpu) for gpu in cube["gpu"].values]
+    names = gpu_names(cube)
+    return dict(zip(labels, gpu_folders(labels, [names.get(g, g) for g in labels]), strict=True))
 
 
 def gpu_folders(labels: list[str], models: list[str] | None = None) -> list[str]:

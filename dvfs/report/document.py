@@ -101,12 +101,9 @@ def _stock_for(name: str, stock: bool, cube: xr.Dataset, room: dict[str, Any]) -
     if not per_gpu or not folders or "gpu" not in cube.dims:
         return stock
     folder = folders[-1]
-    from dvfs.plots import gpu_folders
+    from dvfs.plots import folders_of
 
-    labels = [str(g) for g in cube["gpu"].values]
-    names = gpu_names(cube)
-    folders = gpu_folders(labels, [names.get(label, label) for label in labels])
-    for label, own in zip(labels, folders, strict=True):
+    for label, own in folders_of(cube).items():
         if own == folder and label in per_gpu:
             return bool(per_gpu[label].get("is_stock", True))
     return stock
