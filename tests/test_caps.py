@@ -2406,3 +2406,34 @@ def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_
         if name.startswith("caps-applied")
         else [["cap", "reset"], ["gpu", "reset"], ["govern", "--plan"]]
     ), failed
+
+
+@pytest.mark.parametrize("clock_mhz", [None, 1500])
+def test_doctor_says_what_the_sweep_does_with_a_power_cap_too(
+    nvml, tmp_path: Path, clock_mhz: int | None
+) -> None:
+    """doctor's caps warning named only GPUs whose clocks `cap apply` locked, saying nothing of
+    a power limit it left in force, and said the sweep's 'stock' then meant the capped
+    setting, when the sweep measures its stock cells at unlocked clocks and the default power
+    limit (the GPU's own stock). It now names each GPU's caps, power limit alone too, and says
+    what the sweep does with them; observe-only, which changes nothing, measures under them."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    cap = GpuCap(uuid=uuid, sm_clock_max_mhz=clock_mhz, power_limit_w=500.0)
+    caps.write_text(dump_caps(CapsFile((cap,))))
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "c.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=8, repeats=1))
+    out = tmp_path / "out"
+    for extra in ([], ["--observe-only"]):
+        checked = json.loads(invoke("doctor", str(campaign), "--out", str(out), "--json", *extra))
+        said = {c["name"]: c for c in checked}["caps"]
+        assert said["status"] == "warn", said
+        assert "power limit 500 W" in said["detail"], said
+        assert ("SM clock locked to 210-1500 MHz" in said["detail"]) == bool(clock_mhz), said
+        if extra:
+            assert "measured under them" in said["detail"], said
+        else:
+            assert "'stock' then means the capped setting" not in said["detail"], said
+            assert "default power limit" in said["detail"], said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, "doctor changes nothing"
