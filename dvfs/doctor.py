@@ -197,7 +197,7 @@ def _gpu_checks(
         return [Check("gpu", OK, f"digital twin {shown}")]
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, records_dir
     from dvfs.sweep import check_knobs_against, servers_of
 
     checks: list[Check] = []
@@ -268,7 +268,12 @@ def _gpu_checks(
                 checks.append(_run("twin load", twin_load))
             # Each group's GPUs, in the order opened: one worker (and server) each.
             by_group = servers_of(gpus, groups)
-            directory = state_dir or default_state_dir()
+            # dvfs's records as the sweep reads them: one changing knobs runs as root, which
+            # keeps them in /var/lib/dvfs, so a user's doctor reads those (as the dry run
+            # does); an observe-only sweep runs as this user, in the user's own.
+            directory = state_dir or (
+                records_dir() if campaign.gpu.actuation else default_state_dir()
+            )
             if len(groups) > 1 or len(gpus) > 1:  # a fleet, or a tensor-parallel server
                 servers = _workers(groups, by_group, models)
                 checks.append(servers)
