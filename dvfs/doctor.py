@@ -197,7 +197,7 @@ def _gpu_checks(
         return [Check("gpu", OK, f"digital twin {shown}")]
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, records_dir
     from dvfs.sweep import check_knobs_against, servers_of
 
     checks: list[Check] = []
@@ -268,7 +268,12 @@ def _gpu_checks(
                 checks.append(_run("twin load", twin_load))
             # Each group's GPUs, in the order opened: one worker (and server) each.
             by_group = servers_of(gpus, groups)
-            directory = state_dir or default_state_dir()
+            # dvfs's records as the sweep reads them: one changing knobs runs as root, which
+            # keeps them in /var/lib/dvfs, so a user's doctor reads those (as the dry run
+            # does); an observe-only sweep runs as this user, in the user's own.
+            directory = state_dir or (
+                records_dir() if campaign.gpu.actuation else default_state_dir()
+            )
             if len(groups) > 1 or len(gpus) > 1:  # a fleet, or a tensor-parallel server
                 servers = _workers(groups, by_group, models)
                 checks.append(servers)
@@ -343,9 +348,10 @@ def _gpu_checks(
                 )
             try:
                 locks = AppliedCaps(directory).locks()
+                limits = AppliedCaps(directory).power_limits_mw()
             except CapsRecordError as exc:  # dvfs's own record, named: not the driver's
                 checks.append(Check("caps", FAIL, str(exc)))
-                locks = {}
+                locks, limits = {}, {}
             for g in gpus:
                 checks.append(
                     _held_knobs(
@@ -355,17 +361,9 @@ def _gpu_checks(
                     )
                 )
                 checks.append(_tenants(g, attached=campaign.engine.sglang.url))
-            capped = [g.identity.index for g in gpus if g.identity.uuid in locks]
-            if capped:
-                checks.append(
-                    Check(
-                        "caps",
-                        WARN,
-                        f"GPU(s) {capped} carry dvfs caps; the sweep "
-                        "restores them afterwards, but 'stock' then "
-                        "means the capped setting",
-                    )
-                )
+            caps = _caps_in_force(gpus, locks, limits)
+            if caps:
+                checks.append(_caps_check(caps, observe_only=not campaign.gpu.actuation))
     except GpuNamedTwiceError as exc:  # as the sweep refuses it: its workers would each lock it
         option = "--gpus" if given else "gpu.devices"
         checks.append(Check("gpus", FAIL, named_twice(option, exc.twice), invalid=True))
@@ -388,6 +386,45 @@ def _gpu_checks(
     else:
         checks.append(Check("permissions", OK, "observe-only: no setter will be called"))
     return checks
+
+
+def _caps_in_force(
+    gpus: Sequence[Gpu], locks: dict[str, tuple[int, int]], limits: dict[str, int]
+) -> list[str]:
+    """Each GPU's caps dvfs applied and left in force, by its caps record, as the sweep's knob
+    controller takes them (`AppliedCaps.measuring`): a clock lock, and a power limit where the
+    GPU still holds the one dvfs applied (another is the operator's stock, kept)."""
+    shown = []
+    for g in gpus:
+        uuid = g.identity.uuid
+        caps = []
+        if uuid in locks:
+            caps.append(f"SM clock locked to {locks[uuid][0]}-{locks[uuid][1]} MHz")
+        if uuid in limits and limits[uuid] == g.power_limit_mw():
+            caps.append(f"power limit {limits[uuid] / 1000:g} W")
+        if caps:
+            shown.append(f"GPU {g.identity.index} ({', '.join(caps)})")
+    return shown
+
+
+def _caps_check(caps: Sequence[str], *, observe_only: bool) -> Check:
+    """What the sweep does with the caps dvfs applied and left in force (`_caps_in_force`):
+    it lifts them while it measures, its stock being the GPU's own (`KnobController.stock`),
+    and puts them back; observe-only, it changes nothing and measures under them."""
+    found = f"dvfs caps in force: {'; '.join(caps)}"
+    if observe_only:
+        return Check(
+            "caps",
+            WARN,
+            f"{found}; the observe-only sweep changes nothing, so every cell is measured "
+            "under them (its stock is the capped setting, not the GPU's own)",
+        )
+    return Check(
+        "caps",
+        WARN,
+        f"{found}; the sweep lifts them while it measures (stock cells at unlocked clocks "
+        "and the default power limit, the GPU's own stock) and puts them back when it ends",
+    )
 
 
 def _workers(

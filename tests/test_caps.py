@@ -2406,3 +2406,66 @@ def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_
         if name.startswith("caps-applied")
         else [["cap", "reset"], ["gpu", "reset"], ["govern", "--plan"]]
     ), failed
+
+
+@pytest.mark.parametrize("clock_mhz", [None, 1500])
+def test_doctor_says_what_the_sweep_does_with_a_power_cap_too(
+    nvml, tmp_path: Path, clock_mhz: int | None
+) -> None:
+    """doctor's caps warning named only GPUs whose clocks `cap apply` locked, saying nothing of
+    a power limit it left in force, and said the sweep's 'stock' then meant the capped
+    setting, when the sweep measures its stock cells at unlocked clocks and the default power
+    limit (the GPU's own stock). It now names each GPU's caps, power limit alone too, and says
+    what the sweep does with them; observe-only, which changes nothing, measures under them."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    cap = GpuCap(uuid=uuid, sm_clock_max_mhz=clock_mhz, power_limit_w=500.0)
+    caps.write_text(dump_caps(CapsFile((cap,))))
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "c.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=8, repeats=1))
+    out = tmp_path / "out"
+    for extra in ([], ["--observe-only"]):
+        checked = json.loads(invoke("doctor", str(campaign), "--out", str(out), "--json", *extra))
+        said = {c["name"]: c for c in checked}["caps"]
+        assert said["status"] == "warn", said
+        assert "power limit 500 W" in said["detail"], said
+        assert ("SM clock locked to 210-1500 MHz" in said["detail"]) == bool(clock_mhz), said
+        if extra:
+            assert "measured under them" in said["detail"], said
+        else:
+            assert "'stock' then means the capped setting" not in said["detail"], said
+            assert "default power limit" in said["detail"], said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, "doctor changes nothing"
+
+
+def test_doctor_without_root_reads_the_caps_record_the_sweep_reads(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep that changes knobs runs as root, reading dvfs's records in /var/lib/dvfs (the
+    dry run without root reads those too, `records_dir`); doctor without root read the user's
+    own state folder, which holds none: on a server of two GPUs, one under a power limit root's
+    `cap apply` set, it failed 'stock' (500 W and 700 W), which the sweep and its dry run pass
+    (a cap dvfs applied counts as the default), took dvfs's clock lock for one set outside
+    dvfs, and named no caps. It now reads the records the sweep reads."""
+    from dvfs.gpu import safety
+
+    apply_caps(tmp_path, 1500, 500.0)  # as root, into $DVFS_STATE_DIR
+    monkeypatch.setattr(safety, "ROOT_STATE_DIR", Path(os.environ["DVFS_STATE_DIR"]))
+    monkeypatch.delenv("DVFS_STATE_DIR")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "user-state"))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    campaign = tmp_path / "c.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=8, repeats=1)
+    campaign.write_text(text.replace("devices = [0]", "devices = [0, 1]"))
+    out = tmp_path / "out"
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate")
+    assert "would stop" not in " ".join(dry.split()), dry
+    # (exit 1: changing knobs needs root, the permissions check says)
+    listed = json.loads(invoke("doctor", str(campaign), "--out", str(out), "--json", code=1))
+    checked = {c["name"]: c for c in listed}
+    assert checked["stock"]["status"] == "ok", checked["stock"]
+    assert checked["held knobs GPU 0"]["status"] == "ok", checked["held knobs GPU 0"]
+    assert "GPU 0 (SM clock locked to 210-1500 MHz" in checked["caps"]["detail"], checked
+    failed = [c["name"] for c in listed if c["status"] == "fail"]
+    assert failed == ["permissions"], failed
