@@ -346,9 +346,9 @@ def _gpu_checks(
                     if busy
                     else Check(f"lock GPU {g.identity.index}", OK, "no other dvfs holds it")
                 )
-            try:
-                locks = AppliedCaps(directory).locks()
-                limits = AppliedCaps(directory).power_limits_mw()
+            try:  # the caps root's `cap apply` recorded, for observe-only too (measured under)
+                locks = AppliedCaps(state_dir or records_dir()).locks()
+                limits = AppliedCaps(state_dir or records_dir()).power_limits_mw()
             except CapsRecordError as exc:  # dvfs's own record, named: not the driver's
                 checks.append(Check("caps", FAIL, str(exc)))
                 locks, limits = {}, {}

@@ -73,3 +73,35 @@ def test_observe_only_sweep_without_root_refuses_a_gpu_roots_dvfs_holds(
     result = run("sweep", str(campaign), "--observe-only", "--out", str(tmp_path / "out2"))
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in root.iterdir()) == before
+
+
+def test_doctor_observe_only_without_root_names_the_caps_roots_cap_apply_left(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root's `cap apply` locked GPU 0's clocks and capped its power limit (recorded in
+    /var/lib/dvfs); a user's `doctor --observe-only` read the caps record in the user's own
+    folder: no caps line (the README: a warning naming each GPU's clock lock and power limit
+    `cap apply` left, 'with --observe-only every cell is measured under them'), and dvfs's
+    lock taken for one 'set outside dvfs'. It now reads root's record (read-only), as
+    `cap show` does, and writes nothing there."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    uuid = json.loads(run("gpu", "list", "--json").output)[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    cap = GpuCap(uuid=uuid, sm_clock_max_mhz=1410, power_limit_w=500.0)
+    caps.write_text(dump_caps(CapsFile((cap,))))
+    assert run("cap", "apply", str(caps)).exit_code == 0
+    campaign = tmp_path / "c.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=8, repeats=1))
+    root = as_user(tmp_path, monkeypatch)
+    before = {p.name: p.read_bytes() for p in root.iterdir()}
+    out = tmp_path / "out"
+    result = run("doctor", str(campaign), "--observe-only", "--out", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    checked = {c["name"]: c for c in json.loads(result.output)}
+    assert "caps" in checked, sorted(checked)
+    said = checked["caps"]["detail"]
+    assert "GPU 0 (SM clock locked to 210-1410 MHz, power limit 500 W)" in said, said
+    assert "every cell is measured under them" in said, said
+    assert checked["held knobs GPU 0"]["status"] == "ok", checked["held knobs GPU 0"]
+    assert {p.name: p.read_bytes() for p in root.iterdir()} == before
