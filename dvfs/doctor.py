@@ -197,7 +197,7 @@ def _gpu_checks(
         return [Check("gpu", OK, f"digital twin {shown}")]
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, records_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, records_dir, root_holder
     from dvfs.sweep import check_knobs_against, servers_of
 
     checks: list[Check] = []
@@ -305,7 +305,7 @@ def _gpu_checks(
                 if not p.before_this_boot
             ]
             held = GpuLocks(directory)
-            holders = {g.identity.uuid: held.holder(g) for g in gpus}
+            holders = {g.identity.uuid: held.holder(g) or root_holder(g, directory) for g in gpus}
             # A lock file that is no regular file no running dvfs holds (`hold` refuses it):
             # the lock check's complaint about it is no running dvfs's.
             no_lock = {g.identity.uuid: held.not_a_lock(g) for g in gpus}
@@ -346,9 +346,9 @@ def _gpu_checks(
                     if busy
                     else Check(f"lock GPU {g.identity.index}", OK, "no other dvfs holds it")
                 )
-            try:
-                locks = AppliedCaps(directory).locks()
-                limits = AppliedCaps(directory).power_limits_mw()
+            try:  # the caps root's `cap apply` recorded, for observe-only too (measured under)
+                locks = AppliedCaps(state_dir or records_dir()).locks()
+                limits = AppliedCaps(state_dir or records_dir()).power_limits_mw()
             except CapsRecordError as exc:  # dvfs's own record, named: not the driver's
                 checks.append(Check("caps", FAIL, str(exc)))
                 locks, limits = {}, {}

@@ -548,11 +548,14 @@ def guarded_knobs(
             yield knobs
         return
     from dvfs.caps import AppliedCaps
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, refuse_root_held
 
     directory = state_dir or default_state_dir()
     store = StateStore(directory, command="sweep")
     with GpuLocks(directory).hold(gpus):
+        # A user's sweep (observe-only) keeps its locks in its own folder: one that root's
+        # dvfs holds in /var/lib/dvfs is refused too, as the sweep refuses it as root.
+        refuse_root_held(gpus, directory)
         store.refuse_if_pending(gpus)
         check_knobs_against(campaign, gpus)
         controller = AppliedCaps(directory).measuring(
@@ -573,11 +576,11 @@ def stock_as_swept(
     before it reads their stock (another dvfs holds one, an earlier run's changes on one, a
     damaged caps record: its own refusal says so) or one cannot be read."""
     from dvfs.caps import AppliedCaps
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, root_holder
 
     directory = state_dir or default_state_dir()
     try:
-        if any(GpuLocks(directory).holder(g) for g in gpus):
+        if any(GpuLocks(directory).holder(g) or root_holder(g, directory) for g in gpus):
             return None
         StateStore(directory).refuse_if_pending(gpus, drop_rebooted=False)
         controller = AppliedCaps(directory).measuring(gpus, actuation=campaign.gpu.actuation)

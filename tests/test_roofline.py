@@ -264,6 +264,31 @@ def test_observe_only_calls_no_setter(nvml, monkeypatch: pytest.MonkeyPatch) -> 
     assert refused.exit_code == 2 and "stock setting only" in refused.output
 
 
+def test_observe_only_without_root_refuses_a_gpu_roots_dvfs_holds(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's `gpu roofline --observe-only` took GPU 0's lock in the user's own state folder
+    and measured it while root's sweep held it in /var/lib/dvfs (stepping its clocks): its
+    'stock' rates were root's settings. It now refuses it, naming root's holder."""
+    import os
+
+    from dvfs.backends import open_gpus
+    from dvfs.gpu import safety
+
+    root = tmp_path / "dvfs-state"
+    monkeypatch.setattr(safety, "ROOT_STATE_DIR", root)
+    with open_gpus([0]) as gpus, safety.GpuLocks(root).hold(gpus):  # as root's sweep does
+        monkeypatch.delenv("DVFS_STATE_DIR")
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "user-state"))
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+        monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
+        result = CliRunner().invoke(cli, ["gpu", "roofline", *TINY, "--gpu", "0", "--observe-only"])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 3, result.output
+    assert f"in use by another dvfs process (pid {os.getpid()})" in said, said
+    assert f"its lock is in {root}" in said, said
+
+
 def test_without_root_the_message_names_observe_only(nvml, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
     result = CliRunner().invoke(cli, ["gpu", "roofline", *TINY, "--gpu", "0", "--clocks", "1500"])

@@ -349,6 +349,39 @@ class GpuLocks:
         return None
 
 
+def root_holder(gpu: Gpu, directory: Path) -> str | None:
+    """Why a run keeping its GPU locks in `directory`, not root's /var/lib/dvfs (a user's
+    observe-only sweep, in the user's own state folder), must leave `gpu` alone: root's dvfs
+    (a sweep, a governor) holds it there and may step its clocks and power limit, which the
+    run would measure as its stock. None where it does not; reads the lock (as `holder`),
+    creates and changes nothing there."""
+    if directory == ROOT_STATE_DIR:
+        return None
+    root = GpuLocks(ROOT_STATE_DIR)
+    if root.not_a_lock(gpu) is not None:
+        return None  # no running dvfs holds a lock that is no file: root's `hold` refuses it
+    busy = root.holder(gpu)
+    if busy is None:
+        return None
+    return (
+        f"{busy} (its lock is in {ROOT_STATE_DIR}: a dvfs run as root, which may change the "
+        "GPU's clocks and power limit while this run measures them as stock)"
+    )
+
+
+def refuse_root_held(gpus: Sequence[Gpu], directory: Path) -> None:
+    """`GpuBusyError` for the first of `gpus` root's dvfs holds (`root_holder`), as `hold`
+    refuses a GPU another dvfs holds in `directory`."""
+    for gpu in gpus:
+        busy = root_holder(gpu, directory)
+        if busy is not None:
+            owner = "?"
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                lock = ROOT_STATE_DIR / f"{gpu.identity.uuid}.lock"
+                owner = lock.read_text(encoding="utf-8")[:64].strip() or "?"
+            raise GpuBusyError(busy, owner)
+
+
 def _not_a_lock(path: Path) -> str:
     return (
         f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock of dvfs's: "

@@ -191,11 +191,12 @@ def guarded(gpu: Gpu, request: RooflineRequest) -> Iterator[KnobController]:
     """The sweep's guard for one GPU: its lock, refusal of unrestored state, a state file
     before the first change, and a controller that restores on exit."""
     from dvfs.caps import AppliedCaps
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, refuse_root_held
 
     directory = request.state_dir or default_state_dir()
     store = StateStore(directory, command="gpu roofline")
     with GpuLocks(directory).hold([gpu]):
+        refuse_root_held([gpu], directory)  # a user's (observe-only): root's dvfs holds it
         store.refuse_if_pending([gpu])
         check_clocks(gpu, request.clocks_mhz)
         actuation = not request.observe_only
