@@ -75,6 +75,7 @@ def check_campaign(
     campaign's own gpu.devices."""
     from dvfs.fleet.devices import for_group, worker_groups
     from dvfs.fleet.folders import fleet_journal
+    from dvfs.measure.journal import JOURNAL_NAME
 
     given = groups is not None
     groups = list(groups) if groups is not None else worker_groups(campaign)
@@ -103,6 +104,8 @@ def check_campaign(
         models=models,
         identities=identities,
         given=given,
+        # the journal one server's sweep resumes, its stock compared as the sweep does
+        journal=None if fleet else out_dir / JOURNAL_NAME,
     )
     if _own_servers(campaign):
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
@@ -168,10 +171,12 @@ def _gpu_checks(
     models: list[str],
     identities: list[dict[str, Any]],
     given: bool = False,
+    journal: Path | None = None,
 ) -> list[Check]:
     """The GPUs' checks (`given`: `groups` are --gpus's); `models` gets each group's GPU
     model, as a fleet's workers report it, and `identities` each GPU's identity as its
-    session records it (nothing where the GPUs cannot be opened)."""
+    session records it (nothing where the GPUs cannot be opened). `journal`: the one the
+    sweep resumes, whose stock settings the GPUs' must still be."""
     from dvfs.fleet.devices import group_label
 
     if not real_gpus(campaign):
@@ -281,6 +286,17 @@ def _gpu_checks(
                     checks.append(_run("stock", lambda: _stock(campaign, by_group, directory)))
             else:
                 models.append(first.name)
+            if journal is not None and journal.is_file():
+
+                def resume_stock() -> tuple[str, str]:
+                    from dvfs.sweep import resumed_stock_refusal
+
+                    refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=directory)
+                    if refusal is not None:
+                        raise refusal
+                    return OK, f"the stock settings {journal} was started with"
+
+                checks.append(_run("resume stock", resume_stock))
             if _own_servers(campaign):
 
                 def server_gpus() -> tuple[str, str]:

@@ -620,6 +620,28 @@ def check_stock_limits(
     return stock
 
 
+def resumed_stock_refusal(
+    campaign: Campaign, gpus: Sequence[Gpu], journal: Path, *, state_dir: Path | None = None
+) -> JournalError | None:
+    """Why the sweep over `gpus` would refuse to resume `journal` (where there is one): its
+    sessions recorded other stock settings than the GPUs' now (`stock_change_refusal`, the
+    runner's own rule), each GPU's stock read as the sweep takes it (`stock_as_swept`,
+    read-only). None where nothing changed, or where the sweep refuses the GPUs first."""
+    from dvfs.measure.journal import session_records
+    from dvfs.measure.runner import session_stock, stock_change_refusal
+
+    if not journal.is_file():
+        return None
+    try:
+        sessions = session_records(journal)
+    except (JournalError, OSError):  # the folder's own check (and the sweep's) says why
+        return None
+    stock = stock_as_swept(campaign, gpus, state_dir=state_dir)
+    if stock is None:
+        return None
+    return stock_change_refusal(sessions, session_stock(gpus, stock))
+
+
 def servers_of(gpus: Sequence[Gpu], groups: Sequence[Sequence[Any]]) -> list[list[Gpu]]:
     """`gpus`, opened in the order of `groups`' devices, cut into one list per group (server)."""
     it = iter(gpus)
@@ -990,6 +1012,7 @@ def read_group_models(
     nvml: ModuleType | None = None,
     fleet: bool = False,
     check: bool = False,
+    journal: Path | None = None,
 ) -> tuple[list[str] | None, str | None]:
     """For a dry run, each server's GPU model (one of `groups`, as
     `dvfs.fleet.devices.worker_groups` cuts them), as a fleet reads them: over NVML, the GPUs
@@ -1006,7 +1029,9 @@ def read_group_models(
     (`check_gpus`): one that is not here, has fallen off the bus or has MIG enabled, and a
     clock or power limit of the campaign one does not take, make the note say that the sweep
     would stop on this machine, and why. A note, not a refusal: a workstation with a GPU of its
-    own may be planning for another machine (`dvfs doctor` there checks that one)."""
+    own may be planning for another machine (`dvfs doctor` there checks that one). `journal`:
+    the one the sweep resumes (one server's run, not --fresh), refused as the sweep refuses it
+    where the GPUs' stock settings changed since it was started (`resumed_stock_refusal`)."""
     servers = [tuple(g) for g in groups if len(g) > 1]
     # the twin engine's load on them, which a GPU the twin has no profile of is refused
     twin_load = simulated_engine(campaign) and not campaign.gpu.profile
@@ -1020,7 +1045,7 @@ def read_group_models(
     stop: str | None = None  # why the sweep would stop on this machine
     try:
         if check:
-            found, stop = check_gpus(campaign, devices, nvml=nvml, groups=groups)
+            found, stop = check_gpus(campaign, devices, nvml=nvml, groups=groups, journal=journal)
         else:
             found = read_gpu_names(devices, nvml=nvml, allow_mig=True)
     except GpuError as exc:
@@ -1058,12 +1083,15 @@ def check_gpus(
     *,
     nvml: ModuleType | None = None,
     groups: Sequence[Sequence[int | str]] | None = None,
+    journal: Path | None = None,
 ) -> tuple[list[tuple[int, str]], str | None]:
     """Each of the campaign's real GPUs `devices`' NVML index and model, opened as the sweep
     opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set, and closed; and why
     the sweep would stop on them (a clock or power limit of the campaign one does not take,
     `check_knobs_against`; with `groups`, `devices` cut into servers, a server's GPUs or a
-    fleet's of one model at other stock power limits, `check_stock_limits`), None if nothing.
+    fleet's of one model at other stock power limits, `check_stock_limits`; stock settings
+    changed since the `journal` it resumes was started, `resumed_stock_refusal`), None if
+    nothing.
     A `GpuError` where one cannot be opened (not here, fallen off the bus) or NVML does not
     answer."""
     from dvfs.backends import job_gpus, open_gpus
@@ -1071,12 +1099,16 @@ def check_gpus(
     with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
         found = [(g.identity.index, g.identity.name) for g in gpus]
         try:
+            from dvfs.gpu.safety import records_dir
+
             check_knobs_against(campaign, gpus)
             if groups is not None and len(gpus) > 1:
-                from dvfs.gpu.safety import records_dir
-
                 # dvfs's caps record as the sweep (as root) reads it, for a user too
                 check_stock_limits(campaign, servers_of(gpus, groups), state_dir=records_dir())
+            if journal is not None:
+                refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=records_dir())
+                if refusal is not None:
+                    raise refusal
         except (CampaignError, JournalError) as exc:
             return found, f"on this machine the sweep would stop: {exc}"
         return found, None

@@ -1570,3 +1570,42 @@ def test_a_limit_dvfs_applied_as_a_cap_is_no_other_stock_for_doctor_as_for_the_s
     assert "stock power limits" not in result.stderr, result.stderr
     assert (tmp_path / "out" / "cube.nc").exists(), result.stderr
     assert nvml.fake_device_state(0)["power_limit_mw"] == 650_000
+
+
+def test_doctor_and_the_dry_run_say_a_resume_the_sweep_refuses_for_changed_stock(
+    nvml, env, tmp_path: Path
+) -> None:
+    """An observe-only sweep's stock is the power limit in force: set otherwise outside dvfs
+    since its journal was started (650 W then, 600 W now), its rerun is refused ('stock
+    settings changed', exit 1), which `dvfs doctor --observe-only` passed and the dry run did
+    not say. Doctor now fails it in the sweep's line, the dry run says the sweep would stop,
+    and the sweep refuses it before it times the energy counters."""
+    path = campaign_file(tmp_path)
+    out = ["--out", str(tmp_path / "out"), "--observe-only"]
+    first = dvfs_in_process("sweep", str(path), *out, "--no-progress", env=env)
+    assert first.returncode == 0, first.stderr
+    journal = tmp_path / "out" / "journal.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n")  # its one cell left to run
+    checked = json.loads(dvfs_in_process("doctor", str(path), *out, "--json", env=env).stdout)
+    assert {c["name"]: c["status"] for c in checked}["resume stock"] == "ok", checked
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    said = "the GPU's stock settings changed since this journal was started"
+    doctor = dvfs_in_process("doctor", str(path), *out, env=env)
+    assert doctor.returncode == 1, doctor.stdout
+    checked = json.loads(dvfs_in_process("doctor", str(path), *out, "--json", env=env).stdout)
+    failed = [c for c in checked if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["resume stock"], failed
+    assert said in failed[0]["detail"] and "600.0" in failed[0]["detail"], failed
+    dry = dvfs_in_process("sweep", str(path), *out, "--dry-run", "--no-estimate", env=env)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    notes = [line for line in dry.stderr.splitlines() if "sweep would stop" in line]
+    assert len(notes) == 1 and said in notes[0], dry.stderr
+    fresh = dvfs_in_process(
+        "sweep", str(path), *out, "--dry-run", "--no-estimate", "--fresh", env=env
+    )
+    assert "sweep would stop" not in fresh.stderr, fresh.stderr
+    swept = dvfs_in_process("sweep", str(path), *out, "--no-progress", env=env)
+    assert swept.returncode == 1 and said in swept.stderr, swept.stderr
+    assert "timing the GPUs' energy counter" not in swept.stderr, swept.stderr
+    assert setter_calls(nvml) == []

@@ -334,6 +334,7 @@ def sweep(
 
         from dvfs.backends import real_gpus
         from dvfs.cli.progress import EstimateNotice, RichProgress
+        from dvfs.measure.journal import JOURNAL_NAME
         from dvfs.sweep import read_group_models
 
         # Real GPUs opened as the sweep opens them and their models read (nothing changed): a
@@ -343,7 +344,14 @@ def sweep(
         # model's cells; where NVML does not answer, the note says what went unchecked. Not
         # Ray's: its GPUs are those Ray places the actors on, on any node, not this machine's.
         group_models, unread = (
-            read_group_models(campaign, groups, fleet=as_fleet, check=True)
+            read_group_models(
+                campaign,
+                groups,
+                fleet=as_fleet,
+                check=True,
+                # the journal one server's sweep resumes, its stock compared as the sweep does
+                journal=None if fresh or as_fleet else out_dir / JOURNAL_NAME,
+            )
             if executor != "ray"
             else (None, None)
         )
