@@ -53,6 +53,7 @@ from dvfs.errors import (
     DvfsError,
     GpuError,
     GpuPermissionError,
+    GpuStateError,
     IncomparableCellsError,
     JournalError,
 )
@@ -564,6 +565,21 @@ def guarded_knobs(
             yield knobs
 
 
+def check_gpus_free(gpus: Sequence[Gpu], directory: Path) -> None:
+    """Refuse, read-only, what the sweep's `guarded_knobs` refuses first on real GPUs, in its
+    words: a GPU another dvfs holds (its lock in `directory`), or one holding an earlier run's
+    changes (a state file there, not from before the last reboot). Takes, creates and drops
+    nothing."""
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    locks = GpuLocks(directory)
+    for gpu in gpus:
+        held = locks.holder(gpu)
+        if held is not None:
+            raise GpuStateError(held)
+    StateStore(directory).refuse_if_pending(gpus, drop_rebooted=False)
+
+
 def stock_as_swept(
     campaign: Campaign, gpus: Sequence[Gpu], *, state_dir: Path | None = None
 ) -> dict[str, GpuSettings] | None:
@@ -573,13 +589,11 @@ def stock_as_swept(
     before it reads their stock (another dvfs holds one, an earlier run's changes on one, a
     damaged caps record: its own refusal says so) or one cannot be read."""
     from dvfs.caps import AppliedCaps
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+    from dvfs.gpu.safety import default_state_dir
 
     directory = state_dir or default_state_dir()
     try:
-        if any(GpuLocks(directory).holder(g) for g in gpus):
-            return None
-        StateStore(directory).refuse_if_pending(gpus, drop_rebooted=False)
+        check_gpus_free(gpus, directory)
         controller = AppliedCaps(directory).measuring(gpus, actuation=campaign.gpu.actuation)
         return controller.read_stock()
     except DvfsError:
@@ -1089,7 +1103,8 @@ def check_gpus(
     opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set, and closed; and why
     the sweep would stop on them (a clock or power limit of the campaign one does not take,
     `check_knobs_against`; with `groups`, `devices` cut into servers, a server's GPUs or a
-    fleet's of one model at other stock power limits, `check_stock_limits`; stock settings
+    fleet's of one model at other stock power limits, `check_stock_limits`; a GPU another dvfs
+    holds or one holding an earlier run's changes, `check_gpus_free`; stock settings
     changed since the `journal` it resumes was started, `resumed_stock_refusal`), None if
     nothing.
     A `GpuError` where one cannot be opened (not here, fallen off the bus) or NVML does not
@@ -1099,8 +1114,11 @@ def check_gpus(
     with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
         found = [(g.identity.index, g.identity.name) for g in gpus]
         try:
-            from dvfs.gpu.safety import records_dir
+            from dvfs.gpu.safety import default_state_dir, records_dir
 
+            # the GPUs' locks and state files where the sweep keeps them (one changing knobs
+            # runs as root; observe-only as this user), as `dvfs doctor` reads them
+            check_gpus_free(gpus, records_dir() if campaign.gpu.actuation else default_state_dir())
             check_knobs_against(campaign, gpus)
             if groups is not None and len(gpus) > 1:
                 # dvfs's caps record as the sweep (as root) reads it, for a user too
@@ -1109,7 +1127,7 @@ def check_gpus(
                 refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=records_dir())
                 if refusal is not None:
                     raise refusal
-        except (CampaignError, JournalError) as exc:
+        except (CampaignError, JournalError, GpuStateError) as exc:
             return found, f"on this machine the sweep would stop: {exc}"
         return found, None
 

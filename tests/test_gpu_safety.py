@@ -1609,3 +1609,48 @@ def test_doctor_and_the_dry_run_say_a_resume_the_sweep_refuses_for_changed_stock
     assert swept.returncode == 1 and said in swept.stderr, swept.stderr
     assert "timing the GPUs' energy counter" not in swept.stderr, swept.stderr
     assert setter_calls(nvml) == []
+
+
+def test_the_dry_run_says_the_sweep_would_stop_on_a_gpu_held_or_holding_changes(
+    nvml, env, tmp_path: Path
+) -> None:
+    """A GPU another dvfs holds, or one holding an earlier run's changes (its state file), is
+    refused by the sweep (exit 3) and failed by `dvfs doctor`; the dry run, which opens the
+    GPUs as the sweep does to say what would stop it on this machine, said nothing of either.
+    It now says each in the sweep's words, and plans all the same (exit 0), touching nothing."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    state_dir = tmp_path / "dvfs-state"
+    path = campaign_file(tmp_path)
+    out = tmp_path / "out"
+
+    def said(*, sweep: bool = False) -> tuple[subprocess.CompletedProcess, list[str]]:
+        if sweep:
+            ran = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+            return ran, []
+        dry = dvfs_in_process(
+            "sweep", str(path), "--out", str(out), "--dry-run", "--no-estimate", env=env
+        )
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        notes = [line for line in dry.stderr.splitlines() if "sweep would stop" in line]
+        return dry, [" ".join(n.split()) for n in notes]
+
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        with GpuLocks(state_dir).hold([gpu]):  # another dvfs on the GPU
+            busy, _ = said(sweep=True)
+            assert busy.returncode == 3, busy.stderr
+            _, notes = said()
+            assert len(notes) == 1 and "in use by another dvfs process" in notes[0], notes
+        assert said()[1] == []
+        store = StateStore(state_dir)
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))  # a dead run's
+        pending, _ = said(sweep=True)
+        assert pending.returncode == 3 and "dvfs gpu reset" in pending.stderr, pending.stderr
+        _, notes = said()
+        assert len(notes) == 1 and "Run `dvfs gpu reset` (as root)" in notes[0], notes
+        assert gpu.identity.uuid in notes[0]
+        assert list(state_dir.glob("GPU-*.json")), "the dry run dropped the state file"
+        store.clear(gpu.identity.uuid)
+    assert said()[1] == []
+    assert setter_calls(nvml) == []
