@@ -48,6 +48,7 @@ from dvfs.corpora.prepare import (
 from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import (
     CampaignError,
+    CapsRecordError,
     CorpusError,
     CubeError,
     DvfsError,
@@ -588,16 +589,26 @@ def stock_as_swept(
     found), read without holding or changing anything. None where the sweep refuses these GPUs
     before it reads their stock (another dvfs holds one, an earlier run's changes on one, a
     damaged caps record: its own refusal says so) or one cannot be read."""
-    from dvfs.caps import AppliedCaps
     from dvfs.gpu.safety import default_state_dir
 
-    directory = state_dir or default_state_dir()
     try:
-        check_gpus_free(gpus, directory)
-        controller = AppliedCaps(directory).measuring(gpus, actuation=campaign.gpu.actuation)
-        return controller.read_stock()
+        return read_stock_as_swept(campaign, gpus, state_dir or default_state_dir())
     except DvfsError:
         return None
+
+
+def read_stock_as_swept(
+    campaign: Campaign, gpus: Sequence[Gpu], directory: Path
+) -> dict[str, GpuSettings]:
+    """`stock_as_swept`, refusing in the sweep's words what `guarded_knobs` refuses before it
+    reads the stock: a GPU another dvfs holds or one holding an earlier run's changes
+    (`check_gpus_free`), a caps record it cannot read (`AppliedCaps.measuring`), with dvfs's
+    records in `directory`. Read-only."""
+    from dvfs.caps import AppliedCaps
+
+    check_gpus_free(gpus, directory)
+    controller = AppliedCaps(directory).measuring(gpus, actuation=campaign.gpu.actuation)
+    return controller.read_stock()
 
 
 def check_stock_limits(
@@ -1104,8 +1115,9 @@ def check_gpus(
     the sweep would stop on them (a clock or power limit of the campaign one does not take,
     `check_knobs_against`; with `groups`, `devices` cut into servers, a server's GPUs or a
     fleet's of one model at other stock power limits, `check_stock_limits`; a GPU another dvfs
-    holds or one holding an earlier run's changes, `check_gpus_free`; stock settings
-    changed since the `journal` it resumes was started, `resumed_stock_refusal`), None if
+    holds or one holding an earlier run's changes, `check_gpus_free`, or a caps record the
+    sweep cannot read, `read_stock_as_swept`; an energy counter that does not read; stock
+    settings changed since the `journal` it resumes was started, `resumed_stock_refusal`), None if
     nothing.
     A `GpuError` where one cannot be opened (not here, fallen off the bus) or NVML does not
     answer."""
@@ -1118,16 +1130,24 @@ def check_gpus(
 
             # the GPUs' locks and state files where the sweep keeps them (one changing knobs
             # runs as root; observe-only as this user), as `dvfs doctor` reads them
-            check_gpus_free(gpus, records_dir() if campaign.gpu.actuation else default_state_dir())
+            directory = records_dir() if campaign.gpu.actuation else default_state_dir()
+            check_gpus_free(gpus, directory)
             check_knobs_against(campaign, gpus)
+            try:  # a caps record the sweep cannot read
+                read_stock_as_swept(campaign, gpus, directory)
+            except CapsRecordError as exc:
+                if not isinstance(exc.__cause__, PermissionError):  # (root's sweep reads it)
+                    raise
             if groups is not None and len(gpus) > 1:
                 # dvfs's caps record as the sweep (as root) reads it, for a user too
                 check_stock_limits(campaign, servers_of(gpus, groups), state_dir=records_dir())
+            for gpu in gpus:  # as the runner reads them first, timing their updates
+                gpu.energy_mj()
             if journal is not None:
                 refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=records_dir())
                 if refusal is not None:
                     raise refusal
-        except (CampaignError, JournalError, GpuStateError) as exc:
+        except DvfsError as exc:  # (a GPU lost meanwhile too: the sweep would stop on it)
             return found, f"on this machine the sweep would stop: {exc}"
         return found, None
 

@@ -1654,3 +1654,43 @@ def test_the_dry_run_says_the_sweep_would_stop_on_a_gpu_held_or_holding_changes(
         store.clear(gpu.identity.uuid)
     assert said()[1] == []
     assert setter_calls(nvml) == []
+
+
+def test_the_dry_run_says_the_sweep_would_stop_on_a_damaged_caps_record_or_no_energy_counter(
+    nvml, env, tmp_path: Path
+) -> None:
+    """A caps record the sweep cannot read (exit 1, before it reads the GPUs' stock) and an
+    energy counter that does not read (exit 1, as it times the counters) stop the sweep, and
+    `dvfs doctor` fails each; the dry run's note of what would stop the sweep on this machine
+    said neither. It now says each in the sweep's words (exit 0), touching nothing."""
+    path = campaign_file(tmp_path)
+    out = tmp_path / "out"
+    record = tmp_path / "dvfs-state" / "caps-applied.json"
+
+    def notes() -> list[str]:
+        dry = dvfs_in_process(
+            "sweep", str(path), "--out", str(out), "--dry-run", "--no-estimate", env=env
+        )
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        return [" ".join(n.split()) for n in dry.stderr.splitlines() if "sweep would stop" in n]
+
+    def swept() -> subprocess.CompletedProcess:
+        return dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("{not json")
+    refused = swept()
+    assert refused.returncode == 1 and "caps-applied.json is unreadable" in refused.stderr
+    [note] = notes()
+    assert "caps-applied.json is unreadable" in note and "remove it and re-apply" in note, note
+    assert record.read_text() == "{not json"
+    record.unlink()
+    nvml.fake_update_device(0, errors={"nvmlDeviceGetTotalEnergyConsumption": 3})
+    refused = swept()
+    assert refused.returncode == 1 and "cannot read the energy counter" in refused.stderr
+    [note] = notes()
+    assert "GPU 0: cannot read the energy counter: NVML says Not Supported" in note, note
+    nvml.fake_update_device(0, errors={})
+    assert notes() == []
+    assert setter_calls(nvml) == []
+    assert not out.exists()
