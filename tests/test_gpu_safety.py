@@ -1694,3 +1694,30 @@ def test_the_dry_run_says_the_sweep_would_stop_on_a_damaged_caps_record_or_no_en
     assert notes() == []
     assert setter_calls(nvml) == []
     assert not out.exists()
+
+
+def test_the_dry_run_says_the_sweep_would_stop_on_a_folder_another_sweep_holds(
+    nvml, env, tmp_path: Path
+) -> None:
+    """Another sweep holding the output folder (its `sweep.lock`) stops the sweep (exit 3) and
+    fails `dvfs doctor`'s output folder check; the dry run said nothing of it. It now says so
+    in the sweep's words, and plans all the same (exit 0)."""
+    import fcntl
+
+    path = campaign_file(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ("sweep", str(path), "--out", str(out))
+    fd = os.open(out / "sweep.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        refused = dvfs_in_process(*args, "--no-progress", env=env)
+        assert refused.returncode == 3, refused.stderr
+        dry = dvfs_in_process(*args, "--dry-run", "--no-estimate", env=env)
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        notes = [" ".join(n.split()) for n in dry.stderr.splitlines() if "would stop" in n]
+        assert len(notes) == 1 and "is in use by another dvfs sweep" in notes[0], dry.stderr
+    finally:
+        os.close(fd)
+    dry = dvfs_in_process(*args, "--dry-run", "--no-estimate", env=env)
+    assert "would stop" not in dry.stderr, dry.stderr
