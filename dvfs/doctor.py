@@ -27,6 +27,7 @@ from dvfs.errors import (
     CapsRecordError,
     CorpusShortfallError,
     DvfsError,
+    GpuStateError,
     JournalError,
 )
 from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
@@ -314,12 +315,16 @@ def _gpu_checks(
                 checks.append(_run("server GPUs", server_gpus))
             # A file from before the last reboot refuses nothing (the reboot reset the GPU):
             # the sweep drops it.
-            pending = [
-                p
-                for g in gpus
-                for p in StateStore(directory).pending(g.identity.uuid)
-                if not p.before_this_boot
-            ]
+            unreadable: Check | None = None
+            try:
+                pending = [
+                    p
+                    for g in gpus
+                    for p in StateStore(directory).pending(g.identity.uuid)
+                    if not p.before_this_boot
+                ]
+            except GpuStateError as exc:  # a state file the sweep refuses, named: not the driver's
+                unreadable, pending = Check("state", FAIL, str(exc)), []
             held = GpuLocks(directory)
             holders = {g.identity.uuid: held.holder(g) for g in gpus}
             # A lock file that is no regular file no running dvfs holds (`hold` refuses it):
@@ -330,7 +335,9 @@ def _gpu_checks(
             running = {u for u, h in holders.items() if h and not no_lock.get(u)}
             dead = [p for p in pending if p.original.uuid not in running]
             live = [p for p in pending if p.original.uuid in running]
-            if dead:
+            if unreadable is not None:
+                state = unreadable
+            elif dead:
                 unlockable = [b for p in dead if (b := no_lock.get(p.original.uuid))]
                 state = Check(
                     "state",

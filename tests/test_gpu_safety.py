@@ -1721,3 +1721,29 @@ def test_the_dry_run_says_the_sweep_would_stop_on_a_folder_another_sweep_holds(
         os.close(fd)
     dry = dvfs_in_process(*args, "--dry-run", "--no-estimate", env=env)
     assert "would stop" not in dry.stderr, dry.stderr
+
+
+def test_doctor_names_an_unreadable_state_file_as_such_not_as_the_driver(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A state file the sweep cannot read (it refuses the GPU, exit 3) made doctor say "FAIL
+    driver: state file ... is unreadable" (the driver fine, checked ok just above) and skip
+    the lock, held-knobs, other-process and permission checks. It fails the state check in
+    the sweep's words, exit 1, and checks the rest."""
+    state_dir = tmp_path / "dvfs-state"
+    state_dir.mkdir()
+    uuid = nvml.fake_device_state(0)["uuid"]
+    (state_dir / f"{uuid}.json").write_text('{"original": {}}')
+    campaign = campaign_file(tmp_path)
+    out = ["--out", str(tmp_path / "out")]
+    swept = dvfs_in_process("sweep", str(campaign), *out, "--no-progress", env=env)
+    assert swept.returncode == 3 and "is unreadable" in swept.stderr, swept.stderr
+    result = dvfs_in_process("doctor", str(campaign), *out, env=env)
+    assert result.returncode == 1, result.stdout
+    doc = dvfs_in_process("doctor", str(campaign), *out, "--json", env=env).stdout
+    checked = {c["name"]: c for c in json.loads(doc)}
+    assert checked["driver"]["status"] == "ok", checked["driver"]
+    assert checked["state"]["status"] == "fail", checked.get("state")
+    assert checked["state"]["detail"] in " ".join(swept.stderr.split())
+    for name in ("lock GPU 0", "held knobs GPU 0", "other processes GPU 0", "permissions"):
+        assert name in checked, sorted(checked)
