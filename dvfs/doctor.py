@@ -27,6 +27,7 @@ from dvfs.errors import (
     CapsRecordError,
     CorpusShortfallError,
     DvfsError,
+    GpuStateError,
     JournalError,
 )
 from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
@@ -75,6 +76,7 @@ def check_campaign(
     campaign's own gpu.devices."""
     from dvfs.fleet.devices import for_group, worker_groups
     from dvfs.fleet.folders import fleet_journal
+    from dvfs.measure.journal import JOURNAL_NAME
 
     given = groups is not None
     groups = list(groups) if groups is not None else worker_groups(campaign)
@@ -103,6 +105,8 @@ def check_campaign(
         models=models,
         identities=identities,
         given=given,
+        # the journal one server's sweep resumes, its stock compared as the sweep does
+        journal=None if fleet else out_dir / JOURNAL_NAME,
     )
     if _own_servers(campaign):
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
@@ -168,10 +172,12 @@ def _gpu_checks(
     models: list[str],
     identities: list[dict[str, Any]],
     given: bool = False,
+    journal: Path | None = None,
 ) -> list[Check]:
     """The GPUs' checks (`given`: `groups` are --gpus's); `models` gets each group's GPU
     model, as a fleet's workers report it, and `identities` each GPU's identity as its
-    session records it (nothing where the GPUs cannot be opened)."""
+    session records it (nothing where the GPUs cannot be opened). `journal`: the one the
+    sweep resumes, whose stock settings the GPUs' must still be."""
     from dvfs.fleet.devices import group_label
 
     if not real_gpus(campaign):
@@ -281,6 +287,17 @@ def _gpu_checks(
                     checks.append(_run("stock", lambda: _stock(campaign, by_group, directory)))
             else:
                 models.append(first.name)
+            if journal is not None and journal.is_file():
+
+                def resume_stock() -> tuple[str, str]:
+                    from dvfs.sweep import resumed_stock_refusal
+
+                    refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=directory)
+                    if refusal is not None:
+                        raise refusal
+                    return OK, f"the stock settings {journal} was started with"
+
+                checks.append(_run("resume stock", resume_stock))
             if _own_servers(campaign):
 
                 def server_gpus() -> tuple[str, str]:
@@ -298,12 +315,16 @@ def _gpu_checks(
                 checks.append(_run("server GPUs", server_gpus))
             # A file from before the last reboot refuses nothing (the reboot reset the GPU):
             # the sweep drops it.
-            pending = [
-                p
-                for g in gpus
-                for p in StateStore(directory).pending(g.identity.uuid)
-                if not p.before_this_boot
-            ]
+            unreadable: Check | None = None
+            try:
+                pending = [
+                    p
+                    for g in gpus
+                    for p in StateStore(directory).pending(g.identity.uuid)
+                    if not p.before_this_boot
+                ]
+            except GpuStateError as exc:  # a state file the sweep refuses, named: not the driver's
+                unreadable, pending = Check("state", FAIL, str(exc)), []
             held = GpuLocks(directory)
             holders = {g.identity.uuid: held.holder(g) or root_holder(g, directory) for g in gpus}
             # A lock file that is no regular file no running dvfs holds (`hold` refuses it):
@@ -314,7 +335,9 @@ def _gpu_checks(
             running = {u for u, h in holders.items() if h and not no_lock.get(u)}
             dead = [p for p in pending if p.original.uuid not in running]
             live = [p for p in pending if p.original.uuid in running]
-            if dead:
+            if unreadable is not None:
+                state = unreadable
+            elif dead:
                 unlockable = [b for p in dead if (b := no_lock.get(p.original.uuid))]
                 state = Check(
                     "state",

@@ -48,11 +48,13 @@ from dvfs.corpora.prepare import (
 from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import (
     CampaignError,
+    CapsRecordError,
     CorpusError,
     CubeError,
     DvfsError,
     GpuError,
     GpuPermissionError,
+    GpuStateError,
     IncomparableCellsError,
     JournalError,
 )
@@ -567,6 +569,23 @@ def guarded_knobs(
             yield knobs
 
 
+def check_gpus_free(gpus: Sequence[Gpu], directory: Path) -> None:
+    """Refuse, read-only, what the sweep's `guarded_knobs` refuses first on real GPUs, in its
+    words: a GPU another dvfs holds (its lock in `directory`, or in root's), or one holding an
+    earlier run's changes (a state file there, not from before the last reboot). Takes,
+    creates and drops nothing."""
+    from dvfs.gpu.safety import GpuLocks, StateStore, root_holder
+
+    locks = GpuLocks(directory)
+    for gpu in gpus:
+        # (root_holder: a user's observe-only run, its locks in its own folder, refuses a GPU
+        # root's dvfs holds in /var/lib/dvfs as well)
+        held = locks.holder(gpu) or root_holder(gpu, directory)
+        if held is not None:
+            raise GpuStateError(held)
+    StateStore(directory).refuse_if_pending(gpus, drop_rebooted=False)
+
+
 def stock_as_swept(
     campaign: Campaign, gpus: Sequence[Gpu], *, state_dir: Path | None = None
 ) -> dict[str, GpuSettings] | None:
@@ -575,18 +594,26 @@ def stock_as_swept(
     found), read without holding or changing anything. None where the sweep refuses these GPUs
     before it reads their stock (another dvfs holds one, an earlier run's changes on one, a
     damaged caps record: its own refusal says so) or one cannot be read."""
-    from dvfs.caps import AppliedCaps
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, root_holder
+    from dvfs.gpu.safety import default_state_dir
 
-    directory = state_dir or default_state_dir()
     try:
-        if any(GpuLocks(directory).holder(g) or root_holder(g, directory) for g in gpus):
-            return None
-        StateStore(directory).refuse_if_pending(gpus, drop_rebooted=False)
-        controller = AppliedCaps(directory).measuring(gpus, actuation=campaign.gpu.actuation)
-        return controller.read_stock()
+        return read_stock_as_swept(campaign, gpus, state_dir or default_state_dir())
     except DvfsError:
         return None
+
+
+def read_stock_as_swept(
+    campaign: Campaign, gpus: Sequence[Gpu], directory: Path
+) -> dict[str, GpuSettings]:
+    """`stock_as_swept`, refusing in the sweep's words what `guarded_knobs` refuses before it
+    reads the stock: a GPU another dvfs holds or one holding an earlier run's changes
+    (`check_gpus_free`), a caps record it cannot read (`AppliedCaps.measuring`), with dvfs's
+    records in `directory`. Read-only."""
+    from dvfs.caps import AppliedCaps
+
+    check_gpus_free(gpus, directory)
+    controller = AppliedCaps(directory).measuring(gpus, actuation=campaign.gpu.actuation)
+    return controller.read_stock()
 
 
 def check_stock_limits(
@@ -621,6 +648,28 @@ def check_stock_limits(
                 leave_out="leave those at another limit out of the fleet (--gpus)",
             )
     return stock
+
+
+def resumed_stock_refusal(
+    campaign: Campaign, gpus: Sequence[Gpu], journal: Path, *, state_dir: Path | None = None
+) -> JournalError | None:
+    """Why the sweep over `gpus` would refuse to resume `journal` (where there is one): its
+    sessions recorded other stock settings than the GPUs' now (`stock_change_refusal`, the
+    runner's own rule), each GPU's stock read as the sweep takes it (`stock_as_swept`,
+    read-only). None where nothing changed, or where the sweep refuses the GPUs first."""
+    from dvfs.measure.journal import session_records
+    from dvfs.measure.runner import session_stock, stock_change_refusal
+
+    if not journal.is_file():
+        return None
+    try:
+        sessions = session_records(journal)
+    except (JournalError, OSError):  # the folder's own check (and the sweep's) says why
+        return None
+    stock = stock_as_swept(campaign, gpus, state_dir=state_dir)
+    if stock is None:
+        return None
+    return stock_change_refusal(sessions, session_stock(gpus, stock))
 
 
 def servers_of(gpus: Sequence[Gpu], groups: Sequence[Sequence[Any]]) -> list[list[Gpu]]:
@@ -993,6 +1042,7 @@ def read_group_models(
     nvml: ModuleType | None = None,
     fleet: bool = False,
     check: bool = False,
+    journal: Path | None = None,
 ) -> tuple[list[str] | None, str | None]:
     """For a dry run, each server's GPU model (one of `groups`, as
     `dvfs.fleet.devices.worker_groups` cuts them), as a fleet reads them: over NVML, the GPUs
@@ -1009,7 +1059,9 @@ def read_group_models(
     (`check_gpus`): one that is not here, has fallen off the bus or has MIG enabled, and a
     clock or power limit of the campaign one does not take, make the note say that the sweep
     would stop on this machine, and why. A note, not a refusal: a workstation with a GPU of its
-    own may be planning for another machine (`dvfs doctor` there checks that one)."""
+    own may be planning for another machine (`dvfs doctor` there checks that one). `journal`:
+    the one the sweep resumes (one server's run, not --fresh), refused as the sweep refuses it
+    where the GPUs' stock settings changed since it was started (`resumed_stock_refusal`)."""
     servers = [tuple(g) for g in groups if len(g) > 1]
     # the twin engine's load on them, which a GPU the twin has no profile of is refused
     twin_load = simulated_engine(campaign) and not campaign.gpu.profile
@@ -1023,7 +1075,7 @@ def read_group_models(
     stop: str | None = None  # why the sweep would stop on this machine
     try:
         if check:
-            found, stop = check_gpus(campaign, devices, nvml=nvml, groups=groups)
+            found, stop = check_gpus(campaign, devices, nvml=nvml, groups=groups, journal=journal)
         else:
             found = read_gpu_names(devices, nvml=nvml, allow_mig=True)
     except GpuError as exc:
@@ -1061,12 +1113,17 @@ def check_gpus(
     *,
     nvml: ModuleType | None = None,
     groups: Sequence[Sequence[int | str]] | None = None,
+    journal: Path | None = None,
 ) -> tuple[list[tuple[int, str]], str | None]:
     """Each of the campaign's real GPUs `devices`' NVML index and model, opened as the sweep
     opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set, and closed; and why
     the sweep would stop on them (a clock or power limit of the campaign one does not take,
     `check_knobs_against`; with `groups`, `devices` cut into servers, a server's GPUs or a
-    fleet's of one model at other stock power limits, `check_stock_limits`), None if nothing.
+    fleet's of one model at other stock power limits, `check_stock_limits`; a GPU another dvfs
+    holds or one holding an earlier run's changes, `check_gpus_free`, or a caps record the
+    sweep cannot read, `read_stock_as_swept`; an energy counter that does not read; stock
+    settings changed since the `journal` it resumes was started, `resumed_stock_refusal`), None if
+    nothing.
     A `GpuError` where one cannot be opened (not here, fallen off the bus) or NVML does not
     answer."""
     from dvfs.backends import job_gpus, open_gpus
@@ -1074,13 +1131,28 @@ def check_gpus(
     with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
         found = [(g.identity.index, g.identity.name) for g in gpus]
         try:
-            check_knobs_against(campaign, gpus)
-            if groups is not None and len(gpus) > 1:
-                from dvfs.gpu.safety import records_dir
+            from dvfs.gpu.safety import default_state_dir, records_dir
 
+            # the GPUs' locks and state files where the sweep keeps them (one changing knobs
+            # runs as root; observe-only as this user), as `dvfs doctor` reads them
+            directory = records_dir() if campaign.gpu.actuation else default_state_dir()
+            check_gpus_free(gpus, directory)
+            check_knobs_against(campaign, gpus)
+            try:  # a caps record the sweep cannot read
+                read_stock_as_swept(campaign, gpus, directory)
+            except CapsRecordError as exc:
+                if not isinstance(exc.__cause__, PermissionError):  # (root's sweep reads it)
+                    raise
+            if groups is not None and len(gpus) > 1:
                 # dvfs's caps record as the sweep (as root) reads it, for a user too
                 check_stock_limits(campaign, servers_of(gpus, groups), state_dir=records_dir())
-        except (CampaignError, JournalError) as exc:
+            for gpu in gpus:  # as the runner reads them first, timing their updates
+                gpu.energy_mj()
+            if journal is not None:
+                refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=records_dir())
+                if refusal is not None:
+                    raise refusal
+        except DvfsError as exc:  # (a GPU lost meanwhile too: the sweep would stop on it)
             return found, f"on this machine the sweep would stop: {exc}"
         return found, None
 

@@ -1570,3 +1570,180 @@ def test_a_limit_dvfs_applied_as_a_cap_is_no_other_stock_for_doctor_as_for_the_s
     assert "stock power limits" not in result.stderr, result.stderr
     assert (tmp_path / "out" / "cube.nc").exists(), result.stderr
     assert nvml.fake_device_state(0)["power_limit_mw"] == 650_000
+
+
+def test_doctor_and_the_dry_run_say_a_resume_the_sweep_refuses_for_changed_stock(
+    nvml, env, tmp_path: Path
+) -> None:
+    """An observe-only sweep's stock is the power limit in force: set otherwise outside dvfs
+    since its journal was started (650 W then, 600 W now), its rerun is refused ('stock
+    settings changed', exit 1), which `dvfs doctor --observe-only` passed and the dry run did
+    not say. Doctor now fails it in the sweep's line, the dry run says the sweep would stop,
+    and the sweep refuses it before it times the energy counters."""
+    path = campaign_file(tmp_path)
+    out = ["--out", str(tmp_path / "out"), "--observe-only"]
+    first = dvfs_in_process("sweep", str(path), *out, "--no-progress", env=env)
+    assert first.returncode == 0, first.stderr
+    journal = tmp_path / "out" / "journal.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n")  # its one cell left to run
+    checked = json.loads(dvfs_in_process("doctor", str(path), *out, "--json", env=env).stdout)
+    assert {c["name"]: c["status"] for c in checked}["resume stock"] == "ok", checked
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    said = "the GPU's stock settings changed since this journal was started"
+    doctor = dvfs_in_process("doctor", str(path), *out, env=env)
+    assert doctor.returncode == 1, doctor.stdout
+    checked = json.loads(dvfs_in_process("doctor", str(path), *out, "--json", env=env).stdout)
+    failed = [c for c in checked if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["resume stock"], failed
+    assert said in failed[0]["detail"] and "600.0" in failed[0]["detail"], failed
+    dry = dvfs_in_process("sweep", str(path), *out, "--dry-run", "--no-estimate", env=env)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    notes = [line for line in dry.stderr.splitlines() if "sweep would stop" in line]
+    assert len(notes) == 1 and said in notes[0], dry.stderr
+    fresh = dvfs_in_process(
+        "sweep", str(path), *out, "--dry-run", "--no-estimate", "--fresh", env=env
+    )
+    assert "sweep would stop" not in fresh.stderr, fresh.stderr
+    swept = dvfs_in_process("sweep", str(path), *out, "--no-progress", env=env)
+    assert swept.returncode == 1 and said in swept.stderr, swept.stderr
+    assert "timing the GPUs' energy counter" not in swept.stderr, swept.stderr
+    assert setter_calls(nvml) == []
+
+
+def test_the_dry_run_says_the_sweep_would_stop_on_a_gpu_held_or_holding_changes(
+    nvml, env, tmp_path: Path
+) -> None:
+    """A GPU another dvfs holds, or one holding an earlier run's changes (its state file), is
+    refused by the sweep (exit 3) and failed by `dvfs doctor`; the dry run, which opens the
+    GPUs as the sweep does to say what would stop it on this machine, said nothing of either.
+    It now says each in the sweep's words, and plans all the same (exit 0), touching nothing."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    state_dir = tmp_path / "dvfs-state"
+    path = campaign_file(tmp_path)
+    out = tmp_path / "out"
+
+    def said(*, sweep: bool = False) -> tuple[subprocess.CompletedProcess, list[str]]:
+        if sweep:
+            ran = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+            return ran, []
+        dry = dvfs_in_process(
+            "sweep", str(path), "--out", str(out), "--dry-run", "--no-estimate", env=env
+        )
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        notes = [line for line in dry.stderr.splitlines() if "sweep would stop" in line]
+        return dry, [" ".join(n.split()) for n in notes]
+
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        with GpuLocks(state_dir).hold([gpu]):  # another dvfs on the GPU
+            busy, _ = said(sweep=True)
+            assert busy.returncode == 3, busy.stderr
+            _, notes = said()
+            assert len(notes) == 1 and "in use by another dvfs process" in notes[0], notes
+        assert said()[1] == []
+        store = StateStore(state_dir)
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))  # a dead run's
+        pending, _ = said(sweep=True)
+        assert pending.returncode == 3 and "dvfs gpu reset" in pending.stderr, pending.stderr
+        _, notes = said()
+        assert len(notes) == 1 and "Run `dvfs gpu reset` (as root)" in notes[0], notes
+        assert gpu.identity.uuid in notes[0]
+        assert list(state_dir.glob("GPU-*.json")), "the dry run dropped the state file"
+        store.clear(gpu.identity.uuid)
+    assert said()[1] == []
+    assert setter_calls(nvml) == []
+
+
+def test_the_dry_run_says_the_sweep_would_stop_on_a_damaged_caps_record_or_no_energy_counter(
+    nvml, env, tmp_path: Path
+) -> None:
+    """A caps record the sweep cannot read (exit 1, before it reads the GPUs' stock) and an
+    energy counter that does not read (exit 1, as it times the counters) stop the sweep, and
+    `dvfs doctor` fails each; the dry run's note of what would stop the sweep on this machine
+    said neither. It now says each in the sweep's words (exit 0), touching nothing."""
+    path = campaign_file(tmp_path)
+    out = tmp_path / "out"
+    record = tmp_path / "dvfs-state" / "caps-applied.json"
+
+    def notes() -> list[str]:
+        dry = dvfs_in_process(
+            "sweep", str(path), "--out", str(out), "--dry-run", "--no-estimate", env=env
+        )
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        return [" ".join(n.split()) for n in dry.stderr.splitlines() if "sweep would stop" in n]
+
+    def swept() -> subprocess.CompletedProcess:
+        return dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("{not json")
+    refused = swept()
+    assert refused.returncode == 1 and "caps-applied.json is unreadable" in refused.stderr
+    [note] = notes()
+    assert "caps-applied.json is unreadable" in note and "remove it and re-apply" in note, note
+    assert record.read_text() == "{not json"
+    record.unlink()
+    nvml.fake_update_device(0, errors={"nvmlDeviceGetTotalEnergyConsumption": 3})
+    refused = swept()
+    assert refused.returncode == 1 and "cannot read the energy counter" in refused.stderr
+    [note] = notes()
+    assert "GPU 0: cannot read the energy counter: NVML says Not Supported" in note, note
+    nvml.fake_update_device(0, errors={})
+    assert notes() == []
+    assert setter_calls(nvml) == []
+    assert not out.exists()
+
+
+def test_the_dry_run_says_the_sweep_would_stop_on_a_folder_another_sweep_holds(
+    nvml, env, tmp_path: Path
+) -> None:
+    """Another sweep holding the output folder (its `sweep.lock`) stops the sweep (exit 3) and
+    fails `dvfs doctor`'s output folder check; the dry run said nothing of it. It now says so
+    in the sweep's words, and plans all the same (exit 0)."""
+    import fcntl
+
+    path = campaign_file(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ("sweep", str(path), "--out", str(out))
+    fd = os.open(out / "sweep.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        refused = dvfs_in_process(*args, "--no-progress", env=env)
+        assert refused.returncode == 3, refused.stderr
+        dry = dvfs_in_process(*args, "--dry-run", "--no-estimate", env=env)
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        notes = [" ".join(n.split()) for n in dry.stderr.splitlines() if "would stop" in n]
+        assert len(notes) == 1 and "is in use by another dvfs sweep" in notes[0], dry.stderr
+    finally:
+        os.close(fd)
+    dry = dvfs_in_process(*args, "--dry-run", "--no-estimate", env=env)
+    assert "would stop" not in dry.stderr, dry.stderr
+
+
+def test_doctor_names_an_unreadable_state_file_as_such_not_as_the_driver(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A state file the sweep cannot read (it refuses the GPU, exit 3) made doctor say "FAIL
+    driver: state file ... is unreadable" (the driver fine, checked ok just above) and skip
+    the lock, held-knobs, other-process and permission checks. It fails the state check in
+    the sweep's words, exit 1, and checks the rest."""
+    state_dir = tmp_path / "dvfs-state"
+    state_dir.mkdir()
+    uuid = nvml.fake_device_state(0)["uuid"]
+    (state_dir / f"{uuid}.json").write_text('{"original": {}}')
+    campaign = campaign_file(tmp_path)
+    out = ["--out", str(tmp_path / "out")]
+    swept = dvfs_in_process("sweep", str(campaign), *out, "--no-progress", env=env)
+    assert swept.returncode == 3 and "is unreadable" in swept.stderr, swept.stderr
+    result = dvfs_in_process("doctor", str(campaign), *out, env=env)
+    assert result.returncode == 1, result.stdout
+    doc = dvfs_in_process("doctor", str(campaign), *out, "--json", env=env).stdout
+    checked = {c["name"]: c for c in json.loads(doc)}
+    assert checked["driver"]["status"] == "ok", checked["driver"]
+    assert checked["state"]["status"] == "fail", checked.get("state")
+    assert checked["state"]["detail"] in " ".join(swept.stderr.split())
+    for name in ("lock GPU 0", "held knobs GPU 0", "other processes GPU 0", "permissions"):
+        assert name in checked, sorted(checked)

@@ -334,6 +334,7 @@ def sweep(
 
         from dvfs.backends import real_gpus
         from dvfs.cli.progress import EstimateNotice, RichProgress
+        from dvfs.measure.journal import JOURNAL_NAME
         from dvfs.sweep import read_group_models
 
         # Real GPUs opened as the sweep opens them and their models read (nothing changed): a
@@ -343,13 +344,23 @@ def sweep(
         # model's cells; where NVML does not answer, the note says what went unchecked. Not
         # Ray's: its GPUs are those Ray places the actors on, on any node, not this machine's.
         group_models, unread = (
-            read_group_models(campaign, groups, fleet=as_fleet, check=True)
+            read_group_models(
+                campaign,
+                groups,
+                fleet=as_fleet,
+                check=True,
+                # the journal one server's sweep resumes, its stock compared as the sweep does
+                journal=None if fresh or as_fleet else out_dir / JOURNAL_NAME,
+            )
             if executor != "ray"
             else (None, None)
         )
         per_model = workers_per_model(campaign, groups, group_models)
         if unread:
             console(stderr=True).print(f"note: {escape(unread)}", highlight=False, soft_wrap=True)
+        busy = folder_busy(campaign, out_dir, shard)
+        if busy:
+            console(stderr=True).print(f"note: {escape(busy)}", highlight=False, soft_wrap=True)
         show = not no_progress and not no_estimate and sys.stderr.isatty()
         bar = RichProgress("estimating on the twin", enabled=show)
         with bar:
@@ -448,6 +459,22 @@ def sweep(
         outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress, shard=shard)
     if outcome.summary.failed:
         raise SystemExit(5)
+
+
+def folder_busy(campaign: Any, out_dir: Path, shard: Any = None) -> str | None:
+    """That the sweep would stop on this machine because another dvfs sweep holds `out_dir`
+    (its `sweep.lock`), in the sweep's words (`check_out_dir`, read-only), or None. The
+    folder's other refusals are the plan's to say."""
+    from dvfs.errors import DvfsError
+    from dvfs.sweep import SweepBusyError, check_out_dir
+
+    try:
+        check_out_dir(campaign, out_dir, shard)
+    except SweepBusyError as exc:
+        return f"on this machine the sweep would stop: {exc}"
+    except DvfsError:
+        pass
+    return None
 
 
 def _model_folder(campaign: Any, model: str | None) -> str | None:

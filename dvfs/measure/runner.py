@@ -31,7 +31,7 @@ from dvfs.errors import (
     JournalError,
 )
 from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
-from dvfs.gpu.knobs import KnobController, KnobSetting, check_one_stock_limit
+from dvfs.gpu.knobs import GpuSettings, KnobController, KnobSetting, check_one_stock_limit
 from dvfs.measure.counter import (
     RoundEnergy,
     counter_update_period,
@@ -420,6 +420,12 @@ class Runner:
     def _record_session(self) -> None:
         m = self.campaign.measurement
         self._refuse_mixed_stock()
+        # Before the counters are timed and the idle power measured (minutes on real GPUs).
+        refusal = stock_change_refusal(
+            self.journal.sessions, session_stock(self.gpus, self.knobs.stock)
+        )
+        if refusal is not None:
+            raise refusal
         self._note_foreign_locks()
         t0 = self.clock.now_ns()
         if not self.clock.virtual:  # real time passes before the first server's line
@@ -459,11 +465,7 @@ class Runner:
             "total": round(self._elapsed_s(t0), 6),
         }
         ranges = [g.power_limit_range() for g in self.gpus]
-        first = self.gpus[0].identity.uuid
-        stock = Stock(
-            sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in self.gpus),
-            power_limit_w=self.knobs.stock[first].power_limit_mw / 1000,
-        )
+        stock = session_stock(self.gpus, self.knobs.stock)
         # Each GPU's limit found at start, where it is not its stock: a cap dvfs applied, which
         # the stock cells run without (`AppliedCaps.measuring`) and which is put back at the
         # end. Each GPU's own: GPUs of one session (tensor parallel) may each have their cap.
@@ -473,15 +475,6 @@ class Runner:
             if self.knobs.original[g.identity.uuid].power_limit_mw
             != self.knobs.stock[g.identity.uuid].power_limit_mw
         }
-        for earlier in self.journal.sessions:
-            then = recorded_stock(earlier)
-            if then != stock:
-                raise JournalError(
-                    f"the GPU's stock settings changed since this journal was started "
-                    f"({asdict(then) if then else None} then, {asdict(stock)} now): the stock "
-                    "cells would no longer compare. Restore the earlier settings, or start a new "
-                    "--out folder"
-                )
         from dvfs.backends import corpus_texts
         from dvfs.engines.sglang_args import recorded_server_env
         from dvfs.records import SERVER_ENV_PREFIXES
@@ -1292,6 +1285,33 @@ class Runner:
                 version = int(record.get("journal_schema", JOURNAL_SCHEMA))
             elif record.get("type") == "cell":
                 yield CellRecord.from_json(record, version=version)
+
+
+def session_stock(gpus: Sequence[Gpu], stock: dict[str, GpuSettings]) -> Stock:
+    """The stock settings a session over `gpus` records, each GPU's stock (`GpuSettings`, by
+    UUID) as its knob controller takes it: the top SM clock, the first GPU's stock limit."""
+    first = gpus[0].identity.uuid
+    return Stock(
+        sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in gpus),
+        power_limit_w=stock[first].power_limit_mw / 1000,
+    )
+
+
+def stock_change_refusal(sessions: Iterable[dict[str, Any]], stock: Stock) -> JournalError | None:
+    """Why a sweep refuses to resume a journal whose earlier `sessions` recorded other stock
+    settings than `stock` (`session_stock`, now): its stock cells would no longer compare
+    (observe-only: a power limit changed outside dvfs since). None where none did. The
+    sweep's own rule, which `dvfs doctor` and the dry run apply too."""
+    for earlier in sessions:
+        then = recorded_stock(earlier)
+        if then != stock:
+            return JournalError(
+                f"the GPU's stock settings changed since this journal was started "
+                f"({asdict(then) if then else None} then, {asdict(stock)} now): the stock "
+                "cells would no longer compare. Restore the earlier settings, or start a new "
+                "--out folder"
+            )
+    return None
 
 
 def next_repeats(
