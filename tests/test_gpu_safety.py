@@ -1439,31 +1439,6 @@ def test_a_server_whose_gpus_differ_in_stock_power_limit_is_refused(
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
 
-def test_a_fleet_whose_gpus_differ_in_stock_power_limit_is_refused_with_advice_that_works(
-    nvml, env, tmp_path: Path
-) -> None:
-    """`--gpus 0,1`, GPU 0 at an operator's 650 W, GPU 1 at its default 700 W: refused, as
-    their stock cells would not compare. The advice was `dvfs gpu reset`, which leaves a limit
-    dvfs did not set (no state file) as it is; `--defaults` sets the default."""
-    result = dvfs_in_process(
-        "sweep",
-        str(campaign_file(tmp_path)),
-        "--gpus",
-        "0,1",
-        "--out",
-        str(tmp_path / "out"),
-        "--no-progress",
-        env=env,
-    )
-    assert result.returncode == 1, result.stdout
-    said = " ".join(result.stderr.split())
-    assert "start from other stock power limits" in said and "`dvfs gpu reset --defaults`" in said
-    assert_as_found(nvml, tmp_path / "dvfs-state")
-    reset = dvfs_in_process("gpu", "reset", "--defaults", "0", env=env)
-    assert reset.returncode == 0, reset.stderr
-    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
-
-
 def _tensor_parallel(tmp_path: Path) -> Path:
     path = tmp_path / "tp.toml"
     path.write_text(
@@ -1532,7 +1507,9 @@ def test_a_fleet_of_other_stock_power_limits_is_refused_before_its_workers_measu
 ) -> None:
     """`--gpus 0,1` at 650 W and 700 W: the fleet refused it only once each worker had timed
     its energy counters and measured its idle power (minutes on real GPUs). It now reads the
-    limits first, read-only, and refuses in one line before any worker opens a GPU."""
+    limits first, read-only, and refuses in one line before any worker opens a GPU. Its advice
+    was `dvfs gpu reset`, which leaves a limit dvfs did not set (an operator's: no state file)
+    as it is; `--defaults` sets the default."""
     result = dvfs_in_process(
         "sweep",
         str(campaign_file(tmp_path)),
@@ -1548,7 +1525,12 @@ def test_a_fleet_of_other_stock_power_limits_is_refused_before_its_workers_measu
     _said_the_limits(result.stderr)
     assert "the fleet's GPUs" in result.stderr
     assert "timing the GPUs' energy counter" not in result.stderr  # no worker's session began
+    said = " ".join(result.stderr.split())
+    assert "start from other stock power limits" in said and "`dvfs gpu reset --defaults`" in said
     assert_as_found(nvml, tmp_path / "dvfs-state")
+    reset = dvfs_in_process("gpu", "reset", "--defaults", "0", env=env)  # the advice works
+    assert reset.returncode == 0, reset.stderr
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
 
 
 def test_a_limit_dvfs_applied_as_a_cap_is_no_other_stock_for_doctor_as_for_the_sweep(
