@@ -68,6 +68,12 @@ def test_observe_only_sweep_without_root_refuses_a_gpu_roots_dvfs_holds(
         checked = {c["name"]: c for c in json.loads(result.output)}
         assert checked["lock GPU 0"]["status"] == "fail", checked["lock GPU 0"]
         assert f"pid {os.getpid()}" in checked["lock GPU 0"]["detail"], checked["lock GPU 0"]
+        # and the dry run says the sweep would stop (its check of the GPUs reads root's locks)
+        args = ("--observe-only", "--out", str(out), "--dry-run", "--no-estimate")
+        result = run("sweep", str(campaign), *args)
+        assert result.exit_code == 0, result.output
+        notes = [line for line in result.output.splitlines() if "sweep would stop" in line]
+        assert notes and f"pid {os.getpid()}" in " ".join(notes), result.output
     # root's lock let go: the user's observe-only sweep runs, and writes nothing of root's
     before = sorted(p.name for p in root.iterdir())
     result = run("sweep", str(campaign), "--observe-only", "--out", str(tmp_path / "out2"))
