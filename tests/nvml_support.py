@@ -98,6 +98,16 @@ def root_fake_env(tmp: Path, monkeypatch: Any) -> dict[str, str]:
     return environment
 
 
+def installed_root_fake(tmp: Path, monkeypatch: Any) -> ModuleType:
+    """The fake pynvml, fresh, run as root (`root_fake_env`) and installed as `pynvml` for
+    in-process CLI runs: the `nvml` fixture of the tests that drive dvfs in process."""
+    root_fake_env(tmp, monkeypatch)
+    module = load_fake()
+    module.fake_reset_state()
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    return module
+
+
 @pytest.fixture(name="env")
 def root_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The `env` fixture of tests that change a fake GPU's knobs in process (`root_fake_env`):

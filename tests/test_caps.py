@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from nvml_support import NVML_CAMPAIGN, load_fake, root_fake_env
+from nvml_support import NVML_CAMPAIGN, installed_root_fake
 
 from dvfs.caps import CapsFile, GpuCap, dump_caps, load_caps, parse_caps, plan_caps
 from dvfs.cli import cli
@@ -22,11 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    root_fake_env(tmp_path, monkeypatch)
-    module = load_fake()
-    module.fake_reset_state()
-    monkeypatch.setitem(sys.modules, "pynvml", module)
-    return module
+    return installed_root_fake(tmp_path, monkeypatch)
 
 
 def invoke(*args: str, code: int = 0) -> str:

@@ -6,14 +6,13 @@ GPU ids given as UUIDs map to NVML indices."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from click.testing import CliRunner, Result
 from conftest import TINY, write
-from nvml_support import NVML_CAMPAIGN, load_fake, root_fake_env
+from nvml_support import NVML_CAMPAIGN, installed_root_fake
 
 from dvfs.cli import cli
 from dvfs.errors import CampaignError
@@ -67,11 +66,7 @@ def test_an_empty_variable_holds_nothing() -> None:
 @pytest.fixture
 def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The fake pynvml (two GPUs, as root) as `pynvml`, its state in tmp_path."""
-    root_fake_env(tmp_path, monkeypatch)
-    module = load_fake()
-    module.fake_reset_state()
-    monkeypatch.setitem(sys.modules, "pynvml", module)
-    return module
+    return installed_root_fake(tmp_path, monkeypatch)
 
 
 def _uuid(nvml: ModuleType, index: int) -> str:
