@@ -183,7 +183,7 @@ def _gpu_checks(
     if not real_gpus(campaign):
         from dvfs.fleet.devices import for_group
         from dvfs.gpu.twin import twin_gpu_name
-        from dvfs.sweep import gpu_identities
+        from dvfs.preflight import gpu_identities
         from dvfs.twin.profiles import gpu_profile
 
         try:  # each group's model, as its twin GPUs name it (a fleet's journal folders)
@@ -204,7 +204,7 @@ def _gpu_checks(
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
     from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, records_dir, root_holder
-    from dvfs.sweep import check_knobs_against, servers_of
+    from dvfs.preflight import check_knobs_against, servers_of
 
     checks: list[Check] = []
     try:
@@ -290,7 +290,7 @@ def _gpu_checks(
             if journal is not None and journal.is_file():
 
                 def resume_stock() -> tuple[str, str]:
-                    from dvfs.sweep import resumed_stock_refusal
+                    from dvfs.preflight import resumed_stock_refusal
 
                     refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=directory)
                     if refusal is not None:
@@ -478,7 +478,7 @@ def _stock(
     """The stock power limit each server's GPUs, and a fleet's of one model, start from, as
     the sweep takes it (a cap dvfs applied counts as the default): other limits fail, as the
     sweep refuses them (`check_stock_limits`), before it measures anything."""
-    from dvfs.sweep import check_stock_limits
+    from dvfs.preflight import check_stock_limits
 
     stock = check_stock_limits(campaign, servers, state_dir=state_dir)
     if stock is None:
@@ -707,7 +707,7 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     )
     from dvfs.fleet.shard_journal import folder_journals
     from dvfs.measure.journal import session_records
-    from dvfs.sweep import prompt_refusal
+    from dvfs.preflight import prompt_refusal
 
     journals = folder_journals(out_dir)
     try:
@@ -764,7 +764,8 @@ def _out_dir(
     from dvfs.fleet.folders import fleet_journal
     from dvfs.fleet.shard_journal import folder_journals
     from dvfs.measure.journal import JOURNAL_NAME
-    from dvfs.sweep import check_out_dir, resume_refusals
+    from dvfs.out_folder import check_out_dir
+    from dvfs.preflight import resume_refusals
 
     check_out_dir(campaign, out_dir, shard)
     # refused as the sweep refuses it: its servers' environment changed since the journal's

@@ -263,7 +263,7 @@ def folder_files(folder: Path) -> dict[str, bytes | None]:
     file's holder pid read as a mark that it is one (a refused sweep takes the lock, and so
     writes its own pid, before it reads the journal it refuses; the folder may have been
     made by another process)."""
-    from dvfs.sweep import LOCK_NAME
+    from dvfs.out_folder import LOCK_NAME
 
     files: dict[str, bytes | None] = {}
     for p in sorted(folder.rglob("*")):

@@ -22,10 +22,10 @@ from dvfs.backends import (
 )
 from dvfs.campaign import load_campaign
 from dvfs.clock import VirtualClock
+from dvfs.dry_run import DryRunPlan, plan_dry_run
 from dvfs.errors import CampaignError, GpuError, GpuPermissionError, GpuValueError
 from dvfs.gpu.base import DeviceInfo, PowerLimitRange, unsupported_clock
 from dvfs.gpu.knobs import GatheredFailures
-from dvfs.sweep import DryRunPlan, plan_dry_run
 
 
 @pytest.fixture

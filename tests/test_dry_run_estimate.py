@@ -12,8 +12,8 @@ from conftest import SMALL_CAMPAIGN, replace_block, write
 
 from dvfs.cli import cli
 from dvfs.cube import open_cube
+from dvfs.dry_run import NAIVE_REPEATS, NAIVE_WINDOW_S
 from dvfs.measure.journal import read_records
-from dvfs.sweep import NAIVE_REPEATS, NAIVE_WINDOW_S
 
 
 def spent_s(out: Path) -> float:
@@ -246,7 +246,8 @@ def test_the_estimate_reads_the_cube_in_memory_as_the_file_gives_it(tmp_path: Pa
     from conftest import TINY
 
     from dvfs.campaign import load_campaign
-    from dvfs.sweep import naive_gpu_s, run_sweep, spent_gpu_s, twin_estimate
+    from dvfs.dry_run import naive_gpu_s, spent_gpu_s, twin_estimate
+    from dvfs.sweep import run_sweep
 
     campaign = load_campaign(write(tmp_path / "tiny.toml", TINY))
     out = tmp_path / "out"

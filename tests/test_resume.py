@@ -190,7 +190,7 @@ def test_a_lock_file_linking_to_no_file_is_made_where_it_points(tmp_path: Path) 
     endless retry between "exists" and "not found")."""
     import threading
 
-    from dvfs.sweep import out_dir_lock
+    from dvfs.out_folder import out_dir_lock
 
     out = tmp_path / "out"
     out.mkdir()

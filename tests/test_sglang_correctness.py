@@ -292,7 +292,7 @@ def test_the_server_is_pinned_to_the_metered_gpu_by_uuid(
 ) -> None:
     from nvml_support import load_fake
 
-    from dvfs.sweep import open_backends
+    from dvfs.backends import open_backends
 
     monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "fake-nvml.json"))
     monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm,h100-sxm")

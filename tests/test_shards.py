@@ -34,7 +34,7 @@ from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, planned_cells, server_starts
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell, plan_cells
-from dvfs.sweep import LOCK_NAME
+from dvfs.out_folder import LOCK_NAME
 
 #: The fleet campaign on two clocks and one power limit (48 cells, 8 comparison groups of 6):
 #: interleaved repeats, three drafters for the server starts; the whole is swept seven times

@@ -494,6 +494,7 @@ def test_an_interruption_of_a_finished_folder_does_not_call_its_cube_partial(
     """A finished folder rerun (one GPU: as it writes its cube; a fleet: as it reads its GPUs'
     models) and stopped before anything was left to measure: its cube holds every cell, and
     the sweep says so (it said "partial cube written", as of a sweep stopped midway)."""
+    import dvfs.preflight
     import dvfs.sweep
 
     campaign = str(write(tmp_path / "tiny.toml", TINY))
@@ -504,7 +505,8 @@ def test_an_interruption_of_a_finished_folder_does_not_call_its_cube_partial(
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt  # Ctrl-C, once the folder is found finished
 
-    monkeypatch.setattr(dvfs.sweep, "fleet_models" if gpus else "shard_cube", interrupted)
+    owner = dvfs.preflight if gpus else dvfs.sweep
+    monkeypatch.setattr(owner, "fleet_models" if gpus else "shard_cube", interrupted)
     result = sweep([campaign, *gpus, "--out", str(out)])
     assert result.exit_code == 130, result.output
     assert "partial" not in result.stderr, result.stderr

@@ -695,7 +695,7 @@ def test_a_shipped_profile_keeps_the_campaigns_hash(tmp_path: Path) -> None:
     """Only a profile lent from a file carries a digest: the twin's own profiles keep the hash
     (and so the journals) campaigns had before the digest existed."""
     from dvfs.campaign import load_campaign
-    from dvfs.sweep import twin_stand_in
+    from dvfs.dry_run import twin_stand_in
     from dvfs.twin.fit import profile_digest
 
     assert profile_digest(gpu_profile("h100-sxm")) == ""

@@ -288,8 +288,9 @@ def sweep(
     """
     from dvfs.backends import check_gpus_named_once, check_job_gpus
     from dvfs.campaign import load_campaign
+    from dvfs.dry_run import plan_dry_run
     from dvfs.sweep import observe_only as observing
-    from dvfs.sweep import observe_only_note, plan_dry_run
+    from dvfs.sweep import observe_only_note
 
     campaign = load_campaign(campaign_file)
     if observe_only:
@@ -335,7 +336,7 @@ def sweep(
         from dvfs.backends import real_gpus
         from dvfs.cli.progress import EstimateNotice, RichProgress
         from dvfs.measure.journal import JOURNAL_NAME
-        from dvfs.sweep import read_group_models
+        from dvfs.preflight import read_group_models
 
         # Real GPUs opened as the sweep opens them and their models read (nothing changed): a
         # GPU not here or lost, or a clock or power limit one does not take, is a note that the
@@ -466,7 +467,7 @@ def folder_busy(campaign: Any, out_dir: Path, shard: Any = None) -> str | None:
     (its `sweep.lock`), in the sweep's words (`check_out_dir`, read-only), or None. The
     folder's other refusals are the plan's to say."""
     from dvfs.errors import DvfsError
-    from dvfs.sweep import SweepBusyError, check_out_dir
+    from dvfs.out_folder import SweepBusyError, check_out_dir
 
     try:
         check_out_dir(campaign, out_dir, shard)
@@ -481,7 +482,7 @@ def _model_folder(campaign: Any, model: str | None) -> str | None:
     """The folder (`gpu-<model>`) a fleet's workers of GPU model `model` journal in; None
     where the names do not tell."""
     from dvfs.fleet.folders import model_folder
-    from dvfs.sweep import model_names
+    from dvfs.preflight import model_names
 
     names = model_names(campaign, [model])
     return model_folder(names[0]) if names else None
@@ -599,8 +600,8 @@ def run_fleet(
     from dvfs.cli.fleet_progress import RichFleetProgress
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
+    from dvfs.preflight import fleet_models
     from dvfs.signals import Interrupted, signals_raise
-    from dvfs.sweep import fleet_models
 
     err = console(stderr=True)
     run_on: Any = LocalExecutor(out_dir)

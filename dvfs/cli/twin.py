@@ -265,9 +265,9 @@ def predict(
     from dvfs.campaign import load_campaign
     from dvfs.cli.common import sweep_groups
     from dvfs.cli.sweep import run, run_fleet
+    from dvfs.dry_run import twin_stand_in
     from dvfs.errors import CampaignError
     from dvfs.fleet.folders import fleet_journal
-    from dvfs.sweep import twin_stand_in
     from dvfs.twin.fit import load_profile, profile_digest, registered_profile
 
     campaign = load_campaign(campaign_path)

@@ -177,7 +177,7 @@ def one_model(worker: str, gpus: Sequence[tuple[int, str]]) -> str:
     """The GPU model of one server's GPUs (`worker`, as `group_label` names it; each GPU's
     NVML index and model, in order): a tensor-parallel server runs on one model, so GPUs of
     two are a `CampaignError` (exit 2) naming each GPU's, in the words the sweep (one server,
-    `dvfs.sweep.check_server_gpus`), a fleet and `dvfs doctor` refuse it with, before anything
+    `dvfs.preflight.check_server_gpus`), a fleet and `dvfs doctor` refuse it with, before anything
     is measured (their cells would not compare, and the cube would be refused)."""
     names = {name for _, name in gpus}
     if len(names) > 1:

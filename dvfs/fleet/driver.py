@@ -649,7 +649,7 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
     settings, or of another shard."""
     from dvfs.measure.journal import iter_records
-    from dvfs.sweep import check_inflight_resume
+    from dvfs.preflight import check_inflight_resume
 
     for path in folder_journals(out_dir):
         if not path.is_file():
@@ -680,7 +680,7 @@ def run_fleet(
     """Run every unfinished cell of `campaign` (or of its `shard`) on one worker per GPU
     group, through `executor`, into the journals in `out_dir`; then write the cube (one per
     GPU model, merged along `gpu` when the fleet mixes models). `models`: the groups' GPU
-    models (`dvfs.sweep.fleet_models`, or those of the GPUs Ray places the workers on:
+    models (`dvfs.preflight.fleet_models`, or those of the GPUs Ray places the workers on:
     `RayExecutor.models`), asked for where the folder holds every cell, so that a model it
     never measured is not taken for done; it returns None where they cannot be read."""
     from dvfs.backends import check_twin_context
@@ -692,13 +692,9 @@ def run_fleet(
     )
     from dvfs.cube import write_cube
     from dvfs.measure.journal import iter_records
-    from dvfs.sweep import (
-        check_same_prompts,
-        check_same_server_env,
-        fresh_start,
-        out_dir_lock,
-        release_free_memory,
-    )
+    from dvfs.out_folder import fresh_start, out_dir_lock
+    from dvfs.preflight import check_same_prompts, check_same_server_env
+    from dvfs.sweep import release_free_memory
 
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):

@@ -26,7 +26,7 @@ def model_journals(out_dir: Path, models: Iterable[str], *, fresh: bool = False)
     folder's own for one model, else each in its `gpu-<model>/` (also for one model where a
     fleet mixing models began the folder). A folder holding one model's run is refused for a
     fleet mixing models, in one line. `fresh`: as --fresh leaves the folder, no journal in it
-    (`dvfs.sweep.fresh_moves`)."""
+    (`dvfs.out_folder.fresh_moves`)."""
     from dvfs.measure.journal import JOURNAL_NAME
 
     names = sorted(models)

@@ -107,8 +107,8 @@ class LocalExecutor:
         """Refuse, before any worker opens its GPUs, what the workers' sessions would refuse
         only once each has timed its counters and measured its idle power: this machine's
         GPUs of a server, or of one model across the workers, at other stock power limits
-        (`dvfs.sweep.check_fleet_stock`, read-only)."""
-        from dvfs.sweep import check_fleet_stock
+        (`dvfs.preflight.check_fleet_stock`, read-only)."""
+        from dvfs.preflight import check_fleet_stock
 
         check_fleet_stock(campaign, groups, nvml=self.nvml, state_dir=self.state_dir)
 

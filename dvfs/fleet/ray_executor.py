@@ -301,7 +301,7 @@ class ModelProbe:
         import ray
 
         from dvfs.errors import GpuError
-        from dvfs.sweep import read_gpu_names
+        from dvfs.preflight import read_gpu_names
 
         group = placed_group(ray.get_gpu_ids())
         try:
@@ -346,7 +346,7 @@ class RayExecutor:
         cannot be read tells none (a run opening them names them). None where no actor's GPUs
         can be read, or the cluster offers no GPUs a worker could be placed on (a folder rerun
         off the GPU nodes): the folder's cells stand as done."""
-        from dvfs.sweep import fleet_models, model_names
+        from dvfs.preflight import fleet_models, model_names
 
         if not real_gpus(campaign):
             return fleet_models(campaign, groups)

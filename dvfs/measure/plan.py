@@ -20,7 +20,7 @@ from dvfs.gpu.knobs import KnobSetting
 #: --no-estimate` prints. It assumes the rounds that fill `min_window_s` and leaves out prefill,
 #: drain, idle baselines, stabilisation and the rounds adaptive precision adds, so it reads
 #: low (28.2 h for sweeps/h100-llama8b.toml, where its twin stand-in spends 38.8 h); without
-#: --no-estimate the dry run sweeps the twin instead (`dvfs.sweep.twin_estimate`).
+#: --no-estimate the dry run sweeps the twin instead (`dvfs.dry_run.twin_estimate`).
 SERVER_START_S = 120.0
 ROUND_OVERHEAD_S = 0.5
 TOKEN_TIME_S = 0.012

@@ -1,0 +1,579 @@
+"""Read-only checks before a sweep measures: are the GPUs free, as the campaign and the journal
+say, at the stock settings it was swept from, and does a resumed journal match the campaign
+(same GPUs, prompts, server environment)? The sweep, `dvfs doctor` and the dry run all call
+these, so each refusal has one rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from dvfs.backends import (
+    free_running_profile,
+    real_gpus,
+    simulated_engine,
+)
+from dvfs.campaign import Campaign
+from dvfs.corpora.model import Corpus
+from dvfs.errors import (
+    CampaignError,
+    CapsRecordError,
+    DvfsError,
+    GpuError,
+    GpuStateError,
+    JournalError,
+)
+from dvfs.gpu.base import Gpu, unsupported_clock
+from dvfs.gpu.knobs import GpuSettings, check_one_stock_limit
+from dvfs.measure.journal import (
+    Journal,
+)
+from dvfs.measure.plan import Cell
+
+if TYPE_CHECKING:
+    from dvfs.gpu.visible import Visible
+
+
+def check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
+    """A resume may run on other GPUs of the model (fewer, after a node loss), not on GPUs
+    whose cells would not compare (`dvfs.records.incomparable`)."""
+    from dataclasses import asdict
+
+    from dvfs.records import incomparable
+
+    now = {"gpus": [asdict(g.identity) for g in gpus]}
+    for session in journal.sessions:
+        changes = incomparable(session, now)
+        if changes:
+            from dvfs.fleet.folders import other_gpus_line
+
+            raise JournalError(other_gpus_line(journal.path, changes))
+
+
+def check_same_prompts(
+    journal: Journal, corpora: dict[str, Corpus], count_method: str, campaign: Campaign
+) -> None:
+    """Refuse, before measuring, to resume a journal whose earlier sessions sent other prompts
+    (`prompt_refusal`)."""
+    refusal = prompt_refusal(journal.path, journal.sessions, corpora, count_method, campaign)
+    if refusal is not None:
+        raise refusal
+
+
+def prompt_refusal(
+    path: Path,
+    sessions: Sequence[dict[str, Any]],
+    corpora: dict[str, Corpus],
+    count_method: str,
+    campaign: Campaign,
+) -> JournalError | None:
+    """Why a sweep refuses to resume the journal at `path` whose sessions (its session
+    records) sent other prompts (`dvfs.records.prompt_changes`): a corpus edited since, the
+    same corpus counted otherwise (another revision of the tokenizer: `pool_hash`), another
+    token-count method (the journal's is reproduced, `recorded_count_method`, so only where its
+    sessions already differ); the arms would compare prompts. None where they are the same.
+    The prompt format is the servers' to check, once one has started
+    (`Runner._check_prompt_format`)."""
+    from dvfs.corpora.sampling import pool_hash
+    from dvfs.records import prompt_changes
+
+    lengths = campaign.workload.input_tokens
+    now = {
+        "corpora": {
+            name: {"content_hash": c.content_hash, "pool_hash": pool_hash(c, lengths)}
+            for name, c in corpora.items()
+        },
+        "token_count_method": count_method,
+    }
+    for session in sessions:
+        changes = prompt_changes(session, now)
+        if changes:
+            return JournalError(
+                f"the prompts differ from those {path} was measured with "
+                f"({'; '.join(changes)}): its cells would not compare with this run's; restore "
+                "the corpus (and tokenizer) it was measured with, or rerun with --fresh (or "
+                "into another --out folder)"
+            )
+    return None
+
+
+def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
+    """Refuse, before measuring, to resume a journal whose servers ran with another value of
+    an environment variable that changes their kernels, numerics or scheduling
+    (`server_env_refusal`)."""
+    refusal = server_env_refusal(journal.path, journal.sessions, campaign)
+    if refusal is not None:
+        raise refusal
+
+
+def server_env_refusal(
+    path: Path, sessions: Sequence[dict[str, Any]], campaign: Campaign
+) -> JournalError | None:
+    """Why a sweep refuses to resume the journal at `path` whose sessions' servers ran with
+    another value of an environment variable that changes their kernels, numerics or
+    scheduling (`dvfs.records.env_changes`: CUDA_LAUNCH_BLOCKING, an SGLANG_* switch...), set
+    in engine.sglang.env or in dvfs's own environment: the later arms would be served
+    otherwise than the journal's first ones, unseen. Sessions that recorded none are not
+    compared. None where nothing changed."""
+    from dvfs.engines.sglang_args import recorded_server_env
+    from dvfs.records import SERVER_ENV_ADVICE, SERVER_ENV_PREFIXES, env_changes
+
+    now = {
+        "server_env": recorded_server_env(campaign),
+        "server_env_prefixes": list(SERVER_ENV_PREFIXES),
+    }
+    for session in sessions:
+        changes = env_changes(session, now)
+        if changes:
+            return JournalError(
+                f"this run's SGLang servers would start with another environment than those "
+                f"of {path} ({'; '.join(changes)}): its cells would not compare with "
+                f"this run's; {SERVER_ENV_ADVICE}"
+            )
+    return None
+
+
+def resume_refusals(
+    campaign: Campaign,
+    journals: Sequence[Path],
+    corpora: dict[str, Corpus] | None,
+    count_method: str,
+) -> list[JournalError]:
+    """What stops a sweep resuming these journals (those that exist) before it measures, as
+    it checks each once it opens it: servers that would start with another environment, and
+    (given the `corpora`, counted by `count_method` as the sweep counts them) other prompts.
+    For `dvfs doctor` and the dry run, which open no journal for writing."""
+    from dvfs.measure.journal import session_records
+
+    refusals = []
+    for path in journals:
+        if not path.is_file():
+            continue
+        sessions = session_records(path)
+        refusal = server_env_refusal(path, sessions, campaign)
+        if refusal is None and corpora is not None:
+            refusal = prompt_refusal(path, sessions, corpora, count_method, campaign)
+        if refusal is not None:
+            refusals.append(refusal)
+    return refusals
+
+
+def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
+    """Refuse clocks or power limits a real GPU does not support, before changing anything."""
+    for gpu in gpus:
+        ident = gpu.identity
+        supported = set(gpu.supported_sm_clocks_mhz())
+        of = f" of GPU {ident.index} ({ident.name})"
+        for clock in campaign.knobs.sm_clocks_mhz or ():
+            problem = unsupported_clock(clock, supported, of=of)
+            if problem:
+                raise CampaignError(f"knobs.sm_clock: {problem}")
+        allowed = gpu.power_limit_range()
+        for limit in campaign.knobs.power_limits_w or ():
+            problem = allowed.outside(limit * 1000)
+            if problem:
+                raise CampaignError(f"knobs.power_limit: GPU {ident.index}: {problem}")
+
+
+def check_gpus_free(gpus: Sequence[Gpu], directory: Path) -> None:
+    """Refuse, read-only, what the sweep's `guarded_knobs` refuses first on real GPUs, in its
+    words: a GPU another dvfs holds (its lock in `directory`, or in root's), or one holding an
+    earlier run's changes (a state file there, not from before the last reboot). Takes,
+    creates and drops nothing."""
+    from dvfs.gpu.safety import GpuLocks, StateStore, root_holder
+
+    locks = GpuLocks(directory)
+    for gpu in gpus:
+        # (root_holder: a user's observe-only run, its locks in its own folder, refuses a GPU
+        # root's dvfs holds in /var/lib/dvfs as well)
+        held = locks.holder(gpu) or root_holder(gpu, directory)
+        if held is not None:
+            raise GpuStateError(held)
+    StateStore(directory).refuse_if_pending(gpus, drop_rebooted=False)
+
+
+def stock_as_swept(
+    campaign: Campaign, gpus: Sequence[Gpu], *, state_dir: Path | None = None
+) -> dict[str, GpuSettings] | None:
+    """Each of the campaign's real `gpus`' stock, by UUID, as `guarded_knobs`' controller
+    takes it (a power limit dvfs applied as a cap counts as the default; observe-only: as
+    found), read without holding or changing anything. None where the sweep refuses these GPUs
+    before it reads their stock (another dvfs holds one, an earlier run's changes on one, a
+    damaged caps record: its own refusal says so) or one cannot be read."""
+    from dvfs.gpu.safety import default_state_dir
+
+    try:
+        return read_stock_as_swept(campaign, gpus, state_dir or default_state_dir())
+    except DvfsError:
+        return None
+
+
+def read_stock_as_swept(
+    campaign: Campaign, gpus: Sequence[Gpu], directory: Path
+) -> dict[str, GpuSettings]:
+    """`stock_as_swept`, refusing in the sweep's words what `guarded_knobs` refuses before it
+    reads the stock: a GPU another dvfs holds or one holding an earlier run's changes
+    (`check_gpus_free`), a caps record it cannot read (`AppliedCaps.measuring`), with dvfs's
+    records in `directory`. Read-only."""
+    from dvfs.caps import AppliedCaps
+
+    check_gpus_free(gpus, directory)
+    controller = AppliedCaps(directory).measuring(gpus, actuation=campaign.gpu.actuation)
+    return controller.read_stock()
+
+
+def check_stock_limits(
+    campaign: Campaign, servers: Sequence[Sequence[Gpu]], *, state_dir: Path | None = None
+) -> dict[str, GpuSettings] | None:
+    """Refuse, read-only, what the sweep refuses once it holds the GPUs: a server's GPUs, or
+    a fleet's of one GPU model (each server `servers`' one), that start from other stock power
+    limits (`check_one_stock_limit`, the sweep's own rule), each GPU's stock as the sweep
+    takes it (`stock_as_swept`). Returns that stock; None where it was not compared (the sweep
+    refuses the GPUs first for another reason)."""
+    gpus = [g for server in servers for g in server]
+    stock = stock_as_swept(campaign, gpus, state_dir=state_dir)
+    if stock is None:
+        return None
+    for server in servers:  # as each server's runner refuses it
+        check_one_stock_limit(
+            server,
+            stock,
+            of="the GPUs of one server",
+            leave_out="leave one out of the server's GPUs",
+        )
+    if len(servers) > 1:  # as the fleet refuses its workers of one model (`combine_sessions`)
+        by_model: dict[str, list[Gpu]] = {}
+        for g in gpus:
+            by_model.setdefault(g.identity.name, []).append(g)
+        for same in by_model.values():
+            check_one_stock_limit(
+                same,
+                stock,
+                of="the fleet's GPUs"
+                + (f" of model {same[0].identity.name}" if len(by_model) > 1 else ""),
+                leave_out="leave those at another limit out of the fleet (--gpus)",
+            )
+    return stock
+
+
+def resumed_stock_refusal(
+    campaign: Campaign, gpus: Sequence[Gpu], journal: Path, *, state_dir: Path | None = None
+) -> JournalError | None:
+    """Why the sweep over `gpus` would refuse to resume `journal` (where there is one): its
+    sessions recorded other stock settings than the GPUs' now (`stock_change_refusal`, the
+    runner's own rule), each GPU's stock read as the sweep takes it (`stock_as_swept`,
+    read-only). None where nothing changed, or where the sweep refuses the GPUs first."""
+    from dvfs.measure.journal import session_records
+    from dvfs.measure.runner import session_stock, stock_change_refusal
+
+    if not journal.is_file():
+        return None
+    try:
+        sessions = session_records(journal)
+    except (JournalError, OSError):  # the folder's own check (and the sweep's) says why
+        return None
+    stock = stock_as_swept(campaign, gpus, state_dir=state_dir)
+    if stock is None:
+        return None
+    return stock_change_refusal(sessions, session_stock(gpus, stock))
+
+
+def servers_of(gpus: Sequence[Gpu], groups: Sequence[Sequence[Any]]) -> list[list[Gpu]]:
+    """`gpus`, opened in the order of `groups`' devices, cut into one list per group (server)."""
+    it = iter(gpus)
+    return [[next(it) for _ in group] for group in groups]
+
+
+def check_fleet_stock(
+    campaign: Campaign,
+    groups: Sequence[Sequence[int | str]],
+    *,
+    nvml: ModuleType | None = None,
+    state_dir: Path | None = None,
+) -> None:
+    """Before a fleet's workers open their GPUs (and each times its counters and measures its
+    idle power before its session is compared with the others'): its real GPUs opened
+    read-only here and refused as `check_stock_limits` refuses them. Nothing where they
+    cannot be opened here (the workers' own opening tells)."""
+    if not real_gpus(campaign):
+        return
+    from dvfs.backends import job_gpus, open_gpus
+
+    devices = [d for g in groups for d in g]
+    with contextlib.ExitStack() as stack:
+        try:
+            gpus = stack.enter_context(open_gpus(devices, nvml=nvml, visible=job_gpus()))
+        except GpuError:
+            return
+        check_stock_limits(campaign, servers_of(gpus, groups), state_dir=state_dir)
+
+
+def read_gpu_names(
+    devices: Sequence[int | str],
+    *,
+    nvml: ModuleType | None = None,
+    allow_mig: bool = False,
+    visible: Visible | None = None,
+) -> list[tuple[int, str]]:
+    """Each of `devices`' NVML index and model, in order: the real GPUs opened over NVML (held
+    to `visible`; MIG instances refused unless `allow_mig`), nothing set or read back, and
+    closed; a `GpuError` where NVML cannot open them. How the sweep (`check_server_gpus`)
+    and its dry run (`read_group_models`) read a server's GPU models, for `one_model`."""
+    from dvfs.backends import open_gpus
+
+    with open_gpus(devices, nvml=nvml, allow_mig=allow_mig, visible=visible) as gpus:
+        return [(g.identity.index, g.identity.name) for g in gpus]
+
+
+def read_gpu_identities(
+    campaign: Campaign, *, nvml: ModuleType | None = None
+) -> list[dict[str, Any]]:
+    """The identities (as sessions record them) of the real GPUs a sweep of `campaign` on one
+    GPU group opens, read as `read_gpu_names` reads them (nothing set, closed); none where
+    NVML cannot open them (a machine planning for another: nothing to compare)."""
+    from dataclasses import asdict
+
+    from dvfs.backends import job_gpus, open_gpus
+    from dvfs.errors import GpuError
+
+    try:
+        with open_gpus(campaign.gpu.devices, nvml=nvml, visible=job_gpus()) as gpus:
+            return [asdict(g.identity) for g in gpus]
+    except GpuError:
+        return []
+
+
+def check_server_gpus(
+    campaign: Campaign, *, nvml: ModuleType | None = None, gpus: Sequence[Gpu] | None = None
+) -> None:
+    """Refuse, before the journal is made or the server started, a server on real GPUs of two
+    models (`dvfs.fleet.devices.one_model`, as a fleet and `dvfs doctor` refuse it): its cells
+    would not compare, and the cube was refused only once every cell was measured; and the
+    twin engine on real GPUs of a model the twin has no profile of, with no `gpu.profile` to
+    load them as (`dvfs.backends.free_running_profile`): set, it changes the campaign's hash,
+    which a journal made first would refuse. The GPUs are opened to read their models, and
+    closed; or `gpus`, those a caller of `run_sweep` opened for it (with its own engine). One
+    GPU under a real engine, or the twin's (one profile), has nothing to check."""
+    if not real_gpus(campaign):
+        return
+    from dvfs.backends import job_gpus
+    from dvfs.fleet.devices import group_label, one_model
+
+    twin_load = gpus is None and simulated_engine(campaign) and not campaign.gpu.profile
+    if gpus is None:
+        if len(campaign.gpu.devices) < 2 and not twin_load:
+            return
+        named = read_gpu_names(campaign.gpu.devices, nvml=nvml, visible=job_gpus())
+    else:
+        named = [(g.identity.index, g.identity.name) for g in gpus]
+    if len(named) > 1:
+        one_model(group_label(tuple(index for index, _ in named)), named)
+    if twin_load:
+        free_running_profile(campaign, named[0][1])
+
+
+def read_group_models(
+    campaign: Campaign,
+    groups: Sequence[Sequence[int | str]],
+    *,
+    nvml: ModuleType | None = None,
+    fleet: bool = False,
+    check: bool = False,
+    journal: Path | None = None,
+) -> tuple[list[str] | None, str | None]:
+    """For a dry run, each server's GPU model (one of `groups`, as
+    `dvfs.fleet.devices.worker_groups` cuts them), as a fleet reads them: over NVML, the GPUs
+    opened read-only and closed, no setting read back or changed. A server on real GPUs of two
+    models is refused as the sweep and a fleet refuse it (`one_model`, exit 2). (None, None)
+    with nothing to read: the twin (its models are its profiles), or one server on one GPU
+    that is no `fleet` (a fleet of one, resuming a fleet's folder on the GPUs left, resumes
+    its model's journal only); (None, why) where NVML cannot open them (no NVML here: a
+    machine planning for another), for the dry run to say what it could not check. The twin
+    engine on real GPUs, with no `gpu.profile`, has them read too: a model the twin has no
+    profile of is refused as the sweep refuses it (`free_running_profile`).
+
+    With `check` (the dry run itself), the GPUs are always opened, as the sweep opens them
+    (`check_gpus`): one that is not here, has fallen off the bus or has MIG enabled, and a
+    clock or power limit of the campaign one does not take, make the note say that the sweep
+    would stop on this machine, and why. A note, not a refusal: a workstation with a GPU of its
+    own may be planning for another machine (`dvfs doctor` there checks that one). `journal`:
+    the one the sweep resumes (one server's run, not --fresh), refused as the sweep refuses it
+    where the GPUs' stock settings changed since it was started (`resumed_stock_refusal`)."""
+    servers = [tuple(g) for g in groups if len(g) > 1]
+    # the twin engine's load on them, which a GPU the twin has no profile of is refused
+    twin_load = simulated_engine(campaign) and not campaign.gpu.profile
+    read = len(groups) > 1 or bool(servers) or fleet or twin_load
+    if not real_gpus(campaign) or not (read or check):
+        return None, None
+    from dvfs.errors import GpuError
+    from dvfs.fleet.devices import group_label, one_model
+
+    devices = [d for g in groups for d in g]
+    stop: str | None = None  # why the sweep would stop on this machine
+    try:
+        if check:
+            found, stop = check_gpus(campaign, devices, nvml=nvml, groups=groups, journal=journal)
+        else:
+            found = read_gpu_names(devices, nvml=nvml, allow_mig=True)
+    except GpuError as exc:
+        if check and nvml_answers(nvml):  # NVML works here: these GPUs' own fault
+            stop = f"on this machine the sweep would stop: {exc}"
+        if not read:  # nothing else to read; a machine planning for another needs no note
+            return None, stop
+        unchecked = []
+        if servers:
+            unchecked.append("a tensor-parallel server spanning two GPU models is not checked")
+        if len(groups) > 1:
+            unchecked.append("a fleet mixing GPU models is counted as one model")
+        elif fleet:
+            unchecked.append("every GPU model's journal in the folder is counted")
+        if twin_load:  # first: the others' words end the sentence ("... here")
+            unchecked.insert(0, "whether the twin has a profile of their model is not checked")
+        why = (
+            f"the GPUs' models were not read ({exc})"
+            if stop is None
+            else f"{stop}; their models were not read either"
+        )
+        return None, (
+            f"{why}, so {' and '.join(unchecked)} here: `dvfs doctor` on the GPU machine checks it"
+        )
+    named = iter(found)
+    models = [one_model(group_label(tuple(g)), [next(named) for _ in g]) for g in groups]
+    for model in models if twin_load else ():
+        free_running_profile(campaign, model)
+    return (models if len(groups) > 1 or servers or fleet else None), stop
+
+
+def check_gpus(
+    campaign: Campaign,
+    devices: Sequence[int | str],
+    *,
+    nvml: ModuleType | None = None,
+    groups: Sequence[Sequence[int | str]] | None = None,
+    journal: Path | None = None,
+) -> tuple[list[tuple[int, str]], str | None]:
+    """Each of the campaign's real GPUs `devices`' NVML index and model, opened as the sweep
+    opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set, and closed; and why
+    the sweep would stop on them (a clock or power limit of the campaign one does not take,
+    `check_knobs_against`; with `groups`, `devices` cut into servers, a server's GPUs or a
+    fleet's of one model at other stock power limits, `check_stock_limits`; a GPU another dvfs
+    holds or one holding an earlier run's changes, `check_gpus_free`, or a caps record the
+    sweep cannot read, `read_stock_as_swept`; an energy counter that does not read; stock
+    settings changed since the `journal` it resumes was started, `resumed_stock_refusal`), None if
+    nothing.
+    A `GpuError` where one cannot be opened (not here, fallen off the bus) or NVML does not
+    answer."""
+    from dvfs.backends import job_gpus, open_gpus
+
+    with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
+        found = [(g.identity.index, g.identity.name) for g in gpus]
+        try:
+            from dvfs.gpu.safety import default_state_dir, records_dir
+
+            # the GPUs' locks and state files where the sweep keeps them (one changing knobs
+            # runs as root; observe-only as this user), as `dvfs doctor` reads them
+            directory = records_dir() if campaign.gpu.actuation else default_state_dir()
+            check_gpus_free(gpus, directory)
+            check_knobs_against(campaign, gpus)
+            try:  # a caps record the sweep cannot read
+                read_stock_as_swept(campaign, gpus, directory)
+            except CapsRecordError as exc:
+                if not isinstance(exc.__cause__, PermissionError):  # (root's sweep reads it)
+                    raise
+            if groups is not None and len(gpus) > 1:
+                # dvfs's caps record as the sweep (as root) reads it, for a user too
+                check_stock_limits(campaign, servers_of(gpus, groups), state_dir=records_dir())
+            for gpu in gpus:  # as the runner reads them first, timing their updates
+                gpu.energy_mj()
+            if journal is not None:
+                refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=records_dir())
+                if refusal is not None:
+                    raise refusal
+        except DvfsError as exc:  # (a GPU lost meanwhile too: the sweep would stop on it)
+            return found, f"on this machine the sweep would stop: {exc}"
+        return found, None
+
+
+def nvml_answers(nvml: ModuleType | None = None) -> bool:
+    """Whether NVML initialises here (a driver answers): a GPU that then fails to open fails
+    for its own sake, not for the machine's."""
+    from dvfs.errors import GpuError
+    from dvfs.gpu.nvml import nvml_session
+
+    try:
+        with nvml_session(nvml):
+            return True
+    except GpuError:
+        return False
+
+
+def model_names(campaign: Campaign, models: Sequence[str | None]) -> list[str] | None:
+    """The GPU models `workers_per_model` names (twin GPUs by their profile, real ones by the
+    name NVML gives) as the GPUs name themselves in a journal's sessions; None where one is
+    not known (a real GPU's model not read)."""
+    if not models or not all(models):
+        return None
+    if campaign.gpu.backend == "twin":
+        from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.twin.profiles import gpu_profile
+
+        return sorted({twin_gpu_name(gpu_profile(str(m)).nvml_name) for m in models})
+    return sorted({str(m) for m in models})
+
+
+def gpu_identities(campaign: Campaign, models: Sequence[str | None]) -> list[dict[str, Any]]:
+    """The identities (`GpuIdentity`, as sessions record them) of GPUs of `models`
+    (`workers_per_model`'s), as far as known before they are opened: a twin GPU's whole, from
+    its profile; a real one's name as NVML gave it; none where one is not known."""
+    if not models or not all(models):
+        return []
+    if campaign.gpu.backend == "twin":
+        from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.twin.identity import twin_driver_version
+        from dvfs.twin.profiles import gpu_profile
+
+        # What `dvfs.gpu.twin.TwinGpu` says it is (built there too: that file is the twin's,
+        # its digest part of every twin GPU's driver version).
+        return [
+            {
+                "name": twin_gpu_name(p.nvml_name),
+                "driver_version": twin_driver_version(),
+                "backend": "twin",
+                "memory_clock_mhz": p.memory_clock_mhz,
+                "max_sm_clock_mhz": p.max_sm_clock_mhz,
+            }
+            for p in (gpu_profile(str(m)) for m in models)
+        ]
+    return [{"name": str(m)} for m in models]
+
+
+def fleet_models(
+    campaign: Campaign, groups: Sequence[tuple[int | str, ...]], *, nvml: ModuleType | None = None
+) -> list[str] | None:
+    """The GPU models of a fleet's `groups` (`model_names`): twins' from their profiles, real
+    GPUs' read over NVML as the dry run reads them (`read_group_models`, nothing changed);
+    None where NVML cannot open them (the workers' own opening then tells)."""
+    from dvfs.fleet.devices import workers_per_model
+
+    models = None
+    if real_gpus(campaign):
+        models, _ = read_group_models(campaign, groups, nvml=nvml, fleet=True)
+        if models is None:
+            return None
+    return model_names(campaign, list(workers_per_model(campaign, groups, models)))
+
+
+def check_inflight_resume(journal: Journal, campaign: Campaign, cells: Sequence[Cell]) -> None:
+    """Refuse, before measuring, to add cells (`cells` not finished, or the repeats the
+    journal's records ask for: `dvfs.fleet.folders.extra_repeats`) to an in-flight journal an
+    earlier dvfs carried along another drift (`Journal.check_inflight_drift`)."""
+    if campaign.measurement.mode != "in-flight" or not journal.path.is_file():
+        return
+    from dvfs.fleet.folders import extra_repeats
+
+    more = extra_repeats(campaign, journal.path, cells)
+    journal.check_inflight_drift([c.key for c in (*cells, *more)])
