@@ -536,6 +536,70 @@ def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(
     assert up == {("", lost_uuid): 0.0, ("1", nvml.fake_device_state(1)["uuid"]): 1.0}, up
 
 
+class GeneratingMetrics(http.server.ThreadingHTTPServer):
+    """A loopback /metrics page whose server generated 10 tokens more at every read."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        server = self
+
+        class Page(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server naming
+                server.tokens += 10
+                body = (
+                    f"sglang:num_running_reqs 2\nsglang:generation_tokens_total {server.tokens}\n"
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Page)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[str]:
+        """Serve in a thread for the block: the page's URL."""
+        thread = threading.Thread(target=self.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{self.server_address[1]}"
+        finally:
+            self.shutdown()
+            self.server_close()
+
+
+def test_a_server_gpu_that_did_not_open_leaves_the_servers_energy_per_token_unknown(
+    env: dict[str, str], nvml
+) -> None:
+    """`monitor --gpu 0 --gpu 1` (the server's GPUs) with GPU 0 fallen off the bus exported
+    the server's energy per token as GPU 1's energy alone over the server's tokens: a number
+    that hid GPU 0's energy (half the server's, on two alike GPUs). That energy is unknown, so
+    the figure is NaN, as for a GPU that stops answering while the monitor runs; GPU 1's own
+    figure stays, and a server that runs on GPU 1 alone keeps its own."""
+    nvml.fake_update_device(0, lost=True)
+    nvml.fake_set_load(1, 0.5)
+    args = ("monitor", "--once", "--interval", "0.1")
+    with GeneratingMetrics().serving() as url:
+        both = dvfs_in_process(*args, "--url", url, "--gpu", "0", "--gpu", "1", env=env)
+        alone = dvfs_in_process(*args, "--url", url, "--gpu", "1", env=env)
+    assert both.returncode == 1 and "fallen off the bus" in both.stderr, both.stderr
+    values = page_values(both.stdout)
+    assert values[("dvfs_gpu_up", "0")] == 0.0
+    assert values[("dvfs_gpu_energy_per_token_joules", "1")] >= 0
+    assert math.isnan(values[("dvfs_server_energy_per_token_joules", None)]), both.stdout
+    assert alone.returncode == 0, alone.stderr
+    values = page_values(alone.stdout)
+    server = values[("dvfs_server_energy_per_token_joules", None)]
+    assert server >= 0 and server == values[("dvfs_gpu_energy_per_token_joules", "1")]
+
+
 def test_govern_with_no_gpu_named_refuses_one_fallen_off_the_bus_naming_the_others(
     tmp_path: Path, env: dict[str, str], nvml
 ) -> None:
