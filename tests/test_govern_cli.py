@@ -536,6 +536,70 @@ def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(
     assert up == {("", lost_uuid): 0.0, ("1", nvml.fake_device_state(1)["uuid"]): 1.0}, up
 
 
+class GeneratingMetrics(http.server.ThreadingHTTPServer):
+    """A loopback /metrics page whose server generated 10 tokens more at every read."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        server = self
+
+        class Page(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server naming
+                server.tokens += 10
+                body = (
+                    f"sglang:num_running_reqs 2\nsglang:generation_tokens_total {server.tokens}\n"
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Page)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[str]:
+        """Serve in a thread for the block: the page's URL."""
+        thread = threading.Thread(target=self.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{self.server_address[1]}"
+        finally:
+            self.shutdown()
+            self.server_close()
+
+
+def test_a_server_gpu_that_did_not_open_leaves_the_servers_energy_per_token_unknown(
+    env: dict[str, str], nvml
+) -> None:
+    """`monitor --gpu 0 --gpu 1` (the server's GPUs) with GPU 0 fallen off the bus exported
+    the server's energy per token as GPU 1's energy alone over the server's tokens: a number
+    that hid GPU 0's energy (half the server's, on two alike GPUs). That energy is unknown, so
+    the figure is NaN, as for a GPU that stops answering while the monitor runs; GPU 1's own
+    figure stays, and a server that runs on GPU 1 alone keeps its own."""
+    nvml.fake_update_device(0, lost=True)
+    nvml.fake_set_load(1, 0.5)
+    args = ("monitor", "--once", "--interval", "0.1")
+    with GeneratingMetrics().serving() as url:
+        both = dvfs_in_process(*args, "--url", url, "--gpu", "0", "--gpu", "1", env=env)
+        alone = dvfs_in_process(*args, "--url", url, "--gpu", "1", env=env)
+    assert both.returncode == 1 and "fallen off the bus" in both.stderr, both.stderr
+    values = page_values(both.stdout)
+    assert values[("dvfs_gpu_up", "0")] == 0.0
+    assert values[("dvfs_gpu_energy_per_token_joules", "1")] >= 0
+    assert math.isnan(values[("dvfs_server_energy_per_token_joules", None)]), both.stdout
+    assert alone.returncode == 0, alone.stderr
+    values = page_values(alone.stdout)
+    server = values[("dvfs_server_energy_per_token_joules", None)]
+    assert server >= 0 and server == values[("dvfs_gpu_energy_per_token_joules", "1")]
+
+
 def test_govern_with_no_gpu_named_refuses_one_fallen_off_the_bus_naming_the_others(
     tmp_path: Path, env: dict[str, str], nvml
 ) -> None:
@@ -709,6 +773,73 @@ def test_a_run_reads_the_server_every_interval_over_one_connection(
     assert result.returncode == 0, result.stderr
     assert server.requests == reads, result.stderr
     assert server.connections == 1
+
+
+class TricklingMetrics(http.server.ThreadingHTTPServer):
+    """A loopback /metrics page sent a byte at a time, `delay_s` apart (a server too busy to
+    send it whole), every byte sooner than an HTTP read times out."""
+
+    daemon_threads = True
+
+    def __init__(self, delay_s: float) -> None:
+        class Page(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server naming
+                body = b"sglang:num_running_reqs 2\nsglang:generation_tokens_total 10\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                with contextlib.suppress(OSError):  # the reader gave up: it hung up
+                    for byte in body:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(delay_s)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Page)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("monitor", "--once"), ("govern", "--plan", "plan.toml", "--dry-run", "--listen", "off")],
+)
+def test_a_page_that_trickles_in_is_a_server_not_answering(
+    tmp_path: Path,
+    env: dict[str, str],
+    nvml,
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+) -> None:
+    """A /metrics page that came a byte at a time held each read for as long as it trickled
+    (the HTTP client's timeout bounds each wait for bytes, not the page): here 6 s a read
+    against an interval of 0.2 s and a timeout of 0.5 s, a governor kept at a cap the load
+    may have outgrown all the while, the page then read as a server answering. The whole
+    page must now come within the timeout, else the server is not answering."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.toml").write_text(PLAN)
+    server = TricklingMetrics(delay_s=0.1)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        result = dvfs_in_process(
+            *command,
+            *("--url", url, "--gpu", "0", "--interval", "0.2", "--max-intervals", "1"),
+            env=env,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    said = f"cannot read {url}/metrics: its page did not come within 0.5 s"
+    assert said in result.stderr, result.stderr
+    if command[0] == "monitor":
+        assert result.returncode == 0 and "dvfs_server_up 0.0" in result.stdout, result.stdout
+    else:  # a dry run with no load to preview
+        assert result.returncode == 1 and "is not answering" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_the_server_is_read_at_the_url_given_and_a_port_out_of_range_is_refused(

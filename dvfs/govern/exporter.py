@@ -22,7 +22,8 @@ gpu empty instead where it was named by UUID: `LiveMetrics.unopened`).
 and for the server: dvfs_server_up, dvfs_server_running_requests,
 dvfs_server_generated_tokens_total, dvfs_server_spec_accept_length (with speculation),
 dvfs_server_energy_per_token_joules (its GPUs: those --gpu names, else those it is found on,
-else every GPU read, `dvfs.govern.servergpus`); for the governor: dvfs_govern_changes_total
+else every GPU read, `dvfs.govern.servergpus`; NaN where one of those did not answer,
+or did not open as the monitor started); for the governor: dvfs_govern_changes_total
 and dvfs_govern_plan_batch (the largest planned batch the band in force reaches; 0 when it
 reaches above the plan, at stock).
 """

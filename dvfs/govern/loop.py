@@ -259,6 +259,9 @@ class Watch:
     #: The server's GPUs, where no --gpu named them: only theirs count in its energy per
     #: token (None: every GPU read).
     server_gpus: ServerGpus | None = None
+    #: A GPU to count did not open (the monitor exports it as not up): where every GPU counts
+    #: (named with --gpu, or the server's not found), the server's energy is unknown.
+    unopened: bool = False
 
     def server(self) -> ServerSample | None:
         """This interval's server sample; None (after one note per outage) when unreadable."""
@@ -315,7 +318,8 @@ class Watch:
                 self.previous_tokens,
                 tokens,
             )
-            if self.previous
+            # every GPU counts, one that did not open among them: its energy is unknown
+            if self.previous and not (counted is None and self.unopened)
             else math.nan
         )
         self.previous, self.previous_tokens = readings, tokens
@@ -735,7 +739,7 @@ def monitor(
     --gpu named them (only theirs count in its energy per token)."""
     from dvfs.signals import signals_raise
 
-    watch = Watch(gpus, scraper, note, server_gpus=server_gpus)
+    watch = Watch(gpus, scraper, note, server_gpus=server_gpus, unopened=bool(live.unopened))
     try:
         with signals_raise():
             for _ in ticker:

@@ -14,6 +14,7 @@ of them report),
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,15 +131,29 @@ class ServerReader:
         self.address = metrics_url(url)
         #: The address as messages (and the service's log) name it: no credentials.
         self.shown = redact_url(self.address)
+        self.timeout_s = timeout_s
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
 
     def __call__(self) -> ServerSample:
-        """Read and parse the server's /metrics; every failure is one ScrapeError line."""
+        """Read and parse the server's /metrics; every failure is one ScrapeError line. The
+        whole page must come within the timeout: httpx's bounds each wait for bytes alone, so
+        a page trickling in a few bytes at a time would hold the loop (a governor at a cap
+        the load has outgrown) for as long as it trickles."""
         import httpx
 
         address = self.shown
+        deadline = time.monotonic() + self.timeout_s
         try:
-            response = self._client.get(self.address)
+            with self._client.stream("GET", self.address) as response:
+                chunks = []
+                for chunk in response.iter_bytes():
+                    chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        raise ServerDownError(
+                            f"cannot read {address}: its page did not come within "
+                            f"{self.timeout_s:g} s"
+                        )
+                text = b"".join(chunks).decode(response.encoding or "utf-8", errors="replace")
         except httpx.HTTPError as exc:
             raise ServerDownError(f"cannot read {address}: {exc or type(exc).__name__}") from exc
         if response.status_code == 404:
@@ -146,7 +161,7 @@ class ServerReader:
         if response.status_code != 200:
             raise ScrapeError(f"{address} answered HTTP {response.status_code}")
         try:
-            return parse_server_metrics(response.text)
+            return parse_server_metrics(text)
         except ScrapeError as exc:
             raise ScrapeError(f"{address}: {exc}") from exc
 
