@@ -1088,6 +1088,9 @@ def test_the_monitor_units_command_line_runs(env: dict[str, str], nvml, stub: st
         (["--plan", "nope.toml"], 2, "per-batch plan nope.toml does not exist"),
         (["--plan", "p.toml", "--interval", "0"], 2, "--interval: must be more than 0"),
         (["--plan", "p.toml", "--interval", "1x"], 2, "is not a duration such as 500ms"),
+        # an internal OverflowError (a wait past time_t) once; a day is the longest span taken
+        (["--plan", "p.toml", "--interval", "200000000m"], 2, "is longer than a day"),
+        (["--plan", "p.toml", "--dwell", "86401"], 2, "is longer than a day"),
         (["--plan", "p.toml", "--listen", "9435"], 2, "must be HOST:PORT"),
         (["--plan", "p.toml", "--url", "http://127.0.0.1:port"], 2, "is not a URL"),
         (["--plan", "p.toml", "--url", "localhost:30000"], 2, "is not an http(s)://HOST:PORT"),

@@ -506,7 +506,7 @@ def test_no_orphan_server_when_dvfs_is_killed(tmp_path: Path) -> None:
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # a guard against hanging, not a latency bound
         while running(marker) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert running(marker) == [], "the server outlived a SIGKILLed dvfs"

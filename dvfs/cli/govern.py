@@ -23,6 +23,9 @@ import click
 from dvfs.cli.common import OutputFolder, handle_errors, option_given
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
+#: An interval or dwell beyond a day is a typo; far beyond, the waits overflow the platform's
+#: time_t.
+LONGEST_DURATION_S = 86_400.0
 
 
 class Duration(click.ParamType):
@@ -39,7 +42,10 @@ class Duration(click.ParamType):
         if not match:
             self.fail(f"{value!r} is not a duration such as 500ms, 1s or 2m", param, ctx)
         scale = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[match.group(2)]
-        return float(match.group(1)) * scale
+        seconds = float(match.group(1)) * scale
+        if not seconds <= LONGEST_DURATION_S:  # inf too: the clocks' waits cannot take it
+            self.fail(f"{value!r} is longer than a day, the longest span taken", param, ctx)
+        return seconds
 
 
 def note(message: str) -> None:
