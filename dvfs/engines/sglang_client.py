@@ -201,6 +201,8 @@ class SglangClient:
         self.admin_headers = _bearer(admin_api_key)
         #: Whether the server serves POST /abort_request (None: not asked yet).
         self.abort_route: bool | None = None
+        #: The key /abort_request is sent with: the API key until the server refuses it.
+        self.abort_headers = self.headers
         self._tls: Any = None
 
     def _verify(self) -> Any:
@@ -499,14 +501,25 @@ class SglangClient:
                 await response.aclose()
 
     async def _abort(self, client: Any, rid: str) -> bool:
-        """POST /abort_request for one request; whether the server refused it."""
+        """POST /abort_request for one request; whether the server refused it. An admin
+        route, as /flush_cache (SGLang's ADMIN_OPTIONAL): a server with an admin key refuses
+        the API key, so the admin key is tried on a 401 or 403 and kept from then on."""
         httpx = _httpx()
-        try:
-            response = await client.post(
-                self.base_url + "/abort_request", json={"rid": rid}, timeout=10.0
-            )
-        except httpx.HTTPError:
-            return True
+        while True:
+            headers = self.abort_headers
+            try:
+                response = await client.post(
+                    self.base_url + "/abort_request",
+                    json={"rid": rid},
+                    timeout=10.0,
+                    headers=headers,
+                )
+            except httpx.HTTPError:
+                return True
+            admin = self.admin_headers
+            if response.status_code not in (401, 403) or not admin or headers is admin:
+                break
+            self.abort_headers = admin
         if response.status_code in (404, 405):
             self.abort_route = False  # an SGLang without the route: disconnect from now on
         elif response.status_code == 200:

@@ -194,7 +194,8 @@ CUDA_DEVICE_ORDER from its environment.
 
 API keys, as SGLang checks them: a stub started with ``--api-key KEY`` answers 401
 ``{"error": "Unauthorized"}`` to any route but /health* and /metrics without
-``Authorization: Bearer KEY``; with ``--admin-api-key`` /flush_cache wants that key instead.
+``Authorization: Bearer KEY``; with ``--admin-api-key`` /flush_cache and /abort_request want
+that key instead (the API key no longer opens them).
 
 GPU processes: when env ``DVFS_FAKE_NVML_STATE`` names a fake NVML state
 (``tests/fakes/nvml/pynvml.py``, loaded by path), the stub lists its own pid as a compute
@@ -1544,8 +1545,10 @@ class StubHandler(BaseHTTPRequestHandler):
         """POST routes."""
         self._dispatch("POST")
 
-    #: Routes that take the admin key where the server has one (else the API key).
-    ADMIN_ROUTES = ("/flush_cache",)
+    #: Routes that take the admin key where the server has one (else the API key): SGLang
+    #: marks both ADMIN_OPTIONAL (0.5.9 and 0.5.23 http_server.py), which refuses the API key
+    #: once an admin key is set.
+    ADMIN_ROUTES = ("/flush_cache", "/abort_request")
 
     def _unauthorized(self, path: str) -> int | None:
         """SGLang's key check: with --api-key, every route but /health* and /metrics needs
