@@ -356,6 +356,21 @@ def test_speculative_fields_only_on_the_final_chunk(launch: Launcher, version: s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", VERSIONS)
+def test_a_request_without_a_verify_pass_has_no_speculative_fields(
+    launch: Launcher, version: str
+) -> None:
+    """SGLang adds the speculative keys (spec_verify_ct too) only once a request had a verify
+    pass: one that ends at its prefill token has none, not spec_verify_ct 0."""
+    stub = launch(version, ("--speculative-algorithm", "EAGLE"), accept_length=2.5)
+    meta = final_meta(stub.stream(generate_body(1, ignore_eos=True)))
+    assert meta["completion_tokens"] == 1
+    assert not set(meta) & SPEC_META[version], sorted(meta)
+    meta = final_meta(stub.stream(generate_body(2, ignore_eos=True)))
+    assert meta["spec_verify_ct"] == 1 and SPEC_META[version] <= set(meta)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
 def test_no_server_accept_length_before_a_whole_block_of_decode_iterations(
     launch: Launcher, version: str
 ) -> None:

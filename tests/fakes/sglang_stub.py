@@ -133,7 +133,8 @@ queue_time, first_token_latency.  Last chunk only: e2e_latency; 0.5.23 with
 --enable-metrics adds request_finished_ts, decode_throughput; with a speculative
 algorithm (as SGLang's TokenizerManager._handle_batch_output adds them, under ``if
 state.finished``, in 0.5.9 and 0.5.23 alike: a stream cut before its final chunk never
-gets them): spec_verify_ct (decode steps), and when it is > 0 spec_accept_length
+gets them, and only when spec_verify_ct > 0: a request that ended at its prefill token or was
+aborted before a verify pass has none of them): spec_verify_ct (decode steps), spec_accept_length
 (completion_tokens / spec_verify_ct, so the prefill token counts), spec_accept_rate
 (accepted drafts / (verify x (num_draft_tokens - 1))), and accepted drafts,
 proposed drafts and the per-verify accepted-drafts histogram (length
@@ -1385,18 +1386,24 @@ class Stub:
         return meta
 
     def _spec_meta(self, sub: SubRequest) -> dict[str, Any]:
-        """Final-chunk speculative statistics of one request."""
+        """Final-chunk speculative statistics of one request: none at all for a request that
+        never reached a verify pass (one that ended at its prefill token, or aborted before
+        its first decode step), as SGLang's TokenizerManager._calculate_spec_decoding_metrics
+        adds every key, spec_verify_ct included, only when spec_verify_ct > 0 and the drafts
+        proposed are > 0 (0.5.23 tokenizer_manager.py)."""
         assert self.spec is not None
         correct_key, proposed_key, histogram_key = SPEC_DRAFT_KEYS[self.version]
-        meta: dict[str, Any] = {"spec_verify_ct": sub.verify_ct}
-        if sub.verify_ct > 0:
-            proposed = sub.verify_ct * (self.spec.num_draft_tokens - 1)
-            meta["spec_accept_length"] = len(sub.output_ids) / sub.verify_ct
-            meta["spec_accept_rate"] = sub.correct_drafts / proposed if proposed else 0.0
-            meta[correct_key] = sub.correct_drafts
-            meta[proposed_key] = proposed
-            meta[histogram_key] = list(sub.histogram)
-        return meta
+        proposed = sub.verify_ct * (self.spec.num_draft_tokens - 1)
+        if sub.verify_ct <= 0 or proposed <= 0:
+            return {}
+        return {
+            "spec_verify_ct": sub.verify_ct,
+            "spec_accept_length": len(sub.output_ids) / sub.verify_ct,
+            "spec_accept_rate": sub.correct_drafts / proposed,
+            correct_key: sub.correct_drafts,
+            proposed_key: proposed,
+            histogram_key: list(sub.histogram),
+        }
 
     def server_info(self) -> dict[str, Any]:
         """/server_info: resolved args, version, internal_states."""
