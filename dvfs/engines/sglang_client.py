@@ -39,6 +39,11 @@ HEALTH_PROBE_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 20.0
 #: What /health gets beyond that timeout before a server whose round failed is taken for hung.
 HUNG_MARGIN_S = 5.0
+#: The route that asks the scheduler whether it is alive: /health does so too unless the
+#: server's SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false, when it answers 200 at once
+#: even with the scheduler wedged; /health_generate always runs its one-token generate
+#: (0.5.9 and 0.5.23 http_server.py `health_generate`).
+SCHEDULER_PROBE = "/health_generate"
 
 
 def hung_probe_s(env: Mapping[str, str]) -> float:
@@ -224,13 +229,13 @@ class SglangClient:
         ) as client:
             return client.get(self.base_url + path)
 
-    def health_status(self, timeout_s: float | None = None) -> int | None:
-        """HTTP status of /health, or None while nothing listens (or nothing answers within
-        `timeout_s`; HEALTH_PROBE_S, read as it is called, where not given)."""
+    def health_status(self, timeout_s: float | None = None, *, path: str = "/health") -> int | None:
+        """HTTP status of /health (or `path`), or None while nothing listens (or nothing
+        answers within `timeout_s`; HEALTH_PROBE_S, read as it is called, where not given)."""
         httpx = _httpx()
         timeout_s = HEALTH_PROBE_S if timeout_s is None else timeout_s
         try:
-            return int(self._get("/health", timeout_s=timeout_s).status_code)
+            return int(self._get(path, timeout_s=timeout_s).status_code)
         except httpx.HTTPError:
             return None
 

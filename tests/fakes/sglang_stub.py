@@ -53,7 +53,9 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
 - ``hang_after_requests`` (null): N >= 1; from the arrival of the N-th /generate request the
   process lives on but answers nothing more, on any route (``/health`` included): every
   request then arriving, that one too, waits without a byte until the process is stopped,
-  as a wedged SGLang scheduler leaves its HTTP server (SIGTERM still stops it).
+  as a wedged SGLang scheduler leaves its HTTP server (SIGTERM still stops it). With env
+  ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` false, GET ``/health`` still answers 200 at
+  once, as SGLang's does then (it asks the scheduler nothing; ``/health_generate`` does).
 - ``torch_load_device`` (null): a torch device ("cuda", "cpu") on which matrix-vector
   products over ``torch_load_mib`` (512) MiB of weights run while requests run (``TorchLoad``):
   a real load, and a real compute process, for dvfs on a real GPU.
@@ -985,8 +987,16 @@ class Stub:
         self.spec = spec
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        #: hang_after_requests reached: no request is answered any more.
+        #: hang_after_requests reached: no request is answered any more (but /health where
+        #: `health_generates` is false).
         self.hung = threading.Event()
+        #: Whether /health runs its one-token generate: SGLang's env
+        #: SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION (true unless "false", "0", "no", "n");
+        #: false, /health answers 200 at once from the HTTP server, the scheduler unasked,
+        #: and /health_generate alone generates (0.5.9 and 0.5.23 http_server.py).
+        self.health_generates = os.environ.get(
+            "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true"
+        ).lower() not in ("false", "0", "no", "n")
         self.ready_at = math.inf
         self.model_name = str(args.get("served_model_name") or args["model_path"])
         self.enable_metrics = bool(args.get("enable_metrics"))
@@ -1571,7 +1581,7 @@ class StubHandler(BaseHTTPRequestHandler):
         return None
 
     def _dispatch(self, method: str) -> None:
-        if self.stub.hung.is_set():
+        if self.stub.hung.is_set() and not self._health_answers_alone(method):
             self.stub.stop.wait()  # a wedged server: nothing is answered until it is stopped
             self.close_connection = True  # its body unread: not a next request
             return
@@ -1612,11 +1622,18 @@ class StubHandler(BaseHTTPRequestHandler):
                 log(f"client went away during {method} {path}")
                 self.close_connection = True
 
+    def _health_answers_alone(self, method: str) -> bool:
+        """Whether this is a GET /health that SGLang's HTTP server answers without its
+        scheduler (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION false): a wedged scheduler
+        does not keep it from answering 200."""
+        path = self.path.split("?", 1)[0]
+        return method == "GET" and path == "/health" and not self.stub.health_generates
+
     # -- endpoints
 
     def _health(self) -> None:
         ready = self.stub.is_ready()
-        if ready and self.stub.generate_count:
+        if ready and self.stub.generate_count and self.stub.health_generates:
             time.sleep(self.stub.cfg.busy_health_s)
         self._send(200 if ready else 503, b"", "text/plain; charset=utf-8")
 
