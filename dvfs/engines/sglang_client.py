@@ -269,7 +269,7 @@ class SglangClient:
         )
 
     def server_info(self) -> dict[str, Any]:
-        """/server_info (0.5.23 also serves it as /get_server_info)."""
+        """/server_info (0.5.9 and 0.5.23 also serve it as /get_server_info, deprecated)."""
         httpx = _httpx()
         for path in ("/server_info", "/get_server_info"):
             try:

@@ -1596,13 +1596,13 @@ class StubHandler(BaseHTTPRequestHandler):
             "/health": ({"GET"}, self._health),
             "/health_generate": ({"GET"}, self._health_generate),
             "/server_info": ({"GET"}, self._server_info),
+            # its deprecated name, served by 0.5.9 and 0.5.23 alike (http_server.py)
+            "/get_server_info": ({"GET"}, self._server_info),
             "/flush_cache": ({"GET", "POST"}, self._flush_cache),
             "/metrics": ({"GET"}, self._metrics),
             "/generate": ({"POST"}, lambda: self._generate(body)),
             "/abort_request": ({"POST"}, lambda: self._abort_request(body)),
         }
-        if self.stub.version == "0.5.23":
-            routes["/get_server_info"] = routes["/server_info"]
         if path == "/metrics" and not self.stub.enable_metrics:
             routes.pop("/metrics")
         if not self.stub.cfg.abort_route:
