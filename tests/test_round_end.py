@@ -401,12 +401,17 @@ _SPEC_LINE = re.compile(
 
 
 def _stub_round(
-    tmp_path: Path, *, abort_route: bool, requests: int = 4
+    tmp_path: Path,
+    *,
+    abort_route: bool,
+    requests: int = 4,
+    keys: tuple[str, str] | None = None,
 ) -> tuple[RoundResult, dict[str, tuple[int, int, int, str]]]:
     """One fixed batch of `requests` EAGLE-3 requests (48 tokens, 2 or 3 a verify pass,
     seeded) through dvfs's SGLang client against the stub on loopback, ended at its first
     finish; and what the stub generated for each request (by rid): (tokens, verify passes,
-    accepted drafts, how it ended), from its log once it logged them all (bounded wait)."""
+    accepted drafts, how it ended), from its log once it logged them all (bounded wait).
+    `keys`: the server's --api-key and --admin-api-key, which the client is given."""
     import os
     import subprocess
     import sys
@@ -441,6 +446,8 @@ def _stub_round(
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "draft",
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
             "--speculative-num-draft-tokens", "4", "--decode-log-interval", "4"]  # fmt: skip
+    if keys is not None:
+        argv += ["--api-key", keys[0], "--admin-api-key", keys[1]]
     with log_path.open("w") as log_file:
         server = subprocess.Popen(
             argv,
@@ -455,7 +462,13 @@ def _stub_round(
             found = re.search(r"running on http://127\.0\.0\.1:(\d+)", log_path.read_text())
             port = int(found.group(1)) if found else time.sleep(0.01)
         assert port is not None, log_path.read_text()
-        client = SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock())
+        api_key, admin_api_key = keys or (None, None)
+        client = SglangClient(
+            f"http://127.0.0.1:{port}",
+            clock=MonotonicClock(),
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+        )
         client.wait_healthy(30)
         client.flush_cache()  # hold_unfinished counts finishes since the last flush
         started = time.monotonic_ns()
@@ -503,6 +516,23 @@ def test_a_round_ended_by_aborts_pools_every_request_as_the_server_ran_it(
     assert got.accept_length == tokens / verify
     assert got.decode_accept_length == (tokens - 4) / verify
     assert got.accept_rate == correct / (verify * 3)  # three drafts a pass
+
+
+def test_a_server_with_an_admin_key_takes_the_round_ends_aborts_with_that_key(
+    tmp_path: Path,
+) -> None:
+    """SGLang marks /abort_request ADMIN_OPTIONAL, as /flush_cache (0.5.9 and 0.5.23
+    http_server.py): a server started with --admin-api-key refuses it the API key (401). The
+    client aborts with the admin key it was given, so each aborted request ends with its final
+    chunk and counters, not cut off by a disconnect that loses them (the cell's acceptance
+    then unknown)."""
+    from dvfs.measure.meter import acceptance
+
+    result, counts = _stub_round(tmp_path, abort_route=True, keys=("key-1", "admin-2"))
+    assert sorted(how for *_, how in counts.values()) == ["aborted"] * 3 + ["finished"]
+    assert not any(r.final_lost for r in result.requests)
+    tokens, verify = (sum(c[k] for c in counts.values()) for k in range(2))
+    assert acceptance([result]).accept_length == tokens / verify
 
 
 def test_a_rounds_rids_are_prefix_free_so_each_abort_takes_its_own_request(

@@ -301,7 +301,7 @@ def test_stream_is_cumulative_with_the_version_meta_names(launch: Launcher, vers
     assert info["model_path"] == "Qwen/Qwen2.5-7B-Instruct" and info["tp_size"] == 1
     assert info["speculative_algorithm"] is None and info["enable_metrics"] is True
     assert "avg_spec_accept_length" not in info["internal_states"][0]
-    assert stub.request("GET", "/get_server_info")[0] == (200 if version == "0.5.23" else 404)
+    assert stub.request("GET", "/get_server_info")[0] == 200  # the deprecated name, both
     status, metrics = stub.request("GET", "/metrics")
     assert status == 200 and b"sglang:generation_tokens_total" in metrics
     assert b"sglang:spec_verify_calls_total" not in metrics
@@ -354,6 +354,21 @@ def test_speculative_fields_only_on_the_final_chunk(launch: Launcher, version: s
     _, info = stub.json("GET", "/server_info")
     # Scheduler.flush_cache resets the metrics in 0.5.9 and 0.5.23 alike: no average yet
     assert "avg_spec_accept_length" not in info["internal_states"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_request_without_a_verify_pass_has_no_speculative_fields(
+    launch: Launcher, version: str
+) -> None:
+    """SGLang adds the speculative keys (spec_verify_ct too) only once a request had a verify
+    pass: one that ends at its prefill token has none, not spec_verify_ct 0."""
+    stub = launch(version, ("--speculative-algorithm", "EAGLE"), accept_length=2.5)
+    meta = final_meta(stub.stream(generate_body(1, ignore_eos=True)))
+    assert meta["completion_tokens"] == 1
+    assert not set(meta) & SPEC_META[version], sorted(meta)
+    meta = final_meta(stub.stream(generate_body(2, ignore_eos=True)))
+    assert meta["spec_verify_ct"] == 1 and SPEC_META[version] <= set(meta)
 
 
 @pytest.mark.slow

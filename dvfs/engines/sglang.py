@@ -69,6 +69,7 @@ from dvfs.engines.sglang_args import (
     unstartable,
 )
 from dvfs.engines.sglang_client import (
+    SCHEDULER_PROBE,
     EngineConnectionError,
     SamplingParams,
     SglangClient,
@@ -834,9 +835,11 @@ class SglangEngine:
             if isinstance(exc, EngineConnectionError) and self._exited_within(CRASH_GRACE_S):
                 raise EngineCrashedError(self._crash_message(exc)) from exc
             probe_s = hung_probe_s(launch_env(self.campaign))  # a wrapper's setting too
-            if self._alive() and (status := client.health_status(probe_s)) != 200:
-                # Alive but wedged (a hung scheduler answers nothing, /health included): every
-                # later cell would fail on it, so it is stopped and restarted as a dead one is.
+            probe = SCHEDULER_PROBE
+            if self._alive() and (status := client.health_status(probe_s, path=probe)) != 200:
+                # Alive but wedged (a hung scheduler outputs nothing, so its one-token health
+                # generate never answers 200): every later cell would fail on it, so it is
+                # stopped and restarted as a dead one is.
                 raise EngineHungError(self._stop_hung(exc, status, probe_s)) from exc
             raise
         if not self.config.url and not self._alive():
@@ -857,12 +860,12 @@ class SglangEngine:
         )
 
     def _stop_hung(self, exc: EngineError, status: int | None, probe_s: float) -> str:
-        """Stop a live server given up on as hung, and say why (`exc`, and what /health said),
-        with its log's last lines, read once it stopped."""
+        """Stop a live server given up on as hung, and say why (`exc`, and what its scheduler
+        probe, SCHEDULER_PROBE, said), with its log's last lines, read once it stopped."""
         health = (
-            f"no answer from /health within {probe_s:g} s"
+            f"no answer from {SCHEDULER_PROBE} within {probe_s:g} s"
             if status is None
-            else f"/health answered {status}"
+            else f"{SCHEDULER_PROBE} answered {status}"
         )
         log_path = self._log_path
         self.stop()

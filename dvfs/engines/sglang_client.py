@@ -39,6 +39,11 @@ HEALTH_PROBE_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 20.0
 #: What /health gets beyond that timeout before a server whose round failed is taken for hung.
 HUNG_MARGIN_S = 5.0
+#: The route that asks the scheduler whether it is alive: /health does so too unless the
+#: server's SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false, when it answers 200 at once
+#: even with the scheduler wedged; /health_generate always runs its one-token generate
+#: (0.5.9 and 0.5.23 http_server.py `health_generate`).
+SCHEDULER_PROBE = "/health_generate"
 
 
 def hung_probe_s(env: Mapping[str, str]) -> float:
@@ -201,6 +206,8 @@ class SglangClient:
         self.admin_headers = _bearer(admin_api_key)
         #: Whether the server serves POST /abort_request (None: not asked yet).
         self.abort_route: bool | None = None
+        #: The key /abort_request is sent with: the API key until the server refuses it.
+        self.abort_headers = self.headers
         self._tls: Any = None
 
     def _verify(self) -> Any:
@@ -222,13 +229,13 @@ class SglangClient:
         ) as client:
             return client.get(self.base_url + path)
 
-    def health_status(self, timeout_s: float | None = None) -> int | None:
-        """HTTP status of /health, or None while nothing listens (or nothing answers within
-        `timeout_s`; HEALTH_PROBE_S, read as it is called, where not given)."""
+    def health_status(self, timeout_s: float | None = None, *, path: str = "/health") -> int | None:
+        """HTTP status of /health (or `path`), or None while nothing listens (or nothing
+        answers within `timeout_s`; HEALTH_PROBE_S, read as it is called, where not given)."""
         httpx = _httpx()
         timeout_s = HEALTH_PROBE_S if timeout_s is None else timeout_s
         try:
-            return int(self._get("/health", timeout_s=timeout_s).status_code)
+            return int(self._get(path, timeout_s=timeout_s).status_code)
         except httpx.HTTPError:
             return None
 
@@ -262,7 +269,7 @@ class SglangClient:
         )
 
     def server_info(self) -> dict[str, Any]:
-        """/server_info (0.5.23 also serves it as /get_server_info)."""
+        """/server_info (0.5.9 and 0.5.23 also serve it as /get_server_info, deprecated)."""
         httpx = _httpx()
         for path in ("/server_info", "/get_server_info"):
             try:
@@ -499,14 +506,25 @@ class SglangClient:
                 await response.aclose()
 
     async def _abort(self, client: Any, rid: str) -> bool:
-        """POST /abort_request for one request; whether the server refused it."""
+        """POST /abort_request for one request; whether the server refused it. An admin
+        route, as /flush_cache (SGLang's ADMIN_OPTIONAL): a server with an admin key refuses
+        the API key, so the admin key is tried on a 401 or 403 and kept from then on."""
         httpx = _httpx()
-        try:
-            response = await client.post(
-                self.base_url + "/abort_request", json={"rid": rid}, timeout=10.0
-            )
-        except httpx.HTTPError:
-            return True
+        while True:
+            headers = self.abort_headers
+            try:
+                response = await client.post(
+                    self.base_url + "/abort_request",
+                    json={"rid": rid},
+                    timeout=10.0,
+                    headers=headers,
+                )
+            except httpx.HTTPError:
+                return True
+            admin = self.admin_headers
+            if response.status_code not in (401, 403) or not admin or headers is admin:
+                break
+            self.abort_headers = admin
         if response.status_code in (404, 405):
             self.abort_route = False  # an SGLang without the route: disconnect from now on
         elif response.status_code == 200:

@@ -53,7 +53,9 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
 - ``hang_after_requests`` (null): N >= 1; from the arrival of the N-th /generate request the
   process lives on but answers nothing more, on any route (``/health`` included): every
   request then arriving, that one too, waits without a byte until the process is stopped,
-  as a wedged SGLang scheduler leaves its HTTP server (SIGTERM still stops it).
+  as a wedged SGLang scheduler leaves its HTTP server (SIGTERM still stops it). With env
+  ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` false, GET ``/health`` still answers 200 at
+  once, as SGLang's does then (it asks the scheduler nothing; ``/health_generate`` does).
 - ``torch_load_device`` (null): a torch device ("cuda", "cpu") on which matrix-vector
   products over ``torch_load_mib`` (512) MiB of weights run while requests run (``TorchLoad``):
   a real load, and a real compute process, for dvfs on a real GPU.
@@ -133,7 +135,8 @@ queue_time, first_token_latency.  Last chunk only: e2e_latency; 0.5.23 with
 --enable-metrics adds request_finished_ts, decode_throughput; with a speculative
 algorithm (as SGLang's TokenizerManager._handle_batch_output adds them, under ``if
 state.finished``, in 0.5.9 and 0.5.23 alike: a stream cut before its final chunk never
-gets them): spec_verify_ct (decode steps), and when it is > 0 spec_accept_length
+gets them, and only when spec_verify_ct > 0: a request that ended at its prefill token or was
+aborted before a verify pass has none of them): spec_verify_ct (decode steps), spec_accept_length
 (completion_tokens / spec_verify_ct, so the prefill token counts), spec_accept_rate
 (accepted drafts / (verify x (num_draft_tokens - 1))), and accepted drafts,
 proposed drafts and the per-verify accepted-drafts histogram (length
@@ -194,7 +197,8 @@ CUDA_DEVICE_ORDER from its environment.
 
 API keys, as SGLang checks them: a stub started with ``--api-key KEY`` answers 401
 ``{"error": "Unauthorized"}`` to any route but /health* and /metrics without
-``Authorization: Bearer KEY``; with ``--admin-api-key`` /flush_cache wants that key instead.
+``Authorization: Bearer KEY``; with ``--admin-api-key`` /flush_cache and /abort_request want
+that key instead (the API key no longer opens them).
 
 GPU processes: when env ``DVFS_FAKE_NVML_STATE`` names a fake NVML state
 (``tests/fakes/nvml/pynvml.py``, loaded by path), the stub lists its own pid as a compute
@@ -983,8 +987,16 @@ class Stub:
         self.spec = spec
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        #: hang_after_requests reached: no request is answered any more.
+        #: hang_after_requests reached: no request is answered any more (but /health where
+        #: `health_generates` is false).
         self.hung = threading.Event()
+        #: Whether /health runs its one-token generate: SGLang's env
+        #: SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION (true unless "false", "0", "no", "n");
+        #: false, /health answers 200 at once from the HTTP server, the scheduler unasked,
+        #: and /health_generate alone generates (0.5.9 and 0.5.23 http_server.py).
+        self.health_generates = os.environ.get(
+            "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true"
+        ).lower() not in ("false", "0", "no", "n")
         self.ready_at = math.inf
         self.model_name = str(args.get("served_model_name") or args["model_path"])
         self.enable_metrics = bool(args.get("enable_metrics"))
@@ -1384,18 +1396,24 @@ class Stub:
         return meta
 
     def _spec_meta(self, sub: SubRequest) -> dict[str, Any]:
-        """Final-chunk speculative statistics of one request."""
+        """Final-chunk speculative statistics of one request: none at all for a request that
+        never reached a verify pass (one that ended at its prefill token, or aborted before
+        its first decode step), as SGLang's TokenizerManager._calculate_spec_decoding_metrics
+        adds every key, spec_verify_ct included, only when spec_verify_ct > 0 and the drafts
+        proposed are > 0 (0.5.23 tokenizer_manager.py)."""
         assert self.spec is not None
         correct_key, proposed_key, histogram_key = SPEC_DRAFT_KEYS[self.version]
-        meta: dict[str, Any] = {"spec_verify_ct": sub.verify_ct}
-        if sub.verify_ct > 0:
-            proposed = sub.verify_ct * (self.spec.num_draft_tokens - 1)
-            meta["spec_accept_length"] = len(sub.output_ids) / sub.verify_ct
-            meta["spec_accept_rate"] = sub.correct_drafts / proposed if proposed else 0.0
-            meta[correct_key] = sub.correct_drafts
-            meta[proposed_key] = proposed
-            meta[histogram_key] = list(sub.histogram)
-        return meta
+        proposed = sub.verify_ct * (self.spec.num_draft_tokens - 1)
+        if sub.verify_ct <= 0 or proposed <= 0:
+            return {}
+        return {
+            "spec_verify_ct": sub.verify_ct,
+            "spec_accept_length": len(sub.output_ids) / sub.verify_ct,
+            "spec_accept_rate": sub.correct_drafts / proposed,
+            correct_key: sub.correct_drafts,
+            proposed_key: proposed,
+            histogram_key: list(sub.histogram),
+        }
 
     def server_info(self) -> dict[str, Any]:
         """/server_info: resolved args, version, internal_states."""
@@ -1544,8 +1562,10 @@ class StubHandler(BaseHTTPRequestHandler):
         """POST routes."""
         self._dispatch("POST")
 
-    #: Routes that take the admin key where the server has one (else the API key).
-    ADMIN_ROUTES = ("/flush_cache",)
+    #: Routes that take the admin key where the server has one (else the API key): SGLang
+    #: marks both ADMIN_OPTIONAL (0.5.9 and 0.5.23 http_server.py), which refuses the API key
+    #: once an admin key is set.
+    ADMIN_ROUTES = ("/flush_cache", "/abort_request")
 
     def _unauthorized(self, path: str) -> int | None:
         """SGLang's key check: with --api-key, every route but /health* and /metrics needs
@@ -1561,7 +1581,7 @@ class StubHandler(BaseHTTPRequestHandler):
         return None
 
     def _dispatch(self, method: str) -> None:
-        if self.stub.hung.is_set():
+        if self.stub.hung.is_set() and not self._health_answers_alone(method):
             self.stub.stop.wait()  # a wedged server: nothing is answered until it is stopped
             self.close_connection = True  # its body unread: not a next request
             return
@@ -1576,13 +1596,13 @@ class StubHandler(BaseHTTPRequestHandler):
             "/health": ({"GET"}, self._health),
             "/health_generate": ({"GET"}, self._health_generate),
             "/server_info": ({"GET"}, self._server_info),
+            # its deprecated name, served by 0.5.9 and 0.5.23 alike (http_server.py)
+            "/get_server_info": ({"GET"}, self._server_info),
             "/flush_cache": ({"GET", "POST"}, self._flush_cache),
             "/metrics": ({"GET"}, self._metrics),
             "/generate": ({"POST"}, lambda: self._generate(body)),
             "/abort_request": ({"POST"}, lambda: self._abort_request(body)),
         }
-        if self.stub.version == "0.5.23":
-            routes["/get_server_info"] = routes["/server_info"]
         if path == "/metrics" and not self.stub.enable_metrics:
             routes.pop("/metrics")
         if not self.stub.cfg.abort_route:
@@ -1602,11 +1622,18 @@ class StubHandler(BaseHTTPRequestHandler):
                 log(f"client went away during {method} {path}")
                 self.close_connection = True
 
+    def _health_answers_alone(self, method: str) -> bool:
+        """Whether this is a GET /health that SGLang's HTTP server answers without its
+        scheduler (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION false): a wedged scheduler
+        does not keep it from answering 200."""
+        path = self.path.split("?", 1)[0]
+        return method == "GET" and path == "/health" and not self.stub.health_generates
+
     # -- endpoints
 
     def _health(self) -> None:
         ready = self.stub.is_ready()
-        if ready and self.stub.generate_count:
+        if ready and self.stub.generate_count and self.stub.health_generates:
             time.sleep(self.stub.cfg.busy_health_s)
         self._send(200 if ready else 503, b"", "text/plain; charset=utf-8")
 
