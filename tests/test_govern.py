@@ -4,6 +4,7 @@ the energy-per-token join, the exporter's text, and the loop on the fake NVML in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -31,8 +32,11 @@ from dvfs.govern.loop import (
     check_plan_against,
     check_server_for_dry_run,
     govern,
+    speculation_warning,
 )
 from dvfs.govern.metrics import (
+    DECODED,
+    GENERATED,
     ScrapeError,
     ServerDownError,
     ServerSample,
@@ -297,6 +301,85 @@ def test_the_ranks_of_an_expert_parallel_group_count_their_batch_once() -> None:
     assert parse_server_metrics(page).running == 16
 
 
+def test_a_page_as_sglang_0_5_23_writes_it_reads_the_running_batch_and_no_speculation() -> None:
+    """Laid out as 0.5.23's collectors write it (metrics_collector.py): with
+    --enable-priority-scheduling, `num_running_reqs` holds the total under priority="" beside
+    one series per priority (its parts: summed with it, 8 running read as 16), and
+    `spec_accept_length` is exported at 0 by a server with no speculative algorithm (read as an
+    accept length, the governor warned that a no-drafter plan met a speculative server)."""
+    labels = 'model_name="m",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"'
+    page = (
+        "# TYPE sglang:num_running_reqs gauge\n"
+        f'sglang:num_running_reqs{{{labels},priority=""}} 8.0\n'
+        f'sglang:num_running_reqs{{{labels},priority="0"}} 5.0\n'
+        f'sglang:num_running_reqs{{{labels},priority="1"}} 3.0\n'
+        "# TYPE sglang:spec_accept_length gauge\n"
+        f'sglang:spec_accept_length{{{labels},priority=""}} 0.0\n'
+        "# TYPE sglang:generation_tokens counter\n"
+        'sglang:generation_tokens_total{model_name="m",priority="0"} 3000.0\n'
+        'sglang:generation_tokens_total{model_name="m",priority="1"} 1096.0\n'
+    )
+    sample = parse_server_metrics(page)
+    assert (sample.running, sample.accept_length) == (8, None)
+    assert sample.generated_tokens == 4096.0 and sample.decoded_tokens is None
+    # a speculating data-parallel pair, one rank idle (its gauge 0): the other's length
+    spec = (
+        "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 1\n"
+        "# TYPE sglang:spec_accept_length gauge\n"
+        'sglang:spec_accept_length{dp_rank="0"} 3.0\nsglang:spec_accept_length{dp_rank="1"} 0.0\n'
+    )
+    assert parse_server_metrics(spec).accept_length == 3.0
+
+
+def test_an_intervals_tokens_are_the_decode_counter_each_group_once() -> None:
+    """`generation_tokens_total` grows only as requests finish, by their whole output
+    (0.5.23's tokenizer_manager.collect_metrics): an interval's energy over it was NaN while
+    long requests ran, then a spike. The tokens decoded each iteration
+    (`realtime_tokens_total{mode="decode"}`, one series per scheduler) are read instead, the
+    ranks of a tensor-parallel group once, data-parallel groups summed."""
+    rows = "".join(
+        f'sglang:realtime_tokens_total{{model_name="m",tp_rank="{tp}",pp_rank="0",'
+        f'dp_rank="{dp}",mode="{mode}"}} {tokens}.0\n'
+        for dp, tokens in ((0, 700), (1, 300))
+        for tp in range(2)
+        for mode in ("decode", "prefill_compute")
+    )
+    page = (
+        "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 3\n"
+        "# TYPE sglang:realtime_tokens counter\n"
+        + rows
+        + "# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 40.0\n"
+    )
+    sample = parse_server_metrics(page)
+    assert (sample.decoded_tokens, sample.generated_tokens) == (1000.0, 40.0)
+    assert sample.token_count() == (DECODED, 1000.0)
+    assert ServerSample(0, 40.0, None).token_count() == (GENERATED, 40.0)
+    assert ServerSample(0, None, None).token_count() is None
+
+
+def test_the_speculation_warning_waits_for_a_sample_that_can_tell() -> None:
+    """SGLang exports `spec_accept_length` at 0 with no speculative algorithm and before a
+    speculating server's first verify pass alike (read as no length): the warning that the
+    server does not serve as the plan was measured waits for decoded tokens. Read at a
+    governor's start, a drafter plan beside an idle speculating server was warned of no
+    speculation, and 0.5.23's 0 read as a length warned a no-drafter plan of speculation."""
+    eagle = dataclasses.replace(PLAN, drafter="eagle3")
+    idle = parse_server_metrics(
+        "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 0\n"
+        "# TYPE sglang:spec_accept_length gauge\nsglang:spec_accept_length 0.0\n"
+    )
+    assert speculation_warning(eagle, idle) == (False, None)
+    assert speculation_warning(PLAN, idle) == (False, None)
+    plain = dataclasses.replace(idle, decoded_tokens=50.0)
+    assert speculation_warning(PLAN, plain) == (True, None)
+    told, warning = speculation_warning(eagle, plain)
+    assert told and warning is not None and "no speculative accept length" in warning
+    speculating = dataclasses.replace(plain, accept_length=2.7)
+    assert speculation_warning(eagle, speculating) == (True, None)
+    told, warning = speculation_warning(PLAN, speculating)
+    assert told and warning is not None and "no drafter" in warning
+
+
 finite = st.floats(0, 1e9, allow_nan=False)
 
 
@@ -366,6 +449,31 @@ def test_the_export_parses_and_joins_each_gpus_energy_with_the_servers_tokens() 
     assert got[("dvfs_gpu_sm_clock_lock_max_hertz", g1)] == 0.0
     assert got[("dvfs_server_running_requests", ())] == 4
     assert got[("dvfs_server_generated_tokens_total", ())] == 150
+
+
+def test_an_intervals_tokens_come_from_one_counter() -> None:
+    """The decode counter first appears with a server's first decode iteration: the interval
+    in which the count moves from the generated-token counter to it has no energy per token
+    (not joules over the difference of two counters), the next one has, over decoded tokens
+    while the generated-token counter stands still (no request finished)."""
+    gpu = MeterGpu(0, 1_000_000)
+    samples = iter(
+        [
+            ServerSample(0, 0.0, None),
+            ServerSample(2, 0.0, None, decoded_tokens=30.0),
+            ServerSample(2, 0.0, None, decoded_tokens=80.0),
+        ]
+    )
+    watch = Watch([gpu], lambda: next(samples), note=print)  # type: ignore[list-item]
+    watch.snapshot(watch.server(), {})
+    readings = []
+    for _ in range(2):
+        gpu.energy += 40_000
+        readings.append(watch.snapshot(watch.server(), {}))
+    assert math.isnan(readings[0].energy_per_token_j)
+    assert math.isnan(readings[0].gpus[0].energy_per_token_j)
+    assert readings[1].energy_per_token_j == pytest.approx(40 / 50)
+    assert readings[1].generated_tokens == 0.0
 
 
 def test_the_servers_gpus_are_found_when_it_comes_and_again_when_it_restarts() -> None:

@@ -209,6 +209,19 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
                 lines(log, "set ")[1],
             )
             exported = re.findall(r"serving metrics on (\S+)", log.read_text())[0]
+
+            def metered() -> bool:
+                """An interval's energy per token while no request finishes: SGLang counts
+                a request's generated tokens as it ends, its decoded ones every iteration."""
+                page = httpx.get(exported, timeout=10).text
+                return any(
+                    s.name == "dvfs_gpu_energy_per_token_joules" and math.isfinite(s.value)
+                    for f in text_string_to_metric_families(page)
+                    for s in f.samples
+                    if s.labels.get("gpu") == "0"
+                )
+
+            wait_for(metered, "energy per token while requests run", log)
             text = httpx.get(exported, timeout=10).text
         samples = {
             (s.name, s.labels.get("gpu")): s.value
@@ -232,6 +245,8 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
     # The journal of a `systemctl stop` says the GPUs are back, as a stop after
     # --max-intervals does.
     assert lines(log, "stopped (received SIGTERM); GPU settings restored"), log.read_text()
+    # a server without a drafter exports its accept length gauge at 0: no speculation
+    assert "speculative accept length" not in log.read_text()
     # Only a looser setting (batch 3's) may come within the dwell of the change before.
     at = re.findall(r"\(at ([0-9.]+) s(, within the dwell)?", log.read_text())
     gaps = [(float(b) - float(a), early) for (a, _), (b, early) in zip(at, at[1:], strict=False)]
@@ -1168,16 +1183,23 @@ def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path
 
     with launch_stub(tmp_path, "--speculative-algorithm", "EAGLE") as url:
         idle = scrape(url, 10)
-        assert idle.running == 0 and idle.generated_tokens == 0
+        assert idle.running == 0 and idle.generated_tokens == 0 == idle.decoded_tokens
         with held_batch(url, 5, tokens_per_step=3):
             wait_for(lambda: scrape(url, 10).running == 5, "5 running requests")
-            wait_for(lambda: (scrape(url, 10).generated_tokens or 0) > 20, "tokens generated")
+            wait_for(lambda: (scrape(url, 10).decoded_tokens or 0) > 20, "tokens decoded")
+            # SGLang counts a request's generated tokens as it finishes: none has yet
+            assert scrape(url, 10).generated_tokens == 0
         wait_for(lambda: scrape(url, 10).running == 0, "the dropped stream to end")
         busy = scrape(url, 10)
         assert busy.accept_length is not None and busy.accept_length > 1  # EAGLE: several/step
+        # the dropped requests, aborted, counted with every token they made (a prefill's too)
+        assert busy.generated_tokens is not None and busy.decoded_tokens is not None
+        assert busy.generated_tokens == busy.decoded_tokens + 5
     (tmp_path / "plain").mkdir()
     with launch_stub(tmp_path / "plain") as plain:
-        assert scrape(plain, 10).accept_length is None  # no drafter, no accept length
+        # no drafter, no accept length: SGLang's gauge is there, at 0
+        assert "sglang:spec_accept_length" in httpx.get(plain + "/metrics", timeout=10).text
+        assert scrape(plain, 10).accept_length is None
 
 
 def test_without_permission_the_governor_exits_4_and_leaves_nothing(

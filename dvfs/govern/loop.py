@@ -246,7 +246,8 @@ class Watch:
     scraper: Scraper | None
     note: Note
     previous: tuple[GpuReading, ...] = ()
-    previous_tokens: float | None = None
+    #: the last interval's token counter and its value (`ServerSample.token_count`)
+    previous_count: tuple[str, float] | None = None
     last_error: str | None = None
     #: GPUs that did not answer their last read, by UUID: why.
     silent: dict[str, GpuReading] = field(default_factory=dict)
@@ -298,14 +299,24 @@ class Watch:
         def counts(r: GpuReading) -> bool:
             return counted is None or r.uuid in counted
 
-        tokens = None if sample is None else sample.generated_tokens
+        count = None if sample is None else sample.token_count()
+        tokens = None if count is None else count[1]
+        # an interval's tokens from one counter: none where the server's changed (its decode
+        # counter appears with its first decode iteration)
+        tokens_before = (
+            self.previous_count[1]
+            if count is not None
+            and self.previous_count is not None
+            and self.previous_count[0] == count[0]
+            else None
+        )
         before = {r.uuid: r for r in self.previous}
         rows = []
         for r in readings:
             old = before.get(r.uuid)
             ept = (
                 energy_per_token(
-                    None if old is None else old.energy_j, r.energy_j, self.previous_tokens, tokens
+                    None if old is None else old.energy_j, r.energy_j, tokens_before, tokens
                 )
                 if counts(r)
                 else math.nan  # another server's GPU: not this server's tokens
@@ -315,19 +326,19 @@ class Watch:
             server_energy_per_token(
                 [r for r in self.previous if counts(r)],
                 [r for r in readings if counts(r)],
-                self.previous_tokens,
+                tokens_before,
                 tokens,
             )
             # every GPU counts, one that did not open among them: its energy is unknown
             if self.previous and not (counted is None and self.unopened)
             else math.nan
         )
-        self.previous, self.previous_tokens = readings, tokens
+        self.previous, self.previous_count = readings, count
         return Snapshot(
             gpus=tuple(rows),
             server_up=None if self.scraper is None else sample is not None,
             running=None if sample is None else sample.running,
-            generated_tokens=tokens,
+            generated_tokens=None if sample is None else sample.generated_tokens,
             accept_length=None if sample is None else sample.accept_length,
             energy_per_token_j=server_ept,
         )
@@ -536,16 +547,25 @@ def static_caps(
     }
 
 
-def _speculation_note(plan: BatchPlan, sample: ServerSample) -> str | None:
+def speculation_warning(plan: BatchPlan, sample: ServerSample) -> tuple[bool, str | None]:
+    """Whether `sample` can tell if the server speculates, and the warning where it does not do
+    as the plan was measured. SGLang exports its accept length gauge at 0 without a speculative
+    algorithm and before a speculating server's first verify pass alike: a sample tells once
+    the server reports a length or has decoded tokens."""
     speculating = sample.accept_length is not None
+    tokens = sample.token_count()
+    if not speculating and (tokens is None or tokens[1] <= 0):
+        return False, None
     if plan.drafter == "none" and speculating:
-        return "the plan is for no drafter, but the server reports a speculative accept length"
+        return True, (
+            "the plan is for no drafter, but the server reports a speculative accept length"
+        )
     if plan.drafter != "none" and not speculating:
-        return (
+        return True, (
             f"the plan is for drafter {plan.drafter!r}, but the server reports no speculative "
             "accept length (is it serving without speculation?)"
         )
-    return None
+    return True, None
 
 
 def govern(
@@ -591,10 +611,9 @@ def govern(
                 start = now if start is None else start
                 sample = watch.server()
                 if sample is not None and not warned:
-                    warning = _speculation_note(plan, sample)
+                    warned, warning = speculation_warning(plan, sample)
                     if warning:
                         note(f"warning: {warning}")
-                    warned = True
                 batch = None if sample is None else sample.running
                 decision = decide(plan, state, batch, now, params)
                 # A setting the static caps make what the GPUs hold already (a first setting

@@ -2,13 +2,18 @@
 
 Parsing and the energy-per-token join are pure (text or readings in, numbers out);
 `ServerReader` (`scrape`: one read) and `read_gpu` are the edges that talk to the outside.
-SGLang's names (its metrics collector, `--enable-metrics`): `sglang:num_running_reqs` (gauge,
-one series per scheduler, labelled with its `tp_rank`, `moe_ep_rank`, `pp_rank` and, under data
-parallelism, `dp_rank`: summed over the batches, each batch once: the ranks of one
-tensor-parallel group share theirs, which `--enable-metrics-for-all-schedulers` has every one
-of them report),
-`sglang:generation_tokens_total` (counter, summed) and, with a speculative algorithm,
-`sglang:spec_accept_length` (gauge, averaged over series).
+SGLang's names (its metrics collector, `--enable-metrics`; read in 0.5.9's and 0.5.23's
+metrics collectors): `sglang:num_running_reqs` (gauge, one series per scheduler, labelled with
+its `tp_rank`, `moe_ep_rank`, `pp_rank` and, under data parallelism, `dp_rank`: summed over the
+batches, each batch once: the ranks of one tensor-parallel group share theirs, which
+`--enable-metrics-for-all-schedulers` has every one of them report; with
+`--enable-priority-scheduling` the total under `priority=""` beside one series per priority,
+which are its parts), `sglang:realtime_tokens_total{mode="decode"}` (counter, each scheduler's
+tokens decoded, grown every decode iteration: the tokens of an interval; one per
+tensor-parallel group, as the batches), `sglang:generation_tokens_total` (counter, summed; it
+grows only as a request finishes, by its whole output: read where the decode counter is
+missing) and `sglang:spec_accept_length` (gauge, averaged over the series above 0: SGLang
+exports it at 0 without a speculative algorithm, and before a verify pass).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from dvfs.redact import redact_url
 
 RUNNING = "sglang:num_running_reqs"
 GENERATED = "sglang:generation_tokens_total"
+DECODED = "sglang:realtime_tokens_total"
+PRIORITY = "priority"
 ACCEPT_LENGTH = "sglang:spec_accept_length"
 #: The labels of a scheduler's rank within its tensor-parallel group (SGLang's
 #: SchedulerMetricsMixin): its tensor-parallel rank, and its expert-parallel rank, which
@@ -50,37 +57,68 @@ class ServerSample:
     running: int
     generated_tokens: float | None
     accept_length: float | None
+    #: tokens decoded so far (every decode iteration; None where the server has no such
+    #: counter yet): what an interval's energy per token divides by
+    decoded_tokens: float | None = None
+
+    def token_count(self) -> tuple[str, float] | None:
+        """The counter an interval's tokens are read from, and its value: the decode counter,
+        else the generated-token counter (which moves only as requests finish). Two samples'
+        counts compare only when they name the same counter."""
+        if self.decoded_tokens is not None:
+            return DECODED, self.decoded_tokens
+        if self.generated_tokens is not None:
+            return GENERATED, self.generated_tokens
+        return None
 
 
 def parse_server_metrics(text: str) -> ServerSample:
-    """The running batch, generated-token counter and accept length from a Prometheus page."""
+    """The running batch, token counters and accept length from a Prometheus page."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    sums: dict[str, list[float]] = {RUNNING: [], GENERATED: [], ACCEPT_LENGTH: []}
+    generated: list[float] = []
+    accept: list[float] = []
     batches: dict[tuple[tuple[str, str], ...], float] = {}
+    decoded: dict[tuple[tuple[str, str], ...], float] = {}
+    running_seen = False
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in sums and math.isfinite(sample.value):
-                    sums[sample.name].append(sample.value)
-                if sample.name == RUNNING and math.isfinite(sample.value):
-                    # one batch per scheduler but for its rank in its tensor-parallel group
-                    group = tuple(
-                        sorted((k, v) for k, v in sample.labels.items() if k not in IN_GROUP)
-                    )
-                    batches[group] = max(batches.get(group, 0.0), sample.value)
+                value, labels = sample.value, sample.labels
+                if not math.isfinite(value):
+                    continue
+                if sample.name == RUNNING:
+                    running_seen = True
+                    if labels.get(PRIORITY, ""):
+                        continue  # one priority's share of the total under priority=""
+                    _most_in_group(batches, labels, value)
+                elif sample.name == DECODED and labels.get("mode") == "decode":
+                    _most_in_group(decoded, labels, value)
+                elif sample.name == GENERATED:
+                    generated.append(value)
+                elif sample.name == ACCEPT_LENGTH and value > 0:
+                    accept.append(value)
     except ValueError as exc:
         raise ScrapeError(f"the server's /metrics is not Prometheus text ({exc})") from exc
-    if not sums[RUNNING]:
+    if not running_seen:
         raise ScrapeError(
             f"the server's /metrics has no {RUNNING}: is it SGLang, started with --enable-metrics?"
         )
-    accept = sums[ACCEPT_LENGTH]
     return ServerSample(
         running=max(0, round(sum(batches.values()))),
-        generated_tokens=sum(sums[GENERATED]) if sums[GENERATED] else None,
+        generated_tokens=sum(generated) if generated else None,
         accept_length=sum(accept) / len(accept) if accept else None,
+        decoded_tokens=sum(decoded.values()) if decoded else None,
     )
+
+
+def _most_in_group(
+    groups: dict[tuple[tuple[str, str], ...], float], labels: dict[str, str], value: float
+) -> None:
+    """One value per scheduler but for its rank in its tensor-parallel group (the ranks of a
+    group report the same batch and the same tokens)."""
+    group = tuple(sorted((k, v) for k, v in labels.items() if k not in IN_GROUP))
+    groups[group] = max(groups.get(group, 0.0), value)
 
 
 def metrics_url(url: str) -> str:

@@ -97,10 +97,14 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   closed loop's pool of N: its round ends at the first finish after its last send).
 
 Behaviour that follows the launch argv: ``--enable-metrics`` (``/metrics`` route,
-and on 0.5.23 the timing fields in meta_info), ``--stream-interval`` (a chunk
-every N decode steps), ``--stream-output`` (0.5.9) / ``--incremental-streaming-
-output`` (0.5.23) (delta chunks instead of cumulative ones), ``--weight-version``,
-``--served-model-name``, ``--disable-radix-cache`` (cached_tokens always 0).
+and on 0.5.23 the timing fields in meta_info; as both releases' collectors:
+``sglang:generation_tokens_total`` grows as a request finishes, aborted too, by its
+whole output, ``sglang:realtime_tokens_total{mode="decode"}`` at every decode step,
+and ``sglang:spec_accept_length`` is there, 0, without a speculative algorithm),
+``--stream-interval`` (a chunk every N decode steps), ``--stream-output`` (0.5.9) /
+``--incremental-streaming-output`` (0.5.23) (delta chunks instead of cumulative
+ones), ``--weight-version``, ``--served-model-name``, ``--disable-radix-cache``
+(cached_tokens always 0).
 
 Aborts, as SGLang's http_server and scheduler handle them: ``POST /abort_request``
 with ``{"rid": R}`` (or ``{"abort_all": true}``) answers 200 whether or not R is
@@ -1011,7 +1015,10 @@ class Stub:
         self.running_subs = 0
         self.requests_total = 0
         self.prompt_tokens_total = 0
+        #: SGLang's tokenizer counts a request's tokens as it finishes (aborted too), its
+        #: schedulers the tokens of each decode iteration (realtime_tokens_total, "decode")
         self.generation_tokens_total = 0
+        self.decode_tokens_total = 0
         self.verify_calls_total = 0
         #: Decode iterations since the last flush (SGLang's forward_ct_decode), and per
         #: iteration its [tokens, request steps], for the block-wise average.
@@ -1237,6 +1244,7 @@ class Stub:
         with self.lock:
             self.abort_rids.discard(sub.rid)
             self.aborted_total += 1
+            self.generation_tokens_total += len(sub.output_ids)
         log(f"aborted rid={sub.rid} after {len(sub.output_ids)} tokens")
         self.log_spec(sub, "aborted")
 
@@ -1325,7 +1333,10 @@ class Stub:
         with self.lock:
             if j == 0:
                 sub.first_iteration = self.decode_iterations
-            self.generation_tokens_total += k
+            if j > 0:  # the first step is the prefill's token
+                self.decode_tokens_total += k
+            if j == len(sub.steps) - 1:
+                self.generation_tokens_total += len(sub.output_ids)
             self.gen_window.append((now, k))
             while self.gen_window and self.gen_window[0][0] < now - 1.0:
                 self.gen_window.popleft()
@@ -1448,11 +1459,13 @@ class Stub:
                  self.requests_total),
                 ("sglang:num_running_reqs", "gauge", "The number of running requests.",
                  self.running_subs),
+                ("sglang:realtime_tokens_total", "counter",
+                 "Total number of tokens processed. mode: prefill_compute, prefill_cache, decode.",
+                 self.decode_tokens_total),
                 ("sglang:gen_throughput", "gauge", "The generation throughput (token/s).",
                  self.last_gen_throughput),
             ]  # fmt: skip
             if self.spec is not None:
-                recent = list(self.recent_steps)
                 series.append(
                     (
                         "sglang:spec_verify_calls_total",
@@ -1461,13 +1474,18 @@ class Stub:
                         self.verify_calls_total,
                     )
                 )
-                series.append(("sglang:spec_accept_length", "gauge",
-                               "Average accept length over the last decode steps.",
-                               sum(recent) / len(recent) if recent else 0.0))  # fmt: skip
+            # exported whatever the algorithm: 0 without one (SGLang's scheduler stats)
+            recent = list(self.recent_steps) if self.spec is not None else []
+            series.append(("sglang:spec_accept_length", "gauge",
+                           "Average accept length over the last decode steps.",
+                           sum(recent) / len(recent) if recent else 0.0))  # fmt: skip
         lines = []
         for name, kind, help_text, value in series:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines.append(f'{name}{{model_name="{label}"}} {float(value)}')
+            labels = f'model_name="{label}"'
+            if name == "sglang:realtime_tokens_total":
+                labels += ',mode="decode"'
+            lines.append(f"{name}{{{labels}}} {float(value)}")
         return "\n".join(lines) + "\n"
 
 
@@ -1728,6 +1746,8 @@ class StubHandler(BaseHTTPRequestHandler):
             stub.end(plan)
             for sub in plan.subs:
                 if not sub.done:  # its client went away, or the server stopped
+                    with stub.lock:  # SGLang aborts it, and counts what it made as it ends
+                        stub.generation_tokens_total += len(sub.output_ids)
                     stub.log_spec(sub, "cut")
         if all(sub.done for sub in plan.subs):
             tokens = sum(len(sub.output_ids) for sub in plan.subs)
