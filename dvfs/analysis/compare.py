@@ -561,7 +561,10 @@ def interval_description(confidence: float, point: bool) -> str:
     return (
         f"two-sided {level_text(confidence)} Student-t interval of the mean log of the "
         "per-repeat ratios over the repeats valid in both arms (a geometric mean): saves or "
-        "costs only where it excludes 1, else within noise"
+        "costs only where it excludes 1, else within noise; at equal latency each arm's "
+        "setting is its least-energy one, picked on the same repeats, so where several of the "
+        'drafter\'s settings spend alike its ratio leans low and "saves" comes out more often '
+        "than the level allows"
     )
 
 
