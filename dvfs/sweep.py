@@ -40,15 +40,11 @@ from dvfs.errors import (
     GpuPermissionError,
     IncomparableCellsError,
 )
-from dvfs.fleet.shard import Shard, check_deal, planned_cells
-from dvfs.fleet.shard_journal import (
-    OtherShardError,
-    other_shard,
-    recorded_shard,
-    shard_cube,
-)
+from dvfs.fleet.shard import Shard, planned_cells
+from dvfs.fleet.shard_journal import claim_shard, shard_cube
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import KnobController
+from dvfs.heap import pad_heap, release_free_memory
 from dvfs.measure.journal import (
     JOURNAL_NAME,
     Journal,
@@ -265,44 +261,6 @@ def _with_cube(summary: RunSummary, journal_path: Path, out_dir: Path) -> SweepO
     return SweepOutcome(summary, journal_path, cube_path, cube=cube)
 
 
-#: glibc's mallopt parameter for the C heap's top padding (malloc.h's M_TOP_PAD).
-_M_TOP_PAD = -2
-
-
-#: Bytes the C heap grows by beyond what it needs, and keeps when it shrinks (`pad_heap`).
-HEAP_TOP_PAD = 8 << 20
-
-
-def pad_heap() -> None:
-    """Let the C heap grow, and shrink, HEAP_TOP_PAD at a time (glibc's M_TOP_PAD; elsewhere
-    nothing). Each round on the twin makes and drops many arrays on the heap (below glibc's
-    mmap threshold): at its default padding (128 kB) the heap's top went back to the OS as
-    they were freed and was taken again by the next round, every page faulted in anew: 190k
-    minor page faults on the demo sweep, 0.6 s of system CPU, against 43k and 0.25 s padded.
-    At most HEAP_TOP_PAD more stays resident; `release_free_memory` still hands every free
-    page back before the cube."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS)
-        return
-    mallopt(_M_TOP_PAD, HEAP_TOP_PAD)
-
-
-def release_free_memory() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`; elsewhere
-    nothing). A sweep on the twin makes and drops millions of small arrays, and glibc kept
-    the freed pages: tens of MB on a large campaign, which the cube was then built on top of."""
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
-        return
-    trim(0)
-
-
 def _measure(
     campaign: Campaign,
     out_dir: Path,
@@ -401,22 +359,6 @@ def interruption_of(exc: GpuError) -> BaseException | None:
     if signum is None:
         return None
     return KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
-
-
-def claim_shard(journal: Journal, shard: Shard | None) -> None:
-    """Mark a new journal as `shard`'s; refuse one that holds another shard (or the whole
-    campaign), or a shard dealt by an earlier dvfs (`check_deal`), so two shares never mix in
-    one folder."""
-    recorded = recorded_shard(journal.path, shard)
-    if shard is not None:
-        check_deal(journal.path.parent, recorded)
-    if recorded == shard:
-        return
-    if recorded is None and not journal.sessions and not journal.finished():
-        if shard is not None:
-            journal.append(shard.to_json())
-        return
-    raise OtherShardError(other_shard(journal.path.parent, recorded, shard))
 
 
 def observe_only_note(campaign: Campaign) -> str | None:

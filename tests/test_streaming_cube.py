@@ -188,7 +188,7 @@ def test_the_memory_a_sweep_freed_goes_back_to_the_os_before_its_cube() -> None:
     """glibc keeps freed heap pages resident (a block still in use above them pins the heap);
     `release_free_memory`, which the sweep calls between its measurement and its cube, hands
     them back."""
-    from dvfs.sweep import release_free_memory
+    from dvfs.heap import release_free_memory
 
     blocks = [bytearray(b"x" * 64 * 1024) for _ in range(800)]  # 50 MB, each in the heap
     pin = bytearray(b"x" * 64 * 1024)
@@ -207,7 +207,7 @@ _ROUNDS = """
 import resource, sys
 import numpy as np
 if sys.argv[1] == "pad":
-    from dvfs.sweep import pad_heap
+    from dvfs.heap import pad_heap
     pad_heap()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(200):

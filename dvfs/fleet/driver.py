@@ -538,8 +538,8 @@ class Fleet:
         """Every worker's session, in the workers' order: one journal per GPU model."""
         from dvfs.backends import virtual_time
         from dvfs.engines.sglang_args import ServerPorts, check_distinct_ports
+        from dvfs.fleet.shard_journal import claim_shard
         from dvfs.measure.journal import SyncPolicy
-        from dvfs.sweep import claim_shard
 
         # Before any server starts: no two of one node's servers may share a port.
         check_distinct_ports(
@@ -691,10 +691,10 @@ def run_fleet(
         recorded_count_method,
     )
     from dvfs.cube import write_cube
+    from dvfs.heap import release_free_memory
     from dvfs.measure.journal import iter_records
     from dvfs.out_folder import fresh_start, out_dir_lock
     from dvfs.preflight import check_same_prompts, check_same_server_env
-    from dvfs.sweep import release_free_memory
 
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):

@@ -1,4 +1,5 @@
-"""A shard's journal and cube: which shard a journal holds, and its cube marked with it."""
+"""A shard's journal and cube: which shard a journal holds (claimed as a run opens it), and its
+cube marked with it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dvfs.fleet.shard import SHARD_RECORD, Shard, check_deal, mark_cube
 
 if TYPE_CHECKING:
     import xarray as xr
+
+    from dvfs.measure.journal import Journal
 
 
 def has_sessions(journal: Path) -> bool:
@@ -78,7 +81,7 @@ def folder_journals(out_dir: Path) -> list[Path]:
 
 def check_shard(journal: Path, shard: Shard | None) -> None:
     """Refuse a run of `shard` (None: the whole campaign) into the folder of `journal`, as
-    `dvfs.sweep.claim_shard` would once it opens it: a shard dealt otherwise (`check_deal`), or
+    `claim_shard` would once it opens it: a shard dealt otherwise (`check_deal`), or
     another shard or the whole campaign (its shard record, or a session without one). Before
     anything runs, so that a sweep and its dry run refuse alike."""
     recorded = recorded_shard(journal, shard)
@@ -104,3 +107,19 @@ def shard_cube(journal: Path) -> xr.Dataset:
     ds = build_cube(journal, others=note)
     mark_cube(ds, _shard_of(journal, shards[0]) if shards else None)
     return ds
+
+
+def claim_shard(journal: Journal, shard: Shard | None) -> None:
+    """Mark a new journal as `shard`'s; refuse one that holds another shard (or the whole
+    campaign), or a shard dealt by an earlier dvfs (`check_deal`), so two shares never mix in
+    one folder."""
+    recorded = recorded_shard(journal.path, shard)
+    if shard is not None:
+        check_deal(journal.path.parent, recorded)
+    if recorded == shard:
+        return
+    if recorded is None and not journal.sessions and not journal.finished():
+        if shard is not None:
+            journal.append(shard.to_json())
+        return
+    raise OtherShardError(other_shard(journal.path.parent, recorded, shard))
