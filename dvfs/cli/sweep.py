@@ -352,6 +352,8 @@ def sweep(
                 check=True,
                 # the journal one server's sweep resumes, its stock compared as the sweep does
                 journal=None if fresh or as_fleet else out_dir / JOURNAL_NAME,
+                # the journals a fleet resumes, their stock compared as the fleet does
+                fleet_dir=out_dir if as_fleet and not fresh else None,
             )
             if executor != "ray"
             else (None, None)
