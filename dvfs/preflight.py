@@ -546,17 +546,18 @@ def check_gpus(
                 if not isinstance(exc.__cause__, PermissionError):  # (root's sweep reads it)
                     raise
             if groups is not None and len(gpus) > 1:
-                # dvfs's caps record as the sweep (as root) reads it, for a user too
-                check_stock_limits(campaign, servers_of(gpus, groups), state_dir=records_dir())
+                # dvfs's caps record where the sweep reads it (root's, for a user's dry run of
+                # a sweep changing knobs; a user's observe-only sweep reads the user's own)
+                check_stock_limits(campaign, servers_of(gpus, groups), state_dir=directory)
             for gpu in gpus:  # as the runner reads them first, timing their updates
                 gpu.energy_mj()
             if journal is not None:
-                refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=records_dir())
+                refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=directory)
                 if refusal is not None:
                     raise refusal
             if fleet_dir is not None and groups is not None:
                 refusal = resumed_fleet_stock_refusal(
-                    campaign, servers_of(gpus, groups), fleet_dir, state_dir=records_dir()
+                    campaign, servers_of(gpus, groups), fleet_dir, state_dir=directory
                 )
                 if refusal is not None:
                     raise refusal
