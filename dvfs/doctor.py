@@ -107,6 +107,8 @@ def check_campaign(
         given=given,
         # the journal one server's sweep resumes, its stock compared as the sweep does
         journal=None if fleet else out_dir / JOURNAL_NAME,
+        # the journals a fleet resumes there, compared as the fleet does
+        fleet_dir=out_dir if fleet else None,
     )
     if _own_servers(campaign):
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
@@ -141,6 +143,13 @@ def _on_groups(campaign: Campaign, groups: Sequence[Group]) -> Campaign:
     return dataclasses.replace(campaign, gpu=gpu)
 
 
+def _fleet_journals(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a journal a fleet would resume (its own, or a GPU model's)."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    return (out_dir / JOURNAL_NAME).is_file() or any(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+
+
 def _own_servers(campaign: Campaign) -> bool:
     """Whether the sweep starts SGLang servers of its own (not the twin, not attached)."""
     return not simulated_engine(campaign) and not campaign.engine.sglang.url
@@ -173,11 +182,13 @@ def _gpu_checks(
     identities: list[dict[str, Any]],
     given: bool = False,
     journal: Path | None = None,
+    fleet_dir: Path | None = None,
 ) -> list[Check]:
     """The GPUs' checks (`given`: `groups` are --gpus's); `models` gets each group's GPU
     model, as a fleet's workers report it, and `identities` each GPU's identity as its
     session records it (nothing where the GPUs cannot be opened). `journal`: the one the
-    sweep resumes, whose stock settings the GPUs' must still be."""
+    sweep resumes, whose stock settings the GPUs' must still be; `fleet_dir`: the --out folder
+    whose journals a fleet resumes, likewise."""
     from dvfs.fleet.devices import group_label
 
     if not real_gpus(campaign):
@@ -298,6 +309,19 @@ def _gpu_checks(
                     return OK, f"the stock settings {journal} was started with"
 
                 checks.append(_run("resume stock", resume_stock))
+            elif fleet_dir is not None and _fleet_journals(fleet_dir):
+
+                def fleet_stock() -> tuple[str, str]:
+                    from dvfs.preflight import resumed_fleet_stock_refusal
+
+                    refusal = resumed_fleet_stock_refusal(
+                        campaign, by_group, fleet_dir, state_dir=directory
+                    )
+                    if refusal is not None:
+                        raise refusal
+                    return OK, f"the stock settings the journals in {fleet_dir} were started with"
+
+                checks.append(_run("resume stock", fleet_stock))
             if _own_servers(campaign):
 
                 def server_gpus() -> tuple[str, str]:

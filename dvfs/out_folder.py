@@ -270,6 +270,23 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
     folder, a journal (the folder's own or a GPU model's in `gpu-*/`) of another campaign or of
     other settings, or holding another shard or the whole campaign (`check_shard`), or in-flight
     cells carried along another drift with cells left (`Journal.check_inflight_drift`)."""
+    check_out_usable(out_dir)
+    for journal in folder_journals(out_dir):  # each GPU model's too, as the sweep opens them
+        check_journal(journal, campaign)
+        check_shard(journal, shard)
+        if journal.is_file():
+            from dvfs.measure.journal import iter_records
+
+            cells = planned_cells(campaign, shard)
+            check_inflight_resume(Journal(journal, iter_records(journal)), campaign, cells)
+
+
+def check_out_usable(out_dir: Path) -> None:
+    """What `run_sweep` refuses about `out_dir` before it reads a journal there, found without
+    creating or writing anything (`check_out_dir`'s first part, which the dry run says too): a
+    file in the way of the folder or its lock, a read-only file system or no permission to
+    create them, a link another user may have placed (as root), another sweep holding the
+    folder (`SweepBusyError`)."""
     import errno
     import fcntl
 
@@ -309,14 +326,6 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
             raise _busy(out_dir, fd) from None
         finally:
             os.close(fd)
-    for journal in folder_journals(out_dir):  # each GPU model's too, as the sweep opens them
-        check_journal(journal, campaign)
-        check_shard(journal, shard)
-        if journal.is_file():
-            from dvfs.measure.journal import iter_records
-
-            cells = planned_cells(campaign, shard)
-            check_inflight_resume(Journal(journal, iter_records(journal)), campaign, cells)
 
 
 def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> list[JournalError]:

@@ -282,6 +282,52 @@ def resumed_stock_refusal(
     return stock_change_refusal(sessions, session_stock(gpus, stock))
 
 
+def resumed_fleet_stock_refusal(
+    campaign: Campaign,
+    servers: Sequence[Sequence[Gpu]],
+    out_dir: Path,
+    *,
+    state_dir: Path | None = None,
+    stock: dict[str, GpuSettings] | None = None,
+) -> JournalError | None:
+    """Why a fleet whose workers run on `servers` (each worker's GPUs) would refuse to resume
+    its journals in `out_dir` (each GPU model's, `model_journals`): one whose sessions recorded
+    other stock settings than that model's workers' GPUs start from now (`stock_changed`, the
+    fleet's driver's own rule, on the first worker's session stock as `combine_sessions` keeps
+    it), each GPU's stock read as the sweep takes it (`stock_as_swept`, read-only; or `stock`,
+    so read). None where nothing changed, or where the sweep refuses the GPUs or the folder
+    first for another reason (its own check says so)."""
+    from dvfs.fleet.folders import model_journals, stock_changed
+    from dvfs.measure.journal import session_records
+    from dvfs.measure.runner import session_stock
+
+    first: dict[str, Sequence[Gpu]] = {}  # each model's first worker's GPUs
+    for server in servers:
+        if server:
+            first.setdefault(server[0].identity.name, server)
+    try:
+        paths = model_journals(out_dir, first)
+    except (JournalError, OSError):
+        return None
+    if not any(path.is_file() for path in paths):
+        return None
+    if stock is None:
+        stock = stock_as_swept(campaign, [g for s in servers for g in s], state_dir=state_dir)
+        if stock is None:
+            return None
+    for model, path in zip(sorted(first), paths, strict=True):
+        if not path.is_file():
+            continue
+        try:
+            sessions = session_records(path)
+        except (JournalError, OSError):  # the folder's own check (and the sweep's) says why
+            continue
+        refusal = stock_changed(path, sessions, session_stock(first[model], stock))
+        if refusal is not None:
+            return refusal
+    return None
+
+
 def servers_of(gpus: Sequence[Gpu], groups: Sequence[Sequence[Any]]) -> list[list[Gpu]]:
     """`gpus`, opened in the order of `groups`' devices, cut into one list per group (server)."""
     it = iter(gpus)
@@ -294,11 +340,14 @@ def check_fleet_stock(
     *,
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
+    out_dir: Path | None = None,
 ) -> None:
     """Before a fleet's workers open their GPUs (and each times its counters and measures its
     idle power before its session is compared with the others'): its real GPUs opened
-    read-only here and refused as `check_stock_limits` refuses them. Nothing where they
-    cannot be opened here (the workers' own opening tells)."""
+    read-only here and refused as `check_stock_limits` refuses them, and (its --out folder
+    `out_dir`) as its driver refuses to resume a journal there whose GPUs' stock settings
+    changed since (`resumed_fleet_stock_refusal`). Nothing where they cannot be opened here
+    (the workers' own opening tells)."""
     if not real_gpus(campaign):
         return
     from dvfs.backends import job_gpus, open_gpus
@@ -309,7 +358,12 @@ def check_fleet_stock(
             gpus = stack.enter_context(open_gpus(devices, nvml=nvml, visible=job_gpus()))
         except GpuError:
             return
-        check_stock_limits(campaign, servers_of(gpus, groups), state_dir=state_dir)
+        servers = servers_of(gpus, groups)
+        stock = check_stock_limits(campaign, servers, state_dir=state_dir)
+        if out_dir is not None and stock is not None:
+            refusal = resumed_fleet_stock_refusal(campaign, servers, out_dir, stock=stock)
+            if refusal is not None:
+                raise refusal
 
 
 def read_gpu_names(
@@ -384,6 +438,7 @@ def read_group_models(
     fleet: bool = False,
     check: bool = False,
     journal: Path | None = None,
+    fleet_dir: Path | None = None,
 ) -> tuple[list[str] | None, str | None]:
     """For a dry run, each server's GPU model (one of `groups`, as
     `dvfs.fleet.devices.worker_groups` cuts them), as a fleet reads them: over NVML, the GPUs
@@ -402,7 +457,9 @@ def read_group_models(
     would stop on this machine, and why. A note, not a refusal: a workstation with a GPU of its
     own may be planning for another machine (`dvfs doctor` there checks that one). `journal`:
     the one the sweep resumes (one server's run, not --fresh), refused as the sweep refuses it
-    where the GPUs' stock settings changed since it was started (`resumed_stock_refusal`)."""
+    where the GPUs' stock settings changed since it was started (`resumed_stock_refusal`);
+    `fleet_dir`: the --out folder whose journals a fleet resumes (not --fresh), refused as the
+    fleet refuses them where so (`resumed_fleet_stock_refusal`)."""
     servers = [tuple(g) for g in groups if len(g) > 1]
     # the twin engine's load on them, which a GPU the twin has no profile of is refused
     twin_load = simulated_engine(campaign) and not campaign.gpu.profile
@@ -416,7 +473,9 @@ def read_group_models(
     stop: str | None = None  # why the sweep would stop on this machine
     try:
         if check:
-            found, stop = check_gpus(campaign, devices, nvml=nvml, groups=groups, journal=journal)
+            found, stop = check_gpus(
+                campaign, devices, nvml=nvml, groups=groups, journal=journal, fleet_dir=fleet_dir
+            )
         else:
             found = read_gpu_names(devices, nvml=nvml, allow_mig=True)
     except GpuError as exc:
@@ -455,6 +514,7 @@ def check_gpus(
     nvml: ModuleType | None = None,
     groups: Sequence[Sequence[int | str]] | None = None,
     journal: Path | None = None,
+    fleet_dir: Path | None = None,
 ) -> tuple[list[tuple[int, str]], str | None]:
     """Each of the campaign's real GPUs `devices`' NVML index and model, opened as the sweep
     opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set, and closed; and why
@@ -463,7 +523,8 @@ def check_gpus(
     fleet's of one model at other stock power limits, `check_stock_limits`; a GPU another dvfs
     holds or one holding an earlier run's changes, `check_gpus_free`, or a caps record the
     sweep cannot read, `read_stock_as_swept`; an energy counter that does not read; stock
-    settings changed since the `journal` it resumes was started, `resumed_stock_refusal`), None if
+    settings changed since the `journal` it resumes was started, `resumed_stock_refusal`, or
+    since those a fleet resumes in `fleet_dir` were, `resumed_fleet_stock_refusal`), None if
     nothing.
     A `GpuError` where one cannot be opened (not here, fallen off the bus) or NVML does not
     answer."""
@@ -485,12 +546,19 @@ def check_gpus(
                 if not isinstance(exc.__cause__, PermissionError):  # (root's sweep reads it)
                     raise
             if groups is not None and len(gpus) > 1:
-                # dvfs's caps record as the sweep (as root) reads it, for a user too
-                check_stock_limits(campaign, servers_of(gpus, groups), state_dir=records_dir())
+                # dvfs's caps record where the sweep reads it (root's, for a user's dry run of
+                # a sweep changing knobs; a user's observe-only sweep reads the user's own)
+                check_stock_limits(campaign, servers_of(gpus, groups), state_dir=directory)
             for gpu in gpus:  # as the runner reads them first, timing their updates
                 gpu.energy_mj()
             if journal is not None:
-                refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=records_dir())
+                refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=directory)
+                if refusal is not None:
+                    raise refusal
+            if fleet_dir is not None and groups is not None:
+                refusal = resumed_fleet_stock_refusal(
+                    campaign, servers_of(gpus, groups), fleet_dir, state_dir=directory
+                )
                 if refusal is not None:
                     raise refusal
         except DvfsError as exc:  # (a GPU lost meanwhile too: the sweep would stop on it)

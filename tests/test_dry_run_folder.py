@@ -468,3 +468,68 @@ def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(
     shard = {c["name"]: c for c in json.loads(doctor.output)}["shard"]
     assert shard["status"] == "fail" and shard["detail"] in refused.output, shard
     assert folder_files(out) == before and not (tmp_path / "many").exists()
+
+
+def _read_only_mount(mount: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mount` as statvfs(2) and access(2) report a read-only mount, even to root."""
+    import os
+    from typing import Any
+
+    real_statvfs, real_access = os.statvfs, os.access
+
+    def under(path: Any) -> bool:
+        where = Path(path).absolute()
+        return where == mount or mount in where.parents
+
+    def statvfs(path: Any) -> os.statvfs_result:
+        got = real_statvfs(path)
+        if not under(path):
+            return got
+        fields = list(got)
+        fields[8] |= os.ST_RDONLY  # f_flag
+        return os.statvfs_result(fields)
+
+    def access(path: Any, mode: int, **kwargs: Any) -> bool:
+        return not (mode & os.W_OK and under(path)) and real_access(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(os, "access", access)
+
+
+def test_the_dry_run_says_the_sweep_cannot_write_its_output_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An --out folder under a regular file, or on a read-only mount: the sweep fails at once
+    ('cannot use ... as the output folder'), `dvfs doctor` fails its output folder check, and
+    the dry run planned it as if all were well. It now says, in one note line (no traceback),
+    that the sweep would stop, in the sweep's words; and plans all the same (exit 0)."""
+    from bad_inputs import failing_writes
+
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    (tmp_path / "afile").write_text("")
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    for out, said in (
+        (tmp_path / "afile" / "out", "part of that path is a file"),
+        (mount / "out", "read-only"),
+    ):
+        with failing_writes(mount):
+            if out.is_relative_to(mount):
+                _read_only_mount(mount, monkeypatch)
+            swept = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out)])
+            assert swept.exit_code == 1 and said in swept.output, swept.output
+            doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+            checked = {c["name"]: c for c in json.loads(doctor.output)}
+            assert checked["output folder"]["status"] == "fail", checked
+            assert said in checked["output folder"]["detail"], checked
+            base = ("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate")
+            doc, dry = json.loads(invoke(*base, "--json").stdout), invoke(*base)
+            assert dry.exit_code == 0, dry.output
+            notes = [" ".join(n.split()) for n in dry.output.splitlines() if n.startswith("note:")]
+            stops = [n for n in notes if "sweep would stop" in n]
+            assert len(stops) == 1, dry.output
+            assert f"cannot use {out} as the output folder" in stops[0] and said in stops[0]
+            assert "Traceback" not in dry.output
+            assert doc["cells"] == 16, doc
+        monkeypatch.undo()
+    assert not (mount / "out").exists() and (tmp_path / "afile").read_text() == ""

@@ -1729,3 +1729,47 @@ def test_doctor_names_an_unreadable_state_file_as_such_not_as_the_driver(
     assert checked["state"]["detail"] in " ".join(swept.stderr.split())
     for name in ("lock GPU 0", "held knobs GPU 0", "other processes GPU 0", "permissions"):
         assert name in checked, sorted(checked)
+
+
+def test_doctor_and_the_dry_run_say_a_fleet_resume_the_sweep_refuses_for_changed_stock(
+    nvml, env, tmp_path: Path
+) -> None:
+    """A fleet (`--gpus 0,1`, local workers) resuming its folder after an operator set another
+    power limit on both GPUs (700 W then, 600 W now: observe-only's stock is what is in
+    force) is refused by the sweep ('stock settings changed'), which compared only once every
+    worker had timed its energy counters and measured its idle power; `dvfs doctor` passed it
+    and the dry run did not say, as they checked the one-server case alone. All three now
+    refuse it in the fleet's line, read-only, before any worker opens a session."""
+    nvml.fake_update_device(0, power_limit_mw=700_000)  # the fleet's GPUs at one limit
+    path = campaign_file(tmp_path)
+    out = ["--out", str(tmp_path / "out"), "--observe-only", "--gpus", "0,1"]
+    first = dvfs_in_process("sweep", str(path), *out, "--no-progress", env=env)
+    assert first.returncode == 0, first.stderr
+    journal = tmp_path / "out" / "journal.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n")  # its last cell left to run
+    checked = json.loads(dvfs_in_process("doctor", str(path), *out, "--json", env=env).stdout)
+    assert {c["name"]: c["status"] for c in checked}["resume stock"] == "ok", checked
+    for index in (0, 1):
+        nvml.fake_update_device(index, power_limit_mw=600_000)
+    said = f"the GPUs' stock settings changed since {journal} was started"
+    doctor = dvfs_in_process("doctor", str(path), *out, env=env)
+    assert doctor.returncode == 1, doctor.stdout
+    checked = json.loads(dvfs_in_process("doctor", str(path), *out, "--json", env=env).stdout)
+    failed = [c for c in checked if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["resume stock"], failed
+    assert said in " ".join(failed[0]["detail"].split()), failed
+    assert "600.0" in failed[0]["detail"], failed
+    dry = dvfs_in_process("sweep", str(path), *out, "--dry-run", "--no-estimate", env=env)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    notes = [" ".join(n.split()) for n in dry.stderr.splitlines() if "sweep would stop" in n]
+    assert len(notes) == 1 and said in notes[0], dry.stderr
+    fresh = dvfs_in_process(
+        "sweep", str(path), *out, "--dry-run", "--no-estimate", "--fresh", env=env
+    )
+    assert "sweep would stop" not in fresh.stderr, fresh.stderr
+    swept = dvfs_in_process("sweep", str(path), *out, "--no-progress", env=env)
+    assert swept.returncode == 1, swept.stderr
+    assert said in " ".join(swept.stderr.split()), swept.stderr
+    assert "timing the GPUs' energy counter" not in swept.stderr, swept.stderr
+    assert setter_calls(nvml) == []

@@ -1064,3 +1064,31 @@ def test_shards_of_a_fleet_mixing_models_keep_each_shards_idle_power_per_model(
     h100, h200 = (str(g)[:12] for g in cube["gpu"].values)
     assert f"idle power {h100} 85.0 W (not idle: another tenant's process 4242" in text, text
     assert f"{h200} 75.0 W gpu" in text, text  # no tenant, the H200's own
+
+
+def test_a_merge_of_a_merged_cube_names_every_cube_that_went_in(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`dvfs cube merge` of a cube `dvfs cube merge` made (an H100 run's two shards, merged)
+    and an H200's cube: its `merged_cubes` named the shards' merged file and the H200's
+    folder, losing the shards that went into that file, so the advice on cells not measured
+    yet (`cube info`'s resume line, the analyses' notes) sent the user to rerun the sweep of a
+    merged file, which has none. It now names every cube that went in, flattened."""
+    from dvfs.cube.info import merged_cubes
+
+    parts = {}
+    for name in ("s0", "s1", "h200"):  # each stopped before its 1005 MHz cells
+        parts[name] = copy_sweep(runs[name], tmp_path / name)
+        without_clock(parts[name], 1005)
+        assert invoke("cube", "build", str(parts[name])).exit_code == 0
+    whole = tmp_path / "whole.nc"
+    result = invoke("cube", "merge", str(parts["s0"]), str(parts["s1"]), "-o", str(whole))
+    assert result.exit_code == 0, result.output
+    final = tmp_path / "final.nc"
+    result = invoke("cube", "merge", str(whole), str(parts["h200"]), "-o", str(final))
+    assert result.exit_code == 0, result.output
+    went_in = [str(parts[name]) for name in ("s0", "s1", "h200")]
+    assert merged_cubes(open_cube(final)) == went_in
+    resume = json.loads(invoke("cube", "info", str(final), "--json").stdout)["resume"]
+    assert f"merged from 3 sweeps' cubes ({', '.join(went_in)})" in resume, resume
+    assert str(whole) not in resume, resume

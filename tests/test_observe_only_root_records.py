@@ -106,3 +106,34 @@ def test_doctor_observe_only_without_root_names_the_caps_roots_cap_apply_left(
     assert "every cell is measured under them" in said, said
     assert checked["held knobs GPU 0"]["status"] == "ok", checked["held knobs GPU 0"]
     assert {p.name: p.read_bytes() for p in root.iterdir()} == before
+
+
+def test_the_observe_only_dry_run_without_root_reads_the_records_its_sweep_reads(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's observe-only sweep keeps (and reads) its records in the user's own state
+    folder; its dry run read root's /var/lib/dvfs for its stock checks (`records_dir`), so
+    where the sweep would refuse its resume ('stock settings changed': an operator's 600 W
+    since) the dry run stayed silent whenever root's records stop that read (here a damaged
+    caps record of root's, which the user's sweep never reads). It now reads what the sweep
+    reads, and says the sweep's line."""
+    campaign = tmp_path / "c.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=8, repeats=1))
+    root = as_user(tmp_path, monkeypatch)
+    out = ["--observe-only", "--out", str(tmp_path / "out")]
+    assert run("sweep", str(campaign), *out).exit_code == 0
+    journal = tmp_path / "out" / "journal.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n")  # its last cell left to run
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "caps-applied.json").write_text("{ damaged")
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    swept = run("sweep", str(campaign), *out)
+    said = " ".join(swept.output.split())
+    refusal = "the GPU's stock settings changed since this journal was started"
+    assert swept.exit_code == 1 and refusal in said, said
+    dry = run("sweep", str(campaign), *out, "--dry-run", "--no-estimate")
+    assert dry.exit_code == 0, dry.output
+    notes = [" ".join(n.split()) for n in dry.output.splitlines() if "sweep would stop" in n]
+    assert len(notes) == 1 and refusal in notes[0], dry.output
+    assert said.split("Error: ")[-1] in notes[0], (said, notes)

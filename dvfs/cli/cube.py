@@ -196,7 +196,7 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     import json
 
     from dvfs.cube import CUBE_NAME, merge_cubes
-    from dvfs.cube.info import MERGED_CUBES_ATTR
+    from dvfs.cube.info import MERGED_CUBES_ATTR, merged_cubes, merged_shards
     from dvfs.fleet.shard import cube_shard
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.outputs import is_stream
@@ -218,12 +218,14 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     if "combined_from" not in merged.attrs:
         # Cubes swept apart: resuming one rebuilds its own cube, not this one, so the advice
         # on cells not measured yet says to merge again too (`resume_advice`).
-        merged.attrs[MERGED_CUBES_ATTR] = json.dumps(
-            [
-                name.removesuffix(f"/{CUBE_NAME}").removesuffix(f"/{JOURNAL_NAME}")
-                for _, name in loaded
-            ]
-        )
+        # Every cube that went in, flattened: a cube `dvfs cube merge` made (a run's shards,
+        # merged) stands for the cubes it was merged from, which are what a resume reruns.
+        went_in: dict[str, None] = {}
+        for ds, name in loaded:
+            parts = merged_cubes(ds) or list(merged_shards(ds)) or [name]
+            for part in parts:
+                went_in[part.removesuffix(f"/{CUBE_NAME}").removesuffix(f"/{JOURNAL_NAME}")] = None
+        merged.attrs[MERGED_CUBES_ATTR] = json.dumps(list(went_in))
     parts = [f"{len(cubes)} shards"] if "combined_from" in merged.attrs else []
     if "gpu" in merged.dims:  # GPUs merged, or shards each run on a fleet mixing models
         parts.append(f"{merged.sizes['gpu']} GPUs")

@@ -352,6 +352,8 @@ def sweep(
                 check=True,
                 # the journal one server's sweep resumes, its stock compared as the sweep does
                 journal=None if fresh or as_fleet else out_dir / JOURNAL_NAME,
+                # the journals a fleet resumes, their stock compared as the fleet does
+                fleet_dir=out_dir if as_fleet and not fresh else None,
             )
             if executor != "ray"
             else (None, None)
@@ -463,18 +465,17 @@ def sweep(
 
 
 def folder_busy(campaign: Any, out_dir: Path, shard: Any = None) -> str | None:
-    """That the sweep would stop on this machine because another dvfs sweep holds `out_dir`
-    (its `sweep.lock`), in the sweep's words (`check_out_dir`, read-only), or None. The
-    folder's other refusals are the plan's to say."""
+    """That the sweep would stop on this machine because it cannot use `out_dir` (a file in
+    the way, a read-only file system, no permission to write there) or another dvfs sweep
+    holds it (its `sweep.lock`), in the sweep's words (`check_out_usable`, read-only), or None.
+    The folder's journals' refusals are the plan's to say."""
     from dvfs.errors import DvfsError
-    from dvfs.out_folder import SweepBusyError, check_out_dir
+    from dvfs.out_folder import check_out_usable
 
     try:
-        check_out_dir(campaign, out_dir, shard)
-    except SweepBusyError as exc:
+        check_out_usable(out_dir)
+    except DvfsError as exc:
         return f"on this machine the sweep would stop: {exc}"
-    except DvfsError:
-        pass
     return None
 
 

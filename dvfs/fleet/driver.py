@@ -32,7 +32,13 @@ from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError, JournalError
 from dvfs.fleet.cubes import write_cubes
 from dvfs.fleet.devices import Group, group_label, one_model
-from dvfs.fleet.folders import extra_repeats, journals_done, model_journals, other_gpus
+from dvfs.fleet.folders import (
+    extra_repeats,
+    journals_done,
+    model_journals,
+    other_gpus,
+    stock_changed,
+)
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
@@ -276,14 +282,9 @@ class Driver:
                 )
             if changes:
                 raise JournalError(other_gpus(self.journal.path, changes))
-        for earlier in self.journal.sessions:
-            if recorded_stock(earlier) != recorded_stock(combined):
-                raise JournalError(
-                    f"the GPUs' stock settings changed since {self.journal.path} was started "
-                    f"({earlier['stock']} then, {combined['stock']} now): the stock cells "
-                    "would no longer compare. Restore the earlier settings, or start a new "
-                    "--out folder"
-                )
+        refusal = stock_changed(self.journal.path, self.journal.sessions, recorded_stock(combined))
+        if refusal is not None:
+            raise refusal
         if self.journal.sessions:
             before = [g["uuid"] for g in self.journal.sessions[-1]["gpus"]]
             if before != current:

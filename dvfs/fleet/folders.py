@@ -7,13 +7,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvfs.campaign import Campaign
 from dvfs.errors import JournalError
 from dvfs.fleet.shard_journal import has_sessions
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
+
+if TYPE_CHECKING:
+    from dvfs.records.session import Stock
 
 
 def model_folder(name: str) -> str:
@@ -70,6 +73,29 @@ def other_gpus(journal: Path, changes: Sequence[str]) -> str:
         f"{journal} was measured on other GPUs than this run's, which differ in what makes "
         f"cells compare ({'; '.join(changes)}): {advice}"
     )
+
+
+def stock_changed(
+    journal: Path, sessions: Iterable[Mapping[str, Any]], stock: Stock | None
+) -> JournalError | None:
+    """Why a fleet refuses to resume `journal`, whose earlier `sessions` recorded other stock
+    settings than its workers' GPUs start from now (`stock`, the session's `recorded_stock`):
+    its stock cells would no longer compare. None where none did. The fleet's driver's rule,
+    which the fleet (before its workers open a GPU), `dvfs doctor` and the dry run apply too
+    (`dvfs.preflight.resumed_fleet_stock_refusal`)."""
+    from dataclasses import asdict
+
+    from dvfs.records import recorded_stock
+
+    for earlier in sessions:
+        if recorded_stock(dict(earlier)) != stock:
+            return JournalError(
+                f"the GPUs' stock settings changed since {journal} was started "
+                f"({earlier.get('stock')} then, {asdict(stock) if stock else None} now): the "
+                "stock cells would no longer compare. Restore the earlier settings, or start a "
+                "new --out folder"
+            )
+    return None
 
 
 def check_same_gpus(

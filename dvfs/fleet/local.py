@@ -106,11 +106,14 @@ class LocalExecutor:
     def check_gpus(self, campaign: Campaign, groups: Sequence[Group]) -> None:
         """Refuse, before any worker opens its GPUs, what the workers' sessions would refuse
         only once each has timed its counters and measured its idle power: this machine's
-        GPUs of a server, or of one model across the workers, at other stock power limits
+        GPUs of a server, or of one model across the workers, at other stock power limits,
+        or at other stock settings than the journals they resume were started with
         (`dvfs.preflight.check_fleet_stock`, read-only)."""
         from dvfs.preflight import check_fleet_stock
 
-        check_fleet_stock(campaign, groups, nvml=self.nvml, state_dir=self.state_dir)
+        check_fleet_stock(
+            campaign, groups, nvml=self.nvml, state_dir=self.state_dir, out_dir=self.out_dir
+        )
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         campaign: Campaign = fleet.campaign
