@@ -156,12 +156,11 @@ def test_gpu_reset_restores_a_killed_governors_clocks_on_such_a_gpu(
     assert power_limit_calls(nvml) == []
 
 
-def unit_command(unit: str, **replaced: str) -> list[str]:
-    """ExecStart of `systemd/UNIT` without its dvfs path, each of `replaced` put in."""
+def unit_command(unit: str, key: str = "ExecStart", **replaced: str) -> list[str]:
+    """KEY (ExecStart, ExecStop) of `systemd/UNIT` without its dvfs path, each of `replaced`
+    put in."""
     text = (Path(__file__).resolve().parent.parent / "systemd" / unit).read_text()
-    [start] = [
-        line[len("ExecStart=") :] for line in text.splitlines() if line.startswith("ExecStart=")
-    ]
+    [start] = [line[len(key) + 1 :] for line in text.splitlines() if line.startswith(f"{key}=")]
     for old, new in replaced.items():
         start = start.replace(old, new)
     return start.replace("/usr/local/bin/dvfs", "").split()
@@ -187,3 +186,49 @@ def test_the_govern_units_command_governs_such_a_gpu_with_no_gpu_named(
     assert result.returncode == 0, result.stderr
     assert "GPU 0: SM clock locked 210-1200 MHz, power limit not supported" in result.stderr
     assert nvml.fake_calls() == []
+
+
+def test_the_caps_commands_cap_such_a_gpus_clock_and_leave_its_power_limit_be(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """`cap apply` set aside a GPU without a power limit NVML supports wherever the file named
+    it, a clock-only file too ("whose power limit NVML does not support (`cap apply` records it
+    before a change): it was set aside, so nothing was capped", exit 1: the caps unit failed at
+    every boot), `cap show` named it and showed nothing of it (exit 1), and `cap reset` (the
+    unit's ExecStop) reset nothing (exit 1). A clock-only file caps it now, its power limit
+    neither read nor recorded; `cap show` shows it; `cap reset` unlocks its clock."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(f'[[gpu]]\nuuid = "{uuid}"\nsm_clock_max_mhz = 1500\n')
+    start = unit_command("dvfs-caps.service", **{"/etc/dvfs/caps.toml": str(caps)})
+    stop = unit_command("dvfs-caps.service", "ExecStop")
+    dry = dvfs_in_process(*start, "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert f"would apply to GPU 0 ({uuid}): SM clock locked to 210-1500 MHz" in dry.stdout
+    assert nvml.fake_calls() == []
+    applied = dvfs_in_process(*start, env=env)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert f"applied to GPU 0 ({uuid}): SM clock locked to 210-1500 MHz" in applied.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    shown = dvfs_in_process("cap", "show", env=env)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    said = " ".join(shown.stdout.split())
+    assert f"GPU 0 ({uuid}): power limit 700 W enforced (NVML does not support setting it" in said
+    assert "locked 210-1500 MHz by dvfs cap apply" in said
+    rows = json.loads(dvfs_in_process("cap", "show", "--json", env=env).stdout)
+    [row] = [r for r in rows if r["index"] == 0]
+    assert row["configured_power_limit_w"] is None and row["default_power_limit_w"] is None
+    reset = dvfs_in_process(*stop, "0", env=env)
+    assert reset.returncode == 0, reset.stdout + reset.stderr
+    assert "clocks unlocked, power limit not supported by NVML (left be)" in reset.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert power_limit_calls(nvml) == []
+    # a file that caps its power limit is refused for it in one line, nothing capped
+    caps.write_text(f'[[gpu]]\nuuid = "{uuid}"\nsm_clock_max_mhz = 1500\npower_limit_w = 400\n')
+    refused = dvfs_in_process(*start, env=env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr.splitlines() == [
+        f"Error: {caps} matches only GPU 0 ({uuid}) here, whose power limit NVML does not "
+        "support (its entry sets one): it was set aside, so nothing was capped"
+    ]
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
