@@ -232,3 +232,33 @@ def test_the_caps_commands_cap_such_a_gpus_clock_and_leave_its_power_limit_be(
         "support (its entry sets one): it was set aside, so nothing was capped"
     ]
     assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_gpu_list_and_info_show_such_a_gpu_with_its_power_limit_not_supported(
+    env: dict[str, str], nvml: Any
+) -> None:
+    """`gpu list` and `gpu info` read-only: they named such a GPU as if it had fallen off the
+    bus ("cannot read the power limit: NVML says Not Supported", nothing else of it shown,
+    exit 1). They show it now, its power limit not supported (null in --json), exit 0."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    listed = dvfs_in_process("gpu", "list", "--json", env=env)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    row = json.loads(listed.stdout)[0]
+    assert (row["uuid"], row["power_limit_w"], row["sm_clock_mhz"]) == (uuid, None, 345)
+    table = dvfs_in_process("gpu", "list", env=env)
+    assert table.returncode == 0 and "not supported" in table.stdout, table.stdout + table.stderr
+    for args in (("gpu", "info", "--json"), ("gpu", "info", "0", "--json")):
+        info = dvfs_in_process(*args, env=env)
+        assert info.returncode == 0, info.stdout + info.stderr
+        limits = json.loads(info.stdout)[0]["power_limit_w"]
+        assert limits == {
+            "min": None,
+            "max": None,
+            "default": None,
+            "current": None,
+            "enforced": 700.0,
+        }
+    text = dvfs_in_process("gpu", "info", "0", env=env)
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert "power limit: not supported by NVML, not settable (enforced 700 W)" in text.stdout
+    assert nvml.fake_calls() == []
