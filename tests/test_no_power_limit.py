@@ -262,3 +262,18 @@ def test_gpu_list_and_info_show_such_a_gpu_with_its_power_limit_not_supported(
     assert text.returncode == 0, text.stdout + text.stderr
     assert "power limit: not supported by NVML, not settable (enforced 700 W)" in text.stdout
     assert nvml.fake_calls() == []
+
+
+def test_gpu_reset_defaults_unlocks_such_a_gpus_clocks(env: dict[str, str], nvml: Any) -> None:
+    """`gpu reset --defaults` ("unlock clocks, default power limit") set such a GPU aside,
+    exit 1, its clocks left locked, as it could not read the power limit it would reset: it
+    unlocks the clocks now and leaves the power limit, which nothing changed, be."""
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])  # left by a tool, or a lost record
+    for args in (("gpu", "reset", "--defaults"), ("gpu", "reset", "0", "--defaults")):
+        result = dvfs_in_process(*args, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        said = " ".join(result.stdout.split())
+        assert "reset GPU 0" in said, said
+        assert "clocks unlocked, power limit not supported by NVML (left be)" in said
+        assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert power_limit_calls(nvml) == []

@@ -217,9 +217,9 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     out = console()
     every = not devices
     # Every GPU or those named: one fallen off the bus must not keep the others unrestored.
-    # A power limit NVML does not support fails only a GPU that has settings to restore (its
-    # restore names it), or with --defaults, which resets every GPU.
-    openable, lost = reachable_gpus(devices=parse_devices(devices), unsupported_ok=not defaults)
+    # A power limit NVML does not support fails none: a restore and --defaults put back the
+    # clocks of such a GPU and leave its power limit be (dvfs never changed it).
+    openable, lost = reachable_gpus(devices=parse_devices(devices), unsupported_ok=True)
     devices = tuple(str(i) for i in openable)
     if not devices and lost:
         raise lost_gpus(lost)
