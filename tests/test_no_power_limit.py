@@ -277,3 +277,23 @@ def test_gpu_reset_defaults_unlocks_such_a_gpus_clocks(env: dict[str, str], nvml
         assert "clocks unlocked, power limit not supported by NVML (left be)" in said
         assert nvml.fake_device_state(0)["locked_clocks"] is None
     assert power_limit_calls(nvml) == []
+
+
+def test_gpu_settle_times_such_a_gpus_clocks_and_refuses_its_power_limit(
+    env: dict[str, str], nvml: Any
+) -> None:
+    """`gpu settle` read every GPU's power limit to snapshot it before a change, so timing
+    only clock locks on such a GPU stopped at once ("cannot read the power limit", exit 1). It
+    times them now and puts the clock back; timing power limits is refused in one line."""
+    result = dvfs_in_process("gpu", "settle", "--gpu", "0", "--clocks", "1980,1200", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1980 MHz -> 1200 MHz" in result.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    args = ("gpu", "settle", "--gpu", "0", "--power-limits", "700,300", "--load")
+    refused = dvfs_in_process(*args, "--load-device", "cpu", env=env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr.splitlines() == [
+        "Error: GPU 0: cannot read the power-limit range: NVML says Not Supported"
+    ]
+    assert power_limit_calls(nvml) == []
