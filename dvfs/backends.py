@@ -166,11 +166,15 @@ def reachable_gpus(
                     try:
                         gpu.power_limit_mw()
                     except GpuNotSupportedError:
-                        if not unsupported_ok:
+                        if not (unsupported_ok or shown):
                             raise
+                        supported = False  # shown as not supported, its range too
+                    else:
+                        supported = True
                     if shown:
                         gpu.enforced_power_limit_mw()
-                        gpu.power_limit_range()
+                        if supported:
+                            gpu.power_limit_range()
                         gpu.sm_clock_mhz()
                 openable.append(device)
         except GpuPermissionError:

@@ -30,6 +30,7 @@ from dvfs.errors import (
     GpuStateError,
     JournalError,
 )
+from dvfs.gpu.knobs import limit_mw_of
 from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
 from dvfs.redact import redact_argv
 
@@ -510,7 +511,7 @@ def _stock(
             "stock power limits not compared: the sweep refuses these GPUs first (the state, "
             "lock or caps check says why)"
         )
-    watts = sorted({s.power_limit_mw / 1000 for s in stock.values()})
+    watts = sorted({limit_mw_of(s) / 1000 for s in stock.values()})
     if len(watts) == 1:
         return OK, f"the GPUs start from one stock power limit, {watts[0]:g} W"
     limits = ", ".join(f"{w:g} W" for w in watts)

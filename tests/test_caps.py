@@ -686,8 +686,10 @@ def test_the_caps_commands_go_on_beside_a_gpu_whose_power_limit_nvml_does_not_su
     """A GPU whose power-limit reads NVML answers NOT_SUPPORTED passed the every-GPU commands'
     check of a GPU that opens ('not supported is fine'), then failed each of them on the
     reads they make: `cap apply` (the caps unit at boot) capped no GPU, not even with a
-    clock-only file, and `cap show` and `gpu info` showed none of the others. It is set
-    aside as one needing a reset is: the others acted on, it named in one line, exit 1."""
+    clock-only file, and `cap show` and `gpu info` showed none of the others. A clock-only
+    file caps it now as any GPU (its power limit neither read nor recorded); `cap show` and
+    `gpu info`, which cannot read the enforced limit they show, set it aside as one needing a
+    reset is: the others shown, it named in one line, exit 1."""
     uuid = nvml.fake_device_state(0)["uuid"]
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(
@@ -700,10 +702,12 @@ def test_the_caps_commands_go_on_beside_a_gpu_whose_power_limit_nvml_does_not_su
         "nvmlDeviceGetPowerManagementDefaultLimit",
     )
     nvml.fake_update_device(1, errors={f: nvml.NVML_ERROR_NOT_SUPPORTED for f in failing})
-    for args in (("cap", "apply", str(fleet)), ("cap", "show"), ("gpu", "info")):
+    result = CliRunner().invoke(cli, ["cap", "apply", str(fleet)])
+    assert result.exit_code == 0, result.output
+    for args in (("cap", "show"), ("gpu", "info")):
         _gpu_1_set_aside(args, uuid)
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
-    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1500]
 
 
 @pytest.mark.parametrize("failing", ["nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetClockInfo"])
@@ -743,21 +747,22 @@ def test_a_gpu_whose_power_limit_nvml_does_not_support_fails_no_command_that_lea
         result = CliRunner().invoke(cli, list(args))
         assert result.exit_code == 0, (args, result.output)
         assert "nothing to restore" in result.stdout, (args, result.output)
-    result = CliRunner().invoke(cli, ["gpu", "reset", "--defaults"])  # it would reset GPU 1
-    assert result.exit_code == 1 and "GPU 1" in result.stderr, result.output
+    result = CliRunner().invoke(cli, ["gpu", "reset", "--defaults"])  # GPU 1's clocks too
+    assert result.exit_code == 0, result.output
+    assert "clocks unlocked, power limit not supported by NVML (left be)" in result.stdout
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
 def test_a_gpu_named_by_uuid_and_set_aside_for_its_power_limit_is_not_said_to_be_lost(
     nvml, tmp_path: Path
 ) -> None:
-    """`cap apply` of a file naming by UUID a GPU whose power limit NVML does not support sets
-    that GPU aside (named, exit 1), yet its note said the file "names GPU(s) UUID, which are
-    not among this host's GPUs that open (...), the GPU fallen off the bus perhaps": it opened,
-    and is here. Its entry is its own now: no such note, the error line saying why it was not
-    capped; a UUID that is on no GPU here is "not on this host", which lists the set-aside GPU
-    too; and a file naming only that GPU says it was set aside, not that it matches none of
-    the GPUs that open."""
+    """`cap apply` of a file naming by UUID, with a power limit, a GPU whose power limit NVML
+    does not support sets that GPU aside (named, exit 1), yet its note said the file "names
+    GPU(s) UUID, which are not among this host's GPUs that open (...), the GPU fallen off the
+    bus perhaps": it opened, and is here. Its entry is its own now: no such note, the error
+    line saying why it was not capped; a UUID that is on no GPU here is "not on this host",
+    which lists the set-aside GPU too; and a file naming only that GPU says it was set aside,
+    not that it matches none of the GPUs that open."""
     u0, u1 = (nvml.fake_device_state(i)["uuid"] for i in (0, 1))
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
     nvml.fake_update_device(
@@ -767,7 +772,7 @@ def test_a_gpu_named_by_uuid_and_set_aside_for_its_power_limit_is_not_said_to_be
     unsupported = "GPU 1: cannot read the power limit: NVML says Not Supported"
 
     def apply(uuids: tuple[str, ...], *extra: str) -> tuple[str, str]:
-        entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+        entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500, power_limit_w=400) for u in uuids)
         caps.write_text(dump_caps(CapsFile(entries)))
         result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *extra])
         assert result.exit_code == 1, result.output
@@ -789,8 +794,7 @@ def test_a_gpu_named_by_uuid_and_set_aside_for_its_power_limit_is_not_said_to_be
         out, error = apply((u1,), *extra)
         assert error == (
             f"Error: {caps} matches only GPU 1 ({u1}) here, whose power limit NVML does not "
-            "support (`cap apply` records it before a change): it was set aside, so nothing "
-            "was capped"
+            "support (its entry sets one): it was set aside, so nothing was capped"
         )
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
     assert nvml.fake_device_state(1)["locked_clocks"] is None

@@ -31,7 +31,13 @@ from dvfs.errors import (
     GpuUnavailableError,
 )
 from dvfs.gpu.base import Gpu, unsupported_clock
-from dvfs.gpu.knobs import REFUSED, ChangeLog, GatheredFailures, KnobController
+from dvfs.gpu.knobs import (
+    REFUSED,
+    ChangeLog,
+    GatheredFailures,
+    KnobController,
+    power_limit_or_none,
+)
 from dvfs.gpu.safety import boot_id
 
 if TYPE_CHECKING:
@@ -56,7 +62,8 @@ class CapAction:
     uuid: str
     lock_mhz: tuple[int, int] | None
     power_limit_mw: int | None
-    current_power_limit_mw: int
+    #: None: NVML does not support this GPU's power limit (its entry caps only clocks)
+    current_power_limit_mw: int | None
     unlock: bool = False
     default_power_limit_mw: int | None = None
 
@@ -73,10 +80,11 @@ class CapAction:
                 "file; an earlier cap apply set it)"
             )
         if self.power_limit_mw is not None:
+            current = self.current_power_limit_mw  # read (a GPU without one is set aside)
             change = (
                 "unchanged"
-                if self.power_limit_mw == self.current_power_limit_mw
-                else f"from {self.current_power_limit_mw / 1000:g} W"
+                if self.power_limit_mw == current
+                else f"from {(current or 0) / 1000:g} W"
             )
             parts.append(f"power limit {self.power_limit_mw / 1000:g} W ({change})")
         return f"GPU {self.index} ({self.uuid}): " + ", ".join(parts)
@@ -539,7 +547,7 @@ def plan_actions(
                 ident.uuid,
                 lock,
                 limit,
-                gpu.power_limit_mw(),
+                power_limit_or_none(gpu),
                 unlock=lock is None and bool(earlier.get("lock_mhz")),
                 default_power_limit_mw=default,
             )
@@ -557,7 +565,7 @@ def plan_actions(
         one = len(aside) == 1
         raise GpuUnavailableError(
             f"{where} matches only {', '.join(aside)} here, whose power limit NVML does not "
-            f"support (`cap apply` records it before a change): {'it was' if one else 'they were'}"
+            f"support (its entry sets one): {'it was' if one else 'they were'}"
             " set aside, so nothing was capped" + (f"; {lost}" if lost else "")
         )
     if not actions:
@@ -697,8 +705,8 @@ def reset_caps(
                 gpu.reset_sm_clock()
             except REFUSED as exc:  # changed nothing: the power limit goes back still
                 refused = exc
-            default = gpu.power_limit_range().default_mw
-            if gpu.power_limit_mw() != default:
+            default = _default_or_none(gpu)  # None: not supported, so never capped
+            if default is not None and gpu.power_limit_mw() != default:
                 gpu.set_power_limit_mw(default)
             if refused is not None:  # the entry stays, for the lock the GPU still holds
                 entry = record.entries_as_written().get(ident.uuid)
@@ -709,10 +717,12 @@ def reset_caps(
                 raise refused
             record.update(ident.uuid, None)
             GovernorLocks(record.path.parent).clear(ident.uuid)
-            line = (
-                f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
-                f"{default / 1000:g} W (default)"
+            power = (
+                "power limit not supported by NVML (left be)"
+                if default is None
+                else f"power limit {default / 1000:g} W (default)"
             )
+            line = f"GPU {ident.index} ({ident.uuid}): clocks unlocked, {power}"
             if store.path(ident.uuid).exists():
                 line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
                 store.clear(ident.uuid)
@@ -722,6 +732,13 @@ def reset_caps(
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
     return done
+
+
+def _default_or_none(gpu: Gpu) -> int | None:
+    """The GPU's default power limit, or None where NVML does not support its power limit."""
+    if power_limit_or_none(gpu) is None:
+        return None
+    return gpu.power_limit_range().default_mw
 
 
 def _left_by(store: StateStore, uuid: str) -> str:
@@ -822,15 +839,16 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
         ident = g.identity
         record = applied.get(ident.uuid, {})
         lock = in_force.get(ident.uuid)
-        limits = g.power_limit_range()
+        configured = power_limit_or_none(g)  # None: not supported (nor its range)
+        default = None if configured is None else g.power_limit_range().default_mw / 1000
         rows.append(
             {
                 "index": ident.index,
                 "uuid": ident.uuid,
                 "name": ident.name,
                 "enforced_power_limit_w": g.enforced_power_limit_mw() / 1000,
-                "configured_power_limit_w": g.power_limit_mw() / 1000,
-                "default_power_limit_w": limits.default_mw / 1000,
+                "configured_power_limit_w": None if configured is None else configured / 1000,
+                "default_power_limit_w": default,
                 "sm_clock_lock_mhz": None if lock is None else list(lock.lock_mhz),
                 "sm_clock_lock_set_by": None if lock is None else _set_by(lock, g, directory),
                 "caps_sm_clock_lock_mhz": record.get("lock_mhz"),

@@ -346,17 +346,19 @@ def apply(
 def _set_aside_unsupported(
     caps: CapsFile, gpus: Sequence[Gpu], allow_simulated: bool
 ) -> tuple[list[Gpu], list[GpuError]]:
-    """`gpus` but those the caps file names whose power limit NVML does not support, which
-    `cap apply` cannot record before a change (named, exit 1, once the others are capped), and
-    their errors. One the file does not name stays: it is left as it is, with a note, as any
-    GPU no entry names (set aside, it failed every apply, the caps unit at each boot)."""
+    """`gpus` but those whose entry in the caps file sets a power limit NVML does not support
+    on them (named, exit 1, once the others are capped), and their errors. One the file does
+    not name stays: it is left as it is, with a note, as any GPU no entry names (set aside, it
+    failed every apply, the caps unit at each boot); so does one whose entry caps only its SM
+    clock, which is locked without reading or recording a power limit."""
     from dvfs.errors import GpuNotSupportedError
 
     kept: list[Gpu] = []
     unsupported: list[GpuError] = []
     for gpu in gpus:
         ident = gpu.identity
-        if caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated) is not None:
+        cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
+        if cap is not None and cap.power_limit_w is not None:
             try:
                 gpu.power_limit_mw()
             except GpuNotSupportedError as exc:
@@ -452,9 +454,14 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
                 else ", no static clock cap"
             )
         source = f", from {r['caps_source']} at {r['applied']}" if r["caps_source"] else ""
+        default = r["default_power_limit_w"]
+        power = f"power limit {r['enforced_power_limit_w']:g} W" + (
+            " enforced (NVML does not support setting it on this GPU)"
+            if default is None
+            else f" (default {default:g} W)"
+        )
         out.print(
-            f"GPU {r['index']} ({r['uuid']}): power limit {r['enforced_power_limit_w']:g} W "
-            f"(default {r['default_power_limit_w']:g} W), {lock}, SM clock now "
+            f"GPU {r['index']} ({r['uuid']}): {power}, {lock}, SM clock now "
             f"{r['sm_clock_mhz']} MHz{source}"
         )
 
@@ -476,7 +483,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     visible = job_gpus("`dvfs cap reset {spaced}`")
     # Every GPU (the job's) or those named: one fallen off the bus must not keep the others
     # capped; it is named once they are reset.
-    named, lost = reachable_gpus(visible, devices=parse_devices(devices))
+    # (a power limit NVML does not support is no loss: its clocks are reset, the limit left be)
+    named, lost = reachable_gpus(visible, devices=parse_devices(devices), unsupported_ok=True)
     if not named and lost:
         raise lost_gpus(lost)
     # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them (a GPU

@@ -247,7 +247,9 @@ def govern(
     if not devices:
         # Every GPU is the server's: a server spanning a lost GPU is broken, and governing the
         # rest would silently govern GPUs other than those meant; --gpu names them if intended.
-        openable, lost = reachable_gpus(visible)
+        # (a power limit NVML does not support is no loss: a plan that needs one is refused
+        # with the step and the GPU, `check_plan_against`)
+        openable, lost = reachable_gpus(visible, unsupported_ok=True)
         if lost:
             others = ", ".join(f"GPU {i}" for i in openable) or "none"
             raise GpuUnavailableError(

@@ -113,7 +113,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
             r["uuid"],
             r["name"],
             r["driver"],
-            f"{r['power_limit_w']:g} W",
+            "not supported" if r["power_limit_w"] is None else f"{r['power_limit_w']:g} W",
             f"{r['sm_clock_mhz']} MHz",
             "on (refused)" if r["mig"] else "off",
         )
@@ -156,10 +156,15 @@ def _print_details(infos: Sequence[dict[str, Any]]) -> None:
             f"now {i['sm_clock_mhz']} MHz;"
             f" memory clock {i['memory_clock_mhz']} MHz"
         )
-        out.print(
-            f"  power limit: {p['current']:g} W (enforced {p['enforced']:g} W, default "
-            f"{p['default']:g} W, allowed {p['min']:g}-{p['max']:g} W)"
-        )
+        if p["current"] is None:
+            out.print(
+                f"  power limit: not supported by NVML, not settable (enforced {p['enforced']:g} W)"
+            )
+        else:
+            out.print(
+                f"  power limit: {p['current']:g} W (enforced {p['enforced']:g} W, default "
+                f"{p['default']:g} W, allowed {p['min']:g}-{p['max']:g} W)"
+            )
         persistence = {
             None: "unknown",
             True: "on",
@@ -212,9 +217,9 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     out = console()
     every = not devices
     # Every GPU or those named: one fallen off the bus must not keep the others unrestored.
-    # A power limit NVML does not support fails only a GPU that has settings to restore (its
-    # restore names it), or with --defaults, which resets every GPU.
-    openable, lost = reachable_gpus(devices=parse_devices(devices), unsupported_ok=not defaults)
+    # A power limit NVML does not support fails none: a restore and --defaults put back the
+    # clocks of such a GPU and leave its power limit be (dvfs never changed it).
+    openable, lost = reachable_gpus(devices=parse_devices(devices), unsupported_ok=True)
     devices = tuple(str(i) for i in openable)
     if not devices and lost:
         raise lost_gpus(lost)

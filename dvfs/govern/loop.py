@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dvfs.caps.actuation import GovernorLocks, LockInForce
-from dvfs.errors import CapsError, GpuError, GpuUnavailableError
+from dvfs.errors import CapsError, GpuError, GpuNotSupportedError, GpuUnavailableError
 from dvfs.govern.exporter import GpuRow, LiveMetrics, Snapshot
 from dvfs.govern.metrics import (
     GpuReading,
@@ -39,7 +39,14 @@ from dvfs.govern.plan import BatchPlan, Setting
 from dvfs.govern.policy import PolicyParams, PolicyState, decide
 from dvfs.govern.servergpus import ServerGpus
 from dvfs.gpu.base import Gpu, gpu_names, unsupported_clock
-from dvfs.gpu.knobs import UNKNOWN_LOCK, ChangeLog, GpuSettings, KnobController, KnobSetting
+from dvfs.gpu.knobs import (
+    UNKNOWN_LOCK,
+    ChangeLog,
+    GpuSettings,
+    KnobController,
+    KnobSetting,
+    power_limit_or_none,
+)
 from dvfs.redact import redact_url
 
 Note = Callable[[str], None]
@@ -55,11 +62,12 @@ class Ceiling:
 
     uuid: str
     lock_mhz: tuple[int, int] | None
-    power_limit_mw: int
+    #: None: NVML does not support this GPU's power limit (a plan with a power step is refused)
+    power_limit_mw: int | None
     lowest_mhz: int
 
     @classmethod
-    def of(cls, gpu: Gpu, lock_mhz: tuple[int, int] | None, power_limit_mw: int) -> Ceiling:
+    def of(cls, gpu: Gpu, lock_mhz: tuple[int, int] | None, power_limit_mw: int | None) -> Ceiling:
         lowest = min(gpu.supported_sm_clocks_mhz())
         return cls(gpu.identity.uuid, lock_mhz, power_limit_mw, lowest)
 
@@ -73,13 +81,13 @@ class Ceiling:
             top = clock_mhz if lock is None else min(clock_mhz, lock[1])
             lock = (lock[0] if lock is not None and lock[0] < top else self.lowest_mhz, top)
         limit = self.power_limit_mw
-        if limit_w is not None:
+        if limit_w is not None and limit is not None:
             limit = min(round(limit_w * 1000), limit)
         return GpuSettings(self.uuid, lock, limit)
 
     def describe(self) -> str:
         """The static caps, for the log."""
-        return f"{_lock_text(self.lock_mhz)}, power limit {self.power_limit_mw / 1000:g} W"
+        return f"{_lock_text(self.lock_mhz)}, {_limit_text(self.power_limit_mw)}"
 
     def describe_applied(self, setting: Setting) -> str:
         """What a plan setting puts on this GPU, saying where the static caps decide."""
@@ -97,8 +105,10 @@ class Ceiling:
             )
         elif self.lock_mhz and self.lock_mhz[0] >= setting.sm_clock_mhz:
             clock += f" (the static lock's floor of {self.lock_mhz[0]} MHz is left out below it)"
-        power = f"power limit {applied.power_limit_mw / 1000:g} W"
-        if setting.power_limit_w is None:
+        power = _limit_text(applied.power_limit_mw)
+        if applied.power_limit_mw is None:
+            pass
+        elif setting.power_limit_w is None:
             power += " (stock: the limit in force at start)"
         elif applied.power_limit_mw < round(setting.power_limit_w * 1000):
             power += (
@@ -110,6 +120,12 @@ class Ceiling:
 
 def _lock_text(lock: tuple[int, int] | None) -> str:
     return "SM clock unlocked" if lock is None else f"SM clock locked {lock[0]}-{lock[1]} MHz"
+
+
+def _limit_text(limit_mw: int | None) -> str:
+    if limit_mw is None:
+        return "power limit not supported by NVML (left be)"
+    return f"power limit {limit_mw / 1000:g} W"
 
 
 def per_gpu(gpus: Sequence[Gpu], texts: dict[str, str]) -> str:
@@ -204,12 +220,22 @@ def check_plan_against(
                 f"{ident.name}: plan from a cube of this GPU model"
             )
         supported = gpu.supported_sm_clocks_mhz()
-        limits = gpu.power_limit_range()
+        powered = [s for s in plan.steps if s.setting.power_limit_w is not None]
+        limits = None
+        if powered:  # a clocks-only plan needs no power limit (NVML may not support one)
+            try:
+                limits = gpu.power_limit_range()
+            except GpuNotSupportedError as exc:
+                raise CapsError(
+                    f"{where}: step batch {powered[0].batch} sets a power limit, which NVML "
+                    f"does not support on GPU {ident.index} ({ident.uuid}): plan SM clocks only "
+                    f"for it ({exc})"
+                ) from exc
         for step in plan.steps:
             clock, limit = step.setting.sm_clock_mhz, step.setting.power_limit_w
             of = f" of GPU {ident.index}"
             problem = None if clock is None else unsupported_clock(clock, supported, of=of)
-            if problem is None and limit is not None:
+            if problem is None and limit is not None and limits is not None:
                 problem = limits.outside(limit * 1000)
             if problem:
                 raise CapsError(f"{where}: step batch {step.batch}: {problem}")
@@ -543,7 +569,8 @@ def static_caps(
 
     locks = {} if state_dir is None else AppliedCaps(state_dir).locks()
     return {
-        g.identity.uuid: Ceiling.of(g, locks.get(g.identity.uuid), g.power_limit_mw()) for g in gpus
+        g.identity.uuid: Ceiling.of(g, locks.get(g.identity.uuid), power_limit_or_none(g))
+        for g in gpus
     }
 
 

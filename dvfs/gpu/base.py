@@ -242,8 +242,9 @@ class DeviceInfo:
     architecture: int | None
     supported_sm_clocks_mhz: tuple[int, ...]
     supported_memory_clocks_mhz: tuple[int, ...]
-    power_limits: PowerLimitRange
-    power_limit_mw: int
+    #: None (both): NVML does not support this GPU's power limit (not settable)
+    power_limits: PowerLimitRange | None
+    power_limit_mw: int | None
     enforced_power_limit_mw: int
     persistence_mode: bool | None
     energy_counter: bool

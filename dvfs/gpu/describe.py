@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dvfs.gpu.base import Gpu, describe_events
+from dvfs.gpu.knobs import power_limit_or_none
 
 
 def gpu_summary(g: Gpu) -> dict[str, Any]:
@@ -17,7 +18,8 @@ def gpu_summary(g: Gpu) -> dict[str, Any]:
         "uuid": ident.uuid,
         "name": ident.name,
         "driver": ident.driver_version,
-        "power_limit_w": g.power_limit_mw() / 1000,
+        # None: NVML does not support this GPU's power limit
+        "power_limit_w": None if (limit := power_limit_or_none(g)) is None else limit / 1000,
         "sm_clock_mhz": g.sm_clock_mhz(),
         "mig": mig,
     }
@@ -40,11 +42,12 @@ def gpu_details(g: Gpu) -> dict[str, Any]:
             "count": len(info.supported_sm_clocks_mhz),
             "values": list(info.supported_sm_clocks_mhz),
         },
+        # min, max, default and current None: NVML does not support this GPU's power limit
         "power_limit_w": {
-            "min": limits.min_mw / 1000,
-            "max": limits.max_mw / 1000,
-            "default": limits.default_mw / 1000,
-            "current": info.power_limit_mw / 1000,
+            "min": None if limits is None else limits.min_mw / 1000,
+            "max": None if limits is None else limits.max_mw / 1000,
+            "default": None if limits is None else limits.default_mw / 1000,
+            "current": None if info.power_limit_mw is None else info.power_limit_mw / 1000,
             "enforced": info.enforced_power_limit_mw / 1000,
         },
         "persistence_mode": info.persistence_mode,

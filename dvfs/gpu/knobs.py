@@ -50,11 +50,43 @@ class GatheredFailures:
 
 @dataclass(frozen=True)
 class GpuSettings:
-    """What dvfs may change on one GPU: an SM clock lock (None = unlocked) and the power limit."""
+    """What dvfs may change on one GPU: an SM clock lock (None = unlocked) and the power limit
+    (None: NVML does not support this GPU's power limit, so it is neither read nor written)."""
 
     uuid: str
     sm_clock_lock_mhz: tuple[int, int] | None
-    power_limit_mw: int
+    power_limit_mw: int | None
+
+
+def power_limit_or_none(gpu: Gpu) -> int | None:
+    """The GPU's configured power limit, or None where NVML does not support it (some boards,
+    MIG, a VM's restricted passthrough: a lasting trait of the GPU, not a fault). Such a GPU
+    can still have its clocks locked: what changes only clocks neither reads nor restores it."""
+    try:
+        return gpu.power_limit_mw()
+    except GpuNotSupportedError:
+        return None
+
+
+def limit_mw_of(settings: GpuSettings) -> int:
+    """`settings`' power limit, where a command needs one (a sweep records each cell's): a GPU
+    without one (NVML does not support it) is refused in one line."""
+    if settings.power_limit_mw is None:
+        raise GpuNotSupportedError(
+            f"GPU {settings.uuid}: NVML does not support its power limit (NOT_SUPPORTED), "
+            "which this command reads"
+        )
+    return settings.power_limit_mw
+
+
+def no_power_limit(gpu: Gpu, why: str) -> GpuNotSupportedError:
+    """The one line refusing a power-limit change on a GPU whose power limit NVML does not
+    support (`why`: what needed it)."""
+    ident = gpu.identity
+    return GpuNotSupportedError(
+        f"GPU {ident.index} ({ident.uuid}): {why} sets a power limit, which NVML does not "
+        "support on this GPU (NOT_SUPPORTED): set only SM clocks on it"
+    )
 
 
 class ChangeLog(Protocol):
@@ -105,7 +137,7 @@ class KnobController:
         snap = {}
         for gpu in self.gpus:
             uuid = gpu.identity.uuid
-            snap[uuid] = GpuSettings(uuid, self._prior_locks.get(uuid), gpu.power_limit_mw())
+            snap[uuid] = GpuSettings(uuid, self._prior_locks.get(uuid), power_limit_or_none(gpu))
         return snap
 
     def __enter__(self) -> KnobController:
@@ -138,7 +170,7 @@ class KnobController:
             uuid = gpu.identity.uuid
             found = snapshot[uuid]
             limit = found.power_limit_mw
-            if self._applied_power_mw.get(uuid) == limit:
+            if limit is not None and self._applied_power_mw.get(uuid) == limit:
                 limit = gpu.power_limit_range().default_mw
             stock[uuid] = GpuSettings(uuid, None, limit)
         return stock
@@ -228,6 +260,8 @@ class KnobController:
             lock = (setting.sm_clock_mhz, setting.sm_clock_mhz)
         limit = original.power_limit_mw
         if setting.power_limit_w is not None:
+            if limit is None:
+                raise no_power_limit(gpu, f"the setting of {setting.power_limit_w:g} W")
             limit = round(setting.power_limit_w * 1000)
         return GpuSettings(uuid, lock, limit)
 
@@ -279,15 +313,18 @@ class KnobController:
         `nvidia-smi -pl` or a GPU reset changes it behind dvfs's back), the lock as this
         controller last wrote it (NVML cannot read a lock back)."""
         have = self._current[uuid]
+        if self._snapshot[uuid].power_limit_mw is None:
+            return have  # a power limit NVML does not support: never read, never written
         limit_mw = gpu.power_limit_mw()
-        if limit_mw != have.power_limit_mw:
-            if have.power_limit_mw != UNKNOWN_POWER:
+        last = have.power_limit_mw
+        if limit_mw != last:
+            if last is not None and last != UNKNOWN_POWER:
                 log.warning(
                     "GPU %s: power limit is %g W, not the %g W dvfs last set: changed outside "
                     "dvfs; setting it again",
                     gpu.identity.index,
                     limit_mw / 1000,
-                    have.power_limit_mw / 1000,
+                    last / 1000,
                 )
             have = replace(have, power_limit_mw=limit_mw)
             self._current[uuid] = have
@@ -313,7 +350,7 @@ class KnobController:
                 raise
             current = replace(current, sm_clock_lock_mhz=want.sm_clock_lock_mhz)
             self._current[uuid] = current
-        if want.power_limit_mw != current.power_limit_mw:
+        if want.power_limit_mw is not None and want.power_limit_mw != current.power_limit_mw:
             self._current[uuid] = replace(current, power_limit_mw=UNKNOWN_POWER)
             try:
                 gpu.set_power_limit_mw(want.power_limit_mw)
@@ -337,7 +374,8 @@ def check_one_stock_limit(
     limits = {g: stock[g.identity.uuid].power_limit_mw for g in gpus}
     if len(set(limits.values())) > 1:
         said = ", ".join(
-            f"GPU {g.identity.index} ({g.identity.uuid}) at {mw / 1000:g} W"
+            f"GPU {g.identity.index} ({g.identity.uuid}) at "
+            + ("a power limit NVML does not support" if mw is None else f"{mw / 1000:g} W")
             for g, mw in limits.items()
         )
         raise JournalError(

@@ -334,6 +334,7 @@ class NvmlGpu:
                 return None
 
         energy_ok = maybe(self.energy_mj) is not None
+        configured = maybe(self.power_limit_mw)  # None: not supported, nor then its range
         memory = maybe(lambda: self._call(self.nvml.nvmlDeviceGetMemoryInfo, "read memory"))
         arch = maybe(
             lambda: int(self._call(self.nvml.nvmlDeviceGetArchitecture, "read the architecture"))
@@ -343,8 +344,8 @@ class NvmlGpu:
             architecture=arch,
             supported_sm_clocks_mhz=self._sm_clocks,
             supported_memory_clocks_mhz=tuple(self._memory_clocks()),
-            power_limits=self.power_limit_range(),
-            power_limit_mw=self.power_limit_mw(),
+            power_limits=None if configured is None else self.power_limit_range(),
+            power_limit_mw=configured,
             enforced_power_limit_mw=self.enforced_power_limit_mw(),
             persistence_mode=self.persistence_mode(),
             energy_counter=energy_ok,

@@ -141,8 +141,10 @@ def settings_from_dict(d: dict[str, Any]) -> GpuSettings:
             "first, or null"
         )
     power = d["power_limit_mw"]
-    if not positive_int(power):
-        raise ValueError(f"power_limit_mw is {json.dumps(power)[:40]}, expected a limit in mW")
+    if power is not None and not positive_int(power):  # None: a GPU without one (NVML)
+        raise ValueError(
+            f"power_limit_mw is {json.dumps(power)[:40]}, expected a limit in mW, or null"
+        )
     return GpuSettings(d["uuid"], (lock[0], lock[1]) if lock else None, power)
 
 
@@ -432,8 +434,9 @@ def restore_pending(
                         gpu.reset_sm_clock()
                 except REFUSED as exc:  # changed nothing: the power limit goes back still
                     refused = exc
-                if gpu.power_limit_mw() != original.power_limit_mw:
-                    gpu.set_power_limit_mw(original.power_limit_mw)
+                limit = original.power_limit_mw  # None: not supported, so never changed
+                if limit is not None and gpu.power_limit_mw() != limit:
+                    gpu.set_power_limit_mw(limit)
                 if refused is not None:
                     raise refused
                 store.clear(gpu.identity.uuid)
@@ -443,10 +446,14 @@ def restore_pending(
                     if original.sm_clock_lock_mhz
                     else "clocks unlocked"
                 )
+                power = (
+                    f"power limit {limit / 1000:g} W"
+                    if limit is not None
+                    else "power limit not supported, left be"
+                )
                 done.append(
-                    f"restored GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, power "
-                    f"limit {original.power_limit_mw / 1000:g} W (as before {pending.command!r}"
-                    f" pid {pending.pid})"
+                    f"restored GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, {power} "
+                    f"(as before {pending.command!r} pid {pending.pid})"
                 )
                 note(done[-1])
             except GpuError as exc:

@@ -31,7 +31,13 @@ from dvfs.errors import (
     JournalError,
 )
 from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
-from dvfs.gpu.knobs import GpuSettings, KnobController, KnobSetting, check_one_stock_limit
+from dvfs.gpu.knobs import (
+    GpuSettings,
+    KnobController,
+    KnobSetting,
+    check_one_stock_limit,
+    limit_mw_of,
+)
 from dvfs.measure.counter import (
     RoundEnergy,
     counter_update_period,
@@ -470,7 +476,7 @@ class Runner:
         # the stock cells run without (`AppliedCaps.measuring`) and which is put back at the
         # end. Each GPU's own: GPUs of one session (tensor parallel) may each have their cap.
         found_w = {
-            g.identity.uuid: self.knobs.original[g.identity.uuid].power_limit_mw / 1000
+            g.identity.uuid: limit_mw_of(self.knobs.original[g.identity.uuid]) / 1000
             for g in self.gpus
             if self.knobs.original[g.identity.uuid].power_limit_mw
             != self.knobs.stock[g.identity.uuid].power_limit_mw
@@ -924,7 +930,7 @@ class Runner:
         for gpu, first, last in zip(self.gpus, start, end, strict=True):
             reads.append(
                 PowerLimitRead(
-                    target_mw=min(self.knobs.target(gpu, c.setting).power_limit_mw for c in levels),
+                    target_mw=min(limit_mw_of(self.knobs.target(gpu, c.setting)) for c in levels),
                     configured_mw=(first[0], last[0]),
                     enforced_mw=tuple(e for e in (first[1], last[1]) if e is not None),
                     group=group,
@@ -1293,7 +1299,7 @@ def session_stock(gpus: Sequence[Gpu], stock: dict[str, GpuSettings]) -> Stock:
     first = gpus[0].identity.uuid
     return Stock(
         sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in gpus),
-        power_limit_w=stock[first].power_limit_mw / 1000,
+        power_limit_w=limit_mw_of(stock[first]) / 1000,
     )
 
 

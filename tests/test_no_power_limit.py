@@ -1,0 +1,299 @@
+"""A GPU whose power limit NVML does not support (NOT_SUPPORTED on reading it, its range and
+setting it: some boards, MIG, a VM's restricted passthrough) but whose SM clocks lock: what only
+sets clocks works on it, reading and putting back only what it changes, and what needs its power
+limit is refused in one line. End to end on the fake NVML and the stub SGLang server."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nvml_support import dvfs_in_process, fake_env, load_fake
+from test_govern_cli import launch_stub, lines, wait_for
+
+#: What NVML answers NOT_SUPPORTED on such a GPU.
+NO_POWER_LIMIT = (
+    "nvmlDeviceGetPowerManagementLimit",
+    "nvmlDeviceGetPowerManagementLimitConstraints",
+    "nvmlDeviceSetPowerManagementLimit",
+)
+
+CLOCKS_PLAN = """dvfs_batch_plan = 1
+[meta]
+measured_on = "NVIDIA H100 80GB HBM3"
+drafter = "none"
+[[batch]]
+batch = 1
+sm_clock_mhz = 1200
+[[batch]]
+batch = 4
+sm_clock_mhz = 1500
+"""
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return fake_env(tmp_path)
+
+
+@pytest.fixture
+def nvml(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The fake NVML, as root, its GPU 0 without a power limit NVML supports."""
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, env[key])
+    module = load_fake()
+    module.fake_reset_state()
+    module.fake_update_device(
+        0, errors={f: module.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    )
+    return module
+
+
+@pytest.fixture
+def stub(tmp_path: Path) -> Iterator[str]:
+    with launch_stub(tmp_path) as url:
+        yield url
+
+
+def power_limit_calls(nvml: Any) -> list[dict[str, Any]]:
+    return [c for c in nvml.fake_calls() if "PowerManagementLimit" in c["fn"]]
+
+
+def govern_args(plan: Path, url: str, *extra: str) -> tuple[str, ...]:
+    return (
+        *("govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--interval", "0.1"),
+        *("--listen", "off", *extra),
+    )
+
+
+def test_govern_follows_a_clocks_only_plan_on_a_gpu_without_a_power_limit(
+    tmp_path: Path, env: dict[str, str], nvml: Any, stub: str
+) -> None:
+    """`dvfs govern` (and `--dry-run`) read every GPU's power limit at start, so a per-batch
+    plan that sets only clocks stopped at once, exit 1 ("cannot read the power-limit range:
+    NVML says Not Supported"). It governs the clocks now, the power limit left be, and puts the
+    clock back on exit."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(CLOCKS_PLAN)
+    dry = dvfs_in_process(*govern_args(plan, stub, "--dry-run", "--max-intervals", "3"), env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert "would set running batch 0 -> plan batch 1: SM clock <= 1200 MHz" in dry.stderr
+    assert "SM clock locked 210-1200 MHz, power limit not supported by NVML" in dry.stderr
+    assert nvml.fake_calls() == []
+    run = dvfs_in_process(
+        *govern_args(plan, stub, "--dwell", "0.1", "--max-intervals", "3"), env=env
+    )
+    assert run.returncode == 0, run.stderr
+    assert "stopped after 1 change(s); GPU settings restored" in run.stderr
+    assert [(c["fn"], c["args"], c["ok"]) for c in nvml.fake_calls()] == [
+        ("nvmlDeviceSetGpuLockedClocks", [210, 1200], True),
+        ("nvmlDeviceResetGpuLockedClocks", [], True),
+    ]
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+
+
+def test_a_plan_with_a_power_step_is_refused_in_one_line_on_such_a_gpu(
+    tmp_path: Path, env: dict[str, str], nvml: Any, stub: str
+) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        CLOCKS_PLAN.replace("sm_clock_mhz = 1500", "sm_clock_mhz = 1500\npower_limit_w = 400")
+    )
+    uuid = nvml.fake_device_state(0)["uuid"]
+    for extra in (("--dry-run",), ()):
+        result = dvfs_in_process(*govern_args(plan, stub, *extra, "--max-intervals", "3"), env=env)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.splitlines() == [
+            f"Error: {plan}: step batch 4 sets a power limit, which NVML does not support on "
+            f"GPU 0 ({uuid}): plan SM clocks only for it (GPU 0: cannot read the power-limit "
+            "range: NVML says Not Supported)"
+        ]
+    assert nvml.fake_calls() == []
+
+
+def test_gpu_reset_restores_a_killed_governors_clocks_on_such_a_gpu(
+    tmp_path: Path, env: dict[str, str], nvml: Any, stub: str
+) -> None:
+    """After a SIGKILL the state file records the clocks and no power limit; `dvfs gpu reset`
+    (the governor unit's ExecStopPost) unlocks the clock and sets no power limit."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(CLOCKS_PLAN)
+    log = tmp_path / "govern.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dvfs", *govern_args(plan, stub, "--max-intervals", "3000")],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: len(lines(log, "set running batch")) >= 1, "the first setting", log)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
+    [state] = Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json")
+    assert json.loads(state.read_text())["original"]["power_limit_mw"] is None
+    deadline = time.monotonic() + 60  # the killed governor's lock is released with its process
+    while True:
+        result = dvfs_in_process("gpu", "reset", env=env)
+        if "in use by another dvfs process" not in result.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "restored GPU 0" in result.stdout and "clocks unlocked" in result.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert power_limit_calls(nvml) == []
+
+
+def unit_command(unit: str, key: str = "ExecStart", **replaced: str) -> list[str]:
+    """KEY (ExecStart, ExecStop) of `systemd/UNIT` without its dvfs path, each of `replaced`
+    put in."""
+    text = (Path(__file__).resolve().parent.parent / "systemd" / unit).read_text()
+    [start] = [line[len(key) + 1 :] for line in text.splitlines() if line.startswith(f"{key}=")]
+    for old, new in replaced.items():
+        start = start.replace(old, new)
+    return start.replace("/usr/local/bin/dvfs", "").split()
+
+
+def test_the_govern_units_command_governs_such_a_gpu_with_no_gpu_named(
+    tmp_path: Path, env: dict[str, str], nvml: Any, stub: str
+) -> None:
+    """`dvfs-govern.service` names no --gpu: every GPU had to read its power limit, so a GPU
+    without one was taken for lost ("governs none while one does not open"), exit 1."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(CLOCKS_PLAN)
+    argv = unit_command(
+        "dvfs-govern.service",
+        **{
+            "/etc/dvfs/govern-plan.toml": str(plan),
+            "http://127.0.0.1:30000": stub,
+            "127.0.0.1:9435": "127.0.0.1:0",
+        },
+    )
+    assert "--gpu" not in argv
+    result = dvfs_in_process(*argv, "--dry-run", "--max-intervals", "1", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "GPU 0: SM clock locked 210-1200 MHz, power limit not supported" in result.stderr
+    assert nvml.fake_calls() == []
+
+
+def test_the_caps_commands_cap_such_a_gpus_clock_and_leave_its_power_limit_be(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """`cap apply` set aside a GPU without a power limit NVML supports wherever the file named
+    it, a clock-only file too ("whose power limit NVML does not support (`cap apply` records it
+    before a change): it was set aside, so nothing was capped", exit 1: the caps unit failed at
+    every boot), `cap show` named it and showed nothing of it (exit 1), and `cap reset` (the
+    unit's ExecStop) reset nothing (exit 1). A clock-only file caps it now, its power limit
+    neither read nor recorded; `cap show` shows it; `cap reset` unlocks its clock."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(f'[[gpu]]\nuuid = "{uuid}"\nsm_clock_max_mhz = 1500\n')
+    start = unit_command("dvfs-caps.service", **{"/etc/dvfs/caps.toml": str(caps)})
+    stop = unit_command("dvfs-caps.service", "ExecStop")
+    dry = dvfs_in_process(*start, "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert f"would apply to GPU 0 ({uuid}): SM clock locked to 210-1500 MHz" in dry.stdout
+    assert nvml.fake_calls() == []
+    applied = dvfs_in_process(*start, env=env)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert f"applied to GPU 0 ({uuid}): SM clock locked to 210-1500 MHz" in applied.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    shown = dvfs_in_process("cap", "show", env=env)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    said = " ".join(shown.stdout.split())
+    assert f"GPU 0 ({uuid}): power limit 700 W enforced (NVML does not support setting it" in said
+    assert "locked 210-1500 MHz by dvfs cap apply" in said
+    rows = json.loads(dvfs_in_process("cap", "show", "--json", env=env).stdout)
+    [row] = [r for r in rows if r["index"] == 0]
+    assert row["configured_power_limit_w"] is None and row["default_power_limit_w"] is None
+    reset = dvfs_in_process(*stop, "0", env=env)
+    assert reset.returncode == 0, reset.stdout + reset.stderr
+    assert "clocks unlocked, power limit not supported by NVML (left be)" in reset.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert power_limit_calls(nvml) == []
+    # a file that caps its power limit is refused for it in one line, nothing capped
+    caps.write_text(f'[[gpu]]\nuuid = "{uuid}"\nsm_clock_max_mhz = 1500\npower_limit_w = 400\n')
+    refused = dvfs_in_process(*start, env=env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr.splitlines() == [
+        f"Error: {caps} matches only GPU 0 ({uuid}) here, whose power limit NVML does not "
+        "support (its entry sets one): it was set aside, so nothing was capped"
+    ]
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_gpu_list_and_info_show_such_a_gpu_with_its_power_limit_not_supported(
+    env: dict[str, str], nvml: Any
+) -> None:
+    """`gpu list` and `gpu info` read-only: they named such a GPU as if it had fallen off the
+    bus ("cannot read the power limit: NVML says Not Supported", nothing else of it shown,
+    exit 1). They show it now, its power limit not supported (null in --json), exit 0."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    listed = dvfs_in_process("gpu", "list", "--json", env=env)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    row = json.loads(listed.stdout)[0]
+    assert (row["uuid"], row["power_limit_w"], row["sm_clock_mhz"]) == (uuid, None, 345)
+    table = dvfs_in_process("gpu", "list", env=env)
+    assert table.returncode == 0 and "not supported" in table.stdout, table.stdout + table.stderr
+    for args in (("gpu", "info", "--json"), ("gpu", "info", "0", "--json")):
+        info = dvfs_in_process(*args, env=env)
+        assert info.returncode == 0, info.stdout + info.stderr
+        limits = json.loads(info.stdout)[0]["power_limit_w"]
+        assert limits == {
+            "min": None,
+            "max": None,
+            "default": None,
+            "current": None,
+            "enforced": 700.0,
+        }
+    text = dvfs_in_process("gpu", "info", "0", env=env)
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert "power limit: not supported by NVML, not settable (enforced 700 W)" in text.stdout
+    assert nvml.fake_calls() == []
+
+
+def test_gpu_reset_defaults_unlocks_such_a_gpus_clocks(env: dict[str, str], nvml: Any) -> None:
+    """`gpu reset --defaults` ("unlock clocks, default power limit") set such a GPU aside,
+    exit 1, its clocks left locked, as it could not read the power limit it would reset: it
+    unlocks the clocks now and leaves the power limit, which nothing changed, be."""
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])  # left by a tool, or a lost record
+    for args in (("gpu", "reset", "--defaults"), ("gpu", "reset", "0", "--defaults")):
+        result = dvfs_in_process(*args, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        said = " ".join(result.stdout.split())
+        assert "reset GPU 0" in said, said
+        assert "clocks unlocked, power limit not supported by NVML (left be)" in said
+        assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert power_limit_calls(nvml) == []
+
+
+def test_gpu_settle_times_such_a_gpus_clocks_and_refuses_its_power_limit(
+    env: dict[str, str], nvml: Any
+) -> None:
+    """`gpu settle` read every GPU's power limit to snapshot it before a change, so timing
+    only clock locks on such a GPU stopped at once ("cannot read the power limit", exit 1). It
+    times them now and puts the clock back; timing power limits is refused in one line."""
+    result = dvfs_in_process("gpu", "settle", "--gpu", "0", "--clocks", "1980,1200", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1980 MHz -> 1200 MHz" in result.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    args = ("gpu", "settle", "--gpu", "0", "--power-limits", "700,300", "--load")
+    refused = dvfs_in_process(*args, "--load-device", "cpu", env=env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr.splitlines() == [
+        "Error: GPU 0: cannot read the power-limit range: NVML says Not Supported"
+    ]
+    assert power_limit_calls(nvml) == []
