@@ -1578,7 +1578,10 @@ def test_doctor_and_the_dry_run_say_a_resume_the_sweep_refuses_for_changed_stock
     checked = json.loads(dvfs_in_process("doctor", str(path), *out, "--json", env=env).stdout)
     failed = [c for c in checked if c["status"] == "fail"]
     assert [c["name"] for c in failed] == ["resume stock"], failed
-    assert said in failed[0]["detail"] and "600.0" in failed[0]["detail"], failed
+    assert said in failed[0]["detail"], failed
+    # the settings in words (a dict's repr once)
+    assert "power limit 650 W then; SM clock" in failed[0]["detail"], failed
+    assert "power limit 600 W now" in failed[0]["detail"], failed
     dry = dvfs_in_process("sweep", str(path), *out, "--dry-run", "--no-estimate", env=env)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     notes = [line for line in dry.stderr.splitlines() if "sweep would stop" in line]
@@ -1759,7 +1762,9 @@ def test_doctor_and_the_dry_run_say_a_fleet_resume_the_sweep_refuses_for_changed
     failed = [c for c in checked if c["status"] == "fail"]
     assert [c["name"] for c in failed] == ["resume stock"], failed
     assert said in " ".join(failed[0]["detail"].split()), failed
-    assert "600.0" in failed[0]["detail"], failed
+    # the settings in words (the fleet's line printed the journal's JSON once)
+    assert "power limit 700 W then; SM clock" in " ".join(failed[0]["detail"].split()), failed
+    assert "power limit 600 W now" in " ".join(failed[0]["detail"].split()), failed
     dry = dvfs_in_process("sweep", str(path), *out, "--dry-run", "--no-estimate", env=env)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     notes = [" ".join(n.split()) for n in dry.stderr.splitlines() if "sweep would stop" in n]

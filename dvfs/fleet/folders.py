@@ -83,17 +83,15 @@ def stock_changed(
     its stock cells would no longer compare. None where none did. The fleet's driver's rule,
     which the fleet (before its workers open a GPU), `dvfs doctor` and the dry run apply too
     (`dvfs.preflight.resumed_fleet_stock_refusal`)."""
-    from dataclasses import asdict
-
-    from dvfs.records import recorded_stock
+    from dvfs.records import Stock, recorded_stock
 
     for earlier in sessions:
         if recorded_stock(dict(earlier)) != stock:
             return JournalError(
                 f"the GPUs' stock settings changed since {journal} was started "
-                f"({earlier.get('stock')} then, {asdict(stock) if stock else None} now): the "
-                "stock cells would no longer compare. Restore the earlier settings, or start a "
-                "new --out folder"
+                f"({Stock.describe(recorded_stock(dict(earlier)))} then; "
+                f"{Stock.describe(stock)} now): the stock cells would no longer compare. "
+                "Restore the earlier settings, or start a new --out folder"
             )
     return None
 

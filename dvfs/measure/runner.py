@@ -1313,7 +1313,7 @@ def stock_change_refusal(sessions: Iterable[dict[str, Any]], stock: Stock) -> Jo
         if then != stock:
             return JournalError(
                 f"the GPU's stock settings changed since this journal was started "
-                f"({asdict(then) if then else None} then, {asdict(stock)} now): the stock "
+                f"({Stock.describe(then)} then; {Stock.describe(stock)} now): the stock "
                 "cells would no longer compare. Restore the earlier settings, or start a new "
                 "--out folder"
             )

@@ -20,6 +20,13 @@ class Stock:
     sm_clock_mhz: int
     power_limit_w: float
 
+    @staticmethod
+    def describe(stock: Stock | None) -> str:
+        """The settings in words, for a refusal ("SM clock 1980 MHz, power limit 700 W")."""
+        if stock is None:
+            return "not recorded"
+        return f"SM clock {stock.sm_clock_mhz} MHz, power limit {stock.power_limit_w:g} W"
+
     @classmethod
     def from_json(cls, data: Any) -> Stock | None:
         """None for anything that is not a stock record (a damaged line)."""
