@@ -311,9 +311,7 @@ class NvmlGpu:
         """PIDs NVML lists as compute processes on this GPU (read-only; host PID namespace);
         None when the driver cannot tell (NotSupported, NoPermission)."""
         try:
-            procs = self._call(
-                self.nvml.nvmlDeviceGetComputeRunningProcesses, "list compute processes"
-            )
+            procs = self._call(process_lister(self.nvml), "list compute processes")
         except (GpuNotSupportedError, GpuPermissionError):
             return None
         return frozenset(int(p.pid) for p in procs)
@@ -356,6 +354,29 @@ class NvmlGpu:
             mig=self.mig_enabled(),
             memory_total_bytes=int(memory.total) if memory is not None else None,
         )
+
+
+def process_lister(nvml: ModuleType) -> Callable[[Any], Any]:
+    """`nvmlDeviceGetComputeRunningProcesses(handle)` as every driver answers it. nvidia-ml-py's
+    wrapper of that name calls NVML's `_v3` and, on a driver without `_v3`, raises
+    `NVMLLibraryMismatchError`, a plain Exception and no `NVMLError`, which no translation
+    catches: then the `_v2` call is asked instead, and a driver without that either is
+    FunctionNotFound (not supported: the processes are unknown)."""
+    mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
+
+    def listed(handle: Any) -> Any:
+        try:
+            return nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception as exc:
+            if mismatch is None or not isinstance(exc, mismatch):
+                raise
+        older = getattr(nvml, "nvmlDeviceGetComputeRunningProcesses_v2", None)
+        if older is None:
+            raise nvml.NVMLError(int(getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)))
+        return older(handle)
+
+    listed.__name__ = "nvmlDeviceGetComputeRunningProcesses"  # what a deadline's error names
+    return listed
 
 
 def _text(value: Any) -> str:
@@ -418,9 +439,7 @@ def gpu_processes(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
                 with errors.translated(f"GPU {index}: cannot list compute processes"):
                     handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
                     uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
-                    procs = _bounded(
-                        worker, limit, where, nvml.nvmlDeviceGetComputeRunningProcesses, handle
-                    )
+                    procs = _bounded(worker, limit, where, process_lister(nvml), handle)
             except GpuError as exc:
                 found.append(GpuProcesses(index, uuid, None, str(exc)))
                 continue

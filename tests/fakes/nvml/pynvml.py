@@ -367,6 +367,11 @@ class NVMLError_Unknown(NVMLError):
     _code = NVML_ERROR_UNKNOWN
 
 
+class NVMLLibraryMismatchError(Exception):
+    """Raised by nvidia-ml-py's unversioned process-list wrappers where the driver lacks the
+    versioned NVML call they use: a plain ``Exception``, not an ``NVMLError``."""
+
+
 def nvmlExceptionClass(nvmlErrorCode: int) -> type[NVMLError]:
     """Return the ``NVMLError`` subclass for a code (``ValueError`` if unknown)."""
     try:
@@ -1042,10 +1047,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def nvmlDeviceGetComputeRunningProcesses(handle: FakeNvmlDeviceHandle) -> list[c_nvmlProcessInfo_t]:
-    """The compute processes on the device (live pids of its ``processes`` list)."""
+def _processes(fn_name: str, handle: FakeNvmlDeviceHandle) -> list[c_nvmlProcessInfo_t]:
     return _get(
-        "nvmlDeviceGetComputeRunningProcesses",
+        fn_name,
         handle,
         lambda d, p: [
             c_nvmlProcessInfo_t(int(e["pid"]), e.get("used_bytes"))
@@ -1053,6 +1057,29 @@ def nvmlDeviceGetComputeRunningProcesses(handle: FakeNvmlDeviceHandle) -> list[c
             if _alive(int(e["pid"]))
         ],
     )
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: FakeNvmlDeviceHandle) -> list[c_nvmlProcessInfo_t]:
+    """The compute processes on the device (live pids of its ``processes`` list). Like
+    nvidia-ml-py's wrapper, which calls NVML's ``_v3`` and turns its FunctionNotFound (a driver
+    without ``_v3``) into ``NVMLLibraryMismatchError``, no ``NVMLError``: inject
+    ``errors={"nvmlDeviceGetComputeRunningProcesses": 13}`` for such a driver."""
+    try:
+        return _processes("nvmlDeviceGetComputeRunningProcesses", handle)
+    except NVMLError_FunctionNotFound as exc:
+        raise NVMLLibraryMismatchError(
+            "nvmlDeviceGetComputeRunningProcesses: this NVML has no versioned call the binding "
+            "uses; call a versioned function such as nvmlDeviceGetComputeRunningProcesses_v2"
+        ) from exc
+
+
+def nvmlDeviceGetComputeRunningProcesses_v2(
+    handle: FakeNvmlDeviceHandle,
+) -> list[c_nvmlProcessInfo_t]:
+    """The compute processes through NVML's ``_v2`` call (drivers before ``_v3`` have it):
+    the same list; inject ``errors={"nvmlDeviceGetComputeRunningProcesses_v2": 13}`` for a
+    driver without it either."""
+    return _processes("nvmlDeviceGetComputeRunningProcesses_v2", handle)
 
 
 # --------------------------------------------------------------------------- #
