@@ -361,6 +361,11 @@ def test_idle_readings_and_field_values(gpu: tuple[ModuleType, Any]) -> None:
     ok = entries[0]
     assert (ok.fieldId, ok.scopeId, ok.value.uiVal) == (186, 0, 75_000)
     assert ok.valueType == nv.NVML_VALUE_TYPE_UNSIGNED_INT
+    # A union, as NVML's: another member reads the same bytes reinterpreted, not the value.
+    assert ok.value.dVal != 75_000
+    wide = nv.c_nvmlValue_t()
+    wide.ullVal = 2**32 + 75_000  # an energy counter past 2**32 mJ
+    assert wide.uiVal == 75_000
 
 
 def test_load_boost_and_locked_clocks(gpu: tuple[ModuleType, Any]) -> None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import fcntl
 import json
 import math
@@ -401,19 +402,21 @@ class FakeNvmlDeviceHandle:
 c_nvmlDevice_t = FakeNvmlDeviceHandle
 
 
-class c_nvmlValue_t:
-    """Union of NVML value representations; only the member of ``valueType`` counts."""
+class c_nvmlValue_t(ctypes.Union):
+    """NVML's value union, laid out as nvml.h's ``nvmlValue_t`` (and nvidia-ml-py's): the
+    members share their bytes, so only the member of the entry's ``valueType`` reads the
+    value; another reads the same bytes reinterpreted (``uiVal`` of a 64-bit value is its
+    low 32 bits, ``dVal`` of an integer a meaningless double)."""
 
-    __slots__ = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
-
-    def __init__(self, number: int = 0) -> None:
-        self.dVal = float(number)
-        self.uiVal = number
-        self.ulVal = number
-        self.ullVal = number
-        self.sllVal = number
-        self.siVal = number
-        self.usVal = number & 0xFFFF
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("siVal", ctypes.c_int),
+        ("usVal", ctypes.c_ushort),
+    ]
 
 
 class c_nvmlFieldValue_t:
@@ -1317,13 +1320,13 @@ def _field_value(
         entry.nvmlReturn = int(injected)
     elif field_id == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
         entry.valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-        entry.value = c_nvmlValue_t(int(dev["energy_mj"]))
+        entry.value.ullVal = int(dev["energy_mj"])
     elif field_id in power_fields:
         if scope_id != NVML_POWER_SCOPE_GPU:
             entry.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
         else:
             entry.valueType = NVML_VALUE_TYPE_UNSIGNED_INT
-            entry.value = c_nvmlValue_t(int(power_fields[field_id]()))
+            entry.value.uiVal = int(power_fields[field_id]())
     elif 0 <= field_id < NVML_FI_MAX:
         entry.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
     else:
