@@ -174,6 +174,11 @@ def test_error_classes(nv: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     assert nv.NVMLError_NotFound().value == nv.NVML_ERROR_NOT_FOUND == 6
     assert nv.NVMLError_LibraryNotFound().value == 12
     assert nv.NVMLError(999) == nv.NVMLError_Unknown()
+    # as nvidia-ml-py's: compared by code with anything (AttributeError without one), unhashable
+    with pytest.raises(AttributeError):
+        _ = err == None  # noqa: E711
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(err)
     assert type(nv.NVMLError(12345)) is nv.NVMLError
     assert str(nv.NVMLError(12345)) == "NVML Error with code 12345"
     assert nv.nvmlExceptionClass(13) is nv.NVMLError_FunctionNotFound

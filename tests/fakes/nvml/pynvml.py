@@ -236,12 +236,11 @@ class NVMLError(Exception):
         return text if text is not None else f"NVML Error with code {self.value}"
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, NVMLError):
-            return NotImplemented
-        return self.value == other.value
+        # as nvidia-ml-py's: codes compared, whatever `other` is (no `value`: AttributeError),
+        # and no __hash__ beside it, so an NVMLError is unhashable
+        return bool(self.value == other.value)  # type: ignore[attr-defined]
 
-    def __hash__(self) -> int:
-        return hash(self.value)
+    __hash__ = None  # type: ignore[assignment]
 
 
 class NVMLError_Uninitialized(NVMLError):
