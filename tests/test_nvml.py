@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from nvml_support import load_fake
+from nvml_support import dvfs_in_process, fake_env, load_fake
 
 from dvfs.errors import (
     GpuNotSupportedError,
@@ -166,3 +167,25 @@ def test_permission_errors_point_to_observe_only_and_the_unit(nvml, monkeypatch)
             gpu.lock_sm_clock(1500, 1500)
     message = str(caught.value)
     assert "run as root" in message and "--observe-only" in message and "systemd" in message
+
+
+def test_a_gpu_nvml_may_not_talk_to_is_not_one_of_every_gpu(nvml, tmp_path: Path) -> None:
+    """nvmlDeviceGetCount (its `_v2`) counts every GPU of the machine, also one whose
+    nvmlDeviceGetHandleByIndex returns NO_PERMISSION (nvml.h), as for a GPU a device cgroup
+    withholds: `gpu list`, `gpu info` and `cap show` stopped on it, "permission denied by the
+    driver: run as root" (exit 4), showing none of the GPUs this process may use."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h200-sxm")
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    for command in (
+        ["gpu", "list", "--json"],
+        ["gpu", "info", "--json"],
+        ["cap", "show", "--json"],
+    ):
+        shown = dvfs_in_process(*command, env=env)
+        assert shown.returncode == 0, (command, shown.stdout, shown.stderr)
+        assert [row["index"] for row in json.loads(shown.stdout)] == [0], command
+    # Named, it is refused; and NVML refusing every GPU is no one GPU's: exit 4 as before.
+    assert dvfs_in_process("gpu", "info", "1", env=env).returncode == 4
+    nvml.fake_update_device(0, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    refused = dvfs_in_process("gpu", "list", env=env)
+    assert refused.returncode == 4 and "permission denied" in refused.stderr, refused.stderr

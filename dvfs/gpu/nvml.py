@@ -541,14 +541,43 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
 def every_gpu(
     nvml: ModuleType, *, visible: Visible | None = None, deadline_s: float | None = None
 ) -> list[int]:
-    """What "every GPU" means to a command, as NVML indices: every GPU NVML sees, or with
-    `visible` every one it gives the job (all of them where it gives none, for `check` to
-    refuse in one line). NVML must be initialised."""
+    """What "every GPU" means to a command, as NVML indices: every GPU NVML lets this process
+    talk to (`permitted`), or with `visible` every one it gives the job (all of them where it
+    gives none, for `check` to refuse in one line). NVML must be initialised."""
     devices = list(range(device_count(nvml, deadline_s=deadline_s)))
     if visible is not None:
         uuids = machine_uuids(nvml, deadline_s=deadline_s)
-        devices = list(resolve_visible(visible.value, uuids).indices) or devices
-    return devices
+        return list(resolve_visible(visible.value, uuids).indices) or devices
+    return permitted(nvml, devices, deadline_s=deadline_s)
+
+
+def permitted(
+    nvml: ModuleType, indices: Sequence[int], *, deadline_s: float | None = None
+) -> list[int]:
+    """`indices` less the GPUs NVML has no permission to talk to. nvmlDeviceGetCount (its
+    `_v2`) counts every GPU of the machine, also those for which nvmlDeviceGetHandleByIndex
+    returns NO_PERMISSION (nvml.h), as it does for the GPUs a job's device cgroup withholds:
+    they are no GPU of this process, as nvidia-smi leaves them out. Where NVML refuses every
+    one, all are kept: a permission problem of the whole machine, which opening them says
+    (exit 4). Any other error on a GPU keeps it, for its opening to name."""
+    errors = NvmlErrors(nvml)
+    refused = int(getattr(nvml, "NVML_ERROR_NO_PERMISSION", 4))
+    limit = resolve_deadline_s(deadline_s)
+    worker = CallWorker("nvml-permitted")
+    kept = []
+    try:
+        for index in indices:
+            try:
+                _bounded(worker, limit, f"GPU {index}", nvml.nvmlDeviceGetHandleByIndex, index)
+            except Exception as exc:
+                if errors.is_nvml_error(exc) and getattr(exc, "value", None) == refused:
+                    continue
+                if not errors.is_nvml_error(exc) and not isinstance(exc, GpuTimeoutError):
+                    raise
+            kept.append(index)
+    finally:
+        worker.close()
+    return kept or list(indices)
 
 
 class GpuNamedTwiceError(CampaignError):

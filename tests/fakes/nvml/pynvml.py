@@ -964,6 +964,9 @@ def nvmlDeviceGetHandleByIndex(index: int) -> FakeNvmlDeviceHandle:
         dev = devices[index]
         if dev["lost"]:
             raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+        injected = dev["errors"].get("nvmlDeviceGetHandleByIndex")
+        if injected:
+            raise NVMLError(int(injected))
         return FakeNvmlDeviceHandle(index, dev["uuid"])
 
 
