@@ -101,6 +101,17 @@ def test_a_gpu_that_is_there_but_unusable_is_not_called_missing(nvml) -> None:
         pass
 
 
+def test_a_gpu_named_where_nvml_sees_none_is_said_so(nvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvmlDeviceGetCount can be 0 with the driver loaded: the refusal said "this machine has
+    0 GPU(s) (indices 0--1)"."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "")
+    nvml.fake_reset_state()
+    with pytest.raises(GpuUnavailableError) as caught, open_nvml_gpus([0], nvml=nvml):
+        pass
+    assert str(caught.value).startswith("no GPU 0: NVML sees no GPU on this machine")
+    assert "0--1" not in str(caught.value)
+
+
 def test_mig_is_refused(nvml) -> None:
     nvml.fake_update_device(1, mig=True)
     with (

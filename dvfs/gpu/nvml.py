@@ -495,6 +495,11 @@ def open_device(
         if getattr(exc, "value", None) not in absent:  # there, but unusable: lost, no power...
             raise errors.translate(exc, f"cannot open {where}") from exc
         count = device_count(nvml, deadline_s=deadline_s)
+        if not count:  # not "0 GPU(s) (indices 0--1)"
+            raise GpuNotFoundError(
+                f"no GPU {device!r}: NVML sees no GPU on this machine (the driver is loaded: "
+                "`nvidia-smi` says which GPUs it finds)"
+            ) from exc
         raise GpuNotFoundError(
             f"no GPU {device!r}: this machine has {count} GPU(s) "
             f"(indices 0-{count - 1}); `dvfs gpu list` shows them"
