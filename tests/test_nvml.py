@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from nvml_support import dvfs_in_process, fake_env, load_fake
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
 from dvfs.errors import (
     GpuNotSupportedError,
@@ -199,4 +199,22 @@ def test_a_gpu_nvml_may_not_talk_to_is_not_one_of_every_gpu(nvml, tmp_path: Path
     assert dvfs_in_process("gpu", "info", "1", env=env).returncode == 4
     nvml.fake_update_device(0, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
     refused = dvfs_in_process("gpu", "list", env=env)
-    assert refused.returncode == 4 and "permission denied" in refused.stderr, refused.stderr
+    assert refused.returncode == 4 and "does not let this process" in refused.stderr, refused.stderr
+
+
+def test_a_gpu_nvml_may_not_talk_to_is_not_sent_to_observe_only(nvml, tmp_path: Path) -> None:
+    """A GPU whose nvmlDeviceGetHandleByIndex is NO_PERMISSION cannot even be read: opening it
+    gave the setters' hint, "... use `dvfs sweep --observe-only`", and an observe-only sweep
+    was refused with the same line."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h200-sxm")
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    nvml.fake_update_device(0, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    out = str(tmp_path / "out")
+    swept = dvfs_in_process(
+        "sweep", str(campaign), "--observe-only", "--out", out, "--no-progress", env=env
+    )
+    assert swept.returncode == 4, swept.stdout + swept.stderr
+    [said] = [line for line in swept.stderr.splitlines() if line.startswith("Error: ")]
+    assert said.startswith("Error: cannot open GPU 0: the driver does not let this process"), said
+    assert "observe-only" not in said and "systemd" not in said, said

@@ -492,6 +492,14 @@ def open_device(
             int(getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", 2)),
             int(getattr(nvml, "NVML_ERROR_NOT_FOUND", 6)),
         }
+        if getattr(exc, "value", None) == int(getattr(nvml, "NVML_ERROR_NO_PERMISSION", 4)):
+            # nvml.h: "the user doesn't have permission to talk to this device". Not the
+            # setters' hint (systemd unit, --observe-only): no command can read it either.
+            raise GpuPermissionError(
+                f"cannot open {where}: the driver does not let this process talk to it "
+                f"(NVML: {exc}), not even to read it: run dvfs as a user the GPU admits (root, "
+                "with sudo), or name a GPU this process may use"
+            ) from exc
         if getattr(exc, "value", None) not in absent:  # there, but unusable: lost, no power...
             raise errors.translate(exc, f"cannot open {where}") from exc
         count = device_count(nvml, deadline_s=deadline_s)
