@@ -132,9 +132,10 @@ def reachable_gpus(
     of those that do not (fallen off the bus, needing a reset, any other NVML error on that GPU,
     a call on it that hangs), each opened on its own, read-only, and closed: so that a command
     over every GPU or the GPUs named (`gpu reset`, `cap reset`, `monitor`) acts on the others,
-    then names the lost ones (`lost_gpus`). A permission refusal is no one GPU's: it stops the
-    command (exit 4), as NVML failing to start (no driver) does; so does a named GPU that is not
-    on this machine at all (a typo).
+    then names the lost ones (`lost_gpus`). A permission refusal of a GPU named, or of every
+    GPU, stops the command (exit 4), as NVML failing to start (no driver) does; so does a named
+    GPU that is not on this machine at all (a typo). A GPU NVML has no permission to talk to
+    while it talks to others is no GPU of this process, not in "every GPU" (`every_gpu`).
 
     With `read`, a GPU that opens must also read its power limit, as every such command does
     (`gpu list` shows it, `cap show` and `gpu info` too, `cap apply`, `cap reset` and `gpu reset`

@@ -174,6 +174,11 @@ def test_error_classes(nv: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     assert nv.NVMLError_NotFound().value == nv.NVML_ERROR_NOT_FOUND == 6
     assert nv.NVMLError_LibraryNotFound().value == 12
     assert nv.NVMLError(999) == nv.NVMLError_Unknown()
+    # as nvidia-ml-py's: compared by code with anything (AttributeError without one), unhashable
+    with pytest.raises(AttributeError):
+        _ = err == None  # noqa: E711
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(err)
     assert type(nv.NVMLError(12345)) is nv.NVMLError
     assert str(nv.NVMLError(12345)) == "NVML Error with code 12345"
     assert nv.nvmlExceptionClass(13) is nv.NVMLError_FunctionNotFound
@@ -361,6 +366,11 @@ def test_idle_readings_and_field_values(gpu: tuple[ModuleType, Any]) -> None:
     ok = entries[0]
     assert (ok.fieldId, ok.scopeId, ok.value.uiVal) == (186, 0, 75_000)
     assert ok.valueType == nv.NVML_VALUE_TYPE_UNSIGNED_INT
+    # A union, as NVML's: another member reads the same bytes reinterpreted, not the value.
+    assert ok.value.dVal != 75_000
+    wide = nv.c_nvmlValue_t()
+    wide.ullVal = 2**32 + 75_000  # an energy counter past 2**32 mJ
+    assert wide.uiVal == 75_000
 
 
 def test_load_boost_and_locked_clocks(gpu: tuple[ModuleType, Any]) -> None:

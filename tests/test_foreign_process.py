@@ -205,6 +205,33 @@ def test_doctor_warns_of_a_compute_process_already_on_a_metered_gpu(
     assert "NVML cannot list its compute processes" in blind, blind
 
 
+def test_compute_processes_are_listed_on_a_driver_without_the_v3_call(
+    nv: ModuleType, tenant: int, tmp_path: Path
+) -> None:
+    """nvidia-ml-py's nvmlDeviceGetComputeRunningProcesses calls NVML's `_v3` and, on a driver
+    without it, raises NVMLLibraryMismatchError, which is no NVMLError (doctor ended in an
+    internal error, a sweep's tenant and pinning checks in a traceback): dvfs asks the `_v2`
+    call then, and a driver without either cannot list them."""
+    from dvfs.gpu.nvml import gpu_processes, nvml_session
+
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    nv.fake_add_process(0, tenant)
+    nv.fake_update_device(0, errors={"nvmlDeviceGetComputeRunningProcesses": 13})
+    old = dvfs_in_process("doctor", str(campaign), env=env(tmp_path))
+    assert f"compute process(es) already on it: {tenant} (sleep)" in " ".join(old.stdout.split())
+    with nvml_session(nv) as module:
+        assert gpu_processes(module)[0].pids == frozenset({tenant})
+    neither = {"nvmlDeviceGetComputeRunningProcesses": 13}
+    neither["nvmlDeviceGetComputeRunningProcesses_v2"] = 13
+    nv.fake_update_device(0, errors=neither)
+    older = dvfs_in_process("doctor", str(campaign), env=env(tmp_path))
+    assert "NVML cannot list its compute processes" in " ".join(older.stdout.split())
+    with nvml_session(nv) as module:
+        [blind, _] = gpu_processes(module)
+    assert blind.pids is None and "Function Not Found" in blind.why, blind
+
+
 class Listed:
     """A GPU whose compute processes are `pids` (None: it cannot tell)."""
 

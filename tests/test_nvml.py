@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from nvml_support import load_fake
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
 from dvfs.errors import (
     GpuNotSupportedError,
@@ -100,6 +101,17 @@ def test_a_gpu_that_is_there_but_unusable_is_not_called_missing(nvml) -> None:
         pass
 
 
+def test_a_gpu_named_where_nvml_sees_none_is_said_so(nvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvmlDeviceGetCount can be 0 with the driver loaded: the refusal said "this machine has
+    0 GPU(s) (indices 0--1)"."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "")
+    nvml.fake_reset_state()
+    with pytest.raises(GpuUnavailableError) as caught, open_nvml_gpus([0], nvml=nvml):
+        pass
+    assert str(caught.value).startswith("no GPU 0: NVML sees no GPU on this machine")
+    assert "0--1" not in str(caught.value)
+
+
 def test_mig_is_refused(nvml) -> None:
     nvml.fake_update_device(1, mig=True)
     with (
@@ -166,3 +178,43 @@ def test_permission_errors_point_to_observe_only_and_the_unit(nvml, monkeypatch)
             gpu.lock_sm_clock(1500, 1500)
     message = str(caught.value)
     assert "run as root" in message and "--observe-only" in message and "systemd" in message
+
+
+def test_a_gpu_nvml_may_not_talk_to_is_not_one_of_every_gpu(nvml, tmp_path: Path) -> None:
+    """nvmlDeviceGetCount (its `_v2`) counts every GPU of the machine, also one whose
+    nvmlDeviceGetHandleByIndex returns NO_PERMISSION (nvml.h), as for a GPU a device cgroup
+    withholds: `gpu list`, `gpu info` and `cap show` stopped on it, "permission denied by the
+    driver: run as root" (exit 4), showing none of the GPUs this process may use."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h200-sxm")
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    for command in (
+        ["gpu", "list", "--json"],
+        ["gpu", "info", "--json"],
+        ["cap", "show", "--json"],
+    ):
+        shown = dvfs_in_process(*command, env=env)
+        assert shown.returncode == 0, (command, shown.stdout, shown.stderr)
+        assert [row["index"] for row in json.loads(shown.stdout)] == [0], command
+    # Named, it is refused; and NVML refusing every GPU is no one GPU's: exit 4 as before.
+    assert dvfs_in_process("gpu", "info", "1", env=env).returncode == 4
+    nvml.fake_update_device(0, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    refused = dvfs_in_process("gpu", "list", env=env)
+    assert refused.returncode == 4 and "does not let this process" in refused.stderr, refused.stderr
+
+
+def test_a_gpu_nvml_may_not_talk_to_is_not_sent_to_observe_only(nvml, tmp_path: Path) -> None:
+    """A GPU whose nvmlDeviceGetHandleByIndex is NO_PERMISSION cannot even be read: opening it
+    gave the setters' hint, "... use `dvfs sweep --observe-only`", and an observe-only sweep
+    was refused with the same line."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h200-sxm")
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    nvml.fake_update_device(0, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    out = str(tmp_path / "out")
+    swept = dvfs_in_process(
+        "sweep", str(campaign), "--observe-only", "--out", out, "--no-progress", env=env
+    )
+    assert swept.returncode == 4, swept.stdout + swept.stderr
+    [said] = [line for line in swept.stderr.splitlines() if line.startswith("Error: ")]
+    assert said.startswith("Error: cannot open GPU 0: the driver does not let this process"), said
+    assert "observe-only" not in said and "systemd" not in said, said

@@ -78,14 +78,14 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
         with open_cli_gpus((), twin, allow_mig=True) as gpus:
             rows = [gpu_summary(g) for g in gpus]
     else:
-        from dvfs.gpu.nvml import device_count, nvml_session
+        from dvfs.gpu.nvml import every_gpu, nvml_session
 
         with nvml_session() as module:
-            count = device_count(module)
+            indices = every_gpu(module)  # those NVML lets this process talk to
         # One at a time: a GPU fallen off the bus, or failing NVML otherwise (needing a
-        # reset), must not hide the others (nor which it is); a permission refusal is no one
-        # GPU's (exit 4).
-        for index in range(count):
+        # reset), must not hide the others (nor which it is); a permission refusal of them
+        # all is no one GPU's (exit 4).
+        for index in indices:
             try:
                 with open_cli_gpus((str(index),), None, allow_mig=True) as (one,):
                     rows.append(gpu_summary(one))

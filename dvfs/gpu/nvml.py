@@ -311,9 +311,7 @@ class NvmlGpu:
         """PIDs NVML lists as compute processes on this GPU (read-only; host PID namespace);
         None when the driver cannot tell (NotSupported, NoPermission)."""
         try:
-            procs = self._call(
-                self.nvml.nvmlDeviceGetComputeRunningProcesses, "list compute processes"
-            )
+            procs = self._call(process_lister(self.nvml), "list compute processes")
         except (GpuNotSupportedError, GpuPermissionError):
             return None
         return frozenset(int(p.pid) for p in procs)
@@ -356,6 +354,29 @@ class NvmlGpu:
             mig=self.mig_enabled(),
             memory_total_bytes=int(memory.total) if memory is not None else None,
         )
+
+
+def process_lister(nvml: ModuleType) -> Callable[[Any], Any]:
+    """`nvmlDeviceGetComputeRunningProcesses(handle)` as every driver answers it. nvidia-ml-py's
+    wrapper of that name calls NVML's `_v3` and, on a driver without `_v3`, raises
+    `NVMLLibraryMismatchError`, a plain Exception and no `NVMLError`, which no translation
+    catches: then the `_v2` call is asked instead, and a driver without that either is
+    FunctionNotFound (not supported: the processes are unknown)."""
+    mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
+
+    def listed(handle: Any) -> Any:
+        try:
+            return nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception as exc:
+            if mismatch is None or not isinstance(exc, mismatch):
+                raise
+        older = getattr(nvml, "nvmlDeviceGetComputeRunningProcesses_v2", None)
+        if older is None:
+            raise nvml.NVMLError(int(getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)))
+        return older(handle)
+
+    listed.__name__ = "nvmlDeviceGetComputeRunningProcesses"  # what a deadline's error names
+    return listed
 
 
 def _text(value: Any) -> str:
@@ -418,9 +439,7 @@ def gpu_processes(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
                 with errors.translated(f"GPU {index}: cannot list compute processes"):
                     handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
                     uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
-                    procs = _bounded(
-                        worker, limit, where, nvml.nvmlDeviceGetComputeRunningProcesses, handle
-                    )
+                    procs = _bounded(worker, limit, where, process_lister(nvml), handle)
             except GpuError as exc:
                 found.append(GpuProcesses(index, uuid, None, str(exc)))
                 continue
@@ -473,9 +492,22 @@ def open_device(
             int(getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", 2)),
             int(getattr(nvml, "NVML_ERROR_NOT_FOUND", 6)),
         }
+        if getattr(exc, "value", None) == int(getattr(nvml, "NVML_ERROR_NO_PERMISSION", 4)):
+            # nvml.h: "the user doesn't have permission to talk to this device". Not the
+            # setters' hint (systemd unit, --observe-only): no command can read it either.
+            raise GpuPermissionError(
+                f"cannot open {where}: the driver does not let this process talk to it "
+                f"(NVML: {exc}), not even to read it: run dvfs as a user the GPU admits (root, "
+                "with sudo), or name a GPU this process may use"
+            ) from exc
         if getattr(exc, "value", None) not in absent:  # there, but unusable: lost, no power...
             raise errors.translate(exc, f"cannot open {where}") from exc
         count = device_count(nvml, deadline_s=deadline_s)
+        if not count:  # not "0 GPU(s) (indices 0--1)"
+            raise GpuNotFoundError(
+                f"no GPU {device!r}: NVML sees no GPU on this machine (the driver is loaded: "
+                "`nvidia-smi` says which GPUs it finds)"
+            ) from exc
         raise GpuNotFoundError(
             f"no GPU {device!r}: this machine has {count} GPU(s) "
             f"(indices 0-{count - 1}); `dvfs gpu list` shows them"
@@ -522,14 +554,43 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
 def every_gpu(
     nvml: ModuleType, *, visible: Visible | None = None, deadline_s: float | None = None
 ) -> list[int]:
-    """What "every GPU" means to a command, as NVML indices: every GPU NVML sees, or with
-    `visible` every one it gives the job (all of them where it gives none, for `check` to
-    refuse in one line). NVML must be initialised."""
+    """What "every GPU" means to a command, as NVML indices: every GPU NVML lets this process
+    talk to (`permitted`), or with `visible` every one it gives the job (all of them where it
+    gives none, for `check` to refuse in one line). NVML must be initialised."""
     devices = list(range(device_count(nvml, deadline_s=deadline_s)))
     if visible is not None:
         uuids = machine_uuids(nvml, deadline_s=deadline_s)
-        devices = list(resolve_visible(visible.value, uuids).indices) or devices
-    return devices
+        return list(resolve_visible(visible.value, uuids).indices) or devices
+    return permitted(nvml, devices, deadline_s=deadline_s)
+
+
+def permitted(
+    nvml: ModuleType, indices: Sequence[int], *, deadline_s: float | None = None
+) -> list[int]:
+    """`indices` less the GPUs NVML has no permission to talk to. nvmlDeviceGetCount (its
+    `_v2`) counts every GPU of the machine, also those for which nvmlDeviceGetHandleByIndex
+    returns NO_PERMISSION (nvml.h), as it does for the GPUs a job's device cgroup withholds:
+    they are no GPU of this process, as nvidia-smi leaves them out. Where NVML refuses every
+    one, all are kept: a permission problem of the whole machine, which opening them says
+    (exit 4). Any other error on a GPU keeps it, for its opening to name."""
+    errors = NvmlErrors(nvml)
+    refused = int(getattr(nvml, "NVML_ERROR_NO_PERMISSION", 4))
+    limit = resolve_deadline_s(deadline_s)
+    worker = CallWorker("nvml-permitted")
+    kept = []
+    try:
+        for index in indices:
+            try:
+                _bounded(worker, limit, f"GPU {index}", nvml.nvmlDeviceGetHandleByIndex, index)
+            except Exception as exc:
+                if errors.is_nvml_error(exc) and getattr(exc, "value", None) == refused:
+                    continue
+                if not errors.is_nvml_error(exc) and not isinstance(exc, GpuTimeoutError):
+                    raise
+            kept.append(index)
+    finally:
+        worker.close()
+    return kept or list(indices)
 
 
 class GpuNamedTwiceError(CampaignError):

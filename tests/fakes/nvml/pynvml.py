@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import fcntl
 import json
 import math
@@ -235,12 +236,11 @@ class NVMLError(Exception):
         return text if text is not None else f"NVML Error with code {self.value}"
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, NVMLError):
-            return NotImplemented
-        return self.value == other.value
+        # as nvidia-ml-py's: codes compared, whatever `other` is (no `value`: AttributeError),
+        # and no __hash__ beside it, so an NVMLError is unhashable
+        return bool(self.value == other.value)  # type: ignore[attr-defined]
 
-    def __hash__(self) -> int:
-        return hash(self.value)
+    __hash__ = None  # type: ignore[assignment]
 
 
 class NVMLError_Uninitialized(NVMLError):
@@ -367,6 +367,11 @@ class NVMLError_Unknown(NVMLError):
     _code = NVML_ERROR_UNKNOWN
 
 
+class NVMLLibraryMismatchError(Exception):
+    """Raised by nvidia-ml-py's unversioned process-list wrappers where the driver lacks the
+    versioned NVML call they use: a plain ``Exception``, not an ``NVMLError``."""
+
+
 def nvmlExceptionClass(nvmlErrorCode: int) -> type[NVMLError]:
     """Return the ``NVMLError`` subclass for a code (``ValueError`` if unknown)."""
     try:
@@ -396,19 +401,21 @@ class FakeNvmlDeviceHandle:
 c_nvmlDevice_t = FakeNvmlDeviceHandle
 
 
-class c_nvmlValue_t:
-    """Union of NVML value representations; only the member of ``valueType`` counts."""
+class c_nvmlValue_t(ctypes.Union):
+    """NVML's value union, laid out as nvml.h's ``nvmlValue_t`` (and nvidia-ml-py's): the
+    members share their bytes, so only the member of the entry's ``valueType`` reads the
+    value; another reads the same bytes reinterpreted (``uiVal`` of a 64-bit value is its
+    low 32 bits, ``dVal`` of an integer a meaningless double)."""
 
-    __slots__ = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
-
-    def __init__(self, number: int = 0) -> None:
-        self.dVal = float(number)
-        self.uiVal = number
-        self.ulVal = number
-        self.ullVal = number
-        self.sllVal = number
-        self.siVal = number
-        self.usVal = number & 0xFFFF
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("siVal", ctypes.c_int),
+        ("usVal", ctypes.c_ushort),
+    ]
 
 
 class c_nvmlFieldValue_t:
@@ -957,6 +964,9 @@ def nvmlDeviceGetHandleByIndex(index: int) -> FakeNvmlDeviceHandle:
         dev = devices[index]
         if dev["lost"]:
             raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+        injected = dev["errors"].get("nvmlDeviceGetHandleByIndex")
+        if injected:
+            raise NVMLError(int(injected))
         return FakeNvmlDeviceHandle(index, dev["uuid"])
 
 
@@ -1042,10 +1052,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def nvmlDeviceGetComputeRunningProcesses(handle: FakeNvmlDeviceHandle) -> list[c_nvmlProcessInfo_t]:
-    """The compute processes on the device (live pids of its ``processes`` list)."""
+def _processes(fn_name: str, handle: FakeNvmlDeviceHandle) -> list[c_nvmlProcessInfo_t]:
     return _get(
-        "nvmlDeviceGetComputeRunningProcesses",
+        fn_name,
         handle,
         lambda d, p: [
             c_nvmlProcessInfo_t(int(e["pid"]), e.get("used_bytes"))
@@ -1053,6 +1062,29 @@ def nvmlDeviceGetComputeRunningProcesses(handle: FakeNvmlDeviceHandle) -> list[c
             if _alive(int(e["pid"]))
         ],
     )
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: FakeNvmlDeviceHandle) -> list[c_nvmlProcessInfo_t]:
+    """The compute processes on the device (live pids of its ``processes`` list). Like
+    nvidia-ml-py's wrapper, which calls NVML's ``_v3`` and turns its FunctionNotFound (a driver
+    without ``_v3``) into ``NVMLLibraryMismatchError``, no ``NVMLError``: inject
+    ``errors={"nvmlDeviceGetComputeRunningProcesses": 13}`` for such a driver."""
+    try:
+        return _processes("nvmlDeviceGetComputeRunningProcesses", handle)
+    except NVMLError_FunctionNotFound as exc:
+        raise NVMLLibraryMismatchError(
+            "nvmlDeviceGetComputeRunningProcesses: this NVML has no versioned call the binding "
+            "uses; call a versioned function such as nvmlDeviceGetComputeRunningProcesses_v2"
+        ) from exc
+
+
+def nvmlDeviceGetComputeRunningProcesses_v2(
+    handle: FakeNvmlDeviceHandle,
+) -> list[c_nvmlProcessInfo_t]:
+    """The compute processes through NVML's ``_v2`` call (drivers before ``_v3`` have it):
+    the same list; inject ``errors={"nvmlDeviceGetComputeRunningProcesses_v2": 13}`` for a
+    driver without it either."""
+    return _processes("nvmlDeviceGetComputeRunningProcesses_v2", handle)
 
 
 # --------------------------------------------------------------------------- #
@@ -1290,13 +1322,13 @@ def _field_value(
         entry.nvmlReturn = int(injected)
     elif field_id == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
         entry.valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-        entry.value = c_nvmlValue_t(int(dev["energy_mj"]))
+        entry.value.ullVal = int(dev["energy_mj"])
     elif field_id in power_fields:
         if scope_id != NVML_POWER_SCOPE_GPU:
             entry.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
         else:
             entry.valueType = NVML_VALUE_TYPE_UNSIGNED_INT
-            entry.value = c_nvmlValue_t(int(power_fields[field_id]()))
+            entry.value.uiVal = int(power_fields[field_id]())
     elif 0 <= field_id < NVML_FI_MAX:
         entry.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
     else:
