@@ -7,7 +7,8 @@ in a fake with NVML's semantics. Every call has a deadline (`dvfs.gpu.deadline`)
 call is reported as `GpuTimeoutError` naming the call and the GPU; NVML's return codes map to
 dvfs's errors through one table (`dvfs.gpu.nvml_errors`).
 
-One call beyond /work/shared/NVML-CONTRACT.md's table; its row, as that table would hold it:
+Four calls beyond /work/shared/NVML-CONTRACT.md's table; their rows, as that table would hold
+them:
   call: `nvmlDeviceGetViolationStatus(h, policy)`, policy `NVML_PERF_POLICY_THERMAL` (1) or
     `NVML_PERF_POLICY_BOARD_LIMIT` (3) (`dvfs.gpu.base.THROTTLE_POLICIES`); pynvml marks it
     deprecated in favour of field values ("will be removed in CUDA 14.0").
@@ -17,6 +18,13 @@ One call beyond /work/shared/NVML-CONTRACT.md's table; its row, as that table wo
   may raise: `NotSupported`, `FunctionNotFound` (an older driver, or a pynvml without it),
     `Deprecated` (code 26, a driver past the call's deprecation): unknown, None, never a
     failure (`NvmlGpu.throttle_violation_ns`).
+  call: `nvmlDeviceGetComputeRunningProcesses(h)` (a server's processes on a GPU, a tenant's).
+  returns: a list of process structs, `.pid` read (`.usedGpuMemory` may be None: not read).
+  may raise: `NotSupported`; nvidia-ml-py 13's wrapper calls NVML's `_v3` only and raises
+    `NVMLLibraryMismatchError`, no `NVMLError`, on a driver without it (`process_lister`).
+  call: `nvmlDeviceGetIndex(h)` (the NVML index of a GPU opened by UUID): int.
+  call: `nvmlDeviceGetMemoryInfo(h)` (`dvfs gpu info`): a struct, `.total`/`.used` bytes;
+    None where NVML does not support it.
 
 The one adapter to the NVML API, kept whole near 400 lines: every method of `NvmlGpu` is a
 call, a deadline and a translation, so splitting it further would scatter one job.
