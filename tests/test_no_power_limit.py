@@ -322,3 +322,31 @@ def test_doctor_fails_an_observe_only_sweep_on_such_a_gpu_as_the_sweep_stops(
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
     assert f"FAIL knobs: {line}" in doctor.stdout, doctor.stdout
     assert power_limit_calls(nvml) == []
+
+
+def test_gpu_roofline_measures_such_a_gpus_clocks_its_power_limit_nan(
+    env: dict[str, str], nvml: Any
+) -> None:
+    """`gpu roofline --gpu 0` read such a GPU's power limit once its stock setting was
+    measured (every kernel, minutes on a GPU), and stopped there ("cannot read the power
+    limit", exit 1), the measurement lost; before the knob controller took such a GPU it
+    stopped at start. It measures every setting now, the power limit NaN (null in --json), and
+    puts the clock back."""
+    pytest.importorskip("torch")
+    tiny = (
+        *("--device", "cpu", "--hidden", "64", "--intermediate", "256", "--tokens", "1,256"),
+        *("--bandwidth-mib", "1", "--min-time", "0.02", "--settle", "0"),
+    )
+    result = dvfs_in_process(
+        "gpu", "roofline", *tiny, "--gpu", "0", "--clocks", "1500,1200", "--json", env=env
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    settings = json.loads(result.stdout)["settings"]
+    assert [(s["setting"], s["power_limit_w"]) for s in settings] == [
+        ("stock", None),
+        ("1500", None),
+        ("1200", None),
+    ]
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    assert power_limit_calls(nvml) == []
