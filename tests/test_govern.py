@@ -380,6 +380,39 @@ def test_the_speculation_warning_waits_for_a_sample_that_can_tell() -> None:
     assert told and warning is not None and "no drafter" in warning
 
 
+def test_the_speculation_warning_waits_for_the_servers_first_decode_log() -> None:
+    """SGLang's scheduler grows its decode counter every decode iteration but sets its gauges
+    (spec_accept_length, gen_throughput) only at its periodic decode log, every
+    --decode-log-interval iterations (40): a speculating server's page in its first
+    iterations reads decoded tokens beside an accept length of 0, and the governor of a
+    drafter plan warned, once, that the server serves without speculation. It waits for the
+    first decode log (gen_throughput above 0) now; a page without that gauge is read as
+    before."""
+    eagle = dataclasses.replace(PLAN, drafter="eagle3")
+
+    def page(accept: float, throughput: float) -> str:
+        return (
+            "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 4\n"
+            "# TYPE sglang:realtime_tokens counter\n"
+            'sglang:realtime_tokens_total{mode="decode"} 60.0\n'
+            f"# TYPE sglang:spec_accept_length gauge\nsglang:spec_accept_length {accept}\n"
+            f"# TYPE sglang:gen_throughput gauge\nsglang:gen_throughput {throughput}\n"
+        )
+
+    early = parse_server_metrics(page(0.0, 0.0))  # 20 iterations in: no decode log yet
+    assert speculation_warning(eagle, early) == (False, None)
+    assert speculation_warning(PLAN, early) == (False, None)
+    logged = parse_server_metrics(page(2.9, 310.0))
+    assert speculation_warning(eagle, logged) == (True, None)
+    plain = parse_server_metrics(page(0.0, 310.0))  # logged, no speculation: it tells
+    told, warning = speculation_warning(eagle, plain)
+    assert told and warning is not None and "no speculative accept length" in warning
+    assert speculation_warning(PLAN, plain) == (True, None)
+    bare = dataclasses.replace(early, decode_logged=None)  # no gen_throughput on the page
+    told, warning = speculation_warning(eagle, bare)
+    assert told and warning is not None
+
+
 finite = st.floats(0, 1e9, allow_nan=False)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nvml_support import dvfs_in_process, fake_env, load_fake
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 from test_govern_cli import launch_stub, lines, wait_for
 
 #: What NVML answers NOT_SUPPORTED on such a GPU.
@@ -296,4 +296,57 @@ def test_gpu_settle_times_such_a_gpus_clocks_and_refuses_its_power_limit(
     assert refused.stderr.splitlines() == [
         "Error: GPU 0: cannot read the power-limit range: NVML says Not Supported"
     ]
+    assert power_limit_calls(nvml) == []
+
+
+def test_doctor_fails_an_observe_only_sweep_on_such_a_gpu_as_the_sweep_stops(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """An observe-only sweep reads each GPU's power-limit range for its session, and stops on
+    such a GPU ("cannot read the power-limit range", exit 1), as its dry run notes; `dvfs
+    doctor` skipped that read for observe-only and passed the campaign, every check ok, exit
+    0. It fails the knobs check now, in the sweep's line."""
+    campaign = tmp_path / "observe.toml"
+    campaign.write_text(
+        NVML_CAMPAIGN.format(output_tokens=8, repeats=1)
+        .replace("devices = [0]", 'devices = [0]\nactuation = "off"')
+        .replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')
+        .replace("power_limit = [700, 400]", 'power_limit = "stock"')
+    )
+    line = "GPU 0: cannot read the power-limit range: NVML says Not Supported"
+    swept = dvfs_in_process("sweep", str(campaign), "--out", str(tmp_path / "out"), env=env)
+    assert swept.returncode == 1 and swept.stderr.splitlines() == [f"Error: {line}"], (
+        swept.stdout + swept.stderr
+    )
+    doctor = dvfs_in_process("doctor", str(campaign), "--out", str(tmp_path / "out"), env=env)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert f"FAIL knobs: {line}" in doctor.stdout, doctor.stdout
+    assert power_limit_calls(nvml) == []
+
+
+def test_gpu_roofline_measures_such_a_gpus_clocks_its_power_limit_nan(
+    env: dict[str, str], nvml: Any
+) -> None:
+    """`gpu roofline --gpu 0` read such a GPU's power limit once its stock setting was
+    measured (every kernel, minutes on a GPU), and stopped there ("cannot read the power
+    limit", exit 1), the measurement lost; before the knob controller took such a GPU it
+    stopped at start. It measures every setting now, the power limit NaN (null in --json), and
+    puts the clock back."""
+    pytest.importorskip("torch")
+    tiny = (
+        *("--device", "cpu", "--hidden", "64", "--intermediate", "256", "--tokens", "1,256"),
+        *("--bandwidth-mib", "1", "--min-time", "0.02", "--settle", "0"),
+    )
+    result = dvfs_in_process(
+        "gpu", "roofline", *tiny, "--gpu", "0", "--clocks", "1500,1200", "--json", env=env
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    settings = json.loads(result.stdout)["settings"]
+    assert [(s["setting"], s["power_limit_w"]) for s in settings] == [
+        ("stock", None),
+        ("1500", None),
+        ("1200", None),
+    ]
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
     assert power_limit_calls(nvml) == []

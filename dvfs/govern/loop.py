@@ -577,11 +577,14 @@ def static_caps(
 def speculation_warning(plan: BatchPlan, sample: ServerSample) -> tuple[bool, str | None]:
     """Whether `sample` can tell if the server speculates, and the warning where it does not do
     as the plan was measured. SGLang exports its accept length gauge at 0 without a speculative
-    algorithm and before a speculating server's first verify pass alike: a sample tells once
-    the server reports a length or has decoded tokens."""
+    algorithm and, a speculating server's too, until its scheduler's first periodic decode
+    log (every `--decode-log-interval` decode iterations, 40 unless set), while its decode
+    counter grows every iteration: a sample tells once the server reports a length or has
+    decoded tokens and logged a decode interval (`ServerSample.decode_logged`; where the page
+    does not say, decoded tokens alone)."""
     speculating = sample.accept_length is not None
     tokens = sample.token_count()
-    if not speculating and (tokens is None or tokens[1] <= 0):
+    if not speculating and (tokens is None or tokens[1] <= 0 or sample.decode_logged is False):
         return False, None
     if plan.drafter == "none" and speculating:
         return True, (

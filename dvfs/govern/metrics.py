@@ -13,7 +13,9 @@ tokens decoded, grown every decode iteration: the tokens of an interval; one per
 tensor-parallel group, as the batches), `sglang:generation_tokens_total` (counter, summed; it
 grows only as a request finishes, by its whole output: read where the decode counter is
 missing) and `sglang:spec_accept_length` (gauge, averaged over the series above 0: SGLang
-exports it at 0 without a speculative algorithm, and before a verify pass).
+exports it at 0 without a speculative algorithm, and before a verify pass), and whether
+`sglang:gen_throughput` is above 0 (set, as the accept length gauge, only at the scheduler's
+periodic decode log: until then 0 says nothing of speculation).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ GENERATED = "sglang:generation_tokens_total"
 DECODED = "sglang:realtime_tokens_total"
 PRIORITY = "priority"
 ACCEPT_LENGTH = "sglang:spec_accept_length"
+#: A gauge SGLang's scheduler sets, with the accept length, only at its periodic decode log
+#: (every `--decode-log-interval` decode iterations, 40 unless set): 0 until the first one.
+GEN_THROUGHPUT = "sglang:gen_throughput"
 #: The labels of a scheduler's rank within its tensor-parallel group (SGLang's
 #: SchedulerMetricsMixin): its tensor-parallel rank, and its expert-parallel rank, which
 #: SGLang derives from it (tp_rank // (tp_size // ep_size): every rank its own under --ep-size).
@@ -60,6 +65,9 @@ class ServerSample:
     #: tokens decoded so far (every decode iteration; None where the server has no such
     #: counter yet): what an interval's energy per token divides by
     decoded_tokens: float | None = None
+    #: whether the scheduler has logged a decode interval (its gen_throughput gauge above 0),
+    #: which sets the accept length gauge too; None where the page has no such gauge
+    decode_logged: bool | None = None
 
     def token_count(self) -> tuple[str, float] | None:
         """The counter an interval's tokens are read from, and its value: the decode counter,
@@ -78,6 +86,7 @@ def parse_server_metrics(text: str) -> ServerSample:
 
     generated: list[float] = []
     accept: list[float] = []
+    throughput: list[float] = []
     batches: dict[tuple[tuple[str, str], ...], float] = {}
     decoded: dict[tuple[tuple[str, str], ...], float] = {}
     running_seen = False
@@ -98,6 +107,8 @@ def parse_server_metrics(text: str) -> ServerSample:
                     generated.append(value)
                 elif sample.name == ACCEPT_LENGTH and value > 0:
                     accept.append(value)
+                elif sample.name == GEN_THROUGHPUT:
+                    throughput.append(value)
     except ValueError as exc:
         raise ScrapeError(f"the server's /metrics is not Prometheus text ({exc})") from exc
     if not running_seen:
@@ -109,6 +120,7 @@ def parse_server_metrics(text: str) -> ServerSample:
         generated_tokens=sum(generated) if generated else None,
         accept_length=sum(accept) / len(accept) if accept else None,
         decoded_tokens=sum(decoded.values()) if decoded else None,
+        decode_logged=any(v > 0 for v in throughput) if throughput else None,
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from dvfs.errors import CampaignError, GpuError
 from dvfs.gpu.base import Gpu, unsupported_clock
-from dvfs.gpu.knobs import KnobController, KnobSetting
+from dvfs.gpu.knobs import KnobController, KnobSetting, power_limit_or_none
 from dvfs.gpu.visible import Visible
 from dvfs.roofline.kernels import (
     BenchSpec,
@@ -309,7 +309,9 @@ def run_roofline(
                     raised_idle_sm_clock_mhz=raised.sm_clock_mhz,
                     raised_idle_temperature_c=raised.temperature_c,
                 )
-            limit = math.nan if gpu is None else gpu.power_limit_mw() / 1000.0
+            # NaN: no GPU, or one whose power limit NVML does not support (clocks still lock)
+            limit_mw = None if gpu is None else power_limit_or_none(gpu)
+            limit = math.nan if limit_mw is None else limit_mw / 1000.0
             clock = float(mhz) if mhz is not None else float(seen)
             points.append(Point(setting, mhz is not None, clock, limit, tuple(results)))
     return RooflineRun(tuple(points), attrs, tuple(notes))
