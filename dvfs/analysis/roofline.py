@@ -1,9 +1,9 @@
 """Where verification turns compute-bound: the verify pass's arithmetic intensity vs the ridge.
 
 With batch B and k verified tokens per request, a verify pass does ~2 P B k FLOPs for ~2 P bytes
-of weights (plus the KV cache it reads). Past the ridge point (FLOP per byte at which compute
-time equals memory time; it falls with the SM clock) the pass is compute-bound: lowering the
-clock then costs latency, and wasted drafts cost energy.
+of weights (plus the KV cache it reads, and the KV of its B k tokens it writes). Past the ridge
+point (FLOP per byte at which compute time equals memory time; it falls with the SM clock) the
+pass is compute-bound: lowering the clock then costs latency, and wasted drafts cost energy.
 
 The ridge is the twin's: achievable FLOP/s (GEMM efficiency at the pass's token count,
 `dvfs.twin.physics.gemm_efficiency`) over achievable bandwidth, at the same context length the
@@ -316,7 +316,14 @@ def roofline(
                 2.0 * model.active_matmul_params * n
                 + float(model.attention_flops_per_token(context)) * n
             )
-            bytes_ = float(model.weight_bytes_read(n)) + batch * float(model.kv_bytes_read(context))
+            # the weights once, each request's KV cache at the context, and the KV of every
+            # token it verifies written (drafts too: SGLang frees the rejected slots after), as
+            # the twin's physics counts the pass (`dvfs.twin.passes.count_passes`)
+            bytes_ = (
+                float(model.weight_bytes_read(n))
+                + batch * float(model.kv_bytes_read(context))
+                + n * model.kv_bytes_per_token
+            )
             intensity[i, j] = (flops / tp) / (bytes_ / tp)
             tokens[i, j] = n
     if measured is None:
