@@ -218,34 +218,79 @@ def test_gemm_time_never_falls_as_tokens_grow_and_efficiency_stays_below_the_lar
     assert physics.gemm_efficiency(H100, whole) == pytest.approx(H100.gemm_efficiency)
 
 
-def test_the_roofline_analysis_and_the_twins_physics_put_the_ridge_in_the_same_place() -> None:
-    """At the analysis's verify ridge, a pass of that many tokens takes as long to compute as
-    to read its bytes in the twin's physics (same efficiencies, same context length)."""
-    cube = make_cube(clocks=[705, 1200, 1980], batches=[1, 16, 64], drafters=["none", "eagle3"])
+def twins_verify_pass(drafter: Drafter, batch: int) -> physics.Passes:
+    """The verify pass of one steady decode iteration at `batch`, as the twin builds it
+    (`decode_passes`), every request at CONTEXT tokens of context."""
+    plan = plan_drafter(drafter, LLAMA8B)
+    active, context = np.array([float(batch)]), np.array([CONTEXT])
+    builder = PassBuilder(1)
+    width = decode_passes(
+        builder,
+        LLAMA8B,
+        plan,
+        active,
+        active * CONTEXT,
+        LLAMA8B.kv_bytes_read(context) * active,
+        context,
+        active,
+    )
+    return builder.parts[0].take(np.array([verify_column(plan, width)]))
+
+
+ROOFLINE_DRAFTERS = {"none": NONE, "eagle3": EAGLE3_TREE, "dflash": DFLASH}
+
+
+def roofline_of_the_twins_passes() -> xr.Dataset:
+    """The analysis's roofline of no speculation, EAGLE-3 (8 tokens) and DFLASH (16), at
+    CONTEXT tokens of context."""
+    cube = make_cube(clocks=[705, 1200, 1980], batches=[1, 16, 64], drafters=[*ROOFLINE_DRAFTERS])
     cube.attrs.update(
         model="meta-llama/Llama-3.1-8B-Instruct",
         gpu_name="NVIDIA H100 80GB HBM3",
         tp_size=1,
-        server_args='{"eagle3": {"args": {"speculative_algorithm": "EAGLE3", '
-        '"speculative_num_draft_tokens": 8}}}',
-        campaign='{"workload": {"input_tokens": [256, 768], "output_tokens": 512}}',
+        server_args='{"none": {"args": {}}, "eagle3": {"args": {"speculative_algorithm": '
+        '"EAGLE3", "speculative_num_draft_tokens": 8}}, "dflash": {"args": '
+        '{"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 16}}}',
     )
-    roof = roofline(cube)
-    profile = gpu_profile("h100-sxm")
-    assert roof.attrs["context_tokens"] == CONTEXT + 256  # the twin's mean context
-    for batch in (1, 16, 64):
-        for drafter in ("none", "eagle3"):
-            tokens = float(roof["verify_tokens"].sel(batch=batch, drafter=drafter))
+    return roofline(cube, context_tokens=CONTEXT)
+
+
+def test_the_roofline_counts_the_flops_and_bytes_of_the_twins_own_verify_pass() -> None:
+    """A verify pass's arithmetic intensity is the FLOPs over the bytes the twin's physics
+    moves for it: the weights once, each request's KV cache read, and the KV of every token it
+    verifies written (the analysis left the writes out: 883 FLOP/B for DFLASH's 1,024-token
+    pass in the demo where the twin moves the bytes of 877)."""
+    roof = roofline_of_the_twins_passes()
+    for name, drafter in ROOFLINE_DRAFTERS.items():
+        for batch in (1, 16, 64):
+            twins = twins_verify_pass(drafter, batch)
+            assert float(roof["verify_tokens"].sel(batch=batch, drafter=name)) == twins.tokens[0]
+            intensity = float(roof["arithmetic_intensity"].sel(batch=batch, drafter=name))
+            assert intensity == pytest.approx(twins.flops[0] / twins.bytes[0], rel=1e-9), name
+
+
+def test_the_roofline_analysis_and_the_twins_physics_put_the_ridge_in_the_same_place() -> None:
+    """At the analysis's verify ridge, the twin's own verify pass of that many tokens takes as
+    long to compute as to read its bytes in the twin's physics (same efficiencies, same context
+    length): a speculative pass's KV-cache reads at the custom-mask attention's lower bandwidth
+    (`verify_attention_efficiency`) included. Without them the analysis put the demo's batch-64
+    standalone pass compute-bound at or below 1905 MHz, and EAGLE-3's at batch 16 at 705 MHz,
+    where the twin's physics runs them memory-bound down to 1605 MHz and at every clock (7 of
+    the demo's 25 rows were off by one to four clock steps)."""
+    roof = roofline_of_the_twins_passes()
+    for name, drafter in ROOFLINE_DRAFTERS.items():
+        for batch in (1, 16, 64):
+            twins = twins_verify_pass(drafter, batch)
+            memory_bytes = float(physics._pass_terms(H100, twins).memory_bytes[0])
             for clock in (705, 1200, 1980):
                 ridge = float(
-                    roof["verify_ridge_point"].sel(batch=batch, drafter=drafter, sm_clock=clock)
+                    roof["verify_ridge_point"].sel(batch=batch, drafter=name, sm_clock=clock)
                 )
-                bytes_ = 1e9
                 compute_s = physics.compute_time_s(
-                    profile, np.array([ridge * bytes_]), np.array([tokens]), clock
+                    H100, np.array([ridge * twins.bytes[0]]), twins.tokens, clock
                 )[0]
-                memory_s = bytes_ / float(physics.bandwidth_bytes_s(profile, clock))
-                assert compute_s == pytest.approx(memory_s, rel=1e-9)
+                memory_s = memory_bytes / float(physics.bandwidth_bytes_s(H100, clock))
+                assert compute_s == pytest.approx(memory_s, rel=1e-9), (name, batch, clock)
 
 
 def test_a_profile_with_an_impossible_speculative_term_is_refused_in_one_line() -> None:

@@ -1,12 +1,13 @@
 """Where verification turns compute-bound: the verify pass's arithmetic intensity vs the ridge.
 
 With batch B and k verified tokens per request, a verify pass does ~2 P B k FLOPs for ~2 P bytes
-of weights (plus the KV cache it reads). Past the ridge point (FLOP per byte at which compute
-time equals memory time; it falls with the SM clock) the pass is compute-bound: lowering the
-clock then costs latency, and wasted drafts cost energy.
+of weights (plus the KV cache it reads, and the KV of its B k tokens it writes). Past the ridge
+point (FLOP per byte at which compute time equals memory time; it falls with the SM clock) the
+pass is compute-bound: lowering the clock then costs latency, and wasted drafts cost energy.
 
 The ridge is the twin's: achievable FLOP/s (GEMM efficiency at the pass's token count,
-`dvfs.twin.physics.gemm_efficiency`) over achievable bandwidth, at the same context length the
+`dvfs.twin.physics.gemm_efficiency`) over achievable bandwidth (a speculative verify pass's
+KV-cache reads at the verify attention's lower bandwidth), at the same context length the
 twin's workload runs at, so the analysis and the twin's physics agree on where a pass turns
 compute-bound.
 """
@@ -272,9 +273,11 @@ def roofline(
     half the output: `mean_context_tokens`; the analysis reads no file); `measured` (a
     roofline file, `dvfs.roofline.store.read`) replaces the twin's achievable ridge. A pass of
     few tokens meets the bandwidth at a lower ridge (the twin profile's GEMM tiles and
-    waves); with a measured roofline of a GPU the twin has no profile of, there is
-    none to lower it by: the verify ridge is the measured one, its `gpu_profile` None (not
-    another GPU's, whose curve stood in under its name), and `notes` says what that means.
+    waves), a speculative verify pass at a higher one (its KV-cache reads at the profile's
+    `verify_attention_efficiency`, as the twin's physics times them); with a measured
+    roofline of a GPU the twin has no profile of, there is none to move it by: the verify
+    ridge is the measured one, its `gpu_profile` None (not another GPU's, whose curve stood
+    in under its name), and `notes` says what that means.
     A context not taken from the cube's record (an earlier dvfs's cube) is said in `notes` and
     in the result's `context_note` attribute."""
     import xarray as xr
@@ -305,6 +308,13 @@ def roofline(
     clocks = cube["sm_clock"].values.astype(float)
     intensity = np.empty((len(batches), len(drafters)))
     tokens = np.empty_like(intensity)
+    # A speculative verify pass reads the KV cache through a custom-mask (tree) attention
+    # kernel at `verify_attention_efficiency` of the bandwidth (the twin's physics times it
+    # so): its bytes take longer to read than as many bytes of plain decode, so it meets the
+    # compute time at a higher intensity. `stretch`: its memory time over its bytes' at the
+    # bandwidth.
+    stretch = np.ones_like(intensity)
+    slow = 0.0 if gpu is None else 1.0 / gpu.verify_attention_efficiency - 1.0
     for i, batch in enumerate(batches):
         for j, drafter in enumerate(drafters):
             width = widths[drafter]
@@ -316,9 +326,15 @@ def roofline(
                 2.0 * model.active_matmul_params * n
                 + float(model.attention_flops_per_token(context)) * n
             )
-            bytes_ = float(model.weight_bytes_read(n)) + batch * float(model.kv_bytes_read(context))
+            # the weights once, each request's KV cache at the context, and the KV of every
+            # token it verifies written (drafts too: SGLang frees the rejected slots after), as
+            # the twin's physics counts the pass (`dvfs.twin.passes.count_passes`)
+            kv = batch * float(model.kv_bytes_read(context))
+            bytes_ = float(model.weight_bytes_read(n)) + kv + n * model.kv_bytes_per_token
             intensity[i, j] = (flops / tp) / (bytes_ / tp)
             tokens[i, j] = n
+            if width > 1:
+                stretch[i, j] = (bytes_ + kv * slow) / bytes_
     if measured is None:
         assert gpu is not None  # `_cube_gpu` refuses a GPU the twin has no profile of
         ridge = np.array([achievable_ridge_point(gpu, c) for c in clocks])
@@ -361,15 +377,17 @@ def roofline(
         coords={"batch": batches, "drafter": drafters, "sm_clock": clocks.astype(int)},
     )
     # A pass of fewer tokens than fill its GEMMs' tiles and waves reaches less of the peak
-    # FLOP/s, so it meets the bandwidth at a lower intensity: the large-M ridge times that share.
+    # FLOP/s, so it meets the bandwidth at a lower intensity: the large-M ridge times that share;
+    # a speculative verify pass's slower KV-cache reads raise it again (`stretch`).
     share = (
         np.ones_like(tokens) if gpu is None else gemm_efficiency(gpu, tokens) / gpu.gemm_efficiency
     )
     result["verify_ridge_point"] = (
-        result["ridge_point"] * xr.DataArray(share, dims=("batch", "drafter"))
+        result["ridge_point"] * xr.DataArray(share * stretch, dims=("batch", "drafter"))
     ).assign_attrs(
         units="FLOP byte-1",
-        long_name="ridge point at the verify pass's token count (GEMM tile and wave quantisation)",
+        long_name="ridge point of the verify pass (GEMM tile and wave quantisation at its token "
+        "count, its KV-cache reads at the verify attention's bandwidth)",
     )
     result["compute_bound"] = (
         result["arithmetic_intensity"] > result["verify_ridge_point"]

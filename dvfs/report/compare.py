@@ -184,7 +184,8 @@ def _roofline_document(roof: xr.Dataset) -> dict[str, Any]:
                 ),
                 "compute_bound_below_mhz": _compute_bound_below(roof, b, d),
                 # The ridge this pass is held against at each clock: the full GEMM's
-                # `ridge_point` lowered for a pass of few tokens (tiles and waves part-filled).
+                # `ridge_point` lowered for a pass of few tokens (tiles and waves part-filled),
+                # raised for a verify pass's KV-cache reads at the tree attention's bandwidth.
                 "verify_ridge_point": _verify_ridge(roof, b, d),
             }
             for b in roof["batch"].values
@@ -472,8 +473,8 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
         tables.append(
             (
                 f"Verify pass vs ridge point ({_ridge_source(roof)}; ridge "
-                f"{_full_ridge(roof['ridge_point'])} for a full GEMM; each pass's own, lower, "
-                "in its row)",
+                f"{_full_ridge(roof['ridge_point'])} for a full GEMM; each pass's own in its row: "
+                "lower for few tokens, higher for a verify pass's slower KV-cache reads)",
                 [
                     "batch",
                     "drafter",
