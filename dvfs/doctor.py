@@ -257,12 +257,14 @@ def _gpu_checks(
                     checks.append(Check(f"energy counter GPU {ident.index}", FAIL, str(exc)))
 
             def knobs() -> tuple[str, str]:
+                # the sweep's rule (`check_knobs_against`), observe-only too: its runner reads
+                # each GPU's power-limit range, which NVML may not support on a GPU
+                check_knobs_against(campaign, gpus)
                 if not campaign.gpu.actuation:  # observe-only: no list left to check
                     return OK, (
                         "observe-only: no clock or power limit is set; every cell is measured "
                         "at the GPU's stock setting, as found"
                     )
-                check_knobs_against(campaign, gpus)
                 return OK, "every clock and power limit of the campaign is supported"
 
             checks.append(_run("knobs", knobs))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nvml_support import dvfs_in_process, fake_env, load_fake
+from nvml_support import cube_as_on_an_idle_machine, dvfs_in_process, fake_env, load_fake
 from test_govern_cli import launch_stub, lines, wait_for
 
 #: What NVML answers NOT_SUPPORTED on such a GPU.
@@ -297,3 +297,122 @@ def test_gpu_settle_times_such_a_gpus_clocks_and_refuses_its_power_limit(
         "Error: GPU 0: cannot read the power-limit range: NVML says Not Supported"
     ]
     assert power_limit_calls(nvml) == []
+
+
+def clocks_campaign(tmp_path: Path, *, limits: bool = False) -> Path:
+    """The NVML campaign on GPU 0, sweeping SM clocks only (`limits`: power limits too)."""
+    from nvml_support import NVML_CAMPAIGN
+
+    # windows long enough for valid cells on the fake's 20 ms energy counter
+    text = NVML_CAMPAIGN.format(output_tokens=128, repeats=1)
+    text = text.replace("[measurement]\n", "[measurement]\nprecision = 0.05\n")
+    if not limits:
+        text = text.replace("power_limit = [700, 400]\n", "")
+    path = tmp_path / ("limits.toml" if limits else "clocks.toml")
+    path.write_text(text)
+    return path
+
+
+def session_of(out: Path) -> dict[str, Any]:
+    [session] = [
+        r
+        for r in map(json.loads, (out / "journal.jsonl").read_text().splitlines())
+        if r.get("type") == "session"
+    ]
+    return session
+
+
+@pytest.mark.parametrize("observe", [False, True], ids=["actuating", "observe-only"])
+def test_a_clocks_only_sweep_records_the_enforced_power_limit_as_stock(
+    tmp_path: Path, env: dict[str, str], nvml: Any, observe: bool
+) -> None:
+    """`dvfs sweep` of a grid of SM clocks alone (and `--observe-only`) read the power-limit
+    range and the configured limit of every GPU, so on such a GPU it stopped at once, exit 1
+    ("GPU 0: cannot read the power-limit range: NVML says Not Supported"). It sweeps now, its
+    stock power limit (the session's, the cube's `stock_power_limit_w` and `power_limit`
+    coordinate, each cell's limit check) the limit NVML enforces, said so in the journal and
+    the cube; no power limit is ever set, and the clock is put back."""
+    from dvfs.cube import open_cube
+
+    nvml.fake_update_device(0, oob_power_limit_mw=600_000)  # enforced: not the 700 W default
+    uuid = nvml.fake_device_state(0)["uuid"]
+    out = tmp_path / "out"
+    args = ("sweep", str(clocks_campaign(tmp_path)), "--out", str(out), "--no-progress")
+    result = dvfs_in_process(*args, *(("--observe-only",) if observe else ()), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    session = session_of(out)
+    assert session["stock"] == {"sm_clock_mhz": 1980, "power_limit_w": 600.0}
+    assert session["stock_power_limit_enforced"] == [uuid]
+    assert session["power_limit_range_w"] == [None, None, None]  # not supported, nor its range
+    cells = [
+        r
+        for r in map(json.loads, (out / "journal.jsonl").read_text().splitlines())
+        if r.get("type") == "cell"
+    ]
+    assert cells and all(
+        c["power_limits"]
+        == [{"target_mw": 600_000, "configured_mw": [], "enforced_mw": [600_000, 600_000]}]
+        for c in cells
+    )
+    cube = open_cube(cube_as_on_an_idle_machine(out, env))  # (valid cells: the load's flags off)
+    assert cube.attrs["stock_power_limit_w"] == 600.0
+    assert cube["power_limit"].values.tolist() == [600.0]
+    assert cube.attrs["stock_power_limit_enforced"] == uuid
+    info = dvfs_in_process("cube", "info", str(out), env=env)
+    assert info.returncode == 0, info.stdout + info.stderr
+    assert "stock power limit as enforced at start: NVML does not support the power limit" in (
+        " ".join(info.stdout.split())
+    )
+    headroom = dvfs_in_process("headroom", str(out), "--json", env=env)
+    assert headroom.returncode == 0, headroom.stdout + headroom.stderr
+    reference = json.loads(headroom.stdout)["reference"]
+    assert (reference["power_limit_w"], reference["stock_power_limit_w"]) == (600.0, 600.0)
+    assert power_limit_calls(nvml) == []
+    calls = [c["fn"] for c in nvml.fake_calls()]
+    locks = ["nvmlDeviceSetGpuLockedClocks"] * 2 + ["nvmlDeviceResetGpuLockedClocks"]
+    assert calls == ([] if observe else locks)
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+
+
+def test_the_dry_run_of_a_clocks_only_sweep_on_such_a_gpu_says_it_would_run(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """The dry run said "on this machine the sweep would stop: GPU 0: cannot read the
+    power-limit range"; it says nothing of the kind now, and changes nothing."""
+    campaign = clocks_campaign(tmp_path)
+    for extra in ((), ("--observe-only",)):
+        args = ("sweep", str(campaign), "--out", str(tmp_path / "out"), "--dry-run")
+        result = dvfs_in_process(*args, "--no-estimate", *extra, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "would stop" not in result.stdout + result.stderr, extra
+    assert nvml.fake_calls() == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_is_refused_in_one_line_where_no_power_limit_reads_at_all(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """Where NVML reports not even the enforced limit, the stock power limit a cube records
+    is unknown: the sweep (and observe-only) refuses in one line, the dry run says it would,
+    nothing is set."""
+    errors = {f: nvml.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    nvml.fake_update_device(0, errors={**errors, "nvmlDeviceGetEnforcedPowerLimit": 3})
+    uuid = nvml.fake_device_state(0)["uuid"]
+    campaign = clocks_campaign(tmp_path)
+    line = (
+        f"GPU 0 ({uuid}): NVML supports neither its power limit nor its enforced power limit "
+        "(GPU 0: cannot read the enforced power limit: NVML says Not Supported), so the stock "
+        "power limit a sweep records is unknown"
+    )
+    out = tmp_path / "out"
+    for extra in ((), ("--observe-only",)):
+        result = dvfs_in_process("sweep", str(campaign), "--out", str(out), *extra, env=env)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stderr.splitlines()[-1] == f"Error: {line}", extra
+    dry = dvfs_in_process(
+        "sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", env=env
+    )
+    assert f"note: on this machine the sweep would stop: {line}" in dry.stderr
+    assert nvml.fake_calls() == []
+    assert not out.exists()
