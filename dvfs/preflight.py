@@ -24,6 +24,7 @@ from dvfs.errors import (
     CapsRecordError,
     DvfsError,
     GpuError,
+    GpuNotSupportedError,
     GpuStateError,
     JournalError,
 )
@@ -163,8 +164,9 @@ def resume_refusals(
 
 
 def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
-    """Refuse clocks or power limits a real GPU does not support, before changing anything (a
-    grid of clocks alone does not read the power-limit range, which NVML may not support)."""
+    """Refuse clocks or power limits a real GPU does not support, before changing anything:
+    power limits on a GPU whose power limit NVML does not support too (in one line naming the
+    knob); a grid of clocks alone does not read the power-limit range."""
     for gpu in gpus:
         ident = gpu.identity
         supported = set(gpu.supported_sm_clocks_mhz())
@@ -176,7 +178,14 @@ def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
         limits = campaign.knobs.power_limits_w or ()
         if not limits:  # a clocks-only grid reads no power-limit range (NVML may lack one)
             continue
-        allowed = gpu.power_limit_range()
+        try:
+            allowed = gpu.power_limit_range()
+        except GpuNotSupportedError as exc:
+            raise CampaignError(
+                f"knobs.power_limit: GPU {ident.index} ({ident.uuid}): NVML does not support "
+                f"its power limit ({exc}), so the campaign's power limits cannot be set: sweep "
+                'only SM clocks on it (knobs.power_limit left out, or "stock")'
+            ) from exc
         for limit in limits:
             problem = allowed.outside(limit * 1000)
             if problem:

@@ -416,3 +416,33 @@ def test_a_sweep_is_refused_in_one_line_where_no_power_limit_reads_at_all(
     assert f"note: on this machine the sweep would stop: {line}" in dry.stderr
     assert nvml.fake_calls() == []
     assert not out.exists()
+
+
+def test_a_sweep_setting_power_limits_on_such_a_gpu_is_refused_naming_the_knob(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """A campaign stepping power limits cannot run on such a GPU: it was refused in NVML's
+    words alone ("GPU 0: cannot read the power-limit range: NVML says Not Supported"), which
+    named neither the knob nor the way out. It is refused in one line naming both (exit 2, an
+    invalid campaign for this GPU, as a clock it does not support), by the sweep, its dry run
+    and `dvfs doctor`; nothing is set."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    campaign = clocks_campaign(tmp_path, limits=True)
+    line = (
+        f"knobs.power_limit: GPU 0 ({uuid}): NVML does not support its power limit (GPU 0: "
+        "cannot read the power-limit range: NVML says Not Supported), so the campaign's power "
+        'limits cannot be set: sweep only SM clocks on it (knobs.power_limit left out, or "stock")'
+    )
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--out", str(out), env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [f"Error: {line}"]
+    dry = dvfs_in_process(
+        "sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", env=env
+    )
+    assert f"note: on this machine the sweep would stop: {line}" in dry.stderr
+    doctor = dvfs_in_process("doctor", str(campaign), "--out", str(out), env=env)
+    assert doctor.returncode == 2, doctor.stdout + doctor.stderr
+    assert f"FAIL knobs: {line}" in " ".join(doctor.stdout.split())
+    assert nvml.fake_calls() == []
+    assert not out.exists()
