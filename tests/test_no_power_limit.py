@@ -446,3 +446,55 @@ def test_a_sweep_setting_power_limits_on_such_a_gpu_is_refused_naming_the_knob(
     assert f"FAIL knobs: {line}" in " ".join(doctor.stdout.split())
     assert nvml.fake_calls() == []
     assert not out.exists()
+
+
+def doctor_lines(result: subprocess.CompletedProcess) -> dict[str, str]:
+    """`dvfs doctor`'s checks by name: status and text (lines unwrapped)."""
+    said: dict[str, str] = {}
+    name = ""
+    for line in result.stdout.splitlines():
+        if line[:5] in ("ok   ", "warn ", "FAIL "):
+            name, _, text = line[5:].partition(": ")
+            said[name] = f"{line[:4].strip()} {text}"
+        elif name:
+            said[name] += " " + line.strip()
+    return {k: " ".join(v.split()) for k, v in said.items()}
+
+
+def test_doctor_passes_a_clocks_only_campaign_on_such_a_gpu(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """`dvfs doctor` failed a clocks-only campaign on such a GPU ("FAIL knobs: GPU 0: cannot
+    read the power-limit range", exit 1) and could not read its held knobs; it passes it now
+    and says the sweep records the enforced limit as stock. Where not even that reads, it
+    fails in the sweep's own line."""
+    nvml.fake_update_device(0, oob_power_limit_mw=600_000)
+    campaign = clocks_campaign(tmp_path)
+    out = str(tmp_path / "out")
+    for extra in ((), ("--observe-only",)):
+        result = dvfs_in_process("doctor", str(campaign), "--out", out, *extra, env=env)
+        said = doctor_lines(result)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert said["knobs"].startswith("ok "), said
+        assert said["held knobs GPU 0"] == (
+            "ok power limit not supported by NVML (not settable): the sweep records the 600 W "
+            "it enforces as the stock power limit"
+        )
+    # a tensor-parallel server's two such GPUs: their stock compared as enforced (the check
+    # failed on the first: "NVML does not support its power limit (NOT_SUPPORTED), which
+    # this command reads")
+    errors = {f: nvml.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    nvml.fake_update_device(1, errors=errors, oob_power_limit_mw=600_000)
+    two = tmp_path / "two.toml"
+    two.write_text(campaign.read_text().replace("devices = [0]", "devices = [0, 1]"))
+    result = dvfs_in_process("doctor", str(two), "--out", out, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert doctor_lines(result)["stock"] == "ok the GPUs start from one stock power limit, 600 W"
+    nvml.fake_update_device(0, errors={**errors, "nvmlDeviceGetEnforcedPowerLimit": 3})
+    result = dvfs_in_process("doctor", str(campaign), "--out", out, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    uuid = nvml.fake_device_state(0)["uuid"]
+    assert doctor_lines(result)["held knobs GPU 0"].startswith(
+        f"FAIL GPU 0 ({uuid}): NVML supports neither its power limit nor its enforced power limit"
+    )
+    assert nvml.fake_calls() == []
