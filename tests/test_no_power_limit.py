@@ -498,3 +498,28 @@ def test_doctor_passes_a_clocks_only_campaign_on_such_a_gpu(
         f"FAIL GPU 0 ({uuid}): NVML supports neither its power limit nor its enforced power limit"
     )
     assert nvml.fake_calls() == []
+
+
+def test_a_server_on_such_gpus_enforcing_other_limits_is_refused_without_a_useless_way_out(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """A tensor-parallel server's GPUs that enforce other limits are refused as any GPUs of
+    other stock limits are, but the way out offered was `dvfs gpu reset --defaults`, which
+    leaves a power limit NVML does not support be: the line says NVML cannot set theirs."""
+    errors = {f: nvml.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    nvml.fake_update_device(0, errors=errors)
+    nvml.fake_update_device(1, errors=errors, oob_power_limit_mw=600_000)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    campaign = tmp_path / "two.toml"
+    campaign.write_text(clocks_campaign(tmp_path).read_text().replace("[0]", "[0, 1]"))
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--out", str(out), env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: the GPUs of one server start from other stock power limits (GPU 0 ({uuids[0]}) "
+        f"at 700 W enforced, GPU 1 ({uuids[1]}) at 600 W enforced): the cube has one stock "
+        "setting, so their stock cells would not compare; NVML cannot set the power limit of "
+        "GPU 0, GPU 1 (what it enforces is set outside NVML): leave one out of the server's GPUs"
+    ]
+    assert power_limit_calls(nvml) == []
+    assert nvml.fake_device_state(0)["locked_clocks"] is None

@@ -405,10 +405,18 @@ def check_one_stock_limit(
             + (" enforced" if stock_limit_is_enforced(stock[g.identity.uuid]) else "")
             for g, mw in limits.items()
         )
+        fixed = [g for g in gpus if stock_limit_is_enforced(stock[g.identity.uuid])]
+        # (`gpu reset --defaults` leaves a power limit NVML does not support be)
+        how = (
+            "give them one power limit (`dvfs gpu reset --defaults` sets the default) or "
+            if not fixed
+            else "NVML cannot set the power limit of "
+            + ", ".join(f"GPU {g.identity.index}" for g in fixed)
+            + " (what it enforces is set outside NVML): "
+        )
         raise JournalError(
             f"{of} start from other stock power limits ({said}): the cube has one stock "
-            "setting, so their stock cells would not compare; give them one power limit "
-            f"(`dvfs gpu reset --defaults` sets the default) or {leave_out}"
+            f"setting, so their stock cells would not compare; {how}{leave_out}"
         )
 
 
