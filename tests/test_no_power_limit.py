@@ -523,3 +523,25 @@ def test_a_server_on_such_gpus_enforcing_other_limits_is_refused_without_a_usele
     ]
     assert power_limit_calls(nvml) == []
     assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_a_fleet_of_such_gpus_names_each_one_whose_stock_limit_is_enforced(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """A fleet's journal keeps one session for its workers (the first worker's record, each
+    worker's parts added): the GPUs whose stock power limit is the enforced one were the first
+    worker's alone, so the cube named GPU 0 and not GPU 1, measured the same way."""
+    from dvfs.cube import open_cube
+
+    errors = {f: nvml.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    nvml.fake_update_device(1, errors=errors)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    out = tmp_path / "out"
+    args = ("sweep", str(clocks_campaign(tmp_path)), "--gpus", "0,1", "--out", str(out))
+    result = dvfs_in_process(*args, "--no-progress", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert session_of(out)["stock_power_limit_enforced"] == uuids
+    cube = open_cube(out / "cube.nc")
+    assert cube.attrs["stock_power_limit_enforced"] == ",".join(uuids)
+    assert cube.attrs["stock_power_limit_w"] == 700.0
+    assert power_limit_calls(nvml) == []
