@@ -27,10 +27,11 @@ from dvfs.errors import (
     CapsRecordError,
     CorpusShortfallError,
     DvfsError,
+    GpuNotSupportedError,
     GpuStateError,
     JournalError,
 )
-from dvfs.gpu.knobs import limit_mw_of
+from dvfs.gpu.knobs import GpuSettings, power_limit_or_none, stock_limit_mw
 from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
 from dvfs.redact import redact_argv
 
@@ -513,7 +514,8 @@ def _stock(
             "stock power limits not compared: the sweep refuses these GPUs first (the state, "
             "lock or caps check says why)"
         )
-    watts = sorted({limit_mw_of(s) / 1000 for s in stock.values()})
+    by_uuid = {g.identity.uuid: g for server in servers for g in server}
+    watts = sorted({stock_limit_mw(by_uuid[u], s) / 1000 for u, s in stock.items()})
     if len(watts) == 1:
         return OK, f"the GPUs start from one stock power limit, {watts[0]:g} W"
     limits = ", ".join(f"{w:g} W" for w in watts)
@@ -543,7 +545,18 @@ def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool, observe_only: bool = False) -
                     "clock_held_low (unlock: nvidia-smi -rgc)"
                 )
             )
-        configured, enforced = gpu.power_limit_mw(), gpu.enforced_power_limit_mw()
+        configured = power_limit_or_none(gpu)
+        if configured is None:  # not supported: the sweep's stock is the limit enforced
+            try:
+                enforced = stock_limit_mw(gpu, GpuSettings(gpu.identity.uuid, None, None))
+            except GpuNotSupportedError as exc:  # as the sweep refuses it
+                return Check(name, FAIL, str(exc))
+            problems.append(
+                f"power limit not supported by NVML (not settable): the sweep records the "
+                f"{enforced / 1000:g} W it enforces as the stock power limit"
+            )
+            return Check(name, WARN if len(problems) > 1 else OK, "; ".join(problems))
+        enforced = gpu.enforced_power_limit_mw()
     except DvfsError as exc:
         return Check(name, WARN, f"could not read: {exc}")
     if enforced < configured:

@@ -24,11 +24,12 @@ from dvfs.errors import (
     CapsRecordError,
     DvfsError,
     GpuError,
+    GpuNotSupportedError,
     GpuStateError,
     JournalError,
 )
 from dvfs.gpu.base import Gpu, unsupported_clock
-from dvfs.gpu.knobs import GpuSettings, check_one_stock_limit
+from dvfs.gpu.knobs import GpuSettings, check_one_stock_limit, stock_limit_mw
 from dvfs.measure.journal import (
     Journal,
 )
@@ -163,7 +164,9 @@ def resume_refusals(
 
 
 def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
-    """Refuse clocks or power limits a real GPU does not support, before changing anything."""
+    """Refuse clocks or power limits a real GPU does not support, before changing anything:
+    power limits on a GPU whose power limit NVML does not support too (in one line naming the
+    knob); a grid of clocks alone does not read the power-limit range."""
     for gpu in gpus:
         ident = gpu.identity
         supported = set(gpu.supported_sm_clocks_mhz())
@@ -172,8 +175,18 @@ def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
             problem = unsupported_clock(clock, supported, of=of)
             if problem:
                 raise CampaignError(f"knobs.sm_clock: {problem}")
-        allowed = gpu.power_limit_range()
-        for limit in campaign.knobs.power_limits_w or ():
+        limits = campaign.knobs.power_limits_w or ()
+        if not limits:  # a clocks-only grid reads no power-limit range (NVML may lack one)
+            continue
+        try:
+            allowed = gpu.power_limit_range()
+        except GpuNotSupportedError as exc:
+            raise CampaignError(
+                f"knobs.power_limit: GPU {ident.index} ({ident.uuid}): NVML does not support "
+                f"its power limit ({exc}), so the campaign's power limits cannot be set: sweep "
+                'only SM clocks on it (knobs.power_limit left out, or "stock")'
+            ) from exc
+        for limit in limits:
             problem = allowed.outside(limit * 1000)
             if problem:
                 raise CampaignError(f"knobs.power_limit: GPU {ident.index}: {problem}")
@@ -541,10 +554,13 @@ def check_gpus(
             check_gpus_free(gpus, directory)
             check_knobs_against(campaign, gpus)
             try:  # a caps record the sweep cannot read
-                read_stock_as_swept(campaign, gpus, directory)
+                stock = read_stock_as_swept(campaign, gpus, directory)
             except CapsRecordError as exc:
                 if not isinstance(exc.__cause__, PermissionError):  # (root's sweep reads it)
                     raise
+            else:  # a GPU reporting neither a power limit nor the one enforced
+                for gpu in gpus:
+                    stock_limit_mw(gpu, stock[gpu.identity.uuid])
             if groups is not None and len(gpus) > 1:
                 # dvfs's caps record where the sweep reads it (root's, for a user's dry run of
                 # a sweep changing knobs; a user's observe-only sweep reads the user's own)

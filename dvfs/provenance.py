@@ -74,6 +74,14 @@ REGISTRY = tuple(
         ("stock_sm_clock_mhz", "int", "MHz", "the stock (unlocked) clock's coordinate"),
         ("stock_power_limit_w", "float", "W", "the stock power limit's coordinate"),
         (
+            "stock_power_limit_enforced",
+            "str",
+            "",
+            "the GPUs (UUIDs, comma-separated) whose power limit NVML does not support, whose "
+            "stock power limit is the one NVML said was enforced (absent: every GPU's is its "
+            "configured limit; power_limit_range_w NaN for such a GPU)",
+        ),
+        (
             "power_limit_found_w",
             "float",
             "W",

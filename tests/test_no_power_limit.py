@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+from nvml_support import (
+    NVML_CAMPAIGN,
+    cube_as_on_an_idle_machine,
+    dvfs_in_process,
+    fake_env,
+    load_fake,
+)
 from test_govern_cli import launch_stub, lines, wait_for
 
 #: What NVML answers NOT_SUPPORTED on such a GPU.
@@ -299,13 +305,13 @@ def test_gpu_settle_times_such_a_gpus_clocks_and_refuses_its_power_limit(
     assert power_limit_calls(nvml) == []
 
 
-def test_doctor_fails_an_observe_only_sweep_on_such_a_gpu_as_the_sweep_stops(
+def test_doctor_and_an_observe_only_sweep_agree_on_such_a_gpu(
     tmp_path: Path, env: dict[str, str], nvml: Any
 ) -> None:
-    """An observe-only sweep reads each GPU's power-limit range for its session, and stops on
-    such a GPU ("cannot read the power-limit range", exit 1), as its dry run notes; `dvfs
-    doctor` skipped that read for observe-only and passed the campaign, every check ok, exit
-    0. It fails the knobs check now, in the sweep's line."""
+    """An observe-only sweep on such a GPU once stopped ("cannot read the power-limit range",
+    exit 1) while `dvfs doctor`, skipping that read for observe-only, passed it; now the sweep
+    runs (its stock limit the enforced one) and doctor passes it: the two agree, and nothing
+    reads or writes the power limit NVML does not support."""
     campaign = tmp_path / "observe.toml"
     campaign.write_text(
         NVML_CAMPAIGN.format(output_tokens=8, repeats=1)
@@ -313,14 +319,11 @@ def test_doctor_fails_an_observe_only_sweep_on_such_a_gpu_as_the_sweep_stops(
         .replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')
         .replace("power_limit = [700, 400]", 'power_limit = "stock"')
     )
-    line = "GPU 0: cannot read the power-limit range: NVML says Not Supported"
-    swept = dvfs_in_process("sweep", str(campaign), "--out", str(tmp_path / "out"), env=env)
-    assert swept.returncode == 1 and swept.stderr.splitlines() == [f"Error: {line}"], (
-        swept.stdout + swept.stderr
-    )
     doctor = dvfs_in_process("doctor", str(campaign), "--out", str(tmp_path / "out"), env=env)
-    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
-    assert f"FAIL knobs: {line}" in doctor.stdout, doctor.stdout
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "FAIL" not in doctor.stdout, doctor.stdout
+    swept = dvfs_in_process("sweep", str(campaign), "--out", str(tmp_path / "out"), env=env)
+    assert swept.returncode == 0, swept.stdout + swept.stderr
     assert power_limit_calls(nvml) == []
 
 
@@ -349,4 +352,251 @@ def test_gpu_roofline_measures_such_a_gpus_clocks_its_power_limit_nan(
     ]
     assert nvml.fake_device_state(0)["locked_clocks"] is None
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+
+
+def clocks_campaign(tmp_path: Path, *, limits: bool = False) -> Path:
+    """The NVML campaign on GPU 0, sweeping SM clocks only (`limits`: power limits too)."""
+    from nvml_support import NVML_CAMPAIGN
+
+    # windows long enough for valid cells on the fake's 20 ms energy counter
+    text = NVML_CAMPAIGN.format(output_tokens=128, repeats=1)
+    text = text.replace("[measurement]\n", "[measurement]\nprecision = 0.05\n")
+    if not limits:
+        text = text.replace("power_limit = [700, 400]\n", "")
+    path = tmp_path / ("limits.toml" if limits else "clocks.toml")
+    path.write_text(text)
+    return path
+
+
+def session_of(out: Path) -> dict[str, Any]:
+    [session] = [
+        r
+        for r in map(json.loads, (out / "journal.jsonl").read_text().splitlines())
+        if r.get("type") == "session"
+    ]
+    return session
+
+
+@pytest.mark.parametrize("observe", [False, True], ids=["actuating", "observe-only"])
+def test_a_clocks_only_sweep_records_the_enforced_power_limit_as_stock(
+    tmp_path: Path, env: dict[str, str], nvml: Any, observe: bool
+) -> None:
+    """`dvfs sweep` of a grid of SM clocks alone (and `--observe-only`) read the power-limit
+    range and the configured limit of every GPU, so on such a GPU it stopped at once, exit 1
+    ("GPU 0: cannot read the power-limit range: NVML says Not Supported"). It sweeps now, its
+    stock power limit (the session's, the cube's `stock_power_limit_w` and `power_limit`
+    coordinate, each cell's limit check) the limit NVML enforces, said so in the journal and
+    the cube; no power limit is ever set, and the clock is put back."""
+    from dvfs.cube import open_cube
+
+    nvml.fake_update_device(0, oob_power_limit_mw=600_000)  # enforced: not the 700 W default
+    uuid = nvml.fake_device_state(0)["uuid"]
+    out = tmp_path / "out"
+    args = ("sweep", str(clocks_campaign(tmp_path)), "--out", str(out), "--no-progress")
+    result = dvfs_in_process(*args, *(("--observe-only",) if observe else ()), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    session = session_of(out)
+    assert session["stock"] == {"sm_clock_mhz": 1980, "power_limit_w": 600.0}
+    assert session["stock_power_limit_enforced"] == [uuid]
+    assert session["power_limit_range_w"] == [None, None, None]  # not supported, nor its range
+    cells = [
+        r
+        for r in map(json.loads, (out / "journal.jsonl").read_text().splitlines())
+        if r.get("type") == "cell"
+    ]
+    assert cells and all(
+        c["power_limits"]
+        == [{"target_mw": 600_000, "configured_mw": [], "enforced_mw": [600_000, 600_000]}]
+        for c in cells
+    )
+    cube = open_cube(cube_as_on_an_idle_machine(out, env))  # (valid cells: the load's flags off)
+    assert cube.attrs["stock_power_limit_w"] == 600.0
+    assert cube["power_limit"].values.tolist() == [600.0]
+    assert cube.attrs["stock_power_limit_enforced"] == uuid
+    info = dvfs_in_process("cube", "info", str(out), env=env)
+    assert info.returncode == 0, info.stdout + info.stderr
+    assert "stock power limit as enforced at start: NVML does not support the power limit" in (
+        " ".join(info.stdout.split())
+    )
+    headroom = dvfs_in_process("headroom", str(out), "--json", env=env)
+    assert headroom.returncode == 0, headroom.stdout + headroom.stderr
+    reference = json.loads(headroom.stdout)["reference"]
+    assert (reference["power_limit_w"], reference["stock_power_limit_w"]) == (600.0, 600.0)
+    assert power_limit_calls(nvml) == []
+    calls = [c["fn"] for c in nvml.fake_calls()]
+    locks = ["nvmlDeviceSetGpuLockedClocks"] * 2 + ["nvmlDeviceResetGpuLockedClocks"]
+    assert calls == ([] if observe else locks)
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+
+
+def test_the_dry_run_of_a_clocks_only_sweep_on_such_a_gpu_says_it_would_run(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """The dry run said "on this machine the sweep would stop: GPU 0: cannot read the
+    power-limit range"; it says nothing of the kind now, and changes nothing."""
+    campaign = clocks_campaign(tmp_path)
+    for extra in ((), ("--observe-only",)):
+        args = ("sweep", str(campaign), "--out", str(tmp_path / "out"), "--dry-run")
+        result = dvfs_in_process(*args, "--no-estimate", *extra, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "would stop" not in result.stdout + result.stderr, extra
+    assert nvml.fake_calls() == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_is_refused_in_one_line_where_no_power_limit_reads_at_all(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """Where NVML reports not even the enforced limit, the stock power limit a cube records
+    is unknown: the sweep (and observe-only) refuses in one line, the dry run says it would,
+    nothing is set."""
+    errors = {f: nvml.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    nvml.fake_update_device(0, errors={**errors, "nvmlDeviceGetEnforcedPowerLimit": 3})
+    uuid = nvml.fake_device_state(0)["uuid"]
+    campaign = clocks_campaign(tmp_path)
+    line = (
+        f"GPU 0 ({uuid}): NVML supports neither its power limit nor its enforced power limit "
+        "(GPU 0: cannot read the enforced power limit: NVML says Not Supported), so the stock "
+        "power limit a sweep records is unknown"
+    )
+    out = tmp_path / "out"
+    for extra in ((), ("--observe-only",)):
+        result = dvfs_in_process("sweep", str(campaign), "--out", str(out), *extra, env=env)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stderr.splitlines()[-1] == f"Error: {line}", extra
+    dry = dvfs_in_process(
+        "sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", env=env
+    )
+    assert f"note: on this machine the sweep would stop: {line}" in dry.stderr
+    assert nvml.fake_calls() == []
+    assert not out.exists()
+
+
+def test_a_sweep_setting_power_limits_on_such_a_gpu_is_refused_naming_the_knob(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """A campaign stepping power limits cannot run on such a GPU: it was refused in NVML's
+    words alone ("GPU 0: cannot read the power-limit range: NVML says Not Supported"), which
+    named neither the knob nor the way out. It is refused in one line naming both (exit 2, an
+    invalid campaign for this GPU, as a clock it does not support), by the sweep, its dry run
+    and `dvfs doctor`; nothing is set."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    campaign = clocks_campaign(tmp_path, limits=True)
+    line = (
+        f"knobs.power_limit: GPU 0 ({uuid}): NVML does not support its power limit (GPU 0: "
+        "cannot read the power-limit range: NVML says Not Supported), so the campaign's power "
+        'limits cannot be set: sweep only SM clocks on it (knobs.power_limit left out, or "stock")'
+    )
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--out", str(out), env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [f"Error: {line}"]
+    dry = dvfs_in_process(
+        "sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", env=env
+    )
+    assert f"note: on this machine the sweep would stop: {line}" in dry.stderr
+    doctor = dvfs_in_process("doctor", str(campaign), "--out", str(out), env=env)
+    assert doctor.returncode == 2, doctor.stdout + doctor.stderr
+    assert f"FAIL knobs: {line}" in " ".join(doctor.stdout.split())
+    assert nvml.fake_calls() == []
+    assert not out.exists()
+
+
+def doctor_lines(result: subprocess.CompletedProcess) -> dict[str, str]:
+    """`dvfs doctor`'s checks by name: status and text (lines unwrapped)."""
+    said: dict[str, str] = {}
+    name = ""
+    for line in result.stdout.splitlines():
+        if line[:5] in ("ok   ", "warn ", "FAIL "):
+            name, _, text = line[5:].partition(": ")
+            said[name] = f"{line[:4].strip()} {text}"
+        elif name:
+            said[name] += " " + line.strip()
+    return {k: " ".join(v.split()) for k, v in said.items()}
+
+
+def test_doctor_passes_a_clocks_only_campaign_on_such_a_gpu(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """`dvfs doctor` failed a clocks-only campaign on such a GPU ("FAIL knobs: GPU 0: cannot
+    read the power-limit range", exit 1) and could not read its held knobs; it passes it now
+    and says the sweep records the enforced limit as stock. Where not even that reads, it
+    fails in the sweep's own line."""
+    nvml.fake_update_device(0, oob_power_limit_mw=600_000)
+    campaign = clocks_campaign(tmp_path)
+    out = str(tmp_path / "out")
+    for extra in ((), ("--observe-only",)):
+        result = dvfs_in_process("doctor", str(campaign), "--out", out, *extra, env=env)
+        said = doctor_lines(result)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert said["knobs"].startswith("ok "), said
+        assert said["held knobs GPU 0"] == (
+            "ok power limit not supported by NVML (not settable): the sweep records the 600 W "
+            "it enforces as the stock power limit"
+        )
+    # a tensor-parallel server's two such GPUs: their stock compared as enforced (the check
+    # failed on the first: "NVML does not support its power limit (NOT_SUPPORTED), which
+    # this command reads")
+    errors = {f: nvml.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    nvml.fake_update_device(1, errors=errors, oob_power_limit_mw=600_000)
+    two = tmp_path / "two.toml"
+    two.write_text(campaign.read_text().replace("devices = [0]", "devices = [0, 1]"))
+    result = dvfs_in_process("doctor", str(two), "--out", out, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert doctor_lines(result)["stock"] == "ok the GPUs start from one stock power limit, 600 W"
+    nvml.fake_update_device(0, errors={**errors, "nvmlDeviceGetEnforcedPowerLimit": 3})
+    result = dvfs_in_process("doctor", str(campaign), "--out", out, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    uuid = nvml.fake_device_state(0)["uuid"]
+    assert doctor_lines(result)["held knobs GPU 0"].startswith(
+        f"FAIL GPU 0 ({uuid}): NVML supports neither its power limit nor its enforced power limit"
+    )
+    assert nvml.fake_calls() == []
+
+
+def test_a_server_on_such_gpus_enforcing_other_limits_is_refused_without_a_useless_way_out(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """A tensor-parallel server's GPUs that enforce other limits are refused as any GPUs of
+    other stock limits are, but the way out offered was `dvfs gpu reset --defaults`, which
+    leaves a power limit NVML does not support be: the line says NVML cannot set theirs."""
+    errors = {f: nvml.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    nvml.fake_update_device(0, errors=errors)
+    nvml.fake_update_device(1, errors=errors, oob_power_limit_mw=600_000)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    campaign = tmp_path / "two.toml"
+    campaign.write_text(clocks_campaign(tmp_path).read_text().replace("[0]", "[0, 1]"))
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--out", str(out), env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: the GPUs of one server start from other stock power limits (GPU 0 ({uuids[0]}) "
+        f"at 700 W enforced, GPU 1 ({uuids[1]}) at 600 W enforced): the cube has one stock "
+        "setting, so their stock cells would not compare; NVML cannot set the power limit of "
+        "GPU 0, GPU 1 (what it enforces is set outside NVML): leave one out of the server's GPUs"
+    ]
+    assert power_limit_calls(nvml) == []
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_a_fleet_of_such_gpus_names_each_one_whose_stock_limit_is_enforced(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """A fleet's journal keeps one session for its workers (the first worker's record, each
+    worker's parts added): the GPUs whose stock power limit is the enforced one were the first
+    worker's alone, so the cube named GPU 0 and not GPU 1, measured the same way."""
+    from dvfs.cube import open_cube
+
+    errors = {f: nvml.NVML_ERROR_NOT_SUPPORTED for f in NO_POWER_LIMIT}
+    nvml.fake_update_device(1, errors=errors)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    out = tmp_path / "out"
+    args = ("sweep", str(clocks_campaign(tmp_path)), "--gpus", "0,1", "--out", str(out))
+    result = dvfs_in_process(*args, "--no-progress", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert session_of(out)["stock_power_limit_enforced"] == uuids
+    cube = open_cube(out / "cube.nc")
+    assert cube.attrs["stock_power_limit_enforced"] == ",".join(uuids)
+    assert cube.attrs["stock_power_limit_w"] == 700.0
     assert power_limit_calls(nvml) == []

@@ -426,6 +426,8 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "clock": session.clock,
         "stock_sm_clock_mhz": session.stock.sm_clock_mhz,
         "stock_power_limit_w": session.stock.power_limit_w,
+        # Where NVML does not support a GPU's power limit, its stock limit is the one enforced.
+        **_enforced_stock(journal),
         # The power caps dvfs applied that its sessions found and lifted to measure stock.
         **_found_limits(journal),
         "power_limit_range_w": list(session.power_limit_range_w),
@@ -453,6 +455,15 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "created": now_iso(),
         "history": f"{now_iso()} built by dvfs {__version__} from journal",
     }
+
+
+def _enforced_stock(journal: JournalContents) -> dict[str, Any]:
+    """`stock_power_limit_enforced`: the UUIDs (comma-separated) of the GPUs whose power limit
+    NVML does not support, whose stock power limit (`stock_power_limit_w`, the stock cells'
+    `power_limit` coordinate) is the limit NVML said was enforced; nothing where every
+    session's GPUs had a configured one."""
+    uuids = dict.fromkeys(u for s in journal.sessions for u in s.stock_power_limit_enforced)
+    return {"stock_power_limit_enforced": ",".join(uuids)} if uuids else {}
 
 
 def _found_limits(journal: JournalContents) -> dict[str, Any]:

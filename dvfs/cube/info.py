@@ -38,7 +38,9 @@ def _stock_text(ds: xr.Dataset) -> str:
         return "each GPU's own: " + ", ".join(per_gpu) + how
     ref = reference_setting(ds)
     if observe_only(ds):
-        return ref.describe() + _observed_at(ds, ref.sm_clock, ref.power_limit)
+        enforced = enforced_stock_text(ds)
+        said = f"; stock power limit {enforced}" if enforced else ""
+        return ref.describe() + _observed_at(ds, ref.sm_clock, ref.power_limit) + said
     return ref.describe() + how + "; " + stock_limit_text(ds)
 
 
@@ -71,11 +73,28 @@ def stock_limit_text(ds: xr.Dataset) -> str:
     """Where the stock power limit came from: the limit found at start, or, where that was a
     cap dvfs applied, the GPU's default, the cap lifted while measuring (`lifted_caps_w`)."""
     lifted = lifted_caps_text(ds)
+    enforced = enforced_stock_text(ds)
+    if enforced:
+        return f"stock power limit {enforced}"
     if not lifted:
         return "stock power limit as found at start"
     return (
         f"stock power limit {defaults_text(len(gpu_uuids(ds)))}, not {lifted}, lifted while "
         "measuring and put back after"
+    )
+
+
+def enforced_stock_text(ds: xr.Dataset) -> str | None:
+    """Where the stock power limit is the one NVML said was enforced, on GPUs whose power
+    limit NVML does not support (`stock_power_limit_enforced`), in words; None where every
+    GPU's is its configured limit."""
+    uuids = [u for u in str(ds.attrs.get("stock_power_limit_enforced") or "").split(",") if u]
+    if not uuids:
+        return None
+    named = ", ".join(u[:12] for u in uuids)
+    return (
+        f"as enforced at start: NVML does not support the power limit of {named}, so the "
+        "limit in force (nvmlDeviceGetEnforcedPowerLimit) is recorded, never set"
     )
 
 
@@ -138,14 +157,22 @@ def _no_actuation(value: Any) -> bool:
 
 
 def unset_knob_text(
-    dim: str, values: str, found: bool, lifted: str | None = None, gpus: int = 1
+    dim: str,
+    values: str,
+    found: bool,
+    lifted: str | None = None,
+    gpus: int = 1,
+    enforced: str | None = None,
 ) -> str:
     """A knob the campaign never set (`swept_knobs`) in words, beside `values`, the stock value
     its coordinate holds (the unlocked SM clock's maximum, the power limit as found), which
     dvfs never applied. `found`: measured observe-only, where a clock lock set outside dvfs
     stays (not "unlocked"). `lifted`: the power limits found at start where they were caps dvfs
     applied, lifted while the stock cells ran at the GPU's default, in words
-    (`lifted_caps_text`); `gpus`: how many GPUs the cube holds (their defaults, several)."""
+    (`lifted_caps_text`); `gpus`: how many GPUs the cube holds (their defaults, several);
+    `enforced`: where the stock limit is the one enforced (`enforced_stock_text`)."""
+    if dim == "power_limit" and enforced:
+        return f"not set: {enforced} ({values})"
     if dim == "power_limit" and lifted:
         return (
             f"not set: {defaults_text(gpus)} ({values}), not {lifted}, lifted while measuring "
@@ -169,7 +196,9 @@ def knobs_not_set(ds: xr.Dataset) -> dict[str, str]:
             continue
         values = ", ".join(str(v).removesuffix(".0") for v in ds[dim].values.tolist())
         gpus = len(gpu_uuids(ds))
-        said[dim] = unset_knob_text(dim, values + unit, observe_only(ds), lifted, gpus)
+        said[dim] = unset_knob_text(
+            dim, values + unit, observe_only(ds), lifted, gpus, enforced_stock_text(ds)
+        )
     return said
 
 

@@ -181,6 +181,12 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
     if lifted:
         combined["power_limit_found_w"] = lifted
+    # The GPUs whose stock power limit is the one enforced (NVML does not support theirs):
+    # each worker's, not the first worker's alone.
+    combined.pop("stock_power_limit_enforced", None)
+    enforced = [u for s in sessions for u in s.get("stock_power_limit_enforced") or ()]
+    if enforced:
+        combined["stock_power_limit_enforced"] = list(dict.fromkeys(enforced))
     # Each worker's tenants seen around its opening idle measurement (GPU indexes its node's).
     combined.pop("idle_foreign_processes", None)
     foreign = [p for s in sessions for p in s.get("idle_foreign_processes") or ()]

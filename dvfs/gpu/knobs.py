@@ -79,6 +79,32 @@ def limit_mw_of(settings: GpuSettings) -> int:
     return settings.power_limit_mw
 
 
+def stock_limit_mw(gpu: Gpu, settings: GpuSettings) -> int:
+    """The power limit `settings` (a GPU's stock, or a cell's target) run `gpu` at, where a
+    sweep records it (its session's and cube's stock limit, each cell's limit check): the
+    configured limit; where NVML does not support that one (`power_limit_mw` None), the
+    limit in force, NVML's enforced limit, which such GPUs usually still report, and which
+    nothing changes (`stock_limit_is_enforced` says which). A GPU that reports neither is
+    refused in one line."""
+    if settings.power_limit_mw is not None:
+        return settings.power_limit_mw
+    try:
+        return gpu.enforced_power_limit_mw()
+    except GpuNotSupportedError as exc:
+        ident = gpu.identity
+        raise GpuNotSupportedError(
+            f"GPU {ident.index} ({ident.uuid}): NVML supports neither its power limit nor its "
+            f"enforced power limit ({exc}), so the stock power limit a sweep records is "
+            "unknown"
+        ) from exc
+
+
+def stock_limit_is_enforced(settings: GpuSettings) -> bool:
+    """Whether `stock_limit_mw` of `settings` is NVML's enforced limit, not a configured one
+    (NVML does not support this GPU's power limit)."""
+    return settings.power_limit_mw is None
+
+
 def no_power_limit(gpu: Gpu, why: str) -> GpuNotSupportedError:
     """The one line refusing a power-limit change on a GPU whose power limit NVML does not
     support (`why`: what needed it)."""
@@ -369,19 +395,28 @@ def check_one_stock_limit(
     has one stock limit, while a cell that leaves the limit stock runs each GPU at its own,
     and a cell at one GPU's limit raises or lowers the others to it, so their stock cells
     would not compare. `stock`: each GPU's as the sweep takes it (`KnobController.stock`, or
-    `read_stock` before the sweep: a cap dvfs applied counts as the default). `of` names the
+    `read_stock` before the sweep: a cap dvfs applied counts as the default; a power limit
+    NVML does not support, the enforced one: `stock_limit_mw`). `of` names the
     GPUs, `leave_out` the other way out. The one rule of the sweep and of its checks before."""
-    limits = {g: stock[g.identity.uuid].power_limit_mw for g in gpus}
+    limits = {g: stock_limit_mw(g, stock[g.identity.uuid]) for g in gpus}
     if len(set(limits.values())) > 1:
         said = ", ".join(
-            f"GPU {g.identity.index} ({g.identity.uuid}) at "
-            + ("a power limit NVML does not support" if mw is None else f"{mw / 1000:g} W")
+            f"GPU {g.identity.index} ({g.identity.uuid}) at {mw / 1000:g} W"
+            + (" enforced" if stock_limit_is_enforced(stock[g.identity.uuid]) else "")
             for g, mw in limits.items()
+        )
+        fixed = [g for g in gpus if stock_limit_is_enforced(stock[g.identity.uuid])]
+        # (`gpu reset --defaults` leaves a power limit NVML does not support be)
+        how = (
+            "give them one power limit (`dvfs gpu reset --defaults` sets the default) or "
+            if not fixed
+            else "NVML cannot set the power limit of "
+            + ", ".join(f"GPU {g.identity.index}" for g in fixed)
+            + " (what it enforces is set outside NVML): "
         )
         raise JournalError(
             f"{of} start from other stock power limits ({said}): the cube has one stock "
-            "setting, so their stock cells would not compare; give them one power limit "
-            f"(`dvfs gpu reset --defaults` sets the default) or {leave_out}"
+            f"setting, so their stock cells would not compare; {how}{leave_out}"
         )
 
 

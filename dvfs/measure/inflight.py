@@ -306,7 +306,7 @@ class InflightHost(Protocol):
         self, setting: KnobSetting
     ) -> tuple[float, tuple[ForeignProcess, ...], int] | None: ...
 
-    def _power_limits(self) -> list[tuple[int, int | None]]: ...
+    def _power_limits(self) -> list[tuple[int | None, int | None]]: ...
 
     def note_tenants(self, seen: Sequence[ForeignProcess]) -> None: ...
 
@@ -315,8 +315,8 @@ class InflightHost(Protocol):
     def _power_limit_reads(
         self,
         cells: Cell | Sequence[Cell],
-        start: Sequence[tuple[int, int | None]],
-        end: Sequence[tuple[int, int | None]],
+        start: Sequence[tuple[int | None, int | None]],
+        end: Sequence[tuple[int | None, int | None]],
     ) -> tuple[PowerLimitRead, ...]: ...
 
 

@@ -37,6 +37,8 @@ from dvfs.gpu.knobs import (
     KnobSetting,
     check_one_stock_limit,
     limit_mw_of,
+    stock_limit_is_enforced,
+    stock_limit_mw,
 )
 from dvfs.measure.counter import (
     RoundEnergy,
@@ -284,6 +286,9 @@ class Runner:
         self._warmed: set[tuple[int, int]] = set()
         #: Where the last `measure`'s energy went, when its engine knows (the twin).
         self.last_split: EnergySplit | None = None
+        #: The stock power limit (mW) of each GPU whose power limit NVML does not support: the
+        #: one enforced at the session's start (`stock_limit_mw`), by UUID.
+        self._enforced_stock_mw: dict[str, int] = {}
         #: The power limits the last `measure` read at its start and end, per GPU.
         self.last_power_limits: tuple[PowerLimitRead, ...] = ()
         #: Tells other tenants' compute processes from the running server's (`_start_server`).
@@ -427,11 +432,17 @@ class Runner:
         m = self.campaign.measurement
         self._refuse_mixed_stock()
         # Before the counters are timed and the idle power measured (minutes on real GPUs).
-        refusal = stock_change_refusal(
-            self.journal.sessions, session_stock(self.gpus, self.knobs.stock)
-        )
+        stock = session_stock(self.gpus, self.knobs.stock)
+        refusal = stock_change_refusal(self.journal.sessions, stock)
         if refusal is not None:
             raise refusal
+        # The stock limit of a GPU whose power limit NVML does not support is the one enforced
+        # now, which each stock cell's limit check holds it to (`_power_limit_reads`).
+        self._enforced_stock_mw = {
+            g.identity.uuid: stock_limit_mw(g, self.knobs.stock[g.identity.uuid])
+            for g in self.gpus
+            if stock_limit_is_enforced(self.knobs.stock[g.identity.uuid])
+        }
         self._note_foreign_locks()
         t0 = self.clock.now_ns()
         if not self.clock.virtual:  # real time passes before the first server's line
@@ -470,8 +481,13 @@ class Runner:
             "settle_measure": round(settle_gpu_s, 6),
             "total": round(self._elapsed_s(t0), 6),
         }
-        ranges = [g.power_limit_range() for g in self.gpus]
-        stock = session_stock(self.gpus, self.knobs.stock)
+        # (NaN: NVML does not support the GPU's power limit, nor then its range)
+        ranges = [
+            None
+            if stock_limit_is_enforced(self.knobs.original[g.identity.uuid])
+            else g.power_limit_range()
+            for g in self.gpus
+        ]
         # Each GPU's limit found at start, where it is not its stock: a cap dvfs applied, which
         # the stock cells run without (`AppliedCaps.measuring`) and which is put back at the
         # end. Each GPU's own: GPUs of one session (tensor parallel) may each have their cap.
@@ -500,9 +516,13 @@ class Runner:
             gpus=tuple(asdict(g.identity) for g in self.gpus),
             stock=stock,
             power_limit_range_w=(
-                ranges[0].min_mw / 1000,
-                ranges[0].max_mw / 1000,
-                ranges[0].default_mw / 1000,
+                (math.nan, math.nan, math.nan)
+                if ranges[0] is None
+                else (
+                    ranges[0].min_mw / 1000,
+                    ranges[0].max_mw / 1000,
+                    ranges[0].default_mw / 1000,
+                )
             ),
             idle_power_w=self.idle_power_w,
             measurement_method=measurement_method(self.campaign.measurement),
@@ -529,6 +549,7 @@ class Runner:
             idle_from_power_readings=bool(self.idle_flags & Q_IDLE_POWER_READINGS),
             campaign_dir=str(Path(self.campaign.base_dir).absolute()),
             power_limit_found_w=found_w,
+            stock_power_limit_enforced=tuple(self._enforced_stock_mw),
         )
         self.journal.append(session.to_json())
 
@@ -903,23 +924,37 @@ class Runner:
                 "or sweep another GPU"
             )
 
-    def _power_limits(self) -> list[tuple[int, int | None]]:
-        """Each GPU's configured and enforced power limit (mW) now; enforced None where the
-        GPU cannot report it. Reading changes nothing (the twin's clock does not move)."""
-        out: list[tuple[int, int | None]] = []
+    def _power_limits(self) -> list[tuple[int | None, int | None]]:
+        """Each GPU's configured and enforced power limit (mW) now; None where the GPU cannot
+        report it (a configured limit NVML does not support is not read: it never changes).
+        Reading changes nothing (the twin's clock does not move)."""
+        out: list[tuple[int | None, int | None]] = []
         for gpu in self.gpus:
             try:
                 enforced: int | None = gpu.enforced_power_limit_mw()
             except GpuNotSupportedError:
                 enforced = None
-            out.append((gpu.power_limit_mw(), enforced))
+            unsupported = stock_limit_is_enforced(self.knobs.original[gpu.identity.uuid])
+            out.append((None if unsupported else gpu.power_limit_mw(), enforced))
         return out
+
+    def _target_mw(self, gpu: Gpu, setting: KnobSetting) -> int:
+        """The power limit a cell of `setting` runs `gpu` at: its own, or the stock one; on a
+        GPU whose power limit NVML does not support, the limit enforced at the session's start
+        (its stock limit as recorded), so a limit enforced lower since flags the cell."""
+        target = self.knobs.target(gpu, setting)
+        if target.power_limit_mw is not None:
+            return target.power_limit_mw
+        uuid = gpu.identity.uuid
+        if uuid not in self._enforced_stock_mw:
+            self._enforced_stock_mw[uuid] = stock_limit_mw(gpu, target)
+        return self._enforced_stock_mw[uuid]
 
     def _power_limit_reads(
         self,
         cells: Cell | Sequence[Cell],
-        start: Sequence[tuple[int, int | None]],
-        end: Sequence[tuple[int, int | None]],
+        start: Sequence[tuple[int | None, int | None]],
+        end: Sequence[tuple[int | None, int | None]],
     ) -> tuple[PowerLimitRead, ...]:
         """The limits read at a cell's start and end against the one it is labelled with (its
         own, or the stock limit), per GPU: what the journal keeps and the quality check reads.
@@ -930,8 +965,8 @@ class Runner:
         for gpu, first, last in zip(self.gpus, start, end, strict=True):
             reads.append(
                 PowerLimitRead(
-                    target_mw=min(limit_mw_of(self.knobs.target(gpu, c.setting)) for c in levels),
-                    configured_mw=(first[0], last[0]),
+                    target_mw=min(self._target_mw(gpu, c.setting) for c in levels),
+                    configured_mw=tuple(c for c in (first[0], last[0]) if c is not None),
                     enforced_mw=tuple(e for e in (first[1], last[1]) if e is not None),
                     group=group,
                 )
@@ -1296,10 +1331,10 @@ class Runner:
 def session_stock(gpus: Sequence[Gpu], stock: dict[str, GpuSettings]) -> Stock:
     """The stock settings a session over `gpus` records, each GPU's stock (`GpuSettings`, by
     UUID) as its knob controller takes it: the top SM clock, the first GPU's stock limit."""
-    first = gpus[0].identity.uuid
     return Stock(
         sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in gpus),
-        power_limit_w=limit_mw_of(stock[first]) / 1000,
+        # (a GPU whose power limit NVML does not support: the limit enforced now)
+        power_limit_w=stock_limit_mw(gpus[0], stock[gpus[0].identity.uuid]) / 1000,
     )
 
 

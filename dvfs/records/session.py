@@ -102,6 +102,12 @@ class Session:
     #: whose limit found is the stock is not in it; empty where none (and before dvfs recorded
     #: it). An earlier dvfs recorded one number, its GPU unnamed: under the key "".
     power_limit_found_w: dict[str, float] = field(default_factory=dict)
+    #: The UUIDs of the GPUs whose power limit NVML does not support (NOT_SUPPORTED: some
+    #: boards, MIG, a VM's restricted passthrough), whose stock power limit (`stock`, each
+    #: stock cell's limit check) is the limit NVML says is enforced, not a configured one;
+    #: their power-limit range is not known (`power_limit_range_w` NaN, null in JSON). Empty
+    #: where every GPU's is configured (and before dvfs recorded it).
+    stock_power_limit_enforced: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -146,6 +152,11 @@ class Session:
                 if self.power_limit_found_w
                 else {}
             ),
+            **(
+                {"stock_power_limit_enforced": list(self.stock_power_limit_enforced)}
+                if self.stock_power_limit_enforced
+                else {}
+            ),
         }
 
     @classmethod
@@ -153,7 +164,8 @@ class Session:
         stock = Stock.from_json(record["stock"])
         if stock is None:
             raise ValueError(f"a session's stock settings are unreadable: {record['stock']!r}")
-        low, high, default = (float(w) for w in record["power_limit_range_w"])
+        # (null: NVML does not support the GPU's power limit, nor then its range)
+        low, high, default = (stored_float(w) for w in record["power_limit_range_w"])
         return cls(
             gpus=tuple(dict(g) for g in record["gpus"]),
             stock=stock,
@@ -187,6 +199,9 @@ class Session:
             idle_from_power_readings=bool(record.get("idle_from_power_readings")),
             campaign_dir=str(record.get("campaign_dir") or ""),
             power_limit_found_w=found_limits(record.get("power_limit_found_w")),
+            stock_power_limit_enforced=tuple(
+                str(u) for u in record.get("stock_power_limit_enforced") or ()
+            ),
         )
 
     @property

@@ -45,6 +45,7 @@ def _knob_values(
     found: bool,
     lifted: str | None = None,
     gpus: int = 1,
+    enforced: str | None = None,
 ) -> str:
     """A knob's values (`_values`), or, where the campaign never set it, that it was not: its
     coordinate then holds the stock value the cube files the cells under (the unlocked SM
@@ -52,18 +53,20 @@ def _knob_values(
     observe-only, where a clock lock set outside dvfs stays (not "unlocked"). `lifted`: the
     power limit found at start where it was a cap dvfs applied, which the stock cells ran
     without, at the GPU's default limit (`lifted_caps_w`); `gpus`: how many GPUs the cube
-    holds."""
+    holds; `enforced`: where the stock limit is the one NVML enforced, on a GPU whose power
+    limit it does not support (`enforced_stock_text`)."""
     from dvfs.cube.info import unset_knob_text
 
     values = _values(info, dim, unit)
     if swept or values == MISSING:
         return values
-    return unset_knob_text(dim, values, found, lifted, gpus)
+    return unset_knob_text(dim, values, found, lifted, gpus, enforced)
 
 
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
     from dvfs.cube.info import (
+        enforced_stock_text,
         idle_caveat,
         idle_power_text,
         info_text,
@@ -92,7 +95,16 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("SM clocks", _knob_values(info, "sm_clock", " MHz", clock_set, found)),
         (
             "Power limits",
-            _knob_values(info, "power_limit", " W", limit_set, found, lifted, len(uuids)),
+            _knob_values(
+                info,
+                "power_limit",
+                " W",
+                limit_set,
+                found,
+                lifted,
+                len(uuids),
+                enforced_stock_text(cube),
+            ),
         ),
         ("Batch sizes", _values(info, "batch")),
         ("Drafters", _values(info, "drafter")),
