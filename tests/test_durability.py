@@ -251,7 +251,8 @@ def test_a_signal_between_an_inflight_groups_records_leaves_the_group_whole(
     cells = [r["cell"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     groups = Counter((c["drafter"], c["batch"], c["repeat"]) for c in cells)
     assert groups and set(groups.values()) == {2}, f"a group's two levels, both or none: {groups}"
-    assert len(cells) < 16, "stopped mid-sweep"
+    if not gpus:  # (a fleet's other worker may ship more on its way out, whole groups too)
+        assert len(cells) == 2, "stopped after the first group"
     resumed = sweep(out)
     assert resumed.exit_code == 0, resumed.output
     assert_cubes_equal(
