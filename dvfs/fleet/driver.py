@@ -415,8 +415,8 @@ class Driver:
         """Journal a finished unit's records at once, then count its cells."""
         if self._refuse_servers(worker, shipment):
             return
-        for record in shipment.records:
-            self.journal.append(record)
+        # In one write: an in-flight group's levels are journaled all or none.
+        self.journal.append_all(shipment.records)
         for message in shipment.notes:
             self.note(f"{worker}: {message}")
         stats = self.stats.setdefault(worker, WorkerStats(worker))

@@ -41,6 +41,9 @@ class ShippingJournal(Journal):
     def append(self, record: dict[str, Any]) -> None:
         self.outbox.append(record)
 
+    def append_all(self, records: Sequence[dict[str, Any]]) -> None:
+        self.outbox.extend(records)
+
     def drain(self) -> list[dict[str, Any]]:
         out, self.outbox = self.outbox, []
         return out

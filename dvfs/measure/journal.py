@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -278,8 +278,18 @@ class Journal:
     def append(self, record: dict[str, Any]) -> None:
         """Write one record through to the OS (a killed process keeps it), and to disk as the
         sync policy says."""
-        line = _ENCODER.encode(json_safe(record))
-        data = (line + "\n").encode("utf-8")
+        self.append_all([record])
+
+    def append_all(self, records: Sequence[dict[str, Any]]) -> None:
+        """Write records that stand or fall together (an in-flight group's cells, a fleet
+        worker's shipment) through to the OS in one write, so that no signal lands between
+        two of them: a resume that found only some of them would measure the others apart,
+        an in-flight group's remaining levels in decodes of their own. To disk as the sync
+        policy says, once for them all."""
+        if not records:
+            return
+        lines = [_ENCODER.encode(json_safe(record)) for record in records]
+        data = "".join(line + "\n" for line in lines).encode("utf-8")
         try:
             if self._fd is None:
                 from dvfs.outputs import check_links
@@ -292,14 +302,16 @@ class Journal:
                 view = view[os.write(self._fd, view) :]
             self._dirty = True
             if self.sync_policy.due(
-                cell=record.get("type") == "cell", waited_s=self._monotonic() - self._synced_at
+                cell=all(record.get("type") == "cell" for record in records),
+                waited_s=self._monotonic() - self._synced_at,
             ):
                 self.sync()
         except OSError as exc:
             # A line half written stays the torn last line, which the next open drops.
             raise JournalError(describe_os_error(exc, "write the journal")) from exc
         # A cell is noted by its key and status; the rare others as stored (JSON types).
-        self._note(record if record.get("type") == "cell" else json.loads(line))
+        for record, line in zip(records, lines, strict=True):
+            self._note(record if record.get("type") == "cell" else json.loads(line))
 
     def sync(self) -> None:
         """Force what was written to disk (nothing to do when nothing was)."""

@@ -1292,8 +1292,10 @@ class Runner:
                 warm = {**records[0].warmup, "stabilised": self._stabilised}
                 records[0] = replace(records[0], warmup=warm)
                 self._stabilised = None
+        # One write: a resume that found some of the group's levels would measure the others
+        # in decodes of their own, not those the levels share.
+        self.journal.append_all([record.to_json() for record in records])
         for record in records:
-            self.journal.append(record.to_json())
             self.progress.advance(record.cell, record.status)
         return records
 
