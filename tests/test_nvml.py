@@ -218,3 +218,32 @@ def test_a_gpu_nvml_may_not_talk_to_is_not_sent_to_observe_only(nvml, tmp_path: 
     [said] = [line for line in swept.stderr.splitlines() if line.startswith("Error: ")]
     assert said.startswith("Error: cannot open GPU 0: the driver does not let this process"), said
     assert "observe-only" not in said and "systemd" not in said, said
+
+
+def test_cap_apply_refuses_a_caps_file_naming_a_gpu_nvml_may_not_talk_to(
+    nvml, tmp_path: Path
+) -> None:
+    """Without CUDA_VISIBLE_DEVICES, every GPU leaves out one NVML refuses with NO_PERMISSION,
+    whose UUID it cannot read either: a caps file naming that GPU's UUID was told it "is not
+    on this host" (exit 5), and with --skip-missing capped the others and exited 0, the GPU
+    the file names left uncapped without a word. It is refused in one line, exit 4, nothing
+    capped, dry run or not; a UUID truly not here, where NVML refuses no GPU, is still exit 5."""
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    for extra in (["--skip-missing"], [], ["--dry-run", "--skip-missing"]):
+        applied = dvfs_in_process("cap", "apply", str(caps), *extra, env=env)
+        assert applied.returncode == 4, (extra, applied.stdout, applied.stderr)
+        assert uuids[1] in applied.stderr and "GPU 1" in applied.stderr, applied.stderr
+        assert "not on this host" not in applied.stderr, applied.stderr
+        assert nvml.fake_device_state(0)["locked_clocks"] is None, extra  # nothing capped
+    # A UUID no GPU here has, with every GPU open: "not on this host", exit 5, as before.
+    nvml.fake_update_device(1, errors={})
+    caps.write_text(
+        f'[[gpu]]\nuuid = "{uuids[0]}"\nsm_clock_max_mhz = 1500\n\n'
+        '[[gpu]]\nuuid = "GPU-00000000-0000-0000-0000-000000000000"\nsm_clock_max_mhz = 1500\n'
+    )
+    missing = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert missing.returncode == 5 and "not on this host" in missing.stderr, missing.stderr

@@ -228,14 +228,15 @@ def apply(
 ) -> None:
     """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID or model (needs root).
 
-    Exits 2 (changing nothing) when the file matches no GPU here, holds simulated caps
-    without --allow-simulated, or has a cap a GPU here cannot take (another model's, a clock it
-    does not support); 5 when it applied what matches but GPU UUIDs the file names
-    are not here (0 with --skip-missing); 1 naming a GPU fallen off the bus, once the other
-    GPUs are capped (or none, if the file matches none of those that open: the lost GPU may
-    be the one it names); 3, changing nothing, when another dvfs holds a GPU it would cap
-    (naming one fallen off the bus too). Models not on this host, and GPUs here that no entry
-    names, are only noted.
+    Exits 2 (changing nothing) when the file matches no GPU here, holds simulated caps without
+    --allow-simulated, or has a cap a GPU here cannot take (another model's, a clock it does not
+    support); 5 when it applied what matches but GPU UUIDs the file names are not here (0 with
+    --skip-missing; 4, changing nothing, where NVML counts a GPU this process may not talk to,
+    whose UUID a UUID not here may be); 1 naming a GPU fallen off the bus, once the other GPUs
+    are capped (or none, if the file matches none of those that open: the lost GPU may be the
+    one it names); 3, changing nothing, when another dvfs holds a GPU it would cap (naming one
+    fallen off the bus too). Models not on this host, and GPUs here that no entry names, are
+    only noted.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
@@ -273,6 +274,8 @@ def apply(
             lost=gone_line,
             set_aside=[g for g in opened if g not in gpus],
         )
+        if plan.unmatched:
+            _refuse_withheld(plan.unmatched, str(caps_file), dry_run=dry_run)
         capped = {a.uuid for a in plan.actions}
         volatile = {
             g.identity.uuid: f"GPU {g.identity.index}"
@@ -341,6 +344,29 @@ def apply(
         raise GpuUnavailableError(
             f"{lost_line}; caps were applied to the other GPUs the file matches"
         )
+
+
+def _refuse_withheld(unmatched: Sequence[str], where: str, *, dry_run: bool) -> None:
+    """Refuse (exit 4, nothing changed) a caps file naming GPU UUIDs none of the GPUs that open
+    has, on a host where NVML counts GPUs it has no permission to talk to: "every GPU" leaves
+    those out (`dvfs.gpu.nvml.every_gpu`), and their UUIDs cannot be read, so a UUID the file
+    names may be one of theirs: a GPU the file names must not be skipped as "not on this host"
+    (exit 0 with --skip-missing), but refused as a GPU named on the command line is."""
+    from dvfs.errors import GpuPermissionError
+    from dvfs.gpu.nvml import nvml_session, refused_gpus
+
+    with nvml_session() as module:
+        refused = refused_gpus(module)
+    if not refused:
+        return
+    gpus = ", ".join(f"GPU {i}" for i in refused)
+    raise GpuPermissionError(
+        f"{'dry run, nothing changed: ' if dry_run else ''}{where} names GPU(s) "
+        f"{', '.join(unmatched)}, which are not among the GPUs this process may talk to; the "
+        f"driver does not let it talk to {gpus} (NVML: no permission), not even to read "
+        f"{'its' if len(refused) == 1 else 'their'} UUID, so nothing was capped: run dvfs as "
+        "a user the GPUs admit (root, with sudo), or remove those entries from the file"
+    )
 
 
 def _set_aside_unsupported(
