@@ -352,11 +352,10 @@ def _refuse_withheld(unmatched: Sequence[str], where: str, *, dry_run: bool) -> 
     those out (`dvfs.gpu.nvml.every_gpu`), and their UUIDs cannot be read, so a UUID the file
     names may be one of theirs: a GPU the file names must not be skipped as "not on this host"
     (exit 0 with --skip-missing), but refused as a GPU named on the command line is."""
+    from dvfs.backends import withheld_gpus
     from dvfs.errors import GpuPermissionError
-    from dvfs.gpu.nvml import nvml_session, refused_gpus
 
-    with nvml_session() as module:
-        refused = refused_gpus(module)
+    refused = withheld_gpus()
     if not refused:
         return
     gpus = ", ".join(f"GPU {i}" for i in refused)

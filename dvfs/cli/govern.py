@@ -100,11 +100,10 @@ def _refuse_withheld(openable: Sequence[int | str]) -> None:
     permission to talk to: every GPU leaves those out (`dvfs.gpu.nvml.every_gpu`), but the
     server may span them, and governing the rest would govern other GPUs than meant, as with
     a GPU fallen off the bus; --gpu names them if intended."""
+    from dvfs.backends import withheld_gpus
     from dvfs.errors import GpuPermissionError
-    from dvfs.gpu.nvml import nvml_session, refused_gpus
 
-    with nvml_session() as module:
-        refused = refused_gpus(module)
+    refused = withheld_gpus()
     if refused:
         withheld = ", ".join(f"GPU {i}" for i in refused)
         others = ", ".join(f"GPU {i}" for i in openable) or "none"
@@ -357,11 +356,12 @@ def monitor(
     back. A GPU that stops answering is logged once (and once when it answers again) and
     exported with dvfs_gpu_up 0 and no readings; one still silent at the end makes it exit 1.
     A GPU that does not open (fallen off the bus, with --gpu or not) is named, exit 1, and the
-    others exported. With no --gpu, energy per token counts the GPUs where NVML lists the
+    others exported; with no --gpu, so is one NVML counts but may not talk to (a warning line,
+    exit 0: not exported). With no --gpu, energy per token counts the GPUs where NVML lists the
     processes of the server listening at --url (said in one line; every GPU, with one warning,
     where they cannot be found).
     """
-    from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus
+    from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus, withheld_gpus
     from dvfs.caps.actuation import LockInForce, locks_in_force
     from dvfs.errors import CapsError, DvfsError
     from dvfs.govern.exporter import LiveMetrics, render
@@ -394,6 +394,14 @@ def monitor(
         raise lost_gpus(lost)
     if lost and not once:  # --once names them once, after its page
         note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
+    withheld = [] if devices else withheld_gpus()
+    if withheld:  # every GPU leaves them out: said, not a quietly shorter page
+        gpus_named = ", ".join(f"GPU {i}" for i in withheld)
+        note(
+            f"warning: the driver does not let this process talk to {gpus_named} (NVML: no "
+            "permission): not exported, and in no energy per token; run dvfs monitor as a "
+            "user the GPUs admit (root, with sudo) to export it"
+        )
     # a lost GPU named by UUID is exported under that UUID
     unopened = (e.index if e.uuid is None else e.uuid for e in lost)
     live = LiveMetrics(unopened=tuple(g for g in unopened if g is not None))
