@@ -247,3 +247,31 @@ def test_cap_apply_refuses_a_caps_file_naming_a_gpu_nvml_may_not_talk_to(
     )
     missing = dvfs_in_process("cap", "apply", str(caps), env=env)
     assert missing.returncode == 5 and "not on this host" in missing.stderr, missing.stderr
+
+
+def test_gpu_reset_says_a_state_file_a_gpu_nvml_may_not_talk_to_may_hold(
+    nvml, tmp_path: Path
+) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d): `gpu reset` with no
+    GPU named then said "No dvfs state files for these GPUs: nothing to restore", exit 0,
+    while a state file recorded that GPU's settings, left unrestored (before, it was refused,
+    exit 4). The others are restored, then one line names the file and the GPU, exit 4; with
+    no such file, or no GPU withheld, nothing changes."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    quiet = dvfs_in_process("gpu", "reset", env=env)  # no state file: nothing to say
+    assert quiet.returncode == 0 and "nothing to restore" in quiet.stdout, quiet.stderr
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    store.record(GpuSettings(uuids[1], None, 700_000))
+    store.record(GpuSettings(uuids[0], None, 700_000))
+    reset = dvfs_in_process("gpu", "reset", env=env)
+    assert reset.returncode == 4, (reset.stdout, reset.stderr)
+    assert "GPU 0" in reset.stdout and store.pending(uuids[0]) == []  # the other, restored
+    [line] = reset.stderr.splitlines()
+    assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
+    assert "nothing to restore" not in reset.stdout, reset.stdout
+    assert store.pending(uuids[1])  # left for a user the GPU admits
