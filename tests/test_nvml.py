@@ -275,3 +275,27 @@ def test_gpu_reset_says_a_state_file_a_gpu_nvml_may_not_talk_to_may_hold(
     assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
     assert "nothing to restore" not in reset.stdout, reset.stdout
     assert store.pending(uuids[1])  # left for a user the GPU admits
+
+
+def test_cap_reset_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(nvml, tmp_path: Path) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d): `cap reset` with no
+    GPU named (the caps unit's stop) reset GPU 0, exit 0, while dvfs's caps record still held
+    GPU 1's caps, in force (before, it was refused, exit 4). The others are reset, then one
+    line names that GPU's caps and the withheld GPU, exit 4; named, or with no caps recorded
+    for it, nothing is said."""
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    assert dvfs_in_process("cap", "apply", str(caps), env=env).returncode == 0
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    reset = dvfs_in_process("cap", "reset", env=env)
+    assert reset.returncode == 4, (reset.stdout, reset.stderr)
+    assert "GPU 0" in reset.stdout and nvml.fake_device_state(0)["locked_clocks"] is None
+    [line] = reset.stderr.splitlines()
+    assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
+    assert dvfs_in_process("cap", "reset", "0", env=env).returncode == 0
+    nvml.fake_update_device(1, errors={})
+    assert dvfs_in_process("cap", "reset", env=env).returncode == 0  # GPU 1's reset too
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    assert dvfs_in_process("cap", "reset", env=env).returncode == 0  # none recorded for it

@@ -499,10 +499,12 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none). A GPU
     fallen off the bus (named or not) is named, exit 1, once the others are reset; a GPU
     another dvfs process holds (a running `dvfs govern`) is left to it and named, exit 3,
-    once the others are reset."""
+    once the others are reset. With no DEVICES (nor CUDA_VISIBLE_DEVICES), where NVML counts a
+    GPU it has no permission to talk to, caps dvfs recorded for none of the GPUs reset are
+    named, exit 4, once the others are reset: they may be that GPU's."""
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
-    from dvfs.errors import GpuStateError
+    from dvfs.errors import GpuPermissionError, GpuStateError
     from dvfs.gpu.safety import default_state_dir
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
@@ -517,7 +519,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     with open_gpus(named, visible=visible, allow_mig=not devices) as found:
         gpus = [g for g in found if not g.mig_enabled()] if not devices else found
         # A GPU that fails is named once the others are reset, with those held and lost.
-        lines, busy, failed = reset_locked(gpus, state_dir or default_state_dir())
+        directory = state_dir or default_state_dir()
+        lines, busy, failed = reset_locked(gpus, directory)
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
     for line in lines:
         console().print(line)
@@ -539,11 +542,44 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
             f"it found when it stops): stop it, then `dvfs cap reset {numbers}`"
         )
     lost_too = str(lost_gpus(lost)) if lost else ""
+    # every GPU leaves out one NVML may not talk to: caps recorded for none of those found may
+    # be its, left in force, which must not read as every GPU reset
+    withheld = "" if devices or visible else _withheld_caps(directory, found)
     if failed:
-        if not held and not lost:
+        if not held and not lost and not withheld:
             raise failed
-        raise type(failed)("; ".join(p for p in (str(failed), held, lost_too) if p))
+        raise type(failed)("; ".join(p for p in (str(failed), held, withheld, lost_too) if p))
     if held:
-        raise GpuStateError("; ".join(p for p in (held, lost_too) if p))
+        raise GpuStateError("; ".join(p for p in (held, withheld, lost_too) if p))
+    if withheld:
+        raise GpuPermissionError("; ".join(p for p in (withheld, lost_too) if p))
     if lost:
         raise lost_gpus(lost)
+
+
+def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
+    """The line naming the GPUs dvfs's caps record holds caps for that none of `found` (every
+    GPU) is, where NVML counts GPUs it has no permission to talk to (every GPU leaves them out,
+    their UUIDs unreadable: such caps may be one's); "" where there are none."""
+    from dvfs.backends import withheld_gpus
+    from dvfs.caps import AppliedCaps
+    from dvfs.errors import CapsError
+
+    try:
+        recorded = AppliedCaps(directory).read()
+    except CapsError:  # a damaged record: the reset said what it could
+        return ""
+    opened = {g.identity.uuid for g in found}
+    others = [uuid for uuid in recorded if uuid not in opened]
+    if not others:
+        return ""
+    refused = withheld_gpus()
+    if not refused:
+        return ""
+    named = ", ".join(f"GPU {i}" for i in refused)
+    return (
+        f"dvfs's caps record holds caps for {', '.join(others)}, none of the GPUs this process "
+        f"may talk to: the driver does not let it talk to {named} (NVML: no permission), so "
+        "those caps were not reset; run dvfs cap reset as a user the GPUs admit (root, with "
+        "sudo)"
+    )
