@@ -299,3 +299,23 @@ def test_cap_reset_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(nvml, tmp_path:
     assert dvfs_in_process("cap", "reset", env=env).returncode == 0  # GPU 1's reset too
     nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
     assert dvfs_in_process("cap", "reset", env=env).returncode == 0  # none recorded for it
+
+
+def test_cap_apply_refusing_a_withheld_gpu_names_one_fallen_off_the_bus_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal of a caps file that may name a GPU NVML may not talk to (exit 4, nothing
+    capped) names a GPU fallen off the bus in the same line, as cap apply's other refusals do."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm,h100-sxm")
+    nvml.fake_reset_state()
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h100-sxm,h100-sxm")
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(3)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    nvml.fake_update_device(2, lost=True)
+    refused = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert refused.returncode == 4, (refused.stdout, refused.stderr)
+    [line] = refused.stderr.splitlines()
+    assert "GPU 1 (NVML: no permission)" in line and "GPU 2" in line, line
+    assert "fallen off the bus" in line and nvml.fake_device_state(0)["locked_clocks"] is None

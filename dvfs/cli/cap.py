@@ -275,7 +275,7 @@ def apply(
             set_aside=[g for g in opened if g not in gpus],
         )
         if plan.unmatched:
-            _refuse_withheld(plan.unmatched, str(caps_file), dry_run=dry_run)
+            _refuse_withheld(plan.unmatched, str(caps_file), dry_run=dry_run, lost=lost_line)
         capped = {a.uuid for a in plan.actions}
         volatile = {
             g.identity.uuid: f"GPU {g.identity.index}"
@@ -346,7 +346,9 @@ def apply(
         )
 
 
-def _refuse_withheld(unmatched: Sequence[str], where: str, *, dry_run: bool) -> None:
+def _refuse_withheld(
+    unmatched: Sequence[str], where: str, *, dry_run: bool, lost: str = ""
+) -> None:
     """Refuse (exit 4, nothing changed) a caps file naming GPU UUIDs none of the GPUs that open
     has, on a host where NVML counts GPUs it has no permission to talk to: "every GPU" leaves
     those out (`dvfs.gpu.nvml.every_gpu`), and their UUIDs cannot be read, so a UUID the file
@@ -365,6 +367,7 @@ def _refuse_withheld(unmatched: Sequence[str], where: str, *, dry_run: bool) -> 
         f"driver does not let it talk to {gpus} (NVML: no permission), not even to read "
         f"{'its' if len(refused) == 1 else 'their'} UUID, so nothing was capped: run dvfs as "
         "a user the GPUs admit (root, with sudo), or remove those entries from the file"
+        + (f"; {lost}" if lost else "")
     )
 
 
