@@ -191,6 +191,16 @@ def reachable_gpus(
     return openable, _named_once(failed)
 
 
+def withheld_gpus(nvml: ModuleType | None = None) -> list[int]:
+    """The GPUs NVML counts but has no permission to talk to, which every GPU (without
+    CUDA_VISIBLE_DEVICES) leaves out (`dvfs.gpu.nvml.refused_gpus`): a command over every GPU
+    that must not quietly act on fewer names them."""
+    from dvfs.gpu.nvml import nvml_session, refused_gpus
+
+    with nvml_session(nvml) as module:
+        return refused_gpus(module)
+
+
 def _lost_indices(lost: Sequence[GpuError], nvml: ModuleType | None) -> None:
     """Give each GPU of `lost` named by UUID its NVML index where it is knowable: the GPU whose
     UUID is that one, or, where no readable UUID is, the only GPU whose UUID NVML cannot read

@@ -641,6 +641,49 @@ def test_govern_with_no_gpu_named_refuses_one_fallen_off_the_bus_naming_the_othe
     assert "governing GPU 1 from" in named.stderr
 
 
+def test_govern_with_no_gpu_named_refuses_a_gpu_nvml_may_not_talk_to(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d): `dvfs govern` with
+    no --gpu, which governs every GPU as the server's, then governed GPU 0 alone, exit 0,
+    without a word of GPU 1 (it was refused, exit 4, before). As with a GPU fallen off the
+    bus, it governs none, in one line naming the withheld GPU and those it may talk to, exit
+    4, nothing changed; named with --gpu, the others are governed."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    args = ("govern", "--plan", str(plan), "--url", f"http://127.0.0.1:{closed_port()}")
+    args += ("--interval", "0.05", "--listen", "off", "--max-intervals", "1")
+    for extra in ((), ("--dry-run",)):
+        refused = dvfs_in_process(*args, *extra, env=env)
+        assert refused.returncode == 4, (extra, refused.stderr)
+        [line] = (refused.stdout + refused.stderr).splitlines()
+        assert "GPU 1 (NVML: no permission)" in line and "(those it may talk to: GPU 0)" in line
+        assert nvml.fake_calls() == []
+    named = dvfs_in_process(*args, "--gpu", "0", env=env)
+    assert named.returncode == 0, named.stderr
+    assert "governing GPU 0 from" in named.stderr
+
+
+def test_monitor_with_no_gpu_named_says_a_gpu_nvml_may_not_talk_to_is_left_out(
+    env: dict[str, str], nvml
+) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d): `dvfs monitor`
+    with no --gpu exported GPU 0 alone, without a word (before, it was refused, exit 4), its
+    page read as the whole node's and the server's energy per token as every GPU's. One line
+    now names the GPU left out; the other GPUs are exported as before. Named GPUs: no line."""
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    args = ("monitor", "--once", "--interval", "0.05")
+    shown = dvfs_in_process(*args, env=env)
+    assert shown.returncode == 0, shown.stderr
+    [line] = [x for x in shown.stderr.splitlines() if "warning" in x]
+    assert "GPU 1 (NVML: no permission): not exported" in line, line
+    values = page_values(shown.stdout)
+    assert values[("dvfs_gpu_up", "0")] == 1.0 and ("dvfs_gpu_up", "1") not in values
+    named = dvfs_in_process(*args, "--gpu", "0", env=env)
+    assert named.returncode == 0 and "warning" not in named.stderr, named.stderr
+
+
 def gpu_series(url: str, gpu: str) -> dict[str, float]:
     """The exported series of GPU `gpu` by name, from one scrape of the exporter at `url`."""
     text = httpx.get(url, timeout=10).text

@@ -218,3 +218,104 @@ def test_a_gpu_nvml_may_not_talk_to_is_not_sent_to_observe_only(nvml, tmp_path: 
     [said] = [line for line in swept.stderr.splitlines() if line.startswith("Error: ")]
     assert said.startswith("Error: cannot open GPU 0: the driver does not let this process"), said
     assert "observe-only" not in said and "systemd" not in said, said
+
+
+def test_cap_apply_refuses_a_caps_file_naming_a_gpu_nvml_may_not_talk_to(
+    nvml, tmp_path: Path
+) -> None:
+    """Without CUDA_VISIBLE_DEVICES, every GPU leaves out one NVML refuses with NO_PERMISSION,
+    whose UUID it cannot read either: a caps file naming that GPU's UUID was told it "is not
+    on this host" (exit 5), and with --skip-missing capped the others and exited 0, the GPU
+    the file names left uncapped without a word. It is refused in one line, exit 4, nothing
+    capped, dry run or not; a UUID truly not here, where NVML refuses no GPU, is still exit 5."""
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    for extra in (["--skip-missing"], [], ["--dry-run", "--skip-missing"]):
+        applied = dvfs_in_process("cap", "apply", str(caps), *extra, env=env)
+        assert applied.returncode == 4, (extra, applied.stdout, applied.stderr)
+        assert uuids[1] in applied.stderr and "GPU 1" in applied.stderr, applied.stderr
+        assert "not on this host" not in applied.stderr, applied.stderr
+        assert nvml.fake_device_state(0)["locked_clocks"] is None, extra  # nothing capped
+    # A UUID no GPU here has, with every GPU open: "not on this host", exit 5, as before.
+    nvml.fake_update_device(1, errors={})
+    caps.write_text(
+        f'[[gpu]]\nuuid = "{uuids[0]}"\nsm_clock_max_mhz = 1500\n\n'
+        '[[gpu]]\nuuid = "GPU-00000000-0000-0000-0000-000000000000"\nsm_clock_max_mhz = 1500\n'
+    )
+    missing = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert missing.returncode == 5 and "not on this host" in missing.stderr, missing.stderr
+
+
+def test_gpu_reset_says_a_state_file_a_gpu_nvml_may_not_talk_to_may_hold(
+    nvml, tmp_path: Path
+) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d): `gpu reset` with no
+    GPU named then said "No dvfs state files for these GPUs: nothing to restore", exit 0,
+    while a state file recorded that GPU's settings, left unrestored (before, it was refused,
+    exit 4). The others are restored, then one line names the file and the GPU, exit 4; with
+    no such file, or no GPU withheld, nothing changes."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    quiet = dvfs_in_process("gpu", "reset", env=env)  # no state file: nothing to say
+    assert quiet.returncode == 0 and "nothing to restore" in quiet.stdout, quiet.stderr
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    store.record(GpuSettings(uuids[1], None, 700_000))
+    store.record(GpuSettings(uuids[0], None, 700_000))
+    reset = dvfs_in_process("gpu", "reset", env=env)
+    assert reset.returncode == 4, (reset.stdout, reset.stderr)
+    assert "GPU 0" in reset.stdout and store.pending(uuids[0]) == []  # the other, restored
+    [line] = reset.stderr.splitlines()
+    assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
+    assert "nothing to restore" not in reset.stdout, reset.stdout
+    assert store.pending(uuids[1])  # left for a user the GPU admits
+
+
+def test_cap_reset_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(nvml, tmp_path: Path) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d): `cap reset` with no
+    GPU named (the caps unit's stop) reset GPU 0, exit 0, while dvfs's caps record still held
+    GPU 1's caps, in force (before, it was refused, exit 4). The others are reset, then one
+    line names that GPU's caps and the withheld GPU, exit 4; named, or with no caps recorded
+    for it, nothing is said."""
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    assert dvfs_in_process("cap", "apply", str(caps), env=env).returncode == 0
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    reset = dvfs_in_process("cap", "reset", env=env)
+    assert reset.returncode == 4, (reset.stdout, reset.stderr)
+    assert "GPU 0" in reset.stdout and nvml.fake_device_state(0)["locked_clocks"] is None
+    [line] = reset.stderr.splitlines()
+    assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
+    assert dvfs_in_process("cap", "reset", "0", env=env).returncode == 0
+    nvml.fake_update_device(1, errors={})
+    assert dvfs_in_process("cap", "reset", env=env).returncode == 0  # GPU 1's reset too
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    assert dvfs_in_process("cap", "reset", env=env).returncode == 0  # none recorded for it
+
+
+def test_cap_apply_refusing_a_withheld_gpu_names_one_fallen_off_the_bus_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal of a caps file that may name a GPU NVML may not talk to (exit 4, nothing
+    capped) names a GPU fallen off the bus in the same line, as cap apply's other refusals do."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm,h100-sxm")
+    nvml.fake_reset_state()
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h100-sxm,h100-sxm")
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(3)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    nvml.fake_update_device(2, lost=True)
+    refused = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert refused.returncode == 4, (refused.stdout, refused.stderr)
+    [line] = refused.stderr.splitlines()
+    assert "GPU 1 (NVML: no permission)" in line and "GPU 2" in line, line
+    assert "fallen off the bus" in line and nvml.fake_device_state(0)["locked_clocks"] is None

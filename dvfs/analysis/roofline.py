@@ -349,9 +349,11 @@ def roofline(
                 notes.append(
                     f"the verify passes are set against the measured ridge of the best GEMM: "
                     f"the twin has no profile of {name} to lower it for a pass of few tokens "
-                    "(GEMM tiles and waves part-filled), so a pass may turn compute-bound "
-                    "above the clock given (or where it says never): read those clocks as "
-                    "lower bounds"
+                    "(GEMM tiles and waves part-filled), nor to raise it for a speculative "
+                    "verify pass's KV-cache reads (its tree attention's lower bandwidth), so a "
+                    "pass of few tokens may turn compute-bound above the clock given (or where "
+                    "it says never), and a verify pass reading a long context's KV cache only "
+                    "below it (or never): read those clocks as estimates, neither bound"
                 )
     result = xr.Dataset(
         {

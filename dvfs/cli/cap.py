@@ -228,14 +228,15 @@ def apply(
 ) -> None:
     """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID or model (needs root).
 
-    Exits 2 (changing nothing) when the file matches no GPU here, holds simulated caps
-    without --allow-simulated, or has a cap a GPU here cannot take (another model's, a clock it
-    does not support); 5 when it applied what matches but GPU UUIDs the file names
-    are not here (0 with --skip-missing); 1 naming a GPU fallen off the bus, once the other
-    GPUs are capped (or none, if the file matches none of those that open: the lost GPU may
-    be the one it names); 3, changing nothing, when another dvfs holds a GPU it would cap
-    (naming one fallen off the bus too). Models not on this host, and GPUs here that no entry
-    names, are only noted.
+    Exits 2 (changing nothing) when the file matches no GPU here, holds simulated caps without
+    --allow-simulated, or has a cap a GPU here cannot take (another model's, a clock it does not
+    support); 5 when it applied what matches but GPU UUIDs the file names are not here (0 with
+    --skip-missing; 4, changing nothing, where NVML counts a GPU this process may not talk to,
+    whose UUID a UUID not here may be); 1 naming a GPU fallen off the bus, once the other GPUs
+    are capped (or none, if the file matches none of those that open: the lost GPU may be the
+    one it names); 3, changing nothing, when another dvfs holds a GPU it would cap (naming one
+    fallen off the bus too). Models not on this host, and GPUs here that no entry names, are
+    only noted.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
@@ -273,6 +274,8 @@ def apply(
             lost=gone_line,
             set_aside=[g for g in opened if g not in gpus],
         )
+        if plan.unmatched:
+            _refuse_withheld(plan.unmatched, str(caps_file), dry_run=dry_run, lost=lost_line)
         capped = {a.uuid for a in plan.actions}
         volatile = {
             g.identity.uuid: f"GPU {g.identity.index}"
@@ -341,6 +344,31 @@ def apply(
         raise GpuUnavailableError(
             f"{lost_line}; caps were applied to the other GPUs the file matches"
         )
+
+
+def _refuse_withheld(
+    unmatched: Sequence[str], where: str, *, dry_run: bool, lost: str = ""
+) -> None:
+    """Refuse (exit 4, nothing changed) a caps file naming GPU UUIDs none of the GPUs that open
+    has, on a host where NVML counts GPUs it has no permission to talk to: "every GPU" leaves
+    those out (`dvfs.gpu.nvml.every_gpu`), and their UUIDs cannot be read, so a UUID the file
+    names may be one of theirs: a GPU the file names must not be skipped as "not on this host"
+    (exit 0 with --skip-missing), but refused as a GPU named on the command line is."""
+    from dvfs.backends import withheld_gpus
+    from dvfs.errors import GpuPermissionError
+
+    refused = withheld_gpus()
+    if not refused:
+        return
+    gpus = ", ".join(f"GPU {i}" for i in refused)
+    raise GpuPermissionError(
+        f"{'dry run, nothing changed: ' if dry_run else ''}{where} names GPU(s) "
+        f"{', '.join(unmatched)}, which are not among the GPUs this process may talk to; the "
+        f"driver does not let it talk to {gpus} (NVML: no permission), not even to read "
+        f"{'its' if len(refused) == 1 else 'their'} UUID, so nothing was capped: run dvfs as "
+        "a user the GPUs admit (root, with sudo), or remove those entries from the file"
+        + (f"; {lost}" if lost else "")
+    )
 
 
 def _set_aside_unsupported(
@@ -474,10 +502,12 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none). A GPU
     fallen off the bus (named or not) is named, exit 1, once the others are reset; a GPU
     another dvfs process holds (a running `dvfs govern`) is left to it and named, exit 3,
-    once the others are reset."""
+    once the others are reset. With no DEVICES (nor CUDA_VISIBLE_DEVICES), where NVML counts a
+    GPU it has no permission to talk to, caps dvfs recorded for none of the GPUs reset are
+    named, exit 4, once the others are reset: they may be that GPU's."""
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
-    from dvfs.errors import GpuStateError
+    from dvfs.errors import GpuPermissionError, GpuStateError
     from dvfs.gpu.safety import default_state_dir
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
@@ -492,7 +522,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     with open_gpus(named, visible=visible, allow_mig=not devices) as found:
         gpus = [g for g in found if not g.mig_enabled()] if not devices else found
         # A GPU that fails is named once the others are reset, with those held and lost.
-        lines, busy, failed = reset_locked(gpus, state_dir or default_state_dir())
+        directory = state_dir or default_state_dir()
+        lines, busy, failed = reset_locked(gpus, directory)
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
     for line in lines:
         console().print(line)
@@ -514,11 +545,44 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
             f"it found when it stops): stop it, then `dvfs cap reset {numbers}`"
         )
     lost_too = str(lost_gpus(lost)) if lost else ""
+    # every GPU leaves out one NVML may not talk to: caps recorded for none of those found may
+    # be its, left in force, which must not read as every GPU reset
+    withheld = "" if devices or visible else _withheld_caps(directory, found)
     if failed:
-        if not held and not lost:
+        if not held and not lost and not withheld:
             raise failed
-        raise type(failed)("; ".join(p for p in (str(failed), held, lost_too) if p))
+        raise type(failed)("; ".join(p for p in (str(failed), held, withheld, lost_too) if p))
     if held:
-        raise GpuStateError("; ".join(p for p in (held, lost_too) if p))
+        raise GpuStateError("; ".join(p for p in (held, withheld, lost_too) if p))
+    if withheld:
+        raise GpuPermissionError("; ".join(p for p in (withheld, lost_too) if p))
     if lost:
         raise lost_gpus(lost)
+
+
+def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
+    """The line naming the GPUs dvfs's caps record holds caps for that none of `found` (every
+    GPU) is, where NVML counts GPUs it has no permission to talk to (every GPU leaves them out,
+    their UUIDs unreadable: such caps may be one's); "" where there are none."""
+    from dvfs.backends import withheld_gpus
+    from dvfs.caps import AppliedCaps
+    from dvfs.errors import CapsError
+
+    try:
+        recorded = AppliedCaps(directory).read()
+    except CapsError:  # a damaged record: the reset said what it could
+        return ""
+    opened = {g.identity.uuid for g in found}
+    others = [uuid for uuid in recorded if uuid not in opened]
+    if not others:
+        return ""
+    refused = withheld_gpus()
+    if not refused:
+        return ""
+    named = ", ".join(f"GPU {i}" for i in refused)
+    return (
+        f"dvfs's caps record holds caps for {', '.join(others)}, none of the GPUs this process "
+        f"may talk to: the driver does not let it talk to {named} (NVML: no permission), so "
+        "those caps were not reset; run dvfs cap reset as a user the GPUs admit (root, with "
+        "sudo)"
+    )

@@ -5,7 +5,8 @@ power, clocks and energy per token, read-only), both exporting Prometheus text o
 start (nothing to preview), a GPU fallen off the bus (with no --gpu: it governs none) or a
 governed GPU that stops answering NVML (the others put back), 2 for a bad plan or one this
 host's GPUs cannot follow or a --gpu not on this host, 3 when a GPU holds unrestored changes
-or another dvfs uses it, 4 without permission, and 130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU
+or another dvfs uses it, 4 without permission (with no --gpu, a GPU NVML counts but may not
+talk to too: it governs none), and 130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU
 restored first.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,26 @@ def max_intervals_option(what: str) -> Any:
         metavar="N",
         help=f"Stop after N intervals{what} [default: run until stopped].",
     )
+
+
+def _refuse_withheld(openable: Sequence[int | str]) -> None:
+    """Refuse (exit 4, nothing changed) governing every GPU where NVML counts GPUs it has no
+    permission to talk to: every GPU leaves those out (`dvfs.gpu.nvml.every_gpu`), but the
+    server may span them, and governing the rest would govern other GPUs than meant, as with
+    a GPU fallen off the bus; --gpu names them if intended."""
+    from dvfs.backends import withheld_gpus
+    from dvfs.errors import GpuPermissionError
+
+    refused = withheld_gpus()
+    if refused:
+        withheld = ", ".join(f"GPU {i}" for i in refused)
+        others = ", ".join(f"GPU {i}" for i in openable) or "none"
+        raise GpuPermissionError(
+            f"the driver does not let this process talk to {withheld} (NVML: no permission); "
+            "`dvfs govern` with no --gpu governs every GPU, so it governs none while one is "
+            "withheld: run it as a user the GPUs admit (root, with sudo), or name the GPUs the "
+            f"server runs on with --gpu (those it may talk to: {others})"
+        )
 
 
 def _listen_address(listen: str) -> tuple[str, int] | None:
@@ -257,6 +278,8 @@ def govern(
                 "governs none while one does not open: name the GPUs the server runs on with --gpu "
                 f"(those that open: {others})"
             )
+        if visible is None:
+            _refuse_withheld(openable)
     # A dry run (no root needed) reads the static caps where root recorded them.
     records = state_dir or (records_dir() if dry_run else default_state_dir())
     with (
@@ -333,11 +356,12 @@ def monitor(
     back. A GPU that stops answering is logged once (and once when it answers again) and
     exported with dvfs_gpu_up 0 and no readings; one still silent at the end makes it exit 1.
     A GPU that does not open (fallen off the bus, with --gpu or not) is named, exit 1, and the
-    others exported. With no --gpu, energy per token counts the GPUs where NVML lists the
+    others exported; with no --gpu, so is one NVML counts but may not talk to (a warning line,
+    exit 0: not exported). With no --gpu, energy per token counts the GPUs where NVML lists the
     processes of the server listening at --url (said in one line; every GPU, with one warning,
     where they cannot be found).
     """
-    from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus
+    from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus, withheld_gpus
     from dvfs.caps.actuation import LockInForce, locks_in_force
     from dvfs.errors import CapsError, DvfsError
     from dvfs.govern.exporter import LiveMetrics, render
@@ -370,6 +394,14 @@ def monitor(
         raise lost_gpus(lost)
     if lost and not once:  # --once names them once, after its page
         note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
+    withheld = [] if devices else withheld_gpus()
+    if withheld:  # every GPU leaves them out: said, not a quietly shorter page
+        gpus_named = ", ".join(f"GPU {i}" for i in withheld)
+        note(
+            f"warning: the driver does not let this process talk to {gpus_named} (NVML: no "
+            "permission): not exported, and in no energy per token; run dvfs monitor as a "
+            "user the GPUs admit (root, with sudo) to export it"
+        )
     # a lost GPU named by UUID is exported under that UUID
     unopened = (e.index if e.uuid is None else e.uuid for e in lost)
     live = LiveMetrics(unopened=tuple(g for g in unopened if g is not None))

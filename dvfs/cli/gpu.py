@@ -7,7 +7,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,6 +21,9 @@ from dvfs.cli.common import (
     show_beside_lost,
 )
 from dvfs.errors import GpuError, GpuPermissionError
+
+if TYPE_CHECKING:
+    from dvfs.gpu.base import Gpu
 
 
 @contextlib.contextmanager
@@ -206,6 +209,9 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     restores them itself), with a note. A GPU fallen off the bus (named or not) is named, exit
     1, once the others are restored (its state file stays for when it answers again); so is a
     GPU whose state file is unreadable (damaged), left as it is for the file to be inspected.
+    Without DEVICES, a state file none of them has, where NVML counts a GPU it has no
+    permission to talk to (every GPU leaves it out), is named, exit 4, once the others are
+    restored: it may be that GPU's.
     Holds each GPU's lock while restoring, so it refuses a GPU named in DEVICES that a running
     dvfs is using.
     """
@@ -223,11 +229,15 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     devices = tuple(str(i) for i in openable)
     if not devices and lost:
         raise lost_gpus(lost)
+    directory = state_dir or default_state_dir()
     with open_cli_gpus(devices, None, allow_mig=True) as gpus:
+        # every GPU leaves out one NVML may not talk to: a state file none of those opened
+        # has may be its, left unrestored, which must not read as "nothing to restore"
+        withheld = _withheld_state(directory, gpus) if every else ""
         try:
             acted = reset_gpus(
                 gpus,
-                state_dir or default_state_dir(),
+                directory,
                 defaults=defaults,
                 note=lambda line: out.print(escape(line)),
                 skip_busy=every,  # every GPU: one a live dvfs holds is its own to restore
@@ -240,13 +250,40 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             raise type(exc)(f"{exc}; {lost_gpus(lost)}") from None
     if not acted:
         # A GPU that does not open may hold a state file (a governor it left): not "none".
-        which = "the GPUs that open" if lost else "these GPUs"
+        which = "the GPUs that open" if lost or withheld else "these GPUs"
         out.print(
             f"No dvfs state files for {which}: nothing to restore "
             "(use --defaults to reset to driver defaults anyway)."
         )
+    if withheld:
+        raise GpuPermissionError(
+            "; ".join(p for p in (withheld, lost and str(lost_gpus(lost))) if p)
+        )
     if lost:
         raise lost_gpus(lost)
+
+
+def _withheld_state(directory: Path, gpus: Sequence[Gpu]) -> str:
+    """The line naming the state files in `directory` that none of `gpus` (every GPU) has,
+    where NVML counts GPUs it has no permission to talk to (every GPU leaves them out, their
+    UUIDs unreadable: such a file may be one's); "" where there is none."""
+    from dvfs.backends import withheld_gpus
+
+    opened = {g.identity.uuid for g in gpus}
+    files = [] if not directory.is_dir() else sorted(directory.glob("GPU-*.json"))
+    others = [f.stem for f in files if f.stem not in opened]
+    if not others:
+        return ""
+    refused = withheld_gpus()
+    if not refused:
+        return ""
+    named = ", ".join(f"GPU {i}" for i in refused)
+    return (
+        f"state files in {directory} record {', '.join(others)}, none of the GPUs this process "
+        f"may talk to: the driver does not let it talk to {named} (NVML: no permission), so "
+        "their settings were not restored; run dvfs gpu reset as a user the GPUs admit (root, "
+        "with sudo)"
+    )
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:

@@ -601,6 +601,16 @@ def permitted(
     return kept or list(indices)
 
 
+def refused_gpus(nvml: ModuleType, *, deadline_s: float | None = None) -> list[int]:
+    """The NVML indices `every_gpu` (without `visible`) leaves out: the GPUs NVML counts but
+    has no permission to talk to (`permitted`), whose UUIDs it cannot read either. A command
+    over every GPU that a file names by UUID (`cap apply`) must not read such a GPU's UUID as
+    "not on this host"; none where NVML refuses every GPU (opening them says so, exit 4)."""
+    devices = list(range(device_count(nvml, deadline_s=deadline_s)))
+    kept = set(permitted(nvml, devices, deadline_s=deadline_s))
+    return [index for index in devices if index not in kept]
+
+
 class GpuNamedTwiceError(CampaignError):
     """One GPU named twice among the GPUs a command opens (by index, by UUID, or both): a usage
     error, exit 2, as in a campaign. Opened twice, a command would lock it against itself ("in
