@@ -1,3 +1,3 @@
-from dvfs.cli import main
+from dvfs.launch import main
 
 main()

@@ -77,3 +77,31 @@ def test_a_restore_that_fails_reports_its_error_not_the_held_signal(dispositions
     ):
         os.kill(os.getpid(), signal.SIGTERM)
         raise RuntimeError("restore failed")
+
+
+@pytest.mark.parametrize("entry", ["console script", "python -m dvfs"])
+def test_an_interrupt_while_the_command_line_loads_is_one_line(entry: str) -> None:
+    """A Ctrl-C in the tenths of a second Python spends importing dvfs's command line (click
+    first) ended in a KeyboardInterrupt traceback: both entries import it inside a guard now,
+    and end as an interrupted dvfs does. The interrupt is raised at click's import by a finder
+    put ahead of Python's own, not by a timed signal."""
+    import subprocess
+    import sys
+
+    start = "import dvfs.launch as m; m.main()" if entry == "console script" else "import runpy;"
+    if entry != "console script":
+        start += " runpy.run_module('dvfs', run_name='__main__')"
+    code = (
+        "import sys\n"
+        "class Interrupting:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'click':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupting())\n"
+        "sys.argv = ['dvfs', '--help']\n" + start + "\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert done.stderr == "Interrupted.\n", done.stderr
