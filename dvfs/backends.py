@@ -201,6 +201,24 @@ def withheld_gpus(nvml: ModuleType | None = None) -> list[int]:
         return refused_gpus(module)
 
 
+def withheld_records_line(records: Sequence[str], holds: str, left: str, command: str) -> str:
+    """The line for records (`holds` them: state files, caps) of GPUs none of those a command
+    over every GPU opened, where NVML withholds GPUs from this process (such records may be
+    theirs): what was `left` undone, and to rerun `command` as a user the GPUs admit. "" where
+    there are no such records or NVML withholds none."""
+    if not records:
+        return ""
+    refused = withheld_gpus()
+    if not refused:
+        return ""
+    named = ", ".join(f"GPU {i}" for i in refused)
+    return (
+        f"{holds} {', '.join(records)}, none of the GPUs this process may talk to: the driver "
+        f"does not let it talk to {named} (NVML: no permission), so {left}; run {command} as a "
+        "user the GPUs admit (root, with sudo)"
+    )
+
+
 def _lost_indices(lost: Sequence[GpuError], nvml: ModuleType | None) -> None:
     """Give each GPU of `lost` named by UUID its NVML index where it is knowable: the GPU whose
     UUID is that one, or, where no readable UUID is, the only GPU whose UUID NVML cannot read

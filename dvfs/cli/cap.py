@@ -564,7 +564,7 @@ def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
     """The line naming the GPUs dvfs's caps record holds caps for that none of `found` (every
     GPU) is, where NVML counts GPUs it has no permission to talk to (every GPU leaves them out,
     their UUIDs unreadable: such caps may be one's); "" where there are none."""
-    from dvfs.backends import withheld_gpus
+    from dvfs.backends import withheld_records_line
     from dvfs.caps import AppliedCaps
     from dvfs.errors import CapsError
 
@@ -574,15 +574,6 @@ def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
         return ""
     opened = {g.identity.uuid for g in found}
     others = [uuid for uuid in recorded if uuid not in opened]
-    if not others:
-        return ""
-    refused = withheld_gpus()
-    if not refused:
-        return ""
-    named = ", ".join(f"GPU {i}" for i in refused)
-    return (
-        f"dvfs's caps record holds caps for {', '.join(others)}, none of the GPUs this process "
-        f"may talk to: the driver does not let it talk to {named} (NVML: no permission), so "
-        "those caps were not reset; run dvfs cap reset as a user the GPUs admit (root, with "
-        "sudo)"
+    return withheld_records_line(
+        others, "dvfs's caps record holds caps for", "those caps were not reset", "dvfs cap reset"
     )

@@ -267,22 +267,16 @@ def _withheld_state(directory: Path, gpus: Sequence[Gpu]) -> str:
     """The line naming the state files in `directory` that none of `gpus` (every GPU) has,
     where NVML counts GPUs it has no permission to talk to (every GPU leaves them out, their
     UUIDs unreadable: such a file may be one's); "" where there is none."""
-    from dvfs.backends import withheld_gpus
+    from dvfs.backends import withheld_records_line
 
     opened = {g.identity.uuid for g in gpus}
     files = [] if not directory.is_dir() else sorted(directory.glob("GPU-*.json"))
     others = [f.stem for f in files if f.stem not in opened]
-    if not others:
-        return ""
-    refused = withheld_gpus()
-    if not refused:
-        return ""
-    named = ", ".join(f"GPU {i}" for i in refused)
-    return (
-        f"state files in {directory} record {', '.join(others)}, none of the GPUs this process "
-        f"may talk to: the driver does not let it talk to {named} (NVML: no permission), so "
-        "their settings were not restored; run dvfs gpu reset as a user the GPUs admit (root, "
-        "with sudo)"
+    return withheld_records_line(
+        others,
+        f"state files in {directory} record",
+        "their settings were not restored",
+        "dvfs gpu reset",
     )
 
 
