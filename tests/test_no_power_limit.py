@@ -633,3 +633,27 @@ def test_a_merge_keeps_which_gpus_stock_limit_is_the_enforced_one(
     assert info.returncode == 0, info.stdout + info.stderr
     said = " ".join(info.stdout.split())
     assert f"NVML does not support the power limit of {uuid[:12]}" in said, said
+
+
+def test_a_fleet_mixing_such_a_gpu_with_an_ordinary_one_is_refused_before_it_measures(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """A fleet of such a GPU (its session's power-limit range NaN) and an ordinary one of the
+    same model: `dvfs doctor` passed it, and the sweep refused it only once each worker had
+    timed its counters and measured its idle power (minutes on real GPUs), when the driver
+    compared their sessions. The sweep refuses it before any worker opens its GPUs now, in one
+    line naming both; doctor fails `stock` in that line."""
+    campaign = str(clocks_campaign(tmp_path))
+    out = tmp_path / "out"
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    line = f"NVML does not support the power limit of GPU 0 ({uuids[0]}), nor then its range"
+    args = ("sweep", campaign, "--gpus", "0,1", "--out", str(out), "--no-progress")
+    result = dvfs_in_process(*args, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = result.stderr.splitlines()
+    assert error.startswith(f"Error: {line}, but supports that of GPU 1 ({uuids[1]})"), error
+    assert "timing" not in result.stdout + result.stderr, "no worker opened its session"
+    assert not out.exists()
+    doctor = dvfs_in_process("doctor", campaign, "--gpus", "0,1", env=env)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert "FAIL stock: " + line in " ".join(doctor.stdout.split()), doctor.stdout
