@@ -29,7 +29,12 @@ from dvfs.errors import (
     JournalError,
 )
 from dvfs.gpu.base import Gpu, unsupported_clock
-from dvfs.gpu.knobs import GpuSettings, check_one_stock_limit, stock_limit_mw
+from dvfs.gpu.knobs import (
+    GpuSettings,
+    check_one_stock_limit,
+    stock_limit_is_enforced,
+    stock_limit_mw,
+)
 from dvfs.measure.journal import (
     Journal,
 )
@@ -270,7 +275,29 @@ def check_stock_limits(
                 + (f" of model {same[0].identity.name}" if len(by_model) > 1 else ""),
                 leave_out="leave those at another limit out of the fleet (--gpus)",
             )
+            _check_one_limit_support(same, stock)
     return stock
+
+
+def _check_one_limit_support(gpus: Sequence[Gpu], stock: dict[str, GpuSettings]) -> None:
+    """Refuse a fleet's GPUs of one model where NVML supports the power limit of some and not
+    of others: a session records a NaN power-limit range for the latter, which the fleet's
+    driver compares among its workers once each opened its session (`combine_sessions`, after
+    its counters were timed and its idle power measured) and refuses."""
+    unsupported = [g for g in gpus if stock_limit_is_enforced(stock[g.identity.uuid])]
+    supported = [g for g in gpus if g not in unsupported]
+    if not unsupported or not supported:
+        return
+
+    def named(some: Sequence[Gpu]) -> str:
+        return ", ".join(f"GPU {g.identity.index} ({g.identity.uuid})" for g in some)
+
+    raise JournalError(
+        f"NVML does not support the power limit of {named(unsupported)}, nor then its range, "
+        f"but supports that of {named(supported)}: their sessions' power-limit ranges differ, "
+        "so their cells cannot share one journal; leave one of them out (--gpus), or run them "
+        "into separate --out folders and `dvfs cube merge` the cubes"
+    )
 
 
 def resumed_stock_refusal(

@@ -600,3 +600,60 @@ def test_a_fleet_of_such_gpus_names_each_one_whose_stock_limit_is_enforced(
     assert cube.attrs["stock_power_limit_enforced"] == ",".join(uuids)
     assert cube.attrs["stock_power_limit_w"] == 700.0
     assert power_limit_calls(nvml) == []
+
+
+@pytest.mark.parametrize("how", ["gpus", "shards"])
+def test_a_merge_keeps_which_gpus_stock_limit_is_the_enforced_one(
+    tmp_path: Path, env: dict[str, str], nvml: Any, how: str
+) -> None:
+    """`dvfs cube merge` of such a GPU's cube with an ordinary GPU's dropped the attribute
+    `stock_power_limit_enforced` (a shard merge kept the first shard's alone), so `cube info`
+    and the report said the merged cube's stock limits were all "as found at start", the
+    limit NVML enforced on GPU 0 taken for a configured one. Every source's GPUs are named."""
+    from dvfs.cube import open_cube
+
+    nvml.fake_update_device(0, oob_power_limit_mw=600_000 if how == "gpus" else 700_000)
+    uuid = nvml.fake_device_state(0)["uuid"]
+    campaign = clocks_campaign(tmp_path)
+    if how == "shards":  # two comparison groups, one per shard
+        campaign.write_text(campaign.read_text().replace("batch = [1]\n", "batch = [1, 2]\n"))
+    cubes = []
+    for gpu in ("1", "0"):  # the ordinary GPU's cube first
+        out = tmp_path / f"gpu{gpu}"
+        share = ("--shard", f"{1 - int(gpu)}/2") if how == "shards" else ()
+        args = ("sweep", str(campaign), "--gpus", gpu, "--out", str(out), "--no-progress")
+        result = dvfs_in_process(*args, *share, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        cubes.append(str(out / "cube.nc"))
+    merged = tmp_path / "merged.nc"
+    result = dvfs_in_process("cube", "merge", *cubes, "-o", str(merged), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert open_cube(merged).attrs["stock_power_limit_enforced"] == uuid
+    info = dvfs_in_process("cube", "info", str(merged), env=env)
+    assert info.returncode == 0, info.stdout + info.stderr
+    said = " ".join(info.stdout.split())
+    assert f"NVML does not support the power limit of {uuid[:12]}" in said, said
+
+
+def test_a_fleet_mixing_such_a_gpu_with_an_ordinary_one_is_refused_before_it_measures(
+    tmp_path: Path, env: dict[str, str], nvml: Any
+) -> None:
+    """A fleet of such a GPU (its session's power-limit range NaN) and an ordinary one of the
+    same model: `dvfs doctor` passed it, and the sweep refused it only once each worker had
+    timed its counters and measured its idle power (minutes on real GPUs), when the driver
+    compared their sessions. The sweep refuses it before any worker opens its GPUs now, in one
+    line naming both; doctor fails `stock` in that line."""
+    campaign = str(clocks_campaign(tmp_path))
+    out = tmp_path / "out"
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    line = f"NVML does not support the power limit of GPU 0 ({uuids[0]}), nor then its range"
+    args = ("sweep", campaign, "--gpus", "0,1", "--out", str(out), "--no-progress")
+    result = dvfs_in_process(*args, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = result.stderr.splitlines()
+    assert error.startswith(f"Error: {line}, but supports that of GPU 1 ({uuids[1]})"), error
+    assert "timing" not in result.stdout + result.stderr, "no worker opened its session"
+    assert not out.exists()
+    doctor = dvfs_in_process("doctor", campaign, "--gpus", "0,1", env=env)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert "FAIL stock: " + line in " ".join(doctor.stdout.split()), doctor.stdout

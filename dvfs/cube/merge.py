@@ -454,6 +454,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         },
         server_args=first.attrs.get("server_args", "{}"),
         **_found_limits(cubes),
+        **_enforced_stock(cubes),
         **_idle_foreign(cubes),
         **_idle_readings(cubes),
         **_failed_on_each(cubes, labels),
@@ -927,6 +928,21 @@ def _found_limits(cubes: list[xr.Dataset]) -> dict[str, Any]:
     return found_limits_attrs(found)
 
 
+def _enforced_stock(cubes: list[xr.Dataset]) -> dict[str, str]:
+    """`stock_power_limit_enforced` of the merged cube: every source's GPUs whose power limit
+    NVML does not support, whose stock limit is the one enforced, each once; nothing where no
+    source names one. Else a merge dropped them (and a shard merge kept the first shard's
+    alone), and `cube info` and the report said such a GPU's stock limit was "as found at
+    start", a configured limit NVML never read."""
+    uuids = [
+        u
+        for ds in cubes
+        for u in str(ds.attrs.get("stock_power_limit_enforced") or "").split(",")
+        if u
+    ]
+    return {"stock_power_limit_enforced": ",".join(dict.fromkeys(uuids))} if uuids else {}
+
+
 def _idle_readings(cubes: list[xr.Dataset]) -> dict[str, int]:
     """1 where a cube's opening idle measurement is the mean of the instant power readings
     (`idle_from_power_readings`), else 0; absent where no cube records it (an older dvfs)."""
@@ -1004,6 +1020,8 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     attrs.pop("power_limit_found_w", None)  # the first shard's: each shard's now
     attrs.pop("power_limit_found_gpus", None)
     attrs.update(_found_limits(cubes))
+    attrs.pop("stock_power_limit_enforced", None)  # the first shard's: each shard's now
+    attrs.update(_enforced_stock(cubes))
     if "sessions" in first.attrs:
         attrs["sessions"] = sum(int(ds.attrs.get("sessions", 0)) for ds in cubes)
     if "failed_cells" in first.attrs:

@@ -16,6 +16,7 @@ an open journal keeps only what a resume needs (the finished cells' keys and the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -297,9 +298,7 @@ class Journal:
                 check_links(self.path)  # as root, not appended through another user's link
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            self._write(self._fd, data)
             self._dirty = True
             if self.sync_policy.due(
                 cell=all(record.get("type") == "cell" for record in records),
@@ -307,11 +306,29 @@ class Journal:
             ):
                 self.sync()
         except OSError as exc:
-            # A line half written stays the torn last line, which the next open drops.
+            # A write cut short is cut back off (`_write`), or its torn last line the next
+            # open drops.
             raise JournalError(describe_os_error(exc, "write the journal")) from exc
         # A cell is noted by its key and status; the rare others as stored (JSON types).
         for record, line in zip(records, lines, strict=True):
             self._note(record if record.get("type") == "cell" else json.loads(line))
+
+    @staticmethod
+    def _write(fd: int, data: bytes) -> None:
+        """Write `data` at the end of the journal, all of it or none: a write that fails
+        part-way (a full disk) is cut back off, else its whole records (some levels of an
+        in-flight group) would stand before its torn last line and a resume would measure the
+        others apart."""
+        start = os.fstat(fd).st_size  # where O_APPEND writes (the sweep's lock: one writer)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            if len(view) < len(data):
+                with contextlib.suppress(OSError):  # else the next open drops the torn line
+                    os.ftruncate(fd, start)
+            raise
 
     def sync(self) -> None:
         """Force what was written to disk (nothing to do when nothing was)."""
