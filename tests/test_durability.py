@@ -321,3 +321,42 @@ def test_a_resume_measures_a_partly_journaled_inflight_group_whole(
         ignore=("gpu_time_",),
     )
 
+
+def test_a_partly_journaled_inflight_group_measured_again_counts_once_for_more_repeats(
+    tmp_path: Path,
+) -> None:
+    """With `max_repeats`, the repeats a resume adds are decided on each cell's latest record:
+    a level of a group measured whole again (its first record kept, the group's write cut
+    short) counted twice in its interval across repeats, and the resume added other repeats
+    than an uninterrupted run (here a third repeat it does not take). Its cube equals the
+    uninterrupted run's now."""
+    from click.testing import CliRunner
+    from test_sweep import assert_cubes_equal
+
+    from dvfs.cli import cli
+    from dvfs.cube import open_cube
+
+    text = replace_block(INFLIGHT_TINY, "[measurement]\n", "[measurement]\nmax_repeats = 4\n")
+    campaign = write(tmp_path / "inflight.toml", text + "precision = 0.01\n")
+
+    def sweep(out: Path) -> Any:
+        return CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+
+    clean = sweep(tmp_path / "clean")
+    assert clean.exit_code == 0, clean.output
+    repeats = Counter(
+        r["cell"]["repeat"]
+        for r in read_records(tmp_path / "clean" / "journal.jsonl")
+        if r["type"] == "cell"
+    )
+    assert 2 in repeats and repeats[2] < 8, f"some groups take more repeats, not all: {repeats}"
+    out = tmp_path / "out"
+    _journal_without(tmp_path / "clean", out, drop=1, cut=True)
+    resumed = sweep(out)
+    assert resumed.exit_code == 0, resumed.output
+    assert_cubes_equal(
+        open_cube(out / "cube.nc"),
+        open_cube(tmp_path / "clean" / "cube.nc"),
+        energy_rtol=1e-4,
+        ignore=("gpu_time_",),
+    )

@@ -1372,7 +1372,9 @@ def next_repeats(
         return []
     groups: dict[tuple, list[tuple[float, float]]] = {}
     taken: dict[tuple, int] = {}
-    for record in records:
+    # A cell's latest record: an in-flight group measured whole again replaces its records.
+    latest = {record.cell.key: record for record in records}
+    for record in latest.values():
         key = _group(record.cell)
         taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
         if record.ok and record.measurement is not None and record.measurement.valid:
