@@ -223,9 +223,11 @@ def _estimate_dict(e: TwinEstimate | None, closed_form_s: float) -> dict[str, An
     }
 
 
-def finished_cells(campaign: Campaign, journal: Path) -> set[str]:
-    """Keys of the cells a rerun would skip: those measured ok in `journal`, when it is one of
-    this campaign (one that is not, the sweep refuses: `folder_refusals` says so)."""
+def finished_cells(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> set[str]:
+    """Keys of the cells a rerun of `cells` would skip: those measured ok in `journal`, when
+    it is one of this campaign (one that is not, the sweep refuses: `folder_refusals` says
+    so), less an in-flight group's it holds only part of (`whole_groups_done`)."""
+    from dvfs.measure.inflight import whole_groups_done
     from dvfs.measure.journal import iter_records, journal_differences
 
     if not journal.is_file():
@@ -235,7 +237,9 @@ def finished_cells(campaign: Campaign, journal: Path) -> set[str]:
         header = opened.header
     except JournalError:  # empty, or no header: nothing a rerun would skip
         return set()
-    return set() if journal_differences(header, campaign) else opened.finished()
+    if journal_differences(header, campaign):
+        return set()
+    return whole_groups_done(campaign.measurement.mode, cells, opened.finished())
 
 
 def resumed_journals(
@@ -336,7 +340,7 @@ def plan_dry_run(
             if refused
             else resumed_journals(campaign, out_dir, models, cells, fresh=fresh, fleet=fleet)
         )
-        finished = {j: set() if fresh else finished_cells(campaign, j) for j in journals}
+        finished = {j: set() if fresh else finished_cells(campaign, j, cells) for j in journals}
         # With max_repeats above repeats: the extra repeats each journal holds (done, as the
         # sweep's closing line counts them) and the next ones its cells ask for now (the rule
         # the sweep follows, `extra_repeats`), which run after the planned cells left.

@@ -263,6 +263,105 @@ def test_a_signal_between_an_inflight_groups_records_leaves_the_group_whole(
     )
 
 
+def _journal_without(source: Path, out: Path, *, drop: int, cut: bool) -> None:
+    """`source`'s journal (a finished in-flight sweep's) in a new folder `out`, its first
+    group's last `drop` records left out, as an older dvfs (one write per cell) or a power loss
+    inside the group's one write left it; `cut`: and every record after them (the run stopped
+    there), else the rest kept."""
+    lines = (source / "journal.jsonl").read_bytes().splitlines(keepends=True)
+    records = [json.loads(line) for line in lines]
+    cells = [i for i, r in enumerate(records) if r["type"] == "cell"]
+    group = records[cells[0]]["inflight"]["group"]
+    mine = [i for i in cells if records[i]["inflight"]["group"] == group]
+    assert len(mine) > drop
+    kept = (
+        lines[: mine[-drop]] if cut else [ln for i, ln in enumerate(lines) if i not in mine[-drop:]]
+    )
+    out.mkdir()
+    (out / "journal.jsonl").write_bytes(b"".join(kept))
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")], ids=["one-gpu", "fleet"])
+def test_a_resume_measures_a_partly_journaled_inflight_group_whole(
+    tmp_path: Path, gpus: tuple[str, ...]
+) -> None:
+    """A journal holding only some of an in-flight group's levels (an older dvfs wrote them
+    one by one; a power loss can keep part of the group's one write) was resumed by measuring
+    the others as a group of their own, in decodes of their own (energy per token 1.2% off an
+    uninterrupted run's on the exact twin), and the dry run counted only them left. The whole
+    group is measured again now, its new records replacing the old: the cube equals an
+    uninterrupted run's, and the dry run counts the group's every level left."""
+    from click.testing import CliRunner
+    from test_sweep import assert_cubes_equal
+
+    from dvfs.cli import cli
+    from dvfs.cube import open_cube
+
+    campaign = write(tmp_path / "inflight.toml", INFLIGHT_TINY)
+
+    def sweep(out: Path, *more: str) -> Any:
+        args = ["sweep", str(campaign), "--out", str(out), "--no-progress", *gpus, *more]
+        return CliRunner().invoke(cli, args)
+
+    clean = sweep(tmp_path / "clean")
+    assert clean.exit_code == 0, clean.output
+    out = tmp_path / "out"
+    _journal_without(tmp_path / "clean", out, drop=1, cut=False)
+    dry = sweep(out, "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 0, dry.output
+    plan = json.loads(dry.output)
+    assert (plan["cells"], plan["already_done"]) == (16, 14), "the group's two levels are left"
+    resumed = sweep(out)
+    assert resumed.exit_code == 0, resumed.output
+    assert "2 cell(s) measured" in resumed.output
+    assert_cubes_equal(
+        open_cube(out / "cube.nc"),
+        open_cube(tmp_path / "clean" / "cube.nc"),
+        energy_rtol=1e-4,
+        ignore=("gpu_time_",),
+    )
+
+
+def test_a_partly_journaled_inflight_group_measured_again_counts_once_for_more_repeats(
+    tmp_path: Path,
+) -> None:
+    """With `max_repeats`, the repeats a resume adds are decided on each cell's latest record:
+    a level of a group measured whole again (its first record kept, the group's write cut
+    short) counted twice in its interval across repeats, and the resume added other repeats
+    than an uninterrupted run (here a third repeat it does not take). Its cube equals the
+    uninterrupted run's now."""
+    from click.testing import CliRunner
+    from test_sweep import assert_cubes_equal
+
+    from dvfs.cli import cli
+    from dvfs.cube import open_cube
+
+    text = replace_block(INFLIGHT_TINY, "[measurement]\n", "[measurement]\nmax_repeats = 4\n")
+    campaign = write(tmp_path / "inflight.toml", text + "precision = 0.01\n")
+
+    def sweep(out: Path) -> Any:
+        return CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+
+    clean = sweep(tmp_path / "clean")
+    assert clean.exit_code == 0, clean.output
+    repeats = Counter(
+        r["cell"]["repeat"]
+        for r in read_records(tmp_path / "clean" / "journal.jsonl")
+        if r["type"] == "cell"
+    )
+    assert 2 in repeats and repeats[2] < 8, f"some groups take more repeats, not all: {repeats}"
+    out = tmp_path / "out"
+    _journal_without(tmp_path / "clean", out, drop=1, cut=True)
+    resumed = sweep(out)
+    assert resumed.exit_code == 0, resumed.output
+    assert_cubes_equal(
+        open_cube(out / "cube.nc"),
+        open_cube(tmp_path / "clean" / "cube.nc"),
+        energy_rtol=1e-4,
+        ignore=("gpu_time_",),
+    )
+
+
 def test_a_full_disk_inside_an_inflight_groups_write_leaves_none_of_it(tmp_path: Path) -> None:
     """A full disk part-way through an in-flight group's one write (here: the file-size
     limit, which fails the write where a full disk does) left the group's first level whole

@@ -227,7 +227,10 @@ class Driver:
         self.journal = journal
         #: The corpora, loaded and counted once (local workers share them).
         self.corpora = corpora
-        done = journal.finished()
+        from dvfs.measure.inflight import whole_groups_done
+
+        # An in-flight group the journal holds only part of is measured whole again.
+        done = whole_groups_done(campaign.measurement.mode, cells, journal.finished())
         self.cells = list(cells)
         self.todo = [c for c in cells if c.key not in done]
         # The extra repeats an earlier run journalled count as done, as the planned ones do.
@@ -699,6 +702,7 @@ def run_fleet(
     )
     from dvfs.cube import write_cube
     from dvfs.heap import release_free_memory
+    from dvfs.measure.inflight import whole_groups_done
     from dvfs.measure.journal import iter_records
     from dvfs.out_folder import fresh_start, out_dir_lock
     from dvfs.preflight import check_same_prompts, check_same_server_env
@@ -765,7 +769,11 @@ def run_fleet(
                     if path not in done and has_sessions(path)
                 ]
                 for path in others:
-                    finished = Journal(path, iter_records(path)).finished()
+                    finished = whole_groups_done(
+                        campaign.measurement.mode,
+                        cells,
+                        Journal(path, iter_records(path)).finished(),
+                    )
                     left = sum(c.key not in finished for c in cells)
                     if left and progress is not None:
                         progress.note(

@@ -230,6 +230,19 @@ def inflight_groups(cells: Sequence[Cell]) -> list[tuple[Cell, ...]]:
     return [tuple(g) for g in groups.values()]
 
 
+def whole_groups_done(mode: str, cells: Sequence[Cell], done: set[str]) -> set[str]:
+    """The keys of `done` (a journal's finished cells) a run of `cells` skips: in flight, not
+    those of a group (`inflight_groups`) it holds only some levels of (an older dvfs journaled
+    them one by one, or a power loss kept part of the group's one write). Measured apart, in
+    decodes of their own, its other levels came out up to 1.2% off an uninterrupted run's; so
+    the whole group is measured again, and its new records replace the old ones, as a later
+    record of a cell does in the cube."""
+    if mode != "in-flight":
+        return done
+    part = [g for g in inflight_groups(cells) if any(c.key not in done for c in g)]
+    return done - {c.key for g in part for c in g}
+
+
 def group_id(cells: Sequence[Cell]) -> str:
     drafter, repeat, batch, corpus = group_key(cells[0])
     return f"{drafter}/{corpus}/b{batch}/r{repeat}"

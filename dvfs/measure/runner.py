@@ -1199,7 +1199,10 @@ class Runner:
     def run(self, cells: Sequence[Cell], *, adaptive: bool = True) -> RunSummary:
         """Run the cells not yet journaled, then (`adaptive`) the extra repeats of those whose
         interval across repeats misses the precision (up to max_repeats)."""
-        done = self.journal.finished()
+        from dvfs.measure.inflight import whole_groups_done
+
+        # An in-flight group the journal holds only part of is measured whole again.
+        done = whole_groups_done(self.campaign.measurement.mode, cells, self.journal.finished())
         todo = [c for c in cells if c.key not in done]
         # The extra repeats an earlier run journalled count as done, as the planned ones do.
         total = len(cells) + len(journaled_repeats(self.campaign.measurement, cells, done))
@@ -1369,7 +1372,9 @@ def next_repeats(
         return []
     groups: dict[tuple, list[tuple[float, float]]] = {}
     taken: dict[tuple, int] = {}
-    for record in records:
+    # A cell's latest record: an in-flight group measured whole again replaces its records.
+    latest = {record.cell.key: record for record in records}
+    for record in latest.values():
         key = _group(record.cell)
         taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
         if record.ok and record.measurement is not None and record.measurement.valid:
