@@ -203,6 +203,23 @@ def test_an_interrupted_sweep_syncs_what_it_wrote(
 INFLIGHT_TINY = replace_block(TINY_EXACT, "[measurement]\n", '[measurement]\nmode = "in-flight"\n')
 
 
+def assert_resumed_as_uninterrupted(resumed: Any, out: Path, clean: Path) -> None:
+    """A rerun that finished `out` (its CliRunner result `resumed`) made the cube an
+    uninterrupted run made in `clean`, by the suite's rule for a resumed cube (energy within
+    1e-4: the counter's millijoule steps; a rerun's own server start and idle in `gpu_time_`)."""
+    from test_sweep import assert_cubes_equal
+
+    from dvfs.cube import open_cube
+
+    assert resumed.exit_code == 0, resumed.output
+    assert_cubes_equal(
+        open_cube(out / "cube.nc"),
+        open_cube(clean / "cube.nc"),
+        energy_rtol=1e-4,
+        ignore=("gpu_time_",),
+    )
+
+
 def _signal_after_first_cell_written(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C right after the run's first cell record reached the OS, as the CLI's handler
     raises it at the next bytecode: the journal notes a record once it is written."""
@@ -230,10 +247,8 @@ def test_a_signal_between_an_inflight_groups_records_leaves_the_group_whole(
     runner's, and a fleet driver's for a worker's shipment), so the resume equals an
     uninterrupted run."""
     from click.testing import CliRunner
-    from test_sweep import assert_cubes_equal
 
     from dvfs.cli import cli
-    from dvfs.cube import open_cube
 
     campaign = write(tmp_path / "inflight.toml", INFLIGHT_TINY)
 
@@ -254,13 +269,7 @@ def test_a_signal_between_an_inflight_groups_records_leaves_the_group_whole(
     if not gpus:  # (a fleet's other worker may ship more on its way out, whole groups too)
         assert len(cells) == 2, "stopped after the first group"
     resumed = sweep(out)
-    assert resumed.exit_code == 0, resumed.output
-    assert_cubes_equal(
-        open_cube(out / "cube.nc"),
-        open_cube(tmp_path / "clean" / "cube.nc"),
-        energy_rtol=1e-4,
-        ignore=("gpu_time_",),
-    )
+    assert_resumed_as_uninterrupted(resumed, out, tmp_path / "clean")
 
 
 def _journal_without(source: Path, out: Path, *, drop: int, cut: bool) -> None:
@@ -292,10 +301,8 @@ def test_a_resume_measures_a_partly_journaled_inflight_group_whole(
     group is measured again now, its new records replacing the old: the cube equals an
     uninterrupted run's, and the dry run counts the group's every level left."""
     from click.testing import CliRunner
-    from test_sweep import assert_cubes_equal
 
     from dvfs.cli import cli
-    from dvfs.cube import open_cube
 
     campaign = write(tmp_path / "inflight.toml", INFLIGHT_TINY)
 
@@ -312,14 +319,8 @@ def test_a_resume_measures_a_partly_journaled_inflight_group_whole(
     plan = json.loads(dry.output)
     assert (plan["cells"], plan["already_done"]) == (16, 14), "the group's two levels are left"
     resumed = sweep(out)
-    assert resumed.exit_code == 0, resumed.output
     assert "2 cell(s) measured" in resumed.output
-    assert_cubes_equal(
-        open_cube(out / "cube.nc"),
-        open_cube(tmp_path / "clean" / "cube.nc"),
-        energy_rtol=1e-4,
-        ignore=("gpu_time_",),
-    )
+    assert_resumed_as_uninterrupted(resumed, out, tmp_path / "clean")
 
 
 def test_a_partly_journaled_inflight_group_measured_again_counts_once_for_more_repeats(
@@ -331,10 +332,8 @@ def test_a_partly_journaled_inflight_group_measured_again_counts_once_for_more_r
     than an uninterrupted run (here a third repeat it does not take). Its cube equals the
     uninterrupted run's now."""
     from click.testing import CliRunner
-    from test_sweep import assert_cubes_equal
 
     from dvfs.cli import cli
-    from dvfs.cube import open_cube
 
     text = replace_block(INFLIGHT_TINY, "[measurement]\n", "[measurement]\nmax_repeats = 4\n")
     campaign = write(tmp_path / "inflight.toml", text + "precision = 0.01\n")
@@ -353,13 +352,7 @@ def test_a_partly_journaled_inflight_group_measured_again_counts_once_for_more_r
     out = tmp_path / "out"
     _journal_without(tmp_path / "clean", out, drop=1, cut=True)
     resumed = sweep(out)
-    assert resumed.exit_code == 0, resumed.output
-    assert_cubes_equal(
-        open_cube(out / "cube.nc"),
-        open_cube(tmp_path / "clean" / "cube.nc"),
-        energy_rtol=1e-4,
-        ignore=("gpu_time_",),
-    )
+    assert_resumed_as_uninterrupted(resumed, out, tmp_path / "clean")
 
 
 def test_a_full_disk_inside_an_inflight_groups_write_leaves_none_of_it(tmp_path: Path) -> None:
@@ -370,10 +363,8 @@ def test_a_full_disk_inside_an_inflight_groups_write_leaves_none_of_it(tmp_path:
     cut back off now; the error is one line, and the resume equals an uninterrupted run."""
     from click.testing import CliRunner
     from test_bad_inputs import _run_capped
-    from test_sweep import assert_cubes_equal
 
     from dvfs.cli import cli
-    from dvfs.cube import open_cube
 
     campaign = write(tmp_path / "inflight.toml", INFLIGHT_TINY)
 
@@ -395,10 +386,4 @@ def test_a_full_disk_inside_an_inflight_groups_write_leaves_none_of_it(tmp_path:
     cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(cells) == 2, "the first group whole, none of the second"
     resumed = CliRunner().invoke(cli, argv(out))
-    assert resumed.exit_code == 0, resumed.output
-    assert_cubes_equal(
-        open_cube(out / "cube.nc"),
-        open_cube(tmp_path / "clean" / "cube.nc"),
-        energy_rtol=1e-4,
-        ignore=("gpu_time_",),
-    )
+    assert_resumed_as_uninterrupted(resumed, out, tmp_path / "clean")
