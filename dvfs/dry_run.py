@@ -344,16 +344,12 @@ def plan_dry_run(
         # With max_repeats above repeats: the extra repeats each journal holds (done, as the
         # sweep's closing line counts them) and the next ones its cells ask for now (the rule
         # the sweep follows, `extra_repeats`), which run after the planned cells left.
+        # (a partly journaled in-flight group's levels among them: measured whole again)
+        extra_next = {j: [] if fresh else extra_repeats(campaign, j, cells) for j in journals}
+        for j in journals:
+            finished[j] -= {c.key for c in extra_next[j]}
         extra_done = {
             j: journaled_repeats(campaign.measurement, cells, finished[j]) for j in journals
-        }
-        extra_next = {
-            j: [
-                c
-                for c in ([] if fresh else extra_repeats(campaign, j, cells))
-                if c.key not in finished[j]
-            ]
-            for j in journals
         }
     except Exception:
         if stand_in_problem is not None:  # said first, as before the folder was read

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -387,3 +388,49 @@ def test_a_full_disk_inside_an_inflight_groups_write_leaves_none_of_it(tmp_path:
     assert len(cells) == 2, "the first group whole, none of the second"
     resumed = CliRunner().invoke(cli, argv(out))
     assert_resumed_as_uninterrupted(resumed, out, tmp_path / "clean")
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")], ids=["one-gpu", "fleet"])
+def test_a_resume_measures_a_partly_journaled_added_repeats_inflight_group_whole(
+    tmp_path: Path, gpus: tuple[str, ...]
+) -> None:
+    """A group of a repeat `max_repeats` adds, journaled in part (an older dvfs's, a power
+    loss inside its one write), was resumed by measuring its other level alone, in decodes of
+    its own (energy per token 1.2% off on the exact twin), which then took a repeat the
+    uninterrupted run did not; the dry run counted it alone left. The group is measured whole
+    again now, as a planned one is: the cube equals the uninterrupted run's."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    text = replace_block(INFLIGHT_TINY, "[measurement]\n", "[measurement]\nmax_repeats = 4\n")
+    campaign = write(tmp_path / "inflight.toml", text + "precision = 0.01\n")
+
+    def sweep(out: Path, *more: str) -> Any:
+        args = ["sweep", str(campaign), "--out", str(out), "--no-progress", *gpus, *more]
+        return CliRunner().invoke(cli, args)
+
+    clean = sweep(tmp_path / "clean")
+    assert clean.exit_code == 0, clean.output
+    lines = (tmp_path / "clean" / "journal.jsonl").read_bytes().splitlines(keepends=True)
+    records = [json.loads(line) for line in lines]
+    cells = [i for i, r in enumerate(records) if r["type"] == "cell"]
+    added = Counter(records[i]["inflight"]["group"] for i in cells if records[i]["cell"]["repeat"])
+    # an added repeat's group of two levels, the run stopped inside its write
+    group = next(g for g, n in added.items() if n == 2 and g.endswith(("/r2", "/r3")))
+    drop = max(i for i in cells if records[i]["inflight"]["group"] == group)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").write_bytes(b"".join(lines[:drop]))
+    kept = sum(i < drop and records[i]["cell"]["repeat"] >= 2 for i in cells)
+    dry = sweep(out, "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 0, dry.output
+    repeats = json.loads(dry.output)["adaptive_repeats"]
+    assert repeats["extra_done"] == kept - 1, f"the group's journaled level to run: {repeats}"
+    resumed = sweep(out)
+    assert_resumed_as_uninterrupted(resumed, out, tmp_path / "clean")
+    last = [line for line in resumed.output.splitlines() if "cell(s) measured" in line][-1]
+    measured, done = (
+        int(n) for n in re.findall(r"(\d+) cell\(s\) measured.* (\d+) already", last)[0]
+    )
+    assert (measured + done, done) == (len(cells), 16 + kept - 1), last

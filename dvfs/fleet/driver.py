@@ -232,6 +232,8 @@ class Driver:
         # An in-flight group the journal holds only part of is measured whole again.
         done = whole_groups_done(campaign.measurement.mode, cells, journal.finished())
         self.cells = list(cells)
+        # (and an added repeat's group journaled in part: `next_repeats` asks for it whole)
+        done -= {c.key for c in self._more_repeats(set())}
         self.todo = [c for c in cells if c.key not in done]
         # The extra repeats an earlier run journalled count as done, as the planned ones do.
         self.total = len(cells) + len(journaled_repeats(campaign.measurement, cells, done))
@@ -431,7 +433,7 @@ class Driver:
         stats.current = ""
         keys = {cell.key for cell in cells}
         if self._outstanding and self._outstanding <= keys:  # the last: more repeats?
-            self._add(self._more_repeats(self.journal.finished()))
+            self._add(self._more_repeats(set()))
         statuses = {
             str(r.get("key")): str(r.get("status", "failed"))
             for r in shipment.records
@@ -449,7 +451,9 @@ class Driver:
         self._show(stats)
 
     def _more_repeats(self, done: set[str]) -> list[Cell]:
-        """The next repeats the journal's cells ask for (`extra_repeats`), none measured yet."""
+        """The next repeats the journal's cells ask for (`extra_repeats`), none in `done`
+        (a partly journaled in-flight group's levels are not: `next_repeats` asks for it
+        whole)."""
         if self.campaign.measurement.max_repeats <= self.campaign.measurement.repeats:
             return []
         self.journal.sync()

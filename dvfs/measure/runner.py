@@ -1204,6 +1204,8 @@ class Runner:
         # An in-flight group the journal holds only part of is measured whole again.
         done = whole_groups_done(self.campaign.measurement.mode, cells, self.journal.finished())
         todo = [c for c in cells if c.key not in done]
+        if adaptive:  # an added repeat's group journaled in part is measured whole again
+            done -= {c.key for c in self.extra_repeats(cells)}
         # The extra repeats an earlier run journalled count as done, as the planned ones do.
         total = len(cells) + len(journaled_repeats(self.campaign.measurement, cells, done))
         skipped = total - len(todo)
@@ -1217,8 +1219,8 @@ class Runner:
                     measured += 1
                 else:
                     failed.append(cell_label(record.cell))
-            more = self.extra_repeats(cells) if adaptive else []
-            todo = [c for c in more if c.key not in self.journal.finished()]
+            # (never a finished cell but a partly journaled in-flight group's, asked whole)
+            todo = self.extra_repeats(cells) if adaptive else []
             if not todo:
                 break
             target = self.campaign.measurement.precision
@@ -1367,14 +1369,36 @@ def next_repeats(
     interval on energy per token or median TPOT misses the precision, while it has fewer than
     max_repeats; none when max_repeats is repeats. In the planned order, reversed on odd
     repeats (the plan's serpentine). The one rule a single runner and a fleet's driver follow,
-    each reading its own journal's cell records."""
+    each reading its own journal's cell records.
+
+    In flight, an added repeat's group journaled in part (an older dvfs's, a power loss inside
+    its one write) is asked for whole: its journaled levels again beside the others (which
+    the same earlier repeats ask for again), not the others alone in decodes of their own
+    (energy per token 1.2% off on the twin), as `whole_groups_done` has a planned one
+    measured whole; their new records replace the old."""
     if m.max_repeats <= m.repeats:
         return []
-    groups: dict[tuple, list[tuple[float, float]]] = {}
-    taken: dict[tuple, int] = {}
     # A cell's latest record: an in-flight group measured whole again replaces its records.
     latest = {record.cell.key: record for record in records}
-    for record in latest.values():
+    extra = _next_repeats(m, latest.values(), cells)
+    if m.mode == "in-flight" and extra:
+        from dvfs.measure.inflight import group_key
+
+        asked = {group_key(cell) for cell in extra}
+        part = {key for key, record in latest.items() if group_key(record.cell) in asked}
+        if part:
+            kept = [record for key, record in latest.items() if key not in part]
+            extra = _next_repeats(m, kept, cells)
+    return extra
+
+
+def _next_repeats(
+    m: MeasurementConfig, latest: Iterable[CellRecord], cells: Sequence[Cell]
+) -> list[Cell]:
+    """`next_repeats` from each cell's latest record."""
+    groups: dict[tuple, list[tuple[float, float]]] = {}
+    taken: dict[tuple, int] = {}
+    for record in latest:
         key = _group(record.cell)
         taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
         if record.ok and record.measurement is not None and record.measurement.valid:
