@@ -551,23 +551,29 @@ def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(
     assert up == {("", lost_uuid): 0.0, ("1", nvml.fake_device_state(1)["uuid"]): 1.0}, up
 
 
-class GeneratingMetrics(http.server.ThreadingHTTPServer):
-    """A loopback /metrics page whose server generated 10 tokens more at every read."""
+class CountingMetrics(http.server.ThreadingHTTPServer):
+    """A loopback /metrics page over HTTP/1.1 keep-alive that counts the connections made to
+    it and the requests read through them; `page` is what each read answers."""
 
     daemon_threads = True
 
     def __init__(self) -> None:
-        self.tokens = 0
+        self.connections = 0
+        self.requests = 0
+        self.paths: list[str] = []  # each request's path and query, as read
         server = self
 
         class Page(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def setup(self) -> None:
+                server.connections += 1
+                super().setup()
+
             def do_GET(self) -> None:  # noqa: N802 - http.server naming
-                server.tokens += 10
-                body = (
-                    f"sglang:num_running_reqs 2\nsglang:generation_tokens_total {server.tokens}\n"
-                ).encode()
+                server.requests += 1
+                server.paths.append(self.path)
+                body = server.page()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -578,16 +584,35 @@ class GeneratingMetrics(http.server.ThreadingHTTPServer):
 
         super().__init__(("127.0.0.1", 0), Page)
 
+    def page(self) -> bytes:
+        return b"sglang:num_running_reqs 2\nsglang:generation_tokens_total 10\n"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
     @contextlib.contextmanager
     def serving(self) -> Iterator[str]:
         """Serve in a thread for the block: the page's URL."""
         thread = threading.Thread(target=self.serve_forever, daemon=True)
         thread.start()
         try:
-            yield f"http://127.0.0.1:{self.server_address[1]}"
+            yield self.url
         finally:
             self.shutdown()
             self.server_close()
+
+
+class GeneratingMetrics(CountingMetrics):
+    """A loopback /metrics page whose server generated 10 tokens more at every read."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        super().__init__()
+
+    def page(self) -> bytes:
+        self.tokens += 10
+        return f"sglang:num_running_reqs 2\nsglang:generation_tokens_total {self.tokens}\n".encode()
 
 
 def test_a_server_gpu_that_did_not_open_leaves_the_servers_energy_per_token_unknown(
@@ -756,44 +781,6 @@ def test_a_governed_gpu_lost_mid_run_stops_the_governor_in_one_line(
     assert "Traceback" not in log.read_text()
     healthy = nvml.fake_device_state(1)
     assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
-
-
-class CountingMetrics(http.server.ThreadingHTTPServer):
-    """A loopback /metrics page over HTTP/1.1 keep-alive that counts the connections made to
-    it and the requests read through them."""
-
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        self.connections = 0
-        self.requests = 0
-        self.paths: list[str] = []  # each request's path and query, as read
-        server = self
-
-        class Page(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self) -> None:
-                server.connections += 1
-                super().setup()
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server naming
-                server.requests += 1
-                server.paths.append(self.path)
-                body = b"sglang:num_running_reqs 2\nsglang:generation_tokens_total 10\n"
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Page)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
 
 
 @pytest.mark.parametrize(
