@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 import pytest
@@ -577,7 +578,7 @@ class CountingMetrics(http.server.ThreadingHTTPServer):
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                server.send(self.wfile, body)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -586,6 +587,9 @@ class CountingMetrics(http.server.ThreadingHTTPServer):
 
     def page(self) -> bytes:
         return b"sglang:num_running_reqs 2\nsglang:generation_tokens_total 10\n"
+
+    def send(self, out: BinaryIO, body: bytes) -> None:
+        out.write(body)
 
     @property
     def url(self) -> str:
@@ -804,47 +808,31 @@ def test_a_run_reads_the_server_every_interval_over_one_connection(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plan.toml").write_text(PLAN)
     server = CountingMetrics()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with server.serving() as url:
         result = dvfs_in_process(
             *command,
-            *("--url", server.url, "--gpu", "0", "--interval", "0.01", "--max-intervals", "5"),
+            *("--url", url, "--gpu", "0", "--interval", "0.01", "--max-intervals", "5"),
             env=env,
         )
-    finally:
-        server.shutdown()
-        server.server_close()
     assert result.returncode == 0, result.stderr
     assert server.requests == reads, result.stderr
     assert server.connections == 1
 
 
-class TricklingMetrics(http.server.ThreadingHTTPServer):
+class TricklingMetrics(CountingMetrics):
     """A loopback /metrics page sent a byte at a time, `delay_s` apart (a server too busy to
     send it whole), every byte sooner than an HTTP read times out."""
 
-    daemon_threads = True
-
     def __init__(self, delay_s: float) -> None:
-        class Page(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        self.delay_s = delay_s
+        super().__init__()
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server naming
-                body = b"sglang:num_running_reqs 2\nsglang:generation_tokens_total 10\n"
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                with contextlib.suppress(OSError):  # the reader gave up: it hung up
-                    for byte in body:
-                        self.wfile.write(bytes([byte]))
-                        self.wfile.flush()
-                        time.sleep(delay_s)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Page)
+    def send(self, out: BinaryIO, body: bytes) -> None:
+        with contextlib.suppress(OSError):  # the reader gave up: it hung up
+            for byte in body:
+                out.write(bytes([byte]))
+                out.flush()
+                time.sleep(self.delay_s)
 
 
 @pytest.mark.parametrize(
@@ -865,19 +853,12 @@ def test_a_page_that_trickles_in_is_a_server_not_answering(
     page must now come within the timeout, else the server is not answering."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plan.toml").write_text(PLAN)
-    server = TricklingMetrics(delay_s=0.1)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with TricklingMetrics(delay_s=0.1).serving() as url:
         result = dvfs_in_process(
             *command,
             *("--url", url, "--gpu", "0", "--interval", "0.2", "--max-intervals", "1"),
             env=env,
         )
-    finally:
-        server.shutdown()
-        server.server_close()
     said = f"cannot read {url}/metrics: its page did not come within 0.5 s"
     assert said in result.stderr, result.stderr
     if command[0] == "monitor":
@@ -896,10 +877,8 @@ def test_the_server_is_read_at_the_url_given_and_a_port_out_of_range_is_refused(
     query stays (after /metrics), the fragment goes, and a port outside 1-65535 is a usage
     error, exit 2, its credentials not shown."""
     server = CountingMetrics()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     port = server.server_address[1]
-    try:
+    with server.serving():
         for url, path in (
             (f"{server.url}/?x=1", "/metrics?x=1"),
             (f"{server.url}/metrics/?x=1", "/metrics?x=1"),
@@ -926,9 +905,6 @@ def test_the_server_is_read_at_the_url_given_and_a_port_out_of_range_is_refused(
             assert f"has port {port + 65536}, not one from 1 to 65535" in printed, printed
             assert "pw-1" not in printed and "Traceback" not in printed, printed
         assert server.paths == []  # nothing read at the port it wraps around to
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _refused_by_monitor_and_govern(
@@ -991,20 +967,15 @@ def test_a_url_path_with_escaped_characters_is_read_as_written(
     (another page read, silently) and %3F or %23 ended the run in "internal error:
     InvalidURL", exit 1. The page read is the prefix as written, then /metrics."""
     server = CountingMetrics()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with server.serving() as url:
         result = dvfs_in_process(
-            *("monitor", "--once", "--url", server.url + prefix, "--gpu", "0"),
+            *("monitor", "--once", "--url", url + prefix, "--gpu", "0"),
             *("--interval", "0.01"),
             env=env,
         )
-        assert result.returncode == 0, result.stdout + result.stderr
-        path = prefix.removesuffix("/").removesuffix("/metrics") + "/metrics"
-        assert server.paths == [path, path], server.paths
-    finally:
-        server.shutdown()
-        server.server_close()
+    assert result.returncode == 0, result.stdout + result.stderr
+    path = prefix.removesuffix("/").removesuffix("/metrics") + "/metrics"
+    assert server.paths == [path, path], server.paths
 
 
 @pytest.mark.parametrize(
