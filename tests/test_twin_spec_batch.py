@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,6 +63,25 @@ EAGLE3_TREE = Drafter("EAGLE3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", 5, 4, 8)
 DFLASH = Drafter("DFLASH", None, None, None, 16)
 
 
+def steady_decode(plan: Any, batch: int, accepted: float) -> tuple[PassBuilder, Any]:
+    """One steady decode iteration at `batch` as the twin builds it (`decode_passes`), every
+    request at CONTEXT tokens of context and `accepted` tokens each: its passes and the
+    verify width `decode_passes` returns."""
+    active, context = np.array([float(batch)]), np.array([CONTEXT])
+    builder = PassBuilder(1)
+    width = decode_passes(
+        builder,
+        LLAMA8B,
+        plan,
+        active,
+        active * CONTEXT,
+        LLAMA8B.kv_bytes_read(context) * active,
+        context,
+        active * accepted,
+    )
+    return builder, width
+
+
 def iteration(
     drafter: Drafter,
     batch: int,
@@ -73,19 +93,7 @@ def iteration(
     """(seconds, joules, tokens) of one steady decode iteration at `batch`."""
     plan = plan_drafter(drafter, LLAMA8B)
     tau = plan.expected_accept_length(text, 0.0) if plan else 1.0
-    active = np.array([float(batch)])
-    context = np.array([CONTEXT])
-    builder = PassBuilder(1)
-    decode_passes(
-        builder,
-        LLAMA8B,
-        plan,
-        active,
-        active * CONTEXT,
-        LLAMA8B.kv_bytes_read(context) * active,
-        context,
-        active * tau,
-    )
+    builder, _ = steady_decode(plan, batch, tau)
     timing = physics.operating_point(H100, builder.parts[0], clock_mhz, limit_w).timing
     return timing.total_s, timing.energy_j, batch * tau
 
@@ -222,18 +230,7 @@ def twins_verify_pass(drafter: Drafter, batch: int) -> physics.Passes:
     """The verify pass of one steady decode iteration at `batch`, as the twin builds it
     (`decode_passes`), every request at CONTEXT tokens of context."""
     plan = plan_drafter(drafter, LLAMA8B)
-    active, context = np.array([float(batch)]), np.array([CONTEXT])
-    builder = PassBuilder(1)
-    width = decode_passes(
-        builder,
-        LLAMA8B,
-        plan,
-        active,
-        active * CONTEXT,
-        LLAMA8B.kv_bytes_read(context) * active,
-        context,
-        active,
-    )
+    builder, width = steady_decode(plan, batch, 1.0)
     return builder.parts[0].take(np.array([verify_column(plan, width)]))
 
 
