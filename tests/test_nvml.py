@@ -319,3 +319,36 @@ def test_cap_apply_refusing_a_withheld_gpu_names_one_fallen_off_the_bus_too(
     [line] = refused.stderr.splitlines()
     assert "GPU 1 (NVML: no permission)" in line and "GPU 2" in line, line
     assert "fallen off the bus" in line and nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_cap_apply_of_a_model_entry_names_a_gpu_nvml_may_not_talk_to(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d), whose model it cannot
+    read either: a caps file's [[model]] entry capped the other GPUs of that model and exited
+    0, dry run too, without a word of the withheld GPU, which the entry may name, left
+    uncapped (the [[gpu]] entries' case is refused, exit 4). The others are capped, then one
+    line names the withheld GPU, exit 4 (the dry run says so and changes nothing); with every
+    GPU open, nothing is said."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm")  # one model
+    nvml.fake_reset_state()
+    env = fake_env(tmp_path)
+    caps = tmp_path / "caps.toml"
+    caps.write_text('[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1500\n')
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    dry = dvfs_in_process("cap", "apply", str(caps), "--dry-run", env=env)
+    assert dry.returncode == 4, (dry.stdout, dry.stderr)
+    assert "would apply to GPU 0" in dry.stdout, dry.stdout
+    [line] = dry.stderr.splitlines()
+    assert line.startswith("Error: dry run, nothing changed: ") and "GPU 1" in line, line
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    applied = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert applied.returncode == 4, (applied.stdout, applied.stderr)
+    assert "applied to GPU 0" in applied.stdout, applied.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] is not None  # the other, capped
+    [line] = applied.stderr.splitlines()
+    assert "GPU 1 (NVML: no permission)" in line and "[[model]]" in line, line
+    nvml.fake_update_device(1, errors={})
+    again = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert again.returncode == 0, (again.stdout, again.stderr)
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None, again.stdout  # both

@@ -234,9 +234,11 @@ def apply(
     --skip-missing; 4, changing nothing, where NVML counts a GPU this process may not talk to,
     whose UUID a UUID not here may be); 1 naming a GPU fallen off the bus, once the other GPUs
     are capped (or none, if the file matches none of those that open: the lost GPU may be the
-    one it names); 3, changing nothing, when another dvfs holds a GPU it would cap (naming one
-    fallen off the bus too). Models not on this host, and GPUs here that no entry names, are
-    only noted.
+    one it names); 4 naming a GPU NVML counts but this process may not talk to, where the file
+    has [[model]] entries (its model unreadable: one may name it), once the other GPUs are
+    capped; 3, changing nothing, when another dvfs holds a GPU it would cap (naming one fallen
+    off the bus too). Models not on this host, and GPUs here that no entry names, are only
+    noted.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
@@ -276,6 +278,9 @@ def apply(
         )
         if plan.unmatched:
             _refuse_withheld(plan.unmatched, str(caps_file), dry_run=dry_run, lost=lost_line)
+        # every GPU leaves out one NVML may not talk to: a [[model]] entry may name it (its
+        # model cannot be read), left uncapped, which must not read as the file applied
+        withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run)
         capped = {a.uuid for a in plan.actions}
         volatile = {
             g.identity.uuid: f"GPU {g.identity.index}"
@@ -334,7 +339,16 @@ def apply(
             raise CapsPartlyAppliedError(f"{message}; pass --skip-missing if that is expected")
         console(stderr=True).print(f"note: {escape(message)}")
     if failed is not None:  # once the others' notes are said; with the GPUs fallen off the bus
-        raise type(failed)("; ".join(p for p in (str(failed), lost_line) if p)) from None
+        raise type(failed)("; ".join(p for p in (str(failed), withheld, lost_line) if p)) from None
+    if withheld:  # the others are capped (or, dry run, would be): exit 4, as `cap reset`
+        raise GpuPermissionError(
+            "; ".join(p for p in (withheld, lost_line) if p)
+            + (
+                "; `cap apply` would cap the other GPUs the file matches and exit 4"
+                if dry_run
+                else "; caps were applied to the other GPUs the file matches"
+            )
+        )
     if lost:  # the others are capped (or, dry run, would be): the lost GPU needs seeing to
         if dry_run:
             raise GpuUnavailableError(
@@ -368,6 +382,32 @@ def _refuse_withheld(
         f"{'its' if len(refused) == 1 else 'their'} UUID, so nothing was capped: run dvfs as "
         "a user the GPUs admit (root, with sudo), or remove those entries from the file"
         + (f"; {lost}" if lost else "")
+    )
+
+
+def _withheld_models(caps: CapsFile, where: str, *, dry_run: bool) -> str:
+    """The line naming the GPUs NVML counts but has no permission to talk to, where the caps
+    file has [[model]] entries: every GPU leaves those GPUs out (`dvfs.gpu.nvml.every_gpu`) and
+    their model cannot be read, so an entry for every GPU of a model may name one, which is
+    not capped; "" where the file names GPUs by UUID only or NVML withholds none."""
+    from dvfs.backends import withheld_gpus
+
+    models = [c.name for c in caps.caps if c.name]
+    if not models:
+        return ""
+    refused = withheld_gpus()
+    if not refused:
+        return ""
+    gpus = ", ".join(f"GPU {i}" for i in refused)
+    one = len(refused) == 1
+    return (
+        f"{'dry run, nothing changed: ' if dry_run else ''}the driver does not let this process "
+        f"talk to {gpus} (NVML: no permission), not even to read {'its' if one else 'their'} "
+        f"model, so {where}'s [[model]] entries ({', '.join(dict.fromkeys(models))}) may name "
+        f"{'it' if one else 'them'}: {'it' if one else 'they'} "
+        f"{'would not be' if dry_run else 'was not' if one else 'were not'} capped; run dvfs cap "
+        "apply as a user the GPUs admit (root, with sudo), or name the GPUs to cap by UUID "
+        "([[gpu]] entries)"
     )
 
 
