@@ -329,7 +329,9 @@ def test_cap_apply_of_a_model_entry_names_a_gpu_nvml_may_not_talk_to(
     0, dry run too, without a word of the withheld GPU, which the entry may name, left
     uncapped (the [[gpu]] entries' case is refused, exit 4). The others are capped, then one
     line names the withheld GPU, exit 4 (the dry run says so and changes nothing); with every
-    GPU open, nothing is said."""
+    GPU open, nothing is said. A file matching none of the others was refused as meant for
+    another host ("matches no GPU on this host", exit 2): it may match the withheld GPU, so it
+    is refused in that GPU's line, exit 4, nothing capped."""
     monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm")  # one model
     nvml.fake_reset_state()
     env = fake_env(tmp_path)
@@ -348,7 +350,16 @@ def test_cap_apply_of_a_model_entry_names_a_gpu_nvml_may_not_talk_to(
     assert nvml.fake_device_state(0)["locked_clocks"] is not None  # the other, capped
     [line] = applied.stderr.splitlines()
     assert "GPU 1 (NVML: no permission)" in line and "[[model]]" in line, line
+    other = tmp_path / "h200.toml"
+    other.write_text('[[model]]\nname = "NVIDIA H200"\nsm_clock_max_mhz = 1500\n')
+    for extra in ([], ["--dry-run"]):
+        refused = dvfs_in_process("cap", "apply", str(other), *extra, env=env)
+        assert refused.returncode == 4, (extra, refused.stdout, refused.stderr)
+        [line] = refused.stderr.splitlines()
+        assert "GPU 1 (NVML: no permission)" in line and "no GPU on this host" not in line, line
     nvml.fake_update_device(1, errors={})
+    gone = dvfs_in_process("cap", "apply", str(other), env=env)  # with every GPU open: exit 2
+    assert gone.returncode == 2 and "no GPU on this host" in gone.stderr, gone.stderr
     again = dvfs_in_process("cap", "apply", str(caps), env=env)
     assert again.returncode == 0, (again.stdout, again.stderr)
     assert nvml.fake_device_state(1)["locked_clocks"] is not None, again.stdout  # both

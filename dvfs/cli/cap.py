@@ -236,7 +236,7 @@ def apply(
     are capped (or none, if the file matches none of those that open: the lost GPU may be the
     one it names); 4 naming a GPU NVML counts but this process may not talk to, where the file
     has [[model]] entries (its model unreadable: one may name it), once the other GPUs are
-    capped; 3, changing nothing, when another dvfs holds a GPU it would cap (naming one fallen
+    capped (none, if the file matches none of them); 3, changing nothing, when another dvfs holds a GPU it would cap (naming one fallen
     off the bus too). Models not on this host, and GPUs here that no entry names, are only
     noted.
     """
@@ -248,7 +248,7 @@ def apply(
         load_caps,
         plan_actions,
     )
-    from dvfs.errors import GpuError, GpuPermissionError, GpuUnavailableError
+    from dvfs.errors import CapsError, GpuError, GpuPermissionError, GpuUnavailableError
     from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
@@ -267,15 +267,19 @@ def apply(
         gone_line = str(lost_gpus(lost)) if lost else ""  # those that did not open
         lost = sorted([*lost, *unsupported], key=lambda e: (e.index is None, e.index or 0))
         lost_line = str(lost_gpus(lost)) if lost else ""
-        plan = plan_actions(
-            caps,
-            gpus,
-            where=str(caps_file),
-            allow_simulated=allow_simulated,
-            applied=AppliedCaps(directory).read(),
-            lost=gone_line,
-            set_aside=[g for g in opened if g not in gpus],
-        )
+        try:
+            plan = plan_actions(
+                caps,
+                gpus,
+                where=str(caps_file),
+                allow_simulated=allow_simulated,
+                applied=AppliedCaps(directory).read(),
+                lost=gone_line,
+                set_aside=[g for g in opened if g not in gpus],
+            )
+        except CapsError:
+            _refuse_unmatched_withheld(caps, caps_file, opened, allow_simulated, dry_run=dry_run)
+            raise
         if plan.unmatched:
             _refuse_withheld(plan.unmatched, str(caps_file), dry_run=dry_run, lost=lost_line)
         # every GPU leaves out one NVML may not talk to: a [[model]] entry may name it (its
@@ -409,6 +413,31 @@ def _withheld_models(caps: CapsFile, where: str, *, dry_run: bool) -> str:
         "apply as a user the GPUs admit (root, with sudo), or name the GPUs to cap by UUID "
         "([[gpu]] entries)"
     )
+
+
+def _refuse_unmatched_withheld(
+    caps: CapsFile, caps_file: Path, opened: Sequence[Gpu], allow_simulated: bool, *, dry_run: bool
+) -> None:
+    """Where the caps file matches none of the GPUs that open (refused as a file for another
+    host, exit 2), refuse it instead (exit 4, nothing capped) in the line naming the GPUs NVML
+    counts but this process may not talk to, whose model a [[model]] entry may be: "no GPU
+    on this host" would be untrue of them. Nothing where the file is refused as simulated."""
+    from dvfs.errors import GpuPermissionError
+
+    if caps.simulated and not allow_simulated:
+        return
+    named = (
+        caps.for_gpu(g.identity.uuid, g.identity.name, twin_models=allow_simulated) for g in opened
+    )
+    if any(cap is not None for cap in named):
+        return
+    withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run)
+    if withheld:
+        host = "; ".join(f"GPU {g.identity.index}, {g.identity.name}" for g in opened) or "none"
+        raise GpuPermissionError(
+            f"{withheld}; {caps_file} matches none of the GPUs this process may talk to "
+            f"({host}), so nothing {'would be' if dry_run else 'was'} capped"
+        ) from None
 
 
 def _set_aside_unsupported(
