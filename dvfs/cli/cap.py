@@ -236,9 +236,9 @@ def apply(
     are capped (or none, if the file matches none of those that open: the lost GPU may be the
     one it names); 4 naming a GPU NVML counts but this process may not talk to, where the file
     has [[model]] entries (its model unreadable: one may name it), once the other GPUs are
-    capped (none, if the file matches none of them); 3, changing nothing, when another dvfs holds a GPU it would cap (naming one fallen
-    off the bus too). Models not on this host, and GPUs here that no entry names, are only
-    noted.
+    capped (none, if the file matches none of them); 3, changing nothing, when another dvfs
+    holds a GPU it would cap (naming one fallen off the bus too). Models not on this host, and
+    GPUs here that no entry names, are only noted.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
