@@ -363,3 +363,35 @@ def test_cap_apply_of_a_model_entry_names_a_gpu_nvml_may_not_talk_to(
     again = dvfs_in_process("cap", "apply", str(caps), env=env)
     assert again.returncode == 0, (again.stdout, again.stderr)
     assert nvml.fake_device_state(1)["locked_clocks"] is not None, again.stdout  # both
+
+
+def test_gpu_reset_defaults_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpu reset --defaults` with no GPU named resets every GPU's caps, as `cap reset` does
+    (the caps record's entries of the GPUs reset go with them). Every GPU leaves out one NVML
+    refuses with NO_PERMISSION: it reset GPU 0, exit 0, while dvfs's caps record still held
+    GPU 1's caps, in force; `cap reset` names them, exit 4 (42585d9). So does `gpu reset
+    --defaults` now, once the others are reset; without --defaults, or a GPU named, or no caps
+    recorded for it, nothing is said."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm")
+    nvml.fake_reset_state()
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    assert dvfs_in_process("cap", "apply", str(caps), env=env).returncode == 0
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    assert dvfs_in_process("gpu", "reset", env=env).returncode == 0  # restores no caps
+    reset = dvfs_in_process("gpu", "reset", "--defaults", env=env)
+    assert reset.returncode == 4, (reset.stdout, reset.stderr)
+    assert "GPU 0" in reset.stdout and nvml.fake_device_state(0)["locked_clocks"] is None
+    [line] = reset.stderr.splitlines()
+    assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
+    assert "caps" in line and "gpu reset --defaults" in line, line
+    assert dvfs_in_process("gpu", "reset", "--defaults", "0", env=env).returncode == 0
+    nvml.fake_update_device(1, errors={})
+    assert dvfs_in_process("gpu", "reset", "--defaults", env=env).returncode == 0  # GPU 1 too
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    assert dvfs_in_process("gpu", "reset", "--defaults", env=env).returncode == 0  # none recorded

@@ -633,16 +633,6 @@ def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
     """The line naming the GPUs dvfs's caps record holds caps for that none of `found` (every
     GPU) is, where NVML counts GPUs it has no permission to talk to (every GPU leaves them out,
     their UUIDs unreadable: such caps may be one's); "" where there are none."""
-    from dvfs.backends import withheld_records_line
-    from dvfs.caps import AppliedCaps
-    from dvfs.errors import CapsError
+    from dvfs.backends import withheld_caps_line
 
-    try:
-        recorded = AppliedCaps(directory).read()
-    except CapsError:  # a damaged record: the reset said what it could
-        return ""
-    opened = {g.identity.uuid for g in found}
-    others = [uuid for uuid in recorded if uuid not in opened]
-    return withheld_records_line(
-        others, "dvfs's caps record holds caps for", "those caps were not reset", "dvfs cap reset"
-    )
+    return withheld_caps_line(directory, found, "those caps were not reset", "dvfs cap reset")
