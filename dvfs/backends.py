@@ -219,6 +219,24 @@ def withheld_records_line(records: Sequence[str], holds: str, left: str, command
     )
 
 
+def withheld_caps_line(directory: Path, found: Sequence[Gpu], left: str, command: str) -> str:
+    """The line naming the GPUs dvfs's caps record (in `directory`) holds caps for that none of
+    `found` (every GPU a reset took) is, where NVML counts GPUs it has no permission to talk to
+    (every GPU leaves them out, their UUIDs unreadable: such caps may be one's, left in force):
+    `withheld_records_line`; "" where there are none (a damaged record: the reset said what it
+    could)."""
+    from dvfs.caps import AppliedCaps
+    from dvfs.errors import CapsError
+
+    try:
+        recorded = AppliedCaps(directory).read()
+    except CapsError:
+        return ""
+    opened = {g.identity.uuid for g in found}
+    others = [uuid for uuid in recorded if uuid not in opened]
+    return withheld_records_line(others, "dvfs's caps record holds caps for", left, command)
+
+
 def _lost_indices(lost: Sequence[GpuError], nvml: ModuleType | None) -> None:
     """Give each GPU of `lost` named by UUID its NVML index where it is knowable: the GPU whose
     UUID is that one, or, where no readable UUID is, the only GPU whose UUID NVML cannot read

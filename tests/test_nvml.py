@@ -319,3 +319,79 @@ def test_cap_apply_refusing_a_withheld_gpu_names_one_fallen_off_the_bus_too(
     [line] = refused.stderr.splitlines()
     assert "GPU 1 (NVML: no permission)" in line and "GPU 2" in line, line
     assert "fallen off the bus" in line and nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_cap_apply_of_a_model_entry_names_a_gpu_nvml_may_not_talk_to(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d), whose model it cannot
+    read either: a caps file's [[model]] entry capped the other GPUs of that model and exited
+    0, dry run too, without a word of the withheld GPU, which the entry may name, left
+    uncapped (the [[gpu]] entries' case is refused, exit 4). The others are capped, then one
+    line names the withheld GPU, exit 4 (the dry run says so and changes nothing); with every
+    GPU open, nothing is said. A file matching none of the others was refused as meant for
+    another host ("matches no GPU on this host", exit 2): it may match the withheld GPU, so it
+    is refused in that GPU's line, exit 4, nothing capped."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm")  # one model
+    nvml.fake_reset_state()
+    env = fake_env(tmp_path)
+    caps = tmp_path / "caps.toml"
+    caps.write_text('[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1500\n')
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    dry = dvfs_in_process("cap", "apply", str(caps), "--dry-run", env=env)
+    assert dry.returncode == 4, (dry.stdout, dry.stderr)
+    assert "would apply to GPU 0" in dry.stdout, dry.stdout
+    [line] = dry.stderr.splitlines()
+    assert line.startswith("Error: dry run, nothing changed: ") and "GPU 1" in line, line
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    applied = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert applied.returncode == 4, (applied.stdout, applied.stderr)
+    assert "applied to GPU 0" in applied.stdout, applied.stdout
+    assert nvml.fake_device_state(0)["locked_clocks"] is not None  # the other, capped
+    [line] = applied.stderr.splitlines()
+    assert "GPU 1 (NVML: no permission)" in line and "[[model]]" in line, line
+    other = tmp_path / "h200.toml"
+    other.write_text('[[model]]\nname = "NVIDIA H200"\nsm_clock_max_mhz = 1500\n')
+    for extra in ([], ["--dry-run"]):
+        refused = dvfs_in_process("cap", "apply", str(other), *extra, env=env)
+        assert refused.returncode == 4, (extra, refused.stdout, refused.stderr)
+        [line] = refused.stderr.splitlines()
+        assert "GPU 1 (NVML: no permission)" in line and "no GPU on this host" not in line, line
+    nvml.fake_update_device(1, errors={})
+    gone = dvfs_in_process("cap", "apply", str(other), env=env)  # with every GPU open: exit 2
+    assert gone.returncode == 2 and "no GPU on this host" in gone.stderr, gone.stderr
+    again = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert again.returncode == 0, (again.stdout, again.stderr)
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None, again.stdout  # both
+
+
+def test_gpu_reset_defaults_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpu reset --defaults` with no GPU named resets every GPU's caps, as `cap reset` does
+    (the caps record's entries of the GPUs reset go with them). Every GPU leaves out one NVML
+    refuses with NO_PERMISSION: it reset GPU 0, exit 0, while dvfs's caps record still held
+    GPU 1's caps, in force; `cap reset` names them, exit 4 (42585d9). So does `gpu reset
+    --defaults` now, once the others are reset; without --defaults, or a GPU named, or no caps
+    recorded for it, nothing is said."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm")
+    nvml.fake_reset_state()
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    assert dvfs_in_process("cap", "apply", str(caps), env=env).returncode == 0
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    assert dvfs_in_process("gpu", "reset", env=env).returncode == 0  # restores no caps
+    reset = dvfs_in_process("gpu", "reset", "--defaults", env=env)
+    assert reset.returncode == 4, (reset.stdout, reset.stderr)
+    assert "GPU 0" in reset.stdout and nvml.fake_device_state(0)["locked_clocks"] is None
+    [line] = reset.stderr.splitlines()
+    assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
+    assert "caps" in line and "gpu reset --defaults" in line, line
+    assert dvfs_in_process("gpu", "reset", "--defaults", "0", env=env).returncode == 0
+    nvml.fake_update_device(1, errors={})
+    assert dvfs_in_process("gpu", "reset", "--defaults", env=env).returncode == 0  # GPU 1 too
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    assert dvfs_in_process("gpu", "reset", "--defaults", env=env).returncode == 0  # none recorded

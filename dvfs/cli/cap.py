@@ -234,9 +234,11 @@ def apply(
     --skip-missing; 4, changing nothing, where NVML counts a GPU this process may not talk to,
     whose UUID a UUID not here may be); 1 naming a GPU fallen off the bus, once the other GPUs
     are capped (or none, if the file matches none of those that open: the lost GPU may be the
-    one it names); 3, changing nothing, when another dvfs holds a GPU it would cap (naming one
-    fallen off the bus too). Models not on this host, and GPUs here that no entry names, are
-    only noted.
+    one it names); 4 naming a GPU NVML counts but this process may not talk to, where the file
+    has [[model]] entries (its model unreadable: one may name it), once the other GPUs are
+    capped (none, if the file matches none of them); 3, changing nothing, when another dvfs
+    holds a GPU it would cap (naming one fallen off the bus too). Models not on this host, and
+    GPUs here that no entry names, are only noted.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
@@ -246,7 +248,7 @@ def apply(
         load_caps,
         plan_actions,
     )
-    from dvfs.errors import GpuError, GpuPermissionError, GpuUnavailableError
+    from dvfs.errors import CapsError, GpuError, GpuPermissionError, GpuUnavailableError
     from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
@@ -265,17 +267,24 @@ def apply(
         gone_line = str(lost_gpus(lost)) if lost else ""  # those that did not open
         lost = sorted([*lost, *unsupported], key=lambda e: (e.index is None, e.index or 0))
         lost_line = str(lost_gpus(lost)) if lost else ""
-        plan = plan_actions(
-            caps,
-            gpus,
-            where=str(caps_file),
-            allow_simulated=allow_simulated,
-            applied=AppliedCaps(directory).read(),
-            lost=gone_line,
-            set_aside=[g for g in opened if g not in gpus],
-        )
+        try:
+            plan = plan_actions(
+                caps,
+                gpus,
+                where=str(caps_file),
+                allow_simulated=allow_simulated,
+                applied=AppliedCaps(directory).read(),
+                lost=gone_line,
+                set_aside=[g for g in opened if g not in gpus],
+            )
+        except CapsError:
+            _refuse_unmatched_withheld(caps, caps_file, opened, allow_simulated, dry_run=dry_run)
+            raise
         if plan.unmatched:
             _refuse_withheld(plan.unmatched, str(caps_file), dry_run=dry_run, lost=lost_line)
+        # every GPU leaves out one NVML may not talk to: a [[model]] entry may name it (its
+        # model cannot be read), left uncapped, which must not read as the file applied
+        withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run)
         capped = {a.uuid for a in plan.actions}
         volatile = {
             g.identity.uuid: f"GPU {g.identity.index}"
@@ -334,7 +343,16 @@ def apply(
             raise CapsPartlyAppliedError(f"{message}; pass --skip-missing if that is expected")
         console(stderr=True).print(f"note: {escape(message)}")
     if failed is not None:  # once the others' notes are said; with the GPUs fallen off the bus
-        raise type(failed)("; ".join(p for p in (str(failed), lost_line) if p)) from None
+        raise type(failed)("; ".join(p for p in (str(failed), withheld, lost_line) if p)) from None
+    if withheld:  # the others are capped (or, dry run, would be): exit 4, as `cap reset`
+        raise GpuPermissionError(
+            "; ".join(p for p in (withheld, lost_line) if p)
+            + (
+                "; `cap apply` would cap the other GPUs the file matches and exit 4"
+                if dry_run
+                else "; caps were applied to the other GPUs the file matches"
+            )
+        )
     if lost:  # the others are capped (or, dry run, would be): the lost GPU needs seeing to
         if dry_run:
             raise GpuUnavailableError(
@@ -369,6 +387,57 @@ def _refuse_withheld(
         "a user the GPUs admit (root, with sudo), or remove those entries from the file"
         + (f"; {lost}" if lost else "")
     )
+
+
+def _withheld_models(caps: CapsFile, where: str, *, dry_run: bool) -> str:
+    """The line naming the GPUs NVML counts but has no permission to talk to, where the caps
+    file has [[model]] entries: every GPU leaves those GPUs out (`dvfs.gpu.nvml.every_gpu`) and
+    their model cannot be read, so an entry for every GPU of a model may name one, which is
+    not capped; "" where the file names GPUs by UUID only or NVML withholds none."""
+    from dvfs.backends import withheld_gpus
+
+    models = [c.name for c in caps.caps if c.name]
+    if not models:
+        return ""
+    refused = withheld_gpus()
+    if not refused:
+        return ""
+    gpus = ", ".join(f"GPU {i}" for i in refused)
+    one = len(refused) == 1
+    return (
+        f"{'dry run, nothing changed: ' if dry_run else ''}the driver does not let this process "
+        f"talk to {gpus} (NVML: no permission), not even to read {'its' if one else 'their'} "
+        f"model, so {where}'s [[model]] entries ({', '.join(dict.fromkeys(models))}) may name "
+        f"{'it' if one else 'them'}: {'it' if one else 'they'} "
+        f"{'would not be' if dry_run else 'was not' if one else 'were not'} capped; run dvfs cap "
+        "apply as a user the GPUs admit (root, with sudo), or name the GPUs to cap by UUID "
+        "([[gpu]] entries)"
+    )
+
+
+def _refuse_unmatched_withheld(
+    caps: CapsFile, caps_file: Path, opened: Sequence[Gpu], allow_simulated: bool, *, dry_run: bool
+) -> None:
+    """Where the caps file matches none of the GPUs that open (refused as a file for another
+    host, exit 2), refuse it instead (exit 4, nothing capped) in the line naming the GPUs NVML
+    counts but this process may not talk to, whose model a [[model]] entry may be: "no GPU
+    on this host" would be untrue of them. Nothing where the file is refused as simulated."""
+    from dvfs.errors import GpuPermissionError
+
+    if caps.simulated and not allow_simulated:
+        return
+    named = (
+        caps.for_gpu(g.identity.uuid, g.identity.name, twin_models=allow_simulated) for g in opened
+    )
+    if any(cap is not None for cap in named):
+        return
+    withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run)
+    if withheld:
+        host = "; ".join(f"GPU {g.identity.index}, {g.identity.name}" for g in opened) or "none"
+        raise GpuPermissionError(
+            f"{withheld}; {caps_file} matches none of the GPUs this process may talk to "
+            f"({host}), so nothing {'would be' if dry_run else 'was'} capped"
+        ) from None
 
 
 def _set_aside_unsupported(
@@ -564,16 +633,6 @@ def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
     """The line naming the GPUs dvfs's caps record holds caps for that none of `found` (every
     GPU) is, where NVML counts GPUs it has no permission to talk to (every GPU leaves them out,
     their UUIDs unreadable: such caps may be one's); "" where there are none."""
-    from dvfs.backends import withheld_records_line
-    from dvfs.caps import AppliedCaps
-    from dvfs.errors import CapsError
+    from dvfs.backends import withheld_caps_line
 
-    try:
-        recorded = AppliedCaps(directory).read()
-    except CapsError:  # a damaged record: the reset said what it could
-        return ""
-    opened = {g.identity.uuid for g in found}
-    others = [uuid for uuid in recorded if uuid not in opened]
-    return withheld_records_line(
-        others, "dvfs's caps record holds caps for", "those caps were not reset", "dvfs cap reset"
-    )
+    return withheld_caps_line(directory, found, "those caps were not reset", "dvfs cap reset")

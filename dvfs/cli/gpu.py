@@ -211,7 +211,8 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     GPU whose state file is unreadable (damaged), left as it is for the file to be inspected.
     Without DEVICES, a state file none of them has, where NVML counts a GPU it has no
     permission to talk to (every GPU leaves it out), is named, exit 4, once the others are
-    restored: it may be that GPU's.
+    restored: it may be that GPU's; with --defaults, so are caps dvfs recorded for none of
+    them (as `dvfs cap reset` names them).
     Holds each GPU's lock while restoring, so it refuses a GPU named in DEVICES that a running
     dvfs is using.
     """
@@ -234,6 +235,13 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
         # every GPU leaves out one NVML may not talk to: a state file none of those opened
         # has may be its, left unrestored, which must not read as "nothing to restore"
         withheld = _withheld_state(directory, gpus) if every else ""
+        if every and defaults:  # --defaults resets every GPU's caps too, as `cap reset` does
+            from dvfs.backends import withheld_caps_line
+
+            caps = withheld_caps_line(
+                directory, gpus, "those caps were not reset", "dvfs gpu reset --defaults"
+            )
+            withheld = "; ".join(p for p in (withheld, caps) if p)
         try:
             acted = reset_gpus(
                 gpus,
