@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -50,7 +50,9 @@ RC: dict[str, Any] = {
 # seaborn's "colorblind" palette: distinguishable with the common colour-vision deficiencies.
 PALETTE = "colorblind"
 LIMIT_LINESTYLES = ("--", ":", "-.")
-LIMIT_MARKERS = ("^", "s", "v", "P")
+# Each cap its own marker: the Pareto figure tells limits apart by marker alone (its points are
+# not joined by lines). Past these, stars of 4, 6, 7, 8... points (`cap_marker`).
+LIMIT_MARKERS: tuple[str, ...] = ("^", "s", "v", "P", "X", "<", ">", "p", "h")
 
 STOCK_STYLE: dict[str, Any] = {
     "marker": "D",
@@ -579,6 +581,10 @@ def cube_drafter_colors(cube: Any) -> dict[str, str]:
     return {d: every[d] for d in names}
 
 
+#: A marker as matplotlib takes it: a name, or (points, style, angle), style 1 a star.
+Marker = str | tuple[int, Literal[0, 1, 2], int]
+
+
 @dataclass(frozen=True)
 class LimitStyle:
     """How a power limit is drawn: the stock limit solid with circles, caps dashed/dotted
@@ -586,8 +592,19 @@ class LimitStyle:
 
     limit_w: float
     linestyle: str
-    marker: str
+    marker: Marker
     label: str
+
+
+def cap_marker(cap: int) -> Marker:
+    """The marker of the `cap`-th cap below the stock limit (0 first), never another cap's:
+    LIMIT_MARKERS, then stars of ever more points ((points, 1, 0) in matplotlib's terms),
+    filled markers as the others (a cap's points are drawn hollow: an unfilled marker would
+    not show), five points left out (the chosen setting's star)."""
+    if cap < len(LIMIT_MARKERS):
+        return LIMIT_MARKERS[cap]
+    points = 4 + cap - len(LIMIT_MARKERS)  # a three-point star reads as a triangle
+    return (points + (points >= 5), 1, 0)
 
 
 def limit_styles(limits: Iterable[float], stock_limit_w: float) -> dict[float, LimitStyle]:
@@ -600,7 +617,7 @@ def limit_styles(limits: Iterable[float], stock_limit_w: float) -> dict[float, L
             styles[limit] = LimitStyle(
                 limit,
                 LIMIT_LINESTYLES[caps % len(LIMIT_LINESTYLES)],
-                LIMIT_MARKERS[caps % len(LIMIT_MARKERS)],
+                cap_marker(caps),
                 f"{limit:g} W power limit (cap)",
             )
             caps += 1
