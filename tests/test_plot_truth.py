@@ -480,6 +480,47 @@ def test_a_panel_with_no_valid_cell_says_so_rather_than_stay_blank() -> None:
         assert {title for title, notes in said[name].items() if notes} == titles, said[name]
 
 
+def test_a_panel_missing_a_drafter_names_it_rather_than_drop_it_silently() -> None:
+    """eagle3 failed every cell at batch 8 and every cell on corpus math (a drafter whose
+    server crashed there), none measured everywhere. Its line was left out of those panels
+    with nothing said: beside panels of the same figure that draw it under one legend, or in
+    a figure whose legend leaves it out (math), it read as a drafter never asked for, where
+    the headroom map names each such cell's reason. Each panel missing a drafter the cube
+    holds now names it and why; a panel drawing every drafter names none."""
+    cube = small_cube([1, 8], corpora=("code", "math"))
+    failed = (cube["drafter"] == "eagle3") & ((cube["batch"] == 8) | (cube["corpus"] == "math"))
+    for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms", "accept_length"):
+        cube[name] = cube[name].where(~failed)
+    cube["cell_status"] = cube["cell_status"].where(~failed, 2)
+    cube["valid"] = cube["valid"].where(~failed)
+    said = {  # each panel's note of drafters not drawn, read before the next figure
+        name: {
+            ax.get_title(): " ".join(
+                " ".join(t.get_text().split()) for t in ax.texts if t.get_gid() == "not-drawn"
+            )
+            for ax in fig.axes
+            if ax.get_title()
+        }
+        for name, fig in figures(cube, TARGET)
+    }
+    missing = {  # the panels without an eagle3 line, and what they say of it
+        "energy_vs_clock_code": {"batch 8": "no valid cell at any setting: eagle3"},
+        "energy_vs_clock_math": {
+            "batch 1": "no valid cell at any setting: eagle3",
+            "batch 8": "no valid cell at any setting: eagle3",
+        },
+        "pareto_code": {"batch 8": "no valid cell at any setting: eagle3"},
+        "pareto_math": {
+            "batch 1": "no valid cell at any setting: eagle3",
+            "batch 8": "no valid cell at any setting: eagle3",
+        },
+        "energy_vs_batch": {"corpus math": "no valid cell at stock: eagle3"},
+        "timelines": {"batch 8, corpus code": "no valid cell with a timeline: eagle3"},
+    }
+    for name, notes in missing.items():
+        assert {title: note for title, note in said[name].items() if note} == notes, said[name]
+
+
 def test_an_observe_only_timeline_says_the_knobs_were_as_found() -> None:
     """Observe-only changes no knob: a clock lock set outside dvfs stays, so the timelines'
     legend says the clock and limit were as found, not "clock unlocked" or a lock dvfs set."""

@@ -24,6 +24,7 @@ from dvfs.plots.style import (
     limit_styles,
     panel_figure,
     place_legend,
+    say_not_drawn,
     say_nothing_drawn,
     stock_handle,
     stock_label,
@@ -151,6 +152,9 @@ def draw_energy_vs_clock(
         ax.scatter(np.full(len(drafters), ref.sm_clock), stock_y, gid="stock", **STOCK_STYLE)
         if np.all(np.isnan(energy[b])):
             say_nothing_drawn(ax, "no valid cell at any setting")
+        else:  # U-shaped curves: the space above their dip is free
+            missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(energy[b, i]))]
+            say_not_drawn(ax, missing, "no valid cell at any setting", "upper center")
         ax.set_title(f"batch {batch}")
         _tidy(ax, "SM clock lock (MHz)")
     place_legend(panels, handles)
@@ -223,8 +227,12 @@ def draw_pareto(
             **STOCK_STYLE,
         )
         ax.scatter(chosen_lat[b], chosen_energy[b], color=drafter_rgb, gid="chosen", **CHOSEN_STYLE)
-        if np.all(np.isnan(energy[b]) | np.isnan(latency[b])):
+        unpaired = np.isnan(energy[b]) | np.isnan(latency[b])  # no point to draw
+        if np.all(unpaired):
             say_nothing_drawn(ax, "no valid cell at any setting")
+        else:  # slow and costly is where no front lies
+            missing = [d for i, d in enumerate(drafters) if np.all(unpaired[i])]
+            say_not_drawn(ax, missing, "no valid cell at any setting", "upper right")
         ax.set_title(f"batch {batch}")
         _tidy(ax, f"{target.metric.upper()} {target.quantile_name} (ms)")
     place_legend(panels, handles)

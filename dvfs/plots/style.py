@@ -437,6 +437,42 @@ def say_nothing_drawn(ax: Axes, why: str) -> None:
     )
 
 
+#: The gid of the note naming the drafters a panel has no point of (`say_not_drawn`).
+NOT_DRAWN = "not-drawn"
+
+#: Where `say_not_drawn` puts its note, in axes fractions: (x, y, ha, va).
+NOTE_CORNERS: dict[str, tuple[float, float, str, str]] = {
+    "upper center": (0.5, 0.97, "center", "top"),
+    "upper right": (0.98, 0.97, "right", "top"),
+    "lower center": (0.5, 0.04, "center", "bottom"),
+}
+
+
+def say_not_drawn(ax: Axes, drafters: Sequence[str], why: str, corner: str) -> None:
+    """Name the drafters of the cube a panel has no point of while it draws others ("no
+    valid cell at any setting: ngram"), in `corner` (NOTE_CORNERS: where the figure's data
+    seldom are). A line missing from one panel beside panels that draw it under one legend,
+    or from a whole figure whose legend then leaves it out, would read as a drafter never
+    asked for, where the headroom map names each such cell's reason. Nothing for none."""
+    if not drafters:
+        return
+    import textwrap
+
+    x, y, ha, va = NOTE_CORNERS[corner]
+    ax.text(
+        x,
+        y,
+        textwrap.fill(f"{why}: {', '.join(drafters)}", 36),
+        transform=ax.transAxes,
+        ha=ha,
+        va=va,
+        fontsize=8,
+        color="#555555",
+        zorder=8,
+        gid=NOT_DRAWN,
+    )
+
+
 def suptitle(fig: Figure, text: str) -> None:
     """A title 0.1 in below the top edge (Figure.suptitle's default sits by figure fraction)."""
     fig.suptitle(text, y=1.0 - 0.1 / fig.get_figheight(), va="top")
