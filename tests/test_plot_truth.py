@@ -195,6 +195,30 @@ def test_a_grid_without_stock_never_says_stock() -> None:
     assert "stock" in figure_caption("energy_vs_batch.png")  # where the reference is stock
 
 
+def test_the_curves_of_a_grid_without_the_stock_limit_never_call_its_top_limit_stock() -> None:
+    """A campaign capping below the stock limit only (700 W and 300 W on a GPU of 800 W): the
+    reference is the top of the grid, as `dvfs headroom` says, yet the energy-vs-clock and
+    Pareto keys called 700 W "power limit (stock)", and the Pareto title gave the target as
+    "each drafter's own stock TPOT", where the table's is the top-of-grid TPOT. They say the
+    top of the grid now, the target in the table's words; where the stock limit was swept
+    (the stock clock not), its key still says stock."""
+    from dvfs.plots import draw_energy_vs_clock, draw_pareto
+
+    cube = small_cube([1, 8], corpora=("code",))
+    cube.attrs["stock_power_limit_w"] = 800.0  # not in the grid (700, 300)
+    result = headroom(cube, target=TARGET)
+    texts = [
+        *_texts(draw_energy_vs_clock(cube, "code")),
+        *_texts(pareto := draw_pareto(cube, result, TARGET, "code")),
+    ]
+    assert not [t for t in texts if "stock" in t and "not swept" not in t], texts
+    assert "700 W power limit (top of the grid)" in texts
+    assert f"target: {result.attrs['target']}" in pareto.get_suptitle()
+    cube.attrs.update(stock_power_limit_w=700.0, stock_sm_clock_mhz=2100)  # the clock not swept
+    texts = _texts(draw_energy_vs_clock(cube, "code"))
+    assert "700 W power limit (stock)" in texts
+
+
 def _partial_cube() -> xr.Dataset:
     """eagle3's reference cell on code not measured yet, and a drafter not run at all."""
     cube = small_cube([1], corpora=("code",))

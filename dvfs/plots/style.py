@@ -643,12 +643,19 @@ def cap_marker(cap: int) -> Marker:
     return (points + (points >= 5), 1, 0)
 
 
-def limit_styles(limits: Iterable[float], stock_limit_w: float) -> dict[float, LimitStyle]:
+def limit_styles(
+    limits: Iterable[float], reference_limit_w: float, stock_limit_w: float | None = None
+) -> dict[float, LimitStyle]:
+    """How each power limit is drawn: the reference's solid, each below it a cap. The
+    reference is named stock only where it is the GPU's stock limit (`stock_limit_w`, None:
+    it is), else the top of the grid, as `dvfs headroom` names it."""
     styles: dict[float, LimitStyle] = {}
     caps = 0
+    stock = stock_limit_w is None or reference_limit_w == stock_limit_w
     for limit in sorted({float(v) for v in limits}, reverse=True):
-        if limit == stock_limit_w:
-            styles[limit] = LimitStyle(limit, "-", "o", f"{limit:g} W power limit (stock)")
+        if limit == reference_limit_w:
+            what = "stock" if stock else "top of the grid"
+            styles[limit] = LimitStyle(limit, "-", "o", f"{limit:g} W power limit ({what})")
         else:
             styles[limit] = LimitStyle(
                 limit,
