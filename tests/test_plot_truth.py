@@ -360,6 +360,25 @@ def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -
     assert labels and not any("prefill" in label for label in labels)
 
 
+def test_the_energy_split_says_failed_where_the_table_says_failed() -> None:
+    """eagle3's reference cell failed (its server crashed there): the split said "not
+    measured" beside the headroom map's and table's "no valid reference cell (failed)", as
+    if a resume had it still to do; it says failed, and a cell not run yet still says not
+    measured."""
+    from dvfs.plots import draw_energy_split, draw_headroom
+
+    cube = _split_cube()
+    cube["cell_status"].loc[{"drafter": "eagle3", "sm_clock": 1980, "power_limit": 700.0}] = 2
+    panel = next(ax for ax in draw_energy_split(cube, "code").axes if ax.get_title() == "batch 1")
+    said = [(t.get_text().strip(), t.get_position()[0]) for t in panel.texts]
+    assert said == [("failed", 1), ("not measured", 2)]
+    cells = [
+        " ".join(t.get_text().split())
+        for t in draw_headroom(headroom(cube, target=TARGET)).axes[0].texts
+    ]
+    assert "no valid reference cell (failed)" in cells, cells
+
+
 def test_the_energy_split_leaves_out_a_reference_with_an_invalid_repeat() -> None:
     """Headroom takes no reference with an invalid repeat and one usable repeat (of two); the
     split does not average that repeat either, and says why there is no bar."""
