@@ -408,6 +408,27 @@ def test_acceptance_leaves_out_a_setting_with_an_invalid_repeat() -> None:
     assert values.tolist() == [[3.0]]  # eagle3 on code; none has no accept length
 
 
+def test_acceptance_keeps_the_row_of_a_drafter_that_failed_everywhere() -> None:
+    """dflash failed every cell (its server never came up): its row was dropped from the
+    acceptance map as none's is (measured, but nothing speculated), so the map read as if
+    no dflash had been asked for, where the headroom map names each of its cells "failed".
+    Its row stays, each cell "-" as any cell without a value; none's is still left out."""
+    from dvfs.plots import draw_acceptance
+
+    cube = small_cube([1], corpora=("code", "math"))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    failed = cube["drafter"] == "dflash"
+    for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms", "accept_length"):
+        cube[name] = cube[name].where(~failed)
+    cube["cell_status"] = cube["cell_status"].where(~failed, 2)
+    cube["valid"] = cube["valid"].where(~failed)
+    ax = draw_acceptance(cube).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["eagle3", "dflash"]
+    assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
+
+
 def test_compare_gives_the_accept_length_the_acceptance_figure_draws(tmp_path: Path) -> None:
     """`dvfs compare`'s acceptance table (and the report's sentence read off it) averaged the
     valid repeat of a setting with an invalid one, which the acceptance figure beside it
