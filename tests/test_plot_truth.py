@@ -195,6 +195,30 @@ def test_a_grid_without_stock_never_says_stock() -> None:
     assert "stock" in figure_caption("energy_vs_batch.png")  # where the reference is stock
 
 
+def test_the_curves_of_a_grid_without_the_stock_limit_never_call_its_top_limit_stock() -> None:
+    """A campaign capping below the stock limit only (700 W and 300 W on a GPU of 800 W): the
+    reference is the top of the grid, as `dvfs headroom` says, yet the energy-vs-clock and
+    Pareto keys called 700 W "power limit (stock)", and the Pareto title gave the target as
+    "each drafter's own stock TPOT", where the table's is the top-of-grid TPOT. They say the
+    top of the grid now, the target in the table's words; where the stock limit was swept
+    (the stock clock not), its key still says stock."""
+    from dvfs.plots import draw_energy_vs_clock, draw_pareto
+
+    cube = small_cube([1, 8], corpora=("code",))
+    cube.attrs["stock_power_limit_w"] = 800.0  # not in the grid (700, 300)
+    result = headroom(cube, target=TARGET)
+    texts = [
+        *_texts(draw_energy_vs_clock(cube, "code")),
+        *_texts(pareto := draw_pareto(cube, result, TARGET, "code")),
+    ]
+    assert not [t for t in texts if "stock" in t and "not swept" not in t], texts
+    assert "700 W power limit (top of the grid)" in texts
+    assert f"target: {result.attrs['target']}" in pareto.get_suptitle()
+    cube.attrs.update(stock_power_limit_w=700.0, stock_sm_clock_mhz=2100)  # the clock not swept
+    texts = _texts(draw_energy_vs_clock(cube, "code"))
+    assert "700 W power limit (stock)" in texts
+
+
 def _partial_cube() -> xr.Dataset:
     """eagle3's reference cell on code not measured yet, and a drafter not run at all."""
     cube = small_cube([1], corpora=("code",))
@@ -336,6 +360,25 @@ def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -
     assert labels and not any("prefill" in label for label in labels)
 
 
+def test_the_energy_split_says_failed_where_the_table_says_failed() -> None:
+    """eagle3's reference cell failed (its server crashed there): the split said "not
+    measured" beside the headroom map's and table's "no valid reference cell (failed)", as
+    if a resume had it still to do; it says failed, and a cell not run yet still says not
+    measured."""
+    from dvfs.plots import draw_energy_split, draw_headroom
+
+    cube = _split_cube()
+    cube["cell_status"].loc[{"drafter": "eagle3", "sm_clock": 1980, "power_limit": 700.0}] = 2
+    panel = next(ax for ax in draw_energy_split(cube, "code").axes if ax.get_title() == "batch 1")
+    said = [(t.get_text().strip(), t.get_position()[0]) for t in panel.texts]
+    assert said == [("failed", 1), ("not measured", 2)]
+    cells = [
+        " ".join(t.get_text().split())
+        for t in draw_headroom(headroom(cube, target=TARGET)).axes[0].texts
+    ]
+    assert "no valid reference cell (failed)" in cells, cells
+
+
 def test_the_energy_split_leaves_out_a_reference_with_an_invalid_repeat() -> None:
     """Headroom takes no reference with an invalid repeat and one usable repeat (of two); the
     split does not average that repeat either, and says why there is no bar."""
@@ -363,6 +406,27 @@ def test_acceptance_leaves_out_a_setting_with_an_invalid_repeat() -> None:
     fig = draw_acceptance(cube)
     values = np.ma.filled(fig.axes[0].images[0].get_array(), np.nan)
     assert values.tolist() == [[3.0]]  # eagle3 on code; none has no accept length
+
+
+def test_acceptance_keeps_the_row_of_a_drafter_that_failed_everywhere() -> None:
+    """dflash failed every cell (its server never came up): its row was dropped from the
+    acceptance map as none's is (measured, but nothing speculated), so the map read as if
+    no dflash had been asked for, where the headroom map names each of its cells "failed".
+    Its row stays, each cell "-" as any cell without a value; none's is still left out."""
+    from dvfs.plots import draw_acceptance
+
+    cube = small_cube([1], corpora=("code", "math"))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    failed = cube["drafter"] == "dflash"
+    for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms", "accept_length"):
+        cube[name] = cube[name].where(~failed)
+    cube["cell_status"] = cube["cell_status"].where(~failed, 2)
+    cube["valid"] = cube["valid"].where(~failed)
+    ax = draw_acceptance(cube).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["eagle3", "dflash"]
+    assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
 
 
 def test_compare_gives_the_accept_length_the_acceptance_figure_draws(tmp_path: Path) -> None:
@@ -478,6 +542,47 @@ def test_a_panel_with_no_valid_cell_says_so_rather_than_stay_blank() -> None:
     }
     for name, titles in empty.items():
         assert {title for title, notes in said[name].items() if notes} == titles, said[name]
+
+
+def test_a_panel_missing_a_drafter_names_it_rather_than_drop_it_silently() -> None:
+    """eagle3 failed every cell at batch 8 and every cell on corpus math (a drafter whose
+    server crashed there), none measured everywhere. Its line was left out of those panels
+    with nothing said: beside panels of the same figure that draw it under one legend, or in
+    a figure whose legend leaves it out (math), it read as a drafter never asked for, where
+    the headroom map names each such cell's reason. Each panel missing a drafter the cube
+    holds now names it and why; a panel drawing every drafter names none."""
+    cube = small_cube([1, 8], corpora=("code", "math"))
+    failed = (cube["drafter"] == "eagle3") & ((cube["batch"] == 8) | (cube["corpus"] == "math"))
+    for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms", "accept_length"):
+        cube[name] = cube[name].where(~failed)
+    cube["cell_status"] = cube["cell_status"].where(~failed, 2)
+    cube["valid"] = cube["valid"].where(~failed)
+    said = {  # each panel's note of drafters not drawn, read before the next figure
+        name: {
+            ax.get_title(): " ".join(
+                " ".join(t.get_text().split()) for t in ax.texts if t.get_gid() == "not-drawn"
+            )
+            for ax in fig.axes
+            if ax.get_title()
+        }
+        for name, fig in figures(cube, TARGET)
+    }
+    missing = {  # the panels without an eagle3 line, and what they say of it
+        "energy_vs_clock_code": {"batch 8": "no valid cell at any setting: eagle3"},
+        "energy_vs_clock_math": {
+            "batch 1": "no valid cell at any setting: eagle3",
+            "batch 8": "no valid cell at any setting: eagle3",
+        },
+        "pareto_code": {"batch 8": "no valid cell at any setting: eagle3"},
+        "pareto_math": {
+            "batch 1": "no valid cell at any setting: eagle3",
+            "batch 8": "no valid cell at any setting: eagle3",
+        },
+        "energy_vs_batch": {"corpus math": "no valid cell at stock: eagle3"},
+        "timelines": {"batch 8, corpus code": "no valid cell with a timeline: eagle3"},
+    }
+    for name, notes in missing.items():
+        assert {title: note for title, note in said[name].items() if note} == notes, said[name]
 
 
 def test_an_observe_only_timeline_says_the_knobs_were_as_found() -> None:

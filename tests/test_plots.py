@@ -267,6 +267,39 @@ def test_power_limits_are_drawn_apart_from_clocks(cube: xr.Dataset) -> None:
     assert "700 W power limit (stock)" in labels and "300 W power limit (cap)" in labels
 
 
+def test_every_power_limit_of_a_long_limit_sweep_has_its_own_marker() -> None:
+    """A campaign stepping the power limit from 700 W down to 200 W in six caps: the Pareto
+    figure tells the limits apart by marker alone (no lines join its points), and there were
+    four cap markers, so the fifth cap (250 W) was drawn and keyed as the first (600 W), and
+    the sixth as the second: a point read off the key named the wrong limit. Every limit has
+    its own marker now, in the points and in the key, and its own line style and marker pair
+    in the energy-vs-clock figure."""
+    limits = [700.0, 600.0, 500.0, 400.0, 300.0, 250.0, 200.0]
+    cube = make_cube(clocks=CLOCKS, limits=limits, latency=_latency, energy=_energy)
+    fig = draw_pareto(cube, headroom(cube, target=TARGET), TARGET, "code")
+    ax = _data_axes(fig)[0]
+    clouds = [c for c in ax.collections if c.get_gid() not in ("stock", "chosen")]
+    assert len(clouds) == len(limits)  # one scatter per power limit
+    shapes = {c.get_paths()[0].vertices.round(6).tobytes() for c in clouds}
+    assert len(shapes) == len(limits)
+    keyed = [h for h in _legends(fig)[0].legend_handles if " W power limit" in h.get_label()]
+    assert len(keyed) == len(limits)
+    assert len({str(h.get_marker()) for h in keyed}) == len(limits)
+    lines = _data_axes(draw_energy_vs_clock(cube, "code"))[0].lines
+    assert len({(line.get_linestyle(), str(line.get_marker())) for line in lines}) == len(limits)
+    # however many caps: each its own, filled marker (a cap is drawn hollow, by its edge: an
+    # unfilled marker's edge colour is dropped and its points would not show)
+    from matplotlib.markers import MarkerStyle
+
+    from dvfs.plots.style import limit_styles
+
+    many = limit_styles([700.0 - 10 * i for i in range(30)], 700.0)
+    markers = [MarkerStyle(s.marker) for s in many.values()]
+    assert all(m.is_filled() for m in markers)
+    shapes = [m.get_path().transformed(m.get_transform()).vertices.round(6) for m in markers]
+    assert len({shape.tobytes() for shape in shapes}) == len(many)
+
+
 @pytest.mark.parametrize("kind", ["energy", "pareto"])
 @pytest.mark.parametrize("first", ["code", "math"])
 def test_reused_panels_draw_the_same_figure_as_fresh_ones(

@@ -23,6 +23,7 @@ from dvfs.plots.curves import (
     energy_title,
     longest_corpus,
     pareto_title,
+    target_text,
 )
 from dvfs.plots.data import pareto_front, usable_mask
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
@@ -88,7 +89,7 @@ def figures(
         for corpus in corpora:
             drawn = draw_energy_vs_clock(cube, corpus, curves, usable=usable)
             yield f"energy_vs_clock_{corpus}", drawn
-    fronts = corpus_panels(cube, pareto_title(target, widest))
+    fronts = corpus_panels(cube, pareto_title(target_text(chosen, target), widest))
     for corpus in corpora:
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts, usable=usable)
     if "energy_split_method" in cube:

@@ -20,6 +20,7 @@ from dvfs.plots.style import (
     grid_shape,
     panel_figure,
     place_legend,
+    say_not_drawn,
     say_nothing_drawn,
     styled,
     suptitle,
@@ -107,6 +108,9 @@ def draw_energy_vs_batch(cube: xr.Dataset, usable: xr.DataArray | None = None) -
             ax.plot(batches, energy[c, d], color=colors[drafter], **line_style(drafter))
         if np.all(np.isnan(energy[c])):
             say_nothing_drawn(ax, f"no valid cell at {at}")
+        else:  # the lines fall from the upper left: its right is free
+            missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(energy[c, i]))]
+            say_not_drawn(ax, missing, f"no valid cell at {at}", "upper right")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         # 1-2-5 ticks, labelled, and no minor ticks: readable, and each tick is a few artists

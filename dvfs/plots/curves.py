@@ -24,6 +24,7 @@ from dvfs.plots.style import (
     limit_styles,
     panel_figure,
     place_legend,
+    say_not_drawn,
     say_nothing_drawn,
     stock_handle,
     stock_label,
@@ -52,11 +53,18 @@ def energy_title(cube: xr.Dataset, corpus: str) -> str:
     return f"Energy per token vs SM clock - corpus {corpus}" + (f" ({gpu})" if gpu else "")
 
 
-def pareto_title(target: Target, corpus: str) -> str:
+def pareto_title(target: str, corpus: str) -> str:
+    """`target` in `dvfs headroom`'s words (its result's "target" attribute: `target_text`)."""
     return (
         f"Energy vs latency, every clock and power limit - corpus {corpus}\n"
-        f"lines: Pareto fronts; target: {target.describe()}"
+        f"lines: Pareto fronts; target: {target}"
     )
+
+
+def target_text(chosen: xr.Dataset, target: Target) -> str:
+    """The target as `dvfs headroom` describes it for the cube `chosen` is of: against "the
+    top of the grid" where the grid lacks stock, which `Target.describe` cannot know."""
+    return str(chosen.attrs.get("target", target.describe()))
 
 
 def longest_corpus(cube: xr.Dataset) -> str:
@@ -73,7 +81,10 @@ def corpus_panels(cube: xr.Dataset, title: str) -> Panels:
     ref = reference_setting(cube)
     batches = int(cube.sizes["batch"])
     labels = [str(d) for d in cube["drafter"].values]
-    labels += [s.label for s in limit_styles(cube["power_limit"].values, ref.power_limit).values()]
+    limits = cube["power_limit"].values
+    labels += [
+        s.label for s in limit_styles(limits, ref.power_limit, ref.stock_power_limit).values()
+    ]
     labels += [stock_label(ref.sm_clock, ref.power_limit, ref.is_stock), CHOSEN_LABEL]
     rows, cols = grid_shape(batches)
     side = 0.0
@@ -120,7 +131,7 @@ def draw_energy_vs_clock(
     drafters = [str(d) for d in cube["drafter"].values]
     limits = [float(p) for p in cube["power_limit"].values]
     colors = cube_drafter_colors(cube)
-    styles = limit_styles(limits, ref.power_limit)
+    styles = limit_styles(limits, ref.power_limit, ref.stock_power_limit)
     energy = cell_means(cube, "energy_per_token_j", DIMS, usable=usable, corpus=corpus)
     p_stock, c_stock = limits.index(ref.power_limit), int(np.flatnonzero(clocks == ref.sm_clock)[0])
     handles = [
@@ -151,6 +162,9 @@ def draw_energy_vs_clock(
         ax.scatter(np.full(len(drafters), ref.sm_clock), stock_y, gid="stock", **STOCK_STYLE)
         if np.all(np.isnan(energy[b])):
             say_nothing_drawn(ax, "no valid cell at any setting")
+        else:  # U-shaped curves: the space above their dip is free
+            missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(energy[b, i]))]
+            say_not_drawn(ax, missing, "no valid cell at any setting", "upper center")
         ax.set_title(f"batch {batch}")
         _tidy(ax, "SM clock lock (MHz)")
     place_legend(panels, handles)
@@ -177,7 +191,7 @@ def draw_pareto(
     limits = [float(p) for p in cube["power_limit"].values]
     clocks = [int(c) for c in cube["sm_clock"].values]
     colors = cube_drafter_colors(cube)
-    styles = limit_styles(limits, ref.power_limit)
+    styles = limit_styles(limits, ref.power_limit, ref.stock_power_limit)
     usable = usable_mask(cube) if usable is None else usable
     energy = cell_means(cube, "energy_per_token_j", DIMS, usable=usable, corpus=corpus)
     latency = cell_means(
@@ -197,7 +211,9 @@ def draw_pareto(
     ]
 
     if panels is None:
-        panels = corpus_panels(cube, pareto_title(target, longest_corpus(cube)))
+        panels = corpus_panels(
+            cube, pareto_title(target_text(chosen, target), longest_corpus(cube))
+        )
     clear_panels(panels)
     for b, (ax, batch) in enumerate(zip(panels.axes, batches, strict=True)):
         colour = [c for c in drafter_rgb for _ in clocks]
@@ -223,10 +239,14 @@ def draw_pareto(
             **STOCK_STYLE,
         )
         ax.scatter(chosen_lat[b], chosen_energy[b], color=drafter_rgb, gid="chosen", **CHOSEN_STYLE)
-        if np.all(np.isnan(energy[b]) | np.isnan(latency[b])):
+        unpaired = np.isnan(energy[b]) | np.isnan(latency[b])  # no point to draw
+        if np.all(unpaired):
             say_nothing_drawn(ax, "no valid cell at any setting")
+        else:  # slow and costly is where no front lies
+            missing = [d for i, d in enumerate(drafters) if np.all(unpaired[i])]
+            say_not_drawn(ax, missing, "no valid cell at any setting", "upper right")
         ax.set_title(f"batch {batch}")
         _tidy(ax, f"{target.metric.upper()} {target.quantile_name} (ms)")
     place_legend(panels, handles)
-    suptitle(panels.fig, pareto_title(target, corpus))
+    suptitle(panels.fig, pareto_title(target_text(chosen, target), corpus))
     return panels.fig

@@ -276,12 +276,20 @@ def draw_acceptance(cube: xr.Dataset, usable: xr.DataArray | None = None) -> Fig
 
     if "accept_length" not in cube:
         return None
-    accept = cube["accept_length"].where(usable_mask(cube) if usable is None else usable)
-    table = accept.mean([d for d in accept.dims if d not in ("drafter", "corpus")])
+    usable = usable_mask(cube) if usable is None else usable
+    accept = cube["accept_length"].where(usable)
+    others = [d for d in accept.dims if d not in ("drafter", "corpus")]
+    table = accept.mean(others)
     values = table.transpose("drafter", "corpus").values
+    # A drafter measured without an accept length speculates not (none): no row. One with no
+    # usable cell at all (failed, or not run yet) keeps its row of "-": left out, it would
+    # read as a drafter never asked for.
+    measured = usable.any([d for d in usable.dims if d != "drafter"])
+    unmeasured = ~measured.sel(drafter=table["drafter"]).values
     keep = ~np.all(np.isnan(values), axis=1)
     if not keep.any():
         return None
+    keep |= unmeasured
     values = values[keep]
     drafters = [str(d) for d, k in zip(cube["drafter"].values, keep, strict=True) if k]
     corpora = [str(c) for c in cube["corpus"].values]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dvfs.analysis.split import ESTIMATED, NO_DRAFTER, no_estimate_reasons, where_energy_goes
+from dvfs.cube.schema import STATUS_FAILED
 from dvfs.engines.base import SPLIT_PARTS
 from dvfs.plots.style import (
     ENERGY_LABEL,
@@ -119,11 +120,27 @@ def draw_energy_split(
     title = split_title(split, corpus)
     panels = clear_panels(panels) if panels is not None else split_panels(whole)
     x = np.arange(len(drafters))
+    # a reference cell that failed is no cell still to measure: said as the table says it
+    failed_at = (
+        (
+            cube["cell_status"].sel(
+                sm_clock=int(split.attrs["reference_sm_clock_mhz"]),
+                power_limit=float(split.attrs["reference_power_limit_w"]),
+                corpus=corpus,
+            )
+            == STATUS_FAILED
+        )
+        .any("repeat")
+        .sel(drafter=drafters, batch=batches)
+        .transpose("batch", "drafter")
+        .values
+    )
     for b, (ax, batch) in enumerate(zip(panels.axes, batches, strict=True)):
         one = split.sel(batch=batch)
         estimated = one["split_method"].values == ESTIMATED
         measured = one["measured"].values > 0
         invalid = one["invalid"].values > 0
+        failed = failed_at[b]
         split_known = one["split_method"].values > 0
         bottom = np.zeros(len(drafters))
         for part in shown:
@@ -151,6 +168,8 @@ def draw_energy_split(
                 if invalid[i]
                 else (f" no split:\n {why}" if why else " no split")
                 if measured[i]
+                else " failed"
+                if failed[i]
                 else " not measured",
                 rotation=90,
                 ha="center",

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -50,7 +50,9 @@ RC: dict[str, Any] = {
 # seaborn's "colorblind" palette: distinguishable with the common colour-vision deficiencies.
 PALETTE = "colorblind"
 LIMIT_LINESTYLES = ("--", ":", "-.")
-LIMIT_MARKERS = ("^", "s", "v", "P")
+# Each cap its own marker: the Pareto figure tells limits apart by marker alone (its points are
+# not joined by lines). Past these, stars of 4, 6, 7, 8... points (`cap_marker`).
+LIMIT_MARKERS: tuple[str, ...] = ("^", "s", "v", "P", "X", "<", ">", "p", "h")
 
 STOCK_STYLE: dict[str, Any] = {
     "marker": "D",
@@ -435,6 +437,42 @@ def say_nothing_drawn(ax: Axes, why: str) -> None:
     )
 
 
+#: The gid of the note naming the drafters a panel has no point of (`say_not_drawn`).
+NOT_DRAWN = "not-drawn"
+
+#: Where `say_not_drawn` puts its note, in axes fractions: (x, y, ha, va).
+NOTE_CORNERS: dict[str, tuple[float, float, str, str]] = {
+    "upper center": (0.5, 0.97, "center", "top"),
+    "upper right": (0.98, 0.97, "right", "top"),
+    "lower center": (0.5, 0.04, "center", "bottom"),
+}
+
+
+def say_not_drawn(ax: Axes, drafters: Sequence[str], why: str, corner: str) -> None:
+    """Name the drafters of the cube a panel has no point of while it draws others ("no
+    valid cell at any setting: ngram"), in `corner` (NOTE_CORNERS: where the figure's data
+    seldom are). A line missing from one panel beside panels that draw it under one legend,
+    or from a whole figure whose legend then leaves it out, would read as a drafter never
+    asked for, where the headroom map names each such cell's reason. Nothing for none."""
+    if not drafters:
+        return
+    import textwrap
+
+    x, y, ha, va = NOTE_CORNERS[corner]
+    ax.text(
+        x,
+        y,
+        textwrap.fill(f"{why}: {', '.join(drafters)}", 36),
+        transform=ax.transAxes,
+        ha=ha,
+        va=va,
+        fontsize=8,
+        color="#555555",
+        zorder=8,
+        gid=NOT_DRAWN,
+    )
+
+
 def suptitle(fig: Figure, text: str) -> None:
     """A title 0.1 in below the top edge (Figure.suptitle's default sits by figure fraction)."""
     fig.suptitle(text, y=1.0 - 0.1 / fig.get_figheight(), va="top")
@@ -579,6 +617,10 @@ def cube_drafter_colors(cube: Any) -> dict[str, str]:
     return {d: every[d] for d in names}
 
 
+#: A marker as matplotlib takes it: a name, or (points, style, angle), style 1 a star.
+Marker = str | tuple[int, Literal[0, 1, 2], int]
+
+
 @dataclass(frozen=True)
 class LimitStyle:
     """How a power limit is drawn: the stock limit solid with circles, caps dashed/dotted
@@ -586,21 +628,39 @@ class LimitStyle:
 
     limit_w: float
     linestyle: str
-    marker: str
+    marker: Marker
     label: str
 
 
-def limit_styles(limits: Iterable[float], stock_limit_w: float) -> dict[float, LimitStyle]:
+def cap_marker(cap: int) -> Marker:
+    """The marker of the `cap`-th cap below the stock limit (0 first), never another cap's:
+    LIMIT_MARKERS, then stars of ever more points ((points, 1, 0) in matplotlib's terms),
+    filled markers as the others (a cap's points are drawn hollow: an unfilled marker would
+    not show), five points left out (the chosen setting's star)."""
+    if cap < len(LIMIT_MARKERS):
+        return LIMIT_MARKERS[cap]
+    points = 4 + cap - len(LIMIT_MARKERS)  # a three-point star reads as a triangle
+    return (points + (points >= 5), 1, 0)
+
+
+def limit_styles(
+    limits: Iterable[float], reference_limit_w: float, stock_limit_w: float | None = None
+) -> dict[float, LimitStyle]:
+    """How each power limit is drawn: the reference's solid, each below it a cap. The
+    reference is named stock only where it is the GPU's stock limit (`stock_limit_w`, None:
+    it is), else the top of the grid, as `dvfs headroom` names it."""
     styles: dict[float, LimitStyle] = {}
     caps = 0
+    stock = stock_limit_w is None or reference_limit_w == stock_limit_w
     for limit in sorted({float(v) for v in limits}, reverse=True):
-        if limit == stock_limit_w:
-            styles[limit] = LimitStyle(limit, "-", "o", f"{limit:g} W power limit (stock)")
+        if limit == reference_limit_w:
+            what = "stock" if stock else "top of the grid"
+            styles[limit] = LimitStyle(limit, "-", "o", f"{limit:g} W power limit ({what})")
         else:
             styles[limit] = LimitStyle(
                 limit,
                 LIMIT_LINESTYLES[caps % len(LIMIT_LINESTYLES)],
-                LIMIT_MARKERS[caps % len(LIMIT_MARKERS)],
+                cap_marker(caps),
                 f"{limit:g} W power limit (cap)",
             )
             caps += 1

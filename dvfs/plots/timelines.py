@@ -13,6 +13,7 @@ from dvfs.plots.style import (
     Margins,
     cube_drafter_colors,
     panel_figure,
+    say_not_drawn,
     say_nothing_drawn,
     styled,
     suptitle,
@@ -88,7 +89,9 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
         power_ax, clock_ax = panels.axes[col], panels.axes[cols + col]
         clock_ax.sharex(power_ax)
         power_ax.tick_params(labelbottom=False)
+        not_drawn = []
         for drafter in drafters:
+            drawn = len(power_ax.lines)
             pick = chosen.sel(batch=batch, drafter=drafter, corpus=corpus)
             settings = [("stock", ref.sm_clock, ref.power_limit)]
             if bool(pick["feasible"]):
@@ -132,10 +135,14 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                 if kind == "chosen" and limit < ref.power_limit:
                     power_ax.axhline(limit, color=colors[drafter], linestyle=":", lw=1.2)
                     capped = True
+            if len(power_ax.lines) == drawn:
+                not_drawn.append(drafter)
         if not power_ax.lines:
             say_nothing_drawn(
                 power_ax, f"no valid cell with a timeline\nat {stock_word} or at the chosen setting"
             )
+        else:  # the lines run level above the idle power at the window's end
+            say_not_drawn(power_ax, not_drawn, "no valid cell with a timeline", "lower center")
         power_ax.set_title(f"batch {batch}, corpus {corpus}")
         power_ax.set_ylabel("GPU power (W)")
         clock_ax.set_ylabel("SM clock (MHz)")
