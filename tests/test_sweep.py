@@ -492,8 +492,9 @@ def test_an_interrupted_fresh_sweep_says_to_resume_without_fresh(
     gpus: tuple[str, ...], tmp_path: Path, monkeypatch
 ) -> None:
     """A `--fresh` sweep stopped after its first cell said "Run the same command again to
-    resume": that command, --fresh and all, moves the journal it began aside and starts over.
-    It says to rerun without --fresh, which resumes it (its cells counted done)."""
+    resume" (and `--help` "run the same command again"): that command, --fresh and all, moves
+    the journal it began aside and starts over. Both say to rerun without --fresh, which
+    resumes it (its cells counted done)."""
     from typing import Any
 
     from dvfs.measure.journal import Journal
@@ -520,6 +521,8 @@ def test_an_interrupted_fresh_sweep_says_to_resume_without_fresh(
     resumed = sweep([campaign, *gpus, "--out", str(out)])
     assert resumed.exit_code == 0, resumed.output
     assert "0 already done" not in resumed.stderr, resumed.stderr
+    helped = CliRunner().invoke(cli, ["sweep", "--help"])
+    assert "run the same command again (without --fresh)" in " ".join(helped.output.split())
 
 
 @pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])

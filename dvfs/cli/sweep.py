@@ -284,7 +284,7 @@ def sweep(
     """Run CAMPAIGN_FILE: every (knob, batch, drafter, corpus, repeat) cell into a cube.
 
     Resumes from the journal in --out by default: finished cells are skipped. Ctrl-C stops
-    after restoring the GPU; run the same command again to continue.
+    after restoring the GPU; run the same command again (without --fresh) to continue.
     """
     from dvfs.backends import check_gpus_named_once, check_job_gpus
     from dvfs.campaign import load_campaign
