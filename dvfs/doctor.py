@@ -305,24 +305,29 @@ def _gpu_checks(
             if journal is not None and journal.is_file():
 
                 def resume_stock() -> tuple[str, str]:
-                    from dvfs.preflight import resumed_stock_refusal
+                    from dvfs.preflight import nothing_left, resumed_stock_refusal
 
                     refusal = resumed_stock_refusal(campaign, gpus, journal, state_dir=directory)
                     if refusal is not None:
                         raise refusal
+                    if nothing_left(campaign, journal.parent):
+                        return OK, f"{journal} holds every cell: nothing to measure at any stock"
                     return OK, f"the stock settings {journal} was started with"
 
                 checks.append(_run("resume stock", resume_stock))
             elif fleet_dir is not None and _fleet_journals(fleet_dir):
 
                 def fleet_stock() -> tuple[str, str]:
-                    from dvfs.preflight import resumed_fleet_stock_refusal
+                    from dvfs.preflight import nothing_left, resumed_fleet_stock_refusal
 
                     refusal = resumed_fleet_stock_refusal(
                         campaign, by_group, fleet_dir, state_dir=directory
                     )
                     if refusal is not None:
                         raise refusal
+                    run_models = sorted({g.identity.name for g in gpus})
+                    if nothing_left(campaign, fleet_dir, run_models):
+                        return OK, f"{fleet_dir} holds every cell: nothing to measure at any stock"
                     return OK, f"the stock settings the journals in {fleet_dir} were started with"
 
                 checks.append(_run("resume stock", fleet_stock))

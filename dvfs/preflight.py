@@ -306,7 +306,9 @@ def resumed_stock_refusal(
     """Why the sweep over `gpus` would refuse to resume `journal` (where there is one): its
     sessions recorded other stock settings than the GPUs' now (`stock_change_refusal`, the
     runner's own rule), each GPU's stock read as the sweep takes it (`stock_as_swept`,
-    read-only). None where nothing changed, or where the sweep refuses the GPUs first."""
+    read-only). None where nothing changed, where the sweep refuses the GPUs first, or where
+    the journal holds every cell (`nothing_left`: the sweep opens no session, so compares no
+    stock)."""
     from dvfs.measure.journal import session_records
     from dvfs.measure.runner import session_stock, stock_change_refusal
 
@@ -319,7 +321,29 @@ def resumed_stock_refusal(
     stock = stock_as_swept(campaign, gpus, state_dir=state_dir)
     if stock is None:
         return None
-    return stock_change_refusal(sessions, session_stock(gpus, stock))
+    refusal = stock_change_refusal(sessions, session_stock(gpus, stock))
+    if refusal is not None and nothing_left(campaign, journal.parent):
+        return None
+    return refusal
+
+
+def nothing_left(campaign: Campaign, out_dir: Path, models: Sequence[str] | None = None) -> bool:
+    """Whether a sweep of `campaign` (a fleet's: on GPUs of `models`) into `out_dir` finds
+    every cell of the share its journals hold measured, with no further repeat asked
+    (`journals_done`, the fleet's own test): it then measures nothing and writes the cube, so
+    it opens no session and refuses no change of the GPUs' stock settings since. False where
+    that is not known (a journal it cannot read: the folder's own check says why)."""
+    from dvfs.fleet.folders import journals_done
+    from dvfs.fleet.shard import planned_cells
+    from dvfs.fleet.shard_journal import folder_journals, recorded_shard
+
+    try:
+        journals = [j for j in folder_journals(out_dir) if j.is_file()]
+        shard = recorded_shard(journals[0]) if journals else None
+        cells = planned_cells(campaign, shard)
+        return journals_done(out_dir, campaign, cells, models) is not None
+    except (DvfsError, OSError):
+        return False
 
 
 def resumed_fleet_stock_refusal(
@@ -335,8 +359,9 @@ def resumed_fleet_stock_refusal(
     other stock settings than that model's workers' GPUs start from now (`stock_changed`, the
     fleet's driver's own rule, on the first worker's session stock as `combine_sessions` keeps
     it), each GPU's stock read as the sweep takes it (`stock_as_swept`, read-only; or `stock`,
-    so read). None where nothing changed, or where the sweep refuses the GPUs or the folder
-    first for another reason (its own check says so)."""
+    so read). None where nothing changed, where the sweep refuses the GPUs or the folder
+    first for another reason (its own check says so), or where the journals hold every cell
+    of the fleet's GPU models (`nothing_left`: the fleet opens no GPU)."""
     from dvfs.fleet.folders import model_journals, stock_changed
     from dvfs.measure.journal import session_records
     from dvfs.measure.runner import session_stock
@@ -364,7 +389,7 @@ def resumed_fleet_stock_refusal(
             continue
         refusal = stock_changed(path, sessions, session_stock(first[model], stock))
         if refusal is not None:
-            return refusal
+            return None if nothing_left(campaign, out_dir, sorted(first)) else refusal
     return None
 
 

@@ -394,3 +394,24 @@ def test_the_readmes_how_it_works_lists_an_init_where_it_holds_code() -> None:
             held = "code" if code else "a docstring only"
             wrong.append(f"{package}: {held}, {'listed' if shown else 'not listed'}")
     assert not wrong, wrong
+
+
+def test_no_text_file_keeps_a_merges_conflict_markers() -> None:
+    """A merge (rev30m's) left its conflict in the README's "What a crash can cost": both
+    sides' sentences between `<<<<<<< HEAD`, `=======` and `>>>>>>> rev30m` lines, which a
+    reader met as the text. No Markdown, Python or TOML file of the project keeps such lines."""
+    import os
+
+    repo = ROOT.parent
+    files = []
+    for folder, subfolders, names in os.walk(repo):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "node_modules"]
+        files += [Path(folder, n) for n in names if n.endswith((".md", ".py", ".toml"))]
+    # (the start and end lines: a line of seven "=" may underline a Markdown title)
+    marker = re.compile(r"^(<{7}|>{7}) ", re.MULTILINE)
+    kept = [
+        str(path.relative_to(repo))
+        for path in files
+        if marker.search(path.read_text(encoding="utf-8", errors="replace"))
+    ]
+    assert files and not kept, kept

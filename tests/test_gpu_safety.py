@@ -1778,3 +1778,39 @@ def test_doctor_and_the_dry_run_say_a_fleet_resume_the_sweep_refuses_for_changed
     assert said in " ".join(swept.stderr.split()), swept.stderr
     assert "timing the GPUs' energy counter" not in swept.stderr, swept.stderr
     assert setter_calls(nvml) == []
+
+
+@pytest.mark.parametrize("fleet", [False, True], ids=["one-server", "fleet"])
+def test_a_finished_folder_whose_stock_changed_is_no_refusal_in_doctor_or_the_dry_run(
+    nvml, env, tmp_path: Path, fleet: bool
+) -> None:
+    """A folder holding every cell, rerun after its GPUs' stock power limit was changed (700 W
+    then, 600 W now), measures nothing: the sweep opens no session, so compares no stock, and
+    writes its cube, exit 0. Doctor failed 'resume stock' (exit 1) and the dry run said the
+    sweep would stop, for a fleet's folder (its check, new) as for one server's. Both pass it
+    now, doctor saying there is nothing to measure; an unfinished folder is still refused."""
+    nvml.fake_update_device(0, power_limit_mw=700_000)  # the fleet's GPUs at one limit
+    path = campaign_file(tmp_path)
+    out = ["--out", str(tmp_path / "out"), *(("--gpus", "0,1") if fleet else ())]
+    first = dvfs_in_process("sweep", str(path), *out, "--no-progress", env=env)
+    assert first.returncode == 0, first.stderr
+    for index in (0, 1):
+        nvml.fake_update_device(index, power_limit_mw=600_000)
+    doctor = dvfs_in_process("doctor", str(path), *out, env=env)
+    checked = json.loads(dvfs_in_process("doctor", str(path), *out, "--json", env=env).stdout)
+    stock = {c["name"]: c for c in checked}["resume stock"]
+    assert (doctor.returncode, stock["status"]) == (0, "ok"), doctor.stdout
+    assert "holds every cell: nothing to measure" in stock["detail"], stock
+    dry = dvfs_in_process("sweep", str(path), *out, "--dry-run", "--no-estimate", env=env)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "would stop" not in dry.stderr, dry.stderr
+    swept = dvfs_in_process("sweep", str(path), *out, "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stderr
+    assert "0 cell(s) measured" in swept.stderr + swept.stdout, swept.stderr
+    journal = tmp_path / "out" / "journal.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n")  # its last cell left to run
+    doctor = dvfs_in_process("doctor", str(path), *out, env=env)
+    assert doctor.returncode == 1 and "stock settings changed" in doctor.stdout, doctor.stdout
+    dry = dvfs_in_process("sweep", str(path), *out, "--dry-run", "--no-estimate", env=env)
+    assert "sweep would stop" in dry.stderr and "stock settings changed" in dry.stderr

@@ -487,6 +487,44 @@ def test_an_interruption_before_the_first_cell_says_nothing_was_measured(
     assert result.stderr.rstrip().endswith("Interrupted.")
 
 
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")], ids=["one-gpu", "fleet"])
+def test_an_interrupted_fresh_sweep_says_to_resume_without_fresh(
+    gpus: tuple[str, ...], tmp_path: Path, monkeypatch
+) -> None:
+    """A `--fresh` sweep stopped after its first cell said "Run the same command again to
+    resume" (and `--help` "run the same command again"): that command, --fresh and all, moves
+    the journal it began aside and starts over. Both say to rerun without --fresh, which
+    resumes it (its cells counted done)."""
+    from typing import Any
+
+    from dvfs.measure.journal import Journal
+
+    campaign = str(write(tmp_path / "tiny.toml", TINY))
+    out = tmp_path / "out"
+    assert sweep([campaign, *gpus, "--out", str(out)]).exit_code == 0
+    note = Journal._note
+    seen = {"cells": 0}
+
+    def noted(self: Journal, record: dict[str, Any]) -> None:  # Ctrl-C after the first cell
+        note(self, record)
+        if record.get("type") == "cell":
+            seen["cells"] += 1
+            if seen["cells"] == 1:
+                raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Journal, "_note", noted)
+        stopped = sweep([campaign, *gpus, "--out", str(out), "--fresh"])
+    assert stopped.exit_code == 130, stopped.output
+    said = " ".join(stopped.stderr.split())
+    assert "Run the same command again without --fresh to resume" in said, said
+    resumed = sweep([campaign, *gpus, "--out", str(out)])
+    assert resumed.exit_code == 0, resumed.output
+    assert "0 already done" not in resumed.stderr, resumed.stderr
+    helped = CliRunner().invoke(cli, ["sweep", "--help"])
+    assert "run the same command again (without --fresh)" in " ".join(helped.output.split())
+
+
 @pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
 def test_an_interruption_of_a_finished_folder_does_not_call_its_cube_partial(
     gpus: tuple[str, ...], tmp_path: Path, monkeypatch

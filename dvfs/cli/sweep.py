@@ -284,7 +284,7 @@ def sweep(
     """Run CAMPAIGN_FILE: every (knob, batch, drafter, corpus, repeat) cell into a cube.
 
     Resumes from the journal in --out by default: finished cells are skipped. Ctrl-C stops
-    after restoring the GPU; run the same command again to continue.
+    after restoring the GPU; run the same command again (without --fresh) to continue.
     """
     from dvfs.backends import check_gpus_named_once, check_job_gpus
     from dvfs.campaign import load_campaign
@@ -523,7 +523,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
             outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar, shard=shard)
     except (KeyboardInterrupt, Interrupted) as exc:
         status = _after_interruption_told(err, campaign, out_dir, shard)
-        err.print(f"{status} Run the same command again to resume.")
+        err.print(f"{status} {_resume_advice(fresh)}")
         restore_error = getattr(exc, "restore_error", None)
         if restore_error is not None:  # the restore the signal unwound to failed: why
             click.echo(f"Error: {one_line(str(restore_error))}", err=True)
@@ -637,7 +637,7 @@ def run_fleet(
         status = _after_interruption_told(err, campaign, out_dir, shard)
         if executor == "ray" and run_on.unrestored:
             status = _ray_unrestored(run_on.unrestored)
-        err.print(f"{status} Run the same command again to resume.", soft_wrap=True)
+        err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
     report_fleet(outcome)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
@@ -676,6 +676,14 @@ def _restore_exit_code(errors: Sequence[BaseException]) -> int:
     from dvfs.errors import GpuPermissionError
 
     return 4 if any(isinstance(e, GpuPermissionError) for e in errors) else 1
+
+
+def _resume_advice(fresh: bool) -> str:
+    """How an interrupted sweep resumes: its command again, less --fresh (which would move
+    the journal it began aside, unread, and start over)."""
+    if fresh:
+        return "Run the same command again without --fresh to resume (with it, it starts over)."
+    return "Run the same command again to resume."
 
 
 def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any = None) -> str:
