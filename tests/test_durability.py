@@ -53,8 +53,19 @@ class FsyncLog:
         return [s for s, i in zip(self.sizes, self.inodes, strict=True) if i == ino]
 
 
+#: A cell's coordinates as the journal holds them (the reader checks them: `_cell_problem`).
+CELL = {
+    "drafter": "none",
+    "repeat": 0,
+    "sm_clock_mhz": 1980,
+    "power_limit_w": None,
+    "batch": 1,
+    "corpus": "code",
+}
+
+
 def _cell(i: int) -> dict[str, Any]:
-    return {"type": "cell", "key": f"k{i}", "cell": {}, "status": "ok"}
+    return {"type": "cell", "key": f"k{i}", "cell": {**CELL, "repeat": i}, "status": "ok"}
 
 
 def _journal(path: Path, policy: SyncPolicy, time: FakeTime, fsync: FsyncLog) -> Journal:
@@ -139,7 +150,8 @@ def test_sigkill_loses_no_written_record(tmp_path: Path, policy: SyncPolicy) -> 
         f"j = Journal(Path({str(path)!r}), sync=SyncPolicy(group_s={policy.group_s!r}))\n"
         "j.append({'type': 'header'})\n"
         "for i in range(200):\n"
-        "    j.append({'type': 'cell', 'key': f'k{i}', 'cell': {}, 'status': 'ok'})\n"
+        f"    j.append({{'type': 'cell', 'key': f'k{{i}}', 'cell': {{**{CELL!r}, 'repeat': i}}, "
+        "'status': 'ok'})\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     done = subprocess.run([PYTHON, "-c", script], env=subprocess_env(), timeout=60)

@@ -87,6 +87,49 @@ def test_a_bad_middle_line_names_the_line_and_the_way_out(
 
 
 @pytest.mark.parametrize(
+    ("coordinate", "value", "said"),
+    [
+        pytest.param("repeat", "x", 'repeat is "x"', id="repeat-text"),
+        pytest.param("repeat", -1, "repeat is -1", id="repeat-negative"),
+        pytest.param("batch", None, "batch is missing", id="batch-missing"),
+        pytest.param("batch", 2.5, "batch is 2.5", id="batch-fraction"),
+        pytest.param("corpus", 7, "corpus is 7", id="corpus-number"),
+        pytest.param("sm_clock_mhz", "fast", 'sm_clock_mhz is "fast"', id="clock-text"),
+        pytest.param("power_limit_w", True, "power_limit_w is true", id="limit-bool"),
+    ],
+)
+def test_an_edited_cell_coordinate_is_named_by_its_line_before_a_resume_measures(
+    swept: tuple[Path, Path], coordinate: str, value: Any, said: str
+) -> None:
+    """A cell record whose coordinates are not a cell's was read as far as the cube build, after
+    the resume had measured the cells left (an unnamed record, 'rerun with --fresh'); it is
+    named by its line as the journal is read, as a damaged line is."""
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    lines = _lines(journal)
+    cells = [i for i, raw in enumerate(lines) if raw.startswith(b'{"type":"cell"')]
+    record = json.loads(lines[cells[0]])
+    if value is None:
+        del record["cell"][coordinate]
+    else:
+        record["cell"][coordinate] = value
+    lines[cells[0]] = json.dumps(record).encode()
+    # the last cell left to measure, so a resume has work to do
+    del lines[cells[-1]]
+    journal.write_bytes(b"\n".join(lines))
+    before = journal.read_bytes()
+    for result in (
+        invoke("sweep", str(campaign), "--out", str(out), "--no-progress"),
+        invoke("sweep", str(campaign), "--out", str(out), "--dry-run"),
+        invoke("cube", "build", str(out)),
+    ):
+        line = f"line {cells[0] + 1}"
+        text = assert_one_line_error(result, 1, str(journal), line, said, f"delete {line}")
+        assert "--fresh" in text
+    assert journal.read_bytes() == before, "nothing measured, nothing rewritten"
+
+
+@pytest.mark.parametrize(
     "content",
     [
         pytest.param(bytes(range(256)) * 4, id="binary"),

@@ -479,6 +479,48 @@ def _record_problem(record: Any) -> str | None:
         isinstance(record.get("key"), str) and isinstance(record.get("cell"), dict)
     ):
         return "a cell record without its key"
+    if record["type"] == "cell":
+        return _cell_problem(record["cell"])
+    return None
+
+
+def _whole(value: Any) -> bool:
+    """An integer as JSON holds one (a float with no fraction passes, as `Cell.from_dict`
+    reads it; true and false do not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return isinstance(value, int) or value.is_integer()
+
+
+#: A cell coordinate the record lacks.
+_MISSING = object()
+
+
+def _shown(value: Any) -> str:
+    """A coordinate as the journal's line has it (JSON: null, "x"), cut short."""
+    text = "missing" if value is _MISSING else json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _cell_problem(cell: dict[str, Any]) -> str | None:
+    """Why a cell record's coordinates are not a cell's (None if they are): caught as the line
+    is read, so an edited record is named by its line before a resume measures anything."""
+    for name in ("drafter", "corpus"):
+        value = cell.get(name, _MISSING)
+        if not isinstance(value, str):
+            return f"a cell record whose {name} is {_shown(value)}, not a name"
+    for name, least in (("repeat", 0), ("batch", 1)):
+        value = cell.get(name, _MISSING)
+        if not _whole(value) or value < least:
+            return f"a cell record whose {name} is {_shown(value)}, not a whole number from {least}"
+    clock = cell.get("sm_clock_mhz", _MISSING)
+    if clock is not None and not (_whole(clock) and clock > 0):
+        return f"a cell record whose sm_clock_mhz is {_shown(clock)}, not a clock in MHz or null"
+    limit = cell.get("power_limit_w", _MISSING)
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0
+    ):
+        return f"a cell record whose power_limit_w is {_shown(limit)}, not a limit in W or null"
     return None
 
 
