@@ -615,3 +615,44 @@ def test_the_headroom_map_wraps_a_flag_name_after_its_underscores_not_inside_a_w
     said = "no valid reference cell (invalid: foreign_process)"
     # joined again: a break after "_" takes nothing away, any other one took a space
     assert re.sub(r"_\n", "_", label).replace("\n", " ") == said, label
+
+
+def test_the_reports_split_caption_names_the_parts_the_figure_draws(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fixed batch's windows hold no prefill: the energy-split figure leaves that part out
+    of its bars and key, yet the report's caption read "prefill, drafting, verification and
+    overhead per token". The caption names the parts the figure draws."""
+    from click.testing import CliRunner
+    from conftest import figures_drawn_only, unsaved_figure
+
+    from dvfs.analysis.split import where_energy_goes
+    from dvfs.cli import cli
+    from dvfs.cube import open_cube
+    from dvfs.plots.split import PART_LABELS
+
+    legends: dict[str, list[str]] = {}
+
+    def note(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+        if fig is not None and name.startswith("energy_split_"):
+            legends[name] = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+        return unsaved_figure(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", note)
+    figures_drawn_only(monkeypatch, "draw_energy_split")
+    out = tmp_path / "r.md"
+    result = CliRunner().invoke(cli, ["report", str(small_sweep), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    split = where_energy_goes(open_cube(small_sweep / "cube.nc"))
+    assert not float(split["energy_per_token_prefill_j"].max())  # no prefill in the windows
+    captions = [
+        line.strip("*")
+        for line in out.read_text().splitlines()
+        if line.startswith("*Where the energy goes")
+    ]
+    assert legends and len(captions) == len(legends)
+    for caption in captions:
+        assert "prefill" not in caption, caption
+        assert "drafting, verification and overhead per token, corpus " in caption, caption
+    for drawn in legends.values():
+        assert PART_LABELS["prefill"] not in drawn and PART_LABELS["draft"] in drawn

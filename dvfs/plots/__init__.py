@@ -27,7 +27,7 @@ from dvfs.plots.curves import (
 )
 from dvfs.plots.data import pareto_front, usable_mask
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
-from dvfs.plots.split import draw_energy_split, split_panels, worth_drawing
+from dvfs.plots.split import draw_energy_split, parts_drawn, split_panels, worth_drawing
 from dvfs.plots.style import save
 from dvfs.plots.timelines import draw_timelines
 
@@ -51,6 +51,7 @@ __all__ = [
     "per_gpu",
     "plot_all",
     "figures",
+    "split_parts",
 ]
 
 
@@ -107,6 +108,25 @@ def figures(
     ):
         if fig is not None:
             yield name, fig
+
+
+def split_parts(cube: xr.Dataset) -> dict[str, list[str]]:
+    """Each energy-split figure `plot_all` may draw of `cube`, by its name (no extension; in
+    its GPU's folder for a merged cube), and the parts it draws (`parts_drawn`): the report's
+    caption names those, not a prefill part the figure leaves out at 0 J."""
+    if "gpu" in cube.dims:
+        return {
+            f"{folder}/{name}": parts
+            for folder, one in per_gpu(cube)
+            for name, parts in split_parts(one).items()
+        }
+    if "energy_split_method" not in cube:
+        return {}
+    split = where_energy_goes(cube)
+    return {
+        f"energy_split_{corpus}": parts_drawn(split.sel(corpus=corpus))
+        for corpus in (str(c) for c in split["corpus"].values)
+    }
 
 
 def only_drafters(chosen: xr.Dataset, drafters: Sequence[str]) -> xr.Dataset:
