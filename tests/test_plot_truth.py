@@ -656,3 +656,48 @@ def test_the_reports_split_caption_names_the_parts_the_figure_draws(
         assert "drafting, verification and overhead per token, corpus " in caption, caption
     for drawn in legends.values():
         assert PART_LABELS["prefill"] not in drawn and PART_LABELS["draft"] in drawn
+
+
+def test_the_timelines_draw_every_drafter_asked_for_and_name_those_left_out(
+    shared_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timelines drew the first two drafters of the cube the report was cut to, whatever
+    `dvfs report --drafter` asked for: `--drafter none --drafter eagle3 --drafter ngram` had
+    no ngram timeline, nothing said. They draw each drafter asked for; with none asked (`dvfs
+    plot`, a plain report) the first two, the title naming the others."""
+    from click.testing import CliRunner
+    from conftest import SMALL_EXACT, figures_drawn_only, replace_block, unsaved_figure
+
+    from dvfs.cli import cli
+
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1005]")
+    text = replace_block(text, 'corpora = ["code", "conversation"]', 'corpora = ["code"]')
+    ngram = '[drafters.ngram]\nalgorithm = "NGRAM"\nnum_draft_tokens = 4\n\n'
+    text = replace_block(text, "[workload]", ngram + "[workload]")
+    run = shared_run(text, "three-drafters")
+    drawn: dict[str, tuple[str, list[str]]] = {}
+
+    def note(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+        if fig is not None and name == "timelines":
+            labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+            drawn[out_dir.name] = (fig.get_suptitle(), labels)
+        return unsaved_figure(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", note)
+    figures_drawn_only(monkeypatch, "draw_timelines")
+
+    def timelines(*args: str) -> tuple[str, set[str]]:
+        drawn.clear()
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 0, result.output
+        ((title, labels),) = drawn.values()
+        return title, {label.split(", ")[0] for label in labels if ": " in label}
+
+    asked = ("--drafter", "none", "--drafter", "eagle3", "--drafter", "ngram")
+    title, names = timelines("report", str(run), *asked, "-o", str(tmp_path / "r.md"))
+    assert names == {"none", "eagle3", "ngram"} and "not drawn" not in title
+    title, names = timelines("report", str(run), "--drafter", "ngram", "-o", str(tmp_path / "n.md"))
+    assert names == {"ngram"}  # the baseline the report keeps beside it is not asked for
+    title, names = timelines("plot", str(run), "--out", str(tmp_path / "plots"))
+    assert names == {"none", "eagle3"}
+    assert "not drawn: ngram" in title, title

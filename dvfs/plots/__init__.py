@@ -68,7 +68,8 @@ def figures(
     The chosen settings they mark are `dvfs headroom`'s for `target`, `knob` and `confidence`.
     `drafters` (none: all) are the rows of the headroom map, as of `dvfs headroom --drafter`'s
     table: a cube cut to some drafters keeps the baseline for the target and for the curves
-    it is drawn against, but the map is of the drafters asked for. `grid_from_data`: the cube
+    it is drawn against, but the map is of the drafters asked for, and so are the timelines
+    (none asked: the cube's first two, the others named). `grid_from_data`: the cube
     is one GPU of a merged cube (`per_gpu`), its answers those `dvfs headroom` gives that GPU
     on the merged cube (another GPU's stock setting is outside its grid, not unmeasured).
 
@@ -103,7 +104,7 @@ def figures(
     for name, fig in (
         ("acceptance", draw_acceptance(cube, usable)),
         ("headroom", draw_headroom(only_drafters(chosen, drafters))),
-        ("timelines", draw_timelines(cube, chosen)),
+        ("timelines", draw_timelines(cube, chosen, drafters)),
         ("energy_vs_batch", draw_energy_vs_batch(cube, usable)),
     ):
         if fig is not None:
