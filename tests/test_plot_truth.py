@@ -701,3 +701,48 @@ def test_the_timelines_draw_every_drafter_asked_for_and_name_those_left_out(
     title, names = timelines("plot", str(run), "--out", str(tmp_path / "plots"))
     assert names == {"none", "eagle3"}
     assert "not drawn: ngram" in title, title
+
+
+def test_the_timelines_end_at_the_decode_not_at_the_sample_after_it(small_sweep: Path) -> None:
+    """A fixed batch's round ends at its window's close, where the sampler's last reading of
+    it falls (on the twin's virtual clock), reading the GPU after the last decode step: each
+    such timeline ended in a plunge (115 W after 240 W of decode) that no energy counts. The
+    line stops at the decode's last sample; every other stored sample is drawn."""
+    from dvfs.analysis.headroom import reference_setting
+    from dvfs.cube import open_cube
+    from dvfs.plots.timelines import first_valid_repeat
+
+    cube = open_cube(small_sweep / "cube.nc").load()
+    ref = reference_setting(cube)
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    assert fig is not None
+    closing_cells = 0
+    for ax in fig.axes:
+        if ax.get_ylabel() != "GPU power (W)":
+            continue
+        batch, corpus = ax.get_title().removeprefix("batch ").split(", corpus ")
+        for line in ax.lines:
+            label = str(line.get_label())
+            if ", stock: " not in label:
+                continue
+            at: dict[str, object] = {
+                "batch": int(batch),
+                "corpus": corpus,
+                "drafter": label.split(", ")[0],
+            }
+            at.update(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
+            cell = first_valid_repeat(cube.sel(at))
+            assert cell is not None
+            t = cell["timeline_t_s"].values
+            keep = ~np.isnan(t)
+            t, power = t[keep], cell["timeline_power_w"].values[keep]
+            closing = float(cell["gpu_time_window_s"])
+            x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+            if abs(t[-1] - closing) < 1.5e-6:  # the last sample falls on the window's close
+                closing_cells += 1
+                assert power[-1] < 0.7 * float(cell["power_mean_w"])  # not the decode's power
+                assert x.tolist() == t[:-1].tolist() and y.tolist() == power[:-1].tolist()
+                assert y[-1] > 0.7 * float(cell["power_mean_w"])  # the line ends decoding
+            else:
+                assert x.tolist() == t.tolist()
+    assert closing_cells

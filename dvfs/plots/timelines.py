@@ -66,14 +66,29 @@ def first_valid_repeat(cell: xr.Dataset) -> xr.Dataset | None:
     return cell.isel(repeat=int(picks[0])) if picks.size else None
 
 
+#: How far apart the timeline's last instant and the windows' length may lie and still be the
+#: same instant: each is stored rounded to the microsecond.
+CLOSING_TOLERANCE_S = 1.5e-6
+
+
 def stored_samples(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A cell's stored samples (time, power, SM clock), NaN padding left out. The meter keeps
-    only samples inside its windows, on an axis of whole window lengths, so all are drawn:
-    `decode_time_s` (the spans between counter updates) is shorter than that axis and no end
-    to cut at. Nothing on the axis marks where the last window closed, so the line stops at
-    the last sample rather than hold its value on."""
+    """A cell's stored samples (time, power, SM clock) in its decode, NaN padding left out.
+    The meter keeps the samples inside its windows, ends included, on an axis of whole window
+    lengths, so all are drawn, but one: `decode_time_s` (the spans between counter updates)
+    is shorter than that axis and no end to cut at. The sampler's last reading of a round
+    that ends at its window's close (a fixed batch's requests all finishing at once, in the
+    twin's virtual time) falls on that closing instant and reads the GPU after the decode's
+    last step (115 W where it decoded at 240 W), which no energy counts: the sample at the
+    last window's close (`gpu_time_window_s`, the windows' length) is left out, or the line
+    plunges there as if the decode had. Nothing on the axis marks where an earlier round's
+    window closed, so the line stops at the last sample rather than hold its value on."""
     t = cell["timeline_t_s"].values
     keep = ~np.isnan(t)
+    if "gpu_time_window_s" in cell:
+        closing = float(cell["gpu_time_window_s"])
+        last = np.flatnonzero(keep)
+        if last.size > 1 and abs(float(t[last[-1]]) - closing) <= CLOSING_TOLERANCE_S:
+            keep[last[-1]] = False
     return (
         t[keep],
         cell["timeline_power_w"].values[keep],
