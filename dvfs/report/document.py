@@ -136,6 +136,10 @@ def _figure(
 
 _CAPTIONS = {
     "energy_vs_clock": "Energy per token against the SM clock",
+    "energy_vs_power_limit": "Energy per token against the power limit, at the grid's one SM "
+    "clock, with {ref} and the chosen setting",
+    "latency_vs_power_limit": "The target's latency against the power limit, at the grid's one "
+    "SM clock, with {ref}, the chosen setting and each drafter's target",
     "pareto": "Energy against latency at every setting: Pareto fronts and the chosen settings",
     "headroom": "Energy saved at the chosen setting, per batch, drafter and corpus",
     "acceptance": "Mean accept length per drafter and corpus",
