@@ -132,6 +132,8 @@ def unsaved_figures(monkeypatch: pytest.MonkeyPatch) -> None:
 #: the helpers only those figures use): what `figures_drawn_only` may leave undrawn.
 FIGURE_DRAWERS: dict[str, tuple[str, ...]] = {
     "draw_energy_vs_clock": (),
+    "draw_energy_vs_power_limit": (),
+    "draw_latency_vs_power_limit": (),
     "draw_pareto": (),
     "draw_energy_split": ("where_energy_goes", "worth_drawing", "split_panels"),
     "draw_acceptance": (),
@@ -157,7 +159,13 @@ def figures_drawn_only(monkeypatch: pytest.MonkeyPatch, *drawers: str) -> None:
         if drawer not in drawers:
             for name in (drawer, *helpers):
                 monkeypatch.setattr(dvfs.plots, name, lambda *args, **kwargs: None)
-    if not {"draw_energy_vs_clock", "draw_pareto"} & set(drawers):
+    curves = {
+        "draw_energy_vs_clock",
+        "draw_energy_vs_power_limit",
+        "draw_latency_vs_power_limit",
+        "draw_pareto",
+    }
+    if not curves & set(drawers):
         monkeypatch.setattr(dvfs.plots, "corpus_panels", lambda *args, **kwargs: None)
 
 

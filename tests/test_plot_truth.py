@@ -615,3 +615,134 @@ def test_the_headroom_map_wraps_a_flag_name_after_its_underscores_not_inside_a_w
     said = "no valid reference cell (invalid: foreign_process)"
     # joined again: a break after "_" takes nothing away, any other one took a space
     assert re.sub(r"_\n", "_", label).replace("\n", " ") == said, label
+
+
+def test_the_reports_split_caption_names_the_parts_the_figure_draws(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fixed batch's windows hold no prefill: the energy-split figure leaves that part out
+    of its bars and key, yet the report's caption read "prefill, drafting, verification and
+    overhead per token". The caption names the parts the figure draws."""
+    from click.testing import CliRunner
+    from conftest import figures_drawn_only, unsaved_figure
+
+    from dvfs.analysis.split import where_energy_goes
+    from dvfs.cli import cli
+    from dvfs.cube import open_cube
+    from dvfs.plots.split import PART_LABELS
+
+    legends: dict[str, list[str]] = {}
+
+    def note(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+        if fig is not None and name.startswith("energy_split_"):
+            legends[name] = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+        return unsaved_figure(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", note)
+    figures_drawn_only(monkeypatch, "draw_energy_split")
+    out = tmp_path / "r.md"
+    result = CliRunner().invoke(cli, ["report", str(small_sweep), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    split = where_energy_goes(open_cube(small_sweep / "cube.nc"))
+    assert not float(split["energy_per_token_prefill_j"].max())  # no prefill in the windows
+    captions = [
+        line.strip("*")
+        for line in out.read_text().splitlines()
+        if line.startswith("*Where the energy goes")
+    ]
+    assert legends and len(captions) == len(legends)
+    for caption in captions:
+        assert "prefill" not in caption, caption
+        assert "drafting, verification and overhead per token, corpus " in caption, caption
+    for drawn in legends.values():
+        assert PART_LABELS["prefill"] not in drawn and PART_LABELS["draft"] in drawn
+
+
+def test_the_timelines_draw_every_drafter_asked_for_and_name_those_left_out(
+    shared_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timelines drew the first two drafters of the cube the report was cut to, whatever
+    `dvfs report --drafter` asked for: `--drafter none --drafter eagle3 --drafter ngram` had
+    no ngram timeline, nothing said. They draw each drafter asked for; with none asked (`dvfs
+    plot`, a plain report) the first two, the title naming the others."""
+    from click.testing import CliRunner
+    from conftest import SMALL_EXACT, figures_drawn_only, replace_block, unsaved_figure
+
+    from dvfs.cli import cli
+
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1005]")
+    text = replace_block(text, 'corpora = ["code", "conversation"]', 'corpora = ["code"]')
+    ngram = '[drafters.ngram]\nalgorithm = "NGRAM"\nnum_draft_tokens = 4\n\n'
+    text = replace_block(text, "[workload]", ngram + "[workload]")
+    run = shared_run(text, "three-drafters")
+    drawn: dict[str, tuple[str, list[str]]] = {}
+
+    def note(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+        if fig is not None and name == "timelines":
+            labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+            drawn[out_dir.name] = (fig.get_suptitle(), labels)
+        return unsaved_figure(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", note)
+    figures_drawn_only(monkeypatch, "draw_timelines")
+
+    def timelines(*args: str) -> tuple[str, set[str]]:
+        drawn.clear()
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 0, result.output
+        ((title, labels),) = drawn.values()
+        return title, {label.split(", ")[0] for label in labels if ": " in label}
+
+    asked = ("--drafter", "none", "--drafter", "eagle3", "--drafter", "ngram")
+    title, names = timelines("report", str(run), *asked, "-o", str(tmp_path / "r.md"))
+    assert names == {"none", "eagle3", "ngram"} and "not drawn" not in title
+    title, names = timelines("report", str(run), "--drafter", "ngram", "-o", str(tmp_path / "n.md"))
+    assert names == {"ngram"}  # the baseline the report keeps beside it is not asked for
+    title, names = timelines("plot", str(run), "--out", str(tmp_path / "plots"))
+    assert names == {"none", "eagle3"}
+    assert "not drawn: ngram" in title, title
+
+
+def test_the_timelines_end_at_the_decode_not_at_the_sample_after_it(small_sweep: Path) -> None:
+    """A fixed batch's round ends at its window's close, where the sampler's last reading of
+    it falls (on the twin's virtual clock), reading the GPU after the last decode step: each
+    such timeline ended in a plunge (115 W after 240 W of decode) that no energy counts. The
+    line stops at the decode's last sample; every other stored sample is drawn."""
+    from dvfs.analysis.headroom import reference_setting
+    from dvfs.cube import open_cube
+    from dvfs.plots.timelines import first_valid_repeat
+
+    cube = open_cube(small_sweep / "cube.nc").load()
+    ref = reference_setting(cube)
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    assert fig is not None
+    closing_cells = 0
+    for ax in fig.axes:
+        if ax.get_ylabel() != "GPU power (W)":
+            continue
+        batch, corpus = ax.get_title().removeprefix("batch ").split(", corpus ")
+        for line in ax.lines:
+            label = str(line.get_label())
+            if ", stock: " not in label:
+                continue
+            at: dict[str, object] = {
+                "batch": int(batch),
+                "corpus": corpus,
+                "drafter": label.split(", ")[0],
+            }
+            at.update(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
+            cell = first_valid_repeat(cube.sel(at))
+            assert cell is not None
+            t = cell["timeline_t_s"].values
+            keep = ~np.isnan(t)
+            t, power = t[keep], cell["timeline_power_w"].values[keep]
+            closing = float(cell["gpu_time_window_s"])
+            x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+            if abs(t[-1] - closing) < 1.5e-6:  # the last sample falls on the window's close
+                closing_cells += 1
+                assert power[-1] < 0.7 * float(cell["power_mean_w"])  # not the decode's power
+                assert x.tolist() == t[:-1].tolist() and y.tolist() == power[:-1].tolist()
+                assert y[-1] > 0.7 * float(cell["power_mean_w"])  # the line ends decoding
+            else:
+                assert x.tolist() == t.tolist()
+    assert closing_cells

@@ -831,3 +831,90 @@ def test_a_merged_gpu_figures_name_no_other_gpus_stock_limit(tmp_path: Path) -> 
         assert said == legends(own, False)
         assert not any("(cap)" in label for labels in said.values() for label in labels)
         assert one.sizes["power_limit"] == 1
+
+
+def test_a_power_limit_only_campaign_draws_energy_and_latency_against_the_limit(
+    shared_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the power limit swept: the energy-vs-clock figure is left out (one clock), and no
+    figure put the limit on its x axis; its limits were only points of the Pareto figure.
+    `dvfs plot` draws energy per token and the target's latency against the power limit, a
+    line per drafter through its cells' means, the stock limit ringed and `dvfs headroom`'s
+    choice starred where its table puts it, each drafter's target dotted; the report
+    captions them."""
+    import json
+
+    from click.testing import CliRunner
+    from conftest import figures_drawn_only, unsaved_figure
+
+    import dvfs.plots
+    from dvfs.cli import cli
+
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    run = shared_run(replace_block(text, "[700, 300]", "[700, 200]"), "limits-200")
+    kept: dict[str, dict[int, dict[str, Any]]] = {}
+
+    def note(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+        if fig is not None and name.startswith(
+            ("energy_vs_power_limit_", "latency_vs_power_limit_")
+        ):
+            panels: dict[int, dict[str, Any]] = {}
+            for ax in fig.axes:
+                if not ax.get_title().startswith("batch "):
+                    continue
+                marks = {str(c.get_gid()): c.get_offsets() for c in ax.collections}
+                panels[int(ax.get_title().split()[1])] = {
+                    "lines": [
+                        (np.asarray(line.get_xdata()), np.asarray(line.get_ydata()))
+                        for line in ax.lines
+                    ],
+                    "stock": np.asarray(marks["stock"]),
+                    "chosen": np.asarray(marks["chosen"]),
+                    "xlabel": ax.get_xlabel(),
+                }
+            kept[name] = panels
+        return unsaved_figure(fig, out_dir, name, fmt)
+
+    def invoke(*args: str) -> str:
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    monkeypatch.setattr(dvfs.plots, "save", note)
+    said = invoke("plot", str(run), "--slack", "5%", "--out", str(tmp_path / "plots"))
+    doc = json.loads(invoke("headroom", str(run), "--slack", "5%", "--json"))
+    cube = open_cube(run / "cube.nc")
+    drafters = [str(d) for d in cube["drafter"].values]
+    corpora = [str(c) for c in cube["corpus"].values]
+    for corpus in corpora:
+        for kind in ("energy", "latency"):
+            assert f"{kind}_vs_power_limit_{corpus}.png" in said
+    assert "energy_vs_clock" not in said
+    capped = 0
+    for row in doc["rows"]:
+        d = drafters.index(row["drafter"])
+        for kind, value, stock in (
+            ("energy", "energy_per_token_j", "stock_energy_per_token_j"),
+            ("latency", "latency_ms", "reference_latency_ms"),
+        ):
+            panel = kept[f"{kind}_vs_power_limit_{row['corpus']}"][row["batch"]]
+            assert panel["xlabel"] == "power limit (W)"
+            x, y = panel["lines"][d] if kind == "energy" else panel["lines"][2 * d]
+            assert x.tolist() == [200.0, 700.0]
+            assert y[1] == pytest.approx(row[stock])
+            assert panel["stock"][d].tolist() == pytest.approx([700.0, row[stock]])
+            chosen = [row["chosen"]["power_limit_w"], row[value]]
+            assert panel["chosen"][d].tolist() == pytest.approx(chosen)
+            assert y[x.tolist().index(chosen[0])] == pytest.approx(row[value])
+            if kind == "latency":  # each drafter's line, then its target
+                tx, ty = panel["lines"][2 * d + 1]
+                assert ty.tolist() == pytest.approx([row["target_ms"]] * 2)
+        capped += row["chosen"]["power_limit_w"] < 700
+    assert capped  # the cap binds somewhere: a star away from the stock limit
+    figures_drawn_only(monkeypatch)
+    invoke("report", str(run), "--slack", "5%", "-o", str(tmp_path / "r.md"))
+    report = (tmp_path / "r.md").read_text()
+    assert "Energy per token against the power limit, at the grid's one SM clock, " in report
+    for corpus in corpora:
+        assert f"energy_vs_power_limit_{corpus}.png" in report
+        assert f"latency_vs_power_limit_{corpus}.png" in report

@@ -186,6 +186,7 @@ def report(
     from dvfs.cube import open_analysable
     from dvfs.cube.prompts import roofline_context
     from dvfs.outputs import is_stream
+    from dvfs.plots import split_parts
     from dvfs.plots.style import ALL_DRAFTERS
     from dvfs.report.document import ReportOptions, build_document
     from dvfs.report.html import render_html
@@ -222,13 +223,17 @@ def report(
     options = ReportOptions(target, knob, confidence, batch, drafter, corpus)
     generated = f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC by dvfs {__version__}"
     context_notes: list[str] = []  # the roofline's context, where the cube does not record it
+    figures = _figures(shown, options)
+    # the parts each energy-split figure draws, which its caption names (where there is one)
+    drawn_parts = split_parts(shown) if any("energy_split_" in n for n, _ in figures) else {}
     document = build_document(
         ds,
         options,
-        _figures(shown, options),
+        figures,
         generated=generated,
         context_tokens=roofline_context(ds, cube_path, context_notes),
         context_notes=context_notes,
+        split_parts=drawn_parts,
     )
     if fmt == "html":
         write_atomically(output, render_html(document).encode("utf-8"))

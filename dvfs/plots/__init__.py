@@ -27,7 +27,13 @@ from dvfs.plots.curves import (
 )
 from dvfs.plots.data import pareto_front, usable_mask
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
-from dvfs.plots.split import draw_energy_split, split_panels, worth_drawing
+from dvfs.plots.limits import (
+    draw_energy_vs_power_limit,
+    draw_latency_vs_power_limit,
+    energy_limit_title,
+    latency_limit_title,
+)
+from dvfs.plots.split import draw_energy_split, parts_drawn, split_panels, worth_drawing
 from dvfs.plots.style import save
 from dvfs.plots.timelines import draw_timelines
 
@@ -45,12 +51,15 @@ __all__ = [
     "draw_energy_vs_batch",
     "draw_energy_vs_clock",
     "draw_headroom",
+    "draw_latency_vs_power_limit",
+    "draw_energy_vs_power_limit",
     "draw_pareto",
     "draw_timelines",
     "pareto_front",
     "per_gpu",
     "plot_all",
     "figures",
+    "split_parts",
 ]
 
 
@@ -67,7 +76,8 @@ def figures(
     The chosen settings they mark are `dvfs headroom`'s for `target`, `knob` and `confidence`.
     `drafters` (none: all) are the rows of the headroom map, as of `dvfs headroom --drafter`'s
     table: a cube cut to some drafters keeps the baseline for the target and for the curves
-    it is drawn against, but the map is of the drafters asked for. `grid_from_data`: the cube
+    it is drawn against, but the map is of the drafters asked for, and so are the timelines
+    (none asked: the cube's first two, the others named). `grid_from_data`: the cube
     is one GPU of a merged cube (`per_gpu`), its answers those `dvfs headroom` gives that GPU
     on the merged cube (another GPU's stock setting is outside its grid, not unmeasured).
 
@@ -82,13 +92,26 @@ def figures(
     widest = longest_corpus(cube)
     usable = usable_mask(cube)  # once for every figure: each would make it anew
     # One SM clock (a power-limit-only grid, or one clock locked): nothing varies along the
-    # clock axis, and an unlocked clock would be drawn as a lock; each power limit's energy is
-    # in the Pareto figure. As the energy-vs-batch figure for one batch size, none is drawn.
+    # clock axis, and an unlocked clock would be drawn as a lock. As the energy-vs-batch figure
+    # for one batch size, none is drawn; where the power limit varies, energy and latency are
+    # drawn against it instead, as the clock sweep's energy is against the clock.
     if measured_clocks(cube) > 1:
         curves = corpus_panels(cube, energy_title(cube, widest))
         for corpus in corpora:
             drawn = draw_energy_vs_clock(cube, corpus, curves, usable=usable)
             yield f"energy_vs_clock_{corpus}", drawn
+    elif measured(cube, "power_limit") > 1:
+        said = target_text(chosen, target)
+        energy = corpus_panels(cube, energy_limit_title(cube, widest))
+        for corpus in corpora:
+            drawn = draw_energy_vs_power_limit(cube, chosen, corpus, energy, usable=usable)
+            yield f"energy_vs_power_limit_{corpus}", drawn
+        latency = corpus_panels(cube, latency_limit_title(cube, target, said, widest))
+        for corpus in corpora:
+            drawn = draw_latency_vs_power_limit(
+                cube, chosen, target, corpus, latency, usable=usable, target_text=said
+            )
+            yield f"latency_vs_power_limit_{corpus}", drawn
     fronts = corpus_panels(cube, pareto_title(target_text(chosen, target), widest))
     for corpus in corpora:
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts, usable=usable)
@@ -102,11 +125,30 @@ def figures(
     for name, fig in (
         ("acceptance", draw_acceptance(cube, usable)),
         ("headroom", draw_headroom(only_drafters(chosen, drafters))),
-        ("timelines", draw_timelines(cube, chosen)),
+        ("timelines", draw_timelines(cube, chosen, drafters)),
         ("energy_vs_batch", draw_energy_vs_batch(cube, usable)),
     ):
         if fig is not None:
             yield name, fig
+
+
+def split_parts(cube: xr.Dataset) -> dict[str, list[str]]:
+    """Each energy-split figure `plot_all` may draw of `cube`, by its name (no extension; in
+    its GPU's folder for a merged cube), and the parts it draws (`parts_drawn`): the report's
+    caption names those, not a prefill part the figure leaves out at 0 J."""
+    if "gpu" in cube.dims:
+        return {
+            f"{folder}/{name}": parts
+            for folder, one in per_gpu(cube)
+            for name, parts in split_parts(one).items()
+        }
+    if "energy_split_method" not in cube:
+        return {}
+    split = where_energy_goes(cube)
+    return {
+        f"energy_split_{corpus}": parts_drawn(split.sel(corpus=corpus))
+        for corpus in (str(c) for c in split["corpus"].values)
+    }
 
 
 def only_drafters(chosen: xr.Dataset, drafters: Sequence[str]) -> xr.Dataset:
@@ -132,8 +174,14 @@ def measured_clocks(cube: xr.Dataset) -> int:
     """How many SM clocks of the cube hold a cell it measured (or tried to). One GPU of a
     merged cube keeps the whole merge's clock axis: on a power-limit-only grid that is each
     GPU's own stock clock, so a GPU that measured at one clock has two on its axis."""
+    return measured(cube, "sm_clock")
+
+
+def measured(cube: xr.Dataset, knob: str) -> int:
+    """How many values of `knob` (sm_clock, power_limit) hold a cell the cube measured (or
+    tried to)."""
     status = cube["cell_status"]
-    tried = (status != STATUS_MISSING).any([d for d in status.dims if d != "sm_clock"])
+    tried = (status != STATUS_MISSING).any([d for d in status.dims if d != knob])
     return int(tried.sum())
 
 

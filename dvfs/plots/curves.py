@@ -103,7 +103,7 @@ def measured_colors(colors: dict[str, str], *values: np.ndarray) -> dict[str, st
     return {d: c for (d, c), keep in zip(colors.items(), drawn, strict=True) if keep}
 
 
-def _tidy(ax: Axes, xlabel: str) -> None:
+def tidy(ax: Axes, xlabel: str) -> None:
     """At most ~6 ticks an axis: enough to read values, fewer texts to lay out and draw."""
     from matplotlib.ticker import MaxNLocator
 
@@ -166,7 +166,7 @@ def draw_energy_vs_clock(
             missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(energy[b, i]))]
             say_not_drawn(ax, missing, "no valid cell at any setting", "upper center")
         ax.set_title(f"batch {batch}")
-        _tidy(ax, "SM clock lock (MHz)")
+        tidy(ax, "SM clock lock (MHz)")
     place_legend(panels, handles)
     suptitle(panels.fig, energy_title(cube, corpus))
     return panels.fig
@@ -246,7 +246,7 @@ def draw_pareto(
             missing = [d for i, d in enumerate(drafters) if np.all(unpaired[i])]
             say_not_drawn(ax, missing, "no valid cell at any setting", "upper right")
         ax.set_title(f"batch {batch}")
-        _tidy(ax, f"{target.metric.upper()} {target.quantile_name} (ms)")
+        tidy(ax, f"{target.metric.upper()} {target.quantile_name} (ms)")
     place_legend(panels, handles)
     suptitle(panels.fig, pareto_title(target_text(chosen, target), corpus))
     return panels.fig

@@ -69,6 +69,17 @@ def worth_drawing(split: xr.Dataset, reasons: dict[str, str]) -> bool:
     )
 
 
+def parts_drawn(split: xr.Dataset) -> list[str]:
+    """The parts a figure of `split` (where_energy_goes's, one corpus) draws and keys: a part
+    nowhere above 0 J (prefill, outside every fixed batch's window) is neither drawn nor in
+    the legend, nor named in the report's caption."""
+    return [
+        p
+        for p in SPLIT_PARTS
+        if bool(np.nan_to_num(split[f"energy_per_token_{p}_j"].values, nan=0.0).any())
+    ]
+
+
 @styled
 def split_panels(split: xr.Dataset) -> Panels:
     """Empty panels for every corpus's figure, a panel per batch, as wide as the longest
@@ -113,9 +124,7 @@ def draw_energy_split(
         part: split[f"energy_per_token_{part}_j"].transpose("batch", "drafter").values
         for part in SPLIT_PARTS
     }
-    # a part that is nowhere above 0 J (prefill, outside every fixed batch's window) is
-    # neither drawn nor in the legend
-    shown = [p for p in SPLIT_PARTS if bool(np.nan_to_num(values[p], nan=0.0).any())]
+    shown = parts_drawn(split)
     colors = dict(zip(SPLIT_PARTS, (palette()[i] for i in PART_COLORS), strict=True))
     title = split_title(split, corpus)
     panels = clear_panels(panels) if panels is not None else split_panels(whole)

@@ -1,8 +1,10 @@
 """Power and SM clock through the measurement window, stock against the chosen setting, for the
-first two drafters at the smallest and largest batch of the first corpus."""
+drafters asked for (`dvfs report --drafter`; none asked: the cube's first two, the others named
+in the title) at the smallest and largest batch of the first corpus."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +26,22 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 SETTING_LINESTYLES = {"stock": "-", "chosen": "--"}
+#: Drafters drawn where none were asked for: two lines each a panel (stock and chosen).
+DEFAULT_DRAFTERS = 2
+#: Height of a legend line under the panels (inches), and the space above the first.
+LEGEND_LINE_IN = 0.22
+LEGEND_TOP_IN = 0.85
+
+
+def timeline_drafters(cube: xr.Dataset, asked: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """The drafters the timelines draw and those of the cube they leave out unasked: those
+    `asked` (`dvfs report --drafter`, in its order; the baseline a report keeps beside them is
+    not drawn), else the cube's first `DEFAULT_DRAFTERS`, the rest left out (and named)."""
+    known = [str(d) for d in cube["drafter"].values]
+    wanted = [d for d in dict.fromkeys(asked) if d in known]
+    if wanted:
+        return wanted, []
+    return known[:DEFAULT_DRAFTERS], known[DEFAULT_DRAFTERS:]
 
 
 def setting_text(
@@ -48,14 +66,29 @@ def first_valid_repeat(cell: xr.Dataset) -> xr.Dataset | None:
     return cell.isel(repeat=int(picks[0])) if picks.size else None
 
 
+#: How far apart the timeline's last instant and the windows' length may lie and still be the
+#: same instant: each is stored rounded to the microsecond.
+CLOSING_TOLERANCE_S = 1.5e-6
+
+
 def stored_samples(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A cell's stored samples (time, power, SM clock), NaN padding left out. The meter keeps
-    only samples inside its windows, on an axis of whole window lengths, so all are drawn:
-    `decode_time_s` (the spans between counter updates) is shorter than that axis and no end
-    to cut at. Nothing on the axis marks where the last window closed, so the line stops at
-    the last sample rather than hold its value on."""
+    """A cell's stored samples (time, power, SM clock) in its decode, NaN padding left out.
+    The meter keeps the samples inside its windows, ends included, on an axis of whole window
+    lengths, so all are drawn, but one: `decode_time_s` (the spans between counter updates)
+    is shorter than that axis and no end to cut at. The sampler's last reading of a round
+    that ends at its window's close (a fixed batch's requests all finishing at once, in the
+    twin's virtual time) falls on that closing instant and reads the GPU after the decode's
+    last step (115 W where it decoded at 240 W), which no energy counts: the sample at the
+    last window's close (`gpu_time_window_s`, the windows' length) is left out, or the line
+    plunges there as if the decode had. Nothing on the axis marks where an earlier round's
+    window closed, so the line stops at the last sample rather than hold its value on."""
     t = cell["timeline_t_s"].values
     keep = ~np.isnan(t)
+    if "gpu_time_window_s" in cell:
+        closing = float(cell["gpu_time_window_s"])
+        last = np.flatnonzero(keep)
+        if last.size > 1 and abs(float(t[last[-1]]) - closing) <= CLOSING_TOLERANCE_S:
+            keep[last[-1]] = False
     return (
         t[keep],
         cell["timeline_power_w"].values[keep],
@@ -64,14 +97,17 @@ def stored_samples(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 @styled
-def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
-    """None when the cube holds no sampled timeline."""
+def draw_timelines(
+    cube: xr.Dataset, chosen: xr.Dataset, drafters: Sequence[str] = ()
+) -> Figure | None:
+    """None when the cube holds no sampled timeline. `drafters`: those asked for (`dvfs
+    report --drafter`), each drawn; none: the cube's first two, the title naming the others
+    (`timeline_drafters`)."""
     if "timeline_power_w" not in cube or np.all(np.isnan(cube["timeline_power_w"].values)):
         return None
     ref = reference_setting(cube)
-    all_drafters = [str(d) for d in cube["drafter"].values]
     colors = cube_drafter_colors(cube)
-    drafters = all_drafters[:2]
+    drafters, unasked = timeline_drafters(cube, drafters)
     # the smallest and largest batch: the axis is the campaign's order, which need not ascend
     batches = sorted({int(cube["batch"].min()), int(cube["batch"].max())})
     corpus = str(cube["corpus"].values[0])
@@ -80,8 +116,21 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
     observed = observe_only(cube)
 
     cols = len(batches)
-    margins = Margins(left=0.9, top=0.55, bottom=1.95, wspace=0.9, hspace=0.25)
     title = f"Power and SM clock through the measurement window: {stock_word} vs chosen setting"
+    if unasked:  # never left out unsaid: a drafter missing reads as one never measured
+        title += (
+            f"\ndrafters {', '.join(drafters)} (the cube's first {len(drafters)} of "
+            f"{len(drafters) + len(unasked)}); not drawn: "
+            f"{', '.join(unasked)} (`dvfs report --drafter` draws them)"
+        )
+    legend_lines = 2 * len(drafters) + 1  # stock and chosen a drafter, a capped limit
+    margins = Margins(
+        left=0.9,
+        top=0.3 + 0.25 * (title.count("\n") + 1),
+        bottom=LEGEND_TOP_IN + LEGEND_LINE_IN * legend_lines,
+        wspace=0.9,
+        hspace=0.25,
+    )
     panels = panel_figure(2 * cols, 5.0, 2.5, margins, max_cols=cols, title=title)
     fig = panels.fig
     for col, batch in enumerate(batches):

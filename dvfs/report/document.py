@@ -7,7 +7,7 @@ plan`), through their documents, so the report never disagrees with them.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,11 +45,14 @@ def build_document(
     generated: str,
     context_tokens: float | None = None,
     context_notes: Sequence[str] = (),
+    split_parts: Mapping[str, Sequence[str]] | None = None,
 ) -> Document:
     """The whole report. `figures` are (name relative to the figure folder, file bytes) as
     `dvfs.plots.plot_all` wrote them; `generated` is when (and by what) it was made;
     `context_tokens` the roofline's context and `context_notes` what was said of it
-    (`dvfs.cube.prompts.roofline_context`: None, the cube's record)."""
+    (`dvfs.cube.prompts.roofline_context`: None, the cube's record); `split_parts` the parts
+    each energy-split figure draws, by its name less the extension (`dvfs.plots.split_parts`
+    of the cube the figures were drawn from), which its caption names."""
     from dvfs.analysis.headroom import headroom
     from dvfs.analysis.selection import select
     from dvfs.report.headroom import headroom_document
@@ -64,7 +67,17 @@ def build_document(
         _headroom_section(room, options),
         _compare_section(comparison, compare_notes),
         findings_section(
-            room, comparison, [_figure(n, d, _stock_for(n, stock, cube, room)) for n, d in figures]
+            room,
+            comparison,
+            [
+                _figure(
+                    n,
+                    d,
+                    _stock_for(n, stock, cube, room),
+                    (split_parts or {}).get(n.rsplit(".", 1)[0]),
+                )
+                for n, d in figures
+            ],
         ),
         _caps_section(room, options, gpu_names(cube)),
     )
@@ -109,23 +122,38 @@ def _stock_for(name: str, stock: bool, cube: xr.Dataset, room: dict[str, Any]) -
     return stock
 
 
-def _figure(name: str, data: bytes, stock: bool = True) -> Figure:
+def _figure(
+    name: str, data: bytes, stock: bool = True, parts: Sequence[str] | None = None
+) -> Figure:
     from dvfs.errors import AnalysisError
 
     ext = name.rsplit(".", 1)[-1].lower()
     if ext not in MIME_TYPES:
         raise AnalysisError(f"figure {name} is not PNG or SVG: a report cannot embed it")
-    return Figure(name=name, caption=figure_caption(name, stock), data=data, mime=MIME_TYPES[ext])
+    caption = figure_caption(name, stock, parts)
+    return Figure(name=name, caption=caption, data=data, mime=MIME_TYPES[ext])
 
 
 _CAPTIONS = {
     "energy_vs_clock": "Energy per token against the SM clock",
+    "energy_vs_power_limit": "Energy per token against the power limit, at the grid's one SM "
+    "clock, with {ref} and the chosen setting",
+    "latency_vs_power_limit": "The target's latency against the power limit, at the grid's one "
+    "SM clock, with {ref}, the chosen setting and each drafter's target",
     "pareto": "Energy against latency at every setting: Pareto fronts and the chosen settings",
     "headroom": "Energy saved at the chosen setting, per batch, drafter and corpus",
     "acceptance": "Mean accept length per drafter and corpus",
     "timelines": "Power and SM clock over a cell, at {ref} and at the chosen setting",
     "energy_vs_batch": "Energy per token against batch size at {ref}, per drafter",
-    "energy_split": "Where the energy goes: prefill, drafting, verification and overhead per token",
+    "energy_split": "Where the energy goes: {parts} per token",
+}
+
+#: Each part of the energy split in a caption (`dvfs.engines.base.SPLIT_PARTS`).
+PART_WORDS = {
+    "prefill": "prefill",
+    "draft": "drafting",
+    "verify": "verification",
+    "overhead": "overhead",
 }
 
 
@@ -133,14 +161,17 @@ _CAPTIONS = {
 REFERENCE_WORDS = {True: "the stock setting", False: "the reference (top of the grid)"}
 
 
-def figure_caption(name: str, stock: bool = True) -> str:
+def figure_caption(name: str, stock: bool = True, parts: Sequence[str] | None = None) -> str:
     """A caption from the figure's file name: `gpu/pareto_code.png` -> "GPU gpu: ...,
-    corpus code". `stock`: whether the reference setting the figures draw is stock."""
+    corpus code". `stock`: whether the reference setting the figures draw is stock; `parts`:
+    those an energy-split figure draws (None: every part), as its key names them."""
     *folders, file = name.split("/")
     stem = file.rsplit(".", 1)[0]
     lead = f"{gpu_words(folders[-1])}: " if folders else ""
+    words = [PART_WORDS[p] for p in (PART_WORDS if parts is None else parts)]
+    listed = ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else "".join(words)
     for prefix, caption in _CAPTIONS.items():
-        text = caption.format(ref=REFERENCE_WORDS[stock])
+        text = caption.format(ref=REFERENCE_WORDS[stock], parts=listed or "energy")
         if stem == prefix:
             return lead + text
         if stem.startswith(prefix + "_"):

@@ -14,8 +14,8 @@ from dvfs.report.reasons import no_answer_groups
 
 #: Which finding shows which figures, by the start of the figure's file name.
 FIGURES_OF = {
-    "headroom": ("headroom", "pareto", "timelines"),
-    "energy": ("energy_vs_clock",),
+    "headroom": ("headroom", "pareto", "latency_vs_power_limit", "timelines"),
+    "energy": ("energy_vs_clock", "energy_vs_power_limit"),
     "speculation": ("acceptance", "energy_vs_batch", "energy_split"),
 }
 #: Rows named in a sentence; more are counted.
