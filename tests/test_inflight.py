@@ -1285,6 +1285,47 @@ def test_a_decode_is_never_sized_past_the_context_its_prompts_leave(tmp_path: Pa
     assert any(s["measured_s"] == 0.0 for r in records for s in r["inflight"]["segments"])
 
 
+def test_a_context_that_cannot_hold_one_segment_per_level_is_refused_before_measuring(
+    tmp_path: Path,
+) -> None:
+    """A 400-token context leaves 144 new tokens past the code corpus's 256-token prompts,
+    where one segment at each of the three levels decodes about 390 (at batch 8): no decode
+    reaches the last levels, which no later decode measures either (each visits them in the
+    same order). The sweep (exit 2, no journal), its dry run and `dvfs doctor` refuse it in
+    one line saying what to change; the 900-token context of the test above is not."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    campaign, out = tmp_path / "tight.toml", tmp_path / "out"
+    # (output_tokens within the context, as a per-level cell's must be)
+    tight = SHORT_CONTEXT.replace('"900"', '"400"').replace(
+        "output_tokens = 256", "output_tokens = 64"
+    )
+    campaign.write_text(tight)
+    swept = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert swept.exit_code == 2, swept.output
+    said = " ".join(swept.output.split())
+    assert "cannot fit one segment at each of the 3 knob levels" in said, said
+    assert "leaves 144 past its longest prompt of 256 tokens" in said, said
+    assert 'or measure per level (measurement.mode = "per-level")' in said, said
+    assert not (out / "journal.jsonl").exists()
+    dry = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json"]
+    )
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.stdout)["problems"]
+    assert len(problems) == 1 and "cannot fit one segment" in problems[0], problems
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out), "--json"])
+    failed = [c for c in json.loads(doctor.stdout) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["corpora"], failed
+    assert "cannot fit one segment" in failed[0]["detail"], failed
+    fits = tmp_path / "fits.toml"
+    fits.write_text(SHORT_CONTEXT)
+    ok = CliRunner().invoke(cli, ["doctor", str(fits), "--out", str(tmp_path / "o2"), "--json"])
+    assert {c["name"]: c["status"] for c in json.loads(ok.stdout)}["corpora"] == "ok"
+
+
 class Unstepped(Recording):
     """The recording twin whose stepped decodes listed in `missed` (0-based) run no knob step,
     as SGLang's decode does when it ends before its stepping thread is scheduled."""
