@@ -8,6 +8,7 @@ Heavy imports stay inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -615,14 +616,125 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
     )
 
 
+def twin_inflight_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> str | None:
+    """An in-flight twin campaign (`measurement.mode = "in-flight"`) whose decodes cannot
+    hold one segment at each knob level within the context its servers serve: one line naming
+    the first group (drafter, batch, corpus) that cannot, and what to change. A decode asks
+    at most what the context leaves past its batch's longest prompt (`new_tokens_room`), and
+    a level no decode reaches before it ends is never measured (abba visits the levels in one
+    order in every decode; a serpentine's decodes in two, ending before the middle). The
+    tokens are the twin's physics (`dvfs.twin.physics`): each level's segment (its settle a
+    number given, else the twin clock's settling time, which a measured settle is at least)
+    at its own clock and power limit, at the drafter's expected acceptance on the corpus's
+    text, every pass at the middle of the context the longest prompt leaves (a pass's time
+    grows linearly with it). None: it fits, the context length or the GPU is unknown, or it
+    is no in-flight twin campaign."""
+    m = campaign.measurement
+    if m.mode != "in-flight" or not simulated_engine(campaign):
+        return None
+    gpu = _twin_gpu_profile(campaign)
+    if gpu is None:
+        return None
+    import numpy as np
+
+    from dvfs.corpora.sampling import eligible_prompts
+    from dvfs.measure.inflight import measured_seconds
+    from dvfs.twin import physics
+    from dvfs.twin.drafting import plan_drafter
+    from dvfs.twin.limits import reserved_tokens, served_context_length
+    from dvfs.twin.passes import PassBuilder, decode_passes
+    from dvfs.twin.profiles import model_profile
+
+    model = model_profile(campaign.engine.simulated_model)
+    engine_args, env = campaign.engine.sglang.extra_args, campaign.engine.sglang.env
+    w, knobs = campaign.workload, campaign.knobs
+    levels = len(knobs.settings)
+    # a settle measured at session start is at least the time the twin's clock takes
+    settle = float(m.settle) if isinstance(m.settle, int | float) else gpu.settle_time_s
+    segment_s = settle + measured_seconds(
+        levels, m.inflight_order, m.min_window_s, m.sample_period_s
+    )
+    settings = [
+        (clock or gpu.max_sm_clock_mhz, limit or gpu.power_limit_default_w)
+        for clock, limit in knobs.settings
+    ]
+    texts = corpus_texts(campaign, corpora)
+    for drafter in campaign.drafters:
+        served = served_context_length(model, [*engine_args, *drafter.extra_args], env)
+        if not served:
+            continue
+        plan = plan_drafter(drafter, model)
+        context = served - reserved_tokens(plan)
+        #: tokens per request decoded over one segment at every level, by (batch, tokens per
+        #: verify, context): corpora alike share them
+        known: dict[tuple[int, float, float], float] = {}
+        for name, corpus in corpora.items():
+            longest = max(
+                (p.input_tokens for p in eligible_prompts(corpus, w.input_tokens)), default=0
+            )
+            room = context - longest
+            if room <= 0 or name not in texts:  # no room at all: `twin_context_overruns` says
+                continue
+            per_pass = plan.expected_accept_length(texts[name], w.temperature) if plan else 1.0
+            # a pass's time grows linearly with the context: a decode to the context's end
+            # takes as long as its passes at its middle
+            middle = longest + room / 2
+            for batch in w.batch_sizes:
+                key = (batch, per_pass, middle)
+                if key not in known:
+                    # one decode iteration, every request at that context, as the twin
+                    # engine builds a full batch's (`dvfs.twin.predict.window_passes`)
+                    at = np.full((batch, 1), middle)
+                    builder = PassBuilder(campaign.engine.tp_size)
+                    decode_passes(
+                        builder,
+                        model,
+                        plan,
+                        np.full(1, float(batch)),
+                        at.sum(axis=0),
+                        np.asarray(model.kv_bytes_read(at), dtype=float).sum(axis=0),
+                        np.full(1, middle),
+                        np.full(1, batch * per_pass),
+                    )
+                    passes = builder.parts[-1]
+                    known[key] = math.fsum(
+                        segment_s
+                        * per_pass
+                        / float(
+                            physics.operating_point(
+                                gpu, passes, clock, limit
+                            ).timing.duration_s.sum()
+                        )
+                        for clock, limit in settings
+                    )
+                needed = math.floor(known[key])
+                if needed > room:
+                    return (
+                        f"in-flight stepping cannot fit one segment at each of the {levels} "
+                        f"knob levels in a decode: drafter {drafter.name!r} at batch {batch} on "
+                        f"corpus {name!r} decodes about {needed} tokens per request over "
+                        f"them ({segment_s:.2f} s each), where the context ({served} tokens) "
+                        f"leaves {room} past its longest prompt of {longest} tokens; step "
+                        "fewer levels (sm_clock, power_limit), lower min_window_s, shorten the "
+                        "prompts (workload.input_tokens) or raise --context-length, or measure "
+                        'per level (measurement.mode = "per-level")'
+                    )
+    return None
+
+
 def check_twin_context(campaign: Campaign, corpora: Mapping[str, Corpus]) -> None:
     """Refuse (`PromptTooLongError`, exit 2) a twin campaign whose prompts would not fit its
-    model's context (`twin_context_overruns`): before a journal is made or a GPU touched."""
+    model's context (`twin_context_overruns`), and (`CampaignError`, exit 2) an in-flight one
+    whose decodes cannot hold one segment per knob level there (`twin_inflight_overruns`):
+    before a journal is made or a GPU touched."""
     from dvfs.errors import PromptTooLongError
 
     line = twin_context_overruns(campaign, corpora)
     if line is not None:
         raise PromptTooLongError(line)
+    line = twin_inflight_overruns(campaign, corpora)
+    if line is not None:
+        raise CampaignError(line)
 
 
 @dataclass(frozen=True)

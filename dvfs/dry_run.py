@@ -19,6 +19,7 @@ from dvfs.backends import (
     server_plans,
     tokenizer_model,
     twin_context_overruns,
+    twin_inflight_overruns,
     twin_start_refusal,
 )
 from dvfs.campaign import Campaign
@@ -399,6 +400,14 @@ def plan_dry_run(
             twin,
             stand_in_too=estimate and stand_in_problem is None,
         )
+        if overrun is None:  # an in-flight campaign's decodes the context cannot hold, as
+            # the sweep refuses it
+            overrun = _twin_refusal(
+                lambda c: twin_inflight_overruns(c, corpora),
+                campaign,
+                twin,
+                stand_in_too=estimate and stand_in_problem is None,
+            )
         problems += [overrun] if overrun is not None else []
         codes = [2 for _ in problems]
     except (CorpusError, JournalError) as exc:  # exit code as the sweep's: 2 a bad file, 1 a
@@ -431,8 +440,8 @@ def plan_dry_run(
         else None
     )
     if twin_time is not None and twin_time.failed:
-        # The estimate's sweep failed cells (a request the server refuses, as an in-flight
-        # round asking more new tokens than the context leaves): the sweep would fail them.
+        # The estimate's sweep failed cells (an error the twin's server answered): the sweep
+        # would fail them.
         on = "" if twin_stand_in(campaign, twin)[0] is campaign else " on its twin stand-in"
         problems.append(
             f"the twin's sweep of the campaign{on} failed {twin_time.failed} cell(s) (first: "

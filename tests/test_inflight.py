@@ -54,7 +54,7 @@ from dvfs.measure.inflight import (
     settle_before,
     tokens_needed,
 )
-from dvfs.measure.journal import Journal
+from dvfs.measure.journal import Journal, read_records
 from dvfs.measure.meter import (
     describe_quality,
     round_chunks,
@@ -1248,6 +1248,82 @@ def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path:
         lengths = [p.input_tokens for r in sorted(own) for p in engine.stepped[r].prompts]
         assert m.prompt_tokens == pytest.approx(np.mean(lengths), rel=1e-12), own
     assert any(r.measurement and r.measurement.rounds < len(asked) for r in unreached)
+
+
+#: SHORT_FIRST_ROUND served with a 900-token context: its prompts (to 256 tokens) leave 644
+#: new tokens per request, where its decodes' six segments need about 1,000.
+SHORT_CONTEXT = replace_block(
+    SHORT_FIRST_ROUND,
+    "[drafters.none]",
+    '[engine.sglang]\nextra_args = ["--context-length", "900"]\n\n[drafters.none]',
+)
+
+
+def test_a_decode_is_never_sized_past_the_context_its_prompts_leave(tmp_path: Path) -> None:
+    """A decode asks for no more new tokens than the served context leaves past its batch's
+    longest prompt: sized from its segments alone (the demo's dflash group at batch 4: 134,610
+    tokens for 36 levels, past Llama-3.1-8B's 131,072), the server refused every decode and
+    the whole group failed. Bounded, each decode ends where the context does, and the levels
+    it ends before are measured in the next decodes, each level valid."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    campaign, out = tmp_path / "short.toml", tmp_path / "out"
+    campaign.write_text(SHORT_CONTEXT)
+    swept = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    records = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(records) == 3
+    for record in records:
+        assert record["status"] == "ok", record["errors"]
+        assert describe_quality(record["measurement"]["quality"]) == []  # valid
+        segments = record["inflight"]["segments"]
+        assert any(s["measured_s"] > 0 for s in segments)
+        assert all(s["decoded_tokens"] is None or s["decoded_tokens"] < 644 for s in segments)
+    # a decode was cut short of its segments: a level's second visit never measured
+    assert any(s["measured_s"] == 0.0 for r in records for s in r["inflight"]["segments"])
+
+
+def test_a_context_that_cannot_hold_one_segment_per_level_is_refused_before_measuring(
+    tmp_path: Path,
+) -> None:
+    """A 400-token context leaves 144 new tokens past the code corpus's 256-token prompts,
+    where one segment at each of the three levels decodes about 390 (at batch 8): no decode
+    reaches the last levels, which no later decode measures either (each visits them in the
+    same order). The sweep (exit 2, no journal), its dry run and `dvfs doctor` refuse it in
+    one line saying what to change; the 900-token context of the test above is not."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    campaign, out = tmp_path / "tight.toml", tmp_path / "out"
+    # (output_tokens within the context, as a per-level cell's must be)
+    tight = SHORT_CONTEXT.replace('"900"', '"400"').replace(
+        "output_tokens = 256", "output_tokens = 64"
+    )
+    campaign.write_text(tight)
+    swept = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert swept.exit_code == 2, swept.output
+    said = " ".join(swept.output.split())
+    assert "cannot fit one segment at each of the 3 knob levels" in said, said
+    assert "leaves 144 past its longest prompt of 256 tokens" in said, said
+    assert 'or measure per level (measurement.mode = "per-level")' in said, said
+    assert not (out / "journal.jsonl").exists()
+    dry = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json"]
+    )
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.stdout)["problems"]
+    assert len(problems) == 1 and "cannot fit one segment" in problems[0], problems
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out), "--json"])
+    failed = [c for c in json.loads(doctor.stdout) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["corpora"], failed
+    assert "cannot fit one segment" in failed[0]["detail"], failed
+    fits = tmp_path / "fits.toml"
+    fits.write_text(SHORT_CONTEXT)
+    ok = CliRunner().invoke(cli, ["doctor", str(fits), "--out", str(tmp_path / "o2"), "--json"])
+    assert {c["name"]: c["status"] for c in json.loads(ok.stdout)}["corpora"] == "ok"
 
 
 class Unstepped(Recording):

@@ -133,10 +133,12 @@ def test_in_flight_rounds_longer_than_the_context_are_a_problem_of_the_dry_run(
     tmp_path: Path,
 ) -> None:
     """An in-flight round asks as many new tokens as its segments need, more than
-    output_tokens: prompts that fit Gemma-2-9B's context with output_tokens (so the sweep's
-    check before it runs passes) do not with a round's tokens, and the server refuses every
-    round. The dry run's estimate sweeps the twin and meets that: a problem line (exit 2)
-    naming the first failed cell and the refusal, not an estimate of cells that all fail."""
+    output_tokens: prompts that fit Gemma-2-9B's context with output_tokens (so the per-level
+    check passes) leave too little of it for one segment at each level. A round is bounded
+    by what the context leaves (the server refused every round asking more, and the dry
+    run's estimate sweep met that as failed cells); the levels it never reaches would have
+    no window, so the dry run refuses the campaign before estimating: a problem line (exit
+    2) naming the group, the tokens its segments decode and what the context leaves."""
     words = "lorem ipsum dolor sit amet consectetur "
     chars = 4 * (GEMMA_CONTEXT - 200)  # the estimate counts ~4 characters a token
     lines = [
@@ -159,10 +161,10 @@ def test_in_flight_rounds_longer_than_the_context_are_a_problem_of_the_dry_run(
     assert dry.exit_code == 2, dry.output
     problems = json.loads(dry.output)["problems"]
     assert len(problems) == 1, problems
-    assert "the twin's sweep of the campaign failed" in problems[0], problems
-    assert "none/long/b1/r0 @ 1980 MHz" in problems[0], problems
-    assert f"a prompt of {longest} tokens" in problems[0], problems
-    assert f"context length ({GEMMA_CONTEXT} tokens)" in problems[0], problems
+    assert "cannot fit one segment at each of the 2 knob levels" in problems[0], problems
+    assert "drafter 'none' at batch 1 on corpus 'long'" in problems[0], problems
+    assert f"the context ({GEMMA_CONTEXT} tokens)" in problems[0], problems
+    assert f"past its longest prompt of {longest} tokens" in problems[0], problems
     assert "\n" not in problems[0]
 
 

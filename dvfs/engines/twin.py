@@ -210,6 +210,17 @@ class TwinEngine:
         if refusal is not None:
             raise EngineError(f"the server reported an error: {refusal}")
 
+    def new_tokens_room(self, workload: Workload) -> int | None:
+        """The most new tokens each request of `workload` may ask for and still fit the
+        context length the server serves, as `_refuse_overlong` counts it: that length less
+        the batch's longest prompt and the draft slots its drafter reserves (0 where that
+        prompt alone does not fit). None: no context length known, or not started."""
+        limit = self._context_length
+        if not limit or self._drafter is None:
+            return None
+        longest = self._longest_prompt(workload.prompts) + reserved_tokens(self._plan)
+        return max(0, limit - longest)
+
     def _acceptance(self, workload: Workload) -> tuple[float, int]:
         plan = self._plan
         if plan is None:

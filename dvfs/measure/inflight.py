@@ -803,6 +803,13 @@ def _measure_group(
             if most is not None:
                 tokens = min(tokens, most)
             workload = runner._workload(first, ("inflight", rounds), tokens)
+            # Nor more than the served context leaves past the batch's longest prompt (the
+            # server refuses a request past it: 134,610 tokens asked at 36 levels): the
+            # levels a decode so bounded ends before are left to the next ones.
+            room = _context_room(runner.engine, workload)
+            if room is not None and 0 < room < tokens:
+                tokens = room
+                workload = runner._workload(first, ("inflight", rounds), tokens)
             sent.append(workload)
             steps = tuple(
                 KnobStep(k * segment_s, _applier(knobs.apply, c.setting))
@@ -1058,6 +1065,13 @@ def _halfwidths(
     )
     tpot = level_halfwidths([s.tpot_ms for s in measured], segments, levels, scheme, confidence)
     return energy, tpot
+
+
+def _context_room(engine: Engine, workload: Workload) -> int | None:
+    """The most new tokens per request the engine's served context leaves past `workload`'s
+    longest prompt (`new_tokens_room`, the twin's); None where the engine cannot tell."""
+    room = getattr(engine, "new_tokens_room", None)
+    return room(workload) if callable(room) else None
 
 
 def _applier(apply: Callable[[Any], bool], setting: Any) -> Callable[[], None]:
