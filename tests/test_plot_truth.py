@@ -429,6 +429,37 @@ def test_acceptance_keeps_the_row_of_a_drafter_that_failed_everywhere() -> None:
     assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
 
 
+def test_acceptance_has_no_row_for_none_whether_measured_or_failed() -> None:
+    """none speculates not, so the acceptance map has no row of it when it is measured; when
+    every none cell failed (its server never came up) the map grew a row "none" of "-" beside
+    the drafters that speculate, as if none had an accept length to measure. A drafter its
+    campaign runs without speculation has no row either way; a failed speculative drafter
+    keeps its row."""
+    from dvfs.plots import draw_acceptance
+
+    cube = small_cube([1], corpora=("code", "math"))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    cube.attrs["campaign"] = json.dumps(
+        {
+            "drafters": [
+                {"name": "none", "algorithm": None},
+                {"name": "eagle3", "algorithm": "EAGLE3"},
+                {"name": "dflash", "algorithm": "DFLASH"},
+            ]
+        }
+    )
+    failed = cube["drafter"].isin(["none", "dflash"])
+    for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms", "accept_length"):
+        cube[name] = cube[name].where(~failed)
+    cube["cell_status"] = cube["cell_status"].where(~failed, 2)
+    cube["valid"] = cube["valid"].where(~failed)
+    ax = draw_acceptance(cube).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["eagle3", "dflash"]
+    assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
+
+
 def test_compare_gives_the_accept_length_the_acceptance_figure_draws(tmp_path: Path) -> None:
     """`dvfs compare`'s acceptance table (and the report's sentence read off it) averaged the
     valid repeat of a setting with an invalid one, which the acceptance figure beside it
