@@ -133,6 +133,34 @@ def test_failed_cells_exit_5_and_a_rerun_retries_them(
     assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
 
 
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")], ids=["one-gpu", "fleet"])
+def test_failed_cells_of_a_fresh_sweep_are_retried_without_fresh(
+    gpus: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --fresh sweep that ended with failed cells said "rerun the same command to retry
+    them": that command, --fresh and all, moves the journal aside and measures every cell
+    again. It says to rerun without --fresh, which retries the failed cells alone."""
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    measure = Runner.measure
+
+    def flaky(self: Runner, cell):  # noqa: ANN001
+        if cell.batch == 8 and cell.drafter == "eagle3":
+            raise EngineError("the server answered 500")
+        return measure(self, cell)
+
+    monkeypatch.setattr(Runner, "measure", flaky)
+    result = sweep(campaign, out, *gpus, "--fresh")
+    assert result.exit_code == 5, result.output
+    said = " ".join(result.stderr.split())
+    assert "Finished with 4 failed cell(s)" in said, said
+    assert "rerun the same command without --fresh to retry them" in said, said
+    monkeypatch.setattr(Runner, "measure", measure)
+    again = sweep(campaign, out, *gpus)  # as told: without --fresh
+    assert again.exit_code == 0, again.output
+    assert "4 cell(s) measured" in again.output, again.output
+
+
 def test_a_second_sweep_into_a_busy_folder_refuses(tmp_path: Path) -> None:
     campaign = write(tmp_path / "tiny.toml", TINY)
     out = tmp_path / "out"

@@ -551,8 +551,8 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
             f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): the cube is "
-            "written without them; rerun the same command to retry them (errors are in the "
-            "journal and in `dvfs cube info`).[/yellow]",
+            f"written without them; {_retry_advice(fresh)} (errors are in the journal and in "
+            "`dvfs cube info`).[/yellow]",
             soft_wrap=True,
         )
     if invalid:
@@ -639,7 +639,7 @@ def run_fleet(
             status = _ray_unrestored(run_on.unrestored)
         err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
-    report_fleet(outcome)
+    report_fleet(outcome, fresh=fresh)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
         err.print(_ray_unrestored(run_on.unrestored, run_on.close_errors), soft_wrap=True)
         raise SystemExit(_restore_exit_code(run_on.close_errors))
@@ -684,6 +684,17 @@ def _resume_advice(fresh: bool) -> str:
     if fresh:
         return "Run the same command again without --fresh to resume (with it, it starts over)."
     return "Run the same command again to resume."
+
+
+def _retry_advice(fresh: bool) -> str:
+    """How a sweep's failed cells are retried: its command again, less --fresh (which would
+    move the journal aside and measure every cell again, not the failed ones)."""
+    if fresh:
+        return (
+            "rerun the same command without --fresh to retry them (with it, every cell is "
+            "measured again)"
+        )
+    return "rerun the same command to retry them"
 
 
 def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any = None) -> str:
@@ -739,7 +750,7 @@ def _journals_text(path: Path) -> str:
     return f"journals {path / 'gpu-*' / JOURNAL_NAME}" if path.is_dir() else f"journal {path}"
 
 
-def report_fleet(outcome: Any) -> None:
+def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
     """Per worker: cells and GPU time; then the whole, as `run` reports a sweep."""
     err = console(stderr=True)
     for w in outcome.workers:
@@ -760,8 +771,8 @@ def report_fleet(outcome: Any) -> None:
     if s.failed:
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
-            f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): rerun the same "
-            "command to retry them.[/yellow]",
+            f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): "
+            f"{_retry_advice(fresh)}.[/yellow]",
             soft_wrap=True,
         )
     if invalid:
