@@ -1285,6 +1285,40 @@ def test_a_decode_is_never_sized_past_the_context_its_prompts_leave(tmp_path: Pa
     assert any(s["measured_s"] == 0.0 for r in records for s in r["inflight"]["segments"])
 
 
+def test_an_sglang_decode_is_never_sized_past_the_context_its_server_reports(
+    tmp_path: Path,
+) -> None:
+    """On an SGLang server too, an in-flight decode asks for no more new tokens than the
+    served context leaves (what /server_info's max_req_input_len says, read at each start):
+    sized from its six segments alone, some 150 new tokens at the stub's pace, every decode
+    overran a 170-token --context-length past prompts of up to 64 tokens, SGLang refused it
+    ("Requested token count exceeds the model's maximum context length") and the whole group
+    failed. Bounded, every level is measured and no request is refused."""
+    path, marker = stub_campaign(
+        tmp_path,
+        batch="[2]",
+        drafters='[drafters.none]\nalgorithm = "none"\n',
+        knobs="sm_clock = [1980, 1500, 1200]\nsettle_s = 0.0",
+        sglang_extra='extra_args = ["--context-length", "170"]',
+        measurement_extra='mode = "in-flight"',
+    )
+    text = path.read_text().replace("input_tokens = [16, 2048]", "input_tokens = [16, 64]")
+    path.write_text(text.replace("max_rounds = 1", "max_rounds = 4"))
+    out = tmp_path / "out"
+    outcome = run_sweep(load_campaign(path), out)
+    assert running(marker) == []
+    records = [r for r in read_records(outcome.journal_path) if r["type"] == "cell"]
+    assert len(records) == 3
+    for record in records:
+        assert record["status"] == "ok", record["errors"]
+        assert any(s["measured_s"] > 0 for s in record["inflight"]["segments"])
+    # the context the server reported is recorded with its resolved args: 170 - 1 - 5
+    assert '"max_req_input_len":164' in outcome.journal_path.read_text()
+    logs = "".join(log.read_text() for log in (out / "logs").glob("server-none-*.log"))
+    assert "generate #" in logs
+    assert "context length" not in logs
+
+
 def test_a_context_that_cannot_hold_one_segment_per_level_is_refused_before_measuring(
     tmp_path: Path,
 ) -> None:

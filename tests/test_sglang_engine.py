@@ -1574,3 +1574,52 @@ def test_as_root_no_server_log_is_written_through_a_users_link(tmp_path: Path) -
     ), error
     assert keys.read_text() == "root's\n"
     assert running(marker) == []
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(
+    "limits", [("4096", "300"), ("300", "4096")], ids=["kv-pool-bound", "context-bound"]
+)
+def test_the_room_a_server_reports_is_decoded_whole(
+    version: str, limits: tuple[str, str], tmp_path: Path
+) -> None:
+    """`new_tokens_room` is what the running server's /server_info (max_req_input_len, its
+    speculative args) leaves a request: asked for, it is decoded whole, neither refused nor
+    cut, with an EAGLE-family drafter's reserved draft slots and without; where the KV pool
+    or where the context bounds it. Past it by the reserved slots and one token, SGLang cuts
+    or refuses the request."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.corpora import Prompt
+    from dvfs.corpora.model import Message
+    from dvfs.engines.base import Workload
+    from dvfs.engines.sglang import SglangEngine
+
+    context, pool = limits
+    path, _ = stub_campaign(
+        tmp_path,
+        version=version,
+        sglang_extra=(
+            f'extra_args = ["--context-length", "{context}", "--max-total-tokens", "{pool}"]'
+        ),
+    )
+    campaign = load_campaign(path)
+    words = 40
+    # the stub counts a BOS and one token per word, as dvfs is told here
+    prompt = Prompt("p", (Message("user", " ".join(["w"] * words)),), words + 1)
+    with SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs") as engine:
+        for drafter in campaign.drafters:
+            engine.start(drafter)
+            asked = Workload(1, (prompt,), "code", 0, 0.0, True)
+            room = engine.new_tokens_room(asked)
+            assert room is not None
+            reserved = 4 if drafter.algorithm == "EAGLE3" else 0  # its num_draft_tokens
+            assert room == min(int(context), int(pool)) - 2 - (words + 1) - reserved
+            whole = engine.run(Workload(1, (prompt,), "code", room, 0.0, True))
+            assert [r.completion_tokens for r in whole.requests] == [room]
+            past = room + reserved + 1
+            try:
+                cut = engine.run(Workload(1, (prompt,), "code", past, 0.0, True))
+            except EngineError as exc:  # refused, or cut short (dvfs tells a cut decode)
+                assert "context length" in str(exc) or f"of {past} tokens" in str(exc)
+            else:
+                assert cut.requests[0].completion_tokens < past

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -432,6 +433,9 @@ class SglangEngine:
         self._version: tuple[int, ...] | None = None
         #: The running server's --decode-log-interval (SGLang's default unless it says).
         self._log_interval = DECODE_LOG_INTERVAL
+        #: What the running server's context leaves a request (`ContextRoom`, read from its
+        #: /server_info at each start); None: it reports nothing to tell.
+        self._room: ContextRoom | None = None
         #: The metered GPUs, which the server is pinned to (empty: simulated GPUs, no pinning).
         self.gpu_uuids = tuple(gpu_uuids)
         #: Lists every GPU's compute PIDs (NVML), to check where a started server runs; None:
@@ -594,6 +598,7 @@ class SglangEngine:
             raise
         self._version = server_version(info)
         self._log_interval = log_interval(info)
+        self._room = ContextRoom.of(info)
         env, model, weights = (
             server_env(self.campaign),
             info.get("model_path"),
@@ -679,6 +684,7 @@ class SglangEngine:
             raise
         self._version = server_version(info)
         self._log_interval = log_interval(info)
+        self._room = ContextRoom.of(info)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -859,6 +865,14 @@ class SglangEngine:
             knob_begun_ns=begun_ns,
         )
 
+    def new_tokens_room(self, workload: Workload) -> int | None:
+        """The most new tokens each request of `workload` may ask for and have decoded whole
+        on the running server (`ContextRoom`); None: no server, or it reports nothing to
+        tell (then nothing is bounded)."""
+        if self._client is None or self._room is None:
+            return None
+        return self._room.new_tokens(max((p.input_tokens for p in workload.prompts), default=0))
+
     def _stop_hung(self, exc: EngineError, status: int | None, probe_s: float) -> str:
         """Stop a live server given up on as hung, and say why (`exc`, and what its scheduler
         probe, SCHEDULER_PROBE, said), with its log's last lines, read once it stopped."""
@@ -986,6 +1000,58 @@ def pinning_outcome(
             + ", ".join(missing)
         )
     return "unverified: " + "; ".join(reasons)
+
+
+#: The drafters whose draft tokens SGLang counts into each request's input against the
+#: context (compute_num_reserved_tokens: is_eagle(); NEXTN is EAGLE's alias).
+RESERVING_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+
+
+@dataclass(frozen=True)
+class ContextRoom:
+    """What a running SGLang server leaves each request of its context, from its /server_info
+    (0.5.9 and 0.5.23 alike: `max_req_input_len`, which the scheduler reports beside the
+    resolved args and dvfs records with them, and the speculative args). Neither release
+    reports the context length itself there (`context_length` is only what the launch gave),
+    but `max_req_input_len` is the lesser of the context and the KV pool, less 1, less 5
+    (`max_req_len` less 5). A request is refused when its prompt, the draft slots an
+    EAGLE-family drafter reserves and its max_new_tokens exceed the context (0.5.23; reach it,
+    0.5.9), and its max_new_tokens is cut to `max_req_len` less the prompt less 1 where
+    admitted: asking at most `max_req_len` - 1 less the prompt and the reserved slots is
+    neither refused nor cut."""
+
+    max_req_input_len: int
+    reserved: int
+
+    @staticmethod
+    def of(info: dict[str, Any]) -> ContextRoom | None:
+        """From a /server_info answer; None where it lacks `max_req_input_len`."""
+        try:
+            limit = int(info["max_req_input_len"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if limit <= 0:
+            return None
+        reserved = 0
+        if str(info.get("speculative_algorithm") or "").upper() in RESERVING_ALGORITHMS:
+            numbers = []
+            for key in (
+                "speculative_eagle_topk",
+                "speculative_num_steps",
+                "speculative_num_draft_tokens",
+                "max_speculative_num_draft_tokens",
+            ):
+                try:
+                    numbers.append(int(info.get(key) or 0))
+                except (TypeError, ValueError):
+                    numbers.append(0)
+            topk, steps, drafts, most = numbers
+            reserved = max(topk * steps, drafts, most)
+        return ContextRoom(limit, reserved)
+
+    def new_tokens(self, prompt_tokens: int) -> int:
+        """The most new tokens a request of `prompt_tokens` may ask for (0: none)."""
+        return max(0, self.max_req_input_len + 4 - prompt_tokens - self.reserved)
 
 
 def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:

@@ -1069,7 +1069,8 @@ def _halfwidths(
 
 def _context_room(engine: Engine, workload: Workload) -> int | None:
     """The most new tokens per request the engine's served context leaves past `workload`'s
-    longest prompt (`new_tokens_room`, the twin's); None where the engine cannot tell."""
+    longest prompt (`new_tokens_room`, the twin's and the SGLang engine's); None where the
+    engine cannot tell."""
     room = getattr(engine, "new_tokens_room", None)
     return room(workload) if callable(room) else None
 

@@ -84,6 +84,8 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
 - ``max_lifetime_s`` (600.0): the process shuts itself down (exit 0) this many
   seconds after it started, so that no orphan outlives a test run.
 - ``abort_route`` (true): false plays a server without ``/abort_request`` (404).
+- ``context_len`` (131072): the model's context length (its config.json's), served unless
+  ``--context-length`` gives another; see "Context" below.
 - ``abort_ignored`` (false): true answers ``/abort_request`` 200 but aborts nothing.
 - ``hold_unfinished`` (false): true plays a round whose other requests are always
   still running when its first request finishes, however slow the machine: once a
@@ -216,6 +218,20 @@ same GPU(s): that live pid is listed there when the ``foreign_from_request``-th 
 arrives (null: at start) and dropped when the ``foreign_until_request``-th does (null: never;
 0: as the stub starts, for a tenant the test listed before dvfs started, gone by the first
 cell, with ``foreign_from_request`` past the last request).
+
+Context, as SGLang's scheduler and tokenizer manager count it (0.5.9 and 0.5.23 alike): the
+KV pool holds ``--max-total-tokens`` (``KV_TOKENS`` unless given) tokens; ``max_req_len`` is
+the lesser of the served context less 1 and that pool less 1, ``max_req_input_len`` that less
+5, and /server_info reports ``max_total_num_tokens`` and ``max_req_input_len`` beside the
+resolved args (``context_length`` there is only what the launch gave, null by default).
+A prompt whose tokens with the reserved draft slots (EAGLE, EAGLE3, NEXTN: the greater of
+topk x num_steps and num_draft_tokens; nothing for the others) are not shorter than the
+context is refused ("The input (N tokens) is longer than the model's context length (C
+tokens)."); one whose total with max_new_tokens exceeds the context (0.5.23; reaches it,
+0.5.9) is refused too ("Requested token count exceeds the model's maximum context length of
+C tokens. ..."), both as a 400, or in-band on a stream; with ``--allow-auto-truncate``
+max_new_tokens is cut to what the context leaves instead.  An admitted request's
+max_new_tokens is then cut, silently, to ``max_req_len`` less its prompt less 1.
 
 Errors as SGLang reports them: a malformed body or an unknown sampling key
 (0.5.23) is a 400 ``{"error": {"message": ...}}``; a bad sampling value is a 400
@@ -391,6 +407,7 @@ class StubConfig:
     busy_health_s: float = 0.0
     max_lifetime_s: float = 600.0
     abort_route: bool = True
+    context_len: int = 131072
     abort_ignored: bool = False
     hold_unfinished: bool = False
     hold_after_requests: int | None = None
@@ -408,6 +425,9 @@ class StubConfig:
     #: MiB of bf16 weights (float32 on the CPU) each of the load's matrix-vector products reads.
     torch_load_mib: float = 512.0
 
+
+#: Tokens the stub's KV pool holds unless --max-total-tokens says (an H100's, for an 8B model).
+KV_TOKENS = 460_000
 
 #: How often a held request looks for its abort or its client's disconnect (s).
 HOLD_POLL_S = 0.002
@@ -448,7 +468,7 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
         or cfg.plain_tpot_s < 0
     ):
         raise StubConfigError(f"plain_tpot_s must be a number >= 0, got {cfg.plain_tpot_s!r}")
-    for key in (*_OPTIONAL_INT_KEYS, "seed", "fail_status"):
+    for key in (*_OPTIONAL_INT_KEYS, "seed", "fail_status", "context_len"):
         value = getattr(cfg, key)
         if value is None and key in _OPTIONAL_INT_KEYS:
             continue
@@ -1010,6 +1030,17 @@ class Stub:
         self.stream_interval = max(int(args.get("stream_interval") or 1), 1)
         self.weight_version = str(args.get("weight_version") or "default")
         self.radix_cache = not args.get("disable_radix_cache")
+        #: The served context, its KV pool and what the scheduler derives from them.
+        self.context_len = int(args.get("context_length") or cfg.context_len)
+        self.max_total_num_tokens = int(args.get("max_total_tokens") or KV_TOKENS)
+        self.max_req_len = min(self.context_len - 1, self.max_total_num_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        self.auto_truncate = bool(args.get("allow_auto_truncate"))
+        self.reserved_tokens = 0
+        if spec is not None and spec.algorithm in ("EAGLE", "EAGLE3", "NEXTN"):
+            self.reserved_tokens = max(
+                (spec.topk or 1) * (spec.num_steps or 1), spec.num_draft_tokens
+            )
         self.generate_count = 0
         self.running_http = 0
         self.running_subs = 0
@@ -1148,8 +1179,39 @@ class Stub:
                 else:
                     sub_rid = uuid.uuid4().hex
                 rng = random.Random(f"{self.cfg.seed}:{number}:{index}")
-                subs.append(self._schedule(index, sub_rid, prompt, params, rng))
+                fitted = self._fit_context(prompt, params)
+                subs.append(self._schedule(index, sub_rid, prompt, fitted, rng))
         return Plan(number, bool(req.get("stream")), is_list, subs, t0, received_wall)
+
+    def _fit_context(self, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """`params` with max_new_tokens as SGLang leaves it for `prompt` against the served
+        context: refused (`RequestError`) past it, cut to it with --allow-auto-truncate, then
+        cut to what ``max_req_len`` leaves (the scheduler's init_req_max_new_tokens)."""
+        context, asked = self.context_len, params.get("max_new_tokens")
+        max_new = 128 if asked is None else int(asked)
+        counted = len(prompt) + self.reserved_tokens
+        if counted >= context:
+            raise RequestError(
+                f"The input ({counted} tokens) is longer than the model's context length "
+                f"({context} tokens).",
+                in_band=True,
+            )
+        over = (
+            counted + max_new >= context if self.version == "0.5.9" else counted + max_new > context
+        )
+        if asked is not None and over:
+            if not self.auto_truncate:
+                raise RequestError(
+                    "Requested token count exceeds the model's maximum context length of "
+                    f"{context} tokens. You requested a total of {counted + max_new} tokens: "
+                    f"{counted} tokens from the input messages and {max_new} tokens for the "
+                    "completion. Please reduce the number of tokens in the input messages or "
+                    "the completion to fit within the limit.",
+                    in_band=True,
+                )
+            max_new = max(0, context - counted)
+        max_new = max(0, min(max_new, self.max_req_len - len(prompt) - 1))
+        return params if max_new == asked else {**params, "max_new_tokens": max_new}
 
     def _schedule(
         self, index: int, rid: str, prompt: list[int], params: dict[str, Any], rng: random.Random
@@ -1434,7 +1496,13 @@ class Stub:
                 average = self.block_accept_length()
                 if average is not None:
                     state["avg_spec_accept_length"] = average
-        return {**self.args, "version": self.version, "internal_states": [state]}
+        return {
+            **self.args,
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_req_input_len": self.max_req_input_len,
+            "version": self.version,
+            "internal_states": [state],
+        }
 
     def block_accept_length(self) -> float | None:
         """Tokens per request decode step over the whole blocks of decode iterations since
