@@ -6,9 +6,10 @@ Read-only: nothing here changes a GPU or starts a server.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -128,7 +129,22 @@ def check_campaign(
         _run("output folder", lambda: _out_dir(swept, out_dir, shard, folder_models, identities))
     )
     checks.append(_run("disk", lambda: _disk(out_dir)))
-    return checks
+    return [_fresh_is_the_sweeps(c, out_dir) for c in checks]
+
+
+def _fresh_is_the_sweeps(check: Check, out_dir: Path) -> Check:
+    """A failed check whose advice is the sweep's --fresh ("rerun with --fresh", "use --fresh
+    to move the old journal aside"), which `dvfs doctor` does not take (its user, told so
+    by the doctor, adds it to the doctor's command: "No such option"): the sweep's command
+    named."""
+    if check.status != FAIL or "--fresh" not in check.detail or "`dvfs sweep" in check.detail:
+        return check
+    sweep = shlex.join(["dvfs", "sweep", "CAMPAIGN", "--out", str(out_dir), "--fresh"])
+    detail = (
+        f"{check.detail} (--fresh is the sweep's: `{sweep}`, with the --shard and --gpus it "
+        "runs with)"
+    )
+    return replace(check, detail=detail)
 
 
 def _on_groups(campaign: Campaign, groups: Sequence[Group]) -> Campaign:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -1200,6 +1201,32 @@ def test_show_says_when_the_governor_holding_a_lock_is_gone(nvml, tmp_path: Path
         row["sm_clock_lock_mhz"] == [210, 1200]
         and "no longer running" in row["sm_clock_lock_set_by"]
     )
+
+
+def test_show_over_another_state_dir_names_the_reset_that_puts_a_gone_governor_back(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap show --state-dir DIR` of a GPU a killed governor (run with that --state-dir) left
+    locked said "`dvfs gpu reset` puts back what it found": that looks in the default state
+    folder, where there is nothing to restore. It names `dvfs gpu reset --state-dir DIR`."""
+    from dvfs.caps import GovernorLocks
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = tmp_path / "governor state"  # not DVFS_STATE_DIR
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        # The governor, running: then killed, its lock let go and its state file left.
+        StateStore(state, command="govern").record(GpuSettings(uuid, None, 700_000))
+        GovernorLocks(state).write(uuid, (210, 1200))
+        nvml.fake_update_device(0, locked_clocks=[210, 1200])
+    gone = " ".join(invoke("cap", "show", "--state-dir", str(state)).split())
+    assert "no longer running" in gone, gone
+    advice = gone.split("no longer running: `", 1)[1].split("`", 1)[0]
+    followed = invoke(*shlex.split(advice)[1:])
+    assert "restored GPU 0" in followed, followed
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
 @pytest.mark.parametrize("kind", ["fifo", "folder"])

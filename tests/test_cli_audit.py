@@ -134,7 +134,8 @@ def test_doctor_fails_an_output_folder_that_sweep_refuses(tiny_sweep: Path, tmp_
     # Another campaign's journal: the doctor's failure is the sweep's refusal, word for word.
     folder = copy_sweep(tiny_sweep, tmp_path / "other")
     code, checks = _doctor_checks(other, folder)
-    detail = checks["output folder"]["detail"]
+    # (the doctor adds that --fresh is the sweep's, which it names)
+    detail = checks["output folder"]["detail"].split(" (--fresh is the sweep's: ")[0]
     assert code == 1 and checks["output folder"]["status"] == "fail"
     assert "another campaign, 'small'" in detail and "not 'wide'" in detail
     swept = invoke("sweep", str(other), "--out", str(folder), "--no-progress")

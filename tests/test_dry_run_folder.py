@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -285,7 +286,8 @@ def test_a_fleet_on_another_gpu_model_is_refused_by_its_dry_run_and_doctor_as_th
         checks = {c["name"]: c for c in json.loads(doctor.output)}
         assert doctor.exit_code == 1, doctor.output
         refused = checks["output folder"]
-        assert refused["status"] == "fail" and line.endswith(refused["detail"]), (line, refused)
+        said = refused["detail"].split(" (--fresh is the sweep's: ")[0]  # (the doctor's note)
+        assert refused["status"] == "fail" and line.endswith(said), (line, refused)
         assert folder_files(out) == before, state
         own, _ = _dry(campaign, out, "--gpus", "0-1")
         assert own["already_done"] == (16 if state == "finished" else 5), (state, own)
@@ -307,7 +309,9 @@ def _refused_alike(campaign: Path, out: Path, invoke_: Callable[..., Result]) ->
     doctor = invoke_("doctor", str(campaign), "--out", str(out), "--json")
     assert doctor.exit_code == 1, doctor.output
     refused = {c["name"]: c for c in json.loads(doctor.output)}["output folder"]
-    assert refused["status"] == "fail" and line.endswith(refused["detail"]), (line, refused)
+    # (the doctor adds that --fresh is the sweep's, which it names)
+    said = refused["detail"].split(" (--fresh is the sweep's: ")[0]
+    assert refused["status"] == "fail" and line.endswith(said), (line, refused)
     assert folder_files(out) == before
     return line
 
@@ -533,3 +537,23 @@ def test_the_dry_run_says_the_sweep_cannot_write_its_output_folder(
             assert doc["cells"] == 16, doc
         monkeypatch.undo()
     assert not (mount / "out").exists() and (tmp_path / "afile").read_text() == ""
+
+
+def test_doctors_fresh_advice_names_the_sweep_that_takes_it(tmp_path: Path) -> None:
+    """`dvfs doctor` on a folder holding another campaign's journal said "use --fresh to move
+    the old journal aside": the doctor has no --fresh (its command with it: "No such option").
+    It names the sweep's command that does, which run as said moves the journal aside."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    out = tmp_path / "my out"
+    out.mkdir()
+    foreign = '{"type":"header","campaign_name":"other"}\n'
+    (out / "journal.jsonl").write_text(foreign)
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    [check] = [c for c in json.loads(doctor.stdout) if c["name"] == "output folder"]
+    assert check["status"] == "fail" and "use --fresh" in check["detail"], check
+    assert "`dvfs sweep " in check["detail"], check["detail"]  # the doctor's own: refused
+    said = check["detail"].split("`dvfs sweep ", 1)[1].split("`", 1)[0]
+    argv = ["sweep", *(str(campaign) if a == "CAMPAIGN" else a for a in shlex.split(said))]
+    swept = invoke(*argv, "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    assert (out / "journal.jsonl.1").read_text() == foreign  # moved aside, as the advice said

@@ -5,6 +5,8 @@ differ in what makes cells compare are refused in one line."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +281,37 @@ def test_a_fleets_models_whose_cubes_do_not_merge_is_an_error_not_bad_usage(
     assert built.exit_code == 1, built.output
     said = " ".join(built.output.split())
     assert "cannot merge cubes of two twins" in said and str(out) in said, said
+
+
+def test_a_mixed_fleets_cube_build_advice_rebuilds_the_merged_cube(
+    shared_run, tmp_path: Path
+) -> None:
+    """A fleet of two models whose one journal gives no cube (an edited line): the error said
+    `dvfs cube build FOLDER/gpu-<model>` writes the cube once that is fixed, which rebuilt that
+    model's cube alone and left the folder without its merged one; it names the fleet's
+    folder, whose build writes both."""
+    full = shared_run(FLEET, "mixed", "--gpus", "0,h200-sxm:0")  # shared with the tests near
+    campaign = full.parent / "campaign.toml"
+    out = copy_sweep(full, tmp_path / "mixed")
+    (out / "cube.nc").unlink()
+    h200 = next(out.glob("gpu-nvidia-h200*/journal.jsonl"))
+    text = h200.read_text()
+    lines = text.splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if '"type":"cell"' in line)
+    record = json.loads(lines[at])
+    record["cell"]["sm_clock_mhz"] = 1234  # not in the grid
+    lines[at] = json.dumps(record) + "\n"
+    h200.write_text("".join(lines))
+    again = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert again.exit_code == 1, again.output
+    said = " ".join(again.output.split())
+    advice = re.search(r"`(dvfs cube build [^`]+)` writes the cube once that is fixed", said)
+    assert advice, said
+    h200.write_text(text)  # fixed
+    built = CliRunner().invoke(cli, shlex.split(advice.group(1))[1:], catch_exceptions=False)
+    assert built.exit_code == 0, built.output
+    merged = open_cube(out / "cube.nc")
+    assert merged.sizes["gpu"] == 2
 
 
 def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(shared_run, tmp_path: Path) -> None:

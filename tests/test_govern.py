@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -1326,7 +1327,8 @@ def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_ot
     assert "\n" not in line and stopped.exit_code == 1
     assert line.startswith(f"GPU 0 ({uuid}) stopped answering while governed: "), line
     assert "GPU is lost" in line and "the governor stopped and put GPU 1 back as found" in line
-    assert "GPU 0 could not be put back" in line and "`dvfs gpu reset`" in line
+    assert "GPU 0 could not be put back" in line
+    assert f"`dvfs gpu reset --state-dir {state}` puts back" in line, line  # the governor's
     assert count[0] == 3 and not any("stopped answering" in x for x in lines)  # said once
     healthy = nvml.fake_device_state(1)
     assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
@@ -1443,10 +1445,11 @@ def test_a_sigterm_beside_a_restore_that_does_not_put_the_healthy_gpu_back_is_sa
     def fails(handle: object) -> object:
         raise nvml.NVMLError(nvml.NVML_ERROR_UNKNOWN)
 
+    unlock = nvml.nvmlDeviceResetGpuLockedClocks
     monkeypatch.setattr(knobs_module, "restoring", signalled)
     monkeypatch.setattr(nvml, "nvmlDeviceResetGpuLockedClocks", fails)
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    state = tmp_path / "state"
+    state = tmp_path / "state"  # the governor's --state-dir, not the default
     try:
         stopped = _governed_until_one_is_silent(scraper, 2, state, lambda line: None)
     finally:
@@ -1456,17 +1459,29 @@ def test_a_sigterm_beside_a_restore_that_does_not_put_the_healthy_gpu_back_is_sa
     assert "\n" not in line and stopped.exit_code == 1
     assert line.startswith("GPU 1 (") and "stopped answering while governed" in line, line
     assert line.count("received SIGTERM") == 1 and "put GPU 0 back as found" not in line, line
-    assert "`dvfs gpu reset`" in line and ".;" not in line, line
+    # `dvfs gpu reset` alone looked in the default state folder: nothing to restore there
+    reset = f"`dvfs gpu reset --state-dir {state}`"
+    assert reset in line and ".;" not in line, line
     if when == "before the restore":
         assert line.endswith(
             "received SIGTERM before it put GPU 0 back, which keeps the governor's settings: "
-            "`dvfs gpu reset` puts back what its state file recorded"
+            f"{reset} puts back what its state file recorded"
         ), line
     else:
         assert "could not restore GPU settings: GPU 0 (" in line, line
         assert line.endswith("; received SIGTERM as it put them back"), line
     assert nvml.fake_device_state(0)["locked_clocks"] is not None
     assert f"{nvml.fake_device_state(0)['uuid']}.json" in [p.name for p in state.glob("GPU-*")]
+    # followed as said (NVML takes the reset again; GPU 1 is still off the bus: exit 1)
+    monkeypatch.setattr(knobs_module, "restoring", real)
+    monkeypatch.setattr(nvml, "nvmlDeviceResetGpuLockedClocks", unlock)
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    followed = CliRunner().invoke(cli, shlex.split(reset.strip("`"))[1:])
+    assert "restored GPU 0" in followed.output, followed.output
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
 def test_a_day_on_the_twin_the_governor_beats_the_best_static_cap_at_equal_compliance() -> None:

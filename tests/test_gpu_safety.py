@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -1814,3 +1815,32 @@ def test_a_finished_folder_whose_stock_changed_is_no_refusal_in_doctor_or_the_dr
     assert doctor.returncode == 1 and "stock settings changed" in doctor.stdout, doctor.stdout
     dry = dvfs_in_process("sweep", str(path), *out, "--dry-run", "--no-estimate", env=env)
     assert "sweep would stop" in dry.stderr and "stock settings changed" in dry.stderr
+
+
+def test_a_refusal_over_another_state_dir_names_the_reset_that_restores_it(
+    nvml, env, tmp_path: Path
+) -> None:
+    """A command run with --state-dir refused a GPU a died run left changed, saying "Run `dvfs
+    gpu reset`": that looks in the default state folder, finds nothing to restore, and the
+    command is refused again. It names `dvfs gpu reset --state-dir DIR`, which restores it."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    state = tmp_path / "my state"
+    nvml.nvmlInit()
+    uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(0))
+    nvml.nvmlShutdown()
+    StateStore(state).record(GpuSettings(uuid=uuid, sm_clock_lock_mhz=None, power_limit_mw=650_000))
+    record = state / f"{uuid}.json"
+    died = {**json.loads(record.read_text()), "pid": 2**22 + 1}  # above pid_max: no process
+    record.write_text(json.dumps(died))
+    nvml.fake_update_device(0, power_limit_mw=300_000)  # the died run's change
+    argv = ("gpu", "settle", "--clocks", "1500", "--state-dir", str(state))
+    refused = dvfs_in_process(*argv, env=env)
+    assert refused.returncode == 3, refused.stderr
+    said = " ".join(refused.stderr.split())
+    advice = said.split("Run `", 1)[1].split("`", 1)[0]
+    reset = dvfs_in_process(*shlex.split(advice)[1:], env=env)
+    assert reset.returncode == 0, reset.stderr
+    assert "restored GPU 0" in reset.stdout, reset.stdout
+    assert not record.exists() and nvml.fake_device_state(0)["power_limit_mw"] == 650_000

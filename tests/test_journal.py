@@ -4,6 +4,7 @@ traceback, and never silently rewritten."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -303,3 +304,38 @@ def test_a_journal_line_is_json_safes_compact_strict_json(tmp_path: Path) -> Non
     )
     assert (tmp_path / "j.jsonl").read_text(encoding="utf-8") == expected
     assert '"True":1,"None":2,"3":3.5,"2.5":"x"' in expected
+
+
+def test_a_demos_damaged_journal_says_to_start_over_with_the_demo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs demo` into a folder whose journal is damaged said to start over with `dvfs sweep
+    CAMPAIGN --fresh`: the demo's user wrote no campaign, and that command (without the
+    demo's --out) leaves the folder as it is. It names the demo's own command, whose run
+    moves the journal aside and starts over (the sweep stands in for the demo's here: its
+    campaign is TINY, and the demo's tables after it are not drawn)."""
+    import dvfs.cli.sweep
+    from dvfs.campaign import load_campaign
+
+    out = tmp_path / "my demo"
+    out.mkdir()
+    journal = out / "journal.jsonl"
+    journal.write_text('{"type":"cell"}\n')
+    refused = invoke("demo", "--out", str(out), "--no-progress")
+    said = assert_one_line_error(refused, 1, str(journal), "which renames it")
+    assert "dvfs sweep" not in said and "CAMPAIGN" not in said, said
+    advice = said.split("start over with `", 1)[1].split("`", 1)[0]
+    tiny = load_campaign(write(tmp_path / "tiny.toml", TINY))
+    real = dvfs.cli.sweep.run
+
+    def tiny_run(campaign: Any, out_dir: Path, **kwargs: Any) -> Any:
+        real(tiny, out_dir, **kwargs)
+        raise SystemExit(0)  # the sweep done: the demo's tables are not this test's
+
+    monkeypatch.setattr(dvfs.cli.sweep, "run", tiny_run)
+    argv = shlex.split(advice)
+    assert argv[:2] == ["dvfs", "demo"], advice
+    followed = invoke(*argv[1:], "--no-progress")
+    assert followed.exit_code == 0, followed.output
+    assert (out / "journal.jsonl.1").read_text() == '{"type":"cell"}\n'  # moved aside
+    assert any(r["type"] == "cell" for r in read_records(journal))

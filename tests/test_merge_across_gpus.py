@@ -831,7 +831,9 @@ def test_a_merge_of_unfinished_sweeps_says_to_merge_again_after_resuming(
     without_clock(fleet, 1005)
     assert invoke("cube", "build", str(fleet)).exit_code == 0
     resume = json.loads(invoke("cube", "info", str(fleet), "--json").stdout)["resume"]
-    assert resume == "run the same `dvfs sweep` command again to resume it"
+    assert resume == (
+        "run the same `dvfs sweep` command again without --fresh (which starts over) to resume it"
+    )
 
 
 def at_stock_limit(path: Path, into: Path, watts: float) -> Path:

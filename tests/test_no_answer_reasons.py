@@ -259,6 +259,8 @@ def test_a_drafter_whose_every_cell_failed_says_failed_not_only_not_measured(
     assert (rows["medusa"]["failed_settings"], rows["medusa"]["unmeasured_settings"]) == (0, 2)
     out = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "eagle3", code=2).output
     assert "not measured yet (failed)" in out and "retries failed cells" in out, out
+    # (its sweep's command with --fresh would move the journal aside and measure every cell)
+    assert "again without --fresh (which starts over): it retries" in " ".join(out.split()), out
     from dvfs.analysis.headroom import headroom
     from dvfs.analysis.targets import parse_slo
     from dvfs.cube import open_cube

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from conftest import copy_sweep
+from conftest import TINY, copy_sweep, write
 
 from dvfs.cli import cli
 
@@ -56,7 +56,7 @@ def test_unmeasured_settings_below_an_answer_ask_for_a_resume_not_a_larger_grid(
     assert "cells not measured yet" in text and "resume" in text
     # `cube info` says what measures them too (it said only "N missing")
     info = " ".join(invoke("cube", "info", str(out)).output.split())
-    assert "resume run the same `dvfs sweep` command again to resume it" in info, info
+    assert "resume run the same `dvfs sweep` command again without --fresh" in info, info
     assert json.loads(invoke("cube", "info", str(out), "--json").output)["resume"]
     whole = json.loads(invoke("cube", "info", str(small_sweep), "--json").output)
     assert whole["resume"] is None
@@ -198,3 +198,26 @@ def test_a_sweep_with_invalid_cells_says_how_many_why_and_what_to_change(
     assert any("few_counter_updates" in r["reference_problem"] for r in no_ref)
     text = invoke("headroom", str(out), "--slack", "5%").output
     assert "no valid reference cell (invalid: few_counter_updates)" in text
+
+
+def test_a_fresh_sweeps_partial_cube_says_to_resume_without_fresh(tmp_path: Path) -> None:
+    """The partial cube of a `--fresh` sweep (stopped halfway) said "run the same `dvfs sweep`
+    command again to resume it" (`cube info`; the analyses' retry advice alike): that command,
+    --fresh and all, moves the journal aside and measures every cell again. The advice says
+    to run it without --fresh, which resumes."""
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    command = ["sweep", str(campaign), "--out", str(out), "--no-progress", "--fresh"]
+    assert invoke(*command).exit_code == 0
+    journal = out / "journal.jsonl"
+    lines = journal.read_text(encoding="utf-8").splitlines(keepends=True)
+    cells = [i for i, line in enumerate(lines) if '"type":"cell"' in line]
+    journal.write_text("".join(lines[: cells[6]]), encoding="utf-8")  # 6 of 16 cells in
+    assert invoke("cube", "build", str(out)).exit_code == 0
+    advice = json.loads(invoke("cube", "info", str(out), "--json").output)["resume"]
+    assert "run the same `dvfs sweep` command again" in advice, advice
+    if "without --fresh" in advice:  # as the advice says
+        command.remove("--fresh")
+    again = invoke(*command)
+    assert again.exit_code == 0, again.output
+    assert "10 cell(s) measured, 0 failed, 6 already done" in again.output, (advice, again.output)

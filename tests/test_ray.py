@@ -99,6 +99,45 @@ def test_a_killed_actor_loses_no_finished_cell(ray_cluster, tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(300)
+def test_a_fresh_run_whose_every_actor_died_says_to_resume_without_fresh(
+    ray_cluster, tmp_path: Path
+) -> None:
+    """A --fresh run on Ray whose every actor died with cells left said "rerun the same command
+    to resume": that command, --fresh and all, moves the journal aside and measures every cell
+    again. It says to rerun without --fresh, which resumes: the cells journalled stay."""
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "ray"
+    args = (str(campaign), "--gpus", "0", "--executor", "ray", "--out", str(out))
+    killed: list[str] = []
+
+    def kill_the_worker() -> None:
+        """Once 20 cells are journalled, kill the only actor."""
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            journal = out / "journal.jsonl"
+            if journal.exists() and journal.read_text().count('"type":"cell"') >= 20:
+                ray_cluster.kill(ray_cluster.get_actor("dvfs-gpu0", namespace="dvfs"))
+                killed.append("gpu0")
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_worker, daemon=True)
+    killer.start()
+    result = sweep(*args, "--fresh")
+    killer.join(timeout=30)
+    assert killed, "the campaign ended before the kill"
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert "rerun the same command without --fresh to resume" in said, said
+    kept = {r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"}
+    resumed = sweep(*args)  # as the advice says
+    assert resumed.exit_code == 0, resumed.output
+    assert f"{len(kept)} already done" in resumed.output, resumed.output
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert kept <= {r["key"] for r in cells} and len({r["key"] for r in cells}) == 72
+
+
+@pytest.mark.timeout(300)
 def test_ctrl_c_journals_the_units_the_actors_finish(
     ray_cluster: object, shared_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

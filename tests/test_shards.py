@@ -885,7 +885,7 @@ def test_a_shards_cube_says_the_other_shards_cells_are_not_its_to_resume(runs: P
     said = " ".join(invoke("headroom", str(folder)).stdout.split())
     partial = said[said.index("partial cube:") :]
     assert "this is shard 1/3's cube" in partial, said
-    assert "run the same `dvfs sweep` command again to resume it" not in partial
+    assert "run the same `dvfs sweep` command again" not in partial
     warnings = [
         b.text for b in measured_section(open_cube(folder)).blocks if isinstance(b, Paragraph)
     ]
@@ -900,7 +900,7 @@ def test_headroom_on_one_shard_says_to_merge_not_to_resume(runs: Path) -> None:
     finished shard); the whole campaign's cube says nothing of shards."""
     text = " ".join(invoke("headroom", str(runs / "s0"), "--slack", "5%").output.split())
     assert "this is shard 0/3's cube" in text and "dvfs cube merge" in text
-    assert "run the same `dvfs sweep` command again to resume it" not in text
+    assert "run the same `dvfs sweep` command again" not in text
     doc = json.loads(invoke("headroom", str(runs / "s0"), "--json").stdout)
     assert doc["shard"] == "0/3"
     whole = json.loads(invoke("headroom", str(runs / "whole"), "--json").stdout)
@@ -919,7 +919,7 @@ def test_no_answer_advice_on_shard_cubes_names_the_shard_commands(
     cube merge` (with each shard's folder for a merged cube)."""
     from dvfs.report.reasons import no_answer
 
-    old = "run the same `dvfs sweep` command again to measure"
+    old = "resume the sweep: run the same `dvfs sweep` command again"
 
     def advice(cube: Path) -> tuple[str, str, list[dict]]:
         """The report's text, `cap plan`'s refusals, and the headroom rows without answer."""

@@ -809,7 +809,7 @@ def reset_locked(
 def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
     """Who set a lock; for a governor's, that it is gone when no dvfs holds the GPU's lock any
     more (killed with SIGKILL: its lock stays on the GPU, and nothing restores it by itself)."""
-    from dvfs.gpu.safety import GpuLocks
+    from dvfs.gpu.safety import GpuLocks, reset_command
 
     if not lock.by_governor:
         return lock.set_by
@@ -824,7 +824,7 @@ def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
         return lock.set_by  # running, or it cannot be told here
     return (
         f"dvfs govern (pid {lock.record.get('pid')}, since {lock.record.get('since')}; no longer "
-        "running: `dvfs gpu reset` puts back what it found)"
+        f"running: {reset_command(directory)} puts back what it found)"
     )
 
 

@@ -383,7 +383,8 @@ def _internal_error(exc: BaseException) -> NoReturn:
         traceback.print_exception(exc, file=sys.stderr)
         hint = "please report it with the traceback above"
     else:
-        hint = "please report it; rerun with -vv for the traceback"
+        # -vv is dvfs's own option, not the command's: after the command it is refused
+        hint = "please report it; rerun as `dvfs -vv COMMAND ...` for the traceback"
     detail = str(exc).strip().splitlines()
     text = f"{type(exc).__name__}: {detail[0]}" if detail else type(exc).__name__
     fail(f"internal error: {text}; {hint}")

@@ -250,7 +250,7 @@ def unfinished_note(merged: Any, *, shards: bool) -> str | None:
     return (
         f"{waiting} of {cov['cells']} cells are not measured yet ({cov['missing']} never run, "
         f"{cov['failed']} failed): the {parts} are unfinished; resume each with {command} "
-        "again, then merge again"
+        "again without --fresh (which starts over), then merge again"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
@@ -39,12 +40,23 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
     from dvfs.cli.analysis import print_table
     from dvfs.cli.sweep import run
     from dvfs.cube import CUBE_NAME, open_cube
+    from dvfs.errors import JournalError
+    from dvfs.measure.journal import FRESH
     from dvfs.plots import plot_all
     from dvfs.report import headroom_document, headroom_table_rows
 
     with resources.as_file(resources.files("dvfs.campaigns").joinpath("demo.toml")) as path:
         campaign = load_campaign(path)
-    outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress)
+    try:
+        outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress)
+    except JournalError as exc:
+        # A damaged journal's refusal says to start over with the sweep's command, which the
+        # demo's user never typed (no campaign file of theirs, nor that --out): the demo's own.
+        text = str(exc)
+        if FRESH not in text:
+            raise
+        again = f"`dvfs demo --out {shlex.quote(str(out_dir))} --fresh`"
+        raise type(exc)(text.replace(FRESH, again)) from exc
     ds = open_cube(out_dir / CUBE_NAME)
     out = console()
     for title, target, corpus in (

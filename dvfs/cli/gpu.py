@@ -426,6 +426,7 @@ def roofline(
     FLOP and per byte per clock, and GEMM efficiency by M."""
     from dvfs.errors import GpuPermissionError
     from dvfs.gpu.base import unsupported_clock
+    from dvfs.gpu.safety import reset_command
     from dvfs.roofline import store
     from dvfs.roofline.kernels import BenchSpec, element_bytes, import_torch
     from dvfs.roofline.run import RooflineRequest, run_roofline
@@ -508,7 +509,7 @@ def roofline(
                 left, where = request.unrestored()
                 err.print(
                     f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run "
-                    f"`dvfs gpu reset` (state in {where})."
+                    f"{escape(reset_command(where))} (state in {where})."
                     if left
                     else "GPU settings restored."
                 )
@@ -671,6 +672,7 @@ def settle(
     back, timing every change. Changes GPU settings (root needed) under the sweep's safety
     layer: the GPU's lock, a state file, and a restore on exit and on SIGINT/SIGTERM/SIGHUP."""
     from dvfs.errors import GpuPermissionError
+    from dvfs.gpu.safety import reset_command
     from dvfs.signals import Interrupted
 
     if observe_only:
@@ -706,7 +708,7 @@ def settle(
                 left, where = _unrestored(state_dir)
                 err.print(
                     f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run "
-                    f"`dvfs gpu reset` (state in {where})."
+                    f"{escape(reset_command(where))} (state in {where})."
                     if left
                     else "GPU settings restored."
                 )

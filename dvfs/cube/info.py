@@ -415,8 +415,8 @@ def shard_note(label: str | None) -> str | None:
     return (
         f"this is shard {label}'s cube: the other shards' cells count as missing here (and "
         f"any of its own not measured yet, which its `dvfs sweep CAMPAIGN --shard {label}` "
-        "command measures when run again); merge every shard (`dvfs cube merge SHARD_DIRS -o "
-        "cube.nc`) for the whole campaign"
+        "command measures when run again without --fresh); merge every shard (`dvfs cube "
+        "merge SHARD_DIRS -o cube.nc`) for the whole campaign"
     )
 
 
@@ -469,10 +469,15 @@ def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
     if folders:
         return (
             f"this cube is merged from {len(folders)} sweeps' cubes ({', '.join(folders)}): "
-            f"run each unfinished sweep's `dvfs sweep` command again to measure {what}, then "
-            "`dvfs cube merge` them again (a resumed sweep rebuilds its own cube, not this one)"
+            f"run each unfinished sweep's `dvfs sweep` command again without --fresh to measure "
+            f"{what}, then `dvfs cube merge` them again (a resumed sweep rebuilds its own "
+            "cube, not this one)"
         )
-    return f"resume the sweep: run the same `dvfs sweep` command again to measure {what}"
+    # without --fresh: the same command with it moves the journal aside and starts over
+    return (
+        "resume the sweep: run the same `dvfs sweep` command again without --fresh (which "
+        f"starts over) to measure {what}"
+    )
 
 
 def resume_note(doc: dict[str, Any]) -> str:
@@ -484,7 +489,9 @@ def resume_note(doc: dict[str, Any]) -> str:
         return str(shard_note(str(doc["shard"])))
     if doc.get("merged_shards") or doc.get("merged_cubes"):
         return resume_advice("them", doc)
-    return "run the same `dvfs sweep` command again to resume it"
+    return (
+        "run the same `dvfs sweep` command again without --fresh (which starts over) to resume it"
+    )
 
 
 def shards_of(ds: xr.Dataset) -> dict[str, Any]:

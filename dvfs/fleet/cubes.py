@@ -55,8 +55,10 @@ def write_cubes(
             raise  # nothing to fix in the folder: the message says where to rerun
         except CubeError as exc:
             raise CubeError(
-                f"{exc} (every measured cell is in {journal}: `dvfs cube build "
-                f"{journal.parent}` writes the cube once that is fixed)"
+                # the fleet's folder: a GPU model's own (the journal's) rebuilds its cube
+                # alone, not the merged one
+                f"{exc} (every measured cell is in {journal}: `dvfs cube build {out_dir}` "
+                "writes the cube once that is fixed)"
             ) from exc
         own = journal.parent / CUBE_NAME
         path = write(ds, merged_path if journal.parent == out_dir else own)

@@ -210,6 +210,14 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return combined
 
 
+def resume_advice(fresh: bool) -> str:
+    """How a fleet whose workers stopped with cells left resumes: its command again, less
+    --fresh (which would move the journal aside, unread, and start over)."""
+    if fresh:
+        return "rerun the same command without --fresh to resume (with it, it starts over)"
+    return "rerun the same command to resume"
+
+
 class Driver:
     """The executors' callbacks: journal, queue and progress, all on the driver's thread."""
 
@@ -497,8 +505,9 @@ class Driver:
         alive = sum(1 for s in self.stats.values() if s.lost is None) or 1
         show(stats, stats.eta_s(len(self._outstanding) / alive))
 
-    def check_finished(self) -> None:
-        """After the executor returns: cells left over mean every worker was lost."""
+    def check_finished(self, fresh: bool = False) -> None:
+        """After the executor returns: cells left over mean every worker was lost. `fresh`:
+        the run was started with --fresh, which its command again would start over."""
         if self.finished:
             return
         if self.refused is not None:
@@ -507,7 +516,8 @@ class Driver:
         raise JournalError(
             f"every worker was lost with {len(self._outstanding)} cell(s) left"
             + (f" ({'; '.join(lost[:3])})" if lost else "")
-            + ": the journal keeps every finished cell; rerun the same command to resume"
+            + ": the journal keeps every finished cell; "
+            + resume_advice(fresh)
         )
 
     def summary(self) -> RunSummary:
@@ -534,11 +544,14 @@ class Fleet:
         shard: Shard | None = None,
         progress: Progress | None = None,
         corpora: tuple[dict[str, Any], str] | None = None,
+        fresh: bool = False,
     ) -> None:
         from dvfs.measure.runner import NullProgress
 
         self.campaign = campaign
         self.out_dir = out_dir
+        #: The run was started with --fresh: its command again would start over.
+        self.fresh = fresh
         self.cells = list(cells)
         self.journals = journals
         self.shard = shard
@@ -642,7 +655,7 @@ class Fleet:
 
     def check_finished(self) -> None:
         for driver in self.drivers.values():
-            driver.check_finished()
+            driver.check_finished(self.fresh)
 
     @property
     def stats(self) -> list[WorkerStats]:
@@ -757,6 +770,7 @@ def run_fleet(
                     shard=shard,
                     progress=progress,
                     corpora=corpora,
+                    fresh=fresh,
                 )
                 executor(fleet, groups)
                 # Said once the workers have run: a campaign their engine refused left none.

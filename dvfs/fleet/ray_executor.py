@@ -34,7 +34,7 @@ from typing import Any
 from dvfs.backends import real_gpus, virtual_time
 from dvfs.errors import CampaignError, DvfsError
 from dvfs.fleet.devices import Group, group_label, one_model
-from dvfs.fleet.driver import Fleet
+from dvfs.fleet.driver import Fleet, resume_advice
 from dvfs.fleet.local import POLL_S, VirtualPacer
 from dvfs.signals import HANDLED, Interrupted
 
@@ -681,7 +681,9 @@ class RayExecutor:
             raise
         if not fleet.finished and alive:
             fleet.check_finished()  # a refusal's own line, when the driver retired them
-            raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
+            raise DvfsError(
+                f"the Ray workers stopped with cells left; {resume_advice(fleet.fresh)}"
+            )
 
     @staticmethod
     def _collect(ray: Any, fleet: Fleet, pending: dict[Any, tuple[str, Any]]) -> None:

@@ -475,6 +475,7 @@ def _stopped_line(
     # a silent GPU the governor had not changed was not put back: nothing was done to it
     back = [g for g in found if g.identity.uuid not in lost]
     untouched = [g for g in found if g.identity.uuid in lost]
+    reset = knobs.reset_advice()  # with the governor's --state-dir where it is not the default
     line = f"{stopped}; the governor stopped"
     if back:
         line += f" and put {gpu_names(back)} back as found"
@@ -483,8 +484,8 @@ def _stopped_line(
     if any(g.identity.uuid in lost for g in stuck):
         line += (
             f"; {gpu_names([g for g in stuck if g.identity.uuid in lost])} could not be put back: "
-            "once it answers again (after a GPU reset or a reboot), `dvfs gpu reset` puts back "
-            "what its state file recorded"
+            f"once it answers again (after a GPU reset or a reboot), {reset} puts back what "
+            "its state file recorded"
         )
     healthy = [g for g in stuck if g.identity.uuid not in lost]
     failed = _failed_restore(raised, stopped)
@@ -493,7 +494,7 @@ def _stopped_line(
     elif healthy and why is not None:  # a signal first: the restore did not run
         line += (
             f"; {why} before it put {gpu_names(healthy)} back, which keeps the governor's "
-            "settings: `dvfs gpu reset` puts back what its state file recorded"
+            f"settings: {reset} puts back what its state file recorded"
         )
         return line
     if why is not None:

@@ -248,8 +248,16 @@ class KnobController:
                     self._restore_limit_alone(gpu, uuid, original, exc, failures)
             failures.raise_if_any(
                 "could not restore GPU settings: ",
-                ". `dvfs gpu reset` retries from the state file.",
+                f". {self.reset_advice()} retries from the state file.",
             )
+
+    def reset_advice(self) -> str:
+        """The `dvfs gpu reset` that reads this controller's state files (with --state-dir
+        where they are not in the default folder)."""
+        from dvfs.gpu.safety import reset_command
+
+        directory = getattr(self.change_log, "directory", None)
+        return "`dvfs gpu reset`" if directory is None else reset_command(directory)
 
     def _restore_limit_alone(
         self,

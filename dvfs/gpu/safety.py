@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import platform
+import shlex
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dvfs.errors import GpuBusyError, GpuStateError
+from dvfs.errors import DvfsError, GpuBusyError, GpuStateError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import REFUSED, GatheredFailures, GpuSettings
 
@@ -56,12 +57,25 @@ def default_state_dir() -> Path:
     return Path.home() / ".local" / "state" / "dvfs"
 
 
+def reset_command(directory: Path) -> str:
+    """The `dvfs gpu reset` that restores from the state files in `directory`: with its
+    --state-dir where that is not the default (a command run with --state-dir), which a
+    plain `dvfs gpu reset` does not look in."""
+    try:
+        default = directory == default_state_dir()
+    except DvfsError:  # the default unusable: the folder named is the one to use
+        default = False
+    return (
+        "`dvfs gpu reset`"
+        if default
+        else f"`dvfs gpu reset --state-dir {shlex.quote(str(directory))}`"
+    )
+
+
 def _folder_from_env(variable: str, value: str, path: Path) -> Path:
     """`path`, refused in one line naming the variable when a file (or a device such as
     /dev/null) stands where it or a folder above it should be: the fix is the variable, not
     removing that file."""
-    from dvfs.errors import DvfsError
-
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -277,7 +291,8 @@ class StateStore:
         if problems:
             raise GpuStateError(
                 "; ".join(p.describe() for p in problems)
-                + ". Run `dvfs gpu reset` (as root) to restore the recorded settings first."
+                + f". Run {reset_command(self.directory)} (as root) to restore the recorded "
+                "settings first."
             )
 
 

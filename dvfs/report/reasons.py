@@ -7,7 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-RETRY = "run the same `dvfs sweep` command again: it retries failed cells"
+#: (without --fresh: the same command with it moves the journal aside and starts over)
+RETRY = (
+    "run the same `dvfs sweep` command again without --fresh (which starts over): it retries "
+    "failed cells"
+)
 AFTER_CHANGE = "then sweep again with --fresh or into another --out folder"
 
 
