@@ -1432,6 +1432,24 @@ MORE_CASES = (
             code=2,
             says=("p.toml", "16 MiB"),
         ),
+        # a named pipe no program writes to: was waited on for ever, the command hung
+        camp_case("fifo", Writer(_fifo), "c.toml", "pipe"),
+        C(
+            "doctor-fifo",
+            ["doctor", "{tmp}/c.toml"],
+            files={"c.toml": Writer(_fifo)},
+            code=2,
+            says=("c.toml", "pipe"),
+        ),
+        caps_case("fifo", Writer(_fifo), "caps.toml", "pipe"),
+        plan_case("fifo", Writer(_fifo), "h.json", "pipe"),
+        C(
+            "twin-profile-fifo",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": GOOD_TEXT, "p.toml": Writer(_fifo)},
+            code=2,
+            says=("p.toml", "pipe"),
+        ),
         corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
         caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
         C(
@@ -2532,3 +2550,34 @@ def test_a_figure_cut_short_keeps_the_old_one(
     assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     assert first.read_bytes() == b"OLD\n"
     assert [p.name for p in out.iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("writer_done", [True, False], ids=["written", "writing"])
+def test_a_campaign_from_a_pipe_is_read(tmp_path: Path, writer_done: bool) -> None:
+    """`dvfs sweep <(generate) --dry-run`: the campaign comes through a pipe whose writer has
+    written it all and closed it, or has written half and writes the rest later. A named pipe
+    no program writes to is refused rather than waited on (`campaign-fifo`); these are read."""
+    import os
+    import threading
+    import time
+
+    read_end, write_end = os.pipe()
+    text = GOOD_TEXT.encode()
+    half = len(text) // 2 if not writer_done else len(text)
+    os.write(write_end, text[:half])
+
+    def rest() -> None:
+        time.sleep(0.2)  # (the reader waits for it: no bound on how long)
+        os.write(write_end, text[half:])
+        os.close(write_end)
+
+    feeder = threading.Thread(target=rest, daemon=True)
+    feeder.start()
+    try:
+        argv = ["sweep", f"/proc/self/fd/{read_end}", *(a.format(tmp=tmp_path) for a in DRY)]
+        result = CliRunner().invoke(cli, argv)
+    finally:
+        feeder.join()
+        os.close(read_end)
+    assert result.exit_code == 0, result.output
+    assert "tiny" in result.output
