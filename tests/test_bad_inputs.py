@@ -2581,3 +2581,41 @@ def test_a_campaign_from_a_pipe_is_read(tmp_path: Path, writer_done: bool) -> No
         os.close(read_end)
     assert result.exit_code == 0, result.output
     assert "tiny" in result.output
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("gpus", 0, "memory_clock_mhz"), None),
+        (("gpus", 0, "memory_clock_mhz"), True),
+        (("gpus", 0, "driver_version"), {}),
+        (("gpus", 0, "name"), True),
+        (("stock", "sm_clock_mhz"), 1e308),
+        (("measurement_method",), None),
+        (("gpu_backend",), None),
+        (("engine_backend",), None),
+        (("clock",), None),
+    ],
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else repr(v),
+)
+def test_a_session_record_edited_to_what_a_cube_cannot_keep_is_named(
+    shared: dict[str, Path], tmp_path: Path, path: tuple[Any, ...], value: Any
+) -> None:
+    """A journal's session line edited (or damaged) so that a value the cube keeps as an
+    attribute is null, true, an object or past 64 bits: `cube build` failed writing the cube,
+    "internal error: ... please report it". The record is refused as any damaged one is."""
+    lines = (shared["sweep"] / "journal.jsonl").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if json.loads(line)["type"] == "session")
+    record = json.loads(lines[at])
+    node = record
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    lines[at] = json.dumps(record)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(cli, ["cube", "build", str(run), "-o", str(tmp_path / "c.nc")])
+    assert result.exit_code not in (0, 70), result.output
+    assert "internal error" not in result.output, result.output
+    assert "a record lacks what a cube needs" in result.output, result.output
