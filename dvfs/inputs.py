@@ -5,6 +5,7 @@ line instead of being read until memory runs out. Pipes stay readable (`<(genera
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,10 +27,23 @@ def read_limited(
     """`path`'s bytes, at most `limit` of them: more raises `error` naming the file. `check`
     sees the file opened, before it is read: the file read is the file checked, whatever
     replaces the path meanwhile."""
-    with open(path, "rb") as f:
+    # Opened without blocking: a named pipe no program writes to would be waited on for ever.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
         if check is not None:
-            check(path, os.fstat(f.fileno()))
-        data = f.read(limit + 1)
+            check(path, info)
+        head = b""
+        if stat.S_ISFIFO(info.st_mode):
+            try:  # b"": no writer (EOF); BlockingIOError: a writer, nothing written yet
+                head = os.read(fd, limit + 1)
+            except BlockingIOError:
+                pass
+            else:
+                if not head:
+                    raise error(f"{path} is a pipe no program writes to: give the {what} itself")
+        os.set_blocking(fd, True)
+        data = head + f.read(limit + 1 - len(head)) if len(head) <= limit else head
     if len(data) > limit:
         raise error(
             f"{path} holds more than {limit >> 20} MiB, far more than any {what}: is it the "

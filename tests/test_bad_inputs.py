@@ -1432,6 +1432,24 @@ MORE_CASES = (
             code=2,
             says=("p.toml", "16 MiB"),
         ),
+        # a named pipe no program writes to: was waited on for ever, the command hung
+        camp_case("fifo", Writer(_fifo), "c.toml", "pipe"),
+        C(
+            "doctor-fifo",
+            ["doctor", "{tmp}/c.toml"],
+            files={"c.toml": Writer(_fifo)},
+            code=2,
+            says=("c.toml", "pipe"),
+        ),
+        caps_case("fifo", Writer(_fifo), "caps.toml", "pipe"),
+        plan_case("fifo", Writer(_fifo), "h.json", "pipe"),
+        C(
+            "twin-profile-fifo",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": GOOD_TEXT, "p.toml": Writer(_fifo)},
+            code=2,
+            says=("p.toml", "pipe"),
+        ),
         corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
         caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
         C(
@@ -2539,3 +2557,72 @@ def test_a_figure_cut_short_keeps_the_old_one(
     assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     assert first.read_bytes() == b"OLD\n"
     assert [p.name for p in out.iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("writer_done", [True, False], ids=["written", "writing"])
+def test_a_campaign_from_a_pipe_is_read(tmp_path: Path, writer_done: bool) -> None:
+    """`dvfs sweep <(generate) --dry-run`: the campaign comes through a pipe whose writer has
+    written it all and closed it, or has written half and writes the rest later. A named pipe
+    no program writes to is refused rather than waited on (`campaign-fifo`); these are read."""
+    import os
+    import threading
+    import time
+
+    read_end, write_end = os.pipe()
+    text = GOOD_TEXT.encode()
+    half = len(text) // 2 if not writer_done else len(text)
+    os.write(write_end, text[:half])
+
+    def rest() -> None:
+        time.sleep(0.2)  # (the reader waits for it: no bound on how long)
+        os.write(write_end, text[half:])
+        os.close(write_end)
+
+    feeder = threading.Thread(target=rest, daemon=True)
+    feeder.start()
+    try:
+        argv = ["sweep", f"/proc/self/fd/{read_end}", *(a.format(tmp=tmp_path) for a in DRY)]
+        result = CliRunner().invoke(cli, argv)
+    finally:
+        feeder.join()
+        os.close(read_end)
+    assert result.exit_code == 0, result.output
+    assert "tiny" in result.output
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("gpus", 0, "memory_clock_mhz"), None),
+        (("gpus", 0, "memory_clock_mhz"), True),
+        (("gpus", 0, "driver_version"), {}),
+        (("gpus", 0, "name"), True),
+        (("stock", "sm_clock_mhz"), 1e308),
+        (("measurement_method",), None),
+        (("gpu_backend",), None),
+        (("engine_backend",), None),
+        (("clock",), None),
+    ],
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else repr(v),
+)
+def test_a_session_record_edited_to_what_a_cube_cannot_keep_is_named(
+    shared: dict[str, Path], tmp_path: Path, path: tuple[Any, ...], value: Any
+) -> None:
+    """A journal's session line edited (or damaged) so that a value the cube keeps as an
+    attribute is null, true, an object or past 64 bits: `cube build` failed writing the cube,
+    "internal error: ... please report it". The record is refused as any damaged one is."""
+    lines = (shared["sweep"] / "journal.jsonl").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if json.loads(line)["type"] == "session")
+    record = json.loads(lines[at])
+    node = record
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    lines[at] = json.dumps(record)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(cli, ["cube", "build", str(run), "-o", str(tmp_path / "c.nc")])
+    assert result.exit_code not in (0, 70), result.output
+    assert "internal error" not in result.output, result.output
+    assert "a record lacks what a cube needs" in result.output, result.output

@@ -2495,3 +2495,61 @@ def test_doctor_without_root_reads_the_caps_record_the_sweep_reads(
     assert "GPU 0 (SM clock locked to 210-1500 MHz" in checked["caps"]["detail"], checked
     failed = [c["name"] for c in listed if c["status"] == "fail"]
     assert failed == ["permissions"], failed
+
+
+def test_a_state_file_in_a_symlink_loop_is_refused_not_taken_for_none(nvml, tmp_path: Path) -> None:
+    """A GPU's state file that is a link in a loop was taken for no state file (`exists()` is
+    False for it): `gpu reset` said "nothing to restore", exit 0, and `cap apply` capped the GPU,
+    where any other unreadable state file refuses both, exit 3. It is refused alike now, and
+    `cap reset` drops it as it drops any unreadable one."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    loop = state / f"{uuid}.json"
+    loop.symlink_to(loop)
+    result = CliRunner().invoke(cli, ["gpu", "reset"])
+    assert result.exit_code == 3, result.output
+    assert str(loop) in result.stderr and "symbolic links" in result.stderr, result.stderr
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 3, result.output
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert "the unreadable state" in invoke("cap", "reset")
+    assert not loop.is_symlink()
+
+
+def test_a_caps_record_in_a_symlink_loop_is_refused_not_taken_for_none(nvml) -> None:
+    """The caps record (caps-applied.json) as a link in a loop: `cap show` said "no dvfs clock
+    lock" for every GPU, exit 0, as if dvfs had capped none; it is unreadable, exit 1, as a
+    damaged record is."""
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    loop = state / "caps-applied.json"
+    loop.symlink_to(loop)
+    result = CliRunner().invoke(cli, ["cap", "show"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"Error: {loop} is unreadable"), result.stderr
+
+
+@pytest.mark.parametrize("record", ["state file", "governor record"])
+def test_cap_reset_refuses_a_folder_in_a_gpus_record_place_before_resetting_any(
+    nvml, tmp_path: Path, record: str
+) -> None:
+    """A folder where GPU 1's state file (or governor record) goes: `cap reset` unlocked GPU 0,
+    then stopped at GPU 1 ("give a file's path for path", or "remove it") with GPU 1 still
+    capped and GPU 0's reset unsaid. As for an unreadable caps record, nothing is reset: one
+    line names the folder, exit 1."""
+    uuid = apply_caps(tmp_path, 1500, 450)
+    other = json.loads(invoke("gpu", "list", "--json"))[1]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    folder = state / (f"{other}.json" if record == "state file" else f"governed-{other}.json")
+    folder.mkdir(parents=True)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (
+        f"Error: {folder} is unreadable (no regular file: a folder); nothing was reset: remove "
+        "it, then reset again\n"
+    )
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    assert uuid in json.loads((state / "caps-applied.json").read_text())

@@ -868,6 +868,47 @@ def test_a_page_that_trickles_in_is_a_server_not_answering(
     assert "Traceback" not in result.stderr
 
 
+class HugeMetrics(CountingMetrics):
+    """A loopback /metrics page of SGLang's lines after a comment of 17 MiB (a wrong --url, a
+    broken server: one without end was read whole until the timeout, gigabytes a second)."""
+
+    def page(self) -> bytes:
+        return b"# " + b"x" * (17 << 20) + b"\n" + super().page()
+
+    def send(self, out: BinaryIO, body: bytes) -> None:
+        with contextlib.suppress(OSError):  # the reader gave up: it hung up
+            out.write(body)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # the reader hung up mid-page, as it should: no traceback in its stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("monitor", "--once"), ("govern", "--plan", "plan.toml", "--dry-run", "--listen", "off")],
+)
+def test_a_page_far_larger_than_sglangs_is_not_read_whole(
+    tmp_path: Path,
+    env: dict[str, str],
+    nvml,
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+) -> None:
+    """A /metrics page was read whole, however large, into memory and parsed: one without end
+    took gigabytes within the timeout. Past 16 MiB the read stops, one line naming the page."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.toml").write_text(PLAN)
+    with HugeMetrics().serving() as url:
+        result = dvfs_in_process(
+            *command,
+            *("--url", url, "--gpu", "0", "--interval", "5", "--max-intervals", "1"),
+            env=env,
+        )
+    said = f"{url}/metrics: its page holds more than 16 MiB, far more than SGLang's /metrics"
+    assert said in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_the_server_is_read_at_the_url_given_and_a_port_out_of_range_is_refused(
     env: dict[str, str], nvml
 ) -> None:

@@ -112,11 +112,10 @@ class AppliedCaps:
         damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
         from dvfs.gpu.safety import read_record, record_problem
 
-        if not self.path.exists():
-            return {}
-        try:  # (a FIFO is refused, not waited on for ever; a folder is no record either)
+        try:  # (a FIFO is refused, not waited on for ever; a folder or a link in a loop is no
+            # record either)
             data = json.loads(read_record(self.path))
-        except FileNotFoundError:  # removed meanwhile (the last GPU's entry reset)
+        except FileNotFoundError:  # none, or removed meanwhile (the last GPU's entry reset)
             return {}
         except (ValueError, OSError) as exc:  # UnicodeDecodeError included
             why = record_problem(exc)
@@ -697,6 +696,15 @@ def reset_caps(
             raise CapsRecordError(
                 f"{told}; nothing was reset: remove it, then reset again"
             ) from exc
+    governed = GovernorLocks(store.directory)
+    for gpu in gpus:  # so is a folder where a GPU's state file or governor record goes, which
+        # no reset removes: refused after resetting the GPUs before it, the others were left
+        for path in (store.path(gpu.identity.uuid), governed.path(gpu.identity.uuid)):
+            if path.is_dir() and not path.is_symlink():
+                raise CapsRecordError(
+                    f"{_a_folder(path).removesuffix('; remove it')}; nothing was reset: remove "
+                    "it, then reset again"
+                )
     for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
         ident = gpu.identity
         try:
@@ -723,7 +731,7 @@ def reset_caps(
                 else f"power limit {default / 1000:g} W (default)"
             )
             line = f"GPU {ident.index} ({ident.uuid}): clocks unlocked, {power}"
-            if store.path(ident.uuid).exists():
+            if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
                 line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
                 store.clear(ident.uuid)
             done.append(line)

@@ -46,6 +46,11 @@ MOE_EP_RANK = "moe_ep_rank"
 IN_GROUP = frozenset({TP_RANK, MOE_EP_RANK})
 
 
+#: The most bytes of a /metrics page read: SGLang's is tens of KB; a page without end (a wrong
+#: --url, a broken server) read whole until the timeout took gigabytes within a second.
+MAX_PAGE_BYTES = 16 << 20
+
+
 class ScrapeError(DvfsError):
     """The server's /metrics could not be read or lacks what the governor needs."""
 
@@ -196,8 +201,15 @@ class ServerReader:
         try:
             with self._client.stream("GET", self.address) as response:
                 chunks = []
+                size = 0
                 for chunk in response.iter_bytes():
                     chunks.append(chunk)
+                    size += len(chunk)
+                    if size > MAX_PAGE_BYTES:  # else held in memory whole, and parsed
+                        raise ScrapeError(
+                            f"{address}: its page holds more than {MAX_PAGE_BYTES >> 20} MiB, "
+                            "far more than SGLang's /metrics: is --url the server?"
+                        )
                     if time.monotonic() > deadline:
                         raise ServerDownError(
                             f"cannot read {address}: its page did not come within "

@@ -250,13 +250,13 @@ class StateStore:
         files = [self.path(uuid)] if uuid else sorted(self.directory.glob("GPU-*.json"))
         found = []
         for path in files:
-            if not path.exists():
-                continue
-            try:
+            try:  # (a link in a loop is no missing file: it is read, and refused)
                 data = json.loads(read_record(path))
                 if not isinstance(data, dict) or not isinstance(data.get("original"), dict):
                     raise ValueError("not a JSON object with an 'original' table")
                 original = settings_from_dict(data["original"])
+            except FileNotFoundError:  # none (a link to no file: none either)
+                continue
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 raise GpuStateError(
                     f"state file {path} is unreadable ({record_problem(exc)}); inspect and remove "

@@ -31,7 +31,8 @@ class Stock:
     def from_json(cls, data: Any) -> Stock | None:
         """None for anything that is not a stock record (a damaged line)."""
         try:
-            return cls(int(data["sm_clock_mhz"]), float(data["power_limit_w"]))
+            clock = int(data["sm_clock_mhz"])
+            return cls(clock, float(data["power_limit_w"])) if _int64(clock) else None
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -166,8 +167,24 @@ class Session:
             raise ValueError(f"a session's stock settings are unreadable: {record['stock']!r}")
         # (null: NVML does not support the GPU's power limit, nor then its range)
         low, high, default = (stored_float(w) for w in record["power_limit_range_w"])
+        # What a cube keeps as attributes, which netCDF takes only as a number or a text: a
+        # damaged (hand-edited) line is a ValueError for the caller to word, not a cube that
+        # fails to write ("internal error").
+        gpus = tuple(dict(g) for g in record["gpus"])
+        for gpu in gpus:
+            memory = gpu.get("memory_clock_mhz")
+            if "memory_clock_mhz" in gpu and not (
+                isinstance(memory, int) and not isinstance(memory, bool) and _int64(memory)
+            ):
+                raise ValueError(f"a session's GPU memory clock is unreadable: {memory!r:.40}")
+            for key in ("name", "driver_version"):
+                if key in gpu and not isinstance(gpu[key], str):
+                    raise ValueError(f"a session's GPU {key} is unreadable: {gpu[key]!r:.40}")
+        for key in ("gpu_backend", "engine_backend", "clock", "measurement_method"):
+            if not isinstance(record[key], str):
+                raise ValueError(f"a session's {key} is unreadable: {record[key]!r:.40}")
         return cls(
-            gpus=tuple(dict(g) for g in record["gpus"]),
+            gpus=gpus,
             stock=stock,
             gpu_backend=record["gpu_backend"],
             engine_backend=record["engine_backend"],
@@ -215,6 +232,11 @@ class Session:
             if str(part.get("worker")) == worker:
                 return tuple(str(u) for u in part.get("gpus") or ())
         return self.gpu_uuids
+
+
+def _int64(value: int) -> bool:
+    """Whether an integer fits the 64 bits netCDF stores one in."""
+    return -(1 << 63) <= value < 1 << 63
 
 
 def found_limits(value: Any) -> dict[str, float]:
