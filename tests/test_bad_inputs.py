@@ -2626,3 +2626,43 @@ def test_a_session_record_edited_to_what_a_cube_cannot_keep_is_named(
     assert result.exit_code not in (0, 70), result.output
     assert "internal error" not in result.output, result.output
     assert "a record lacks what a cube needs" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("campaign_name",), {}),
+        (("campaign_hash",), {}),
+        (("dvfs_version",), True),
+        (("campaign", "engine", "model"), None),
+        (("campaign", "engine", "twin_model"), True),
+        (("campaign", "engine", "tp_size"), 1e308),
+        (("campaign", "measurement", "repeats"), 1e308),
+        (("campaign", "measurement", "max_repeats"), 1e308),
+        (("campaign", "measurement", "repeats"), float("inf")),
+    ],
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else repr(v),
+)
+def test_a_header_edited_to_what_a_cube_cannot_keep_is_no_internal_error(
+    shared: dict[str, Path], tmp_path: Path, path: tuple[Any, ...], value: Any
+) -> None:
+    """A journal's header line edited so that a value the cube keeps as an attribute, or sizes
+    its arrays by, is an object, null, true or past any count: `cube build` ended in "internal
+    error: ... please report it" (netCDF refusing the attribute; an OverflowError). The
+    header is read as a damaged record, or its field as missing."""
+    lines = (shared["sweep"] / "journal.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    assert record["type"] == "header"
+    node = record
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    lines[0] = json.dumps(record)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(cli, ["cube", "build", str(run), "-o", str(tmp_path / "c.nc")])
+    assert "internal error" not in result.output, result.output
+    assert result.exit_code != 70, result.output
+    if result.exit_code:
+        assert "a record lacks what a cube needs" in result.output, result.output

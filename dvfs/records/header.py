@@ -28,6 +28,23 @@ class Grid:
     repeats: int
 
 
+#: More than any campaign asks of a count (repeats, tensor-parallel GPUs): a stored value past
+#: it is an edited one, which would overflow the arrays sized from it.
+_MOST = 1 << 20
+
+
+def _count(value: Any, name: str, least: int = 0) -> int:
+    """A stored campaign's count (repeats, tp_size): a whole number from `least` to `_MOST`;
+    anything else (an edited line: 1e308, Infinity, true, text) a ValueError naming it, which
+    the callers word."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise ValueError(f"the stored campaign's {name} is {value!r:.40}, not a whole number")
+    if not least <= value <= _MOST:
+        raise ValueError(f"the stored campaign's {name} is {value!r:.40}, out of range")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class RepeatRule:
     """How many repeats a campaign asks of a cell: `repeats` always, then one more at a time
@@ -48,12 +65,12 @@ class RepeatRule:
     def from_json(cls, measurement: dict[str, Any]) -> RepeatRule:
         """From a stored campaign's measurement table; one without the adaptive keys (before
         version 3) asked for `repeats`, no more."""
-        repeats = int(measurement["repeats"])
+        repeats = _count(measurement["repeats"], "repeats")
         if not {"max_repeats", "precision", "confidence"} <= measurement.keys():
             return cls(repeats, repeats, math.nan, math.nan)
         return cls(
             repeats,
-            max(repeats, int(measurement["max_repeats"] or 0)),
+            max(repeats, _count(measurement["max_repeats"] or 0, "max_repeats")),
             float(measurement["precision"]),
             float(measurement["confidence"]),
         )
@@ -87,11 +104,16 @@ class CampaignFacts:
             repeats=max(rule.max_repeats, int(campaign["measurement"].get("max_repeats") or 0)),
         )
         engine = campaign["engine"]
+        model, twin_model = engine["model"], engine.get("twin_model") or ""
+        # (a cube keeps them as attributes, which netCDF takes as text only)
+        for name, value in (("model", model), ("twin_model", twin_model)):
+            if not isinstance(value, str):
+                raise ValueError(f"the stored campaign's engine {name} is {value!r:.40}")
         return cls(
             grid=grid,
-            model=engine["model"],
-            twin_model=engine.get("twin_model") or "",
-            tp_size=int(engine["tp_size"]),
+            model=model,
+            twin_model=twin_model,
+            tp_size=_count(engine["tp_size"], "tp_size", least=1),
             twin_profile=campaign["gpu"].get("profile") or "",
             repeat_rule=rule,
         )
@@ -144,12 +166,12 @@ class Header:
         stored = record.get("campaign")
         pinned = record.get("arms_pinned")
         return cls(
-            campaign_name=record.get("campaign_name"),
-            campaign_hash=record.get("campaign_hash"),
+            campaign_name=_text(record.get("campaign_name")),
+            campaign_hash=_text(record.get("campaign_hash")),
             campaign=stored if isinstance(stored, dict) else {},
-            campaign_source=record.get("campaign_source") or "",
-            dvfs_version=record.get("dvfs_version") or "",
-            created=record.get("created") or "",
+            campaign_source=_text(record.get("campaign_source")) or "",
+            dvfs_version=_text(record.get("dvfs_version")) or "",
+            created=_text(record.get("created")) or "",
             journal_schema=record.get("journal_schema", OLDEST_SCHEMA),
             arms_pinned=tuple(str(k) for k in pinned) if isinstance(pinned, list) else (),
         )
@@ -168,6 +190,12 @@ class Header:
         if not self.campaign:
             return ["the journal does not record its campaign"]
         return measured_differences(self.campaign, campaign.semantic_dict())
+
+
+def _text(value: Any) -> str | None:
+    """A header's text field, or None where an edited line holds anything else (which the
+    cube, keeping it as an attribute, could not write): read as a missing one."""
+    return value if isinstance(value, str) else None
 
 
 def knobs_set(campaign_json: str | None) -> tuple[bool, bool]:
