@@ -253,11 +253,11 @@ class KnobController:
 
     def reset_advice(self) -> str:
         """The `dvfs gpu reset` that reads this controller's state files (with --state-dir
-        where they are not in the default folder)."""
-        from dvfs.gpu.safety import reset_command
-
-        directory = getattr(self.change_log, "directory", None)
-        return "`dvfs gpu reset`" if directory is None else reset_command(directory)
+        where they are not in the default folder): the change log's own word where it keeps
+        state files (`StateStore.reset_command`; asked, not imported, as safety imports this
+        module)."""
+        told = getattr(self.change_log, "reset_command", None)
+        return told() if callable(told) else "`dvfs gpu reset`"
 
     def _restore_limit_alone(
         self,

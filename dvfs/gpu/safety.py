@@ -222,6 +222,10 @@ class StateStore:
     def path(self, uuid: str) -> Path:
         return self.directory / f"{uuid}.json"
 
+    def reset_command(self) -> str:
+        """The `dvfs gpu reset` that reads these state files (`reset_command`)."""
+        return reset_command(self.directory)
+
     def record(self, original: GpuSettings) -> None:
         """Write the original settings before the first change; never overwrite an original."""
         path = self.path(original.uuid)
