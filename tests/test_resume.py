@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -106,11 +107,9 @@ def test_observe_only_on_a_resume_is_named_as_the_change(tiny_sweep: Path, tmp_p
     )
 
 
-def test_failed_cells_exit_5_and_a_rerun_retries_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    campaign = write(tmp_path / "tiny.toml", TINY)
-    out = tmp_path / "out"
+def _failing_eagle3_at_batch_8(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Make eagle3's cells at batch 8 fail (a server answering 500) and return the real
+    `Runner.measure`, which a test sets back to retry them."""
     measure = Runner.measure
 
     def flaky(self: Runner, cell):  # noqa: ANN001
@@ -119,6 +118,15 @@ def test_failed_cells_exit_5_and_a_rerun_retries_them(
         return measure(self, cell)
 
     monkeypatch.setattr(Runner, "measure", flaky)
+    return measure
+
+
+def test_failed_cells_exit_5_and_a_rerun_retries_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    measure = _failing_eagle3_at_batch_8(monkeypatch)
     result = sweep(campaign, out)
     assert result.exit_code == 5, result.output
     assert "Traceback" not in result.output
@@ -142,14 +150,7 @@ def test_failed_cells_of_a_fresh_sweep_are_retried_without_fresh(
     again. It says to rerun without --fresh, which retries the failed cells alone."""
     campaign = write(tmp_path / "tiny.toml", TINY)
     out = tmp_path / "out"
-    measure = Runner.measure
-
-    def flaky(self: Runner, cell):  # noqa: ANN001
-        if cell.batch == 8 and cell.drafter == "eagle3":
-            raise EngineError("the server answered 500")
-        return measure(self, cell)
-
-    monkeypatch.setattr(Runner, "measure", flaky)
+    measure = _failing_eagle3_at_batch_8(monkeypatch)
     result = sweep(campaign, out, *gpus, "--fresh")
     assert result.exit_code == 5, result.output
     said = " ".join(result.stderr.split())
