@@ -835,10 +835,15 @@ class TricklingMetrics(CountingMetrics):
                 time.sleep(self.delay_s)
 
 
-@pytest.mark.parametrize(
+#: The two commands that read a server's /metrics page: `monitor` once, and a governor's dry
+#: run with no listener.
+EITHER_READER = pytest.mark.parametrize(
     "command",
     [("monitor", "--once"), ("govern", "--plan", "plan.toml", "--dry-run", "--listen", "off")],
 )
+
+
+@EITHER_READER
 def test_a_page_that_trickles_in_is_a_server_not_answering(
     tmp_path: Path,
     env: dict[str, str],
@@ -883,10 +888,7 @@ class HugeMetrics(CountingMetrics):
         pass  # the reader hung up mid-page, as it should: no traceback in its stderr
 
 
-@pytest.mark.parametrize(
-    "command",
-    [("monitor", "--once"), ("govern", "--plan", "plan.toml", "--dry-run", "--listen", "off")],
-)
+@EITHER_READER
 def test_a_page_far_larger_than_sglangs_is_not_read_whole(
     tmp_path: Path,
     env: dict[str, str],
