@@ -506,3 +506,19 @@ def test_a_campaign_file_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> N
     path.write_bytes(b"\xef\xbb\xbf# ok\n# caf\xe9\n" + SMALL_CAMPAIGN.encode())
     with pytest.raises(CampaignError, match=r"c\.toml is not UTF-8 text \(byte 0xe9 on line 2\)"):
         load_campaign(path)
+
+
+def test_more_repeats_than_a_journal_reads_back_are_refused(tmp_path: Path) -> None:
+    # A campaign asking for more repeats than a journal's stored campaign is read back with
+    # (dvfs.records.header's bound on its counts) was measured, then `cube build` refused its
+    # journal as edited and said to rerun with --fresh, which measured into the same refusal.
+    from dvfs.records.header import RepeatRule
+
+    most = 1 << 20
+    asked = "repeats = 2\nprecision = 0.05\nmax_repeats = {}\n"
+    fine = load_text(tmp_path, replace_block(SMALL_CAMPAIGN, "repeats = 2\n", asked.format(most)))
+    assert RepeatRule.from_json(fine.semantic_dict()["measurement"]).max_repeats == most
+    text = replace_block(SMALL_CAMPAIGN, "repeats = 2\n", asked.format(most + 1))
+    expect_error(tmp_path, text, "measurement.max_repeats", f"use at most {most}")
+    text = replace_block(SMALL_CAMPAIGN, "repeats = 2\n", f"repeats = {most + 1}\n")
+    expect_error(tmp_path, text, "measurement.repeats", f"use at most {most}")

@@ -33,6 +33,10 @@ from dvfs.campaign.table import Table
 from dvfs.errors import CampaignError
 from dvfs.gpu.base import canonical_uuid
 
+#: The most repeats a cell may take: a journal's stored campaign asking more is read back as
+#: an edited one (`dvfs.records.header`'s bound on its counts), so no cube could be built.
+MOST_REPEATS = 1 << 20
+
 TOP_LEVEL = ("campaign", "gpu", "knobs", "engine", "drafters", "workload", "measurement", "corpus")
 
 
@@ -280,6 +284,12 @@ def _measurement(table: Table) -> MeasurementConfig:
             "max_repeats",
             f"{m.max_repeats} is below repeats = {m.repeats}: repeats is the minimum, "
             "max_repeats the most a cell may take; use at least repeats",
+        )
+    if m.max_repeats > MOST_REPEATS:  # else measured, then its journal refused by cube build
+        key = "max_repeats" if "max_repeats" in table.data else "repeats"
+        raise table.fail(
+            key,
+            f"{m.max_repeats} is more repeats than a cube holds; use at most {MOST_REPEATS}",
         )
     if m.sample_period_s * 5 > m.min_window_s:
         raise table.fail(
