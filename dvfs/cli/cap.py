@@ -634,5 +634,8 @@ def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
     GPU) is, where NVML counts GPUs it has no permission to talk to (every GPU leaves them out,
     their UUIDs unreadable: such caps may be one's); "" where there are none."""
     from dvfs.backends import withheld_caps_line
+    from dvfs.gpu.safety import state_dir_flag
 
-    return withheld_caps_line(directory, found, "those caps were not reset", "dvfs cap reset")
+    # (run with sudo, which drops $DVFS_STATE_DIR: the folder is named where not the default)
+    command = f"dvfs cap reset{state_dir_flag(directory)}"
+    return withheld_caps_line(directory, found, "those caps were not reset", command)
