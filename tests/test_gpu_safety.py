@@ -1397,6 +1397,41 @@ def test_a_signal_held_by_a_restore_that_fails_at_the_sweeps_end_exits_as_interr
     assert list((tmp_path / "dvfs-state").glob("GPU-*.json")), "the state file is gone"
 
 
+@pytest.mark.slow
+def test_a_restore_given_up_on_names_the_reset_that_reads_its_state_files(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A second Ctrl-C while the sweep put the GPU back gives up on the restore: its notice
+    and its line said "run `dvfs gpu reset`", while the state file is in $DVFS_STATE_DIR,
+    which `sudo` drops: that reset, run as root, looked in /var/lib/dvfs and found nothing.
+    Both name the reset that reads it, as a failed restore's line does."""
+    campaign, out = campaign_file(tmp_path), tmp_path / "out"
+    hanging = {  # the reset hangs (until its deadline) while the signals come
+        **env,
+        "DVFS_NVML_DEADLINE_S": "30",
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceResetGpuLockedClocks=inf",
+    }
+    proc = _start_sweep(campaign, out, hanging)
+    try:
+        wait_for(nvml.fake_hangs_started, "the restore is in NVML")
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the notice of the first, then the second gives up
+            if "send it again to give up" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    text = " ".join((line + rest).split())
+    reset = f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`"
+    assert "dvfs stopped restoring them" in text, text
+    assert text.count("`dvfs gpu reset") == text.count(reset) >= 2, text
+    assert list((tmp_path / "dvfs-state").glob("GPU-*.json")), "the state file is gone"
+
+
 @pytest.mark.parametrize("argv", [["gpu", "reset", "1"], ["cap", "reset", "1"]])
 def test_a_reset_of_one_gpu_is_not_stopped_by_another_gpus_damaged_governor_record(
     nvml, env: dict[str, str], argv: list[str]
