@@ -232,7 +232,14 @@ def _gpu_checks(
         return [Check("gpu", OK, f"digital twin {shown}")]
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, records_dir, root_holder
+    from dvfs.gpu.safety import (
+        GpuLocks,
+        StateStore,
+        default_state_dir,
+        records_dir,
+        reset_command,
+        root_holder,
+    )
     from dvfs.preflight import check_knobs_against, servers_of
 
     checks: list[Check] = []
@@ -388,14 +395,15 @@ def _gpu_checks(
                 state = unreadable
             elif dead:
                 unlockable = [b for p in dead if (b := no_lock.get(p.original.uuid))]
+                reset = reset_command(directory)  # with the folder read where not the default
                 state = Check(
                     "state",
                     FAIL,
                     "; ".join(p.describe() for p in dead)
                     + (
-                        f" - {'; '.join(unlockable)}, then run `dvfs gpu reset`"
+                        f" - {'; '.join(unlockable)}, then run {reset}"
                         if unlockable
-                        else " - run `dvfs gpu reset`"
+                        else f" - run {reset}"
                     ),
                 )
             elif live:

@@ -862,7 +862,8 @@ JOURNAL_CASES = [
             ),
         },
         code=1,
-        says=("journal.jsonl", "damaged shard record", "--fresh"),
+        # with the folder it is in: a shard's sweep without --out goes to its default folder
+        says=("journal.jsonl", "damaged shard record", "--shard 0/1 --out {tmp}/run --fresh`"),
     ),
     C(
         "journal-garbage-on-resume",

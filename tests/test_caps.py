@@ -364,6 +364,7 @@ def test_cap_reset_resets_every_gpu_beside_one_a_running_dvfs_holds(nvml, tmp_pa
     now resets every GPU it can, leaves the held one to its process (which puts back what it
     found when it stops) and names it in one line with the command that resets it later, exit
     3; GPUs named are treated so too."""
+    from dvfs.caps import AppliedCaps
     from dvfs.gpu.nvml import open_nvml_gpus
     from dvfs.gpu.safety import GpuLocks
 
@@ -380,12 +381,19 @@ def test_cap_reset_resets_every_gpu_beside_one_a_running_dvfs_holds(nvml, tmp_pa
         assert "GPU 0" not in result.stdout, named
         [error] = [line for line in result.stderr.splitlines() if line.strip()]
         assert "GPU 0 (" in error and "in use by another dvfs process" in error, error
-        assert "`dvfs cap reset 0`" in error, error
+        # with the state folder: $DVFS_STATE_DIR chose it, which `sudo` drops, and a reset
+        # run in another left this one's caps record claiming GPU 0's caps in force
+        advised = f"dvfs cap reset --state-dir {state} 0"
+        assert f"`{advised}`" in error, error
         assert nvml.fake_device_state(1)["locked_clocks"] is None
         assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
         assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # left to its holder
-        invoke("cap", "reset", "0")  # once the holder is gone
+        # once the holder is gone, followed as root runs it (the variable names another folder)
+        sudo = {"DVFS_STATE_DIR": str(tmp_path / "elsewhere")}
+        followed = CliRunner().invoke(cli, shlex.split(advised)[1:], env=sudo)
+        assert followed.exit_code == 0, followed.output
         assert nvml.fake_device_state(0)["locked_clocks"] is None
+        assert AppliedCaps(state).read() == {}, "the caps record still claims GPU 0's caps"
 
 
 def test_cap_reset_names_what_it_reset_and_the_held_gpu_beside_one_that_fails(
@@ -411,7 +419,7 @@ def test_cap_reset_names_what_it_reset_and_the_held_gpu_beside_one_that_fails(
     assert f"GPU 2 ({uuid}): clocks unlocked" in result.stdout, result.output
     [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert "GPU 1: cannot reset locked SM clocks" in error, error
-    assert "GPU 0 (" in error and "`dvfs cap reset 0`" in error, error
+    assert "GPU 0 (" in error and f"`dvfs cap reset --state-dir {state} 0`" in error, error
     assert nvml.fake_device_state(2)["power_limit_mw"] == 700_000
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # left to its holder
 

@@ -229,6 +229,37 @@ def doctor_checks(campaign: Path, out: Path, env: dict[str, str]) -> dict[str, d
     return {c["name"]: c for c in json.loads(result.stdout)}
 
 
+def test_the_reset_an_earlier_runs_changes_call_for_names_the_state_dir_sudo_drops(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A GPU holding an earlier run's changes, its state file in $DVFS_STATE_DIR: the sweep's
+    refusal said "Run `dvfs gpu reset` (as root)" and the doctor "run `dvfs gpu reset`", but
+    `sudo` drops the environment, so that reset, run as root, looked in /var/lib/dvfs: 'No
+    dvfs state files ... nothing to restore', the GPU left changed. Both name the folder;
+    followed where the variable names another (as it does not reach the command), it
+    restores the GPU."""
+    import re
+
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    state_dir = Path(env["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, locked_clocks=[210, 1500], power_limit_mw=400_000)
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        StateStore(state_dir).record(GpuSettings(gpu.identity.uuid, None, 650_000))  # a dead run's
+    path, out = campaign_file(tmp_path), tmp_path / "out"
+    refused = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert refused.returncode == 3, refused.stderr
+    [advised] = re.findall(r"Run `([^`]*)` \(as root\)", " ".join(refused.stderr.split()))
+    assert advised == f"dvfs gpu reset --state-dir {state_dir}", advised
+    said = doctor_checks(path, out, env)["state"]["detail"]
+    assert said.endswith(f" - run `{advised}`"), said
+    sudo = {**env, "DVFS_STATE_DIR": str(tmp_path / "elsewhere")}  # the environment root has
+    followed = dvfs_in_process(*shlex.split(advised)[1:], env=sudo)
+    assert followed.returncode == 0 and "restored GPU 0" in followed.stdout, followed.stdout
+    assert_as_found(nvml, state_dir)
+
+
 def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
     nvml, tmp_path: Path, env
 ) -> None:
@@ -1323,6 +1354,9 @@ def test_an_interrupted_sweep_whose_restore_fails_exits_as_interrupted(
     assert len(errors) == 1, output
     assert "could not restore GPU settings" in errors[0] and "dvfs gpu reset" in errors[0], output
     assert "GPU settings restored" not in text, text
+    # its state folder is $DVFS_STATE_DIR's, which `sudo` drops: each reset named carries it
+    reset = f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`"
+    assert text.count("`dvfs gpu reset") == text.count(reset) == 2, text
     assert list((tmp_path / "dvfs-state").glob("GPU-*.json")), "the state file is gone"
 
 
@@ -1360,6 +1394,41 @@ def test_a_signal_held_by_a_restore_that_fails_at_the_sweeps_end_exits_as_interr
     assert len(errors) == 1, output
     assert "could not restore GPU settings" in errors[0] and "dvfs gpu reset" in errors[0], output
     assert (f"cube: {out / 'cube.nc'}" in text) is not cube_blocked, text
+    assert list((tmp_path / "dvfs-state").glob("GPU-*.json")), "the state file is gone"
+
+
+@pytest.mark.slow
+def test_a_restore_given_up_on_names_the_reset_that_reads_its_state_files(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A second Ctrl-C while the sweep put the GPU back gives up on the restore: its notice
+    and its line said "run `dvfs gpu reset`", while the state file is in $DVFS_STATE_DIR,
+    which `sudo` drops: that reset, run as root, looked in /var/lib/dvfs and found nothing.
+    Both name the reset that reads it, as a failed restore's line does."""
+    campaign, out = campaign_file(tmp_path), tmp_path / "out"
+    hanging = {  # the reset hangs (until its deadline) while the signals come
+        **env,
+        "DVFS_NVML_DEADLINE_S": "30",
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceResetGpuLockedClocks=inf",
+    }
+    proc = _start_sweep(campaign, out, hanging)
+    try:
+        wait_for(nvml.fake_hangs_started, "the restore is in NVML")
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the notice of the first, then the second gives up
+            if "send it again to give up" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    text = " ".join((line + rest).split())
+    reset = f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`"
+    assert "dvfs stopped restoring them" in text, text
+    assert text.count("`dvfs gpu reset") == text.count(reset) >= 2, text
     assert list((tmp_path / "dvfs-state").glob("GPU-*.json")), "the state file is gone"
 
 
@@ -1634,7 +1703,9 @@ def test_the_dry_run_says_the_sweep_would_stop_on_a_gpu_held_or_holding_changes(
         pending, _ = said(sweep=True)
         assert pending.returncode == 3 and "dvfs gpu reset" in pending.stderr, pending.stderr
         _, notes = said()
-        assert len(notes) == 1 and "Run `dvfs gpu reset` (as root)" in notes[0], notes
+        # with the folder ($DVFS_STATE_DIR, which `sudo` drops): as root, plain looks elsewhere
+        reset = f"Run `dvfs gpu reset --state-dir {state_dir}` (as root)"
+        assert len(notes) == 1 and reset in notes[0], notes
         assert gpu.identity.uuid in notes[0]
         assert list(state_dir.glob("GPU-*.json")), "the dry run dropped the state file"
         store.clear(gpu.identity.uuid)

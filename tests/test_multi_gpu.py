@@ -754,3 +754,78 @@ def test_a_fleet_whose_restore_nvml_refuses_says_why_as_one_gpus_sweep(
     assert "Traceback" not in result.stderr
     cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(cells) == 8 and (out / "cube.nc").is_file()
+
+
+def test_a_fleet_that_loses_every_gpu_says_so_and_how_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --fresh fleet whose every GPU falls off the bus mid-sweep ended with one worker's
+    error ('GPU 1: cannot read the power limit: the GPU has fallen off the bus ...') and no
+    word of the cells left or of resuming, where a Ray fleet says both. It says, in one line,
+    that every worker was lost, with the cells left and to rerun without --fresh (which
+    starts over); followed once the GPUs answer and are reset, it measures only those."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.fleet.worker import Worker
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    calls: dict[str, int] = {}
+    run = Worker.run
+
+    def losing(self: Worker, cell):  # type: ignore[no-untyped-def]
+        calls[self.label] = calls.get(self.label, 0) + 1
+        if calls[self.label] == 2:  # each worker's GPU falls off the bus on its second cell
+            nvml.fake_update_device(int(self.label.removeprefix("gpu")), lost=True)
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", losing)
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, "--fresh", env=env)
+    assert result.returncode == 1, result.stderr
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    assert last.startswith("Error: every worker was lost with "), result.stderr
+    assert "gpu0: " in last and "gpu1: " in last and "fallen off the bus" in last, last
+    assert last.endswith(
+        "the journal keeps every finished cell; rerun the same command without --fresh to "
+        "resume (with it, it starts over)"
+    ), last
+    assert "Traceback" not in result.stderr
+    kept = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert 0 < len(kept) < 8
+    # followed: the GPUs answer again, are reset, and the command less --fresh resumes
+    monkeypatch.setattr(Worker, "run", run)
+    for i in range(2):
+        nvml.fake_update_device(i, lost=False)
+    assert dvfs_in_process("gpu", "reset", env=env).returncode == 0
+    resumed = dvfs_in_process(*argv, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == 8 and cells[: len(kept)] == kept and (out / "cube.nc").is_file()
+
+
+def test_a_fleet_without_root_keeps_the_permission_refusal_not_every_worker_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet run without root: every worker is refused its first knob change. That is no
+    lost fleet to resume by its command again: the refusal's own line, with what to do
+    (root, or --observe-only), exit 4, as one GPU's sweep says it."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="0")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    load_fake().fake_reset_state()
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 4, result.stderr
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    assert last.startswith("Error: GPU ") and "permission denied by the driver" in last, last
+    assert "--observe-only" in last and "every worker was lost" not in last, last

@@ -301,6 +301,48 @@ def test_cap_reset_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(nvml, tmp_path:
     assert dvfs_in_process("cap", "reset", env=env).returncode == 0  # none recorded for it
 
 
+def test_the_reset_a_withheld_gpus_records_call_for_reads_the_state_dir_given(
+    nvml, tmp_path: Path
+) -> None:
+    """`gpu reset --state-dir DIR` (and `cap reset --state-dir DIR`) with a GPU NVML may not
+    talk to, its record in DIR, said "run dvfs gpu reset (dvfs cap reset) as a user the GPUs
+    admit (root, with sudo)": that command looks in the default state folder, where nothing
+    is recorded. Each names --state-dir DIR; followed once the GPU is admitted, it restores."""
+    import re
+    import shlex
+
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    env = fake_env(tmp_path)
+    mine = tmp_path / "my state"
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(f'[[gpu]]\nuuid = "{uuids[1]}"\nsm_clock_max_mhz = 1500\n')
+    applied = dvfs_in_process("cap", "apply", str(caps), "--state-dir", str(mine), env=env)
+    assert applied.returncode == 0, applied.stderr
+    StateStore(mine).record(GpuSettings(uuids[1], None, 700_000))
+    withheld = {"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION}
+    nvml.fake_update_device(1, errors=withheld)
+    for argv, command in [
+        (["gpu", "reset"], "dvfs gpu reset"),
+        (["gpu", "reset", "--defaults"], "dvfs gpu reset --defaults"),
+        (["cap", "reset"], "dvfs cap reset"),
+    ]:
+        refused = dvfs_in_process(*argv, "--state-dir", str(mine), env=env)
+        assert refused.returncode == 4, (refused.stdout, refused.stderr)
+        line = " ".join(refused.stderr.split())
+        advised = re.findall(r"run (dvfs .*?) as a user the GPUs admit", line)
+        assert advised and set(advised) <= {
+            f"dvfs gpu reset --state-dir {shlex.quote(str(mine))}",
+            f"{command} --state-dir {shlex.quote(str(mine))}",
+        }, line
+    nvml.fake_update_device(1, errors={})  # run as a user the GPU admits
+    followed = dvfs_in_process(*shlex.split(advised[0])[1:], env=env)
+    assert followed.returncode == 0 and "GPU 1" in followed.stdout, followed.stdout
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+
+
 def test_cap_apply_refusing_a_withheld_gpu_names_one_fallen_off_the_bus_too(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

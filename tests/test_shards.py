@@ -675,11 +675,14 @@ def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(
         assert {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")} == journals
     # The damaged record's refusal names the shard's own command to start over with (it said
     # `dvfs sweep --fresh`, which would sweep the whole campaign into the shard's folder): the
-    # run's shard, or I/N where no run names one (`cube build`).
-    refused = invoke("sweep", campaign, "--shard", "0/2", "--out", str(damaged.parent.parent))
-    assert_one_line_error(refused, 1, "`dvfs sweep CAMPAIGN --shard 0/2 --fresh`")
-    built = invoke("cube", "build", str(damaged.parent.parent))
-    assert_one_line_error(built, 1, "`dvfs sweep CAMPAIGN --shard I/N --fresh`")
+    # run's shard, or I/N where no run names one (`cube build`), and the sweep's folder (the
+    # one above the model's journal: without --out, a shard sweeps into its default folder,
+    # leaving the damaged journal as it is)
+    folder = damaged.parent.parent
+    refused = invoke("sweep", campaign, "--shard", "0/2", "--out", str(folder))
+    assert_one_line_error(refused, 1, f"`dvfs sweep CAMPAIGN --shard 0/2 --out {folder} --fresh`")
+    built = invoke("cube", "build", str(folder))
+    assert_one_line_error(built, 1, f"`dvfs sweep CAMPAIGN --shard I/N --out {folder} --fresh`")
     # --fresh, which both refusals of the earlier dvfs's folder and the damaged record advise,
     # moves each model's journal aside (and the merged cube), and starts the shard over.
     for out in (old, damaged.parent.parent):

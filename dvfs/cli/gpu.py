@@ -219,7 +219,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     from dvfs.backends import lost_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_gpus
     from dvfs.errors import GpuBusyError, GpuError
-    from dvfs.gpu.safety import default_state_dir
+    from dvfs.gpu.safety import default_state_dir, state_dir_flag
 
     out = console()
     every = not devices
@@ -239,7 +239,10 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             from dvfs.backends import withheld_caps_line
 
             caps = withheld_caps_line(
-                directory, gpus, "those caps were not reset", "dvfs gpu reset --defaults"
+                directory,
+                gpus,
+                "those caps were not reset",
+                f"dvfs gpu reset --defaults{state_dir_flag(directory)}",
             )
             withheld = "; ".join(p for p in (withheld, caps) if p)
         try:
@@ -276,6 +279,7 @@ def _withheld_state(directory: Path, gpus: Sequence[Gpu]) -> str:
     where NVML counts GPUs it has no permission to talk to (every GPU leaves them out, their
     UUIDs unreadable: such a file may be one's); "" where there is none."""
     from dvfs.backends import withheld_records_line
+    from dvfs.gpu.safety import state_dir_flag
 
     opened = {g.identity.uuid for g in gpus}
     files = [] if not directory.is_dir() else sorted(directory.glob("GPU-*.json"))
@@ -284,7 +288,7 @@ def _withheld_state(directory: Path, gpus: Sequence[Gpu]) -> str:
         others,
         f"state files in {directory} record",
         "their settings were not restored",
-        "dvfs gpu reset",
+        f"dvfs gpu reset{state_dir_flag(directory)}",  # run with sudo, which drops the env
     )
 
 

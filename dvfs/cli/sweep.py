@@ -650,8 +650,8 @@ def run_fleet(
         if kept:  # every cell may be in, but a GPU keeps the sweep's settings: not a success
             errors = list(run_on.close_errors.values())
             why = _restores_failed(errors) or (
-                "a worker lost its GPU before it could put them back; run `dvfs gpu reset` "
-                "once the GPU answers again"
+                f"a worker lost its GPU before it could put them back; run "
+                f"{_reset(state_dir)} once the GPU answers again"
             )
             err.print(
                 f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: {why} (state in "
@@ -660,6 +660,14 @@ def run_fleet(
             )
             raise SystemExit(_restore_exit_code(errors))
     return outcome
+
+
+def _reset(state_dir: Path | None) -> str:
+    """The `dvfs gpu reset` that reads the sweep's state files in `state_dir` (with its
+    --state-dir where $DVFS_STATE_DIR chose it, which `sudo` drops), as markup."""
+    from dvfs.gpu.safety import reset_command
+
+    return "`dvfs gpu reset`" if state_dir is None else escape(reset_command(state_dir))
 
 
 def _restores_failed(errors: Sequence[BaseException]) -> str:
@@ -718,7 +726,7 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
         return (
             "[red]GPU settings NOT fully restored[/red] for "
             + ", ".join(left.unrestored)
-            + f": run `dvfs gpu reset` (state in {left.state_dir})."
+            + f": run {_reset(left.state_dir)} (state in {left.state_dir})."
         )
     return "GPU settings restored."
 

@@ -222,6 +222,7 @@ class LocalExecutor:
         sessions: dict[str, dict[str, Any]] = {}
         alive = len(labels)
         first_error: BaseException | None = None
+        errors: list[BaseException] = []
         while alive:
             try:
                 event = events.get(timeout=POLL_S)
@@ -244,6 +245,7 @@ class LocalExecutor:
             elif kind == "error":
                 error = event[2]
                 first_error = first_error or error
+                errors.append(error)
                 if not go.is_set():  # a worker that cannot open stops the whole run
                     raise error
                 fleet.lost(label, event[3], f"{type(error).__name__}: {error}")
@@ -252,6 +254,13 @@ class LocalExecutor:
             with news:  # a worker waiting out of cells looks again
                 news.notify_all()
         if not fleet.finished and first_error is not None:
+            # A refusal a rerun would meet again (GPUs that need root, a GPU held) keeps its
+            # own line and exit code; else every worker was lost: the cells left and how to
+            # resume (less --fresh where the run had it), as a Ray fleet's driver says it.
+            refusal = next((e for e in errors if _refusal(e)), None)
+            if refusal is not None:
+                raise refusal
+            fleet.check_finished()
             raise first_error
 
     @staticmethod
@@ -267,3 +276,12 @@ class LocalExecutor:
                 fleet.shipped(event[1], event[2])
             elif event[0] == "note":
                 fleet.note(f"{event[1]}: {event[2]}")
+
+
+def _refusal(error: BaseException) -> bool:
+    """Whether a worker's error refuses the run (a dvfs error of an exit code other than 1:
+    permission, a GPU held, a campaign the engine refuses), which a rerun would meet again,
+    rather than a worker lost (a GPU fallen off the bus, a server that died)."""
+    from dvfs.errors import DvfsError
+
+    return isinstance(error, DvfsError) and error.exit_code != 1

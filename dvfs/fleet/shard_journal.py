@@ -60,14 +60,21 @@ def recorded_shard(journal: Path, shard: Shard | None = None) -> Shard | None:
 def _shard_of(journal: Path, record: dict[str, Any], shard: Shard | None = None) -> Shard:
     """The shard a journal's (first) shard record names; a damaged one refused, naming the
     shard's own sweep command to start over with (`--fresh` without its `--shard` would
-    sweep the whole campaign into the shard's folder): the run's `shard`, else `I/N`."""
+    sweep the whole campaign into the shard's folder): the run's `shard`, else `I/N`, and
+    the folder the journal is in (without --out a shard sweeps into its default folder,
+    leaving the damaged journal where it is)."""
+    import shlex
+
     try:
         return Shard.from_json(record)
     except (KeyError, TypeError, ValueError) as exc:
         label = shard.label if shard is not None else "I/N"
+        # a fleet mixing GPU models journals in the sweep folder's gpu-<model>/
+        folder = journal.parent.parent if journal.parent.name.startswith("gpu-") else journal.parent
         raise JournalError(
             f"{journal} has a damaged shard record ({exc}): move it aside, or start that "
-            f"shard over with `dvfs sweep CAMPAIGN --shard {label} --fresh`, which renames it"
+            f"shard over with `dvfs sweep CAMPAIGN --shard {label} --out "
+            f"{shlex.quote(str(folder))} --fresh`, which renames it"
         ) from None
 
 

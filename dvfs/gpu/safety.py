@@ -58,18 +58,25 @@ def default_state_dir() -> Path:
 
 
 def reset_command(directory: Path) -> str:
-    """The `dvfs gpu reset` that restores from the state files in `directory`: with its
-    --state-dir where that is not the default (a command run with --state-dir), which a
-    plain `dvfs gpu reset` does not look in."""
+    """The `dvfs gpu reset` that restores from the state files in `directory` (`state_dir_flag`)."""
+    return f"`dvfs gpu reset{state_dir_flag(directory)}`"
+
+
+def state_dir_flag(directory: Path) -> str:
+    """The ` --state-dir DIR` a command advised to the user (a `dvfs gpu reset`, a `dvfs cap
+    reset`) needs to read the state files in `directory`, "" where a plain command reads
+    them: where that is not the default (a command run with --state-dir), which a plain
+    command does not look in, and where $DVFS_STATE_DIR chose it: such a command is run as
+    root, and `sudo` drops the environment (env_reset), so the command it runs looks in
+    /var/lib/dvfs."""
+    flag = f" --state-dir {shlex.quote(str(directory))}"
+    if os.environ.get("DVFS_STATE_DIR"):
+        return flag
     try:
         default = directory == default_state_dir()
     except DvfsError:  # the default unusable: the folder named is the one to use
         default = False
-    return (
-        "`dvfs gpu reset`"
-        if default
-        else f"`dvfs gpu reset --state-dir {shlex.quote(str(directory))}`"
-    )
+    return "" if default else flag
 
 
 def _folder_from_env(variable: str, value: str, path: Path) -> Path:
