@@ -58,40 +58,51 @@ def test_ray_gives_the_cube_of_one_gpu(ray_cluster: object, shared_run, tmp_path
     assert "holds a run on one GPU model" in mixed.output, mixed.output
 
 
+def kill_once_journalled(
+    monkeypatch: pytest.MonkeyPatch, ray: object, actor: str, cells: int, **kill: bool
+) -> list[str]:
+    """Kill the actor named `actor` as the driver journals the shipment that brings the
+    journal to `cells` cells, in the driver's own thread: the kill lands mid-campaign however
+    fast the machine (a thread polling the journal could find the campaign over). Returns the
+    keys journalled by then (empty until the kill)."""
+    from dvfs.fleet.driver import Fleet
+
+    ship = Fleet.shipped
+    journalled: list[str] = []
+    before: list[str] = []
+
+    def journal(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        ship(self, worker, shipment)
+        journalled.extend(cell.key for cell in shipment.all_cells)
+        if len(journalled) >= cells and not before:
+            before.extend(journalled)
+            ray.kill(ray.get_actor(actor, namespace="dvfs"), **kill)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(Fleet, "shipped", journal)
+    return before
+
+
 @pytest.mark.timeout(300)
-def test_a_killed_actor_loses_no_finished_cell(ray_cluster, tmp_path: Path) -> None:
+def test_a_killed_actor_loses_no_finished_cell(
+    ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bigger = replace_block(
         CAMPAIGN, "sm_clock = [1980, 1410, 1005]", "sm_clock = [1980, 1710, 1410, 1200, 1005, 810]"
     )
     campaign = write(tmp_path / "rayed.toml", bigger)
     assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
     out = tmp_path / "ray"
-    killed: dict[str, object] = {}
-
-    def kill_one_worker() -> None:
-        """Once 20 cells are journalled, kill the actor of twin GPU 1."""
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline:
-            journal = out / "journal.jsonl"
-            if journal.exists() and journal.read_text().count('"type":"cell"') >= 20:
-                actor = ray_cluster.get_actor("dvfs-gpu1", namespace="dvfs")
-                killed["before"] = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
-                ray_cluster.kill(actor, no_restart=True)
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_one_worker, daemon=True)
-    killer.start()
+    # Once 20 cells are journalled, kill the actor of twin GPU 1.
+    before = kill_once_journalled(monkeypatch, ray_cluster, "dvfs-gpu1", 20, no_restart=True)
     result = sweep(str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(out))
-    killer.join(timeout=30)
     assert result.exit_code == 0, result.output
-    assert "before" in killed, "the campaign ended before the kill"
+    assert before, "the campaign ended before the kill"
     assert "lost" in result.output and "gpu1" in result.output
     records = read_records(out / "journal.jsonl")
     cells = [r for r in records if r["type"] == "cell"]
     keys = [r["key"] for r in cells]
     # Every cell journalled before the kill is still there, once; none is missing.
-    assert set(killed["before"]) <= set(keys)
+    assert set(before) <= set(keys)
     assert len(keys) == len(set(keys)) == 144 and all(r["status"] == "ok" for r in cells)
     lost = [r for r in records if r["type"] == "worker_lost"]
     assert [r["worker"].split("/")[-1] for r in lost] == ["gpu1"]
@@ -100,7 +111,7 @@ def test_a_killed_actor_loses_no_finished_cell(ray_cluster, tmp_path: Path) -> N
 
 @pytest.mark.timeout(300)
 def test_a_fresh_run_whose_every_actor_died_says_to_resume_without_fresh(
-    ray_cluster, tmp_path: Path
+    ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A --fresh run on Ray whose every actor died with cells left said "rerun the same command
     to resume": that command, --fresh and all, moves the journal aside and measures every cell
@@ -108,23 +119,9 @@ def test_a_fresh_run_whose_every_actor_died_says_to_resume_without_fresh(
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
     out = tmp_path / "ray"
     args = (str(campaign), "--gpus", "0", "--executor", "ray", "--out", str(out))
-    killed: list[str] = []
-
-    def kill_the_worker() -> None:
-        """Once 20 cells are journalled, kill the only actor."""
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline:
-            journal = out / "journal.jsonl"
-            if journal.exists() and journal.read_text().count('"type":"cell"') >= 20:
-                ray_cluster.kill(ray_cluster.get_actor("dvfs-gpu0", namespace="dvfs"))
-                killed.append("gpu0")
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_the_worker, daemon=True)
-    killer.start()
+    # Once 20 cells are journalled, kill the only actor.
+    killed = kill_once_journalled(monkeypatch, ray_cluster, "dvfs-gpu0", 20)
     result = sweep(*args, "--fresh")
-    killer.join(timeout=30)
     assert killed, "the campaign ended before the kill"
     assert result.exit_code == 1, result.output
     said = " ".join(result.output.split())
@@ -194,7 +191,7 @@ def test_ctrl_c_journals_the_units_the_actors_finish(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["gpu-lost", "actor-killed"])
 def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
-    ray_nvml, how: str, tmp_path: Path
+    ray_nvml, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Real GPUs (the fake NVML's two) on Ray: a worker whose GPU falls off the bus, or whose
     actor is killed, after it set the GPU's knobs cannot put them back. Every cell is measured
@@ -206,29 +203,28 @@ def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     out = tmp_path / "out"
     journal = out / "journal.jsonl"
     lost: list[int] = []
+    from dvfs.fleet.driver import Fleet
 
-    def lose_a_gpu() -> None:
-        """Once a worker journalled a cell (its GPU's knobs are set), lose its GPU, or SIGKILL
-        the actor's process (the one that set the GPU's clocks, in the fake's call log)."""
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline:
-            text = journal.read_text() if journal.exists() else ""
-            cell = next((json.loads(t) for t in text.splitlines() if '"type":"cell"' in t), None)
-            if cell is not None:
-                index = int(cell["worker"].rsplit("gpu", 1)[1])
-                if how == "gpu-lost":
-                    ray_nvml.fake_update_device(index, lost=True)
-                else:
-                    calls = ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
-                    os.kill(next(c["pid"] for c in calls if c["index"] == index), signal.SIGKILL)
-                lost.append(index)
-                return
-            time.sleep(0.01)
+    ship = Fleet.shipped
 
-    watcher = threading.Thread(target=lose_a_gpu, daemon=True)
-    watcher.start()
+    def lose_a_gpu(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        """As the driver journals a worker's first cell (its GPU's knobs are set), lose its
+        GPU, or SIGKILL the actor's process (the one that set the GPU's clocks, in the fake's
+        call log): in the driver's thread, so it lands before the campaign ends."""
+        ship(self, worker, shipment)
+        cell = next((r for r in shipment.records if r.get("type") == "cell"), None)
+        if cell is None or lost:
+            return
+        index = int(cell["worker"].rsplit("gpu", 1)[1])
+        if how == "gpu-lost":
+            ray_nvml.fake_update_device(index, lost=True)
+        else:
+            calls = ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
+            os.kill(next(c["pid"] for c in calls if c["index"] == index), signal.SIGKILL)
+        lost.append(index)
+
+    monkeypatch.setattr(Fleet, "shipped", lose_a_gpu)
     result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
-    watcher.join(timeout=30)
     assert lost, result.output
     assert result.exit_code == 1, result.output
     last = result.stderr.strip().splitlines()[-1]
