@@ -240,7 +240,16 @@ def plan_caps(
         ]
     chosen = f"for batch {batch}, drafter {drafter!r}, corpus {corpus}"
     if not caps:
-        raise CapsError(f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap")
+        noise = any(r.get("saving_set_aside_within_noise") for r in rows)
+        raise CapsError(
+            f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap"
+            + (
+                " (a lower setting's saving there is within the measurement noise: "
+                "`dvfs headroom` names it; more repeats or a tighter precision may tell)"
+                if noise
+                else ""
+            )
+        )
     # A merged document's other GPUs (or models) may still be capped where these are not: the
     # file leaves these out, as a knob at stock is left out, and says so.
     not_capped = (
