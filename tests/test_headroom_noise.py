@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from dvfs.analysis.bounds import ratio_interval
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.targets import Target, parse_slo
-from dvfs.caps.planning import plan_caps
+from dvfs.caps.planning import plan_caps, plan_per_batch
 from dvfs.errors import CapsError
 from dvfs.report.headroom import headroom_document, headroom_notes, headroom_table_rows
 
@@ -125,6 +125,8 @@ def test_cap_plan_plans_no_cap_from_a_saving_within_the_noise() -> None:
     doc = headroom_document(headroom(cube, target=Target("preserve", slack=0.01)), cube)
     with pytest.raises(CapsError, match="nothing to cap .*within the measurement noise"):
         plan_caps(doc, batch=1, drafter="none", corpus="worst-case")
+    with pytest.raises(CapsError, match="nothing to govern .*within the measurement noise"):
+        plan_per_batch(doc, drafter="none", corpus="worst-case")
 
 
 positive = st.floats(0.05, 5.0, allow_nan=False)
