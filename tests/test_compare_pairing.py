@@ -608,3 +608,35 @@ def test_the_report_reads_the_verdicts_the_analysis_writes() -> None:
     from dvfs.report import compare as report
 
     assert (report.NOT_WITHIN, report.TOO_FEW) == (analysis.NOT_WITHIN, analysis.TOO_FEW)
+
+
+def test_one_repeat_is_judged_by_the_intervals_its_cells_state() -> None:
+    """A cube of one repeat has no interval over repeats; its cells state their own
+    (energy_per_token_rel_ci). EAGLE-3 at 0.997x of none with cells known to +-5% was said to
+    save (the point value below 1), and at 1.0005x to cost: both are within noise. 0.8x and
+    1.2x, beyond the cells' intervals, still save and cost; a cube whose cells state none is
+    judged on the point value, as before."""
+    ratio = {1: 0.997, 8: 1.0005, 64: 0.8, 128: 1.2}
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=list(ratio),
+        drafters=["none", "eagle3"],
+        energy=lambda c, p, b, d, k, r: ratio[b] if d == "eagle3" else 1.0,
+    )
+    point = compare(ds).sel(drafter="eagle3", corpus="code")
+    assert [str(v) for v in point["verdict_at_stock"].values] == [SAVES, LOSES, SAVES, LOSES]
+    ds["energy_per_token_rel_ci"] = xr.full_like(ds["energy_per_token_j"], 0.05)
+    at = compare(ds).sel(drafter="eagle3", corpus="code")
+    assert [str(v) for v in at["verdict_at_stock"].values] == [
+        WITHIN_NOISE,
+        WITHIN_NOISE,
+        SAVES,
+        LOSES,
+    ]
+    width = math.exp(math.hypot(0.05, 0.05))
+    low, high = (float(at[f"energy_ratio_at_stock_{e}"].sel(batch=1)) for e in ("low", "high"))
+    assert (low, high) == (pytest.approx(0.997 / width), pytest.approx(0.997 * width))
+    assert int(at["break_even_batch_equal_clock"]) == 1  # 0.997x no longer counts as saving
+    assert str(at["break_even_equal_clock"].item()) == (
+        "saves at batch 64; within noise at batches 1, 8"
+    )

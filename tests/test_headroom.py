@@ -272,6 +272,11 @@ def test_a_looser_target_never_gives_less_headroom_or_saving(lat, en, slack, ext
             assert b["feasible"]
             assert b["headroom_mhz"] >= a["headroom_mhz"]
             assert b["headroom_w"] >= a["headroom_w"]
+            if a["saving_within_noise"]:
+                # Kept only because nothing that saves beyond the noise (nor the reference) met
+                # the tight target: a looser one may admit the reference, and its 0 saving.
+                assert mode == "slo"
+                continue
             # Energies equal to 4 significant digits are ties (broken towards stock), so the
             # chosen energy can only grow within that resolution.
             assert b["chosen_energy_per_token_j"] <= a["chosen_energy_per_token_j"] * (1 + 1e-3)

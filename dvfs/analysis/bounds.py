@@ -235,3 +235,50 @@ def meets_all(bounds: np.ndarray, threshold: float, *, strict: bool = False) -> 
     margin = FEASIBLE_ROUNDING * abs(threshold)
     with np.errstate(invalid="ignore"):
         return np.asarray(bounds < threshold - margin if strict else bounds <= threshold + margin)
+
+
+def ratio_interval(
+    values: np.ndarray,
+    reference: np.ndarray,
+    values_ci: np.ndarray,
+    reference_ci: np.ndarray,
+    confidence: float,
+) -> tuple[float, float, int]:
+    """The interval (low, high) of the ratio of `values` (a setting's energy per token, per
+    repeat; NaN: not usable) to `reference`'s, and the repeats paired in it: a ratio whose
+    interval lies below 1 is a saving beyond the noise.
+
+    With two or more repeats usable in both (paired: the same prompts), the two-sided
+    Student-t interval at `confidence` of the mean per-repeat log ratio, taken back to a
+    ratio: the repeats' own spread, which holds each cell's noise, as `dvfs compare` judges
+    its arms. With fewer no such interval exists, and the cells' own stated uncertainty is
+    used: `*_ci` is each repeat's relative half-width of its Student-t interval over its
+    rounds (`energy_per_token_rel_ci`, at the campaign's confidence; NaN, a cell of one round,
+    states none and adds none), so each side's mean over its usable repeats is known to
+    sqrt(sum ci^2) / n; the two combine in quadrature around the ratio of the means.
+    (NaN, NaN) where either side has no usable value. Sums are exactly rounded, so the order
+    of the repeats never matters.
+    """
+    v = np.asarray(values, dtype=float).ravel()
+    r = np.asarray(reference, dtype=float).ravel()
+    usable_v = np.isfinite(v) & (v > 0)
+    usable_r = np.isfinite(r) & (r > 0)
+    both = usable_v & usable_r
+    n = int(np.count_nonzero(both))
+    if n >= 2:
+        log_low, log_high = interval(np.log(v[both] / r[both]), confidence)
+        return math.exp(log_low), math.exp(log_high), n
+    if not usable_v.any() or not usable_r.any():
+        return math.nan, math.nan, n
+
+    def mean_and_width(x: np.ndarray, ci: np.ndarray, keep: np.ndarray) -> tuple[float, float]:
+        widths = np.asarray(ci, dtype=float).ravel()[keep]
+        widths = np.where(np.isfinite(widths), np.abs(widths), 0.0)
+        count = int(np.count_nonzero(keep))
+        mean = math.fsum(x[keep].tolist()) / count
+        return mean, math.sqrt(math.fsum((widths * widths).tolist())) / count
+
+    mean_v, width_v = mean_and_width(v, values_ci, usable_v)
+    mean_r, width_r = mean_and_width(r, reference_ci, usable_r)
+    ratio, width = mean_v / mean_r, math.hypot(width_v, width_r)
+    return ratio * math.exp(-width), ratio * math.exp(width), n

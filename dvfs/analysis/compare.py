@@ -18,8 +18,10 @@ two-sided Student-t interval of the mean log ratio at the confidence, taken back
 lies below (above) 1 (so swapping the arms gives the reciprocal ratio at stock and the
 opposite verdict; at equal latency the latency held to is then the other arm's); otherwise it
 is "within noise", and a row with one paired repeat has no interval and no verdict. A cube
-with one repeat can give no interval anywhere: there the point value is judged, as headroom
-does. The break-even batch is the smallest batch judged not to save (costs or within noise).
+with one repeat can give no interval over repeats anywhere: there the interval each arm's
+cells state (energy_per_token_rel_ci, in quadrature) is judged the same way, and where they
+state none the point value, as headroom does. The break-even batch is the smallest batch
+judged not to save (costs or within noise).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 from dvfs.analysis.bounds import finite_means, level_text, meets, upper_bounds
 from dvfs.analysis.headroom import (
+    ENERGY_CI,
     gpu_set,
     gpu_text,
     headroom,
@@ -129,15 +132,19 @@ def verdict(ratio: float, low: float, high: float, paired: int, *, point: bool) 
     """SAVES, LOSES (costs), WITHIN_NOISE, ONE_REPEAT or NO_DATA for one paired ratio.
 
     With an interval (low, high), a verdict needs it to exclude 1 (values within the bounds'
-    rounding of 1 do not); `point` (a cube with one repeat, where no interval can exist)
-    judges the point value instead: below 1 saves, at or above costs.
+    rounding of 1 do not); `point` (a cube with one repeat, where no interval over repeats
+    can exist) judges by the cells' own intervals (`cell_intervals`: saves below 1, costs
+    above, else within noise), and where no cell states one, the point value: below 1 saves,
+    at or above costs.
     """
     # An infinite ratio (the baseline at zero energy per token) is judged like any other:
     # it costs, or is within noise beside finite ones; only NaN is no ratio.
     if paired == 0 or np.isnan(ratio):
         return NO_DATA
-    if point:
+    if point and np.isnan(high):  # no cell states an interval: the point value itself
         return SAVES if ratio < 1.0 else LOSES
+    if point:  # the cells' own intervals (`cell_intervals`)
+        return SAVES if high < 1.0 else LOSES if low > 1.0 else WITHIN_NOISE
     if paired < 2:
         return ONE_REPEAT
     if meets(high, 1.0, strict=True):
@@ -221,6 +228,21 @@ def paired_ratio(
         pairs.astype(int),
         np.where(nothing, 0, dropped).astype(int),
     )
+
+
+def cell_intervals(pairs: Paired, mine_ci: np.ndarray, base_ci: np.ndarray) -> Paired:
+    """`pairs` of a one-repeat cube with the interval its cells state: each arm's relative
+    half-width over its rounds (energy_per_token_rel_ci, the last axis the one repeat; NaN:
+    none stated) combined in quadrature around the ratio. Where neither arm states one, or
+    the ratio is not finite, the interval stays NaN (the point value is judged)."""
+    mine_w = np.abs(np.asarray(mine_ci, dtype=float)[..., 0])
+    base_w = np.abs(np.asarray(base_ci, dtype=float)[..., 0])
+    width = np.hypot(np.nan_to_num(mine_w), np.nan_to_num(base_w))
+    stated = (width > 0) & np.isfinite(pairs.ratio) & (pairs.paired == 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        low = np.where(stated, pairs.ratio * np.exp(-width), np.nan)
+        high = np.where(stated, pairs.ratio * np.exp(width), np.nan)
+    return Paired(pairs.ratio, low, high, pairs.paired, pairs.dropped)
 
 
 def compare(
@@ -316,6 +338,16 @@ def compare(
         confidence,
         chosen_per_repeat(unasked, drafter_best, baseline_best, baseline),
     )
+    if point:  # no interval over repeats: the one the cells state (`cell_intervals`)
+        if ENERGY_CI in cube.variables:
+            ci = cube[ENERGY_CI].where(valid_mask(cube))
+        else:  # a cube of an earlier dvfs: its cells state none
+            ci = per_repeat * np.nan
+        base_ci = ci.sel(drafter=baseline, drop=True).broadcast_like(per_repeat)
+        by_clock = cell_intervals(by_clock, by_cell(ci), by_cell(base_ci))
+        by_latency = cell_intervals(
+            by_latency, *chosen_per_repeat(ci, drafter_best, baseline_best, baseline)
+        )
     groups = {d: cube[d].values for d in GROUPS}
 
     def grouped(values: np.ndarray, **attrs: str) -> xr.DataArray:
@@ -555,8 +587,10 @@ def interval_description(confidence: float, point: bool) -> str:
     """How saves / costs were judged, in words (the headroom wording for one repeat)."""
     if point:
         return (
-            "one repeat: no interval was possible, the point value was compared (below 1 "
-            "saves, at or above costs)"
+            "one repeat: no interval over repeats was possible; the interval the cells state "
+            "(each arm's energy_per_token_rel_ci over its rounds, combined in quadrature) was "
+            "judged: saves or costs only where it excludes 1, else within noise (where no cell "
+            "states one, the point value: below 1 saves, at or above costs)"
         )
     return (
         f"two-sided {level_text(confidence)} Student-t interval of the mean log of the "

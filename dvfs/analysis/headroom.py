@@ -37,11 +37,23 @@ hides a cap that bound; a tie rule
 on the cells' intervals (energy_per_token_rel_ci) would be a general tie rule, reaching clocks
 whose savings are real but uncertain, and ties within an interval do not chain. The headroom
 (the lowest feasible limit) is a latency answer and keeps every feasible setting.
+
+A saving the measurement cannot tell apart from zero is no saving: a setting whose energy
+ratio to the reference has an interval (`bounds.ratio_interval`: with two or more paired
+repeats their Student-t interval at `confidence`, as `dvfs compare` judges; with fewer the
+cells' own stated intervals, energy_per_token_rel_ci) that reaches 1 is set aside, and the
+choice is made among the settings that save beyond the noise and the reference itself, the
+least intrusive. Each setting is tested against the reference alone, so nothing chains; the
+test does not depend on the target, so the choice stays monotone in it, save where nothing
+but such settings meets the target (an SLO stock misses): the least-energy one is kept, its
+saving marked within the noise (`saving_within_noise`), and a looser target that admits the
+reference shows no saving. `within_noise_*` give the numbers of the setting set aside (or kept).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -49,7 +61,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.bounds import finite_means, level_text, meets_all, upper_bounds
+from dvfs.analysis.bounds import (
+    finite_means,
+    level_text,
+    meets_all,
+    ratio_interval,
+    upper_bounds,
+)
 from dvfs.analysis.targets import Target
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.errors import AnalysisError
@@ -76,6 +94,10 @@ ENERGY_TIE = 1e-4
 #: in bursts can read a little below it, and the sensor is good to a few watts. The SwPowerCap
 #: flag is the direct evidence; the margin covers a sampler that missed it.
 CAP_BINDING_MARGIN = 0.05
+
+#: Each cell's stated uncertainty on its energy per token: the relative half-width of its
+#: Student-t interval over its rounds (`bounds.ratio_interval` uses it below two repeats).
+ENERGY_CI = "energy_per_token_rel_ci"
 
 
 def gpus_summed(cube: xr.Dataset) -> int:
@@ -263,6 +285,8 @@ class _Cells:
     ref_on: np.ndarray
     stock_energy: np.ndarray  # each group's own reference energy (J), NaN where not usable
     # (or the reference is ruled out: `ruled_out_settings`)
+    energy_ci: np.ndarray  # each cell's energy_per_token_rel_ci (NaN: none stated)
+    stock_ci: np.ndarray  # the reference cells' energy_per_token_rel_ci
     reference_problems: np.ndarray  # per group (reference_problems)
 
 
@@ -334,6 +358,10 @@ def _cells(
     quantile_at = cube.indexes["quantile"].get_loc(target.quantile)
     latency_all = _values(cube, target.variable, (*ORDER, "quantile"))[..., quantile_at]
     energy_all = _values(cube, "energy_per_token_j")
+    if ENERGY_CI in cube.variables:
+        ci_all = _values(cube, ENERGY_CI).astype(np.float64)
+    else:  # a cube of an earlier dvfs: its cells state no interval
+        ci_all = np.full(energy_all.shape, np.nan)
     quality = _values(cube, "quality") if "quality" in cube else None
     if quality is None:
         flags = np.zeros(invalid.shape, dtype=np.int64)
@@ -389,6 +417,8 @@ def _cells(
         ref_ok=baseline_row(ref_ok),
         ref_on=baseline_row(at_ref(on_all)),
         stock_energy=_where(at_ref(energy_all), ref_ok & ~ruled_out[..., None]),
+        energy_ci=cut(ci_all),
+        stock_ci=at_ref(ci_all),
         reference_problems=_reference_problems(
             usable,
             baseline_row(ref_status),
@@ -621,6 +651,10 @@ def headroom(
         )
     }
     set_aside = np.zeros(group_shape, dtype=bool)  # a cap that never bound would have won
+    noise_set_aside = np.zeros(group_shape, dtype=bool)  # a saving within noise would have won
+    noise_kept = np.zeros(group_shape, dtype=bool)  # the chosen saving is within noise
+    # that setting's clock, limit, saving, the saving's interval (low, high), paired repeats
+    noise_numbers = np.full((*group_shape, 6), np.nan)
     limiting_flags = np.full(group_shape, "", dtype=object)
     settings_on = np.full(group_shape, "", dtype=object)
     reference_on = np.full(group_shape, "", dtype=object)
@@ -681,8 +715,30 @@ def headroom(
                 not_binding_here[f[6], f[7]] and any((f[6], pj) in judged_at for pj in higher[f[7]])
             )
         ]
-        mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = least_energy(bound_caps or feasible)
-        set_aside[idx] = not bound_caps or least_energy(feasible)[6:] != (c_i, p_i)
+        pool = bound_caps or feasible
+        least = least_energy(pool)
+        set_aside[idx] = not bound_caps or least_energy(feasible)[6:] != least[6:]
+        # A saving its interval cannot tell apart from zero is no saving:
+        # the choice is made among the settings that save beyond the noise and the reference
+        # (see the module docstring); where none of those met the target, the least-energy
+        # setting stays, its saving said to be within the noise.
+        picked, kept, spread = least, False, None
+        if stock_here > 0:
+            picked, kept, spread = choose_beyond_noise(
+                pool, (ref_ci, ref_pi), functools.partial(_energy_interval, cells, idx, confidence)
+            )
+        if spread is not None:
+            noise_kept[idx] = kept
+            noise_set_aside[idx] = not kept
+            noise_numbers[idx] = (
+                least[1],
+                least[2],
+                1 - least[0] / stock_here,
+                1 - spread[1],
+                1 - spread[0],
+                spread[2],
+            )
+        mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = picked
         lowest_clock = min(f[1] for f in feasible)
         lowest_limit = min(f[2] for f in feasible)
         # Settings below an answer not measured yet (an interrupted sweep): the answer may
@@ -835,6 +891,48 @@ def headroom(
             "target, that setting is chosen, and any saving is its clock's, not its cap's)",
         },
     )
+    data_vars["saving_set_aside_within_noise"] = (
+        dims,
+        noise_set_aside,
+        {
+            "units": "1",
+            "long_name": "the least-energy feasible setting saved nothing beyond the noise "
+            "(its saving's interval reaches 0: see within_noise_*), so the choice was made "
+            "among the settings that do and the reference",
+        },
+    )
+    data_vars["saving_within_noise"] = (
+        dims,
+        noise_kept,
+        {
+            "units": "1",
+            "long_name": "the chosen setting's saving is within the noise (see within_noise_*): "
+            "no setting that saves beyond it, nor the reference, met the target",
+        },
+    )
+    for k, (name, unit, text) in enumerate(
+        (
+            ("within_noise_sm_clock", "MHz", "SM clock"),
+            ("within_noise_power_limit", "W", "power limit"),
+            ("within_noise_saving", "1", "saving against the reference"),
+            ("within_noise_saving_low", "1", "low end of the saving's interval"),
+            ("within_noise_saving_high", "1", "high end of the saving's interval"),
+            (
+                "within_noise_paired_repeats",
+                "1",
+                "repeats paired with the reference (below 2: "
+                "the interval is the cells' own, energy_per_token_rel_ci)",
+            ),
+        )
+    ):
+        data_vars[name] = (
+            dims,
+            noise_numbers[..., k],
+            {
+                "units": unit,
+                "long_name": f"where a saving was within the noise: that setting's {text}",
+            },
+        )
     data_vars["feasible"] = (
         dims,
         feasible_any,
@@ -977,6 +1075,56 @@ def headroom(
     )
     result.attrs["bound"] = bound_description(result.attrs, cube)
     return result
+
+
+def _energy_interval(
+    cells: _Cells, idx: tuple[int, ...], confidence: float, at: tuple[int, int]
+) -> tuple[float, float, int]:
+    """`bounds.ratio_interval` of the setting at (clock, limit) indices `at` of group `idx`
+    against the group's reference."""
+    return ratio_interval(
+        cells.energy[idx][at],
+        cells.stock_energy[idx],
+        cells.energy_ci[idx][at],
+        cells.stock_ci[idx],
+        confidence,
+    )
+
+
+def choose_beyond_noise(
+    pool: list[tuple[Any, ...]],
+    reference: tuple[int, int],
+    interval: Callable[[tuple[int, int]], tuple[float, float, int]],
+) -> tuple[tuple[Any, ...], bool, tuple[float, float, int] | None]:
+    """The least-energy setting of `pool` (as `least_energy`: energy, clock, limit, ...,
+    clock index, limit index) among those that save beyond the noise and the `reference`
+    (clock and limit indices), whose saving is none. `interval(indices)` gives a setting's
+    energy ratio interval to the reference (low, high, paired repeats): beyond the noise when
+    high < 1. Returns the choice, whether it is a setting kept within the noise (no other
+    candidate: the reference not in `pool`), and the interval of `pool`'s least-energy
+    setting where that one was set aside or kept for want of another (None otherwise)."""
+    least = least_energy(pool)
+    if (least[6], least[7]) == reference:
+        return least, False, None
+    known: dict[tuple[int, int], tuple[float, float, int]] = {}
+
+    def saves(f: tuple[Any, ...]) -> bool:
+        at = (f[6], f[7])
+        if at == reference:
+            return True
+        if at not in known:
+            known[at] = interval(at)
+        return known[at][1] < 1
+
+    ordered = sorted(pool, key=lambda f: f[0])
+    first = next((f for f in ordered if saves(f)), None)
+    if first is None:
+        return least, True, known[(least[6], least[7])]
+    picked = least_energy([f for f in ordered if f[0] <= first[0] * (1 + ENERGY_TIE) and saves(f)])
+    if (picked[6], picked[7]) == (least[6], least[7]):
+        return picked, False, None
+    saves(least)
+    return picked, False, known[(least[6], least[7])]
 
 
 def least_energy(feasible: list[tuple[Any, ...]]) -> tuple[Any, ...]:

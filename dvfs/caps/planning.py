@@ -150,6 +150,13 @@ def at_grid_edge(rows: Sequence[dict[str, Any]]) -> bool:
     return bool(rows) and all(r.get("chosen_at_grid_edge") is True for r in rows)
 
 
+#: Why a plan holds stock where a lower setting spent less: its saving was within the noise.
+NOISE_NOTE = (
+    "a lower setting's saving there is within the measurement noise: `dvfs headroom` names "
+    "it; more repeats or a tighter precision may tell"
+)
+
+
 def plan_caps(
     doc: dict[str, Any],
     *,
@@ -240,7 +247,11 @@ def plan_caps(
         ]
     chosen = f"for batch {batch}, drafter {drafter!r}, corpus {corpus}"
     if not caps:
-        raise CapsError(f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap")
+        noise = any(r.get("saving_set_aside_within_noise") for r in rows)
+        raise CapsError(
+            f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap"
+            + (f" ({NOISE_NOTE})" if noise else "")
+        )
     # A merged document's other GPUs (or models) may still be capped where these are not: the
     # file leaves these out, as a knob at stock is left out, and says so.
     not_capped = (
@@ -431,6 +442,13 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
         steps.append(step)
         if not step.setting.is_stock and at_grid_edge(group):
             edge_batches.append(str(batch))
+    if all(step.setting.is_stock for step in steps) and any(
+        r.get("saving_set_aside_within_noise") for r in rows
+    ):
+        raise CapsError(
+            "per-batch plan: every step is stock, so there is nothing to govern (drafter "
+            f"{drafter!r}, corpus {corpus}); {NOISE_NOTE}"
+        )
     measured_on = str(models[0] or "unknown GPU")
     simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
     if simulated:

@@ -419,7 +419,11 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
     energy = (
         f"Energy per token relative to {base!r} (below 1 saves energy)"
         + (
-            f" [{level_text(doc['confidence'])} interval]"
+            (
+                " [the cells' interval]"  # one repeat: each arm's own, over its rounds
+                if str(doc.get("interval", "")).startswith("one repeat")
+                else f" [{level_text(doc['confidence'])} interval]"
+            )
             if any(r.get(f"energy_ratio_{w}_interval") for r in doc["rows"] for w in WHATS)
             else ""
         ),

@@ -78,6 +78,9 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             headroom_w_invalid_below=_flag(r, "headroom_w_invalid_below"),
             chosen_invalid_below=_flag(r, "chosen_invalid_below"),
             cap_not_binding=_flag(r, "cap_not_binding"),
+            saving_set_aside_within_noise=_flag(r, "saving_set_aside_within_noise"),
+            saving_within_noise=_flag(r, "saving_within_noise"),
+            within_noise=_within_noise(r),
             unmeasured_settings=(
                 int(r["unmeasured_settings"]) if "unmeasured_settings" in r else None
             ),
@@ -169,6 +172,63 @@ def _gpu(cube: xr.Dataset) -> dict[str, Any]:
 
 def _flag(r: xr.Dataset, name: str) -> bool:
     return bool(r[name]) if name in r else False
+
+
+def _within_noise(r: xr.Dataset) -> dict[str, Any] | None:
+    """The setting whose saving lay within the noise (set aside, or kept where nothing else
+    met the target): its knobs, saving, the saving's interval and the repeats paired."""
+    if not (_flag(r, "saving_set_aside_within_noise") or _flag(r, "saving_within_noise")):
+        return None
+    return {
+        "sm_clock_mhz": as_int(r["within_noise_sm_clock"]),
+        "power_limit_w": as_float(r["within_noise_power_limit"]),
+        "saving": as_float(r["within_noise_saving"]),
+        "saving_interval": [
+            as_float(r["within_noise_saving_low"]),
+            as_float(r["within_noise_saving_high"]),
+        ],
+        "paired_repeats": as_int(r["within_noise_paired_repeats"]),
+    }
+
+
+#: The table's mark on a saving within the measurement noise.
+NOISE_MARK = "≈"
+
+
+def noise_note(doc: dict[str, Any]) -> list[str]:
+    """Lines for savings within the noise: a least-energy setting set aside for it (the row
+    keeps the reference, or a setting that saves beyond it), and a chosen setting kept with
+    one (nothing else met the target), each with its numbers."""
+    clock_locked = clock_was_locked(doc)
+
+    def numbers(r: dict[str, Any]) -> str:
+        n = r["within_noise"]
+        clock = f"{n['sm_clock_mhz']} MHz / " if clock_locked else ""
+        low, high = n["saving_interval"]
+        pairs = n["paired_repeats"] or 0
+        basis = f"over {pairs} paired repeats" if pairs >= 2 else "by the cells' own intervals"
+        return (
+            f"{clock}{n['power_limit_w']:g} W saves {n['saving'] * 100:.1f}% "
+            f"[{low * 100:.1f}%, {high * 100:.1f}%] ({basis})"
+        )
+
+    rows = [r for r in doc["rows"] if r.get("feasible") and r.get("within_noise")]
+    aside = [r for r in rows if r.get("saving_set_aside_within_noise")]
+    kept = [r for r in rows if r.get("saving_within_noise")]
+    notes = []
+    if aside:
+        notes.append(
+            f"no saving beyond noise: in {len(aside)} row(s) the least-energy setting's saving "
+            "is not told apart from zero by its interval, so the row keeps the reference, or "
+            f"a setting that saves beyond the noise ({named_rows(aside, numbers)})"
+        )
+    if kept:
+        notes.append(
+            f"{NOISE_MARK}: in {len(kept)} row(s) the saving is within the noise, yet no "
+            "setting that saves beyond it (nor the reference) met the target; no saving is "
+            f"shown to exist there ({named_rows(kept, numbers)})"
+        )
+    return notes
 
 
 #: The table's marks on a headroom value: cut off by the grid, settings below not measured
@@ -301,6 +361,7 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
             "clock: the GPU kept its own (unlocked, unless locked outside dvfs); the cube files "
             "those cells under its stock clock, which is no lock"
         )
+    notes += noise_note(doc)
     mixed = [r for r in rows if r.get("different_gpus")]
     if mixed:
         named = named_rows(
@@ -408,7 +469,10 @@ def headroom_table_rows(
                 fmt(r["stock_energy_per_token_j"], ".4g"),
                 fmt(r["energy_per_token_j"], ".4g"),
                 # unknown (no valid energy at the reference, an SLO's answer): "-", not "-%"
-                "-" if r["saving"] is None else f"{r['saving'] * 100:.1f}%",
+                "-"
+                if r["saving"] is None
+                else (NOISE_MARK if r.get("saving_within_noise") else "")
+                + f"{r['saving'] * 100:.1f}%",
                 fmt_ms(r["latency_ms"]),
                 fmt_ms(r["target_ms"]),
             ]

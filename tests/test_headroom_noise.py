@@ -1,0 +1,179 @@
+"""A saving the cells' stated uncertainty cannot tell apart from zero is no saving: headroom
+keeps the reference (or a setting that saves beyond the noise), says so with the numbers, and
+`dvfs cap plan` plans no cap from it. The interval's maths is checked on its own."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import xarray as xr
+from cubes import as_twin_sweep, make_cube
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.analysis.bounds import ratio_interval
+from dvfs.analysis.headroom import headroom
+from dvfs.analysis.targets import Target, parse_slo
+from dvfs.caps.planning import plan_caps, plan_per_batch
+from dvfs.errors import CapsError
+from dvfs.report.headroom import headroom_document, headroom_notes, headroom_table_rows
+
+LIMITS = [400.0, 600.0, 700.0]
+
+
+def power_limit_cube(energy, ci: float | None, repeats: int = 1, latency=None) -> xr.Dataset:  # type: ignore[no-untyped-def]
+    """One SM clock (the campaign never set it), three power limits; `energy(limit, repeat)`,
+    every cell stating `ci` as its relative half-width (None: the variable is absent)."""
+    cube = make_cube(
+        clocks=[1980],
+        limits=LIMITS,
+        repeats=repeats,
+        latency=latency or (lambda c, p, *_: {400.0: 12.0, 600.0: 10.05, 700.0: 10.0}[p]),
+        energy=lambda c, p, b, d, k, r: energy(p, r),
+    )
+    if ci is not None:
+        cube["energy_per_token_rel_ci"] = xr.full_like(cube["energy_per_token_j"], ci)
+    return cube
+
+
+def one(result: xr.Dataset) -> xr.Dataset:
+    return result.isel(batch=0, drafter=0, corpus=0)
+
+
+def test_a_saving_within_the_cells_intervals_keeps_stock() -> None:
+    """600 W saves 0.2% while each cell is known to +-3%: on the old code it was chosen and
+    stated as a 0.2% saving (a cap plan would apply it); now stock is kept and the row says
+    which setting was set aside, its saving and that saving's interval."""
+    cube = power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03)
+    r = one(headroom(cube, target=Target("preserve", slack=0.01)))
+    assert (float(r["chosen_power_limit"]), float(r["saving"])) == (700.0, 0.0)
+    assert bool(r["saving_set_aside_within_noise"]) and not bool(r["saving_within_noise"])
+    assert float(r["within_noise_power_limit"]) == 600.0
+    assert float(r["within_noise_saving"]) == pytest.approx(0.002)
+    width = math.hypot(0.03, 0.03)
+    assert float(r["within_noise_saving_low"]) == pytest.approx(1 - 0.998 * math.exp(width))
+    assert float(r["within_noise_saving_high"]) == pytest.approx(1 - 0.998 * math.exp(-width))
+    # The same saving from cells known to +-0.05% is beyond the noise: 600 W is chosen.
+    sharp = power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.0005)
+    r = one(headroom(sharp, target=Target("preserve", slack=0.01)))
+    assert float(r["chosen_power_limit"]) == 600.0
+    assert not bool(r["saving_set_aside_within_noise"])
+
+
+def test_paired_repeats_whose_interval_reaches_zero_keep_stock() -> None:
+    """Three repeats saving 0.2%, 0.7% and 0.65%: the two-sided 95% interval of their mean
+    reaches zero, so no saving beyond noise, though every cell states none of its own. With
+    two or more paired repeats their spread is the noise, not the cells' intervals."""
+    ratios = [0.998, 0.993, 0.9935]
+    cube = power_limit_cube(lambda p, r: ratios[r] if p == 600.0 else 1.0, None, repeats=3)
+    r = one(headroom(cube, target=Target("preserve", slack=0.01)))
+    assert float(r["chosen_power_limit"]) == 700.0
+    assert int(r["within_noise_paired_repeats"]) == 3
+    assert float(r["within_noise_saving_low"]) < 0 < float(r["within_noise_saving_high"])
+    # Repeats that agree on a 9.5% saving are beyond it.
+    clear = [0.90, 0.91, 0.905]
+    cube = power_limit_cube(lambda p, r: clear[r] if p == 600.0 else 1.0, 0.5, repeats=3)
+    r = one(headroom(cube, target=Target("preserve", slack=0.01)))
+    assert float(r["chosen_power_limit"]) == 600.0
+    assert float(r["saving"]) == pytest.approx(0.095)
+
+
+def test_a_setting_that_saves_beyond_the_noise_wins_over_a_lower_one_within_it() -> None:
+    """400 W spends least but its cells are known only to +-20%; 600 W saves 5% known to
+    +-0.5%: 600 W is the answer, and the note names 400 W and its interval."""
+    cube = make_cube(
+        clocks=[1980],
+        limits=LIMITS,
+        latency=lambda *a: 10.0,
+        energy=lambda c, p, *_: {400.0: 0.9, 600.0: 0.95, 700.0: 1.0}[p],
+    )
+    ci = xr.where(cube["power_limit"] == 400.0, 0.2, 0.005)
+    cube["energy_per_token_rel_ci"] = ci.broadcast_like(cube["energy_per_token_j"])
+    r = one(headroom(cube, target=Target("preserve")))
+    assert float(r["chosen_power_limit"]) == 600.0
+    assert float(r["within_noise_power_limit"]) == 400.0
+    doc = headroom_document(headroom(cube, target=Target("preserve")), cube)
+    (note,) = [n for n in headroom_notes(doc) if n.startswith("no saving beyond noise")]
+    assert "batch 1 none on code: 1980 MHz / 400 W saves 10.0% [" in note
+
+
+def test_an_answer_only_within_the_noise_is_kept_and_marked() -> None:
+    """Under an SLO stock misses, and the one setting meeting it saves 0.5% within +-3%: it
+    stays the answer (nothing else meets the target), its saving marked within the noise."""
+    cube = power_limit_cube(
+        lambda p, r: {600.0: 0.995}.get(p, 1.0),
+        ci=0.03,
+        latency=lambda c, p, *_: {400.0: 30.0, 600.0: 9.0, 700.0: 11.0}[p],
+    )
+    result = headroom(cube, target=parse_slo("tpot_p50<=10ms"))
+    r = one(result)
+    assert float(r["chosen_power_limit"]) == 600.0
+    assert bool(r["saving_within_noise"]) and not bool(r["saving_set_aside_within_noise"])
+    header, (cells,) = headroom_table_rows(headroom_document(result, cube))
+    assert cells[header.index("saving")] == "≈0.5%"
+
+
+def test_cap_plan_plans_no_cap_from_a_saving_within_the_noise() -> None:
+    cube = as_twin_sweep(
+        power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03),
+        uuid="GPU-00000000-0000-0000-0000-000000000001",
+        gpu_name="NVIDIA H100 80GB HBM3 (twin)",
+        campaign="noise",
+    )
+    doc = headroom_document(headroom(cube, target=Target("preserve", slack=0.01)), cube)
+    with pytest.raises(CapsError, match="nothing to cap .*within the measurement noise"):
+        plan_caps(doc, batch=1, drafter="none", corpus="worst-case")
+    with pytest.raises(CapsError, match="nothing to govern .*within the measurement noise"):
+        plan_per_batch(doc, drafter="none", corpus="worst-case")
+
+
+positive = st.floats(0.05, 5.0, allow_nan=False)
+widths = st.one_of(st.just(math.nan), st.floats(0.0, 0.2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    data=st.data(),
+    confidence=st.sampled_from([0.8, 0.9, 0.95, 0.99]),
+)
+def test_the_interval_widens_with_every_stated_uncertainty(n, data, confidence) -> None:  # type: ignore[no-untyped-def]
+    v = np.array(data.draw(st.lists(positive, min_size=n, max_size=n)))
+    r = np.array(data.draw(st.lists(positive, min_size=n, max_size=n)))
+    cv = np.array(data.draw(st.lists(widths, min_size=n, max_size=n)))
+    cr = np.array(data.draw(st.lists(widths, min_size=n, max_size=n)))
+    low, high, pairs = ratio_interval(v, r, cv, cr, confidence)
+    assert pairs == n
+    # around the geometric mean of the paired ratios; below two, the ratio of the means
+    ratio = float(np.exp(np.log(v / r).mean())) if n >= 2 else v.mean() / r.mean()
+    assert low <= ratio * (1 + 1e-12) and ratio <= high * (1 + 1e-12)
+    # the order of the repeats never matters, bit for bit
+    order = np.array(data.draw(st.permutations(range(n))))
+    assert ratio_interval(v[order], r[order], cv[order], cr[order], confidence) == (
+        low,
+        high,
+        pairs,
+    )
+    # scaling either arm's energies scales the interval, nothing else
+    s = data.draw(st.floats(0.5, 2.0))
+    low_s, high_s, _ = ratio_interval(v * s, r, cv, cr, confidence)
+    assert low_s == pytest.approx(low * s, rel=1e-9) and high_s == pytest.approx(high * s, rel=1e-9)
+    # more stated uncertainty never narrows it; a wider confidence never narrows it either
+    low_w, high_w, _ = ratio_interval(v, r, np.nan_to_num(cv) + 0.01, cr, confidence)
+    assert low_w <= low and high <= high_w
+    if n >= 2:
+        low_c, high_c, _ = ratio_interval(v, r, cv, cr, (1 + confidence) / 2)
+        assert low_c <= low and high <= high_c
+
+
+def test_the_interval_needs_both_arms() -> None:
+    nan = np.array([math.nan])
+    low, high, pairs = ratio_interval(nan, np.array([1.0]), nan, nan, 0.95)
+    assert math.isnan(low) and math.isnan(high) and pairs == 0
+    # unpaired repeats: the cells' intervals around the ratio of the means, 0 paired
+    low, high, pairs = ratio_interval(
+        np.array([0.9, math.nan]), np.array([math.nan, 1.0]), np.zeros(2), np.zeros(2), 0.95
+    )
+    assert (low, high, pairs) == (pytest.approx(0.9), pytest.approx(0.9), 0)
