@@ -542,6 +542,10 @@ def test_pinning_outcomes() -> None:
     assert pinning_outcome("d", ours, [a, on, blind], ["GPU-b"]) == (
         "unverified: NVML cannot list the compute processes of GPU 2 (not supported)"
     )
+    every_blind = [GpuProcesses(i, f"GPU-{x}", None, "not supported") for i, x in enumerate("ab")]
+    assert pinning_outcome("d", ours, every_blind, ["GPU-b"]) == (
+        "unverified: NVML cannot list the compute processes of GPU 0, GPU 1 (not supported)"
+    )
     half = pinning_outcome("d", ours, [a, on, c], ["GPU-b", "GPU-c"])
     assert half == "unverified: NVML lists the server on GPU 1 but not on the metered GPU-c"
     stray = GpuProcesses(0, "GPU-a", frozenset({8}))

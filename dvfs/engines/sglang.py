@@ -992,7 +992,7 @@ def pinning_outcome(
             f"NVML lists none of the server's {len(ours)} process(es) on any GPU (a container's "
             "PID namespace hides them, or the server has not allocated GPU memory yet)"
         )
-    elif missing:
+    elif missing and seen:  # (every GPU blind: the first reason says it all)
         reasons.append(
             "NVML lists the server on "
             + ", ".join(f"GPU {g.index}" for g in seen.values())
