@@ -502,6 +502,42 @@ def test_nvml_without_process_lists_leaves_the_server_unverified(
     assert servers[0]["gpu_pinning"] == pinning
 
 
+def test_a_resume_keeps_the_pinning_of_the_server_that_measured_the_earlier_cells(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """The first run's server unverified (NVML lists no processes), the run cut before its last
+    cell, the resume's server verified: the cube says both, as its cells were measured under
+    both, not the resume's alone."""
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1, 2]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        gpu='backend = "nvml"\ndevices = [1]',
+    )
+    out = tmp_path / "out"
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    first = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert first.returncode == 0, first.stderr
+    journal = out / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    assert json.loads(lines[-1])["type"] == "cell"
+    journal.write_text("".join(lines[:-1]))  # the run cut before its last cell
+    for index in range(3):
+        nv.fake_update_device(index, errors={})
+    again = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert again.returncode == 0, again.stderr
+    assert running(marker) == []
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert len([r for r in records if r["type"] == "cell"]) == 2
+    uuid = nv.fake_state()["devices"][1]["uuid"]
+    unverified, verified = (r["gpu_pinning"] for r in records if r["type"] == "server")
+    assert unverified.startswith("unverified: ") and verified == f"verified: GPU 1 ({uuid})"
+    assert _pinning(tmp_path) == {"none": f"{unverified}; {verified}"}
+
+
 # -- the parts -----------------------------------------------------------------------------------
 
 
