@@ -507,6 +507,67 @@ def test_an_attached_server_must_serve_the_campaigns_model_and_drafter(
         server.wait(timeout=10)
 
 
+def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
+    tmp_path: Path, attached: tuple[int, Path]
+) -> None:
+    """The server at engine.sglang.url replaced between two cells (stopped, and another
+    started on its port with --dtype float16) serves the drafter's later cells: each round
+    reads its /server_info anyway (the accept length), so those cells fail naming the change,
+    rather than being journalled under the first server's record and compared with the
+    first cell as if only the clock had changed."""
+    import threading
+    import time
+
+    port, config = attached
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+        measurement_extra="repeats = 2",
+    )
+    # A real-time settle at each clock change: the time the replacement takes to answer.
+    path.write_text(path.read_text().replace("\nsettle = 0\n", "\nsettle = 2.0\n"))
+    argv = ("--model-path", marker, "--random-seed", "0")
+    servers = [serve(port, config, *argv)]
+    journal = tmp_path / "out" / "journal.jsonl"
+    finished = threading.Event()
+
+    def replace_after_the_first_cell() -> None:
+        while not finished.is_set():
+            if journal.exists() and any(r["type"] == "cell" for r in read_records(journal)):
+                break
+            time.sleep(0.02)
+        else:
+            return
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
+        servers.append(serve(port, config, *argv, "--dtype", "float16"))
+
+    swapper = threading.Thread(target=replace_after_the_first_cell)
+    swapper.start()
+    try:
+        result = sweep(path, tmp_path / "out")
+    finally:
+        finished.set()
+        swapper.join(timeout=30)
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=10)
+    assert len(servers) == 2, result.output
+    assert result.exit_code == 5, result.output
+    records = read_records(journal)
+    [server] = [r for r in records if r["type"] == "server"]
+    assert server["args"]["dtype"] is None
+    cells = [r for r in records if r["type"] == "cell"]
+    assert [c["status"] for c in cells] == ["ok", "failed", "failed", "failed"]
+    error = cells[-1]["error"]
+    assert f"the server at http://127.0.0.1:{port} is not the one dvfs attached to" in error
+    assert "dtype (dtype): None -> 'float16'" in error and "--fresh" in error
+    assert "\n" not in error
+
+
 def test_a_fleet_rerun_serving_the_next_drafter_on_another_version_is_refused(
     tmp_path: Path,
 ) -> None:
