@@ -568,6 +568,48 @@ def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
     assert "\n" not in error
 
 
+def test_a_fleet_attached_to_one_server_is_refused(tmp_path: Path) -> None:
+    """Two workers (--gpus 0-1, or two gpu.devices groups) attached at one engine.sglang.url
+    would each meter its own GPU while both sent their requests to that one server: refused
+    by the sweep, its dry run and doctor alike (exit 2), before any request; one worker is not."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))  # held: nothing answers there, and nothing must be asked
+    url = f"http://127.0.0.1:{port.getsockname()[1]}"
+    try:
+        path, _ = stub_campaign(
+            tmp_path,
+            drafters='\n[drafters.none]\nalgorithm = "none"\n',
+            sglang_extra=f'url = "{url}"',
+            **ONE_SETTING,
+        )
+        out = str(tmp_path / "out")
+        for args in (
+            ["sweep", str(path), "--gpus", "0-1", "--out", out, "--no-progress"],
+            ["sweep", str(path), "--gpus", "0-1", "--out", out, "--dry-run"],
+            ["doctor", str(path), "--gpus", "0-1"],
+        ):
+            result = CliRunner().invoke(cli, args)
+            assert result.exit_code == 2, (args, result.output)
+            assert last_line(result) == (
+                f"Error: --gpus makes 2 workers, but engine.sglang.url attaches every one to "
+                f"the one server at {url}: each would meter its own GPUs while all their "
+                "requests ran on that server; give one GPU group (the one the server runs "
+                "on), or drop engine.sglang.url so that dvfs starts a server per worker"
+            )
+        assert not (tmp_path / "out" / "journal.jsonl").exists()
+        grouped = path.with_name("grouped.toml")
+        grouped.write_text(path.read_text().replace("[gpu]\n", "[gpu]\ndevices = [[0], [1]]\n"))
+        result = CliRunner().invoke(cli, ["sweep", str(grouped), "--out", out, "--dry-run"])
+        assert result.exit_code == 2, result.output
+        assert last_line(result).startswith("Error: gpu.devices makes 2 workers, but ")
+        result = CliRunner().invoke(
+            cli, ["sweep", str(path), "--gpus", "1", "--out", out, "--dry-run", "--no-estimate"]
+        )
+        assert result.exit_code == 0, result.output
+    finally:
+        port.close()
+
+
 def test_a_fleet_rerun_serving_the_next_drafter_on_another_version_is_refused(
     tmp_path: Path,
 ) -> None:
