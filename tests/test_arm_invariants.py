@@ -291,6 +291,32 @@ def test_a_server_resolving_other_engine_args_is_refused(
     assert running(marker) == []
 
 
+def test_a_wrapper_adding_flags_after_dvfss_own_is_named_not_another_program(
+    tmp_path: Path,
+) -> None:
+    """A server_command wrapper that appends launch_server flags after dvfs's own (`exec "$@"
+    --tp-size 2`) serves with them: the server dvfs started reports another TP size than dvfs
+    set, so it is refused, in words that say so, not as "another program answers on its port"
+    (none does: the listener is the server's own process)."""
+    wrapper = tmp_path / "wrap.sh"
+    wrapper.write_text('#!/bin/sh\nexec "$@" --tp-size 2\n')
+    wrapper.chmod(0o755)
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        wrapper=(str(wrapper),),
+        **ONE_SETTING,
+    )
+    result = sweep(path, tmp_path / "out")
+    assert result.exit_code == 5, result.output
+    [cell] = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
+    error = cell["error"]
+    assert "another program" not in error, error
+    assert "the 'none' server dvfs started reports tp_size 2, not 1 as dvfs set it" in error
+    assert "engine.sglang.server_command passes launch_server flags of its own" in error
+    assert running(marker) == []
+
+
 def test_every_drafters_server_gets_the_campaigns_random_seed(tmp_path: Path) -> None:
     """SGLang draws a random seed at every start unless given one: dvfs gives every drafter's
     server measurement.seed, and a server with another is refused like any other arm arg;

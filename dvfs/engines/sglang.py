@@ -87,7 +87,7 @@ from dvfs.errors import (
 )
 from dvfs.gpu.base import GpuProcesses
 from dvfs.outputs import check_links
-from dvfs.procfs import earlier_holder, process_name, server_pids
+from dvfs.procfs import earlier_holder, port_holders, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
 
 log = logging.getLogger(__name__)
@@ -660,6 +660,16 @@ class SglangEngine:
                 same_model(got, str(wanted)) if key == "model_path" else str(got) == str(wanted)
             ):
                 continue
+            if self._process is not None and port_holders(
+                port, sorted(server_pids(self._process.pid)), host=self.config.host
+            ):  # the server dvfs started listens there: it was started with other flags
+                return (
+                    f"the {drafter.name!r} server dvfs started reports {key} {got!r}, not "
+                    f"{wanted!r} as dvfs set it: engine.sglang.server_command passes "
+                    "launch_server flags of its own (a wrapper's arguments reach it too); "
+                    "remove them (flags every drafter shares go in engine.sglang.extra_args); "
+                    "dvfs stopped the server"
+                )
             return (
                 f"another program answers on the {drafter.name!r} server's port {port} "
                 f"({url} reports {key} {got!r}, not {wanted!r} as dvfs started the server "
