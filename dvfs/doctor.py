@@ -357,13 +357,17 @@ def _gpu_checks(
             if _own_servers(campaign):
 
                 def server_gpus() -> tuple[str, str]:
-                    from dvfs.engines.sglang_args import check_visible_devices
+                    from dvfs.engines.sglang_args import (
+                        check_visible_devices,
+                        check_wrapper_visible_devices,
+                    )
 
                     pinned = []
                     for group in by_group:
                         uuids = [g.identity.uuid for g in group]
                         # As the sweep refuses to start each server (every cell failing).
                         check_visible_devices(dict(campaign.engine.sglang.env), uuids)
+                        check_wrapper_visible_devices(campaign, uuids)
                         pinned.append(",".join(uuids))
                     servers = "the server is" if len(pinned) == 1 else "the servers are"
                     return OK, f"{servers} pinned to {'; '.join(pinned)} (CUDA_VISIBLE_DEVICES)"

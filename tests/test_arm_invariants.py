@@ -291,6 +291,32 @@ def test_a_server_resolving_other_engine_args_is_refused(
     assert running(marker) == []
 
 
+def test_a_wrapper_adding_flags_after_dvfss_own_is_named_not_another_program(
+    tmp_path: Path,
+) -> None:
+    """A server_command wrapper that appends launch_server flags after dvfs's own (`exec "$@"
+    --tp-size 2`) serves with them: the server dvfs started reports another TP size than dvfs
+    set, so it is refused, in words that say so, not as "another program answers on its port"
+    (none does: the listener is the server's own process)."""
+    wrapper = tmp_path / "wrap.sh"
+    wrapper.write_text('#!/bin/sh\nexec "$@" --tp-size 2\n')
+    wrapper.chmod(0o755)
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        wrapper=(str(wrapper),),
+        **ONE_SETTING,
+    )
+    result = sweep(path, tmp_path / "out")
+    assert result.exit_code == 5, result.output
+    [cell] = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
+    error = cell["error"]
+    assert "another program" not in error, error
+    assert "the 'none' server dvfs started reports tp_size 2, not 1 as dvfs set it" in error
+    assert "engine.sglang.server_command passes launch_server flags of its own" in error
+    assert running(marker) == []
+
+
 def test_every_drafters_server_gets_the_campaigns_random_seed(tmp_path: Path) -> None:
     """SGLang draws a random seed at every start unless given one: dvfs gives every drafter's
     server measurement.seed, and a server with another is refused like any other arm arg;
@@ -505,6 +531,109 @@ def test_an_attached_server_must_serve_the_campaigns_model_and_drafter(
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
+    tmp_path: Path, attached: tuple[int, Path]
+) -> None:
+    """The server at engine.sglang.url replaced between two cells (stopped, and another
+    started on its port with --dtype float16) serves the drafter's later cells: each round
+    reads its /server_info anyway (the accept length), so those cells fail naming the change,
+    rather than being journalled under the first server's record and compared with the
+    first cell as if only the clock had changed."""
+    import threading
+    import time
+
+    port, config = attached
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+        measurement_extra="repeats = 2",
+    )
+    # A real-time settle at each clock change: the time the replacement takes to answer.
+    path.write_text(path.read_text().replace("\nsettle = 0\n", "\nsettle = 2.0\n"))
+    argv = ("--model-path", marker, "--random-seed", "0")
+    servers = [serve(port, config, *argv)]
+    journal = tmp_path / "out" / "journal.jsonl"
+    finished = threading.Event()
+
+    def replace_after_the_first_cell() -> None:
+        while not finished.is_set():
+            if journal.exists() and any(r["type"] == "cell" for r in read_records(journal)):
+                break
+            time.sleep(0.02)
+        else:
+            return
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
+        servers.append(serve(port, config, *argv, "--dtype", "float16"))
+
+    swapper = threading.Thread(target=replace_after_the_first_cell)
+    swapper.start()
+    try:
+        result = sweep(path, tmp_path / "out")
+    finally:
+        finished.set()
+        swapper.join(timeout=30)
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=10)
+    assert len(servers) == 2, result.output
+    assert result.exit_code == 5, result.output
+    records = read_records(journal)
+    [server] = [r for r in records if r["type"] == "server"]
+    assert server["args"]["dtype"] is None
+    cells = [r for r in records if r["type"] == "cell"]
+    assert [c["status"] for c in cells] == ["ok", "failed", "failed", "failed"]
+    error = cells[-1]["error"]
+    assert f"the server at http://127.0.0.1:{port} is not the one dvfs attached to" in error
+    assert "dtype (dtype): None -> 'float16'" in error and "--fresh" in error
+    assert "\n" not in error
+
+
+def test_a_fleet_attached_to_one_server_is_refused(tmp_path: Path) -> None:
+    """Two workers (--gpus 0-1, or two gpu.devices groups) attached at one engine.sglang.url
+    would each meter its own GPU while both sent their requests to that one server: refused
+    by the sweep, its dry run and doctor alike (exit 2), before any request; one worker is not."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))  # held: nothing answers there, and nothing must be asked
+    url = f"http://127.0.0.1:{port.getsockname()[1]}"
+    try:
+        path, _ = stub_campaign(
+            tmp_path,
+            drafters='\n[drafters.none]\nalgorithm = "none"\n',
+            sglang_extra=f'url = "{url}"',
+            **ONE_SETTING,
+        )
+        out = str(tmp_path / "out")
+        for args in (
+            ["sweep", str(path), "--gpus", "0-1", "--out", out, "--no-progress"],
+            ["sweep", str(path), "--gpus", "0-1", "--out", out, "--dry-run"],
+            ["doctor", str(path), "--gpus", "0-1"],
+        ):
+            result = CliRunner().invoke(cli, args)
+            assert result.exit_code == 2, (args, result.output)
+            assert last_line(result) == (
+                f"Error: --gpus makes 2 workers, but engine.sglang.url attaches every one to "
+                f"the one server at {url}: each would meter its own GPUs while all their "
+                "requests ran on that server; give one GPU group (the one the server runs "
+                "on), or drop engine.sglang.url so that dvfs starts a server per worker"
+            )
+        assert not (tmp_path / "out" / "journal.jsonl").exists()
+        grouped = path.with_name("grouped.toml")
+        grouped.write_text(path.read_text().replace("[gpu]\n", "[gpu]\ndevices = [[0], [1]]\n"))
+        result = CliRunner().invoke(cli, ["sweep", str(grouped), "--out", out, "--dry-run"])
+        assert result.exit_code == 2, result.output
+        assert last_line(result).startswith("Error: gpu.devices makes 2 workers, but ")
+        result = CliRunner().invoke(
+            cli, ["sweep", str(path), "--gpus", "1", "--out", out, "--dry-run", "--no-estimate"]
+        )
+        assert result.exit_code == 0, result.output
+    finally:
+        port.close()
 
 
 def test_a_fleet_rerun_serving_the_next_drafter_on_another_version_is_refused(

@@ -139,6 +139,55 @@ def test_doctor_fails_a_campaign_env_pinning_the_server_to_another_gpu(
     assert said in " ".join((swept.stdout + swept.stderr).split())
 
 
+def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env CUDA_VISIBLE_DEVICES=<another GPU's UUID>` in server_command replaces the UUIDs dvfs
+    hands the wrapper: where NVML lists no processes nothing at start would see the server on
+    the other GPU, and the metered GPU would measure an idle GPU's energy. The sweep refuses
+    every server, and doctor fails it, in the sweep's words; the metered GPU's own UUID, or an
+    index (a container's own numbering), passes."""
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+
+    def campaign(value: str, where: str) -> Path:
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
+        )
+        return path
+
+    other = campaign(devices[0]["uuid"], "other")
+    checked = dvfs_in_process("doctor", str(other), "--out", str(tmp_path / "c"), env=env)
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(other), "--out", str(out), "--no-progress", env=env)
+    said = (
+        f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={devices[0]['uuid']}, other "
+        f"GPUs than the metered {devices[1]['uuid']}"
+    )
+    assert checked.returncode == 1, checked.stdout
+    [failed] = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
+    assert failed.startswith("FAIL server GPUs:")
+    assert said in " ".join(checked.stdout.split())
+    assert swept.returncode == 5, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    assert not [r for r in records if r["type"] == "server"]
+    [cell] = [r for r in records if r["type"] == "cell"]
+    assert cell["status"] == "failed" and said in cell["error"]
+    for value, where in ((devices[1]["uuid"].upper(), "same"), ("0", "index")):
+        fine = campaign(value, where)
+        checked = dvfs_in_process("doctor", str(fine), "--out", str(tmp_path / where), env=env)
+        assert "FAIL server GPUs" not in checked.stdout, checked.stdout
+
+
 def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -502,6 +551,42 @@ def test_nvml_without_process_lists_leaves_the_server_unverified(
     assert servers[0]["gpu_pinning"] == pinning
 
 
+def test_a_resume_keeps_the_pinning_of_the_server_that_measured_the_earlier_cells(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """The first run's server unverified (NVML lists no processes), the run cut before its last
+    cell, the resume's server verified: the cube says both, as its cells were measured under
+    both, not the resume's alone."""
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1, 2]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        gpu='backend = "nvml"\ndevices = [1]',
+    )
+    out = tmp_path / "out"
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    first = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert first.returncode == 0, first.stderr
+    journal = out / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    assert json.loads(lines[-1])["type"] == "cell"
+    journal.write_text("".join(lines[:-1]))  # the run cut before its last cell
+    for index in range(3):
+        nv.fake_update_device(index, errors={})
+    again = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert again.returncode == 0, again.stderr
+    assert running(marker) == []
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert len([r for r in records if r["type"] == "cell"]) == 2
+    uuid = nv.fake_state()["devices"][1]["uuid"]
+    unverified, verified = (r["gpu_pinning"] for r in records if r["type"] == "server")
+    assert unverified.startswith("unverified: ") and verified == f"verified: GPU 1 ({uuid})"
+    assert _pinning(tmp_path) == {"none": f"{unverified}; {verified}"}
+
+
 # -- the parts -----------------------------------------------------------------------------------
 
 
@@ -541,6 +626,10 @@ def test_pinning_outcomes() -> None:
     blind = GpuProcesses(2, "GPU-c", None, "not supported")
     assert pinning_outcome("d", ours, [a, on, blind], ["GPU-b"]) == (
         "unverified: NVML cannot list the compute processes of GPU 2 (not supported)"
+    )
+    every_blind = [GpuProcesses(i, f"GPU-{x}", None, "not supported") for i, x in enumerate("ab")]
+    assert pinning_outcome("d", ours, every_blind, ["GPU-b"]) == (
+        "unverified: NVML cannot list the compute processes of GPU 0, GPU 1 (not supported)"
     )
     half = pinning_outcome("d", ours, [a, on, c], ["GPU-b", "GPU-c"])
     assert half == "unverified: NVML lists the server on GPU 1 but not on the metered GPU-c"

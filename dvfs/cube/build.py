@@ -354,6 +354,18 @@ def _utf8_or_empty(path: str) -> str:
     return path
 
 
+def _pinning_outcomes(servers: Sequence[Server]) -> str:
+    """The `gpu_pinning` attribute: each drafter's distinct pinning outcomes, in the order its
+    servers started, joined by "; " (as `dvfs.cube.merge` joins its shards')."""
+    outcomes: dict[str, list[str]] = {}
+    for server in servers:
+        if server.gpu_pinning:
+            seen = outcomes.setdefault(server.drafter, [])
+            if server.gpu_pinning not in seen:
+                seen.append(server.gpu_pinning)
+    return json.dumps({d: "; ".join(o) for d, o in outcomes.items()}, sort_keys=True)
+
+
 def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any]:
     header, session = journal.header, journal.sessions[-1]
     if header.campaign_name is None or header.campaign_hash is None:
@@ -415,10 +427,10 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         # What the dvfs that began the journal gave every drafter alike (`ARMS_PINNED`): a
         # merge compares the servers' drawn args only where both cubes pinned them.
         "arms_pinned": ",".join(header.arms_pinned),
-        # Whether each drafter's (latest) server ran on the metered GPUs, as checked at start.
-        "gpu_pinning": json.dumps(
-            {s.drafter: s.gpu_pinning for s in journal.servers if s.gpu_pinning}, sort_keys=True
-        ),
+        # Whether each drafter's servers ran on the metered GPUs, as checked at each start:
+        # every distinct outcome, as a merge keeps each shard's (a resume's verified server
+        # does not hide the unverified one that measured the journal's earlier cells).
+        "gpu_pinning": _pinning_outcomes(journal.servers),
         "model": facts.model,
         "twin_model": facts.twin_model,
         "tp_size": facts.tp_size,

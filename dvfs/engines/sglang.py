@@ -74,6 +74,7 @@ from dvfs.engines.sglang_client import (
     EngineConnectionError,
     SamplingParams,
     SglangClient,
+    accept_length_of,
     hung_probe_s,
 )
 from dvfs.errors import (
@@ -86,7 +87,7 @@ from dvfs.errors import (
 )
 from dvfs.gpu.base import GpuProcesses
 from dvfs.outputs import check_links
-from dvfs.procfs import earlier_holder, process_name, server_pids
+from dvfs.procfs import earlier_holder, port_holders, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
 
 log = logging.getLogger(__name__)
@@ -446,6 +447,9 @@ class SglangEngine:
         self.block: PortBlock | None = None
         #: Each started drafter's resolved attention kernels, for `check_same_kernels`.
         self.kernels: dict[str, Kernels] = {}
+        #: The attached server (engine.sglang.url) as it answered at attach, in a server
+        #: record's shape: each round checks the server there is still that one.
+        self._attached: dict[str, Any] | None = None
         self.pinned_backend: str | None = (
             None if self.config.attention_backend == "auto" else self.config.attention_backend
         )
@@ -656,6 +660,16 @@ class SglangEngine:
                 same_model(got, str(wanted)) if key == "model_path" else str(got) == str(wanted)
             ):
                 continue
+            if self._process is not None and port_holders(
+                port, sorted(server_pids(self._process.pid)), host=self.config.host
+            ):  # the server dvfs started listens there: it was started with other flags
+                return (
+                    f"the {drafter.name!r} server dvfs started reports {key} {got!r}, not "
+                    f"{wanted!r} as dvfs set it: engine.sglang.server_command passes "
+                    "launch_server flags of its own (a wrapper's arguments reach it too); "
+                    "remove them (flags every drafter shares go in engine.sglang.extra_args); "
+                    "dvfs stopped the server"
+                )
             return (
                 f"another program answers on the {drafter.name!r} server's port {port} "
                 f"({url} reports {key} {got!r}, not {wanted!r} as dvfs started the server "
@@ -685,6 +699,7 @@ class SglangEngine:
         self._version = server_version(info)
         self._log_interval = log_interval(info)
         self._room = ContextRoom.of(info)
+        self._attached = _server_record_of(drafter.name, info)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -699,6 +714,28 @@ class SglangEngine:
             ),
             prompt_format=self.formatter.settle(),
         )
+
+    def _check_still_attached(self, info: dict[str, Any]) -> None:
+        """Refuse a round served by another server than the one attached to (restarted with
+        other flags, another SGLang, another drafter): its cells would be journalled under the
+        attached one's record, and compare with the drafter's earlier cells in more than the
+        knob setting. Compared as two servers of one journal are (`arm_changes` and
+        `server_changes`)."""
+        from dvfs.records import arm_changes, server_changes
+
+        before = self._attached
+        assert before is not None
+        now = _server_record_of(str(before["drafter"]), info)
+        batches = self.campaign.workload.batch_sizes
+        changes = arm_changes(before, now, batches)
+        changes += [c for c in server_changes(before, now) if c not in changes]
+        if changes:
+            raise EngineError(
+                f"the server at {redact_url(self.config.url or '')} is not the one dvfs "
+                f"attached to for drafter {before['drafter']!r} ({'; '.join(changes)}): it was "
+                "replaced mid-sweep, and its rounds would compare more than the knob settings; "
+                "restart it as it was, or rerun with --fresh (or into another --out folder)"
+            )
 
     def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:
         """The drafter's attention kernels: the pinned ones, and the same as the other drafters'."""
@@ -834,7 +871,12 @@ class SglangEngine:
             # The flush above reset the server's average (Scheduler.flush_cache calls
             # reset_metrics in 0.5.9 and 0.5.23 alike), which then counts only whole blocks
             # of decode_log_interval iterations: the round's, less its last partial block.
-            accept = client.accept_length()
+            if self._attached is None:
+                accept = client.accept_length()
+            else:  # not dvfs's server: another may have taken its place since the attach
+                info = client.server_info()
+                self._check_still_attached(info)
+                accept = accept_length_of(info)
         except EngineError as exc:
             if self.config.url:
                 raise  # not ours to restart
@@ -992,7 +1034,7 @@ def pinning_outcome(
             f"NVML lists none of the server's {len(ours)} process(es) on any GPU (a container's "
             "PID namespace hides them, or the server has not allocated GPU memory yet)"
         )
-    elif missing:
+    elif missing and seen:  # (every GPU blind: the first reason says it all)
         reasons.append(
             "NVML lists the server on "
             + ", ".join(f"GPU {g.index}" for g in seen.values())
@@ -1052,6 +1094,19 @@ class ContextRoom:
     def new_tokens(self, prompt_tokens: int) -> int:
         """The most new tokens a request of `prompt_tokens` may ask for (0: none)."""
         return max(0, self.max_req_input_len + 4 - prompt_tokens - self.reserved)
+
+
+def _server_record_of(drafter: str, info: dict[str, Any]) -> dict[str, Any]:
+    """A server's /server_info `info`, answering for `drafter`, in the shape of its journal
+    record (its engine, version, attention kernels and resolved args), for `arm_changes`."""
+    args = _resolved_args(info)
+    return {
+        "drafter": drafter,
+        "engine": "sglang",
+        "version": str(info.get("version", "?")),
+        "attention_backend": Kernels.from_args(args).label,
+        "args": args,
+    }
 
 
 def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:

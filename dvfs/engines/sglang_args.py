@@ -203,6 +203,7 @@ def server_env(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> dict[str, s
     env = {**os.environ, **dict(campaign.engine.sglang.env)}
     if gpu_uuids:
         check_visible_devices(dict(campaign.engine.sglang.env), gpu_uuids)
+        check_wrapper_visible_devices(campaign, gpu_uuids)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
         # Irrelevant to UUIDs, but keeps any index the server prints in NVML's (PCI) order.
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -245,6 +246,30 @@ def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> N
         raise EngineError(
             f"engine.sglang.env.CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices: dvfs "
             f"pins the server to the metered GPU(s) {','.join(gpu_uuids)} by UUID; remove the key"
+        )
+
+
+def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) -> None:
+    """Refuse a server_command whose wrapper sets CUDA_VISIBLE_DEVICES on its command line
+    (`env CUDA_VISIBLE_DEVICES=GPU-... python ...`, `docker run -e ...`) to GPUs named by UUID
+    other than the metered ones: it replaces the UUIDs dvfs hands the wrapper, so the server
+    would run on GPUs dvfs does not meter (caught at start only where NVML lists processes).
+    An index is not judged: inside a container it counts the container's GPUs."""
+    from dvfs.records.session import command_env
+
+    name = "CUDA_VISIBLE_DEVICES"
+    value = command_env(server_command(campaign), keep=lambda n: n == name).get(name)
+    if value is None:
+        return
+    entries = [v.strip() for v in value.split(",") if v.strip()]
+    if not entries or not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
+        return
+    if [canonical_uuid(e) for e in entries] != list(gpu_uuids):
+        raise EngineError(
+            f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value}, other GPUs than "
+            f"the metered {','.join(gpu_uuids)}: the server would run where dvfs does not "
+            "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
+            "by UUID)"
         )
 
 

@@ -181,6 +181,14 @@ def _bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def accept_length_of(info: dict[str, Any]) -> float | None:
+    """`SglangClient.accept_length` from a /server_info answer `info` already read."""
+    states = info.get("internal_states") or []
+    raw = [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
+    values = [float(v) for v in raw if v is not None]
+    return float(np.mean(values)) if values and any(values) else None
+
+
 class SglangClient:
     """One server's HTTP API. Proxies from the environment are ignored (loopback stays local).
 
@@ -291,10 +299,7 @@ class SglangClient:
         """The server's mean accept length since the last flush (0.5.9 and 0.5.23), over the
         whole blocks of decode_log_interval decode iterations run since then (SGLang adds a
         block to it once the block is complete); None before the first block."""
-        states = self.server_info().get("internal_states") or []
-        raw = [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
-        values = [float(v) for v in raw if v is not None]
-        return float(np.mean(values)) if values and any(values) else None
+        return accept_length_of(self.server_info())
 
     def flush_cache(self, timeout_s: float = 60.0) -> None:
         """POST /flush_cache, retrying while the server answers 400 (requests still running)."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError
 from dvfs.gpu.base import canonical_uuid
+from dvfs.redact import redact_url
 
 Group = tuple[int | str, ...]
 
@@ -52,7 +53,30 @@ def parse_gpus(spec: str) -> list[int | str]:
 
 def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -> list[Group]:
     """One group per worker: `gpus` cut into runs of `engine.tp_size`, else the campaign's
-    `gpu.devices` groups, else its devices as one group."""
+    `gpu.devices` groups, else its devices as one group. A server attached at
+    engine.sglang.url serves one worker only (`_one_attached_worker`)."""
+    groups = _worker_groups(campaign, gpus)
+    _one_attached_worker(campaign, groups, from_gpus=gpus is not None)
+    return groups
+
+
+def _one_attached_worker(campaign: Campaign, groups: Sequence[Group], *, from_gpus: bool) -> None:
+    """Refuse more than one worker on a server attached at engine.sglang.url: each worker
+    would meter its own GPUs while every worker's requests ran on that one server (on other
+    GPUs than most of them meter, batched with the other workers' requests)."""
+    url = campaign.engine.sglang.url
+    if campaign.engine.backend != "sglang" or not url or len(groups) < 2:
+        return
+    where = "--gpus" if from_gpus else "gpu.devices"
+    raise CampaignError(
+        f"{where} makes {len(groups)} workers, but engine.sglang.url attaches every one to "
+        f"the one server at {redact_url(url)}: each would meter its own GPUs while all their "
+        "requests ran on that server; give one GPU group (the one the server runs on), or "
+        "drop engine.sglang.url so that dvfs starts a server per worker"
+    )
+
+
+def _worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None) -> list[Group]:
     if gpus is None:
         if campaign.gpu.groups:
             return [tuple(g) for g in campaign.gpu.groups]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -367,12 +367,14 @@ def server_env_of(env: Mapping[str, str]) -> dict[str, str]:
 _ASSIGNMENT = re.compile(r"(?:--env=)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
 
 
-def command_env(command: Iterable[Any], *, lines: bool = True) -> dict[str, str]:
+def command_env(
+    command: Iterable[Any], *, lines: bool = True, keep: Callable[[str], bool] = is_server_env
+) -> dict[str, str]:
     """The variables a server command's wrapper sets on its command line (`env NAME=VALUE
     python -m sglang.launch_server`, `docker run -e NAME=VALUE ...`, a shell line `sh -c
-    'NAME=VALUE exec python ...'` where `lines`) that a session records (`is_server_env`), the
-    last of a name winning: the server starts with them whatever the environment dvfs hands
-    the wrapper."""
+    'NAME=VALUE exec python ...'` where `lines`) that a session records (`is_server_env`; those
+    `keep` names otherwise), the last of a name winning: the server starts with them whatever
+    the environment dvfs hands the wrapper."""
     found: dict[str, str] = {}
     for token in command:
         match = _ASSIGNMENT.fullmatch(str(token))
@@ -383,10 +385,10 @@ def command_env(command: Iterable[Any], *, lines: bool = True) -> dict[str, str]
         if words is not None:
             # A shell line (as `dvfs.redact` reads one): the shell sets NAME to the line's first
             # word, not to the rest of the line, whose own NAME=VALUE words it reads on.
-            if is_server_env(name):
+            if keep(name):
                 found[name] = words[0]
-            found.update(command_env(words[1:], lines=False))
-        elif is_server_env(name):
+            found.update(command_env(words[1:], lines=False, keep=keep))
+        elif keep(name):
             found[name] = value
     return found
 
