@@ -534,15 +534,17 @@ def test_an_attached_server_must_serve_the_campaigns_model_and_drafter(
 
 
 def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
-    tmp_path: Path, attached: tuple[int, Path]
+    tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server at engine.sglang.url replaced between two cells (stopped, and another
     started on its port with --dtype float16) serves the drafter's later cells: each round
     reads its /server_info anyway (the accept length), so those cells fail naming the change,
     rather than being journalled under the first server's record and compared with the
     first cell as if only the clock had changed."""
-    import threading
     import time
+    import urllib.request
+
+    from dvfs.measure.journal import Journal
 
     port, config = attached
     path, marker = stub_campaign(
@@ -553,31 +555,33 @@ def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
         measurement_extra="repeats = 2",
     )
-    # A real-time settle at each clock change: the time the replacement takes to answer.
-    path.write_text(path.read_text().replace("\nsettle = 0\n", "\nsettle = 2.0\n"))
     argv = ("--model-path", marker, "--random-seed", "0")
     servers = [serve(port, config, *argv)]
     journal = tmp_path / "out" / "journal.jsonl"
-    finished = threading.Event()
+    append_all = Journal.append_all
 
-    def replace_after_the_first_cell() -> None:
-        while not finished.is_set():
-            if journal.exists() and any(r["type"] == "cell" for r in read_records(journal)):
-                break
-            time.sleep(0.02)
-        else:
+    def replace_after_the_first_cell(self: Journal, records) -> None:  # type: ignore[no-untyped-def]
+        """As the first cell is journalled, in the sweep's own thread (so the swap lands
+        between the first cell and the second, however fast or loaded the machine): the
+        server stopped and its replacement answering on the same port."""
+        append_all(self, records)
+        if len(servers) > 1 or not any(r.get("type") == "cell" for r in records):
             return
         servers[0].terminate()
         servers[0].wait(timeout=10)
         servers.append(serve(port, config, *argv, "--dtype", "float16"))
+        while True:  # no deadline of its own: the test's timeout ends a hang
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5):
+                    return
+            except OSError:
+                assert servers[-1].poll() is None, "the replacement server exited"
+                time.sleep(0.05)
 
-    swapper = threading.Thread(target=replace_after_the_first_cell)
-    swapper.start()
+    monkeypatch.setattr(Journal, "append_all", replace_after_the_first_cell)
     try:
         result = sweep(path, tmp_path / "out")
     finally:
-        finished.set()
-        swapper.join(timeout=30)
         for server in servers:
             server.terminate()
             server.wait(timeout=10)
