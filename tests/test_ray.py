@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -240,6 +242,17 @@ def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     assert len(cells) == len(set(cells)) == 12 and (out / "cube.nc").is_file()
     other = ray_nvml.fake_device_state(1 - lost[0])
     assert other["locked_clocks"] is None  # the other worker put its GPU back
+    # followed as the line says, with sudo (which drops DVFS_STATE_DIR: the actors' state
+    # folder), once the GPU answers again: the reset names that folder and puts the GPU back
+    from nvml_support import dvfs_in_process
+
+    ray_nvml.fake_update_device(lost[0], lost=False)
+    command = shlex.split(last.split("run `", 1)[1].split("`", 1)[0])
+    assert command[:3] == ["dvfs", "gpu", "reset"] and f" on {platform.node()} " in last, last
+    unset: dict = {"DVFS_STATE_DIR": None}
+    reset = dvfs_in_process(*command[1:], env=unset)
+    assert reset.returncode == 0, reset.stderr
+    assert ray_nvml.fake_device_state(lost[0])["locked_clocks"] is None, reset.stdout
 
 
 @pytest.mark.timeout(300)
@@ -525,6 +538,9 @@ def test_an_actor_that_dies_as_it_starts_is_one_line_not_an_internal_error(
     [line] = result.output.strip().splitlines()
     assert line.startswith("Error: a Ray worker died as it started (") and "rerun" in line, line
     assert ("dvfs gpu reset" in line) == (actor == "worker"), line
+    # its state folder is the cluster's $DVFS_STATE_DIR, which `sudo` drops: the reset says it
+    reset = f"`dvfs gpu reset --state-dir {os.environ['DVFS_STATE_DIR']}` there"
+    assert (reset in line) == (actor == "worker"), line
     assert "internal error" not in line
     assert (journal.read_text() if journal.exists() else None) == before
 
@@ -870,6 +886,8 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
             self.open = types.SimpleNamespace(remote=lambda: {"worker": label})
             self.close = types.SimpleNamespace(remote=lambda: ("close", self))
             self.unrestored = types.SimpleNamespace(remote=lambda: [])
+            told = [label.split("/")[0], "`dvfs gpu reset --state-dir /s`"]
+            self.reset_command = types.SimpleNamespace(remote=lambda: told)
 
     labels = iter(["n1/gpu0", "n2/gpu0", "n2/gpu1"])
     actor_class = types.SimpleNamespace(
@@ -917,6 +935,7 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
             "the GPUs of worker n2/gpu1 (its close was given up)",
         ]
     }
+    assert executor.reset_on("n2") == "`dvfs gpu reset --state-dir /s`"
 
 
 def test_sigterm_while_ray_starts_ends_as_without_ray(tmp_path: Path, monkeypatch) -> None:
