@@ -292,8 +292,18 @@ class WorkerActor:
         try:
             return self.worker.run_unit(unit)
         except BaseException:
-            self.worker.close()  # restore the GPUs before the driver writes this worker off
+            # Restore the GPUs before the driver writes this worker off; what lost it (its
+            # GPU off the bus) goes on: a restore that failed after it leaves its state
+            # files (`unrestored`) and says why in `close_error`.
+            try:
+                self.worker.close()
+            except Exception as exc:  # noqa: BLE001
+                self.closing = exc
             raise
+
+    def close_error(self) -> BaseException | None:
+        """What its worker's close raised as a failed unit closed it (None if nothing)."""
+        return getattr(self, "closing", None)
 
     def close(self) -> None:
         if self.worker is not None:
@@ -695,7 +705,7 @@ class RayExecutor:
                         shipment = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001  (its actor died, or its worker raised)
                         self._lost(fleet, label, unit, exc)
-                        self._left(ray, label, alive[label])
+                        self._left(ray, label, alive[label], failed=True)
                         alive.pop(label, None)
                         if pacer is not None:
                             pacer.leave(label)
@@ -723,6 +733,9 @@ class RayExecutor:
             # before the interruption goes on (a second signal gives up waiting).
             self._collect(ray, fleet, pending)
             raise
+        if not fleet.finished and not alive:
+            # Every worker lost: the cells left, and the resets to run before resuming.
+            fleet.check_finished(self.reset_first())
         if not fleet.finished and alive:
             fleet.check_finished()  # a refusal's own line, when the driver retired them
             raise DvfsError(
@@ -757,13 +770,33 @@ class RayExecutor:
         self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} ({why})")
         return True
 
-    def _left(self, ray: Any, label: str, actor: Any) -> None:
-        """Note the GPUs an actor that closed (or whose worker raised) left changed."""
+    def _left(self, ray: Any, label: str, actor: Any, failed: bool = False) -> None:
+        """Note the GPUs an actor that closed (or whose worker raised: `failed`, and what its
+        close raised then) left changed."""
         with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
             left = ray.get(actor.unrestored.remote(), timeout=OPEN_TIMEOUT_S)
             if left:
                 host = label.split("/", 1)[0]
                 self.unrestored.setdefault(host, []).extend(str(u) for u in left)
+            closing = (
+                ray.get(actor.close_error.remote(), timeout=OPEN_TIMEOUT_S) if failed else None
+            )
+            if closing is not None:
+                self.close_errors.append(closing)
+
+    def reset_first(self) -> str:
+        """Where workers left GPUs changed: the nodes and each one's `dvfs gpu reset`, to run
+        before the sweep resumes (`Fleet.check_finished`'s `reset`); "" where none did."""
+        if not self.unrestored:
+            return ""
+        by_command: dict[str, list[str]] = {}
+        for host in self.unrestored:
+            by_command.setdefault(self.reset_on(host), []).append(host)
+        run = ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
+        return (
+            f"GPU settings were left unrestored on {', '.join(self.unrestored)}: once the GPUs "
+            f"answer again, run {run}"
+        )
 
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None)
