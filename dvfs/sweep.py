@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,7 +37,9 @@ from dvfs.errors import (
     CubeError,
     DvfsError,
     GpuError,
+    GpuNotFoundError,
     GpuPermissionError,
+    GpuUnavailableError,
     IncomparableCellsError,
 )
 from dvfs.fleet.shard import Shard, planned_cells
@@ -165,6 +167,7 @@ def run_sweep(
                 shard=shard,
                 only=only,
                 count_method=count_method,
+                fresh=fresh,
             )
             if unrestored is not None:
                 # Every cell is journaled: the cube is written as after a restored sweep (a
@@ -272,10 +275,12 @@ def _measure(
     shard: Shard | None,
     only: Collection[str] | None = None,
     count_method: str = "",
+    fresh: bool = False,
 ) -> tuple[RunSummary, Path, GpuError | None]:
     """Run the cells into the folder's journal; its summary, the journal's path, and the error
     of a restore of the GPUs' settings that failed once every cell had run (None when none
-    did)."""
+    did). A GPU lost while the cells ran ends it in `gpu_lost_error`'s line (`fresh`: the run
+    had --fresh, which its command again would start over with)."""
     # What the campaign alone decides is refused before the journal is made (a refused run
     # leaves none, so the corrected campaign may run into the same folder), and before any
     # GPU is touched or server started: more shards than comparison groups, another
@@ -304,6 +309,7 @@ def _measure(
         claim_shard(journal, shard)
         check_same_server_env(journal, campaign)
         summary: RunSummary | None = None
+        measuring: list[Gpu] = []  # the GPUs, once the knobs are in hand and cells may run
         try:
             with contextlib.ExitStack() as stack:
                 b = backends or stack.enter_context(
@@ -314,6 +320,7 @@ def _measure(
                 check_same_prompts(journal, corpora, count_method, campaign)
                 check_inflight_resume(journal, campaign, cells)
                 knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
+                measuring = list(b.gpus)
                 runner = Runner(
                     campaign,
                     gpus=b.gpus,
@@ -336,10 +343,71 @@ def _measure(
                     # sweep was interrupted (its exit code), the restore's error said beside.
                     interruption.restore_error = exc  # type: ignore[attr-defined]
                     raise interruption from None
+                lost = gpu_lost_error(
+                    exc, measuring, _cells_left(campaign, cells, journal), state_dir, fresh
+                )
+                if lost is not None:
+                    raise lost from exc
                 raise
             return summary, journal.path, exc
     assert summary is not None  # the stack raises what it does not return from
     return summary, journal.path, None
+
+
+def _cells_left(campaign: Campaign, cells: Sequence[Cell], journal: Journal) -> int:
+    """How many of `cells` the journal does not hold finished (as a rerun counts them)."""
+    from dvfs.measure.inflight import whole_groups_done
+
+    done = whole_groups_done(campaign.measurement.mode, cells, journal.finished())
+    return sum(1 for c in cells if c.key not in done)
+
+
+def gpu_lost_error(
+    exc: GpuError,
+    gpus: Sequence[Gpu],
+    left: int,
+    state_dir: Path | None,
+    fresh: bool,
+) -> GpuError | None:
+    """The sweep's line for a GPU of `gpus` (the sweep's, once its cells could run; none
+    before) lost while it measured (fallen off the bus: a `GpuUnavailableError`), `exc` being
+    that loss or the failed restore it ended in (whose context it is): which GPU, the cells
+    `left`, the `dvfs gpu reset` that puts back the settings this process left in its state
+    files once the GPU answers again, and the command again (less --fresh) to resume, as a
+    fleet that lost every worker says it; exit 1. None for any other error (a restore that
+    needs root keeps its own line and code)."""
+    from dvfs.fleet.driver import resume_advice
+    from dvfs.gpu.safety import StateStore, default_state_dir, reset_command
+
+    seen: BaseException | None = exc
+    while seen is not None and not (
+        isinstance(seen, GpuUnavailableError) and not isinstance(seen, GpuNotFoundError)
+    ):
+        seen = seen.__context__
+    if not gpus or seen is None or exc.exit_code != 1:
+        return None
+    loss = str(seen).rstrip(".")
+    named = [g for g in gpus if loss.startswith(f"GPU {g.identity.index}:")]
+    which = (
+        f"GPU {named[0].identity.index} ({named[0].identity.uuid})"
+        if len(named) == 1
+        else "a GPU of the sweep"
+    )
+    directory = state_dir or default_state_dir()
+    pid = os.getpid()
+    kept = [p.original.uuid for p in StateStore(directory).pending() if p.pid == pid]
+    if kept:
+        whose = "its" if [g.identity.uuid for g in named] == kept else f"{', '.join(kept)}'s"
+        then = (
+            f"{whose} settings could not be restored: once it answers again, run "
+            f"{reset_command(directory)}, then {resume_advice(fresh)}"
+        )
+    else:
+        then = f"once it answers again, {resume_advice(fresh)}"
+    return GpuError(
+        f"{which} was lost with {left} cell(s) left ({loss}): the journal keeps every "
+        f"finished cell; {then}"
+    )
 
 
 def interruption_of(exc: GpuError) -> BaseException | None:

@@ -1915,3 +1915,63 @@ def test_a_refusal_over_another_state_dir_names_the_reset_that_restores_it(
     assert reset.returncode == 0, reset.stderr
     assert "restored GPU 0" in reset.stdout, reset.stdout
     assert not record.exists() and nvml.fake_device_state(0)["power_limit_mw"] == 650_000
+
+
+@pytest.mark.parametrize("observe", [False, True], ids=["changed", "observe-only"])
+def test_a_sweep_whose_gpu_falls_off_the_bus_says_so_and_how_to_resume(
+    nvml, tmp_path: Path, env, monkeypatch: pytest.MonkeyPatch, observe: bool
+) -> None:
+    """A --fresh sweep whose one GPU fell off the bus mid-run ended with the failed restore's
+    line alone ('could not restore GPU settings: GPU 0 (...): cannot reset locked SM clocks:
+    ...'): no word of the loss that stopped it, of the cells left or of resuming. It names the
+    GPU lost (index and UUID) with its cells left, the reset to run once it answers (with
+    its state folder) where its settings were left, and the command again less --fresh;
+    followed to the letter, the rerun measures only the cells left."""
+    from dvfs.measure.journal import read_records
+    from dvfs.measure.runner import Runner
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    calls: list[int] = []
+    run_cell = Runner.run_cell
+
+    def losing(self, cell):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:  # the GPU falls off the bus on the second cell
+            nvml.fake_update_device(0, lost=True)
+        return run_cell(self, cell)
+
+    monkeypatch.setattr(Runner, "run_cell", losing)
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign_file(tmp_path, repeats=2)), "--out", str(out), "--no-progress"]
+    argv += ["--observe-only"] if observe else []
+    result = dvfs_in_process(*argv, "--fresh", env=env)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    kept = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    total = 2 if observe else 8
+    assert 0 < len(kept) < total
+    assert last.startswith(
+        f"Error: GPU 0 ({uuid}) was lost with {total - len(kept)} cell(s) left (GPU 0: "
+    ), last
+    assert "fallen off the bus" in last and "could not restore" not in last, last
+    reset = f"run `dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`, then "
+    assert (reset in last) is not observe, last
+    assert last.endswith(
+        "the journal keeps every finished cell; "
+        + ("once it answers again, " if observe else "its settings could not be restored: ")
+        + ("" if observe else f"once it answers again, {reset}")
+        + "rerun the same command without --fresh to resume (with it, it starts over)"
+    ), last
+    # followed: the GPU answers again, is reset where the line says, and the command less
+    # --fresh resumes, measuring only the cells left
+    monkeypatch.setattr(Runner, "run_cell", run_cell)
+    nvml.fake_update_device(0, lost=False)
+    if not observe:
+        command = shlex.split(last.split("run `", 1)[1].split("`", 1)[0])
+        assert dvfs_in_process(*command[1:], env=env).returncode == 0
+    resumed = dvfs_in_process(*argv, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == total and cells[: len(kept)] == kept and (out / "cube.nc").is_file()
+    assert_as_found(nvml, tmp_path / "dvfs-state")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import threading
 from collections.abc import Iterator
@@ -756,24 +757,32 @@ def test_a_fleet_whose_restore_nvml_refuses_says_why_as_one_gpus_sweep(
     assert len(cells) == 8 and (out / "cube.nc").is_file()
 
 
+@pytest.mark.parametrize("gpus", [2, 4])
 def test_a_fleet_that_loses_every_gpu_says_so_and_how_to_resume(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int
 ) -> None:
     """A --fresh fleet whose every GPU falls off the bus mid-sweep ended with one worker's
     error ('GPU 1: cannot read the power limit: the GPU has fallen off the bus ...') and no
     word of the cells left or of resuming, where a Ray fleet says both. It says, in one line,
     that every worker was lost, with the cells left and to rerun without --fresh (which
-    starts over); followed once the GPUs answer and are reset, it measures only those."""
+    starts over); followed once the GPUs answer and are reset, it measures only those.
+    Each worker is named by what lost it (its GPU off the bus), not by the restore that
+    failed after it ('... retries from the state file.;'), three of them and how many more;
+    the restores' failure is its own clause: the GPUs left changed and the reset to run
+    (with the state folder), run as the line says."""
     from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
     from dvfs.fleet.worker import Worker
 
-    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    env = fake_env(
+        tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_FAKE_NVML_DEVICES=",".join(["h100-sxm"] * gpus)
+    )
     for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
         monkeypatch.setenv(key, env[key])
     nvml = load_fake()
     nvml.fake_reset_state()
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=gpus))
+    total = 4 * gpus  # four knob settings (two clocks, two power limits), each repeated
     calls: dict[str, int] = {}
     run = Worker.run
 
@@ -785,28 +794,38 @@ def test_a_fleet_that_loses_every_gpu_says_so_and_how_to_resume(
 
     monkeypatch.setattr(Worker, "run", losing)
     out = tmp_path / "out"
-    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    argv = ["sweep", str(campaign), "--gpus", f"0-{gpus - 1}", "--out", str(out), "--no-progress"]
     result = dvfs_in_process(*argv, "--fresh", env=env)
     assert result.returncode == 1, result.stderr
     last = " ".join(result.stderr.strip().splitlines()[-1].split())
     assert last.startswith("Error: every worker was lost with "), result.stderr
-    assert "gpu0: " in last and "gpu1: " in last and "fallen off the bus" in last, last
+    kept = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert 0 < len(kept) < total
+    assert last.startswith(f"Error: every worker was lost with {total - len(kept)} cell(s) left (")
+    named = last.split(" cell(s) left (", 1)[1].split("): the journal keeps", 1)[0]
+    workers = [f"gpu{i}: GpuUnavailableError: GPU {i}: " for i in range(gpus)]
+    assert all((w in named) is (i < 3) for i, w in enumerate(workers)), named
+    assert named.count("fallen off the bus") == min(gpus, 3), named
+    assert named.endswith("; and 1 more" if gpus == 4 else "before it can be used"), named
+    assert "could not restore" not in named and ".;" not in last, last
+    reset = f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`"
     assert last.endswith(
-        "the journal keeps every finished cell; rerun the same command without --fresh to "
-        "resume (with it, it starts over)"
+        f"the journal keeps every finished cell; the settings of {gpus} GPUs could not be "
+        f"restored: once they answer again, run {reset}, then rerun the same "
+        "command without --fresh to resume (with it, it starts over)"
     ), last
     assert "Traceback" not in result.stderr
-    kept = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
-    assert 0 < len(kept) < 8
-    # followed: the GPUs answer again, are reset, and the command less --fresh resumes
+    # followed: the GPUs answer again, are reset as the line says, and the command less
+    # --fresh resumes
     monkeypatch.setattr(Worker, "run", run)
-    for i in range(2):
+    for i in range(gpus):
         nvml.fake_update_device(i, lost=False)
-    assert dvfs_in_process("gpu", "reset", env=env).returncode == 0
+    command = shlex.split(last.split(", run `", 1)[1].split("`", 1)[0])
+    assert dvfs_in_process(*command[1:], env=env).returncode == 0
     resumed = dvfs_in_process(*argv, env=env)
     assert resumed.returncode == 0, resumed.stderr
     cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
-    assert len(cells) == 8 and cells[: len(kept)] == kept and (out / "cube.nc").is_file()
+    assert len(cells) == total and cells[: len(kept)] == kept and (out / "cube.nc").is_file()
 
 
 def test_a_fleet_without_root_keeps_the_permission_refusal_not_every_worker_lost(

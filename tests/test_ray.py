@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -240,6 +242,79 @@ def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     assert len(cells) == len(set(cells)) == 12 and (out / "cube.nc").is_file()
     other = ray_nvml.fake_device_state(1 - lost[0])
     assert other["locked_clocks"] is None  # the other worker put its GPU back
+    # followed as the line says, with sudo (which drops DVFS_STATE_DIR: the actors' state
+    # folder), once the GPU answers again: the reset names that folder and puts the GPU back
+    from nvml_support import dvfs_in_process
+
+    ray_nvml.fake_update_device(lost[0], lost=False)
+    command = shlex.split(last.split("run `", 1)[1].split("`", 1)[0])
+    assert command[:3] == ["dvfs", "gpu", "reset"] and f"` on {platform.node()}" in last, last
+    unset: dict = {"DVFS_STATE_DIR": None}
+    reset = dvfs_in_process(*command[1:], env=unset)
+    assert reset.returncode == 0, reset.stderr
+    assert ray_nvml.fake_device_state(lost[0])["locked_clocks"] is None, reset.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_ray_fleet_that_loses_every_gpu_names_the_losses_and_the_reset_first(
+    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs on Ray, each falling off the bus after its worker's first cell: the line
+    named each worker by its failed restore ('vm/gpu0: GpuError: could not restore GPU
+    settings: ...', cut mid-word), not by its loss, and said to rerun without a word of the
+    GPUs left changed, whose state files are in the node's $DVFS_STATE_DIR. It names each
+    loss, then the reset to run there (with --state-dir) before the command less --fresh;
+    followed (the reset run as with sudo, the variable dropped), the sweep resumes."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process
+
+    from dvfs.fleet.driver import Fleet
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=3))
+    out = tmp_path / "out"
+    ship = Fleet.shipped
+    lost: set[int] = set()
+
+    def lose(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        ship(self, worker, shipment)
+        cell = next((r for r in shipment.records if r.get("type") == "cell"), None)
+        if cell is not None:  # in the driver's thread, as the driver journals it
+            index = int(cell["worker"].rsplit("gpu", 1)[1])
+            if index not in lost:
+                ray_nvml.fake_update_device(index, lost=True)
+                lost.add(index)
+
+    monkeypatch.setattr(Fleet, "shipped", lose)
+    argv = [str(campaign), "--executor", "ray", "--out", str(out)]
+    result = sweep(*argv, "--fresh")
+    assert result.exit_code == 1, result.output
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    assert last.startswith("Error: every worker was lost with "), result.output
+    named = last.split(" cell(s) left (", 1)[1].split("): the journal keeps", 1)[0]
+    host = platform.node()
+    for i in range(2):
+        assert f"{host}/gpu{i}: GpuUnavailableError: GPU {i}: " in named, named
+    assert "could not restore" not in named and named.count("fallen off the bus") == 2, named
+    reset = f"`dvfs gpu reset --state-dir {os.environ['DVFS_STATE_DIR']}` on {host}"
+    assert last.endswith(
+        f"the journal keeps every finished cell; GPU settings were left unrestored on {host}: "
+        f"once the GPUs answer again, run {reset}, then rerun the same command without "
+        "--fresh to resume (with it, it starts over)"
+    ), last
+    assert "Traceback" not in result.output
+    kept = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    # followed: the GPUs answer again, the reset is run as the line says, with sudo (which
+    # drops DVFS_STATE_DIR), and the command less --fresh resumes
+    monkeypatch.setattr(Fleet, "shipped", ship)
+    for i in range(2):
+        ray_nvml.fake_update_device(i, lost=False)
+    command = shlex.split(last.split(", run `", 1)[1].split("`", 1)[0])
+    unset: dict = {"DVFS_STATE_DIR": None}
+    assert dvfs_in_process(*command[1:], env=unset).returncode == 0
+    assert all(ray_nvml.fake_device_state(i)["locked_clocks"] is None for i in range(2))
+    resumed = sweep(*argv)
+    assert resumed.exit_code == 0, resumed.output
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == 12 and cells[: len(kept)] == kept and (out / "cube.nc").is_file()
 
 
 @pytest.mark.timeout(300)
@@ -525,6 +600,9 @@ def test_an_actor_that_dies_as_it_starts_is_one_line_not_an_internal_error(
     [line] = result.output.strip().splitlines()
     assert line.startswith("Error: a Ray worker died as it started (") and "rerun" in line, line
     assert ("dvfs gpu reset" in line) == (actor == "worker"), line
+    # its state folder is the cluster's $DVFS_STATE_DIR, which `sudo` drops: the reset says it
+    reset = f"`dvfs gpu reset --state-dir {os.environ['DVFS_STATE_DIR']}` there"
+    assert (reset in line) == (actor == "worker"), line
     assert "internal error" not in line
     assert (journal.read_text() if journal.exists() else None) == before
 
@@ -870,6 +948,8 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
             self.open = types.SimpleNamespace(remote=lambda: {"worker": label})
             self.close = types.SimpleNamespace(remote=lambda: ("close", self))
             self.unrestored = types.SimpleNamespace(remote=lambda: [])
+            told = [label.split("/")[0], "`dvfs gpu reset --state-dir /s`"]
+            self.reset_command = types.SimpleNamespace(remote=lambda: told)
 
     labels = iter(["n1/gpu0", "n2/gpu0", "n2/gpu1"])
     actor_class = types.SimpleNamespace(
@@ -917,6 +997,7 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
             "the GPUs of worker n2/gpu1 (its close was given up)",
         ]
     }
+    assert executor.reset_on("n2") == "`dvfs gpu reset --state-dir /s`"
 
 
 def test_sigterm_while_ray_starts_ends_as_without_ray(tmp_path: Path, monkeypatch) -> None:

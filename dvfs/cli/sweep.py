@@ -636,12 +636,15 @@ def run_fleet(
     except (KeyboardInterrupt, Interrupted):
         status = _after_interruption_told(err, campaign, out_dir, shard)
         if executor == "ray" and run_on.unrestored:
-            status = _ray_unrestored(run_on.unrestored)
+            status = _ray_unrestored(run_on.unrestored, resets=run_on.resets)
         err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
     report_fleet(outcome, fresh=fresh)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
-        err.print(_ray_unrestored(run_on.unrestored, run_on.close_errors), soft_wrap=True)
+        err.print(
+            _ray_unrestored(run_on.unrestored, run_on.close_errors, run_on.resets),
+            soft_wrap=True,
+        )
         raise SystemExit(_restore_exit_code(run_on.close_errors))
     if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
         from dvfs.sweep import unrestored_gpus
@@ -731,22 +734,29 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
     return "GPU settings restored."
 
 
-def _ray_unrestored(left: dict[str, list[str]], errors: Sequence[BaseException] = ()) -> str:
+def _ray_unrestored(
+    left: dict[str, list[str]],
+    errors: Sequence[BaseException] = (),
+    resets: dict[str, str] | None = None,
+) -> str:
     """The line for the GPUs Ray workers did not put back, each node's with `dvfs gpu reset`
-    there (the state files are on that node); why, where a worker's restore said it
-    (`errors`: what the actors' closes raised)."""
+    there (the state files are on that node; `resets`: each node's command, as its actors
+    told it, with the --state-dir that reads their state files where needed); why, where a
+    worker's restore said it (`errors`: what the actors' closes raised)."""
     where = "; ".join(f"{', '.join(gpus)} on {host}" for host, gpus in left.items())
-    hosts = escape(", ".join(left))
+    by_command: dict[str, list[str]] = {}
+    for host in left:
+        by_command.setdefault((resets or {}).get(host, "`dvfs gpu reset`"), []).append(host)
+    run = escape(
+        ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
+    )
     failed = _restores_failed(errors)
     if failed:
-        return (
-            f"[red]GPU settings NOT restored[/red] for {escape(where)}: {failed}; run `dvfs gpu "
-            f"reset` on {hosts}."
-        )
+        return f"[red]GPU settings NOT restored[/red] for {escape(where)}: {failed}; run {run}."
     return (
         f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, or "
-        "its actor died or was stopped, before it could put them back; run `dvfs gpu reset` on "
-        f"{hosts} once the GPU answers again."
+        f"its actor died or was stopped, before it could put them back; run {run} once the GPU "
+        "answers again."
     )
 
 

@@ -210,6 +210,14 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return combined
 
 
+def _bounded(why: str, chars: int = 200) -> str:
+    """A lost worker's error for the line that names three of them: without its last full
+    stop (clauses follow it), and cut short where long, so the line keeps, within an error
+    line's bound, the reset and the resume that end it."""
+    why = why.rstrip(".")
+    return why if len(why) <= chars else why[: chars - 3] + "..."
+
+
 def resume_advice(fresh: bool) -> str:
     """How a fleet whose workers stopped with cells left resumes: its command again, less
     --fresh (which would move the journal aside, unread, and start over)."""
@@ -486,16 +494,22 @@ class Driver:
     def lost(self, worker: str, unit: Unit | Cell | None, why: str) -> None:
         """A worker died: its unfinished unit goes back to the queue for the others."""
         stats = self.stats.setdefault(worker, WorkerStats(worker))
-        stats.lost = why
+        again = stats.lost is not None
+        # What lost it (its GPU fallen off the bus), not what failed after (the restore of
+        # that GPU as the worker closed), which is said as it comes.
+        stats.lost = stats.lost or why
         stats.current = ""
         cells = as_unit(unit) if unit is not None else ()
         if any(cell.key in self._outstanding for cell in cells):
             self.queue.give_back([cells[0]])
         self.queue.leave(worker)
-        self.note(
-            f"worker {worker} lost ({why}); its unfinished cells go to the others, a comparison "
-            "group at a time"
-        )
+        if again:
+            self.note(f"worker {worker}, lost, then: {why}")
+        else:
+            self.note(
+                f"worker {worker} lost ({why}); its unfinished cells go to the others, a "
+                "comparison group at a time"
+            )
         self._show(stats)
 
     def _show(self, stats: WorkerStats) -> None:
@@ -505,18 +519,22 @@ class Driver:
         alive = sum(1 for s in self.stats.values() if s.lost is None) or 1
         show(stats, stats.eta_s(len(self._outstanding) / alive))
 
-    def check_finished(self, fresh: bool = False) -> None:
-        """After the executor returns: cells left over mean every worker was lost. `fresh`:
-        the run was started with --fresh, which its command again would start over."""
+    def check_finished(self, fresh: bool = False, reset: str = "") -> None:
+        """After the executor returns: cells left over mean every worker was lost, each named
+        with what lost it (three, and how many more). `fresh`: the run was started with
+        --fresh, which its command again would start over. `reset`: what to run first, where
+        the workers left GPUs' settings unrestored (their GPUs lost)."""
         if self.finished:
             return
         if self.refused is not None:
             raise JournalError(self.refused)
-        lost = [f"{s.label}: {s.lost}" for s in self.stats.values() if s.lost]
+        lost = [f"{s.label}: {_bounded(s.lost)}" for s in self.stats.values() if s.lost]
+        named = "; ".join(lost[:3]) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
         raise JournalError(
             f"every worker was lost with {len(self._outstanding)} cell(s) left"
-            + (f" ({'; '.join(lost[:3])})" if lost else "")
+            + (f" ({named})" if lost else "")
             + ": the journal keeps every finished cell; "
+            + (f"{reset}, then " if reset else "")
             + resume_advice(fresh)
         )
 
@@ -653,9 +671,9 @@ class Fleet:
     def finished(self) -> bool:
         return all(d.finished for d in self.drivers.values())
 
-    def check_finished(self) -> None:
+    def check_finished(self, reset: str = "") -> None:
         for driver in self.drivers.values():
-            driver.check_finished(self.fresh)
+            driver.check_finished(self.fresh, reset)
 
     @property
     def stats(self) -> list[WorkerStats]:

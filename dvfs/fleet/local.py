@@ -12,6 +12,7 @@ interruption goes on.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -260,8 +261,31 @@ class LocalExecutor:
             refusal = next((e for e in errors if _refusal(e)), None)
             if refusal is not None:
                 raise refusal
-            fleet.check_finished()
+            fleet.check_finished(self._reset_first(fleet.campaign))
             raise first_error
+
+    def _reset_first(self, campaign: Campaign) -> str:
+        """Where the workers left GPUs' settings unrestored (a GPU lost before it could be
+        put back): those GPUs and the `dvfs gpu reset` that reads their state files, to run
+        before the run resumes; "" where none was left (or on the twin)."""
+        from dvfs.backends import real_gpus
+
+        if not real_gpus(campaign):
+            return ""
+        from dvfs.gpu.safety import StateStore
+
+        store = StateStore(self.state_dir)
+        kept = [p.original.uuid for p in store.pending() if p.pid == os.getpid()]
+        if not kept:
+            return ""
+        # Their count where several (the line names each worker's GPU already, and must
+        # stay within an error line's bound with the reset and the resume in it).
+        whose = kept[0] if len(kept) == 1 else f"{len(kept)} GPUs"
+        they = "it answers" if len(kept) == 1 else "they answer"
+        return (
+            f"the settings of {whose} could not be restored: once {they} again, run "
+            f"{store.reset_command()}"
+        )
 
     @staticmethod
     def _drain(

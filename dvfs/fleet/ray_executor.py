@@ -46,6 +46,9 @@ NAMESPACE = "dvfs"
 OPEN_TIMEOUT_S = 1800.0
 #: Seconds of waiting for the actors to start before a note says so.
 OPEN_NOTE_S = 30.0
+#: Seconds an actor that died as it started waits for the others to tell their nodes' reset
+#: command (`WorkerActor.reset_command`), which its line names.
+TOLD_WAIT_S = 10.0
 
 
 class RayMissingError(DvfsError):
@@ -272,12 +275,35 @@ class WorkerActor:
         )
         return self.worker.open()
 
+    def reset_command(self) -> tuple[str, str]:
+        """Its node, and the `dvfs gpu reset` there that reads the state files its worker
+        keeps (with --state-dir where the node's $DVFS_STATE_DIR or default chose another
+        folder than a plain reset, run with sudo, reads): asked before it opens, so that the
+        driver can name it for a GPU this actor leaves changed, even once it died."""
+        from dvfs.gpu.safety import default_state_dir, reset_command
+
+        try:
+            command = reset_command(default_state_dir())
+        except DvfsError:  # its state folder unusable: its worker's opening says why
+            command = "`dvfs gpu reset`"
+        return platform.node(), command
+
     def run(self, unit: Any) -> Any:
         try:
             return self.worker.run_unit(unit)
         except BaseException:
-            self.worker.close()  # restore the GPUs before the driver writes this worker off
+            # Restore the GPUs before the driver writes this worker off; what lost it (its
+            # GPU off the bus) goes on: a restore that failed after it leaves its state
+            # files (`unrestored`) and says why in `close_error`.
+            try:
+                self.worker.close()
+            except Exception as exc:  # noqa: BLE001
+                self.closing = exc
             raise
+
+    def close_error(self) -> BaseException | None:
+        """What its worker's close raised as a failed unit closed it (None if nothing)."""
+        return getattr(self, "closing", None)
 
     def close(self) -> None:
         if self.worker is not None:
@@ -323,6 +349,9 @@ class RayExecutor:
         #: What the actors' closes raised (a restore of their GPUs that NVML refused): the
         #: sweep's error line where GPUs were left changed, as one GPU's sweep says it.
         self.close_errors: list[BaseException] = []
+        #: Each node's `dvfs gpu reset` that reads its workers' state files (with its
+        #: --state-dir where needed), as its actors told it (`WorkerActor.reset_command`).
+        self.resets: dict[str, str] = {}
         #: Whether the note that RAY_ADDRESS is not joined was said (by the models' probe:
         #: not again by the run).
         self._address_noted = False
@@ -500,13 +529,21 @@ class RayExecutor:
             )
         alive: dict[str, Any] = {}
         try:
+            # Asked first (an actor answers in order): known even for one that dies opening.
+            told = [] if twin else [a.reset_command.remote() for a in actors]
             refs = [a.open.remote() for a in actors]
+
+            def reset() -> str:
+                # A worker's actor may die once it changed its GPUs (a measured settle).
+                if twin:
+                    return ""
+                self._told(ray, told, TOLD_WAIT_S)  # the others answer as they start
+                commands = set(self.resets.values())
+                command = commands.pop() if len(commands) == 1 else "`dvfs gpu reset`"
+                return f"; its GPUs may keep settings it set: {command} there"
+
             try:
                 resource = TWIN_RESOURCE if twin else "GPU"
-                # A worker's actor may die once it changed its GPUs (a measured settle).
-                reset = (
-                    "" if twin else "; its GPUs may keep settings it set: `dvfs gpu reset` there"
-                )
                 sessions = self._open(ray, fleet.note, refs, resource, reset)
             except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
@@ -520,6 +557,7 @@ class RayExecutor:
             sessions = [sessions[i] for i in order]
             alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
             fleet.open(sessions)
+            self._told(ray, told)
             self._drive(ray, fleet, alive, virtual_time(campaign))
         finally:
             try:
@@ -548,6 +586,21 @@ class RayExecutor:
                 raise
             self._left(ray, label, actor)
 
+    def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
+        """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
+        (or within `wait_s`)."""
+        if not told:
+            return
+        ready, _ = ray.wait(told, num_returns=len(told), timeout=wait_s)
+        for ref in ready:
+            with contextlib.suppress(Exception):  # its actor died before it answered
+                host, command = ray.get(ref)
+                self.resets[str(host)] = str(command)
+
+    def reset_on(self, host: str) -> str:
+        """The `dvfs gpu reset` to run on `host` (its actors' word; plain where none said)."""
+        return self.resets.get(host, "`dvfs gpu reset`")
+
     @staticmethod
     def _opened(ray: Any, actors: dict[Any, Any]) -> dict[str, Any]:
         """The actors whose `open` (a ref of `actors`) returned a session by now, by label."""
@@ -564,7 +617,7 @@ class RayExecutor:
         note: Callable[[str], None] | None,
         refs: list[Any],
         resource: str,
-        reset: str = "",
+        reset: Callable[[], str] | None = None,
     ) -> list[Any]:
         """Every actor's session, once each is placed and has opened its GPUs. An actor Ray
         cannot place (other jobs hold the cluster's GPUs) waits: said in `note` after
@@ -587,7 +640,8 @@ class RayExecutor:
                 why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else ""
                 raise DvfsError(
                     f"a Ray worker died as it started ({why or type(exc).__name__}): its node "
-                    f"may have gone down or run out of memory (see Ray's logs there){reset}; "
+                    f"may have gone down or run out of memory (see Ray's logs there)"
+                    f"{reset() if reset is not None else ''}; "
                     "rerun the same command once the cluster is whole"
                 ) from exc
             free = ray.available_resources().get(resource, 0)
@@ -651,7 +705,7 @@ class RayExecutor:
                         shipment = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001  (its actor died, or its worker raised)
                         self._lost(fleet, label, unit, exc)
-                        self._left(ray, label, alive[label])
+                        self._left(ray, label, alive[label], failed=True)
                         alive.pop(label, None)
                         if pacer is not None:
                             pacer.leave(label)
@@ -679,6 +733,9 @@ class RayExecutor:
             # before the interruption goes on (a second signal gives up waiting).
             self._collect(ray, fleet, pending)
             raise
+        if not fleet.finished and not alive:
+            # Every worker lost: the cells left, and the resets to run before resuming.
+            fleet.check_finished(self.reset_first())
         if not fleet.finished and alive:
             fleet.check_finished()  # a refusal's own line, when the driver retired them
             raise DvfsError(
@@ -713,13 +770,33 @@ class RayExecutor:
         self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} ({why})")
         return True
 
-    def _left(self, ray: Any, label: str, actor: Any) -> None:
-        """Note the GPUs an actor that closed (or whose worker raised) left changed."""
+    def _left(self, ray: Any, label: str, actor: Any, failed: bool = False) -> None:
+        """Note the GPUs an actor that closed (or whose worker raised: `failed`, and what its
+        close raised then) left changed."""
         with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
             left = ray.get(actor.unrestored.remote(), timeout=OPEN_TIMEOUT_S)
             if left:
                 host = label.split("/", 1)[0]
                 self.unrestored.setdefault(host, []).extend(str(u) for u in left)
+            closing = (
+                ray.get(actor.close_error.remote(), timeout=OPEN_TIMEOUT_S) if failed else None
+            )
+            if closing is not None:
+                self.close_errors.append(closing)
+
+    def reset_first(self) -> str:
+        """Where workers left GPUs changed: the nodes and each one's `dvfs gpu reset`, to run
+        before the sweep resumes (`Fleet.check_finished`'s `reset`); "" where none did."""
+        if not self.unrestored:
+            return ""
+        by_command: dict[str, list[str]] = {}
+        for host in self.unrestored:
+            by_command.setdefault(self.reset_on(host), []).append(host)
+        run = ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
+        return (
+            f"GPU settings were left unrestored on {', '.join(self.unrestored)}: once the GPUs "
+            f"answer again, run {run}"
+        )
 
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None)
@@ -731,9 +808,10 @@ class RayExecutor:
         record: dict[str, Any] = {"type": "worker_lost", "worker": label, "error": why[:500]}
         if actor_gone(exc) and self._note_died(fleet.campaign, label):
             host = label.split("/", 1)[0]
-            record["reset"] = f"run `dvfs gpu reset` on {host}"
+            record["reset"] = f"run {self.reset_on(host)} on {host}"
             fleet.note(
-                f"worker {label} died without restoring its GPUs: run `dvfs gpu reset` on {host}"
+                f"worker {label} died without restoring its GPUs: run {self.reset_on(host)} on "
+                f"{host}"
             )
         fleet.lost(label, cell, why[:200], record)
 
