@@ -577,7 +577,7 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
     from dvfs.errors import GpuPermissionError, GpuStateError
-    from dvfs.gpu.safety import default_state_dir
+    from dvfs.gpu.safety import default_state_dir, state_dir_command
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
     # Every GPU (the job's) or those named: one fallen off the bus must not keep the others
@@ -611,7 +611,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
         held = (
             f"{who} {'is' if one else 'are'} in use by another dvfs process and "
             f"{'was' if one else 'were'} not reset (a running `dvfs govern` puts back the caps "
-            f"it found when it stops): stop it, then `dvfs cap reset {numbers}`"
+            f"it found when it stops): stop it, then "
+            f"`{state_dir_command(f'dvfs cap reset {numbers}', directory)}`"
         )
     lost_too = str(lost_gpus(lost)) if lost else ""
     # every GPU leaves out one NVML may not talk to: caps recorded for none of those found may
@@ -634,5 +635,11 @@ def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
     GPU) is, where NVML counts GPUs it has no permission to talk to (every GPU leaves them out,
     their UUIDs unreadable: such caps may be one's); "" where there are none."""
     from dvfs.backends import withheld_caps_line
+    from dvfs.gpu.safety import state_dir_command
 
-    return withheld_caps_line(directory, found, "those caps were not reset", "dvfs cap reset")
+    return withheld_caps_line(
+        directory,
+        found,
+        "those caps were not reset",
+        state_dir_command("dvfs cap reset", directory),
+    )

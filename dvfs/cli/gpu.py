@@ -237,9 +237,13 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
         withheld = _withheld_state(directory, gpus) if every else ""
         if every and defaults:  # --defaults resets every GPU's caps too, as `cap reset` does
             from dvfs.backends import withheld_caps_line
+            from dvfs.gpu.safety import state_dir_command
 
             caps = withheld_caps_line(
-                directory, gpus, "those caps were not reset", "dvfs gpu reset --defaults"
+                directory,
+                gpus,
+                "those caps were not reset",
+                state_dir_command("dvfs gpu reset --defaults", directory),
             )
             withheld = "; ".join(p for p in (withheld, caps) if p)
         try:
@@ -276,6 +280,7 @@ def _withheld_state(directory: Path, gpus: Sequence[Gpu]) -> str:
     where NVML counts GPUs it has no permission to talk to (every GPU leaves them out, their
     UUIDs unreadable: such a file may be one's); "" where there is none."""
     from dvfs.backends import withheld_records_line
+    from dvfs.gpu.safety import state_dir_command
 
     opened = {g.identity.uuid for g in gpus}
     files = [] if not directory.is_dir() else sorted(directory.glob("GPU-*.json"))
@@ -284,7 +289,7 @@ def _withheld_state(directory: Path, gpus: Sequence[Gpu]) -> str:
         others,
         f"state files in {directory} record",
         "their settings were not restored",
-        "dvfs gpu reset",
+        state_dir_command("dvfs gpu reset", directory),
     )
 
 

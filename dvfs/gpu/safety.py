@@ -61,15 +61,18 @@ def reset_command(directory: Path) -> str:
     """The `dvfs gpu reset` that restores from the state files in `directory`: with its
     --state-dir where that is not the default (a command run with --state-dir), which a
     plain `dvfs gpu reset` does not look in."""
+    return f"`{state_dir_command('dvfs gpu reset', directory)}`"
+
+
+def state_dir_command(command: str, directory: Path) -> str:
+    """`command` (one that reads dvfs's state folder: `dvfs gpu reset`, `dvfs cap reset`) with
+    --state-dir `directory` where that is not the default, which the plain command does not
+    look in: its state files and caps record would be left as they are."""
     try:
         default = directory == default_state_dir()
     except DvfsError:  # the default unusable: the folder named is the one to use
         default = False
-    return (
-        "`dvfs gpu reset`"
-        if default
-        else f"`dvfs gpu reset --state-dir {shlex.quote(str(directory))}`"
-    )
+    return command if default else f"{command} --state-dir {shlex.quote(str(directory))}"
 
 
 def _folder_from_env(variable: str, value: str, path: Path) -> Path:
