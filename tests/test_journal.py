@@ -79,12 +79,17 @@ def test_a_bad_middle_line_names_the_line_and_the_way_out(
         line = assert_one_line_error(result, 1, str(journal), "line 5", "--fresh")
         assert "delete line 5" in line
         # the sweep's command, a shard's with its --shard (not `dvfs sweep --fresh` alone)
-        assert "`dvfs sweep CAMPAIGN --fresh` (a shard's with its `--shard I/N`)" in line
+        assert "(DIR the folder it was swept into, a shard's with its `--shard I/N`)" in line
     assert journal.read_bytes() == before, "a damaged journal must not be rewritten"
-    # --fresh moves it aside intact and starts over.
-    fresh = invoke("sweep", str(campaign), "--out", str(out), "--no-progress", "--fresh")
+    # The advice followed, CAMPAIGN and DIR named: it moves the journal aside intact and starts
+    # over there (without --out, it swept into out/<name> and left the damaged one as it was).
+    advice = line.split("start over with `", 1)[1].split("`", 1)[0]
+    argv = [{"CAMPAIGN": str(campaign), "DIR": str(out)}.get(a, a) for a in shlex.split(advice)]
+    assert argv[:2] == ["dvfs", "sweep"], advice
+    fresh = invoke(*argv[1:], "--no-progress")
     assert fresh.exit_code == 0, fresh.output
     assert (out / "journal.jsonl.1").read_bytes() == before
+    assert invoke("cube", "build", str(out)).exit_code == 0
 
 
 @pytest.mark.parametrize(

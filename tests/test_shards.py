@@ -677,9 +677,9 @@ def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(
     # `dvfs sweep --fresh`, which would sweep the whole campaign into the shard's folder): the
     # run's shard, or I/N where no run names one (`cube build`).
     refused = invoke("sweep", campaign, "--shard", "0/2", "--out", str(damaged.parent.parent))
-    assert_one_line_error(refused, 1, "`dvfs sweep CAMPAIGN --shard 0/2 --fresh`")
+    assert_one_line_error(refused, 1, "`dvfs sweep CAMPAIGN --shard 0/2 --out DIR --fresh`")
     built = invoke("cube", "build", str(damaged.parent.parent))
-    assert_one_line_error(built, 1, "`dvfs sweep CAMPAIGN --shard I/N --fresh`")
+    assert_one_line_error(built, 1, "`dvfs sweep CAMPAIGN --shard I/N --out DIR --fresh`")
     # --fresh, which both refusals of the earlier dvfs's folder and the damaged record advise,
     # moves each model's journal aside (and the merged cube), and starts the shard over.
     for out in (old, damaged.parent.parent):

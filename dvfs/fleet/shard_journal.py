@@ -67,7 +67,8 @@ def _shard_of(journal: Path, record: dict[str, Any], shard: Shard | None = None)
         label = shard.label if shard is not None else "I/N"
         raise JournalError(
             f"{journal} has a damaged shard record ({exc}): move it aside, or start that "
-            f"shard over with `dvfs sweep CAMPAIGN --shard {label} --fresh`, which renames it"
+            f"shard over with `dvfs sweep CAMPAIGN --shard {label} --out DIR --fresh` (DIR "
+            "the folder it was swept into), which renames it"
         ) from None
 
 

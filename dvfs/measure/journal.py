@@ -69,9 +69,13 @@ INFLIGHT_ENERGY_DRIFT = "linear"
 
 
 #: How a refusal of a damaged journal says to start over: the sweep's own command with
-#: --fresh, a shard's `--shard I/N` kept (without it, the whole campaign would be swept into
-#: the shard's folder).
-FRESH = "`dvfs sweep CAMPAIGN --fresh` (a shard's with its `--shard I/N`)"
+#: --fresh, its --out kept (without it, the campaign is swept into out/<name> and the damaged
+#: journal stays where it is) and a shard's `--shard I/N` (without it, the whole campaign
+#: would be swept into the shard's folder).
+FRESH = (
+    "`dvfs sweep CAMPAIGN --out DIR --fresh` (DIR the folder it was swept into, a shard's with "
+    "its `--shard I/N`)"
+)
 
 
 def check_resumable(
