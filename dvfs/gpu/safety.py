@@ -251,8 +251,24 @@ class StateStore:
         with contextlib.suppress(FileNotFoundError):
             self.path(uuid).unlink()
 
+    def readable(self) -> bool:
+        """Whether the state folder is there (False: none yet, nothing recorded); one that
+        cannot be reached (a link in a loop, a file in its path: `exists()` is False for
+        them) is no missing folder, whose state files would be taken for none: refused."""
+        try:
+            os.stat(self.directory)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise GpuStateError(
+                f"state folder {self.directory} is unreadable ({record_problem(exc)}), so its "
+                "state files cannot be read: check its path (a link in a loop, a file where a "
+                "folder should be), or name the folder itself with --state-dir"
+            ) from exc
+        return True
+
     def pending(self, uuid: str | None = None) -> list[PendingRestore]:
-        if not self.directory.exists():
+        if not self.readable():
             return []
         files = [self.path(uuid)] if uuid else sorted(self.directory.glob("GPU-*.json"))
         found = []
