@@ -41,11 +41,11 @@ class Interrupted(BaseException):  # noqa: N818  (like KeyboardInterrupt, not an
 class RestoreAbandoned(Interrupted):
     """A signal arrived again while settings were being restored, and dvfs stopped restoring."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, reset: str = "`dvfs gpu reset`") -> None:
         super().__init__(
             signum,
             f"received {signal.Signals(signum).name} again while restoring GPU settings, so "
-            "dvfs stopped restoring them; some may still be changed: run `dvfs gpu reset`",
+            f"dvfs stopped restoring them; some may still be changed: run {reset}",
         )
 
 
@@ -97,7 +97,10 @@ GIVE_UP_AFTER = 2
 
 @contextlib.contextmanager
 def restoring(
-    notify: Callable[[str], None] | None = None, *, give_up_after: int = GIVE_UP_AFTER
+    notify: Callable[[str], None] | None = None,
+    *,
+    give_up_after: int = GIVE_UP_AFTER,
+    reset: str = "`dvfs gpu reset`",
 ) -> Iterator[None]:
     """Hold SIGINT, SIGTERM and SIGHUP while settings are restored, and deliver them after.
 
@@ -105,7 +108,9 @@ def restoring(
     from wherever the restore is waiting (NVML calls wait interruptibly, see
     `dvfs.gpu.deadline`). A held signal is delivered when the block ends normally, to the
     handler that was installed before; when the block raises, its error wins, and carries the
-    signal held (`held_signal`) for the line that reports it.
+    signal held (`held_signal`) for the line that reports it. `reset`: the `dvfs gpu reset`
+    both say to run, the one that reads the restore's state files (with their --state-dir
+    where not the default).
     """
     if not _on_main_thread():
         yield
@@ -116,10 +121,10 @@ def restoring(
     def hold(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
         if len(received) >= give_up_after:
-            raise RestoreAbandoned(signum)
+            raise RestoreAbandoned(signum, reset)
         say(
             f"received {signal.Signals(signum).name} while restoring GPU settings: finishing "
-            "the restore first; send it again to give up (then run `dvfs gpu reset`)"
+            f"the restore first; send it again to give up (then run {reset})"
         )
 
     with _handled_by(hold) as previous:

@@ -230,7 +230,7 @@ class KnobController:
         (`RestoreAbandoned`), and a hung NVML call ends at its deadline, so a restore never
         holds signals forever. What was not restored stays in the state file for `dvfs gpu reset`.
         """
-        with restoring():
+        with restoring(reset=self.reset_advice()):  # with its --state-dir, where not the default
             failures = GatheredFailures()
             for gpu in self.gpus:
                 uuid = gpu.identity.uuid
