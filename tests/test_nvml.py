@@ -428,3 +428,30 @@ def test_a_reset_with_state_dir_names_its_folder_for_a_gpu_nvml_may_not_talk_to(
     assert followed.returncode == 0, (followed.stdout, followed.stderr)
     show = dvfs_in_process("cap", "show", "--state-dir", str(folder), env=env)
     assert show.returncode == 0 and "dvfs record" not in show.stdout, show.stdout
+
+
+def test_cap_show_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(nvml, tmp_path: Path) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d): `cap show` showed
+    GPU 0 alone, exit 0, while dvfs's caps record held GPU 1's caps, in force, without a word
+    (`cap reset` and `gpu reset --defaults` name such caps). A warning line names them and
+    the withheld GPU; GPU 0 is shown as before, exit 0 (a look, as `monitor` says the GPU it
+    leaves out). No caps recorded for it, or no GPU withheld: no warning."""
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    assert dvfs_in_process("cap", "apply", str(caps), env=env).returncode == 0
+    assert "warning" not in dvfs_in_process("cap", "show", env=env).stderr
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    for args in ((), ("--json",)):
+        shown = dvfs_in_process("cap", "show", *args, env=env)
+        assert shown.returncode == 0, shown.stderr
+        [line] = shown.stderr.splitlines()
+        assert line.startswith("warning: dvfs's caps record holds caps for"), line
+        assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
+        assert uuids[0] in shown.stdout and uuids[1] not in shown.stdout
+    assert dvfs_in_process("cap", "reset", "0", env=env).returncode == 0
+    nvml.fake_update_device(1, errors={})
+    assert dvfs_in_process("cap", "reset", env=env).returncode == 0
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    assert dvfs_in_process("cap", "show", env=env).stderr == ""  # none recorded for it
