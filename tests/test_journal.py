@@ -344,3 +344,24 @@ def test_a_demos_damaged_journal_says_to_start_over_with_the_demo(
     assert followed.exit_code == 0, followed.output
     assert (out / "journal.jsonl.1").read_text() == '{"type":"cell"}\n'  # moved aside
     assert any(r["type"] == "cell" for r in read_records(journal))
+
+
+def test_cube_builds_fresh_advice_names_the_sweeps_command(swept: tuple[Path, Path]) -> None:
+    """A journal `cube build` refuses with the sweep's advice ("rerun the sweep with --fresh",
+    "rerun with --fresh"): `dvfs cube build` has no --fresh, and added to its command, as its
+    user reads the line, it is refused ("No such option"), as `dvfs doctor`'s was (fe71ca8).
+    It names the sweep's command, which, followed, starts over and lets the cube be built."""
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    lines = _lines(journal)
+    session = json.loads(lines[1])
+    assert session["type"] == "session"
+    session["gpus"][0]["memory_clock_mhz"] = None  # an edit: refused as a damaged record
+    _replace_line(journal, 1, json.dumps(session).encode())
+    line = assert_one_line_error(invoke("cube", "build", str(out)), 1, "--fresh")
+    advice = line.split("(--fresh is the sweep's: `", 1)[1].split("`", 1)[0]
+    argv = [str(campaign) if a == "CAMPAIGN" else a for a in shlex.split(advice)]
+    assert argv[:2] == ["dvfs", "sweep"] and argv[argv.index("--out") + 1] == str(out), advice
+    fresh = invoke(*argv[1:], "--no-progress")
+    assert fresh.exit_code == 0, fresh.output
+    assert invoke("cube", "build", str(out)).exit_code == 0
