@@ -6,7 +6,6 @@ Read-only: nothing here changes a GPU or starts a server.
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -137,14 +136,11 @@ def _fresh_is_the_sweeps(check: Check, out_dir: Path) -> Check:
     to move the old journal aside"), which `dvfs doctor` does not take (its user, told so
     by the doctor, adds it to the doctor's command: "No such option"): the sweep's command
     named."""
-    if check.status != FAIL or "--fresh" not in check.detail or "`dvfs sweep" in check.detail:
+    from dvfs.measure.journal import fresh_is_the_sweeps
+
+    if check.status != FAIL:
         return check
-    sweep = shlex.join(["dvfs", "sweep", "CAMPAIGN", "--out", str(out_dir), "--fresh"])
-    detail = (
-        f"{check.detail} (--fresh is the sweep's: `{sweep}`, with the --shard and --gpus it "
-        "runs with)"
-    )
-    return replace(check, detail=detail)
+    return replace(check, detail=fresh_is_the_sweeps(check.detail, out_dir))
 
 
 def _on_groups(campaign: Campaign, groups: Sequence[Group]) -> Campaign:

@@ -8,6 +8,7 @@ drafters whatever dvfs passes. The facts come from SGLang 0.5.9's srt/server_arg
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -780,7 +781,10 @@ def test_a_journal_begun_by_an_earlier_dvfs_says_so(stub: ModuleType, tmp_path: 
     assert line == (
         f"Error: the journal's drafters 'none' and 'ngram' were served differently ({differs}): "
         f"the arms would compare more than their drafters; the journal was {earlier}, so it "
-        "cannot be resumed or compared: rerun with --fresh (or into another --out folder)"
+        "cannot be resumed or compared: rerun with --fresh (or into another --out folder) "
+        # (`cube build` has no --fresh: the sweep's command named)
+        f"(--fresh is the sweep's: `dvfs sweep CAMPAIGN --out {shlex.quote(str(out))} --fresh`, "
+        "with the --shard and --gpus it runs with)"
     )
     # Resumed: the ngram server is refused at its start and the whole sweep stops there, as
     # a fleet's does (nothing a rerun of the same command could change), with nothing said
@@ -815,6 +819,10 @@ def test_a_journal_begun_by_an_earlier_dvfs_says_so(stub: ModuleType, tmp_path: 
     built = CliRunner().invoke(cli, ["cube", "build", str(out)])
     [line] = built.output.strip().splitlines()
     assert "earlier dvfs" not in line and f"({differs})" in line
-    assert line.endswith("with every drafter on one engine version and one set of engine flags")
+    assert line.endswith(
+        "with every drafter on one engine version and one set of engine flags (--fresh is the "
+        f"sweep's: `dvfs sweep CAMPAIGN --out {shlex.quote(str(out))} --fresh`, with the --shard "
+        "and --gpus it runs with)"
+    )
     # What the messages say to do works.
     assert sweep(path, out, "--fresh").exit_code == 0

@@ -2561,3 +2561,26 @@ def test_cap_reset_refuses_a_folder_in_a_gpus_record_place_before_resetting_any(
     )
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
     assert uuid in json.loads((state / "caps-applied.json").read_text())
+
+
+@pytest.mark.parametrize("where", ["loop", "file"])
+def test_gpu_reset_refuses_a_state_folder_it_cannot_reach_not_taken_for_none(
+    nvml, tmp_path: Path, where: str
+) -> None:
+    """A state folder that is a link in a loop, or below a file, was taken for none (`exists()`
+    is False for it): `gpu reset --state-dir DIR` said "nothing to restore", exit 0, as a
+    state file in a loop did before 8885967. It is refused in one line naming the folder,
+    exit 3, as an unreadable state file is, before any GPU is touched."""
+    if where == "loop":
+        link = tmp_path / "state-link"
+        link.symlink_to(link)
+        folder = link / "dvfs"
+    else:
+        (tmp_path / "a-file").write_text("x")
+        folder = tmp_path / "a-file" / "dvfs"
+    for args in ((), ("0",)):
+        result = CliRunner().invoke(cli, ["gpu", "reset", *args, "--state-dir", str(folder)])
+        assert result.exit_code == 3, result.output
+        [line] = result.stderr.splitlines()
+        assert f"state folder {folder} is unreadable" in line, line
+        assert "nothing to restore" not in result.output

@@ -767,6 +767,51 @@ def test_a_second_signal_abandons_a_stuck_restore(
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
 
+def test_an_abandoned_restore_names_the_reset_of_its_own_state_folder(
+    nvml, hang, tmp_path: Path, dispositions, caplog, env
+) -> None:
+    """A restore given up at a second signal, its state files in a folder not the default
+    (`gpu settle`, `gpu roofline` or `govern` run with --state-dir DIR): the notice of the
+    first signal and the line of the second said to run `dvfs gpu reset`, which reads the
+    default folder and finds nothing to restore (settle's own line beside them named DIR).
+    Both name `dvfs gpu reset --state-dir DIR`, and that command, run, puts the GPU back."""
+    import threading
+
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+    from dvfs.signals import RestoreAbandoned
+
+    folder = tmp_path / "other state"
+    store = StateStore(folder)
+
+    def signal_twice() -> None:
+        wait_for(nvml.fake_hangs_started, "the restore is stuck in NVML")
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: "while restoring GPU settings" in caplog.text, "the first is noted")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=3600) as (gpu,):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # handled anyway, while knobs are held
+        sender = threading.Thread(target=signal_twice, daemon=True)
+        with (
+            pytest.raises(RestoreAbandoned) as caught,
+            KnobController([gpu], change_log=store) as knobs,
+        ):
+            knobs.apply(KnobSetting(1500, None))
+            hang("nvmlDeviceResetGpuLockedClocks")
+            sender.start()
+        sender.join()
+        os.environ.pop("DVFS_FAKE_NVML_HANG")
+        nvml.fake_release_hangs()
+        wait_for(lambda: nvml.fake_calls("nvmlDeviceResetGpuLockedClocks"), "the stuck call ends")
+    advice = str(caught.value).rsplit("run `", 1)[1].split("`", 1)[0]
+    assert f"(then run `{advice}`)" in caplog.text, caplog.text  # the first signal's notice
+    assert shlex.split(advice) == ["dvfs", "gpu", "reset", "--state-dir", str(folder)], advice
+    followed = dvfs_in_process(*shlex.split(advice)[1:], env=env)
+    assert followed.returncode == 0, followed.stderr
+    assert_as_found(nvml, folder)
+
+
 def test_gpu_reset_puts_the_power_limit_back_past_a_refused_clock_reset(
     nvml, tmp_path: Path
 ) -> None:

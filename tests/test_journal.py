@@ -79,12 +79,17 @@ def test_a_bad_middle_line_names_the_line_and_the_way_out(
         line = assert_one_line_error(result, 1, str(journal), "line 5", "--fresh")
         assert "delete line 5" in line
         # the sweep's command, a shard's with its --shard (not `dvfs sweep --fresh` alone)
-        assert "`dvfs sweep CAMPAIGN --fresh` (a shard's with its `--shard I/N`)" in line
+        assert "(DIR the folder it was swept into, a shard's with its `--shard I/N`)" in line
     assert journal.read_bytes() == before, "a damaged journal must not be rewritten"
-    # --fresh moves it aside intact and starts over.
-    fresh = invoke("sweep", str(campaign), "--out", str(out), "--no-progress", "--fresh")
+    # The advice followed, CAMPAIGN and DIR named: it moves the journal aside intact and starts
+    # over there (without --out, it swept into out/<name> and left the damaged one as it was).
+    advice = line.split("start over with `", 1)[1].split("`", 1)[0]
+    argv = [{"CAMPAIGN": str(campaign), "DIR": str(out)}.get(a, a) for a in shlex.split(advice)]
+    assert argv[:2] == ["dvfs", "sweep"], advice
+    fresh = invoke(*argv[1:], "--no-progress")
     assert fresh.exit_code == 0, fresh.output
     assert (out / "journal.jsonl.1").read_bytes() == before
+    assert invoke("cube", "build", str(out)).exit_code == 0
 
 
 @pytest.mark.parametrize(
@@ -339,3 +344,24 @@ def test_a_demos_damaged_journal_says_to_start_over_with_the_demo(
     assert followed.exit_code == 0, followed.output
     assert (out / "journal.jsonl.1").read_text() == '{"type":"cell"}\n'  # moved aside
     assert any(r["type"] == "cell" for r in read_records(journal))
+
+
+def test_cube_builds_fresh_advice_names_the_sweeps_command(swept: tuple[Path, Path]) -> None:
+    """A journal `cube build` refuses with the sweep's advice ("rerun the sweep with --fresh",
+    "rerun with --fresh"): `dvfs cube build` has no --fresh, and added to its command, as its
+    user reads the line, it is refused ("No such option"), as `dvfs doctor`'s was (fe71ca8).
+    It names the sweep's command, which, followed, starts over and lets the cube be built."""
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    lines = _lines(journal)
+    session = json.loads(lines[1])
+    assert session["type"] == "session"
+    session["gpus"][0]["memory_clock_mhz"] = None  # an edit: refused as a damaged record
+    _replace_line(journal, 1, json.dumps(session).encode())
+    line = assert_one_line_error(invoke("cube", "build", str(out)), 1, "--fresh")
+    advice = line.split("(--fresh is the sweep's: `", 1)[1].split("`", 1)[0]
+    argv = [str(campaign) if a == "CAMPAIGN" else a for a in shlex.split(advice)]
+    assert argv[:2] == ["dvfs", "sweep"] and argv[argv.index("--out") + 1] == str(out), advice
+    fresh = invoke(*argv[1:], "--no-progress")
+    assert fresh.exit_code == 0, fresh.output
+    assert invoke("cube", "build", str(out)).exit_code == 0

@@ -437,3 +437,63 @@ def test_gpu_reset_defaults_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(
     assert nvml.fake_device_state(1)["locked_clocks"] is None
     nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
     assert dvfs_in_process("gpu", "reset", "--defaults", env=env).returncode == 0  # none recorded
+
+
+@pytest.mark.parametrize("command", [("cap", "reset"), ("gpu", "reset", "--defaults")])
+def test_a_reset_with_state_dir_names_its_folder_for_a_gpu_nvml_may_not_talk_to(
+    nvml, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """`cap reset` and `gpu reset --defaults` run with --state-dir DIR name the caps that DIR's
+    record holds for a GPU NVML may not talk to, and the command to run as a user the GPU
+    admits. That command was the plain `dvfs cap reset` (`dvfs gpu reset --defaults`), which
+    reads the default folder: followed, the GPU was reset but DIR's record kept its caps, and
+    `cap show --state-dir DIR` still said them in force. It names --state-dir DIR, and
+    followed, DIR's record is emptied."""
+    import shlex
+
+    env = fake_env(tmp_path)
+    folder = tmp_path / "other state"
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    applied = dvfs_in_process("cap", "apply", str(caps), "--state-dir", str(folder), env=env)
+    assert applied.returncode == 0, (applied.stdout, applied.stderr)
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    reset = dvfs_in_process(*command, "--state-dir", str(folder), env=env)
+    assert reset.returncode == 4, (reset.stdout, reset.stderr)
+    [line] = reset.stderr.splitlines()
+    assert uuids[1] in line, line
+    advice = line.split("; run ", 1)[1].split(" as a user the GPUs admit")[0]
+    assert advice.startswith(f"dvfs {' '.join(command)}"), line
+    nvml.fake_update_device(1, errors={})  # now as a user the GPU admits: the advice, as said
+    followed = dvfs_in_process(*shlex.split(advice)[1:], env=env)
+    assert followed.returncode == 0, (followed.stdout, followed.stderr)
+    show = dvfs_in_process("cap", "show", "--state-dir", str(folder), env=env)
+    assert show.returncode == 0 and "dvfs record" not in show.stdout, show.stdout
+
+
+def test_cap_show_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(nvml, tmp_path: Path) -> None:
+    """Every GPU leaves out one NVML refuses with NO_PERMISSION (62e301d): `cap show` showed
+    GPU 0 alone, exit 0, while dvfs's caps record held GPU 1's caps, in force, without a word
+    (`cap reset` and `gpu reset --defaults` name such caps). A warning line names them and
+    the withheld GPU; GPU 0 is shown as before, exit 0 (a look, as `monitor` says the GPU it
+    leaves out). No caps recorded for it, or no GPU withheld: no warning."""
+    env = fake_env(tmp_path)
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    assert dvfs_in_process("cap", "apply", str(caps), env=env).returncode == 0
+    assert "warning" not in dvfs_in_process("cap", "show", env=env).stderr
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    for args in ((), ("--json",)):
+        shown = dvfs_in_process("cap", "show", *args, env=env)
+        assert shown.returncode == 0, shown.stderr
+        [line] = shown.stderr.splitlines()
+        assert line.startswith("warning: dvfs's caps record holds caps for"), line
+        assert uuids[1] in line and "GPU 1 (NVML: no permission)" in line, line
+        assert uuids[0] in shown.stdout and uuids[1] not in shown.stdout
+    assert dvfs_in_process("cap", "reset", "0", env=env).returncode == 0
+    nvml.fake_update_device(1, errors={})
+    assert dvfs_in_process("cap", "reset", env=env).returncode == 0
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    assert dvfs_in_process("cap", "show", env=env).stderr == ""  # none recorded for it

@@ -1623,3 +1623,54 @@ def test_the_room_a_server_reports_is_decoded_whole(
                 assert "context length" in str(exc) or f"of {past} tokens" in str(exc)
             else:
                 assert cut.requests[0].completion_tokens < past
+
+
+def test_a_server_info_far_larger_than_sglangs_is_not_read_whole(tmp_path: Path) -> None:
+    """An engine.sglang.url answering /server_info with a page far larger than SGLang's (a
+    wrong URL, a broken server; one without end took 6 GB and 26 s before its JSON failed)
+    was read whole into memory. Past 16 MiB the read stops: `dvfs doctor` and the sweep say
+    so in one line naming the page, the cell failed as for any answer that is no SGLang's."""
+    import contextlib
+    import http.server
+    import threading
+
+    from dvfs.measure.journal import read_records
+
+    page = json.dumps({"padding": "x" * (17 << 20)}).encode()
+
+    class Huge(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "0" if self.path == "/health" else str(len(page)))
+            self.end_headers()
+            if self.path != "/health":
+                with contextlib.suppress(OSError):  # the reader gave up: it hung up
+                    self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Huge)
+    server.handle_error = lambda *args: None  # type: ignore[method-assign]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        path, _ = stub_campaign(
+            tmp_path,
+            drafters='\n[drafters.none]\nalgorithm = "none"\n',
+            sglang_extra=f'url = "{url}"',
+            batch="[1]",
+            knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        )
+        said = f"{url}/server_info answered more than 16 MiB, far more than SGLang's"
+        doctor = CliRunner().invoke(cli, ["doctor", str(path), "--out", str(tmp_path / "o")])
+        assert said in " ".join(doctor.output.split()), doctor.output
+        out = tmp_path / "out"
+        swept = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+        assert swept.exit_code == 5, swept.output
+        [cell] = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+        assert said in cell["error"], cell["error"]
+    finally:
+        server.shutdown()
+        server.server_close()

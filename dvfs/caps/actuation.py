@@ -888,6 +888,7 @@ def reset_gpus(
     from dvfs.signals import signals_raise
 
     store = StateStore(directory)
+    store.readable()  # a folder that cannot be read: refused once, not once per GPU
     # A GPU whose state file is unreadable (damaged, edited by hand) is left as it is, named
     # once the others are restored: it must not keep them from their recorded settings.
     unreadable: list[GpuError] = []

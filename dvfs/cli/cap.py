@@ -519,17 +519,28 @@ def _refuse_as_the_apply_would(
 def show(as_json: bool, state_dir: Path | None) -> None:
     """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
     (a running governor's, else `cap apply`'s). A GPU fallen off the bus is named, exit 1,
-    after the others are shown."""
-    from dvfs.backends import open_gpus, reachable_gpus
+    after the others are shown. Where NVML counts a GPU it has no permission to talk to
+    (left out of every GPU), caps dvfs recorded for none of the GPUs shown are named in a
+    warning line: they may be that GPU's, in force."""
+    from dvfs.backends import open_gpus, reachable_gpus, withheld_caps_line
     from dvfs.caps import caps_status
-    from dvfs.gpu.safety import records_dir
+    from dvfs.gpu.safety import records_dir, state_dir_command
 
     # one lost GPU must not hide the others' caps, nor one that cannot read what is shown
     openable, lost = reachable_gpus(shown=True)
     rows: list[dict[str, Any]] = []
+    withheld = ""
     if openable or not lost:
+        directory = state_dir or records_dir()
         with open_gpus(openable, allow_mig=True) as gpus:
-            rows = caps_status(gpus, state_dir or records_dir())
+            rows = caps_status(gpus, directory)
+            # every GPU leaves out one NVML may not talk to: caps recorded for none of those
+            # shown may be its, in force, which must not read as no caps there
+            withheld = withheld_caps_line(
+                directory, gpus, "they are not shown", state_dir_command("dvfs cap show", directory)
+            )
+    if withheld:
+        click.echo(f"warning: {withheld}", err=True)  # one line, unwrapped
     show_beside_lost(rows, lost, as_json=as_json, show=_print_caps_status)
 
 

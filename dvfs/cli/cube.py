@@ -32,6 +32,23 @@ def build(sweep_dir: Path, out_path: Path | None) -> None:
     For a fleet that mixed GPU models (a journal in each SWEEP_DIR/gpu-*/), each model's cube
     beside its journal, and the merged one (at --out).
     """
+    from dvfs.errors import DvfsError
+    from dvfs.measure.journal import fresh_is_the_sweeps
+
+    try:
+        _build(sweep_dir, out_path)
+    except DvfsError as exc:
+        # A refusal whose advice is the sweep's --fresh ("rerun with --fresh"): `cube build`
+        # has none, so the sweep's command is named (added here, it is refused).
+        text = fresh_is_the_sweeps(str(exc), sweep_dir)
+        if text == str(exc):
+            raise
+        exc.args = (text,)
+        raise
+
+
+def _build(sweep_dir: Path, out_path: Path | None) -> None:
+    """`dvfs cube build`'s work: the cube (or a fleet's cubes) from SWEEP_DIR's journals."""
     from dvfs.cube import CUBE_NAME
     from dvfs.errors import CubeError
     from dvfs.fleet.cubes import cube_journals, write_cubes

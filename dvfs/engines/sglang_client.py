@@ -37,6 +37,9 @@ HEALTH_PROBE_S = 5.0
 #: checking every 1 s for up to its health-check timeout (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by
 #: default), so a busy server that is not hung may take that long.
 HEALTH_CHECK_TIMEOUT_S = 20.0
+#: The most bytes of a /server_info (or /health) answer read: SGLang's is tens of KB; a page
+#: without end (a wrong engine.sglang.url) was read whole, gigabytes, before its JSON failed.
+MAX_ANSWER_BYTES = 16 << 20
 #: What /health gets beyond that timeout before a server whose round failed is taken for hung.
 HUNG_MARGIN_S = 5.0
 #: The route that asks the scheduler whether it is alive: /health does so too unless the
@@ -230,12 +233,32 @@ class SglangClient:
         return redact_url(self.base_url)
 
     # -- simple endpoints ---------------------------------------------------------------------
-    def _get(self, path: str, timeout_s: float = 10.0) -> Any:
+    def _get(self, path: str, timeout_s: float = 10.0, *, body: bool = True) -> tuple[int, bytes]:
+        """GET `path`: its status and (with `body`) its answer, of at most MAX_ANSWER_BYTES
+        (past them, EngineError: no SGLang answers so much) and read within `timeout_s`."""
         httpx = _httpx()
-        with httpx.Client(
-            trust_env=False, verify=self._verify(), timeout=timeout_s, headers=self.headers
-        ) as client:
-            return client.get(self.base_url + path)
+        deadline = time.monotonic() + timeout_s
+        with (
+            httpx.Client(
+                trust_env=False, verify=self._verify(), timeout=timeout_s, headers=self.headers
+            ) as client,
+            client.stream("GET", self.base_url + path) as response,
+        ):
+            if not body:
+                return int(response.status_code), b""
+            chunks: list[bytes] = []
+            size = 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:  # else held in memory whole, then parsed
+                    raise EngineError(
+                        f"{self.shown_url}{path} answered more than {MAX_ANSWER_BYTES >> 20} "
+                        "MiB, far more than SGLang's: is engine.sglang.url the server?"
+                    )
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"its answer did not come within {timeout_s:g} s")
+                chunks.append(chunk)
+            return int(response.status_code), b"".join(chunks)
 
     def health_status(self, timeout_s: float | None = None, *, path: str = "/health") -> int | None:
         """HTTP status of /health (or `path`), or None while nothing listens (or nothing
@@ -243,7 +266,7 @@ class SglangClient:
         httpx = _httpx()
         timeout_s = HEALTH_PROBE_S if timeout_s is None else timeout_s
         try:
-            return int(self._get(path, timeout_s=timeout_s).status_code)
+            return self._get(path, timeout_s=timeout_s, body=False)[0]
         except httpx.HTTPError:
             return None
 
@@ -281,18 +304,16 @@ class SglangClient:
         httpx = _httpx()
         for path in ("/server_info", "/get_server_info"):
             try:
-                response = self._get(path)
+                status, answer = self._get(path)
             except httpx.HTTPError as exc:
                 raise EngineConnectionError(f"cannot read {path}: {exc}") from exc
-            if response.status_code == 200:
+            if status == 200:
                 try:
-                    return dict(response.json())
+                    return dict(json.loads(answer))
                 except ValueError as exc:
                     raise EngineError(f"{path} did not answer JSON") from exc
-            if response.status_code in (401, 403):
-                raise EngineError(
-                    f"{self.shown_url} answered {response.status_code} to {path}: {KEY_HINT}"
-                )
+            if status in (401, 403):
+                raise EngineError(f"{self.shown_url} answered {status} to {path}: {KEY_HINT}")
         raise EngineError(f"{self.shown_url} serves neither /server_info nor /get_server_info")
 
     def accept_length(self) -> float | None:

@@ -79,6 +79,12 @@ def state_dir_flag(directory: Path) -> str:
     return "" if default else flag
 
 
+def state_dir_command(command: str, directory: Path) -> str:
+    """`command` (one that reads dvfs's state folder: `dvfs gpu reset`, `dvfs cap reset`) with
+    the --state-dir it needs to read `directory` (`state_dir_flag`)."""
+    return f"{command}{state_dir_flag(directory)}"
+
+
 def _folder_from_env(variable: str, value: str, path: Path) -> Path:
     """`path`, refused in one line naming the variable when a file (or a device such as
     /dev/null) stands where it or a folder above it should be: the fix is the variable, not
@@ -255,8 +261,24 @@ class StateStore:
         with contextlib.suppress(FileNotFoundError):
             self.path(uuid).unlink()
 
+    def readable(self) -> bool:
+        """Whether the state folder is there (False: none yet, nothing recorded); one that
+        cannot be reached (a link in a loop, a file in its path: `exists()` is False for
+        them) is no missing folder, whose state files would be taken for none: refused."""
+        try:
+            os.stat(self.directory)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise GpuStateError(
+                f"state folder {self.directory} is unreadable ({record_problem(exc)}), so its "
+                "state files cannot be read: check its path (a link in a loop, a file where a "
+                "folder should be), or name the folder itself with --state-dir"
+            ) from exc
+        return True
+
     def pending(self, uuid: str | None = None) -> list[PendingRestore]:
-        if not self.directory.exists():
+        if not self.readable():
             return []
         files = [self.path(uuid)] if uuid else sorted(self.directory.glob("GPU-*.json"))
         found = []

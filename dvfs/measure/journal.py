@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import shlex
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -69,9 +70,25 @@ INFLIGHT_ENERGY_DRIFT = "linear"
 
 
 #: How a refusal of a damaged journal says to start over: the sweep's own command with
-#: --fresh, a shard's `--shard I/N` kept (without it, the whole campaign would be swept into
-#: the shard's folder).
-FRESH = "`dvfs sweep CAMPAIGN --fresh` (a shard's with its `--shard I/N`)"
+#: --fresh, its --out kept (without it, the campaign is swept into out/<name> and the damaged
+#: journal stays where it is) and a shard's `--shard I/N` (without it, the whole campaign
+#: would be swept into the shard's folder).
+FRESH = (
+    "`dvfs sweep CAMPAIGN --out DIR --fresh` (DIR the folder it was swept into, a shard's with "
+    "its `--shard I/N`)"
+)
+
+
+def fresh_is_the_sweeps(text: str, out_dir: Path) -> str:
+    """`text` (a refusal of a journal in `out_dir`, said by a command that has no --fresh:
+    `dvfs doctor`, `dvfs cube build`) whose advice is the sweep's --fresh ("rerun with
+    --fresh", "use --fresh to move the old journal aside"), with the sweep's command that
+    takes it named: its user, told so, adds it to that command, which refuses it ("No such
+    option"). As it is where the sweep's command is named already."""
+    if "--fresh" not in text or "`dvfs sweep" in text:
+        return text
+    sweep = shlex.join(["dvfs", "sweep", "CAMPAIGN", "--out", str(out_dir), "--fresh"])
+    return f"{text} (--fresh is the sweep's: `{sweep}`, with the --shard and --gpus it runs with)"
 
 
 def check_resumable(
