@@ -728,18 +728,14 @@ def test_a_restore_gives_up_at_the_deadline_and_keeps_the_state_file(
         assert store.pending(gpu.identity.uuid)  # for `dvfs gpu reset`
 
 
-def test_a_second_signal_abandons_a_stuck_restore(
-    nvml, hang, tmp_path: Path, dispositions, caplog
-) -> None:
-    """The restore holds one signal back, not forever: the next one gives up, and the state
-    file stays for `dvfs gpu reset`, which then puts the GPU back."""
+def _abandon_a_stuck_restore(nvml, hang, caplog, store, then=None):  # type: ignore[no-untyped-def]
+    """A controller's restore stuck in NVML (its clock reset hangs), given up on at a second
+    SIGTERM, the stuck call then let go; `then(gpu)` runs while the GPU is still open. The
+    RestoreAbandoned it raised."""
     import threading
 
     from dvfs.gpu.knobs import KnobController, KnobSetting
-    from dvfs.gpu.safety import StateStore, restore_pending
     from dvfs.signals import RestoreAbandoned
-
-    store = StateStore(tmp_path / "dvfs-state")
 
     def signal_twice() -> None:
         wait_for(nvml.fake_hangs_started, "the restore is stuck in NVML")
@@ -758,12 +754,29 @@ def test_a_second_signal_abandons_a_stuck_restore(
             hang("nvmlDeviceResetGpuLockedClocks")
             sender.start()
         sender.join()
-        assert caught.value.exit_code == 143 and "dvfs gpu reset" in str(caught.value)
-        assert store.pending(gpu.identity.uuid)
         os.environ.pop("DVFS_FAKE_NVML_HANG")
         nvml.fake_release_hangs()
         wait_for(lambda: nvml.fake_calls("nvmlDeviceResetGpuLockedClocks"), "the stuck call ends")
+        if then is not None:
+            then(gpu)
+    return caught.value
+
+
+def test_a_second_signal_abandons_a_stuck_restore(
+    nvml, hang, tmp_path: Path, dispositions, caplog
+) -> None:
+    """The restore holds one signal back, not forever: the next one gives up, and the state
+    file stays for `dvfs gpu reset`, which then puts the GPU back."""
+    from dvfs.gpu.safety import StateStore, restore_pending
+
+    store = StateStore(tmp_path / "dvfs-state")
+
+    def pending_then_restored(gpu) -> None:  # type: ignore[no-untyped-def]
+        assert store.pending(gpu.identity.uuid)
         restore_pending([gpu], store)
+
+    abandoned = _abandon_a_stuck_restore(nvml, hang, caplog, store, pending_then_restored)
+    assert abandoned.exit_code == 143 and "dvfs gpu reset" in str(abandoned)
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
 
@@ -775,36 +788,11 @@ def test_an_abandoned_restore_names_the_reset_of_its_own_state_folder(
     first signal and the line of the second said to run `dvfs gpu reset`, which reads the
     default folder and finds nothing to restore (settle's own line beside them named DIR).
     Both name `dvfs gpu reset --state-dir DIR`, and that command, run, puts the GPU back."""
-    import threading
-
-    from dvfs.gpu.knobs import KnobController, KnobSetting
     from dvfs.gpu.safety import StateStore
-    from dvfs.signals import RestoreAbandoned
 
     folder = tmp_path / "other state"
-    store = StateStore(folder)
-
-    def signal_twice() -> None:
-        wait_for(nvml.fake_hangs_started, "the restore is stuck in NVML")
-        os.kill(os.getpid(), signal.SIGTERM)
-        wait_for(lambda: "while restoring GPU settings" in caplog.text, "the first is noted")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    with open_nvml_gpus([0], nvml=nvml, deadline_s=3600) as (gpu,):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # handled anyway, while knobs are held
-        sender = threading.Thread(target=signal_twice, daemon=True)
-        with (
-            pytest.raises(RestoreAbandoned) as caught,
-            KnobController([gpu], change_log=store) as knobs,
-        ):
-            knobs.apply(KnobSetting(1500, None))
-            hang("nvmlDeviceResetGpuLockedClocks")
-            sender.start()
-        sender.join()
-        os.environ.pop("DVFS_FAKE_NVML_HANG")
-        nvml.fake_release_hangs()
-        wait_for(lambda: nvml.fake_calls("nvmlDeviceResetGpuLockedClocks"), "the stuck call ends")
-    advice = str(caught.value).rsplit("run `", 1)[1].split("`", 1)[0]
+    abandoned = _abandon_a_stuck_restore(nvml, hang, caplog, StateStore(folder))
+    advice = str(abandoned).rsplit("run `", 1)[1].split("`", 1)[0]
     assert f"(then run `{advice}`)" in caplog.text, caplog.text  # the first signal's notice
     assert shlex.split(advice) == ["dvfs", "gpu", "reset", "--state-dir", str(folder)], advice
     followed = dvfs_in_process(*shlex.split(advice)[1:], env=env)
