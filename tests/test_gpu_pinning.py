@@ -188,6 +188,45 @@ def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
         assert "FAIL server GPUs" not in checked.stdout, checked.stdout
 
 
+def test_a_server_command_wrapper_naming_the_metered_gpu_by_a_short_uuid_passes(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """CUDA takes the start of a UUID (`GPU-8932f937`) for the one GPU it begins: a wrapper's
+    `env CUDA_VISIBLE_DEVICES=<the metered GPU's short UUID>` runs the server on the metered
+    GPU, and is not refused as another GPU; the short UUID of another GPU still is, as the
+    sweep starts it (its only cell failing, naming it)."""
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+
+    def campaign(value: str, where: str) -> Path:
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
+        )
+        return path
+
+    for value, where in ((devices[1]["uuid"][:12], "short"), (devices[1]["uuid"][:8], "shorter")):
+        fine = campaign(value.upper(), where)
+        checked = dvfs_in_process("doctor", str(fine), "--out", str(tmp_path / where), env=env)
+        pinned = f"ok   server GPUs: the server is pinned to {devices[1]['uuid']}"
+        assert pinned in checked.stdout, checked.stdout
+    short = devices[0]["uuid"][:12]
+    other = campaign(short, "other")
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(other), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 5, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    [cell] = [r for r in records if r["type"] == "cell"]
+    said = f"sets CUDA_VISIBLE_DEVICES={short}, other GPUs than the metered {devices[1]['uuid']}"
+    assert cell["status"] == "failed" and said in cell["error"]
+
+
 def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:

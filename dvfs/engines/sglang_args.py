@@ -254,6 +254,7 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
     (`env CUDA_VISIBLE_DEVICES=GPU-... python ...`, `docker run -e ...`) to GPUs named by UUID
     other than the metered ones: it replaces the UUIDs dvfs hands the wrapper, so the server
     would run on GPUs dvfs does not meter (caught at start only where NVML lists processes).
+    A UUID may be written short, as CUDA takes a prefix naming one GPU (`dvfs.gpu.visible`).
     An index is not judged: inside a container it counts the container's GPUs."""
     from dvfs.records.session import command_env
 
@@ -264,13 +265,22 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
     entries = [v.strip() for v in value.split(",") if v.strip()]
     if not entries or not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
         return
-    if [canonical_uuid(e) for e in entries] != list(gpu_uuids):
+    if len(entries) != len(gpu_uuids) or not all(
+        _names_gpu(e, u) for e, u in zip(entries, gpu_uuids, strict=True)
+    ):
         raise EngineError(
             f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value}, other GPUs than "
             f"the metered {','.join(gpu_uuids)}: the server would run where dvfs does not "
             "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
             "by UUID)"
         )
+
+
+def _names_gpu(entry: str, uuid: str) -> bool:
+    """Whether the CUDA_VISIBLE_DEVICES entry `entry` names the GPU `uuid`: its UUID in any
+    case, or the start of it (`GPU-8932f937`), which CUDA takes for the GPU it alone begins."""
+    given = canonical_uuid(entry)
+    return given.startswith("GPU-") and len(given) > 4 and canonical_uuid(uuid).startswith(given)
 
 
 def unstartable(executable: str, env: Mapping[str, str]) -> str | None:
