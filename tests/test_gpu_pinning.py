@@ -227,6 +227,36 @@ def test_a_server_command_wrapper_naming_the_metered_gpu_by_a_short_uuid_passes(
     assert cell["status"] == "failed" and said in cell["error"]
 
 
+def test_doctor_warns_of_a_server_command_wrapper_setting_an_index(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env CUDA_VISIBLE_DEVICES=0` in server_command replaces the UUIDs dvfs hands the
+    wrapper, and an index is not judged (a container counts its own GPUs): doctor does not say
+    the server is pinned to the metered GPU, it warns, naming the value, as it does for a list
+    mixing a UUID and an index."""
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = devices[1]["uuid"]
+    for value, where in (("0", "index"), (f"{metered},0", "mixed")):
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
+        )
+        checked = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / f"{where}-out"), env=env
+        )
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith("warn server GPUs: "), checked.stdout
+        said = f"sets CUDA_VISIBLE_DEVICES={value} in place of the metered {metered}"
+        assert said in " ".join(checked.stdout.split()) and "pinned to" not in checked.stdout
+
+
 def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:

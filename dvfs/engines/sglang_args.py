@@ -256,14 +256,11 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
     would run on GPUs dvfs does not meter (caught at start only where NVML lists processes).
     A UUID may be written short, as CUDA takes a prefix naming one GPU (`dvfs.gpu.visible`).
     An index is not judged: inside a container it counts the container's GPUs."""
-    from dvfs.records.session import command_env
-
-    name = "CUDA_VISIBLE_DEVICES"
-    value = command_env(server_command(campaign), keep=lambda n: n == name).get(name)
-    if value is None:
+    value = _wrapper_visible_devices(campaign)
+    if value is None or unjudged_wrapper_devices(campaign) is not None:
         return
     entries = [v.strip() for v in value.split(",") if v.strip()]
-    if not entries or not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
+    if not entries:
         return
     if len(entries) != len(gpu_uuids) or not all(
         _names_gpu(e, u) for e, u in zip(entries, gpu_uuids, strict=True)
@@ -274,6 +271,25 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
             "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
             "by UUID)"
         )
+
+
+def _wrapper_visible_devices(campaign: Campaign) -> str | None:
+    """The CUDA_VISIBLE_DEVICES a server_command wrapper sets on its command line, or None."""
+    from dvfs.records.session import command_env
+
+    name = "CUDA_VISIBLE_DEVICES"
+    return command_env(server_command(campaign), keep=lambda n: n == name).get(name)
+
+
+def unjudged_wrapper_devices(campaign: Campaign) -> str | None:
+    """The CUDA_VISIBLE_DEVICES a server_command wrapper sets on its command line where
+    `check_wrapper_visible_devices` cannot judge it (an entry that is no UUID: an index, which
+    inside a container counts the container's GPUs, on this host NVML's or CUDA's), else None."""
+    value = _wrapper_visible_devices(campaign)
+    entries = [v.strip() for v in (value or "").split(",") if v.strip()]
+    if entries and not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
+        return value
+    return None
 
 
 def _names_gpu(entry: str, uuid: str) -> bool:
