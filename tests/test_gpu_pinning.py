@@ -257,6 +257,40 @@ def test_doctor_warns_of_a_server_command_wrapper_setting_an_index(
         assert said in " ".join(checked.stdout.split()) and "pinned to" not in checked.stdout
 
 
+def test_a_server_command_wrapper_listing_the_metered_gpus_with_spaces_is_read_whole(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env "CUDA_VISIBLE_DEVICES=GPU-a, GPU-b"` (a comma list written with spaces, one
+    argument to env) sets the whole list, which CUDA reads as dvfs does (entries stripped): a
+    tensor-parallel server's two metered GPUs pass, rather than being cut at the space (the
+    first GPU alone, refused as other GPUs), and a list adding an index is warned of."""
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    a, b = devices[1]["uuid"], devices[2]["uuid"]
+    for value, where, said in (
+        (f"{a}, {b}", "both", f"ok server GPUs: the server is pinned to {a},{b}"),
+        (f"{a}, 0", "index", f"sets CUDA_VISIBLE_DEVICES={a},0 in place of the metered {a},{b}"),
+    ):
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu='backend = "nvml"\ndevices = [1, 2]\nactuation = "off"',
+            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
+        )
+        path.write_text(
+            path.read_text().replace('backend = "sglang"', 'backend = "sglang"\ntp_size = 2')
+        )
+        checked = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / f"{where}-out"), env=env
+        )
+        assert "FAIL server GPUs" not in checked.stdout, checked.stdout
+        assert said in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -274,11 +274,15 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
 
 
 def _wrapper_visible_devices(campaign: Campaign) -> str | None:
-    """The CUDA_VISIBLE_DEVICES a server_command wrapper sets on its command line, or None."""
+    """The CUDA_VISIBLE_DEVICES a server_command wrapper sets on its command line, or None. A
+    list written with spaces after its commas (`env "CUDA_VISIBLE_DEVICES=GPU-a, GPU-b"`) is
+    one value, not a shell line cut at its first space (`command_env`): its entries, stripped,
+    are what CUDA reads."""
     from dvfs.records.session import command_env
 
     name = "CUDA_VISIBLE_DEVICES"
-    return command_env(server_command(campaign), keep=lambda n: n == name).get(name)
+    command = [re.sub(r",\s+", ",", str(token)) for token in server_command(campaign)]
+    return command_env(command, keep=lambda n: n == name).get(name)
 
 
 def unjudged_wrapper_devices(campaign: Campaign) -> str | None:
