@@ -721,7 +721,7 @@ class SglangEngine:
         attached one's record, and compare with the drafter's earlier cells in more than the
         knob setting. Compared as two servers of one journal are (`arm_changes` and
         `server_changes`)."""
-        from dvfs.records import arm_changes, server_changes
+        from dvfs.records import ARMS_PINNED, arm_changes, server_changes
 
         before = self._attached
         assert before is not None
@@ -730,11 +730,19 @@ class SglangEngine:
         changes = arm_changes(before, now, batches)
         changes += [c for c in server_changes(before, now) if c not in changes]
         if changes:
+            how = "restart it as it was"
+            seed = before["args"].get("random_seed")
+            if seed is not None and any(
+                c.startswith(ARMS_PINNED["random_seed"][1]) for c in changes
+            ):
+                # Both releases draw a seed at every start without --random-seed: the same
+                # command restarted is another seed, however it was restarted.
+                how += f", with --random-seed {seed} (without it SGLang draws one at each start)"
             raise EngineError(
                 f"the server at {redact_url(self.config.url or '')} is not the one dvfs "
                 f"attached to for drafter {before['drafter']!r} ({'; '.join(changes)}): it was "
                 "replaced mid-sweep, and its rounds would compare more than the knob settings; "
-                "restart it as it was, or rerun with --fresh (or into another --out folder)"
+                f"{how}, or rerun with --fresh (or into another --out folder)"
             )
 
     def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:
