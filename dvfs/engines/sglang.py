@@ -729,6 +729,14 @@ class SglangEngine:
         batches = self.campaign.workload.batch_sizes
         changes = arm_changes(before, now, batches)
         changes += [c for c in server_changes(before, now) if c not in changes]
+        # Refused at attach (`_check_resolved`), and not an arm arg: 0.5.9 leaves the decode
+        # CUDA graphs as they were, so nothing above would tell a batch queued behind the cap.
+        running, largest = now["args"].get("max_running_requests"), max(batches)
+        if isinstance(running, int) and running < largest:
+            was = before["args"].get("max_running_requests")
+            changes.append(
+                f"max_running_requests: {was!r} -> {running!r}, below the largest batch {largest}"
+            )
         if changes:
             how = "restart it as it was"
             seed = before["args"].get("random_seed")
