@@ -139,6 +139,43 @@ def test_doctor_fails_a_campaign_env_pinning_the_server_to_another_gpu(
     assert said in " ".join((swept.stdout + swept.stderr).split())
 
 
+def test_a_campaign_env_naming_the_metered_gpu_by_a_short_uuid_passes(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """engine.sglang.env.CUDA_VISIBLE_DEVICES naming the metered GPU by the start of its UUID
+    (`GPU-8932f937`, which CUDA takes for the one GPU it begins) names no other GPU: doctor
+    passes it (gpu.devices by index, checked at start), and so does the campaign's loader
+    (gpu.devices by UUID); another GPU's short UUID still fails both."""
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered, other = devices[1]["uuid"], devices[0]["uuid"]
+    for value, device, where in (
+        (metered[:12], "1", "index"),
+        (metered[:12].upper(), f'"{metered}"', "uuid"),
+        (other[:12], "1", "other-index"),
+        (other[:12], f'"{metered}"', "other-uuid"),
+    ):
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu=f'backend = "nvml"\ndevices = [{device}]\nactuation = "off"',
+        )
+        text = path.read_text()
+        path.write_text(text.replace("env = { ", f'env = {{ CUDA_VISIBLE_DEVICES = "{value}", '))
+        checked = dvfs_in_process("doctor", str(path), "--out", str(folder / "out"), env=env)
+        said = f"CUDA_VISIBLE_DEVICES = '{value}' contradicts gpu.devices"
+        output = " ".join((checked.stdout + checked.stderr).split())
+        if where.startswith("other"):
+            assert checked.returncode in (1, 2) and said in output, output
+        else:
+            assert checked.returncode == 0 and "contradicts" not in output, output
+            assert f"ok server GPUs: the server is pinned to {metered}" in output
+
+
 def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -55,7 +55,7 @@ from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTE
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
 from dvfs.campaign.sglang_flags import managed_flag as managed_flag
 from dvfs.errors import ArmMismatchError, CampaignError, EngineError
-from dvfs.gpu.base import canonical_uuid
+from dvfs.gpu.base import names_gpu
 from dvfs.redact import SGLANG_SECRET_FLAGS, sglang_secret_flag
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
@@ -241,8 +241,11 @@ def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> N
     value = dict(env).get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return
-    given = [canonical_uuid(v.strip()) for v in value.split(",") if v.strip()]
-    if given != list(gpu_uuids):  # NVML's, lower-case; pasted upper-cased, the same GPUs
+    given = [v.strip() for v in value.split(",") if v.strip()]
+    # NVML's, lower-case; pasted upper-cased, or a UUID's start (as CUDA reads it), the same GPUs
+    if len(given) != len(gpu_uuids) or not all(
+        names_gpu(e, u) for e, u in zip(given, gpu_uuids, strict=True)
+    ):
         raise EngineError(
             f"engine.sglang.env.CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices: dvfs "
             f"pins the server to the metered GPU(s) {','.join(gpu_uuids)} by UUID; remove the key"
@@ -263,7 +266,7 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
     if not entries:
         return
     if len(entries) != len(gpu_uuids) or not all(
-        _names_gpu(e, u) for e, u in zip(entries, gpu_uuids, strict=True)
+        names_gpu(e, u) for e, u in zip(entries, gpu_uuids, strict=True)
     ):
         raise EngineError(
             f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value}, other GPUs than "
@@ -294,13 +297,6 @@ def unjudged_wrapper_devices(campaign: Campaign) -> str | None:
     if entries and not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
         return value
     return None
-
-
-def _names_gpu(entry: str, uuid: str) -> bool:
-    """Whether the CUDA_VISIBLE_DEVICES entry `entry` names the GPU `uuid`: its UUID in any
-    case, or the start of it (`GPU-8932f937`), which CUDA takes for the GPU it alone begins."""
-    given = canonical_uuid(entry)
-    return given.startswith("GPU-") and len(given) > 4 and canonical_uuid(uuid).startswith(given)
 
 
 def unstartable(executable: str, env: Mapping[str, str]) -> str | None:
