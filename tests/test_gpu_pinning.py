@@ -294,6 +294,35 @@ def test_doctor_warns_of_a_server_command_wrapper_setting_an_index(
         assert said in " ".join(checked.stdout.split()) and "pinned to" not in checked.stdout
 
 
+def test_an_unverified_pinning_names_a_server_command_wrapper_setting_an_index(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """Where NVML cannot list processes, a wrapper's `env CUDA_VISIBLE_DEVICES=0` (an index,
+    not checked) leaves where the server runs unknown twice over: the sweep's pinning outcome,
+    kept in the journal (and the cube), says the wrapper set it, not only what NVML lacks."""
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs='sm_clock = "stock"\nsettle_s = 0.0',
+        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+        wrapper=("env", "CUDA_VISIBLE_DEVICES=0"),
+    )
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    [server] = [r for r in records if r["type"] == "server"]
+    assert server["gpu_pinning"].startswith("unverified: NVML cannot list")
+    assert server["gpu_pinning"].endswith(
+        "; engine.sglang.server_command sets CUDA_VISIBLE_DEVICES=0 in place of the metered "
+        "GPUs' UUIDs, an index dvfs cannot check"
+    )
+
+
 def test_a_server_command_wrapper_listing_the_metered_gpus_with_spaces_is_read_whole(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -66,6 +66,7 @@ from dvfs.engines.sglang_args import (
     server_command,
     server_env,
     server_keys,
+    unjudged_wrapper_devices,
     unlistenable,
     unstartable,
 )
@@ -806,8 +807,16 @@ class SglangEngine:
         try:
             gpus = self.gpu_processes()
         except GpuError as exc:
-            return f"unverified: {exc}"
-        outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
+            outcome = f"unverified: {exc}"
+        else:
+            outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
+        value = unjudged_wrapper_devices(self.campaign)
+        if value is not None and not outcome.startswith("verified"):
+            # What NVML could not tell, the wrapper's index does not either (doctor warns).
+            outcome += (
+                f"; engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value} in place of "
+                "the metered GPUs' UUIDs, an index dvfs cannot check"
+            )
         level = logging.INFO if outcome.startswith("verified") else logging.WARNING
         log.log(level, "the %r server's GPUs: %s", drafter.name, outcome)
         return outcome
