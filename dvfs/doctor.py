@@ -356,6 +356,7 @@ def _gpu_checks(
                     from dvfs.engines.sglang_args import (
                         check_visible_devices,
                         check_wrapper_visible_devices,
+                        unjudged_wrapper_devices,
                     )
 
                     pinned = []
@@ -366,6 +367,15 @@ def _gpu_checks(
                         check_wrapper_visible_devices(campaign, uuids)
                         pinned.append(",".join(uuids))
                     servers = "the server is" if len(pinned) == 1 else "the servers are"
+                    value = unjudged_wrapper_devices(campaign)
+                    if value is not None:  # it replaces the UUIDs dvfs hands the wrapper
+                        return WARN, (
+                            f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value} in "
+                            f"place of the metered {'; '.join(pinned)} dvfs hands it, an index "
+                            "dvfs cannot check (a container counts its own GPUs): the sweep "
+                            "stops the server only where NVML lists it on another GPU; outside "
+                            "a container, remove it from server_command"
+                        )
                     return OK, f"{servers} pinned to {'; '.join(pinned)} (CUDA_VISIBLE_DEVICES)"
 
                 checks.append(_run("server GPUs", server_gpus))

@@ -598,6 +598,128 @@ def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
     assert "\n" not in error
 
 
+@pytest.mark.parametrize("advised", [False, True])
+def test_an_attached_server_restarted_without_its_seed_is_told_the_seed_to_restart_with(
+    tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch, advised: bool
+) -> None:
+    """SGLang (0.5.9 and 0.5.23) draws a random seed at every start without --random-seed, so
+    the attached server restarted mid-sweep with its own command is another seed: its cells
+    fail, and the refusal names the seed to restart it with, not only "restart it as it was"
+    (which draws another); restarted with that seed, the sweep goes on (exit 0)."""
+    import time
+    import urllib.request
+
+    from dvfs.measure.journal import Journal
+
+    port, config = attached
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+    )
+    argv = ("--model-path", marker)
+    servers = [serve(port, config, *argv)]
+    seeds: list[int] = []
+    append_all = Journal.append_all
+
+    def restart_after_the_first_cell(self: Journal, records) -> None:  # type: ignore[no-untyped-def]
+        append_all(self, records)
+        if len(servers) > 1 or not any(r.get("type") == "cell" for r in records):
+            return
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5) as answer:
+            seeds.append(json.load(answer)["random_seed"])
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
+        again = ("--random-seed", str(seeds[0])) if advised else ()
+        servers.append(serve(port, config, *argv, *again))
+        while True:  # no deadline of its own: the test's timeout ends a hang
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5):
+                    return
+            except OSError:
+                assert servers[-1].poll() is None, "the restarted server exited"
+                time.sleep(0.05)
+
+    monkeypatch.setattr(Journal, "append_all", restart_after_the_first_cell)
+    try:
+        result = sweep(path, tmp_path / "out")
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=10)
+    assert len(servers) == 2, result.output
+    cells = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
+    if advised:
+        assert result.exit_code == 0, result.output
+        assert [c["status"] for c in cells] == ["ok", "ok"]
+        return
+    assert result.exit_code == 5, result.output
+    assert [c["status"] for c in cells] == ["ok", "failed"]
+    error = cells[-1]["error"]
+    assert f"random seed (random_seed): {seeds[0]} -> " in error
+    assert f"restart it as it was, with --random-seed {seeds[0]} (" in error
+
+
+def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
+    tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attached SGLang 0.5.9 server replaced mid-sweep by one started with
+    --max-running-requests 2, below the largest batch (4), queues half of each batch: refused
+    at attach, and now at each round too (0.5.9 leaves its decode CUDA graphs as they were,
+    so no arm arg differs), rather than measured as a batch of 4 (exit 0)."""
+    import time
+    import urllib.request
+
+    from dvfs.measure.journal import Journal
+
+    port, config = attached
+    config.write_text(json.dumps({"version": "0.5.9", "max_lifetime_s": 60, "tpot_s": 0.004}))
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1, 4]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        measurement_extra="repeats = 2",
+    )
+    argv = ("--model-path", marker, "--random-seed", "0")
+    servers = [serve(port, config, *argv)]
+    append_all = Journal.append_all
+
+    def replace_after_the_first_cell(self: Journal, records) -> None:  # type: ignore[no-untyped-def]
+        append_all(self, records)
+        if len(servers) > 1 or not any(r.get("type") == "cell" for r in records):
+            return
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
+        servers.append(serve(port, config, *argv, "--max-running-requests", "2"))
+        while True:  # no deadline of its own: the test's timeout ends a hang
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5):
+                    return
+            except OSError:
+                assert servers[-1].poll() is None, "the replacement server exited"
+                time.sleep(0.05)
+
+    monkeypatch.setattr(Journal, "append_all", replace_after_the_first_cell)
+    try:
+        result = sweep(path, tmp_path / "out")
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=10)
+    assert len(servers) == 2, result.output
+    assert result.exit_code == 5, result.output
+    cells = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
+    assert cells[0]["status"] == "ok"
+    assert {c["status"] for c in cells[1:]} == {"failed"}
+    error = cells[-1]["error"]
+    assert f"the server at http://127.0.0.1:{port} is not the one dvfs attached to" in error
+    assert "max_running_requests: None -> 2, below the largest batch 4" in error
+
+
 def test_a_fleet_attached_to_one_server_is_refused(tmp_path: Path) -> None:
     """Two workers (--gpus 0-1, or two gpu.devices groups) attached at one engine.sglang.url
     would each meter its own GPU while both sent their requests to that one server: refused

@@ -139,6 +139,43 @@ def test_doctor_fails_a_campaign_env_pinning_the_server_to_another_gpu(
     assert said in " ".join((swept.stdout + swept.stderr).split())
 
 
+def test_a_campaign_env_naming_the_metered_gpu_by_a_short_uuid_passes(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """engine.sglang.env.CUDA_VISIBLE_DEVICES naming the metered GPU by the start of its UUID
+    (`GPU-8932f937`, which CUDA takes for the one GPU it begins) names no other GPU: doctor
+    passes it (gpu.devices by index, checked at start), and so does the campaign's loader
+    (gpu.devices by UUID); another GPU's short UUID still fails both."""
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered, other = devices[1]["uuid"], devices[0]["uuid"]
+    for value, device, where in (
+        (metered[:12], "1", "index"),
+        (metered[:12].upper(), f'"{metered}"', "uuid"),
+        (other[:12], "1", "other-index"),
+        (other[:12], f'"{metered}"', "other-uuid"),
+    ):
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu=f'backend = "nvml"\ndevices = [{device}]\nactuation = "off"',
+        )
+        text = path.read_text()
+        path.write_text(text.replace("env = { ", f'env = {{ CUDA_VISIBLE_DEVICES = "{value}", '))
+        checked = dvfs_in_process("doctor", str(path), "--out", str(folder / "out"), env=env)
+        said = f"CUDA_VISIBLE_DEVICES = '{value}' contradicts gpu.devices"
+        output = " ".join((checked.stdout + checked.stderr).split())
+        if where.startswith("other"):
+            assert checked.returncode in (1, 2) and said in output, output
+        else:
+            assert checked.returncode == 0 and "contradicts" not in output, output
+            assert f"ok server GPUs: the server is pinned to {metered}" in output
+
+
 def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -186,6 +223,138 @@ def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
         fine = campaign(value, where)
         checked = dvfs_in_process("doctor", str(fine), "--out", str(tmp_path / where), env=env)
         assert "FAIL server GPUs" not in checked.stdout, checked.stdout
+
+
+def test_a_server_command_wrapper_naming_the_metered_gpu_by_a_short_uuid_passes(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """CUDA takes the start of a UUID (`GPU-8932f937`) for the one GPU it begins: a wrapper's
+    `env CUDA_VISIBLE_DEVICES=<the metered GPU's short UUID>` runs the server on the metered
+    GPU, and is not refused as another GPU; the short UUID of another GPU still is, as the
+    sweep starts it (its only cell failing, naming it)."""
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+
+    def campaign(value: str, where: str) -> Path:
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
+        )
+        return path
+
+    for value, where in ((devices[1]["uuid"][:12], "short"), (devices[1]["uuid"][:8], "shorter")):
+        fine = campaign(value.upper(), where)
+        checked = dvfs_in_process("doctor", str(fine), "--out", str(tmp_path / where), env=env)
+        pinned = f"ok   server GPUs: the server is pinned to {devices[1]['uuid']}"
+        assert pinned in checked.stdout, checked.stdout
+    short = devices[0]["uuid"][:12]
+    other = campaign(short, "other")
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(other), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 5, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    [cell] = [r for r in records if r["type"] == "cell"]
+    said = f"sets CUDA_VISIBLE_DEVICES={short}, other GPUs than the metered {devices[1]['uuid']}"
+    assert cell["status"] == "failed" and said in cell["error"]
+
+
+def test_doctor_warns_of_a_server_command_wrapper_setting_an_index(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env CUDA_VISIBLE_DEVICES=0` in server_command replaces the UUIDs dvfs hands the
+    wrapper, and an index is not judged (a container counts its own GPUs): doctor does not say
+    the server is pinned to the metered GPU, it warns, naming the value, as it does for a list
+    mixing a UUID and an index."""
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = devices[1]["uuid"]
+    for value, where in (("0", "index"), (f"{metered},0", "mixed")):
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
+        )
+        checked = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / f"{where}-out"), env=env
+        )
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith("warn server GPUs: "), checked.stdout
+        said = f"sets CUDA_VISIBLE_DEVICES={value} in place of the metered {metered}"
+        assert said in " ".join(checked.stdout.split()) and "pinned to" not in checked.stdout
+
+
+def test_an_unverified_pinning_names_a_server_command_wrapper_setting_an_index(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """Where NVML cannot list processes, a wrapper's `env CUDA_VISIBLE_DEVICES=0` (an index,
+    not checked) leaves where the server runs unknown twice over: the sweep's pinning outcome,
+    kept in the journal (and the cube), says the wrapper set it, not only what NVML lacks."""
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs='sm_clock = "stock"\nsettle_s = 0.0',
+        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+        wrapper=("env", "CUDA_VISIBLE_DEVICES=0"),
+    )
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    [server] = [r for r in records if r["type"] == "server"]
+    assert server["gpu_pinning"].startswith("unverified: NVML cannot list")
+    assert server["gpu_pinning"].endswith(
+        "; engine.sglang.server_command sets CUDA_VISIBLE_DEVICES=0 in place of the metered "
+        "GPUs' UUIDs, an index dvfs cannot check"
+    )
+
+
+def test_a_server_command_wrapper_listing_the_metered_gpus_with_spaces_is_read_whole(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env "CUDA_VISIBLE_DEVICES=GPU-a, GPU-b"` (a comma list written with spaces, one
+    argument to env) sets the whole list, which CUDA reads as dvfs does (entries stripped): a
+    tensor-parallel server's two metered GPUs pass, rather than being cut at the space (the
+    first GPU alone, refused as other GPUs), and a list adding an index is warned of."""
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    a, b = devices[1]["uuid"], devices[2]["uuid"]
+    for value, where, said in (
+        (f"{a}, {b}", "both", f"ok server GPUs: the server is pinned to {a},{b}"),
+        (f"{a}, 0", "index", f"sets CUDA_VISIBLE_DEVICES={a},0 in place of the metered {a},{b}"),
+    ):
+        folder = tmp_path / where
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu='backend = "nvml"\ndevices = [1, 2]\nactuation = "off"',
+            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
+        )
+        path.write_text(
+            path.read_text().replace('backend = "sglang"', 'backend = "sglang"\ntp_size = 2')
+        )
+        checked = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / f"{where}-out"), env=env
+        )
+        assert "FAIL server GPUs" not in checked.stdout, checked.stdout
+        assert said in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(

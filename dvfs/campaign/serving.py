@@ -28,7 +28,7 @@ from dvfs.campaign.sglang_flags import (
 )
 from dvfs.campaign.table import Table, argv_list
 from dvfs.errors import CampaignError
-from dvfs.gpu.base import canonical_uuid
+from dvfs.gpu.base import names_gpu
 
 
 def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:
@@ -165,7 +165,10 @@ def _check_visible_devices(sg: Table, env: dict[str, Any], gpu: GpuConfig) -> No
             "dvfs already pins the server to gpu.devices by UUID; remove CUDA_VISIBLE_DEVICES",
         )
     uuids = [d for d in gpu.devices if isinstance(d, str)]
-    if len(uuids) == len(gpu.devices) and [canonical_uuid(e) for e in entries] != uuids:
+    if len(uuids) == len(gpu.devices) and (
+        len(entries) != len(uuids)
+        or not all(names_gpu(e, u) for e, u in zip(entries, uuids, strict=True))
+    ):
         raise sg.fail(
             "env",
             f"CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices {list(gpu.devices)}; "

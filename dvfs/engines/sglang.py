@@ -66,6 +66,7 @@ from dvfs.engines.sglang_args import (
     server_command,
     server_env,
     server_keys,
+    unjudged_wrapper_devices,
     unlistenable,
     unstartable,
 )
@@ -721,7 +722,7 @@ class SglangEngine:
         attached one's record, and compare with the drafter's earlier cells in more than the
         knob setting. Compared as two servers of one journal are (`arm_changes` and
         `server_changes`)."""
-        from dvfs.records import arm_changes, server_changes
+        from dvfs.records import ARMS_PINNED, arm_changes, server_changes
 
         before = self._attached
         assert before is not None
@@ -729,12 +730,28 @@ class SglangEngine:
         batches = self.campaign.workload.batch_sizes
         changes = arm_changes(before, now, batches)
         changes += [c for c in server_changes(before, now) if c not in changes]
+        # Refused at attach (`_check_resolved`), and not an arm arg: 0.5.9 leaves the decode
+        # CUDA graphs as they were, so nothing above would tell a batch queued behind the cap.
+        running, largest = now["args"].get("max_running_requests"), max(batches)
+        if isinstance(running, int) and running < largest:
+            was = before["args"].get("max_running_requests")
+            changes.append(
+                f"max_running_requests: {was!r} -> {running!r}, below the largest batch {largest}"
+            )
         if changes:
+            how = "restart it as it was"
+            seed = before["args"].get("random_seed")
+            if seed is not None and any(
+                c.startswith(ARMS_PINNED["random_seed"][1]) for c in changes
+            ):
+                # Both releases draw a seed at every start without --random-seed: the same
+                # command restarted is another seed, however it was restarted.
+                how += f", with --random-seed {seed} (without it SGLang draws one at each start)"
             raise EngineError(
                 f"the server at {redact_url(self.config.url or '')} is not the one dvfs "
                 f"attached to for drafter {before['drafter']!r} ({'; '.join(changes)}): it was "
                 "replaced mid-sweep, and its rounds would compare more than the knob settings; "
-                "restart it as it was, or rerun with --fresh (or into another --out folder)"
+                f"{how}, or rerun with --fresh (or into another --out folder)"
             )
 
     def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:
@@ -790,8 +807,16 @@ class SglangEngine:
         try:
             gpus = self.gpu_processes()
         except GpuError as exc:
-            return f"unverified: {exc}"
-        outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
+            outcome = f"unverified: {exc}"
+        else:
+            outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
+        value = unjudged_wrapper_devices(self.campaign)
+        if value is not None and not outcome.startswith("verified"):
+            # What NVML could not tell, the wrapper's index does not either (doctor warns).
+            outcome += (
+                f"; engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value} in place of "
+                "the metered GPUs' UUIDs, an index dvfs cannot check"
+            )
         level = logging.INFO if outcome.startswith("verified") else logging.WARNING
         log.log(level, "the %r server's GPUs: %s", drafter.name, outcome)
         return outcome

@@ -55,7 +55,7 @@ from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTE
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
 from dvfs.campaign.sglang_flags import managed_flag as managed_flag
 from dvfs.errors import ArmMismatchError, CampaignError, EngineError
-from dvfs.gpu.base import canonical_uuid
+from dvfs.gpu.base import names_gpu
 from dvfs.redact import SGLANG_SECRET_FLAGS, sglang_secret_flag
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
@@ -241,8 +241,11 @@ def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> N
     value = dict(env).get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return
-    given = [canonical_uuid(v.strip()) for v in value.split(",") if v.strip()]
-    if given != list(gpu_uuids):  # NVML's, lower-case; pasted upper-cased, the same GPUs
+    given = [v.strip() for v in value.split(",") if v.strip()]
+    # NVML's, lower-case; pasted upper-cased, or a UUID's start (as CUDA reads it), the same GPUs
+    if len(given) != len(gpu_uuids) or not all(
+        names_gpu(e, u) for e, u in zip(given, gpu_uuids, strict=True)
+    ):
         raise EngineError(
             f"engine.sglang.env.CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices: dvfs "
             f"pins the server to the metered GPU(s) {','.join(gpu_uuids)} by UUID; remove the key"
@@ -254,23 +257,46 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
     (`env CUDA_VISIBLE_DEVICES=GPU-... python ...`, `docker run -e ...`) to GPUs named by UUID
     other than the metered ones: it replaces the UUIDs dvfs hands the wrapper, so the server
     would run on GPUs dvfs does not meter (caught at start only where NVML lists processes).
+    A UUID may be written short, as CUDA takes a prefix naming one GPU (`dvfs.gpu.visible`).
     An index is not judged: inside a container it counts the container's GPUs."""
-    from dvfs.records.session import command_env
-
-    name = "CUDA_VISIBLE_DEVICES"
-    value = command_env(server_command(campaign), keep=lambda n: n == name).get(name)
-    if value is None:
+    value = _wrapper_visible_devices(campaign)
+    if value is None or unjudged_wrapper_devices(campaign) is not None:
         return
     entries = [v.strip() for v in value.split(",") if v.strip()]
-    if not entries or not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
+    if not entries:
         return
-    if [canonical_uuid(e) for e in entries] != list(gpu_uuids):
+    if len(entries) != len(gpu_uuids) or not all(
+        names_gpu(e, u) for e, u in zip(entries, gpu_uuids, strict=True)
+    ):
         raise EngineError(
             f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value}, other GPUs than "
             f"the metered {','.join(gpu_uuids)}: the server would run where dvfs does not "
             "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
             "by UUID)"
         )
+
+
+def _wrapper_visible_devices(campaign: Campaign) -> str | None:
+    """The CUDA_VISIBLE_DEVICES a server_command wrapper sets on its command line, or None. A
+    list written with spaces after its commas (`env "CUDA_VISIBLE_DEVICES=GPU-a, GPU-b"`) is
+    one value, not a shell line cut at its first space (`command_env`): its entries, stripped,
+    are what CUDA reads."""
+    from dvfs.records.session import command_env
+
+    name = "CUDA_VISIBLE_DEVICES"
+    command = [re.sub(r",\s+", ",", str(token)) for token in server_command(campaign)]
+    return command_env(command, keep=lambda n: n == name).get(name)
+
+
+def unjudged_wrapper_devices(campaign: Campaign) -> str | None:
+    """The CUDA_VISIBLE_DEVICES a server_command wrapper sets on its command line where
+    `check_wrapper_visible_devices` cannot judge it (an entry that is no UUID: an index, which
+    inside a container counts the container's GPUs, on this host NVML's or CUDA's), else None."""
+    value = _wrapper_visible_devices(campaign)
+    entries = [v.strip() for v in (value or "").split(",") if v.strip()]
+    if entries and not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
+        return value
+    return None
 
 
 def unstartable(executable: str, env: Mapping[str, str]) -> str | None:

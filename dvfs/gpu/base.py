@@ -86,6 +86,13 @@ def canonical_uuid(name: str) -> str:
     return name
 
 
+def names_gpu(entry: str, uuid: str) -> bool:
+    """Whether the CUDA_VISIBLE_DEVICES entry `entry` names the GPU `uuid`: its UUID in any
+    case, or the start of it (`GPU-8932f937`), which CUDA takes for the GPU it alone begins."""
+    given, full = canonical_uuid(entry.strip()), canonical_uuid(uuid)
+    return given == full or (given.startswith("GPU-") and len(given) > 4 and full.startswith(given))
+
+
 def unsupported_clock(mhz: int, supported: Collection[int], *, of: str = "") -> str | None:
     """Why `mhz` cannot be locked, or None when it can; the message names the two nearest
     supported clocks, so fixing it is one edit. `of` names the GPU (" of GPU 0")."""
