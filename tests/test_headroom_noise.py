@@ -177,3 +177,32 @@ def test_the_interval_needs_both_arms() -> None:
         np.array([0.9, math.nan]), np.array([math.nan, 1.0]), np.zeros(2), np.zeros(2), 0.95
     )
     assert (low, high, pairs) == (pytest.approx(0.9), pytest.approx(0.9), 0)
+
+
+def test_a_zero_energy_is_a_ratio_of_zero_as_compare_takes_it() -> None:
+    """A cube holds any non-negative energy per token. A setting at 0 J per token was read as
+    no value: its interval NaN, so it was set aside as "within the noise" and the table's note
+    failed on the missing interval (`dvfs headroom`: internal error, TypeError). It is a ratio
+    of 0, as `dvfs compare` takes it: every paired repeat at 0, that point; beside another
+    ratio, unbounded."""
+    ci = np.array([0.03, 0.03])
+    assert ratio_interval(np.array([0.0]), np.array([1.0]), ci[:1], ci[:1], 0.95) == (0, 0, 1)
+    assert ratio_interval(np.zeros(2), np.ones(2), ci, ci, 0.95) == (0.0, 0.0, 2)
+    assert ratio_interval(np.array([0.0, 0.9]), np.ones(2), ci, ci, 0.95) == (0.0, math.inf, 2)
+    assert ratio_interval(np.ones(2), np.zeros(2), ci, ci, 0.95) == (math.inf, math.inf, 2)
+    # 0 / 0 is no ratio: that repeat is not paired
+    low, high, pairs = ratio_interval(np.array([0.0, 0.9]), np.array([0.0, 1.0]), ci, ci, 0.95)
+    assert pairs == 1 and low < 0.9 < high
+    # one repeat at 0 J: the setting saves it all, beyond any noise the cells state
+    cube = power_limit_cube(lambda p, r: {600.0: 0.0}.get(p, 1.0), ci=0.03)
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    r = one(result)
+    assert (float(r["chosen_power_limit"]), float(r["saving"])) == (600.0, 1.0)
+    assert not bool(r["saving_set_aside_within_noise"])
+    # paired repeats at 0 J and 0.9 J: within the noise, its interval unbounded; the note says
+    cube = power_limit_cube(lambda p, r: [0.0, 0.9][r] if p == 600.0 else 1.0, None, repeats=2)
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    assert float(one(result)["chosen_power_limit"]) == 700.0
+    doc = headroom_document(result, cube)
+    (note,) = [n for n in headroom_notes(doc) if n.startswith("no saving beyond noise")]
+    assert "600 W saves 55.0% [-inf%, 100.0%] (over 2 paired repeats)" in note

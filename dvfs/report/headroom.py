@@ -204,12 +204,14 @@ def noise_note(doc: dict[str, Any]) -> list[str]:
     def numbers(r: dict[str, Any]) -> str:
         n = r["within_noise"]
         clock = f"{n['sm_clock_mhz']} MHz / " if clock_locked else ""
-        low, high = n["saving_interval"]
+        # an end null in the document is infinite (a zero energy beside others: the ratio's
+        # interval is unbounded), a saving of minus infinity
+        low, high = ("-inf%" if e is None else f"{e * 100:.1f}%" for e in n["saving_interval"])
         pairs = n["paired_repeats"] or 0
         basis = f"over {pairs} paired repeats" if pairs >= 2 else "by the cells' own intervals"
         return (
             f"{clock}{n['power_limit_w']:g} W saves {n['saving'] * 100:.1f}% "
-            f"[{low * 100:.1f}%, {high * 100:.1f}%] ({basis})"
+            f"[{low}, {high}] ({basis})"
         )
 
     rows = [r for r in doc["rows"] if r.get("feasible") and r.get("within_noise")]
