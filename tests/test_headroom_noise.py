@@ -206,3 +206,26 @@ def test_a_zero_energy_is_a_ratio_of_zero_as_compare_takes_it() -> None:
     doc = headroom_document(result, cube)
     (note,) = [n for n in headroom_notes(doc) if n.startswith("no saving beyond noise")]
     assert "600 W saves 55.0% [-inf%, 100.0%] (over 2 paired repeats)" in note
+
+
+def test_the_findings_claim_no_saving_the_headroom_marks_within_the_noise() -> None:
+    """Under an SLO stock misses, 600 W meets it saving 0.5% within cells of +-3%: the table
+    marks it ≈ ("no saving is shown to exist there"), but the report's findings counted it as
+    a group that saves energy and led with "Largest saving: 0.5%". They count only savings
+    beyond the noise and say which rows' savings are within it."""
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.model import Finding
+
+    cube = power_limit_cube(
+        lambda p, r: {600.0: 0.995}.get(p, 1.0),
+        ci=0.03,
+        latency=lambda c, p, *_: {400.0: 30.0, 600.0: 9.0, 700.0: 11.0}[p],
+    )
+    doc = build_document(cube, ReportOptions(parse_slo("tpot_p50<=10ms")), [], generated="now")
+    (findings,) = [s for s in doc.sections if s.title == "Findings"]
+    finding = findings.blocks[0]
+    assert isinstance(finding, Finding)
+    assert finding.headline.startswith("0 of 1 (batch, drafter, corpus) groups save energy")
+    assert not any(d.startswith("Largest saving") for d in finding.details)
+    (noise,) = [d for d in finding.details if d.startswith("≈")]
+    assert "batch 1, drafter none, corpus code" in noise and "within the measurement noise" in noise
