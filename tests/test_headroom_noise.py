@@ -229,3 +229,35 @@ def test_the_findings_claim_no_saving_the_headroom_marks_within_the_noise() -> N
     assert not any(d.startswith("Largest saving") for d in finding.details)
     (noise,) = [d for d in finding.details if d.startswith("≈")]
     assert "batch 1, drafter none, corpus code" in noise and "within the measurement noise" in noise
+
+
+def test_the_headroom_map_marks_a_saving_within_the_noise() -> None:
+    """An answer kept within the noise (600 W saves 5% within cells of +-10%): the table
+    writes ≈5.0%, the headroom map (the report's figure) wrote a plain "5%", a saving like
+    any other. The map marks it as the table does and its key says what the mark means."""
+    from matplotlib.legend import Legend
+
+    from dvfs.plots import draw_headroom
+
+    cube = power_limit_cube(
+        lambda p, r: {600.0: 0.95}.get(p, 1.0),
+        ci=0.1,
+        latency=lambda c, p, *_: {400.0: 30.0, 600.0: 9.0, 700.0: 11.0}[p],
+    )
+    result = headroom(cube, target=parse_slo("tpot_p50<=10ms"))
+    assert bool(one(result)["saving_within_noise"])
+    fig = draw_headroom(result)
+    cells = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "≈5%\n1980 MHz\n600 W" in cells, cells
+    keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
+    assert "≈: saving within the noise" in keys, keys
+    # a saving beyond the noise is not marked, nor keyed
+    sharp = power_limit_cube(
+        lambda p, r: {600.0: 0.95}.get(p, 1.0),
+        ci=0.001,
+        latency=lambda c, p, *_: {400.0: 30.0, 600.0: 9.0, 700.0: 11.0}[p],
+    )
+    fig = draw_headroom(headroom(sharp, target=parse_slo("tpot_p50<=10ms")))
+    assert "5%\n1980 MHz\n600 W" in [t.get_text() for ax in fig.axes for t in ax.texts]
+    keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
+    assert not any(k.startswith("≈") for k in keys), keys
