@@ -261,3 +261,31 @@ def test_the_headroom_map_marks_a_saving_within_the_noise() -> None:
     assert "5%\n1980 MHz\n600 W" in [t.get_text() for ax in fig.axes for t in ax.texts]
     keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
     assert not any(k.startswith("≈") for k in keys), keys
+
+
+def test_the_reports_caps_table_says_why_it_plans_stock() -> None:
+    """`dvfs cap plan` says a lower setting's saving was within the noise where it plans
+    stock; the report's caps table said only "stock: nothing to cap"."""
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.model import Table
+
+    cube = power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03)
+    cube.attrs["gpu_uuids"] = "GPU-1234"
+    doc = build_document(cube, ReportOptions(Target("preserve", slack=0.01)), [], generated="now")
+    caps = doc.sections[-1].blocks[1]
+    assert isinstance(caps, Table)
+    assert caps.rows == (
+        (
+            "1",
+            "none",
+            "GPU-1234",
+            "stock",
+            "stock",
+            "stock: nothing to cap (a lower setting's saving is within the measurement noise)",
+        ),
+    )
+    # stock for no such reason: the row says only that
+    flat = power_limit_cube(lambda p, r: 1.0, ci=0.03)
+    flat.attrs["gpu_uuids"] = "GPU-1234"
+    doc = build_document(flat, ReportOptions(Target("preserve", slack=0.01)), [], generated="now")
+    assert doc.sections[-1].blocks[1].rows[0][-1] == "stock: nothing to cap"  # type: ignore[union-attr]

@@ -365,7 +365,7 @@ def per_gpu_documents(room: dict[str, Any], names: dict[str, str]) -> list[dict[
 
 
 def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str, ...]]:
-    from dvfs.caps.planning import plan_caps
+    from dvfs.caps.planning import NOISE_NOTE, plan_caps
     from dvfs.errors import CapsError
 
     group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
@@ -384,6 +384,8 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
         planned = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case")
     except CapsError as exc:
         why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
+        if why.startswith("stock") and NOISE_NOTE in str(exc):  # `dvfs cap plan` says why
+            why += " (a lower setting's saving is within the measurement noise)"
         return [(*lead, label, "stock", "stock", why)]
     rows: list[tuple[str, ...]] = []
     # A cap at the lowest setting swept is where the grid stopped, not an optimum.
