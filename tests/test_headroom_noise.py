@@ -289,3 +289,37 @@ def test_the_reports_caps_table_says_why_it_plans_stock() -> None:
     flat.attrs["gpu_uuids"] = "GPU-1234"
     doc = build_document(flat, ReportOptions(Target("preserve", slack=0.01)), [], generated="now")
     assert doc.sections[-1].blocks[1].rows[0][-1] == "stock: nothing to cap"  # type: ignore[union-attr]
+
+
+def test_a_per_batch_plan_says_which_stock_steps_the_noise_kept() -> None:
+    """Batch 1's lower setting saves within the noise, batch 8's beyond it: the plan governs
+    batch 8 and holds batch 1 at stock, and said nothing of why (only a plan whose every step
+    is stock did). Its meta names the batch and the reason, as the CLI's note does."""
+    import tomllib
+
+    from dvfs.govern.plan import dump_plan, parse_plan
+
+    cube = as_twin_sweep(
+        make_cube(
+            clocks=[1980],
+            limits=LIMITS,
+            batches=[1, 8],
+            latency=lambda c, p, *_: {400.0: 12.0, 600.0: 10.05, 700.0: 10.0}[p],
+            energy=lambda c, p, b, *_: {600.0: 0.998 if b == 1 else 0.9}.get(p, 1.0),
+        ),
+        uuid="GPU-00000000-0000-0000-0000-000000000001",
+        gpu_name="NVIDIA H100 80GB HBM3 (twin)",
+        campaign="noise",
+    )
+    cube["energy_per_token_rel_ci"] = xr.full_like(cube["energy_per_token_j"], 0.03)
+    doc = headroom_document(headroom(cube, target=Target("preserve", slack=0.01)), cube)
+    plan = plan_per_batch(doc, drafter="none", corpus="worst-case")
+    assert [s.setting.is_stock for s in plan.steps] == [True, False]
+    note = plan.meta["within_noise"]
+    assert note.startswith("batch 1 at stock: ") and "within the measurement noise" in note
+    assert parse_plan(tomllib.loads(dump_plan(plan)), where="plan").meta["within_noise"] == note
+    # nothing set aside: no note
+    clear = cube.copy()
+    clear["energy_per_token_rel_ci"] = xr.full_like(cube["energy_per_token_j"], 0.0001)
+    doc = headroom_document(headroom(clear, target=Target("preserve", slack=0.01)), clear)
+    assert plan_per_batch(doc, drafter="none", corpus="worst-case").meta["within_noise"] is None
