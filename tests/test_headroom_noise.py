@@ -323,3 +323,28 @@ def test_a_per_batch_plan_says_which_stock_steps_the_noise_kept() -> None:
     clear["energy_per_token_rel_ci"] = xr.full_like(cube["energy_per_token_j"], 0.0001)
     doc = headroom_document(headroom(clear, target=Target("preserve", slack=0.01)), clear)
     assert plan_per_batch(doc, drafter="none", corpus="worst-case").meta["within_noise"] is None
+
+
+def test_the_reports_say_the_chosen_setting_is_the_least_energy_beyond_the_noise() -> None:
+    """The report's headroom section and `dvfs headroom --markdown` said the chosen setting is
+    the feasible one with the least energy per token, over a row that keeps stock though 600 W
+    meets the target for less (its saving within the noise). They state the rule now kept."""
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.headroom import headroom_markdown
+    from dvfs.report.model import Paragraph
+
+    cube = as_twin_sweep(
+        power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03),
+        uuid="GPU-00000000-0000-0000-0000-000000000001",
+        gpu_name="NVIDIA H100 80GB HBM3 (twin)",
+        campaign="noise",
+    )
+    target = Target("preserve", slack=0.01)
+    doc = build_document(cube, ReportOptions(target), [], generated="now")
+    (section,) = [s for s in doc.sections if s.title == "Headroom"]
+    lead = section.blocks[0]
+    assert isinstance(lead, Paragraph)
+    rule = "least energy per token of those that save beyond the measurement noise"
+    assert rule in lead.text, lead.text
+    markdown = headroom_markdown(headroom_document(headroom(cube, target=target), cube))
+    assert rule in markdown, markdown

@@ -278,8 +278,9 @@ def _headroom_section(room: dict[str, Any], options: ReportOptions) -> Section:
                 f"Target: {room['target']['description']}. Knob: {room['knob']}. Reference: "
                 f"{reference_text(ref)}. Headroom is the reference minus the lowest setting "
                 "that meets the target; the chosen setting is the one that meets it with the "
-                "least energy per token, and the saving is against the drafter's own energy "
-                "at the reference."
+                "least energy per token of those that save beyond the measurement noise, and "
+                "the reference, and the saving is against the drafter's own energy at the "
+                "reference."
             ),
             confidence_statement(room),
             Table(

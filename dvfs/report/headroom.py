@@ -493,8 +493,8 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
         f"- Knob: {doc['knob']}; reference: {reference_text(ref)}",
         f"- Feasibility: {doc['bound']}",
         "- Headroom: the reference minus the lowest feasible setting; chosen: the feasible "
-        "setting with the least energy per token (saving against the drafter's own energy at "
-        "the reference)",
+        "setting with the least energy per token of those that save beyond the measurement "
+        "noise, and the reference (saving against the drafter's own energy at the reference)",
         "",
         markdown_table(header, rows),
     ]
