@@ -348,3 +348,30 @@ def test_the_reports_say_the_chosen_setting_is_the_least_energy_beyond_the_noise
     assert rule in lead.text, lead.text
     markdown = headroom_markdown(headroom_document(headroom(cube, target=target), cube))
     assert rule in markdown, markdown
+
+
+def test_the_figures_do_not_call_a_choice_kept_for_the_noise_the_least_energy() -> None:
+    """600 W meets the target for 0.2% less than stock, within the noise: the star is at
+    stock (700 W), which the Pareto and energy-vs-limit legends called "least energy meeting
+    the target" and the headroom map's title "the least-energy setting meeting" it. They name
+    the star as `dvfs headroom`'s choice instead."""
+    from dvfs.plots import draw_energy_vs_power_limit, draw_headroom, draw_pareto
+
+    cube = power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03)
+    target = Target("preserve", slack=0.01)
+    result = headroom(cube, target=target)
+    assert float(one(result)["chosen_power_limit"]) == 700.0
+    for fig in (
+        draw_pareto(cube, result, target, "code"),
+        draw_energy_vs_power_limit(cube, result, "code"),
+    ):
+        (star,) = [c for ax in fig.axes for c in ax.collections if c.get_gid() == "chosen"]
+        assert star.get_offsets().data.tolist()[0][1] == pytest.approx(1.0)  # stock's energy
+        labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+        labels += [
+            t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()
+        ]
+        chosen = [label for label in labels if label.startswith("chosen")]
+        assert chosen and not any("least energy" in label for label in chosen), labels
+    title = draw_headroom(result)._suptitle.get_text()  # type: ignore[union-attr]
+    assert "least-energy" not in title and "dvfs headroom" in title, title

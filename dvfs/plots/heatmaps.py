@@ -188,7 +188,7 @@ def _answer_label(
 
 @styled
 def draw_headroom(chosen: xr.Dataset) -> Figure:
-    """Energy saved (%) at the least-energy setting meeting the target: a panel per corpus,
+    """Energy saved (%) at the setting `dvfs headroom` chooses for the target: a panel per corpus,
     cells drafter x batch; capped power limits outlined and named in the cell."""
     from matplotlib.patches import Patch, Rectangle
 
@@ -230,7 +230,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     # a search that kept one knob at stock says so: the answers are that search's
     moved = {"sm_clock": "; SM clock only", "power_limit": "; power limit only"}
     title = (
-        "Headroom: energy saved at the least-energy setting meeting\n"
+        "Headroom: energy saved at the setting dvfs headroom chooses for\n"
         f"{chosen.attrs.get('target', 'the target')}"
         f"{moved.get(str(chosen.attrs.get('knob', 'both')), '')}\n"
         + (
