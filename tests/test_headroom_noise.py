@@ -375,3 +375,16 @@ def test_the_figures_do_not_call_a_choice_kept_for_the_noise_the_least_energy() 
         assert chosen and not any("least energy" in label for label in chosen), labels
     title = draw_headroom(result)._suptitle.get_text()  # type: ignore[union-attr]
     assert "least-energy" not in title and "dvfs headroom" in title, title
+
+
+@pytest.mark.parametrize("command", ["headroom", "report", "plot"])
+def test_confidence_help_names_the_savings_interval(command: str) -> None:
+    """--confidence also sets the two-sided interval a saving is judged by (with repeats);
+    the help named the latency bound alone."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    out = CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output
+    line = " ".join(out.split("--confidence FLOAT", 1)[1].split("\n", 3)[:3])
+    assert "latency bound" in line and "saving's interval" in " ".join(line.split()), out
