@@ -177,3 +177,214 @@ def test_the_interval_needs_both_arms() -> None:
         np.array([0.9, math.nan]), np.array([math.nan, 1.0]), np.zeros(2), np.zeros(2), 0.95
     )
     assert (low, high, pairs) == (pytest.approx(0.9), pytest.approx(0.9), 0)
+
+
+def test_a_zero_energy_is_a_ratio_of_zero_as_compare_takes_it() -> None:
+    """A cube holds any non-negative energy per token. A setting at 0 J per token was read as
+    no value: its interval NaN, so it was set aside as "within the noise" and the table's note
+    failed on the missing interval (`dvfs headroom`: internal error, TypeError). It is a ratio
+    of 0, as `dvfs compare` takes it: every paired repeat at 0, that point; beside another
+    ratio, unbounded."""
+    ci = np.array([0.03, 0.03])
+    assert ratio_interval(np.array([0.0]), np.array([1.0]), ci[:1], ci[:1], 0.95) == (0, 0, 1)
+    assert ratio_interval(np.zeros(2), np.ones(2), ci, ci, 0.95) == (0.0, 0.0, 2)
+    assert ratio_interval(np.array([0.0, 0.9]), np.ones(2), ci, ci, 0.95) == (0.0, math.inf, 2)
+    assert ratio_interval(np.ones(2), np.zeros(2), ci, ci, 0.95) == (math.inf, math.inf, 2)
+    # 0 / 0 is no ratio: that repeat is not paired
+    low, high, pairs = ratio_interval(np.array([0.0, 0.9]), np.array([0.0, 1.0]), ci, ci, 0.95)
+    assert pairs == 1 and low < 0.9 < high
+    # one repeat at 0 J: the setting saves it all, beyond any noise the cells state
+    cube = power_limit_cube(lambda p, r: {600.0: 0.0}.get(p, 1.0), ci=0.03)
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    r = one(result)
+    assert (float(r["chosen_power_limit"]), float(r["saving"])) == (600.0, 1.0)
+    assert not bool(r["saving_set_aside_within_noise"])
+    # paired repeats at 0 J and 0.9 J: within the noise, its interval unbounded; the note says
+    cube = power_limit_cube(lambda p, r: [0.0, 0.9][r] if p == 600.0 else 1.0, None, repeats=2)
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    assert float(one(result)["chosen_power_limit"]) == 700.0
+    doc = headroom_document(result, cube)
+    (note,) = [n for n in headroom_notes(doc) if n.startswith("no saving beyond noise")]
+    assert "600 W saves 55.0% [-inf%, 100.0%] (over 2 paired repeats)" in note
+
+
+def test_the_findings_claim_no_saving_the_headroom_marks_within_the_noise() -> None:
+    """Under an SLO stock misses, 600 W meets it saving 0.5% within cells of +-3%: the table
+    marks it ≈ ("no saving is shown to exist there"), but the report's findings counted it as
+    a group that saves energy and led with "Largest saving: 0.5%". They count only savings
+    beyond the noise and say which rows' savings are within it."""
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.model import Finding
+
+    cube = power_limit_cube(
+        lambda p, r: {600.0: 0.995}.get(p, 1.0),
+        ci=0.03,
+        latency=lambda c, p, *_: {400.0: 30.0, 600.0: 9.0, 700.0: 11.0}[p],
+    )
+    doc = build_document(cube, ReportOptions(parse_slo("tpot_p50<=10ms")), [], generated="now")
+    (findings,) = [s for s in doc.sections if s.title == "Findings"]
+    finding = findings.blocks[0]
+    assert isinstance(finding, Finding)
+    assert finding.headline.startswith("0 of 1 (batch, drafter, corpus) groups save energy")
+    assert not any(d.startswith("Largest saving") for d in finding.details)
+    (noise,) = [d for d in finding.details if d.startswith("≈")]
+    assert "batch 1, drafter none, corpus code" in noise and "within the measurement noise" in noise
+
+
+def test_the_headroom_map_marks_a_saving_within_the_noise() -> None:
+    """An answer kept within the noise (600 W saves 5% within cells of +-10%): the table
+    writes ≈5.0%, the headroom map (the report's figure) wrote a plain "5%", a saving like
+    any other. The map marks it as the table does and its key says what the mark means."""
+    from matplotlib.legend import Legend
+
+    from dvfs.plots import draw_headroom
+
+    cube = power_limit_cube(
+        lambda p, r: {600.0: 0.95}.get(p, 1.0),
+        ci=0.1,
+        latency=lambda c, p, *_: {400.0: 30.0, 600.0: 9.0, 700.0: 11.0}[p],
+    )
+    result = headroom(cube, target=parse_slo("tpot_p50<=10ms"))
+    assert bool(one(result)["saving_within_noise"])
+    fig = draw_headroom(result)
+    cells = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "≈5%\n1980 MHz\n600 W" in cells, cells
+    keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
+    assert "≈: saving within the noise" in keys, keys
+    # a saving beyond the noise is not marked, nor keyed
+    sharp = power_limit_cube(
+        lambda p, r: {600.0: 0.95}.get(p, 1.0),
+        ci=0.001,
+        latency=lambda c, p, *_: {400.0: 30.0, 600.0: 9.0, 700.0: 11.0}[p],
+    )
+    fig = draw_headroom(headroom(sharp, target=parse_slo("tpot_p50<=10ms")))
+    assert "5%\n1980 MHz\n600 W" in [t.get_text() for ax in fig.axes for t in ax.texts]
+    keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
+    assert not any(k.startswith("≈") for k in keys), keys
+
+
+def test_the_reports_caps_table_says_why_it_plans_stock() -> None:
+    """`dvfs cap plan` says a lower setting's saving was within the noise where it plans
+    stock; the report's caps table said only "stock: nothing to cap"."""
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.model import Table
+
+    cube = power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03)
+    cube.attrs["gpu_uuids"] = "GPU-1234"
+    doc = build_document(cube, ReportOptions(Target("preserve", slack=0.01)), [], generated="now")
+    caps = doc.sections[-1].blocks[1]
+    assert isinstance(caps, Table)
+    assert caps.rows == (
+        (
+            "1",
+            "none",
+            "GPU-1234",
+            "stock",
+            "stock",
+            "stock: nothing to cap (a lower setting's saving is within the measurement noise)",
+        ),
+    )
+    # stock for no such reason: the row says only that
+    flat = power_limit_cube(lambda p, r: 1.0, ci=0.03)
+    flat.attrs["gpu_uuids"] = "GPU-1234"
+    doc = build_document(flat, ReportOptions(Target("preserve", slack=0.01)), [], generated="now")
+    assert doc.sections[-1].blocks[1].rows[0][-1] == "stock: nothing to cap"  # type: ignore[union-attr]
+
+
+def test_a_per_batch_plan_says_which_stock_steps_the_noise_kept() -> None:
+    """Batch 1's lower setting saves within the noise, batch 8's beyond it: the plan governs
+    batch 8 and holds batch 1 at stock, and said nothing of why (only a plan whose every step
+    is stock did). Its meta names the batch and the reason, as the CLI's note does."""
+    import tomllib
+
+    from dvfs.govern.plan import dump_plan, parse_plan
+
+    cube = as_twin_sweep(
+        make_cube(
+            clocks=[1980],
+            limits=LIMITS,
+            batches=[1, 8],
+            latency=lambda c, p, *_: {400.0: 12.0, 600.0: 10.05, 700.0: 10.0}[p],
+            energy=lambda c, p, b, *_: {600.0: 0.998 if b == 1 else 0.9}.get(p, 1.0),
+        ),
+        uuid="GPU-00000000-0000-0000-0000-000000000001",
+        gpu_name="NVIDIA H100 80GB HBM3 (twin)",
+        campaign="noise",
+    )
+    cube["energy_per_token_rel_ci"] = xr.full_like(cube["energy_per_token_j"], 0.03)
+    doc = headroom_document(headroom(cube, target=Target("preserve", slack=0.01)), cube)
+    plan = plan_per_batch(doc, drafter="none", corpus="worst-case")
+    assert [s.setting.is_stock for s in plan.steps] == [True, False]
+    note = plan.meta["within_noise"]
+    assert note.startswith("batch 1 at stock: ") and "within the measurement noise" in note
+    assert parse_plan(tomllib.loads(dump_plan(plan)), where="plan").meta["within_noise"] == note
+    # nothing set aside: no note
+    clear = cube.copy()
+    clear["energy_per_token_rel_ci"] = xr.full_like(cube["energy_per_token_j"], 0.0001)
+    doc = headroom_document(headroom(clear, target=Target("preserve", slack=0.01)), clear)
+    assert plan_per_batch(doc, drafter="none", corpus="worst-case").meta["within_noise"] is None
+
+
+def test_the_reports_say_the_chosen_setting_is_the_least_energy_beyond_the_noise() -> None:
+    """The report's headroom section and `dvfs headroom --markdown` said the chosen setting is
+    the feasible one with the least energy per token, over a row that keeps stock though 600 W
+    meets the target for less (its saving within the noise). They state the rule now kept."""
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.headroom import headroom_markdown
+    from dvfs.report.model import Paragraph
+
+    cube = as_twin_sweep(
+        power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03),
+        uuid="GPU-00000000-0000-0000-0000-000000000001",
+        gpu_name="NVIDIA H100 80GB HBM3 (twin)",
+        campaign="noise",
+    )
+    target = Target("preserve", slack=0.01)
+    doc = build_document(cube, ReportOptions(target), [], generated="now")
+    (section,) = [s for s in doc.sections if s.title == "Headroom"]
+    lead = section.blocks[0]
+    assert isinstance(lead, Paragraph)
+    rule = "least energy per token of those that save beyond the measurement noise"
+    assert rule in lead.text, lead.text
+    markdown = headroom_markdown(headroom_document(headroom(cube, target=target), cube))
+    assert rule in markdown, markdown
+
+
+def test_the_figures_do_not_call_a_choice_kept_for_the_noise_the_least_energy() -> None:
+    """600 W meets the target for 0.2% less than stock, within the noise: the star is at
+    stock (700 W), which the Pareto and energy-vs-limit legends called "least energy meeting
+    the target" and the headroom map's title "the least-energy setting meeting" it. They name
+    the star as `dvfs headroom`'s choice instead."""
+    from dvfs.plots import draw_energy_vs_power_limit, draw_headroom, draw_pareto
+
+    cube = power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03)
+    target = Target("preserve", slack=0.01)
+    result = headroom(cube, target=target)
+    assert float(one(result)["chosen_power_limit"]) == 700.0
+    for fig in (
+        draw_pareto(cube, result, target, "code"),
+        draw_energy_vs_power_limit(cube, result, "code"),
+    ):
+        (star,) = [c for ax in fig.axes for c in ax.collections if c.get_gid() == "chosen"]
+        assert star.get_offsets().data.tolist()[0][1] == pytest.approx(1.0)  # stock's energy
+        labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+        labels += [
+            t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()
+        ]
+        chosen = [label for label in labels if label.startswith("chosen")]
+        assert chosen and not any("least energy" in label for label in chosen), labels
+    title = draw_headroom(result)._suptitle.get_text()  # type: ignore[union-attr]
+    assert "least-energy" not in title and "dvfs headroom" in title, title
+
+
+@pytest.mark.parametrize("command", ["headroom", "report", "plot"])
+def test_confidence_help_names_the_savings_interval(command: str) -> None:
+    """--confidence also sets the two-sided interval a saving is judged by (with repeats);
+    the help named the latency bound alone."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    out = CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output
+    line = " ".join(out.split("--confidence FLOAT", 1)[1].split("\n", 3)[:3])
+    assert "latency bound" in line and "saving's interval" in " ".join(line.split()), out

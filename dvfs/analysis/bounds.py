@@ -258,15 +258,28 @@ def ratio_interval(
     sqrt(sum ci^2) / n; the two combine in quadrature around the ratio of the means.
     (NaN, NaN) where either side has no usable value. Sums are exactly rounded, so the order
     of the repeats never matters.
+
+    A zero energy (a cube holds any non-negative one) is a value, as `dvfs compare` takes it:
+    a ratio of 0 (or infinity, at a zero reference), 0 / 0 none. Paired, it has no spread to
+    take a t interval of: where every paired repeat's ratio is 0 (infinity) the interval is
+    that point, beside other ratios it is unbounded, (0, infinity).
     """
     v = np.asarray(values, dtype=float).ravel()
     r = np.asarray(reference, dtype=float).ravel()
-    usable_v = np.isfinite(v) & (v > 0)
-    usable_r = np.isfinite(r) & (r > 0)
-    both = usable_v & usable_r
+    usable_v = np.isfinite(v) & (v >= 0)
+    usable_r = np.isfinite(r) & (r >= 0)
+    both = usable_v & usable_r & ((v > 0) | (r > 0))
     n = int(np.count_nonzero(both))
     if n >= 2:
-        log_low, log_high = interval(np.log(v[both] / r[both]), confidence)
+        with np.errstate(divide="ignore"):
+            logs = np.log(v[both]) - np.log(r[both])
+        if (logs == -math.inf).all():
+            return 0.0, 0.0, n
+        if (logs == math.inf).all():
+            return math.inf, math.inf, n
+        if np.isinf(logs).any():
+            return 0.0, math.inf, n
+        log_low, log_high = interval(logs, confidence)
         return math.exp(log_low), math.exp(log_high), n
     if not usable_v.any() or not usable_r.any():
         return math.nan, math.nan, n
@@ -280,5 +293,7 @@ def ratio_interval(
 
     mean_v, width_v = mean_and_width(v, values_ci, usable_v)
     mean_r, width_r = mean_and_width(r, reference_ci, usable_r)
+    if mean_r == 0:  # infinite, or 0 / 0: no ratio
+        return (math.inf, math.inf, n) if mean_v > 0 else (math.nan, math.nan, n)
     ratio, width = mean_v / mean_r, math.hypot(width_v, width_r)
     return ratio * math.exp(-width), ratio * math.exp(width), n

@@ -436,12 +436,15 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
         )
     steps = []
     edge_batches = []
+    noise_batches = []  # planned at stock where a lower setting's saving was within the noise
     for batch in sorted({int(r["batch"]) for r in rows}):
         group = [r for r in rows if int(r["batch"]) == batch]
         step = _batch_step(doc, batch, group)
         steps.append(step)
         if not step.setting.is_stock and at_grid_edge(group):
             edge_batches.append(str(batch))
+        if step.setting.is_stock and any(r.get("saving_set_aside_within_noise") for r in group):
+            noise_batches.append(str(batch))
     if all(step.setting.is_stock for step in steps) and any(
         r.get("saving_set_aside_within_noise") for r in rows
     ):
@@ -464,6 +467,9 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
         "knob": doc.get("knob"),
         "grid_edge": (
             f"batch {', '.join(edge_batches)}: {GRID_EDGE_NOTE}" if edge_batches else None
+        ),
+        "within_noise": (
+            f"batch {', '.join(noise_batches)} at stock: {NOISE_NOTE}" if noise_batches else None
         ),
     }
     try:

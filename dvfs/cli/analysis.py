@@ -93,7 +93,10 @@ def search_options(func: Any) -> Any:
             show_default=True,
             help="Which knobs may move.",
         ),
-        confidence_option("One-sided confidence of the latency bound (with repeats)."),
+        confidence_option(
+            "One-sided confidence of the latency bound, and two-sided of a saving's interval "
+            "(with repeats)."
+        ),
     )
 
 

@@ -185,8 +185,9 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
         )
     for step in plan.steps:
         err.print(f"batch {step.batch}: {escape(step.setting.describe())}")
-    if plan.meta.get("grid_edge"):
-        err.print(f"[yellow]Note: {escape(str(plan.meta['grid_edge']))}.[/yellow]")
+    for note in ("grid_edge", "within_noise"):
+        if plan.meta.get(note):
+            err.print(f"[yellow]Note: {escape(str(plan.meta[note]))}.[/yellow]")
     err.print(
         f"between two planned batches: the less aggressive of the two; above "
         f"{plan.steps[-1].batch}: stock (not measured)"

@@ -45,7 +45,9 @@ PANEL_H_IN = 3.0
 DIMS = ("batch", "drafter", "power_limit", "sm_clock")
 
 
-CHOSEN_LABEL = "chosen: least energy meeting the target"
+#: `dvfs headroom`'s choice: the least energy meeting the target of the settings that save
+#: beyond the measurement noise (and stock), not always the least energy meeting it.
+CHOSEN_LABEL = "chosen: dvfs headroom's setting"
 
 
 def energy_title(cube: xr.Dataset, corpus: str) -> str:

@@ -170,20 +170,29 @@ class _FlagWrapper(textwrap.TextWrapper):
 
 
 def _answer_label(
-    saving: float, clock: float, limit: float, capped: bool, clock_locked: bool
+    saving: float,
+    clock: float,
+    limit: float,
+    capped: bool,
+    clock_locked: bool,
+    mark: str = "",
 ) -> str:
-    """A cell's text: the saving, then the knobs the answer sets (the clock only when locked)."""
+    """A cell's text: the saving (after `mark`: the table's on a saving within the noise),
+    then the knobs the answer sets (the clock only when locked)."""
+    said = f"{mark}{saving:.0f}%"
     # the limit as the table, `dvfs cap plan` and the key write it (250.5 W, not 250 W)
     if not clock_locked:
-        return f"{saving:.0f}%\n{limit:g} W"
-    return f"{saving:.0f}%\n{clock:.0f} MHz" + (f"\n{limit:g} W" if capped else "")
+        return f"{said}\n{limit:g} W"
+    return f"{said}\n{clock:.0f} MHz" + (f"\n{limit:g} W" if capped else "")
 
 
 @styled
 def draw_headroom(chosen: xr.Dataset) -> Figure:
-    """Energy saved (%) at the least-energy setting meeting the target: a panel per corpus,
+    """Energy saved (%) at the setting `dvfs headroom` chooses for the target: a panel per corpus,
     cells drafter x batch; capped power limits outlined and named in the cell."""
     from matplotlib.patches import Patch, Rectangle
+
+    from dvfs.report.headroom import NOISE_MARK
 
     corpora = [str(c) for c in chosen["corpus"].values]
     drafters = [str(d) for d in chosen["drafter"].values]
@@ -194,6 +203,12 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     limit = chosen["chosen_power_limit"].transpose(*order).values
     stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
     capped = np.isfinite(limit) & (limit < stock_limit)
+    # a saving within the measurement noise (the table's ≈): no saving is shown to exist
+    noise = (
+        chosen["saving_within_noise"].transpose(*order).values.astype(bool)
+        if "saving_within_noise" in chosen
+        else np.zeros(saving.shape, dtype=bool)
+    )
     # A campaign that left the SM clock unset has no clock answer: the stock clock is not a
     # lock, so the cell names the limit instead (one clock locked is still named). Not set is
     # not "unlocked": observe-only keeps a lock set outside dvfs.
@@ -205,6 +220,9 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         Patch(label=f"power limit capped below {stock_limit:g} W", **CAP_OUTLINE),
         Patch(facecolor=MISSING_COLOR, label="no answer (the cell says why)"),
     ]
+    if (noise & np.isfinite(saving)).any():
+        within = f"{NOISE_MARK}: saving within the noise"
+        key.append(Patch(facecolor="none", edgecolor="none", label=within))
 
     rows, cols = grid_shape(len(corpora))
     label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
@@ -212,7 +230,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     # a search that kept one knob at stock says so: the answers are that search's
     moved = {"sm_clock": "; SM clock only", "power_limit": "; power limit only"}
     title = (
-        "Headroom: energy saved at the least-energy setting meeting\n"
+        "Headroom: energy saved at the setting dvfs headroom chooses for\n"
         f"{chosen.attrs.get('target', 'the target')}"
         f"{moved.get(str(chosen.attrs.get('knob', 'both')), '')}\n"
         + (
@@ -250,7 +268,12 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
                 why[k, i, j]
                 if not np.isfinite(saving[k, i, j])
                 else _answer_label(
-                    saving[k, i, j], clock[k, i, j], limit[k, i, j], capped[k, i, j], clock_locked
+                    saving[k, i, j],
+                    clock[k, i, j],
+                    limit[k, i, j],
+                    capped[k, i, j],
+                    clock_locked,
+                    NOISE_MARK if noise[k, i, j] else "",
                 )
                 for j in range(len(batches))
             ]

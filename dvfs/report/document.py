@@ -278,8 +278,9 @@ def _headroom_section(room: dict[str, Any], options: ReportOptions) -> Section:
                 f"Target: {room['target']['description']}. Knob: {room['knob']}. Reference: "
                 f"{reference_text(ref)}. Headroom is the reference minus the lowest setting "
                 "that meets the target; the chosen setting is the one that meets it with the "
-                "least energy per token, and the saving is against the drafter's own energy "
-                "at the reference."
+                "least energy per token of those that save beyond the measurement noise, and "
+                "the reference, and the saving is against the drafter's own energy at the "
+                "reference."
             ),
             confidence_statement(room),
             Table(
@@ -365,7 +366,7 @@ def per_gpu_documents(room: dict[str, Any], names: dict[str, str]) -> list[dict[
 
 
 def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str, ...]]:
-    from dvfs.caps.planning import plan_caps
+    from dvfs.caps.planning import NOISE_NOTE, plan_caps
     from dvfs.errors import CapsError
 
     group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
@@ -384,6 +385,8 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
         planned = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case")
     except CapsError as exc:
         why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
+        if why.startswith("stock") and NOISE_NOTE in str(exc):  # `dvfs cap plan` says why
+            why += " (a lower setting's saving is within the measurement noise)"
         return [(*lead, label, "stock", "stock", why)]
     rows: list[tuple[str, ...]] = []
     # A cap at the lowest setting swept is where the grid stopped, not an optimum.

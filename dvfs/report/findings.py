@@ -8,7 +8,7 @@ from typing import Any
 
 from dvfs.report.common import fmt_ms, gpu_words
 from dvfs.report.compare import MEAN_WITHIN, TOO_FEW, edge_arms, ratio_text, too_slow
-from dvfs.report.headroom import UNLOCKED, clock_was_locked
+from dvfs.report.headroom import NOISE_MARK, UNLOCKED, clock_was_locked
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -60,7 +60,10 @@ def _at(ref: dict[str, Any]) -> str:
 
 def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding:
     rows = room["rows"]
-    saving = [r for r in rows if r["feasible"] and (r["saving"] or 0) > 0]
+    saved = [r for r in rows if r["feasible"] and (r["saving"] or 0) > 0]
+    # A saving within the measurement noise (the headroom table's ≈) is no saving shown.
+    saving = [r for r in saved if not r.get("saving_within_noise")]
+    noise = [r for r in saved if r.get("saving_within_noise")]
     infeasible = [r for r in rows if not r["feasible"]]
     details = []
     if saving:
@@ -75,6 +78,12 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
             f"({best['stock_energy_per_token_j']:.4g} -> {best['energy_per_token_j']:.4g} J "
             f"per token; latency {fmt_ms(best['latency_ms'])} ms against a "
             f"{fmt_ms(best['target_ms'])} ms target)."
+        )
+    if noise:
+        details.append(
+            f"{NOISE_MARK}: at {_named([_where(r) for r in noise])} the chosen setting's saving "
+            "is within the measurement noise (no setting that saves beyond it, nor "
+            f"{_at(room['reference'])}, meets the target): no saving is shown to exist there."
         )
     # Each row without an answer with the headroom table's reason and what would give it one:
     # "no setting meets the target" only where settings were judged over it.

@@ -204,12 +204,14 @@ def noise_note(doc: dict[str, Any]) -> list[str]:
     def numbers(r: dict[str, Any]) -> str:
         n = r["within_noise"]
         clock = f"{n['sm_clock_mhz']} MHz / " if clock_locked else ""
-        low, high = n["saving_interval"]
+        # an end null in the document is infinite (a zero energy beside others: the ratio's
+        # interval is unbounded), a saving of minus infinity
+        low, high = ("-inf%" if e is None else f"{e * 100:.1f}%" for e in n["saving_interval"])
         pairs = n["paired_repeats"] or 0
         basis = f"over {pairs} paired repeats" if pairs >= 2 else "by the cells' own intervals"
         return (
             f"{clock}{n['power_limit_w']:g} W saves {n['saving'] * 100:.1f}% "
-            f"[{low * 100:.1f}%, {high * 100:.1f}%] ({basis})"
+            f"[{low}, {high}] ({basis})"
         )
 
     rows = [r for r in doc["rows"] if r.get("feasible") and r.get("within_noise")]
@@ -491,8 +493,8 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
         f"- Knob: {doc['knob']}; reference: {reference_text(ref)}",
         f"- Feasibility: {doc['bound']}",
         "- Headroom: the reference minus the lowest feasible setting; chosen: the feasible "
-        "setting with the least energy per token (saving against the drafter's own energy at "
-        "the reference)",
+        "setting with the least energy per token of those that save beyond the measurement "
+        "noise, and the reference (saving against the drafter's own energy at the reference)",
         "",
         markdown_table(header, rows),
     ]
