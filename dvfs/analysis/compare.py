@@ -2,8 +2,9 @@
 
 Every drafter's energy per token is compared with the baseline drafter's (no speculation):
   * at equal clock: both at the same knob setting;
-  * at equal latency: each at its least-energy setting whose latency stays within the
-    baseline's stock latency (the baseline itself may also move its clock to get there);
+  * at equal latency: each at the setting `dvfs headroom` chooses with the baseline's stock
+    latency as the target (the least-energy one of those saving beyond the measurement
+    noise, else stock; the baseline itself may also move its clock to get there);
   * the break-even batch: the smallest measured batch at which the drafter no longer saves
     energy (NaN: no batch where it was compared and stopped saving), with a one-line summary
     of what happened at every batch: it saves at every batch, saves up to or from a batch,
@@ -356,9 +357,9 @@ def compare(
     ratio_latency = grouped(
         by_latency.ratio,
         units="1",
-        long_name="least energy per token within the baseline's stock latency, over the "
-        "baseline's least energy within the same latency (geometric mean of the per-repeat "
-        "ratios over the repeats valid in both)",
+        long_name="energy per token at headroom's setting within the baseline's stock "
+        "latency, over the baseline's within the same latency (geometric mean of the "
+        "per-repeat ratios over the repeats valid in both)",
     )
 
     # Equal latency is undefined either because no setting of the drafter met the baseline's
@@ -596,9 +597,9 @@ def interval_description(confidence: float, point: bool) -> str:
         f"two-sided {level_text(confidence)} Student-t interval of the mean log of the "
         "per-repeat ratios over the repeats valid in both arms (a geometric mean): saves or "
         "costs only where it excludes 1, else within noise; at equal latency each arm's "
-        "setting is its least-energy one, picked on the same repeats, so where several of the "
-        'drafter\'s settings spend alike its ratio leans low and "saves" comes out more often '
-        "than the level allows"
+        "setting is headroom's (the least-energy one of those saving beyond the noise, else "
+        "stock), picked on the same repeats, so where several of the drafter's settings spend "
+        'alike its ratio leans low and "saves" comes out more often than the level allows'
     )
 
 

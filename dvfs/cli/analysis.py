@@ -306,8 +306,9 @@ def headroom(
     """Lowest clock / power cap that keeps latency within a target, and the energy it saves.
 
     For every batch, drafter and corpus: the least-energy setting whose latency meets the
-    target (with repeats, its upper confidence bound must), the headroom below stock, and the
-    saving. CUBE_PATH is a cube file or a sweep folder.
+    target (with repeats, its upper confidence bound must) and whose saving is beyond the
+    measurement noise (else stock), the headroom below stock, and the saving. CUBE_PATH is a
+    cube file or a sweep folder.
     """
     import json
 

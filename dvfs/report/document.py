@@ -309,7 +309,7 @@ def _compare_section(comparison: dict[str, Any] | None, notes: list[str]) -> Sec
                 f"Each drafter's energy per token relative to {comparison['baseline']!r}: at "
                 "equal clock (both at the reference, "
                 f"{reference_text(comparison['reference'])}) and at equal latency (each at "
-                "its least-energy setting within the baseline's "
+                "the setting headroom chooses within the baseline's "
                 f"{comparison['latency']} at the reference). Below 1 saves."
             ),
         )
