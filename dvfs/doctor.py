@@ -764,7 +764,11 @@ def _shard(campaign: Campaign, shard: Shard) -> tuple[str, str]:
     deal is refused, as the sweep refuses it (exit 2)."""
     from dvfs.fleet.queue import group_of
     from dvfs.fleet.shard import planned_cells
+    from dvfs.measure.plan import too_many_to_list
 
+    too_many = too_many_to_list(campaign, "doctor")  # counted: listed, they run out of memory
+    if too_many is not None:
+        return WARN, f"shard {shard.label}: not dealt here: {too_many}"
     cells = planned_cells(campaign, shard)
     groups = len({group_of(c) for c in cells})
     return OK, (
@@ -843,9 +847,14 @@ def _out_dir(
     from dvfs.fleet.folders import fleet_journal
     from dvfs.fleet.shard_journal import folder_journals
     from dvfs.measure.journal import JOURNAL_NAME
-    from dvfs.out_folder import check_out_dir
+    from dvfs.measure.plan import too_many_to_list
+    from dvfs.out_folder import check_out_dir, check_out_usable
     from dvfs.preflight import resume_refusals
 
+    too_many = too_many_to_list(campaign, "doctor")  # counted: listed, they run out of memory
+    if too_many is not None and (models or any(j.is_file() for j in folder_journals(out_dir))):
+        check_out_usable(out_dir)
+        return WARN, f"{out_dir}: usable; its journals not read: {too_many}"
     check_out_dir(campaign, out_dir, shard)
     # refused as the sweep refuses it: its servers' environment changed since the journal's
     # (say CUDA_LAUNCH_BLOCKING=1); changed prompts are the corpora check's

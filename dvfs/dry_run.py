@@ -309,7 +309,18 @@ def plan_dry_run(
     it plans without the estimate."""
     from dvfs.fleet.devices import worker_groups, workers_per_model
     from dvfs.fleet.folders import extra_repeats
-    from dvfs.measure.plan import PlanSummary, summarise_plan
+    from dvfs.measure.plan import (
+        MOST_ESTIMATED_CELLS,
+        PlanSummary,
+        summarise_plan,
+        too_many_to_list,
+    )
+
+    # Counted, not listed, first: a campaign of a million repeats plans more cells than a dry
+    # run lists before running out of memory (minutes), and more than its estimate sweeps.
+    too_many = too_many_to_list(campaign, "a dry run")
+    if too_many is not None:
+        raise CampaignError(too_many)
 
     # No matching profile: refused, saying how to go on, unless the folder holds every cell
     # (nothing to estimate; checked below, once the journals are read) and no --twin was named.
@@ -427,6 +438,14 @@ def plan_dry_run(
     if unstartable is not None:
         problems.append(unstartable)
         codes.append(2)
+    sweeps = estimate and not problems and stand_in_problem is None and not all_done
+    if sweeps and len(cells) > MOST_ESTIMATED_CELLS:  # its sweep runs each of them in turn
+        raise CampaignError(
+            f"campaign {campaign.name!r} plans {len(cells):,} cells"
+            f"{f' in shard {shard.label}' if shard else ''}: more than the dry run's twin "
+            f"estimate sweeps promptly ({MOST_ESTIMATED_CELLS:,} at most, each in turn); pass "
+            "--no-estimate for the closed form's rough figure"
+        )
     twin_time = (
         twin_estimate(
             campaign,
@@ -436,7 +455,7 @@ def plan_dry_run(
             skip=done_there,
             count_method=recorded,
         )
-        if estimate and not problems and stand_in_problem is None and not all_done
+        if sweeps
         else None
     )
     if twin_time is not None and twin_time.failed:

@@ -397,9 +397,15 @@ def gpu_lost_error(
     pid = os.getpid()
     kept = [p.original.uuid for p in StateStore(directory).pending() if p.pid == pid]
     if kept:
-        whose = "its" if [g.identity.uuid for g in named] == kept else f"{', '.join(kept)}'s"
+        if [g.identity.uuid for g in named] == kept:
+            whose, once = "its settings", "once it answers again"
+        elif len(kept) == 1:
+            whose, once = f"{kept[0]}'s settings", "once it answers again"
+        else:  # several GPUs' settings left: named each, and said of them all
+            listed = f"{', '.join(kept[:-1])} and {kept[-1]}"
+            whose, once = f"the settings of {listed}", "once the GPUs answer again"
         then = (
-            f"{whose} settings could not be restored: once it answers again, run "
+            f"{whose} could not be restored: {once}, run "
             f"{reset_command(directory)}, then {resume_advice(fresh)}"
         )
     else:

@@ -815,6 +815,30 @@ def test_a_partial_cubes_comparison_says_its_verdicts_may_change() -> None:
     assert "run the same `dvfs sweep` command again" in note
 
 
+def test_a_partial_cubes_comparison_counts_its_failed_cells_as_cube_info_does() -> None:
+    """A partial cube with a failed cell: the report's headroom line said "2 of 12 cells not
+    measured yet (1 never run, 1 failed)" but its comparison line (the report's second) only
+    "2 of 12 cells not measured yet", where `dvfs cube info` counts "1 failed + 1 missing".
+    Both say the cells left in the same words (one helper)."""
+    from dvfs.report import compare_document, compare_notes
+    from dvfs.report.headroom import partial_note
+
+    partial = cube().copy(deep=True)
+    for status, at in (
+        (0, {"drafter": "eagle3", "sm_clock": 1000, "batch": 64}),
+        (2, {"drafter": "eagle3", "sm_clock": 1000, "batch": 1}),
+    ):
+        for name in ("energy_per_token_j", "tpot_ms", "valid"):
+            partial[name].loc[at] = np.nan
+        partial["cell_status"].loc[at] = status
+    doc = compare_document(compare(partial), None, partial)
+    [note] = [n for n in compare_notes(doc) if n.startswith("partial cube")]
+    said = "partial cube: 2 of 12 cells not measured yet (1 never run, 1 failed)"
+    assert note.startswith(f"{said}: a ratio"), note
+    headroom_line = partial_note(doc)
+    assert headroom_line is not None and headroom_line.startswith(f"{said}; answers"), headroom_line
+
+
 def test_a_headline_names_a_merged_cubes_gpu_by_its_uuid_once() -> None:
     """A merged cube's rows carry the GPU's UUID, which already says GPU: the headline names
     "GPU-47dfcd23", never "GPU GPU-47dfcd23"; an index or a model's name is "GPU NAME"."""

@@ -355,3 +355,66 @@ def test_a_campaign_of_server_groups_is_estimated_on_one_group_s_server(tmp_path
     assert windows[1] == pytest.approx(windows[0], rel=0.01)
     assert two["gpu_hours"] > one["gpu_hours"]
     assert two["naive_gpu_hours"] == one["naive_gpu_hours"]
+
+
+def _never_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listing the campaign's cells fails the test: a refusal must come from counting them."""
+    import dvfs.fleet.shard
+
+    def listed(campaign):  # type: ignore[no-untyped-def]
+        raise AssertionError("the cells were listed one by one")
+
+    monkeypatch.setattr(dvfs.fleet.shard, "plan_cells", listed)
+
+
+def test_a_dry_run_of_the_most_repeats_a_campaign_may_ask_is_refused_uncounted_cell_by_cell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A campaign of 1,048,576 repeats (the validator's most) passes validation, and `dvfs
+    sweep --dry-run` listed every one of its millions of cells (then swept the twin over
+    them): minutes, then out of memory. The dry run counts them first and is refused in one
+    line (exit 2) naming the count and what to change, with or without the estimate, as is
+    `dvfs doctor`'s shard and (a fleet's) output folder check a warning, nothing listed."""
+    from dvfs.campaign.validate import MOST_REPEATS
+
+    small = write(tmp_path / "small.toml", SMALLER)  # 2 repeats, listed
+    listed = ["sweep", str(small), "--out", str(tmp_path / "out"), "--dry-run", "--no-estimate"]
+    per = json.loads(CliRunner().invoke(cli, [*listed, "--json"]).stdout)["cells"] // 2
+    text = replace_block(SMALLER, "repeats = 2", f"repeats = {MOST_REPEATS}")
+    campaign = write(tmp_path / "huge.toml", text)
+    _never_listed(monkeypatch)
+    out = str(tmp_path / "out")
+    for extra in ([], ["--no-estimate"], ["--no-estimate", "--json"], ["--shard", "1/2"]):
+        result = CliRunner().invoke(
+            cli, ["sweep", str(campaign), "--out", out, "--dry-run", *extra]
+        )
+        assert result.exit_code == 2, (extra, result.output)
+        [line] = result.stderr.splitlines()
+        assert f"plans {per * MOST_REPEATS:,} cells ({MOST_REPEATS:,} repeats of {per}): " in line
+        assert "more than a dry run lists (" in line and " at most); plan " in line, line
+        assert "fewer measurement.repeats" in line and "Traceback" not in result.output, line
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--shard", "1/2", "--json"])
+    assert doctor.exit_code == 0, doctor.output
+    said = {c["name"]: c for c in json.loads(doctor.stdout)}
+    assert said["shard"]["status"] == "warn", said["shard"]
+    assert "more than doctor lists" in said["shard"]["detail"], said["shard"]
+
+
+def test_an_estimate_over_more_cells_than_it_sweeps_promptly_is_refused_for_no_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The twin estimate sweeps each planned cell in turn: tens of thousands took minutes and
+    GiBs. Above `MOST_ESTIMATED_CELLS` (lowered here to this campaign's size) the dry run is
+    refused in one line saying --no-estimate, which then plans it; at the bound it estimates."""
+    import dvfs.measure.plan
+
+    campaign = write(tmp_path / "small.toml", SMALLER)
+    args = ["sweep", str(campaign), "--out", str(tmp_path / "nowhere"), "--dry-run", "--json"]
+    cells = json.loads(CliRunner().invoke(cli, [*args, "--no-estimate"]).stdout)["cells"]
+    monkeypatch.setattr(dvfs.measure.plan, "MOST_ESTIMATED_CELLS", cells - 1, raising=False)
+    refused = CliRunner().invoke(cli, args)
+    assert refused.exit_code == 2, refused.output
+    [line] = refused.stderr.splitlines()
+    assert f"plans {cells:,} cells: more than the dry run's twin estimate sweeps" in line, line
+    assert "pass --no-estimate" in line, line
+    assert CliRunner().invoke(cli, [*args, "--no-estimate"]).exit_code == 0

@@ -2008,3 +2008,37 @@ def test_a_sweep_whose_gpu_falls_off_the_bus_says_so_and_how_to_resume(
     cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(cells) == total and cells[: len(kept)] == kept and (out / "cube.nc").is_file()
     assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+@pytest.mark.parametrize("kept", [1, 2, 3], ids=["one", "two", "three"])
+def test_a_lost_gpus_line_says_the_settings_left_in_grammar_for_one_gpu_and_several(
+    tmp_path: Path, kept: int
+) -> None:
+    """A sweep over several GPUs (tensor parallel) whose GPU 0 fell off the bus, with more
+    than one GPU's settings left changed, read "GPU-a, GPU-b's settings could not be restored:
+    once it answers again": one possessive for a list, and "it" for several GPUs. Each GPU is
+    named ("GPU-a and GPU-b", "GPU-a, GPU-b and GPU-c"), and the reset is for once the GPUs
+    answer again; one GPU's settings keep "its settings ... once it answers again"."""
+    from types import SimpleNamespace
+
+    from dvfs.errors import GpuUnavailableError
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+    from dvfs.sweep import gpu_lost_error
+
+    uuids = [f"GPU-{i}0000000-0000-0000-0000-000000000000" for i in range(3)]
+    gpus = [SimpleNamespace(identity=SimpleNamespace(index=i, uuid=u)) for i, u in enumerate(uuids)]
+    state = tmp_path / "state"
+    for uuid in uuids[:kept]:
+        StateStore(state).record(GpuSettings(uuid=uuid, sm_clock_lock_mhz=None, power_limit_mw=1))
+    loss = GpuUnavailableError("GPU 0: fallen off the bus")
+    said = str(gpu_lost_error(loss, gpus, 3, state, fresh=False))  # type: ignore[arg-type]
+    reset = f"run `dvfs gpu reset --state-dir {state}`, then rerun the same command to resume"
+    whose = {
+        1: "its settings could not be restored: once it answers again",
+        2: f"the settings of {uuids[0]} and {uuids[1]} could not be restored: "
+        "once the GPUs answer again",
+        3: f"the settings of {uuids[0]}, {uuids[1]} and {uuids[2]} could not be restored: "
+        "once the GPUs answer again",
+    }[kept]
+    assert said.endswith(f"the journal keeps every finished cell; {whose}, {reset}"), said

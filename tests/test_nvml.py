@@ -407,6 +407,48 @@ def test_cap_apply_of_a_model_entry_names_a_gpu_nvml_may_not_talk_to(
     assert nvml.fake_device_state(1)["locked_clocks"] is not None, again.stdout  # both
 
 
+def test_cap_apply_of_a_model_entry_names_the_command_to_paste_for_a_withheld_gpu(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A [[model]] caps file applied with --state-dir DIR where NVML withholds a GPU said "run
+    dvfs cap apply as a user the GPUs admit (root, with sudo)": no caps file, and no --state-dir,
+    so pasted it is refused (missing CAPS_FILE), and with the file added it records its caps in
+    another folder than DIR, where `cap show --state-dir DIR` and `cap reset --state-dir DIR`
+    look. It names the command whole (the file and --state-dir DIR quoted); followed once the
+    GPU is admitted, it caps that GPU and records it in DIR."""
+    import re
+    import shlex
+
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm")  # one model
+    nvml.fake_reset_state()
+    env = fake_env(tmp_path)
+    folder = tmp_path / "my state"
+    caps = tmp_path / "my caps.toml"
+    caps.write_text('[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1500\n')
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    applied = dvfs_in_process("cap", "apply", str(caps), "--state-dir", str(folder), env=env)
+    assert applied.returncode == 4, (applied.stdout, applied.stderr)
+    line = " ".join(applied.stderr.split())
+    [advice] = re.findall(r"run (dvfs cap apply.*?) as a user the GPUs admit", line)
+    assert shlex.split(advice) == ["dvfs", "cap", "apply", str(caps), "--state-dir", str(folder)]
+    nvml.fake_update_device(1, errors={})  # now as a user the GPU admits: the advice, as said
+    followed = dvfs_in_process(*shlex.split(advice)[1:], env=env)
+    assert followed.returncode == 0, (followed.stdout, followed.stderr)
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None, followed.stdout
+    show = dvfs_in_process("cap", "show", "--state-dir", str(folder), "--json", env=env)
+    assert nvml.fake_device_state(1)["uuid"] in show.stdout, show.stdout
+    # a [[gpu]] entry that may name the withheld GPU (refused, exit 4): its command whole too
+    named = tmp_path / "gpu caps.toml"
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(2)]
+    named.write_text("".join(f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1500\n\n' for u in uuids))
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    refused = dvfs_in_process("cap", "apply", str(named), "--state-dir", str(folder), env=env)
+    assert refused.returncode == 4, (refused.stdout, refused.stderr)
+    line = " ".join(refused.stderr.split())
+    [advice] = re.findall(r"run (dvfs cap apply.*?) as a user the GPUs admit", line)
+    assert shlex.split(advice) == ["dvfs", "cap", "apply", str(named), "--state-dir", str(folder)]
+
+
 def test_gpu_reset_defaults_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -734,6 +734,36 @@ def test_the_timelines_draw_every_drafter_asked_for_and_name_those_left_out(
     assert "not drawn: ngram" in title, title
 
 
+@pytest.mark.parametrize("failed", [("none",), ("none", "eagle3")], ids=["one", "two"])
+def test_the_timelines_draw_the_first_drafters_with_valid_cells(failed: tuple[str, ...]) -> None:
+    """Every none cell failed (its server never came up): with no drafter asked for, the
+    timelines drew "the cube's first 2", none and eagle3, so one line (eagle3's) a panel and
+    dflash, measured, left out. They draw the first two drafters with a valid cell, the title
+    naming those without one; where fewer than two have any, it says so."""
+    cube = small_cube([1], corpora=("code",))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    gone = cube["drafter"].isin(list(failed))
+    for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms", "accept_length"):
+        cube[name] = cube[name].where(~gone)
+    cube["cell_status"] = cube["cell_status"].where(~gone, 2)
+    cube["valid"] = cube["valid"].where(~gone)
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    assert fig is not None
+    drawn = {str(line.get_label()).split(", ")[0] for ax in fig.axes for line in ax.lines}
+    labelled = {name for name in drawn if not name.startswith("_")}
+    title = fig.get_suptitle()
+    if len(failed) == 1:
+        assert labelled == {"eagle3", "dflash"}, labelled
+        said = "drafters eagle3, dflash (the cube's first 2 with valid cells; no valid cell: none)"
+    else:
+        assert labelled == {"dflash"}, labelled
+        said = "drafters dflash (the only one with valid cells; no valid cell: none, eagle3)"
+    assert title.endswith(said), title
+    assert not [t.get_text() for ax in fig.axes for t in ax.texts], "no panel lacks a line"
+
+
 def test_the_timelines_end_at_the_decode_not_at_the_sample_after_it(small_sweep: Path) -> None:
     """A fixed batch's round ends at its window's close, where the sampler's last reading of
     it falls (on the twin's virtual clock), reading the GPU after the last decode step: each

@@ -1091,3 +1091,34 @@ def test_a_signal_raised_inside_rays_compiled_code_comes_back_as_itself() -> Non
     with pytest.raises(SystemError, match="a fault of Ray's own"):
         plain.wait([])
     assert plain.is_initialized()
+
+
+def test_a_ray_workers_long_error_is_cut_at_a_word_and_marked() -> None:
+    """A Ray worker's error longer than 200 characters was cut at 200 in the middle of a word
+    and without a mark ('... cannot reset locked SM clocks: unrecovered unrecove'), read as
+    the whole error. It is cut as the local fleet's all-lost line cuts one (one helper): at a
+    word, marked "…", within 200 characters; a short one is kept whole."""
+    from dvfs.errors import GpuError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    said: list[str] = []
+
+    class Fleet:
+        campaign = None
+
+        def lost(self, label: str, cell: object, why: str, record: dict) -> None:
+            said.append(why)
+
+    head = "could not restore GPU settings: GPU 0 (GPU-0): cannot reset locked SM clocks:"
+    for words in (40, 2):
+        wrapped = RuntimeError("the actor raised")
+        wrapped.cause = GpuError(" ".join([head, *["unrecovered"] * words]))  # type: ignore[attr-defined]
+        RayExecutor.__new__(RayExecutor)._lost(Fleet(), "vm/gpu0", None, wrapped)  # type: ignore[arg-type]
+    long, short = said
+    whole = f"GpuError: {head} " + " ".join(["unrecovered"] * 40)
+    assert len(long) <= 200 and long.endswith(" unrecovered…"), long
+    assert whole.startswith(long[:-1]) and whole[len(long) - 1] == " ", long
+    from dvfs.fleet.driver import bounded_why  # the local fleet's, for its all-lost line
+
+    assert long == bounded_why(whole)
+    assert short == f"GpuError: {head} unrecovered unrecovered", short

@@ -256,6 +256,7 @@ def apply(
     failed: GpuError | None = None  # writes that failed, once the other GPUs are capped
     # A dry run needs no root: it reads the caps in force where root recorded them.
     directory = state_dir or (records_dir() if dry_run else default_state_dir())
+    again = _apply_command(caps_file, allow_simulated, state_dir)  # as a user the GPUs admit
     out = console()
     # Every GPU, each opened on its own: one fallen off the bus (at boot, the caps unit) must
     # not leave the others at stock; it is named, exit 1, once they are capped. One whose power
@@ -279,13 +280,17 @@ def apply(
                 set_aside=[g for g in opened if g not in gpus],
             )
         except CapsError:
-            _refuse_unmatched_withheld(caps, caps_file, opened, allow_simulated, dry_run=dry_run)
+            _refuse_unmatched_withheld(
+                caps, caps_file, opened, allow_simulated, dry_run=dry_run, command=again
+            )
             raise
         if plan.unmatched:
-            _refuse_withheld(plan.unmatched, str(caps_file), dry_run=dry_run, lost=lost_line)
+            _refuse_withheld(
+                plan.unmatched, str(caps_file), dry_run=dry_run, lost=lost_line, command=again
+            )
         # every GPU leaves out one NVML may not talk to: a [[model]] entry may name it (its
         # model cannot be read), left uncapped, which must not read as the file applied
-        withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run)
+        withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run, command=again)
         capped = {a.uuid for a in plan.actions}
         volatile = {
             g.identity.uuid: f"GPU {g.identity.index}"
@@ -366,7 +371,7 @@ def apply(
 
 
 def _refuse_withheld(
-    unmatched: Sequence[str], where: str, *, dry_run: bool, lost: str = ""
+    unmatched: Sequence[str], where: str, *, dry_run: bool, command: str, lost: str = ""
 ) -> None:
     """Refuse (exit 4, nothing changed) a caps file naming GPU UUIDs none of the GPUs that open
     has, on a host where NVML counts GPUs it has no permission to talk to: "every GPU" leaves
@@ -384,17 +389,18 @@ def _refuse_withheld(
         f"{'dry run, nothing changed: ' if dry_run else ''}{where} names GPU(s) "
         f"{', '.join(unmatched)}, which are not among the GPUs this process may talk to; the "
         f"driver does not let it talk to {gpus} (NVML: no permission), not even to read "
-        f"{'its' if len(refused) == 1 else 'their'} UUID, so nothing was capped: run dvfs as "
-        "a user the GPUs admit (root, with sudo), or remove those entries from the file"
-        + (f"; {lost}" if lost else "")
+        f"{'its' if len(refused) == 1 else 'their'} UUID, so nothing was capped: run "
+        f"{command} as a user the GPUs admit (root, with sudo), or remove those entries from "
+        "the file" + (f"; {lost}" if lost else "")
     )
 
 
-def _withheld_models(caps: CapsFile, where: str, *, dry_run: bool) -> str:
+def _withheld_models(caps: CapsFile, where: str, *, dry_run: bool, command: str) -> str:
     """The line naming the GPUs NVML counts but has no permission to talk to, where the caps
     file has [[model]] entries: every GPU leaves those GPUs out (`dvfs.gpu.nvml.every_gpu`) and
     their model cannot be read, so an entry for every GPU of a model may name one, which is
-    not capped; "" where the file names GPUs by UUID only or NVML withholds none."""
+    not capped, and the `command` that caps it (`_apply_command`); "" where the file names
+    GPUs by UUID only or NVML withholds none."""
     from dvfs.backends import withheld_gpus
 
     models = [c.name for c in caps.caps if c.name]
@@ -410,14 +416,35 @@ def _withheld_models(caps: CapsFile, where: str, *, dry_run: bool) -> str:
         f"talk to {gpus} (NVML: no permission), not even to read {'its' if one else 'their'} "
         f"model, so {where}'s [[model]] entries ({', '.join(dict.fromkeys(models))}) may name "
         f"{'it' if one else 'them'}: {'it' if one else 'they'} "
-        f"{'would not be' if dry_run else 'was not' if one else 'were not'} capped; run dvfs cap "
-        "apply as a user the GPUs admit (root, with sudo), or name the GPUs to cap by UUID "
+        f"{'would not be' if dry_run else 'was not' if one else 'were not'} capped; run "
+        f"{command} as a user the GPUs admit (root, with sudo), or name the GPUs to cap by UUID "
         "([[gpu]] entries)"
     )
 
 
+def _apply_command(caps_file: Path, allow_simulated: bool, state_dir: Path | None) -> str:
+    """The `dvfs cap apply` that applies `caps_file` as this one would, to paste as a user the
+    GPUs admit: the file (quoted), --allow-simulated where given, and the --state-dir its
+    caps record is in where a plain command run with sudo would look elsewhere
+    (`state_dir_command`)."""
+    import shlex
+
+    from dvfs.gpu.safety import default_state_dir, state_dir_command
+
+    path = str(caps_file)  # quoted, and not taken for an option ("-caps.toml"), as `cap plan`'s
+    command = f"dvfs cap apply {shlex.quote('./' + path if path.startswith('-') else path)}"
+    command += " --allow-simulated" if allow_simulated else ""
+    return state_dir_command(command, state_dir or default_state_dir())
+
+
 def _refuse_unmatched_withheld(
-    caps: CapsFile, caps_file: Path, opened: Sequence[Gpu], allow_simulated: bool, *, dry_run: bool
+    caps: CapsFile,
+    caps_file: Path,
+    opened: Sequence[Gpu],
+    allow_simulated: bool,
+    *,
+    dry_run: bool,
+    command: str,
 ) -> None:
     """Where the caps file matches none of the GPUs that open (refused as a file for another
     host, exit 2), refuse it instead (exit 4, nothing capped) in the line naming the GPUs NVML
@@ -432,7 +459,7 @@ def _refuse_unmatched_withheld(
     )
     if any(cap is not None for cap in named):
         return
-    withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run)
+    withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run, command=command)
     if withheld:
         host = "; ".join(f"GPU {g.identity.index}, {g.identity.name}" for g in opened) or "none"
         raise GpuPermissionError(

@@ -210,12 +210,18 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return combined
 
 
-def _bounded(why: str, chars: int = 200) -> str:
-    """A lost worker's error for the line that names three of them: without its last full
-    stop (clauses follow it), and cut short where long, so the line keeps, within an error
-    line's bound, the reset and the resume that end it."""
+def bounded_why(why: str, chars: int = 200) -> str:
+    """A lost worker's error for the line that names three of them (and for a Ray worker's
+    loss as it comes): without its last full stop (clauses follow it), and cut short where
+    long, at a word and marked "…", so the line keeps, within an error line's bound, the
+    reset and the resume that end it."""
     why = why.rstrip(".")
-    return why if len(why) <= chars else why[: chars - 3] + "..."
+    if len(why) <= chars:
+        return why
+    cut = why[: chars - 1]
+    if not why[chars - 1].isspace() and " " in cut.strip():
+        cut = cut.rsplit(" ", 1)[0]  # the word it fell in left out whole
+    return cut.rstrip(" ,;:") + "…"
 
 
 def resume_advice(fresh: bool) -> str:
@@ -528,7 +534,7 @@ class Driver:
             return
         if self.refused is not None:
             raise JournalError(self.refused)
-        lost = [f"{s.label}: {_bounded(s.lost)}" for s in self.stats.values() if s.lost]
+        lost = [f"{s.label}: {bounded_why(s.lost)}" for s in self.stats.values() if s.lost]
         named = "; ".join(lost[:3]) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
         raise JournalError(
             f"every worker was lost with {len(self._outstanding)} cell(s) left"

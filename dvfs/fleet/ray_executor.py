@@ -34,7 +34,7 @@ from typing import Any
 from dvfs.backends import real_gpus, virtual_time
 from dvfs.errors import CampaignError, DvfsError
 from dvfs.fleet.devices import Group, group_label, one_model
-from dvfs.fleet.driver import Fleet, resume_advice
+from dvfs.fleet.driver import Fleet, bounded_why, resume_advice
 from dvfs.fleet.local import POLL_S, VirtualPacer
 from dvfs.signals import HANDLED, Interrupted
 
@@ -813,7 +813,7 @@ class RayExecutor:
                 f"worker {label} died without restoring its GPUs: run {self.reset_on(host)} on "
                 f"{host}"
             )
-        fleet.lost(label, cell, why[:200], record)
+        fleet.lost(label, cell, bounded_why(why), record)
 
 
 def actor_gone(exc: BaseException) -> bool:

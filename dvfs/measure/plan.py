@@ -84,6 +84,45 @@ def _sorted_settings(campaign: Campaign) -> list[KnobSetting]:
     return [KnobSetting(c, p) for p in limits for c in clocks]
 
 
+#: The most planned cells a dry run (and `dvfs doctor`'s shard check) lists one by one, to
+#: count what a folder holds, deal shards and estimate: about ten seconds and under a GiB. A
+#: campaign the validator admits (up to `MOST_REPEATS` repeats) may plan a hundred times more,
+#: which listed would run for minutes and out of memory: such a dry run is refused in one line.
+MOST_LISTED_CELLS = 1_000_000
+#: The most planned cells the dry run's twin estimate sweeps, each in turn in virtual time
+#: (80,000 small cells took 3.5 minutes and 1.5 GiB; sweeps/h100-llama8b.toml plans 12,375);
+#: above it the estimate is refused in one line saying --no-estimate.
+MOST_ESTIMATED_CELLS = 50_000
+
+
+def planned_cell_count(campaign: Campaign) -> int:
+    """How many cells `plan_cells` lists, counted without listing them."""
+    w = campaign.workload
+    settings = len(_sorted_settings(campaign))
+    return (
+        len(campaign.drafters)
+        * campaign.measurement.repeats
+        * settings
+        * len(w.corpus_names)
+        * len(w.batch_sizes)
+    )
+
+
+def too_many_to_list(campaign: Campaign, what: str) -> str | None:
+    """The line refusing `what` (a dry run) for a campaign planning more cells than it lists
+    promptly (`MOST_LISTED_CELLS`), counted without listing them; None where it lists them."""
+    count = planned_cell_count(campaign)
+    if count <= MOST_LISTED_CELLS:
+        return None
+    repeats = campaign.measurement.repeats
+    return (
+        f"campaign {campaign.name!r} plans {count:,} cells ({repeats:,} repeats of "
+        f"{count // repeats:,}): more than {what} lists ({MOST_LISTED_CELLS:,} at most); plan "
+        "fewer measurement.repeats (max_repeats adds repeats only where a group needs them) "
+        "or a smaller grid"
+    )
+
+
 def plan_cells(campaign: Campaign) -> list[Cell]:
     """Every cell of the campaign, in measuring order."""
     settings = _sorted_settings(campaign)

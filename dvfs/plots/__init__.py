@@ -77,9 +77,10 @@ def figures(
     `drafters` (none: all) are the rows of the headroom map, as of `dvfs headroom --drafter`'s
     table: a cube cut to some drafters keeps the baseline for the target and for the curves
     it is drawn against, but the map is of the drafters asked for, and so are the timelines
-    (none asked: the cube's first two, the others named). `grid_from_data`: the cube
-    is one GPU of a merged cube (`per_gpu`), its answers those `dvfs headroom` gives that GPU
-    on the merged cube (another GPU's stock setting is outside its grid, not unmeasured).
+    (none asked: the cube's first two with valid cells, the others named). `grid_from_data`:
+    the cube is one GPU of a merged cube (`per_gpu`), its answers those `dvfs headroom` gives
+    that GPU on the merged cube (another GPU's stock setting is outside its grid, not
+    unmeasured).
 
     The per-corpus figures of a kind (energy vs clock, Pareto fronts, energy split) are one
     Figure drawn again for each corpus: save (or inspect) each figure before asking for the

@@ -1,6 +1,6 @@
 """Power and SM clock through the measurement window, stock against the chosen setting, for the
-drafters asked for (`dvfs report --drafter`; none asked: the cube's first two, the others named
-in the title) at the smallest and largest batch of the first corpus."""
+drafters asked for (`dvfs report --drafter`; none asked: the cube's first two with valid cells,
+the others named in the title) at the smallest and largest batch of the first corpus."""
 
 from __future__ import annotations
 
@@ -33,15 +33,25 @@ LEGEND_LINE_IN = 0.22
 LEGEND_TOP_IN = 0.85
 
 
-def timeline_drafters(cube: xr.Dataset, asked: Sequence[str] = ()) -> tuple[list[str], list[str]]:
-    """The drafters the timelines draw and those of the cube they leave out unasked: those
-    `asked` (`dvfs report --drafter`, in its order; the baseline a report keeps beside them is
-    not drawn), else the cube's first `DEFAULT_DRAFTERS`, the rest left out (and named)."""
+def timeline_drafters(
+    cube: xr.Dataset, asked: Sequence[str] = ()
+) -> tuple[list[str], list[str], list[str]]:
+    """The drafters the timelines draw, those of the cube they leave out unasked, and those
+    left out for want of a valid cell with a timeline: those `asked` (`dvfs report --drafter`,
+    in its order; the baseline a report keeps beside them is not drawn), else the cube's first
+    `DEFAULT_DRAFTERS` with a valid cell (one whose every cell failed would leave one line),
+    the rest left out (and named); where none has one, the cube's first, as they come."""
     known = [str(d) for d in cube["drafter"].values]
     wanted = [d for d in dict.fromkeys(asked) if d in known]
     if wanted:
-        return wanted, []
-    return known[:DEFAULT_DRAFTERS], known[DEFAULT_DRAFTERS:]
+        return wanted, [], []
+    ok = valid_mask(cube) & cube["timeline_t_s"].notnull().any("sample")
+    has = ok.any([d for d in ok.dims if d != "drafter"]).values
+    usable = [d for d, yes in zip(known, has, strict=True) if yes]
+    if not usable:
+        return known[:DEFAULT_DRAFTERS], known[DEFAULT_DRAFTERS:], []
+    empty = [d for d in known if d not in usable]
+    return usable[:DEFAULT_DRAFTERS], usable[DEFAULT_DRAFTERS:], empty
 
 
 def setting_text(
@@ -101,13 +111,13 @@ def draw_timelines(
     cube: xr.Dataset, chosen: xr.Dataset, drafters: Sequence[str] = ()
 ) -> Figure | None:
     """None when the cube holds no sampled timeline. `drafters`: those asked for (`dvfs
-    report --drafter`), each drawn; none: the cube's first two, the title naming the others
-    (`timeline_drafters`)."""
+    report --drafter`), each drawn; none: the cube's first two with valid cells, the title
+    naming the others (`timeline_drafters`)."""
     if "timeline_power_w" not in cube or np.all(np.isnan(cube["timeline_power_w"].values)):
         return None
     ref = reference_setting(cube)
     colors = cube_drafter_colors(cube)
-    drafters, unasked = timeline_drafters(cube, drafters)
+    drafters, unasked, empty = timeline_drafters(cube, drafters)
     # the smallest and largest batch: the axis is the campaign's order, which need not ascend
     batches = sorted({int(cube["batch"].min()), int(cube["batch"].max())})
     corpus = str(cube["corpus"].values[0])
@@ -117,12 +127,20 @@ def draw_timelines(
 
     cols = len(batches)
     title = f"Power and SM clock through the measurement window: {stock_word} vs chosen setting"
-    if unasked:  # never left out unsaid: a drafter missing reads as one never measured
+    if empty:  # never left out unsaid: a drafter missing reads as one never measured
+        first = (
+            f"the cube's first {len(drafters)} with valid cells"
+            if len(drafters) == DEFAULT_DRAFTERS
+            else "the only one with valid cells"
+        )
+        title += f"\ndrafters {', '.join(drafters)} ({first}; no valid cell: {', '.join(empty)})"
+    elif unasked:
         title += (
             f"\ndrafters {', '.join(drafters)} (the cube's first {len(drafters)} of "
-            f"{len(drafters) + len(unasked)}); not drawn: "
-            f"{', '.join(unasked)} (`dvfs report --drafter` draws them)"
+            f"{len(drafters) + len(unasked)})"
         )
+    if unasked:
+        title += f"; not drawn: {', '.join(unasked)} (`dvfs report --drafter` draws them)"
     legend_lines = 2 * len(drafters) + 1  # stock and chosen a drafter, a capped limit
     margins = Margins(
         left=0.9,

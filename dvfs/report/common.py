@@ -177,6 +177,19 @@ def named_rows(rows: list[dict[str, Any]], detail: Any) -> str:
     return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
 
 
+def unmeasured_cells(cov: dict[str, Any], where: str = "yet") -> str:
+    """A partial cube's cells left, as every analysis says them and `dvfs cube info` counts
+    them: "48 of 120 cells not measured yet (48 failed)", the never run and the failed each
+    said where there are any (`where`: "here" for a shard's cube)."""
+    waiting = int(cov.get("missing", 0)) + int(cov.get("failed", 0))
+    parts = [
+        f"{cov[k]} {what}"
+        for k, what in (("missing", "never run"), ("failed", "failed"))
+        if cov.get(k)
+    ]
+    return f"{waiting} of {cov['cells']} cells not measured {where} ({', '.join(parts)})"
+
+
 def campaign_hash(attrs: Any) -> str | None:
     """A cube's campaign hash; a merged cube's, from the cubes it was merged from (their
     distinct hashes, comma-joined; the report's "Merged from" table shows each); None where

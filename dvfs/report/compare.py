@@ -17,6 +17,7 @@ from dvfs.report.common import (
     reference_setting,
     reference_text,
     short_gpus,
+    unmeasured_cells,
 )
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
 
         then = resume_note(doc)
         notes.append(
-            f"partial cube: {waiting} of {cov['cells']} cells not measured yet: a ratio, a "
+            f"partial cube: {unmeasured_cells(cov)}: a ratio, a "
             'verdict ("not within target", "too slow" included) or a break-even batch '
             f"resting on settings not measured may change; {then}"
         )

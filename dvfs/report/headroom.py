@@ -24,6 +24,7 @@ from dvfs.report.common import (
     reference_setting,
     reference_text,
     short_gpus,
+    unmeasured_cells,
 )
 from dvfs.report.reasons import no_answer
 
@@ -288,21 +289,16 @@ def partial_note(doc: dict[str, Any]) -> str | None:
     waiting = int(cov.get("missing", 0)) + int(cov.get("failed", 0))
     if not waiting:
         return None
-    parts = [
-        f"{cov[k]} {what}" for k, what in (("missing", "never run"), ("failed", "failed")) if cov[k]
-    ]
     if doc.get("shard"):
         from dvfs.cube.info import shard_note
 
         return (
-            f"partial cube: {waiting} of {cov['cells']} cells not measured here "
-            f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
-            f"change: {shard_note(doc['shard'])}"
+            f"partial cube: {unmeasured_cells(cov, 'here')}; answers marked ? and rows without "
+            f"a measured reference may change: {shard_note(doc['shard'])}"
         )
     return (
-        f"partial cube: {waiting} of {cov['cells']} cells not measured yet "
-        f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
-        f"change: {_resume_note(doc)}"
+        f"partial cube: {unmeasured_cells(cov)}; answers marked ? and rows without a measured "
+        f"reference may change: {_resume_note(doc)}"
     )
 
 
