@@ -95,6 +95,9 @@ class DryRunPlan:
     #: model with the most left does not hold) into a temporary folder; None when not
     #: estimated (--no-estimate, corpus problems, or nothing left to run).
     estimate: TwinEstimate | None = None
+    #: Why the twin did not estimate a campaign it could have (too many cells to sweep
+    #: promptly): the closed form's figure stands in; None otherwise.
+    estimate_skipped: str | None = None
     #: Where the sweep journals per GPU model (`gpu-<model>/`: a fleet mixing models, or a
     #: folder one began), each model's folder and the planned cells its journal holds; the
     #: cells run once per model. Empty when it journals in the folder itself.
@@ -196,7 +199,10 @@ class DryRunPlan:
             "comparison_groups": self.comparison_groups,
             "comparison_groups_left": self.comparison_groups_left,
             "estimated_hours_on_hardware": round(hours, 2),
-            "estimate": _estimate_dict(e, self.estimated_s),
+            "estimate": {
+                **_estimate_dict(e, self.estimated_s),
+                **({"twin_skipped": self.estimate_skipped} if self.estimate_skipped else {}),
+            },
             "servers": [s.as_dict() for s in self.servers],
             "problems": list(self.problems),
             **({"shard": self.shard} if self.shard else {}),
@@ -439,12 +445,13 @@ def plan_dry_run(
         problems.append(unstartable)
         codes.append(2)
     sweeps = estimate and not problems and stand_in_problem is None and not all_done
+    estimate_skipped = None
     if sweeps and len(cells) > MOST_ESTIMATED_CELLS:  # its sweep runs each of them in turn
-        raise CampaignError(
-            f"campaign {campaign.name!r} plans {len(cells):,} cells"
-            f"{f' in shard {shard.label}' if shard else ''}: more than the dry run's twin "
-            f"estimate sweeps promptly ({MOST_ESTIMATED_CELLS:,} at most, each in turn); pass "
-            "--no-estimate for the closed form's rough figure"
+        sweeps = False
+        estimate_skipped = (
+            f"the twin estimate sweeps each planned cell in turn, and {len(cells):,} cells"
+            f"{f' in shard {shard.label}' if shard else ''} are more than it sweeps promptly "
+            f"({MOST_ESTIMATED_CELLS:,} at most): the closed form's rough figure stands in"
         )
     twin_time = (
         twin_estimate(
@@ -516,6 +523,7 @@ def plan_dry_run(
         problems=tuple(problems),
         shard=shard.label if shard else None,
         estimate=twin_time,
+        estimate_skipped=estimate_skipped,
         done_per_model=done_per_model,
         max_repeats=campaign.measurement.max_repeats,
         precision=campaign.measurement.precision,

@@ -400,21 +400,32 @@ def test_a_dry_run_of_the_most_repeats_a_campaign_may_ask_is_refused_uncounted_c
     assert "more than doctor lists" in said["shard"]["detail"], said["shard"]
 
 
-def test_an_estimate_over_more_cells_than_it_sweeps_promptly_is_refused_for_no_estimate(
+def test_an_estimate_over_more_cells_than_it_sweeps_promptly_gives_the_closed_form(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The twin estimate sweeps each planned cell in turn: tens of thousands took minutes and
-    GiBs. Above `MOST_ESTIMATED_CELLS` (lowered here to this campaign's size) the dry run is
-    refused in one line saying --no-estimate, which then plans it; at the bound it estimates."""
+    GiBs. Above `MOST_ESTIMATED_CELLS` (lowered here to this campaign's size) the dry run
+    plans it with the closed form's figure, as --no-estimate does, saying why (it was refused,
+    a user asking for a plan told to ask again); at the bound the twin estimates it."""
     import dvfs.measure.plan
 
     campaign = write(tmp_path / "small.toml", SMALLER)
-    args = ["sweep", str(campaign), "--out", str(tmp_path / "nowhere"), "--dry-run", "--json"]
-    cells = json.loads(CliRunner().invoke(cli, [*args, "--no-estimate"]).stdout)["cells"]
+    args = ["sweep", str(campaign), "--out", str(tmp_path / "nowhere"), "--dry-run"]
+    rough = json.loads(CliRunner().invoke(cli, [*args, "--json", "--no-estimate"]).stdout)
+    cells = rough["cells"]
     monkeypatch.setattr(dvfs.measure.plan, "MOST_ESTIMATED_CELLS", cells - 1, raising=False)
-    refused = CliRunner().invoke(cli, args)
-    assert refused.exit_code == 2, refused.output
-    [line] = refused.stderr.splitlines()
-    assert f"plans {cells:,} cells: more than the dry run's twin estimate sweeps" in line, line
-    assert "pass --no-estimate" in line, line
-    assert CliRunner().invoke(cli, [*args, "--no-estimate"]).exit_code == 0
+    planned = CliRunner().invoke(cli, [*args, "--json"])
+    assert planned.exit_code == 0, planned.output
+    estimate = json.loads(planned.stdout)["estimate"]
+    assert (
+        estimate["from"] == "closed form"
+        and estimate["gpu_hours"] == rough["estimate"]["gpu_hours"]
+    )
+    assert f"{cells:,} cells are more than it sweeps promptly" in estimate["twin_skipped"]
+    said = CliRunner().invoke(cli, args)
+    text = " ".join(said.stdout.split())
+    assert said.exit_code == 0 and "(closed form)" in text, said.output
+    assert "note: the twin estimate sweeps each planned cell in turn" in text, text
+    monkeypatch.setattr(dvfs.measure.plan, "MOST_ESTIMATED_CELLS", cells, raising=False)
+    estimate = json.loads(CliRunner().invoke(cli, [*args, "--json"]).stdout)["estimate"]
+    assert estimate["from"] == "twin" and "twin_skipped" not in estimate

@@ -83,6 +83,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         out.print(
             f"{counts}; roughly {estimate['gpu_hours']} h on real hardware{whole} (closed form)"
         )
+        if estimate.get("twin_skipped"):
+            out.print(f"note: {estimate['twin_skipped']}", highlight=False)
     else:
         out.print(counts)
         on = (

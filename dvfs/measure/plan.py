@@ -91,7 +91,7 @@ def _sorted_settings(campaign: Campaign) -> list[KnobSetting]:
 MOST_LISTED_CELLS = 1_000_000
 #: The most planned cells the dry run's twin estimate sweeps, each in turn in virtual time
 #: (80,000 small cells took 3.5 minutes and 1.5 GiB; sweeps/h100-llama8b.toml plans 12,375);
-#: above it the estimate is refused in one line saying --no-estimate.
+#: above it the dry run gives the closed form's rough figure, saying why.
 MOST_ESTIMATED_CELLS = 50_000
 
 
