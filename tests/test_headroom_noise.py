@@ -263,6 +263,32 @@ def test_the_headroom_map_marks_a_saving_within_the_noise() -> None:
     assert not any(k.startswith("≈") for k in keys), keys
 
 
+def test_the_headroom_map_names_a_saving_set_aside_within_the_noise() -> None:
+    """600 W saves 0.2% within cells of +-3%: headroom keeps stock and its table's note names
+    the setting set aside; the map wrote "0%" at stock, as if nothing below it saved anything.
+    Its cell names the saving set aside and the key says what that means."""
+    from matplotlib.legend import Legend
+
+    from dvfs.plots import draw_headroom
+
+    result = headroom(
+        power_limit_cube(lambda p, r: {600.0: 0.998}.get(p, 1.0), ci=0.03),
+        target=Target("preserve", slack=0.01),
+    )
+    assert bool(one(result)["saving_set_aside_within_noise"])
+    fig = draw_headroom(result)
+    cells = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "0%\n1980 MHz\n0.2% in noise" in cells, cells
+    keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
+    assert "x% in noise: a lower setting's saving, set aside" in keys, keys
+    # nothing set aside: no such line, nor key
+    sharp = power_limit_cube(lambda p, r: {600.0: 0.95}.get(p, 1.0), ci=0.001)
+    fig = draw_headroom(headroom(sharp, target=Target("preserve", slack=0.01)))
+    assert not any("in noise" in t.get_text() for ax in fig.axes for t in ax.texts)
+    keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
+    assert not any("in noise" in k for k in keys), keys
+
+
 def test_the_reports_caps_table_says_why_it_plans_stock() -> None:
     """`dvfs cap plan` says a lower setting's saving was within the noise where it plans
     stock; the report's caps table said only "stock: nothing to cap"."""

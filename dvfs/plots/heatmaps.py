@@ -176,14 +176,17 @@ def _answer_label(
     capped: bool,
     clock_locked: bool,
     mark: str = "",
+    set_aside: float = np.nan,
 ) -> str:
     """A cell's text: the saving (after `mark`: the table's on a saving within the noise),
-    then the knobs the answer sets (the clock only when locked)."""
+    then the knobs the answer sets (the clock only when locked), and where a lower setting's
+    saving was set aside within the noise (`set_aside`, its saving), that saving."""
     said = f"{mark}{saving:.0f}%"
+    aside = f"\n{set_aside * 100:.1f}% in noise" if np.isfinite(set_aside) else ""
     # the limit as the table, `dvfs cap plan` and the key write it (250.5 W, not 250 W)
     if not clock_locked:
-        return f"{said}\n{limit:g} W"
-    return f"{said}\n{clock:.0f} MHz" + (f"\n{limit:g} W" if capped else "")
+        return f"{said}\n{limit:g} W{aside}"
+    return f"{said}\n{clock:.0f} MHz" + (f"\n{limit:g} W" if capped else "") + aside
 
 
 @styled
@@ -209,6 +212,17 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         if "saving_within_noise" in chosen
         else np.zeros(saving.shape, dtype=bool)
     )
+    # a lower setting's saving set aside as within the noise (the table's note): its saving,
+    # so that a cell at stock does not read as if nothing below it saved anything
+    aside = (
+        np.where(
+            chosen["saving_set_aside_within_noise"].transpose(*order).values.astype(bool),
+            chosen["within_noise_saving"].transpose(*order).values,
+            np.nan,
+        )
+        if "saving_set_aside_within_noise" in chosen and "within_noise_saving" in chosen
+        else np.full(saving.shape, np.nan)
+    )
     # A campaign that left the SM clock unset has no clock answer: the stock clock is not a
     # lock, so the cell names the limit instead (one clock locked is still named). Not set is
     # not "unlocked": observe-only keeps a lock set outside dvfs.
@@ -223,6 +237,9 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     if (noise & np.isfinite(saving)).any():
         within = f"{NOISE_MARK}: saving within the noise"
         key.append(Patch(facecolor="none", edgecolor="none", label=within))
+    if (np.isfinite(aside) & np.isfinite(saving)).any():
+        set_aside = "x% in noise: a lower setting's saving, set aside"
+        key.append(Patch(facecolor="none", edgecolor="none", label=set_aside))
 
     rows, cols = grid_shape(len(corpora))
     label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
@@ -274,6 +291,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
                     capped[k, i, j],
                     clock_locked,
                     NOISE_MARK if noise[k, i, j] else "",
+                    aside[k, i, j],
                 )
                 for j in range(len(batches))
             ]
