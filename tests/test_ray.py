@@ -1091,3 +1091,72 @@ def test_a_signal_raised_inside_rays_compiled_code_comes_back_as_itself() -> Non
     with pytest.raises(SystemError, match="a fault of Ray's own"):
         plain.wait([])
     assert plain.is_initialized()
+
+
+def test_a_signal_while_the_actors_open_names_the_reset_their_node_told(monkeypatch) -> None:
+    """Real GPUs: Ctrl-C while the actors open their GPUs (a measured settle changes them),
+    then another while they close, gives up waiting: the actors are killed with their GPUs as
+    they set them. Each had told its node's reset (with the --state-dir of its
+    $DVFS_STATE_DIR, which `sudo` drops) before it opened, but only a run past the opening
+    noted it: the last line said a plain `dvfs gpu reset`, which finds no state file there."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
+            self.unrestored = types.SimpleNamespace(remote=lambda: [])
+            told = (label.split("/")[0], "`dvfs gpu reset --state-dir /s`")
+            self.reset_command = types.SimpleNamespace(remote=lambda: told)
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    waited: list[int] = []
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        opening = any(isinstance(r, tuple) and r[0] == "open" for r in refs)
+        if opening and not waited:
+            waited.append(1)
+            raise KeyboardInterrupt  # the first Ctrl-C, while the actors open
+        return list(refs), []
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref[0] == "open":  # each opened: its GPUs changed
+            return {"worker": ref[1]}
+        if ref[0] == "close":
+            raise KeyboardInterrupt  # the user's next Ctrl-C, while it waits
+        return ref
+
+    fake = types.SimpleNamespace(
+        remote=lambda **kw: lambda cls: actor_class,
+        cluster_resources=lambda: {"GPU": 2},
+        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}],
+        available_resources=lambda: {"GPU": 0},
+        wait=wait,
+        get=get,
+        kill=lambda actor: None,
+    )
+    campaign = types.SimpleNamespace(
+        gpu=types.SimpleNamespace(backend="nvml"),
+        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
+    )
+    fleet = types.SimpleNamespace(
+        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert executor.unrestored == {
+        "n1": [
+            "the GPUs of worker n1/gpu0 (its close was given up)",
+            "the GPUs of worker n1/gpu1 (its close was given up)",
+        ]
+    }
+    line = _ray_unrestored(executor.unrestored, resets=executor.resets)
+    assert "run `dvfs gpu reset --state-dir /s` on n1 once the GPU answers again" in line, line

@@ -528,6 +528,7 @@ class RayExecutor:
                 )
             )
         alive: dict[str, Any] = {}
+        told: list[Any] = []
         try:
             # Asked first (an actor answers in order): known even for one that dies opening.
             told = [] if twin else [a.reset_command.remote() for a in actors]
@@ -563,6 +564,10 @@ class RayExecutor:
             try:
                 self._close(ray, campaign, alive)
             finally:
+                # Those that answered, however the run ended (a signal as they opened): the
+                # line naming GPUs left changed gives their node's reset.
+                with contextlib.suppress(Exception):
+                    self._told(ray, told)
                 for actor in actors:
                     ray.kill(actor)
 
