@@ -1160,3 +1160,60 @@ def test_a_signal_while_the_actors_open_names_the_reset_their_node_told(monkeypa
     }
     line = _ray_unrestored(executor.unrestored, resets=executor.resets)
     assert "run `dvfs gpu reset --state-dir /s` on n1 once the GPU answers again" in line, line
+
+
+def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -> None:
+    """Real GPUs on two nodes, one whose $DVFS_STATE_DIR keeps the state files (its reset needs
+    --state-dir, `sudo` dropping the variable), the other the default: the actor on the first
+    dies as it opens, after it told its node's reset. The line said a plain `dvfs gpu reset`
+    there (the nodes' commands differ), which finds no state file on that node: it names the
+    one the dead actor told."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class ActorDiedError(Exception):
+        pass
+
+    class Actor:
+        def __init__(self, label: str, command: str) -> None:
+            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
+            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", label))
+            told = (label.split("/")[0], command)
+            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", told))
+
+    made = iter([("n1/gpu0", "`dvfs gpu reset --state-dir /s`"), ("n2/gpu0", "`dvfs gpu reset`")])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(*next(made)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref == ("open", "n1/gpu0"):
+            raise ActorDiedError("The actor died unexpectedly before finishing this task.")
+        if ref[0] == "open":
+            return {"worker": ref[1]}
+        if ref[0] == "unrestored":
+            return []
+        return None if ref[0] == "close" else ref[1]
+
+    fake = types.SimpleNamespace(
+        remote=lambda **kw: lambda cls: actor_class,
+        cluster_resources=lambda: {"GPU": 2},
+        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2,
+        available_resources=lambda: {"GPU": 0},
+        wait=lambda refs, num_returns, timeout: (list(refs), []),
+        get=get,
+        kill=lambda actor: None,
+    )
+    campaign = types.SimpleNamespace(
+        gpu=types.SimpleNamespace(backend="nvml"),
+        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
+    )
+    fleet = types.SimpleNamespace(
+        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    )
+    with pytest.raises(Exception, match="died as it started") as died:
+        RayExecutor(Path("out"))._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    line = str(died.value)
+    assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
