@@ -1217,3 +1217,44 @@ def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -
         RayExecutor(Path("out"))._run(fake, fleet, [], False)  # type: ignore[arg-type]
     line = str(died.value)
     assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
+
+
+def test_a_ray_fleet_lost_on_two_nodes_keeps_the_resume_within_the_line() -> None:
+    """A Ray fleet of two nodes of four GPUs each, every GPU off the bus: the line names three
+    losses (each with its node), then each node twice in the reset to run there first, and ran
+    past the error line's bound (1000 characters), cutting the resume advice short ('rerun the
+    same command without --fresh to resume (with it, it st...'). The losses named give way
+    to the reset and the resume, which end the line whole."""
+    from dvfs.cli.common import MAX_MESSAGE_CHARS, one_line
+    from dvfs.errors import JournalError
+    from dvfs.fleet.driver import Driver, resume_advice
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    hosts = [f"gpu-node-{i:03d}.cluster.example.org" for i in range(2)]
+    executor = RayExecutor(Path("out"))
+    for host in hosts:
+        executor.resets[host] = "`dvfs gpu reset --state-dir /shared/scratch/dvfs-state`"
+        executor.unrestored[host] = [f"the GPUs of worker {host}/gpu0"]
+    lost = (
+        "GpuUnavailableError: GPU {}: cannot read the power limit: the GPU has fallen off the "
+        "bus (NVML: GPU is lost); it needs a reset or a reboot before it can be used"
+    )
+    stats = {
+        f"{host}/gpu{i}": types.SimpleNamespace(label=f"{host}/gpu{i}", lost=lost.format(i))
+        for host in hosts
+        for i in range(4)
+    }
+    driver = types.SimpleNamespace(
+        finished=False, refused=None, stats=stats, _outstanding=set(range(37))
+    )
+    with pytest.raises(JournalError) as failed:
+        Driver.check_finished(driver, True, executor.reset_first())  # type: ignore[arg-type]
+    message = str(failed.value)
+    assert len(message) <= MAX_MESSAGE_CHARS, message
+    line = f"Error: {one_line(message)}"  # as the sweep says it
+    assert line.startswith("Error: every worker was lost with 37 cell(s) left ("), line
+    assert f"{hosts[0]}/gpu0: GpuUnavailableError: GPU 0: " in line, line
+    assert line.endswith(
+        f"the journal keeps every finished cell; {executor.reset_first()}, then "
+        + resume_advice(True)
+    ), line

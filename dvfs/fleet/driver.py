@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dvfs.campaign import Campaign
-from dvfs.errors import CampaignError, JournalError
+from dvfs.errors import MAX_MESSAGE_CHARS, CampaignError, JournalError
 from dvfs.fleet.cubes import write_cubes
 from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.folders import (
@@ -529,14 +529,24 @@ class Driver:
         if self.refused is not None:
             raise JournalError(self.refused)
         lost = [f"{s.label}: {_bounded(s.lost)}" for s in self.stats.values() if s.lost]
-        named = "; ".join(lost[:3]) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
-        raise JournalError(
-            f"every worker was lost with {len(self._outstanding)} cell(s) left"
-            + (f" ({named})" if lost else "")
-            + ": the journal keeps every finished cell; "
+        head = f"every worker was lost with {len(self._outstanding)} cell(s) left"
+        tail = (
+            ": the journal keeps every finished cell; "
             + (f"{reset}, then " if reset else "")
             + resume_advice(fresh)
         )
+        # The losses named give way to the reset and the resume, which end the line whole
+        # within an error line's bound (Ray's labels and resets name each node).
+        room = MAX_MESSAGE_CHARS - len(head) - len(tail) - len(" ()")
+        named = ""
+        for shown in range(min(3, len(lost)), 0, -1):
+            more = len(lost) - shown
+            named = "; ".join(lost[:shown]) + (f"; and {more} more" if more else "")
+            if len(named) <= room:
+                break
+        if len(named) > room:
+            named = named[: room - 3] + "..." if room > 3 else ""
+        raise JournalError(head + (f" ({named})" if named else "") + tail)
 
     def summary(self) -> RunSummary:
         return RunSummary(
