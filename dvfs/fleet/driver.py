@@ -43,7 +43,7 @@ from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
 from dvfs.fleet.worker import Shipment
-from dvfs.measure.journal import Journal
+from dvfs.measure.journal import Journal, resume_advice
 from dvfs.measure.plan import Cell, cell_label
 from dvfs.measure.runner import Progress, RunSummary, grow, journaled_repeats
 
@@ -216,14 +216,6 @@ def _bounded(why: str, chars: int = 200) -> str:
     line's bound, the reset and the resume that end it."""
     why = why.rstrip(".")
     return why if len(why) <= chars else why[: chars - 3] + "..."
-
-
-def resume_advice(fresh: bool) -> str:
-    """How a fleet whose workers stopped with cells left resumes: its command again, less
-    --fresh (which would move the journal aside, unread, and start over)."""
-    if fresh:
-        return "rerun the same command without --fresh to resume (with it, it starts over)"
-    return "rerun the same command to resume"
 
 
 class Driver:
