@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+#: The most characters of an error line (`dvfs.cli.common.one_line` cuts it there).
+MAX_MESSAGE_CHARS = 1000
+
 
 class DvfsError(Exception):
     """Base of every error dvfs raises on purpose; the message is meant for the user."""

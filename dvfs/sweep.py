@@ -376,8 +376,8 @@ def gpu_lost_error(
     files once the GPU answers again, and the command again (less --fresh) to resume, as a
     fleet that lost every worker says it; exit 1. None for any other error (a restore that
     needs root keeps its own line and code)."""
-    from dvfs.fleet.driver import resume_advice
     from dvfs.gpu.safety import StateStore, default_state_dir, reset_command
+    from dvfs.measure.journal import resume_advice
 
     seen: BaseException | None = exc
     while seen is not None and not (

@@ -1122,3 +1122,170 @@ def test_a_ray_workers_long_error_is_cut_at_a_word_and_marked() -> None:
 
     assert long == bounded_why(whole)
     assert short == f"GpuError: {head} unrecovered unrecovered", short
+
+
+def test_a_signal_while_the_actors_open_names_the_reset_their_node_told(monkeypatch) -> None:
+    """Real GPUs: Ctrl-C while the actors open their GPUs (a measured settle changes them),
+    then another while they close, gives up waiting: the actors are killed with their GPUs as
+    they set them. Each had told its node's reset (with the --state-dir of its
+    $DVFS_STATE_DIR, which `sudo` drops) before it opened, but only a run past the opening
+    noted it: the last line said a plain `dvfs gpu reset`, which finds no state file there."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
+            self.unrestored = types.SimpleNamespace(remote=lambda: [])
+            told = (label.split("/")[0], "`dvfs gpu reset --state-dir /s`")
+            self.reset_command = types.SimpleNamespace(remote=lambda: told)
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    waited: list[int] = []
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        opening = any(isinstance(r, tuple) and r[0] == "open" for r in refs)
+        if opening and not waited:
+            waited.append(1)
+            raise KeyboardInterrupt  # the first Ctrl-C, while the actors open
+        return list(refs), []
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref[0] == "open":  # each opened: its GPUs changed
+            return {"worker": ref[1]}
+        if ref[0] == "close":
+            raise KeyboardInterrupt  # the user's next Ctrl-C, while it waits
+        return ref
+
+    fake = types.SimpleNamespace(
+        remote=lambda **kw: lambda cls: actor_class,
+        cluster_resources=lambda: {"GPU": 2},
+        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}],
+        available_resources=lambda: {"GPU": 0},
+        wait=wait,
+        get=get,
+        kill=lambda actor: None,
+    )
+    campaign = types.SimpleNamespace(
+        gpu=types.SimpleNamespace(backend="nvml"),
+        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
+    )
+    fleet = types.SimpleNamespace(
+        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert executor.unrestored == {
+        "n1": [
+            "the GPUs of worker n1/gpu0 (its close was given up)",
+            "the GPUs of worker n1/gpu1 (its close was given up)",
+        ]
+    }
+    line = _ray_unrestored(executor.unrestored, resets=executor.resets)
+    assert "run `dvfs gpu reset --state-dir /s` on n1 once the GPU answers again" in line, line
+
+
+def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -> None:
+    """Real GPUs on two nodes, one whose $DVFS_STATE_DIR keeps the state files (its reset needs
+    --state-dir, `sudo` dropping the variable), the other the default: the actor on the first
+    dies as it opens, after it told its node's reset. The line said a plain `dvfs gpu reset`
+    there (the nodes' commands differ), which finds no state file on that node: it names the
+    one the dead actor told."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class ActorDiedError(Exception):
+        pass
+
+    class Actor:
+        def __init__(self, label: str, command: str) -> None:
+            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
+            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", label))
+            told = (label.split("/")[0], command)
+            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", told))
+
+    made = iter([("n1/gpu0", "`dvfs gpu reset --state-dir /s`"), ("n2/gpu0", "`dvfs gpu reset`")])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(*next(made)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref == ("open", "n1/gpu0"):
+            raise ActorDiedError("The actor died unexpectedly before finishing this task.")
+        if ref[0] == "open":
+            return {"worker": ref[1]}
+        if ref[0] == "unrestored":
+            return []
+        return None if ref[0] == "close" else ref[1]
+
+    fake = types.SimpleNamespace(
+        remote=lambda **kw: lambda cls: actor_class,
+        cluster_resources=lambda: {"GPU": 2},
+        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2,
+        available_resources=lambda: {"GPU": 0},
+        wait=lambda refs, num_returns, timeout: (list(refs), []),
+        get=get,
+        kill=lambda actor: None,
+    )
+    campaign = types.SimpleNamespace(
+        gpu=types.SimpleNamespace(backend="nvml"),
+        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
+    )
+    fleet = types.SimpleNamespace(
+        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    )
+    with pytest.raises(Exception, match="died as it started") as died:
+        RayExecutor(Path("out"))._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    line = str(died.value)
+    assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
+
+
+def test_a_ray_fleet_lost_on_two_nodes_keeps_the_resume_within_the_line() -> None:
+    """A Ray fleet of two nodes of four GPUs each, every GPU off the bus: the line names three
+    losses (each with its node), then each node twice in the reset to run there first, and ran
+    past the error line's bound (1000 characters), cutting the resume advice short ('rerun the
+    same command without --fresh to resume (with it, it st...'). The losses named give way
+    to the reset and the resume, which end the line whole."""
+    from dvfs.cli.common import MAX_MESSAGE_CHARS, one_line
+    from dvfs.errors import JournalError
+    from dvfs.fleet.driver import Driver, resume_advice
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    hosts = [f"gpu-node-{i:03d}.cluster.example.org" for i in range(2)]
+    executor = RayExecutor(Path("out"))
+    for host in hosts:
+        executor.resets[host] = "`dvfs gpu reset --state-dir /shared/scratch/dvfs-state`"
+        executor.unrestored[host] = [f"the GPUs of worker {host}/gpu0"]
+    lost = (
+        "GpuUnavailableError: GPU {}: cannot read the power limit: the GPU has fallen off the "
+        "bus (NVML: GPU is lost); it needs a reset or a reboot before it can be used"
+    )
+    stats = {
+        f"{host}/gpu{i}": types.SimpleNamespace(label=f"{host}/gpu{i}", lost=lost.format(i))
+        for host in hosts
+        for i in range(4)
+    }
+    driver = types.SimpleNamespace(
+        finished=False, refused=None, stats=stats, _outstanding=set(range(37))
+    )
+    with pytest.raises(JournalError) as failed:
+        Driver.check_finished(driver, True, executor.reset_first())  # type: ignore[arg-type]
+    message = str(failed.value)
+    assert len(message) <= MAX_MESSAGE_CHARS, message
+    line = f"Error: {one_line(message)}"  # as the sweep says it
+    assert line.startswith("Error: every worker was lost with 37 cell(s) left ("), line
+    assert f"{hosts[0]}/gpu0: GpuUnavailableError: GPU 0: " in line, line
+    assert line.endswith(
+        f"the journal keeps every finished cell; {executor.reset_first()}, then "
+        + resume_advice(True)
+    ), line

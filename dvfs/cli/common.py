@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
+from dvfs.errors import MAX_MESSAGE_CHARS
+
 if TYPE_CHECKING:
     from dvfs.errors import GpuError
 
@@ -221,7 +223,6 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 #: Characters str.splitlines() breaks on, besides the ordinary line ends.
 _BREAKS = {"\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"}
-MAX_MESSAGE_CHARS = 1000
 
 
 def one_line(text: str) -> str:

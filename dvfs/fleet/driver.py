@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dvfs.campaign import Campaign
-from dvfs.errors import CampaignError, JournalError
+from dvfs.errors import MAX_MESSAGE_CHARS, CampaignError, JournalError
 from dvfs.fleet.cubes import write_cubes
 from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.folders import (
@@ -43,7 +43,7 @@ from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
 from dvfs.fleet.worker import Shipment
-from dvfs.measure.journal import Journal
+from dvfs.measure.journal import Journal, resume_advice
 from dvfs.measure.plan import Cell, cell_label
 from dvfs.measure.runner import Progress, RunSummary, grow, journaled_repeats
 
@@ -222,14 +222,6 @@ def bounded_why(why: str, chars: int = 200) -> str:
     if not why[chars - 1].isspace() and " " in cut.strip():
         cut = cut.rsplit(" ", 1)[0]  # the word it fell in left out whole
     return cut.rstrip(" ,;:") + "…"
-
-
-def resume_advice(fresh: bool) -> str:
-    """How a fleet whose workers stopped with cells left resumes: its command again, less
-    --fresh (which would move the journal aside, unread, and start over)."""
-    if fresh:
-        return "rerun the same command without --fresh to resume (with it, it starts over)"
-    return "rerun the same command to resume"
 
 
 class Driver:
@@ -535,14 +527,24 @@ class Driver:
         if self.refused is not None:
             raise JournalError(self.refused)
         lost = [f"{s.label}: {bounded_why(s.lost)}" for s in self.stats.values() if s.lost]
-        named = "; ".join(lost[:3]) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
-        raise JournalError(
-            f"every worker was lost with {len(self._outstanding)} cell(s) left"
-            + (f" ({named})" if lost else "")
-            + ": the journal keeps every finished cell; "
+        head = f"every worker was lost with {len(self._outstanding)} cell(s) left"
+        tail = (
+            ": the journal keeps every finished cell; "
             + (f"{reset}, then " if reset else "")
             + resume_advice(fresh)
         )
+        # The losses named give way to the reset and the resume, which end the line whole
+        # within an error line's bound (Ray's labels and resets name each node).
+        room = MAX_MESSAGE_CHARS - len(head) - len(tail) - len(" ()")
+        named = ""
+        for shown in range(min(3, len(lost)), 0, -1):
+            more = len(lost) - shown
+            named = "; ".join(lost[:shown]) + (f"; and {more} more" if more else "")
+            if len(named) <= room:
+                break
+        if len(named) > room:
+            named = named[: room - 3] + "..." if room > 3 else ""
+        raise JournalError(head + (f" ({named})" if named else "") + tail)
 
     def summary(self) -> RunSummary:
         return RunSummary(

@@ -34,8 +34,9 @@ from typing import Any
 from dvfs.backends import real_gpus, virtual_time
 from dvfs.errors import CampaignError, DvfsError
 from dvfs.fleet.devices import Group, group_label, one_model
-from dvfs.fleet.driver import Fleet, bounded_why, resume_advice
+from dvfs.fleet.driver import Fleet, bounded_why
 from dvfs.fleet.local import POLL_S, VirtualPacer
+from dvfs.measure.journal import resume_advice
 from dvfs.signals import HANDLED, Interrupted
 
 #: The custom resource that stands for one twin GPU on a Ray node.
@@ -528,6 +529,7 @@ class RayExecutor:
                 )
             )
         alive: dict[str, Any] = {}
+        told: list[Any] = []
         try:
             # Asked first (an actor answers in order): known even for one that dies opening.
             told = [] if twin else [a.reset_command.remote() for a in actors]
@@ -537,9 +539,12 @@ class RayExecutor:
                 # A worker's actor may die once it changed its GPUs (a measured settle).
                 if twin:
                     return ""
-                self._told(ray, told, TOLD_WAIT_S)  # the others answer as they start
-                commands = set(self.resets.values())
-                command = commands.pop() if len(commands) == 1 else "`dvfs gpu reset`"
+                # The dead actor's own word, where it told (its node's reset: nodes differ)
+                command = self._told_by_dead(ray, refs, told)
+                if command is None:
+                    self._told(ray, told, TOLD_WAIT_S)  # the others answer as they start
+                    commands = set(self.resets.values())
+                    command = commands.pop() if len(commands) == 1 else "`dvfs gpu reset`"
                 return f"; its GPUs may keep settings it set: {command} there"
 
             try:
@@ -563,6 +568,10 @@ class RayExecutor:
             try:
                 self._close(ray, campaign, alive)
             finally:
+                # Those that answered, however the run ended (a signal as they opened): the
+                # line naming GPUs left changed gives their node's reset.
+                with contextlib.suppress(Exception):
+                    self._told(ray, told)
                 for actor in actors:
                     ray.kill(actor)
 
@@ -596,6 +605,23 @@ class RayExecutor:
             with contextlib.suppress(Exception):  # its actor died before it answered
                 host, command = ray.get(ref)
                 self.resets[str(host)] = str(command)
+
+    @staticmethod
+    def _told_by_dead(ray: Any, refs: list[Any], told: list[Any]) -> str | None:
+        """The reset command an actor whose `open` (of `refs`) found it dead had told (`told`,
+        in the same order) before it died; None where none had."""
+        for ref, answer in zip(refs, told, strict=False):
+            try:
+                ready, _ = ray.wait([ref], num_returns=1, timeout=0)
+                if ready:
+                    ray.get(ready)
+            except Exception as exc:  # noqa: BLE001
+                if actor_gone(exc):
+                    with contextlib.suppress(Exception):  # it died before it answered
+                        ready, _ = ray.wait([answer], num_returns=1, timeout=0)
+                        if ready:
+                            return str(ray.get(answer)[1])
+        return None
 
     def reset_on(self, host: str) -> str:
         """The `dvfs gpu reset` to run on `host` (its actors' word; plain where none said)."""

@@ -79,6 +79,14 @@ FRESH = (
 )
 
 
+def resume_advice(fresh: bool) -> str:
+    """How a sweep (a fleet) whose GPUs were lost with cells left resumes: its command again,
+    less --fresh (which would move the journal aside, unread, and start over)."""
+    if fresh:
+        return "rerun the same command without --fresh to resume (with it, it starts over)"
+    return "rerun the same command to resume"
+
+
 def fresh_is_the_sweeps(text: str, out_dir: Path) -> str:
     """`text` (a refusal of a journal in `out_dir`, said by a command that has no --fresh:
     `dvfs doctor`, `dvfs cube build`) whose advice is the sweep's --fresh ("rerun with
