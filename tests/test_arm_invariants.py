@@ -495,6 +495,50 @@ def serve(port: int, config: Path, *argv: str) -> subprocess.Popen[bytes]:
     )
 
 
+def sweep_replacing_the_server(  # type: ignore[no-untyped-def]
+    monkeypatch, path: Path, out: Path, attached: tuple[int, Path], argv, replacement
+):
+    """Sweep `path` into `out` attached to a stub started on `attached`'s port with `argv`,
+    which is replaced as the first cell is journalled, in the sweep's own thread (so the swap
+    lands between the first cell and the second, however fast or loaded the machine): stopped,
+    and another started on its port with `argv` and `replacement(info)` (`info`: the first
+    server's /server_info), answering before the sweep goes on. The result and the servers."""
+    import time
+    import urllib.request
+
+    from dvfs.measure.journal import Journal
+
+    port, config = attached
+    info_url = f"http://127.0.0.1:{port}/server_info"
+    servers = [serve(port, config, *argv)]
+    append_all = Journal.append_all
+
+    def replace_after_the_first_cell(self: Journal, records) -> None:  # type: ignore[no-untyped-def]
+        append_all(self, records)
+        if len(servers) > 1 or not any(r.get("type") == "cell" for r in records):
+            return
+        with urllib.request.urlopen(info_url, timeout=5) as answer:
+            info = json.load(answer)
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
+        servers.append(serve(port, config, *argv, *replacement(info)))
+        while True:  # no deadline of its own: the test's timeout ends a hang
+            try:
+                with urllib.request.urlopen(info_url, timeout=5):
+                    return
+            except OSError:
+                assert servers[-1].poll() is None, "the replacement server exited"
+                time.sleep(0.05)
+
+    monkeypatch.setattr(Journal, "append_all", replace_after_the_first_cell)
+    try:
+        return sweep(path, out), servers
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=10)
+
+
 @pytest.mark.parametrize(
     ("model", "algorithm", "refusal"),
     [
@@ -541,10 +585,6 @@ def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
     reads its /server_info anyway (the accept length), so those cells fail naming the change,
     rather than being journalled under the first server's record and compared with the
     first cell as if only the clock had changed."""
-    import time
-    import urllib.request
-
-    from dvfs.measure.journal import Journal
 
     port, config = attached
     path, marker = stub_campaign(
@@ -556,35 +596,10 @@ def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
         measurement_extra="repeats = 2",
     )
     argv = ("--model-path", marker, "--random-seed", "0")
-    servers = [serve(port, config, *argv)]
     journal = tmp_path / "out" / "journal.jsonl"
-    append_all = Journal.append_all
-
-    def replace_after_the_first_cell(self: Journal, records) -> None:  # type: ignore[no-untyped-def]
-        """As the first cell is journalled, in the sweep's own thread (so the swap lands
-        between the first cell and the second, however fast or loaded the machine): the
-        server stopped and its replacement answering on the same port."""
-        append_all(self, records)
-        if len(servers) > 1 or not any(r.get("type") == "cell" for r in records):
-            return
-        servers[0].terminate()
-        servers[0].wait(timeout=10)
-        servers.append(serve(port, config, *argv, "--dtype", "float16"))
-        while True:  # no deadline of its own: the test's timeout ends a hang
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5):
-                    return
-            except OSError:
-                assert servers[-1].poll() is None, "the replacement server exited"
-                time.sleep(0.05)
-
-    monkeypatch.setattr(Journal, "append_all", replace_after_the_first_cell)
-    try:
-        result = sweep(path, tmp_path / "out")
-    finally:
-        for server in servers:
-            server.terminate()
-            server.wait(timeout=10)
+    result, servers = sweep_replacing_the_server(
+        monkeypatch, path, tmp_path / "out", attached, argv, lambda _: ("--dtype", "float16")
+    )
     assert len(servers) == 2, result.output
     assert result.exit_code == 5, result.output
     records = read_records(journal)
@@ -606,10 +621,6 @@ def test_an_attached_server_restarted_without_its_seed_is_told_the_seed_to_resta
     the attached server restarted mid-sweep with its own command is another seed: its cells
     fail, and the refusal names the seed to restart it with, not only "restart it as it was"
     (which draws another); restarted with that seed, the sweep goes on (exit 0)."""
-    import time
-    import urllib.request
-
-    from dvfs.measure.journal import Journal
 
     port, config = attached
     path, marker = stub_campaign(
@@ -620,35 +631,15 @@ def test_an_attached_server_restarted_without_its_seed_is_told_the_seed_to_resta
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
     )
     argv = ("--model-path", marker)
-    servers = [serve(port, config, *argv)]
     seeds: list[int] = []
-    append_all = Journal.append_all
 
-    def restart_after_the_first_cell(self: Journal, records) -> None:  # type: ignore[no-untyped-def]
-        append_all(self, records)
-        if len(servers) > 1 or not any(r.get("type") == "cell" for r in records):
-            return
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5) as answer:
-            seeds.append(json.load(answer)["random_seed"])
-        servers[0].terminate()
-        servers[0].wait(timeout=10)
-        again = ("--random-seed", str(seeds[0])) if advised else ()
-        servers.append(serve(port, config, *argv, *again))
-        while True:  # no deadline of its own: the test's timeout ends a hang
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5):
-                    return
-            except OSError:
-                assert servers[-1].poll() is None, "the restarted server exited"
-                time.sleep(0.05)
+    def restarted(info: dict) -> tuple[str, ...]:  # type: ignore[type-arg]
+        seeds.append(info["random_seed"])
+        return ("--random-seed", str(seeds[0])) if advised else ()
 
-    monkeypatch.setattr(Journal, "append_all", restart_after_the_first_cell)
-    try:
-        result = sweep(path, tmp_path / "out")
-    finally:
-        for server in servers:
-            server.terminate()
-            server.wait(timeout=10)
+    result, servers = sweep_replacing_the_server(
+        monkeypatch, path, tmp_path / "out", attached, argv, restarted
+    )
     assert len(servers) == 2, result.output
     cells = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
     if advised:
@@ -669,10 +660,6 @@ def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
     --max-running-requests 2, below the largest batch (4), queues half of each batch: refused
     at attach, and now at each round too (0.5.9 leaves its decode CUDA graphs as they were,
     so no arm arg differs), rather than measured as a batch of 4 (exit 0)."""
-    import time
-    import urllib.request
-
-    from dvfs.measure.journal import Journal
 
     port, config = attached
     config.write_text(json.dumps({"version": "0.5.9", "max_lifetime_s": 60, "tpot_s": 0.004}))
@@ -685,31 +672,14 @@ def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
         measurement_extra="repeats = 2",
     )
     argv = ("--model-path", marker, "--random-seed", "0")
-    servers = [serve(port, config, *argv)]
-    append_all = Journal.append_all
-
-    def replace_after_the_first_cell(self: Journal, records) -> None:  # type: ignore[no-untyped-def]
-        append_all(self, records)
-        if len(servers) > 1 or not any(r.get("type") == "cell" for r in records):
-            return
-        servers[0].terminate()
-        servers[0].wait(timeout=10)
-        servers.append(serve(port, config, *argv, "--max-running-requests", "2"))
-        while True:  # no deadline of its own: the test's timeout ends a hang
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5):
-                    return
-            except OSError:
-                assert servers[-1].poll() is None, "the replacement server exited"
-                time.sleep(0.05)
-
-    monkeypatch.setattr(Journal, "append_all", replace_after_the_first_cell)
-    try:
-        result = sweep(path, tmp_path / "out")
-    finally:
-        for server in servers:
-            server.terminate()
-            server.wait(timeout=10)
+    result, servers = sweep_replacing_the_server(
+        monkeypatch,
+        path,
+        tmp_path / "out",
+        attached,
+        argv,
+        lambda _: ("--max-running-requests", "2"),
+    )
     assert len(servers) == 2, result.output
     assert result.exit_code == 5, result.output
     cells = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
