@@ -176,6 +176,21 @@ def test_a_campaign_env_naming_the_metered_gpu_by_a_short_uuid_passes(
             assert f"ok server GPUs: the server is pinned to {metered}" in output
 
 
+def wrapped_campaign(folder: Path, visible: str, devices: str = "[1]") -> Path:
+    """A one-cell stub campaign in `folder` (made) metering `devices` observe-only, its
+    server_command wrapped in `env CUDA_VISIBLE_DEVICES=<visible>` (one argument to env)."""
+    folder.mkdir(exist_ok=True)
+    path, _ = stub_campaign(
+        folder,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs='sm_clock = "stock"\nsettle_s = 0.0',
+        gpu=f'backend = "nvml"\ndevices = {devices}\nactuation = "off"',
+        wrapper=("env", f"CUDA_VISIBLE_DEVICES={visible}"),
+    )
+    return path
+
+
 def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -190,17 +205,7 @@ def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
 
     def campaign(value: str, where: str) -> Path:
-        folder = tmp_path / where
-        folder.mkdir()
-        path, _ = stub_campaign(
-            folder,
-            drafters=ONE_DRAFTER,
-            batch="[1]",
-            knobs='sm_clock = "stock"\nsettle_s = 0.0',
-            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
-        )
-        return path
+        return wrapped_campaign(tmp_path / where, value)
 
     other = campaign(devices[0]["uuid"], "other")
     checked = dvfs_in_process("doctor", str(other), "--out", str(tmp_path / "c"), env=env)
@@ -236,17 +241,7 @@ def test_a_server_command_wrapper_naming_the_metered_gpu_by_a_short_uuid_passes(
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
 
     def campaign(value: str, where: str) -> Path:
-        folder = tmp_path / where
-        folder.mkdir()
-        path, _ = stub_campaign(
-            folder,
-            drafters=ONE_DRAFTER,
-            batch="[1]",
-            knobs='sm_clock = "stock"\nsettle_s = 0.0',
-            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
-        )
-        return path
+        return wrapped_campaign(tmp_path / where, value)
 
     for value, where in ((devices[1]["uuid"][:12], "short"), (devices[1]["uuid"][:8], "shorter")):
         fine = campaign(value.upper(), where)
@@ -275,16 +270,7 @@ def test_doctor_warns_of_a_server_command_wrapper_setting_an_index(
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
     metered = devices[1]["uuid"]
     for value, where in (("0", "index"), (f"{metered},0", "mixed")):
-        folder = tmp_path / where
-        folder.mkdir()
-        path, _ = stub_campaign(
-            folder,
-            drafters=ONE_DRAFTER,
-            batch="[1]",
-            knobs='sm_clock = "stock"\nsettle_s = 0.0',
-            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
-        )
+        path = wrapped_campaign(tmp_path / where, value)
         checked = dvfs_in_process(
             "doctor", str(path), "--out", str(tmp_path / f"{where}-out"), env=env
         )
@@ -303,14 +289,7 @@ def test_an_unverified_pinning_names_a_server_command_wrapper_setting_an_index(
     for index in range(3):
         nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
-    path, _ = stub_campaign(
-        tmp_path,
-        drafters=ONE_DRAFTER,
-        batch="[1]",
-        knobs='sm_clock = "stock"\nsettle_s = 0.0',
-        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-        wrapper=("env", "CUDA_VISIBLE_DEVICES=0"),
-    )
+    path = wrapped_campaign(tmp_path, "0")
     out = tmp_path / "out"
     swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
     assert swept.returncode == 0, swept.stderr
@@ -337,16 +316,7 @@ def test_a_server_command_wrapper_listing_the_metered_gpus_with_spaces_is_read_w
         (f"{a}, {b}", "both", f"ok server GPUs: the server is pinned to {a},{b}"),
         (f"{a}, 0", "index", f"sets CUDA_VISIBLE_DEVICES={a},0 in place of the metered {a},{b}"),
     ):
-        folder = tmp_path / where
-        folder.mkdir()
-        path, _ = stub_campaign(
-            folder,
-            drafters=ONE_DRAFTER,
-            batch="[1]",
-            knobs='sm_clock = "stock"\nsettle_s = 0.0',
-            gpu='backend = "nvml"\ndevices = [1, 2]\nactuation = "off"',
-            wrapper=("env", f"CUDA_VISIBLE_DEVICES={value}"),
-        )
+        path = wrapped_campaign(tmp_path / where, value, devices="[1, 2]")
         path.write_text(
             path.read_text().replace('backend = "sglang"', 'backend = "sglang"\ntp_size = 2')
         )
