@@ -281,6 +281,13 @@ def test_the_headroom_map_names_a_saving_set_aside_within_the_noise() -> None:
     assert "0%\n1980 MHz\n0.2% in noise" in cells, cells
     keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
     assert "x% in noise: a lower setting's saving, set aside" in keys, keys
+    # ... and that key line stays on the figure: the side column (one corpus, no free grid
+    # slot) was 3.2 in wide, and it ran past the right edge, cut at "set"
+    fig.canvas.draw()
+    inches = fig.get_tightbbox(fig.canvas.get_renderer())  # type: ignore[attr-defined]
+    width, height = fig.get_size_inches()
+    assert inches.x0 >= -0.01 and inches.y0 >= -0.01, inches
+    assert inches.x1 <= width + 0.01 and inches.y1 <= height + 0.01, (inches, width)
     # nothing set aside: no such line, nor key
     sharp = power_limit_cube(lambda p, r: {600.0: 0.95}.get(p, 1.0), ci=0.001)
     fig = draw_headroom(headroom(sharp, target=Target("preserve", slack=0.01)))

@@ -243,7 +243,15 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
 
     rows, cols = grid_shape(len(corpora))
     label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
-    side = 0.0 if len(corpora) < rows * cols else 3.2
+    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
+    bar_label = f"energy saved vs {versus} (%)"
+    # the side column (no free slot) holds the colour bar and the key: as wide as its widest
+    # line, from 0.15 in into the column ("x% in noise: ..." ran past the figure's edge)
+    widest = max(
+        *(text_width_in(str(p.get_label()), 9) + 0.5 for p in key),
+        text_width_in(f"{bar_label}:", 10),
+    )
+    side = 0.0 if len(corpora) < rows * cols else max(3.2, widest + 0.3)
     # a search that kept one knob at stock says so: the answers are that search's
     moved = {"sm_clock": "; SM clock only", "power_limit": "; power limit only"}
     title = (
@@ -256,17 +264,11 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
             else "cell: saving and the power limit (SM clock not set: the GPU's own)"
         )
     )
-    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
-    bar_label = f"energy saved vs {versus} (%)"
     panel_w = 0.8 * len(batches)
     right = Margins().right
     if len(corpora) == rows * cols - 1:  # the free slot is the grid's last: the key and the
         # colour bar's label (left-aligned where no cell has an answer) end at its right, past
         # a slot of few batches; the right margin takes what the slot lacks
-        widest = max(
-            *(text_width_in(str(p.get_label()), 9) + 0.5 for p in key),
-            text_width_in(f"{bar_label}:", 10),
-        )
         right = max(right, widest - panel_w)
     margins = Margins(left=label_w, right=right, top=1.15, wspace=0.3, hspace=0.85, side=side)
     # a row tall enough for its cells' lines of text (up to six for a reason wrapped)
