@@ -271,18 +271,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         # a slot of few batches; the right margin takes what the slot lacks
         right = max(right, widest - panel_w)
     margins = Margins(left=label_w, right=right, top=1.15, wspace=0.3, hspace=0.85, side=side)
-    # a row tall enough for its cells' lines of text (up to six for a reason wrapped)
-    unanswered = why[~np.isfinite(saving)]
-    lines = max((str(w).count("\n") + 1 for w in unanswered), default=1)
-    row_h = max(0.52, 0.13 * lines + 0.1)
-    panel_h = max(row_h * len(drafters), 1.6)  # room for the colourbar and key in the free slot
-    panels = panel_figure(len(corpora), panel_w, panel_h, margins, title=title)
-    images = []
-    for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
-        images.append(
-            ax.imshow(np.ma.masked_invalid(saving[k]), cmap=cmap, norm=norm, aspect="auto")
-        )
-        labels = [
+    labels = [
+        [
             [
                 why[k, i, j]
                 if not np.isfinite(saving[k, i, j])
@@ -299,7 +289,21 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
             ]
             for i in range(len(drafters))
         ]
-        _label_cells(ax, saving[k], labels, (cmap, norm), 7.5)
+        for k in range(len(corpora))
+    ]
+    # a row tall enough for its cells' lines of text (up to six for a reason wrapped; four for
+    # a saving, its clock lock, its capped limit and a saving set aside within the noise)
+    texts = [str(t) for panel in labels for row in panel for t in row]
+    lines = max((t.count("\n") + 1 for t in texts), default=1)
+    row_h = max(0.52, 0.13 * lines + 0.1)
+    panel_h = max(row_h * len(drafters), 1.6)  # room for the colourbar and key in the free slot
+    panels = panel_figure(len(corpora), panel_w, panel_h, margins, title=title)
+    images = []
+    for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
+        images.append(
+            ax.imshow(np.ma.masked_invalid(saving[k]), cmap=cmap, norm=norm, aspect="auto")
+        )
+        _label_cells(ax, saving[k], labels[k], (cmap, norm), 7.5)
         for i, j in zip(*np.nonzero(capped[k]), strict=True):
             ax.add_patch(Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, gid="cap", **CAP_OUTLINE))
         _heat_axes(ax, batches, drafters if k % cols == 0 else None, "batch")
