@@ -281,6 +281,13 @@ def test_the_headroom_map_names_a_saving_set_aside_within_the_noise() -> None:
     assert "0%\n1980 MHz\n0.2% in noise" in cells, cells
     keys = [t.get_text() for legend in fig.findobj(Legend) for t in legend.get_texts()]
     assert "x% in noise: a lower setting's saving, set aside" in keys, keys
+    # ... and that key line stays on the figure: the side column (one corpus, no free grid
+    # slot) was 3.2 in wide, and it ran past the right edge, cut at "set"
+    fig.canvas.draw()
+    inches = fig.get_tightbbox(fig.canvas.get_renderer())  # type: ignore[attr-defined]
+    width, height = fig.get_size_inches()
+    assert inches.x0 >= -0.01 and inches.y0 >= -0.01, inches
+    assert inches.x1 <= width + 0.01 and inches.y1 <= height + 0.01, (inches, width)
     # nothing set aside: no such line, nor key
     sharp = power_limit_cube(lambda p, r: {600.0: 0.95}.get(p, 1.0), ci=0.001)
     fig = draw_headroom(headroom(sharp, target=Target("preserve", slack=0.01)))
@@ -414,3 +421,36 @@ def test_confidence_help_names_the_savings_interval(command: str) -> None:
     out = CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output
     line = " ".join(out.split("--confidence FLOAT", 1)[1].split("\n", 3)[:3])
     assert "latency bound" in line and "saving's interval" in " ".join(line.split()), out
+
+
+def test_a_headroom_map_cell_of_four_lines_stays_within_its_row() -> None:
+    """A locked clock, a capped limit and a lower setting's saving set aside within the noise
+    make four lines ("14%", "1680 MHz", "500 W", "15.1% in noise": a sweep of two drafters at
+    --slack 10% --confidence 0.999); the rows were sized for three, so the cell's text ran
+    over the cap's outline, into the rows above and below. Its row makes room."""
+    from dvfs.plots import draw_headroom
+
+    cube = make_cube(
+        clocks=[1980, 1680],
+        limits=LIMITS,
+        drafters=["none", "eagle3", "dflash", "ngram", "standalone"],
+        energy=lambda c, p, *_: 1.0 - (1980 - c) / 3000 - (700 - p) / 5000,
+    )
+    result = headroom(cube, target=Target("preserve", slack=0.5))
+    pick = {"drafter": "eagle3", **{d: result[d].values[0] for d in ("batch", "corpus")}}
+    # that cell as the sweep above left it (set by hand: a map reads what headroom says)
+    result["chosen_sm_clock"].loc[pick] = 1680.0
+    result["chosen_power_limit"].loc[pick] = 600.0
+    result["saving_set_aside_within_noise"].loc[pick] = True
+    result["within_noise_saving"].loc[pick] = 0.151
+    fig = draw_headroom(result)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    (ax,) = [a for a in fig.axes if a.texts and a.images]
+    (text,) = [t for t in ax.texts if "15.1% in noise" in t.get_text()]
+    assert text.get_text().count("\n") == 3, text.get_text()
+    i = list(result["drafter"].values).index("eagle3")
+    # within the cap's outline (0.46 either side of the cell's centre), in pixels
+    row = ax.transData.transform([(0, i - 0.46), (0, i + 0.46)])[:, 1]
+    box = text.get_window_extent(renderer)
+    assert min(row) <= box.y0 and box.y1 <= max(row), (box, row)

@@ -243,7 +243,15 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
 
     rows, cols = grid_shape(len(corpora))
     label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
-    side = 0.0 if len(corpora) < rows * cols else 3.2
+    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
+    bar_label = f"energy saved vs {versus} (%)"
+    # the side column (no free slot) holds the colour bar and the key: as wide as its widest
+    # line, from 0.15 in into the column ("x% in noise: ..." ran past the figure's edge)
+    widest = max(
+        *(text_width_in(str(p.get_label()), 9) + 0.5 for p in key),
+        text_width_in(f"{bar_label}:", 10),
+    )
+    side = 0.0 if len(corpora) < rows * cols else max(3.2, widest + 0.3)
     # a search that kept one knob at stock says so: the answers are that search's
     moved = {"sm_clock": "; SM clock only", "power_limit": "; power limit only"}
     title = (
@@ -256,31 +264,15 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
             else "cell: saving and the power limit (SM clock not set: the GPU's own)"
         )
     )
-    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
-    bar_label = f"energy saved vs {versus} (%)"
     panel_w = 0.8 * len(batches)
     right = Margins().right
     if len(corpora) == rows * cols - 1:  # the free slot is the grid's last: the key and the
         # colour bar's label (left-aligned where no cell has an answer) end at its right, past
         # a slot of few batches; the right margin takes what the slot lacks
-        widest = max(
-            *(text_width_in(str(p.get_label()), 9) + 0.5 for p in key),
-            text_width_in(f"{bar_label}:", 10),
-        )
         right = max(right, widest - panel_w)
     margins = Margins(left=label_w, right=right, top=1.15, wspace=0.3, hspace=0.85, side=side)
-    # a row tall enough for its cells' lines of text (up to six for a reason wrapped)
-    unanswered = why[~np.isfinite(saving)]
-    lines = max((str(w).count("\n") + 1 for w in unanswered), default=1)
-    row_h = max(0.52, 0.13 * lines + 0.1)
-    panel_h = max(row_h * len(drafters), 1.6)  # room for the colourbar and key in the free slot
-    panels = panel_figure(len(corpora), panel_w, panel_h, margins, title=title)
-    images = []
-    for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
-        images.append(
-            ax.imshow(np.ma.masked_invalid(saving[k]), cmap=cmap, norm=norm, aspect="auto")
-        )
-        labels = [
+    labels = [
+        [
             [
                 why[k, i, j]
                 if not np.isfinite(saving[k, i, j])
@@ -297,7 +289,21 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
             ]
             for i in range(len(drafters))
         ]
-        _label_cells(ax, saving[k], labels, (cmap, norm), 7.5)
+        for k in range(len(corpora))
+    ]
+    # a row tall enough for its cells' lines of text (up to six for a reason wrapped; four for
+    # a saving, its clock lock, its capped limit and a saving set aside within the noise)
+    texts = [str(t) for panel in labels for row in panel for t in row]
+    lines = max((t.count("\n") + 1 for t in texts), default=1)
+    row_h = max(0.52, 0.13 * lines + 0.1)
+    panel_h = max(row_h * len(drafters), 1.6)  # room for the colourbar and key in the free slot
+    panels = panel_figure(len(corpora), panel_w, panel_h, margins, title=title)
+    images = []
+    for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
+        images.append(
+            ax.imshow(np.ma.masked_invalid(saving[k]), cmap=cmap, norm=norm, aspect="auto")
+        )
+        _label_cells(ax, saving[k], labels[k], (cmap, norm), 7.5)
         for i, j in zip(*np.nonzero(capped[k]), strict=True):
             ax.add_patch(Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, gid="cap", **CAP_OUTLINE))
         _heat_axes(ax, batches, drafters if k % cols == 0 else None, "batch")
