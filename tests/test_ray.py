@@ -933,6 +933,29 @@ def test_after_ctrl_c_each_unit_an_actor_finishes_is_journalled_as_it_comes() ->
     assert shipped == [("gpu0", "shipment of fast")]
 
 
+def fake_ray_fleet(actor_class, get, gpus: int, nodes, wait=None):  # type: ignore[no-untyped-def]
+    """A stand-in `ray` module whose every actor is `actor_class`'s, answering `get` (and
+    `wait`: default, every ref ready), on a cluster of `gpus` GPUs over `nodes()`, and a fleet
+    of an SGLang campaign on real GPUs (NVML) to hand `RayExecutor._run` with it."""
+    fake = types.SimpleNamespace(
+        remote=lambda **kw: lambda cls: actor_class,
+        cluster_resources=lambda: {"GPU": gpus},
+        nodes=nodes,
+        available_resources=lambda: {"GPU": 0},
+        wait=wait or (lambda refs, num_returns, timeout: (list(refs), [])),
+        get=get,
+        kill=lambda actor: None,
+    )
+    campaign = types.SimpleNamespace(
+        gpu=types.SimpleNamespace(backend="nvml"),
+        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
+    )
+    fleet = types.SimpleNamespace(
+        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    )
+    return fake, fleet
+
+
 def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch) -> None:
     """Real GPUs: Ctrl-C, then another while the actors close (each behind its unit in
     flight), gives up waiting, and the actors are killed with their GPUs as they set them.
@@ -966,21 +989,8 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
             return None
         return ref
 
-    fake = types.SimpleNamespace(
-        remote=lambda **kw: lambda cls: actor_class,
-        cluster_resources=lambda: {"GPU": 3},
-        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}],
-        available_resources=lambda: {"GPU": 0},
-        wait=lambda refs, num_returns, timeout: (list(refs), []),
-        get=get,
-        kill=lambda actor: None,
-    )
-    campaign = types.SimpleNamespace(
-        gpu=types.SimpleNamespace(backend="nvml"),
-        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
-    )
-    fleet = types.SimpleNamespace(
-        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 3, lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}]
     )
 
     def interrupted(*args: object) -> None:
@@ -1164,21 +1174,8 @@ def test_a_signal_while_the_actors_open_names_the_reset_their_node_told(monkeypa
             raise KeyboardInterrupt  # the user's next Ctrl-C, while it waits
         return ref
 
-    fake = types.SimpleNamespace(
-        remote=lambda **kw: lambda cls: actor_class,
-        cluster_resources=lambda: {"GPU": 2},
-        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}],
-        available_resources=lambda: {"GPU": 0},
-        wait=wait,
-        get=get,
-        kill=lambda actor: None,
-    )
-    campaign = types.SimpleNamespace(
-        gpu=types.SimpleNamespace(backend="nvml"),
-        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
-    )
-    fleet = types.SimpleNamespace(
-        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}], wait=wait
     )
     executor = RayExecutor(Path("out"))
     with pytest.raises(KeyboardInterrupt):
@@ -1228,21 +1225,8 @@ def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -
             return []
         return None if ref[0] == "close" else ref[1]
 
-    fake = types.SimpleNamespace(
-        remote=lambda **kw: lambda cls: actor_class,
-        cluster_resources=lambda: {"GPU": 2},
-        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2,
-        available_resources=lambda: {"GPU": 0},
-        wait=lambda refs, num_returns, timeout: (list(refs), []),
-        get=get,
-        kill=lambda actor: None,
-    )
-    campaign = types.SimpleNamespace(
-        gpu=types.SimpleNamespace(backend="nvml"),
-        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
-    )
-    fleet = types.SimpleNamespace(
-        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2
     )
     with pytest.raises(Exception, match="died as it started") as died:
         RayExecutor(Path("out"))._run(fake, fleet, [], False)  # type: ignore[arg-type]
