@@ -472,6 +472,55 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
             assert arm_changes(none, after) == []
 
 
+def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path: Path) -> None:
+    """The args the arms may differ in (`DRAFTER_ARGS`: the memory fraction, max running
+    requests...) are one drafter's own: a resume whose `server_command` wrapper adds
+    `--mem-fraction-static` serves that drafter otherwise, so its server is refused rather
+    than its cells joining the earlier ones in one cube keeping the newest server's args alone;
+    a journal holding both (edited) gives no cube, and shards run so do not merge."""
+    wrapper = tmp_path / "wrap.sh"
+    wrapper.write_text('#!/bin/sh\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        wrapper=(str(wrapper),),
+        batch="[1, 4]",
+        knobs=ONE_SETTING["knobs"],
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    [server] = [r for r in records if r["type"] == "server"]
+    cells = [r for r in records if r["type"] == "cell"]
+    assert len(cells) == 2
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records if r is not cells[-1]))
+    (out / "cube.nc").unlink()
+    wrapper.write_text('#!/bin/sh\nexec "$@" --mem-fraction-static 0.6\n')
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    [failed] = [r for r in read_records(journal) if r["type"] == "cell" and r["status"] != "ok"]
+    assert "(mem_fraction_static: None -> 0.6)" in failed["error"], failed["error"]
+    assert running(marker) == []
+    # Appended by hand, the other server gives no cube.
+    with journal.open("a") as f:
+        changed = {**server["args"], "mem_fraction_static": 0.6}
+        f.write(json.dumps({**server, "args": changed}) + "\n" + json.dumps(cells[-1]) + "\n")
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert "drafter 'none' were served by different engines or flags" in last_line(built)
+    assert "(mem_fraction_static: None -> 0.6)" in last_line(built)
+    # Each of them, one drafter's servers compared (as shards' are when merged).
+    from dvfs.records.session import DRAFTER_ARGS, server_changes
+
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    for key in DRAFTER_ARGS:
+        a, b = {**base, "args": {key: 1}}, {**base, "args": {key: 2}}
+        assert server_changes(a, b) == [f"{key}: 1 -> 2"]
+        assert arm_changes(a, b) == []
+
+
 # -- an attached server -----------------------------------------------------------------------
 
 

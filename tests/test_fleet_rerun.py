@@ -256,7 +256,9 @@ def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
     server = next(r for r in before if r["type"] == "server")
     with (half / "journal.jsonl").open("a") as f:
         f.write(json.dumps({**server, "version": "0.5.9"}) + "\n")
-    with pytest.raises(CubeError, match=r"different engines \(engine version: 0\.5\.23 -> 0\.5\.9"):
+    with pytest.raises(
+        CubeError, match=r"different engines or flags \(engine version: 0\.5\.23 -> 0\.5\.9"
+    ):
         build_cube(half / "journal.jsonl")
 
 

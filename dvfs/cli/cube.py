@@ -106,6 +106,7 @@ def _render(summary: dict[str, Any]) -> None:
         idle_caveat,
         idle_power_text,
         invalidates,
+        invariant_rows,
         mode_text,
         shard_note,
     )
@@ -154,6 +155,8 @@ def _render(summary: dict[str, Any]) -> None:
         table.add_row("repeats", summary["repeats"])
     for drafter, outcome in summary["gpu_pinning"].items():
         table.add_row(f"GPU pinning ({drafter})", escape(outcome))
+    for row, text in invariant_rows(summary["invariants"]):
+        table.add_row(row, escape(text))
     table.add_row(
         "energy/token",
         "no valid cell" if math.isnan(lo) else f"{lo:.4g} - {hi:.4g} J (valid cells)",

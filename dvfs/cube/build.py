@@ -224,12 +224,13 @@ def _check_sessions(
             advice = (
                 TWIN_CHANGED
                 if twin_changed(changes)
-                else "rerun with --fresh (or into another --out folder) on one engine version"
+                else "rerun with --fresh (or into another --out folder) on one engine version "
+                "and one set of engine flags"
             )
             raise IncomparableCellsError(
                 f"the journal's cells of drafter {server.drafter!r} were served by different "
-                f"engines ({'; '.join(changes)}): they would compare software, not settings; "
-                f"{advice}"
+                f"engines or flags ({'; '.join(changes)}): they would compare software, not "
+                f"settings; {advice}"
             )
     formats = _prompt_formats(journal)
     if len(formats) > 1:  # a session's record and a server's (arm_changes: two servers')

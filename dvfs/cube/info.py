@@ -10,7 +10,7 @@ import numpy as np
 
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.measure.meter import THROTTLE_VIOLATION_SHARE, describe_quality
-from dvfs.records import knobs_set, measurement_mode
+from dvfs.records import ARMS_PINNED, corpus_hashes, knobs_set, measurement_mode
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -380,10 +380,86 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "flag_notes": {name: FLAG_NOTES[name] for name in flags if name in FLAG_NOTES},
         "idle_foreign_processes": idle_foreign_processes(ds),
         "gpu_pinning": gpu_pinning(ds),
+        "invariants": invariants(ds),
         "failed_cells": json.loads(ds.attrs.get("failed_cells", "[]")),
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def _attr_json(ds: xr.Dataset, key: str) -> Any:
+    """A JSON attribute's value; None where the cube has none, "" or not JSON."""
+    try:
+        return json.loads(str(ds.attrs.get(key) or "null"))
+    except ValueError:
+        return None
+
+
+def _count(value: Any) -> int | None:
+    """A whole-number attribute; None where the cube has none or not a number (hand-edited)."""
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def invariants(ds: xr.Dataset) -> dict[str, Any]:
+    """What the cube's arms were held alike in, as the sweep checked it at each server start
+    and `dvfs cube build` (or `cube merge`) again (`dvfs.records.session`): whether each
+    comparison group ran on one GPU (`arms_on_one_gpu`) and how many groups' valid cells span
+    GPUs after all (`groups_across_gpus`: a resume elsewhere, a lost worker), the attention
+    kernels, what dvfs gave every drafter's server alike (`arms_pinned`), the servers'
+    environment (`server_env`: None where not recorded, the twin's), and the prompts (each
+    corpus's content hash, how tokens were counted, the prompt format). Each None (or empty)
+    where the cube records none (an older dvfs's)."""
+    on_one = _count(ds.attrs.get("arms_on_one_gpu"))
+    across = _count(ds.attrs.get("groups_across_gpus"))
+    kernels: list[str] = []
+    if "attention_backend" in ds:
+        kernels = sorted({str(k) for k in np.ravel(ds["attention_backend"].values) if str(k)})
+    pinned = [k for k in str(ds.attrs.get("arms_pinned") or "").split(",") if k]
+    env = _attr_json(ds, "server_env")
+    return {
+        "arms_on_one_gpu": None if on_one is None else bool(on_one),
+        "groups_across_gpus": across,
+        "attention_kernels": kernels,
+        "arms_pinned": [ARMS_PINNED[k][0] if k in ARMS_PINNED else k for k in pinned],
+        "server_env": env if isinstance(env, dict) else None,
+        "corpora": corpus_hashes(_attr_json(ds, "corpora")),
+        "token_count_method": ds.attrs.get("token_count_method") or None,
+        "prompt_format": ds.attrs.get("prompt_format") or None,
+    }
+
+
+def invariant_rows(held: dict[str, Any]) -> list[tuple[str, str]]:
+    """`invariants` as `dvfs cube info` shows them: one line each for the arms, the servers'
+    environment (where recorded) and the prompts; what the cube does not record is said so."""
+    on_one, across = held["arms_on_one_gpu"], held["groups_across_gpus"]
+    if on_one is None:
+        gpus = "whether each comparison group ran on one GPU not recorded"
+    elif across:
+        gpus = f"{across} comparison group(s) measured on more than one GPU (different_gpus)"
+    elif on_one:
+        gpus = "each comparison group on one GPU"
+    else:
+        gpus = "comparison groups not kept to one GPU (an earlier dvfs's fleet)"
+    alike = ["engine version and flags"]
+    if held["attention_kernels"]:
+        alike.append("attention kernels " + ", ".join(held["attention_kernels"]))
+    alike += held["arms_pinned"]
+    rows = [("arms", f"{gpus}; alike but the drafter: {', '.join(alike)}")]
+    env = held["server_env"]
+    if env is not None:
+        rows.append(
+            ("server env", "alike: " + (", ".join(sorted(env)) or "none of its variables set"))
+        )
+    prompts = [f"{name} {digest}" for name, digest in held["corpora"].items()]
+    if held["token_count_method"]:
+        prompts.append(f"tokens counted by {held['token_count_method']}")
+    if held["prompt_format"]:
+        prompts.append(f"format {held['prompt_format']}")
+    rows.append(("prompts", "alike: " + "; ".join(prompts) if prompts else "not recorded"))
+    return rows
 
 
 def _gpu_text(attrs: dict[Any, Any]) -> str | None:

@@ -547,15 +547,32 @@ def _unserved(name: str) -> bool:
     return base.endswith(_UNSERVED_SUFFIXES) or base.startswith(_UNSERVED_NAMES)
 
 
+#: Resolved args SGLang may set otherwise for each drafter (`ARM_ARGS` says why each), so the
+#: arms are not compared in them, but one drafter's servers of a journal are: another value
+#: on a resume is another server flag (a `server_command` wrapper's `--mem-fraction-static`),
+#: which the cube, keeping each drafter's newest server, would not show.
+DRAFTER_ARGS = (
+    "max_running_requests",
+    "mem_fraction_static",
+    "enable_multi_layer_eagle",
+    "enable_lora_overlap_loading",
+    "lora_strict_loading",
+    "linear_attn_verify_backend",
+    "mamba_ssm_dtype",
+)
+
+
 def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """What differs between two server records of one drafter ("engine version: A -> B"): the
-    `SERVER_INVARIANTS`, and the drafter's own resolved speculative args (`speculative_*`,
-    both records reporting them), since one drafter's cells must share one configuration
-    even where the engine's version did not change but how it resolves unset numbers did."""
+    `SERVER_INVARIANTS`, and the drafter's own resolved speculative args (`speculative_*`)
+    and `DRAFTER_ARGS`, both records reporting them, since one drafter's cells must share one
+    configuration even where the engine's version did not change but how it resolves unset
+    numbers did."""
     changes = _engine_changes(before, now)
     old, new = before.get("args"), now.get("args")
     if isinstance(old, Mapping) and isinstance(new, Mapping):
-        for key in sorted(k for k in old if k.startswith("speculative_") and k in new):
+        own = sorted(k for k in old if k.startswith("speculative_") or k in DRAFTER_ARGS)
+        for key in (k for k in own if k in new):
             if _same(old[key]) != _same(new[key]):
                 changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
     return changes
