@@ -187,7 +187,7 @@ def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(
         replace_block(MIXED, "sm_clock = [1980, 1005]", "sm_clock = [1980, 1500, 1005]"),
     )
     cases = (
-        (two_gpus, one, (), "gpu.devices: [0] -> [0, 1]", 1),
+        (two_gpus, one, (), "engine.tp_size: 1 -> 2", 1),
         (clocks, one, (), "knobs.sm_clock: [1980, 1005] -> [1980, 1500, 1005]", 1),
         (clocks, mixed, FLEET, "knobs.sm_clock: [1980, 1005] -> [1980, 1500, 1005]", 2),
     )
@@ -226,15 +226,16 @@ def test_the_dry_run_with_one_gpu_group_plans_the_campaign_the_sweep_runs_on_it(
 ) -> None:
     """`--gpus` naming one group (not a fleet) runs the campaign on that group: its devices,
     and on the twin a `PROFILE:INDEX` group's profile. On a folder the campaign's own GPU
-    began, the sweep refuses the journal in one line, exit 1, naming what changed; its dry
-    run reports that line as a problem, exit 1, counting nothing as done (it once planned the
-    campaign's own GPU: every cell done, exit 0). Into a new folder the dry run plans the
-    campaign, by its hash, that the sweep then journals."""
+    began, the sweep on another model's GPU refuses the journal in one line, exit 1, naming
+    what changed; its dry run reports that line as a problem, exit 1, counting nothing as
+    done (it once planned the campaign's own GPU: every cell done, exit 0); another GPU of
+    the model resumes it (tested below). Into a new folder the dry run plans the campaign,
+    by its hash, that the sweep then journals."""
     from test_journal import assert_one_line_error
 
     campaign = write(tmp_path / "tiny.toml", MIXED)
     one = tiny_exact_run("one")
-    for gpus, change in (("1", "gpu.devices: [0] -> [1]"), ("h200-sxm:0", "gpu.profile: ")):
+    for gpus, change in (("h200-sxm:0", "gpu.profile: "),):
         out = copy_sweep(one, tmp_path / f"out-{gpus.replace(':', '-')}")
         before = folder_files(out)
         args = ("sweep", str(campaign), "--gpus", gpus, "--out", str(out))
@@ -344,6 +345,46 @@ def test_one_gpus_sweep_on_other_gpus_is_refused_by_its_dry_run_and_doctor_as_th
     journal.write_text(own, encoding="utf-8")
     doc, _ = _dry(campaign, out)
     assert doc["already_done"] == 16, doc
+
+
+def test_one_gpus_sweep_resumes_on_another_gpu_of_the_model_as_a_fleet_does(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """A journal begun without a fleet (no --gpus: gpu.devices [0]) resumed on another twin
+    GPU of the model: `--gpus 1-2` resumed it, `--gpus 1` was refused ("gpu.devices: [0] ->
+    [1] ... use --fresh"), its dry run and `dvfs doctor` too. It resumes now, the dry run and
+    the doctor saying so; each cell names the GPU that measured it; and the journal, begun
+    on GPU 1, resumes without --gpus (on GPU 0) too. The campaign's hash is kept."""
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    out = copy_sweep(tiny_exact_run("one"), tmp_path / "one")
+    journal = out / "journal.jsonl"
+    header = read_records(journal)[0]
+    _interrupted(journal, 5)
+    (out / "cube.nc").unlink()
+    doc, _ = _dry(campaign, out, "--gpus", "1")
+    assert doc["already_done"] == 5, doc
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--gpus", "1", "--json")
+    checks = {c["name"]: c for c in json.loads(doctor.output)}
+    assert checks["output folder"]["status"] == "ok", checks["output folder"]
+    resumed = invoke("sweep", str(campaign), "--out", str(out), "--gpus", "1", "--no-progress")
+    assert resumed.exit_code == 0, resumed.output
+    assert _measured(resumed) == (11, 5)
+    records = read_records(journal)
+    assert records[0] == header, "the journal's header (its campaign and hash) is kept"
+    sessions = [r for r in records if r["type"] == "session"]
+    uuids = [g["uuid"] for s in sessions for g in s["gpus"]]
+    assert len(uuids) == len(set(uuids)) == 2
+    from dvfs.cube import open_cube
+
+    assert set(open_cube(out / "cube.nc")["measured_on"].values.ravel()) == set(uuids)
+    # the other way: begun on GPU 1 alone, finished on the campaign's own GPU 0
+    other = tmp_path / "other"
+    begun = invoke("sweep", str(campaign), "--out", str(other), "--gpus", "1", "--no-progress")
+    assert begun.exit_code == 0, begun.output
+    _interrupted(other / "journal.jsonl", 5)
+    again = invoke("sweep", str(campaign), "--out", str(other), "--no-progress")
+    assert again.exit_code == 0, again.output
+    assert _measured(again) == (11, 5)
 
 
 def _as_result(done: subprocess.CompletedProcess) -> Result:

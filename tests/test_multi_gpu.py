@@ -726,6 +726,50 @@ def test_a_worker_that_cannot_restore_its_lost_gpu_fails_the_sweep(
     assert len(cells) == 8 and (out / "cube.nc").is_file()
 
 
+def test_a_fleet_that_lost_two_gpus_names_the_reset_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two of three fleet workers lose their GPUs (off the bus) mid-sweep, the third finishes
+    the cells: the last line named `dvfs gpu reset --state-dir DIR` twice, once in each lost
+    GPU's restore error ("... `dvfs gpu reset ...` retries from the state file; could not
+    restore ..."). It names both GPUs' errors and the reset once, at the end."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.fleet.worker import Worker
+
+    devices = "h100-sxm,h100-sxm,h100-sxm"
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_FAKE_NVML_DEVICES=devices)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    calls = {"gpu1": 0, "gpu2": 0}
+    run = Worker.run
+
+    def losing(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label in calls:
+            calls[self.label] += 1
+            if calls[self.label] == 2:
+                nvml.fake_update_device(int(self.label[3:]), lost=True)
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", losing)
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--gpus", "0-2", "--out", str(out), env=env)
+    assert result.returncode == 1, result.stderr
+    states = sorted(p.stem for p in (tmp_path / "dvfs-state").glob("GPU-*.json"))
+    assert len(states) == 2, states
+    last = result.stderr.strip().splitlines()[-1]
+    assert "NOT restored" in last and all(uuid in last for uuid in states), last
+    assert last.count("GPU 1 (") == last.count("GPU 2 (") == 1, last
+    assert last.count("dvfs gpu reset") == 1, last
+    assert f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`" in last, last
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == 8 and (out / "cube.nc").is_file()
+
+
 @pytest.mark.parametrize(("nvml_error", "code"), [(4, 4), (999, 1)])
 def test_a_fleet_whose_restore_nvml_refuses_says_why_as_one_gpus_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nvml_error: int, code: int

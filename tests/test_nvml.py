@@ -249,6 +249,32 @@ def test_cap_apply_refuses_a_caps_file_naming_a_gpu_nvml_may_not_talk_to(
     assert missing.returncode == 5 and "not on this host" in missing.stderr, missing.stderr
 
 
+def test_cap_apply_of_gpu_entries_naming_only_a_withheld_gpu_says_it_is_withheld(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps file whose [[gpu]] entries name only a GPU NVML may not talk to (its UUID
+    unreadable) was refused as a file for another host ("matches no GPU on this host", exit
+    2), where one naming that GPU and another is refused, exit 4, naming the withheld GPU and
+    the command to run as a user the GPUs admit. It is refused in that line, exit 4, dry run,
+    --skip-missing or not, nothing capped."""
+    env = fake_env(tmp_path)
+    uuid = nvml.fake_device_state(1)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(f'[[gpu]]\nuuid = "{uuid}"\nsm_clock_max_mhz = 1500\n')
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    for extra in ([], ["--skip-missing"], ["--dry-run"]):
+        refused = dvfs_in_process("cap", "apply", str(caps), *extra, env=env)
+        assert refused.returncode == 4, (extra, refused.stdout, refused.stderr)
+        [line] = refused.stderr.splitlines()
+        assert uuid in line and "GPU 1 (NVML: no permission)" in line, line
+        assert "as a user the GPUs admit" in line and "no GPU on this host" not in line, line
+        assert nvml.fake_device_state(0)["locked_clocks"] is None, extra
+    nvml.fake_update_device(1, errors={})  # every GPU open: applied to that GPU
+    applied = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert applied.returncode == 0, (applied.stdout, applied.stderr)
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None
+
+
 def test_gpu_reset_says_a_state_file_a_gpu_nvml_may_not_talk_to_may_hold(
     nvml, tmp_path: Path
 ) -> None:

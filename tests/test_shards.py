@@ -4,6 +4,7 @@ in whole comparison groups so that the arms of a comparison share a shard's GPU.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -895,6 +896,21 @@ def test_a_shards_cube_says_the_other_shards_cells_are_not_its_to_resume(runs: P
     assert any(w.startswith("This is shard 1/3's cube") for w in warnings), warnings
     whole = " ".join(invoke("cube", "info", str(runs / "whole")).stdout.split())
     assert "shard " not in whole and "shard's cube" not in whole
+
+
+def test_compare_on_one_shard_says_its_cells_left_are_not_measured_here(runs: Path) -> None:
+    """A finished shard's cube lacks the other shards' cells: `dvfs compare`'s partial-cube
+    line said they were "not measured yet" (as of an interrupted sweep), where headroom and
+    the report say "not measured here" (another shard's). It says "here" too, with the
+    shard's note; the whole campaign's cube has no partial line."""
+    said = " ".join(invoke("compare", str(runs / "s1")).output.split())
+    partial = said[said.index("partial cube:") :]
+    assert re.match(r"partial cube: \d+ of \d+ cells not measured here \(", partial), partial
+    assert "this is shard 1/3's cube" in partial, partial
+    headroom = " ".join(invoke("headroom", str(runs / "s1")).output.split())
+    count = re.search(r"partial cube: (\d+ of \d+ cells not measured here)", headroom)
+    assert count and count[1] in partial, (headroom, partial)
+    assert "partial cube:" not in " ".join(invoke("compare", str(runs / "whole")).output.split())
 
 
 def test_headroom_on_one_shard_says_to_merge_not_to_resume(runs: Path) -> None:

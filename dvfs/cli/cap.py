@@ -448,8 +448,10 @@ def _refuse_unmatched_withheld(
 ) -> None:
     """Where the caps file matches none of the GPUs that open (refused as a file for another
     host, exit 2), refuse it instead (exit 4, nothing capped) in the line naming the GPUs NVML
-    counts but this process may not talk to, whose model a [[model]] entry may be: "no GPU
-    on this host" would be untrue of them. Nothing where the file is refused as simulated."""
+    counts but this process may not talk to, whose model a [[model]] entry, or whose UUID a
+    [[gpu]] entry, may be (`_refuse_withheld`, as where the file matches others too): "no
+    GPU on this host" would be untrue of them. Nothing where the file is refused as
+    simulated."""
     from dvfs.errors import GpuPermissionError
 
     if caps.simulated and not allow_simulated:
@@ -466,6 +468,9 @@ def _refuse_unmatched_withheld(
             f"{withheld}; {caps_file} matches none of the GPUs this process may talk to "
             f"({host}), so nothing {'would be' if dry_run else 'was'} capped"
         ) from None
+    uuids = [c.uuid for c in caps.caps if c.uuid]
+    if uuids:
+        _refuse_withheld(uuids, str(caps_file), dry_run=dry_run, command=command)
 
 
 def _set_aside_unsupported(

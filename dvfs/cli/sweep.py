@@ -675,12 +675,26 @@ def _reset(state_dir: Path | None) -> str:
     return "`dvfs gpu reset`" if state_dir is None else escape(reset_command(state_dir))
 
 
-def _restores_failed(errors: Sequence[BaseException]) -> str:
+def _restores_failed(errors: Sequence[BaseException], *, reset: bool = True) -> str:
     """What the workers' restores that failed said (NVML refusing a reset, a GPU lost), as
-    one GPU's sweep says it; "" where none did (a worker's process died)."""
+    one GPU's sweep says it, the `dvfs gpu reset` each names said once, after them all
+    (`reset` False: not at all, for a line that names each node's); "" where none did (a
+    worker's process died)."""
     from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import RETRIES, restore_error_parts
 
-    return "; ".join(escape(str(e).rstrip(".")) for e in errors if isinstance(e, GpuError))
+    said: list[str] = []
+    resets: list[str] = []
+    for error in errors:
+        if isinstance(error, GpuError):
+            text, command = restore_error_parts(str(error))
+            said.append(text.rstrip("."))
+            if command and command not in resets:
+                resets.append(command)
+    if not said:
+        return ""
+    retry = f". {' or '.join(resets)}{RETRIES.rstrip('.')}" if reset and resets else ""
+    return escape("; ".join(said) + retry)
 
 
 def _restore_exit_code(errors: Sequence[BaseException]) -> int:
@@ -752,7 +766,7 @@ def _ray_unrestored(
     run = escape(
         ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
     )
-    failed = _restores_failed(errors)
+    failed = _restores_failed(errors, reset=False)  # `run` names each node's
     if failed:
         return f"[red]GPU settings NOT restored[/red] for {escape(where)}: {failed}; run {run}."
     return (

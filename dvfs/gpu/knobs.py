@@ -28,6 +28,24 @@ from dvfs.signals import restoring, signals_raise
 log = logging.getLogger(__name__)
 
 
+#: How a restore's error ends (`KnobController.restore`): ". RESET" and this, RESET the
+#: `dvfs gpu reset` that reads its state files.
+RETRIES = " retries from the state file."
+
+
+def restore_error_parts(text: str) -> tuple[str, str]:
+    """A restore's error (`KnobController.restore`) as what failed and the reset it names
+    (`RETRIES`), for a line naming several GPUs' to name the reset once; `text` and "" where
+    it names none."""
+    if not text.endswith(RETRIES):
+        return text, ""
+    body = text[: -len(RETRIES)]
+    cut = body.rfind(". `")
+    if cut < 0 or not body.endswith("`"):
+        return text, ""
+    return body[:cut], body[cut + 2 :]
+
+
 class GatheredFailures:
     """GPU failures collected across GPUs and raised together once every GPU was tried, so one
     stubborn GPU does not hide the others; any permission failure makes the whole a
@@ -248,7 +266,7 @@ class KnobController:
                     self._restore_limit_alone(gpu, uuid, original, exc, failures)
             failures.raise_if_any(
                 "could not restore GPU settings: ",
-                f". {self.reset_advice()} retries from the state file.",
+                f". {self.reset_advice()}{RETRIES}",
             )
 
     def reset_advice(self) -> str:

@@ -119,6 +119,11 @@ class CampaignFacts:
         )
 
 
+#: The campaign keys a resume may change: which GPUs measure (the GPU model, driver, memory
+#: and top SM clock are the sessions' `GPU_INVARIANTS`; the GPUs per server, engine.tp_size).
+RESUME_MAY_DIFFER = ("gpu.devices", "gpu.groups")
+
+
 @dataclass(frozen=True)
 class Header:
     """Line 1: the campaign a journal measures. Read leniently, so a damaged header is refused
@@ -182,14 +187,18 @@ class Header:
     def differences(self, campaign: Campaign) -> list[str]:
         """The measured settings in which `campaign` differs from this journal's (empty: it may
         be resumed). Headers written before the hash left out operational settings match
-        through their stored campaign."""
+        through their stored campaign. Which GPUs (`RESUME_MAY_DIFFER`) is not compared: a
+        resume may run on any GPUs of the model (`--gpus 1` as `--gpus 1-2` does), which the
+        sessions' GPU invariants check; the hash, which names them, is kept as it was."""
         from dvfs.campaign import measured_differences
 
         if self.campaign_hash == campaign.hash:
             return []
         if not self.campaign:
             return ["the journal does not record its campaign"]
-        return measured_differences(self.campaign, campaign.semantic_dict())
+        return measured_differences(
+            self.campaign, campaign.semantic_dict(), ignore=RESUME_MAY_DIFFER
+        )
 
 
 def _text(value: Any) -> str | None:

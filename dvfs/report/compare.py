@@ -233,8 +233,10 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
         from dvfs.cube.info import resume_note
 
         then = resume_note(doc)
+        # a shard's cube: the other shards' cells are theirs, not "not measured yet"
+        where = "here" if doc.get("shard") else "yet"
         notes.append(
-            f"partial cube: {unmeasured_cells(cov)}: a ratio, a "
+            f"partial cube: {unmeasured_cells(cov, where)}: a ratio, a "
             'verdict ("not within target", "too slow" included) or a break-even batch '
             f"resting on settings not measured may change; {then}"
         )
