@@ -311,6 +311,80 @@ def test_a_journal_line_is_json_safes_compact_strict_json(tmp_path: Path) -> Non
     assert '"True":1,"None":2,"3":3.5,"2.5":"x"' in expected
 
 
+def _json_safe_as_it_was(value: Any) -> Any:
+    """`json_safe` before its fast paths for exact dicts, lists, tuples and floats: the
+    reference its results must equal."""
+    import math
+
+    plain = frozenset({str, int, bool, type(None)})
+    if type(value) in plain:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe_as_it_was(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [
+            (v if math.isfinite(v) else None) if type(v) is float else _json_safe_as_it_was(v)
+            for v in value
+        ]
+    if hasattr(value, "item") and callable(value.item):
+        return _json_safe_as_it_was(value.item())
+    return value
+
+
+class _Dict(dict[Any, Any]):
+    pass
+
+
+class _List(list[Any]):
+    pass
+
+
+def _json_values() -> Any:
+    import numpy as np
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(),
+        st.booleans(),
+        st.none(),
+        st.text(max_size=4),
+        st.floats(allow_nan=True).map(np.float64),
+        st.floats(width=32, allow_nan=True).map(np.float32),
+        st.integers(-(2**40), 2**40).map(np.int64),
+    )
+    keys = st.one_of(st.text(max_size=3), st.integers(), st.booleans(), st.none(), st.floats())
+    return st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=5),
+            st.lists(inner, max_size=5).map(tuple),
+            st.lists(inner, max_size=5).map(_List),
+            st.dictionaries(keys, inner, max_size=5),
+            st.dictionaries(keys, inner, max_size=5).map(_Dict),
+        ),
+        max_leaves=30,
+    )
+
+
+def test_json_safe_equals_what_it_was_before_its_fast_paths() -> None:
+    """`json_safe` (every journal line's and --json output's) takes exact dicts, lists,
+    tuples and floats without a call per value: its results are the earlier ones, type for
+    type (`repr`: True is not 1, 1.0 not 1, a numpy scalar not a float), key order kept."""
+    from hypothesis import given, settings
+
+    from dvfs.report import json_safe
+
+    @settings(max_examples=300, deadline=None)
+    @given(_json_values())
+    def check(value: Any) -> None:
+        assert repr(json_safe(value)) == repr(_json_safe_as_it_was(value))
+
+    check()
+
+
 def test_a_demos_damaged_journal_says_to_start_over_with_the_demo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,23 +13,39 @@ if TYPE_CHECKING:
 
 #: Types JSON holds as they are (checked first: a journal line is mostly these).
 _PLAIN = frozenset({str, int, bool, type(None)})
+_isfinite = math.isfinite
 
 
 def json_safe(value: Any) -> Any:
     """`value` as strict JSON can hold it: NaN and infinities become null (a missing
     measurement, not a number), tuples lists, numpy scalars Python numbers, keys strings.
     The one NaN->null rule for every document, journal line and --json output."""
-    if type(value) in _PLAIN:
+    kind = type(value)
+    if kind in _PLAIN:
         return value
+    if kind is float:
+        return value if _isfinite(value) else None
+    if kind is dict:
+        # a journal line's records are mostly dicts of floats and plain values: those
+        # without a call each (as the comprehension below, for dict's subclasses)
+        safe = {}
+        for k, v in value.items():
+            key = k if type(k) is str else str(k)
+            of = type(v)
+            if of is float:
+                safe[key] = v if _isfinite(v) else None
+            elif of in _PLAIN:
+                safe[key] = v
+            else:
+                safe[key] = json_safe(v)
+        return safe
+    if kind is list or kind is tuple or isinstance(value, list | tuple):
+        # a measurement's quantiles and timeline are lists of floats: those without a call each
+        return [(v if _isfinite(v) else None) if type(v) is float else json_safe(v) for v in value]
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        # a measurement's quantiles and timeline are lists of floats: those without a call each
-        return [
-            (v if math.isfinite(v) else None) if type(v) is float else json_safe(v) for v in value
-        ]
     if hasattr(value, "item") and callable(value.item):  # numpy scalars and 0-d arrays
         return json_safe(value.item())
     return value
