@@ -289,6 +289,27 @@ def test_a_cell_record_round_trips_through_the_journal(tmp_path: Path) -> None:
     assert failed.to_json()["error"] == "b"
 
 
+def test_a_planned_cell_is_slotted_and_keeps_its_key() -> None:
+    """A sweep plans every cell up front (180,000 at 40 repeats of the demo): a cell has no
+    __dict__ (its key is cached in a slot), and its key, equality, order and hash are its
+    fields' as before, through pickling (a fleet's queue), copying and `replace`."""
+    import copy
+    import dataclasses
+    import pickle
+
+    cell = Cell("none", 3, 1980, 700.0, 4, "code")
+    assert not hasattr(cell, "__dict__")
+    expected = json.dumps(dataclasses.asdict(cell), sort_keys=True)
+    assert cell.key == expected
+    for other in (pickle.loads(pickle.dumps(cell)), copy.deepcopy(cell), copy.copy(cell)):
+        assert other == cell and hash(other) == hash(cell) and other.key == expected
+    moved = dataclasses.replace(cell, repeat=4)
+    assert moved.key == json.dumps(dataclasses.asdict(moved), sort_keys=True) != expected
+    assert sorted([moved, cell]) == [cell, moved]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cell.repeat = 5  # type: ignore[misc]
+
+
 def test_a_measurement_record_names_its_fields_as_the_journal_keys() -> None:
     assert tuple(MeasurementRecord.of(_measurement()).to_json()) == QUANTITIES
 
