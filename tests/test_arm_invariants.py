@@ -708,7 +708,8 @@ def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
     """An attached SGLang 0.5.9 server replaced mid-sweep by one started with
     --max-running-requests 2, below the largest batch (4), queues half of each batch: refused
     at attach, and now at each round too (0.5.9 leaves its decode CUDA graphs as they were,
-    so no arm arg differs), rather than measured as a batch of 4 (exit 0)."""
+    so no arm arg differs), rather than measured as a batch of 4 (exit 0); the cap named once
+    (it was named twice, as a server flag changed and as below the largest batch)."""
 
     port, config = attached
     config.write_text(json.dumps({"version": "0.5.9", "max_lifetime_s": 60, "tpot_s": 0.004}))
@@ -737,6 +738,7 @@ def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
     error = cells[-1]["error"]
     assert f"the server at http://127.0.0.1:{port} is not the one dvfs attached to" in error
     assert "max_running_requests: None -> 2, below the largest batch 4" in error
+    assert error.count("max_running_requests") == 1, "the cap is named once"
 
 
 def test_a_fleet_attached_to_one_server_is_refused(tmp_path: Path) -> None:
