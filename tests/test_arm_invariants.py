@@ -476,8 +476,10 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     """The args the arms may differ in (`DRAFTER_ARGS`: the memory fraction, max running
     requests...) are one drafter's own: a resume whose `server_command` wrapper adds
     `--mem-fraction-static` serves that drafter otherwise, so its server is refused rather
-    than its cells joining the earlier ones in one cube keeping the newest server's args alone;
-    a journal holding both (edited) gives no cube, and shards run so do not merge."""
+    than its cells joining the earlier ones in one cube keeping the newest server's args alone
+    (said as its own earlier server, with what to restore: not "the arms would compare more
+    than their drafters; run every drafter on the same SGLang and flags"); a journal holding
+    both (edited) gives no cube, and shards run so do not merge."""
     wrapper = tmp_path / "wrap.sh"
     wrapper.write_text('#!/bin/sh\nexec "$@"\n')
     wrapper.chmod(0o755)
@@ -502,6 +504,10 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     assert again.exit_code == 5, again.output
     [failed] = [r for r in read_records(journal) if r["type"] == "cell" and r["status"] != "ok"]
     assert "(mem_fraction_static: None -> 0.6)" in failed["error"], failed["error"]
+    # said as its own earlier server, not another arm's, with what to restore
+    assert "server differs from the one that measured its cells in" in failed["error"]
+    assert "start it as it was (the same SGLang, and the same flags" in failed["error"]
+    assert "arms" not in failed["error"] and "every drafter" not in failed["error"]
     assert running(marker) == []
     # Appended by hand, the other server gives no cube.
     with journal.open("a") as f:
