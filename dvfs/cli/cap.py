@@ -263,7 +263,11 @@ def apply(
     # not leave the others at stock; it is named, exit 1, once they are capped. One whose power
     # limit NVML does not support is set aside only where the file names it (below).
     openable, lost = reachable_gpus(unsupported_ok=True)
-    if not openable and lost:
+    if not openable and lost:  # a withheld GPU the file names is said too, as where some open
+        line = str(lost_gpus(lost))
+        _refuse_unmatched_withheld(
+            caps, caps_file, [], allow_simulated, dry_run=dry_run, command=again, lost=line
+        )
         raise lost_gpus(lost)
     with open_gpus(openable, allow_mig=True) as opened:  # MIG GPUs: left alone (`plan_actions`)
         gpus, unsupported = _set_aside_unsupported(caps, opened, allow_simulated)
