@@ -476,8 +476,10 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     """The args the arms may differ in (`DRAFTER_ARGS`: the memory fraction, max running
     requests...) are one drafter's own: a resume whose `server_command` wrapper adds
     `--mem-fraction-static` serves that drafter otherwise, so its server is refused rather
-    than its cells joining the earlier ones in one cube keeping the newest server's args alone;
-    a journal holding both (edited) gives no cube, and shards run so do not merge."""
+    than its cells joining the earlier ones in one cube keeping the newest server's args alone
+    (said as its own earlier server, with what to restore: not "the arms would compare more
+    than their drafters; run every drafter on the same SGLang and flags"); a journal holding
+    both (edited) gives no cube, and shards run so do not merge."""
     wrapper = tmp_path / "wrap.sh"
     wrapper.write_text('#!/bin/sh\nexec "$@"\n')
     wrapper.chmod(0o755)
@@ -502,6 +504,10 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     assert again.exit_code == 5, again.output
     [failed] = [r for r in read_records(journal) if r["type"] == "cell" and r["status"] != "ok"]
     assert "(mem_fraction_static: None -> 0.6)" in failed["error"], failed["error"]
+    # said as its own earlier server, not another arm's, with what to restore
+    assert "server differs from the one that measured its cells in" in failed["error"]
+    assert "start it as it was (the same SGLang, and the same flags" in failed["error"]
+    assert "arms" not in failed["error"] and "every drafter" not in failed["error"]
     assert running(marker) == []
     # Appended by hand, the other server gives no cube.
     with journal.open("a") as f:
@@ -708,7 +714,8 @@ def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
     """An attached SGLang 0.5.9 server replaced mid-sweep by one started with
     --max-running-requests 2, below the largest batch (4), queues half of each batch: refused
     at attach, and now at each round too (0.5.9 leaves its decode CUDA graphs as they were,
-    so no arm arg differs), rather than measured as a batch of 4 (exit 0)."""
+    so no arm arg differs), rather than measured as a batch of 4 (exit 0); the cap named once
+    (it was named twice, as a server flag changed and as below the largest batch)."""
 
     port, config = attached
     config.write_text(json.dumps({"version": "0.5.9", "max_lifetime_s": 60, "tpot_s": 0.004}))
@@ -737,6 +744,7 @@ def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
     error = cells[-1]["error"]
     assert f"the server at http://127.0.0.1:{port} is not the one dvfs attached to" in error
     assert "max_running_requests: None -> 2, below the largest batch 4" in error
+    assert error.count("max_running_requests") == 1, "the cap is named once"
 
 
 def test_a_fleet_attached_to_one_server_is_refused(tmp_path: Path) -> None:

@@ -262,6 +262,35 @@ def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
         build_cube(half / "journal.jsonl")
 
 
+@pytest.mark.timeout(300)
+def test_a_fleet_rerun_whose_wrapper_adds_a_flag_says_to_start_the_server_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """The campaign's fleet rerun where the `server_command` wrapper now adds
+    --mem-fraction-static: the workers are retired at their first server, in one line naming
+    the arg, which said "its cells would compare software, not settings; run the earlier
+    engine" (no engine changed). It says to start the server as it was, its flags too."""
+    wrapper = tmp_path / "wrap.sh"
+    wrapper.write_text('#!/bin/sh\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    path, marker = stub_campaign(tmp_path, batch="[1]", wrapper=(str(wrapper),))
+    full = tmp_path / "full"
+    assert sweep(str(path), "--gpus", "0-1", "--out", str(full)).exit_code == 0
+    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][3]
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "journal.jsonl").write_text("".join(lines[:cut]))
+    wrapper.write_text('#!/bin/sh\nexec "$@" --mem-fraction-static 0.6\n')
+    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
+    assert refused.exit_code == 1, refused.output
+    line = refused.output.strip().splitlines()[-1]
+    assert "mem_fraction_static: None -> 0.6" in line, line
+    assert "start it as it was (the same SGLang, and the same flags" in line, line
+    assert "compare software" not in line and "run the earlier engine" not in line, line
+    assert not running(marker)
+
+
 def test_a_fleets_models_whose_cubes_do_not_merge_is_an_error_not_bad_usage(
     shared_run, tmp_path: Path
 ) -> None:

@@ -143,6 +143,9 @@ DERIVED_PER_GPU: list[tuple[dict[str, Any], dict[str, Any]]] = [
     ),
     # a hybrid model's GDN decode on SM100 (0.5.23 arg_groups/attention_hook.py line 299)
     ({"linear_attn_decode_backend": None}, {"linear_attn_decode_backend": "flashinfer"}),
+    # GLM-5-Next's speculative verify kernels on SM100 (0.5.23 arg_groups/glm5_next_hook.py):
+    # compared between one drafter's servers (`DRAFTER_ARGS`), but not across GPU models
+    ({"linear_attn_verify_backend": None}, {"linear_attn_verify_backend": "nv_cutedsl"}),
     # DeepSeek-V3.2's sparse attention's KV cache, "auto": FP8 on SM100, bf16 on Hopper
     # (0.5.9 server_args.py line 1143, 0.5.23 arg_groups/overrides.py line 534)
     (

@@ -275,6 +275,39 @@ def test_cap_apply_of_gpu_entries_naming_only_a_withheld_gpu_says_it_is_withheld
     assert nvml.fake_device_state(1)["locked_clocks"] is not None
 
 
+def test_cap_apply_naming_only_a_withheld_gpu_beside_a_lost_one_says_both(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same file where another GPU has fallen off the bus too: it was refused as matching
+    none of the GPUs that open, exit 1, naming the lost GPU alone (the withheld GPU, the one
+    the file names, unsaid), where a file matching another GPU too is refused, exit 4, naming
+    both. It is refused in that line, exit 4, dry run, --skip-missing or not, nothing capped;
+    where no GPU opens at all, too (it named the lost GPUs alone, exit 1)."""
+    devices = "h100-sxm,h100-sxm,h100-sxm"
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", devices)
+    nvml.fake_reset_state()
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=devices)
+    uuid = nvml.fake_device_state(1)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(f'[[gpu]]\nuuid = "{uuid}"\nsm_clock_max_mhz = 1500\n')
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
+    nvml.fake_update_device(2, lost=True)
+    for extra in ([], ["--skip-missing"], ["--dry-run"]):
+        refused = dvfs_in_process("cap", "apply", str(caps), *extra, env=env)
+        assert refused.returncode == 4, (extra, refused.stdout, refused.stderr)
+        [line] = refused.stderr.splitlines()
+        assert uuid in line and "GPU 1 (NVML: no permission)" in line, line
+        assert "GPU 2: the GPU has fallen off the bus" in line, line
+        assert nvml.fake_device_state(0)["locked_clocks"] is None, extra
+    # no GPU that opens at all (GPU 0 lost too): it named the lost GPUs alone, exit 1
+    nvml.fake_update_device(0, lost=True)
+    refused = dvfs_in_process("cap", "apply", str(caps), "--skip-missing", env=env)
+    assert refused.returncode == 4, (refused.stdout, refused.stderr)
+    [line] = refused.stderr.splitlines()
+    assert uuid in line and "GPU 1 (NVML: no permission)" in line, line
+    assert "GPU 0" in line and "GPU 2" in line and "fallen off the bus" in line, line
+
+
 def test_gpu_reset_says_a_state_file_a_gpu_nvml_may_not_talk_to_may_hold(
     nvml, tmp_path: Path
 ) -> None:

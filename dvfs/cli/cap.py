@@ -235,9 +235,10 @@ def apply(
     --skip-missing; 4, changing nothing, where NVML counts a GPU this process may not talk to,
     whose UUID a UUID not here may be); 1 naming a GPU fallen off the bus, once the other GPUs
     are capped (or none, if the file matches none of those that open: the lost GPU may be the
-    one it names); 4 naming a GPU NVML counts but this process may not talk to, where the file
-    has [[model]] entries (its model unreadable: one may name it), once the other GPUs are
-    capped (none, if the file matches none of them); 3, changing nothing, when another dvfs
+    one it names; 4 where NVML also withholds a GPU, which it may name); 4 naming a GPU NVML
+    counts but this process may not talk to, where the file has [[model]] entries (its model
+    unreadable: one may name it), once the other GPUs are capped (none, if the file matches
+    none of them); 3, changing nothing, when another dvfs
     holds a GPU it would cap (naming one fallen off the bus too). Models not on this host, and
     GPUs here that no entry names, are only noted.
     """
@@ -262,7 +263,11 @@ def apply(
     # not leave the others at stock; it is named, exit 1, once they are capped. One whose power
     # limit NVML does not support is set aside only where the file names it (below).
     openable, lost = reachable_gpus(unsupported_ok=True)
-    if not openable and lost:
+    if not openable and lost:  # a withheld GPU the file names is said too, as where some open
+        line = str(lost_gpus(lost))
+        _refuse_unmatched_withheld(
+            caps, caps_file, [], allow_simulated, dry_run=dry_run, command=again, lost=line
+        )
         raise lost_gpus(lost)
     with open_gpus(openable, allow_mig=True) as opened:  # MIG GPUs: left alone (`plan_actions`)
         gpus, unsupported = _set_aside_unsupported(caps, opened, allow_simulated)
@@ -279,9 +284,15 @@ def apply(
                 lost=gone_line,
                 set_aside=[g for g in opened if g not in gpus],
             )
-        except CapsError:
+        except (CapsError, GpuUnavailableError):  # matching none here (a GPU lost or not)
             _refuse_unmatched_withheld(
-                caps, caps_file, opened, allow_simulated, dry_run=dry_run, command=again
+                caps,
+                caps_file,
+                opened,
+                allow_simulated,
+                dry_run=dry_run,
+                command=again,
+                lost=lost_line,
             )
             raise
         if plan.unmatched:
@@ -445,9 +456,11 @@ def _refuse_unmatched_withheld(
     *,
     dry_run: bool,
     command: str,
+    lost: str = "",
 ) -> None:
     """Where the caps file matches none of the GPUs that open (refused as a file for another
-    host, exit 2), refuse it instead (exit 4, nothing capped) in the line naming the GPUs NVML
+    host, exit 2, or where a GPU fell off the bus as one that may be it, exit 1, `lost`
+    naming those GPUs), refuse it instead (exit 4, nothing capped) in the line naming the GPUs NVML
     counts but this process may not talk to, whose model a [[model]] entry, or whose UUID a
     [[gpu]] entry, may be (`_refuse_withheld`, as where the file matches others too): "no
     GPU on this host" would be untrue of them. Nothing where the file is refused as
@@ -467,10 +480,11 @@ def _refuse_unmatched_withheld(
         raise GpuPermissionError(
             f"{withheld}; {caps_file} matches none of the GPUs this process may talk to "
             f"({host}), so nothing {'would be' if dry_run else 'was'} capped"
+            + (f"; {lost}" if lost else "")
         ) from None
     uuids = [c.uuid for c in caps.caps if c.uuid]
     if uuids:
-        _refuse_withheld(uuids, str(caps_file), dry_run=dry_run, command=command)
+        _refuse_withheld(uuids, str(caps_file), dry_run=dry_run, command=command, lost=lost)
 
 
 def _set_aside_unsupported(

@@ -126,12 +126,13 @@ SHARED = (
 #:   line 838, model_overrides/deepseek_v4.py, muse_glimmer.py on SM100 or SM120), FlashInfer's
 #:   fused all-reduce (0.5.9 line 1697: Hopper or Blackwell, not an H20);
 #: - hybrid models' linear-attention decode kernels (0.5.23 attention_hook.py line 299 and
-#:   kimi_k3_hook.py on SM100), DeepSeek's sparse-attention kernels (0.5.9
-#:   `_set_default_nsa_backends` by compute capability, 0.5.23 overrides.py
-#:   `_dsa_split_backend_resolution`) and its KV cache dtype, left "auto" (FP8 on SM100 and
-#:   later, bfloat16 before: 0.5.9 `_set_default_nsa_kv_cache_dtype` line 1143, 0.5.23
-#:   overrides.py line 534), Triton attention's KV splits (16 on ROCm: 0.5.9 line
-#:   2061, 0.5.23 platform_hook.py line 54);
+#:   kimi_k3_hook.py on SM100) and GLM-5-Next's speculative verify kernels (0.5.23
+#:   glm5_next_hook.py on SM100; one drafter's servers are compared in them, `DRAFTER_ARGS`),
+#:   DeepSeek's sparse-attention kernels (0.5.9 `_set_default_nsa_backends` by compute
+#:   capability, 0.5.23 overrides.py `_dsa_split_backend_resolution`) and its KV cache
+#:   dtype, left "auto" (FP8 on SM100 and later, bfloat16 before: 0.5.9
+#:   `_set_default_nsa_kv_cache_dtype` line 1143, 0.5.23 overrides.py line 534), Triton
+#:   attention's KV splits (16 on ROCm: 0.5.9 line 2061, 0.5.23 platform_hook.py line 54);
 #: - Qwen3-VL's radix eviction policy and prefill/decode interval on a large Hopper GPU (0.5.23
 #:   model_overrides/qwen3_vl.py).
 #: The campaign, compared with the cubes, gives every GPU the same flags: a value it sets
@@ -151,6 +152,7 @@ GPU_DERIVED_ARGS = (
     "fp4_gemm_runner_backend",
     "enable_flashinfer_allreduce_fusion",
     "linear_attn_decode_backend",
+    "linear_attn_verify_backend",
     "nsa_prefill_backend",
     "nsa_decode_backend",
     "dsa_prefill_backend",

@@ -735,6 +735,8 @@ class SglangEngine:
         running, largest = now["args"].get("max_running_requests"), max(batches)
         if isinstance(running, int) and running < largest:
             was = before["args"].get("max_running_requests")
+            # said once, with why it matters (`server_changes` names it too: a DRAFTER_ARGS)
+            changes = [c for c in changes if not c.startswith("max_running_requests: ")]
             changes.append(
                 f"max_running_requests: {was!r} -> {running!r}, below the largest batch {largest}"
             )

@@ -399,7 +399,7 @@ class Driver:
                 continue
             drafter = str(record.get("drafter"))
             changes = server_changes(self.servers.get(drafter, record), record)
-            whose = "the one that measured its cells"
+            whose, own = "the one that measured its cells", bool(changes)
             # The arms must differ only in their drafters: across drafters too (`arm_changes`).
             for other in () if changes else self.servers.values():
                 changes = arm_changes(other, record, batches, pinned)
@@ -420,6 +420,10 @@ class Driver:
                     f"was {begun}, so this dvfs cannot resume it: rerun with --fresh (or into "
                     "another --out folder)"
                     if begun
+                    else f"{differs}: its cells would compare more than the knob settings; "
+                    "start it as it was (the same SGLang, and the same flags from "
+                    "engine.sglang.server_command and env), or start over with --fresh"
+                    if own  # its own earlier server: a rerun's other SGLang or flags
                     else f"{differs}: its cells would compare software, not settings; run the "
                     "earlier engine, or start over with --fresh"
                 )

@@ -697,8 +697,12 @@ class Runner:
                 continue
             drafter, other = record["drafter"], earlier.get("drafter")
             path = self.journal.path
+            own = drafter == other  # its own earlier server: a resume's other SGLang or flags
             served = (
-                f"the {drafter!r} server differs from the {other!r} server of {path} "
+                f"the {drafter!r} server differs from the one that measured its cells in {path} "
+                f"({'; '.join(changes)}): its cells would compare more than the knob settings"
+                if own
+                else f"the {drafter!r} server differs from the {other!r} server of {path} "
                 f"({'; '.join(changes)}): the arms would compare more than their drafters"
             )
             if twin_changed(changes):  # nor here: another twin measured the journal's cells
@@ -709,10 +713,13 @@ class Runner:
                     f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun with "
                     "--fresh (or into another --out folder)"
                 )
-            raise EngineError(
-                f"{served}; run every drafter on the same SGLang and flags "
-                "(engine.sglang.extra_args), or start over with --fresh (or another --out)"
+            fix = (
+                "start it as it was (the same SGLang, and the same flags from "
+                "engine.sglang.server_command and env)"
+                if own
+                else "run every drafter on the same SGLang and flags (engine.sglang.extra_args)"
             )
+            raise EngineError(f"{served}; {fix}, or start over with --fresh (or another --out)")
 
     def _arms_pinned(self) -> tuple[str, ...]:
         """What the dvfs that began the journal gave every drafter alike (its header's
