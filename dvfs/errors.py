@@ -116,6 +116,12 @@ class EngineHungError(EngineCrashedError):
     restart as a dead one is, but said as what it is."""
 
 
+class ServerReplacedError(DvfsError):
+    """The SGLang server dvfs attached to (engine.sglang.url) answers as another one (other
+    args, another SGLang): every later cell would be measured on it and refused alike, so the
+    sweep stops, its journal as it was (not an `EngineError`, which fails one cell)."""
+
+
 class ArmMismatchError(EngineError):
     """SGLang would set a scheduling argument differently for some of the campaign's drafters
     whatever dvfs passes, so its arms would differ in more than their drafters: an invalid

@@ -632,14 +632,16 @@ def test_an_attached_server_must_serve_the_campaigns_model_and_drafter(
         server.wait(timeout=10)
 
 
-def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
+def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server at engine.sglang.url replaced between two cells (stopped, and another
-    started on its port with --dtype float16) serves the drafter's later cells: each round
-    reads its /server_info anyway (the accept length), so those cells fail naming the change,
-    rather than being journalled under the first server's record and compared with the
-    first cell as if only the clock had changed."""
+    started on its port with --dtype float16) would serve every later cell: each round reads
+    its /server_info anyway (the accept length), so the sweep stops at once, in one line
+    naming the change and what to do (exit 1), rather than measuring and failing each later
+    cell alike, or journalling them under the first server's record as if only the clock had
+    changed. The journal keeps the cell measured before, and with the original server
+    restarted the same command resumes it."""
 
     port, config = attached
     path, marker = stub_campaign(
@@ -656,16 +658,31 @@ def test_an_attached_server_replaced_mid_sweep_fails_the_cells_it_served(
         monkeypatch, path, tmp_path / "out", attached, argv, lambda _: ("--dtype", "float16")
     )
     assert len(servers) == 2, result.output
-    assert result.exit_code == 5, result.output
+    assert result.exit_code == 1, result.output
     records = read_records(journal)
     [server] = [r for r in records if r["type"] == "server"]
     assert server["args"]["dtype"] is None
-    cells = [r for r in records if r["type"] == "cell"]
-    assert [c["status"] for c in cells] == ["ok", "failed", "failed", "failed"]
-    error = cells[-1]["error"]
-    assert f"the server at http://127.0.0.1:{port} is not the one dvfs attached to" in error
-    assert "dtype (dtype): None -> 'float16'" in error and "--fresh" in error
-    assert "\n" not in error
+    assert [c["status"] for c in records if c["type"] == "cell"] == ["ok"]
+    error = last_line(result)
+    assert error.startswith(
+        f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
+    )
+    assert "dtype (dtype): None -> 'float16'" in error and "so the sweep stopped" in error
+    assert "restart it as it was and rerun the same command to resume" in error
+    assert "--fresh" in error
+    assert result.output.count("is not the one dvfs attached to") == 1
+
+    monkeypatch.undo()
+    original = serve(port, config, *argv)
+    try:
+        resumed = sweep(path, tmp_path / "out")
+    finally:
+        original.terminate()
+        original.wait(timeout=10)
+    assert resumed.exit_code == 0, resumed.output
+    cells = [r for r in read_records(journal) if r["type"] == "cell"]
+    assert [c["status"] for c in cells] == ["ok"] * 4
+    assert len({(c["cell"]["sm_clock_mhz"], c["cell"]["repeat"]) for c in cells}) == 4
 
 
 @pytest.mark.parametrize("advised", [False, True])
@@ -673,8 +690,8 @@ def test_an_attached_server_restarted_without_its_seed_is_told_the_seed_to_resta
     tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch, advised: bool
 ) -> None:
     """SGLang (0.5.9 and 0.5.23) draws a random seed at every start without --random-seed, so
-    the attached server restarted mid-sweep with its own command is another seed: its cells
-    fail, and the refusal names the seed to restart it with, not only "restart it as it was"
+    the attached server restarted mid-sweep with its own command is another seed: the sweep
+    stops, and the refusal names the seed to restart it with, not only "restart it as it was"
     (which draws another); restarted with that seed, the sweep goes on (exit 0)."""
 
     port, config = attached
@@ -701,21 +718,22 @@ def test_an_attached_server_restarted_without_its_seed_is_told_the_seed_to_resta
         assert result.exit_code == 0, result.output
         assert [c["status"] for c in cells] == ["ok", "ok"]
         return
-    assert result.exit_code == 5, result.output
-    assert [c["status"] for c in cells] == ["ok", "failed"]
-    error = cells[-1]["error"]
+    assert result.exit_code == 1, result.output
+    assert [c["status"] for c in cells] == ["ok"]
+    error = last_line(result)
     assert f"random seed (random_seed): {seeds[0]} -> " in error
     assert f"restart it as it was, with --random-seed {seeds[0]} (" in error
 
 
-def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
+def test_an_attached_server_replaced_by_one_capping_the_batch_stops_the_sweep(
     tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An attached SGLang 0.5.9 server replaced mid-sweep by one started with
     --max-running-requests 2, below the largest batch (4), queues half of each batch: refused
     at attach, and now at each round too (0.5.9 leaves its decode CUDA graphs as they were,
-    so no arm arg differs), rather than measured as a batch of 4 (exit 0); the cap named once
-    (it was named twice, as a server flag changed and as below the largest batch)."""
+    so no arm arg differs), stopping the sweep, rather than measured as a batch of 4 (exit
+    0); the cap named once (it was named twice, as a server flag changed and as below the
+    largest batch)."""
 
     port, config = attached
     config.write_text(json.dumps({"version": "0.5.9", "max_lifetime_s": 60, "tpot_s": 0.004}))
@@ -737,11 +755,10 @@ def test_an_attached_server_replaced_by_one_capping_the_batch_fails_its_cells(
         lambda _: ("--max-running-requests", "2"),
     )
     assert len(servers) == 2, result.output
-    assert result.exit_code == 5, result.output
+    assert result.exit_code == 1, result.output
     cells = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
-    assert cells[0]["status"] == "ok"
-    assert {c["status"] for c in cells[1:]} == {"failed"}
-    error = cells[-1]["error"]
+    assert [c["status"] for c in cells] == ["ok"]
+    error = last_line(result)
     assert f"the server at http://127.0.0.1:{port} is not the one dvfs attached to" in error
     assert "max_running_requests: None -> 2, below the largest batch 4" in error
     assert error.count("max_running_requests") == 1, "the cap is named once"

@@ -934,10 +934,11 @@ def test_after_ctrl_c_each_unit_an_actor_finishes_is_journalled_as_it_comes() ->
     assert shipped == [("gpu0", "shipment of fast")]
 
 
-def fake_ray_fleet(actor_class, get, gpus: int, nodes, wait=None):  # type: ignore[no-untyped-def]
+def fake_ray_fleet(actor_class, get, gpus: int, nodes, wait=None, actuation=True):  # type: ignore[no-untyped-def]
     """A stand-in `ray` module whose every actor is `actor_class`'s, answering `get` (and
     `wait`: default, every ref ready), on a cluster of `gpus` GPUs over `nodes()`, and a fleet
-    of an SGLang campaign on real GPUs (NVML) to hand `RayExecutor._run` with it."""
+    of an SGLang campaign on real GPUs (NVML) to hand `RayExecutor._run` with it (`actuation`
+    False: an --observe-only one)."""
     fake = types.SimpleNamespace(
         remote=lambda **kw: lambda cls: actor_class,
         cluster_resources=lambda: {"GPU": gpus},
@@ -948,7 +949,7 @@ def fake_ray_fleet(actor_class, get, gpus: int, nodes, wait=None):  # type: igno
         kill=lambda actor: None,
     )
     campaign = types.SimpleNamespace(
-        gpu=types.SimpleNamespace(backend="nvml"),
+        gpu=types.SimpleNamespace(backend="nvml", actuation=actuation),
         engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
     )
     fleet = types.SimpleNamespace(
@@ -1233,6 +1234,77 @@ def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -
         RayExecutor(Path("out"))._run(fake, fleet, [], False)  # type: ignore[arg-type]
     line = str(died.value)
     assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
+
+
+@pytest.mark.parametrize("actuation", [True, False])
+def test_an_observe_only_actor_that_dies_names_no_settings_kept_nor_reset(actuation: bool) -> None:
+    """An --observe-only Ray fleet on real GPUs changes no GPU setting: an actor that died as
+    it opened was said to leave "its GPUs [that] may keep settings it set: `dvfs gpu reset`
+    there", and one dying mid-sweep "died without restoring its GPUs: run `dvfs gpu reset`",
+    sending the user to reset GPUs nothing changed. Neither line names settings or a reset,
+    and nothing is noted as left unrestored."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class ActorDiedError(Exception):
+        pass
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
+            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", label))
+            told = (label.split("/")[0], "`dvfs gpu reset`")
+            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", told))
+
+    made = iter(["n1/gpu0", "n2/gpu0"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(made)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref == ("open", "n1/gpu0"):
+            raise ActorDiedError("The actor died unexpectedly before finishing this task.")
+        if ref[0] == "open":
+            return {"worker": ref[1]}
+        if ref[0] == "unrestored":
+            return []
+        return None if ref[0] == "close" else ref[1]
+
+    fake, fleet = fake_ray_fleet(
+        actor_class,
+        get,
+        2,
+        lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2,
+        actuation=actuation,
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(Exception, match="died as it started") as died:
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    opening = str(died.value)
+    assert opening.startswith("a Ray worker died as it started (ActorDiedError: "), opening
+    assert opening.endswith("; rerun the same command once the cluster is whole"), opening
+
+    said: list[str] = []
+    lost: list[dict] = []  # type: ignore[type-arg]
+    mid = types.SimpleNamespace(
+        campaign=fleet.campaign,
+        note=said.append,
+        lost=lambda label, cell, why, record: lost.append(record),
+    )
+    executor._lost(mid, "n1/gpu0", None, ActorDiedError("The actor died unexpectedly."))  # type: ignore[arg-type]
+    [record] = lost
+    if actuation:  # as before: it may have measured a settle, or set a knob
+        assert "may keep settings it set: `dvfs gpu reset` there" in opening, opening
+        assert said == [
+            "worker n1/gpu0 died without restoring its GPUs: run `dvfs gpu reset` on n1"
+        ]
+        assert record["reset"] == "run `dvfs gpu reset` on n1"
+        assert executor.unrestored
+        return
+    assert "settings" not in opening and "reset" not in opening, opening
+    assert not said and "reset" not in record and not executor.unrestored, said
 
 
 def test_a_ray_fleet_lost_on_two_nodes_keeps_the_resume_within_the_line() -> None:

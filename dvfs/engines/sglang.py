@@ -85,6 +85,7 @@ from dvfs.errors import (
     EngineError,
     EngineHungError,
     GpuError,
+    ServerReplacedError,
 )
 from dvfs.gpu.base import GpuProcesses
 from dvfs.outputs import check_links
@@ -721,7 +722,7 @@ class SglangEngine:
         other flags, another SGLang, another drafter): its cells would be journalled under the
         attached one's record, and compare with the drafter's earlier cells in more than the
         knob setting. Compared as two servers of one journal are (`arm_changes` and
-        `server_changes`)."""
+        `server_changes`); refused with `ServerReplacedError`, which stops the sweep."""
         from dvfs.records import ARMS_PINNED, arm_changes, server_changes
 
         before = self._attached
@@ -749,11 +750,14 @@ class SglangEngine:
                 # Both releases draw a seed at every start without --random-seed: the same
                 # command restarted is another seed, however it was restarted.
                 how += f", with --random-seed {seed} (without it SGLang draws one at each start)"
-            raise EngineError(
+            # Every later cell would be measured on it and refused alike: the sweep stops.
+            raise ServerReplacedError(
                 f"the server at {redact_url(self.config.url or '')} is not the one dvfs "
                 f"attached to for drafter {before['drafter']!r} ({'; '.join(changes)}): it was "
-                "replaced mid-sweep, and its rounds would compare more than the knob settings; "
-                f"{how}, or rerun with --fresh (or into another --out folder)"
+                "replaced mid-sweep, and its rounds would compare more than the knob settings, "
+                "so the sweep stopped (the journal keeps the cells measured before); "
+                f"{how} and rerun the same command to resume, or rerun with --fresh (or into "
+                "another --out folder)"
             )
 
     def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:

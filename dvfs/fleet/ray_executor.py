@@ -536,8 +536,9 @@ class RayExecutor:
             refs = [a.open.remote() for a in actors]
 
             def reset() -> str:
-                # A worker's actor may die once it changed its GPUs (a measured settle).
-                if twin:
+                # A worker's actor may die once it changed its GPUs (a measured settle);
+                # an --observe-only one changes none.
+                if twin or not campaign.gpu.actuation:
                     return ""
                 # The dead actor's own word, where it told (its node's reset: nodes differ)
                 command = self._told_by_dead(ray, refs, told)
@@ -789,8 +790,9 @@ class RayExecutor:
                 fleet.shipped(label, shipment)
 
     def _note_died(self, campaign: Any, label: str, why: str = "its actor died") -> bool:
-        """Note that `label`'s actor died with its GPUs as it had set them (on real GPUs)."""
-        if not real_gpus(campaign):
+        """Note that `label`'s actor died with its GPUs as it had set them (on real GPUs,
+        not --observe-only, which sets nothing)."""
+        if not real_gpus(campaign) or not campaign.gpu.actuation:
             return False
         host = label.split("/", 1)[0]
         self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} ({why})")
