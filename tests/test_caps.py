@@ -454,7 +454,7 @@ def test_cap_reset_puts_the_power_limit_back_past_a_refused_clock_reset(
 def _stock_campaign(tmp_path: Path) -> Path:
     """The NVML campaign at the GPU's stock only (no clock, no limit swept), as TMP/stock.toml."""
     campaign = tmp_path / "stock.toml"
-    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
     text = text.replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')
     campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
     return campaign
@@ -1943,7 +1943,7 @@ def test_a_clock_only_sweep_on_capped_gpus_says_its_stock_limit_is_not_the_one_f
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
     invoke("cap", "apply", str(caps))
     campaign = tmp_path / "clock.toml"
-    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
     campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
     lifted = (
         "the GPU's default (700 W), not the 450 W found at start: a cap dvfs applied, lifted "
@@ -2052,7 +2052,7 @@ def test_each_gpus_cap_found_and_lifted_is_kept_and_said(nvml, tmp_path: Path, h
     )
     invoke("cap", "apply", str(caps))
     campaign = tmp_path / "clock.toml"
-    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
     text = text.replace("power_limit = [700, 400]", 'power_limit = "stock"')
     args: tuple[str, ...] = ("--gpus", "0,1")
     if how == "tensor-parallel":
@@ -2125,7 +2125,7 @@ def test_a_merge_keeps_an_earlier_dvfs_cubes_cap_with_its_gpu(nvml, tmp_path: Pa
     caps.write_text(dump_caps(CapsFile(tuple(GpuCap(uuid=u, power_limit_w=450.0) for u in uuids))))
     invoke("cap", "apply", str(caps))
     campaign = tmp_path / "clock.toml"
-    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
     campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
     for i in (0, 1):
         out = tmp_path / f"gpu-{i}"

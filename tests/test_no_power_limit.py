@@ -354,12 +354,14 @@ def test_gpu_roofline_measures_such_a_gpus_clocks_its_power_limit_nan(
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
 
 
-def clocks_campaign(tmp_path: Path, *, limits: bool = False) -> Path:
-    """The NVML campaign on GPU 0, sweeping SM clocks only (`limits`: power limits too)."""
+def clocks_campaign(tmp_path: Path, *, limits: bool = False, output_tokens: int = 128) -> Path:
+    """The NVML campaign on GPU 0, sweeping SM clocks only (`limits`: power limits too).
+    128 output tokens make windows long enough for valid cells on the fake's 20 ms energy
+    counter; a test that reads no cell's measurement (only what the session and cube record
+    of the GPUs) asks for fewer: each token is played out in real time."""
     from nvml_support import NVML_CAMPAIGN
 
-    # windows long enough for valid cells on the fake's 20 ms energy counter
-    text = NVML_CAMPAIGN.format(output_tokens=128, repeats=1)
+    text = NVML_CAMPAIGN.format(output_tokens=output_tokens, repeats=1)
     text = text.replace("[measurement]\n", "[measurement]\nprecision = 0.05\n")
     if not limits:
         text = text.replace("power_limit = [700, 400]\n", "")
@@ -592,7 +594,8 @@ def test_a_fleet_of_such_gpus_names_each_one_whose_stock_limit_is_enforced(
     nvml.fake_update_device(1, errors=errors)
     uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
     out = tmp_path / "out"
-    args = ("sweep", str(clocks_campaign(tmp_path)), "--gpus", "0,1", "--out", str(out))
+    campaign = clocks_campaign(tmp_path, output_tokens=16)
+    args = ("sweep", str(campaign), "--gpus", "0,1", "--out", str(out))
     result = dvfs_in_process(*args, "--no-progress", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert session_of(out)["stock_power_limit_enforced"] == uuids
@@ -614,7 +617,7 @@ def test_a_merge_keeps_which_gpus_stock_limit_is_the_enforced_one(
 
     nvml.fake_update_device(0, oob_power_limit_mw=600_000 if how == "gpus" else 700_000)
     uuid = nvml.fake_device_state(0)["uuid"]
-    campaign = clocks_campaign(tmp_path)
+    campaign = clocks_campaign(tmp_path, output_tokens=16)
     if how == "shards":  # two comparison groups, one per shard
         campaign.write_text(campaign.read_text().replace("batch = [1]\n", "batch = [1, 2]\n"))
     cubes = []

@@ -39,9 +39,11 @@ BURST_NS = 1_000_000_000
 BLIP_NS = 5_000
 
 
-def campaign(path: Path, device: int) -> Path:
-    """The small NVML campaign on fake GPU `device`: one clock, 700 W and 400 W (two cells)."""
-    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+def campaign(path: Path, device: int, output_tokens: int = 64) -> Path:
+    """The small NVML campaign on fake GPU `device`: one clock, 700 W and 400 W (two cells).
+    A test that reads no cell's flags asks for fewer `output_tokens` (played out in real
+    time)."""
+    text = NVML_CAMPAIGN.format(output_tokens=output_tokens, repeats=1)
     for old, new in {
         "devices = [0]": f"devices = [{device}]",
         "sm_clock = [1980, 1500]": "sm_clock = [1980]",
@@ -196,8 +198,8 @@ def test_cube_merge_carries_the_time_and_an_unknown_gpu_stays_unknown(
 ) -> None:
     nvml.fake_update_device(1, errors={"nvmlDeviceGetViolationStatus": 3})
     zero, one = tmp_path / "gpu0", tmp_path / "gpu1"
-    sweep(campaign(tmp_path / "gpu0.toml", 0), zero, tmp_path, nvml, 0, burst=True)
-    sweep(campaign(tmp_path / "gpu1.toml", 1), one, tmp_path, nvml, 1, burst=True)
+    sweep(campaign(tmp_path / "gpu0.toml", 0, 16), zero, tmp_path, nvml, 0, burst=True)
+    sweep(campaign(tmp_path / "gpu1.toml", 1, 16), one, tmp_path, nvml, 1, burst=True)
     merged = tmp_path / "merged.nc"
     done = dvfs_in_process("cube", "merge", str(zero), str(one), "-o", str(merged), env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -212,7 +214,7 @@ def test_cube_merge_carries_the_time_and_an_unknown_gpu_stays_unknown(
 def test_an_old_journal_without_the_key_resumes_and_builds(nvml, env, tmp_path: Path) -> None:
     """A journal an earlier dvfs wrote (no `throttle_violation_s`) resumes: its cells read as
     unknown (NaN), the cells measured now carry theirs, and the cube builds from both."""
-    path = campaign(tmp_path / "nvml.toml", 0)
+    path = campaign(tmp_path / "nvml.toml", 0, output_tokens=16)
     out = tmp_path / "out"
     sweep(path, out, tmp_path, nvml, 0, burst=False)
     journal = out / "journal.jsonl"
