@@ -517,14 +517,25 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     assert built.exit_code != 0
     assert "drafter 'none' were served by different engines or flags" in last_line(built)
     assert "(mem_fraction_static: None -> 0.6)" in last_line(built)
+    # a flag, not software, differs
+    assert "would compare engine flags, not settings" in last_line(built)
     # Each of them, one drafter's servers compared (as shards' are when merged).
-    from dvfs.records.session import DRAFTER_ARGS, server_changes
+    from dvfs.records.session import (
+        DRAFTER_ARGS,
+        server_changes,
+        what_differs,
+    )
 
     base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
     for key in DRAFTER_ARGS:
         a, b = {**base, "args": {key: 1}}, {**base, "args": {key: 2}}
         assert server_changes(a, b) == [f"{key}: 1 -> 2"]
         assert arm_changes(a, b) == []
+        assert what_differs(server_changes(a, b)) == "engine flags"
+    older = {**base, "args": {"mem_fraction_static": 1}}
+    newer = {**base, "version": "0.5.24", "args": {"mem_fraction_static": 2}}
+    assert what_differs(server_changes(older, newer)) == "software and engine flags"
+    assert what_differs(server_changes(older, {**newer, "args": older["args"]})) == "software"
 
 
 # -- an attached server -----------------------------------------------------------------------

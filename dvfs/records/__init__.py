@@ -51,6 +51,7 @@ from dvfs.records.session import (
     recorded_stock,
     server_changes,
     server_env_of,
+    what_differs,
 )
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
@@ -98,6 +99,7 @@ __all__ = [
     "server_changes",
     "recorded_env_prefixes",
     "server_env_of",
+    "what_differs",
 ]
 
 

@@ -578,6 +578,19 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
     return changes
 
 
+def what_differs(changes: Iterable[str]) -> str:
+    """What two servers that differ in `changes` (`server_changes`) would compare besides the
+    settings: "software" (the engine, its version or kernels, the model's commit), "engine
+    flags" (their resolved args), or both."""
+    software = {*SERVER_INVARIANTS.values(), "model commit"}
+    kinds = {change.partition(": ")[0] in software for change in changes}
+    return " and ".join(
+        what
+        for what, there in (("software", True in kinds), ("engine flags", False in kinds))
+        if there
+    )
+
+
 #: Resolved server args every drafter's server of one journal shares, whatever its drafter
 #: (what /server_info reports, kept in the server record's `args`): what the target model
 #: computes with and how its batches are scheduled. Read from SGLang's sources (0.5.9:
