@@ -508,6 +508,8 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     assert "server differs from the one that measured its cells in" in failed["error"]
     assert "start it as it was (the same SGLang, and the same flags" in failed["error"]
     assert "arms" not in failed["error"] and "every drafter" not in failed["error"]
+    # and why the memory fraction may differ though no flag did (SGLang sizes it by the host)
+    assert "by the host's smallest GPU, whatever CUDA_VISIBLE_DEVICES" in failed["error"]
     assert running(marker) == []
     # Appended by hand, the other server gives no cube.
     with journal.open("a") as f:
@@ -522,6 +524,7 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     # Each of them, one drafter's servers compared (as shards' are when merged).
     from dvfs.records.session import (
         DRAFTER_ARGS,
+        restart_as_it_was,
         server_changes,
         what_differs,
     )
@@ -532,6 +535,8 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
         assert server_changes(a, b) == [f"{key}: 1 -> 2"]
         assert arm_changes(a, b) == []
         assert what_differs(server_changes(a, b)) == "engine flags"
+        said = "smallest GPU" in restart_as_it_was(server_changes(a, b))
+        assert said == (key == "mem_fraction_static"), key
     older = {**base, "args": {"mem_fraction_static": 1}}
     newer = {**base, "version": "0.5.24", "args": {"mem_fraction_static": 2}}
     assert what_differs(server_changes(older, newer)) == "software and engine flags"

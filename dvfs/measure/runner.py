@@ -87,6 +87,7 @@ from dvfs.records import (
     journal_prompts,
     now_iso,
     recorded_stock,
+    restart_as_it_was,
     server_changes,
 )
 from dvfs.records.cell import EnergySplit
@@ -714,8 +715,7 @@ class Runner:
                     "--fresh (or into another --out folder)"
                 )
             fix = (
-                "start it as it was (the same SGLang, and the same flags from "
-                "engine.sglang.server_command and env)"
+                restart_as_it_was(changes)
                 if own
                 else "run every drafter on the same SGLang and flags (engine.sglang.extra_args)"
             )
