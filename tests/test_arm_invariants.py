@@ -510,6 +510,10 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     assert "arms" not in failed["error"] and "every drafter" not in failed["error"]
     # and why the memory fraction may differ though no flag did (SGLang sizes it by the host)
     assert "by the host's smallest GPU, whatever CUDA_VISIBLE_DEVICES" in failed["error"]
+    # The closing line says the refusal's fix, not a rerun alone (which is refused again).
+    [closing] = [line for line in again.output.splitlines() if line.startswith("Finished with")]
+    assert "they failed as their server was refused: start it as it was (the same" in closing
+    assert closing.index("start it as it was") < closing.index("rerun the same command")
     assert running(marker) == []
     # Appended by hand, the other server gives no cube.
     with journal.open("a") as f:
