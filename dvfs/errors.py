@@ -107,6 +107,19 @@ class EngineError(DvfsError):
     """The serving engine failed to start, answer, or finish a workload."""
 
 
+class ServerRefusedError(EngineError):
+    """A server that started but was refused, since its cells would not compare with the
+    journal's (another SGLang, or other flags): `fix` says what would make them compare, which
+    a rerun alone does not."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (str(self), self.fix))
+
+
 class EngineCrashedError(EngineError):
     """The server process died: the cell may be retried after a restart."""
 

@@ -508,6 +508,12 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     assert "server differs from the one that measured its cells in" in failed["error"]
     assert "start it as it was (the same SGLang, and the same flags" in failed["error"]
     assert "arms" not in failed["error"] and "every drafter" not in failed["error"]
+    # and why the memory fraction may differ though no flag did (SGLang sizes it by the host)
+    assert "by the host's smallest GPU, whatever CUDA_VISIBLE_DEVICES" in failed["error"]
+    # The closing line says the refusal's fix, not a rerun alone (which is refused again).
+    [closing] = [line for line in again.output.splitlines() if line.startswith("Finished with")]
+    assert "they failed as their server was refused: start it as it was (the same" in closing
+    assert closing.index("start it as it was") < closing.index("rerun the same command")
     assert running(marker) == []
     # Appended by hand, the other server gives no cube.
     with journal.open("a") as f:
@@ -517,14 +523,28 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     assert built.exit_code != 0
     assert "drafter 'none' were served by different engines or flags" in last_line(built)
     assert "(mem_fraction_static: None -> 0.6)" in last_line(built)
+    # a flag, not software, differs
+    assert "would compare engine flags, not settings" in last_line(built)
     # Each of them, one drafter's servers compared (as shards' are when merged).
-    from dvfs.records.session import DRAFTER_ARGS, server_changes
+    from dvfs.records.session import (
+        DRAFTER_ARGS,
+        restart_as_it_was,
+        server_changes,
+        what_differs,
+    )
 
     base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
     for key in DRAFTER_ARGS:
         a, b = {**base, "args": {key: 1}}, {**base, "args": {key: 2}}
         assert server_changes(a, b) == [f"{key}: 1 -> 2"]
         assert arm_changes(a, b) == []
+        assert what_differs(server_changes(a, b)) == "engine flags"
+        said = "smallest GPU" in restart_as_it_was(server_changes(a, b))
+        assert said == (key == "mem_fraction_static"), key
+    older = {**base, "args": {"mem_fraction_static": 1}}
+    newer = {**base, "version": "0.5.24", "args": {"mem_fraction_static": 2}}
+    assert what_differs(server_changes(older, newer)) == "software and engine flags"
+    assert what_differs(server_changes(older, {**newer, "args": older["args"]})) == "software"
 
 
 # -- an attached server -----------------------------------------------------------------------

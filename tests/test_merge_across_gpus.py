@@ -1097,3 +1097,24 @@ def test_a_merge_of_a_merged_cube_names_every_cube_that_went_in(
     resume = json.loads(invoke("cube", "info", str(final), "--json").stdout)["resume"]
     assert f"merged from 3 sweeps' cubes ({', '.join(went_in)})" in resume, resume
     assert str(whole) not in resume, resume
+
+
+@pytest.mark.parametrize("pair", [("h200", "h100"), ("s0", "s1")])
+def test_a_cube_that_does_not_record_its_pairing_merges_as_not_recorded(
+    runs: dict[str, Path], tmp_path: Path, pair: tuple[str, str]
+) -> None:
+    """A cube of a dvfs before `arms_on_one_gpu` merged with one that records it: whether each
+    comparison group ran on one GPU is not recorded in the merge, not said to be "not kept to
+    one GPU (an earlier dvfs's fleet)" (the missing attribute read as 0)."""
+    older = open_cube(runs[pair[0]] / "cube.nc").load()
+    del older.attrs["arms_on_one_gpu"]
+    write_cube(older, tmp_path / "older.nc")
+    merged = tmp_path / "m.nc"
+    newer = runs[pair[1]] / "cube.nc"
+    result = invoke("cube", "merge", str(tmp_path / "older.nc"), str(newer), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert "arms_on_one_gpu" not in open_cube(merged).attrs
+    info = invoke("cube", "info", str(merged))
+    assert info.exit_code == 0, info.output
+    assert "whether each comparison group ran on one GPU not recorded" in info.output
+    assert "not kept to one GPU" not in info.output

@@ -553,8 +553,8 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
             f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): the cube is "
-            f"written without them; {_retry_advice(fresh)} (errors are in the journal and in "
-            "`dvfs cube info`).[/yellow]",
+            f"written without them; {escape(_refused_advice(s))}{_retry_advice(fresh)} (errors "
+            "are in the journal and in `dvfs cube info`).[/yellow]",
             soft_wrap=True,
         )
     if invalid:
@@ -722,6 +722,16 @@ def _retry_advice(fresh: bool) -> str:
             "measured again)"
         )
     return "rerun the same command to retry them"
+
+
+def _refused_advice(summary: Any) -> str:
+    """What to do before a rerun retries the failed cells whose server was refused (another
+    SGLang or other flags than the journal's): its refusal's fix, then the rerun; "" where no
+    server was refused (a rerun alone retries them)."""
+    if not summary.refused:
+        return ""
+    which = "they" if summary.refused == summary.failed else f"{summary.refused} of them"
+    return f"{which} failed as their server was refused: {'; '.join(summary.refused_fixes)}, then "
 
 
 def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any = None) -> str:

@@ -50,6 +50,7 @@ from dvfs.records import (
     only_env_changed,
     prompt_changes,
     server_changes,
+    what_differs,
 )
 from dvfs.records.cell import SPLIT_METHODS
 from dvfs.redact import redact_args
@@ -229,8 +230,8 @@ def _check_sessions(
             )
             raise IncomparableCellsError(
                 f"the journal's cells of drafter {server.drafter!r} were served by different "
-                f"engines or flags ({'; '.join(changes)}): they would compare software, not "
-                f"settings; {advice}"
+                f"engines or flags ({'; '.join(changes)}): they would compare "
+                f"{what_differs(changes)}, not settings; {advice}"
             )
     formats = _prompt_formats(journal)
     if len(formats) > 1:  # a session's record and a server's (arm_changes: two servers')

@@ -431,6 +431,10 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         for key in ("campaign_source", "campaign_dir"):
             if first.attrs.get(key):
                 attrs[key] = first.attrs[key]
+    attrs.pop("arms_on_one_gpu", None)
+    paired = _on_one_gpu(cubes)
+    if paired is not None:  # not recorded where a cube of an earlier dvfs does not say
+        attrs["arms_on_one_gpu"] = paired
     attrs.update(
         title="dvfs merged cube",
         dvfs_version=__version__,
@@ -438,7 +442,6 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         gpu_name=str(first.attrs.get("gpu_name")),
         # Each GPU's cube keeps its own comparisons along `gpu`: the merged arms were paired
         # where every cube's were, and the groups split across GPUs add up.
-        arms_on_one_gpu=int(all(int(ds.attrs.get("arms_on_one_gpu", 0)) == 1 for ds in cubes)),
         groups_across_gpus=sum(int(ds.attrs.get("groups_across_gpus", 0)) for ds in cubes),
         # Each GPU's cube's own provenance: its corpora, token counts, servers, pinning...
         merged_from=json.dumps(
@@ -779,6 +782,7 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
     combined["cell_status"] = combined["cell_status"].astype(np.int8)
     _every_flag(combined, cubes)
     combined.attrs = _combined_attrs(cubes, names)
+    combined.attrs.pop("arms_on_one_gpu", None)  # the whole run's, where every shard says
     combined.attrs.update(_pairing(combined, cubes, owner))
     if per_model is not None:
         combined = _relabel_gpus(combined, sources, per_model)
@@ -859,6 +863,16 @@ def _any_readings(sources: list[dict[str, Any]]) -> dict[str, str]:
         return {}
 
 
+def _on_one_gpu(cubes: list[xr.Dataset], split: bool = False) -> int | None:
+    """The merged `arms_on_one_gpu`: 0 where a cube's arms were not kept to one GPU (or
+    `split`: a comparison group's cells are in two cubes), 1 where every cube's were, None
+    (not recorded) where a cube of a dvfs before the attribute does not say."""
+    recorded = [ds.attrs.get("arms_on_one_gpu") for ds in cubes]
+    if split or any(value is not None and int(value) != 1 for value in recorded):
+        return 0
+    return None if any(value is None for value in recorded) else 1
+
+
 def _pairing(combined: xr.Dataset, cubes: list[xr.Dataset], owner: np.ndarray) -> dict[str, int]:
     """The whole run's `arms_on_one_gpu` and `groups_across_gpus`, not the first shard's: the
     arms were paired when every shard paired its own and no comparison group (batch, corpus,
@@ -874,7 +888,7 @@ def _pairing(combined: xr.Dataset, cubes: list[xr.Dataset], owner: np.ndarray) -
     by_group = np.moveaxis(owner, keep, range(len(keep)))
     by_group = by_group.reshape(math.prod(by_group.shape[: len(keep)]), -1)  # a row per group
     split = any(np.unique(cells[cells >= 0]).size > 1 for cells in by_group)
-    paired = not split and all(int(ds.attrs.get("arms_on_one_gpu", 0)) == 1 for ds in cubes)
+    paired = _on_one_gpu(cubes, split)
     if MEASURED_ON in combined.coords:
         models = (
             [combined.isel(gpu=i) for i in range(combined.sizes["gpu"])]
@@ -892,7 +906,9 @@ def _pairing(combined: xr.Dataset, cubes: list[xr.Dataset], owner: np.ndarray) -
         )
     else:  # a cube from before measured_on: each shard's own count
         across = sum(int(ds.attrs.get("groups_across_gpus", 0)) for ds in cubes)
-    return {"arms_on_one_gpu": int(paired), "groups_across_gpus": across}
+    if paired is None:  # a cube of an earlier dvfs: not recorded (the caller drops it)
+        return {"groups_across_gpus": across}
+    return {"arms_on_one_gpu": paired, "groups_across_gpus": across}
 
 
 def _failed_on_each(cubes: list[xr.Dataset], labels: list[str]) -> dict[str, str]:

@@ -384,7 +384,13 @@ class Driver:
         """Whether the unit's server differs from the journal's for its drafter (another
         engine version or attention kernel); if so the worker is retired, nothing of the unit
         is journalled and the unit goes back to the queue."""
-        from dvfs.records import Header, arm_changes, begun_unpinned, server_changes
+        from dvfs.records import (
+            Header,
+            arm_changes,
+            begun_unpinned,
+            restart_as_it_was,
+            server_changes,
+        )
         from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
         if worker in self.retired:  # a unit it took before the driver retired it
@@ -421,8 +427,7 @@ class Driver:
                     "another --out folder)"
                     if begun
                     else f"{differs}: its cells would compare more than the knob settings; "
-                    "start it as it was (the same SGLang, and the same flags from "
-                    "engine.sglang.server_command and env), or start over with --fresh"
+                    f"{restart_as_it_was(changes)}, or start over with --fresh"
                     if own  # its own earlier server: a rerun's other SGLang or flags
                     else f"{differs}: its cells would compare software, not settings; run the "
                     "earlier engine, or start over with --fresh"

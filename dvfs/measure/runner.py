@@ -29,6 +29,7 @@ from dvfs.errors import (
     GpuNotSupportedError,
     IncomparableCellsError,
     JournalError,
+    ServerRefusedError,
 )
 from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
 from dvfs.gpu.knobs import (
@@ -87,6 +88,7 @@ from dvfs.records import (
     journal_prompts,
     now_iso,
     recorded_stock,
+    restart_as_it_was,
     server_changes,
 )
 from dvfs.records.cell import EnergySplit
@@ -199,6 +201,11 @@ class RunSummary:
     failed: int
     #: Labels of the cells that failed in this run (a rerun retries them).
     failed_cells: tuple[str, ...] = ()
+    #: How many of them failed as their drafter's server was refused (`ServerRefusedError`),
+    #: which a rerun alone does not retry, and what would make those servers compare (each
+    #: refusal's `fix`, said once).
+    refused: int = 0
+    refused_fixes: tuple[str, ...] = ()
 
 
 class GpuTime:
@@ -260,6 +267,8 @@ class Runner:
         self._setting: Any = None
         self._session_open = False
         self._start_failures: dict[str, str] = {}
+        #: Of those, the drafters whose server was refused: what would make it compare.
+        self._refusals: dict[str, str] = {}
         #: The journal's server records (`_earlier_servers`), read at the first server start.
         self._servers: list[dict[str, Any]] = []
         self._servers_read = False
@@ -714,12 +723,13 @@ class Runner:
                     "--fresh (or into another --out folder)"
                 )
             fix = (
-                "start it as it was (the same SGLang, and the same flags from "
-                "engine.sglang.server_command and env)"
+                restart_as_it_was(changes)
                 if own
                 else "run every drafter on the same SGLang and flags (engine.sglang.extra_args)"
             )
-            raise EngineError(f"{served}; {fix}, or start over with --fresh (or another --out)")
+            raise ServerRefusedError(
+                f"{served}; {fix}, or start over with --fresh (or another --out)", fix
+            )
 
     def _arms_pinned(self) -> tuple[str, ...]:
         """What the dvfs that began the journal gave every drafter alike (its header's
@@ -1172,6 +1182,8 @@ class Runner:
                 self._start_server(drafter)
             except EngineError as exc:
                 self._start_failures[drafter] = f"server start failed: {exc}"
+                if isinstance(exc, ServerRefusedError):  # a rerun alone would be refused again
+                    self._refusals[drafter] = exc.fix
                 self._drafter = None
                 self.progress.note(f"drafter {drafter!r}: {exc}")
         return self._start_failures.get(drafter)
@@ -1218,7 +1230,8 @@ class Runner:
         skipped = total - len(todo)
         self.progress.start(total, skipped)
         self._start_failures = {}
-        measured = 0
+        self._refusals = {}
+        measured = refused = 0
         failed: list[str] = []
         while True:
             for record in self._run_cells(todo):
@@ -1226,6 +1239,7 @@ class Runner:
                     measured += 1
                 else:
                     failed.append(cell_label(record.cell))
+                    refused += record.cell.drafter in self._refusals
             # (never a finished cell but a partly journaled in-flight group's, asked whole)
             todo = self.extra_repeats(cells) if adaptive else []
             if not todo:
@@ -1234,7 +1248,8 @@ class Runner:
             self.progress.note(f"{len(todo)} cell(s) need another repeat to reach ±{target:.1%}")
             grow(self.progress, len(todo))
             total += len(todo)
-        return RunSummary(total, skipped, measured, len(failed), tuple(failed))
+        fixes = tuple(dict.fromkeys(self._refusals.values()))
+        return RunSummary(total, skipped, measured, len(failed), tuple(failed), refused, fixes)
 
     def _run_cells(self, cells: Sequence[Cell]) -> Iterator[CellRecord]:
         """Each cell's record, per level (`run_cell`), or stepped in flight by group."""

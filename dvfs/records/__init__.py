@@ -49,8 +49,10 @@ from dvfs.records.session import (
     prompt_changes,
     recorded_env_prefixes,
     recorded_stock,
+    restart_as_it_was,
     server_changes,
     server_env_of,
+    what_differs,
 )
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
@@ -95,9 +97,11 @@ __all__ = [
     "only_env_changed",
     "prompt_changes",
     "recorded_stock",
+    "restart_as_it_was",
     "server_changes",
     "recorded_env_prefixes",
     "server_env_of",
+    "what_differs",
 ]
 
 

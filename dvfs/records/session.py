@@ -578,6 +578,36 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
     return changes
 
 
+def what_differs(changes: Iterable[str]) -> str:
+    """What two servers that differ in `changes` (`server_changes`) would compare besides the
+    settings: "software" (the engine, its version or kernels, the model's commit), "engine
+    flags" (their resolved args), or both."""
+    software = {*SERVER_INVARIANTS.values(), "model commit"}
+    kinds = {change.partition(": ")[0] in software for change in changes}
+    return " and ".join(
+        what
+        for what, there in (("software", True in kinds), ("engine flags", False in kinds))
+        if there
+    )
+
+
+def restart_as_it_was(changes: Iterable[str]) -> str:
+    """What brings back a drafter's server that differs from its own earlier one in `changes`
+    (`server_changes`): the same SGLang and flags, and where the memory fraction differs, why
+    it may have though no flag changed."""
+    why = ""
+    if any(change.startswith("mem_fraction_static: ") for change in changes):
+        # SGLang 0.5.23 memory_hook.py `handle_gpu_memory_settings` reads every GPU's memory
+        why = (
+            "; SGLang also sizes an unset mem_fraction_static by the host's smallest GPU, "
+            "whatever CUDA_VISIBLE_DEVICES"
+        )
+    return (
+        "start it as it was (the same SGLang, and the same flags from "
+        f"engine.sglang.server_command and env{why})"
+    )
+
+
 #: Resolved server args every drafter's server of one journal shares, whatever its drafter
 #: (what /server_info reports, kept in the server record's `args`): what the target model
 #: computes with and how its batches are scheduled. Read from SGLang's sources (0.5.9:
