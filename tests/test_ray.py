@@ -191,6 +191,47 @@ def test_ctrl_c_journals_the_units_the_actors_finish(
 
 
 @pytest.mark.timeout(300)
+def test_a_ray_fleet_of_real_gpus_attached_to_one_server_is_refused(
+    ray_nvml, tmp_path: Path
+) -> None:
+    """Real GPUs on Ray: Ray places a worker on each of the cluster's GPUs (two here), not on
+    gpu.devices, so a campaign attached to one server (engine.sglang.url) made two workers,
+    each metering its own GPU while both sent their requests to that one server, as `--gpus
+    0-1` is refused for. Refused in the same line (exit 2) before any actor opens a GPU or
+    asks the server anything."""
+    import socket
+
+    from sglang_support import stub_campaign
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # nothing answers there, and nothing must be asked
+    url = f"http://127.0.0.1:{held.getsockname()[1]}"
+    try:
+        path, _ = stub_campaign(
+            tmp_path,
+            drafters='\n[drafters.none]\nalgorithm = "none"\n',
+            sglang_extra=f'url = "{url}"',
+            batch="[1]",
+            knobs="sm_clock = [1500]\nsettle_s = 0.0",
+            gpu='backend = "nvml"\ndevices = [0]',
+        )
+        out = tmp_path / "out"
+        result = sweep(str(path), "--executor", "ray", "--out", str(out))
+    finally:
+        held.close()
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: the Ray cluster places 2 workers (one per engine.tp_size = 1 GPU(s) of its "
+        f"nodes), but engine.sglang.url attaches every one to the one server at {url}: each "
+        "would meter its own GPUs while all their requests ran on that server; run without "
+        "--executor ray on the server's node (gpu.devices naming its GPUs), or drop "
+        "engine.sglang.url so that dvfs starts a server per worker"
+    )
+    assert not (out / "journal.jsonl").exists()
+    assert ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks") == []
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["gpu-lost", "actor-killed"])
 def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     ray_nvml, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -875,7 +916,10 @@ def test_real_gpu_workers_are_placed_on_whole_servers_of_one_node() -> None:
             cluster_resources=lambda: {"GPU": float(sum(gpus))}, nodes=lambda: nodes
         )
 
-    campaign = types.SimpleNamespace(engine=types.SimpleNamespace(tp_size=2))
+    engine = types.SimpleNamespace(
+        tp_size=2, backend="sglang", sglang=types.SimpleNamespace(url=None)
+    )
+    campaign = types.SimpleNamespace(engine=engine)
     executor = RayExecutor(Path("out"))
     placed = executor._placements(cluster(3, 3, dead=1), campaign, [], False)
     assert placed == [(None, {"num_gpus": 2, "num_cpus": 0})] * 2
@@ -952,7 +996,9 @@ def fake_ray_fleet(actor_class, get, gpus: int, nodes, wait=None, actuation=True
     )
     campaign = types.SimpleNamespace(
         gpu=types.SimpleNamespace(backend="nvml", actuation=actuation),
-        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
+        engine=types.SimpleNamespace(
+            tp_size=1, backend="sglang", sglang=types.SimpleNamespace(url=None)
+        ),
     )
     fleet = types.SimpleNamespace(
         campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None

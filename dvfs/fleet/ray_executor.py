@@ -37,6 +37,7 @@ from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.driver import Fleet, bounded_why
 from dvfs.fleet.local import POLL_S, VirtualPacer
 from dvfs.measure.journal import resume_advice
+from dvfs.redact import redact_url
 from dvfs.signals import HANDLED, Interrupted
 
 #: The custom resource that stands for one twin GPU on a Ray node.
@@ -495,6 +496,18 @@ class RayExecutor:
                 f"no node of the Ray cluster has engine.tp_size = {size} GPUs (its {gpus} "
                 "GPUs are spread over its nodes), and a server's GPUs are one node's: lower "
                 f"engine.tp_size, or add a node of {size} GPUs"
+            )
+        url = campaign.engine.sglang.url if campaign.engine.backend == "sglang" else None
+        if url and servers > 1:
+            # Placed on every server's worth of the cluster's GPUs, not on gpu.devices: as
+            # `--gpus` making several workers on one attached server is refused.
+            raise CampaignError(
+                f"the Ray cluster places {servers} workers (one per engine.tp_size = {size} "
+                f"GPU(s) of its nodes), but engine.sglang.url attaches every one to the one "
+                f"server at {redact_url(url)}: each would meter its own GPUs while all their "
+                "requests ran on that server; run without --executor ray on the server's node "
+                "(gpu.devices naming its GPUs), or drop engine.sglang.url so that dvfs starts "
+                "a server per worker"
             )
         return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(servers)]
 
