@@ -232,6 +232,86 @@ def test_a_ray_fleet_of_real_gpus_attached_to_one_server_is_refused(
 
 
 @pytest.mark.timeout(300)
+def test_a_ray_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its_line(
+    ray_cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ray fleet of one twin worker attached to a server (engine.sglang.url) that is
+    replaced between its cells (another started on its port with --dtype float16): the worker
+    stops at once, as one GPU's sweep does, and the sweep ends in that stop's own line (exit
+    1), naming the change and saying to restart the server as it was. It ended 'every worker
+    was lost with 1 cell(s) left (vm/gpu0: ServerReplacedError: the server ... its rounds
+    would...): ...; rerun the same command to resume', the restart cut off."""
+    import socket
+    import sys
+    import urllib.request
+
+    from sglang_support import STUB, stub_campaign
+
+    from dvfs.fleet.driver import Fleet
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "attach.json"
+    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60, "tpot_s": 0.004}))
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+    )
+
+    def serve(*extra: str) -> subprocess.Popen[bytes]:
+        argv = ["--port", str(port), "--model-path", marker, "--random-seed", "0", *extra]
+        return subprocess.Popen(
+            [sys.executable, str(STUB), *argv],
+            env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    servers = [serve()]
+    ship = Fleet.shipped
+
+    def replace(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        """As the driver journals the first cell, in its own thread: the server replaced,
+        the new one answering, before the worker is handed the next cell."""
+        ship(self, worker, shipment)
+        if len(servers) > 1:
+            return
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
+        servers.append(serve("--dtype", "float16"))
+        while True:  # no deadline of its own: the test's timeout ends a hang
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5):
+                    return
+            except OSError:
+                assert servers[-1].poll() is None, "the replacement server exited"
+                time.sleep(0.05)
+
+    monkeypatch.setattr(Fleet, "shipped", replace)
+    out = tmp_path / "out"
+    try:
+        result = sweep(str(path), "--gpus", "0", "--executor", "ray", "--out", str(out))
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=10)
+    assert len(servers) == 2, result.output
+    assert result.exit_code == 1, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(
+        f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
+    ), result.output
+    assert "dtype (dtype): None -> 'float16'" in last
+    assert "restart it as it was and rerun the same command to resume" in last
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert [c["status"] for c in cells] == ["ok"]
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["gpu-lost", "actor-killed"])
 def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     ray_nvml, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

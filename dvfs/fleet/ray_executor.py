@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from dvfs.backends import real_gpus, virtual_time
-from dvfs.errors import CampaignError, DvfsError
+from dvfs.errors import CampaignError, DvfsError, ServerReplacedError
 from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.driver import Fleet, bounded_why
 from dvfs.fleet.local import POLL_S, VirtualPacer
@@ -357,6 +357,9 @@ class RayExecutor:
         #: Whether the note that RAY_ADDRESS is not joined was said (by the models' probe:
         #: not again by the run).
         self._address_noted = False
+        #: A worker's attached server found replaced (`ServerReplacedError`): the sweep stops
+        #: in its line, which says what to restart, where every worker is lost.
+        self.replaced: ServerReplacedError | None = None
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         twin = not real_gpus(fleet.campaign)
@@ -774,6 +777,8 @@ class RayExecutor:
             self._collect(ray, fleet, pending)
             raise
         if not fleet.finished and not alive:
+            if self.replaced is not None and not self.unrestored:
+                raise self.replaced  # a rerun on that server would meet it again
             # Every worker lost: the cells left, and the resets to run before resuming.
             fleet.check_finished(self.reset_first())
         if not fleet.finished and alive:
@@ -843,6 +848,8 @@ class RayExecutor:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException):  # the worker raised: say what, not Ray's wrapper
             why = f"{type(cause).__name__}: {cause}"
+            if isinstance(cause, ServerReplacedError) and self.replaced is None:
+                self.replaced = cause
         else:
             text = str(exc).strip()
             why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
