@@ -232,21 +232,25 @@ def test_a_ray_fleet_of_real_gpus_attached_to_one_server_is_refused(
 
 
 @pytest.mark.timeout(300)
-def test_a_ray_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its_line(
-    ray_cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("executor", ["ray", "local"])
+def test_a_fleet_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its_line(
+    ray_cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, executor: str
 ) -> None:
-    """A Ray fleet of one twin worker attached to a server (engine.sglang.url) that is
-    replaced between its cells (another started on its port with --dtype float16): the worker
-    stops at once, as one GPU's sweep does, and the sweep ends in that stop's own line (exit
-    1), naming the change and saying to restart the server as it was. It ended 'every worker
-    was lost with 1 cell(s) left (vm/gpu0: ServerReplacedError: the server ... its rounds
-    would...): ...; rerun the same command to resume', the restart cut off."""
+    """A fleet of one twin worker attached to a server (engine.sglang.url) that is replaced
+    between its cells (another started on its port with --dtype float16): on Ray (`--gpus 0
+    --executor ray`), and on this machine (`--gpus 0` resuming that Ray run's folder: a fleet
+    of one, as it reads the fleet's journal). The worker stops at once, as one GPU's sweep
+    does, and the sweep ends in that stop's own line (exit 1), naming the change and saying
+    to restart the server as it was. It ended 'every worker was lost with 1 cell(s) left
+    (vm/gpu0: ServerReplacedError: the server ... its rounds would...): ...; rerun the same
+    command to resume', the restart cut off."""
     import socket
     import sys
     import urllib.request
 
     from sglang_support import STUB, stub_campaign
 
+    from dvfs.engines.sglang import SglangEngine
     from dvfs.fleet.driver import Fleet
 
     with socket.socket() as s:
@@ -259,7 +263,7 @@ def test_a_ray_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its_l
         drafters='\n[drafters.none]\nalgorithm = "none"\n',
         sglang_extra=f'url = "http://127.0.0.1:{port}"',
         batch="[1]",
-        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+        knobs="sm_clock = [1980, 1500, 1200]\nsettle_s = 0.0",
     )
 
     def serve(*extra: str) -> subprocess.Popen[bytes]:
@@ -271,13 +275,10 @@ def test_a_ray_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its_l
             stderr=subprocess.DEVNULL,
         )
 
-    servers = [serve()]
-    ship = Fleet.shipped
+    servers: list[subprocess.Popen[bytes]] = []
 
-    def replace(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
-        """As the driver journals the first cell, in its own thread: the server replaced,
-        the new one answering, before the worker is handed the next cell."""
-        ship(self, worker, shipment)
+    def replace() -> None:
+        """The server replaced once, the new one answering before the sweep goes on."""
         if len(servers) > 1:
             return
         servers[0].terminate()
@@ -291,24 +292,43 @@ def test_a_ray_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its_l
                 assert servers[-1].poll() is None, "the replacement server exited"
                 time.sleep(0.05)
 
-    monkeypatch.setattr(Fleet, "shipped", replace)
+    ship, run = Fleet.shipped, SglangEngine.run
+
+    def shipped(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        # As the driver journals the Ray worker's first cell, before it is handed the next.
+        ship(self, worker, shipment)
+        replace()
+
+    def ran(self: SglangEngine, workload, timeline=None):  # type: ignore[no-untyped-def]
+        # After the local worker's first round, in its own thread: its next round finds it.
+        result = run(self, workload, timeline)
+        replace()
+        return result
+
     out = tmp_path / "out"
-    try:
-        result = sweep(str(path), "--gpus", "0", "--executor", "ray", "--out", str(out))
-    finally:
-        for server in servers:
-            server.terminate()
-            server.wait(timeout=10)
-    assert len(servers) == 2, result.output
-    assert result.exit_code == 1, result.output
-    last = result.output.strip().splitlines()[-1]
-    assert last.startswith(
-        f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
-    ), result.output
-    assert "dtype (dtype): None -> 'float16'" in last
-    assert "restart it as it was and rerun the same command to resume" in last
-    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
-    assert [c["status"] for c in cells] == ["ok"]
+    for on in ("ray", "local") if executor == "local" else ("ray",):
+        servers[:] = [serve()]
+        with monkeypatch.context() as patched:
+            if on == "ray":
+                patched.setattr(Fleet, "shipped", shipped)
+            else:
+                patched.setattr(SglangEngine, "run", ran)
+            try:
+                result = sweep(str(path), "--gpus", "0", "--executor", on, "--out", str(out))
+            finally:
+                for server in servers:
+                    server.terminate()
+                    server.wait(timeout=10)
+        assert len(servers) == 2, result.output
+        assert result.exit_code == 1, result.output
+        last = result.output.strip().splitlines()[-1]
+        assert last.startswith(
+            f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
+        ), result.output
+        assert "dtype (dtype): None -> 'float16'" in last
+        assert "restart it as it was and rerun the same command to resume" in last
+        cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+        assert [c["status"] for c in cells] == ["ok"]
 
 
 @pytest.mark.timeout(300)
