@@ -191,6 +191,147 @@ def test_ctrl_c_journals_the_units_the_actors_finish(
 
 
 @pytest.mark.timeout(300)
+def test_a_ray_fleet_of_real_gpus_attached_to_one_server_is_refused(
+    ray_nvml, tmp_path: Path
+) -> None:
+    """Real GPUs on Ray: Ray places a worker on each of the cluster's GPUs (two here), not on
+    gpu.devices, so a campaign attached to one server (engine.sglang.url) made two workers,
+    each metering its own GPU while both sent their requests to that one server, as `--gpus
+    0-1` is refused for. Refused in the same line (exit 2) before any actor opens a GPU or
+    asks the server anything."""
+    import socket
+
+    from sglang_support import stub_campaign
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # nothing answers there, and nothing must be asked
+    url = f"http://127.0.0.1:{held.getsockname()[1]}"
+    try:
+        path, _ = stub_campaign(
+            tmp_path,
+            drafters='\n[drafters.none]\nalgorithm = "none"\n',
+            sglang_extra=f'url = "{url}"',
+            batch="[1]",
+            knobs="sm_clock = [1500]\nsettle_s = 0.0",
+            gpu='backend = "nvml"\ndevices = [0]',
+        )
+        out = tmp_path / "out"
+        result = sweep(str(path), "--executor", "ray", "--out", str(out))
+    finally:
+        held.close()
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: the Ray cluster places 2 workers (one per engine.tp_size = 1 GPU(s) of its "
+        f"nodes), but engine.sglang.url attaches every one to the one server at {url}: each "
+        "would meter its own GPUs while all their requests ran on that server; run without "
+        "--executor ray on the server's node (gpu.devices naming its GPUs), or drop "
+        "engine.sglang.url so that dvfs starts a server per worker"
+    )
+    assert not (out / "journal.jsonl").exists()
+    assert ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks") == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("executor", ["ray", "local"])
+def test_a_fleet_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its_line(
+    ray_cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, executor: str
+) -> None:
+    """A fleet of one twin worker attached to a server (engine.sglang.url) that is replaced
+    between its cells (another started on its port with --dtype float16): on Ray (`--gpus 0
+    --executor ray`), and on this machine (`--gpus 0` resuming that Ray run's folder: a fleet
+    of one, as it reads the fleet's journal). The worker stops at once, as one GPU's sweep
+    does, and the sweep ends in that stop's own line (exit 1), naming the change and saying
+    to restart the server as it was. It ended 'every worker was lost with 1 cell(s) left
+    (vm/gpu0: ServerReplacedError: the server ... its rounds would...): ...; rerun the same
+    command to resume', the restart cut off."""
+    import socket
+    import sys
+    import urllib.request
+
+    from sglang_support import STUB, stub_campaign
+
+    from dvfs.engines.sglang import SglangEngine
+    from dvfs.fleet.driver import Fleet
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "attach.json"
+    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60, "tpot_s": 0.004}))
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500, 1200]\nsettle_s = 0.0",
+    )
+
+    def serve(*extra: str) -> subprocess.Popen[bytes]:
+        argv = ["--port", str(port), "--model-path", marker, "--random-seed", "0", *extra]
+        return subprocess.Popen(
+            [sys.executable, str(STUB), *argv],
+            env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    servers: list[subprocess.Popen[bytes]] = []
+
+    def replace() -> None:
+        """The server replaced once, the new one answering before the sweep goes on."""
+        if len(servers) > 1:
+            return
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
+        servers.append(serve("--dtype", "float16"))
+        while True:  # no deadline of its own: the test's timeout ends a hang
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5):
+                    return
+            except OSError:
+                assert servers[-1].poll() is None, "the replacement server exited"
+                time.sleep(0.05)
+
+    ship, run = Fleet.shipped, SglangEngine.run
+
+    def shipped(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        # As the driver journals the Ray worker's first cell, before it is handed the next.
+        ship(self, worker, shipment)
+        replace()
+
+    def ran(self: SglangEngine, workload, timeline=None):  # type: ignore[no-untyped-def]
+        # After the local worker's first round, in its own thread: its next round finds it.
+        result = run(self, workload, timeline)
+        replace()
+        return result
+
+    out = tmp_path / "out"
+    for on in ("ray", "local") if executor == "local" else ("ray",):
+        servers[:] = [serve()]
+        with monkeypatch.context() as patched:
+            if on == "ray":
+                patched.setattr(Fleet, "shipped", shipped)
+            else:
+                patched.setattr(SglangEngine, "run", ran)
+            try:
+                result = sweep(str(path), "--gpus", "0", "--executor", on, "--out", str(out))
+            finally:
+                for server in servers:
+                    server.terminate()
+                    server.wait(timeout=10)
+        assert len(servers) == 2, result.output
+        assert result.exit_code == 1, result.output
+        last = result.output.strip().splitlines()[-1]
+        assert last.startswith(
+            f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
+        ), result.output
+        assert "dtype (dtype): None -> 'float16'" in last
+        assert "restart it as it was and rerun the same command to resume" in last
+        cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+        assert [c["status"] for c in cells] == ["ok"]
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["gpu-lost", "actor-killed"])
 def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     ray_nvml, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -875,7 +1016,10 @@ def test_real_gpu_workers_are_placed_on_whole_servers_of_one_node() -> None:
             cluster_resources=lambda: {"GPU": float(sum(gpus))}, nodes=lambda: nodes
         )
 
-    campaign = types.SimpleNamespace(engine=types.SimpleNamespace(tp_size=2))
+    engine = types.SimpleNamespace(
+        tp_size=2, backend="sglang", sglang=types.SimpleNamespace(url=None)
+    )
+    campaign = types.SimpleNamespace(engine=engine)
     executor = RayExecutor(Path("out"))
     placed = executor._placements(cluster(3, 3, dead=1), campaign, [], False)
     assert placed == [(None, {"num_gpus": 2, "num_cpus": 0})] * 2
@@ -952,7 +1096,9 @@ def fake_ray_fleet(actor_class, get, gpus: int, nodes, wait=None, actuation=True
     )
     campaign = types.SimpleNamespace(
         gpu=types.SimpleNamespace(backend="nvml", actuation=actuation),
-        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
+        engine=types.SimpleNamespace(
+            tp_size=1, backend="sglang", sglang=types.SimpleNamespace(url=None)
+        ),
     )
     fleet = types.SimpleNamespace(
         campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from dvfs.campaign import Campaign
+from dvfs.errors import ServerReplacedError
 from dvfs.fleet.devices import Group
 from dvfs.fleet.driver import Fleet
 from dvfs.fleet.worker import Worker
@@ -261,7 +262,13 @@ class LocalExecutor:
             refusal = next((e for e in errors if _refusal(e)), None)
             if refusal is not None:
                 raise refusal
-            fleet.check_finished(self._reset_first(fleet.campaign))
+            reset = self._reset_first(fleet.campaign)
+            replaced = next((e for e in errors if isinstance(e, ServerReplacedError)), None)
+            if replaced is not None and not reset:
+                # An attached server replaced: its own line says what to restart (a rerun on
+                # that server would meet it again), as one GPU's sweep says it.
+                raise replaced
+            fleet.check_finished(reset)
             raise first_error
 
     def _reset_first(self, campaign: Campaign) -> str:

@@ -32,11 +32,12 @@ from types import ModuleType
 from typing import Any
 
 from dvfs.backends import real_gpus, virtual_time
-from dvfs.errors import CampaignError, DvfsError
+from dvfs.errors import CampaignError, DvfsError, ServerReplacedError
 from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.driver import Fleet, bounded_why
 from dvfs.fleet.local import POLL_S, VirtualPacer
 from dvfs.measure.journal import resume_advice
+from dvfs.redact import redact_url
 from dvfs.signals import HANDLED, Interrupted
 
 #: The custom resource that stands for one twin GPU on a Ray node.
@@ -356,6 +357,9 @@ class RayExecutor:
         #: Whether the note that RAY_ADDRESS is not joined was said (by the models' probe:
         #: not again by the run).
         self._address_noted = False
+        #: A worker's attached server found replaced (`ServerReplacedError`): the sweep stops
+        #: in its line, which says what to restart, where every worker is lost.
+        self.replaced: ServerReplacedError | None = None
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         twin = not real_gpus(fleet.campaign)
@@ -495,6 +499,18 @@ class RayExecutor:
                 f"no node of the Ray cluster has engine.tp_size = {size} GPUs (its {gpus} "
                 "GPUs are spread over its nodes), and a server's GPUs are one node's: lower "
                 f"engine.tp_size, or add a node of {size} GPUs"
+            )
+        url = campaign.engine.sglang.url if campaign.engine.backend == "sglang" else None
+        if url and servers > 1:
+            # Placed on every server's worth of the cluster's GPUs, not on gpu.devices: as
+            # `--gpus` making several workers on one attached server is refused.
+            raise CampaignError(
+                f"the Ray cluster places {servers} workers (one per engine.tp_size = {size} "
+                f"GPU(s) of its nodes), but engine.sglang.url attaches every one to the one "
+                f"server at {redact_url(url)}: each would meter its own GPUs while all their "
+                "requests ran on that server; run without --executor ray on the server's node "
+                "(gpu.devices naming its GPUs), or drop engine.sglang.url so that dvfs starts "
+                "a server per worker"
             )
         return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(servers)]
 
@@ -761,6 +777,8 @@ class RayExecutor:
             self._collect(ray, fleet, pending)
             raise
         if not fleet.finished and not alive:
+            if self.replaced is not None and not self.unrestored:
+                raise self.replaced  # a rerun on that server would meet it again
             # Every worker lost: the cells left, and the resets to run before resuming.
             fleet.check_finished(self.reset_first())
         if not fleet.finished and alive:
@@ -830,6 +848,8 @@ class RayExecutor:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException):  # the worker raised: say what, not Ray's wrapper
             why = f"{type(cause).__name__}: {cause}"
+            if isinstance(cause, ServerReplacedError) and self.replaced is None:
+                self.replaced = cause
         else:
             text = str(exc).strip()
             why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
