@@ -369,3 +369,37 @@ def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(shared_run, tmp_path: 
     cells = [d for d in merged["cell_status"].dims if d != "gpu"]
     ok = (merged["cell_status"] == STATUS_OK).sum(cells)
     assert ok.values.tolist() == [72, 50]
+
+
+@pytest.mark.timeout(300)
+def test_a_fleet_rerun_whose_drafter_runs_on_other_flags_says_to_run_them_on_the_same(
+    tmp_path: Path,
+) -> None:
+    """A fleet's rerun of a folder that holds drafter 'none''s server and cells, whose
+    `server_command` wrapper now adds --dtype float16 to the speculative drafter's server
+    only: the worker is retired at that server, which differs from the other drafter's, in a
+    line that said "its cells would compare software, not settings; run the earlier engine"
+    (no engine changed). It says, as one GPU's sweep does, that the arms would compare more
+    than their drafters and to run every drafter on the same SGLang and flags."""
+    wrapper = tmp_path / "wrap.sh"
+    wrapper.write_text('#!/bin/sh\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    path, marker = stub_campaign(tmp_path, batch="[1]", wrapper=(str(wrapper),))
+    full = tmp_path / "full"
+    assert sweep(str(path), "--gpus", "0-1", "--out", str(full)).exit_code == 0
+    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if '"type":"server"' in line and "eagle3" in line)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "journal.jsonl").write_text("".join(lines[:cut]))
+    wrapper.write_text(
+        '#!/bin/sh\ncase "$*" in *speculative*) exec "$@" --dtype float16;; *) exec "$@";; esac\n'
+    )
+    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
+    assert refused.exit_code == 1, refused.output
+    line = refused.output.strip().splitlines()[-1]
+    assert "drafter 'none''s" in line and "dtype" in line, line
+    assert "the arms would compare more than their drafters" in line, line
+    assert "run every drafter on the same SGLang and flags (engine.sglang.extra_args)" in line
+    assert "compare software" not in line and "run the earlier engine" not in line, line
+    assert not running(marker)

@@ -191,14 +191,15 @@ def test_ctrl_c_journals_the_units_the_actors_finish(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("dry_run", [False, True])
 def test_a_ray_fleet_of_real_gpus_attached_to_one_server_is_refused(
-    ray_nvml, tmp_path: Path
+    ray_nvml, tmp_path: Path, dry_run: bool
 ) -> None:
     """Real GPUs on Ray: Ray places a worker on each of the cluster's GPUs (two here), not on
     gpu.devices, so a campaign attached to one server (engine.sglang.url) made two workers,
     each metering its own GPU while both sent their requests to that one server, as `--gpus
     0-1` is refused for. Refused in the same line (exit 2) before any actor opens a GPU or
-    asks the server anything."""
+    asks the server anything; the dry run too (it said nothing and exited 0)."""
     import socket
 
     from sglang_support import stub_campaign
@@ -216,7 +217,8 @@ def test_a_ray_fleet_of_real_gpus_attached_to_one_server_is_refused(
             gpu='backend = "nvml"\ndevices = [0]',
         )
         out = tmp_path / "out"
-        result = sweep(str(path), "--executor", "ray", "--out", str(out))
+        dry = ["--dry-run", "--no-estimate"] if dry_run else []
+        result = sweep(str(path), "--executor", "ray", *dry, "--out", str(out))
     finally:
         held.close()
     assert result.exit_code == 2, result.output

@@ -363,6 +363,11 @@ def sweep(
         per_model = workers_per_model(campaign, groups, group_models)
         if unread:
             console(stderr=True).print(f"note: {escape(unread)}", highlight=False, soft_wrap=True)
+        if executor == "ray":
+            from dvfs.fleet.ray_executor import RayExecutor
+
+            # Ray placing several workers on one attached server: refused as the sweep does.
+            RayExecutor(out_dir, address=address).check_attached(campaign, groups)
         busy = folder_busy(campaign, out_dir, shard)
         if busy:
             console(stderr=True).print(f"note: {escape(busy)}", highlight=False, soft_wrap=True)

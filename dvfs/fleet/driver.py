@@ -429,8 +429,9 @@ class Driver:
                     else f"{differs}: its cells would compare more than the knob settings; "
                     f"{restart_as_it_was(changes)}, or start over with --fresh"
                     if own  # its own earlier server: a rerun's other SGLang or flags
-                    else f"{differs}: its cells would compare software, not settings; run the "
-                    "earlier engine, or start over with --fresh"
+                    else f"{differs}: the arms would compare more than their drafters; run "
+                    "every drafter on the same SGLang and flags (engine.sglang.extra_args), or "
+                    "start over with --fresh (or another --out)"
                 )
                 self.refused = self.refused or why
                 self.retired.add(worker)

@@ -500,19 +500,35 @@ class RayExecutor:
                 "GPUs are spread over its nodes), and a server's GPUs are one node's: lower "
                 f"engine.tp_size, or add a node of {size} GPUs"
             )
-        url = campaign.engine.sglang.url if campaign.engine.backend == "sglang" else None
+        self._one_attached(campaign, servers)
+        return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(servers)]
+
+    def check_attached(self, campaign: Any, groups: Sequence[Group]) -> None:
+        """Refuse, as the run does before any actor opens a GPU (`_one_attached`), a cluster
+        that would place several workers of real GPUs on the one server engine.sglang.url
+        attaches: for the dry run, which asks Ray nothing else."""
+        if not real_gpus(campaign) or not self._attached_url(campaign):
+            return
+        with self._ray(groups, False, None) as ray:
+            self._one_attached(campaign, self._servers(ray, campaign.engine.tp_size))
+
+    @staticmethod
+    def _attached_url(campaign: Any) -> str | None:
+        return campaign.engine.sglang.url if campaign.engine.backend == "sglang" else None
+
+    def _one_attached(self, campaign: Any, servers: int) -> None:
+        url = self._attached_url(campaign)
         if url and servers > 1:
             # Placed on every server's worth of the cluster's GPUs, not on gpu.devices: as
             # `--gpus` making several workers on one attached server is refused.
             raise CampaignError(
-                f"the Ray cluster places {servers} workers (one per engine.tp_size = {size} "
-                f"GPU(s) of its nodes), but engine.sglang.url attaches every one to the one "
-                f"server at {redact_url(url)}: each would meter its own GPUs while all their "
-                "requests ran on that server; run without --executor ray on the server's node "
-                "(gpu.devices naming its GPUs), or drop engine.sglang.url so that dvfs starts "
-                "a server per worker"
+                f"the Ray cluster places {servers} workers (one per engine.tp_size = "
+                f"{campaign.engine.tp_size} GPU(s) of its nodes), but engine.sglang.url "
+                f"attaches every one to the one server at {redact_url(url)}: each would meter "
+                "its own GPUs while all their requests ran on that server; run without "
+                "--executor ray on the server's node (gpu.devices naming its GPUs), or drop "
+                "engine.sglang.url so that dvfs starts a server per worker"
             )
-        return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(servers)]
 
     @staticmethod
     def _servers(ray: Any, size: int, resource: str = "GPU") -> int:
