@@ -1528,3 +1528,62 @@ def test_cubes_compare_the_environment_under_the_prefixes_both_recorded() -> Non
     assert env_changes({"server_env": {"NCCL_ALGO": "Tree"}}, new) == [
         "server environment NCCL_ALGO: 'Tree' -> 'Ring'"
     ]
+
+
+def test_an_attached_server_replaced_by_one_of_many_other_flags_ends_in_its_remedy(
+    tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server at engine.sglang.url replaced by one started with many other flags: the
+    sweep's line (cut at MAX_MESSAGE_CHARS) ended inside the changes it named, its remedy
+    (restart it as it was) lost. It names as many as fit, counts the rest, and ends whole."""
+    port, _ = attached
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+    )
+    argv = ("--model-path", marker, "--random-seed", "0")
+    many = [
+        "--dtype",
+        "float16",
+        "--chunked-prefill-size",
+        "4096",
+        "--max-prefill-tokens",
+        "4096",
+        "--schedule-policy",
+        "lpm",
+        "--schedule-conservativeness",
+        "0.5",
+        "--stream-interval",
+        "2",
+        "--max-total-tokens",
+        "100000",
+        "--num-continuous-decode-steps",
+        "2",
+        "--sampling-backend",
+        "pytorch",
+        "--context-length",
+        "4096",
+        "--enable-torch-compile",
+        "--page-size",
+        "16",
+        "--num-reserved-decode-tokens",
+        "256",
+        "--sleep-on-idle",
+        "--enable-tf32-matmul",
+        "--enable-fp32-lm-head",
+    ]
+    result, servers = sweep_replacing_the_server(
+        monkeypatch, path, tmp_path / "out", attached, argv, lambda _: tuple(many)
+    )
+    assert len(servers) == 2, result.output
+    assert result.exit_code == 1, result.output
+    error = last_line(result)
+    assert error.startswith(
+        f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
+    )
+    assert " more): it was replaced mid-sweep" in error, error
+    assert error.endswith("rerun with --fresh (or into another --out folder)"), error
+    assert "restart it as it was and rerun the same command to resume" in error

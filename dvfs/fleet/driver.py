@@ -224,21 +224,6 @@ def bounded_why(why: str, chars: int = 200) -> str:
     return cut.rstrip(" ,;:") + "…"
 
 
-#: Where a refusal's line names the changes, filled in once the rest of the line is known.
-_CHANGES = "\x00changes\x00"
-
-
-def _listed(changes: Sequence[str], room: int) -> str:
-    """`changes` joined, as many as fit in `room` characters, the rest counted ("; and 3
-    more"), so that a line naming them keeps what follows them."""
-    for shown in range(len(changes), 0, -1):
-        more = len(changes) - shown
-        text = "; ".join(changes[:shown]) + (f"; and {more} more" if more else "")
-        if len(text) <= room:
-            return text
-    return f"{len(changes)} differences"
-
-
 class Driver:
     """The executors' callbacks: journal, queue and progress, all on the driver's thread."""
 
@@ -403,9 +388,11 @@ class Driver:
             Header,
             arm_changes,
             begun_unpinned,
+            listed_changes,
             restart_as_it_was,
             server_changes,
         )
+        from dvfs.records.session import CHANGES
         from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
         if worker in self.retired:  # a unit it took before the driver retired it
@@ -431,7 +418,7 @@ class Driver:
                 path = self.journal.path
                 differs = (
                     f"the server of drafter {drafter!r} on {worker} differs from {whose} in "
-                    f"{path} ({_CHANGES})"
+                    f"{path} ({CHANGES})"
                 )
                 begun = begun_unpinned(pinned, changes)
                 why = (
@@ -449,7 +436,7 @@ class Driver:
                     "start over with --fresh (or another --out)"
                 )
                 # The changes named give way to the remedy, which ends the line whole.
-                why = why.replace(_CHANGES, _listed(changes, MAX_MESSAGE_CHARS - len(why)), 1)
+                why = why.replace(CHANGES, listed_changes(changes, MAX_MESSAGE_CHARS - len(why)), 1)
                 self.refused = self.refused or why
                 self.retired.add(worker)
                 self.lost(worker, shipment.all_cells, why)

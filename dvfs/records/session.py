@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -589,6 +589,23 @@ def what_differs(changes: Iterable[str]) -> str:
         for what, there in (("software", True in kinds), ("engine flags", False in kinds))
         if there
     )
+
+
+#: Where a refusal's line names its changes, filled in (`listed_changes`) once the rest of
+#: the line is known.
+CHANGES = "\x00changes\x00"
+
+
+def listed_changes(changes: Sequence[str], room: int) -> str:
+    """`changes` joined, as many as fit in `room` characters, the rest counted ("; and 3
+    more"), so that a line naming them keeps, within an error line's bound
+    (`MAX_MESSAGE_CHARS`), the remedy that follows them."""
+    for shown in range(len(changes), 0, -1):
+        more = len(changes) - shown
+        text = "; ".join(changes[:shown]) + (f"; and {more} more" if more else "")
+        if len(text) <= room:
+            return text
+    return f"{len(changes)} differences"
 
 
 def restart_as_it_was(changes: Iterable[str]) -> str:
