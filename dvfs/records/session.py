@@ -608,16 +608,22 @@ def listed_changes(changes: Sequence[str], room: int) -> str:
     return f"{len(changes)} differences"
 
 
-def restart_as_it_was(changes: Iterable[str]) -> str:
+def restart_as_it_was(changes: Iterable[str], attached: bool = False) -> str:
     """What brings back a drafter's server that differs from its own earlier one in `changes`
     (`server_changes`): the same SGLang and flags, and where the memory fraction differs, why
-    it may have though no flag changed."""
+    it may have though no flag changed. `attached`: a server dvfs attached to
+    (engine.sglang.url), started by its user's own command, not engine.sglang.server_command."""
     why = ""
     if any(change.startswith("mem_fraction_static: ") for change in changes):
         # SGLang 0.5.23 memory_hook.py `handle_gpu_memory_settings` reads every GPU's memory
         why = (
             "; SGLang also sizes an unset mem_fraction_static by the host's smallest GPU, "
             "whatever CUDA_VISIBLE_DEVICES"
+        )
+    if attached:
+        return (
+            "restart the server at engine.sglang.url as it was (the same SGLang, and the same "
+            f"flags and environment it was started with{why})"
         )
     return (
         "start it as it was (the same SGLang, and the same flags from "
