@@ -1528,3 +1528,101 @@ def test_cubes_compare_the_environment_under_the_prefixes_both_recorded() -> Non
     assert env_changes({"server_env": {"NCCL_ALGO": "Tree"}}, new) == [
         "server environment NCCL_ALGO: 'Tree' -> 'Ring'"
     ]
+
+
+def test_an_attached_server_replaced_by_one_of_many_other_flags_ends_in_its_remedy(
+    tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server at engine.sglang.url replaced by one started with many other flags: the
+    sweep's line (cut at MAX_MESSAGE_CHARS) ended inside the changes it named, its remedy
+    (restart it as it was) lost. It names as many as fit, counts the rest, and ends whole."""
+    port, _ = attached
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+    )
+    argv = ("--model-path", marker, "--random-seed", "0")
+    many = [
+        "--dtype",
+        "float16",
+        "--chunked-prefill-size",
+        "4096",
+        "--max-prefill-tokens",
+        "4096",
+        "--schedule-policy",
+        "lpm",
+        "--schedule-conservativeness",
+        "0.5",
+        "--stream-interval",
+        "2",
+        "--max-total-tokens",
+        "100000",
+        "--num-continuous-decode-steps",
+        "2",
+        "--sampling-backend",
+        "pytorch",
+        "--context-length",
+        "4096",
+        "--enable-torch-compile",
+        "--page-size",
+        "16",
+        "--num-reserved-decode-tokens",
+        "256",
+        "--sleep-on-idle",
+        "--enable-tf32-matmul",
+        "--enable-fp32-lm-head",
+    ]
+    result, servers = sweep_replacing_the_server(
+        monkeypatch, path, tmp_path / "out", attached, argv, lambda _: tuple(many)
+    )
+    assert len(servers) == 2, result.output
+    assert result.exit_code == 1, result.output
+    error = last_line(result)
+    assert error.startswith(
+        f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
+    )
+    assert " more): it was replaced mid-sweep" in error, error
+    assert error.endswith("rerun with --fresh (or into another --out folder)"), error
+    assert "restart it as it was and rerun the same command to resume" in error
+
+
+def test_a_resume_refused_on_its_attached_server_says_to_restart_that_server(
+    tmp_path: Path, attached: tuple[int, Path]
+) -> None:
+    """A resume attached to a server (engine.sglang.url) started again with
+    --mem-fraction-static: its cells fail as the server differs from the journal's. The advice,
+    in each cell's error and in the closing line, said to start it with "the same flags from
+    engine.sglang.server_command and env", which dvfs does not use for a server it attaches
+    to. It says to restart the server at engine.sglang.url as it was."""
+    port, config = attached
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+    )
+    argv = ("--model-path", marker, "--random-seed", "0")
+    journal = tmp_path / "out" / "journal.jsonl"
+    for extra in ((), ("--mem-fraction-static", "0.6")):
+        server = serve(port, config, *argv, *extra)
+        try:
+            result = sweep(path, tmp_path / "out")
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+        if not extra:  # the journal cut after its first cell: the second is resumed
+            assert result.exit_code == 0, result.output
+            lines = journal.read_text().splitlines(keepends=True)
+            cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][1]
+            journal.write_text("".join(lines[:cut]))
+    assert result.exit_code == 5, result.output
+    [failed] = [r for r in read_records(journal) if r.get("status") == "failed"]
+    [closing] = [line for line in result.output.splitlines() if line.startswith("Finished with")]
+    for said in (failed["error"], closing):
+        assert "restart the server at engine.sglang.url as it was" in said, said
+        assert "engine.sglang.server_command" not in said, said
+        assert "by the host's smallest GPU" in said, said

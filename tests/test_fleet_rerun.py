@@ -18,7 +18,7 @@ from sglang_support import running, stub_campaign
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, build_cube, open_cube
-from dvfs.errors import CubeError, JournalError
+from dvfs.errors import MAX_MESSAGE_CHARS, CubeError, JournalError
 from dvfs.fleet.driver import combine_sessions
 from dvfs.measure.journal import iter_records, read_records
 from dvfs.records import GPU_INVARIANTS, SESSION_INVARIANTS, incomparable
@@ -402,4 +402,50 @@ def test_a_fleet_rerun_whose_drafter_runs_on_other_flags_says_to_run_them_on_the
     assert "the arms would compare more than their drafters" in line, line
     assert "run every drafter on the same SGLang and flags (engine.sglang.extra_args)" in line
     assert "compare software" not in line and "run the earlier engine" not in line, line
+    assert not running(marker)
+
+
+#: Flags every arm shares, enough that the changes named would fill an error line's bound.
+MANY_FLAGS = (
+    "--chunked-prefill-size 4096 --max-prefill-tokens 4096 --schedule-policy lpm "
+    "--schedule-conservativeness 0.5 --stream-interval 2 --max-total-tokens 100000 "
+    "--num-continuous-decode-steps 2 --random-seed 7 --sampling-backend pytorch "
+    "--context-length 4096 --enable-torch-compile --page-size 16 "
+    "--num-reserved-decode-tokens 256 --sleep-on-idle --enable-tf32-matmul "
+    "--enable-fp32-lm-head"
+)
+
+
+@pytest.mark.timeout(300)
+def test_a_fleet_rerun_whose_drafter_runs_on_many_other_flags_ends_in_its_remedy(
+    tmp_path: Path,
+) -> None:
+    """As above, the wrapper adding many flags every arm shares: the line (cut at
+    MAX_MESSAGE_CHARS) ended inside the changes it named ("...: the arms would compare more
+    than their dra..."), its remedy lost. It names as many as fit, counts the rest, and ends
+    whole in its remedy."""
+    wrapper = tmp_path / "wrap.sh"
+    wrapper.write_text('#!/bin/sh\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    path, marker = stub_campaign(tmp_path, batch="[1]", wrapper=(str(wrapper),))
+    full = tmp_path / "full"
+    assert sweep(str(path), "--gpus", "0-1", "--out", str(full)).exit_code == 0
+    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if '"type":"server"' in line and "eagle3" in line)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "journal.jsonl").write_text("".join(lines[:cut]))
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$*" in *speculative*) exec "$@" {MANY_FLAGS};; *) exec "$@";; esac\n'
+    )
+    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
+    assert refused.exit_code == 1, refused.output
+    line = refused.output.strip().splitlines()[-1]
+    assert "drafter 'none''s" in line and "(chunked_prefill_size): 8192 -> 4096" in line, line
+    assert " more): the arms would compare more than their drafters" in line, line
+    assert line.endswith(
+        "run every drafter on the same SGLang and flags (engine.sglang.extra_args), or start "
+        "over with --fresh (or another --out)"
+    ), line
+    assert len(line) <= len("Error: ") + MAX_MESSAGE_CHARS
     assert not running(marker)

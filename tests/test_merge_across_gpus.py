@@ -1118,3 +1118,25 @@ def test_a_cube_that_does_not_record_its_pairing_merges_as_not_recorded(
     assert info.exit_code == 0, info.output
     assert "whether each comparison group ran on one GPU not recorded" in info.output
     assert "not kept to one GPU" not in info.output
+
+
+def test_a_merge_with_a_cube_not_recording_its_pairing_still_counts_groups_across_gpus(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A cube of a dvfs before `arms_on_one_gpu` merged with one whose comparison groups' cells
+    span GPUs (`groups_across_gpus`): `cube info` on the merge says how many, which is known,
+    not only that the pairing is not recorded."""
+    older = open_cube(runs["h200"] / "cube.nc").load()
+    del older.attrs["arms_on_one_gpu"]
+    write_cube(older, tmp_path / "older.nc")
+    newer = open_cube(runs["h100"] / "cube.nc").load()
+    newer.attrs["groups_across_gpus"] = 2
+    write_cube(newer, tmp_path / "newer.nc")
+    merged = tmp_path / "m.nc"
+    files = [str(tmp_path / "older.nc"), str(tmp_path / "newer.nc")]
+    result = invoke("cube", "merge", *files, "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert int(open_cube(merged).attrs["groups_across_gpus"]) == 2
+    info = invoke("cube", "info", str(merged))
+    assert info.exit_code == 0, info.output
+    assert "2 comparison group(s) measured on more than one GPU" in info.output, info.output

@@ -435,10 +435,10 @@ def invariant_rows(held: dict[str, Any]) -> list[tuple[str, str]]:
     """`invariants` as `dvfs cube info` shows them: one line each for the arms, the servers'
     environment (where recorded) and the prompts; what the cube does not record is said so."""
     on_one, across = held["arms_on_one_gpu"], held["groups_across_gpus"]
-    if on_one is None:
-        gpus = "whether each comparison group ran on one GPU not recorded"
-    elif across:
+    if across:  # counted whether or not the pairing is recorded (a merge with an older cube)
         gpus = f"{across} comparison group(s) measured on more than one GPU (different_gpus)"
+    elif on_one is None:
+        gpus = "whether each comparison group ran on one GPU not recorded"
     elif on_one:
         gpus = "each comparison group on one GPU"
     else:

@@ -723,7 +723,9 @@ class SglangEngine:
         attached one's record, and compare with the drafter's earlier cells in more than the
         knob setting. Compared as two servers of one journal are (`arm_changes` and
         `server_changes`); refused with `ServerReplacedError`, which stops the sweep."""
-        from dvfs.records import ARMS_PINNED, arm_changes, server_changes
+        from dvfs.errors import MAX_MESSAGE_CHARS
+        from dvfs.records import ARMS_PINNED, arm_changes, listed_changes, server_changes
+        from dvfs.records.session import CHANGES
 
         before = self._attached
         assert before is not None
@@ -751,14 +753,17 @@ class SglangEngine:
                 # command restarted is another seed, however it was restarted.
                 how += f", with --random-seed {seed} (without it SGLang draws one at each start)"
             # Every later cell would be measured on it and refused alike: the sweep stops.
-            raise ServerReplacedError(
+            line = (
                 f"the server at {redact_url(self.config.url or '')} is not the one dvfs "
-                f"attached to for drafter {before['drafter']!r} ({'; '.join(changes)}): it was "
+                f"attached to for drafter {before['drafter']!r} ({CHANGES}): it was "
                 "replaced mid-sweep, and its rounds would compare more than the knob settings, "
                 "so the sweep stopped (the journal keeps the cells measured before); "
                 f"{how} and rerun the same command to resume, or rerun with --fresh (or into "
                 "another --out folder)"
             )
+            # The changes named give way to the remedy, which ends the line whole.
+            room = MAX_MESSAGE_CHARS - len(line)
+            raise ServerReplacedError(line.replace(CHANGES, listed_changes(changes, room), 1))
 
     def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:
         """The drafter's attention kernels: the pinned ones, and the same as the other drafters'."""

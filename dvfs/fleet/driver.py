@@ -388,9 +388,11 @@ class Driver:
             Header,
             arm_changes,
             begun_unpinned,
+            listed_changes,
             restart_as_it_was,
             server_changes,
         )
+        from dvfs.records.session import CHANGES
         from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
         if worker in self.retired:  # a unit it took before the driver retired it
@@ -416,9 +418,11 @@ class Driver:
                 path = self.journal.path
                 differs = (
                     f"the server of drafter {drafter!r} on {worker} differs from {whose} in "
-                    f"{path} ({'; '.join(changes)})"
+                    f"{path} ({CHANGES})"
                 )
                 begun = begun_unpinned(pinned, changes)
+                engine = self.campaign.engine
+                attached = engine.backend == "sglang" and bool(engine.sglang.url)
                 why = (
                     f"{differs}: {TWIN_CHANGED}"
                     if twin_changed(changes)
@@ -427,12 +431,14 @@ class Driver:
                     "another --out folder)"
                     if begun
                     else f"{differs}: its cells would compare more than the knob settings; "
-                    f"{restart_as_it_was(changes)}, or start over with --fresh"
+                    f"{restart_as_it_was(changes, attached)}, or start over with --fresh"
                     if own  # its own earlier server: a rerun's other SGLang or flags
                     else f"{differs}: the arms would compare more than their drafters; run "
                     "every drafter on the same SGLang and flags (engine.sglang.extra_args), or "
                     "start over with --fresh (or another --out)"
                 )
+                # The changes named give way to the remedy, which ends the line whole.
+                why = why.replace(CHANGES, listed_changes(changes, MAX_MESSAGE_CHARS - len(why)), 1)
                 self.refused = self.refused or why
                 self.retired.add(worker)
                 self.lost(worker, shipment.all_cells, why)

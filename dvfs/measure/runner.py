@@ -722,8 +722,10 @@ class Runner:
                     f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun with "
                     "--fresh (or into another --out folder)"
                 )
+            engine = self.campaign.engine
+            attached = engine.backend == "sglang" and bool(engine.sglang.url)
             fix = (
-                restart_as_it_was(changes)
+                restart_as_it_was(changes, attached)
                 if own
                 else "run every drafter on the same SGLang and flags (engine.sglang.extra_args)"
             )

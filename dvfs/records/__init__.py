@@ -44,6 +44,7 @@ from dvfs.records.session import (
     env_changes,
     incomparable,
     journal_prompts,
+    listed_changes,
     mixed_within,
     only_env_changed,
     prompt_changes,
@@ -102,6 +103,7 @@ __all__ = [
     "recorded_env_prefixes",
     "server_env_of",
     "what_differs",
+    "listed_changes",
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -591,16 +591,39 @@ def what_differs(changes: Iterable[str]) -> str:
     )
 
 
-def restart_as_it_was(changes: Iterable[str]) -> str:
+#: Where a refusal's line names its changes, filled in (`listed_changes`) once the rest of
+#: the line is known.
+CHANGES = "\x00changes\x00"
+
+
+def listed_changes(changes: Sequence[str], room: int) -> str:
+    """`changes` joined, as many as fit in `room` characters, the rest counted ("; and 3
+    more"), so that a line naming them keeps, within an error line's bound
+    (`MAX_MESSAGE_CHARS`), the remedy that follows them."""
+    for shown in range(len(changes), 0, -1):
+        more = len(changes) - shown
+        text = "; ".join(changes[:shown]) + (f"; and {more} more" if more else "")
+        if len(text) <= room:
+            return text
+    return f"{len(changes)} differences"
+
+
+def restart_as_it_was(changes: Iterable[str], attached: bool = False) -> str:
     """What brings back a drafter's server that differs from its own earlier one in `changes`
     (`server_changes`): the same SGLang and flags, and where the memory fraction differs, why
-    it may have though no flag changed."""
+    it may have though no flag changed. `attached`: a server dvfs attached to
+    (engine.sglang.url), started by its user's own command, not engine.sglang.server_command."""
     why = ""
     if any(change.startswith("mem_fraction_static: ") for change in changes):
         # SGLang 0.5.23 memory_hook.py `handle_gpu_memory_settings` reads every GPU's memory
         why = (
             "; SGLang also sizes an unset mem_fraction_static by the host's smallest GPU, "
             "whatever CUDA_VISIBLE_DEVICES"
+        )
+    if attached:
+        return (
+            "restart the server at engine.sglang.url as it was (the same SGLang, and the same "
+            f"flags and environment it was started with{why})"
         )
     return (
         "start it as it was (the same SGLang, and the same flags from "
