@@ -570,6 +570,17 @@ def serve(port: int, config: Path, *argv: str) -> subprocess.Popen[bytes]:
     )
 
 
+def attached_campaign(tmp_path: Path, port: int, **fields: str) -> tuple[Path, str]:
+    """The stub campaign of drafter 'none' alone, attached to the server at `port`
+    (engine.sglang.url), with `fields` as `stub_campaign` takes them."""
+    return stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        **fields,
+    )
+
+
 def sweep_replacing_the_server(  # type: ignore[no-untyped-def]
     monkeypatch, path: Path, out: Path, attached: tuple[int, Path], argv, replacement
 ):
@@ -625,10 +636,9 @@ def test_an_attached_server_must_serve_the_campaigns_model_and_drafter(
     tmp_path: Path, attached: tuple[int, Path], model: str | None, algorithm: str | None, refusal
 ) -> None:
     port, config = attached
-    path, marker = stub_campaign(
+    path, marker = attached_campaign(
         tmp_path,
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        port,
         **ONE_SETTING,
     )
     argv = ["--model-path", model or marker]
@@ -664,10 +674,9 @@ def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     restarted the same command resumes it."""
 
     port, config = attached
-    path, marker = stub_campaign(
+    path, marker = attached_campaign(
         tmp_path,
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        port,
         batch="[1]",
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
         measurement_extra="repeats = 2",
@@ -715,10 +724,9 @@ def test_an_attached_server_restarted_without_its_seed_is_told_the_seed_to_resta
     (which draws another); restarted with that seed, the sweep goes on (exit 0)."""
 
     port, config = attached
-    path, marker = stub_campaign(
+    path, marker = attached_campaign(
         tmp_path,
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        port,
         batch="[1]",
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
     )
@@ -757,10 +765,9 @@ def test_an_attached_server_replaced_by_one_capping_the_batch_stops_the_sweep(
 
     port, config = attached
     config.write_text(json.dumps({"version": "0.5.9", "max_lifetime_s": 60, "tpot_s": 0.004}))
-    path, marker = stub_campaign(
+    path, marker = attached_campaign(
         tmp_path,
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        port,
         batch="[1, 4]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
         measurement_extra="repeats = 2",
@@ -1537,10 +1544,9 @@ def test_an_attached_server_replaced_by_one_of_many_other_flags_ends_in_its_reme
     sweep's line (cut at MAX_MESSAGE_CHARS) ended inside the changes it named, its remedy
     (restart it as it was) lost. It names as many as fit, counts the rest, and ends whole."""
     port, _ = attached
-    path, marker = stub_campaign(
+    path, marker = attached_campaign(
         tmp_path,
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        port,
         batch="[1]",
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
     )
@@ -1598,10 +1604,9 @@ def test_a_resume_refused_on_its_attached_server_says_to_restart_that_server(
     engine.sglang.server_command and env", which dvfs does not use for a server it attaches
     to. It says to restart the server at engine.sglang.url as it was."""
     port, config = attached
-    path, marker = stub_campaign(
+    path, marker = attached_campaign(
         tmp_path,
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        port,
         batch="[1]",
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
     )

@@ -371,16 +371,10 @@ def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(shared_run, tmp_path: 
     assert ok.values.tolist() == [72, 50]
 
 
-@pytest.mark.timeout(300)
-def test_a_fleet_rerun_whose_drafter_runs_on_other_flags_says_to_run_them_on_the_same(
-    tmp_path: Path,
-) -> None:
-    """A fleet's rerun of a folder that holds drafter 'none''s server and cells, whose
-    `server_command` wrapper now adds --dtype float16 to the speculative drafter's server
-    only: the worker is retired at that server, which differs from the other drafter's, in a
-    line that said "its cells would compare software, not settings; run the earlier engine"
-    (no engine changed). It says, as one GPU's sweep does, that the arms would compare more
-    than their drafters and to run every drafter on the same SGLang and flags."""
+def _rerun_with_flags_on_the_speculative_drafter(tmp_path: Path, flags: str) -> tuple[str, Path]:
+    """A fleet's sweep of the stub campaign through a pass-through wrapper, its journal cut
+    before drafter 'eagle3''s server, rerun where the wrapper adds `flags` to the speculative
+    drafter's server only, refused (exit 1): the last line, and the stub's marker."""
     wrapper = tmp_path / "wrap.sh"
     wrapper.write_text('#!/bin/sh\nexec "$@"\n')
     wrapper.chmod(0o755)
@@ -393,11 +387,24 @@ def test_a_fleet_rerun_whose_drafter_runs_on_other_flags_says_to_run_them_on_the
     half.mkdir()
     (half / "journal.jsonl").write_text("".join(lines[:cut]))
     wrapper.write_text(
-        '#!/bin/sh\ncase "$*" in *speculative*) exec "$@" --dtype float16;; *) exec "$@";; esac\n'
+        f'#!/bin/sh\ncase "$*" in *speculative*) exec "$@" {flags};; *) exec "$@";; esac\n'
     )
     refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
     assert refused.exit_code == 1, refused.output
-    line = refused.output.strip().splitlines()[-1]
+    return refused.output.strip().splitlines()[-1], marker
+
+
+@pytest.mark.timeout(300)
+def test_a_fleet_rerun_whose_drafter_runs_on_other_flags_says_to_run_them_on_the_same(
+    tmp_path: Path,
+) -> None:
+    """A fleet's rerun of a folder that holds drafter 'none''s server and cells, whose
+    `server_command` wrapper now adds --dtype float16 to the speculative drafter's server
+    only: the worker is retired at that server, which differs from the other drafter's, in a
+    line that said "its cells would compare software, not settings; run the earlier engine"
+    (no engine changed). It says, as one GPU's sweep does, that the arms would compare more
+    than their drafters and to run every drafter on the same SGLang and flags."""
+    line, marker = _rerun_with_flags_on_the_speculative_drafter(tmp_path, "--dtype float16")
     assert "drafter 'none''s" in line and "dtype" in line, line
     assert "the arms would compare more than their drafters" in line, line
     assert "run every drafter on the same SGLang and flags (engine.sglang.extra_args)" in line
@@ -424,23 +431,7 @@ def test_a_fleet_rerun_whose_drafter_runs_on_many_other_flags_ends_in_its_remedy
     MAX_MESSAGE_CHARS) ended inside the changes it named ("...: the arms would compare more
     than their dra..."), its remedy lost. It names as many as fit, counts the rest, and ends
     whole in its remedy."""
-    wrapper = tmp_path / "wrap.sh"
-    wrapper.write_text('#!/bin/sh\nexec "$@"\n')
-    wrapper.chmod(0o755)
-    path, marker = stub_campaign(tmp_path, batch="[1]", wrapper=(str(wrapper),))
-    full = tmp_path / "full"
-    assert sweep(str(path), "--gpus", "0-1", "--out", str(full)).exit_code == 0
-    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
-    cut = next(i for i, line in enumerate(lines) if '"type":"server"' in line and "eagle3" in line)
-    half = tmp_path / "half"
-    half.mkdir()
-    (half / "journal.jsonl").write_text("".join(lines[:cut]))
-    wrapper.write_text(
-        f'#!/bin/sh\ncase "$*" in *speculative*) exec "$@" {MANY_FLAGS};; *) exec "$@";; esac\n'
-    )
-    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
-    assert refused.exit_code == 1, refused.output
-    line = refused.output.strip().splitlines()[-1]
+    line, marker = _rerun_with_flags_on_the_speculative_drafter(tmp_path, MANY_FLAGS)
     assert "drafter 'none''s" in line and "(chunked_prefill_size): 8192 -> 4096" in line, line
     assert " more): the arms would compare more than their drafters" in line, line
     assert line.endswith(
