@@ -289,6 +289,7 @@ def test_a_fleet_rerun_whose_wrapper_adds_a_flag_says_to_start_the_server_as_it_
     assert "start it as it was (the same SGLang, and the same flags" in line, line
     assert "compare software" not in line and "run the earlier engine" not in line, line
     assert "sizes an unset mem_fraction_static by the host's smallest GPU" in line, line
+    assert line.endswith("or start over with --fresh (or another --out)"), line
     assert not running(marker)
 
 

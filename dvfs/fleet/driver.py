@@ -431,7 +431,8 @@ class Driver:
                     "another --out folder)"
                     if begun
                     else f"{differs}: its cells would compare more than the knob settings; "
-                    f"{restart_as_it_was(changes, attached)}, or start over with --fresh"
+                    f"{restart_as_it_was(changes, attached)}, or start over with --fresh (or "
+                    "another --out)"
                     if own  # its own earlier server: a rerun's other SGLang or flags
                     else f"{differs}: the arms would compare more than their drafters; run "
                     "every drafter on the same SGLang and flags (engine.sglang.extra_args), or "
