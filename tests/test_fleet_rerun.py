@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -262,6 +263,39 @@ def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
         build_cube(half / "journal.jsonl")
 
 
+def _fleet_rerun_rewrapped(
+    tmp_path: Path, wrapped: str, cut_before: Callable[[str], bool], nth: int = 0
+) -> tuple[str, str]:
+    """A fleet's sweep of the stub campaign through a pass-through wrapper, its journal cut
+    before the `nth` line `cut_before` picks, rerun where the wrapper's line is `wrapped`,
+    refused (exit 1): the last line, and the stub's marker."""
+    wrapper = tmp_path / "wrap.sh"
+    wrapper.write_text('#!/bin/sh\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    path, marker = stub_campaign(tmp_path, batch="[1]", wrapper=(str(wrapper),))
+    full = tmp_path / "full"
+    assert sweep(str(path), "--gpus", "0-1", "--out", str(full)).exit_code == 0
+    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if cut_before(line)][nth]
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "journal.jsonl").write_text("".join(lines[:cut]))
+    wrapper.write_text(f"#!/bin/sh\n{wrapped}\n")
+    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
+    assert refused.exit_code == 1, refused.output
+    return refused.output.strip().splitlines()[-1], marker
+
+
+def _rerun_with_flags_on_the_speculative_drafter(tmp_path: Path, flags: str) -> tuple[str, str]:
+    """As `_fleet_rerun_rewrapped`, the journal cut before drafter 'eagle3''s server and the
+    wrapper adding `flags` to the speculative drafter's server only."""
+    return _fleet_rerun_rewrapped(
+        tmp_path,
+        f'case "$*" in *speculative*) exec "$@" {flags};; *) exec "$@";; esac',
+        lambda line: '"type":"server"' in line and "eagle3" in line,
+    )
+
+
 @pytest.mark.timeout(300)
 def test_a_fleet_rerun_whose_wrapper_adds_a_flag_says_to_start_the_server_as_it_was(
     tmp_path: Path,
@@ -270,21 +304,9 @@ def test_a_fleet_rerun_whose_wrapper_adds_a_flag_says_to_start_the_server_as_it_
     --mem-fraction-static: the workers are retired at their first server, in one line naming
     the arg, which said "its cells would compare software, not settings; run the earlier
     engine" (no engine changed). It says to start the server as it was, its flags too."""
-    wrapper = tmp_path / "wrap.sh"
-    wrapper.write_text('#!/bin/sh\nexec "$@"\n')
-    wrapper.chmod(0o755)
-    path, marker = stub_campaign(tmp_path, batch="[1]", wrapper=(str(wrapper),))
-    full = tmp_path / "full"
-    assert sweep(str(path), "--gpus", "0-1", "--out", str(full)).exit_code == 0
-    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
-    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][3]
-    half = tmp_path / "half"
-    half.mkdir()
-    (half / "journal.jsonl").write_text("".join(lines[:cut]))
-    wrapper.write_text('#!/bin/sh\nexec "$@" --mem-fraction-static 0.6\n')
-    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
-    assert refused.exit_code == 1, refused.output
-    line = refused.output.strip().splitlines()[-1]
+    line, marker = _fleet_rerun_rewrapped(
+        tmp_path, 'exec "$@" --mem-fraction-static 0.6', lambda line: '"type":"cell"' in line, 3
+    )
     assert "mem_fraction_static: None -> 0.6" in line, line
     assert "start it as it was (the same SGLang, and the same flags" in line, line
     assert "compare software" not in line and "run the earlier engine" not in line, line
@@ -370,29 +392,6 @@ def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(shared_run, tmp_path: 
     cells = [d for d in merged["cell_status"].dims if d != "gpu"]
     ok = (merged["cell_status"] == STATUS_OK).sum(cells)
     assert ok.values.tolist() == [72, 50]
-
-
-def _rerun_with_flags_on_the_speculative_drafter(tmp_path: Path, flags: str) -> tuple[str, Path]:
-    """A fleet's sweep of the stub campaign through a pass-through wrapper, its journal cut
-    before drafter 'eagle3''s server, rerun where the wrapper adds `flags` to the speculative
-    drafter's server only, refused (exit 1): the last line, and the stub's marker."""
-    wrapper = tmp_path / "wrap.sh"
-    wrapper.write_text('#!/bin/sh\nexec "$@"\n')
-    wrapper.chmod(0o755)
-    path, marker = stub_campaign(tmp_path, batch="[1]", wrapper=(str(wrapper),))
-    full = tmp_path / "full"
-    assert sweep(str(path), "--gpus", "0-1", "--out", str(full)).exit_code == 0
-    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
-    cut = next(i for i, line in enumerate(lines) if '"type":"server"' in line and "eagle3" in line)
-    half = tmp_path / "half"
-    half.mkdir()
-    (half / "journal.jsonl").write_text("".join(lines[:cut]))
-    wrapper.write_text(
-        f'#!/bin/sh\ncase "$*" in *speculative*) exec "$@" {flags};; *) exec "$@";; esac\n'
-    )
-    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
-    assert refused.exit_code == 1, refused.output
-    return refused.output.strip().splitlines()[-1], marker
 
 
 @pytest.mark.timeout(300)
