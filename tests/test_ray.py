@@ -1342,28 +1342,25 @@ def test_a_signal_while_the_actors_open_names_the_reset_their_node_told(monkeypa
     assert "run `dvfs gpu reset --state-dir /s` on n1 once the GPU answers again" in line, line
 
 
-def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -> None:
-    """Real GPUs on two nodes, one whose $DVFS_STATE_DIR keeps the state files (its reset needs
-    --state-dir, `sudo` dropping the variable), the other the default: the actor on the first
-    dies as it opens, after it told its node's reset. The line said a plain `dvfs gpu reset`
-    there (the nodes' commands differ), which finds no state file on that node: it names the
-    one the dead actor told."""
-    from dvfs.fleet.ray_executor import RayExecutor
+class ActorDiedError(Exception):
+    """Stands in for Ray's error of an actor that died (its name is what the lines show)."""
 
-    class ActorDiedError(Exception):
-        pass
+
+def _actors_n1_dies_opening(told: dict[str, str]):  # type: ignore[no-untyped-def]
+    """A stand-in actor class (one actor a label of `told`, in its order, each telling its
+    node's reset command) and `ray.get`, where actor n1/gpu0 dies as it opens."""
 
     class Actor:
-        def __init__(self, label: str, command: str) -> None:
+        def __init__(self, label: str) -> None:
             self.open = types.SimpleNamespace(remote=lambda: ("open", label))
             self.close = types.SimpleNamespace(remote=lambda: ("close", label))
             self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", label))
-            told = (label.split("/")[0], command)
-            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", told))
+            node = (label.split("/")[0], told[label])
+            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", node))
 
-    made = iter([("n1/gpu0", "`dvfs gpu reset --state-dir /s`"), ("n2/gpu0", "`dvfs gpu reset`")])
+    made = iter(told)
     actor_class = types.SimpleNamespace(
-        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(*next(made)))
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(made)))
     )
 
     def get(ref, timeout=None):  # type: ignore[no-untyped-def]
@@ -1377,6 +1374,20 @@ def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -
             return []
         return None if ref[0] == "close" else ref[1]
 
+    return actor_class, get
+
+
+def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -> None:
+    """Real GPUs on two nodes, one whose $DVFS_STATE_DIR keeps the state files (its reset needs
+    --state-dir, `sudo` dropping the variable), the other the default: the actor on the first
+    dies as it opens, after it told its node's reset. The line said a plain `dvfs gpu reset`
+    there (the nodes' commands differ), which finds no state file on that node: it names the
+    one the dead actor told."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    actor_class, get = _actors_n1_dies_opening(
+        {"n1/gpu0": "`dvfs gpu reset --state-dir /s`", "n2/gpu0": "`dvfs gpu reset`"}
+    )
     fake, fleet = fake_ray_fleet(
         actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2
     )
@@ -1395,33 +1406,9 @@ def test_an_observe_only_actor_that_dies_names_no_settings_kept_nor_reset(actuat
     and nothing is noted as left unrestored."""
     from dvfs.fleet.ray_executor import RayExecutor
 
-    class ActorDiedError(Exception):
-        pass
-
-    class Actor:
-        def __init__(self, label: str) -> None:
-            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
-            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
-            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", label))
-            told = (label.split("/")[0], "`dvfs gpu reset`")
-            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", told))
-
-    made = iter(["n1/gpu0", "n2/gpu0"])
-    actor_class = types.SimpleNamespace(
-        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(made)))
+    actor_class, get = _actors_n1_dies_opening(
+        {"n1/gpu0": "`dvfs gpu reset`", "n2/gpu0": "`dvfs gpu reset`"}
     )
-
-    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
-        if isinstance(ref, list):
-            return [get(r) for r in ref]
-        if ref == ("open", "n1/gpu0"):
-            raise ActorDiedError("The actor died unexpectedly before finishing this task.")
-        if ref[0] == "open":
-            return {"worker": ref[1]}
-        if ref[0] == "unrestored":
-            return []
-        return None if ref[0] == "close" else ref[1]
-
     fake, fleet = fake_ray_fleet(
         actor_class,
         get,
