@@ -79,6 +79,7 @@ from dvfs.engines.sglang_client import (
     hung_probe_s,
 )
 from dvfs.errors import (
+    MAX_MESSAGE_CHARS,
     CorpusError,
     CorpusUnavailableError,
     EngineCrashedError,
@@ -723,7 +724,6 @@ class SglangEngine:
         attached one's record, and compare with the drafter's earlier cells in more than the
         knob setting. Compared as two servers of one journal are (`arm_changes` and
         `server_changes`); refused with `ServerReplacedError`, which stops the sweep."""
-        from dvfs.errors import MAX_MESSAGE_CHARS
         from dvfs.records import ARMS_PINNED, arm_changes, listed_changes, server_changes
         from dvfs.records.session import CHANGES
 
