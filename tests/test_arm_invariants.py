@@ -24,6 +24,7 @@ from sglang_support import REPO, STUB, running, stub_campaign
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
 from dvfs.cube import open_cube, write_cube
+from dvfs.errors import MAX_MESSAGE_CHARS
 from dvfs.measure.journal import read_records
 from dvfs.records import (
     ARM_ARGS,
@@ -261,8 +262,28 @@ ENGINE_ARG_CHANGES: list[tuple[list[str], str]] = [
 ]
 
 
+def _resumed_with_every_engine_arg_flag(tmp_path: Path, factory: pytest.TempPathFactory) -> str:
+    """`swept_two_drafters` cut after its first drafter and resumed with every flag of
+    `ENGINE_ARG_CHANGES` added to its server command: the other drafter's server is refused,
+    its cell failed (exit 5), nothing of it journalled, no server left running. Returns the
+    failed cell's error."""
+    path, marker, out = swept_two_drafters(tmp_path, factory)
+    other = keep_first_drafter(out / "journal.jsonl")
+    command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
+    flags = [flag for case, _ in ENGINE_ARG_CHANGES for flag in case]
+    added = "".join(f", {json.dumps(flag)}" for flag in flags)
+    path.write_text(replace_block(path.read_text(), command, command + added))
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    records = read_records(out / "journal.jsonl")
+    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
+    assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
+    assert running(marker) == []
+    return str(failed["error"])
+
+
 def test_a_server_resolving_other_engine_args_is_refused(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server command is operational (it may change between runs): one that adds
     --dtype float16 serves the second drafter with another dtype than the first's, one that
@@ -274,21 +295,28 @@ def test_a_server_resolving_other_engine_args_is_refused(
     Every flag of `ENGINE_ARG_CHANGES` is added to one server command, which one resume starts:
     the refusal names every arg that differs (`arm_changes` compares each one on its own), so
     each change is checked in the one refusal, where a case per flag paid a server start and
-    a resume for each (the same path twenty times)."""
-    path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
-    other = keep_first_drafter(out / "journal.jsonl")
-    command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
-    flags = [flag for case, _ in ENGINE_ARG_CHANGES for flag in case]
-    added = "".join(f", {json.dumps(flag)}" for flag in flags)
-    path.write_text(replace_block(path.read_text(), command, command + added))
-    again = sweep(path, out)
-    assert again.exit_code == 5, again.output
-    records = read_records(out / "journal.jsonl")
-    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
-    missing = [change for _, change in ENGINE_ARG_CHANGES if change not in failed["error"]]
-    assert missing == [], failed["error"]
-    assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
-    assert running(marker) == []
+    a resume for each (the same path twenty times). The line's bound is raised so that it
+    names them all (at the bound it counts the rest: the test below)."""
+    monkeypatch.setattr("dvfs.measure.runner.MAX_MESSAGE_CHARS", 100_000)
+    error = _resumed_with_every_engine_arg_flag(tmp_path, tmp_path_factory)
+    missing = [change for _, change in ENGINE_ARG_CHANGES if change not in error]
+    assert missing == [], error
+
+
+def test_a_server_refused_for_many_engine_args_names_what_fits_and_ends_in_its_remedy(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The resume above, at the bound of an error line: the refused drafter's cell's error
+    (journalled, and said as the sweep goes) named every change, unbounded (1,456
+    characters). It names as many as fit, counts the rest, and ends whole in its remedy,
+    within MAX_MESSAGE_CHARS."""
+    error = _resumed_with_every_engine_arg_flag(tmp_path, tmp_path_factory)
+    assert len(error) <= MAX_MESSAGE_CHARS, error
+    assert error.startswith("server start failed: the "), error
+    assert " server differs from the " in error, error
+    assert ENGINE_ARG_CHANGES[0][1] in error, error
+    assert re.search(r"; and \d+ more\): the arms would compare more than their drafters", error)
+    assert error.endswith("or start over with --fresh (or another --out)"), error
 
 
 def test_a_wrapper_adding_flags_after_dvfss_own_is_named_not_another_program(
