@@ -1659,3 +1659,48 @@ def test_a_resume_refused_on_its_attached_server_says_to_restart_that_server(
         assert "restart the server at engine.sglang.url as it was" in said, said
         assert "engine.sglang.server_command" not in said, said
         assert "by the host's smallest GPU" in said, said
+
+
+def test_a_fleets_folder_resumed_on_its_attached_server_restarted_otherwise_says_to_restart_it(
+    tmp_path: Path, attached: tuple[int, Path]
+) -> None:
+    """A fleet's folder (`--gpus 0-1`, its servers started by dvfs) resumed by a fleet of one
+    (`--gpus 0`) attached to a server (engine.sglang.url) started by hand with --dtype
+    float16: refused, as its drafter's server differs from the one that measured its cells.
+    The line said it differed from "drafter 'none''s" server, that the arms would compare more
+    than their drafters, and to run every drafter on the same flags (engine.sglang.extra_args),
+    which reach no attached server. It says, as one GPU's sweep does, to restart the server at
+    engine.sglang.url as it was; restarted so, the resume finishes."""
+    port, config = attached
+    path, marker = attached_campaign(
+        tmp_path, port, batch="[1]", knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0"
+    )
+    url = f'url = "http://127.0.0.1:{port}"'
+    path.write_text(path.read_text().replace(url, ""))  # the fleet's servers: dvfs's own
+    out = tmp_path / "out"
+    args = ["sweep", str(path), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 0
+    journal = out / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][1]
+    journal.write_text("".join(lines[:cut]))
+    path.write_text(path.read_text().replace("[engine.sglang]\n", f"[engine.sglang]\n{url}\n"))
+    # As dvfs started the journal's servers: the campaign's seed, running requests capped
+    argv = ("--model-path", marker, "--random-seed", "0", "--max-running-requests", "1")
+    args[3] = "0"
+    for extra in (("--dtype", "float16"), ()):
+        server = serve(port, config, *argv, *extra)
+        try:
+            result = CliRunner().invoke(cli, args, catch_exceptions=False)
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+        if extra:
+            assert result.exit_code == 1, result.output
+            line = last_line(result)
+            assert "differs from the one that measured its cells" in line, line
+            assert "dtype (dtype): None -> 'float16'" in line, line
+            assert "restart the server at engine.sglang.url as it was" in line, line
+            assert "extra_args" not in line and "drafter 'none''s" not in line, line
+    assert result.exit_code == 0, result.output
+    assert running(marker) == []
