@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -1136,6 +1137,32 @@ def test_a_shell_line_wrapper_records_the_value_the_shell_sets(tmp_path: Path) -
     refused = sweep(path, out)
     assert refused.exit_code == 1, refused.output
     assert "(server environment CUDA_LAUNCH_BLOCKING: '1' -> '0')" in last_line(refused)
+    assert running(marker) == []
+
+
+def test_a_wrapper_setting_a_value_with_spaces_records_it_whole(tmp_path: Path) -> None:
+    """`env "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, garbage_collection_threshold:0.6"
+    python ...` (the wrapper's line as a shell splits it, shlex): env sets the whole value,
+    spaces and all (PyTorch's allocator skips them). It was recorded cut at its first space,
+    as if a shell line ('expandable_segments:True,'), so a resume whose wrapper set another
+    threshold went on unrefused (exit 0). It is recorded whole, and that resume refused."""
+    value = "expandable_segments:True, garbage_collection_threshold:0.6"
+    wrapper = shlex.split(f'env "PYTORCH_CUDA_ALLOC_CONF={value}"')
+    path, marker = stub_campaign(
+        tmp_path, drafters=TWO_DRAFTERS, wrapper=tuple(wrapper), **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert session["server_env"]["PYTORCH_CUDA_ALLOC_CONF"] == value
+    keep_first_drafter(journal)
+    path.write_text(path.read_text().replace("threshold:0.6", "threshold:0.9"))
+    refused = sweep(path, out)
+    assert refused.exit_code == 1, refused.output
+    changed = value.replace("0.6", "0.9")
+    said = f"(server environment PYTORCH_CUDA_ALLOC_CONF: {value!r} -> {changed!r})"
+    assert said in last_line(refused), refused.output
     assert running(marker) == []
 
 
