@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from sglang_support import REPO, STUB, running, stub_campaign
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
 from dvfs.cube import open_cube, write_cube
+from dvfs.errors import MAX_MESSAGE_CHARS
 from dvfs.measure.journal import read_records
 from dvfs.records import (
     ARM_ARGS,
@@ -261,8 +263,28 @@ ENGINE_ARG_CHANGES: list[tuple[list[str], str]] = [
 ]
 
 
+def _resumed_with_every_engine_arg_flag(tmp_path: Path, factory: pytest.TempPathFactory) -> str:
+    """`swept_two_drafters` cut after its first drafter and resumed with every flag of
+    `ENGINE_ARG_CHANGES` added to its server command: the other drafter's server is refused,
+    its cell failed (exit 5), nothing of it journalled, no server left running. Returns the
+    failed cell's error."""
+    path, marker, out = swept_two_drafters(tmp_path, factory)
+    other = keep_first_drafter(out / "journal.jsonl")
+    command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
+    flags = [flag for case, _ in ENGINE_ARG_CHANGES for flag in case]
+    added = "".join(f", {json.dumps(flag)}" for flag in flags)
+    path.write_text(replace_block(path.read_text(), command, command + added))
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    records = read_records(out / "journal.jsonl")
+    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
+    assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
+    assert running(marker) == []
+    return str(failed["error"])
+
+
 def test_a_server_resolving_other_engine_args_is_refused(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server command is operational (it may change between runs): one that adds
     --dtype float16 serves the second drafter with another dtype than the first's, one that
@@ -274,21 +296,28 @@ def test_a_server_resolving_other_engine_args_is_refused(
     Every flag of `ENGINE_ARG_CHANGES` is added to one server command, which one resume starts:
     the refusal names every arg that differs (`arm_changes` compares each one on its own), so
     each change is checked in the one refusal, where a case per flag paid a server start and
-    a resume for each (the same path twenty times)."""
-    path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
-    other = keep_first_drafter(out / "journal.jsonl")
-    command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
-    flags = [flag for case, _ in ENGINE_ARG_CHANGES for flag in case]
-    added = "".join(f", {json.dumps(flag)}" for flag in flags)
-    path.write_text(replace_block(path.read_text(), command, command + added))
-    again = sweep(path, out)
-    assert again.exit_code == 5, again.output
-    records = read_records(out / "journal.jsonl")
-    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
-    missing = [change for _, change in ENGINE_ARG_CHANGES if change not in failed["error"]]
-    assert missing == [], failed["error"]
-    assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
-    assert running(marker) == []
+    a resume for each (the same path twenty times). The line's bound is raised so that it
+    names them all (at the bound it counts the rest: the test below)."""
+    monkeypatch.setattr("dvfs.measure.runner.MAX_MESSAGE_CHARS", 100_000)
+    error = _resumed_with_every_engine_arg_flag(tmp_path, tmp_path_factory)
+    missing = [change for _, change in ENGINE_ARG_CHANGES if change not in error]
+    assert missing == [], error
+
+
+def test_a_server_refused_for_many_engine_args_names_what_fits_and_ends_in_its_remedy(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The resume above, at the bound of an error line: the refused drafter's cell's error
+    (journalled, and said as the sweep goes) named every change, unbounded (1,456
+    characters). It names as many as fit, counts the rest, and ends whole in its remedy,
+    within MAX_MESSAGE_CHARS."""
+    error = _resumed_with_every_engine_arg_flag(tmp_path, tmp_path_factory)
+    assert len(error) <= MAX_MESSAGE_CHARS, error
+    assert error.startswith("server start failed: the "), error
+    assert " server differs from the " in error, error
+    assert ENGINE_ARG_CHANGES[0][1] in error, error
+    assert re.search(r"; and \d+ more\): the arms would compare more than their drafters", error)
+    assert error.endswith("or start over with --fresh (or another --out)"), error
 
 
 def test_a_wrapper_adding_flags_after_dvfss_own_is_named_not_another_program(
@@ -1111,6 +1140,32 @@ def test_a_shell_line_wrapper_records_the_value_the_shell_sets(tmp_path: Path) -
     assert running(marker) == []
 
 
+def test_a_wrapper_setting_a_value_with_spaces_records_it_whole(tmp_path: Path) -> None:
+    """`env "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, garbage_collection_threshold:0.6"
+    python ...` (the wrapper's line as a shell splits it, shlex): env sets the whole value,
+    spaces and all (PyTorch's allocator skips them). It was recorded cut at its first space,
+    as if a shell line ('expandable_segments:True,'), so a resume whose wrapper set another
+    threshold went on unrefused (exit 0). It is recorded whole, and that resume refused."""
+    value = "expandable_segments:True, garbage_collection_threshold:0.6"
+    wrapper = shlex.split(f'env "PYTORCH_CUDA_ALLOC_CONF={value}"')
+    path, marker = stub_campaign(
+        tmp_path, drafters=TWO_DRAFTERS, wrapper=tuple(wrapper), **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert session["server_env"]["PYTORCH_CUDA_ALLOC_CONF"] == value
+    keep_first_drafter(journal)
+    path.write_text(path.read_text().replace("threshold:0.6", "threshold:0.9"))
+    refused = sweep(path, out)
+    assert refused.exit_code == 1, refused.output
+    changed = value.replace("0.6", "0.9")
+    said = f"(server environment PYTORCH_CUDA_ALLOC_CONF: {value!r} -> {changed!r})"
+    assert said in last_line(refused), refused.output
+    assert running(marker) == []
+
+
 def test_an_unrelated_variable_may_change_and_is_recorded_nowhere(tmp_path: Path) -> None:
     """HF_HOME and HF_TOKEN change between the runs of one sweep: the resume goes on, and
     neither value reaches the journal or the cube; the variables that change kernels
@@ -1631,3 +1686,48 @@ def test_a_resume_refused_on_its_attached_server_says_to_restart_that_server(
         assert "restart the server at engine.sglang.url as it was" in said, said
         assert "engine.sglang.server_command" not in said, said
         assert "by the host's smallest GPU" in said, said
+
+
+def test_a_fleets_folder_resumed_on_its_attached_server_restarted_otherwise_says_to_restart_it(
+    tmp_path: Path, attached: tuple[int, Path]
+) -> None:
+    """A fleet's folder (`--gpus 0-1`, its servers started by dvfs) resumed by a fleet of one
+    (`--gpus 0`) attached to a server (engine.sglang.url) started by hand with --dtype
+    float16: refused, as its drafter's server differs from the one that measured its cells.
+    The line said it differed from "drafter 'none''s" server, that the arms would compare more
+    than their drafters, and to run every drafter on the same flags (engine.sglang.extra_args),
+    which reach no attached server. It says, as one GPU's sweep does, to restart the server at
+    engine.sglang.url as it was; restarted so, the resume finishes."""
+    port, config = attached
+    path, marker = attached_campaign(
+        tmp_path, port, batch="[1]", knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0"
+    )
+    url = f'url = "http://127.0.0.1:{port}"'
+    path.write_text(path.read_text().replace(url, ""))  # the fleet's servers: dvfs's own
+    out = tmp_path / "out"
+    args = ["sweep", str(path), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 0
+    journal = out / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][1]
+    journal.write_text("".join(lines[:cut]))
+    path.write_text(path.read_text().replace("[engine.sglang]\n", f"[engine.sglang]\n{url}\n"))
+    # As dvfs started the journal's servers: the campaign's seed, running requests capped
+    argv = ("--model-path", marker, "--random-seed", "0", "--max-running-requests", "1")
+    args[3] = "0"
+    for extra in (("--dtype", "float16"), ()):
+        server = serve(port, config, *argv, *extra)
+        try:
+            result = CliRunner().invoke(cli, args, catch_exceptions=False)
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+        if extra:
+            assert result.exit_code == 1, result.output
+            line = last_line(result)
+            assert "differs from the one that measured its cells" in line, line
+            assert "dtype (dtype): None -> 'float16'" in line, line
+            assert "restart the server at engine.sglang.url as it was" in line, line
+            assert "extra_args" not in line and "drafter 'none''s" not in line, line
+    assert result.exit_code == 0, result.output
+    assert running(marker) == []

@@ -412,7 +412,12 @@ class Driver:
             for other in () if changes else self.servers.values():
                 changes = arm_changes(other, record, batches, pinned)
                 if changes:
-                    whose = f"drafter {other.get('drafter')!r}'s"
+                    # Its own drafter's earlier server (an arg it must share with every arm)
+                    # is brought back as it was, as one GPU's sweep says (an attached one is
+                    # restarted: no extra_args reach it).
+                    own = other.get("drafter") == drafter
+                    if not own:
+                        whose = f"drafter {other.get('drafter')!r}'s"
                     break
             if changes:
                 path = self.journal.path

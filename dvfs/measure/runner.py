@@ -22,6 +22,7 @@ from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, pool_hash, stable_seed
 from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload, load_of
 from dvfs.errors import (
+    MAX_MESSAGE_CHARS,
     CorpusError,
     EngineCrashedError,
     EngineError,
@@ -86,12 +87,14 @@ from dvfs.records import (
     arm_changes,
     begun_unpinned,
     journal_prompts,
+    listed_changes,
     now_iso,
     recorded_stock,
     restart_as_it_was,
     server_changes,
 )
 from dvfs.records.cell import EnergySplit
+from dvfs.records.session import CHANGES
 from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 from dvfs.version import __version__
 
@@ -99,6 +102,17 @@ if TYPE_CHECKING:
     from dvfs.measure.baseline import IdleBaseline
 
 log = logging.getLogger(__name__)
+
+#: What a cell's error says ahead of why its drafter's server did not start.
+START_FAILED = "server start failed: "
+
+
+def _listed(line: str, changes: Sequence[str], before: str = "") -> str:
+    """A refusal's `line` with its `changes` named where it says CHANGES, as many as fit: they
+    give way to the remedy, which ends the line whole within an error line's bound
+    (`MAX_MESSAGE_CHARS`), `before` (what is said ahead of the line) counted."""
+    room = MAX_MESSAGE_CHARS - len(before) - len(line)
+    return line.replace(CHANGES, listed_changes(changes, room), 1)
 
 
 def measurement_method(m: MeasurementConfig) -> str:
@@ -709,18 +723,21 @@ class Runner:
             own = drafter == other  # its own earlier server: a resume's other SGLang or flags
             served = (
                 f"the {drafter!r} server differs from the one that measured its cells in {path} "
-                f"({'; '.join(changes)}): its cells would compare more than the knob settings"
+                f"({CHANGES}): its cells would compare more than the knob settings"
                 if own
                 else f"the {drafter!r} server differs from the {other!r} server of {path} "
-                f"({'; '.join(changes)}): the arms would compare more than their drafters"
+                f"({CHANGES}): the arms would compare more than their drafters"
             )
             if twin_changed(changes):  # nor here: another twin measured the journal's cells
-                raise IncomparableCellsError(f"{served}; {TWIN_CHANGED}")
+                raise IncomparableCellsError(_listed(f"{served}; {TWIN_CHANGED}", changes))
             begun = begun_unpinned(pinned, changes)
             if begun:  # nothing this run could do: the whole sweep stops, as a fleet's does
                 raise IncomparableCellsError(
-                    f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun with "
-                    "--fresh (or into another --out folder)"
+                    _listed(
+                        f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun "
+                        "with --fresh (or into another --out folder)",
+                        changes,
+                    )
                 )
             engine = self.campaign.engine
             attached = engine.backend == "sglang" and bool(engine.sglang.url)
@@ -729,9 +746,9 @@ class Runner:
                 if own
                 else "run every drafter on the same SGLang and flags (engine.sglang.extra_args)"
             )
-            raise ServerRefusedError(
-                f"{served}; {fix}, or start over with --fresh (or another --out)", fix
-            )
+            # The line is each of the drafter's cells' error (`_server_for`), after its prefix.
+            line = f"{served}; {fix}, or start over with --fresh (or another --out)"
+            raise ServerRefusedError(_listed(line, changes, START_FAILED), fix)
 
     def _arms_pinned(self) -> tuple[str, ...]:
         """What the dvfs that began the journal gave every drafter alike (its header's
@@ -1183,7 +1200,7 @@ class Runner:
             try:
                 self._start_server(drafter)
             except EngineError as exc:
-                self._start_failures[drafter] = f"server start failed: {exc}"
+                self._start_failures[drafter] = f"{START_FAILED}{exc}"
                 if isinstance(exc, ServerRefusedError):  # a rerun alone would be refused again
                     self._refusals[drafter] = exc.fix
                 self._drafter = None

@@ -365,6 +365,9 @@ def server_env_of(env: Mapping[str, str]) -> dict[str, str]:
 #: A `NAME=VALUE` argument of a server command: what a wrapper such as `env NAME=VALUE` or
 #: `docker run -e NAME=VALUE` (`--env=NAME=VALUE`) sets in the server's environment.
 _ASSIGNMENT = re.compile(r"(?:--env=)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
+#: A shell's option whose next argument is a command line the shell reads (`sh -c LINE`,
+#: `bash -lc LINE`): only there is a `NAME=VALUE ...` argument split into words.
+_LINE_OPTION = re.compile(r"-[A-Za-z]*c[A-Za-z]*")
 
 
 def command_env(
@@ -374,14 +377,17 @@ def command_env(
     python -m sglang.launch_server`, `docker run -e NAME=VALUE ...`, a shell line `sh -c
     'NAME=VALUE exec python ...'` where `lines`) that a session records (`is_server_env`; those
     `keep` names otherwise), the last of a name winning: the server starts with them whatever
-    the environment dvfs hands the wrapper."""
+    the environment dvfs hands the wrapper. An argument is one word, spaces and all (`env
+    "NAME=a b"` sets NAME to "a b"), but for a shell's command line (after `-c`)."""
     found: dict[str, str] = {}
+    previous = current = ""
     for token in command:
-        match = _ASSIGNMENT.fullmatch(str(token))
+        previous, current = current, str(token)
+        match = _ASSIGNMENT.fullmatch(current)
         if match is None:
             continue
         name, value = match.groups()
-        words = _shell_words(value) if lines else None
+        words = _shell_words(value) if lines and _LINE_OPTION.fullmatch(previous) else None
         if words is not None:
             # A shell line (as `dvfs.redact` reads one): the shell sets NAME to the line's first
             # word, not to the rest of the line, whose own NAME=VALUE words it reads on.
