@@ -23,7 +23,7 @@ from sglang_support import REPO, STUB, running, stub_campaign
 
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
-from dvfs.cube import open_cube, write_cube
+from dvfs.cube import STATUS_OK, open_cube, write_cube
 from dvfs.measure.journal import read_records
 from dvfs.records import (
     ARM_ARGS,
@@ -670,8 +670,9 @@ def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     its /server_info anyway (the accept length), so the sweep stops at once, in one line
     naming the change and what to do (exit 1), rather than measuring and failing each later
     cell alike, or journalling them under the first server's record as if only the clock had
-    changed. The journal keeps the cell measured before, and with the original server
-    restarted the same command resumes it."""
+    changed. The journal keeps the cell measured before, written to a partial cube with the
+    GPUs' settings restored and said so, as a Ctrl-C's stop says it (it wrote neither), and
+    with the original server restarted the same command resumes it."""
 
     port, config = attached
     path, marker = attached_campaign(
@@ -700,6 +701,10 @@ def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     assert "restart it as it was and rerun the same command to resume" in error
     assert "--fresh" in error
     assert result.output.count("is not the one dvfs attached to") == 1
+    cube = tmp_path / "out" / "cube.nc"
+    assert f"partial cube written to {cube}" in result.output
+    assert "GPU settings restored." in result.output.splitlines()
+    assert int((open_cube(cube)["cell_status"].values == STATUS_OK).sum()) == 1
 
     monkeypatch.undo()
     original = serve(port, config, *argv)

@@ -519,6 +519,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
     """Run the sweep and report; returns the `SweepOutcome` (the caller picks the exit code:
     5 when cells failed)."""
     from dvfs.cli.progress import RichProgress
+    from dvfs.errors import ServerReplacedError
     from dvfs.signals import Interrupted, signals_raise
     from dvfs.sweep import SweepRestoreError, run_sweep
 
@@ -534,6 +535,12 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         restore_error = getattr(exc, "restore_error", None)
         if restore_error is not None:  # the restore the signal unwound to failed: why
             click.echo(f"Error: {one_line(str(restore_error))}", err=True)
+        raise
+    except ServerReplacedError:
+        # Stopped as an interrupted sweep is: the cells measured so far in a partial cube,
+        # the GPUs' settings said; its own line (the error) says what to restart and how to
+        # resume.
+        err.print(_after_interruption_told(err, campaign, out_dir, shard))
         raise
     except SweepRestoreError as exc:
         if exc.outcome is None:
