@@ -719,6 +719,57 @@ def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     assert len({(c["cell"]["sm_clock_mhz"], c["cell"]["repeat"]) for c in cells}) == 4
 
 
+def test_doctor_on_a_sweep_stopped_by_a_replaced_attached_server_says_what_its_resume_finds(
+    tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep stopped as its attached server was replaced (another started on its port with
+    --dtype float16): doctor, the replacement answering, said "ok engine" (it serves the
+    campaign's model and drafter), yet the resume refused it as unlike the server that
+    measured the journal's cells and failed every cell left (exit 5). Doctor now fails the
+    engine check in the resume's own words (the change, and to restart the server as it was),
+    exit 1; with the original server back it passes, and the resume measures the rest."""
+    from test_sglang_engine import _answering
+
+    port, config = attached
+    path, marker = attached_campaign(
+        tmp_path, port, batch="[1]", knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0"
+    )
+    argv = ("--model-path", marker, "--random-seed", "0")
+    out = tmp_path / "out"
+    replaced = ("--dtype", "float16")
+    stopped, _ = sweep_replacing_the_server(
+        monkeypatch, path, out, attached, argv, lambda _: replaced
+    )
+    assert stopped.exit_code == 1, stopped.output
+    monkeypatch.undo()
+
+    def doctor_then_resume(*extra: str) -> tuple[Result, dict[str, str], Result]:
+        server = serve(port, config, *argv, *extra)
+        try:
+            _answering(port)
+            checked = CliRunner().invoke(cli, ["doctor", str(path), "--out", str(out), "--json"])
+            [engine] = [c for c in json.loads(checked.stdout) if c["name"] == "engine"]
+            return checked, engine, sweep(path, out)
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+
+    checked, engine, resumed = doctor_then_resume(*replaced)
+    assert resumed.exit_code == 5, resumed.output
+    failed = [c for c in read_records(out / "journal.jsonl") if c["type"] == "cell"][-1]
+    refusal = failed["error"].removeprefix("server start failed: ")
+    assert "dtype (dtype): None -> 'float16'" in refusal, refusal
+    assert checked.exit_code == 1, checked.output
+    assert engine["status"] == "fail", engine
+    assert engine["detail"].startswith(refusal), engine
+    assert "restart the server at engine.sglang.url as it was" in engine["detail"]
+
+    checked, engine, resumed = doctor_then_resume()
+    assert checked.exit_code == 0, checked.output
+    assert engine["status"] == "ok", engine
+    assert resumed.exit_code == 0, resumed.output
+
+
 @pytest.mark.parametrize("advised", [False, True])
 def test_an_attached_server_restarted_without_its_seed_is_told_the_seed_to_restart_with(
     tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch, advised: bool
