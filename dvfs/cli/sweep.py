@@ -613,6 +613,7 @@ def run_fleet(
     """Run the sweep on one worker per GPU group and report each worker; returns the
     `FleetOutcome`."""
     from dvfs.cli.fleet_progress import RichFleetProgress
+    from dvfs.errors import ServerReplacedError
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
     from dvfs.preflight import fleet_models
@@ -647,11 +648,14 @@ def run_fleet(
                     else lambda: fleet_models(campaign, groups)
                 ),
             )
-    except (KeyboardInterrupt, Interrupted):
+    except (KeyboardInterrupt, Interrupted, ServerReplacedError) as exc:
         status = _after_interruption_told(err, campaign, out_dir, shard)
         if executor == "ray" and run_on.unrestored:
             status = _ray_unrestored(run_on.unrestored, resets=run_on.resets)
-        err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
+        if isinstance(exc, ServerReplacedError):  # its own line says how to resume
+            err.print(status, soft_wrap=True)
+        else:
+            err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
     report_fleet(outcome, fresh=fresh)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
