@@ -114,7 +114,9 @@ def check_campaign(
     )
     if _own_servers(campaign):
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
-    checks.append(_run("engine", lambda: _engine(campaign)))
+    # an attached server compared with the journal one server's sweep resumes, as it does
+    resumed = None if fleet else out_dir / JOURNAL_NAME
+    checks.append(_run("engine", lambda: _engine(campaign, resumed)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:  # dvfs starts SGLang
         checks.append(_run("models", lambda: _model_paths(campaign)))
         checks.append(_run("arms", lambda: _arms(campaign)))
@@ -645,7 +647,10 @@ def _tenants(gpu: Gpu, *, attached: str | None) -> Check:
     )
 
 
-def _engine(campaign: Campaign) -> tuple[str, str]:
+def _engine(campaign: Campaign, journal: Path | None = None) -> tuple[str, str]:
+    """The engine the sweep runs: the twin, an attached server (`journal`: the one the sweep
+    resumes, whose servers it must compare with, as the runner compares them), a server
+    command, or SGLang installed here."""
     if simulated_engine(campaign):
         # Its servers start, as SGLang's would: the weights fit the GPUs (exit 2 where not,
         # as the dry run says; the sweep's cells would fail at every server start).
@@ -658,10 +663,15 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
         from dvfs.engines.sglang import check_attached
         from dvfs.engines.sglang_args import server_keys
         from dvfs.engines.sglang_client import probe_server
+        from dvfs.preflight import resumed_server_refusal
 
-        return probe_server(
-            sg.url, *server_keys(campaign), check=lambda info: check_attached(campaign, info)
-        )
+        def check(info: dict[str, Any]) -> None:
+            check_attached(campaign, info)
+            refusal = None if journal is None else resumed_server_refusal(campaign, journal, info)
+            if refusal is not None:
+                raise refusal
+
+        return probe_server(sg.url, *server_keys(campaign), check=check)
     if sg.server_command:
         from dvfs.engines.sglang_args import server_env, unstartable
 

@@ -327,6 +327,47 @@ def resumed_stock_refusal(
     return refusal
 
 
+def resumed_server_refusal(
+    campaign: Campaign, journal: Path, info: dict[str, Any]
+) -> DvfsError | None:
+    """Why the sweep resuming `journal` would refuse the attached server (engine.sglang.url)
+    whose /server_info is `info`, as each of the campaign's drafters (that one server serves
+    them): it differs from the servers that measured the journal's cells, by the runner's own
+    rule at each server start (`dvfs.measure.runner.server_refusal`). None where it compares,
+    where there is no journal, or one the sweep would not resume (unreadable, another
+    campaign's: the output folder's check says why), or where the journal holds every cell
+    (`nothing_left`: the sweep starts no server)."""
+    from dvfs.engines.sglang import server_record_of
+    from dvfs.measure.journal import check_resumable, iter_records
+    from dvfs.measure.runner import server_refusal
+    from dvfs.records import Header
+
+    if not journal.is_file():
+        return None
+    first: dict[str, Any] | None = None
+    servers: list[dict[str, Any]] = []
+    try:
+        for record in iter_records(journal):
+            if first is None:
+                first = record
+            if record.get("type") == "server":
+                servers.append(record)
+        if first is None or not servers:
+            return None
+        check_resumable(journal, first, campaign)
+    except (JournalError, OSError):
+        return None
+    if nothing_left(campaign, journal.parent):
+        return None
+    pinned = Header.from_json(first).arms_pinned
+    for drafter in campaign.drafters:
+        record = server_record_of(drafter.name, info)
+        refusal = server_refusal(campaign, journal, servers, record, pinned)
+        if refusal is not None:
+            return refusal
+    return None
+
+
 def nothing_left(campaign: Campaign, out_dir: Path, models: Sequence[str] | None = None) -> bool:
     """Whether a sweep of `campaign` (a fleet's: on GPUs of `models`) into `out_dir` finds
     every cell of the share its journals hold measured, with no further repeat asked

@@ -24,7 +24,7 @@ from sglang_support import REPO, STUB, running, stub_campaign
 
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
-from dvfs.cube import open_cube, write_cube
+from dvfs.cube import STATUS_OK, open_cube, write_cube
 from dvfs.errors import MAX_MESSAGE_CHARS
 from dvfs.measure.journal import read_records
 from dvfs.records import (
@@ -699,8 +699,9 @@ def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     its /server_info anyway (the accept length), so the sweep stops at once, in one line
     naming the change and what to do (exit 1), rather than measuring and failing each later
     cell alike, or journalling them under the first server's record as if only the clock had
-    changed. The journal keeps the cell measured before, and with the original server
-    restarted the same command resumes it."""
+    changed. The journal keeps the cell measured before, written to a partial cube with the
+    GPUs' settings restored and said so, as a Ctrl-C's stop says it (it wrote neither), and
+    with the original server restarted the same command resumes it."""
 
     port, config = attached
     path, marker = attached_campaign(
@@ -729,6 +730,10 @@ def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     assert "restart it as it was and rerun the same command to resume" in error
     assert "--fresh" in error
     assert result.output.count("is not the one dvfs attached to") == 1
+    cube = tmp_path / "out" / "cube.nc"
+    assert f"partial cube written to {cube}" in result.output
+    assert "GPU settings restored." in result.output.splitlines()
+    assert int((open_cube(cube)["cell_status"].values == STATUS_OK).sum()) == 1
 
     monkeypatch.undo()
     original = serve(port, config, *argv)
@@ -741,6 +746,57 @@ def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     cells = [r for r in read_records(journal) if r["type"] == "cell"]
     assert [c["status"] for c in cells] == ["ok"] * 4
     assert len({(c["cell"]["sm_clock_mhz"], c["cell"]["repeat"]) for c in cells}) == 4
+
+
+def test_doctor_on_a_sweep_stopped_by_a_replaced_attached_server_says_what_its_resume_finds(
+    tmp_path: Path, attached: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep stopped as its attached server was replaced (another started on its port with
+    --dtype float16): doctor, the replacement answering, said "ok engine" (it serves the
+    campaign's model and drafter), yet the resume refused it as unlike the server that
+    measured the journal's cells and failed every cell left (exit 5). Doctor now fails the
+    engine check in the resume's own words (the change, and to restart the server as it was),
+    exit 1; with the original server back it passes, and the resume measures the rest."""
+    from test_sglang_engine import _answering
+
+    port, config = attached
+    path, marker = attached_campaign(
+        tmp_path, port, batch="[1]", knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0"
+    )
+    argv = ("--model-path", marker, "--random-seed", "0")
+    out = tmp_path / "out"
+    replaced = ("--dtype", "float16")
+    stopped, _ = sweep_replacing_the_server(
+        monkeypatch, path, out, attached, argv, lambda _: replaced
+    )
+    assert stopped.exit_code == 1, stopped.output
+    monkeypatch.undo()
+
+    def doctor_then_resume(*extra: str) -> tuple[Result, dict[str, str], Result]:
+        server = serve(port, config, *argv, *extra)
+        try:
+            _answering(port)
+            checked = CliRunner().invoke(cli, ["doctor", str(path), "--out", str(out), "--json"])
+            [engine] = [c for c in json.loads(checked.stdout) if c["name"] == "engine"]
+            return checked, engine, sweep(path, out)
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+
+    checked, engine, resumed = doctor_then_resume(*replaced)
+    assert resumed.exit_code == 5, resumed.output
+    failed = [c for c in read_records(out / "journal.jsonl") if c["type"] == "cell"][-1]
+    refusal = failed["error"].removeprefix("server start failed: ")
+    assert "dtype (dtype): None -> 'float16'" in refusal, refusal
+    assert checked.exit_code == 1, checked.output
+    assert engine["status"] == "fail", engine
+    assert engine["detail"].startswith(refusal), engine
+    assert "restart the server at engine.sglang.url as it was" in engine["detail"]
+
+    checked, engine, resumed = doctor_then_resume()
+    assert checked.exit_code == 0, checked.output
+    assert engine["status"] == "ok", engine
+    assert resumed.exit_code == 0, resumed.output
 
 
 @pytest.mark.parametrize("advised", [False, True])

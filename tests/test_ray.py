@@ -245,7 +245,8 @@ def test_a_fleet_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its
     does, and the sweep ends in that stop's own line (exit 1), naming the change and saying
     to restart the server as it was. It ended 'every worker was lost with 1 cell(s) left
     (vm/gpu0: ServerReplacedError: the server ... its rounds would...): ...; rerun the same
-    command to resume', the restart cut off."""
+    command to resume', the restart cut off. The cell measured before is in a partial cube,
+    and the GPUs' settings restored are said so, as after a Ctrl-C."""
     import socket
     import sys
     import urllib.request
@@ -331,6 +332,9 @@ def test_a_fleet_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its
         assert "restart it as it was and rerun the same command to resume" in last
         cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
         assert [c["status"] for c in cells] == ["ok"]
+        # written and said as after a Ctrl-C (it wrote no cube, and said nothing of the GPUs)
+        assert f"partial cube written to {out / 'cube.nc'}" in result.output, result.output
+        assert "GPU settings restored." in result.output.splitlines()
 
 
 @pytest.mark.timeout(300)

@@ -519,6 +519,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
     """Run the sweep and report; returns the `SweepOutcome` (the caller picks the exit code:
     5 when cells failed)."""
     from dvfs.cli.progress import RichProgress
+    from dvfs.errors import ServerReplacedError
     from dvfs.signals import Interrupted, signals_raise
     from dvfs.sweep import SweepRestoreError, run_sweep
 
@@ -534,6 +535,12 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         restore_error = getattr(exc, "restore_error", None)
         if restore_error is not None:  # the restore the signal unwound to failed: why
             click.echo(f"Error: {one_line(str(restore_error))}", err=True)
+        raise
+    except ServerReplacedError:
+        # Stopped as an interrupted sweep is: the cells measured so far in a partial cube,
+        # the GPUs' settings said; its own line (the error) says what to restart and how to
+        # resume.
+        err.print(_after_interruption_told(err, campaign, out_dir, shard))
         raise
     except SweepRestoreError as exc:
         if exc.outcome is None:
@@ -606,6 +613,7 @@ def run_fleet(
     """Run the sweep on one worker per GPU group and report each worker; returns the
     `FleetOutcome`."""
     from dvfs.cli.fleet_progress import RichFleetProgress
+    from dvfs.errors import ServerReplacedError
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
     from dvfs.preflight import fleet_models
@@ -640,11 +648,14 @@ def run_fleet(
                     else lambda: fleet_models(campaign, groups)
                 ),
             )
-    except (KeyboardInterrupt, Interrupted):
+    except (KeyboardInterrupt, Interrupted, ServerReplacedError) as exc:
         status = _after_interruption_told(err, campaign, out_dir, shard)
         if executor == "ray" and run_on.unrestored:
             status = _ray_unrestored(run_on.unrestored, resets=run_on.resets)
-        err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
+        if isinstance(exc, ServerReplacedError):  # its own line says how to resume
+            err.print(status, soft_wrap=True)
+        else:
+            err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
     report_fleet(outcome, fresh=fresh)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success

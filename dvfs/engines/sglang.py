@@ -702,7 +702,7 @@ class SglangEngine:
         self._version = server_version(info)
         self._log_interval = log_interval(info)
         self._room = ContextRoom.of(info)
-        self._attached = _server_record_of(drafter.name, info)
+        self._attached = server_record_of(drafter.name, info)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -729,7 +729,7 @@ class SglangEngine:
 
         before = self._attached
         assert before is not None
-        now = _server_record_of(str(before["drafter"]), info)
+        now = server_record_of(str(before["drafter"]), info)
         batches = self.campaign.workload.batch_sizes
         changes = arm_changes(before, now, batches)
         changes += [c for c in server_changes(before, now) if c not in changes]
@@ -1132,7 +1132,7 @@ class ContextRoom:
         return max(0, self.max_req_input_len + 4 - prompt_tokens - self.reserved)
 
 
-def _server_record_of(drafter: str, info: dict[str, Any]) -> dict[str, Any]:
+def server_record_of(drafter: str, info: dict[str, Any]) -> dict[str, Any]:
     """A server's /server_info `info`, answering for `drafter`, in the shape of its journal
     record (its engine, version, attention kernels and resolved args), for `arm_changes`."""
     args = _resolved_args(info)

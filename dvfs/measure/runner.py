@@ -705,50 +705,12 @@ class Runner:
         )
 
     def _check_arms(self, record: dict[str, Any]) -> None:
-        """Refuse a server that differs from another drafter's server of this journal (or one
-        of its own drafter's) in what arms must share (`arm_changes`): its engine version, its
-        attention kernels, the resolved args SGLang does not adjust for speculation, the decode
-        CUDA graph at each of the campaign's batch sizes; and, against its own drafter's, its
-        resolved speculative args (`server_changes`)."""
-        batches = self.campaign.workload.batch_sizes
-        pinned = self._arms_pinned()
-        for earlier in self._earlier_servers():
-            changes = arm_changes(earlier, record, batches, pinned)
-            if earlier.get("drafter") == record["drafter"]:  # and its own configuration
-                changes += [c for c in server_changes(earlier, record) if c not in changes]
-            if not changes:
-                continue
-            drafter, other = record["drafter"], earlier.get("drafter")
-            path = self.journal.path
-            own = drafter == other  # its own earlier server: a resume's other SGLang or flags
-            served = (
-                f"the {drafter!r} server differs from the one that measured its cells in {path} "
-                f"({CHANGES}): its cells would compare more than the knob settings"
-                if own
-                else f"the {drafter!r} server differs from the {other!r} server of {path} "
-                f"({CHANGES}): the arms would compare more than their drafters"
-            )
-            if twin_changed(changes):  # nor here: another twin measured the journal's cells
-                raise IncomparableCellsError(_listed(f"{served}; {TWIN_CHANGED}", changes))
-            begun = begun_unpinned(pinned, changes)
-            if begun:  # nothing this run could do: the whole sweep stops, as a fleet's does
-                raise IncomparableCellsError(
-                    _listed(
-                        f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun "
-                        "with --fresh (or into another --out folder)",
-                        changes,
-                    )
-                )
-            engine = self.campaign.engine
-            attached = engine.backend == "sglang" and bool(engine.sglang.url)
-            fix = (
-                restart_as_it_was(changes, attached)
-                if own
-                else "run every drafter on the same SGLang and flags (engine.sglang.extra_args)"
-            )
-            # The line is each of the drafter's cells' error (`_server_for`), after its prefix.
-            line = f"{served}; {fix}, or start over with --fresh (or another --out)"
-            raise ServerRefusedError(_listed(line, changes, START_FAILED), fix)
+        """Refuse a server that differs from this journal's servers (`server_refusal`)."""
+        refusal = server_refusal(
+            self.campaign, self.journal.path, self._earlier_servers(), record, self._arms_pinned()
+        )
+        if refusal is not None:
+            raise refusal
 
     def _arms_pinned(self) -> tuple[str, ...]:
         """What the dvfs that began the journal gave every drafter alike (its header's
@@ -1384,6 +1346,61 @@ def session_stock(gpus: Sequence[Gpu], stock: dict[str, GpuSettings]) -> Stock:
         # (a GPU whose power limit NVML does not support: the limit enforced now)
         power_limit_w=stock_limit_mw(gpus[0], stock[gpus[0].identity.uuid]) / 1000,
     )
+
+
+def server_refusal(
+    campaign: Campaign,
+    path: Path,
+    earlier_servers: Iterable[dict[str, Any]],
+    record: dict[str, Any],
+    pinned: tuple[str, ...],
+) -> IncomparableCellsError | ServerRefusedError | None:
+    """Why a server (its journal `record`) is refused beside the `earlier_servers` of the
+    journal at `path` (begun by a dvfs that pinned `pinned`, its header's `arms_pinned`): it
+    differs from another drafter's server (or one of its own drafter's) in what arms must share
+    (`arm_changes`): its engine version, its attention kernels, the resolved args SGLang does
+    not adjust for speculation, the decode CUDA graph at each of the campaign's batch sizes;
+    and, against its own drafter's, its resolved speculative args (`server_changes`). None
+    where it compares. The runner's own rule at each server start, which `dvfs doctor` applies
+    to an attached server before a resume."""
+    batches = campaign.workload.batch_sizes
+    for earlier in earlier_servers:
+        changes = arm_changes(earlier, record, batches, pinned)
+        if earlier.get("drafter") == record["drafter"]:  # and its own configuration
+            changes += [c for c in server_changes(earlier, record) if c not in changes]
+        if not changes:
+            continue
+        drafter, other = record["drafter"], earlier.get("drafter")
+        own = drafter == other  # its own earlier server: a resume's other SGLang or flags
+        served = (
+            f"the {drafter!r} server differs from the one that measured its cells in {path} "
+            f"({CHANGES}): its cells would compare more than the knob settings"
+            if own
+            else f"the {drafter!r} server differs from the {other!r} server of {path} "
+            f"({CHANGES}): the arms would compare more than their drafters"
+        )
+        if twin_changed(changes):  # nor here: another twin measured the journal's cells
+            return IncomparableCellsError(_listed(f"{served}; {TWIN_CHANGED}", changes))
+        begun = begun_unpinned(pinned, changes)
+        if begun:  # nothing this run could do: the whole sweep stops, as a fleet's does
+            return IncomparableCellsError(
+                _listed(
+                    f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun "
+                    "with --fresh (or into another --out folder)",
+                    changes,
+                )
+            )
+        engine = campaign.engine
+        attached = engine.backend == "sglang" and bool(engine.sglang.url)
+        fix = (
+            restart_as_it_was(changes, attached)
+            if own
+            else "run every drafter on the same SGLang and flags (engine.sglang.extra_args)"
+        )
+        # The line is each of the drafter's cells' error (`_server_for`), after its prefix.
+        line = f"{served}; {fix}, or start over with --fresh (or another --out)"
+        return ServerRefusedError(_listed(line, changes, START_FAILED), fix)
+    return None
 
 
 def stock_change_refusal(sessions: Iterable[dict[str, Any]], stock: Stock) -> JournalError | None:
