@@ -76,7 +76,7 @@ def check_campaign(
     groups `dvfs sweep --gpus` would run it on (`dvfs.cli.common.sweep_groups`), each group's
     GPUs checked, and the fleet's ports and folder as its workers use them; None: the
     campaign's own gpu.devices."""
-    from dvfs.fleet.devices import for_group, worker_groups
+    from dvfs.fleet.devices import for_group, group_label, worker_groups
     from dvfs.fleet.folders import fleet_journal
     from dvfs.measure.journal import JOURNAL_NAME
 
@@ -114,9 +114,18 @@ def check_campaign(
     )
     if _own_servers(campaign):
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
-    # an attached server compared with the journal one server's sweep resumes, as it does
+    # an attached server compared with the journal one server's sweep resumes, as it does (a
+    # fleet's, of one worker as an attached server serves one, as the fleet's driver does)
     resumed = None if fleet else out_dir / JOURNAL_NAME
-    checks.append(_run("engine", lambda: _engine(campaign, resumed)))
+    worker = group_label(groups[0]) if fleet and len(groups) == 1 and models else None
+    if worker is not None:
+        from dvfs.fleet.folders import model_journals
+
+        try:
+            [resumed] = model_journals(out_dir, models[:1])
+        except (DvfsError, OSError):  # the output folder's check says why
+            worker = None
+    checks.append(_run("engine", lambda: _engine(campaign, resumed, worker, out_dir, models)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:  # dvfs starts SGLang
         checks.append(_run("models", lambda: _model_paths(campaign)))
         checks.append(_run("arms", lambda: _arms(campaign)))
@@ -647,9 +656,16 @@ def _tenants(gpu: Gpu, *, attached: str | None) -> Check:
     )
 
 
-def _engine(campaign: Campaign, journal: Path | None = None) -> tuple[str, str]:
+def _engine(
+    campaign: Campaign,
+    journal: Path | None = None,
+    worker: str | None = None,
+    out_dir: Path | None = None,
+    models: Sequence[str] | None = None,
+) -> tuple[str, str]:
     """The engine the sweep runs: the twin, an attached server (`journal`: the one the sweep
-    resumes, whose servers it must compare with, as the runner compares them), a server
+    resumes, whose servers it must compare with, as the runner compares them; or as a fleet's
+    driver does, `worker` the fleet of one's, on GPUs of `models`, into `out_dir`), a server
     command, or SGLang installed here."""
     if simulated_engine(campaign):
         # Its servers start, as SGLang's would: the weights fit the GPUs (exit 2 where not,
@@ -667,7 +683,13 @@ def _engine(campaign: Campaign, journal: Path | None = None) -> tuple[str, str]:
 
         def check(info: dict[str, Any]) -> None:
             check_attached(campaign, info)
-            refusal = None if journal is None else resumed_server_refusal(campaign, journal, info)
+            refusal = (
+                None
+                if journal is None
+                else resumed_server_refusal(
+                    campaign, journal, info, worker=worker, out_dir=out_dir, models=models
+                )
+            )
             if refusal is not None:
                 raise refusal
 

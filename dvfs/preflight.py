@@ -328,7 +328,13 @@ def resumed_stock_refusal(
 
 
 def resumed_server_refusal(
-    campaign: Campaign, journal: Path, info: dict[str, Any]
+    campaign: Campaign,
+    journal: Path,
+    info: dict[str, Any],
+    *,
+    worker: str | None = None,
+    out_dir: Path | None = None,
+    models: Sequence[str] | None = None,
 ) -> DvfsError | None:
     """Why the sweep resuming `journal` would refuse the attached server (engine.sglang.url)
     whose /server_info is `info`, as each of the campaign's drafters (that one server serves
@@ -336,7 +342,9 @@ def resumed_server_refusal(
     rule at each server start (`dvfs.measure.runner.server_refusal`). None where it compares,
     where there is no journal, or one the sweep would not resume (unreadable, another
     campaign's: the output folder's check says why), or where the journal holds every cell
-    (`nothing_left`: the sweep starts no server)."""
+    (`nothing_left`: the sweep starts no server). `worker`: a fleet's (of one, on GPUs of
+    `models`), which resumes `journal`, its model's in `out_dir` (`model_journals`): compared
+    by the fleet driver's rule (`dvfs.fleet.driver.server_refusal`), in its line."""
     from dvfs.engines.sglang import server_record_of
     from dvfs.measure.journal import check_resumable, iter_records
     from dvfs.measure.runner import server_refusal
@@ -356,6 +364,21 @@ def resumed_server_refusal(
             return None
         check_resumable(journal, first, campaign)
     except (JournalError, OSError):
+        return None
+    if worker is not None:  # a fleet's: its folder holds the journal (or its gpu-*/)
+        from dvfs.fleet.driver import server_refusal as fleet_refusal
+
+        if nothing_left(campaign, out_dir or journal.parent, models):
+            return None
+        pinned = Header.from_json(first).arms_pinned
+        firsts: dict[str, dict[str, Any]] = {}
+        for server in servers:  # each drafter's first, as the driver keeps them
+            firsts.setdefault(str(server.get("drafter")), server)
+        for drafter in campaign.drafters:
+            record = server_record_of(drafter.name, info)
+            why = fleet_refusal(campaign, journal, firsts, record, pinned, worker)
+            if why is not None:
+                return JournalError(why)  # as the fleet ends in it
         return None
     if nothing_left(campaign, journal.parent):
         return None

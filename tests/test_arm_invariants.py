@@ -1753,11 +1753,15 @@ def test_a_fleets_folder_resumed_on_its_attached_server_restarted_otherwise_says
     The line said it differed from "drafter 'none''s" server, that the arms would compare more
     than their drafters, and to run every drafter on the same flags (engine.sglang.extra_args),
     which reach no attached server. It says, as one GPU's sweep does, to restart the server at
-    engine.sglang.url as it was; restarted so, the resume finishes."""
+    engine.sglang.url as it was; restarted so, the resume finishes. `dvfs doctor --gpus 0`
+    said "ok engine" before that refused resume (it compared no fleet's journal): it fails
+    in the fleet's own line, exit 1, and passes once the server is restarted as it was."""
     port, config = attached
     path, marker = attached_campaign(
         tmp_path, port, batch="[1]", knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0"
     )
+    from test_sglang_engine import _answering
+
     url = f'url = "http://127.0.0.1:{port}"'
     path.write_text(path.read_text().replace(url, ""))  # the fleet's servers: dvfs's own
     out = tmp_path / "out"
@@ -1774,12 +1778,20 @@ def test_a_fleets_folder_resumed_on_its_attached_server_restarted_otherwise_says
     for extra in (("--dtype", "float16"), ()):
         server = serve(port, config, *argv, *extra)
         try:
+            _answering(port)
+            doctor = ["doctor", str(path), "--gpus", "0", "--out", str(out), "--json"]
+            checked = CliRunner().invoke(cli, doctor)
             result = CliRunner().invoke(cli, args, catch_exceptions=False)
         finally:
             server.terminate()
             server.wait(timeout=10)
+        [engine] = [c for c in json.loads(checked.stdout) if c["name"] == "engine"]
+        if not extra:
+            assert (checked.exit_code, engine["status"]) == (0, "ok"), checked.output
         if extra:
             assert result.exit_code == 1, result.output
+            assert (checked.exit_code, engine["status"]) == (1, "fail"), checked.output
+            assert engine["detail"].startswith(last_line(result).removeprefix("Error: "))
             line = last_line(result)
             assert "differs from the one that measured its cells" in line, line
             assert "dtype (dtype): None -> 'float16'" in line, line

@@ -480,7 +480,12 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     "wrapper",
-    [("env", "SGLANG_ENABLE_SPEC_V2=1"), ("sh", "-c", 'SGLANG_ENABLE_SPEC_V2=1 exec "$@"', "sh")],
+    [
+        ("env", "SGLANG_ENABLE_SPEC_V2=1"),
+        ("sh", "-c", 'SGLANG_ENABLE_SPEC_V2=1 exec "$@"', "sh"),
+        ("sh", "-c", "--", 'SGLANG_ENABLE_SPEC_V2=1 exec "$@"', "sh"),
+        ("env", "-S", "SGLANG_ENABLE_SPEC_V2=1 env"),
+    ],
 )
 def test_spec_v2_set_by_a_server_command_wrapper_is_seen(
     tmp_path: Path, wrapper: tuple[str, ...]
@@ -491,7 +496,9 @@ def test_spec_v2_set_by_a_server_command_wrapper_is_seen(
     was refused at every start, its cells failed at each rerun. The wrapper's NAME=VALUE is
     read too: both arms keep the scheduler on; with NGRAM besides, the campaign is refused
     before any server starts, as with the switch in engine.sglang.env. A shell line's
-    `SGLANG_ENABLE_SPEC_V2=1 exec ...` sets it to 1, not to the rest of the line."""
+    `SGLANG_ENABLE_SPEC_V2=1 exec ...` sets it to 1, not to the rest of the line, as does env's
+    `-S 'SGLANG_ENABLE_SPEC_V2=1 env'`, which splits its line too (read as one value, '1 env',
+    the EAGLE server was refused at every start again, exit 5), and a shell's `-c --` line."""
     path, marker = stub_campaign(
         tmp_path, version="0.5.9", wrapper=wrapper, batch="[1]", **ONE_SETTING
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -384,72 +384,26 @@ class Driver:
         """Whether the unit's server differs from the journal's for its drafter (another
         engine version or attention kernel); if so the worker is retired, nothing of the unit
         is journalled and the unit goes back to the queue."""
-        from dvfs.records import (
-            Header,
-            arm_changes,
-            begun_unpinned,
-            listed_changes,
-            restart_as_it_was,
-            server_changes,
-        )
-        from dvfs.records.session import CHANGES
-        from dvfs.twin.identity import TWIN_CHANGED, twin_changed
+        from dvfs.records import Header
 
         if worker in self.retired:  # a unit it took before the driver retired it
             cells = shipment.all_cells
             if any(cell.key in self._outstanding for cell in cells):
                 self.queue.give_back([cells[0]])
             return True
-        batches = self.campaign.workload.batch_sizes
         pinned = Header.from_json(self.journal.header).arms_pinned
         for record in shipment.records:
             if record.get("type") != "server":
                 continue
-            drafter = str(record.get("drafter"))
-            changes = server_changes(self.servers.get(drafter, record), record)
-            whose, own = "the one that measured its cells", bool(changes)
-            # The arms must differ only in their drafters: across drafters too (`arm_changes`).
-            for other in () if changes else self.servers.values():
-                changes = arm_changes(other, record, batches, pinned)
-                if changes:
-                    # Its own drafter's earlier server (an arg it must share with every arm)
-                    # is brought back as it was, as one GPU's sweep says (an attached one is
-                    # restarted: no extra_args reach it).
-                    own = other.get("drafter") == drafter
-                    if not own:
-                        whose = f"drafter {other.get('drafter')!r}'s"
-                    break
-            if changes:
-                path = self.journal.path
-                differs = (
-                    f"the server of drafter {drafter!r} on {worker} differs from {whose} in "
-                    f"{path} ({CHANGES})"
-                )
-                begun = begun_unpinned(pinned, changes)
-                engine = self.campaign.engine
-                attached = engine.backend == "sglang" and bool(engine.sglang.url)
-                why = (
-                    f"{differs}: {TWIN_CHANGED}"
-                    if twin_changed(changes)
-                    else f"{differs}: the arms would compare more than their drafters; {path} "
-                    f"was {begun}, so this dvfs cannot resume it: rerun with --fresh (or into "
-                    "another --out folder)"
-                    if begun
-                    else f"{differs}: its cells would compare more than the knob settings; "
-                    f"{restart_as_it_was(changes, attached)}, or start over with --fresh (or "
-                    "another --out)"
-                    if own  # its own earlier server: a rerun's other SGLang or flags
-                    else f"{differs}: the arms would compare more than their drafters; run "
-                    "every drafter on the same SGLang and flags (engine.sglang.extra_args), or "
-                    "start over with --fresh (or another --out)"
-                )
-                # The changes named give way to the remedy, which ends the line whole.
-                why = why.replace(CHANGES, listed_changes(changes, MAX_MESSAGE_CHARS - len(why)), 1)
+            why = server_refusal(
+                self.campaign, self.journal.path, self.servers, record, pinned, worker
+            )
+            if why is not None:
                 self.refused = self.refused or why
                 self.retired.add(worker)
                 self.lost(worker, shipment.all_cells, why)
                 return True
-            self.servers.setdefault(drafter, record)
+            self.servers.setdefault(str(record.get("drafter")), record)
         return False
 
     def shipped(self, worker: str, shipment: Shipment) -> None:
@@ -739,6 +693,72 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
 
 #: An executor runs the fleet's queues on its workers: (fleet, groups) -> None.
 Executor = Callable[["Fleet", Sequence[Group]], None]
+
+
+def server_refusal(
+    campaign: Campaign,
+    path: Path,
+    servers: Mapping[str, dict[str, Any]],
+    record: dict[str, Any],
+    pinned: tuple[str, ...],
+    worker: str,
+) -> str | None:
+    """Why the driver refuses a server `record` started on `worker` beside `servers` (each
+    drafter's first server in the fleet's journal at `path`, begun by a dvfs that pinned
+    `pinned`): it differs from its own drafter's in its configuration (`server_changes`), or
+    from any drafter's in what arms must share (`arm_changes`). None where it compares. The
+    fleet driver's own rule, which `dvfs doctor` applies to an attached server before a
+    fleet's resume; its line is bounded (`MAX_MESSAGE_CHARS`) and ends in its remedy."""
+    from dvfs.records import (
+        arm_changes,
+        begun_unpinned,
+        listed_changes,
+        restart_as_it_was,
+        server_changes,
+    )
+    from dvfs.records.session import CHANGES
+    from dvfs.twin.identity import TWIN_CHANGED, twin_changed
+
+    batches = campaign.workload.batch_sizes
+    drafter = str(record.get("drafter"))
+    changes = server_changes(servers.get(drafter, record), record)
+    whose, own = "the one that measured its cells", bool(changes)
+    # The arms must differ only in their drafters: across drafters too (`arm_changes`).
+    for other in () if changes else servers.values():
+        changes = arm_changes(other, record, batches, pinned)
+        if changes:
+            # Its own drafter's earlier server (an arg it must share with every arm)
+            # is brought back as it was, as one GPU's sweep says (an attached one is
+            # restarted: no extra_args reach it).
+            own = other.get("drafter") == drafter
+            if not own:
+                whose = f"drafter {other.get('drafter')!r}'s"
+            break
+    if not changes:
+        return None
+    differs = (
+        f"the server of drafter {drafter!r} on {worker} differs from {whose} in {path} ({CHANGES})"
+    )
+    begun = begun_unpinned(pinned, changes)
+    engine = campaign.engine
+    attached = engine.backend == "sglang" and bool(engine.sglang.url)
+    why = (
+        f"{differs}: {TWIN_CHANGED}"
+        if twin_changed(changes)
+        else f"{differs}: the arms would compare more than their drafters; {path} "
+        f"was {begun}, so this dvfs cannot resume it: rerun with --fresh (or into "
+        "another --out folder)"
+        if begun
+        else f"{differs}: its cells would compare more than the knob settings; "
+        f"{restart_as_it_was(changes, attached)}, or start over with --fresh (or "
+        "another --out)"
+        if own  # its own earlier server: a rerun's other SGLang or flags
+        else f"{differs}: the arms would compare more than their drafters; run "
+        "every drafter on the same SGLang and flags (engine.sglang.extra_args), or "
+        "start over with --fresh (or another --out)"
+    )
+    # The changes named give way to the remedy, which ends the line whole.
+    return why.replace(CHANGES, listed_changes(changes, MAX_MESSAGE_CHARS - len(why)), 1)
 
 
 def run_fleet(

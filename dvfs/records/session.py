@@ -365,9 +365,10 @@ def server_env_of(env: Mapping[str, str]) -> dict[str, str]:
 #: A `NAME=VALUE` argument of a server command: what a wrapper such as `env NAME=VALUE` or
 #: `docker run -e NAME=VALUE` (`--env=NAME=VALUE`) sets in the server's environment.
 _ASSIGNMENT = re.compile(r"(?:--env=)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
-#: A shell's option whose next argument is a command line the shell reads (`sh -c LINE`,
-#: `bash -lc LINE`): only there is a `NAME=VALUE ...` argument split into words.
-_LINE_OPTION = re.compile(r"-[A-Za-z]*c[A-Za-z]*")
+#: A wrapper's option whose next argument (after a `--`, if any) is a line it splits into
+#: words: a shell's command line (`sh -c LINE`, `bash -lc LINE`) or env's `-S LINE`
+#: (`--split-string`): only there is a `NAME=VALUE ...` argument split into words.
+_LINE_OPTION = re.compile(r"-[A-Za-z]*c[A-Za-z]*|-S|--split-string")
 
 
 def command_env(
@@ -378,16 +379,19 @@ def command_env(
     'NAME=VALUE exec python ...'` where `lines`) that a session records (`is_server_env`; those
     `keep` names otherwise), the last of a name winning: the server starts with them whatever
     the environment dvfs hands the wrapper. An argument is one word, spaces and all (`env
-    "NAME=a b"` sets NAME to "a b"), but for a shell's command line (after `-c`)."""
+    "NAME=a b"` sets NAME to "a b"), but for a line a wrapper splits (after a shell's `-c`,
+    env's `-S`)."""
     found: dict[str, str] = {}
-    previous = current = ""
+    line_next = False  # the argument is a line (it follows a `_LINE_OPTION`, or its `--`)
     for token in command:
-        previous, current = current, str(token)
+        current = str(token)
+        line = line_next
+        line_next = bool(_LINE_OPTION.fullmatch(current)) or (line and current == "--")
         match = _ASSIGNMENT.fullmatch(current)
         if match is None:
             continue
         name, value = match.groups()
-        words = _shell_words(value) if lines and _LINE_OPTION.fullmatch(previous) else None
+        words = _shell_words(value) if lines and line else None
         if words is not None:
             # A shell line (as `dvfs.redact` reads one): the shell sets NAME to the line's first
             # word, not to the rest of the line, whose own NAME=VALUE words it reads on.
