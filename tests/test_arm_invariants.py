@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 from conftest import replace_block
-from sglang_support import REPO, STUB, running, stub_campaign
+from sglang_support import REPO, STUB, load_stub, running, stub_campaign
 
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube, write_cube
+from dvfs.cube.merge import AUTO_KERNEL_ARGS, GPU_DERIVED_ARGS
 from dvfs.errors import MAX_MESSAGE_CHARS
 from dvfs.measure.journal import read_records
 from dvfs.records import (
@@ -35,6 +36,8 @@ from dvfs.records import (
     begun_unpinned,
     server_env_of,
 )
+from dvfs.records.session import DRAFTER_ARGS, SERVER_INVARIANTS
+from dvfs.records.uncompared import NOT_COMPARED
 
 TABLES = REPO / "tests" / "data" / "sglang-args"
 ONE_SETTING = {"batch": "[1]", "knobs": "sm_clock = [1980]\nsettle_s = 0.0"}
@@ -152,6 +155,74 @@ def test_every_speculative_option_of_sglang_is_a_drafter_flag(version: str) -> N
         assert non_drafter_flag(value) is None
 
 
+def unclassified(table: Path) -> list[str]:
+    """The options of an SGLang option table (as the stub, like SGLang, names each resolved
+    arg) that are in none of: compared (`ARM_ARGS`, `SERVER_INVARIANTS`), the drafter's own
+    (`DRAFTER_ARGS`, `speculative_*`), derived from the GPU (`GPU_DERIVED_ARGS`,
+    `AUTO_KERNEL_ARGS`), or deliberately not compared (`NOT_COMPARED`); and those in more
+    than one, named "name: group, group"."""
+    stub = load_stub()
+    groups = {
+        "compared": {*ARM_ARGS, *SERVER_INVARIANTS},
+        "drafter": set(DRAFTER_ARGS),
+        "not compared": {name for _, names in NOT_COMPARED.values() for name in names},
+    }
+    gpu = {*GPU_DERIVED_ARGS, *AUTO_KERNEL_ARGS}
+    found = []
+    for option in json.loads(table.read_text())["options"]:
+        dest = stub._dest_of(option["flags"])
+        name = stub.FIELD_ALIASES.get(dest, dest)
+        where = [g for g, names in groups.items() if name in names]
+        if name.startswith("speculative_") and "drafter" not in where:
+            where.append("drafter")
+        if not where and name in gpu:  # derived from the GPU, compared on one GPU model
+            where = ["GPU-derived"]
+        if len(where) != 1:
+            found.append(f"{name}: {', '.join(where) or 'none'}")
+    return found
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_every_option_of_sglang_is_compared_or_not_with_a_reason(version: str) -> None:
+    """Every launch_server option of both releases is in exactly one of: the args the arms
+    are compared in, the drafter's own, those SGLang derives from the GPU, or those
+    deliberately not compared, each with its reason (`NOT_COMPARED`): a new option that
+    changes kernels cannot slip through unclassified."""
+    assert unclassified(TABLES / f"{version}.json") == []
+
+
+def test_a_new_option_of_sglang_is_found_unclassified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table holding an option no group names (a new release's kernel flag) fails the check
+    above, naming it; one named twice (compared and not compared) too."""
+    table = json.loads((TABLES / "0.5.23.json").read_text())
+    new = {"flags": ["--enable-fake-kernel"], "action": "_StoreTrueAction", "nargs": 0}
+    table["options"].append({**new, "choices": None})
+    path = tmp_path / "next.json"
+    path.write_text(json.dumps(table))
+    assert unclassified(path) == ["enable_fake_kernel: none"]
+    reason, names = NOT_COMPARED["unverified"]
+    monkeypatch.setitem(NOT_COMPARED, "unverified", (reason, (*names, "enable_hisparse")))
+    assert unclassified(TABLES / "0.5.23.json") == ["enable_hisparse: compared, not compared"]
+
+
+def test_every_arg_not_compared_is_an_option_of_sglang_and_has_a_reason() -> None:
+    """No stale or misspelt name in `NOT_COMPARED` (it would hide nothing), none twice, and
+    every group says why."""
+    stub = load_stub()
+    names = set()
+    for version in ("0.5.9", "0.5.23"):
+        for option in json.loads((TABLES / f"{version}.json").read_text())["options"]:
+            dest = stub._dest_of(option["flags"])
+            names.add(stub.FIELD_ALIASES.get(dest, dest))
+    listed = [name for _, group in NOT_COMPARED.values() for name in group]
+    assert sorted(set(listed) - names) == []
+    assert len(listed) == len(set(listed))
+    assert not set(ARM_ARGS) - names
+    assert all(len(reason) > 40 for reason, _ in NOT_COMPARED.values())
+
+
 # -- every drafter's server of one journal --------------------------------------------------
 
 
@@ -260,6 +331,19 @@ ENGINE_ARG_CHANGES: list[tuple[list[str], str]] = [
         ["--enable-hicache"],
         "hierarchical KV cache (enable_hierarchical_cache): False -> True",
     ),
+    (["--enable-hisparse"], "hierarchical sparse attention (enable_hisparse): False -> True"),
+    (["--attn-cp-size", "2"], "attention context parallelism (attn_cp_size): 1 -> 2"),
+    (
+        ["--enable-page-major-kv-layout"],
+        "page-major KV layout (enable_page_major_kv_layout): False -> True",
+    ),
+    (["--swa-full-tokens-ratio", "0.5"], "SWA KV token ratio (swa_full_tokens_ratio): None -> 0.5"),
+    (["--enable-lean-attention"], "Lean attention (enable_lean_attention): False -> True"),
+    (
+        ["--enable-priority-scheduling"],
+        "priority scheduling (enable_priority_scheduling): False -> True",
+    ),
+    (["--tokenizer-mode", "slow"], "tokenizer mode (tokenizer_mode): 'auto' -> 'slow'"),
 ]
 
 
@@ -499,6 +583,53 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         assert arm_changes(before, after) == [f"{label} ({key}): {a!r} -> {b!r}"]
         if key not in none["args"]:  # a record that does not report it: not compared
             assert arm_changes(none, after) == []
+
+
+def test_two_arms_differing_in_any_compared_arg_are_refused() -> None:
+    """Every arg of `ARM_ARGS` (the sparse attention, KV layouts, context parallelism and
+    kernels SGLang never sets per algorithm among them) is compared on its own, in its words."""
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    for key, label in ARM_ARGS.items():
+        before = {**base, "args": {"dtype": "auto", key: 1}}
+        after = {**base, "args": {"dtype": "auto", key: 2}}
+        assert arm_changes(before, after) == [f"{label} ({key}): 1 -> 2"]
+        assert arm_changes(before, before) == []
+
+
+@pytest.mark.parametrize(
+    ("version", "defaults"),
+    [
+        ("0.5.9", {"attn_cp_size": 1, "swa_full_tokens_ratio": 0.8, "tokenizer_mode": "auto"}),
+        (
+            "0.5.23",
+            {
+                "attn_cp_size": 1,
+                "dcp_size": 1,
+                "swa_full_tokens_ratio": None,
+                "tokenizer_mode": "auto",
+                "tokenizer_backend": "huggingface",
+                "kt_method": "AMXINT4",
+                "enable_hisparse": False,
+                "enable_page_major_kv_layout": False,
+            },
+        ),
+    ],
+)
+def test_the_stub_reports_the_compared_args_as_sglang_does(
+    version: str, defaults: dict[str, object]
+) -> None:
+    """The stub's /server_info gives the compared args SGLang's defaults (0.5.9
+    server_args.py, 0.5.23 arg_groups/fields/) and types, so that a flag giving the default
+    is no change and a number is compared as a number."""
+    stub = load_stub()
+    config = stub.StubConfig(version=version)
+    plain, _ = stub.parse_launch_argv(["--model-path", "m"], config)
+    assert {key: plain[key] for key in defaults} == defaults
+    argv = ["--model-path", "m", "--attn-cp-size", "2", "--swa-full-tokens-ratio", "0.5"]
+    given, _ = stub.parse_launch_argv([*argv, "--attn-cp-size", "1"], config)
+    assert given["attn_cp_size"] == 1 and given["swa_full_tokens_ratio"] == 0.5
+    given, _ = stub.parse_launch_argv(argv, config)
+    assert type(given["attn_cp_size"]) is int and type(given["swa_full_tokens_ratio"]) is float
 
 
 def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path: Path) -> None:

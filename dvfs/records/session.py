@@ -715,6 +715,30 @@ def restart_as_it_was(changes: Iterable[str], attached: bool = False) -> str:
 #:   layers (`enable_lora`; 0.5.23 refuses them for UNO, which sets only the loading flags)
 #:   and the hidden states a decode graph keeps (`enable_return_hidden_states`): another model,
 #:   other numerics or other work per step; never set per algorithm.
+#: - sparse and context-parallel attention and the KV pools' layout: 0.5.23's hierarchical
+#:   sparse attention, page-major KV layout, unified memory, SWA prefix tails and C128 pages,
+#:   both releases' SWA pool (`disable_hybrid_swa_memory`, `swa_full_tokens_ratio`), attention,
+#:   prefill and decode context parallelism and KV sharding, 0.5.9's NSA prefill CP: which
+#:   tokens a step attends to, where their KV lives and how ranks split it. Neither release
+#:   sets them per algorithm (0.5.23 sets the page-major layout from unified memory,
+#:   kv_cache_hook.py `handle_page_major_kv_layout`, and attn_cp_size for DeepSeek models by
+#:   placement, model_overrides/deepseek_v2.py; 0.5.9 the SWA pool per model, server_args.py
+#:   `_handle_model_specific_adjustments`).
+#: - more kernels and their numerics for the target that neither release's resolution code
+#:   (0.5.9 server_args.py; 0.5.23 arg_groups/, speculative/) ever sets: Lean attention,
+#:   FlashInfer MLA's ragged prefill, NVIDIA's megakernel and AMD's monokernel, the fused MoE
+#:   all-reduce and INT8 TP communications, aiter's decode all-reduce fusion, FP4 MoE's
+#:   all-gather, FlashInfer autotune's skipped ops, MoE dispatch (DeepEP's config and dtype,
+#:   FuseEP, W4A4 MegaMoE, Waterfill), paged and CPU (KTransformers) experts, EPLB's pace,
+#:   LayerNorm sequence parallelism, the scattered short convolution, attention-TP sharding of
+#:   dense and shared experts, the DSA/QSA indexers, encoder SWA replay, ReplaySSM, and the
+#:   Mamba cache's rounding, INT8 checkpoints and size; and pipeline micro-batching.
+#: - the scheduler's priority queue, pipeline dynamic chunking and the prefill admission delay
+#:   (`min_free_slots_delay`); watermarking (other sampled tokens); ModelOpt quantization at
+#:   load (`quantize_and_serve`); and the tokenizer's mode and backend (the same prompt split
+#:   into other tokens): never set by either release.
+#: The args deliberately not compared are named, with their reasons, in
+#: `dvfs.records.uncompared.NOT_COMPARED`.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
@@ -854,6 +878,77 @@ ARM_ARGS: dict[str, str] = {
     "ds_sparse_decode_threshold": "double sparsity threshold",
     "enable_lora": "LoRA layers",
     "enable_return_hidden_states": "hidden states kept",
+    "enable_hisparse": "hierarchical sparse attention",
+    "hisparse_config": "hierarchical sparse attention config",
+    "hierarchical_sparse_attention_extra_config": "hierarchical sparse attention config",
+    "enable_page_major_kv_layout": "page-major KV layout",
+    "enable_unified_memory": "unified KV memory",
+    "disable_hybrid_swa_memory": "hybrid SWA memory disabled",
+    "swa_full_tokens_ratio": "SWA KV token ratio",
+    "swa_prefix_tails": "SWA prefix tails",
+    "attn_cp_size": "attention context parallelism",
+    "dcp_size": "decode context parallelism",
+    "enable_prefill_cp": "prefill context parallelism",
+    "cp_strategy": "context parallel sharding",
+    "enable_nsa_prefill_context_parallel": "NSA prefill context parallelism",
+    "nsa_prefill_cp_mode": "NSA prefill context parallel split",
+    "enable_kv_cache_sharding": "KV cache sharding",
+    "enable_dsa_cache_layer_split": "DSA cache layer split",
+    "enable_lean_attention": "Lean attention",
+    "flashinfer_mla_disable_ragged": "FlashInfer MLA ragged prefill disabled",
+    "enable_nvidia_megakernel": "NVIDIA megakernel",
+    "enable_amd_monokernel": "AMD monokernel",
+    "monokernel_backend": "monokernel backend",
+    "enable_fused_moe_sum_all_reduce": "fused MoE sum all-reduce",
+    "enable_quant_communications": "INT8 TP communications",
+    "disable_aiter_allreduce_fusion_in_decode": "aiter decode all-reduce fusion disabled",
+    "disable_flashinfer_cutlass_moe_fp4_allgather": "FP4 MoE all-gather quantization disabled",
+    "flashinfer_autotune_skip_ops": "FlashInfer autotune skipped ops",
+    "deepep_config": "DeepEP config",
+    "deepep_dispatcher_output_dtype": "DeepEP dispatch dtype",
+    "fuseep_mode": "FuseEP MoE mode",
+    "enable_w4a4_mxfp4_megamoe": "W4A4 MXFP4 MegaMoE",
+    "enable_waterfill": "Waterfill shared-expert dispatch",
+    "enable_paged_experts": "paged experts",
+    "paged_experts_num_resident": "resident experts",
+    "enable_layernorm_sp": "LayerNorm sequence parallelism",
+    "enable_scattered_sconv": "scattered short convolution",
+    "enable_dense_mlp_attn_tp": "dense MLP over attention TP",
+    "enable_shared_experts_attn_tp": "shared experts over attention TP",
+    "shared_experts_tp_size": "shared experts TP",
+    "disable_attn_tp_gather": "attention TP gather disabled",
+    "eplb_rebalance_num_iterations": "EPLB rebalance interval",
+    "eplb_rebalance_layers_per_chunk": "EPLB layers per rebalance",
+    "eplb_min_rebalancing_utilization_threshold": "EPLB utilization threshold",
+    "kt_method": "KTransformers CPU expert format",
+    "kt_num_gpu_experts": "KTransformers GPU experts",
+    "kt_cpuinfer": "KTransformers CPU threads",
+    "kt_threadpool_count": "KTransformers thread pools",
+    "kt_max_deferred_experts_per_token": "KTransformers deferred experts",
+    "dsa_triton_union": "DSA Triton union",
+    "enable_deepseek_v4_fp4_indexer": "DeepSeek-V4 FP4 indexer",
+    "enable_dsa_fused_indexer": "DSA fused indexer",
+    "qsa_indexer_dtype": "QSA indexer dtype",
+    "enable_encoder_swa_bounded_replay": "encoder SWA bounded replay",
+    "c128_page_size": "C128 KV page size",
+    "enable_linear_replayssm": "ReplaySSM decode kernel",
+    "linear_replayssm_cache_len": "ReplaySSM ring length",
+    "enable_mamba_cache_stochastic_rounding": "Mamba cache stochastic rounding",
+    "mamba_cache_philox_rounds": "Mamba cache Philox rounds",
+    "enable_int8_mamba_checkpoint": "INT8 Mamba checkpoints",
+    "int8_mamba_ckpt_size": "INT8 Mamba checkpoint slots",
+    "max_mamba_cache_size": "Mamba cache size",
+    "mamba_max_states_per_path": "Mamba states per path",
+    "pp_async_batch_depth": "pipeline async batch depth",
+    "pp_max_micro_batch_size": "pipeline micro-batch size",
+    "enable_priority_scheduling": "priority scheduling",
+    "enable_dynamic_chunking": "dynamic chunking",
+    "min_free_slots_delay": "prefill admission delay",
+    "enable_watermark": "watermarking",
+    "watermark_config": "watermark config",
+    "quantize_and_serve": "ModelOpt quantize and serve",
+    "tokenizer_mode": "tokenizer mode",
+    "tokenizer_backend": "tokenizer backend",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a

@@ -323,6 +323,14 @@ INT_DESTS = frozenset(
         "cuda_graph_prefill_max_context", "triton_attention_num_kv_splits",
         "triton_attention_split_tile_size", "ep_num_redundant_experts", "moe_dense_tp_size",
         "ds_heavy_channel_num", "ds_heavy_token_num", "ds_sparse_decode_threshold",
+        "attn_cp_size", "attention_context_parallel_size", "dcp_size", "swa_prefix_tails",
+        "c128_page_size", "paged_experts_num_resident", "shared_experts_tp_size",
+        "eplb_rebalance_num_iterations", "eplb_rebalance_layers_per_chunk",
+        "kt_num_gpu_experts", "kt_cpuinfer", "kt_threadpool_count",
+        "kt_max_deferred_experts_per_token", "dsa_triton_union", "linear_replayssm_cache_len",
+        "mamba_cache_philox_rounds", "int8_mamba_ckpt_size", "max_mamba_cache_size",
+        "mamba_max_states_per_path", "pp_async_batch_depth", "pp_max_micro_batch_size",
+        "min_free_slots_delay",
     }
 )  # fmt: skip
 FLOAT_DESTS = frozenset(
@@ -331,6 +339,7 @@ FLOAT_DESTS = frozenset(
         "speculative_accept_threshold_acc", "schedule_conservativeness", "watchdog_timeout",
         "prefill_delayer_max_delay_ms", "prefill_delayer_queue_min_ratio",
         "prefill_delayer_token_usage_low_watermark", "tbo_token_distribution_threshold",
+        "swa_full_tokens_ratio", "eplb_min_rebalancing_utilization_threshold",
     }
 )  # fmt: skip
 #: Options SGLang stores under another name than argparse's own dest (0.5.9 server_args.py
@@ -364,6 +373,28 @@ KNOWN_DEFAULTS: dict[str, Any] = {
     "decode_log_interval": 40,
     "weight_version": "default",
     "speculative_ngram_max_bfs_breadth": 10,
+    # the ARM_ARGS whose SGLang default is neither None nor False (0.5.9 server_args.py,
+    # 0.5.23 arg_groups/fields/*.py), so that a flag giving the default is no change
+    "attn_cp_size": 1,
+    "dcp_size": 1,
+    "nsa_prefill_cp_mode": "round-robin-split",
+    "deepep_dispatcher_output_dtype": "auto",
+    "eplb_rebalance_num_iterations": 1000,
+    "eplb_min_rebalancing_utilization_threshold": 1.0,
+    "dsa_triton_union": 0,
+    "qsa_indexer_dtype": "auto",
+    "c128_page_size": 16,
+    "linear_replayssm_cache_len": 16,
+    "mamba_cache_philox_rounds": 0,
+    "mamba_max_states_per_path": -1,
+    "pp_async_batch_depth": 0,
+    "tokenizer_mode": "auto",
+    "tokenizer_backend": "huggingface",
+}
+#: The defaults of `KNOWN_DEFAULTS`'s kind that differ between the releases.
+VERSION_DEFAULTS: dict[str, dict[str, Any]] = {
+    "0.5.9": {"swa_full_tokens_ratio": 0.8},
+    "0.5.23": {"kt_method": "AMXINT4", "kt_threadpool_count": 2},
 }
 
 
@@ -802,7 +833,7 @@ def resolve_server_args(
     for long_name, field_name in FIELD_ALIASES.items():
         if long_name in args:
             args[field_name] = args.pop(long_name)
-    for key, value in KNOWN_DEFAULTS.items():
+    for key, value in {**KNOWN_DEFAULTS, **VERSION_DEFAULTS[version]}.items():
         if key in args and args[key] is None:
             args[key] = value
     for key in ("tokenizer_path", "served_model_name"):
