@@ -344,7 +344,7 @@ def resumed_server_refusal(
     campaign's: the output folder's check says why), or where the journal holds every cell
     (`nothing_left`: the sweep starts no server). `worker`: a fleet's (of one, on GPUs of
     `models`), which resumes `journal`, its model's in `out_dir` (`model_journals`): compared
-    by the fleet driver's rule (`dvfs.fleet.driver.server_refusal`), in its line."""
+    by the fleet driver's rule (`dvfs.fleet.refusal.server_refusal`), in its line."""
     from dvfs.engines.sglang import server_record_of
     from dvfs.measure.journal import check_resumable, iter_records
     from dvfs.measure.runner import server_refusal
@@ -366,7 +366,7 @@ def resumed_server_refusal(
     except (JournalError, OSError):
         return None
     if worker is not None:  # a fleet's: its folder holds the journal (or its gpu-*/)
-        from dvfs.fleet.driver import server_refusal as fleet_refusal
+        from dvfs.fleet.refusal import server_refusal as fleet_refusal
 
         if nothing_left(campaign, out_dir or journal.parent, models):
             return None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +40,7 @@ from dvfs.fleet.folders import (
     stock_changed,
 )
 from dvfs.fleet.queue import CellQueue
+from dvfs.fleet.refusal import server_refusal
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
 from dvfs.fleet.worker import Shipment
@@ -693,72 +694,6 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
 
 #: An executor runs the fleet's queues on its workers: (fleet, groups) -> None.
 Executor = Callable[["Fleet", Sequence[Group]], None]
-
-
-def server_refusal(
-    campaign: Campaign,
-    path: Path,
-    servers: Mapping[str, dict[str, Any]],
-    record: dict[str, Any],
-    pinned: tuple[str, ...],
-    worker: str,
-) -> str | None:
-    """Why the driver refuses a server `record` started on `worker` beside `servers` (each
-    drafter's first server in the fleet's journal at `path`, begun by a dvfs that pinned
-    `pinned`): it differs from its own drafter's in its configuration (`server_changes`), or
-    from any drafter's in what arms must share (`arm_changes`). None where it compares. The
-    fleet driver's own rule, which `dvfs doctor` applies to an attached server before a
-    fleet's resume; its line is bounded (`MAX_MESSAGE_CHARS`) and ends in its remedy."""
-    from dvfs.records import (
-        arm_changes,
-        begun_unpinned,
-        listed_changes,
-        restart_as_it_was,
-        server_changes,
-    )
-    from dvfs.records.session import CHANGES
-    from dvfs.twin.identity import TWIN_CHANGED, twin_changed
-
-    batches = campaign.workload.batch_sizes
-    drafter = str(record.get("drafter"))
-    changes = server_changes(servers.get(drafter, record), record)
-    whose, own = "the one that measured its cells", bool(changes)
-    # The arms must differ only in their drafters: across drafters too (`arm_changes`).
-    for other in () if changes else servers.values():
-        changes = arm_changes(other, record, batches, pinned)
-        if changes:
-            # Its own drafter's earlier server (an arg it must share with every arm)
-            # is brought back as it was, as one GPU's sweep says (an attached one is
-            # restarted: no extra_args reach it).
-            own = other.get("drafter") == drafter
-            if not own:
-                whose = f"drafter {other.get('drafter')!r}'s"
-            break
-    if not changes:
-        return None
-    differs = (
-        f"the server of drafter {drafter!r} on {worker} differs from {whose} in {path} ({CHANGES})"
-    )
-    begun = begun_unpinned(pinned, changes)
-    engine = campaign.engine
-    attached = engine.backend == "sglang" and bool(engine.sglang.url)
-    why = (
-        f"{differs}: {TWIN_CHANGED}"
-        if twin_changed(changes)
-        else f"{differs}: the arms would compare more than their drafters; {path} "
-        f"was {begun}, so this dvfs cannot resume it: rerun with --fresh (or into "
-        "another --out folder)"
-        if begun
-        else f"{differs}: its cells would compare more than the knob settings; "
-        f"{restart_as_it_was(changes, attached)}, or start over with --fresh (or "
-        "another --out)"
-        if own  # its own earlier server: a rerun's other SGLang or flags
-        else f"{differs}: the arms would compare more than their drafters; run "
-        "every drafter on the same SGLang and flags (engine.sglang.extra_args), or "
-        "start over with --fresh (or another --out)"
-    )
-    # The changes named give way to the remedy, which ends the line whole.
-    return why.replace(CHANGES, listed_changes(changes, MAX_MESSAGE_CHARS - len(why)), 1)
 
 
 def run_fleet(
