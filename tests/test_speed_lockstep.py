@@ -7,12 +7,13 @@ bit, at any instant: on a chunk, between two, before the first, after the last."
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_meter_round_reuse import bits
-from test_round_arrays import checked_round
+from test_round_arrays import checked_round, stats_bits
 
 from dvfs.engines.base import RoundArrays, RoundResult
 from dvfs.measure import meter
@@ -77,3 +78,45 @@ def test_a_curve_through_distinct_instants_reads_as_one_through_its_chunks(pairs
     got, want = TokenCurve.steps(ns, tokens), TokenCurve(ns, tokens)
     for x in [*xs, *(float(t) for t in ns)]:
         assert bits([float(got.at(x))]) == bits([float(want.at(x))])
+
+
+def with_token(arrays: RoundArrays, at: int, count: int) -> RoundArrays:
+    """The round with one chunk's tokens (the `at`-th, row by row) set to `count`."""
+    tokens = arrays.chunk_tokens.copy()
+    tokens.reshape(-1)[at % tokens.size] = count
+    counts = arrays.counts
+    return checked_round(arrays.sent_ns, arrays.chunk_ns.copy(), tokens, counts, tokens.sum(axis=1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(lockstep_arrays(), min_size=1, max_size=4),
+    st.one_of(
+        st.none(), st.tuples(st.integers(0, 3), st.integers(0, 47), st.sampled_from([-1, 64, 65]))
+    ),
+)
+def test_lockstep_rounds_latency_counted_is_that_of_their_chunks_end_to_end(rounds, odd) -> None:
+    """`_lockstep_latency` (the ITL's gaps counted, not repeated) gives `_latency_from`'s
+    numbers on the rounds' chunks put end to end, to the bit; it declines rounds with a
+    chunk of negative or more than `_COUNTED_TOKENS` tokens, and `rounds_latency` takes it
+    where the rounds are many chunks."""
+    if odd is not None:  # one chunk of unusual tokens (past `_COUNTED_TOKENS`, or negative)
+        which, at, count = odd
+        rounds[which % len(rounds)] = with_token(rounds[which % len(rounds)], at, count)
+    results = [RoundResult.of_arrays(arrays, 0, 1, None) for arrays in rounds]
+    chunks = [meter.round_chunks(result) for result in results]
+    want = meter._latency_from(
+        *(
+            np.concatenate([getattr(c, name) for c in chunks])
+            for name in ("sent", "completion", "counts", "ns", "tokens")
+        )
+    )
+    if all(c.lockstep is not None for c in chunks):
+        got = meter._lockstep_latency(chunks)
+        counted = [a.chunk_tokens for a in rounds if a.chunk_ns.shape[1] > 1]
+        declined = any(t.min() < 0 or t.max() > meter._COUNTED_TOKENS for t in counted)
+        assert (got is None) == declined
+        if got is not None:
+            assert stats_bits(got) == stats_bits(want)
+    with mock.patch.object(meter, "_COUNTED_FROM", 0):
+        assert stats_bits(meter.rounds_latency(results)) == stats_bits(want)

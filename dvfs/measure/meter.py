@@ -419,11 +419,13 @@ def _quantiles(values: np.ndarray) -> tuple[float, ...]:
 
 
 def _interpolated(
-    ordered: np.ndarray, picks: tuple[tuple[int, int, float], ...], scale: float = 1.0
+    ordered: np.ndarray | dict[int, float],
+    picks: tuple[tuple[int, int, float], ...],
+    scale: float = 1.0,
 ) -> tuple[float, ...]:
-    """Each quantile of `_picks` read off `ordered` (its order statistics in place), each
-    value times `scale` first, interpolated as numpy's "linear" method does, on plain floats
-    (x * 1.0 is x to the bit, NaN and infinities included)."""
+    """Each quantile of `_picks` read off `ordered` (its order statistics in place, or just
+    those, by position), each value times `scale` first, interpolated as numpy's "linear"
+    method does, on plain floats (x * 1.0 is x to the bit, NaN and infinities included)."""
     out = []
     for below, above, weight in picks:
         lo, hi = float(ordered[below]) * scale, float(ordered[above]) * scale
@@ -627,8 +629,14 @@ def rounds_latency(results: Sequence[RoundResult]) -> LatencyStats:
     """`latency_stats` of every request of the rounds (in order), on each round's chunks as
     `round_chunks` gathered them (the runner's rounds': remembered), put end to end: the
     same arrays as the requests' chunks concatenated at once, without a pass over each
-    request's."""
+    request's; lockstep rounds of many chunks with their gaps counted (`_lockstep_latency`:
+    the same numbers)."""
     rounds = [c for c in (round_chunks(res) for res in results) if c.firsts]
+    lockstep = all(c.lockstep is not None for c in rounds)
+    if lockstep and sum(len(c.ns) for c in rounds) >= _COUNTED_FROM:
+        counted = _lockstep_latency(rounds)
+        if counted is not None:
+            return counted
     if len(rounds) == 1:
         c = rounds[0]
         return _latency_from(c.sent, c.completion, c.counts, c.ns, c.tokens)
@@ -638,6 +646,79 @@ def rounds_latency(results: Sequence[RoundResult]) -> LatencyStats:
             for name in ("sent", "completion", "counts", "ns", "tokens")
         )
     )
+
+
+#: The most tokens a chunk of a lockstep round may carry for `_lockstep_itl` to count its
+#: gaps (a count per column and token count): speculative decoding's few per verify pass.
+_COUNTED_TOKENS = 64
+#: The fewest chunks a cell's lockstep rounds hold for `rounds_latency` to count their gaps
+#: (`_lockstep_latency`): below, repeating each gap per token and partitioning costs less
+#: than counting round by round (measured on the demo sweep's cells, numpy 2.4).
+_COUNTED_FROM = 4096
+
+
+def _lockstep_latency(rounds: Sequence[RoundChunks]) -> LatencyStats | None:
+    """`_latency_from` of lockstep rounds' chunks put end to end (`RoundChunks.lockstep`: whole
+    rows, every request's chunks after its first at the first request's instants), the same
+    numbers, without the chunks put end to end: TTFT and TPOT from each request's first and
+    last chunk, the ITL by `_lockstep_itl`. None where a chunk's tokens are not counted so
+    (negative, or more than `_COUNTED_TOKENS`)."""
+    grids = [(c.ns.reshape(len(c.counts), -1), c.tokens.reshape(len(c.counts), -1)) for c in rounds]
+    itl_ms = _lockstep_itl(grids)
+    if itl_ms is None:
+        return None
+    sent = np.concatenate([c.sent for c in rounds])
+    completion = np.concatenate([c.completion for c in rounds])
+    first = np.concatenate([ns[:, 0] for ns, _ in grids])
+    last = np.concatenate([ns[:, -1] for ns, _ in grids])
+    ttft = (first - sent) * 1e-6
+    multi = completion > 1
+    tpot = (last[multi] - first[multi]) * 1e-6 / (completion[multi] - 1)
+    return LatencyStats(_ordered_quantiles(ttft), _ordered_quantiles(tpot), itl_ms)
+
+
+def _lockstep_itl(grids: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[float, ...] | None:
+    """The ITL quantiles `_latency_from` takes (each gap over its chunk's tokens, once per
+    token; empty chunks left out) of lockstep rounds, each its chunks' instants and tokens
+    (requests x chunks, whole rows): the same order statistics of the same values, counted
+    instead of repeated. A request's gaps after its second chunk are the first request's, so
+    each (gap, tokens) pair is one value with a count (a bincount over the round's tokens,
+    not a copy of every token's value to partition); the second chunks' gaps are each
+    request's own. An empty chunk's value has no count: never picked. None where a chunk's
+    tokens are negative or over `_COUNTED_TOKENS`."""
+    values, weights = [], []
+    for ns, tokens in grids:
+        width = ns.shape[1]
+        if width < 2:
+            continue
+        most = int(_MAX(tokens, axis=None))
+        if most > _COUNTED_TOKENS or int(_MIN(tokens, axis=None)) < 0:
+            return None
+        tokens = tokens.astype(np.int64, copy=False)  # (whole numbers: `_lockstep`)
+        row, second = ns[0], tokens[:, 1]
+        values.append(((row[1] - ns[:, 0]) * 1e-6) / np.maximum(second, 1))
+        weights.append(second)
+        if width > 2:  # the later chunks' (column, tokens) pairs, each counted once
+            span = most + 1
+            pairs = np.bincount((tokens + np.arange(0, width * span, span)).reshape(-1))
+            pairs = pairs[2 * span :]
+            pairs[::span] = 0  # empty chunks
+            found = np.flatnonzero(pairs)
+            column, counted = np.divmod(found, span)
+            values.append(((row[2:] - row[1:-1])[column] * 1e-6) / counted)
+            weights.append(counted * pairs[found])
+    if not values:
+        return tuple(math.nan for _ in QUANTILES)
+    value = np.concatenate(values)
+    order = value.argsort()
+    cumulative = np.cumsum(np.concatenate(weights)[order])
+    n = int(cumulative[-1])
+    if n == 0:
+        return tuple(math.nan for _ in QUANTILES)
+    picks, kth = _picks(n)
+    # the k-th smallest repeated value: the first whose count takes the total past k
+    at = order[cumulative.searchsorted(kth, "right")]
+    return _interpolated(dict(zip(kth, value[at].tolist(), strict=True)), picks)
 
 
 def _latency_from(
