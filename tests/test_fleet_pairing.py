@@ -131,6 +131,38 @@ def test_a_lost_workers_groups_go_whole_to_the_others(tmp_path: Path, monkeypatc
     assert cube.attrs["groups_across_gpus"] == len(split)
 
 
+def test_a_lost_worker_with_no_other_left_says_so(tmp_path: Path, monkeypatch) -> None:
+    """A worker lost said its unfinished cells go to the others, a comparison group at a time,
+    also where no other worker was left (a fleet's folder resumed by a fleet of one, `--gpus
+    0`): the run stops there. It says so; one lost beside another still says they go to it."""
+    write(tmp_path / "campaign.toml", fleet_campaign("alone"))
+    out = tmp_path / "out"
+    argv = [str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out)]
+    lose_worker_on_its_third_cell(monkeypatch, "gpu1")
+    result = sweep(*argv)
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.output.split())
+    assert "worker gpu1 lost (RuntimeError: the GPU fell off the bus); its unfinished " in told
+    assert "no other worker is left" not in told, told
+    journal = out / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][1]
+    journal.write_text("".join(lines[:cut]))  # a fleet's folder, unfinished
+    monkeypatch.undo()
+    lose_worker_on_its_third_cell(monkeypatch, "gpu0")
+    argv[2] = "0"
+    result = sweep(*argv)
+    assert result.exit_code == 1, result.output
+    told = " ".join(result.output.split())
+    assert (
+        "worker gpu0 lost (RuntimeError: the GPU fell off the bus): no other worker is left "
+        "to measure its cells" in told
+    ), told
+    assert "go to the others" not in told, told
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: every worker was lost with "), told
+
+
 # -- the queue alone --
 
 

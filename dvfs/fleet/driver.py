@@ -402,7 +402,7 @@ class Driver:
             if why is not None:
                 self.refused = self.refused or why
                 self.retired.add(worker)
-                self.lost(worker, shipment.all_cells, why)
+                self.lost(worker, shipment.all_cells, why, refused=True)
                 return True
             self.servers.setdefault(str(record.get("drafter")), record)
         return False
@@ -466,8 +466,11 @@ class Driver:
         self._outstanding.update(c.key for c in cells)
         self.queue.give_back(self._register(cells))
 
-    def lost(self, worker: str, unit: Unit | Cell | None, why: str) -> None:
-        """A worker died: its unfinished unit goes back to the queue for the others."""
+    def lost(
+        self, worker: str, unit: Unit | Cell | None, why: str, *, refused: bool = False
+    ) -> None:
+        """A worker died (`refused`: was retired, its server refused): its unfinished unit
+        goes back to the queue for the others, where any is left."""
         stats = self.stats.setdefault(worker, WorkerStats(worker))
         again = stats.lost is not None
         # What lost it (its GPU fallen off the bus), not what failed after (the restore of
@@ -480,10 +483,14 @@ class Driver:
         self.queue.leave(worker)
         if again:
             self.note(f"worker {worker}, lost, then: {why}")
+        elif not self.queue.live():  # the run stops, in a line that says why (`check_finished`)
+            what = "retired, its server refused" if refused else f"lost ({why})"
+            self.note(f"worker {worker} {what}: no other worker is left to measure its cells")
         else:
+            what = f"retired, its server refused ({why})" if refused else f"lost ({why})"
             self.note(
-                f"worker {worker} lost ({why}); its unfinished cells go to the others, a "
-                "comparison group at a time"
+                f"worker {worker} {what}; its unfinished cells go to the others, a comparison "
+                "group at a time"
             )
         self._show(stats)
 
