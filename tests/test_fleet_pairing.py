@@ -163,6 +163,32 @@ def test_a_lost_worker_with_no_other_left_says_so(tmp_path: Path, monkeypatch) -
     assert last.startswith("Error: every worker was lost with "), told
 
 
+def test_a_worker_retired_for_its_server_is_not_reported_lost(tmp_path: Path, monkeypatch) -> None:
+    """A fleet's worker whose server the driver refused (retired), the other finishing every
+    cell: the sweep's report said "gpu1 ...: 0 cell(s) ... lost: <the refusal>", as if its GPU
+    or server had been lost. It says it was retired, its server refused, in the note and the
+    report; the other worker's line names no loss."""
+    import dvfs.fleet.driver as driver
+
+    rule = driver.server_refusal
+
+    def refusing_gpu1(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker == "gpu1":
+            return f"the server of drafter {record['drafter']!r} on gpu1 differs"
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    monkeypatch.setattr(driver, "server_refusal", refusing_gpu1)
+    write(tmp_path / "campaign.toml", fleet_campaign("retired"))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.output.split())
+    why = "the server of drafter 'none' on gpu1 differs"
+    assert f"worker gpu1 retired, its server refused ({why}); its unfinished cells go " in told
+    assert f"h of GPU time retired, its server refused: {why}" in told, told
+    assert "lost" not in told, told
+
+
 # -- the queue alone --
 
 

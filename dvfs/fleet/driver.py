@@ -78,7 +78,14 @@ class WorkerStats:
     gpu_time_s: float = 0.0
     busy_wall_s: float = 0.0
     lost: str | None = None
+    #: Its `lost` is a refusal of its server (the driver retired it), not a loss.
+    refused: bool = False
     _since: float = field(default=0.0, repr=False)
+
+    @property
+    def gone(self) -> str:
+        """How it left the fleet, as its `lost` is said: lost, or retired for its server."""
+        return "retired, its server refused" if self.refused else "lost"
 
     def eta_s(self, remaining_per_worker: float) -> float | None:
         """Wall seconds this worker needs for its share of what is left, at its pace."""
@@ -475,7 +482,8 @@ class Driver:
         again = stats.lost is not None
         # What lost it (its GPU fallen off the bus), not what failed after (the restore of
         # that GPU as the worker closed), which is said as it comes.
-        stats.lost = stats.lost or why
+        if not stats.lost:
+            stats.lost, stats.refused = why, refused
         stats.current = ""
         cells = as_unit(unit) if unit is not None else ()
         if any(cell.key in self._outstanding for cell in cells):
