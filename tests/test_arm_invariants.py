@@ -1886,7 +1886,9 @@ def test_a_fleets_folder_resumed_on_its_attached_server_restarted_otherwise_says
     which reach no attached server. It says, as one GPU's sweep does, to restart the server at
     engine.sglang.url as it was; restarted so, the resume finishes. `dvfs doctor --gpus 0`
     said "ok engine" before that refused resume (it compared no fleet's journal): it fails
-    in the fleet's own line, exit 1, and passes once the server is restarted as it was."""
+    in the fleet's own line, exit 1, and passes once the server is restarted as it was. The
+    refusal also said "worker gpu0 lost (...); its unfinished cells go to the others", with
+    no other worker: it says the worker was retired, its server refused, with none left."""
     port, config = attached
     path, marker = attached_campaign(
         tmp_path, port, batch="[1]", knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0"
@@ -1928,5 +1930,9 @@ def test_a_fleets_folder_resumed_on_its_attached_server_restarted_otherwise_says
             assert "dtype (dtype): None -> 'float16'" in line, line
             assert "restart the server at engine.sglang.url as it was" in line, line
             assert "extra_args" not in line and "drafter 'none''s" not in line, line
+            # not "lost", its cells going to "the others": it is refused, and alone
+            told = " ".join(result.output.split())
+            assert "worker gpu0 retired, its server refused: no other worker is left" in told
+            assert "lost" not in told and "the others" not in told, told
     assert result.exit_code == 0, result.output
     assert running(marker) == []

@@ -758,6 +758,47 @@ def as_begun_by_earlier_dvfs(
 
 
 @pytest.mark.slow
+def test_a_drafters_own_server_in_a_journal_begun_by_an_earlier_dvfs_is_refused_alike(
+    stub: ModuleType, tmp_path: Path
+) -> None:
+    """A journal of one drafter begun by an earlier dvfs (its server's own decode graphs),
+    resumed: its drafter's server differs from the one that measured its cells. One GPU's
+    sweep said its cells would compare more than the knob settings; a fleet's driver said
+    the arms would compare more than their drafters, with no other drafter. Both say it
+    alike, but for where the server ran."""
+    one = '\n[drafters.none]\nalgorithm = "none"\n'
+    path, _ = stub_campaign(
+        tmp_path,
+        version="0.5.9",
+        drafters=one,
+        batch="[6]",
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    records = as_begun_by_earlier_dvfs(stub, path, journal)
+    kept = records[: [i for i, r in enumerate(records) if r["type"] == "cell"][1]]
+    lines = []
+    for gpus in ((), ("--gpus", "0-1")):
+        journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        result = sweep(path, out, *gpus)
+        assert result.exit_code == 1, result.output
+        lines.append(result.output.strip().splitlines()[-1])
+    alone, fleet = lines
+    assert alone.startswith("Error: the 'none' server differs from the one that measured")
+    assert fleet.startswith("Error: the server of drafter 'none' on gpu"), fleet
+    tail = (
+        f" differs from the one that measured its cells in {journal} (decode CUDA graph at "
+        "batch 6: eager -> 6): its cells would compare more than the knob settings; "
+        f"{journal} was begun by an earlier dvfs, which did not give every drafter the same "
+        "decode CUDA graphs and overlap scheduler, so this dvfs cannot resume it: rerun with "
+        "--fresh (or into another --out folder)"
+    )
+    assert alone.endswith(tail) and fleet.endswith(tail), lines
+
+
+@pytest.mark.slow
 def test_a_journal_begun_by_an_earlier_dvfs_says_so(stub: ModuleType, tmp_path: Path) -> None:
     """A journal whose servers an earlier dvfs started (SGLang's own decode graphs and overlap
     scheduler per drafter) cannot be resumed or built into a cube, and both say why in one

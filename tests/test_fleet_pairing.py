@@ -131,6 +131,64 @@ def test_a_lost_workers_groups_go_whole_to_the_others(tmp_path: Path, monkeypatc
     assert cube.attrs["groups_across_gpus"] == len(split)
 
 
+def test_a_lost_worker_with_no_other_left_says_so(tmp_path: Path, monkeypatch) -> None:
+    """A worker lost said its unfinished cells go to the others, a comparison group at a time,
+    also where no other worker was left (a fleet's folder resumed by a fleet of one, `--gpus
+    0`): the run stops there. It says so; one lost beside another still says they go to it."""
+    write(tmp_path / "campaign.toml", fleet_campaign("alone"))
+    out = tmp_path / "out"
+    argv = [str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out)]
+    lose_worker_on_its_third_cell(monkeypatch, "gpu1")
+    result = sweep(*argv)
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.output.split())
+    assert "worker gpu1 lost (RuntimeError: the GPU fell off the bus); its unfinished " in told
+    assert "no other worker is left" not in told, told
+    journal = out / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][1]
+    journal.write_text("".join(lines[:cut]))  # a fleet's folder, unfinished
+    monkeypatch.undo()
+    lose_worker_on_its_third_cell(monkeypatch, "gpu0")
+    argv[2] = "0"
+    result = sweep(*argv)
+    assert result.exit_code == 1, result.output
+    told = " ".join(result.output.split())
+    assert (
+        "worker gpu0 lost (RuntimeError: the GPU fell off the bus): no other worker is left "
+        "to measure its cells" in told
+    ), told
+    assert "go to the others" not in told, told
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: every worker was lost with "), told
+
+
+def test_a_worker_retired_for_its_server_is_not_reported_lost(tmp_path: Path, monkeypatch) -> None:
+    """A fleet's worker whose server the driver refused (retired), the other finishing every
+    cell: the sweep's report said "gpu1 ...: 0 cell(s) ... lost: <the refusal>", as if its GPU
+    or server had been lost. It says it was retired, its server refused, in the note and the
+    report; the other worker's line names no loss."""
+    import dvfs.fleet.driver as driver
+
+    rule = driver.server_refusal
+
+    def refusing_gpu1(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker == "gpu1":
+            return f"the server of drafter {record['drafter']!r} on gpu1 differs"
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    monkeypatch.setattr(driver, "server_refusal", refusing_gpu1)
+    write(tmp_path / "campaign.toml", fleet_campaign("retired"))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.output.split())
+    why = "the server of drafter 'none' on gpu1 differs"
+    assert f"worker gpu1 retired, its server refused ({why}); its unfinished cells go " in told
+    assert f"h of GPU time retired, its server refused: {why}" in told, told
+    assert "lost" not in told, told
+
+
 # -- the queue alone --
 
 

@@ -93,7 +93,7 @@ class RichFleetProgress:
             self._workers[stats.label] = task
         state = escape(stats.current) or "idle"
         if stats.lost:
-            state = f"[red]lost[/red]: {escape(stats.lost)}"
+            state = f"[red]{stats.gone}[/red]: {escape(stats.lost)}"
         self._progress.update(
             task, completed=stats.done, failed=stats.failed, current=state, eta=_clock(eta_s)
         )

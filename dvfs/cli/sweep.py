@@ -814,7 +814,7 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
     """Per worker: cells and GPU time; then the whole, as `run` reports a sweep."""
     err = console(stderr=True)
     for w in outcome.workers:
-        lost = f" [red]lost: {escape(w.lost)}[/red]" if w.lost else ""
+        lost = f" [red]{w.gone}: {escape(w.lost)}[/red]" if w.lost else ""
         err.print(
             f"{w.label}{' on ' + w.host if w.host else ''}: {w.done} cell(s), {w.failed} "
             f"failed, {w.gpu_time_s / 3600:.2f} h of GPU time{lost}"

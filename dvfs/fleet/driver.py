@@ -78,7 +78,14 @@ class WorkerStats:
     gpu_time_s: float = 0.0
     busy_wall_s: float = 0.0
     lost: str | None = None
+    #: Its `lost` is a refusal of its server (the driver retired it), not a loss.
+    refused: bool = False
     _since: float = field(default=0.0, repr=False)
+
+    @property
+    def gone(self) -> str:
+        """How it left the fleet, as its `lost` is said: lost, or retired for its server."""
+        return "retired, its server refused" if self.refused else "lost"
 
     def eta_s(self, remaining_per_worker: float) -> float | None:
         """Wall seconds this worker needs for its share of what is left, at its pace."""
@@ -402,7 +409,7 @@ class Driver:
             if why is not None:
                 self.refused = self.refused or why
                 self.retired.add(worker)
-                self.lost(worker, shipment.all_cells, why)
+                self.lost(worker, shipment.all_cells, why, refused=True)
                 return True
             self.servers.setdefault(str(record.get("drafter")), record)
         return False
@@ -466,13 +473,17 @@ class Driver:
         self._outstanding.update(c.key for c in cells)
         self.queue.give_back(self._register(cells))
 
-    def lost(self, worker: str, unit: Unit | Cell | None, why: str) -> None:
-        """A worker died: its unfinished unit goes back to the queue for the others."""
+    def lost(
+        self, worker: str, unit: Unit | Cell | None, why: str, *, refused: bool = False
+    ) -> None:
+        """A worker died (`refused`: was retired, its server refused): its unfinished unit
+        goes back to the queue for the others, where any is left."""
         stats = self.stats.setdefault(worker, WorkerStats(worker))
         again = stats.lost is not None
         # What lost it (its GPU fallen off the bus), not what failed after (the restore of
         # that GPU as the worker closed), which is said as it comes.
-        stats.lost = stats.lost or why
+        if not stats.lost:
+            stats.lost, stats.refused = why, refused
         stats.current = ""
         cells = as_unit(unit) if unit is not None else ()
         if any(cell.key in self._outstanding for cell in cells):
@@ -480,10 +491,14 @@ class Driver:
         self.queue.leave(worker)
         if again:
             self.note(f"worker {worker}, lost, then: {why}")
+        elif not self.queue.live():  # the run stops, in a line that says why (`check_finished`)
+            what = "retired, its server refused" if refused else f"lost ({why})"
+            self.note(f"worker {worker} {what}: no other worker is left to measure its cells")
         else:
+            what = f"retired, its server refused ({why})" if refused else f"lost ({why})"
             self.note(
-                f"worker {worker} lost ({why}); its unfinished cells go to the others, a "
-                "comparison group at a time"
+                f"worker {worker} {what}; its unfinished cells go to the others, a comparison "
+                "group at a time"
             )
         self._show(stats)
 

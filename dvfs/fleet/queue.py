@@ -219,6 +219,11 @@ class CellQueue:
                 self._pool.sort(key=self._group_rank)
                 self._deal()
 
+    def live(self) -> tuple[str, ...]:
+        """The workers that joined and have not left (`leave`)."""
+        with self._lock:
+            return tuple(self._live)
+
     def leave(self, worker: str) -> None:
         """`worker` is gone: the groups it holds go back to the pool, whole, for the others.
         (Cells of them it finished stay finished: such a group's arms span two GPUs.)"""

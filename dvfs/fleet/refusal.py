@@ -57,20 +57,24 @@ def server_refusal(
     begun = begun_unpinned(pinned, changes)
     engine = campaign.engine
     attached = engine.backend == "sglang" and bool(engine.sglang.url)
+    # As the runner's rule says it (`dvfs.measure.runner.server_refusal`): against its own
+    # drafter's earlier server, a rerun's other SGLang or flags; else another drafter's.
+    served = (
+        f"{differs}: its cells would compare more than the knob settings"
+        if own
+        else f"{differs}: the arms would compare more than their drafters"
+    )
     why = (
         f"{differs}: {TWIN_CHANGED}"
         if twin_changed(changes)
-        else f"{differs}: the arms would compare more than their drafters; {path} "
-        f"was {begun}, so this dvfs cannot resume it: rerun with --fresh (or into "
-        "another --out folder)"
+        else f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun with "
+        "--fresh (or into another --out folder)"
         if begun
-        else f"{differs}: its cells would compare more than the knob settings; "
-        f"{restart_as_it_was(changes, attached)}, or start over with --fresh (or "
-        "another --out)"
-        if own  # its own earlier server: a rerun's other SGLang or flags
-        else f"{differs}: the arms would compare more than their drafters; run "
-        "every drafter on the same SGLang and flags (engine.sglang.extra_args), or "
-        "start over with --fresh (or another --out)"
+        else f"{served}; {restart_as_it_was(changes, attached)}, or start over with --fresh "
+        "(or another --out)"
+        if own
+        else f"{served}; run every drafter on the same SGLang and flags "
+        "(engine.sglang.extra_args), or start over with --fresh (or another --out)"
     )
     # The changes named give way to the remedy, which ends the line whole.
     return why.replace(CHANGES, listed_changes(changes, MAX_MESSAGE_CHARS - len(why)), 1)
