@@ -337,8 +337,8 @@ ENGINE_ARG_CHANGES: list[tuple[list[str], str]] = [
         ["--enable-page-major-kv-layout"],
         "page-major KV layout (enable_page_major_kv_layout): False -> True",
     ),
-    (["--swa-full-tokens-ratio", "0.5"], "SWA KV token ratio (swa_full_tokens_ratio): None -> 0.5"),
-    (["--enable-lean-attention"], "Lean attention (enable_lean_attention): False -> True"),
+    (["--swa-full-tokens-ratio", "0.5"], "SWA KV token ratio (swa_full_tokens_ratio): 0.8 -> 0.5"),
+    (["--enable-lean-attention"], "Lean attention (enable_lean_attention): None -> True"),
     (
         ["--enable-priority-scheduling"],
         "priority scheduling (enable_priority_scheduling): False -> True",
@@ -605,7 +605,7 @@ def test_two_arms_differing_in_any_compared_arg_are_refused() -> None:
             {
                 "attn_cp_size": 1,
                 "dcp_size": 1,
-                "swa_full_tokens_ratio": None,
+                "swa_full_tokens_ratio": 0.8,
                 "tokenizer_mode": "auto",
                 "tokenizer_backend": "huggingface",
                 "kt_method": "AMXINT4",
@@ -630,6 +630,41 @@ def test_the_stub_reports_the_compared_args_as_sglang_does(
     assert given["attn_cp_size"] == 1 and given["swa_full_tokens_ratio"] == 0.5
     given, _ = stub.parse_launch_argv(argv, config)
     assert type(given["attn_cp_size"]) is int and type(given["swa_full_tokens_ratio"]) is float
+
+
+#: 0.5.23's compared args whose default the stub reported otherwise than SGLang's
+#: /server_info: the fallback an unset ratio resolves to (arg_groups/fields/schedule.py
+#: `swa_full_tokens_ratio`, `fallback=0.8`, which overrides.py `resolution_result` applies
+#: and server_args.py `resolved_dict` reports), a Literal[1, 2] option's int default
+#: (fields/exec_.py `fuseep_mode`, arg_utils.py `add_cli_args_from_dataclass`: type int),
+#: an int option with choices (`dsa_triton_union`: choices [0, 2, 4], type int) and an
+#: Optional[bool] flag left None when not given (`enable_lean_attention`).
+STUB_DEFAULTS_0523 = {
+    "swa_full_tokens_ratio": ("0.8", 0.8),
+    "fuseep_mode": ("2", 2),
+    "dsa_triton_union": ("0", 0),
+}
+
+
+def test_a_flag_giving_sglangs_default_is_no_change_for_the_stub_either() -> None:
+    """A resume whose server_command added --swa-full-tokens-ratio 0.8, --fuseep-mode 2 or
+    --dsa-triton-union 0 (SGLang 0.5.23's defaults, reported alike with or without the flag)
+    was refused against the stub ("SWA KV token ratio (swa_full_tokens_ratio): None -> 0.8",
+    "(dsa_triton_union): 0 -> '0'"), which reported None for the unset ratio and mode and a
+    string for a number with choices; and it reported False for an unset
+    --enable-lean-attention, which SGLang reports as None."""
+    stub = load_stub()
+    config = stub.StubConfig(version="0.5.23")
+    plain, _ = stub.parse_launch_argv(["--model-path", "m", "--random-seed", "1"], config)
+    assert plain["enable_lean_attention"] is None
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    for key, (flag_value, value) in STUB_DEFAULTS_0523.items():
+        assert plain[key] == value and type(plain[key]) is type(value), key
+        flag = "--" + key.replace("_", "-")
+        argv = ["--model-path", "m", "--random-seed", "1", flag, flag_value]
+        given, _ = stub.parse_launch_argv(argv, config)
+        assert type(given[key]) is type(value), key
+        assert arm_changes({**base, "args": plain}, {**base, "args": given}) == [], key
 
 
 def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path: Path) -> None:
