@@ -394,11 +394,10 @@ KNOWN_DEFAULTS: dict[str, Any] = {
     # (arg_groups/fields/schedule.py `fallback=0.8`, overrides.py `resolution_result`)
     "swa_full_tokens_ratio": 0.8,
     "fuseep_mode": 2,  # 0.5.23 fields/exec_.py: Literal[1, 2] = 2
-}
-#: The defaults of `KNOWN_DEFAULTS`'s kind that differ between the releases.
-VERSION_DEFAULTS: dict[str, dict[str, Any]] = {
-    "0.5.9": {},
-    "0.5.23": {"kt_method": "AMXINT4", "kt_threadpool_count": 2},
+    # 0.5.23 fields/exec_.py; 0.5.9's argparse defaults (server_args.py `--kt-method`,
+    # `--kt-threadpool-count`), which `from_cli_args` keeps over the dataclass's None
+    "kt_method": "AMXINT4",
+    "kt_threadpool_count": 2,
 }
 #: Flags (store_true) whose SGLang field is Optional[bool] = None: not given, None, not False
 #: (0.5.23 fields/exec_.py `enable_lean_attention`; arg_utils.py passes the field's default).
@@ -842,7 +841,7 @@ def resolve_server_args(
     for long_name, field_name in FIELD_ALIASES.items():
         if long_name in args:
             args[field_name] = args.pop(long_name)
-    for key, value in {**KNOWN_DEFAULTS, **VERSION_DEFAULTS[version]}.items():
+    for key, value in KNOWN_DEFAULTS.items():
         if key in args and args[key] is None:
             args[key] = value
     for key in ("tokenizer_path", "served_model_name"):
