@@ -337,8 +337,8 @@ ENGINE_ARG_CHANGES: list[tuple[list[str], str]] = [
         ["--enable-page-major-kv-layout"],
         "page-major KV layout (enable_page_major_kv_layout): False -> True",
     ),
-    (["--swa-full-tokens-ratio", "0.5"], "SWA KV token ratio (swa_full_tokens_ratio): None -> 0.5"),
-    (["--enable-lean-attention"], "Lean attention (enable_lean_attention): False -> True"),
+    (["--swa-full-tokens-ratio", "0.5"], "SWA KV token ratio (swa_full_tokens_ratio): 0.8 -> 0.5"),
+    (["--enable-lean-attention"], "Lean attention (enable_lean_attention): None -> True"),
     (
         ["--enable-priority-scheduling"],
         "priority scheduling (enable_priority_scheduling): False -> True",
@@ -599,13 +599,21 @@ def test_two_arms_differing_in_any_compared_arg_are_refused() -> None:
 @pytest.mark.parametrize(
     ("version", "defaults"),
     [
-        ("0.5.9", {"attn_cp_size": 1, "swa_full_tokens_ratio": 0.8, "tokenizer_mode": "auto"}),
+        (
+            "0.5.9",
+            {
+                "attn_cp_size": 1,
+                "swa_full_tokens_ratio": 0.8,
+                "tokenizer_mode": "auto",
+                "kt_method": "AMXINT4",
+            },
+        ),
         (
             "0.5.23",
             {
                 "attn_cp_size": 1,
                 "dcp_size": 1,
-                "swa_full_tokens_ratio": None,
+                "swa_full_tokens_ratio": 0.8,
                 "tokenizer_mode": "auto",
                 "tokenizer_backend": "huggingface",
                 "kt_method": "AMXINT4",
@@ -630,6 +638,56 @@ def test_the_stub_reports_the_compared_args_as_sglang_does(
     assert given["attn_cp_size"] == 1 and given["swa_full_tokens_ratio"] == 0.5
     given, _ = stub.parse_launch_argv(argv, config)
     assert type(given["attn_cp_size"]) is int and type(given["swa_full_tokens_ratio"]) is float
+
+
+#: Compared args whose default the stub reported otherwise than SGLang's /server_info, each
+#: with the flag's text and SGLang's value: 0.5.23's fallback for an unset ratio
+#: (arg_groups/fields/schedule.py `swa_full_tokens_ratio`, `fallback=0.8`, which overrides.py
+#: `resolution_result` applies and server_args.py `resolved_dict` reports), a Literal[1, 2]
+#: option's int default (fields/exec_.py `fuseep_mode`; arg_utils.py
+#: `add_cli_args_from_dataclass`: type int) and an int option with choices
+#: (`dsa_triton_union`: choices [0, 2, 4], type int); 0.5.9's argparse defaults for
+#: KTransformers, which `from_cli_args` keeps over the dataclass's None (server_args.py
+#: `--kt-method` default "AMXINT4", `--kt-threadpool-count` default 2).
+STUB_DEFAULTS = {
+    "0.5.23": {
+        "swa_full_tokens_ratio": ("0.8", 0.8),
+        "fuseep_mode": ("2", 2),
+        "dsa_triton_union": ("0", 0),
+        "kt_method": ("AMXINT4", "AMXINT4"),
+        "kt_threadpool_count": ("2", 2),
+    },
+    "0.5.9": {
+        "swa_full_tokens_ratio": ("0.8", 0.8),
+        "kt_method": ("AMXINT4", "AMXINT4"),
+        "kt_threadpool_count": ("2", 2),
+    },
+}
+
+
+@pytest.mark.parametrize("version", sorted(STUB_DEFAULTS))
+def test_a_flag_giving_sglangs_default_is_no_change_for_the_stub_either(version: str) -> None:
+    """A resume whose server_command added --swa-full-tokens-ratio 0.8, --fuseep-mode 2 or
+    --dsa-triton-union 0 (SGLang 0.5.23's defaults, reported alike with or without the flag)
+    was refused against the stub ("SWA KV token ratio (swa_full_tokens_ratio): None -> 0.8",
+    "(dsa_triton_union): 0 -> '0'"), which reported None for the unset ratio and mode and a
+    string for a number with choices; and it reported False for an unset
+    --enable-lean-attention, which SGLang reports as None. Against 0.5.9, likewise
+    --kt-method AMXINT4 or --kt-threadpool-count 2 (its argparse defaults: "None ->
+    'AMXINT4'")."""
+    stub = load_stub()
+    config = stub.StubConfig(version=version)
+    plain, _ = stub.parse_launch_argv(["--model-path", "m", "--random-seed", "1"], config)
+    if version == "0.5.23":
+        assert plain["enable_lean_attention"] is None
+    base = {"engine": "sglang", "version": version, "attention_backend": "fa3"}
+    for key, (flag_value, value) in STUB_DEFAULTS[version].items():
+        assert plain[key] == value and type(plain[key]) is type(value), key
+        flag = "--" + key.replace("_", "-")
+        argv = ["--model-path", "m", "--random-seed", "1", flag, flag_value]
+        given, _ = stub.parse_launch_argv(argv, config)
+        assert type(given[key]) is type(value), key
+        assert arm_changes({**base, "args": plain}, {**base, "args": given}) == [], key
 
 
 def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path: Path) -> None:

@@ -110,6 +110,19 @@ def test_cubes_of_two_gpu_models_merge_whatever_sglang_derives_from_the_gpu(
     ok = invoke("cube", "merge", str(auto_a), str(auto_b), "-o", str(out))
     assert ok.exit_code == 0, ok.output
     assert open_cube(out).sizes["gpu"] == 2
+    # GPT-OSS on 0.5.9, kernels left to SGLang: fa3 on Hopper, trtllm_mha on Blackwell, which
+    # turns the hybrid SWA pool off (server_args.py lines 1333-1361): was refused, "hybrid SWA
+    # memory disabled (disable_hybrid_swa_memory): False -> True"
+    gpt_a = _cube(
+        a, tmp_path / "gpt_a.nc", kernels="auto", backends="fa3",
+        args={"disable_hybrid_swa_memory": False},
+    )  # fmt: skip
+    gpt_b = _cube(
+        b, tmp_path / "gpt_b.nc", kernels="auto", backends="trtllm_mha",
+        args={"disable_hybrid_swa_memory": True},
+    )  # fmt: skip
+    ok = invoke("cube", "merge", str(gpt_a), str(gpt_b), "-o", str(tmp_path / "gpt.nc"))
+    assert ok.exit_code == 0, ok.output
 
 
 def _piecewise(max_tokens: int) -> dict[str, Any]:

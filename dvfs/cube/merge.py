@@ -164,7 +164,9 @@ GPU_DERIVED_ARGS = (
 )
 #: What follows the attention kernels, which SGLang picks from the GPU's architecture when the
 #: campaign leaves them to it (engine.sglang.attention_backend = "auto": fa3 on Hopper,
-#: flashinfer elsewhere): the backends, the draft's, and the KV page size some backends set.
+#: flashinfer elsewhere): the backends, the draft's, the KV page size some backends set, and
+#: 0.5.9's hybrid SWA pool, which it turns off for GPT-OSS under trtllm_mha (its pick on
+#: Blackwell, fa3 on Hopper: server_args.py lines 1333-1361).
 #: Compared across GPUs only when the campaign pins the kernels.
 AUTO_KERNEL_ARGS = (
     "attention_backend",
@@ -172,6 +174,7 @@ AUTO_KERNEL_ARGS = (
     "decode_attention_backend",
     "speculative_draft_attention_backend",
     "page_size",
+    "disable_hybrid_swa_memory",
 )
 
 

@@ -723,7 +723,8 @@ def restart_as_it_was(changes: Iterable[str], attached: bool = False) -> str:
 #:   sets them per algorithm (0.5.23 sets the page-major layout from unified memory,
 #:   kv_cache_hook.py `handle_page_major_kv_layout`, and attn_cp_size for DeepSeek models by
 #:   placement, model_overrides/deepseek_v2.py; 0.5.9 the SWA pool per model, server_args.py
-#:   `_handle_model_specific_adjustments`).
+#:   `_handle_model_specific_adjustments`, and for GPT-OSS by its attention kernels, which
+#:   follow the GPU's architecture when left to SGLang: `dvfs.cube.merge.AUTO_KERNEL_ARGS`).
 #: - more kernels and their numerics for the target that neither release's resolution code
 #:   (0.5.9 server_args.py; 0.5.23 arg_groups/, speculative/) ever sets: Lean attention,
 #:   FlashInfer MLA's ragged prefill, NVIDIA's megakernel and AMD's monokernel, the fused MoE

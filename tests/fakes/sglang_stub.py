@@ -330,7 +330,7 @@ INT_DESTS = frozenset(
         "kt_max_deferred_experts_per_token", "dsa_triton_union", "linear_replayssm_cache_len",
         "mamba_cache_philox_rounds", "int8_mamba_ckpt_size", "max_mamba_cache_size",
         "mamba_max_states_per_path", "pp_async_batch_depth", "pp_max_micro_batch_size",
-        "min_free_slots_delay",
+        "min_free_slots_delay", "fuseep_mode",
     }
 )  # fmt: skip
 FLOAT_DESTS = frozenset(
@@ -390,12 +390,18 @@ KNOWN_DEFAULTS: dict[str, Any] = {
     "pp_async_batch_depth": 0,
     "tokenizer_mode": "auto",
     "tokenizer_backend": "huggingface",
+    # 0.5.9's default; 0.5.23's fallback for an unset ratio, which its /server_info reports
+    # (arg_groups/fields/schedule.py `fallback=0.8`, overrides.py `resolution_result`)
+    "swa_full_tokens_ratio": 0.8,
+    "fuseep_mode": 2,  # 0.5.23 fields/exec_.py: Literal[1, 2] = 2
+    # 0.5.23 fields/exec_.py; 0.5.9's argparse defaults (server_args.py `--kt-method`,
+    # `--kt-threadpool-count`), which `from_cli_args` keeps over the dataclass's None
+    "kt_method": "AMXINT4",
+    "kt_threadpool_count": 2,
 }
-#: The defaults of `KNOWN_DEFAULTS`'s kind that differ between the releases.
-VERSION_DEFAULTS: dict[str, dict[str, Any]] = {
-    "0.5.9": {"swa_full_tokens_ratio": 0.8},
-    "0.5.23": {"kt_method": "AMXINT4", "kt_threadpool_count": 2},
-}
+#: Flags (store_true) whose SGLang field is Optional[bool] = None: not given, None, not False
+#: (0.5.23 fields/exec_.py `enable_lean_attention`; arg_utils.py passes the field's default).
+UNSET_FLAGS = frozenset({"enable_lean_attention"})
 
 
 def log(message: str) -> None:
@@ -588,10 +594,12 @@ def _option_kwargs(option: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     dest = _dest_of(flags)
     typ = int if dest in INT_DESTS else float if dest in FLOAT_DESTS else None
     valued: dict[str, Any] = {"nargs": nargs, "choices": choices}
-    if typ is not None and choices is None:
+    if typ is not None:  # the tables write choices as text; SGLang's are numbers too
         valued["type"] = typ
+        valued["choices"] = None if choices is None else [typ(c) for c in choices]
+    unset = {"default": None} if dest in UNSET_FLAGS else {}
     simple = {
-        "_StoreTrueAction": {"action": "store_true"},
+        "_StoreTrueAction": {"action": "store_true", **unset},
         "_StoreFalseAction": {"action": "store_false"},
         "_CountAction": {"action": "count"},
         "_StoreAction": {"action": "store", **valued},
@@ -833,7 +841,7 @@ def resolve_server_args(
     for long_name, field_name in FIELD_ALIASES.items():
         if long_name in args:
             args[field_name] = args.pop(long_name)
-    for key, value in {**KNOWN_DEFAULTS, **VERSION_DEFAULTS[version]}.items():
+    for key, value in KNOWN_DEFAULTS.items():
         if key in args and args[key] is None:
             args[key] = value
     for key in ("tokenizer_path", "served_model_name"):
