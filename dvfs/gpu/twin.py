@@ -216,7 +216,7 @@ def _nvml_units(
     # np.round with no decimals is rint (half to even), called as the ufunc it is, in place
     # on the product it rounds; a float written into an int64 row is truncated toward zero,
     # as a cast with astype(np.int64) is (the same cast)
-    block = np.empty((5, *np.shape(energy_j)), dtype=np.int64)
+    block = np.empty((5, *energy_j.shape), dtype=np.int64)
     block[0] = energy_j * _MILLI
     power_mw = power_w * _MILLI
     block[1] = np.rint(power_mw, out=power_mw)

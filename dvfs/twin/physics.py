@@ -671,15 +671,19 @@ def _remembered_schedule(
     # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
     fits = len(whole.power_w) == 0 or np.maximum.reduce(whole.power_w) <= power_limit_w
     points = []
+    capped = False
     start = 0
     for phase in phases:
-        timing = whole.slice(start, start + len(phase))
-        start += len(phase)
-        if fits or len(timing.power_w) == 0 or np.maximum.reduce(timing.power_w) <= power_limit_w:
+        n = len(phase.flops)  # (`len(phase)`, without its method call)
+        timing = whole.slice(start, start + n)
+        start += n
+        if fits or not n or np.maximum.reduce(timing.power_w) <= power_limit_w:
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
-            points.append(operating_point(gpu, phase, requested_mhz, power_limit_w, timing))
-    if any(p.power_capped for p in points):
+            point = operating_point(gpu, phase, requested_mhz, power_limit_w, timing)
+            capped = capped or point.power_capped
+            points.append(point)
+    if capped:
         return Schedule(tuple(points))
     joined = PassTiming(
         int(requested_mhz), whole.duration_s, whole.power_w, whole.tensor_util, whole.memory_util
@@ -696,7 +700,8 @@ class Schedule:
     """
 
     points: tuple[OperatingPoint, ...]
-    #: The timing of all passes when it was computed as one (see `timing`).
+    #: The timing of all passes when it was computed as one, every pass at the requested
+    #: clock, no phase capped (see `timing`).
     joined: PassTiming | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property

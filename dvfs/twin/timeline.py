@@ -294,7 +294,10 @@ class Timeline:
         """`_truth` at one instant in scalar arithmetic (a fold reads one or two): temperature
         (C) and true energy since `fold_ns` (J)."""
         t_ns = max(t_ns, self.fold_ns)
-        j = int(self._seg_ends_ns.searchsorted(t_ns, side="right"))
+        # at or past the work's end (where the next start folds a timeline), the idle tail:
+        # what the search finds there, without its call
+        ends = self._seg_ends_ns
+        j = len(ends) if t_ns >= self.end_ns else int(ends.searchsorted(t_ns, side="right"))
         offset_s = (t_ns - int(self._seg_start_ns[j])) * 1e-9
         energy = float(self._seg_energy_j[j]) + float(self._seg_settled_w[j]) * offset_s
         temp = float(self._seg_steady_c[j])
