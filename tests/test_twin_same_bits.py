@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.campaign.model import DrafterSpec
-from dvfs.twin import physics, thermal
+from dvfs.twin import physics, scalars, thermal
 from dvfs.twin.drafting import plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes
 from dvfs.twin.profiles import gpu_profile, model_profile
@@ -216,3 +216,40 @@ def test_clock_factors_looked_up_per_pass_are_the_array_arithmetic(
     bandwidth, scale = physics._clocks_factors(profile, clocks)
     assert bandwidth.tobytes() == physics.bandwidth_bytes_s(profile, clocks).tobytes()
     assert scale.tobytes() == physics.dynamic_scale(profile, clocks).tobytes()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 300),
+    seed=st.integers(0, 2**16),
+    magnitude=st.floats(1e-9, 1e12),
+    negative=st.booleans(),
+    whole=st.integers(-(2**40), 2**40).filter(lambda v: v != 0),
+)
+def test_a_0d_array_operand_gives_the_python_scalars_bits(
+    n, seed, magnitude, negative, whole
+) -> None:
+    """`scalars.zero_d`: each ufunc the twin calls with a scalar gives the same bits with the
+    scalar as a 0-d array of the dtype beside it (float64 beside float64, int64 beside int64),
+    and -x / t is x / -t (what `Timeline._truth` and `_energy_since` divide by)."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1e6, 1e6, size=n) * 10.0 ** rng.integers(-12, 12, size=n)
+    t = rng.integers(-(2**50), 2**50, size=n, dtype=np.int64)
+    scalar = -magnitude if negative else magnitude
+    (f,) = scalars.zero_d(scalar)
+    (i,) = scalars.zero_d(whole, dtype=np.int64)
+    assert not f.flags.writeable and f.shape == () and f.dtype == np.float64
+    floats = [np.add, np.subtract, np.multiply, np.divide, np.maximum]
+    for ufunc in floats:
+        assert ufunc(x, f).tobytes() == ufunc(x, scalar).tobytes(), ufunc
+        assert ufunc(f, x).tobytes() == ufunc(scalar, x).tobytes(), ufunc
+    positive = np.abs(x)
+    for p in (4.0, 0.25):
+        (p_0d,) = scalars.zero_d(p)
+        assert np.power(positive, p_0d).tobytes() == np.power(positive, p).tobytes()
+    for ufunc in (np.subtract, np.floor_divide, np.maximum, np.minimum):
+        assert ufunc(t, i).tobytes() == ufunc(t, whole).tobytes(), ufunc
+    assert np.multiply(t, f).tobytes() == np.multiply(t, scalar).tobytes()
+    busy = x > 0
+    assert np.where(busy, t, i).tobytes() == np.where(busy, t, whole).tobytes()
+    assert np.divide(x, -f).tobytes() == (-x / scalar).tobytes()

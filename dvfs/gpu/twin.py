@@ -16,7 +16,11 @@ from dvfs.gpu.base import (
 )
 from dvfs.twin.device import TwinDevice
 from dvfs.twin.identity import twin_driver_version
+from dvfs.twin.scalars import zero_d
 from dvfs.twin.timeline import Timeline
+
+#: NVML's milli-units per SI unit, as a 0-d array (`dvfs.twin.scalars`)
+(_MILLI,) = zero_d(1000.0)
 
 
 def twin_gpu_name(nvml_name: str) -> str:
@@ -212,9 +216,9 @@ def _nvml_units(
     # np.round with no decimals is rint (half to even), called as the ufunc it is, in place
     # on the product it rounds; a float written into an int64 row is truncated toward zero,
     # as a cast with astype(np.int64) is (the same cast)
-    block = np.empty((5, *np.shape(energy_j)), dtype=np.int64)
-    block[0] = energy_j * 1000
-    power_mw = power_w * 1000
+    block = np.empty((5, *energy_j.shape), dtype=np.int64)
+    block[0] = energy_j * _MILLI
+    power_mw = power_w * _MILLI
     block[1] = np.rint(power_mw, out=power_mw)
     block[2] = sm_clock_mhz
     block[3] = np.rint(temperature_c)

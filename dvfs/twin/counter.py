@@ -22,11 +22,14 @@ any number of idle updates is summed in closed form.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from dvfs.twin.scalars import zero_d
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,19 @@ class Sensor:
         """Period over sampled window: how much one sampled joule counts."""
         return self.period_ns / self.sampled_ns
 
+    @functools.cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The phase, period and sampled window (int64) and `scale` as 0-d arrays, for the
+        arithmetic on a sampler's instants (`dvfs.twin.scalars`)."""
+        phase, period, sampled = zero_d(
+            self.phase_ns, self.period_ns, self.sampled_ns, dtype=np.int64
+        )
+        return phase, period, sampled, zero_d(self.scale)[0]
+
     def index(self, t_ns: np.ndarray) -> np.ndarray:
         """The last update at or before each instant."""
-        return (np.asarray(t_ns, dtype=np.int64) - self.phase_ns) // self.period_ns
+        phase, period, _, _ = self.arrays
+        return (np.asarray(t_ns, dtype=np.int64) - phase) // period
 
     def instant_ns(self, k: np.ndarray) -> np.ndarray:
         return self.phase_ns + np.asarray(k, dtype=np.int64) * self.period_ns
@@ -127,11 +140,12 @@ class SteppedCounter:
             s.instant_of(self.last + 1), s.instant_of(self.tail_first), s.period_ns, dtype=np.int64
         )
         m, h = len(u), len(self.history)
+        _, _, sampled_ns, scale = s.arrays
         # the window ends, then their starts (not before the fold): one pass over the timeline
         ends_starts = np.empty(2 * m, dtype=np.int64)
         ends_starts[:m] = u
-        np.subtract(u, s.sampled_ns, out=ends_starts[m:])
-        np.maximum(ends_starts[m:], fold_ns, out=ends_starts[m:])
+        starts = np.subtract(u, sampled_ns, out=ends_starts[m:])
+        np.maximum(starts, fold_ns, out=starts)
         both = true_energy_j(ends_starts)
         sampled = both[:m] - both[m:]
         if m:
@@ -141,8 +155,8 @@ class SteppedCounter:
         self.known = np.empty(h + m)
         self.known[:h] = self.history
         explicit = np.add.accumulate(sampled, out=self.known[h:])  # (ndarray.cumsum's own)
-        explicit *= s.scale
-        explicit += self.history[-1]
+        explicit *= scale
+        explicit += self.known[h - 1 : h]  # the history's last value (a view: no scalar made)
         self._before_tail = float(self.known[-1])
 
     def at_updates(self, k: np.ndarray) -> np.ndarray:

@@ -22,11 +22,15 @@ from dvfs.twin import physics, traps
 from dvfs.twin import thermal as th
 from dvfs.twin.physics import OperatingPoint, Passes, Schedule
 from dvfs.twin.profiles import GpuProfile
+from dvfs.twin.scalars import zero_d
 from dvfs.twin.timeline import Readings, Timeline, Transition, Work, sensor_of, thermal_of
 
 #: A hot die's extra leakage is taken off the power limit the cap search sees in steps of
 #: this many watts (the GPU's own limiter counts leakage; steps keep the searches reusable).
 LEAKAGE_LIMIT_STEP_W = 5.0
+
+#: A nanosecond in seconds, as a 0-d array (`dvfs.twin.scalars`)
+(_NS_S,) = zero_d(1e-9)
 
 
 #: What a device reports at an array of instants, in SI units (one element per instant), and
@@ -271,21 +275,23 @@ def _pass_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray
     if known is not None:
         return cast(tuple[np.ndarray, np.ndarray, np.ndarray], known)
     n = len(schedule.timing.duration_s)
-    if schedule.power_capped:
-        reasons = schedule.per_pass(
-            [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points], np.int64
-        )
-    else:
+    if schedule.joined is not None:  # every pass at the one requested clock, none capped
         reasons = np.zeros(n, dtype=np.int64)
-    if schedule.joined is not None:  # every pass at the one requested clock
-        clocks = np.full(n, int(schedule.joined.sm_clock_mhz), dtype=np.int64)
+        clocks = np.empty(n, dtype=np.int64)  # (np.full's own two steps)
+        clocks.fill(int(schedule.joined.sm_clock_mhz))
     else:  # `pass_clock_mhz`, from the clocks `timing` has already joined
+        if schedule.power_capped:
+            reasons = schedule.per_pass(
+                [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points], np.int64
+            )
+        else:
+            reasons = np.zeros(n, dtype=np.int64)
         clocks = schedule.timing.pass_clocks_mhz.astype(np.int64)
     ends = schedule.ends_ns
     steps = np.empty(n, dtype=np.int64)
     steps[0] = ends[0]
     np.subtract(ends[1:], ends[:-1], out=steps[1:])
-    duration_s = steps * 1e-9
+    duration_s = np.multiply(steps, _NS_S)
     for a in (reasons, clocks, duration_s):
         a.flags.writeable = False
     schedule.__dict__["_pass_arrays"] = (reasons, clocks, duration_s)
@@ -325,8 +331,12 @@ class TwinNode:
         """Start the phases on every device now, each at its own operating point; the caller
         advances the clock. Passes that start before a knob change has settled run at the
         previous knobs' operating point (a phase straddling the instant is split in two)."""
-        work = tuple(p for p in phases if len(p))
-        settled_ns = max(d.settled_ns() for d in self.devices)
+        work = tuple([p for p in phases if len(p.flops)])  # (`len(p)` without its call)
+        devices = self.devices
+        if len(devices) == 1:
+            settled_ns = devices[0].settled_ns()
+        else:
+            settled_ns = max(d.settled_ns() for d in devices)
         if not work:
             schedule = Schedule(())
         elif settled_ns > self.clock.now_ns():

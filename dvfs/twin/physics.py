@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dvfs.twin.profiles import GpuProfile
+from dvfs.twin.scalars import zero_d
 
 #: Exponent of the soft maximum that blends compute and memory time: kernels overlap the two
 #: imperfectly near the ridge point, so the transition is smooth rather than a sharp corner.
@@ -200,11 +201,33 @@ def compute_time_s(
 
 
 @functools.lru_cache(maxsize=4096)
-def _clock_factors(gpu: GpuProfile, sm_clock_mhz: float) -> tuple[float, float]:
-    """Bandwidth and dynamic-power scale at a clock: a few clocks recur in every timing."""
-    return (
+def _clock_factors(
+    gpu: GpuProfile, sm_clock_mhz: float
+) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """At a clock (a few recur in every timing): the tensor peak (`GpuProfile.peak_flops`),
+    bandwidth, dynamic-power scale and the clock in Hz, and `_profile_factors`, as 0-d
+    arrays (`dvfs.twin.scalars`)."""
+    at_clock = zero_d(
+        gpu.peak_flops(sm_clock_mhz),
         float(bandwidth_bytes_s(gpu, sm_clock_mhz)),
         float(dynamic_scale(gpu, sm_clock_mhz)),
+        sm_clock_mhz * 1e6,
+    )
+    return at_clock, _profile_factors(gpu)
+
+
+@functools.lru_cache(maxsize=64)
+def _profile_factors(gpu: GpuProfile) -> tuple[np.ndarray, ...]:
+    """The roofline blend's power and root, the HBM peak (B/s) and the SM, idle, tensor and
+    memory powers of `gpu` as 0-d arrays (`dvfs.twin.scalars`)."""
+    return zero_d(
+        float(ROOFLINE_BLEND),
+        1.0 / ROOFLINE_BLEND,
+        gpu.hbm_bandwidth_gb_s * 1e9,
+        gpu.sm_active_power_w,
+        gpu.idle_power_w,
+        gpu.tensor_power_w,
+        gpu.memory_power_w,
     )
 
 
@@ -327,27 +350,31 @@ def _timed(
     clocks: np.ndarray | None = None
     at: np.ndarray | None = None
     f: float | np.ndarray
+    peak: float | np.ndarray
     bandwidth: float | np.ndarray
     scale: float | np.ndarray
+    f_hz: float | np.ndarray
     if isinstance(sm_clock_mhz, int | float) or np.ndim(sm_clock_mhz) == 0:
         f = float(sm_clock_mhz)
-        bandwidth, scale = _clock_factors(gpu, f)
+        (peak, bandwidth, scale, f_hz), constants = _clock_factors(gpu, f)
     else:
         clocks = np.asarray(sm_clock_mhz, dtype=float)
         f = clocks
         bandwidth, scale, at = _clocks_lookup(gpu, clocks)
+        peak, f_hz = gpu.peak_flops(f), f * 1e6  # type: ignore[arg-type]
+        constants = _profile_factors(gpu)
+    p, root, hbm_bytes_s, sm_w, idle_w, tensor_w_at_full, memory_w_at_full = constants
     terms = _pass_terms(gpu, passes)
     # The FLOPs at the large-M efficiency (what tensor power follows), then stretched by the
     # pass's tile and wave quantisation (`gemm_efficiency`; as `compute_time_s`).
-    useful_s = passes.flops / gpu.peak_flops(f)  # type: ignore[arg-type]
+    useful_s = passes.flops / peak
     compute_s = useful_s * terms.stretch
     memory_s = terms.memory_bytes / bandwidth
-    p = ROOFLINE_BLEND
     # roofline = (compute^p + memory^p)^(1/p), then + kernel + comm: the busy time
     busy_s = np.power(compute_s, p, out=compute_s)
     busy_s += np.power(memory_s, p, out=memory_s)
-    np.power(busy_s, 1.0 / p, out=busy_s)
-    busy_s += terms.kernel_cycles / (f * 1e6)
+    np.power(busy_s, root, out=busy_s)
+    busy_s += terms.kernel_cycles / f_hz
     busy_s += terms.comm_s
     duration_s = busy_s + terms.host_s
     # Tensor power follows the useful FLOPs: the padding of a GEMM's last tile multiplies
@@ -355,17 +382,17 @@ def _timed(
     # SMs a last wave leaves idle draw none; so utilisation is at the large-M efficiency.
     tensor_util = np.divide(useful_s, duration_s, out=useful_s)
     memory_util = passes.bytes / duration_s
-    memory_util /= gpu.hbm_bandwidth_gb_s * 1e9
+    memory_util /= hbm_bytes_s
     # power = idle + busy x SM power x s + tensor util x tensor power x s + memory util x
     # memory power, summed left to right
     power_w = np.divide(busy_s, duration_s, out=busy_s)
-    power_w *= gpu.sm_active_power_w
+    power_w *= sm_w
     power_w *= scale
-    power_w += gpu.idle_power_w
-    tensor_w = tensor_util * gpu.tensor_power_w
+    power_w += idle_w
+    tensor_w = tensor_util * tensor_w_at_full
     tensor_w *= scale
     power_w += tensor_w
-    memory_w = np.multiply(memory_util, gpu.memory_power_w, out=tensor_w)
+    memory_w = np.multiply(memory_util, memory_w_at_full, out=tensor_w)
     power_w += memory_w
     return (
         (0.0 if clocks is not None else float(f)),
@@ -644,15 +671,19 @@ def _remembered_schedule(
     # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
     fits = len(whole.power_w) == 0 or np.maximum.reduce(whole.power_w) <= power_limit_w
     points = []
+    capped = False
     start = 0
     for phase in phases:
-        timing = whole.slice(start, start + len(phase))
-        start += len(phase)
-        if fits or len(timing.power_w) == 0 or np.maximum.reduce(timing.power_w) <= power_limit_w:
+        n = len(phase.flops)  # (`len(phase)`, without its method call)
+        timing = whole.slice(start, start + n)
+        start += n
+        if fits or not n or np.maximum.reduce(timing.power_w) <= power_limit_w:
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
-            points.append(operating_point(gpu, phase, requested_mhz, power_limit_w, timing))
-    if any(p.power_capped for p in points):
+            point = operating_point(gpu, phase, requested_mhz, power_limit_w, timing)
+            capped = capped or point.power_capped
+            points.append(point)
+    if capped:
         return Schedule(tuple(points))
     joined = PassTiming(
         int(requested_mhz), whole.duration_s, whole.power_w, whole.tensor_util, whole.memory_util
@@ -669,7 +700,8 @@ class Schedule:
     """
 
     points: tuple[OperatingPoint, ...]
-    #: The timing of all passes when it was computed as one (see `timing`).
+    #: The timing of all passes when it was computed as one, every pass at the requested
+    #: clock, no phase capped (see `timing`).
     joined: PassTiming | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property

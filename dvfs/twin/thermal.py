@@ -22,8 +22,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+from dvfs.twin.scalars import zero_d
 
 #: Largest decay exponent (sum of d / tau') evaluated in one block of the recurrence: e^500 is
 #: far inside float64's range, so the scaled sums below never overflow.
@@ -58,6 +61,25 @@ class Thermal:
         """Effective time constant with the leakage feedback (0: no thermal lag)."""
         return self.time_constant_s * self.gain
 
+    @functools.cached_property
+    def arrays(self) -> ThermalArrays:
+        """The constants the arithmetic on a round's segments and a sampler's instants uses,
+        as 0-d arrays (`dvfs.twin.scalars`)."""
+        k, tau = self.leakage_w_per_c, self.tau_s
+        return ThermalArrays(
+            *zero_d(
+                k * self.reference_c,
+                self.c_per_w,
+                self.ambient_c,
+                self.gain,
+                self.reference_c,
+                k,
+                tau,
+                -tau,
+                k * tau,
+            )
+        )
+
     def steady_c(self, dynamic_w: np.ndarray | float) -> np.ndarray:
         """Temperature a constant `dynamic_w` settles at, leakage included."""
         k = self.leakage_w_per_c
@@ -72,6 +94,20 @@ class Thermal:
         return np.asarray(dynamic_w) + self.leakage_w_per_c * (
             np.asarray(temperature_c) - self.reference_c
         )
+
+
+class ThermalArrays(NamedTuple):
+    """`Thermal.arrays`: a model's constants as read-only 0-d float64 arrays."""
+
+    k_ref: np.ndarray  # k T_ref
+    c_per_w: np.ndarray  # R
+    ambient_c: np.ndarray
+    gain: np.ndarray
+    reference_c: np.ndarray
+    k: np.ndarray
+    tau: np.ndarray  # tau'
+    minus_tau: np.ndarray  # -tau'
+    k_tau: np.ndarray  # k tau'
 
 
 def start_temperatures(
@@ -225,17 +261,18 @@ def _terms(th: Thermal, dynamic_w: np.ndarray, duration_s: np.ndarray, idle_w: f
     dynamic[:n] = dynamic_w
     dynamic[n] = idle_w
     k = th.leakage_w_per_c
+    z = th.arrays
     # `steady_c`, then dynamic + k (steady - T_ref): each step in place, in the same order
-    steady = np.subtract(dynamic, k * th.reference_c)
-    steady *= th.c_per_w
-    steady += th.ambient_c
-    steady *= th.gain
-    settled = steady - th.reference_c
-    settled *= k
+    steady = np.subtract(dynamic, z.k_ref)
+    steady *= z.c_per_w
+    steady += z.ambient_c
+    steady *= z.gain
+    settled = np.subtract(steady, z.reference_c)
+    settled *= z.k
     settled += dynamic
     pass_steady = steady[:n]
     tau = th.tau_s
-    x = duration_s / tau if tau > 0.0 else None
+    x = np.divide(duration_s, z.tau) if tau > 0.0 else None
     cum = rise = decay = settled_j = lag_decay = per_pass = None
     if x is not None:
         cum = _decay_sums(x)
@@ -289,9 +326,10 @@ def work_segments(
         assert settled_j is not None and lag_decay is not None
         # settled d + k (T0 - S) tau' (-expm1(-d / tau')), in that order (adding a y (-e)
         # is subtracting a y e: rounding is symmetric in sign)
+        z = th.arrays
         lag = start_c[:n] - pass_steady
-        lag *= th.leakage_w_per_c
-        lag *= th.tau_s
+        lag *= z.k
+        lag *= z.tau
         lag *= lag_decay
         per_pass = np.subtract(settled_j, lag)
     energy_before = np.empty(n + 1)

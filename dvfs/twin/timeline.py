@@ -24,7 +24,13 @@ from dvfs.gpu.base import EVENT_GPU_IDLE
 from dvfs.twin import thermal as th
 from dvfs.twin.counter import Sensor, SteppedCounter, Tail
 from dvfs.twin.profiles import GpuProfile
+from dvfs.twin.scalars import zero_d
 from dvfs.twin.traps import settle_progress
+
+#: A nanosecond in seconds, and the reasons an idle GPU reports, as 0-d arrays
+#: (`dvfs.twin.scalars`)
+(_NS_S,) = zero_d(1e-9)
+(_IDLE_REASONS,) = zero_d(EVENT_GPU_IDLE, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -220,19 +226,23 @@ class Timeline:
             t_ns = np.maximum(t_ns, self.fold_ns)
         j = self._seg_ends_ns.searchsorted(t_ns, side="right")
         busy = j < len(self._seg_ends_ns)
-        offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
+        offset_s = np.subtract(t_ns, self._seg_start_ns[j])
+        offset_s = np.multiply(offset_s, _NS_S)
         settled_w = self._seg_settled_w[j]
         since = self._seg_energy_j[j] + settled_w * offset_s if energy else None
         tau = self.thermal.tau_s
         if tau > 0:
+            z = self.thermal.arrays
             start_lag = self._seg_offset_c[j]  # T0 - S
-            lag_c = start_lag * np.exp(-offset_s / tau)  # T - S
+            # e^(-offset / tau'), as offset / -tau' (division rounds the same either sign)
+            lag_c = np.divide(offset_s, z.minus_tau)
+            lag_c = start_lag * np.exp(lag_c, out=lag_c)  # T - S
             temp = self._seg_steady_c[j] + lag_c
             k = self.thermal.leakage_w_per_c
             if k:
                 if since is not None:
-                    since += k * tau * (start_lag - lag_c)
-                power = settled_w + k * lag_c
+                    since += z.k_tau * (start_lag - lag_c)
+                power = settled_w + z.k * lag_c
             else:
                 power = settled_w
         else:
@@ -260,7 +270,7 @@ class Timeline:
         counter asks: its updates' windows, clipped to the fold already)."""
         j = self._seg_ends_ns.searchsorted(t_ns, side="right")
         offset_s = t_ns - self._seg_start_ns[j]
-        offset_s = np.multiply(offset_s, 1e-9)
+        offset_s = np.multiply(offset_s, _NS_S)
         # energy before the segment + settled power x offset, then + k tau' (T0 - S) (1 -
         # e^(-offset / tau')), each step in place in the order of the formula
         energy = self._seg_settled_w[j]
@@ -269,13 +279,14 @@ class Timeline:
         tau = self.thermal.tau_s
         k = self.thermal.leakage_w_per_c
         if tau > 0 and k:
+            z = self.thermal.arrays
             start_lag = self._seg_offset_c[j]
-            decay = np.negative(offset_s, out=offset_s)
-            decay /= tau
+            # -offset / tau' as offset / -tau' (division rounds the same either sign)
+            decay = np.divide(offset_s, z.minus_tau, out=offset_s)
             np.exp(decay, out=decay)
             decay *= start_lag
             np.subtract(start_lag, decay, out=decay)
-            decay *= k * tau
+            decay *= z.k_tau
             energy += decay
         return energy
 
@@ -283,7 +294,10 @@ class Timeline:
         """`_truth` at one instant in scalar arithmetic (a fold reads one or two): temperature
         (C) and true energy since `fold_ns` (J)."""
         t_ns = max(t_ns, self.fold_ns)
-        j = int(self._seg_ends_ns.searchsorted(t_ns, side="right"))
+        # at or past the work's end (where the next start folds a timeline), the idle tail:
+        # what the search finds there, without its call
+        ends = self._seg_ends_ns
+        j = len(ends) if t_ns >= self.end_ns else int(ends.searchsorted(t_ns, side="right"))
         offset_s = (t_ns - int(self._seg_start_ns[j])) * 1e-9
         energy = float(self._seg_energy_j[j]) + float(self._seg_settled_w[j]) * offset_s
         temp = float(self._seg_steady_c[j])
@@ -357,7 +371,7 @@ class Timeline:
         if work is not None:
             i = np.minimum(i, len(work.ends_ns) - 1)
             clock = np.where(busy, work.sm_clock_mhz[i], self.idle_clock_mhz)
-            reasons = np.where(busy, work.reasons[i], EVENT_GPU_IDLE)
+            reasons = np.where(busy, work.reasons[i], _IDLE_REASONS)
         else:
             clock = np.full(t_ns.shape, self.idle_clock_mhz, dtype=np.int64)
             reasons = np.full(t_ns.shape, EVENT_GPU_IDLE, dtype=np.int64)
