@@ -190,6 +190,41 @@ def test_a_worker_retired_for_its_server_is_not_reported_lost(tmp_path: Path, mo
     assert "lost" not in told, told
 
 
+def test_a_retired_workers_later_failure_does_not_call_it_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker retired for its refused server whose close then failed (its GPU's restore)
+    was noted "worker gpu1, lost, then: ...": it was retired, not lost, as its other lines
+    say. The note says how it left, then what failed."""
+    import dvfs.fleet.driver as driver
+    from dvfs.errors import GpuError
+    from dvfs.fleet.worker import Worker
+
+    rule = driver.server_refusal
+
+    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker == "gpu1":
+            return "the server on gpu1 differs"
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    close = Worker.close
+
+    def failing(self: Worker) -> None:
+        close(self)
+        if self.label == "gpu1":
+            raise GpuError("could not restore the clocks of GPU 1")
+
+    monkeypatch.setattr(driver, "server_refusal", refusing)
+    monkeypatch.setattr(Worker, "close", failing)
+    write(tmp_path / "campaign.toml", fleet_campaign("closing"))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
+    told = " ".join(result.output.split())
+    then = "then: GpuError: could not restore the clocks of GPU 1"
+    assert f"worker gpu1, retired, its server refused, {then}" in told, told
+    assert "lost" not in told, told
+
+
 @pytest.mark.parametrize("how", ["retired", "lost"])
 def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str

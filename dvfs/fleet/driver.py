@@ -490,7 +490,7 @@ class Driver:
             self.queue.give_back([cells[0]])
         self.queue.leave(worker)
         if again:
-            self.note(f"worker {worker}, lost, then: {why}")
+            self.note(f"worker {worker}, {stats.gone}, then: {why}")
         elif not self.queue.live():  # the run stops, in a line that says why (`check_finished`)
             what = "retired, its server refused" if refused else f"lost ({why})"
             self.note(f"worker {worker} {what}: no other worker is left to measure its cells")
