@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from click.testing import CliRunner, Result
 from conftest import write
 from fleet_rerun_support import ADAPTIVE, INFLIGHT
@@ -187,6 +188,86 @@ def test_a_worker_retired_for_its_server_is_not_reported_lost(tmp_path: Path, mo
     assert f"worker gpu1 retired, its server refused ({why}); its unfinished cells go " in told
     assert f"h of GPU time retired, its server refused: {why}" in told, told
     assert "lost" not in told, told
+
+
+def test_a_retired_workers_later_failure_does_not_call_it_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker retired for its refused server whose close then failed (its GPU's restore)
+    was noted "worker gpu1, lost, then: ...": it was retired, not lost, as its other lines
+    say. The note says how it left, then what failed."""
+    import dvfs.fleet.driver as driver
+    from dvfs.errors import GpuError
+    from dvfs.fleet.worker import Worker
+
+    rule = driver.server_refusal
+
+    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker == "gpu1":
+            return "the server on gpu1 differs"
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    close = Worker.close
+
+    def failing(self: Worker) -> None:
+        close(self)
+        if self.label == "gpu1":
+            raise GpuError("could not restore the clocks of GPU 1")
+
+    monkeypatch.setattr(driver, "server_refusal", refusing)
+    monkeypatch.setattr(Worker, "close", failing)
+    write(tmp_path / "campaign.toml", fleet_campaign("closing"))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
+    told = " ".join(result.output.split())
+    then = "then: GpuError: could not restore the clocks of GPU 1"
+    assert f"worker gpu1, retired, its server refused, {then}" in told, told
+    assert "lost" not in told, told
+
+
+@pytest.mark.parametrize("how", ["retired", "lost"])
+def test_a_gpu_models_only_worker_gone_stops_the_fleet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A fleet mixing GPU models (`--gpus 0,h200-sxm:0`) whose H200 worker, its model's only
+    one, is retired (its server refused) or lost: the H100 worker, its own model's cells all
+    measured, waited for the whole campaign to finish, which no worker was left to do, and
+    the sweep hung for ever. It stops once its model's cells are in, in the line that says
+    why the H200's are not: the refusal, or the loss."""
+    import dvfs.fleet.driver as driver
+
+    h200 = "h200-sxm_none-gpu0"
+    if how == "retired":
+        rule = driver.server_refusal
+
+        def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+            if worker == h200:
+                return f"the server of drafter {record['drafter']!r} on {worker} differs"
+            return rule(campaign, path, servers, record, pinned, worker)
+
+        monkeypatch.setattr(driver, "server_refusal", refusing)
+    else:
+        lose_worker_on_its_third_cell(monkeypatch, h200)
+    write(tmp_path / "campaign.toml", fleet_campaign(how))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    told = " ".join(result.output.split())
+    assert f"worker {h200} {how}" in told and "no other worker is left" in told, told
+    last = result.output.strip().splitlines()[-1]
+    if how == "retired":
+        assert last == f"Error: the server of drafter 'none' on {h200} differs", told
+    else:
+        assert last.startswith("Error: every worker was lost with "), told
+        assert f"({h200}: RuntimeError: the GPU fell off the bus)" in last, told
+    # the H100's cells, every one measured, are journalled
+    from dvfs import load_campaign
+    from dvfs.fleet.shard import planned_cells
+
+    planned = {c.key for c in planned_cells(load_campaign(tmp_path / "campaign.toml"), None)}
+    [journal] = out.glob("gpu-nvidia-h100*/journal.jsonl")
+    cells = [r for r in read_records(journal) if r["type"] == "cell"]
+    assert sorted(r["key"] for r in cells) == sorted(planned), len(cells)
 
 
 # -- the queue alone --

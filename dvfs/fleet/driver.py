@@ -490,7 +490,7 @@ class Driver:
             self.queue.give_back([cells[0]])
         self.queue.leave(worker)
         if again:
-            self.note(f"worker {worker}, lost, then: {why}")
+            self.note(f"worker {worker}, {stats.gone}, then: {why}")
         elif not self.queue.live():  # the run stops, in a line that says why (`check_finished`)
             what = "retired, its server refused" if refused else f"lost ({why})"
             self.note(f"worker {worker} {what}: no other worker is left to measure its cells")
@@ -634,10 +634,13 @@ class Fleet:
         return worker not in driver.retired and driver.queue.available(worker)
 
     def done_for(self, worker: str) -> bool:
-        """Whether `worker` has nothing more to do: the campaign is finished, or the driver
-        retired it (its server does not compare with the journal's)."""
+        """Whether `worker` has nothing more to do: its GPU model's cells are finished (a
+        fleet mixing models: the others' are not its to run), or the driver retired it (its
+        server does not compare with the journal's)."""
         driver = self._lanes.get(worker)
-        return self.finished or (driver is not None and worker in driver.retired)
+        if driver is None:
+            return self.finished
+        return driver.finished or worker in driver.retired
 
     def lanes(self) -> dict[str, object]:
         """Each worker's GPU model (its queue)."""
