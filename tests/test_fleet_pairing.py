@@ -635,3 +635,19 @@ def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_m
         if r["type"] == "cell"
     ]
     assert len(measured) == 32  # what the dry run counted
+
+
+def test_a_worker_that_left_the_queue_is_handed_nothing_more() -> None:
+    """A worker's thread may ask for its next cell after the driver retired it (a refused
+    server) or lost it: the queue hands it none and does not count it live again, or a group
+    it claimed would wait for a worker that never takes another cell (a hang)."""
+    cells = [Cell("none", 0, 1980, None, b, c) for b in (1, 2) for c in "abcd"]
+    queue = CellQueue(cells, ["w0", "w1"])
+    queue.leave("w1")
+    assert queue.take("w1", "none") is None
+    assert not queue.available("w1")
+    assert queue.live() == ("w0",)
+    taken = []
+    while (cell := queue.take("w0", "none")) is not None:
+        taken.append(cell)
+    assert sorted(taken, key=lambda c: c.key) == sorted(cells, key=lambda c: c.key)

@@ -98,6 +98,7 @@ class CellQueue:
         self._started: set[GroupKey] = set()  # groups some cell of which was handed out
         self._pool: list[GroupKey] = []  # groups no worker holds, in measuring order
         self._live: list[str] = []  # the workers that joined and are not lost
+        self._left: set[str] = set()  # the workers that left (`leave`): never live again
         # Each worker's groups (those with cells left), and each worker's queued cells of
         # them by drafter as heaps by measuring order (entries of cells handed out or of
         # groups gone to another worker are dropped when met): a `take` finds a worker's next
@@ -171,8 +172,11 @@ class CellQueue:
 
     def take(self, worker: str, drafter: str | None = None) -> Cell | None:
         """The next cell for `worker`, whose server runs `drafter` (None: no server yet), or
-        None when none is left for it (other workers may still hold groups)."""
+        None when none is left for it (other workers may still hold groups), or when it left
+        (its thread may ask after the driver retired or lost it)."""
         with self._lock:
+            if worker in self._left:
+                return None
             if worker not in self._live:
                 self._live.append(worker)
             first = self._first(worker)
@@ -228,6 +232,7 @@ class CellQueue:
         """`worker` is gone: the groups it holds go back to the pool, whole, for the others.
         (Cells of them it finished stay finished: such a group's arms span two GPUs.)"""
         with self._lock:
+            self._left.add(worker)
             if worker in self._live:
                 self._live.remove(worker)
             back = [g for g, w in self._holder.items() if w == worker and self._cells[g]]
