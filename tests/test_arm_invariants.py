@@ -803,6 +803,27 @@ def test_a_flag_giving_sglangs_default_is_no_change_for_the_stub_either(version:
     assert other["sampling_backend"] == "pytorch"
 
 
+def test_the_deprecated_monokernel_flag_is_the_amd_monokernel_for_the_stub_too() -> None:
+    """0.5.23's --monokernel-backend amd stores True in enable_amd_monokernel (server_args.py:
+    DeprecatedStoreConstAction, dest="enable_amd_monokernel", const_value=True) and SGLang has
+    no monokernel_backend field, but the stub reported "monokernel_backend": "amd" beside an
+    enable_amd_monokernel left False, so a resume spelling the flag the new way was refused
+    ("AMD monokernel (enable_amd_monokernel): False -> True") where SGLang reports no change."""
+    stub = load_stub()
+    config = stub.StubConfig(version="0.5.23")
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    argv = ["--model-path", "m", "--random-seed", "1"]
+    old, _ = stub.parse_launch_argv([*argv, "--monokernel-backend", "amd"], config)
+    new, _ = stub.parse_launch_argv([*argv, "--enable-amd-monokernel"], config)
+    plain, _ = stub.parse_launch_argv(argv, config)
+    assert "monokernel_backend" not in old and old["enable_amd_monokernel"] is True
+    assert plain["enable_amd_monokernel"] is False
+    assert arm_changes({**base, "args": old}, {**base, "args": new}) == []
+    assert arm_changes({**base, "args": plain}, {**base, "args": old}) == [
+        "AMD monokernel (enable_amd_monokernel): False -> True"
+    ]
+
+
 def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path: Path) -> None:
     """The args the arms may differ in (`DRAFTER_ARGS`: the memory fraction, max running
     requests...) are one drafter's own: a resume whose `server_command` wrapper adds

@@ -349,7 +349,13 @@ RENAMED_DESTS = {
     "--fp4-gemm-backend": "fp4_gemm_runner_backend",
     "--elastic-ep-join-mode": "ep_join_mode",
     "--elastic-ep-join-rank-offset": "ep_join_rank_offset",
+    # 0.5.23 server_args.py: DeprecatedStoreConstAction, const_value=True (see `STORE_CONSTS`)
+    "--monokernel-backend": "enable_amd_monokernel",
 }
+#: 0.5.23's deprecated valued flags that store a fixed value in another field, not their own
+#: (`DeprecatedStoreConstAction`'s `const_value`): `--monokernel-backend amd` is
+#: `--enable-amd-monokernel`.
+STORE_CONSTS: dict[str, Any] = {"--monokernel-backend": True}
 # 0.5.9 names some options by their long flag first; SGLang copies them to these fields.
 FIELD_ALIASES = {
     "tensor_parallel_size": "tp_size",
@@ -639,6 +645,14 @@ class _DeprecatedStoreValue(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _DeprecatedStoreConst(argparse.Action):
+    """0.5.23's DeprecatedStoreConstAction with a `const_value`: warns, stores that value."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        log(f"warning: '{option_string}' is deprecated and will be removed in a future release")
+        setattr(namespace, self.dest, self.const)
+
+
 class _LoraPaths(argparse.Action):
     """LoRAPathAction: ``name=path`` or ``path`` entries into a name -> path mapping."""
 
@@ -678,6 +692,9 @@ def _option_kwargs(option: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         "DeprecatedStoreConstAction": {"action": _DeprecatedStoreValue, **valued},
         "LoRAPathAction": {"action": _LoraPaths, "nargs": nargs},
     }
+    if action == "DeprecatedStoreConstAction" and flags[0] in STORE_CONSTS:
+        const = STORE_CONSTS[flags[0]]
+        return flags, {**valued, "action": _DeprecatedStoreConst, "dest": dest, "const": const}
     if action == "BooleanOptionalAction":
         positive = [f for f in flags if not f.startswith("--no-")]
         return positive, {"action": argparse.BooleanOptionalAction}
