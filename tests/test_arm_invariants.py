@@ -275,10 +275,10 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
 #: Server flags that make SGLang resolve an engine arg the arms must share otherwise, and the
 #: change each one is refused with: `test_a_server_resolving_other_engine_args_is_refused`.
 ENGINE_ARG_CHANGES: list[tuple[list[str], str]] = [
-    (["--dtype", "float16"], "dtype (dtype): None -> 'float16'"),
+    (["--dtype", "float16"], "dtype (dtype): 'auto' -> 'float16'"),
     (
         ["--sampling-backend", "pytorch"],
-        "sampling kernels (sampling_backend): None -> 'pytorch'",
+        "sampling kernels (sampling_backend): 'flashinfer' -> 'pytorch'",
     ),
     (["--enable-torch-compile"], "torch.compile (enable_torch_compile): False -> True"),
     (
@@ -286,46 +286,46 @@ ENGINE_ARG_CHANGES: list[tuple[list[str], str]] = [
         "deterministic inference (enable_deterministic_inference): False -> True",
     ),
     (["--stream-interval", "4"], "stream interval (stream_interval): 1 -> 4"),
-    (["--schedule-policy", "fcfs"], "schedule policy (schedule_policy): None -> 'fcfs'"),
+    (["--schedule-policy", "lpm"], "schedule policy (schedule_policy): 'fcfs' -> 'lpm'"),
     (
         ["--sampling-defaults", "openai"],
-        "sampling defaults (sampling_defaults): None -> 'openai'",
+        "sampling defaults (sampling_defaults): 'model' -> 'openai'",
     ),
-    (["--enable-tf32-matmul"], "TF32 matmuls (enable_tf32_matmul): None -> True"),
+    (["--enable-tf32-matmul"], "TF32 matmuls (enable_tf32_matmul): False -> True"),
     (["--enable-fp32-lm-head"], "FP32 logits (enable_fp32_lm_head): False -> True"),
     (
         ["--model-impl", "transformers"],
-        "model implementation (model_impl): None -> 'transformers'",
+        "model implementation (model_impl): 'auto' -> 'transformers'",
     ),
     (
         ["--max-prefill-tokens", "4096"],
-        "prefill token budget (max_prefill_tokens): None -> 4096",
+        "prefill token budget (max_prefill_tokens): 16384 -> 4096",
     ),
     (
         ["--num-continuous-decode-steps", "4"],
-        "continuous decode steps (num_continuous_decode_steps): None -> 4",
+        "continuous decode steps (num_continuous_decode_steps): 1 -> 4",
     ),
-    (["--cpu-offload-gb", "8"], "CPU-offloaded weights (cpu_offload_gb): None -> 8"),
+    (["--cpu-offload-gb", "8"], "CPU-offloaded weights (cpu_offload_gb): 0 -> 8"),
     (
         ["--fp8-gemm-backend", "cutlass"],
-        "FP8 GEMM kernels (fp8_gemm_runner_backend): None -> 'cutlass'",
+        "FP8 GEMM kernels (fp8_gemm_runner_backend): 'auto' -> 'cutlass'",
     ),
     (
         ["--fp4-gemm-backend", "flashinfer_cudnn"],
-        "FP4 GEMM kernels (fp4_gemm_runner_backend): None -> 'flashinfer_cudnn'",
+        "FP4 GEMM kernels (fp4_gemm_runner_backend): 'auto' -> 'flashinfer_cudnn'",
     ),
     (
         ["--tbo-token-distribution-threshold", "0.3"],
-        "two-batch overlap threshold (tbo_token_distribution_threshold): None -> 0.3",
+        "two-batch overlap threshold (tbo_token_distribution_threshold): 0.48 -> 0.3",
     ),
     (
         ["--disable-cuda-graph-padding"],
         "CUDA graph padding disabled (disable_cuda_graph_padding): False -> True",
     ),
-    (["--moe-runner-backend", "triton"], "MoE kernels (moe_runner_backend): None -> 'triton'"),
+    (["--moe-runner-backend", "triton"], "MoE kernels (moe_runner_backend): 'auto' -> 'triton'"),
     (
         ["--json-model-override-args", '{"rope_theta": 1}'],
-        """model config overrides (json_model_override_args): None -> '{"rope_theta": 1}'""",
+        """model config overrides (json_model_override_args): '{}' -> '{"rope_theta": 1}'""",
     ),
     (
         ["--enable-hicache"],
@@ -648,7 +648,58 @@ def test_the_stub_reports_the_compared_args_as_sglang_does(
 #: `add_cli_args_from_dataclass`: type int) and an int option with choices
 #: (`dsa_triton_union`: choices [0, 2, 4], type int); 0.5.9's argparse defaults for
 #: KTransformers, which `from_cli_args` keeps over the dataclass's None (server_args.py
-#: `--kt-method` default "AMXINT4", `--kt-threadpool-count` default 2).
+#: `--kt-method` default "AMXINT4", `--kt-threadpool-count` default 2). Then every other
+#: compared arg SGLang reports as other than None for an MHA model on Hopper: its default
+#: (0.5.9 server_args.py `ServerArgs`, 0.5.23 arg_groups/fields/*.py, `enable_tf32_matmul`'s
+#: `fallback=False`), the sampling kernels both resolve to FlashInfer (a dependency of both
+#: wheels: 0.5.9 `_handle_sampling_backend`, 0.5.23 overrides.py `_sampling_backend_default`)
+#: and 0.5.9's piecewise CUDA graph limit, the chunked prefill size (`_handle_gpu_memory_settings`,
+#: 8192 on Hopper). A flag of None: `--no-<flag>` (a BooleanOptionalAction giving False).
+_BOTH_DEFAULTS = {
+    "dtype": ("auto", "auto"),
+    "kv_cache_dtype": ("auto", "auto"),
+    "load_format": ("auto", "auto"),
+    "model_impl": ("auto", "auto"),
+    "json_model_override_args": ("{}", "{}"),
+    "sampling_defaults": ("model", "model"),
+    "sampling_backend": ("flashinfer", "flashinfer"),
+    "schedule_policy": ("fcfs", "fcfs"),
+    "schedule_conservativeness": ("1.0", 1.0),
+    "max_prefill_tokens": ("16384", 16384),
+    "num_reserved_decode_tokens": ("512", 512),
+    "num_continuous_decode_steps": ("1", 1),
+    "scheduler_recv_interval": ("1", 1),
+    "radix_eviction_policy": ("lru", "lru"),
+    "prefill_delayer_max_delay_passes": ("30", 30),
+    "hicache_write_policy": ("write_through", "write_through"),
+    "hicache_io_backend": ("kernel", "kernel"),
+    "cpu_offload_gb": ("0", 0),
+    "offload_group_size": ("-1", -1),
+    "offload_num_in_group": ("1", 1),
+    "offload_prefetch_step": ("1", 1),
+    "offload_mode": ("cpu", "cpu"),
+    "torch_compile_max_bs": ("32", 32),
+    "triton_attention_num_kv_splits": ("8", 8),
+    "fp8_gemm_runner_backend": ("auto", "auto"),
+    "moe_runner_backend": ("auto", "auto"),
+    "moe_a2a_backend": ("none", "none"),
+    "flashinfer_mxfp4_moe_precision": ("default", "default"),
+    "deepep_mode": ("auto", "auto"),
+    "ep_num_redundant_experts": ("0", 0),
+    "init_expert_location": ("trivial", "trivial"),
+    "tbo_token_distribution_threshold": ("0.48", 0.48),
+    "mamba_backend": ("triton", "triton"),
+    "tp_size": ("1", 1),
+    "pp_size": ("1", 1),
+    "dp_size": ("1", 1),
+    "ep_size": ("1", 1),
+    "attn_cp_size": ("1", 1),
+    "stream_interval": ("1", 1),
+    "eplb_rebalance_num_iterations": ("1000", 1000),
+    "eplb_min_rebalancing_utilization_threshold": ("1.0", 1.0),
+    "pp_async_batch_depth": ("0", 0),
+    "tokenizer_mode": ("auto", "auto"),
+}
 STUB_DEFAULTS = {
     "0.5.23": {
         "swa_full_tokens_ratio": ("0.8", 0.8),
@@ -656,12 +707,56 @@ STUB_DEFAULTS = {
         "dsa_triton_union": ("0", 0),
         "kt_method": ("AMXINT4", "AMXINT4"),
         "kt_threadpool_count": ("2", 2),
+        **_BOTH_DEFAULTS,
+        "hicache_mem_layout": ("page_first", "page_first"),
+        "fp4_gemm_runner_backend": ("auto", "auto"),
+        "bf16_gemm_backend": ("auto", "auto"),
+        "enable_tf32_matmul": (None, False),
+        "retraction_policy": ("length", "length"),
+        "prefill_decode_interval_min_bs": ("0", 0),
+        "dsa_topk_backend": ("sgl-kernel", "sgl-kernel"),
+        "dsa_paged_mqa_logits_backend": ("auto", "auto"),
+        "dsv4_attn_backend": ("auto", "auto"),
+        "dsv4_prefill_backend": ("auto", "auto"),
+        "linear_attn_backend": ("triton", "triton"),
+        "lora_strict_loading": (None, False),
+        "dcp_size": ("1", 1),
+        "deepep_dispatcher_output_dtype": ("auto", "auto"),
+        "qsa_indexer_dtype": ("auto", "auto"),
+        "c128_page_size": ("16", 16),
+        "linear_replayssm_cache_len": ("16", 16),
+        "mamba_cache_philox_rounds": ("0", 0),
+        "mamba_max_states_per_path": ("-1", -1),
+        "tokenizer_backend": ("huggingface", "huggingface"),
     },
     "0.5.9": {
         "swa_full_tokens_ratio": ("0.8", 0.8),
         "kt_method": ("AMXINT4", "AMXINT4"),
         "kt_threadpool_count": ("2", 2),
+        **_BOTH_DEFAULTS,
+        "hicache_mem_layout": ("layer_first", "layer_first"),
+        "fp4_gemm_runner_backend": ("flashinfer_cutlass", "flashinfer_cutlass"),
+        "piecewise_cuda_graph_compiler": ("eager", "eager"),
+        "piecewise_cuda_graph_max_tokens": ("8192", 8192),
+        "torchao_config": ("", ""),
+        "ds_heavy_channel_num": ("32", 32),
+        "ds_heavy_channel_type": ("qk", "qk"),
+        "ds_heavy_token_num": ("256", 256),
+        "ds_sparse_decode_threshold": ("4096", 4096),
+        "nsa_prefill_cp_mode": ("round-robin-split", "round-robin-split"),
     },
+}
+#: The flags SGLang names otherwise than their field (0.5.23 fields/exec_.py `cli_name=`,
+#: 0.5.9 server_args.py `dest=`).
+_FLAG_OF = {
+    "fp8_gemm_runner_backend": "--fp8-gemm-backend",
+    "fp4_gemm_runner_backend": "--fp4-gemm-backend",
+}
+#: Compared args SGLang reports as None unless given or resolved (Optional[bool] = None, not
+#: False: 0.5.23 fields/lora.py, fields/exec_.py; 0.5.9 server_args.py `ServerArgs`).
+STUB_UNSET = {
+    "0.5.23": ("enable_lean_attention", "enable_lora", "enable_lora_overlap_loading"),
+    "0.5.9": ("enable_lora", "enable_lora_overlap_loading"),
 }
 
 
@@ -674,20 +769,59 @@ def test_a_flag_giving_sglangs_default_is_no_change_for_the_stub_either(version:
     string for a number with choices; and it reported False for an unset
     --enable-lean-attention, which SGLang reports as None. Against 0.5.9, likewise
     --kt-method AMXINT4 or --kt-threadpool-count 2 (its argparse defaults: "None ->
-    'AMXINT4'")."""
+    'AMXINT4'"). And so for every compared arg with a default: --dtype auto was refused
+    ("dtype (dtype): None -> 'auto'"), as were --schedule-policy fcfs, --max-prefill-tokens
+    16384, 0.5.9's --ds-heavy-channel-num 32... (the stub reported None), and --enable-lora
+    was False unset (SGLang: None). Every compared arg the stub reports other than None or
+    False is one of these, so that none is left to the stub's own default."""
     stub = load_stub()
     config = stub.StubConfig(version=version)
     plain, _ = stub.parse_launch_argv(["--model-path", "m", "--random-seed", "1"], config)
-    if version == "0.5.23":
-        assert plain["enable_lean_attention"] is None
+    for key in STUB_UNSET[version]:
+        assert plain[key] is None, key
     base = {"engine": "sglang", "version": version, "attention_backend": "fa3"}
     for key, (flag_value, value) in STUB_DEFAULTS[version].items():
         assert plain[key] == value and type(plain[key]) is type(value), key
-        flag = "--" + key.replace("_", "-")
-        argv = ["--model-path", "m", "--random-seed", "1", flag, flag_value]
+        flag = _FLAG_OF.get(key) or "--" + key.replace("_", "-")
+        given_flag = [flag, flag_value] if flag_value is not None else ["--no-" + flag[2:]]
+        argv = ["--model-path", "m", "--random-seed", "1", *given_flag]
         given, _ = stub.parse_launch_argv(argv, config)
         assert type(given[key]) is type(value), key
         assert arm_changes({**base, "args": plain}, {**base, "args": given}) == [], key
+    # Every compared arg the stub reports set is SGLang's value listed here, or one the argv or
+    # the GPU sets (the model's path, the random seed, Hopper's KV page and prefill chunk).
+    listed = {*STUB_DEFAULTS[version], "model_path", "tokenizer_path", "random_seed"}
+    listed |= {"page_size", "chunked_prefill_size"}
+    compared = {*ARM_ARGS, *DRAFTER_ARGS} & plain.keys()
+    unlisted = {k: plain[k] for k in compared - listed if plain[k] not in (None, False)}
+    assert unlisted == {}
+    # What SGLang resolves from other flags: --lora-paths turns LoRA on and its overlap loading
+    # off; deterministic inference samples with PyTorch's kernels, whichever were asked for.
+    argv = ["--model-path", "m", "--lora-paths", "a=/a", "--enable-deterministic-inference"]
+    other, _ = stub.parse_launch_argv([*argv, "--sampling-backend", "flashinfer"], config)
+    assert other["enable_lora"] is True and other["enable_lora_overlap_loading"] is False
+    assert other["sampling_backend"] == "pytorch"
+
+
+def test_the_deprecated_monokernel_flag_is_the_amd_monokernel_for_the_stub_too() -> None:
+    """0.5.23's --monokernel-backend amd stores True in enable_amd_monokernel (server_args.py:
+    DeprecatedStoreConstAction, dest="enable_amd_monokernel", const_value=True) and SGLang has
+    no monokernel_backend field, but the stub reported "monokernel_backend": "amd" beside an
+    enable_amd_monokernel left False, so a resume spelling the flag the new way was refused
+    ("AMD monokernel (enable_amd_monokernel): False -> True") where SGLang reports no change."""
+    stub = load_stub()
+    config = stub.StubConfig(version="0.5.23")
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    argv = ["--model-path", "m", "--random-seed", "1"]
+    old, _ = stub.parse_launch_argv([*argv, "--monokernel-backend", "amd"], config)
+    new, _ = stub.parse_launch_argv([*argv, "--enable-amd-monokernel"], config)
+    plain, _ = stub.parse_launch_argv(argv, config)
+    assert "monokernel_backend" not in old and old["enable_amd_monokernel"] is True
+    assert plain["enable_amd_monokernel"] is False
+    assert arm_changes({**base, "args": old}, {**base, "args": new}) == []
+    assert arm_changes({**base, "args": plain}, {**base, "args": old}) == [
+        "AMD monokernel (enable_amd_monokernel): False -> True"
+    ]
 
 
 def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path: Path) -> None:
@@ -909,13 +1043,13 @@ def test_an_attached_server_replaced_mid_sweep_stops_the_sweep(
     assert result.exit_code == 1, result.output
     records = read_records(journal)
     [server] = [r for r in records if r["type"] == "server"]
-    assert server["args"]["dtype"] is None
+    assert server["args"]["dtype"] == "auto"
     assert [c["status"] for c in records if c["type"] == "cell"] == ["ok"]
     error = last_line(result)
     assert error.startswith(
         f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
     )
-    assert "dtype (dtype): None -> 'float16'" in error and "so the sweep stopped" in error
+    assert "dtype (dtype): 'auto' -> 'float16'" in error and "so the sweep stopped" in error
     assert "restart it as it was and rerun the same command to resume" in error
     assert "--fresh" in error
     assert result.output.count("is not the one dvfs attached to") == 1
@@ -976,7 +1110,7 @@ def test_doctor_on_a_sweep_stopped_by_a_replaced_attached_server_says_what_its_r
     assert resumed.exit_code == 5, resumed.output
     failed = [c for c in read_records(out / "journal.jsonl") if c["type"] == "cell"][-1]
     refusal = failed["error"].removeprefix("server start failed: ")
-    assert "dtype (dtype): None -> 'float16'" in refusal, refusal
+    assert "dtype (dtype): 'auto' -> 'float16'" in refusal, refusal
     assert checked.exit_code == 1, checked.output
     assert engine["status"] == "fail", engine
     assert engine["detail"].startswith(refusal), engine
@@ -1985,7 +2119,7 @@ def test_a_fleets_folder_resumed_on_its_attached_server_restarted_otherwise_says
             assert engine["detail"].startswith(last_line(result).removeprefix("Error: "))
             line = last_line(result)
             assert "differs from the one that measured its cells" in line, line
-            assert "dtype (dtype): None -> 'float16'" in line, line
+            assert "dtype (dtype): 'auto' -> 'float16'" in line, line
             assert "restart the server at engine.sglang.url as it was" in line, line
             assert "extra_args" not in line and "drafter 'none''s" not in line, line
             # not "lost", its cells going to "the others": it is refused, and alone

@@ -899,7 +899,6 @@ ARM_ARGS: dict[str, str] = {
     "flashinfer_mla_disable_ragged": "FlashInfer MLA ragged prefill disabled",
     "enable_nvidia_megakernel": "NVIDIA megakernel",
     "enable_amd_monokernel": "AMD monokernel",
-    "monokernel_backend": "monokernel backend",
     "enable_fused_moe_sum_all_reduce": "fused MoE sum all-reduce",
     "enable_quant_communications": "INT8 TP communications",
     "disable_aiter_allreduce_fusion_in_decode": "aiter decode all-reduce fusion disabled",

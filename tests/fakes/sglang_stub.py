@@ -349,7 +349,13 @@ RENAMED_DESTS = {
     "--fp4-gemm-backend": "fp4_gemm_runner_backend",
     "--elastic-ep-join-mode": "ep_join_mode",
     "--elastic-ep-join-rank-offset": "ep_join_rank_offset",
+    # 0.5.23 server_args.py: DeprecatedStoreConstAction, const_value=True (see `STORE_CONSTS`)
+    "--monokernel-backend": "enable_amd_monokernel",
 }
+#: 0.5.23's deprecated valued flags that store a fixed value in another field, not their own
+#: (`DeprecatedStoreConstAction`'s `const_value`): `--monokernel-backend amd` is
+#: `--enable-amd-monokernel`.
+STORE_CONSTS: dict[str, Any] = {"--monokernel-backend": True}
 # 0.5.9 names some options by their long flag first; SGLang copies them to these fields.
 FIELD_ALIASES = {
     "tensor_parallel_size": "tp_size",
@@ -399,9 +405,78 @@ KNOWN_DEFAULTS: dict[str, Any] = {
     "kt_method": "AMXINT4",
     "kt_threadpool_count": 2,
 }
+#: Each release's defaults for the other compared args (`ARM_ARGS`, `DRAFTER_ARGS`) that it
+#: reports unresolved for a model the stub serves (an MHA model on Hopper): 0.5.9 server_args.py
+#: `ServerArgs` (whose argparse defaults name these), 0.5.23 arg_groups/fields/*.py (the
+#: field's default, or its `fallback=` where unset: `enable_tf32_matmul`). Model-specific
+#: resolution (DeepSeek, Mistral Large 3, GLM-4 MoE...: another dtype, KV-cache dtype, MoE or
+#: GEMM kernels) is not the stub's. Applied, like `KNOWN_DEFAULTS`, to the options its table has.
+RELEASE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "0.5.9": {
+        "hicache_mem_layout": "layer_first",
+        "fp4_gemm_runner_backend": "flashinfer_cutlass",
+        "piecewise_cuda_graph_compiler": "eager",
+        "torchao_config": "",
+        "ds_heavy_channel_num": 32,
+        "ds_heavy_channel_type": "qk",
+        "ds_heavy_token_num": 256,
+        "ds_sparse_decode_threshold": 4096,
+    },
+    "0.5.23": {
+        "hicache_mem_layout": "page_first",
+        "fp4_gemm_runner_backend": "auto",
+        "bf16_gemm_backend": "auto",
+        "enable_tf32_matmul": False,
+        "retraction_policy": "length",
+        "prefill_decode_interval_min_bs": 0,
+        "dsa_topk_backend": "sgl-kernel",
+        "dsa_paged_mqa_logits_backend": "auto",
+        "dsv4_attn_backend": "auto",
+        "dsv4_prefill_backend": "auto",
+        "linear_attn_backend": "triton",
+        "lora_strict_loading": False,
+    },
+}
+for _defaults in RELEASE_DEFAULTS.values():  # both releases alike
+    _defaults.update(
+        dtype="auto",
+        kv_cache_dtype="auto",
+        load_format="auto",
+        model_impl="auto",
+        json_model_override_args="{}",
+        sampling_defaults="model",
+        schedule_policy="fcfs",
+        schedule_conservativeness=1.0,
+        max_prefill_tokens=16384,
+        num_reserved_decode_tokens=512,
+        num_continuous_decode_steps=1,
+        scheduler_recv_interval=1,
+        radix_eviction_policy="lru",
+        prefill_delayer_max_delay_passes=30,
+        hicache_write_policy="write_through",
+        hicache_io_backend="kernel",
+        cpu_offload_gb=0,
+        offload_group_size=-1,
+        offload_num_in_group=1,
+        offload_prefetch_step=1,
+        offload_mode="cpu",
+        torch_compile_max_bs=32,
+        triton_attention_num_kv_splits=8,
+        fp8_gemm_runner_backend="auto",
+        moe_runner_backend="auto",
+        moe_a2a_backend="none",
+        flashinfer_mxfp4_moe_precision="default",
+        deepep_mode="auto",
+        ep_num_redundant_experts=0,
+        init_expert_location="trivial",
+        tbo_token_distribution_threshold=0.48,
+        mamba_backend="triton",
+    )
 #: Flags (store_true) whose SGLang field is Optional[bool] = None: not given, None, not False
-#: (0.5.23 fields/exec_.py `enable_lean_attention`; arg_utils.py passes the field's default).
-UNSET_FLAGS = frozenset({"enable_lean_attention"})
+#: (0.5.23 fields/exec_.py `enable_lean_attention`, fields/lora.py `enable_lora`,
+#: `enable_lora_overlap_loading`; arg_utils.py passes the field's default; 0.5.9 server_args.py
+#: passes `ServerArgs.enable_lora`...). SGLang resolves the LoRA ones (`_resolve_lora`).
+UNSET_FLAGS = frozenset({"enable_lean_attention", "enable_lora", "enable_lora_overlap_loading"})
 
 
 def log(message: str) -> None:
@@ -570,6 +645,14 @@ class _DeprecatedStoreValue(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _DeprecatedStoreConst(argparse.Action):
+    """0.5.23's DeprecatedStoreConstAction with a `const_value`: warns, stores that value."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        log(f"warning: '{option_string}' is deprecated and will be removed in a future release")
+        setattr(namespace, self.dest, self.const)
+
+
 class _LoraPaths(argparse.Action):
     """LoRAPathAction: ``name=path`` or ``path`` entries into a name -> path mapping."""
 
@@ -609,6 +692,9 @@ def _option_kwargs(option: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         "DeprecatedStoreConstAction": {"action": _DeprecatedStoreValue, **valued},
         "LoRAPathAction": {"action": _LoraPaths, "nargs": nargs},
     }
+    if action == "DeprecatedStoreConstAction" and flags[0] in STORE_CONSTS:
+        const = STORE_CONSTS[flags[0]]
+        return flags, {**valued, "action": _DeprecatedStoreConst, "dest": dest, "const": const}
     if action == "BooleanOptionalAction":
         positive = [f for f in flags if not f.startswith("--no-")]
         return positive, {"action": argparse.BooleanOptionalAction}
@@ -776,6 +862,26 @@ def _resolve_graphs(args: dict[str, Any], version: str) -> None:
     }
 
 
+def _resolve_sampling_and_lora(args: dict[str, Any], version: str) -> None:
+    """What both releases resolve without the GPU: the sampling kernels (FlashInfer, a
+    dependency of both wheels, unless deterministic inference asks for PyTorch's: 0.5.9
+    server_args.py `_handle_sampling_backend` and `_handle_deterministic_inference`, 0.5.23
+    arg_groups/overrides.py `_sampling_backend_default`, `_deterministic_sampling_backend`);
+    LoRA turned on by --lora-paths and its overlap loading off (0.5.9 `check_lora_server_args`,
+    0.5.23 lora_hook.py); and 0.5.9's piecewise CUDA graph token limit, the chunked prefill
+    size for an MHA model (`_handle_gpu_memory_settings`)."""
+    if args.get("enable_deterministic_inference"):
+        args["sampling_backend"] = "pytorch"
+    elif "sampling_backend" in args and args["sampling_backend"] is None:
+        args["sampling_backend"] = "flashinfer"
+    if args.get("lora_paths") and args.get("enable_lora") is None:
+        args["enable_lora"] = True
+    if args.get("enable_lora") and args.get("enable_lora_overlap_loading") is None:
+        args["enable_lora_overlap_loading"] = False
+    if version == "0.5.9" and args.get("piecewise_cuda_graph_max_tokens") is None:
+        args["piecewise_cuda_graph_max_tokens"] = args["chunked_prefill_size"]
+
+
 def _resolve_scheduling(args: dict[str, Any], version: str, environ: Mapping[str, str]) -> None:
     """The overlap scheduler and mixed chunked prefill per algorithm (docstring,
     "Scheduling"): 0.5.9 server_args.py lines 2368-2391 and 2473-2474; 0.5.23
@@ -841,7 +947,7 @@ def resolve_server_args(
     for long_name, field_name in FIELD_ALIASES.items():
         if long_name in args:
             args[field_name] = args.pop(long_name)
-    for key, value in KNOWN_DEFAULTS.items():
+    for key, value in {**KNOWN_DEFAULTS, **RELEASE_DEFAULTS[version]}.items():
         if key in args and args[key] is None:
             args[key] = value
     for key in ("tokenizer_path", "served_model_name"):
@@ -854,6 +960,7 @@ def resolve_server_args(
         args["random_seed"] = random.randint(0, 1 << 30)
     _resolve_attention(args)  # before the speculative defaults, as SGLang does
     _resolve_graphs(args, version)  # likewise (memory settings come first in both)
+    _resolve_sampling_and_lora(args, version)
     _resolve_speculative(args, version, cfg)
     _resolve_scheduling(args, version, environ or {})
     return args
