@@ -22,6 +22,7 @@ runner does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -283,6 +284,8 @@ class Driver:
         self.retired: set[str] = set()
         #: Why the run cannot finish here (a server that does not compare), for the one line.
         self.refused: str | None = None
+        #: That refusal said again within fewer characters (room for the reset after it).
+        self._refused_in: Callable[[int], str | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -407,7 +410,17 @@ class Driver:
                 self.campaign, self.journal.path, self.servers, record, pinned, worker
             )
             if why is not None:
-                self.refused = self.refused or why
+                if self.refused is None:
+                    self.refused = why
+                    self._refused_in = functools.partial(
+                        server_refusal,
+                        self.campaign,
+                        self.journal.path,
+                        dict(self.servers),
+                        record,
+                        pinned,
+                        worker,
+                    )
                 self.retired.add(worker)
                 self.lost(worker, shipment.all_cells, why, refused=True)
                 return True
@@ -517,7 +530,7 @@ class Driver:
         if self.finished:
             return
         if self.refused is not None:
-            raise JournalError(self.refused)
+            raise JournalError(self._refusal_line(reset))
         lost = [f"{s.label}: {bounded_why(s.lost)}" for s in self.stats.values() if s.lost]
         head = f"every worker was lost with {len(self._outstanding)} cell(s) left"
         tail = (
@@ -537,6 +550,21 @@ class Driver:
         if len(named) > room:
             named = named[: room - 3] + "..." if room > 3 else ""
         raise JournalError(head + (f" ({named})" if named else "") + tail)
+
+    def _refusal_line(self, reset: str) -> str:
+        """The refusal's line, and where workers lost GPUs with their settings unrestored
+        (`reset`), the reset to run first, after it: the changes it names give way to the
+        remedy and the reset, which end the line whole."""
+        refused = str(self.refused)
+        if not reset:
+            return refused
+        first = f"; and {reset} first"
+        room = MAX_MESSAGE_CHARS - len(first)
+        if len(refused) > room and self._refused_in is not None:
+            refused = self._refused_in(room) or refused
+        if len(refused) > room:
+            refused = refused[: room - 3] + "..."
+        return refused + first
 
     def summary(self) -> RunSummary:
         return RunSummary(
