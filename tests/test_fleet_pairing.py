@@ -233,8 +233,11 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     one, is retired (its server refused) or lost: the H100 worker, its own model's cells all
     measured, waited for the whole campaign to finish, which no worker was left to do, and
     the sweep hung for ever. It stops once its model's cells are in, in the line that says
-    why the H200's are not: the refusal, or the loss."""
+    why the H200's are not: the refusal, or the loss (it said "every worker was lost", the
+    H100's worker too, where the H200's alone was: it names the model whose cells are left)."""
     import dvfs.fleet.driver as driver
+    from dvfs import load_campaign
+    from dvfs.fleet.shard import planned_cells
 
     h200 = "h200-sxm_none-gpu0"
     if how == "retired":
@@ -255,18 +258,19 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     told = " ".join(result.output.split())
     assert f"worker {h200} {how}" in told and "no other worker is left" in told, told
     last = result.output.strip().splitlines()[-1]
+    planned = {c.key for c in planned_cells(load_campaign(tmp_path / "campaign.toml"), None)}
+    [h100] = out.glob("gpu-nvidia-h100*/journal.jsonl")
     if how == "retired":
         assert last == f"Error: the server of drafter 'none' on {h200} differs", told
     else:
-        assert last.startswith("Error: every worker was lost with "), told
-        assert f"({h200}: RuntimeError: the GPU fell off the bus)" in last, told
+        [journal] = out.glob("gpu-nvidia-h200*/journal.jsonl")
+        left = len(planned) - sum(r["type"] == "cell" for r in read_records(journal))
+        assert last.startswith(
+            f"Error: every worker on the NVIDIA H200 (twin) GPUs was lost with {left} cell(s) "
+            f"of that model left ({h200}: RuntimeError: the GPU fell off the bus): "
+        ), told
     # the H100's cells, every one measured, are journalled
-    from dvfs import load_campaign
-    from dvfs.fleet.shard import planned_cells
-
-    planned = {c.key for c in planned_cells(load_campaign(tmp_path / "campaign.toml"), None)}
-    [journal] = out.glob("gpu-nvidia-h100*/journal.jsonl")
-    cells = [r for r in read_records(journal) if r["type"] == "cell"]
+    cells = [r for r in read_records(h100) if r["type"] == "cell"]
     assert sorted(r["key"] for r in cells) == sorted(planned), len(cells)
 
 

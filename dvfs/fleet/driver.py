@@ -522,17 +522,23 @@ class Driver:
         alive = sum(1 for s in self.stats.values() if s.lost is None) or 1
         show(stats, stats.eta_s(len(self._outstanding) / alive))
 
-    def check_finished(self, fresh: bool = False, reset: str = "") -> None:
+    def check_finished(self, fresh: bool = False, reset: str = "", model: str = "") -> None:
         """After the executor returns: cells left over mean every worker was lost, each named
         with what lost it (three, and how many more). `fresh`: the run was started with
         --fresh, which its command again would start over. `reset`: what to run first, where
-        the workers left GPUs' settings unrestored (their GPUs lost)."""
+        the workers left GPUs' settings unrestored (their GPUs lost). `model`: this driver's
+        GPU model, in a fleet mixing models (whose other models' workers may have finished)."""
         if self.finished:
             return
         if self.refused is not None:
             raise JournalError(self._refusal_line(reset))
         lost = [f"{s.label}: {bounded_why(s.lost)}" for s in self.stats.values() if s.lost]
-        head = f"every worker was lost with {len(self._outstanding)} cell(s) left"
+        left = len(self._outstanding)
+        head = (
+            f"every worker on the {model} GPUs was lost with {left} cell(s) of that model left"
+            if model
+            else f"every worker was lost with {left} cell(s) left"
+        )
         tail = (
             ": the journal keeps every finished cell; "
             + (f"{reset}, then " if reset else "")
@@ -703,8 +709,9 @@ class Fleet:
         return all(d.finished for d in self.drivers.values())
 
     def check_finished(self, reset: str = "") -> None:
-        for driver in self.drivers.values():
-            driver.check_finished(self.fresh, reset)
+        mixed = len(self.drivers) > 1  # each model's line names it: the others may be done
+        for model, driver in self.drivers.items():
+            driver.check_finished(self.fresh, reset, model if mixed else "")
 
     @property
     def stats(self) -> list[WorkerStats]:
