@@ -465,6 +465,37 @@ def test_a_ray_fleet_that_loses_every_gpu_names_the_losses_and_the_reset_first(
 
 
 @pytest.mark.timeout(300)
+def test_a_retired_ray_workers_notes_are_shown_as_a_local_ones(
+    ray_cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ray worker's notes come with its unit: those of a unit the driver refused (its
+    server differs; the worker retired) were dropped, so its "starting twin server" line,
+    which the local executor shows, was never said. They are said, before the refusal."""
+    from conftest import TINY_EXACT
+
+    import dvfs.fleet.driver as driver
+
+    rule = driver.server_refusal
+
+    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker.endswith("/gpu1"):
+            return f"the server of drafter {record['drafter']!r} on {worker} differs"
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    monkeypatch.setattr(driver, "server_refusal", refusing)
+    campaign = write(tmp_path / "campaign.toml", TINY_EXACT)
+    out = tmp_path / "out"
+    result = sweep(str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.output.split())
+    worker = f"{platform.node()}/gpu1"
+    started = f"{worker}: starting twin server with drafter "
+    retired = f"worker {worker} retired, its server refused"
+    assert started in told and retired in told, told
+    assert told.index(started) < told.index(retired), told
+
+
+@pytest.mark.timeout(300)
 def test_a_ray_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_the_reset(
     ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

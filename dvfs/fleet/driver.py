@@ -429,12 +429,14 @@ class Driver:
 
     def shipped(self, worker: str, shipment: Shipment) -> None:
         """Journal a finished unit's records at once, then count its cells."""
+        # What the worker said as it ran the unit (a Ray worker's notes come with it: "starting
+        # ... server"), also for a unit refused for its server: said before the refusal.
+        for message in shipment.notes:
+            self.note(f"{worker}: {message}")
         if self._refuse_servers(worker, shipment):
             return
         # In one write: an in-flight group's levels are journaled all or none.
         self.journal.append_all(shipment.records)
-        for message in shipment.notes:
-            self.note(f"{worker}: {message}")
         stats = self.stats.setdefault(worker, WorkerStats(worker))
         cells = shipment.all_cells
         stats.done += len(cells)
