@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -231,6 +231,33 @@ def bounded_why(why: str, chars: int = 200) -> str:
     if not why[chars - 1].isspace() and " " in cut.strip():
         cut = cut.rsplit(" ", 1)[0]  # the word it fell in left out whole
     return cut.rstrip(" ,;:") + "…"
+
+
+def every_worker_lost(
+    head: str, stats: Iterable[WorkerStats], fresh: bool = False, reset: str = ""
+) -> str:
+    """The line of a fleet whose workers (`stats`) were all lost with cells left (`head` says
+    how many): each named with what lost it (three, and how many more), then the reset to
+    run first where they left GPUs' settings unrestored (`reset`), then how to resume (less
+    --fresh where the run had it: `fresh`)."""
+    lost = [f"{s.label}: {bounded_why(s.lost)}" for s in stats if s.lost]
+    tail = (
+        ": the journal keeps every finished cell; "
+        + (f"{reset}, then " if reset else "")
+        + resume_advice(fresh)
+    )
+    # The losses named give way to the reset and the resume, which end the line whole
+    # within an error line's bound (Ray's labels and resets name each node).
+    room = MAX_MESSAGE_CHARS - len(head) - len(tail) - len(" ()")
+    named = ""
+    for shown in range(min(3, len(lost)), 0, -1):
+        more = len(lost) - shown
+        named = "; ".join(lost[:shown]) + (f"; and {more} more" if more else "")
+        if len(named) <= room:
+            break
+    if len(named) > room:
+        named = named[: room - 3] + "..." if room > 3 else ""
+    return head + (f" ({named})" if named else "") + tail
 
 
 class Driver:
@@ -534,30 +561,18 @@ class Driver:
             return
         if self.refused is not None:
             raise JournalError(self._refusal_line(reset))
-        lost = [f"{s.label}: {bounded_why(s.lost)}" for s in self.stats.values() if s.lost]
         left = len(self._outstanding)
         head = (
             f"every worker on the {model} GPUs was lost with {left} cell(s) of that model left"
             if model
             else f"every worker was lost with {left} cell(s) left"
         )
-        tail = (
-            ": the journal keeps every finished cell; "
-            + (f"{reset}, then " if reset else "")
-            + resume_advice(fresh)
-        )
-        # The losses named give way to the reset and the resume, which end the line whole
-        # within an error line's bound (Ray's labels and resets name each node).
-        room = MAX_MESSAGE_CHARS - len(head) - len(tail) - len(" ()")
-        named = ""
-        for shown in range(min(3, len(lost)), 0, -1):
-            more = len(lost) - shown
-            named = "; ".join(lost[:shown]) + (f"; and {more} more" if more else "")
-            if len(named) <= room:
-                break
-        if len(named) > room:
-            named = named[: room - 3] + "..." if room > 3 else ""
-        raise JournalError(head + (f" ({named})" if named else "") + tail)
+        raise JournalError(every_worker_lost(head, self.stats.values(), fresh, reset))
+
+    @property
+    def left(self) -> int:
+        """How many cells are not finished."""
+        return len(self._outstanding)
 
     def _refusal_line(self, reset: str) -> str:
         """The refusal's line, and where workers lost GPUs with their settings unrestored
@@ -711,9 +726,20 @@ class Fleet:
         return all(d.finished for d in self.drivers.values())
 
     def check_finished(self, reset: str = "") -> None:
-        mixed = len(self.drivers) > 1  # each model's line names it: the others may be done
-        for model, driver in self.drivers.items():
-            driver.check_finished(self.fresh, reset, model if mixed else "")
+        """Cells left over: a refusal's line first, whichever model's (a rerun meets it again,
+        as within one model); else every worker was lost, of one model (named, in a fleet
+        mixing models: the others' cells are in) or of several (one line over them all)."""
+        left = [(model, d) for model, d in self.drivers.items() if not d.finished]
+        for _model, driver in left:
+            if driver.refused is not None:
+                driver.check_finished(self.fresh, reset)
+        if len(left) == 1:
+            model, driver = left[0]
+            driver.check_finished(self.fresh, reset, model if len(self.drivers) > 1 else "")
+        if left:
+            head = f"every worker was lost with {sum(d.left for _, d in left)} cell(s) left"
+            stats = [s for _, d in left for s in d.stats.values()]
+            raise JournalError(every_worker_lost(head, stats, self.fresh, reset))
 
     @property
     def stats(self) -> list[WorkerStats]:
