@@ -233,8 +233,11 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     one, is retired (its server refused) or lost: the H100 worker, its own model's cells all
     measured, waited for the whole campaign to finish, which no worker was left to do, and
     the sweep hung for ever. It stops once its model's cells are in, in the line that says
-    why the H200's are not: the refusal, or the loss."""
+    why the H200's are not: the refusal, or the loss (it said "every worker was lost", the
+    H100's worker too, where the H200's alone was: it names the model whose cells are left)."""
     import dvfs.fleet.driver as driver
+    from dvfs import load_campaign
+    from dvfs.fleet.shard import planned_cells
 
     h200 = "h200-sxm_none-gpu0"
     if how == "retired":
@@ -255,19 +258,66 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     told = " ".join(result.output.split())
     assert f"worker {h200} {how}" in told and "no other worker is left" in told, told
     last = result.output.strip().splitlines()[-1]
+    planned = {c.key for c in planned_cells(load_campaign(tmp_path / "campaign.toml"), None)}
+    [h100] = out.glob("gpu-nvidia-h100*/journal.jsonl")
     if how == "retired":
         assert last == f"Error: the server of drafter 'none' on {h200} differs", told
     else:
-        assert last.startswith("Error: every worker was lost with "), told
-        assert f"({h200}: RuntimeError: the GPU fell off the bus)" in last, told
+        [journal] = out.glob("gpu-nvidia-h200*/journal.jsonl")
+        left = len(planned) - sum(r["type"] == "cell" for r in read_records(journal))
+        assert last.startswith(
+            f"Error: every worker on the NVIDIA H200 (twin) GPUs was lost with {left} cell(s) "
+            f"of that model left ({h200}: RuntimeError: the GPU fell off the bus): "
+        ), told
     # the H100's cells, every one measured, are journalled
+    cells = [r for r in read_records(h100) if r["type"] == "cell"]
+    assert sorted(r["key"] for r in cells) == sorted(planned), len(cells)
+
+
+@pytest.mark.parametrize("h200", ["retired", "lost"])
+def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200: str
+) -> None:
+    """A fleet mixing GPU models whose H100 worker was lost and whose H200 worker was retired
+    (its server refused) or lost too ended in the H100's line alone: "every worker was lost
+    with N cell(s) left", N the H100's cells, the H200's refusal (which a rerun meets again)
+    or loss and its cells unsaid. The refusal's line comes first, as within one model; two
+    models lost are one line over both: every cell left, and each loss."""
+    import dvfs.fleet.driver as driver
     from dvfs import load_campaign
     from dvfs.fleet.shard import planned_cells
 
-    planned = {c.key for c in planned_cells(load_campaign(tmp_path / "campaign.toml"), None)}
-    [journal] = out.glob("gpu-nvidia-h100*/journal.jsonl")
-    cells = [r for r in read_records(journal) if r["type"] == "cell"]
-    assert sorted(r["key"] for r in cells) == sorted(planned), len(cells)
+    label = "h200-sxm_none-gpu0"
+    lose_worker_on_its_third_cell(monkeypatch, "gpu0")
+    if h200 == "retired":
+        rule = driver.server_refusal
+
+        def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+            if worker == label:
+                return f"the server of drafter {record['drafter']!r} on {worker} differs"
+            return rule(campaign, path, servers, record, pinned, worker)
+
+        monkeypatch.setattr(driver, "server_refusal", refusing)
+    else:
+        lose_worker_on_its_third_cell(monkeypatch, label)
+    write(tmp_path / "campaign.toml", fleet_campaign(h200))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    told = " ".join(result.output.split())
+    last = result.output.strip().splitlines()[-1]
+    if h200 == "retired":
+        assert last == f"Error: the server of drafter 'none' on {label} differs", told
+        return
+    planned = planned_cells(load_campaign(tmp_path / "campaign.toml"), None)
+    journals = sorted(out.glob("gpu-*/journal.jsonl"))
+    done = sum(r["type"] == "cell" for j in journals for r in read_records(j))
+    assert len(journals) == 2 and done < 2 * len(planned), journals
+    lost = "RuntimeError: the GPU fell off the bus"
+    assert last.startswith(
+        f"Error: every worker was lost with {2 * len(planned) - done} cell(s) left "
+        f"(gpu0: {lost}; {label}: {lost}): "
+    ), told
 
 
 # -- the queue alone --

@@ -872,6 +872,98 @@ def test_a_fleet_that_loses_every_gpu_says_so_and_how_to_resume(
     assert len(cells) == total and cells[: len(kept)] == kept and (out / "cube.nc").is_file()
 
 
+def test_a_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_the_reset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs (the fake NVML's two): gpu0 retired (its server refused), gpu1's GPU off the
+    bus, its settings left unrestored. The last line was the refusal alone: nothing said the
+    GPU was left at a locked clock and power limit, nor to run `dvfs gpu reset` before the
+    remedy. It ends in the reset to run first (with the state folder), which puts it back."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    import dvfs.fleet.driver as driver
+    from dvfs.fleet.worker import Worker
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    rule = driver.server_refusal
+    why = "the server of drafter 'none' on gpu0 differs (test): rerun with --fresh"
+
+    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker == "gpu0":
+            return why
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    calls = {"n": 0}
+    run = Worker.run
+
+    def losing(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu1":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                nvml.fake_update_device(1, lost=True)
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(driver, "server_refusal", refusing)
+    monkeypatch.setattr(Worker, "run", losing)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 1, result.stderr
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    uuid = nvml.fake_device_state(1)["uuid"]
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None  # what the line is about
+    reset = f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`"
+    assert last == (
+        f"Error: {why}; and the settings of {uuid} could not be restored: once it answers "
+        f"again, run {reset} first"
+    ), result.stderr
+    assert "Traceback" not in result.stderr
+    # followed: the GPU answers again and the reset the line names puts it back
+    nvml.fake_update_device(1, lost=False)
+    command = shlex.split(last.split(", run `", 1)[1].split("`", 1)[0])
+    assert dvfs_in_process(*command[1:], env=env).returncode == 0
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+
+
+def test_a_refusal_with_a_reset_after_it_keeps_both_within_the_line(tmp_path: Path) -> None:
+    """A refusal naming many changes fills an error line (the changes give way to its remedy);
+    with the reset of GPUs left changed after it, the line ran past the bound and the reset,
+    at its end, was cut. The changes give way to both."""
+    import types
+
+    from dvfs.cli.common import MAX_MESSAGE_CHARS, one_line
+    from dvfs.fleet.driver import Driver
+    from dvfs.fleet.refusal import server_refusal
+
+    campaign = load_campaign(write(tmp_path / "campaign.toml", CAMPAIGN))
+    keys = [f"speculative_option_{i:02d}" for i in range(60)]
+    before = {"type": "server", "drafter": "none", "args": dict.fromkeys(keys, 1)}
+    now = {**before, "args": dict.fromkeys(keys, 2)}
+    path = tmp_path / "journal.jsonl"
+
+    def refusal(room: int = MAX_MESSAGE_CHARS) -> str | None:
+        return server_refusal(campaign, path, {"none": before}, now, (), "gpu0", room)
+
+    refused = refusal()
+    assert refused is not None and len(refused) > MAX_MESSAGE_CHARS - 100, refused
+    remedy = refused.rsplit("; ", 1)[1]
+    reset = (
+        "the settings of GPU-e3afe299-fa76-52c2-a541-55d88e573909 could not be restored: once "
+        "it answers again, run `dvfs gpu reset --state-dir /var/tmp/a/long/state/folder`"
+    )
+    driver = types.SimpleNamespace(refused=refused, _refused_in=refusal)
+    line = Driver._refusal_line(driver, reset)  # type: ignore[arg-type]
+    assert len(line) <= MAX_MESSAGE_CHARS and one_line(line) == line, line
+    assert line.endswith(f"; {remedy}; and {reset} first"), line
+    assert "speculative_option_00: 1 -> 2" in line and " more)" in line, line
+
+
 def test_a_fleet_without_root_keeps_the_permission_refusal_not_every_worker_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -465,6 +465,80 @@ def test_a_ray_fleet_that_loses_every_gpu_names_the_losses_and_the_reset_first(
 
 
 @pytest.mark.timeout(300)
+def test_a_retired_ray_workers_notes_are_shown_as_a_local_ones(
+    ray_cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ray worker's notes come with its unit: those of a unit the driver refused (its
+    server differs; the worker retired) were dropped, so its "starting twin server" line,
+    which the local executor shows, was never said. They are said, before the refusal."""
+    from conftest import TINY_EXACT
+
+    import dvfs.fleet.driver as driver
+
+    rule = driver.server_refusal
+
+    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker.endswith("/gpu1"):
+            return f"the server of drafter {record['drafter']!r} on {worker} differs"
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    monkeypatch.setattr(driver, "server_refusal", refusing)
+    campaign = write(tmp_path / "campaign.toml", TINY_EXACT)
+    out = tmp_path / "out"
+    result = sweep(str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.output.split())
+    worker = f"{platform.node()}/gpu1"
+    started = f"{worker}: starting twin server with drafter "
+    retired = f"worker {worker} retired, its server refused"
+    assert started in told and retired in told, told
+    assert told.index(started) < told.index(retired), told
+
+
+@pytest.mark.timeout(300)
+def test_a_ray_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_the_reset(
+    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs on Ray: one worker retired (its server refused), the other's GPU off the bus
+    after its first cell, its settings left changed. The last line was the refusal alone,
+    without the reset to run on the node first. It ends in it."""
+    from nvml_support import NVML_CAMPAIGN
+
+    import dvfs.fleet.driver as driver
+    from dvfs.fleet.driver import Fleet
+
+    rule = driver.server_refusal
+    why = "the server of drafter 'none' on gpu0 differs (test): rerun with --fresh"
+
+    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker.endswith("/gpu0"):
+            return why
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    ship = Fleet.shipped
+
+    def lose(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        ship(self, worker, shipment)
+        if worker.endswith("/gpu1"):  # in the driver's thread, as the driver journals it
+            ray_nvml.fake_update_device(1, lost=True)
+
+    monkeypatch.setattr(driver, "server_refusal", refusing)
+    monkeypatch.setattr(Fleet, "shipped", lose)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=3))
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 1, result.output
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    host = platform.node()
+    reset = f"`dvfs gpu reset --state-dir {os.environ['DVFS_STATE_DIR']}` on {host}"
+    assert last == (
+        f"Error: {why}; and GPU settings were left unrestored on {host}: once the GPUs answer "
+        f"again, run {reset} first"
+    ), result.output
+    assert ray_nvml.fake_device_state(1)["locked_clocks"] is not None  # what it is about
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("nvml_error", "code"), [(4, 4), (999, 1)])
 def test_a_restore_nvml_refuses_on_ray_says_why_as_one_gpus_sweep(
     ray_nvml, tmp_path: Path, nvml_error: int, code: int

@@ -22,8 +22,9 @@ runner does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -232,6 +233,33 @@ def bounded_why(why: str, chars: int = 200) -> str:
     return cut.rstrip(" ,;:") + "…"
 
 
+def every_worker_lost(
+    head: str, stats: Iterable[WorkerStats], fresh: bool = False, reset: str = ""
+) -> str:
+    """The line of a fleet whose workers (`stats`) were all lost with cells left (`head` says
+    how many): each named with what lost it (three, and how many more), then the reset to
+    run first where they left GPUs' settings unrestored (`reset`), then how to resume (less
+    --fresh where the run had it: `fresh`)."""
+    lost = [f"{s.label}: {bounded_why(s.lost)}" for s in stats if s.lost]
+    tail = (
+        ": the journal keeps every finished cell; "
+        + (f"{reset}, then " if reset else "")
+        + resume_advice(fresh)
+    )
+    # The losses named give way to the reset and the resume, which end the line whole
+    # within an error line's bound (Ray's labels and resets name each node).
+    room = MAX_MESSAGE_CHARS - len(head) - len(tail) - len(" ()")
+    named = ""
+    for shown in range(min(3, len(lost)), 0, -1):
+        more = len(lost) - shown
+        named = "; ".join(lost[:shown]) + (f"; and {more} more" if more else "")
+        if len(named) <= room:
+            break
+    if len(named) > room:
+        named = named[: room - 3] + "..." if room > 3 else ""
+    return head + (f" ({named})" if named else "") + tail
+
+
 class Driver:
     """The executors' callbacks: journal, queue and progress, all on the driver's thread."""
 
@@ -283,6 +311,8 @@ class Driver:
         self.retired: set[str] = set()
         #: Why the run cannot finish here (a server that does not compare), for the one line.
         self.refused: str | None = None
+        #: That refusal said again within fewer characters (room for the reset after it).
+        self._refused_in: Callable[[int], str | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -407,7 +437,17 @@ class Driver:
                 self.campaign, self.journal.path, self.servers, record, pinned, worker
             )
             if why is not None:
-                self.refused = self.refused or why
+                if self.refused is None:
+                    self.refused = why
+                    self._refused_in = functools.partial(
+                        server_refusal,
+                        self.campaign,
+                        self.journal.path,
+                        dict(self.servers),
+                        record,
+                        pinned,
+                        worker,
+                    )
                 self.retired.add(worker)
                 self.lost(worker, shipment.all_cells, why, refused=True)
                 return True
@@ -416,12 +456,14 @@ class Driver:
 
     def shipped(self, worker: str, shipment: Shipment) -> None:
         """Journal a finished unit's records at once, then count its cells."""
+        # What the worker said as it ran the unit (a Ray worker's notes come with it: "starting
+        # ... server"), also for a unit refused for its server: said before the refusal.
+        for message in shipment.notes:
+            self.note(f"{worker}: {message}")
         if self._refuse_servers(worker, shipment):
             return
         # In one write: an in-flight group's levels are journaled all or none.
         self.journal.append_all(shipment.records)
-        for message in shipment.notes:
-            self.note(f"{worker}: {message}")
         stats = self.stats.setdefault(worker, WorkerStats(worker))
         cells = shipment.all_cells
         stats.done += len(cells)
@@ -509,34 +551,43 @@ class Driver:
         alive = sum(1 for s in self.stats.values() if s.lost is None) or 1
         show(stats, stats.eta_s(len(self._outstanding) / alive))
 
-    def check_finished(self, fresh: bool = False, reset: str = "") -> None:
+    def check_finished(self, fresh: bool = False, reset: str = "", model: str = "") -> None:
         """After the executor returns: cells left over mean every worker was lost, each named
         with what lost it (three, and how many more). `fresh`: the run was started with
         --fresh, which its command again would start over. `reset`: what to run first, where
-        the workers left GPUs' settings unrestored (their GPUs lost)."""
+        the workers left GPUs' settings unrestored (their GPUs lost). `model`: this driver's
+        GPU model, in a fleet mixing models (whose other models' workers may have finished)."""
         if self.finished:
             return
         if self.refused is not None:
-            raise JournalError(self.refused)
-        lost = [f"{s.label}: {bounded_why(s.lost)}" for s in self.stats.values() if s.lost]
-        head = f"every worker was lost with {len(self._outstanding)} cell(s) left"
-        tail = (
-            ": the journal keeps every finished cell; "
-            + (f"{reset}, then " if reset else "")
-            + resume_advice(fresh)
+            raise JournalError(self._refusal_line(reset))
+        left = len(self._outstanding)
+        head = (
+            f"every worker on the {model} GPUs was lost with {left} cell(s) of that model left"
+            if model
+            else f"every worker was lost with {left} cell(s) left"
         )
-        # The losses named give way to the reset and the resume, which end the line whole
-        # within an error line's bound (Ray's labels and resets name each node).
-        room = MAX_MESSAGE_CHARS - len(head) - len(tail) - len(" ()")
-        named = ""
-        for shown in range(min(3, len(lost)), 0, -1):
-            more = len(lost) - shown
-            named = "; ".join(lost[:shown]) + (f"; and {more} more" if more else "")
-            if len(named) <= room:
-                break
-        if len(named) > room:
-            named = named[: room - 3] + "..." if room > 3 else ""
-        raise JournalError(head + (f" ({named})" if named else "") + tail)
+        raise JournalError(every_worker_lost(head, self.stats.values(), fresh, reset))
+
+    @property
+    def left(self) -> int:
+        """How many cells are not finished."""
+        return len(self._outstanding)
+
+    def _refusal_line(self, reset: str) -> str:
+        """The refusal's line, and where workers lost GPUs with their settings unrestored
+        (`reset`), the reset to run first, after it: the changes it names give way to the
+        remedy and the reset, which end the line whole."""
+        refused = str(self.refused)
+        if not reset:
+            return refused
+        first = f"; and {reset} first"
+        room = MAX_MESSAGE_CHARS - len(first)
+        if len(refused) > room and self._refused_in is not None:
+            refused = self._refused_in(room) or refused
+        if len(refused) > room:
+            refused = refused[: room - 3] + "..."
+        return refused + first
 
     def summary(self) -> RunSummary:
         return RunSummary(
@@ -675,8 +726,20 @@ class Fleet:
         return all(d.finished for d in self.drivers.values())
 
     def check_finished(self, reset: str = "") -> None:
-        for driver in self.drivers.values():
-            driver.check_finished(self.fresh, reset)
+        """Cells left over: a refusal's line first, whichever model's (a rerun meets it again,
+        as within one model); else every worker was lost, of one model (named, in a fleet
+        mixing models: the others' cells are in) or of several (one line over them all)."""
+        left = [(model, d) for model, d in self.drivers.items() if not d.finished]
+        for _model, driver in left:
+            if driver.refused is not None:
+                driver.check_finished(self.fresh, reset)
+        if len(left) == 1:
+            model, driver = left[0]
+            driver.check_finished(self.fresh, reset, model if len(self.drivers) > 1 else "")
+        if left:
+            head = f"every worker was lost with {sum(d.left for _, d in left)} cell(s) left"
+            stats = [s for _, d in left for s in d.stats.values()]
+            raise JournalError(every_worker_lost(head, stats, self.fresh, reset))
 
     @property
     def stats(self) -> list[WorkerStats]:

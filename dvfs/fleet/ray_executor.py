@@ -798,7 +798,9 @@ class RayExecutor:
             # Every worker lost: the cells left, and the resets to run before resuming.
             fleet.check_finished(self.reset_first())
         if not fleet.finished and alive:
-            fleet.check_finished()  # a refusal's own line, when the driver retired them
+            # A refusal's own line, when the driver retired them (with the resets to run
+            # first where the others were lost with their GPUs changed).
+            fleet.check_finished(self.reset_first())
             raise DvfsError(
                 f"the Ray workers stopped with cells left; {resume_advice(fleet.fresh)}"
             )

@@ -27,13 +27,15 @@ def server_refusal(
     record: dict[str, Any],
     pinned: tuple[str, ...],
     worker: str,
+    room: int = MAX_MESSAGE_CHARS,
 ) -> str | None:
     """Why the driver refuses a server `record` started on `worker` beside `servers` (each
     drafter's first server in the fleet's journal at `path`, begun by a dvfs that pinned
     `pinned`): it differs from its own drafter's in its configuration (`server_changes`), or
     from any drafter's in what arms must share (`arm_changes`). None where it compares. The
     fleet driver's own rule, which `dvfs doctor` applies to an attached server before a
-    fleet's resume; its line is bounded (`MAX_MESSAGE_CHARS`) and ends in its remedy."""
+    fleet's resume; its line is bounded (`room`: `MAX_MESSAGE_CHARS`, less what the driver
+    adds after it) and ends in its remedy."""
     batches = campaign.workload.batch_sizes
     drafter = str(record.get("drafter"))
     changes = server_changes(servers.get(drafter, record), record)
@@ -77,4 +79,4 @@ def server_refusal(
         "(engine.sglang.extra_args), or start over with --fresh (or another --out)"
     )
     # The changes named give way to the remedy, which ends the line whole.
-    return why.replace(CHANGES, listed_changes(changes, MAX_MESSAGE_CHARS - len(why)), 1)
+    return why.replace(CHANGES, listed_changes(changes, room - len(why)), 1)
