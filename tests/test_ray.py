@@ -328,7 +328,7 @@ def test_a_fleet_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its
         assert last.startswith(
             f"Error: the server at http://127.0.0.1:{port} is not the one dvfs attached to"
         ), result.output
-        assert "dtype (dtype): None -> 'float16'" in last
+        assert "dtype (dtype): 'auto' -> 'float16'" in last
         assert "restart it as it was and rerun the same command to resume" in last
         cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
         assert [c["status"] for c in cells] == ["ok"]
