@@ -160,11 +160,21 @@ def test_a_cell_measured_from_the_twins_arrays_is_the_one_measured_from_its_trac
             def no_traces(self: RoundArrays) -> Any:
                 raise AssertionError("a trace was built while measuring")
 
+            def lockstep_checked(
+                workload: Any, timeline: Any = None, run: Any = run
+            ) -> RoundResult:
+                result = run(workload, timeline)
+                # the meter takes the twin's word that its rows are in lockstep: keep it true
+                assert result.arrays is not None and result.arrays.lockstep
+                assert result.arrays.lockstep_holds()
+                return result
+
             patch = pytest.MonkeyPatch()
             if way == "traces":
                 patch.setattr(engine, "run", traces_only)
             else:
                 patch.setattr(RoundArrays, "traces", no_traces)
+                patch.setattr(engine, "run", lockstep_checked)
             try:
                 got = []
                 for name in ("none", "eagle3"):

@@ -7,6 +7,7 @@ bit, at any instant: on a chunk, between two, before the first, after the last."
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -120,3 +121,23 @@ def test_lockstep_rounds_latency_counted_is_that_of_their_chunks_end_to_end(roun
             assert stats_bits(got) == stats_bits(want)
     with mock.patch.object(meter, "_COUNTED_FROM", 0):
         assert stats_bits(meter.rounds_latency(results)) == stats_bits(want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lockstep_arrays())
+def test_a_round_vouched_lockstep_reads_as_one_compared_and_a_false_claim_is_caught(arrays) -> None:
+    """An engine that builds its rows in lockstep says so (`RoundArrays.lockstep`) and the
+    meter does not compare them: its chunks are those of the same round compared, to the bit.
+    A round claiming lockstep that does not hold it is caught by `lockstep_holds`, which the
+    twin's tests ask of its rounds."""
+    holds = bool((arrays.chunk_ns[:, 1:] == arrays.chunk_ns[0, 1:]).all())
+    assert arrays.lockstep_holds() == holds
+    vouched = replace(arrays, lockstep=True)
+    assert vouched.lockstep_holds() == holds  # the claim does not change what is checked
+    if not holds:
+        return
+    compared = meter.round_chunks(RoundResult.of_arrays(arrays, 0, 1, None))
+    trusted = meter.round_chunks(RoundResult.of_arrays(vouched, 0, 1, None))
+    assert compared.lockstep is not None and trusted.lockstep is not None
+    for got, want in zip(trusted.lockstep, compared.lockstep, strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)

@@ -287,6 +287,16 @@ class RoundArrays:
     #: Tokens each verify pass checks (`spec_proposed_drafts` is one less a pass); None: no
     #: speculation (the speculative counters are None).
     verify_tokens: int | None
+    #: True: the engine built every request's chunks after its first at the same instants
+    #: (row 0's), as the twin's fixed batch decodes, and the meter takes its word rather than
+    #: comparing every row (`lockstep_holds` checks the claim, in the engine's tests).
+    lockstep: bool = False
+
+    def lockstep_holds(self) -> bool:
+        """Whether the rows' chunks after the first share row 0's instants, as far as each
+        row's chunks go: `lockstep` may claim it only then."""
+        used = np.arange(1, self.chunk_ns.shape[1]) < self.counts[:, None]
+        return bool((self.chunk_ns[:, 1:] == self.chunk_ns[0, 1:])[used].all())
 
     def traces(self) -> tuple[RequestTrace, ...]:
         """The round's `RequestTrace`s (`RequestTrace.trusted`'s, the arrays checked): row

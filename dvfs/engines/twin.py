@@ -382,6 +382,7 @@ class TwinEngine:
             planned.lengths,
             planned.aborted,
             self._plan.verify_tokens if self._plan is not None else None,
+            lockstep=True,  # every row's iterations are `iter_ns`
         )
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
