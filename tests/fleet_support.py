@@ -98,6 +98,22 @@ def assert_same_cells(a, b, *, above_idle_rtol: float = 1e-4) -> None:
         )
 
 
+def refuse_servers_on(monkeypatch, label: str, why: str | None = None) -> None:
+    """Make the fleet driver refuse the servers of worker `label` (or `<node>/label` under
+    Ray) with `why` (by default "the server of drafter '<drafter>' on <worker> differs"), as
+    a server unlike the journal's would be; every other worker's by the driver's own rule."""
+    import dvfs.fleet.driver as driver
+
+    rule = driver.server_refusal
+
+    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
+        if worker == label or worker.endswith(f"/{label}"):
+            return why or f"the server of drafter {record['drafter']!r} on {worker} differs"
+        return rule(campaign, path, servers, record, pinned, worker)
+
+    monkeypatch.setattr(driver, "server_refusal", refusing)
+
+
 def lose_worker_on_its_third_cell(monkeypatch, label: str = "gpu2") -> None:
     """Make the fleet worker `label` raise on its third cell, as a GPU falling off the bus
     would (`Worker.run` patched for the test)."""

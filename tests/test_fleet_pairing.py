@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner, Result
 from conftest import write
 from fleet_rerun_support import ADAPTIVE, INFLIGHT
-from fleet_support import fleet_campaign, lose_worker_on_its_third_cell
+from fleet_support import fleet_campaign, lose_worker_on_its_third_cell, refuse_servers_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,16 +169,7 @@ def test_a_worker_retired_for_its_server_is_not_reported_lost(tmp_path: Path, mo
     cell: the sweep's report said "gpu1 ...: 0 cell(s) ... lost: <the refusal>", as if its GPU
     or server had been lost. It says it was retired, its server refused, in the note and the
     report; the other worker's line names no loss."""
-    import dvfs.fleet.driver as driver
-
-    rule = driver.server_refusal
-
-    def refusing_gpu1(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
-        if worker == "gpu1":
-            return f"the server of drafter {record['drafter']!r} on gpu1 differs"
-        return rule(campaign, path, servers, record, pinned, worker)
-
-    monkeypatch.setattr(driver, "server_refusal", refusing_gpu1)
+    refuse_servers_on(monkeypatch, "gpu1")
     write(tmp_path / "campaign.toml", fleet_campaign("retired"))
     out = tmp_path / "out"
     result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
@@ -196,16 +187,8 @@ def test_a_retired_workers_later_failure_does_not_call_it_lost(
     """A worker retired for its refused server whose close then failed (its GPU's restore)
     was noted "worker gpu1, lost, then: ...": it was retired, not lost, as its other lines
     say. The note says how it left, then what failed."""
-    import dvfs.fleet.driver as driver
     from dvfs.errors import GpuError
     from dvfs.fleet.worker import Worker
-
-    rule = driver.server_refusal
-
-    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
-        if worker == "gpu1":
-            return "the server on gpu1 differs"
-        return rule(campaign, path, servers, record, pinned, worker)
 
     close = Worker.close
 
@@ -214,7 +197,7 @@ def test_a_retired_workers_later_failure_does_not_call_it_lost(
         if self.label == "gpu1":
             raise GpuError("could not restore the clocks of GPU 1")
 
-    monkeypatch.setattr(driver, "server_refusal", refusing)
+    refuse_servers_on(monkeypatch, "gpu1", "the server on gpu1 differs")
     monkeypatch.setattr(Worker, "close", failing)
     write(tmp_path / "campaign.toml", fleet_campaign("closing"))
     out = tmp_path / "out"
@@ -235,20 +218,12 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     the sweep hung for ever. It stops once its model's cells are in, in the line that says
     why the H200's are not: the refusal, or the loss (it said "every worker was lost", the
     H100's worker too, where the H200's alone was: it names the model whose cells are left)."""
-    import dvfs.fleet.driver as driver
     from dvfs import load_campaign
     from dvfs.fleet.shard import planned_cells
 
     h200 = "h200-sxm_none-gpu0"
     if how == "retired":
-        rule = driver.server_refusal
-
-        def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
-            if worker == h200:
-                return f"the server of drafter {record['drafter']!r} on {worker} differs"
-            return rule(campaign, path, servers, record, pinned, worker)
-
-        monkeypatch.setattr(driver, "server_refusal", refusing)
+        refuse_servers_on(monkeypatch, h200)
     else:
         lose_worker_on_its_third_cell(monkeypatch, h200)
     write(tmp_path / "campaign.toml", fleet_campaign(how))
@@ -283,21 +258,13 @@ def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     with N cell(s) left", N the H100's cells, the H200's refusal (which a rerun meets again)
     or loss and its cells unsaid. The refusal's line comes first, as within one model; two
     models lost are one line over both: every cell left, and each loss."""
-    import dvfs.fleet.driver as driver
     from dvfs import load_campaign
     from dvfs.fleet.shard import planned_cells
 
     label = "h200-sxm_none-gpu0"
     lose_worker_on_its_third_cell(monkeypatch, "gpu0")
     if h200 == "retired":
-        rule = driver.server_refusal
-
-        def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
-            if worker == label:
-                return f"the server of drafter {record['drafter']!r} on {worker} differs"
-            return rule(campaign, path, servers, record, pinned, worker)
-
-        monkeypatch.setattr(driver, "server_refusal", refusing)
+        refuse_servers_on(monkeypatch, label)
     else:
         lose_worker_on_its_third_cell(monkeypatch, label)
     write(tmp_path / "campaign.toml", fleet_campaign(h200))

@@ -15,7 +15,7 @@ import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
 from conftest import PYTHON, copy_sweep, replace_block, write
-from fleet_support import FLEET, lose_worker_on_its_third_cell, signalled_at
+from fleet_support import FLEET, lose_worker_on_its_third_cell, refuse_servers_on, signalled_at
 from fleet_support import assert_same_cells as _assert_same_cells
 
 from dvfs.backends import open_backends
@@ -881,7 +881,6 @@ def test_a_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_the_r
     remedy. It ends in the reset to run first (with the state folder), which puts it back."""
     from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
-    import dvfs.fleet.driver as driver
     from dvfs.fleet.worker import Worker
 
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
@@ -889,14 +888,7 @@ def test_a_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_the_r
         monkeypatch.setenv(key, env[key])
     nvml = load_fake()
     nvml.fake_reset_state()
-    rule = driver.server_refusal
     why = "the server of drafter 'none' on gpu0 differs (test): rerun with --fresh"
-
-    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
-        if worker == "gpu0":
-            return why
-        return rule(campaign, path, servers, record, pinned, worker)
-
     calls = {"n": 0}
     run = Worker.run
 
@@ -908,7 +900,7 @@ def test_a_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_the_r
                 raise RuntimeError("the GPU fell off the bus")
         return run(self, cell)
 
-    monkeypatch.setattr(driver, "server_refusal", refusing)
+    refuse_servers_on(monkeypatch, "gpu0", why)
     monkeypatch.setattr(Worker, "run", losing)
     campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
     out = tmp_path / "out"

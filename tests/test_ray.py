@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 from conftest import PYTHON, replace_block, subprocess_env, write
-from fleet_support import FLEET, assert_same_cells, signalled_at
+from fleet_support import FLEET, assert_same_cells, refuse_servers_on, signalled_at
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
@@ -473,16 +473,7 @@ def test_a_retired_ray_workers_notes_are_shown_as_a_local_ones(
     which the local executor shows, was never said. They are said, before the refusal."""
     from conftest import TINY_EXACT
 
-    import dvfs.fleet.driver as driver
-
-    rule = driver.server_refusal
-
-    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
-        if worker.endswith("/gpu1"):
-            return f"the server of drafter {record['drafter']!r} on {worker} differs"
-        return rule(campaign, path, servers, record, pinned, worker)
-
-    monkeypatch.setattr(driver, "server_refusal", refusing)
+    refuse_servers_on(monkeypatch, "gpu1")
     campaign = write(tmp_path / "campaign.toml", TINY_EXACT)
     out = tmp_path / "out"
     result = sweep(str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(out))
@@ -504,17 +495,9 @@ def test_a_ray_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_t
     without the reset to run on the node first. It ends in it."""
     from nvml_support import NVML_CAMPAIGN
 
-    import dvfs.fleet.driver as driver
     from dvfs.fleet.driver import Fleet
 
-    rule = driver.server_refusal
     why = "the server of drafter 'none' on gpu0 differs (test): rerun with --fresh"
-
-    def refusing(campaign, path, servers, record, pinned, worker):  # type: ignore[no-untyped-def]
-        if worker.endswith("/gpu0"):
-            return why
-        return rule(campaign, path, servers, record, pinned, worker)
-
     ship = Fleet.shipped
 
     def lose(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
@@ -522,7 +505,7 @@ def test_a_ray_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_t
         if worker.endswith("/gpu1"):  # in the driver's thread, as the driver journals it
             ray_nvml.fake_update_device(1, lost=True)
 
-    monkeypatch.setattr(driver, "server_refusal", refusing)
+    refuse_servers_on(monkeypatch, "gpu0", why)
     monkeypatch.setattr(Fleet, "shipped", lose)
     campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=3))
     result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "out"))
