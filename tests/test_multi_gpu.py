@@ -686,13 +686,11 @@ def test_real_gpus_of_two_models_give_a_gpu_dimension(fake_nvml, tmp_path: Path)
     assert json.loads(merged.attrs["gpu_names"]) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
 
 
-def test_a_worker_that_cannot_restore_its_lost_gpu_fails_the_sweep(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A fleet worker whose GPU falls off the bus mid-sweep hands its cells to the other, but
-    cannot put its GPU's settings back: every cell is in, yet the sweep ends with exit 1 naming
-    the GPU and `dvfs gpu reset` (it ended 0, the GPU left locked), as one GPU's sweep does."""
-    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+def _fake_gpu1_lost_on_its_second_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The fake NVML's two GPUs, dvfs run as root, and fleet worker gpu1's GPU falling off
+    the bus at its second cell (its settings then left unrestored): the environment for
+    `dvfs_in_process` and the fake NVML."""
+    from nvml_support import fake_env, load_fake
 
     from dvfs.fleet.worker import Worker
 
@@ -701,7 +699,6 @@ def test_a_worker_that_cannot_restore_its_lost_gpu_fails_the_sweep(
         monkeypatch.setenv(key, env[key])
     nvml = load_fake()
     nvml.fake_reset_state()
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
     calls = {"n": 0}
     run = Worker.run
 
@@ -714,6 +711,19 @@ def test_a_worker_that_cannot_restore_its_lost_gpu_fails_the_sweep(
         return run(self, cell)
 
     monkeypatch.setattr(Worker, "run", losing)
+    return env, nvml
+
+
+def test_a_worker_that_cannot_restore_its_lost_gpu_fails_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet worker whose GPU falls off the bus mid-sweep hands its cells to the other, but
+    cannot put its GPU's settings back: every cell is in, yet the sweep ends with exit 1 naming
+    the GPU and `dvfs gpu reset` (it ended 0, the GPU left locked), as one GPU's sweep does."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process
+
+    env, _ = _fake_gpu1_lost_on_its_second_cell(tmp_path, monkeypatch)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
     out = tmp_path / "out"
     result = dvfs_in_process("sweep", str(campaign), "--gpus", "0-1", "--out", str(out), env=env)
     assert result.returncode == 1, result.stderr
@@ -879,29 +889,11 @@ def test_a_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_the_r
     bus, its settings left unrestored. The last line was the refusal alone: nothing said the
     GPU was left at a locked clock and power limit, nor to run `dvfs gpu reset` before the
     remedy. It ends in the reset to run first (with the state folder), which puts it back."""
-    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process
 
-    from dvfs.fleet.worker import Worker
-
-    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
-        monkeypatch.setenv(key, env[key])
-    nvml = load_fake()
-    nvml.fake_reset_state()
+    env, nvml = _fake_gpu1_lost_on_its_second_cell(tmp_path, monkeypatch)
     why = "the server of drafter 'none' on gpu0 differs (test): rerun with --fresh"
-    calls = {"n": 0}
-    run = Worker.run
-
-    def losing(self: Worker, cell):  # type: ignore[no-untyped-def]
-        if self.label == "gpu1":
-            calls["n"] += 1
-            if calls["n"] == 2:
-                nvml.fake_update_device(1, lost=True)
-                raise RuntimeError("the GPU fell off the bus")
-        return run(self, cell)
-
     refuse_servers_on(monkeypatch, "gpu0", why)
-    monkeypatch.setattr(Worker, "run", losing)
     campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
     out = tmp_path / "out"
     argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
