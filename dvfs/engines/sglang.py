@@ -724,7 +724,7 @@ class SglangEngine:
         attached one's record, and compare with the drafter's earlier cells in more than the
         knob setting. Compared as two servers of one journal are (`arm_changes` and
         `server_changes`); refused with `ServerReplacedError`, which stops the sweep."""
-        from dvfs.records import ARMS_PINNED, arm_changes, listed_changes, server_changes
+        from dvfs.records import ARMS_PINNED, arm_changes, server_changes, with_changes
         from dvfs.records.session import CHANGES
 
         before = self._attached
@@ -762,8 +762,7 @@ class SglangEngine:
                 "another --out folder)"
             )
             # The changes named give way to the remedy, which ends the line whole.
-            room = MAX_MESSAGE_CHARS - len(line)
-            raise ServerReplacedError(line.replace(CHANGES, listed_changes(changes, room), 1))
+            raise ServerReplacedError(with_changes(line, changes, MAX_MESSAGE_CHARS))
 
     def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:
         """The drafter's attention kernels: the pinned ones, and the same as the other drafters'."""

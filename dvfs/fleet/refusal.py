@@ -12,9 +12,9 @@ from dvfs.errors import MAX_MESSAGE_CHARS
 from dvfs.records import (
     arm_changes,
     begun_unpinned,
-    listed_changes,
     restart_as_it_was,
     server_changes,
+    with_changes,
 )
 from dvfs.records.session import CHANGES
 from dvfs.twin.identity import TWIN_CHANGED, twin_changed
@@ -79,4 +79,4 @@ def server_refusal(
         "(engine.sglang.extra_args), or start over with --fresh (or another --out)"
     )
     # The changes named give way to the remedy, which ends the line whole.
-    return why.replace(CHANGES, listed_changes(changes, room - len(why)), 1)
+    return with_changes(why, changes, room)

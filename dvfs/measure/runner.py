@@ -87,11 +87,11 @@ from dvfs.records import (
     arm_changes,
     begun_unpinned,
     journal_prompts,
-    listed_changes,
     now_iso,
     recorded_stock,
     restart_as_it_was,
     server_changes,
+    with_changes,
 )
 from dvfs.records.cell import EnergySplit
 from dvfs.records.session import CHANGES
@@ -111,8 +111,7 @@ def _listed(line: str, changes: Sequence[str], before: str = "") -> str:
     """A refusal's `line` with its `changes` named where it says CHANGES, as many as fit: they
     give way to the remedy, which ends the line whole within an error line's bound
     (`MAX_MESSAGE_CHARS`), `before` (what is said ahead of the line) counted."""
-    room = MAX_MESSAGE_CHARS - len(before) - len(line)
-    return line.replace(CHANGES, listed_changes(changes, room), 1)
+    return with_changes(line, changes, MAX_MESSAGE_CHARS - len(before))
 
 
 def measurement_method(m: MeasurementConfig) -> str:

@@ -54,6 +54,7 @@ from dvfs.records.session import (
     server_changes,
     server_env_of,
     what_differs,
+    with_changes,
 )
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
@@ -104,6 +105,7 @@ __all__ = [
     "server_env_of",
     "what_differs",
     "listed_changes",
+    "with_changes",
 ]
 
 

@@ -618,6 +618,13 @@ def listed_changes(changes: Sequence[str], room: int) -> str:
     return f"{len(changes)} differences"
 
 
+def with_changes(line: str, changes: Sequence[str], room: int) -> str:
+    """A refusal's `line` with its `changes` named where it says CHANGES, as many as fit the
+    `room` the whole line has (an error line's bound, `MAX_MESSAGE_CHARS`, less what is said
+    ahead of it): they give way to the remedy that follows them, which ends the line whole."""
+    return line.replace(CHANGES, listed_changes(changes, room - len(line)), 1)
+
+
 def restart_as_it_was(changes: Iterable[str], attached: bool = False) -> str:
     """What brings back a drafter's server that differs from its own earlier one in `changes`
     (`server_changes`): the same SGLang and flags, and where the memory fraction differs, why
