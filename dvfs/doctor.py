@@ -368,6 +368,7 @@ def _gpu_checks(
                         check_visible_devices,
                         check_wrapper_visible_devices,
                         unjudged_wrapper_devices,
+                        wrapper_gpus,
                     )
 
                     pinned = []
@@ -378,16 +379,22 @@ def _gpu_checks(
                         check_wrapper_visible_devices(campaign, uuids)
                         pinned.append(",".join(uuids))
                     servers = "the server is" if len(pinned) == 1 else "the servers are"
-                    value = unjudged_wrapper_devices(campaign)
-                    if value is not None:  # it replaces the UUIDs dvfs hands the wrapper
+                    # As the sweep's server record says it (`SglangEngine._check_pinning`).
+                    said = unjudged_wrapper_devices(campaign, "; ".join(pinned))
+                    if said is not None:  # it replaces the UUIDs dvfs hands the wrapper
                         return WARN, (
-                            f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value} in "
-                            f"place of the metered {'; '.join(pinned)} dvfs hands it, an index "
-                            "dvfs cannot check (a container counts its own GPUs): the sweep "
-                            "stops the server only where NVML lists it on another GPU; outside "
-                            "a container, remove it from server_command"
+                            f"{said}: the sweep stops the server only where NVML lists it on "
+                            "another GPU; name the metered "
+                            "GPUs there by UUID, or outside a container remove it from "
+                            "server_command"
                         )
-                    return OK, f"{servers} pinned to {'; '.join(pinned)} (CUDA_VISIBLE_DEVICES)"
+                    by = ["CUDA_VISIBLE_DEVICES"]
+                    by += [
+                        f"the container's {g.setting}"
+                        for g in wrapper_gpus(campaign)
+                        if g.container
+                    ]
+                    return OK, f"{servers} pinned to {'; '.join(pinned)} ({'; '.join(by)})"
 
                 checks.append(_run("server GPUs", server_gpus))
             # A file from before the last reboot refuses nothing (the reboot reset the GPU):

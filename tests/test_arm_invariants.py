@@ -1545,6 +1545,32 @@ def test_a_wrapper_setting_a_value_with_spaces_records_it_whole(tmp_path: Path) 
     assert running(marker) == []
 
 
+@pytest.mark.parametrize(
+    ("wrapper", "expected"),
+    [
+        # sudo's -S reads the password from stdin: sudo sets NAME to its whole argument.
+        (["sudo", "-S", "SGLANG_A=1 SGLANG_B=2"], {"SGLANG_A": "1 SGLANG_B=2"}),
+        (["sudo", "-S", "PYTORCH_CUDA_ALLOC_CONF=a, b"], {"PYTORCH_CUDA_ALLOC_CONF": "a, b"}),
+        # env's --split-string is -S, its line attached or not, after env's other options.
+        (["env", "--split-string=SGLANG_A=1 SGLANG_B=2"], {"SGLANG_A": "1", "SGLANG_B": "2"}),
+        (["env", "--split-string", "SGLANG_A=1 SGLANG_B=2"], {"SGLANG_A": "1", "SGLANG_B": "2"}),
+        (["env", "-SSGLANG_A=1 SGLANG_B=2"], {"SGLANG_A": "1", "SGLANG_B": "2"}),
+        (["/usr/bin/env", "-u", "X", "-iS", "SGLANG_A=1 env"], {"SGLANG_A": "1"}),
+        (["sudo", "-S", "env", "-S", "SGLANG_A=1 SGLANG_B=2"], {"SGLANG_A": "1", "SGLANG_B": "2"}),
+    ],
+)
+def test_only_envs_split_string_option_splits_a_line(
+    wrapper: list[str], expected: dict[str, str]
+) -> None:
+    """What a wrapper sets on its command line (`command_env`): `sudo -S 'NAME=a b' python`
+    (sudo's -S reads the password) sets NAME to 'a b', but was read as env's -S, its argument
+    split as a line (NAME 'a', or another variable the argument only names); env's own
+    `--split-string="A=1 B=2"` set nothing, read as no NAME=VALUE at all."""
+    from dvfs.records.session import command_env
+
+    assert command_env([*wrapper, sys.executable, "-m", "sglang.launch_server"]) == expected
+
+
 def test_an_unrelated_variable_may_change_and_is_recorded_nowhere(tmp_path: Path) -> None:
     """HF_HOME and HF_TOKEN change between the runs of one sweep: the resume goes on, and
     neither value reaches the journal or the cube; the variables that change kernels

@@ -485,6 +485,7 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
         ("sh", "-c", 'SGLANG_ENABLE_SPEC_V2=1 exec "$@"', "sh"),
         ("sh", "-c", "--", 'SGLANG_ENABLE_SPEC_V2=1 exec "$@"', "sh"),
         ("env", "-S", "SGLANG_ENABLE_SPEC_V2=1 env"),
+        ("env", "--split-string=SGLANG_ENABLE_SPEC_V2=1 env"),
     ],
 )
 def test_spec_v2_set_by_a_server_command_wrapper_is_seen(
@@ -498,7 +499,8 @@ def test_spec_v2_set_by_a_server_command_wrapper_is_seen(
     before any server starts, as with the switch in engine.sglang.env. A shell line's
     `SGLANG_ENABLE_SPEC_V2=1 exec ...` sets it to 1, not to the rest of the line, as does env's
     `-S 'SGLANG_ENABLE_SPEC_V2=1 env'`, which splits its line too (read as one value, '1 env',
-    the EAGLE server was refused at every start again, exit 5), and a shell's `-c --` line."""
+    the EAGLE server was refused at every start again, exit 5), and a shell's `-c --` line, and
+    env's `--split-string=LINE` (read as no NAME=VALUE at all: refused at every start too)."""
     path, marker = stub_campaign(
         tmp_path, version="0.5.9", wrapper=wrapper, batch="[1]", **ONE_SETTING
     )

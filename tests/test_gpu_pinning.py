@@ -327,6 +327,148 @@ def test_a_server_command_wrapper_listing_the_metered_gpus_with_spaces_is_read_w
         assert said in " ".join(checked.stdout.split()), checked.stdout
 
 
+#: A stand-in `docker`: a container sees the GPUs `--gpus device=...` names (the stub runs with
+#: CUDA_VISIBLE_DEVICES set to them), none of the CUDA_VISIBLE_DEVICES dvfs hands it; it runs
+#: what follows the image name IMG.
+FAKE_DOCKER = """#!/bin/sh
+visible=
+while [ "$#" -gt 0 ] && [ "$1" != IMG ]; do
+  if [ "$1" = --gpus ]; then shift; visible=$(echo "$1" | tr -d '"' | sed -n 's/^device=//p'); fi
+  shift
+done
+shift
+exec env CUDA_VISIBLE_DEVICES="$visible" "$@"
+"""
+
+
+def container_campaign(folder: Path, *flags: str, before: tuple[str, ...] = ()) -> Path:
+    """A one-cell stub campaign in `folder` (made) metering GPU 1 observe-only, its server
+    started by the stand-in docker (`FAKE_DOCKER`): `[*before, docker, run, *flags, IMG]`."""
+    folder.mkdir()
+    docker = folder / "docker"
+    docker.write_text(FAKE_DOCKER)
+    docker.chmod(0o755)
+    path, _ = stub_campaign(
+        folder,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs='sm_clock = "stock"\nsettle_s = 0.0',
+        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+        wrapper=(*before, str(docker), "run", *flags, "IMG"),
+    )
+    return path
+
+
+def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_path: Path) -> None:
+    """A container does not inherit the CUDA_VISIBLE_DEVICES dvfs hands `docker run`: it sees
+    the GPUs `--gpus device=...`, podman's `--device nvidia.com/gpu=...` or the
+    NVIDIA_VISIBLE_DEVICES the NVIDIA runtime reads give it. Naming another GPU by UUID (its
+    start too), dvfs passed it ("pinned to" the metered GPU), and the sweep measured the idle
+    metered GPU while the server ran on the other one, where NVML could not list processes
+    (a container's never are the started process's). Doctor fails it, and the sweep refuses
+    the server before it starts, in the same line; the metered GPU's own UUID passes."""
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    devices = nv.fake_state()["devices"]
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = devices[0]["uuid"], devices[1]["uuid"]
+    cases = [
+        (("--gpus", f"device={other}"), (), f"--gpus device={other}"),
+        (("--gpus", f'"device={metered},{other}"'), (), f'--gpus "device={metered},{other}"'),
+        ((f"--gpus=device={other[:12]}",), (), f"--gpus device={other[:12]}"),
+        (("--device", f"nvidia.com/gpu={other}"), (), f"--device nvidia.com/gpu={other}"),
+        (("-e", f"NVIDIA_VISIBLE_DEVICES={other}"), (), f"NVIDIA_VISIBLE_DEVICES={other}"),
+        ((f"--env=NVIDIA_VISIBLE_DEVICES={other}",), (), f"NVIDIA_VISIBLE_DEVICES={other}"),
+        ((), ("env", f"NVIDIA_VISIBLE_DEVICES={other}"), f"NVIDIA_VISIBLE_DEVICES={other}"),
+    ]
+    for number, (flags, before, setting) in enumerate(cases):
+        path = container_campaign(tmp_path / f"c{number}", *flags, before=before)
+        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+        said = (
+            f"engine.sglang.server_command gives its container {setting}, other GPUs than the "
+            f"metered {metered}: the server would run where dvfs does not meter; give it the "
+            f"metered GPU(s) by UUID instead ({metered})"
+        )
+        assert checked.returncode == 1, checked.stdout
+        [failed] = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
+        assert failed.startswith("FAIL server GPUs:")
+        assert said in " ".join(checked.stdout.split()), checked.stdout
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 5, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    assert not [r for r in records if r["type"] == "server"]
+    assert not (out / "logs").exists()  # no server was started
+    [cell] = [r for r in records if r["type"] == "cell"]
+    assert cell["status"] == "failed" and said in cell["error"]
+    for flags in (("--gpus", f"device={metered[:12].upper()}"), ("--gpus", f'"device={metered}"')):
+        fine = container_campaign(tmp_path / f"fine{len(flags[1])}", *flags)
+        checked = dvfs_in_process("doctor", str(fine), "--out", str(fine.parent / "o"), env=env)
+        pinned = (
+            f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES; the "
+            f"container's --gpus {flags[1]})"
+        )
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker run --gpus all`, a count, an index (`'"device=0,2"'`, the host's numbering or
+    another's), podman's `--device nvidia.com/gpu=all`, `-e NVIDIA_VISIBLE_DEVICES=all`: which
+    GPU the server runs on is not known (in a container CUDA's first GPU is not the metered
+    one). Doctor said the server was "pinned to" the metered GPU, and the sweep's pinning
+    outcome, where NVML could not list processes, said nothing of it. Doctor warns, naming it,
+    and the server record (and the cube) says it; not where the container is given dvfs's own
+    CUDA_VISIBLE_DEVICES (`-e CUDA_VISIBLE_DEVICES`), whose UUIDs CUDA picks among its GPUs."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    for number, (flags, setting) in enumerate(
+        (
+            (("--gpus", "all"), "--gpus all"),
+            (("--gpus", "2"), "--gpus 2"),
+            (("--gpus", '"device=0,2"'), '--gpus "device=0,2"'),
+            (("--gpus", "driver=nvidia,count=1"), "--gpus driver=nvidia,count=1"),
+            (("--device", "nvidia.com/gpu=all"), "--device nvidia.com/gpu=all"),
+            (("-e", "NVIDIA_VISIBLE_DEVICES=all"), "NVIDIA_VISIBLE_DEVICES=all"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *flags)
+        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith("warn server GPUs: "), checked.stdout
+        said = (
+            f"engine.sglang.server_command gives its container {setting} rather than the "
+            f"metered {metered}: GPUs by index, count or all, which dvfs cannot check"
+        )
+        output = " ".join(checked.stdout.split())
+        assert said in output and "pinned to" not in output, output
+        assert (
+            f"{said}: the sweep stops the server only where NVML lists it on another GPU; name "
+            "the metered GPUs there by UUID, or outside a container remove it from server_command"
+        ) in output
+    # Given the CUDA_VISIBLE_DEVICES dvfs hands docker, CUDA in the container picks the metered
+    # GPU among all.
+    path = container_campaign(tmp_path / "passed", "--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
+    checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    path = container_campaign(tmp_path / "swept", "--gpus", "all")
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    [server] = [r for r in records if r["type"] == "server"]
+    assert server["gpu_pinning"].startswith("unverified: NVML cannot list")
+    assert server["gpu_pinning"].endswith(
+        "; engine.sglang.server_command gives its container --gpus all rather than the metered "
+        "GPUs' UUIDs: GPUs by index, count or all, which dvfs cannot check"
+    )
+    assert _pinning(tmp_path) == {"none": server["gpu_pinning"]}
+
+
 def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -820,13 +820,11 @@ class SglangEngine:
             outcome = f"unverified: {exc}"
         else:
             outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
-        value = unjudged_wrapper_devices(self.campaign)
-        if value is not None and not outcome.startswith("verified"):
-            # What NVML could not tell, the wrapper's index does not either (doctor warns).
-            outcome += (
-                f"; engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value} in place of "
-                "the metered GPUs' UUIDs, an index dvfs cannot check"
-            )
+        said = unjudged_wrapper_devices(self.campaign)
+        if said is not None and not outcome.startswith("verified"):
+            # What NVML could not tell, the wrapper's index or `all` does not either (doctor
+            # warns).
+            outcome += f"; {said}"
         level = logging.INFO if outcome.startswith("verified") else logging.WARNING
         log.log(level, "the %r server's GPUs: %s", drafter.name, outcome)
         return outcome

@@ -35,6 +35,7 @@
 
 from __future__ import annotations
 
+import csv
 import errno
 import json
 import os
@@ -252,51 +253,152 @@ def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> N
         )
 
 
-def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) -> None:
-    """Refuse a server_command whose wrapper sets CUDA_VISIBLE_DEVICES on its command line
-    (`env CUDA_VISIBLE_DEVICES=GPU-... python ...`, `docker run -e ...`) to GPUs named by UUID
-    other than the metered ones: it replaces the UUIDs dvfs hands the wrapper, so the server
-    would run on GPUs dvfs does not meter (caught at start only where NVML lists processes).
-    A UUID may be written short, as CUDA takes a prefix naming one GPU (`dvfs.gpu.visible`).
-    An index is not judged: inside a container it counts the container's GPUs."""
-    value = _wrapper_visible_devices(campaign)
-    if value is None or unjudged_wrapper_devices(campaign) is not None:
-        return
-    entries = [v.strip() for v in value.split(",") if v.strip()]
-    if not entries:
-        return
-    if len(entries) != len(gpu_uuids) or not all(
-        names_gpu(e, u) for e, u in zip(entries, gpu_uuids, strict=True)
-    ):
-        raise EngineError(
-            f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={value}, other GPUs than "
-            f"the metered {','.join(gpu_uuids)}: the server would run where dvfs does not "
-            "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
-            "by UUID)"
+#: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
+#: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
+CDI_GPU = "nvidia.com/gpu="
+
+
+@dataclass(frozen=True)
+class WrapperGpus:
+    """GPUs a server_command wrapper gives the server on its command line, in place of the
+    metered GPUs' UUIDs dvfs hands it as CUDA_VISIBLE_DEVICES: its own CUDA_VISIBLE_DEVICES
+    (`env CUDA_VISIBLE_DEVICES=...`, `docker run -e ...`), or a container's GPUs (docker's or
+    podman's `--gpus`, `--device nvidia.com/gpu=...`, the NVIDIA_VISIBLE_DEVICES the NVIDIA
+    container runtime reads), a container seeing none of dvfs's CUDA_VISIBLE_DEVICES unless
+    given it (`-e CUDA_VISIBLE_DEVICES`)."""
+
+    setting: str  # as the command line says it: "CUDA_VISIBLE_DEVICES=0", "--gpus all"
+    entries: tuple[str, ...]  # the GPUs it names; () where it names none (all, a count)
+    container: bool  # a container's GPUs, in no order; not CUDA's list (CUDA's order)
+
+    @property
+    def judged(self) -> bool:
+        """Whether it names every GPU by UUID (as CUDA and the NVIDIA container runtime take
+        one, its start too): an index counts a container's GPUs (CUDA_VISIBLE_DEVICES inside
+        one), or another numbering than NVML's; `all` or a count, whichever GPUs."""
+        return bool(self.entries) and all(
+            e.upper().startswith(("GPU-", "MIG-")) for e in self.entries
+        )
+
+    def names(self, gpu_uuids: Sequence[str]) -> bool:
+        """Whether it names the metered GPUs and no other (CUDA_VISIBLE_DEVICES: in order)."""
+        if not self.container:
+            return len(self.entries) == len(gpu_uuids) and all(
+                names_gpu(e, u) for e, u in zip(self.entries, gpu_uuids, strict=True)
+            )
+        return all(any(names_gpu(e, u) for u in gpu_uuids) for e in self.entries) and all(
+            any(names_gpu(e, u) for e in self.entries) for u in gpu_uuids
+        )
+
+    def unjudged(self, metered: str) -> str:
+        """What it does, not judged, in words: "sets CUDA_VISIBLE_DEVICES=0 in place of ..."."""
+        if not self.container:
+            return (
+                f"sets {self.setting} in place of the metered {metered}, an index dvfs cannot check"
+            )
+        return (
+            f"gives its container {self.setting} rather than the metered {metered}: GPUs by "
+            "index, count or all, which dvfs cannot check"
         )
 
 
-def _wrapper_visible_devices(campaign: Campaign) -> str | None:
-    """The CUDA_VISIBLE_DEVICES a server_command wrapper sets on its command line, or None. A
-    list written with spaces after its commas (`env "CUDA_VISIBLE_DEVICES=GPU-a, GPU-b"`) is
-    one value, not a shell line cut at its first space (`command_env`): its entries, stripped,
-    are what CUDA reads."""
+def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
+    """The GPUs a server_command wrapper gives the server on its command line (`WrapperGpus`),
+    each way it gives them; empty where it gives none (the server runs on the UUIDs dvfs hands
+    it). A list written with spaces after its commas (`env "CUDA_VISIBLE_DEVICES=GPU-a,
+    GPU-b"`) is one value, not a shell line cut at its first space (`command_env`): its
+    entries, stripped, are what CUDA reads. An empty one gives no GPU: the server fails. A
+    container's GPUs not named by UUID are left out where it is given dvfs's own
+    CUDA_VISIBLE_DEVICES (`-e CUDA_VISIBLE_DEVICES`): CUDA picks the metered UUIDs among them."""
     from dvfs.records.session import command_env
 
-    name = "CUDA_VISIBLE_DEVICES"
-    command = [re.sub(r",\s+", ",", str(token)) for token in server_command(campaign)]
-    return command_env(command, keep=lambda n: n == name).get(name)
+    command = [str(token) for token in server_command(campaign)]
+    joined = [re.sub(r",\s+", ",", token) for token in command]
+    found = []
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        value = command_env(joined, keep={name}.__contains__).get(name)
+        entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
+        if entries:
+            found.append(WrapperGpus(f"{name}={value}", entries, name.startswith("NVIDIA")))
+    devices = []
+    for index, token in enumerate(command):
+        flag, equals, value = token.partition("=")
+        if flag not in ("--gpus", "--device") or not (equals or index + 1 < len(command)):
+            continue
+        value = value if equals else command[index + 1]
+        if flag == "--gpus":
+            found.append(WrapperGpus(f"--gpus {value}", _docker_gpus(value), container=True))
+        elif value.startswith(CDI_GPU):
+            devices.append(value)
+    if devices:
+        setting = " ".join(f"--device {d}" for d in devices)
+        named = tuple(d.removeprefix(CDI_GPU) for d in devices)
+        found.append(WrapperGpus(setting, named, container=True))
+    # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
+    # CUDA_VISIBLE_DEVICES`, no value) runs the server on the metered UUIDs among the GPUs it
+    # is given (`--gpus all`), or fails to start where they are not among them.
+    passed = any(
+        token in ("--env=CUDA_VISIBLE_DEVICES", "-eCUDA_VISIBLE_DEVICES")
+        or (token == "CUDA_VISIBLE_DEVICES" and command[index - 1] in ("-e", "--env"))
+        for index, token in enumerate(command)
+        if index
+    )
+    return [g for g in found if g.judged or not (g.container and passed)]
 
 
-def unjudged_wrapper_devices(campaign: Campaign) -> str | None:
-    """The CUDA_VISIBLE_DEVICES a server_command wrapper sets on its command line where
-    `check_wrapper_visible_devices` cannot judge it (an entry that is no UUID: an index, which
-    inside a container counts the container's GPUs, on this host NVML's or CUDA's), else None."""
-    value = _wrapper_visible_devices(campaign)
-    entries = [v.strip() for v in (value or "").split(",") if v.strip()]
-    if entries and not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
-        return value
-    return None
+def _docker_gpus(value: str) -> tuple[str, ...]:
+    """The GPUs docker's `--gpus VALUE` names (a CSV record, as docker reads it: `device=0`,
+    `'"device=GPU-a,GPU-b"'`); () where it names them by count (`all`, `2`, `count=2`, none
+    said: one), or cannot be read."""
+    try:
+        fields = next(csv.reader([value]))
+    except (csv.Error, StopIteration):
+        return ()
+    named: tuple[str, ...] = ()
+    for field in fields:
+        key, equals, given = field.partition("=")
+        if not equals or key == "count":
+            return ()
+        if key == "device":
+            named = tuple(v.strip() for v in given.split(",") if v.strip())
+    return named
+
+
+def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) -> None:
+    """Refuse a server_command whose wrapper gives the server GPUs named by UUID other than
+    the metered ones (`wrapper_gpus`): `env CUDA_VISIBLE_DEVICES=GPU-...`, which replaces the
+    UUIDs dvfs hands the wrapper, or a container's (`docker run --gpus device=GPU-...`), so
+    the server would run on GPUs dvfs does not meter (caught at start only where NVML lists
+    its processes, which a container's are not: they are no child of dvfs's). A UUID may be
+    written short, as CUDA takes a prefix naming one GPU (`dvfs.gpu.visible`). An index,
+    `all` or a count is not judged (`unjudged_wrapper_devices`)."""
+    metered = ",".join(gpu_uuids)
+    for given in wrapper_gpus(campaign):
+        if not given.judged or given.names(gpu_uuids):
+            continue
+        if not given.container:
+            raise EngineError(
+                f"engine.sglang.server_command sets {given.setting}, other GPUs than "
+                f"the metered {metered}: the server would run where dvfs does not "
+                "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
+                "by UUID)"
+            )
+        raise EngineError(
+            f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
+            f"than the metered {metered}: the server would run where dvfs does not meter; "
+            f"give it the metered GPU(s) by UUID instead ({metered})"
+        )
+
+
+def unjudged_wrapper_devices(campaign: Campaign, metered: str = "GPUs' UUIDs") -> str | None:
+    """What a server_command wrapper gives the server in place of the metered GPUs where
+    `check_wrapper_visible_devices` cannot judge it (`wrapper_gpus` not named by UUID: an
+    index, which inside a container counts the container's GPUs, on this host NVML's or
+    CUDA's; a container's `all` or count), in words ("engine.sglang.server_command sets
+    CUDA_VISIBLE_DEVICES=0 in place of the metered GPU-..., an index dvfs cannot check");
+    None where it gives none, or only GPUs judged."""
+    said = [g.unjudged(metered) for g in wrapper_gpus(campaign) if not g.judged]
+    return "engine.sglang.server_command " + " and ".join(said) if said else None
 
 
 def unstartable(executable: str, env: Mapping[str, str]) -> str | None:

@@ -366,9 +366,16 @@ def server_env_of(env: Mapping[str, str]) -> dict[str, str]:
 #: `docker run -e NAME=VALUE` (`--env=NAME=VALUE`) sets in the server's environment.
 _ASSIGNMENT = re.compile(r"(?:--env=)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
 #: A wrapper's option whose next argument (after a `--`, if any) is a line it splits into
-#: words: a shell's command line (`sh -c LINE`, `bash -lc LINE`) or env's `-S LINE`
-#: (`--split-string`): only there is a `NAME=VALUE ...` argument split into words.
-_LINE_OPTION = re.compile(r"-[A-Za-z]*c[A-Za-z]*|-S|--split-string")
+#: words: a shell's command line (`sh -c LINE`, `bash -lc LINE`); env's `-S LINE`
+#: (`--split-string`) is one of env's only (`_ENV_SPLIT`): only there is a `NAME=VALUE ...`
+#: argument split into words.
+_LINE_OPTION = re.compile(r"-[A-Za-z]*c[A-Za-z]*")
+#: env's split-string option among env's own (`-S LINE`, `-iS LINE`, `--split-string LINE`),
+#: its line attached (`-SLINE`, `--split-string=LINE`) the group's. Another program's `-S`
+#: is its own (sudo's reads the password from stdin): the argument after it is one word.
+_ENV_SPLIT = re.compile(r"-[i0v]*S(.*)|--split-string(?:=(.*))?", re.DOTALL)
+#: env's options that take the next argument (`-u NAME`, `-C DIR`): env's options go on.
+_ENV_ARGUMENT_OPTIONS = frozenset({"-u", "--unset", "-C", "--chdir"})
 
 
 def command_env(
@@ -383,10 +390,27 @@ def command_env(
     env's `-S`)."""
     found: dict[str, str] = {}
     line_next = False  # the argument is a line (it follows a `_LINE_OPTION`, or its `--`)
+    env_option = False  # the argument may be one of env's options (it follows `env`'s)
+    env_argument = False  # the argument is an env option's (`-u NAME`'s NAME)
     for token in command:
         current = str(token)
         line = line_next
         line_next = bool(_LINE_OPTION.fullmatch(current)) or (line and current == "--")
+        if env_argument:  # env's options go on after it
+            env_argument = False
+            continue
+        split = _ENV_SPLIT.fullmatch(current) if env_option else None
+        env_argument = env_option and current in _ENV_ARGUMENT_OPTIONS
+        env_option = env_option and current.startswith("-") and current != "--"
+        env_option = env_option or current.rsplit("/", 1)[-1] == "env"
+        if split is not None:
+            attached = next((g for g in split.groups() if g), None)
+            if attached is None:  # the line is the next argument
+                line_next = True
+            elif lines:  # the line is this argument's rest: its words are env's arguments
+                parts = _shell_words(attached) or [attached]
+                found.update(command_env(parts, lines=False, keep=keep))
+            continue
         match = _ASSIGNMENT.fullmatch(current)
         if match is None:
             continue
