@@ -387,7 +387,9 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
         said = (
             f"engine.sglang.server_command gives its container {setting}, other GPUs than the "
             f"metered {metered}: the server would run where dvfs does not meter; give it the "
-            f"metered GPU(s) by UUID instead ({metered})"
+            f"metered GPU(s) by UUID instead ({metered}), or pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus all), right for each "
+            "fleet worker's GPUs"
         )
         assert checked.returncode == 1, checked.stdout
         [failed] = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
@@ -445,7 +447,9 @@ def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
         assert said in output and "pinned to" not in output, output
         assert (
             f"{said}: the sweep stops the server only where NVML lists it on another GPU; name "
-            "the metered GPUs there by UUID, or outside a container remove it from server_command"
+            "the metered GPUs there by UUID, or pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus all), right for each "
+            "fleet worker's GPUs, or outside a container remove it from server_command"
         ) in output
     # Given the CUDA_VISIBLE_DEVICES dvfs hands docker, CUDA in the container picks the metered
     # GPU among all.
@@ -518,6 +522,41 @@ def test_a_container_passed_cuda_visible_devices_needs_only_hold_the_metered_gpu
         f"passed names: the server cannot start there; give the container the metered GPU(s) "
         f"too ({uuids[1]})"
     ) in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """A fleet's workers share one server_command. Its container given one worker's GPU by
+    UUID was refused for the other, told to give it that worker's UUID instead (which the
+    first worker's check then refuses), and `--gpus all` was warned of with "name the metered
+    GPUs there by UUID", which no one command can for two workers. Both now also say what
+    serves every worker, dvfs's own CUDA_VISIBLE_DEVICES passed on, and doing so passes."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    uuids = [d["uuid"] for d in nv.fake_state()["devices"]]
+    advice = (
+        "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with "
+        "--gpus all), right for each fleet worker's GPUs"
+    )
+    for number, (flags, status) in enumerate(
+        ((("--gpus", f"device={uuids[1]}"), "FAIL"), (("--gpus", "all"), "warn"))
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *flags)
+        checked = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / f"o{number}"), "--gpus", "1,2", env=env
+        )
+        output = " ".join(checked.stdout.split())
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith(f"{status} server GPUs: "), output
+        assert advice in output, output
+    path = container_campaign(tmp_path / "advised", "--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
+    checked = dvfs_in_process(
+        "doctor", str(path), "--out", str(tmp_path / "o"), "--gpus", "1,2", env=env
+    )
+    pinned = (
+        f"ok server GPUs: the servers are pinned to {uuids[1]}; {uuids[2]} (CUDA_VISIBLE_DEVICES)"
+    )
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(

@@ -253,6 +253,13 @@ def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> N
         )
 
 
+#: What makes one server_command right for any metered GPUs, each fleet worker's its own: a
+#: container passed the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`_passes_cuda_uuids`).
+PASS_CUDA_UUIDS = (
+    "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus "
+    "all), right for each fleet worker's GPUs"
+)
+
 #: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
 #: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
 CDI_GPU = "nvidia.com/gpu="
@@ -420,7 +427,7 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
         raise EngineError(
             f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
             f"than the metered {metered}: the server would run where dvfs does not meter; "
-            f"give it the metered GPU(s) by UUID instead ({metered})"
+            f"give it the metered GPU(s) by UUID instead ({metered}), or {PASS_CUDA_UUIDS}"
         )
 
 
