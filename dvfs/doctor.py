@@ -365,6 +365,7 @@ def _gpu_checks(
 
                 def server_gpus() -> tuple[str, str]:
                     from dvfs.engines.sglang_args import (
+                        PASS_CUDA_UUIDS,
                         check_visible_devices,
                         check_wrapper_visible_devices,
                         unjudged_wrapper_devices,
@@ -384,8 +385,8 @@ def _gpu_checks(
                     if said is not None:  # it replaces the UUIDs dvfs hands the wrapper
                         return WARN, (
                             f"{said}: the sweep stops the server only where NVML lists it on "
-                            "another GPU; name the metered "
-                            "GPUs there by UUID, or outside a container remove it from "
+                            "another GPU; name the metered GPUs there by UUID, or "
+                            f"{PASS_CUDA_UUIDS}, or outside a container remove it from "
                             "server_command"
                         )
                     by = ["CUDA_VISIBLE_DEVICES"]

@@ -387,7 +387,9 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
         said = (
             f"engine.sglang.server_command gives its container {setting}, other GPUs than the "
             f"metered {metered}: the server would run where dvfs does not meter; give it the "
-            f"metered GPU(s) by UUID instead ({metered})"
+            f"metered GPU(s) by UUID instead ({metered}), or pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus all), right for each "
+            "fleet worker's GPUs"
         )
         assert checked.returncode == 1, checked.stdout
         [failed] = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
@@ -445,7 +447,9 @@ def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
         assert said in output and "pinned to" not in output, output
         assert (
             f"{said}: the sweep stops the server only where NVML lists it on another GPU; name "
-            "the metered GPUs there by UUID, or outside a container remove it from server_command"
+            "the metered GPUs there by UUID, or pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus all), right for each "
+            "fleet worker's GPUs, or outside a container remove it from server_command"
         ) in output
     # Given the CUDA_VISIBLE_DEVICES dvfs hands docker, CUDA in the container picks the metered
     # GPU among all.
@@ -467,6 +471,92 @@ def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
         "GPUs' UUIDs: GPUs by index, count or all, which dvfs cannot check"
     )
     assert _pinning(tmp_path) == {"none": server["gpu_pinning"]}
+
+
+def test_a_container_passed_cuda_visible_devices_needs_only_hold_the_metered_gpus(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """A container passed CUDA_VISIBLE_DEVICES by UUID (dvfs's own, `-e CUDA_VISIBLE_DEVICES`,
+    or the metered UUIDs written out) runs the server on the metered GPUs among those it is
+    given. A fleet's one server_command giving the container the fleet's GPUs (`--gpus
+    '"device=GPU-1,GPU-2"' -e CUDA_VISIBLE_DEVICES`, each worker picking its own) was refused
+    for every worker ("other GPUs than the metered"), in doctor and at each server start, and
+    `--gpus all -e CUDA_VISIBLE_DEVICES=GPU-<metered>` warned that dvfs could not check it.
+    Both pass; a container without a metered GPU is still refused, saying to give it that."""
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    uuids = [d["uuid"] for d in nv.fake_state()["devices"]]
+    fleet = ("--gpus", f'"device={uuids[1]},{uuids[2]}"', "-e", "CUDA_VISIBLE_DEVICES")
+    path = container_campaign(tmp_path / "fleet", *fleet)
+    checked = dvfs_in_process(
+        "doctor", str(path), "--out", str(tmp_path / "o"), "--gpus", "1,2", env=env
+    )
+    output = " ".join(checked.stdout.split())
+    assert checked.returncode == 0, output
+    assert (
+        f"ok server GPUs: the servers are pinned to {uuids[1]}; {uuids[2]} (CUDA_VISIBLE_DEVICES; "
+        f"the container's --gpus {fleet[1]})"
+    ) in output
+    out = tmp_path / "out"
+    swept = dvfs_in_process(
+        "sweep", str(path), "--out", str(out), "--gpus", "1,2", "--no-progress", env=env
+    )
+    assert swept.returncode == 0, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    cells = [r for r in records if r["type"] == "cell"]
+    assert cells and all(c["status"] == "ok" for c in cells)
+    path = container_campaign(
+        tmp_path / "written", "--gpus", "all", "-e", f"CUDA_VISIBLE_DEVICES={uuids[1]}"
+    )
+    checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "o2"), env=env)
+    pinned = f"ok server GPUs: the server is pinned to {uuids[1]} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    lacking = ("--gpus", f'"device={uuids[0]},{uuids[2]}"', "-e", "CUDA_VISIBLE_DEVICES")
+    path = container_campaign(tmp_path / "lacking", *lacking)
+    checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "o3"), env=env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"{lacking[1]}, without the metered {uuids[1]} that the CUDA_VISIBLE_DEVICES it is "
+        f"passed names: the server cannot start there; give the container the metered GPU(s) "
+        f"too ({uuids[1]})"
+    ) in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """A fleet's workers share one server_command. Its container given one worker's GPU by
+    UUID was refused for the other, told to give it that worker's UUID instead (which the
+    first worker's check then refuses), and `--gpus all` was warned of with "name the metered
+    GPUs there by UUID", which no one command can for two workers. Both now also say what
+    serves every worker, dvfs's own CUDA_VISIBLE_DEVICES passed on, and doing so passes."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    uuids = [d["uuid"] for d in nv.fake_state()["devices"]]
+    advice = (
+        "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with "
+        "--gpus all), right for each fleet worker's GPUs"
+    )
+    for number, (flags, status) in enumerate(
+        ((("--gpus", f"device={uuids[1]}"), "FAIL"), (("--gpus", "all"), "warn"))
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *flags)
+        checked = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / f"o{number}"), "--gpus", "1,2", env=env
+        )
+        output = " ".join(checked.stdout.split())
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith(f"{status} server GPUs: "), output
+        assert advice in output, output
+    path = container_campaign(tmp_path / "advised", "--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
+    checked = dvfs_in_process(
+        "doctor", str(path), "--out", str(tmp_path / "o"), "--gpus", "1,2", env=env
+    )
+    pinned = (
+        f"ok server GPUs: the servers are pinned to {uuids[1]}; {uuids[2]} (CUDA_VISIBLE_DEVICES)"
+    )
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(

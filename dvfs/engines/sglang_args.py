@@ -46,7 +46,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dvfs.campaign.model import Campaign, DrafterSpec
@@ -253,6 +253,13 @@ def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> N
         )
 
 
+#: What makes one server_command right for any metered GPUs, each fleet worker's its own: a
+#: container passed the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`_passes_cuda_uuids`).
+PASS_CUDA_UUIDS = (
+    "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus "
+    "all), right for each fleet worker's GPUs"
+)
+
 #: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
 #: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
 CDI_GPU = "nvidia.com/gpu="
@@ -270,6 +277,9 @@ class WrapperGpus:
     setting: str  # as the command line says it: "CUDA_VISIBLE_DEVICES=0", "--gpus all"
     entries: tuple[str, ...]  # the GPUs it names; () where it names none (all, a count)
     container: bool  # a container's GPUs, in no order; not CUDA's list (CUDA's order)
+    #: A container passed CUDA_VISIBLE_DEVICES by UUID (`_passes_cuda_uuids`): CUDA there picks
+    #: the metered GPUs among those it is given, which need only hold them.
+    among: bool = False
 
     @property
     def judged(self) -> bool:
@@ -281,7 +291,10 @@ class WrapperGpus:
         )
 
     def names(self, gpu_uuids: Sequence[str]) -> bool:
-        """Whether it names the metered GPUs and no other (CUDA_VISIBLE_DEVICES: in order)."""
+        """Whether it names the metered GPUs and no other (CUDA_VISIBLE_DEVICES: in order; a
+        container passed CUDA_VISIBLE_DEVICES by UUID: them, and others or not)."""
+        if self.among:
+            return all(any(names_gpu(e, u) for e in self.entries) for u in gpu_uuids)
         if not self.container:
             return len(self.entries) == len(gpu_uuids) and all(
                 names_gpu(e, u) for e, u in zip(self.entries, gpu_uuids, strict=True)
@@ -309,7 +322,8 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     GPU-b"`) is one value, not a shell line cut at its first space (`command_env`): its
     entries, stripped, are what CUDA reads. An empty one gives no GPU: the server fails. A
     container's GPUs not named by UUID are left out where it is given dvfs's own
-    CUDA_VISIBLE_DEVICES (`-e CUDA_VISIBLE_DEVICES`): CUDA picks the metered UUIDs among them."""
+    CUDA_VISIBLE_DEVICES (`-e CUDA_VISIBLE_DEVICES`) or the metered UUIDs: CUDA picks the
+    metered UUIDs among them; named by UUID, they need only hold the metered GPUs (`among`)."""
     from dvfs.records.session import command_env
 
     command = [str(token) for token in server_command(campaign)]
@@ -335,15 +349,35 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         named = tuple(d.removeprefix(CDI_GPU) for d in devices)
         found.append(WrapperGpus(setting, named, container=True))
     # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
-    # CUDA_VISIBLE_DEVICES`, no value) runs the server on the metered UUIDs among the GPUs it
-    # is given (`--gpus all`), or fails to start where they are not among them.
-    passed = any(
-        token in ("--env=CUDA_VISIBLE_DEVICES", "-eCUDA_VISIBLE_DEVICES")
-        or (token == "CUDA_VISIBLE_DEVICES" and command[index - 1] in ("-e", "--env"))
-        for index, token in enumerate(command)
-        if index
-    )
-    return [g for g in found if g.judged or not (g.container and passed)]
+    # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
+    # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
+    # `'"device=GPU-a,GPU-b"'`), or fails to start where they are not among them.
+    if not _passes_cuda_uuids(joined):
+        return found
+    return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+
+
+def _passes_cuda_uuids(command: Sequence[str]) -> bool:
+    """Whether a container is passed CUDA_VISIBLE_DEVICES by UUID: dvfs's own (`-e
+    CUDA_VISIBLE_DEVICES`, `--env=...`, `-eCUDA_VISIBLE_DEVICES`, no value) or one naming
+    every GPU by UUID (`-e CUDA_VISIBLE_DEVICES=GPU-...`)."""
+    name = "CUDA_VISIBLE_DEVICES"
+    for index, token in enumerate(command):
+        if index and command[index - 1] in ("-e", "--env"):
+            given = token
+        elif token.startswith("--env="):
+            given = token.removeprefix("--env=")
+        elif token.startswith("-e"):  # `-eNAME`
+            given = token.removeprefix("-e")
+        else:
+            continue
+        key, equals, value = given.partition("=")
+        entries = [v.strip() for v in value.split(",") if v.strip()]
+        if key == name and (
+            not equals or (entries and all(e.upper().startswith(("GPU-", "MIG-")) for e in entries))
+        ):
+            return True
+    return False
 
 
 def _docker_gpus(value: str) -> tuple[str, ...]:
@@ -383,10 +417,17 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
                 "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
                 "by UUID)"
             )
+        if given.among:
+            raise EngineError(
+                f"engine.sglang.server_command gives its container {given.setting}, without "
+                f"the metered {metered} that the CUDA_VISIBLE_DEVICES it is passed names: the "
+                f"server cannot start there; give the container the metered GPU(s) too "
+                f"({metered})"
+            )
         raise EngineError(
             f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
             f"than the metered {metered}: the server would run where dvfs does not meter; "
-            f"give it the metered GPU(s) by UUID instead ({metered})"
+            f"give it the metered GPU(s) by UUID instead ({metered}), or {PASS_CUDA_UUIDS}"
         )
 
 
