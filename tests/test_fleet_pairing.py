@@ -257,7 +257,9 @@ def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     (its server refused) or lost too ended in the H100's line alone: "every worker was lost
     with N cell(s) left", N the H100's cells, the H200's refusal (which a rerun meets again)
     or loss and its cells unsaid. The refusal's line comes first, as within one model; two
-    models lost are one line over both: every cell left, and each loss."""
+    models lost are one line over both: every cell left, and each loss; and where the
+    finished cells are: it said "the journal keeps every finished cell", where each model's
+    are in its own journal (`gpu-<model>/journal.jsonl`), and none in the folder's."""
     from dvfs import load_campaign
     from dvfs.fleet.shard import planned_cells
 
@@ -284,6 +286,12 @@ def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     assert last.startswith(
         f"Error: every worker was lost with {2 * len(planned) - done} cell(s) left "
         f"(gpu0: {lost}; {label}: {lost}): "
+    ), told
+    # the finished cells are in each model's journal (there is no journal.jsonl in `out`)
+    assert not (out / "journal.jsonl").exists()
+    assert last.endswith(
+        f"): the journals in {out}/gpu-*/ keep every finished cell; rerun the same command "
+        "to resume"
     ), told
 
 
