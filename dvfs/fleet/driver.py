@@ -314,8 +314,6 @@ class Driver:
                 if record.get("type") == "server":
                     self.servers.setdefault(str(record.get("drafter")), record)
         self.retired: set[str] = set()
-        #: This run's session, until its first records are journalled (`journal_all`).
-        self._session: dict[str, Any] | None = None
         #: Why the run cannot finish here (a server that does not compare), for the one line.
         self.refused: str | None = None
         #: That refusal said again within fewer characters (room for the reset after it).
@@ -366,10 +364,11 @@ class Driver:
         # The queue gives each comparison group (batch, corpus, repeat) to one worker: its
         # arms ran on one GPU group (`dvfs.fleet.queue`); the cube says so.
         combined["arms_on_one_gpu"] = 1
-        # Journalled with the run's first records (`journal_all`): a run that journals nothing
-        # (its workers retired for their refused servers, or lost, before any unit came in)
-        # leaves the journal as it found it, as a run refused before its workers open does.
-        self._session = combined
+        # Journalled with the run's first records (`Journal.defer`): a run that journals
+        # nothing (its workers retired for their refused servers, or lost, before any unit
+        # came in) leaves the journal as it found it, as a run refused before its workers
+        # open does.
+        self.journal.defer(combined)
         workers = [str(s.get("worker")) for s in sessions]
         self.queue.keep(self._begun_on(sessions), workers)
         self.queue.join(workers)
@@ -473,7 +472,7 @@ class Driver:
         if self._refuse_servers(worker, shipment):
             return
         # In one write: an in-flight group's levels are journaled all or none.
-        self.journal_all(shipment.records)
+        self.journal.append_all(shipment.records)
         stats = self.stats.setdefault(worker, WorkerStats(worker))
         cells = shipment.all_cells
         stats.done += len(cells)
@@ -499,14 +498,6 @@ class Driver:
                 self.failed.append(cell_label(cell))
             self.progress.advance(cell, status)
         self._show(stats)
-
-    def journal_all(self, records: Sequence[dict[str, Any]]) -> None:
-        """Journal this run's records in one write, its session first where none of them is
-        in yet."""
-        if self._session is not None:
-            records = [self._session, *records]
-            self._session = None
-        self.journal.append_all(records)
 
     def _more_repeats(self, done: set[str]) -> list[Cell]:
         """The next repeats the journal's cells ask for (`extra_repeats`), none in `done`
@@ -733,7 +724,7 @@ class Fleet:
             self.note(f"worker {worker} lost ({why})")
             return
         if record is not None:
-            driver.journal_all([record])
+            driver.journal.append(record)
         driver.lost(worker, cell, why)
 
     def note(self, message: str) -> None:
