@@ -181,6 +181,40 @@ def test_a_worker_retired_for_its_server_is_not_reported_lost(tmp_path: Path, mo
     assert "lost" not in told, told
 
 
+def test_a_retired_workers_gpu_that_measured_nothing_is_not_the_cubes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet's worker retired at its first server (refused), the other measuring every
+    cell: the cube named both GPUs ("x2" in `dvfs cube info`, `gpu_uuids`, a counter period
+    each) and its idle power was both GPUs' mean, though every cell ran on one. It names the
+    GPU that measured, and its idle power is that GPU's."""
+    refuse_servers_on(monkeypatch, "gpu1")
+    write(tmp_path / "campaign.toml", fleet_campaign("retired"))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    [session] = [r for r in records if r["type"] == "session"]
+    [gpu0] = [w for w in session["workers"] if w["worker"] == "gpu0"]
+    assert len(session["gpus"]) == 2 and {r.get("worker") for r in records[2:]} == {"gpu0"}
+    # The retired GPU's idle another than the measuring one's (the twin's GPUs idle alike).
+    for w in session["workers"]:
+        if w["worker"] == "gpu1":
+            w["idle_power_w"] = gpu0["idle_power_w"] + 100.0
+    session["idle_power_w"] = gpu0["idle_power_w"] + 50.0
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 0, built.output
+    info = CliRunner().invoke(cli, ["cube", "info", "--json", str(out / "cube.nc")])
+    assert json.loads(info.output)["gpu"] == "NVIDIA H100 80GB HBM3 (twin) x1", info.output
+    cube = open_cube(out / "cube.nc")
+    assert set(cube["measured_on"].values.ravel()) == {",".join(gpu0["gpus"])}
+    assert cube.attrs["gpu_uuids"] == ",".join(gpu0["gpus"]) and cube.attrs["gpu_count"] == 1
+    assert len(np.atleast_1d(cube.attrs["counter_update_period_s"])) == 1
+    assert cube.attrs["idle_power_w"] == gpu0["idle_power_w"]
+
+
 def test_a_retired_workers_later_failure_does_not_call_it_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -257,7 +291,9 @@ def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     (its server refused) or lost too ended in the H100's line alone: "every worker was lost
     with N cell(s) left", N the H100's cells, the H200's refusal (which a rerun meets again)
     or loss and its cells unsaid. The refusal's line comes first, as within one model; two
-    models lost are one line over both: every cell left, and each loss."""
+    models lost are one line over both: every cell left, and each loss; and where the
+    finished cells are: it said "the journal keeps every finished cell", where each model's
+    are in its own journal (`gpu-<model>/journal.jsonl`), and none in the folder's."""
     from dvfs import load_campaign
     from dvfs.fleet.shard import planned_cells
 
@@ -284,6 +320,12 @@ def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     assert last.startswith(
         f"Error: every worker was lost with {2 * len(planned) - done} cell(s) left "
         f"(gpu0: {lost}; {label}: {lost}): "
+    ), told
+    # the finished cells are in each model's journal (there is no journal.jsonl in `out`)
+    assert not (out / "journal.jsonl").exists()
+    assert last.endswith(
+        f"): the journals in {out}/gpu-*/ keep every finished cell; rerun the same command "
+        "to resume"
     ), told
 
 

@@ -139,6 +139,38 @@ def test_another_gpu_model_is_refused_in_one_line(on_two: Path, tmp_path: Path) 
     assert plain.exit_code == 1 and "GPU model:" in plain.output.strip().splitlines()[-1]
 
 
+def test_a_resume_whose_every_worker_was_retired_leaves_the_journal_as_it_was(
+    on_two: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet's resume on two other GPUs whose workers' servers the driver refused (every
+    worker retired: exit 1, nothing of theirs journalled) appended its session all the same,
+    each try another: the journal grew with sessions that measured nothing, and the cube
+    counted their GPUs ("x4" in `dvfs cube info`, though two GPUs measured every cell). A
+    refused try journals nothing; the cube names the two GPUs that measured."""
+    from fleet_support import refuse_servers_on
+
+    campaign = on_two.parent / "campaign.toml"
+    half = tmp_path / "half"
+    half.mkdir()
+    lines = (on_two / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][20]
+    (half / "journal.jsonl").write_text("".join(lines[:cut]))
+    for label in ("gpu2", "gpu3"):
+        refuse_servers_on(monkeypatch, label, f"the server on {label} differs (test)")
+    for _ in range(2):
+        refused = sweep(str(campaign), "--gpus", "2-3", "--out", str(half))
+        assert refused.exit_code == 1, refused.output
+        last = refused.output.strip().splitlines()[-1]
+        assert last.startswith("Error: the server on gpu") and "differs (test)" in last, last
+        assert (half / "journal.jsonl").read_text() == "".join(lines[:cut])
+    built = CliRunner().invoke(cli, ["cube", "build", str(half)])
+    assert built.exit_code == 0, built.output
+    info = CliRunner().invoke(cli, ["cube", "info", str(half / "cube.nc")])
+    assert "NVIDIA H100 80GB HBM3 (twin) x2" in info.output, info.output
+    measured = {g["uuid"] for g in read_records(on_two / "journal.jsonl")[1]["gpus"]}
+    assert set(open_cube(half / "cube.nc").attrs["gpu_uuids"].split(",")) == measured
+
+
 def _session(name: str = "NVIDIA H100", driver: str = "550.54", worker: str = "gpu0") -> dict:
     return {
         "type": "session",

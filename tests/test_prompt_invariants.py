@@ -200,10 +200,13 @@ def test_a_resume_formatting_prompts_otherwise_is_refused_and_old_journals_resum
     campaign, out = half_done
     journal = out / "journal.jsonl"
     _edit_sessions(journal, prompt_format="chat_template:0123456789abcdef")
-    with pytest.raises(
-        JournalError, match=r"prompt format: chat_template:0123456789abcdef -> plain"
-    ):
-        _sweep_formatted(campaign, out, "plain")
+    before = journal.read_text()
+    for _ in range(2):  # each refused try left a session that measured nothing behind
+        with pytest.raises(
+            JournalError, match=r"prompt format: chat_template:0123456789abcdef -> plain"
+        ):
+            _sweep_formatted(campaign, out, "plain")
+        assert journal.read_text() == before
     # A journal of an older dvfs (no prompt format recorded) resumes: unknown is no change.
     _edit_sessions(journal, prompt_format=None, token_count_method=None)
     done = _sweep_formatted(campaign, out, "plain")

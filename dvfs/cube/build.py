@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -317,13 +317,41 @@ def _prompt_formats(journal: JournalContents) -> list[str]:
     return list(dict.fromkeys(f for f in found if f))
 
 
-def _all_gpus(journal: JournalContents) -> list[dict[str, Any]]:
-    """Every GPU that measured in the journal, once each, in the order they first ran."""
+def _all_gpus(
+    journal: JournalContents, measured: Collection[str] = frozenset()
+) -> list[dict[str, Any]]:
+    """Every GPU that measured in the journal, once each, in the order they first ran: those
+    of its sessions named by a cell record (`measured`, their UUIDs), not a fleet worker's
+    retired (its server refused) or lost before a cell of its came in; every session's GPU
+    where none is (no cell yet)."""
     seen: dict[str, dict[str, Any]] = {}
     for session in journal.sessions:
         for gpu in session.gpus:
             seen.setdefault(str(gpu["uuid"]), gpu)
-    return list(seen.values())
+    kept = [gpu for uuid, gpu in seen.items() if uuid in measured]
+    return kept or list(seen.values())
+
+
+def _idle_power_w(journal: JournalContents, gpus: Sequence[dict[str, Any]]) -> float:
+    """The sessions' mean opening idle power, of the GPUs the cube names (`gpus`): a fleet's
+    session's workers on other GPUs (retired, or lost, before a cell of theirs came in) are
+    left out of its mean of its workers', and sessions on none of them out of the whole."""
+    named = {str(g["uuid"]) for g in gpus}
+    idle: list[float] = []
+    for session in journal.sessions:
+        workers = [w for w in session.workers if "idle_power_w" in w]
+        if not workers or len(workers) < len(session.workers):  # one GPU group's session
+            if named & set(session.gpu_uuids):
+                idle.append(session.idle_power_w)
+            continue
+        kept = [w for w in workers if named & {str(u) for u in w.get("gpus") or ()}]
+        if len(kept) == len(workers):
+            idle.append(session.idle_power_w)
+        elif kept:
+            idle.append(float(np.mean([float(w["idle_power_w"]) for w in kept])))
+    if not idle:
+        idle = [s.idle_power_w for s in journal.sessions]
+    return float(np.nanmean(idle))
 
 
 def _twin_profile_run(profile: str, gpu_name: str) -> str:
@@ -368,11 +396,14 @@ def _pinning_outcomes(servers: Sequence[Server]) -> str:
     return json.dumps({d: "; ".join(o) for d, o in outcomes.items()}, sort_keys=True)
 
 
-def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any]:
+def _provenance(
+    journal: JournalContents, facts: CampaignFacts, measured: Collection[str] = frozenset()
+) -> dict[str, Any]:
     header, session = journal.header, journal.sessions[-1]
     if header.campaign_name is None or header.campaign_hash is None:
         raise KeyError("campaign_name" if header.campaign_name is None else "campaign_hash")
-    gpus = _all_gpus(journal)  # every session's: a rerun may run on other GPUs of the model
+    # every session's that measured a cell: a rerun may run on other GPUs of the model
+    gpus = _all_gpus(journal, measured)
     servers: dict[str, Any] = {}
     for s in journal.servers:
         # An earlier dvfs's journal may hold credentials (`dvfs.redact`): not the cube.
@@ -445,7 +476,7 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         # The power caps dvfs applied that its sessions found and lifted to measure stock.
         **_found_limits(journal),
         "power_limit_range_w": list(session.power_limit_range_w),
-        "idle_power_w": float(np.nanmean([s.idle_power_w for s in journal.sessions])),
+        "idle_power_w": _idle_power_w(journal, gpus),
         # Other tenants' processes seen around the sessions' opening idle measurements: where
         # any was, `idle_power_w` counts their work too.
         "idle_foreign_processes": json.dumps(
@@ -454,7 +485,7 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         # A session's opening idle measurement from the instant power readings (a counter
         # updated less than twice in it): `idle_power_w` is less exact.
         "idle_from_power_readings": int(any(s.idle_from_power_readings for s in journal.sessions)),
-        "counter_update_period_s": _counter_periods(journal),
+        "counter_update_period_s": _counter_periods(journal, gpus),
         "measurement_method": session.measurement_method,
         # Each session's, once: two where an older journal's groups were each measured under
         # one of them (`_check_sessions`).
@@ -507,16 +538,16 @@ def found_limits_attrs(found: Iterable[tuple[str, float]]) -> dict[str, Any]:
     return {"power_limit_found_w": values, **named}
 
 
-def _counter_periods(journal: JournalContents) -> list[float]:
-    """Each GPU's energy-counter update period (s), in the order of `_all_gpus`, as the latest
-    session that detected one on it saw it (NaN where none did)."""
+def _counter_periods(journal: JournalContents, gpus: Sequence[dict[str, Any]]) -> list[float]:
+    """Each GPU's energy-counter update period (s), in the order of `gpus` (`_all_gpus`), as
+    the latest session that detected one on it saw it (NaN where none did)."""
     period: dict[str, float] = {}
     for session in reversed(journal.sessions):
         values = list(session.counter_update_period_s)
         for gpu, value in zip(session.gpus, values, strict=False):
             if value is not None:
                 period.setdefault(str(gpu["uuid"]), float(value))
-    return [period.get(str(g["uuid"]), math.nan) for g in _all_gpus(journal)]
+    return [period.get(str(g["uuid"]), math.nan) for g in gpus]
 
 
 def build_cube(
@@ -769,6 +800,7 @@ class _Filler:
             # cube's variables (half the build of a test's tiny cube).
             {SPLIT_METHOD_VAR: (CELL_DIMS, self.split_method, split_method_attrs())},
             {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))},
+            measured={u for on in self.names for u in on.split(",")},
         )
         # Every session ran on one GPU group, or was a fleet that gave each comparison group to
         # one worker (`dvfs.fleet.queue`); whether the valid cells of each (batch, corpus,
@@ -817,9 +849,10 @@ def _dataset(
     failed_cells: dict[str, CellRecord],
     last_variables: Mapping[str, Any] = MappingProxyType({}),
     last_coords: Mapping[str, Any] = MappingProxyType({}),
+    measured: Collection[str] = frozenset(),
 ) -> xr.Dataset:
     """The cube's Dataset; `last_variables` and `last_coords` go after the others, given their
-    attributes as they are."""
+    attributes as they are. `measured`: the UUIDs of the GPUs the journal's cells name."""
     import xarray as xr
 
     axes: dict[str, Any] = {d: grid[d] for d in CELL_DIMS}
@@ -856,7 +889,7 @@ def _dataset(
     ds = xr.Dataset(
         {**variables, **{name: (name, values) for name, values in axes.items()}, **last_variables},
         coords=dict(last_coords),
-        attrs=_provenance(journal, facts),
+        attrs=_provenance(journal, facts, measured),
     )
     for name, (units, long_name) in COORD_ATTRS.items():
         if name in ds.coords and name not in last_coords:

@@ -234,15 +234,20 @@ def bounded_why(why: str, chars: int = 200) -> str:
 
 
 def every_worker_lost(
-    head: str, stats: Iterable[WorkerStats], fresh: bool = False, reset: str = ""
+    head: str,
+    stats: Iterable[WorkerStats],
+    fresh: bool = False,
+    reset: str = "",
+    kept: str = "the journal keeps",
 ) -> str:
     """The line of a fleet whose workers (`stats`) were all lost with cells left (`head` says
-    how many): each named with what lost it (three, and how many more), then the reset to
-    run first where they left GPUs' settings unrestored (`reset`), then how to resume (less
-    --fresh where the run had it: `fresh`)."""
+    how many): each named with what lost it (three, and how many more), then where the
+    finished cells are (`kept`: the journal, or a fleet mixing models' journals), the reset
+    to run first where they left GPUs' settings unrestored (`reset`), then how to resume
+    (less --fresh where the run had it: `fresh`)."""
     lost = [f"{s.label}: {bounded_why(s.lost)}" for s in stats if s.lost]
     tail = (
-        ": the journal keeps every finished cell; "
+        f": {kept} every finished cell; "
         + (f"{reset}, then " if reset else "")
         + resume_advice(fresh)
     )
@@ -359,7 +364,11 @@ class Driver:
         # The queue gives each comparison group (batch, corpus, repeat) to one worker: its
         # arms ran on one GPU group (`dvfs.fleet.queue`); the cube says so.
         combined["arms_on_one_gpu"] = 1
-        self.journal.append(combined)
+        # Journalled with the run's first records (`Journal.defer`): a run that journals
+        # nothing (its workers retired for their refused servers, or lost, before any unit
+        # came in) leaves the journal as it found it, as a run refused before its workers
+        # open does.
+        self.journal.defer(combined)
         workers = [str(s.get("worker")) for s in sessions]
         self.queue.keep(self._begun_on(sessions), workers)
         self.queue.join(workers)
@@ -739,7 +748,9 @@ class Fleet:
         if left:
             head = f"every worker was lost with {sum(d.left for _, d in left)} cell(s) left"
             stats = [s for _, d in left for s in d.stats.values()]
-            raise JournalError(every_worker_lost(head, stats, self.fresh, reset))
+            # several models' cells, each model's in its own journal (as `open` said)
+            kept = f"the journals in {self.out_dir}/gpu-*/ keep"
+            raise JournalError(every_worker_lost(head, stats, self.fresh, reset, kept))
 
     @property
     def stats(self) -> list[WorkerStats]:

@@ -44,6 +44,10 @@ class ShippingJournal(Journal):
     def append_all(self, records: Sequence[dict[str, Any]]) -> None:
         self.outbox.extend(records)
 
+    def defer(self, record: dict[str, Any]) -> None:
+        """The worker's session: for the driver at once (its journal defers it)."""
+        self.outbox.append(record)
+
     def drain(self) -> list[dict[str, Any]]:
         out, self.outbox = self.outbox, []
         return out

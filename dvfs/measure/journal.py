@@ -224,6 +224,8 @@ class Journal:
         self._synced_at = self._monotonic()
         self._first: dict[str, Any] | None = None  # the header, in a sound journal
         self._sessions: list[dict[str, Any]] = []
+        #: A run's session, held until the run journals another record (`defer`).
+        self._deferred: dict[str, Any] | None = None
         self._ok: set[str] = set()
         #: Keys of in-flight cells whose energy per token was carried to a per-level cell's
         #: context otherwise than this dvfs carries it (`INFLIGHT_ENERGY_DRIFT`).
@@ -301,6 +303,13 @@ class Journal:
             f"{FRESH}, which renames it"
         )
 
+    def defer(self, record: dict[str, Any]) -> None:
+        """Hold `record` (a run's session) until the run journals another, then write it just
+        before that one, in the same write: a run that journals nothing (refused at its first
+        server start, every fleet worker retired or lost before a unit came in) leaves the
+        journal as it found it."""
+        self._deferred = record
+
     def append(self, record: dict[str, Any]) -> None:
         """Write one record through to the OS (a killed process keeps it), and to disk as the
         sync policy says."""
@@ -314,6 +323,9 @@ class Journal:
         policy says, once for them all."""
         if not records:
             return
+        if self._deferred is not None:
+            records = [self._deferred, *records]
+            self._deferred = None
         lines = [_ENCODER.encode(json_safe(record)) for record in records]
         data = "".join(line + "\n" for line in lines).encode("utf-8")
         try:

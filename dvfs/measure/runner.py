@@ -573,7 +573,9 @@ class Runner:
             power_limit_found_w=found_w,
             stock_power_limit_enforced=tuple(self._enforced_stock_mw),
         )
-        self.journal.append(session.to_json())
+        # Journalled with the run's first record (a server's, a cell's): a resume refused at
+        # its first server start (its prompts formatted otherwise) journals nothing.
+        self.journal.defer(session.to_json())
 
     def _opening_tenants(self) -> TenantCheck:
         """What tells other tenants' processes at the opening idle measurement: before dvfs
