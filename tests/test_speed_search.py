@@ -3,6 +3,8 @@ it stood at 3c9bcb7): each capped clock found, and every timing, equal to the la
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -173,3 +175,72 @@ def test_a_round_searched_down_the_clocks_finds_what_the_replaced_bisection_foun
                 tables.append(known[3])
     assert capped > 3
     assert 0 < len(tables) < 4  # timed at the top (and where a lower limit makes more hot)
+
+
+def fresh_copy(passes: Passes) -> Passes:
+    """The same passes as a new sequence: nothing remembered with it."""
+    return Passes(*(getattr(passes, f).copy() for f in Passes.__dataclass_fields__))
+
+
+def assert_same_timing(got: PassTiming, want: PassTiming) -> None:
+    assert got.sm_clock_mhz == want.sm_clock_mhz
+    for name in ("duration_s", "power_w", "tensor_util", "memory_util", "pass_clocks_mhz"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    batch=st.sampled_from([1, 8, 64, 256]),
+    clocks=st.lists(st.sampled_from([1980, 1755, 1410, 1005, 705]), min_size=1, max_size=4),
+    limits_w=st.lists(st.sampled_from([700.0, 400.0, 250.0]), min_size=1, max_size=3),
+)
+def test_a_sweeps_schedules_from_remembered_timings_are_those_computed_afresh(
+    n, batch, clocks, limits_w
+) -> None:
+    """A round scheduled at each clock under one limit, then at each again under the next
+    (as a sweep does): every schedule's timing at the requested clock, read back from the one
+    kept for the passes, and every point made from it, are those computed afresh (the same
+    bits)."""
+    gpu = gpu_profile("h100-sxm")
+    phases = (passes_of(n, batch, 1500.0),)
+    for limit_w in limits_w:
+        for requested in clocks:
+            got = physics._requested_timing(gpu, phases[0], requested)
+            assert_same_timing(got, physics.time_passes(gpu, fresh_copy(phases[0]), requested))
+            assert not got.power_w.flags.writeable  # shared by the schedules made from it
+            made = physics._remembered_schedule.__wrapped__(gpu, phases, requested, limit_w)
+            want = replaced_operating_point(gpu, fresh_copy(phases[0]), requested, limit_w)
+            assert_same_point(made.points[0], want)
+            assert made.power_capped == want.power_capped
+            if not made.power_capped:  # no pass over the limit: the requested timing itself
+                assert made.joined is not None
+                assert_same_timing(made.joined, want.timing)
+                assert made.joined.sm_clock_mhz == requested
+                assert made.points[0].sm_clock_mhz == requested
+    again = physics._requested_timing(gpu, phases[0], clocks[0])  # read back
+    assert_same_timing(again, physics.time_passes(gpu, fresh_copy(phases[0]), clocks[0]))
+
+
+def test_the_remembered_timings_stay_within_their_bytes(monkeypatch) -> None:
+    """The timings kept at the requested clocks hold at most `REQUESTED_TIMINGS_BYTES`: the
+    oldest go (from their passes too), and one asked for again is timed again, the same."""
+    gpu = gpu_profile("h100-sxm")
+    rounds = [passes_of(100, 8, 1000.0 + i) for i in range(6)]
+    one = 2 * 100 * 8  # a timing's durations and powers, 100 floats each
+    monkeypatch.setattr(physics, "_KEPT", collections.deque())  # none kept from other tests
+    monkeypatch.setattr(physics, "_KEPT_SIZE", [0])
+    monkeypatch.setattr(physics, "REQUESTED_TIMINGS_BYTES", 3 * one)
+    first = [physics._requested_timing(gpu, p, 1980) for p in rounds]
+    assert physics._KEPT_SIZE[0] <= physics.REQUESTED_TIMINGS_BYTES
+    kept = [p.__dict__[physics._REQUESTED].get((gpu, 1980)) for p in rounds]
+    assert [k is not None and k[0] is t.duration_s for k, t in zip(kept, first, strict=True)] == [
+        False
+    ] * 3 + [True] * 3
+    again = physics._requested_timing(gpu, rounds[-1], 1980)  # kept
+    assert again.duration_s is first[-1].duration_s and again.power_w is first[-1].power_w
+    assert_same_timing(again, first[-1])
+    again = physics._requested_timing(gpu, rounds[0], 1980)  # gone: timed again
+    assert again.duration_s is not first[0].duration_s
+    assert_same_timing(again, first[0])
+    assert physics._KEPT_SIZE[0] <= physics.REQUESTED_TIMINGS_BYTES

@@ -14,7 +14,10 @@ s(f)       = (f / f_max) x (V(f) / V_max)^2   (dynamic CMOS power)
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -405,6 +408,19 @@ def _timed(
     )
 
 
+def _utilisations(
+    gpu: GpuProfile, passes: Passes, sm_clock_mhz: float, duration_s: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_timed`'s tensor and memory utilisation at one clock, from the passes' durations
+    there: its steps from those on (the same bits)."""
+    (peak, _, _, _), constants = _clock_factors(gpu, float(sm_clock_mhz))
+    tensor_util = passes.flops / peak
+    np.divide(tensor_util, duration_s, out=tensor_util)
+    memory_util = passes.bytes / duration_s
+    memory_util /= constants[2]  # the HBM peak (B/s)
+    return tensor_util, memory_util
+
+
 def _main_clock(clocks: np.ndarray, duration_s: np.ndarray) -> float:
     """The clock passes spend the most time at (the highest on a tie)."""
     if len(clocks) == 0:
@@ -658,6 +674,54 @@ def schedule(
     return _remembered_schedule(gpu, phases, requested_mhz, power_limit_w)
 
 
+#: Where `_requested_timing` keeps a pass sequence's durations and powers, beside its
+#: fields (as `_CONSTANTS`): {(profile, clock): (duration_s, power_w)}.
+_REQUESTED = "_requested_timings"
+#: The timings kept, oldest first: (their passes, weakly; the key; their arrays' bytes), at
+#: most `REQUESTED_TIMINGS_BYTES` in all (a timing goes with its passes, when they go first).
+_KEPT: collections.deque[tuple[weakref.ref[Passes], tuple[GpuProfile, float], int]] = (
+    collections.deque()
+)
+_KEPT_SIZE = [0]  # the bytes `_KEPT` counts
+_KEPT_LOCK = threading.Lock()  # a local fleet's workers schedule in threads
+REQUESTED_TIMINGS_BYTES = 8 << 20
+
+
+def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> PassTiming:
+    """`time_passes` at a schedule's requested clock, its durations and powers remembered for
+    the last few: a sweep runs each planned round at every clock under one power limit, then
+    at every clock again under the next, each time from the same timing at the requested
+    clock (the same inputs, the same numbers); the utilisations, a few steps from those, are
+    worked out again (`_utilisations`: half the memory kept). Read-only arrays, shared by the
+    schedules made from them."""
+    key = (gpu, requested_mhz)
+    kept = passes.__dict__.get(_REQUESTED)
+    if kept is not None:
+        known = kept.get(key)
+        if known is not None:
+            duration_s, power_w = known
+            tensor_util, memory_util = _utilisations(gpu, passes, requested_mhz, duration_s)
+            tensor_util.flags.writeable = memory_util.flags.writeable = False
+            return PassTiming(float(requested_mhz), duration_s, power_w, tensor_util, memory_util)
+    timing = time_passes(gpu, passes, requested_mhz)
+    for a in (timing.duration_s, timing.power_w, timing.tensor_util, timing.memory_util):
+        a.flags.writeable = False
+    size = timing.duration_s.nbytes + timing.power_w.nbytes
+    with _KEPT_LOCK:
+        kept = passes.__dict__.setdefault(_REQUESTED, {})
+        if key not in kept:  # (another thread may have kept the same meanwhile)
+            kept[key] = (timing.duration_s, timing.power_w)
+            _KEPT.append((weakref.ref(passes), key, size))
+            _KEPT_SIZE[0] += size
+        while _KEPT_SIZE[0] > REQUESTED_TIMINGS_BYTES and _KEPT:
+            held, old, old_size = _KEPT.popleft()  # the oldest
+            _KEPT_SIZE[0] -= old_size
+            gone = held()
+            if gone is not None:
+                gone.__dict__[_REQUESTED].pop(old, None)
+    return timing
+
+
 @functools.lru_cache(maxsize=64)
 def _remembered_schedule(
     gpu: GpuProfile,
@@ -666,7 +730,9 @@ def _remembered_schedule(
     power_limit_w: float,
 ) -> Schedule:
     """`schedule`, computed."""
-    whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
+    whole = _requested_timing(
+        gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz
+    )
     # every pass fits the limit (the usual case): no phase needs looking at alone
     # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
     fits = len(whole.power_w) == 0 or np.maximum.reduce(whole.power_w) <= power_limit_w
