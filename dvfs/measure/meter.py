@@ -1135,6 +1135,15 @@ def summarise(
 
     The highest power is the largest power sample inside the windows, or a round's mean power
     from the energy counter where that is larger: so the cell's mean power never exceeds it.
+
+    Power, clock, reasons and the timeline take a window's samples from its start up to, not
+    at, its close: the sampler's last reading of a round that ends at its window's close
+    (the twin's, on virtual time) falls on the close and reads the GPU after the decode's
+    last step, idle (its power, its idle clock, GpuIdle), which drew a dip at each round's
+    close, moved the clock's mean and set GpuIdle (hiding a stock clock held low). The
+    temperature and the count of samples inside (too few: few_samples) keep it: the die's
+    temperature does not jump at the close (the reading is the decode's last), and the
+    counter read there bounds the energy.
     """
     quality = 0
     energy_mj = 0.0
@@ -1179,23 +1188,27 @@ def summarise(
             power_max = max(power_max, e.energy_mj / 1000 / e.seconds)
         per_token.append(e.energy_per_token_j)
         latency.append(latency_stats(part.result).tpot_ms[0])
+        # [start, end] for the temperature and the count; [start, end) (whole ns) for the
+        # rest: a reading at the close reads the GPU idle (see the docstring)
         inside, count = _inside(s["t_ns"], start, end)
         in_window_samples += count
         if count:
-            clock = s["sm_clock_mhz"][inside]
-            power = s["power_mw"][inside]
+            temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
+        decoding, n = _inside(s["t_ns"], start, end - 1)
+        if n:
+            clock = s["sm_clock_mhz"][decoding]
+            power = s["power_mw"][decoding]
             clock_weighted += _mean(clock) * (end - start)
             fastest = s.get("sm_clock_max_mhz")
-            fastest_weighted += (_mean(clock) if fastest is None else _mean(fastest[inside])) * (
+            fastest_weighted += (_mean(clock) if fastest is None else _mean(fastest[decoding])) * (
                 end - start
             )
             clock_ns += end - start
             power_max = max(power_max, float(_MAX(power)) / 1000)
-            temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
-            reasons |= int(np.bitwise_or.reduce(s["reasons"][inside]))
+            reasons |= int(np.bitwise_or.reduce(s["reasons"][decoding]))
             timeline.append(
                 (
-                    offset_s + (s["t_ns"][inside] - start) * 1e-9,
+                    offset_s + (s["t_ns"][decoding] - start) * 1e-9,
                     power / 1000,
                     clock.astype(float),
                 )
