@@ -602,8 +602,8 @@ def test_the_closing_reading_of_a_round_is_not_the_decodes() -> None:
     close and reads the GPU idle. The timeline held it (a steady 300 W decode ending at 80 W,
     as if it throttled), the observed clock averaged the idle clock in and the reasons took
     GpuIdle, which also hid a stock clock held low (clock_held_low ignores only 0x2 and
-    SyncBoost). None of them keeps it; the temperature does (the die's at the close, the
-    decode's last), and so does the count of samples that bound the energy."""
+    SyncBoost). None of them keeps it, nor the count of samples (too few: few_samples); the
+    temperature does (the die's at the close, the decode's last)."""
     m = summarise(
         [closing_round([0, 20, 40, 60, 80])],
         requested_clock_mhz=None,
@@ -621,17 +621,20 @@ def test_the_closing_reading_of_a_round_is_not_the_decodes() -> None:
     assert m.quality & Q_CLOCK_HELD_LOW
     assert m.power_max_w == pytest.approx(300.0)
     assert m.temperature_max_c == 65.0
-    # two readings while decoding and the closing one: three bound the energy
-    few = summarise(
-        [closing_round([0, 50])],
-        requested_clock_mhz=None,
-        min_window_s=0.0,
-        sample_period_s=0.05,
-        idle_power_w=80.0,
-        precision=1.0,
-    )
-    assert not few.quality & Q_FEW_SAMPLES
+    # two readings while decoding and the closing one: too few describe the decode (a cell
+    # sampled only at its closes would pass as valid with no clock ever observed)
+    args = {
+        "requested_clock_mhz": None,
+        "min_window_s": 0.0,
+        "sample_period_s": 0.05,
+        "idle_power_w": 80.0,
+        "precision": 1.0,
+    }
+    few = summarise([closing_round([0, 50])], **args)
+    assert few.quality & Q_FEW_SAMPLES
     assert few.timeline_power_w == (300.0, 300.0)
+    enough = summarise([closing_round([0, 30, 60])], **args)
+    assert not enough.quality & Q_FEW_SAMPLES
 
 
 @pytest.mark.parametrize("short_ms", [20, 2990])
