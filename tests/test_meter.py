@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.engines.base import RequestTrace, RoundResult
-from dvfs.gpu.base import EVENT_HW_THERMAL, EVENT_SW_POWER_CAP
+from dvfs.gpu.base import EVENT_GPU_IDLE, EVENT_HW_THERMAL, EVENT_SW_POWER_CAP
 from dvfs.measure.meter import (
     INVALIDATING,
+    Q_CLOCK_HELD_LOW,
     Q_CLOCK_NOT_REACHED,
     Q_COUNTER_STALLED,
     Q_FEW_COUNTER_UPDATES,
@@ -512,7 +513,8 @@ def reference_timeline(parts: list[WindowPart]) -> tuple[tuple[float, ...], ...]
         assert p.window is not None
         start, end = p.window
         s = p.samples
-        inside = (s["t_ns"] >= start) & (s["t_ns"] <= end)
+        # [start, end): a reading at the window's close reads the GPU after it
+        inside = (s["t_ns"] >= start) & (s["t_ns"] < end)
         for r in s["reasons"][inside]:
             reasons |= int(r)
         for t, pw, c in zip(
@@ -539,6 +541,7 @@ def reference_timeline(parts: list[WindowPart]) -> tuple[tuple[float, ...], ...]
             st.integers(1, 10**9),  # window length
             st.lists(st.integers(0, 2 * 10**9), min_size=2, max_size=60),  # sample times
             st.integers(0, 10**6),  # power seed
+            st.booleans(),  # sampled at the window's start and close too
         ),
         min_size=1,
         max_size=4,
@@ -546,9 +549,9 @@ def reference_timeline(parts: list[WindowPart]) -> tuple[tuple[float, ...], ...]
 )
 def test_timeline_equals_the_per_sample_reference(rounds) -> None:
     parts = []
-    for start, length, times, seed in rounds:
+    for start, length, times, seed, edges in rounds:
         rng = np.random.default_rng(seed)
-        t = np.array(sorted(times), dtype=np.int64)
+        t = np.array(sorted(times + [start, start + length] * edges), dtype=np.int64)
         n = len(t)
         s = {
             "t_ns": t,
@@ -577,6 +580,61 @@ def _sampled_round(start_ms: int, end_ms: int, sample_ms: list[int], clock: int)
     result = RoundResult((a,), 0, end_ms * MS)
     energy = [float(t) for t in sample_ms]  # 1 W
     return WindowPart(result, (start_ms * MS, end_ms * MS), samples(sample_ms, energy, clock))
+
+
+def closing_round(decoding_ms: list[int]) -> WindowPart:
+    """A steady round decoding at 300 W and 1500 MHz over [0, 100 ms], sampled at
+    `decoding_ms`, that ends at its window's close: the sampler's last reading falls on it
+    (100 ms, as on the twin's virtual clock) and reads the GPU after the decode's last step,
+    idle: 80 W, its idle clock, GpuIdle; the die as the decode left it (the hottest)."""
+    part = _sampled_round(0, 100, [*decoding_ms, 100], clock=1500)
+    s = part.samples
+    s["energy_mj"] = s["t_ns"] * 300 / 1e9 * 1000  # 300 W, the counter read at every sample
+    s["power_mw"] = np.where(s["t_ns"] < 100 * MS, 300_000, 80_000)
+    s["sm_clock_mhz"] = np.where(s["t_ns"] < 100 * MS, 1500, 345)
+    s["reasons"] = np.where(s["t_ns"] < 100 * MS, 0, EVENT_GPU_IDLE)
+    s["temperature_c"] = np.array([*(60 for _ in decoding_ms), 65])
+    return part
+
+
+def test_the_closing_reading_of_a_round_is_not_the_decodes() -> None:
+    """The sampler's last reading of a round that ends at its window's close falls on the
+    close and reads the GPU idle. The timeline held it (a steady 300 W decode ending at 80 W,
+    as if it throttled), the observed clock averaged the idle clock in and the reasons took
+    GpuIdle, which also hid a stock clock held low (clock_held_low ignores only 0x2 and
+    SyncBoost). None of them keeps it, nor the count of samples (too few: few_samples); the
+    temperature does (the die's at the close, the decode's last)."""
+    m = summarise(
+        [closing_round([0, 20, 40, 60, 80])],
+        requested_clock_mhz=None,
+        stock_clock_mhz=1980,
+        min_window_s=0.0,
+        sample_period_s=0.02,
+        idle_power_w=80.0,
+        precision=1.0,
+    )
+    assert m.timeline_power_w == (300.0,) * 5
+    assert m.timeline_sm_clock_mhz == (1500.0,) * 5
+    assert m.timeline_t_s[-1] == pytest.approx(0.08)
+    assert m.sm_clock_observed_mhz == 1500.0
+    assert not m.clock_event_reasons & EVENT_GPU_IDLE
+    assert m.quality & Q_CLOCK_HELD_LOW
+    assert m.power_max_w == pytest.approx(300.0)
+    assert m.temperature_max_c == 65.0
+    # two readings while decoding and the closing one: too few describe the decode (a cell
+    # sampled only at its closes would pass as valid with no clock ever observed)
+    args = {
+        "requested_clock_mhz": None,
+        "min_window_s": 0.0,
+        "sample_period_s": 0.05,
+        "idle_power_w": 80.0,
+        "precision": 1.0,
+    }
+    few = summarise([closing_round([0, 50])], **args)
+    assert few.quality & Q_FEW_SAMPLES
+    assert few.timeline_power_w == (300.0, 300.0)
+    enough = summarise([closing_round([0, 30, 60])], **args)
+    assert not enough.quality & Q_FEW_SAMPLES
 
 
 @pytest.mark.parametrize("short_ms", [20, 2990])

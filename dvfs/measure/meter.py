@@ -1135,6 +1135,15 @@ def summarise(
 
     The highest power is the largest power sample inside the windows, or a round's mean power
     from the energy counter where that is larger: so the cell's mean power never exceeds it.
+
+    Power, clock, reasons and the timeline take a window's samples from its start up to, not
+    at, its close: the sampler's last reading of a round that ends at its window's close
+    (the twin's, on virtual time) falls on the close and reads the GPU after the decode's
+    last step, idle (its power, its idle clock, GpuIdle), which drew a dip at each round's
+    close, moved the clock's mean and set GpuIdle (hiding a stock clock held low); nor is it
+    counted among the samples (too few: few_samples), or a cell sampled only at its closes
+    would pass with no clock observed. The temperature keeps it: the die's temperature does
+    not jump at the close (the reading is the decode's last).
     """
     quality = 0
     energy_mj = 0.0
@@ -1154,6 +1163,7 @@ def summarise(
     timeline: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # time, power, clock
     offset_s = 0.0
     in_window_samples = 0
+    decoding_samples = 0  # those before the windows' closes: the readings of the decode
     violation_ns: int | None = None
     for part in parts:
         if part.window is None:
@@ -1179,23 +1189,28 @@ def summarise(
             power_max = max(power_max, e.energy_mj / 1000 / e.seconds)
         per_token.append(e.energy_per_token_j)
         latency.append(latency_stats(part.result).tpot_ms[0])
+        # [start, end] for the temperature; [start, end) (whole ns) for the rest: a reading
+        # at the close reads the GPU idle (see the docstring)
         inside, count = _inside(s["t_ns"], start, end)
         in_window_samples += count
         if count:
-            clock = s["sm_clock_mhz"][inside]
-            power = s["power_mw"][inside]
+            temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
+        decoding, n = _inside(s["t_ns"], start, end - 1)
+        decoding_samples += n
+        if n:
+            clock = s["sm_clock_mhz"][decoding]
+            power = s["power_mw"][decoding]
             clock_weighted += _mean(clock) * (end - start)
             fastest = s.get("sm_clock_max_mhz")
-            fastest_weighted += (_mean(clock) if fastest is None else _mean(fastest[inside])) * (
+            fastest_weighted += (_mean(clock) if fastest is None else _mean(fastest[decoding])) * (
                 end - start
             )
             clock_ns += end - start
             power_max = max(power_max, float(_MAX(power)) / 1000)
-            temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
-            reasons |= int(np.bitwise_or.reduce(s["reasons"][inside]))
+            reasons |= int(np.bitwise_or.reduce(s["reasons"][decoding]))
             timeline.append(
                 (
-                    offset_s + (s["t_ns"][inside] - start) * 1e-9,
+                    offset_s + (s["t_ns"][decoding] - start) * 1e-9,
                     power / 1000,
                     clock.astype(float),
                 )
@@ -1217,7 +1232,7 @@ def summarise(
         quality |= Q_NO_WINDOW
     if 0 < window_s < min_window_s:
         quality |= Q_SHORT_WINDOW
-    if window_ns and in_window_samples < 3:
+    if window_ns and decoding_samples < 3:
         quality |= Q_FEW_SAMPLES
     if window_ns and length_uncertainty(energies) > precision:
         quality |= Q_FEW_COUNTER_UPDATES

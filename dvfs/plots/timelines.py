@@ -83,15 +83,16 @@ CLOSING_TOLERANCE_S = 1.5e-6
 
 def stored_samples(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A cell's stored samples (time, power, SM clock) in its decode, NaN padding left out.
-    The meter keeps the samples inside its windows, ends included, on an axis of whole window
-    lengths, so all are drawn, but one: `decode_time_s` (the spans between counter updates)
-    is shorter than that axis and no end to cut at. The sampler's last reading of a round
+    The meter keeps the samples its windows decoded through (each from its start, up to
+    but not at its close), on an axis of whole window lengths, so all are drawn:
+    `decode_time_s` (the spans between counter updates) is shorter than that axis and no end
+    to cut at. A cube an older dvfs made also holds the sampler's last reading of a round
     that ends at its window's close (a fixed batch's requests all finishing at once, in the
-    twin's virtual time) falls on that closing instant and reads the GPU after the decode's
-    last step (115 W where it decoded at 240 W), which no energy counts: the sample at the
-    last window's close (`gpu_time_window_s`, the windows' length) is left out, or the line
-    plunges there as if the decode had. Nothing on the axis marks where an earlier round's
-    window closed, so the line stops at the last sample rather than hold its value on."""
+    twin's virtual time), which falls on that closing instant and reads the GPU after the
+    decode's last step (115 W where it decoded at 240 W): the sample at the last window's
+    close (`gpu_time_window_s`, the windows' length) is left out, or the line plunges there
+    as if the decode had. Nothing on the axis marks where an earlier round's window closed,
+    so the line stops at the last sample rather than hold its value on."""
     t = cell["timeline_t_s"].values
     keep = ~np.isnan(t)
     if "gpu_time_window_s" in cell:

@@ -44,6 +44,11 @@ REFERENCE = "2c79446"
 CHANGED_SINCE_REFERENCE = {
     "server_accept_length": "the server's figure now covers whole blocks of decode iterations",
     "prompt_tokens": "added later: the mean input tokens each cell's rounds sent",
+    "timeline_t_s": "the sampler's closing reading at a round's window's close (GPU idle) left out",
+    "timeline_power_w": "no idle closing reading: the line no longer dips at each round's close",
+    "timeline_sm_clock_mhz": "no idle closing reading: its clock no longer drawn at the close",
+    "sm_clock_observed_mhz": "the idle closing reading's clock no longer in the mean",
+    "clock_event_reasons": "the idle closing reading's GpuIdle (0x1) no longer in the reasons",
 }
 TARGET_SWEEP_CPU_S = 15.0
 TARGET_SPEEDUP = 4.0
