@@ -367,9 +367,9 @@ def _gpu_checks(
                     from dvfs.engines.sglang_args import (
                         check_visible_devices,
                         check_wrapper_visible_devices,
+                        pinned_by,
                         unjudged_remedy,
                         unjudged_wrapper_devices,
-                        wrapper_gpus,
                     )
 
                     pinned = []
@@ -387,13 +387,7 @@ def _gpu_checks(
                             f"{said}: the sweep stops the server only where NVML lists it on "
                             f"another GPU; {unjudged_remedy(campaign)}"
                         )
-                    by = ["CUDA_VISIBLE_DEVICES"]
-                    by += [
-                        f"the container's {g.setting}"
-                        for g in wrapper_gpus(campaign)
-                        if g.container
-                    ]
-                    return OK, f"{servers} pinned to {'; '.join(pinned)} ({'; '.join(by)})"
+                    return OK, f"{servers} pinned to {'; '.join(pinned)} ({pinned_by(campaign)})"
 
                 checks.append(_run("server GPUs", server_gpus))
             # A file from before the last reboot refuses nothing (the reboot reset the GPU):

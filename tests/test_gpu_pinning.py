@@ -374,7 +374,8 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
     start too), dvfs passed it ("pinned to" the metered GPU), and the sweep measured the idle
     metered GPU while the server ran on the other one, where NVML could not list processes
     (a container's never are the started process's). Doctor fails it, and the sweep refuses
-    the server before it starts, in the same line; the metered GPU's own UUID passes."""
+    the server before it starts, in the same line; the metered GPU's own UUID passes, pinned
+    by the container's setting (and by CUDA_VISIBLE_DEVICES only where it is passed that)."""
     for index in range(3):
         nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
     devices = nv.fake_state()["devices"]
@@ -411,14 +412,24 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
     assert not (out / "logs").exists()  # no server was started
     [cell] = [r for r in records if r["type"] == "cell"]
     assert cell["status"] == "failed" and said in cell["error"]
-    for flags in (("--gpus", f"device={metered[:12].upper()}"), ("--gpus", f'"device={metered}"')):
-        fine = container_campaign(tmp_path / f"fine{len(flags[1])}", *flags)
-        checked = dvfs_in_process("doctor", str(fine), "--out", str(fine.parent / "o"), env=env)
-        pinned = (
-            f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES; the "
-            f"container's --gpus {flags[1]})"
+    # Pinned by the container's GPUs alone: it never receives CUDA_VISIBLE_DEVICES (the ok line
+    # said "CUDA_VISIBLE_DEVICES; the container's ..."), unless passed it.
+    for number, (flags, by) in enumerate(
+        (
+            (("--gpus", f"device={metered[:12].upper()}"), f"--gpus device={metered[:12].upper()}"),
+            (("--gpus", f'"device={metered}"'), f'--gpus "device={metered}"'),
+            (("-e", f"NVIDIA_VISIBLE_DEVICES={metered}"), f"NVIDIA_VISIBLE_DEVICES={metered}"),
+            (
+                ("--gpus", f"device={metered}", "-e", "CUDA_VISIBLE_DEVICES"),
+                f"CUDA_VISIBLE_DEVICES; the container's --gpus device={metered}",
+            ),
         )
-        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    ):
+        fine = container_campaign(tmp_path / f"fine{number}", *flags)
+        checked = dvfs_in_process("doctor", str(fine), "--out", str(fine.parent / "o"), env=env)
+        output = " ".join(checked.stdout.split())
+        by = by if by.startswith("CUDA") else f"the container's {by}"
+        assert f"ok server GPUs: the server is pinned to {metered} ({by})" in output, output
 
 
 def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(

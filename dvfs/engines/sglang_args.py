@@ -517,6 +517,21 @@ def unjudged_wrapper_devices(campaign: Campaign, metered: str = "GPUs' UUIDs") -
     return "engine.sglang.server_command " + " and ".join(said) if said else None
 
 
+def pinned_by(campaign: Campaign) -> str:
+    """What pins the server to the metered GPUs, in words, where `check_wrapper_visible_devices`
+    passes it and `unjudged_wrapper_devices` says nothing: CUDA_VISIBLE_DEVICES (not for a
+    container given none, `_unpassed_container`, which never receives it) and each container
+    setting (`wrapper_gpus`): "CUDA_VISIBLE_DEVICES; the container's --gpus device=GPU-..."."""
+    command = [re.sub(r",\s+", ",", str(token)) for token in server_command(campaign)]
+    by = [] if _unpassed_container(command) else ["CUDA_VISIBLE_DEVICES"]
+    by += [
+        f"the container's {g.setting}"
+        for g in wrapper_gpus(campaign)
+        if g.container and not g.unpassed
+    ]
+    return "; ".join(by)
+
+
 def unjudged_remedy(campaign: Campaign) -> str:
     """What to do about what `unjudged_wrapper_devices` says, for doctor's warning: a container
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
