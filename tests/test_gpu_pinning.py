@@ -603,6 +603,52 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
         )
 
 
+def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_path: Path) -> None:
+    """`srun --gpus=1` (Slurm) was warned of as "gives its container --gpus 1", with a remedy
+    for containers: srun is no container; its `--gpus` is a count of GPUs Slurm picks and names
+    in its own CUDA_VISIBLE_DEVICES, in place of dvfs's, as it does for a container srun starts
+    (whose `-e CUDA_VISIBLE_DEVICES` then passes on Slurm's). Doctor says so, with srun's fix."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\nshift\nexec "$@"\n')  # drops its one option
+    srun.chmod(0o755)
+    slurms = (
+        f"engine.sglang.server_command gives srun --gpus 1 in place of the metered {metered}: "
+        "GPUs Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, which dvfs cannot "
+        "check"
+    )
+    for number, (before, said) in enumerate(
+        (
+            (
+                (),
+                f"{slurms}: the sweep stops the server only where NVML lists it on another GPU; "
+                "drop srun from server_command and run dvfs itself in the Slurm job, which "
+                "starts the server on the metered GPUs",
+            ),
+            (("--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES"), slurms),
+        )
+    ):
+        folder = tmp_path / f"c{number}"
+        if before:
+            path = container_campaign(folder, *before, before=(str(srun), "--gpus=1"))
+        else:
+            folder.mkdir()
+            path, _ = stub_campaign(
+                folder,
+                drafters=ONE_DRAFTER,
+                batch="[1]",
+                knobs='sm_clock = "stock"\nsettle_s = 0.0',
+                gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+                wrapper=(str(srun), "--gpus=1"),
+            )
+        checked = dvfs_in_process("doctor", str(path), "--out", str(folder / "o"), env=env)
+        output = " ".join(checked.stdout.split())
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith("warn server GPUs: "), output
+        assert said in output and "its container --gpus 1" not in output, output
+
+
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -265,6 +265,10 @@ PASS_CUDA_UUIDS = (
 #: NAME` (the host's value), podman's `--env-host` (all of it).
 CONTAINER_ENGINES = ("docker", "podman", "nerdctl")
 
+#: Slurm's launcher, whose `--gpus` is a count of GPUs Slurm picks and names in the
+#: CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no container's.
+SLURM_LAUNCHER = "srun"
+
 #: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
 #: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
 CDI_GPU = "nvidia.com/gpu="
@@ -288,6 +292,9 @@ class WrapperGpus:
     #: A container (`setting`: "docker run") passed no CUDA_VISIBLE_DEVICES and given no GPUs
     #: on its command line (`_unpassed_container`): it has those its runtime gives it.
     unpassed: bool = False
+    #: Not a container's: Slurm's (`srun --gpus=1`), which picks GPUs and sets its own
+    #: CUDA_VISIBLE_DEVICES to them.
+    slurm: bool = False
 
     @property
     def judged(self) -> bool:
@@ -319,6 +326,12 @@ class WrapperGpus:
                 "command line: without it the server runs on the GPUs the container runtime "
                 f"gives it (with a CUDA image, all) rather than the metered {metered}, which "
                 "dvfs cannot check"
+            )
+        if self.slurm:
+            return (
+                f"gives {SLURM_LAUNCHER} {self.setting} in place of the metered {metered}: GPUs "
+                "Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, which dvfs "
+                "cannot check"
             )
         if not self.container:
             return (
@@ -358,7 +371,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         if flag not in ("--gpus", "--device") or not (equals or index + 1 < len(command)):
             continue
         value = value if equals else command[index + 1]
-        if flag == "--gpus":
+        if flag == "--gpus" and _launcher_of(command, index) == SLURM_LAUNCHER:
+            found.append(WrapperGpus(f"--gpus {value}", (), container=False, slurm=True))
+        elif flag == "--gpus":
             found.append(WrapperGpus(f"--gpus {value}", _docker_gpus(value), container=True))
         elif value.startswith(CDI_GPU):
             devices.append(value)
@@ -376,6 +391,16 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     if not _passes_cuda_uuids(joined):
         return found
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+
+
+def _launcher_of(command: Sequence[str], index: int) -> str | None:
+    """Whose option `command[index]` is: the nearest launcher before it, a container engine
+    (`CONTAINER_ENGINES`) or Slurm's (`SLURM_LAUNCHER`); None where neither comes before it."""
+    for token in reversed(command[:index]):
+        name = token.rsplit("/", 1)[-1]
+        if name in (*CONTAINER_ENGINES, SLURM_LAUNCHER):
+            return name
+    return None
 
 
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
@@ -538,6 +563,11 @@ def unjudged_remedy(campaign: Campaign) -> str:
     unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
     if unjudged and all(g.unpassed for g in unjudged):
         return PASS_CUDA_UUIDS
+    if unjudged and all(g.slurm for g in unjudged):
+        return (
+            f"drop {SLURM_LAUNCHER} from server_command and run dvfs itself in the Slurm job, "
+            "which starts the server on the metered GPUs"
+        )
     return (
         f"name the metered GPUs there by UUID, or {PASS_CUDA_UUIDS}, or outside a container "
         "remove it from server_command"
