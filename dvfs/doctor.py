@@ -365,11 +365,11 @@ def _gpu_checks(
 
                 def server_gpus() -> tuple[str, str]:
                     from dvfs.engines.sglang_args import (
-                        PASS_CUDA_UUIDS,
                         check_visible_devices,
                         check_wrapper_visible_devices,
+                        pinned_by,
+                        unjudged_remedy,
                         unjudged_wrapper_devices,
-                        wrapper_gpus,
                     )
 
                     pinned = []
@@ -385,17 +385,9 @@ def _gpu_checks(
                     if said is not None:  # it replaces the UUIDs dvfs hands the wrapper
                         return WARN, (
                             f"{said}: the sweep stops the server only where NVML lists it on "
-                            "another GPU; name the metered GPUs there by UUID, or "
-                            f"{PASS_CUDA_UUIDS}, or outside a container remove it from "
-                            "server_command"
+                            f"another GPU; {unjudged_remedy(campaign)}"
                         )
-                    by = ["CUDA_VISIBLE_DEVICES"]
-                    by += [
-                        f"the container's {g.setting}"
-                        for g in wrapper_gpus(campaign)
-                        if g.container
-                    ]
-                    return OK, f"{servers} pinned to {'; '.join(pinned)} ({'; '.join(by)})"
+                    return OK, f"{servers} pinned to {'; '.join(pinned)} ({pinned_by(campaign)})"
 
                 checks.append(_run("server GPUs", server_gpus))
             # A file from before the last reboot refuses nothing (the reboot reset the GPU):

@@ -328,24 +328,32 @@ def test_a_server_command_wrapper_listing_the_metered_gpus_with_spaces_is_read_w
 
 
 #: A stand-in `docker`: a container sees the GPUs `--gpus device=...` names (the stub runs with
-#: CUDA_VISIBLE_DEVICES set to them), none of the CUDA_VISIBLE_DEVICES dvfs hands it; it runs
-#: what follows the image name IMG.
+#: CUDA_VISIBLE_DEVICES set to them), none of the CUDA_VISIBLE_DEVICES dvfs hands it unless
+#: passed it (`-e CUDA_VISIBLE_DEVICES`, podman's `--env-host`); it runs what follows the image
+#: name IMG.
 FAKE_DOCKER = """#!/bin/sh
 visible=
+passed=
 while [ "$#" -gt 0 ] && [ "$1" != IMG ]; do
   if [ "$1" = --gpus ]; then shift; visible=$(echo "$1" | tr -d '"' | sed -n 's/^device=//p'); fi
+  if [ "$1" = --env-host ]; then passed=1; fi
+  if [ "$1" = -e ] && [ "$2" = CUDA_VISIBLE_DEVICES ]; then passed=1; fi
   shift
 done
 shift
+if [ -n "$passed" ]; then visible=$CUDA_VISIBLE_DEVICES; fi
 exec env CUDA_VISIBLE_DEVICES="$visible" "$@"
 """
 
 
-def container_campaign(folder: Path, *flags: str, before: tuple[str, ...] = ()) -> Path:
+def container_campaign(
+    folder: Path, *flags: str, before: tuple[str, ...] = (), engine: str = "docker"
+) -> Path:
     """A one-cell stub campaign in `folder` (made) metering GPU 1 observe-only, its server
-    started by the stand-in docker (`FAKE_DOCKER`): `[*before, docker, run, *flags, IMG]`."""
+    started by the stand-in docker (`FAKE_DOCKER`) named `engine`: `[*before, engine, run,
+    *flags, IMG]`."""
     folder.mkdir()
-    docker = folder / "docker"
+    docker = folder / engine
     docker.write_text(FAKE_DOCKER)
     docker.chmod(0o755)
     path, _ = stub_campaign(
@@ -366,7 +374,8 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
     start too), dvfs passed it ("pinned to" the metered GPU), and the sweep measured the idle
     metered GPU while the server ran on the other one, where NVML could not list processes
     (a container's never are the started process's). Doctor fails it, and the sweep refuses
-    the server before it starts, in the same line; the metered GPU's own UUID passes."""
+    the server before it starts, in the same line; the metered GPU's own UUID passes, pinned
+    by the container's setting (and by CUDA_VISIBLE_DEVICES only where it is passed that)."""
     for index in range(3):
         nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
     devices = nv.fake_state()["devices"]
@@ -403,14 +412,24 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
     assert not (out / "logs").exists()  # no server was started
     [cell] = [r for r in records if r["type"] == "cell"]
     assert cell["status"] == "failed" and said in cell["error"]
-    for flags in (("--gpus", f"device={metered[:12].upper()}"), ("--gpus", f'"device={metered}"')):
-        fine = container_campaign(tmp_path / f"fine{len(flags[1])}", *flags)
-        checked = dvfs_in_process("doctor", str(fine), "--out", str(fine.parent / "o"), env=env)
-        pinned = (
-            f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES; the "
-            f"container's --gpus {flags[1]})"
+    # Pinned by the container's GPUs alone: it never receives CUDA_VISIBLE_DEVICES (the ok line
+    # said "CUDA_VISIBLE_DEVICES; the container's ..."), unless passed it.
+    for number, (flags, by) in enumerate(
+        (
+            (("--gpus", f"device={metered[:12].upper()}"), f"--gpus device={metered[:12].upper()}"),
+            (("--gpus", f'"device={metered}"'), f'--gpus "device={metered}"'),
+            (("-e", f"NVIDIA_VISIBLE_DEVICES={metered}"), f"NVIDIA_VISIBLE_DEVICES={metered}"),
+            (
+                ("--gpus", f"device={metered}", "-e", "CUDA_VISIBLE_DEVICES"),
+                f"CUDA_VISIBLE_DEVICES; the container's --gpus device={metered}",
+            ),
         )
-        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    ):
+        fine = container_campaign(tmp_path / f"fine{number}", *flags)
+        checked = dvfs_in_process("doctor", str(fine), "--out", str(fine.parent / "o"), env=env)
+        output = " ".join(checked.stdout.split())
+        by = by if by.startswith("CUDA") else f"the container's {by}"
+        assert f"ok server GPUs: the server is pinned to {metered} ({by})" in output, output
 
 
 def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
@@ -522,6 +541,112 @@ def test_a_container_passed_cuda_visible_devices_needs_only_hold_the_metered_gpu
         f"passed names: the server cannot start there; give the container the metered GPU(s) "
         f"too ({uuids[1]})"
     ) in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker run` passes its container none of the environment dvfs hands it but what `-e
+    NAME` names (podman's `--env-host`: all of it): given no GPUs on its command line
+    (`--runtime=nvidia`, whose CUDA image sets NVIDIA_VISIBLE_DEVICES=all; `--device
+    /dev/nvidia1`; an `--env-file` dvfs does not read), the server runs on the GPUs the
+    runtime gives it, CUDA's first. Doctor said it was "pinned to" the metered GPU (by
+    CUDA_VISIBLE_DEVICES) and the server record said nothing of it. Doctor warns, naming the
+    fix, and the server record says it; `--env-host` passes it on: pinned, and verified."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    env_file = tmp_path / "env.list"
+    env_file.write_text("SGLANG_STUB_UNUSED=1\n")
+    for number, (engine, flags) in enumerate(
+        (
+            ("docker", ("--runtime=nvidia",)),
+            ("docker", ("--device", "/dev/nvidia1")),
+            ("podman", ("--env-file", str(env_file))),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *flags, engine=engine)
+        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith("warn server GPUs: "), checked.stdout
+        output = " ".join(checked.stdout.split())
+        assert "pinned to" not in output, output
+        assert (
+            f"engine.sglang.server_command starts a container ({engine} run) not passed "
+            "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
+            f"the container runtime gives it (with a CUDA image, all) rather than the metered "
+            f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
+            "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
+            "CUDA_VISIBLE_DEVICES with --gpus all), right for each fleet worker's GPUs"
+        ) in output, output
+    hosted = container_campaign(tmp_path / "hosted", "--env-host", engine="podman")
+    checked = dvfs_in_process("doctor", str(hosted), "--out", str(tmp_path / "o"), env=env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    for name, path in (
+        ("unpassed", container_campaign(tmp_path / "swept", "--runtime=nvidia")),
+        ("hosted", hosted),
+    ):
+        out = tmp_path / f"out-{name}"
+        swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+        assert swept.returncode == 0, swept.stderr
+        records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+        [server] = [r for r in records if r["type"] == "server"]
+        if name == "hosted":
+            assert server["gpu_pinning"] == f"verified: GPU 1 ({metered})"
+            continue
+        assert server["gpu_pinning"].startswith("unverified: NVML lists none of the server's")
+        assert server["gpu_pinning"].endswith(
+            "; engine.sglang.server_command starts a container (docker run) not passed "
+            "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
+            "the container runtime gives it (with a CUDA image, all) rather than the metered "
+            "GPUs' UUIDs, which dvfs cannot check"
+        )
+
+
+def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_path: Path) -> None:
+    """`srun --gpus=1` (Slurm) was warned of as "gives its container --gpus 1", with a remedy
+    for containers: srun is no container; its `--gpus` is a count of GPUs Slurm picks and names
+    in its own CUDA_VISIBLE_DEVICES, in place of dvfs's, as it does for a container srun starts
+    (whose `-e CUDA_VISIBLE_DEVICES` then passes on Slurm's). Doctor says so, with srun's fix."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\nshift\nexec "$@"\n')  # drops its one option
+    srun.chmod(0o755)
+    slurms = (
+        f"engine.sglang.server_command gives srun --gpus 1 in place of the metered {metered}: "
+        "GPUs Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, which dvfs cannot "
+        "check"
+    )
+    for number, (before, said) in enumerate(
+        (
+            (
+                (),
+                f"{slurms}: the sweep stops the server only where NVML lists it on another GPU; "
+                "drop srun from server_command and run dvfs itself in the Slurm job, which "
+                "starts the server on the metered GPUs",
+            ),
+            (("--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES"), slurms),
+        )
+    ):
+        folder = tmp_path / f"c{number}"
+        if before:
+            path = container_campaign(folder, *before, before=(str(srun), "--gpus=1"))
+        else:
+            folder.mkdir()
+            path, _ = stub_campaign(
+                folder,
+                drafters=ONE_DRAFTER,
+                batch="[1]",
+                knobs='sm_clock = "stock"\nsettle_s = 0.0',
+                gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+                wrapper=(str(srun), "--gpus=1"),
+            )
+        checked = dvfs_in_process("doctor", str(path), "--out", str(folder / "o"), env=env)
+        output = " ".join(checked.stdout.split())
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith("warn server GPUs: "), output
+        assert said in output and "its container --gpus 1" not in output, output
 
 
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(

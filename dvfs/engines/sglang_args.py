@@ -260,6 +260,15 @@ PASS_CUDA_UUIDS = (
     "all), right for each fleet worker's GPUs"
 )
 
+#: The container engines whose `run` (`docker run`, `podman container run`) starts a container
+#: that gets none of the environment dvfs hands it but what it is passed: `-e NAME` or `--env
+#: NAME` (the host's value), podman's `--env-host` (all of it).
+CONTAINER_ENGINES = ("docker", "podman", "nerdctl")
+
+#: Slurm's launcher, whose `--gpus` is a count of GPUs Slurm picks and names in the
+#: CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no container's.
+SLURM_LAUNCHER = "srun"
+
 #: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
 #: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
 CDI_GPU = "nvidia.com/gpu="
@@ -280,6 +289,12 @@ class WrapperGpus:
     #: A container passed CUDA_VISIBLE_DEVICES by UUID (`_passes_cuda_uuids`): CUDA there picks
     #: the metered GPUs among those it is given, which need only hold them.
     among: bool = False
+    #: A container (`setting`: "docker run") passed no CUDA_VISIBLE_DEVICES and given no GPUs
+    #: on its command line (`_unpassed_container`): it has those its runtime gives it.
+    unpassed: bool = False
+    #: Not a container's: Slurm's (`srun --gpus=1`), which picks GPUs and sets its own
+    #: CUDA_VISIBLE_DEVICES to them.
+    slurm: bool = False
 
     @property
     def judged(self) -> bool:
@@ -305,6 +320,19 @@ class WrapperGpus:
 
     def unjudged(self, metered: str) -> str:
         """What it does, not judged, in words: "sets CUDA_VISIBLE_DEVICES=0 in place of ..."."""
+        if self.unpassed:
+            return (
+                f"starts a container ({self.setting}) not passed CUDA_VISIBLE_DEVICES on its "
+                "command line: without it the server runs on the GPUs the container runtime "
+                f"gives it (with a CUDA image, all) rather than the metered {metered}, which "
+                "dvfs cannot check"
+            )
+        if self.slurm:
+            return (
+                f"gives {SLURM_LAUNCHER} {self.setting} in place of the metered {metered}: GPUs "
+                "Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, which dvfs "
+                "cannot check"
+            )
         if not self.container:
             return (
                 f"sets {self.setting} in place of the metered {metered}, an index dvfs cannot check"
@@ -323,7 +351,10 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     entries, stripped, are what CUDA reads. An empty one gives no GPU: the server fails. A
     container's GPUs not named by UUID are left out where it is given dvfs's own
     CUDA_VISIBLE_DEVICES (`-e CUDA_VISIBLE_DEVICES`) or the metered UUIDs: CUDA picks the
-    metered UUIDs among them; named by UUID, they need only hold the metered GPUs (`among`)."""
+    metered UUIDs among them; named by UUID, they need only hold the metered GPUs (`among`).
+    A container run given no GPUs there and none of dvfs's CUDA_VISIBLE_DEVICES is one
+    (`unpassed`): it has the GPUs its runtime gives it (`--runtime=nvidia`, a CUDA image's
+    NVIDIA_VISIBLE_DEVICES=all; `--device /dev/nvidia1`)."""
     from dvfs.records.session import command_env
 
     command = [str(token) for token in server_command(campaign)]
@@ -340,7 +371,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         if flag not in ("--gpus", "--device") or not (equals or index + 1 < len(command)):
             continue
         value = value if equals else command[index + 1]
-        if flag == "--gpus":
+        if flag == "--gpus" and _launcher_of(command, index) == SLURM_LAUNCHER:
+            found.append(WrapperGpus(f"--gpus {value}", (), container=False, slurm=True))
+        elif flag == "--gpus":
             found.append(WrapperGpus(f"--gpus {value}", _docker_gpus(value), container=True))
         elif value.startswith(CDI_GPU):
             devices.append(value)
@@ -348,6 +381,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         setting = " ".join(f"--device {d}" for d in devices)
         named = tuple(d.removeprefix(CDI_GPU) for d in devices)
         found.append(WrapperGpus(setting, named, container=True))
+    unpassed = _unpassed_container(joined)
+    if unpassed is not None and not any(g.container for g in found):
+        found.append(WrapperGpus(unpassed, (), container=True, unpassed=True))
     # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
     # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
     # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
@@ -357,27 +393,91 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
 
 
+def _launcher_of(command: Sequence[str], index: int) -> str | None:
+    """Whose option `command[index]` is: the nearest launcher before it, a container engine
+    (`CONTAINER_ENGINES`) or Slurm's (`SLURM_LAUNCHER`); None where neither comes before it."""
+    for token in reversed(command[:index]):
+        name = token.rsplit("/", 1)[-1]
+        if name in (*CONTAINER_ENGINES, SLURM_LAUNCHER):
+            return name
+    return None
+
+
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
     """Whether a container is passed CUDA_VISIBLE_DEVICES by UUID: dvfs's own (`-e
-    CUDA_VISIBLE_DEVICES`, `--env=...`, `-eCUDA_VISIBLE_DEVICES`, no value) or one naming
-    every GPU by UUID (`-e CUDA_VISIBLE_DEVICES=GPU-...`)."""
-    name = "CUDA_VISIBLE_DEVICES"
-    for index, token in enumerate(command):
-        if index and command[index - 1] in ("-e", "--env"):
-            given = token
-        elif token.startswith("--env="):
-            given = token.removeprefix("--env=")
-        elif token.startswith("-e"):  # `-eNAME`
-            given = token.removeprefix("-e")
-        else:
-            continue
+    CUDA_VISIBLE_DEVICES`, `--env=...`, `-eCUDA_VISIBLE_DEVICES`, no value; podman's
+    `--env-host`, the whole environment) or one naming every GPU by UUID (`-e
+    CUDA_VISIBLE_DEVICES=GPU-...`)."""
+    if _env_host(command):
+        return True
+    for given in _container_env(command):
         key, equals, value = given.partition("=")
         entries = [v.strip() for v in value.split(",") if v.strip()]
-        if key == name and (
+        if key == "CUDA_VISIBLE_DEVICES" and (
             not equals or (entries and all(e.upper().startswith(("GPU-", "MIG-")) for e in entries))
         ):
             return True
     return False
+
+
+def _container_env(command: Sequence[str]) -> list[str]:
+    """What `-e`/`--env` pass a container: "NAME" (the host's value) or "NAME=VALUE"."""
+    found = []
+    for index, token in enumerate(command):
+        if index and command[index - 1] in ("-e", "--env"):
+            found.append(token)
+        elif token.startswith("--env="):
+            found.append(token.removeprefix("--env="))
+        elif token.startswith("-e") and token != "-e":  # `-eNAME`
+            found.append(token.removeprefix("-e"))
+    return found
+
+
+def _env_host(command: Sequence[str]) -> bool:
+    """Whether podman's `--env-host` passes its container the whole environment dvfs hands it."""
+    return any(token in ("--env-host", "--env-host=true") for token in command)
+
+
+def _container_run(command: Sequence[str]) -> tuple[str, int] | None:
+    """A container engine's `run` in command (`docker run`, `podman --remote container run`,
+    `sudo docker run`): its words ("docker run") and the index of what follows `run`; None
+    where there is none."""
+    for index, token in enumerate(command):
+        engine = token.rsplit("/", 1)[-1]
+        if engine not in CONTAINER_ENGINES:
+            continue
+        value = False  # the word may be the value of the option before it
+        for later in range(index + 1, len(command)):
+            word = command[later]
+            if word == "run":
+                return f"{engine} run", later + 1
+            if word.startswith("-"):
+                value = "=" not in word
+            elif word == "container" or value:
+                value = False
+            else:
+                break
+    return None
+
+
+def _unpassed_container(command: Sequence[str]) -> str | None:
+    """The container run ("docker run") that is given no CUDA_VISIBLE_DEVICES on the command
+    line: not passed it (`-e CUDA_VISIBLE_DEVICES`, with a value or none; `--env-host`), nor
+    setting it inside (`IMG env CUDA_VISIBLE_DEVICES=...`), so it has none of dvfs's; None
+    where there is no such container."""
+    from dvfs.records.session import command_env
+
+    run = _container_run(command)
+    if run is None:
+        return None
+    words, after = run
+    rest = command[after:]
+    passed = _env_host(rest) or any(
+        given.partition("=")[0] == "CUDA_VISIBLE_DEVICES" for given in _container_env(rest)
+    )
+    if passed or command_env(rest, keep={"CUDA_VISIBLE_DEVICES"}.__contains__):
+        return None
+    return words
 
 
 def _docker_gpus(value: str) -> tuple[str, ...]:
@@ -440,6 +540,38 @@ def unjudged_wrapper_devices(campaign: Campaign, metered: str = "GPUs' UUIDs") -
     None where it gives none, or only GPUs judged."""
     said = [g.unjudged(metered) for g in wrapper_gpus(campaign) if not g.judged]
     return "engine.sglang.server_command " + " and ".join(said) if said else None
+
+
+def pinned_by(campaign: Campaign) -> str:
+    """What pins the server to the metered GPUs, in words, where `check_wrapper_visible_devices`
+    passes it and `unjudged_wrapper_devices` says nothing: CUDA_VISIBLE_DEVICES (not for a
+    container given none, `_unpassed_container`, which never receives it) and each container
+    setting (`wrapper_gpus`): "CUDA_VISIBLE_DEVICES; the container's --gpus device=GPU-..."."""
+    command = [re.sub(r",\s+", ",", str(token)) for token in server_command(campaign)]
+    by = [] if _unpassed_container(command) else ["CUDA_VISIBLE_DEVICES"]
+    by += [
+        f"the container's {g.setting}"
+        for g in wrapper_gpus(campaign)
+        if g.container and not g.unpassed
+    ]
+    return "; ".join(by)
+
+
+def unjudged_remedy(campaign: Campaign) -> str:
+    """What to do about what `unjudged_wrapper_devices` says, for doctor's warning: a container
+    given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
+    unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
+    if unjudged and all(g.unpassed for g in unjudged):
+        return PASS_CUDA_UUIDS
+    if unjudged and all(g.slurm for g in unjudged):
+        return (
+            f"drop {SLURM_LAUNCHER} from server_command and run dvfs itself in the Slurm job, "
+            "which starts the server on the metered GPUs"
+        )
+    return (
+        f"name the metered GPUs there by UUID, or {PASS_CUDA_UUIDS}, or outside a container "
+        "remove it from server_command"
+    )
 
 
 def unstartable(executable: str, env: Mapping[str, str]) -> str | None:
