@@ -364,7 +364,7 @@ def _gpu_checks(
             if _own_servers(campaign):
 
                 def server_gpus() -> tuple[str, str]:
-                    from dvfs.engines.sglang_args import (
+                    from dvfs.engines.server_gpus import (
                         check_visible_devices,
                         check_wrapper_visible_devices,
                         pinned_by,

@@ -205,7 +205,7 @@ def test_campaign_gpu_uuids_are_read_case_aside(tmp_path: Path) -> None:
     a server env's CUDA_VISIBLE_DEVICES is compared with the metered GPUs case aside too."""
     from nvml_support import NVML_CAMPAIGN
 
-    from dvfs.engines.sglang_args import check_visible_devices
+    from dvfs.engines.server_gpus import check_visible_devices
 
     text = replace_block(
         NVML_CAMPAIGN.format(output_tokens=16, repeats=1),

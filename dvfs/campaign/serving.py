@@ -8,6 +8,7 @@ refused at load rather than mid-sweep.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 from dvfs.campaign.model import (
@@ -15,6 +16,7 @@ from dvfs.campaign.model import (
     NAME_RE,
     NEEDS_DRAFT_MODEL,
     SPECULATIVE_ALGORITHMS,
+    Campaign,
     DrafterSpec,
     EngineConfig,
     GpuConfig,
@@ -29,6 +31,12 @@ from dvfs.campaign.sglang_flags import (
 from dvfs.campaign.table import Table, argv_list
 from dvfs.errors import CampaignError
 from dvfs.gpu.base import names_gpu
+
+
+def server_command(campaign: Campaign) -> list[str]:
+    """What starts a server: the campaign's override, or this Python's sglang.launch_server."""
+    command = list(campaign.engine.sglang.server_command)
+    return command or [sys.executable, "-m", "sglang.launch_server"]
 
 
 def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:

@@ -46,6 +46,7 @@ from dvfs.engines.base import (
     Workload,
     server_accept_covers,
 )
+from dvfs.engines.server_gpus import unjudged_wrapper_devices
 from dvfs.engines.sglang_args import (
     Kernels,
     LaunchHelp,
@@ -66,7 +67,6 @@ from dvfs.engines.sglang_args import (
     server_command,
     server_env,
     server_keys,
-    unjudged_wrapper_devices,
     unlistenable,
     unstartable,
 )

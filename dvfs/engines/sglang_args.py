@@ -26,7 +26,8 @@
   abbreviations included): `managed_flag` (in `dvfs.campaign.sglang_flags`, re-exported here)
   finds them so the campaign loader can refuse them.
 - The server sees only the metered GPUs: CUDA_VISIBLE_DEVICES holds their UUIDs (CUDA and NVML
-  may number GPUs differently; a UUID means the same GPU to both).
+  may number GPUs differently; a UUID means the same GPU to both); what could move it off
+  them is judged in `dvfs.engines.server_gpus`.
 - Servers started together on one node (a fleet's workers) each get a block of ports
   (`ServerPorts`): --port, and --nccl-port, which SGLang would otherwise pick at random 100 to
   1000 above --port (so two servers could collide); SGLang's ZMQ ports at --port + 233 and up
@@ -35,7 +36,6 @@
 
 from __future__ import annotations
 
-import csv
 import errno
 import json
 import os
@@ -44,19 +44,18 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from dvfs.campaign.model import Campaign, DrafterSpec
-from dvfs.campaign.serving import LAUNCHER
+from dvfs.campaign.serving import LAUNCHER, server_command
 from dvfs.campaign.sglang_flags import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTENTION_BACKEND
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
 from dvfs.campaign.sglang_flags import managed_flag as managed_flag
+from dvfs.engines.server_gpus import check_visible_devices, check_wrapper_visible_devices
 from dvfs.errors import ArmMismatchError, CampaignError, EngineError
-from dvfs.gpu.base import names_gpu
 from dvfs.redact import SGLANG_SECRET_FLAGS, sglang_secret_flag
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
@@ -192,12 +191,6 @@ def parse_version(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(p) for p in match.groups(default="0"))
 
 
-def server_command(campaign: Campaign) -> list[str]:
-    """What starts a server: the campaign's override, or this Python's sglang.launch_server."""
-    command = list(campaign.engine.sglang.server_command)
-    return command or [sys.executable, "-m", "sglang.launch_server"]
-
-
 def server_env(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> dict[str, str]:
     """The environment a server (and its --help probe) runs with: ours plus the campaign's, and
     CUDA_VISIBLE_DEVICES set to the metered GPUs' UUIDs when they are known."""
@@ -235,343 +228,6 @@ def launch_env(campaign: Campaign) -> dict[str, str]:
     from dvfs.records.session import command_env
 
     return {**server_env(campaign), **command_env(server_command(campaign))}
-
-
-def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> None:
-    """Refuse a campaign env whose CUDA_VISIBLE_DEVICES names other GPUs than the metered ones."""
-    value = dict(env).get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return
-    given = [v.strip() for v in value.split(",") if v.strip()]
-    # NVML's, lower-case; pasted upper-cased, or a UUID's start (as CUDA reads it), the same GPUs
-    if len(given) != len(gpu_uuids) or not all(
-        names_gpu(e, u) for e, u in zip(given, gpu_uuids, strict=True)
-    ):
-        raise EngineError(
-            f"engine.sglang.env.CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices: dvfs "
-            f"pins the server to the metered GPU(s) {','.join(gpu_uuids)} by UUID; remove the key"
-        )
-
-
-#: What makes one server_command right for any metered GPUs, each fleet worker's its own: a
-#: container passed the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`_passes_cuda_uuids`).
-PASS_CUDA_UUIDS = (
-    "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus "
-    "all), right for each fleet worker's GPUs"
-)
-
-#: The container engines whose `run` (`docker run`, `podman container run`) starts a container
-#: that gets none of the environment dvfs hands it but what it is passed: `-e NAME` or `--env
-#: NAME` (the host's value), podman's `--env-host` (all of it).
-CONTAINER_ENGINES = ("docker", "podman", "nerdctl")
-
-#: Slurm's launcher, whose `--gpus` is a count of GPUs Slurm picks and names in the
-#: CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no container's.
-SLURM_LAUNCHER = "srun"
-
-#: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
-#: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
-CDI_GPU = "nvidia.com/gpu="
-
-
-@dataclass(frozen=True)
-class WrapperGpus:
-    """GPUs a server_command wrapper gives the server on its command line, in place of the
-    metered GPUs' UUIDs dvfs hands it as CUDA_VISIBLE_DEVICES: its own CUDA_VISIBLE_DEVICES
-    (`env CUDA_VISIBLE_DEVICES=...`, `docker run -e ...`), or a container's GPUs (docker's or
-    podman's `--gpus`, `--device nvidia.com/gpu=...`, the NVIDIA_VISIBLE_DEVICES the NVIDIA
-    container runtime reads), a container seeing none of dvfs's CUDA_VISIBLE_DEVICES unless
-    given it (`-e CUDA_VISIBLE_DEVICES`)."""
-
-    setting: str  # as the command line says it: "CUDA_VISIBLE_DEVICES=0", "--gpus all"
-    entries: tuple[str, ...]  # the GPUs it names; () where it names none (all, a count)
-    container: bool  # a container's GPUs, in no order; not CUDA's list (CUDA's order)
-    #: A container passed CUDA_VISIBLE_DEVICES by UUID (`_passes_cuda_uuids`): CUDA there picks
-    #: the metered GPUs among those it is given, which need only hold them.
-    among: bool = False
-    #: A container (`setting`: "docker run") passed no CUDA_VISIBLE_DEVICES and given no GPUs
-    #: on its command line (`_unpassed_container`): it has those its runtime gives it.
-    unpassed: bool = False
-    #: Not a container's: Slurm's (`srun --gpus=1`), which picks GPUs and sets its own
-    #: CUDA_VISIBLE_DEVICES to them.
-    slurm: bool = False
-
-    @property
-    def judged(self) -> bool:
-        """Whether it names every GPU by UUID (as CUDA and the NVIDIA container runtime take
-        one, its start too): an index counts a container's GPUs (CUDA_VISIBLE_DEVICES inside
-        one), or another numbering than NVML's; `all` or a count, whichever GPUs."""
-        return bool(self.entries) and all(
-            e.upper().startswith(("GPU-", "MIG-")) for e in self.entries
-        )
-
-    def names(self, gpu_uuids: Sequence[str]) -> bool:
-        """Whether it names the metered GPUs and no other (CUDA_VISIBLE_DEVICES: in order; a
-        container passed CUDA_VISIBLE_DEVICES by UUID: them, and others or not)."""
-        if self.among:
-            return all(any(names_gpu(e, u) for e in self.entries) for u in gpu_uuids)
-        if not self.container:
-            return len(self.entries) == len(gpu_uuids) and all(
-                names_gpu(e, u) for e, u in zip(self.entries, gpu_uuids, strict=True)
-            )
-        return all(any(names_gpu(e, u) for u in gpu_uuids) for e in self.entries) and all(
-            any(names_gpu(e, u) for e in self.entries) for u in gpu_uuids
-        )
-
-    def unjudged(self, metered: str) -> str:
-        """What it does, not judged, in words: "sets CUDA_VISIBLE_DEVICES=0 in place of ..."."""
-        if self.unpassed:
-            return (
-                f"starts a container ({self.setting}) not passed CUDA_VISIBLE_DEVICES on its "
-                "command line: without it the server runs on the GPUs the container runtime "
-                f"gives it (with a CUDA image, all) rather than the metered {metered}, which "
-                "dvfs cannot check"
-            )
-        if self.slurm:
-            return (
-                f"gives {SLURM_LAUNCHER} {self.setting} in place of the metered {metered}: GPUs "
-                "Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, which dvfs "
-                "cannot check"
-            )
-        if not self.container:
-            return (
-                f"sets {self.setting} in place of the metered {metered}, an index dvfs cannot check"
-            )
-        return (
-            f"gives its container {self.setting} rather than the metered {metered}: GPUs by "
-            "index, count or all, which dvfs cannot check"
-        )
-
-
-def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
-    """The GPUs a server_command wrapper gives the server on its command line (`WrapperGpus`),
-    each way it gives them; empty where it gives none (the server runs on the UUIDs dvfs hands
-    it). A list written with spaces after its commas (`env "CUDA_VISIBLE_DEVICES=GPU-a,
-    GPU-b"`) is one value, not a shell line cut at its first space (`command_env`): its
-    entries, stripped, are what CUDA reads. An empty one gives no GPU: the server fails. A
-    container's GPUs not named by UUID are left out where it is given dvfs's own
-    CUDA_VISIBLE_DEVICES (`-e CUDA_VISIBLE_DEVICES`) or the metered UUIDs: CUDA picks the
-    metered UUIDs among them; named by UUID, they need only hold the metered GPUs (`among`).
-    A container run given no GPUs there and none of dvfs's CUDA_VISIBLE_DEVICES is one
-    (`unpassed`): it has the GPUs its runtime gives it (`--runtime=nvidia`, a CUDA image's
-    NVIDIA_VISIBLE_DEVICES=all; `--device /dev/nvidia1`)."""
-    from dvfs.records.session import command_env
-
-    command = [str(token) for token in server_command(campaign)]
-    joined = [re.sub(r",\s+", ",", token) for token in command]
-    found = []
-    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
-        value = command_env(joined, keep={name}.__contains__).get(name)
-        entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
-        if entries:
-            found.append(WrapperGpus(f"{name}={value}", entries, name.startswith("NVIDIA")))
-    devices = []
-    for index, token in enumerate(command):
-        flag, equals, value = token.partition("=")
-        if flag not in ("--gpus", "--device") or not (equals or index + 1 < len(command)):
-            continue
-        value = value if equals else command[index + 1]
-        if flag == "--gpus" and _launcher_of(command, index) == SLURM_LAUNCHER:
-            found.append(WrapperGpus(f"--gpus {value}", (), container=False, slurm=True))
-        elif flag == "--gpus":
-            found.append(WrapperGpus(f"--gpus {value}", _docker_gpus(value), container=True))
-        elif value.startswith(CDI_GPU):
-            devices.append(value)
-    if devices:
-        setting = " ".join(f"--device {d}" for d in devices)
-        named = tuple(d.removeprefix(CDI_GPU) for d in devices)
-        found.append(WrapperGpus(setting, named, container=True))
-    unpassed = _unpassed_container(joined)
-    if unpassed is not None and not any(g.container for g in found):
-        found.append(WrapperGpus(unpassed, (), container=True, unpassed=True))
-    # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
-    # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
-    # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
-    # `'"device=GPU-a,GPU-b"'`), or fails to start where they are not among them.
-    if not _passes_cuda_uuids(joined):
-        return found
-    return [replace(g, among=g.container) for g in found if g.judged or not g.container]
-
-
-def _launcher_of(command: Sequence[str], index: int) -> str | None:
-    """Whose option `command[index]` is: the nearest launcher before it, a container engine
-    (`CONTAINER_ENGINES`) or Slurm's (`SLURM_LAUNCHER`); None where neither comes before it."""
-    for token in reversed(command[:index]):
-        name = token.rsplit("/", 1)[-1]
-        if name in (*CONTAINER_ENGINES, SLURM_LAUNCHER):
-            return name
-    return None
-
-
-def _passes_cuda_uuids(command: Sequence[str]) -> bool:
-    """Whether a container is passed CUDA_VISIBLE_DEVICES by UUID: dvfs's own (`-e
-    CUDA_VISIBLE_DEVICES`, `--env=...`, `-eCUDA_VISIBLE_DEVICES`, no value; podman's
-    `--env-host`, the whole environment) or one naming every GPU by UUID (`-e
-    CUDA_VISIBLE_DEVICES=GPU-...`)."""
-    if _env_host(command):
-        return True
-    for given in _container_env(command):
-        key, equals, value = given.partition("=")
-        entries = [v.strip() for v in value.split(",") if v.strip()]
-        if key == "CUDA_VISIBLE_DEVICES" and (
-            not equals or (entries and all(e.upper().startswith(("GPU-", "MIG-")) for e in entries))
-        ):
-            return True
-    return False
-
-
-def _container_env(command: Sequence[str]) -> list[str]:
-    """What `-e`/`--env` pass a container: "NAME" (the host's value) or "NAME=VALUE"."""
-    found = []
-    for index, token in enumerate(command):
-        if index and command[index - 1] in ("-e", "--env"):
-            found.append(token)
-        elif token.startswith("--env="):
-            found.append(token.removeprefix("--env="))
-        elif token.startswith("-e") and token != "-e":  # `-eNAME`
-            found.append(token.removeprefix("-e"))
-    return found
-
-
-def _env_host(command: Sequence[str]) -> bool:
-    """Whether podman's `--env-host` passes its container the whole environment dvfs hands it."""
-    return any(token in ("--env-host", "--env-host=true") for token in command)
-
-
-def _container_run(command: Sequence[str]) -> tuple[str, int] | None:
-    """A container engine's `run` in command (`docker run`, `podman --remote container run`,
-    `sudo docker run`): its words ("docker run") and the index of what follows `run`; None
-    where there is none."""
-    for index, token in enumerate(command):
-        engine = token.rsplit("/", 1)[-1]
-        if engine not in CONTAINER_ENGINES:
-            continue
-        value = False  # the word may be the value of the option before it
-        for later in range(index + 1, len(command)):
-            word = command[later]
-            if word == "run":
-                return f"{engine} run", later + 1
-            if word.startswith("-"):
-                value = "=" not in word
-            elif word == "container" or value:
-                value = False
-            else:
-                break
-    return None
-
-
-def _unpassed_container(command: Sequence[str]) -> str | None:
-    """The container run ("docker run") that is given no CUDA_VISIBLE_DEVICES on the command
-    line: not passed it (`-e CUDA_VISIBLE_DEVICES`, with a value or none; `--env-host`), nor
-    setting it inside (`IMG env CUDA_VISIBLE_DEVICES=...`), so it has none of dvfs's; None
-    where there is no such container."""
-    from dvfs.records.session import command_env
-
-    run = _container_run(command)
-    if run is None:
-        return None
-    words, after = run
-    rest = command[after:]
-    passed = _env_host(rest) or any(
-        given.partition("=")[0] == "CUDA_VISIBLE_DEVICES" for given in _container_env(rest)
-    )
-    if passed or command_env(rest, keep={"CUDA_VISIBLE_DEVICES"}.__contains__):
-        return None
-    return words
-
-
-def _docker_gpus(value: str) -> tuple[str, ...]:
-    """The GPUs docker's `--gpus VALUE` names (a CSV record, as docker reads it: `device=0`,
-    `'"device=GPU-a,GPU-b"'`); () where it names them by count (`all`, `2`, `count=2`, none
-    said: one), or cannot be read."""
-    try:
-        fields = next(csv.reader([value]))
-    except (csv.Error, StopIteration):
-        return ()
-    named: tuple[str, ...] = ()
-    for field in fields:
-        key, equals, given = field.partition("=")
-        if not equals or key == "count":
-            return ()
-        if key == "device":
-            named = tuple(v.strip() for v in given.split(",") if v.strip())
-    return named
-
-
-def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) -> None:
-    """Refuse a server_command whose wrapper gives the server GPUs named by UUID other than
-    the metered ones (`wrapper_gpus`): `env CUDA_VISIBLE_DEVICES=GPU-...`, which replaces the
-    UUIDs dvfs hands the wrapper, or a container's (`docker run --gpus device=GPU-...`), so
-    the server would run on GPUs dvfs does not meter (caught at start only where NVML lists
-    its processes, which a container's are not: they are no child of dvfs's). A UUID may be
-    written short, as CUDA takes a prefix naming one GPU (`dvfs.gpu.visible`). An index,
-    `all` or a count is not judged (`unjudged_wrapper_devices`)."""
-    metered = ",".join(gpu_uuids)
-    for given in wrapper_gpus(campaign):
-        if not given.judged or given.names(gpu_uuids):
-            continue
-        if not given.container:
-            raise EngineError(
-                f"engine.sglang.server_command sets {given.setting}, other GPUs than "
-                f"the metered {metered}: the server would run where dvfs does not "
-                "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
-                "by UUID)"
-            )
-        if given.among:
-            raise EngineError(
-                f"engine.sglang.server_command gives its container {given.setting}, without "
-                f"the metered {metered} that the CUDA_VISIBLE_DEVICES it is passed names: the "
-                f"server cannot start there; give the container the metered GPU(s) too "
-                f"({metered})"
-            )
-        raise EngineError(
-            f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
-            f"than the metered {metered}: the server would run where dvfs does not meter; "
-            f"give it the metered GPU(s) by UUID instead ({metered}), or {PASS_CUDA_UUIDS}"
-        )
-
-
-def unjudged_wrapper_devices(campaign: Campaign, metered: str = "GPUs' UUIDs") -> str | None:
-    """What a server_command wrapper gives the server in place of the metered GPUs where
-    `check_wrapper_visible_devices` cannot judge it (`wrapper_gpus` not named by UUID: an
-    index, which inside a container counts the container's GPUs, on this host NVML's or
-    CUDA's; a container's `all` or count), in words ("engine.sglang.server_command sets
-    CUDA_VISIBLE_DEVICES=0 in place of the metered GPU-..., an index dvfs cannot check");
-    None where it gives none, or only GPUs judged."""
-    said = [g.unjudged(metered) for g in wrapper_gpus(campaign) if not g.judged]
-    return "engine.sglang.server_command " + " and ".join(said) if said else None
-
-
-def pinned_by(campaign: Campaign) -> str:
-    """What pins the server to the metered GPUs, in words, where `check_wrapper_visible_devices`
-    passes it and `unjudged_wrapper_devices` says nothing: CUDA_VISIBLE_DEVICES (not for a
-    container given none, `_unpassed_container`, which never receives it) and each container
-    setting (`wrapper_gpus`): "CUDA_VISIBLE_DEVICES; the container's --gpus device=GPU-..."."""
-    command = [re.sub(r",\s+", ",", str(token)) for token in server_command(campaign)]
-    by = [] if _unpassed_container(command) else ["CUDA_VISIBLE_DEVICES"]
-    by += [
-        f"the container's {g.setting}"
-        for g in wrapper_gpus(campaign)
-        if g.container and not g.unpassed
-    ]
-    return "; ".join(by)
-
-
-def unjudged_remedy(campaign: Campaign) -> str:
-    """What to do about what `unjudged_wrapper_devices` says, for doctor's warning: a container
-    given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
-    unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
-    if unjudged and all(g.unpassed for g in unjudged):
-        return PASS_CUDA_UUIDS
-    if unjudged and all(g.slurm for g in unjudged):
-        return (
-            f"drop {SLURM_LAUNCHER} from server_command and run dvfs itself in the Slurm job, "
-            "which starts the server on the metered GPUs"
-        )
-    return (
-        f"name the metered GPUs there by UUID, or {PASS_CUDA_UUIDS}, or outside a container "
-        "remove it from server_command"
-    )
 
 
 def unstartable(executable: str, env: Mapping[str, str]) -> str | None:
