@@ -257,6 +257,38 @@ def test_a_retired_workers_cap_tenants_and_idle_readings_are_not_the_cubes(
     assert "4242" not in info.output, info.output
 
 
+def test_a_gpu_whose_failed_cells_were_measured_again_elsewhere_is_not_the_cubes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep on GPU 1 whose server would not start (every cell failed), then the rerun on
+    GPU 0 measuring every cell: the cube named both GPUs ("x2" in `dvfs cube info`,
+    `gpu_uuids`, `gpu_count` 2), though each of its cells ran on GPU 0, the failed records of
+    GPU 1 replaced. It names the GPUs of the cells it holds."""
+    from dvfs.engines.twin import TwinEngine
+    from dvfs.errors import EngineError
+
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("failed-then-measured"))
+    out = tmp_path / "out"
+    start = TwinEngine.start
+
+    def failing(self: TwinEngine, drafter: object) -> None:
+        raise EngineError("the server would not start (test)")
+
+    monkeypatch.setattr(TwinEngine, "start", failing)
+    failed = sweep(str(campaign), "--gpus", "1", "--out", str(out))
+    assert failed.exit_code != 0 and "failed cell(s)" in failed.output, failed.output
+    monkeypatch.setattr(TwinEngine, "start", start)
+    measured = sweep(str(campaign), "--gpus", "0", "--out", str(out))
+    assert measured.exit_code == 0, measured.output
+    first, second = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    [gpu1], [gpu0] = ([g["uuid"] for g in s["gpus"]] for s in (first, second))
+    cube = open_cube(out / "cube.nc")
+    assert set(cube["measured_on"].values.ravel()) == {gpu0}
+    assert cube.attrs["gpu_uuids"] == gpu0 and cube.attrs["gpu_count"] == 1, gpu1
+    info = CliRunner().invoke(cli, ["cube", "info", "--json", str(out / "cube.nc")])
+    assert json.loads(info.output)["gpu"] == "NVIDIA H100 80GB HBM3 (twin) x1", info.output
+
+
 def test_a_retired_workers_later_failure_does_not_call_it_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -842,7 +842,9 @@ class _Filler:
             # cube's variables (half the build of a test's tiny cube).
             {SPLIT_METHOD_VAR: (CELL_DIMS, self.split_method, split_method_attrs())},
             {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))},
-            measured={u for on in self.names for u in on.split(",")},
+            # the GPUs of the cells the cube holds: not those of records a later one replaced
+            # (failed cells measured again on other GPUs)
+            measured={u for on in set(self.measured_on.ravel()) for u in str(on).split(",") if u},
         )
         # Every session ran on one GPU group, or was a fleet that gave each comparison group to
         # one worker (`dvfs.fleet.queue`); whether the valid cells of each (batch, corpus,
