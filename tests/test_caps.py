@@ -2055,6 +2055,8 @@ def test_each_gpus_cap_found_and_lifted_is_kept_and_said(nvml, tmp_path: Path, h
     text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
     text = text.replace("power_limit = [700, 400]", 'power_limit = "stock"')
     args: tuple[str, ...] = ("--gpus", "0,1")
+    if how == "fleet":  # a comparison group each: a GPU that measured no cell is not the cube's
+        text = text.replace("batch = [1]\n", "batch = [1, 2]\n")
     if how == "tensor-parallel":
         text = text.replace("devices = [0]", "devices = [0, 1]")
         text = text.replace('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')

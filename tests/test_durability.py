@@ -448,3 +448,39 @@ def test_a_resume_measures_a_partly_journaled_added_repeats_inflight_group_whole
         int(n) for n in re.findall(r"(\d+) cell\(s\) measured.* (\d+) already", last)[0]
     )
     assert (measured + done, done) == (len(cells), 16 + kept - 1), last
+
+
+def test_a_write_cut_back_keeps_the_runs_session_for_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk in the write of a fleet's first shipment (the run's session with it) lost
+    the session: the shipments its workers finished on the way out were journalled without it
+    (header, server, cells), and `dvfs cube build` said the journal had no measurement session
+    yet. The session is held until a write takes it; the cells stand after it and build."""
+    from click.testing import CliRunner
+    from fleet_support import FLEET
+
+    from dvfs.cli import cli
+
+    campaign = write(tmp_path / "fleet.toml", FLEET)
+    out = tmp_path / "out"
+    write_all = Journal._write
+    failed: list[bytes] = []
+
+    def full_once(fd: int, data: bytes) -> None:
+        if b'"type":"session"' in data and not failed:
+            failed.append(data)
+            raise OSError(28, "No space left on device")
+        write_all(fd, data)
+
+    monkeypatch.setattr(Journal, "_write", staticmethod(full_once))
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    full = CliRunner().invoke(cli, argv)
+    assert full.exit_code == 1 and failed, full.output
+    assert "cannot write the journal: No space left on device" in full.output
+    kinds = [r["type"] for r in read_records(out / "journal.jsonl")]
+    assert "cell" in kinds, "the workers' last shipments are journalled on the way out"
+    assert kinds.count("session") == 1 and kinds.index("session") == 1, kinds
+    monkeypatch.undo()
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 0, built.output

@@ -215,6 +215,80 @@ def test_a_retired_workers_gpu_that_measured_nothing_is_not_the_cubes(
     assert cube.attrs["idle_power_w"] == gpu0["idle_power_w"]
 
 
+def test_a_retired_workers_cap_tenants_and_idle_readings_are_not_the_cubes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cube of a fleet whose worker was retired before measuring names the GPU that
+    measured alone, and its idle power is that GPU's; but the retired GPU's cap found at
+    start, its stock limit NVML enforced, the tenant seen at its idle and its idle from the
+    power readings stayed the cube's: `dvfs cube info` said the one GPU's stock limit was
+    "the GPU's default, not the 450 W found at start: a cap dvfs applied" (no cap was on it),
+    and the idle power was said to count a tenant it does not. They are the named GPU's
+    alone, as its idle power is."""
+    refuse_servers_on(monkeypatch, "gpu1")
+    write(tmp_path / "campaign.toml", fleet_campaign("retired"))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    [session] = [r for r in records if r["type"] == "session"]
+    [gpu1] = [w for w in session["workers"] if w["worker"] == "gpu1"]
+    [retired] = gpu1["gpus"]
+    tenant = {"gpu": 1, "pid": 4242, "name": "other", "at": "start"}
+    gpu1.update(idle_foreign_processes=[tenant], idle_from_power_readings=True)
+    session.update(
+        power_limit_found_w={retired: 450.0},
+        stock_power_limit_enforced=[retired],
+        idle_foreign_processes=[tenant],
+        idle_from_power_readings=True,
+    )
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 0, built.output
+    cube = open_cube(out / "cube.nc")
+    assert retired not in cube.attrs["gpu_uuids"]
+    for name in ("power_limit_found_w", "power_limit_found_gpus", "stock_power_limit_enforced"):
+        assert name not in cube.attrs, (name, cube.attrs.get(name))
+    assert json.loads(cube.attrs["idle_foreign_processes"]) == []
+    assert cube.attrs["idle_from_power_readings"] == 0
+    info = CliRunner().invoke(cli, ["cube", "info", str(out / "cube.nc")])
+    assert "stock power limit as found at start" in " ".join(info.output.split()), info.output
+    assert "4242" not in info.output, info.output
+
+
+def test_a_gpu_whose_failed_cells_were_measured_again_elsewhere_is_not_the_cubes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep on GPU 1 whose server would not start (every cell failed), then the rerun on
+    GPU 0 measuring every cell: the cube named both GPUs ("x2" in `dvfs cube info`,
+    `gpu_uuids`, `gpu_count` 2), though each of its cells ran on GPU 0, the failed records of
+    GPU 1 replaced. It names the GPUs of the cells it holds."""
+    from dvfs.engines.twin import TwinEngine
+    from dvfs.errors import EngineError
+
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("failed-then-measured"))
+    out = tmp_path / "out"
+    start = TwinEngine.start
+
+    def failing(self: TwinEngine, drafter: object) -> None:
+        raise EngineError("the server would not start (test)")
+
+    monkeypatch.setattr(TwinEngine, "start", failing)
+    failed = sweep(str(campaign), "--gpus", "1", "--out", str(out))
+    assert failed.exit_code != 0 and "failed cell(s)" in failed.output, failed.output
+    monkeypatch.setattr(TwinEngine, "start", start)
+    measured = sweep(str(campaign), "--gpus", "0", "--out", str(out))
+    assert measured.exit_code == 0, measured.output
+    first, second = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    [gpu1], [gpu0] = ([g["uuid"] for g in s["gpus"]] for s in (first, second))
+    cube = open_cube(out / "cube.nc")
+    assert set(cube["measured_on"].values.ravel()) == {gpu0}
+    assert cube.attrs["gpu_uuids"] == gpu0 and cube.attrs["gpu_count"] == 1, gpu1
+    info = CliRunner().invoke(cli, ["cube", "info", "--json", str(out / "cube.nc")])
+    assert json.loads(info.output)["gpu"] == "NVIDIA H100 80GB HBM3 (twin) x1", info.output
+
+
 def test_a_retired_workers_later_failure_does_not_call_it_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -595,6 +595,8 @@ def test_a_fleet_of_such_gpus_names_each_one_whose_stock_limit_is_enforced(
     uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
     out = tmp_path / "out"
     campaign = clocks_campaign(tmp_path, output_tokens=16)
+    # a comparison group each: a GPU that measured no cell is not the cube's
+    campaign.write_text(campaign.read_text().replace("batch = [1]\n", "batch = [1, 2]\n"))
     args = ("sweep", str(campaign), "--gpus", "0,1", "--out", str(out))
     result = dvfs_in_process(*args, "--no-progress", env=env)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -354,6 +354,38 @@ def _idle_power_w(journal: JournalContents, gpus: Sequence[dict[str, Any]]) -> f
     return float(np.nanmean(idle))
 
 
+def _idle_parts(
+    journal: JournalContents, gpus: Sequence[dict[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """What the sessions say of their opening idle measurements (`idle_foreign_processes`,
+    `idle_from_power_readings`), of the GPUs the cube names (`gpus`), as `_idle_power_w`
+    takes their idle power: a session on none of them left out, a fleet's session's workers
+    on other GPUs (retired, or lost, before a cell of theirs came in) left out of it (each
+    kept worker's own part); every session's where none is named."""
+    named = {str(g["uuid"]) for g in gpus}
+    parts: list[Mapping[str, Any]] = []
+    for session in journal.sessions:
+        whole = {
+            "idle_foreign_processes": session.idle_foreign_processes,
+            "idle_from_power_readings": session.idle_from_power_readings,
+        }
+        if not named & set(session.gpu_uuids):
+            continue
+        workers = [w for w in session.workers if "idle_power_w" in w]
+        kept = [w for w in workers if named & {str(u) for u in w.get("gpus") or ()}]
+        if not workers or len(workers) < len(session.workers) or len(kept) == len(workers):
+            parts.append(whole)  # one GPU group's session, or every worker of it named
+        else:
+            parts.extend(kept)
+    return parts or [
+        {
+            "idle_foreign_processes": s.idle_foreign_processes,
+            "idle_from_power_readings": s.idle_from_power_readings,
+        }
+        for s in journal.sessions
+    ]
+
+
 def _twin_profile_run(profile: str, gpu_name: str) -> str:
     """The twin profile (`KEY:TRAPS`) a twin GPU named `gpu_name` ran, where `profile` is the
     campaign's gpu.profile: that, unless the GPU is the twin of another shipped profile (a
@@ -404,6 +436,7 @@ def _provenance(
         raise KeyError("campaign_name" if header.campaign_name is None else "campaign_hash")
     # every session's that measured a cell: a rerun may run on other GPUs of the model
     gpus = _all_gpus(journal, measured)
+    idle = _idle_parts(journal, gpus)
     servers: dict[str, Any] = {}
     for s in journal.servers:
         # An earlier dvfs's journal may hold credentials (`dvfs.redact`): not the cube.
@@ -472,19 +505,19 @@ def _provenance(
         "stock_sm_clock_mhz": session.stock.sm_clock_mhz,
         "stock_power_limit_w": session.stock.power_limit_w,
         # Where NVML does not support a GPU's power limit, its stock limit is the one enforced.
-        **_enforced_stock(journal),
+        **_enforced_stock(journal, gpus),
         # The power caps dvfs applied that its sessions found and lifted to measure stock.
-        **_found_limits(journal),
+        **_found_limits(journal, gpus),
         "power_limit_range_w": list(session.power_limit_range_w),
         "idle_power_w": _idle_power_w(journal, gpus),
         # Other tenants' processes seen around the sessions' opening idle measurements: where
-        # any was, `idle_power_w` counts their work too.
+        # any was, `idle_power_w` counts their work too (of the GPUs it is the idle of).
         "idle_foreign_processes": json.dumps(
-            [p for s in journal.sessions for p in s.idle_foreign_processes]
+            [dict(p) for part in idle for p in part.get("idle_foreign_processes") or ()]
         ),
         # A session's opening idle measurement from the instant power readings (a counter
         # updated less than twice in it): `idle_power_w` is less exact.
-        "idle_from_power_readings": int(any(s.idle_from_power_readings for s in journal.sessions)),
+        "idle_from_power_readings": int(any(part.get("idle_from_power_readings") for part in idle)),
         "counter_update_period_s": _counter_periods(journal, gpus),
         "measurement_method": session.measurement_method,
         # Each session's, once: two where an older journal's groups were each measured under
@@ -502,22 +535,31 @@ def _provenance(
     }
 
 
-def _enforced_stock(journal: JournalContents) -> dict[str, Any]:
+def _enforced_stock(journal: JournalContents, gpus: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """`stock_power_limit_enforced`: the UUIDs (comma-separated) of the GPUs whose power limit
     NVML does not support, whose stock power limit (`stock_power_limit_w`, the stock cells'
     `power_limit` coordinate) is the limit NVML said was enforced; nothing where every
-    session's GPUs had a configured one."""
-    uuids = dict.fromkeys(u for s in journal.sessions for u in s.stock_power_limit_enforced)
+    session's GPUs had a configured one. Of the GPUs the cube names (`gpus`) alone."""
+    named = {str(g["uuid"]) for g in gpus}
+    uuids = dict.fromkeys(
+        u for s in journal.sessions for u in s.stock_power_limit_enforced if u in named
+    )
     return {"stock_power_limit_enforced": ",".join(uuids)} if uuids else {}
 
 
-def _found_limits(journal: JournalContents) -> dict[str, Any]:
+def _found_limits(journal: JournalContents, gpus: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """`power_limit_found_w`: the power limits the sessions found at start where those were
     not the stock their stock cells ran at (a cap dvfs applied, lifted while measuring), each
     once; and `power_limit_found_gpus`, each GPU's (by UUID), where the sessions named it (an
-    earlier dvfs's did not). Nothing where every session found the stock."""
+    earlier dvfs's did not). Nothing where every session found the stock. Of the GPUs the
+    cube names (`gpus`) alone: a fleet worker's GPU that measured no cell did not run its
+    stock cells (its GPU unnamed: where its session's GPUs are the cube's)."""
+    named = {str(g["uuid"]) for g in gpus}
     return found_limits_attrs(
-        (uuid, watts) for s in journal.sessions for uuid, watts in s.power_limit_found_w.items()
+        (uuid, watts)
+        for s in journal.sessions
+        for uuid, watts in s.power_limit_found_w.items()
+        if uuid in named or (not uuid and named & set(s.gpu_uuids))
     )
 
 
@@ -800,7 +842,9 @@ class _Filler:
             # cube's variables (half the build of a test's tiny cube).
             {SPLIT_METHOD_VAR: (CELL_DIMS, self.split_method, split_method_attrs())},
             {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))},
-            measured={u for on in self.names for u in on.split(",")},
+            # the GPUs of the cells the cube holds: not those of records a later one replaced
+            # (failed cells measured again on other GPUs)
+            measured={u for on in set(self.measured_on.ravel()) for u in str(on).split(",") if u},
         )
         # Every session ran on one GPU group, or was a fleet that gave each comparison group to
         # one worker (`dvfs.fleet.queue`); whether the valid cells of each (batch, corpus,

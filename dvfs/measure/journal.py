@@ -325,7 +325,6 @@ class Journal:
             return
         if self._deferred is not None:
             records = [self._deferred, *records]
-            self._deferred = None
         lines = [_ENCODER.encode(json_safe(record)) for record in records]
         data = "".join(line + "\n" for line in lines).encode("utf-8")
         try:
@@ -336,6 +335,10 @@ class Journal:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             self._write(self._fd, data)
+            # Held until written: a write cut back off (a full disk) keeps it for the next
+            # one (a fleet journals what its workers finish on its way out), else their
+            # records would stand in the journal without their run's session.
+            self._deferred = None
             self._dirty = True
             if self.sync_policy.due(
                 cell=all(record.get("type") == "cell" for record in records),
