@@ -306,8 +306,9 @@ class Journal:
     def defer(self, record: dict[str, Any]) -> None:
         """Hold `record` (a run's session) until the run journals another, then write it just
         before that one, in the same write: a run that journals nothing (refused at its first
-        server start, every fleet worker retired or lost before a unit came in) leaves the
-        journal as it found it."""
+        server start, every local fleet worker retired or lost before a unit came in) leaves
+        the journal as it found it. A Ray actor lost before its first unit journals its
+        `worker_lost` record (the reset advice it carries), and with it the session."""
         self._deferred = record
 
     def append(self, record: dict[str, Any]) -> None:
