@@ -9,6 +9,7 @@ role/content dicts, or ShareGPT-style from/value). Errors name the file and the 
 from __future__ import annotations
 
 import csv
+import difflib
 import hashlib
 import io
 import json
@@ -57,8 +58,12 @@ def check_spec(spec: dict[str, Any]) -> None:
     """Validate a `[corpus.NAME]` table's keys without reading any data."""
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
+        named = []
+        for key in unknown:
+            hint = difflib.get_close_matches(key, sorted(SPEC_KEYS), n=1)
+            named.append(f"{key} (did you mean {hint[0]!r}?)" if hint else key)
         raise CorpusError(
-            f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(SPEC_KEYS))}"
+            f"unknown key(s) {', '.join(named)}; allowed: {', '.join(sorted(SPEC_KEYS))}"
         )
     sources = [k for k in ("path", "dataset", "package") if k in spec]
     if len(sources) != 1:
