@@ -120,6 +120,20 @@ def test_a_json_file_holding_one_array_is_read_as_its_records(tmp_path: Path) ->
     write(tmp_path / "wrapped.json", json.dumps({"data": [{"text": "a"}]}, indent=2))
     with pytest.raises(CorpusError, match=r"wrapped\.json holds one JSON object \(keys: data\)"):
         load(tmp_path, "wrapped", {"path": "wrapped.json", "field": "text"})
+    # The same object on one line (json.dump's default) is read as one record of JSON Lines:
+    # its refusal said only "no field 'text' (fields here: data)", though README says such a
+    # file is refused with "extract its records"; it now says where the records are.
+    for suffix in ("json", "jsonl"):
+        write(tmp_path / f"flat.{suffix}", json.dumps({"data": [{"text": "a"}, {"text": "b"}]}))
+        with pytest.raises(
+            CorpusError,
+            match=rf"flat\.{suffix}, line 1: no field 'text' \(fields here: data\); its 'data' "
+            r"holds 2 records with 'text', .* extract them into a JSON array",
+        ):
+            load(tmp_path, "flat", {"path": f"flat.{suffix}", "field": "text"})
+    write(tmp_path / "other.jsonl", json.dumps({"data": [{"prompt": "a"}]}))
+    with pytest.raises(CorpusError, match=r"no field 'text' \(fields here: data\)$"):
+        load(tmp_path, "other", {"path": "other.jsonl", "field": "text"})
     write(tmp_path / "one.json", json.dumps({"text": "a"}))
     assert len(load(tmp_path, "one", {"path": "one.json", "field": "text"}).prompts) == 1
     write(tmp_path / "lists.json", '["a"]\n["b"]\n')

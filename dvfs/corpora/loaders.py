@@ -414,7 +414,24 @@ def _prompt(
     key = spec.get("field") or spec["messages"]
     if key not in record:
         available = ", ".join(sorted(map(str, record))[:10])
-        raise CorpusError(f"{where}: no field {key!r} (fields here: {available})")
+        # One object wrapping the records on one line (`{"data": [{"text": ...}, ...]}`, as
+        # json.dump writes it) is a record of JSON Lines, read as one: say where they are.
+        wrapped = next(
+            (
+                (name, len(value))
+                for name, value in record.items()
+                if isinstance(value, list) and any(isinstance(r, dict) and key in r for r in value)
+            ),
+            None,
+        )
+        hint = (
+            f"; its {wrapped[0]!r} holds {wrapped[1]} records with {key!r}, so this is an "
+            "object wrapping records, not one: extract them into a JSON array of objects or "
+            "JSON Lines (one object per line)"
+            if wrapped
+            else ""
+        )
+        raise CorpusError(f"{where}: no field {key!r} (fields here: {available}){hint}")
     value = record[key]
     if "field" in spec:
         if not isinstance(value, str):
