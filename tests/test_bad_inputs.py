@@ -809,7 +809,8 @@ JOURNAL_CASES = [
         "journal.jsonl",
         "line",
     ),
-    journal_case("empty", "", "journal.jsonl"),
+    # Empty: a sweep starts it afresh, so the build says to run the sweep (issue nu35).
+    journal_case("empty", "", "journal.jsonl", "is empty", "dvfs sweep"),
     # A device: refused unread (read line by line, it would take all the memory).
     journal_case(
         "link-to-dev-zero",
@@ -820,7 +821,7 @@ JOURNAL_CASES = [
     journal_case(
         "header-only", lambda s: s["journal"].read_text().splitlines()[0] + "\n", "session"
     ),
-    journal_case("no-header", _journal_edit(lambda r: r[1:]), "journal.jsonl"),
+    journal_case("no-header", _journal_edit(lambda r: r[1:]), "journal.jsonl", "header", "--fresh"),
     journal_case("lines-are-lists", "[1, 2]\n[3]\n", "journal.jsonl"),
     journal_case(
         "future-schema", _journal_edit(lambda r: [{**r[0], "journal_schema": 99}, *r[1:]]), "99"

@@ -75,6 +75,21 @@ def test_unknown_corpus(tmp_path: Path) -> None:
     expect_error(tmp_path, text, "workload.corpora", "'conversaton'", "did you mean 'conversation'")
 
 
+def test_misspelt_key_of_a_corpus_table_gets_a_suggestion(tmp_path: Path) -> None:
+    # A `[corpus.NAME]` table's misspelt key is named with a "did you mean", as every other
+    # table's is (README "Campaign files"); it listed only the allowed keys.
+    text = replace_block(SMALL_CAMPAIGN, '"conversation"]', '"mine"]')
+    text += '\n[corpus.mine]\npaht = "x.jsonl"\nfeild = "text"\n'
+    expect_error(
+        tmp_path,
+        text,
+        "[corpus.mine]",
+        "feild (did you mean 'field'?)",
+        "paht (did you mean 'path'?)",
+        "allowed:",
+    )
+
+
 def test_clock_not_a_multiple_of_the_step(tmp_path: Path) -> None:
     text = replace_block(SMALL_CAMPAIGN, "sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1507]")
     expect_error(tmp_path, text, "knobs.sm_clock", "1507 MHz", "15 MHz steps", "1500, 1515")

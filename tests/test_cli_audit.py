@@ -187,6 +187,52 @@ def test_demo_offers_its_own_fresh_for_another_campaigns_folder(
     assert (folder / "journal.jsonl").read_bytes() == (tiny_sweep / "journal.jsonl").read_bytes()
 
 
+DEMO_LIKE = """
+[campaign]
+name = "demo"
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0]
+[knobs]
+sm_clock = [1980, 1830]
+power_limit = [700, 400]
+[engine]
+backend = "twin"
+model = "meta-llama/Llama-3.1-8B-Instruct"
+[drafters.none]
+algorithm = "none"
+[drafters.ngram]
+algorithm = "NGRAM"
+num_draft_tokens = 8
+[workload]
+batch = [1]
+corpora = ["code", "conversation"]
+output_tokens = 256
+"""
+
+
+def test_demo_tables_say_what_their_marks_mean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `dvfs demo`'s headroom tables showed `≥300` with no line saying what it means (a lower
+    # bound the grid cuts off, and what to extend), which `dvfs headroom` prints under the same
+    # table. A small demo-shaped campaign stands in for the demo's (its figures not drawn).
+    import dvfs.campaign
+    import dvfs.plots
+
+    small = write(tmp_path / "demo.toml", DEMO_LIKE)
+    load = dvfs.campaign.load_campaign
+    monkeypatch.setattr(dvfs.campaign, "load_campaign", lambda path: load(small))
+    monkeypatch.setattr(dvfs.plots, "plot_all", lambda *args, **kw: [])
+    result = invoke("demo", "--out", str(tmp_path / "out"), "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "≥" in result.stdout
+    said = " ".join(result.stdout.split())
+    assert said.count("≥: the lowest setting swept still meets the target") == 2, said
+    assert "extend knobs." in said and "downward to find where it stops" in said
+
+
 def test_sweep_refuses_json_without_dry_run_and_an_empty_gpu_list(tmp_path: Path) -> None:
     tiny = write(tmp_path / "tiny.toml", TINY)
     out = tmp_path / "out"

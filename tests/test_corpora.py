@@ -120,6 +120,20 @@ def test_a_json_file_holding_one_array_is_read_as_its_records(tmp_path: Path) ->
     write(tmp_path / "wrapped.json", json.dumps({"data": [{"text": "a"}]}, indent=2))
     with pytest.raises(CorpusError, match=r"wrapped\.json holds one JSON object \(keys: data\)"):
         load(tmp_path, "wrapped", {"path": "wrapped.json", "field": "text"})
+    # The same object on one line (json.dump's default) is read as one record of JSON Lines:
+    # its refusal said only "no field 'text' (fields here: data)", though README says such a
+    # file is refused with "extract its records"; it now says where the records are.
+    for suffix in ("json", "jsonl"):
+        write(tmp_path / f"flat.{suffix}", json.dumps({"data": [{"text": "a"}, {"text": "b"}]}))
+        with pytest.raises(
+            CorpusError,
+            match=rf"flat\.{suffix}, line 1: no field 'text' \(fields here: data\); its 'data' "
+            r"holds 2 records with 'text', .* extract them into a JSON array",
+        ):
+            load(tmp_path, "flat", {"path": f"flat.{suffix}", "field": "text"})
+    write(tmp_path / "other.jsonl", json.dumps({"data": [{"prompt": "a"}]}))
+    with pytest.raises(CorpusError, match=r"no field 'text' \(fields here: data\)$"):
+        load(tmp_path, "other", {"path": "other.jsonl", "field": "text"})
     write(tmp_path / "one.json", json.dumps({"text": "a"}))
     assert len(load(tmp_path, "one", {"path": "one.json", "field": "text"}).prompts) == 1
     write(tmp_path / "lists.json", '["a"]\n["b"]\n')
@@ -798,3 +812,28 @@ def test_a_chat_template_this_environment_cannot_run_is_not_called_a_refusal(
     assert "internal error" not in shown.output
     assert "refuses" not in shown.output and "line 1" not in shown.output, shown.output
     assert "requires jinja2" in shown.output and "pip install" in shown.output, shown.output
+
+
+def test_a_corpus_cut_short_by_its_limit_says_to_raise_it(tmp_path: Path) -> None:
+    # A `[corpus.NAME]` table whose `limit` keeps fewer prompts than the largest batch was
+    # refused with "add prompts" alone, though its file held plenty: the limit is the setting
+    # to change. A file that is itself short still says only that.
+    records = "".join(
+        json.dumps({"text": f"Prompt {i}: explain in detail why the sky is blue at noon."}) + "\n"
+        for i in range(20)
+    )
+    write(tmp_path / "p.jsonl", records)
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    limited = text + '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\nlimit = 2\n'
+    campaign = write(tmp_path / "c.toml", limited)
+    for command in ("sweep", "doctor"):
+        result = CliRunner().invoke(cli, [command, str(campaign), "--out", str(tmp_path / "o")])
+        said = " ".join(result.output.split())
+        assert result.exit_code == 2, said
+        assert "has 2 distinct prompts" in said and "raise [corpus.mine] limit" in said, said
+    write(tmp_path / "p.jsonl", records.split("\n", 18)[-1])  # two records, below the limit
+    write(tmp_path / "c.toml", limited.replace("limit = 2", "limit = 5"))
+    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(tmp_path / "o")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "has 2 distinct prompts" in said, said
+    assert "limit" not in said

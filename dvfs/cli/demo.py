@@ -34,16 +34,18 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
     win traded for energy) and write the figures to OUT/plots."""
     from importlib import resources
 
+    from rich.markup import escape
+
     from dvfs.analysis.headroom import headroom
     from dvfs.analysis.targets import Target
     from dvfs.campaign import load_campaign
-    from dvfs.cli.analysis import print_table
+    from dvfs.cli.analysis import _print_line, print_table
     from dvfs.cli.sweep import run
     from dvfs.cube import CUBE_NAME, open_cube
     from dvfs.errors import JournalError
     from dvfs.measure.journal import FRESH
     from dvfs.plots import plot_all
-    from dvfs.report import headroom_document, headroom_table_rows
+    from dvfs.report import headroom_document, headroom_notes, headroom_table_rows
 
     with resources.as_file(resources.files("dvfs.campaigns").joinpath("demo.toml")) as path:
         campaign = load_campaign(path)
@@ -73,8 +75,11 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
         ),
     ):
         result = headroom(ds, target=target).sel(corpus=[corpus])
-        header, rows = headroom_table_rows(headroom_document(result, ds), omit=("corpus",))
+        doc = headroom_document(result, ds)
+        header, rows = headroom_table_rows(doc, omit=("corpus",))
         print_table(title, header, rows)
+        for note in headroom_notes(doc):  # what a `≥` or `?` in the table means, as headroom's
+            _print_line(escape(note))
     with out.status("drawing figures"):
         paths = plot_all(ds, out_dir / "plots", target=Target("preserve", slack=0.05))
     out.print(

@@ -9,6 +9,7 @@ role/content dicts, or ShareGPT-style from/value). Errors name the file and the 
 from __future__ import annotations
 
 import csv
+import difflib
 import hashlib
 import io
 import json
@@ -57,8 +58,12 @@ def check_spec(spec: dict[str, Any]) -> None:
     """Validate a `[corpus.NAME]` table's keys without reading any data."""
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
+        named = []
+        for key in unknown:
+            hint = difflib.get_close_matches(key, sorted(SPEC_KEYS), n=1)
+            named.append(f"{key} (did you mean {hint[0]!r}?)" if hint else key)
         raise CorpusError(
-            f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(SPEC_KEYS))}"
+            f"unknown key(s) {', '.join(named)}; allowed: {', '.join(sorted(SPEC_KEYS))}"
         )
     sources = [k for k in ("path", "dataset", "package") if k in spec]
     if len(sources) != 1:
@@ -409,7 +414,24 @@ def _prompt(
     key = spec.get("field") or spec["messages"]
     if key not in record:
         available = ", ".join(sorted(map(str, record))[:10])
-        raise CorpusError(f"{where}: no field {key!r} (fields here: {available})")
+        # One object wrapping the records on one line (`{"data": [{"text": ...}, ...]}`, as
+        # json.dump writes it) is a record of JSON Lines, read as one: say where they are.
+        wrapped = next(
+            (
+                (name, len(value))
+                for name, value in record.items()
+                if isinstance(value, list) and any(isinstance(r, dict) and key in r for r in value)
+            ),
+            None,
+        )
+        hint = (
+            f"; its {wrapped[0]!r} holds {wrapped[1]} records with {key!r}, so this is an "
+            "object wrapping records, not one: extract them into a JSON array of objects or "
+            "JSON Lines (one object per line)"
+            if wrapped
+            else ""
+        )
+        raise CorpusError(f"{where}: no field {key!r} (fields here: {available}){hint}")
     value = record[key]
     if "field" in spec:
         if not isinstance(value, str):

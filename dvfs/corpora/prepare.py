@@ -104,6 +104,7 @@ def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[st
     w = campaign.workload
     largest = max(w.batch_sizes)
     lo, hi = w.input_tokens
+    limits = {ref.name: dict(ref.spec).get("limit") for ref in w.corpora if ref.spec is not None}
     problems = []
     for name, corpus in corpora.items():
         usable = len(eligible_prompts(corpus, w.input_tokens))
@@ -113,9 +114,17 @@ def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[st
         else:
             need, what = largest, f"batch {largest}"
         if usable < need:
+            limit = limits.get(name)
+            # The table's `limit` read no more records: more prompts in the file go unread.
+            capped = (
+                f" (its limit = {limit} stopped reading at {limit} records: raise "
+                f"[corpus.{name}] limit if the source holds more)"
+                if isinstance(limit, int) and len(corpus.prompts) >= limit
+                else ""
+            )
             problems.append(
-                f"corpus {name!r} has {usable} distinct prompts within {lo}-{hi} input tokens; "
-                f"{what} needs {need}"
+                f"corpus {name!r} has {usable} distinct prompts within {lo}-{hi} input tokens"
+                f"{capped}; {what} needs {need}"
             )
     return problems
 

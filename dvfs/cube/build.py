@@ -31,7 +31,7 @@ from dvfs.cube.schema import (
 )
 from dvfs.engines.base import SPLIT_PARTS
 from dvfs.errors import CubeError, IncomparableCellsError, JournalError
-from dvfs.measure.journal import iter_records, read_records
+from dvfs.measure.journal import FRESH, iter_records, read_records
 from dvfs.measure.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
 from dvfs.records import (
     GPU_TIME_KEYS,
@@ -123,6 +123,21 @@ _NO_SPLIT = [math.nan] * (2 * len(SPLIT_PARTS))
 _BATCH = 512
 
 
+def _headless(path: Path, first: dict[str, Any] | None) -> CubeError:
+    """A journal with no header to build from, refused with what to do, as a sweep refuses
+    it: an empty one (its sweep wrote nothing yet, and resumes it), or one whose first record
+    is not a header (not dvfs's, or its first line cut)."""
+    if first is None:
+        return CubeError(
+            f"{path} is empty: nothing measured yet, nothing to put in a cube; run its "
+            "`dvfs sweep` command to measure it"
+        )
+    return CubeError(
+        f"{path} does not start with a dvfs journal header: move it aside, or start over "
+        f"with {FRESH}, which renames it"
+    )
+
+
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
     """A journal's records in a list (the cube itself is built streaming), refused early when
     it is missing, headless or from a newer dvfs."""
@@ -131,7 +146,7 @@ def read_journal(path: str | Path) -> list[dict[str, Any]]:
         raise CubeError(f"no journal at {path}: run `dvfs sweep` first")
     records = read_records(path)
     if not records or records[0].get("type") != "header":
-        raise CubeError(f"{path} is not a dvfs journal")
+        raise _headless(path, records[0] if records else None)
     check_version(path, Header.from_json(records[0]).journal_schema)
     return records
 
@@ -606,7 +621,7 @@ def build_cube(
     try:
         first = next(records, None)
         if first is None or first.get("type") != "header":
-            raise CubeError(f"{path} is not a dvfs journal")
+            raise _headless(path, first)
         check_version(path, Header.from_json(first).journal_schema)
         filler = _Filler(Header.from_json(first), str(journal_path))
         for record in records:
