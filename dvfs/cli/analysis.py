@@ -213,7 +213,7 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     out.print(table)
 
 
-def _print_line(text: str, *, stderr: bool = False) -> None:
+def print_line(text: str, *, stderr: bool = False) -> None:
     """A line of prose: wrapped on a terminal, left whole in a pipe."""
     out = console(stderr=stderr)
     out.print(text, soft_wrap=not out.is_terminal)
@@ -226,7 +226,7 @@ def _pinning_line(ds: Any) -> None:
 
     note = pinning_note(ds)
     if note:
-        _print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
+        print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
 
 
 def headroom_target(
@@ -348,15 +348,15 @@ def headroom(
         header, rows = headroom_table_rows(doc)
         ref = doc["reference"]
         print_table(f"DVFS headroom - {doc['target']['description']}", header, rows)
-        _print_line(
+        print_line(
             f"reference: {escape(reference_text(ref))}; knob: {doc['knob']}; "
             f"feasibility: {escape(doc['bound'])}; saving: against the drafter's own energy "
             "at the reference"
         )
         for note in headroom_notes(doc):
-            _print_line(escape(note))
+            print_line(escape(note))
         if output is not None:
-            _print_line(f"wrote {escape(str(output))}")
+            print_line(f"wrote {escape(str(output))}")
 
 
 @click.command()
@@ -447,7 +447,7 @@ def compare(
         notes.insert(0, f"no roofline: {exc}")
         roof = None
     for note in notes:
-        _print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
+        print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
     doc = compare_document(result, roof, ds, roofline_left_out=models)
     if as_json:
         echo_json(doc)
@@ -457,7 +457,7 @@ def compare(
         for title, header, rows in compare_tables(doc):
             print_table(title, header, rows)
         for note in compare_notes(doc):
-            _print_line(escape(note))
+            print_line(escape(note))
 
 
 @click.command()

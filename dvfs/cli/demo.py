@@ -39,7 +39,7 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
     from dvfs.analysis.headroom import headroom
     from dvfs.analysis.targets import Target
     from dvfs.campaign import load_campaign
-    from dvfs.cli.analysis import _print_line, print_table
+    from dvfs.cli.analysis import print_line, print_table
     from dvfs.cli.sweep import run
     from dvfs.cube import CUBE_NAME, open_cube
     from dvfs.errors import JournalError
@@ -79,7 +79,7 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
         header, rows = headroom_table_rows(doc, omit=("corpus",))
         print_table(title, header, rows)
         for note in headroom_notes(doc):  # what a `≥` or `?` in the table means, as headroom's
-            _print_line(escape(note))
+            print_line(escape(note))
     with out.status("drawing figures"):
         paths = plot_all(ds, out_dir / "plots", target=Target("preserve", slack=0.05))
     out.print(
