@@ -649,6 +649,69 @@ def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_p
         assert said in output and "its container --gpus 1" not in output, output
 
 
+def test_an_env_dropping_cuda_visible_devices_is_warned_of_and_recorded(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env -i` or `env -u CUDA_VISIBLE_DEVICES` in server_command drops the UUIDs dvfs hands
+    the wrapper: the server runs on CUDA's first GPU(s). Doctor said it was "pinned to" the
+    metered GPU (by CUDA_VISIBLE_DEVICES), and where NVML could not list processes the server
+    record said nothing of it. Doctor warns, naming it and the fix, and the server record says
+    it; `env -i CUDA_VISIBLE_DEVICES=<the metered UUID>` sets it again: pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+
+    def campaign(folder: Path, *wrapper: str) -> Path:
+        folder.mkdir()
+        path, _ = stub_campaign(
+            folder,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs='sm_clock = "stock"\nsettle_s = 0.0',
+            gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+            wrapper=wrapper,
+        )
+        return path
+
+    for number, (wrapper, setting) in enumerate(
+        (
+            (("env", "-i"), "env -i"),
+            (("env", "-u", "CUDA_VISIBLE_DEVICES"), "env -u CUDA_VISIBLE_DEVICES"),
+            (("env", "--unset=CUDA_VISIBLE_DEVICES"), "env --unset=CUDA_VISIBLE_DEVICES"),
+        )
+    ):
+        path = campaign(tmp_path / f"c{number}", *wrapper)
+        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith("warn server GPUs: "), checked.stdout
+        output = " ".join(checked.stdout.split())
+        assert "pinned to" not in output, output
+        assert (
+            f"engine.sglang.server_command drops CUDA_VISIBLE_DEVICES ({setting}) in place of "
+            f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
+            "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+            "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
+            "metered GPUs' UUIDs"
+        ) in output, output
+    path = campaign(tmp_path / "set", "env", "-i", f"CUDA_VISIBLE_DEVICES={metered}")
+    checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    path = campaign(tmp_path / "swept", "env", "-u", "CUDA_VISIBLE_DEVICES")
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stderr
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    [server] = [r for r in records if r["type"] == "server"]
+    assert server["gpu_pinning"].startswith("unverified: NVML cannot list")
+    assert server["gpu_pinning"].endswith(
+        "; engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (env -u "
+        "CUDA_VISIBLE_DEVICES) in place of the metered GPUs' UUIDs: the server then runs on "
+        "CUDA's first GPU(s), which dvfs cannot check"
+    )
+
+
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
     nv: ModuleType, tmp_path: Path
 ) -> None:

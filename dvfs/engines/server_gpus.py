@@ -5,9 +5,9 @@ NVML may number GPUs differently; a UUID means the same GPU to both). A campaign
 `server_command` wrapper (`env CUDA_VISIBLE_DEVICES=...`, a container's `--gpus` /
 `--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES, Slurm's `srun --gpus`), can move it: what
 surely names other GPUs is refused here, what cannot be judged (an index, a count, `all`, a
-container not passed the variable) is said by `dvfs doctor` and in the server record. The sweep
-and doctor share these rules; NVML's process check at start (`dvfs.engines.sglang`) is the
-second line.
+container not passed the variable, an `env -i` dropping it) is said by `dvfs doctor` and in the
+server record. The sweep and doctor share these rules; NVML's process check at start
+(`dvfs.engines.sglang`) is the second line.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ class WrapperGpus:
     #: Not a container's: Slurm's (`srun --gpus=1`), which picks GPUs and sets its own
     #: CUDA_VISIBLE_DEVICES to them.
     slurm: bool = False
+    #: env's `-i` or `-u CUDA_VISIBLE_DEVICES` (`setting`: "env -i"), setting none after
+    #: (`_dropped_by`): the server has no CUDA_VISIBLE_DEVICES, so every GPU, CUDA's first.
+    dropped: bool = False
 
     @property
     def judged(self) -> bool:
@@ -112,6 +115,11 @@ class WrapperGpus:
                 "command line: without it the server runs on the GPUs the container runtime "
                 f"gives it (with a CUDA image, all) rather than the metered {metered}, which "
                 "dvfs cannot check"
+            )
+        if self.dropped:
+            return (
+                f"drops CUDA_VISIBLE_DEVICES ({self.setting}) in place of the metered "
+                f"{metered}: the server then runs on CUDA's first GPU(s), which dvfs cannot check"
             )
         if self.slurm:
             return (
@@ -170,6 +178,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     unpassed = _unpassed_container(joined)
     if unpassed is not None and not any(g.container for g in found):
         found.append(WrapperGpus(unpassed, (), container=True, unpassed=True))
+    dropped = _dropped_by(joined)
+    if dropped is not None:
+        found.append(WrapperGpus(dropped, (), container=False, dropped=True))
     # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
     # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
     # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
@@ -186,6 +197,41 @@ def _launcher_of(command: Sequence[str], index: int) -> str | None:
         name = token.rsplit("/", 1)[-1]
         if name in (*CONTAINER_ENGINES, SLURM_LAUNCHER):
             return name
+    return None
+
+
+def _dropped_by(command: Sequence[str]) -> str | None:
+    """The env that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words ("env -i",
+    "env -u CUDA_VISIBLE_DEVICES"): its `-i` (`-`, `--ignore-environment`) or `-u
+    CUDA_VISIBLE_DEVICES` (`--unset`), with no CUDA_VISIBLE_DEVICES set after it (`env -i
+    CUDA_VISIBLE_DEVICES=GPU-...`, judged as set); None where no env drops it."""
+    from dvfs.records.session import command_env
+
+    for index, token in enumerate(command):
+        if token.rsplit("/", 1)[-1] != "env":
+            continue
+        said = None
+        later = index + 1
+        while later < len(command) and command[later].startswith("-") and command[later] != "--":
+            option = command[later]
+            name, equals, given = option.partition("=")
+            if option in ("-", "--ignore-environment") or re.fullmatch(r"-[0v]*i\w*", option):
+                said = said or "env -i"
+            elif option in ("-u", "--unset") and later + 1 < len(command):
+                later += 1
+                if command[later] == "CUDA_VISIBLE_DEVICES":
+                    said = said or f"env {option} CUDA_VISIBLE_DEVICES"
+            elif (name == "--unset" and equals and given == "CUDA_VISIBLE_DEVICES") or (
+                option == "-uCUDA_VISIBLE_DEVICES"
+            ):
+                said = said or f"env {option}"
+            elif option in ("-C", "--chdir") or re.fullmatch(r"-[0v]*S", option):
+                later += 1  # its argument; an -S line is read as env's only by `command_env`
+            later += 1
+        if said is not None and not command_env(
+            command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
+        ):
+            return said
     return None
 
 
@@ -349,6 +395,11 @@ def unjudged_remedy(campaign: Campaign) -> str:
     unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
     if unjudged and all(g.unpassed for g in unjudged):
         return PASS_CUDA_UUIDS
+    if unjudged and all(g.dropped for g in unjudged):
+        return (
+            "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
+            "metered GPUs' UUIDs"
+        )
     if unjudged and all(g.slurm for g in unjudged):
         return (
             f"drop {SLURM_LAUNCHER} from server_command and run dvfs itself in the Slurm job, "
