@@ -347,10 +347,14 @@ exec env CUDA_VISIBLE_DEVICES="$visible" "$@"
 
 
 def container_campaign(
-    folder: Path, *flags: str, before: tuple[str, ...] = (), engine: str = "docker"
+    folder: Path,
+    *flags: str,
+    before: tuple[str, ...] = (),
+    engine: str = "docker",
+    run: tuple[str, ...] = ("run",),
 ) -> Path:
     """A one-cell stub campaign in `folder` (made) metering GPU 1 observe-only, its server
-    started by the stand-in docker (`FAKE_DOCKER`) named `engine`: `[*before, engine, run,
+    started by the stand-in docker (`FAKE_DOCKER`) named `engine`: `[*before, engine, *run,
     *flags, IMG]`."""
     folder.mkdir()
     docker = folder / engine
@@ -362,7 +366,7 @@ def container_campaign(
         batch="[1]",
         knobs='sm_clock = "stock"\nsettle_s = 0.0',
         gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-        wrapper=(*before, str(docker), "run", *flags, "IMG"),
+        wrapper=(*before, str(docker), *run, *flags, "IMG"),
     )
     return path
 
@@ -601,6 +605,46 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
             "the container runtime gives it (with a CUDA image, all) rather than the metered "
             "GPUs' UUIDs, which dvfs cannot check"
         )
+
+
+def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker compose run SERVICE ...` (`docker-compose run`) starts the service's container
+    with the environment its compose file names, which dvfs does not read, not the
+    CUDA_VISIBLE_DEVICES dvfs hands it. Doctor said "pinned to" the metered GPU (by
+    CUDA_VISIBLE_DEVICES). It warns as for `docker run`, naming compose's fix (compose's run
+    takes `-e` but no `--gpus`); passed `-e CUDA_VISIBLE_DEVICES`, it is pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    for number, (engine, run, words) in enumerate(
+        (
+            ("docker", ("compose", "run"), "docker compose run"),
+            ("docker", ("compose", "-f", "compose.yaml", "run", "--rm"), "docker compose run"),
+            ("docker-compose", ("run",), "docker-compose run"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", engine=engine, run=run)
+        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        assert line.startswith("warn server GPUs: "), checked.stdout
+        output = " ".join(checked.stdout.split())
+        assert "pinned to" not in output, output
+        assert (
+            f"engine.sglang.server_command starts a container ({words}) not passed "
+            "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
+            f"the container runtime gives it (with a CUDA image, all) rather than the metered "
+            f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
+            "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
+            "CUDA_VISIBLE_DEVICES after run, the compose file reserving it every GPU), right "
+            "for each fleet worker's GPUs"
+        ) in output, output
+    path = container_campaign(
+        tmp_path / "passed", "-e", "CUDA_VISIBLE_DEVICES", run=("compose", "run")
+    )
+    checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_path: Path) -> None:

@@ -270,22 +270,30 @@ def _env_host(command: Sequence[str]) -> bool:
     return any(token in ("--env-host", "--env-host=true") for token in command)
 
 
+#: Compose's own launchers, whose `run` starts a service's container as `docker compose run`
+#: does: given the environment its compose file names, which dvfs does not read.
+COMPOSE_LAUNCHERS = ("docker-compose", "podman-compose")
+
+
 def _container_run(command: Sequence[str]) -> tuple[str, int] | None:
     """A container engine's `run` in command (`docker run`, `podman --remote container run`,
-    `sudo docker run`): its words ("docker run") and the index of what follows `run`; None
-    where there is none."""
+    `sudo docker run`, a service's: `docker compose -f FILE run`, `docker-compose run`): its
+    words ("docker run", "docker compose run") and the index of what follows `run`; None where
+    there is none."""
     for index, token in enumerate(command):
         engine = token.rsplit("/", 1)[-1]
-        if engine not in CONTAINER_ENGINES:
+        if engine not in (*CONTAINER_ENGINES, *COMPOSE_LAUNCHERS):
             continue
+        words = [engine]
         value = False  # the word may be the value of the option before it
         for later in range(index + 1, len(command)):
             word = command[later]
             if word == "run":
-                return f"{engine} run", later + 1
+                return " ".join([*words, "run"]), later + 1
             if word.startswith("-"):
                 value = "=" not in word
-            elif word == "container" or value:
+            elif word in ("container", "compose") or value:
+                words += [word] if word == "compose" and not value else []
                 value = False
             else:
                 break
@@ -394,6 +402,12 @@ def unjudged_remedy(campaign: Campaign) -> str:
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
     unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
     if unjudged and all(g.unpassed for g in unjudged):
+        if any(" compose" in g.setting or "-compose" in g.setting for g in unjudged):
+            # Compose's `run` takes `-e` but no `--gpus`: its compose file reserves the GPUs.
+            return (
+                "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after "
+                "run, the compose file reserving it every GPU), right for each fleet worker's GPUs"
+            )
         return PASS_CUDA_UUIDS
     if unjudged and all(g.dropped for g in unjudged):
         return (
