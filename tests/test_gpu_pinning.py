@@ -352,10 +352,11 @@ def container_campaign(
     before: tuple[str, ...] = (),
     engine: str = "docker",
     run: tuple[str, ...] = ("run",),
+    inside: tuple[str, ...] = (),
 ) -> Path:
     """A one-cell stub campaign in `folder` (made) metering GPU 1 observe-only, its server
     started by the stand-in docker (`FAKE_DOCKER`) named `engine`: `[*before, engine, *run,
-    *flags, IMG]`."""
+    *flags, IMG, *inside]`."""
     folder.mkdir()
     docker = folder / engine
     docker.write_text(FAKE_DOCKER)
@@ -366,7 +367,7 @@ def container_campaign(
         batch="[1]",
         knobs='sm_clock = "stock"\nsettle_s = 0.0',
         gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-        wrapper=(*before, str(docker), *run, *flags, "IMG"),
+        wrapper=(*before, str(docker), *run, *flags, "IMG", *inside),
     )
     return path
 
@@ -740,6 +741,20 @@ def test_an_env_dropping_cuda_visible_devices_is_warned_of_and_recorded(
     checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
     pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    # A container not passed CUDA_VISIBLE_DEVICES runs on the GPUs it is given whatever drops
+    # it, before the container or inside it.
+    for number, (before, inside) in enumerate(
+        ((("env", "-i"), ()), ((), ("env", "-u", "CUDA_VISIBLE_DEVICES")))
+    ):
+        path = container_campaign(
+            tmp_path / f"given{number}", "--gpus", f"device={metered}", before=before, inside=inside
+        )
+        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+        pinned = (
+            f"ok server GPUs: the server is pinned to {metered} (the container's --gpus "
+            f"device={metered})"
+        )
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
     for index in range(3):
         nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
     path = campaign(tmp_path / "swept", "env", "-u", "CUDA_VISIBLE_DEVICES")

@@ -179,8 +179,8 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     if unpassed is not None and not any(g.container for g in found):
         found.append(WrapperGpus(unpassed, (), container=True, unpassed=True))
     dropped = _dropped_by(joined)
-    if dropped is not None:
-        found.append(WrapperGpus(dropped, (), container=False, dropped=True))
+    if dropped is not None and _drop_reaches_server(joined, dropped[1]):
+        found.append(WrapperGpus(dropped[0], (), container=False, dropped=True))
     # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
     # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
     # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
@@ -200,10 +200,28 @@ def _launcher_of(command: Sequence[str], index: int) -> str | None:
     return None
 
 
-def _dropped_by(command: Sequence[str]) -> str | None:
+def _drop_reaches_server(command: Sequence[str], at: int) -> bool:
+    """Whether dropping CUDA_VISIBLE_DEVICES at `command[at]` (`_dropped_by`) takes the server's
+    away: always outside a container; before a container run, where the container is passed
+    the host's (`-e CUDA_VISIBLE_DEVICES`, `--env-host`); inside it, where it is passed one at
+    all. A container passed none runs on the GPUs it is given whatever drops it (judged, or
+    warned of, as such)."""
+    run = _container_run(command)
+    if run is None:
+        return True
+    rest = command[run[1] :]
+    given = [g.partition("=") for g in _container_env(rest)]
+    if at < run[1]:
+        return _env_host(rest) or any(
+            key == "CUDA_VISIBLE_DEVICES" and not equals for key, equals, _ in given
+        )
+    return _env_host(rest) or any(key == "CUDA_VISIBLE_DEVICES" for key, _, _ in given)
+
+
+def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     """The env that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words ("env -i",
-    "env -u CUDA_VISIBLE_DEVICES"): its `-i` (`-`, `--ignore-environment`) or `-u
-    CUDA_VISIBLE_DEVICES` (`--unset`), with no CUDA_VISIBLE_DEVICES set after it (`env -i
+    "env -u CUDA_VISIBLE_DEVICES"), and its index: its `-i` (`-`, `--ignore-environment`) or
+    `-u CUDA_VISIBLE_DEVICES` (`--unset`), with no CUDA_VISIBLE_DEVICES set after it (`env -i
     CUDA_VISIBLE_DEVICES=GPU-...`, judged as set); None where no env drops it."""
     from dvfs.records.session import command_env
 
@@ -231,7 +249,7 @@ def _dropped_by(command: Sequence[str]) -> str | None:
         if said is not None and not command_env(
             command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
         ):
-            return said
+            return said, index
     return None
 
 
