@@ -754,6 +754,38 @@ def test_an_env_dropping_cuda_visible_devices_is_warned_of_and_recorded(
     )
 
 
+def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`sudo -u USER python -m sglang.launch_server` (dvfs as root, the server as a user) resets
+    the environment, CUDA_VISIBLE_DEVICES with it, unless sudoers keeps it: doctor said the
+    server was "pinned to" the metered GPU (by CUDA_VISIBLE_DEVICES). It warns, saying to give
+    sudo -E; `sudo -E` and `--preserve-env=...,CUDA_VISIBLE_DEVICES` keep it: pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    sudo = tmp_path / "sudo"
+    sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    sudo.chmod(0o755)
+    for number, options in enumerate((("-u", "svc"), ("--user=svc", "--preserve-env=PATH"))):
+        path = observed_campaign(tmp_path / f"c{number}", (str(sudo), *options))
+        output = _doctor_warns(path, env)
+        assert (
+            "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo without -E, unless "
+            f"its sudoers keeps it) in place of the metered {metered}: the server then runs on "
+            "CUDA's first GPU(s), which dvfs cannot check: the sweep stops the server only where "
+            "NVML lists it on another GPU; give sudo -E (or "
+            "--preserve-env=CUDA_VISIBLE_DEVICES), which keeps the CUDA_VISIBLE_DEVICES dvfs "
+            "hands the server"
+        ) in output, output
+    for number, options in enumerate(
+        (("-Eu", "svc"), ("-u", "svc", "--preserve-env=PATH,CUDA_VISIBLE_DEVICES"))
+    ):
+        path = observed_campaign(tmp_path / f"kept{number}", (str(sudo), *options))
+        checked = _doctor(path, env)
+        pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -5,9 +5,9 @@ NVML may number GPUs differently; a UUID means the same GPU to both). A campaign
 `server_command` wrapper (`env CUDA_VISIBLE_DEVICES=...`, a container's `--gpus` /
 `--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES, Slurm's `srun --gpus`), can move it: what
 surely names other GPUs is refused here, what cannot be judged (an index, a count, `all`, a
-container not passed the variable, an `env -i` dropping it) is said by `dvfs doctor` and in the
-server record. The sweep and doctor share these rules; NVML's process check at start
-(`dvfs.engines.sglang`) is the second line.
+container not passed the variable, an `env -i` or a `sudo` dropping it) is said by `dvfs
+doctor` and in the server record. The sweep and doctor share these rules; NVML's process check
+at start (`dvfs.engines.sglang`) is the second line.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ class WrapperGpus:
     #: Not a container's: Slurm's (`srun --gpus=1`), which picks GPUs and sets its own
     #: CUDA_VISIBLE_DEVICES to them.
     slurm: bool = False
-    #: env's `-i` or `-u CUDA_VISIBLE_DEVICES` (`setting`: "env -i"), setting none after
-    #: (`_dropped_by`): the server has no CUDA_VISIBLE_DEVICES, so every GPU, CUDA's first.
+    #: env's `-i` or `-u CUDA_VISIBLE_DEVICES` (`setting`: "env -i"), or sudo without -E,
+    #: setting none after (`_dropped_by`): the server has no CUDA_VISIBLE_DEVICES, so every GPU,
+    #: CUDA's first.
     dropped: bool = False
 
     @property
@@ -219,16 +220,21 @@ def _drop_reaches_server(command: Sequence[str], at: int) -> bool:
 
 
 def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
-    """The env that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words ("env -i",
-    "env -u CUDA_VISIBLE_DEVICES"), and its index: its `-i` (`-`, `--ignore-environment`) or
-    `-u CUDA_VISIBLE_DEVICES` (`--unset`), with no CUDA_VISIBLE_DEVICES set after it (`env -i
-    CUDA_VISIBLE_DEVICES=GPU-...`, judged as set); None where no env drops it."""
+    """The env or sudo that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words
+    ("env -i", "env -u CUDA_VISIBLE_DEVICES", `_sudo_drops`'s), and its index: env's `-i` (`-`,
+    `--ignore-environment`) or `-u CUDA_VISIBLE_DEVICES` (`--unset`), sudo without -E, with no
+    CUDA_VISIBLE_DEVICES set after it (`env -i CUDA_VISIBLE_DEVICES=GPU-...`, judged as set);
+    None where none drops it."""
     from dvfs.records.session import command_env
 
     for index, token in enumerate(command):
+        said = _sudo_drops(command, index) if token.rsplit("/", 1)[-1] == "sudo" else None
+        if said is not None and not command_env(
+            command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
+        ):
+            return said, index
         if token.rsplit("/", 1)[-1] != "env":
             continue
-        said = None
         later = index + 1
         while later < len(command) and command[later].startswith("-") and command[later] != "--":
             option = command[later]
@@ -251,6 +257,48 @@ def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
         ):
             return said, index
     return None
+
+
+#: sudo's options that take the next argument (`-u USER`), short and long (`--user USER`).
+SUDO_ARGUMENT_OPTIONS = "ugCDprtTUc"
+SUDO_LONG_ARGUMENT_OPTIONS = (
+    "--user",
+    "--group",
+    "--close-from",
+    "--chdir",
+    "--host",
+    "--prompt",
+    "--role",
+    "--type",
+    "--command-timeout",
+    "--other-user",
+    "--login-class",
+)
+
+
+def _sudo_drops(command: Sequence[str], index: int) -> str | None:
+    """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
+    unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
+    or its sudoers does (`env_keep`, which dvfs does not read); None where it keeps it."""
+    later = index + 1
+    while later < len(command) and command[later].startswith("-") and command[later] != "--":
+        option = command[later]
+        name, equals, given = option.partition("=")
+        if option == "--preserve-env" or (
+            name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(",")
+        ):
+            return None
+        if option.startswith("--"):
+            later += 2 if name in SUDO_LONG_ARGUMENT_OPTIONS and not equals else 1
+            continue
+        for at, letter in enumerate(option[1:], start=1):
+            if letter == "E":
+                return None
+            if letter in SUDO_ARGUMENT_OPTIONS:
+                later += 0 if option[at + 1 :] else 1  # its argument, attached or the next
+                break
+        later += 1
+    return "sudo without -E, unless its sudoers keeps it"
 
 
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
@@ -427,6 +475,11 @@ def unjudged_remedy(campaign: Campaign) -> str:
                 "run, the compose file reserving it every GPU), right for each fleet worker's GPUs"
             )
         return PASS_CUDA_UUIDS
+    if unjudged and all(g.dropped and g.setting.startswith("sudo") for g in unjudged):
+        return (
+            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES), which keeps the "
+            "CUDA_VISIBLE_DEVICES dvfs hands the server"
+        )
     if unjudged and all(g.dropped for g in unjudged):
         return (
             "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
