@@ -560,6 +560,12 @@ def test_a_container_passed_cuda_visible_devices_needs_only_hold_the_metered_gpu
     checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "o2"), env=env)
     pinned = f"ok server GPUs: the server is pinned to {uuids[1]} (CUDA_VISIBLE_DEVICES)"
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    # Set so inside the container (`IMG env CUDA_VISIBLE_DEVICES=GPU-...`), as `-e` sets it: it
+    # was warned of as "--gpus all ..., which dvfs cannot check".
+    inside = ("env", f"CUDA_VISIBLE_DEVICES={uuids[1]}")
+    path = container_campaign(tmp_path / "inside", "--gpus", "all", inside=inside)
+    checked = _doctor(path, env)
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
     lacking = ("--gpus", f'"device={uuids[0]},{uuids[2]}"', "-e", "CUDA_VISIBLE_DEVICES")
     path = container_campaign(tmp_path / "lacking", *lacking)
     checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "o3"), env=env)

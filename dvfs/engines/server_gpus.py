@@ -305,8 +305,14 @@ def _passes_cuda_uuids(command: Sequence[str]) -> bool:
     """Whether a container is passed CUDA_VISIBLE_DEVICES by UUID: dvfs's own (`-e
     CUDA_VISIBLE_DEVICES`, `--env=...`, `-eCUDA_VISIBLE_DEVICES`, no value; podman's
     `--env-host`, the whole environment) or one naming every GPU by UUID (`-e
-    CUDA_VISIBLE_DEVICES=GPU-...`)."""
+    CUDA_VISIBLE_DEVICES=GPU-...`, or set so inside it: `IMG env CUDA_VISIBLE_DEVICES=GPU-...`)."""
+    from dvfs.records.session import command_env
+
     if _env_host(command):
+        return True
+    run = _container_run(command)
+    inside = None if run is None else command_env(command[run[1] :], keep=_is_cuda)
+    if inside and _by_uuid(inside["CUDA_VISIBLE_DEVICES"]):
         return True
     for given in _container_env(command):
         key, equals, value = given.partition("=")
@@ -316,6 +322,16 @@ def _passes_cuda_uuids(command: Sequence[str]) -> bool:
         ):
             return True
     return False
+
+
+def _is_cuda(name: str) -> bool:
+    return name == "CUDA_VISIBLE_DEVICES"
+
+
+def _by_uuid(value: str) -> bool:
+    """Whether a GPU list names at least one GPU, each by UUID (or a UUID's start)."""
+    entries = [v.strip() for v in value.split(",") if v.strip()]
+    return bool(entries) and all(e.upper().startswith(("GPU-", "MIG-")) for e in entries)
 
 
 def _container_env(command: Sequence[str]) -> list[str]:
