@@ -164,16 +164,30 @@ def test_a_lost_worker_with_no_other_left_says_so(tmp_path: Path, monkeypatch) -
     assert last.startswith("Error: every worker was lost with "), told
 
 
-def test_a_worker_retired_for_its_server_is_not_reported_lost(tmp_path: Path, monkeypatch) -> None:
-    """A fleet's worker whose server the driver refused (retired), the other finishing every
-    cell: the sweep's report said "gpu1 ...: 0 cell(s) ... lost: <the refusal>", as if its GPU
-    or server had been lost. It says it was retired, its server refused, in the note and the
-    report; the other worker's line names no loss."""
+def retired_fleet_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Result]:
+    """The `retired` fleet campaign swept on GPUs 0 and 1 into tmp_path/out, gpu1's server
+    refused (the worker retired), exiting 0: (the folder, the sweep's result)."""
     refuse_servers_on(monkeypatch, "gpu1")
     write(tmp_path / "campaign.toml", fleet_campaign("retired"))
     out = tmp_path / "out"
     result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
     assert result.exit_code == 0, result.output
+    return out, result
+
+
+def rebuilt(out: Path, records: list[dict[str, Any]]) -> None:
+    """`records` written back as out's journal, and its cube built again (exiting 0)."""
+    (out / "journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 0, built.output
+
+
+def test_a_worker_retired_for_its_server_is_not_reported_lost(tmp_path: Path, monkeypatch) -> None:
+    """A fleet's worker whose server the driver refused (retired), the other finishing every
+    cell: the sweep's report said "gpu1 ...: 0 cell(s) ... lost: <the refusal>", as if its GPU
+    or server had been lost. It says it was retired, its server refused, in the note and the
+    report; the other worker's line names no loss."""
+    _, result = retired_fleet_sweep(tmp_path, monkeypatch)
     told = " ".join(result.output.split())
     why = "the server of drafter 'none' on gpu1 differs"
     assert f"worker gpu1 retired, its server refused ({why}); its unfinished cells go " in told
@@ -188,13 +202,8 @@ def test_a_retired_workers_gpu_that_measured_nothing_is_not_the_cubes(
     cell: the cube named both GPUs ("x2" in `dvfs cube info`, `gpu_uuids`, a counter period
     each) and its idle power was both GPUs' mean, though every cell ran on one. It names the
     GPU that measured, and its idle power is that GPU's."""
-    refuse_servers_on(monkeypatch, "gpu1")
-    write(tmp_path / "campaign.toml", fleet_campaign("retired"))
-    out = tmp_path / "out"
-    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
-    assert result.exit_code == 0, result.output
-    journal = out / "journal.jsonl"
-    records = read_records(journal)
+    out, _ = retired_fleet_sweep(tmp_path, monkeypatch)
+    records = read_records(out / "journal.jsonl")
     [session] = [r for r in records if r["type"] == "session"]
     [gpu0] = [w for w in session["workers"] if w["worker"] == "gpu0"]
     assert len(session["gpus"]) == 2 and {r.get("worker") for r in records[2:]} == {"gpu0"}
@@ -203,9 +212,7 @@ def test_a_retired_workers_gpu_that_measured_nothing_is_not_the_cubes(
         if w["worker"] == "gpu1":
             w["idle_power_w"] = gpu0["idle_power_w"] + 100.0
     session["idle_power_w"] = gpu0["idle_power_w"] + 50.0
-    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
-    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
-    assert built.exit_code == 0, built.output
+    rebuilt(out, records)
     info = CliRunner().invoke(cli, ["cube", "info", "--json", str(out / "cube.nc")])
     assert json.loads(info.output)["gpu"] == "NVIDIA H100 80GB HBM3 (twin) x1", info.output
     cube = open_cube(out / "cube.nc")
@@ -225,13 +232,8 @@ def test_a_retired_workers_cap_tenants_and_idle_readings_are_not_the_cubes(
     "the GPU's default, not the 450 W found at start: a cap dvfs applied" (no cap was on it),
     and the idle power was said to count a tenant it does not. They are the named GPU's
     alone, as its idle power is."""
-    refuse_servers_on(monkeypatch, "gpu1")
-    write(tmp_path / "campaign.toml", fleet_campaign("retired"))
-    out = tmp_path / "out"
-    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
-    assert result.exit_code == 0, result.output
-    journal = out / "journal.jsonl"
-    records = read_records(journal)
+    out, _ = retired_fleet_sweep(tmp_path, monkeypatch)
+    records = read_records(out / "journal.jsonl")
     [session] = [r for r in records if r["type"] == "session"]
     [gpu1] = [w for w in session["workers"] if w["worker"] == "gpu1"]
     [retired] = gpu1["gpus"]
@@ -243,9 +245,7 @@ def test_a_retired_workers_cap_tenants_and_idle_readings_are_not_the_cubes(
         idle_foreign_processes=[tenant],
         idle_from_power_readings=True,
     )
-    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
-    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
-    assert built.exit_code == 0, built.output
+    rebuilt(out, records)
     cube = open_cube(out / "cube.nc")
     assert retired not in cube.attrs["gpu_uuids"]
     for name in ("power_limit_found_w", "power_limit_found_gpus", "stock_power_limit_enforced"):

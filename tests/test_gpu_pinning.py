@@ -33,6 +33,52 @@ def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return fresh_fake(tmp_path, monkeypatch, DEVICES)
 
 
+def _no_process_lists(nv: ModuleType) -> None:
+    """NVML lists no compute processes on any of the fake's GPUs (Not Supported)."""
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+
+
+def _sweep_into(path: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`dvfs sweep PATH --out OUT --no-progress` with ENV, in this process."""
+    return dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+
+
+def _journal(out: Path) -> list[dict]:
+    """The records of the journal in `out`."""
+    return [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+
+
+def _doctor(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`dvfs doctor PATH --out <PATH's folder>/o` with ENV, in this process."""
+    return dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+
+
+def _server_gpus_line(checked: subprocess.CompletedProcess) -> str:
+    """Doctor's one "server GPUs" line."""
+    [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+    return line
+
+
+def _doctor_warns(path: Path, env: dict[str, str]) -> str:
+    """Doctor's output on one line (`_doctor`), its "server GPUs" line a warning that does not
+    say the server is pinned."""
+    checked = _doctor(path, env)
+    line = _server_gpus_line(checked)
+    assert line.startswith("warn server GPUs: "), checked.stdout
+    output = " ".join(checked.stdout.split())
+    assert "pinned to" not in output, output
+    return output
+
+
+def _swept_server(path: Path, out: Path, env: dict[str, str]) -> dict:
+    """The one server record of a sweep of `path` into `out` (`_sweep_into`) that exits 0."""
+    swept = _sweep_into(path, out, env)
+    assert swept.returncode == 0, swept.stderr
+    [server] = [r for r in _journal(out) if r["type"] == "server"]
+    return server
+
+
 def _sweep(tmp_path: Path, stub: dict | None = None) -> tuple[int, list[dict], list[dict], str]:
     """One drafter's sweep on GPU 1: exit code, cell records, server records, output."""
     path, marker = stub_campaign(
@@ -45,8 +91,8 @@ def _sweep(tmp_path: Path, stub: dict | None = None) -> tuple[int, list[dict], l
     )
     out = tmp_path / "out"
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
-    result = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
-    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    result = _sweep_into(path, out, env)
+    records = _journal(out)
     assert running(marker) == []  # every server was stopped, the refused one too
     cells = [r for r in records if r["type"] == "cell"]
     servers = [r for r in records if r["type"] == "server"]
@@ -156,14 +202,7 @@ def test_a_campaign_env_naming_the_metered_gpu_by_a_short_uuid_passes(
         (other[:12], f'"{metered}"', "other-uuid"),
     ):
         folder = tmp_path / where
-        folder.mkdir()
-        path, _ = stub_campaign(
-            folder,
-            drafters=ONE_DRAFTER,
-            batch="[1]",
-            knobs='sm_clock = "stock"\nsettle_s = 0.0',
-            gpu=f'backend = "nvml"\ndevices = [{device}]\nactuation = "off"',
-        )
+        path = observed_campaign(folder, devices=f"[{device}]")
         text = path.read_text()
         path.write_text(text.replace("env = { ", f'env = {{ CUDA_VISIBLE_DEVICES = "{value}", '))
         checked = dvfs_in_process("doctor", str(path), "--out", str(folder / "out"), env=env)
@@ -176,9 +215,9 @@ def test_a_campaign_env_naming_the_metered_gpu_by_a_short_uuid_passes(
             assert f"ok server GPUs: the server is pinned to {metered}" in output
 
 
-def wrapped_campaign(folder: Path, visible: str, devices: str = "[1]") -> Path:
+def observed_campaign(folder: Path, wrapper: tuple[str, ...] = (), devices: str = "[1]") -> Path:
     """A one-cell stub campaign in `folder` (made) metering `devices` observe-only, its
-    server_command wrapped in `env CUDA_VISIBLE_DEVICES=<visible>` (one argument to env)."""
+    server_command behind `wrapper`."""
     folder.mkdir(exist_ok=True)
     path, _ = stub_campaign(
         folder,
@@ -186,9 +225,15 @@ def wrapped_campaign(folder: Path, visible: str, devices: str = "[1]") -> Path:
         batch="[1]",
         knobs='sm_clock = "stock"\nsettle_s = 0.0',
         gpu=f'backend = "nvml"\ndevices = {devices}\nactuation = "off"',
-        wrapper=("env", f"CUDA_VISIBLE_DEVICES={visible}"),
+        wrapper=wrapper,
     )
     return path
+
+
+def wrapped_campaign(folder: Path, visible: str, devices: str = "[1]") -> Path:
+    """A one-cell stub campaign in `folder` (made) metering `devices` observe-only, its
+    server_command wrapped in `env CUDA_VISIBLE_DEVICES=<visible>` (one argument to env)."""
+    return observed_campaign(folder, ("env", f"CUDA_VISIBLE_DEVICES={visible}"), devices)
 
 
 def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
@@ -199,8 +244,7 @@ def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
     the other GPU, and the metered GPU would measure an idle GPU's energy. The sweep refuses
     every server, and doctor fails it, in the sweep's words; the metered GPU's own UUID, or an
     index (a container's own numbering), passes."""
-    for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    _no_process_lists(nv)
     devices = nv.fake_state()["devices"]
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
 
@@ -210,7 +254,7 @@ def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
     other = campaign(devices[0]["uuid"], "other")
     checked = dvfs_in_process("doctor", str(other), "--out", str(tmp_path / "c"), env=env)
     out = tmp_path / "out"
-    swept = dvfs_in_process("sweep", str(other), "--out", str(out), "--no-progress", env=env)
+    swept = _sweep_into(other, out, env)
     said = (
         f"engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={devices[0]['uuid']}, other "
         f"GPUs than the metered {devices[1]['uuid']}"
@@ -220,7 +264,7 @@ def test_a_server_command_wrapper_pinning_the_server_to_another_gpu_is_refused(
     assert failed.startswith("FAIL server GPUs:")
     assert said in " ".join(checked.stdout.split())
     assert swept.returncode == 5, swept.stderr
-    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    records = _journal(out)
     assert not [r for r in records if r["type"] == "server"]
     [cell] = [r for r in records if r["type"] == "cell"]
     assert cell["status"] == "failed" and said in cell["error"]
@@ -251,9 +295,9 @@ def test_a_server_command_wrapper_naming_the_metered_gpu_by_a_short_uuid_passes(
     short = devices[0]["uuid"][:12]
     other = campaign(short, "other")
     out = tmp_path / "out"
-    swept = dvfs_in_process("sweep", str(other), "--out", str(out), "--no-progress", env=env)
+    swept = _sweep_into(other, out, env)
     assert swept.returncode == 5, swept.stderr
-    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    records = _journal(out)
     [cell] = [r for r in records if r["type"] == "cell"]
     said = f"sets CUDA_VISIBLE_DEVICES={short}, other GPUs than the metered {devices[1]['uuid']}"
     assert cell["status"] == "failed" and said in cell["error"]
@@ -274,7 +318,7 @@ def test_doctor_warns_of_a_server_command_wrapper_setting_an_index(
         checked = dvfs_in_process(
             "doctor", str(path), "--out", str(tmp_path / f"{where}-out"), env=env
         )
-        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        line = _server_gpus_line(checked)
         assert line.startswith("warn server GPUs: "), checked.stdout
         said = f"sets CUDA_VISIBLE_DEVICES={value} in place of the metered {metered}"
         assert said in " ".join(checked.stdout.split()) and "pinned to" not in checked.stdout
@@ -286,15 +330,10 @@ def test_an_unverified_pinning_names_a_server_command_wrapper_setting_an_index(
     """Where NVML cannot list processes, a wrapper's `env CUDA_VISIBLE_DEVICES=0` (an index,
     not checked) leaves where the server runs unknown twice over: the sweep's pinning outcome,
     kept in the journal (and the cube), says the wrapper set it, not only what NVML lacks."""
-    for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    _no_process_lists(nv)
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
     path = wrapped_campaign(tmp_path, "0")
-    out = tmp_path / "out"
-    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
-    assert swept.returncode == 0, swept.stderr
-    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
-    [server] = [r for r in records if r["type"] == "server"]
+    server = _swept_server(path, tmp_path / "out", env)
     assert server["gpu_pinning"].startswith("unverified: NVML cannot list")
     assert server["gpu_pinning"].endswith(
         "; engine.sglang.server_command sets CUDA_VISIBLE_DEVICES=0 in place of the metered "
@@ -347,24 +386,21 @@ exec env CUDA_VISIBLE_DEVICES="$visible" "$@"
 
 
 def container_campaign(
-    folder: Path, *flags: str, before: tuple[str, ...] = (), engine: str = "docker"
+    folder: Path,
+    *flags: str,
+    before: tuple[str, ...] = (),
+    engine: str = "docker",
+    run: tuple[str, ...] = ("run",),
+    inside: tuple[str, ...] = (),
 ) -> Path:
     """A one-cell stub campaign in `folder` (made) metering GPU 1 observe-only, its server
-    started by the stand-in docker (`FAKE_DOCKER`) named `engine`: `[*before, engine, run,
-    *flags, IMG]`."""
+    started by the stand-in docker (`FAKE_DOCKER`) named `engine`: `[*before, engine, *run,
+    *flags, IMG, *inside]`."""
     folder.mkdir()
     docker = folder / engine
     docker.write_text(FAKE_DOCKER)
     docker.chmod(0o755)
-    path, _ = stub_campaign(
-        folder,
-        drafters=ONE_DRAFTER,
-        batch="[1]",
-        knobs='sm_clock = "stock"\nsettle_s = 0.0',
-        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-        wrapper=(*before, str(docker), "run", *flags, "IMG"),
-    )
-    return path
+    return observed_campaign(folder, (*before, str(docker), *run, *flags, "IMG", *inside))
 
 
 def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_path: Path) -> None:
@@ -376,8 +412,7 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
     (a container's never are the started process's). Doctor fails it, and the sweep refuses
     the server before it starts, in the same line; the metered GPU's own UUID passes, pinned
     by the container's setting (and by CUDA_VISIBLE_DEVICES only where it is passed that)."""
-    for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    _no_process_lists(nv)
     devices = nv.fake_state()["devices"]
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
     other, metered = devices[0]["uuid"], devices[1]["uuid"]
@@ -392,7 +427,7 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
     ]
     for number, (flags, before, setting) in enumerate(cases):
         path = container_campaign(tmp_path / f"c{number}", *flags, before=before)
-        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+        checked = _doctor(path, env)
         said = (
             f"engine.sglang.server_command gives its container {setting}, other GPUs than the "
             f"metered {metered}: the server would run where dvfs does not meter; give it the "
@@ -405,9 +440,9 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
         assert failed.startswith("FAIL server GPUs:")
         assert said in " ".join(checked.stdout.split()), checked.stdout
     out = tmp_path / "out"
-    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    swept = _sweep_into(path, out, env)
     assert swept.returncode == 5, swept.stderr
-    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    records = _journal(out)
     assert not [r for r in records if r["type"] == "server"]
     assert not (out / "logs").exists()  # no server was started
     [cell] = [r for r in records if r["type"] == "cell"]
@@ -426,7 +461,7 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
         )
     ):
         fine = container_campaign(tmp_path / f"fine{number}", *flags)
-        checked = dvfs_in_process("doctor", str(fine), "--out", str(fine.parent / "o"), env=env)
+        checked = _doctor(fine, env)
         output = " ".join(checked.stdout.split())
         by = by if by.startswith("CUDA") else f"the container's {by}"
         assert f"ok server GPUs: the server is pinned to {metered} ({by})" in output, output
@@ -455,8 +490,8 @@ def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
         )
     ):
         path = container_campaign(tmp_path / f"c{number}", *flags)
-        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
-        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        checked = _doctor(path, env)
+        line = _server_gpus_line(checked)
         assert line.startswith("warn server GPUs: "), checked.stdout
         said = (
             f"engine.sglang.server_command gives its container {setting} rather than the "
@@ -473,17 +508,12 @@ def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
     # Given the CUDA_VISIBLE_DEVICES dvfs hands docker, CUDA in the container picks the metered
     # GPU among all.
     path = container_campaign(tmp_path / "passed", "--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
-    checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
+    checked = _doctor(path, env)
     pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
-    for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    _no_process_lists(nv)
     path = container_campaign(tmp_path / "swept", "--gpus", "all")
-    out = tmp_path / "out"
-    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
-    assert swept.returncode == 0, swept.stderr
-    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
-    [server] = [r for r in records if r["type"] == "server"]
+    server = _swept_server(path, tmp_path / "out", env)
     assert server["gpu_pinning"].startswith("unverified: NVML cannot list")
     assert server["gpu_pinning"].endswith(
         "; engine.sglang.server_command gives its container --gpus all rather than the metered "
@@ -502,8 +532,7 @@ def test_a_container_passed_cuda_visible_devices_needs_only_hold_the_metered_gpu
     for every worker ("other GPUs than the metered"), in doctor and at each server start, and
     `--gpus all -e CUDA_VISIBLE_DEVICES=GPU-<metered>` warned that dvfs could not check it.
     Both pass; a container without a metered GPU is still refused, saying to give it that."""
-    for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    _no_process_lists(nv)
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
     uuids = [d["uuid"] for d in nv.fake_state()["devices"]]
     fleet = ("--gpus", f'"device={uuids[1]},{uuids[2]}"', "-e", "CUDA_VISIBLE_DEVICES")
@@ -522,7 +551,7 @@ def test_a_container_passed_cuda_visible_devices_needs_only_hold_the_metered_gpu
         "sweep", str(path), "--out", str(out), "--gpus", "1,2", "--no-progress", env=env
     )
     assert swept.returncode == 0, swept.stderr
-    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    records = _journal(out)
     cells = [r for r in records if r["type"] == "cell"]
     assert cells and all(c["status"] == "ok" for c in cells)
     path = container_campaign(
@@ -530,6 +559,12 @@ def test_a_container_passed_cuda_visible_devices_needs_only_hold_the_metered_gpu
     )
     checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "o2"), env=env)
     pinned = f"ok server GPUs: the server is pinned to {uuids[1]} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    # Set so inside the container (`IMG env CUDA_VISIBLE_DEVICES=GPU-...`), as `-e` sets it: it
+    # was warned of as "--gpus all ..., which dvfs cannot check".
+    inside = ("env", f"CUDA_VISIBLE_DEVICES={uuids[1]}")
+    path = container_campaign(tmp_path / "inside", "--gpus", "all", inside=inside)
+    checked = _doctor(path, env)
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
     lacking = ("--gpus", f'"device={uuids[0]},{uuids[2]}"', "-e", "CUDA_VISIBLE_DEVICES")
     path = container_campaign(tmp_path / "lacking", *lacking)
@@ -565,11 +600,7 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
         )
     ):
         path = container_campaign(tmp_path / f"c{number}", *flags, engine=engine)
-        checked = dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
-        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
-        assert line.startswith("warn server GPUs: "), checked.stdout
-        output = " ".join(checked.stdout.split())
-        assert "pinned to" not in output, output
+        output = _doctor_warns(path, env)
         assert (
             f"engine.sglang.server_command starts a container ({engine} run) not passed "
             "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
@@ -586,11 +617,7 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
         ("unpassed", container_campaign(tmp_path / "swept", "--runtime=nvidia")),
         ("hosted", hosted),
     ):
-        out = tmp_path / f"out-{name}"
-        swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
-        assert swept.returncode == 0, swept.stderr
-        records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
-        [server] = [r for r in records if r["type"] == "server"]
+        server = _swept_server(path, tmp_path / f"out-{name}", env)
         if name == "hosted":
             assert server["gpu_pinning"] == f"verified: GPU 1 ({metered})"
             continue
@@ -601,6 +628,42 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
             "the container runtime gives it (with a CUDA image, all) rather than the metered "
             "GPUs' UUIDs, which dvfs cannot check"
         )
+
+
+def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker compose run SERVICE ...` (`docker-compose run`) starts the service's container
+    with the environment its compose file names, which dvfs does not read, not the
+    CUDA_VISIBLE_DEVICES dvfs hands it. Doctor said "pinned to" the metered GPU (by
+    CUDA_VISIBLE_DEVICES). It warns as for `docker run`, naming compose's fix (compose's run
+    takes `-e` but no `--gpus`); passed `-e CUDA_VISIBLE_DEVICES`, it is pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    for number, (engine, run, words) in enumerate(
+        (
+            ("docker", ("compose", "run"), "docker compose run"),
+            ("docker", ("compose", "-f", "compose.yaml", "run", "--rm"), "docker compose run"),
+            ("docker-compose", ("run",), "docker-compose run"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", engine=engine, run=run)
+        output = _doctor_warns(path, env)
+        assert (
+            f"engine.sglang.server_command starts a container ({words}) not passed "
+            "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
+            f"the container runtime gives it (with a CUDA image, all) rather than the metered "
+            f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
+            "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
+            "CUDA_VISIBLE_DEVICES after run, the compose file reserving it every GPU), right "
+            "for each fleet worker's GPUs"
+        ) in output, output
+    path = container_campaign(
+        tmp_path / "passed", "-e", "CUDA_VISIBLE_DEVICES", run=("compose", "run")
+    )
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_path: Path) -> None:
@@ -633,20 +696,100 @@ def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_p
         if before:
             path = container_campaign(folder, *before, before=(str(srun), "--gpus=1"))
         else:
-            folder.mkdir()
-            path, _ = stub_campaign(
-                folder,
-                drafters=ONE_DRAFTER,
-                batch="[1]",
-                knobs='sm_clock = "stock"\nsettle_s = 0.0',
-                gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-                wrapper=(str(srun), "--gpus=1"),
-            )
+            path = observed_campaign(folder, (str(srun), "--gpus=1"))
         checked = dvfs_in_process("doctor", str(path), "--out", str(folder / "o"), env=env)
         output = " ".join(checked.stdout.split())
-        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        line = _server_gpus_line(checked)
         assert line.startswith("warn server GPUs: "), output
         assert said in output and "its container --gpus 1" not in output, output
+
+
+def test_an_env_dropping_cuda_visible_devices_is_warned_of_and_recorded(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env -i` or `env -u CUDA_VISIBLE_DEVICES` in server_command drops the UUIDs dvfs hands
+    the wrapper: the server runs on CUDA's first GPU(s). Doctor said it was "pinned to" the
+    metered GPU (by CUDA_VISIBLE_DEVICES), and where NVML could not list processes the server
+    record said nothing of it. Doctor warns, naming it and the fix, and the server record says
+    it; `env -i CUDA_VISIBLE_DEVICES=<the metered UUID>` sets it again: pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+
+    for number, (wrapper, setting) in enumerate(
+        (
+            (("env", "-i"), "env -i"),
+            (("env", "-u", "CUDA_VISIBLE_DEVICES"), "env -u CUDA_VISIBLE_DEVICES"),
+            (("env", "--unset=CUDA_VISIBLE_DEVICES"), "env --unset=CUDA_VISIBLE_DEVICES"),
+        )
+    ):
+        path = observed_campaign(tmp_path / f"c{number}", wrapper)
+        output = _doctor_warns(path, env)
+        assert (
+            f"engine.sglang.server_command drops CUDA_VISIBLE_DEVICES ({setting}) in place of "
+            f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
+            "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+            "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
+            "metered GPUs' UUIDs"
+        ) in output, output
+    path = observed_campaign(tmp_path / "set", ("env", "-i", f"CUDA_VISIBLE_DEVICES={metered}"))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    # A container not passed CUDA_VISIBLE_DEVICES runs on the GPUs it is given whatever drops
+    # it, before the container or inside it.
+    for number, (before, inside) in enumerate(
+        ((("env", "-i"), ()), ((), ("env", "-u", "CUDA_VISIBLE_DEVICES")))
+    ):
+        path = container_campaign(
+            tmp_path / f"given{number}", "--gpus", f"device={metered}", before=before, inside=inside
+        )
+        checked = _doctor(path, env)
+        pinned = (
+            f"ok server GPUs: the server is pinned to {metered} (the container's --gpus "
+            f"device={metered})"
+        )
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    _no_process_lists(nv)
+    path = observed_campaign(tmp_path / "swept", ("env", "-u", "CUDA_VISIBLE_DEVICES"))
+    server = _swept_server(path, tmp_path / "out", env)
+    assert server["gpu_pinning"].startswith("unverified: NVML cannot list")
+    assert server["gpu_pinning"].endswith(
+        "; engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (env -u "
+        "CUDA_VISIBLE_DEVICES) in place of the metered GPUs' UUIDs: the server then runs on "
+        "CUDA's first GPU(s), which dvfs cannot check"
+    )
+
+
+def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`sudo -u USER python -m sglang.launch_server` (dvfs as root, the server as a user) resets
+    the environment, CUDA_VISIBLE_DEVICES with it, unless sudoers keeps it: doctor said the
+    server was "pinned to" the metered GPU (by CUDA_VISIBLE_DEVICES). It warns, saying to give
+    sudo -E; `sudo -E` and `--preserve-env=...,CUDA_VISIBLE_DEVICES` keep it: pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    sudo = tmp_path / "sudo"
+    sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    sudo.chmod(0o755)
+    for number, options in enumerate((("-u", "svc"), ("--user=svc", "--preserve-env=PATH"))):
+        path = observed_campaign(tmp_path / f"c{number}", (str(sudo), *options))
+        output = _doctor_warns(path, env)
+        assert (
+            "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo without -E, unless "
+            f"its sudoers keeps it) in place of the metered {metered}: the server then runs on "
+            "CUDA's first GPU(s), which dvfs cannot check: the sweep stops the server only where "
+            "NVML lists it on another GPU; give sudo -E (or "
+            "--preserve-env=CUDA_VISIBLE_DEVICES), which keeps the CUDA_VISIBLE_DEVICES dvfs "
+            "hands the server"
+        ) in output, output
+    for number, options in enumerate(
+        (("-Eu", "svc"), ("-u", "svc", "--preserve-env=PATH,CUDA_VISIBLE_DEVICES"))
+    ):
+        path = observed_campaign(tmp_path / f"kept{number}", (str(sudo), *options))
+        checked = _doctor(path, env)
+        pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
@@ -671,7 +814,7 @@ def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker
             "doctor", str(path), "--out", str(tmp_path / f"o{number}"), "--gpus", "1,2", env=env
         )
         output = " ".join(checked.stdout.split())
-        [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
+        line = _server_gpus_line(checked)
         assert line.startswith(f"{status} server GPUs: "), output
         assert advice in output, output
     path = container_campaign(tmp_path / "advised", "--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
@@ -1036,8 +1179,7 @@ def test_the_dry_run_of_a_real_fleet_mixing_gpu_models_counts_each_models_cells(
 def test_nvml_without_process_lists_leaves_the_server_unverified(
     nv: ModuleType, tmp_path: Path
 ) -> None:
-    for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    _no_process_lists(nv)
     code, cells, servers, output = _sweep(tmp_path)
     assert code == 0, output
     assert cells and all(c["status"] == "ok" for c in cells)
@@ -1062,9 +1204,8 @@ def test_a_resume_keeps_the_pinning_of_the_server_that_measured_the_earlier_cell
     )
     out = tmp_path / "out"
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
-    for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
-    first = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    _no_process_lists(nv)
+    first = _sweep_into(path, out, env)
     assert first.returncode == 0, first.stderr
     journal = out / "journal.jsonl"
     lines = journal.read_text().splitlines(keepends=True)
@@ -1072,7 +1213,7 @@ def test_a_resume_keeps_the_pinning_of_the_server_that_measured_the_earlier_cell
     journal.write_text("".join(lines[:-1]))  # the run cut before its last cell
     for index in range(3):
         nv.fake_update_device(index, errors={})
-    again = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    again = _sweep_into(path, out, env)
     assert again.returncode == 0, again.stderr
     assert running(marker) == []
     records = [json.loads(line) for line in journal.read_text().splitlines()]
@@ -1239,7 +1380,7 @@ def test_the_twin_engine_on_a_gpu_the_twin_has_no_profile_of_is_refused_before_m
     assert load["status"] == "fail" and "no profile of NVIDIA H20" in load["detail"], load
     path.write_text(text.replace("devices = [0]", 'devices = [0]\nprofile = "h100-sxm"'))
     out = tmp_path / "out"
-    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    swept = _sweep_into(path, out, env)
     assert swept.returncode == 0, swept.stdout + swept.stderr
     assert dvfs.open_cube(str(out / "cube.nc")).attrs["twin_profile"] == "h100-sxm"
 

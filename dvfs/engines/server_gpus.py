@@ -5,9 +5,9 @@ NVML may number GPUs differently; a UUID means the same GPU to both). A campaign
 `server_command` wrapper (`env CUDA_VISIBLE_DEVICES=...`, a container's `--gpus` /
 `--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES, Slurm's `srun --gpus`), can move it: what
 surely names other GPUs is refused here, what cannot be judged (an index, a count, `all`, a
-container not passed the variable) is said by `dvfs doctor` and in the server record. The sweep
-and doctor share these rules; NVML's process check at start (`dvfs.engines.sglang`) is the
-second line.
+container not passed the variable, an `env -i` or a `sudo` dropping it) is said by `dvfs
+doctor` and in the server record. The sweep and doctor share these rules; NVML's process check
+at start (`dvfs.engines.sglang`) is the second line.
 """
 
 from __future__ import annotations
@@ -81,6 +81,10 @@ class WrapperGpus:
     #: Not a container's: Slurm's (`srun --gpus=1`), which picks GPUs and sets its own
     #: CUDA_VISIBLE_DEVICES to them.
     slurm: bool = False
+    #: env's `-i` or `-u CUDA_VISIBLE_DEVICES` (`setting`: "env -i"), or sudo without -E,
+    #: setting none after (`_dropped_by`): the server has no CUDA_VISIBLE_DEVICES, so every GPU,
+    #: CUDA's first.
+    dropped: bool = False
 
     @property
     def judged(self) -> bool:
@@ -112,6 +116,11 @@ class WrapperGpus:
                 "command line: without it the server runs on the GPUs the container runtime "
                 f"gives it (with a CUDA image, all) rather than the metered {metered}, which "
                 "dvfs cannot check"
+            )
+        if self.dropped:
+            return (
+                f"drops CUDA_VISIBLE_DEVICES ({self.setting}) in place of the metered "
+                f"{metered}: the server then runs on CUDA's first GPU(s), which dvfs cannot check"
             )
         if self.slurm:
             return (
@@ -170,6 +179,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     unpassed = _unpassed_container(joined)
     if unpassed is not None and not any(g.container for g in found):
         found.append(WrapperGpus(unpassed, (), container=True, unpassed=True))
+    dropped = _dropped_by(joined)
+    if dropped is not None and _drop_reaches_server(joined, dropped[1]):
+        found.append(WrapperGpus(dropped[0], (), container=False, dropped=True))
     # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
     # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
     # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
@@ -189,12 +201,118 @@ def _launcher_of(command: Sequence[str], index: int) -> str | None:
     return None
 
 
+def _drop_reaches_server(command: Sequence[str], at: int) -> bool:
+    """Whether dropping CUDA_VISIBLE_DEVICES at `command[at]` (`_dropped_by`) takes the server's
+    away: always outside a container; before a container run, where the container is passed
+    the host's (`-e CUDA_VISIBLE_DEVICES`, `--env-host`); inside it, where it is passed one at
+    all. A container passed none runs on the GPUs it is given whatever drops it (judged, or
+    warned of, as such)."""
+    run = _container_run(command)
+    if run is None:
+        return True
+    rest = command[run[1] :]
+    given = [g.partition("=") for g in _container_env(rest)]
+    if at < run[1]:
+        return _env_host(rest) or any(
+            key == "CUDA_VISIBLE_DEVICES" and not equals for key, equals, _ in given
+        )
+    return _env_host(rest) or any(key == "CUDA_VISIBLE_DEVICES" for key, _, _ in given)
+
+
+def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
+    """The env or sudo that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words
+    ("env -i", "env -u CUDA_VISIBLE_DEVICES", `_sudo_drops`'s), and its index: env's `-i` (`-`,
+    `--ignore-environment`) or `-u CUDA_VISIBLE_DEVICES` (`--unset`), sudo without -E, with no
+    CUDA_VISIBLE_DEVICES set after it (`env -i CUDA_VISIBLE_DEVICES=GPU-...`, judged as set);
+    None where none drops it."""
+    from dvfs.records.session import command_env
+
+    for index, token in enumerate(command):
+        said = _sudo_drops(command, index) if token.rsplit("/", 1)[-1] == "sudo" else None
+        if said is not None and not command_env(
+            command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
+        ):
+            return said, index
+        if token.rsplit("/", 1)[-1] != "env":
+            continue
+        later = index + 1
+        while later < len(command) and command[later].startswith("-") and command[later] != "--":
+            option = command[later]
+            name, equals, given = option.partition("=")
+            if option in ("-", "--ignore-environment") or re.fullmatch(r"-[0v]*i\w*", option):
+                said = said or "env -i"
+            elif option in ("-u", "--unset") and later + 1 < len(command):
+                later += 1
+                if command[later] == "CUDA_VISIBLE_DEVICES":
+                    said = said or f"env {option} CUDA_VISIBLE_DEVICES"
+            elif (name == "--unset" and equals and given == "CUDA_VISIBLE_DEVICES") or (
+                option == "-uCUDA_VISIBLE_DEVICES"
+            ):
+                said = said or f"env {option}"
+            elif option in ("-C", "--chdir") or re.fullmatch(r"-[0v]*S", option):
+                later += 1  # its argument; an -S line is read as env's only by `command_env`
+            later += 1
+        if said is not None and not command_env(
+            command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
+        ):
+            return said, index
+    return None
+
+
+#: sudo's options that take the next argument (`-u USER`), short and long (`--user USER`).
+SUDO_ARGUMENT_OPTIONS = "ugCDprtTUc"
+SUDO_LONG_ARGUMENT_OPTIONS = (
+    "--user",
+    "--group",
+    "--close-from",
+    "--chdir",
+    "--host",
+    "--prompt",
+    "--role",
+    "--type",
+    "--command-timeout",
+    "--other-user",
+    "--login-class",
+)
+
+
+def _sudo_drops(command: Sequence[str], index: int) -> str | None:
+    """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
+    unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
+    or its sudoers does (`env_keep`, which dvfs does not read); None where it keeps it."""
+    later = index + 1
+    while later < len(command) and command[later].startswith("-") and command[later] != "--":
+        option = command[later]
+        name, equals, given = option.partition("=")
+        if option == "--preserve-env" or (
+            name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(",")
+        ):
+            return None
+        if option.startswith("--"):
+            later += 2 if name in SUDO_LONG_ARGUMENT_OPTIONS and not equals else 1
+            continue
+        for at, letter in enumerate(option[1:], start=1):
+            if letter == "E":
+                return None
+            if letter in SUDO_ARGUMENT_OPTIONS:
+                later += 0 if option[at + 1 :] else 1  # its argument, attached or the next
+                break
+        later += 1
+    return "sudo without -E, unless its sudoers keeps it"
+
+
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
     """Whether a container is passed CUDA_VISIBLE_DEVICES by UUID: dvfs's own (`-e
     CUDA_VISIBLE_DEVICES`, `--env=...`, `-eCUDA_VISIBLE_DEVICES`, no value; podman's
     `--env-host`, the whole environment) or one naming every GPU by UUID (`-e
-    CUDA_VISIBLE_DEVICES=GPU-...`)."""
+    CUDA_VISIBLE_DEVICES=GPU-...`, or set so inside it: `IMG env CUDA_VISIBLE_DEVICES=GPU-...`)."""
+    from dvfs.records.session import command_env
+
     if _env_host(command):
+        return True
+    run = _container_run(command)
+    inside = None if run is None else command_env(command[run[1] :], keep=_is_cuda)
+    if inside and _by_uuid(inside["CUDA_VISIBLE_DEVICES"]):
         return True
     for given in _container_env(command):
         key, equals, value = given.partition("=")
@@ -204,6 +322,16 @@ def _passes_cuda_uuids(command: Sequence[str]) -> bool:
         ):
             return True
     return False
+
+
+def _is_cuda(name: str) -> bool:
+    return name == "CUDA_VISIBLE_DEVICES"
+
+
+def _by_uuid(value: str) -> bool:
+    """Whether a GPU list names at least one GPU, each by UUID (or a UUID's start)."""
+    entries = [v.strip() for v in value.split(",") if v.strip()]
+    return bool(entries) and all(e.upper().startswith(("GPU-", "MIG-")) for e in entries)
 
 
 def _container_env(command: Sequence[str]) -> list[str]:
@@ -224,22 +352,30 @@ def _env_host(command: Sequence[str]) -> bool:
     return any(token in ("--env-host", "--env-host=true") for token in command)
 
 
+#: Compose's own launchers, whose `run` starts a service's container as `docker compose run`
+#: does: given the environment its compose file names, which dvfs does not read.
+COMPOSE_LAUNCHERS = ("docker-compose", "podman-compose")
+
+
 def _container_run(command: Sequence[str]) -> tuple[str, int] | None:
     """A container engine's `run` in command (`docker run`, `podman --remote container run`,
-    `sudo docker run`): its words ("docker run") and the index of what follows `run`; None
-    where there is none."""
+    `sudo docker run`, a service's: `docker compose -f FILE run`, `docker-compose run`): its
+    words ("docker run", "docker compose run") and the index of what follows `run`; None where
+    there is none."""
     for index, token in enumerate(command):
         engine = token.rsplit("/", 1)[-1]
-        if engine not in CONTAINER_ENGINES:
+        if engine not in (*CONTAINER_ENGINES, *COMPOSE_LAUNCHERS):
             continue
+        words = [engine]
         value = False  # the word may be the value of the option before it
         for later in range(index + 1, len(command)):
             word = command[later]
             if word == "run":
-                return f"{engine} run", later + 1
+                return " ".join([*words, "run"]), later + 1
             if word.startswith("-"):
                 value = "=" not in word
-            elif word == "container" or value:
+            elif word in ("container", "compose") or value:
+                words += [word] if word == "compose" and not value else []
                 value = False
             else:
                 break
@@ -348,7 +484,23 @@ def unjudged_remedy(campaign: Campaign) -> str:
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
     unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
     if unjudged and all(g.unpassed for g in unjudged):
+        if any(" compose" in g.setting or "-compose" in g.setting for g in unjudged):
+            # Compose's `run` takes `-e` but no `--gpus`: its compose file reserves the GPUs.
+            return (
+                "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after "
+                "run, the compose file reserving it every GPU), right for each fleet worker's GPUs"
+            )
         return PASS_CUDA_UUIDS
+    if unjudged and all(g.dropped and g.setting.startswith("sudo") for g in unjudged):
+        return (
+            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES), which keeps the "
+            "CUDA_VISIBLE_DEVICES dvfs hands the server"
+        )
+    if unjudged and all(g.dropped for g in unjudged):
+        return (
+            "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
+            "metered GPUs' UUIDs"
+        )
     if unjudged and all(g.slurm for g in unjudged):
         return (
             f"drop {SLURM_LAUNCHER} from server_command and run dvfs itself in the Slurm job, "
