@@ -82,9 +82,12 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
             print_line(escape(note))
     with out.status("drawing figures"):
         paths = plot_all(ds, out_dir / "plots", target=Target("preserve", slack=0.05))
-    out.print(
-        f"{len(paths)} figures in {out_dir / 'plots'}; next: "
-        f"dvfs headroom {out_dir} --help, dvfs compare {out_dir}, dvfs cube info {out_dir}"
+    # whole in a pipe or a log (its commands not broken across lines), the folder as named
+    print_line(
+        escape(
+            f"{len(paths)} figures in {out_dir / 'plots'}; next: "
+            f"dvfs headroom {out_dir} --help, dvfs compare {out_dir}, dvfs cube info {out_dir}"
+        )
     )
     if outcome.summary.failed:
         raise SystemExit(5)
