@@ -233,6 +233,61 @@ def test_demo_tables_say_what_their_marks_mean(
     assert "extend knobs." in said and "downward to find where it stops" in said
 
 
+def test_demo_notes_give_the_demos_own_command_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `dvfs demo` prints headroom's notes under its tables; with cells failed (a drafter's
+    # server that would not start) they said to "run the same `dvfs sweep` command again",
+    # a command the demo's user never typed (no campaign file of theirs): the demo's own.
+    import dvfs.campaign
+    import dvfs.plots
+    from dvfs.engines.twin import TwinEngine
+    from dvfs.errors import EngineError
+
+    small = write(tmp_path / "demo.toml", DEMO_LIKE)
+    load = dvfs.campaign.load_campaign
+    monkeypatch.setattr(dvfs.campaign, "load_campaign", lambda path: load(small))
+    monkeypatch.setattr(dvfs.plots, "plot_all", lambda *args, **kw: [])
+    start = TwinEngine.start
+
+    def failing(self: TwinEngine, drafter: Any) -> Any:
+        if drafter.name == "ngram":
+            raise EngineError("the server would not start (test)")
+        return start(self, drafter)
+
+    monkeypatch.setattr(TwinEngine, "start", failing)
+    out = tmp_path / "out"
+    result = invoke("demo", "--out", str(out), "--no-progress")
+    assert result.exit_code == 5, result.output
+    said = " ".join(result.stdout.split())
+    assert "partial cube" in said, said
+    assert "dvfs sweep" not in said, said
+    assert f"run `dvfs demo --out {out}` again without --fresh" in said, said
+
+
+def test_demo_closing_line_keeps_its_commands_whole_in_a_pipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `dvfs demo`'s closing line ("N figures in OUT/plots; next: dvfs headroom OUT --help, dvfs
+    # compare OUT, dvfs cube info OUT") was wrapped at the console's width in a pipe or a log,
+    # a command broken across two lines ("dvfs \ncube info"); a line of prose is left whole
+    # there, as dvfs headroom's are.
+    import dvfs.campaign
+    import dvfs.plots
+
+    small = write(tmp_path / "demo.toml", DEMO_LIKE)
+    load = dvfs.campaign.load_campaign
+    monkeypatch.setattr(dvfs.campaign, "load_campaign", lambda path: load(small))
+    monkeypatch.setattr(dvfs.plots, "plot_all", lambda *args, **kw: [])
+    out = tmp_path / "a-demo-folder-with-a-long-name" / "[out]"
+    result = invoke("demo", "--out", str(out), "--no-progress")
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.stdout.splitlines() if "figures in" in x]
+    assert line.endswith(
+        f"; next: dvfs headroom {out} --help, dvfs compare {out}, dvfs cube info {out}"
+    ), result.stdout
+
+
 def test_sweep_refuses_json_without_dry_run_and_an_empty_gpu_list(tmp_path: Path) -> None:
     tiny = write(tmp_path / "tiny.toml", TINY)
     out = tmp_path / "out"

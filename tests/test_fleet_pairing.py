@@ -325,7 +325,9 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     measured, waited for the whole campaign to finish, which no worker was left to do, and
     the sweep hung for ever. It stops once its model's cells are in, in the line that says
     why the H200's are not: the refusal, or the loss (it said "every worker was lost", the
-    H100's worker too, where the H200's alone was: it names the model whose cells are left)."""
+    H100's worker too, where the H200's alone was: it names the model whose cells are left),
+    and the journal that keeps them (it said "the journal keeps every finished cell", the
+    folder holding no journal of its own: each model's is in gpu-<model>/)."""
     from dvfs import load_campaign
     from dvfs.fleet.shard import planned_cells
 
@@ -351,6 +353,12 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
         assert last.startswith(
             f"Error: every worker on the NVIDIA H200 (twin) GPUs was lost with {left} cell(s) "
             f"of that model left ({h200}: RuntimeError: the GPU fell off the bus): "
+        ), told
+        # where that model's finished cells are: its own journal (none in `out` itself), not
+        # "the journal"
+        assert not (out / "journal.jsonl").exists()
+        assert last.endswith(
+            f"): its journal {journal} keeps every finished cell; rerun the same command to resume"
         ), told
     # the H100's cells, every one measured, are journalled
     cells = [r for r in read_records(h100) if r["type"] == "cell"]

@@ -61,6 +61,7 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
         raise type(exc)(text.replace(FRESH, again)) from exc
     ds = open_cube(out_dir / CUBE_NAME)
     out = console()
+    own = f"`dvfs demo --out {shlex.quote(str(out_dir))}`"
     for title, target, corpus in (
         (
             "Latency-preserving headroom (each drafter's own TPOT p50 + 5%), corpus code",
@@ -79,12 +80,16 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
         header, rows = headroom_table_rows(doc, omit=("corpus",))
         print_table(title, header, rows)
         for note in headroom_notes(doc):  # what a `≥` or `?` in the table means, as headroom's
-            print_line(escape(note))
+            # (resuming: the demo's own command, not a `dvfs sweep` its user never typed)
+            print_line(escape(note.replace("the same `dvfs sweep` command", own)))
     with out.status("drawing figures"):
         paths = plot_all(ds, out_dir / "plots", target=Target("preserve", slack=0.05))
-    out.print(
-        f"{len(paths)} figures in {out_dir / 'plots'}; next: "
-        f"dvfs headroom {out_dir} --help, dvfs compare {out_dir}, dvfs cube info {out_dir}"
+    # whole in a pipe or a log (its commands not broken across lines), the folder as named
+    print_line(
+        escape(
+            f"{len(paths)} figures in {out_dir / 'plots'}; next: "
+            f"dvfs headroom {out_dir} --help, dvfs compare {out_dir}, dvfs cube info {out_dir}"
+        )
     )
     if outcome.summary.failed:
         raise SystemExit(5)

@@ -576,7 +576,10 @@ class Driver:
             if model
             else f"every worker was lost with {left} cell(s) left"
         )
-        raise JournalError(every_worker_lost(head, self.stats.values(), fresh, reset))
+        # a fleet mixing models: this model's cells are in its own journal (gpu-<model>/), the
+        # folder holding none of its own
+        kept = f"its journal {self.journal.path} keeps" if model else "the journal keeps"
+        raise JournalError(every_worker_lost(head, self.stats.values(), fresh, reset, kept))
 
     @property
     def left(self) -> int:
