@@ -784,7 +784,7 @@ INVALID_ADVICE = {
     "precision asked: raise workload.output_tokens (a round's window cannot outlast its "
     "decode) or measurement.max_rounds with measurement.min_window_s (more rounds add up), "
     "or loosen measurement.precision",
-    "few_samples": "fewer than three power samples inside the window: lower "
+    "few_samples": "fewer than three power samples taken while decoding: lower "
     "measurement.sample_period_s or raise measurement.min_window_s",
     "clock_not_reached": "the observed clock missed the lock: set measurement.settle to a "
     'longer wait in seconds (time it with `dvfs gpu settle`; "measured" times one change at '

@@ -1125,8 +1125,8 @@ def summarise(
     ApplicationsClocksSetting (a lock or applications clocks set outside dvfs, which NVML
     cannot read back) or SyncBoost (held to another GPU's clock), it is flagged
     clock_held_low, invalid; at full clock 0x2 alone is not.
-    Fewer than three samples inside the window make the energy an interpolation across
-    other phases: invalid.
+    Fewer than three samples taken while the windows decoded (a reading on a close is not
+    one) leave the cell's power and clock barely observed: invalid.
     A throttle between two samples shows in no sampled reason: rounds whose throttle
     violation counters grew (`WindowPart.violation_ns`, read at their starts and ends) by
     more than `THROTTLE_VIOLATION_SHARE` of the windows flag the cell throttled as a sampled
