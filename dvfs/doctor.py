@@ -706,11 +706,21 @@ def _engine(
         )
     from importlib import metadata
 
+    from dvfs.engines.sglang_args import not_installed, sglang_importable
+
+    problem = not_installed(campaign)  # as the sweep refuses it
+    if problem is not None:
+        return FAIL, problem
     try:
-        version = metadata.version("sglang")
+        return OK, f"sglang {metadata.version('sglang')}"
     except metadata.PackageNotFoundError:
-        return FAIL, "sglang is not installed in this environment: pip install 'dvfs[sglang]'"
-    return OK, f"sglang {version}"
+        pass
+    if sglang_importable():  # importable, not installed as a package
+        return OK, "sglang (its version unknown: not installed as a package)"
+    return WARN, (
+        "sglang is not installed in this environment: fine if engine.sglang.env's "
+        "PYTHONPATH or PYTHONHOME finds it for the server, else pip install 'dvfs[sglang]'"
+    )
 
 
 #: How a model name that can only be a path on the server's host begins (any other name may be
