@@ -888,7 +888,7 @@ def _out_dir(
     sessions' GPUs compared with this run's (`identities`) as the fleet compares them."""
     from dvfs.fleet.folders import fleet_journal
     from dvfs.fleet.shard_journal import folder_journals
-    from dvfs.measure.journal import JOURNAL_NAME
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
     from dvfs.measure.plan import too_many_to_list
     from dvfs.out_folder import check_out_dir, check_out_usable
     from dvfs.preflight import resume_refusals
@@ -919,8 +919,12 @@ def _out_dir(
         check_same_gpus(out_dir, identities, fleet=False)  # as the sweep on one group compares
     # The folder's own state: whether its journal's prompts still compare is the corpora
     # check's (a FAIL there beside "the sweep resumes" read as a contradiction).
-    resumes = (out_dir / JOURNAL_NAME).is_file()
-    return OK, f"{out_dir}: " + ("holds a journal to resume" if resumes else "usable")
+    journal = out_dir / JOURNAL_NAME
+    if not journal.is_file():
+        return OK, f"{out_dir}: usable"
+    if next(iter_records(journal), None) is None:  # no header: the sweep starts it afresh
+        return OK, f"{out_dir}: holds an empty journal, which the sweep starts afresh"
+    return OK, f"{out_dir}: holds a journal to resume"
 
 
 def _disk(out_dir: Path) -> tuple[str, str]:
