@@ -233,6 +233,20 @@ def test_gpu_list_on_the_twin_says_it_has_a_gpu_at_every_index() -> None:
     assert five["index"] == 5 and five["uuid"] != row["uuid"]
 
 
+def test_plot_help_names_every_option_its_headroom_points_take() -> None:
+    """`dvfs plot --help` said its marked points are headroom's for --slack, --knob and
+    --confidence, while --quantile and --metric set them too (README lists all five): its
+    text names every option but the figures' folder and format."""
+    from dvfs.cli.analysis import plot
+
+    helped = CliRunner().invoke(cli, ["plot", "--help"])
+    assert helped.exit_code == 0, helped.output
+    said = " ".join(helped.output.split("Options:")[0].split())
+    options = [p.opts[-1] for p in plot.params if p.name not in ("cube_path", "out_dir", "fmt")]
+    assert len(options) == 5
+    assert all(option in said for option in options), (options, said)
+
+
 def test_too_few_prompts_are_caught_before_anything_runs(tmp_path: Path) -> None:
     from conftest import SMALL_CAMPAIGN, replace_block, write
 
