@@ -1701,6 +1701,13 @@ def test_a_sweep_of_the_default_server_command_without_sglang_refuses_as_doctor_
     assert said in " ".join(swept.output.split())
     assert "retry" not in swept.output
     assert not (out / "journal.jsonl").exists()
+    # A fleet's workers (threads of this process) start theirs from this Python too.
+    fleet = runner.invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--gpus", "0-1", "--no-progress"]
+    )
+    assert fleet.exit_code == 1, fleet.output
+    assert said in " ".join(fleet.output.split()) and "retry" not in fleet.output
+    assert not (out / "journal.jsonl").exists()
     (tmp_path / "wrapped").mkdir()
     wrapped, _ = _one_cell_stub(tmp_path / "wrapped")
     assert sglang_args.not_installed(load_campaign(wrapped)) is None
