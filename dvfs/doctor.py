@@ -706,11 +706,21 @@ def _engine(
         )
     from importlib import metadata
 
+    from dvfs.engines.sglang_args import not_installed, sglang_importable
+
+    problem = not_installed(campaign)  # as the sweep refuses it
+    if problem is not None:
+        return FAIL, problem
     try:
-        version = metadata.version("sglang")
+        return OK, f"sglang {metadata.version('sglang')}"
     except metadata.PackageNotFoundError:
-        return FAIL, "sglang is not installed in this environment: pip install 'dvfs[sglang]'"
-    return OK, f"sglang {version}"
+        pass
+    if sglang_importable():  # importable, not installed as a package
+        return OK, "sglang (its version unknown: not installed as a package)"
+    return WARN, (
+        "sglang is not installed in this environment: fine if engine.sglang.env's "
+        "PYTHONPATH or PYTHONHOME finds it for the server, else pip install 'dvfs[sglang]'"
+    )
 
 
 #: How a model name that can only be a path on the server's host begins (any other name may be
@@ -878,7 +888,7 @@ def _out_dir(
     sessions' GPUs compared with this run's (`identities`) as the fleet compares them."""
     from dvfs.fleet.folders import fleet_journal
     from dvfs.fleet.shard_journal import folder_journals
-    from dvfs.measure.journal import JOURNAL_NAME
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
     from dvfs.measure.plan import too_many_to_list
     from dvfs.out_folder import check_out_dir, check_out_usable
     from dvfs.preflight import resume_refusals
@@ -909,8 +919,12 @@ def _out_dir(
         check_same_gpus(out_dir, identities, fleet=False)  # as the sweep on one group compares
     # The folder's own state: whether its journal's prompts still compare is the corpora
     # check's (a FAIL there beside "the sweep resumes" read as a contradiction).
-    resumes = (out_dir / JOURNAL_NAME).is_file()
-    return OK, f"{out_dir}: " + ("holds a journal to resume" if resumes else "usable")
+    journal = out_dir / JOURNAL_NAME
+    if not journal.is_file():
+        return OK, f"{out_dir}: usable"
+    if next(iter_records(journal), None) is None:  # no header: the sweep starts it afresh
+        return OK, f"{out_dir}: holds an empty journal, which the sweep starts afresh"
+    return OK, f"{out_dir}: holds a journal to resume"
 
 
 def _disk(out_dir: Path) -> tuple[str, str]:

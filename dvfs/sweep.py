@@ -36,6 +36,7 @@ from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import (
     CubeError,
     DvfsError,
+    EngineError,
     GpuError,
     GpuNotFoundError,
     GpuPermissionError,
@@ -298,6 +299,12 @@ def _measure(
     check_twin_context(campaign, corpora)
     # Whoever opened the backends (the CLI here, a Python caller its own): the engine's
     # check of the campaign, then the GPUs, only read: one server's of two models.
+    if backends is None:  # the server dvfs starts by default: sglang installed here
+        from dvfs.engines.sglang_args import not_installed
+
+        uninstalled = not_installed(campaign)
+        if uninstalled is not None:
+            raise EngineError(uninstalled)
     launch_help = check_engine(campaign)
     check_server_gpus(campaign, nvml=nvml, gpus=None if backends is None else backends.gpus)
     note = estimate_note(campaign, count_method, recorded)

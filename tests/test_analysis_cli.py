@@ -216,6 +216,37 @@ def test_cap_plan_and_gpu_info_refuse_bad_input_without_a_traceback(tmp_path: Pa
     assert twin.exit_code == 2 and "by index" in twin.output
 
 
+def test_gpu_list_on_the_twin_says_it_has_a_gpu_at_every_index() -> None:
+    """`gpu list --twin` showed one GPU, yet `gpu info 5 --twin` and `sweep --gpus 99` on the
+    twin ran: the twin has a GPU at every index, each its own UUID, as `gpu info` shows; the
+    list says it lists GPU 0 and how to name the others (on stderr: --json stays JSON)."""
+    runner = CliRunner()
+    listed = runner.invoke(cli, ["gpu", "list", "--twin", "h100-sxm", "--json"])
+    assert listed.exit_code == 0, listed.output
+    [row] = json.loads(listed.stdout)
+    said = " ".join(listed.stderr.split())
+    assert "a GPU at every index" in said and "this lists GPU 0" in said, said
+    assert "--twin h100-sxm" in said
+    info = runner.invoke(cli, ["gpu", "info", "5", "--twin", "h100-sxm", "--json"])
+    assert info.exit_code == 0, info.output
+    [five] = json.loads(info.stdout)
+    assert five["index"] == 5 and five["uuid"] != row["uuid"]
+
+
+def test_plot_help_names_every_option_its_headroom_points_take() -> None:
+    """`dvfs plot --help` said its marked points are headroom's for --slack, --knob and
+    --confidence, while --quantile and --metric set them too (README lists all five): its
+    text names every option but the figures' folder and format."""
+    from dvfs.cli.analysis import plot
+
+    helped = CliRunner().invoke(cli, ["plot", "--help"])
+    assert helped.exit_code == 0, helped.output
+    said = " ".join(helped.output.split("Options:")[0].split())
+    options = [p.opts[-1] for p in plot.params if p.name not in ("cube_path", "out_dir", "fmt")]
+    assert len(options) == 5
+    assert all(option in said for option in options), (options, said)
+
+
 def test_too_few_prompts_are_caught_before_anything_runs(tmp_path: Path) -> None:
     from conftest import SMALL_CAMPAIGN, replace_block, write
 

@@ -1045,6 +1045,19 @@ def test_the_check_cap_plan_suggests_runs_on_simulated_caps(nvml, tmp_path: Path
     assert nvml.fake_calls() == []
 
 
+def test_the_check_cap_plan_suggests_says_it_runs_where_the_gpus_are(tmp_path: Path) -> None:
+    """`cap plan -o FILE` of a twin cube's headroom, on a machine without a GPU driver, said
+    "check it with: dvfs cap apply FILE --dry-run", which there fails on the missing driver:
+    the dry run matches the file to the GPUs it caps through their driver, so the line says to
+    run it on their host."""
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(twin_doc()))
+    caps = tmp_path / "caps.toml"
+    args = ("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o", str(caps))
+    told = " ".join(invoke(*args).split())
+    assert "check it on the host of the GPUs it caps" in told, told
+
+
 def test_the_check_cap_plan_suggests_can_be_pasted(nvml, tmp_path: Path) -> None:
     """`cap plan -o FILE` suggested `dvfs cap apply FILE --dry-run` inside a sentence the
     console wrapped, FILE unquoted: in a folder with spaces in its name, the command printed

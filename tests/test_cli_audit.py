@@ -113,6 +113,19 @@ def test_doctor_says_a_read_only_file_system_not_permission_denied(
     assert "permission" not in checks["output folder"]["detail"].lower()
 
 
+def test_doctor_says_an_empty_journal_is_started_afresh(tmp_path: Path) -> None:
+    """A folder whose journal.jsonl is empty: doctor said it "holds a journal to resume",
+    though the sweep starts it afresh (it has no header to resume from)."""
+    tiny = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").write_text("")
+    code, checks = _doctor_checks(tiny, out)
+    detail = checks["output folder"]["detail"]
+    assert code == 0 and checks["output folder"]["status"] == "ok", checks
+    assert "resume" not in detail and "empty journal" in detail and "afresh" in detail, detail
+
+
 def test_doctor_fails_an_output_folder_that_sweep_refuses(tiny_sweep: Path, tmp_path: Path) -> None:
     tiny = write(tmp_path / "tiny.toml", TINY)
     other = write(tmp_path / "wide.toml", SMALL_EXACT.replace('name = "small"', 'name = "wide"'))

@@ -205,6 +205,19 @@ def test_cuda_without_a_cuda_device_names_the_cpu_path() -> None:
     assert result.exit_code == 2 and "--device cpu" in result.output, result.output
 
 
+def test_cuda_without_a_cuda_device_names_the_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a CUDA device the line named only --device cpu (tiny CPU tensors, no energy),
+    not --twin, which simulates the GPU's roofline with no torch and no GPU: it names both, and
+    the twin's command it gives runs."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(cli, ["gpu", "roofline"])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--twin h100-sxm" in said and "--device cpu" in said, said
+    twin = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h100-sxm", "--json"])
+    assert twin.exit_code == 0, twin.output
+
+
 # -- stepping clocks through the fake NVML ---------------------------------------------------
 
 

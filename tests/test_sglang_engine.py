@@ -1674,3 +1674,42 @@ def test_a_server_info_far_larger_than_sglangs_is_not_read_whole(tmp_path: Path)
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_sweep_of_the_default_server_command_without_sglang_refuses_as_doctor_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No server_command (this Python's `-m sglang.launch_server`) where sglang is not installed:
+    every server start would fail, so the sweep refuses before it measures (exit 1, no journal)
+    in doctor's words, not with every cell failed and 'rerun the same command to retry them'.
+    A server_command (a wrapper, another venv's python) is not judged."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    runner = CliRunner()
+    checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    out = tmp_path / "out"
+    swept = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    said = "sglang is not installed in this environment: pip install 'dvfs[sglang]'"
+    assert checked.exit_code == 1, checked.output
+    assert said in " ".join(checked.output.split())
+    assert swept.exit_code == 1, swept.output
+    assert said in " ".join(swept.output.split())
+    assert "retry" not in swept.output
+    assert not (out / "journal.jsonl").exists()
+    # A fleet's workers (threads of this process) start theirs from this Python too.
+    fleet = runner.invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--gpus", "0-1", "--no-progress"]
+    )
+    assert fleet.exit_code == 1, fleet.output
+    assert said in " ".join(fleet.output.split()) and "retry" not in fleet.output
+    assert not (out / "journal.jsonl").exists()
+    (tmp_path / "wrapped").mkdir()
+    wrapped, _ = _one_cell_stub(tmp_path / "wrapped")
+    assert sglang_args.not_installed(load_campaign(wrapped)) is None
+    demo = Path(dvfs.__file__).parent.parent / "sweeps" / "demo.toml"  # the twin's engine
+    assert sglang_args.not_installed(load_campaign(demo)) is None

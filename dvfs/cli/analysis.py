@@ -493,9 +493,9 @@ def plot(
 ) -> None:
     """Draw the figures: energy vs clock (a grid of one clock: energy and latency vs power
     limit), energy-latency Pareto fronts with the headroom points, acceptance and headroom
-    heatmaps, power/clock timelines. The headroom points are
-    the settings `dvfs headroom` chooses for the same --slack, --knob and --confidence, whose
-    defaults are its own."""
+    heatmaps, power/clock timelines. The headroom points are the settings `dvfs headroom`
+    chooses for the same --slack, --quantile, --metric, --knob and --confidence, whose defaults
+    are its own."""
     from dvfs.analysis.targets import QUANTILE_NAMES, Target
     from dvfs.cube import open_analysable
     from dvfs.plots import plot_all

@@ -159,7 +159,12 @@ def plan(
     command = f"dvfs cap apply {shlex.quote('./' + path if path.startswith('-') else path)}"
     command += " --dry-run"
     command += " --allow-simulated" if caps.simulated else ""
-    err.print(f"wrote {escape(str(out_path))}; check it with:", soft_wrap=True)
+    # The dry run matches the file to the GPUs it caps, through their driver: run there.
+    err.print(
+        f"wrote {escape(str(out_path))}; check it on the host of the GPUs it caps "
+        "(the dry run reads them through their driver; it needs no root) with:",
+        soft_wrap=True,
+    )
     err.print(f"  {escape(command)}", soft_wrap=True, highlight=False)
 
 

@@ -54,7 +54,15 @@ def open_cli_gpus(
 twin_option = click.option(
     "--twin",
     metavar="PROFILE",
-    help="Show the digital twin's GPU (h100-sxm, h200-sxm) instead of NVML.",
+    help="Show the digital twin's GPUs (h100-sxm, h200-sxm) instead of NVML: one at every "
+    "index, GPU 0 unless named.",
+)
+
+#: What `gpu list --twin` says under its one row: the twin has a GPU at every index.
+TWIN_LIST_NOTE = (
+    "the twin has a GPU at every index (0, 1, ...), each its own UUID; this lists GPU 0: name "
+    "others by index, as in `dvfs gpu info 0 1 --twin {profile}` or `dvfs sweep CAMPAIGN "
+    "--gpus 0-3`"
 )
 
 
@@ -97,8 +105,11 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
             except GpuError as exc:
                 lost.append(exc)
                 rows.append({"index": index, "error": str(exc)})
+    note = TWIN_LIST_NOTE.format(profile=twin) if twin else None
     if as_json:
         echo_json(rows)
+        if note:
+            console(stderr=True).print(note, highlight=False, soft_wrap=True)
         if lost:
             raise lost_gpus(lost)
         return
@@ -121,6 +132,8 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
             "on (refused)" if r["mig"] else "off",
         )
     console().print(table)
+    if note:
+        console(stderr=True).print(note, highlight=False, soft_wrap=True)
     if lost:
         raise lost_gpus(lost)
 

@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import re
@@ -246,6 +247,30 @@ def unstartable(executable: str, env: Mapping[str, str]) -> str | None:
     return f"{executable} not found" + (
         "" if os.sep in executable else " on the PATH the server is started with"
     )
+
+
+def sglang_importable() -> bool:
+    """Whether this Python finds sglang (imports nothing)."""
+    return importlib.util.find_spec("sglang") is not None
+
+
+def not_installed(campaign: Campaign) -> str | None:
+    """Why the SGLang server dvfs starts by default (no server_command: this Python's
+    `-m sglang.launch_server`) cannot start, or None: SGLang is not importable here. The one
+    rule `dvfs sweep` refuses by before it measures and `dvfs doctor` fails by. Judged only
+    where it surely holds: never for a server_command (a wrapper, another venv's python), nor
+    where engine.sglang.env points Python elsewhere (PYTHONPATH, PYTHONHOME)."""
+    sg = campaign.engine.sglang
+    if (
+        campaign.engine.backend != "sglang"
+        or sg.server_command
+        or sg.url
+        or {"PYTHONPATH", "PYTHONHOME"} & {name for name, _ in sg.env}
+    ):
+        return None
+    if sglang_importable():
+        return None
+    return "sglang is not installed in this environment: pip install 'dvfs[sglang]'"
 
 
 def probe_help(

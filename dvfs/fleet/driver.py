@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dvfs.campaign import Campaign
-from dvfs.errors import MAX_MESSAGE_CHARS, CampaignError, JournalError
+from dvfs.errors import MAX_MESSAGE_CHARS, CampaignError, EngineError, JournalError
 from dvfs.fleet.cubes import write_cubes
 from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.folders import (
@@ -836,6 +836,12 @@ def run_fleet(
         corpora = counted_corpora(campaign, recorded)
         check_corpora(campaign, corpora[0])  # before any GPU is touched
         check_twin_context(campaign, corpora[0])
+        if getattr(executor, "shares_environment", False):  # its servers start from this Python
+            from dvfs.engines.sglang_args import not_installed
+
+            uninstalled = not_installed(campaign)  # as a single run refuses it
+            if uninstalled is not None:
+                raise EngineError(uninstalled)
         cells = planned_cells(campaign, shard)
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None

@@ -229,14 +229,16 @@ def device_name(spec: BenchSpec, torch: Any) -> str:
 
 
 def check_device(spec: BenchSpec, torch: Any) -> None:
-    """Refuse a CUDA device torch cannot see, in one line naming --device cpu; on the CPU, set
-    the thread count."""
+    """Refuse a CUDA device torch cannot see, in one line naming --twin and --device cpu; on the
+    CPU, set the thread count."""
     if not spec.on_cuda:
         torch.set_num_threads(spec.cpu_threads)
     if spec.on_cuda and not torch.cuda.is_available():
         raise DeviceError(
             f"torch {torch.__version__} sees no CUDA device for --device {spec.device}: "
-            "install a CUDA build of torch on a GPU machine, or run the CPU path with --device cpu"
+            "install a CUDA build of torch on a GPU machine, or simulate the twin's GPU with "
+            "--twin h100-sxm (or h200-sxm); --device cpu only runs the code path on CPU tensors "
+            "(tiny sizes, no energy)"
         )
 
 
