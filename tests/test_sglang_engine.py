@@ -1713,3 +1713,30 @@ def test_a_sweep_of_the_default_server_command_without_sglang_refuses_as_doctor_
     assert sglang_args.not_installed(load_campaign(wrapped)) is None
     demo = Path(dvfs.__file__).parent.parent / "sweeps" / "demo.toml"  # the twin's engine
     assert sglang_args.not_installed(load_campaign(demo)) is None
+
+
+def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m sglang.launch_server` finds sglang in the folder it starts in (`-m` puts it
+    first on its path: a source checkout's `python/` folder), where the dvfs command (a
+    console script) does not look: the sweep started the server there and measured, yet it
+    and doctor refused it as not installed; unless PYTHONSAFEPATH keeps the folder off."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    checkout = tmp_path / "checkout"
+    (checkout / "sglang").mkdir(parents=True)
+    (checkout / "sglang" / "__init__.py").write_text("")
+    # As a console script's path: neither this folder nor '' (which follows chdir) on it.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(checkout))])
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert sglang_args.not_installed(load_campaign(campaign)) is not None
+    monkeypatch.chdir(checkout)
+    assert sglang_args.not_installed(load_campaign(campaign)) is None
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")
+    assert sglang_args.not_installed(load_campaign(campaign)) is not None
