@@ -1740,3 +1740,34 @@ def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
     assert sglang_args.not_installed(load_campaign(campaign)) is None
     monkeypatch.setenv("PYTHONSAFEPATH", "1")
     assert sglang_args.not_installed(load_campaign(campaign)) is not None
+
+
+def test_dry_run_of_the_default_server_command_without_sglang_says_the_sweep_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where sglang is not installed the dry run said only to set engine.sglang.version (its
+    --help could not run), after which it was quiet and the sweep still refused: it names the
+    refusal and its remedy, the plan still printed (it may be for another machine)."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    planned = CliRunner().invoke(
+        cli,
+        [
+            "sweep",
+            str(campaign),
+            "--out",
+            str(tmp_path / "o"),
+            "--dry-run",
+            "--json",
+            "--no-estimate",
+        ],
+    )
+    assert planned.exit_code == 0, planned.output
+    said = json.loads(planned.output)["servers"][0]["flags_from"]
+    assert "pip install 'dvfs[sglang]'" in said and "engine.sglang.version" in said

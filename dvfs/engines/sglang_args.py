@@ -769,6 +769,7 @@ def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     if any(d.algorithm for d in campaign.drafters):
         check_algorithms_known(campaign, help_text)  # refused as the sweep refuses it
     check_arms_can_match(campaign, help_text)
+    uninstalled = None if pinned or help_text else not_installed(campaign)
     source = (
         "engine.sglang.version"
         if pinned
@@ -776,6 +777,9 @@ def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
         if help_text
         else "assumed SGLang >= 0.5.23 (launch_server --help could not run here; "
         "set engine.sglang.version)"
+        if uninstalled is None
+        else f"assumed SGLang >= 0.5.23 ({uninstalled}, as the sweep here refuses without it; "
+        "to plan for another machine, set engine.sglang.version)"
     )
     return [
         (d.name, launch_argv(campaign, d, port=PLANNED_PORT, help_text=help_text), source)
