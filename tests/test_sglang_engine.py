@@ -1713,3 +1713,61 @@ def test_a_sweep_of_the_default_server_command_without_sglang_refuses_as_doctor_
     assert sglang_args.not_installed(load_campaign(wrapped)) is None
     demo = Path(dvfs.__file__).parent.parent / "sweeps" / "demo.toml"  # the twin's engine
     assert sglang_args.not_installed(load_campaign(demo)) is None
+
+
+def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m sglang.launch_server` finds sglang in the folder it starts in (`-m` puts it
+    first on its path: a source checkout's `python/` folder), where the dvfs command (a
+    console script) does not look: the sweep started the server there and measured, yet it
+    and doctor refused it as not installed; unless PYTHONSAFEPATH keeps the folder off."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    checkout = tmp_path / "checkout"
+    (checkout / "sglang").mkdir(parents=True)
+    (checkout / "sglang" / "__init__.py").write_text("")
+    # As a console script's path: neither this folder nor '' (which follows chdir) on it.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(checkout))])
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert sglang_args.not_installed(load_campaign(campaign)) is not None
+    monkeypatch.chdir(checkout)
+    assert sglang_args.not_installed(load_campaign(campaign)) is None
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")
+    assert sglang_args.not_installed(load_campaign(campaign)) is not None
+
+
+def test_dry_run_of_the_default_server_command_without_sglang_says_the_sweep_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where sglang is not installed the dry run said only to set engine.sglang.version (its
+    --help could not run), after which it was quiet and the sweep still refused: it names the
+    refusal and its remedy, the plan still printed (it may be for another machine)."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    planned = CliRunner().invoke(
+        cli,
+        [
+            "sweep",
+            str(campaign),
+            "--out",
+            str(tmp_path / "o"),
+            "--dry-run",
+            "--json",
+            "--no-estimate",
+        ],
+    )
+    assert planned.exit_code == 0, planned.output
+    said = json.loads(planned.output)["servers"][0]["flags_from"]
+    assert "pip install 'dvfs[sglang]'" in said and "engine.sglang.version" in said

@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -250,8 +251,19 @@ def unstartable(executable: str, env: Mapping[str, str]) -> str | None:
 
 
 def sglang_importable() -> bool:
-    """Whether this Python finds sglang (imports nothing)."""
-    return importlib.util.find_spec("sglang") is not None
+    """Whether this Python finds sglang (imports nothing) as `python -m sglang.launch_server`
+    started in this folder would: from its path, or from this folder, which `-m` puts first
+    on the path (a source checkout's `python/` folder) unless PYTHONSAFEPATH is set."""
+    if importlib.util.find_spec("sglang") is not None:
+        return True
+    if os.environ.get("PYTHONSAFEPATH"):
+        return False
+    try:
+        here = os.getcwd()
+    except OSError:  # a folder removed under the shell: the server's -m finds nothing there
+        return False
+    importlib.invalidate_caches()
+    return importlib.machinery.PathFinder.find_spec("sglang", [here]) is not None
 
 
 def not_installed(campaign: Campaign) -> str | None:
@@ -757,6 +769,7 @@ def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     if any(d.algorithm for d in campaign.drafters):
         check_algorithms_known(campaign, help_text)  # refused as the sweep refuses it
     check_arms_can_match(campaign, help_text)
+    uninstalled = None if pinned or help_text else not_installed(campaign)
     source = (
         "engine.sglang.version"
         if pinned
@@ -764,6 +777,9 @@ def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
         if help_text
         else "assumed SGLang >= 0.5.23 (launch_server --help could not run here; "
         "set engine.sglang.version)"
+        if uninstalled is None
+        else f"assumed SGLang >= 0.5.23 ({uninstalled}, as the sweep here refuses without it; "
+        "to plan for another machine, set engine.sglang.version)"
     )
     return [
         (d.name, launch_argv(campaign, d, port=PLANNED_PORT, help_text=help_text), source)
