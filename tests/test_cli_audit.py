@@ -225,12 +225,9 @@ output_tokens = 256
 """
 
 
-def test_demo_tables_say_what_their_marks_mean(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # `dvfs demo`'s headroom tables showed `≥300` with no line saying what it means (a lower
-    # bound the grid cuts off, and what to extend), which `dvfs headroom` prints under the same
-    # table. A small demo-shaped campaign stands in for the demo's (its figures not drawn).
+def demo_like(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dvfs demo` sweeps DEMO_LIKE, a small demo-shaped campaign, in place of the demo's own,
+    and draws no figures."""
     import dvfs.campaign
     import dvfs.plots
 
@@ -238,6 +235,15 @@ def test_demo_tables_say_what_their_marks_mean(
     load = dvfs.campaign.load_campaign
     monkeypatch.setattr(dvfs.campaign, "load_campaign", lambda path: load(small))
     monkeypatch.setattr(dvfs.plots, "plot_all", lambda *args, **kw: [])
+
+
+def test_demo_tables_say_what_their_marks_mean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `dvfs demo`'s headroom tables showed `≥300` with no line saying what it means (a lower
+    # bound the grid cuts off, and what to extend), which `dvfs headroom` prints under the same
+    # table. A small demo-shaped campaign stands in for the demo's (its figures not drawn).
+    demo_like(tmp_path, monkeypatch)
     result = invoke("demo", "--out", str(tmp_path / "out"), "--no-progress")
     assert result.exit_code == 0, result.output
     assert "≥" in result.stdout
@@ -252,15 +258,10 @@ def test_demo_notes_give_the_demos_own_command_to_resume(
     # `dvfs demo` prints headroom's notes under its tables; with cells failed (a drafter's
     # server that would not start) they said to "run the same `dvfs sweep` command again",
     # a command the demo's user never typed (no campaign file of theirs): the demo's own.
-    import dvfs.campaign
-    import dvfs.plots
     from dvfs.engines.twin import TwinEngine
     from dvfs.errors import EngineError
 
-    small = write(tmp_path / "demo.toml", DEMO_LIKE)
-    load = dvfs.campaign.load_campaign
-    monkeypatch.setattr(dvfs.campaign, "load_campaign", lambda path: load(small))
-    monkeypatch.setattr(dvfs.plots, "plot_all", lambda *args, **kw: [])
+    demo_like(tmp_path, monkeypatch)
     start = TwinEngine.start
 
     def failing(self: TwinEngine, drafter: Any) -> Any:
@@ -285,13 +286,7 @@ def test_demo_closing_line_keeps_its_commands_whole_in_a_pipe(
     # compare OUT, dvfs cube info OUT") was wrapped at the console's width in a pipe or a log,
     # a command broken across two lines ("dvfs \ncube info"); a line of prose is left whole
     # there, as dvfs headroom's are.
-    import dvfs.campaign
-    import dvfs.plots
-
-    small = write(tmp_path / "demo.toml", DEMO_LIKE)
-    load = dvfs.campaign.load_campaign
-    monkeypatch.setattr(dvfs.campaign, "load_campaign", lambda path: load(small))
-    monkeypatch.setattr(dvfs.plots, "plot_all", lambda *args, **kw: [])
+    demo_like(tmp_path, monkeypatch)
     out = tmp_path / "a-demo-folder-with-a-long-name" / "[out]"
     result = invoke("demo", "--out", str(out), "--no-progress")
     assert result.exit_code == 0, result.output
