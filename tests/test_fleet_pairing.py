@@ -316,6 +316,24 @@ def test_a_retired_workers_later_failure_does_not_call_it_lost(
     assert "lost" not in told, told
 
 
+def mixed_fleet_whose_h200_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, h200: str
+) -> tuple[Path, Any, str, str]:
+    """A fleet of an H100 and an H200 (`--gpus 0,h200-sxm:0`) whose H200 worker (`h200`, its
+    label) was retired (`how`: its servers refused) or lost at its third cell, swept to its
+    exit 1: the out folder, the result, its output on one line, and its last line."""
+    if how == "retired":
+        refuse_servers_on(monkeypatch, h200)
+    else:
+        lose_worker_on_its_third_cell(monkeypatch, h200)
+    write(tmp_path / "campaign.toml", fleet_campaign(how))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    told = " ".join(result.output.split())
+    return out, result, told, result.output.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("how", ["retired", "lost"])
 def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
@@ -332,17 +350,8 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     from dvfs.fleet.shard import planned_cells
 
     h200 = "h200-sxm_none-gpu0"
-    if how == "retired":
-        refuse_servers_on(monkeypatch, h200)
-    else:
-        lose_worker_on_its_third_cell(monkeypatch, h200)
-    write(tmp_path / "campaign.toml", fleet_campaign(how))
-    out = tmp_path / "out"
-    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out))
-    assert result.exit_code == 1, result.output
-    told = " ".join(result.output.split())
+    out, result, told, last = mixed_fleet_whose_h200_left(tmp_path, monkeypatch, how, h200)
     assert f"worker {h200} {how}" in told and "no other worker is left" in told, told
-    last = result.output.strip().splitlines()[-1]
     planned = {c.key for c in planned_cells(load_campaign(tmp_path / "campaign.toml"), None)}
     [h100] = out.glob("gpu-nvidia-h100*/journal.jsonl")
     if how == "retired":
@@ -381,16 +390,7 @@ def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
 
     label = "h200-sxm_none-gpu0"
     lose_worker_on_its_third_cell(monkeypatch, "gpu0")
-    if h200 == "retired":
-        refuse_servers_on(monkeypatch, label)
-    else:
-        lose_worker_on_its_third_cell(monkeypatch, label)
-    write(tmp_path / "campaign.toml", fleet_campaign(h200))
-    out = tmp_path / "out"
-    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out))
-    assert result.exit_code == 1, result.output
-    told = " ".join(result.output.split())
-    last = result.output.strip().splitlines()[-1]
+    out, result, told, last = mixed_fleet_whose_h200_left(tmp_path, monkeypatch, h200, label)
     if h200 == "retired":
         assert last == f"Error: the server of drafter 'none' on {label} differs", told
         return
