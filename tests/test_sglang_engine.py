@@ -456,7 +456,10 @@ def test_closed_loop_mode(tmp_path: Path) -> None:
     assert cell["status"] == "ok", cell
     measurement = cell["measurement"]
     assert measurement["requests"] == 8 and measurement["output_tokens"] > 0
-    assert measurement["tpot_ms"][0] >= 0.5 * 4.0  # from below only: load can only slow it
+    # TPOT is measured from the client's chunk times: a loaded client that reads a request's
+    # first chunk late shortens it, so neither a lower nor an upper bound here is load-free.
+    tpot = measurement["tpot_ms"]
+    assert all(math.isfinite(q) and q > 0 for q in tpot) and list(tpot) == sorted(tpot), tpot
 
 
 @pytest.mark.slow
