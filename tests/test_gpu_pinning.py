@@ -423,7 +423,11 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
         (("--device", f"nvidia.com/gpu={other}"), (), f"--device nvidia.com/gpu={other}"),
         (("-e", f"NVIDIA_VISIBLE_DEVICES={other}"), (), f"NVIDIA_VISIBLE_DEVICES={other}"),
         ((f"--env=NVIDIA_VISIBLE_DEVICES={other}",), (), f"NVIDIA_VISIBLE_DEVICES={other}"),
-        ((), ("env", f"NVIDIA_VISIBLE_DEVICES={other}"), f"NVIDIA_VISIBLE_DEVICES={other}"),
+        (
+            ("-e", "NVIDIA_VISIBLE_DEVICES"),
+            ("env", f"NVIDIA_VISIBLE_DEVICES={other}"),
+            f"NVIDIA_VISIBLE_DEVICES={other}",
+        ),
     ]
     for number, (flags, before, setting) in enumerate(cases):
         path = container_campaign(tmp_path / f"c{number}", *flags, before=before)
@@ -465,6 +469,48 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
         output = " ".join(checked.stdout.split())
         by = by if by.startswith("CUDA") else f"the container's {by}"
         assert f"ok server GPUs: the server is pinned to {metered} ({by})" in output, output
+
+
+def test_a_variable_set_before_a_container_run_reaches_it_only_where_passed(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env CUDA_VISIBLE_DEVICES=GPU-<other> docker run --gpus device=GPU-<metered> IMG ...`
+    was refused ("sets CUDA_VISIBLE_DEVICES=GPU-<other>, other GPUs than the metered"), though
+    docker passes its container none of its own environment but what `-e NAME` names: the
+    server sees the metered GPU alone. It is judged by what the container is given: pinned by
+    its `--gpus` (the sweep verifies it on the metered GPU), NVIDIA_VISIBLE_DEVICES alike; the
+    host's value passed on (`-e CUDA_VISIBLE_DEVICES`) is still refused."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    for number, name in enumerate(("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")):
+        path = container_campaign(
+            tmp_path / f"c{number}",
+            "--gpus",
+            f"device={metered}",
+            before=("env", f"{name}={other}"),
+        )
+        checked = _doctor(path, env)
+        output = " ".join(checked.stdout.split())
+        assert (
+            f"ok server GPUs: the server is pinned to {metered} (the container's --gpus "
+            f"device={metered})"
+        ) in output, output
+    server = _swept_server(path, tmp_path / "out", env)
+    assert server["gpu_pinning"] == f"verified: GPU 1 ({metered})"
+    path = container_campaign(
+        tmp_path / "passed",
+        "--gpus",
+        "all",
+        "-e",
+        "CUDA_VISIBLE_DEVICES",
+        before=("env", f"CUDA_VISIBLE_DEVICES={other}"),
+    )
+    checked = _doctor(path, env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={other}, other "
+        f"GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(

@@ -150,13 +150,11 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     A container run given no GPUs there and none of dvfs's CUDA_VISIBLE_DEVICES is one
     (`unpassed`): it has the GPUs its runtime gives it (`--runtime=nvidia`, a CUDA image's
     NVIDIA_VISIBLE_DEVICES=all; `--device /dev/nvidia1`)."""
-    from dvfs.records.session import command_env
-
     command = [str(token) for token in server_command(campaign)]
     joined = [re.sub(r",\s+", ",", token) for token in command]
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
-        value = command_env(joined, keep={name}.__contains__).get(name)
+        value = _server_sees(joined, name)
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
             found.append(WrapperGpus(f"{name}={value}", entries, name.startswith("NVIDIA")))
@@ -189,6 +187,30 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     if not _passes_cuda_uuids(joined):
         return found
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+
+
+def _server_sees(command: Sequence[str], name: str) -> str | None:
+    """The value of `name` the wrapper's command line gives the server, None where it sets none
+    (it has dvfs's, or a container none): outside a container the last set (`command_env`);
+    for a container run, what it is given (`-e NAME=VALUE`, or set inside it: `IMG env
+    NAME=...`), else the host's, set before the run, only where it is passed that (`-e NAME`,
+    `--env-host`): `env NAME=... docker run` gives the container none of it."""
+    from dvfs.records.session import command_env
+
+    def keep(key: str) -> bool:
+        return key == name
+
+    run = _container_run(command)
+    if run is None:
+        return command_env(command, keep=keep).get(name)
+    start, after = _engine_index(command), run[1]
+    rest = command[after:]
+    inside = command_env(rest, keep=keep)
+    if name in inside:
+        return inside[name]
+    if _env_host(rest) or name in _container_env(rest):
+        return command_env(command[:start], keep=keep).get(name)
+    return None
 
 
 def _launcher_of(command: Sequence[str], index: int) -> str | None:
@@ -362,23 +384,37 @@ def _container_run(command: Sequence[str]) -> tuple[str, int] | None:
     `sudo docker run`, a service's: `docker compose -f FILE run`, `docker-compose run`): its
     words ("docker run", "docker compose run") and the index of what follows `run`; None where
     there is none."""
-    for index, token in enumerate(command):
-        engine = token.rsplit("/", 1)[-1]
-        if engine not in (*CONTAINER_ENGINES, *COMPOSE_LAUNCHERS):
-            continue
-        words = [engine]
-        value = False  # the word may be the value of the option before it
-        for later in range(index + 1, len(command)):
-            word = command[later]
-            if word == "run":
-                return " ".join([*words, "run"]), later + 1
-            if word.startswith("-"):
-                value = "=" not in word
-            elif word in ("container", "compose") or value:
-                words += [word] if word == "compose" and not value else []
-                value = False
-            else:
-                break
+    for index in range(len(command)):
+        found = _container_run_from(command, index)
+        if found is not None:
+            return found
+    return None
+
+
+def _engine_index(command: Sequence[str]) -> int:
+    """The index of the container engine whose run `_container_run` finds (0 where none)."""
+    return next((i for i in range(len(command)) if _container_run_from(command, i) is not None), 0)
+
+
+def _container_run_from(command: Sequence[str], index: int) -> tuple[str, int] | None:
+    """`_container_run` of the container engine at `command[index]`: None where it is none, or
+    is not followed by its `run`."""
+    engine = command[index].rsplit("/", 1)[-1]
+    if engine not in (*CONTAINER_ENGINES, *COMPOSE_LAUNCHERS):
+        return None
+    words = [engine]
+    value = False  # the word may be the value of the option before it
+    for later in range(index + 1, len(command)):
+        word = command[later]
+        if word == "run":
+            return " ".join([*words, "run"]), later + 1
+        if word.startswith("-"):
+            value = "=" not in word
+        elif word in ("container", "compose") or value:
+            words += [word] if word == "compose" and not value else []
+            value = False
+        else:
+            return None
     return None
 
 
