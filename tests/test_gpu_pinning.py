@@ -676,6 +676,45 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
         )
 
 
+def test_docker_exec_and_nvidia_docker_are_judged_as_containers(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker exec CONTAINER ...` runs the server in a container made before, on the GPUs it
+    was made with, and `nvidia-docker run` is docker's run: both were read as plain commands,
+    "pinned to" the metered GPU by the CUDA_VISIBLE_DEVICES their container never receives
+    (`nvidia-docker run --gpus device=GPU-<other>` too). Doctor warns of an exec not passed
+    it, naming `-e CUDA_VISIBLE_DEVICES` (passed it, it is pinned), and judges nvidia-docker's
+    container as docker's: warned of, or refused where it is given another GPU by UUID."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    path = container_campaign(tmp_path / "exec", run=("exec",))
+    output = _doctor_warns(path, env)
+    assert (
+        "engine.sglang.server_command runs the server in a container made before (docker "
+        "exec), not passed CUDA_VISIBLE_DEVICES on its command line: the server runs on the "
+        f"GPUs the container was made with rather than the metered {metered}, which dvfs "
+        "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+        "pass it dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after exec), the "
+        "container made with the metered GPUs (or --gpus all)"
+    ) in output, output
+    path = container_campaign(tmp_path / "passed", "-e", "CUDA_VISIBLE_DEVICES", run=("exec",))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(tmp_path / "nvidia", engine="nvidia-docker")
+    output = _doctor_warns(path, env)
+    assert "starts a container (nvidia-docker run) not passed CUDA_VISIBLE_DEVICES" in output
+    path = container_campaign(
+        tmp_path / "other", "--gpus", f"device={other}", engine="nvidia-docker"
+    )
+    checked = _doctor(path, env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"device={other}, other GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -48,8 +48,10 @@ PASS_CUDA_UUIDS = (
 
 #: The container engines whose `run` (`docker run`, `podman container run`) starts a container
 #: that gets none of the environment dvfs hands it but what it is passed: `-e NAME` or `--env
-#: NAME` (the host's value), podman's `--env-host` (all of it).
-CONTAINER_ENGINES = ("docker", "podman", "nerdctl")
+#: NAME` (the host's value), podman's `--env-host` (all of it); whose `exec` runs the server in
+#: a container already made, on the GPUs it was made with, passed the same way.
+#: `nvidia-docker` is docker's with the NVIDIA runtime.
+CONTAINER_ENGINES = ("docker", "podman", "nerdctl", "nvidia-docker")
 
 #: Slurm's launcher, whose `--gpus` is a count of GPUs Slurm picks and names in the
 #: CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no container's.
@@ -75,8 +77,9 @@ class WrapperGpus:
     #: A container passed CUDA_VISIBLE_DEVICES by UUID (`_passes_cuda_uuids`): CUDA there picks
     #: the metered GPUs among those it is given, which need only hold them.
     among: bool = False
-    #: A container (`setting`: "docker run") passed no CUDA_VISIBLE_DEVICES and given no GPUs
-    #: on its command line (`_unpassed_container`): it has those its runtime gives it.
+    #: A container (`setting`: "docker run", "docker exec") passed no CUDA_VISIBLE_DEVICES and
+    #: given no GPUs on its command line (`_unpassed_container`): it has those its runtime gives
+    #: it (an exec's: those its container was made with).
     unpassed: bool = False
     #: Not a container's: Slurm's (`srun --gpus=1`), which picks GPUs and sets its own
     #: CUDA_VISIBLE_DEVICES to them.
@@ -110,6 +113,13 @@ class WrapperGpus:
 
     def unjudged(self, metered: str) -> str:
         """What it does, not judged, in words: "sets CUDA_VISIBLE_DEVICES=0 in place of ..."."""
+        if self.unpassed and self.setting.endswith(" exec"):
+            return (
+                f"runs the server in a container made before ({self.setting}), not passed "
+                "CUDA_VISIBLE_DEVICES on its command line: the server runs on the GPUs the "
+                f"container was made with rather than the metered {metered}, which dvfs cannot "
+                "check"
+            )
         if self.unpassed:
             return (
                 f"starts a container ({self.setting}) not passed CUDA_VISIBLE_DEVICES on its "
@@ -382,7 +392,8 @@ COMPOSE_LAUNCHERS = ("docker-compose", "podman-compose")
 def _container_run(command: Sequence[str]) -> tuple[str, int] | None:
     """A container engine's `run` in command (`docker run`, `podman --remote container run`,
     `sudo docker run`, a service's: `docker compose -f FILE run`, `docker-compose run`): its
-    words ("docker run", "docker compose run") and the index of what follows `run`; None where
+    words ("docker run", "docker compose run"; "docker exec" where it runs the server in a
+    container made before) and the index of what follows `run`; None where
     there is none."""
     for index in range(len(command)):
         found = _container_run_from(command, index)
@@ -406,8 +417,8 @@ def _container_run_from(command: Sequence[str], index: int) -> tuple[str, int] |
     value = False  # the word may be the value of the option before it
     for later in range(index + 1, len(command)):
         word = command[later]
-        if word == "run":
-            return " ".join([*words, "run"]), later + 1
+        if word in ("run", "exec"):
+            return " ".join([*words, word]), later + 1
         if word.startswith("-"):
             value = "=" not in word
         elif word in ("container", "compose") or value:
@@ -520,6 +531,11 @@ def unjudged_remedy(campaign: Campaign) -> str:
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
     unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
     if unjudged and all(g.unpassed for g in unjudged):
+        if any(g.setting.endswith(" exec") for g in unjudged):
+            return (
+                "pass it dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after exec), "
+                "the container made with the metered GPUs (or --gpus all)"
+            )
         if any(" compose" in g.setting or "-compose" in g.setting for g in unjudged):
             # Compose's `run` takes `-e` but no `--gpus`: its compose file reserves the GPUs.
             return (
