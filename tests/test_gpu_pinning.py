@@ -630,7 +630,7 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
     """`docker run` passes its container none of the environment dvfs hands it but what `-e
     NAME` names (podman's `--env-host`: all of it): given no GPUs on its command line
     (`--runtime=nvidia`, whose CUDA image sets NVIDIA_VISIBLE_DEVICES=all; `--device
-    /dev/nvidia1`; an `--env-file` dvfs does not read), the server runs on the GPUs the
+    /dev/nvidia1`; an `--env-file` not setting it), the server runs on the GPUs the
     runtime gives it, CUDA's first. Doctor said it was "pinned to" the metered GPU (by
     CUDA_VISIBLE_DEVICES) and the server record said nothing of it. Doctor warns, naming the
     fix, and the server record says it; `--env-host` passes it on: pinned, and verified."""
@@ -713,6 +713,39 @@ def test_docker_exec_and_nvidia_docker_are_judged_as_containers(
         f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
         f"device={other}, other GPUs than the metered {metered}"
     ) in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
+    """`docker run --env-file FILE` passes the container FILE's variables as `-e` does, but
+    dvfs did not read it: a file passing CUDA_VISIBLE_DEVICES (dvfs's own, or the metered UUID)
+    was warned of ("not passed CUDA_VISIBLE_DEVICES", "--gpus all ... cannot check"), and one
+    giving the container another GPU's NVIDIA_VISIBLE_DEVICES was warned of, not refused. A
+    readable file is read: pinned, or refused as `-e` is; an unreadable one is warned of."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, (line, flags) in enumerate(
+        (
+            ("CUDA_VISIBLE_DEVICES", ()),
+            (f"CUDA_VISIBLE_DEVICES={metered}", ("--gpus", "all")),
+            (f"NVIDIA_VISIBLE_DEVICES={other}", ()),
+        )
+    ):
+        env_file = tmp_path / f"env{number}.list"
+        env_file.write_text(f"# the server's\nHF_HOME=/cache\n{line}\n")
+        path = container_campaign(tmp_path / f"c{number}", *flags, "--env-file", str(env_file))
+        checked = _doctor(path, env)
+        output = " ".join(checked.stdout.split())
+        if line.startswith("NVIDIA"):
+            assert checked.returncode == 1, output
+            assert (
+                f"FAIL server GPUs: engine.sglang.server_command gives its container "
+                f"NVIDIA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}"
+            ) in output
+        else:
+            assert pinned in output, output
+    path = container_campaign(tmp_path / "unread", "--env-file", str(tmp_path / "missing"))
+    assert "starts a container (docker run) not passed" in _doctor_warns(path, env)
 
 
 def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(

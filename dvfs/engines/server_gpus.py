@@ -16,6 +16,7 @@ import csv
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from dvfs.campaign.model import Campaign
 from dvfs.campaign.serving import server_command
@@ -218,6 +219,9 @@ def _server_sees(command: Sequence[str], name: str) -> str | None:
     inside = command_env(rest, keep=keep)
     if name in inside:
         return inside[name]
+    filed = dict(e.partition("=")[::2] for e in _env_files(rest) if "=" in e)
+    if name in filed:
+        return filed[name]
     if _env_host(rest) or name in _container_env(rest):
         return command_env(command[:start], keep=keep).get(name)
     return None
@@ -367,8 +371,9 @@ def _by_uuid(value: str) -> bool:
 
 
 def _container_env(command: Sequence[str]) -> list[str]:
-    """What `-e`/`--env` pass a container: "NAME" (the host's value) or "NAME=VALUE"."""
-    found = []
+    """What `-e`/`--env` pass a container: "NAME" (the host's value) or "NAME=VALUE"; an
+    `--env-file`'s lines first (`_env_files`), as `-e` wins over them."""
+    found = _env_files(command)
     for index, token in enumerate(command):
         if index and command[index - 1] in ("-e", "--env"):
             found.append(token)
@@ -376,6 +381,27 @@ def _container_env(command: Sequence[str]) -> list[str]:
             found.append(token.removeprefix("--env="))
         elif token.startswith("-e") and token != "-e":  # `-eNAME`
             found.append(token.removeprefix("-e"))
+    return found
+
+
+def _env_files(command: Sequence[str]) -> list[str]:
+    """The variables each `--env-file FILE` (`--env-file=FILE`) passes a container, as docker
+    reads one: a line "NAME=VALUE" (VALUE as written) or "NAME" (the host's value), blank
+    lines and `#` comments skipped; none from a file dvfs cannot read (from the folder it
+    runs in, as the wrapper it starts)."""
+    found = []
+    for index, token in enumerate(command):
+        flag, equals, value = token.partition("=")
+        if flag != "--env-file" or not (equals or index + 1 < len(command)):
+            continue
+        try:
+            text = Path(value if equals else command[index + 1]).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            line = line.lstrip()
+            if line and not line.startswith("#"):
+                found.append(line)
     return found
 
 
