@@ -748,6 +748,37 @@ def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: 
     assert "starts a container (docker run) not passed" in _doctor_warns(path, env)
 
 
+def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_path: Path) -> None:
+    """`sh -c 'docker run --gpus ... IMG "$@"' sh` (`bash -lc`) was read as one word: said
+    "pinned to" the metered GPU by the CUDA_VISIBLE_DEVICES its container never receives,
+    given another GPU by UUID or not. The line's words are judged as written outside a shell:
+    refused, warned of, or pinned by what the container is given."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    folder = tmp_path / "other"
+    folder.mkdir()
+    line = f'exec docker run --rm --gpus device={other} IMG "$@"'
+    path = observed_campaign(folder, ("sh", "-c", line, "sh"))
+    checked = _doctor(path, env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"device={other}, other GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
+    folder = tmp_path / "unpassed"
+    folder.mkdir()
+    path = observed_campaign(folder, ("bash", "-lc", 'docker run --gpus all IMG "$@"', "bash"))
+    output = _doctor_warns(path, env)
+    assert "gives its container --gpus all rather than the metered" in output, output
+    folder = tmp_path / "passed"
+    folder.mkdir()
+    line = 'docker run --gpus all -e "CUDA_VISIBLE_DEVICES" IMG "$@"'
+    path = observed_campaign(folder, ("sh", "-c", line, "sh"))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -161,7 +162,7 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     A container run given no GPUs there and none of dvfs's CUDA_VISIBLE_DEVICES is one
     (`unpassed`): it has the GPUs its runtime gives it (`--runtime=nvidia`, a CUDA image's
     NVIDIA_VISIBLE_DEVICES=all; `--device /dev/nvidia1`)."""
-    command = [str(token) for token in server_command(campaign)]
+    command = _words([str(token) for token in server_command(campaign)])
     joined = [re.sub(r",\s+", ",", token) for token in command]
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
@@ -198,6 +199,33 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     if not _passes_cuda_uuids(joined):
         return found
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+
+
+#: The shells whose `-c LINE` (`bash -lc LINE`) runs a line of words: `sh -c 'docker run ...'`.
+SHELLS = ("sh", "bash", "dash", "zsh", "ksh")
+
+
+def _words(command: list[str]) -> list[str]:
+    """`command` with each shell's `-c LINE` (`SHELLS`) replaced by the line's words, as the
+    shell reads them (`sh -c 'docker run --gpus all IMG "$@"' sh`: docker, run, --gpus, ...), so the
+    wrapper it runs is judged as written outside one; a line the shell could not read stays
+    one word."""
+    for index, token in enumerate(command[:-1]):
+        if token.rsplit("/", 1)[-1] not in SHELLS:
+            continue
+        later = index + 1
+        while later < len(command) and command[later].startswith("-"):
+            if re.fullmatch(r"-[A-Za-z]*c[A-Za-z]*", command[later]):
+                at = later + 1 + (command[later + 1 : later + 2] == ["--"])
+                if at >= len(command):
+                    break
+                try:
+                    line = shlex.split(command[at])
+                except ValueError:
+                    break
+                return [*command[:index], *_words(line), *_words(command[at + 1 :])]
+            later += 1
+    return command
 
 
 def _server_sees(command: Sequence[str], name: str) -> str | None:
@@ -542,7 +570,8 @@ def pinned_by(campaign: Campaign) -> str:
     passes it and `unjudged_wrapper_devices` says nothing: CUDA_VISIBLE_DEVICES (not for a
     container given none, `_unpassed_container`, which never receives it) and each container
     setting (`wrapper_gpus`): "CUDA_VISIBLE_DEVICES; the container's --gpus device=GPU-..."."""
-    command = [re.sub(r",\s+", ",", str(token)) for token in server_command(campaign)]
+    words = _words([str(token) for token in server_command(campaign)])
+    command = [re.sub(r",\s+", ",", token) for token in words]
     by = [] if _unpassed_container(command) else ["CUDA_VISIBLE_DEVICES"]
     by += [
         f"the container's {g.setting}"
