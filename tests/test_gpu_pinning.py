@@ -853,6 +853,39 @@ def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_p
         assert said in output and "its container --gpus 1" not in output, output
 
 
+def test_srun_gres_and_g_are_warned_of_as_srun_gpus_is(nv: ModuleType, tmp_path: Path) -> None:
+    """Slurm gives a job step GPUs by `--gres=gpu:N`, `-G N` (`-GN`) or `--gpus-per-task` as
+    by `--gpus`, naming them in its own CUDA_VISIBLE_DEVICES in place of dvfs's: doctor said
+    the server was "pinned to" the metered GPU (by CUDA_VISIBLE_DEVICES). It warns as for
+    `--gpus`, with srun's fix; a gres that is no GPU (`--gres=craynetwork:1`) is left alone."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    srun.chmod(0o755)
+    for number, (options, setting) in enumerate(
+        (
+            (("--gres=gpu:1",), "--gres gpu:1"),
+            (("--gres", "gpu:h100:1"), "--gres gpu:h100:1"),
+            (("-G", "1"), "-G 1"),
+            (("-G1",), "-G 1"),
+            (("--gpus-per-task=1",), "--gpus-per-task 1"),
+        )
+    ):
+        path = observed_campaign(tmp_path / f"c{number}", (str(srun), *options))
+        output = _doctor_warns(path, env)
+        assert (
+            f"engine.sglang.server_command gives srun {setting} in place of the metered "
+            f"{metered}: GPUs Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, "
+            "which dvfs cannot check: the sweep stops the server only where NVML lists it on "
+            "another GPU; drop srun from server_command and run dvfs itself in the Slurm job"
+        ) in output, output
+    path = observed_campaign(tmp_path / "network", (str(srun), "--gres=craynetwork:1"))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_an_env_dropping_cuda_visible_devices_is_warned_of_and_recorded(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -55,9 +55,14 @@ PASS_CUDA_UUIDS = (
 #: `nvidia-docker` is docker's with the NVIDIA runtime.
 CONTAINER_ENGINES = ("docker", "podman", "nerdctl", "nvidia-docker")
 
-#: Slurm's launcher, whose `--gpus` is a count of GPUs Slurm picks and names in the
-#: CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no container's.
+#: Slurm's launcher, whose `--gpus` (`SLURM_GPU_OPTIONS`) is a count of GPUs Slurm picks and
+#: names in the CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no
+#: container's.
 SLURM_LAUNCHER = "srun"
+
+#: srun's options giving a job step GPUs Slurm picks (a count, `--gres=gpu:1`, `-G 1`), whose
+#: CUDA_VISIBLE_DEVICES Slurm sets to them in place of dvfs's.
+SLURM_GPU_OPTIONS = ("--gpus", "-G", "--gres", "--gpus-per-node", "--gpus-per-task")
 
 #: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
 #: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
@@ -173,11 +178,17 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     devices = []
     for index, token in enumerate(command):
         flag, equals, value = token.partition("=")
-        if flag not in ("--gpus", "--device") or not (equals or index + 1 < len(command)):
+        if re.fullmatch(r"-G\w+", flag) and not equals:  # srun's `-G1`
+            flag, equals, value = "-G", "=", token[2:]
+        slurm = _launcher_of(command, index) == SLURM_LAUNCHER
+        if flag not in ("--gpus", "--device", *(SLURM_GPU_OPTIONS if slurm else ())) or not (
+            equals or index + 1 < len(command)
+        ):
             continue
         value = value if equals else command[index + 1]
-        if flag == "--gpus" and _launcher_of(command, index) == SLURM_LAUNCHER:
-            found.append(WrapperGpus(f"--gpus {value}", (), container=False, slurm=True))
+        if slurm and flag in SLURM_GPU_OPTIONS:
+            if flag != "--gres" or "gpu" in value:
+                found.append(WrapperGpus(f"{flag} {value}", (), container=False, slurm=True))
         elif flag == "--gpus":
             found.append(WrapperGpus(f"--gpus {value}", _docker_gpus(value), container=True))
         elif value.startswith(CDI_GPU):
