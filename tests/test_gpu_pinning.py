@@ -974,6 +974,34 @@ def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
         assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
+def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices_even_with_e(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`sudo -i` runs the server in the target user's login shell, whose environment sudo
+    initialises whatever -E says (sudoers(5): "regardless of the value of env_reset"),
+    keeping only its sudoers' env_keep: `sudo -iE` was said "pinned to" the metered GPU (by
+    CUDA_VISIBLE_DEVICES), and `sudo -i` was told to give sudo -E, which keeps nothing there.
+    Doctor warns of both, saying to give -E in place of -i."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    sudo = tmp_path / "sudo"
+    sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    sudo.chmod(0o755)
+    for number, options in enumerate(
+        (("-iE", "-u", "svc"), ("-i", "-u", "svc"), ("-E", "--login", "--user=svc"))
+    ):
+        path = observed_campaign(tmp_path / f"c{number}", (str(sudo), *options))
+        output = _doctor_warns(path, env)
+        assert (
+            "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo -i, a login shell "
+            "resetting the environment even with -E, unless its sudoers keeps it) in place of "
+            f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
+            "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES) in place of -i, which keeps "
+            "the CUDA_VISIBLE_DEVICES dvfs hands the server"
+        ) in output, output
+
+
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
     nv: ModuleType, tmp_path: Path
 ) -> None:

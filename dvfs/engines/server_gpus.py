@@ -351,29 +351,40 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
 )
 
 
+#: What `_sudo_drops` says of a sudo whose `-i` (`--login`) runs the server in a login shell,
+#: whose environment sudo initialises with or without -E (sudoers(5): "regardless of the
+#: value of env_reset"), keeping only what its sudoers' env_keep names.
+SUDO_LOGIN = "sudo -i, a login shell resetting the environment even with -E"
+
+
 def _sudo_drops(command: Sequence[str], index: int) -> str | None:
     """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
     unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
-    or its sudoers does (`env_keep`, which dvfs does not read); None where it keeps it."""
+    or its sudoers does (`env_keep`, which dvfs does not read); `SUDO_LOGIN` where its `-i`
+    (`--login`) resets it whatever it is told; None where it keeps it."""
     later = index + 1
+    kept = login = False
     while later < len(command) and command[later].startswith("-") and command[later] != "--":
         option = command[later]
         name, equals, given = option.partition("=")
         if option == "--preserve-env" or (
             name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(",")
         ):
-            return None
+            kept = True
+        login = login or option == "--login"
         if option.startswith("--"):
             later += 2 if name in SUDO_LONG_ARGUMENT_OPTIONS and not equals else 1
             continue
         for at, letter in enumerate(option[1:], start=1):
-            if letter == "E":
-                return None
+            kept = kept or letter == "E"
+            login = login or letter == "i"
             if letter in SUDO_ARGUMENT_OPTIONS:
                 later += 0 if option[at + 1 :] else 1  # its argument, attached or the next
                 break
         later += 1
-    return "sudo without -E, unless its sudoers keeps it"
+    if login:
+        return f"{SUDO_LOGIN}, unless its sudoers keeps it"
+    return None if kept else "sudo without -E, unless its sudoers keeps it"
 
 
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
@@ -609,6 +620,11 @@ def unjudged_remedy(campaign: Campaign) -> str:
                 "run, the compose file reserving it every GPU), right for each fleet worker's GPUs"
             )
         return PASS_CUDA_UUIDS
+    if unjudged and all(g.dropped and g.setting.startswith(SUDO_LOGIN) for g in unjudged):
+        return (
+            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES) in place of -i, which keeps "
+            "the CUDA_VISIBLE_DEVICES dvfs hands the server"
+        )
     if unjudged and all(g.dropped and g.setting.startswith("sudo") for g in unjudged):
         return (
             "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES), which keeps the "
