@@ -1002,6 +1002,50 @@ def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices_even_with_e(
         ) in output, output
 
 
+def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`ssh HOST ...` runs the server on HOST with none of dvfs's environment (ssh passes on
+    none), `kubectl run`/`exec` in a pod on the node and GPUs Kubernetes picks: both were
+    said "pinned to" the metered GPU by CUDA_VISIBLE_DEVICES. Doctor warns, with the fix (run
+    dvfs where the server runs); not refused, as HOST may be this one. Setting the metered
+    UUID after the host (`ssh HOST env CUDA_VISIBLE_DEVICES=GPU-...`) pins it there."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    for number, (wrapper, said) in enumerate(
+        (
+            (
+                ("ssh", "-p", "2222", "-o", "BatchMode=yes", "gpu-host"),
+                "runs the server through ssh gpu-host, which passes it none of dvfs's "
+                "CUDA_VISIBLE_DEVICES: on that host, on CUDA's first GPU(s) rather than the "
+                f"metered {metered}, which dvfs cannot check: the sweep stops the server only "
+                "where NVML lists it on another GPU; run dvfs itself on the host that serves, "
+                "whose GPUs it then meters and pins the server to, and drop ssh from "
+                "server_command",
+            ),
+            (
+                ("kubectl", "run", "sglang", "--image=IMG", "--restart=Never", "--"),
+                "runs the server in a Kubernetes pod (kubectl run), on a node and GPUs "
+                f"Kubernetes picks rather than the metered {metered}, which dvfs cannot check: "
+                "the sweep stops the server only where NVML lists it on another GPU; run dvfs "
+                "itself in the pod, which starts the server on the metered GPUs",
+            ),
+            (
+                ("kubectl", "-n", "ml", "exec", "sglang-0", "--"),
+                "in a Kubernetes pod (kubectl exec)",
+            ),
+        )
+    ):
+        path = observed_campaign(tmp_path / f"c{number}", wrapper)
+        output = _doctor_warns(path, env)
+        assert said in output, output
+    wrapper = ("ssh", "-tt", "localhost", "env", f"CUDA_VISIBLE_DEVICES={metered}")
+    path = observed_campaign(tmp_path / "set", wrapper)
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
     nv: ModuleType, tmp_path: Path
 ) -> None:

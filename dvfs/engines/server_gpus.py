@@ -95,6 +95,9 @@ class WrapperGpus:
     #: setting none after (`_dropped_by`): the server has no CUDA_VISIBLE_DEVICES, so every GPU,
     #: CUDA's first.
     dropped: bool = False
+    #: ssh's or kubectl's (`setting`: "ssh HOST", "kubectl run"; `_remote`): the server runs
+    #: on another host's GPUs, or in a pod on those Kubernetes picks, none pinned by dvfs.
+    remote: bool = False
 
     @property
     def judged(self) -> bool:
@@ -133,6 +136,17 @@ class WrapperGpus:
                 "command line: without it the server runs on the GPUs the container runtime "
                 f"gives it (with a CUDA image, all) rather than the metered {metered}, which "
                 "dvfs cannot check"
+            )
+        if self.remote and self.setting.startswith("ssh"):
+            return (
+                f"runs the server through {self.setting}, which passes it none of dvfs's "
+                "CUDA_VISIBLE_DEVICES: on that host, on CUDA's first GPU(s) rather than the "
+                f"metered {metered}, which dvfs cannot check"
+            )
+        if self.remote:
+            return (
+                f"runs the server in a Kubernetes pod ({self.setting}), on a node and GPUs "
+                f"Kubernetes picks rather than the metered {metered}, which dvfs cannot check"
             )
         if self.dropped:
             return (
@@ -203,6 +217,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     dropped = _dropped_by(joined)
     if dropped is not None and _drop_reaches_server(joined, dropped[1]):
         found.append(WrapperGpus(dropped[0], (), container=False, dropped=True))
+    remote = _remote(joined)
+    if remote is not None:
+        found.append(WrapperGpus(remote, (), container=False, remote=True))
     # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
     # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
     # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
@@ -331,6 +348,46 @@ def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
             command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
         ):
             return said, index
+    return None
+
+
+#: ssh's options that take the next argument (`-p PORT`, `-i KEY`): the host is the first word
+#: that is neither an option nor one's argument.
+SSH_ARGUMENT_OPTIONS = "BbcDEeFIiJLlmOoPpQRSWw"
+
+
+def _remote(command: Sequence[str]) -> str | None:
+    """What runs the server off this host's GPUs dvfs pins, in words: "ssh HOST" (ssh passes
+    on no environment, so the server there has no CUDA_VISIBLE_DEVICES unless the line sets
+    it after the host: `ssh HOST env CUDA_VISIBLE_DEVICES=GPU-...`, judged as set), "kubectl
+    run" or "kubectl exec" (a pod on the node and GPUs Kubernetes picks). Warned of, not
+    refused: dvfs refuses what surely names other GPUs, and HOST may be this one (`localhost`,
+    its own name, an alias). None where neither runs it."""
+    from dvfs.records.session import command_env
+
+    for index, token in enumerate(command):
+        name = token.rsplit("/", 1)[-1]
+        if name == "kubectl":
+            value = False  # the word may be the value of the option before it (`-n NS`)
+            for word in command[index + 1 :]:
+                if word in ("run", "exec"):
+                    return f"kubectl {word}"
+                if not (word.startswith("-") or value):
+                    break
+                value = word.startswith("-") and "=" not in word
+        if name != "ssh":
+            continue
+        later = index + 1
+        while later < len(command) and command[later].startswith("-"):
+            option = command[later]
+            # the first letter taking an argument takes the rest, or the next word
+            at = next((i for i, c in enumerate(option) if c in SSH_ARGUMENT_OPTIONS), None)
+            later += 2 if at == len(option) - 1 else 1
+        if later >= len(command):
+            return None
+        if command_env(command[later + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__):
+            return None
+        return f"ssh {command[later]}"
     return None
 
 
@@ -635,6 +692,13 @@ def unjudged_remedy(campaign: Campaign) -> str:
             "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
             "metered GPUs' UUIDs"
         )
+    if unjudged and all(g.remote and g.setting.startswith("ssh") for g in unjudged):
+        return (
+            "run dvfs itself on the host that serves, whose GPUs it then meters and pins the "
+            "server to, and drop ssh from server_command"
+        )
+    if unjudged and all(g.remote for g in unjudged):
+        return "run dvfs itself in the pod, which starts the server on the metered GPUs"
     if unjudged and all(g.slurm for g in unjudged):
         return (
             f"drop {SLURM_LAUNCHER} from server_command and run dvfs itself in the Slurm job, "
