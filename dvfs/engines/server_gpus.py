@@ -5,9 +5,11 @@ NVML may number GPUs differently; a UUID means the same GPU to both). A campaign
 `server_command` wrapper (`env CUDA_VISIBLE_DEVICES=...`, a container's `--gpus` /
 `--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES, Slurm's `srun --gpus`), can move it: what
 surely names other GPUs is refused here, what cannot be judged (an index, a count, `all`, a
-container not passed the variable, an `env -i` or a `sudo` dropping it) is said by `dvfs
-doctor` and in the server record. The sweep and doctor share these rules; NVML's process check
-at start (`dvfs.engines.sglang`) is the second line.
+container not passed the variable, a `docker exec`, an `env -i` or a `sudo` dropping it, `ssh`
+or `kubectl` running it elsewhere) is said by `dvfs doctor` and in the server record. What the
+server sees is judged: a container only what it is passed, a shell's `-c` line by its words.
+The sweep and doctor share these rules; NVML's process check at start (`dvfs.engines.sglang`)
+is the second line.
 """
 
 from __future__ import annotations
