@@ -423,7 +423,11 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
         (("--device", f"nvidia.com/gpu={other}"), (), f"--device nvidia.com/gpu={other}"),
         (("-e", f"NVIDIA_VISIBLE_DEVICES={other}"), (), f"NVIDIA_VISIBLE_DEVICES={other}"),
         ((f"--env=NVIDIA_VISIBLE_DEVICES={other}",), (), f"NVIDIA_VISIBLE_DEVICES={other}"),
-        ((), ("env", f"NVIDIA_VISIBLE_DEVICES={other}"), f"NVIDIA_VISIBLE_DEVICES={other}"),
+        (
+            ("-e", "NVIDIA_VISIBLE_DEVICES"),
+            ("env", f"NVIDIA_VISIBLE_DEVICES={other}"),
+            f"NVIDIA_VISIBLE_DEVICES={other}",
+        ),
     ]
     for number, (flags, before, setting) in enumerate(cases):
         path = container_campaign(tmp_path / f"c{number}", *flags, before=before)
@@ -465,6 +469,48 @@ def test_a_container_given_another_gpu_by_uuid_is_refused(nv: ModuleType, tmp_pa
         output = " ".join(checked.stdout.split())
         by = by if by.startswith("CUDA") else f"the container's {by}"
         assert f"ok server GPUs: the server is pinned to {metered} ({by})" in output, output
+
+
+def test_a_variable_set_before_a_container_run_reaches_it_only_where_passed(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env CUDA_VISIBLE_DEVICES=GPU-<other> docker run --gpus device=GPU-<metered> IMG ...`
+    was refused ("sets CUDA_VISIBLE_DEVICES=GPU-<other>, other GPUs than the metered"), though
+    docker passes its container none of its own environment but what `-e NAME` names: the
+    server sees the metered GPU alone. It is judged by what the container is given: pinned by
+    its `--gpus` (the sweep verifies it on the metered GPU), NVIDIA_VISIBLE_DEVICES alike; the
+    host's value passed on (`-e CUDA_VISIBLE_DEVICES`) is still refused."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    for number, name in enumerate(("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")):
+        path = container_campaign(
+            tmp_path / f"c{number}",
+            "--gpus",
+            f"device={metered}",
+            before=("env", f"{name}={other}"),
+        )
+        checked = _doctor(path, env)
+        output = " ".join(checked.stdout.split())
+        assert (
+            f"ok server GPUs: the server is pinned to {metered} (the container's --gpus "
+            f"device={metered})"
+        ) in output, output
+    server = _swept_server(path, tmp_path / "out", env)
+    assert server["gpu_pinning"] == f"verified: GPU 1 ({metered})"
+    path = container_campaign(
+        tmp_path / "passed",
+        "--gpus",
+        "all",
+        "-e",
+        "CUDA_VISIBLE_DEVICES",
+        before=("env", f"CUDA_VISIBLE_DEVICES={other}"),
+    )
+    checked = _doctor(path, env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={other}, other "
+        f"GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
@@ -584,7 +630,7 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
     """`docker run` passes its container none of the environment dvfs hands it but what `-e
     NAME` names (podman's `--env-host`: all of it): given no GPUs on its command line
     (`--runtime=nvidia`, whose CUDA image sets NVIDIA_VISIBLE_DEVICES=all; `--device
-    /dev/nvidia1`; an `--env-file` dvfs does not read), the server runs on the GPUs the
+    /dev/nvidia1`; an `--env-file` not setting it), the server runs on the GPUs the
     runtime gives it, CUDA's first. Doctor said it was "pinned to" the metered GPU (by
     CUDA_VISIBLE_DEVICES) and the server record said nothing of it. Doctor warns, naming the
     fix, and the server record says it; `--env-host` passes it on: pinned, and verified."""
@@ -628,6 +674,109 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
             "the container runtime gives it (with a CUDA image, all) rather than the metered "
             "GPUs' UUIDs, which dvfs cannot check"
         )
+
+
+def test_docker_exec_and_nvidia_docker_are_judged_as_containers(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker exec CONTAINER ...` runs the server in a container made before, on the GPUs it
+    was made with, and `nvidia-docker run` is docker's run: both were read as plain commands,
+    "pinned to" the metered GPU by the CUDA_VISIBLE_DEVICES their container never receives
+    (`nvidia-docker run --gpus device=GPU-<other>` too). Doctor warns of an exec not passed
+    it, naming `-e CUDA_VISIBLE_DEVICES` (passed it, it is pinned), and judges nvidia-docker's
+    container as docker's: warned of, or refused where it is given another GPU by UUID."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    path = container_campaign(tmp_path / "exec", run=("exec",))
+    output = _doctor_warns(path, env)
+    assert (
+        "engine.sglang.server_command runs the server in a container made before (docker "
+        "exec), not passed CUDA_VISIBLE_DEVICES on its command line: the server runs on the "
+        f"GPUs the container was made with rather than the metered {metered}, which dvfs "
+        "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+        "pass it dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after exec), the "
+        "container made with the metered GPUs (or --gpus all)"
+    ) in output, output
+    path = container_campaign(tmp_path / "passed", "-e", "CUDA_VISIBLE_DEVICES", run=("exec",))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(tmp_path / "nvidia", engine="nvidia-docker")
+    output = _doctor_warns(path, env)
+    assert "starts a container (nvidia-docker run) not passed CUDA_VISIBLE_DEVICES" in output
+    path = container_campaign(
+        tmp_path / "other", "--gpus", f"device={other}", engine="nvidia-docker"
+    )
+    checked = _doctor(path, env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"device={other}, other GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
+    """`docker run --env-file FILE` passes the container FILE's variables as `-e` does, but
+    dvfs did not read it: a file passing CUDA_VISIBLE_DEVICES (dvfs's own, or the metered UUID)
+    was warned of ("not passed CUDA_VISIBLE_DEVICES", "--gpus all ... cannot check"), and one
+    giving the container another GPU's NVIDIA_VISIBLE_DEVICES was warned of, not refused. A
+    readable file is read: pinned, or refused as `-e` is; an unreadable one is warned of."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, (line, flags) in enumerate(
+        (
+            ("CUDA_VISIBLE_DEVICES", ()),
+            (f"CUDA_VISIBLE_DEVICES={metered}", ("--gpus", "all")),
+            (f"NVIDIA_VISIBLE_DEVICES={other}", ()),
+        )
+    ):
+        env_file = tmp_path / f"env{number}.list"
+        env_file.write_text(f"# the server's\nHF_HOME=/cache\n{line}\n")
+        path = container_campaign(tmp_path / f"c{number}", *flags, "--env-file", str(env_file))
+        checked = _doctor(path, env)
+        output = " ".join(checked.stdout.split())
+        if line.startswith("NVIDIA"):
+            assert checked.returncode == 1, output
+            assert (
+                f"FAIL server GPUs: engine.sglang.server_command gives its container "
+                f"NVIDIA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}"
+            ) in output
+        else:
+            assert pinned in output, output
+    path = container_campaign(tmp_path / "unread", "--env-file", str(tmp_path / "missing"))
+    assert "starts a container (docker run) not passed" in _doctor_warns(path, env)
+
+
+def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_path: Path) -> None:
+    """`sh -c 'docker run --gpus ... IMG "$@"' sh` (`bash -lc`) was read as one word: said
+    "pinned to" the metered GPU by the CUDA_VISIBLE_DEVICES its container never receives,
+    given another GPU by UUID or not. The line's words are judged as written outside a shell:
+    refused, warned of, or pinned by what the container is given."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    folder = tmp_path / "other"
+    folder.mkdir()
+    line = f'exec docker run --rm --gpus device={other} IMG "$@"'
+    path = observed_campaign(folder, ("sh", "-c", line, "sh"))
+    checked = _doctor(path, env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"device={other}, other GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
+    folder = tmp_path / "unpassed"
+    folder.mkdir()
+    path = observed_campaign(folder, ("bash", "-lc", 'docker run --gpus all IMG "$@"', "bash"))
+    output = _doctor_warns(path, env)
+    assert "gives its container --gpus all rather than the metered" in output, output
+    folder = tmp_path / "passed"
+    folder.mkdir()
+    line = 'docker run --gpus all -e "CUDA_VISIBLE_DEVICES" IMG "$@"'
+    path = observed_campaign(folder, ("sh", "-c", line, "sh"))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
@@ -702,6 +851,39 @@ def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_p
         line = _server_gpus_line(checked)
         assert line.startswith("warn server GPUs: "), output
         assert said in output and "its container --gpus 1" not in output, output
+
+
+def test_srun_gres_and_g_are_warned_of_as_srun_gpus_is(nv: ModuleType, tmp_path: Path) -> None:
+    """Slurm gives a job step GPUs by `--gres=gpu:N`, `-G N` (`-GN`) or `--gpus-per-task` as
+    by `--gpus`, naming them in its own CUDA_VISIBLE_DEVICES in place of dvfs's: doctor said
+    the server was "pinned to" the metered GPU (by CUDA_VISIBLE_DEVICES). It warns as for
+    `--gpus`, with srun's fix; a gres that is no GPU (`--gres=craynetwork:1`) is left alone."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    srun.chmod(0o755)
+    for number, (options, setting) in enumerate(
+        (
+            (("--gres=gpu:1",), "--gres gpu:1"),
+            (("--gres", "gpu:h100:1"), "--gres gpu:h100:1"),
+            (("-G", "1"), "-G 1"),
+            (("-G1",), "-G 1"),
+            (("--gpus-per-task=1",), "--gpus-per-task 1"),
+        )
+    ):
+        path = observed_campaign(tmp_path / f"c{number}", (str(srun), *options))
+        output = _doctor_warns(path, env)
+        assert (
+            f"engine.sglang.server_command gives srun {setting} in place of the metered "
+            f"{metered}: GPUs Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, "
+            "which dvfs cannot check: the sweep stops the server only where NVML lists it on "
+            "another GPU; drop srun from server_command and run dvfs itself in the Slurm job"
+        ) in output, output
+    path = observed_campaign(tmp_path / "network", (str(srun), "--gres=craynetwork:1"))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_an_env_dropping_cuda_visible_devices_is_warned_of_and_recorded(
@@ -790,6 +972,78 @@ def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
         checked = _doctor(path, env)
         pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
         assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices_even_with_e(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`sudo -i` runs the server in the target user's login shell, whose environment sudo
+    initialises whatever -E says (sudoers(5): "regardless of the value of env_reset"),
+    keeping only its sudoers' env_keep: `sudo -iE` was said "pinned to" the metered GPU (by
+    CUDA_VISIBLE_DEVICES), and `sudo -i` was told to give sudo -E, which keeps nothing there.
+    Doctor warns of both, saying to give -E in place of -i."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    sudo = tmp_path / "sudo"
+    sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    sudo.chmod(0o755)
+    for number, options in enumerate(
+        (("-iE", "-u", "svc"), ("-i", "-u", "svc"), ("-E", "--login", "--user=svc"))
+    ):
+        path = observed_campaign(tmp_path / f"c{number}", (str(sudo), *options))
+        output = _doctor_warns(path, env)
+        assert (
+            "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo -i, a login shell "
+            "resetting the environment even with -E, unless its sudoers keeps it) in place of "
+            f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
+            "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES) in place of -i, which keeps "
+            "the CUDA_VISIBLE_DEVICES dvfs hands the server"
+        ) in output, output
+
+
+def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`ssh HOST ...` runs the server on HOST with none of dvfs's environment (ssh passes on
+    none), `kubectl run`/`exec` in a pod on the node and GPUs Kubernetes picks: both were
+    said "pinned to" the metered GPU by CUDA_VISIBLE_DEVICES. Doctor warns, with the fix (run
+    dvfs where the server runs); not refused, as HOST may be this one. Setting the metered
+    UUID after the host (`ssh HOST env CUDA_VISIBLE_DEVICES=GPU-...`) pins it there."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    for number, (wrapper, said) in enumerate(
+        (
+            (
+                ("ssh", "-p", "2222", "-o", "BatchMode=yes", "gpu-host"),
+                "runs the server through ssh gpu-host, which passes it none of dvfs's "
+                "CUDA_VISIBLE_DEVICES: on that host, on CUDA's first GPU(s) rather than the "
+                f"metered {metered}, which dvfs cannot check: the sweep stops the server only "
+                "where NVML lists it on another GPU; run dvfs itself on the host that serves, "
+                "whose GPUs it then meters and pins the server to, and drop ssh from "
+                "server_command",
+            ),
+            (
+                ("kubectl", "run", "sglang", "--image=IMG", "--restart=Never", "--"),
+                "runs the server in a Kubernetes pod (kubectl run), on a node and GPUs "
+                f"Kubernetes picks rather than the metered {metered}, which dvfs cannot check: "
+                "the sweep stops the server only where NVML lists it on another GPU; run dvfs "
+                "itself in the pod, which starts the server on the metered GPUs",
+            ),
+            (
+                ("kubectl", "-n", "ml", "exec", "sglang-0", "--"),
+                "in a Kubernetes pod (kubectl exec)",
+            ),
+        )
+    ):
+        path = observed_campaign(tmp_path / f"c{number}", wrapper)
+        output = _doctor_warns(path, env)
+        assert said in output, output
+    wrapper = ("ssh", "-tt", "localhost", "env", f"CUDA_VISIBLE_DEVICES={metered}")
+    path = observed_campaign(tmp_path / "set", wrapper)
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(

@@ -5,17 +5,21 @@ NVML may number GPUs differently; a UUID means the same GPU to both). A campaign
 `server_command` wrapper (`env CUDA_VISIBLE_DEVICES=...`, a container's `--gpus` /
 `--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES, Slurm's `srun --gpus`), can move it: what
 surely names other GPUs is refused here, what cannot be judged (an index, a count, `all`, a
-container not passed the variable, an `env -i` or a `sudo` dropping it) is said by `dvfs
-doctor` and in the server record. The sweep and doctor share these rules; NVML's process check
-at start (`dvfs.engines.sglang`) is the second line.
+container not passed the variable, a `docker exec`, an `env -i` or a `sudo` dropping it, `ssh`
+or `kubectl` running it elsewhere) is said by `dvfs doctor` and in the server record. What the
+server sees is judged: a container only what it is passed, a shell's `-c` line by its words.
+The sweep and doctor share these rules; NVML's process check at start (`dvfs.engines.sglang`)
+is the second line.
 """
 
 from __future__ import annotations
 
 import csv
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from dvfs.campaign.model import Campaign
 from dvfs.campaign.serving import server_command
@@ -48,12 +52,19 @@ PASS_CUDA_UUIDS = (
 
 #: The container engines whose `run` (`docker run`, `podman container run`) starts a container
 #: that gets none of the environment dvfs hands it but what it is passed: `-e NAME` or `--env
-#: NAME` (the host's value), podman's `--env-host` (all of it).
-CONTAINER_ENGINES = ("docker", "podman", "nerdctl")
+#: NAME` (the host's value), podman's `--env-host` (all of it); whose `exec` runs the server in
+#: a container already made, on the GPUs it was made with, passed the same way.
+#: `nvidia-docker` is docker's with the NVIDIA runtime.
+CONTAINER_ENGINES = ("docker", "podman", "nerdctl", "nvidia-docker")
 
-#: Slurm's launcher, whose `--gpus` is a count of GPUs Slurm picks and names in the
-#: CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no container's.
+#: Slurm's launcher, whose `--gpus` (`SLURM_GPU_OPTIONS`) is a count of GPUs Slurm picks and
+#: names in the CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no
+#: container's.
 SLURM_LAUNCHER = "srun"
+
+#: srun's options giving a job step GPUs Slurm picks (a count, `--gres=gpu:1`, `-G 1`), whose
+#: CUDA_VISIBLE_DEVICES Slurm sets to them in place of dvfs's.
+SLURM_GPU_OPTIONS = ("--gpus", "-G", "--gres", "--gpus-per-node", "--gpus-per-task")
 
 #: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
 #: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
@@ -75,8 +86,9 @@ class WrapperGpus:
     #: A container passed CUDA_VISIBLE_DEVICES by UUID (`_passes_cuda_uuids`): CUDA there picks
     #: the metered GPUs among those it is given, which need only hold them.
     among: bool = False
-    #: A container (`setting`: "docker run") passed no CUDA_VISIBLE_DEVICES and given no GPUs
-    #: on its command line (`_unpassed_container`): it has those its runtime gives it.
+    #: A container (`setting`: "docker run", "docker exec") passed no CUDA_VISIBLE_DEVICES and
+    #: given no GPUs on its command line (`_unpassed_container`): it has those its runtime gives
+    #: it (an exec's: those its container was made with).
     unpassed: bool = False
     #: Not a container's: Slurm's (`srun --gpus=1`), which picks GPUs and sets its own
     #: CUDA_VISIBLE_DEVICES to them.
@@ -85,6 +97,9 @@ class WrapperGpus:
     #: setting none after (`_dropped_by`): the server has no CUDA_VISIBLE_DEVICES, so every GPU,
     #: CUDA's first.
     dropped: bool = False
+    #: ssh's or kubectl's (`setting`: "ssh HOST", "kubectl run"; `_remote`): the server runs
+    #: on another host's GPUs, or in a pod on those Kubernetes picks, none pinned by dvfs.
+    remote: bool = False
 
     @property
     def judged(self) -> bool:
@@ -110,12 +125,30 @@ class WrapperGpus:
 
     def unjudged(self, metered: str) -> str:
         """What it does, not judged, in words: "sets CUDA_VISIBLE_DEVICES=0 in place of ..."."""
+        if self.unpassed and self.setting.endswith(" exec"):
+            return (
+                f"runs the server in a container made before ({self.setting}), not passed "
+                "CUDA_VISIBLE_DEVICES on its command line: the server runs on the GPUs the "
+                f"container was made with rather than the metered {metered}, which dvfs cannot "
+                "check"
+            )
         if self.unpassed:
             return (
                 f"starts a container ({self.setting}) not passed CUDA_VISIBLE_DEVICES on its "
                 "command line: without it the server runs on the GPUs the container runtime "
                 f"gives it (with a CUDA image, all) rather than the metered {metered}, which "
                 "dvfs cannot check"
+            )
+        if self.remote and self.setting.startswith("ssh"):
+            return (
+                f"runs the server through {self.setting}, which passes it none of dvfs's "
+                "CUDA_VISIBLE_DEVICES: on that host, on CUDA's first GPU(s) rather than the "
+                f"metered {metered}, which dvfs cannot check"
+            )
+        if self.remote:
+            return (
+                f"runs the server in a Kubernetes pod ({self.setting}), on a node and GPUs "
+                f"Kubernetes picks rather than the metered {metered}, which dvfs cannot check"
             )
         if self.dropped:
             return (
@@ -150,24 +183,28 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     A container run given no GPUs there and none of dvfs's CUDA_VISIBLE_DEVICES is one
     (`unpassed`): it has the GPUs its runtime gives it (`--runtime=nvidia`, a CUDA image's
     NVIDIA_VISIBLE_DEVICES=all; `--device /dev/nvidia1`)."""
-    from dvfs.records.session import command_env
-
-    command = [str(token) for token in server_command(campaign)]
+    command = _words([str(token) for token in server_command(campaign)])
     joined = [re.sub(r",\s+", ",", token) for token in command]
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
-        value = command_env(joined, keep={name}.__contains__).get(name)
+        value = _server_sees(joined, name)
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
             found.append(WrapperGpus(f"{name}={value}", entries, name.startswith("NVIDIA")))
     devices = []
     for index, token in enumerate(command):
         flag, equals, value = token.partition("=")
-        if flag not in ("--gpus", "--device") or not (equals or index + 1 < len(command)):
+        if re.fullmatch(r"-G\w+", flag) and not equals:  # srun's `-G1`
+            flag, equals, value = "-G", "=", token[2:]
+        slurm = _launcher_of(command, index) == SLURM_LAUNCHER
+        if flag not in ("--gpus", "--device", *(SLURM_GPU_OPTIONS if slurm else ())) or not (
+            equals or index + 1 < len(command)
+        ):
             continue
         value = value if equals else command[index + 1]
-        if flag == "--gpus" and _launcher_of(command, index) == SLURM_LAUNCHER:
-            found.append(WrapperGpus(f"--gpus {value}", (), container=False, slurm=True))
+        if slurm and flag in SLURM_GPU_OPTIONS:
+            if flag != "--gres" or "gpu" in value:
+                found.append(WrapperGpus(f"{flag} {value}", (), container=False, slurm=True))
         elif flag == "--gpus":
             found.append(WrapperGpus(f"--gpus {value}", _docker_gpus(value), container=True))
         elif value.startswith(CDI_GPU):
@@ -182,6 +219,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     dropped = _dropped_by(joined)
     if dropped is not None and _drop_reaches_server(joined, dropped[1]):
         found.append(WrapperGpus(dropped[0], (), container=False, dropped=True))
+    remote = _remote(joined)
+    if remote is not None:
+        found.append(WrapperGpus(remote, (), container=False, remote=True))
     # A container given the CUDA_VISIBLE_DEVICES dvfs hands the wrapper (`-e
     # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
     # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
@@ -189,6 +229,60 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     if not _passes_cuda_uuids(joined):
         return found
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+
+
+#: The shells whose `-c LINE` (`bash -lc LINE`) runs a line of words: `sh -c 'docker run ...'`.
+SHELLS = ("sh", "bash", "dash", "zsh", "ksh")
+
+
+def _words(command: list[str]) -> list[str]:
+    """`command` with each shell's `-c LINE` (`SHELLS`) replaced by the line's words, as the
+    shell reads them (`sh -c 'docker run --gpus all IMG "$@"' sh`: docker, run, --gpus, ...), so the
+    wrapper it runs is judged as written outside one; a line the shell could not read stays
+    one word."""
+    for index, token in enumerate(command[:-1]):
+        if token.rsplit("/", 1)[-1] not in SHELLS:
+            continue
+        later = index + 1
+        while later < len(command) and command[later].startswith("-"):
+            if re.fullmatch(r"-[A-Za-z]*c[A-Za-z]*", command[later]):
+                at = later + 1 + (command[later + 1 : later + 2] == ["--"])
+                if at >= len(command):
+                    break
+                try:
+                    line = shlex.split(command[at])
+                except ValueError:
+                    break
+                return [*command[:index], *_words(line), *_words(command[at + 1 :])]
+            later += 1
+    return command
+
+
+def _server_sees(command: Sequence[str], name: str) -> str | None:
+    """The value of `name` the wrapper's command line gives the server, None where it sets none
+    (it has dvfs's, or a container none): outside a container the last set (`command_env`);
+    for a container run, what it is given (`-e NAME=VALUE`, or set inside it: `IMG env
+    NAME=...`), else the host's, set before the run, only where it is passed that (`-e NAME`,
+    `--env-host`): `env NAME=... docker run` gives the container none of it."""
+    from dvfs.records.session import command_env
+
+    def keep(key: str) -> bool:
+        return key == name
+
+    run = _container_run(command)
+    if run is None:
+        return command_env(command, keep=keep).get(name)
+    start, after = _engine_index(command), run[1]
+    rest = command[after:]
+    inside = command_env(rest, keep=keep)
+    if name in inside:
+        return inside[name]
+    filed = dict(e.partition("=")[::2] for e in _env_files(rest) if "=" in e)
+    if name in filed:
+        return filed[name]
+    if _env_host(rest) or name in _container_env(rest):
+        return command_env(command[:start], keep=keep).get(name)
+    return None
 
 
 def _launcher_of(command: Sequence[str], index: int) -> str | None:
@@ -259,6 +353,46 @@ def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     return None
 
 
+#: ssh's options that take the next argument (`-p PORT`, `-i KEY`): the host is the first word
+#: that is neither an option nor one's argument.
+SSH_ARGUMENT_OPTIONS = "BbcDEeFIiJLlmOoPpQRSWw"
+
+
+def _remote(command: Sequence[str]) -> str | None:
+    """What runs the server off this host's GPUs dvfs pins, in words: "ssh HOST" (ssh passes
+    on no environment, so the server there has no CUDA_VISIBLE_DEVICES unless the line sets
+    it after the host: `ssh HOST env CUDA_VISIBLE_DEVICES=GPU-...`, judged as set), "kubectl
+    run" or "kubectl exec" (a pod on the node and GPUs Kubernetes picks). Warned of, not
+    refused: dvfs refuses what surely names other GPUs, and HOST may be this one (`localhost`,
+    its own name, an alias). None where neither runs it."""
+    from dvfs.records.session import command_env
+
+    for index, token in enumerate(command):
+        name = token.rsplit("/", 1)[-1]
+        if name == "kubectl":
+            value = False  # the word may be the value of the option before it (`-n NS`)
+            for word in command[index + 1 :]:
+                if word in ("run", "exec"):
+                    return f"kubectl {word}"
+                if not (word.startswith("-") or value):
+                    break
+                value = word.startswith("-") and "=" not in word
+        if name != "ssh":
+            continue
+        later = index + 1
+        while later < len(command) and command[later].startswith("-"):
+            option = command[later]
+            # the first letter taking an argument takes the rest, or the next word
+            at = next((i for i, c in enumerate(option) if c in SSH_ARGUMENT_OPTIONS), None)
+            later += 2 if at == len(option) - 1 else 1
+        if later >= len(command):
+            return None
+        if command_env(command[later + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__):
+            return None
+        return f"ssh {command[later]}"
+    return None
+
+
 #: sudo's options that take the next argument (`-u USER`), short and long (`--user USER`).
 SUDO_ARGUMENT_OPTIONS = "ugCDprtTUc"
 SUDO_LONG_ARGUMENT_OPTIONS = (
@@ -276,29 +410,40 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
 )
 
 
+#: What `_sudo_drops` says of a sudo whose `-i` (`--login`) runs the server in a login shell,
+#: whose environment sudo initialises with or without -E (sudoers(5): "regardless of the
+#: value of env_reset"), keeping only what its sudoers' env_keep names.
+SUDO_LOGIN = "sudo -i, a login shell resetting the environment even with -E"
+
+
 def _sudo_drops(command: Sequence[str], index: int) -> str | None:
     """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
     unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
-    or its sudoers does (`env_keep`, which dvfs does not read); None where it keeps it."""
+    or its sudoers does (`env_keep`, which dvfs does not read); `SUDO_LOGIN` where its `-i`
+    (`--login`) resets it whatever it is told; None where it keeps it."""
     later = index + 1
+    kept = login = False
     while later < len(command) and command[later].startswith("-") and command[later] != "--":
         option = command[later]
         name, equals, given = option.partition("=")
         if option == "--preserve-env" or (
             name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(",")
         ):
-            return None
+            kept = True
+        login = login or option == "--login"
         if option.startswith("--"):
             later += 2 if name in SUDO_LONG_ARGUMENT_OPTIONS and not equals else 1
             continue
         for at, letter in enumerate(option[1:], start=1):
-            if letter == "E":
-                return None
+            kept = kept or letter == "E"
+            login = login or letter == "i"
             if letter in SUDO_ARGUMENT_OPTIONS:
                 later += 0 if option[at + 1 :] else 1  # its argument, attached or the next
                 break
         later += 1
-    return "sudo without -E, unless its sudoers keeps it"
+    if login:
+        return f"{SUDO_LOGIN}, unless its sudoers keeps it"
+    return None if kept else "sudo without -E, unless its sudoers keeps it"
 
 
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
@@ -335,8 +480,9 @@ def _by_uuid(value: str) -> bool:
 
 
 def _container_env(command: Sequence[str]) -> list[str]:
-    """What `-e`/`--env` pass a container: "NAME" (the host's value) or "NAME=VALUE"."""
-    found = []
+    """What `-e`/`--env` pass a container: "NAME" (the host's value) or "NAME=VALUE"; an
+    `--env-file`'s lines first (`_env_files`), as `-e` wins over them."""
+    found = _env_files(command)
     for index, token in enumerate(command):
         if index and command[index - 1] in ("-e", "--env"):
             found.append(token)
@@ -344,6 +490,27 @@ def _container_env(command: Sequence[str]) -> list[str]:
             found.append(token.removeprefix("--env="))
         elif token.startswith("-e") and token != "-e":  # `-eNAME`
             found.append(token.removeprefix("-e"))
+    return found
+
+
+def _env_files(command: Sequence[str]) -> list[str]:
+    """The variables each `--env-file FILE` (`--env-file=FILE`) passes a container, as docker
+    reads one: a line "NAME=VALUE" (VALUE as written) or "NAME" (the host's value), blank
+    lines and `#` comments skipped; none from a file dvfs cannot read (from the folder it
+    runs in, as the wrapper it starts)."""
+    found = []
+    for index, token in enumerate(command):
+        flag, equals, value = token.partition("=")
+        if flag != "--env-file" or not (equals or index + 1 < len(command)):
+            continue
+        try:
+            text = Path(value if equals else command[index + 1]).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            line = line.lstrip()
+            if line and not line.startswith("#"):
+                found.append(line)
     return found
 
 
@@ -360,25 +527,40 @@ COMPOSE_LAUNCHERS = ("docker-compose", "podman-compose")
 def _container_run(command: Sequence[str]) -> tuple[str, int] | None:
     """A container engine's `run` in command (`docker run`, `podman --remote container run`,
     `sudo docker run`, a service's: `docker compose -f FILE run`, `docker-compose run`): its
-    words ("docker run", "docker compose run") and the index of what follows `run`; None where
+    words ("docker run", "docker compose run"; "docker exec" where it runs the server in a
+    container made before) and the index of what follows `run`; None where
     there is none."""
-    for index, token in enumerate(command):
-        engine = token.rsplit("/", 1)[-1]
-        if engine not in (*CONTAINER_ENGINES, *COMPOSE_LAUNCHERS):
-            continue
-        words = [engine]
-        value = False  # the word may be the value of the option before it
-        for later in range(index + 1, len(command)):
-            word = command[later]
-            if word == "run":
-                return " ".join([*words, "run"]), later + 1
-            if word.startswith("-"):
-                value = "=" not in word
-            elif word in ("container", "compose") or value:
-                words += [word] if word == "compose" and not value else []
-                value = False
-            else:
-                break
+    for index in range(len(command)):
+        found = _container_run_from(command, index)
+        if found is not None:
+            return found
+    return None
+
+
+def _engine_index(command: Sequence[str]) -> int:
+    """The index of the container engine whose run `_container_run` finds (0 where none)."""
+    return next((i for i in range(len(command)) if _container_run_from(command, i) is not None), 0)
+
+
+def _container_run_from(command: Sequence[str], index: int) -> tuple[str, int] | None:
+    """`_container_run` of the container engine at `command[index]`: None where it is none, or
+    is not followed by its `run`."""
+    engine = command[index].rsplit("/", 1)[-1]
+    if engine not in (*CONTAINER_ENGINES, *COMPOSE_LAUNCHERS):
+        return None
+    words = [engine]
+    value = False  # the word may be the value of the option before it
+    for later in range(index + 1, len(command)):
+        word = command[later]
+        if word in ("run", "exec"):
+            return " ".join([*words, word]), later + 1
+        if word.startswith("-"):
+            value = "=" not in word
+        elif word in ("container", "compose") or value:
+            words += [word] if word == "compose" and not value else []
+            value = False
+        else:
+            return None
     return None
 
 
@@ -469,7 +651,8 @@ def pinned_by(campaign: Campaign) -> str:
     passes it and `unjudged_wrapper_devices` says nothing: CUDA_VISIBLE_DEVICES (not for a
     container given none, `_unpassed_container`, which never receives it) and each container
     setting (`wrapper_gpus`): "CUDA_VISIBLE_DEVICES; the container's --gpus device=GPU-..."."""
-    command = [re.sub(r",\s+", ",", str(token)) for token in server_command(campaign)]
+    words = _words([str(token) for token in server_command(campaign)])
+    command = [re.sub(r",\s+", ",", token) for token in words]
     by = [] if _unpassed_container(command) else ["CUDA_VISIBLE_DEVICES"]
     by += [
         f"the container's {g.setting}"
@@ -484,6 +667,11 @@ def unjudged_remedy(campaign: Campaign) -> str:
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
     unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
     if unjudged and all(g.unpassed for g in unjudged):
+        if any(g.setting.endswith(" exec") for g in unjudged):
+            return (
+                "pass it dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after exec), "
+                "the container made with the metered GPUs (or --gpus all)"
+            )
         if any(" compose" in g.setting or "-compose" in g.setting for g in unjudged):
             # Compose's `run` takes `-e` but no `--gpus`: its compose file reserves the GPUs.
             return (
@@ -491,6 +679,11 @@ def unjudged_remedy(campaign: Campaign) -> str:
                 "run, the compose file reserving it every GPU), right for each fleet worker's GPUs"
             )
         return PASS_CUDA_UUIDS
+    if unjudged and all(g.dropped and g.setting.startswith(SUDO_LOGIN) for g in unjudged):
+        return (
+            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES) in place of -i, which keeps "
+            "the CUDA_VISIBLE_DEVICES dvfs hands the server"
+        )
     if unjudged and all(g.dropped and g.setting.startswith("sudo") for g in unjudged):
         return (
             "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES), which keeps the "
@@ -501,6 +694,13 @@ def unjudged_remedy(campaign: Campaign) -> str:
             "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
             "metered GPUs' UUIDs"
         )
+    if unjudged and all(g.remote and g.setting.startswith("ssh") for g in unjudged):
+        return (
+            "run dvfs itself on the host that serves, whose GPUs it then meters and pins the "
+            "server to, and drop ssh from server_command"
+        )
+    if unjudged and all(g.remote for g in unjudged):
+        return "run dvfs itself in the pod, which starts the server on the metered GPUs"
     if unjudged and all(g.slurm for g in unjudged):
         return (
             f"drop {SLURM_LAUNCHER} from server_command and run dvfs itself in the Slurm job, "
