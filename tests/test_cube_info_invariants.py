@@ -76,3 +76,35 @@ def test_cube_info_shows_the_invariants_and_the_groups_a_resume_left_across_gpus
 def test_cube_info_says_each_group_ran_on_one_gpu(tiny_sweep: Path) -> None:
     shown = " ".join(run("cube", "info", str(tiny_sweep)).split())
     assert "arms each comparison group on one GPU; alike but the drafter" in shown, shown
+
+
+def test_cube_info_does_not_call_arms_served_differently_alike(
+    tiny_sweep: Path, tmp_path: Path
+) -> None:
+    """A cube whose drafters' servers ran other attention kernels (one an earlier dvfs built,
+    or edited) is refused by every analysis; `cube info` said its arms were "alike but the
+    drafter: ... attention kernels fa3, triton". It names the difference instead, as the
+    analyses' refusal does, and its --json lists it (`arms_differ`); a cube whose arms are
+    alike lists none."""
+    import numpy as np
+    import xarray as xr
+
+    with xr.open_dataset(tiny_sweep / "cube.nc") as raw:
+        ds = raw.load()
+    drafters = ds.sizes["drafter"]
+    assert drafters >= 2
+    kernels = np.array(["fa3"] + ["triton"] * (drafters - 1), dtype=object)
+    ds["attention_backend"] = (("drafter",), kernels, ds["attention_backend"].attrs)
+    edited = tmp_path / "cube.nc"
+    ds.to_netcdf(edited)
+
+    shown = " ".join(run("cube", "info", str(edited)).split())
+    assert "alike but the drafter" not in shown, shown
+    assert "served differently beyond the drafter:" in shown, shown
+    assert "attention kernels: triton -> fa3" in shown, shown
+    held = json.loads(run("cube", "info", "--json", str(edited)))["invariants"]
+    assert held["arms_differ"] and "attention kernels" in held["arms_differ"][0]
+    assert (
+        json.loads(run("cube", "info", "--json", str(tiny_sweep)))["invariants"]["arms_differ"]
+        == []
+    )

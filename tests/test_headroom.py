@@ -754,6 +754,31 @@ def test_the_latency_shown_is_over_the_repeats_the_bound_paired() -> None:
     assert table_row[-2:] == ["10.1", "10.1"]  # latency ms, target ms (10.7 ms before)
 
 
+def test_the_saving_is_over_the_repeats_paired_with_the_reference() -> None:
+    """Stock's repeat 1 flagged; repeat 1's prompts cost 1.3x at every setting. The saving
+    against stock (repeats 0 and 2) is 20% over the same prompts; the energy of 1500 MHz over
+    all three repeats, its repeat 1 included, read 0.88 J against 1.0 J: a 12% saving that
+    compared other prompts, and fell outside its own interval."""
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    cost = [1.0, 1.3, 1.0]  # each repeat's prompts
+    cube = make_cube(
+        clocks=[1500, 2000],
+        repeats=3,
+        latency=lambda c, *_: 10.0,
+        energy=lambda c, p, b, d, k, r: (0.8 if c == 1500 else 1.0) * cost[r],
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r == 1),
+    )
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    r = row(result)
+    assert r["chosen_sm_clock"] == 1500
+    assert r["stock_energy_per_token_j"] == pytest.approx(1.0)
+    assert r["chosen_energy_per_token_j"] == pytest.approx(0.8)  # 0.88 before
+    assert r["saving"] == pytest.approx(0.2)  # 0.12 before
+    header, (cells,) = headroom_table_rows(headroom_document(result, cube))
+    assert cells[header.index("saving")] == "20.0%"
+
+
 def test_an_slo_answer_without_a_valid_reference_energy_shows_no_saving() -> None:
     """An SLO needs no reference latency, so a row has an answer while its reference cells are
     all invalid; with no energy there to save against, the saving cell is "-", not "-%"."""

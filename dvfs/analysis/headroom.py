@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.analysis.bounds import (
+    finite_mean,
     finite_means,
     level_text,
     meets_all,
@@ -733,12 +734,13 @@ def headroom(
             noise_numbers[idx] = (
                 least[1],
                 least[2],
-                1 - least[0] / stock_here,
+                1 - _paired_energy(cells, idx, (least[6], least[7]), least[0]) / stock_here,
                 1 - spread[1],
                 1 - spread[0],
                 spread[2],
             )
         mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = picked
+        mean_e = _paired_energy(cells, idx, (c_i, p_i), mean_e)
         lowest_clock = min(f[1] for f in feasible)
         lowest_limit = min(f[2] for f in feasible)
         # Settings below an answer not measured yet (an interrupted sweep): the answer may
@@ -829,7 +831,11 @@ def headroom(
     units = {
         "chosen_sm_clock": ("MHz", "SM clock of the least-energy feasible setting"),
         "chosen_power_limit": ("W", "power limit of the least-energy feasible setting"),
-        "chosen_energy_per_token_j": ("J", "energy per token at the chosen setting"),
+        "chosen_energy_per_token_j": (
+            "J",
+            "energy per token at the chosen setting (mean over the repeats paired with the "
+            "reference, as the saving; where none pairs, over its usable repeats)",
+        ),
         "stock_energy_per_token_j": ("J", "energy per token at the reference (stock) setting"),
         "saving": ("1", "energy saved per token at the chosen setting against stock"),
         "baseline_energy_per_token_j": ("J", "baseline drafter's energy per token at stock"),
@@ -1075,6 +1081,18 @@ def headroom(
     )
     result.attrs["bound"] = bound_description(result.attrs, cube)
     return result
+
+
+def _paired_energy(cells: _Cells, idx: tuple[int, ...], at: tuple[int, int], mean: float) -> float:
+    """The energy per token of the setting at (clock, limit) indices `at` of group `idx` over
+    the repeats paired with the group's reference (those whose stock energy is usable): what
+    its saving divides, as its interval and the latency shown beside the target are paired. A
+    repeat the reference lacks (flagged there) ran other prompts, so its energy is no part of
+    a saving against the reference. `mean` (over every usable repeat, on which the settings
+    are chosen) where none pairs (no usable reference energy)."""
+    energy = cells.energy[idx][at]
+    value = finite_mean(np.where(np.isnan(cells.stock_energy[idx]), np.nan, energy))
+    return mean if math.isnan(value) else value
 
 
 def _energy_interval(

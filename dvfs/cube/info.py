@@ -419,9 +419,14 @@ def invariants(ds: xr.Dataset) -> dict[str, Any]:
         kernels = sorted({str(k) for k in np.ravel(ds["attention_backend"].values) if str(k)})
     pinned = [k for k in str(ds.attrs.get("arms_pinned") or "").split(",") if k]
     env = _attr_json(ds, "server_env")
+    from dvfs.cube.merge import arm_differences
+
     return {
         "arms_on_one_gpu": None if on_one is None else bool(on_one),
         "groups_across_gpus": across,
+        # What the drafters' servers differ in beyond their drafters (a cube an earlier dvfs
+        # built, or one edited): every analysis refuses such a cube, so nothing is "alike"
+        "arms_differ": arm_differences(ds),
         "attention_kernels": kernels,
         "arms_pinned": [ARMS_PINNED[k][0] if k in ARMS_PINNED else k for k in pinned],
         "server_env": env if isinstance(env, dict) else None,
@@ -447,7 +452,16 @@ def invariant_rows(held: dict[str, Any]) -> list[tuple[str, str]]:
     if held["attention_kernels"]:
         alike.append("attention kernels " + ", ".join(held["attention_kernels"]))
     alike += held["arms_pinned"]
-    rows = [("arms", f"{gpus}; alike but the drafter: {', '.join(alike)}")]
+    differ = held.get("arms_differ") or []
+    if differ:
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        held_text = (
+            f"served differently beyond the drafter: {'; '.join(differ[:3])}{more} (every "
+            "analysis refuses this cube: sweep again with --fresh)"
+        )
+    else:
+        held_text = f"alike but the drafter: {', '.join(alike)}"
+    rows = [("arms", f"{gpus}; {held_text}")]
     env = held["server_env"]
     if env is not None:
         rows.append(
