@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dvfs.cube.arms import arm_differences
 from dvfs.cube.schema import COORD_ATTRS, CUBE_NAME, LABEL_DIMS, VARIABLES, check_cube
 from dvfs.errors import CubeError
 from dvfs.measure.journal import JOURNAL_NAME, describe_os_error
@@ -266,8 +267,6 @@ def open_analysable(path: str | Path) -> xr.Dataset:
             "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "
             "rerun `dvfs sweep`"
         )
-    from dvfs.cube.merge import arm_differences
-
     served = arm_differences(ds)
     if served:
         more = f" (and {len(served) - 3} more)" if len(served) > 3 else ""

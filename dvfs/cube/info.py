@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dvfs.cube.arms import arm_differences
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.measure.meter import THROTTLE_VIOLATION_SHARE, describe_quality
 from dvfs.records import ARMS_PINNED, corpus_hashes, knobs_set, measurement_mode
@@ -419,8 +420,6 @@ def invariants(ds: xr.Dataset) -> dict[str, Any]:
         kernels = sorted({str(k) for k in np.ravel(ds["attention_backend"].values) if str(k)})
     pinned = [k for k in str(ds.attrs.get("arms_pinned") or "").split(",") if k]
     env = _attr_json(ds, "server_env")
-    from dvfs.cube.merge import arm_differences
-
     return {
         "arms_on_one_gpu": None if on_one is None else bool(on_one),
         "groups_across_gpus": across,

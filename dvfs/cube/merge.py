@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dvfs.cube.arms import drafter_servers
 from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS, found_limits_attrs
 from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, SPLIT_METHOD_VAR, STATUS_MISSING
 from dvfs.errors import CubeError, MergeRefusedError
@@ -75,21 +76,6 @@ def _json(ds: xr.Dataset, key: str, empty: Any) -> Any:
         return json.loads(str(ds.attrs.get(key, "")) or "null") or empty
     except ValueError:
         return empty
-
-
-def _servers(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
-    """Each drafter's server as the cube keeps it (`server_args`, with its `attention_backend`
-    variable), in the shape of a journal's server record, for `arm_changes`."""
-    servers = _json(ds, "server_args", {})
-    backends: dict[str, str] = {}
-    if "attention_backend" in ds and ds["attention_backend"].dims == ("drafter",):
-        values = ds["attention_backend"].values
-        backends = {str(d): str(b) for d, b in zip(ds["drafter"].values, values, strict=True)}
-    return {
-        str(drafter): {**record, "attention_backend": backends.get(str(drafter)) or None}
-        for drafter, record in (servers.items() if isinstance(servers, dict) else ())
-        if isinstance(record, dict)
-    }
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -240,7 +226,7 @@ def provenance_differences(
         str(ds.attrs.get("arms_pinned", "")).split(",")
     )
     batches = [int(b) for b in first["batch"].values] if "batch" in first.coords else []
-    mine_all, theirs = _servers(first), _servers(ds)
+    mine_all, theirs = drafter_servers(first), drafter_servers(ds)
     if across_gpus:
         pinned_kernels = _kernels_pinned(first) and _kernels_pinned(ds)
         mine_all = _gpu_neutral(mine_all, pinned_kernels)
@@ -252,26 +238,6 @@ def provenance_differences(
         found += [c for c in server_changes(mine, theirs[drafter]) if c not in found]
         changes += [f"drafter {drafter!r} {c}" for c in found]
     return changes
-
-
-def arm_differences(ds: xr.Dataset) -> list[str]:
-    """What the cube's drafters' servers differ in beyond their drafters (`arm_changes`
-    against the first drafter's, at the cube's batch sizes), each entry naming the two
-    drafters: empty for every cube `dvfs cube build` makes now, which refuses such a journal;
-    a cube an earlier dvfs built (or one edited) may hold them."""
-    from dvfs.records import arm_changes
-
-    servers = list(_servers(ds).items())
-    if len(servers) < 2:
-        return []
-    pinned = set(str(ds.attrs.get("arms_pinned", "")).split(",")) - {""}
-    batches = [int(b) for b in ds["batch"].values] if "batch" in ds.coords else []
-    first, mine = servers[0]
-    return [
-        f"{first!r} and {drafter!r}: {c}"
-        for drafter, theirs in servers[1:]
-        for c in arm_changes(mine, theirs, batches, pinned)
-    ]
 
 
 def _listed(changes: list[str]) -> str:
