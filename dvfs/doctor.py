@@ -706,7 +706,13 @@ def _engine(
         )
     from importlib import metadata
 
-    from dvfs.engines.sglang_args import not_installed, sglang_importable
+    from dvfs.engines.sglang_args import (
+        SEARCH_PATH_ENV,
+        not_installed,
+        server_env,
+        server_finds_sglang,
+        sglang_importable,
+    )
 
     problem = not_installed(campaign)  # as the sweep refuses it
     if problem is not None:
@@ -717,6 +723,12 @@ def _engine(
         pass
     if sglang_importable():  # importable, not installed as a package
         return OK, "sglang (its version unknown: not installed as a package)"
+    moved = [name for name in SEARCH_PATH_ENV if name in dict(sg.env)]
+    if moved and server_finds_sglang(server_env(campaign)):
+        return OK, (
+            f"sglang, found where the server's Python looks (engine.sglang.env sets "
+            f"{', '.join(moved)})"
+        )
     return WARN, (
         "sglang is not installed in this environment: fine if engine.sglang.env's "
         "PYTHONPATH or PYTHONHOME finds it for the server, else pip install 'dvfs[sglang]'"
