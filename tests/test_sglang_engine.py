@@ -1715,6 +1715,36 @@ def test_a_sweep_of_the_default_server_command_without_sglang_refuses_as_doctor_
     assert sglang_args.not_installed(load_campaign(demo)) is None
 
 
+def test_doctor_on_a_ray_driver_leaves_sglang_and_the_gpus_to_the_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` starts no server on its driver (the Ray actors start them,
+    from their nodes' Python) and opens no real GPU there, so the driver needs neither sglang
+    nor NVML; yet doctor, run there, failed "sglang is not installed in this environment" and
+    had no way to be told the run was Ray's. `--executor ray` checks it as that sweep runs it:
+    the servers and GPUs said to be the nodes', for `dvfs doctor` on a node."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    campaign, _ = stub_campaign(
+        tmp_path,
+        gpu='backend = "nvml"\ndevices = [0]',
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+    )
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    out = str(tmp_path / "out")
+    ray = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out, "--executor", "ray"])
+    said = " ".join(ray.output.split())
+    assert ray.exit_code == 0, said
+    assert "sglang is not installed" not in said and "FAIL" not in said, said
+    assert "engine: the SGLang servers start on the Ray workers' nodes" in said, said
+    assert "gpu: the Ray workers' nodes' GPUs" in said, said
+    local = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out])
+    assert local.exit_code == 1 and "sglang is not installed" in local.output, local.output
+
+
 def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
