@@ -71,19 +71,23 @@ def check_campaign(
     state_dir: Path | None = None,
     shard: Shard | None = None,
     groups: Sequence[Group] | None = None,
+    executor: str = "local",
 ) -> list[Check]:
     """Every check of `campaign` swept into `out_dir` (as `shard`'s sweep). `groups`: the GPU
     groups `dvfs sweep --gpus` would run it on (`dvfs.cli.common.sweep_groups`), each group's
     GPUs checked, and the fleet's ports and folder as its workers use them; None: the
-    campaign's own gpu.devices."""
+    campaign's own gpu.devices. `executor` "ray": as `dvfs sweep --executor ray` runs it from
+    this driver, whose Ray actors start the servers and open the real GPUs on their nodes:
+    those are not checked here (`dvfs doctor` on a node checks them)."""
     from dvfs.fleet.devices import for_group, group_label, worker_groups
     from dvfs.fleet.folders import fleet_journal
     from dvfs.measure.journal import JOURNAL_NAME
 
     given = groups is not None
     groups = list(groups) if groups is not None else worker_groups(campaign)
+    ray = executor == "ray"
     try:
-        fleet = len(groups) > 1 or fleet_journal(out_dir)
+        fleet = len(groups) > 1 or ray or fleet_journal(out_dir)
     except (DvfsError, OSError):  # a damaged journal: the output folder check says so
         fleet = len(groups) > 1
     # What the sweep runs: its one group's campaign (--gpus on one group), else the campaign
@@ -99,20 +103,23 @@ def check_campaign(
     ]
     models: list[str] = []
     identities: list[dict[str, Any]] = []
-    checks += _gpu_checks(
-        _on_groups(campaign, groups) if given else campaign,
-        nvml=nvml,
-        state_dir=state_dir,
-        groups=groups,
-        models=models,
-        identities=identities,
-        given=given,
-        # the journal one server's sweep resumes, its stock compared as the sweep does
-        journal=None if fleet else out_dir / JOURNAL_NAME,
-        # the journals a fleet resumes there, compared as the fleet does
-        fleet_dir=out_dir if fleet else None,
-    )
-    if _own_servers(campaign):
+    if ray and real_gpus(campaign):  # the driver opens none: Ray's actors, on their nodes
+        checks.append(Check("gpu", OK, RAY_GPUS))
+    else:
+        checks += _gpu_checks(
+            _on_groups(campaign, groups) if given else campaign,
+            nvml=nvml,
+            state_dir=state_dir,
+            groups=groups,
+            models=models,
+            identities=identities,
+            given=given,
+            # the journal one server's sweep resumes, its stock compared as the sweep does
+            journal=None if fleet else out_dir / JOURNAL_NAME,
+            # the journals a fleet resumes there, compared as the fleet does
+            fleet_dir=out_dir if fleet else None,
+        )
+    if _own_servers(campaign) and not ray:  # a Ray worker's server listens on its node
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
     # an attached server compared with the journal one server's sweep resumes, as it does (a
     # fleet's, of one worker as an attached server serves one, as the fleet's driver does)
@@ -125,7 +132,10 @@ def check_campaign(
             [resumed] = model_journals(out_dir, models[:1])
         except (DvfsError, OSError):  # the output folder's check says why
             worker = None
-    checks.append(_run("engine", lambda: _engine(campaign, resumed, worker, out_dir, models)))
+    if ray and _own_servers(campaign):  # its sglang (or server_command) is the nodes'
+        checks.append(Check("engine", OK, RAY_SERVERS))
+    else:
+        checks.append(_run("engine", lambda: _engine(campaign, resumed, worker, out_dir, models)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:  # dvfs starts SGLang
         checks.append(_run("models", lambda: _model_paths(campaign)))
         checks.append(_run("arms", lambda: _arms(campaign)))
@@ -140,6 +150,17 @@ def check_campaign(
     )
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return [_fresh_is_the_sweeps(c, out_dir) for c in checks]
+
+
+#: What `dvfs doctor --executor ray` leaves to the Ray workers' nodes, said in its checks.
+RAY_GPUS = (
+    "the Ray workers' nodes' GPUs (--executor ray: Ray places a worker on each), not this "
+    "driver's: `dvfs doctor` on a node checks them"
+)
+RAY_SERVERS = (
+    "the SGLang servers start on the Ray workers' nodes, from their Python (--executor ray), "
+    "not on this driver: `dvfs doctor` on a node checks its sglang"
+)
 
 
 def _fresh_is_the_sweeps(check: Check, out_dir: Path) -> Check:
@@ -706,7 +727,13 @@ def _engine(
         )
     from importlib import metadata
 
-    from dvfs.engines.sglang_args import not_installed, sglang_importable
+    from dvfs.engines.sglang_args import (
+        SEARCH_PATH_ENV,
+        not_installed,
+        server_env,
+        server_finds_sglang,
+        sglang_importable,
+    )
 
     problem = not_installed(campaign)  # as the sweep refuses it
     if problem is not None:
@@ -717,6 +744,12 @@ def _engine(
         pass
     if sglang_importable():  # importable, not installed as a package
         return OK, "sglang (its version unknown: not installed as a package)"
+    moved = [name for name in SEARCH_PATH_ENV if name in dict(sg.env)]
+    if moved and server_finds_sglang(server_env(campaign)):
+        return OK, (
+            f"sglang, found where the server's Python looks (engine.sglang.env sets "
+            f"{', '.join(moved)})"
+        )
     return WARN, (
         "sglang is not installed in this environment: fine if engine.sglang.env's "
         "PYTHONPATH or PYTHONHOME finds it for the server, else pip install 'dvfs[sglang]'"

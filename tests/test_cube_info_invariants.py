@@ -66,6 +66,9 @@ def test_cube_info_shows_the_invariants_and_the_groups_a_resume_left_across_gpus
     assert f"prompts alike: code {hashes['code']['content_hash']}" in shown
     assert f"tokens counted by {cube.attrs['token_count_method']}" in shown
 
+    # which runs and GPUs the cells came from: the first run's and the resume's
+    uuids = cube.attrs["gpu_uuids"].split(",")
+    assert f"sessions 2 run(s) of dvfs sweep, on {len(uuids)} GPU(s): {uuids[0]}" in shown, shown
     held = json.loads(run("cube", "info", "--json", str(out)))["invariants"]
     assert held["arms_on_one_gpu"] is True
     assert held["groups_across_gpus"] == across
@@ -108,3 +111,15 @@ def test_cube_info_does_not_call_arms_served_differently_alike(
         json.loads(run("cube", "info", "--json", str(tiny_sweep)))["invariants"]["arms_differ"]
         == []
     )
+
+
+def test_cube_info_names_the_sessions_and_gpus_the_cube_came_from(tiny_sweep: Path) -> None:
+    """The cube keeps how many runs of the sweep measured it and on which GPUs (`sessions`,
+    `gpu_uuids`); `cube info` showed neither, so a user could not tell from it where a cube
+    came from. It shows them in one row, and --json gives them."""
+    cube = open_cube(tiny_sweep / "cube.nc")
+    [uuid] = cube.attrs["gpu_uuids"].split(",")
+    shown = " ".join(run("cube", "info", str(tiny_sweep)).split())
+    assert f"sessions 1 run(s) of dvfs sweep, on 1 GPU(s): {uuid}" in shown, shown
+    summary = json.loads(run("cube", "info", "--json", str(tiny_sweep)))
+    assert summary["sessions"] == 1 and summary["gpu_uuids"] == [uuid]

@@ -327,6 +327,39 @@ def test_dry_run_prints_and_calls_no_setter(
     )
 
 
+@pytest.mark.parametrize("command", ["govern", "cap"])
+def test_a_dry_run_without_nvml_says_it_reads_the_gpus_not_to_use_the_twin(
+    tmp_path: Path, command: str
+) -> None:
+    """`dvfs govern --dry-run` and `dvfs cap apply --dry-run` where NVML is missing said "or
+    run on the digital twin (... `--twin h100-sxm` for `dvfs gpu list`, ...)": neither takes
+    --twin, and a dry run still matches the plan to the GPUs here. The one line says so; the
+    apply itself keeps the twin's hint."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", sm_clock_max_mhz=1500),))))
+    args = (
+        ("govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0")
+        if command == "govern"
+        else ("cap", "apply", str(caps))
+    )
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_MISSING="1")
+    dry = dvfs_in_process(*args, "--dry-run", env=env)
+    said = " ".join(dry.stderr.split())
+    assert dry.returncode == 1 and len(dry.stderr.strip().splitlines()) == 1, dry.stderr
+    shown = "dvfs govern --dry-run" if command == "govern" else "dvfs cap apply --dry-run"
+    assert "NVML is missing" in said and f"`{shown}` reads the GPUs it would" in said, said
+    assert "(it has no --twin): run it on their host" in said and "`dvfs gpu list`" not in said
+    if command == "cap":
+        applied = dvfs_in_process(*args, env=env)
+        assert applied.returncode == 1 and "`--twin h100-sxm` for `dvfs gpu list`" in " ".join(
+            applied.stderr.split()
+        ), applied.stderr
+
+
 def test_a_dry_run_beside_a_running_governor_needs_no_metrics_port(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:

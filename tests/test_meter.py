@@ -637,6 +637,25 @@ def test_the_closing_reading_of_a_round_is_not_the_decodes() -> None:
     assert not enough.quality & Q_FEW_SAMPLES
 
 
+def test_a_cell_with_only_closing_readings_and_a_stalled_counter_has_no_peak_power() -> None:
+    """A round sampled only at its window's close (an idle reading, not the decode's) whose
+    counter gave nothing: power_max_w was 0.0 W, a number no GPU drew; it is NaN, not
+    measured, as where no reading fell in the window at all (the temperature still read)."""
+    part = closing_round([])
+    part.samples["energy_mj"] = np.zeros(len(part.samples["t_ns"]))  # the counter never moved
+    m = summarise(
+        [part],
+        requested_clock_mhz=None,
+        min_window_s=0.0,
+        sample_period_s=0.02,
+        idle_power_w=80.0,
+        precision=1.0,
+    )
+    assert m.quality & Q_COUNTER_STALLED
+    assert math.isnan(m.power_max_w), m.power_max_w
+    assert m.temperature_max_c == 65.0
+
+
 @pytest.mark.parametrize("short_ms", [20, 2990])
 def test_a_round_without_samples_inside_does_not_pull_the_observed_clock_down(short_ms) -> None:
     """The observed clock averages the rounds that were sampled, over their own windows: a

@@ -137,6 +137,47 @@ def test_a_fresh_run_whose_every_actor_died_says_to_resume_without_fresh(
 
 
 @pytest.mark.timeout(300)
+def test_a_ray_fleet_whose_actor_died_before_any_unit_journals_no_session(
+    ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume whose only actor is killed as the driver hands it its first unit: its
+    `worker_lost` record brought the run's session into the journal with it, a session
+    that measured nothing, which the next resume counted among the journal's runs. As the
+    local fleet's, the run leaves the journal as it found it."""
+    from dvfs.fleet.driver import Fleet
+
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "ray"
+    args = (str(campaign), "--gpus", "0", "--executor", "ray", "--out", str(out))
+    first = kill_once_journalled(monkeypatch, ray_cluster, "dvfs-gpu0", 20, no_restart=True)
+    assert sweep(*args).exit_code == 1 and first  # 20 cells or more journalled, the rest left
+    monkeypatch.undo()
+    journal = out / "journal.jsonl"
+    before = journal.read_bytes()
+    started = Fleet.started
+    killed: list[str] = []
+
+    def kill_first(self: Fleet, worker: str, unit) -> None:  # type: ignore[no-untyped-def]
+        if not killed:  # in the driver's thread, before the unit goes to the actor
+            killed.append(worker)
+            actor = ray_cluster.get_actor("dvfs-gpu0", namespace="dvfs")  # type: ignore[attr-defined]
+            ray_cluster.kill(actor, no_restart=True)  # type: ignore[attr-defined]
+        started(self, worker, unit)
+
+    monkeypatch.setattr(Fleet, "started", kill_first)
+    lost = sweep(*args)
+    assert killed and lost.exit_code == 1, lost.output
+    assert "every worker was lost" in " ".join(lost.output.split()), lost.output
+    assert journal.read_bytes() == before
+    monkeypatch.undo()
+    resumed = sweep(*args)
+    assert resumed.exit_code == 0, resumed.output
+    records = read_records(journal)
+    assert sum(r["type"] == "session" for r in records) == 2  # the first run's, the resume's
+    assert sum(r["type"] == "worker_lost" for r in records) == 1  # the first run's
+
+
+@pytest.mark.timeout(300)
 def test_ctrl_c_journals_the_units_the_actors_finish(
     ray_cluster: object, shared_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

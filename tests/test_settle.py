@@ -428,6 +428,28 @@ def test_a_load_without_a_cuda_device_changes_nothing(nvml) -> None:
     assert setter_calls(nvml) == []
 
 
+def test_a_load_torch_cannot_run_is_said_in_settles_own_words(
+    nvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs gpu settle --load` where torch has no CUDA said "torch sees no CUDA device for
+    GPU-... (CUDA_VISIBLE_DEVICES?)", and where torch is missing "`dvfs gpu roofline` needs
+    torch": neither named this command or its --load-device. Each names them, and --twin."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(cli, ["gpu", "settle", "--load", *QUICK])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, said
+    assert "sees no CUDA device for --load-device cuda" in said, said
+    assert "--load-device cpu only runs the code path" in said and "--twin h100-sxm" in said
+    assert " --device" not in said, said
+    monkeypatch.setitem(sys.modules, "torch", None)  # not installed
+    result = CliRunner().invoke(cli, ["gpu", "settle", "--load", *QUICK])
+    said = " ".join(result.output.split())
+    assert result.exit_code != 0 and len(result.output.strip().splitlines()) == 1, said
+    assert "`dvfs gpu settle --load` needs torch" in said and "roofline" not in said, said
+    assert setter_calls(nvml) == []
+
+
 @pytest.mark.slow
 def test_sigterm_restores(nvml, env, tmp_path: Path) -> None:
     clocks = ",".join(str(c) for c in range(1500, 900, -15))  # long enough to be interrupted

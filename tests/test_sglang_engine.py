@@ -1718,6 +1718,36 @@ def test_a_sweep_of_the_default_server_command_without_sglang_refuses_as_doctor_
     assert sglang_args.not_installed(load_campaign(demo)) is None
 
 
+def test_doctor_on_a_ray_driver_leaves_sglang_and_the_gpus_to_the_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` starts no server on its driver (the Ray actors start them,
+    from their nodes' Python) and opens no real GPU there, so the driver needs neither sglang
+    nor NVML; yet doctor, run there, failed "sglang is not installed in this environment" and
+    had no way to be told the run was Ray's. `--executor ray` checks it as that sweep runs it:
+    the servers and GPUs said to be the nodes', for `dvfs doctor` on a node."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    campaign, _ = stub_campaign(
+        tmp_path,
+        gpu='backend = "nvml"\ndevices = [0]',
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+    )
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    out = str(tmp_path / "out")
+    ray = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out, "--executor", "ray"])
+    said = " ".join(ray.output.split())
+    assert ray.exit_code == 0, said
+    assert "sglang is not installed" not in said and "FAIL" not in said, said
+    assert "engine: the SGLang servers start on the Ray workers' nodes" in said, said
+    assert "gpu: the Ray workers' nodes' GPUs" in said, said
+    local = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out])
+    assert local.exit_code == 1 and "sglang is not installed" in local.output, local.output
+
+
 def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1743,6 +1773,68 @@ def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
     assert sglang_args.not_installed(load_campaign(campaign)) is None
     monkeypatch.setenv("PYTHONSAFEPATH", "1")
     assert sglang_args.not_installed(load_campaign(campaign)) is not None
+
+
+def _default_server_campaign(tmp_path: Path, env: dict[str, str]) -> Path:
+    """`_one_cell_stub` without its server_command (this Python's `-m sglang.launch_server`),
+    engine.sglang.env adding `env`."""
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    text = text[:start] + text[text.index("\n", start) + 1 :]
+    extra = "".join(f", {name} = {json.dumps(value)}" for name, value in env.items())
+    start = text.index("env = { SGLANG_STUB_CONFIG")
+    end = text.index("}", start)
+    campaign.write_text(text[:end] + extra + " " + text[end:])
+    return campaign
+
+
+def test_sglang_is_looked_for_where_the_servers_python_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engine.sglang.env's PYTHONSAFEPATH keeps the folder the server starts in off its path,
+    yet sglang found there passed (only dvfs's own PYTHONSAFEPATH counted) and every server
+    start failed; its PYTHONUSERBASE points the server's user site elsewhere, yet sglang
+    installed there was refused as not installed. The server's Python is asked, in its
+    environment."""
+    import importlib.util
+    import sysconfig
+
+    import dvfs.engines.sglang_args as sglang_args
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    checkout = tmp_path / "checkout"
+    (checkout / "sglang").mkdir(parents=True)
+    (checkout / "sglang" / "__init__.py").write_text("")
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    monkeypatch.chdir(checkout)
+    (tmp_path / "safe").mkdir()
+    safe = load_campaign(_default_server_campaign(tmp_path / "safe", {"PYTHONSAFEPATH": "1"}))
+    said = sglang_args.not_installed(safe)
+    assert said is not None and "engine.sglang.env sets PYTHONSAFEPATH" in said, said
+    # A user site: where the server's Python has one (not a venv's), in PYTHONUSERBASE's.
+    base = getattr(sys, "_base_executable", sys.executable)
+    probe = "import site; print(site.ENABLE_USER_SITE)"
+    enabled = subprocess.run([base, "-c", probe], capture_output=True, text=True, check=False)
+    if enabled.stdout.strip() != "True":
+        pytest.skip("no Python here with a user site")
+    monkeypatch.setattr(sys, "executable", base)
+    monkeypatch.chdir(tmp_path)
+    userbase = tmp_path / "userbase"
+    site_dir = Path(
+        sysconfig.get_path("purelib", f"{os.name}_user", vars={"userbase": str(userbase)})
+    )
+    (site_dir / "sglang").mkdir(parents=True)
+    (site_dir / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "user").mkdir()
+    user = load_campaign(
+        _default_server_campaign(tmp_path / "user", {"PYTHONUSERBASE": str(userbase)})
+    )
+    assert sglang_args.not_installed(user) is None
+    (site_dir / "sglang" / "__init__.py").unlink()
+    (site_dir / "sglang").rmdir()
+    assert sglang_args.not_installed(user) is not None
 
 
 def test_dry_run_of_the_default_server_command_without_sglang_says_the_sweep_refuses(

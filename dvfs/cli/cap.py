@@ -20,6 +20,7 @@ from dvfs.cli.common import (
     OutputFile,
     OutputFolder,
     console,
+    dry_run_reads_gpus,
     escape,
     handle_errors,
     show_beside_lost,
@@ -225,6 +226,10 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
 )
 @state_dir_option
 @handle_errors
+@dry_run_reads_gpus(
+    "`dvfs cap apply --dry-run`",
+    "the GPUs it would cap (which caps match them, what each holds now)",
+)
 def apply(
     caps_file: Path,
     dry_run: bool,

@@ -36,6 +36,34 @@ def option_given(ctx: click.Context, name: str) -> bool:
     )
 
 
+def dry_run_reads_gpus(command: str, reads: str) -> Callable[[F], F]:
+    """A command whose --dry-run still reads the GPUs here through NVML (`reads`: what of
+    them), and has no --twin: where NVML is missing or its driver not loaded, its dry run's
+    one line says so and to run it on the GPUs' host, not the hint of the commands that take
+    --twin."""
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from dvfs.errors import GpuUnavailableError
+            from dvfs.gpu.nvml_errors import TWIN_HINT
+
+            try:
+                return func(*args, **kwargs)
+            except GpuUnavailableError as exc:
+                text, twin = str(exc), f", or {TWIN_HINT}"
+                if not kwargs.get("dry_run") or not text.endswith(twin):
+                    raise
+                raise type(exc)(
+                    f"{text.removesuffix(twin)}; {command} reads {reads} through "
+                    "it (it has no --twin): run it on their host"
+                ) from exc
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
 class LazyGroup(click.Group):
     """A group whose subcommands are imported only when used, keeping `--help` fast."""
 

@@ -108,6 +108,7 @@ def _render(summary: dict[str, Any]) -> None:
         invalidates,
         invariant_rows,
         mode_text,
+        sessions_text,
         shard_note,
     )
 
@@ -122,6 +123,7 @@ def _render(summary: dict[str, Any]) -> None:
     table = Table(show_header=False, box=None)
     for row in ("GPU", "driver", "engine", "model"):
         table.add_row(row, _recorded(summary[row.lower()]))
+    table.add_row("sessions", escape(sessions_text(summary["sessions"], summary["gpu_uuids"])))
     table.add_row("reference", str(summary["stock"]))
     table.add_row(
         "idle power",

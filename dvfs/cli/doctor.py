@@ -45,6 +45,15 @@ from dvfs.cli.common import (
     help="Check the campaign as `dvfs sweep --observe-only` runs it: knobs stock, no setter "
     "called, no root needed.",
 )
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Check the campaign as `dvfs sweep --executor` runs it: with ray, this is the driver, "
+    "and the real GPUs and the SGLang servers are the Ray workers' nodes' (`dvfs doctor` on a "
+    "node checks them).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
 def doctor(
@@ -53,6 +62,7 @@ def doctor(
     shard_spec: Any,
     gpus_spec: str | None,
     observe_only: bool,
+    executor: str,
     as_json: bool,
 ) -> None:
     """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
@@ -82,7 +92,9 @@ def doctor(
     if shard_spec is not None:
         default_out = default_out / f"shard-{shard_spec.index}-of-{shard_spec.count}"
     groups = sweep_groups(campaign, gpus_spec) if gpus_spec is not None else None
-    checks = check_campaign(campaign, out_dir or default_out, shard=shard_spec, groups=groups)
+    checks = check_campaign(
+        campaign, out_dir or default_out, shard=shard_spec, groups=groups, executor=executor
+    )
     if as_json:
         echo_json([c.__dict__ for c in checks])
     else:

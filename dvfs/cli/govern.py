@@ -21,7 +21,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFolder, handle_errors, option_given
+from dvfs.cli.common import OutputFolder, dry_run_reads_gpus, handle_errors, option_given
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 #: An interval or dwell beyond a day is a typo; far beyond, the waits overflow the platform's
@@ -215,6 +215,9 @@ def _timeout(interval: float) -> float:
     "[default: $DVFS_STATE_DIR if set, else /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
 )
 @handle_errors
+@dry_run_reads_gpus(
+    "`dvfs govern --dry-run`", "the GPUs it would govern (what each holds now, the plan's fit)"
+)
 def govern(
     plan_path: Path,
     url: str,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -344,6 +345,10 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "driver": ds.attrs.get("driver_version"),
         "engine": " ".join(str(e) for e in engine if e is not None) or None,
         "model": ds.attrs.get("model"),
+        # Which runs and GPUs the cells came from: the sweep's sessions (each run of `dvfs
+        # sweep` that measured; a merge sums its cubes'), and the GPUs that measured.
+        "sessions": _count(ds.attrs.get("sessions")),
+        "gpu_uuids": gpu_uuids(ds),
         "dims": {d: int(ds.sizes[d]) for d in ("gpu", *CELL_DIMS) if d in ds.sizes},
         # Numbers as numbers (as text, "980" sorted after "1980"), the string axes as text.
         "coords": {
@@ -473,6 +478,18 @@ def invariant_rows(held: dict[str, Any]) -> list[tuple[str, str]]:
         prompts.append(f"format {held['prompt_format']}")
     rows.append(("prompts", "alike: " + "; ".join(prompts) if prompts else "not recorded"))
     return rows
+
+
+def sessions_text(sessions: int | None, uuids: Sequence[str], shown: int = 4) -> str:
+    """`cube info`'s sessions row: how many runs of the sweep measured the cube and on which
+    GPUs (the first `shown` of them, and how many more)."""
+    text = "not recorded" if sessions is None else f"{sessions} run(s) of dvfs sweep"
+    if not uuids:
+        return text
+    named = ", ".join(uuids[:shown]) + (
+        f" and {len(uuids) - shown} more" if len(uuids) > shown else ""
+    )
+    return f"{text}, on {len(uuids)} GPU(s): {named}"
 
 
 def _gpu_text(attrs: dict[Any, Any]) -> str | None:

@@ -46,6 +46,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,20 +267,54 @@ def sglang_importable() -> bool:
     return importlib.machinery.PathFinder.find_spec("sglang", [here]) is not None
 
 
+#: What of engine.sglang.env moves where the server's Python looks for packages otherwise than
+#: this one's (its user site, the folder `-m` puts first): asked of that Python itself.
+SEARCH_PATH_ENV = ("PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONSAFEPATH")
+
+
+def server_finds_sglang(env: Mapping[str, str], timeout_s: float = 30.0) -> bool | None:
+    """Whether this Python, started as the server is (in this folder, with the server's
+    environment `env`), finds sglang (imports nothing); None where it cannot be asked."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", probe],
+            env=dict(env),
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {0: True, 1: False}.get(result.returncode)
+
+
 def not_installed(campaign: Campaign) -> str | None:
     """Why the SGLang server dvfs starts by default (no server_command: this Python's
     `-m sglang.launch_server`) cannot start, or None: SGLang is not importable here. The one
     rule `dvfs sweep` refuses by before it measures and `dvfs doctor` fails by. Judged only
     where it surely holds: never for a server_command (a wrapper, another venv's python), nor
-    where engine.sglang.env points Python elsewhere (PYTHONPATH, PYTHONHOME)."""
+    where engine.sglang.env points Python elsewhere (PYTHONPATH, PYTHONHOME). Where it sets
+    what moves the user site or the folder first on the path (`SEARCH_PATH_ENV`), this
+    Python is asked, in the server's environment."""
     sg = campaign.engine.sglang
+    names = {name for name, _ in sg.env}
     if (
         campaign.engine.backend != "sglang"
         or sg.server_command
         or sg.url
-        or {"PYTHONPATH", "PYTHONHOME"} & {name for name, _ in sg.env}
+        or {"PYTHONPATH", "PYTHONHOME"} & names
     ):
         return None
+    moved = [name for name in SEARCH_PATH_ENV if name in names]
+    if moved:
+        if server_finds_sglang(server_env(campaign)) is not False:
+            return None
+        return (
+            "sglang is not installed where the server's Python looks (engine.sglang.env sets "
+            f"{', '.join(moved)}): pip install 'dvfs[sglang]' where it finds it, or change "
+            "engine.sglang.env"
+        )
     if sglang_importable():
         return None
     return "sglang is not installed in this environment: pip install 'dvfs[sglang]'"

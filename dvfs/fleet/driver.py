@@ -726,8 +726,8 @@ class Fleet:
         if driver is None:  # lost before its session was in: nothing of it to undo
             self.note(f"worker {worker} lost ({why})")
             return
-        if record is not None:
-            driver.journal.append(record)
+        if record is not None:  # with the run's session, where that is journalled
+            driver.journal.follow(record)
         driver.lost(worker, cell, why)
 
     def note(self, message: str) -> None:

@@ -226,6 +226,8 @@ class Journal:
         self._sessions: list[dict[str, Any]] = []
         #: A run's session, held until the run journals another record (`defer`).
         self._deferred: dict[str, Any] | None = None
+        #: Records held with it, written after it (`follow`).
+        self._following: list[dict[str, Any]] = []
         self._ok: set[str] = set()
         #: Keys of in-flight cells whose energy per token was carried to a per-level cell's
         #: context otherwise than this dvfs carries it (`INFLIGHT_ENERGY_DRIFT`).
@@ -306,10 +308,21 @@ class Journal:
     def defer(self, record: dict[str, Any]) -> None:
         """Hold `record` (a run's session) until the run journals another, then write it just
         before that one, in the same write: a run that journals nothing (refused at its first
-        server start, every local fleet worker retired or lost before a unit came in) leaves
-        the journal as it found it. A Ray actor lost before its first unit journals its
-        `worker_lost` record (the reset advice it carries), and with it the session."""
+        server start, every fleet worker retired or lost before a unit came in) leaves the
+        journal as it found it."""
         self._deferred = record
+        self._following = []
+
+    def follow(self, record: dict[str, Any]) -> None:
+        """Journal `record` (a Ray worker's `worker_lost`), which tells of the run but measured
+        nothing: at once where the run's session is written, else held with it and written
+        after it with the run's first other record, or dropped with it where the run
+        journals none (its reset advice is in the run's error line), so that a journal holds
+        no session that measured nothing."""
+        if self._deferred is None:
+            self.append(record)
+        else:
+            self._following.append(record)
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record through to the OS (a killed process keeps it), and to disk as the
@@ -325,7 +338,7 @@ class Journal:
         if not records:
             return
         if self._deferred is not None:
-            records = [self._deferred, *records]
+            records = [self._deferred, *self._following, *records]
         lines = [_ENCODER.encode(json_safe(record)) for record in records]
         data = "".join(line + "\n" for line in lines).encode("utf-8")
         try:
@@ -340,6 +353,7 @@ class Journal:
             # one (a fleet journals what its workers finish on its way out), else their
             # records would stand in the journal without their run's session.
             self._deferred = None
+            self._following = []
             self._dirty = True
             if self.sync_policy.due(
                 cell=all(record.get("type") == "cell" for record in records),

@@ -68,7 +68,9 @@ def torch_gemm_load(
     `device` when it names one ("cpu" runs small ones on the CPU: the path, for tests)."""
     from dvfs.roofline.kernels import BenchSpec, Kernel, check_device, import_torch, prepare
 
-    torch = import_torch()
+    torch = import_torch("`dvfs gpu settle --load`")
+    if device == "cuda":  # a torch without CUDA: said as such, naming this command's option
+        check_device(BenchSpec(device, "bfloat16", 1, 1, (1,), 1), torch, "--load-device")
     devices = cuda_devices(gpus, torch) if device == "cuda" else [device]
     dtype = "bfloat16" if device != "cpu" else "float32"
     n = size if device != "cpu" else 128
@@ -76,7 +78,7 @@ def torch_gemm_load(
     runs = []
     for name in devices:
         spec = BenchSpec(name, dtype, n, n, (n,), 1, warmup=2)
-        check_device(spec, torch)
+        check_device(spec, torch, "--load-device")
         if spec.on_cuda:
             with torch.cuda.device(torch.device(spec.device)):  # its streams and graph there
                 runs.append((spec, prepare(kernel, spec, torch)))

@@ -1135,6 +1135,8 @@ def summarise(
 
     The highest power is the largest power sample inside the windows, or a round's mean power
     from the energy counter where that is larger: so the cell's mean power never exceeds it.
+    NaN (not measured) where neither is (only closing readings in the windows, a counter that
+    gave nothing: counter_stalled), never 0 W.
 
     Power, clock, reasons and the timeline take a window's samples from its start up to, not
     at, its close: the sampler's last reading of a round that ends at its window's close
@@ -1158,6 +1160,7 @@ def summarise(
     fastest_weighted = 0.0  # the fastest GPU's clock (one GPU: the same), for a lock not held
     clock_ns = 0  # the windows of the rounds sampled inside them: the clock's weights
     power_max = 0.0
+    power_seen = False  # a decoding reading or a round's counter energy: else not measured
     temp_max = -math.inf
     reasons = 0
     timeline: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # time, power, clock
@@ -1187,6 +1190,7 @@ def summarise(
             # all, so the highest power is at least the hottest round's mean (and the cell's
             # mean, an average of its rounds', never exceeds it).
             power_max = max(power_max, e.energy_mj / 1000 / e.seconds)
+            power_seen = True
         per_token.append(e.energy_per_token_j)
         latency.append(latency_stats(part.result).tpot_ms[0])
         # [start, end] for the temperature; [start, end) (whole ns) for the rest: a reading
@@ -1207,6 +1211,7 @@ def summarise(
             )
             clock_ns += end - start
             power_max = max(power_max, float(_MAX(power)) / 1000)
+            power_seen = True
             reasons |= int(np.bitwise_or.reduce(s["reasons"][decoding]))
             timeline.append(
                 (
@@ -1272,7 +1277,8 @@ def summarise(
         latency=rounds_latency(results),
         accept=accept,
         power_mean_w=energy_j / spanned_s if spanned_s > 0 else math.nan,
-        power_max_w=power_max if in_window_samples else math.nan,
+        # NaN where only closing readings fell in the windows and the counter gave nothing
+        power_max_w=power_max if in_window_samples and power_seen else math.nan,
         sm_clock_observed_mhz=sm_clock,
         temperature_max_c=temp_max if in_window_samples else math.nan,
         clock_event_reasons=reasons,

@@ -30,14 +30,14 @@ class DeviceError(DvfsError):
     exit_code = 2
 
 
-def import_torch() -> Any:
-    """torch, or one line saying how to install it (dvfs itself never needs it)."""
+def import_torch(command: str = "`dvfs gpu roofline`") -> Any:
+    """torch, or one line saying how to install it, naming the `command` that needs it (dvfs
+    itself never needs it)."""
     try:
         import torch
     except ImportError:
         raise TorchMissingError(
-            f"`dvfs gpu roofline` needs torch, an optional extra: {INSTALL_HINT} "
-            "(or pip install torch)"
+            f"{command} needs torch, an optional extra: {INSTALL_HINT} (or pip install torch)"
         ) from None
     return torch
 
@@ -228,17 +228,17 @@ def device_name(spec: BenchSpec, torch: Any) -> str:
     )
 
 
-def check_device(spec: BenchSpec, torch: Any) -> None:
-    """Refuse a CUDA device torch cannot see, in one line naming --twin and --device cpu; on the
-    CPU, set the thread count."""
+def check_device(spec: BenchSpec, torch: Any, option: str = "--device") -> None:
+    """Refuse a CUDA device torch cannot see, in one line naming --twin and `option` cpu (the
+    command's option that chose the device); on the CPU, set the thread count."""
     if not spec.on_cuda:
         torch.set_num_threads(spec.cpu_threads)
     if spec.on_cuda and not torch.cuda.is_available():
         raise DeviceError(
-            f"torch {torch.__version__} sees no CUDA device for --device {spec.device}: "
+            f"torch {torch.__version__} sees no CUDA device for {option} {spec.device}: "
             "install a CUDA build of torch on a GPU machine, or simulate the twin's GPU with "
-            "--twin h100-sxm (or h200-sxm); --device cpu only runs the code path on CPU tensors "
-            "(tiny sizes, no energy)"
+            f"--twin h100-sxm (or h200-sxm); {option} cpu only runs the code path on CPU "
+            "tensors (tiny sizes, no energy)"
         )
 
 
