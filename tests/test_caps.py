@@ -1027,6 +1027,56 @@ def test_simulated_caps_are_refused_on_real_gpus_unless_allowed(nvml, tmp_path: 
         assert device["locked_clocks"] == [210, 1305] and device["power_limit_mw"] == 450_000
 
 
+#: What `dvfs cap plan HEADROOM --batch 16 --drafter eagle3 --model "NVIDIA H100 80GB HBM3"` of a
+#: twin cube's headroom wrote before caps were marked simulated (dvfs at 9a2fd4c): the twin's
+#: model only in `measured_on`, the entry naming the real model.
+OLDER_TWIN_CAPS = """\
+# GPU caps written by `dvfs cap plan`; apply with `dvfs cap apply FILE`
+# (or at boot through systemd/dvfs-caps.service).
+dvfs_caps = 1
+
+[meta]
+created = "2026-12-02T23:02:01+00:00"
+campaign = "demo"
+measured_on = "NVIDIA H100 80GB HBM3 (twin)"
+target = "TPOT p50 <= each drafter's own stock TPOT p50 + 5%"
+batch = 16
+drafter = "eagle3"
+corpus = "worst-case"
+
+[[model]]
+name = "NVIDIA H100 80GB HBM3"
+sm_clock_max_mhz = 1380
+"""
+
+
+def test_twin_caps_an_older_dvfs_wrote_are_refused_on_real_gpus_unless_allowed(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps file an older dvfs planned from a twin cube, with `--model` naming the real
+    model, says so only in `[meta] measured_on`: `cap apply` capped the real GPUs with it,
+    exit 0, where simulated caps are refused without --allow-simulated (as `dvfs govern`
+    refuses a plan measured on a twin)."""
+    caps = tmp_path / "caps.toml"
+    caps.write_text(OLDER_TWIN_CAPS)
+    assert load_caps(caps).simulated
+    refused = " ".join(invoke("cap", "apply", str(caps), code=2).split())
+    assert "simulated caps" in refused and "--allow-simulated" in refused, refused
+    assert nvml.fake_calls() == []
+    invoke("cap", "apply", str(caps), "--allow-simulated")
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [[210, 1380]] * 2
+    merged = OLDER_TWIN_CAPS.replace(
+        '"NVIDIA H100 80GB HBM3 (twin)"', '"NVIDIA H200 (twin), NVIDIA H100 80GB HBM3 (twin)"'
+    )
+    assert parse_caps(tomllib.loads(merged), where="x").simulated
+    by_uuid = OLDER_TWIN_CAPS.replace(  # `--gpu UUID`: a real GPU's UUID, as typed
+        '[[model]]\nname = "NVIDIA H100 80GB HBM3"', '[[gpu]]\nuuid = "GPU-0123abcd"'
+    )
+    assert parse_caps(tomllib.loads(by_uuid), where="x").simulated
+    real = OLDER_TWIN_CAPS.replace(" (twin)", "")
+    assert not parse_caps(tomllib.loads(real), where="x").simulated
+
+
 def test_the_check_cap_plan_suggests_runs_on_simulated_caps(nvml, tmp_path: Path) -> None:
     """`cap plan -o FILE` ends by suggesting the dry run that checks FILE; for caps planned
     from the twin it left out --allow-simulated, so the command it gave was refused (exit 2),

@@ -65,8 +65,18 @@ class CapsFile:
 
     @property
     def simulated(self) -> bool:
-        """Planned from a digital twin's cube, not from measurements of real GPUs."""
-        return self.meta.get("simulated") is True or any(is_twin_name(c.name) for c in self.caps)
+        """Planned from a digital twin's cube, not from measurements of real GPUs: so marked,
+        an entry naming a twin's model, or `[meta] measured_on` naming one (a file an older
+        dvfs planned from a twin, before the mark, with `--model` naming the real model)."""
+        measured = self.meta.get("measured_on")
+        return (
+            self.meta.get("simulated") is True
+            or any(is_twin_name(c.name) for c in self.caps)
+            or (
+                isinstance(measured, str)
+                and any(is_twin_name(m.strip()) for m in measured.split(", "))
+            )
+        )
 
     def for_gpu(self, uuid: str, name: str, *, twin_models: bool = False) -> GpuCap | None:
         """A GPU's own entry, else its model's entry; with `twin_models` a twin's model name
