@@ -1637,6 +1637,78 @@ def test_a_state_file_from_before_a_reboot_refuses_nothing_after_it(nvml, tmp_pa
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1410]
 
 
+def test_records_an_older_dvfs_wrote_before_a_reboot_are_not_taken_for_this_boots(
+    nvml, tmp_path: Path
+) -> None:
+    """A dvfs older than the boot id wrote its records without one (the caps record's entry
+    with its `applied` time, a state file with its `since`, in their formats then); after a
+    reboot, which reset the GPUs, they were taken for this boot's: a sweep put the earlier
+    boot's cap back on the GPU as it finished, `gpu reset` (the governor unit's ExecStopPost)
+    put back the earlier boot's settings, and `cap apply` at boot (the caps unit) was refused,
+    exit 3. Their time, before this boot began, tells: ignored and dropped as a record with an
+    earlier boot's id is. One written in this boot still counts."""
+    from datetime import UTC, datetime
+
+    from dvfs.caps import GovernorLocks
+    from dvfs.gpu.safety import boot_started
+
+    started = boot_started()
+    if started is None:
+        pytest.skip("the kernel does not say when this boot began")
+    earlier = datetime.fromtimestamp(started - 3600, UTC)
+    [uuid, _] = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    caps_record = {
+        uuid: {
+            "lock_mhz": [210, 1410],
+            "power_limit_mw": 500_000,
+            "source": "/etc/dvfs/caps.toml",
+            "applied": earlier.isoformat(timespec="seconds"),
+        }
+    }
+    (state / "caps-applied.json").write_text(json.dumps(caps_record))
+    (state / f"governed-{uuid}.json").write_text(
+        json.dumps({"lock_mhz": [210, 1200], "pid": 4242, "since": earlier.isoformat()})
+    )
+    state_file = {
+        "original": {"uuid": uuid, "sm_clock_lock_mhz": [210, 1410], "power_limit_mw": 500_000},
+        "pid": 4242,
+        "host": "node1",
+        "since": earlier.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": "govern",
+    }
+    StateStore(state).path(uuid).write_text(json.dumps(state_file))
+    # the GPUs as the reboot left them (nvml: fresh)
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] is None and shown["caps_source"] is None, shown
+    assert GovernorLocks(state).read() == {}
+    out = " ".join(invoke("gpu", "reset").split())
+    assert "dropped the state file of GPU 0" in out, out
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+    StateStore(state).path(uuid).write_text(json.dumps(state_file))
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))  # dvfs-caps.service at boot
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    invoke("cap", "reset")
+    # A sweep puts back the caps in force as it found them, not the earlier boot's.
+    (state / "caps-applied.json").write_text(json.dumps(caps_record))
+    from dvfs.caps import AppliedCaps
+
+    assert AppliedCaps(state).locks() == {}
+    # Written in this boot, without the boot id, a record still counts.
+    now = datetime.now(UTC)
+    caps_record[uuid]["applied"] = now.isoformat(timespec="seconds")
+    (state / "caps-applied.json").write_text(json.dumps(caps_record))
+    assert AppliedCaps(state).locks() == {uuid: (210, 1410)}
+    StateStore(state).path(uuid).write_text(
+        json.dumps({**state_file, "since": now.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    )
+    assert "not restored" in invoke("cap", "apply", str(caps), code=3)
+
+
 def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
     """Each `cap apply` holds only its own GPUs' locks, so another may cap other GPUs
     meanwhile: neither may write back a stale copy of the shared record over the other's."""

@@ -38,7 +38,7 @@ from dvfs.gpu.knobs import (
     KnobController,
     power_limit_or_none,
 )
-from dvfs.gpu.safety import boot_id
+from dvfs.gpu.safety import before_this_boot, boot_id
 
 if TYPE_CHECKING:
     from dvfs.gpu.safety import StateStore
@@ -134,8 +134,9 @@ class AppliedCaps:
                     f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem}); "
                     "remove it and re-apply"
                 )
-        now = boot_id()
-        return {u: r for u, r in data.items() if now is None or r.get("boot") in (None, now)}
+        return {
+            u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
+        }
 
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
@@ -303,9 +304,10 @@ class GovernorLocks:
         """Each governed GPU's record by UUID (a file that vanishes meanwhile: not governed),
         but those written during an earlier boot, which reset the GPUs' locks (a power loss
         while governing leaves the record; `recorded` still lists them, to be cleared)."""
-        now = boot_id()
         return {
-            u: r for u, r in self.recorded().items() if now is None or r.get("boot") in (None, now)
+            u: r
+            for u, r in self.recorded().items()
+            if not before_this_boot(r.get("boot"), r.get("since"))
         }
 
     def recorded(self, uuids: Collection[str] | None = None) -> dict[str, dict[str, Any]]:

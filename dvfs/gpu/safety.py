@@ -23,6 +23,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,48 @@ def boot_id() -> str | None:
         return BOOT_ID.read_text(encoding="ascii").strip() or None
     except (OSError, UnicodeDecodeError):
         return None
+
+
+#: Where the kernel says when this boot began (`btime`, seconds since the epoch).
+KERNEL_STAT = Path("/proc/stat")
+
+
+def boot_started() -> float | None:
+    """When this boot began (seconds since the epoch); None where the kernel does not say."""
+    try:
+        for line in KERNEL_STAT.read_text(encoding="ascii").splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, UnicodeDecodeError, ValueError, IndexError):
+        pass
+    return None
+
+
+#: How long before this boot began a record without a boot id must have been written to count
+#: as an earlier boot's (`before_this_boot`): the clock may be stepped after boot (NTP
+#: correcting the RTC), which moves the boot's start as read now, not the stamps written before.
+BOOT_CLOCK_MARGIN_S = 600.0
+
+
+def before_this_boot(boot: Any, stamp: Any) -> bool:
+    """Whether a record (a caps record's entry, a governor's lock record, a state file) was
+    written during an earlier boot, whose reboot has reset the GPU: its boot id is another
+    boot's; or, where it carries none (a dvfs older than the boot id wrote it), its time
+    stamp (ISO 8601 with its offset) is before this boot began, by more than a clock step
+    (`BOOT_CLOCK_MARGIN_S`). False where neither tells."""
+    if boot is not None:
+        now = boot_id()
+        return now is not None and boot != now
+    if not isinstance(stamp, str):
+        return False
+    started = boot_started()
+    try:
+        written = datetime.fromisoformat(stamp)
+    except ValueError:
+        return False
+    if started is None or written.tzinfo is None:
+        return False
+    return written.timestamp() < started - BOOT_CLOCK_MARGIN_S
 
 
 def default_state_dir() -> Path:
@@ -191,8 +234,7 @@ class PendingRestore:
     def before_this_boot(self) -> bool:
         """Written during an earlier boot: the reboot since has reset the GPU (driver
         defaults), so what the file holds is no longer the GPU's to restore."""
-        now = boot_id()
-        return self.boot is not None and now is not None and self.boot != now
+        return before_this_boot(self.boot, self.since)
 
     def describe(self) -> str:
         return (
