@@ -1709,6 +1709,29 @@ def test_records_an_older_dvfs_wrote_before_a_reboot_are_not_taken_for_this_boot
     assert "not restored" in invoke("cap", "apply", str(caps), code=3)
 
 
+def test_a_model_entry_every_gpu_here_overrides_is_not_noted_as_another_hosts(
+    nvml, tmp_path: Path
+) -> None:
+    """A fleet file with a [[model]] default and [[gpu]] entries for this host's GPUs: each GPU
+    takes its own entry. The model entry was noted as for a model the host lacks ("no GPU
+    here is a NVIDIA H100 80GB HBM3; those entries were skipped") on a host of two H100s."""
+    uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]
+    name = json.loads(invoke("gpu", "list", "--json"))[0]["name"]
+    caps = tmp_path / "caps.toml"
+    entries = [GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids]
+    others = (
+        GpuCap(name=name, sm_clock_max_mhz=1200),
+        GpuCap(name="NVIDIA H200", power_limit_w=500),
+    )
+    caps.write_text(dump_caps(CapsFile((*entries, *others))))
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.output.split())
+    assert f"no GPU here is a {name}" not in told, told
+    assert "no GPU here is a NVIDIA H200" in told, told  # a model the host lacks still is
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [[210, 1500]] * 2
+
+
 def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
     """Each `cap apply` holds only its own GPUs' locks, so another may cap other GPUs
     meanwhile: neither may write back a stale copy of the shared record over the other's."""

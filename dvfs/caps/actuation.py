@@ -505,6 +505,10 @@ def plan_actions(
                 untouched.append(f"GPU {ident.index} ({ident.name}, {ident.uuid})")
             continue
         matched.add(id(cap))
+        if cap.uuid:  # its model's entry, which its own entry overrides, is for a GPU here too
+            model = caps.for_gpu("", ident.name, twin_models=allow_simulated)
+            if model is not None:
+                matched.add(id(model))
         if cap.uuid and measured and base_model_name(ident.name) not in measured:
             # A [[gpu]] entry names its GPU by UUID only: caps planned on one model (`cap plan
             # --gpu` takes any UUID) must not go to a GPU of another, as a [[model]] entry and
