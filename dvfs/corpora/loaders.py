@@ -215,7 +215,7 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
     except RecursionError:  # the line reader names the line
         return None
     except json.JSONDecodeError as exc:
-        first = next(line for line in text.split("\n") if line.strip())
+        first = next(line for line in _lines(text) if line.strip())
         try:
             json.loads(first)
         except (ValueError, RecursionError):
@@ -243,7 +243,7 @@ def _refuse_json_object(text: str, where: str) -> None:
     JSON" of a valid file); one object on one line is JSON Lines of one record, read as such."""
     if Path(where).suffix.lower() != ".json" or not text.lstrip().startswith("{"):
         return
-    first = next(line for line in text.split("\n") if line.strip())
+    first = next(line for line in _lines(text) if line.strip())
     try:
         json.loads(first)
         return  # JSON Lines: the line reader reads it
@@ -262,6 +262,18 @@ def _refuse_json_object(text: str, where: str) -> None:
         )
 
 
+def _lines(text: str) -> Iterator[str]:
+    """`text.split("\\n")`, one line at a time: a large file that is no JSON Lines (a log named
+    by mistake) is refused at its first line without a copy of every line held at once. Only
+    "\\n" ends a line: JSON strings may hold U+2028 and other characters that str.splitlines()
+    would break on."""
+    start = 0
+    while (end := text.find("\n", start)) >= 0:
+        yield text[start:end]
+        start = end + 1
+    yield text[start:]
+
+
 def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     text = _text(data, where)
     _refuse_json_object(text, where)
@@ -269,9 +281,7 @@ def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     if array is not None:
         yield from array
         return
-    # Only "\n" ends a line: JSON strings may hold U+2028 and other characters that
-    # str.splitlines() would break on.
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    for lineno, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
         at = f"{where}, line {lineno}"
