@@ -839,24 +839,28 @@ def test_a_corpus_cut_short_by_its_limit_says_to_raise_it(tmp_path: Path) -> Non
     assert "limit" not in said
 
 
-def test_a_large_file_that_is_no_json_lines_is_refused_without_a_copy_of_every_line(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("fmt", "refusal"), [("jsonl", "line 1: not valid JSON"), ("csv", "line 2: no field 'text'")]
+)
+def test_a_large_file_that_is_no_corpus_is_refused_without_a_copy_of_every_line(
+    tmp_path: Path, fmt: str, refusal: str
 ) -> None:
-    """A log named as a JSON Lines corpus is refused at line 1, but only after every line of
-    it was split into a list held at once: 700 MB of memory for a 200 MB file (3.3 times its
-    size; 3.5 GB at the 1 GiB limit) to say line 1 is no JSON. Lines are now read one at a
-    time: the file's bytes and its text, about twice its size."""
+    """A log named as a corpus is refused at its first lines, but only after a copy of all of
+    it was made: JSON Lines split every line into a list held at once (713 MB of memory for a
+    200 MB file), CSV handed the text to `io.StringIO`, four bytes a character (1.26 GB); some
+    3.5 and 6.5 GB at the 1 GiB limit. Lines are now read one at a time: the file's bytes and
+    its text, about twice its size."""
     import tracemalloc
 
     from dvfs.corpora.loaders import load_user_corpus
 
-    log = tmp_path / "corpus.jsonl"
+    log = tmp_path / f"corpus.{fmt}"
     line = "2026-12-06 12:00:00 INFO a log line, not JSON " * 4 + "\n"
     log.write_text(line * ((8 << 20) // len(line)))
-    spec = {"path": str(log), "format": "jsonl", "field": "text"}
+    spec = {"path": str(log), "format": fmt, "field": "text"}
     tracemalloc.start()
     try:
-        with pytest.raises(CorpusError, match="line 1: not valid JSON"):
+        with pytest.raises(CorpusError, match=refusal):
             load_user_corpus("mine", spec, base_dir=str(tmp_path), count_tokens=lambda m: 1)
         peak = tracemalloc.get_traced_memory()[1]
     finally:

@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import io
 import json
+import re
 import stat
 from collections.abc import Iterator
 from importlib import resources
@@ -301,11 +302,22 @@ def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
         yield at, record
 
 
+#: A line as `io.StringIO(text, newline="")` reads it, its ending ("\r\n", "\r" or "\n") kept.
+_CSV_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
+
+
+def _csv_lines(text: str) -> Iterator[str]:
+    """`text`'s lines for the CSV reader, one at a time: `io.StringIO` holds a copy of the
+    whole text at four bytes a character (a 200 MB file named by mistake peaked at 1.26 GB to
+    be refused at its second line)."""
+    return (match.group() for match in _CSV_LINE.finditer(text))
+
+
 def _records_csv(data: bytes, where: str, key: str = "") -> Iterator[tuple[str, Any]]:
     """The rows of a CSV file; `key`, the column the prompts are read from, named twice in the
     header is refused (a row would hold only the last such column's cell, taken silently)."""
     text = _text(data, where)
-    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    reader = csv.DictReader(_csv_lines(text), strict=True)
     previous = csv.field_size_limit(MAX_CSV_FIELD_CHARS)
     try:
         # Line numbers count the header as line 1, as an editor shows them.
