@@ -24,7 +24,8 @@ class NetcdfPathError(DvfsError):
 
 class OutputRefusedError(DvfsError):
     """As root, an output path through a symbolic link another user may point anywhere
-    (`dvfs.outputs.check_links`): refused as bad usage, before anything is written."""
+    (`dvfs.outputs.check_links`), or a named pipe no program reads from: refused as bad
+    usage, before anything is written."""
 
     exit_code = 2
 

@@ -20,6 +20,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 def new_file_mode() -> int:
@@ -177,7 +178,7 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
             tmp = Path(folder) / real.name
             yield tmp
             try:
-                with open(tmp, "rb") as src, open(path, "wb") as dst:
+                with open(tmp, "rb") as src, _open_stream(path, existing) as dst:
                     shutil.copyfileobj(src, dst)
             except OSError as exc:
                 raise _named(exc, path) from exc
@@ -210,6 +211,26 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
     finally:
         if tmp_path is not None:
             tmp_path.unlink(missing_ok=True)
+
+
+def _open_stream(path: Path, mode: int) -> BinaryIO:
+    """A pipe, FIFO or device opened for writing. A named pipe no program reads from is
+    refused: opening it would wait for a reader for ever (a FIFO left where the cube goes)."""
+    if not stat.S_ISFIFO(mode):
+        return open(path, "wb")  # noqa: SIM115 (the caller's `with` closes it)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:
+            raise
+        from dvfs.errors import OutputRefusedError
+
+        raise OutputRefusedError(
+            f"{path} is a named pipe no program reads from, so writing there would wait for "
+            "ever: start its reader first, or remove the pipe"
+        ) from None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "wb")
 
 
 def _sync_folder(folder: Path) -> None:

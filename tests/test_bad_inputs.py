@@ -2459,6 +2459,33 @@ def test_an_anonymous_pipe_output_is_written(
     assert len(b"".join(got)) > 100
 
 
+@pytest.mark.parametrize("name", ["headroom-o", "cube-build-o"])
+def test_a_fifo_output_no_program_reads_is_refused_not_waited_on(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """A named pipe no program reads from where the output goes (a FIFO left in a sweep folder
+    as its cube.nc): opening it for writing waited for a reader for ever. It is now refused
+    in one line, the pipe left in place."""
+    import os
+    import stat
+
+    from conftest import PYTHON, subprocess_env
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    argv = [PYTHON, "-m", "dvfs", *_argv(name, shared, fifo)]
+    try:
+        ran = subprocess.run(
+            argv, capture_output=True, text=True, timeout=300, env=subprocess_env()
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("dvfs waited on a pipe no program reads from")
+    assert ran.returncode == 2, ran.stderr
+    [line] = ran.stderr.splitlines()
+    assert line.startswith(f"Error: {fifo} is a named pipe no program reads from"), line
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
 @pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])
 @pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
 def test_a_symlinked_output_keeps_its_link(

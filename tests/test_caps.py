@@ -1161,6 +1161,42 @@ def test_an_interrupted_apply_still_records_the_locks_it_set(nvml, tmp_path: Pat
     assert record.locks() == {gpu.identity.uuid: (210, 1410)}
 
 
+@pytest.mark.parametrize("fails_at", [1, 2])
+def test_a_cap_that_cannot_be_recorded_is_taken_back(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails_at: int
+) -> None:
+    """A full disk under the state folder: a lock or limit put on the GPU could not be
+    recorded, and NVML cannot read a lock back, so `cap apply` failing must not leave it on
+    the GPU unrecorded (unknown to `cap show`, a sweep and `cap reset`)."""
+    import errno
+
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    record = AppliedCaps(tmp_path / "state")
+    real_write, writes = record.write, []
+
+    def full_at_last(records: dict) -> None:
+        writes.append(records)
+        if len(writes) == fails_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(record.path))
+        real_write(records)
+
+    monkeypatch.setattr(record, "write", full_at_last)
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        stock_mw = gpu.power_limit_mw()
+        action = CapAction(0, gpu.identity.uuid, (210, 1410), 400_000, 700_000)
+        with pytest.raises(OSError, match="No space"):
+            apply_actions([action], [gpu], record, "caps.toml")
+        assert gpu.power_limit_mw() == stock_mw  # the limit's record failed, or it never came
+    held = nvml.fake_state()["devices"][0]["locked_clocks"]
+    recorded = AppliedCaps(tmp_path / "state").locks()
+    if fails_at == 1:  # the lock's record failed: the lock is taken back
+        assert (held, recorded) == (None, {})
+    else:  # the limit's record failed: the lock stays, recorded
+        assert (held, recorded) == ([210, 1410], {gpu.identity.uuid: (210, 1410)})
+
+
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
     """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
     record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk

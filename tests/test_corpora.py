@@ -837,3 +837,32 @@ def test_a_corpus_cut_short_by_its_limit_says_to_raise_it(tmp_path: Path) -> Non
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "has 2 distinct prompts" in said, said
     assert "limit" not in said
+
+
+@pytest.mark.parametrize(
+    ("fmt", "refusal"), [("jsonl", "line 1: not valid JSON"), ("csv", "line 2: no field 'text'")]
+)
+def test_a_large_file_that_is_no_corpus_is_refused_without_a_copy_of_every_line(
+    tmp_path: Path, fmt: str, refusal: str
+) -> None:
+    """A log named as a corpus is refused at its first lines, but only after a copy of all of
+    it was made: JSON Lines split every line into a list held at once (713 MB of memory for a
+    200 MB file), CSV handed the text to `io.StringIO`, four bytes a character (1.26 GB); some
+    3.5 and 6.5 GB at the 1 GiB limit. Lines are now read one at a time: the file's bytes and
+    its text, about twice its size."""
+    import tracemalloc
+
+    from dvfs.corpora.loaders import load_user_corpus
+
+    log = tmp_path / f"corpus.{fmt}"
+    line = "2026-12-06 12:00:00 INFO a log line, not JSON " * 4 + "\n"
+    log.write_text(line * ((8 << 20) // len(line)))
+    spec = {"path": str(log), "format": fmt, "field": "text"}
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorpusError, match=refusal):
+            load_user_corpus("mine", spec, base_dir=str(tmp_path), count_tokens=lambda m: 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.5 * log.stat().st_size, peak / log.stat().st_size

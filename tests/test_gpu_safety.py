@@ -2042,3 +2042,33 @@ def test_a_lost_gpus_line_says_the_settings_left_in_grammar_for_one_gpu_and_seve
         "once the GPUs answer again",
     }[kept]
     assert said.endswith(f"the journal keeps every finished cell; {whose}, {reset}"), said
+
+
+def test_a_full_disk_under_the_state_folder_names_the_gpus_lock_not_the_out_folder(
+    nvml, env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's lock file could not be written (the state folder's disk full): the error, which
+    carried no path, was put on the command's one output, `cannot write OUT: no space left on
+    the device; free space or choose another --out`, and another --out changes nothing."""
+    import errno
+
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    state_dir = Path(env["DVFS_STATE_DIR"])
+    real_write = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).parent == state_dir:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign_file(tmp_path)), "--out", str(out), "--no-progress"]
+    )
+    monkeypatch.setattr(os, "write", real_write)
+    [lock] = state_dir.glob("GPU-*.lock")
+    assert result.exit_code == 1, result.output
+    assert f"cannot write {lock}: no space left" in result.stderr, result.stderr
+    assert str(out) not in result.stderr.splitlines()[-1], result.stderr
+    assert load_fake().fake_state()["devices"][0]["locked_clocks"] is None

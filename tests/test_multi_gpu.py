@@ -968,3 +968,29 @@ def test_a_fleet_without_root_keeps_the_permission_refusal_not_every_worker_lost
     last = " ".join(result.stderr.strip().splitlines()[-1].split())
     assert last.startswith("Error: GPU ") and "permission denied by the driver" in last, last
     assert "--observe-only" in last and "every worker was lost" not in last, last
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_cube_build_refuses_a_models_journal_that_is_no_file_not_leaving_the_model_out(
+    tmp_path: Path, kind: str
+) -> None:
+    """A fleet's folder where one GPU model's journal is a folder or a FIFO: `dvfs cube build`
+    wrote the cube of the other model alone, exit 0, a cube looking whole without that
+    model's cells; the journal is now refused in one line, naming it."""
+    from conftest import TINY_EXACT
+
+    one = tmp_path / "one"
+    ran = CliRunner().invoke(
+        cli, ["sweep", str(write(tmp_path / "c.toml", TINY_EXACT)), "-o", str(one), "--no-progress"]
+    )
+    assert ran.exit_code == 0, ran.output
+    fleet = tmp_path / "fleet"
+    kept = write(fleet / "gpu-a" / "journal.jsonl", (one / "journal.jsonl").read_text())
+    damaged = fleet / "gpu-b" / "journal.jsonl"
+    damaged.parent.mkdir()
+    damaged.mkdir() if kind == "folder" else os.mkfifo(damaged)
+    built = CliRunner().invoke(cli, ["cube", "build", str(fleet)])
+    assert built.exit_code == 1, built.output
+    [line] = built.stderr.splitlines()
+    assert line.startswith("Error: ") and str(damaged) in line, line
+    assert kept.exists() and not (fleet / "cube.nc").exists()

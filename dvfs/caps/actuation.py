@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -612,9 +613,16 @@ def apply_actions(
     applied = record.read()
     failures = GatheredFailures()
 
-    def keep(uuid: str, entry: dict[str, Any]) -> None:
+    def keep(uuid: str, entry: dict[str, Any], undo: Callable[[], None] | None = None) -> None:
+        try:
+            record.update(uuid, entry)
+        except OSError:
+            # Not recorded (a full disk): NVML cannot read a lock back, so a cap left on the
+            # GPU would be known to no `cap show`, sweep or reset; the change is taken back.
+            if undo is not None:
+                undo()
+            raise
         applied[uuid] = entry
-        record.update(uuid, entry)
 
     for action in actions:
         gpu = by_uuid[action.uuid]
@@ -644,14 +652,17 @@ def apply_actions(
                     )
                 keep(action.uuid, {**applied.get(action.uuid, blank), "power_limit_mw": None})
             if action.lock_mhz is not None:
+                earlier = applied.get(action.uuid, blank).get("lock_mhz")
                 gpu.lock_sm_clock(*action.lock_mhz)
                 keep(  # recorded even if the limit fails
                     action.uuid,
                     {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(action.lock_mhz)},
+                    partial(gpu.lock_sm_clock, *earlier) if earlier else gpu.reset_sm_clock,
                 )
                 changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
             if action.power_limit_mw is not None:
-                if action.power_limit_mw != gpu.power_limit_mw():
+                before = gpu.power_limit_mw()
+                if action.power_limit_mw != before:
                     gpu.set_power_limit_mw(action.power_limit_mw)
                 keep(
                     action.uuid,
@@ -660,6 +671,9 @@ def apply_actions(
                         **stamp,
                         "power_limit_mw": action.power_limit_mw,
                     },
+                    partial(gpu.set_power_limit_mw, before)
+                    if action.power_limit_mw != before
+                    else None,
                 )
         except GpuError as exc:
             # The GPU is not left changed unsaid: what is in place on it already is named.

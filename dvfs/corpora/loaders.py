@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import io
 import json
+import re
 import stat
 from collections.abc import Iterator
 from importlib import resources
@@ -215,7 +216,7 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
     except RecursionError:  # the line reader names the line
         return None
     except json.JSONDecodeError as exc:
-        first = next(line for line in text.split("\n") if line.strip())
+        first = next(line for line in _lines(text) if line.strip())
         try:
             json.loads(first)
         except (ValueError, RecursionError):
@@ -243,7 +244,7 @@ def _refuse_json_object(text: str, where: str) -> None:
     JSON" of a valid file); one object on one line is JSON Lines of one record, read as such."""
     if Path(where).suffix.lower() != ".json" or not text.lstrip().startswith("{"):
         return
-    first = next(line for line in text.split("\n") if line.strip())
+    first = next(line for line in _lines(text) if line.strip())
     try:
         json.loads(first)
         return  # JSON Lines: the line reader reads it
@@ -262,6 +263,18 @@ def _refuse_json_object(text: str, where: str) -> None:
         )
 
 
+def _lines(text: str) -> Iterator[str]:
+    """`text.split("\\n")`, one line at a time: a large file that is no JSON Lines (a log named
+    by mistake) is refused at its first line without a copy of every line held at once. Only
+    "\\n" ends a line: JSON strings may hold U+2028 and other characters that str.splitlines()
+    would break on."""
+    start = 0
+    while (end := text.find("\n", start)) >= 0:
+        yield text[start:end]
+        start = end + 1
+    yield text[start:]
+
+
 def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     text = _text(data, where)
     _refuse_json_object(text, where)
@@ -269,9 +282,7 @@ def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     if array is not None:
         yield from array
         return
-    # Only "\n" ends a line: JSON strings may hold U+2028 and other characters that
-    # str.splitlines() would break on.
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    for lineno, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
         at = f"{where}, line {lineno}"
@@ -291,11 +302,22 @@ def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
         yield at, record
 
 
+#: A line as `io.StringIO(text, newline="")` reads it, its ending ("\r\n", "\r" or "\n") kept.
+_CSV_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
+
+
+def _csv_lines(text: str) -> Iterator[str]:
+    """`text`'s lines for the CSV reader, one at a time: `io.StringIO` holds a copy of the
+    whole text at four bytes a character (a 200 MB file named by mistake peaked at 1.26 GB to
+    be refused at its second line)."""
+    return (match.group() for match in _CSV_LINE.finditer(text))
+
+
 def _records_csv(data: bytes, where: str, key: str = "") -> Iterator[tuple[str, Any]]:
     """The rows of a CSV file; `key`, the column the prompts are read from, named twice in the
     header is refused (a row would hold only the last such column's cell, taken silently)."""
     text = _text(data, where)
-    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    reader = csv.DictReader(_csv_lines(text), strict=True)
     previous = csv.field_size_limit(MAX_CSV_FIELD_CHARS)
     try:
         # Line numbers count the header as line 1, as an editor shows them.

@@ -4,6 +4,7 @@ sweep finished, was interrupted or `dvfs cube build` asks, so that the three agr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +29,10 @@ def cube_journals(out_dir: Path) -> list[Path]:
     own = out_dir / JOURNAL_NAME
     if own.exists():
         return [own]
-    return [p for p in sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME)) if has_sessions(p)]
+    # A model's journal that is no regular file (a folder, a FIFO, a link in a loop) is kept,
+    # for the journal's reader to refuse: left out, the cube was built without that model.
+    found = [d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")) if d.is_dir()]
+    return [p for p in found if os.path.lexists(p) and (not p.is_file() or has_sessions(p))]
 
 
 def write_cubes(

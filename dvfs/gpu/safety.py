@@ -401,9 +401,12 @@ class GpuLocks:
                     owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
                     os.close(fd)
                     raise GpuBusyError(_busy(gpu, owner), owner) from exc
-                os.ftruncate(fd, 0)
-                os.write(fd, str(os.getpid()).encode())
                 handles.append(fd)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.write(fd, str(os.getpid()).encode())
+                except OSError as exc:  # a full disk: the lock file named, not the --out folder
+                    raise OSError(exc.errno, exc.strerror, str(path)) from exc
             yield
         finally:
             for fd in handles:
