@@ -137,7 +137,7 @@ def check_campaign(
     else:
         checks.append(_run("engine", lambda: _engine(campaign, resumed, worker, out_dir, models)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:  # dvfs starts SGLang
-        checks.append(_run("models", lambda: _model_paths(campaign)))
+        checks.append(_run("models", lambda: _model_paths(campaign, ray=ray)))
         checks.append(_run("arms", lambda: _arms(campaign)))
     if shard is not None:
         checks.append(_run("shard", lambda: _shard(campaign, shard)))
@@ -761,12 +761,13 @@ def _engine(
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 
 
-def _model_paths(campaign: Campaign) -> tuple[str, str]:
+def _model_paths(campaign: Campaign, *, ray: bool = False) -> tuple[str, str]:
     """The target's and each drafter's model named by a local path that is not there, which
     every server of it would fail to start on (the cells after an hour of others'): a failure
     where dvfs starts SGLang on this host, a warning where the server command may start it
-    elsewhere (a container's paths, a remote host's). Relative paths read from here: the
-    folder the sweep runs in, which the server it starts inherits."""
+    elsewhere (a container's paths, a remote host's) or `ray` (`--executor ray`: the servers
+    start on the Ray workers' nodes). Relative paths read from here: the folder the sweep
+    runs in, which the server it starts inherits."""
     named: list[tuple[str, str | None]] = [("engine.model", campaign.engine.model)]
     named += [(f"drafters.{d.name}.draft_model", d.draft_model) for d in campaign.drafters]
     paths = [(key, name) for key, name in named if name and name.startswith(LOCAL_PATH_PREFIXES)]
@@ -784,6 +785,11 @@ def _model_paths(campaign: Campaign) -> tuple[str, str]:
     if not missing:
         return OK, (
             f"every model path is here ({len(paths)})" if paths else "named by repo id, not path"
+        )
+    if ray:
+        return WARN, (
+            f"no such path on this driver: {', '.join(missing)}; fine if the Ray workers' "
+            "nodes have it (`dvfs doctor` on a node checks it), else correct the path"
         )
     if campaign.engine.sglang.server_command:
         return WARN, (

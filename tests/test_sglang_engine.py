@@ -1748,6 +1748,41 @@ def test_doctor_on_a_ray_driver_leaves_sglang_and_the_gpus_to_the_nodes(
     assert local.exit_code == 1 and "sglang is not installed" in local.output, local.output
 
 
+def test_doctor_on_a_ray_driver_leaves_the_model_path_to_the_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` starts its servers on the Ray workers' nodes, which read
+    the model's path there (a shared disk the driver need not mount); `dvfs doctor --executor
+    ray` on the driver failed it, exit 1: "no such path: engine.model '/shared/...': SGLang
+    would fail to start on it". It is a warning naming the nodes; without Ray, still a
+    failure."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    campaign, _ = stub_campaign(
+        tmp_path,
+        gpu='backend = "nvml"\ndevices = [0]',
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+    )
+    text = campaign.read_text()
+    start = text.index("server_command")
+    text = text[:start] + text[text.index("\n", start) + 1 :]
+    model = str(tmp_path / "shared" / "models" / "target")  # not on this host
+    start = text.index("\nmodel = ") + 1
+    campaign.write_text(f"{text[:start]}model = {model!r}{text[text.index(chr(10), start) :]}")
+    out = str(tmp_path / "out")
+    ray = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out, "--executor", "ray"])
+    said = " ".join(ray.output.split())
+    assert ray.exit_code == 0 and "FAIL" not in said, said
+    assert (
+        f"warn models: no such path on this driver: engine.model {model!r}; fine if the Ray "
+        "workers' nodes have it (`dvfs doctor` on a node checks it), else correct the path"
+    ) in said, said
+    local = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out])
+    assert local.exit_code == 1, local.output
+    assert f"FAIL models: no such path: engine.model {model!r}" in " ".join(local.output.split())
+
+
 def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
