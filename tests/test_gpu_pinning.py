@@ -748,6 +748,36 @@ def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: 
     assert "starts a container (docker run) not passed" in _doctor_warns(path, env)
 
 
+def test_e_name_wins_over_an_env_files_value(nv: ModuleType, tmp_path: Path) -> None:
+    """docker passes a container an `--env-file`'s variables, then `-e`'s over them: with
+    `-e CUDA_VISIBLE_DEVICES` (dvfs's own) beside a shared env file setting
+    CUDA_VISIBLE_DEVICES=GPU-<other>, the server sees the metered GPU. Doctor failed it,
+    "sets CUDA_VISIBLE_DEVICES=GPU-<other>, other GPUs than the metered" (the sweep refused
+    it); `-e` after or before the file, it is pinned by dvfs's CUDA_VISIBLE_DEVICES."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    env_file = tmp_path / "server.env"
+    env_file.write_text(f"HF_HOME=/cache\nCUDA_VISIBLE_DEVICES={other}\n")
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, flags in enumerate(
+        (
+            ("--env-file", str(env_file), "-e", "CUDA_VISIBLE_DEVICES"),
+            ("-e", "CUDA_VISIBLE_DEVICES", f"--env-file={env_file}"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", "--gpus", "all", *flags)
+        checked = _doctor(path, env)
+        assert checked.returncode == 0, checked.stdout
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(tmp_path / "file", "--gpus", "all", "--env-file", str(env_file))
+    checked = _doctor(path, env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={other}, other "
+        f"GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_path: Path) -> None:
     """`sh -c 'docker run --gpus ... IMG "$@"' sh` (`bash -lc`) was read as one word: said
     "pinned to" the metered GPU by the CUDA_VISIBLE_DEVICES its container never receives,

@@ -277,11 +277,15 @@ def _server_sees(command: Sequence[str], name: str) -> str | None:
     inside = command_env(rest, keep=keep)
     if name in inside:
         return inside[name]
-    filed = dict(e.partition("=")[::2] for e in _env_files(rest) if "=" in e)
-    if name in filed:
+    host = command_env(command[:start], keep=keep).get(name)
+    if name in _container_env(rest, files=False):  # `-e NAME` wins over an --env-file's
+        return host
+    lines = (line.partition("=") for line in _env_files(rest))
+    filed = {key: value if equals else None for key, equals, value in lines}
+    if filed.get(name) is not None:
         return filed[name]
-    if _env_host(rest) or name in _container_env(rest):
-        return command_env(command[:start], keep=keep).get(name)
+    if _env_host(rest) or name in filed:  # a file's bare NAME: the host's, as `-e NAME`
+        return host
     return None
 
 
@@ -479,10 +483,11 @@ def _by_uuid(value: str) -> bool:
     return bool(entries) and all(e.upper().startswith(("GPU-", "MIG-")) for e in entries)
 
 
-def _container_env(command: Sequence[str]) -> list[str]:
+def _container_env(command: Sequence[str], *, files: bool = True) -> list[str]:
     """What `-e`/`--env` pass a container: "NAME" (the host's value) or "NAME=VALUE"; an
-    `--env-file`'s lines first (`_env_files`), as `-e` wins over them."""
-    found = _env_files(command)
+    `--env-file`'s lines first (`_env_files`; not where `files` is False), as `-e` wins over
+    them."""
+    found = _env_files(command) if files else []
     for index, token in enumerate(command):
         if index and command[index - 1] in ("-e", "--env"):
             found.append(token)
