@@ -1783,6 +1783,27 @@ def test_doctor_on_a_ray_driver_leaves_the_model_path_to_the_nodes(
     assert f"FAIL models: no such path: engine.model {model!r}" in " ".join(local.output.split())
 
 
+def test_doctor_on_a_ray_driver_refuses_gpus_as_the_sweep_does(tmp_path: Path) -> None:
+    """`dvfs sweep --executor ray --gpus 0` is refused, exit 2 (Ray places the workers on
+    the cluster's GPUs); `dvfs doctor --executor ray --gpus 0` passed it, exit 0, so the
+    preflight passed a command line the sweep then refused. Doctor refuses it in the same
+    line."""
+    campaign, _ = stub_campaign(
+        tmp_path,
+        gpu='backend = "nvml"\ndevices = [0]',
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+    )
+    out = str(tmp_path / "out")
+    said = "with --executor ray, Ray places the workers on the cluster's GPUs: leave out --gpus"
+    runner = CliRunner()
+    for command in ("sweep", "doctor"):
+        args = [command, str(campaign), "--out", out, "--executor", "ray", "--gpus", "0"]
+        refused = runner.invoke(cli, args)
+        assert refused.exit_code == 2, refused.output
+        assert said in " ".join(refused.output.split()), refused.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

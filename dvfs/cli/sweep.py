@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from dvfs.cli.common import (
+    RAY_PLACES_GPUS,
     campaign_argument,
     console,
     echo_json,
@@ -312,9 +313,7 @@ def sweep(
     if address and executor != "ray":
         raise click.UsageError("--address joins a Ray cluster: use it with --executor ray")
     if gpus_spec and executor == "ray" and campaign.gpu.backend == "nvml":
-        raise click.UsageError(
-            "with --executor ray, Ray places the workers on the cluster's GPUs: leave out --gpus"
-        )
+        raise click.UsageError(RAY_PLACES_GPUS)
     if (no_estimate or twin_profile or as_json) and not dry_run:
         raise click.UsageError("--no-estimate, --twin and --json go with --dry-run")
     groups = sweep_groups(campaign, gpus_spec)
