@@ -809,6 +809,42 @@ def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_pa
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
+def test_a_shell_lines_own_cuda_visible_devices_is_dvfss(nv: ModuleType, tmp_path: Path) -> None:
+    """A shell line's `$CUDA_VISIBLE_DEVICES` is the metered GPUs' UUIDs dvfs hands the shell:
+    `sh -c 'docker run --gpus all -e CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" IMG "$@"'`
+    was warned of as "sets CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES ..., an index dvfs cannot
+    check", `--gpus "device=$CUDA_VISIBLE_DEVICES"` (`-e NVIDIA_VISIBLE_DEVICES=...`) as GPUs
+    "by index, count or all". Each is pinned, as `-e CUDA_VISIBLE_DEVICES`; set before the
+    shell to another GPU, the line is refused as naming it."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, flags in enumerate(
+        (
+            '--gpus all -e CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"',
+            '--gpus "device=$CUDA_VISIBLE_DEVICES"',
+            "--gpus=device=${CUDA_VISIBLE_DEVICES}",
+            "--runtime=nvidia -e NVIDIA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES",
+        )
+    ):
+        folder = tmp_path / f"c{number}"
+        folder.mkdir()
+        line = f'exec docker run --rm {flags} IMG "$@"'
+        checked = _doctor(observed_campaign(folder, ("sh", "-c", line, "sh")), env)
+        output = " ".join(checked.stdout.split())
+        assert checked.returncode == 0 and pinned in output, output
+    folder = tmp_path / "before"
+    folder.mkdir()
+    line = 'exec docker run --rm --gpus "device=$CUDA_VISIBLE_DEVICES" IMG "$@"'
+    wrapper = ("env", f"CUDA_VISIBLE_DEVICES={other}", "sh", "-c", line, "sh")
+    checked = _doctor(observed_campaign(folder, wrapper), env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"device={other}, other GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -253,9 +253,47 @@ def _words(command: list[str]) -> list[str]:
                     line = shlex.split(command[at])
                 except ValueError:
                     break
+                line = _expanded(line, command[:index])
                 return [*command[:index], *_words(line), *_words(command[at + 1 :])]
             later += 1
     return command
+
+
+#: A shell line's `$CUDA_VISIBLE_DEVICES` (`${CUDA_VISIBLE_DEVICES}`), which the shell expands.
+OWN_DEVICES = re.compile(r"\$(?:CUDA_VISIBLE_DEVICES\b|\{CUDA_VISIBLE_DEVICES\})")
+
+
+def _expanded(line: list[str], before: Sequence[str]) -> list[str]:
+    """A shell line's words with `$CUDA_VISIBLE_DEVICES` (`OWN_DEVICES`) as the shell expands
+    it: the value set before the shell (`env CUDA_VISIBLE_DEVICES=... sh -c LINE`), else the
+    metered GPUs' UUIDs dvfs hands it, written as what passes a container dvfs's own (its
+    value unknown here): `-e CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES` (or
+    NVIDIA_VISIBLE_DEVICES=) as `-e CUDA_VISIBLE_DEVICES`, `--gpus device=$CUDA_VISIBLE_DEVICES`
+    as `--gpus all -e CUDA_VISIBLE_DEVICES`; `CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES`
+    elsewhere sets nothing new."""
+    from dvfs.records.session import command_env
+
+    value = command_env(before, keep=_is_cuda).get("CUDA_VISIBLE_DEVICES")
+    if value is not None:
+        return [OWN_DEVICES.sub(lambda _: value, word) for word in line]
+    own = r"(?:CUDA|NVIDIA)_VISIBLE_DEVICES=" + OWN_DEVICES.pattern
+    words: list[str] = []
+    for index, word in enumerate(line):
+        after_e = index > 0 and line[index - 1] in ("-e", "--env")
+        after_gpus = index > 0 and line[index - 1] == "--gpus"
+        if re.fullmatch(own, word) and after_e:
+            words.append("CUDA_VISIBLE_DEVICES")
+        elif match := re.fullmatch(r"(--env=|-e)" + own, word):
+            words.append(match[1] + "CUDA_VISIBLE_DEVICES")
+        elif re.fullmatch("CUDA_VISIBLE_DEVICES=" + OWN_DEVICES.pattern, word):
+            continue
+        elif re.fullmatch("device=" + OWN_DEVICES.pattern, word) and after_gpus:
+            words += ["all", "-e", "CUDA_VISIBLE_DEVICES"]
+        elif re.fullmatch("--gpus=device=" + OWN_DEVICES.pattern, word):
+            words += ["--gpus=all", "-e", "CUDA_VISIBLE_DEVICES"]
+        else:
+            words.append(word)
+    return words
 
 
 def _server_sees(command: Sequence[str], name: str) -> str | None:
