@@ -101,6 +101,8 @@ def check_campaign(
             f"{len(campaign.workload.corpora)} corpora",
         )
     ]
+    if ray:  # as the sweep imports it, before anything else
+        checks.append(_run("ray", _ray))
     models: list[str] = []
     identities: list[dict[str, Any]] = []
     if ray and real_gpus(campaign):  # the driver opens none: Ray's actors, on their nodes
@@ -150,6 +152,13 @@ def check_campaign(
     )
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return [_fresh_is_the_sweeps(c, out_dir) for c in checks]
+
+
+def _ray() -> tuple[str, str]:
+    """Ray on this driver, which `dvfs sweep --executor ray` refuses to run without (exit 2)."""
+    from dvfs.fleet.ray_executor import ray_version
+
+    return OK, f"Ray {ray_version()} on this driver (every node of the cluster needs it too)"
 
 
 #: What `dvfs doctor --executor ray` leaves to the Ray workers' nodes, said in its checks.

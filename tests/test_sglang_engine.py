@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import math
 import os
@@ -1802,6 +1803,35 @@ def test_doctor_on_a_ray_driver_refuses_gpus_as_the_sweep_does(tmp_path: Path) -
         assert refused.exit_code == 2, refused.output
         assert said in " ".join(refused.output.split()), refused.output
     assert not (tmp_path / "out").exists()
+
+
+def test_doctor_on_a_ray_driver_without_ray_fails_as_the_sweep_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` on a driver without Ray is refused, exit 2 ("--executor ray
+    needs Ray, which is not installed"); `dvfs doctor --executor ray` there passed, exit 0,
+    checking the run as that sweep runs it. It fails in the sweep's line, exit 2, and says
+    the Ray it finds."""
+    campaign, _ = stub_campaign(
+        tmp_path,
+        gpu='backend = "nvml"\ndevices = [0]',
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+    )
+    out = str(tmp_path / "out")
+    runner = CliRunner()
+    if importlib.util.find_spec("ray") is not None:
+        found = runner.invoke(cli, ["doctor", str(campaign), "--out", out, "--executor", "ray"])
+        assert "ok ray: Ray " in " ".join(found.output.split()), found.output
+    monkeypatch.setitem(sys.modules, "ray", None)  # not installed: its import fails
+    said = (
+        "--executor ray needs Ray, which is not installed: pip install 'dvfs[ray]' (on every "
+        "node of the cluster)"
+    )
+    for command in ("sweep", "doctor"):
+        refused = runner.invoke(cli, [command, str(campaign), "--out", out, "--executor", "ray"])
+        assert refused.exit_code == 2, refused.output
+        assert said in " ".join(refused.output.split()), refused.output
+    assert f"FAIL ray: {said}" in " ".join(refused.output.split())
 
 
 def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
