@@ -809,6 +809,33 @@ def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_pa
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
+def test_a_shell_line_after_options_taking_a_word_is_judged(nv: ModuleType, tmp_path: Path) -> None:
+    """`bash -o pipefail -c 'docker run --gpus device=GPU-<other> IMG "$@"'` (`-eo pipefail`,
+    `-O extglob`, `-c` before them) was read as one word, `pipefail` taken for the end of the
+    shell's options: said "pinned to" the metered GPU by a CUDA_VISIBLE_DEVICES its container
+    never receives, the server to run on the other GPU. The line after the options' words is
+    judged: refused, or warned of."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    line = f'exec docker run --rm --gpus device={other} IMG "$@"'
+    for number, options in enumerate(
+        (("-o", "pipefail", "-c"), ("-eo", "pipefail", "-c"), ("-O", "extglob", "-lc"))
+    ):
+        folder = tmp_path / f"c{number}"
+        folder.mkdir()
+        checked = _doctor(observed_campaign(folder, ("bash", *options, line, "bash")), env)
+        assert checked.returncode == 1, checked.stdout
+        assert (
+            f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+            f"device={other}, other GPUs than the metered {metered}"
+        ) in " ".join(checked.stdout.split()), checked.stdout
+    folder = tmp_path / "all"
+    folder.mkdir()
+    line = 'exec docker run --rm --gpus all IMG "$@"'
+    path = observed_campaign(folder, ("bash", "-c", "-o", "pipefail", line, "bash"))
+    assert "gives its container --gpus all rather than the metered" in _doctor_warns(path, env)
+
+
 def test_a_shell_lines_own_cuda_visible_devices_is_dvfss(nv: ModuleType, tmp_path: Path) -> None:
     """A shell line's `$CUDA_VISIBLE_DEVICES` is the metered GPUs' UUIDs dvfs hands the shell:
     `sh -c 'docker run --gpus all -e CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" IMG "$@"'`

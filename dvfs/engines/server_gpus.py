@@ -243,20 +243,44 @@ def _words(command: list[str]) -> list[str]:
     for index, token in enumerate(command[:-1]):
         if token.rsplit("/", 1)[-1] not in SHELLS:
             continue
-        later = index + 1
-        while later < len(command) and command[later].startswith("-"):
-            if re.fullmatch(r"-[A-Za-z]*c[A-Za-z]*", command[later]):
-                at = later + 1 + (command[later + 1 : later + 2] == ["--"])
-                if at >= len(command):
-                    break
-                try:
-                    line = shlex.split(command[at])
-                except ValueError:
-                    break
-                line = _expanded(line, command[:index])
-                return [*command[:index], *_words(line), *_words(command[at + 1 :])]
-            later += 1
+        at = _shell_line_at(command, index)
+        if at is None:
+            continue
+        try:
+            line = shlex.split(command[at])
+        except ValueError:
+            continue
+        line = _expanded(line, command[:index])
+        return [*command[:index], *_words(line), *_words(command[at + 1 :])]
     return command
+
+
+#: A shell's long options that take the next word (`bash --rcfile FILE`).
+SHELL_LONG_ARGUMENT_OPTIONS = ("--rcfile", "--init-file")
+
+
+def _shell_line_at(command: Sequence[str], index: int) -> int | None:
+    """The index of the line the shell at `command[index]` runs where its options hold `-c`
+    (`sh -c LINE`, `bash -lc LINE`, `bash -o pipefail -c LINE`): the first word after its
+    options, each `o` or `O` among them taking a word of its own (`-eo pipefail`, `-O
+    extglob`); None where it runs no `-c` line."""
+    later, line = index + 1, False
+    while later < len(command):
+        option = command[later]
+        if option == "--":
+            later += 1
+            break
+        if option in SHELL_LONG_ARGUMENT_OPTIONS:
+            later += 2
+            continue
+        if option.startswith("--") or not re.fullmatch(r"[-+][A-Za-z]+", option):
+            if option.startswith("--"):
+                later += 1
+                continue
+            break
+        line = line or (option.startswith("-") and "c" in option)
+        later += 1 + sum(option[1:].count(letter) for letter in "oO")
+    return later if line and later < len(command) else None
 
 
 #: A shell line's `$CUDA_VISIBLE_DEVICES` (`${CUDA_VISIBLE_DEVICES}`), which the shell expands.
