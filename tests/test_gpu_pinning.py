@@ -740,7 +740,8 @@ def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: 
             assert checked.returncode == 1, output
             assert (
                 f"FAIL server GPUs: engine.sglang.server_command gives its container "
-                f"NVIDIA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}"
+                f"NVIDIA_VISIBLE_DEVICES={other} in --env-file {env_file}, other GPUs than the "
+                f"metered {metered}"
             ) in output
         else:
             assert pinned in output, output
@@ -772,9 +773,12 @@ def test_e_name_wins_over_an_env_files_value(nv: ModuleType, tmp_path: Path) -> 
     path = container_campaign(tmp_path / "file", "--gpus", "all", "--env-file", str(env_file))
     checked = _doctor(path, env)
     assert checked.returncode == 1, checked.stdout
+    # the file named, and the remedy said there, not in server_command
     assert (
-        f"FAIL server GPUs: engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={other}, other "
-        f"GPUs than the metered {metered}"
+        f"FAIL server GPUs: engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={other} in "
+        f"--env-file {env_file}, other GPUs than the metered {metered}: the server would run "
+        "where dvfs does not meter; remove it from that --env-file (dvfs pins the server to "
+        "the metered GPUs by UUID)"
     ) in " ".join(checked.stdout.split()), checked.stdout
 
 

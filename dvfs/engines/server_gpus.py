@@ -100,6 +100,9 @@ class WrapperGpus:
     #: ssh's or kubectl's (`setting`: "ssh HOST", "kubectl run"; `_remote`): the server runs
     #: on another host's GPUs, or in a pod on those Kubernetes picks, none pinned by dvfs.
     remote: bool = False
+    #: The --env-file its setting is read from (`setting`: "CUDA_VISIBLE_DEVICES=... in
+    #: --env-file FILE"); "" where the command line says it.
+    filed: str = ""
 
     @property
     def judged(self) -> bool:
@@ -187,10 +190,11 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     joined = [re.sub(r",\s+", ",", token) for token in command]
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
-        value = _server_sees(joined, name)
+        value, filed = _server_sees(joined, name)
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
-            found.append(WrapperGpus(f"{name}={value}", entries, name.startswith("NVIDIA")))
+            setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
+            found.append(WrapperGpus(setting, entries, name.startswith("NVIDIA"), filed=filed))
     devices = []
     for index, token in enumerate(command):
         flag, equals, value = token.partition("=")
@@ -320,12 +324,13 @@ def _expanded(line: list[str], before: Sequence[str]) -> list[str]:
     return words
 
 
-def _server_sees(command: Sequence[str], name: str) -> str | None:
+def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
     """The value of `name` the wrapper's command line gives the server, None where it sets none
     (it has dvfs's, or a container none): outside a container the last set (`command_env`);
     for a container run, what it is given (`-e NAME=VALUE`, or set inside it: `IMG env
     NAME=...`), else the host's, set before the run, only where it is passed that (`-e NAME`,
-    `--env-host`): `env NAME=... docker run` gives the container none of it."""
+    `--env-host`): `env NAME=... docker run` gives the container none of it. With it, the
+    --env-file it is read from ("" where none)."""
     from dvfs.records.session import command_env
 
     def keep(key: str) -> bool:
@@ -333,22 +338,24 @@ def _server_sees(command: Sequence[str], name: str) -> str | None:
 
     run = _container_run(command)
     if run is None:
-        return command_env(command, keep=keep).get(name)
+        return command_env(command, keep=keep).get(name), ""
     start, after = _engine_index(command), run[1]
     rest = command[after:]
     inside = command_env(rest, keep=keep)
     if name in inside:
-        return inside[name]
+        return inside[name], ""
     host = command_env(command[:start], keep=keep).get(name)
     if name in _container_env(rest, files=False):  # `-e NAME` wins over an --env-file's
-        return host
-    lines = (line.partition("=") for line in _env_files(rest))
-    filed = {key: value if equals else None for key, equals, value in lines}
-    if filed.get(name) is not None:
+        return host, ""
+    filed: dict[str, tuple[str | None, str]] = {}
+    for path, line in _env_file_lines(rest):
+        key, equals, value = line.partition("=")
+        filed[key] = (value if equals else None, path)
+    if name in filed and filed[name][0] is not None:
         return filed[name]
     if _env_host(rest) or name in filed:  # a file's bare NAME: the host's, as `-e NAME`
-        return host
-    return None
+        return host, ""
+    return None, ""
 
 
 def _launcher_of(command: Sequence[str], index: int) -> str | None:
@@ -565,19 +572,25 @@ def _env_files(command: Sequence[str]) -> list[str]:
     reads one: a line "NAME=VALUE" (VALUE as written) or "NAME" (the host's value), blank
     lines and `#` comments skipped; none from a file dvfs cannot read (from the folder it
     runs in, as the wrapper it starts)."""
+    return [line for _, line in _env_file_lines(command)]
+
+
+def _env_file_lines(command: Sequence[str]) -> list[tuple[str, str]]:
+    """`_env_files`, each line with the FILE it is read from, as written."""
     found = []
     for index, token in enumerate(command):
         flag, equals, value = token.partition("=")
         if flag != "--env-file" or not (equals or index + 1 < len(command)):
             continue
+        path = value if equals else command[index + 1]
         try:
-            text = Path(value if equals else command[index + 1]).read_text(errors="replace")
+            text = Path(path).read_text(errors="replace")
         except OSError:
             continue
         for line in text.splitlines():
             line = line.lstrip()
             if line and not line.startswith("#"):
-                found.append(line)
+                found.append((path, line))
     return found
 
 
@@ -685,8 +698,8 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
             raise EngineError(
                 f"engine.sglang.server_command sets {given.setting}, other GPUs than "
                 f"the metered {metered}: the server would run where dvfs does not "
-                "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
-                "by UUID)"
+                f"meter; remove it from {'that --env-file' if given.filed else 'server_command'} "
+                "(dvfs pins the server to the metered GPUs by UUID)"
             )
         if given.among:
             raise EngineError(
