@@ -1952,3 +1952,24 @@ def test_dry_run_of_the_default_server_command_without_sglang_says_the_sweep_ref
     assert planned.exit_code == 0, planned.output
     said = json.loads(planned.output)["servers"][0]["flags_from"]
     assert "pip install 'dvfs[sglang]'" in said and "engine.sglang.version" in said
+
+
+def test_the_dry_runs_text_keeps_the_sglang_extra_in_its_pip_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The text dry run printed the flag source as rich markup, which took `[sglang]` for a
+    tag and dropped it: "sglang is not installed in this environment: pip install 'dvfs'",
+    an install without SGLang. It prints `pip install 'dvfs[sglang]'`, as --json says."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    args = ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate"]
+    planned = CliRunner().invoke(cli, args)
+    assert planned.exit_code == 0, planned.output
+    said = " ".join(planned.output.split())
+    assert "sglang is not installed in this environment: pip install 'dvfs[sglang]'" in said, said

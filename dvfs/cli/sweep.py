@@ -177,8 +177,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         out.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
     if report["servers"] and "flags_from" in report["servers"][0]:
         out.print(
-            f"launch flags from: {report['servers'][0]['flags_from']}; the port is chosen "
-            "when each server starts"
+            f"launch flags from: {escape(report['servers'][0]['flags_from'])}; the port is "
+            "chosen when each server starts"
         )
     for server in report["servers"]:
         if "attached_to" in server:
@@ -193,7 +193,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             )
         elif "argv" in server:
             out.print(
-                f"[bold]{server['drafter']}[/bold]: " + " ".join(server["argv"]), soft_wrap=True
+                f"[bold]{server['drafter']}[/bold]: " + escape(" ".join(server["argv"])),
+                soft_wrap=True,
             )
         else:
             detail = ""
