@@ -1973,3 +1973,32 @@ def test_the_dry_runs_text_keeps_the_sglang_extra_in_its_pip_line(
     assert planned.exit_code == 0, planned.output
     said = " ".join(planned.output.split())
     assert "sglang is not installed in this environment: pip install 'dvfs[sglang]'" in said, said
+
+
+def test_a_ray_dry_run_does_not_say_the_sweep_refuses_without_sglang_on_the_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` starts its servers on the Ray workers' nodes and does not
+    refuse a driver without sglang; its dry run there said "sglang is not installed in this
+    environment: pip install 'dvfs[sglang]', as the sweep here refuses without it". It says
+    only that launch_server --help could not run here; the local dry run still names the
+    refusal."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    args = ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--json"]
+    said = {}
+    for executor in ("ray", "local"):
+        planned = CliRunner().invoke(cli, [*args, "--no-estimate", "--executor", executor])
+        assert planned.exit_code == 0, planned.output
+        said[executor] = json.loads(planned.output)["servers"][0]["flags_from"]
+    assert said["ray"] == (
+        "assumed SGLang >= 0.5.23 (launch_server --help could not run here; set "
+        "engine.sglang.version)"
+    )
+    assert "as the sweep here refuses without it" in said["local"]

@@ -384,6 +384,7 @@ def sweep(
                 models=list(per_model),
                 fresh=fresh,
                 fleet=as_fleet,
+                servers_here=executor != "ray",  # Ray's start on its workers' nodes
             )
         report = plan.as_dict()
         if executor == "ray" and real_gpus(campaign) and not fresh and not plan.remaining:
