@@ -782,6 +782,27 @@ def test_e_name_wins_over_an_env_files_value(nv: ModuleType, tmp_path: Path) -> 
     ) in " ".join(checked.stdout.split()), checked.stdout
 
 
+def test_the_last_e_of_a_name_is_what_the_container_sees(nv: ModuleType, tmp_path: Path) -> None:
+    """docker passes a container the last `-e` of a name: `-e CUDA_VISIBLE_DEVICES=GPU-<other>
+    -e CUDA_VISIBLE_DEVICES` gives it dvfs's own (the metered GPU), yet doctor failed it as
+    setting the other GPU; and `-eCUDA_VISIBLE_DEVICES=GPU-<other>` (the value attached) was
+    not read at all, "pinned to" the metered GPU while the server ran on the other. The last
+    `-e` is judged, attached or not."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    given = ("-e", f"CUDA_VISIBLE_DEVICES={other}", "-e", "CUDA_VISIBLE_DEVICES")
+    checked = _doctor(container_campaign(tmp_path / "last", "--gpus", "all", *given), env)
+    assert checked.returncode == 0, checked.stdout
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    refused = f"sets CUDA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}"
+    for number, flags in enumerate((given[2:] + given[:2], (f"-eCUDA_VISIBLE_DEVICES={other}",))):
+        path = container_campaign(tmp_path / f"c{number}", "--gpus", "all", *flags)
+        checked = _doctor(path, env)
+        assert checked.returncode == 1, checked.stdout
+        assert refused in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_path: Path) -> None:
     """`sh -c 'docker run --gpus ... IMG "$@"' sh` (`bash -lc`) was read as one word: said
     "pinned to" the metered GPU by the CUDA_VISIBLE_DEVICES its container never receives,

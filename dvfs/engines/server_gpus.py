@@ -341,12 +341,15 @@ def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
         return command_env(command, keep=keep).get(name), ""
     start, after = _engine_index(command), run[1]
     rest = command[after:]
-    inside = command_env(rest, keep=keep)
+    inside = command_env(_without_env_flags(rest), keep=keep)  # `IMG env NAME=...`
     if name in inside:
         return inside[name], ""
     host = command_env(command[:start], keep=keep).get(name)
-    if name in _container_env(rest, files=False):  # `-e NAME` wins over an --env-file's
-        return host, ""
+    passed = [given.partition("=") for given in _container_env(rest, files=False)]
+    passed = [given for given in passed if given[0] == name]
+    if passed:  # the last `-e NAME[=VALUE]` wins, over an --env-file's too
+        _, equals, value = passed[-1]
+        return (value if equals else host), ""
     filed: dict[str, tuple[str | None, str]] = {}
     for path, line in _env_file_lines(rest):
         key, equals, value = line.partition("=")
@@ -565,6 +568,21 @@ def _container_env(command: Sequence[str], *, files: bool = True) -> list[str]:
         elif token.startswith("-e") and token != "-e":  # `-eNAME`
             found.append(token.removeprefix("-e"))
     return found
+
+
+def _without_env_flags(command: Sequence[str]) -> list[str]:
+    """`command` without what `_container_env` reads as `-e`/`--env` flags (`-e NAME=VALUE`,
+    `--env=...`, `-eNAME`): what is left sets variables inside the container."""
+    kept: list[str] = []
+    skip = False
+    for token in command:
+        if skip:
+            skip = False
+        elif token in ("-e", "--env"):
+            skip = True
+        elif not (token.startswith("--env=") or (token.startswith("-e") and token != "-e")):
+            kept.append(token)
+    return kept
 
 
 def _env_files(command: Sequence[str]) -> list[str]:
