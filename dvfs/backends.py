@@ -771,11 +771,12 @@ class ServerPlan:
         return entry
 
 
-def server_plans(campaign: Campaign) -> list[ServerPlan]:
+def server_plans(campaign: Campaign, *, here: bool = True) -> list[ServerPlan]:
     """Per drafter, what its server would be, without starting one. An attached server
     (engine.sglang.url) is no launch: as the sweep, this runs no `launch_server --help` and
     predicts nothing of it from this machine's SGLang (the sweep checks the server once it
-    answers, `dvfs.engines.sglang.check_attached`)."""
+    answers, `dvfs.engines.sglang.check_attached`). `here` False: dvfs starts them on other
+    machines (`--executor ray`), `planned_launches`'."""
     url = campaign.engine.sglang.url
     if not simulated_engine(campaign) and url:
         from dvfs.redact import redact_url
@@ -786,7 +787,7 @@ def server_plans(campaign: Campaign) -> list[ServerPlan]:
 
         return [
             ServerPlan(name, argv=tuple(argv), flags_from=source)
-            for name, argv, source in planned_launches(campaign)
+            for name, argv, source in planned_launches(campaign, here=here)
         ]
     from dvfs.twin.drafting import plan_drafter
     from dvfs.twin.profiles import model_profile

@@ -101,6 +101,8 @@ def check_campaign(
             f"{len(campaign.workload.corpora)} corpora",
         )
     ]
+    if ray:  # as the sweep imports it, before anything else
+        checks.append(_run("ray", _ray))
     models: list[str] = []
     identities: list[dict[str, Any]] = []
     if ray and real_gpus(campaign):  # the driver opens none: Ray's actors, on their nodes
@@ -137,7 +139,7 @@ def check_campaign(
     else:
         checks.append(_run("engine", lambda: _engine(campaign, resumed, worker, out_dir, models)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:  # dvfs starts SGLang
-        checks.append(_run("models", lambda: _model_paths(campaign)))
+        checks.append(_run("models", lambda: _model_paths(campaign, ray=ray)))
         checks.append(_run("arms", lambda: _arms(campaign)))
     if shard is not None:
         checks.append(_run("shard", lambda: _shard(campaign, shard)))
@@ -150,6 +152,13 @@ def check_campaign(
     )
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return [_fresh_is_the_sweeps(c, out_dir) for c in checks]
+
+
+def _ray() -> tuple[str, str]:
+    """Ray on this driver, which `dvfs sweep --executor ray` refuses to run without (exit 2)."""
+    from dvfs.fleet.ray_executor import ray_version
+
+    return OK, f"Ray {ray_version()} on this driver (every node of the cluster needs it too)"
 
 
 #: What `dvfs doctor --executor ray` leaves to the Ray workers' nodes, said in its checks.
@@ -761,12 +770,13 @@ def _engine(
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 
 
-def _model_paths(campaign: Campaign) -> tuple[str, str]:
+def _model_paths(campaign: Campaign, *, ray: bool = False) -> tuple[str, str]:
     """The target's and each drafter's model named by a local path that is not there, which
     every server of it would fail to start on (the cells after an hour of others'): a failure
     where dvfs starts SGLang on this host, a warning where the server command may start it
-    elsewhere (a container's paths, a remote host's). Relative paths read from here: the
-    folder the sweep runs in, which the server it starts inherits."""
+    elsewhere (a container's paths, a remote host's) or `ray` (`--executor ray`: the servers
+    start on the Ray workers' nodes). Relative paths read from here: the folder the sweep
+    runs in, which the server it starts inherits."""
     named: list[tuple[str, str | None]] = [("engine.model", campaign.engine.model)]
     named += [(f"drafters.{d.name}.draft_model", d.draft_model) for d in campaign.drafters]
     paths = [(key, name) for key, name in named if name and name.startswith(LOCAL_PATH_PREFIXES)]
@@ -784,6 +794,11 @@ def _model_paths(campaign: Campaign) -> tuple[str, str]:
     if not missing:
         return OK, (
             f"every model path is here ({len(paths)})" if paths else "named by repo id, not path"
+        )
+    if ray:
+        return WARN, (
+            f"no such path on this driver: {', '.join(missing)}; fine if the Ray workers' "
+            "nodes have it (`dvfs doctor` on a node checks it), else correct the path"
         )
     if campaign.engine.sglang.server_command:
         return WARN, (

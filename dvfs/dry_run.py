@@ -302,6 +302,7 @@ def plan_dry_run(
     models: Sequence[str | None] | None = None,
     fresh: bool = False,
     fleet: bool = False,
+    servers_here: bool = True,
 ) -> DryRunPlan:
     """What `run_sweep` (or, `fleet`, a fleet whose workers' GPU models are `models`, default
     the campaign's devices) would do into `out_dir`: cells, those each model's journal already
@@ -312,7 +313,8 @@ def plan_dry_run(
     `fresh`, the sweep that first moves the folder's journals aside (`fresh_moves`; nothing is
     moved here). A hardware campaign whose GPU matches no twin profile (and no `twin`) is
     refused in one line, unless the folder holds every cell: nothing is left to estimate, so
-    it plans without the estimate."""
+    it plans without the estimate. `servers_here` False: its servers start on other machines
+    (`--executor ray`), their sglang theirs (`dvfs.backends.server_plans`)."""
     from dvfs.fleet.devices import worker_groups, workers_per_model
     from dvfs.fleet.folders import extra_repeats
     from dvfs.measure.plan import (
@@ -401,7 +403,7 @@ def plan_dry_run(
     )
     done_there = frozenset(finished[most_left]) if most_left is not None else frozenset()
     knobs = campaign.knobs
-    servers = tuple(server_plans(campaign))
+    servers = tuple(server_plans(campaign, here=servers_here))
     recorded, method = "", ""
     corpora: dict[str, Corpus] | None = None
     try:

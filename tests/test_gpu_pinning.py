@@ -740,12 +740,67 @@ def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: 
             assert checked.returncode == 1, output
             assert (
                 f"FAIL server GPUs: engine.sglang.server_command gives its container "
-                f"NVIDIA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}"
+                f"NVIDIA_VISIBLE_DEVICES={other} in --env-file {env_file}, other GPUs than the "
+                f"metered {metered}"
             ) in output
         else:
             assert pinned in output, output
     path = container_campaign(tmp_path / "unread", "--env-file", str(tmp_path / "missing"))
     assert "starts a container (docker run) not passed" in _doctor_warns(path, env)
+
+
+def test_e_name_wins_over_an_env_files_value(nv: ModuleType, tmp_path: Path) -> None:
+    """docker passes a container an `--env-file`'s variables, then `-e`'s over them: with
+    `-e CUDA_VISIBLE_DEVICES` (dvfs's own) beside a shared env file setting
+    CUDA_VISIBLE_DEVICES=GPU-<other>, the server sees the metered GPU. Doctor failed it,
+    "sets CUDA_VISIBLE_DEVICES=GPU-<other>, other GPUs than the metered" (the sweep refused
+    it); `-e` after or before the file, it is pinned by dvfs's CUDA_VISIBLE_DEVICES."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    env_file = tmp_path / "server.env"
+    env_file.write_text(f"HF_HOME=/cache\nCUDA_VISIBLE_DEVICES={other}\n")
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, flags in enumerate(
+        (
+            ("--env-file", str(env_file), "-e", "CUDA_VISIBLE_DEVICES"),
+            ("-e", "CUDA_VISIBLE_DEVICES", f"--env-file={env_file}"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", "--gpus", "all", *flags)
+        checked = _doctor(path, env)
+        assert checked.returncode == 0, checked.stdout
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(tmp_path / "file", "--gpus", "all", "--env-file", str(env_file))
+    checked = _doctor(path, env)
+    assert checked.returncode == 1, checked.stdout
+    # the file named, and the remedy said there, not in server_command
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={other} in "
+        f"--env-file {env_file}, other GPUs than the metered {metered}: the server would run "
+        "where dvfs does not meter; remove it from that --env-file (dvfs pins the server to "
+        "the metered GPUs by UUID)"
+    ) in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_the_last_e_of_a_name_is_what_the_container_sees(nv: ModuleType, tmp_path: Path) -> None:
+    """docker passes a container the last `-e` of a name: `-e CUDA_VISIBLE_DEVICES=GPU-<other>
+    -e CUDA_VISIBLE_DEVICES` gives it dvfs's own (the metered GPU), yet doctor failed it as
+    setting the other GPU; and `-eCUDA_VISIBLE_DEVICES=GPU-<other>` (the value attached) was
+    not read at all, "pinned to" the metered GPU while the server ran on the other. The last
+    `-e` is judged, attached or not."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    given = ("-e", f"CUDA_VISIBLE_DEVICES={other}", "-e", "CUDA_VISIBLE_DEVICES")
+    checked = _doctor(container_campaign(tmp_path / "last", "--gpus", "all", *given), env)
+    assert checked.returncode == 0, checked.stdout
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    refused = f"sets CUDA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}"
+    for number, flags in enumerate((given[2:] + given[:2], (f"-eCUDA_VISIBLE_DEVICES={other}",))):
+        path = container_campaign(tmp_path / f"c{number}", "--gpus", "all", *flags)
+        checked = _doctor(path, env)
+        assert checked.returncode == 1, checked.stdout
+        assert refused in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_path: Path) -> None:
@@ -777,6 +832,69 @@ def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_pa
     checked = _doctor(path, env)
     pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_a_shell_line_after_options_taking_a_word_is_judged(nv: ModuleType, tmp_path: Path) -> None:
+    """`bash -o pipefail -c 'docker run --gpus device=GPU-<other> IMG "$@"'` (`-eo pipefail`,
+    `-O extglob`, `-c` before them) was read as one word, `pipefail` taken for the end of the
+    shell's options: said "pinned to" the metered GPU by a CUDA_VISIBLE_DEVICES its container
+    never receives, the server to run on the other GPU. The line after the options' words is
+    judged: refused, or warned of."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    line = f'exec docker run --rm --gpus device={other} IMG "$@"'
+    for number, options in enumerate(
+        (("-o", "pipefail", "-c"), ("-eo", "pipefail", "-c"), ("-O", "extglob", "-lc"))
+    ):
+        folder = tmp_path / f"c{number}"
+        folder.mkdir()
+        checked = _doctor(observed_campaign(folder, ("bash", *options, line, "bash")), env)
+        assert checked.returncode == 1, checked.stdout
+        assert (
+            f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+            f"device={other}, other GPUs than the metered {metered}"
+        ) in " ".join(checked.stdout.split()), checked.stdout
+    folder = tmp_path / "all"
+    folder.mkdir()
+    line = 'exec docker run --rm --gpus all IMG "$@"'
+    path = observed_campaign(folder, ("bash", "-c", "-o", "pipefail", line, "bash"))
+    assert "gives its container --gpus all rather than the metered" in _doctor_warns(path, env)
+
+
+def test_a_shell_lines_own_cuda_visible_devices_is_dvfss(nv: ModuleType, tmp_path: Path) -> None:
+    """A shell line's `$CUDA_VISIBLE_DEVICES` is the metered GPUs' UUIDs dvfs hands the shell:
+    `sh -c 'docker run --gpus all -e CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" IMG "$@"'`
+    was warned of as "sets CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES ..., an index dvfs cannot
+    check", `--gpus "device=$CUDA_VISIBLE_DEVICES"` (`-e NVIDIA_VISIBLE_DEVICES=...`) as GPUs
+    "by index, count or all". Each is pinned, as `-e CUDA_VISIBLE_DEVICES`; set before the
+    shell to another GPU, the line is refused as naming it."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, flags in enumerate(
+        (
+            '--gpus all -e CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"',
+            '--gpus "device=$CUDA_VISIBLE_DEVICES"',
+            "--gpus=device=${CUDA_VISIBLE_DEVICES}",
+            "--runtime=nvidia -e NVIDIA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES",
+        )
+    ):
+        folder = tmp_path / f"c{number}"
+        folder.mkdir()
+        line = f'exec docker run --rm {flags} IMG "$@"'
+        checked = _doctor(observed_campaign(folder, ("sh", "-c", line, "sh")), env)
+        output = " ".join(checked.stdout.split())
+        assert checked.returncode == 0 and pinned in output, output
+    folder = tmp_path / "before"
+    folder.mkdir()
+    line = 'exec docker run --rm --gpus "device=$CUDA_VISIBLE_DEVICES" IMG "$@"'
+    wrapper = ("env", f"CUDA_VISIBLE_DEVICES={other}", "sh", "-c", line, "sh")
+    checked = _doctor(observed_campaign(folder, wrapper), env)
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"device={other}, other GPUs than the metered {metered}"
+    ) in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(

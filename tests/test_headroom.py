@@ -779,6 +779,32 @@ def test_the_saving_is_over_the_repeats_paired_with_the_reference() -> None:
     assert cells[header.index("saving")] == "20.0%"
 
 
+def test_the_saving_is_over_the_repeats_the_chosen_setting_was_measured_at() -> None:
+    """Adaptive repeats: stock took five, 1500 MHz three (its repeats 3 and 4 not measured);
+    repeats 3 and 4's prompts cost 1.3x. 1500 MHz costs 0.8x stock on every prompt: a 20%
+    saving over the repeats both measured. It read 28.6%: 1500 MHz's three repeats against
+    stock's 1.12 J over all five, two of them other prompts."""
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    cost = [1.0, 1.0, 1.0, 1.3, 1.3]  # each repeat's prompts
+    cube = make_cube(
+        clocks=[1500, 2000],
+        repeats=5,
+        latency=lambda c, *_: 10.0,
+        energy=lambda c, p, b, d, k, r: (
+            math.nan if c == 1500 and r >= 3 else (0.8 if c == 1500 else 1.0) * cost[r]
+        ),
+    )
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    r = row(result)
+    assert r["chosen_sm_clock"] == 1500
+    assert r["stock_energy_per_token_j"] == pytest.approx(1.12)  # over its five repeats
+    assert r["chosen_energy_per_token_j"] == pytest.approx(0.8)
+    assert r["saving"] == pytest.approx(0.2)  # 0.286 before
+    header, (cells,) = headroom_table_rows(headroom_document(result, cube))
+    assert cells[header.index("saving")] == "20.0%"
+
+
 def test_an_slo_answer_without_a_valid_reference_energy_shows_no_saving() -> None:
     """An SLO needs no reference latency, so a row has an answer while its reference cells are
     all invalid; with no energy there to save against, the saving cell is "-", not "-%"."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import math
 import os
@@ -1748,6 +1749,91 @@ def test_doctor_on_a_ray_driver_leaves_sglang_and_the_gpus_to_the_nodes(
     assert local.exit_code == 1 and "sglang is not installed" in local.output, local.output
 
 
+def test_doctor_on_a_ray_driver_leaves_the_model_path_to_the_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` starts its servers on the Ray workers' nodes, which read
+    the model's path there (a shared disk the driver need not mount); `dvfs doctor --executor
+    ray` on the driver failed it, exit 1: "no such path: engine.model '/shared/...': SGLang
+    would fail to start on it". It is a warning naming the nodes; without Ray, still a
+    failure."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    campaign, _ = stub_campaign(
+        tmp_path,
+        gpu='backend = "nvml"\ndevices = [0]',
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+    )
+    text = campaign.read_text()
+    start = text.index("server_command")
+    text = text[:start] + text[text.index("\n", start) + 1 :]
+    model = str(tmp_path / "shared" / "models" / "target")  # not on this host
+    start = text.index("\nmodel = ") + 1
+    campaign.write_text(f"{text[:start]}model = {model!r}{text[text.index(chr(10), start) :]}")
+    out = str(tmp_path / "out")
+    ray = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out, "--executor", "ray"])
+    said = " ".join(ray.output.split())
+    assert ray.exit_code == 0 and "FAIL" not in said, said
+    assert (
+        f"warn models: no such path on this driver: engine.model {model!r}; fine if the Ray "
+        "workers' nodes have it (`dvfs doctor` on a node checks it), else correct the path"
+    ) in said, said
+    local = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out])
+    assert local.exit_code == 1, local.output
+    assert f"FAIL models: no such path: engine.model {model!r}" in " ".join(local.output.split())
+
+
+def test_doctor_on_a_ray_driver_refuses_gpus_as_the_sweep_does(tmp_path: Path) -> None:
+    """`dvfs sweep --executor ray --gpus 0` is refused, exit 2 (Ray places the workers on
+    the cluster's GPUs); `dvfs doctor --executor ray --gpus 0` passed it, exit 0, so the
+    preflight passed a command line the sweep then refused. Doctor refuses it in the same
+    line."""
+    campaign, _ = stub_campaign(
+        tmp_path,
+        gpu='backend = "nvml"\ndevices = [0]',
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+    )
+    out = str(tmp_path / "out")
+    said = "with --executor ray, Ray places the workers on the cluster's GPUs: leave out --gpus"
+    runner = CliRunner()
+    for command in ("sweep", "doctor"):
+        args = [command, str(campaign), "--out", out, "--executor", "ray", "--gpus", "0"]
+        refused = runner.invoke(cli, args)
+        assert refused.exit_code == 2, refused.output
+        assert said in " ".join(refused.output.split()), refused.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_doctor_on_a_ray_driver_without_ray_fails_as_the_sweep_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` on a driver without Ray is refused, exit 2 ("--executor ray
+    needs Ray, which is not installed"); `dvfs doctor --executor ray` there passed, exit 0,
+    checking the run as that sweep runs it. It fails in the sweep's line, exit 2, and says
+    the Ray it finds."""
+    campaign, _ = stub_campaign(
+        tmp_path,
+        gpu='backend = "nvml"\ndevices = [0]',
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+    )
+    out = str(tmp_path / "out")
+    runner = CliRunner()
+    if importlib.util.find_spec("ray") is not None:
+        found = runner.invoke(cli, ["doctor", str(campaign), "--out", out, "--executor", "ray"])
+        assert "ok ray: Ray " in " ".join(found.output.split()), found.output
+    monkeypatch.setitem(sys.modules, "ray", None)  # not installed: its import fails
+    said = (
+        "--executor ray needs Ray, which is not installed: pip install 'dvfs[ray]' (on every "
+        "node of the cluster)"
+    )
+    for command in ("sweep", "doctor"):
+        refused = runner.invoke(cli, [command, str(campaign), "--out", out, "--executor", "ray"])
+        assert refused.exit_code == 2, refused.output
+        assert said in " ".join(refused.output.split()), refused.output
+    assert f"FAIL ray: {said}" in " ".join(refused.output.split())
+
+
 def test_sglang_found_in_the_folder_the_server_starts_in_is_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1866,3 +1952,53 @@ def test_dry_run_of_the_default_server_command_without_sglang_says_the_sweep_ref
     assert planned.exit_code == 0, planned.output
     said = json.loads(planned.output)["servers"][0]["flags_from"]
     assert "pip install 'dvfs[sglang]'" in said and "engine.sglang.version" in said
+
+
+def test_the_dry_runs_text_keeps_the_sglang_extra_in_its_pip_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The text dry run printed the flag source as rich markup, which took `[sglang]` for a
+    tag and dropped it: "sglang is not installed in this environment: pip install 'dvfs'",
+    an install without SGLang. It prints `pip install 'dvfs[sglang]'`, as --json says."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    args = ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate"]
+    planned = CliRunner().invoke(cli, args)
+    assert planned.exit_code == 0, planned.output
+    said = " ".join(planned.output.split())
+    assert "sglang is not installed in this environment: pip install 'dvfs[sglang]'" in said, said
+
+
+def test_a_ray_dry_run_does_not_say_the_sweep_refuses_without_sglang_on_the_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` starts its servers on the Ray workers' nodes and does not
+    refuse a driver without sglang; its dry run there said "sglang is not installed in this
+    environment: pip install 'dvfs[sglang]', as the sweep here refuses without it". It says
+    only that launch_server --help could not run here; the local dry run still names the
+    refusal."""
+    import dvfs.engines.sglang_args as sglang_args
+
+    campaign, _ = _one_cell_stub(tmp_path)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
+    monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    args = ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--json"]
+    said = {}
+    for executor in ("ray", "local"):
+        planned = CliRunner().invoke(cli, [*args, "--no-estimate", "--executor", executor])
+        assert planned.exit_code == 0, planned.output
+        said[executor] = json.loads(planned.output)["servers"][0]["flags_from"]
+    assert said["ray"] == (
+        "assumed SGLang >= 0.5.23 (launch_server --help could not run here; set "
+        "engine.sglang.version)"
+    )
+    assert "as the sweep here refuses without it" in said["local"]

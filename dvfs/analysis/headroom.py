@@ -734,13 +734,13 @@ def headroom(
             noise_numbers[idx] = (
                 least[1],
                 least[2],
-                1 - _paired_energy(cells, idx, (least[6], least[7]), least[0]) / stock_here,
+                _paired_saving(cells, idx, (least[6], least[7]), least[0], stock_here)[1],
                 1 - spread[1],
                 1 - spread[0],
                 spread[2],
             )
         mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = picked
-        mean_e = _paired_energy(cells, idx, (c_i, p_i), mean_e)
+        mean_e, saving_here = _paired_saving(cells, idx, (c_i, p_i), mean_e, stock_here)
         lowest_clock = min(f[1] for f in feasible)
         lowest_limit = min(f[2] for f in feasible)
         # Settings below an answer not measured yet (an interrupted sweep): the answer may
@@ -809,7 +809,7 @@ def headroom(
         out["chosen_latency_ms"][idx] = mean_lat
         out["latency_bound"][idx] = bound
         out["repeats"][idx] = n
-        out["saving"][idx] = 1 - mean_e / stock_here if stock_here > 0 else math.nan
+        out["saving"][idx] = saving_here
         base = out["baseline_energy_per_token_j"][idx]
         out["saving_vs_baseline"][idx] = 1 - mean_e / base if base > 0 else math.nan
         out["lowest_feasible_sm_clock"][idx] = lowest_clock
@@ -837,7 +837,11 @@ def headroom(
             "reference, as the saving; where none pairs, over its usable repeats)",
         ),
         "stock_energy_per_token_j": ("J", "energy per token at the reference (stock) setting"),
-        "saving": ("1", "energy saved per token at the chosen setting against stock"),
+        "saving": (
+            "1",
+            "energy saved per token at the chosen setting against stock, over the repeats "
+            "measured at both",
+        ),
         "baseline_energy_per_token_j": ("J", "baseline drafter's energy per token at stock"),
         "saving_vs_baseline": ("1", "energy saved against the baseline drafter at stock"),
         "chosen_latency_ms": (
@@ -1083,16 +1087,24 @@ def headroom(
     return result
 
 
-def _paired_energy(cells: _Cells, idx: tuple[int, ...], at: tuple[int, int], mean: float) -> float:
-    """The energy per token of the setting at (clock, limit) indices `at` of group `idx` over
-    the repeats paired with the group's reference (those whose stock energy is usable): what
-    its saving divides, as its interval and the latency shown beside the target are paired. A
-    repeat the reference lacks (flagged there) ran other prompts, so its energy is no part of
-    a saving against the reference. `mean` (over every usable repeat, on which the settings
-    are chosen) where none pairs (no usable reference energy)."""
-    energy = cells.energy[idx][at]
-    value = finite_mean(np.where(np.isnan(cells.stock_energy[idx]), np.nan, energy))
-    return mean if math.isnan(value) else value
+def _paired_saving(
+    cells: _Cells, idx: tuple[int, ...], at: tuple[int, int], mean: float, stock: float
+) -> tuple[float, float]:
+    """The energy per token of the setting at (clock, limit) indices `at` of group `idx` and
+    its saving against the group's reference (`stock`, over the reference's usable repeats),
+    both over the repeats paired with it (usable at both): as its interval and the latency
+    shown beside the target are paired. A repeat the reference lacks (flagged there), or the
+    setting lacks (flagged, or an adaptive repeat it was not measured at), ran other prompts,
+    so it is no part of a saving against the reference. `mean` (over every usable repeat, on
+    which the settings are chosen) against `stock` where none pairs; the saving NaN where the
+    reference has no usable energy (`stock` NaN or not above 0)."""
+    energy = np.asarray(cells.energy[idx][at], dtype=float)
+    reference = np.asarray(cells.stock_energy[idx], dtype=float)
+    both = ~np.isnan(energy) & ~np.isnan(reference)
+    if not both.any():
+        return mean, (1 - mean / stock if stock > 0 else math.nan)
+    paired, paired_stock = finite_mean(energy[both]), finite_mean(reference[both])
+    return paired, (1 - paired / paired_stock if stock > 0 and paired_stock > 0 else math.nan)
 
 
 def _energy_interval(

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+#: What `dvfs sweep` and `dvfs doctor` say of `--gpus` with `--executor ray` on real GPUs.
+RAY_PLACES_GPUS = (
+    "with --executor ray, Ray places the workers on the cluster's GPUs: leave out --gpus"
+)
+
+
 def option_given(ctx: click.Context, name: str) -> bool:
     """Whether the user set the option `name` (on the command line, through the environment
     or at a prompt) rather than left it to its default: a default may stand where a value the

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from dvfs.cli.common import (
+    RAY_PLACES_GPUS,
     campaign_argument,
     console,
     echo_json,
@@ -84,6 +85,8 @@ def doctor(
     from dvfs.doctor import FAIL, WARN, check_campaign
 
     campaign = load_campaign(campaign_file)
+    if gpus_spec and executor == "ray" and campaign.gpu.backend == "nvml":  # as sweep refuses it
+        raise click.UsageError(RAY_PLACES_GPUS)
     if observe_only:
         from dvfs.sweep import observe_only as observing
 

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from dvfs.cli.common import (
+    RAY_PLACES_GPUS,
     campaign_argument,
     console,
     echo_json,
@@ -176,8 +177,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         out.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
     if report["servers"] and "flags_from" in report["servers"][0]:
         out.print(
-            f"launch flags from: {report['servers'][0]['flags_from']}; the port is chosen "
-            "when each server starts"
+            f"launch flags from: {escape(report['servers'][0]['flags_from'])}; the port is "
+            "chosen when each server starts"
         )
     for server in report["servers"]:
         if "attached_to" in server:
@@ -192,7 +193,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             )
         elif "argv" in server:
             out.print(
-                f"[bold]{server['drafter']}[/bold]: " + " ".join(server["argv"]), soft_wrap=True
+                f"[bold]{server['drafter']}[/bold]: " + escape(" ".join(server["argv"])),
+                soft_wrap=True,
             )
         else:
             detail = ""
@@ -312,9 +314,7 @@ def sweep(
     if address and executor != "ray":
         raise click.UsageError("--address joins a Ray cluster: use it with --executor ray")
     if gpus_spec and executor == "ray" and campaign.gpu.backend == "nvml":
-        raise click.UsageError(
-            "with --executor ray, Ray places the workers on the cluster's GPUs: leave out --gpus"
-        )
+        raise click.UsageError(RAY_PLACES_GPUS)
     if (no_estimate or twin_profile or as_json) and not dry_run:
         raise click.UsageError("--no-estimate, --twin and --json go with --dry-run")
     groups = sweep_groups(campaign, gpus_spec)
@@ -384,6 +384,7 @@ def sweep(
                 models=list(per_model),
                 fresh=fresh,
                 fleet=as_fleet,
+                servers_here=executor != "ray",  # Ray's start on its workers' nodes
             )
         report = plan.as_dict()
         if executor == "ray" and real_gpus(campaign) and not fresh and not plan.remaining:

@@ -100,6 +100,9 @@ class WrapperGpus:
     #: ssh's or kubectl's (`setting`: "ssh HOST", "kubectl run"; `_remote`): the server runs
     #: on another host's GPUs, or in a pod on those Kubernetes picks, none pinned by dvfs.
     remote: bool = False
+    #: The --env-file its setting is read from (`setting`: "CUDA_VISIBLE_DEVICES=... in
+    #: --env-file FILE"); "" where the command line says it.
+    filed: str = ""
 
     @property
     def judged(self) -> bool:
@@ -187,10 +190,11 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     joined = [re.sub(r",\s+", ",", token) for token in command]
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
-        value = _server_sees(joined, name)
+        value, filed = _server_sees(joined, name)
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
-            found.append(WrapperGpus(f"{name}={value}", entries, name.startswith("NVIDIA")))
+            setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
+            found.append(WrapperGpus(setting, entries, name.startswith("NVIDIA"), filed=filed))
     devices = []
     for index, token in enumerate(command):
         flag, equals, value = token.partition("=")
@@ -243,27 +247,90 @@ def _words(command: list[str]) -> list[str]:
     for index, token in enumerate(command[:-1]):
         if token.rsplit("/", 1)[-1] not in SHELLS:
             continue
-        later = index + 1
-        while later < len(command) and command[later].startswith("-"):
-            if re.fullmatch(r"-[A-Za-z]*c[A-Za-z]*", command[later]):
-                at = later + 1 + (command[later + 1 : later + 2] == ["--"])
-                if at >= len(command):
-                    break
-                try:
-                    line = shlex.split(command[at])
-                except ValueError:
-                    break
-                return [*command[:index], *_words(line), *_words(command[at + 1 :])]
-            later += 1
+        at = _shell_line_at(command, index)
+        if at is None:
+            continue
+        try:
+            line = shlex.split(command[at])
+        except ValueError:
+            continue
+        line = _expanded(line, command[:index])
+        return [*command[:index], *_words(line), *_words(command[at + 1 :])]
     return command
 
 
-def _server_sees(command: Sequence[str], name: str) -> str | None:
+#: A shell's long options that take the next word (`bash --rcfile FILE`).
+SHELL_LONG_ARGUMENT_OPTIONS = ("--rcfile", "--init-file")
+
+
+def _shell_line_at(command: Sequence[str], index: int) -> int | None:
+    """The index of the line the shell at `command[index]` runs where its options hold `-c`
+    (`sh -c LINE`, `bash -lc LINE`, `bash -o pipefail -c LINE`): the first word after its
+    options, each `o` or `O` among them taking a word of its own (`-eo pipefail`, `-O
+    extglob`); None where it runs no `-c` line."""
+    later, line = index + 1, False
+    while later < len(command):
+        option = command[later]
+        if option == "--":
+            later += 1
+            break
+        if option in SHELL_LONG_ARGUMENT_OPTIONS:
+            later += 2
+            continue
+        if option.startswith("--") or not re.fullmatch(r"[-+][A-Za-z]+", option):
+            if option.startswith("--"):
+                later += 1
+                continue
+            break
+        line = line or (option.startswith("-") and "c" in option)
+        later += 1 + sum(option[1:].count(letter) for letter in "oO")
+    return later if line and later < len(command) else None
+
+
+#: A shell line's `$CUDA_VISIBLE_DEVICES` (`${CUDA_VISIBLE_DEVICES}`), which the shell expands.
+OWN_DEVICES = re.compile(r"\$(?:CUDA_VISIBLE_DEVICES\b|\{CUDA_VISIBLE_DEVICES\})")
+
+
+def _expanded(line: list[str], before: Sequence[str]) -> list[str]:
+    """A shell line's words with `$CUDA_VISIBLE_DEVICES` (`OWN_DEVICES`) as the shell expands
+    it: the value set before the shell (`env CUDA_VISIBLE_DEVICES=... sh -c LINE`), else the
+    metered GPUs' UUIDs dvfs hands it, written as what passes a container dvfs's own (its
+    value unknown here): `-e CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES` (or
+    NVIDIA_VISIBLE_DEVICES=) as `-e CUDA_VISIBLE_DEVICES`, `--gpus device=$CUDA_VISIBLE_DEVICES`
+    as `--gpus all -e CUDA_VISIBLE_DEVICES`; `CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES`
+    elsewhere sets nothing new."""
+    from dvfs.records.session import command_env
+
+    value = command_env(before, keep=_is_cuda).get("CUDA_VISIBLE_DEVICES")
+    if value is not None:
+        return [OWN_DEVICES.sub(lambda _: value, word) for word in line]
+    own = r"(?:CUDA|NVIDIA)_VISIBLE_DEVICES=" + OWN_DEVICES.pattern
+    words: list[str] = []
+    for index, word in enumerate(line):
+        after_e = index > 0 and line[index - 1] in ("-e", "--env")
+        after_gpus = index > 0 and line[index - 1] == "--gpus"
+        if re.fullmatch(own, word) and after_e:
+            words.append("CUDA_VISIBLE_DEVICES")
+        elif match := re.fullmatch(r"(--env=|-e)" + own, word):
+            words.append(match[1] + "CUDA_VISIBLE_DEVICES")
+        elif re.fullmatch("CUDA_VISIBLE_DEVICES=" + OWN_DEVICES.pattern, word):
+            continue
+        elif re.fullmatch("device=" + OWN_DEVICES.pattern, word) and after_gpus:
+            words += ["all", "-e", "CUDA_VISIBLE_DEVICES"]
+        elif re.fullmatch("--gpus=device=" + OWN_DEVICES.pattern, word):
+            words += ["--gpus=all", "-e", "CUDA_VISIBLE_DEVICES"]
+        else:
+            words.append(word)
+    return words
+
+
+def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
     """The value of `name` the wrapper's command line gives the server, None where it sets none
     (it has dvfs's, or a container none): outside a container the last set (`command_env`);
     for a container run, what it is given (`-e NAME=VALUE`, or set inside it: `IMG env
     NAME=...`), else the host's, set before the run, only where it is passed that (`-e NAME`,
-    `--env-host`): `env NAME=... docker run` gives the container none of it."""
+    `--env-host`): `env NAME=... docker run` gives the container none of it. With it, the
+    --env-file it is read from ("" where none)."""
     from dvfs.records.session import command_env
 
     def keep(key: str) -> bool:
@@ -271,18 +338,27 @@ def _server_sees(command: Sequence[str], name: str) -> str | None:
 
     run = _container_run(command)
     if run is None:
-        return command_env(command, keep=keep).get(name)
+        return command_env(command, keep=keep).get(name), ""
     start, after = _engine_index(command), run[1]
     rest = command[after:]
-    inside = command_env(rest, keep=keep)
+    inside = command_env(_without_env_flags(rest), keep=keep)  # `IMG env NAME=...`
     if name in inside:
-        return inside[name]
-    filed = dict(e.partition("=")[::2] for e in _env_files(rest) if "=" in e)
-    if name in filed:
+        return inside[name], ""
+    host = command_env(command[:start], keep=keep).get(name)
+    passed = [given.partition("=") for given in _container_env(rest, files=False)]
+    passed = [given for given in passed if given[0] == name]
+    if passed:  # the last `-e NAME[=VALUE]` wins, over an --env-file's too
+        _, equals, value = passed[-1]
+        return (value if equals else host), ""
+    filed: dict[str, tuple[str | None, str]] = {}
+    for path, line in _env_file_lines(rest):
+        key, equals, value = line.partition("=")
+        filed[key] = (value if equals else None, path)
+    if name in filed and filed[name][0] is not None:
         return filed[name]
-    if _env_host(rest) or name in _container_env(rest):
-        return command_env(command[:start], keep=keep).get(name)
-    return None
+    if _env_host(rest) or name in filed:  # a file's bare NAME: the host's, as `-e NAME`
+        return host, ""
+    return None, ""
 
 
 def _launcher_of(command: Sequence[str], index: int) -> str | None:
@@ -479,10 +555,11 @@ def _by_uuid(value: str) -> bool:
     return bool(entries) and all(e.upper().startswith(("GPU-", "MIG-")) for e in entries)
 
 
-def _container_env(command: Sequence[str]) -> list[str]:
+def _container_env(command: Sequence[str], *, files: bool = True) -> list[str]:
     """What `-e`/`--env` pass a container: "NAME" (the host's value) or "NAME=VALUE"; an
-    `--env-file`'s lines first (`_env_files`), as `-e` wins over them."""
-    found = _env_files(command)
+    `--env-file`'s lines first (`_env_files`; not where `files` is False), as `-e` wins over
+    them."""
+    found = _env_files(command) if files else []
     for index, token in enumerate(command):
         if index and command[index - 1] in ("-e", "--env"):
             found.append(token)
@@ -493,24 +570,45 @@ def _container_env(command: Sequence[str]) -> list[str]:
     return found
 
 
+def _without_env_flags(command: Sequence[str]) -> list[str]:
+    """`command` without what `_container_env` reads as `-e`/`--env` flags (`-e NAME=VALUE`,
+    `--env=...`, `-eNAME`): what is left sets variables inside the container."""
+    kept: list[str] = []
+    skip = False
+    for token in command:
+        if skip:
+            skip = False
+        elif token in ("-e", "--env"):
+            skip = True
+        elif not (token.startswith("--env=") or (token.startswith("-e") and token != "-e")):
+            kept.append(token)
+    return kept
+
+
 def _env_files(command: Sequence[str]) -> list[str]:
     """The variables each `--env-file FILE` (`--env-file=FILE`) passes a container, as docker
     reads one: a line "NAME=VALUE" (VALUE as written) or "NAME" (the host's value), blank
     lines and `#` comments skipped; none from a file dvfs cannot read (from the folder it
     runs in, as the wrapper it starts)."""
+    return [line for _, line in _env_file_lines(command)]
+
+
+def _env_file_lines(command: Sequence[str]) -> list[tuple[str, str]]:
+    """`_env_files`, each line with the FILE it is read from, as written."""
     found = []
     for index, token in enumerate(command):
         flag, equals, value = token.partition("=")
         if flag != "--env-file" or not (equals or index + 1 < len(command)):
             continue
+        path = value if equals else command[index + 1]
         try:
-            text = Path(value if equals else command[index + 1]).read_text(errors="replace")
+            text = Path(path).read_text(errors="replace")
         except OSError:
             continue
         for line in text.splitlines():
             line = line.lstrip()
             if line and not line.startswith("#"):
-                found.append(line)
+                found.append((path, line))
     return found
 
 
@@ -618,8 +716,8 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
             raise EngineError(
                 f"engine.sglang.server_command sets {given.setting}, other GPUs than "
                 f"the metered {metered}: the server would run where dvfs does not "
-                "meter; remove it from server_command (dvfs pins the server to the metered GPUs "
-                "by UUID)"
+                f"meter; remove it from {'that --env-file' if given.filed else 'server_command'} "
+                "(dvfs pins the server to the metered GPUs by UUID)"
             )
         if given.among:
             raise EngineError(

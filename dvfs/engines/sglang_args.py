@@ -790,12 +790,13 @@ def launch_argv(
 PLANNED_PORT = 30000
 
 
-def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
+def planned_launches(campaign: Campaign, *, here: bool = True) -> list[tuple[str, list[str], str]]:
     """Per drafter: its name, the argv its server would start with, and where the version-
     dependent flags came from. Runs `launch_server --help` unless the campaign pins a version;
     refuses, as a sweep would, drafters SGLang would schedule differently (`arm_mismatches`).
     Only for servers dvfs starts: an attached one (engine.sglang.url) has no launch here
-    (`dvfs.backends.server_plans`)."""
+    (`dvfs.backends.server_plans`). `here` False: the servers start elsewhere (`--executor
+    ray`: on the Ray workers' nodes), so sglang missing here is no refusal to name."""
     if campaign.engine.sglang.url:
         raise EngineError("a campaign attached at engine.sglang.url starts no server to plan")
     check_predicted_kernels(campaign)
@@ -804,7 +805,7 @@ def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     if any(d.algorithm for d in campaign.drafters):
         check_algorithms_known(campaign, help_text)  # refused as the sweep refuses it
     check_arms_can_match(campaign, help_text)
-    uninstalled = None if pinned or help_text else not_installed(campaign)
+    uninstalled = None if pinned or help_text or not here else not_installed(campaign)
     source = (
         "engine.sglang.version"
         if pinned

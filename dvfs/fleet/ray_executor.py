@@ -57,6 +57,28 @@ class RayMissingError(DvfsError):
     exit_code = 2
 
 
+#: What `import_ray` (`dvfs sweep --executor ray`) and `dvfs doctor --executor ray` say where
+#: Ray is not installed.
+RAY_MISSING = (
+    "--executor ray needs Ray, which is not installed: pip install 'dvfs[ray]' (on every node "
+    "of the cluster)"
+)
+
+
+def ray_version() -> str:
+    """The version of the Ray installed here (not imported: slow to), for `dvfs doctor
+    --executor ray`; `RayMissingError` where there is none, as `import_ray` raises it."""
+    import importlib.util
+    from importlib import metadata
+
+    if importlib.util.find_spec("ray") is None:
+        raise RayMissingError(RAY_MISSING)
+    try:
+        return metadata.version("ray")
+    except metadata.PackageNotFoundError:  # importable, not installed as a package
+        return "(its version unknown)"
+
+
 #: Ray's switch for a single-machine instance: its node address is then 127.0.0.1 and its
 #: servers listen on loopback only (read when Ray is imported, and by the processes it starts).
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -146,10 +168,7 @@ def import_ray(*, local: bool = False) -> Any:
     try:
         import ray
     except ImportError:
-        raise RayMissingError(
-            "--executor ray needs Ray, which is not installed: pip install 'dvfs[ray]' "
-            "(on every node of the cluster)"
-        ) from None
+        raise RayMissingError(RAY_MISSING) from None
     if local:
         import ray._private.ray_constants as constants
 
