@@ -80,6 +80,15 @@ def test_each_batch_gets_its_least_aggressive_setting_across_corpora() -> None:
     assert code.steps == (BatchStep(1, Setting(1005, 300.0), 0.5, 0.6),)
 
 
+def test_a_planned_stock_energy_is_over_the_repeats_its_saving_is_over() -> None:
+    """A row whose saving is over fewer repeats than stock's energy (adaptive repeats): the
+    plan wrote stock's energy over all its repeats beside the chosen energy over the paired
+    ones (0.6 beside 0.5, not the 0.55 the saving divides by)."""
+    paired = row(1, "code", 1005, 300.0, paired_stock_energy_per_token_j=0.55)
+    plan = plan_per_batch(doc([paired]), drafter="eagle3", corpus="code")
+    assert plan.steps == (BatchStep(1, Setting(1005, 300.0), 0.5, 0.55),)
+
+
 def test_an_infeasible_batch_is_planned_at_stock() -> None:
     plan = plan_per_batch(
         doc([row(1, "code", 1005, 300.0), row(64, "code", 900, 200.0, feasible=False)]),

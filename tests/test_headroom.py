@@ -805,6 +805,52 @@ def test_the_saving_is_over_the_repeats_the_chosen_setting_was_measured_at() -> 
     assert cells[header.index("saving")] == "20.0%"
 
 
+def test_the_stock_energy_beside_the_saving_is_over_the_same_repeats() -> None:
+    """Adaptive repeats: stock took five, 1500 MHz three; repeats 3 and 4's prompts cost 1.3x.
+    The table showed 1.12 -> 0.8 J beside a 20.0% saving (stock over all five): the two
+    J figures did not give the saving shown. Beside it stock's energy is over the three
+    repeats measured at both (1 J), and a note gives the 1.12 J over all of stock's."""
+    from dvfs.report.headroom import headroom_document, headroom_notes, headroom_table_rows
+
+    cost = [1.0, 1.0, 1.0, 1.3, 1.3]
+    cube = make_cube(
+        clocks=[1500, 2000],
+        repeats=5,
+        latency=lambda c, *_: 10.0,
+        energy=lambda c, p, b, d, k, r: (
+            math.nan if c == 1500 and r >= 3 else (0.8 if c == 1500 else 1.0) * cost[r]
+        ),
+    )
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    r = row(result)
+    assert r["stock_energy_per_token_j"] == pytest.approx(1.12)  # the reference's own energy
+    assert r["paired_stock_energy_per_token_j"] == pytest.approx(1.0)
+    assert r["saving_repeats"] == 3
+    assert r["saving"] == pytest.approx(1 - r["chosen_energy_per_token_j"] / 1.0)
+    doc = headroom_document(result, cube)
+    header, (cells,) = headroom_table_rows(doc)
+    stock, chosen = (float(cells[header.index(h)]) for h in ("J/tok stock", "J/tok chosen"))
+    assert f"{(1 - chosen / stock) * 100:.1f}%" == cells[header.index("saving")] == "20.0%"
+    (note,) = [n for n in headroom_notes(doc) if n.startswith("J/tok stock")]
+    assert "3 repeat(s), 1.12 J over all" in note
+    (doc_row,) = doc["rows"]
+    assert doc_row["paired_stock_energy_per_token_j"] == pytest.approx(1.0)
+    assert doc_row["saving_repeats"] == 3
+
+
+def test_a_saving_over_every_repeat_shows_stock_as_before_with_no_note() -> None:
+    """Both settings measured at every repeat: the paired stock energy is the stock energy,
+    and the table says nothing more."""
+    from dvfs.report.headroom import headroom_document, headroom_notes
+
+    result = headroom(simple(repeats=3), target=Target("preserve", slack=0.1))
+    r = row(result)
+    assert r["paired_stock_energy_per_token_j"] == r["stock_energy_per_token_j"] == 1.0
+    assert r["saving_repeats"] == 3
+    doc = headroom_document(result, simple(repeats=3))
+    assert not [n for n in headroom_notes(doc) if n.startswith("J/tok")]
+
+
 def test_an_slo_answer_without_a_valid_reference_energy_shows_no_saving() -> None:
     """An SLO needs no reference latency, so a row has an answer while its reference cells are
     all invalid; with no energy there to save against, the saving cell is "-", not "-%"."""

@@ -615,6 +615,28 @@ def test_findings_read_a_latency_of_seconds_as_plain_milliseconds() -> None:
     assert "latency 1333 ms against a 1400 ms target" in largest, largest
 
 
+def test_the_largest_saving_finding_shows_energies_that_give_its_saving() -> None:
+    """Adaptive repeats: stock took five, 1500 MHz three; repeats 3 and 4's prompts cost 1.3x.
+    The finding read "20.0% ... (1.12 -> 0.8 J per token": stock over all five beside a
+    saving over the three measured at both. Its stock energy is over those three now, and
+    it says so, with stock's energy over all of them."""
+    cost = [1.0, 1.0, 1.0, 1.3, 1.3]
+    cube = make_cube(
+        clocks=[1500, 2000],
+        repeats=5,
+        latency=lambda c, *_: 10.0,
+        energy=lambda c, p, b, d, k, r: (
+            math.nan if c == 1500 and r >= 3 else (0.8 if c == 1500 else 1.0) * cost[r]
+        ),
+    )
+    doc = build_document(cube, ReportOptions(Target("preserve", slack=0.01)), [], generated="now")
+    finding = doc.sections[3].blocks[0]
+    assert isinstance(finding, Finding)
+    largest = next(d for d in finding.details if d.startswith("Largest saving"))
+    assert largest.startswith("Largest saving: 20.0%"), largest
+    assert "(1 -> 0.8 J per token, over the 3 repeat(s) measured at both; 1.12 J" in largest
+
+
 def test_the_speculation_finding_says_too_slow_only_where_no_setting_was_fast_enough() -> None:
     """EAGLE-3 at 0.4x none's latency, but none's stock cell invalid at batch 1 (nothing to
     compare there): the finding never says no drafter meets none's latency where the rows

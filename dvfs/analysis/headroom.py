@@ -606,7 +606,9 @@ def headroom(
             "chosen_power_limit",
             "chosen_energy_per_token_j",
             "stock_energy_per_token_j",
+            "paired_stock_energy_per_token_j",
             "saving",
+            "saving_repeats",
             "baseline_energy_per_token_j",
             "saving_vs_baseline",
             "chosen_latency_ms",
@@ -734,13 +736,21 @@ def headroom(
             noise_numbers[idx] = (
                 least[1],
                 least[2],
-                _paired_saving(cells, idx, (least[6], least[7]), least[0], stock_here)[1],
+                _paired_saving(
+                    cells.energy[idx][least[6], least[7]],
+                    cells.stock_energy[idx],
+                    least[0],
+                    stock_here,
+                ).saving,
                 1 - spread[1],
                 1 - spread[0],
                 spread[2],
             )
         mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = picked
-        mean_e, saving_here = _paired_saving(cells, idx, (c_i, p_i), mean_e, stock_here)
+        paired = _paired_saving(
+            cells.energy[idx][c_i, p_i], cells.stock_energy[idx], mean_e, stock_here
+        )
+        mean_e = paired.energy
         lowest_clock = min(f[1] for f in feasible)
         lowest_limit = min(f[2] for f in feasible)
         # Settings below an answer not measured yet (an interrupted sweep): the answer may
@@ -809,7 +819,9 @@ def headroom(
         out["chosen_latency_ms"][idx] = mean_lat
         out["latency_bound"][idx] = bound
         out["repeats"][idx] = n
-        out["saving"][idx] = saving_here
+        out["saving"][idx] = paired.saving
+        out["paired_stock_energy_per_token_j"][idx] = paired.reference
+        out["saving_repeats"][idx] = paired.repeats
         base = out["baseline_energy_per_token_j"][idx]
         out["saving_vs_baseline"][idx] = 1 - mean_e / base if base > 0 else math.nan
         out["lowest_feasible_sm_clock"][idx] = lowest_clock
@@ -841,6 +853,17 @@ def headroom(
             "1",
             "energy saved per token at the chosen setting against stock, over the repeats "
             "measured at both",
+        ),
+        "paired_stock_energy_per_token_j": (
+            "J",
+            "energy per token at the reference over the repeats the saving is over (those "
+            "measured at both; where none pairs, its usable repeats): the saving is 1 - "
+            "chosen_energy_per_token_j / this",
+        ),
+        "saving_repeats": (
+            "1",
+            "repeats the saving is over: those measured at both the chosen setting and the "
+            "reference (0: none paired, each side's usable repeats)",
         ),
         "baseline_energy_per_token_j": ("J", "baseline drafter's energy per token at stock"),
         "saving_vs_baseline": ("1", "energy saved against the baseline drafter at stock"),
@@ -1087,24 +1110,35 @@ def headroom(
     return result
 
 
-def _paired_saving(
-    cells: _Cells, idx: tuple[int, ...], at: tuple[int, int], mean: float, stock: float
-) -> tuple[float, float]:
-    """The energy per token of the setting at (clock, limit) indices `at` of group `idx` and
-    its saving against the group's reference (`stock`, over the reference's usable repeats),
-    both over the repeats paired with it (usable at both): as its interval and the latency
-    shown beside the target are paired. A repeat the reference lacks (flagged there), or the
-    setting lacks (flagged, or an adaptive repeat it was not measured at), ran other prompts,
-    so it is no part of a saving against the reference. `mean` (over every usable repeat, on
-    which the settings are chosen) against `stock` where none pairs; the saving NaN where the
-    reference has no usable energy (`stock` NaN or not above 0)."""
-    energy = np.asarray(cells.energy[idx][at], dtype=float)
-    reference = np.asarray(cells.stock_energy[idx], dtype=float)
+@dataclass(frozen=True)
+class _Paired:
+    """A setting's energy per token and its saving against a reference, over the repeats
+    measured at both (`repeats`; 0 where none pairs), and the reference's energy over those
+    (`reference`): saving = 1 - energy / reference."""
+
+    energy: float
+    saving: float
+    reference: float
+    repeats: int
+
+
+def _paired_saving(energy: np.ndarray, reference: np.ndarray, mean: float, stock: float) -> _Paired:
+    """The energy per token of a setting (per repeat, NaN: not usable) and its saving against
+    a reference (per repeat; `stock` its mean over its usable repeats), both over the repeats
+    paired with it (usable at both): as its interval and the latency shown beside the target
+    are paired. A repeat the reference lacks (flagged there), or the setting lacks (flagged,
+    or an adaptive repeat it was not measured at), ran other prompts, so it is no part of a
+    saving against the reference. `mean` (over every usable repeat, on which the settings are
+    chosen) against `stock` where none pairs; the saving NaN where the reference has no usable
+    energy (`stock` NaN or not above 0)."""
+    energy = np.asarray(energy, dtype=float)
+    reference = np.asarray(reference, dtype=float)
     both = ~np.isnan(energy) & ~np.isnan(reference)
     if not both.any():
-        return mean, (1 - mean / stock if stock > 0 else math.nan)
+        return _Paired(mean, (1 - mean / stock if stock > 0 else math.nan), stock, 0)
     paired, paired_stock = finite_mean(energy[both]), finite_mean(reference[both])
-    return paired, (1 - paired / paired_stock if stock > 0 and paired_stock > 0 else math.nan)
+    saving = 1 - paired / paired_stock if stock > 0 and paired_stock > 0 else math.nan
+    return _Paired(paired, saving, paired_stock, int(both.sum()))
 
 
 def _energy_interval(

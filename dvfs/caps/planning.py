@@ -119,7 +119,11 @@ def _shape_problem(doc: dict[str, Any]) -> str | None:
             return bad(f"{where}.gpu", row["gpu"], "a GPU UUID or null")
         if not isinstance(row["feasible"], bool):
             return bad(f"{where}.feasible", row["feasible"], "true or false")
-        for key in ("energy_per_token_j", "stock_energy_per_token_j"):
+        for key in (
+            "energy_per_token_j",
+            "stock_energy_per_token_j",
+            "paired_stock_energy_per_token_j",
+        ):
             problem = number_or_null(row, key, where)
             if problem:
                 return problem
@@ -491,5 +495,6 @@ def _batch_step(doc: dict[str, Any], batch: int, group: list[dict[str, Any]]) ->
         batch,
         Setting(*least_aggressive(doc, group)),
         single.get("energy_per_token_j"),
-        single.get("stock_energy_per_token_j"),
+        # over the repeats the saving is over (measured at both), as the planned energy is
+        single.get("paired_stock_energy_per_token_j") or single.get("stock_energy_per_token_j"),
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 from dvfs.report.common import fmt_ms, gpu_words
 from dvfs.report.compare import MEAN_WITHIN, TOO_FEW, edge_arms, ratio_text, too_slow
-from dvfs.report.headroom import NOISE_MARK, UNLOCKED, clock_was_locked
+from dvfs.report.headroom import NOISE_MARK, UNLOCKED, clock_was_locked, saving_stock_energy
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -58,6 +58,18 @@ def _at(ref: dict[str, Any]) -> str:
     return "stock" if kinds == {True} else "the top of the grid"
 
 
+def _paired_over(row: dict[str, Any]) -> str:
+    """Which repeats a saving's energies are over, where the reference's energy over all its
+    usable repeats differs: the saving pairs the repeats measured at both."""
+    paired, stock = row.get("paired_stock_energy_per_token_j"), row["stock_energy_per_token_j"]
+    if paired is None or stock is None or paired == stock:
+        return ""
+    return (
+        f", over the {row['saving_repeats']} repeat(s) measured at both; "
+        f"{stock:.4g} J over all the reference's"
+    )
+
+
 def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding:
     rows = room["rows"]
     saved = [r for r in rows if r["feasible"] and (r["saving"] or 0) > 0]
@@ -75,8 +87,8 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
             f"Largest saving: {best['saving']:.1%} of the energy per token at {_where(best)}: "
             f"{_setting(best['chosen']['sm_clock_mhz'], best['chosen']['power_limit_w'], locked)}"
             f" instead of {_setting(ref['sm_clock_mhz'], ref['power_limit_w'], locked)}{unset} "
-            f"({best['stock_energy_per_token_j']:.4g} -> {best['energy_per_token_j']:.4g} J "
-            f"per token; latency {fmt_ms(best['latency_ms'])} ms against a "
+            f"({saving_stock_energy(best):.4g} -> {best['energy_per_token_j']:.4g} J "
+            f"per token{_paired_over(best)}; latency {fmt_ms(best['latency_ms'])} ms against a "
             f"{fmt_ms(best['target_ms'])} ms target)."
         )
     if noise:

@@ -61,6 +61,13 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             chosen_headroom_w=as_float(r["chosen_headroom_w"]),
             energy_per_token_j=as_float(r["chosen_energy_per_token_j"]),
             stock_energy_per_token_j=as_float(r["stock_energy_per_token_j"]),
+            # the reference's energy over the repeats the saving is over (measured at both)
+            paired_stock_energy_per_token_j=(
+                as_float(r["paired_stock_energy_per_token_j"])
+                if "paired_stock_energy_per_token_j" in r
+                else None
+            ),
+            saving_repeats=as_int(r["saving_repeats"]) if "saving_repeats" in r else None,
             saving=as_float(r["saving"]),
             baseline_energy_per_token_j=as_float(r["baseline_energy_per_token_j"]),
             saving_vs_baseline=as_float(r["saving_vs_baseline"]),
@@ -360,6 +367,9 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
             "those cells under its stock clock, which is no lock"
         )
     notes += noise_note(doc)
+    paired = paired_stock_note(rows, reference_label(doc["reference"]))
+    if paired:
+        notes.append(paired)
     mixed = [r for r in rows if r.get("different_gpus")]
     if mixed:
         named = named_rows(
@@ -372,6 +382,42 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
             "energy ratios: measure both on one GPU to remove it"
         )
     return notes
+
+
+def saving_stock_energy(row: dict[str, Any]) -> float | None:
+    """The reference's energy per token a row's saving divides by: over the repeats measured
+    at both the chosen setting and the reference (`paired_stock_energy_per_token_j`), so that
+    it and the chosen energy give the saving shown beside them; a document of an earlier dvfs
+    has only the reference's energy over all its usable repeats."""
+    paired = row.get("paired_stock_energy_per_token_j")
+    return row["stock_energy_per_token_j"] if paired is None else paired
+
+
+def paired_stock_note(rows: list[dict[str, Any]], label: str) -> str | None:
+    """Rows whose saving is over fewer repeats than the reference's energy over all its
+    usable ones (adaptive repeats the chosen setting did not take, or a repeat flagged at
+    one of the two): the J/tok column beside the saving is over the repeats measured at both,
+    which the note says, with the reference's energy over all of them."""
+    differ = [
+        r
+        for r in rows
+        if r.get("paired_stock_energy_per_token_j") is not None
+        and r.get("stock_energy_per_token_j") is not None
+        and r["paired_stock_energy_per_token_j"] != r["stock_energy_per_token_j"]
+    ]
+    if not differ:
+        return None
+    named = named_rows(
+        differ,
+        lambda r: (
+            f"{r['saving_repeats']} repeat(s), {r['stock_energy_per_token_j']:.4g} J over all"
+        ),
+    )
+    return (
+        f"J/tok {label} beside a saving is over the repeats measured at both the chosen setting "
+        "and the reference (the same prompts), as the saving is; over all the reference's "
+        f"usable repeats it differs ({named})"
+    )
 
 
 def invalid_note(rows: list[dict[str, Any]]) -> str | None:
@@ -464,7 +510,7 @@ def headroom_table_rows(
             cells = [
                 chosen,
                 headroom,
-                fmt(r["stock_energy_per_token_j"], ".4g"),
+                fmt(saving_stock_energy(r), ".4g"),
                 fmt(r["energy_per_token_j"], ".4g"),
                 # unknown (no valid energy at the reference, an SLO's answer): "-", not "-%"
                 "-"
