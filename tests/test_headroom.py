@@ -851,6 +851,36 @@ def test_a_saving_over_every_repeat_shows_stock_as_before_with_no_note() -> None
     assert not [n for n in headroom_notes(doc) if n.startswith("J/tok")]
 
 
+def test_the_saving_against_the_baseline_is_over_the_repeats_both_measured() -> None:
+    """Repeat r of every drafter sends the same prompts; repeats 3 and 4's cost 1.3x. none
+    (the baseline) took five repeats at stock, eagle3 three at its chosen 1000 MHz, where it
+    costs 0.5x none's stock on every prompt: a 50% saving against the baseline. It read
+    55.4% (0.5 over three repeats against none's 1.12 J over five). And the baseline's own
+    row read another saving against itself than its saving (same setting, same stock)."""
+    cost = [1.0, 1.0, 1.0, 1.3, 1.3]
+
+    def energy(c, p, b, d, k, r):  # type: ignore[no-untyped-def]
+        if d == "eagle3":
+            return math.nan if r >= 3 else (0.5 if c == 1000 else 0.9) * cost[r]
+        return math.nan if c == 1000 and r >= 3 else (0.8 if c == 1000 else 1.0) * cost[r]
+
+    cube = make_cube(
+        clocks=[1000, 2000],
+        drafters=["none", "eagle3"],
+        repeats=5,
+        latency=lambda c, p, b, d, *_: (5.0 if d == "eagle3" else 10.0) * (1 + (c == 1000) * 0.01),
+        energy=energy,
+    )
+    result = headroom(cube, target=Target("vs-baseline", slack=0.05))
+    eagle = result.sel(batch=1, corpus="code", drafter="eagle3")
+    assert int(eagle["chosen_sm_clock"]) == 1000
+    assert float(eagle["saving_vs_baseline"]) == pytest.approx(0.5)  # 0.554 before
+    none = result.sel(batch=1, corpus="code", drafter="none")
+    assert int(none["chosen_sm_clock"]) == 1000
+    assert float(none["saving"]) == pytest.approx(0.2)
+    assert float(none["saving_vs_baseline"]) == pytest.approx(float(none["saving"]))
+
+
 def test_an_slo_answer_without_a_valid_reference_energy_shows_no_saving() -> None:
     """An SLO needs no reference latency, so a row has an answer while its reference cells are
     all invalid; with no energy there to save against, the saving cell is "-", not "-%"."""
