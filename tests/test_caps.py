@@ -1197,6 +1197,42 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
         assert (held, recorded) == ([210, 1410], {gpu.identity.uuid: (210, 1410)})
 
 
+def test_a_cap_neither_recorded_nor_taken_back_is_said_and_stops_the_apply(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk under the state folder, and the take-back of the lock failing too: the GPU
+    keeps a lock no record lists. That was gathered as a plain GPU failure ('cannot reset
+    locked SM clocks', the record's failure unsaid), and the next GPU's full disk then hid it
+    altogether: it is said, with the command that clears it, and no other GPU is changed."""
+    import errno
+
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.errors import CapsRecordError
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    record = AppliedCaps(tmp_path / "state")
+
+    def full(records: dict) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(record.path))
+
+    monkeypatch.setattr(record, "write", full)
+    nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 999})
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+        actions = [
+            CapAction(g.identity.index, g.identity.uuid, (210, 1410), None, 700_000) for g in gpus
+        ]
+        with pytest.raises(CapsRecordError) as raised:
+            apply_actions(actions, gpus, record, "caps.toml")
+        uuid = gpus[0].identity.uuid
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"cannot write {record.path}: no space left on device" in message
+    assert "GPU 0's SM clock lock 210-1410 MHz could not be taken back" in message
+    assert f"`dvfs cap reset {uuid} --state-dir {tmp_path / 'state'}`" in message
+    held = [d["locked_clocks"] for d in nvml.fake_state()["devices"][:2]]
+    assert held == [[210, 1410], None]  # the next GPU was not changed
+
+
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
     """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
     record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk
