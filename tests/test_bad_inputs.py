@@ -1494,7 +1494,7 @@ MORE_CASES = (
                 ("fifo", Writer(_fifo), ("no regular file",), *_RESUME),
                 ("fifo", Writer(_fifo), ("no regular file",), *_DRY_RUN),
                 ("link-to-dev-zero", Writer(_dev_zero), ("no regular file",), *_DRY_RUN),
-                ("directory", DIR, ("is a directory",), *_DRY_RUN),
+                ("directory", DIR, ("is a folder", "move it aside"), *_DRY_RUN),
             )
         ),
         # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
