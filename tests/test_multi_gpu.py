@@ -1025,3 +1025,25 @@ def test_cube_build_says_what_to_do_with_a_models_journal_that_is_no_file(
     what = "a folder" if kind == "folder" else "a symbolic link to no file (or in a loop)"
     assert line.startswith(f"Error: {damaged} is {what}, so no dvfs journal: "), line
     assert "move it aside" in line and "run `dvfs sweep` first" not in line, line
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
+def test_a_sweep_whose_cube_goes_to_a_pipe_no_program_reads_says_its_cells_are_kept(
+    tmp_path: Path, gpus: tuple[str, ...]
+) -> None:
+    """A FIFO no program reads from as the sweep folder's cube.nc is refused once the cells are
+    measured (hours on real GPUs), exit 2: the line said only to start its reader or remove
+    the pipe, not that every cell is in the journal nor how to build the cube from it, as a
+    cube that cannot be built says."""
+    from conftest import TINY_EXACT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "cube.nc")
+    campaign = write(tmp_path / "c.toml", FLEET if gpus else TINY_EXACT)
+    result = sweep(str(campaign), *gpus, "--out", str(out))
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {out / 'cube.nc'} is a named pipe no program reads from"), line
+    assert "(every measured cell is in " in line, line
+    assert f"`dvfs cube build {out}` writes the cube" in line, line
