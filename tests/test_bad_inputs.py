@@ -2459,6 +2459,34 @@ def test_an_anonymous_pipe_output_is_written(
     assert len(b"".join(got)) > 100
 
 
+@pytest.mark.parametrize("name", ["report-o", "headroom-o"])
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
+def test_a_socket_output_is_written(name: str, shared: dict[str, Path]) -> None:
+    """`-o /dev/stdout` where standard output is a socket (a systemd unit's, the journal's):
+    a socket cannot be opened again through its `/proc/self/fd` link, and the command failed
+    'cannot open /dev/stdout: no such device; check the path'. The content goes into it."""
+    import socket
+    import threading
+
+    ours, theirs = socket.socketpair()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := theirs.recv(1 << 16):
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        result = CliRunner().invoke(cli, _argv(name, shared, Path(f"/dev/fd/{ours.fileno()}")))
+    finally:
+        ours.close()
+        reader.join(timeout=60)
+        theirs.close()
+    assert result.exit_code == 0, result.output
+    assert len(b"".join(got)) > 100
+
+
 @pytest.mark.parametrize("name", ["headroom-o", "cube-build-o"])
 def test_a_fifo_output_no_program_reads_is_refused_not_waited_on(
     name: str, shared: dict[str, Path], tmp_path: Path
