@@ -1171,6 +1171,7 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
     import errno
 
     from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.errors import CapsRecordError
     from dvfs.gpu.nvml import open_nvml_gpus
 
     record = AppliedCaps(tmp_path / "state")
@@ -1186,9 +1187,16 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
     with open_nvml_gpus([0], nvml=nvml) as (gpu,):
         stock_mw = gpu.power_limit_mw()
         action = CapAction(0, gpu.identity.uuid, (210, 1410), 400_000, 700_000)
-        with pytest.raises(OSError, match="No space"):
+        with pytest.raises(CapsRecordError) as raised:
             apply_actions([action], [gpu], record, "caps.toml")
         assert gpu.power_limit_mw() == stock_mw  # the limit's record failed, or it never came
+    # what was taken back, and the way on: not "choose another path", a --state-dir where
+    # `cap show`, sweeps and `cap reset` would not find the caps
+    what = "SM clock lock 210-1410 MHz" if fails_at == 1 else "power limit 400 W"
+    assert str(raised.value) == (
+        f"cannot write {record.path}: no space left on device, so GPU 0's {what} was taken "
+        "back off it; free space there, then apply the caps again"
+    )
     held = nvml.fake_state()["devices"][0]["locked_clocks"]
     recorded = AppliedCaps(tmp_path / "state").locks()
     if fails_at == 1:  # the lock's record failed: the lock is taken back

@@ -621,22 +621,28 @@ def apply_actions(
         except OSError as exc:
             # Not recorded (a full disk): NVML cannot read a lock back, so a cap left on the
             # GPU would be known to no `cap show`, sweep or reset; the change is taken back.
-            if undo is not None:
-                try:
-                    undo()
-                except GpuError as failed:
-                    # Left on the GPU unrecorded: said so (a GPU failure gathered with the
-                    # others' hid the record's, and a later GPU's full disk hid both), with
-                    # the one command that clears it; no other GPU is changed.
-                    index = by_uuid[uuid].identity.index
-                    why = record_problem(exc)
-                    raise CapsRecordError(
-                        f"cannot write {record.path}: {why[:1].lower() + why[1:]}, and GPU "
-                        f"{index}'s {what} could not be taken back off it ({failed}), so the GPU "
-                        "keeps it with no record of it; free space there, then run "
-                        f"`{state_dir_command(f'dvfs cap reset {uuid}', record.path.parent)}`"
-                    ) from exc
-            raise
+            if undo is None:
+                raise
+            index = by_uuid[uuid].identity.index
+            why = record_problem(exc)
+            unwritten = f"cannot write {record.path}: {why[:1].lower() + why[1:]}"
+            try:
+                undo()
+            except GpuError as failed:
+                # Left on the GPU unrecorded: said so (a GPU failure gathered with the
+                # others' hid the record's, and a later GPU's full disk hid both), with
+                # the one command that clears it; no other GPU is changed.
+                raise CapsRecordError(
+                    f"{unwritten}, and GPU {index}'s {what} could not be taken back off it "
+                    f"({failed}), so the GPU keeps it with no record of it; free space there, "
+                    f"then run `{state_dir_command(f'dvfs cap reset {uuid}', record.path.parent)}`"
+                ) from exc
+            # Said so, with the way on: "choose another path" (another --state-dir) would
+            # record the caps where `cap show`, sweeps and `cap reset` do not look.
+            raise CapsRecordError(
+                f"{unwritten}, so GPU {index}'s {what} was taken back off it; free space there, "
+                "then apply the caps again"
+            ) from exc
         applied[uuid] = entry
 
     for action in actions:
