@@ -216,6 +216,10 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
 def _open_stream(path: Path, mode: int) -> BinaryIO:
     """A pipe, FIFO or device opened for writing. A named pipe no program reads from is
     refused: opening it would wait for a reader for ever (a FIFO left where the cube goes)."""
+    if stat.S_ISSOCK(mode):
+        own = _own_descriptor(path)
+        if own is not None:  # a socket is not opened again by its link: written through a copy
+            return os.fdopen(os.dup(own), "wb")
     if not stat.S_ISFIFO(mode):
         return open(path, "wb")  # noqa: SIM115 (the caller's `with` closes it)
     try:
@@ -231,6 +235,25 @@ def _open_stream(path: Path, mode: int) -> BinaryIO:
         ) from None
     os.set_blocking(fd, True)
     return os.fdopen(fd, "wb")
+
+
+def _own_descriptor(path: Path) -> int | None:
+    """This process's descriptor that `path` is (`/dev/stdout`, `/dev/fd/N`), or None. A
+    socket there (standard output under systemd, its journal's) cannot be opened again through
+    that link, which fails "no such device or address"."""
+    try:
+        wanted = os.stat(path)
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            found = os.fstat(int(name))
+        except (OSError, ValueError):  # (the listing's own descriptor, closed since)
+            continue
+        if (found.st_dev, found.st_ino) == (wanted.st_dev, wanted.st_ino):
+            return int(name)
+    return None
 
 
 def _sync_folder(folder: Path) -> None:

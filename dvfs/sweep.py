@@ -42,6 +42,7 @@ from dvfs.errors import (
     GpuPermissionError,
     GpuUnavailableError,
     IncomparableCellsError,
+    OutputRefusedError,
 )
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import claim_shard, shard_cube
@@ -247,6 +248,14 @@ def unrestored_gpus(campaign: Campaign) -> tuple[tuple[str, ...], Path | None]:
     return left, store.directory
 
 
+def _cells_kept(journal_path: Path, out_dir: Path) -> str:
+    """What a sweep whose cube could not be written says of its cells, which are not lost."""
+    return (
+        f"(every measured cell is in {journal_path}: `dvfs cube build {out_dir}` writes the "
+        "cube once that is fixed)"
+    )
+
+
 def _with_cube(summary: RunSummary, journal_path: Path, out_dir: Path) -> SweepOutcome:
     """The sweep's outcome once its cube is written, built after `_measure` returned: what the
     measurement held (its plan, the twin's rounds) is garbage by then, and handed back to the
@@ -258,10 +267,9 @@ def _with_cube(summary: RunSummary, journal_path: Path, out_dir: Path) -> SweepO
     except IncomparableCellsError:
         raise  # nothing to fix in the folder: the message says where to rerun
     except CubeError as exc:
-        raise CubeError(
-            f"{exc} (every measured cell is in {journal_path}: `dvfs cube build {out_dir}` "
-            "writes the cube once that is fixed)"
-        ) from exc
+        raise CubeError(f"{exc} {_cells_kept(journal_path, out_dir)}") from exc
+    except OutputRefusedError as exc:  # a pipe no program reads from where cube.nc goes
+        raise OutputRefusedError(f"{exc} {_cells_kept(journal_path, out_dir)}") from exc
     return SweepOutcome(summary, journal_path, cube_path, cube=cube)
 
 

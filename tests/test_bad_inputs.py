@@ -1494,7 +1494,7 @@ MORE_CASES = (
                 ("fifo", Writer(_fifo), ("no regular file",), *_RESUME),
                 ("fifo", Writer(_fifo), ("no regular file",), *_DRY_RUN),
                 ("link-to-dev-zero", Writer(_dev_zero), ("no regular file",), *_DRY_RUN),
-                ("directory", DIR, ("is a directory",), *_DRY_RUN),
+                ("directory", DIR, ("is a folder", "move it aside"), *_DRY_RUN),
             )
         ),
         # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
@@ -2455,6 +2455,34 @@ def test_an_anonymous_pipe_output_is_written(
     content goes into the pipe; resolving the link first said "no such file or folder"."""
     with pipe_output() as (stream, got):
         result = CliRunner().invoke(cli, _argv(name, shared, Path(stream)))
+    assert result.exit_code == 0, result.output
+    assert len(b"".join(got)) > 100
+
+
+@pytest.mark.parametrize("name", ["report-o", "headroom-o"])
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
+def test_a_socket_output_is_written(name: str, shared: dict[str, Path]) -> None:
+    """`-o /dev/stdout` where standard output is a socket (a systemd unit's, the journal's):
+    a socket cannot be opened again through its `/proc/self/fd` link, and the command failed
+    'cannot open /dev/stdout: no such device; check the path'. The content goes into it."""
+    import socket
+    import threading
+
+    ours, theirs = socket.socketpair()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := theirs.recv(1 << 16):
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        result = CliRunner().invoke(cli, _argv(name, shared, Path(f"/dev/fd/{ours.fileno()}")))
+    finally:
+        ours.close()
+        reader.join(timeout=60)
+        theirs.close()
     assert result.exit_code == 0, result.output
     assert len(b"".join(got)) > 100
 

@@ -1171,6 +1171,7 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
     import errno
 
     from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.errors import CapsRecordError
     from dvfs.gpu.nvml import open_nvml_gpus
 
     record = AppliedCaps(tmp_path / "state")
@@ -1186,15 +1187,58 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
     with open_nvml_gpus([0], nvml=nvml) as (gpu,):
         stock_mw = gpu.power_limit_mw()
         action = CapAction(0, gpu.identity.uuid, (210, 1410), 400_000, 700_000)
-        with pytest.raises(OSError, match="No space"):
+        with pytest.raises(CapsRecordError) as raised:
             apply_actions([action], [gpu], record, "caps.toml")
         assert gpu.power_limit_mw() == stock_mw  # the limit's record failed, or it never came
+    # what was taken back, and the way on: not "choose another path", a --state-dir where
+    # `cap show`, sweeps and `cap reset` would not find the caps
+    what = "SM clock lock 210-1410 MHz" if fails_at == 1 else "power limit 400 W"
+    assert str(raised.value) == (
+        f"cannot write {record.path}: no space left on device, so GPU 0's {what} was taken "
+        "back off it; free space there, then apply the caps again"
+    )
     held = nvml.fake_state()["devices"][0]["locked_clocks"]
     recorded = AppliedCaps(tmp_path / "state").locks()
     if fails_at == 1:  # the lock's record failed: the lock is taken back
         assert (held, recorded) == (None, {})
     else:  # the limit's record failed: the lock stays, recorded
         assert (held, recorded) == ([210, 1410], {gpu.identity.uuid: (210, 1410)})
+
+
+def test_a_cap_neither_recorded_nor_taken_back_is_said_and_stops_the_apply(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk under the state folder, and the take-back of the lock failing too: the GPU
+    keeps a lock no record lists. That was gathered as a plain GPU failure ('cannot reset
+    locked SM clocks', the record's failure unsaid), and the next GPU's full disk then hid it
+    altogether: it is said, with the command that clears it, and no other GPU is changed."""
+    import errno
+
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.errors import CapsRecordError
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    record = AppliedCaps(tmp_path / "state")
+
+    def full(records: dict) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(record.path))
+
+    monkeypatch.setattr(record, "write", full)
+    nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 999})
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+        actions = [
+            CapAction(g.identity.index, g.identity.uuid, (210, 1410), None, 700_000) for g in gpus
+        ]
+        with pytest.raises(CapsRecordError) as raised:
+            apply_actions(actions, gpus, record, "caps.toml")
+        uuid = gpus[0].identity.uuid
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"cannot write {record.path}: no space left on device" in message
+    assert "GPU 0's SM clock lock 210-1410 MHz could not be taken back" in message
+    assert f"`dvfs cap reset {uuid} --state-dir {tmp_path / 'state'}`" in message
+    held = [d["locked_clocks"] for d in nvml.fake_state()["devices"][:2]]
+    assert held == [[210, 1410], None]  # the next GPU was not changed
 
 
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:

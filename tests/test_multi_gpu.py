@@ -994,3 +994,56 @@ def test_cube_build_refuses_a_models_journal_that_is_no_file_not_leaving_the_mod
     [line] = built.stderr.splitlines()
     assert line.startswith("Error: ") and str(damaged) in line, line
     assert kept.exists() and not (fleet / "cube.nc").exists()
+
+
+@pytest.mark.parametrize("kind", ["folder", "dangling link", "link loop"])
+def test_cube_build_says_what_to_do_with_a_models_journal_that_is_no_file(
+    tmp_path: Path, kind: str
+) -> None:
+    """A fleet's model's journal kept for its reader to refuse (not left out of the cube): a
+    folder said only 'cannot read the journal (...): Is a directory', and a link to no file or
+    in a loop 'no journal at ...: run `dvfs sweep` first (every measured cell is in ...)', a
+    sweep mending neither. Each now says what it is, and to move it aside."""
+    from conftest import TINY_EXACT
+
+    one = tmp_path / "one"
+    ran = CliRunner().invoke(
+        cli, ["sweep", str(write(tmp_path / "c.toml", TINY_EXACT)), "-o", str(one), "--no-progress"]
+    )
+    assert ran.exit_code == 0, ran.output
+    fleet = tmp_path / "fleet"
+    write(fleet / "gpu-a" / "journal.jsonl", (one / "journal.jsonl").read_text())
+    damaged = fleet / "gpu-b" / "journal.jsonl"
+    damaged.parent.mkdir()
+    if kind == "folder":
+        damaged.mkdir()
+    else:
+        damaged.symlink_to("elsewhere.jsonl" if kind == "dangling link" else damaged.name)
+    built = CliRunner().invoke(cli, ["cube", "build", str(fleet)])
+    assert built.exit_code == 1, built.output
+    [line] = built.stderr.splitlines()
+    what = "a folder" if kind == "folder" else "a symbolic link to no file (or in a loop)"
+    assert line.startswith(f"Error: {damaged} is {what}, so no dvfs journal: "), line
+    assert "move it aside" in line and "run `dvfs sweep` first" not in line, line
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
+def test_a_sweep_whose_cube_goes_to_a_pipe_no_program_reads_says_its_cells_are_kept(
+    tmp_path: Path, gpus: tuple[str, ...]
+) -> None:
+    """A FIFO no program reads from as the sweep folder's cube.nc is refused once the cells are
+    measured (hours on real GPUs), exit 2: the line said only to start its reader or remove
+    the pipe, not that every cell is in the journal nor how to build the cube from it, as a
+    cube that cannot be built says."""
+    from conftest import TINY_EXACT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "cube.nc")
+    campaign = write(tmp_path / "c.toml", FLEET if gpus else TINY_EXACT)
+    result = sweep(str(campaign), *gpus, "--out", str(out))
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {out / 'cube.nc'} is a named pipe no program reads from"), line
+    assert "(every measured cell is in " in line, line
+    assert f"`dvfs cube build {out}` writes the cube" in line, line

@@ -39,7 +39,7 @@ from dvfs.gpu.knobs import (
     KnobController,
     power_limit_or_none,
 )
-from dvfs.gpu.safety import before_this_boot, boot_id
+from dvfs.gpu.safety import before_this_boot, boot_id, record_problem, state_dir_command
 
 if TYPE_CHECKING:
     from dvfs.gpu.safety import StateStore
@@ -613,15 +613,36 @@ def apply_actions(
     applied = record.read()
     failures = GatheredFailures()
 
-    def keep(uuid: str, entry: dict[str, Any], undo: Callable[[], None] | None = None) -> None:
+    def keep(
+        uuid: str, entry: dict[str, Any], undo: Callable[[], None] | None = None, what: str = ""
+    ) -> None:
         try:
             record.update(uuid, entry)
-        except OSError:
+        except OSError as exc:
             # Not recorded (a full disk): NVML cannot read a lock back, so a cap left on the
             # GPU would be known to no `cap show`, sweep or reset; the change is taken back.
-            if undo is not None:
+            if undo is None:
+                raise
+            index = by_uuid[uuid].identity.index
+            why = record_problem(exc)
+            unwritten = f"cannot write {record.path}: {why[:1].lower() + why[1:]}"
+            try:
                 undo()
-            raise
+            except GpuError as failed:
+                # Left on the GPU unrecorded: said so (a GPU failure gathered with the
+                # others' hid the record's, and a later GPU's full disk hid both), with
+                # the one command that clears it; no other GPU is changed.
+                raise CapsRecordError(
+                    f"{unwritten}, and GPU {index}'s {what} could not be taken back off it "
+                    f"({failed}), so the GPU keeps it with no record of it; free space there, "
+                    f"then run `{state_dir_command(f'dvfs cap reset {uuid}', record.path.parent)}`"
+                ) from exc
+            # Said so, with the way on: "choose another path" (another --state-dir) would
+            # record the caps where `cap show`, sweeps and `cap reset` do not look.
+            raise CapsRecordError(
+                f"{unwritten}, so GPU {index}'s {what} was taken back off it; free space there, "
+                "then apply the caps again"
+            ) from exc
         applied[uuid] = entry
 
     for action in actions:
@@ -658,6 +679,7 @@ def apply_actions(
                     action.uuid,
                     {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(action.lock_mhz)},
                     partial(gpu.lock_sm_clock, *earlier) if earlier else gpu.reset_sm_clock,
+                    f"SM clock lock {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz",
                 )
                 changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
             if action.power_limit_mw is not None:
@@ -674,6 +696,7 @@ def apply_actions(
                     partial(gpu.set_power_limit_mw, before)
                     if action.power_limit_mw != before
                     else None,
+                    f"power limit {action.power_limit_mw / 1000:g} W",
                 )
         except GpuError as exc:
             # The GPU is not left changed unsaid: what is in place on it already is named.

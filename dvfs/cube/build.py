@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -138,12 +139,24 @@ def _headless(path: Path, first: dict[str, Any] | None) -> CubeError:
     )
 
 
+def _no_journal(path: Path) -> CubeError:
+    """`path` is no journal that can be opened: none there, which a sweep writes, or a
+    symbolic link to no file or in a loop (a fleet's model's journal is kept so, not left
+    out of the cube), which no sweep mends."""
+    if os.path.lexists(path):
+        return CubeError(
+            f"{path} is a symbolic link to no file (or in a loop), so no dvfs journal: point "
+            "it at the journal, or move it aside"
+        )
+    return CubeError(f"no journal at {path}: run `dvfs sweep` first")
+
+
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
     """A journal's records in a list (the cube itself is built streaming), refused early when
     it is missing, headless or from a newer dvfs."""
     path = Path(path)
     if not path.exists():
-        raise CubeError(f"no journal at {path}: run `dvfs sweep` first")
+        raise _no_journal(path)
     records = read_records(path)
     if not records or records[0].get("type") != "header":
         raise _headless(path, records[0] if records else None)
@@ -616,7 +629,7 @@ def build_cube(
     journal once."""
     path = Path(journal_path)
     if not path.exists():
-        raise CubeError(f"no journal at {path}: run `dvfs sweep` first")
+        raise _no_journal(path)
     records = iter_records(path)
     try:
         first = next(records, None)

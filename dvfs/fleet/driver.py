@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dvfs.campaign import Campaign
-from dvfs.errors import MAX_MESSAGE_CHARS, CampaignError, EngineError, JournalError
+from dvfs.errors import (
+    MAX_MESSAGE_CHARS,
+    CampaignError,
+    EngineError,
+    JournalError,
+    OutputRefusedError,
+)
 from dvfs.fleet.cubes import write_cubes
 from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.folders import (
@@ -910,7 +916,13 @@ def run_fleet(
             return write_cube(ds, path)
 
         release_free_memory()  # what the workers' measurements left, before the cubes
-        cube_path = write_cubes(out_dir, done, write=write)
+        try:
+            cube_path = write_cubes(out_dir, done, write=write)
+        except OutputRefusedError as exc:  # a pipe no program reads from where a cube goes
+            raise OutputRefusedError(
+                f"{exc} (every measured cell is in the journals in {out_dir}: `dvfs cube "
+                f"build {out_dir}` writes the cubes once that is fixed)"
+            ) from exc
     if fleet is None:
         total = len(cells) * len(done)
         summary, stats = RunSummary(total, total, 0, 0), []

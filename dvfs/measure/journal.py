@@ -499,12 +499,11 @@ def _open_journal(path: Path) -> BinaryIO:
         raise JournalError(describe_os_error(exc, "read the journal")) from exc
     try:
         mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if not stat.S_ISREG(mode):
+            what = "a folder" if stat.S_ISDIR(mode) else "no regular file (a FIFO, a device)"
             raise JournalError(
-                f"{path} is no regular file (a FIFO, a device), so no dvfs journal: move it "
-                f"aside, or start over with {FRESH}, which renames it"
+                f"{path} is {what}, so no dvfs journal: move it aside, or start over with "
+                f"{FRESH}, which renames it"
             )
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
