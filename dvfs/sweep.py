@@ -42,6 +42,7 @@ from dvfs.errors import (
     GpuPermissionError,
     GpuUnavailableError,
     IncomparableCellsError,
+    NoJournalError,
 )
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import claim_shard, shard_cube
@@ -257,6 +258,8 @@ def _with_cube(summary: RunSummary, journal_path: Path, out_dir: Path) -> SweepO
         cube_path = write_cube(cube, out_dir / CUBE_NAME)
     except IncomparableCellsError:
         raise  # nothing to fix in the folder: the message says where to rerun
+    except NoJournalError:
+        raise  # no journal to hold the cells: the message says what is there
     except CubeError as exc:
         raise CubeError(
             f"{exc} (every measured cell is in {journal_path}: `dvfs cube build {out_dir}` "

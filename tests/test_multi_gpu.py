@@ -994,3 +994,35 @@ def test_cube_build_refuses_a_models_journal_that_is_no_file_not_leaving_the_mod
     [line] = built.stderr.splitlines()
     assert line.startswith("Error: ") and str(damaged) in line, line
     assert kept.exists() and not (fleet / "cube.nc").exists()
+
+
+@pytest.mark.parametrize("where", ["fleet", "single"])
+def test_cube_build_says_a_journal_linked_in_a_loop_is_one_not_that_there_is_none(
+    tmp_path: Path, where: str
+) -> None:
+    """A journal that is a symbolic link in a loop (`ln -s journal.jsonl journal.jsonl`), a
+    fleet GPU model's or a single sweep's: `dvfs cube build` said "no journal at X: run `dvfs
+    sweep` first (every measured cell is in X...)", contradicting itself, or that the folder was
+    no sweep's; it now says the link is in a loop and what to do, naming it."""
+    from conftest import TINY_EXACT
+
+    folder = tmp_path / "out"
+    if where == "fleet":
+        one = tmp_path / "one"
+        ran = CliRunner().invoke(
+            cli,
+            ["sweep", str(write(tmp_path / "c.toml", TINY_EXACT)), "-o", str(one), "--no-progress"],
+        )
+        assert ran.exit_code == 0, ran.output
+        write(folder / "gpu-a" / "journal.jsonl", (one / "journal.jsonl").read_text())
+        looped = folder / "gpu-b" / "journal.jsonl"
+    else:
+        looped = folder / "journal.jsonl"
+    looped.parent.mkdir(parents=True)
+    looped.symlink_to(looped.name)
+    built = CliRunner().invoke(cli, ["cube", "build", str(folder)])
+    assert built.exit_code == 1, built.output
+    [line] = built.stderr.splitlines()
+    assert line.startswith(f"Error: {looped} is a symbolic link in a loop"), line
+    assert "no journal" not in line and "every measured cell" not in line, line
+    assert "remove it" in line and not (folder / "cube.nc").exists()
