@@ -200,7 +200,10 @@ def guard(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             sys.exit(1)  # as rich does for its own output
         fail(describe_os_error(exc))
     except OSError as exc:
-        fail(describe_os_error(exc))
+        text = describe_os_error(exc)
+        if _stdout_failed(exc):  # what it holds would fail again as the interpreter exits
+            _silence_stdout()
+        fail(text)
     except UnicodeError as exc:
         fail(describe_unicode_error(exc))
     except MemoryError:
@@ -305,6 +308,11 @@ def describe_os_error(exc: OSError) -> str:
     code = exc.errno if isinstance(exc.errno, int) else 0
     reason = (exc.strerror or str(exc) or type(exc).__name__).rstrip(".")
     verb, words, advice = _OS_ERRORS.get(code, ("use", reason[:1].lower() + reason[1:], ""))
+    if path is None and _stdout_failed(exc):
+        # `dvfs cube info CUBE > /dev/full`: no path, and no option names where it goes
+        full = code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        advice = "free space where it is redirected, or " if full else ""
+        return f"cannot write to standard output: {words}; {advice}redirect it elsewhere"
     writing = verb == "write"
     param = _param_for(path, writing=writing) if path is not None else _single_output_param()
     if path is None and param is not None:
@@ -313,6 +321,22 @@ def describe_os_error(exc: OSError) -> str:
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+def _stdout_failed(exc: OSError) -> bool:
+    """Whether `exc` was raised writing standard output: the innermost frame of its traceback
+    writes it (`click.echo`'s `file`, a rich console's `self.file`)."""
+    import traceback
+
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    if not frames:
+        return False
+    out = sys.stdout
+    ours = {id(out), id(getattr(out, "buffer", None)), id(sys.__stdout__)}
+    for value in frames[-1][0].f_locals.values():
+        if id(value) in ours or id(getattr(value, "file", None)) in ours:
+            return True
+    return False
 
 
 def describe_unicode_error(exc: UnicodeError) -> str:
