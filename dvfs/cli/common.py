@@ -386,7 +386,8 @@ def _path_params(*, files_only: bool = False) -> list[tuple[str, Path, bool]]:
 
 def _param_for(path: Any, *, writing: bool = False) -> tuple[str, Path] | None:
     """The command's path option that `path` is, lies under, or is a folder of: the one it
-    is, else an output's, else an input's. A failed write under an input's folder (a cube
+    is, else an output's (a write beside an output file too: report.md's figures), else an
+    input's. A failed write under an input's folder (a cube
     written beside its journal by default) names the command's output option instead, even
     unset: another input is no way round a read-only or full disk."""
     try:
@@ -403,6 +404,11 @@ def _param_for(path: Any, *, writing: bool = False) -> tuple[str, Path] | None:
     for name, value, output in related:
         if output:
             return name, value
+    if writing:
+        # written beside an output file (report.md's figures, in report_figures/ beside it)
+        for name, value, output in _path_params():
+            if output and value.absolute().parent in failed.parents:
+                return name, value
     if writing and related:
         ctx = click.get_current_context(silent=True)
         for param in ctx.command.params if ctx is not None else []:
