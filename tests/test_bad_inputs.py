@@ -2724,3 +2724,31 @@ def test_a_report_figure_on_a_full_disk_names_the_reports_option(
     assert last.startswith(f"Error: cannot write {out.parent / 'report_figures'}"), last
     assert last.endswith("choose another --output"), last
 
+
+@pytest.mark.parametrize("suffix", [".md", ".html"])
+def test_report_figures_on_a_full_temporary_folder_say_so(
+    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    """`dvfs report` with the temporary folder full (where its figures are drawn first): it
+    said "cannot write /tmp/dvfs-report-.../energy_vs_clock_code.png: no space left on the
+    device; free space or choose another path", a path the user never gave; it now says the
+    temporary folder is full and to free space there or set TMPDIR."""
+    import errno
+    import os
+
+    from click.testing import CliRunner
+
+    import dvfs.plots
+
+    def full(cube: object, folder: str, **kw: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(folder, "a.png"))
+
+    monkeypatch.setattr(dvfs.plots, "plot_all", full)
+    out = tmp_path / "out" / f"report{suffix}"
+    result = CliRunner().invoke(cli, ["report", str(shared["sweep"]), "-o", str(out)])
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: cannot draw the report's figures in the temporary folder "), line
+    assert "set TMPDIR" in line and "choose another" not in line, line
+    assert not out.exists()
