@@ -312,6 +312,23 @@ def test_the_readme_says_how_to_remove_the_caps_a_failed_start_applied() -> None
     assert "1, either way, when a GPU has fallen off the bus" in codes, codes
 
 
+def test_protect_home_is_said_to_hide_the_python_a_venv_was_made_from_too() -> None:
+    """The README and the units said only that a dvfs (a venv) under /home, /root or /run/user
+    is hidden by ProtectHome; a venv in /opt made from a pyenv Python under /root links to it
+    (bin/python, pyvenv.cfg's home), hidden too, and the unit failed to start though the note
+    was followed. Each now says so, with what to check."""
+    readme = " ".join((UNIT.parent.parent / "README.md").read_text().split())
+    assert "nor the Python its virtualenv was made from" in readme
+    assert "`readlink -f /opt/dvfs/bin/python` must print a path outside those three" in readme
+    block = readme[readme.index("sudo python3 -m venv /opt/dvfs") :]
+    assert block.index("readlink -f /opt/dvfs/bin/python") < block.index("enable --now")
+    for unit in sorted(UNIT.parent.glob("*.service")):
+        text = " ".join(line.lstrip("# ") for line in unit.read_text().splitlines())
+        text = " ".join(text.split())
+        assert "nor the Python its venv was made from" in text, unit.name
+        assert "`readlink -f /opt/dvfs/bin/python` must print a path outside them" in text, unit
+
+
 # ------------------------------------------------------------------ every unit's dvfs commands
 
 EXEC_KEYS = ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecStop", "ExecStopPost", "ExecReload")
