@@ -52,6 +52,10 @@ def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> st
         errno.ENOTDIR: "part of that path is a file, not a folder: choose another --out",
         errno.EEXIST: "a file is in the way of that folder: choose another --out",
         errno.ENAMETOOLONG: "use a shorter path",
+        errno.ELOOP: (
+            "a symbolic link there leads back to itself (a loop): remove it or point it at a "
+            "file, or choose another --out"
+        ),
     }
     hint = hints.get(exc.errno or 0)
     return f"cannot {doing}{where}: {reason}" + (f"; {hint}" if hint else "")
