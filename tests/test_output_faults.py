@@ -40,3 +40,34 @@ def test_a_full_standard_output_is_said_to_be_standard_output(
     [line] = done.stderr.splitlines()
     assert line.startswith("Error: cannot write to standard output: no space left"), line
     assert "redirect it elsewhere" in line and "choose another path" not in line, line
+
+
+def test_a_full_file_other_than_standard_output_is_not_said_to_be_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write without a path that fails on another file (a console writing elsewhere) is not
+    taken for standard output, nor where the interpreter has none (`sys.__stdout__` None)."""
+    import errno
+    import io
+
+    from dvfs.cli.common import describe_os_error
+
+    class Full(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: object) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    class Console:
+        file = None
+
+    def write(handle: io.RawIOBase, console: Console) -> None:
+        handle.write(b"x")
+
+    monkeypatch.setattr("sys.__stdout__", None)
+    try:
+        write(Full(), Console())
+    except OSError as exc:
+        text = describe_os_error(exc)
+    assert "standard output" not in text and "no space left" in text, text

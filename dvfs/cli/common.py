@@ -332,9 +332,14 @@ def _stdout_failed(exc: OSError) -> bool:
     if not frames:
         return False
     out = sys.stdout
-    ours = {id(out), id(getattr(out, "buffer", None)), id(sys.__stdout__)}
+    streams = (out, getattr(out, "buffer", None), sys.__stdout__)
+    ours = {id(stream) for stream in streams if stream is not None}
     for value in frames[-1][0].f_locals.values():
-        if id(value) in ours or id(getattr(value, "file", None)) in ours:
+        try:
+            written = getattr(value, "file", None)
+        except Exception:  # a property that fails: not a console writing standard output
+            written = None
+        if id(value) in ours or (written is not None and id(written) in ours):
             return True
     return False
 
