@@ -38,6 +38,11 @@ class CubeError(DvfsError):
     """A cube is missing, of an unknown schema, or does not have the shape an analysis needs."""
 
 
+class NoJournalError(CubeError):
+    """A sweep folder's journal is missing, or is a path that cannot be opened (a symbolic link
+    in a loop or to nothing): nothing of the sweep's is in it to fix."""
+
+
 class MergeRefusedError(CubeError):
     """The cubes given to merge are readable but do not form one merge (other campaigns, the
     same GPU twice, a shard missing...): refused as invalid input, as a bad campaign is."""

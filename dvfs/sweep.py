@@ -42,6 +42,7 @@ from dvfs.errors import (
     GpuPermissionError,
     GpuUnavailableError,
     IncomparableCellsError,
+    NoJournalError,
     OutputRefusedError,
 )
 from dvfs.fleet.shard import Shard, planned_cells
@@ -266,6 +267,8 @@ def _with_cube(summary: RunSummary, journal_path: Path, out_dir: Path) -> SweepO
         cube_path = write_cube(cube, out_dir / CUBE_NAME)
     except IncomparableCellsError:
         raise  # nothing to fix in the folder: the message says where to rerun
+    except NoJournalError:
+        raise  # no journal to hold the cells: the message says what is there
     except CubeError as exc:
         raise CubeError(f"{exc} {_cells_kept(journal_path, out_dir)}") from exc
     except OutputRefusedError as exc:  # a pipe no program reads from where cube.nc goes

@@ -2723,3 +2723,60 @@ def test_a_header_edited_to_what_a_cube_cannot_keep_is_no_internal_error(
     assert result.exit_code != 70, result.output
     if result.exit_code:
         assert "a record lacks what a cube needs" in result.output, result.output
+
+
+def test_a_report_figure_on_a_full_disk_names_the_reports_option(
+    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs report CUBE -o report.md` on a disk that fills as a figure is written (beside
+    report.md, in report_figures/): the figure is named by no option, and the refusal said
+    "choose another path"; the report's option is --output, which it now names."""
+    import errno
+    import os
+
+    from click.testing import CliRunner
+
+    import dvfs.cli.report
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dvfs.cli.report.os, "fsync", full)
+    out = tmp_path / "out" / "report.md"
+    out.parent.mkdir()
+    result = CliRunner().invoke(cli, ["report", str(shared["sweep"]), "-o", str(out)])
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # no traceback
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith(f"Error: cannot write {out.parent / 'report_figures'}"), last
+    assert last.endswith("choose another --output"), last
+
+
+@pytest.mark.parametrize("suffix", [".md", ".html"])
+def test_report_figures_on_a_full_temporary_folder_say_so(
+    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    """`dvfs report` with the temporary folder full (where its figures are drawn first): it
+    said "cannot write /tmp/dvfs-report-.../energy_vs_clock_code.png: no space left on the
+    device; free space or choose another path", a path the user never gave; it now says the
+    temporary folder is full and to free space there or set TMPDIR."""
+    import errno
+    import os
+
+    from click.testing import CliRunner
+
+    import dvfs.plots
+
+    def full(cube: object, folder: str, **kw: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(folder, "a.png"))
+
+    monkeypatch.setattr(dvfs.plots, "plot_all", full)
+    out = tmp_path / "out" / f"report{suffix}"
+    result = CliRunner().invoke(cli, ["report", str(shared["sweep"]), "-o", str(out)])
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: cannot draw the report's figures in the temporary folder "), line
+    assert "set TMPDIR" in line and "choose another" not in line, line
+    assert not out.exists()

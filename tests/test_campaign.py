@@ -537,3 +537,19 @@ def test_more_repeats_than_a_journal_reads_back_are_refused(tmp_path: Path) -> N
     expect_error(tmp_path, text, "measurement.max_repeats", f"use at most {most}")
     text = replace_block(SMALL_CAMPAIGN, "repeats = 2\n", f"repeats = {most + 1}\n")
     expect_error(tmp_path, text, "measurement.repeats", f"use at most {most}")
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("", "is empty"), ("\n  \n", "is empty"), ("# to do\n", "holds no settings, only comments")],
+)
+def test_an_empty_campaign_file_is_said_to_be_empty(tmp_path: Path, text: str, says: str) -> None:
+    """An empty campaign file (or one of comments alone) was refused for the first setting it
+    lacks, "gpu.profile: the twin needs a GPU profile", as if the rest were there; it is now
+    said to be empty, with where to start one."""
+    path = write(tmp_path / "c.toml", text)
+    with pytest.raises(CampaignError) as caught:
+        load_campaign(path)
+    message = str(caught.value)
+    assert message.startswith(f"campaign file {path} {says}:"), message
+    assert "gpu.profile" not in message and "demo.toml" in message, message

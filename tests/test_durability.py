@@ -397,7 +397,8 @@ def test_a_full_disk_inside_an_inflight_groups_write_leaves_none_of_it(tmp_path:
     out = tmp_path / "out"
     full = _run_capped(argv(out), (first + second) // 2, tmp_path)
     assert full.returncode == 1, full.stderr
-    assert full.stderr.splitlines()[-1] == "Error: cannot write the journal: File too large"
+    last = full.stderr.splitlines()[-1]
+    assert last == f"Error: cannot write the journal {out / 'journal.jsonl'}: File too large"
     cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(cells) == 2, "the first group whole, none of the second"
     resumed = CliRunner().invoke(cli, argv(out))
@@ -477,7 +478,7 @@ def test_a_write_cut_back_keeps_the_runs_session_for_the_next(
     argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
     full = CliRunner().invoke(cli, argv)
     assert full.exit_code == 1 and failed, full.output
-    assert "cannot write the journal: No space left on device" in full.output
+    assert f"cannot write the journal {out / 'journal.jsonl'}: No space left" in full.output
     kinds = [r["type"] for r in read_records(out / "journal.jsonl")]
     assert "cell" in kinds, "the workers' last shipments are journalled on the way out"
     assert kinds.count("session") == 1 and kinds.index("session") == 1, kinds

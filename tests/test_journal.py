@@ -439,3 +439,20 @@ def test_cube_builds_fresh_advice_names_the_sweeps_command(swept: tuple[Path, Pa
     fresh = invoke(*argv[1:], "--no-progress")
     assert fresh.exit_code == 0, fresh.output
     assert invoke("cube", "build", str(out)).exit_code == 0
+
+
+def test_a_sweep_whose_journal_is_a_symbolic_link_in_a_loop_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """`ln -s journal.jsonl journal.jsonl` in a sweep's --out: the sweep said "cannot write the
+    journal ...: Too many levels of symbolic links" and no more; it now says the link is in a
+    loop and what to do, in one line."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").symlink_to("journal.jsonl")
+    campaign = write(tmp_path / "c.toml", TINY)
+    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 1, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"Error: cannot write the journal {out / 'journal.jsonl'}: "), last
+    assert "leads back to itself (a loop): remove it" in last, last

@@ -1022,9 +1022,17 @@ def test_cube_build_says_what_to_do_with_a_models_journal_that_is_no_file(
     built = CliRunner().invoke(cli, ["cube", "build", str(fleet)])
     assert built.exit_code == 1, built.output
     [line] = built.stderr.splitlines()
-    what = "a folder" if kind == "folder" else "a symbolic link to no file (or in a loop)"
-    assert line.startswith(f"Error: {damaged} is {what}, so no dvfs journal: "), line
-    assert "move it aside" in line and "run `dvfs sweep` first" not in line, line
+    assert "run `dvfs sweep` first" not in line, line
+    if kind == "folder":
+        assert line.startswith(f"Error: {damaged} is a folder, so no dvfs journal: "), line
+        assert "move it aside" in line, line
+        return
+    what = {
+        "dangling link": "a symbolic link to elsewhere.jsonl, which does not exist",
+        "link loop": "a symbolic link in a loop (it leads back to itself), not a journal",
+    }[kind]
+    assert line.startswith(f"Error: {damaged} is {what}: "), line
+    assert "point it at the sweep's journal.jsonl, or remove it" in line, line
 
 
 @pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
@@ -1047,3 +1055,35 @@ def test_a_sweep_whose_cube_goes_to_a_pipe_no_program_reads_says_its_cells_are_k
     assert line.startswith(f"Error: {out / 'cube.nc'} is a named pipe no program reads from"), line
     assert "(every measured cell is in " in line, line
     assert f"`dvfs cube build {out}` writes the cube" in line, line
+
+
+@pytest.mark.parametrize("where", ["fleet", "single"])
+def test_cube_build_says_a_journal_linked_in_a_loop_is_one_not_that_there_is_none(
+    tmp_path: Path, where: str
+) -> None:
+    """A journal that is a symbolic link in a loop (`ln -s journal.jsonl journal.jsonl`), a
+    fleet GPU model's or a single sweep's: `dvfs cube build` said "no journal at X: run `dvfs
+    sweep` first (every measured cell is in X...)", contradicting itself, or that the folder was
+    no sweep's; it now says the link is in a loop and what to do, naming it."""
+    from conftest import TINY_EXACT
+
+    folder = tmp_path / "out"
+    if where == "fleet":
+        one = tmp_path / "one"
+        ran = CliRunner().invoke(
+            cli,
+            ["sweep", str(write(tmp_path / "c.toml", TINY_EXACT)), "-o", str(one), "--no-progress"],
+        )
+        assert ran.exit_code == 0, ran.output
+        write(folder / "gpu-a" / "journal.jsonl", (one / "journal.jsonl").read_text())
+        looped = folder / "gpu-b" / "journal.jsonl"
+    else:
+        looped = folder / "journal.jsonl"
+    looped.parent.mkdir(parents=True)
+    looped.symlink_to(looped.name)
+    built = CliRunner().invoke(cli, ["cube", "build", str(folder)])
+    assert built.exit_code == 1, built.output
+    [line] = built.stderr.splitlines()
+    assert line.startswith(f"Error: {looped} is a symbolic link in a loop"), line
+    assert "no journal" not in line and "every measured cell" not in line, line
+    assert "remove it" in line and not (folder / "cube.nc").exists()

@@ -430,6 +430,17 @@ def _built_in_hint(path: Path) -> str:
     )
 
 
+def _demo_hint() -> str:
+    """Where the demo campaign dvfs ships is, in parentheses ("" when not found)."""
+    from importlib import resources
+
+    try:
+        shipped = resources.files("dvfs.campaigns").joinpath("demo.toml")
+        return f" ({shipped})" if shipped.is_file() else ""
+    except (OSError, ValueError):
+        return ""
+
+
 def load_campaign(path: str | Path) -> Campaign:
     """Read and validate a campaign file."""
     from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
@@ -451,4 +462,10 @@ def load_campaign(path: str | Path) -> Campaign:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise CampaignError(f"{path}: not valid TOML: {exc}") from exc
+    if not data:  # else refused for the first setting it lacks, as if the rest were there
+        what = "holds no settings, only comments" if text.strip() else "is empty"
+        raise CampaignError(
+            f"campaign file {path} {what}: is it the campaign file? Write its settings, or copy "
+            f"the demo campaign dvfs ships{_demo_hint()} to start one"
+        )
     return parse_campaign(data, where=str(path), source=text, base_dir=str(path.parent.resolve()))

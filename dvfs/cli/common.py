@@ -206,7 +206,10 @@ def guard(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             sys.exit(1)  # as rich does for its own output
         fail(describe_os_error(exc))
     except OSError as exc:
-        fail(describe_os_error(exc))
+        text = describe_os_error(exc)
+        if _stdout_failed(exc):  # what it holds would fail again as the interpreter exits
+            _silence_stdout()
+        fail(text)
     except UnicodeError as exc:
         fail(describe_unicode_error(exc))
     except MemoryError:
@@ -311,6 +314,11 @@ def describe_os_error(exc: OSError) -> str:
     code = exc.errno if isinstance(exc.errno, int) else 0
     reason = (exc.strerror or str(exc) or type(exc).__name__).rstrip(".")
     verb, words, advice = _OS_ERRORS.get(code, ("use", reason[:1].lower() + reason[1:], ""))
+    if path is None and _stdout_failed(exc):
+        # `dvfs cube info CUBE > /dev/full`: no path, and no option names where it goes
+        full = code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        advice = "free space where it is redirected, or " if full else ""
+        return f"cannot write to standard output: {words}; {advice}redirect it elsewhere"
     writing = verb == "write"
     param = _param_for(path, writing=writing) if path is not None else _single_output_param()
     if path is None and param is not None:
@@ -319,6 +327,27 @@ def describe_os_error(exc: OSError) -> str:
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+def _stdout_failed(exc: OSError) -> bool:
+    """Whether `exc` was raised writing standard output: the innermost frame of its traceback
+    writes it (`click.echo`'s `file`, a rich console's `self.file`)."""
+    import traceback
+
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    if not frames:
+        return False
+    out = sys.stdout
+    streams = (out, getattr(out, "buffer", None), sys.__stdout__)
+    ours = {id(stream) for stream in streams if stream is not None}
+    for value in frames[-1][0].f_locals.values():
+        try:
+            written = getattr(value, "file", None)
+        except Exception:  # a property that fails: not a console writing standard output
+            written = None
+        if id(value) in ours or (written is not None and id(written) in ours):
+            return True
+    return False
 
 
 def describe_unicode_error(exc: UnicodeError) -> str:
@@ -368,7 +397,8 @@ def _path_params(*, files_only: bool = False) -> list[tuple[str, Path, bool]]:
 
 def _param_for(path: Any, *, writing: bool = False) -> tuple[str, Path] | None:
     """The command's path option that `path` is, lies under, or is a folder of: the one it
-    is, else an output's, else an input's. A failed write under an input's folder (a cube
+    is, else an output's (a write beside an output file too: report.md's figures), else an
+    input's. A failed write under an input's folder (a cube
     written beside its journal by default) names the command's output option instead, even
     unset: another input is no way round a read-only or full disk."""
     try:
@@ -385,6 +415,11 @@ def _param_for(path: Any, *, writing: bool = False) -> tuple[str, Path] | None:
     for name, value, output in related:
         if output:
             return name, value
+    if writing:
+        # written beside an output file (report.md's figures, in report_figures/ beside it)
+        for name, value, output in _path_params():
+            if output and value.absolute().parent in failed.parents:
+                return name, value
     if writing and related:
         ctx = click.get_current_context(silent=True)
         for param in ctx.command.params if ctx is not None else []:

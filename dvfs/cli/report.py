@@ -124,18 +124,29 @@ def _make_folder(folder: Path, made: list[Path]) -> None:
 def _figures(cube: object, options: ReportOptions) -> list[tuple[str, bytes]]:
     """Every figure `dvfs plot` draws, as (name relative to its folder, PNG bytes), their
     chosen settings those of the report's headroom table (its target, knob and confidence)."""
+    from dvfs.errors import DvfsError
     from dvfs.plots import plot_all
 
     with tempfile.TemporaryDirectory(prefix="dvfs-report-") as tmp:
-        paths = plot_all(
-            cube,  # type: ignore[arg-type]
-            tmp,
-            fmt="png",
-            target=options.target,
-            knob=options.knob,
-            confidence=options.confidence,
-            drafters=options.drafter,
-        )
+        try:
+            paths = plot_all(
+                cube,  # type: ignore[arg-type]
+                tmp,
+                fmt="png",
+                target=options.target,
+                knob=options.knob,
+                confidence=options.confidence,
+                drafters=options.drafter,
+            )
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # not the report's path: --output is no way round it
+            raise DvfsError(
+                f"cannot draw the report's figures in the temporary folder "
+                f"{tempfile.gettempdir()}: "
+                f"{exc.strerror}; free space there, or set TMPDIR to a folder with room"
+            ) from exc
         return [(p.relative_to(tmp).as_posix(), p.read_bytes()) for p in paths]
 
 

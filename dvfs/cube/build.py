@@ -5,6 +5,7 @@ grid's arrays, whatever the journal's length); cells not (yet) measured are NaN.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from dvfs.cube.schema import (
     VARIABLES,
 )
 from dvfs.engines.base import SPLIT_PARTS
-from dvfs.errors import CubeError, IncomparableCellsError, JournalError
+from dvfs.errors import CubeError, IncomparableCellsError, JournalError, NoJournalError
 from dvfs.measure.journal import FRESH, iter_records, read_records
 from dvfs.measure.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
 from dvfs.records import (
@@ -139,16 +140,30 @@ def _headless(path: Path, first: dict[str, Any] | None) -> CubeError:
     )
 
 
-def _no_journal(path: Path) -> CubeError:
-    """`path` is no journal that can be opened: none there, which a sweep writes, or a
-    symbolic link to no file or in a loop (a fleet's model's journal is kept so, not left
-    out of the cube), which no sweep mends."""
-    if os.path.lexists(path):
-        return CubeError(
-            f"{path} is a symbolic link to no file (or in a loop), so no dvfs journal: point "
-            "it at the journal, or move it aside"
+def no_journal(path: Path) -> NoJournalError:
+    """The refusal of a journal `path.exists()` denies: none there, or a path there that cannot
+    be opened (a symbolic link in a loop or to nothing), which a sweep does not fix."""
+    if not os.path.lexists(path):
+        return NoJournalError(f"no journal at {path}: run `dvfs sweep` first")
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return NoJournalError(
+                f"{path} is a symbolic link in a loop (it leads back to itself), not a journal: "
+                "point it at the sweep's journal.jsonl, or remove it and rerun its `dvfs sweep` "
+                "command"
+            )
+        if exc.errno == errno.ENOENT and path.is_symlink():
+            return NoJournalError(
+                f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: point "
+                "it at the sweep's journal.jsonl, or remove it and rerun its `dvfs sweep` command"
+            )
+        return NoJournalError(
+            f"cannot read the journal {path}: {exc.strerror or exc}; check the path and its "
+            "permissions"
         )
-    return CubeError(f"no journal at {path}: run `dvfs sweep` first")
+    return NoJournalError(f"no journal at {path}: run `dvfs sweep` first")
 
 
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
@@ -156,7 +171,7 @@ def read_journal(path: str | Path) -> list[dict[str, Any]]:
     it is missing, headless or from a newer dvfs."""
     path = Path(path)
     if not path.exists():
-        raise _no_journal(path)
+        raise no_journal(path)
     records = read_records(path)
     if not records or records[0].get("type") != "header":
         raise _headless(path, records[0] if records else None)
@@ -629,7 +644,7 @@ def build_cube(
     journal once."""
     path = Path(journal_path)
     if not path.exists():
-        raise _no_journal(path)
+        raise no_journal(path)
     records = iter_records(path)
     try:
         first = next(records, None)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dvfs.errors import CubeError, IncomparableCellsError, MergeRefusedError
+from dvfs.errors import CubeError, IncomparableCellsError, MergeRefusedError, NoJournalError
 from dvfs.fleet.shard_journal import has_sessions
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def cube_journals(out_dir: Path) -> list[Path]:
     from dvfs.measure.journal import JOURNAL_NAME
 
     own = out_dir / JOURNAL_NAME
-    if own.exists():
+    if os.path.lexists(own):  # a link in a loop too, for the journal's reader to refuse
         return [own]
     # A model's journal that is no regular file (a folder, a FIFO, a link in a loop) is kept,
     # for the journal's reader to refuse: left out, the cube was built without that model.
@@ -57,6 +57,8 @@ def write_cubes(
             ds = shard_cube(journal)
         except IncomparableCellsError:
             raise  # nothing to fix in the folder: the message says where to rerun
+        except NoJournalError:
+            raise  # no journal to hold the cells: the message says what is there
         except CubeError as exc:
             raise CubeError(
                 # the fleet's folder: a GPU model's own (the journal's) rebuilds its cube

@@ -52,6 +52,10 @@ def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> st
         errno.ENOTDIR: "part of that path is a file, not a folder: choose another --out",
         errno.EEXIST: "a file is in the way of that folder: choose another --out",
         errno.ENAMETOOLONG: "use a shorter path",
+        errno.ELOOP: (
+            "a symbolic link there leads back to itself (a loop): remove it or point it at a "
+            "file, or choose another --out"
+        ),
     }
     hint = hints.get(exc.errno or 0)
     return f"cannot {doing}{where}: {reason}" + (f"; {hint}" if hint else "")
@@ -363,7 +367,9 @@ class Journal:
         except OSError as exc:
             # A write cut short is cut back off (`_write`), or its torn last line the next
             # open drops.
-            raise JournalError(describe_os_error(exc, "write the journal")) from exc
+            raise JournalError(
+                describe_os_error(exc, f"write the journal {self.path}", show_file=False)
+            ) from exc
         # A cell is noted by its key and status; the rare others as stored (JSON types).
         for record, line in zip(records, lines, strict=True):
             self._note(record if record.get("type") == "cell" else json.loads(line))
@@ -391,7 +397,9 @@ class Journal:
             try:
                 (self._fsync or os.fsync)(self._fd)
             except OSError as exc:
-                raise JournalError(describe_os_error(exc, "write the journal")) from exc
+                raise JournalError(
+                    describe_os_error(exc, f"write the journal {self.path}", show_file=False)
+                ) from exc
             self._dirty = False
         self._synced_at = self._monotonic()
 
