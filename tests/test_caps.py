@@ -1241,6 +1241,52 @@ def test_a_cap_neither_recorded_nor_taken_back_is_said_and_stops_the_apply(
     assert held == [[210, 1410], None]  # the next GPU was not changed
 
 
+@pytest.mark.parametrize("second", ["lock", "unchanged limit"])
+def test_a_later_gpus_full_disk_says_the_earlier_gpus_failures_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second: str
+) -> None:
+    """GPU 0's power limit failed (its lock kept, and recorded), then the disk filled up
+    under GPU 1's record write: the user saw only "no space left", GPU 0's failure (and the
+    lock it keeps) unsaid. Every failure is said in one line, GPU 0's first."""
+    import errno
+
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.errors import CapsRecordError
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    record = AppliedCaps(tmp_path / "state")
+    real_write, writes = record.write, []
+
+    def full_after_the_first(records: dict) -> None:
+        writes.append(records)
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(record.path))
+        real_write(records)
+
+    monkeypatch.setattr(record, "write", full_after_the_first)
+    nvml.fake_update_device(0, errors={"nvmlDeviceSetPowerManagementLimit": 999})
+    with open_nvml_gpus([0, 1], nvml=nvml) as (first, other):
+        stock_mw = other.power_limit_mw()
+        actions = [CapAction(0, first.identity.uuid, (210, 1410), 400_000, stock_mw)]
+        if second == "lock":  # its record fails: the lock is taken back off it
+            actions.append(CapAction(1, other.identity.uuid, (210, 1410), 400_000, stock_mw))
+        else:  # a limit it holds already: nothing to take back, the record's write fails
+            actions.append(CapAction(1, other.identity.uuid, None, stock_mw, stock_mw))
+        with pytest.raises(CapsRecordError) as raised:
+            apply_actions(actions, [first, other], record, "caps.toml")
+    message = str(raised.value)
+    assert "\n" not in message
+    gpu0 = message.index("GPU 0: cannot set the power limit")
+    assert "(GPU 0 was changed before that: SM clock locked to 210-1410 MHz)" in message
+    disk = message.index(f"cannot write {record.path}: no space left on device")
+    assert gpu0 < disk  # the earlier GPU's first, then the disk's
+    assert message.endswith("; free space there, then apply the caps again"), message
+    assert raised.value.exit_code == 1
+    held = [d["locked_clocks"] for d in nvml.fake_state()["devices"][:2]]
+    assert held == [[210, 1410], None]
+    assert AppliedCaps(tmp_path / "state").locks() == {first.identity.uuid: (210, 1410)}
+
+
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
     """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
     record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk

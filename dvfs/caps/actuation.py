@@ -709,6 +709,20 @@ def apply_actions(
                 ),
             )
             continue
+        except (CapsRecordError, OSError) as exc:
+            # The record cannot be written (a full disk): no GPU after this one is changed.
+            # The failures gathered on the GPUs before it are said first, not hidden by it.
+            if not failures.messages:
+                raise
+            if isinstance(exc, OSError):  # a change recorded gone (nothing left unrecorded)
+                why = record_problem(exc)
+                exc = CapsRecordError(
+                    f"cannot write {exc.filename or record.path}: {why[:1].lower() + why[1:]}; "
+                    "free space there, then apply the caps again"
+                )
+            raise CapsRecordError(
+                "could not apply caps: " + "; ".join([*failures.messages, str(exc)])
+            ) from exc
         done(action)
     failures.raise_if_any("could not apply caps: ")
 
