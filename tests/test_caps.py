@@ -1241,6 +1241,100 @@ def test_a_cap_neither_recorded_nor_taken_back_is_said_and_stops_the_apply(
     assert held == [[210, 1410], None]  # the next GPU was not changed
 
 
+def _driver_caps(tmp_path: Path, nvml) -> Path:
+    caps = tmp_path / "caps.toml"
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    return caps
+
+
+NOT_LOADED = "cannot initialise NVML: the NVIDIA driver is installed but its kernel module is not"
+WAITING = "the NVIDIA kernel module is not loaded yet (NVML says so): waiting up to"
+
+
+def test_cap_apply_waits_for_the_driver_until_it_loads(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caps unit at boot, the driver not loaded yet: `--wait-for-driver` tries NVML again
+    (the unit's Restart= could not: systemd before 244 refuses it on a oneshot unit), saying
+    once that it waits, and applies the caps once the driver is there."""
+    import dvfs.gpu.nvml
+
+    caps = _driver_caps(tmp_path, nvml)
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    slept: list[float] = []
+
+    def driver_loads_at_the_second_try(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 2:  # the module is loaded now
+            monkeypatch.delenv("DVFS_FAKE_NVML_INIT_ERROR")
+
+    monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", driver_loads_at_the_second_try)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--wait-for-driver", "300"])
+    assert result.exit_code == 0, result.output
+    assert slept == [dvfs.gpu.nvml.DRIVER_POLL_S] * 2
+    [said] = [line for line in result.stderr.splitlines() if "waiting" in line]
+    assert said.startswith(f"{WAITING} 300 s for it, trying again every "), said
+    assert "applied caps to 1 GPU(s)" in result.output
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+
+
+@pytest.mark.parametrize("wait", ["0", "1"])
+def test_cap_apply_fails_as_before_without_the_driver(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str
+) -> None:
+    """No --wait-for-driver (0): no wait, today's line. A wait whose time is spent: the same
+    line, once it said it waits."""
+    import dvfs.gpu.nvml
+
+    caps = _driver_caps(tmp_path, nvml)
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        import time
+
+        time.sleep(seconds)
+
+    monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", sleep)
+    extra = [] if wait == "0" else ["--wait-for-driver", wait]
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *extra])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert lines[-1].startswith(f"Error: {NOT_LOADED} loaded: load it"), lines
+    waits = [line for line in lines if line.startswith(WAITING)]
+    assert len(waits) == (0 if wait == "0" else 1), lines
+    assert (slept == []) == (wait == "0"), slept
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+@pytest.mark.parametrize("refusal", ["no permission", "no GPU it names", "no driver"])
+def test_cap_apply_waits_for_nothing_but_the_driver(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    """A refusal waiting does not fix is said at once, --wait-for-driver or not."""
+    import dvfs.gpu.nvml
+
+    caps = _driver_caps(tmp_path, nvml)
+    code = {"no permission": 4, "no GPU it names": 2, "no driver": 1}[refusal]
+    if refusal == "no permission":
+        monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_NO_PERMISSION))
+    elif refusal == "no driver":
+        monkeypatch.setenv("DVFS_FAKE_NVML_MISSING", "1")
+    else:
+        caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-elsewhere", power_limit_w=450.0),))))
+
+    def never(seconds: float) -> None:
+        raise AssertionError(f"waited {seconds} s on {refusal}")
+
+    monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", never)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--wait-for-driver", "300"])
+    assert result.exit_code == code, result.output
+    assert WAITING not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("Error: "), result.stderr
+
+
 @pytest.mark.parametrize("second", ["lock", "unchanged limit"])
 def test_a_later_gpus_full_disk_says_the_earlier_gpus_failures_too(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second: str

@@ -224,6 +224,16 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     is_flag=True,
     help="Apply caps planned from a digital-twin cube, matched by GPU model name.",
 )
+@click.option(
+    "--wait-for-driver",
+    "wait_for_driver_s",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="SECONDS",
+    help="While NVML says the NVIDIA kernel module is not loaded (at boot, before the driver "
+    "is up), try again every few seconds for up to SECONDS before failing.",
+)
 @state_dir_option
 @handle_errors
 @dry_run_reads_gpus(
@@ -235,6 +245,7 @@ def apply(
     dry_run: bool,
     skip_missing: bool,
     allow_simulated: bool,
+    wait_for_driver_s: int,
     state_dir: Path | None,
 ) -> None:
     """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID or model (needs root).
@@ -250,7 +261,8 @@ def apply(
     unreadable: one may name it), once the other GPUs are capped (none, if the file matches
     none of them); 3, changing nothing, when another dvfs
     holds a GPU it would cap (naming one fallen off the bus too). Models not on this host, and
-    GPUs here that no entry names, are only noted.
+    GPUs here that no entry names, are only noted. With --wait-for-driver, a kernel module not
+    loaded yet is waited for (the caps unit at boot); nothing else is.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
@@ -264,6 +276,17 @@ def apply(
     from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
+    if wait_for_driver_s:  # once the file is read: a file refused is not waited on
+        from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver
+
+        wait_for_driver(
+            wait_for_driver_s,
+            lambda: click.echo(
+                f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting up to "
+                f"{wait_for_driver_s} s for it, trying again every {DRIVER_POLL_S:g} s",
+                err=True,
+            ),
+        )
     failed: GpuError | None = None  # writes that failed, once the other GPUs are capped
     # A dry run needs no root: it reads the caps in force where root recorded them.
     directory = state_dir or (records_dir() if dry_run else default_state_dir())

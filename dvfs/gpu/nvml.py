@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
@@ -414,6 +415,48 @@ def nvml_session(
         except Exception as exc:  # a failed shutdown must not mask the real outcome
             log.warning("nvmlShutdown failed: %s", exc)
         worker.close()
+
+
+#: How often `wait_for_driver` tries NVML again while the NVIDIA kernel module is not loaded.
+DRIVER_POLL_S = 5.0
+
+
+def wait_for_driver(
+    wait_s: float, waiting: Callable[[], None], nvml: ModuleType | None = None
+) -> None:
+    """Return once NVML starts, or at once where it fails for any reason but the NVIDIA kernel
+    module not being loaded yet (no driver, a refusal: waiting does not fix those); while it is
+    not loaded (at boot: a DKMS build after a kernel update), NVML is tried again every
+    `DRIVER_POLL_S`, `waiting` hearing it once, for at most `wait_s` seconds. It never raises:
+    the command then starts NVML as it would without waiting, and says any failure itself."""
+    if wait_s <= 0:
+        return
+    deadline = time.monotonic() + wait_s
+    told = False
+    try:
+        module = nvml or load_pynvml()
+    except GpuError:  # no NVML at all: no driver to wait for
+        return
+    not_loaded = NvmlErrors(module).driver_not_loaded
+    while True:
+        try:
+            with nvml_session(module):
+                return
+        except GpuError as exc:
+            if getattr(exc.__cause__, "value", None) != not_loaded:
+                return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        if not told:
+            waiting()
+            told = True
+        _sleep(min(DRIVER_POLL_S, left))
+
+
+def _sleep(seconds: float) -> None:
+    """`time.sleep`, apart so that a test can play the driver loading meanwhile."""
+    time.sleep(seconds)
 
 
 def device_count(nvml: ModuleType, *, deadline_s: float | None = None) -> int:
