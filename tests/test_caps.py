@@ -2649,6 +2649,34 @@ def test_cap_apply_names_a_lost_gpu_beside_one_whose_caps_failed(nvml, tmp_path:
     assert "fallen off the bus" in error, error
 
 
+def test_cap_apply_names_a_lost_gpu_beside_a_full_disk(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap apply` with GPU 0 fallen off the bus and the caps record unwritable (a full disk)
+    said only the disk's line: the lost GPU, which the README says is named, went unsaid.
+    The one error names both, the disk's first."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    def full(self: AppliedCaps, records: dict) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", full)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500),)))
+    )
+    nvml.fake_update_device(0, lost=True)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    disk = error.index("no space left on device, so GPU 1's SM clock lock")
+    assert disk < error.index("GPU 0") and "fallen off the bus" in error, error
+    assert nvml.fake_device_state(1)["locked_clocks"] is None  # taken back, as before
+
+
 def test_an_apply_failing_on_one_gpu_still_warns_of_the_others_and_notes_them(
     nvml, tmp_path: Path
 ) -> None:

@@ -272,7 +272,13 @@ def apply(
         load_caps,
         plan_actions,
     )
-    from dvfs.errors import CapsError, GpuError, GpuPermissionError, GpuUnavailableError
+    from dvfs.errors import (
+        CapsError,
+        CapsRecordError,
+        GpuError,
+        GpuPermissionError,
+        GpuUnavailableError,
+    )
     from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
@@ -365,6 +371,11 @@ def apply(
                 # Writes failed on some GPUs, the others capped: a GPU fallen off the bus is
                 # still named, beside the failure.
                 failed = exc
+            except CapsRecordError as exc:
+                # The record cannot be written (a full disk): the GPUs withheld and those fallen
+                # off the bus are still named, after it, as beside a GPU's failure.
+                exc.args = ("; ".join(p for p in (str(exc), withheld, lost_line) if p),)
+                raise
             else:
                 out.print(f"applied caps to {len(plan.actions)} GPU(s)")
             volatile = {u: g for u, g in volatile.items() if u in applied}  # those capped
