@@ -106,6 +106,22 @@ def test_the_language_comes_from_the_words_and_the_script() -> None:
     assert other.acceptance_class == "romansh"  # the non-English row
 
 
+def test_each_trained_drafters_romansh_row_is_its_english_row_times_the_language_ratio() -> None:
+    """acceptance.toml: no Romansh measurement exists; A4's English/Chinese ratio (6.4 against
+    3.3, 0.52) is applied to each trained drafter's english (prose) value, and DFLASH's other
+    classes are its GSM8K 6.40 scaled by EAGLE-3's ratios to math. DFLASH's romansh was A4's
+    Chinese GSM8K figure (3.30) itself: non-English math, 16% above what either rule gives
+    for the prose the romansh row stands for (2.85)."""
+    priors = acceptance_priors()
+    for family in ("eagle3", "standalone", "dflash"):
+        prior = priors[family]
+        assert prior.tau("romansh") == pytest.approx(prior.tau("english") * 0.52, abs=0.01)
+    eagle3, dflash = priors["eagle3"], priors["dflash"]
+    for name in textprior.CLASSES:
+        scaled = dflash.tau("math") * eagle3.tau(name) / eagle3.tau("math")
+        assert dflash.tau(name) == pytest.approx(scaled, abs=0.01), name
+
+
 def test_code_is_code_in_any_language() -> None:
     code = "def suma(a, b):\n    # returna la summa\n    return a + b\n\nprint(suma(1, 2))\n"
     text = textprior.profile([[f"Scriva in test per quai:\n\n{code}"]])
