@@ -50,6 +50,11 @@ CHANGED_SINCE_REFERENCE = {
     "sm_clock_observed_mhz": "the idle closing reading's clock no longer in the mean",
     "clock_event_reasons": "the idle closing reading's GpuIdle (0x1) no longer in the reasons",
 }
+#: Drafters whose every cell changed on purpose since the reference, left out of the comparison.
+DRAFTERS_CHANGED_SINCE_REFERENCE = {
+    "dflash": "its Romansh acceptance corrected to the romansh rule (3.30 -> 2.85, 737e4be); its "
+    "cells share one simulated timeline, so those of every corpus move",
+}
 TARGET_SWEEP_CPU_S = 15.0
 TARGET_SPEEDUP = 4.0
 TARGET_PLOT_S = 5.0
@@ -291,14 +296,22 @@ def main() -> None:
     )
     cube = "cube.nc"
     changed = frozenset(CHANGED_SINCE_REFERENCE)
+    drafters = frozenset(DRAFTERS_CHANGED_SINCE_REFERENCE)
     same, lines, n = compare(
-        work / "demo-ref" / cube, work / "demo-new" / cube, opts.rtol, leave_out=changed
+        work / "demo-ref" / cube,
+        work / "demo-new" / cube,
+        opts.rtol,
+        leave_out=changed,
+        leave_out_drafters=drafters,
     )
     print(
         f"[{verdict(same)}] new demo cube equals the reference's ({opts.reference}): "
         f"{n} variables and coordinates, rtol {opts.rtol:g}, NaN == NaN"
         + (f"; left out, changed on purpose: {', '.join(sorted(changed))}" if changed else "")
+        + (f"; drafters left out: {', '.join(sorted(drafters))}" if drafters else "")
     )
+    for drafter, why in DRAFTERS_CHANGED_SINCE_REFERENCE.items():
+        print(f"[info] drafter {drafter} left out: {why}")
     for line in lines:
         print(f"  {line}")
     _, on_purpose, _ = compare(work / "demo-ref" / cube, work / "demo-new" / cube, opts.rtol)

@@ -51,13 +51,29 @@ def added(a_path: Path, b_path: Path) -> list[str]:
         return sorted(_names(b) - _names(a))
 
 
+def _without(ds: xr.Dataset, drafters: frozenset[str]) -> xr.Dataset:
+    """`ds` without the drafters named (by their labels, `drafter_label`, as a cube file keeps
+    them; the `drafter` coordinate holds their indices)."""
+    if not drafters or "drafter" not in ds.dims:
+        return ds
+    labels = ds["drafter_label"].values if "drafter_label" in ds else ds["drafter"].values
+    kept = [i for i, label in enumerate(labels) if str(label) not in drafters]
+    return ds.isel(drafter=kept)
+
+
 def compare(
-    a_path: Path, b_path: Path, rtol: float = 1e-9, leave_out: frozenset[str] = frozenset()
+    a_path: Path,
+    b_path: Path,
+    rtol: float = 1e-9,
+    leave_out: frozenset[str] = frozenset(),
+    leave_out_drafters: frozenset[str] = frozenset(),
 ) -> tuple[bool, list[str], int]:
     """(same, the differences, how many variables and coordinates were compared), over every
-    variable and coordinate in both but those in `leave_out` (changed on purpose since A was
-    made); one only in A is a difference, one only in B new (`added`), not one."""
-    with xr.open_dataset(a_path) as a, xr.open_dataset(b_path) as b:
+    variable and coordinate in both but those in `leave_out`, and over the drafters but those
+    in `leave_out_drafters` (changed on purpose since A was made); one only in A is a
+    difference, one only in B new (`added`), not one."""
+    with xr.open_dataset(a_path) as a_file, xr.open_dataset(b_path) as b_file:
+        a, b = _without(a_file, leave_out_drafters), _without(b_file, leave_out_drafters)
         lines: list[str] = []
         names_a = _names(a) - leave_out
         names_b = _names(b) - leave_out
