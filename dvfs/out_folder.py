@@ -29,6 +29,7 @@ from dvfs.measure.journal import (
     JOURNAL_NAME,
     Journal,
     check_journal,
+    check_journal_link,
     describe_os_error,
 )
 from dvfs.measure.runner import Progress
@@ -341,6 +342,7 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
 
     refusals: list[JournalError] = []
     for journal in folder_journals(out_dir):
+        check_journal_link(journal)  # a link the sweep cannot open: its line, raised
         records = iter_records(journal) if journal.exists() else iter(())
         first = next(records, None)
         if first is not None:

@@ -456,3 +456,50 @@ def test_a_sweep_whose_journal_is_a_symbolic_link_in_a_loop_says_what_to_do(
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"Error: cannot write the journal {out / 'journal.jsonl'}: "), last
     assert "leads back to itself (a loop): remove it" in last, last
+
+
+def _said(text: str) -> str:
+    """A command's output with its lines' wrapping undone (doctor wraps to the console)."""
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("where", ["single", "mixed fleet", "fleet of one model"])
+@pytest.mark.parametrize("shape", ["loop", "to no folder"])
+def test_doctor_and_the_dry_run_say_the_sweeps_refusal_of_a_journal_link_it_cannot_open(
+    tmp_path: Path, where: str, shape: str
+) -> None:
+    """A journal that is a symbolic link in a loop (`ln -s journal.jsonl journal.jsonl`) or to
+    a file in a folder that does not exist, a sweep's own or a fleet GPU model's: the sweep
+    refused it, but `dvfs doctor` said "output folder: OUT: usable" and the dry run (text and
+    --json) planned every cell, for `path.exists()` denies such a link is there; a fleet of one
+    model passed such a link of a GPU model's by and started the folder over beside it. Each
+    now says the sweep's line."""
+    from conftest import MIXED_FLEET, TINY_EXACT
+
+    campaign = write(tmp_path / "c.toml", TINY_EXACT)
+    out = tmp_path / "out"
+    gpus: tuple[str, ...] = ()
+    journal = out / "journal.jsonl"
+    if where == "mixed fleet":
+        gpus = MIXED_FLEET
+        journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
+    elif where == "fleet of one model":  # a GPU model's journal of a fleet that mixed them
+        gpus = ("--gpus", "0-1")
+        journal = out / "gpu-nvidia-h100-80gb-hbm3-twin" / "journal.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.symlink_to("journal.jsonl" if shape == "loop" else "gone/journal.jsonl")
+    argv = ["sweep", str(campaign), "--out", str(out), *gpus]
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 1, swept.output
+    [line] = swept.stderr.strip().splitlines()[-1:]
+    assert line.startswith(f"Error: cannot write the journal {journal}: "), line
+    refusal = line.removeprefix("Error: ")
+    assert ("(a loop)" if shape == "loop" else "in a folder that does not exist") in refusal
+    assert not (out / "cube.nc").exists()
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out), *gpus])
+    assert doctor.exit_code == 1, doctor.output
+    assert f"FAIL output folder: {refusal}" in _said(doctor.output), doctor.output
+    for json_flag in ((), ("--json",)):
+        dry = CliRunner().invoke(cli, [*argv, "--dry-run", "--no-estimate", *json_flag])
+        assert dry.exit_code == 1, dry.output
+        assert _said(dry.stderr) == _said(line), dry.output

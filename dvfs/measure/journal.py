@@ -149,10 +149,34 @@ def check_resumable(
     )
 
 
+def check_journal_link(path: Path) -> None:
+    """Refuse (`JournalError`) a journal at `path` that is a symbolic link the sweep cannot open
+    to write: one in a loop, or one to a file in a folder that does not exist (a link to a file
+    not made yet, in a folder that is there, is followed: the sweep makes that file). The
+    sweep's refusal, said before it opens the journal, and as it says it by `dvfs doctor` and
+    the dry run, whose `path.exists()` denies such a link is there."""
+    if not os.path.islink(path):
+        return
+    try:
+        os.stat(path)
+    except OSError as exc:
+        missing = exc.errno == errno.ENOENT
+        if missing and Path(os.path.realpath(path)).parent.is_dir():
+            return
+        text = describe_os_error(exc, f"write the journal {path}", show_file=False)
+        if missing:
+            text += (
+                f"; it is a symbolic link to {os.readlink(path)}, in a folder that does not "
+                "exist: point it at a file in one that does, remove it, or choose another --out"
+            )
+        raise JournalError(text) from exc
+
+
 def check_journal(path: Path, campaign: Campaign) -> None:
-    """What `Journal.open` would refuse about the journal at `path` for `campaign`: its header,
-    then (once that is sound) every session record, writing nothing (`dvfs doctor`); no file
-    is no refusal."""
+    """What `Journal.open` would refuse about the journal at `path` for `campaign`: a link it
+    cannot open (`check_journal_link`), its header, then (once that is sound) every session
+    record, writing nothing (`dvfs doctor`); no file is no refusal."""
+    check_journal_link(path)
     if not path.exists():
         return
     records = iter_records(path)
@@ -269,6 +293,7 @@ class Journal:
 
         path = Path(path)
         check_links(path)  # else its torn line cut, its records appended, wherever it points
+        check_journal_link(path)  # a link in a loop or to no folder: refused before its use
         records = iter_records(path, repair=True) if path.exists() else iter(())
         journal = cls(path, records, sync=sync)
         first = journal._first
