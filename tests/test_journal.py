@@ -13,6 +13,7 @@ from click.testing import CliRunner, Result
 from conftest import TINY, copy_sweep, replace_block, write
 
 from dvfs.cli import cli
+from dvfs.errors import JournalError
 from dvfs.measure.journal import read_records
 
 
@@ -503,3 +504,20 @@ def test_doctor_and_the_dry_run_say_the_sweeps_refusal_of_a_journal_link_it_cann
         dry = CliRunner().invoke(cli, [*argv, "--dry-run", "--no-estimate", *json_flag])
         assert dry.exit_code == 1, dry.output
         assert _said(dry.stderr) == _said(line), dry.output
+
+
+def test_a_journal_read_that_fails_names_the_journal(tmp_path: Path) -> None:
+    """A journal whose read fails where the failing call carries no file name (a read of
+    /proc/self/mem, linked as the journal, fails with EIO): the sweep, `dvfs doctor` and `dvfs
+    cube build` said "cannot read the journal: Input/output error", naming no file; each now
+    names the journal."""
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = out / "journal.jsonl"
+    journal.symlink_to("/proc/self/mem")
+    with pytest.raises(JournalError) as raised:
+        read_records(journal)
+    assert str(raised.value).startswith(f"cannot read the journal {journal}: "), raised.value
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 1, built.output
+    assert built.stderr.startswith(f"Error: cannot read the journal {journal}: "), built.output

@@ -483,7 +483,7 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
             try:
                 raw = f.readline(MAX_LINE_BYTES + 1)
             except OSError as exc:
-                raise JournalError(describe_os_error(exc, "read the journal")) from exc
+                raise _os_error(exc, "read the journal", path) from exc
             if not raw:
                 return
             number += 1
@@ -517,7 +517,7 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
                     with open(path, "ab") as out:
                         out.write(b"\n")
                 except OSError as exc:
-                    raise JournalError(describe_os_error(exc, "repair the journal")) from exc
+                    raise _os_error(exc, "repair the journal", path) from exc
             good_bytes += len(raw)
             yield record
 
@@ -529,7 +529,7 @@ def _open_journal(path: Path) -> BinaryIO:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        raise JournalError(describe_os_error(exc, "read the journal")) from exc
+        raise _os_error(exc, "read the journal", path) from exc
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -542,10 +542,18 @@ def _open_journal(path: Path) -> BinaryIO:
         return os.fdopen(fd, "rb")
     except OSError as exc:
         os.close(fd)
-        raise JournalError(describe_os_error(exc, "read the journal")) from exc
+        raise _os_error(exc, "read the journal", path) from exc
     except BaseException:
         os.close(fd)
         raise
+
+
+def _os_error(exc: OSError, doing: str, path: Path) -> JournalError:
+    """`describe_os_error`'s line for the journal at `path`, named where the failing call
+    carries no file name (a read, an fstat of the opened file): else the line names none."""
+    if exc.filename:
+        return JournalError(describe_os_error(exc, doing))
+    return JournalError(describe_os_error(exc, f"{doing} {path}"))
 
 
 def _truncate(path: Path, size: int) -> None:
@@ -553,9 +561,7 @@ def _truncate(path: Path, size: int) -> None:
         with open(path, "r+b") as f:
             f.truncate(size)
     except OSError as exc:
-        raise JournalError(
-            describe_os_error(exc, "cut the torn last line off the journal")
-        ) from exc
+        raise _os_error(exc, "cut the torn last line off the journal", path) from exc
 
 
 def _record_problem(record: Any) -> str | None:
