@@ -69,7 +69,8 @@ def fresh_moves(out_dir: Path) -> list[tuple[Path, Path]]:
     (`gpu-<model>/`, where a fleet mixing models journals; then the merged cube beside them
     too), each with its cube, so that --fresh starts over wherever the sweep would refuse to
     resume. Found without moving anything, so that a dry run can say it."""
-    journals = [j for j in folder_journals(out_dir) if j.exists()]
+    # a link in a loop or to nothing too: left, the sweep refuses it (`check_journal_link`)
+    journals = [j for j in folder_journals(out_dir) if os.path.lexists(j)]
     moves = [m for j in journals for m in _aside(j, j.parent / CUBE_NAME)]
     if journals and journals[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
         moves += _aside(out_dir / CUBE_NAME)

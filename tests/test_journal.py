@@ -521,3 +521,23 @@ def test_a_journal_read_that_fails_names_the_journal(tmp_path: Path) -> None:
     built = CliRunner().invoke(cli, ["cube", "build", str(out)])
     assert built.exit_code == 1, built.output
     assert built.stderr.startswith(f"Error: cannot read the journal {journal}: "), built.output
+
+
+def test_fresh_moves_a_journal_linked_in_a_loop_aside_as_its_dry_run_says(
+    tmp_path: Path,
+) -> None:
+    """`dvfs sweep --fresh --dry-run` into a folder whose journal is a symbolic link in a loop
+    said "--fresh: no journal to move aside" and planned the sweep, which then refused the
+    link; --fresh now moves it aside, as it moves a journal that is a folder or a FIFO, and
+    its dry run says so."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").symlink_to("journal.jsonl")
+    argv = ["sweep", str(write(tmp_path / "c.toml", TINY)), "--out", str(out), "--fresh"]
+    dry = CliRunner().invoke(cli, [*argv, "--dry-run", "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    assert f"--fresh would move aside {out / 'journal.jsonl'}" in _said(dry.output), dry.output
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    assert (out / "journal.jsonl").is_file() and (out / "journal.jsonl.1").is_symlink()
+    assert (out / "cube.nc").is_file()
