@@ -41,6 +41,7 @@ from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import (
     folder_journals,
+    model_journal_paths,
 )
 from dvfs.measure.journal import (
     JOURNAL_NAME,
@@ -287,7 +288,7 @@ def resumed_journals(
         if fleet and not fresh:
             check_same_gpus(out_dir, gpu_identities(campaign, models))
         return journals
-    begun = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    begun = model_journal_paths(out_dir)
     return begun if begun and not fresh else [out_dir / JOURNAL_NAME]
 
 

@@ -29,6 +29,7 @@ from dvfs.measure.journal import (
     JOURNAL_NAME,
     Journal,
     check_journal,
+    check_journal_link,
     describe_os_error,
 )
 from dvfs.measure.runner import Progress
@@ -68,7 +69,8 @@ def fresh_moves(out_dir: Path) -> list[tuple[Path, Path]]:
     (`gpu-<model>/`, where a fleet mixing models journals; then the merged cube beside them
     too), each with its cube, so that --fresh starts over wherever the sweep would refuse to
     resume. Found without moving anything, so that a dry run can say it."""
-    journals = [j for j in folder_journals(out_dir) if j.exists()]
+    # a link in a loop or to nothing too: left, the sweep refuses it (`check_journal_link`)
+    journals = [j for j in folder_journals(out_dir) if os.path.lexists(j)]
     moves = [m for j in journals for m in _aside(j, j.parent / CUBE_NAME)]
     if journals and journals[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
         moves += _aside(out_dir / CUBE_NAME)
@@ -341,6 +343,7 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
 
     refusals: list[JournalError] = []
     for journal in folder_journals(out_dir):
+        check_journal_link(journal)  # a link the sweep cannot open: its line, raised
         records = iter_records(journal) if journal.exists() else iter(())
         first = next(records, None)
         if first is not None:

@@ -13,6 +13,7 @@ from click.testing import CliRunner, Result
 from conftest import TINY, copy_sweep, replace_block, write
 
 from dvfs.cli import cli
+from dvfs.errors import JournalError
 from dvfs.measure.journal import read_records
 
 
@@ -456,3 +457,87 @@ def test_a_sweep_whose_journal_is_a_symbolic_link_in_a_loop_says_what_to_do(
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"Error: cannot write the journal {out / 'journal.jsonl'}: "), last
     assert "leads back to itself (a loop): remove it" in last, last
+
+
+def _said(text: str) -> str:
+    """A command's output with its lines' wrapping undone (doctor wraps to the console)."""
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("where", ["single", "mixed fleet", "fleet of one model"])
+@pytest.mark.parametrize("shape", ["loop", "to no folder"])
+def test_doctor_and_the_dry_run_say_the_sweeps_refusal_of_a_journal_link_it_cannot_open(
+    tmp_path: Path, where: str, shape: str
+) -> None:
+    """A journal that is a symbolic link in a loop (`ln -s journal.jsonl journal.jsonl`) or to
+    a file in a folder that does not exist, a sweep's own or a fleet GPU model's: the sweep
+    refused it, but `dvfs doctor` said "output folder: OUT: usable" and the dry run (text and
+    --json) planned every cell, for `path.exists()` denies such a link is there; a fleet of one
+    model passed such a link of a GPU model's by and started the folder over beside it. Each
+    now says the sweep's line."""
+    from conftest import MIXED_FLEET, TINY_EXACT
+
+    campaign = write(tmp_path / "c.toml", TINY_EXACT)
+    out = tmp_path / "out"
+    gpus: tuple[str, ...] = ()
+    journal = out / "journal.jsonl"
+    if where == "mixed fleet":
+        gpus = MIXED_FLEET
+        journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
+    elif where == "fleet of one model":  # a GPU model's journal of a fleet that mixed them
+        gpus = ("--gpus", "0-1")
+        journal = out / "gpu-nvidia-h100-80gb-hbm3-twin" / "journal.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.symlink_to("journal.jsonl" if shape == "loop" else "gone/journal.jsonl")
+    argv = ["sweep", str(campaign), "--out", str(out), *gpus]
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 1, swept.output
+    [line] = swept.stderr.strip().splitlines()[-1:]
+    assert line.startswith(f"Error: cannot write the journal {journal}: "), line
+    refusal = line.removeprefix("Error: ")
+    assert ("(a loop)" if shape == "loop" else "in a folder that does not exist") in refusal
+    assert not (out / "cube.nc").exists()
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out), *gpus])
+    assert doctor.exit_code == 1, doctor.output
+    assert f"FAIL output folder: {refusal}" in _said(doctor.output), doctor.output
+    for json_flag in ((), ("--json",)):
+        dry = CliRunner().invoke(cli, [*argv, "--dry-run", "--no-estimate", *json_flag])
+        assert dry.exit_code == 1, dry.output
+        assert _said(dry.stderr) == _said(line), dry.output
+
+
+def test_a_journal_read_that_fails_names_the_journal(tmp_path: Path) -> None:
+    """A journal whose read fails where the failing call carries no file name (a read of
+    /proc/self/mem, linked as the journal, fails with EIO): the sweep, `dvfs doctor` and `dvfs
+    cube build` said "cannot read the journal: Input/output error", naming no file; each now
+    names the journal."""
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = out / "journal.jsonl"
+    journal.symlink_to("/proc/self/mem")
+    with pytest.raises(JournalError) as raised:
+        read_records(journal)
+    assert str(raised.value).startswith(f"cannot read the journal {journal}: "), raised.value
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 1, built.output
+    assert built.stderr.startswith(f"Error: cannot read the journal {journal}: "), built.output
+
+
+def test_fresh_moves_a_journal_linked_in_a_loop_aside_as_its_dry_run_says(
+    tmp_path: Path,
+) -> None:
+    """`dvfs sweep --fresh --dry-run` into a folder whose journal is a symbolic link in a loop
+    said "--fresh: no journal to move aside" and planned the sweep, which then refused the
+    link; --fresh now moves it aside, as it moves a journal that is a folder or a FIFO, and
+    its dry run says so."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").symlink_to("journal.jsonl")
+    argv = ["sweep", str(write(tmp_path / "c.toml", TINY)), "--out", str(out), "--fresh"]
+    dry = CliRunner().invoke(cli, [*argv, "--dry-run", "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    assert f"--fresh would move aside {out / 'journal.jsonl'}" in _said(dry.output), dry.output
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    assert (out / "journal.jsonl").is_file() and (out / "journal.jsonl.1").is_symlink()
+    assert (out / "cube.nc").is_file()

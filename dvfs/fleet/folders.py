@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dvfs.campaign import Campaign
 from dvfs.errors import JournalError
-from dvfs.fleet.shard_journal import has_sessions
+from dvfs.fleet.shard_journal import has_sessions, model_journal_paths
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
 
@@ -33,7 +33,7 @@ def model_journals(out_dir: Path, models: Iterable[str], *, fresh: bool = False)
     from dvfs.measure.journal import JOURNAL_NAME
 
     names = sorted(models)
-    begun = not fresh and any(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    begun = not fresh and bool(model_journal_paths(out_dir))
     mixed = len(names) > 1 or begun
     if not mixed:
         return [out_dir / JOURNAL_NAME for _ in names]
@@ -124,7 +124,7 @@ def fleet_journal(out_dir: Path) -> bool:
     GPUs left after a node loss) goes on as a fleet of one, so that it reads the same journal."""
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
 
-    if any(out_dir.glob("gpu-*/" + JOURNAL_NAME)):
+    if model_journal_paths(out_dir):
         return True
     journal = out_dir / JOURNAL_NAME
     if not journal.is_file():

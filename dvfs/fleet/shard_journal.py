@@ -3,6 +3,7 @@ cube marked with it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +84,17 @@ def folder_journals(out_dir: Path) -> list[Path]:
     (`gpu-<model>/`, where a fleet mixing models journals), present or not."""
     from dvfs.measure.journal import JOURNAL_NAME
 
-    return [out_dir / JOURNAL_NAME, *sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))]
+    return [out_dir / JOURNAL_NAME, *model_journal_paths(out_dir)]
+
+
+def model_journal_paths(out_dir: Path) -> list[Path]:
+    """Each GPU model's journal in `out_dir` (`gpu-*/journal.jsonl`), sorted: a symbolic link
+    there in a loop or to nothing too, which a glob leaves out (its match must exist), so that
+    the sweep, its dry run and `dvfs doctor` refuse it rather than start the folder over."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    found = (d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")))
+    return [path for path in found if os.path.lexists(path)]
 
 
 def check_shard(journal: Path, shard: Shard | None) -> None:

@@ -149,10 +149,34 @@ def check_resumable(
     )
 
 
+def check_journal_link(path: Path) -> None:
+    """Refuse (`JournalError`) a journal at `path` that is a symbolic link the sweep cannot open
+    to write: one in a loop, or one to a file in a folder that does not exist (a link to a file
+    not made yet, in a folder that is there, is followed: the sweep makes that file). The
+    sweep's refusal, said before it opens the journal, and as it says it by `dvfs doctor` and
+    the dry run, whose `path.exists()` denies such a link is there."""
+    if not os.path.islink(path):
+        return
+    try:
+        os.stat(path)
+    except OSError as exc:
+        missing = exc.errno == errno.ENOENT
+        if missing and Path(os.path.realpath(path)).parent.is_dir():
+            return
+        text = describe_os_error(exc, f"write the journal {path}", show_file=False)
+        if missing:
+            text += (
+                f"; it is a symbolic link to {os.readlink(path)}, in a folder that does not "
+                "exist: point it at a file in one that does, remove it, or choose another --out"
+            )
+        raise JournalError(text) from exc
+
+
 def check_journal(path: Path, campaign: Campaign) -> None:
-    """What `Journal.open` would refuse about the journal at `path` for `campaign`: its header,
-    then (once that is sound) every session record, writing nothing (`dvfs doctor`); no file
-    is no refusal."""
+    """What `Journal.open` would refuse about the journal at `path` for `campaign`: a link it
+    cannot open (`check_journal_link`), its header, then (once that is sound) every session
+    record, writing nothing (`dvfs doctor`); no file is no refusal."""
+    check_journal_link(path)
     if not path.exists():
         return
     records = iter_records(path)
@@ -269,6 +293,7 @@ class Journal:
 
         path = Path(path)
         check_links(path)  # else its torn line cut, its records appended, wherever it points
+        check_journal_link(path)  # a link in a loop or to no folder: refused before its use
         records = iter_records(path, repair=True) if path.exists() else iter(())
         journal = cls(path, records, sync=sync)
         first = journal._first
@@ -458,7 +483,7 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
             try:
                 raw = f.readline(MAX_LINE_BYTES + 1)
             except OSError as exc:
-                raise JournalError(describe_os_error(exc, "read the journal")) from exc
+                raise _os_error(exc, "read the journal", path) from exc
             if not raw:
                 return
             number += 1
@@ -492,7 +517,7 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
                     with open(path, "ab") as out:
                         out.write(b"\n")
                 except OSError as exc:
-                    raise JournalError(describe_os_error(exc, "repair the journal")) from exc
+                    raise _os_error(exc, "repair the journal", path) from exc
             good_bytes += len(raw)
             yield record
 
@@ -504,7 +529,7 @@ def _open_journal(path: Path) -> BinaryIO:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        raise JournalError(describe_os_error(exc, "read the journal")) from exc
+        raise _os_error(exc, "read the journal", path) from exc
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -517,10 +542,18 @@ def _open_journal(path: Path) -> BinaryIO:
         return os.fdopen(fd, "rb")
     except OSError as exc:
         os.close(fd)
-        raise JournalError(describe_os_error(exc, "read the journal")) from exc
+        raise _os_error(exc, "read the journal", path) from exc
     except BaseException:
         os.close(fd)
         raise
+
+
+def _os_error(exc: OSError, doing: str, path: Path) -> JournalError:
+    """`describe_os_error`'s line for the journal at `path`, named where the failing call
+    carries no file name (a read, an fstat of the opened file): else the line names none."""
+    if exc.filename:
+        return JournalError(describe_os_error(exc, doing))
+    return JournalError(describe_os_error(exc, f"{doing} {path}"))
 
 
 def _truncate(path: Path, size: int) -> None:
@@ -528,9 +561,7 @@ def _truncate(path: Path, size: int) -> None:
         with open(path, "r+b") as f:
             f.truncate(size)
     except OSError as exc:
-        raise JournalError(
-            describe_os_error(exc, "cut the torn last line off the journal")
-        ) from exc
+        raise _os_error(exc, "cut the torn last line off the journal", path) from exc
 
 
 def _record_problem(record: Any) -> str | None:
