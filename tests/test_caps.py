@@ -1279,6 +1279,32 @@ def test_cap_apply_waits_for_the_driver_until_it_loads(
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
 
 
+def test_cap_apply_takes_a_wait_for_the_driver_of_any_length(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--wait-for-driver` with more digits than a float holds (an "until it loads" written
+    as 1 and 400 zeros) failed "internal error: OverflowError: int too large to convert to
+    float; please report it"; it is waited as a wait for ever, the caps applied once the
+    driver loads."""
+    import dvfs.gpu.nvml
+
+    caps = _driver_caps(tmp_path, nvml)
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    slept: list[float] = []
+
+    def driver_loads(seconds: float) -> None:
+        slept.append(seconds)
+        monkeypatch.delenv("DVFS_FAKE_NVML_INIT_ERROR")
+
+    monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", driver_loads)
+    huge = "1" + "0" * 400
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--wait-for-driver", huge])
+    assert result.exit_code == 0, result.output
+    assert slept == [dvfs.gpu.nvml.DRIVER_POLL_S]
+    assert "applied caps to 1 GPU(s)" in result.output
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+
+
 @pytest.mark.parametrize("wait", ["0", "1"])
 def test_cap_apply_fails_as_before_without_the_driver(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str

@@ -419,6 +419,8 @@ def nvml_session(
 
 #: How often `wait_for_driver` tries NVML again while the NVIDIA kernel module is not loaded.
 DRIVER_POLL_S = 5.0
+#: A wait no boot outlasts (about 31,700 years): longer ones are waited as this long.
+_FOREVER_S = 1e12
 
 
 def wait_for_driver(
@@ -431,7 +433,8 @@ def wait_for_driver(
     the command then starts NVML as it would without waiting, and says any failure itself."""
     if wait_s <= 0:
         return
-    deadline = time.monotonic() + wait_s
+    # an int past a float's range (OverflowError) is a wait for ever, as any this long
+    deadline = time.monotonic() + min(wait_s, _FOREVER_S)
     told = False
     try:
         module = nvml or load_pynvml()
