@@ -543,3 +543,32 @@ def test_fresh_moves_a_journal_linked_in_a_loop_aside_as_its_dry_run_says(
     assert swept.exit_code == 0, swept.output
     assert (out / "journal.jsonl").is_file() and (out / "journal.jsonl.1").is_symlink()
     assert (out / "cube.nc").is_file()
+
+
+def test_fresh_moves_a_relative_link_aside_pointing_where_it_did(tmp_path: Path) -> None:
+    """--fresh renamed a relative loop link `journal.jsonl -> journal.jsonl` to journal.jsonl.1,
+    which then pointed at the new run's live journal: a reader of journal.jsonl.1 read the new
+    run. The moved link points where it did (at itself, a loop still), never followed; a
+    refused sweep's undoing of the move puts it back as it was."""
+    import os
+
+    from dvfs.out_folder import _leave_as_found, fresh_start
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").symlink_to("journal.jsonl")
+    argv = ["sweep", str(write(tmp_path / "c.toml", TINY)), "--out", str(out), "--fresh"]
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    assert (out / "journal.jsonl").is_file()
+    assert os.readlink(out / "journal.jsonl.1") == "journal.jsonl.1"
+    # undone (a sweep refused before it measured): the link as it was found
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "journal.jsonl").symlink_to("journal.jsonl")
+    moves: list[tuple[Path, Path]] = []
+    fresh_start(again, moves)
+    assert os.readlink(again / "journal.jsonl.1") == "journal.jsonl.1"
+    assert _leave_as_found(again, {}, set(), None, [], moves)
+    assert os.readlink(again / "journal.jsonl") == "journal.jsonl"
+    assert not os.path.lexists(again / "journal.jsonl.1")
