@@ -572,3 +572,33 @@ def test_fresh_moves_a_relative_link_aside_pointing_where_it_did(tmp_path: Path)
     assert _leave_as_found(again, {}, set(), None, [], moves)
     assert os.readlink(again / "journal.jsonl") == "journal.jsonl"
     assert not os.path.lexists(again / "journal.jsonl.1")
+
+
+def test_a_journal_this_user_may_not_read_is_said_so(
+    tiny_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal that cannot be read (EACCES, as a user without read permission gets it: played
+    here, as root ignores modes): the line advised "choose a folder you can write to with
+    --out", which does not fit a read. It says this user may not read it, and what to do."""
+    import errno
+    import os
+
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
+    journal = out / "journal.jsonl"
+    real_open = os.open
+
+    def denied(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(path) == journal and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    campaign = str(write(tmp_path / "c.toml", TINY))
+    checked = CliRunner().invoke(cli, ["doctor", campaign, "--out", str(out)])
+    for result, code in ((built, 1), (checked, 1)):
+        said = _said(result.output)
+        assert result.exit_code == code, result.output
+        assert f"cannot read the journal ({journal})" in said, said
+        assert "this user may not read it" in said, said
+        assert "a folder you can write to" not in said and "Traceback" not in said, said
