@@ -935,7 +935,7 @@ def _out_dir(
     GPU models, as far as they were read), each model's journal as the fleet picks them, its
     sessions' GPUs compared with this run's (`identities`) as the fleet compares them."""
     from dvfs.fleet.folders import fleet_journal
-    from dvfs.fleet.shard_journal import folder_journals
+    from dvfs.fleet.shard_journal import folder_journals, model_journal_paths
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
     from dvfs.measure.plan import too_many_to_list
     from dvfs.out_folder import check_out_dir, check_out_usable
@@ -969,6 +969,13 @@ def _out_dir(
     # check's (a FAIL there beside "the sweep resumes" read as a contradiction).
     journal = out_dir / JOURNAL_NAME
     if not journal.is_file():
+        # a fleet mixing models journals each model in its `gpu-<model>/`: said as one run's
+        held = [j for j in model_journal_paths(out_dir) if j.is_file()]
+        resumed = [j.parent.name for j in held if next(iter_records(j), None) is not None]
+        if resumed:
+            return OK, f"{out_dir}: holds a journal per GPU model to resume ({', '.join(resumed)})"
+        if held:  # no header in any: the sweep starts each afresh
+            return OK, f"{out_dir}: holds empty GPU model journals, which the sweep starts afresh"
         return OK, f"{out_dir}: usable"
     if next(iter_records(journal), None) is None:  # no header: the sweep starts it afresh
         return OK, f"{out_dir}: holds an empty journal, which the sweep starts afresh"

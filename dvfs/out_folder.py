@@ -55,7 +55,7 @@ def fresh_start(out_dir: Path, done: list[tuple[Path, Path]] | None = None) -> P
     moves = fresh_moves(out_dir)
     try:
         for path, target in moves:
-            shutil.move(path, target)
+            _move(path, target, dict(moves))
             if done is not None:
                 done.append((path, target))
     except OSError as exc:
@@ -75,6 +75,28 @@ def fresh_moves(out_dir: Path) -> list[tuple[Path, Path]]:
     if journals and journals[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
         moves += _aside(out_dir / CUBE_NAME)
     return moves
+
+
+def _move(path: Path, target: Path, renamed: dict[Path, Path]) -> None:
+    """`shutil.move(path, target)`; a symbolic link (never followed) that points at one of the
+    paths `renamed` moves (a loop `journal.jsonl -> journal.jsonl`) made to point at its new
+    name, as it did before: left as it was, a relative one named the new run's journal."""
+    if not path.is_symlink():
+        shutil.move(path, target)
+        return
+    text = os.readlink(path)
+    pointed = Path(os.path.normpath(path.parent / text))
+    moved = renamed.get(pointed)
+    if moved is None:
+        shutil.move(path, target)
+        return
+    new = str(moved) if os.path.isabs(text) else os.path.relpath(moved, target.parent)
+    os.symlink(new, target)
+    try:
+        path.unlink()
+    except OSError:
+        target.unlink()
+        raise
 
 
 def _aside(first: Path, *others: Path) -> list[tuple[Path, Path]]:
@@ -231,11 +253,12 @@ def _leave_as_found(
     if kept:
         return False
     undone = False
+    back = {target: path for path, target in moves}
     for path, target in reversed(moves):
         if os.path.lexists(target) and not os.path.lexists(path):
             with contextlib.suppress(OSError):
                 path.parent.mkdir(exist_ok=True)
-                shutil.move(target, path)
+                _move(target, path, back)
                 undone = True
     if lock is not None:
         with contextlib.suppress(OSError):

@@ -1310,7 +1310,8 @@ def test_cap_apply_fails_as_before_without_the_driver(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str
 ) -> None:
     """No --wait-for-driver (0): no wait, today's line. A wait whose time is spent: the same
-    line, once it said it waits."""
+    line, once it said it waits, saying it waited (it said "not loaded: load it" as if it
+    had not)."""
     import dvfs.gpu.nvml
 
     caps = _driver_caps(tmp_path, nvml)
@@ -1328,7 +1329,9 @@ def test_cap_apply_fails_as_before_without_the_driver(
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *extra])
     assert result.exit_code == 1, result.output
     lines = result.stderr.splitlines()
-    assert lines[-1].startswith(f"Error: {NOT_LOADED} loaded: load it"), lines
+    waited = "" if wait == "0" else f" after waiting {wait} s"
+    assert lines[-1].startswith(f"Error: {NOT_LOADED} loaded{waited}: load it"), lines
+    assert "Traceback" not in result.stderr and len(lines) == (1 if wait == "0" else 2), lines
     waits = [line for line in lines if line.startswith(WAITING)]
     assert len(waits) == (0 if wait == "0" else 1), lines
     assert (slept == []) == (wait == "0"), slept

@@ -126,6 +126,32 @@ def test_doctor_says_an_empty_journal_is_started_afresh(tmp_path: Path) -> None:
     assert "resume" not in detail and "empty journal" in detail and "afresh" in detail, detail
 
 
+def test_doctor_says_a_mixed_fleets_folder_holds_its_models_journals(
+    tiny_exact_run: Any, tmp_path: Path
+) -> None:
+    """A mixed fleet's folder (a journal per GPU model in `gpu-*/`): doctor said it was
+    "usable", where a single run's folder with a journal "holds a journal to resume"."""
+    from conftest import MIXED_FLEET
+
+    out = tiny_exact_run("mixed")
+    campaign = out.parent / "campaign.toml"
+    result = invoke("doctor", str(campaign), *MIXED_FLEET, "--out", str(out), "--json")
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    detail = checks["output folder"]["detail"]
+    assert result.exit_code == 0 and checks["output folder"]["status"] == "ok", checks
+    assert "a journal per GPU model to resume" in detail, detail
+    for journal in sorted(out.glob("gpu-*/journal.jsonl")):
+        assert journal.parent.name in detail, detail
+    # each model's journal empty: started afresh, as one run's empty journal is
+    empty = tmp_path / "empty"
+    for journal in sorted(out.glob("gpu-*/journal.jsonl")):
+        (empty / journal.parent.name).mkdir(parents=True)
+        (empty / journal.parent.name / "journal.jsonl").write_text("")
+    result = invoke("doctor", str(campaign), *MIXED_FLEET, "--out", str(empty), "--json")
+    detail = {c["name"]: c for c in json.loads(result.stdout)}["output folder"]["detail"]
+    assert "resume" not in detail and "empty" in detail and "afresh" in detail, detail
+
+
 def test_doctor_fails_an_output_folder_that_sweep_refuses(tiny_sweep: Path, tmp_path: Path) -> None:
     tiny = write(tmp_path / "tiny.toml", TINY)
     other = write(tmp_path / "wide.toml", SMALL_EXACT.replace('name = "small"', 'name = "wide"'))

@@ -543,3 +543,62 @@ def test_fresh_moves_a_journal_linked_in_a_loop_aside_as_its_dry_run_says(
     assert swept.exit_code == 0, swept.output
     assert (out / "journal.jsonl").is_file() and (out / "journal.jsonl.1").is_symlink()
     assert (out / "cube.nc").is_file()
+
+
+def test_fresh_moves_a_relative_link_aside_pointing_where_it_did(tmp_path: Path) -> None:
+    """--fresh renamed a relative loop link `journal.jsonl -> journal.jsonl` to journal.jsonl.1,
+    which then pointed at the new run's live journal: a reader of journal.jsonl.1 read the new
+    run. The moved link points where it did (at itself, a loop still), never followed; a
+    refused sweep's undoing of the move puts it back as it was."""
+    import os
+
+    from dvfs.out_folder import _leave_as_found, fresh_start
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").symlink_to("journal.jsonl")
+    argv = ["sweep", str(write(tmp_path / "c.toml", TINY)), "--out", str(out), "--fresh"]
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    assert (out / "journal.jsonl").is_file()
+    assert os.readlink(out / "journal.jsonl.1") == "journal.jsonl.1"
+    # undone (a sweep refused before it measured): the link as it was found
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "journal.jsonl").symlink_to("journal.jsonl")
+    moves: list[tuple[Path, Path]] = []
+    fresh_start(again, moves)
+    assert os.readlink(again / "journal.jsonl.1") == "journal.jsonl.1"
+    assert _leave_as_found(again, {}, set(), None, [], moves)
+    assert os.readlink(again / "journal.jsonl") == "journal.jsonl"
+    assert not os.path.lexists(again / "journal.jsonl.1")
+
+
+def test_a_journal_this_user_may_not_read_is_said_so(
+    tiny_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal that cannot be read (EACCES, as a user without read permission gets it: played
+    here, as root ignores modes): the line advised "choose a folder you can write to with
+    --out", which does not fit a read. It says this user may not read it, and what to do."""
+    import errno
+    import os
+
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
+    journal = out / "journal.jsonl"
+    real_open = os.open
+
+    def denied(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(path) == journal and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    campaign = str(write(tmp_path / "c.toml", TINY))
+    checked = CliRunner().invoke(cli, ["doctor", campaign, "--out", str(out)])
+    for result, code in ((built, 1), (checked, 1)):
+        said = _said(result.output)
+        assert result.exit_code == code, result.output
+        assert f"cannot read the journal ({journal})" in said, said
+        assert "this user may not read it" in said, said
+        assert "a folder you can write to" not in said and "Traceback" not in said, said

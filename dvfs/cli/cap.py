@@ -285,7 +285,7 @@ def apply(
     if wait_for_driver_s:  # once the file is read: a file refused is not waited on
         from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver
 
-        wait_for_driver(
+        spent = wait_for_driver(
             wait_for_driver_s,
             lambda: click.echo(
                 f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting up to "
@@ -293,6 +293,8 @@ def apply(
                 err=True,
             ),
         )
+        if spent is not None:  # the wait ran out: its line says so
+            raise spent
     failed: GpuError | None = None  # writes that failed, once the other GPUs are capped
     # A dry run needs no root: it reads the caps in force where root recorded them.
     directory = state_dir or (records_dir() if dry_run else default_state_dir())

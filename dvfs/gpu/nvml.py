@@ -425,32 +425,38 @@ _FOREVER_S = 1e12
 
 def wait_for_driver(
     wait_s: float, waiting: Callable[[], None], nvml: ModuleType | None = None
-) -> None:
+) -> GpuError | None:
     """Return once NVML starts, or at once where it fails for any reason but the NVIDIA kernel
     module not being loaded yet (no driver, a refusal: waiting does not fix those); while it is
     not loaded (at boot: a DKMS build after a kernel update), NVML is tried again every
     `DRIVER_POLL_S`, `waiting` hearing it once, for at most `wait_s` seconds. It never raises:
-    the command then starts NVML as it would without waiting, and says any failure itself."""
+    the command then starts NVML as it would without waiting, and says any failure itself;
+    where the wait ran out, the module still not loaded, it returns that failure in the line
+    to raise instead, which says how long it waited."""
     if wait_s <= 0:
-        return
+        return None
     # an int past a float's range (OverflowError) is a wait for ever, as any this long
     deadline = time.monotonic() + min(wait_s, _FOREVER_S)
     told = False
     try:
         module = nvml or load_pynvml()
     except GpuError:  # no NVML at all: no driver to wait for
-        return
+        return None
     not_loaded = NvmlErrors(module).driver_not_loaded
     while True:
         try:
             with nvml_session(module):
-                return
+                return None
         except GpuError as exc:
             if getattr(exc.__cause__, "value", None) != not_loaded:
-                return
+                return None
+            last = exc
         left = deadline - time.monotonic()
-        if left <= 0:
-            return
+        if left <= 0:  # "not loaded: load it" said with the wait, not as if none was made
+            line = str(last).replace(" not loaded:", f" not loaded after waiting {wait_s} s:", 1)
+            spent = type(last)(line)
+            spent.__cause__ = last.__cause__
+            return spent
         if not told:
             waiting()
             told = True

@@ -548,12 +548,22 @@ def _open_journal(path: Path) -> BinaryIO:
         raise
 
 
+#: What to do about a journal this user may not read (EACCES, EPERM): not a folder to write
+#: to, which `describe_os_error` advises for those.
+UNREADABLE_HINT = (
+    "this user may not read it (or search its folder): make it readable to this user "
+    "(chmod, chown), run as the user who swept it, or choose another --out"
+)
+
+
 def _os_error(exc: OSError, doing: str, path: Path) -> JournalError:
     """`describe_os_error`'s line for the journal at `path`, named where the failing call
-    carries no file name (a read, an fstat of the opened file): else the line names none."""
-    if exc.filename:
-        return JournalError(describe_os_error(exc, doing))
-    return JournalError(describe_os_error(exc, f"{doing} {path}"))
+    carries no file name (a read, an fstat of the opened file): else the line names none.
+    Denied: what makes it readable, not a folder to write to."""
+    line = describe_os_error(exc, doing if exc.filename else f"{doing} {path}")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        line = f"{line.rpartition('; ')[0]}; {UNREADABLE_HINT}"
+    return JournalError(line)
 
 
 def _truncate(path: Path, size: int) -> None:
