@@ -7,6 +7,7 @@ import os
 import shlex
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -1316,13 +1317,15 @@ def test_cap_apply_fails_as_before_without_the_driver(
     caps = _driver_caps(tmp_path, nvml)
     monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
     slept: list[float] = []
+    # The wait's clock moves only as it sleeps: on the machine's, a first NVML try slower
+    # than the 1 s wait (a loaded host) spent it before any wait was said.
+    now = [0.0]
 
     def sleep(seconds: float) -> None:
         slept.append(seconds)
-        import time
+        now[0] += seconds
 
-        time.sleep(seconds)
-
+    monkeypatch.setattr(dvfs.gpu.nvml, "time", SimpleNamespace(monotonic=lambda: now[0]))
     monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", sleep)
     extra = [] if wait == "0" else ["--wait-for-driver", wait]
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *extra])
