@@ -7,6 +7,7 @@ import os
 import shlex
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -1205,6 +1206,37 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
         assert (held, recorded) == ([210, 1410], {gpu.identity.uuid: (210, 1410)})
 
 
+def test_an_unchanged_limit_whose_record_fails_says_the_way_on_alone_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caps file setting the power limit a GPU holds already (nothing to take back), the
+    record unwritable (a full disk), and no earlier GPU failing: `cap apply` said 'free space
+    or choose another --state-dir', a state folder where `cap show`, sweeps and `cap reset` do
+    not look, as it said beside an earlier GPU's failure and for a change taken back: free
+    space there, then apply the caps again."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    def full(self: AppliedCaps, records: dict) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", full)
+    held = nvml.fake_device_state(0)
+    caps = tmp_path / "caps.toml"
+    limit_w = held["power_limit_mw"] / 1000
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=held["uuid"], power_limit_w=limit_w),))))
+    state = tmp_path / "state"
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--state-dir", str(state)])
+    assert result.exit_code == 1, result.output
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert error == (
+        f"Error: cannot write {state / 'caps-applied.json'}: no space left on device; free "
+        "space there, then apply the caps again"
+    ), result.stderr
+    assert nvml.fake_device_state(0)["power_limit_mw"] == held["power_limit_mw"]
+
+
 def test_a_cap_neither_recorded_nor_taken_back_is_said_and_stops_the_apply(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1317,13 +1349,15 @@ def test_cap_apply_fails_as_before_without_the_driver(
     caps = _driver_caps(tmp_path, nvml)
     monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
     slept: list[float] = []
+    # The wait's clock moves only as it sleeps: on the machine's, a first NVML try slower
+    # than the 1 s wait (a loaded host) spent it before any wait was said.
+    now = [0.0]
 
     def sleep(seconds: float) -> None:
         slept.append(seconds)
-        import time
+        now[0] += seconds
 
-        time.sleep(seconds)
-
+    monkeypatch.setattr(dvfs.gpu.nvml, "time", SimpleNamespace(monotonic=lambda: now[0]))
     monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", sleep)
     extra = [] if wait == "0" else ["--wait-for-driver", wait]
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *extra])

@@ -60,6 +60,12 @@ def _server_gpus_line(checked: subprocess.CompletedProcess) -> str:
     return line
 
 
+def _unwrapped(text: str) -> str:
+    """`text` without spaces: doctor wraps its lines to the console's width, a long path
+    (a temporary folder's, longer under xdist) mid-word too."""
+    return "".join(text.split())
+
+
 def _doctor_warns(path: Path, env: dict[str, str]) -> str:
     """Doctor's output on one line (`_doctor`), its "server GPUs" line a warning that does not
     say the server is pinned."""
@@ -738,11 +744,12 @@ def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: 
         output = " ".join(checked.stdout.split())
         if line.startswith("NVIDIA"):
             assert checked.returncode == 1, output
-            assert (
+            # doctor wraps to the console's width, the file's long path mid-word too
+            assert _unwrapped(
                 f"FAIL server GPUs: engine.sglang.server_command gives its container "
                 f"NVIDIA_VISIBLE_DEVICES={other} in --env-file {env_file}, other GPUs than the "
                 f"metered {metered}"
-            ) in output
+            ) in _unwrapped(output), output
         else:
             assert pinned in output, output
     path = container_campaign(tmp_path / "unread", "--env-file", str(tmp_path / "missing"))
@@ -773,13 +780,14 @@ def test_e_name_wins_over_an_env_files_value(nv: ModuleType, tmp_path: Path) -> 
     path = container_campaign(tmp_path / "file", "--gpus", "all", "--env-file", str(env_file))
     checked = _doctor(path, env)
     assert checked.returncode == 1, checked.stdout
-    # the file named, and the remedy said there, not in server_command
-    assert (
+    # the file named, and the remedy said there, not in server_command (doctor wraps to the
+    # console's width, the file's long path mid-word too)
+    assert _unwrapped(
         f"FAIL server GPUs: engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={other} in "
         f"--env-file {env_file}, other GPUs than the metered {metered}: the server would run "
         "where dvfs does not meter; remove it from that --env-file (dvfs pins the server to "
         "the metered GPUs by UUID)"
-    ) in " ".join(checked.stdout.split()), checked.stdout
+    ) in _unwrapped(checked.stdout), checked.stdout
 
 
 def test_the_last_e_of_a_name_is_what_the_container_sees(nv: ModuleType, tmp_path: Path) -> None:

@@ -2071,4 +2071,7 @@ def test_a_full_disk_under_the_state_folder_names_the_gpus_lock_not_the_out_fold
     assert result.exit_code == 1, result.output
     assert f"cannot write {lock}: no space left" in result.stderr, result.stderr
     assert str(out) not in result.stderr.splitlines()[-1], result.stderr
+    # nor its option: the state folder lay in --out's parent folder, taken for a file
+    # written beside an output ("choose another --out", which changes nothing)
+    assert "--out" not in result.stderr.splitlines()[-1], result.stderr
     assert load_fake().fake_state()["devices"][0]["locked_clocks"] is None

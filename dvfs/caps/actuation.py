@@ -712,14 +712,19 @@ def apply_actions(
         except (CapsRecordError, OSError) as exc:
             # The record cannot be written (a full disk): no GPU after this one is changed.
             # The failures gathered on the GPUs before it are said first, not hidden by it.
-            if not failures.messages:
-                raise
             if isinstance(exc, OSError):  # a change recorded gone (nothing left unrecorded)
+                # said with the way on, alone too: "choose another --state-dir" would record
+                # the caps where `cap show`, sweeps and `cap reset` do not look
                 why = record_problem(exc)
-                exc = CapsRecordError(
+                unwritten = CapsRecordError(
                     f"cannot write {exc.filename or record.path}: {why[:1].lower() + why[1:]}; "
                     "free space there, then apply the caps again"
                 )
+                if not failures.messages:
+                    raise unwritten from exc
+                exc = unwritten
+            elif not failures.messages:
+                raise
             raise CapsRecordError(
                 "could not apply caps: " + "; ".join([*failures.messages, str(exc)])
             ) from exc

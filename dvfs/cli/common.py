@@ -416,8 +416,9 @@ def _param_for(path: Any, *, writing: bool = False) -> tuple[str, Path] | None:
         if output:
             return name, value
     if writing:
-        # written beside an output file (report.md's figures, in report_figures/ beside it)
-        for name, value, output in _path_params():
+        # written beside an output file (report.md's figures, in report_figures/ beside it);
+        # not an output folder's (a sweep's --out), whose parent holds a state folder too
+        for name, value, output in _path_params(files_only=True):
             if output and value.absolute().parent in failed.parents:
                 return name, value
     if writing and related:
