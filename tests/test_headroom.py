@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ from hypothesis import strategies as st
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.targets import Target, parse_slack, parse_slo
 from dvfs.errors import AnalysisError
+
+if TYPE_CHECKING:
+    import xarray as xr
 
 CLOCKS = [1000, 1500, 2000]
 TPOT = {1000: 12.0, 1500: 10.5, 2000: 10.0}
@@ -779,15 +783,11 @@ def test_the_saving_is_over_the_repeats_paired_with_the_reference() -> None:
     assert cells[header.index("saving")] == "20.0%"
 
 
-def test_the_saving_is_over_the_repeats_the_chosen_setting_was_measured_at() -> None:
-    """Adaptive repeats: stock took five, 1500 MHz three (its repeats 3 and 4 not measured);
-    repeats 3 and 4's prompts cost 1.3x. 1500 MHz costs 0.8x stock on every prompt: a 20%
-    saving over the repeats both measured. It read 28.6%: 1500 MHz's three repeats against
-    stock's 1.12 J over all five, two of them other prompts."""
-    from dvfs.report.headroom import headroom_document, headroom_table_rows
-
+def _stock_at_five_repeats_1500_at_three() -> xr.Dataset:
+    """Adaptive repeats: stock (2000 MHz) measured at five repeats, 1500 MHz at the first
+    three; repeats 3 and 4's prompts cost 1.3x; 1500 MHz costs 0.8x stock on every prompt."""
     cost = [1.0, 1.0, 1.0, 1.3, 1.3]  # each repeat's prompts
-    cube = make_cube(
+    return make_cube(
         clocks=[1500, 2000],
         repeats=5,
         latency=lambda c, *_: 10.0,
@@ -795,6 +795,16 @@ def test_the_saving_is_over_the_repeats_the_chosen_setting_was_measured_at() -> 
             math.nan if c == 1500 and r >= 3 else (0.8 if c == 1500 else 1.0) * cost[r]
         ),
     )
+
+
+def test_the_saving_is_over_the_repeats_the_chosen_setting_was_measured_at() -> None:
+    """Adaptive repeats: stock took five, 1500 MHz three (its repeats 3 and 4 not measured);
+    repeats 3 and 4's prompts cost 1.3x. 1500 MHz costs 0.8x stock on every prompt: a 20%
+    saving over the repeats both measured. It read 28.6%: 1500 MHz's three repeats against
+    stock's 1.12 J over all five, two of them other prompts."""
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    cube = _stock_at_five_repeats_1500_at_three()
     result = headroom(cube, target=Target("preserve", slack=0.01))
     r = row(result)
     assert r["chosen_sm_clock"] == 1500
@@ -812,15 +822,7 @@ def test_the_stock_energy_beside_the_saving_is_over_the_same_repeats() -> None:
     repeats measured at both (1 J), and a note gives the 1.12 J over all of stock's."""
     from dvfs.report.headroom import headroom_document, headroom_notes, headroom_table_rows
 
-    cost = [1.0, 1.0, 1.0, 1.3, 1.3]
-    cube = make_cube(
-        clocks=[1500, 2000],
-        repeats=5,
-        latency=lambda c, *_: 10.0,
-        energy=lambda c, p, b, d, k, r: (
-            math.nan if c == 1500 and r >= 3 else (0.8 if c == 1500 else 1.0) * cost[r]
-        ),
-    )
+    cube = _stock_at_five_repeats_1500_at_three()
     result = headroom(cube, target=Target("preserve", slack=0.01))
     r = row(result)
     assert r["stock_energy_per_token_j"] == pytest.approx(1.12)  # the reference's own energy

@@ -1719,14 +1719,9 @@ def test_a_sweep_of_the_default_server_command_without_sglang_refuses_as_doctor_
     assert sglang_args.not_installed(load_campaign(demo)) is None
 
 
-def test_doctor_on_a_ray_driver_leaves_sglang_and_the_gpus_to_the_nodes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`dvfs sweep --executor ray` starts no server on its driver (the Ray actors start them,
-    from their nodes' Python) and opens no real GPU there, so the driver needs neither sglang
-    nor NVML; yet doctor, run there, failed "sglang is not installed in this environment" and
-    had no way to be told the run was Ray's. `--executor ray` checks it as that sweep runs it:
-    the servers and GPUs said to be the nodes', for `dvfs doctor` on a node."""
+def _ray_driver_campaign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A campaign of the default server command on NVML GPU 0 for a driver where sglang is
+    not installed (as a Ray driver may be)."""
     import dvfs.engines.sglang_args as sglang_args
 
     monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
@@ -1738,6 +1733,18 @@ def test_doctor_on_a_ray_driver_leaves_sglang_and_the_gpus_to_the_nodes(
     text = campaign.read_text()
     start = text.index("server_command")
     campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
+    return campaign
+
+
+def test_doctor_on_a_ray_driver_leaves_sglang_and_the_gpus_to_the_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs sweep --executor ray` starts no server on its driver (the Ray actors start them,
+    from their nodes' Python) and opens no real GPU there, so the driver needs neither sglang
+    nor NVML; yet doctor, run there, failed "sglang is not installed in this environment" and
+    had no way to be told the run was Ray's. `--executor ray` checks it as that sweep runs it:
+    the servers and GPUs said to be the nodes', for `dvfs doctor` on a node."""
+    campaign = _ray_driver_campaign(tmp_path, monkeypatch)
     out = str(tmp_path / "out")
     ray = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out, "--executor", "ray"])
     said = " ".join(ray.output.split())
@@ -1757,17 +1764,8 @@ def test_doctor_on_a_ray_driver_leaves_the_model_path_to_the_nodes(
     ray` on the driver failed it, exit 1: "no such path: engine.model '/shared/...': SGLang
     would fail to start on it". It is a warning naming the nodes; without Ray, still a
     failure."""
-    import dvfs.engines.sglang_args as sglang_args
-
-    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
-    campaign, _ = stub_campaign(
-        tmp_path,
-        gpu='backend = "nvml"\ndevices = [0]',
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-    )
+    campaign = _ray_driver_campaign(tmp_path, monkeypatch)
     text = campaign.read_text()
-    start = text.index("server_command")
-    text = text[:start] + text[text.index("\n", start) + 1 :]
     model = str(tmp_path / "shared" / "models" / "target")  # not on this host
     start = text.index("\nmodel = ") + 1
     campaign.write_text(f"{text[:start]}model = {model!r}{text[text.index(chr(10), start) :]}")
