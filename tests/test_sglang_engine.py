@@ -1927,12 +1927,9 @@ def test_sglang_is_looked_for_where_the_servers_python_looks(
     assert sglang_args.not_installed(user) is not None
 
 
-def test_dry_run_of_the_default_server_command_without_sglang_says_the_sweep_refuses(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where sglang is not installed the dry run said only to set engine.sglang.version (its
-    --help could not run), after which it was quiet and the sweep still refused: it names the
-    refusal and its remedy, the plan still printed (it may be for another machine)."""
+def _default_server_without_sglang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A one-cell campaign of the default server command where sglang is not installed and
+    launch_server --help cannot run."""
     import dvfs.engines.sglang_args as sglang_args
 
     campaign, _ = _one_cell_stub(tmp_path)
@@ -1941,6 +1938,16 @@ def test_dry_run_of_the_default_server_command_without_sglang_says_the_sweep_ref
     campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
     monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
     monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    return campaign
+
+
+def test_dry_run_of_the_default_server_command_without_sglang_says_the_sweep_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where sglang is not installed the dry run said only to set engine.sglang.version (its
+    --help could not run), after which it was quiet and the sweep still refused: it names the
+    refusal and its remedy, the plan still printed (it may be for another machine)."""
+    campaign = _default_server_without_sglang(tmp_path, monkeypatch)
     planned = CliRunner().invoke(
         cli,
         [
@@ -1964,14 +1971,7 @@ def test_the_dry_runs_text_keeps_the_sglang_extra_in_its_pip_line(
     """The text dry run printed the flag source as rich markup, which took `[sglang]` for a
     tag and dropped it: "sglang is not installed in this environment: pip install 'dvfs'",
     an install without SGLang. It prints `pip install 'dvfs[sglang]'`, as --json says."""
-    import dvfs.engines.sglang_args as sglang_args
-
-    campaign, _ = _one_cell_stub(tmp_path)
-    text = campaign.read_text()
-    start = text.index("server_command")
-    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
-    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
-    monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    campaign = _default_server_without_sglang(tmp_path, monkeypatch)
     args = ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate"]
     planned = CliRunner().invoke(cli, args)
     assert planned.exit_code == 0, planned.output
@@ -1987,14 +1987,7 @@ def test_a_ray_dry_run_does_not_say_the_sweep_refuses_without_sglang_on_the_driv
     environment: pip install 'dvfs[sglang]', as the sweep here refuses without it". It says
     only that launch_server --help could not run here; the local dry run still names the
     refusal."""
-    import dvfs.engines.sglang_args as sglang_args
-
-    campaign, _ = _one_cell_stub(tmp_path)
-    text = campaign.read_text()
-    start = text.index("server_command")
-    campaign.write_text(text[:start] + text[text.index("\n", start) + 1 :])
-    monkeypatch.setattr(sglang_args, "sglang_importable", lambda: False)
-    monkeypatch.setattr(sglang_args, "probe_help", lambda *_a, **_k: None)
+    campaign = _default_server_without_sglang(tmp_path, monkeypatch)
     args = ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--json"]
     said = {}
     for executor in ("ray", "local"):
