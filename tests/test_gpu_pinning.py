@@ -54,6 +54,12 @@ def _doctor(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     return dvfs_in_process("doctor", str(path), "--out", str(path.parent / "o"), env=env)
 
 
+def _refused(checked: subprocess.CompletedProcess[str], line: str) -> None:
+    """Doctor failed (exit 1) with `line`, its wrapping undone."""
+    assert checked.returncode == 1, checked.stdout
+    assert line in " ".join(checked.stdout.split()), checked.stdout
+
+
 def _server_gpus_line(checked: subprocess.CompletedProcess) -> str:
     """Doctor's one "server GPUs" line."""
     [line] = [x for x in checked.stdout.splitlines() if "server GPUs" in x]
@@ -511,12 +517,11 @@ def test_a_variable_set_before_a_container_run_reaches_it_only_where_passed(
         "CUDA_VISIBLE_DEVICES",
         before=("env", f"CUDA_VISIBLE_DEVICES={other}"),
     )
-    checked = _doctor(path, env)
-    assert checked.returncode == 1, checked.stdout
-    assert (
+    _refused(
+        _doctor(path, env),
         f"FAIL server GPUs: engine.sglang.server_command sets CUDA_VISIBLE_DEVICES={other}, other "
-        f"GPUs than the metered {metered}"
-    ) in " ".join(checked.stdout.split()), checked.stdout
+        f"GPUs than the metered {metered}",
+    )
 
 
 def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
@@ -713,12 +718,11 @@ def test_docker_exec_and_nvidia_docker_are_judged_as_containers(
     path = container_campaign(
         tmp_path / "other", "--gpus", f"device={other}", engine="nvidia-docker"
     )
-    checked = _doctor(path, env)
-    assert checked.returncode == 1, checked.stdout
-    assert (
+    _refused(
+        _doctor(path, env),
         f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
-        f"device={other}, other GPUs than the metered {metered}"
-    ) in " ".join(checked.stdout.split()), checked.stdout
+        f"device={other}, other GPUs than the metered {metered}",
+    )
 
 
 def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
@@ -822,12 +826,11 @@ def test_a_container_run_in_a_shell_line_is_judged_as_one(nv: ModuleType, tmp_pa
     folder.mkdir()
     line = f'exec docker run --rm --gpus device={other} IMG "$@"'
     path = observed_campaign(folder, ("sh", "-c", line, "sh"))
-    checked = _doctor(path, env)
-    assert checked.returncode == 1, checked.stdout
-    assert (
+    _refused(
+        _doctor(path, env),
         f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
-        f"device={other}, other GPUs than the metered {metered}"
-    ) in " ".join(checked.stdout.split()), checked.stdout
+        f"device={other}, other GPUs than the metered {metered}",
+    )
     folder = tmp_path / "unpassed"
     folder.mkdir()
     path = observed_campaign(folder, ("bash", "-lc", 'docker run --gpus all IMG "$@"', "bash"))
@@ -856,12 +859,11 @@ def test_a_shell_line_after_options_taking_a_word_is_judged(nv: ModuleType, tmp_
     ):
         folder = tmp_path / f"c{number}"
         folder.mkdir()
-        checked = _doctor(observed_campaign(folder, ("bash", *options, line, "bash")), env)
-        assert checked.returncode == 1, checked.stdout
-        assert (
+        _refused(
+            _doctor(observed_campaign(folder, ("bash", *options, line, "bash")), env),
             f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
-            f"device={other}, other GPUs than the metered {metered}"
-        ) in " ".join(checked.stdout.split()), checked.stdout
+            f"device={other}, other GPUs than the metered {metered}",
+        )
     folder = tmp_path / "all"
     folder.mkdir()
     line = 'exec docker run --rm --gpus all IMG "$@"'
@@ -897,12 +899,11 @@ def test_a_shell_lines_own_cuda_visible_devices_is_dvfss(nv: ModuleType, tmp_pat
     folder.mkdir()
     line = 'exec docker run --rm --gpus "device=$CUDA_VISIBLE_DEVICES" IMG "$@"'
     wrapper = ("env", f"CUDA_VISIBLE_DEVICES={other}", "sh", "-c", line, "sh")
-    checked = _doctor(observed_campaign(folder, wrapper), env)
-    assert checked.returncode == 1, checked.stdout
-    assert (
+    _refused(
+        _doctor(observed_campaign(folder, wrapper), env),
         f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
-        f"device={other}, other GPUs than the metered {metered}"
-    ) in " ".join(checked.stdout.split()), checked.stdout
+        f"device={other}, other GPUs than the metered {metered}",
+    )
 
 
 def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
