@@ -524,6 +524,30 @@ def test_a_variable_set_before_a_container_run_reaches_it_only_where_passed(
     )
 
 
+def test_nvidia_visible_devices_set_inside_a_container_is_not_its_gpus(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """The NVIDIA runtime reads NVIDIA_VISIBLE_DEVICES from the container's environment as it
+    starts it; set by the image's command (`docker run ... IMG env NVIDIA_VISIBLE_DEVICES=...
+    python ...`) it gives the container no GPU. Doctor failed `--gpus device=GPU-<metered> IMG
+    env NVIDIA_VISIBLE_DEVICES=GPU-<other>` as giving the container the other GPU; the server
+    runs on the metered GPU, pinned by `--gpus` (or by the CUDA_VISIBLE_DEVICES it is passed)."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    inside = ("env", f"NVIDIA_VISIBLE_DEVICES={other}")
+    for number, (flags, by) in enumerate(
+        (
+            (("--gpus", f"device={metered}"), f"the container's --gpus device={metered}"),
+            (("--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES"), "CUDA_VISIBLE_DEVICES"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *flags, inside=inside)
+        checked = _doctor(path, env)
+        output = " ".join(checked.stdout.split())
+        assert checked.returncode == 0, output
+        assert f"ok server GPUs: the server is pinned to {metered} ({by})" in output, output
+
+
 def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
     nv: ModuleType, tmp_path: Path
 ) -> None:

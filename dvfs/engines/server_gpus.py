@@ -327,10 +327,11 @@ def _expanded(line: list[str], before: Sequence[str]) -> list[str]:
 def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
     """The value of `name` the wrapper's command line gives the server, None where it sets none
     (it has dvfs's, or a container none): outside a container the last set (`command_env`);
-    for a container run, what it is given (`-e NAME=VALUE`, or set inside it: `IMG env
-    NAME=...`), else the host's, set before the run, only where it is passed that (`-e NAME`,
-    `--env-host`): `env NAME=... docker run` gives the container none of it. With it, the
-    --env-file it is read from ("" where none)."""
+    for a container run, what it is given (`-e NAME=VALUE`; CUDA_VISIBLE_DEVICES set inside
+    it too, `IMG env NAME=...`, but not NVIDIA_VISIBLE_DEVICES, which the NVIDIA runtime
+    reads as the container starts), else the host's, set before the run, only where it is
+    passed that (`-e NAME`, `--env-host`): `env NAME=... docker run` gives the container none
+    of it. With it, the --env-file it is read from ("" where none)."""
     from dvfs.records.session import command_env
 
     def keep(key: str) -> bool:
@@ -341,8 +342,10 @@ def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
         return command_env(command, keep=keep).get(name), ""
     start, after = _engine_index(command), run[1]
     rest = command[after:]
-    inside = command_env(_without_env_flags(rest), keep=keep)  # `IMG env NAME=...`
-    if name in inside:
+    # `IMG env NAME=...` sets it inside: CUDA_VISIBLE_DEVICES for CUDA there, but never the
+    # container's GPUs, which the NVIDIA runtime gave it from its environment at its start
+    inside = command_env(_without_env_flags(rest), keep=keep)
+    if name in inside and name == "CUDA_VISIBLE_DEVICES":
         return inside[name], ""
     host = command_env(command[:start], keep=keep).get(name)
     passed = [given.partition("=") for given in _container_env(rest, files=False)]
