@@ -1197,6 +1197,28 @@ def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
+def test_a_mount_ending_in_a_launchers_name_is_no_launcher(nv: ModuleType, tmp_path: Path) -> None:
+    """A container's mount whose target is `/ssh`, `/sudo` or `/env` (`-v /srv/keys:/ssh`) was
+    read as that program: "runs the server through ssh IMG", "drops CUDA_VISIBLE_DEVICES (sudo
+    without -E ...)", "(env -i)" before docker's own `-i`. A word holding `:` or `=` is an
+    option's value, no program: the container passed dvfs's CUDA_VISIBLE_DEVICES is pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    passed = ("--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
+    for number, mount in enumerate(
+        (
+            ("-v", "/srv/keys:/ssh"),
+            ("--volume=/srv/tools:/sudo",),
+            ("-v", "/srv/tools:/env", "-i"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *passed, *mount)
+        checked = _doctor(path, env)
+        output = " ".join(checked.stdout.split())
+        pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+        assert pinned in output, output
+
+
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
     nv: ModuleType, tmp_path: Path
 ) -> None:

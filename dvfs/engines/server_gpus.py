@@ -392,6 +392,13 @@ def _drop_reaches_server(command: Sequence[str], at: int) -> bool:
     return _env_host(rest) or any(key == "CUDA_VISIBLE_DEVICES" for key, _, _ in given)
 
 
+def _program(token: str) -> str:
+    """The program a command word names (`/usr/bin/ssh`: "ssh"); "" for a word that is an
+    option's value naming none: a mount's `SRC:DST` (`-v /x:/ssh`), a setting (`--volume=...`,
+    `NAME=VALUE`)."""
+    return "" if ":" in token or "=" in token else token.rsplit("/", 1)[-1]
+
+
 def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     """The env or sudo that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words
     ("env -i", "env -u CUDA_VISIBLE_DEVICES", `_sudo_drops`'s), and its index: env's `-i` (`-`,
@@ -401,12 +408,12 @@ def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     from dvfs.records.session import command_env
 
     for index, token in enumerate(command):
-        said = _sudo_drops(command, index) if token.rsplit("/", 1)[-1] == "sudo" else None
+        said = _sudo_drops(command, index) if _program(token) == "sudo" else None
         if said is not None and not command_env(
             command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
         ):
             return said, index
-        if token.rsplit("/", 1)[-1] != "env":
+        if _program(token) != "env":
             continue
         later = index + 1
         while later < len(command) and command[later].startswith("-") and command[later] != "--":
@@ -447,7 +454,7 @@ def _remote(command: Sequence[str]) -> str | None:
     from dvfs.records.session import command_env
 
     for index, token in enumerate(command):
-        name = token.rsplit("/", 1)[-1]
+        name = _program(token)
         if name == "kubectl":
             value = False  # the word may be the value of the option before it (`-n NS`)
             for word in command[index + 1 :]:
