@@ -1132,7 +1132,11 @@ def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices_even_with_e(
     initialises whatever -E says (sudoers(5): "regardless of the value of env_reset"),
     keeping only its sudoers' env_keep: `sudo -iE` was said "pinned to" the metered GPU (by
     CUDA_VISIBLE_DEVICES), and `sudo -i` was told to give sudo -E, which keeps nothing there.
-    Doctor warns of both, saying to give -E in place of -i."""
+    Doctor warns of both, saying to give --preserve-env=CUDA_VISIBLE_DEVICES (or -E in place
+    of -i). That list sudo passes on as variables set on its command line, after -i resets the
+    environment (sudo's parse_args.c; fixed for -i in sudo 1.8.24): `sudo -i
+    --preserve-env=CUDA_VISIBLE_DEVICES` was warned of, told to give what it gave; it is
+    pinned."""
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
     metered = nv.fake_state()["devices"][1]["uuid"]
     sudo = tmp_path / "sudo"
@@ -1148,9 +1152,19 @@ def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices_even_with_e(
             "resetting the environment even with -E, unless its sudoers keeps it) in place of "
             f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
             "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
-            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES) in place of -i, which keeps "
-            "the CUDA_VISIBLE_DEVICES dvfs hands the server"
+            "give sudo --preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES "
+            "dvfs hands the server with -i too (or -E in place of -i)"
         ) in output, output
+    for number, options in enumerate(
+        (
+            ("-i", "--preserve-env=CUDA_VISIBLE_DEVICES"),
+            ("--login", "--preserve-env=PATH,CUDA_VISIBLE_DEVICES", "-u", "svc"),
+        )
+    ):
+        path = observed_campaign(tmp_path / f"kept{number}", (str(sudo), *options))
+        checked = _doctor(path, env)
+        pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(

@@ -498,7 +498,10 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
 
 #: What `_sudo_drops` says of a sudo whose `-i` (`--login`) runs the server in a login shell,
 #: whose environment sudo initialises with or without -E (sudoers(5): "regardless of the
-#: value of env_reset"), keeping only what its sudoers' env_keep names.
+#: value of env_reset"), keeping only what its sudoers' env_keep names and what
+#: `--preserve-env=LIST` names: sudo passes those on as variables set on its command line
+#: (`sudo NAME=VALUE`), set after -i initialises it (sudo's parse_args.c; "sudo -i" with
+#: --preserve-env=VARIABLE is fixed in sudo 1.8.24, its NEWS).
 SUDO_LOGIN = "sudo -i, a login shell resetting the environment even with -E"
 
 
@@ -506,16 +509,16 @@ def _sudo_drops(command: Sequence[str], index: int) -> str | None:
     """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
     unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
     or its sudoers does (`env_keep`, which dvfs does not read); `SUDO_LOGIN` where its `-i`
-    (`--login`) resets it whatever it is told; None where it keeps it."""
+    (`--login`) resets it, unless `--preserve-env=...,CUDA_VISIBLE_DEVICES` keeps it (-E
+    does not); None where it keeps it."""
     later = index + 1
-    kept = login = False
+    kept = listed = login = False
     while later < len(command) and command[later].startswith("-") and command[later] != "--":
         option = command[later]
         name, equals, given = option.partition("=")
-        if option == "--preserve-env" or (
-            name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(",")
-        ):
-            kept = True
+        kept = kept or option == "--preserve-env"
+        if name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(","):
+            listed = True
         login = login or option == "--login"
         if option.startswith("--"):
             later += 2 if name in SUDO_LONG_ARGUMENT_OPTIONS and not equals else 1
@@ -527,9 +530,9 @@ def _sudo_drops(command: Sequence[str], index: int) -> str | None:
                 later += 0 if option[at + 1 :] else 1  # its argument, attached or the next
                 break
         later += 1
-    if login:
+    if login and not listed:
         return f"{SUDO_LOGIN}, unless its sudoers keeps it"
-    return None if kept else "sudo without -E, unless its sudoers keeps it"
+    return None if kept or listed else "sudo without -E, unless its sudoers keeps it"
 
 
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
@@ -789,8 +792,8 @@ def unjudged_remedy(campaign: Campaign) -> str:
         return PASS_CUDA_UUIDS
     if unjudged and all(g.dropped and g.setting.startswith(SUDO_LOGIN) for g in unjudged):
         return (
-            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES) in place of -i, which keeps "
-            "the CUDA_VISIBLE_DEVICES dvfs hands the server"
+            "give sudo --preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES "
+            "dvfs hands the server with -i too (or -E in place of -i)"
         )
     if unjudged and all(g.dropped and g.setting.startswith("sudo") for g in unjudged):
         return (
