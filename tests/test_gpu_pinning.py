@@ -1125,36 +1125,49 @@ def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
         assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
-def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices_even_with_e(
+def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices(
     nv: ModuleType, tmp_path: Path
 ) -> None:
     """`sudo -i` runs the server in the target user's login shell, whose environment sudo
-    initialises whatever -E says (sudoers(5): "regardless of the value of env_reset"),
-    keeping only its sudoers' env_keep: `sudo -iE` was said "pinned to" the metered GPU (by
-    CUDA_VISIBLE_DEVICES), and `sudo -i` was told to give sudo -E, which keeps nothing there.
-    Doctor warns of both, saying to give --preserve-env=CUDA_VISIBLE_DEVICES (or -E in place
-    of -i). That list sudo passes on as variables set on its command line, after -i resets the
-    environment (sudo's parse_args.c; fixed for -i in sudo 1.8.24): `sudo -i
+    initialises (sudoers(5): "regardless of the value of env_reset"), keeping only its
+    sudoers' env_keep: doctor warns, saying to give --preserve-env=CUDA_VISIBLE_DEVICES (or -E
+    in place of -i). That list sudo passes on as variables set on its command line, after -i
+    resets the environment (sudo's parse_args.c; fixed for -i in sudo 1.8.24): `sudo -i
     --preserve-env=CUDA_VISIBLE_DEVICES` was warned of, told to give what it gave; it is
-    pinned."""
+    pinned. With -E, `sudo -iE` runs nothing ("you may not specify both the -i and -E
+    options"): doctor warned that the server would run on CUDA's first GPU ("resetting the
+    environment even with -E"); it fails it, as the sweep refuses the server."""
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
     metered = nv.fake_state()["devices"][1]["uuid"]
     sudo = tmp_path / "sudo"
     sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
     sudo.chmod(0o755)
-    for number, options in enumerate(
-        (("-iE", "-u", "svc"), ("-i", "-u", "svc"), ("-E", "--login", "--user=svc"))
-    ):
+    path = observed_campaign(tmp_path / "login", (str(sudo), "-i", "-u", "svc"))
+    output = _doctor_warns(path, env)
+    assert (
+        "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo -i, a login shell "
+        "resetting the environment, unless its sudoers keeps it) in place of the metered "
+        f"{metered}: the server then runs on CUDA's first GPU(s), which dvfs cannot check: the "
+        "sweep stops the server only where NVML lists it on another GPU; give sudo "
+        "--preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES dvfs hands "
+        "the server with -i too (or -E in place of -i)"
+    ) in output, output
+    said = (
+        "engine.sglang.server_command gives sudo -i and -E together, with which sudo runs "
+        'nothing ("you may not specify both the -i and -E options"): the server would not '
+        "start; give sudo --preserve-env=CUDA_VISIBLE_DEVICES in place of -E, which keeps the "
+        "CUDA_VISIBLE_DEVICES dvfs hands the server with -i too"
+    )
+    for number, options in enumerate((("-iE", "-u", "svc"), ("-E", "--login", "--user=svc"))):
         path = observed_campaign(tmp_path / f"c{number}", (str(sudo), *options))
-        output = _doctor_warns(path, env)
-        assert (
-            "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo -i, a login shell "
-            "resetting the environment even with -E, unless its sudoers keeps it) in place of "
-            f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
-            "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
-            "give sudo --preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES "
-            "dvfs hands the server with -i too (or -E in place of -i)"
-        ) in output, output
+        _refused(_doctor(path, env), f"FAIL server GPUs: {said}")
+    out = tmp_path / "out"
+    swept = _sweep_into(path, out, env)
+    assert swept.returncode == 5, swept.stderr
+    records = _journal(out)
+    assert not [r for r in records if r["type"] == "server"]
+    [cell] = [r for r in records if r["type"] == "cell"]
+    assert cell["status"] == "failed" and said in cell["error"]
     for number, options in enumerate(
         (
             ("-i", "--preserve-env=CUDA_VISIBLE_DEVICES"),

@@ -497,26 +497,36 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
 
 
 #: What `_sudo_drops` says of a sudo whose `-i` (`--login`) runs the server in a login shell,
-#: whose environment sudo initialises with or without -E (sudoers(5): "regardless of the
-#: value of env_reset"), keeping only what its sudoers' env_keep names and what
-#: `--preserve-env=LIST` names: sudo passes those on as variables set on its command line
-#: (`sudo NAME=VALUE`), set after -i initialises it (sudo's parse_args.c; "sudo -i" with
-#: --preserve-env=VARIABLE is fixed in sudo 1.8.24, its NEWS).
-SUDO_LOGIN = "sudo -i, a login shell resetting the environment even with -E"
+#: whose environment sudo initialises (sudoers(5): "regardless of the value of env_reset"),
+#: keeping only what its sudoers' env_keep names and what `--preserve-env=LIST` names: sudo
+#: passes those on as variables set on its command line (`sudo NAME=VALUE`), set after -i
+#: initialises it (sudo's parse_args.c; "sudo -i" with --preserve-env=VARIABLE is fixed in
+#: sudo 1.8.24, its NEWS). With -E sudo runs nothing (`_sudo_refuses`).
+SUDO_LOGIN = "sudo -i, a login shell resetting the environment"
 
 
 def _sudo_drops(command: Sequence[str], index: int) -> str | None:
     """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
     unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
     or its sudoers does (`env_keep`, which dvfs does not read); `SUDO_LOGIN` where its `-i`
-    (`--login`) resets it, unless `--preserve-env=...,CUDA_VISIBLE_DEVICES` keeps it (-E
-    does not); None where it keeps it."""
+    (`--login`) resets it, unless `--preserve-env=...,CUDA_VISIBLE_DEVICES` keeps it; None
+    where it keeps it."""
+    whole, listed, login = _sudo_options(command, index)
+    if login and not listed:
+        return f"{SUDO_LOGIN}, unless its sudoers keeps it"
+    return None if whole or listed else "sudo without -E, unless its sudoers keeps it"
+
+
+def _sudo_options(command: Sequence[str], index: int) -> tuple[bool, bool, bool]:
+    """What the sudo at `command[index]` is told: to keep the whole environment (`-E`,
+    `--preserve-env`), to keep CUDA_VISIBLE_DEVICES by name
+    (`--preserve-env=...,CUDA_VISIBLE_DEVICES`), to run a login shell (`-i`, `--login`)."""
     later = index + 1
-    kept = listed = login = False
+    whole = listed = login = False
     while later < len(command) and command[later].startswith("-") and command[later] != "--":
         option = command[later]
         name, equals, given = option.partition("=")
-        kept = kept or option == "--preserve-env"
+        whole = whole or option == "--preserve-env"
         if name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(","):
             listed = True
         login = login or option == "--login"
@@ -524,15 +534,24 @@ def _sudo_drops(command: Sequence[str], index: int) -> str | None:
             later += 2 if name in SUDO_LONG_ARGUMENT_OPTIONS and not equals else 1
             continue
         for at, letter in enumerate(option[1:], start=1):
-            kept = kept or letter == "E"
+            whole = whole or letter == "E"
             login = login or letter == "i"
             if letter in SUDO_ARGUMENT_OPTIONS:
                 later += 0 if option[at + 1 :] else 1  # its argument, attached or the next
                 break
         later += 1
-    if login and not listed:
-        return f"{SUDO_LOGIN}, unless its sudoers keeps it"
-    return None if kept or listed else "sudo without -E, unless its sudoers keeps it"
+    return whole, listed, login
+
+
+def _sudo_refuses(command: Sequence[str]) -> bool:
+    """Whether a sudo in `command` is given -i and -E together (`sudo -iE`, `-E --login`),
+    with which sudo runs nothing: "you may not specify both the -i and -E options" (sudo's
+    parse_args.c), its usage, exit 1."""
+    for index, token in enumerate(command):
+        whole, _, login = _sudo_options(command, index) if _program(token) == "sudo" else (0, 0, 0)
+        if whole and login:
+            return True
+    return False
 
 
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
@@ -720,8 +739,17 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
     the server would run on GPUs dvfs does not meter (caught at start only where NVML lists
     its processes, which a container's are not: they are no child of dvfs's). A UUID may be
     written short, as CUDA takes a prefix naming one GPU (`dvfs.gpu.visible`). An index,
-    `all` or a count is not judged (`unjudged_wrapper_devices`)."""
+    `all` or a count is not judged (`unjudged_wrapper_devices`). A sudo given -i and -E
+    together, which runs nothing (`_sudo_refuses`), is refused too."""
     metered = ",".join(gpu_uuids)
+    words = _words([str(token) for token in server_command(campaign)])
+    if _sudo_refuses(words):
+        raise EngineError(
+            "engine.sglang.server_command gives sudo -i and -E together, with which sudo runs "
+            'nothing ("you may not specify both the -i and -E options"): the server would '
+            "not start; give sudo --preserve-env=CUDA_VISIBLE_DEVICES in place of -E, which "
+            "keeps the CUDA_VISIBLE_DEVICES dvfs hands the server with -i too"
+        )
     for given in wrapper_gpus(campaign):
         if not given.judged or given.names(gpu_uuids):
             continue
