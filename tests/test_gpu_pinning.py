@@ -749,6 +749,52 @@ def test_docker_exec_and_nvidia_docker_are_judged_as_containers(
     )
 
 
+def test_nvidia_dockers_nv_gpu_is_read_as_the_containers_gpus(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """nvidia-docker's `run` passes docker `-e NVIDIA_VISIBLE_DEVICES=$NV_GPU` (its wrapper
+    script) before the options given: `env NV_GPU=GPU-<other> nvidia-docker run IMG ...` runs
+    the server on the other GPU, but doctor warned, as of a container given no GPUs, that it
+    runs on those the runtime gives it. Another GPU's UUID is refused, the metered one's
+    pinned, an index (from dvfs's own environment too) warned of by name; an `-e
+    NVIDIA_VISIBLE_DEVICES` given after `run` wins over it."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    path = container_campaign(
+        tmp_path / "other", before=("env", f"NV_GPU={other}"), engine="nvidia-docker"
+    )
+    _refused(
+        _doctor(path, env),
+        f"FAIL server GPUs: engine.sglang.server_command gives its container NV_GPU={other}, "
+        f"other GPUs than the metered {metered}",
+    )
+    path = container_campaign(
+        tmp_path / "metered", before=("env", f"NV_GPU={metered}"), engine="nvidia-docker"
+    )
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (the container's NV_GPU={metered})"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(tmp_path / "index", engine="nvidia-docker")
+    output = _doctor_warns(path, {**env, "NV_GPU": "0"})
+    assert (
+        f"engine.sglang.server_command gives its container NV_GPU=0 rather than the metered "
+        f"{metered}: GPUs by index, count or all, which dvfs cannot check"
+    ) in output, output
+    path = container_campaign(
+        tmp_path / "given",
+        "-e",
+        f"NVIDIA_VISIBLE_DEVICES={metered}",
+        before=("env", f"NV_GPU={other}"),
+        engine="nvidia-docker",
+    )
+    checked = _doctor(path, env)
+    pinned = (
+        f"ok server GPUs: the server is pinned to {metered} (the container's "
+        f"NVIDIA_VISIBLE_DEVICES={metered})"
+    )
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
     """`docker run --env-file FILE` passes the container FILE's variables as `-e` does, but
     dvfs did not read it: a file passing CUDA_VISIBLE_DEVICES (dvfs's own, or the metered UUID)

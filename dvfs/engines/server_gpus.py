@@ -3,11 +3,12 @@
 dvfs pins the server by handing it CUDA_VISIBLE_DEVICES = the metered GPUs' UUIDs (CUDA and
 NVML may number GPUs differently; a UUID means the same GPU to both). A campaign's own env, or a
 `server_command` wrapper (`env CUDA_VISIBLE_DEVICES=...`, a container's `--gpus` /
-`--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES, Slurm's `srun --gpus`), can move it: what
-surely names other GPUs is refused here, what cannot be judged (an index, a count, `all`, a
-container not passed the variable, a `docker exec`, an `env -i` or a `sudo` dropping it, `ssh`
-or `kubectl` running it elsewhere) is said by `dvfs doctor` and in the server record. What the
-server sees is judged: a container only what it is passed, a shell's `-c` line by its words.
+`--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES / nvidia-docker's NV_GPU, Slurm's `srun
+--gpus`), can move it: what surely names other GPUs is refused here, what cannot be judged (an
+index, a count, `all`, a container not passed the variable, a `docker exec`, an `env -i` or a
+`sudo` dropping it, `ssh` or `kubectl` running it elsewhere) is said by `dvfs doctor` and in
+the server record. What the server sees is judged: a container only what it is passed, a
+shell's `-c` line by its words.
 The sweep and doctor share these rules; NVML's process check at start (`dvfs.engines.sglang`)
 is the second line.
 """
@@ -191,9 +192,17 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         value, filed = _server_sees(joined, name)
+        nv_gpu = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else None
+        if nv_gpu is not None:  # nvidia-docker's `-e NVIDIA_VISIBLE_DEVICES=...`, before ours
+            run = _container_run(joined)
+            after = run[1] if run is not None else len(joined)
+            given = [*joined[:after], "-e", f"{name}={nv_gpu}", *joined[after:]]
+            sees, filed = _server_sees(given, name)
+            value, nv_gpu = sees, (nv_gpu if sees != value else None)
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
             setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
+            setting = f"NV_GPU={nv_gpu}" if nv_gpu is not None else setting
             found.append(WrapperGpus(setting, entries, name.startswith("NVIDIA"), filed=filed))
     devices = []
     for index, token in enumerate(command):
@@ -233,6 +242,27 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     if not _passes_cuda_uuids(joined):
         return found
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+
+
+def _nv_gpu(command: Sequence[str], campaign: Campaign) -> str | None:
+    """The GPUs nvidia-docker's `run` (or `create`) gives its container from NV_GPU, set on
+    the command line before it (`env NV_GPU=1 nvidia-docker run`), else in the environment
+    it is handed (engine.sglang.env, dvfs's own): its wrapper passes docker `-e
+    NVIDIA_VISIBLE_DEVICES=<NV_GPU, spaces made commas>` after `run`, before the options
+    given (NVIDIA/nvidia-docker's `nvidia-docker` script); None where it is not run so, or
+    NV_GPU is unset or empty."""
+    import os
+
+    from dvfs.records.session import command_env
+
+    run = _container_run(command)
+    if run is None or run[0] != "nvidia-docker run":
+        return None
+    before = command[: _engine_index(command)]
+    value = command_env(before, keep={"NV_GPU"}.__contains__).get("NV_GPU")
+    if value is None:
+        value = {**os.environ, **dict(campaign.engine.sglang.env)}.get("NV_GPU")
+    return value.replace(" ", ",") if value and value.strip() else None
 
 
 #: The shells whose `-c LINE` (`bash -lc LINE`) runs a line of words: `sh -c 'docker run ...'`.
