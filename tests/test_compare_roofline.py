@@ -469,12 +469,20 @@ def test_roofline_needs_a_known_model() -> None:
 
 
 @pytest.mark.parametrize(
-    "gpu_name", ["NVIDIA A100-SXM4-80GB", "NVIDIA H100 PCIe", "NVIDIA H20", "NVIDIA GH200 480GB"]
+    "gpu_name",
+    [
+        "NVIDIA A100-SXM4-80GB",
+        "NVIDIA H100 PCIe",
+        "NVIDIA H20",
+        "NVIDIA GH200 480GB",
+        "NVIDIA H200 NVL",
+    ],
 )
 def test_a_gpu_the_twin_has_no_profile_of_gets_no_twin_ridge(gpu_name: str) -> None:
     """The twin's ridge points are its profiles' GPUs': a cube of another GPU got the H100
-    SXM's under its own name (an A100, an H100 PCIe), or the H200's (an H20, whose name is a
-    prefix of the H200's). The roofline says what to measure instead; a measured one is used."""
+    SXM's under its own name (an A100, an H100 PCIe), or the H200 SXM's (an H20, whose name is
+    a prefix of the H200's; an H200 NVL, 600 W and its own clocks, whose name holds it). The
+    roofline says what to measure instead; a measured one is used."""
     ds = roofline_cube(8)
     ds.attrs["gpu_name"] = gpu_name
     with pytest.raises(AnalysisError, match=r"no profile of the cube's GPU \(.*dvfs gpu roofline"):

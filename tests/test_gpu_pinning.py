@@ -524,6 +524,30 @@ def test_a_variable_set_before_a_container_run_reaches_it_only_where_passed(
     )
 
 
+def test_nvidia_visible_devices_set_inside_a_container_is_not_its_gpus(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """The NVIDIA runtime reads NVIDIA_VISIBLE_DEVICES from the container's environment as it
+    starts it; set by the image's command (`docker run ... IMG env NVIDIA_VISIBLE_DEVICES=...
+    python ...`) it gives the container no GPU. Doctor failed `--gpus device=GPU-<metered> IMG
+    env NVIDIA_VISIBLE_DEVICES=GPU-<other>` as giving the container the other GPU; the server
+    runs on the metered GPU, pinned by `--gpus` (or by the CUDA_VISIBLE_DEVICES it is passed)."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    inside = ("env", f"NVIDIA_VISIBLE_DEVICES={other}")
+    for number, (flags, by) in enumerate(
+        (
+            (("--gpus", f"device={metered}"), f"the container's --gpus device={metered}"),
+            (("--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES"), "CUDA_VISIBLE_DEVICES"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *flags, inside=inside)
+        checked = _doctor(path, env)
+        output = " ".join(checked.stdout.split())
+        assert checked.returncode == 0, output
+        assert f"ok server GPUs: the server is pinned to {metered} ({by})" in output, output
+
+
 def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -723,6 +747,52 @@ def test_docker_exec_and_nvidia_docker_are_judged_as_containers(
         f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
         f"device={other}, other GPUs than the metered {metered}",
     )
+
+
+def test_nvidia_dockers_nv_gpu_is_read_as_the_containers_gpus(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """nvidia-docker's `run` passes docker `-e NVIDIA_VISIBLE_DEVICES=$NV_GPU` (its wrapper
+    script) before the options given: `env NV_GPU=GPU-<other> nvidia-docker run IMG ...` runs
+    the server on the other GPU, but doctor warned, as of a container given no GPUs, that it
+    runs on those the runtime gives it. Another GPU's UUID is refused, the metered one's
+    pinned, an index (from dvfs's own environment too) warned of by name; an `-e
+    NVIDIA_VISIBLE_DEVICES` given after `run` wins over it."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    path = container_campaign(
+        tmp_path / "other", before=("env", f"NV_GPU={other}"), engine="nvidia-docker"
+    )
+    _refused(
+        _doctor(path, env),
+        f"FAIL server GPUs: engine.sglang.server_command gives its container NV_GPU={other}, "
+        f"other GPUs than the metered {metered}",
+    )
+    path = container_campaign(
+        tmp_path / "metered", before=("env", f"NV_GPU={metered}"), engine="nvidia-docker"
+    )
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (the container's NV_GPU={metered})"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(tmp_path / "index", engine="nvidia-docker")
+    output = _doctor_warns(path, {**env, "NV_GPU": "0"})
+    assert (
+        f"engine.sglang.server_command gives its container NV_GPU=0 rather than the metered "
+        f"{metered}: GPUs by index, count or all, which dvfs cannot check"
+    ) in output, output
+    path = container_campaign(
+        tmp_path / "given",
+        "-e",
+        f"NVIDIA_VISIBLE_DEVICES={metered}",
+        before=("env", f"NV_GPU={other}"),
+        engine="nvidia-docker",
+    )
+    checked = _doctor(path, env)
+    pinned = (
+        f"ok server GPUs: the server is pinned to {metered} (the container's "
+        f"NVIDIA_VISIBLE_DEVICES={metered})"
+    )
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
@@ -1101,32 +1171,59 @@ def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
         assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
-def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices_even_with_e(
+def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices(
     nv: ModuleType, tmp_path: Path
 ) -> None:
     """`sudo -i` runs the server in the target user's login shell, whose environment sudo
-    initialises whatever -E says (sudoers(5): "regardless of the value of env_reset"),
-    keeping only its sudoers' env_keep: `sudo -iE` was said "pinned to" the metered GPU (by
-    CUDA_VISIBLE_DEVICES), and `sudo -i` was told to give sudo -E, which keeps nothing there.
-    Doctor warns of both, saying to give -E in place of -i."""
+    initialises (sudoers(5): "regardless of the value of env_reset"), keeping only its
+    sudoers' env_keep: doctor warns, saying to give --preserve-env=CUDA_VISIBLE_DEVICES (or -E
+    in place of -i). That list sudo passes on as variables set on its command line, after -i
+    resets the environment (sudo's parse_args.c; fixed for -i in sudo 1.8.24): `sudo -i
+    --preserve-env=CUDA_VISIBLE_DEVICES` was warned of, told to give what it gave; it is
+    pinned. With -E, `sudo -iE` runs nothing ("you may not specify both the -i and -E
+    options"): doctor warned that the server would run on CUDA's first GPU ("resetting the
+    environment even with -E"); it fails it, as the sweep refuses the server."""
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
     metered = nv.fake_state()["devices"][1]["uuid"]
     sudo = tmp_path / "sudo"
     sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
     sudo.chmod(0o755)
-    for number, options in enumerate(
-        (("-iE", "-u", "svc"), ("-i", "-u", "svc"), ("-E", "--login", "--user=svc"))
-    ):
+    path = observed_campaign(tmp_path / "login", (str(sudo), "-i", "-u", "svc"))
+    output = _doctor_warns(path, env)
+    assert (
+        "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo -i, a login shell "
+        "resetting the environment, unless its sudoers keeps it) in place of the metered "
+        f"{metered}: the server then runs on CUDA's first GPU(s), which dvfs cannot check: the "
+        "sweep stops the server only where NVML lists it on another GPU; give sudo "
+        "--preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES dvfs hands "
+        "the server with -i too (or -E in place of -i)"
+    ) in output, output
+    said = (
+        "engine.sglang.server_command gives sudo -i and -E together, with which sudo runs "
+        'nothing ("you may not specify both the -i and -E options"): the server would not '
+        "start; give sudo --preserve-env=CUDA_VISIBLE_DEVICES in place of -E, which keeps the "
+        "CUDA_VISIBLE_DEVICES dvfs hands the server with -i too"
+    )
+    for number, options in enumerate((("-iE", "-u", "svc"), ("-E", "--login", "--user=svc"))):
         path = observed_campaign(tmp_path / f"c{number}", (str(sudo), *options))
-        output = _doctor_warns(path, env)
-        assert (
-            "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo -i, a login shell "
-            "resetting the environment even with -E, unless its sudoers keeps it) in place of "
-            f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
-            "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
-            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES) in place of -i, which keeps "
-            "the CUDA_VISIBLE_DEVICES dvfs hands the server"
-        ) in output, output
+        _refused(_doctor(path, env), f"FAIL server GPUs: {said}")
+    out = tmp_path / "out"
+    swept = _sweep_into(path, out, env)
+    assert swept.returncode == 5, swept.stderr
+    records = _journal(out)
+    assert not [r for r in records if r["type"] == "server"]
+    [cell] = [r for r in records if r["type"] == "cell"]
+    assert cell["status"] == "failed" and said in cell["error"]
+    for number, options in enumerate(
+        (
+            ("-i", "--preserve-env=CUDA_VISIBLE_DEVICES"),
+            ("--login", "--preserve-env=PATH,CUDA_VISIBLE_DEVICES", "-u", "svc"),
+        )
+    ):
+        path = observed_campaign(tmp_path / f"kept{number}", (str(sudo), *options))
+        checked = _doctor(path, env)
+        pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
 def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
@@ -1171,6 +1268,28 @@ def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
     checked = _doctor(path, env)
     pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_a_mount_ending_in_a_launchers_name_is_no_launcher(nv: ModuleType, tmp_path: Path) -> None:
+    """A container's mount whose target is `/ssh`, `/sudo` or `/env` (`-v /srv/keys:/ssh`) was
+    read as that program: "runs the server through ssh IMG", "drops CUDA_VISIBLE_DEVICES (sudo
+    without -E ...)", "(env -i)" before docker's own `-i`. A word holding `:` or `=` is an
+    option's value, no program: the container passed dvfs's CUDA_VISIBLE_DEVICES is pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    passed = ("--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
+    for number, mount in enumerate(
+        (
+            ("-v", "/srv/keys:/ssh"),
+            ("--volume=/srv/tools:/sudo",),
+            ("-v", "/srv/tools:/env", "-i"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *passed, *mount)
+        checked = _doctor(path, env)
+        output = " ".join(checked.stdout.split())
+        pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+        assert pinned in output, output
 
 
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(

@@ -241,6 +241,18 @@ def test_every_source_key_in_the_twins_data_is_listed_in_the_readme() -> None:
     assert sorted(cited - listed) == []
 
 
+def test_the_decode_power_gpus_toml_states_is_the_twins() -> None:
+    """gpus.toml says what batch-1 decode of Llama-3.1-8B at the H100's top clock draws, the
+    figure sm_active_power_w is set by: it said ~200 W where the twin drew 236 W."""
+    text = (Path(__file__).resolve().parent.parent / "dvfs/twin/data/gpus.toml").read_text()
+    h100 = text.split("[h100-sxm]", 1)[1].split("\n[", 1)[0]
+    [line] = [x for x in h100.splitlines() if x.startswith("sm_active_power_w")]
+    said = re.search(r"decode .* draws ~(\d+) W", line)
+    assert said is not None, "the comment no longer says it"
+    drawn = physics.time_passes(H100, decode_passes(1), H100.max_sm_clock_mhz).power_w[0]
+    assert round(drawn) == float(said.group(1)), (drawn, line)
+
+
 def test_the_twins_roofline_is_the_one_the_readme_states() -> None:
     """README ("Measure the GPU itself"): `dvfs gpu roofline --twin h100-sxm` at 1980 / 1500 /
     1200 / 900 MHz; at 1980 MHz the largest GEMM (738 W) is held at 1920 MHz by 700 W."""

@@ -3,11 +3,12 @@
 dvfs pins the server by handing it CUDA_VISIBLE_DEVICES = the metered GPUs' UUIDs (CUDA and
 NVML may number GPUs differently; a UUID means the same GPU to both). A campaign's own env, or a
 `server_command` wrapper (`env CUDA_VISIBLE_DEVICES=...`, a container's `--gpus` /
-`--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES, Slurm's `srun --gpus`), can move it: what
-surely names other GPUs is refused here, what cannot be judged (an index, a count, `all`, a
-container not passed the variable, a `docker exec`, an `env -i` or a `sudo` dropping it, `ssh`
-or `kubectl` running it elsewhere) is said by `dvfs doctor` and in the server record. What the
-server sees is judged: a container only what it is passed, a shell's `-c` line by its words.
+`--device nvidia.com/gpu=` / NVIDIA_VISIBLE_DEVICES / nvidia-docker's NV_GPU, Slurm's `srun
+--gpus`), can move it: what surely names other GPUs is refused here, what cannot be judged (an
+index, a count, `all`, a container not passed the variable, a `docker exec`, an `env -i` or a
+`sudo` dropping it, `ssh` or `kubectl` running it elsewhere) is said by `dvfs doctor` and in
+the server record. What the server sees is judged: a container only what it is passed, a
+shell's `-c` line by its words.
 The sweep and doctor share these rules; NVML's process check at start (`dvfs.engines.sglang`)
 is the second line.
 """
@@ -191,9 +192,17 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         value, filed = _server_sees(joined, name)
+        nv_gpu = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else None
+        if nv_gpu is not None:  # nvidia-docker's `-e NVIDIA_VISIBLE_DEVICES=...`, before ours
+            run = _container_run(joined)
+            after = run[1] if run is not None else len(joined)
+            given = [*joined[:after], "-e", f"{name}={nv_gpu}", *joined[after:]]
+            sees, filed = _server_sees(given, name)
+            value, nv_gpu = sees, (nv_gpu if sees != value else None)
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
             setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
+            setting = f"NV_GPU={nv_gpu}" if nv_gpu is not None else setting
             found.append(WrapperGpus(setting, entries, name.startswith("NVIDIA"), filed=filed))
     devices = []
     for index, token in enumerate(command):
@@ -233,6 +242,27 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     if not _passes_cuda_uuids(joined):
         return found
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+
+
+def _nv_gpu(command: Sequence[str], campaign: Campaign) -> str | None:
+    """The GPUs nvidia-docker's `run` (or `create`) gives its container from NV_GPU, set on
+    the command line before it (`env NV_GPU=1 nvidia-docker run`), else in the environment
+    it is handed (engine.sglang.env, dvfs's own): its wrapper passes docker `-e
+    NVIDIA_VISIBLE_DEVICES=<NV_GPU, spaces made commas>` after `run`, before the options
+    given (NVIDIA/nvidia-docker's `nvidia-docker` script); None where it is not run so, or
+    NV_GPU is unset or empty."""
+    import os
+
+    from dvfs.records.session import command_env
+
+    run = _container_run(command)
+    if run is None or run[0] != "nvidia-docker run":
+        return None
+    before = command[: _engine_index(command)]
+    value = command_env(before, keep={"NV_GPU"}.__contains__).get("NV_GPU")
+    if value is None:
+        value = {**os.environ, **dict(campaign.engine.sglang.env)}.get("NV_GPU")
+    return value.replace(" ", ",") if value and value.strip() else None
 
 
 #: The shells whose `-c LINE` (`bash -lc LINE`) runs a line of words: `sh -c 'docker run ...'`.
@@ -327,10 +357,11 @@ def _expanded(line: list[str], before: Sequence[str]) -> list[str]:
 def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
     """The value of `name` the wrapper's command line gives the server, None where it sets none
     (it has dvfs's, or a container none): outside a container the last set (`command_env`);
-    for a container run, what it is given (`-e NAME=VALUE`, or set inside it: `IMG env
-    NAME=...`), else the host's, set before the run, only where it is passed that (`-e NAME`,
-    `--env-host`): `env NAME=... docker run` gives the container none of it. With it, the
-    --env-file it is read from ("" where none)."""
+    for a container run, what it is given (`-e NAME=VALUE`; CUDA_VISIBLE_DEVICES set inside
+    it too, `IMG env NAME=...`, but not NVIDIA_VISIBLE_DEVICES, which the NVIDIA runtime
+    reads as the container starts), else the host's, set before the run, only where it is
+    passed that (`-e NAME`, `--env-host`): `env NAME=... docker run` gives the container none
+    of it. With it, the --env-file it is read from ("" where none)."""
     from dvfs.records.session import command_env
 
     def keep(key: str) -> bool:
@@ -341,8 +372,10 @@ def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
         return command_env(command, keep=keep).get(name), ""
     start, after = _engine_index(command), run[1]
     rest = command[after:]
-    inside = command_env(_without_env_flags(rest), keep=keep)  # `IMG env NAME=...`
-    if name in inside:
+    # `IMG env NAME=...` sets it inside: CUDA_VISIBLE_DEVICES for CUDA there, but never the
+    # container's GPUs, which the NVIDIA runtime gave it from its environment at its start
+    inside = command_env(_without_env_flags(rest), keep=keep)
+    if name in inside and name == "CUDA_VISIBLE_DEVICES":
         return inside[name], ""
     host = command_env(command[:start], keep=keep).get(name)
     passed = [given.partition("=") for given in _container_env(rest, files=False)]
@@ -389,6 +422,13 @@ def _drop_reaches_server(command: Sequence[str], at: int) -> bool:
     return _env_host(rest) or any(key == "CUDA_VISIBLE_DEVICES" for key, _, _ in given)
 
 
+def _program(token: str) -> str:
+    """The program a command word names (`/usr/bin/ssh`: "ssh"); "" for a word that is an
+    option's value naming none: a mount's `SRC:DST` (`-v /x:/ssh`), a setting (`--volume=...`,
+    `NAME=VALUE`)."""
+    return "" if ":" in token or "=" in token else token.rsplit("/", 1)[-1]
+
+
 def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     """The env or sudo that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words
     ("env -i", "env -u CUDA_VISIBLE_DEVICES", `_sudo_drops`'s), and its index: env's `-i` (`-`,
@@ -398,12 +438,12 @@ def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     from dvfs.records.session import command_env
 
     for index, token in enumerate(command):
-        said = _sudo_drops(command, index) if token.rsplit("/", 1)[-1] == "sudo" else None
+        said = _sudo_drops(command, index) if _program(token) == "sudo" else None
         if said is not None and not command_env(
             command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
         ):
             return said, index
-        if token.rsplit("/", 1)[-1] != "env":
+        if _program(token) != "env":
             continue
         later = index + 1
         while later < len(command) and command[later].startswith("-") and command[later] != "--":
@@ -444,7 +484,7 @@ def _remote(command: Sequence[str]) -> str | None:
     from dvfs.records.session import command_env
 
     for index, token in enumerate(command):
-        name = token.rsplit("/", 1)[-1]
+        name = _program(token)
         if name == "kubectl":
             value = False  # the word may be the value of the option before it (`-n NS`)
             for word in command[index + 1 :]:
@@ -487,39 +527,61 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
 
 
 #: What `_sudo_drops` says of a sudo whose `-i` (`--login`) runs the server in a login shell,
-#: whose environment sudo initialises with or without -E (sudoers(5): "regardless of the
-#: value of env_reset"), keeping only what its sudoers' env_keep names.
-SUDO_LOGIN = "sudo -i, a login shell resetting the environment even with -E"
+#: whose environment sudo initialises (sudoers(5): "regardless of the value of env_reset"),
+#: keeping only what its sudoers' env_keep names and what `--preserve-env=LIST` names: sudo
+#: passes those on as variables set on its command line (`sudo NAME=VALUE`), set after -i
+#: initialises it (sudo's parse_args.c; "sudo -i" with --preserve-env=VARIABLE is fixed in
+#: sudo 1.8.24, its NEWS). With -E sudo runs nothing (`_sudo_refuses`).
+SUDO_LOGIN = "sudo -i, a login shell resetting the environment"
 
 
 def _sudo_drops(command: Sequence[str], index: int) -> str | None:
     """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
     unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
     or its sudoers does (`env_keep`, which dvfs does not read); `SUDO_LOGIN` where its `-i`
-    (`--login`) resets it whatever it is told; None where it keeps it."""
+    (`--login`) resets it, unless `--preserve-env=...,CUDA_VISIBLE_DEVICES` keeps it; None
+    where it keeps it."""
+    whole, listed, login = _sudo_options(command, index)
+    if login and not listed:
+        return f"{SUDO_LOGIN}, unless its sudoers keeps it"
+    return None if whole or listed else "sudo without -E, unless its sudoers keeps it"
+
+
+def _sudo_options(command: Sequence[str], index: int) -> tuple[bool, bool, bool]:
+    """What the sudo at `command[index]` is told: to keep the whole environment (`-E`,
+    `--preserve-env`), to keep CUDA_VISIBLE_DEVICES by name
+    (`--preserve-env=...,CUDA_VISIBLE_DEVICES`), to run a login shell (`-i`, `--login`)."""
     later = index + 1
-    kept = login = False
+    whole = listed = login = False
     while later < len(command) and command[later].startswith("-") and command[later] != "--":
         option = command[later]
         name, equals, given = option.partition("=")
-        if option == "--preserve-env" or (
-            name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(",")
-        ):
-            kept = True
+        whole = whole or option == "--preserve-env"
+        if name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(","):
+            listed = True
         login = login or option == "--login"
         if option.startswith("--"):
             later += 2 if name in SUDO_LONG_ARGUMENT_OPTIONS and not equals else 1
             continue
         for at, letter in enumerate(option[1:], start=1):
-            kept = kept or letter == "E"
+            whole = whole or letter == "E"
             login = login or letter == "i"
             if letter in SUDO_ARGUMENT_OPTIONS:
                 later += 0 if option[at + 1 :] else 1  # its argument, attached or the next
                 break
         later += 1
-    if login:
-        return f"{SUDO_LOGIN}, unless its sudoers keeps it"
-    return None if kept else "sudo without -E, unless its sudoers keeps it"
+    return whole, listed, login
+
+
+def _sudo_refuses(command: Sequence[str]) -> bool:
+    """Whether a sudo in `command` is given -i and -E together (`sudo -iE`, `-E --login`),
+    with which sudo runs nothing: "you may not specify both the -i and -E options" (sudo's
+    parse_args.c), its usage, exit 1."""
+    for index, token in enumerate(command):
+        whole, _, login = _sudo_options(command, index) if _program(token) == "sudo" else (0, 0, 0)
+        if whole and login:
+            return True
+    return False
 
 
 def _passes_cuda_uuids(command: Sequence[str]) -> bool:
@@ -707,8 +769,17 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
     the server would run on GPUs dvfs does not meter (caught at start only where NVML lists
     its processes, which a container's are not: they are no child of dvfs's). A UUID may be
     written short, as CUDA takes a prefix naming one GPU (`dvfs.gpu.visible`). An index,
-    `all` or a count is not judged (`unjudged_wrapper_devices`)."""
+    `all` or a count is not judged (`unjudged_wrapper_devices`). A sudo given -i and -E
+    together, which runs nothing (`_sudo_refuses`), is refused too."""
     metered = ",".join(gpu_uuids)
+    words = _words([str(token) for token in server_command(campaign)])
+    if _sudo_refuses(words):
+        raise EngineError(
+            "engine.sglang.server_command gives sudo -i and -E together, with which sudo runs "
+            'nothing ("you may not specify both the -i and -E options"): the server would '
+            "not start; give sudo --preserve-env=CUDA_VISIBLE_DEVICES in place of -E, which "
+            "keeps the CUDA_VISIBLE_DEVICES dvfs hands the server with -i too"
+        )
     for given in wrapper_gpus(campaign):
         if not given.judged or given.names(gpu_uuids):
             continue
@@ -779,8 +850,8 @@ def unjudged_remedy(campaign: Campaign) -> str:
         return PASS_CUDA_UUIDS
     if unjudged and all(g.dropped and g.setting.startswith(SUDO_LOGIN) for g in unjudged):
         return (
-            "give sudo -E (or --preserve-env=CUDA_VISIBLE_DEVICES) in place of -i, which keeps "
-            "the CUDA_VISIBLE_DEVICES dvfs hands the server"
+            "give sudo --preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES "
+            "dvfs hands the server with -i too (or -E in place of -i)"
         )
     if unjudged and all(g.dropped and g.setting.startswith("sudo") for g in unjudged):
         return (

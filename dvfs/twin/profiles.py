@@ -525,14 +525,22 @@ def widen(alpha_ref: float, topk_ref: int, topk: int) -> float:
 
 def matching_gpu_profile(name: str) -> GpuProfile | None:
     """The twin profile of an NVML device name (H100 SXM, H200), None for a GPU the twin has
-    no profile of (an A100, an H100 PCIe, an H20, say): a profile's name must appear in it as
-    whole words ("NVIDIA H20" is no "NVIDIA H200", nor "NVIDIA H100 PCIe" an H100 SXM)."""
+    no profile of (an A100, an H100 PCIe, an H20, an H200 NVL, say): a profile's name must
+    appear in it as whole words ("NVIDIA H20" is no "NVIDIA H200", nor "NVIDIA H100 PCIe" an
+    H100 SXM), and an NVL or PCIe card is no SXM module, though its name holds the module's
+    ("NVIDIA H200 NVL": 600 W at most and its own clocks, not the H200 SXM's 700 W)."""
     import re
 
     lowered = name.lower()
+    card = re.compile(r"(?<!\w)(?:nvl|pcie)(?!\w)")
     for profile in gpu_profiles().values():
-        if re.search(rf"(?<!\w){re.escape(profile.nvml_name.lower())}(?!\w)", lowered):
+        own = profile.nvml_name.lower()
+        if re.search(rf"(?<!\w){re.escape(own)}(?!\w)", lowered) and (
+            card.search(own) or not card.search(lowered)
+        ):
             return profile
+    if card.search(lowered):
+        return None
     return gpu_profile("h200-sxm") if re.search(r"(?<!\w)h200(?!\w)", lowered) else None
 
 
