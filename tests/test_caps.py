@@ -1337,6 +1337,48 @@ def test_cap_apply_takes_a_wait_for_the_driver_of_any_length(
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
 
 
+@pytest.mark.parametrize("wait", ["300", "1" + "0" * 400])
+def test_a_dry_run_waits_for_no_driver_and_says_what_the_apply_would(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str
+) -> None:
+    """`cap apply --dry-run --wait-for-driver N` slept N s (5 s at a time) while the kernel
+    module was not loaded, though a dry run changes nothing; it fails at once, saying what the
+    apply would wait for. A wait of 1 and 400 zeros was said with all its digits: it is a wait
+    with no time limit, said so, whether waited (the apply) or not (a dry run)."""
+    import dvfs.gpu.nvml
+
+    caps = _driver_caps(tmp_path, nvml)
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    slept: list[float] = []
+
+    def never(seconds: float) -> None:  # (raised out of the wait: the test ends at once)
+        raise AssertionError(f"a dry run waited {seconds} s")
+
+    monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", never)
+    args = ["cap", "apply", str(caps), "--wait-for-driver", wait]
+    result = CliRunner().invoke(cli, [*args, "--dry-run"])
+    assert result.exit_code == 1, result.output
+    assert WAITING not in result.stderr
+    [line] = result.stderr.splitlines()
+    span = "up to 300 s" if wait == "300" else "with no time limit"
+    assert line.startswith(
+        f"Error: {NOT_LOADED} loaded (a dry run does not wait; the apply would wait {span} "
+        "for it): load it"
+    ), line
+    if wait != "300":  # the apply waits, and says so in a line of words, not 401 digits
+
+        def driver_loads(seconds: float) -> None:
+            slept.append(seconds)
+            monkeypatch.delenv("DVFS_FAKE_NVML_INIT_ERROR")
+
+        monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", driver_loads)
+        applied = CliRunner().invoke(cli, args)
+        assert applied.exit_code == 0, applied.output
+        [said] = [x for x in applied.stderr.splitlines() if x.startswith(WAITING.split(":")[0])]
+        assert said.startswith(f"{WAITING.removesuffix(' up to')} {span} for it, trying"), said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == (700_000 if wait == "300" else 450_000)
+
+
 @pytest.mark.parametrize("wait", ["0", "1"])
 def test_cap_apply_fails_as_before_without_the_driver(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str

@@ -283,15 +283,16 @@ def apply(
 
     caps = load_caps(caps_file)
     if wait_for_driver_s:  # once the file is read: a file refused is not waited on
-        from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver
+        from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver, wait_span
 
         spent = wait_for_driver(
             wait_for_driver_s,
             lambda: click.echo(
-                f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting up to "
-                f"{wait_for_driver_s} s for it, trying again every {DRIVER_POLL_S:g} s",
+                f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting "
+                f"{wait_span(wait_for_driver_s)} for it, trying again every {DRIVER_POLL_S:g} s",
                 err=True,
             ),
+            dry_run=dry_run,
         )
         if spent is not None:  # the wait ran out: its line says so
             raise spent
