@@ -1206,6 +1206,57 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
         assert (held, recorded) == ([210, 1410], {gpu.identity.uuid: (210, 1410)})
 
 
+@pytest.mark.parametrize(
+    ("code", "remedy"),
+    [
+        ("ENOSPC", "free space there"),
+        ("EDQUOT", "free space there or raise the disk quota"),
+        ("EACCES", "let this user write that folder (check its owner and permissions)"),
+        ("EROFS", "its file system is mounted read-only: make it writable"),
+    ],
+)
+@pytest.mark.parametrize("undone", ["taken back", "unchanged limit", "not taken back"])
+def test_an_unwritable_record_is_told_its_own_remedy(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, remedy: str, undone: str
+) -> None:
+    """The caps record not written said "free space there" whatever the error: a folder this
+    user may not write (the caps unit's root keeps no CAP_DAC_OVERRIDE), a read-only file
+    system or a disk quota each get their own way on, the change taken back or not."""
+    import errno
+
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.errors import CapsRecordError
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    number = getattr(errno, code)
+    record = AppliedCaps(tmp_path / "state")
+
+    def unwritable(records: dict) -> None:
+        raise OSError(number, os.strerror(number), str(record.path))
+
+    monkeypatch.setattr(record, "write", unwritable)
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        if undone == "not taken back":
+            gpu.reset_sm_clock = lambda: nvml_failure()  # type: ignore[method-assign]
+        if undone == "unchanged limit":
+            action = CapAction(0, gpu.identity.uuid, None, 700_000, 700_000)
+        else:
+            action = CapAction(0, gpu.identity.uuid, (210, 1410), None, 700_000)
+        with pytest.raises(CapsRecordError) as raised:
+            apply_actions([action], [gpu], record, "caps.toml")
+    message = str(raised.value)
+    assert f"cannot write {record.path}: {os.strerror(number).lower()}" in message, message
+    then = "then run `dvfs cap reset" if undone == "not taken back" else "then apply the caps"
+    assert f"; {remedy}, {then}" in message, message
+    assert ("free space" in message) == (code in ("ENOSPC", "EDQUOT")), message
+
+
+def nvml_failure() -> None:
+    from dvfs.errors import GpuError
+
+    raise GpuError("GPU 0: cannot reset the SM clock (NVML: Unknown Error)")
+
+
 def test_an_unchanged_limit_whose_record_fails_says_the_way_on_alone_too(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -634,13 +634,13 @@ def apply_actions(
                 # the one command that clears it; no other GPU is changed.
                 raise CapsRecordError(
                     f"{unwritten}, and GPU {index}'s {what} could not be taken back off it "
-                    f"({failed}), so the GPU keeps it with no record of it; free space there, "
+                    f"({failed}), so the GPU keeps it with no record of it; {_remedy(exc)}, "
                     f"then run `{state_dir_command(f'dvfs cap reset {uuid}', record.path.parent)}`"
                 ) from exc
             # Said so, with the way on: "choose another path" (another --state-dir) would
             # record the caps where `cap show`, sweeps and `cap reset` do not look.
             raise CapsRecordError(
-                f"{unwritten}, so GPU {index}'s {what} was taken back off it; free space there, "
+                f"{unwritten}, so GPU {index}'s {what} was taken back off it; {_remedy(exc)}, "
                 "then apply the caps again"
             ) from exc
         applied[uuid] = entry
@@ -718,7 +718,7 @@ def apply_actions(
                 why = record_problem(exc)
                 unwritten = CapsRecordError(
                     f"cannot write {exc.filename or record.path}: {why[:1].lower() + why[1:]}; "
-                    "free space there, then apply the caps again"
+                    f"{_remedy(exc)}, then apply the caps again"
                 )
                 if not failures.messages:
                     raise unwritten from exc
@@ -730,6 +730,21 @@ def apply_actions(
             ) from exc
         done(action)
     failures.raise_if_any("could not apply caps: ")
+
+
+def _remedy(exc: OSError) -> str:
+    """What to do where the caps record cannot be written, by why: "free space there" fits a
+    full disk only (it was said whatever the error). Never "choose another --state-dir", which
+    would record the caps where `cap show`, sweeps and `cap reset` do not look."""
+    if exc.errno == errno.ENOSPC:
+        return "free space there"
+    if exc.errno == errno.EDQUOT:
+        return "free space there or raise the disk quota"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "let this user write that folder (check its owner and permissions)"
+    if exc.errno == errno.EROFS:
+        return "its file system is mounted read-only: make it writable"
+    return "make it writable"
 
 
 def reset_caps(
