@@ -2956,6 +2956,37 @@ def test_a_dry_run_refuses_a_lock_linked_into_a_missing_folder_as_the_apply_does
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize("lock", ["link into a missing folder", "folder"])
+def test_a_caps_record_lock_that_cannot_be_opened_names_a_gpu_fallen_off_the_bus_too(
+    nvml, tmp_path: Path, lock: str, dry_run: bool
+) -> None:
+    """The caps record's lock that cannot be opened refuses the apply before any change: the
+    refusal of a link into a missing folder (an OSError, said as it was raised) named no GPU
+    fallen off the bus, nor did a dry run's of either, where the apply's of a folder did (the
+    caps unit's journal said nothing of the lost GPU). Each names it now."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(1, lost=True)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "caps-applied.json.lock"
+    if lock == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(tmp_path / "gone" / "caps.lock")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *(["--dry-run"] * dry_run)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and said.startswith("Error: "), said
+    assert "Traceback" not in said and f"{path}" in said, said
+    assert said.endswith(
+        "cannot open GPU 1: the GPU has fallen off the bus (NVML: GPU is lost); "
+        "it needs a reset or a reboot before it can be used"
+    ), said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 @pytest.mark.parametrize("name", ["caps-applied.json.lock", "governed-{uuid}.json"])
 def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_dir(
     nvml, tmp_path: Path, name: str
