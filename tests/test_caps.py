@@ -298,6 +298,7 @@ def test_a_gpu_uuid_pasted_upper_cased_names_that_gpu(nvml, tmp_path: Path) -> N
     assert nvml.fake_device_state(0)["locked_clocks"] is None
     headroom = doc([row("code", 1305, 450.0)], uuids=[uuid])
     headroom["rows"][0]["gpu"] = uuid
+    headroom["gpu"]["names"] = {uuid: "NVIDIA H100 80GB HBM3"}  # a merged document names it
     [cap] = plan_caps(headroom, batch=16, drafter="eagle3", corpus="code", uuids=[upper]).caps
     assert cap.uuid == uuid
 
@@ -913,6 +914,51 @@ def test_a_fleet_file_notes_models_this_host_lacks(nvml, tmp_path: Path) -> None
     )
     out = invoke("cap", "apply", str(caps))  # exit 0: a fleet file names every model
     assert "applied caps to 2 GPU(s)" in out and "note:" in out and "NVIDIA H200" in out
+
+
+def test_a_merged_cubes_caps_an_older_dvfs_planned_say_how_to_plan_them_again(
+    nvml, tmp_path: Path
+) -> None:
+    """A merged cube of an H100 and an H200, planned by a dvfs older than the documents naming
+    each GPU's model: its headroom named the first GPU's model only, and its caps file's
+    measured_on too, so `cap apply` (the caps unit at boot, exit 2) refuses the H200's entry,
+    saying only to plan it from a cube of its own model or remove it. It now says how to plan
+    again from that cube; and `cap plan` of that older headroom document, which wrote the same
+    refused file again, asks for the document anew."""
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    (h100, h200), uuids = [g["name"] for g in gpus], [g["uuid"] for g in gpus]
+    rows = [
+        {**row("code", clock, 700.0), "gpu": u}
+        for u, clock in zip(uuids, (1500, 1005), strict=True)
+    ]
+    older = doc(rows, uuids=uuids)
+    older["gpu"]["name"] = h100  # as an older dvfs named a merged cube: by its first GPU
+    with pytest.raises(CapsError) as refused:
+        plan_caps(older, batch=16, drafter="eagle3", corpus="worst-case")
+    assert "write it again with `dvfs headroom CUBE --json -o FILE`" in str(refused.value)
+    caps = tmp_path / "caps.toml"  # what the older dvfs planned from it
+    meta = {"measured_on": h100, "batch": 16, "drafter": "eagle3", "corpus": "worst-case"}
+    entries = (
+        GpuCap(uuid=uuids[0], sm_clock_max_mhz=1500),
+        GpuCap(uuid=uuids[1], sm_clock_max_mhz=1005),
+    )
+    caps.write_text(dump_caps(CapsFile(entries, meta)))
+    for extra in (("--dry-run",), ()):
+        told = " ".join(invoke("cap", "apply", str(caps), *extra, code=2).split())
+        assert f"GPU 1 ({uuids[1]}) is a {h200}" in told, told
+        again = (
+            "write that cube's headroom again, `dvfs headroom CUBE --json -o headroom.json`, then "
+            "plan again, `dvfs cap plan headroom.json --batch 16 --drafter eagle3 -o caps.toml`"
+        )
+        assert again in told, told
+    assert nvml.fake_calls() == []
+    # planned again so, from the document written again, both GPUs are capped
+    anew = doc(rows, uuids=uuids)
+    anew["gpu"].update(name=f"{h100}, {h200}", names=dict(zip(uuids, (h100, h200), strict=True)))
+    caps.write_text(dump_caps(plan_caps(anew, batch=16, drafter="eagle3", corpus="worst-case")))
+    assert "applied caps to 2 GPU(s)" in invoke("cap", "apply", str(caps))
+    assert [nvml.fake_device_state(i)["locked_clocks"][1] for i in (0, 1)] == [1500, 1005]
 
 
 def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(

@@ -495,6 +495,7 @@ def plan_actions(
     matched: set[int] = set()
     mig: list[str] = []
     untouched: list[str] = []
+    other_model: list[str] = []  # GPUs whose [[gpu]] entry was measured on another model
     measured = caps.measured_models()
     for gpu in gpus:
         ident = gpu.identity
@@ -514,13 +515,7 @@ def plan_actions(
             # A [[gpu]] entry names its GPU by UUID only: caps planned on one model (`cap plan
             # --gpu` takes any UUID) must not go to a GPU of another, as a [[model]] entry and
             # `dvfs govern`'s plan never do.
-            problems.append(
-                f"GPU {ident.index} ({ident.uuid}) is a {ident.name}, but its [[gpu]] entry's "
-                f"caps were measured on {caps.meta['measured_on']}: plan it from a cube of its "
-                "own model, or remove its entry (a file joining plans of several models lists "
-                "each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
-                "writes it)"
-            )
+            other_model.append(f"GPU {ident.index} ({ident.uuid}) is a {ident.name}")
             continue
         if gpu.mig_enabled():
             if cap.uuid:
@@ -558,6 +553,20 @@ def plan_actions(
                 default_power_limit_mw=default,
             )
         )
+    if other_model:
+        one = len(other_model) == 1
+        it, its = ("it", "its") if one else ("them", "their")
+        entries = "its [[gpu]] entry's" if one else "their [[gpu]] entries'"
+        problems.insert(
+            0,
+            f"{', '.join(other_model)}, but {entries} caps were measured on "
+            f"{caps.meta['measured_on']}: plan {it} from a cube of {its} own model, or remove "
+            f"{'its entry' if one else 'their entries'} (a file joining plans of several models "
+            "lists each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
+            "writes it; one an older dvfs planned from a merged cube named only its first GPU's "
+            "model there: write that cube's headroom again, `dvfs headroom CUBE --json -o "
+            f"headroom.json`, then plan again, `{_plan_again(caps)}`)",
+        )
     if problems:
         raise CapsError("; ".join(problems))
     aside: list[str] = []
@@ -591,6 +600,25 @@ def plan_actions(
     return CapsPlan(
         tuple(actions), unmatched, host, unused, tuple(mig), lost, tuple(untouched), tuple(aside)
     )
+
+
+def _plan_again(caps: CapsFile) -> str:
+    """The `dvfs cap plan` that plans `caps` again from its headroom written anew: the batch,
+    drafter and corpus its [meta] records (`cap plan` writes them), else placeholders."""
+    import shlex
+
+    meta = caps.meta
+    batch = meta.get("batch")
+    drafter = meta.get("drafter")
+    corpus = meta.get("corpus")
+    command = "dvfs cap plan headroom.json"
+    command += f" --batch {batch}" if isinstance(batch, int) else " --batch N"
+    command += (
+        f" --drafter {shlex.quote(drafter)}" if isinstance(drafter, str) else " --drafter NAME"
+    )
+    if isinstance(corpus, str) and corpus != "worst-case":
+        command += f" --corpus {shlex.quote(corpus)}"
+    return command + " -o caps.toml"
 
 
 def apply_actions(
