@@ -2311,6 +2311,32 @@ def test_malformed_caps_files_are_caps_errors(tmp_path: Path, content, says: str
         load_caps(path)
 
 
+def test_a_model_named_twice_by_an_older_cap_plan_says_how_to_plan_it_again(
+    tmp_path: Path,
+) -> None:
+    """`cap plan --model` of a merged cube, by a dvfs older than the fix that takes the least
+    aggressive setting over the model's GPUs, wrote one [[model]] entry per GPU, each its own
+    GPU's setting; `cap apply` (the caps unit at boot) refuses it, saying only to keep one
+    entry, where keeping the wrong one locks every GPU at another GPU's lower clock. It says
+    how to plan it again, the command with the file's batch, drafter and model."""
+    path = tmp_path / "caps.toml"
+    path.write_text(
+        'dvfs_caps = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\nbatch = 16\n'
+        'drafter = "eagle3"\ncorpus = "worst-case"\n'
+        '[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1500\n'
+        '[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1005\n'
+    )
+    with pytest.raises(CapsError) as refused:
+        load_caps(path)
+    told = str(refused.value)
+    assert "keep one [[model]] entry per model" in told and "\n" not in told
+    assert (
+        "write that cube's headroom again, `dvfs headroom CUBE --json -o headroom.json`, then "
+        "plan again, `dvfs cap plan headroom.json --batch 16 --drafter eagle3 --model "
+        "'NVIDIA H100 80GB HBM3' -o caps.toml`, which takes the least aggressive setting"
+    ) in told, told
+
+
 def test_a_per_batch_plan_given_to_cap_apply_is_named_as_one(nvml, tmp_path: Path) -> None:
     """/etc/dvfs holds a caps file and a governor's plan: the plan given to `cap apply` (or
     installed as caps.toml) was refused as "unknown key(s) batch, dvfs_batch_plan", which

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dvfs.caps.files import CapsFile, base_model_name
+from dvfs.caps.files import CapsFile, base_model_name, plan_again
 from dvfs.errors import (
     CapsError,
     CapsRecordError,
@@ -565,7 +565,7 @@ def plan_actions(
             "lists each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
             "writes it; one an older dvfs planned from a merged cube named only its first GPU's "
             "model there: write that cube's headroom again, `dvfs headroom CUBE --json -o "
-            f"headroom.json`, then plan again, `{_plan_again(caps)}`)",
+            f"headroom.json`, then plan again, `{plan_again(caps.meta)}`)",
         )
     if problems:
         raise CapsError("; ".join(problems))
@@ -600,25 +600,6 @@ def plan_actions(
     return CapsPlan(
         tuple(actions), unmatched, host, unused, tuple(mig), lost, tuple(untouched), tuple(aside)
     )
-
-
-def _plan_again(caps: CapsFile) -> str:
-    """The `dvfs cap plan` that plans `caps` again from its headroom written anew: the batch,
-    drafter and corpus its [meta] records (`cap plan` writes them), else placeholders."""
-    import shlex
-
-    meta = caps.meta
-    batch = meta.get("batch")
-    drafter = meta.get("drafter")
-    corpus = meta.get("corpus")
-    command = "dvfs cap plan headroom.json"
-    command += f" --batch {batch}" if isinstance(batch, int) else " --batch N"
-    command += (
-        f" --drafter {shlex.quote(drafter)}" if isinstance(drafter, str) else " --drafter NAME"
-    )
-    if isinstance(corpus, str) and corpus != "worst-case":
-        command += f" --corpus {shlex.quote(corpus)}"
-    return command + " -o caps.toml"
 
 
 def apply_actions(
