@@ -1583,6 +1583,39 @@ def test_a_later_gpus_full_disk_says_the_earlier_gpus_failures_too(
     assert AppliedCaps(tmp_path / "state").locks() == {first.identity.uuid: (210, 1410)}
 
 
+def test_an_apply_planned_before_another_capped_the_gpu_holds_its_own_file(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `cap apply` a moment apart (the caps unit and an operator): the later one planned
+    what its file leaves at stock from the caps record read before it held the GPU's lock, so
+    the earlier one's clock lock, set meanwhile, stayed on the GPU beside the later file's
+    power limit, the later apply saying its file applied (the GPU held neither file). What to
+    put back to stock is read from the record once the GPU's lock is held: the GPU holds the
+    later file, and the record says so."""
+    import dvfs.caps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    clock, limit = tmp_path / "clock.toml", tmp_path / "limit.toml"
+    clock.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    limit.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500),))))
+    real = dvfs.caps.enforce_plan
+
+    def the_other_apply_first(*args, **kwargs) -> None:  # between this one's plan and its lock
+        monkeypatch.setattr(dvfs.caps, "enforce_plan", real)
+        assert "applied to GPU 0" in invoke("cap", "apply", str(clock))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(dvfs.caps, "enforce_plan", the_other_apply_first)
+    said = invoke("cap", "apply", str(limit))
+    device = nvml.fake_device_state(0)
+    assert (device["locked_clocks"], device["power_limit_mw"]) == (None, 500_000), said
+    assert "SM clock unlocked" in said, said
+    from dvfs.caps import AppliedCaps
+
+    [entry] = AppliedCaps(Path(os.environ["DVFS_STATE_DIR"])).read().values()
+    assert (entry["lock_mhz"], entry["power_limit_mw"]) == (None, 500_000)
+
+
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
     """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
     record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk

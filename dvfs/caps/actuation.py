@@ -867,7 +867,30 @@ def enforce_plan(
     targets = [g for g in gpus if g.identity.uuid in wanted]
     with signals_raise(), GpuLocks(directory).hold(targets):
         StateStore(directory).refuse_if_pending(targets)
-        apply_actions(plan.actions, targets, AppliedCaps(directory), source, done)
+        record = AppliedCaps(directory)
+        # The plan read the record before this process held the GPUs' locks: another `cap
+        # apply` (the caps unit beside an operator's) may have capped them since. What this
+        # file leaves at stock is put back by the record as it is now, so the GPU holds this
+        # file, not a mix of both.
+        by_uuid = {g.identity.uuid: g for g in targets}
+        recorded = record.read() if plan.actions else {}
+        actions = [_as_recorded(a, recorded.get(a.uuid, {}), by_uuid[a.uuid]) for a in plan.actions]
+        apply_actions(actions, targets, record, source, done)
+
+
+def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAction:
+    """`action` with the knobs its file leaves at stock put back by `earlier`, the GPU's caps
+    record entry read under its lock (`plan_actions` read it before)."""
+    from dataclasses import replace
+
+    default = None
+    if action.power_limit_mw is None and isinstance(earlier.get("power_limit_mw"), int):
+        default = gpu.power_limit_range().default_mw
+    return replace(
+        action,
+        unlock=action.lock_mhz is None and bool(earlier.get("lock_mhz")),
+        default_power_limit_mw=default,
+    )
 
 
 def reset_locked(
