@@ -1616,6 +1616,41 @@ def test_an_apply_planned_before_another_capped_the_gpu_holds_its_own_file(
     assert (entry["lock_mhz"], entry["power_limit_mw"]) == (None, 500_000)
 
 
+def test_a_reset_whose_record_cannot_be_written_says_what_it_reset(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap reset` (the caps unit's stop) with the caps record unwritable (a folder root
+    without CAP_DAC_OVERRIDE may not write, a full disk): GPU 0 was reset, its caps still
+    recorded, and the reset failed "cannot use RECORD: permission denied; check permissions or
+    choose another path", naming no GPU (GPU 0 reset, GPU 1 not: `cap show` said both capped).
+    It says what it reset, that the record still lists it, and stops there."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    caps = tmp_path / "caps.toml"
+    entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+    caps.write_text(dump_caps(CapsFile(entries)))
+    invoke("cap", "apply", str(caps))
+
+    def unwritable(self, records: dict) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", unwritable)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    [line] = result.stderr.splitlines()
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    assert line.startswith(
+        f"Error: GPU 0 ({uuids[0]}) was reset (clocks unlocked, power limit 700 W (default)), "
+        f"but {record} cannot be written (permission denied), so it still lists that GPU's "
+        "caps, and no GPU after it was reset: let this user write that folder"
+    ), line
+    held = [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)]
+    assert held == [None, [210, 1500]]
+
+
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
     """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
     record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk

@@ -809,13 +809,31 @@ def reset_caps(
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
                     record.update(ident.uuid, {**entry, "power_limit_mw": None})
                 raise refused
-            record.update(ident.uuid, None)
-            GovernorLocks(record.path.parent).clear(ident.uuid)
             power = (
                 "power limit not supported by NVML (left be)"
                 if default is None
                 else f"power limit {default / 1000:g} W (default)"
             )
+            try:
+                record.update(ident.uuid, None)
+            except OSError as exc:
+                # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
+                # take them for in force): said so, and no other GPU is reset, so the record
+                # lists no more that are not; the GPUs reset before it are said (`note`).
+                why = record_problem(exc)
+                raise CapsRecordError(
+                    "; ".join(
+                        [
+                            *failures.messages,
+                            f"GPU {ident.index} ({ident.uuid}) was reset (clocks unlocked, "
+                            f"{power}), but {exc.filename or record.path} cannot be written "
+                            f"({why[:1].lower() + why[1:]}), so it still lists that GPU's caps, "
+                            f"and no GPU after it was reset: {_remedy(exc)}, then run "
+                            f"`{state_dir_command('dvfs cap reset', record.path.parent)}` again",
+                        ]
+                    )
+                ) from exc
+            GovernorLocks(record.path.parent).clear(ident.uuid)
             line = f"GPU {ident.index} ({ident.uuid}): clocks unlocked, {power}"
             if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
                 line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
@@ -895,7 +913,7 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
 
 def reset_locked(
     gpus: Sequence[Gpu], directory: Path
-) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | None]:
+) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | CapsRecordError | None]:
     """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
     holds are left alone and returned (with their refusals) beside what was done on the others, so
     that one running governor does not keep every other GPU capped (`cap reset` at the caps
@@ -918,7 +936,7 @@ def reset_locked(
         lines: list[str] = []
         try:
             reset_caps(free, AppliedCaps(directory), note=lines.append)
-        except GpuError as exc:
+        except (GpuError, CapsRecordError) as exc:  # said beside the GPUs reset before it
             return lines, busy, exc
         return lines, busy, None
 
