@@ -298,6 +298,7 @@ def test_a_gpu_uuid_pasted_upper_cased_names_that_gpu(nvml, tmp_path: Path) -> N
     assert nvml.fake_device_state(0)["locked_clocks"] is None
     headroom = doc([row("code", 1305, 450.0)], uuids=[uuid])
     headroom["rows"][0]["gpu"] = uuid
+    headroom["gpu"]["names"] = {uuid: "NVIDIA H100 80GB HBM3"}  # a merged document names it
     [cap] = plan_caps(headroom, batch=16, drafter="eagle3", corpus="code", uuids=[upper]).caps
     assert cap.uuid == uuid
 
@@ -915,6 +916,51 @@ def test_a_fleet_file_notes_models_this_host_lacks(nvml, tmp_path: Path) -> None
     assert "applied caps to 2 GPU(s)" in out and "note:" in out and "NVIDIA H200" in out
 
 
+def test_a_merged_cubes_caps_an_older_dvfs_planned_say_how_to_plan_them_again(
+    nvml, tmp_path: Path
+) -> None:
+    """A merged cube of an H100 and an H200, planned by a dvfs older than the documents naming
+    each GPU's model: its headroom named the first GPU's model only, and its caps file's
+    measured_on too, so `cap apply` (the caps unit at boot, exit 2) refuses the H200's entry,
+    saying only to plan it from a cube of its own model or remove it. It now says how to plan
+    again from that cube; and `cap plan` of that older headroom document, which wrote the same
+    refused file again, asks for the document anew."""
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    (h100, h200), uuids = [g["name"] for g in gpus], [g["uuid"] for g in gpus]
+    rows = [
+        {**row("code", clock, 700.0), "gpu": u}
+        for u, clock in zip(uuids, (1500, 1005), strict=True)
+    ]
+    older = doc(rows, uuids=uuids)
+    older["gpu"]["name"] = h100  # as an older dvfs named a merged cube: by its first GPU
+    with pytest.raises(CapsError) as refused:
+        plan_caps(older, batch=16, drafter="eagle3", corpus="worst-case")
+    assert "write it again with `dvfs headroom CUBE --json -o FILE`" in str(refused.value)
+    caps = tmp_path / "caps.toml"  # what the older dvfs planned from it
+    meta = {"measured_on": h100, "batch": 16, "drafter": "eagle3", "corpus": "worst-case"}
+    entries = (
+        GpuCap(uuid=uuids[0], sm_clock_max_mhz=1500),
+        GpuCap(uuid=uuids[1], sm_clock_max_mhz=1005),
+    )
+    caps.write_text(dump_caps(CapsFile(entries, meta)))
+    for extra in (("--dry-run",), ()):
+        told = " ".join(invoke("cap", "apply", str(caps), *extra, code=2).split())
+        assert f"GPU 1 ({uuids[1]}) is a {h200}" in told, told
+        again = (
+            "write that cube's headroom again, `dvfs headroom CUBE --json -o headroom.json`, then "
+            "plan again, `dvfs cap plan headroom.json --batch 16 --drafter eagle3 -o caps.toml`"
+        )
+        assert again in told, told
+    assert nvml.fake_calls() == []
+    # planned again so, from the document written again, both GPUs are capped
+    anew = doc(rows, uuids=uuids)
+    anew["gpu"].update(name=f"{h100}, {h200}", names=dict(zip(uuids, (h100, h200), strict=True)))
+    caps.write_text(dump_caps(plan_caps(anew, batch=16, drafter="eagle3", corpus="worst-case")))
+    assert "applied caps to 2 GPU(s)" in invoke("cap", "apply", str(caps))
+    assert [nvml.fake_device_state(i)["locked_clocks"][1] for i in (0, 1)] == [1500, 1005]
+
+
 def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(
     nvml, tmp_path: Path
 ) -> None:
@@ -1206,6 +1252,57 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
         assert (held, recorded) == ([210, 1410], {gpu.identity.uuid: (210, 1410)})
 
 
+@pytest.mark.parametrize(
+    ("code", "remedy"),
+    [
+        ("ENOSPC", "free space there"),
+        ("EDQUOT", "free space there or raise the disk quota"),
+        ("EACCES", "let this user write that folder (check its owner and permissions)"),
+        ("EROFS", "its file system is mounted read-only: make it writable"),
+    ],
+)
+@pytest.mark.parametrize("undone", ["taken back", "unchanged limit", "not taken back"])
+def test_an_unwritable_record_is_told_its_own_remedy(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, remedy: str, undone: str
+) -> None:
+    """The caps record not written said "free space there" whatever the error: a folder this
+    user may not write (the caps unit's root keeps no CAP_DAC_OVERRIDE), a read-only file
+    system or a disk quota each get their own way on, the change taken back or not."""
+    import errno
+
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.errors import CapsRecordError
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    number = getattr(errno, code)
+    record = AppliedCaps(tmp_path / "state")
+
+    def unwritable(records: dict) -> None:
+        raise OSError(number, os.strerror(number), str(record.path))
+
+    monkeypatch.setattr(record, "write", unwritable)
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        if undone == "not taken back":
+            gpu.reset_sm_clock = lambda: nvml_failure()  # type: ignore[method-assign]
+        if undone == "unchanged limit":
+            action = CapAction(0, gpu.identity.uuid, None, 700_000, 700_000)
+        else:
+            action = CapAction(0, gpu.identity.uuid, (210, 1410), None, 700_000)
+        with pytest.raises(CapsRecordError) as raised:
+            apply_actions([action], [gpu], record, "caps.toml")
+    message = str(raised.value)
+    assert f"cannot write {record.path}: {os.strerror(number).lower()}" in message, message
+    then = "then run `dvfs cap reset" if undone == "not taken back" else "then apply the caps"
+    assert f"; {remedy}, {then}" in message, message
+    assert ("free space" in message) == (code in ("ENOSPC", "EDQUOT")), message
+
+
+def nvml_failure() -> None:
+    from dvfs.errors import GpuError
+
+    raise GpuError("GPU 0: cannot reset the SM clock (NVML: Unknown Error)")
+
+
 def test_an_unchanged_limit_whose_record_fails_says_the_way_on_alone_too(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1337,6 +1434,48 @@ def test_cap_apply_takes_a_wait_for_the_driver_of_any_length(
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
 
 
+@pytest.mark.parametrize("wait", ["300", "1" + "0" * 400])
+def test_a_dry_run_waits_for_no_driver_and_says_what_the_apply_would(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str
+) -> None:
+    """`cap apply --dry-run --wait-for-driver N` slept N s (5 s at a time) while the kernel
+    module was not loaded, though a dry run changes nothing; it fails at once, saying what the
+    apply would wait for. A wait of 1 and 400 zeros was said with all its digits: it is a wait
+    with no time limit, said so, whether waited (the apply) or not (a dry run)."""
+    import dvfs.gpu.nvml
+
+    caps = _driver_caps(tmp_path, nvml)
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    slept: list[float] = []
+
+    def never(seconds: float) -> None:  # (raised out of the wait: the test ends at once)
+        raise AssertionError(f"a dry run waited {seconds} s")
+
+    monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", never)
+    args = ["cap", "apply", str(caps), "--wait-for-driver", wait]
+    result = CliRunner().invoke(cli, [*args, "--dry-run"])
+    assert result.exit_code == 1, result.output
+    assert WAITING not in result.stderr
+    [line] = result.stderr.splitlines()
+    span = "up to 300 s" if wait == "300" else "with no time limit"
+    assert line.startswith(
+        f"Error: {NOT_LOADED} loaded (a dry run does not wait; the apply would wait {span} "
+        "for it): load it"
+    ), line
+    if wait != "300":  # the apply waits, and says so in a line of words, not 401 digits
+
+        def driver_loads(seconds: float) -> None:
+            slept.append(seconds)
+            monkeypatch.delenv("DVFS_FAKE_NVML_INIT_ERROR")
+
+        monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", driver_loads)
+        applied = CliRunner().invoke(cli, args)
+        assert applied.exit_code == 0, applied.output
+        [said] = [x for x in applied.stderr.splitlines() if x.startswith(WAITING.split(":")[0])]
+        assert said.startswith(f"{WAITING.removesuffix(' up to')} {span} for it, trying"), said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == (700_000 if wait == "300" else 450_000)
+
+
 @pytest.mark.parametrize("wait", ["0", "1"])
 def test_cap_apply_fails_as_before_without_the_driver(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str
@@ -1442,6 +1581,74 @@ def test_a_later_gpus_full_disk_says_the_earlier_gpus_failures_too(
     held = [d["locked_clocks"] for d in nvml.fake_state()["devices"][:2]]
     assert held == [[210, 1410], None]
     assert AppliedCaps(tmp_path / "state").locks() == {first.identity.uuid: (210, 1410)}
+
+
+def test_an_apply_planned_before_another_capped_the_gpu_holds_its_own_file(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `cap apply` a moment apart (the caps unit and an operator): the later one planned
+    what its file leaves at stock from the caps record read before it held the GPU's lock, so
+    the earlier one's clock lock, set meanwhile, stayed on the GPU beside the later file's
+    power limit, the later apply saying its file applied (the GPU held neither file). What to
+    put back to stock is read from the record once the GPU's lock is held: the GPU holds the
+    later file, and the record says so."""
+    import dvfs.caps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    clock, limit = tmp_path / "clock.toml", tmp_path / "limit.toml"
+    clock.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    limit.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500),))))
+    real = dvfs.caps.enforce_plan
+
+    def the_other_apply_first(*args, **kwargs) -> None:  # between this one's plan and its lock
+        monkeypatch.setattr(dvfs.caps, "enforce_plan", real)
+        assert "applied to GPU 0" in invoke("cap", "apply", str(clock))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(dvfs.caps, "enforce_plan", the_other_apply_first)
+    said = invoke("cap", "apply", str(limit))
+    device = nvml.fake_device_state(0)
+    assert (device["locked_clocks"], device["power_limit_mw"]) == (None, 500_000), said
+    assert "SM clock unlocked" in said, said
+    from dvfs.caps import AppliedCaps
+
+    [entry] = AppliedCaps(Path(os.environ["DVFS_STATE_DIR"])).read().values()
+    assert (entry["lock_mhz"], entry["power_limit_mw"]) == (None, 500_000)
+
+
+def test_a_reset_whose_record_cannot_be_written_says_what_it_reset(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap reset` (the caps unit's stop) with the caps record unwritable (a folder root
+    without CAP_DAC_OVERRIDE may not write, a full disk): GPU 0 was reset, its caps still
+    recorded, and the reset failed "cannot use RECORD: permission denied; check permissions or
+    choose another path", naming no GPU (GPU 0 reset, GPU 1 not: `cap show` said both capped).
+    It says what it reset, that the record still lists it, and stops there."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    caps = tmp_path / "caps.toml"
+    entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+    caps.write_text(dump_caps(CapsFile(entries)))
+    invoke("cap", "apply", str(caps))
+
+    def unwritable(self, records: dict) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", unwritable)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    [line] = result.stderr.splitlines()
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    assert line.startswith(
+        f"Error: GPU 0 ({uuids[0]}) was reset (clocks unlocked, power limit 700 W (default)), "
+        f"but {record} cannot be written (permission denied), so it still lists that GPU's "
+        "caps, and no GPU after it was reset: let this user write that folder"
+    ), line
+    held = [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)]
+    assert held == [None, [210, 1500]]
 
 
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
@@ -2172,6 +2379,32 @@ def test_malformed_caps_files_are_caps_errors(tmp_path: Path, content, says: str
         load_caps(path)
 
 
+def test_a_model_named_twice_by_an_older_cap_plan_says_how_to_plan_it_again(
+    tmp_path: Path,
+) -> None:
+    """`cap plan --model` of a merged cube, by a dvfs older than the fix that takes the least
+    aggressive setting over the model's GPUs, wrote one [[model]] entry per GPU, each its own
+    GPU's setting; `cap apply` (the caps unit at boot) refuses it, saying only to keep one
+    entry, where keeping the wrong one locks every GPU at another GPU's lower clock. It says
+    how to plan it again, the command with the file's batch, drafter and model."""
+    path = tmp_path / "caps.toml"
+    path.write_text(
+        'dvfs_caps = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\nbatch = 16\n'
+        'drafter = "eagle3"\ncorpus = "worst-case"\n'
+        '[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1500\n'
+        '[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1005\n'
+    )
+    with pytest.raises(CapsError) as refused:
+        load_caps(path)
+    told = str(refused.value)
+    assert "keep one [[model]] entry per model" in told and "\n" not in told
+    assert (
+        "write that cube's headroom again, `dvfs headroom CUBE --json -o headroom.json`, then "
+        "plan again, `dvfs cap plan headroom.json --batch 16 --drafter eagle3 --model "
+        "'NVIDIA H100 80GB HBM3' -o caps.toml`, which takes the least aggressive setting"
+    ) in told, told
+
+
 def test_a_per_batch_plan_given_to_cap_apply_is_named_as_one(nvml, tmp_path: Path) -> None:
     """/etc/dvfs holds a caps file and a governor's plan: the plan given to `cap apply` (or
     installed as caps.toml) was refused as "unknown key(s) batch, dvfs_batch_plan", which
@@ -2860,6 +3093,37 @@ def test_a_dry_run_refuses_a_lock_linked_into_a_missing_folder_as_the_apply_does
     assert dry.exit_code == 1, said
     assert said == "Error: dry run, nothing changed: the apply would be refused: " + refusal
     assert not (tmp_path / "gone").exists()
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize("lock", ["link into a missing folder", "folder"])
+def test_a_caps_record_lock_that_cannot_be_opened_names_a_gpu_fallen_off_the_bus_too(
+    nvml, tmp_path: Path, lock: str, dry_run: bool
+) -> None:
+    """The caps record's lock that cannot be opened refuses the apply before any change: the
+    refusal of a link into a missing folder (an OSError, said as it was raised) named no GPU
+    fallen off the bus, nor did a dry run's of either, where the apply's of a folder did (the
+    caps unit's journal said nothing of the lost GPU). Each names it now."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(1, lost=True)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "caps-applied.json.lock"
+    if lock == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(tmp_path / "gone" / "caps.lock")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *(["--dry-run"] * dry_run)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and said.startswith("Error: "), said
+    assert "Traceback" not in said and f"{path}" in said, said
+    assert said.endswith(
+        "cannot open GPU 1: the GPU has fallen off the bus (NVML: GPU is lost); "
+        "it needs a reset or a reboot before it can be used"
+    ), said
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dvfs.caps.files import CapsFile, base_model_name
+from dvfs.caps.files import CapsFile, base_model_name, plan_again
 from dvfs.errors import (
     CapsError,
     CapsRecordError,
@@ -495,6 +495,7 @@ def plan_actions(
     matched: set[int] = set()
     mig: list[str] = []
     untouched: list[str] = []
+    other_model: list[str] = []  # GPUs whose [[gpu]] entry was measured on another model
     measured = caps.measured_models()
     for gpu in gpus:
         ident = gpu.identity
@@ -514,13 +515,7 @@ def plan_actions(
             # A [[gpu]] entry names its GPU by UUID only: caps planned on one model (`cap plan
             # --gpu` takes any UUID) must not go to a GPU of another, as a [[model]] entry and
             # `dvfs govern`'s plan never do.
-            problems.append(
-                f"GPU {ident.index} ({ident.uuid}) is a {ident.name}, but its [[gpu]] entry's "
-                f"caps were measured on {caps.meta['measured_on']}: plan it from a cube of its "
-                "own model, or remove its entry (a file joining plans of several models lists "
-                "each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
-                "writes it)"
-            )
+            other_model.append(f"GPU {ident.index} ({ident.uuid}) is a {ident.name}")
             continue
         if gpu.mig_enabled():
             if cap.uuid:
@@ -557,6 +552,20 @@ def plan_actions(
                 unlock=lock is None and bool(earlier.get("lock_mhz")),
                 default_power_limit_mw=default,
             )
+        )
+    if other_model:
+        one = len(other_model) == 1
+        it, its = ("it", "its") if one else ("them", "their")
+        entries = "its [[gpu]] entry's" if one else "their [[gpu]] entries'"
+        problems.insert(
+            0,
+            f"{', '.join(other_model)}, but {entries} caps were measured on "
+            f"{caps.meta['measured_on']}: plan {it} from a cube of {its} own model, or remove "
+            f"{'its entry' if one else 'their entries'} (a file joining plans of several models "
+            "lists each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
+            "writes it; one an older dvfs planned from a merged cube named only its first GPU's "
+            "model there: write that cube's headroom again, `dvfs headroom CUBE --json -o "
+            f"headroom.json`, then plan again, `{plan_again(caps.meta)}`)",
         )
     if problems:
         raise CapsError("; ".join(problems))
@@ -634,13 +643,13 @@ def apply_actions(
                 # the one command that clears it; no other GPU is changed.
                 raise CapsRecordError(
                     f"{unwritten}, and GPU {index}'s {what} could not be taken back off it "
-                    f"({failed}), so the GPU keeps it with no record of it; free space there, "
+                    f"({failed}), so the GPU keeps it with no record of it; {_remedy(exc)}, "
                     f"then run `{state_dir_command(f'dvfs cap reset {uuid}', record.path.parent)}`"
                 ) from exc
             # Said so, with the way on: "choose another path" (another --state-dir) would
             # record the caps where `cap show`, sweeps and `cap reset` do not look.
             raise CapsRecordError(
-                f"{unwritten}, so GPU {index}'s {what} was taken back off it; free space there, "
+                f"{unwritten}, so GPU {index}'s {what} was taken back off it; {_remedy(exc)}, "
                 "then apply the caps again"
             ) from exc
         applied[uuid] = entry
@@ -718,7 +727,7 @@ def apply_actions(
                 why = record_problem(exc)
                 unwritten = CapsRecordError(
                     f"cannot write {exc.filename or record.path}: {why[:1].lower() + why[1:]}; "
-                    "free space there, then apply the caps again"
+                    f"{_remedy(exc)}, then apply the caps again"
                 )
                 if not failures.messages:
                     raise unwritten from exc
@@ -730,6 +739,21 @@ def apply_actions(
             ) from exc
         done(action)
     failures.raise_if_any("could not apply caps: ")
+
+
+def _remedy(exc: OSError) -> str:
+    """What to do where the caps record cannot be written, by why: "free space there" fits a
+    full disk only (it was said whatever the error). Never "choose another --state-dir", which
+    would record the caps where `cap show`, sweeps and `cap reset` do not look."""
+    if exc.errno == errno.ENOSPC:
+        return "free space there"
+    if exc.errno == errno.EDQUOT:
+        return "free space there or raise the disk quota"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "let this user write that folder (check its owner and permissions)"
+    if exc.errno == errno.EROFS:
+        return "its file system is mounted read-only: make it writable"
+    return "make it writable"
 
 
 def reset_caps(
@@ -785,13 +809,31 @@ def reset_caps(
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
                     record.update(ident.uuid, {**entry, "power_limit_mw": None})
                 raise refused
-            record.update(ident.uuid, None)
-            GovernorLocks(record.path.parent).clear(ident.uuid)
             power = (
                 "power limit not supported by NVML (left be)"
                 if default is None
                 else f"power limit {default / 1000:g} W (default)"
             )
+            try:
+                record.update(ident.uuid, None)
+            except OSError as exc:
+                # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
+                # take them for in force): said so, and no other GPU is reset, so the record
+                # lists no more that are not; the GPUs reset before it are said (`note`).
+                why = record_problem(exc)
+                raise CapsRecordError(
+                    "; ".join(
+                        [
+                            *failures.messages,
+                            f"GPU {ident.index} ({ident.uuid}) was reset (clocks unlocked, "
+                            f"{power}), but {exc.filename or record.path} cannot be written "
+                            f"({why[:1].lower() + why[1:]}), so it still lists that GPU's caps, "
+                            f"and no GPU after it was reset: {_remedy(exc)}, then run "
+                            f"`{state_dir_command('dvfs cap reset', record.path.parent)}` again",
+                        ]
+                    )
+                ) from exc
+            GovernorLocks(record.path.parent).clear(ident.uuid)
             line = f"GPU {ident.index} ({ident.uuid}): clocks unlocked, {power}"
             if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
                 line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
@@ -843,12 +885,35 @@ def enforce_plan(
     targets = [g for g in gpus if g.identity.uuid in wanted]
     with signals_raise(), GpuLocks(directory).hold(targets):
         StateStore(directory).refuse_if_pending(targets)
-        apply_actions(plan.actions, targets, AppliedCaps(directory), source, done)
+        record = AppliedCaps(directory)
+        # The plan read the record before this process held the GPUs' locks: another `cap
+        # apply` (the caps unit beside an operator's) may have capped them since. What this
+        # file leaves at stock is put back by the record as it is now, so the GPU holds this
+        # file, not a mix of both.
+        by_uuid = {g.identity.uuid: g for g in targets}
+        recorded = record.read() if plan.actions else {}
+        actions = [_as_recorded(a, recorded.get(a.uuid, {}), by_uuid[a.uuid]) for a in plan.actions]
+        apply_actions(actions, targets, record, source, done)
+
+
+def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAction:
+    """`action` with the knobs its file leaves at stock put back by `earlier`, the GPU's caps
+    record entry read under its lock (`plan_actions` read it before)."""
+    from dataclasses import replace
+
+    default = None
+    if action.power_limit_mw is None and isinstance(earlier.get("power_limit_mw"), int):
+        default = gpu.power_limit_range().default_mw
+    return replace(
+        action,
+        unlock=action.lock_mhz is None and bool(earlier.get("lock_mhz")),
+        default_power_limit_mw=default,
+    )
 
 
 def reset_locked(
     gpus: Sequence[Gpu], directory: Path
-) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | None]:
+) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | CapsRecordError | None]:
     """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
     holds are left alone and returned (with their refusals) beside what was done on the others, so
     that one running governor does not keep every other GPU capped (`cap reset` at the caps
@@ -871,7 +936,7 @@ def reset_locked(
         lines: list[str] = []
         try:
             reset_caps(free, AppliedCaps(directory), note=lines.append)
-        except GpuError as exc:
+        except (GpuError, CapsRecordError) as exc:  # said beside the GPUs reset before it
             return lines, busy, exc
         return lines, busy, None
 

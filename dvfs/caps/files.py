@@ -109,6 +109,24 @@ class CapsFile:
         return ", ".join(p for p in parts if p)
 
 
+def plan_again(meta: dict[str, Any], model: str | None = None) -> str:
+    """The `dvfs cap plan` that plans a caps file again from its headroom written anew: the
+    batch, drafter and corpus its [meta] records (`cap plan` writes them), else placeholders;
+    with `model`, its --model."""
+    import shlex
+
+    batch, drafter, corpus = meta.get("batch"), meta.get("drafter"), meta.get("corpus")
+    command = "dvfs cap plan headroom.json"
+    command += f" --batch {batch}" if isinstance(batch, int) else " --batch N"
+    command += (
+        f" --drafter {shlex.quote(drafter)}" if isinstance(drafter, str) else " --drafter NAME"
+    )
+    if isinstance(corpus, str) and corpus != "worst-case":
+        command += f" --corpus {shlex.quote(corpus)}"
+    command += f" --model {shlex.quote(model)}" if model else ""
+    return command + " -o caps.toml"
+
+
 def base_model_name(name: str) -> str:
     """A GPU model's NVML name without the twin's suffix."""
     return name.removesuffix(TWIN_SUFFIX)
@@ -241,18 +259,24 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
     uuids = [c.uuid for c in caps if c.uuid]
     if len(set(uuids)) != len(uuids):
         raise CapsError(f"{where}: a GPU UUID appears twice")
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise CapsError(f"{where}: [meta] must be a table")
     names = [c.name for c in caps if c.name]
     for model in dict.fromkeys(base_model_name(n) for n in names):
         entries = [n for n in names if base_model_name(n) == model]
         if len(entries) > 1:  # the first would cap the model's GPUs, the others nothing
+            # An older dvfs's `cap plan --model` of a merged cube wrote one entry per GPU, each
+            # GPU's own setting: which to keep is no guess (another GPU's may be too low).
             raise CapsError(
                 f"{where}: GPU model {model!r} appears twice ([[model]] names "
                 f"{', '.join(repr(n) for n in entries)}): its GPUs would take the first "
-                "entry's caps only; keep one [[model]] entry per model"
+                "entry's caps only; keep one [[model]] entry per model (one an older dvfs's "
+                "`cap plan --model` wrote from a merged cube, an entry per GPU: write that "
+                "cube's headroom again, `dvfs headroom CUBE --json -o headroom.json`, then plan "
+                f"again, `{plan_again(meta, entries[0])}`, which takes the least aggressive "
+                "setting over the model's GPUs)"
             )
-    meta = data.get("meta", {})
-    if not isinstance(meta, dict):
-        raise CapsError(f"{where}: [meta] must be a table")
     if not isinstance(meta.get("simulated", False), bool):
         raise CapsError(f"{where}: [meta] simulated must be true or false")
     return CapsFile(tuple(caps), meta)

@@ -206,6 +206,11 @@ def plan_caps(
                 f"no headroom rows for corpus {corpus!r}; use one of "
                 f"{sorted({r['corpus'] for r in doc['rows']})} or worst-case"
             )
+    # A merged document names each GPU's model (`gpu.names`); one an older dvfs wrote names
+    # only its first GPU's (`gpu.name`), which `measured_on` would then claim for every GPU,
+    # and `cap apply` refuses the other models' entries (the caps unit fails at boot).
+    for r in rows:
+        model_of(doc, r)
     measured_on = doc["gpu"].get("name")
     simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
     by_model = bool(model_name) or (simulated and not uuids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from dvfs.caps import CapAction, CapsFile
     from dvfs.errors import GpuError
     from dvfs.gpu.base import Gpu
+
+#: An error `_naming_lost` names the GPUs fallen off the bus after, its type kept.
+E = TypeVar("E", bound=Exception)
 
 state_dir_option = click.option(
     "--state-dir",
@@ -283,15 +286,16 @@ def apply(
 
     caps = load_caps(caps_file)
     if wait_for_driver_s:  # once the file is read: a file refused is not waited on
-        from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver
+        from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver, wait_span
 
         spent = wait_for_driver(
             wait_for_driver_s,
             lambda: click.echo(
-                f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting up to "
-                f"{wait_for_driver_s} s for it, trying again every {DRIVER_POLL_S:g} s",
+                f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting "
+                f"{wait_span(wait_for_driver_s)} for it, trying again every {DRIVER_POLL_S:g} s",
                 err=True,
             ),
+            dry_run=dry_run,
         )
         if spent is not None:  # the wait ran out: its line says so
             raise spent
@@ -352,7 +356,7 @@ def apply(
         if dry_run:
             try:
                 _refuse_as_the_apply_would(plan.actions, gpus, directory)
-            except GpuError as exc:
+            except (GpuError, CapsRecordError) as exc:
                 raise _naming_lost(exc, lost_line) from None
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
@@ -378,6 +382,16 @@ def apply(
                 # off the bus are still named, after it, as beside a GPU's failure.
                 exc.args = ("; ".join(p for p in (str(exc), withheld, lost_line) if p),)
                 raise
+            except OSError as exc:
+                if applied:  # (said as it is where a GPU is capped already)
+                    raise
+                # The caps record's lock (or a GPU's) that cannot be opened, before any change:
+                # named with the GPUs withheld and fallen off the bus, as a folder there is.
+                from dvfs.cli.common import describe_os_error
+
+                raise CapsRecordError(
+                    "; ".join(p for p in (describe_os_error(exc), withheld, lost_line) if p)
+                ) from exc
             else:
                 out.print(f"applied caps to {len(plan.actions)} GPU(s)")
             volatile = {u: g for u, g in volatile.items() if u in applied}  # those capped
@@ -559,7 +573,7 @@ def _set_aside_unsupported(
     return kept, unsupported
 
 
-def _naming_lost(exc: GpuError, lost_line: str) -> GpuError:
+def _naming_lost(exc: E, lost_line: str) -> E:
     """`exc` (its type, exit code and attributes kept) followed by `lost_line`, the GPUs
     fallen off the bus (`lost_gpus`), where there are any."""
     if lost_line:

@@ -423,8 +423,20 @@ DRIVER_POLL_S = 5.0
 _FOREVER_S = 1e12
 
 
+def wait_span(wait_s: float) -> str:
+    """How long `wait_for_driver` waits, in words: "up to 300 s", or, past `_FOREVER_S` (an
+    "until it loads" of any number of digits), not all those digits."""
+    if wait_s > _FOREVER_S:
+        return "with no time limit"
+    return f"up to {wait_s} s"
+
+
 def wait_for_driver(
-    wait_s: float, waiting: Callable[[], None], nvml: ModuleType | None = None
+    wait_s: float,
+    waiting: Callable[[], None],
+    nvml: ModuleType | None = None,
+    *,
+    dry_run: bool = False,
 ) -> GpuError | None:
     """Return once NVML starts, or at once where it fails for any reason but the NVIDIA kernel
     module not being loaded yet (no driver, a refusal: waiting does not fix those); while it is
@@ -432,7 +444,9 @@ def wait_for_driver(
     `DRIVER_POLL_S`, `waiting` hearing it once, for at most `wait_s` seconds. It never raises:
     the command then starts NVML as it would without waiting, and says any failure itself;
     where the wait ran out, the module still not loaded, it returns that failure in the line
-    to raise instead, which says how long it waited."""
+    to raise instead, which says how long it waited. A `dry_run` waits for nothing: NVML is
+    tried once, and a module not loaded is returned at once in a line saying what the apply
+    would wait for."""
     if wait_s <= 0:
         return None
     # an int past a float's range (OverflowError) is a wait for ever, as any this long
@@ -451,6 +465,16 @@ def wait_for_driver(
             if getattr(exc.__cause__, "value", None) != not_loaded:
                 return None
             last = exc
+        if dry_run:  # changes nothing, so waits for nothing: says what the apply would
+            line = str(last).replace(
+                " not loaded:",
+                f" not loaded (a dry run does not wait; the apply would wait {wait_span(wait_s)} "
+                "for it):",
+                1,
+            )
+            told_so = type(last)(line)
+            told_so.__cause__ = last.__cause__
+            return told_so
         left = deadline - time.monotonic()
         if left <= 0:  # "not loaded: load it" said with the wait, not as if none was made
             line = str(last).replace(" not loaded:", f" not loaded after waiting {wait_s} s:", 1)
