@@ -34,6 +34,7 @@ from dvfs.records import (
     SERVER_ENV_PREFIXES,
     arm_changes,
     begun_unpinned,
+    server_changes,
     server_env_of,
 )
 from dvfs.records.session import DRAFTER_ARGS, SERVER_INVARIANTS
@@ -613,6 +614,43 @@ def test_an_arg_one_arm_reports_and_the_other_not_is_named_not_alike() -> None:
     # Another release: its own args; the version is the change.
     older = {**silent, "version": "0.5.9"}
     assert arm_changes(told, older) == ["engine version: 0.5.23 -> 0.5.9"]
+
+
+def test_a_drafter_arg_one_of_its_servers_reports_and_the_other_not_is_named() -> None:
+    """One drafter's servers (a resume's) are compared in its own speculative args alike: one
+    reported by one server and not by the other of the same SGLang is unknown, named."""
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    told = {**base, "args": {"speculative_num_steps": 3}}
+    silent = {**base, "args": {}}
+    assert server_changes(told, silent) == ["speculative_num_steps: 3 -> not reported"]
+    assert server_changes(silent, told) == ["speculative_num_steps: not reported -> 3"]
+    assert server_changes(told, told) == []
+    older = {**silent, "version": "0.5.9"}  # another release: the version is the change
+    assert server_changes(older, told) == ["engine version: 0.5.9 -> 0.5.23"]
+
+
+def test_a_journal_whose_drafters_servers_report_other_args_gives_no_cube(
+    tiny_sweep: Path, tmp_path: Path
+) -> None:
+    """A journal with a second server of one drafter (a resume's) that does not report a
+    speculative arg the first reported (edited in): `dvfs cube build` refuses it, naming it."""
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    server = next(
+        r for r in records if r["type"] == "server" and "speculative_num_steps" in r["args"]
+    )
+    steps = server["args"]["speculative_num_steps"]
+    again = json.loads(json.dumps(server))
+    del again["args"]["speculative_num_steps"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in [*records, again]))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert (
+        f"the journal's cells of drafter {server['drafter']!r} were served by different "
+        f"engines or flags (speculative_num_steps: {steps!r} -> not reported)"
+    ) in last_line(built)
+    assert "Traceback" not in built.output
 
 
 def test_a_journal_whose_arms_report_other_args_gives_no_cube(

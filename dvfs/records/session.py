@@ -599,16 +599,21 @@ DRAFTER_ARGS = (
 def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """What differs between two server records of one drafter ("engine version: A -> B"): the
     `SERVER_INVARIANTS`, and the drafter's own resolved speculative args (`speculative_*`)
-    and `DRAFTER_ARGS`, both records reporting them, since one drafter's cells must share one
-    configuration even where the engine's version did not change but how it resolves unset
-    numbers did."""
+    and `DRAFTER_ARGS`, since one drafter's cells must share one configuration even where the
+    engine's version did not change but how it resolves unset numbers did. Where both records
+    name one engine and version, such an arg one reports and the other not is a change too
+    ("speculative_num_steps: 3 -> not reported"), as in `arm_changes`."""
     changes = _engine_changes(before, now)
     old, new = before.get("args"), now.get("args")
     if isinstance(old, Mapping) and isinstance(new, Mapping):
-        own = sorted(k for k in old if k.startswith("speculative_") or k in DRAFTER_ARGS)
-        for key in (k for k in own if k in new):
-            if _same(old[key]) != _same(new[key]):
-                changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        one_release = _one_release(before, now)
+        own = sorted(k for k in {*old, *new} if k.startswith("speculative_") or k in DRAFTER_ARGS)
+        for key in own:
+            if key in old and key in new:
+                if _same(old[key]) != _same(new[key]):
+                    changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+            elif one_release:
+                changes.append(f"{key}: {_reported(old, key)} -> {_reported(new, key)}")
     return changes
 
 
