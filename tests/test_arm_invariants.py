@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import replace_block
+from conftest import copy_sweep, replace_block
 from sglang_support import REPO, STUB, load_stub, running, stub_campaign
 
 from dvfs.campaign.sglang_flags import non_drafter_flag
@@ -34,6 +34,7 @@ from dvfs.records import (
     SERVER_ENV_PREFIXES,
     arm_changes,
     begun_unpinned,
+    server_changes,
     server_env_of,
 )
 from dvfs.records.session import DRAFTER_ARGS, SERVER_INVARIANTS
@@ -581,8 +582,8 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}
         assert arm_changes(before, after) == [f"{label} ({key}): {a!r} -> {b!r}"]
-        if key not in none["args"]:  # a record that does not report it: not compared
-            assert arm_changes(none, after) == []
+        if key not in none["args"]:  # a record that does not report it: unknown, named
+            assert arm_changes(none, after) == [f"{label} ({key}): not reported -> {b!r}"]
 
 
 def test_two_arms_differing_in_any_compared_arg_are_refused() -> None:
@@ -594,6 +595,83 @@ def test_two_arms_differing_in_any_compared_arg_are_refused() -> None:
         after = {**base, "args": {"dtype": "auto", key: 2}}
         assert arm_changes(before, after) == [f"{label} ({key}): 1 -> 2"]
         assert arm_changes(before, before) == []
+
+
+def test_an_arg_one_arm_reports_and_the_other_not_is_named_not_alike() -> None:
+    """One SGLang reports every arg it has: where two servers name one engine and version, an
+    arm arg (or a decode CUDA graph) one reports and the other not is unknown, named as a
+    change, never taken as alike. Across versions the version's change says it."""
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    told = {**base, "args": {"dtype": "float16", "cuda_graph_bs": [1, 8]}}
+    silent = {**base, "args": {}}
+    assert arm_changes(told, silent, [4]) == [
+        "dtype (dtype): 'float16' -> not reported",
+        "decode CUDA graph at batch 4: 8 -> not reported",
+    ]
+    assert arm_changes(silent, told) == ["dtype (dtype): not reported -> 'float16'"]
+    # A seed an earlier dvfs left each server to draw is not compared, reported or not.
+    assert arm_changes({**base, "args": {"random_seed": 1}}, silent, pinned=()) == []
+    # Another release: its own args; the version is the change.
+    older = {**silent, "version": "0.5.9"}
+    assert arm_changes(told, older) == ["engine version: 0.5.23 -> 0.5.9"]
+
+
+def test_a_drafter_arg_one_of_its_servers_reports_and_the_other_not_is_named() -> None:
+    """One drafter's servers (a resume's) are compared in its own speculative args alike: one
+    reported by one server and not by the other of the same SGLang is unknown, named."""
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    told = {**base, "args": {"speculative_num_steps": 3}}
+    silent = {**base, "args": {}}
+    assert server_changes(told, silent) == ["speculative_num_steps: 3 -> not reported"]
+    assert server_changes(silent, told) == ["speculative_num_steps: not reported -> 3"]
+    assert server_changes(told, told) == []
+    older = {**silent, "version": "0.5.9"}  # another release: the version is the change
+    assert server_changes(older, told) == ["engine version: 0.5.9 -> 0.5.23"]
+
+
+def test_a_journal_whose_drafters_servers_report_other_args_gives_no_cube(
+    tiny_sweep: Path, tmp_path: Path
+) -> None:
+    """A journal with a second server of one drafter (a resume's) that does not report a
+    speculative arg the first reported (edited in): `dvfs cube build` refuses it, naming it."""
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    server = next(
+        r for r in records if r["type"] == "server" and "speculative_num_steps" in r["args"]
+    )
+    steps = server["args"]["speculative_num_steps"]
+    again = json.loads(json.dumps(server))
+    del again["args"]["speculative_num_steps"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in [*records, again]))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert (
+        f"the journal's cells of drafter {server['drafter']!r} were served by different "
+        f"engines or flags (speculative_num_steps: {steps!r} -> not reported)"
+    ) in last_line(built)
+    assert "Traceback" not in built.output
+
+
+def test_a_journal_whose_arms_report_other_args_gives_no_cube(
+    tiny_sweep: Path, tmp_path: Path
+) -> None:
+    """A journal whose one drafter's server reports an arm arg the other's does not (edited
+    in): `dvfs cube build` refuses it, naming the arg, as it refuses arms that differ in it."""
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    servers = [r for r in records if r["type"] == "server"]
+    first, second = servers[0]["drafter"], servers[1]["drafter"]
+    servers[1]["args"]["dtype"] = "float16"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert (
+        f"the journal's drafters {first!r} and {second!r} were served differently (dtype "
+        "(dtype): not reported -> 'float16')" in last_line(built)
+    )
+    assert "Traceback" not in built.output
 
 
 @pytest.mark.parametrize(
@@ -1664,6 +1742,30 @@ def test_an_analysis_refuses_a_cube_whose_drafters_were_served_differently(
         f"{first!r} and {second!r}: sampling kernels (sampling_backend): 'flashinfer' -> "
         "'pytorch'" in last_line(result)
     )
+    assert "Traceback" not in result.output
+
+
+def test_a_cube_whose_arms_report_other_args_is_named_in_cube_info_and_refused(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """A cube (an earlier dvfs built it, or one edited) whose one drafter's server reports an
+    arm arg the other's does not: `dvfs cube info` names it where it said "alike", and an
+    analysis refuses the cube."""
+    ds = open_cube(small_sweep)
+    servers = json.loads(ds.attrs["server_args"])
+    first, second = list(servers)
+    servers[first]["args"]["sampling_backend"] = "flashinfer"
+    servers[second]["args"].pop("sampling_backend", None)
+    ds.attrs["server_args"] = json.dumps(servers)
+    path = tmp_path / "cube.nc"
+    write_cube(ds, path)
+    change = f"{first!r} and {second!r}: sampling kernels (sampling_backend): 'flashinfer' -> "
+    info = CliRunner().invoke(cli, ["cube", "info", str(path), "--json"])
+    assert info.exit_code == 0, info.output
+    assert json.loads(info.output)["invariants"]["arms_differ"] == [f"{change}not reported"]
+    result = CliRunner().invoke(cli, ["compare", str(path)])
+    assert result.exit_code != 0
+    assert f"{change}not reported" in last_line(result)
     assert "Traceback" not in result.output
 
 

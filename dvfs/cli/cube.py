@@ -108,6 +108,7 @@ def _render(summary: dict[str, Any]) -> None:
         invalidates,
         invariant_rows,
         mode_text,
+        precision_text,
         sessions_text,
         shard_note,
     )
@@ -147,6 +148,7 @@ def _render(summary: dict[str, Any]) -> None:
         )
         + f" ({summary['invalid']} measured but invalid)",
     )
+    table.add_row("precision", escape(precision_text(summary["precision_missed"])))
     if summary["shard"] is not None:
         table.add_row("shard", escape(str(shard_note(summary["shard"]))))
     if summary["resume"] is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.campaign.model import hide_unrecorded, without_credentials
+from dvfs.cube.precision import PRECISION_MISSED, PRECISION_MISSED_ATTRS, asked, missed
 from dvfs.cube.schema import (
     CELL_DIMS,
     COORD_ATTRS,
@@ -883,7 +884,10 @@ class _Filler:
             self.failed,
             # In the one Dataset built: set on it afterwards, each cost a merge of the whole
             # cube's variables (half the build of a test's tiny cube).
-            {SPLIT_METHOD_VAR: (CELL_DIMS, self.split_method, split_method_attrs())},
+            {
+                SPLIT_METHOD_VAR: (CELL_DIMS, self.split_method, split_method_attrs()),
+                **self._precision_missed(),
+            },
             {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))},
             # the GPUs of the cells the cube holds: not those of records a later one replaced
             # (failed cells measured again on other GPUs)
@@ -898,6 +902,20 @@ class _Filler:
             self.measured_on, self.status, self.data["valid"]
         )
         return ds
+
+    def _precision_missed(self) -> dict[str, Any]:
+        """`PRECISION_MISSED` of every cell, from its intervals and the campaign's precision
+        (none where the journal's campaign records no precision)."""
+        wanted = asked(self.header.campaign)
+        if wanted is None:
+            return {}
+        values = missed(
+            self.data["energy_per_token_rel_ci"],
+            self.data["latency_rel_ci"],
+            self.status == STATUS_OK,
+            *wanted,
+        )
+        return {PRECISION_MISSED: (CELL_DIMS, values, dict(PRECISION_MISSED_ATTRS))}
 
 
 def groups_across_gpus(measured_on: np.ndarray, status: np.ndarray, valid: np.ndarray) -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.cube.arms import arm_differences
+from dvfs.cube.precision import PRECISION_MISSED
 from dvfs.cube.schema import COORD_ATTRS, CUBE_NAME, LABEL_DIMS, VARIABLES, check_cube
 from dvfs.errors import CubeError
 from dvfs.measure.journal import JOURNAL_NAME, describe_os_error
@@ -43,6 +44,8 @@ def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
         if name in integer_names:
             dtype = "int8" if name == "valid" else "int32"
             enc[name] = {"dtype": dtype, "_FillValue": -1, **zlib}
+        elif name == PRECISION_MISSED:  # a flag, missing where the cell was not measured
+            enc[name] = {"dtype": "int8", "_FillValue": -1, **zlib}
         elif name in ("cell_status", "energy_split_method"):  # flags, never missing
             enc[name] = {**zlib}
         elif name == "attention_backend":

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.cube.arms import arm_differences
+from dvfs.cube.precision import missed_count
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.measure.meter import THROTTLE_VIOLATION_SHARE, describe_quality
 from dvfs.records import ARMS_PINNED, corpus_hashes, knobs_set, measurement_mode
@@ -370,6 +371,9 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "repeats": _repeats_text(ds),
         "measurement_mode": measurement_mode(ds.attrs.get("campaign")),
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
+        # the measured cells that stopped at max_rounds short of the precision (valid, less
+        # certain than asked: `dvfs.cube.precision`); None where the cube cannot say
+        "precision_missed": missed_count(ds),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
         "idle_power_per_gpu": idle_power_per_gpu(ds),
         "idle_foreign_per_gpu": idle_foreign_per_gpu(ds),
@@ -438,6 +442,25 @@ def invariants(ds: xr.Dataset) -> dict[str, Any]:
         "token_count_method": ds.attrs.get("token_count_method") or None,
         "prompt_format": ds.attrs.get("prompt_format") or None,
     }
+
+
+def precision_text(count: dict[str, Any] | None) -> str:
+    """`cube info`'s precision row: how many measured cells stopped at
+    `measurement.max_rounds` with an interval wider than `measurement.precision` (valid, but
+    less certain than asked), and what would measure them to it."""
+    if count is None:
+        return "not recorded (the cube states no intervals or no precision)"
+    precision, rounds = count["precision"], count["max_rounds"]
+    asked = "the precision" if precision is None else f"the precision (±{precision * 100:g}%)"
+    if not count["cells"]:
+        return f"every measured cell reached {asked}"
+    cap = "measurement.max_rounds" if rounds is None else f"measurement.max_rounds ({rounds})"
+    return (
+        f"{count['cells']} of {count['measured']} measured cell(s) stopped at {cap} with an "
+        f"interval on energy per token or median TPOT wider than {asked} (precision_missed: "
+        "valid, less certain than asked); raise measurement.max_rounds or loosen "
+        "measurement.precision, and sweep again with --fresh (or into another --out folder)"
+    )
 
 
 def invariant_rows(held: dict[str, Any]) -> list[tuple[str, str]]:

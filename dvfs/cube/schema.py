@@ -17,6 +17,9 @@ Schema history (`attrs["dvfs_schema"]`):
       So is throttle_violation_s (per cell, the seconds NVML's thermal and board-limit
       violation counters grew over its rounds: in each round the largest growth of any GPU's
       counter; NaN where no GPU could tell or a cell's record carries none).
+      So is precision_missed (per cell, 1 where it stopped at measurement.max_rounds with an
+      interval wider than measurement.precision: `dvfs.cube.precision`; readers tell it from
+      the intervals and the campaign where it is absent).
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
 and read back as floats with NaN where missing (xarray's CF masking).

@@ -599,16 +599,21 @@ DRAFTER_ARGS = (
 def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """What differs between two server records of one drafter ("engine version: A -> B"): the
     `SERVER_INVARIANTS`, and the drafter's own resolved speculative args (`speculative_*`)
-    and `DRAFTER_ARGS`, both records reporting them, since one drafter's cells must share one
-    configuration even where the engine's version did not change but how it resolves unset
-    numbers did."""
+    and `DRAFTER_ARGS`, since one drafter's cells must share one configuration even where the
+    engine's version did not change but how it resolves unset numbers did. Where both records
+    name one engine and version, such an arg one reports and the other not is a change too
+    ("speculative_num_steps: 3 -> not reported"), as in `arm_changes`."""
     changes = _engine_changes(before, now)
     old, new = before.get("args"), now.get("args")
     if isinstance(old, Mapping) and isinstance(new, Mapping):
-        own = sorted(k for k in old if k.startswith("speculative_") or k in DRAFTER_ARGS)
-        for key in (k for k in own if k in new):
-            if _same(old[key]) != _same(new[key]):
-                changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        one_release = _one_release(before, now)
+        own = sorted(k for k in {*old, *new} if k.startswith("speculative_") or k in DRAFTER_ARGS)
+        for key in own:
+            if key in old and key in new:
+                if _same(old[key]) != _same(new[key]):
+                    changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+            elif one_release:
+                changes.append(f"{key}: {_reported(old, key)} -> {_reported(new, key)}")
     return changes
 
 
@@ -1056,10 +1061,14 @@ def arm_changes(
 ) -> list[str]:
     """What differs between two server records of one journal, of the same drafter or not
     ("engine version: A -> B", "dtype: None -> 'float16'"): the engine, its version and
-    attention kernels (`SERVER_INVARIANTS`), the `ARM_ARGS` both records report, and the decode
-    CUDA graph each replays at each of `batch_sizes` (`decode_graph`). Arms that differ here
-    would compare software or settings, not drafters. `pinned`: the journal header's
-    `arms_pinned`, leaving out the `DRAWN_ARM_ARGS` it lacks (None: every arg compared)."""
+    attention kernels (`SERVER_INVARIANTS`), the `ARM_ARGS`, and the decode CUDA graph each
+    replays at each of `batch_sizes` (`decode_graph`). Arms that differ here would compare
+    software or settings, not drafters. Where both records name one engine and version, an arg
+    (or decode CUDA graph) one reports and the other not is a change too ("dtype (dtype): not
+    reported -> 'float16'"): one SGLang reports every arg it has, so the servers cannot be
+    shown alike in it; across versions the version's change says it. `pinned`: the journal
+    header's `arms_pinned`, leaving out the `DRAWN_ARM_ARGS` it lacks (None: every arg
+    compared)."""
     changes = _engine_changes(before, now)
     a, b = before.get("prompt_format"), now.get("prompt_format")
     if a and b and a != b:  # the arms would be sent other prompts (`Server.prompt_format`)
@@ -1067,16 +1076,43 @@ def arm_changes(
     old, new = before.get("args"), now.get("args")
     given = None if pinned is None else set(pinned)
     if isinstance(old, Mapping) and isinstance(new, Mapping):
+        one_release = _one_release(before, now)
         for key, label in ARM_ARGS.items():
             if given is not None and key in DRAWN_ARM_ARGS and key not in given:
                 continue  # each server of an earlier dvfs's journal drew its own
-            if key in old and key in new and old[key] != new[key]:
-                changes.append(f"{label} ({key}): {old[key]!r} -> {new[key]!r}")
+            if key in old and key in new:
+                if old[key] != new[key]:
+                    changes.append(f"{label} ({key}): {old[key]!r} -> {new[key]!r}")
+            elif one_release and (key in old or key in new):
+                changes.append(f"{label} ({key}): {_reported(old, key)} -> {_reported(new, key)}")
         for batch in sorted(set(batch_sizes)):
             a, b = decode_graph(old, batch), decode_graph(new, batch)
             if a is not None and b is not None and a != b:
                 changes.append(f"decode CUDA graph at batch {batch}: {a} -> {b}")
+            elif one_release and (a is None) != (b is None):
+                changes.append(
+                    f"decode CUDA graph at batch {batch}: {_or_unreported(a)} -> "
+                    f"{_or_unreported(b)}"
+                )
     return changes
+
+
+#: How `arm_changes` names an arg (or decode CUDA graph) a server's record does not report.
+NOT_REPORTED = "not reported"
+
+
+def _one_release(before: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+    """Whether two server records name the same engine and version (both named): their
+    servers report the same args, so an arg one lacks is unknown, not another release's."""
+    return all(before.get(key) and before.get(key) == now.get(key) for key in ("engine", "version"))
+
+
+def _reported(args: Mapping[str, Any], key: str) -> str:
+    return repr(args[key]) if key in args else NOT_REPORTED
+
+
+def _or_unreported(value: Any) -> str:
+    return NOT_REPORTED if value is None else str(value)
 
 
 def _same(value: Any) -> Any:

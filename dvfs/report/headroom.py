@@ -112,6 +112,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             row["reference_drafter"] = result.attrs["baseline"]  # whose stock cell the target is
         rows.append(row)
     a = result.attrs
+    _mark_precision_missed(rows, cube, reference_setting(a))
     from dvfs.analysis.headroom import coverage
 
     return {
@@ -149,11 +150,87 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "power_limit": bool(knobs_set(cube.attrs.get("campaign"))[1]),
         },
         "coverage": coverage(cube),
+        # the precision the sweep measured each cell to, at most max_rounds rounds (each row's
+        # `precision_missed` names its cells that stopped short of it); None: not recorded
+        "measurement": _asked(cube),
         # One shard's cube (`dvfs sweep --shard I/N`): the other shards' cells are not in it;
         # a cube merged from shards: each shard's folder, whose sweep measures its cells left.
         **_shards(cube),
         "rows": rows,
     }
+
+
+def _mark_precision_missed(
+    rows: list[dict[str, Any]], cube: xr.Dataset, reference: dict[str, Any]
+) -> None:
+    """Each row's `precision_missed`: which cells its answer rests on ("chosen", the chosen
+    setting's; "reference", its own reference's, which the saving divides by; "baseline
+    reference", the baseline drafter's a vs-baseline target is) stopped at
+    `measurement.max_rounds` with an interval wider than the precision, any repeat of them
+    (`dvfs.cube.precision`): empty where none, None where the cube cannot say."""
+    from dvfs.cube.precision import precision_missed
+
+    values = precision_missed(cube)
+    for row in rows:
+        row["precision_missed"] = None if values is None else []
+    if values is None:
+        return
+    flags = values.fillna(0).values == 1
+    index = {str(d): cube.indexes[d] for d in values.dims if d in cube.indexes}
+
+    def missed(row: dict[str, Any], setting: dict[str, Any], drafter: str) -> bool | None:
+        at = {**row, "drafter": drafter, "sm_clock": setting.get("sm_clock_mhz")}
+        at["power_limit"] = setting.get("power_limit_w")
+        where: list[Any] = []
+        for dim in map(str, values.dims):
+            if dim == "repeat":
+                where.append(slice(None))
+                continue
+            try:
+                where.append(index[dim].get_loc(at[dim]))
+            except (KeyError, TypeError):  # not a cell of the cube (no setting chosen)
+                return None
+        return bool(flags[tuple(where)].any())
+
+    for row in rows:
+        ref = reference.get("per_gpu", {}).get(str(row.get("gpu")), reference)
+        chosen = row["chosen"]
+        is_ref = (chosen["sm_clock_mhz"], chosen["power_limit_w"]) == (
+            ref.get("sm_clock_mhz"),
+            ref.get("power_limit_w"),
+        )
+        checks = [("reference", ref, row["drafter"])]
+        if row.get("feasible") and not is_ref:
+            checks.insert(0, ("chosen", chosen, row["drafter"]))
+        if row.get("reference_drafter"):
+            checks.append(("baseline reference", ref, row["reference_drafter"]))
+        row["precision_missed"] = [what for what, at, d in checks if missed(row, at, d)]
+
+
+def precision_note(doc: dict[str, Any]) -> str | None:
+    """One line naming the rows whose answer rests on a cell that stopped at
+    `measurement.max_rounds` short of the precision (`_mark_precision_missed`)."""
+    rows = [r for r in doc["rows"] if r.get("precision_missed")]
+    if not rows:
+        return None
+    asked = doc.get("measurement") or {}
+    rounds, precision = asked.get("max_rounds"), asked.get("precision")
+    cap = "measurement.max_rounds" + ("" if rounds is None else f" ({rounds})")
+    wider = "the precision" + ("" if precision is None else f" (±{precision * 100:g}%)")
+    return (
+        f"precision missed: {len(rows)} of {len(doc['rows'])} row(s) rest on a cell that "
+        f"stopped at {cap} with an interval wider than {wider} "
+        f"({named_rows(rows, lambda r: ', '.join(r['precision_missed']))}): valid, but their "
+        "energy and latency are less certain than asked (precision_missed in the cube; "
+        "`dvfs cube info` counts such cells)"
+    )
+
+
+def _asked(cube: xr.Dataset) -> dict[str, Any] | None:
+    from dvfs.cube.precision import asked
+
+    wanted = asked(cube.attrs.get("campaign"))
+    return None if wanted is None else {"precision": wanted[0], "max_rounds": wanted[1]}
 
 
 def _shards(cube: xr.Dataset) -> dict[str, Any]:
@@ -367,6 +444,9 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
             "those cells under its stock clock, which is no lock"
         )
     notes += noise_note(doc)
+    imprecise = precision_note(doc)
+    if imprecise:
+        notes.append(imprecise)
     paired = paired_stock_note(rows, reference_label(doc["reference"]))
     if paired:
         notes.append(paired)
