@@ -795,6 +795,51 @@ def test_nvidia_dockers_nv_gpu_is_read_as_the_containers_gpus(
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
+def test_nv_gpu_dropped_before_nvidia_docker_gives_its_container_none(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """nvidia-docker reads NV_GPU from the environment it is started with: a sudo resetting
+    it (`sudo nvidia-docker run`, no -E), an `env -i` or `env -u NV_GPU` before it drops the
+    NV_GPU of engine.sglang.env (or dvfs's own), and the container gets the GPUs its runtime
+    gives it (with a CUDA image, all). Doctor said the server "pinned to" the metered GPU by
+    that NV_GPU, or failed it as giving the container another GPU set before the sudo; it
+    warns, as of a container given no GPUs. Kept (`sudo -E`, `--preserve-env=NV_GPU`, or set
+    after the drop), NV_GPU is read as before."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    sudo = tmp_path / "sudo"
+    sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    sudo.chmod(0o755)
+    unpassed = (
+        "engine.sglang.server_command starts a container (nvidia-docker run) not passed "
+        "CUDA_VISIBLE_DEVICES on its command line"
+    )
+    for number, before in enumerate(
+        (
+            (str(sudo),),
+            (str(sudo), "-i", "-u", "svc"),
+            ("env", "-i", "PATH=/usr/bin"),
+            ("env", "-u", "NV_GPU"),
+            ("env", f"NV_GPU={other}", str(sudo), "-u", "svc"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", before=before, engine="nvidia-docker")
+        output = _doctor_warns(path, {**env, "NV_GPU": metered})
+        assert unpassed in output, output
+    pinned = f"ok server GPUs: the server is pinned to {metered} (the container's NV_GPU={metered})"
+    for number, before in enumerate(
+        (
+            (str(sudo), "-E"),
+            (str(sudo), "--preserve-env=NV_GPU", "-u", "svc"),
+            ("env", "-i", f"NV_GPU={metered}"),
+            (str(sudo), f"NV_GPU={metered}"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"k{number}", before=before, engine="nvidia-docker")
+        checked = _doctor(path, {**env, "NV_GPU": other if "=" in before[-1] else metered})
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
     """`docker run --env-file FILE` passes the container FILE's variables as `-e` does, but
     dvfs did not read it: a file passing CUDA_VISIBLE_DEVICES (dvfs's own, or the metered UUID)

@@ -245,9 +245,11 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
 
 
 def _nv_gpu(command: Sequence[str], campaign: Campaign) -> str | None:
-    """The GPUs nvidia-docker's `run` (or `create`) gives its container from NV_GPU, set on
-    the command line before it (`env NV_GPU=1 nvidia-docker run`), else in the environment
-    it is handed (engine.sglang.env, dvfs's own): its wrapper passes docker `-e
+    """The GPUs nvidia-docker's `run` (or `create`) gives its container from NV_GPU, as it
+    reaches nvidia-docker: from the environment it is handed (engine.sglang.env, dvfs's own),
+    set on the command line before it (`env NV_GPU=1 nvidia-docker run`), dropped there by
+    an `env -i`, `env -u NV_GPU` or a sudo resetting the environment (`_sudo_drops`: `sudo
+    nvidia-docker run`, unless its sudoers keeps it); its wrapper passes docker `-e
     NVIDIA_VISIBLE_DEVICES=<NV_GPU, spaces made commas>` after `run`, before the options
     given (NVIDIA/nvidia-docker's `nvidia-docker` script); None where it is not run so, or
     NV_GPU is unset or empty."""
@@ -259,9 +261,12 @@ def _nv_gpu(command: Sequence[str], campaign: Campaign) -> str | None:
     if run is None or run[0] != "nvidia-docker run":
         return None
     before = command[: _engine_index(command)]
-    value = command_env(before, keep={"NV_GPU"}.__contains__).get("NV_GPU")
-    if value is None:
-        value = {**os.environ, **dict(campaign.engine.sglang.env)}.get("NV_GPU")
+    value = {**os.environ, **dict(campaign.engine.sglang.env)}.get("NV_GPU")
+    for index, token in enumerate(before):
+        drops = {"sudo": _sudo_drops, "env": _env_drops}.get(_program(token))
+        if drops is not None and drops(before, index, "NV_GPU") is not None:
+            value = None
+        value = command_env([token], keep={"NV_GPU"}.__contains__).get("NV_GPU", value)
     return value.replace(" ", ",") if value and value.strip() else None
 
 
@@ -445,28 +450,35 @@ def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
             return said, index
         if _program(token) != "env":
             continue
-        later = index + 1
-        while later < len(command) and command[later].startswith("-") and command[later] != "--":
-            option = command[later]
-            name, equals, given = option.partition("=")
-            if option in ("-", "--ignore-environment") or re.fullmatch(r"-[0v]*i\w*", option):
-                said = said or "env -i"
-            elif option in ("-u", "--unset") and later + 1 < len(command):
-                later += 1
-                if command[later] == "CUDA_VISIBLE_DEVICES":
-                    said = said or f"env {option} CUDA_VISIBLE_DEVICES"
-            elif (name == "--unset" and equals and given == "CUDA_VISIBLE_DEVICES") or (
-                option == "-uCUDA_VISIBLE_DEVICES"
-            ):
-                said = said or f"env {option}"
-            elif option in ("-C", "--chdir") or re.fullmatch(r"-[0v]*S", option):
-                later += 1  # its argument; an -S line is read as env's only by `command_env`
-            later += 1
+        said = _env_drops(command, index, "CUDA_VISIBLE_DEVICES")
         if said is not None and not command_env(
             command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
         ):
             return said, index
     return None
+
+
+def _env_drops(command: Sequence[str], index: int, variable: str) -> str | None:
+    """What the env at `command[index]` drops `variable` by, in words ("env -i", "env -u
+    NAME"): its `-i` (`-`, `--ignore-environment`) or `-u NAME` (`--unset`); None where its
+    options drop neither (a NAME=VALUE after them may set it again)."""
+    said = None
+    later = index + 1
+    while later < len(command) and command[later].startswith("-") and command[later] != "--":
+        option = command[later]
+        name, equals, given = option.partition("=")
+        if option in ("-", "--ignore-environment") or re.fullmatch(r"-[0v]*i\w*", option):
+            said = said or "env -i"
+        elif option in ("-u", "--unset") and later + 1 < len(command):
+            later += 1
+            if command[later] == variable:
+                said = said or f"env {option} {variable}"
+        elif (name == "--unset" and equals and given == variable) or (option == f"-u{variable}"):
+            said = said or f"env {option}"
+        elif option in ("-C", "--chdir") or re.fullmatch(r"-[0v]*S", option):
+            later += 1  # its argument; an -S line is read as env's only by `command_env`
+        later += 1
+    return said
 
 
 #: ssh's options that take the next argument (`-p PORT`, `-i KEY`): the host is the first word
@@ -535,29 +547,33 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
 SUDO_LOGIN = "sudo -i, a login shell resetting the environment"
 
 
-def _sudo_drops(command: Sequence[str], index: int) -> str | None:
+def _sudo_drops(
+    command: Sequence[str], index: int, variable: str = "CUDA_VISIBLE_DEVICES"
+) -> str | None:
     """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
-    unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
+    unless told to keep `variable` (`-E`, `--preserve-env`, `--preserve-env=...,VARIABLE`)
     or its sudoers does (`env_keep`, which dvfs does not read); `SUDO_LOGIN` where its `-i`
-    (`--login`) resets it, unless `--preserve-env=...,CUDA_VISIBLE_DEVICES` keeps it; None
-    where it keeps it."""
-    whole, listed, login = _sudo_options(command, index)
+    (`--login`) resets it, unless `--preserve-env=...,VARIABLE` keeps it; None where it
+    keeps it."""
+    whole, listed, login = _sudo_options(command, index, variable)
     if login and not listed:
         return f"{SUDO_LOGIN}, unless its sudoers keeps it"
     return None if whole or listed else "sudo without -E, unless its sudoers keeps it"
 
 
-def _sudo_options(command: Sequence[str], index: int) -> tuple[bool, bool, bool]:
+def _sudo_options(
+    command: Sequence[str], index: int, variable: str = "CUDA_VISIBLE_DEVICES"
+) -> tuple[bool, bool, bool]:
     """What the sudo at `command[index]` is told: to keep the whole environment (`-E`,
-    `--preserve-env`), to keep CUDA_VISIBLE_DEVICES by name
-    (`--preserve-env=...,CUDA_VISIBLE_DEVICES`), to run a login shell (`-i`, `--login`)."""
+    `--preserve-env`), to keep `variable` by name (`--preserve-env=...,CUDA_VISIBLE_DEVICES`),
+    to run a login shell (`-i`, `--login`)."""
     later = index + 1
     whole = listed = login = False
     while later < len(command) and command[later].startswith("-") and command[later] != "--":
         option = command[later]
         name, equals, given = option.partition("=")
         whole = whole or option == "--preserve-env"
-        if name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(","):
+        if name == "--preserve-env" and variable in given.split(","):
             listed = True
         login = login or option == "--login"
         if option.startswith("--"):
