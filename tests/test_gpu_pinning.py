@@ -777,8 +777,8 @@ def test_nvidia_dockers_nv_gpu_is_read_as_the_containers_gpus(
     path = container_campaign(tmp_path / "index", engine="nvidia-docker")
     output = _doctor_warns(path, {**env, "NV_GPU": "0"})
     assert (
-        f"engine.sglang.server_command gives its container NV_GPU=0 rather than the metered "
-        f"{metered}: GPUs by index, count or all, which dvfs cannot check"
+        f"engine.sglang.server_command gives its container NV_GPU=0 from dvfs's environment "
+        f"rather than the metered {metered}: GPUs by index, count or all, which dvfs cannot check"
     ) in output, output
     path = container_campaign(
         tmp_path / "given",
@@ -826,7 +826,7 @@ def test_nv_gpu_dropped_before_nvidia_docker_gives_its_container_none(
         path = container_campaign(tmp_path / f"c{number}", before=before, engine="nvidia-docker")
         output = _doctor_warns(path, {**env, "NV_GPU": metered})
         assert unpassed in output, output
-    pinned = f"ok server GPUs: the server is pinned to {metered} (the container's NV_GPU={metered})"
+    pinned = f"ok server GPUs: the server is pinned to {metered} (the container's NV_GPU={metered}"
     for number, before in enumerate(
         (
             (str(sudo), "-E"),
@@ -838,6 +838,30 @@ def test_nv_gpu_dropped_before_nvidia_docker_gives_its_container_none(
         path = container_campaign(tmp_path / f"k{number}", before=before, engine="nvidia-docker")
         checked = _doctor(path, {**env, "NV_GPU": other if "=" in before[-1] else metered})
         assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_an_nv_gpu_refused_says_where_it_is_set_and_to_unset_it(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """An NV_GPU naming another GPU in engine.sglang.env or dvfs's own environment was refused
+    as "server_command gives its container NV_GPU=...", which server_command does not say, and
+    told to pass the container dvfs's CUDA_VISIBLE_DEVICES (`--gpus all -e
+    CUDA_VISIBLE_DEVICES`), refused again while NV_GPU stayed. The refusal names where it is
+    set and says to unset it for that."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    path = container_campaign(tmp_path / "campaign", engine="nvidia-docker")
+    text = path.read_text()
+    path.write_text(text.replace("env = { ", f'env = {{ NV_GPU = "{other}", ', 1))
+    said = (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container NV_GPU={other} "
+        f"{{}}, other GPUs than the metered {metered}: the server would run where dvfs does not "
+        f"meter; give it the metered GPU(s) by UUID instead ({metered}), or unset NV_GPU and "
+        "pass the container dvfs's own CUDA_VISIBLE_DEVICES"
+    )
+    _refused(_doctor(path, env), said.format("from engine.sglang.env"))
+    path = container_campaign(tmp_path / "own", engine="nvidia-docker")
+    _refused(_doctor(path, {**env, "NV_GPU": other}), said.format("from dvfs's environment"))
 
 
 def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:

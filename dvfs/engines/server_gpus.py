@@ -192,7 +192,7 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         value, filed = _server_sees(joined, name)
-        nv_gpu = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else None
+        nv_gpu, nv_from = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else (None, "")
         if nv_gpu is not None:  # nvidia-docker's `-e NVIDIA_VISIBLE_DEVICES=...`, before ours
             run = _container_run(joined)
             after = run[1] if run is not None else len(joined)
@@ -202,7 +202,7 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
             setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
-            setting = f"NV_GPU={nv_gpu}" if nv_gpu is not None else setting
+            setting = f"NV_GPU={nv_gpu}{nv_from}" if nv_gpu is not None else setting
             found.append(WrapperGpus(setting, entries, name.startswith("NVIDIA"), filed=filed))
     devices = []
     for index, token in enumerate(command):
@@ -244,7 +244,7 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
 
 
-def _nv_gpu(command: Sequence[str], campaign: Campaign) -> str | None:
+def _nv_gpu(command: Sequence[str], campaign: Campaign) -> tuple[str | None, str]:
     """The GPUs nvidia-docker's `run` (or `create`) gives its container from NV_GPU, as it
     reaches nvidia-docker: from the environment it is handed (engine.sglang.env, dvfs's own),
     set on the command line before it (`env NV_GPU=1 nvidia-docker run`), dropped there by
@@ -252,22 +252,27 @@ def _nv_gpu(command: Sequence[str], campaign: Campaign) -> str | None:
     nvidia-docker run`, unless its sudoers keeps it); its wrapper passes docker `-e
     NVIDIA_VISIBLE_DEVICES=<NV_GPU, spaces made commas>` after `run`, before the options
     given (NVIDIA/nvidia-docker's `nvidia-docker` script); None where it is not run so, or
-    NV_GPU is unset or empty."""
+    NV_GPU is unset or empty. With it, where it is set, in words for the setting that names
+    it: "" on the command line, " from engine.sglang.env", " from dvfs's environment"."""
     import os
 
     from dvfs.records.session import command_env
 
     run = _container_run(command)
     if run is None or run[0] != "nvidia-docker run":
-        return None
+        return None, ""
     before = command[: _engine_index(command)]
-    value = {**os.environ, **dict(campaign.engine.sglang.env)}.get("NV_GPU")
+    value = dict(campaign.engine.sglang.env).get("NV_GPU")
+    where = " from engine.sglang.env"
+    if value is None:
+        value, where = os.environ.get("NV_GPU"), " from dvfs's environment"
     for index, token in enumerate(before):
         drops = {"sudo": _sudo_drops, "env": _env_drops}.get(_program(token))
         if drops is not None and drops(before, index, "NV_GPU") is not None:
             value = None
-        value = command_env([token], keep={"NV_GPU"}.__contains__).get("NV_GPU", value)
-    return value.replace(" ", ",") if value and value.strip() else None
+        assigned = command_env([token], keep={"NV_GPU"}.__contains__)
+        value, where = (assigned["NV_GPU"], "") if "NV_GPU" in assigned else (value, where)
+    return (value.replace(" ", ","), where) if value and value.strip() else (None, "")
 
 
 #: The shells whose `-c LINE` (`bash -lc LINE`) runs a line of words: `sh -c 'docker run ...'`.
@@ -813,10 +818,12 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
                 f"server cannot start there; give the container the metered GPU(s) too "
                 f"({metered})"
             )
+        unset = "unset NV_GPU and " if given.setting.startswith("NV_GPU=") else ""
         raise EngineError(
             f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
             f"than the metered {metered}: the server would run where dvfs does not meter; "
-            f"give it the metered GPU(s) by UUID instead ({metered}), or {PASS_CUDA_UUIDS}"
+            f"give it the metered GPU(s) by UUID instead ({metered}), or {unset}"
+            f"{PASS_CUDA_UUIDS}"
         )
 
 
