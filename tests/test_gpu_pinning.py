@@ -1361,6 +1361,35 @@ def test_a_mount_ending_in_a_launchers_name_is_no_launcher(nv: ModuleType, tmp_p
         assert pinned in output, output
 
 
+def test_a_container_options_path_ending_in_a_launchers_name_is_no_launcher(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """A mount with no `:` (an anonymous volume `-v /ssh`, `--tmpfs /run/sudo`) or a workdir
+    (`-w /srv/env`) ending in `/ssh`, `/sudo` or `/env` was read as that program, as a
+    `SRC:DST` mount was: "runs the server through ssh IMG", "drops CUDA_VISIBLE_DEVICES (sudo
+    without -E ...)", "(env -i)" before docker's own `-i`. The value of a container run's
+    option, before its image, is no program: the container passed dvfs's
+    CUDA_VISIBLE_DEVICES is pinned; a sudo in the command the image runs is still read."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    passed = ("--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, option in enumerate(
+        (
+            ("-v", "/ssh"),
+            ("--tmpfs", "/run/sudo"),
+            ("-w", "/srv/env", "-i"),
+            ("-it", "--workdir", "/ssh"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *passed, *option)
+        checked = _doctor(path, env)
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(tmp_path / "sudo", "-i", *passed, inside=("sudo", "-u", "svc"))
+    output = _doctor_warns(path, env)
+    assert "drops CUDA_VISIBLE_DEVICES (sudo without -E, unless its sudoers keeps it)" in output
+
+
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -439,6 +439,26 @@ def _program(token: str) -> str:
     return "" if ":" in token or "=" in token else token.rsplit("/", 1)[-1]
 
 
+def _programs(command: Sequence[str]) -> list[str]:
+    """The program each word of `command` names (`_program`), "" for the value of a container
+    run's option before its image too, a path whose last part names a program among them
+    (`docker run -v /ssh`, `--tmpfs /run/sudo`, `-w /srv/env -i`): an option without `=` is
+    taken to take the next word, which is at worst the image, never the command it runs.
+    `--entrypoint`'s is a program the container runs."""
+    programs = [_program(token) for token in command]
+    run = _container_run(command)
+    later = len(command) if run is None else run[1]
+    value = False  # the word is the value of the option before it
+    while later < len(command) and (value or command[later].startswith("-")):
+        word = command[later]
+        if word.startswith("-"):  # an option, never a value: `-it -v /ssh`
+            value = "=" not in word and word not in ("--", "--entrypoint")
+        else:
+            programs[later], value = "", False
+        later += 1
+    return programs
+
+
 def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     """The env or sudo that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words
     ("env -i", "env -u CUDA_VISIBLE_DEVICES", `_sudo_drops`'s), and its index: env's `-i` (`-`,
@@ -447,13 +467,14 @@ def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     None where none drops it."""
     from dvfs.records.session import command_env
 
-    for index, token in enumerate(command):
-        said = _sudo_drops(command, index) if _program(token) == "sudo" else None
+    programs = _programs(command)
+    for index, program in enumerate(programs):
+        said = _sudo_drops(command, index) if program == "sudo" else None
         if said is not None and not command_env(
             command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
         ):
             return said, index
-        if _program(token) != "env":
+        if program != "env":
             continue
         said = _env_drops(command, index, "CUDA_VISIBLE_DEVICES")
         if said is not None and not command_env(
@@ -500,8 +521,7 @@ def _remote(command: Sequence[str]) -> str | None:
     its own name, an alias). None where neither runs it."""
     from dvfs.records.session import command_env
 
-    for index, token in enumerate(command):
-        name = _program(token)
+    for index, name in enumerate(_programs(command)):
         if name == "kubectl":
             value = False  # the word may be the value of the option before it (`-n NS`)
             for word in command[index + 1 :]:
@@ -598,8 +618,8 @@ def _sudo_refuses(command: Sequence[str]) -> bool:
     """Whether a sudo in `command` is given -i and -E together (`sudo -iE`, `-E --login`),
     with which sudo runs nothing: "you may not specify both the -i and -E options" (sudo's
     parse_args.c), its usage, exit 1."""
-    for index, token in enumerate(command):
-        whole, _, login = _sudo_options(command, index) if _program(token) == "sudo" else (0, 0, 0)
+    for index, program in enumerate(_programs(command)):
+        whole, _, login = _sudo_options(command, index) if program == "sudo" else (0, 0, 0)
         if whole and login:
             return True
     return False
