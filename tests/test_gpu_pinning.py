@@ -777,8 +777,8 @@ def test_nvidia_dockers_nv_gpu_is_read_as_the_containers_gpus(
     path = container_campaign(tmp_path / "index", engine="nvidia-docker")
     output = _doctor_warns(path, {**env, "NV_GPU": "0"})
     assert (
-        f"engine.sglang.server_command gives its container NV_GPU=0 rather than the metered "
-        f"{metered}: GPUs by index, count or all, which dvfs cannot check"
+        f"engine.sglang.server_command gives its container NV_GPU=0 from dvfs's environment "
+        f"rather than the metered {metered}: GPUs by index, count or all, which dvfs cannot check"
     ) in output, output
     path = container_campaign(
         tmp_path / "given",
@@ -793,6 +793,75 @@ def test_nvidia_dockers_nv_gpu_is_read_as_the_containers_gpus(
         f"NVIDIA_VISIBLE_DEVICES={metered})"
     )
     assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_nv_gpu_dropped_before_nvidia_docker_gives_its_container_none(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """nvidia-docker reads NV_GPU from the environment it is started with: a sudo resetting
+    it (`sudo nvidia-docker run`, no -E), an `env -i` or `env -u NV_GPU` before it drops the
+    NV_GPU of engine.sglang.env (or dvfs's own), and the container gets the GPUs its runtime
+    gives it (with a CUDA image, all). Doctor said the server "pinned to" the metered GPU by
+    that NV_GPU, or failed it as giving the container another GPU set before the sudo; it
+    warns, as of a container given no GPUs. Kept (`sudo -E`, `--preserve-env=NV_GPU`, or set
+    after the drop), NV_GPU is read as before."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    sudo = tmp_path / "sudo"
+    sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    sudo.chmod(0o755)
+    unpassed = (
+        "engine.sglang.server_command starts a container (nvidia-docker run) not passed "
+        "CUDA_VISIBLE_DEVICES on its command line"
+    )
+    for number, before in enumerate(
+        (
+            (str(sudo),),
+            (str(sudo), "-i", "-u", "svc"),
+            ("env", "-i", "PATH=/usr/bin"),
+            ("env", "-u", "NV_GPU"),
+            ("env", f"NV_GPU={other}", str(sudo), "-u", "svc"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", before=before, engine="nvidia-docker")
+        output = _doctor_warns(path, {**env, "NV_GPU": metered})
+        assert unpassed in output, output
+    pinned = f"ok server GPUs: the server is pinned to {metered} (the container's NV_GPU={metered}"
+    for number, before in enumerate(
+        (
+            (str(sudo), "-E"),
+            (str(sudo), "--preserve-env=NV_GPU", "-u", "svc"),
+            ("env", "-i", f"NV_GPU={metered}"),
+            (str(sudo), f"NV_GPU={metered}"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"k{number}", before=before, engine="nvidia-docker")
+        checked = _doctor(path, {**env, "NV_GPU": other if "=" in before[-1] else metered})
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
+def test_an_nv_gpu_refused_says_where_it_is_set_and_to_unset_it(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """An NV_GPU naming another GPU in engine.sglang.env or dvfs's own environment was refused
+    as "server_command gives its container NV_GPU=...", which server_command does not say, and
+    told to pass the container dvfs's CUDA_VISIBLE_DEVICES (`--gpus all -e
+    CUDA_VISIBLE_DEVICES`), refused again while NV_GPU stayed. The refusal names where it is
+    set and says to unset it for that."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    path = container_campaign(tmp_path / "campaign", engine="nvidia-docker")
+    text = path.read_text()
+    path.write_text(text.replace("env = { ", f'env = {{ NV_GPU = "{other}", ', 1))
+    said = (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container NV_GPU={other} "
+        f"{{}}, other GPUs than the metered {metered}: the server would run where dvfs does not "
+        f"meter; give it the metered GPU(s) by UUID instead ({metered}), or unset NV_GPU and "
+        "pass the container dvfs's own CUDA_VISIBLE_DEVICES"
+    )
+    _refused(_doctor(path, env), said.format("from engine.sglang.env"))
+    path = container_campaign(tmp_path / "own", engine="nvidia-docker")
+    _refused(_doctor(path, {**env, "NV_GPU": other}), said.format("from dvfs's environment"))
 
 
 def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
@@ -1290,6 +1359,35 @@ def test_a_mount_ending_in_a_launchers_name_is_no_launcher(nv: ModuleType, tmp_p
         output = " ".join(checked.stdout.split())
         pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
         assert pinned in output, output
+
+
+def test_a_container_options_path_ending_in_a_launchers_name_is_no_launcher(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """A mount with no `:` (an anonymous volume `-v /ssh`, `--tmpfs /run/sudo`) or a workdir
+    (`-w /srv/env`) ending in `/ssh`, `/sudo` or `/env` was read as that program, as a
+    `SRC:DST` mount was: "runs the server through ssh IMG", "drops CUDA_VISIBLE_DEVICES (sudo
+    without -E ...)", "(env -i)" before docker's own `-i`. The value of a container run's
+    option, before its image, is no program: the container passed dvfs's
+    CUDA_VISIBLE_DEVICES is pinned; a sudo in the command the image runs is still read."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    passed = ("--gpus", "all", "-e", "CUDA_VISIBLE_DEVICES")
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, option in enumerate(
+        (
+            ("-v", "/ssh"),
+            ("--tmpfs", "/run/sudo"),
+            ("-w", "/srv/env", "-i"),
+            ("-it", "--workdir", "/ssh"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *passed, *option)
+        checked = _doctor(path, env)
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(tmp_path / "sudo", "-i", *passed, inside=("sudo", "-u", "svc"))
+    output = _doctor_warns(path, env)
+    assert "drops CUDA_VISIBLE_DEVICES (sudo without -E, unless its sudoers keeps it)" in output
 
 
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(

@@ -192,7 +192,7 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         value, filed = _server_sees(joined, name)
-        nv_gpu = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else None
+        nv_gpu, nv_from = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else (None, "")
         if nv_gpu is not None:  # nvidia-docker's `-e NVIDIA_VISIBLE_DEVICES=...`, before ours
             run = _container_run(joined)
             after = run[1] if run is not None else len(joined)
@@ -202,7 +202,7 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
             setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
-            setting = f"NV_GPU={nv_gpu}" if nv_gpu is not None else setting
+            setting = f"NV_GPU={nv_gpu}{nv_from}" if nv_gpu is not None else setting
             found.append(WrapperGpus(setting, entries, name.startswith("NVIDIA"), filed=filed))
     devices = []
     for index, token in enumerate(command):
@@ -244,25 +244,35 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
 
 
-def _nv_gpu(command: Sequence[str], campaign: Campaign) -> str | None:
-    """The GPUs nvidia-docker's `run` (or `create`) gives its container from NV_GPU, set on
-    the command line before it (`env NV_GPU=1 nvidia-docker run`), else in the environment
-    it is handed (engine.sglang.env, dvfs's own): its wrapper passes docker `-e
+def _nv_gpu(command: Sequence[str], campaign: Campaign) -> tuple[str | None, str]:
+    """The GPUs nvidia-docker's `run` (or `create`) gives its container from NV_GPU, as it
+    reaches nvidia-docker: from the environment it is handed (engine.sglang.env, dvfs's own),
+    set on the command line before it (`env NV_GPU=1 nvidia-docker run`), dropped there by
+    an `env -i`, `env -u NV_GPU` or a sudo resetting the environment (`_sudo_drops`: `sudo
+    nvidia-docker run`, unless its sudoers keeps it); its wrapper passes docker `-e
     NVIDIA_VISIBLE_DEVICES=<NV_GPU, spaces made commas>` after `run`, before the options
     given (NVIDIA/nvidia-docker's `nvidia-docker` script); None where it is not run so, or
-    NV_GPU is unset or empty."""
+    NV_GPU is unset or empty. With it, where it is set, in words for the setting that names
+    it: "" on the command line, " from engine.sglang.env", " from dvfs's environment"."""
     import os
 
     from dvfs.records.session import command_env
 
     run = _container_run(command)
     if run is None or run[0] != "nvidia-docker run":
-        return None
+        return None, ""
     before = command[: _engine_index(command)]
-    value = command_env(before, keep={"NV_GPU"}.__contains__).get("NV_GPU")
+    value = dict(campaign.engine.sglang.env).get("NV_GPU")
+    where = " from engine.sglang.env"
     if value is None:
-        value = {**os.environ, **dict(campaign.engine.sglang.env)}.get("NV_GPU")
-    return value.replace(" ", ",") if value and value.strip() else None
+        value, where = os.environ.get("NV_GPU"), " from dvfs's environment"
+    for index, token in enumerate(before):
+        drops = {"sudo": _sudo_drops, "env": _env_drops}.get(_program(token))
+        if drops is not None and drops(before, index, "NV_GPU") is not None:
+            value = None
+        assigned = command_env([token], keep={"NV_GPU"}.__contains__)
+        value, where = (assigned["NV_GPU"], "") if "NV_GPU" in assigned else (value, where)
+    return (value.replace(" ", ","), where) if value and value.strip() else (None, "")
 
 
 #: The shells whose `-c LINE` (`bash -lc LINE`) runs a line of words: `sh -c 'docker run ...'`.
@@ -429,6 +439,26 @@ def _program(token: str) -> str:
     return "" if ":" in token or "=" in token else token.rsplit("/", 1)[-1]
 
 
+def _programs(command: Sequence[str]) -> list[str]:
+    """The program each word of `command` names (`_program`), "" for the value of a container
+    run's option before its image too, a path whose last part names a program among them
+    (`docker run -v /ssh`, `--tmpfs /run/sudo`, `-w /srv/env -i`): an option without `=` is
+    taken to take the next word, which is at worst the image, never the command it runs.
+    `--entrypoint`'s is a program the container runs."""
+    programs = [_program(token) for token in command]
+    run = _container_run(command)
+    later = len(command) if run is None else run[1]
+    value = False  # the word is the value of the option before it
+    while later < len(command) and (value or command[later].startswith("-")):
+        word = command[later]
+        if word.startswith("-"):  # an option, never a value: `-it -v /ssh`
+            value = "=" not in word and word not in ("--", "--entrypoint")
+        else:
+            programs[later], value = "", False
+        later += 1
+    return programs
+
+
 def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     """The env or sudo that drops the CUDA_VISIBLE_DEVICES dvfs hands the wrapper, in words
     ("env -i", "env -u CUDA_VISIBLE_DEVICES", `_sudo_drops`'s), and its index: env's `-i` (`-`,
@@ -437,36 +467,44 @@ def _dropped_by(command: Sequence[str]) -> tuple[str, int] | None:
     None where none drops it."""
     from dvfs.records.session import command_env
 
-    for index, token in enumerate(command):
-        said = _sudo_drops(command, index) if _program(token) == "sudo" else None
+    programs = _programs(command)
+    for index, program in enumerate(programs):
+        said = _sudo_drops(command, index) if program == "sudo" else None
         if said is not None and not command_env(
             command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
         ):
             return said, index
-        if _program(token) != "env":
+        if program != "env":
             continue
-        later = index + 1
-        while later < len(command) and command[later].startswith("-") and command[later] != "--":
-            option = command[later]
-            name, equals, given = option.partition("=")
-            if option in ("-", "--ignore-environment") or re.fullmatch(r"-[0v]*i\w*", option):
-                said = said or "env -i"
-            elif option in ("-u", "--unset") and later + 1 < len(command):
-                later += 1
-                if command[later] == "CUDA_VISIBLE_DEVICES":
-                    said = said or f"env {option} CUDA_VISIBLE_DEVICES"
-            elif (name == "--unset" and equals and given == "CUDA_VISIBLE_DEVICES") or (
-                option == "-uCUDA_VISIBLE_DEVICES"
-            ):
-                said = said or f"env {option}"
-            elif option in ("-C", "--chdir") or re.fullmatch(r"-[0v]*S", option):
-                later += 1  # its argument; an -S line is read as env's only by `command_env`
-            later += 1
+        said = _env_drops(command, index, "CUDA_VISIBLE_DEVICES")
         if said is not None and not command_env(
             command[index + 1 :], keep={"CUDA_VISIBLE_DEVICES"}.__contains__
         ):
             return said, index
     return None
+
+
+def _env_drops(command: Sequence[str], index: int, variable: str) -> str | None:
+    """What the env at `command[index]` drops `variable` by, in words ("env -i", "env -u
+    NAME"): its `-i` (`-`, `--ignore-environment`) or `-u NAME` (`--unset`); None where its
+    options drop neither (a NAME=VALUE after them may set it again)."""
+    said = None
+    later = index + 1
+    while later < len(command) and command[later].startswith("-") and command[later] != "--":
+        option = command[later]
+        name, equals, given = option.partition("=")
+        if option in ("-", "--ignore-environment") or re.fullmatch(r"-[0v]*i\w*", option):
+            said = said or "env -i"
+        elif option in ("-u", "--unset") and later + 1 < len(command):
+            later += 1
+            if command[later] == variable:
+                said = said or f"env {option} {variable}"
+        elif (name == "--unset" and equals and given == variable) or (option == f"-u{variable}"):
+            said = said or f"env {option}"
+        elif option in ("-C", "--chdir") or re.fullmatch(r"-[0v]*S", option):
+            later += 1  # its argument; an -S line is read as env's only by `command_env`
+        later += 1
+    return said
 
 
 #: ssh's options that take the next argument (`-p PORT`, `-i KEY`): the host is the first word
@@ -483,8 +521,7 @@ def _remote(command: Sequence[str]) -> str | None:
     its own name, an alias). None where neither runs it."""
     from dvfs.records.session import command_env
 
-    for index, token in enumerate(command):
-        name = _program(token)
+    for index, name in enumerate(_programs(command)):
         if name == "kubectl":
             value = False  # the word may be the value of the option before it (`-n NS`)
             for word in command[index + 1 :]:
@@ -535,29 +572,33 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
 SUDO_LOGIN = "sudo -i, a login shell resetting the environment"
 
 
-def _sudo_drops(command: Sequence[str], index: int) -> str | None:
+def _sudo_drops(
+    command: Sequence[str], index: int, variable: str = "CUDA_VISIBLE_DEVICES"
+) -> str | None:
     """ "sudo without -E" where the sudo at `command[index]` resets the environment, as it does
-    unless told to keep it (`-E`, `--preserve-env`, `--preserve-env=...,CUDA_VISIBLE_DEVICES`)
+    unless told to keep `variable` (`-E`, `--preserve-env`, `--preserve-env=...,VARIABLE`)
     or its sudoers does (`env_keep`, which dvfs does not read); `SUDO_LOGIN` where its `-i`
-    (`--login`) resets it, unless `--preserve-env=...,CUDA_VISIBLE_DEVICES` keeps it; None
-    where it keeps it."""
-    whole, listed, login = _sudo_options(command, index)
+    (`--login`) resets it, unless `--preserve-env=...,VARIABLE` keeps it; None where it
+    keeps it."""
+    whole, listed, login = _sudo_options(command, index, variable)
     if login and not listed:
         return f"{SUDO_LOGIN}, unless its sudoers keeps it"
     return None if whole or listed else "sudo without -E, unless its sudoers keeps it"
 
 
-def _sudo_options(command: Sequence[str], index: int) -> tuple[bool, bool, bool]:
+def _sudo_options(
+    command: Sequence[str], index: int, variable: str = "CUDA_VISIBLE_DEVICES"
+) -> tuple[bool, bool, bool]:
     """What the sudo at `command[index]` is told: to keep the whole environment (`-E`,
-    `--preserve-env`), to keep CUDA_VISIBLE_DEVICES by name
-    (`--preserve-env=...,CUDA_VISIBLE_DEVICES`), to run a login shell (`-i`, `--login`)."""
+    `--preserve-env`), to keep `variable` by name (`--preserve-env=...,CUDA_VISIBLE_DEVICES`),
+    to run a login shell (`-i`, `--login`)."""
     later = index + 1
     whole = listed = login = False
     while later < len(command) and command[later].startswith("-") and command[later] != "--":
         option = command[later]
         name, equals, given = option.partition("=")
         whole = whole or option == "--preserve-env"
-        if name == "--preserve-env" and "CUDA_VISIBLE_DEVICES" in given.split(","):
+        if name == "--preserve-env" and variable in given.split(","):
             listed = True
         login = login or option == "--login"
         if option.startswith("--"):
@@ -577,8 +618,8 @@ def _sudo_refuses(command: Sequence[str]) -> bool:
     """Whether a sudo in `command` is given -i and -E together (`sudo -iE`, `-E --login`),
     with which sudo runs nothing: "you may not specify both the -i and -E options" (sudo's
     parse_args.c), its usage, exit 1."""
-    for index, token in enumerate(command):
-        whole, _, login = _sudo_options(command, index) if _program(token) == "sudo" else (0, 0, 0)
+    for index, program in enumerate(_programs(command)):
+        whole, _, login = _sudo_options(command, index) if program == "sudo" else (0, 0, 0)
         if whole and login:
             return True
     return False
@@ -797,10 +838,12 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
                 f"server cannot start there; give the container the metered GPU(s) too "
                 f"({metered})"
             )
+        unset = "unset NV_GPU and " if given.setting.startswith("NV_GPU=") else ""
         raise EngineError(
             f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
             f"than the metered {metered}: the server would run where dvfs does not meter; "
-            f"give it the metered GPU(s) by UUID instead ({metered}), or {PASS_CUDA_UUIDS}"
+            f"give it the metered GPU(s) by UUID instead ({metered}), or {unset}"
+            f"{PASS_CUDA_UUIDS}"
         )
 
 
