@@ -290,7 +290,9 @@ def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> 
     cannot take (`netcdf_path_problem`) is `NetcdfPathError`, before anything is written.
     SIGINT, SIGTERM and SIGHUP wait until the file is whole and in place (`held_back`): one
     raised inside the write left a lock of xarray's held, and closing the file waited for it
-    for ever."""
+    for ever. Into a pipe or device (written in place, `replacing`) they wait only for the
+    netCDF write to its temp file, not for the copy into it: a pipe whose reader stopped
+    reading (or a dead device) blocked the copy, and a held SIGTERM then never acted."""
     from dvfs.errors import NetcdfPathError
     from dvfs.signals import held_back
 
@@ -298,7 +300,15 @@ def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> 
     if problem:
         raise NetcdfPathError(problem)
     try:
-        with held_back(), replacing(path) as tmp:
+        mode: int | None = os.stat(path).st_mode
+    except OSError:
+        mode = None  # a new file (or one `replacing` refuses in its words)
+    in_place = mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+    # the file whole and in place, or (in place) only its temp file
+    outer = contextlib.nullcontext() if in_place else held_back()
+    inner = held_back() if in_place else contextlib.nullcontext()
+    try:
+        with outer, replacing(path) as tmp, inner:
             write(tmp)
     except (OSError, RuntimeError) as exc:
         # Only netCDF's two words for a full disk: any other error (ENOENT, EPERM...) is what

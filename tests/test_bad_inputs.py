@@ -2514,6 +2514,53 @@ def test_a_fifo_output_no_program_reads_is_refused_not_waited_on(
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
 
 
+def test_sigterm_stops_a_cube_blocked_on_a_pipe_no_one_reads(
+    shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`dvfs cube build DIR -o FIFO` whose reader opened the pipe and stopped reading: the copy
+    into it blocked with SIGTERM held (held for the netCDF write, which a signal's exception
+    leaves holding a lock of xarray's), so `kill` did nothing and only SIGKILL ended it. The
+    hold covers the write to the temp file alone: SIGTERM (its default disposition, set
+    here) ends the process at once."""
+    import fcntl
+    import os
+    import select
+    import signal
+    import stat
+
+    from conftest import PYTHON, subprocess_env
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, and never read
+    try:
+        fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, 4096)  # full long before the cube is copied
+        child = subprocess.Popen(
+            [PYTHON, "-m", "dvfs", *_argv("cube-build-o", shared, fifo)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=subprocess_env(),
+            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        )
+        try:
+            # the first bytes in the pipe: the copy is under way, and blocks once it is full
+            assert select.select([reader], [], [], 60)[0], "no byte of the cube came"
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail("SIGTERM did not stop a cube write blocked on a full pipe")
+        finally:
+            child.kill()
+            child.wait()
+            assert child.stderr is not None
+            child.stderr.close()
+    finally:
+        os.close(reader)
+    assert child.returncode == -signal.SIGTERM
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)  # the pipe left in place
+
+
 @pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])
 @pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
 def test_a_symlinked_output_keeps_its_link(
