@@ -898,3 +898,26 @@ def test_a_valid_corpus_file_is_held_once_as_its_prompts(tmp_path: Path, fmt: st
     assert [p.messages[0].content for p in read.prompts] == [f"{i} {words}" for i in range(4000)]
     digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:16]
     assert read.source == f"file {corpus} ({fmt}, sha256 {digest})"
+
+
+def test_a_disk_image_named_as_a_corpus_is_refused_at_its_first_nul(tmp_path: Path) -> None:
+    """A file of NULs with no line end (a disk image, `truncate -s` output) named as a corpus
+    was read whole before its first NUL refused it: 1 GB held for a 1000 MB file (2 GB once
+    lines were read one at a time: `readline` joins a line's pieces). It is refused at the
+    piece holding its first NUL."""
+    import tracemalloc
+
+    from dvfs.corpora.loaders import load_user_corpus
+
+    image = tmp_path / "corpus.jsonl"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)  # sparse: no disk is written
+    spec = {"path": str(image), "field": "text"}
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorpusError, match="line 1: a binary file, not text"):
+            load_user_corpus("mine", spec, base_dir=str(tmp_path), count_tokens=lambda m: 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (8 << 20), peak

@@ -113,6 +113,10 @@ def _format_of(spec: dict[str, Any], name: str) -> str:
     return guessed
 
 
+#: The most of a line read at once (bytes): a longer line is read in pieces this long.
+_PIECE = 1 << 20
+
+
 class _Lines:
     """A corpus file's bytes read one line ("\\n"-ended) at a time, decoded, and hashed as read,
     so that a valid file is held once (as its prompts), not also as its bytes and its text
@@ -129,8 +133,19 @@ class _Lines:
         self.not_utf8: CorpusError | None = None  # the first line that is not UTF-8
 
     def _raw(self) -> Iterator[bytes]:
+        """Each line's bytes; a line holding a NUL only up to the piece that holds it (read no
+        further: the file is refused there), so that a disk image with no line end in it is
+        not read whole into one line (twice its size, as `readline` joins it)."""
         try:
-            for raw in self.stream:
+            while piece := self.stream.readline(_PIECE):
+                pieces = [piece]
+                while not piece.endswith(b"\n") and b"\x00" not in piece:
+                    piece = self.stream.readline(_PIECE)
+                    if not piece:
+                        break
+                    pieces.append(piece)
+                raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                del pieces
                 self.digest.update(raw)
                 self.lineno += 1
                 if self.blank and raw.strip():
