@@ -24,7 +24,7 @@ class NetcdfPathError(DvfsError):
 
 class OutputRefusedError(DvfsError):
     """As root, an output path through a symbolic link another user may point anywhere
-    (`dvfs.outputs.check_links`), or a named pipe no program reads from: refused as bad
+    (`dvfs.outputs.check_links`), or a named pipe no program read from in 30 s: refused as bad
     usage, before anything is written."""
 
     exit_code = 2

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+log = logging.getLogger(__name__)
 
 
 def new_file_mode() -> int:
@@ -213,26 +217,50 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
             tmp_path.unlink(missing_ok=True)
 
 
+#: How long a named pipe is waited on for its reader (seconds): the one an operator starts
+#: after dvfs (`dvfs report CUBE -o pipe`, then `gzip < pipe` in another shell) is read, a pipe
+#: left where the cube goes is refused, not waited on for ever.
+PIPE_READER_WAIT_S = 30.0
+#: How often a named pipe is tried for a reader while it is waited on (seconds).
+PIPE_READER_POLL_S = 0.05
+
+
 def _open_stream(path: Path, mode: int) -> BinaryIO:
-    """A pipe, FIFO or device opened for writing. A named pipe no program reads from is
-    refused: opening it would wait for a reader for ever (a FIFO left where the cube goes)."""
+    """A pipe, FIFO or device opened for writing. A named pipe no program reads from is waited
+    on for its reader `PIPE_READER_WAIT_S`, saying so, then refused: opening it would wait for
+    a reader for ever (a FIFO left where the cube goes); refused at once, a reader started a
+    moment after dvfs reached it was refused too."""
     if stat.S_ISSOCK(mode):
         own = _own_descriptor(path)
         if own is not None:  # a socket is not opened again by its link: written through a copy
             return os.fdopen(os.dup(own), "wb")
     if not stat.S_ISFIFO(mode):
         return open(path, "wb")  # noqa: SIM115 (the caller's `with` closes it)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno != errno.ENXIO:
-            raise
-        from dvfs.errors import OutputRefusedError
+    deadline = time.monotonic() + PIPE_READER_WAIT_S
+    said = False
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+        if time.monotonic() >= deadline:
+            from dvfs.errors import OutputRefusedError
 
-        raise OutputRefusedError(
-            f"{path} is a named pipe no program reads from, so writing there would wait for "
-            "ever: start its reader first, or remove the pipe"
-        ) from None
+            raise OutputRefusedError(
+                f"{path} is a named pipe no program read from in {PIPE_READER_WAIT_S:g} s, so "
+                "writing there would wait for ever: start its reader first, or remove the pipe"
+            ) from None
+        if not said:
+            log.warning(
+                "waiting up to %g s for a program to read the named pipe %s (start its reader; "
+                "Ctrl-C stops)",
+                PIPE_READER_WAIT_S,
+                path,
+            )
+            said = True
+        time.sleep(PIPE_READER_POLL_S)
     os.set_blocking(fd, True)
     return os.fdopen(fd, "wb")
 
@@ -290,7 +318,9 @@ def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> 
     cannot take (`netcdf_path_problem`) is `NetcdfPathError`, before anything is written.
     SIGINT, SIGTERM and SIGHUP wait until the file is whole and in place (`held_back`): one
     raised inside the write left a lock of xarray's held, and closing the file waited for it
-    for ever."""
+    for ever. Into a pipe or device (written in place, `replacing`) they wait only for the
+    netCDF write to its temp file, not for the copy into it: a pipe whose reader stopped
+    reading (or a dead device) blocked the copy, and a held SIGTERM then never acted."""
     from dvfs.errors import NetcdfPathError
     from dvfs.signals import held_back
 
@@ -298,7 +328,15 @@ def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> 
     if problem:
         raise NetcdfPathError(problem)
     try:
-        with held_back(), replacing(path) as tmp:
+        mode: int | None = os.stat(path).st_mode
+    except OSError:
+        mode = None  # a new file (or one `replacing` refuses in its words)
+    in_place = mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+    # the file whole and in place, or (in place) only its temp file
+    outer = contextlib.nullcontext() if in_place else held_back()
+    inner = held_back() if in_place else contextlib.nullcontext()
+    try:
+        with outer, replacing(path) as tmp, inner:
             write(tmp)
     except (OSError, RuntimeError) as exc:
         # Only netCDF's two words for a full disk: any other error (ENOENT, EPERM...) is what

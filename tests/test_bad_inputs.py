@@ -2489,29 +2489,116 @@ def test_a_socket_output_is_written(name: str, shared: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("name", ["headroom-o", "cube-build-o"])
 def test_a_fifo_output_no_program_reads_is_refused_not_waited_on(
-    name: str, shared: dict[str, Path], tmp_path: Path
+    name: str,
+    shared: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A named pipe no program reads from where the output goes (a FIFO left in a sweep folder
-    as its cube.nc): opening it for writing waited for a reader for ever. It is now refused
-    in one line, the pipe left in place."""
+    as its cube.nc): opening it for writing waited for a reader for ever. It is waited on for
+    its reader a while (`PIPE_READER_WAIT_S`, shortened here), saying so, then refused in one
+    line, the pipe left in place."""
     import os
+    import stat
+
+    import dvfs.outputs
+
+    monkeypatch.setattr(dvfs.outputs, "PIPE_READER_WAIT_S", 0.2)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    ran = CliRunner().invoke(cli, _argv(name, shared, fifo))
+    assert ran.exit_code == 2, ran.output
+    # (the warning goes to the log, which pytest's handler takes: to stderr in the CLI)
+    [refused] = ran.stderr.splitlines()
+    waited = f"waiting up to 0.2 s for a program to read the named pipe {fifo}"
+    assert waited in caplog.text, caplog.text
+    assert refused.startswith(f"Error: {fifo} is a named pipe no program read from in 0.2 s"), (
+        refused
+    )
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
+@pytest.mark.parametrize("name", ["headroom-o", "cube-build-o"])
+def test_a_fifo_output_whose_reader_starts_later_is_written(
+    name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mkfifo p; dvfs headroom CUBE --json -o p`, its reader (`gzip < p`) started once dvfs is
+    at the pipe: refused at once ("no program reads from"), as no writer into a pipe is, where
+    `echo > p` waits. The reader started then (here: once dvfs says it waits) gets the output."""
+    import os
+    import threading
+
+    import dvfs.outputs
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    readers: list[threading.Thread] = []
+
+    def read() -> None:
+        with open(fifo, "rb") as pipe:
+            got.append(pipe.read())
+
+    class Log:
+        def warning(self, *args: Any) -> None:  # dvfs is at the pipe, and found no reader
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            readers.append(reader)
+
+    monkeypatch.setattr(dvfs.outputs, "log", Log(), raising=False)
+    ran = CliRunner().invoke(cli, _argv(name, shared, fifo))
+    assert ran.exit_code == 0, ran.output
+    assert len(readers) == 1
+    readers[0].join(timeout=60)
+    assert len(got) == 1 and len(got[0]) > 100
+
+
+def test_sigterm_stops_a_cube_blocked_on_a_pipe_no_one_reads(
+    shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`dvfs cube build DIR -o FIFO` whose reader opened the pipe and stopped reading: the copy
+    into it blocked with SIGTERM held (held for the netCDF write, which a signal's exception
+    leaves holding a lock of xarray's), so `kill` did nothing and only SIGKILL ended it. The
+    hold covers the write to the temp file alone: SIGTERM (its default disposition, set
+    here) ends the process at once."""
+    import fcntl
+    import os
+    import select
+    import signal
     import stat
 
     from conftest import PYTHON, subprocess_env
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    argv = [PYTHON, "-m", "dvfs", *_argv(name, shared, fifo)]
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, and never read
     try:
-        ran = subprocess.run(
-            argv, capture_output=True, text=True, timeout=300, env=subprocess_env()
+        fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, 4096)  # full long before the cube is copied
+        child = subprocess.Popen(
+            [PYTHON, "-m", "dvfs", *_argv("cube-build-o", shared, fifo)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=subprocess_env(),
+            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
         )
-    except subprocess.TimeoutExpired:
-        pytest.fail("dvfs waited on a pipe no program reads from")
-    assert ran.returncode == 2, ran.stderr
-    [line] = ran.stderr.splitlines()
-    assert line.startswith(f"Error: {fifo} is a named pipe no program reads from"), line
-    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+        try:
+            # the first bytes in the pipe: the copy is under way, and blocks once it is full
+            assert select.select([reader], [], [], 60)[0], "no byte of the cube came"
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail("SIGTERM did not stop a cube write blocked on a full pipe")
+        finally:
+            child.kill()
+            child.wait()
+            assert child.stderr is not None
+            child.stderr.close()
+    finally:
+        os.close(reader)
+    assert child.returncode == -signal.SIGTERM
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)  # the pipe left in place
 
 
 @pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])

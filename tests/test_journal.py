@@ -525,6 +525,20 @@ def test_a_journal_read_that_fails_names_the_journal(tmp_path: Path) -> None:
     assert built.stderr.startswith(f"Error: cannot read the journal {journal}: "), built.output
 
 
+def test_a_journal_read_failing_with_eio_says_what_to_do(tmp_path: Path) -> None:
+    """A journal whose read fails with EIO (a failing disk or network file system; played by
+    /proc/self/mem, linked as the journal): `dvfs cube build` said "Input/output error" and no
+    remedy. It says to check the disk or file system and run the command again."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").symlink_to("/proc/self/mem")
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 1, built.output
+    [line] = built.stderr.strip().splitlines()
+    assert "Input/output error; " in line, line
+    assert "network file system" in line and "run the command again" in line, line
+
+
 def test_fresh_moves_a_journal_linked_in_a_loop_aside_as_its_dry_run_says(
     tmp_path: Path,
 ) -> None:
@@ -602,3 +616,6 @@ def test_a_journal_this_user_may_not_read_is_said_so(
         assert f"cannot read the journal ({journal})" in said, said
         assert "this user may not read it" in said, said
         assert "a folder you can write to" not in said and "Traceback" not in said, said
+    # `dvfs cube build`'s --out is the cube's path, not a folder holding the journal: the line
+    # ended "or choose another --out", no remedy for a journal this user may not read
+    assert "--out" not in _said(built.output), built.output

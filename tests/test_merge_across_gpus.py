@@ -1153,3 +1153,26 @@ def test_a_merge_with_a_cube_not_recording_its_pairing_still_counts_groups_acros
     info = invoke("cube", "info", str(merged))
     assert info.exit_code == 0, info.output
     assert "2 comparison group(s) measured on more than one GPU" in info.output, info.output
+
+
+def test_a_gpu_models_journal_holding_no_session_is_said_left_out(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """A fleet folder mixing models, one model's journal empty (its sweep stopped before that
+    model's first session): `dvfs cube build` left it out of the cube silently, the cube then
+    one model's. It says so in one line; with every model's journal empty, the refusal named
+    no journal ("no journal at ..., nor a GPU model's") though there are: it names them."""
+    out = copy_sweep(tiny_exact_run("mixed"), tmp_path / "out")
+    measured, empty = sorted(out.glob("gpu-*/journal.jsonl"))
+    empty.write_bytes(b"")
+    (out / "cube.nc").unlink()
+    built = invoke("cube", "build", str(out))
+    assert built.exit_code == 0, built.output
+    said = built.stderr.strip().splitlines()
+    assert said == [
+        f"{empty} holds no session yet (nothing measured on that GPU model): left out of the cube"
+    ], built.output
+    assert "gpu" not in open_cube(out / "cube.nc").sizes  # the one model's cube
+    measured.write_bytes(b"")
+    refused = invoke("cube", "build", str(out))
+    assert_one_line_error(refused, 1, f"{measured}, {empty} hold no session: nothing measured")

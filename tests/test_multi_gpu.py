@@ -1037,7 +1037,7 @@ def test_cube_build_says_what_to_do_with_a_models_journal_that_is_no_file(
 
 @pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
 def test_a_sweep_whose_cube_goes_to_a_pipe_no_program_reads_says_its_cells_are_kept(
-    tmp_path: Path, gpus: tuple[str, ...]
+    tmp_path: Path, gpus: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A FIFO no program reads from as the sweep folder's cube.nc is refused once the cells are
     measured (hours on real GPUs), exit 2: the line said only to start its reader or remove
@@ -1045,6 +1045,9 @@ def test_a_sweep_whose_cube_goes_to_a_pipe_no_program_reads_says_its_cells_are_k
     cube that cannot be built says."""
     from conftest import TINY_EXACT
 
+    import dvfs.outputs
+
+    monkeypatch.setattr(dvfs.outputs, "PIPE_READER_WAIT_S", 0.2)  # waited on that long
     out = tmp_path / "out"
     out.mkdir()
     os.mkfifo(out / "cube.nc")
@@ -1052,7 +1055,7 @@ def test_a_sweep_whose_cube_goes_to_a_pipe_no_program_reads_says_its_cells_are_k
     result = sweep(str(campaign), *gpus, "--out", str(out))
     assert result.exit_code == 2, result.output
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"Error: {out / 'cube.nc'} is a named pipe no program reads from"), line
+    assert line.startswith(f"Error: {out / 'cube.nc'} is a named pipe no program read from"), line
     assert "(every measured cell is in " in line, line
     assert f"`dvfs cube build {out}` writes the cube" in line, line
 

@@ -51,7 +51,7 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
     """`dvfs cube build`'s work: the cube (or a fleet's cubes) from SWEEP_DIR's journals."""
     from dvfs.cube import CUBE_NAME
     from dvfs.errors import CubeError
-    from dvfs.fleet.cubes import cube_journals, write_cubes
+    from dvfs.fleet.cubes import cube_journals, unmeasured_journals, write_cubes
     from dvfs.fleet.shard_journal import shard_cube
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.outputs import is_stream
@@ -59,6 +59,13 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
     # into a pipe (`-o /dev/stdout | ...`) the cube alone: its line after it would be in it
     err = out_path is not None and is_stream(out_path)
     journals = cube_journals(sweep_dir)
+    unmeasured = unmeasured_journals(sweep_dir)
+    if not journals and unmeasured:
+        raise CubeError(
+            f"{', '.join(map(str, unmeasured))} "
+            f"{'holds' if len(unmeasured) == 1 else 'hold'} no session: nothing measured "
+            "yet, nothing to put in a cube; run its `dvfs sweep` command to measure it"
+        )
     if not journals:
         raise CubeError(
             f"no journal at {sweep_dir / JOURNAL_NAME}, nor a GPU model's of a fleet at "
@@ -70,6 +77,13 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
         path = _write(shard_cube(journals[0]), out_path or sweep_dir / CUBE_NAME)
         click.echo(f"cube: {path}", err=err)
         return
+    for journal in unmeasured:
+        # left out of the cube: said, or a model the fleet never measured went unnoticed
+        click.echo(
+            f"{journal} holds no session yet (nothing measured on that GPU model): left out "
+            "of the cube",
+            err=True,
+        )
     path = write_cubes(sweep_dir, journals, merged_path=out_path, write=_write)
     parts = ", ".join(str(j.parent / CUBE_NAME) for j in journals)
     click.echo(

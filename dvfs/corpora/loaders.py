@@ -12,13 +12,14 @@ import csv
 import difflib
 import hashlib
 import io
+import itertools
 import json
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dvfs.corpora.model import BUILTIN_CORPORA, Corpus, Message, Prompt, TokenCounter
 from dvfs.errors import CorpusError, CorpusUnavailableError
@@ -112,23 +113,122 @@ def _format_of(spec: dict[str, Any], name: str) -> str:
     return guessed
 
 
-def _text(data: bytes, where: str) -> str:
-    """The file's text, or a `CorpusError` naming the line that is binary or not UTF-8."""
-    nul = data.find(b"\x00")
-    if nul >= 0:
-        line = data.count(b"\n", 0, nul) + 1
-        raise CorpusError(
-            f"{where}, line {line}: a binary file, not text (a NUL byte; UTF-16?): "
-            "give a UTF-8 text file, or set format if it is Parquet"
-        )
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise CorpusError(
-            f"{where}, line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x}): "
-            "save the file as UTF-8"
-        ) from exc
+#: The most of a line read at once (bytes): a longer line is read in pieces this long.
+_PIECE = 1 << 20
+
+
+class _Lines:
+    """A corpus file's bytes read one line ("\\n"-ended) at a time, decoded, and hashed as read,
+    so that a valid file is held once (as its prompts), not also as its bytes and its text
+    (some 3.5 GB at the 1 GiB limit). Refused as the check of the whole file read at once
+    refused it: the first NUL anywhere before the first line that is not UTF-8, either before
+    a record's error found earlier (`refuse`), and a file of only whitespace as empty."""
+
+    def __init__(self, stream: IO[bytes], where: str, unreadable: str) -> None:
+        self.stream, self.where, self.unreadable = stream, where, unreadable
+        self.digest = hashlib.sha256()
+        self.lineno = 0
+        self.blank = True  # only whitespace so far
+        self.binary: CorpusError | None = None  # the first line holding a NUL
+        self.not_utf8: CorpusError | None = None  # the first line that is not UTF-8
+
+    def _raw(self) -> Iterator[bytes]:
+        """Each line's bytes; a line holding a NUL only up to the piece that holds it (read no
+        further: the file is refused there), so that a disk image with no line end in it is
+        not read whole into one line (twice its size, as `readline` joins it)."""
+        try:
+            while piece := self.stream.readline(_PIECE):
+                pieces = [piece]
+                while not piece.endswith(b"\n") and b"\x00" not in piece:
+                    piece = self.stream.readline(_PIECE)
+                    if not piece:
+                        break
+                    pieces.append(piece)
+                raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                del pieces
+                self.digest.update(raw)
+                self.lineno += 1
+                if self.blank and raw.strip():
+                    self.blank = False
+                yield raw
+        except OSError as exc:
+            raise CorpusError(f"{self.unreadable}: {exc.strerror}") from exc
+
+    def _decoded(self, raw: bytes) -> str | None:
+        """`raw` as text; None (the refusal kept in `not_utf8`) where it is no UTF-8. A NUL
+        is refused at once: no later line's fault comes before it."""
+        if b"\x00" in raw:
+            self.binary = CorpusError(
+                f"{self.where}, line {self.lineno}: a binary file, not text (a NUL byte; "
+                "UTF-16?): give a UTF-8 text file, or set format if it is Parquet"
+            )
+            raise self.binary
+        if self.lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # a byte-order mark, as "utf-8-sig" drops it
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if self.not_utf8 is None:
+                self.not_utf8 = CorpusError(
+                    f"{self.where}, line {self.lineno}: not UTF-8 text (byte "
+                    f"0x{raw[exc.start]:02x}): save the file as UTF-8"
+                )
+            return None
+
+    def lines(self) -> Iterator[str]:
+        """Each line as text, its "\\n" kept; a line that is no UTF-8 ends them, refused
+        once the rest of the file holds no NUL (`finish`)."""
+        for raw in self._raw():
+            text = self._decoded(raw)
+            if text is None:
+                self.finish()
+            else:
+                yield text
+
+    def only_whitespace(self) -> bool:
+        """Whether the file holds only whitespace (read until it holds more)."""
+        for _ in self._raw():
+            if not self.blank:
+                break
+        return self.blank
+
+    def read_all(self) -> bytes:
+        """The rest of the file's bytes at once (Parquet's, which are no lines of text)."""
+        try:
+            data = self.stream.read()
+        except OSError as exc:
+            raise CorpusError(f"{self.unreadable}: {exc.strerror}") from exc
+        self.digest.update(data)
+        if self.blank and data and not data.isspace():
+            self.blank = False
+        return data
+
+    def whole(self, read: list[str]) -> str:
+        """The text of the file: the lines `read` so far and the rest (a JSON document, which
+        is parsed whole)."""
+        return "".join([*read, *self.lines()])
+
+    def finish(self) -> None:
+        """Read the rest of the file: its hash whole, and the refusal the whole file's check
+        made first (a NUL, then the first line that is no UTF-8), if any."""
+        if self.binary is not None:
+            raise self.binary
+        for raw in self._raw():
+            if self.not_utf8 is None:
+                self._decoded(raw)
+            elif b"\x00" in raw:
+                self._decoded(raw)  # the NUL's refusal, before the line that is no UTF-8
+        if self.not_utf8 is not None:
+            raise self.not_utf8
+
+    def refuse(self, exc: CorpusError) -> CorpusError:
+        """What to raise for `exc`, a record's refusal: the whole file's own (a NUL, a line
+        that is no UTF-8, only whitespace), as it was checked before any record was read."""
+        try:
+            self.finish()
+        except CorpusError as whole:
+            return whole
+        return CorpusError(f"{self.where} is empty") if self.blank else exc
 
 
 class _KeyTwice(Exception):  # noqa: N818  (not an error the user sees: a CorpusError is)
@@ -275,14 +375,45 @@ def _lines(text: str) -> Iterator[str]:
     yield text[start:]
 
 
-def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
-    text = _text(data, where)
-    _refuse_json_object(text, where)
-    array = _records_json_array(text, where)
-    if array is not None:
-        yield from array
-        return
-    for lineno, line in enumerate(_lines(text), start=1):
+def _records_jsonl(source: _Lines, where: str) -> Iterator[tuple[str, Any]]:
+    lines = source.lines()
+    read: list[str] = []
+    if Path(where).suffix.lower() == ".json":
+        # One JSON document over several lines (an array, an object) is parsed whole; JSON
+        # Lines named .json are read a line at a time, as any.
+        for line in lines:
+            read.append(line)
+            if line.strip():
+                break
+        first = read[-1].strip() if read else ""
+        if first.startswith("[") or (first.startswith("{") and not _reads_alone(first)):
+            text = source.whole(read)
+            _refuse_json_object(text, where)
+            array = _records_json_array(text, where)
+            if array is not None:
+                yield from array
+                return
+            yield from _records_jsonl_lines(enumerate(_lines(text), start=1), where)
+            return
+    # each line without its "\n", as `_lines` splits them (json's words for a string cut
+    # short differ where the line ends in one)
+    ended = (line.removesuffix("\n") for line in itertools.chain(read, lines))
+    yield from _records_jsonl_lines(enumerate(ended, start=1), where)
+
+
+def _reads_alone(line: str) -> bool:
+    """Whether one line reads as JSON by itself (JSON Lines' first record)."""
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _records_jsonl_lines(
+    numbered: Iterator[tuple[int, str]], where: str
+) -> Iterator[tuple[str, Any]]:
+    for lineno, line in numbered:
         if not line.strip():
             continue
         at = f"{where}, line {lineno}"
@@ -306,18 +437,18 @@ def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
 _CSV_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
 
 
-def _csv_lines(text: str) -> Iterator[str]:
-    """`text`'s lines for the CSV reader, one at a time: `io.StringIO` holds a copy of the
-    whole text at four bytes a character (a 200 MB file named by mistake peaked at 1.26 GB to
-    be refused at its second line)."""
-    return (match.group() for match in _CSV_LINE.finditer(text))
+def _csv_lines(lines: Iterable[str]) -> Iterator[str]:
+    """The file's lines for the CSV reader, one at a time, each "\\n"-ended line split where
+    `io.StringIO(text, newline="")` splits it ("\\r" too): which holds a copy of the whole
+    text at four bytes a character (a 200 MB file named by mistake peaked at 1.26 GB to be
+    refused at its second line)."""
+    return (match.group() for line in lines for match in _CSV_LINE.finditer(line))
 
 
-def _records_csv(data: bytes, where: str, key: str = "") -> Iterator[tuple[str, Any]]:
+def _records_csv(source: _Lines, where: str, key: str = "") -> Iterator[tuple[str, Any]]:
     """The rows of a CSV file; `key`, the column the prompts are read from, named twice in the
     header is refused (a row would hold only the last such column's cell, taken silently)."""
-    text = _text(data, where)
-    reader = csv.DictReader(_csv_lines(text), strict=True)
+    reader = csv.DictReader(_csv_lines(source.lines()), strict=True)
     previous = csv.field_size_limit(MAX_CSV_FIELD_CHARS)
     try:
         # Line numbers count the header as line 1, as an editor shows them.
@@ -350,7 +481,8 @@ def _records_csv(data: bytes, where: str, key: str = "") -> Iterator[tuple[str, 
         csv.field_size_limit(previous)
 
 
-def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
+def _records_parquet(source: _Lines, where: str) -> Iterator[tuple[str, Any]]:
+    data = source.read_all()  # a columnar file: read whole
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -489,8 +621,9 @@ def _kind(value: Any) -> str:
     }.get(type(value), f"a {type(value).__name__}")
 
 
-def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
-    """(bytes, where for messages, source description) of a file or package resource."""
+def _open_source(spec: dict[str, Any], base_dir: str) -> tuple[IO[bytes], str, str, str]:
+    """A file or package resource opened to read: (its stream, where for messages, source
+    description, the words for a read that fails: its strerror follows)."""
     if "path" in spec:
         path = Path(spec["path"]).expanduser()
         if not path.is_absolute():
@@ -513,24 +646,22 @@ def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
                     f"corpus file {path} holds {info.st_size:,} bytes, above dvfs's limit of "
                     f"{MAX_CORPUS_BYTES / (1 << 30):g} GiB: sample it into a smaller file"
                 )
-            return path.read_bytes(), str(path), f"file {path}"
+            stream: IO[bytes] = open(path, "rb")  # noqa: SIM115 (the caller's `with` closes it)
         except FileNotFoundError as exc:
             raise CorpusError(f"corpus file {path} does not exist") from exc
-        except MemoryError as exc:
-            raise CorpusUnavailableError(
-                f"corpus file {path} does not fit in memory: sample it into a smaller file"
-            ) from exc
         except OSError as exc:
             # as a campaign file that cannot be read: the campaign's input, exit 2
             raise CorpusError(f"cannot read corpus file {path}: {exc.strerror}") from exc
+        return stream, str(path), f"file {path}", f"cannot read corpus file {path}"
     package, resource = spec["package"], spec["resource"]
     if "\0" in f"{package}{resource}":
         raise CorpusError(
             f"package {package!r}, resource {resource!r}: a NUL byte, which no package or "
             "file name holds: name the package and the data file in it"
         )
+    unreadable = f"cannot read resource {resource!r} of package {package!r}"
     try:
-        data = resources.files(package).joinpath(resource).read_bytes()
+        stream = resources.files(package).joinpath(resource).open("rb")
     except ModuleNotFoundError as exc:
         raise CorpusUnavailableError(
             f"package {package!r} is not installed in this environment"
@@ -538,10 +669,8 @@ def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
         raise CorpusError(f"package {package!r} has no resource {resource!r}") from exc
     except OSError as exc:
-        raise CorpusError(
-            f"cannot read resource {resource!r} of package {package!r}: {exc.strerror}"
-        ) from exc
-    return data, f"{package}:{resource}", f"package {package}, resource {resource}"
+        raise CorpusError(f"{unreadable}: {exc.strerror}") from exc
+    return stream, f"{package}:{resource}", f"package {package}, resource {resource}", unreadable
 
 
 def _hf_records(spec: dict[str, Any]) -> tuple[Iterator[tuple[str, Any]], str]:
@@ -591,6 +720,46 @@ def campaign_dir_of(corpus_tables: object, sources: object) -> str | None:
     return None
 
 
+def _prompts(
+    records: Iterable[tuple[str, Any]],
+    name: str,
+    spec: dict[str, Any],
+    count_tokens: TokenCounter,
+) -> list[Prompt]:
+    """The prompts of `records`, up to the table's `limit`."""
+    limit = spec.get("limit")
+    prompts = []
+    for index, (at, record) in enumerate(records):
+        if limit is not None and index >= limit:
+            break
+        prompts.append(_prompt(record, spec, at, index, name, count_tokens))
+    return prompts
+
+
+def _file_prompts(
+    lines: _Lines,
+    fmt: str,
+    name: str,
+    spec: dict[str, Any],
+    where: str,
+    count_tokens: TokenCounter,
+) -> list[Prompt]:
+    """The prompts of a file read a line at a time (`_Lines`), then the rest of it, past the
+    table's `limit` too: its hash is of the whole file, and a NUL or a line that is no UTF-8
+    anywhere in it refuses it, as reading it whole did."""
+    if fmt == "csv":
+        records = _records_csv(lines, where, spec.get("field") or spec["messages"])
+    else:
+        records = READERS[fmt](lines, where)
+    prompts = _prompts(records, name, spec, count_tokens)
+    lines.finish()
+    if lines.blank:
+        raise CorpusError(f"{where} is empty")
+    if not prompts:
+        raise CorpusError(f"{where} holds no records")
+    return prompts
+
+
 def load_user_corpus(
     name: str, spec: dict[str, Any], *, base_dir: str, count_tokens: TokenCounter
 ) -> Corpus:
@@ -604,21 +773,29 @@ def load_user_corpus(
             f"{spec.get('split', 'train')}"
         )
     else:
-        data, where, source = _read_source(spec, base_dir)
-        if not data.strip():
-            raise CorpusError(f"{where} is empty")
-        fmt = _format_of(spec, where)
-        if fmt == "csv":
-            records = _records_csv(data, where, spec.get("field") or spec["messages"])
-        else:
-            records = READERS[fmt](data, where)
-        source += f" ({fmt}, sha256 {hashlib.sha256(data).hexdigest()[:16]})"
-    limit = spec.get("limit")
-    prompts = []
-    for index, (at, record) in enumerate(records):
-        if limit is not None and index >= limit:
-            break
-        prompts.append(_prompt(record, spec, at, index, name, count_tokens))
+        stream, where, source, unreadable = _open_source(spec, base_dir)
+        with stream:
+            lines = _Lines(stream, where, unreadable)
+            try:
+                fmt = _format_of(spec, where)
+            except CorpusError:
+                if lines.only_whitespace():  # said first, as of any empty file
+                    raise CorpusError(f"{where} is empty") from None
+                raise
+            try:
+                prompts = _file_prompts(lines, fmt, name, spec, where, count_tokens)
+            except CorpusError as exc:
+                refusal = lines.refuse(exc)
+                if refusal is exc:
+                    raise
+                raise refusal from exc
+            except MemoryError as exc:
+                raise CorpusUnavailableError(
+                    f"corpus {where} does not fit in memory: sample it into a smaller file"
+                ) from exc
+        digest = lines.digest.hexdigest()[:16]
+        return Corpus(name, tuple(prompts), f"{source} ({fmt}, sha256 {digest})")
+    prompts = _prompts(records, name, spec, count_tokens)
     if not prompts:
         raise CorpusError(f"{where} holds no records")
     return Corpus(name, tuple(prompts), source)

@@ -35,6 +35,18 @@ def cube_journals(out_dir: Path) -> list[Path]:
     return [p for p in found if os.path.lexists(p) and (not p.is_file() or has_sessions(p))]
 
 
+def unmeasured_journals(out_dir: Path) -> list[Path]:
+    """The GPU models' journals `cube_journals` leaves out of `out_dir`'s cube: files that hold
+    no session yet (empty, or a header alone: nothing measured on that model), for the line
+    that says so. Empty where the folder has its own journal (the models' are not read)."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    if os.path.lexists(out_dir / JOURNAL_NAME):
+        return []
+    found = [d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")) if d.is_dir()]
+    return [p for p in found if p.is_file() and not has_sessions(p)]
+
+
 def write_cubes(
     out_dir: Path,
     journals: Sequence[Path],

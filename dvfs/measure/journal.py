@@ -52,6 +52,10 @@ def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> st
         errno.ENOTDIR: "part of that path is a file, not a folder: choose another --out",
         errno.EEXIST: "a file is in the way of that folder: choose another --out",
         errno.ENAMETOOLONG: "use a shorter path",
+        errno.EIO: (
+            "the disk or network file system under it failed (see dmesg): check it, then run "
+            "the command again"
+        ),
         errno.ELOOP: (
             "a symbolic link there leads back to itself (a loop): remove it or point it at a "
             "file, or choose another --out"
@@ -549,10 +553,11 @@ def _open_journal(path: Path) -> BinaryIO:
 
 
 #: What to do about a journal this user may not read (EACCES, EPERM): not a folder to write
-#: to, which `describe_os_error` advises for those.
+#: to, which `describe_os_error` advises for those, nor another --out, which is no journal's
+#: folder for `dvfs cube build` (its cube's path).
 UNREADABLE_HINT = (
     "this user may not read it (or search its folder): make it readable to this user "
-    "(chmod, chown), run as the user who swept it, or choose another --out"
+    "(chmod, chown), or run as the user who swept it"
 )
 
 
