@@ -95,6 +95,21 @@ def precision_missed(ds: xr.Dataset) -> xr.DataArray | None:
     return energy.copy(data=values)
 
 
+def with_precision_missed(ds: xr.Dataset) -> xr.Dataset:
+    """`ds` with its `PRECISION_MISSED` told from its intervals and campaign where an earlier
+    dvfs built it without (`precision_missed`): a merge joining it with cubes that record the
+    variable would leave its measured cells missing there (as if not measured). Unchanged
+    where it records the variable or cannot tell it."""
+    if PRECISION_MISSED in ds.data_vars:
+        return ds
+    values = precision_missed(ds)
+    if values is None:
+        return ds
+    flags = values.copy()
+    flags.attrs, flags.encoding = dict(PRECISION_MISSED_ATTRS), {}
+    return ds.assign({PRECISION_MISSED: flags})
+
+
 def missed_count(ds: xr.Dataset) -> dict[str, Any] | None:
     """How many measured cells missed the precision, of how many measured, with the
     precision and `max_rounds` asked (None where unknown: `precision_missed`)."""
