@@ -130,3 +130,27 @@ def test_a_merge_with_an_older_dvfs_cube_tells_its_cells_too(
             "precision": PRECISION,
             "max_rounds": 2,
         }
+
+
+def test_in_flight_cells_of_one_block_missed_their_precision(tmp_path: Path) -> None:
+    """An in-flight group stopped at max_rounds with one block of rounds (a serpentine's pair)
+    states no interval (its half-width infinite, null in the journal): the sweep did not stop
+    it by the precision, so it missed it (cube info said every measured cell reached it)."""
+    from test_inflight import INFLIGHT_CAMPAIGN
+
+    text = INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 2").replace(
+        'mode = "in-flight"', 'mode = "in-flight"\ninflight_order = "serpentine"'
+    )
+    campaign = tmp_path / "campaign.toml"
+    campaign.write_text(text)
+    out = tmp_path / "out"
+    swept = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    ds = open_cube(out)
+    measured = ds["cell_status"].values == STATUS_OK
+    assert measured.sum() > 0
+    assert np.isnan(ds["energy_per_token_rel_ci"].values[measured]).all()
+    assert (ds["precision_missed"].values[measured] == 1).all()
+    shown = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+    count = json.loads(shown.output)["precision_missed"]
+    assert count["cells"] == count["measured"] == int(measured.sum())

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dvfs.measure.counter import within_precision
+
 if TYPE_CHECKING:
     import xarray as xr
 
@@ -61,13 +63,13 @@ def missed(
     precision: float,
     max_rounds: int,
 ) -> np.ndarray:
-    """`PRECISION_MISSED` from the cells' intervals: 1.0 where a measured cell's interval on
-    energy per token or on median TPOT is wider than `precision` (the sweep stops a cell only
-    once both reach it, or at `max_rounds`), 0.0 where neither is (an interval the cell could
-    not state, NaN, is not counted wider), NaN where the cell was not measured. A campaign of
-    one round (`max_rounds` 1) asks no interval: none missed it."""
-    with np.errstate(invalid="ignore"):
-        wider = (np.asarray(energy_ci) > precision) | (np.asarray(latency_ci) > precision)
+    """`PRECISION_MISSED` from the cells' intervals: 1.0 where a measured cell's intervals
+    fail the test the sweep stops a cell's rounds by (`dvfs.measure.counter.within_precision`:
+    it stops only once they pass it, or at `max_rounds`), an energy interval the cell could not
+    state (NaN: one in-flight block's infinite half-width, which the journal keeps as null)
+    included; 0.0 where they pass it; NaN where the cell was not measured. A campaign of one
+    round (`max_rounds` 1) asks no interval: none missed it."""
+    wider = ~within_precision(energy_ci, latency_ci, precision)
     if max_rounds <= 1:
         wider = np.zeros(np.shape(measured), dtype=bool)
     return np.where(measured, wider.astype(np.float64), np.nan)
