@@ -102,3 +102,55 @@ def xr_zeros_where_measured(ds: xr.Dataset) -> xr.DataArray:
     """A `precision_missed` of 0 at every measured cell (NaN elsewhere)."""
     measured = ds["cell_status"] == STATUS_OK
     return measured.astype(float).where(measured) * 0.0
+
+
+def test_a_merge_with_an_older_dvfs_cube_tells_its_cells_too(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """A cube an earlier dvfs built (no `precision_missed`) merged with one that records it,
+    either first: its measured cells are told from their intervals, not left missing (cube
+    info said "N of <one GPU's cells> measured cell(s)", the older GPU's cells unnamed)."""
+    ds = open_cube(small_sweep)
+    missed = int(np.nansum(_expected(ds)))
+    measured = int((ds["cell_status"].values == STATUS_OK).sum())
+    older = ds.drop_vars("precision_missed")
+    older.attrs["gpu_uuids"] = "GPU-older-dvfs-0"
+    write_cube(older, tmp_path / "older.nc")
+    write_cube(ds, tmp_path / "newer.nc")
+    for pair in (("older.nc", "newer.nc"), ("newer.nc", "older.nc")):
+        out = tmp_path / f"merged-{pair[0]}"
+        merged = CliRunner().invoke(
+            cli, ["cube", "merge", *(str(tmp_path / p) for p in pair), "-o", str(out)]
+        )
+        assert merged.exit_code == 0, merged.output
+        shown = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+        assert json.loads(shown.output)["precision_missed"] == {
+            "cells": 2 * missed,
+            "measured": 2 * measured,
+            "precision": PRECISION,
+            "max_rounds": 2,
+        }
+
+
+def test_in_flight_cells_of_one_block_missed_their_precision(tmp_path: Path) -> None:
+    """An in-flight group stopped at max_rounds with one block of rounds (a serpentine's pair)
+    states no interval (its half-width infinite, null in the journal): the sweep did not stop
+    it by the precision, so it missed it (cube info said every measured cell reached it)."""
+    from test_inflight import INFLIGHT_CAMPAIGN
+
+    text = INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 2").replace(
+        'mode = "in-flight"', 'mode = "in-flight"\ninflight_order = "serpentine"'
+    )
+    campaign = tmp_path / "campaign.toml"
+    campaign.write_text(text)
+    out = tmp_path / "out"
+    swept = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    ds = open_cube(out)
+    measured = ds["cell_status"].values == STATUS_OK
+    assert measured.sum() > 0
+    assert np.isnan(ds["energy_per_token_rel_ci"].values[measured]).all()
+    assert (ds["precision_missed"].values[measured] == 1).all()
+    shown = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+    count = json.loads(shown.output)["precision_missed"]
+    assert count["cells"] == count["measured"] == int(measured.sum())

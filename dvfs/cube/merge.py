@@ -365,6 +365,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
     _check_distinct_gpus(labels, names)
     # Which GPUs measured each cell differs per cube: a variable along `gpu` while they join.
+    cubes = _told_precision_missed(cubes)  # an older dvfs's cube: its cells' told too
     stripped = [_measured_on_as_variable(ds.drop_attrs(deep=False)) for ds in cubes]
     merged = xr.concat(
         stripped,
@@ -446,6 +447,17 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         merged[MEASURED_ON].attrs = dict(MEASURED_ON_ATTRS)
         merged = merged.set_coords(MEASURED_ON)
     return merged
+
+
+def _told_precision_missed(cubes: list[xr.Dataset]) -> list[xr.Dataset]:
+    """The cubes, each with `precision_missed` where any records it: one an earlier dvfs built
+    (without it) has it told from its intervals and campaign, else its measured cells would be
+    missing there in the merged cube, counted as not measured and never named."""
+    from dvfs.cube.precision import PRECISION_MISSED, with_precision_missed
+
+    if not any(PRECISION_MISSED in ds.data_vars for ds in cubes):
+        return cubes
+    return [with_precision_missed(ds) for ds in cubes]
 
 
 def _every_flag(merged: xr.Dataset, cubes: list[xr.Dataset]) -> None:
@@ -689,6 +701,7 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
     sources, per_model = cubes, None
     if "gpu" in cubes[0].dims:  # each shard ran a fleet mixing GPU models
         cubes, per_model = _lined_up(cubes, names)
+    cubes = _told_precision_missed(cubes)  # an older dvfs's shard: its cells' told too
     first = cubes[0]
     combined = first.copy(deep=True)
     status = combined["cell_status"].values

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dvfs.measure.counter import within_precision
+
 if TYPE_CHECKING:
     import xarray as xr
 
@@ -61,13 +63,13 @@ def missed(
     precision: float,
     max_rounds: int,
 ) -> np.ndarray:
-    """`PRECISION_MISSED` from the cells' intervals: 1.0 where a measured cell's interval on
-    energy per token or on median TPOT is wider than `precision` (the sweep stops a cell only
-    once both reach it, or at `max_rounds`), 0.0 where neither is (an interval the cell could
-    not state, NaN, is not counted wider), NaN where the cell was not measured. A campaign of
-    one round (`max_rounds` 1) asks no interval: none missed it."""
-    with np.errstate(invalid="ignore"):
-        wider = (np.asarray(energy_ci) > precision) | (np.asarray(latency_ci) > precision)
+    """`PRECISION_MISSED` from the cells' intervals: 1.0 where a measured cell's intervals
+    fail the test the sweep stops a cell's rounds by (`dvfs.measure.counter.within_precision`:
+    it stops only once they pass it, or at `max_rounds`), an energy interval the cell could not
+    state (NaN: one in-flight block's infinite half-width, which the journal keeps as null)
+    included; 0.0 where they pass it; NaN where the cell was not measured. A campaign of one
+    round (`max_rounds` 1) asks no interval: none missed it."""
+    wider = ~within_precision(energy_ci, latency_ci, precision)
     if max_rounds <= 1:
         wider = np.zeros(np.shape(measured), dtype=bool)
     return np.where(measured, wider.astype(np.float64), np.nan)
@@ -93,6 +95,21 @@ def precision_missed(ds: xr.Dataset) -> xr.DataArray | None:
         *wanted,
     )
     return energy.copy(data=values)
+
+
+def with_precision_missed(ds: xr.Dataset) -> xr.Dataset:
+    """`ds` with its `PRECISION_MISSED` told from its intervals and campaign where an earlier
+    dvfs built it without (`precision_missed`): a merge joining it with cubes that record the
+    variable would leave its measured cells missing there (as if not measured). Unchanged
+    where it records the variable or cannot tell it."""
+    if PRECISION_MISSED in ds.data_vars:
+        return ds
+    values = precision_missed(ds)
+    if values is None:
+        return ds
+    flags = values.copy()
+    flags.attrs, flags.encoding = dict(PRECISION_MISSED_ATTRS), {}
+    return ds.assign({PRECISION_MISSED: flags})
 
 
 def missed_count(ds: xr.Dataset) -> dict[str, Any] | None:

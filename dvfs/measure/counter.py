@@ -488,6 +488,19 @@ def relative_half_width(values: Sequence[float], confidence: float) -> float:
     return abs(t_two_sided(confidence, n - 1) * sd / math.sqrt(n) / mean)
 
 
+def within_precision(energy_ci: Any, latency_ci: Any, precision: float) -> Any:
+    """The one test of intervals against the precision: energy per token's relative
+    half-width within `precision`, and median TPOT's within it or stated by none (NaN: no TPOT
+    measured). An energy interval not stated (NaN: fewer than two finite values; an infinite
+    one, which a journal keeps as null) is not within. The sweep stops a cell's rounds by it
+    (`Runner._precise`), adds repeats by it (`repeats_precise`), and the cube flags the cells
+    that stopped at max_rounds without it (`dvfs.cube.precision`). Floats or arrays alike
+    (a numpy bool, or an array of them)."""
+    with np.errstate(invalid="ignore"):
+        energy, latency = np.asarray(energy_ci, dtype=float), np.asarray(latency_ci, dtype=float)
+        return (energy <= precision) & ((latency <= precision) | np.isnan(latency))
+
+
 def repeats_precise(
     energies: Sequence[float], latencies: Sequence[float], *, precision: float, confidence: float
 ) -> bool:
@@ -497,7 +510,7 @@ def repeats_precise(
     latency with no interval (no TPOT measured) does not hold a cell back; energy does."""
     energy = relative_half_width(energies, confidence)
     latency = relative_half_width(latencies, confidence)
-    return energy <= precision and (latency <= precision or math.isnan(latency))
+    return bool(within_precision(energy, latency, precision))
 
 
 # -- one round's energy and tokens ----------------------------------------------------------

@@ -50,6 +50,7 @@ from dvfs.measure.counter import (
     repeats_precise,
     round_energy,
     sampling_period_s,
+    within_precision,
 )
 from dvfs.measure.journal import Journal, iter_records
 from dvfs.measure.meter import (
@@ -990,9 +991,9 @@ class Runner:
             return True
         energy_ci = relative_half_width(per_token, m.confidence)
         latency_ci = relative_half_width(latency, m.confidence)
-        return energy_ci <= m.precision and (
-            latency_ci <= m.precision or all(math.isnan(v) for v in latency)
-        )
+        if math.isnan(latency_ci) and not all(math.isnan(v) for v in latency):
+            latency_ci = math.inf  # TPOT measured, too few rounds yet for its interval
+        return bool(within_precision(energy_ci, latency_ci, m.precision))
 
     def _run_cell(self, cell: Cell, time: GpuTime) -> CellRecord:
         """Measure with bounded retries; a crashed server is restarted before retrying. The
