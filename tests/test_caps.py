@@ -3127,6 +3127,53 @@ def test_a_caps_record_lock_that_cannot_be_opened_names_a_gpu_fallen_off_the_bus
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+@pytest.mark.parametrize("command", ["apply", "reset"])
+@pytest.mark.parametrize(
+    ("code", "remedy"),
+    [
+        ("EACCES", "let this user write that folder (check its owner and permissions)"),
+        ("EROFS", "its file system is mounted read-only: make it writable"),
+    ],
+)
+def test_a_gpu_lock_that_cannot_be_written_is_told_no_other_state_dir(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, code: str, remedy: str
+) -> None:
+    """A GPU's lock file in the state folder that cannot be written (a folder the caps unit's
+    root without CAP_DAC_OVERRIDE may not write, a read-only file system) refused `cap apply`
+    and `cap reset` with "check permissions or choose another --state-dir" ("another path"
+    without --state-dir): another folder holds no other dvfs's locks, and `cap show`, sweeps
+    and `cap reset` do not read the caps recorded there. Each now says the way on, in one line,
+    nothing changed."""
+    import errno
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = tmp_path / "state"
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    if command == "reset":
+        invoke("cap", "apply", str(caps), "--state-dir", str(state))
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    number, real = getattr(errno, code), os.open
+
+    def unwritable(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).endswith(f"{uuid}.lock"):
+            raise OSError(number, os.strerror(number), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", unwritable)
+    args = ["apply", str(caps)] if command == "apply" else ["reset"]
+    result = CliRunner().invoke(cli, ["cap", *args, "--state-dir", str(state)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    [line] = result.stderr.splitlines()
+    assert "choose another" not in line, line
+    then = "then apply the caps again" if command == "apply" else "then run `dvfs cap reset"
+    assert line.startswith(
+        f"Error: cannot write {state / f'{uuid}.lock'}: {os.strerror(number).lower()}; "
+        f"{remedy}, {then}"
+    ), line
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
 @pytest.mark.parametrize("name", ["caps-applied.json.lock", "governed-{uuid}.json"])
 def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_dir(
     nvml, tmp_path: Path, name: str

@@ -756,6 +756,17 @@ def _remedy(exc: OSError) -> str:
     return "make it writable"
 
 
+def state_file_problem(exc: OSError) -> str | None:
+    """A file of dvfs's state folder (a GPU's lock, the caps record's lock) that cannot be
+    opened or written, in one line with `_remedy`'s way on, or None where it has none (then
+    `describe_os_error`). Never "choose another --state-dir": every dvfs holds its GPUs by the
+    locks there, and `cap show`, sweeps and `cap reset` read the caps record there."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
+        return None
+    why = record_problem(exc)
+    return f"cannot write {exc.filename}: {why[:1].lower() + why[1:]}; {_remedy(exc)}"
+
+
 def reset_caps(
     gpus: Sequence[Gpu],
     record: AppliedCaps,
@@ -932,6 +943,14 @@ def reset_locked(
             except GpuBusyError as exc:
                 busy.append((gpu, exc))
                 continue
+            except OSError as exc:  # before any GPU is reset
+                line = state_file_problem(exc)
+                if line is None:
+                    raise
+                command = state_dir_command("dvfs cap reset", directory)
+                raise CapsRecordError(
+                    f"{line}, then run `{command}` again (no GPU was reset)"
+                ) from exc
             free.append(gpu)
         lines: list[str] = []
         try:

@@ -387,10 +387,15 @@ def apply(
                     raise
                 # The caps record's lock (or a GPU's) that cannot be opened, before any change:
                 # named with the GPUs withheld and fallen off the bus, as a folder there is.
+                from dvfs.caps.actuation import state_file_problem
                 from dvfs.cli.common import describe_os_error
 
+                problem = state_file_problem(exc)
+                said = (
+                    f"{problem}, then apply the caps again" if problem else describe_os_error(exc)
+                )
                 raise CapsRecordError(
-                    "; ".join(p for p in (describe_os_error(exc), withheld, lost_line) if p)
+                    "; ".join(p for p in (said, withheld, lost_line) if p)
                 ) from exc
             else:
                 out.print(f"applied caps to {len(plan.actions)} GPU(s)")
