@@ -1616,6 +1616,33 @@ def test_an_apply_planned_before_another_capped_the_gpu_holds_its_own_file(
     assert (entry["lock_mhz"], entry["power_limit_mw"]) == (None, 500_000)
 
 
+@pytest.mark.parametrize(("later_w", "said"), [(450, "(from 500 W)"), (700, "(from 500 W)")])
+def test_an_apply_planned_before_another_capped_the_gpu_says_the_limit_it_changed(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, later_w: int, said: str
+) -> None:
+    """Two `cap apply` a moment apart: the later one read the GPU's power limit before it held
+    the GPU's lock, so where the earlier one set 500 W meanwhile, the later one said "power
+    limit 450 W (from 700 W)", or "700 W (unchanged)" as it put 700 W back: the limit it
+    changed is read once the GPU's lock is held, as what to put back to stock is."""
+    import dvfs.caps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    earlier, later = tmp_path / "earlier.toml", tmp_path / "later.toml"
+    earlier.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500),))))
+    later.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=later_w),))))
+    real = dvfs.caps.enforce_plan
+
+    def the_other_apply_first(*args, **kwargs) -> None:  # between this one's plan and its lock
+        monkeypatch.setattr(dvfs.caps, "enforce_plan", real)
+        assert "applied to GPU 0" in invoke("cap", "apply", str(earlier))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(dvfs.caps, "enforce_plan", the_other_apply_first)
+    out = invoke("cap", "apply", str(later))
+    assert f"power limit {later_w} W {said}" in out, out
+    assert nvml.fake_device_state(0)["power_limit_mw"] == later_w * 1000
+
+
 def test_a_reset_whose_record_cannot_be_written_says_what_it_reset(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

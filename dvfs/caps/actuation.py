@@ -909,14 +909,19 @@ def enforce_plan(
 
 def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAction:
     """`action` with the knobs its file leaves at stock put back by `earlier`, the GPU's caps
-    record entry read under its lock (`plan_actions` read it before)."""
+    record entry read under its lock (`plan_actions` read it before), and the power limit it
+    changes read under the lock too: "applied to" says the one it was changed from."""
     from dataclasses import replace
 
     default = None
     if action.power_limit_mw is None and isinstance(earlier.get("power_limit_mw"), int):
         default = gpu.power_limit_range().default_mw
+    current = action.current_power_limit_mw
+    if action.power_limit_mw is not None:
+        current = power_limit_or_none(gpu)
     return replace(
         action,
+        current_power_limit_mw=current,
         unlock=action.lock_mhz is None and bool(earlier.get("lock_mhz")),
         default_power_limit_mw=default,
     )
