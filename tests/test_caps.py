@@ -1678,6 +1678,34 @@ def test_a_reset_whose_record_cannot_be_written_says_what_it_reset(
     assert held == [None, [210, 1500]]
 
 
+def test_a_reset_whose_record_cannot_be_written_goes_past_a_gpu_it_never_listed(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap reset` with the caps record unwritable stops at the first GPU whose entry it cannot
+    drop; it stopped at GPU 0, which the record never listed (the file capped GPU 1 only),
+    saying the record "still lists that GPU's caps" and leaving GPU 1, the capped one, capped.
+    A GPU the record does not list needs no write: the reset goes on to GPU 1."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuids[1], sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+
+    def unwritable(self, records: dict) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", unwritable)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"GPU 0 ({uuids[0]}): clocks unlocked" in result.stdout, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"Error: GPU 1 ({uuids[1]}) was reset (clocks unlocked"), line
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None]
+
+
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
     """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
     record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk

@@ -794,9 +794,11 @@ def reset_caps(
                 f"{told}; nothing was reset: remove it, then reset again"
             ) from exc
     governed = GovernorLocks(store.directory)
+    lock = record.path.with_name(f"{record.path.name}.lock")
     for gpu in gpus:  # so is a folder where a GPU's state file or governor record goes, which
-        # no reset removes: refused after resetting the GPUs before it, the others were left
-        for path in (store.path(gpu.identity.uuid), governed.path(gpu.identity.uuid)):
+        # no reset removes: refused after resetting the GPUs before it, the others were left;
+        # and one where the caps record's lock goes (a GPU the record does not list opens none)
+        for path in (lock, store.path(gpu.identity.uuid), governed.path(gpu.identity.uuid)):
             if path.is_dir() and not path.is_symlink():
                 raise CapsRecordError(
                     f"{_a_folder(path).removesuffix('; remove it')}; nothing was reset: remove "
@@ -826,7 +828,10 @@ def reset_caps(
                 else f"power limit {default / 1000:g} W (default)"
             )
             try:
-                record.update(ident.uuid, None)
+                # (a GPU the record does not list needs no write: an unwritable record must
+                # not keep the GPUs after it capped, said to list caps it never listed)
+                if ident.uuid in record.entries_as_written():
+                    record.update(ident.uuid, None)
             except OSError as exc:
                 # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
                 # take them for in force): said so, and no other GPU is reset, so the record
