@@ -3229,6 +3229,43 @@ def test_a_gpu_lock_that_cannot_be_written_is_told_no_other_state_dir(
     assert nvml.fake_device_state(0)["locked_clocks"] == before
 
 
+@pytest.mark.parametrize("lock", ["unwritable", "folder"])
+def test_a_reset_refused_by_a_gpus_lock_names_a_gpu_fallen_off_the_bus_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock: str
+) -> None:
+    """`cap reset` (the caps unit's stop) refused before any reset by a GPU's lock file (one it
+    may not write, a folder in its place) named no GPU fallen off the bus, where `cap apply`
+    refused by such a lock names it: it now does."""
+    import errno
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(1, lost=True)
+    path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
+    if lock == "folder":
+        path.unlink()
+        path.mkdir()
+    else:
+        real = os.open
+
+        def unwritable(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(name) == str(path):
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(name))
+            return real(name, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", unwritable)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    said = " ".join(result.output.split())
+    assert result.exit_code in (1, 3) and "Traceback" not in said, said
+    assert str(path) in said and said.endswith(
+        "cannot open GPU 1: the GPU has fallen off the bus (NVML: GPU is lost); "
+        "it needs a reset or a reboot before it can be used"
+    ), said
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+
+
 @pytest.mark.parametrize("name", ["caps-applied.json.lock", "governed-{uuid}.json"])
 def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_dir(
     nvml, tmp_path: Path, name: str

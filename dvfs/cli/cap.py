@@ -699,7 +699,7 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     named, exit 4, once the others are reset: they may be that GPU's."""
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
-    from dvfs.errors import GpuPermissionError, GpuStateError
+    from dvfs.errors import CapsRecordError, GpuPermissionError, GpuStateError
     from dvfs.gpu.safety import default_state_dir, state_dir_flag
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
@@ -715,7 +715,12 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
         gpus = [g for g in found if not g.mig_enabled()] if not devices else found
         # A GPU that fails is named once the others are reset, with those held and lost.
         directory = state_dir or default_state_dir()
-        lines, busy, failed = reset_locked(gpus, directory)
+        try:
+            lines, busy, failed = reset_locked(gpus, directory)
+        except (CapsRecordError, GpuStateError) as exc:  # a lock refused, no GPU reset
+            if lost:  # the GPUs fallen off the bus need seeing to all the same
+                exc.args = (f"{exc}; {lost_gpus(lost)}",)
+            raise
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
     for line in lines:
         console().print(line)
