@@ -1706,6 +1706,36 @@ def test_a_reset_whose_record_cannot_be_written_goes_past_a_gpu_it_never_listed(
     assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None]
 
 
+def test_a_reset_refuses_a_record_lock_linked_into_a_missing_folder_before_any_reset(
+    nvml, tmp_path: Path
+) -> None:
+    """The caps record's lock linked into a missing folder (which `cap apply` refuses before
+    any change): `cap reset` reset GPU 0, then said the lock "cannot be written (no such file
+    or directory), so it still lists that GPU's caps ... make it writable", which the lock
+    never did and no write mends, GPU 1 left capped. It is refused before any reset, saying
+    what to remove."""
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    caps = tmp_path / "caps.toml"
+    entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+    caps.write_text(dump_caps(CapsFile(entries)))
+    invoke("cap", "apply", str(caps))
+    lock = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json.lock"
+    lock.unlink()
+    lock.symlink_to(tmp_path / "gone" / "caps.lock")
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    [line] = result.stderr.splitlines()
+    assert line == (
+        f"Error: cannot open {lock}: it links into a folder that is not there; nothing was "
+        "reset: remove the link, then reset again"
+    ), line
+    held = [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)]
+    assert held == [[210, 1500], [210, 1500]]
+    lock.unlink()
+    assert "GPU 1" in invoke("cap", "reset")
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None]
+
+
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
     """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
     record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk

@@ -793,12 +793,22 @@ def reset_caps(
             raise CapsRecordError(
                 f"{told}; nothing was reset: remove it, then reset again"
             ) from exc
+        try:  # and so is its lock that cannot be opened, as `cap apply` refuses it
+            record.refuse_a_folder_lock()
+        except CapsRecordError as exc:  # a folder in its place
+            told = str(exc).removesuffix("; remove it")
+            raise CapsRecordError(
+                f"{told}; nothing was reset: remove it, then reset again"
+            ) from exc
+        except FileNotFoundError as exc:  # a link into a missing folder
+            raise CapsRecordError(
+                f"cannot open {exc.filename}: it links into a folder that is not there; nothing "
+                "was reset: remove the link, then reset again"
+            ) from exc
     governed = GovernorLocks(store.directory)
-    lock = record.path.with_name(f"{record.path.name}.lock")
     for gpu in gpus:  # so is a folder where a GPU's state file or governor record goes, which
-        # no reset removes: refused after resetting the GPUs before it, the others were left;
-        # and one where the caps record's lock goes (a GPU the record does not list opens none)
-        for path in (lock, store.path(gpu.identity.uuid), governed.path(gpu.identity.uuid)):
+        # no reset removes: refused after resetting the GPUs before it, the others were left
+        for path in (store.path(gpu.identity.uuid), governed.path(gpu.identity.uuid)):
             if path.is_dir() and not path.is_symlink():
                 raise CapsRecordError(
                     f"{_a_folder(path).removesuffix('; remove it')}; nothing was reset: remove "
