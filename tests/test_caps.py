@@ -961,6 +961,40 @@ def test_a_merged_cubes_caps_an_older_dvfs_planned_say_how_to_plan_them_again(
     assert [nvml.fake_device_state(i)["locked_clocks"][1] for i in (0, 1)] == [1500, 1005]
 
 
+def test_planning_an_older_merged_cube_again_keeps_its_target(nvml, tmp_path: Path) -> None:
+    """The refusals of an older merged cube's caps (and of its headroom document) said to
+    write the headroom again with `dvfs headroom CUBE --json -o ...`: its default target (each
+    drafter's stock TPOT p50 + 5%), where the caps were planned for another (an SLO), so the
+    caps planned again held another target. Each names the target to ask for again."""
+    slo = "TPOT p99 <= 40 ms"
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    (h100, _), uuids = [g["name"] for g in gpus], [g["uuid"] for g in gpus]
+    older = doc([{**row("code", 1500, 700.0), "gpu": u} for u in uuids], uuids=uuids)
+    older["target"]["description"] = slo
+    with pytest.raises(CapsError) as refused:
+        plan_caps(older, batch=16, drafter="eagle3", corpus="worst-case")
+    again = f"`dvfs headroom CUBE --json -o FILE` with the options of its target, {slo}"
+    assert again in str(refused.value), refused.value
+    meta = {"measured_on": h100, "target": slo, "batch": 16, "drafter": "eagle3"}
+    caps = tmp_path / "caps.toml"
+    entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+    caps.write_text(dump_caps(CapsFile(entries, meta)))
+    told = " ".join(invoke("cap", "apply", str(caps), code=2).split())
+    again = f"`dvfs headroom CUBE --json -o headroom.json` with the options of its target, {slo},"
+    assert again in told, told
+    twice = tmp_path / "twice.toml"
+    twice.write_text(
+        f'dvfs_caps = 1\n[meta]\ntarget = "{slo}"\nbatch = 16\ndrafter = "eagle3"\n'
+        f'[[model]]\nname = "{h100}"\nsm_clock_max_mhz = 1500\n'
+        f'[[model]]\nname = "{h100}"\nsm_clock_max_mhz = 1005\n'
+    )
+    with pytest.raises(CapsError) as refused:
+        load_caps(twice)
+    assert again in str(refused.value), refused.value
+    assert nvml.fake_calls() == []
+
+
 def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(
     nvml, tmp_path: Path
 ) -> None:

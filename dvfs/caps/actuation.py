@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dvfs.caps.files import CapsFile, base_model_name, plan_again
+from dvfs.caps.files import CapsFile, base_model_name, headroom_again, plan_again
 from dvfs.errors import (
     CapsError,
     CapsRecordError,
@@ -564,8 +564,9 @@ def plan_actions(
             f"{'its entry' if one else 'their entries'} (a file joining plans of several models "
             "lists each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
             "writes it; one an older dvfs planned from a merged cube named only its first GPU's "
-            "model there: write that cube's headroom again, `dvfs headroom CUBE --json -o "
-            f"headroom.json`, then plan again, `{plan_again(caps.meta)}`)",
+            "model there: write that cube's headroom again, "
+            f"{headroom_again(caps.meta.get('target'))}, then plan again, "
+            f"`{plan_again(caps.meta)}`)",
         )
     if problems:
         raise CapsError("; ".join(problems))
