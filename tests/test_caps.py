@@ -961,6 +961,40 @@ def test_a_merged_cubes_caps_an_older_dvfs_planned_say_how_to_plan_them_again(
     assert [nvml.fake_device_state(i)["locked_clocks"][1] for i in (0, 1)] == [1500, 1005]
 
 
+def test_planning_an_older_merged_cube_again_keeps_its_target(nvml, tmp_path: Path) -> None:
+    """The refusals of an older merged cube's caps (and of its headroom document) said to
+    write the headroom again with `dvfs headroom CUBE --json -o ...`: its default target (each
+    drafter's stock TPOT p50 + 5%), where the caps were planned for another (an SLO), so the
+    caps planned again held another target. Each names the target to ask for again."""
+    slo = "TPOT p99 <= 40 ms"
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    (h100, _), uuids = [g["name"] for g in gpus], [g["uuid"] for g in gpus]
+    older = doc([{**row("code", 1500, 700.0), "gpu": u} for u in uuids], uuids=uuids)
+    older["target"]["description"] = slo
+    with pytest.raises(CapsError) as refused:
+        plan_caps(older, batch=16, drafter="eagle3", corpus="worst-case")
+    again = f"`dvfs headroom CUBE --json -o FILE` with the options of its target, {slo}"
+    assert again in str(refused.value), refused.value
+    meta = {"measured_on": h100, "target": slo, "batch": 16, "drafter": "eagle3"}
+    caps = tmp_path / "caps.toml"
+    entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+    caps.write_text(dump_caps(CapsFile(entries, meta)))
+    told = " ".join(invoke("cap", "apply", str(caps), code=2).split())
+    again = f"`dvfs headroom CUBE --json -o headroom.json` with the options of its target, {slo},"
+    assert again in told, told
+    twice = tmp_path / "twice.toml"
+    twice.write_text(
+        f'dvfs_caps = 1\n[meta]\ntarget = "{slo}"\nbatch = 16\ndrafter = "eagle3"\n'
+        f'[[model]]\nname = "{h100}"\nsm_clock_max_mhz = 1500\n'
+        f'[[model]]\nname = "{h100}"\nsm_clock_max_mhz = 1005\n'
+    )
+    with pytest.raises(CapsError) as refused:
+        load_caps(twice)
+    assert again in str(refused.value), refused.value
+    assert nvml.fake_calls() == []
+
+
 def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(
     nvml, tmp_path: Path
 ) -> None:
@@ -1616,6 +1650,33 @@ def test_an_apply_planned_before_another_capped_the_gpu_holds_its_own_file(
     assert (entry["lock_mhz"], entry["power_limit_mw"]) == (None, 500_000)
 
 
+@pytest.mark.parametrize(("later_w", "said"), [(450, "(from 500 W)"), (700, "(from 500 W)")])
+def test_an_apply_planned_before_another_capped_the_gpu_says_the_limit_it_changed(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, later_w: int, said: str
+) -> None:
+    """Two `cap apply` a moment apart: the later one read the GPU's power limit before it held
+    the GPU's lock, so where the earlier one set 500 W meanwhile, the later one said "power
+    limit 450 W (from 700 W)", or "700 W (unchanged)" as it put 700 W back: the limit it
+    changed is read once the GPU's lock is held, as what to put back to stock is."""
+    import dvfs.caps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    earlier, later = tmp_path / "earlier.toml", tmp_path / "later.toml"
+    earlier.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500),))))
+    later.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=later_w),))))
+    real = dvfs.caps.enforce_plan
+
+    def the_other_apply_first(*args, **kwargs) -> None:  # between this one's plan and its lock
+        monkeypatch.setattr(dvfs.caps, "enforce_plan", real)
+        assert "applied to GPU 0" in invoke("cap", "apply", str(earlier))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(dvfs.caps, "enforce_plan", the_other_apply_first)
+    out = invoke("cap", "apply", str(later))
+    assert f"power limit {later_w} W {said}" in out, out
+    assert nvml.fake_device_state(0)["power_limit_mw"] == later_w * 1000
+
+
 def test_a_reset_whose_record_cannot_be_written_says_what_it_reset(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1649,6 +1710,64 @@ def test_a_reset_whose_record_cannot_be_written_says_what_it_reset(
     ), line
     held = [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)]
     assert held == [None, [210, 1500]]
+
+
+def test_a_reset_whose_record_cannot_be_written_goes_past_a_gpu_it_never_listed(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap reset` with the caps record unwritable stops at the first GPU whose entry it cannot
+    drop; it stopped at GPU 0, which the record never listed (the file capped GPU 1 only),
+    saying the record "still lists that GPU's caps" and leaving GPU 1, the capped one, capped.
+    A GPU the record does not list needs no write: the reset goes on to GPU 1."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuids[1], sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+
+    def unwritable(self, records: dict) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", unwritable)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"GPU 0 ({uuids[0]}): clocks unlocked" in result.stdout, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"Error: GPU 1 ({uuids[1]}) was reset (clocks unlocked"), line
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None]
+
+
+def test_a_reset_refuses_a_record_lock_linked_into_a_missing_folder_before_any_reset(
+    nvml, tmp_path: Path
+) -> None:
+    """The caps record's lock linked into a missing folder (which `cap apply` refuses before
+    any change): `cap reset` reset GPU 0, then said the lock "cannot be written (no such file
+    or directory), so it still lists that GPU's caps ... make it writable", which the lock
+    never did and no write mends, GPU 1 left capped. It is refused before any reset, saying
+    what to remove."""
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    caps = tmp_path / "caps.toml"
+    entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+    caps.write_text(dump_caps(CapsFile(entries)))
+    invoke("cap", "apply", str(caps))
+    lock = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json.lock"
+    lock.unlink()
+    lock.symlink_to(tmp_path / "gone" / "caps.lock")
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    [line] = result.stderr.splitlines()
+    assert line == (
+        f"Error: cannot open {lock}: it links into a folder that is not there; nothing was "
+        "reset: remove the link, then reset again"
+    ), line
+    held = [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)]
+    assert held == [[210, 1500], [210, 1500]]
+    lock.unlink()
+    assert "GPU 1" in invoke("cap", "reset")
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None]
 
 
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
@@ -3125,6 +3244,90 @@ def test_a_caps_record_lock_that_cannot_be_opened_names_a_gpu_fallen_off_the_bus
         "it needs a reset or a reboot before it can be used"
     ), said
     assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+@pytest.mark.parametrize("command", ["apply", "reset"])
+@pytest.mark.parametrize(
+    ("code", "remedy"),
+    [
+        ("EACCES", "let this user write that folder (check its owner and permissions)"),
+        ("EROFS", "its file system is mounted read-only: make it writable"),
+    ],
+)
+def test_a_gpu_lock_that_cannot_be_written_is_told_no_other_state_dir(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, code: str, remedy: str
+) -> None:
+    """A GPU's lock file in the state folder that cannot be written (a folder the caps unit's
+    root without CAP_DAC_OVERRIDE may not write, a read-only file system) refused `cap apply`
+    and `cap reset` with "check permissions or choose another --state-dir" ("another path"
+    without --state-dir): another folder holds no other dvfs's locks, and `cap show`, sweeps
+    and `cap reset` do not read the caps recorded there. Each now says the way on, in one line,
+    nothing changed."""
+    import errno
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = tmp_path / "state"
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    if command == "reset":
+        invoke("cap", "apply", str(caps), "--state-dir", str(state))
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    number, real = getattr(errno, code), os.open
+
+    def unwritable(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).endswith(f"{uuid}.lock"):
+            raise OSError(number, os.strerror(number), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", unwritable)
+    args = ["apply", str(caps)] if command == "apply" else ["reset"]
+    result = CliRunner().invoke(cli, ["cap", *args, "--state-dir", str(state)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    [line] = result.stderr.splitlines()
+    assert "choose another" not in line, line
+    then = "then apply the caps again" if command == "apply" else "then run `dvfs cap reset"
+    assert line.startswith(
+        f"Error: cannot write {state / f'{uuid}.lock'}: {os.strerror(number).lower()}; "
+        f"{remedy}, {then}"
+    ), line
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
+@pytest.mark.parametrize("lock", ["unwritable", "folder"])
+def test_a_reset_refused_by_a_gpus_lock_names_a_gpu_fallen_off_the_bus_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock: str
+) -> None:
+    """`cap reset` (the caps unit's stop) refused before any reset by a GPU's lock file (one it
+    may not write, a folder in its place) named no GPU fallen off the bus, where `cap apply`
+    refused by such a lock names it: it now does."""
+    import errno
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(1, lost=True)
+    path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
+    if lock == "folder":
+        path.unlink()
+        path.mkdir()
+    else:
+        real = os.open
+
+        def unwritable(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(name) == str(path):
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(name))
+            return real(name, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", unwritable)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    said = " ".join(result.output.split())
+    assert result.exit_code in (1, 3) and "Traceback" not in said, said
+    assert str(path) in said and said.endswith(
+        "cannot open GPU 1: the GPU has fallen off the bus (NVML: GPU is lost); "
+        "it needs a reset or a reboot before it can be used"
+    ), said
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
 
 
 @pytest.mark.parametrize("name", ["caps-applied.json.lock", "governed-{uuid}.json"])

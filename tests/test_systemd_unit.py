@@ -312,6 +312,23 @@ def test_the_readme_says_how_to_remove_the_caps_a_failed_start_applied() -> None
     assert "1, either way, when a GPU has fallen off the bus" in codes, codes
 
 
+def test_the_caps_units_exit_codes_are_each_said() -> None:
+    """The comment above ExecStart said what exits 2, 5 and 1 mean, then called 2, 3, 4 and 5
+    refusals: 3 (another dvfs holds a GPU, or a GPU holds unrestored changes) and 4 (a GPU NVML
+    counts but the service may not talk to), which `cap apply` exits with too, were said
+    nowhere. Each code the comment calls a refusal, and each `cap apply` documents, is said."""
+    text = UNIT.read_text()
+    block = text[text.index("[Service]") : text.index("\nExecStart=")]
+    comment = " ".join(line.lstrip("# ") for line in block.splitlines() if line.startswith("#"))
+    said = set(re.findall(r"(?:Exit |; )(\d):", comment))
+    [refusals] = re.findall(r"a refusal \(([\d, ]+)\)", comment)
+    assert set(refusals.split(", ")) <= said, (refusals, said)
+    from dvfs.cli.cap import apply
+
+    documented = set(re.findall(r"\b([1-5])\b", " ".join((apply.help or "").split())))
+    assert documented <= said, (documented, said)
+
+
 def test_the_caps_unit_waits_for_a_driver_not_loaded_yet_on_every_systemd() -> None:
     """At boot the NVIDIA driver may not be loaded yet (a DKMS build, no nvidia-persistenced
     to order after). The unit retried with Restart=on-failure, which systemd before 244

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dvfs.caps.files import CapsFile, base_model_name, plan_again
+from dvfs.caps.files import CapsFile, base_model_name, headroom_again, plan_again
 from dvfs.errors import (
     CapsError,
     CapsRecordError,
@@ -564,8 +564,9 @@ def plan_actions(
             f"{'its entry' if one else 'their entries'} (a file joining plans of several models "
             "lists each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
             "writes it; one an older dvfs planned from a merged cube named only its first GPU's "
-            "model there: write that cube's headroom again, `dvfs headroom CUBE --json -o "
-            f"headroom.json`, then plan again, `{plan_again(caps.meta)}`)",
+            "model there: write that cube's headroom again, "
+            f"{headroom_again(caps.meta.get('target'))}, then plan again, "
+            f"`{plan_again(caps.meta)}`)",
         )
     if problems:
         raise CapsError("; ".join(problems))
@@ -756,6 +757,17 @@ def _remedy(exc: OSError) -> str:
     return "make it writable"
 
 
+def state_file_problem(exc: OSError) -> str | None:
+    """A file of dvfs's state folder (a GPU's lock, the caps record's lock) that cannot be
+    opened or written, in one line with `_remedy`'s way on, or None where it has none (then
+    `describe_os_error`). Never "choose another --state-dir": every dvfs holds its GPUs by the
+    locks there, and `cap show`, sweeps and `cap reset` read the caps record there."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
+        return None
+    why = record_problem(exc)
+    return f"cannot write {exc.filename}: {why[:1].lower() + why[1:]}; {_remedy(exc)}"
+
+
 def reset_caps(
     gpus: Sequence[Gpu],
     record: AppliedCaps,
@@ -781,6 +793,18 @@ def reset_caps(
             told = str(exc).removesuffix("; remove it and re-apply")
             raise CapsRecordError(
                 f"{told}; nothing was reset: remove it, then reset again"
+            ) from exc
+        try:  # and so is its lock that cannot be opened, as `cap apply` refuses it
+            record.refuse_a_folder_lock()
+        except CapsRecordError as exc:  # a folder in its place
+            told = str(exc).removesuffix("; remove it")
+            raise CapsRecordError(
+                f"{told}; nothing was reset: remove it, then reset again"
+            ) from exc
+        except FileNotFoundError as exc:  # a link into a missing folder
+            raise CapsRecordError(
+                f"cannot open {exc.filename}: it links into a folder that is not there; nothing "
+                "was reset: remove the link, then reset again"
             ) from exc
     governed = GovernorLocks(store.directory)
     for gpu in gpus:  # so is a folder where a GPU's state file or governor record goes, which
@@ -815,7 +839,10 @@ def reset_caps(
                 else f"power limit {default / 1000:g} W (default)"
             )
             try:
-                record.update(ident.uuid, None)
+                # (a GPU the record does not list needs no write: an unwritable record must
+                # not keep the GPUs after it capped, said to list caps it never listed)
+                if ident.uuid in record.entries_as_written():
+                    record.update(ident.uuid, None)
             except OSError as exc:
                 # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
                 # take them for in force): said so, and no other GPU is reset, so the record
@@ -898,14 +925,19 @@ def enforce_plan(
 
 def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAction:
     """`action` with the knobs its file leaves at stock put back by `earlier`, the GPU's caps
-    record entry read under its lock (`plan_actions` read it before)."""
+    record entry read under its lock (`plan_actions` read it before), and the power limit it
+    changes read under the lock too: "applied to" says the one it was changed from."""
     from dataclasses import replace
 
     default = None
     if action.power_limit_mw is None and isinstance(earlier.get("power_limit_mw"), int):
         default = gpu.power_limit_range().default_mw
+    current = action.current_power_limit_mw
+    if action.power_limit_mw is not None:
+        current = power_limit_or_none(gpu)
     return replace(
         action,
+        current_power_limit_mw=current,
         unlock=action.lock_mhz is None and bool(earlier.get("lock_mhz")),
         default_power_limit_mw=default,
     )
@@ -932,6 +964,14 @@ def reset_locked(
             except GpuBusyError as exc:
                 busy.append((gpu, exc))
                 continue
+            except OSError as exc:  # before any GPU is reset
+                line = state_file_problem(exc)
+                if line is None:
+                    raise
+                command = state_dir_command("dvfs cap reset", directory)
+                raise CapsRecordError(
+                    f"{line}, then run `{command}` again (no GPU was reset)"
+                ) from exc
             free.append(gpu)
         lines: list[str] = []
         try:

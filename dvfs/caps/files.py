@@ -127,6 +127,16 @@ def plan_again(meta: dict[str, Any], model: str | None = None) -> str:
     return command + " -o caps.toml"
 
 
+def headroom_again(target: Any, out: str = "headroom.json") -> str:
+    """The `dvfs headroom` that writes a cube's headroom document again, with the target it
+    was written for (`target`, its description) where known: the defaults ask their own
+    question, and caps planned from that document would hold another target."""
+    command = f"`dvfs headroom CUBE --json -o {out}`"
+    if isinstance(target, str) and target:
+        command += f" with the options of its target, {target}"
+    return command
+
+
 def base_model_name(name: str) -> str:
     """A GPU model's NVML name without the twin's suffix."""
     return name.removesuffix(TWIN_SUFFIX)
@@ -273,7 +283,7 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
                 f"{', '.join(repr(n) for n in entries)}): its GPUs would take the first "
                 "entry's caps only; keep one [[model]] entry per model (one an older dvfs's "
                 "`cap plan --model` wrote from a merged cube, an entry per GPU: write that "
-                "cube's headroom again, `dvfs headroom CUBE --json -o headroom.json`, then plan "
+                f"cube's headroom again, {headroom_again(meta.get('target'))}, then plan "
                 f"again, `{plan_again(meta, entries[0])}`, which takes the least aggressive "
                 "setting over the model's GPUs)"
             )

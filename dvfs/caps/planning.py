@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dvfs.caps.files import TWIN_SUFFIX, CapsFile, GpuCap, is_twin_name
+from dvfs.caps.files import TWIN_SUFFIX, CapsFile, GpuCap, headroom_again, is_twin_name
 from dvfs.errors import CapsError
 from dvfs.gpu.base import canonical_uuid
 
@@ -349,7 +349,8 @@ def model_of(doc: dict[str, Any], row: dict[str, Any]) -> str | None:
     if label not in names:
         raise CapsError(
             f"the headroom document does not name the model of GPU {str(label)[:12]} (an older "
-            "dvfs wrote it); write it again with `dvfs headroom CUBE --json -o FILE`"
+            "dvfs wrote it); write it again with "
+            f"{headroom_again(doc['target'].get('description'), 'FILE')}"
         )
     return str(names[label])
 

@@ -387,10 +387,15 @@ def apply(
                     raise
                 # The caps record's lock (or a GPU's) that cannot be opened, before any change:
                 # named with the GPUs withheld and fallen off the bus, as a folder there is.
+                from dvfs.caps.actuation import state_file_problem
                 from dvfs.cli.common import describe_os_error
 
+                problem = state_file_problem(exc)
+                said = (
+                    f"{problem}, then apply the caps again" if problem else describe_os_error(exc)
+                )
                 raise CapsRecordError(
-                    "; ".join(p for p in (describe_os_error(exc), withheld, lost_line) if p)
+                    "; ".join(p for p in (said, withheld, lost_line) if p)
                 ) from exc
             else:
                 out.print(f"applied caps to {len(plan.actions)} GPU(s)")
@@ -694,7 +699,7 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     named, exit 4, once the others are reset: they may be that GPU's."""
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
-    from dvfs.errors import GpuPermissionError, GpuStateError
+    from dvfs.errors import CapsRecordError, GpuPermissionError, GpuStateError
     from dvfs.gpu.safety import default_state_dir, state_dir_flag
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
@@ -710,7 +715,12 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
         gpus = [g for g in found if not g.mig_enabled()] if not devices else found
         # A GPU that fails is named once the others are reset, with those held and lost.
         directory = state_dir or default_state_dir()
-        lines, busy, failed = reset_locked(gpus, directory)
+        try:
+            lines, busy, failed = reset_locked(gpus, directory)
+        except (CapsRecordError, GpuStateError) as exc:  # a lock refused, no GPU reset
+            if lost:  # the GPUs fallen off the bus need seeing to all the same
+                exc.args = (f"{exc}; {lost_gpus(lost)}",)
+            raise
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
     for line in lines:
         console().print(line)
