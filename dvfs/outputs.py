@@ -17,11 +17,14 @@ import logging
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import BinaryIO
 
 log = logging.getLogger(__name__)
@@ -178,7 +181,7 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
     except OSError as exc:
         raise _named(exc, path) from exc
     if existing is not None and not stat.S_ISREG(existing) and not stat.S_ISDIR(existing):
-        with tempfile.TemporaryDirectory(prefix="dvfs-out-") as folder:
+        with tempfile.TemporaryDirectory(prefix="dvfs-out-") as folder, _removed_if_killed(folder):
             tmp = Path(folder) / real.name
             yield tmp
             try:
@@ -215,6 +218,33 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
     finally:
         if tmp_path is not None:
             tmp_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _removed_if_killed(folder: str) -> Iterator[None]:
+    """`folder` removed before SIGTERM, SIGHUP or SIGINT of the default disposition ends the
+    process within the block (`systemctl stop` while a cube is copied into a pipe, or waits
+    for its reader): the process ends as it would have, but no copy of the output is left in
+    the temp folder. A signal a handler takes (an exception, or held) is left to it; main
+    thread only, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def remove(signum: int, frame: FrameType | None) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # the default action: the end it would have been
+
+    signums = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    previous = {
+        s: signal.signal(s, remove) for s in signums if signal.getsignal(s) == signal.SIG_DFL
+    }
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 #: How long a named pipe is waited on for its reader (seconds): the one an operator starts
