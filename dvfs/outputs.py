@@ -12,6 +12,7 @@ to choose, any file root may write.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import logging
 import os
@@ -253,6 +254,21 @@ def _removed_if_killed(folder: str) -> Iterator[None]:
 PIPE_READER_WAIT_S = 30.0
 #: How often a named pipe is tried for a reader while it is waited on (seconds).
 PIPE_READER_POLL_S = 0.05
+#: Whether a named pipe is waited on for its reader: not once the user asked to stop (an
+#: interrupted sweep's partial cube, `pipes_not_waited_on`), whose Ctrl-C during the wait for
+#: the whole cube's reader was followed by a second wait as long.
+_PIPE_WAIT: contextvars.ContextVar[bool] = contextvars.ContextVar("pipe_wait", default=True)
+
+
+@contextlib.contextmanager
+def pipes_not_waited_on() -> Iterator[None]:
+    """Within the block, a named pipe no program reads from is refused at once (as before
+    `PIPE_READER_WAIT_S`), not waited on for its reader."""
+    token = _PIPE_WAIT.set(False)
+    try:
+        yield
+    finally:
+        _PIPE_WAIT.reset(token)
 
 
 def _open_stream(path: Path, mode: int) -> BinaryIO:
@@ -266,7 +282,8 @@ def _open_stream(path: Path, mode: int) -> BinaryIO:
             return os.fdopen(os.dup(own), "wb")
     if not stat.S_ISFIFO(mode):
         return open(path, "wb")  # noqa: SIM115 (the caller's `with` closes it)
-    deadline = time.monotonic() + PIPE_READER_WAIT_S
+    wait = PIPE_READER_WAIT_S if _PIPE_WAIT.get() else 0.0
+    deadline = time.monotonic() + wait
     said = False
     while True:
         try:
@@ -278,9 +295,10 @@ def _open_stream(path: Path, mode: int) -> BinaryIO:
         if time.monotonic() >= deadline:
             from dvfs.errors import OutputRefusedError
 
+            within = f"read from in {wait:g} s" if wait else "reads from"
             raise OutputRefusedError(
-                f"{path} is a named pipe no program read from in {PIPE_READER_WAIT_S:g} s, so "
-                "writing there would wait for ever: start its reader first, or remove the pipe"
+                f"{path} is a named pipe no program {within}, so writing there would wait for "
+                "ever: start its reader first, or remove the pipe"
             ) from None
         if not said:
             log.warning(

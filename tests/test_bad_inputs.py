@@ -2519,6 +2519,40 @@ def test_a_fifo_output_no_program_reads_is_refused_not_waited_on(
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
 
 
+def test_ctrl_c_while_a_sweeps_cube_waits_for_its_pipe_stops(
+    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep whose cube.nc is a named pipe waits for its reader, saying "Ctrl-C stops";
+    Ctrl-C there wrote the interrupted sweep's partial cube into the same pipe, and waited for
+    its reader again as long (30 s more) before it stopped. The partial cube's pipe is refused
+    at once."""
+    import os
+
+    import dvfs.outputs
+
+    monkeypatch.setattr(dvfs.outputs, "PIPE_READER_WAIT_S", 3.0)
+    sleeps: list[float] = []
+
+    def interrupted(seconds: float) -> None:  # Ctrl-C at the first wait for the reader
+        sleeps.append(seconds)
+        if len(sleeps) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dvfs.outputs.time, "sleep", interrupted)
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(shared["sweep"], sweep_dir)
+    (sweep_dir / "cube.nc").unlink()
+    os.mkfifo(sweep_dir / "cube.nc")  # no reader
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    ran = CliRunner().invoke(
+        cli, ["sweep", str(tmp_path / "tiny.toml"), "--out", str(sweep_dir), "--no-progress"]
+    )
+    assert ran.exit_code == 130, ran.output
+    assert len(sleeps) == 1, f"waited again after Ctrl-C ({len(sleeps) - 1} more tries)"
+    said = " ".join(ran.output.split())
+    assert f"{sweep_dir / 'cube.nc'} is a named pipe no program reads from" in said, ran.output
+
+
 @pytest.mark.parametrize("name", ["headroom-o", "cube-build-o"])
 def test_a_fifo_output_whose_reader_starts_later_is_written(
     name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
