@@ -12,16 +12,20 @@ to choose, any file root may write.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import logging
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import BinaryIO
 
 log = logging.getLogger(__name__)
@@ -178,7 +182,7 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
     except OSError as exc:
         raise _named(exc, path) from exc
     if existing is not None and not stat.S_ISREG(existing) and not stat.S_ISDIR(existing):
-        with tempfile.TemporaryDirectory(prefix="dvfs-out-") as folder:
+        with tempfile.TemporaryDirectory(prefix="dvfs-out-") as folder, _removed_if_killed(folder):
             tmp = Path(folder) / real.name
             yield tmp
             try:
@@ -217,12 +221,54 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
             tmp_path.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def _removed_if_killed(folder: str) -> Iterator[None]:
+    """`folder` removed before SIGTERM, SIGHUP or SIGINT of the default disposition ends the
+    process within the block (`systemctl stop` while a cube is copied into a pipe, or waits
+    for its reader): the process ends as it would have, but no copy of the output is left in
+    the temp folder. A signal a handler takes (an exception, or held) is left to it; main
+    thread only, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def remove(signum: int, frame: FrameType | None) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # the default action: the end it would have been
+
+    signums = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    previous = {
+        s: signal.signal(s, remove) for s in signums if signal.getsignal(s) == signal.SIG_DFL
+    }
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
 #: How long a named pipe is waited on for its reader (seconds): the one an operator starts
 #: after dvfs (`dvfs report CUBE -o pipe`, then `gzip < pipe` in another shell) is read, a pipe
 #: left where the cube goes is refused, not waited on for ever.
 PIPE_READER_WAIT_S = 30.0
 #: How often a named pipe is tried for a reader while it is waited on (seconds).
 PIPE_READER_POLL_S = 0.05
+#: Whether a named pipe is waited on for its reader: not once the user asked to stop (an
+#: interrupted sweep's partial cube, `pipes_not_waited_on`), whose Ctrl-C during the wait for
+#: the whole cube's reader was followed by a second wait as long.
+_PIPE_WAIT: contextvars.ContextVar[bool] = contextvars.ContextVar("pipe_wait", default=True)
+
+
+@contextlib.contextmanager
+def pipes_not_waited_on() -> Iterator[None]:
+    """Within the block, a named pipe no program reads from is refused at once (as before
+    `PIPE_READER_WAIT_S`), not waited on for its reader."""
+    token = _PIPE_WAIT.set(False)
+    try:
+        yield
+    finally:
+        _PIPE_WAIT.reset(token)
 
 
 def _open_stream(path: Path, mode: int) -> BinaryIO:
@@ -236,7 +282,8 @@ def _open_stream(path: Path, mode: int) -> BinaryIO:
             return os.fdopen(os.dup(own), "wb")
     if not stat.S_ISFIFO(mode):
         return open(path, "wb")  # noqa: SIM115 (the caller's `with` closes it)
-    deadline = time.monotonic() + PIPE_READER_WAIT_S
+    wait = PIPE_READER_WAIT_S if _PIPE_WAIT.get() else 0.0
+    deadline = time.monotonic() + wait
     said = False
     while True:
         try:
@@ -248,9 +295,10 @@ def _open_stream(path: Path, mode: int) -> BinaryIO:
         if time.monotonic() >= deadline:
             from dvfs.errors import OutputRefusedError
 
+            within = f"read from in {wait:g} s" if wait else "reads from"
             raise OutputRefusedError(
-                f"{path} is a named pipe no program read from in {PIPE_READER_WAIT_S:g} s, so "
-                "writing there would wait for ever: start its reader first, or remove the pipe"
+                f"{path} is a named pipe no program {within}, so writing there would wait for "
+                "ever: start its reader first, or remove the pipe"
             ) from None
         if not said:
             log.warning(

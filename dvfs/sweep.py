@@ -217,6 +217,7 @@ def after_interruption(
     from dvfs.fleet.cubes import cube_journals, write_cubes
     from dvfs.fleet.folders import journals_done
     from dvfs.fleet.shard_journal import has_sessions
+    from dvfs.outputs import pipes_not_waited_on
 
     cube_path = cube_error = None
     whole = False
@@ -227,7 +228,9 @@ def after_interruption(
         cube_error = "no cell measured yet"
     elif journals:
         try:
-            cube_path = write_cubes(out_dir, journals)
+            # the user asked to stop: a pipe where the cube goes is not waited on for its reader
+            with pipes_not_waited_on():
+                cube_path = write_cubes(out_dir, journals)
         except Exception as exc:  # the interruption matters more than the partial cube
             cube_error = str(exc)
         with contextlib.suppress(Exception):  # not known: the cube is said to be partial

@@ -2519,6 +2519,44 @@ def test_a_fifo_output_no_program_reads_is_refused_not_waited_on(
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
 
 
+def test_ctrl_c_while_a_sweeps_cube_waits_for_its_pipe_stops(
+    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep whose cube.nc is a named pipe waits for its reader, saying "Ctrl-C stops";
+    Ctrl-C there wrote the interrupted sweep's partial cube into the same pipe, and waited for
+    its reader again as long (30 s more) before it stopped. The partial cube's pipe is refused
+    at once."""
+    import os
+
+    import dvfs.outputs
+
+    monkeypatch.setattr(dvfs.outputs, "PIPE_READER_WAIT_S", 3.0)
+    sleeps: list[float] = []
+
+    def interrupted(seconds: float) -> None:  # Ctrl-C at the first wait for the reader
+        sleeps.append(seconds)
+        if len(sleeps) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dvfs.outputs.time, "sleep", interrupted)
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(shared["sweep"], sweep_dir)
+    (sweep_dir / "cube.nc").unlink()
+    os.mkfifo(sweep_dir / "cube.nc")  # no reader
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    ran = CliRunner().invoke(
+        cli, ["sweep", str(tmp_path / "tiny.toml"), "--out", str(sweep_dir), "--no-progress"]
+    )
+    assert ran.exit_code == 130, ran.output
+    assert len(sleeps) == 1, f"waited again after Ctrl-C ({len(sleeps) - 1} more tries)"
+    # one line each, however long (not cut where the console's width ends)
+    [no_cube] = [line for line in ran.output.splitlines() if line.startswith("(no cube: ")]
+    assert no_cube.startswith(
+        f"(no cube: {sweep_dir / 'cube.nc'} is a named pipe no program reads from"
+    ), ran.output
+    assert no_cube.endswith("or remove the pipe)"), ran.output
+
+
 @pytest.mark.parametrize("name", ["headroom-o", "cube-build-o"])
 def test_a_fifo_output_whose_reader_starts_later_is_written(
     name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -2572,6 +2610,8 @@ def test_sigterm_stops_a_cube_blocked_on_a_pipe_no_one_reads(
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
+    temp = tmp_path / "temp"  # the child's temp folder: the cube's copy is left in none
+    temp.mkdir()
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, and never read
     try:
         fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, 4096)  # full long before the cube is copied
@@ -2579,7 +2619,7 @@ def test_sigterm_stops_a_cube_blocked_on_a_pipe_no_one_reads(
             [PYTHON, "-m", "dvfs", *_argv("cube-build-o", shared, fifo)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            env=subprocess_env(),
+            env=subprocess_env(TMPDIR=str(temp)),
             preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
         )
         try:
@@ -2599,6 +2639,87 @@ def test_sigterm_stops_a_cube_blocked_on_a_pipe_no_one_reads(
         os.close(reader)
     assert child.returncode == -signal.SIGTERM
     assert stat.S_ISFIFO(fifo.lstat().st_mode)  # the pipe left in place
+    assert not list(temp.iterdir()), "the cube's temp copy was left behind"
+
+
+def test_sigterm_held_for_a_netcdf_write_into_a_pipe_leaves_no_temp_file(tmp_path: Path) -> None:
+    """A SIGTERM that came while a cube went to its temp file, bound for a pipe: held for that
+    write, then acted (its default disposition) before the temp folder was removed, which kept
+    the whole cube. It is removed; the process still ends by the signal."""
+    import os
+    import signal
+
+    from conftest import PYTHON, subprocess_env
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    code = (
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "from dvfs.outputs import write_netcdf\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+        f"reader = os.open({str(fifo)!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
+        "def write(tmp):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # held for the write\n"
+        "    tmp.write_bytes(b'x' * 1000)\n"
+        f"write_netcdf(Path({str(fifo)!r}), write, 1000)\n"
+    )
+    ran = subprocess.run(
+        [PYTHON, "-c", code],
+        capture_output=True,
+        env=subprocess_env(TMPDIR=str(temp)),
+        timeout=120,
+    )
+    assert ran.returncode == -signal.SIGTERM, ran.stderr
+    assert not list(temp.iterdir()), "the cube's temp copy was left behind"
+
+
+@pytest.mark.parametrize("name", ["headroom-o", "cube-build-o"])
+def test_sigterm_while_a_fifo_output_waits_for_its_reader_leaves_no_temp_file(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`dvfs cube build DIR -o FIFO` (or headroom) waiting for the pipe's reader, stopped by
+    SIGTERM (its default disposition, `systemctl stop`): the output, written whole to a temp
+    file first, was left in a dvfs-out-* folder of the temp folder (a cube's size each time).
+    It is removed, and the process still ends by the signal."""
+    import os
+    import select
+    import signal
+    import stat
+
+    from conftest import PYTHON, subprocess_env
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # no reader: dvfs waits for one
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    child = subprocess.Popen(
+        [PYTHON, "-m", "dvfs", *_argv(name, shared, fifo)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=subprocess_env(TMPDIR=str(temp)),
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+    )
+    try:
+        assert child.stderr is not None
+        said = b""
+        while b"waiting up to" not in said:
+            assert select.select([child.stderr], [], [], 120)[0], said
+            line = child.stderr.readline()
+            assert line, said  # ended before it waited
+            said += line
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+        assert child.stderr is not None
+        child.stderr.close()
+    assert child.returncode == -signal.SIGTERM
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert not list(temp.iterdir()), "the output's temp copy was left behind"
 
 
 @pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])

@@ -532,7 +532,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
             outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar, shard=shard)
     except (KeyboardInterrupt, Interrupted) as exc:
         status = _after_interruption_told(err, campaign, out_dir, shard)
-        err.print(f"{status} {_resume_advice(fresh)}")
+        err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         restore_error = getattr(exc, "restore_error", None)
         if restore_error is not None:  # the restore the signal unwound to failed: why
             click.echo(f"Error: {one_line(str(restore_error))}", err=True)
@@ -541,7 +541,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         # Stopped as an interrupted sweep is: the cells measured so far in a partial cube,
         # the GPUs' settings said; its own line (the error) says what to restart and how to
         # resume.
-        err.print(_after_interruption_told(err, campaign, out_dir, shard))
+        err.print(_after_interruption_told(err, campaign, out_dir, shard), soft_wrap=True)
         raise
     except SweepRestoreError as exc:
         if exc.outcome is None:
@@ -764,10 +764,10 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
             soft_wrap=True,
         )
     elif left.cube_path is not None:
-        err.print(f"partial cube written to {left.cube_path}")
+        err.print(f"partial cube written to {left.cube_path}", soft_wrap=True)
     if left.cube_error is not None:
         cube = "cube" if left.whole else "partial cube"
-        err.print(f"(no {cube}: {escape(left.cube_error)})")
+        err.print(f"(no {cube}: {escape(left.cube_error)})", soft_wrap=True)
     if left.unrestored:
         return (
             "[red]GPU settings NOT fully restored[/red] for "
