@@ -324,6 +324,31 @@ def test_the_reports_caps_table_says_why_it_plans_stock() -> None:
     assert doc.sections[-1].blocks[1].rows[0][-1] == "stock: nothing to cap"  # type: ignore[union-attr]
 
 
+def test_the_reports_caps_table_names_a_twins_stock_row_as_its_capped_rows() -> None:
+    """On a twin cube (the demo's) the caps table named a capped row's GPUs by model, "every
+    NVIDIA H100 80GB HBM3 (twin)", as the simulated caps file does, but a row planned at stock
+    by the twin's made-up UUID cut mid-group ("GPU-47dfcd23-120"): both now name the model."""
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.model import Table
+
+    def caps_rows(saving: float) -> tuple[tuple[str, ...], ...]:
+        cube = as_twin_sweep(
+            power_limit_cube(lambda p, r: {600.0: saving}.get(p, 1.0), ci=0.03),
+            uuid="GPU-47dfcd23-120e-9eab-3043-5d0ea1215572",
+            gpu_name="NVIDIA H100 80GB HBM3 (twin)",
+            campaign="demo",
+        )
+        options = ReportOptions(Target("preserve", slack=0.01))
+        caps = build_document(cube, options, [], generated="now").sections[-1].blocks[1]
+        assert isinstance(caps, Table)
+        return caps.rows
+
+    capped, at_stock = caps_rows(0.9), caps_rows(0.998)
+    assert capped[0][2:5] == ("every NVIDIA H100 80GB HBM3 (twin)", "stock", "600 W")
+    assert at_stock[0][2:5] == ("every NVIDIA H100 80GB HBM3 (twin)", "stock", "stock")
+    assert at_stock[0][-1].startswith("stock: nothing to cap")
+
+
 def test_a_per_batch_plan_says_which_stock_steps_the_noise_kept() -> None:
     """Batch 1's lower setting saves within the noise, batch 8's beyond it: the plan governs
     batch 8 and holds batch 1 at stock, and said nothing of why (only a plan whose every step

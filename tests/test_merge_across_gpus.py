@@ -423,6 +423,20 @@ def test_a_merged_cube_takes_its_sources_known_engine_and_prompt_provenance(
     assert whole.attrs["prompt_format"] == "plain"
 
 
+def test_a_merged_cube_counts_its_sources_sessions(runs: dict[str, Path], tmp_path: Path) -> None:
+    """`cube info` on a cube merged across GPUs said "sessions not recorded", though each
+    source's count is kept (`merged_from`): it now sums them, as a merge of shards does."""
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", sessions=2)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", sessions=1)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    info = invoke("cube", "info", str(merged), "--json")
+    assert info.exit_code == 0, info.output
+    assert json.loads(info.stdout)["sessions"] == 3
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    assert "sessions 3 run(s) of dvfs sweep, on 2 GPU(s)" in text, text
+
+
 def test_a_merged_cube_says_each_gpus_idle_power(runs: dict[str, Path], tmp_path: Path) -> None:
     """Each GPU idles at its own power: the merged cube keeps each source's (`merged_from`),
     and `cube info` and the report say them per GPU, not "not recorded"."""

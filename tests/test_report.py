@@ -725,7 +725,7 @@ def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:
     assert isinstance(caps, Table)
     assert caps.rows == (
         ("1", "none", "every NVIDIA H100 (twin)", "1500 MHz", "stock", "cap"),
-        ("1", "none", "GPU-1", "stock", "stock", "stock: nothing to cap"),
+        ("1", "none", "every NVIDIA H200 (twin)", "stock", "stock", "stock: nothing to cap"),
     )
     merged_from = doc.sections[0].blocks[1]
     assert isinstance(merged_from, Table) and merged_from.title == "Merged from"

@@ -416,9 +416,9 @@ def test_a_model_whose_weights_just_fit_runs_its_batches_as_the_readme_says(
     campaign = tmp_path / "big.toml"
     campaign.write_text(text)
     runner = CliRunner()
-    doctor = runner.invoke(cli, ["doctor", str(campaign)])
+    out = tmp_path / "out"  # not the campaign's default out/demo, which a demo run fills
+    doctor = runner.invoke(cli, ["doctor", str(campaign), "--out", str(out)])
     assert doctor.exit_code == 0, doctor.output
-    out = tmp_path / "out"
     sweep = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
     assert sweep.exit_code == 0, sweep.output
     with xr.open_dataset(out / "cube.nc") as cube:

@@ -348,7 +348,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "model": ds.attrs.get("model"),
         # Which runs and GPUs the cells came from: the sweep's sessions (each run of `dvfs
         # sweep` that measured; a merge sums its cubes'), and the GPUs that measured.
-        "sessions": _count(ds.attrs.get("sessions")),
+        "sessions": _sessions(ds),
         "gpu_uuids": gpu_uuids(ds),
         "dims": {d: int(ds.sizes[d]) for d in ("gpu", *CELL_DIMS) if d in ds.sizes},
         # Numbers as numbers (as text, "980" sorted after "1980"), the string axes as text.
@@ -403,6 +403,18 @@ def _attr_json(ds: xr.Dataset, key: str) -> Any:
         return json.loads(str(ds.attrs.get(key) or "null"))
     except ValueError:
         return None
+
+
+def _sessions(ds: xr.Dataset) -> int | None:
+    """The runs of `dvfs sweep` that measured the cube: its own count, or, for a cube merged
+    across GPUs (which keeps each source's in `merged_from`), the sum of its sources'; None
+    where a source records none."""
+    own = _count(ds.attrs.get("sessions"))
+    sources = _sources(ds)
+    if own is not None or not sources:
+        return own
+    counts = [_count(source.get("sessions")) for source in sources.values()]
+    return None if None in counts else sum(c for c in counts if c is not None)
 
 
 def _count(value: Any) -> int | None:

@@ -366,12 +366,18 @@ def per_gpu_documents(room: dict[str, Any], names: dict[str, str]) -> list[dict[
 
 
 def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str, ...]]:
-    from dvfs.caps.planning import NOISE_NOTE, plan_caps
+    from dvfs.caps.files import is_twin_name
+    from dvfs.caps.planning import NOISE_NOTE, plan_caps, twin_model
     from dvfs.errors import CapsError
 
     group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
     lead = (str(batch), drafter)
-    label = room["gpu"]["uuids"][0][:16] if len(room["gpu"]["uuids"]) == 1 else "-"
+    gpu = room["gpu"]
+    if gpu.get("backend") == "twin" or is_twin_name(gpu.get("name")):
+        # Simulated caps name the GPU model, not the twin's made-up UUIDs: as a capped row does
+        label = f"every {twin_model(gpu.get('name'))}"
+    else:
+        label = gpu["uuids"][0][:16] if len(gpu["uuids"]) == 1 else "-"
     if any(not r["feasible"] for r in group):
         # The headroom table's reason for each corpus without an answer, and its advice.
         from dvfs.report.reasons import no_answer_groups
