@@ -524,6 +524,45 @@ def test_a_variable_set_before_a_container_run_reaches_it_only_where_passed(
     )
 
 
+def test_gpus_wins_over_nvidia_visible_devices_and_nv_gpu(nv: ModuleType, tmp_path: Path) -> None:
+    """`docker run --gpus device=GPU-<metered> -e NVIDIA_VISIBLE_DEVICES=GPU-<other> IMG` (NV_GPU
+    for nvidia-docker alike) was refused as giving the container the other GPU. The daemon
+    appends NVIDIA_VISIBLE_DEVICES=<--gpus's> to the container's environment after the one `-e`
+    gives, and the NVIDIA runtime hook reads the last of a name (or CDI sets it to void): the
+    container has the GPUs `--gpus` names. Pinned by it; refused where it names another."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    pinned = (
+        f"ok server GPUs: the server is pinned to {metered} (the container's --gpus "
+        f"device={metered})"
+    )
+    for number, (flags, before, engine) in enumerate(
+        (
+            (
+                ("--gpus", f"device={metered}", "-e", f"NVIDIA_VISIBLE_DEVICES={other}"),
+                (),
+                "docker",
+            ),
+            ((f"--env=NVIDIA_VISIBLE_DEVICES={other}", f"--gpus=device={metered}"), (), "docker"),
+            (("--gpus", f"device={metered}"), ("env", f"NV_GPU={other}"), "nvidia-docker"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *flags, before=before, engine=engine)
+        checked = _doctor(path, env)
+        assert checked.returncode == 0, checked.stdout
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    server = _swept_server(path, tmp_path / "out", env)
+    assert server["gpu_pinning"] == f"verified: GPU 1 ({metered})"
+    path = container_campaign(
+        tmp_path / "other", "--gpus", f"device={other}", "-e", f"NVIDIA_VISIBLE_DEVICES={metered}"
+    )
+    _refused(
+        _doctor(path, env),
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"device={other}, other GPUs than the metered {metered}",
+    )
+
+
 def test_nvidia_visible_devices_set_inside_a_container_is_not_its_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:

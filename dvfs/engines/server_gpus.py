@@ -191,6 +191,8 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     joined = [re.sub(r",\s+", ",", token) for token in command]
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        if name.startswith("NVIDIA") and _gpus_given(joined):
+            continue  # `--gpus` sets the container's own, after `-e`'s and NV_GPU's
         value, filed = _server_sees(joined, name)
         nv_gpu, nv_from = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else (None, "")
         if nv_gpu is not None:  # nvidia-docker's `-e NVIDIA_VISIBLE_DEVICES=...`, before ours
@@ -242,6 +244,42 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     if not _passes_cuda_uuids(joined):
         return found
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+
+
+def _gpus_given(command: Sequence[str]) -> bool:
+    """Whether a container run is given GPUs by `--gpus` before its image (not `--gpus 0`,
+    which gives none): the daemon appends NVIDIA_VISIBLE_DEVICES=<them> to the container's
+    environment after what `-e`, `--env-file`, nvidia-docker's NV_GPU or the image set
+    (moby's daemon/devices_nvidia_linux.go, injectNVIDIARuntimeHook, after
+    withCommonOptions's environment in daemon/oci_linux.go), and the NVIDIA runtime hook
+    reads the last of a name (nvidia-container-toolkit's internal/config/image/builder.go,
+    WithEnv); through CDI, the spec's NVIDIA_VISIBLE_DEVICES=void replaces the container's
+    (its pkg/nvcdi/wrapper.go). The container has the GPUs `--gpus` names, whatever
+    NVIDIA_VISIBLE_DEVICES it is given."""
+    run = _container_run(command)
+    if run is None:
+        return False
+    options = command[run[1] : _image_index(command, run[1])]
+    for index, token in enumerate(options):
+        flag, equals, value = token.partition("=")
+        if flag != "--gpus" or not (equals or index + 1 < len(options)):
+            continue
+        value = (value if equals else options[index + 1]).strip("'\"")
+        if value not in ("0", "count=0"):
+            return True
+    return False
+
+
+def _image_index(command: Sequence[str], after: int) -> int:
+    """The index of a container run's image, the first word after `run` (at `after`) that is
+    neither an option nor an option's value: an option without `=` is taken to take the next
+    word (`-v /ssh`, `-w /srv`), which is at worst the image; `len(command)` where none."""
+    later, value = after, False  # the word is the value of the option before it
+    while later < len(command) and (value or command[later].startswith("-")):
+        word = command[later]
+        value = word.startswith("-") and "=" not in word and word != "--"
+        later += 1
+    return later
 
 
 def _nv_gpu(command: Sequence[str], campaign: Campaign) -> tuple[str | None, str]:
