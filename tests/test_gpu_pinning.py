@@ -1429,6 +1429,48 @@ def test_a_container_options_path_ending_in_a_launchers_name_is_no_launcher(
     assert "drops CUDA_VISIBLE_DEVICES (sudo without -E, unless its sudoers keeps it)" in output
 
 
+def test_a_directory_ending_in_a_launchers_name_is_no_launcher(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """A directory ending in `/ssh` or `/sudo` outside a container's options was read as that
+    program: `bash -lc 'cd /srv/ssh && exec "$@"'`, `srun -D /srv/ssh`, `env --chdir
+    /srv/sudo` said the server runs "through ssh ..." or that sudo drops CUDA_VISIBLE_DEVICES,
+    beside srun's own `--gpus` warning too. `cd`'s argument, the value of an option of srun,
+    env or sudo, and an option word are no program: pinned; an ssh the line runs is still
+    read."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    launchers = {}
+    for name in ("srun", "sudo"):
+        launchers[name] = tmp_path / name
+        launchers[name].write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts none
+        launchers[name].chmod(0o755)
+    srun, sudo = str(launchers["srun"]), str(launchers["sudo"])
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, wrapper in enumerate(
+        (
+            ("bash", "-lc", 'cd /srv/ssh && exec "$@"', "bash"),
+            (srun, "-D", "/srv/ssh"),
+            (srun, "-D/srv/ssh"),
+            (srun, "-lF", "/srv/ssh"),
+            (srun, "--chdir", "/srv/sudo"),
+            ("env", "--chdir", "/srv/sudo"),
+            ("env", "-C", "/srv/ssh"),
+            (sudo, "-E", "--chdir", "/srv/ssh"),
+        )
+    ):
+        checked = _doctor(observed_campaign(tmp_path / f"c{number}", wrapper), env)
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = observed_campaign(tmp_path / "gpus", (srun, "--gpus=1", "-D", "/srv/ssh"))
+    output = _doctor_warns(path, env)
+    assert f"gives srun --gpus 1 in place of the metered {metered}" in output, output
+    assert "through ssh" not in output, output
+    path = observed_campaign(
+        tmp_path / "ssh", ("bash", "-lc", 'cd /srv/ssh && exec ssh gpu-host "$@"', "bash")
+    )
+    assert "runs the server through ssh gpu-host" in _doctor_warns(path, env)
+
+
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(
     nv: ModuleType, tmp_path: Path
 ) -> None:

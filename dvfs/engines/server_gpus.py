@@ -473,8 +473,73 @@ def _drop_reaches_server(command: Sequence[str], at: int) -> bool:
 def _program(token: str) -> str:
     """The program a command word names (`/usr/bin/ssh`: "ssh"); "" for a word that is an
     option's value naming none: a mount's `SRC:DST` (`-v /x:/ssh`), a setting (`--volume=...`,
-    `NAME=VALUE`)."""
-    return "" if ":" in token or "=" in token else token.rsplit("/", 1)[-1]
+    `NAME=VALUE`), or an option (`-D/srv/ssh`)."""
+    if ":" in token or "=" in token or token.startswith("-"):
+        return ""
+    return token.rsplit("/", 1)[-1]
+
+
+#: srun's options that take the next word (`-D DIR`, `--chdir DIR`): short letters (those
+#: of Slurm's src/common/slurm_opt.c with a required argument), and the long names, those
+#: a path or a list may follow, a value may follow as a word of its own.
+SRUN_ARGUMENT_OPTIONS = "ABbCcDdeFGiJLMmNnopqrSTtWwx"
+SRUN_LONG_ARGUMENT_OPTIONS = (
+    "--account",
+    "--chdir",
+    "--constraint",
+    "--container",
+    "--container-image",
+    "--container-mounts",
+    "--container-workdir",
+    "--cpus-per-task",
+    "--error",
+    "--exclude",
+    "--gpus",
+    "--gpus-per-node",
+    "--gpus-per-task",
+    "--gres",
+    "--input",
+    "--job-name",
+    "--mem",
+    "--nodelist",
+    "--nodes",
+    "--ntasks",
+    "--output",
+    "--partition",
+    "--qos",
+    "--time",
+)
+
+#: env's options that take the next word (`-C DIR`, `--chdir DIR`, `-u NAME`, `-S LINE`).
+ENV_ARGUMENT_OPTIONS = "uCS"
+ENV_LONG_ARGUMENT_OPTIONS = ("--unset", "--chdir", "--split-string")
+
+#: The shell's builtins whose argument is a directory, no program (`cd /srv/ssh`).
+DIRECTORY_BUILTINS = ("cd", "pushd")
+
+
+def _option_values(command: Sequence[str], index: int, short: str, long: Sequence[str]) -> set[int]:
+    """The indices of the words that are the values of the options of the launcher at
+    `command[index]` (`srun -D /srv/ssh`: that of /srv/ssh), its options taking one where
+    `short` holds its letter (`-D DIR`; none where attached, `-D/srv`) or `long` its name
+    (`--chdir DIR`; none where given with `=`)."""
+    values = set()
+    later = index + 1
+    while later < len(command) and command[later].startswith("-") and command[later] != "--":
+        option = command[later]
+        takes = False
+        if option.startswith("--"):
+            name, equals, _ = option.partition("=")
+            takes = name in long and not equals
+        for at, letter in enumerate("" if option.startswith("--") else option[1:], start=1):
+            if letter in short:
+                takes = not option[at + 1 :]  # its argument, attached or the next word
+                break
+        if takes and later + 1 < len(command):
+            values.add(later + 1)
+            later += 1
+        later += 1
+    return values
 
 
 def _programs(command: Sequence[str]) -> list[str]:
@@ -482,8 +547,20 @@ def _programs(command: Sequence[str]) -> list[str]:
     run's option before its image too, a path whose last part names a program among them
     (`docker run -v /ssh`, `--tmpfs /run/sudo`, `-w /srv/env -i`): an option without `=` is
     taken to take the next word, which is at worst the image, never the command it runs.
-    `--entrypoint`'s is a program the container runs."""
+    `--entrypoint`'s is a program the container runs. Nor is `cd`'s argument (`cd /srv/ssh`),
+    or the value of an option of srun, env or sudo (`srun -D /srv/ssh`, `env --chdir
+    /srv/sudo`), or an option word (`-D/srv/ssh`)."""
     programs = [_program(token) for token in command]
+    for index in range(len(command)):
+        if programs[index] in DIRECTORY_BUILTINS and index + 1 < len(command):
+            programs[index + 1] = ""
+        taking = {
+            "srun": (SRUN_ARGUMENT_OPTIONS, SRUN_LONG_ARGUMENT_OPTIONS),
+            "env": (ENV_ARGUMENT_OPTIONS, ENV_LONG_ARGUMENT_OPTIONS),
+            "sudo": (SUDO_ARGUMENT_OPTIONS, SUDO_LONG_ARGUMENT_OPTIONS),
+        }.get(programs[index])
+        for value in _option_values(command, index, *taking) if taking else ():
+            programs[value] = ""
     run = _container_run(command)
     later = len(command) if run is None else run[1]
     value = False  # the word is the value of the option before it
