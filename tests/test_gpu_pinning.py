@@ -563,6 +563,40 @@ def test_gpus_wins_over_nvidia_visible_devices_and_nv_gpu(nv: ModuleType, tmp_pa
     )
 
 
+def test_nvidia_visible_devices_with_no_container_is_warned_of_not_refused(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env NVIDIA_VISIBLE_DEVICES=GPU-<other> python -m sglang.launch_server`, no container on
+    the command line, was refused as giving "its container" the other GPU, and the sweep
+    refused the server: CUDA does not read NVIDIA_VISIBLE_DEVICES, only a container runtime
+    does (enroot, apptainer --nv, srun's pyxis), so the server runs on the metered GPU dvfs
+    hands it as CUDA_VISIBLE_DEVICES. Doctor warns, saying why, unless it names the metered
+    GPU; the sweep starts the server, verified on the metered GPU."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    paths = []
+    for number, value in enumerate((other, "0")):
+        wrapper = ("env", f"NVIDIA_VISIBLE_DEVICES={value}")
+        paths.append(path := observed_campaign(tmp_path / f"c{number}", wrapper))
+        output = _doctor_warns(path, env)
+        assert (
+            f"engine.sglang.server_command sets NVIDIA_VISIBLE_DEVICES={value} with no container "
+            "run on its command line, which CUDA does not read: the server runs on the "
+            f"CUDA_VISIBLE_DEVICES dvfs hands it (the metered {metered}) unless what it runs "
+            "starts a container (enroot, apptainer --nv, srun's pyxis)"
+        ) in output, output
+        assert (
+            "remove NVIDIA_VISIBLE_DEVICES from server_command, or name the metered GPUs there "
+            "by UUID: outside a container dvfs pins the server by CUDA_VISIBLE_DEVICES"
+        ) in output, output
+    server = _swept_server(paths[0], tmp_path / "out", env)
+    assert server["gpu_pinning"] == f"verified: GPU 1 ({metered})"
+    path = observed_campaign(tmp_path / "metered", ("env", f"NVIDIA_VISIBLE_DEVICES={metered}"))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_nvidia_visible_devices_set_inside_a_container_is_not_its_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -104,6 +104,12 @@ class WrapperGpus:
     #: The --env-file its setting is read from (`setting`: "CUDA_VISIBLE_DEVICES=... in
     #: --env-file FILE"); "" where the command line says it.
     filed: str = ""
+    #: NVIDIA_VISIBLE_DEVICES set with no container run on the command line (`env
+    #: NVIDIA_VISIBLE_DEVICES=... python ...`): CUDA does not read it, only a container
+    #: runtime does (enroot's hooks/98-nvidia.sh, apptainer's --nv with nvidia-container-cli,
+    #: through srun's pyxis too), as it starts a container, which server_command may start
+    #: out of sight. Never refused; said where it does not name the metered GPUs by UUID.
+    uncontained: bool = False
 
     @property
     def judged(self) -> bool:
@@ -119,6 +125,10 @@ class WrapperGpus:
         container passed CUDA_VISIBLE_DEVICES by UUID: them, and others or not)."""
         if self.among:
             return all(any(names_gpu(e, u) for e in self.entries) for u in gpu_uuids)
+        if self.uncontained:  # any metered GPUs (a fleet's, each worker's among them)
+            return bool(gpu_uuids) and all(
+                any(names_gpu(e, u) for u in gpu_uuids) for e in self.entries
+            )
         if not self.container:
             return len(self.entries) == len(gpu_uuids) and all(
                 names_gpu(e, u) for e, u in zip(self.entries, gpu_uuids, strict=True)
@@ -129,6 +139,15 @@ class WrapperGpus:
 
     def unjudged(self, metered: str) -> str:
         """What it does, not judged, in words: "sets CUDA_VISIBLE_DEVICES=0 in place of ..."."""
+        if self.uncontained:
+            return (
+                f"sets {self.setting} with no container run on its command line, which CUDA "
+                "does not read: the server runs on the CUDA_VISIBLE_DEVICES dvfs hands it "
+                f"(the metered {metered}) unless what it runs starts a container (enroot, "
+                "apptainer --nv, srun's pyxis), whose runtime reads it and gives the container "
+                "those GPUs, and the server fails where they lack the metered ones, which dvfs "
+                "cannot check"
+            )
         if self.unpassed and self.setting.endswith(" exec"):
             return (
                 f"runs the server in a container made before ({self.setting}), not passed "
@@ -205,7 +224,17 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         if entries:
             setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
             setting = f"NV_GPU={nv_gpu}{nv_from}" if nv_gpu is not None else setting
-            found.append(WrapperGpus(setting, entries, name.startswith("NVIDIA"), filed=filed))
+            runtime = name.startswith("NVIDIA")  # a container runtime's; not CUDA's
+            uncontained = runtime and _container_run(joined) is None
+            found.append(
+                WrapperGpus(
+                    setting,
+                    entries,
+                    runtime and not uncontained,
+                    filed=filed,
+                    uncontained=uncontained,
+                )
+            )
     devices = []
     for index, token in enumerate(command):
         flag, equals, value = token.partition("=")
@@ -937,7 +966,7 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
             "keeps the CUDA_VISIBLE_DEVICES dvfs hands the server with -i too"
         )
     for given in wrapper_gpus(campaign):
-        if not given.judged or given.names(gpu_uuids):
+        if not given.judged or given.names(gpu_uuids) or given.uncontained:
             continue
         if not given.container:
             raise EngineError(
@@ -962,14 +991,28 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
         )
 
 
-def unjudged_wrapper_devices(campaign: Campaign, metered: str = "GPUs' UUIDs") -> str | None:
+def _unjudged(campaign: Campaign, gpu_uuids: Sequence[str]) -> list[WrapperGpus]:
+    """What `unjudged_wrapper_devices` says (`wrapper_gpus`): those not named by UUID, and an
+    NVIDIA_VISIBLE_DEVICES with no container (`uncontained`) not naming the metered
+    `gpu_uuids` (any, where none are given)."""
+    return [
+        g
+        for g in wrapper_gpus(campaign)
+        if not g.judged or (g.uncontained and not g.names(gpu_uuids))
+    ]
+
+
+def unjudged_wrapper_devices(
+    campaign: Campaign, metered: str = "GPUs' UUIDs", gpu_uuids: Sequence[str] = ()
+) -> str | None:
     """What a server_command wrapper gives the server in place of the metered GPUs where
     `check_wrapper_visible_devices` cannot judge it (`wrapper_gpus` not named by UUID: an
     index, which inside a container counts the container's GPUs, on this host NVML's or
     CUDA's; a container's `all` or count), in words ("engine.sglang.server_command sets
-    CUDA_VISIBLE_DEVICES=0 in place of the metered GPU-..., an index dvfs cannot check");
-    None where it gives none, or only GPUs judged."""
-    said = [g.unjudged(metered) for g in wrapper_gpus(campaign) if not g.judged]
+    CUDA_VISIBLE_DEVICES=0 in place of the metered GPU-..., an index dvfs cannot check"),
+    and an NVIDIA_VISIBLE_DEVICES with no container not naming the metered `gpu_uuids`
+    (`_unjudged`); None where it gives none, or only GPUs judged."""
+    said = [g.unjudged(metered) for g in _unjudged(campaign, gpu_uuids)]
     return "engine.sglang.server_command " + " and ".join(said) if said else None
 
 
@@ -989,10 +1032,15 @@ def pinned_by(campaign: Campaign) -> str:
     return "; ".join(by)
 
 
-def unjudged_remedy(campaign: Campaign) -> str:
+def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
     """What to do about what `unjudged_wrapper_devices` says, for doctor's warning: a container
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
-    unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
+    unjudged = _unjudged(campaign, gpu_uuids)
+    if unjudged and all(g.uncontained for g in unjudged):
+        return (
+            "remove NVIDIA_VISIBLE_DEVICES from server_command, or name the metered GPUs there "
+            "by UUID: outside a container dvfs pins the server by CUDA_VISIBLE_DEVICES"
+        )
     if unjudged and all(g.unpassed for g in unjudged):
         if any(g.setting.endswith(" exec") for g in unjudged):
             return (
