@@ -937,6 +937,48 @@ def test_an_nv_gpu_refused_says_where_it_is_set_and_to_unset_it(
     _refused(_doctor(path, {**env, "NV_GPU": other}), said.format("from dvfs's environment"))
 
 
+def test_a_bare_e_nvidia_visible_devices_passes_the_environments(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker run -e NVIDIA_VISIBLE_DEVICES IMG` passes the container the value of the
+    environment docker is started with: engine.sglang.env's, or dvfs's own. dvfs read it only
+    from the command line (`env NVIDIA_VISIBLE_DEVICES=... docker run`): another GPU's UUID
+    in dvfs's environment was warned of as a container "not passed CUDA_VISIBLE_DEVICES",
+    though the server runs on that GPU. Refused, naming where it is set; the metered UUID
+    pinned; dropped before docker (`env -i`), warned of as before."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    said = (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container "
+        f"NVIDIA_VISIBLE_DEVICES={other} {{}}, other GPUs than the metered {metered}: the "
+        "server would run where dvfs does not meter; give it the metered GPU(s) by UUID instead "
+        f"({metered}), or pass it no NVIDIA_VISIBLE_DEVICES and pass the container dvfs's own "
+        "CUDA_VISIBLE_DEVICES"
+    )
+    path = container_campaign(tmp_path / "own", "-e", "NVIDIA_VISIBLE_DEVICES")
+    own = {**env, "NVIDIA_VISIBLE_DEVICES": other}
+    _refused(_doctor(path, own), said.format("from dvfs's environment"))
+    path = container_campaign(tmp_path / "campaign", "-e", "NVIDIA_VISIBLE_DEVICES")
+    text = path.read_text()
+    path.write_text(text.replace("env = { ", f'env = {{ NVIDIA_VISIBLE_DEVICES = "{other}", ', 1))
+    _refused(
+        _doctor(path, {**env, "NVIDIA_VISIBLE_DEVICES": metered}),
+        said.format("from engine.sglang.env"),
+    )
+    path = container_campaign(tmp_path / "metered", "-e", "NVIDIA_VISIBLE_DEVICES")
+    checked = _doctor(path, {**env, "NVIDIA_VISIBLE_DEVICES": metered})
+    pinned = (
+        f"ok server GPUs: the server is pinned to {metered} (the container's "
+        f"NVIDIA_VISIBLE_DEVICES={metered} from dvfs's environment)"
+    )
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(
+        tmp_path / "dropped", "-e", "NVIDIA_VISIBLE_DEVICES", before=("env", "-i", "PATH=/usr/bin")
+    )
+    output = _doctor_warns(path, own)
+    assert "starts a container (docker run) not passed CUDA_VISIBLE_DEVICES" in output, output
+
+
 def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
     """`docker run --env-file FILE` passes the container FILE's variables as `-e` does, but
     dvfs did not read it: a file passing CUDA_VISIBLE_DEVICES (dvfs's own, or the metered UUID)

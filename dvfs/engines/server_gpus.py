@@ -212,17 +212,19 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         if name.startswith("NVIDIA") and _gpus_given(joined):
             continue  # `--gpus` sets the container's own, after `-e`'s and NV_GPU's
-        value, filed = _server_sees(joined, name)
+        # A container passed the host's (`-e NVIDIA_VISIBLE_DEVICES`) has the environment's
+        handed = _handed(joined, campaign, name) if name.startswith("NVIDIA") else None
+        value, filed, where = _server_sees(joined, name, handed)
         nv_gpu, nv_from = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else (None, "")
         if nv_gpu is not None:  # nvidia-docker's `-e NVIDIA_VISIBLE_DEVICES=...`, before ours
             run = _container_run(joined)
             after = run[1] if run is not None else len(joined)
             given = [*joined[:after], "-e", f"{name}={nv_gpu}", *joined[after:]]
-            sees, filed = _server_sees(given, name)
+            sees, filed, where = _server_sees(given, name, handed)
             value, nv_gpu = sees, (nv_gpu if sees != value else None)
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
-            setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
+            setting = f"{name}={value}{where}" + (f" in --env-file {filed}" if filed else "")
             setting = f"NV_GPU={nv_gpu}{nv_from}" if nv_gpu is not None else setting
             runtime = name.startswith("NVIDIA")  # a container runtime's; not CUDA's
             uncontained = runtime and _container_run(joined) is None
@@ -321,25 +323,36 @@ def _nv_gpu(command: Sequence[str], campaign: Campaign) -> tuple[str | None, str
     given (NVIDIA/nvidia-docker's `nvidia-docker` script); None where it is not run so, or
     NV_GPU is unset or empty. With it, where it is set, in words for the setting that names
     it: "" on the command line, " from engine.sglang.env", " from dvfs's environment"."""
+    run = _container_run(command)
+    if run is None or run[0] != "nvidia-docker run":
+        return None, ""
+    value, where = _handed(command, campaign, "NV_GPU")
+    return (value.replace(" ", ","), where) if value and value.strip() else (None, "")
+
+
+def _handed(command: Sequence[str], campaign: Campaign, variable: str) -> tuple[str | None, str]:
+    """The value of `variable` in the environment the container engine of `command`
+    (`_engine_index`) is started with: the one dvfs hands the wrapper (engine.sglang.env's,
+    else dvfs's own), set on the command line before the engine (`env NAME=...`), dropped
+    there by an `env -i`, `env -u NAME` or a sudo resetting the environment (`_sudo_drops`);
+    None where unset. With where it is set, in words: "" on the command line, " from
+    engine.sglang.env", " from dvfs's environment"."""
     import os
 
     from dvfs.records.session import command_env
 
-    run = _container_run(command)
-    if run is None or run[0] != "nvidia-docker run":
-        return None, ""
     before = command[: _engine_index(command)]
-    value = dict(campaign.engine.sglang.env).get("NV_GPU")
+    value = dict(campaign.engine.sglang.env).get(variable)
     where = " from engine.sglang.env"
     if value is None:
-        value, where = os.environ.get("NV_GPU"), " from dvfs's environment"
+        value, where = os.environ.get(variable), " from dvfs's environment"
     for index, token in enumerate(before):
         drops = {"sudo": _sudo_drops, "env": _env_drops}.get(_program(token))
-        if drops is not None and drops(before, index, "NV_GPU") is not None:
+        if drops is not None and drops(before, index, variable) is not None:
             value = None
-        assigned = command_env([token], keep={"NV_GPU"}.__contains__)
-        value, where = (assigned["NV_GPU"], "") if "NV_GPU" in assigned else (value, where)
-    return (value.replace(" ", ","), where) if value and value.strip() else (None, "")
+        assigned = command_env([token], keep={variable}.__contains__)
+        value, where = (assigned[variable], "") if variable in assigned else (value, where)
+    return value, where
 
 
 #: The shells whose `-c LINE` (`bash -lc LINE`) runs a line of words: `sh -c 'docker run ...'`.
@@ -431,14 +444,18 @@ def _expanded(line: list[str], before: Sequence[str]) -> list[str]:
     return words
 
 
-def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
+def _server_sees(
+    command: Sequence[str], name: str, handed: tuple[str | None, str] | None = None
+) -> tuple[str | None, str, str]:
     """The value of `name` the wrapper's command line gives the server, None where it sets none
     (it has dvfs's, or a container none): outside a container the last set (`command_env`);
     for a container run, what it is given (`-e NAME=VALUE`; CUDA_VISIBLE_DEVICES set inside
     it too, `IMG env NAME=...`, but not NVIDIA_VISIBLE_DEVICES, which the NVIDIA runtime
     reads as the container starts), else the host's, set before the run, only where it is
     passed that (`-e NAME`, `--env-host`): `env NAME=... docker run` gives the container none
-    of it. With it, the --env-file it is read from ("" where none)."""
+    of it. The host's is `handed` (`_handed`: with where it is set) where given, else what
+    the command line sets before the run. With it, the --env-file it is read from ("" where
+    none), and where the host's is set (`_handed`'s words; "" for what the run sets)."""
     from dvfs.records.session import command_env
 
     def keep(key: str) -> bool:
@@ -446,29 +463,29 @@ def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
 
     run = _container_run(command)
     if run is None:
-        return command_env(command, keep=keep).get(name), ""
+        return command_env(command, keep=keep).get(name), "", ""
     start, after = _engine_index(command), run[1]
     rest = command[after:]
     # `IMG env NAME=...` sets it inside: CUDA_VISIBLE_DEVICES for CUDA there, but never the
     # container's GPUs, which the NVIDIA runtime gave it from its environment at its start
     inside = command_env(_without_env_flags(rest), keep=keep)
     if name in inside and name == "CUDA_VISIBLE_DEVICES":
-        return inside[name], ""
-    host = command_env(command[:start], keep=keep).get(name)
+        return inside[name], "", ""
+    host, where = handed or (command_env(command[:start], keep=keep).get(name), "")
     passed = [given.partition("=") for given in _container_env(rest, files=False)]
     passed = [given for given in passed if given[0] == name]
     if passed:  # the last `-e NAME[=VALUE]` wins, over an --env-file's too
         _, equals, value = passed[-1]
-        return (value if equals else host), ""
+        return (value, "", "") if equals else (host, "", where)
     filed: dict[str, tuple[str | None, str]] = {}
     for path, line in _env_file_lines(rest):
         key, equals, value = line.partition("=")
         filed[key] = (value if equals else None, path)
     if name in filed and filed[name][0] is not None:
-        return filed[name]
+        return filed[name][0], filed[name][1], ""
     if _env_host(rest) or name in filed:  # a file's bare NAME: the host's, as `-e NAME`
-        return host, ""
-    return None, ""
+        return host, "", where
+    return None, "", ""
 
 
 def _launcher_of(command: Sequence[str], index: int) -> str | None:
@@ -983,6 +1000,8 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
                 f"({metered})"
             )
         unset = "unset NV_GPU and " if given.setting.startswith("NV_GPU=") else ""
+        if given.setting.endswith(("from engine.sglang.env", "from dvfs's environment")):
+            unset = unset or "pass it no NVIDIA_VISIBLE_DEVICES and "
         raise EngineError(
             f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
             f"than the metered {metered}: the server would run where dvfs does not meter; "
