@@ -1355,6 +1355,24 @@ def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
         assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
+def test_sudos_chroot_and_auth_type_take_a_word(nv: ModuleType, tmp_path: Path) -> None:
+    """sudo's `-R DIR` (`--chroot DIR`) and `-a TYPE` (`--auth-type TYPE`) take the next word
+    (sudo's parse_args.c), but dvfs read that word as sudo's command, the options after it
+    unread: `sudo -R /srv/jail -E python ...` was warned of as "sudo without -E" dropping
+    CUDA_VISIBLE_DEVICES. Their values are skipped: -E keeps it, pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    sudo = tmp_path / "sudo"
+    sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    sudo.chmod(0o755)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, options in enumerate(
+        (("-R", "/srv/jail", "-E"), ("--chroot", "/srv/ssh", "-E"), ("-a", "pam", "-E"))
+    ):
+        checked = _doctor(observed_campaign(tmp_path / f"c{number}", (str(sudo), *options)), env)
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -707,8 +707,9 @@ def _remote(command: Sequence[str]) -> str | None:
     return None
 
 
-#: sudo's options that take the next argument (`-u USER`), short and long (`--user USER`).
-SUDO_ARGUMENT_OPTIONS = "ugCDprtTUc"
+#: sudo's options that take the next argument (`-u USER`), short and long (`--user USER`):
+#: those of sudo_short_opts and long_opts with a required argument (sudo's src/parse_args.c).
+SUDO_ARGUMENT_OPTIONS = "ugCDprtTUcaR"
 SUDO_LONG_ARGUMENT_OPTIONS = (
     "--user",
     "--group",
@@ -721,6 +722,8 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
     "--command-timeout",
     "--other-user",
     "--login-class",
+    "--chroot",
+    "--auth-type",
 )
 
 
