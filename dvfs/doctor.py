@@ -411,11 +411,12 @@ def _gpu_checks(
                         pinned.append(",".join(uuids))
                     servers = "the server is" if len(pinned) == 1 else "the servers are"
                     # As the sweep's server record says it (`SglangEngine._check_pinning`).
-                    said = unjudged_wrapper_devices(campaign, "; ".join(pinned))
+                    metered = [g.identity.uuid for group in by_group for g in group]
+                    said = unjudged_wrapper_devices(campaign, "; ".join(pinned), metered)
                     if said is not None:  # it replaces the UUIDs dvfs hands the wrapper
                         return WARN, (
                             f"{said}: the sweep stops the server only where NVML lists it on "
-                            f"another GPU; {unjudged_remedy(campaign)}"
+                            f"another GPU; {unjudged_remedy(campaign, metered)}"
                         )
                     return OK, f"{servers} pinned to {'; '.join(pinned)} ({pinned_by(campaign)})"
 

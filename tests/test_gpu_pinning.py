@@ -524,6 +524,79 @@ def test_a_variable_set_before_a_container_run_reaches_it_only_where_passed(
     )
 
 
+def test_gpus_wins_over_nvidia_visible_devices_and_nv_gpu(nv: ModuleType, tmp_path: Path) -> None:
+    """`docker run --gpus device=GPU-<metered> -e NVIDIA_VISIBLE_DEVICES=GPU-<other> IMG` (NV_GPU
+    for nvidia-docker alike) was refused as giving the container the other GPU. The daemon
+    appends NVIDIA_VISIBLE_DEVICES=<--gpus's> to the container's environment after the one `-e`
+    gives, and the NVIDIA runtime hook reads the last of a name (or CDI sets it to void): the
+    container has the GPUs `--gpus` names. Pinned by it; refused where it names another."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    pinned = (
+        f"ok server GPUs: the server is pinned to {metered} (the container's --gpus "
+        f"device={metered})"
+    )
+    for number, (flags, before, engine) in enumerate(
+        (
+            (
+                ("--gpus", f"device={metered}", "-e", f"NVIDIA_VISIBLE_DEVICES={other}"),
+                (),
+                "docker",
+            ),
+            ((f"--env=NVIDIA_VISIBLE_DEVICES={other}", f"--gpus=device={metered}"), (), "docker"),
+            (("--gpus", f"device={metered}"), ("env", f"NV_GPU={other}"), "nvidia-docker"),
+        )
+    ):
+        path = container_campaign(tmp_path / f"c{number}", *flags, before=before, engine=engine)
+        checked = _doctor(path, env)
+        assert checked.returncode == 0, checked.stdout
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    server = _swept_server(path, tmp_path / "out", env)
+    assert server["gpu_pinning"] == f"verified: GPU 1 ({metered})"
+    path = container_campaign(
+        tmp_path / "other", "--gpus", f"device={other}", "-e", f"NVIDIA_VISIBLE_DEVICES={metered}"
+    )
+    _refused(
+        _doctor(path, env),
+        f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+        f"device={other}, other GPUs than the metered {metered}",
+    )
+
+
+def test_nvidia_visible_devices_with_no_container_is_warned_of_not_refused(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`env NVIDIA_VISIBLE_DEVICES=GPU-<other> python -m sglang.launch_server`, no container on
+    the command line, was refused as giving "its container" the other GPU, and the sweep
+    refused the server: CUDA does not read NVIDIA_VISIBLE_DEVICES, only a container runtime
+    does (enroot, apptainer --nv, srun's pyxis), so the server runs on the metered GPU dvfs
+    hands it as CUDA_VISIBLE_DEVICES. Doctor warns, saying why, unless it names the metered
+    GPU; the sweep starts the server, verified on the metered GPU."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    paths = []
+    for number, value in enumerate((other, "0")):
+        wrapper = ("env", f"NVIDIA_VISIBLE_DEVICES={value}")
+        paths.append(path := observed_campaign(tmp_path / f"c{number}", wrapper))
+        output = _doctor_warns(path, env)
+        assert (
+            f"engine.sglang.server_command sets NVIDIA_VISIBLE_DEVICES={value} with no container "
+            "run on its command line, which CUDA does not read: the server runs on the "
+            f"CUDA_VISIBLE_DEVICES dvfs hands it (the metered {metered}) unless what it runs "
+            "starts a container (enroot, apptainer --nv, srun's pyxis)"
+        ) in output, output
+        assert (
+            "remove NVIDIA_VISIBLE_DEVICES from server_command, or name the metered GPUs there "
+            "by UUID: outside a container dvfs pins the server by CUDA_VISIBLE_DEVICES"
+        ) in output, output
+    server = _swept_server(paths[0], tmp_path / "out", env)
+    assert server["gpu_pinning"] == f"verified: GPU 1 ({metered})"
+    path = observed_campaign(tmp_path / "metered", ("env", f"NVIDIA_VISIBLE_DEVICES={metered}"))
+    checked = _doctor(path, env)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_nvidia_visible_devices_set_inside_a_container_is_not_its_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -862,6 +935,48 @@ def test_an_nv_gpu_refused_says_where_it_is_set_and_to_unset_it(
     _refused(_doctor(path, env), said.format("from engine.sglang.env"))
     path = container_campaign(tmp_path / "own", engine="nvidia-docker")
     _refused(_doctor(path, {**env, "NV_GPU": other}), said.format("from dvfs's environment"))
+
+
+def test_a_bare_e_nvidia_visible_devices_passes_the_environments(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker run -e NVIDIA_VISIBLE_DEVICES IMG` passes the container the value of the
+    environment docker is started with: engine.sglang.env's, or dvfs's own. dvfs read it only
+    from the command line (`env NVIDIA_VISIBLE_DEVICES=... docker run`): another GPU's UUID
+    in dvfs's environment was warned of as a container "not passed CUDA_VISIBLE_DEVICES",
+    though the server runs on that GPU. Refused, naming where it is set; the metered UUID
+    pinned; dropped before docker (`env -i`), warned of as before."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    said = (
+        f"FAIL server GPUs: engine.sglang.server_command gives its container "
+        f"NVIDIA_VISIBLE_DEVICES={other} {{}}, other GPUs than the metered {metered}: the "
+        "server would run where dvfs does not meter; give it the metered GPU(s) by UUID instead "
+        f"({metered}), or pass it no NVIDIA_VISIBLE_DEVICES and pass the container dvfs's own "
+        "CUDA_VISIBLE_DEVICES"
+    )
+    path = container_campaign(tmp_path / "own", "-e", "NVIDIA_VISIBLE_DEVICES")
+    own = {**env, "NVIDIA_VISIBLE_DEVICES": other}
+    _refused(_doctor(path, own), said.format("from dvfs's environment"))
+    path = container_campaign(tmp_path / "campaign", "-e", "NVIDIA_VISIBLE_DEVICES")
+    text = path.read_text()
+    path.write_text(text.replace("env = { ", f'env = {{ NVIDIA_VISIBLE_DEVICES = "{other}", ', 1))
+    _refused(
+        _doctor(path, {**env, "NVIDIA_VISIBLE_DEVICES": metered}),
+        said.format("from engine.sglang.env"),
+    )
+    path = container_campaign(tmp_path / "metered", "-e", "NVIDIA_VISIBLE_DEVICES")
+    checked = _doctor(path, {**env, "NVIDIA_VISIBLE_DEVICES": metered})
+    pinned = (
+        f"ok server GPUs: the server is pinned to {metered} (the container's "
+        f"NVIDIA_VISIBLE_DEVICES={metered} from dvfs's environment)"
+    )
+    assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = container_campaign(
+        tmp_path / "dropped", "-e", "NVIDIA_VISIBLE_DEVICES", before=("env", "-i", "PATH=/usr/bin")
+    )
+    output = _doctor_warns(path, own)
+    assert "starts a container (docker run) not passed CUDA_VISIBLE_DEVICES" in output, output
 
 
 def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: Path) -> None:
@@ -1240,6 +1355,24 @@ def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
         assert pinned in " ".join(checked.stdout.split()), checked.stdout
 
 
+def test_sudos_chroot_and_auth_type_take_a_word(nv: ModuleType, tmp_path: Path) -> None:
+    """sudo's `-R DIR` (`--chroot DIR`) and `-a TYPE` (`--auth-type TYPE`) take the next word
+    (sudo's parse_args.c), but dvfs read that word as sudo's command, the options after it
+    unread: `sudo -R /srv/jail -E python ...` was warned of as "sudo without -E" dropping
+    CUDA_VISIBLE_DEVICES. Their values are skipped: -E keeps it, pinned."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    sudo = tmp_path / "sudo"
+    sudo.write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts no server
+    sudo.chmod(0o755)
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, options in enumerate(
+        (("-R", "/srv/jail", "-E"), ("--chroot", "/srv/ssh", "-E"), ("-a", "pam", "-E"))
+    ):
+        checked = _doctor(observed_campaign(tmp_path / f"c{number}", (str(sudo), *options)), env)
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+
+
 def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -1388,6 +1521,48 @@ def test_a_container_options_path_ending_in_a_launchers_name_is_no_launcher(
     path = container_campaign(tmp_path / "sudo", "-i", *passed, inside=("sudo", "-u", "svc"))
     output = _doctor_warns(path, env)
     assert "drops CUDA_VISIBLE_DEVICES (sudo without -E, unless its sudoers keeps it)" in output
+
+
+def test_a_directory_ending_in_a_launchers_name_is_no_launcher(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """A directory ending in `/ssh` or `/sudo` outside a container's options was read as that
+    program: `bash -lc 'cd /srv/ssh && exec "$@"'`, `srun -D /srv/ssh`, `env --chdir
+    /srv/sudo` said the server runs "through ssh ..." or that sudo drops CUDA_VISIBLE_DEVICES,
+    beside srun's own `--gpus` warning too. `cd`'s argument, the value of an option of srun,
+    env or sudo, and an option word are no program: pinned; an ssh the line runs is still
+    read."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    launchers = {}
+    for name in ("srun", "sudo"):
+        launchers[name] = tmp_path / name
+        launchers[name].write_text('#!/bin/sh\nexec "$@"\n')  # never run: doctor starts none
+        launchers[name].chmod(0o755)
+    srun, sudo = str(launchers["srun"]), str(launchers["sudo"])
+    pinned = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    for number, wrapper in enumerate(
+        (
+            ("bash", "-lc", 'cd /srv/ssh && exec "$@"', "bash"),
+            (srun, "-D", "/srv/ssh"),
+            (srun, "-D/srv/ssh"),
+            (srun, "-lF", "/srv/ssh"),
+            (srun, "--chdir", "/srv/sudo"),
+            ("env", "--chdir", "/srv/sudo"),
+            ("env", "-C", "/srv/ssh"),
+            (sudo, "-E", "--chdir", "/srv/ssh"),
+        )
+    ):
+        checked = _doctor(observed_campaign(tmp_path / f"c{number}", wrapper), env)
+        assert pinned in " ".join(checked.stdout.split()), checked.stdout
+    path = observed_campaign(tmp_path / "gpus", (srun, "--gpus=1", "-D", "/srv/ssh"))
+    output = _doctor_warns(path, env)
+    assert f"gives srun --gpus 1 in place of the metered {metered}" in output, output
+    assert "through ssh" not in output, output
+    path = observed_campaign(
+        tmp_path / "ssh", ("bash", "-lc", 'cd /srv/ssh && exec ssh gpu-host "$@"', "bash")
+    )
+    assert "runs the server through ssh gpu-host" in _doctor_warns(path, env)
 
 
 def test_a_fleet_container_refused_or_warned_of_is_told_what_serves_every_worker(

@@ -104,6 +104,12 @@ class WrapperGpus:
     #: The --env-file its setting is read from (`setting`: "CUDA_VISIBLE_DEVICES=... in
     #: --env-file FILE"); "" where the command line says it.
     filed: str = ""
+    #: NVIDIA_VISIBLE_DEVICES set with no container run on the command line (`env
+    #: NVIDIA_VISIBLE_DEVICES=... python ...`): CUDA does not read it, only a container
+    #: runtime does (enroot's hooks/98-nvidia.sh, apptainer's --nv with nvidia-container-cli,
+    #: through srun's pyxis too), as it starts a container, which server_command may start
+    #: out of sight. Never refused; said where it does not name the metered GPUs by UUID.
+    uncontained: bool = False
 
     @property
     def judged(self) -> bool:
@@ -119,6 +125,10 @@ class WrapperGpus:
         container passed CUDA_VISIBLE_DEVICES by UUID: them, and others or not)."""
         if self.among:
             return all(any(names_gpu(e, u) for e in self.entries) for u in gpu_uuids)
+        if self.uncontained:  # any metered GPUs (a fleet's, each worker's among them)
+            return bool(gpu_uuids) and all(
+                any(names_gpu(e, u) for u in gpu_uuids) for e in self.entries
+            )
         if not self.container:
             return len(self.entries) == len(gpu_uuids) and all(
                 names_gpu(e, u) for e, u in zip(self.entries, gpu_uuids, strict=True)
@@ -129,6 +139,15 @@ class WrapperGpus:
 
     def unjudged(self, metered: str) -> str:
         """What it does, not judged, in words: "sets CUDA_VISIBLE_DEVICES=0 in place of ..."."""
+        if self.uncontained:
+            return (
+                f"sets {self.setting} with no container run on its command line, which CUDA "
+                "does not read: the server runs on the CUDA_VISIBLE_DEVICES dvfs hands it "
+                f"(the metered {metered}) unless what it runs starts a container (enroot, "
+                "apptainer --nv, srun's pyxis), whose runtime reads it and gives the container "
+                "those GPUs, and the server fails where they lack the metered ones, which dvfs "
+                "cannot check"
+            )
         if self.unpassed and self.setting.endswith(" exec"):
             return (
                 f"runs the server in a container made before ({self.setting}), not passed "
@@ -191,19 +210,33 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     joined = [re.sub(r",\s+", ",", token) for token in command]
     found = []
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
-        value, filed = _server_sees(joined, name)
+        if name.startswith("NVIDIA") and _gpus_given(joined):
+            continue  # `--gpus` sets the container's own, after `-e`'s and NV_GPU's
+        # A container passed the host's (`-e NVIDIA_VISIBLE_DEVICES`) has the environment's
+        handed = _handed(joined, campaign, name) if name.startswith("NVIDIA") else None
+        value, filed, where = _server_sees(joined, name, handed)
         nv_gpu, nv_from = _nv_gpu(joined, campaign) if name.startswith("NVIDIA") else (None, "")
         if nv_gpu is not None:  # nvidia-docker's `-e NVIDIA_VISIBLE_DEVICES=...`, before ours
             run = _container_run(joined)
             after = run[1] if run is not None else len(joined)
             given = [*joined[:after], "-e", f"{name}={nv_gpu}", *joined[after:]]
-            sees, filed = _server_sees(given, name)
+            sees, filed, where = _server_sees(given, name, handed)
             value, nv_gpu = sees, (nv_gpu if sees != value else None)
         entries = tuple(v.strip() for v in (value or "").split(",") if v.strip())
         if entries:
-            setting = f"{name}={value}" + (f" in --env-file {filed}" if filed else "")
+            setting = f"{name}={value}{where}" + (f" in --env-file {filed}" if filed else "")
             setting = f"NV_GPU={nv_gpu}{nv_from}" if nv_gpu is not None else setting
-            found.append(WrapperGpus(setting, entries, name.startswith("NVIDIA"), filed=filed))
+            runtime = name.startswith("NVIDIA")  # a container runtime's; not CUDA's
+            uncontained = runtime and _container_run(joined) is None
+            found.append(
+                WrapperGpus(
+                    setting,
+                    entries,
+                    runtime and not uncontained,
+                    filed=filed,
+                    uncontained=uncontained,
+                )
+            )
     devices = []
     for index, token in enumerate(command):
         flag, equals, value = token.partition("=")
@@ -244,6 +277,42 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     return [replace(g, among=g.container) for g in found if g.judged or not g.container]
 
 
+def _gpus_given(command: Sequence[str]) -> bool:
+    """Whether a container run is given GPUs by `--gpus` before its image (not `--gpus 0`,
+    which gives none): the daemon appends NVIDIA_VISIBLE_DEVICES=<them> to the container's
+    environment after what `-e`, `--env-file`, nvidia-docker's NV_GPU or the image set
+    (moby's daemon/devices_nvidia_linux.go, injectNVIDIARuntimeHook, after
+    withCommonOptions's environment in daemon/oci_linux.go), and the NVIDIA runtime hook
+    reads the last of a name (nvidia-container-toolkit's internal/config/image/builder.go,
+    WithEnv); through CDI, the spec's NVIDIA_VISIBLE_DEVICES=void replaces the container's
+    (its pkg/nvcdi/wrapper.go). The container has the GPUs `--gpus` names, whatever
+    NVIDIA_VISIBLE_DEVICES it is given."""
+    run = _container_run(command)
+    if run is None:
+        return False
+    options = command[run[1] : _image_index(command, run[1])]
+    for index, token in enumerate(options):
+        flag, equals, value = token.partition("=")
+        if flag != "--gpus" or not (equals or index + 1 < len(options)):
+            continue
+        value = (value if equals else options[index + 1]).strip("'\"")
+        if value not in ("0", "count=0"):
+            return True
+    return False
+
+
+def _image_index(command: Sequence[str], after: int) -> int:
+    """The index of a container run's image, the first word after `run` (at `after`) that is
+    neither an option nor an option's value: an option without `=` is taken to take the next
+    word (`-v /ssh`, `-w /srv`), which is at worst the image; `len(command)` where none."""
+    later, value = after, False  # the word is the value of the option before it
+    while later < len(command) and (value or command[later].startswith("-")):
+        word = command[later]
+        value = word.startswith("-") and "=" not in word and word != "--"
+        later += 1
+    return later
+
+
 def _nv_gpu(command: Sequence[str], campaign: Campaign) -> tuple[str | None, str]:
     """The GPUs nvidia-docker's `run` (or `create`) gives its container from NV_GPU, as it
     reaches nvidia-docker: from the environment it is handed (engine.sglang.env, dvfs's own),
@@ -254,25 +323,36 @@ def _nv_gpu(command: Sequence[str], campaign: Campaign) -> tuple[str | None, str
     given (NVIDIA/nvidia-docker's `nvidia-docker` script); None where it is not run so, or
     NV_GPU is unset or empty. With it, where it is set, in words for the setting that names
     it: "" on the command line, " from engine.sglang.env", " from dvfs's environment"."""
+    run = _container_run(command)
+    if run is None or run[0] != "nvidia-docker run":
+        return None, ""
+    value, where = _handed(command, campaign, "NV_GPU")
+    return (value.replace(" ", ","), where) if value and value.strip() else (None, "")
+
+
+def _handed(command: Sequence[str], campaign: Campaign, variable: str) -> tuple[str | None, str]:
+    """The value of `variable` in the environment the container engine of `command`
+    (`_engine_index`) is started with: the one dvfs hands the wrapper (engine.sglang.env's,
+    else dvfs's own), set on the command line before the engine (`env NAME=...`), dropped
+    there by an `env -i`, `env -u NAME` or a sudo resetting the environment (`_sudo_drops`);
+    None where unset. With where it is set, in words: "" on the command line, " from
+    engine.sglang.env", " from dvfs's environment"."""
     import os
 
     from dvfs.records.session import command_env
 
-    run = _container_run(command)
-    if run is None or run[0] != "nvidia-docker run":
-        return None, ""
     before = command[: _engine_index(command)]
-    value = dict(campaign.engine.sglang.env).get("NV_GPU")
+    value = dict(campaign.engine.sglang.env).get(variable)
     where = " from engine.sglang.env"
     if value is None:
-        value, where = os.environ.get("NV_GPU"), " from dvfs's environment"
+        value, where = os.environ.get(variable), " from dvfs's environment"
     for index, token in enumerate(before):
         drops = {"sudo": _sudo_drops, "env": _env_drops}.get(_program(token))
-        if drops is not None and drops(before, index, "NV_GPU") is not None:
+        if drops is not None and drops(before, index, variable) is not None:
             value = None
-        assigned = command_env([token], keep={"NV_GPU"}.__contains__)
-        value, where = (assigned["NV_GPU"], "") if "NV_GPU" in assigned else (value, where)
-    return (value.replace(" ", ","), where) if value and value.strip() else (None, "")
+        assigned = command_env([token], keep={variable}.__contains__)
+        value, where = (assigned[variable], "") if variable in assigned else (value, where)
+    return value, where
 
 
 #: The shells whose `-c LINE` (`bash -lc LINE`) runs a line of words: `sh -c 'docker run ...'`.
@@ -364,14 +444,18 @@ def _expanded(line: list[str], before: Sequence[str]) -> list[str]:
     return words
 
 
-def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
+def _server_sees(
+    command: Sequence[str], name: str, handed: tuple[str | None, str] | None = None
+) -> tuple[str | None, str, str]:
     """The value of `name` the wrapper's command line gives the server, None where it sets none
     (it has dvfs's, or a container none): outside a container the last set (`command_env`);
     for a container run, what it is given (`-e NAME=VALUE`; CUDA_VISIBLE_DEVICES set inside
     it too, `IMG env NAME=...`, but not NVIDIA_VISIBLE_DEVICES, which the NVIDIA runtime
     reads as the container starts), else the host's, set before the run, only where it is
     passed that (`-e NAME`, `--env-host`): `env NAME=... docker run` gives the container none
-    of it. With it, the --env-file it is read from ("" where none)."""
+    of it. The host's is `handed` (`_handed`: with where it is set) where given, else what
+    the command line sets before the run. With it, the --env-file it is read from ("" where
+    none), and where the host's is set (`_handed`'s words; "" for what the run sets)."""
     from dvfs.records.session import command_env
 
     def keep(key: str) -> bool:
@@ -379,29 +463,29 @@ def _server_sees(command: Sequence[str], name: str) -> tuple[str | None, str]:
 
     run = _container_run(command)
     if run is None:
-        return command_env(command, keep=keep).get(name), ""
+        return command_env(command, keep=keep).get(name), "", ""
     start, after = _engine_index(command), run[1]
     rest = command[after:]
     # `IMG env NAME=...` sets it inside: CUDA_VISIBLE_DEVICES for CUDA there, but never the
     # container's GPUs, which the NVIDIA runtime gave it from its environment at its start
     inside = command_env(_without_env_flags(rest), keep=keep)
     if name in inside and name == "CUDA_VISIBLE_DEVICES":
-        return inside[name], ""
-    host = command_env(command[:start], keep=keep).get(name)
+        return inside[name], "", ""
+    host, where = handed or (command_env(command[:start], keep=keep).get(name), "")
     passed = [given.partition("=") for given in _container_env(rest, files=False)]
     passed = [given for given in passed if given[0] == name]
     if passed:  # the last `-e NAME[=VALUE]` wins, over an --env-file's too
         _, equals, value = passed[-1]
-        return (value if equals else host), ""
+        return (value, "", "") if equals else (host, "", where)
     filed: dict[str, tuple[str | None, str]] = {}
     for path, line in _env_file_lines(rest):
         key, equals, value = line.partition("=")
         filed[key] = (value if equals else None, path)
     if name in filed and filed[name][0] is not None:
-        return filed[name]
+        return filed[name][0], filed[name][1], ""
     if _env_host(rest) or name in filed:  # a file's bare NAME: the host's, as `-e NAME`
-        return host, ""
-    return None, ""
+        return host, "", where
+    return None, "", ""
 
 
 def _launcher_of(command: Sequence[str], index: int) -> str | None:
@@ -435,8 +519,73 @@ def _drop_reaches_server(command: Sequence[str], at: int) -> bool:
 def _program(token: str) -> str:
     """The program a command word names (`/usr/bin/ssh`: "ssh"); "" for a word that is an
     option's value naming none: a mount's `SRC:DST` (`-v /x:/ssh`), a setting (`--volume=...`,
-    `NAME=VALUE`)."""
-    return "" if ":" in token or "=" in token else token.rsplit("/", 1)[-1]
+    `NAME=VALUE`), or an option (`-D/srv/ssh`)."""
+    if ":" in token or "=" in token or token.startswith("-"):
+        return ""
+    return token.rsplit("/", 1)[-1]
+
+
+#: srun's options that take the next word (`-D DIR`, `--chdir DIR`): short letters (those
+#: of Slurm's src/common/slurm_opt.c with a required argument), and the long names, those
+#: a path or a list may follow, a value may follow as a word of its own.
+SRUN_ARGUMENT_OPTIONS = "ABbCcDdeFGiJLMmNnopqrSTtWwx"
+SRUN_LONG_ARGUMENT_OPTIONS = (
+    "--account",
+    "--chdir",
+    "--constraint",
+    "--container",
+    "--container-image",
+    "--container-mounts",
+    "--container-workdir",
+    "--cpus-per-task",
+    "--error",
+    "--exclude",
+    "--gpus",
+    "--gpus-per-node",
+    "--gpus-per-task",
+    "--gres",
+    "--input",
+    "--job-name",
+    "--mem",
+    "--nodelist",
+    "--nodes",
+    "--ntasks",
+    "--output",
+    "--partition",
+    "--qos",
+    "--time",
+)
+
+#: env's options that take the next word (`-C DIR`, `--chdir DIR`, `-u NAME`, `-S LINE`).
+ENV_ARGUMENT_OPTIONS = "uCS"
+ENV_LONG_ARGUMENT_OPTIONS = ("--unset", "--chdir", "--split-string")
+
+#: The shell's builtins whose argument is a directory, no program (`cd /srv/ssh`).
+DIRECTORY_BUILTINS = ("cd", "pushd")
+
+
+def _option_values(command: Sequence[str], index: int, short: str, long: Sequence[str]) -> set[int]:
+    """The indices of the words that are the values of the options of the launcher at
+    `command[index]` (`srun -D /srv/ssh`: that of /srv/ssh), its options taking one where
+    `short` holds its letter (`-D DIR`; none where attached, `-D/srv`) or `long` its name
+    (`--chdir DIR`; none where given with `=`)."""
+    values = set()
+    later = index + 1
+    while later < len(command) and command[later].startswith("-") and command[later] != "--":
+        option = command[later]
+        takes = False
+        if option.startswith("--"):
+            name, equals, _ = option.partition("=")
+            takes = name in long and not equals
+        for at, letter in enumerate("" if option.startswith("--") else option[1:], start=1):
+            if letter in short:
+                takes = not option[at + 1 :]  # its argument, attached or the next word
+                break
+        if takes and later + 1 < len(command):
+            values.add(later + 1)
+            later += 1
+        later += 1
+    return values
 
 
 def _programs(command: Sequence[str]) -> list[str]:
@@ -444,8 +593,20 @@ def _programs(command: Sequence[str]) -> list[str]:
     run's option before its image too, a path whose last part names a program among them
     (`docker run -v /ssh`, `--tmpfs /run/sudo`, `-w /srv/env -i`): an option without `=` is
     taken to take the next word, which is at worst the image, never the command it runs.
-    `--entrypoint`'s is a program the container runs."""
+    `--entrypoint`'s is a program the container runs. Nor is `cd`'s argument (`cd /srv/ssh`),
+    or the value of an option of srun, env or sudo (`srun -D /srv/ssh`, `env --chdir
+    /srv/sudo`), or an option word (`-D/srv/ssh`)."""
     programs = [_program(token) for token in command]
+    for index in range(len(command)):
+        if programs[index] in DIRECTORY_BUILTINS and index + 1 < len(command):
+            programs[index + 1] = ""
+        taking = {
+            "srun": (SRUN_ARGUMENT_OPTIONS, SRUN_LONG_ARGUMENT_OPTIONS),
+            "env": (ENV_ARGUMENT_OPTIONS, ENV_LONG_ARGUMENT_OPTIONS),
+            "sudo": (SUDO_ARGUMENT_OPTIONS, SUDO_LONG_ARGUMENT_OPTIONS),
+        }.get(programs[index])
+        for value in _option_values(command, index, *taking) if taking else ():
+            programs[value] = ""
     run = _container_run(command)
     later = len(command) if run is None else run[1]
     value = False  # the word is the value of the option before it
@@ -546,8 +707,9 @@ def _remote(command: Sequence[str]) -> str | None:
     return None
 
 
-#: sudo's options that take the next argument (`-u USER`), short and long (`--user USER`).
-SUDO_ARGUMENT_OPTIONS = "ugCDprtTUc"
+#: sudo's options that take the next argument (`-u USER`), short and long (`--user USER`):
+#: those of sudo_short_opts and long_opts with a required argument (sudo's src/parse_args.c).
+SUDO_ARGUMENT_OPTIONS = "ugCDprtTUcaR"
 SUDO_LONG_ARGUMENT_OPTIONS = (
     "--user",
     "--group",
@@ -560,6 +722,8 @@ SUDO_LONG_ARGUMENT_OPTIONS = (
     "--command-timeout",
     "--other-user",
     "--login-class",
+    "--chroot",
+    "--auth-type",
 )
 
 
@@ -822,7 +986,7 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
             "keeps the CUDA_VISIBLE_DEVICES dvfs hands the server with -i too"
         )
     for given in wrapper_gpus(campaign):
-        if not given.judged or given.names(gpu_uuids):
+        if not given.judged or given.names(gpu_uuids) or given.uncontained:
             continue
         if not given.container:
             raise EngineError(
@@ -839,6 +1003,8 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
                 f"({metered})"
             )
         unset = "unset NV_GPU and " if given.setting.startswith("NV_GPU=") else ""
+        if given.setting.endswith(("from engine.sglang.env", "from dvfs's environment")):
+            unset = unset or "pass it no NVIDIA_VISIBLE_DEVICES and "
         raise EngineError(
             f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
             f"than the metered {metered}: the server would run where dvfs does not meter; "
@@ -847,14 +1013,28 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
         )
 
 
-def unjudged_wrapper_devices(campaign: Campaign, metered: str = "GPUs' UUIDs") -> str | None:
+def _unjudged(campaign: Campaign, gpu_uuids: Sequence[str]) -> list[WrapperGpus]:
+    """What `unjudged_wrapper_devices` says (`wrapper_gpus`): those not named by UUID, and an
+    NVIDIA_VISIBLE_DEVICES with no container (`uncontained`) not naming the metered
+    `gpu_uuids` (any, where none are given)."""
+    return [
+        g
+        for g in wrapper_gpus(campaign)
+        if not g.judged or (g.uncontained and not g.names(gpu_uuids))
+    ]
+
+
+def unjudged_wrapper_devices(
+    campaign: Campaign, metered: str = "GPUs' UUIDs", gpu_uuids: Sequence[str] = ()
+) -> str | None:
     """What a server_command wrapper gives the server in place of the metered GPUs where
     `check_wrapper_visible_devices` cannot judge it (`wrapper_gpus` not named by UUID: an
     index, which inside a container counts the container's GPUs, on this host NVML's or
     CUDA's; a container's `all` or count), in words ("engine.sglang.server_command sets
-    CUDA_VISIBLE_DEVICES=0 in place of the metered GPU-..., an index dvfs cannot check");
-    None where it gives none, or only GPUs judged."""
-    said = [g.unjudged(metered) for g in wrapper_gpus(campaign) if not g.judged]
+    CUDA_VISIBLE_DEVICES=0 in place of the metered GPU-..., an index dvfs cannot check"),
+    and an NVIDIA_VISIBLE_DEVICES with no container not naming the metered `gpu_uuids`
+    (`_unjudged`); None where it gives none, or only GPUs judged."""
+    said = [g.unjudged(metered) for g in _unjudged(campaign, gpu_uuids)]
     return "engine.sglang.server_command " + " and ".join(said) if said else None
 
 
@@ -874,10 +1054,15 @@ def pinned_by(campaign: Campaign) -> str:
     return "; ".join(by)
 
 
-def unjudged_remedy(campaign: Campaign) -> str:
+def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
     """What to do about what `unjudged_wrapper_devices` says, for doctor's warning: a container
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
-    unjudged = [g for g in wrapper_gpus(campaign) if not g.judged]
+    unjudged = _unjudged(campaign, gpu_uuids)
+    if unjudged and all(g.uncontained for g in unjudged):
+        return (
+            "remove NVIDIA_VISIBLE_DEVICES from server_command, or name the metered GPUs there "
+            "by UUID: outside a container dvfs pins the server by CUDA_VISIBLE_DEVICES"
+        )
     if unjudged and all(g.unpassed for g in unjudged):
         if any(g.setting.endswith(" exec") for g in unjudged):
             return (

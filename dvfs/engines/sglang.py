@@ -820,7 +820,7 @@ class SglangEngine:
             outcome = f"unverified: {exc}"
         else:
             outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
-        said = unjudged_wrapper_devices(self.campaign)
+        said = unjudged_wrapper_devices(self.campaign, gpu_uuids=self.gpu_uuids)
         if said is not None and not outcome.startswith("verified"):
             # What NVML could not tell, the wrapper's index or `all` does not either (doctor
             # warns).
