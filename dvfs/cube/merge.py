@@ -792,6 +792,7 @@ def _relabel_gpus(
                 **_any_readings(found),
                 **_mean_idle(found),
                 **_every_tenant(found),
+                **_every_session(found),
             }
     attrs = dict(combined["gpu"].attrs)
     combined = combined.assign_coords(gpu=labels)
@@ -829,6 +830,16 @@ def _every_tenant(sources: list[dict[str, Any]]) -> dict[str, str]:
             known = True
             seen.extend(listed)
     return {"idle_foreign_processes": json.dumps(seen)} if known else {}
+
+
+def _every_session(sources: list[dict[str, Any]]) -> dict[str, str | None]:
+    """A model's `sessions` over its sources in every shard: their sum (the first shard's
+    alone was counted for the whole run); None where a source records none (an older dvfs)."""
+    try:
+        counts = [int(str(source.get("sessions"))) for source in sources]
+    except ValueError:  # "None": a shard that recorded none, so the whole run's is not known
+        return {"sessions": None}
+    return {"sessions": str(sum(counts))}
 
 
 def _any_readings(sources: list[dict[str, Any]]) -> dict[str, str]:
