@@ -1033,8 +1033,9 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     attrs.update(_found_limits(cubes))
     attrs.pop("stock_power_limit_enforced", None)  # the first shard's: each shard's now
     attrs.update(_enforced_stock(cubes))
-    if "sessions" in first.attrs:
-        attrs["sessions"] = sum(int(ds.attrs.get("sessions", 0)) for ds in cubes)
+    attrs.pop("sessions", None)
+    if all("sessions" in ds.attrs for ds in cubes):  # a shard an older dvfs wrote: not known
+        attrs["sessions"] = sum(int(ds.attrs["sessions"]) for ds in cubes)
     if "failed_cells" in first.attrs:
         attrs["failed_cells"] = json.dumps(failed)
     if "counter_update_period_s" in first.attrs:  # per GPU, in the order of gpu_uuids
