@@ -1098,6 +1098,28 @@ def test_shards_of_a_fleet_mixing_models_keep_each_shards_idle_power_per_model(
     assert f"{h200} 75.0 W gpu" in text, text  # no tenant, the H200's own
 
 
+def test_shards_of_a_fleet_mixing_models_count_every_shards_sessions(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """Shards each run on a fleet mixing GPU models: each model's `merged_from` came from the
+    first shard, so `cube info` counted shard 0's sessions alone (each model's sessions in
+    shard 1 lost). The count is every shard's sessions of every model."""
+    paths, counts = [], []
+    for i in range(2):
+        ds = open_cube(tiny_exact_run(f"mixed-s{i}") / "cube.nc").load()
+        sources = json.loads(ds.attrs["merged_from"])
+        for n, source in enumerate(sources.values()):
+            source["sessions"] = str(1 + n + 2 * i)  # 1 and 2 in shard 0, 3 and 4 in shard 1
+            counts.append(1 + n + 2 * i)
+        ds.attrs["merged_from"] = json.dumps(sources)
+        write_cube(ds, tmp_path / f"s{i}.nc")
+        paths.append(tmp_path / f"s{i}.nc")
+    cube, text = _merged_and_told(paths, tmp_path)
+    info = invoke("cube", "info", str(tmp_path / "m.nc"), "--json")
+    assert json.loads(info.stdout)["sessions"] == sum(counts), info.stdout
+    assert f"sessions {sum(counts)} run(s) of dvfs sweep" in text, text
+
+
 def test_a_merge_of_a_merged_cube_names_every_cube_that_went_in(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:

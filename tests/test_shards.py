@@ -77,6 +77,26 @@ def _make_runs(root: Path) -> None:
         assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("older", [0, 1])
+def test_shards_with_one_of_an_older_dvfs_say_no_session_count(
+    older: int, runs: Path, tmp_path: Path
+) -> None:
+    """Shards of which one an older dvfs wrote, with no `sessions`: merged, the count said the
+    other shards' (2 of the 3 runs, as if the older one ran none) where that shard came
+    second, and 'not recorded' where it came first. Either way it is not recorded."""
+    paths = []
+    for i in range(3):
+        ds = open_cube(runs / f"s{i}" / "cube.nc").load()
+        if i == older:
+            del ds.attrs["sessions"]
+        paths.append(write_cube(ds, tmp_path / f"s{i}.nc"))
+    merged = tmp_path / "merged.nc"
+    result = invoke("cube", "merge", *map(str, paths), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    info = invoke("cube", "info", str(merged), "--json")
+    assert json.loads(info.stdout)["sessions"] is None, info.stdout
+
+
 def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> None:
     whole = open_cube(runs / "whole" / "cube.nc")
     shards = [open_cube(runs / f"s{i}" / "cube.nc") for i in range(3)]

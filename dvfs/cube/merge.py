@@ -792,6 +792,7 @@ def _relabel_gpus(
                 **_any_readings(found),
                 **_mean_idle(found),
                 **_every_tenant(found),
+                **_every_session(found),
             }
     attrs = dict(combined["gpu"].attrs)
     combined = combined.assign_coords(gpu=labels)
@@ -829,6 +830,16 @@ def _every_tenant(sources: list[dict[str, Any]]) -> dict[str, str]:
             known = True
             seen.extend(listed)
     return {"idle_foreign_processes": json.dumps(seen)} if known else {}
+
+
+def _every_session(sources: list[dict[str, Any]]) -> dict[str, str | None]:
+    """A model's `sessions` over its sources in every shard: their sum (the first shard's
+    alone was counted for the whole run); None where a source records none (an older dvfs)."""
+    try:
+        counts = [int(str(source.get("sessions"))) for source in sources]
+    except ValueError:  # "None": a shard that recorded none, so the whole run's is not known
+        return {"sessions": None}
+    return {"sessions": str(sum(counts))}
 
 
 def _any_readings(sources: list[dict[str, Any]]) -> dict[str, str]:
@@ -1022,8 +1033,9 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     attrs.update(_found_limits(cubes))
     attrs.pop("stock_power_limit_enforced", None)  # the first shard's: each shard's now
     attrs.update(_enforced_stock(cubes))
-    if "sessions" in first.attrs:
-        attrs["sessions"] = sum(int(ds.attrs.get("sessions", 0)) for ds in cubes)
+    attrs.pop("sessions", None)
+    if all("sessions" in ds.attrs for ds in cubes):  # a shard an older dvfs wrote: not known
+        attrs["sessions"] = sum(int(ds.attrs["sessions"]) for ds in cubes)
     if "failed_cells" in first.attrs:
         attrs["failed_cells"] = json.dumps(failed)
     if "counter_update_period_s" in first.attrs:  # per GPU, in the order of gpu_uuids
