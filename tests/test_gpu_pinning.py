@@ -563,6 +563,25 @@ def test_gpus_wins_over_nvidia_visible_devices_and_nv_gpu(nv: ModuleType, tmp_pa
     )
 
 
+def test_podmans_gpus_does_not_win_over_nvidia_visible_devices(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`podman run --gpus device=GPU-<metered> -e NVIDIA_VISIBLE_DEVICES=GPU-<other> IMG` was
+    said pinned to the metered GPU, as docker's `--gpus` wins; podman's appends no
+    NVIDIA_VISIBLE_DEVICES (podman 4 ignores `--gpus`, podman 5 takes its words as CDI
+    names), so the NVIDIA hook reads `-e`'s: the container may run on the other GPU, where
+    NVML lists none of its processes. Refused, as without `--gpus`."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    flags = ("--gpus", f"device={metered}", "-e", f"NVIDIA_VISIBLE_DEVICES={other}")
+    path = container_campaign(tmp_path / "podman", *flags, engine="podman")
+    _refused(
+        _doctor(path, env),
+        f"FAIL server GPUs: engine.sglang.server_command gives its container "
+        f"NVIDIA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}",
+    )
+
+
 def test_nvidia_visible_devices_with_no_container_is_warned_of_not_refused(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -286,9 +286,11 @@ def _gpus_given(command: Sequence[str]) -> bool:
     reads the last of a name (nvidia-container-toolkit's internal/config/image/builder.go,
     WithEnv); through CDI, the spec's NVIDIA_VISIBLE_DEVICES=void replaces the container's
     (its pkg/nvcdi/wrapper.go). The container has the GPUs `--gpus` names, whatever
-    NVIDIA_VISIBLE_DEVICES it is given."""
+    NVIDIA_VISIBLE_DEVICES it is given. Not podman's `--gpus`, which appends none: podman 4
+    ignores it (a docker option it takes as a no-op), podman 5 reads its words as CDI device
+    names (`nvidia.com/gpu=<word>`), so the NVIDIA hook may read `-e`'s."""
     run = _container_run(command)
-    if run is None:
+    if run is None or run[0].split()[0] in ("podman", "podman-compose"):
         return False
     options = command[run[1] : _image_index(command, run[1])]
     for index, token in enumerate(options):
