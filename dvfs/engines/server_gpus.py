@@ -212,6 +212,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         if name.startswith("NVIDIA") and _gpus_given(joined):
             continue  # `--gpus` sets the container's own, after `-e`'s and NV_GPU's
+        run = _container_run(joined)
+        if name.startswith("NVIDIA") and run is not None and run[0].endswith(" exec"):
+            continue  # an exec's `-e`: the runtime gave its container GPUs as it was made
         # A container passed the host's (`-e NVIDIA_VISIBLE_DEVICES`) has the environment's
         handed = _handed(joined, campaign, name) if name.startswith("NVIDIA") else None
         value, filed, where = _server_sees(joined, name, handed)
