@@ -563,6 +563,46 @@ def test_gpus_wins_over_nvidia_visible_devices_and_nv_gpu(nv: ModuleType, tmp_pa
     )
 
 
+def test_podmans_gpus_does_not_win_over_nvidia_visible_devices(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`podman run --gpus device=GPU-<metered> -e NVIDIA_VISIBLE_DEVICES=GPU-<other> IMG` was
+    said pinned to the metered GPU, as docker's `--gpus` wins; podman's appends no
+    NVIDIA_VISIBLE_DEVICES (podman 4 ignores `--gpus`, podman 5 takes its words as CDI
+    names), so the NVIDIA hook reads `-e`'s: the container may run on the other GPU, where
+    NVML lists none of its processes. Refused, as without `--gpus`."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    flags = ("--gpus", f"device={metered}", "-e", f"NVIDIA_VISIBLE_DEVICES={other}")
+    path = container_campaign(tmp_path / "podman", *flags, engine="podman")
+    _refused(
+        _doctor(path, env),
+        f"FAIL server GPUs: engine.sglang.server_command gives its container "
+        f"NVIDIA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}",
+    )
+
+
+def test_an_execs_nvidia_visible_devices_is_not_its_containers_gpus(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`docker exec -e NVIDIA_VISIBLE_DEVICES=GPU-<metered> CTR python ...` was said pinned to
+    the metered GPU "(the container's NVIDIA_VISIBLE_DEVICES=...)", and another GPU's refused
+    with the remedy to name the metered one: the NVIDIA runtime reads it only as it makes a
+    container, so an exec's gives it no GPUs, and CUDA does not read it. Warned of as any
+    exec not passed CUDA_VISIBLE_DEVICES: the server runs on the GPUs the container was made
+    with."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    for number, uuid in enumerate((metered, other)):
+        flags = ("-e", f"NVIDIA_VISIBLE_DEVICES={uuid}")
+        path = container_campaign(tmp_path / f"c{number}", *flags, run=("exec",))
+        output = _doctor_warns(path, env)
+        assert (
+            "engine.sglang.server_command runs the server in a container made before (docker "
+            "exec), not passed CUDA_VISIBLE_DEVICES on its command line"
+        ) in output, output
+
+
 def test_nvidia_visible_devices_with_no_container_is_warned_of_not_refused(
     nv: ModuleType, tmp_path: Path
 ) -> None:

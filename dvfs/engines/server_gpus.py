@@ -212,6 +212,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         if name.startswith("NVIDIA") and _gpus_given(joined):
             continue  # `--gpus` sets the container's own, after `-e`'s and NV_GPU's
+        run = _container_run(joined)
+        if name.startswith("NVIDIA") and run is not None and run[0].endswith(" exec"):
+            continue  # an exec's `-e`: the runtime gave its container GPUs as it was made
         # A container passed the host's (`-e NVIDIA_VISIBLE_DEVICES`) has the environment's
         handed = _handed(joined, campaign, name) if name.startswith("NVIDIA") else None
         value, filed, where = _server_sees(joined, name, handed)
@@ -286,9 +289,11 @@ def _gpus_given(command: Sequence[str]) -> bool:
     reads the last of a name (nvidia-container-toolkit's internal/config/image/builder.go,
     WithEnv); through CDI, the spec's NVIDIA_VISIBLE_DEVICES=void replaces the container's
     (its pkg/nvcdi/wrapper.go). The container has the GPUs `--gpus` names, whatever
-    NVIDIA_VISIBLE_DEVICES it is given."""
+    NVIDIA_VISIBLE_DEVICES it is given. Not podman's `--gpus`, which appends none: podman 4
+    ignores it (a docker option it takes as a no-op), podman 5 reads its words as CDI device
+    names (`nvidia.com/gpu=<word>`), so the NVIDIA hook may read `-e`'s."""
     run = _container_run(command)
-    if run is None:
+    if run is None or run[0].split()[0] in ("podman", "podman-compose"):
         return False
     options = command[run[1] : _image_index(command, run[1])]
     for index, token in enumerate(options):
