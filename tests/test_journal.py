@@ -654,3 +654,26 @@ def test_a_journal_this_user_may_not_write_is_not_called_unreadable(
     assert "this user may not write it" in said and "make it writable" in said, said
     assert "may not read" not in said and "readable" not in said, said
     assert "Traceback" not in said, said
+
+
+@pytest.mark.parametrize("fleet", [False, True], ids=["one-gpu", "mixed-fleet"])
+def test_the_sweeps_closing_line_is_one_line_for_a_long_journal_path(
+    tiny_sweep: Path, tiny_exact_run: Any, tmp_path: Path, fleet: bool
+) -> None:
+    """The sweep's closing line ("N cell(s) measured, ...; journal PATH", a fleet's "...;
+    journals PATH") was printed wrapped to the console's width, so a long --out split it over
+    two lines (a script reading it by line got half), and a path with brackets was read as
+    markup. It is one line, the path as given."""
+    from conftest import MIXED_FLEET, TINY_EXACT
+
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT if fleet else TINY)
+    done = tiny_exact_run("mixed") if fleet else tiny_sweep
+    out = copy_sweep(done, tmp_path / ("[deep]" + "d" * 150) / "out")
+    gpus = MIXED_FLEET if fleet else ()
+    result = invoke("sweep", str(campaign), *gpus, "--out", str(out), "--no-progress")
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.stderr.splitlines() if "cell(s) measured" in line]
+    where = (
+        f"journals {out / 'gpu-*' / 'journal.jsonl'}" if fleet else f"journal {out}/journal.jsonl"
+    )
+    assert line.endswith(f"; {where}"), result.stderr
