@@ -1475,7 +1475,8 @@ def test_a_dry_run_waits_for_no_driver_and_says_what_the_apply_would(
     """`cap apply --dry-run --wait-for-driver N` slept N s (5 s at a time) while the kernel
     module was not loaded, though a dry run changes nothing; it fails at once, saying what the
     apply would wait for. A wait of 1 and 400 zeros was said with all its digits: it is a wait
-    with no time limit, said so, whether waited (the apply) or not (a dry run)."""
+    with no time limit, said so, whether waited (the apply) or not (a dry run). The line lacked
+    the "dry run, nothing changed:" its other refusals begin with; it has it."""
     import dvfs.gpu.nvml
 
     caps = _driver_caps(tmp_path, nvml)
@@ -1493,8 +1494,8 @@ def test_a_dry_run_waits_for_no_driver_and_says_what_the_apply_would(
     [line] = result.stderr.splitlines()
     span = "up to 300 s" if wait == "300" else "with no time limit"
     assert line.startswith(
-        f"Error: {NOT_LOADED} loaded (a dry run does not wait; the apply would wait {span} "
-        "for it): load it"
+        f"Error: dry run, nothing changed: {NOT_LOADED} loaded (a dry run does not wait; the "
+        f"apply would wait {span} for it): load it"
     ), line
     if wait != "300":  # the apply waits, and says so in a line of words, not 401 digits
 
@@ -1508,6 +1509,23 @@ def test_a_dry_run_waits_for_no_driver_and_says_what_the_apply_would(
         [said] = [x for x in applied.stderr.splitlines() if x.startswith(WAITING.split(":")[0])]
         assert said.startswith(f"{WAITING.removesuffix(' up to')} {span} for it, trying"), said
     assert nvml.fake_device_state(0)["power_limit_mw"] == (700_000 if wait == "300" else 450_000)
+
+
+def test_a_dry_run_without_the_driver_says_it_changed_nothing(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap apply --dry-run` (no --wait-for-driver), the kernel module not loaded: its line
+    lacked the "dry run, nothing changed:" that its other refusals, and its line with
+    --wait-for-driver, begin with; it has it, and the apply's own line does not."""
+    caps = _driver_caps(tmp_path, nvml)
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    dry = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--dry-run"])
+    assert dry.exit_code == 1, dry.output
+    [line] = dry.stderr.splitlines()
+    assert line.startswith(f"Error: dry run, nothing changed: {NOT_LOADED} loaded: load it"), line
+    applied = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert applied.exit_code == 1, applied.output
+    assert "dry run" not in applied.stderr, applied.stderr
 
 
 @pytest.mark.parametrize("wait", ["0", "1"])

@@ -242,6 +242,7 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
 @dry_run_reads_gpus(
     "`dvfs cap apply --dry-run`",
     "the GPUs it would cap (which caps match them, what each holds now)",
+    refused="dry run, nothing changed: ",
 )
 def apply(
     caps_file: Path,
