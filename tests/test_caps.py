@@ -1293,6 +1293,8 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
         ("EDQUOT", "free space there or raise the disk quota"),
         ("EACCES", "let this user write that folder (check its owner and permissions)"),
         ("EROFS", "its file system is mounted read-only: make it writable"),
+        ("EIO", "the disk or network file system under it failed (see dmesg): check it"),
+        ("ENOTDIR", "part of its path is a file, not a folder: move that file aside"),
     ],
 )
 @pytest.mark.parametrize("undone", ["taken back", "unchanged limit", "not taken back"])
@@ -1301,7 +1303,9 @@ def test_an_unwritable_record_is_told_its_own_remedy(
 ) -> None:
     """The caps record not written said "free space there" whatever the error: a folder this
     user may not write (the caps unit's root keeps no CAP_DAC_OVERRIDE), a read-only file
-    system or a disk quota each get their own way on, the change taken back or not."""
+    system or a disk quota each get their own way on, the change taken back or not; a failing
+    disk (EIO) and a file in the place of a folder of its path (ENOTDIR), told "make it
+    writable", which mends neither, too."""
     import errno
 
     from dvfs.caps import AppliedCaps, CapAction, apply_actions
