@@ -3544,3 +3544,29 @@ def test_gpu_reset_refuses_a_state_folder_it_cannot_reach_not_taken_for_none(
         [line] = result.stderr.splitlines()
         assert f"state folder {folder} is unreadable" in line, line
         assert "nothing to restore" not in result.output
+
+
+@pytest.mark.parametrize("command", ["apply", "dry-run", "reset"])
+def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
+    nvml, tmp_path: Path, command: str
+) -> None:
+    """A folder in the place of a GPU's lock file in the state folder, which no running dvfs
+    holds: `cap apply` (its dry run too) and `cap reset` exited 3, README's "another dvfs
+    process uses it", though none does; a fault of the state folder, as a caps record's lock
+    that is a folder is, it exits 1 in its own line, the GPU unchanged."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    if command == "reset":
+        invoke("cap", "apply", str(caps))
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
+    path.unlink(missing_ok=True)
+    path.mkdir(parents=True)
+    args = {"apply": ["apply", str(caps)], "dry-run": ["apply", str(caps), "--dry-run"]}
+    result = CliRunner().invoke(cli, ["cap", *args.get(command, ["reset"])])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock" in line, line
+    assert "in use by another dvfs" not in line and "Traceback" not in line, line
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
