@@ -97,6 +97,11 @@ class GpuStateError(GpuError):
     exit_code = 3
 
 
+class GpuLockFileError(GpuError):
+    """A GPU's lock file in the state folder is no regular file (a folder, a FIFO): no running
+    dvfs holds it, so exit 1 (a state folder's fault), not 3 (another dvfs uses the GPU)."""
+
+
 class GpuBusyError(GpuStateError):
     """Another dvfs process holds the GPU's lock (`pid`, as it wrote it: "?" if unreadable)."""
 

@@ -18,6 +18,7 @@ from dvfs.campaign import Campaign
 from dvfs.cube import CUBE_NAME
 from dvfs.errors import (
     JournalError,
+    OutputRefusedError,
 )
 from dvfs.fleet.shard import Shard, ShardDealError, planned_cells
 from dvfs.fleet.shard_journal import (
@@ -168,6 +169,7 @@ def out_dir_lock(out_dir: Path, progress: Progress | None = None) -> Iterator[Ou
     folder = OutFolder(out_dir)
     try:
         _check_lock_file(lock, fd)
+        check_cube_files(out_dir)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -279,6 +281,28 @@ def _check_lock_file(lock: Path, fd: int) -> None:
         )
 
 
+def check_cube_files(out_dir: Path) -> None:
+    """Refuse (`OutputRefusedError`) a named pipe where the run writes a cube (`cube.nc`, each
+    GPU model's `gpu-*/cube.nc`), before anything is measured: the cube goes there only once
+    every cell is, hours later, waited on 30 s for a reader then refused; and a folder's cube is
+    what the demo and the commands given the folder read back, which a pipe cannot be read as.
+    Not tried for a reader now: opening it to try would end a waiting reader's stream."""
+    import stat
+
+    for path in (out_dir / CUBE_NAME, *sorted(out_dir.glob(f"gpu-*/{CUBE_NAME}"))):
+        try:
+            fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+        except OSError:
+            continue  # none yet (or one the cube's write refuses in its own words)
+        if fifo:
+            raise OutputRefusedError(
+                f"{path} is a named pipe, where the cube is written once every cell is "
+                "measured and read back from as a file: remove it (or move it aside) and run "
+                f"again; to send a cube into a pipe, run `dvfs cube build {out_dir} -o PIPE` "
+                "once the sweep is done"
+            )
+
+
 def _busy(out_dir: Path, fd: int) -> SweepBusyError:
     holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
     who = f" (pid {holder})" if holder.isdigit() else ""
@@ -311,7 +335,7 @@ def check_out_usable(out_dir: Path) -> None:
     creating or writing anything (`check_out_dir`'s first part, which the dry run says too): a
     file in the way of the folder or its lock, a read-only file system or no permission to
     create them, a link another user may have placed (as root), another sweep holding the
-    folder (`SweepBusyError`)."""
+    folder (`SweepBusyError`), a named pipe where its cube goes (`check_cube_files`)."""
     import errno
     import fcntl
 
@@ -351,6 +375,7 @@ def check_out_usable(out_dir: Path) -> None:
             raise _busy(out_dir, fd) from None
         finally:
             os.close(fd)
+    check_cube_files(out_dir)
 
 
 def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> list[JournalError]:

@@ -1293,6 +1293,8 @@ def test_a_cap_that_cannot_be_recorded_is_taken_back(
         ("EDQUOT", "free space there or raise the disk quota"),
         ("EACCES", "let this user write that folder (check its owner and permissions)"),
         ("EROFS", "its file system is mounted read-only: make it writable"),
+        ("EIO", "the disk or network file system under it failed (see dmesg): check it"),
+        ("ENOTDIR", "part of its path is a file, not a folder: move that file aside"),
     ],
 )
 @pytest.mark.parametrize("undone", ["taken back", "unchanged limit", "not taken back"])
@@ -1301,7 +1303,9 @@ def test_an_unwritable_record_is_told_its_own_remedy(
 ) -> None:
     """The caps record not written said "free space there" whatever the error: a folder this
     user may not write (the caps unit's root keeps no CAP_DAC_OVERRIDE), a read-only file
-    system or a disk quota each get their own way on, the change taken back or not."""
+    system or a disk quota each get their own way on, the change taken back or not; a failing
+    disk (EIO) and a file in the place of a folder of its path (ENOTDIR), told "make it
+    writable", which mends neither, too."""
     import errno
 
     from dvfs.caps import AppliedCaps, CapAction, apply_actions
@@ -1475,7 +1479,8 @@ def test_a_dry_run_waits_for_no_driver_and_says_what_the_apply_would(
     """`cap apply --dry-run --wait-for-driver N` slept N s (5 s at a time) while the kernel
     module was not loaded, though a dry run changes nothing; it fails at once, saying what the
     apply would wait for. A wait of 1 and 400 zeros was said with all its digits: it is a wait
-    with no time limit, said so, whether waited (the apply) or not (a dry run)."""
+    with no time limit, said so, whether waited (the apply) or not (a dry run). The line lacked
+    the "dry run, nothing changed:" its other refusals begin with; it has it."""
     import dvfs.gpu.nvml
 
     caps = _driver_caps(tmp_path, nvml)
@@ -1493,8 +1498,8 @@ def test_a_dry_run_waits_for_no_driver_and_says_what_the_apply_would(
     [line] = result.stderr.splitlines()
     span = "up to 300 s" if wait == "300" else "with no time limit"
     assert line.startswith(
-        f"Error: {NOT_LOADED} loaded (a dry run does not wait; the apply would wait {span} "
-        "for it): load it"
+        f"Error: dry run, nothing changed: {NOT_LOADED} loaded (a dry run does not wait; the "
+        f"apply would wait {span} for it): load it"
     ), line
     if wait != "300":  # the apply waits, and says so in a line of words, not 401 digits
 
@@ -1508,6 +1513,23 @@ def test_a_dry_run_waits_for_no_driver_and_says_what_the_apply_would(
         [said] = [x for x in applied.stderr.splitlines() if x.startswith(WAITING.split(":")[0])]
         assert said.startswith(f"{WAITING.removesuffix(' up to')} {span} for it, trying"), said
     assert nvml.fake_device_state(0)["power_limit_mw"] == (700_000 if wait == "300" else 450_000)
+
+
+def test_a_dry_run_without_the_driver_says_it_changed_nothing(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap apply --dry-run` (no --wait-for-driver), the kernel module not loaded: its line
+    lacked the "dry run, nothing changed:" that its other refusals, and its line with
+    --wait-for-driver, begin with; it has it, and the apply's own line does not."""
+    caps = _driver_caps(tmp_path, nvml)
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", str(nvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    dry = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--dry-run"])
+    assert dry.exit_code == 1, dry.output
+    [line] = dry.stderr.splitlines()
+    assert line.startswith(f"Error: dry run, nothing changed: {NOT_LOADED} loaded: load it"), line
+    applied = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert applied.exit_code == 1, applied.output
+    assert "dry run" not in applied.stderr, applied.stderr
 
 
 @pytest.mark.parametrize("wait", ["0", "1"])
@@ -3522,3 +3544,29 @@ def test_gpu_reset_refuses_a_state_folder_it_cannot_reach_not_taken_for_none(
         [line] = result.stderr.splitlines()
         assert f"state folder {folder} is unreadable" in line, line
         assert "nothing to restore" not in result.output
+
+
+@pytest.mark.parametrize("command", ["apply", "dry-run", "reset"])
+def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
+    nvml, tmp_path: Path, command: str
+) -> None:
+    """A folder in the place of a GPU's lock file in the state folder, which no running dvfs
+    holds: `cap apply` (its dry run too) and `cap reset` exited 3, README's "another dvfs
+    process uses it", though none does; a fault of the state folder, as a caps record's lock
+    that is a folder is, it exits 1 in its own line, the GPU unchanged."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    if command == "reset":
+        invoke("cap", "apply", str(caps))
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
+    path.unlink(missing_ok=True)
+    path.mkdir(parents=True)
+    args = {"apply": ["apply", str(caps)], "dry-run": ["apply", str(caps), "--dry-run"]}
+    result = CliRunner().invoke(cli, ["cap", *args.get(command, ["reset"])])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock" in line, line
+    assert "in use by another dvfs" not in line and "Traceback" not in line, line
+    assert nvml.fake_device_state(0)["locked_clocks"] == before

@@ -921,3 +921,21 @@ def test_a_disk_image_named_as_a_corpus_is_refused_at_its_first_nul(tmp_path: Pa
     finally:
         tracemalloc.stop()
     assert peak < (8 << 20), peak
+
+
+@pytest.mark.parametrize("content", ["", "  \n\n \t\n"], ids=["empty", "whitespace"])
+def test_an_empty_corpus_file_says_what_to_do(tmp_path: Path, content: str) -> None:
+    """A corpus file that is empty, or holds only whitespace, was refused with "X is empty"
+    and no way on; the line says to write the corpus's records into it, or to point the
+    campaign's path at the file that holds them."""
+    write(tmp_path / "mine.jsonl", content)
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["code", "mine"]')
+    text += '\n[corpus.mine]\npath = "mine.jsonl"\nfield = "text"\n'
+    campaign = str(write(tmp_path / "c.toml", text))
+    out = str(tmp_path / "out")
+    for args in (["sweep", campaign, "--dry-run", "--out", out], ["doctor", campaign]):
+        result = CliRunner().invoke(cli, args)
+        said = " ".join(result.output.split())
+        assert result.exit_code == 2, (args, result.output)
+        assert f"{tmp_path / 'mine.jsonl'} is empty (or only whitespace): write the" in said, said
+        assert "or point the campaign's path for this corpus at the file" in said, said

@@ -1178,6 +1178,13 @@ def test_the_monitor_units_command_line_runs(env: dict[str, str], nvml, stub: st
     ("args", "code", "message"),
     [
         (["--plan", "nope.toml"], 2, "per-batch plan nope.toml does not exist"),
+        # said "does not exist (or is not a file)" of a device that is there
+        (
+            ["--plan", "/dev/null"],
+            2,
+            "per-batch plan /dev/null is a device or socket, not a regular file: give the file "
+            "`dvfs cap plan HEADROOM_JSON --per-batch` wrote",
+        ),
         (["--plan", "p.toml", "--interval", "0"], 2, "--interval: must be more than 0"),
         (["--plan", "p.toml", "--interval", "1x"], 2, "is not a duration such as 500ms"),
         # an internal OverflowError (a wait past time_t) once; a day is the longest span taken
@@ -1436,3 +1443,23 @@ def test_the_governor_stays_under_the_static_caps_shows_its_lock_and_puts_them_b
     page = dvfs_in_process("monitor", "--once", "--gpu", "0", "--interval", "0.1", env=env)
     assert metric(page.stdout, "dvfs_gpu_sm_clock_lock_max_hertz", "0") == 1.5e9
     assert metric(page.stdout, "dvfs_gpu_sm_clock_lock_by_governor", "0") == 0
+
+
+def test_a_plan_given_through_a_pipe_is_read(tmp_path: Path) -> None:
+    """`govern --plan <(...)`, a pipe: refused as a plan that "does not exist (or is not a
+    file)"; it is read, as a caps file given so is (here: text that is no TOML, said so)."""
+    import os
+
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    read, written = os.pipe()
+    try:
+        os.write(written, b"not [toml\n")
+        os.close(written)
+        result = CliRunner().invoke(cli, ["govern", "--plan", f"/dev/fd/{read}"])
+    finally:
+        os.close(read)
+    assert result.exit_code == 2, result.output
+    assert f"/dev/fd/{read}: not valid TOML" in result.output, result.output

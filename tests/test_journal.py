@@ -619,3 +619,61 @@ def test_a_journal_this_user_may_not_read_is_said_so(
     # `dvfs cube build`'s --out is the cube's path, not a folder holding the journal: the line
     # ended "or choose another --out", no remedy for a journal this user may not read
     assert "--out" not in _said(built.output), built.output
+
+
+@pytest.mark.parametrize("torn", [True, False], ids=["torn-line-cut", "newline-ended"])
+def test_a_journal_this_user_may_not_write_is_not_called_unreadable(
+    swept: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, torn: bool
+) -> None:
+    """A resume that repairs the journal (cuts its torn last line, or ends its last record's
+    line) and is denied the write (EACCES, played here, as root ignores modes): the line said
+    "this user may not read it ... make it readable", untrue of a journal it had just read. It
+    says this user may not write it, and how to make it writable."""
+    import builtins
+    import errno
+    import os
+
+    import dvfs.measure.journal as journal_module
+
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    text = journal.read_bytes().rstrip(b"\n")
+    journal.write_bytes(text + b"\n" + b'{"type":"cell","key":"x","cel' if torn else text)
+    real_open = builtins.open
+
+    def denied(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if Path(path) == journal and mode != "rb":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(journal_module, "open", denied, raising=False)
+    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    said = _said(result.output)
+    assert result.exit_code == 1, result.output
+    assert f"off the journal ({journal})" in said or f"repair the journal ({journal})" in said
+    assert "this user may not write it" in said and "make it writable" in said, said
+    assert "may not read" not in said and "readable" not in said, said
+    assert "Traceback" not in said, said
+
+
+@pytest.mark.parametrize("fleet", [False, True], ids=["one-gpu", "mixed-fleet"])
+def test_the_sweeps_closing_line_is_one_line_for_a_long_journal_path(
+    tiny_sweep: Path, tiny_exact_run: Any, tmp_path: Path, fleet: bool
+) -> None:
+    """The sweep's closing line ("N cell(s) measured, ...; journal PATH", a fleet's "...;
+    journals PATH") was printed wrapped to the console's width, so a long --out split it over
+    two lines (a script reading it by line got half), and a path with brackets was read as
+    markup. It is one line, the path as given."""
+    from conftest import MIXED_FLEET, TINY_EXACT
+
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT if fleet else TINY)
+    done = tiny_exact_run("mixed") if fleet else tiny_sweep
+    out = copy_sweep(done, tmp_path / ("[deep]" + "d" * 150) / "out")
+    gpus = MIXED_FLEET if fleet else ()
+    result = invoke("sweep", str(campaign), *gpus, "--out", str(out), "--no-progress")
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.stderr.splitlines() if "cell(s) measured" in line]
+    where = (
+        f"journals {out / 'gpu-*' / 'journal.jsonl'}" if fleet else f"journal {out}/journal.jsonl"
+    )
+    assert line.endswith(f"; {where}"), result.stderr

@@ -1036,28 +1036,34 @@ def test_cube_build_says_what_to_do_with_a_models_journal_that_is_no_file(
 
 
 @pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
-def test_a_sweep_whose_cube_goes_to_a_pipe_no_program_reads_says_its_cells_are_kept(
-    tmp_path: Path, gpus: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+def test_a_sweep_whose_cube_goes_to_a_named_pipe_is_refused_before_it_measures(
+    tmp_path: Path, gpus: tuple[str, ...]
 ) -> None:
-    """A FIFO no program reads from as the sweep folder's cube.nc is refused once the cells are
-    measured (hours on real GPUs), exit 2: the line said only to start its reader or remove
-    the pipe, not that every cell is in the journal nor how to build the cube from it, as a
-    cube that cannot be built says."""
+    """A FIFO as the sweep folder's cube.nc was found only once every cell was measured (hours
+    on real GPUs), then waited on 30 s for a reader and refused, exit 2. A pipe there is
+    refused before anything is measured, in one line, still exit 2 (a reader is not tried for:
+    opening the pipe to try would end a waiting reader's stream); the folder is left as found,
+    the pipe in place, and the dry run and `dvfs doctor` say it too."""
+    import stat
+
     from conftest import TINY_EXACT
 
-    import dvfs.outputs
-
-    monkeypatch.setattr(dvfs.outputs, "PIPE_READER_WAIT_S", 0.2)  # waited on that long
     out = tmp_path / "out"
     out.mkdir()
-    os.mkfifo(out / "cube.nc")
+    fifo = out / "cube.nc"
+    os.mkfifo(fifo)
     campaign = write(tmp_path / "c.toml", FLEET if gpus else TINY_EXACT)
     result = sweep(str(campaign), *gpus, "--out", str(out))
     assert result.exit_code == 2, result.output
-    line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"Error: {out / 'cube.nc'} is a named pipe no program read from"), line
-    assert "(every measured cell is in " in line, line
-    assert f"`dvfs cube build {out}` writes the cube" in line, line
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: {fifo} is a named pipe, where the cube is written"), line
+    assert "remove it" in line and f"`dvfs cube build {out} -o PIPE`" in line, line
+    assert sorted(p.name for p in out.iterdir()) == ["cube.nc"]  # nothing measured
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    dry = sweep(str(campaign), *gpus, "--out", str(out), "--dry-run", "--no-estimate")
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), *gpus, "--out", str(out)])
+    for said in (dry, doctor):  # (wrapped to the console's width, a long path mid-word too)
+        assert f"{fifo}isanamedpipe" in "".join(said.output.split()), said.output
 
 
 @pytest.mark.parametrize("where", ["fleet", "single"])

@@ -744,8 +744,10 @@ def apply_actions(
 
 def _remedy(exc: OSError) -> str:
     """What to do where the caps record cannot be written, by why: "free space there" fits a
-    full disk only (it was said whatever the error). Never "choose another --state-dir", which
-    would record the caps where `cap show`, sweeps and `cap reset` do not look."""
+    full disk only (it was said whatever the error), "make it writable" neither a failing disk
+    (EIO) nor a file where a folder of its path goes (ENOTDIR). Never "choose another
+    --state-dir", which would record the caps where `cap show`, sweeps and `cap reset` do not
+    look."""
     if exc.errno == errno.ENOSPC:
         return "free space there"
     if exc.errno == errno.EDQUOT:
@@ -754,6 +756,10 @@ def _remedy(exc: OSError) -> str:
         return "let this user write that folder (check its owner and permissions)"
     if exc.errno == errno.EROFS:
         return "its file system is mounted read-only: make it writable"
+    if exc.errno == errno.EIO:
+        return "the disk or network file system under it failed (see dmesg): check it"
+    if exc.errno == errno.ENOTDIR:
+        return "part of its path is a file, not a folder: move that file aside"
     return "make it writable"
 
 

@@ -242,6 +242,7 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
 @dry_run_reads_gpus(
     "`dvfs cap apply --dry-run`",
     "the GPUs it would cap (which caps match them, what each holds now)",
+    refused="dry run, nothing changed: ",
 )
 def apply(
     caps_file: Path,
@@ -594,7 +595,7 @@ def _refuse_as_the_apply_would(
     the caps record's lock, read without taking or changing anything."""
     from dvfs.caps import AppliedCaps
     from dvfs.cli.common import describe_os_error
-    from dvfs.errors import CapsRecordError, GpuStateError
+    from dvfs.errors import CapsRecordError, GpuLockFileError, GpuStateError
     from dvfs.gpu.safety import GpuLocks, StateStore
 
     wanted = {a.uuid for a in actions}
@@ -602,6 +603,9 @@ def _refuse_as_the_apply_would(
     prefix = "dry run, nothing changed: the apply would be refused: "
     locks = GpuLocks(directory)
     for gpu in targets:
+        not_a_lock = locks.not_a_lock(gpu)  # no dvfs holds it: a fault of the folder, exit 1
+        if not_a_lock:
+            raise GpuLockFileError(prefix + not_a_lock)
         busy = locks.holder(gpu)
         if busy:
             raise GpuStateError(prefix + busy)
@@ -699,7 +703,7 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     named, exit 4, once the others are reset: they may be that GPU's."""
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
-    from dvfs.errors import CapsRecordError, GpuPermissionError, GpuStateError
+    from dvfs.errors import CapsRecordError, GpuLockFileError, GpuPermissionError, GpuStateError
     from dvfs.gpu.safety import default_state_dir, state_dir_flag
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
@@ -717,7 +721,7 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
         directory = state_dir or default_state_dir()
         try:
             lines, busy, failed = reset_locked(gpus, directory)
-        except (CapsRecordError, GpuStateError) as exc:  # a lock refused, no GPU reset
+        except (CapsRecordError, GpuStateError, GpuLockFileError) as exc:  # a lock refused
             if lost:  # the GPUs fallen off the bus need seeing to all the same
                 exc.args = (f"{exc}; {lost_gpus(lost)}",)
             raise

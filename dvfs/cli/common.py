@@ -42,11 +42,11 @@ def option_given(ctx: click.Context, name: str) -> bool:
     )
 
 
-def dry_run_reads_gpus(command: str, reads: str) -> Callable[[F], F]:
+def dry_run_reads_gpus(command: str, reads: str, *, refused: str = "") -> Callable[[F], F]:
     """A command whose --dry-run still reads the GPUs here through NVML (`reads`: what of
     them), and has no --twin: where NVML is missing or its driver not loaded, its dry run's
     one line says so and to run it on the GPUs' host, not the hint of the commands that take
-    --twin."""
+    --twin; begun with `refused` (the words its other dry-run refusals begin with)."""
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
@@ -61,7 +61,7 @@ def dry_run_reads_gpus(command: str, reads: str) -> Callable[[F], F]:
                 if not kwargs.get("dry_run") or not text.endswith(twin):
                     raise
                 raise type(exc)(
-                    f"{text.removesuffix(twin)}; {command} reads {reads} through "
+                    f"{refused}{text.removesuffix(twin)}; {command} reads {reads} through "
                     "it (it has no --twin): run it on their host"
                 ) from exc
 

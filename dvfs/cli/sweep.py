@@ -559,7 +559,8 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
     err.print(
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
         + (f", {invalid[0]} invalid in the cube" if invalid else "")
-        + f"; journal {outcome.journal_path}"
+        + f"; journal {escape(str(outcome.journal_path))}",
+        soft_wrap=True,
     )
     click.echo(f"cube: {outcome.cube_path}")
     if s.failed:
@@ -826,7 +827,8 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
         + (f", {invalid[0]} invalid in the cube" if invalid else "")
         + f"; makespan {outcome.makespan_gpu_s / 3600:.2f} h of GPU time; "
-        + _journals_text(outcome.journal_path)
+        + escape(_journals_text(outcome.journal_path)),
+        soft_wrap=True,
     )
     click.echo(f"cube: {outcome.cube_path}")
     if s.failed:

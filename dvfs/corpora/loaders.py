@@ -228,7 +228,15 @@ class _Lines:
             self.finish()
         except CorpusError as whole:
             return whole
-        return CorpusError(f"{self.where} is empty") if self.blank else exc
+        return _empty_file(self.where) if self.blank else exc
+
+
+def _empty_file(where: str) -> CorpusError:
+    """A corpus file with no record in it (nothing, or only whitespace), with the way on."""
+    return CorpusError(
+        f"{where} is empty (or only whitespace): write the corpus's records into it, or point "
+        "the campaign's path for this corpus at the file that holds them"
+    )
 
 
 class _KeyTwice(Exception):  # noqa: N818  (not an error the user sees: a CorpusError is)
@@ -754,7 +762,7 @@ def _file_prompts(
     prompts = _prompts(records, name, spec, count_tokens)
     lines.finish()
     if lines.blank:
-        raise CorpusError(f"{where} is empty")
+        raise _empty_file(where)
     if not prompts:
         raise CorpusError(f"{where} holds no records")
     return prompts
@@ -780,7 +788,7 @@ def load_user_corpus(
                 fmt = _format_of(spec, where)
             except CorpusError:
                 if lines.only_whitespace():  # said first, as of any empty file
-                    raise CorpusError(f"{where} is empty") from None
+                    raise _empty_file(where) from None
                 raise
             try:
                 prompts = _file_prompts(lines, fmt, name, spec, where, count_tokens)

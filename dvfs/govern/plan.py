@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,8 +265,19 @@ def parse_plan(data: dict[str, Any], *, where: str) -> BatchPlan:
 
 def load_plan(path: str | Path) -> BatchPlan:
     path = Path(path)
-    if not path.is_file():
-        raise CapsError(f"per-batch plan {path} does not exist (or is not a file)")
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise CapsError(f"per-batch plan {path} does not exist") from None
+    except OSError as exc:
+        raise CapsError(f"cannot read the per-batch plan {path}: {exc.strerror}") from exc
+    # a pipe (`--plan <(...)`) is read as a file is; a device (/dev/null) or a folder is none
+    if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
+        what = "a folder" if stat.S_ISDIR(mode) else "a device or socket"
+        raise CapsError(
+            f"per-batch plan {path} is {what}, not a regular file: give the file "
+            "`dvfs cap plan HEADROOM_JSON --per-batch` wrote"
+        )
     from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
 
     try:  # as root, the plan sets GPU caps as a caps file does: checked as one, once open

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dvfs.errors import DvfsError, GpuBusyError, GpuStateError
+from dvfs.errors import DvfsError, GpuBusyError, GpuLockFileError, GpuStateError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import REFUSED, GatheredFailures, GpuSettings
 
@@ -387,10 +387,10 @@ class GpuLocks:
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
                 except IsADirectoryError:
-                    raise GpuStateError(_not_a_lock(path)) from None
+                    raise GpuLockFileError(_not_a_lock(path)) from None
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     os.close(fd)
-                    raise GpuStateError(_not_a_lock(path))
+                    raise GpuLockFileError(_not_a_lock(path))
                 # readable by all whatever the umask: the dry runs and `doctor` run without
                 # root tell a GPU another dvfs holds by it (`holder`), an unreadable one as free
                 with contextlib.suppress(OSError):

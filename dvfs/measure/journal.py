@@ -521,7 +521,7 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
                     with open(path, "ab") as out:
                         out.write(b"\n")
                 except OSError as exc:
-                    raise _os_error(exc, "repair the journal", path) from exc
+                    raise _os_error(exc, "repair the journal", path, write=True) from exc
             good_bytes += len(raw)
             yield record
 
@@ -560,14 +560,21 @@ UNREADABLE_HINT = (
     "(chmod, chown), or run as the user who swept it"
 )
 
+#: What to do about a journal this user may not write (EACCES, EPERM) where a resume repairs
+#: it (cuts its torn last line, ends its last line): its reading was never the matter.
+UNWRITABLE_HINT = (
+    "this user may not write it: make it writable to this user (chmod, chown), or run as "
+    "the user who swept it"
+)
 
-def _os_error(exc: OSError, doing: str, path: Path) -> JournalError:
+
+def _os_error(exc: OSError, doing: str, path: Path, *, write: bool = False) -> JournalError:
     """`describe_os_error`'s line for the journal at `path`, named where the failing call
     carries no file name (a read, an fstat of the opened file): else the line names none.
-    Denied: what makes it readable, not a folder to write to."""
+    Denied: what makes it readable (or writable, for a `write`), not a folder to write to."""
     line = describe_os_error(exc, doing if exc.filename else f"{doing} {path}")
     if exc.errno in (errno.EACCES, errno.EPERM):
-        line = f"{line.rpartition('; ')[0]}; {UNREADABLE_HINT}"
+        line = f"{line.rpartition('; ')[0]}; {UNWRITABLE_HINT if write else UNREADABLE_HINT}"
     return JournalError(line)
 
 
@@ -576,7 +583,7 @@ def _truncate(path: Path, size: int) -> None:
         with open(path, "r+b") as f:
             f.truncate(size)
     except OSError as exc:
-        raise _os_error(exc, "cut the torn last line off the journal", path) from exc
+        raise _os_error(exc, "cut the torn last line off the journal", path, write=True) from exc
 
 
 def _record_problem(record: Any) -> str | None:
