@@ -1,0 +1,104 @@
+"""User text printed through rich (a path, a model's name): brackets in it are text, not rich
+markup. `[/]` was an internal error (rich's MarkupError) in place of the line, `[red]` or
+`[bold x]` dropped from the path shown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from conftest import TINY, write
+
+from dvfs.cli import cli
+
+#: Folder names rich reads as markup: a closing tag with nothing to close (an error), a style
+#: (dropped), a style rich does not know (dropped too).
+BRACKETED = ["a[/]b", "m[red]x", "c[bold x]d"]
+
+
+def _said(stderr: str) -> str:
+    return " ".join(stderr.split())
+
+
+def _interrupt_after_the_first_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C once the sweep journals its first cell."""
+    from dvfs.measure.journal import Journal
+
+    note = Journal._note
+    seen = {"cells": 0}
+
+    def noted(self: Journal, record: dict[str, Any]) -> None:
+        note(self, record)
+        if record.get("type") == "cell":
+            seen["cells"] += 1
+            if seen["cells"] == 1:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(Journal, "_note", noted)
+
+
+@pytest.mark.parametrize("name", BRACKETED)
+def test_an_interrupted_sweep_names_its_partial_cube_as_written(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C after the first cell: "partial cube written to PATH" named another folder (the
+    brackets dropped), or, with `[/]` in --out, the line and the advice to resume were lost to
+    an internal error, exit 1 for 130."""
+    _interrupt_after_the_first_cell(monkeypatch)
+    out = tmp_path / name
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+    assert result.exit_code == 130, result.output
+    said = _said(result.stderr)
+    assert f"partial cube written to {out / 'cube.nc'}" in said, said
+    assert "GPU settings restored. Run the same command again to resume." in said, said
+    assert (out / "cube.nc").is_file()
+
+
+def test_an_interrupted_sweep_names_the_state_folder_of_the_gpus_it_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C, and NVML refusing to unlock the GPU's clocks: the line saying the GPU's settings
+    are NOT restored, and where their state files are, was an internal error where the state
+    folder ($DVFS_STATE_DIR) holds `[/]`."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    state = tmp_path / "st[/]ate"
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_STATE_DIR=str(state))
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 999})
+    _interrupt_after_the_first_cell(monkeypatch)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    assert result.returncode == 130, result.stderr
+    said = _said(result.stderr)
+    assert "GPU settings NOT fully restored" in said, said
+    assert f"(state in {state})." in said, said
+    assert "internal error" not in said, said
+
+
+def test_a_fleet_that_left_a_gpu_unrestored_names_its_state_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet worker's GPU fell off the bus, its settings left: the last line, NOT restored
+    and where the state files are, was an internal error where $DVFS_STATE_DIR holds `[/]`."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process
+    from test_multi_gpu import _fake_gpu1_lost_on_its_second_cell
+
+    env, _ = _fake_gpu1_lost_on_its_second_cell(tmp_path, monkeypatch)
+    state = tmp_path / "st[/]ate"
+    env["DVFS_STATE_DIR"] = str(state)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--gpus", "0-1", "--out", str(out), env=env)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "NOT restored" in last and f"(state in {state})." in last, result.stderr
