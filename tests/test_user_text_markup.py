@@ -4,6 +4,7 @@ markup. `[/]` was an internal error (rich's MarkupError) in place of the line, `
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +103,49 @@ def test_a_fleet_that_left_a_gpu_unrestored_names_its_state_folder(
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert "NOT restored" in last and f"(state in {state})." in last, result.stderr
+
+
+@pytest.mark.parametrize("name", BRACKETED)
+def test_cap_show_names_the_caps_file_as_given(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap show` says which file the caps in force came from: `dvfs cap apply` of a file in a
+    folder with brackets in its name was shown without them, or (`[/]`) `cap show` failed
+    with an internal error, showing no GPU."""
+    from nvml_support import installed_root_fake
+
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    installed_root_fake(tmp_path, monkeypatch)
+    listed = CliRunner().invoke(cli, ["gpu", "list", "--json"])
+    uuid = json.loads(listed.output)[0]["uuid"]
+    caps = tmp_path / name / "caps.toml"
+    caps.parent.mkdir(parents=True)
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    applied = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert applied.exit_code == 0, applied.output
+    shown = CliRunner().invoke(cli, ["cap", "show"])
+    assert shown.exit_code == 0, shown.output
+    assert f"from {caps.resolve()} at " in _said(shown.output), shown.output
+
+
+def test_cap_reset_names_the_unreadable_state_file_it_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap reset` drops a GPU's unreadable state file, naming it: with `[/]` in the state
+    folder ($DVFS_STATE_DIR) the GPUs were reset and the file dropped, but nothing was said
+    of them: an internal error, exit 1."""
+    from nvml_support import installed_root_fake
+
+    installed_root_fake(tmp_path, monkeypatch)
+    state = tmp_path / "st[/]ate"
+    monkeypatch.setenv("DVFS_STATE_DIR", str(state))
+    listed = CliRunner().invoke(cli, ["gpu", "list", "--json"])
+    uuid = json.loads(listed.output)[0]["uuid"]
+    state.mkdir(parents=True)
+    (state / f"{uuid}.json").write_text("not a state file\n")
+    reset = CliRunner().invoke(cli, ["cap", "reset"])
+    assert reset.exit_code == 0, reset.output
+    said = _said(reset.stdout)
+    assert f"the unreadable state file {state / uuid}.json: dropped" in said, said
+    assert not (state / f"{uuid}.json").exists()
