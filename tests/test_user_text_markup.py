@@ -149,3 +149,32 @@ def test_cap_reset_names_the_unreadable_state_file_it_dropped(
     said = _said(reset.stdout)
     assert f"the unreadable state file {state / uuid}.json: dropped" in said, said
     assert not (state / f"{uuid}.json").exists()
+
+
+@pytest.mark.parametrize("name", BRACKETED)
+def test_corpus_list_and_show_name_the_tokenizer_of_a_models_path_as_given(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the tokenizer of engine.model at hand, `corpus list` and `corpus show` say the
+    tokens are counted by the tokenizer of that model: a local model's path with brackets was
+    shown without them, or (`[/]`) each command ended in an internal error after its table."""
+    from sglang_support import stub_campaign
+
+    import dvfs.corpora.tokens
+
+    class Tokenizer:  # one token a word; no chat template
+        chat_template = None
+
+        def __call__(self, text: str) -> dict[str, list[str]]:
+            return {"input_ids": text.split()}
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: Tokenizer())
+    path, marker = stub_campaign(tmp_path)
+    model = f"/models/{name}"
+    path.write_text(path.read_text().replace(f'model = "{marker}"', f'model = "{model}"'))
+    listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(path)])
+    assert listed.exit_code == 0, listed.output
+    assert f"token counts: tokenizer of {model}" in _said(listed.output), listed.output
+    shown = CliRunner().invoke(cli, ["corpus", "show", "code", "-n", "0", "--campaign", str(path)])
+    assert shown.exit_code == 0, shown.output
+    assert f"(min/median/max, tokenizer of {model});" in _said(shown.output), shown.output
