@@ -677,7 +677,7 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
                 if static
                 else ", no static clock cap"
             )
-        source = f", from {r['caps_source']} at {r['applied']}" if r["caps_source"] else ""
+        source = f", from {escape(r['caps_source'])} at {r['applied']}" if r["caps_source"] else ""
         default = r["default_power_limit_w"]
         power = f"power limit {r['enforced_power_limit_w']:g} W" + (
             " enforced (NVML does not support setting it on this GPU)"
@@ -726,8 +726,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
                 exc.args = (f"{exc}; {lost_gpus(lost)}",)
             raise
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
-    for line in lines:
-        console().print(line)
+    for line in lines:  # a state file's path named in it: text, not markup
+        console().print(escape(line))
     if mig:
         console(stderr=True).print(
             f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "

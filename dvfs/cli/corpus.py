@@ -113,7 +113,7 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
         )
     out = console()
     out.print(table)
-    out.print(f"token counts: {method}")
+    out.print(f"token counts: {escape(method)}")  # a tokenizer of a model's path
 
 
 @corpus.command("show")
@@ -162,7 +162,7 @@ def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: 
         + ("" if s["distinct"] == s["prompts"] else f"{s['distinct']} distinct, ")
         + f"{s['multi_turn']} multi-turn), "
         f"input tokens {s['tokens_min']}/{s['tokens_median']:g}/{s['tokens_max']} "
-        f"(min/median/max, {method}); hash {s['content_hash']}"
+        f"(min/median/max, {escape(method)}); hash {s['content_hash']}"
     )
     out.print(f"source: {s['source']}", markup=False)
     for p in prompts:

@@ -678,7 +678,7 @@ def run_fleet(
             )
             err.print(
                 f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: {why} (state in "
-                f"{state_dir}).",
+                f"{escape(str(state_dir))}).",
                 soft_wrap=True,
             )
             raise SystemExit(_restore_exit_code(errors))
@@ -761,11 +761,12 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
     left = after_interruption(campaign, out_dir, shard)
     if left.cube_path is not None and left.whole:
         err.print(
-            f"cube written to {left.cube_path} (whole: the folder already held every cell)",
+            f"cube written to {escape(str(left.cube_path))} (whole: the folder already held "
+            "every cell)",
             soft_wrap=True,
         )
     elif left.cube_path is not None:
-        err.print(f"partial cube written to {left.cube_path}", soft_wrap=True)
+        err.print(f"partial cube written to {escape(str(left.cube_path))}", soft_wrap=True)
     if left.cube_error is not None:
         cube = "cube" if left.whole else "partial cube"
         err.print(f"(no {cube}: {escape(left.cube_error)})", soft_wrap=True)
@@ -773,7 +774,7 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
         return (
             "[red]GPU settings NOT fully restored[/red] for "
             + ", ".join(left.unrestored)
-            + f": run {_reset(left.state_dir)} (state in {left.state_dir})."
+            + f": run {_reset(left.state_dir)} (state in {escape(str(left.state_dir))})."
         )
     return "GPU settings restored."
 
