@@ -726,8 +726,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
                 exc.args = (f"{exc}; {lost_gpus(lost)}",)
             raise
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
-    for line in lines:  # a state file's path named in it: text, not markup
-        console().print(escape(line))
+    for line in lines:  # a state file's path named in it: text, not markup, one line each
+        console().print(escape(line), soft_wrap=True)
     if mig:
         console(stderr=True).print(
             f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "
