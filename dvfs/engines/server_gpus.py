@@ -71,6 +71,10 @@ SLURM_GPU_OPTIONS = ("--gpus", "-G", "--gres", "--gpus-per-node", "--gpus-per-ta
 #: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
 CDI_GPU = "nvidia.com/gpu="
 
+#: A CDI device's name, the part after `=` (container-device-interface's parser,
+#: ValidateDeviceName): a letter or digit, then letters, digits, `-`, `_`, `.`, `:`.
+CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
+
 
 @dataclass(frozen=True)
 class WrapperGpus:
@@ -110,15 +114,30 @@ class WrapperGpus:
     #: through srun's pyxis too), as it starts a container, which server_command may start
     #: out of sight. Never refused; said where it does not name the metered GPUs by UUID.
     uncontained: bool = False
+    #: podman's `--gpus` (`setting`: "--gpus VALUE"; `entries`: its comma-separated words),
+    #: which podman 4 ignores (a docker option it takes as a no-op: containers/podman's
+    #: cmd/podman/containers/run.go, v4) and podman 5 reads word by word as CDI names,
+    #: `nvidia.com/gpu=<word>` (its pkg/specgenutil/specgen.go; libpod/util.go,
+    #: gpusToCDIDevices), not docker's `device=...`: never judged, as dvfs cannot tell which
+    #: podman runs.
+    podman: bool = False
 
     @property
     def judged(self) -> bool:
         """Whether it names every GPU by UUID (as CUDA and the NVIDIA container runtime take
         one, its start too): an index counts a container's GPUs (CUDA_VISIBLE_DEVICES inside
         one), or another numbering than NVML's; `all` or a count, whichever GPUs."""
-        return bool(self.entries) and all(
-            e.upper().startswith(("GPU-", "MIG-")) for e in self.entries
+        return (
+            bool(self.entries)
+            and not self.podman
+            and all(e.upper().startswith(("GPU-", "MIG-")) for e in self.entries)
         )
+
+    @property
+    def no_cdi_name(self) -> tuple[str, ...]:
+        """podman's `--gpus` words that are no CDI device name (`device=GPU-...`, docker's
+        syntax), with which podman 5 fails to start the container."""
+        return tuple(e for e in self.entries if self.podman and not CDI_NAME.fullmatch(e))
 
     def names(self, gpu_uuids: Sequence[str]) -> bool:
         """Whether it names the metered GPUs and no other (CUDA_VISIBLE_DEVICES: in order; a
@@ -146,6 +165,18 @@ class WrapperGpus:
                 f"(the metered {metered}) unless what it runs starts a container (enroot, "
                 "apptainer --nv, srun's pyxis), whose runtime reads it and gives the container "
                 "those GPUs, and the server fails where they lack the metered ones, which dvfs "
+                "cannot check"
+            )
+        if self.podman:
+            cdi = " ".join(f"{CDI_GPU}{e}" for e in self.entries)
+            podman5 = (
+                f"podman 5 reads {cdi}, no CDI name, and the container fails to start"
+                if self.no_cdi_name
+                else f"podman 5 gives it the CDI device(s) {cdi}"
+            )
+            return (
+                f"gives its podman container {self.setting} rather than the metered "
+                f"{metered}: podman 4 ignores --gpus, {podman5}; which podman runs, dvfs "
                 "cannot check"
             )
         if self.unpassed and self.setting.endswith(" exec"):
@@ -254,6 +285,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         if slurm and flag in SLURM_GPU_OPTIONS:
             if flag != "--gres" or "gpu" in value:
                 found.append(WrapperGpus(f"{flag} {value}", (), container=False, slurm=True))
+        elif flag == "--gpus" and _launcher_of(command, index) == "podman":
+            words = _podman_gpus(value)
+            found.append(WrapperGpus(f"--gpus {value}", words, container=True, podman=True))
         elif flag == "--gpus":
             found.append(WrapperGpus(f"--gpus {value}", _docker_gpus(value), container=True))
         elif value.startswith(CDI_GPU):
@@ -275,9 +309,13 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
     # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
     # `'"device=GPU-a,GPU-b"'`), or fails to start where they are not among them.
+    # podman 5 fails to start a container given `--gpus` words that are no CDI name, passed
+    # CUDA_VISIBLE_DEVICES or not.
     if not _passes_cuda_uuids(joined):
         return found
-    return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+    return [
+        replace(g, among=g.container) for g in found if g.judged or not g.container or g.no_cdi_name
+    ]
 
 
 def _gpus_given(command: Sequence[str]) -> bool:
@@ -954,6 +992,15 @@ def _unpassed_container(command: Sequence[str]) -> str | None:
     return words
 
 
+def _podman_gpus(value: str) -> tuple[str, ...]:
+    """The words of podman's `--gpus VALUE`, a CSV record as its string slice flag reads it
+    (`GPU-a,GPU-b`: two; `'"device=GPU-a,GPU-b"'`: one); () where it cannot be read."""
+    try:
+        return tuple(v.strip() for v in next(csv.reader([value])) if v.strip())
+    except (csv.Error, StopIteration):
+        return ()
+
+
 def _docker_gpus(value: str) -> tuple[str, ...]:
     """The GPUs docker's `--gpus VALUE` names (a CSV record, as docker reads it: `device=0`,
     `'"device=GPU-a,GPU-b"'`); () where it names them by count (`all`, `2`, `count=2`, none
@@ -1067,6 +1114,13 @@ def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
         return (
             "remove NVIDIA_VISIBLE_DEVICES from server_command, or name the metered GPUs there "
             "by UUID: outside a container dvfs pins the server by CUDA_VISIBLE_DEVICES"
+        )
+    if unjudged and all(g.podman for g in unjudged):
+        return (
+            "give podman --device nvidia.com/gpu=<UUID> of each metered GPU in place of --gpus "
+            "(CDI, read by podman 4 and 5), or pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --device nvidia.com/gpu=all), "
+            "right for each fleet worker's GPUs"
         )
     if unjudged and all(g.unpassed for g in unjudged):
         if any(g.setting.endswith(" exec") for g in unjudged):
