@@ -626,6 +626,29 @@ def test_podmans_gpus_is_read_as_podman_reads_it(nv: ModuleType, tmp_path: Path)
         )
 
 
+def test_podmans_remedy_gives_no_gpus_podman_4_ignores(nv: ModuleType, tmp_path: Path) -> None:
+    """A podman container given no GPUs, or another by NVIDIA_VISIBLE_DEVICES, was told to be
+    passed `-e CUDA_VISIBLE_DEVICES with --gpus all`: podman 4 ignores `--gpus`, so done so
+    the container may have no GPU. The remedy names `--device nvidia.com/gpu=all` (CDI, read
+    by podman 4 and 5) for podman; docker's keeps `--gpus all`."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    podman = "(-e CUDA_VISIBLE_DEVICES with --device nvidia.com/gpu=all)"
+    docker = "(-e CUDA_VISIBLE_DEVICES with --gpus all)"
+    for engine, said in (("podman", podman), ("docker", docker)):
+        path = container_campaign(tmp_path / engine, engine=engine)
+        output = _doctor_warns(path, env)
+        assert f"pass the container dvfs's own CUDA_VISIBLE_DEVICES {said}" in output, output
+        flags = ("-e", f"NVIDIA_VISIBLE_DEVICES={other}")
+        path = container_campaign(tmp_path / f"{engine}-other", *flags, engine=engine)
+        _refused(
+            _doctor(path, env),
+            f"NVIDIA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}: the server "
+            f"would run where dvfs does not meter; give it the metered GPU(s) by UUID instead "
+            f"({metered}), or pass the container dvfs's own CUDA_VISIBLE_DEVICES {said}",
+        )
+
+
 def test_an_execs_nvidia_visible_devices_is_not_its_containers_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -839,13 +862,14 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
     ):
         path = container_campaign(tmp_path / f"c{number}", *flags, engine=engine)
         output = _doctor_warns(path, env)
+        gpus = "--device nvidia.com/gpu=all" if engine == "podman" else "--gpus all"
         assert (
             f"engine.sglang.server_command starts a container ({engine} run) not passed "
             "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
             f"the container runtime gives it (with a CUDA image, all) rather than the metered "
             f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
             "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
-            "CUDA_VISIBLE_DEVICES with --gpus all), right for each fleet worker's GPUs"
+            f"CUDA_VISIBLE_DEVICES with {gpus}), right for each fleet worker's GPUs"
         ) in output, output
     hosted = container_campaign(tmp_path / "hosted", "--env-host", engine="podman")
     checked = dvfs_in_process("doctor", str(hosted), "--out", str(tmp_path / "o"), env=env)

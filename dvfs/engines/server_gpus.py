@@ -51,6 +51,18 @@ PASS_CUDA_UUIDS = (
     "all), right for each fleet worker's GPUs"
 )
 
+#: `PASS_CUDA_UUIDS` for podman, whose `--gpus all` podman 4 ignores (a no-op) and podman 5
+#: reads as the CDI name `nvidia.com/gpu=all`: the CDI device, which both read.
+PODMAN_PASS_CUDA_UUIDS = PASS_CUDA_UUIDS.replace("--gpus all", "--device nvidia.com/gpu=all")
+
+
+def _pass_cuda_uuids(command: Sequence[str]) -> str:
+    """`PASS_CUDA_UUIDS`, or podman's (`PODMAN_PASS_CUDA_UUIDS`) where podman runs the container."""
+    run = _container_run(command)
+    podman = run is not None and run[0].split()[0] == "podman"
+    return PODMAN_PASS_CUDA_UUIDS if podman else PASS_CUDA_UUIDS
+
+
 #: The container engines whose `run` (`docker run`, `podman container run`) starts a container
 #: that gets none of the environment dvfs hands it but what it is passed: `-e NAME` or `--env
 #: NAME` (the host's value), podman's `--env-host` (all of it); whose `exec` runs the server in
@@ -1061,7 +1073,7 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
             f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
             f"than the metered {metered}: the server would run where dvfs does not meter; "
             f"give it the metered GPU(s) by UUID instead ({metered}), or {unset}"
-            f"{PASS_CUDA_UUIDS}"
+            f"{_pass_cuda_uuids(words)}"
         )
 
 
@@ -1110,6 +1122,7 @@ def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
     """What to do about what `unjudged_wrapper_devices` says, for doctor's warning: a container
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
     unjudged = _unjudged(campaign, gpu_uuids)
+    pass_cuda = _pass_cuda_uuids(_words([str(token) for token in server_command(campaign)]))
     if unjudged and all(g.uncontained for g in unjudged):
         return (
             "remove NVIDIA_VISIBLE_DEVICES from server_command, or name the metered GPUs there "
@@ -1134,7 +1147,7 @@ def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
                 "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after "
                 "run, the compose file reserving it every GPU), right for each fleet worker's GPUs"
             )
-        return PASS_CUDA_UUIDS
+        return pass_cuda
     if unjudged and all(g.dropped and g.setting.startswith(SUDO_LOGIN) for g in unjudged):
         return (
             "give sudo --preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES "
@@ -1163,6 +1176,6 @@ def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
             "which starts the server on the metered GPUs"
         )
     return (
-        f"name the metered GPUs there by UUID, or {PASS_CUDA_UUIDS}, or outside a container "
+        f"name the metered GPUs there by UUID, or {pass_cuda}, or outside a container "
         "remove it from server_command"
     )
