@@ -582,6 +582,73 @@ def test_podmans_gpus_does_not_win_over_nvidia_visible_devices(
     )
 
 
+def test_podmans_gpus_is_read_as_podman_reads_it(nv: ModuleType, tmp_path: Path) -> None:
+    """podman's `--gpus` was read with docker's syntax: `podman run --gpus device=GPU-<metered>`
+    was said pinned, though podman 4 ignores `--gpus` and podman 5 makes each word a CDI name
+    (`nvidia.com/gpu=device=GPU-...`, none: the container fails to start); `--gpus
+    GPU-<metered>`, the metered GPU to podman 5, was warned of as an index or count, and
+    `--gpus device=GPU-<other>` refused with docker's remedy. Which podman runs, dvfs cannot
+    tell: each is warned of, naming `--device nvidia.com/gpu=<UUID>` (CDI, read by both)."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    remedy = "give podman --device nvidia.com/gpu=<UUID> of each metered GPU in place of --gpus"
+    cases = (
+        ((f"--gpus=device={metered}",), f"nvidia.com/gpu=device={metered}, no CDI name"),
+        (("--gpus", metered), f"the CDI device(s) nvidia.com/gpu={metered}"),
+        (("--gpus", f"device={other}"), f"nvidia.com/gpu=device={other}, no CDI name"),
+        (("--gpus", f"{metered},{other}"), f"nvidia.com/gpu={metered} nvidia.com/gpu={other}"),
+        (
+            ("--gpus", f"device={metered}", "-e", "CUDA_VISIBLE_DEVICES"),
+            f"nvidia.com/gpu=device={metered}, no CDI name",
+        ),
+    )
+    for number, (flags, said) in enumerate(cases):
+        path = container_campaign(tmp_path / f"c{number}", *flags, engine="podman")
+        output = _doctor_warns(path, env)
+        assert "podman 4 ignores --gpus" in output, output
+        assert said in output and remedy in output, output
+    # Given dvfs's CUDA_VISIBLE_DEVICES, a CDI name: podman 5 gives the metered GPU, CUDA picks
+    # it (elsewhere the server fails to start); podman 4's runtime gives it, or none.
+    path = container_campaign(
+        tmp_path / "passed", "--gpus", metered, "-e", "CUDA_VISIBLE_DEVICES", engine="podman"
+    )
+    checked = _doctor(path, env)
+    assert checked.returncode == 0, checked.stdout
+    said = f"ok server GPUs: the server is pinned to {metered} (CUDA_VISIBLE_DEVICES)"
+    assert said in " ".join(checked.stdout.split()), checked.stdout
+    # docker's and nerdctl's `--gpus` are docker's syntax: another GPU by UUID is refused
+    for engine in ("docker", "nerdctl"):
+        path = container_campaign(tmp_path / engine, "--gpus", f"device={other}", engine=engine)
+        _refused(
+            _doctor(path, env),
+            f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+            f"device={other}, other GPUs than the metered {metered}",
+        )
+
+
+def test_podmans_remedy_gives_no_gpus_podman_4_ignores(nv: ModuleType, tmp_path: Path) -> None:
+    """A podman container given no GPUs, or another by NVIDIA_VISIBLE_DEVICES, was told to be
+    passed `-e CUDA_VISIBLE_DEVICES with --gpus all`: podman 4 ignores `--gpus`, so done so
+    the container may have no GPU. The remedy names `--device nvidia.com/gpu=all` (CDI, read
+    by podman 4 and 5) for podman; docker's keeps `--gpus all`."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    podman = "(-e CUDA_VISIBLE_DEVICES with --device nvidia.com/gpu=all)"
+    docker = "(-e CUDA_VISIBLE_DEVICES with --gpus all)"
+    for engine, said in (("podman", podman), ("docker", docker)):
+        path = container_campaign(tmp_path / engine, engine=engine)
+        output = _doctor_warns(path, env)
+        assert f"pass the container dvfs's own CUDA_VISIBLE_DEVICES {said}" in output, output
+        flags = ("-e", f"NVIDIA_VISIBLE_DEVICES={other}")
+        path = container_campaign(tmp_path / f"{engine}-other", *flags, engine=engine)
+        _refused(
+            _doctor(path, env),
+            f"NVIDIA_VISIBLE_DEVICES={other}, other GPUs than the metered {metered}: the server "
+            f"would run where dvfs does not meter; give it the metered GPU(s) by UUID instead "
+            f"({metered}), or pass the container dvfs's own CUDA_VISIBLE_DEVICES {said}",
+        )
+
+
 def test_an_execs_nvidia_visible_devices_is_not_its_containers_gpus(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -795,13 +862,14 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
     ):
         path = container_campaign(tmp_path / f"c{number}", *flags, engine=engine)
         output = _doctor_warns(path, env)
+        gpus = "--device nvidia.com/gpu=all" if engine == "podman" else "--gpus all"
         assert (
             f"engine.sglang.server_command starts a container ({engine} run) not passed "
             "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
             f"the container runtime gives it (with a CUDA image, all) rather than the metered "
             f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
             "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
-            "CUDA_VISIBLE_DEVICES with --gpus all), right for each fleet worker's GPUs"
+            f"CUDA_VISIBLE_DEVICES with {gpus}), right for each fleet worker's GPUs"
         ) in output, output
     hosted = container_campaign(tmp_path / "hosted", "--env-host", engine="podman")
     checked = dvfs_in_process("doctor", str(hosted), "--out", str(tmp_path / "o"), env=env)

@@ -51,6 +51,18 @@ PASS_CUDA_UUIDS = (
     "all), right for each fleet worker's GPUs"
 )
 
+#: `PASS_CUDA_UUIDS` for podman, whose `--gpus all` podman 4 ignores (a no-op) and podman 5
+#: reads as the CDI name `nvidia.com/gpu=all`: the CDI device, which both read.
+PODMAN_PASS_CUDA_UUIDS = PASS_CUDA_UUIDS.replace("--gpus all", "--device nvidia.com/gpu=all")
+
+
+def _pass_cuda_uuids(command: Sequence[str]) -> str:
+    """`PASS_CUDA_UUIDS`, or podman's (`PODMAN_PASS_CUDA_UUIDS`) where podman runs the container."""
+    run = _container_run(command)
+    podman = run is not None and run[0].split()[0] == "podman"
+    return PODMAN_PASS_CUDA_UUIDS if podman else PASS_CUDA_UUIDS
+
+
 #: The container engines whose `run` (`docker run`, `podman container run`) starts a container
 #: that gets none of the environment dvfs hands it but what it is passed: `-e NAME` or `--env
 #: NAME` (the host's value), podman's `--env-host` (all of it); whose `exec` runs the server in
@@ -70,6 +82,10 @@ SLURM_GPU_OPTIONS = ("--gpus", "-G", "--gres", "--gpus-per-node", "--gpus-per-ta
 #: The CDI name of an NVIDIA GPU a container runtime passes through (`podman run --device
 #: nvidia.com/gpu=GPU-...`, docker's `--device` with CDI): an index, a UUID, `all`.
 CDI_GPU = "nvidia.com/gpu="
+
+#: A CDI device's name, the part after `=` (container-device-interface's parser,
+#: ValidateDeviceName): a letter or digit, then letters, digits, `-`, `_`, `.`, `:`.
+CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
 
 
 @dataclass(frozen=True)
@@ -110,15 +126,30 @@ class WrapperGpus:
     #: through srun's pyxis too), as it starts a container, which server_command may start
     #: out of sight. Never refused; said where it does not name the metered GPUs by UUID.
     uncontained: bool = False
+    #: podman's `--gpus` (`setting`: "--gpus VALUE"; `entries`: its comma-separated words),
+    #: which podman 4 ignores (a docker option it takes as a no-op: containers/podman's
+    #: cmd/podman/containers/run.go, v4) and podman 5 reads word by word as CDI names,
+    #: `nvidia.com/gpu=<word>` (its pkg/specgenutil/specgen.go; libpod/util.go,
+    #: gpusToCDIDevices), not docker's `device=...`: never judged, as dvfs cannot tell which
+    #: podman runs.
+    podman: bool = False
 
     @property
     def judged(self) -> bool:
         """Whether it names every GPU by UUID (as CUDA and the NVIDIA container runtime take
         one, its start too): an index counts a container's GPUs (CUDA_VISIBLE_DEVICES inside
         one), or another numbering than NVML's; `all` or a count, whichever GPUs."""
-        return bool(self.entries) and all(
-            e.upper().startswith(("GPU-", "MIG-")) for e in self.entries
+        return (
+            bool(self.entries)
+            and not self.podman
+            and all(e.upper().startswith(("GPU-", "MIG-")) for e in self.entries)
         )
+
+    @property
+    def no_cdi_name(self) -> tuple[str, ...]:
+        """podman's `--gpus` words that are no CDI device name (`device=GPU-...`, docker's
+        syntax), with which podman 5 fails to start the container."""
+        return tuple(e for e in self.entries if self.podman and not CDI_NAME.fullmatch(e))
 
     def names(self, gpu_uuids: Sequence[str]) -> bool:
         """Whether it names the metered GPUs and no other (CUDA_VISIBLE_DEVICES: in order; a
@@ -146,6 +177,18 @@ class WrapperGpus:
                 f"(the metered {metered}) unless what it runs starts a container (enroot, "
                 "apptainer --nv, srun's pyxis), whose runtime reads it and gives the container "
                 "those GPUs, and the server fails where they lack the metered ones, which dvfs "
+                "cannot check"
+            )
+        if self.podman:
+            cdi = " ".join(f"{CDI_GPU}{e}" for e in self.entries)
+            podman5 = (
+                f"podman 5 reads {cdi}, no CDI name, and the container fails to start"
+                if self.no_cdi_name
+                else f"podman 5 gives it the CDI device(s) {cdi}"
+            )
+            return (
+                f"gives its podman container {self.setting} rather than the metered "
+                f"{metered}: podman 4 ignores --gpus, {podman5}; which podman runs, dvfs "
                 "cannot check"
             )
         if self.unpassed and self.setting.endswith(" exec"):
@@ -254,6 +297,9 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         if slurm and flag in SLURM_GPU_OPTIONS:
             if flag != "--gres" or "gpu" in value:
                 found.append(WrapperGpus(f"{flag} {value}", (), container=False, slurm=True))
+        elif flag == "--gpus" and _launcher_of(command, index) == "podman":
+            words = _podman_gpus(value)
+            found.append(WrapperGpus(f"--gpus {value}", words, container=True, podman=True))
         elif flag == "--gpus":
             found.append(WrapperGpus(f"--gpus {value}", _docker_gpus(value), container=True))
         elif value.startswith(CDI_GPU):
@@ -275,9 +321,13 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
     # CUDA_VISIBLE_DEVICES`, no value), or the metered UUIDs (`-e CUDA_VISIBLE_DEVICES=GPU-...`,
     # judged above), runs the server on them among the GPUs it is given (`--gpus all`, a fleet's
     # `'"device=GPU-a,GPU-b"'`), or fails to start where they are not among them.
+    # podman 5 fails to start a container given `--gpus` words that are no CDI name, passed
+    # CUDA_VISIBLE_DEVICES or not.
     if not _passes_cuda_uuids(joined):
         return found
-    return [replace(g, among=g.container) for g in found if g.judged or not g.container]
+    return [
+        replace(g, among=g.container) for g in found if g.judged or not g.container or g.no_cdi_name
+    ]
 
 
 def _gpus_given(command: Sequence[str]) -> bool:
@@ -954,6 +1004,15 @@ def _unpassed_container(command: Sequence[str]) -> str | None:
     return words
 
 
+def _podman_gpus(value: str) -> tuple[str, ...]:
+    """The words of podman's `--gpus VALUE`, a CSV record as its string slice flag reads it
+    (`GPU-a,GPU-b`: two; `'"device=GPU-a,GPU-b"'`: one); () where it cannot be read."""
+    try:
+        return tuple(v.strip() for v in next(csv.reader([value])) if v.strip())
+    except (csv.Error, StopIteration):
+        return ()
+
+
 def _docker_gpus(value: str) -> tuple[str, ...]:
     """The GPUs docker's `--gpus VALUE` names (a CSV record, as docker reads it: `device=0`,
     `'"device=GPU-a,GPU-b"'`); () where it names them by count (`all`, `2`, `count=2`, none
@@ -1014,7 +1073,7 @@ def check_wrapper_visible_devices(campaign: Campaign, gpu_uuids: Sequence[str]) 
             f"engine.sglang.server_command gives its container {given.setting}, other GPUs "
             f"than the metered {metered}: the server would run where dvfs does not meter; "
             f"give it the metered GPU(s) by UUID instead ({metered}), or {unset}"
-            f"{PASS_CUDA_UUIDS}"
+            f"{_pass_cuda_uuids(words)}"
         )
 
 
@@ -1063,10 +1122,18 @@ def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
     """What to do about what `unjudged_wrapper_devices` says, for doctor's warning: a container
     given nothing but its runtime's GPUs needs only be passed dvfs's CUDA_VISIBLE_DEVICES."""
     unjudged = _unjudged(campaign, gpu_uuids)
+    pass_cuda = _pass_cuda_uuids(_words([str(token) for token in server_command(campaign)]))
     if unjudged and all(g.uncontained for g in unjudged):
         return (
             "remove NVIDIA_VISIBLE_DEVICES from server_command, or name the metered GPUs there "
             "by UUID: outside a container dvfs pins the server by CUDA_VISIBLE_DEVICES"
+        )
+    if unjudged and all(g.podman for g in unjudged):
+        return (
+            "give podman --device nvidia.com/gpu=<UUID> of each metered GPU in place of --gpus "
+            "(CDI, read by podman 4 and 5), or pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --device nvidia.com/gpu=all), "
+            "right for each fleet worker's GPUs"
         )
     if unjudged and all(g.unpassed for g in unjudged):
         if any(g.setting.endswith(" exec") for g in unjudged):
@@ -1080,7 +1147,7 @@ def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
                 "pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after "
                 "run, the compose file reserving it every GPU), right for each fleet worker's GPUs"
             )
-        return PASS_CUDA_UUIDS
+        return pass_cuda
     if unjudged and all(g.dropped and g.setting.startswith(SUDO_LOGIN) for g in unjudged):
         return (
             "give sudo --preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES "
@@ -1109,6 +1176,6 @@ def unjudged_remedy(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> str:
             "which starts the server on the metered GPUs"
         )
     return (
-        f"name the metered GPUs there by UUID, or {PASS_CUDA_UUIDS}, or outside a container "
+        f"name the metered GPUs there by UUID, or {pass_cuda}, or outside a container "
         "remove it from server_command"
     )
