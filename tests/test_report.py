@@ -740,6 +740,62 @@ def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:
     assert dict(facts.pairs)["Campaign"].endswith("(hash 0123abcd)"), facts.pairs
 
 
+def _real_cube(name: str, uuids: list[str]) -> Any:
+    """A real (not twin) cube measured on `uuids` at once: batch 1 holds its latency down to
+    1500 MHz (cap it), batch 8 only at stock, 2000 MHz (nothing to cap)."""
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        batches=[1, 8],
+        repeats=2,
+        latency=lambda c, p, b, *a: 10.0 if c >= (1500 if b == 1 else 2000) else 20.0,
+        energy=lambda c, *a: c / 1000 + 0.01 * a[-1],
+        stock_clock=2000,
+    )
+    cube.attrs.update(
+        gpu_name=name,
+        gpu_uuids=",".join(uuids),
+        gpu_backend="nvml",
+        campaign='{"name": "x"}',
+        campaign_hash="0123abcd",
+    )
+    return cube
+
+
+def test_every_caps_row_of_a_real_multi_gpu_cube_names_its_gpus_as_cap_plan_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stock row of a cube measured on two GPUs said `-`, and of merged shards each on
+    two GPUs (a label of two UUIDs) only the first GPU, where the capped rows list every GPU:
+    each row now names each GPU, and the capped ones are the GPUs `dvfs cap plan` caps."""
+    from dvfs.caps.files import load_caps
+    from dvfs.cube import merge_cubes, write_cube
+
+    uuids = [f"GPU-{c * 8}-1111-2222-3333-444444444444" for c in "abcd"]
+    one = _real_cube("NVIDIA H100 80GB HBM3", uuids[:2])
+    merged = merge_cubes([one, _real_cube("NVIDIA H200", uuids[2:])])
+    monkeypatch.chdir(tmp_path)
+    for cube, gpus in ((one, uuids[:2]), (merged, uuids)):
+        doc = build_document(cube, ReportOptions(Target("preserve")), [], generated="")
+        caps = doc.sections[-1].blocks[1]
+        assert isinstance(caps, Table)
+        for batch, decision in (("1", "cap"), ("8", "stock: nothing to cap")):
+            rows = [r for r in caps.rows if r[0] == batch]
+            assert sorted(r[2] for r in rows) == [u[:16] for u in gpus], caps.rows
+            assert {r[5] for r in rows} == {decision}, caps.rows
+        write_cube(cube, tmp_path / "cube.nc")
+        for args in (
+            ["headroom", "cube.nc", "--preserve", "--json", "-o", "room.json"],
+            ["cap", "plan", "room.json", "--batch", "1", "--drafter", "none", "-o", "caps.toml"],
+        ):
+            result = run(*args)
+            assert result.exit_code == 0, result.output
+        planned = {(c.uuid or "")[:16]: c for c in load_caps(tmp_path / "caps.toml").caps}
+        shown = {r[2]: r for r in caps.rows if r[0] == "1"}
+        assert sorted(planned) == sorted(shown)
+        assert all(shown[u][3] == f"{c.sm_clock_max_mhz} MHz" for u, c in planned.items())
+        assert all(c.power_limit_w is None and shown[u][4] == "stock" for u, c in planned.items())
+
+
 @pytest.mark.parametrize(
     ("args", "code", "expected"),
     [
