@@ -796,6 +796,31 @@ def test_every_caps_row_of_a_real_multi_gpu_cube_names_its_gpus_as_cap_plan_does
         assert all(c.power_limit_w is None and shown[u][4] == "stock" for u, c in planned.items())
 
 
+def test_a_merged_cube_of_shards_on_several_gpus_names_every_gpu_of_a_row(tmp_path: Path) -> None:
+    """Merged shards of one model on two GPUs have a label of both UUIDs: the report's tables
+    and its reference named only the first GPU ("GPU-aaaaaaaa"); they name both, as `dvfs
+    cube info` does."""
+    from dvfs.cube import merge_cubes, write_cube
+
+    uuids = [f"GPU-{c * 8}-1111-2222-3333-444444444444" for c in "abcd"]
+    cubes = [_real_cube(n, uuids[i : i + 2]) for n, i in (("NVIDIA H100", 0), ("NVIDIA H200", 2))]
+    for cube in cubes:
+        cube.attrs["stock_sm_clock_mhz"] = 2000 if cube.attrs["gpu_name"] == "NVIDIA H100" else 1500
+    merged = merge_cubes(cubes)
+    pairs = ["GPU-aaaaaaaa,GPU-bbbbbbbb", "GPU-cccccccc,GPU-dddddddd"]
+    doc = build_document(merged, ReportOptions(Target("preserve")), [], generated="")
+    tables = [b for s in doc.sections for b in s.blocks if isinstance(b, Table)]
+    by_gpu = [t for t in tables if t.header[0] == "gpu"]
+    assert by_gpu, [t.header for t in tables]
+    assert all({r[0] for r in t.rows} == set(pairs) for t in by_gpu), [t.rows for t in by_gpu]
+    reference = dict(doc.sections[0].blocks[0].pairs)["Reference"]  # type: ignore[union-attr]
+    assert all(p in reference for p in pairs), reference
+    write_cube(merged, tmp_path / "cube.nc")
+    info = run("cube", "info", str(tmp_path / "cube.nc"))
+    assert info.exit_code == 0, info.output
+    assert " ".join(reference.split()) in " ".join(info.output.split()), info.output
+
+
 @pytest.mark.parametrize(
     ("args", "code", "expected"),
     [

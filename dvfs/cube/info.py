@@ -35,7 +35,8 @@ def _stock_text(ds: xr.Dataset) -> str:
         if observe_only(ds):  # not unlocked: each GPU as found, a lock set outside dvfs kept
             how = "; observe-only: dvfs changed no knob, so stock is each GPU as found"
         per_gpu = [
-            f"{str(g)[:12]} {reference_setting(single_gpu(ds, g)).describe()}"
+            f"{','.join(u[:12] for u in str(g).split(','))} "
+            f"{reference_setting(single_gpu(ds, g)).describe()}"
             for g in ds["gpu"].values
         ]
         return "each GPU's own: " + ", ".join(per_gpu) + how
