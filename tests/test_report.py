@@ -819,6 +819,10 @@ def test_a_merged_cube_of_shards_on_several_gpus_names_every_gpu_of_a_row(tmp_pa
     info = run("cube", "info", str(tmp_path / "cube.nc"))
     assert info.exit_code == 0, info.output
     assert " ".join(reference.split()) in " ".join(info.output.split()), info.output
+    # 4 GPUs, as the GPU UUIDs and sessions say, not the 2 labels
+    gpu = dict(doc.sections[0].blocks[0].pairs)["GPU"]  # type: ignore[union-attr]
+    assert gpu == "merged cube of 4 GPUs: NVIDIA H100, NVIDIA H200", gpu
+    assert gpu in " ".join(info.output.split()), info.output
 
 
 @pytest.mark.parametrize(

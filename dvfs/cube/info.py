@@ -333,7 +333,9 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     if "gpu" in ds.dims:
         names = json.loads(ds.attrs.get("gpu_names", "[]"))
         shown = ", ".join(map(str, names)) if names else "their models not recorded"
-        gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {shown}"
+        # A label of shards of one model on several GPUs is all of their UUIDs: count each GPU.
+        count = len({u for label in ds["gpu"].values for u in str(label).split(",")})
+        gpu = f"merged cube of {count} GPUs: {shown}"
     else:
         gpu = _gpu_text(ds.attrs)
     engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]
