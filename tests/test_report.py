@@ -825,6 +825,23 @@ def test_a_merged_cube_of_shards_on_several_gpus_names_every_gpu_of_a_row(tmp_pa
     assert gpu in " ".join(info.output.split()), info.output
 
 
+def test_the_report_on_a_cube_merged_across_gpus_counts_its_sessions_as_cube_info() -> None:
+    """A merged cube keeps each source's sessions in `merged_from`: `cube info` said 5 runs of
+    the sweep, the report's facts said no session count at all."""
+    from dvfs.cube import merge_cubes
+    from dvfs.cube.info import info_text
+
+    uuids = [f"GPU-{c * 8}-1111-2222-3333-444444444444" for c in "abcd"]
+    cubes = [_real_cube(n, uuids[i : i + 2]) for n, i in (("NVIDIA H100", 0), ("NVIDIA H200", 2))]
+    for cube, sessions in zip(cubes, (2, 3), strict=True):
+        cube.attrs["sessions"] = sessions
+    merged = merge_cubes(cubes)
+    assert info_text(merged)["sessions"] == 5
+    doc = build_document(merged, ReportOptions(Target("preserve")), [], generated="")
+    built = dict(doc.sections[0].blocks[0].pairs)["Cube built"]  # type: ignore[union-attr]
+    assert built.endswith(" from 5 measurement session(s)"), built
+
+
 @pytest.mark.parametrize(
     ("args", "code", "expected"),
     [
