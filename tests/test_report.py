@@ -740,6 +740,108 @@ def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:
     assert dict(facts.pairs)["Campaign"].endswith("(hash 0123abcd)"), facts.pairs
 
 
+def _real_cube(name: str, uuids: list[str]) -> Any:
+    """A real (not twin) cube measured on `uuids` at once: batch 1 holds its latency down to
+    1500 MHz (cap it), batch 8 only at stock, 2000 MHz (nothing to cap)."""
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        batches=[1, 8],
+        repeats=2,
+        latency=lambda c, p, b, *a: 10.0 if c >= (1500 if b == 1 else 2000) else 20.0,
+        energy=lambda c, *a: c / 1000 + 0.01 * a[-1],
+        stock_clock=2000,
+    )
+    cube.attrs.update(
+        gpu_name=name,
+        gpu_uuids=",".join(uuids),
+        gpu_backend="nvml",
+        campaign='{"name": "x"}',
+        campaign_hash="0123abcd",
+    )
+    return cube
+
+
+def test_every_caps_row_of_a_real_multi_gpu_cube_names_its_gpus_as_cap_plan_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stock row of a cube measured on two GPUs said `-`, and of merged shards each on
+    two GPUs (a label of two UUIDs) only the first GPU, where the capped rows list every GPU:
+    each row now names each GPU, and the capped ones are the GPUs `dvfs cap plan` caps."""
+    from dvfs.caps.files import load_caps
+    from dvfs.cube import merge_cubes, write_cube
+
+    uuids = [f"GPU-{c * 8}-1111-2222-3333-444444444444" for c in "abcd"]
+    one = _real_cube("NVIDIA H100 80GB HBM3", uuids[:2])
+    merged = merge_cubes([one, _real_cube("NVIDIA H200", uuids[2:])])
+    monkeypatch.chdir(tmp_path)
+    for cube, gpus in ((one, uuids[:2]), (merged, uuids)):
+        doc = build_document(cube, ReportOptions(Target("preserve")), [], generated="")
+        caps = doc.sections[-1].blocks[1]
+        assert isinstance(caps, Table)
+        for batch, decision in (("1", "cap"), ("8", "stock: nothing to cap")):
+            rows = [r for r in caps.rows if r[0] == batch]
+            assert sorted(r[2] for r in rows) == [u[:16] for u in gpus], caps.rows
+            assert {r[5] for r in rows} == {decision}, caps.rows
+        write_cube(cube, tmp_path / "cube.nc")
+        for args in (
+            ["headroom", "cube.nc", "--preserve", "--json", "-o", "room.json"],
+            ["cap", "plan", "room.json", "--batch", "1", "--drafter", "none", "-o", "caps.toml"],
+        ):
+            result = run(*args)
+            assert result.exit_code == 0, result.output
+        planned = {(c.uuid or "")[:16]: c for c in load_caps(tmp_path / "caps.toml").caps}
+        shown = {r[2]: r for r in caps.rows if r[0] == "1"}
+        assert sorted(planned) == sorted(shown)
+        assert all(shown[u][3] == f"{c.sm_clock_max_mhz} MHz" for u, c in planned.items())
+        assert all(c.power_limit_w is None and shown[u][4] == "stock" for u, c in planned.items())
+
+
+def test_a_merged_cube_of_shards_on_several_gpus_names_every_gpu_of_a_row(tmp_path: Path) -> None:
+    """Merged shards of one model on two GPUs have a label of both UUIDs: the report's tables
+    and its reference named only the first GPU ("GPU-aaaaaaaa"); they name both, as `dvfs
+    cube info` does."""
+    from dvfs.cube import merge_cubes, write_cube
+
+    uuids = [f"GPU-{c * 8}-1111-2222-3333-444444444444" for c in "abcd"]
+    cubes = [_real_cube(n, uuids[i : i + 2]) for n, i in (("NVIDIA H100", 0), ("NVIDIA H200", 2))]
+    for cube in cubes:
+        cube.attrs["stock_sm_clock_mhz"] = 2000 if cube.attrs["gpu_name"] == "NVIDIA H100" else 1500
+    merged = merge_cubes(cubes)
+    pairs = ["GPU-aaaaaaaa,GPU-bbbbbbbb", "GPU-cccccccc,GPU-dddddddd"]
+    doc = build_document(merged, ReportOptions(Target("preserve")), [], generated="")
+    tables = [b for s in doc.sections for b in s.blocks if isinstance(b, Table)]
+    by_gpu = [t for t in tables if t.header[0] == "gpu"]
+    assert by_gpu, [t.header for t in tables]
+    assert all({r[0] for r in t.rows} == set(pairs) for t in by_gpu), [t.rows for t in by_gpu]
+    reference = dict(doc.sections[0].blocks[0].pairs)["Reference"]  # type: ignore[union-attr]
+    assert all(p in reference for p in pairs), reference
+    write_cube(merged, tmp_path / "cube.nc")
+    info = run("cube", "info", str(tmp_path / "cube.nc"))
+    assert info.exit_code == 0, info.output
+    assert " ".join(reference.split()) in " ".join(info.output.split()), info.output
+    # 4 GPUs, as the GPU UUIDs and sessions say, not the 2 labels
+    gpu = dict(doc.sections[0].blocks[0].pairs)["GPU"]  # type: ignore[union-attr]
+    assert gpu == "merged cube of 4 GPUs: NVIDIA H100, NVIDIA H200", gpu
+    assert gpu in " ".join(info.output.split()), info.output
+
+
+def test_the_report_on_a_cube_merged_across_gpus_counts_its_sessions_as_cube_info() -> None:
+    """A merged cube keeps each source's sessions in `merged_from`: `cube info` said 5 runs of
+    the sweep, the report's facts said no session count at all."""
+    from dvfs.cube import merge_cubes
+    from dvfs.cube.info import info_text
+
+    uuids = [f"GPU-{c * 8}-1111-2222-3333-444444444444" for c in "abcd"]
+    cubes = [_real_cube(n, uuids[i : i + 2]) for n, i in (("NVIDIA H100", 0), ("NVIDIA H200", 2))]
+    for cube, sessions in zip(cubes, (2, 3), strict=True):
+        cube.attrs["sessions"] = sessions
+    merged = merge_cubes(cubes)
+    assert info_text(merged)["sessions"] == 5
+    doc = build_document(merged, ReportOptions(Target("preserve")), [], generated="")
+    built = dict(doc.sections[0].blocks[0].pairs)["Cube built"]  # type: ignore[union-attr]
+    assert built.endswith(" from 5 measurement session(s)"), built
+
+
 @pytest.mark.parametrize(
     ("args", "code", "expected"),
     [

@@ -35,7 +35,8 @@ def _stock_text(ds: xr.Dataset) -> str:
         if observe_only(ds):  # not unlocked: each GPU as found, a lock set outside dvfs kept
             how = "; observe-only: dvfs changed no knob, so stock is each GPU as found"
         per_gpu = [
-            f"{str(g)[:12]} {reference_setting(single_gpu(ds, g)).describe()}"
+            f"{','.join(u[:12] for u in str(g).split(','))} "
+            f"{reference_setting(single_gpu(ds, g)).describe()}"
             for g in ds["gpu"].values
         ]
         return "each GPU's own: " + ", ".join(per_gpu) + how
@@ -332,7 +333,9 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     if "gpu" in ds.dims:
         names = json.loads(ds.attrs.get("gpu_names", "[]"))
         shown = ", ".join(map(str, names)) if names else "their models not recorded"
-        gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {shown}"
+        # A label of shards of one model on several GPUs is all of their UUIDs: count each GPU.
+        count = len({u for label in ds["gpu"].values for u in str(label).split(",")})
+        gpu = f"merged cube of {count} GPUs: {shown}"
     else:
         gpu = _gpu_text(ds.attrs)
     engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]

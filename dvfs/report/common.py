@@ -128,7 +128,9 @@ def reference_text(ref: dict[str, Any]) -> str:
     alike = len({json.dumps(r, sort_keys=True) for r in per_gpu.values()}) <= 1
     if ref["sm_clock_mhz"] is not None and ref["power_limit_w"] is not None and alike:
         return _describe(ref)
-    return "each GPU's own: " + ", ".join(f"{g[:12]} {_describe(r)}" for g, r in per_gpu.items())
+    return "each GPU's own: " + ", ".join(
+        f"{short_label(g)} {_describe(r)}" for g, r in per_gpu.items()
+    )
 
 
 def reference_label(ref: dict[str, Any]) -> str:
@@ -166,6 +168,12 @@ def gpus_of(r: xr.Dataset, name: str) -> list[str]:
     return [g for g in str(value).split(",") if g and g != "nan"] if isinstance(value, str) else []
 
 
+def short_label(label: Any) -> str:
+    """A merged cube's GPU label as `dvfs cube info` names it: each of its UUIDs cut short
+    ("GPU-34d07aa5,GPU-9f1c0b2e" for shards of one model on two GPUs), not its first alone."""
+    return ",".join(u[:12] for u in str(label).split(","))
+
+
 def short_gpus(gpus: list[str]) -> str:
     """UUIDs cut to "GPU-34d07aa5" (the first 8 hex digits tell a node's GPUs apart)."""
     return ", ".join(g[:12] for g in gpus) or "unknown"
@@ -185,7 +193,7 @@ def named_rows(rows: list[dict[str, Any]], detail: Any) -> str:
     """ "batch 1 eagle3 on code: A vs B; ..." for the first few rows, the rest counted."""
 
     def where(r: dict[str, Any]) -> str:
-        gpu = f"{gpu_words(str(r['gpu'])[:12])}, " if r.get("gpu") else ""
+        gpu = f"{gpu_words(short_label(r['gpu']))}, " if r.get("gpu") else ""
         return f"{gpu}batch {r['batch']} {r['drafter']} on {r['corpus']}"
 
     shown = [f"{where(r)}: {detail(r)}" for r in rows[:MAX_NAMED_ROWS]]

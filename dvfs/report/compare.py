@@ -17,6 +17,7 @@ from dvfs.report.common import (
     reference_setting,
     reference_text,
     short_gpus,
+    short_label,
     unmeasured_cells,
 )
 
@@ -415,7 +416,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
     gpu_col = ["gpu"] if has_gpu else []
 
     def gpu(r: dict[str, Any]) -> list[str]:
-        return [str(r.get("gpu", ""))[:12]] if has_gpu else []
+        return [short_label(r.get("gpu", ""))] if has_gpu else []
 
     from dvfs.analysis.bounds import level_text
 

@@ -357,7 +357,7 @@ def per_gpu_documents(room: dict[str, Any], names: dict[str, str]) -> list[dict[
     return [
         {
             **room,
-            "gpu": {**room["gpu"], "name": name, "uuids": [label]},
+            "gpu": {**room["gpu"], "name": name, "uuids": label.split(",")},
             "reference": per_gpu.get(label, room["reference"]),
             "rows": [r for r in room["rows"] if r.get("gpu") == label],
         }
@@ -375,9 +375,10 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
     gpu = room["gpu"]
     if gpu.get("backend") == "twin" or is_twin_name(gpu.get("name")):
         # Simulated caps name the GPU model, not the twin's made-up UUIDs: as a capped row does
-        label = f"every {twin_model(gpu.get('name'))}"
+        labels = [f"every {twin_model(gpu.get('name'))}"]
     else:
-        label = gpu["uuids"][0][:16] if len(gpu["uuids"]) == 1 else "-"
+        # Each GPU in a row of its own, as a capped row names it and `dvfs cap plan` caps it.
+        labels = [u[:16] for u in gpu["uuids"]] or ["-"]
     if any(not r["feasible"] for r in group):
         # The headroom table's reason for each corpus without an answer, and its advice.
         from dvfs.report.reasons import no_answer_groups
@@ -386,14 +387,14 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
             f"{reason} on {', '.join(sorted({r['corpus'] for r in rows}))}: {advice}"
             for reason, advice, rows in no_answer_groups(group, room["target"].get("mode"), room)
         ]
-        return [(*lead, label, "stock", "stock", "no cap: " + "; ".join(whys))]
+        return [(*lead, label, "stock", "stock", "no cap: " + "; ".join(whys)) for label in labels]
     try:
         planned = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case")
     except CapsError as exc:
         why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
         if why.startswith("stock") and NOISE_NOTE in str(exc):  # `dvfs cap plan` says why
             why += " (a lower setting's saving is within the measurement noise)"
-        return [(*lead, label, "stock", "stock", why)]
+        return [(*lead, label, "stock", "stock", why) for label in labels]
     rows: list[tuple[str, ...]] = []
     # A cap at the lowest setting swept is where the grid stopped, not an optimum.
     decision = (

@@ -84,7 +84,9 @@ def measured_section(cube: xr.Dataset) -> Section:
     lifted = lifted_caps_text(cube)
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
-    sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
+    # `cube info`'s count: a cube merged across GPUs keeps each source's in `merged_from`
+    count = info.get("sessions")
+    sessions = f" from {count} measurement session(s)" if count is not None else ""
     pairs = [
         ("Campaign", f"{_text(info['campaign'])} (hash {_campaign_hash(a)})"),
         ("GPU", _text(info["gpu"])),

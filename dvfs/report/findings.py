@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dvfs.report.common import fmt_ms, gpu_words
+from dvfs.report.common import fmt_ms, gpu_words, short_label
 from dvfs.report.compare import MEAN_WITHIN, TOO_FEW, edge_arms, ratio_text, too_slow
 from dvfs.report.headroom import NOISE_MARK, UNLOCKED, clock_was_locked, saving_stock_energy
 from dvfs.report.model import Figure, Finding, Paragraph, Section
@@ -32,7 +32,7 @@ def _takes(prefixes: tuple[str, ...], figure: Figure) -> bool:
 
 
 def _where(row: dict[str, Any]) -> str:
-    gpu = f"{gpu_words(str(row['gpu'])[:12])}, " if row.get("gpu") else ""
+    gpu = f"{gpu_words(short_label(row['gpu']))}, " if row.get("gpu") else ""
     return f"{gpu}batch {row['batch']}, drafter {row['drafter']}, corpus {row['corpus']}"
 
 
@@ -280,7 +280,7 @@ def _mean_met(slow: list[dict[str, Any]], *, every: bool) -> str:
 
 
 def _gpu(row: dict[str, Any]) -> str:
-    return f"{gpu_words(str(row['gpu'])[:12])}: " if row.get("gpu") else ""
+    return f"{gpu_words(short_label(row['gpu']))}: " if row.get("gpu") else ""
 
 
 def findings_section(

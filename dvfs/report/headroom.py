@@ -24,6 +24,7 @@ from dvfs.report.common import (
     reference_setting,
     reference_text,
     short_gpus,
+    short_label,
     unmeasured_cells,
 )
 from dvfs.report.reasons import no_answer
@@ -554,7 +555,7 @@ def headroom_table_rows(
     rows = []
     clock_locked = clock_was_locked(doc)
     for r in doc["rows"]:
-        lead = [r["gpu"][:12]] if has_gpu else []
+        lead = [short_label(r["gpu"])] if has_gpu else []
         if not r["feasible"]:
             cells = [
                 no_answer(r),
