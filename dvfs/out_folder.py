@@ -289,8 +289,10 @@ def check_cube_files(out_dir: Path, *, fresh: bool = False) -> None:
     GPU model's `gpu-*/cube.nc`), before anything is measured: the cube goes there only once
     every cell is, hours later, waited on 30 s for a reader then refused; and a folder's cube is
     what the demo and the commands given the folder read back, which a pipe cannot be read as.
-    Not tried for a reader now: opening it to try would end a waiting reader's stream. With
-    `fresh`, a cube --fresh moves aside with its journal (`fresh_moves`) is none of the run's."""
+    Not tried for a reader now: opening it to try would end a waiting reader's stream. A link
+    to a file in a folder that does not exist, which the cube could not be written through,
+    is refused so too. With `fresh`, a cube --fresh moves aside with its journal
+    (`fresh_moves`) is none of the run's."""
     import stat
 
     aside = {src for src, _ in fresh_moves(out_dir)} if fresh else set()
@@ -299,8 +301,19 @@ def check_cube_files(out_dir: Path, *, fresh: bool = False) -> None:
             continue
         try:
             fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+        except FileNotFoundError:
+            target = os.path.realpath(path)
+            if os.path.islink(path) and not os.path.isdir(os.path.dirname(target)):
+                # a link to a file in a folder that is not there: the cube's write, hours on,
+                # fails "No such file or directory"
+                raise OutputRefusedError(
+                    f"{path} is a link to {target}, in a folder that does not exist, where the "
+                    "cube is written once every cell is measured: make that folder, or remove "
+                    "the link, and run again"
+                ) from None
+            continue  # none yet
         except OSError:
-            continue  # none yet (or one the cube's write refuses in its own words)
+            continue  # one the cube's write refuses in its own words
         if fifo:
             raise OutputRefusedError(
                 f"{path} is a named pipe, where the cube is written once every cell is "

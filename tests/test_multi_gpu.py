@@ -1067,6 +1067,33 @@ def test_a_sweep_whose_cube_goes_to_a_named_pipe_is_refused_before_it_measures(
 
 
 @pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
+def test_a_cube_linked_into_a_missing_folder_is_refused_before_the_sweep_measures(
+    tmp_path: Path, gpus: tuple[str, ...]
+) -> None:
+    """cube.nc a link to a file in a folder that does not exist: every cell was measured
+    (hours on real GPUs), then the cube's write failed, "No such file or directory". It is
+    refused before anything is measured, exit 2, the folder left as found; the dry run and
+    `dvfs doctor` say it."""
+    from conftest import TINY_EXACT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    link = out / "cube.nc"
+    link.symlink_to(tmp_path / "gone" / "cube.nc")
+    campaign = write(tmp_path / "c.toml", FLEET if gpus else TINY_EXACT)
+    result = sweep(str(campaign), *gpus, "--out", str(out))
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: {link} is a link to {tmp_path / 'gone' / 'cube.nc'}"), line
+    assert "make that folder, or remove the link" in line, line
+    assert sorted(p.name for p in out.iterdir()) == ["cube.nc"]  # nothing measured
+    dry = sweep(str(campaign), *gpus, "--out", str(out), "--dry-run", "--no-estimate")
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), *gpus, "--out", str(out)])
+    for said in (dry, doctor):  # (wrapped to the console's width, a long path mid-word too)
+        assert f"{link}isalinkto" in "".join(said.output.split()), said.output
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
 def test_fresh_moves_a_named_pipe_cube_aside_with_its_journal_not_refused(
     tmp_path: Path, gpus: tuple[str, ...]
 ) -> None:
