@@ -119,14 +119,17 @@ class OutFolder:
 
 
 @contextlib.contextmanager
-def out_dir_lock(out_dir: Path, progress: Progress | None = None) -> Iterator[OutFolder]:
+def out_dir_lock(
+    out_dir: Path, progress: Progress | None = None, *, fresh: bool = False
+) -> Iterator[OutFolder]:
     """Hold OUT/sweep.lock (flock) for the sweep's life, so two sweeps never write one journal.
 
     The kernel drops the lock when the process dies, however it dies, so there is never a stale
     lock to clear; the file keeps the holder's pid for the refusal message. A sweep that fails
     (not one interrupted) before it measured anything leaves the folder as it found it
     (`_leave_as_found`, --fresh's moves undone, said to `progress`): a corrected rerun, a
-    `dvfs cube merge` of shard folders, find nothing of it there.
+    `dvfs cube merge` of shard folders, find nothing of it there. `fresh`: the run moves the
+    folder's journals aside (`fresh_start`), with their cubes, which are none of its own.
     """
     import fcntl
 
@@ -169,7 +172,7 @@ def out_dir_lock(out_dir: Path, progress: Progress | None = None) -> Iterator[Ou
     folder = OutFolder(out_dir)
     try:
         _check_lock_file(lock, fd)
-        check_cube_files(out_dir)
+        check_cube_files(out_dir, fresh=fresh)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -281,19 +284,36 @@ def _check_lock_file(lock: Path, fd: int) -> None:
         )
 
 
-def check_cube_files(out_dir: Path) -> None:
+def check_cube_files(out_dir: Path, *, fresh: bool = False) -> None:
     """Refuse (`OutputRefusedError`) a named pipe where the run writes a cube (`cube.nc`, each
     GPU model's `gpu-*/cube.nc`), before anything is measured: the cube goes there only once
     every cell is, hours later, waited on 30 s for a reader then refused; and a folder's cube is
     what the demo and the commands given the folder read back, which a pipe cannot be read as.
-    Not tried for a reader now: opening it to try would end a waiting reader's stream."""
+    Not tried for a reader now: opening it to try would end a waiting reader's stream. A link
+    to a file in a folder that does not exist, which the cube could not be written through,
+    is refused so too. With `fresh`, a cube --fresh moves aside with its journal
+    (`fresh_moves`) is none of the run's."""
     import stat
 
+    aside = {src for src, _ in fresh_moves(out_dir)} if fresh else set()
     for path in (out_dir / CUBE_NAME, *sorted(out_dir.glob(f"gpu-*/{CUBE_NAME}"))):
+        if path in aside:
+            continue
         try:
             fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+        except FileNotFoundError:
+            target = os.path.realpath(path)
+            if os.path.islink(path) and not os.path.isdir(os.path.dirname(target)):
+                # a link to a file in a folder that is not there: the cube's write, hours on,
+                # fails "No such file or directory"
+                raise OutputRefusedError(
+                    f"{path} is a link to {target}, in a folder that does not exist, where the "
+                    "cube is written once every cell is measured: make that folder, or remove "
+                    "the link, and run again"
+                ) from None
+            continue  # none yet
         except OSError:
-            continue  # none yet (or one the cube's write refuses in its own words)
+            continue  # one the cube's write refuses in its own words
         if fifo:
             raise OutputRefusedError(
                 f"{path} is a named pipe, where the cube is written once every cell is "
@@ -330,12 +350,13 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
             check_inflight_resume(Journal(journal, iter_records(journal)), campaign, cells)
 
 
-def check_out_usable(out_dir: Path) -> None:
+def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
     """What `run_sweep` refuses about `out_dir` before it reads a journal there, found without
     creating or writing anything (`check_out_dir`'s first part, which the dry run says too): a
     file in the way of the folder or its lock, a read-only file system or no permission to
     create them, a link another user may have placed (as root), another sweep holding the
-    folder (`SweepBusyError`), a named pipe where its cube goes (`check_cube_files`)."""
+    folder (`SweepBusyError`), a named pipe where its cube goes (`check_cube_files`; with
+    `fresh`, one --fresh leaves there)."""
     import errno
     import fcntl
 
@@ -375,7 +396,7 @@ def check_out_usable(out_dir: Path) -> None:
             raise _busy(out_dir, fd) from None
         finally:
             os.close(fd)
-    check_cube_files(out_dir)
+    check_cube_files(out_dir, fresh=fresh)
 
 
 def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> list[JournalError]:

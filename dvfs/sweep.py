@@ -156,7 +156,7 @@ def run_sweep(
     estimates for)."""
     pad_heap()
     try:
-        with out_dir_lock(out_dir, progress) as folder:
+        with out_dir_lock(out_dir, progress, fresh=fresh) as folder:
             moved = fresh_start(out_dir, folder.moves) if fresh else None
             if moved and progress is not None:
                 progress.note(f"moved the previous journal to {moved}")

@@ -2532,7 +2532,7 @@ def test_ctrl_c_while_a_sweeps_cube_waits_for_its_pipe_stops(
     import dvfs.outputs
 
     # the pipe is made after the start's check, as one made while the sweep measures would be
-    monkeypatch.setattr(dvfs.out_folder, "check_cube_files", lambda out_dir: None)
+    monkeypatch.setattr(dvfs.out_folder, "check_cube_files", lambda out_dir, **_: None)
 
     monkeypatch.setattr(dvfs.outputs, "PIPE_READER_WAIT_S", 3.0)
     sleeps: list[float] = []

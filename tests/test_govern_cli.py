@@ -1178,6 +1178,8 @@ def test_the_monitor_units_command_line_runs(env: dict[str, str], nvml, stub: st
     ("args", "code", "message"),
     [
         (["--plan", "nope.toml"], 2, "per-batch plan nope.toml does not exist"),
+        # said "cannot read the per-batch plan ...: Not a directory", with no way on
+        (["--plan", "p.toml/plan.toml"], 2, "per-batch plan p.toml/plan.toml does not exist"),
         # said "does not exist (or is not a file)" of a device that is there
         (
             ["--plan", "/dev/null"],

@@ -4,6 +4,7 @@ traceback, and never silently rewritten."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -419,6 +420,37 @@ def test_a_demos_damaged_journal_says_to_start_over_with_the_demo(
     assert followed.exit_code == 0, followed.output
     assert (out / "journal.jsonl.1").read_text() == '{"type":"cell"}\n'  # moved aside
     assert any(r["type"] == "cell" for r in read_records(journal))
+
+
+def test_a_demo_whose_cube_is_a_device_is_refused_before_it_sweeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs demo --out X` whose X/cube.nc is a link to /dev/null swept every cell, wrote the
+    cube into the device, then failed reading it back (exit 1), saying to give "the cube.nc a
+    sweep wrote". It is refused before the sweep, exit 2, saying to remove it; one --fresh
+    moves aside with its journal is not refused."""
+    import dvfs.cli.sweep
+    from dvfs.campaign import load_campaign
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "cube.nc").symlink_to(os.devnull)
+    refused = invoke("demo", "--out", str(out), "--no-progress")
+    assert_one_line_error(refused, 2, f"{out / 'cube.nc'} is a device", "remove it")
+    assert sorted(p.name for p in out.iterdir()) == ["cube.nc"]  # nothing swept
+    (out / "journal.jsonl").write_text('{"type":"cell"}\n')
+    tiny = load_campaign(write(tmp_path / "tiny.toml", TINY))
+    real = dvfs.cli.sweep.run
+
+    def tiny_run(campaign: Any, out_dir: Path, **kwargs: Any) -> Any:
+        real(tiny, out_dir, **kwargs)
+        raise SystemExit(0)  # the sweep done: the demo's tables are not this test's
+
+    monkeypatch.setattr(dvfs.cli.sweep, "run", tiny_run)
+    fresh = invoke("demo", "--out", str(out), "--fresh", "--no-progress")
+    assert fresh.exit_code == 0, fresh.output
+    assert os.readlink(out / "cube.nc.1") == os.devnull  # moved aside with its journal
+    assert (out / "cube.nc").is_file()
 
 
 def test_cube_builds_fresh_advice_names_the_sweeps_command(swept: tuple[Path, Path]) -> None:

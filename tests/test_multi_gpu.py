@@ -1066,6 +1066,59 @@ def test_a_sweep_whose_cube_goes_to_a_named_pipe_is_refused_before_it_measures(
         assert f"{fifo}isanamedpipe" in "".join(said.output.split()), said.output
 
 
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
+def test_a_cube_linked_into_a_missing_folder_is_refused_before_the_sweep_measures(
+    tmp_path: Path, gpus: tuple[str, ...]
+) -> None:
+    """cube.nc a link to a file in a folder that does not exist: every cell was measured
+    (hours on real GPUs), then the cube's write failed, "No such file or directory". It is
+    refused before anything is measured, exit 2, the folder left as found; the dry run and
+    `dvfs doctor` say it."""
+    from conftest import TINY_EXACT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    link = out / "cube.nc"
+    link.symlink_to(tmp_path / "gone" / "cube.nc")
+    campaign = write(tmp_path / "c.toml", FLEET if gpus else TINY_EXACT)
+    result = sweep(str(campaign), *gpus, "--out", str(out))
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: {link} is a link to {tmp_path / 'gone' / 'cube.nc'}"), line
+    assert "make that folder, or remove the link" in line, line
+    assert sorted(p.name for p in out.iterdir()) == ["cube.nc"]  # nothing measured
+    dry = sweep(str(campaign), *gpus, "--out", str(out), "--dry-run", "--no-estimate")
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), *gpus, "--out", str(out)])
+    for said in (dry, doctor):  # (wrapped to the console's width, a long path mid-word too)
+        assert f"{link}isalinkto" in "".join(said.output.split()), said.output
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
+def test_fresh_moves_a_named_pipe_cube_aside_with_its_journal_not_refused(
+    tmp_path: Path, gpus: tuple[str, ...]
+) -> None:
+    """--fresh moves the folder's journal aside with its cube, a named pipe there too; yet the
+    check refusing a pipe as cube.nc ran before --fresh moved anything, so `sweep --fresh`
+    (and its dry run's note) refused the pipe it was about to set aside, told to remove it."""
+    import stat
+
+    from conftest import TINY_EXACT
+
+    out = tmp_path / "out"
+    campaign = write(tmp_path / "c.toml", FLEET if gpus else TINY_EXACT)
+    first = sweep(str(campaign), *gpus, "--out", str(out))
+    assert first.exit_code == 0, first.output
+    (out / "cube.nc").unlink()
+    os.mkfifo(out / "cube.nc")
+    dry = sweep(str(campaign), *gpus, "--out", str(out), "--fresh", "--dry-run", "--no-estimate")
+    assert dry.exit_code == 0, dry.output
+    assert "named pipe" not in dry.output, dry.output
+    again = sweep(str(campaign), *gpus, "--out", str(out), "--fresh")
+    assert again.exit_code == 0, again.output
+    assert stat.S_ISFIFO((out / "cube.nc.1").lstat().st_mode)
+    assert (out / "cube.nc").is_file()
+
+
 @pytest.mark.parametrize("where", ["fleet", "single"])
 def test_cube_build_says_a_journal_linked_in_a_loop_is_one_not_that_there_is_none(
     tmp_path: Path, where: str

@@ -47,6 +47,7 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
     from dvfs.plots import plot_all
     from dvfs.report import headroom_document, headroom_notes, headroom_table_rows
 
+    _refuse_a_device_cube(out_dir / CUBE_NAME, fresh=fresh)
     with resources.as_file(resources.files("dvfs.campaigns").joinpath("demo.toml")) as path:
         campaign = load_campaign(path)
     try:
@@ -93,3 +94,29 @@ def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
     )
     if outcome.summary.failed:
         raise SystemExit(5)
+
+
+def _refuse_a_device_cube(cube: Path, *, fresh: bool) -> None:
+    """Refuse a device or socket as the demo's cube.nc (a link to /dev/null), before it sweeps:
+    the sweep writes its cube into one in place, but the demo reads the cube back as a file,
+    which failed only once every cell was measured, saying to give "the cube.nc a sweep
+    wrote". One --fresh moves aside with its journal is none of the demo's; a named pipe is
+    the sweep's to refuse (`check_cube_files`)."""
+    import os
+    import stat
+
+    from dvfs.errors import OutputRefusedError
+    from dvfs.out_folder import fresh_moves
+
+    try:
+        mode = os.stat(cube).st_mode
+    except OSError:
+        return  # none yet (or one the sweep refuses in its own words)
+    if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode)):
+        return
+    if fresh and cube in {src for src, _ in fresh_moves(cube.parent)}:
+        return
+    raise OutputRefusedError(
+        f"{cube} is a device or socket, where the demo writes its cube and reads it back as a "
+        "file: remove it (or move it aside) and run again"
+    )

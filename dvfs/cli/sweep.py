@@ -368,7 +368,7 @@ def sweep(
 
             # Ray placing several workers on one attached server: refused as the sweep does.
             RayExecutor(out_dir, address=address).check_attached(campaign, groups)
-        busy = folder_busy(campaign, out_dir, shard)
+        busy = folder_busy(campaign, out_dir, shard, fresh=fresh)
         if busy:
             console(stderr=True).print(f"note: {escape(busy)}", highlight=False, soft_wrap=True)
         show = not no_progress and not no_estimate and sys.stderr.isatty()
@@ -472,7 +472,9 @@ def sweep(
         raise SystemExit(5)
 
 
-def folder_busy(campaign: Any, out_dir: Path, shard: Any = None) -> str | None:
+def folder_busy(
+    campaign: Any, out_dir: Path, shard: Any = None, *, fresh: bool = False
+) -> str | None:
     """That the sweep would stop on this machine because it cannot use `out_dir` (a file in
     the way, a read-only file system, no permission to write there) or another dvfs sweep
     holds it (its `sweep.lock`), in the sweep's words (`check_out_usable`, read-only), or None.
@@ -481,7 +483,7 @@ def folder_busy(campaign: Any, out_dir: Path, shard: Any = None) -> str | None:
     from dvfs.out_folder import check_out_usable
 
     try:
-        check_out_usable(out_dir)
+        check_out_usable(out_dir, fresh=fresh)
     except DvfsError as exc:
         return f"on this machine the sweep would stop: {exc}"
     return None

@@ -832,7 +832,7 @@ def run_fleet(
     if len(set(labels)) != len(labels):
         raise CampaignError("a GPU appears in two worker groups")
     wall0 = time.monotonic()
-    with out_dir_lock(out_dir, progress) as folder:
+    with out_dir_lock(out_dir, progress, fresh=fresh) as folder:
         moved = fresh_start(out_dir, folder.moves) if fresh else None
         if moved is not None and progress is not None:
             progress.note(f"moved the previous journal to {moved}")

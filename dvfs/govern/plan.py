@@ -267,10 +267,12 @@ def load_plan(path: str | Path) -> BatchPlan:
     path = Path(path)
     try:
         mode = path.stat().st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a file where a folder of its path goes)
         raise CapsError(f"per-batch plan {path} does not exist") from None
-    except OSError as exc:
-        raise CapsError(f"cannot read the per-batch plan {path}: {exc.strerror}") from exc
+    except OSError as exc:  # a link loop, a folder this user may not search: with what to do
+        from dvfs.cli.common import describe_os_error
+
+        raise CapsError(f"per-batch plan: {describe_os_error(exc)}") from exc
     # a pipe (`--plan <(...)`) is read as a file is; a device (/dev/null) or a folder is none
     if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
         what = "a folder" if stat.S_ISDIR(mode) else "a device or socket"
