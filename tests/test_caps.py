@@ -3569,4 +3569,6 @@ def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
     [line] = result.stderr.splitlines()
     assert f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock" in line, line
     assert "in use by another dvfs" not in line and "Traceback" not in line, line
+    # another --state-dir holds none of this folder's saved settings: the GPUs would stay capped
+    assert "move it aside" in line and "another --state-dir" not in line, line
     assert nvml.fake_device_state(0)["locked_clocks"] == before

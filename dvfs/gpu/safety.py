@@ -480,7 +480,7 @@ def refuse_root_held(gpus: Sequence[Gpu], directory: Path) -> None:
 def _not_a_lock(path: Path) -> str:
     return (
         f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock of dvfs's: "
-        "move it aside, or choose another --state-dir"
+        "move it aside (out of the state folder), then run the command again"
     )
 
 
