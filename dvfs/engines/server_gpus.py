@@ -545,9 +545,10 @@ def _server_sees(
 
 def _launcher_of(command: Sequence[str], index: int) -> str | None:
     """Whose option `command[index]` is: the nearest launcher before it, a container engine
-    (`CONTAINER_ENGINES`) or Slurm's (`SLURM_LAUNCHER`); None where neither comes before it."""
-    for token in reversed(command[:index]):
-        name = token.rsplit("/", 1)[-1]
+    (`CONTAINER_ENGINES`) or Slurm's (`SLURM_LAUNCHER`); None where neither comes before it.
+    A word that names no program is none (`_programs`): a container's name, a network or a
+    mount (`docker run --name podman`, `--network podman`, `-v /usr/bin/podman:/usr/bin/podman`)."""
+    for name in reversed(_programs(command)[:index]):
         if name in (*CONTAINER_ENGINES, SLURM_LAUNCHER):
             return name
     return None
