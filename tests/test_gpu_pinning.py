@@ -626,6 +626,53 @@ def test_podmans_gpus_is_read_as_podman_reads_it(nv: ModuleType, tmp_path: Path)
         )
 
 
+def test_an_option_value_naming_an_engine_is_not_whose_gpus_they_are(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """Whose `--gpus` it was, docker's or podman's, was read from the nearest word before it
+    naming an engine, an option's value too: `docker run --name podman --gpus
+    device=GPU-<other> IMG` (`--network podman`, podman's network; `-v
+    /usr/bin/podman:/usr/bin/podman`) was warned of as podman's, not refused, and `podman run
+    --name docker --gpus device=GPU-<metered> IMG` said pinned, read with docker's syntax,
+    though podman 4 ignores it and podman 5 fails to start the container. The engine is the
+    program that runs the container."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    other, metered = (d["uuid"] for d in nv.fake_state()["devices"][:2])
+    for number, value in enumerate(
+        (("--name", "podman"), ("--network", "podman"), ("-v", "/usr/bin/podman:/usr/bin/podman"))
+    ):
+        flags = (*value, "--gpus", f"device={other}")
+        path = container_campaign(tmp_path / f"docker{number}", *flags)
+        _refused(
+            _doctor(path, env),
+            f"FAIL server GPUs: engine.sglang.server_command gives its container --gpus "
+            f"device={other}, other GPUs than the metered {metered}",
+        )
+    flags = ("--name", "docker", "--gpus", f"device={metered}")
+    path = container_campaign(tmp_path / "podman", *flags, engine="podman")
+    output = _doctor_warns(path, env)
+    assert f"podman 5 reads nvidia.com/gpu=device={metered}, no CDI name" in output, output
+
+
+def test_podman_remote_is_podman(nv: ModuleType, tmp_path: Path) -> None:
+    """`podman-remote`, podman's client, was no container engine to dvfs: `podman-remote run
+    IMG`, whose container gets none of dvfs's CUDA_VISIBLE_DEVICES, was said pinned by it,
+    and `podman-remote run --gpus device=GPU-<metered> IMG` pinned by docker's syntax,
+    though podman 4 ignores `--gpus` and podman 5 fails to start the container. Both are
+    warned of as podman's are, naming `--device nvidia.com/gpu=...`."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    metered = nv.fake_state()["devices"][1]["uuid"]
+    path = container_campaign(tmp_path / "none", engine="podman-remote")
+    output = _doctor_warns(path, env)
+    assert "starts a container (podman-remote run) not passed CUDA_VISIBLE_DEVICES" in output
+    assert "(-e CUDA_VISIBLE_DEVICES with --device nvidia.com/gpu=all)" in output, output
+    flags = ("--gpus", f"device={metered}")
+    path = container_campaign(tmp_path / "gpus", *flags, engine="podman-remote")
+    output = _doctor_warns(path, env)
+    assert f"podman 5 reads nvidia.com/gpu=device={metered}, no CDI name" in output, output
+    assert "give podman --device nvidia.com/gpu=<UUID> of each metered GPU" in output, output
+
+
 def test_podmans_remedy_gives_no_gpus_podman_4_ignores(nv: ModuleType, tmp_path: Path) -> None:
     """A podman container given no GPUs, or another by NVIDIA_VISIBLE_DEVICES, was told to be
     passed `-e CUDA_VISIBLE_DEVICES with --gpus all`: podman 4 ignores `--gpus`, so done so

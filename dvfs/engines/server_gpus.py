@@ -59,7 +59,7 @@ PODMAN_PASS_CUDA_UUIDS = PASS_CUDA_UUIDS.replace("--gpus all", "--device nvidia.
 def _pass_cuda_uuids(command: Sequence[str]) -> str:
     """`PASS_CUDA_UUIDS`, or podman's (`PODMAN_PASS_CUDA_UUIDS`) where podman runs the container."""
     run = _container_run(command)
-    podman = run is not None and run[0].split()[0] == "podman"
+    podman = run is not None and run[0].split()[0] in PODMANS
     return PODMAN_PASS_CUDA_UUIDS if podman else PASS_CUDA_UUIDS
 
 
@@ -67,8 +67,12 @@ def _pass_cuda_uuids(command: Sequence[str]) -> str:
 #: that gets none of the environment dvfs hands it but what it is passed: `-e NAME` or `--env
 #: NAME` (the host's value), podman's `--env-host` (all of it); whose `exec` runs the server in
 #: a container already made, on the GPUs it was made with, passed the same way.
-#: `nvidia-docker` is docker's with the NVIDIA runtime.
-CONTAINER_ENGINES = ("docker", "podman", "nerdctl", "nvidia-docker")
+#: `nvidia-docker` is docker's with the NVIDIA runtime; `podman-remote` is podman's client
+#: (`PODMANS`), as `podman --remote`.
+CONTAINER_ENGINES = ("docker", "podman", "podman-remote", "nerdctl", "nvidia-docker")
+
+#: podman and its remote client, whose `--gpus` podman reads (`WrapperGpus.podman`).
+PODMANS = ("podman", "podman-remote")
 
 #: Slurm's launcher, whose `--gpus` (`SLURM_GPU_OPTIONS`) is a count of GPUs Slurm picks and
 #: names in the CUDA_VISIBLE_DEVICES it sets in place of dvfs's (`srun --gpus=1`): no
@@ -297,7 +301,7 @@ def wrapper_gpus(campaign: Campaign) -> list[WrapperGpus]:
         if slurm and flag in SLURM_GPU_OPTIONS:
             if flag != "--gres" or "gpu" in value:
                 found.append(WrapperGpus(f"{flag} {value}", (), container=False, slurm=True))
-        elif flag == "--gpus" and _launcher_of(command, index) == "podman":
+        elif flag == "--gpus" and _launcher_of(command, index) in PODMANS:
             words = _podman_gpus(value)
             found.append(WrapperGpus(f"--gpus {value}", words, container=True, podman=True))
         elif flag == "--gpus":
@@ -343,7 +347,7 @@ def _gpus_given(command: Sequence[str]) -> bool:
     ignores it (a docker option it takes as a no-op), podman 5 reads its words as CDI device
     names (`nvidia.com/gpu=<word>`), so the NVIDIA hook may read `-e`'s."""
     run = _container_run(command)
-    if run is None or run[0].split()[0] in ("podman", "podman-compose"):
+    if run is None or run[0].split()[0] in (*PODMANS, "podman-compose"):
         return False
     options = command[run[1] : _image_index(command, run[1])]
     for index, token in enumerate(options):
@@ -545,9 +549,10 @@ def _server_sees(
 
 def _launcher_of(command: Sequence[str], index: int) -> str | None:
     """Whose option `command[index]` is: the nearest launcher before it, a container engine
-    (`CONTAINER_ENGINES`) or Slurm's (`SLURM_LAUNCHER`); None where neither comes before it."""
-    for token in reversed(command[:index]):
-        name = token.rsplit("/", 1)[-1]
+    (`CONTAINER_ENGINES`) or Slurm's (`SLURM_LAUNCHER`); None where neither comes before it.
+    A word that names no program is none (`_programs`): a container's name, a network or a
+    mount (`docker run --name podman`, `--network podman`, `-v /usr/bin/podman:/usr/bin/podman`)."""
+    for name in reversed(_programs(command)[:index]):
         if name in (*CONTAINER_ENGINES, SLURM_LAUNCHER):
             return name
     return None
