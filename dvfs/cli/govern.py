@@ -264,7 +264,13 @@ def govern(
         listen = "off"
     address = _listen_address(listen)
     _check_url(url)
-    plan = load_plan(plan_path)
+    try:
+        plan = load_plan(plan_path)
+    except OSError as exc:  # a link loop, a folder this user may not search: with what to do
+        from dvfs.cli.common import describe_os_error
+        from dvfs.errors import CapsError
+
+        raise CapsError(f"per-batch plan: {describe_os_error(exc)}") from exc
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
     visible = job_gpus("--gpu with {listed}")

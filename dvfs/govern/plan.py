@@ -269,10 +269,8 @@ def load_plan(path: str | Path) -> BatchPlan:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):  # (a file where a folder of its path goes)
         raise CapsError(f"per-batch plan {path} does not exist") from None
-    except OSError as exc:  # a link loop, a folder this user may not search: with what to do
-        from dvfs.cli.common import describe_os_error
-
-        raise CapsError(f"per-batch plan: {describe_os_error(exc)}") from exc
+    # (any other OSError, a link loop or a folder this user may not search, goes to the
+    # command, which says it with what to do: `describe_os_error` is the CLI's)
     # a pipe (`--plan <(...)`) is read as a file is; a device (/dev/null) or a folder is none
     if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
         what = "a folder" if stat.S_ISDIR(mode) else "a device or socket"
