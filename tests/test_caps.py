@@ -1639,6 +1639,21 @@ def test_a_later_gpus_full_disk_says_the_earlier_gpus_failures_too(
     assert AppliedCaps(tmp_path / "state").locks() == {first.identity.uuid: (210, 1410)}
 
 
+def _another_apply_between_plan_and_lock(monkeypatch: pytest.MonkeyPatch, caps: Path) -> None:
+    """The next `cap apply` has `caps` applied by another `cap apply` between its plan and its
+    taking the GPU's lock (a millisecond race, made certain)."""
+    import dvfs.caps
+
+    real = dvfs.caps.enforce_plan
+
+    def the_other_apply_first(*args, **kwargs) -> None:
+        monkeypatch.setattr(dvfs.caps, "enforce_plan", real)
+        assert "applied to GPU 0" in invoke("cap", "apply", str(caps))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(dvfs.caps, "enforce_plan", the_other_apply_first)
+
+
 def test_an_apply_planned_before_another_capped_the_gpu_holds_its_own_file(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1648,20 +1663,12 @@ def test_an_apply_planned_before_another_capped_the_gpu_holds_its_own_file(
     power limit, the later apply saying its file applied (the GPU held neither file). What to
     put back to stock is read from the record once the GPU's lock is held: the GPU holds the
     later file, and the record says so."""
-    import dvfs.caps
 
     uuid = nvml.fake_device_state(0)["uuid"]
     clock, limit = tmp_path / "clock.toml", tmp_path / "limit.toml"
     clock.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
     limit.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500),))))
-    real = dvfs.caps.enforce_plan
-
-    def the_other_apply_first(*args, **kwargs) -> None:  # between this one's plan and its lock
-        monkeypatch.setattr(dvfs.caps, "enforce_plan", real)
-        assert "applied to GPU 0" in invoke("cap", "apply", str(clock))
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(dvfs.caps, "enforce_plan", the_other_apply_first)
+    _another_apply_between_plan_and_lock(monkeypatch, clock)
     said = invoke("cap", "apply", str(limit))
     device = nvml.fake_device_state(0)
     assert (device["locked_clocks"], device["power_limit_mw"]) == (None, 500_000), said
@@ -1680,20 +1687,12 @@ def test_an_apply_planned_before_another_capped_the_gpu_says_the_limit_it_change
     the GPU's lock, so where the earlier one set 500 W meanwhile, the later one said "power
     limit 450 W (from 700 W)", or "700 W (unchanged)" as it put 700 W back: the limit it
     changed is read once the GPU's lock is held, as what to put back to stock is."""
-    import dvfs.caps
 
     uuid = nvml.fake_device_state(0)["uuid"]
     earlier, later = tmp_path / "earlier.toml", tmp_path / "later.toml"
     earlier.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500),))))
     later.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=later_w),))))
-    real = dvfs.caps.enforce_plan
-
-    def the_other_apply_first(*args, **kwargs) -> None:  # between this one's plan and its lock
-        monkeypatch.setattr(dvfs.caps, "enforce_plan", real)
-        assert "applied to GPU 0" in invoke("cap", "apply", str(earlier))
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(dvfs.caps, "enforce_plan", the_other_apply_first)
+    _another_apply_between_plan_and_lock(monkeypatch, earlier)
     out = invoke("cap", "apply", str(later))
     assert f"power limit {later_w} W {said}" in out, out
     assert nvml.fake_device_state(0)["power_limit_mw"] == later_w * 1000

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
 from conftest import TINY, write
+from test_durability import _signal_after_first_cell_written
 
 from dvfs.cli import cli
 
@@ -23,23 +23,6 @@ def _said(stderr: str) -> str:
     return " ".join(stderr.split())
 
 
-def _interrupt_after_the_first_cell(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ctrl-C once the sweep journals its first cell."""
-    from dvfs.measure.journal import Journal
-
-    note = Journal._note
-    seen = {"cells": 0}
-
-    def noted(self: Journal, record: dict[str, Any]) -> None:
-        note(self, record)
-        if record.get("type") == "cell":
-            seen["cells"] += 1
-            if seen["cells"] == 1:
-                raise KeyboardInterrupt
-
-    monkeypatch.setattr(Journal, "_note", noted)
-
-
 @pytest.mark.parametrize("name", BRACKETED)
 def test_an_interrupted_sweep_names_its_partial_cube_as_written(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -47,7 +30,7 @@ def test_an_interrupted_sweep_names_its_partial_cube_as_written(
     """Ctrl-C after the first cell: "partial cube written to PATH" named another folder (the
     brackets dropped), or, with `[/]` in --out, the line and the advice to resume were lost to
     an internal error, exit 1 for 130."""
-    _interrupt_after_the_first_cell(monkeypatch)
+    _signal_after_first_cell_written(monkeypatch)  # Ctrl-C there
     out = tmp_path / name
     campaign = write(tmp_path / "tiny.toml", TINY)
     result = CliRunner().invoke(
@@ -75,7 +58,7 @@ def test_an_interrupted_sweep_names_the_state_folder_of_the_gpus_it_left(
     nvml = load_fake()
     nvml.fake_reset_state()
     nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 999})
-    _interrupt_after_the_first_cell(monkeypatch)
+    _signal_after_first_cell_written(monkeypatch)  # Ctrl-C there
     campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
     out = tmp_path / "out"
     result = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
