@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from nvml_support import NVML_CAMPAIGN, installed_root_fake
 
 from dvfs.caps import CapsFile, GpuCap, dump_caps, load_caps, parse_caps, plan_caps
@@ -1698,6 +1698,22 @@ def test_an_apply_planned_before_another_capped_the_gpu_says_the_limit_it_change
     assert nvml.fake_device_state(0)["power_limit_mw"] == later_w * 1000
 
 
+def _reset_with_the_record_unwritable(monkeypatch: pytest.MonkeyPatch) -> Result:
+    """`dvfs cap reset` with every write of the caps record denied (EACCES), exit 1, no
+    traceback."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    def unwritable(self, records: dict) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", unwritable)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    return result
+
+
 def test_a_reset_whose_record_cannot_be_written_says_what_it_reset(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1706,22 +1722,13 @@ def test_a_reset_whose_record_cannot_be_written_says_what_it_reset(
     recorded, and the reset failed "cannot use RECORD: permission denied; check permissions or
     choose another path", naming no GPU (GPU 0 reset, GPU 1 not: `cap show` said both capped).
     It says what it reset, that the record still lists it, and stops there."""
-    import errno
-
-    from dvfs.caps import AppliedCaps
 
     uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
     caps = tmp_path / "caps.toml"
     entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
     caps.write_text(dump_caps(CapsFile(entries)))
     invoke("cap", "apply", str(caps))
-
-    def unwritable(self, records: dict) -> None:
-        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
-
-    monkeypatch.setattr(AppliedCaps, "write", unwritable)
-    result = CliRunner().invoke(cli, ["cap", "reset"])
-    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    result = _reset_with_the_record_unwritable(monkeypatch)
     [line] = result.stderr.splitlines()
     record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
     assert line.startswith(
@@ -1740,21 +1747,12 @@ def test_a_reset_whose_record_cannot_be_written_goes_past_a_gpu_it_never_listed(
     drop; it stopped at GPU 0, which the record never listed (the file capped GPU 1 only),
     saying the record "still lists that GPU's caps" and leaving GPU 1, the capped one, capped.
     A GPU the record does not list needs no write: the reset goes on to GPU 1."""
-    import errno
-
-    from dvfs.caps import AppliedCaps
 
     uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
     caps = tmp_path / "caps.toml"
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuids[1], sm_clock_max_mhz=1500),))))
     invoke("cap", "apply", str(caps))
-
-    def unwritable(self, records: dict) -> None:
-        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
-
-    monkeypatch.setattr(AppliedCaps, "write", unwritable)
-    result = CliRunner().invoke(cli, ["cap", "reset"])
-    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    result = _reset_with_the_record_unwritable(monkeypatch)
     assert f"GPU 0 ({uuids[0]}): clocks unlocked" in result.stdout, result.output
     [line] = result.stderr.splitlines()
     assert line.startswith(f"Error: GPU 1 ({uuids[1]}) was reset (clocks unlocked"), line
