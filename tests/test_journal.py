@@ -387,6 +387,22 @@ def test_json_safe_equals_what_it_was_before_its_fast_paths() -> None:
     check()
 
 
+def _demo_sweeps_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dvfs demo` sweeps the tiny campaign in place of the demo's, and stops once it is swept
+    (the demo's tables are not these tests')."""
+    import dvfs.cli.sweep
+    from dvfs.campaign import load_campaign
+
+    tiny = load_campaign(write(tmp_path / "tiny.toml", TINY))
+    real = dvfs.cli.sweep.run
+
+    def tiny_run(campaign: Any, out_dir: Path, **kwargs: Any) -> Any:
+        real(tiny, out_dir, **kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(dvfs.cli.sweep, "run", tiny_run)
+
+
 def test_a_demos_damaged_journal_says_to_start_over_with_the_demo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -395,8 +411,6 @@ def test_a_demos_damaged_journal_says_to_start_over_with_the_demo(
     demo's --out) leaves the folder as it is. It names the demo's own command, whose run
     moves the journal aside and starts over (the sweep stands in for the demo's here: its
     campaign is TINY, and the demo's tables after it are not drawn)."""
-    import dvfs.cli.sweep
-    from dvfs.campaign import load_campaign
 
     out = tmp_path / "my demo"
     out.mkdir()
@@ -406,14 +420,7 @@ def test_a_demos_damaged_journal_says_to_start_over_with_the_demo(
     said = assert_one_line_error(refused, 1, str(journal), "which renames it")
     assert "dvfs sweep" not in said and "CAMPAIGN" not in said, said
     advice = said.split("start over with `", 1)[1].split("`", 1)[0]
-    tiny = load_campaign(write(tmp_path / "tiny.toml", TINY))
-    real = dvfs.cli.sweep.run
-
-    def tiny_run(campaign: Any, out_dir: Path, **kwargs: Any) -> Any:
-        real(tiny, out_dir, **kwargs)
-        raise SystemExit(0)  # the sweep done: the demo's tables are not this test's
-
-    monkeypatch.setattr(dvfs.cli.sweep, "run", tiny_run)
+    _demo_sweeps_tiny(tmp_path, monkeypatch)
     argv = shlex.split(advice)
     assert argv[:2] == ["dvfs", "demo"], advice
     followed = invoke(*argv[1:], "--no-progress")
@@ -429,8 +436,6 @@ def test_a_demo_whose_cube_is_a_device_is_refused_before_it_sweeps(
     cube into the device, then failed reading it back (exit 1), saying to give "the cube.nc a
     sweep wrote". It is refused before the sweep, exit 2, saying to remove it; one --fresh
     moves aside with its journal is not refused."""
-    import dvfs.cli.sweep
-    from dvfs.campaign import load_campaign
 
     out = tmp_path / "demo"
     out.mkdir()
@@ -439,14 +444,7 @@ def test_a_demo_whose_cube_is_a_device_is_refused_before_it_sweeps(
     assert_one_line_error(refused, 2, f"{out / 'cube.nc'} is a device", "remove it")
     assert sorted(p.name for p in out.iterdir()) == ["cube.nc"]  # nothing swept
     (out / "journal.jsonl").write_text('{"type":"cell"}\n')
-    tiny = load_campaign(write(tmp_path / "tiny.toml", TINY))
-    real = dvfs.cli.sweep.run
-
-    def tiny_run(campaign: Any, out_dir: Path, **kwargs: Any) -> Any:
-        real(tiny, out_dir, **kwargs)
-        raise SystemExit(0)  # the sweep done: the demo's tables are not this test's
-
-    monkeypatch.setattr(dvfs.cli.sweep, "run", tiny_run)
+    _demo_sweeps_tiny(tmp_path, monkeypatch)
     fresh = invoke("demo", "--out", str(out), "--fresh", "--no-progress")
     assert fresh.exit_code == 0, fresh.output
     assert os.readlink(out / "cube.nc.1") == os.devnull  # moved aside with its journal
