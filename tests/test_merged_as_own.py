@@ -111,3 +111,40 @@ def test_each_gpu_of_a_merge_answers_as_its_own_cube(cubes: list[xr.Dataset], sl
         for name in COMPARE:
             got = compared[name].sel(gpu=gpu, drop=True).sel(drafter=by_itself["drafter"])
             assert same(got, by_itself[name]), (name, got.values, by_itself[name].values)
+
+
+def test_a_gpu_that_measured_nothing_yet_waits_at_its_own_stock_limit_in_a_merge() -> None:
+    """The second GPU has not measured a cell: its stock power limit, on the merged axis beside
+    the first GPU's, is its grid waiting for its sweep (both clocks), as its own cube says; not
+    another GPU's setting outside it (hypothesis found this once in a full run)."""
+    clocks, repeats = [1000, 1980], 1
+    campaign = {
+        "name": "m",
+        "knobs": {"sm_clocks_mhz": clocks, "power_limits_w": None},
+        "workload": {"batch_sizes": [1], "corpora": [{"name": "code"}]},
+        "measurement": {"repeats": repeats},
+        "drafters": [{"name": d} for d in DRAFTERS],
+        "engine": {"model": "m", "tp_size": 1},
+        "gpu": {},
+    }
+    cubes = []
+    for (uuid, name, watts), latency in zip(GPUS, (10.0, math.nan), strict=True):
+        cube = make_cube(
+            clocks=clocks,
+            limits=[watts],
+            drafters=DRAFTERS,
+            repeats=repeats,
+            latency=lambda *_cell, ms=latency: ms,
+            energy=lambda *_cell: 0.6,
+        )
+        cube = as_twin_sweep(cube, uuid=uuid, gpu_name=name, campaign="m")
+        cubes.append(cube.assign_attrs(campaign=json.dumps(campaign)))
+    together = headroom(merge_cubes(cubes), target=Target())
+    for (uuid, _, _), own in zip(GPUS, cubes, strict=True):
+        gpu = next(g for g in together["gpu"].values if str(g).startswith(uuid))
+        alone = headroom(own, target=Target())
+        for name in ("unmeasured_settings", "feasible", "chosen_unmeasured_below"):
+            got = together[name].sel(gpu=gpu, drop=True)
+            assert same(got, alone[name]), (uuid, name, got.values, alone[name].values)
+    waiting = together["unmeasured_settings"].sel(gpu=together["gpu"].values[1])
+    assert (waiting == len(clocks)).all()

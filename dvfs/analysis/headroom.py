@@ -348,9 +348,10 @@ def _cells(
             )
         if grid_from_data:
             for dim in data_grid_knobs(cube):
-                axis = ORDER.index(dim)
-                others = tuple(a for a in range(len(ORDER)) if a != axis)
-                waiting = waiting & (status != STATUS_MISSING).any(axis=others, keepdims=True)
+                along = [1] * status_all.ndim
+                along[ORDER.index(dim)] = -1
+                own = own_settings(cube, dim).reshape(along)
+                waiting = waiting & cut(np.broadcast_to(own, status_all.shape))
         unmeasured = waiting.any(axis=-1) & ~invalid
         failed = unmeasured & (waiting & (status == STATUS_FAILED)).any(axis=-1)
     else:
@@ -1326,16 +1327,22 @@ def own_grid(one: xr.Dataset) -> xr.Dataset:
     there; a second power limit, as if swept; a cap in its figures' legend it never ran at)."""
     if "cell_status" not in one:
         return one
-    status = one["cell_status"]
     for dim in data_grid_knobs(one):
-        own = (status != STATUS_MISSING).any([d for d in status.dims if d != dim]).values
-        # its own stock setting, measured yet or not (`single_gpu` gave it)
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            own = own | (one[dim].values.astype(float) == float(one.attrs[STOCK_ATTRS[dim]]))
+        own = own_settings(one, dim)
         if own.any() and not own.all():
             one = one.isel({dim: np.flatnonzero(own)})
-            status = one["cell_status"]
     return one
+
+
+def own_settings(one: xr.Dataset, dim: str) -> np.ndarray:
+    """Along `dim`, a knob one GPU's campaign left at stock, the settings in that GPU's grid:
+    those it measured at and its own stock setting (`single_gpu` gave it), measured yet or
+    not: nothing measured there yet is a setting waiting for its sweep, not another GPU's."""
+    status = one["cell_status"]
+    own = (status != STATUS_MISSING).any([d for d in status.dims if d != dim]).values
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        own = own | (one[dim].values.astype(float) == float(one.attrs[STOCK_ATTRS[dim]]))
+    return np.asarray(own, dtype=bool)
 
 
 def unasked_repeats(cube: xr.Dataset) -> xr.DataArray:
@@ -1409,8 +1416,10 @@ def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataAr
     """Cells not measured yet: missing (the sweep has not reached them) or failed (a rerun
     retries them); not the adaptive repeats the campaign does not ask for (`unasked_repeats`).
     With `grid_from_data` (one GPU of a merged cube), a stock knob's setting with no cell
-    measured at all (another GPU's stock) is outside that GPU's grid, not waiting to be
-    measured (`data_grid_knobs`)."""
+    measured at all, other than the GPU's own stock (another GPU's stock), is outside that
+    GPU's grid, not waiting to be measured (`own_settings`)."""
+    import xarray as xr
+
     if "cell_status" not in cube:
         return cube["valid"].copy(data=np.zeros(cube["valid"].shape, dtype=bool))
     status = cube["cell_status"]
@@ -1418,8 +1427,7 @@ def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataAr
     waiting = waiting & ~unasked_repeats(cube)
     if grid_from_data:
         for dim in data_grid_knobs(cube):
-            others = [d for d in status.dims if d != dim]
-            waiting = waiting & (status != STATUS_MISSING).any(others)
+            waiting = waiting & xr.DataArray(own_settings(cube, dim), dims=[dim])
     return waiting
 
 
