@@ -413,6 +413,41 @@ def test_a_gpu_models_worker_lost_before_its_first_cell_keeps_that_models_journa
     ], built.output
 
 
+def test_a_rerun_on_some_models_says_the_cells_left_of_one_that_measured_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost at its first cell, rerun on the
+    H100 alone (the H200's node gone): it said "0 cell(s) measured, N already done" and
+    nothing of the H200's cells, every one left, as it says of a model that had measured some
+    ("gpu-<model>: N cell(s) left for GPUs of that model (none in this run)"): its journal,
+    holding no session, was not looked at. Its cells left are said; its cube joins nothing."""
+    from dvfs import load_campaign
+    from dvfs.fleet.shard import planned_cells
+    from dvfs.fleet.worker import Worker
+
+    run = Worker.run
+
+    def lost_at_once(self: Worker, cell: Any) -> Any:
+        if self.label.startswith("h200"):
+            raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", lost_at_once)
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("rerun-on-one"))
+    out = tmp_path / "out"
+    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
+    monkeypatch.setattr(Worker, "run", run)
+    again = sweep(str(campaign), "--gpus", "0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    left = len(planned_cells(load_campaign(campaign), None))
+    told = " ".join(again.output.split())
+    assert (
+        f"gpu-nvidia-h200-twin: {left} cell(s) left for GPUs of that model (none in this run); "
+        "rerun with them to finish"
+    ) in told, told
+    assert "gpu" not in open_cube(out / "cube.nc").sizes  # the H100's cube alone
+
+
 @pytest.mark.parametrize("h200", ["retired", "lost"])
 def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200: str
