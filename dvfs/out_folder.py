@@ -233,11 +233,17 @@ def _leave_as_found(
     would refuse the corrected one (--observe-only, as the refusal for want of root advises);
     and, when it left no journal of its own, the `lock` file it made (None: it found one) and
     the folders it made (one holding a server's log stays), and --fresh's `moves` undone (a
-    rerun without --fresh resumes them). `journals` and `model_folders`: those in `out_dir`
-    before it began. Returns whether it undid any move."""
+    rerun without --fresh resumes them). A fleet mixing GPU models that measured on one of
+    them keeps every model's journal it began, one holding no cell too (a model whose only
+    worker was lost before its first cell): the folder is the campaign's now, that journal
+    is where the fleet's error says that model's cells are, and `dvfs cube build` says the
+    model is left out of the cube, not a cube of the other models alone as if whole.
+    `journals` and `model_folders`: those in `out_dir` before it began. Returns whether it
+    undid any move."""
     from dvfs.measure.journal import iter_records
 
     kept = False
+    unmeasured = []
     for path, file in _journal_files(out_dir).items():
         if journals.get(path) == file:
             continue  # the folder's before (a resume): what it holds stays
@@ -247,7 +253,11 @@ def _leave_as_found(
             measured = True
         if measured:
             kept = True
-            continue
+        else:
+            unmeasured.append(path)
+    for path in unmeasured:
+        if kept and path.parent != out_dir:
+            continue  # a GPU model's, beside another model's measured cells
         try:
             path.unlink()
         except OSError:

@@ -374,6 +374,80 @@ def test_a_gpu_models_only_worker_gone_stops_the_fleet(
     assert sorted(r["key"] for r in cells) == sorted(planned), len(cells)
 
 
+def test_a_gpu_models_worker_lost_before_its_first_cell_keeps_that_models_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker, its model's only one, was lost at its first
+    cell while the H100's measured every cell of its own: the error line named the H200's
+    journal as where that model's finished cells are, but the run, leaving the folder as found,
+    had removed it (it held no cell), so `dvfs cube build` then wrote the H100's cube alone,
+    without a word of the H200, as if the campaign were whole. The journal stays (the
+    folder, holding the H100's cells, is the campaign's): the cube build says the H200 is left
+    out of the cube."""
+    from dvfs.fleet.worker import Worker
+
+    h200 = "h200-sxm_none-gpu0"
+    run = Worker.run
+
+    def lost_at_once(self: Worker, cell: Any) -> Any:
+        if self.label == h200:
+            raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", lost_at_once)
+    write(tmp_path / "campaign.toml", fleet_campaign("lost-at-once"))
+    out = tmp_path / "out"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    last = result.output.strip().splitlines()[-1]
+    journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
+    assert last.endswith(
+        f"): its journal {journal} keeps every finished cell; rerun the same command to resume"
+    ), last
+    assert journal.is_file(), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert not [r for r in read_records(journal) if r["type"] == "cell"]
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 0, built.output
+    assert built.stderr.strip().splitlines() == [
+        f"{journal} holds no session yet (nothing measured on that GPU model): left out of the cube"
+    ], built.output
+
+
+def test_a_rerun_on_some_models_says_the_cells_left_of_one_that_measured_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost at its first cell, rerun on the
+    H100 alone (the H200's node gone): it said "0 cell(s) measured, N already done" and
+    nothing of the H200's cells, every one left, as it says of a model that had measured some
+    ("gpu-<model>: N cell(s) left for GPUs of that model (none in this run)"): its journal,
+    holding no session, was not looked at. Its cells left are said; its cube joins nothing."""
+    from dvfs import load_campaign
+    from dvfs.fleet.shard import planned_cells
+    from dvfs.fleet.worker import Worker
+
+    run = Worker.run
+
+    def lost_at_once(self: Worker, cell: Any) -> Any:
+        if self.label.startswith("h200"):
+            raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", lost_at_once)
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("rerun-on-one"))
+    out = tmp_path / "out"
+    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
+    monkeypatch.setattr(Worker, "run", run)
+    again = sweep(str(campaign), "--gpus", "0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    left = len(planned_cells(load_campaign(campaign), None))
+    told = " ".join(again.output.split())
+    assert (
+        f"gpu-nvidia-h200-twin: {left} cell(s) left for GPUs of that model (none in this run); "
+        "rerun with them to finish"
+    ) in told, told
+    assert "gpu" not in open_cube(out / "cube.nc").sizes  # the H100's cube alone
+
+
 @pytest.mark.parametrize("h200", ["retired", "lost"])
 def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200: str

@@ -584,6 +584,48 @@ def test_shards_each_on_a_fleet_mixing_gpu_models_merge_per_model(
     assert len(refused.output.strip().splitlines()) == 1, refused.output
 
 
+def test_a_shard_whose_gpu_model_measured_nothing_yet_is_to_be_resumed_not_rerun(
+    tiny_exact_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards run on an H100 and an H200 (`--gpus 0,h200-sxm:0`), shard 1's H200 worker lost
+    at its first cell: its folder's cube is the H100's alone (the H200's journal holds no
+    session), and `dvfs cube merge` of the shards said they "ran on different GPU models" and
+    to run every shard on the same models or the campaign once per model, where they did run
+    on the same models and shard 1 is only to be resumed. It says so in one line, and once
+    shard 1 is resumed the merge is the whole fleet's."""
+    from test_journal import assert_one_line_error
+
+    from dvfs.fleet.worker import Worker
+
+    campaign = str(write(tmp_path / "tiny.toml", TINY_EXACT))
+    s0, s1 = tiny_exact_run("mixed-s0"), tmp_path / "s1"
+    run = Worker.run
+
+    def lost_at_once(self: Worker, cell: object) -> object:
+        if "h200" in self.label:
+            raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", lost_at_once)
+    args = ("sweep", campaign, "--shard", "1/2", *MIXED_FLEET, "--out", str(s1), "--no-progress")
+    assert CliRunner().invoke(cli, list(args)).exit_code == 1
+    monkeypatch.setattr(Worker, "run", run)
+    assert invoke("cube", "build", str(s1)).exit_code == 0
+    [h200] = (p for p in s1.glob("gpu-*h200*/journal.jsonl"))
+    merged = str(tmp_path / "merged.nc")
+    assert_one_line_error(
+        invoke("cube", "merge", str(s0), str(s1), "-o", merged),
+        2,
+        f"cannot merge yet: shard 1/2 ({s1}) has measured nothing on NVIDIA H200 (twin), which "
+        f"the other shards measured on ({h200} holds no session yet, so its cube leaves that "
+        "model out): resume it with its `dvfs sweep CAMPAIGN --shard 1/2 --out "
+        f"{s1}` command again without --fresh, on GPUs of every model, then merge again",
+    )
+    assert invoke(*args).exit_code == 0
+    assert invoke("cube", "merge", str(s0), str(s1), "-o", merged).exit_code == 0
+    assert_same_cells(open_cube(merged), open_cube(tiny_exact_run("mixed") / "cube.nc"))
+
+
 def _begun_by_an_earlier_dvfs(folder: Path, *, cells: int | None = None) -> Path:
     """`folder` as a dvfs before the shard record named its dealing left it: the shard record
     without `deal` (that dvfs cut contiguous slices), and only the first `cells` cell records

@@ -252,6 +252,11 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
                 "merging needs at least two cubes, or all the shards of a run; got one cube"
                 + ("" if alone is None else f" holding shard {alone.index}/{alone.count}")
             )
+    waiting = _shard_model_not_begun(loaded)
+    if waiting:
+        from dvfs.errors import MergeRefusedError
+
+        raise MergeRefusedError(waiting)
     merged = merge_cubes([ds for ds, _ in loaded], [name for _, name in loaded])
     if "combined_from" not in merged.attrs:
         # Cubes swept apart: resuming one rebuilds its own cube, not this one, so the advice
@@ -312,6 +317,53 @@ def _write(ds: Any, path: Path) -> Path:
         if code == errno.EEXIST and any(p.exists() and not p.is_dir() for p in path.parents):
             code = errno.ENOTDIR
         raise OSError(code, os.strerror(code), str(path)) from exc
+
+
+def _shard_model_not_begun(loaded: list[tuple[Any, str]]) -> str | None:
+    """The line refusing to merge shards of a fleet mixing GPU models one of which measured
+    nothing yet on a model the others measured on (its journal there holds no session, so its
+    folder's cube is of the other models alone), which the merge would refuse as shards run
+    on different GPU models: that shard is to be resumed, then merged again. None where none
+    is."""
+    import json
+
+    from dvfs.cube import CUBE_NAME
+    from dvfs.fleet.cubes import unmeasured_journals
+    from dvfs.fleet.folders import model_folder
+    from dvfs.fleet.shard import cube_shard
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    def models(ds: Any) -> list[str]:
+        if "gpu" not in ds.dims:
+            return [str(ds.attrs.get("gpu_name"))]
+        try:
+            return [str(m) for m in json.loads(str(ds.attrs.get("gpu_names", "")))]
+        except (TypeError, ValueError):
+            return []
+
+    for ds, name in loaded:
+        try:
+            shard = cube_shard(ds)
+        except ValueError:
+            return None  # the merge says what is wrong with the mark
+        if shard is None:
+            return None
+        path = Path(name)
+        folder = path.parent if path.name in (CUBE_NAME, JOURNAL_NAME) else path
+        others = {m for other, _ in loaded if other is not ds for m in models(other)}
+        for journal in unmeasured_journals(folder):
+            model = next(
+                (m for m in sorted(others) if model_folder(m) == journal.parent.name), None
+            )
+            if model is not None and model not in models(ds):
+                return (
+                    f"cannot merge yet: shard {shard.label} ({folder}) has measured nothing on "
+                    f"{model}, which the other shards measured on ({journal} holds no session "
+                    "yet, so its cube leaves that model out): resume it with its `dvfs sweep "
+                    f"CAMPAIGN --shard {shard.label} --out {folder}` command again without "
+                    "--fresh, on GPUs of every model, then merge again"
+                )
+    return None
 
 
 def _load_for_merge(path: Path) -> tuple[Any, str]:

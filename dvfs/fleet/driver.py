@@ -890,11 +890,13 @@ def run_fleet(
                 fleet.check_finished()
                 done = [d.journal.path for d in fleet.drivers.values()]
                 # A fleet of several models rerun on some of them (a node lost): the others'
-                # journals keep their cells, and their cubes still join the merged one.
+                # journals keep their cells, and their cubes still join the merged one; one
+                # that holds no session yet (its model's worker lost before its first cell)
+                # has every cell left, said too, and no cube to join.
                 others = [
                     path
                     for path in sorted(out_dir.glob("gpu-*/journal.jsonl"))
-                    if path not in done and has_sessions(path)
+                    if path not in done and path.is_file()
                 ]
                 for path in others:
                     finished = whole_groups_done(
@@ -908,7 +910,7 @@ def run_fleet(
                             f"{path.parent.name}: {left} cell(s) left for GPUs of that model "
                             "(none in this run); rerun with them to finish"
                         )
-                done += others
+                done += [path for path in others if has_sessions(path)]
         written: dict[Path, Any] = {}
 
         def write(ds: Any, path: Path) -> Path:
