@@ -467,6 +467,8 @@ def precision_text(count: dict[str, Any] | None) -> str:
         return "not recorded (the cube states no intervals or no precision)"
     precision, rounds = count["precision"], count["max_rounds"]
     asked = "the precision" if precision is None else f"the precision (±{precision * 100:g}%)"
+    if not count["measured"]:
+        return "nothing measured yet"  # not "every measured cell reached it": there is none
     if not count["cells"]:
         return f"every measured cell reached {asked}"
     cap = "measurement.max_rounds" if rounds is None else f"measurement.max_rounds ({rounds})"
