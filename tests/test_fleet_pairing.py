@@ -448,6 +448,54 @@ def test_a_rerun_on_some_models_says_the_cells_left_of_one_that_measured_nothing
     assert "gpu" not in open_cube(out / "cube.nc").sizes  # the H100's cube alone
 
 
+@pytest.mark.parametrize("h200_cells", [0, 2])
+def test_a_dry_run_on_some_models_says_the_cells_left_of_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200_cells: int
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost (before its first cell, or after
+    two), dry-run on the H100 alone: it said '72 already done, 0 to run' and nothing of the
+    H200's cells left, which the sweep itself says ('gpu-<model>: N cell(s) left for GPUs of
+    that model (none in this run); rerun with them to finish'). The dry run says them too,
+    in its text and its --json; with --fresh (every journal moved aside) it does not."""
+    from dvfs import load_campaign
+    from dvfs.fleet.shard import planned_cells
+    from dvfs.fleet.worker import Worker
+
+    run = Worker.run
+    calls = {"n": 0}
+
+    def lost(self: Worker, cell: Any) -> Any:
+        if self.label.startswith("h200"):
+            calls["n"] += 1
+            if calls["n"] > h200_cells:
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", lost)
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("dry-on-one"))
+    out = tmp_path / "out"
+    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
+    monkeypatch.setattr(Worker, "run", run)
+    left = len(planned_cells(load_campaign(campaign), None)) - h200_cells
+    args = ["sweep", str(campaign), "--gpus", "0", "--out", str(out), "--dry-run"]
+    dry = CliRunner().invoke(cli, [*args, "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    line = (
+        f"gpu-nvidia-h200-twin: {left} cell(s) left for GPUs of that model (none in this run); "
+        "rerun with them to finish"
+    )
+    assert line in " ".join(dry.output.split()), dry.output
+    shown = CliRunner().invoke(cli, [*args, "--no-estimate", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["left_for_other_models"] == {"gpu-nvidia-h200-twin": left}
+    fresh = CliRunner().invoke(cli, [*args, "--no-estimate", "--fresh", "--json"])
+    assert "left_for_other_models" not in json.loads(fresh.output), fresh.output
+    # the sweep says the same
+    again = sweep(str(campaign), "--gpus", "0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    assert line in " ".join(again.output.split()), again.output
+
+
 @pytest.mark.parametrize("h200", ["retired", "lost"])
 def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200: str

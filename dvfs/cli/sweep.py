@@ -73,6 +73,12 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             else ""
         )
     )
+    # the folder's other GPU models, none of whose GPUs run here: the sweep's note
+    others = [
+        f"{folder}: {n} cell(s) left for GPUs of that model (none in this run); rerun with "
+        "them to finish"
+        for folder, n in report.get("left_for_other_models", {}).items()
+    ]
     if refused:  # the journal there is another share's: its cells are neither done nor to do
         counts += (
             "; none counted as done or to run: the sweep would refuse this --out folder "
@@ -84,10 +90,14 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         out.print(
             f"{counts}; roughly {estimate['gpu_hours']} h on real hardware{whole} (closed form)"
         )
+        for line in others:
+            out.print(escape(line), highlight=False)
         if estimate.get("twin_skipped"):
             out.print(f"note: {estimate['twin_skipped']}", highlight=False)
     else:
         out.print(counts)
+        for line in others:
+            out.print(escape(line), highlight=False)
         on = (
             "the twin"
             if report["gpu"]["backend"] == "twin"
