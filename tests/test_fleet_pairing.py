@@ -448,6 +448,55 @@ def test_a_rerun_on_some_models_says_the_cells_left_of_one_that_measured_nothing
     assert "gpu" not in open_cube(out / "cube.nc").sizes  # the H100's cube alone
 
 
+def _h200_lost_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cells: int
+) -> tuple[Path, Path]:
+    """The fleet campaign swept on an H100 and an H200 whose worker was lost after CELLS
+    cells (exit 1): the campaign file and the --out folder."""
+    from dvfs.fleet.worker import Worker
+
+    run = Worker.run
+    calls = {"n": 0}
+
+    def lost(self: Worker, cell: Any) -> Any:
+        if self.label.startswith("h200"):
+            calls["n"] += 1
+            if calls["n"] > cells:
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", lost)
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("lost-after"))
+    out = tmp_path / "out"
+    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
+    monkeypatch.setattr(Worker, "run", run)
+    return campaign, out
+
+
+def test_cube_info_after_a_rerun_on_some_models_names_the_models_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost after two cells, rerun on the H100
+    alone: `cube info` of the folder's merged cube said 'run the same `dvfs sweep` command
+    again', which (on the H100 alone) measures none of the H200's cells left. It names the
+    model whose GPUs the command's --gpus must name; followed, the cube is whole."""
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, 2)
+    assert sweep(str(campaign), "--gpus", "0", "--out", str(out)).exit_code == 0
+    shown = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+    assert shown.exit_code == 0, shown.output
+    resume = json.loads(shown.output)["resume"]
+    assert resume.endswith(
+        "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model alone "
+        "(a run on the other models' GPUs measures none of them)"
+    ), resume
+    text = CliRunner().invoke(cli, ["cube", "info", str(out)])
+    assert "--gpus naming GPUs of NVIDIA H200 (twin)" in " ".join(text.output.split())
+    again = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    whole = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+    assert json.loads(whole.output)["resume"] is None, whole.output
+
+
 @pytest.mark.parametrize("h200_cells", [0, 2])
 def test_a_dry_run_on_some_models_says_the_cells_left_of_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200_cells: int
@@ -459,23 +508,8 @@ def test_a_dry_run_on_some_models_says_the_cells_left_of_the_others(
     in its text and its --json; with --fresh (every journal moved aside) it does not."""
     from dvfs import load_campaign
     from dvfs.fleet.shard import planned_cells
-    from dvfs.fleet.worker import Worker
 
-    run = Worker.run
-    calls = {"n": 0}
-
-    def lost(self: Worker, cell: Any) -> Any:
-        if self.label.startswith("h200"):
-            calls["n"] += 1
-            if calls["n"] > h200_cells:
-                raise RuntimeError("the GPU fell off the bus")
-        return run(self, cell)
-
-    monkeypatch.setattr(Worker, "run", lost)
-    campaign = write(tmp_path / "campaign.toml", fleet_campaign("dry-on-one"))
-    out = tmp_path / "out"
-    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
-    monkeypatch.setattr(Worker, "run", run)
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, h200_cells)
     left = len(planned_cells(load_campaign(campaign), None)) - h200_cells
     args = ["sweep", str(campaign), "--gpus", "0", "--out", str(out), "--dry-run"]
     dry = CliRunner().invoke(cli, [*args, "--no-estimate"])
