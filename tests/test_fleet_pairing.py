@@ -448,6 +448,54 @@ def test_a_rerun_on_some_models_says_the_cells_left_of_one_that_measured_nothing
     assert "gpu" not in open_cube(out / "cube.nc").sizes  # the H100's cube alone
 
 
+def test_a_ctrl_c_while_one_models_server_starts_says_that_model_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models stopped by Ctrl-C while the H200's worker was still starting
+    (its journal a header alone), the H100 having measured cells: the sweep said 'partial
+    cube written to OUT/cube.nc', the H100's cube alone, without the line `dvfs cube build`
+    prints of a model left out. It says it too."""
+    import threading
+
+    from dvfs.fleet.worker import Worker
+    from dvfs.measure.journal import Journal
+
+    started = threading.Event()
+    run = Worker.run
+
+    def still_starting(self: Worker, cell: Any) -> Any:
+        if self.label.startswith("h200"):
+            started.wait(60)  # bounded: set by the Ctrl-C below
+            raise RuntimeError("stopped while its server started")
+        return run(self, cell)
+
+    note = Journal._note
+    cells = {"n": 0}
+
+    def ctrl_c_at_the_third_cell(self: Journal, record: dict[str, Any]) -> None:
+        note(self, record)
+        if record.get("type") == "cell":
+            cells["n"] += 1
+            if cells["n"] == 3:
+                started.set()
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(Worker, "run", still_starting)
+    monkeypatch.setattr(Journal, "_note", ctrl_c_at_the_third_cell)
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("ctrl-c-starting"))
+    out = tmp_path / "out"
+    args = ["sweep", str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 130, result.output
+    journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
+    assert journal.is_file() and not [r for r in read_records(journal) if r["type"] != "header"]
+    told = result.stderr.splitlines()
+    assert f"partial cube written to {out / 'cube.nc'}" in told, result.output
+    assert (
+        f"{journal} holds no session yet (nothing measured on that GPU model): left out of the cube"
+    ) in told, result.output
+
+
 def _h200_lost_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cells: int
 ) -> tuple[Path, Path]:

@@ -779,6 +779,13 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
         )
     elif left.cube_path is not None:
         err.print(f"partial cube written to {escape(str(left.cube_path))}", soft_wrap=True)
+    for journal in left.left_out:  # as `dvfs cube build` says it: else the model goes unnoticed
+        err.print(
+            f"{escape(str(journal))} holds no session yet (nothing measured on that GPU model): "
+            "left out of the cube",
+            soft_wrap=True,
+            highlight=False,
+        )
     if left.cube_error is not None:
         cube = "cube" if left.whole else "partial cube"
         err.print(f"(no {cube}: {escape(left.cube_error)})", soft_wrap=True)
