@@ -545,6 +545,34 @@ def test_cube_info_after_a_rerun_on_some_models_names_the_models_left(
     assert json.loads(whole.output)["resume"] is None, whole.output
 
 
+def test_cube_info_of_a_folder_whose_one_model_measured_nothing_says_it_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost before its first cell: `cube
+    build` says the H200 is left out, but `cube info` of the folder's cube said the H100's
+    cells alone, '72 = 72 measured + 0 missing', no word of the H200, as if the campaign
+    were whole. It says the model's journal is left out and how to measure it; followed, it
+    no longer does."""
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, 0)
+    assert CliRunner().invoke(cli, ["cube", "build", str(out)]).exit_code == 0
+    journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
+    for where in (out, out / "cube.nc"):
+        shown = CliRunner().invoke(cli, ["cube", "info", str(where), "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.output)["left_out"] == [str(journal)], shown.output
+    text = CliRunner().invoke(cli, ["cube", "info", str(out)])
+    assert (
+        f"left out: {journal} holds no session yet (nothing measured on that GPU model): the "
+        "cube leaves that model out; run the `dvfs sweep` command again without --fresh, its "
+        "--gpus naming GPUs of that model, to measure it"
+    ) in text.output.splitlines(), text.output
+    again = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    whole = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+    assert json.loads(whole.output)["left_out"] == [], whole.output
+    assert json.loads(whole.output)["resume"] is None, whole.output
+
+
 @pytest.mark.parametrize("h200_cells", [0, 2])
 def test_a_dry_run_on_some_models_says_the_cells_left_of_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200_cells: int
