@@ -133,6 +133,10 @@ class DryRunPlan:
     #: the extra repeats its journal asks for now included: a model with none left runs
     #: nothing, its workers idle.
     left_per_model: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The folder's other GPU models' journals (`gpu-<model>/`, none of this run's GPUs of
+    #: that model) and the planned cells each has left: this run measures none of them, as
+    #: the sweep's note says ("rerun with them to finish"). Empty with --fresh or refused.
+    left_for_other_models: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def comparison_groups_left(self) -> int:
@@ -190,6 +194,11 @@ class DryRunPlan:
                 else {}
             ),
             **({"done_per_model": dict(self.done_per_model)} if self.done_per_model else {}),
+            **(
+                {"left_for_other_models": dict(self.left_for_other_models)}
+                if self.left_for_other_models
+                else {}
+            ),
             **(
                 {"fresh_moves_aside": [{"path": str(a), "to": str(b)} for a, b in self.fresh_moves]}
                 if self.fresh_moves is not None
@@ -384,6 +393,18 @@ def plan_dry_run(
         for j in journals
         if j.parent != out_dir
     }
+    # The folder's other GPU models, none of whose GPUs this run has (a fleet mixing models
+    # rerun on some of them): their cells left, as the sweep's note says them (one whose
+    # journal holds no session yet has every cell left).
+    left_for_other_models = {}
+    if not refused and not fresh:
+        for path in sorted(out_dir.glob(f"gpu-*/{JOURNAL_NAME}")):
+            if path in journals or not path.is_file():
+                continue
+            there = finished_cells(campaign, path, cells)
+            left = len([c for c in cells if c.key not in there])
+            if left:
+                left_for_other_models[path.parent.name] = left
     # A folder holding every cell (each GPU model's, and no extra repeat asked for) runs
     # nothing: there is nothing to estimate, so no stand-in is needed.
     all_done = (
@@ -528,6 +549,7 @@ def plan_dry_run(
         estimate=twin_time,
         estimate_skipped=estimate_skipped,
         done_per_model=done_per_model,
+        left_for_other_models=left_for_other_models,
         max_repeats=campaign.measurement.max_repeats,
         precision=campaign.measurement.precision,
         extra_done=None if refused else sum(len(e) for e in extra_done.values()),

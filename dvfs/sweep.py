@@ -206,6 +206,9 @@ class Interruption:
     #: Whether the folder's journals hold every cell of the run (a finished folder stopped
     #: while its rerun checked it, or while the cube was written): the cube is whole.
     whole: bool = False
+    #: The GPU models' journals left out of the partial cube (a fleet mixing models, one of
+    #: which measured nothing yet: its server still starting), as `dvfs cube build` says them.
+    left_out: tuple[Path, ...] = ()
 
 
 def after_interruption(
@@ -214,7 +217,7 @@ def after_interruption(
     """Write the partial cube of an interrupted sweep (a fleet mixing GPU models: each model's
     and the merged one, as a finished fleet writes them) and find what it left unrestored.
     `shard`: the run's, whose cells the folder holds when it is whole."""
-    from dvfs.fleet.cubes import cube_journals, write_cubes
+    from dvfs.fleet.cubes import cube_journals, unmeasured_journals, write_cubes
     from dvfs.fleet.folders import journals_done
     from dvfs.fleet.shard_journal import has_sessions
     from dvfs.outputs import pipes_not_waited_on
@@ -236,7 +239,8 @@ def after_interruption(
         with contextlib.suppress(Exception):  # not known: the cube is said to be partial
             whole = journals_done(out_dir, campaign, planned_cells(campaign, shard)) is not None
     left, state_dir = unrestored_gpus(campaign)
-    return Interruption(cube_path, cube_error, left, state_dir, whole)
+    left_out = tuple(unmeasured_journals(out_dir)) if cube_path is not None else ()
+    return Interruption(cube_path, cube_error, left, state_dir, whole, left_out)
 
 
 def unrestored_gpus(campaign: Campaign) -> tuple[tuple[str, ...], Path | None]:

@@ -448,6 +448,164 @@ def test_a_rerun_on_some_models_says_the_cells_left_of_one_that_measured_nothing
     assert "gpu" not in open_cube(out / "cube.nc").sizes  # the H100's cube alone
 
 
+def test_a_ctrl_c_while_one_models_server_starts_says_that_model_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models stopped by Ctrl-C while the H200's worker was still starting
+    (its journal a header alone), the H100 having measured cells: the sweep said 'partial
+    cube written to OUT/cube.nc', the H100's cube alone, without the line `dvfs cube build`
+    prints of a model left out. It says it too."""
+    import threading
+
+    from dvfs.fleet.worker import Worker
+    from dvfs.measure.journal import Journal
+
+    started = threading.Event()
+    run = Worker.run
+
+    def still_starting(self: Worker, cell: Any) -> Any:
+        if self.label.startswith("h200"):
+            started.wait(60)  # bounded: set by the Ctrl-C below
+            raise RuntimeError("stopped while its server started")
+        return run(self, cell)
+
+    note = Journal._note
+    cells = {"n": 0}
+
+    def ctrl_c_at_the_third_cell(self: Journal, record: dict[str, Any]) -> None:
+        note(self, record)
+        if record.get("type") == "cell":
+            cells["n"] += 1
+            if cells["n"] == 3:
+                started.set()
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(Worker, "run", still_starting)
+    monkeypatch.setattr(Journal, "_note", ctrl_c_at_the_third_cell)
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("ctrl-c-starting"))
+    out = tmp_path / "out"
+    args = ["sweep", str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 130, result.output
+    journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
+    assert journal.is_file() and not [r for r in read_records(journal) if r["type"] != "header"]
+    told = result.stderr.splitlines()
+    assert f"partial cube written to {out / 'cube.nc'}" in told, result.output
+    assert (
+        f"{journal} holds no session yet (nothing measured on that GPU model): left out of the cube"
+    ) in told, result.output
+
+
+def _h200_lost_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cells: int
+) -> tuple[Path, Path]:
+    """The fleet campaign swept on an H100 and an H200 whose worker was lost after CELLS
+    cells (exit 1): the campaign file and the --out folder."""
+    from dvfs.fleet.worker import Worker
+
+    run = Worker.run
+    calls = {"n": 0}
+
+    def lost(self: Worker, cell: Any) -> Any:
+        if self.label.startswith("h200"):
+            calls["n"] += 1
+            if calls["n"] > cells:
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", lost)
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("lost-after"))
+    out = tmp_path / "out"
+    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
+    monkeypatch.setattr(Worker, "run", run)
+    return campaign, out
+
+
+def test_cube_info_after_a_rerun_on_some_models_names_the_models_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost after two cells, rerun on the H100
+    alone: `cube info` of the folder's merged cube said 'run the same `dvfs sweep` command
+    again', which (on the H100 alone) measures none of the H200's cells left. It names the
+    model whose GPUs the command's --gpus must name; followed, the cube is whole."""
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, 2)
+    assert sweep(str(campaign), "--gpus", "0", "--out", str(out)).exit_code == 0
+    shown = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+    assert shown.exit_code == 0, shown.output
+    resume = json.loads(shown.output)["resume"]
+    assert resume.endswith(
+        "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model alone "
+        "(a run on the other models' GPUs measures none of them)"
+    ), resume
+    text = CliRunner().invoke(cli, ["cube", "info", str(out)])
+    assert "--gpus naming GPUs of NVIDIA H200 (twin)" in " ".join(text.output.split())
+    again = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    whole = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+    assert json.loads(whole.output)["resume"] is None, whole.output
+
+
+def test_cube_info_of_a_folder_whose_one_model_measured_nothing_says_it_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost before its first cell: `cube
+    build` says the H200 is left out, but `cube info` of the folder's cube said the H100's
+    cells alone, '72 = 72 measured + 0 missing', no word of the H200, as if the campaign
+    were whole. It says the model's journal is left out and how to measure it; followed, it
+    no longer does."""
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, 0)
+    assert CliRunner().invoke(cli, ["cube", "build", str(out)]).exit_code == 0
+    journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
+    for where in (out, out / "cube.nc"):
+        shown = CliRunner().invoke(cli, ["cube", "info", str(where), "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.output)["left_out"] == [str(journal)], shown.output
+    text = CliRunner().invoke(cli, ["cube", "info", str(out)])
+    assert (
+        f"left out: {journal} holds no session yet (nothing measured on that GPU model): the "
+        "cube leaves that model out; run the `dvfs sweep` command again without --fresh, its "
+        "--gpus naming GPUs of that model, to measure it"
+    ) in text.output.splitlines(), text.output
+    again = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    whole = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
+    assert json.loads(whole.output)["left_out"] == [], whole.output
+    assert json.loads(whole.output)["resume"] is None, whole.output
+
+
+@pytest.mark.parametrize("h200_cells", [0, 2])
+def test_a_dry_run_on_some_models_says_the_cells_left_of_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200_cells: int
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost (before its first cell, or after
+    two), dry-run on the H100 alone: it said '72 already done, 0 to run' and nothing of the
+    H200's cells left, which the sweep itself says ('gpu-<model>: N cell(s) left for GPUs of
+    that model (none in this run); rerun with them to finish'). The dry run says them too,
+    in its text and its --json; with --fresh (every journal moved aside) it does not."""
+    from dvfs import load_campaign
+    from dvfs.fleet.shard import planned_cells
+
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, h200_cells)
+    left = len(planned_cells(load_campaign(campaign), None)) - h200_cells
+    args = ["sweep", str(campaign), "--gpus", "0", "--out", str(out), "--dry-run"]
+    dry = CliRunner().invoke(cli, [*args, "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    line = (
+        f"gpu-nvidia-h200-twin: {left} cell(s) left for GPUs of that model (none in this run); "
+        "rerun with them to finish"
+    )
+    assert line in " ".join(dry.output.split()), dry.output
+    shown = CliRunner().invoke(cli, [*args, "--no-estimate", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["left_for_other_models"] == {"gpu-nvidia-h200-twin": left}
+    fresh = CliRunner().invoke(cli, [*args, "--no-estimate", "--fresh", "--json"])
+    assert "left_for_other_models" not in json.loads(fresh.output), fresh.output
+    # the sweep says the same
+    again = sweep(str(campaign), "--gpus", "0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    assert line in " ".join(again.output.split()), again.output
+
+
 @pytest.mark.parametrize("h200", ["retired", "lost"])
 def test_a_fleet_mixing_models_whose_every_worker_left_ends_in_the_line_of_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200: str

@@ -154,3 +154,27 @@ def test_in_flight_cells_of_one_block_missed_their_precision(tmp_path: Path) -> 
     shown = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
     count = json.loads(shown.output)["precision_missed"]
     assert count["cells"] == count["measured"] == int(measured.sum())
+
+
+def test_cube_info_of_a_cube_with_nothing_measured_says_so(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """A cube whose journal holds a session and no cell yet (a GPU's own cube in a fleet, its
+    sweep begun but no cell measured): `cube info` said 'every measured cell reached the
+    precision', of no cell at all. It says nothing is measured yet."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = (small_sweep / JOURNAL_NAME).read_text().splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line)["type"] != "cell"]
+    assert len(kept) < len(lines)
+    (out / JOURNAL_NAME).write_text("".join(kept))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 0, built.output
+    text = CliRunner().invoke(cli, ["cube", "info", str(out)])
+    assert text.exit_code == 0, text.output
+    told = " ".join(text.output.split())
+    assert "0 measured" in told, told
+    assert "precision nothing measured yet" in told, told
+    assert "reached" not in told, told

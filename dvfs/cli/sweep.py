@@ -73,6 +73,12 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             else ""
         )
     )
+    # the folder's other GPU models, none of whose GPUs run here: the sweep's note
+    others = [
+        f"{folder}: {n} cell(s) left for GPUs of that model (none in this run); rerun with "
+        "them to finish"
+        for folder, n in report.get("left_for_other_models", {}).items()
+    ]
     if refused:  # the journal there is another share's: its cells are neither done nor to do
         counts += (
             "; none counted as done or to run: the sweep would refuse this --out folder "
@@ -84,10 +90,14 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         out.print(
             f"{counts}; roughly {estimate['gpu_hours']} h on real hardware{whole} (closed form)"
         )
+        for line in others:
+            out.print(escape(line), highlight=False)
         if estimate.get("twin_skipped"):
             out.print(f"note: {estimate['twin_skipped']}", highlight=False)
     else:
         out.print(counts)
+        for line in others:
+            out.print(escape(line), highlight=False)
         on = (
             "the twin"
             if report["gpu"]["backend"] == "twin"
@@ -769,6 +779,13 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
         )
     elif left.cube_path is not None:
         err.print(f"partial cube written to {escape(str(left.cube_path))}", soft_wrap=True)
+    for journal in left.left_out:  # as `dvfs cube build` says it: else the model goes unnoticed
+        err.print(
+            f"{escape(str(journal))} holds no session yet (nothing measured on that GPU model): "
+            "left out of the cube",
+            soft_wrap=True,
+            highlight=False,
+        )
     if left.cube_error is not None:
         cube = "cube" if left.whole else "partial cube"
         err.print(f"(no {cube}: {escape(left.cube_error)})", soft_wrap=True)

@@ -341,6 +341,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]
     missing = int(((status == STATUS_MISSING) & ~not_needed & in_grid).sum())
     failed = int((status == STATUS_FAILED).sum())
+    left = ((status == STATUS_MISSING) & ~not_needed & in_grid) | (status == STATUS_FAILED)
     shards = shards_of(ds)
     return {
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
@@ -386,7 +387,11 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "merged_shards": shards.get("merged_shards", {}),
         # What measures the cells left (failed ones are retried), as `dvfs headroom` advises
         # (`resume_note`); None when none is left. A shard's cube says it in `shard_note`.
-        "resume": resume_note(shards) if (missing or failed) and not shards.get("shard") else None,
+        "resume": (
+            _models_left_note(ds, resume_note(shards), left)
+            if (missing or failed) and not shards.get("shard")
+            else None
+        ),
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": flags,
@@ -467,6 +472,8 @@ def precision_text(count: dict[str, Any] | None) -> str:
         return "not recorded (the cube states no intervals or no precision)"
     precision, rounds = count["precision"], count["max_rounds"]
     asked = "the precision" if precision is None else f"the precision (±{precision * 100:g}%)"
+    if not count["measured"]:
+        return "nothing measured yet"  # not "every measured cell reached it": there is none
     if not count["cells"]:
         return f"every measured cell reached {asked}"
     cap = "measurement.max_rounds" if rounds is None else f"measurement.max_rounds ({rounds})"
@@ -635,6 +642,31 @@ def resume_note(doc: dict[str, Any]) -> str:
         return resume_advice("them", doc)
     return (
         "run the same `dvfs sweep` command again without --fresh (which starts over) to resume it"
+    )
+
+
+def _models_left_note(ds: xr.Dataset, note: str, left: np.ndarray) -> str:
+    """`note` (what resumes a partial cube), for the cube a fleet mixing GPU models wrote
+    whose cells left are on some of its models only (a rerun on the others' GPUs, as after a
+    node of one model was lost, measured none of them): which models' GPUs the sweep's
+    --gpus must name, as "the same command" run on the other models alone measures nothing."""
+    if "gpu" not in ds["cell_status"].dims or shards_of(ds):
+        return note
+    try:
+        names = [str(m) for m in json.loads(str(ds.attrs.get("gpu_names", "")))]
+    except ValueError:
+        return note
+    if len(names) != ds.sizes["gpu"] or len(set(names)) < 2:
+        return note
+    axis = ds["cell_status"].dims.index("gpu")
+    on = np.asarray(np.moveaxis(left, axis, 0).reshape(len(names), -1).any(axis=1), dtype=bool)
+    waiting = sorted({m for i, m in enumerate(names) if on[i]})
+    if not waiting or len(waiting) == len(set(names)):
+        return note
+    return (
+        f"{note}, its --gpus naming GPUs of {', '.join(waiting)}: the cells left are on "
+        f"{'that model' if len(waiting) == 1 else 'those models'} alone (a run on the other "
+        "models' GPUs measures none of them)"
     )
 
 
