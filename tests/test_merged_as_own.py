@@ -63,12 +63,9 @@ def gpu_cube(draw: st.DrawFn, clocks: list[int], repeats: int, watts: float) -> 
     )
 
 
-@st.composite
-def gpu_cubes(draw: st.DrawFn) -> list[xr.Dataset]:
-    clocks = sorted(draw(st.sets(st.sampled_from([1000, 1500, 1980]), min_size=2)) | {1980})
-    repeats = draw(st.integers(min_value=1, max_value=3))
-    # the campaign's grid: the clocks listed, the power limit left at stock
-    campaign = {
+def _campaign(clocks: list[int], repeats: int) -> dict[str, object]:
+    """The campaign's grid: the clocks listed, the power limit left at stock."""
+    return {
         "name": "m",
         "knobs": {"sm_clocks_mhz": clocks, "power_limits_w": None},
         "workload": {"batch_sizes": [1], "corpora": [{"name": "code"}]},
@@ -77,6 +74,13 @@ def gpu_cubes(draw: st.DrawFn) -> list[xr.Dataset]:
         "engine": {"model": "m", "tp_size": 1},
         "gpu": {},
     }
+
+
+@st.composite
+def gpu_cubes(draw: st.DrawFn) -> list[xr.Dataset]:
+    clocks = sorted(draw(st.sets(st.sampled_from([1000, 1500, 1980]), min_size=2)) | {1980})
+    repeats = draw(st.integers(min_value=1, max_value=3))
+    campaign = _campaign(clocks, repeats)
     cubes = []
     for uuid, name, watts in GPUS:
         ds = as_twin_sweep(
@@ -118,15 +122,7 @@ def test_a_gpu_that_measured_nothing_yet_waits_at_its_own_stock_limit_in_a_merge
     the first GPU's, is its grid waiting for its sweep (both clocks), as its own cube says; not
     another GPU's setting outside it (hypothesis found this once in a full run)."""
     clocks, repeats = [1000, 1980], 1
-    campaign = {
-        "name": "m",
-        "knobs": {"sm_clocks_mhz": clocks, "power_limits_w": None},
-        "workload": {"batch_sizes": [1], "corpora": [{"name": "code"}]},
-        "measurement": {"repeats": repeats},
-        "drafters": [{"name": d} for d in DRAFTERS],
-        "engine": {"model": "m", "tp_size": 1},
-        "gpu": {},
-    }
+    campaign = _campaign(clocks, repeats)
     cubes = []
     for (uuid, name, watts), latency in zip(GPUS, (10.0, math.nan), strict=True):
         cube = make_cube(
