@@ -573,6 +573,46 @@ def test_cube_info_of_a_folder_whose_one_model_measured_nothing_says_it_is_left_
     assert json.loads(whole.output)["resume"] is None, whole.output
 
 
+def test_headroom_and_report_of_a_folder_whose_one_model_measured_nothing_say_it_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost before its first cell: `cube info`
+    says the H200 is left out, but `dvfs headroom` (table, --markdown, --json) and `dvfs
+    report` of the folder answered from the H100's cells alone, no word of the H200, as if
+    the campaign were whole. Each says it, in cube info's line; followed, none does."""
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, 0)
+    assert CliRunner().invoke(cli, ["cube", "build", str(out)]).exit_code == 0
+    journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
+    line = (
+        f"left out: {journal} holds no session yet (nothing measured on that GPU model): the "
+        "cube leaves that model out; run the `dvfs sweep` command again without --fresh, its "
+        "--gpus naming GPUs of that model, to measure it"
+    )
+    for where in (out, out / "cube.nc"):
+        table = CliRunner().invoke(cli, ["headroom", str(where)])
+        assert table.exit_code == 0, table.output
+        assert line in table.output.splitlines(), table.output
+        markdown = CliRunner().invoke(cli, ["headroom", str(where), "--markdown"])
+        assert f"- {line}" in markdown.output.splitlines(), markdown.output
+        doc = CliRunner().invoke(cli, ["headroom", str(where), "--json"])
+        assert json.loads(doc.output)["left_out"] == [str(journal)], doc.output
+    report = tmp_path / "report.md"
+    made = CliRunner().invoke(cli, ["report", str(out), "-o", str(report)])
+    assert made.exit_code == 0, made.output
+    said = report.read_text().replace("\\`", "`").replace("\\_", "_")  # Markdown's escapes
+    assert "Left out: " + line.removeprefix("left out: ") in said, said
+    # the H100's own cube is not the folder's: it leaves nothing out
+    own = CliRunner().invoke(cli, ["headroom", str(out / "gpu-nvidia-h100-80gb-hbm3-twin")])
+    assert own.exit_code == 0 and "left out" not in own.output, own.output
+    again = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    whole = CliRunner().invoke(cli, ["headroom", str(out), "--json"])
+    assert "left_out" not in json.loads(whole.output), whole.output
+    assert "left out" not in CliRunner().invoke(cli, ["headroom", str(out)]).output
+    assert CliRunner().invoke(cli, ["report", str(out), "-o", str(report)]).exit_code == 0
+    assert "Left out" not in report.read_text()
+
+
 @pytest.mark.parametrize("h200_cells", [0, 2])
 def test_a_dry_run_on_some_models_says_the_cells_left_of_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h200_cells: int

@@ -315,6 +315,7 @@ def headroom(
     from dvfs.analysis.headroom import headroom as compute
     from dvfs.analysis.selection import check_drafter, select
     from dvfs.cube import open_analysable
+    from dvfs.fleet.cubes import left_out_of
     from dvfs.outputs import write_text
     from dvfs.report import (
         headroom_document,
@@ -336,6 +337,9 @@ def headroom(
         compute(ds, target=target, knob=knob, confidence=confidence), batch, drafter, corpus
     )
     doc = headroom_document(result, ds)
+    left_out = left_out_of(cube_path)  # a GPU model the folder's cube leaves out, as cube info
+    if left_out:
+        doc["left_out"] = [str(j) for j in left_out]
     if output is not None:
         # A file system fault reaches handle_errors, which names the path and the option.
         # Replaced atomically: a failed write leaves the previous file whole.

@@ -101,7 +101,7 @@ def info(cube_path: Path, as_json: bool) -> None:
     CUBE_PATH may be a cube file or a sweep folder holding cube.nc.
     """
     from dvfs.cube import CUBE_NAME, info_text, open_cube
-    from dvfs.fleet.cubes import unmeasured_journals
+    from dvfs.fleet.cubes import left_out_of
 
     if cube_path.is_dir():
         cube_path = cube_path / CUBE_NAME
@@ -110,11 +110,7 @@ def info(cube_path: Path, as_json: bool) -> None:
     # A sweep folder's cube that leaves out a GPU model which measured nothing yet (a fleet
     # mixing models, that model's worker lost or stopped before its first cell): said, as
     # `dvfs cube build` says it, or the cube reads as the whole campaign.
-    summary["left_out"] = (
-        [str(j) for j in unmeasured_journals(cube_path.parent)]
-        if cube_path.name == CUBE_NAME
-        else []
-    )
+    summary["left_out"] = [str(j) for j in left_out_of(cube_path)]
     if as_json:
         echo_json(summary)
         return
@@ -135,6 +131,7 @@ def _render(summary: dict[str, Any]) -> None:
         sessions_text,
         shard_note,
     )
+    from dvfs.fleet.cubes import left_out_note
 
     out = console()
     campaign = (
@@ -190,13 +187,7 @@ def _render(summary: dict[str, Any]) -> None:
     )
     out.print(table)
     for journal in summary["left_out"]:  # a line of its own: a long path is never cut short
-        out.print(
-            f"left out: {escape(journal)} holds no session yet (nothing measured on that GPU "
-            "model): the cube leaves that model out; run the `dvfs sweep` command again "
-            "without --fresh, its --gpus naming GPUs of that model, to measure it",
-            soft_wrap=True,
-            highlight=False,
-        )
+        out.print(escape(left_out_note(journal)), soft_wrap=True, highlight=False)
     flags = summary["quality_flags"]
     if flags:
         out.print(

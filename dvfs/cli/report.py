@@ -196,6 +196,7 @@ def report(
     from dvfs.analysis.selection import SelectionError, check_drafter, select
     from dvfs.cube import open_analysable
     from dvfs.cube.prompts import roofline_context
+    from dvfs.fleet.cubes import left_out_of
     from dvfs.outputs import is_stream
     from dvfs.plots import split_parts
     from dvfs.plots.style import ALL_DRAFTERS
@@ -245,6 +246,7 @@ def report(
         context_tokens=roofline_context(ds, cube_path, context_notes),
         context_notes=context_notes,
         split_parts=drawn_parts,
+        left_out=[str(j) for j in left_out_of(cube_path)],
     )
     if fmt == "html":
         write_atomically(output, render_html(document).encode("utf-8"))

@@ -47,6 +47,27 @@ def unmeasured_journals(out_dir: Path) -> list[Path]:
     return [p for p in found if p.is_file() and not has_sessions(p)]
 
 
+def left_out_of(cube_path: Path) -> list[Path]:
+    """The GPU models' journals the cube at `cube_path` (a cube file, or a sweep folder holding
+    cube.nc) leaves out: `unmeasured_journals` of its sweep folder where it is that folder's
+    cube; none for a cube file of another name (the folder it lies in is not its sweep)."""
+    from dvfs.cube import CUBE_NAME
+
+    if cube_path.is_dir():
+        return unmeasured_journals(cube_path)
+    return unmeasured_journals(cube_path.parent) if cube_path.name == CUBE_NAME else []
+
+
+def left_out_note(journal: str | Path) -> str:
+    """The line saying a cube leaves out the GPU model whose `journal` holds no session yet,
+    and how to measure it: one wording for `dvfs cube info`, `dvfs headroom` and `dvfs report`."""
+    return (
+        f"left out: {journal} holds no session yet (nothing measured on that GPU model): the "
+        "cube leaves that model out; run the `dvfs sweep` command again without --fresh, its "
+        "--gpus naming GPUs of that model, to measure it"
+    )
+
+
 def write_cubes(
     out_dir: Path,
     journals: Sequence[Path],

@@ -46,13 +46,16 @@ def build_document(
     context_tokens: float | None = None,
     context_notes: Sequence[str] = (),
     split_parts: Mapping[str, Sequence[str]] | None = None,
+    left_out: Sequence[str] = (),
 ) -> Document:
     """The whole report. `figures` are (name relative to the figure folder, file bytes) as
     `dvfs.plots.plot_all` wrote them; `generated` is when (and by what) it was made;
     `context_tokens` the roofline's context and `context_notes` what was said of it
     (`dvfs.cube.prompts.roofline_context`: None, the cube's record); `split_parts` the parts
     each energy-split figure draws, by its name less the extension (`dvfs.plots.split_parts`
-    of the cube the figures were drawn from), which its caption names."""
+    of the cube the figures were drawn from), which its caption names; `left_out` the GPU
+    models' journals a sweep folder's cube leaves out (`dvfs.fleet.cubes.left_out_of`), each
+    said in the headroom section."""
     from dvfs.analysis.headroom import headroom
     from dvfs.analysis.selection import select
     from dvfs.report.headroom import headroom_document
@@ -60,6 +63,8 @@ def build_document(
     result = headroom(cube, target=options.target, knob=options.knob, confidence=options.confidence)
     result = select(result, options.batch, options.drafter, options.corpus)
     room = headroom_document(result, cube)
+    if left_out:
+        room["left_out"] = list(left_out)
     stock = reference_label(room["reference"]) == "stock"
     comparison, compare_notes = _comparison(cube, options, context_tokens, context_notes)
     sections = (

@@ -390,8 +390,12 @@ def partial_note(doc: dict[str, Any]) -> str | None:
 def headroom_notes(doc: dict[str, Any]) -> list[str]:
     """The lines that qualify the table: an answer cut off by the grid, a knob never swept,
     a setting measured on another GPU than its reference. Empty when nothing needs saying."""
+    from dvfs.fleet.cubes import left_out_note
+
     rows = [r for r in doc["rows"] if r["feasible"]]
-    notes = []
+    # a GPU model the sweep folder's cube leaves out (`left_out`, which the caller adds where
+    # the cube is a sweep folder's), as `dvfs cube info` says it: else the answer reads whole
+    notes = [left_out_note(journal) for journal in doc.get("left_out", ())]
     partial = partial_note(doc)
     if partial:
         notes.append(partial)
