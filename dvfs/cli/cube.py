@@ -131,7 +131,7 @@ def _render(summary: dict[str, Any]) -> None:
         sessions_text,
         shard_note,
     )
-    from dvfs.fleet.cubes import left_out_note
+    from dvfs.report.headroom import left_out_note
 
     out = console()
     campaign = (

@@ -58,16 +58,6 @@ def left_out_of(cube_path: Path) -> list[Path]:
     return unmeasured_journals(cube_path.parent) if cube_path.name == CUBE_NAME else []
 
 
-def left_out_note(journal: str | Path) -> str:
-    """The line saying a cube leaves out the GPU model whose `journal` holds no session yet,
-    and how to measure it: one wording for `dvfs cube info`, `dvfs headroom` and `dvfs report`."""
-    return (
-        f"left out: {journal} holds no session yet (nothing measured on that GPU model): the "
-        "cube leaves that model out; run the `dvfs sweep` command again without --fresh, its "
-        "--gpus naming GPUs of that model, to measure it"
-    )
-
-
 def write_cubes(
     out_dir: Path,
     journals: Sequence[Path],

@@ -387,11 +387,19 @@ def partial_note(doc: dict[str, Any]) -> str | None:
     )
 
 
+def left_out_note(journal: object) -> str:
+    """The line saying a cube leaves out the GPU model whose `journal` holds no session yet,
+    and how to measure it: one wording for `dvfs cube info`, `dvfs headroom` and `dvfs report`."""
+    return (
+        f"left out: {journal} holds no session yet (nothing measured on that GPU model): the "
+        "cube leaves that model out; run the `dvfs sweep` command again without --fresh, its "
+        "--gpus naming GPUs of that model, to measure it"
+    )
+
+
 def headroom_notes(doc: dict[str, Any]) -> list[str]:
     """The lines that qualify the table: an answer cut off by the grid, a knob never swept,
     a setting measured on another GPU than its reference. Empty when nothing needs saying."""
-    from dvfs.fleet.cubes import left_out_note
-
     rows = [r for r in doc["rows"] if r["feasible"]]
     # a GPU model the sweep folder's cube leaves out (`left_out`, which the caller adds where
     # the cube is a sweep folder's), as `dvfs cube info` says it: else the answer reads whole
