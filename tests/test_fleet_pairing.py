@@ -423,20 +423,8 @@ def test_a_rerun_on_some_models_says_the_cells_left_of_one_that_measured_nothing
     holding no session, was not looked at. Its cells left are said; its cube joins nothing."""
     from dvfs import load_campaign
     from dvfs.fleet.shard import planned_cells
-    from dvfs.fleet.worker import Worker
 
-    run = Worker.run
-
-    def lost_at_once(self: Worker, cell: Any) -> Any:
-        if self.label.startswith("h200"):
-            raise RuntimeError("the GPU fell off the bus")
-        return run(self, cell)
-
-    monkeypatch.setattr(Worker, "run", lost_at_once)
-    campaign = write(tmp_path / "campaign.toml", fleet_campaign("rerun-on-one"))
-    out = tmp_path / "out"
-    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
-    monkeypatch.setattr(Worker, "run", run)
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, 0)
     again = sweep(str(campaign), "--gpus", "0", "--out", str(out))
     assert again.exit_code == 0, again.output
     left = len(planned_cells(load_campaign(campaign), None))
