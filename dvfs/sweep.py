@@ -252,8 +252,7 @@ def unrestored_gpus(campaign: Campaign) -> tuple[tuple[str, ...], Path | None]:
     from dvfs.gpu.safety import StateStore
 
     store = StateStore()
-    left = tuple(p.original.uuid for p in store.pending() if p.pid == os.getpid())
-    return left, store.directory
+    return tuple(store.left_by_this_process()), store.directory
 
 
 def _cells_kept(journal_path: Path, out_dir: Path) -> str:

@@ -520,3 +520,30 @@ def test_the_clock_not_reached_advice_names_the_setting_that_sets_the_wait(
     assert session_settle(one + "settle = 0.9\n", "seconds") == 0.9 != measured
     advice = INVALID_ADVICE["clock_not_reached"]
     assert "measurement.settle" in advice and "knobs.settle_s" not in advice
+
+
+def test_ctrl_c_with_a_restore_nvml_refuses_exits_as_interrupted_naming_the_state_folder(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while a clock is locked, and NVML refusing to unlock it: `gpu settle` ends as a
+    sweep does (exit 130, the GPU named as NOT restored, the `dvfs gpu reset` to run and the
+    state folder, printed as it is even with brackets), not exit 1 with the restore's error."""
+    import dvfs.measure.settle as settle_module
+
+    state = tmp_path / "st[/]ate"
+    monkeypatch.setenv("DVFS_STATE_DIR", str(state))
+    nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 999})
+    timed = settle_module.measure_settle
+
+    def interrupted_after_the_first_change(*args, **kwargs):
+        timed(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(settle_module, "measure_settle", interrupted_after_the_first_change)
+    result = CliRunner().invoke(cli, ["gpu", "settle", "--clocks", "1500", *QUICK])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 130, result.output
+    assert "GPU settings NOT fully restored" in said, said
+    assert f"(state in {state})" in said and "dvfs gpu reset --state-dir" in said, said
+    assert "Traceback" not in result.output
+    assert list(state.glob("GPU-*.json")), "the state file that the reset reads is kept"

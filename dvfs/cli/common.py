@@ -605,6 +605,21 @@ def escape(text: str) -> str:
     return rich_escape(text)
 
 
+def restore_status(left: Sequence[str], state_dir: Path | None) -> str:
+    """The line (markup) an interrupted command that changed GPUs ends with: restored, or the
+    GPUs `left` changed with the `dvfs gpu reset` that reads their state files in `state_dir`
+    (None: the default folder's, which a plain `dvfs gpu reset` reads)."""
+    if not left:
+        return "GPU settings restored."
+    from dvfs.gpu.safety import reset_command
+
+    if state_dir is None:
+        reset, where = "`dvfs gpu reset`", ""
+    else:
+        reset, where = escape(reset_command(state_dir)), f" (state in {escape(str(state_dir))})"
+    return f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run {reset}{where}."
+
+
 def parse_shard(value: str | None) -> Any:
     """A `--shard I/N` option's value as a `Shard` (None when not given); a bad one is click's
     usage error."""

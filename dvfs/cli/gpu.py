@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,8 @@ from dvfs.cli.common import (
     echo_json,
     escape,
     handle_errors,
+    one_line,
+    restore_status,
     show_beside_lost,
 )
 from dvfs.errors import GpuError, GpuPermissionError
@@ -443,11 +445,9 @@ def roofline(
     FLOP and per byte per clock, and GEMM efficiency by M."""
     from dvfs.errors import GpuPermissionError
     from dvfs.gpu.base import unsupported_clock
-    from dvfs.gpu.safety import reset_command
     from dvfs.roofline import store
     from dvfs.roofline.kernels import BenchSpec, element_bytes, import_torch
     from dvfs.roofline.run import RooflineRequest, run_roofline
-    from dvfs.signals import Interrupted
     from dvfs.twin.profiles import model_profile
 
     if twin is None:
@@ -515,22 +515,13 @@ def roofline(
         length = f"{total_s:.0f} s" if total_s < 120 else f"{total_s / 60:.0f} min"
         err.print(f"about {length} of measurement")
         try:
-            result = run_roofline(request, note=lambda line: err.print(escape(line)))
+            with _interruption_told(err, request.unrestored if target is not None else None):
+                result = run_roofline(request, note=lambda line: err.print(escape(line)))
         except GpuPermissionError as exc:
             raise GpuPermissionError(
                 f"{exc}. `dvfs gpu roofline --observe-only` measures at the stock setting "
                 "without root"
             ) from exc
-        except (KeyboardInterrupt, Interrupted):
-            if target is not None:
-                left, where = request.unrestored()
-                err.print(
-                    f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run "
-                    f"{escape(reset_command(where))} (state in {where})."
-                    if left
-                    else "GPU settings restored."
-                )
-            raise
     ds = store.build_dataset(result)
     ds.attrs["model"] = shape.key
     if out_path is not None:
@@ -689,8 +680,6 @@ def settle(
     back, timing every change. Changes GPU settings (root needed) under the sweep's safety
     layer: the GPU's lock, a state file, and a restore on exit and on SIGINT/SIGTERM/SIGHUP."""
     from dvfs.errors import GpuPermissionError
-    from dvfs.gpu.safety import reset_command
-    from dvfs.signals import Interrupted
 
     if observe_only:
         raise click.UsageError(
@@ -713,23 +702,14 @@ def settle(
         plan = _settle_plan(gpus, clocks, power_limits, twin)
         load = _settle_load(gpus, twin, load_device) if with_load else None
         try:
-            results = _run_settle(
-                gpus, plan, twin, state_dir, load, sample_period, hold, timeout, margin
-            )
+            with _interruption_told(err, None if twin else lambda: _unrestored(state_dir)):
+                results = _run_settle(
+                    gpus, plan, twin, state_dir, load, sample_period, hold, timeout, margin
+                )
         except GpuPermissionError as exc:
             raise GpuPermissionError(
                 f"{exc}. `dvfs gpu settle` changes a knob to time it, so it needs root"
             ) from exc
-        except (KeyboardInterrupt, Interrupted):
-            if twin is None:
-                left, where = _unrestored(state_dir)
-                err.print(
-                    f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run "
-                    f"{escape(reset_command(where))} (state in {where})."
-                    if left
-                    else "GPU settings restored."
-                )
-            raise
         doc = _settle_document(gpus, results, twin, margin)
     if as_json:
         echo_json(doc)
@@ -794,12 +774,39 @@ def _settle_guard(gpus: list[Any], twin: str | None, state_dir: Path | None) -> 
 
 def _unrestored(state_dir: Path | None) -> tuple[list[str], Path]:
     """GPUs this process changed and did not restore (their state files), and where."""
-    import os
-
     from dvfs.gpu.safety import StateStore, default_state_dir
 
     store = StateStore(state_dir or default_state_dir())
-    return [p.original.uuid for p in store.pending() if p.pid == os.getpid()], store.directory
+    return store.left_by_this_process(), store.directory
+
+
+@contextlib.contextmanager
+def _interruption_told(
+    err: Any, unrestored: Callable[[], tuple[list[str], Path]] | None
+) -> Iterator[None]:
+    """A command that changes GPU settings, interrupted (Ctrl-C, SIGTERM, SIGHUP), ends as an
+    interrupted sweep does: the GPUs' settings said (`unrestored`: those left changed and
+    where their state files are; None on the twin, which has none), exit 130; also where the
+    restore it unwound to failed (the restore's error then said too), which else hid the
+    interruption behind an exit 1."""
+    from dvfs.signals import Interrupted
+
+    try:
+        yield
+    except (KeyboardInterrupt, Interrupted):
+        if unrestored is not None:
+            err.print(restore_status(*unrestored()), soft_wrap=True)
+        raise
+    except GpuError as exc:
+        from dvfs.sweep import interruption_of
+
+        interruption = interruption_of(exc)
+        if interruption is None:
+            raise
+        if unrestored is not None:
+            err.print(restore_status(*unrestored()), soft_wrap=True)
+        click.echo(f"Error: {one_line(str(exc))}", err=True)
+        raise interruption from None
 
 
 def _settle_load(gpus: list[Any], twin: str | None, device: str) -> Any:

@@ -19,6 +19,7 @@ from dvfs.cli.common import (
     one_line,
     out_dir_option,
     parse_shard,
+    restore_status,
     sweep_groups,
 )
 
@@ -789,13 +790,7 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
     if left.cube_error is not None:
         cube = "cube" if left.whole else "partial cube"
         err.print(f"(no {cube}: {escape(left.cube_error)})", soft_wrap=True)
-    if left.unrestored:
-        return (
-            "[red]GPU settings NOT fully restored[/red] for "
-            + ", ".join(left.unrestored)
-            + f": run {_reset(left.state_dir)} (state in {escape(str(left.state_dir))})."
-        )
-    return "GPU settings restored."
+    return restore_status(left.unrestored, left.state_dir)
 
 
 def _ray_unrestored(

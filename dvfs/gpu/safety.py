@@ -319,6 +319,11 @@ class StateStore:
             ) from exc
         return True
 
+    def left_by_this_process(self) -> list[str]:
+        """The GPUs (UUIDs) this process changed and did not put back: their state files are
+        still here, for the `dvfs gpu reset` an interrupted command names."""
+        return [p.original.uuid for p in self.pending() if p.pid == os.getpid()]
+
     def pending(self, uuid: str | None = None) -> list[PendingRestore]:
         if not self.readable():
             return []

@@ -65,13 +65,10 @@ class RooflineRequest:
 
     def unrestored(self) -> tuple[list[str], Path]:
         """GPUs this process changed and did not restore (their state files), and where."""
-        import os
-
         from dvfs.gpu.safety import StateStore
 
         store = StateStore(self.state_dir) if self.state_dir else StateStore()
-        mine = [p.original.uuid for p in store.pending() if p.pid == os.getpid()]
-        return mine, store.directory
+        return store.left_by_this_process(), store.directory
 
 
 @dataclass(frozen=True)
