@@ -561,13 +561,14 @@ def test_cube_info_of_a_folder_whose_one_model_measured_nothing_says_it_is_left_
     assert json.loads(whole.output)["resume"] is None, whole.output
 
 
-def test_headroom_and_report_of_a_folder_whose_one_model_measured_nothing_say_it_is_left_out(
+def test_the_analyses_of_a_folder_whose_one_model_measured_nothing_say_it_is_left_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fleet mixing GPU models whose H200 worker was lost before its first cell: `cube info`
-    says the H200 is left out, but `dvfs headroom` (table, --markdown, --json) and `dvfs
-    report` of the folder answered from the H100's cells alone, no word of the H200, as if
-    the campaign were whole. Each says it, in cube info's line; followed, none does."""
+    says the H200 is left out, but `dvfs headroom`, `dvfs compare` (table, --markdown,
+    --json), `dvfs plot` and `dvfs report` of the folder answered from the H100's cells alone,
+    no word of the H200, as if the campaign were whole. Each says it, in cube info's line;
+    followed, none does."""
     campaign, out = _h200_lost_after(tmp_path, monkeypatch, 0)
     assert CliRunner().invoke(cli, ["cube", "build", str(out)]).exit_code == 0
     journal = out / "gpu-nvidia-h200-twin" / "journal.jsonl"
@@ -589,6 +590,17 @@ def test_headroom_and_report_of_a_folder_whose_one_model_measured_nothing_say_it
     assert made.exit_code == 0, made.output
     said = report.read_text().replace("\\`", "`").replace("\\_", "_")  # Markdown's escapes
     assert "Left out: " + line.removeprefix("left out: ") in said, said
+    # `dvfs compare` (table, --markdown, --json) and `dvfs plot` said nothing of the H200
+    compared = CliRunner().invoke(cli, ["compare", str(out)])
+    assert compared.exit_code == 0, compared.output
+    assert line in compared.stderr.splitlines(), compared.stderr
+    compared = CliRunner().invoke(cli, ["compare", str(out), "--markdown"])
+    assert f"- {line}" in compared.stdout.splitlines(), compared.stdout
+    compared = CliRunner().invoke(cli, ["compare", str(out), "--json"])
+    assert json.loads(compared.stdout)["left_out"] == [str(journal)], compared.stdout
+    drawn = CliRunner().invoke(cli, ["plot", str(out), "--out", str(tmp_path / "plots")])
+    assert drawn.exit_code == 0, drawn.output
+    assert line in drawn.stderr.splitlines(), drawn.stderr
     # the H100's own cube is not the folder's: it leaves nothing out
     own = CliRunner().invoke(cli, ["headroom", str(out / "gpu-nvidia-h100-80gb-hbm3-twin")])
     assert own.exit_code == 0 and "left out" not in own.output, own.output
@@ -599,6 +611,9 @@ def test_headroom_and_report_of_a_folder_whose_one_model_measured_nothing_say_it
     assert "left out" not in CliRunner().invoke(cli, ["headroom", str(out)]).output
     assert CliRunner().invoke(cli, ["report", str(out), "-o", str(report)]).exit_code == 0
     assert "Left out" not in report.read_text()
+    compared = CliRunner().invoke(cli, ["compare", str(out), "--json"])
+    assert compared.exit_code == 0 and "left out" not in compared.stderr, compared.output
+    assert "left_out" not in json.loads(compared.stdout), compared.stdout
 
 
 @pytest.mark.parametrize("h200_cells", [0, 2])

@@ -403,7 +403,9 @@ def compare(
     from dvfs.cube import open_analysable
     from dvfs.cube.prompts import roofline_context
     from dvfs.errors import AnalysisError
+    from dvfs.fleet.cubes import left_out_of
     from dvfs.report import compare_document, compare_markdown, compare_notes, compare_tables
+    from dvfs.report.headroom import left_out_note
 
     _one_output_format(as_json, markdown)
     measured = None
@@ -450,9 +452,13 @@ def compare(
     except AnalysisError as exc:
         notes.insert(0, f"no roofline: {exc}")
         roof = None
+    left_out = left_out_of(cube_path)  # a GPU model the folder's cube leaves out, as cube info
+    notes[:0] = [left_out_note(journal) for journal in left_out]
     for note in notes:
         print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
     doc = compare_document(result, roof, ds, roofline_left_out=models)
+    if left_out:  # as headroom's --json: present only where a model is left out
+        doc["left_out"] = [str(journal) for journal in left_out]
     if as_json:
         echo_json(doc)
     elif markdown:
@@ -502,10 +508,14 @@ def plot(
     are its own."""
     from dvfs.analysis.targets import QUANTILE_NAMES, Target
     from dvfs.cube import open_analysable
+    from dvfs.fleet.cubes import left_out_of
     from dvfs.plots import plot_all
+    from dvfs.report.headroom import left_out_note
 
     ds = open_analysable(cube_path)
     target = Target("preserve", metric, QUANTILE_NAMES[quantile], slack)
     paths = plot_all(ds, out_dir, fmt=fmt, target=target, knob=knob, confidence=confidence)
+    for journal in left_out_of(cube_path):  # else the figures read as the whole campaign
+        print_line(f"[yellow]{escape(left_out_note(journal))}[/yellow]", stderr=True)
     for path in paths:
         click.echo(str(path))

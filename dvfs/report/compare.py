@@ -511,15 +511,15 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
     return tables
 
 
-def compare_markdown(doc: dict[str, Any], roofline_notes: Sequence[str] = ()) -> str:
-    """The document in Markdown; `roofline_notes`: what the roofline analysis said on stderr
-    (no roofline, a merged cube's GPU model left out of it), which a file of the Markdown
-    would otherwise not hold."""
+def compare_markdown(doc: dict[str, Any], said: Sequence[str] = ()) -> str:
+    """The document in Markdown; `said`: the notes the command printed on stderr (a GPU model
+    the sweep folder's cube leaves out; no roofline, a merged cube's GPU model left out of
+    it), which a file of the Markdown would otherwise not hold."""
     parts = [
         f"## Speculative decoding vs {doc['baseline']!r}: {doc['campaign']} ({doc['gpu']})",
         "",
     ]
     for title, header, rows in compare_tables(doc):
         parts += [f"### {title}", "", markdown_table(header, rows), ""]
-    parts += [*(f"- {n}" for n in (*compare_notes(doc), *roofline_notes)), ""]
+    parts += [*(f"- {n}" for n in (*compare_notes(doc), *said)), ""]
     return "\n".join(parts)
