@@ -509,13 +509,14 @@ def _h200_lost_after(
     return campaign, out
 
 
-def test_cube_info_after_a_rerun_on_some_models_names_the_models_left(
+def test_the_analyses_after_a_rerun_on_some_models_name_the_models_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fleet mixing GPU models whose H200 worker was lost after two cells, rerun on the H100
-    alone: `cube info` of the folder's merged cube said 'run the same `dvfs sweep` command
-    again', which (on the H100 alone) measures none of the H200's cells left. It names the
-    model whose GPUs the command's --gpus must name; followed, the cube is whole."""
+    alone: `cube info`, `dvfs headroom`, `dvfs compare` and `dvfs report` of the folder's
+    merged cube said 'run the same `dvfs sweep` command again', which (on the H100 alone)
+    measures none of the H200's cells left. Each names the model whose GPUs the command's
+    --gpus must name; followed, the cube is whole."""
     campaign, out = _h200_lost_after(tmp_path, monkeypatch, 2)
     assert sweep(str(campaign), "--gpus", "0", "--out", str(out)).exit_code == 0
     shown = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
@@ -527,10 +528,24 @@ def test_cube_info_after_a_rerun_on_some_models_names_the_models_left(
     ), resume
     text = CliRunner().invoke(cli, ["cube", "info", str(out)])
     assert "--gpus naming GPUs of NVIDIA H200 (twin)" in " ".join(text.output.split())
+    # headroom, compare and report advised "the same command" alike: they name the model too
+    named = "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model"
+    for command in ("headroom", "compare"):
+        said = CliRunner().invoke(cli, [command, str(out)])
+        assert said.exit_code == 0, said.output
+        assert named in " ".join(said.output.split()), said.output
+        assert "to resume it, its --gpus" in " ".join(said.output.split()), said.output
+        doc = json.loads(CliRunner().invoke(cli, [command, str(out), "--json"]).stdout)
+        assert doc["models_left"] == ["NVIDIA H200 (twin)"], doc.get("models_left")
+    report = tmp_path / "report.md"
+    assert CliRunner().invoke(cli, ["report", str(out), "-o", str(report)]).exit_code == 0
+    assert named in " ".join(report.read_text().replace("\\", "").split())
     again = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
     assert again.exit_code == 0, again.output
     whole = CliRunner().invoke(cli, ["cube", "info", str(out), "--json"])
     assert json.loads(whole.output)["resume"] is None, whole.output
+    doc = json.loads(CliRunner().invoke(cli, ["headroom", str(out), "--json"]).output)
+    assert "models_left" not in doc and not doc["coverage"]["missing"], doc["coverage"]
 
 
 def test_cube_info_of_a_folder_whose_one_model_measured_nothing_says_it_is_left_out(

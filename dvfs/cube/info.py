@@ -341,7 +341,6 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]
     missing = int(((status == STATUS_MISSING) & ~not_needed & in_grid).sum())
     failed = int((status == STATUS_FAILED).sum())
-    left = ((status == STATUS_MISSING) & ~not_needed & in_grid) | (status == STATUS_FAILED)
     shards = shards_of(ds)
     return {
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
@@ -388,7 +387,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         # What measures the cells left (failed ones are retried), as `dvfs headroom` advises
         # (`resume_note`); None when none is left. A shard's cube says it in `shard_note`.
         "resume": (
-            _models_left_note(ds, resume_note(shards), left)
+            resume_note({**shards, **models_left(ds)})
             if (missing or failed) and not shards.get("shard")
             else None
         ),
@@ -627,7 +626,7 @@ def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
     # without --fresh: the same command with it moves the journal aside and starts over
     return (
         "resume the sweep: run the same `dvfs sweep` command again without --fresh (which "
-        f"starts over) to measure {what}"
+        f"starts over) to measure {what}{_on_models(doc)}"
     )
 
 
@@ -641,33 +640,50 @@ def resume_note(doc: dict[str, Any]) -> str:
     if doc.get("merged_shards") or doc.get("merged_cubes"):
         return resume_advice("them", doc)
     return (
-        "run the same `dvfs sweep` command again without --fresh (which starts over) to resume it"
+        "run the same `dvfs sweep` command again without --fresh (which starts over) to resume "
+        f"it{_on_models(doc)}"
     )
 
 
-def _models_left_note(ds: xr.Dataset, note: str, left: np.ndarray) -> str:
-    """`note` (what resumes a partial cube), for the cube a fleet mixing GPU models wrote
-    whose cells left are on some of its models only (a rerun on the others' GPUs, as after a
-    node of one model was lost, measured none of them): which models' GPUs the sweep's
-    --gpus must name, as "the same command" run on the other models alone measures nothing."""
-    if "gpu" not in ds["cell_status"].dims or shards_of(ds):
-        return note
+def _on_models(doc: dict[str, Any]) -> str:
+    """What the sweep's command again needs where the cells left are on some GPU models only
+    (`models_left` of the document): its --gpus naming GPUs of them, as "the same command"
+    rerun on the other models alone (after a node of one model was lost) measures none."""
+    waiting = doc.get("models_left")
+    if not waiting:
+        return ""
+    return (
+        f", its --gpus naming GPUs of {', '.join(waiting)}: the cells left are on "
+        f"{'that model' if len(waiting) == 1 else 'those models'} alone (a run on the other "
+        "models' GPUs measures none of them)"
+    )
+
+
+def models_left(ds: xr.Dataset) -> dict[str, Any]:
+    """For an analysis document: `models_left`, the GPU models whose GPUs the sweep's --gpus
+    must name to measure the cells left, where the cube a fleet mixing GPU models wrote has
+    cells left (missing, or failed) on some of its models only; {} otherwise (no cell left,
+    every model's, one model, a shard's cube or one merged from shards: their own advice)."""
+    from dvfs.analysis.headroom import grid_cells, unasked_repeats
+
+    if "cell_status" not in ds or "gpu" not in ds["cell_status"].dims or shards_of(ds):
+        return {}
     try:
         names = [str(m) for m in json.loads(str(ds.attrs.get("gpu_names", "")))]
     except ValueError:
-        return note
+        return {}
     if len(names) != ds.sizes["gpu"] or len(set(names)) < 2:
-        return note
+        return {}
+    status = ds["cell_status"].values
+    in_grid = grid_cells(ds)
+    not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values & in_grid
+    left = ((status == STATUS_MISSING) & ~not_needed & in_grid) | (status == STATUS_FAILED)
     axis = ds["cell_status"].dims.index("gpu")
     on = np.asarray(np.moveaxis(left, axis, 0).reshape(len(names), -1).any(axis=1), dtype=bool)
     waiting = sorted({m for i, m in enumerate(names) if on[i]})
     if not waiting or len(waiting) == len(set(names)):
-        return note
-    return (
-        f"{note}, its --gpus naming GPUs of {', '.join(waiting)}: the cells left are on "
-        f"{'that model' if len(waiting) == 1 else 'those models'} alone (a run on the other "
-        "models' GPUs measures none of them)"
-    )
+        return {}
+    return {"models_left": waiting}
 
 
 def shards_of(ds: xr.Dataset) -> dict[str, Any]:

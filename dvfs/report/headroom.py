@@ -155,8 +155,9 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
         # `precision_missed` names its cells that stopped short of it); None: not recorded
         "measurement": _asked(cube),
         # One shard's cube (`dvfs sweep --shard I/N`): the other shards' cells are not in it;
-        # a cube merged from shards: each shard's folder, whose sweep measures its cells left.
-        **_shards(cube),
+        # a cube merged from shards: each shard's folder, whose sweep measures its cells left;
+        # a fleet's cube whose cells left are on some GPU models only: those models.
+        **_cells_left_where(cube),
         "rows": rows,
     }
 
@@ -234,10 +235,12 @@ def _asked(cube: xr.Dataset) -> dict[str, Any] | None:
     return None if wanted is None else {"precision": wanted[0], "max_rounds": wanted[1]}
 
 
-def _shards(cube: xr.Dataset) -> dict[str, Any]:
-    from dvfs.cube.info import shards_of  # not at import: dvfs.cube imports the journal's
+def _cells_left_where(cube: xr.Dataset) -> dict[str, Any]:
+    """What the resume advice needs: the cube's shards (`shards_of`) and the GPU models its
+    cells left are on where that is some of a fleet's models only (`models_left`)."""
+    from dvfs.cube.info import models_left, shards_of  # not at import: dvfs.cube imports it
 
-    return shards_of(cube)
+    return {**shards_of(cube), **models_left(cube)}
 
 
 def _gpu(cube: xr.Dataset) -> dict[str, Any]:
