@@ -548,6 +548,48 @@ def test_the_analyses_after_a_rerun_on_some_models_name_the_models_left(
     assert "models_left" not in doc and not doc["coverage"]["missing"], doc["coverage"]
 
 
+def test_a_failed_reference_on_the_model_left_after_a_rerun_names_the_model_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 failed its first cell (its server would not start)
+    and was then lost, rerun on the H100 alone: the report named the H200 for the cells never
+    run, but for the row whose reference failed it said "run the same `dvfs sweep` command
+    again ...: it retries failed cells", which (on the H100 alone) retries none of the H200's.
+    It names the model whose GPUs the command's --gpus must name, as for the cells not run."""
+    from dvfs.fleet.worker import Worker
+
+    run = Worker.run
+    calls = {"n": 0}
+
+    def failed_then_lost(self: Worker, cell: Any) -> Any:
+        if not self.label.startswith("h200"):
+            return run(self, cell)
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("the GPU fell off the bus")
+        with monkeypatch.context() as patched:
+            patched.setattr(self._runner, "_server_for", lambda drafter: "would not start")
+            return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", failed_then_lost)
+    campaign = write(tmp_path / "campaign.toml", fleet_campaign("failed-then-lost"))
+    out = tmp_path / "out"
+    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
+    monkeypatch.setattr(Worker, "run", run)
+    assert sweep(str(campaign), "--gpus", "0", "--out", str(out)).exit_code == 0
+    info = json.loads(CliRunner().invoke(cli, ["cube", "info", str(out), "--json"]).output)
+    assert info["failed"] == 1, info  # the H200's reference, failed
+    report = tmp_path / "report.md"
+    made = CliRunner().invoke(cli, ["report", str(out), "-o", str(report)])
+    assert made.exit_code == 0, made.output
+    lines = report.read_text().replace("\\", "").splitlines()
+    failed = [line for line in lines if "No valid reference cell (failed)" in line]
+    assert len(failed) == 1, lines
+    named = "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model"
+    assert named in failed[0] and "a rerun retries failed cells" in failed[0], failed[0]
+    assert not [line for line in lines if "it retries failed cells" in line], lines
+
+
 def test_cube_info_of_a_folder_whose_one_model_measured_nothing_says_it_is_left_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -70,9 +70,7 @@ def no_answer_advice(
     problem = row.get("reference_problem") or ""
     if "target_ms" in row and row["target_ms"] is None:
         if problem == "failed":
-            if doc and (doc.get("merged_shards") or doc.get("merged_cubes")):  # its part's
-                return resume_advice("the reference (a rerun retries failed cells)", doc)
-            return RETRY
+            return _retry_advice("the reference (a rerun retries failed cells)", doc)
         if problem.startswith("invalid"):
             flags = problem.removeprefix("invalid").lstrip(": ").split(", ")
             return flag_advice(flags)
@@ -85,9 +83,7 @@ def no_answer_advice(
         return resume_advice("the reference", doc)
     reason = no_answer(row)
     if reason == "not measured yet (failed)":
-        if doc and (doc.get("merged_shards") or doc.get("merged_cubes")):  # their parts' to retry
-            return resume_advice("them (a rerun retries failed cells)", doc)
-        return RETRY
+        return _retry_advice("them (a rerun retries failed cells)", doc)
     if reason == "not measured yet":
         return resume_advice("them", doc)
     if reason == "too few repeats":
@@ -104,6 +100,19 @@ def no_answer_advice(
         f"every setting judged is over the target: {loosen(mode)} or choose another batch or "
         "drafter"
     )
+
+
+def _retry_advice(what: str, doc: dict[str, Any] | None) -> str:
+    """What retries failed cells: the sweep's command again (`RETRY`); for a cube merged from
+    shards or sweeps, their parts' commands and the merge again; for a fleet's cube whose cells
+    left are on some GPU models only (`models_left`, after a rerun on the others' GPUs), the
+    command with its --gpus naming GPUs of them (`resume_advice`): the same command run on the
+    other models' GPUs retries none of them."""
+    from dvfs.cube.info import resume_advice
+
+    if doc and (doc.get("merged_shards") or doc.get("merged_cubes") or doc.get("models_left")):
+        return resume_advice(what, doc)
+    return RETRY
 
 
 def no_answer_groups(
