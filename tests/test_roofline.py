@@ -505,3 +505,21 @@ def test_a_twin_gpu_named_twice_is_refused(argv: list[str]) -> None:
     assert result.stderr.strip().splitlines() == [
         "Error: GPU 0 is named twice: name each GPU once"
     ], result.output
+
+
+def test_an_interrupted_observe_only_run_says_nothing_of_settings_it_never_changed(
+    nvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in `gpu roofline --observe-only`: exit 130 with no "GPU settings restored." line,
+    which told of a restore of settings the run never changed."""
+    import dvfs.roofline.run as roofline_run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
+    monkeypatch.setattr(roofline_run, "_measure", interrupted)
+    result = CliRunner().invoke(cli, ["gpu", "roofline", *TINY, "--gpu", "0", "--observe-only"])
+    assert result.exit_code == 130, result.output
+    assert "GPU settings" not in result.output, result.output
+    assert setter_calls(nvml) == []

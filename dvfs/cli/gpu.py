@@ -515,7 +515,9 @@ def roofline(
         length = f"{total_s:.0f} s" if total_s < 120 else f"{total_s / 60:.0f} min"
         err.print(f"about {length} of measurement")
         try:
-            with _interruption_told(err, request.unrestored if target is not None else None):
+            # a GPU's settings said where the run could change them (not observe-only)
+            changes = target is not None and not observe_only
+            with _interruption_told(err, request.unrestored if changes else None):
                 result = run_roofline(request, note=lambda line: err.print(escape(line)))
         except GpuPermissionError as exc:
             raise GpuPermissionError(
