@@ -252,23 +252,25 @@ def test_window_samples_equal_the_masked_ones(instants, start, length, ascending
         "reasons": rng.integers(0, 1 << 12, n),
     }
     end = start + length
-    inside, count = meter._inside(t, start, end)
-    old = old_window_stats(s, start, end)
-    assert count == old[0]
-    if count:
-        new = (
-            count,
-            meter._mean(s["sm_clock_mhz"][inside]) * (end - start),
-            float(s["power_mw"][inside].max()) / 1000,
-            float(s["temperature_c"][inside].max()),
-            int(np.bitwise_or.reduce(s["reasons"][inside])),
-            (s["t_ns"][inside] - start) * 1e-9,
-            s["power_mw"][inside] / 1000,
-            s["sm_clock_mhz"][inside].astype(float),
-        )
-        assert new[:5] == old[:5] and same([new[1]], [old[1]])
-        for a, b in zip(new[5:], old[5:], strict=True):
-            assert a.dtype == b.dtype and same(a.tolist(), b.tolist())
+    inside, n_inside, decoding, n_decoding = meter._inside(t, start, end)
+    # the window's samples, and the decode's before its close: the same as the masks pick
+    for picked, count, close in ((inside, n_inside, end), (decoding, n_decoding, end - 1)):
+        old = old_window_stats(s, start, close)
+        assert count == old[0]
+        if count:
+            new = (
+                count,
+                meter._mean(s["sm_clock_mhz"][picked]) * (close - start),
+                float(s["power_mw"][picked].max()) / 1000,
+                float(s["temperature_c"][picked].max()),
+                int(np.bitwise_or.reduce(s["reasons"][picked])),
+                (s["t_ns"][picked] - start) * 1e-9,
+                s["power_mw"][picked] / 1000,
+                s["sm_clock_mhz"][picked].astype(float),
+            )
+            assert new[:5] == old[:5] and same([new[1]], [old[1]])
+            for a, b in zip(new[5:], old[5:], strict=True):
+                assert a.dtype == b.dtype and same(a.tolist(), b.tolist())
 
 
 # -- the energy split: maximum for clip, plain floats for numpy scalars -------------------------

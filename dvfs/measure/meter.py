@@ -273,7 +273,8 @@ def _chunks_of_arrays(arrays: RoundArrays) -> RoundChunks:
         ns, tokens = chunk_ns[used], chunk_tokens[used]
         lasts = chunk_ns[np.arange(len(counts)), counts - 1].tolist()
     firsts = chunk_ns[:, 0].tolist()
-    sent = np.full(len(counts), arrays.sent_ns, dtype=np.int64)
+    sent = np.empty(len(counts), dtype=np.int64)  # (np.full's own two steps)
+    sent.fill(arrays.sent_ns)
     chunks = RoundChunks(
         firsts,
         lasts,
@@ -472,16 +473,18 @@ def _quantiles_of_list(values: list[float]) -> tuple[float, ...]:
 
 def _ordered_quantiles(values: np.ndarray) -> tuple[float, ...]:
     """`_quantiles` of a float64 array known to hold no NaN (gaps between integer
-    nanoseconds), without the NaN check's pass over it. One `np.partition` with every
-    position the quantiles read: on a cell's tens of thousands of latencies (a few thousand
-    distinct gaps, repeated) it costs a half to a quarter of a partition per position, one
-    after another (measured on a demo sweep's latencies, numpy 2.4, 2-core AMD EPYC)."""
+    nanoseconds), without the NaN check's pass over it. One partition with every position
+    the quantiles read: on a cell's tens of thousands of latencies (a few thousand distinct
+    gaps, repeated) it costs a half to a quarter of a partition per position, one after
+    another (measured on a demo sweep's latencies, numpy 2.4, 2-core AMD EPYC). `values` is
+    the caller's own scratch array: partitioned in place (what `np.partition` does to its
+    copy), not copied first."""
     n = len(values)
     if n == 0:
         return tuple(math.nan for _ in QUANTILES)
     picks, kth = _picks(n)
-    ordered = np.partition(values, kth)
-    return _interpolated(ordered, picks)
+    values.partition(kth)
+    return _interpolated(values, picks)
 
 
 def _gap_quantiles(gaps_ns: np.ndarray) -> tuple[float, ...]:
@@ -1001,17 +1004,27 @@ class WindowPart:
         return self.energy
 
 
-def _inside(t_ns: np.ndarray, start: int, end: int) -> tuple[slice | np.ndarray, int]:
-    """The samples taken in [start, end] and how many: a slice when their instants ascend (a
-    sampler's do), else a mask (the same samples, in the same order, either way)."""
+def _inside(
+    t_ns: np.ndarray, start: int, end: int
+) -> tuple[slice | np.ndarray, int, slice | np.ndarray, int]:
+    """The samples taken in [start, end] and how many, and those in [start, end - 1] (the
+    decode's, before the close) and how many: slices when their instants ascend (a sampler's
+    do), else masks (the same samples, in the same order, either way). Both at once: one
+    check that the instants ascend, one bisection for the start."""
     # (the ufuncs' own reductions and the array's own searchsorted, as np.all and
     # np.searchsorted call them, without their dispatch)
     if len(t_ns) < 2 or bool(_ALL(t_ns[1:] >= t_ns[:-1])):
         first = int(t_ns.searchsorted(start, "left"))
-        last = int(t_ns.searchsorted(end, "right"))
-        return slice(first, max(first, last)), max(0, last - first)
+        before_close, last = t_ns.searchsorted((end - 1, end), "right").tolist()
+        return (
+            slice(first, max(first, last)),
+            max(0, last - first),
+            slice(first, max(first, before_close)),
+            max(0, before_close - first),
+        )
     inside = (t_ns >= start) & (t_ns <= end)
-    return inside, int(inside.sum())
+    decoding = (t_ns >= start) & (t_ns <= end - 1)
+    return inside, int(inside.sum()), decoding, int(decoding.sum())
 
 
 _ALL, _MAX, _MIN, _SUM = np.logical_and.reduce, np.maximum.reduce, np.minimum.reduce, np.add.reduce
@@ -1195,11 +1208,10 @@ def summarise(
         latency.append(latency_stats(part.result).tpot_ms[0])
         # [start, end] for the temperature; [start, end) (whole ns) for the rest: a reading
         # at the close reads the GPU idle (see the docstring)
-        inside, count = _inside(s["t_ns"], start, end)
+        inside, count, decoding, n = _inside(s["t_ns"], start, end)
         in_window_samples += count
         if count:
             temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
-        decoding, n = _inside(s["t_ns"], start, end - 1)
         decoding_samples += n
         if n:
             clock = s["sm_clock_mhz"][decoding]
@@ -1284,8 +1296,8 @@ def summarise(
         clock_event_reasons=reasons,
         quality=quality,
         idle_power_w=idle_power_w,
-        timeline_t_s=tuple(np.round(line_t, 6).tolist()),
-        timeline_power_w=tuple(np.round(line_power, 3).tolist()),
+        timeline_t_s=tuple(line_t.round(6).tolist()),  # (what np.round calls)
+        timeline_power_w=tuple(line_power.round(3).tolist()),
         timeline_sm_clock_mhz=tuple(line_clock.tolist()),
         energy_per_token_rel_ci=relative_half_width(per_token, confidence),
         latency_rel_ci=relative_half_width(latency, confidence),
