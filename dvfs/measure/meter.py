@@ -1070,14 +1070,16 @@ def throttle_violation_delta(
     between the largest growth and the sum; the largest is the time certainly throttled, so
     the flag and the recorded seconds never count a throttle twice (two throttles at
     different times, on two GPUs or two policies, each under the share, flag nothing)."""
-    grown = [
-        b - a
-        for first, last in zip(start, end, strict=True)
-        if first is not None and last is not None
-        for a, b in zip(first, last, strict=True)
-        if a is not None and b is not None
-    ]
-    return max(max(0, g) for g in grown) if grown else None
+    largest: int | None = None  # (one loop, no lists: read around every round)
+    for first, last in zip(start, end, strict=True):
+        if first is None or last is None:
+            continue
+        for a, b in zip(first, last, strict=True):
+            if a is not None and b is not None:
+                grown = max(0, b - a)
+                if largest is None or grown > largest:
+                    largest = grown
+    return largest
 
 
 #: The share of a cell's steady windows that throttle violation time (each round's
