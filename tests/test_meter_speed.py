@@ -445,3 +445,20 @@ def test_a_stored_measurement_reads_as_before(data) -> None:
     new = MeasurementRecord.from_json(dict(stored), version=version)
     old = old_measurement_from_json(dict(stored), version)
     assert repr(new) == repr(old)
+
+
+# -- the runner's stopping test on a round's two plain floats -----------------------------------
+
+_INTERVALS = st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 0.05]) | st.floats()
+
+
+@settings(max_examples=300, deadline=None)
+@given(_INTERVALS, _INTERVALS, st.sampled_from([0.0, 0.01, 0.05, 1.0]))
+def test_within_precision_on_two_floats_is_its_array_answer(energy, latency, precision) -> None:
+    """The plain-float comparison `Runner._precise` takes after every round says what the
+    arrays' comparison says (NaN and infinities included), as a numpy bool."""
+    from dvfs.measure.counter import within_precision
+
+    got = within_precision(energy, latency, precision)
+    expected = within_precision(np.array([energy]), np.array([latency]), precision)[0]
+    assert type(got) is np.bool_ and got == expected
