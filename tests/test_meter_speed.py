@@ -157,11 +157,14 @@ def test_itl_order_statistics_on_integers_and_float_bits_are_np_quantiles(
     # one token a chunk: picked among the integer gaps (negative ones too), then scaled
     ints = np.array(any_gaps, dtype=np.int64)
     assert same(meter._gap_quantiles(ints.copy()), old_quantiles(ints * 1e-6))
-    # several: non-negative gaps spread over their tokens (zeros, equal values), by their bits
-    gaps, tokens = gaps[: len(tokens)], tokens[: len(gaps)]
-    itl = np.repeat(np.array(gaps, dtype=np.int64) * 1e-6 / np.array(tokens), tokens)
-    assert same(meter._nonnegative_quantiles(itl.copy()), old_quantiles(itl))
-    assert same(meter._nonnegative_quantiles(itl[:0]), old_quantiles(itl[:0]))
+    # several: gaps spread over their tokens (zeros, equal values, negative ones where the
+    # instants do not ascend), counted rather than repeated
+    for some in (gaps, any_gaps):
+        spread, counts = some[: len(tokens)], np.array(tokens[: len(some)], dtype=np.int64)
+        values = np.array(spread, dtype=np.int64) * 1e-6 / counts
+        itl = np.repeat(values, counts)
+        assert same(meter._counted_quantiles(values, counts), old_quantiles(itl))
+        assert same(meter._counted_quantiles(values[:0], counts[:0]), old_quantiles(itl[:0]))
 
 
 @settings(max_examples=200, deadline=None)

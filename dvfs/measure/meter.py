@@ -503,20 +503,6 @@ def _gap_quantiles(gaps_ns: np.ndarray) -> tuple[float, ...]:
     return _interpolated(ordered, picks, 1e-6)
 
 
-def _nonnegative_quantiles(values: np.ndarray) -> tuple[float, ...]:
-    """`_ordered_quantiles` of a float64 array known to hold no NaN and no negative value
-    (not even -0.0): such floats order as their bit patterns do as int64, so the partition
-    runs on those (a quarter cheaper than on the floats) and picks the very same values.
-    `values` is the caller's own scratch array: partitioned in place, not copied first."""
-    n = len(values)
-    if n == 0:
-        return tuple(math.nan for _ in QUANTILES)
-    picks, kth = _picks(n)
-    values.view(np.int64).partition(kth)
-    ordered = values
-    return _interpolated(ordered, picks)
-
-
 class _RoundLatency(LatencyStats):
     """`LatencyStats` whose TTFT and ITL are computed when first read: a sweep reads a round's
     median TPOT as it measures and its other statistics hardly ever (the cell's come from all
@@ -713,16 +699,23 @@ def _lockstep_itl(grids: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[float
             weights.append(counted * pairs[found])
     if not values:
         return tuple(math.nan for _ in QUANTILES)
-    value = np.concatenate(values)
-    order = value.argsort()
-    cumulative = np.cumsum(np.concatenate(weights)[order])
-    n = int(cumulative[-1])
+    return _counted_quantiles(np.concatenate(values), np.concatenate(weights))
+
+
+def _counted_quantiles(values: np.ndarray, counts: np.ndarray) -> tuple[float, ...]:
+    """The quantiles of `values` each repeated its count of times (non-negative integers),
+    without the repeats: the values sorted once, and each order statistic the first value
+    whose running count takes the total past its position, the same value as in the
+    repeated array (equal floats are one float: no value here is -0.0 or NaN)."""
+    order = values.argsort()
+    cumulative = np.cumsum(counts[order])
+    n = int(cumulative[-1]) if len(cumulative) else 0
     if n == 0:
         return tuple(math.nan for _ in QUANTILES)
     picks, kth = _picks(n)
     # the k-th smallest repeated value: the first whose count takes the total past k
     at = order[cumulative.searchsorted(kth, "right")]
-    return _interpolated(dict(zip(kth, value[at].tolist(), strict=True)), picks)
+    return _interpolated(dict(zip(kth, values[at].tolist(), strict=True)), picks)
 
 
 def _latency_from(
@@ -753,12 +746,10 @@ def _latency_from(
         if (gap_tokens == 1).all():
             itl_ms = _gap_quantiles(gaps_ns)
         else:
-            gaps = gaps_ns * 1e-6
-            itl = np.repeat(gaps / gap_tokens, gap_tokens)
-            # gaps of ascending instants over positive tokens: no NaN, none negative
-            # (0 * 1e-6 / k is +0.0)
-            ascending = not len(gaps_ns) or int(_MIN(gaps_ns)) >= 0
-            itl_ms = _nonnegative_quantiles(itl) if ascending else _ordered_quantiles(itl)
+            # each gap over its tokens, once per token: counted rather than repeated (gaps
+            # between integer instants over positive tokens: no NaN, and 0 * 1e-6 / k is
+            # +0.0, never -0.0)
+            itl_ms = _counted_quantiles((gaps_ns * 1e-6) / gap_tokens, gap_tokens)
     return LatencyStats(_ordered_quantiles(ttft), _ordered_quantiles(tpot), itl_ms)
 
 
