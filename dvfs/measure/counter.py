@@ -585,12 +585,15 @@ def round_energy(
     `periods_s` are the GPUs' detected update periods (None or absent: not fitted)."""
     start, end = window
     times, values = gpu_counters(samples)
-    windows = []
-    for g in range(times.shape[1]):
-        period = periods_s[g] if g < len(periods_s) else None
-        windows.append(update_window(times[:, g], values[:, g], period, start, end))
-    counted = min(w.updates for w in windows)
-    if len(periods_s) >= len(windows) and all(p == 0 for p in periods_s[: len(windows)]):
+    gpus = times.shape[1]
+    windows = [
+        update_window(
+            times[:, g], values[:, g], periods_s[g] if g < len(periods_s) else None, start, end
+        )
+        for g in range(gpus)
+    ]
+    counted = min([w.updates for w in windows])  # (lists: cheaper than generators, per round)
+    if len(periods_s) >= gpus and all([p == 0 for p in periods_s[:gpus]]):
         # continuous counters: exact at every reading, so the window's own edges (chunk
         # arrivals, the tokens between them exact) interpolate between readings a sample apart
         energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
@@ -618,6 +621,6 @@ def round_energy(
     for w in windows:
         own = curve.between(w.start_ns, w.end_ns)
         energy += w.energy_mj * (tokens / own) if own > 0 else w.energy_mj
-    uncertainty = max(w.uncertainty_s for w in windows)
-    stalled = len(windows) > 1 and any(not w.energy_mj > 0 for w in windows)
+    uncertainty = max([w.uncertainty_s for w in windows])
+    stalled = gpus > 1 and any(not w.energy_mj > 0 for w in windows)
     return RoundEnergy(energy, tokens, ref.seconds, counted, True, uncertainty, stalled)

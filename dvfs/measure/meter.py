@@ -779,7 +779,7 @@ def acceptance(
     overstate acceptance. The server's figure still covers the passes of each round's whole
     blocks of decode iterations (`dvfs.engines.base.server_accept_covers`), not its last."""
     server = [res.server_accept_length for res in results if res.server_accept_length is not None]
-    server_mean = float(np.mean(server)) if server else math.nan
+    server_mean = _mean(np.array(server, dtype=np.float64)) if server else math.nan
     covers = min((res.server_accept_covers for res in results), default=0.0)
     if requests is None:
         arrays = [res.arrays for res in results]
