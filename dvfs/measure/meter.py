@@ -306,11 +306,11 @@ def _lockstep(
     row = chunk_ns[0]
     if len(chunk_ns) == 1:
         return row, chunk_tokens[0]
-    if not vouched and not bool((chunk_ns[:, 1:] == row[1:]).all()):
+    if not vouched and not bool(_ALL(chunk_ns[:, 1:] == row[1:], axis=None)):
         return None
-    tokens = chunk_tokens.sum(axis=0)
+    tokens = _SUM(chunk_tokens, axis=0)  # (what ndarray.sum and .all call, without their wrappers)
     firsts = chunk_ns[:, 0]
-    if bool((firsts == row[0]).all()):
+    if bool(_ALL(firsts == row[0])):
         return row, tokens
     # the first chunks' few instants, each once, with the tokens that arrived at each (whole
     # numbers, summed exactly as floats and back)
