@@ -157,11 +157,14 @@ def test_itl_order_statistics_on_integers_and_float_bits_are_np_quantiles(
     # one token a chunk: picked among the integer gaps (negative ones too), then scaled
     ints = np.array(any_gaps, dtype=np.int64)
     assert same(meter._gap_quantiles(ints.copy()), old_quantiles(ints * 1e-6))
-    # several: non-negative gaps spread over their tokens (zeros, equal values), by their bits
-    gaps, tokens = gaps[: len(tokens)], tokens[: len(gaps)]
-    itl = np.repeat(np.array(gaps, dtype=np.int64) * 1e-6 / np.array(tokens), tokens)
-    assert same(meter._nonnegative_quantiles(itl.copy()), old_quantiles(itl))
-    assert same(meter._nonnegative_quantiles(itl[:0]), old_quantiles(itl[:0]))
+    # several: gaps spread over their tokens (zeros, equal values, negative ones where the
+    # instants do not ascend), counted rather than repeated
+    for some in (gaps, any_gaps):
+        spread, counts = some[: len(tokens)], np.array(tokens[: len(some)], dtype=np.int64)
+        values = np.array(spread, dtype=np.int64) * 1e-6 / counts
+        itl = np.repeat(values, counts)
+        assert same(meter._counted_quantiles(values, counts), old_quantiles(itl))
+        assert same(meter._counted_quantiles(values[:0], counts[:0]), old_quantiles(itl[:0]))
 
 
 @settings(max_examples=200, deadline=None)
@@ -252,23 +255,25 @@ def test_window_samples_equal_the_masked_ones(instants, start, length, ascending
         "reasons": rng.integers(0, 1 << 12, n),
     }
     end = start + length
-    inside, count = meter._inside(t, start, end)
-    old = old_window_stats(s, start, end)
-    assert count == old[0]
-    if count:
-        new = (
-            count,
-            meter._mean(s["sm_clock_mhz"][inside]) * (end - start),
-            float(s["power_mw"][inside].max()) / 1000,
-            float(s["temperature_c"][inside].max()),
-            int(np.bitwise_or.reduce(s["reasons"][inside])),
-            (s["t_ns"][inside] - start) * 1e-9,
-            s["power_mw"][inside] / 1000,
-            s["sm_clock_mhz"][inside].astype(float),
-        )
-        assert new[:5] == old[:5] and same([new[1]], [old[1]])
-        for a, b in zip(new[5:], old[5:], strict=True):
-            assert a.dtype == b.dtype and same(a.tolist(), b.tolist())
+    inside, n_inside, decoding, n_decoding = meter._inside(t, start, end)
+    # the window's samples, and the decode's before its close: the same as the masks pick
+    for picked, count, close in ((inside, n_inside, end), (decoding, n_decoding, end - 1)):
+        old = old_window_stats(s, start, close)
+        assert count == old[0]
+        if count:
+            new = (
+                count,
+                meter._mean(s["sm_clock_mhz"][picked]) * (close - start),
+                float(s["power_mw"][picked].max()) / 1000,
+                float(s["temperature_c"][picked].max()),
+                int(np.bitwise_or.reduce(s["reasons"][picked])),
+                (s["t_ns"][picked] - start) * 1e-9,
+                s["power_mw"][picked] / 1000,
+                s["sm_clock_mhz"][picked].astype(float),
+            )
+            assert new[:5] == old[:5] and same([new[1]], [old[1]])
+            for a, b in zip(new[5:], old[5:], strict=True):
+                assert a.dtype == b.dtype and same(a.tolist(), b.tolist())
 
 
 # -- the energy split: maximum for clip, plain floats for numpy scalars -------------------------
@@ -443,3 +448,20 @@ def test_a_stored_measurement_reads_as_before(data) -> None:
     new = MeasurementRecord.from_json(dict(stored), version=version)
     old = old_measurement_from_json(dict(stored), version)
     assert repr(new) == repr(old)
+
+
+# -- the runner's stopping test on a round's two plain floats -----------------------------------
+
+_INTERVALS = st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 0.05]) | st.floats()
+
+
+@settings(max_examples=300, deadline=None)
+@given(_INTERVALS, _INTERVALS, st.sampled_from([0.0, 0.01, 0.05, 1.0]))
+def test_within_precision_on_two_floats_is_its_array_answer(energy, latency, precision) -> None:
+    """The plain-float comparison `Runner._precise` takes after every round says what the
+    arrays' comparison says (NaN and infinities included), as a numpy bool."""
+    from dvfs.measure.counter import within_precision
+
+    got = within_precision(energy, latency, precision)
+    expected = within_precision(np.array([energy]), np.array([latency]), precision)[0]
+    assert type(got) is np.bool_ and got == expected

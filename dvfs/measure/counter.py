@@ -402,8 +402,10 @@ def update_window(
     v = np.asarray(value_mj, dtype=np.float64)
     if len(t) < 2:
         return CounterWindow(float(start_ns), float(end_ns), 0, math.nan)
-    changed = (v[1:] != v[:-1]).nonzero()[0] + 1
-    lo, hi = t[changed - 1], t[changed]
+    # each update's reading before the change (its bracket's low end) and at it (high end),
+    # as views one reading apart rather than index arithmetic
+    before = (v[1:] != v[:-1]).nonzero()[0]
+    lo, hi = t[before], t[1:][before]
     width = hi - lo
     regular = continuous = False
     if period_s == 0:
@@ -413,11 +415,12 @@ def update_window(
         instants = mid = (lo + hi) / 2.0
         if period_s is not None and period_s > 0 and len(mid) >= 3:
             period_ns = period_s * 1e9
-            grid = _grid(mid - mid[0], period_ns)
+            first_mid = float(mid[0])  # (a plain float: the same float64 sums as its scalar)
+            grid = _grid(mid - first_mid, period_ns)
             if grid is not None:
                 steps, slope, intercept = grid
-                fitted = mid[0] + intercept + slope * steps
-                if (np.abs(fitted - mid) <= width / 2.0 + 0.01 * period_ns).all():
+                fitted = first_mid + intercept + slope * steps
+                if _ALL(np.abs(fitted - mid) <= width / 2.0 + 0.01 * period_ns):
                     instants, regular = np.minimum(np.maximum(fitted, lo), hi), True
     first = int(instants.searchsorted(start_ns, "left"))
     count = int(instants.searchsorted(end_ns, "right")) - first
@@ -428,16 +431,19 @@ def update_window(
         uncertainty = 0.0
     elif regular:  # as `counter_window`: the largest bracket is the largest width, scaled
         n = len(instants)
-        scatter = float(np.sqrt(np.add.reduce((mid - instants) ** 2) / n)) * 1e-9
+        off = mid - instants
+        off *= off  # (what ** 2 computes: each square a product)
+        # numpy's pairwise sum, then plain floats (float64 division and a correctly rounded
+        # square root either way)
+        scatter = math.sqrt(float(_SUM(off)) / n) * 1e-9
         uncertainty = max(float(_MAX(width)) * 1e-9 / (n - 1), scatter * math.sqrt(12 / n))
     else:
-        bracket = width * 1e-9
-        uncertainty = float(bracket[a] + bracket[b]) / 2
+        uncertainty = (float(width[a]) * 1e-9 + float(width[b]) * 1e-9) / 2
     return CounterWindow(
         float(instants[a]),
         float(instants[b]),
         count,
-        float(v[changed[b]] - v[changed[a]]),
+        float(v[before[b] + 1]) - float(v[before[a] + 1]),
         uncertainty,
     )
 
@@ -496,6 +502,12 @@ def within_precision(energy_ci: Any, latency_ci: Any, precision: float) -> Any:
     (`Runner._precise`), adds repeats by it (`repeats_precise`), and the cube flags the cells
     that stopped at max_rounds without it (`dvfs.cube.precision`). Floats or arrays alike
     (a numpy bool, or an array of them)."""
+    if isinstance(energy_ci, float) and isinstance(latency_ci, float):
+        # a round's two intervals (the runner asks after every round): the same comparisons
+        # on plain floats, without numpy's arrays and error state (a NaN compares false)
+        return np.bool_(
+            energy_ci <= precision and (latency_ci <= precision or latency_ci != latency_ci)
+        )
     with np.errstate(invalid="ignore"):
         energy, latency = np.asarray(energy_ci, dtype=float), np.asarray(latency_ci, dtype=float)
         return (energy <= precision) & ((latency <= precision) | np.isnan(latency))
@@ -573,12 +585,15 @@ def round_energy(
     `periods_s` are the GPUs' detected update periods (None or absent: not fitted)."""
     start, end = window
     times, values = gpu_counters(samples)
-    windows = []
-    for g in range(times.shape[1]):
-        period = periods_s[g] if g < len(periods_s) else None
-        windows.append(update_window(times[:, g], values[:, g], period, start, end))
-    counted = min(w.updates for w in windows)
-    if len(periods_s) >= len(windows) and all(p == 0 for p in periods_s[: len(windows)]):
+    gpus = times.shape[1]
+    windows = [
+        update_window(
+            times[:, g], values[:, g], periods_s[g] if g < len(periods_s) else None, start, end
+        )
+        for g in range(gpus)
+    ]
+    counted = min([w.updates for w in windows])  # (lists: cheaper than generators, per round)
+    if len(periods_s) >= gpus and all([p == 0 for p in periods_s[:gpus]]):
         # continuous counters: exact at every reading, so the window's own edges (chunk
         # arrivals, the tokens between them exact) interpolate between readings a sample apart
         energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
@@ -606,6 +621,6 @@ def round_energy(
     for w in windows:
         own = curve.between(w.start_ns, w.end_ns)
         energy += w.energy_mj * (tokens / own) if own > 0 else w.energy_mj
-    uncertainty = max(w.uncertainty_s for w in windows)
-    stalled = len(windows) > 1 and any(not w.energy_mj > 0 for w in windows)
+    uncertainty = max([w.uncertainty_s for w in windows])
+    stalled = gpus > 1 and any(not w.energy_mj > 0 for w in windows)
     return RoundEnergy(energy, tokens, ref.seconds, counted, True, uncertainty, stalled)

@@ -273,7 +273,8 @@ def _chunks_of_arrays(arrays: RoundArrays) -> RoundChunks:
         ns, tokens = chunk_ns[used], chunk_tokens[used]
         lasts = chunk_ns[np.arange(len(counts)), counts - 1].tolist()
     firsts = chunk_ns[:, 0].tolist()
-    sent = np.full(len(counts), arrays.sent_ns, dtype=np.int64)
+    sent = np.empty(len(counts), dtype=np.int64)  # (np.full's own two steps)
+    sent.fill(arrays.sent_ns)
     chunks = RoundChunks(
         firsts,
         lasts,
@@ -305,11 +306,11 @@ def _lockstep(
     row = chunk_ns[0]
     if len(chunk_ns) == 1:
         return row, chunk_tokens[0]
-    if not vouched and not bool((chunk_ns[:, 1:] == row[1:]).all()):
+    if not vouched and not bool(_ALL(chunk_ns[:, 1:] == row[1:], axis=None)):
         return None
-    tokens = chunk_tokens.sum(axis=0)
+    tokens = _SUM(chunk_tokens, axis=0)  # (what ndarray.sum and .all call, without their wrappers)
     firsts = chunk_ns[:, 0]
-    if bool((firsts == row[0]).all()):
+    if bool(_ALL(firsts == row[0])):
         return row, tokens
     # the first chunks' few instants, each once, with the tokens that arrived at each (whole
     # numbers, summed exactly as floats and back)
@@ -472,16 +473,18 @@ def _quantiles_of_list(values: list[float]) -> tuple[float, ...]:
 
 def _ordered_quantiles(values: np.ndarray) -> tuple[float, ...]:
     """`_quantiles` of a float64 array known to hold no NaN (gaps between integer
-    nanoseconds), without the NaN check's pass over it. One `np.partition` with every
-    position the quantiles read: on a cell's tens of thousands of latencies (a few thousand
-    distinct gaps, repeated) it costs a half to a quarter of a partition per position, one
-    after another (measured on a demo sweep's latencies, numpy 2.4, 2-core AMD EPYC)."""
+    nanoseconds), without the NaN check's pass over it. One partition with every position
+    the quantiles read: on a cell's tens of thousands of latencies (a few thousand distinct
+    gaps, repeated) it costs a half to a quarter of a partition per position, one after
+    another (measured on a demo sweep's latencies, numpy 2.4, 2-core AMD EPYC). `values` is
+    the caller's own scratch array: partitioned in place (what `np.partition` does to its
+    copy), not copied first."""
     n = len(values)
     if n == 0:
         return tuple(math.nan for _ in QUANTILES)
     picks, kth = _picks(n)
-    ordered = np.partition(values, kth)
-    return _interpolated(ordered, picks)
+    values.partition(kth)
+    return _interpolated(values, picks)
 
 
 def _gap_quantiles(gaps_ns: np.ndarray) -> tuple[float, ...]:
@@ -498,20 +501,6 @@ def _gap_quantiles(gaps_ns: np.ndarray) -> tuple[float, ...]:
     ordered = gaps_ns
     ordered.partition(kth)
     return _interpolated(ordered, picks, 1e-6)
-
-
-def _nonnegative_quantiles(values: np.ndarray) -> tuple[float, ...]:
-    """`_ordered_quantiles` of a float64 array known to hold no NaN and no negative value
-    (not even -0.0): such floats order as their bit patterns do as int64, so the partition
-    runs on those (a quarter cheaper than on the floats) and picks the very same values.
-    `values` is the caller's own scratch array: partitioned in place, not copied first."""
-    n = len(values)
-    if n == 0:
-        return tuple(math.nan for _ in QUANTILES)
-    picks, kth = _picks(n)
-    values.view(np.int64).partition(kth)
-    ordered = values
-    return _interpolated(ordered, picks)
 
 
 class _RoundLatency(LatencyStats):
@@ -710,16 +699,23 @@ def _lockstep_itl(grids: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[float
             weights.append(counted * pairs[found])
     if not values:
         return tuple(math.nan for _ in QUANTILES)
-    value = np.concatenate(values)
-    order = value.argsort()
-    cumulative = np.cumsum(np.concatenate(weights)[order])
-    n = int(cumulative[-1])
+    return _counted_quantiles(np.concatenate(values), np.concatenate(weights))
+
+
+def _counted_quantiles(values: np.ndarray, counts: np.ndarray) -> tuple[float, ...]:
+    """The quantiles of `values` each repeated its count of times (non-negative integers),
+    without the repeats: the values sorted once, and each order statistic the first value
+    whose running count takes the total past its position, the same value as in the
+    repeated array (equal floats are one float: no value here is -0.0 or NaN)."""
+    order = values.argsort()
+    cumulative = np.cumsum(counts[order])
+    n = int(cumulative[-1]) if len(cumulative) else 0
     if n == 0:
         return tuple(math.nan for _ in QUANTILES)
     picks, kth = _picks(n)
     # the k-th smallest repeated value: the first whose count takes the total past k
     at = order[cumulative.searchsorted(kth, "right")]
-    return _interpolated(dict(zip(kth, value[at].tolist(), strict=True)), picks)
+    return _interpolated(dict(zip(kth, values[at].tolist(), strict=True)), picks)
 
 
 def _latency_from(
@@ -750,12 +746,10 @@ def _latency_from(
         if (gap_tokens == 1).all():
             itl_ms = _gap_quantiles(gaps_ns)
         else:
-            gaps = gaps_ns * 1e-6
-            itl = np.repeat(gaps / gap_tokens, gap_tokens)
-            # gaps of ascending instants over positive tokens: no NaN, none negative
-            # (0 * 1e-6 / k is +0.0)
-            ascending = not len(gaps_ns) or int(_MIN(gaps_ns)) >= 0
-            itl_ms = _nonnegative_quantiles(itl) if ascending else _ordered_quantiles(itl)
+            # each gap over its tokens, once per token: counted rather than repeated (gaps
+            # between integer instants over positive tokens: no NaN, and 0 * 1e-6 / k is
+            # +0.0, never -0.0)
+            itl_ms = _counted_quantiles((gaps_ns * 1e-6) / gap_tokens, gap_tokens)
     return LatencyStats(_ordered_quantiles(ttft), _ordered_quantiles(tpot), itl_ms)
 
 
@@ -785,7 +779,7 @@ def acceptance(
     overstate acceptance. The server's figure still covers the passes of each round's whole
     blocks of decode iterations (`dvfs.engines.base.server_accept_covers`), not its last."""
     server = [res.server_accept_length for res in results if res.server_accept_length is not None]
-    server_mean = float(np.mean(server)) if server else math.nan
+    server_mean = _mean(np.array(server, dtype=np.float64)) if server else math.nan
     covers = min((res.server_accept_covers for res in results), default=0.0)
     if requests is None:
         arrays = [res.arrays for res in results]
@@ -1001,17 +995,27 @@ class WindowPart:
         return self.energy
 
 
-def _inside(t_ns: np.ndarray, start: int, end: int) -> tuple[slice | np.ndarray, int]:
-    """The samples taken in [start, end] and how many: a slice when their instants ascend (a
-    sampler's do), else a mask (the same samples, in the same order, either way)."""
+def _inside(
+    t_ns: np.ndarray, start: int, end: int
+) -> tuple[slice | np.ndarray, int, slice | np.ndarray, int]:
+    """The samples taken in [start, end] and how many, and those in [start, end - 1] (the
+    decode's, before the close) and how many: slices when their instants ascend (a sampler's
+    do), else masks (the same samples, in the same order, either way). Both at once: one
+    check that the instants ascend, one bisection for the start."""
     # (the ufuncs' own reductions and the array's own searchsorted, as np.all and
     # np.searchsorted call them, without their dispatch)
     if len(t_ns) < 2 or bool(_ALL(t_ns[1:] >= t_ns[:-1])):
         first = int(t_ns.searchsorted(start, "left"))
-        last = int(t_ns.searchsorted(end, "right"))
-        return slice(first, max(first, last)), max(0, last - first)
+        before_close, last = t_ns.searchsorted((end - 1, end), "right").tolist()
+        return (
+            slice(first, max(first, last)),
+            max(0, last - first),
+            slice(first, max(first, before_close)),
+            max(0, before_close - first),
+        )
     inside = (t_ns >= start) & (t_ns <= end)
-    return inside, int(inside.sum())
+    decoding = (t_ns >= start) & (t_ns <= end - 1)
+    return inside, int(inside.sum()), decoding, int(decoding.sum())
 
 
 _ALL, _MAX, _MIN, _SUM = np.logical_and.reduce, np.maximum.reduce, np.minimum.reduce, np.add.reduce
@@ -1057,14 +1061,16 @@ def throttle_violation_delta(
     between the largest growth and the sum; the largest is the time certainly throttled, so
     the flag and the recorded seconds never count a throttle twice (two throttles at
     different times, on two GPUs or two policies, each under the share, flag nothing)."""
-    grown = [
-        b - a
-        for first, last in zip(start, end, strict=True)
-        if first is not None and last is not None
-        for a, b in zip(first, last, strict=True)
-        if a is not None and b is not None
-    ]
-    return max(max(0, g) for g in grown) if grown else None
+    largest: int | None = None  # (one loop, no lists: read around every round)
+    for first, last in zip(start, end, strict=True):
+        if first is None or last is None:
+            continue
+        for a, b in zip(first, last, strict=True):
+            if a is not None and b is not None:
+                grown = max(0, b - a)
+                if largest is None or grown > largest:
+                    largest = grown
+    return largest
 
 
 #: The share of a cell's steady windows that throttle violation time (each round's
@@ -1195,11 +1201,10 @@ def summarise(
         latency.append(latency_stats(part.result).tpot_ms[0])
         # [start, end] for the temperature; [start, end) (whole ns) for the rest: a reading
         # at the close reads the GPU idle (see the docstring)
-        inside, count = _inside(s["t_ns"], start, end)
+        inside, count, decoding, n = _inside(s["t_ns"], start, end)
         in_window_samples += count
         if count:
             temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
-        decoding, n = _inside(s["t_ns"], start, end - 1)
         decoding_samples += n
         if n:
             clock = s["sm_clock_mhz"][decoding]
@@ -1284,8 +1289,8 @@ def summarise(
         clock_event_reasons=reasons,
         quality=quality,
         idle_power_w=idle_power_w,
-        timeline_t_s=tuple(np.round(line_t, 6).tolist()),
-        timeline_power_w=tuple(np.round(line_power, 3).tolist()),
+        timeline_t_s=tuple(line_t.round(6).tolist()),  # (what np.round calls)
+        timeline_power_w=tuple(line_power.round(3).tolist()),
         timeline_sm_clock_mhz=tuple(line_clock.tolist()),
         energy_per_token_rel_ci=relative_half_width(per_token, confidence),
         latency_rel_ci=relative_half_width(latency, confidence),
