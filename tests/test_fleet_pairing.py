@@ -535,6 +535,8 @@ def test_the_analyses_after_a_rerun_on_some_models_name_the_models_left(
         assert said.exit_code == 0, said.output
         assert named in " ".join(said.output.split()), said.output
         assert "to resume it, its --gpus" in " ".join(said.output.split()), said.output
+        # nor does a note name no command: "?: clocks below ... resume the sweep to measure"
+        assert "resume the sweep to measure them" not in said.output, said.output
         doc = json.loads(CliRunner().invoke(cli, [command, str(out), "--json"]).stdout)
         assert doc["models_left"] == ["NVIDIA H200 (twin)"], doc.get("models_left")
     report = tmp_path / "report.md"

@@ -400,6 +400,11 @@ def left_out_note(journal: object) -> str:
     )
 
 
+#: The document keys whose cube a plain "resume the sweep" does not finish: a shard's, one
+#: merged from shards or sweeps, a fleet's whose cells left are on some GPU models only.
+_RESUMED_ELSEWHERE = ("shard", "merged_shards", "merged_cubes", "models_left")
+
+
 def headroom_notes(doc: dict[str, Any]) -> list[str]:
     """The lines that qualify the table: an answer cut off by the grid, a knob never swept,
     a setting measured on another GPU than its reference. Empty when nothing needs saying."""
@@ -421,7 +426,7 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
             "headroom may be larger and a lower setting might save more: "
             + (
                 _resume_advice("them", doc)
-                if doc.get("shard") or doc.get("merged_shards") or doc.get("merged_cubes")
+                if any(doc.get(k) for k in _RESUMED_ELSEWHERE)
                 else "resume the sweep to measure them"
             )
             + " (the grid does not need extending)"
