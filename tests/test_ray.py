@@ -389,7 +389,8 @@ def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     reset` (it ended 0, the GPU left locked, as the local executor's sweep no longer does)."""
     from nvml_support import NVML_CAMPAIGN
 
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=3))
+    # (16 tokens: no cell's validity is read here; each token is played out in real time)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=3))
     out = tmp_path / "out"
     journal = out / "journal.jsonl"
     lost: list[int] = []
@@ -457,7 +458,8 @@ def test_a_ray_fleet_that_loses_every_gpu_names_the_losses_and_the_reset_first(
 
     from dvfs.fleet.driver import Fleet
 
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=3))
+    # (16 tokens: no cell's validity is read here; each token is played out in real time)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=3))
     out = tmp_path / "out"
     ship = Fleet.shipped
     lost: set[int] = set()
@@ -548,7 +550,8 @@ def test_a_ray_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_t
 
     refuse_servers_on(monkeypatch, "gpu0", why)
     monkeypatch.setattr(Fleet, "shipped", lose)
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=3))
+    # (16 tokens: no cell's validity is read here; each token is played out in real time)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=3))
     result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "out"))
     assert result.exit_code == 1, result.output
     last = " ".join(result.stderr.strip().splitlines()[-1].split())
