@@ -1483,7 +1483,8 @@ def _answering_generate(chunks: list[dict[str, Any]]) -> tuple[Any, int]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Generate)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # (a shutdown is seen at the loop's next look: every 10 ms, not the default 0.5 s)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     return server, server.server_address[1]
 
 
@@ -1658,7 +1659,8 @@ def test_a_server_info_far_larger_than_sglangs_is_not_read_whole(tmp_path: Path)
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Huge)
     server.handle_error = lambda *args: None  # type: ignore[method-assign]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # (a shutdown is seen at the loop's next look: every 10 ms, not the default 0.5 s)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         path, _ = stub_campaign(
