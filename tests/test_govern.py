@@ -1606,3 +1606,37 @@ def test_a_dry_run_previews_the_steps_under_the_recorded_caps(nvml, tmp_path: Pa
         "start: the plan's 400 W is above it) (at 0.000 s)"
     )
     assert len(nvml.fake_calls()) == calls
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "0.0.0.0"])
+def test_the_exporter_stops_without_waiting_for_its_serving_loop_to_look(
+    host: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The exporter's serving loop (prometheus_client's) looks for a shutdown only between its
+    waits for a connection, 0.5 s each, which every `dvfs govern` and `dvfs monitor` waited out
+    as it exited. Here it waits an hour: closing still stops it (before, the close waited the
+    hour), its port no longer answers, and the connections that woke it printed nothing."""
+    import socket
+    import socketserver
+
+    from prometheus_client import exposition
+
+    def hourly(self: socketserver.BaseServer, poll_interval: float = 0.5) -> None:
+        socketserver.BaseServer.serve_forever(self, poll_interval=3600)
+
+    monkeypatch.setattr(exposition.ThreadingWSGIServer, "serve_forever", hourly)
+    live = LiveMetrics()
+    live.publish(Watch([MeterGpu(0)], None, note=print).snapshot(None, {}))  # type: ignore[list-item]
+    try:
+        exporter = start_exporter(live, host, 0)
+    except Exception as exc:  # noqa: BLE001  (no IPv6 here)
+        pytest.skip(f"cannot listen on {host}: {exc}")
+    url = exporter.url.replace("0.0.0.0", "127.0.0.1")
+    assert "dvfs_gpu_power_watts" in httpx.get(url, timeout=10).text
+    exporter.close()
+    assert not exporter.thread.is_alive()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url, timeout=10)
+    with pytest.raises(OSError), socket.socket(exporter.server.address_family) as s:
+        s.connect(exporter.server.server_address)
+    assert capfd.readouterr().err == ""

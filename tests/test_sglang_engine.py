@@ -267,14 +267,14 @@ def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(
     that timed out. Each server hangs at its third request, so only the third cell meets it.
     /health is given the servers' own health-check timeout (1 s here, in dvfs's environment or
     set by a server_command wrapper, `env SGLANG_HEALTH_CHECK_TIMEOUT=1 python ...`) and a
-    margin (HUNG_MARGIN_S, 1 s here: the wedged server never answers, so the probe waits it
-    all out). The stall timeout leaves a loaded machine's pauses (150 ms seen) to a healthy
+    margin (HUNG_MARGIN_S, 0.5 s here: the wedged server never answers, so the probe waits it
+    all out, 1.5 s). The stall timeout leaves a loaded machine's pauses (150 ms seen) to a healthy
     stream: one taken for a stall would retry a cell the hang did not reach. With
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION false, SGLang's /health answers 200 at once from
     its HTTP server, its scheduler unasked, wedged or not (0.5.9 and 0.5.23): dvfs asks
     /health_generate, which always runs its one-token generate, so the wedged server is still
     stopped, not kept to fail every later cell."""
-    monkeypatch.setattr("dvfs.engines.sglang_client.HUNG_MARGIN_S", 1.0)
+    monkeypatch.setattr("dvfs.engines.sglang_client.HUNG_MARGIN_S", 0.5)
     wrapper: tuple[str, ...] = ()
     if where == "wrapper":
         wrapper = ("env", "SGLANG_HEALTH_CHECK_TIMEOUT=1")
@@ -296,7 +296,7 @@ def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(
     [retried] = [c for c in cells if c["attempts"] == 2]
     [error] = retried["errors"]
     assert "the SGLang server stopped answering" in error
-    assert "no answer from /health_generate within 2 s" in error and "dvfs stopped it" in error
+    assert "no answer from /health_generate within 1.5 s" in error and "dvfs stopped it" in error
     assert (ds["cell_status"] == 1).all()
     # The terminal says so too: not a crash, a server stopped and restarted to retry the cell.
     assert "server stopped answering during" in output and "restarts it to retry" in output
@@ -349,14 +349,14 @@ def test_a_5xx_from_a_server_whose_health_check_takes_seconds_is_not_restarted(
 ) -> None:
     """SGLang's /health runs a one-token generate and answers once the scheduler outputs
     anything: never under 1 s, and up to its 20 s health-check timeout on a busy server. A
-    round failed on such a server (here a 5xx, its /health answering 200 after 3 s) is failed
+    round failed on such a server (here a 5xx, its /health answering 200 after 1.5 s) is failed
     on that server, not taken for a hung one that is stopped and started again (dvfs gave
-    /health HEALTH_PROBE_S, 5 s, 2 s here: each such failure cost a server restart, a model
+    /health HEALTH_PROBE_S, 5 s, 0.5 s here: each such failure cost a server restart, a model
     load on a real GPU)."""
-    monkeypatch.setattr("dvfs.engines.sglang_client.HEALTH_PROBE_S", 2.0)
+    monkeypatch.setattr("dvfs.engines.sglang_client.HEALTH_PROBE_S", 0.5)
     cells, _ = _sweep_cells(
         tmp_path,
-        stub={"fail_after_requests": 1, "busy_health_s": 3.0},
+        stub={"fail_after_requests": 1, "busy_health_s": 1.5},
         drafters=ONE_DRAFTER,
         batch="[1]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
@@ -1483,7 +1483,8 @@ def _answering_generate(chunks: list[dict[str, Any]]) -> tuple[Any, int]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Generate)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # (a shutdown is seen at the loop's next look: every 10 ms, not the default 0.5 s)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     return server, server.server_address[1]
 
 
@@ -1602,6 +1603,7 @@ def test_the_room_a_server_reports_is_decoded_whole(
     path, _ = stub_campaign(
         tmp_path,
         version=version,
+        stub={"tpot_s": 0.0},  # hundreds of tokens each, timed by nothing here
         sglang_extra=(
             f'extra_args = ["--context-length", "{context}", "--max-total-tokens", "{pool}"]'
         ),
@@ -1657,7 +1659,8 @@ def test_a_server_info_far_larger_than_sglangs_is_not_read_whole(tmp_path: Path)
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Huge)
     server.handle_error = lambda *args: None  # type: ignore[method-assign]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # (a shutdown is seen at the loop's next look: every 10 ms, not the default 0.5 s)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         path, _ = stub_campaign(

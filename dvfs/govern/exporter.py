@@ -30,6 +30,7 @@ reaches above the plan, at stock).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Iterator
@@ -241,6 +242,10 @@ def parse_listen(value: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+#: How long `Exporter.close` waits for the serving loop to stop before waking it again.
+WAKE_S = 0.05
+
+
 @dataclass
 class Exporter:
     """A running metrics endpoint; `close` stops it."""
@@ -259,9 +264,27 @@ class Exporter:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self.server.shutdown()
+        """Stop serving, at once: the serving loop (prometheus_client's `serve_forever`) looks
+        for a shutdown only between its 0.5-s waits for a connection, which every `dvfs govern`
+        and `dvfs monitor` waited out as it exited; a connection made to it ends that wait
+        (it reads as no request), so it is woken until the shutdown is seen."""
+        stopping = threading.Thread(target=self.server.shutdown, daemon=True)
+        stopping.start()
+        while stopping.is_alive():
+            self._wake()
+            stopping.join(WAKE_S)
         self.server.server_close()
         self.thread.join(timeout=5)
+
+    def _wake(self) -> None:
+        """Connect to the listening socket (a wildcard address by its loopback) and hang up."""
+        import socket
+
+        host, *rest = self.server.server_address
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        with contextlib.suppress(OSError), socket.socket(self.server.address_family) as s:
+            s.settimeout(WAKE_S)
+            s.connect((host, *rest))
 
 
 def start_exporter(live: LiveMetrics, host: str, port: int) -> Exporter:

@@ -2169,8 +2169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"emulating SGLang {cfg.version}; model_path={args['model_path']} "
         f"speculative_algorithm={args.get('speculative_algorithm')}")  # fmt: skip
     log(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)")
+    # (the loop sees a shutdown at its next look: SIGTERM's stop waits that out, every server stop)
     serving = threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
     )
     serving.start()
 
