@@ -485,21 +485,27 @@ def test_a_ctrl_c_while_one_models_server_starts_says_that_model_is_left_out(
 
 
 def _h200_lost_after(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cells: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cells: int, *, failed: int = 0
 ) -> tuple[Path, Path]:
     """The fleet campaign swept on an H100 and an H200 whose worker was lost after CELLS
-    cells (exit 1): the campaign file and the --out folder."""
+    cells, the first FAILED of them failed (their server would not start) (exit 1): the
+    campaign file and the --out folder."""
     from dvfs.fleet.worker import Worker
 
     run = Worker.run
     calls = {"n": 0}
 
     def lost(self: Worker, cell: Any) -> Any:
-        if self.label.startswith("h200"):
-            calls["n"] += 1
-            if calls["n"] > cells:
-                raise RuntimeError("the GPU fell off the bus")
-        return run(self, cell)
+        if not self.label.startswith("h200"):
+            return run(self, cell)
+        calls["n"] += 1
+        if calls["n"] > cells:
+            raise RuntimeError("the GPU fell off the bus")
+        if calls["n"] > failed:
+            return run(self, cell)
+        with monkeypatch.context() as patched:
+            patched.setattr(self._runner, "_server_for", lambda drafter: "would not start")
+            return run(self, cell)
 
     monkeypatch.setattr(Worker, "run", lost)
     campaign = write(tmp_path / "campaign.toml", fleet_campaign("lost-after"))
@@ -558,26 +564,7 @@ def test_a_failed_reference_on_the_model_left_after_a_rerun_names_the_model_too(
     run, but for the row whose reference failed it said "run the same `dvfs sweep` command
     again ...: it retries failed cells", which (on the H100 alone) retries none of the H200's.
     It names the model whose GPUs the command's --gpus must name, as for the cells not run."""
-    from dvfs.fleet.worker import Worker
-
-    run = Worker.run
-    calls = {"n": 0}
-
-    def failed_then_lost(self: Worker, cell: Any) -> Any:
-        if not self.label.startswith("h200"):
-            return run(self, cell)
-        calls["n"] += 1
-        if calls["n"] > 1:
-            raise RuntimeError("the GPU fell off the bus")
-        with monkeypatch.context() as patched:
-            patched.setattr(self._runner, "_server_for", lambda drafter: "would not start")
-            return run(self, cell)
-
-    monkeypatch.setattr(Worker, "run", failed_then_lost)
-    campaign = write(tmp_path / "campaign.toml", fleet_campaign("failed-then-lost"))
-    out = tmp_path / "out"
-    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 1
-    monkeypatch.setattr(Worker, "run", run)
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, 1, failed=1)
     assert sweep(str(campaign), "--gpus", "0", "--out", str(out)).exit_code == 0
     info = json.loads(CliRunner().invoke(cli, ["cube", "info", str(out), "--json"]).output)
     assert info["failed"] == 1, info  # the H200's reference, failed
@@ -636,27 +623,21 @@ def test_the_analyses_of_a_folder_whose_one_model_measured_nothing_say_it_is_lef
         "cube leaves that model out; run the `dvfs sweep` command again without --fresh, its "
         "--gpus naming GPUs of that model, to measure it"
     )
-    for where in (out, out / "cube.nc"):
-        table = CliRunner().invoke(cli, ["headroom", str(where)])
-        assert table.exit_code == 0, table.output
-        assert line in table.output.splitlines(), table.output
-        markdown = CliRunner().invoke(cli, ["headroom", str(where), "--markdown"])
-        assert f"- {line}" in markdown.output.splitlines(), markdown.output
-        doc = CliRunner().invoke(cli, ["headroom", str(where), "--json"])
-        assert json.loads(doc.output)["left_out"] == [str(journal)], doc.output
+    # (compare's notes go to stderr, headroom's under its table)
+    for command, notes in (("headroom", "stdout"), ("compare", "stderr")):
+        for where in (out, out / "cube.nc"):
+            table = CliRunner().invoke(cli, [command, str(where)])
+            assert table.exit_code == 0, table.output
+            assert line in getattr(table, notes).splitlines(), table.output
+            markdown = CliRunner().invoke(cli, [command, str(where), "--markdown"])
+            assert f"- {line}" in markdown.stdout.splitlines(), markdown.output
+            doc = CliRunner().invoke(cli, [command, str(where), "--json"])
+            assert json.loads(doc.stdout)["left_out"] == [str(journal)], doc.output
     report = tmp_path / "report.md"
     made = CliRunner().invoke(cli, ["report", str(out), "-o", str(report)])
     assert made.exit_code == 0, made.output
     said = report.read_text().replace("\\`", "`").replace("\\_", "_")  # Markdown's escapes
     assert "Left out: " + line.removeprefix("left out: ") in said, said
-    # `dvfs compare` (table, --markdown, --json) and `dvfs plot` said nothing of the H200
-    compared = CliRunner().invoke(cli, ["compare", str(out)])
-    assert compared.exit_code == 0, compared.output
-    assert line in compared.stderr.splitlines(), compared.stderr
-    compared = CliRunner().invoke(cli, ["compare", str(out), "--markdown"])
-    assert f"- {line}" in compared.stdout.splitlines(), compared.stdout
-    compared = CliRunner().invoke(cli, ["compare", str(out), "--json"])
-    assert json.loads(compared.stdout)["left_out"] == [str(journal)], compared.stdout
     drawn = CliRunner().invoke(cli, ["plot", str(out), "--out", str(tmp_path / "plots")])
     assert drawn.exit_code == 0, drawn.output
     assert line in drawn.stderr.splitlines(), drawn.stderr
