@@ -1586,3 +1586,44 @@ def test_a_ray_fleet_lost_on_two_nodes_keeps_the_resume_within_the_line() -> Non
         f"the journal keeps every finished cell; {executor.reset_first()}, then "
         + resume_advice(True)
     ), line
+
+
+def test_the_actors_are_asked_to_close_at_once_so_their_restores_run_side_by_side() -> None:
+    """At a fleet's end each actor stops its server and restores its GPUs: the driver asked
+    the next actor to close only once the one before had closed, so a fleet of eight real
+    GPUs waited the sum of eight server stops and restores. Every close is asked first, then
+    each awaited; what each left changed is still noted, in the actors' order."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    events: list[str] = []
+
+    class Method:
+        def __init__(self, label: str, name: str, answer: object) -> None:
+            self.label, self.name, self.answer = label, name, answer
+
+        def remote(self) -> tuple[str, str, object]:
+            events.append(f"ask {self.name} {self.label}")
+            return (self.name, self.label, self.answer)
+
+    class Actor:
+        def __init__(self, label: str, left: list[str]) -> None:
+            self.close = Method(label, "close", None)
+            self.unrestored = Method(label, "unrestored", left)
+
+    def get(ref: tuple[str, str, object], timeout: float | None = None) -> object:
+        events.append(f"get {ref[0]} {ref[1]}")
+        return ref[2]
+
+    ray = types.SimpleNamespace(get=get)
+    campaign = types.SimpleNamespace(gpu=types.SimpleNamespace(backend="twin", actuation=True))
+    alive = {"node-a/w0": Actor("node-a/w0", []), "node-b/w1": Actor("node-b/w1", ["GPU-b"])}
+    executor = RayExecutor(Path("out"))
+    executor._close(ray, campaign, alive)  # type: ignore[arg-type]
+    closes = [e for e in events if " close " in e]
+    assert closes == [
+        "ask close node-a/w0",
+        "ask close node-b/w1",
+        "get close node-a/w0",
+        "get close node-b/w1",
+    ], events
+    assert executor.unrestored == {"node-b": ["GPU-b"]}

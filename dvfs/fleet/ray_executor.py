@@ -628,13 +628,16 @@ class RayExecutor:
                     ray.kill(actor)
 
     def _close(self, ray: Any, campaign: Any, alive: dict[str, Any]) -> None:
-        """Close each actor (it restores its GPUs) and note the GPUs any left changed. A
+        """Close each actor (it restores its GPUs) and note the GPUs any left changed. The
+        closes are asked of every actor at once, so the actors stop their servers and restore
+        their GPUs side by side (a fleet's end waits for the slowest, not for the sum). A
         further signal while they close gives up waiting: the actors not closed yet are
         killed with their GPUs as they set them, which the sweep's last line names."""
         closing = list(alive)
+        asked = {label: actor.close.remote() for label, actor in alive.items()}
         for label, actor in alive.items():
             try:
-                ray.get(actor.close.remote(), timeout=OPEN_TIMEOUT_S)
+                ray.get(asked[label], timeout=OPEN_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
                 if actor_gone(exc):  # killed after its last unit, before it could close
                     self._note_died(campaign, label)
