@@ -1149,3 +1149,34 @@ def test_cube_build_says_a_journal_linked_in_a_loop_is_one_not_that_there_is_non
     assert line.startswith(f"Error: {looped} is a symbolic link in a loop"), line
     assert "no journal" not in line and "every measured cell" not in line, line
     assert "remove it" in line and not (folder / "cube.nc").exists()
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt(), "sigterm"])
+def test_a_signal_landing_as_the_drivers_queue_takes_its_lock_back_is_the_interruption(
+    interruption: BaseException | str,
+) -> None:
+    """A clean-clone CI run saw a fleet interrupted by SIGINT exit 1 with "internal error:
+    RuntimeError: release unlocked lock": the signal's exception landed in the driver's
+    `events.get` as the queue took its lock back after waiting, so the lock stayed unheld
+    and the queue's own `with` failed releasing it. The driver's read raises the
+    interruption instead (exit 130/143 as any interrupted fleet). The landing is made here
+    where the race put it: in the queue's condition taking the lock back."""
+    import queue
+
+    from dvfs.fleet.local import next_event
+    from dvfs.signals import Interrupted
+
+    raised = Interrupted(signal.SIGTERM) if interruption == "sigterm" else interruption
+    assert isinstance(raised, BaseException)
+    events: queue.Queue[tuple[str, ...]] = queue.Queue()
+
+    def signal_lands(_state: object) -> None:
+        raise raised
+
+    events.not_empty._acquire_restore = signal_lands  # type: ignore[attr-defined]
+    with pytest.raises(type(raised)) as caught:
+        next_event(events)
+    assert caught.value is raised
+    del events.not_empty._acquire_restore  # the queue as it was: it works on
+    events.put(("exit", "gpu0"))
+    assert next_event(events) == ("exit", "gpu0")

@@ -226,9 +226,8 @@ class LocalExecutor:
         first_error: BaseException | None = None
         errors: list[BaseException] = []
         while alive:
-            try:
-                event = events.get(timeout=POLL_S)
-            except queue.Empty:
+            event = next_event(events)
+            if event is None:
                 continue
             kind, label = event[0], event[1]
             if kind == "session":
@@ -299,14 +298,32 @@ class LocalExecutor:
         fleet: Fleet, events: queue.Queue[tuple[Any, ...]], threads: list[threading.Thread]
     ) -> None:
         while any(t.is_alive() for t in threads) or not events.empty():
-            try:
-                event = events.get(timeout=POLL_S)
-            except queue.Empty:
+            event = next_event(events)
+            if event is None:
                 continue
             if event[0] == "shipment":
                 fleet.shipped(event[1], event[2])
             elif event[0] == "note":
                 fleet.note(f"{event[1]}: {event[2]}")
+
+
+def next_event(events: queue.Queue[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+    """The workers' next event, None after POLL_S without one. A signal's exception (Ctrl-C,
+    SIGTERM, raised in this thread by `dvfs.signals`) that lands while the queue takes its
+    lock back after waiting leaves that lock unheld, and the queue's own `with` then fails
+    "release unlocked lock": the interruption is raised instead, as the signal meant (an
+    internal error, exit 1, it was)."""
+    from dvfs.signals import Interrupted
+
+    try:
+        return events.get(timeout=POLL_S)
+    except queue.Empty:
+        return None
+    except RuntimeError as exc:
+        behind = exc.__context__
+        if isinstance(behind, (KeyboardInterrupt, Interrupted)):
+            raise behind from None
+        raise
 
 
 def _refusal(error: BaseException) -> bool:
