@@ -96,6 +96,22 @@ GIVE_UP_AFTER = 2
 
 
 @contextlib.contextmanager
+def lock_left_unheld_is_the_interruption() -> Iterator[None]:
+    """Around a wait on a lock-based condition (a `queue.Queue`'s get, a `threading.Event`'s
+    wait) in the thread `signals_raise` raises in: a signal's exception that lands while the
+    wait takes its lock back leaves the lock unheld, and the wait's own `with` then fails
+    "release unlocked lock" (RuntimeError), hiding the interruption: it is raised instead, as
+    the signal meant (else an internal error, or a cell failed and the sweep going on)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        behind = exc.__context__
+        if isinstance(behind, (KeyboardInterrupt, Interrupted)):
+            raise behind from None
+        raise
+
+
+@contextlib.contextmanager
 def restoring(
     notify: Callable[[str], None] | None = None,
     *,

@@ -598,3 +598,35 @@ def test_cap_show_says_caps_a_gpu_nvml_may_not_talk_to_may_hold(nvml, tmp_path: 
     assert dvfs_in_process("cap", "reset", env=env).returncode == 0
     nvml.fake_update_device(1, errors={"nvmlDeviceGetHandleByIndex": nvml.NVML_ERROR_NO_PERMISSION})
     assert dvfs_in_process("cap", "show", env=env).stderr == ""  # none recorded for it
+
+
+def test_a_signal_landing_as_a_deadlined_calls_wait_wakes_is_the_interruption(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU's calls run on a worker thread, the caller waiting on the call's Event: a Ctrl-C
+    (raised in the caller by `dvfs.signals`) landing as that wait takes its lock back left
+    the lock unheld, and the Event's own `with` failed "release unlocked lock": an internal
+    error, or a cell failed and the sweep going on. It is the KeyboardInterrupt. The landing
+    is made where the race puts it: in the Event's condition taking its lock back."""
+    import time
+
+    from dvfs.gpu import deadline
+
+    def signal_lands(_state: object) -> None:
+        raise KeyboardInterrupt
+
+    made = deadline._Job.__init__
+    jobs: list[deadline._Job] = []
+
+    def landing(job: deadline._Job, *args: object) -> None:
+        made(job, *args)  # type: ignore[arg-type]
+        job.done._cond._acquire_restore = signal_lands  # type: ignore[attr-defined]
+        jobs.append(job)
+
+    def once_the_caller_waits() -> None:  # the call returns as its caller waits on it
+        while not jobs[0].done._cond._waiters:  # type: ignore[attr-defined]
+            time.sleep(0.001)
+
+    monkeypatch.setattr(deadline._Job, "__init__", landing)
+    with pytest.raises(KeyboardInterrupt):
+        deadline.CallWorker("gpu0").call(once_the_caller_waits, (), 60.0)

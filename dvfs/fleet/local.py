@@ -308,22 +308,16 @@ class LocalExecutor:
 
 
 def next_event(events: queue.Queue[tuple[Any, ...]]) -> tuple[Any, ...] | None:
-    """The workers' next event, None after POLL_S without one. A signal's exception (Ctrl-C,
-    SIGTERM, raised in this thread by `dvfs.signals`) that lands while the queue takes its
-    lock back after waiting leaves that lock unheld, and the queue's own `with` then fails
-    "release unlocked lock": the interruption is raised instead, as the signal meant (an
-    internal error, exit 1, it was)."""
-    from dvfs.signals import Interrupted
+    """The workers' next event, None after POLL_S without one; a signal that lands as the
+    queue takes its lock back is the interruption (`lock_left_unheld_is_the_interruption`),
+    not an internal error, exit 1, as it was."""
+    from dvfs.signals import lock_left_unheld_is_the_interruption
 
     try:
-        return events.get(timeout=POLL_S)
+        with lock_left_unheld_is_the_interruption():
+            return events.get(timeout=POLL_S)
     except queue.Empty:
         return None
-    except RuntimeError as exc:
-        behind = exc.__context__
-        if isinstance(behind, (KeyboardInterrupt, Interrupted)):
-            raise behind from None
-        raise
 
 
 def _refusal(error: BaseException) -> bool:

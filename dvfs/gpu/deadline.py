@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from dvfs.errors import GpuError, GpuValueError
+from dvfs.signals import lock_left_unheld_is_the_interruption
 
 T = TypeVar("T")
 
@@ -112,7 +113,9 @@ class CallWorker:
                     target=self._serve, args=(self._queue,), name=f"nvml-{self.name}", daemon=True
                 ).start()
             self._queue.put(job)
-        if not job.done.wait(deadline_s):
+        with lock_left_unheld_is_the_interruption():  # a Ctrl-C as the wait wakes
+            finished = job.done.wait(deadline_s)
+        if not finished:
             with self._lock:
                 if not job.done.is_set():
                     self._hung = job
