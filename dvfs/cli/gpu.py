@@ -788,9 +788,9 @@ def _interruption_told(
 ) -> Iterator[None]:
     """A command that changes GPU settings, interrupted (Ctrl-C, SIGTERM, SIGHUP), ends as an
     interrupted sweep does: the GPUs' settings said (`unrestored`: those left changed and
-    where their state files are; None on the twin, which has none), exit 130; also where the
-    restore it unwound to failed (the restore's error then said too), which else hid the
-    interruption behind an exit 1."""
+    where their state files are; None on the twin, which has none), exit 130/143/129; also
+    where the restore it unwound to failed (the restore's error then said too), which else hid
+    the interruption behind an exit 1."""
     from dvfs.signals import Interrupted
 
     try:
