@@ -7,6 +7,7 @@ temporary folder: exact for a twin campaign, and beside it what the naive protoc
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import (
     folder_journals,
+    model_folder_journals,
     model_journal_paths,
 )
 from dvfs.measure.journal import (
@@ -395,11 +397,11 @@ def plan_dry_run(
     }
     # The folder's other GPU models, none of whose GPUs this run has (a fleet mixing models
     # rerun on some of them): their cells left, as the sweep's note says them (one whose
-    # journal holds no session yet has every cell left).
+    # journal holds no session yet, or is missing from its folder, has every cell left).
     left_for_other_models = {}
     if not refused and not fresh:
-        for path in sorted(out_dir.glob(f"gpu-*/{JOURNAL_NAME}")):
-            if path in journals or not path.is_file():
+        for path in model_folder_journals(out_dir):
+            if path in journals or (os.path.lexists(path) and not path.is_file()):
                 continue
             there = finished_cells(campaign, path, cells)
             left = len([c for c in cells if c.key not in there])

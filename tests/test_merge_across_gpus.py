@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import TINY_EXACT, copy_sweep, figures_drawn_only, replace_block, unsaved_figure
+from conftest import (
+    MIXED_FLEET,
+    TINY_EXACT,
+    copy_sweep,
+    figures_drawn_only,
+    replace_block,
+    unsaved_figure,
+)
 from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
@@ -1191,24 +1198,69 @@ def test_a_merge_with_a_cube_not_recording_its_pairing_still_counts_groups_acros
     assert "2 comparison group(s) measured on more than one GPU" in info.output, info.output
 
 
+def _unmeasured(journal: Path, how: str) -> str:
+    """Leave a GPU model's `journal` unmeasured `how` (empty, or missing from its folder) and
+    return what dvfs says it is."""
+    if how == "missing":
+        journal.unlink()
+        return f"{journal} is missing"
+    journal.write_bytes(b"")
+    return f"{journal} holds no session yet"
+
+
+@pytest.mark.parametrize("how", ["empty", "missing"])
 def test_a_gpu_models_journal_holding_no_session_is_said_left_out(
-    tiny_exact_run, tmp_path: Path
+    tiny_exact_run, tmp_path: Path, how: str
 ) -> None:
     """A fleet folder mixing models, one model's journal empty (its sweep stopped before that
-    model's first session): `dvfs cube build` left it out of the cube silently, the cube then
-    one model's. It says so in one line; with every model's journal empty, the refusal named
-    no journal ("no journal at ..., nor a GPU model's") though there are: it names them."""
+    model's first session) or missing (moved or deleted): `dvfs cube build` left it out of the
+    cube silently, the cube then one model's, read as the whole campaign (a missing one even
+    by `cube info`). It says so in one line; with every model's journal empty, the refusal
+    named no journal ("no journal at ..., nor a GPU model's") though there are: it names
+    them (every one missing: that refusal)."""
     out = copy_sweep(tiny_exact_run("mixed"), tmp_path / "out")
     measured, empty = sorted(out.glob("gpu-*/journal.jsonl"))
-    empty.write_bytes(b"")
+    what = _unmeasured(empty, how)
     (out / "cube.nc").unlink()
     built = invoke("cube", "build", str(out))
     assert built.exit_code == 0, built.output
     said = built.stderr.strip().splitlines()
-    assert said == [
-        f"{empty} holds no session yet (nothing measured on that GPU model): left out of the cube"
-    ], built.output
+    assert said == [f"{what} (nothing measured on that GPU model): left out of the cube"], (
+        built.output
+    )
     assert "gpu" not in open_cube(out / "cube.nc").sizes  # the one model's cube
-    measured.write_bytes(b"")
+    info = invoke("cube", "info", str(out))
+    assert f"left out: {what} (nothing measured on that GPU model)" in info.output, info.output
+    both = f"{_unmeasured(measured, how)}, {what}: nothing measured yet"
     refused = invoke("cube", "build", str(out))
-    assert_one_line_error(refused, 1, f"{measured}, {empty} hold no session: nothing measured")
+    # every model's journal gone: no journal to name, the folder's own nor a model's
+    assert_one_line_error(refused, 1, both if how == "empty" else "no journal at")
+
+
+@pytest.mark.parametrize("how", ["empty", "missing"])
+def test_a_rerun_on_one_model_counts_the_cells_of_a_model_whose_journal_is_gone(
+    tiny_exact_run, tmp_path: Path, how: str
+) -> None:
+    """A fleet folder mixing models, rerun on one model's GPUs, the other's journal empty or
+    missing from its folder: the missing one was passed over, the folder read as finished
+    (nothing said of the other model, its dry run counting nothing left for it). Both say that
+    model's cells are left for its GPUs, as for an empty journal, and a rerun on every model
+    measures them."""
+    run = tiny_exact_run("mixed")
+    out = copy_sweep(run, tmp_path / "out")
+    campaign = str(run.parent / "campaign.toml")
+    h100, h200 = sorted(out.glob("gpu-*/journal.jsonl"))
+    assert "h200" in h200.parent.name
+    _unmeasured(h200, how)
+    cells = len([r for r in read_records(h100) if r.get("type") == "cell"])
+    left = f"{h200.parent.name}: {cells} cell(s) left for GPUs of that model (none in this run)"
+    planned = invoke("sweep", campaign, "--gpus", "0", "--out", str(out), "--dry-run", "--json")
+    assert planned.exit_code == 0, planned.output
+    assert json.loads(planned.stdout)["left_for_other_models"] == {h200.parent.name: cells}
+    rerun = invoke("sweep", campaign, "--gpus", "0", "--out", str(out), "--no-progress")
+    assert rerun.exit_code == 0, rerun.output
+    assert left in " ".join(rerun.output.split()), rerun.output
+    whole = invoke("sweep", campaign, *MIXED_FLEET, "--out", str(out), "--no-progress")
+    assert whole.exit_code == 0, whole.output
+    assert f"{cells} cell(s) measured, 0 failed, {cells} already done" in whole.output
+    assert open_cube(out / "cube.nc").sizes["gpu"] == 2

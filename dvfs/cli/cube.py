@@ -55,6 +55,7 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
     from dvfs.fleet.shard_journal import shard_cube
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.outputs import is_stream
+    from dvfs.report.headroom import holds_no_session
 
     # into a pipe (`-o /dev/stdout | ...`) the cube alone: its line after it would be in it
     err = out_path is not None and is_stream(out_path)
@@ -62,9 +63,8 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
     unmeasured = unmeasured_journals(sweep_dir)
     if not journals and unmeasured:
         raise CubeError(
-            f"{', '.join(map(str, unmeasured))} "
-            f"{'holds' if len(unmeasured) == 1 else 'hold'} no session: nothing measured "
-            "yet, nothing to put in a cube; run its `dvfs sweep` command to measure it"
+            f"{', '.join(map(holds_no_session, unmeasured))}: nothing measured yet, nothing "
+            "to put in a cube; run its `dvfs sweep` command to measure it"
         )
     if not journals:
         raise CubeError(
@@ -80,7 +80,7 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
     for journal in unmeasured:
         # left out of the cube: said, or a model the fleet never measured went unnoticed
         click.echo(
-            f"{journal} holds no session yet (nothing measured on that GPU model): left out "
+            f"{holds_no_session(journal)} (nothing measured on that GPU model): left out "
             "of the cube",
             err=True,
         )
@@ -340,6 +340,7 @@ def _shard_model_not_begun(loaded: list[tuple[Any, str]]) -> str | None:
     from dvfs.fleet.folders import model_folder
     from dvfs.fleet.shard import cube_shard
     from dvfs.measure.journal import JOURNAL_NAME
+    from dvfs.report.headroom import holds_no_session
 
     def models(ds: Any) -> list[str]:
         if "gpu" not in ds.dims:
@@ -366,8 +367,8 @@ def _shard_model_not_begun(loaded: list[tuple[Any, str]]) -> str | None:
             if model is not None and model not in models(ds):
                 return (
                     f"cannot merge yet: shard {shard.label} ({folder}) has measured nothing on "
-                    f"{model}, which the other shards measured on ({journal} holds no session "
-                    "yet, so its cube leaves that model out): resume it with its `dvfs sweep "
+                    f"{model}, which the other shards measured on ({holds_no_session(journal)}"
+                    ", so its cube leaves that model out): resume it with its `dvfs sweep "
                     f"CAMPAIGN --shard {shard.label} --out {folder}` command again without "
                     "--fresh, on GPUs of every model, then merge again"
                 )

@@ -769,6 +769,7 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
     """After an interrupted sweep: say where its partial cube is (or why there is none; or
     that it is whole, a finished folder stopped before anything was left to measure) and
     return the line on the GPUs' settings, to which the caller adds how to resume."""
+    from dvfs.report.headroom import holds_no_session
     from dvfs.sweep import after_interruption
 
     left = after_interruption(campaign, out_dir, shard)
@@ -782,7 +783,7 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
         err.print(f"partial cube written to {escape(str(left.cube_path))}", soft_wrap=True)
     for journal in left.left_out:  # as `dvfs cube build` says it: else the model goes unnoticed
         err.print(
-            f"{escape(str(journal))} holds no session yet (nothing measured on that GPU model): "
+            f"{escape(holds_no_session(journal))} (nothing measured on that GPU model): "
             "left out of the cube",
             soft_wrap=True,
             highlight=False,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dvfs.errors import CubeError, IncomparableCellsError, MergeRefusedError, NoJournalError
-from dvfs.fleet.shard_journal import has_sessions
+from dvfs.fleet.shard_journal import has_sessions, model_folder_journals
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -31,20 +31,22 @@ def cube_journals(out_dir: Path) -> list[Path]:
         return [own]
     # A model's journal that is no regular file (a folder, a FIFO, a link in a loop) is kept,
     # for the journal's reader to refuse: left out, the cube was built without that model.
-    found = [d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")) if d.is_dir()]
+    found = model_folder_journals(out_dir)
     return [p for p in found if os.path.lexists(p) and (not p.is_file() or has_sessions(p))]
 
 
 def unmeasured_journals(out_dir: Path) -> list[Path]:
     """The GPU models' journals `cube_journals` leaves out of `out_dir`'s cube: files that hold
-    no session yet (empty, or a header alone: nothing measured on that model), for the line
-    that says so. Empty where the folder has its own journal (the models' are not read)."""
+    no session yet (empty, or a header alone: nothing measured on that model), and a model
+    folder's journal that is missing (moved or deleted: the sweep measures that model again),
+    for the line that says so, else the cube reads as the whole campaign. Empty where the
+    folder has its own journal (the models' are not read)."""
     from dvfs.measure.journal import JOURNAL_NAME
 
     if os.path.lexists(out_dir / JOURNAL_NAME):
         return []
-    found = [d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")) if d.is_dir()]
-    return [p for p in found if p.is_file() and not has_sessions(p)]
+    found = model_folder_journals(out_dir)
+    return [p for p in found if not os.path.lexists(p) or (p.is_file() and not has_sessions(p))]
 
 
 def left_out_of(cube_path: Path) -> list[Path]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,12 @@ from dvfs.fleet.folders import (
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.refusal import server_refusal
 from dvfs.fleet.shard import Shard, planned_cells
-from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
+from dvfs.fleet.shard_journal import (
+    check_shard,
+    folder_journals,
+    has_sessions,
+    model_folder_journals,
+)
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal, resume_advice
 from dvfs.measure.plan import Cell, cell_label
@@ -891,18 +897,19 @@ def run_fleet(
                 done = [d.journal.path for d in fleet.drivers.values()]
                 # A fleet of several models rerun on some of them (a node lost): the others'
                 # journals keep their cells, and their cubes still join the merged one; one
-                # that holds no session yet (its model's worker lost before its first cell)
-                # has every cell left, said too, and no cube to join.
+                # that holds no session yet (its model's worker lost before its first cell),
+                # or is missing from its model's folder, has every cell left, said too, and
+                # no cube to join.
                 others = [
                     path
-                    for path in sorted(out_dir.glob("gpu-*/journal.jsonl"))
-                    if path not in done and path.is_file()
+                    for path in model_folder_journals(out_dir)
+                    if path not in done and (path.is_file() or not os.path.lexists(path))
                 ]
                 for path in others:
                     finished = whole_groups_done(
                         campaign.measurement.mode,
                         cells,
-                        Journal(path, iter_records(path)).finished(),
+                        Journal(path, iter_records(path)).finished() if path.is_file() else set(),
                     )
                     left = sum(c.key not in finished for c in cells)
                     if left and progress is not None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dvfs.campaign import Campaign
 from dvfs.errors import JournalError
-from dvfs.fleet.shard_journal import has_sessions, model_journal_paths
+from dvfs.fleet.shard_journal import has_sessions, model_folder_journals, model_journal_paths
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
 
@@ -168,7 +168,8 @@ def journals_done(
     other GPUs is refused, as resuming an unfinished folder on them is); None: not known."""
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
 
-    paths = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME)) or [out_dir / JOURNAL_NAME]
+    # a model's journal missing from its folder too: that model has every cell left
+    paths = model_folder_journals(out_dir) or [out_dir / JOURNAL_NAME]
     if models is not None:
         names = set(models)
         if paths[0].parent == out_dir:  # one model's run: the models its GPUs were

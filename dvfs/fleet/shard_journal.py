@@ -97,6 +97,18 @@ def model_journal_paths(out_dir: Path) -> list[Path]:
     return [path for path in found if os.path.lexists(path)]
 
 
+def model_folder_journals(out_dir: Path) -> list[Path]:
+    """Each GPU model folder's journal path in `out_dir` (`gpu-*/journal.jsonl`), sorted, a
+    missing one too (moved or deleted: that model has every cell left), so that a fleet's
+    count of its other models' cells, its cube's left-out models and whether it is done do
+    not skip it. None where no model's journal is there (not a fleet mixing models: a
+    `gpu-*` folder of the user's own beside a one-model run is none of dvfs's)."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    found = [d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")) if d.is_dir()]
+    return found if any(os.path.lexists(path) for path in found) else []
+
+
 def check_shard(journal: Path, shard: Shard | None) -> None:
     """Refuse a run of `shard` (None: the whole campaign) into the folder of `journal`, as
     `claim_shard` would once it opens it: a shard dealt otherwise (`check_deal`), or

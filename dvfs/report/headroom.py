@@ -390,11 +390,20 @@ def partial_note(doc: dict[str, Any]) -> str | None:
     )
 
 
+def holds_no_session(journal: object) -> str:
+    """What a GPU model's journal left out of its fleet's cube is: one holding no session yet,
+    or one missing from the model's folder (moved or deleted: nothing measured is left)."""
+    import os
+
+    return f"{journal} {'holds no session yet' if os.path.lexists(str(journal)) else 'is missing'}"
+
+
 def left_out_note(journal: object) -> str:
-    """The line saying a cube leaves out the GPU model whose `journal` holds no session yet,
-    and how to measure it: one wording for `dvfs cube info`, `dvfs headroom` and `dvfs report`."""
+    """The line saying a cube leaves out the GPU model whose `journal` holds no session yet
+    (or is missing), and how to measure it: one wording for `dvfs cube info`, `dvfs headroom`
+    and `dvfs report`."""
     return (
-        f"left out: {journal} holds no session yet (nothing measured on that GPU model): the "
+        f"left out: {holds_no_session(journal)} (nothing measured on that GPU model): the "
         "cube leaves that model out; run the `dvfs sweep` command again without --fresh, its "
         "--gpus naming GPUs of that model, to measure it"
     )
