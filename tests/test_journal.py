@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 from conftest import TINY, copy_sweep, replace_block, write
+from hypothesis import given, settings
 
 from dvfs.cli import cli
 from dvfs.errors import JournalError
@@ -371,20 +372,15 @@ def _json_values() -> Any:
     )
 
 
-def test_json_safe_equals_what_it_was_before_its_fast_paths() -> None:
+@settings(max_examples=300, deadline=None)
+@given(_json_values())
+def test_json_safe_equals_what_it_was_before_its_fast_paths(value: Any) -> None:
     """`json_safe` (every journal line's and --json output's) takes exact dicts, lists,
     tuples and floats without a call per value: its results are the earlier ones, type for
     type (`repr`: True is not 1, 1.0 not 1, a numpy scalar not a float), key order kept."""
-    from hypothesis import given, settings
-
     from dvfs.report import json_safe
 
-    @settings(max_examples=300, deadline=None)
-    @given(_json_values())
-    def check(value: Any) -> None:
-        assert repr(json_safe(value)) == repr(_json_safe_as_it_was(value))
-
-    check()
+    assert repr(json_safe(value)) == repr(_json_safe_as_it_was(value))
 
 
 def _demo_sweeps_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
