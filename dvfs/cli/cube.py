@@ -51,7 +51,12 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
     """`dvfs cube build`'s work: the cube (or a fleet's cubes) from SWEEP_DIR's journals."""
     from dvfs.cube import CUBE_NAME
     from dvfs.errors import CubeError
-    from dvfs.fleet.cubes import cube_journals, unmeasured_journals, write_cubes
+    from dvfs.fleet.cubes import (
+        cube_journals,
+        model_marked,
+        unmeasured_journals,
+        write_cubes,
+    )
     from dvfs.fleet.shard_journal import shard_cube
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.outputs import is_stream
@@ -73,8 +78,10 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
             "`dvfs sweep`?"
         )
     if journals == [sweep_dir / JOURNAL_NAME]:
-        # marked with the shard the journal holds, if any, as the sweep's own cube is
-        path = _write(shard_cube(journals[0]), out_path or sweep_dir / CUBE_NAME)
+        # marked with the shard the journal holds, if any, as the sweep's own cube is; a
+        # fleet's GPU model's folder (`gpu-<model>/`) as that model's, as the fleet marks it
+        cube = model_marked(shard_cube(journals[0]), journals[0])
+        path = _write(cube, out_path or sweep_dir / CUBE_NAME)
         click.echo(f"cube: {path}", err=err)
         return
     for journal in unmeasured:

@@ -659,31 +659,51 @@ def _on_models(doc: dict[str, Any]) -> str:
     )
 
 
+#: A cube's attribute marking it as one GPU model's own cube of a fleet mixing GPU models (the
+#: `gpu-<model>/cube.nc` beside the fleet's merged cube): that model's name. Its cells left
+#: are on that model alone: the sweep's command again measures them only with its --gpus
+#: naming GPUs of that model (`models_left`), not after a rerun on the other models alone.
+FLEET_MODEL_ATTR = "fleet_model"
+
+
 def models_left(ds: xr.Dataset) -> dict[str, Any]:
     """For an analysis document: `models_left`, the GPU models whose GPUs the sweep's --gpus
     must name to measure the cells left, where the cube a fleet mixing GPU models wrote has
-    cells left (missing, or failed) on some of its models only; {} otherwise (no cell left,
-    every model's, one model, a shard's cube or one merged from shards: their own advice)."""
-    from dvfs.analysis.headroom import grid_cells, unasked_repeats
-
-    if "cell_status" not in ds or "gpu" not in ds["cell_status"].dims or shards_of(ds):
+    cells left (missing, or failed) on some of its models only, or one such model's own cube
+    (`FLEET_MODEL_ATTR`) has cells left; {} otherwise (no cell left, every model's, one
+    model's run, a shard's cube or one merged from shards: their own advice)."""
+    if "cell_status" not in ds or shards_of(ds):
         return {}
+    own = ds.attrs.get(FLEET_MODEL_ATTR)
+    if "gpu" not in ds["cell_status"].dims:
+        return {"models_left": [str(own)]} if own and _cells_left(ds).any() else {}
     try:
         names = [str(m) for m in json.loads(str(ds.attrs.get("gpu_names", "")))]
     except ValueError:
         return {}
     if len(names) != ds.sizes["gpu"] or len(set(names)) < 2:
         return {}
-    status = ds["cell_status"].values
-    in_grid = grid_cells(ds)
-    not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values & in_grid
-    left = ((status == STATUS_MISSING) & ~not_needed & in_grid) | (status == STATUS_FAILED)
+    left = _cells_left(ds)
     axis = ds["cell_status"].dims.index("gpu")
     on = np.asarray(np.moveaxis(left, axis, 0).reshape(len(names), -1).any(axis=1), dtype=bool)
     waiting = sorted({m for i, m in enumerate(names) if on[i]})
     if not waiting or len(waiting) == len(set(names)):
         return {}
     return {"models_left": waiting}
+
+
+def _cells_left(ds: xr.Dataset) -> np.ndarray:
+    """Which of the cube's cells (along `cell_status`'s dimensions) are left to measure: not
+    measured yet where the grid asks for them, or failed (a rerun retries them)."""
+    from dvfs.analysis.headroom import grid_cells, unasked_repeats
+
+    status = ds["cell_status"].values
+    in_grid = grid_cells(ds)
+    not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values & in_grid
+    return np.asarray(
+        ((status == STATUS_MISSING) & ~not_needed & in_grid) | (status == STATUS_FAILED),
+        dtype=bool,
+    )
 
 
 def shards_of(ds: xr.Dataset) -> dict[str, Any]:
