@@ -177,7 +177,7 @@ def _render(summary: dict[str, Any]) -> None:
     )
     table.add_row("precision", escape(precision_text(summary["precision_missed"])))
     if summary["shard"] is not None:
-        table.add_row("shard", escape(str(shard_note(summary["shard"]))))
+        table.add_row("shard", escape(str(shard_note(summary["shard"], summary))))
     if summary["resume"] is not None:
         table.add_row("resume", escape(summary["resume"]))
     if str(summary["measurement_mode"]).startswith("in-flight"):
@@ -303,12 +303,17 @@ def unfinished_note(merged: Any, *, shards: bool) -> str | None:
     waiting = cov["missing"] + cov["failed"]
     if not waiting:
         return None
+    from dvfs.cube.info import models_left, models_left_advice
+
     parts = "shards" if shards else "cubes' sweeps"
     command = "its `dvfs sweep --shard I/N` command" if shards else "its `dvfs sweep` command"
+    # shards of a fleet mixing GPU models whose cells left are on some models only: their
+    # commands again on the others' GPUs (after a rerun on those) measure none of them
+    gpus = models_left_advice(models_left(merged)) if shards else ""
     return (
         f"{waiting} of {cov['cells']} cells are not measured yet ({cov['missing']} never run, "
         f"{cov['failed']} failed): the {parts} are unfinished; resume each with {command} "
-        "again without --fresh (which starts over), then merge again"
+        f"again without --fresh (which starts over){gpus}, then merge again"
     )
 
 
