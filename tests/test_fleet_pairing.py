@@ -556,6 +556,53 @@ def test_the_analyses_after_a_rerun_on_some_models_name_the_models_left(
     assert "models_left" not in doc and not doc["coverage"]["missing"], doc["coverage"]
 
 
+def test_a_models_own_cube_after_a_rerun_on_the_others_names_its_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models whose H200 worker was lost after two cells, rerun on the H100
+    alone: the H200's own cube (gpu-nvidia-h200-twin/cube.nc), analysed alone, said 'run the
+    same `dvfs sweep` command again', which (on the H100 alone) measures none of its cells:
+    nothing in it said it is one model's of a mixed fleet. It is marked, and `cube info`,
+    `dvfs headroom`, `dvfs compare` and `dvfs report` of it name the model's --gpus; the H100's
+    own (whole) and the fleet's merged cube carry no such advice or mark."""
+    campaign, out = _h200_lost_after(tmp_path, monkeypatch, 2)
+    assert sweep(str(campaign), "--gpus", "0", "--out", str(out)).exit_code == 0
+    own = out / "gpu-nvidia-h200-twin" / "cube.nc"
+    named = "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model"
+
+    def said_of(path: Path) -> None:
+        resume = json.loads(CliRunner().invoke(cli, ["cube", "info", str(path), "--json"]).output)
+        assert named in resume["resume"], resume["resume"]
+        for command in ("headroom", "compare"):
+            said = CliRunner().invoke(cli, [command, str(path)])
+            assert said.exit_code == 0, said.output
+            assert named in " ".join(said.output.split()), said.output
+            doc = json.loads(CliRunner().invoke(cli, [command, str(path), "--json"]).stdout)
+            assert doc["models_left"] == ["NVIDIA H200 (twin)"], doc.get("models_left")
+        report = tmp_path / "report.md"
+        made = CliRunner().invoke(cli, ["report", str(path), "-o", str(report)])
+        assert made.exit_code == 0, made.output
+        assert named in " ".join(report.read_text().replace("\\", "").split())
+
+    said_of(own)
+    from dvfs.cube.info import FLEET_MODEL_ATTR
+
+    assert open_cube(own).attrs[FLEET_MODEL_ATTR] == "NVIDIA H200 (twin)"
+    assert FLEET_MODEL_ATTR not in open_cube(out / "cube.nc").attrs  # the models' merged cube
+    # `dvfs cube build` of the model's folder alone rebuilds its cube marked alike
+    built = CliRunner().invoke(cli, ["cube", "build", str(own.parent)])
+    assert built.exit_code == 0, built.output
+    said_of(own)
+    whole = out / "gpu-nvidia-h100-80gb-hbm3-twin" / "cube.nc"
+    assert open_cube(whole).attrs[FLEET_MODEL_ATTR] == "NVIDIA H100 80GB HBM3 (twin)"
+    info = json.loads(CliRunner().invoke(cli, ["cube", "info", str(whole), "--json"]).output)
+    assert info["resume"] is None, info["resume"]  # nothing left on the H100
+    again = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    info = json.loads(CliRunner().invoke(cli, ["cube", "info", str(own), "--json"]).output)
+    assert info["resume"] is None, info["resume"]
+
+
 def test_a_failed_reference_on_the_model_left_after_a_rerun_names_the_model_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

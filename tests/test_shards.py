@@ -626,6 +626,63 @@ def test_a_shard_whose_gpu_model_measured_nothing_yet_is_to_be_resumed_not_rerun
     assert_same_cells(open_cube(merged), open_cube(tiny_exact_run("mixed") / "cube.nc"))
 
 
+def test_a_mixed_shard_rerun_on_some_models_names_the_models_left_and_its_merge_too(
+    tiny_exact_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards run on an H100 and an H200 (`--gpus 0,h200-sxm:0`), shard 1's H200 worker lost
+    after its first cell, shard 1 then rerun on the H100 alone (`--gpus 0`): shard 1's cube,
+    its H200's own, `dvfs cube merge` of the shards and the merged cube all said to run the
+    shard's `dvfs sweep --shard` command again, which (on the H100 alone) measures none of
+    the H200's cells left. Each names the model whose GPUs the command's --gpus must name
+    (the other shard's cells, missing from shard 1's cube, do not count); the H100's own cube
+    of shard 1, whole, names none. Followed, the merge is the whole fleet's."""
+    from dvfs.fleet.worker import Worker
+
+    campaign = str(write(tmp_path / "tiny.toml", TINY_EXACT))
+    s0, s1 = tiny_exact_run("mixed-s0"), tmp_path / "s1"
+    run = Worker.run
+    calls = {"n": 0}
+
+    def lost_after_one(self: Worker, cell: object) -> object:
+        if "h200" in self.label:
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", lost_after_one)
+    args = ("sweep", campaign, "--shard", "1/2", "--out", str(s1), "--no-progress")
+    assert CliRunner().invoke(cli, [*args, *MIXED_FLEET]).exit_code == 1
+    monkeypatch.setattr(Worker, "run", run)
+    assert invoke(*args, "--gpus", "0").exit_code == 0
+    named = "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model"
+    h200 = s1 / "gpu-nvidia-h200-twin" / "cube.nc"
+    for cube in (s1 / "cube.nc", h200):
+        said = " ".join(invoke("headroom", str(cube)).output.split())
+        assert f"--shard 1/2` command measures when run again without --fresh, {named}" in said
+        info = json.loads(invoke("cube", "info", str(cube), "--json").output)
+        assert info.get("models_left") == ["NVIDIA H200 (twin)"], info.get("models_left")
+    shown = " ".join(invoke("cube", "info", str(s1)).output.split())
+    assert f"without --fresh, {named}" in shown, shown  # its shard row
+    h100 = json.loads(
+        invoke("cube", "info", str(s1 / "gpu-nvidia-h100-80gb-hbm3-twin"), "--json").output
+    )
+    assert "models_left" not in h100, h100  # shard 1's H100 cells are all in
+    merged = tmp_path / "merged.nc"
+    made = invoke("cube", "merge", str(s0), str(s1), "-o", str(merged))
+    assert made.exit_code == 0, made.output
+    assert f"without --fresh (which starts over), {named}" in " ".join(made.output.split())
+    for command in ("headroom", "compare"):
+        said = " ".join(invoke(command, str(merged)).output.split())
+        assert f"--out {s1}), {named}" in said, said
+    info = json.loads(invoke("cube", "info", str(merged), "--json").output)
+    assert named in info["resume"] and info.get("models_left") == ["NVIDIA H200 (twin)"], info
+    assert invoke(*args, *MIXED_FLEET).exit_code == 0
+    whole = invoke("cube", "merge", str(s0), str(s1), "-o", str(merged))
+    assert whole.exit_code == 0 and "Note" not in whole.output, whole.output
+    assert_same_cells(open_cube(merged), open_cube(tiny_exact_run("mixed") / "cube.nc"))
+
+
 def _begun_by_an_earlier_dvfs(folder: Path, *, cells: int | None = None) -> Path:
     """`folder` as a dvfs before the shard record named its dealing left it: the shard record
     without `deal` (that dvfs cut contiguous slices), and only the first `cells` cell records

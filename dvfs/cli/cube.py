@@ -51,7 +51,12 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
     """`dvfs cube build`'s work: the cube (or a fleet's cubes) from SWEEP_DIR's journals."""
     from dvfs.cube import CUBE_NAME
     from dvfs.errors import CubeError
-    from dvfs.fleet.cubes import cube_journals, unmeasured_journals, write_cubes
+    from dvfs.fleet.cubes import (
+        cube_journals,
+        model_marked,
+        unmeasured_journals,
+        write_cubes,
+    )
     from dvfs.fleet.shard_journal import shard_cube
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.outputs import is_stream
@@ -73,8 +78,10 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
             "`dvfs sweep`?"
         )
     if journals == [sweep_dir / JOURNAL_NAME]:
-        # marked with the shard the journal holds, if any, as the sweep's own cube is
-        path = _write(shard_cube(journals[0]), out_path or sweep_dir / CUBE_NAME)
+        # marked with the shard the journal holds, if any, as the sweep's own cube is; a
+        # fleet's GPU model's folder (`gpu-<model>/`) as that model's, as the fleet marks it
+        cube = model_marked(shard_cube(journals[0]), journals[0])
+        path = _write(cube, out_path or sweep_dir / CUBE_NAME)
         click.echo(f"cube: {path}", err=err)
         return
     for journal in unmeasured:
@@ -170,7 +177,7 @@ def _render(summary: dict[str, Any]) -> None:
     )
     table.add_row("precision", escape(precision_text(summary["precision_missed"])))
     if summary["shard"] is not None:
-        table.add_row("shard", escape(str(shard_note(summary["shard"]))))
+        table.add_row("shard", escape(str(shard_note(summary["shard"], summary))))
     if summary["resume"] is not None:
         table.add_row("resume", escape(summary["resume"]))
     if str(summary["measurement_mode"]).startswith("in-flight"):
@@ -296,12 +303,17 @@ def unfinished_note(merged: Any, *, shards: bool) -> str | None:
     waiting = cov["missing"] + cov["failed"]
     if not waiting:
         return None
+    from dvfs.cube.info import models_left, models_left_advice
+
     parts = "shards" if shards else "cubes' sweeps"
     command = "its `dvfs sweep --shard I/N` command" if shards else "its `dvfs sweep` command"
+    # shards of a fleet mixing GPU models whose cells left are on some models only: their
+    # commands again on the others' GPUs (after a rerun on those) measure none of them
+    gpus = models_left_advice(models_left(merged)) if shards else ""
     return (
         f"{waiting} of {cov['cells']} cells are not measured yet ({cov['missing']} never run, "
         f"{cov['failed']} failed): the {parts} are unfinished; resume each with {command} "
-        "again without --fresh (which starts over), then merge again"
+        f"again without --fresh (which starts over){gpus}, then merge again"
     )
 
 

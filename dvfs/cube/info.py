@@ -342,6 +342,8 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     missing = int(((status == STATUS_MISSING) & ~not_needed & in_grid).sum())
     failed = int((status == STATUS_FAILED).sum())
     shards = shards_of(ds)
+    # the GPU models whose GPUs the sweep's --gpus must name to measure the cells left
+    waiting = models_left(ds) if missing or failed else {}
     return {
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
         "schema": int(ds.attrs.get("dvfs_schema", 0)),
@@ -387,10 +389,11 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         # What measures the cells left (failed ones are retried), as `dvfs headroom` advises
         # (`resume_note`); None when none is left. A shard's cube says it in `shard_note`.
         "resume": (
-            resume_note({**shards, **models_left(ds)})
+            resume_note({**shards, **waiting})
             if (missing or failed) and not shards.get("shard")
             else None
         ),
+        **waiting,
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": flags,
@@ -557,16 +560,18 @@ def shard_label(ds: xr.Dataset) -> str | None:
     return None if label is None else str(label)
 
 
-def shard_note(label: str | None) -> str | None:
+def shard_note(label: str | None, doc: dict[str, Any] | None = None) -> str | None:
     """What a shard's cube does not hold, for every command that counts its cells: the other
-    shards' cells are missing from it, and sweeping this shard again does not measure them."""
+    shards' cells are missing from it, and sweeping this shard again does not measure them.
+    `doc`: the analysis document, whose `models_left` (a shard of a fleet mixing GPU models
+    whose own cells left are on some models only) the shard's command must name GPUs of."""
     if label is None:
         return None
     return (
         f"this is shard {label}'s cube: the other shards' cells count as missing here (and "
         f"any of its own not measured yet, which its `dvfs sweep CAMPAIGN --shard {label}` "
-        "command measures when run again without --fresh); merge every shard (`dvfs cube "
-        "merge SHARD_DIRS -o cube.nc`) for the whole campaign"
+        f"command measures when run again without --fresh{models_left_advice(doc or {})}); merge "
+        "every shard (`dvfs cube merge SHARD_DIRS -o cube.nc`) for the whole campaign"
     )
 
 
@@ -603,17 +608,18 @@ def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
         return (
             f"this is shard {shard}'s cube, and another shard may hold {what}: run each shard's "
             f"`dvfs sweep CAMPAIGN --shard I/{count}` (shard {shard}'s again for its own "
-            "cells left), then `dvfs cube merge SHARD_DIRS -o cube.nc` and analyse the merged "
-            "cube"
+            f"cells left{models_left_advice(doc)}), then `dvfs cube merge SHARD_DIRS -o "
+            "cube.nc` and analyse the merged cube"
         )
     merged = doc.get("merged_shards")
     if merged:
         count = str(next(iter(merged.values()))).partition("/")[2]
         each = ", ".join(f"--shard {label} --out {folder}" for folder, label in merged.items())
+        gpus = models_left_advice(doc)
         return (
             f"this cube is merged from {len(merged)} shards: rerun the unfinished shards' "
-            f"`dvfs sweep CAMPAIGN --shard I/{count} --out SHARD_DIR` ({each}) to measure "
-            f"{what}, then `dvfs cube merge` them again"
+            f"`dvfs sweep CAMPAIGN --shard I/{count} --out SHARD_DIR` ({each}){gpus}"
+            f"{',' if gpus else ''} to measure {what}, then `dvfs cube merge` them again"
         )
     folders = doc.get("merged_cubes")
     if folders:
@@ -626,7 +632,7 @@ def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
     # without --fresh: the same command with it moves the journal aside and starts over
     return (
         "resume the sweep: run the same `dvfs sweep` command again without --fresh (which "
-        f"starts over) to measure {what}{_on_models(doc)}"
+        f"starts over) to measure {what}{models_left_advice(doc)}"
     )
 
 
@@ -636,19 +642,20 @@ def resume_note(doc: dict[str, Any]) -> str:
     again for a cube merged from shards or from sweeps run apart (`resume_advice`), else the
     sweep's own command again."""
     if doc.get("shard"):
-        return str(shard_note(str(doc["shard"])))
+        return str(shard_note(str(doc["shard"]), doc))
     if doc.get("merged_shards") or doc.get("merged_cubes"):
         return resume_advice("them", doc)
     return (
         "run the same `dvfs sweep` command again without --fresh (which starts over) to resume "
-        f"it{_on_models(doc)}"
+        f"it{models_left_advice(doc)}"
     )
 
 
-def _on_models(doc: dict[str, Any]) -> str:
-    """What the sweep's command again needs where the cells left are on some GPU models only
-    (`models_left` of the document): its --gpus naming GPUs of them, as "the same command"
-    rerun on the other models alone (after a node of one model was lost) measures none."""
+def models_left_advice(doc: dict[str, Any]) -> str:
+    """What the sweep's (or a shard's) command again needs where the cells left are on some
+    GPU models only (`models_left` of the document): its --gpus naming GPUs of them, as "the
+    same command" rerun on the other models alone (after a node of one model was lost)
+    measures none. The one wording of it, for every advice that names a command."""
     waiting = doc.get("models_left")
     if not waiting:
         return ""
@@ -659,31 +666,83 @@ def _on_models(doc: dict[str, Any]) -> str:
     )
 
 
+#: A cube's attribute marking it as one GPU model's own cube of a fleet mixing GPU models (the
+#: `gpu-<model>/cube.nc` beside the fleet's merged cube): that model's name. Its cells left
+#: are on that model alone: the sweep's command again measures them only with its --gpus
+#: naming GPUs of that model (`models_left`), not after a rerun on the other models alone.
+FLEET_MODEL_ATTR = "fleet_model"
+
+
 def models_left(ds: xr.Dataset) -> dict[str, Any]:
     """For an analysis document: `models_left`, the GPU models whose GPUs the sweep's --gpus
     must name to measure the cells left, where the cube a fleet mixing GPU models wrote has
-    cells left (missing, or failed) on some of its models only; {} otherwise (no cell left,
-    every model's, one model, a shard's cube or one merged from shards: their own advice)."""
-    from dvfs.analysis.headroom import grid_cells, unasked_repeats
-
-    if "cell_status" not in ds or "gpu" not in ds["cell_status"].dims or shards_of(ds):
+    cells left (missing, or failed) on some of its models only, or one such model's own cube
+    (`FLEET_MODEL_ATTR`) has cells left: also a shard's (its own cells left, not the other
+    shards') and one merged from shards, whose advice names the shards' commands. {}
+    otherwise (no cell left, every model's, one model's run, a cube merged from sweeps run
+    apart: each its own command, or a shard's whose cells this dvfs cannot tell)."""
+    shards = shards_of(ds)
+    if "cell_status" not in ds or shards.get("merged_cubes"):
         return {}
-    try:
-        names = [str(m) for m in json.loads(str(ds.attrs.get("gpu_names", "")))]
-    except ValueError:
+    own = ds.attrs.get(FLEET_MODEL_ATTR)
+    names: list[str] = []
+    if "gpu" in ds["cell_status"].dims:
+        try:
+            names = [str(m) for m in json.loads(str(ds.attrs.get("gpu_names", "")))]
+        except ValueError:
+            return {}
+        if len(names) != ds.sizes["gpu"] or len(set(names)) < 2:
+            return {}
+    elif not own:
         return {}
-    if len(names) != ds.sizes["gpu"] or len(set(names)) < 2:
-        return {}
-    status = ds["cell_status"].values
-    in_grid = grid_cells(ds)
-    not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values & in_grid
-    left = ((status == STATUS_MISSING) & ~not_needed & in_grid) | (status == STATUS_FAILED)
+    left = _cells_left(ds)
+    if shards.get("shard"):
+        # the other shards' cells count as missing in a shard's cube: its own are left
+        mine = _shard_cells(ds)
+        if mine is None:
+            return {}
+        left &= mine
+    if not names:
+        return {"models_left": [str(own)]} if left.any() else {}
     axis = ds["cell_status"].dims.index("gpu")
     on = np.asarray(np.moveaxis(left, axis, 0).reshape(len(names), -1).any(axis=1), dtype=bool)
     waiting = sorted({m for i, m in enumerate(names) if on[i]})
     if not waiting or len(waiting) == len(set(names)):
         return {}
     return {"models_left": waiting}
+
+
+def _shard_cells(ds: xr.Dataset) -> np.ndarray | None:
+    """Which of a shard's cube's cells (along `cell_status`'s dimensions) are the shard's own
+    (`cube_shard_groups`); None where the cube cannot say."""
+    import xarray as xr
+
+    from dvfs.fleet.shard import cube_shard_groups
+
+    groups = cube_shard_groups(ds)
+    if groups is None:
+        return None
+    status = ds["cell_status"]
+    batches, corpora, repeats = (ds[d].values for d in ("batch", "corpus", "repeat"))
+    own = [
+        [[(int(b), str(c), int(r)) in groups for r in repeats] for c in corpora] for b in batches
+    ]
+    table = xr.DataArray(np.array(own, dtype=bool), dims=("batch", "corpus", "repeat"))
+    return np.asarray(table.broadcast_like(status).transpose(*status.dims).values, dtype=bool)
+
+
+def _cells_left(ds: xr.Dataset) -> np.ndarray:
+    """Which of the cube's cells (along `cell_status`'s dimensions) are left to measure: not
+    measured yet where the grid asks for them, or failed (a rerun retries them)."""
+    from dvfs.analysis.headroom import grid_cells, unasked_repeats
+
+    status = ds["cell_status"].values
+    in_grid = grid_cells(ds)
+    not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values & in_grid
+    return np.asarray(
+        ((status == STATUS_MISSING) & ~not_needed & in_grid) | (status == STATUS_FAILED),
+        dtype=bool,
+    )
 
 
 def shards_of(ds: xr.Dataset) -> dict[str, Any]:

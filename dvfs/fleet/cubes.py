@@ -60,6 +60,20 @@ def left_out_of(cube_path: Path) -> list[Path]:
     return unmeasured_journals(cube_path.parent) if cube_path.name == CUBE_NAME else []
 
 
+def model_marked(ds: xr.Dataset, journal: Path) -> xr.Dataset:
+    """`ds`, the cube of `journal`, marked as one GPU model's own cube of a fleet mixing GPU
+    models (`FLEET_MODEL_ATTR`: its model) where the journal is that model's, in the fleet's
+    `gpu-<model>/` folder: analysed alone, its cells left name the --gpus they need (a rerun
+    on the other models' GPUs measures none of them). `ds` itself where it is not."""
+    from dvfs.cube.info import FLEET_MODEL_ATTR
+    from dvfs.fleet.folders import model_folder
+
+    name = ds.attrs.get("gpu_name")
+    if not name or journal.parent.name != model_folder(str(name)):
+        return ds
+    return ds.assign_attrs({FLEET_MODEL_ATTR: str(name)})
+
+
 def write_cubes(
     out_dir: Path,
     journals: Sequence[Path],
@@ -92,7 +106,7 @@ def write_cubes(
                 "writes the cube once that is fixed)"
             ) from exc
         own = journal.parent / CUBE_NAME
-        path = write(ds, merged_path if journal.parent == out_dir else own)
+        path = write(model_marked(ds, journal), merged_path if journal.parent == out_dir else own)
         cubes.append((ds, path))
     if len(cubes) == 1 and journals[0].parent == out_dir:
         return cubes[0][1]

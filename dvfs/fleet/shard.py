@@ -213,3 +213,31 @@ def cube_shard(ds: xr.Dataset) -> Shard | None:
     shard = Shard.parse(str(ds.attrs[SHARD_ATTR]))
     deal = ds.attrs.get(DEAL_ATTR)
     return Shard(shard.index, shard.count, None if deal is None else str(deal))
+
+
+def cube_shard_groups(ds: xr.Dataset) -> set[tuple[int, str, int]] | None:
+    """The comparison groups (batch, corpus, repeat) a shard's cube holds as its own: those
+    its recorded campaign (`campaign_source`) deals its shard (`planned_cells`, as its sweep
+    dealt them; with adaptive repeats every repeat of its batches and corpora, up to
+    `max_repeats`). The rest of its grid is the other shards' cells. None for a cube of no
+    shard, or one whose campaign or shard it cannot read again (dealt otherwise, an edited
+    campaign this dvfs refuses)."""
+    import tomllib
+
+    from dvfs.campaign import parse_campaign
+
+    try:
+        shard = cube_shard(ds)
+        source = str(ds.attrs.get("campaign_source") or "")
+        if shard is None or not source.strip():
+            return None
+        campaign = parse_campaign(tomllib.loads(source), source=source)
+        cells = planned_cells(campaign, shard)
+    except (ValueError, CampaignError):  # tomllib's and the deal's are ValueErrors
+        return None
+    m = campaign.measurement
+    return {
+        (cell.batch, cell.corpus, repeat)
+        for cell in cells
+        for repeat in (range(m.max_repeats) if m.max_repeats > m.repeats else [cell.repeat])
+    }

@@ -223,7 +223,7 @@ def _quality(info: dict[str, Any]) -> list[Any]:
         )
     from dvfs.cube.info import shard_note
 
-    shard = shard_note(info.get("shard"))
+    shard = shard_note(info.get("shard"), info)
     if shard:
         blocks.insert(0, Paragraph(shard[:1].upper() + shard[1:] + ".", tone="warning"))
     elif not bad:  # else the warning above says what is not

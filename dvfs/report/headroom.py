@@ -382,7 +382,7 @@ def partial_note(doc: dict[str, Any]) -> str | None:
 
         return (
             f"partial cube: {unmeasured_cells(cov, 'here')}; answers marked ? and rows without "
-            f"a measured reference may change: {shard_note(doc['shard'])}"
+            f"a measured reference may change: {shard_note(doc['shard'], doc)}"
         )
     return (
         f"partial cube: {unmeasured_cells(cov)}; answers marked ? and rows without a measured "
