@@ -1264,3 +1264,33 @@ def test_a_rerun_on_one_model_counts_the_cells_of_a_model_whose_journal_is_gone(
     assert whole.exit_code == 0, whole.output
     assert f"{cells} cell(s) measured, 0 failed, {cells} already done" in whole.output
     assert open_cube(out / "cube.nc").sizes["gpu"] == 2
+
+
+@pytest.mark.parametrize("how", ["empty", "missing"])
+def test_a_cube_holding_a_model_whose_journal_went_since_does_not_say_it_left_out(
+    tiny_exact_run, tmp_path: Path, how: str
+) -> None:
+    """A finished fleet folder mixing models whose H200 journal was moved away (compressed,
+    archived) or emptied after its cube was written: `cube info`, `headroom`, `compare`,
+    `plot` and `report` of the folder said 'the cube leaves that model out; run the sweep
+    again, its --gpus naming GPUs of that model', of a cube that holds every H200 cell
+    (followed, a rerun measures them all again). Only a model the cube lacks is left out."""
+    out = copy_sweep(tiny_exact_run("mixed"), tmp_path / "out")
+    h200 = next(out.glob("gpu-nvidia-h200*/journal.jsonl"))
+    _unmeasured(h200, how)
+    assert open_cube(out / "cube.nc").sizes["gpu"] == 2  # the cube holds both models
+    info = json.loads(invoke("cube", "info", str(out), "--json").output)
+    assert info["left_out"] == [], info["left_out"]
+    for command in ("headroom", "compare"):
+        said = invoke(command, str(out))
+        assert said.exit_code == 0 and "left out" not in said.output, said.output
+        doc = json.loads(invoke(command, str(out), "--json").stdout)
+        assert "left_out" not in doc, doc["left_out"]
+    # the model's own cube holds it too: analysed alone it has no model folder beneath it
+    alone = json.loads(invoke("cube", "info", str(h200.parent), "--json").output)
+    assert alone["left_out"] == [], alone["left_out"]
+    # rebuilt from the journals left, the cube is the H100's alone, and says the H200 is out
+    built = invoke("cube", "build", str(out))
+    assert built.exit_code == 0 and "left out of the cube" in built.output, built.output
+    info = json.loads(invoke("cube", "info", str(out), "--json").output)
+    assert info["left_out"] == [str(h200)], info["left_out"]

@@ -337,7 +337,7 @@ def headroom(
         compute(ds, target=target, knob=knob, confidence=confidence), batch, drafter, corpus
     )
     doc = headroom_document(result, ds)
-    left_out = left_out_of(cube_path)  # a GPU model the folder's cube leaves out, as cube info
+    left_out = left_out_of(cube_path, ds)  # a GPU model the folder's cube leaves out, as cube info
     if left_out:
         doc["left_out"] = [str(j) for j in left_out]
     if output is not None:
@@ -452,7 +452,7 @@ def compare(
     except AnalysisError as exc:
         notes.insert(0, f"no roofline: {exc}")
         roof = None
-    left_out = left_out_of(cube_path)  # a GPU model the folder's cube leaves out, as cube info
+    left_out = left_out_of(cube_path, ds)  # a GPU model the folder's cube leaves out, as cube info
     notes[:0] = [left_out_note(journal) for journal in left_out]
     for note in notes:
         print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
@@ -515,7 +515,7 @@ def plot(
     ds = open_analysable(cube_path)
     target = Target("preserve", metric, QUANTILE_NAMES[quantile], slack)
     paths = plot_all(ds, out_dir, fmt=fmt, target=target, knob=knob, confidence=confidence)
-    for journal in left_out_of(cube_path):  # else the figures read as the whole campaign
+    for journal in left_out_of(cube_path, ds):  # else the figures read as the whole campaign
         print_line(f"[yellow]{escape(left_out_note(journal))}[/yellow]", stderr=True)
     for path in paths:
         click.echo(str(path))

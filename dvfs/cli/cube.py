@@ -117,7 +117,7 @@ def info(cube_path: Path, as_json: bool) -> None:
     # A sweep folder's cube that leaves out a GPU model which measured nothing yet (a fleet
     # mixing models, that model's worker lost or stopped before its first cell): said, as
     # `dvfs cube build` says it, or the cube reads as the whole campaign.
-    summary["left_out"] = [str(j) for j in left_out_of(cube_path)]
+    summary["left_out"] = [str(j) for j in left_out_of(cube_path, ds)]
     if as_json:
         echo_json(summary)
         return

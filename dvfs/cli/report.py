@@ -246,7 +246,7 @@ def report(
         context_tokens=roofline_context(ds, cube_path, context_notes),
         context_notes=context_notes,
         split_parts=drawn_parts,
-        left_out=[str(j) for j in left_out_of(cube_path)],
+        left_out=[str(j) for j in left_out_of(cube_path, ds)],
     )
     if fmt == "html":
         write_atomically(output, render_html(document).encode("utf-8"))

@@ -49,15 +49,39 @@ def unmeasured_journals(out_dir: Path) -> list[Path]:
     return [p for p in found if not os.path.lexists(p) or (p.is_file() and not has_sessions(p))]
 
 
-def left_out_of(cube_path: Path) -> list[Path]:
+def left_out_of(cube_path: Path, cube: xr.Dataset) -> list[Path]:
     """The GPU models' journals the cube at `cube_path` (a cube file, or a sweep folder holding
-    cube.nc) leaves out: `unmeasured_journals` of its sweep folder where it is that folder's
-    cube; none for a cube file of another name (the folder it lies in is not its sweep)."""
+    cube.nc), opened as `cube`, leaves out: `unmeasured_journals` of its sweep folder where it
+    is that folder's cube, less those of a model the cube holds (its journal emptied or moved
+    away since the cube was written: the cube keeps that model's cells, and a rerun would
+    measure them again); none for a cube file of another name (the folder it lies in is not
+    its sweep)."""
     from dvfs.cube import CUBE_NAME
+    from dvfs.fleet.folders import model_folder
 
     if cube_path.is_dir():
-        return unmeasured_journals(cube_path)
-    return unmeasured_journals(cube_path.parent) if cube_path.name == CUBE_NAME else []
+        found = unmeasured_journals(cube_path)
+    else:
+        found = unmeasured_journals(cube_path.parent) if cube_path.name == CUBE_NAME else []
+    if not found:
+        return []
+    held = {model_folder(model) for model in cube_models(cube)}
+    return [journal for journal in found if journal.parent.name not in held]
+
+
+def cube_models(cube: xr.Dataset) -> list[str]:
+    """The GPU models whose cells `cube` holds: each entry's along its `gpu` axis (a merged
+    cube's `gpu_names`), else its one GPU's; none it cannot tell (an axis without them)."""
+    import json
+
+    if "gpu" not in cube.dims:
+        name = cube.attrs.get("gpu_name")
+        return [str(name)] if name else []
+    try:
+        names = json.loads(str(cube.attrs.get("gpu_names", "")))
+    except ValueError:
+        return []
+    return [str(name) for name in names] if isinstance(names, list) else []
 
 
 def model_marked(ds: xr.Dataset, journal: Path) -> xr.Dataset:
