@@ -626,16 +626,13 @@ def test_a_shard_whose_gpu_model_measured_nothing_yet_is_to_be_resumed_not_rerun
     assert_same_cells(open_cube(merged), open_cube(tiny_exact_run("mixed") / "cube.nc"))
 
 
-def test_a_mixed_shard_rerun_on_some_models_names_the_models_left_and_its_merge_too(
+def _mixed_shard_1_h200_left(
     tiny_exact_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Shards run on an H100 and an H200 (`--gpus 0,h200-sxm:0`), shard 1's H200 worker lost
-    after its first cell, shard 1 then rerun on the H100 alone (`--gpus 0`): shard 1's cube,
-    its H200's own, `dvfs cube merge` of the shards and the merged cube all said to run the
-    shard's `dvfs sweep --shard` command again, which (on the H100 alone) measures none of
-    the H200's cells left. Each names the model whose GPUs the command's --gpus must name
-    (the other shard's cells, missing from shard 1's cube, do not count); the H100's own cube
-    of shard 1, whole, names none. Followed, the merge is the whole fleet's."""
+) -> tuple[Path, Path, tuple[str, ...]]:
+    """Shard 0 of TINY_EXACT on an H100 and an H200 (`mixed-s0`), and shard 1 (in
+    tmp_path/s1) whose H200 worker was lost after its first cell, then rerun on the H100 alone
+    (`--gpus 0`): its H200 cells left. The two folders and shard 1's sweep arguments (without
+    --gpus)."""
     from dvfs.fleet.worker import Worker
 
     campaign = str(write(tmp_path / "tiny.toml", TINY_EXACT))
@@ -655,6 +652,20 @@ def test_a_mixed_shard_rerun_on_some_models_names_the_models_left_and_its_merge_
     assert CliRunner().invoke(cli, [*args, *MIXED_FLEET]).exit_code == 1
     monkeypatch.setattr(Worker, "run", run)
     assert invoke(*args, "--gpus", "0").exit_code == 0
+    return s0, s1, args
+
+
+def test_a_mixed_shard_rerun_on_some_models_names_the_models_left_and_its_merge_too(
+    tiny_exact_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards run on an H100 and an H200 (`--gpus 0,h200-sxm:0`), shard 1's H200 worker lost
+    after its first cell, shard 1 then rerun on the H100 alone (`--gpus 0`): shard 1's cube,
+    its H200's own, `dvfs cube merge` of the shards and the merged cube all said to run the
+    shard's `dvfs sweep --shard` command again, which (on the H100 alone) measures none of
+    the H200's cells left. Each names the model whose GPUs the command's --gpus must name
+    (the other shard's cells, missing from shard 1's cube, do not count); the H100's own cube
+    of shard 1, whole, names none. Followed, the merge is the whole fleet's."""
+    s0, s1, args = _mixed_shard_1_h200_left(tiny_exact_run, tmp_path, monkeypatch)
     named = "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model"
     h200 = s1 / "gpu-nvidia-h200-twin" / "cube.nc"
     for cube in (s1 / "cube.nc", h200):
@@ -681,6 +692,31 @@ def test_a_mixed_shard_rerun_on_some_models_names_the_models_left_and_its_merge_
     whole = invoke("cube", "merge", str(s0), str(s1), "-o", str(merged))
     assert whole.exit_code == 0 and "Note" not in whole.output, whole.output
     assert_same_cells(open_cube(merged), open_cube(tiny_exact_run("mixed") / "cube.nc"))
+
+
+def test_a_merge_of_the_shards_model_folders_names_the_model_left_as_of_their_cubes(
+    tiny_exact_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards of a fleet mixing GPU models, shard 1's H200 cells left after a rerun on the
+    H100 alone: `dvfs cube merge` of the shards' H200 folders (gpu-nvidia-h200-twin/, each
+    read from its journal) said to run the shards' commands again without naming the H200's
+    --gpus (the command then runs on the campaign's GPUs, the H100, refused in that folder),
+    where the merge of the same folders' cube files named it. Both name it, in the merge's
+    note and the merged cube's advice; the H100's folders, whole, name none."""
+    s0, s1, _ = _mixed_shard_1_h200_left(tiny_exact_run, tmp_path, monkeypatch)
+    named = "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model"
+    for tail in ("", "cube.nc"):
+        parts = [str(s / "gpu-nvidia-h200-twin" / tail).rstrip("/") for s in (s0, s1)]
+        merged = tmp_path / "h200.nc"
+        made = invoke("cube", "merge", *parts, "-o", str(merged))
+        assert made.exit_code == 0, made.output
+        assert f"(which starts over), {named}" in " ".join(made.output.split()), made.output
+        info = json.loads(invoke("cube", "info", str(merged), "--json").output)
+        assert info.get("models_left") == ["NVIDIA H200 (twin)"], (tail, info.get("models_left"))
+        assert named in info["resume"], info["resume"]
+        h100 = [str(s / "gpu-nvidia-h100-80gb-hbm3-twin" / tail).rstrip("/") for s in (s0, s1)]
+        made = invoke("cube", "merge", *h100, "-o", str(tmp_path / "h100.nc"))
+        assert made.exit_code == 0 and "Note" not in made.output, made.output
 
 
 def _begun_by_an_earlier_dvfs(folder: Path, *, cells: int | None = None) -> Path:

@@ -388,15 +388,17 @@ def _shard_model_not_begun(loaded: list[tuple[Any, str]]) -> str | None:
 
 
 def _load_for_merge(path: Path) -> tuple[Any, str]:
-    """A cube to merge: a shard's from its journal (the journal names the shard), else the
-    cube file (a folder's cube.nc)."""
+    """A cube to merge: a shard's from its journal (the journal names the shard; a fleet's GPU
+    model's, in its `gpu-<model>/` folder, marked as that model's, as its cube file is), else
+    the cube file (a folder's cube.nc)."""
     from dvfs.cube import CUBE_NAME, open_cube
+    from dvfs.fleet.cubes import model_marked
     from dvfs.fleet.shard_journal import recorded_shard, shard_cube
     from dvfs.measure.journal import JOURNAL_NAME
 
     journal = path / JOURNAL_NAME if path.is_dir() else path
     is_journal = journal.suffix == ".jsonl" and journal.is_file()
     if is_journal and (not path.is_dir() or recorded_shard(journal) is not None):
-        return shard_cube(journal), str(journal)
+        return model_marked(shard_cube(journal), journal), str(journal)
     cube_path = path / CUBE_NAME if path.is_dir() else path
     return open_cube(cube_path), str(cube_path)
