@@ -1294,3 +1294,34 @@ def test_a_cube_holding_a_model_whose_journal_went_since_does_not_say_it_left_ou
     assert built.exit_code == 0 and "left out of the cube" in built.output, built.output
     info = json.loads(invoke("cube", "info", str(out), "--json").output)
     assert info["left_out"] == [str(h200)], info["left_out"]
+
+
+def test_a_gpu_folder_of_the_users_own_in_a_mixed_fleets_folder_is_no_model_left(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """A finished fleet folder mixing models holding a `gpu-*` folder of the user's own (empty,
+    or their notes): it read as a GPU model whose journal is missing, every cell left: `cube
+    info` said the cube leaves it out and to run the sweep with GPUs of 'that model' (there is
+    none), the dry run counted its cells in left_for_other_models and a rerun said them left,
+    the folder never done. It is none of dvfs's; a model folder whose journal went, its cube
+    or a journal --fresh moved aside still there, is still a model with every cell left."""
+    run = tiny_exact_run("mixed")
+    out = copy_sweep(run, tmp_path / "out")
+    campaign = str(run.parent / "campaign.toml")
+    (out / "gpu-empty").mkdir()
+    (out / "gpu-notes").mkdir()
+    (out / "gpu-notes" / "notes.txt").write_text("H100 and H200 runs\n")
+    info = json.loads(invoke("cube", "info", str(out), "--json").output)
+    assert info["left_out"] == [], info["left_out"]
+    planned = invoke("sweep", campaign, "--gpus", "0", "--out", str(out), "--dry-run", "--json")
+    assert planned.exit_code == 0, planned.output
+    assert not json.loads(planned.stdout).get("left_for_other_models"), planned.stdout
+    rerun = invoke("sweep", campaign, *MIXED_FLEET, "--out", str(out), "--no-progress")
+    assert rerun.exit_code == 0 and "left for GPUs" not in rerun.output, rerun.output
+    # the H200's folder, its journal moved aside as --fresh moves it and its cube gone: a model
+    h200 = next(out.glob("gpu-nvidia-h200*/journal.jsonl"))
+    h200.rename(h200.with_name("journal.jsonl.1"))
+    (h200.parent / "cube.nc").unlink()
+    planned = invoke("sweep", campaign, "--gpus", "0", "--out", str(out), "--dry-run", "--json")
+    left = json.loads(planned.stdout)["left_for_other_models"]
+    assert left == {h200.parent.name: 16}, left

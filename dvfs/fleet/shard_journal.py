@@ -102,11 +102,28 @@ def model_folder_journals(out_dir: Path) -> list[Path]:
     missing one too (moved or deleted: that model has every cell left), so that a fleet's
     count of its other models' cells, its cube's left-out models and whether it is done do
     not skip it. None where no model's journal is there (not a fleet mixing models: a
-    `gpu-*` folder of the user's own beside a one-model run is none of dvfs's)."""
+    `gpu-*` folder of the user's own beside a one-model run is none of dvfs's); nor, beside
+    the models' journals, a `gpu-*` folder holding nothing dvfs leaves in a model's folder
+    (`_model_folder_left`): the user's own, no GPU model with every cell left."""
     from dvfs.measure.journal import JOURNAL_NAME
 
     found = [d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")) if d.is_dir()]
-    return found if any(os.path.lexists(path) for path in found) else []
+    if not any(os.path.lexists(path) for path in found):
+        return []
+    return [path for path in found if os.path.lexists(path) or _model_folder_left(path.parent)]
+
+
+def _model_folder_left(folder: Path) -> bool:
+    """Whether `folder`, a `gpu-*` folder without its journal, holds what a GPU model's run
+    leaves in it besides: its cube (written at the end of every run, an interrupted one's
+    too), or a journal --fresh moved aside (`journal.jsonl.1`, ...): that model's journal
+    moved or deleted since."""
+    from dvfs.cube.schema import CUBE_NAME
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    if os.path.lexists(folder / CUBE_NAME):
+        return True
+    return any(p.name[len(JOURNAL_NAME) + 1 :].isdigit() for p in folder.glob(f"{JOURNAL_NAME}.*"))
 
 
 def check_shard(journal: Path, shard: Shard | None) -> None:
