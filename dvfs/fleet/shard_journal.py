@@ -115,9 +115,11 @@ def model_folder_journals(out_dir: Path) -> list[Path]:
 
 def _model_folder_left(folder: Path) -> bool:
     """Whether `folder`, a `gpu-*` folder without its journal, holds what a GPU model's run
-    leaves in it besides: its cube (written at the end of every run, an interrupted one's
-    too), or a journal --fresh moved aside (`journal.jsonl.1`, ...): that model's journal
-    moved or deleted since."""
+    leaves in it besides: its cube (written by every run that measured on that model, an
+    interrupted one's too), or a journal --fresh moved aside (`journal.jsonl.1`, ...): that
+    model's journal moved or deleted since. A model whose journal held no session when it
+    went leaves neither, and its folder is taken for the user's own: nothing there tells
+    them apart."""
     from dvfs.cube.schema import CUBE_NAME
     from dvfs.measure.journal import JOURNAL_NAME
 
