@@ -1,0 +1,50 @@
+"""A window shorter than the energy counter's update period sees no update: the cell is flagged
+`counter_stalled`, and the advice the sweep gives for it must be the one that clears it (longer
+outputs), not only a driver check that finds nothing wrong; end to end through the CLI on the
+twin, whose counter updates every 100 ms as NVML's does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from click.testing import CliRunner
+from conftest import SMALL_CAMPAIGN, replace_block, write
+
+from dvfs.cli import cli
+
+#: SMALL_CAMPAIGN cut to two cells whose two-token outputs leave a window of one decode step
+#: (a few ms), far shorter than the twin counter's 100 ms update period.
+TWO_TOKENS = replace_block(
+    replace_block(
+        replace_block(
+            replace_block(
+                SMALL_CAMPAIGN,
+                "sm_clock = [1980, 1500, 1005]\npower_limit = [700, 300]",
+                "sm_clock = [1980]",
+            ),
+            "batch = [1, 8]",
+            "batch = [1]",
+        ),
+        'corpora = ["code", "conversation"]',
+        'corpora = ["code"]',
+    ),
+    "output_tokens = 64",
+    "output_tokens = 2",
+)
+
+
+def test_a_counter_stalled_by_a_short_window_says_to_lengthen_it(tmp_path: Path) -> None:
+    campaign = write(tmp_path / "short.toml", TWO_TOKENS)
+    result = CliRunner().invoke(
+        cli,
+        ["sweep", str(campaign), "--out", str(tmp_path / "out"), "--no-progress"],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    # the invalid cells' flags, each with its advice: "(flag xN: advice; flag xN: advice ...)"
+    notes = dict(
+        re.findall(r"([a-z_]+) x\d+: (.*?)(?=; [a-z_]+ x\d+: |; \d+ more flag|\)\;)", text)
+    )
+    assert "workload.output_tokens" in notes["counter_stalled"], notes
