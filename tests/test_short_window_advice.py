@@ -5,6 +5,7 @@ twin, whose counter updates every 100 ms as NVML's does."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from click.testing import CliRunner
 from conftest import SMALL_CAMPAIGN, replace_block, write
 
 from dvfs.cli import cli
+from dvfs.cube.info import invalidates
 
 #: SMALL_CAMPAIGN cut to two cells whose two-token outputs leave a window of one decode step
 #: (a few ms), far shorter than the twin counter's 100 ms update period.
@@ -48,3 +50,26 @@ def test_a_counter_stalled_by_a_short_window_says_to_lengthen_it(tmp_path: Path)
         re.findall(r"([a-z_]+) x\d+: (.*?)(?=; [a-z_]+ x\d+: |; \d+ more flag|\)\;)", text)
     )
     assert "workload.output_tokens" in notes["counter_stalled"], notes
+
+
+def test_cube_info_gives_the_advice_for_every_flag_the_sweep_leaves_to_it(
+    tmp_path: Path,
+) -> None:
+    """The sweep's closing line gives the advice for the two commonest invalidating flags and
+    says "N more flag(s) in `dvfs cube info`", but `dvfs cube info` named those flags with no
+    advice at all (its notes held the warnings' alone): it now gives every flag's, in its text
+    and its --json `flag_notes`."""
+    campaign = write(tmp_path / "short.toml", TWO_TOKENS)
+    out = tmp_path / "out"
+    runner = CliRunner()
+    swept = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    assert "more flag(s) in `dvfs cube info`" in " ".join(swept.output.split())
+    doc = json.loads(runner.invoke(cli, ["cube", "info", str(out), "--json"]).output)
+    invalidating = [name for name in doc["quality_flags"] if invalidates(name)]
+    assert len(invalidating) > 2, doc["quality_flags"]  # more than the sweep's line shows
+    for name in invalidating:
+        assert doc["flag_notes"].get(name), (name, doc["flag_notes"])
+    text = " ".join(runner.invoke(cli, ["cube", "info", str(out)]).output.split())
+    for name in invalidating:
+        assert f"{name}: {' '.join(doc['flag_notes'][name].split())}" in text, name

@@ -394,7 +394,13 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": flags,
-        "flag_notes": {name: FLAG_NOTES[name] for name in flags if name in FLAG_NOTES},
+        # what each flag means where it needs saying, and for an invalidating flag what to
+        # change (the sweep's closing line names the commonest and leaves the others here)
+        "flag_notes": {
+            name: FLAG_NOTES.get(name) or INVALID_ADVICE[name]
+            for name in flags
+            if name in FLAG_NOTES or name in INVALID_ADVICE
+        },
         "idle_foreign_processes": idle_foreign_processes(ds),
         "gpu_pinning": gpu_pinning(ds),
         "invariants": invariants(ds),
