@@ -73,3 +73,23 @@ def test_cube_info_gives_the_advice_for_every_flag_the_sweep_leaves_to_it(
     text = " ".join(runner.invoke(cli, ["cube", "info", str(out)]).output.split())
     for name in invalidating:
         assert f"{name}: {' '.join(doc['flag_notes'][name].split())}" in text, name
+
+
+def test_a_cube_of_only_invalid_cells_says_to_sweep_again_with_fresh(tmp_path: Path) -> None:
+    """Every analysis refused a cube whose cells were all measured and flagged invalid with
+    "... then rerun `dvfs sweep`", which measures none of them again (0 cells measured, every
+    one already done): the refusal now says to change the campaign as `dvfs cube info`
+    advises and sweep again with --fresh (or into another folder)."""
+    campaign = write(tmp_path / "short.toml", TWO_TOKENS)
+    out = tmp_path / "out"
+    runner = CliRunner()
+    sweep = ["sweep", str(campaign), "--out", str(out), "--no-progress"]
+    assert runner.invoke(cli, sweep).exit_code == 0
+    rerun = runner.invoke(cli, sweep)
+    assert rerun.exit_code == 0 and "0 cell(s) measured" in rerun.output, rerun.output
+    for command in (["headroom"], ["compare"], ["plot", "--out", str(tmp_path / "plots")]):
+        refused = runner.invoke(cli, [*command, str(out)])
+        assert refused.exit_code == 1, refused.output
+        said = " ".join(refused.output.split())
+        assert "every cell was measured and flagged invalid" in said, said
+        assert "sweep again with --fresh" in said and "rerun `dvfs sweep`" not in said, said
