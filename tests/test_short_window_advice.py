@@ -92,4 +92,5 @@ def test_a_cube_of_only_invalid_cells_says_to_sweep_again_with_fresh(tmp_path: P
         assert refused.exit_code == 1, refused.output
         said = " ".join(refused.output.split())
         assert "every cell was measured and flagged invalid" in said, said
-        assert "sweep again with --fresh" in said and "rerun `dvfs sweep`" not in said, said
+        assert "run `dvfs sweep` again with --fresh" in said, said
+        assert "rerun `dvfs sweep`" not in said, said

@@ -277,8 +277,8 @@ def open_analysable(path: str | Path) -> xr.Dataset:
             raise CubeError(
                 f"{path} has no valid measured cell (every cell was measured and flagged "
                 "invalid): nothing to analyse; change the campaign as `dvfs cube info` advises "
-                "for its flags, then sweep again with --fresh or into another --out folder (a "
-                "rerun without --fresh measures no cell again)"
+                "for its flags, then run `dvfs sweep` again with --fresh or into another --out "
+                "folder (without --fresh it measures no cell again)"
             )
         raise CubeError(
             f"{path} has no valid measured cell (every cell is missing, failed or flagged "
