@@ -155,6 +155,23 @@ def test_the_headroom_table_gives_the_advice_for_its_rows_without_an_answer(
     assert "raise the --slo limit" in note, note
 
 
+def test_compare_says_why_a_row_has_no_data(tmp_path: Path) -> None:
+    """`dvfs compare` wrote "-" and "no data" for a drafter whose baseline's reference cell is
+    invalid, and no line said why or what to do: a `no data:` note names the rows and points
+    to `dvfs cube info` for the flags and what to change."""
+    stock = flagged_cube(
+        tmp_path / "c.nc",
+        lambda clock, limit, corpus: (clock, limit) == (1980, 700.0),
+        drafters=["none", "eagle3"],
+        flagged={"none"},
+    )
+    out = run("compare", str(stock)).output
+    said = " ".join(out.split())
+    assert "no data: in 2 of 2 rows the drafter or 'none' has no valid cell" in said, out
+    assert "batch 1 eagle3 on code; batch 1 eagle3 on math" in said, out
+    assert "flagged invalid: `dvfs cube info` names the flags" in said, out
+
+
 @pytest.mark.usefixtures("unsaved_figures")
 def test_the_report_gives_the_tables_reason_for_rows_never_measured(
     small_sweep: Path, tmp_path: Path
