@@ -717,6 +717,30 @@ def test_corpus_list_gives_the_acceptance_class_a_campaign_sets(tmp_path: Path) 
         assert by_name["english"]["acceptance_like"] is None
 
 
+def test_corpus_list_table_says_the_class_each_corpus_is_accepted_as(tmp_path: Path) -> None:
+    """`corpus list --campaign`'s table gave only how a corpus reads ("prose, english"), not
+    the class the twin's trained drafters accept it as, so a campaign's `acceptance_like` (and
+    the Romansh row any non-English text takes) showed nowhere but in --json: the table says
+    both, and that the campaign set the class."""
+    rows = [{"text": f"Summarise the history of the town, chapter {i}."} for i in range(6)]
+    write(tmp_path / "p.jsonl", "\n".join(json.dumps(r) for r in rows))
+    table = '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\nacceptance_like = "code"\n'
+    campaign = write(tmp_path / "c.toml", TINY + table)
+    listed = CliRunner().invoke(
+        cli, ["corpus", "list", "--campaign", str(campaign)], env={"COLUMNS": "400"}
+    )
+    assert listed.exit_code == 0, listed.output
+    cells = {
+        line.split("│")[1].strip(): line.split("│")[5].strip()
+        for line in listed.output.splitlines()
+        if line.startswith("│")
+    }
+    # (its text reads as English math, for the chapters' digits)
+    assert cells["mine"] == "math, english; accepts like code (acceptance_like)", cells
+    assert cells["romansh"] == "prose, romansh; accepts like romansh", cells
+    assert cells["code"] == "code, english; accepts like code", cells
+
+
 def test_a_chat_the_models_template_refuses_is_named_by_its_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

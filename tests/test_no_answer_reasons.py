@@ -134,6 +134,44 @@ def test_cap_plan_says_an_invalid_reference_cannot_be_fixed_by_loosening(tmp_pat
     assert "no setting meets the target" in out.output and "--slo" in out.output
 
 
+def test_the_headroom_table_gives_the_advice_for_its_rows_without_an_answer(
+    tmp_path: Path,
+) -> None:
+    """`dvfs headroom` wrote "no valid reference cell (invalid: few_counter_updates)" in a row
+    and nothing on what would give it an answer, which `cap plan` and the report say: a
+    `no answer:` note under the table now gives the same advice (change the campaign for the
+    flags, not loosen the target), and loosening only where settings were judged over it."""
+    cube = flagged_cube(tmp_path / "c.nc", lambda clock, limit, corpus: corpus == "math")
+    table = run("headroom", str(cube), "--slack", "5%").output
+    [note] = [line for line in table.splitlines() if line.startswith("no answer:")]
+    reason = "no valid reference cell (invalid: few_counter_updates)"
+    assert note.startswith(f"no answer: {reason} (batch 1 none on math)"), note
+    assert "workload.output_tokens" in note and "--fresh" in note, note
+    assert "loosen" not in note.replace("loosen measurement.precision", ""), note
+    markdown = run("headroom", str(cube), "--slack", "5%", "--markdown").output
+    assert f"no answer: {reason}" in markdown
+    tight = run("headroom", str(cube), "--slo", "tpot_p50<=1ms").output
+    [note] = [line for line in tight.splitlines() if line.startswith("no answer: none feasible")]
+    assert "raise the --slo limit" in note, note
+
+
+def test_compare_says_why_a_row_has_no_data(tmp_path: Path) -> None:
+    """`dvfs compare` wrote "-" and "no data" for a drafter whose baseline's reference cell is
+    invalid, and no line said why or what to do: a `no data:` note names the rows and points
+    to `dvfs cube info` for the flags and what to change."""
+    stock = flagged_cube(
+        tmp_path / "c.nc",
+        lambda clock, limit, corpus: (clock, limit) == (1980, 700.0),
+        drafters=["none", "eagle3"],
+        flagged={"none"},
+    )
+    out = run("compare", str(stock)).output
+    said = " ".join(out.split())
+    assert "no data: in 2 of 2 rows the drafter or 'none' has no valid cell" in said, out
+    assert "batch 1 eagle3 on code; batch 1 eagle3 on math" in said, out
+    assert "flagged invalid: `dvfs cube info` names the flags" in said, out
+
+
 @pytest.mark.usefixtures("unsaved_figures")
 def test_the_report_gives_the_tables_reason_for_rows_never_measured(
     small_sweep: Path, tmp_path: Path
@@ -199,8 +237,9 @@ def test_vs_baseline_says_the_missing_reference_is_the_baselines(tmp_path: Path)
     )
     theirs = "no valid reference cell (baseline none: invalid: few_counter_updates)"
     table = run("headroom", str(stock), "--vs-baseline").output
-    eagle = [line for line in table.splitlines() if "eagle3" in line]
-    plain = [line for line in table.splitlines() if " none " in f" {line} "]
+    cells = [line for line in table.splitlines() if line.startswith("│")]
+    eagle = [line for line in cells if "eagle3" in line]
+    plain = [line for line in cells if " none " in f" {line} "]
     assert len(eagle) == 2 and all(theirs in line for line in eagle), table
     mine = "no valid reference cell (invalid: few_counter_updates)"
     assert len(plain) == 2 and all(mine in line for line in plain), table

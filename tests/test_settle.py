@@ -547,3 +547,22 @@ def test_ctrl_c_with_a_restore_nvml_refuses_exits_as_interrupted_naming_the_stat
     assert f"(state in {state})" in said and "dvfs gpu reset --state-dir" in said, said
     assert "Traceback" not in result.output
     assert list(state.glob("GPU-*.json")), "the state file that the reset reads is kept"
+
+
+def test_settle_help_says_which_clocks_it_locks_by_default() -> None:
+    """`gpu settle --help` gave the highest supported clock and the one nearest half of it as
+    --clocks' default, but with --power-limits and no --clocks no clock is locked at all: the
+    help says so, and the run steps the power limits alone."""
+    runner = CliRunner()
+    help_text = " ".join(runner.invoke(cli, ["gpu", "settle", "--help"]).output.split())
+    assert "nearest half of it; none with --power-limits]" in help_text, help_text
+    alone = runner.invoke(
+        cli, ["gpu", "settle", "--twin", "h100-sxm", "--load", "--power-limits", "300", "--json"]
+    )
+    assert alone.exit_code == 0, alone.output
+    changes = [(c["before"], c["after"]) for c in json.loads(alone.output)["changes"]]
+    assert changes == [("stock", "300 W"), ("300 W", "stock")], changes
+    default = runner.invoke(cli, ["gpu", "settle", "--twin", "h100-sxm", "--json"])
+    assert default.exit_code == 0, default.output
+    locked = [c["after"] for c in json.loads(default.output)["changes"]]
+    assert locked == ["1980 MHz", "990 MHz", "stock"], locked

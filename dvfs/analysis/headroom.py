@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -173,6 +174,22 @@ def reference_setting(cube: xr.Dataset) -> Reference:
     if stock_clock in clocks and stock_limit in limits:
         return Reference(stock_clock, stock_limit, True, stock_clock, stock_limit)
     return Reference(max(clocks), max(limits), False, stock_clock, stock_limit)
+
+
+def lowest_allowed_power_limit(cube: xr.Dataset) -> float:
+    """The GPU's lowest allowed power limit (W) as its sweep read it (`power_limit_range_w`:
+    min, max, default); NaN where the cube records none (a merged cube's top level, an older
+    or hand-built cube, a GPU that could not tell). A power limit at or below it is as low as
+    the GPU goes, so a headroom found there is no lower bound the grid cut off."""
+    value = cube.attrs.get("power_limit_range_w")
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    try:
+        low = float(np.ravel(np.asarray(value, dtype=float))[0])
+    except (TypeError, ValueError, IndexError):
+        return math.nan
+    return low if math.isfinite(low) and low > 0 else math.nan
 
 
 def measured_on(cube: xr.Dataset) -> xr.DataArray:
@@ -664,6 +681,7 @@ def headroom(
     reference_on = np.full(group_shape, "", dtype=object)
     different_gpus = np.zeros(group_shape, dtype=bool)
     clock_list, limit_list = clocks.tolist(), limits.tolist()
+    floor_limit = lowest_allowed_power_limit(cube)
 
     def at(mask: np.ndarray) -> list[tuple[int, int]]:
         """The (clock, limit) indices where a group's per-setting `mask` holds, in the order
@@ -787,6 +805,10 @@ def headroom(
         in_grid = [*evaluated, *pending, *((c, p) for c, p, _ in invalid)]
         bottom_clock = min(c for c, _ in in_grid)
         bottom_limit = min(p for _, p in in_grid)
+        # ... unless that is the GPU's lowest allowed power limit: nothing lower can be swept
+        # (the sweep refuses it), so the answer there is the GPU's, not the grid's
+        if bottom_limit <= floor_limit:
+            bottom_limit = -math.inf
         edge["headroom_mhz_is_lower_bound"][idx] = (
             clock_free and lowest_clock <= bottom_clock and not clock_open
         )
@@ -1316,6 +1338,8 @@ def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
     for key in ("stock_sm_clock_mhz", "stock_power_limit_w"):
         if stock.get(key) not in (None, "None"):
             attrs[key] = float(stock[key])
+    if stock.get("power_limit_range_w") not in (None, "None"):
+        attrs["power_limit_range_w"] = stock["power_limit_range_w"]  # its own GPU's range
     return own_grid(one.assign_attrs(attrs))
 
 

@@ -64,6 +64,14 @@ def _counted(stats: dict[str, Any]) -> str:
     return f"{stats['prompts']} ({stats['distinct']} distinct)"
 
 
+def _reads_as(text: dict[str, Any]) -> str:
+    """How a corpus reads (genre, language) and the class the twin's trained drafters accept
+    it as: the text's own, or the campaign's `acceptance_like`, said to be set."""
+    like = text["acceptance_class"]
+    set_by = " (acceptance_like)" if text["acceptance_like"] else ""
+    return f"{text['genre']}, {text['language']}; accepts like {like}{set_by}"
+
+
 @click.group()
 def corpus() -> None:
     """The prompt corpora: five built-in, and your own from a campaign file."""
@@ -108,7 +116,7 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
             _counted(r),
             str(r["multi_turn"]),
             f"{r['tokens_min']}/{r['tokens_median']:g}/{r['tokens_max']}",
-            f"{text['genre']}, {text['language']}",
+            _reads_as(text),
             escape(r["description"]),
         )
     out = console()

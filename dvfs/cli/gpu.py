@@ -595,7 +595,7 @@ def _render_roofline(doc: dict[str, Any]) -> None:
     "--clocks",
     callback=_int_list,
     help="SM clocks to lock in turn, from stock and back, e.g. 1980,1200 [default: the "
-    "highest supported clock and the one nearest half of it].",
+    "highest supported clock and the one nearest half of it; none with --power-limits].",
 )
 @click.option(
     "--power-limits",

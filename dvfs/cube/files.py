@@ -18,7 +18,14 @@ import numpy as np
 
 from dvfs.cube.arms import arm_differences
 from dvfs.cube.precision import PRECISION_MISSED
-from dvfs.cube.schema import COORD_ATTRS, CUBE_NAME, LABEL_DIMS, VARIABLES, check_cube
+from dvfs.cube.schema import (
+    COORD_ATTRS,
+    CUBE_NAME,
+    LABEL_DIMS,
+    STATUS_OK,
+    VARIABLES,
+    check_cube,
+)
 from dvfs.errors import CubeError
 from dvfs.measure.journal import JOURNAL_NAME, describe_os_error
 
@@ -265,6 +272,14 @@ def open_analysable(path: str | Path) -> xr.Dataset:
     if "cell_status" in ds:
         valid = valid & (variables["cell_status"] == 1)
     if not bool(valid.any()):
+        if "cell_status" in ds and bool((variables["cell_status"] == STATUS_OK).all()):
+            # every cell measured and flagged: a rerun measures none of them again
+            raise CubeError(
+                f"{path} has no valid measured cell (every cell was measured and flagged "
+                "invalid): nothing to analyse; change the campaign as `dvfs cube info` advises "
+                "for its flags, then run `dvfs sweep` again with --fresh or into another --out "
+                "folder (without --fresh it measures no cell again)"
+            )
         raise CubeError(
             f"{path} has no valid measured cell (every cell is missing, failed or flagged "
             "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "

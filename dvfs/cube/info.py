@@ -397,7 +397,13 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": flags,
-        "flag_notes": {name: FLAG_NOTES[name] for name in flags if name in FLAG_NOTES},
+        # what each flag means where it needs saying, and for an invalidating flag what to
+        # change (the sweep's closing line names the commonest and leaves the others here)
+        "flag_notes": {
+            name: FLAG_NOTES.get(name) or INVALID_ADVICE[name]
+            for name in flags
+            if name in FLAG_NOTES or name in INVALID_ADVICE
+        },
         "idle_foreign_processes": idle_foreign_processes(ds),
         "gpu_pinning": gpu_pinning(ds),
         "invariants": invariants(ds),
@@ -970,8 +976,10 @@ INVALID_ADVICE = {
     f"past {THROTTLE_VIOLATION_SHARE:.0%} of the cell's steady windows: the cube's "
     "throttle_violation_s): check its cooling and what else runs "
     "on it",
-    "counter_stalled": "the energy counter did not advance: check the driver and GPU with "
-    "`dvfs doctor`",
+    "counter_stalled": "the energy counter did not advance over a window: a window shorter "
+    "than the counter's update period (the cube's counter_update_period_s) sees no update, so "
+    "raise workload.output_tokens (a round's window cannot outlast its decode); with longer "
+    "windows, check the driver and GPU with `dvfs doctor`",
     "no_steady_window": "no steady-state decode window was found: raise workload.output_tokens",
     "drift_not_cancelled": "every in-flight decode ended before the levels' second visits, "
     "each level at its own place along the decode (its drift neither cancelled nor fitted): "

@@ -190,13 +190,16 @@ MAX_NAMED_ROWS = 4
 
 
 def named_rows(rows: list[dict[str, Any]], detail: Any) -> str:
-    """ "batch 1 eagle3 on code: A vs B; ..." for the first few rows, the rest counted."""
+    """ "batch 1 eagle3 on code: A vs B; ..." for the first few rows, the rest counted
+    (`detail` None: the rows alone, "batch 1 eagle3 on code; ...")."""
 
     def where(r: dict[str, Any]) -> str:
         gpu = f"{gpu_words(short_label(r['gpu']))}, " if r.get("gpu") else ""
         return f"{gpu}batch {r['batch']} {r['drafter']} on {r['corpus']}"
 
-    shown = [f"{where(r)}: {detail(r)}" for r in rows[:MAX_NAMED_ROWS]]
+    shown = [
+        where(r) if detail is None else f"{where(r)}: {detail(r)}" for r in rows[:MAX_NAMED_ROWS]
+    ]
     more = len(rows) - MAX_NAMED_ROWS
     return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
 

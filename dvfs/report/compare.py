@@ -31,6 +31,8 @@ WHATS = ("at_stock", "equal_latency")
 #: (`dvfs.analysis.compare.NOT_WITHIN`: this module sits below the analyses, which it cannot
 #: import).
 NOT_WITHIN = "not within target"
+#: The verdict of a row with nothing valid to compare (`dvfs.analysis.compare.NO_DATA`).
+NO_DATA = "no data"
 #: The verdict of a row whose settings were left unjudged for want of usable repeats
 #: (`dvfs.analysis.compare.TOO_FEW`).
 TOO_FEW = "too few repeats"
@@ -241,6 +243,25 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             f"partial cube: {unmeasured_cells(cov, where)}: a ratio, a "
             'verdict ("not within target", "too slow" included) or a break-even batch '
             f"resting on settings not measured may change; {then}"
+        )
+    # rows whose "-" and "no data" are otherwise unexplained: nothing valid to compare
+    empty = [
+        r
+        for r in doc["rows"]
+        if r.get("verdict_at_stock") == NO_DATA and r.get("verdict_equal_latency") == NO_DATA
+    ]
+    if empty:
+        why = (
+            "not measured yet or flagged invalid: resume the sweep (above); `dvfs cube info` "
+            "names any flags and what to change in the campaign"
+            if waiting
+            else "flagged invalid: `dvfs cube info` names the flags and what to change in the "
+            "campaign"
+        )
+        notes.append(
+            f"no data: in {len(empty)} of {len(doc['rows'])} rows the drafter or "
+            f"{doc['baseline']!r} has no valid cell at the reference to compare "
+            f"({named_rows(empty, None)}): {why}"
         )
     dropped = [
         r

@@ -27,7 +27,7 @@ from dvfs.report.common import (
     short_label,
     unmeasured_cells,
 )
-from dvfs.report.reasons import no_answer
+from dvfs.report.reasons import no_answer, no_answer_groups
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -424,6 +424,11 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
     partial = partial_note(doc)
     if partial:
         notes.append(partial)
+    # Rows without an answer: why, and what would give them one, as the report's findings
+    # and caps and `dvfs cap plan` say it (those the partial-cube note tells to resume aside).
+    for reason, advice, group in no_answer_groups(doc["rows"], doc["target"].get("mode"), doc):
+        if not (partial and "not measured yet" in reason):
+            notes.append(f"no answer: {reason} ({named_rows(group, None)}): {advice}")
     clock_open = any(r.get("headroom_mhz_unmeasured_below") for r in rows)
     limit_open = any(r.get("headroom_w_unmeasured_below") for r in rows)
     if clock_open or limit_open:

@@ -1,0 +1,94 @@
+"""A power-limit headroom found at the GPU's lowest allowed power limit is the GPU's answer, not
+one the grid cut off: no `≥`, no "extend knobs.power_limit downward" (a lower limit is refused
+by the sweep), no `grid_edge` in a caps file; end to end through the CLI on a twin campaign
+whose grid goes down to the H100's 200 W floor, and on a merged cube of it and its H200 twin.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import SMALL_EXACT, replace_block
+
+from dvfs.cli import cli
+from dvfs.cube import open_analysable, write_cube
+
+#: SMALL_EXACT (the exact twin) stepping the power limit alone down to 200 W, the lowest an
+#: H100 (and an H200) allows: batch 1 decode stays within the target there at a generous slack.
+FLOOR = replace_block(
+    replace_block(
+        replace_block(
+            replace_block(SMALL_EXACT, 'name = "small"', 'name = "floor"'),
+            "sm_clock = [1980, 1500, 1005]\npower_limit = [700, 300]",
+            "power_limit = [700, 200]",
+        ),
+        "batch = [1, 8]",
+        "batch = [1]",
+    ),
+    'corpora = ["code", "conversation"]',
+    'corpora = ["code"]',
+)
+FLOOR_H200 = replace_block(FLOOR, 'profile = "h100-sxm:none"', 'profile = "h200-sxm:none"')
+
+EXTEND = "extend knobs.power_limit downward"
+
+
+def run(*args: str) -> Result:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _assert_at_floor_not_an_edge(rows: list[dict[str, Any]]) -> None:
+    assert rows
+    for row in rows:
+        assert row["lowest_feasible"]["power_limit_w"] == 200, row
+        assert row["headroom_w"] == 500
+        assert not row["headroom_w_is_lower_bound"], row
+        assert not row["at_grid_edge"] and not row["chosen_at_grid_edge"], row
+
+
+def test_a_headroom_at_the_gpus_lowest_power_limit_is_no_grid_edge(
+    shared_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    out = shared_run(FLOOR, "one")
+    doc = json.loads(run("headroom", str(out), "--slack", "60%", "--json").output)
+    _assert_at_floor_not_an_edge(doc["rows"])
+    table = run("headroom", str(out), "--slack", "60%").output
+    assert "/500" in table and "≥500" not in table and EXTEND not in table
+
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(out), "--slack", "60%", "--json", "-o", str(saved))
+    plan = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none")
+    assert "power_limit_w = 200" in plan.stdout
+    assert "grid_edge" not in plan.stdout and "lower cap" not in plan.stderr
+    assert "grid edge" not in run("compare", str(out)).output
+
+    # The same cells from a GPU that allows less than 200 W: now the grid cut it off.
+    cube = open_analysable(out).load()
+    lower = write_cube(
+        cube.assign_attrs(power_limit_range_w=[100.0, 700.0, 700.0]), tmp_path / "lower.nc"
+    )
+    doc = json.loads(run("headroom", str(lower), "--slack", "60%", "--json").output)
+    assert all(row["headroom_w_is_lower_bound"] for row in doc["rows"])
+    assert EXTEND in run("headroom", str(lower), "--slack", "60%").output
+
+
+@pytest.mark.usefixtures("unsaved_figures")
+def test_each_gpu_of_a_merged_cube_has_its_own_power_floor(
+    shared_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    h100, h200 = shared_run(FLOOR, "one"), shared_run(FLOOR_H200, "one")
+    merged = tmp_path / "merged.nc"
+    run("cube", "merge", str(h100), str(h200), "-o", str(merged))
+    doc = json.loads(run("headroom", str(merged), "--slack", "60%", "--json").output)
+    _assert_at_floor_not_an_edge(doc["rows"])
+    assert {row["gpu"] for row in doc["rows"]} == set(doc["gpu"]["uuids"])
+    assert EXTEND not in run("headroom", str(merged), "--slack", "60%").output
+    # speculation's setting at equal latency is at 200 W too: no grid edge there either
+    assert "grid edge" not in run("compare", str(merged)).output

@@ -1,0 +1,96 @@
+"""A window shorter than the energy counter's update period sees no update: the cell is flagged
+`counter_stalled`, and the advice the sweep gives for it must be the one that clears it (longer
+outputs), not only a driver check that finds nothing wrong; end to end through the CLI on the
+twin, whose counter updates every 100 ms as NVML's does."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from click.testing import CliRunner
+from conftest import SMALL_CAMPAIGN, replace_block, write
+
+from dvfs.cli import cli
+from dvfs.cube.info import invalidates
+
+#: SMALL_CAMPAIGN cut to two cells whose two-token outputs leave a window of one decode step
+#: (a few ms), far shorter than the twin counter's 100 ms update period.
+TWO_TOKENS = replace_block(
+    replace_block(
+        replace_block(
+            replace_block(
+                SMALL_CAMPAIGN,
+                "sm_clock = [1980, 1500, 1005]\npower_limit = [700, 300]",
+                "sm_clock = [1980]",
+            ),
+            "batch = [1, 8]",
+            "batch = [1]",
+        ),
+        'corpora = ["code", "conversation"]',
+        'corpora = ["code"]',
+    ),
+    "output_tokens = 64",
+    "output_tokens = 2",
+)
+
+
+def test_a_counter_stalled_by_a_short_window_says_to_lengthen_it(tmp_path: Path) -> None:
+    campaign = write(tmp_path / "short.toml", TWO_TOKENS)
+    result = CliRunner().invoke(
+        cli,
+        ["sweep", str(campaign), "--out", str(tmp_path / "out"), "--no-progress"],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    # the invalid cells' flags, each with its advice: "(flag xN: advice; flag xN: advice ...)"
+    notes = dict(
+        re.findall(r"([a-z_]+) x\d+: (.*?)(?=; [a-z_]+ x\d+: |; \d+ more flag|\)\;)", text)
+    )
+    assert "workload.output_tokens" in notes["counter_stalled"], notes
+
+
+def test_cube_info_gives_the_advice_for_every_flag_the_sweep_leaves_to_it(
+    tmp_path: Path,
+) -> None:
+    """The sweep's closing line gives the advice for the two commonest invalidating flags and
+    says "N more flag(s) in `dvfs cube info`", but `dvfs cube info` named those flags with no
+    advice at all (its notes held the warnings' alone): it now gives every flag's, in its text
+    and its --json `flag_notes`."""
+    campaign = write(tmp_path / "short.toml", TWO_TOKENS)
+    out = tmp_path / "out"
+    runner = CliRunner()
+    swept = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    assert "more flag(s) in `dvfs cube info`" in " ".join(swept.output.split())
+    doc = json.loads(runner.invoke(cli, ["cube", "info", str(out), "--json"]).output)
+    invalidating = [name for name in doc["quality_flags"] if invalidates(name)]
+    assert len(invalidating) > 2, doc["quality_flags"]  # more than the sweep's line shows
+    for name in invalidating:
+        assert doc["flag_notes"].get(name), (name, doc["flag_notes"])
+    text = " ".join(runner.invoke(cli, ["cube", "info", str(out)]).output.split())
+    for name in invalidating:
+        assert f"{name}: {' '.join(doc['flag_notes'][name].split())}" in text, name
+
+
+def test_a_cube_of_only_invalid_cells_says_to_sweep_again_with_fresh(tmp_path: Path) -> None:
+    """Every analysis refused a cube whose cells were all measured and flagged invalid with
+    "... then rerun `dvfs sweep`", which measures none of them again (0 cells measured, every
+    one already done): the refusal now says to change the campaign as `dvfs cube info`
+    advises and sweep again with --fresh (or into another folder)."""
+    campaign = write(tmp_path / "short.toml", TWO_TOKENS)
+    out = tmp_path / "out"
+    runner = CliRunner()
+    sweep = ["sweep", str(campaign), "--out", str(out), "--no-progress"]
+    assert runner.invoke(cli, sweep).exit_code == 0
+    rerun = runner.invoke(cli, sweep)
+    assert rerun.exit_code == 0 and "0 cell(s) measured" in rerun.output, rerun.output
+    for command in (["headroom"], ["compare"], ["plot", "--out", str(tmp_path / "plots")]):
+        refused = runner.invoke(cli, [*command, str(out)])
+        assert refused.exit_code == 1, refused.output
+        said = " ".join(refused.output.split())
+        assert "every cell was measured and flagged invalid" in said, said
+        assert "run `dvfs sweep` again with --fresh" in said, said
+        assert "rerun `dvfs sweep`" not in said, said
