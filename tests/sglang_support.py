@@ -13,12 +13,16 @@ from pathlib import Path
 from types import ModuleType
 
 REPO = Path(__file__).resolve().parent.parent
-STUB = REPO / "tests" / "fakes" / "sglang_stub.py"
+#: The stub server's source, which tests/test_sglang_stub.py starts as a script.
+STUB_SOURCE = REPO / "tests" / "fakes" / "sglang_stub.py"
+#: The stub server as the tests start it: `python STUB ARGV` runs STUB_SOURCE alike, from its
+#: cached bytecode (a script run by path is compiled again at every start).
+STUB = REPO / "tests" / "fakes" / "sglang_stub_main.py"
 
 
 def load_stub() -> ModuleType:
     """The stub module (for its argv parser), imported from its file."""
-    spec = importlib.util.spec_from_file_location("sglang_stub", STUB)
+    spec = importlib.util.spec_from_file_location("sglang_stub", STUB_SOURCE)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules["sglang_stub"] = module

@@ -28,7 +28,7 @@ from nvml_support import dvfs_in_process, fake_env, load_fake
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
-STUB = REPO / "tests" / "fakes" / "sglang_stub.py"
+STUB = REPO / "tests" / "fakes" / "sglang_stub_main.py"  # the stub, as sglang_support.STUB
 STUCK_S = 60.0  # a run that takes this long is stuck, not slow
 STUB_LIFETIME_S, STUB_TPOT_S = 300, 0.05
 STUB_STEPS = round(STUB_LIFETIME_S / STUB_TPOT_S)  # the most decode steps the stub lives

@@ -797,3 +797,39 @@ def test_the_moments_spent_emitting_a_batchs_steps_do_not_stretch_its_schedule(
         last = now[0]
         now[0] += 0.0001  # emitting the step
     assert last - 1000.0 <= 39 * tpot + 2 * 0.0001 + 1e-9
+
+
+LAUNCHER_PATH = STUB_PATH.parent / "sglang_stub_main.py"
+
+
+@pytest.mark.parametrize(
+    ("argv", "config"),
+    [
+        (["--help"], {}),
+        (["--model-path", "m", "--port", "1", "--no-such-flag"], {}),  # argparse: exit 2
+        (["--model-path", "m", "--host", "0.0.0.0"], {}),  # the stub refuses it: exit 1
+        (["--model-path", "m"], {"no_such_key": 1}),  # the stub's own config: exit 3
+    ],
+)
+def test_the_launcher_the_suite_starts_runs_the_stub_as_its_script_does(
+    tmp_path: Path, argv: list[str], config: dict[str, Any]
+) -> None:
+    """The suite starts the stub as `python sglang_stub_main.py` (the stub imported, so read
+    from its cached bytecode, not compiled again at every start): it answers each argv as
+    `python sglang_stub.py` does, word for word and exit code alike."""
+    env = stub_env(write_config(tmp_path, max_lifetime_s=2, **config))
+
+    def run(path: Path) -> tuple[int, str, str]:
+        done = subprocess.run(
+            [sys.executable, str(path), *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
+        return done.returncode, done.stdout, done.stderr
+
+    script = run(STUB_PATH)
+    assert script[0] != 0 or argv == ["--help"], script
+    assert run(LAUNCHER_PATH) == script
