@@ -2998,3 +2998,54 @@ def test_report_figures_on_a_full_temporary_folder_say_so(
     assert line.startswith("Error: cannot draw the report's figures in the temporary folder "), line
     assert "set TMPDIR" in line and "choose another" not in line, line
     assert not out.exists()
+
+
+# -- a fleet mixing GPU models, one model's journal no regular file --------------------------
+
+
+@pytest.fixture(scope="module")
+def mixed_fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished tiny sweep on a fleet of two twin GPU models (a journal in each of its
+    `gpu-<model>/` folders, and the merged cube), made once per session, read-only."""
+
+    def make(base: Path) -> None:
+        (base / "tiny.toml").write_text(campaign(), encoding="utf-8")
+        out = base / "fleet"
+        argv = ["sweep", str(base / "tiny.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out)]
+        result = CliRunner().invoke(cli, [*argv, "--no-progress"])
+        assert result.exit_code == 0, result.output
+
+    return made_once(tmp_path_factory, "bad_inputs-mixed-fleet", make) / "fleet"
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [("fifo", "no regular file"), ("directory", "is a folder"), ("symlink-loop", "journal")],
+)
+def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
+    mixed_fleet: Path, tmp_path: Path, kind: str, says: str
+) -> None:
+    """A fleet folder mixing two GPU models, one model's journal replaced by a FIFO, a folder
+    or a link in a loop, swept again on the other model's GPU alone (a plain `dvfs sweep
+    CAMPAIGN --out DIR`: the GPUs left after a node loss): the sweep skipped that journal,
+    exit 0, and rewrote the merged cube with the other model alone; `dvfs cube build`, the dry
+    run and the doctor refuse it. It is refused, before any GPU is used, the cube kept."""
+    import os
+
+    out = tmp_path / "fleet"
+    shutil.copytree(mixed_fleet, out)
+    [h200] = [p for p in out.glob("gpu-*h200*/journal.jsonl")]
+    h200.unlink()
+    if kind == "fifo":
+        os.mkfifo(h200)
+    elif kind == "directory":
+        h200.mkdir()
+    else:
+        h200.symlink_to(h200.name)
+    before = (out / "cube.nc").read_bytes()
+    result = CliRunner().invoke(
+        cli, ["sweep", str(mixed_fleet.parent / "tiny.toml"), "--out", str(out), "--no-progress"]
+    )
+    case = Case(f"fleet-model-journal-{kind}", [], code=1, says=(str(h200), says), chatty=True)
+    check_one_clean_error(result, case, {})
+    assert (out / "cube.nc").read_bytes() == before  # the merged cube of both models kept

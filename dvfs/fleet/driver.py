@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -783,7 +784,10 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     from dvfs.preflight import check_inflight_resume
 
     for path in folder_journals(out_dir):
-        if not path.is_file():
+        # A journal that is no regular file (a folder, a FIFO, a link in a loop) is read, for
+        # its reader to refuse, as `dvfs cube build`, the dry run and the doctor refuse it:
+        # skipped, a rerun on the other models' GPUs left its model out of the merged cube.
+        if not os.path.lexists(path):
             continue
         first = next(iter_records(path), None)
         if first is None:
