@@ -1220,6 +1220,28 @@ GPU_CASES = [
         for where, value in (("dev-null", "/dev/null"), ("under-a-file", "{tmp}/file.txt/s"))
         for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"], ["cap", "show"])
     ),
+    # The same folder given with --state-dir: its caps record was said to be "unreadable (Not
+    # a directory); remove it and re-apply", a file that is not there to remove.
+    *(
+        C(
+            f"state-dir-option-under-a-file-{'-'.join(argv[:2])}{'-dry-run' if dry else ''}",
+            [*argv, *(["--dry-run"] if dry else []), "--state-dir", "{tmp}/file.txt/s"],
+            files={"caps.toml": GOOD_CAPS, "file.txt": "x"},
+            nvml=True,
+            code=1,
+            says=(
+                "state folder {tmp}/file.txt/s",
+                "a file where a folder should be",
+                "--state-dir",
+            ),
+        )
+        for argv, dry in (
+            (["cap", "apply", "{tmp}/caps.toml"], False),
+            (["cap", "apply", "{tmp}/caps.toml"], True),
+            (["cap", "show"], False),
+            (["monitor", "--once", "--gpu", "0"], False),
+        )
+    ),
     C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",), code=2),
     C(
         "gpu-reset-no-such-uuid",

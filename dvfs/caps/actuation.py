@@ -111,7 +111,7 @@ class AppliedCaps:
         """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
         one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
         damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
-        from dvfs.gpu.safety import read_record, record_problem
+        from dvfs.gpu.safety import read_record, record_problem, state_folder_problem
 
         try:  # (a FIFO is refused, not waited on for ever; a folder or a link in a loop is no
             # record either)
@@ -119,6 +119,10 @@ class AppliedCaps:
         except FileNotFoundError:  # none, or removed meanwhile (the last GPU's entry reset)
             return {}
         except (ValueError, OSError) as exc:  # UnicodeDecodeError included
+            # (a --state-dir under a file: the folder is at fault, and no record is there)
+            folder = state_folder_problem(self.path.parent) if isinstance(exc, OSError) else None
+            if folder is not None:
+                raise CapsRecordError(folder) from exc
             why = record_problem(exc)
             raise CapsRecordError(
                 f"{self.path} is unreadable ({why}); remove it and re-apply"

@@ -267,6 +267,24 @@ def record_problem(exc: Exception) -> str:
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
+def state_folder_problem(directory: Path) -> str | None:
+    """Why the state folder `directory` cannot be reached (a file where a folder of its path
+    should be, a link in a loop), in one line saying what to do, or None (it is there, or
+    missing: nothing recorded yet). For a record in it that cannot be opened: the folder is at
+    fault then, not the record, which removing would not help (there is none to remove)."""
+    try:
+        os.stat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return (
+            f"state folder {directory} is unreadable ({record_problem(exc)}), so dvfs's records "
+            "in it cannot be read: check its path (a link in a loop, a file where a folder "
+            "should be), or name a folder with --state-dir"
+        )
+    return None
+
+
 class StateStore:
     """Per-GPU records of original settings (implements `dvfs.gpu.knobs.ChangeLog`)."""
 
