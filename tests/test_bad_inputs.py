@@ -1646,6 +1646,45 @@ MORE_CASES = (
                 ("json-view", '{"schema": "dvfs.roofline/1"}\n', ("r.nc", "JSON", "-o FILE")),
             )
         ),
+        # Something in the way of a file or folder the command makes from its output option (a
+        # figure in --out, report.md's figures folder beside it): "give a file's path for
+        # path", "remove it or choose another path", "give a file's path for --out" (a folder
+        # option) named no way round it.
+        *(
+            C(
+                f"{id}-in-the-way",
+                argv,
+                files={rel: content},
+                code=1,
+                says=(rel, advice, option),
+            )
+            for id, argv, rel, content, advice, option in (
+                (
+                    "report-md-figure-a-folder",
+                    ["report", "{cube}", "-o", "{tmp}/r.md"],
+                    "r_figures/01_pareto_code.png",
+                    DIR,
+                    "move that folder aside",
+                    "--output",
+                ),
+                (
+                    "report-md-figures-folder-a-file",
+                    ["report", "{cube}", "-o", "{tmp}/r.md"],
+                    "r_figures",
+                    "x",
+                    "remove it",
+                    "--output",
+                ),
+                (
+                    "plot-figure-a-folder",
+                    ["plot", "{cube}", "--out", "{tmp}/p"],
+                    "p/pareto_code.png",
+                    DIR,
+                    "move that folder aside",
+                    "--out",
+                ),
+            )
+        ),
         corpus_case(
             "path-empty-string",
             "x",

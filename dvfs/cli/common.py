@@ -321,12 +321,29 @@ def describe_os_error(exc: OSError) -> str:
         return f"cannot write to standard output: {words}; {advice}redirect it elsewhere"
     writing = verb == "write"
     param = _param_for(path, writing=writing) if path is not None else _single_output_param()
+    if param is None and path is not None and code in (errno.EISDIR, errno.EEXIST, errno.ENOTDIR):
+        # something in the way of a path the command made beside its output (report.md's
+        # figures folder): that output's option is the way round it, not "path"
+        param = _param_for(path, writing=True)
     if path is None and param is not None:
         path = param[1]
     opt = param[0] if param is not None else "path"
+    if code == errno.EISDIR and param is not None and _derived(path, param[1]):
+        # a folder where the command puts a file of its own (a figure in --out, in report.md's
+        # figures folder): the option names no file to correct, the folder is to move aside
+        advice = "move that folder aside, or choose another {opt}"
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+def _derived(path: Any, given: Path) -> bool:
+    """Whether `path` is not the option's value `given` itself but a path the command made from
+    it (a file in an output folder, or beside an output file)."""
+    try:
+        return Path(os.fsdecode(path)).absolute() != given.absolute()
+    except (TypeError, ValueError):
+        return False
 
 
 def _stdout_failed(exc: OSError) -> bool:
