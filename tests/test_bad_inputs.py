@@ -1381,6 +1381,16 @@ def _profile_with(key: str, value: str) -> Writer:
     return Writer(make)
 
 
+def _fitted_profile(path: Path, env: dict[str, Path]) -> None:
+    """A `dvfs twin fit` profile, fitted to a twin roofline, as it is written."""
+    roofline = path.with_name("roofline.nc")
+    _TWIN_ROOFLINE.write(roofline, env)
+    _assert_ok(CliRunner().invoke(cli, ["twin", "fit", str(roofline), "-o", str(path)]))
+
+
+_TWIN_PROFILE = Writer(_fitted_profile, same=True)
+
+
 def _over_limit(limit_name: str) -> Writer:
     """A file one byte over a read limit of dvfs.inputs (sparse: NULs, no disk)."""
 
@@ -1644,6 +1654,25 @@ MORE_CASES = (
                     ("r.nc", "no regular file"),
                 ),
                 ("json-view", '{"schema": "dvfs.roofline/1"}\n', ("r.nc", "JSON", "-o FILE")),
+            )
+        ),
+        # A folder named sweep.lock in the output folder: "cannot use run as the output folder
+        # (run/sweep.lock): Is a directory", no way round it named.
+        *(
+            C(
+                f"sweep-lock-a-folder-{id}",
+                [*argv, "{tmp}/run", "--no-progress"],
+                files={"c.toml": GOOD_TEXT, "p.toml": _TWIN_PROFILE, "run/sweep.lock": DIR},
+                code=1,
+                says=("run/sweep.lock", "move it aside", "--out"),
+                chatty=True,
+            )
+            for id, argv in (
+                ("sweep", ["sweep", "{tmp}/c.toml", "--out"]),
+                (
+                    "twin-predict",
+                    ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o"],
+                ),
             )
         ),
         # Something in the way of a file or folder the command makes from its output option (a
