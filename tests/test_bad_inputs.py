@@ -3110,7 +3110,7 @@ def mixed_fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     ("kind", "says"),
-    [("fifo", "no regular file"), ("directory", "is a folder"), ("symlink-loop", "journal")],
+    [("fifo", "no regular file"), ("directory", "is a folder"), ("symlink-loop", "(a loop)")],
 )
 def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
     mixed_fleet: Path, tmp_path: Path, kind: str, says: str
