@@ -3139,3 +3139,29 @@ def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
     case = Case(f"fleet-model-journal-{kind}", [], code=1, says=(str(h200), says), chatty=True)
     check_one_clean_error(result, case, {})
     assert (out / "cube.nc").read_bytes() == before  # the merged cube of both models kept
+
+
+@pytest.mark.parametrize("kind", ["read-only", "full-disk"])
+@pytest.mark.parametrize("out", [False, True])
+def test_a_fleet_folder_its_model_cubes_cannot_be_written_in_is_not_told_another_out(
+    mixed_fleet: Path, tmp_path: Path, kind: str, out: bool
+) -> None:
+    """`dvfs cube build FLEET` of a fleet mixing GPU models, on a read-only or full disk (a
+    sweep folder archived read-only): each model's cube goes beside its journal, which failed
+    "cannot write FLEET/gpu-<model>/cube.nc: read-only file system; choose another --out",
+    though --out (given or not) names only the merged cube's path. It says where the model
+    cubes go and what gets round it."""
+    err, words = FAULTS[kind][0], FAULTS[kind][2]
+    folder = tmp_path / "fleet"
+    shutil.copytree(mixed_fleet, folder)
+    argv = ["cube", "build", str(folder), *(["-o", str(tmp_path / "m.nc")] if out else [])]
+    with failing_writes(folder, err):
+        result = CliRunner().invoke(cli, argv)
+    case = Case(
+        f"fleet-cube-build-{kind}",
+        argv,
+        code=1,
+        says=(str(folder / "gpu-"), words, "beside its journal", f"copy {folder}"),
+    )
+    check_one_clean_error(result, case, {})
+    assert "another --out" not in result.stderr, result.stderr
