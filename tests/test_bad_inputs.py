@@ -1220,27 +1220,45 @@ GPU_CASES = [
         for where, value in (("dev-null", "/dev/null"), ("under-a-file", "{tmp}/file.txt/s"))
         for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"], ["cap", "show"])
     ),
-    # The same folder given with --state-dir: its caps record was said to be "unreadable (Not
-    # a directory); remove it and re-apply", a file that is not there to remove.
+    # The same folders given with --state-dir (and a FIFO): its caps record was said to be
+    # "unreadable (Not a directory); remove it and re-apply", a file that is not there to
+    # remove; `gpu reset` said so of each GPU's state file; `cap reset` and `gpu settle` said to
+    # "remove" /dev/null.
     *(
         C(
-            f"state-dir-option-under-a-file-{'-'.join(argv[:2])}{'-dry-run' if dry else ''}",
-            [*argv, *(["--dry-run"] if dry else []), "--state-dir", "{tmp}/file.txt/s"],
-            files={"caps.toml": GOOD_CAPS, "file.txt": "x"},
+            f"state-dir-option-{where}-{'-'.join(argv[:2])}{'-dry-run' if dry else ''}",
+            [*argv, *(["--dry-run"] if dry else []), "--state-dir", value],
+            files={
+                "caps.toml": GOOD_CAPS,
+                "file.txt": "x",
+                "fifo": Writer(lambda path, env: _fifo(path, env)),
+            },
             nvml=True,
-            code=1,
-            says=(
-                "state folder {tmp}/file.txt/s",
-                "a file where a folder should be",
-                "--state-dir",
-            ),
+            code=3 if argv[0] == "gpu" else 1,
+            says=(f"state folder {value}", "a file where a folder should be", "--state-dir"),
+        )
+        for where, value in (
+            ("under-a-file", "{tmp}/file.txt/s"),
+            ("dev-null", "/dev/null"),
+            ("fifo", "{tmp}/fifo"),
         )
         for argv, dry in (
             (["cap", "apply", "{tmp}/caps.toml"], False),
             (["cap", "apply", "{tmp}/caps.toml"], True),
             (["cap", "show"], False),
             (["monitor", "--once", "--gpu", "0"], False),
+            *([(["gpu", "reset"], False)] if where != "under-a-file" else []),
         )
+    ),
+    *(
+        C(
+            f"state-dir-option-dev-null-{'-'.join(argv[:2])}",
+            [*argv, "--state-dir", "/dev/null"],
+            nvml=True,
+            code=1,
+            says=("/dev/null", "a device", "choose another --state-dir"),
+        )
+        for argv in (["cap", "reset"], ["gpu", "settle", "--gpu", "0", "--clocks", "1980,1500"])
     ),
     C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",), code=2),
     C(

@@ -328,6 +328,9 @@ def describe_os_error(exc: OSError) -> str:
     if path is None and param is not None:
         path = param[1]
     opt = param[0] if param is not None else "path"
+    if code == errno.EEXIST and path is not None and _is_device(path):
+        # /dev/null given for a folder: not to be removed
+        words, advice = "a device is there, no folder", "choose another {opt}"
     if code == errno.EISDIR and param is not None and _derived(path, param[1]):
         # a folder where the command puts a file of its own (a figure in --out, in report.md's
         # figures folder): the option names no file to correct, the folder is to move aside
@@ -335,6 +338,18 @@ def describe_os_error(exc: OSError) -> str:
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+def _is_device(path: Any) -> bool:
+    """Whether `path` is a character or block device (/dev/null), which no advice may say to
+    remove."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, TypeError, ValueError):
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
 
 
 def _derived(path: Any, given: Path) -> bool:
