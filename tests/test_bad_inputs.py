@@ -1674,6 +1674,15 @@ MORE_CASES = (
                 ("json-view", '{"schema": "dvfs.roofline/1"}\n', ("r.nc", "JSON", "-o FILE")),
             )
         ),
+        # A folder where `dvfs cube build DIR` writes DIR/cube.nc by default: "give a file's
+        # path for SWEEP_DIR", the folder it reads.
+        C(
+            "cube-build-default-out-a-folder",
+            ["cube", "build", "{tmp}/run"],
+            files={"run/journal.jsonl": lambda s: s["journal"].read_bytes(), "run/cube.nc": DIR},
+            code=1,
+            says=("run/cube.nc", "a folder", "--out"),
+        ),
         # A folder named sweep.lock in the output folder: "cannot use run as the output folder
         # (run/sweep.lock): Is a directory", no way round it named.
         *(
@@ -1919,8 +1928,9 @@ FAULT_CASES = [
     )
 ]
 
-# A read-only or full disk under the input's own folder: the advice names the output option
-# (the way round it), never the input.
+# A read-only or full disk, or a folder this user may not write, under the input's own folder:
+# the advice names the output option (the way round it), never the input (`dvfs cube build
+# DIR` said "check permissions or choose another SWEEP_DIR").
 FAULT_CASES += [
     C(
         f"fault-{cmd}-beside-its-input-{kind}",
@@ -1931,7 +1941,6 @@ FAULT_CASES += [
         fault=("ro", err),
     )
     for kind, (err, _, words) in FAULTS.items()
-    if kind != "no-permission"
     for cmd, argv, files, option in (
         (
             "headroom-o",

@@ -304,6 +304,13 @@ _OS_ERRORS: dict[int, tuple[str, str, str]] = {
 }
 
 
+class OutputWriteError(OSError):
+    """A file-system fault met writing a command's output, whatever its errno (a folder or an
+    immutable file where the output goes): worded as a write, whose way round is the
+    command's output option, also where the output goes into an input's folder by default (a
+    cube beside its journal), not that input."""
+
+
 def describe_os_error(exc: OSError) -> str:
     """One sentence for a file system fault: the path, what happened in plain words, what to do.
 
@@ -319,7 +326,7 @@ def describe_os_error(exc: OSError) -> str:
         full = code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         advice = "free space where it is redirected, or " if full else ""
         return f"cannot write to standard output: {words}; {advice}redirect it elsewhere"
-    writing = verb == "write"
+    writing = verb == "write" or isinstance(exc, OutputWriteError)
     param = _param_for(path, writing=writing) if path is not None else _single_output_param()
     if param is None and path is not None and code in (errno.EISDIR, errno.EEXIST, errno.ENOTDIR):
         # something in the way of a path the command made beside its output (report.md's

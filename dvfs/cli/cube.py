@@ -8,7 +8,14 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
+from dvfs.cli.common import (
+    OutputFile,
+    OutputWriteError,
+    console,
+    echo_json,
+    escape,
+    handle_errors,
+)
 
 
 @click.group()
@@ -334,7 +341,7 @@ def _write(ds: Any, path: Path) -> Path:
         code = cause.errno
         if code == errno.EEXIST and any(p.exists() and not p.is_dir() for p in path.parents):
             code = errno.ENOTDIR
-        raise OSError(code, os.strerror(code), str(path)) from exc
+        raise OutputWriteError(code, os.strerror(code), str(path)) from exc
 
 
 def _model_cube_unwritable(exc: OSError, path: Path, sweep_dir: Path) -> str:
