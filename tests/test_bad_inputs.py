@@ -1683,6 +1683,27 @@ MORE_CASES = (
             code=1,
             says=("run/cube.nc", "a folder", "--out"),
         ),
+        # A folder where the sweep writes its cube: the sweep measured every cell, then failed
+        # "cannot write the cube run/cube.nc: Is a directory" (its dry run said nothing).
+        *(
+            C(
+                f"sweep-cube-a-folder-{id}",
+                [*argv, "{tmp}/run", *extra],
+                files={"c.toml": GOOD_TEXT, "p.toml": _TWIN_PROFILE, "run/cube.nc": DIR},
+                code=2,
+                says=("run/cube.nc", "is a folder", "move it aside"),
+                chatty=True,
+            )
+            for id, argv, extra in (
+                ("sweep", ["sweep", "{tmp}/c.toml", "--out"], ["--no-progress"]),
+                (
+                    "twin-predict",
+                    ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o"],
+                    ["--no-progress"],
+                ),
+                ("demo", ["demo", "--out"], ["--no-progress"]),
+            )
+        ),
         # A folder named sweep.lock in the output folder: "cannot use run as the output folder
         # (run/sweep.lock): Is a directory", no way round it named.
         *(
