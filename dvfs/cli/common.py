@@ -304,6 +304,13 @@ _OS_ERRORS: dict[int, tuple[str, str, str]] = {
 }
 
 
+def os_error_words(exc: OSError) -> str:
+    """What happened, in the plain words `describe_os_error` says it (no path, no advice)."""
+    code = exc.errno if isinstance(exc.errno, int) else 0
+    reason = (exc.strerror or str(exc) or type(exc).__name__).rstrip(".")
+    return _OS_ERRORS.get(code, ("use", reason[:1].lower() + reason[1:], ""))[1]
+
+
 class OutputWriteError(OSError):
     """A file-system fault met writing a command's output, whatever its errno (a folder or an
     immutable file where the output goes): worded as a write, whose way round is the

@@ -348,15 +348,13 @@ def _model_cube_unwritable(exc: OSError, path: Path, sweep_dir: Path) -> str:
     """The line for a fleet GPU model's cube that cannot be written beside its journal (a
     read-only, full or unwritable sweep folder): the cube goes there whatever --out names, so
     "choose another --out", the advice of the merged cube's, would not get round it."""
-    from dvfs.cli.common import _OS_ERRORS
+    from dvfs.cli.common import os_error_words
 
-    code = exc.errno or 0
-    reason = (exc.strerror or str(exc)).rstrip(".")
-    words = _OS_ERRORS.get(code, ("", reason[:1].lower() + reason[1:], ""))[1]
     return (
-        f"cannot write {path}: {words}; each GPU model's cube of a fleet is written beside its "
-        f"journal, whatever --out names: make room or write access in {path.parent}, or copy "
-        f"{sweep_dir} to a folder that can be written and build the cube there"
+        f"cannot write {path}: {os_error_words(exc)}; each GPU model's cube of a fleet is "
+        f"written beside its journal, whatever --out names: make room or write access in "
+        f"{path.parent}, or copy {sweep_dir} to a folder that can be written and build the "
+        "cube there"
     )
 
 
