@@ -3213,3 +3213,46 @@ def test_a_fleet_folder_its_model_cubes_cannot_be_written_in_is_not_told_another
     )
     check_one_clean_error(result, case, {})
     assert "another --out" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+@pytest.mark.parametrize("defaults", [False, True])
+def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
+    fake_nvml: None, tmp_path: Path, kind: str, defaults: bool
+) -> None:
+    """`dvfs gpu reset --state-dir DIR` with a GPU's state file in DIR, on a read-only or full
+    disk or a folder it may not write (the GPU's lock cannot be taken): it said "cannot write
+    DIR/GPU-....lock: read-only file system; choose another --state-dir", whose reset finds
+    none of the state files DIR keeps ("nothing to restore"). It says to mend DIR and run the
+    same reset again, the GPU unchanged and its state file kept."""
+    import socket
+    from datetime import UTC, datetime
+
+    err, _, words = FAULTS[kind]
+    [gpu, *_] = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+    state = tmp_path / "state"
+    state.mkdir()
+    record = state / f"{gpu['uuid']}.json"
+    record.write_text(
+        json.dumps(
+            {
+                "original": {
+                    "uuid": gpu["uuid"],
+                    "sm_clock_lock_mhz": None,
+                    "power_limit_mw": 700_000,
+                },
+                "pid": 999_999_999,  # no such process: a run that died
+                "host": socket.gethostname(),
+                "since": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": "sweep",
+            }
+        )
+    )
+    argv = ["gpu", "reset", *(["--defaults"] if defaults else []), "--state-dir", str(state)]
+    with failing_writes(state, err):
+        result = CliRunner().invoke(cli, argv)
+    again = "dvfs gpu reset" + (" --defaults" if defaults else "") + f" --state-dir {state}"
+    says = (str(state), words, again, "no GPU was restored")
+    check_one_clean_error(result, Case(f"gpu-reset-{kind}", argv, code=1, says=says), {})
+    assert "another --state-dir" not in result.stderr, result.stderr
+    assert record.exists()

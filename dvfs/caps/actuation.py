@@ -27,6 +27,7 @@ from dvfs.errors import (
     CapsRecordError,
     GpuBusyError,
     GpuError,
+    GpuLockFileError,
     GpuPermissionError,
     GpuStateError,
     GpuUnavailableError,
@@ -1111,6 +1112,17 @@ def reset_gpus(
                     f"skipped GPU {gpu.identity.index} ({gpu.identity.uuid}): in use by another "
                     f"dvfs process (pid {exc.pid}), which restores it itself"
                 )
+            except OSError as exc:  # before any GPU is restored: never "another --state-dir",
+                # whose reset finds none of the state files this folder keeps
+                line = state_file_problem(exc)
+                if line is None:
+                    raise
+                command = state_dir_command(
+                    "dvfs gpu reset" + (" --defaults" if defaults else ""), directory
+                )
+                raise GpuLockFileError(
+                    f"{line}, then run `{command}` again (no GPU was restored)"
+                ) from exc
         with_state = [g for g in with_state if g not in busy]
         stale = [g for g in stale if g not in busy]
         # A file from before the last reboot is dropped, not restored (`restore_pending`): its
