@@ -301,8 +301,9 @@ def check_cube_files(out_dir: Path, *, fresh: bool = False) -> None:
     what the demo and the commands given the folder read back, which a pipe cannot be read as.
     Not tried for a reader now: opening it to try would end a waiting reader's stream. A link
     to a file in a folder that does not exist, which the cube could not be written through,
-    is refused so too. With `fresh`, a cube --fresh moves aside with its journal
-    (`fresh_moves`) is none of the run's."""
+    is refused so too, and a folder in the cube's place, which its write fails on hours later.
+    With `fresh`, a cube --fresh moves aside with its journal (`fresh_moves`) is none of the
+    run's."""
     import stat
 
     aside = {src for src, _ in fresh_moves(out_dir)} if fresh else set()
@@ -310,7 +311,7 @@ def check_cube_files(out_dir: Path, *, fresh: bool = False) -> None:
         if path in aside:
             continue
         try:
-            fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+            mode = os.stat(path).st_mode
         except FileNotFoundError:
             target = os.path.realpath(path)
             if os.path.islink(path) and not os.path.isdir(os.path.dirname(target)):
@@ -324,7 +325,13 @@ def check_cube_files(out_dir: Path, *, fresh: bool = False) -> None:
             continue  # none yet
         except OSError:
             continue  # one the cube's write refuses in its own words
-        if fifo:
+        if stat.S_ISDIR(mode):
+            # the cube's write, once every cell is measured, fails "Is a directory"
+            raise OutputRefusedError(
+                f"{path} is a folder, where the cube is written once every cell is measured: "
+                "move it aside and run again, or choose another --out"
+            )
+        if stat.S_ISFIFO(mode):
             raise OutputRefusedError(
                 f"{path} is a named pipe, where the cube is written once every cell is "
                 "measured and read back from as a file: remove it (or move it aside) and run "

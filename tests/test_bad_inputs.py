@@ -1220,6 +1220,46 @@ GPU_CASES = [
         for where, value in (("dev-null", "/dev/null"), ("under-a-file", "{tmp}/file.txt/s"))
         for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"], ["cap", "show"])
     ),
+    # The same folders given with --state-dir (and a FIFO): its caps record was said to be
+    # "unreadable (Not a directory); remove it and re-apply", a file that is not there to
+    # remove; `gpu reset` said so of each GPU's state file; `cap reset` and `gpu settle` said to
+    # "remove" /dev/null.
+    *(
+        C(
+            f"state-dir-option-{where}-{'-'.join(argv[:2])}{'-dry-run' if dry else ''}",
+            [*argv, *(["--dry-run"] if dry else []), "--state-dir", value],
+            files={
+                "caps.toml": GOOD_CAPS,
+                "file.txt": "x",
+                "fifo": Writer(lambda path, env: _fifo(path, env)),
+            },
+            nvml=True,
+            code=3 if argv[0] == "gpu" else 1,
+            says=(f"state folder {value}", "a file where a folder should be", "--state-dir"),
+        )
+        for where, value in (
+            ("under-a-file", "{tmp}/file.txt/s"),
+            ("dev-null", "/dev/null"),
+            ("fifo", "{tmp}/fifo"),
+        )
+        for argv, dry in (
+            (["cap", "apply", "{tmp}/caps.toml"], False),
+            (["cap", "apply", "{tmp}/caps.toml"], True),
+            (["cap", "show"], False),
+            (["monitor", "--once", "--gpu", "0"], False),
+            *([(["gpu", "reset"], False)] if where != "under-a-file" else []),
+        )
+    ),
+    *(
+        C(
+            f"state-dir-option-dev-null-{'-'.join(argv[:2])}",
+            [*argv, "--state-dir", "/dev/null"],
+            nvml=True,
+            code=1,
+            says=("/dev/null", "a device", "choose another --state-dir"),
+        )
+        for argv in (["cap", "reset"], ["gpu", "settle", "--gpu", "0", "--clocks", "1980,1500"])
+    ),
     C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",), code=2),
     C(
         "gpu-reset-no-such-uuid",
@@ -1357,6 +1397,16 @@ def _profile_with(key: str, value: str) -> Writer:
         path.write_text(re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text))
 
     return Writer(make)
+
+
+def _fitted_profile(path: Path, env: dict[str, Path]) -> None:
+    """A `dvfs twin fit` profile, fitted to a twin roofline, as it is written."""
+    roofline = path.with_name("roofline.nc")
+    _TWIN_ROOFLINE.write(roofline, env)
+    _assert_ok(CliRunner().invoke(cli, ["twin", "fit", str(roofline), "-o", str(path)]))
+
+
+_TWIN_PROFILE = Writer(_fitted_profile, same=True)
 
 
 def _over_limit(limit_name: str) -> Writer:
@@ -1624,6 +1674,94 @@ MORE_CASES = (
                 ("json-view", '{"schema": "dvfs.roofline/1"}\n', ("r.nc", "JSON", "-o FILE")),
             )
         ),
+        # A folder where `dvfs cube build DIR` writes DIR/cube.nc by default: "give a file's
+        # path for SWEEP_DIR", the folder it reads.
+        C(
+            "cube-build-default-out-a-folder",
+            ["cube", "build", "{tmp}/run"],
+            files={"run/journal.jsonl": lambda s: s["journal"].read_bytes(), "run/cube.nc": DIR},
+            code=1,
+            says=("run/cube.nc", "a folder", "--out"),
+        ),
+        # A folder where the sweep writes its cube: the sweep measured every cell, then failed
+        # "cannot write the cube run/cube.nc: Is a directory" (its dry run said nothing).
+        *(
+            C(
+                f"sweep-cube-a-folder-{id}",
+                [*argv, "{tmp}/run", *extra],
+                files={"c.toml": GOOD_TEXT, "p.toml": _TWIN_PROFILE, "run/cube.nc": DIR},
+                code=2,
+                says=("run/cube.nc", "is a folder", "move it aside"),
+                chatty=True,
+            )
+            for id, argv, extra in (
+                ("sweep", ["sweep", "{tmp}/c.toml", "--out"], ["--no-progress"]),
+                (
+                    "twin-predict",
+                    ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o"],
+                    ["--no-progress"],
+                ),
+                ("demo", ["demo", "--out"], ["--no-progress"]),
+            )
+        ),
+        # A folder named sweep.lock in the output folder: "cannot use run as the output folder
+        # (run/sweep.lock): Is a directory", no way round it named.
+        *(
+            C(
+                f"sweep-lock-a-folder-{id}",
+                [*argv, "{tmp}/run", "--no-progress"],
+                files={"c.toml": GOOD_TEXT, "p.toml": _TWIN_PROFILE, "run/sweep.lock": DIR},
+                code=1,
+                says=("run/sweep.lock", "move it aside", "--out"),
+                chatty=True,
+            )
+            for id, argv in (
+                ("sweep", ["sweep", "{tmp}/c.toml", "--out"]),
+                (
+                    "twin-predict",
+                    ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o"],
+                ),
+            )
+        ),
+        # Something in the way of a file or folder the command makes from its output option (a
+        # figure in --out, report.md's figures folder beside it): "give a file's path for
+        # path", "remove it or choose another path", "give a file's path for --out" (a folder
+        # option) named no way round it.
+        *(
+            C(
+                f"{id}-in-the-way",
+                argv,
+                files={rel: content},
+                code=1,
+                says=(rel, advice, option),
+            )
+            for id, argv, rel, content, advice, option in (
+                (
+                    "report-md-figure-a-folder",
+                    ["report", "{cube}", "-o", "{tmp}/r.md"],
+                    "r_figures/01_pareto_code.png",
+                    DIR,
+                    "move that folder aside",
+                    "--output",
+                ),
+                (
+                    "report-md-figures-folder-a-file",
+                    ["report", "{cube}", "-o", "{tmp}/r.md"],
+                    "r_figures",
+                    "x",
+                    "remove it",
+                    "--output",
+                ),
+                (
+                    "plot-figure-a-folder",
+                    ["plot", "{cube}", "--out", "{tmp}/p"],
+                    "p/pareto_code.png",
+                    DIR,
+                    "move that folder aside",
+                    "--out",
+                ),
+            )
+        ),
         corpus_case(
             "path-empty-string",
             "x",
@@ -1811,8 +1949,9 @@ FAULT_CASES = [
     )
 ]
 
-# A read-only or full disk under the input's own folder: the advice names the output option
-# (the way round it), never the input.
+# A read-only or full disk, or a folder this user may not write, under the input's own folder:
+# the advice names the output option (the way round it), never the input (`dvfs cube build
+# DIR` said "check permissions or choose another SWEEP_DIR").
 FAULT_CASES += [
     C(
         f"fault-{cmd}-beside-its-input-{kind}",
@@ -1823,7 +1962,6 @@ FAULT_CASES += [
         fault=("ro", err),
     )
     for kind, (err, _, words) in FAULTS.items()
-    if kind != "no-permission"
     for cmd, argv, files, option in (
         (
             "headroom-o",
@@ -2998,3 +3136,123 @@ def test_report_figures_on_a_full_temporary_folder_say_so(
     assert line.startswith("Error: cannot draw the report's figures in the temporary folder "), line
     assert "set TMPDIR" in line and "choose another" not in line, line
     assert not out.exists()
+
+
+# -- a fleet mixing GPU models, one model's journal no regular file --------------------------
+
+
+@pytest.fixture(scope="module")
+def mixed_fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished tiny sweep on a fleet of two twin GPU models (a journal in each of its
+    `gpu-<model>/` folders, and the merged cube), made once per session, read-only."""
+
+    def make(base: Path) -> None:
+        (base / "tiny.toml").write_text(campaign(), encoding="utf-8")
+        out = base / "fleet"
+        argv = ["sweep", str(base / "tiny.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out)]
+        result = CliRunner().invoke(cli, [*argv, "--no-progress"])
+        assert result.exit_code == 0, result.output
+
+    return made_once(tmp_path_factory, "bad_inputs-mixed-fleet", make) / "fleet"
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [("fifo", "no regular file"), ("directory", "is a folder"), ("symlink-loop", "(a loop)")],
+)
+def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
+    mixed_fleet: Path, tmp_path: Path, kind: str, says: str
+) -> None:
+    """A fleet folder mixing two GPU models, one model's journal replaced by a FIFO, a folder
+    or a link in a loop, swept again on the other model's GPU alone (a plain `dvfs sweep
+    CAMPAIGN --out DIR`: the GPUs left after a node loss): the sweep skipped that journal,
+    exit 0, and rewrote the merged cube with the other model alone; `dvfs cube build`, the dry
+    run and the doctor refuse it. It is refused, before any GPU is used, the cube kept."""
+    import os
+
+    out = tmp_path / "fleet"
+    shutil.copytree(mixed_fleet, out)
+    [h200] = [p for p in out.glob("gpu-*h200*/journal.jsonl")]
+    h200.unlink()
+    if kind == "fifo":
+        os.mkfifo(h200)
+    elif kind == "directory":
+        h200.mkdir()
+    else:
+        h200.symlink_to(h200.name)
+    before = (out / "cube.nc").read_bytes()
+    result = CliRunner().invoke(
+        cli, ["sweep", str(mixed_fleet.parent / "tiny.toml"), "--out", str(out), "--no-progress"]
+    )
+    case = Case(f"fleet-model-journal-{kind}", [], code=1, says=(str(h200), says), chatty=True)
+    check_one_clean_error(result, case, {})
+    assert (out / "cube.nc").read_bytes() == before  # the merged cube of both models kept
+
+
+@pytest.mark.parametrize("kind", ["read-only", "full-disk"])
+@pytest.mark.parametrize("out", [False, True])
+def test_a_fleet_folder_its_model_cubes_cannot_be_written_in_is_not_told_another_out(
+    mixed_fleet: Path, tmp_path: Path, kind: str, out: bool
+) -> None:
+    """`dvfs cube build FLEET` of a fleet mixing GPU models, on a read-only or full disk (a
+    sweep folder archived read-only): each model's cube goes beside its journal, which failed
+    "cannot write FLEET/gpu-<model>/cube.nc: read-only file system; choose another --out",
+    though --out (given or not) names only the merged cube's path. It says where the model
+    cubes go and what gets round it."""
+    err, words = FAULTS[kind][0], FAULTS[kind][2]
+    folder = tmp_path / "fleet"
+    shutil.copytree(mixed_fleet, folder)
+    argv = ["cube", "build", str(folder), *(["-o", str(tmp_path / "m.nc")] if out else [])]
+    with failing_writes(folder, err):
+        result = CliRunner().invoke(cli, argv)
+    case = Case(
+        f"fleet-cube-build-{kind}",
+        argv,
+        code=1,
+        says=(str(folder / "gpu-"), words, "beside its journal", f"copy {folder}"),
+    )
+    check_one_clean_error(result, case, {})
+    assert "another --out" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+@pytest.mark.parametrize("defaults", [False, True])
+def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
+    fake_nvml: None, tmp_path: Path, kind: str, defaults: bool
+) -> None:
+    """`dvfs gpu reset --state-dir DIR` with a GPU's state file in DIR, on a read-only or full
+    disk or a folder it may not write (the GPU's lock cannot be taken): it said "cannot write
+    DIR/GPU-....lock: read-only file system; choose another --state-dir", whose reset finds
+    none of the state files DIR keeps ("nothing to restore"). It says to mend DIR and run the
+    same reset again, the GPU unchanged and its state file kept."""
+    import socket
+    from datetime import UTC, datetime
+
+    err, _, words = FAULTS[kind]
+    [gpu, *_] = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+    state = tmp_path / "state"
+    state.mkdir()
+    record = state / f"{gpu['uuid']}.json"
+    record.write_text(
+        json.dumps(
+            {
+                "original": {
+                    "uuid": gpu["uuid"],
+                    "sm_clock_lock_mhz": None,
+                    "power_limit_mw": 700_000,
+                },
+                "pid": 999_999_999,  # no such process: a run that died
+                "host": socket.gethostname(),
+                "since": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": "sweep",
+            }
+        )
+    )
+    argv = ["gpu", "reset", *(["--defaults"] if defaults else []), "--state-dir", str(state)]
+    with failing_writes(state, err):
+        result = CliRunner().invoke(cli, argv)
+    again = "dvfs gpu reset" + (" --defaults" if defaults else "") + f" --state-dir {state}"
+    says = (str(state), words, again, "no GPU was restored")
+    check_one_clean_error(result, Case(f"gpu-reset-{kind}", argv, code=1, says=says), {})
+    assert "another --state-dir" not in result.stderr, result.stderr
+    assert record.exists()

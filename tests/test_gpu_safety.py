@@ -1404,8 +1404,6 @@ def test_a_signal_held_by_a_restore_that_fails_at_the_sweeps_end_exits_as_interr
     cube could not be written either (a folder at its path), which had exited 1 with no word
     of the interruption."""
     campaign, out = campaign_file(tmp_path), tmp_path / "out"
-    if cube_blocked:
-        (out / "cube.nc").mkdir(parents=True)  # the cube's write fails
     # The reset hangs until its deadline fails the restore: the signal comes meanwhile.
     hanging = {
         **env,
@@ -1415,6 +1413,10 @@ def test_a_signal_held_by_a_restore_that_fails_at_the_sweeps_end_exits_as_interr
     proc = _start_sweep(campaign, out, hanging)
     try:
         wait_for(nvml.fake_hangs_started, "the restore is in NVML")
+        if cube_blocked:
+            # the cube's write fails: a folder at its path, made once the sweep has begun (one
+            # there at its start is refused before anything is measured)
+            (out / "cube.nc").mkdir()
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     finally:

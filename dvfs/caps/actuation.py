@@ -27,6 +27,7 @@ from dvfs.errors import (
     CapsRecordError,
     GpuBusyError,
     GpuError,
+    GpuLockFileError,
     GpuPermissionError,
     GpuStateError,
     GpuUnavailableError,
@@ -111,7 +112,7 @@ class AppliedCaps:
         """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
         one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
         damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
-        from dvfs.gpu.safety import read_record, record_problem
+        from dvfs.gpu.safety import read_record, record_problem, state_folder_problem
 
         try:  # (a FIFO is refused, not waited on for ever; a folder or a link in a loop is no
             # record either)
@@ -119,6 +120,10 @@ class AppliedCaps:
         except FileNotFoundError:  # none, or removed meanwhile (the last GPU's entry reset)
             return {}
         except (ValueError, OSError) as exc:  # UnicodeDecodeError included
+            # (a --state-dir under a file: the folder is at fault, and no record is there)
+            folder = state_folder_problem(self.path.parent) if isinstance(exc, OSError) else None
+            if folder is not None:
+                raise CapsRecordError(folder) from exc
             why = record_problem(exc)
             raise CapsRecordError(
                 f"{self.path} is unreadable ({why}); remove it and re-apply"
@@ -1107,6 +1112,17 @@ def reset_gpus(
                     f"skipped GPU {gpu.identity.index} ({gpu.identity.uuid}): in use by another "
                     f"dvfs process (pid {exc.pid}), which restores it itself"
                 )
+            except OSError as exc:  # before any GPU is restored: never "another --state-dir",
+                # whose reset finds none of the state files this folder keeps
+                line = state_file_problem(exc)
+                if line is None:
+                    raise
+                command = state_dir_command(
+                    "dvfs gpu reset" + (" --defaults" if defaults else ""), directory
+                )
+                raise GpuLockFileError(
+                    f"{line}, then run `{command}` again (no GPU was restored)"
+                ) from exc
         with_state = [g for g in with_state if g not in busy]
         stale = [g for g in stale if g not in busy]
         # A file from before the last reboot is dropped, not restored (`restore_pending`): its

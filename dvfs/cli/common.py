@@ -304,6 +304,20 @@ _OS_ERRORS: dict[int, tuple[str, str, str]] = {
 }
 
 
+def os_error_words(exc: OSError) -> str:
+    """What happened, in the plain words `describe_os_error` says it (no path, no advice)."""
+    code = exc.errno if isinstance(exc.errno, int) else 0
+    reason = (exc.strerror or str(exc) or type(exc).__name__).rstrip(".")
+    return _OS_ERRORS.get(code, ("use", reason[:1].lower() + reason[1:], ""))[1]
+
+
+class OutputWriteError(OSError):
+    """A file-system fault met writing a command's output, whatever its errno (a folder or an
+    immutable file where the output goes): worded as a write, whose way round is the
+    command's output option, also where the output goes into an input's folder by default (a
+    cube beside its journal), not that input."""
+
+
 def describe_os_error(exc: OSError) -> str:
     """One sentence for a file system fault: the path, what happened in plain words, what to do.
 
@@ -319,14 +333,46 @@ def describe_os_error(exc: OSError) -> str:
         full = code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         advice = "free space where it is redirected, or " if full else ""
         return f"cannot write to standard output: {words}; {advice}redirect it elsewhere"
-    writing = verb == "write"
+    writing = verb == "write" or isinstance(exc, OutputWriteError)
     param = _param_for(path, writing=writing) if path is not None else _single_output_param()
+    if param is None and path is not None and code in (errno.EISDIR, errno.EEXIST, errno.ENOTDIR):
+        # something in the way of a path the command made beside its output (report.md's
+        # figures folder): that output's option is the way round it, not "path"
+        param = _param_for(path, writing=True)
     if path is None and param is not None:
         path = param[1]
     opt = param[0] if param is not None else "path"
+    if code == errno.EEXIST and path is not None and _is_device(path):
+        # /dev/null given for a folder: not to be removed
+        words, advice = "a device is there, no folder", "choose another {opt}"
+    if code == errno.EISDIR and param is not None and _derived(path, param[1]):
+        # a folder where the command puts a file of its own (a figure in --out, in report.md's
+        # figures folder): the option names no file to correct, the folder is to move aside
+        advice = "move that folder aside, or choose another {opt}"
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+def _is_device(path: Any) -> bool:
+    """Whether `path` is a character or block device (/dev/null), which no advice may say to
+    remove."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, TypeError, ValueError):
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+
+
+def _derived(path: Any, given: Path) -> bool:
+    """Whether `path` is not the option's value `given` itself but a path the command made from
+    it (a file in an output folder, or beside an output file)."""
+    try:
+        return Path(os.fsdecode(path)).absolute() != given.absolute()
+    except (TypeError, ValueError):
+        return False
 
 
 def _stdout_failed(exc: OSError) -> bool:

@@ -8,7 +8,14 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
+from dvfs.cli.common import (
+    OutputFile,
+    OutputWriteError,
+    console,
+    echo_json,
+    escape,
+    handle_errors,
+)
 
 
 @click.group()
@@ -91,7 +98,17 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
             "of the cube",
             err=True,
         )
-    path = write_cubes(sweep_dir, journals, merged_path=out_path, write=_write)
+    merged = out_path or sweep_dir / CUBE_NAME
+
+    def write(ds: Any, path: Path) -> Path:
+        if path == merged:
+            return _write(ds, path)
+        try:
+            return _write(ds, path)
+        except OSError as exc:  # a model's cube, beside its journal: --out is no way round
+            raise CubeError(_model_cube_unwritable(exc, path, sweep_dir)) from exc
+
+    path = write_cubes(sweep_dir, journals, merged_path=out_path, write=write)
     parts = ", ".join(str(j.parent / CUBE_NAME) for j in journals)
     click.echo(
         f"cube: {path} (merged from {parts})" if len(journals) > 1 else f"cube: {path}", err=err
@@ -336,7 +353,21 @@ def _write(ds: Any, path: Path) -> Path:
         code = cause.errno
         if code == errno.EEXIST and any(p.exists() and not p.is_dir() for p in path.parents):
             code = errno.ENOTDIR
-        raise OSError(code, os.strerror(code), str(path)) from exc
+        raise OutputWriteError(code, os.strerror(code), str(path)) from exc
+
+
+def _model_cube_unwritable(exc: OSError, path: Path, sweep_dir: Path) -> str:
+    """The line for a fleet GPU model's cube that cannot be written beside its journal (a
+    read-only, full or unwritable sweep folder): the cube goes there whatever --out names, so
+    "choose another --out", the advice of the merged cube's, would not get round it."""
+    from dvfs.cli.common import os_error_words
+
+    return (
+        f"cannot write {path}: {os_error_words(exc)}; each GPU model's cube of a fleet is "
+        f"written beside its journal, whatever --out names: make room or write access in "
+        f"{path.parent}, or copy {sweep_dir} to a folder that can be written and build the "
+        "cube there"
+    )
 
 
 def _shard_model_not_begun(loaded: list[tuple[Any, str]]) -> str | None:

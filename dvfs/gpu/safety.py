@@ -14,6 +14,7 @@ without root read root's records in /var/lib/dvfs (`records_dir`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -267,6 +268,37 @@ def record_problem(exc: Exception) -> str:
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
+def _unreadable_folder(directory: Path, why: str) -> str:
+    """`StateStore.readable`'s refusal of a state folder it cannot reach."""
+    return (
+        f"state folder {directory} is unreadable ({why}), so its state files cannot be read: "
+        "check its path (a link in a loop, a file where a folder should be), or name the folder "
+        "itself with --state-dir"
+    )
+
+
+def state_folder_problem(directory: Path) -> str | None:
+    """Why the state folder `directory` cannot be reached (a file where a folder of its path
+    should be, a link in a loop), in one line saying what to do, or None (it is there, or
+    missing: nothing recorded yet). For a record in it that cannot be opened: the folder is at
+    fault then, not the record, which removing would not help (there is none to remove)."""
+    try:
+        mode = os.stat(directory).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        why = record_problem(exc)
+    else:
+        if stat.S_ISDIR(mode):
+            return None
+        why = os.strerror(errno.ENOTDIR)  # a device (/dev/null), a FIFO: no folder
+    return (
+        f"state folder {directory} is unreadable ({why}), so dvfs's records in it cannot be "
+        "read: check its path (a link in a loop, a file where a folder should be), or name a "
+        "folder with --state-dir"
+    )
+
+
 class StateStore:
     """Per-GPU records of original settings (implements `dvfs.gpu.knobs.ChangeLog`)."""
 
@@ -308,15 +340,13 @@ class StateStore:
         cannot be reached (a link in a loop, a file in its path: `exists()` is False for
         them) is no missing folder, whose state files would be taken for none: refused."""
         try:
-            os.stat(self.directory)
+            mode = os.stat(self.directory).st_mode
         except FileNotFoundError:
             return False
         except OSError as exc:
-            raise GpuStateError(
-                f"state folder {self.directory} is unreadable ({record_problem(exc)}), so its "
-                "state files cannot be read: check its path (a link in a loop, a file where a "
-                "folder should be), or name the folder itself with --state-dir"
-            ) from exc
+            raise GpuStateError(_unreadable_folder(self.directory, record_problem(exc))) from exc
+        if not stat.S_ISDIR(mode):  # a device (--state-dir /dev/null), a FIFO: no folder
+            raise GpuStateError(_unreadable_folder(self.directory, os.strerror(errno.ENOTDIR)))
         return True
 
     def left_by_this_process(self) -> list[str]:

@@ -51,6 +51,7 @@ def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> st
         errno.EROFS: "the filesystem is read-only: choose another folder with --out",
         errno.ENOTDIR: "part of that path is a file, not a folder: choose another --out",
         errno.EEXIST: "a file is in the way of that folder: choose another --out",
+        errno.EISDIR: "a folder is in the way of that file: move it aside, or choose another --out",
         errno.ENAMETOOLONG: "use a shorter path",
         errno.EIO: (
             "the disk or network file system under it failed (see dmesg): check it, then run "
