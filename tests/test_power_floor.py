@@ -92,3 +92,66 @@ def test_each_gpu_of_a_merged_cube_has_its_own_power_floor(
     assert EXTEND not in run("headroom", str(merged), "--slack", "60%").output
     # speculation's setting at equal latency is at 200 W too: no grid edge there either
     assert "grid edge" not in run("compare", str(merged)).output
+
+
+#: FLOOR stepping the SM clock alone, down to 210 MHz, the lowest an H100 (and an H200) lists.
+CLOCK_FLOOR = replace_block(
+    replace_block(FLOOR, "power_limit = [700, 200]", "sm_clock = [1980, 210]"),
+    'name = "floor"',
+    'name = "clock-floor"',
+)
+#: CLOCK_FLOOR down to 345 MHz, the lowest an H200 lists (an H100 lists lower), on each.
+AT_345 = replace_block(CLOCK_FLOOR, "sm_clock = [1980, 210]", "sm_clock = [1980, 345]")
+AT_345_H200 = replace_block(AT_345, 'profile = "h100-sxm:none"', 'profile = "h200-sxm:none"')
+EXTEND_CLOCK = "extend knobs.sm_clock downward"
+
+
+def _assert_at_clock_floor_not_an_edge(rows: list[dict[str, Any]]) -> None:
+    assert rows
+    for row in rows:
+        lowest = row["lowest_feasible"]["sm_clock_mhz"]
+        assert lowest in (210, 345), row  # the H100's lowest listed clock, the H200's
+        assert row["headroom_mhz"] == 1980 - lowest
+        assert not row["headroom_mhz_is_lower_bound"], row
+
+
+def test_a_headroom_at_the_gpus_lowest_sm_clock_is_no_grid_edge(
+    shared_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The clock's floor as the power limit's: the lowest SM clock the GPU lists (the cube's
+    `sm_clock_range_mhz`, as its sweep read it) is as low as a sweep goes, so a headroom
+    found there is exact; with a cube that records none (an earlier dvfs's) or a GPU that
+    lists lower clocks it stays a lower bound the grid cut off."""
+    out = shared_run(CLOCK_FLOOR, "one")
+    cube = open_analysable(out).load()
+    assert [float(c) for c in cube.attrs["sm_clock_range_mhz"]] == [210.0, 1980.0]
+    doc = json.loads(run("headroom", str(out), "--slack", "900%", "--json").output)
+    _assert_at_clock_floor_not_an_edge(doc["rows"])
+    table = run("headroom", str(out), "--slack", "900%").output
+    assert "1770/" in table and "≥1770" not in table and EXTEND_CLOCK not in table
+
+    for name, attrs in (("older", {}), ("lower", {"sm_clock_range_mhz": [105.0, 1980.0]})):
+        edited = cube.copy()
+        edited.attrs.pop("sm_clock_range_mhz")
+        path = write_cube(edited.assign_attrs(attrs), tmp_path / f"{name}.nc")
+        doc = json.loads(run("headroom", str(path), "--slack", "900%", "--json").output)
+        assert all(row["headroom_mhz_is_lower_bound"] for row in doc["rows"]), name
+        assert EXTEND_CLOCK in run("headroom", str(path), "--slack", "900%").output
+
+
+@pytest.mark.usefixtures("unsaved_figures")
+def test_each_gpu_of_a_merged_cube_has_its_own_clock_floor(
+    shared_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """One campaign down to 345 MHz on an H100 and an H200, merged: the H200's headroom there
+    is at its lowest clock (exact), the H100's is not (it lists lower clocks: a lower bound),
+    each GPU judged by its own range, not the merged cube's top level (which keeps none)."""
+    h100, h200 = shared_run(AT_345, "one"), shared_run(AT_345_H200, "one")
+    merged = tmp_path / "merged.nc"
+    run("cube", "merge", str(h100), str(h200), "-o", str(merged))
+    doc = json.loads(run("headroom", str(merged), "--slack", "900%", "--json").output)
+    models = json.loads(open_analysable(merged).attrs["gpu_names"])
+    names = dict(zip(doc["gpu"]["uuids"], models, strict=True))
+    bound = {names[row["gpu"]]: row["headroom_mhz_is_lower_bound"] for row in doc["rows"]}
+    assert all(row["lowest_feasible"]["sm_clock_mhz"] == 345 for row in doc["rows"]), doc
+    assert bound == {"NVIDIA H100 80GB HBM3 (twin)": True, "NVIDIA H200 (twin)": False}, bound

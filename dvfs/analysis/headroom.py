@@ -192,6 +192,22 @@ def lowest_allowed_power_limit(cube: xr.Dataset) -> float:
     return low if math.isfinite(low) and low > 0 else math.nan
 
 
+def lowest_supported_clock(cube: xr.Dataset) -> float:
+    """The GPU's lowest supported SM clock (MHz) as its sweep listed it (`sm_clock_range_mhz`:
+    lowest, highest); NaN where the cube records none (an earlier dvfs's, a merged cube's top
+    level, a hand-built cube). A clock at or below it is as low as the GPU goes, so a headroom
+    found there is no lower bound the grid cut off."""
+    value = cube.attrs.get("sm_clock_range_mhz")
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    try:
+        low = float(np.ravel(np.asarray(value, dtype=float))[0])
+    except (TypeError, ValueError, IndexError):
+        return math.nan
+    return low if math.isfinite(low) and low > 0 else math.nan
+
+
 def measured_on(cube: xr.Dataset) -> xr.DataArray:
     """Each cell's GPU UUIDs, comma-joined ("" where unknown: a cube from before the cube
     recorded them, or a hand-built one)."""
@@ -682,6 +698,7 @@ def headroom(
     different_gpus = np.zeros(group_shape, dtype=bool)
     clock_list, limit_list = clocks.tolist(), limits.tolist()
     floor_limit = lowest_allowed_power_limit(cube)
+    floor_clock = lowest_supported_clock(cube)
 
     def at(mask: np.ndarray) -> list[tuple[int, int]]:
         """The (clock, limit) indices where a group's per-setting `mask` holds, in the order
@@ -809,6 +826,8 @@ def headroom(
         # (the sweep refuses it), so the answer there is the GPU's, not the grid's
         if bottom_limit <= floor_limit:
             bottom_limit = -math.inf
+        if bottom_clock <= floor_clock:  # nor a lower SM clock than the GPU's lowest
+            bottom_clock = -math.inf
         edge["headroom_mhz_is_lower_bound"][idx] = (
             clock_free and lowest_clock <= bottom_clock and not clock_open
         )
@@ -1338,8 +1357,9 @@ def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
     for key in ("stock_sm_clock_mhz", "stock_power_limit_w"):
         if stock.get(key) not in (None, "None"):
             attrs[key] = float(stock[key])
-    if stock.get("power_limit_range_w") not in (None, "None"):
-        attrs["power_limit_range_w"] = stock["power_limit_range_w"]  # its own GPU's range
+    for key in ("power_limit_range_w", "sm_clock_range_mhz"):  # its own GPU's ranges
+        if stock.get(key) not in (None, "None"):
+            attrs[key] = stock[key]
     return own_grid(one.assign_attrs(attrs))
 
 

@@ -553,6 +553,8 @@ def _provenance(
         # The power caps dvfs applied that its sessions found and lifted to measure stock.
         **_found_limits(journal, gpus),
         "power_limit_range_w": list(session.power_limit_range_w),
+        # The GPU's lowest and highest SM clock (NaN: not recorded, an earlier dvfs's journal).
+        "sm_clock_range_mhz": list(session.sm_clock_range_mhz),
         "idle_power_w": _idle_power_w(journal, gpus),
         # Other tenants' processes seen around the sessions' opening idle measurements: where
         # any was, `idle_power_w` counts their work too (of the GPUs it is the idle of).

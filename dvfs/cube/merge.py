@@ -275,12 +275,13 @@ SOURCE_KEYS = (
     "arms_pinned",
     "gpu_count",
     "power_limit_range_w",
+    "sm_clock_range_mhz",
     "counter_update_period_s",
 )
 
 
 #: The `SOURCE_KEYS` that hold numbers per GPU (or a range): kept as JSON lists.
-SOURCE_LISTS = ("power_limit_range_w", "counter_update_period_s")
+SOURCE_LISTS = ("power_limit_range_w", "sm_clock_range_mhz", "counter_update_period_s")
 
 
 def _source_value(key: str, value: Any) -> str | None:

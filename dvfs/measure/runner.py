@@ -335,6 +335,15 @@ class Runner:
             self.clock.sleep(COUNTER_PROBE_S)
         return counter_update_period(sampler.samples.arrays()), self._elapsed_s(t0)
 
+    def _supported_clocks(self) -> tuple[int, ...]:
+        """The SM clocks every metered GPU supports (one model: a tensor-parallel group's, a
+        session's), empty where one cannot list them."""
+        try:
+            common = set.intersection(*(set(g.supported_sm_clocks_mhz()) for g in self.gpus))
+        except (GpuNotSupportedError, TypeError):  # (TypeError: no GPU)
+            return ()
+        return tuple(sorted(common))
+
     def _opening_idle_w(self, seconds: float) -> float:
         """The session's opening idle power: two counter reads `seconds` apart
         (`measure_idle_power_w`), each of which may lag the counter by up to one update. Where
@@ -525,6 +534,8 @@ class Runner:
         from dvfs.records import SERVER_ENV_PREFIXES
 
         texts = corpus_texts(self.campaign, self.corpora)
+        # (NaN: the GPU could not list them: the headroom's grid edge is then the grid's)
+        clocks = self._supported_clocks()
         session = Session(
             started=now_iso(),
             dvfs_version=__version__,
@@ -547,6 +558,7 @@ class Runner:
                     ranges[0].default_mw / 1000,
                 )
             ),
+            sm_clock_range_mhz=(min(clocks), max(clocks)) if clocks else (math.nan, math.nan),
             idle_power_w=self.idle_power_w,
             measurement_method=measurement_method(self.campaign.measurement),
             token_count_method=self.token_count_method,

@@ -3,6 +3,7 @@ served each drafter."""
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -109,6 +110,10 @@ class Session:
     #: their power-limit range is not known (`power_limit_range_w` NaN, null in JSON). Empty
     #: where every GPU's is configured (and before dvfs recorded it).
     stock_power_limit_enforced: tuple[str, ...] = ()
+    #: The lowest and highest SM clock (MHz) the GPU supports, as NVML listed them at the
+    #: session's start: a headroom found at the lowest is the GPU's answer, not one the grid
+    #: cut off (the sweep refuses a lower clock). NaN where not known (before dvfs recorded it).
+    sm_clock_range_mhz: tuple[float, float] = (math.nan, math.nan)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -156,6 +161,11 @@ class Session:
             **(
                 {"stock_power_limit_enforced": list(self.stock_power_limit_enforced)}
                 if self.stock_power_limit_enforced
+                else {}
+            ),
+            **(
+                {"sm_clock_range_mhz": list(self.sm_clock_range_mhz)}
+                if all(math.isfinite(c) for c in self.sm_clock_range_mhz)
                 else {}
             ),
         }
@@ -219,6 +229,7 @@ class Session:
             stock_power_limit_enforced=tuple(
                 str(u) for u in record.get("stock_power_limit_enforced") or ()
             ),
+            sm_clock_range_mhz=_clock_range(record.get("sm_clock_range_mhz")),
         )
 
     @property
@@ -1285,3 +1296,13 @@ class Server:
             model_commit=record.get("model_commit") or "",
             model_files=dict(record.get("model_files") or {}),
         )
+
+
+def _clock_range(value: Any) -> tuple[float, float]:
+    """A session's `sm_clock_range_mhz` as recorded: (lowest, highest); NaN where absent (an
+    earlier dvfs) or damaged (a hand-edited line: read as not known, not refused)."""
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        return (math.nan, math.nan)
+    return (low, high)
