@@ -216,6 +216,28 @@ def test_compare_no_data_in_a_shards_cube_is_left_to_the_merge(tiny_exact_run) -
 
 
 @pytest.mark.usefixtures("unsaved_figures")
+def test_the_report_gives_a_row_without_an_answer_its_advice_once(tmp_path: Path) -> None:
+    """The headroom table's `no answer:` note went into the report's Headroom section too,
+    where the Findings below give the same rows the same reason and advice ("No valid
+    reference cell (invalid: ...) at: ... What to do: ..."): the report said it twice, word
+    for word. The findings keep it, the table's notes leave it to them."""
+    cube = flagged_cube(tmp_path / "c.nc", lambda clock, limit, corpus: corpus == "math")
+    report = tmp_path / "r.md"
+    run("report", str(cube), "-o", str(report), "--slack", "5%")
+    text = report.read_text(encoding="utf-8")
+    headroom = text.split("## Headroom")[1].split("\n## ")[0]
+    findings = text.split("## Findings")[1].split("\n## ")[0]
+    advice = "then sweep again with --fresh or into another --out folder"
+    assert "No answer" not in headroom and advice not in headroom, headroom
+    assert "No valid reference cell (invalid: few\\_counter\\_updates) at: batch 1" in findings
+    assert findings.count(advice) == 1, findings
+    # the headroom table on the command line still gives it under the table
+    assert (
+        "no answer: no valid reference cell" in run("headroom", str(cube), "--slack", "5%").output
+    )
+
+
+@pytest.mark.usefixtures("unsaved_figures")
 def test_the_report_gives_the_tables_reason_for_rows_never_measured(
     small_sweep: Path, tmp_path: Path
 ) -> None:
