@@ -92,3 +92,24 @@ def test_each_gpu_of_a_merged_cube_has_its_own_power_floor(
     assert EXTEND not in run("headroom", str(merged), "--slack", "60%").output
     # speculation's setting at equal latency is at 200 W too: no grid edge there either
     assert "grid edge" not in run("compare", str(merged)).output
+
+
+def test_a_floor_above_the_grids_lowest_limit_is_not_this_grids(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """A power-limit range the grid went below (no sweep measures below the GPU's floor) is
+    not this grid's GPU's: one written in mW (200000 for the H100's 200 W) took every limit of
+    the grid for the floor, and a headroom at the grid's 300 W (the H100 allows 200 W) lost
+    its `≥` and the advice to extend the grid downward. Only a limit at the floor is it."""
+    cube = open_analysable(small_sweep).load()
+    assert list(cube.attrs["power_limit_range_w"]) == [200.0, 700.0, 700.0]
+    args = ("--slack", "60%", "--knob", "power_limit")
+    doc = json.loads(run("headroom", str(small_sweep), *args, "--json").output)
+    edges = [row["headroom_w_is_lower_bound"] for row in doc["rows"]]
+    assert any(edges) and all(r["lowest_feasible"]["power_limit_w"] == 300 for r in doc["rows"])
+    in_mw = write_cube(
+        cube.assign_attrs(power_limit_range_w=[200000.0, 700000.0, 700000.0]), tmp_path / "mw.nc"
+    )
+    doc = json.loads(run("headroom", str(in_mw), *args, "--json").output)
+    assert [row["headroom_w_is_lower_bound"] for row in doc["rows"]] == edges
+    assert EXTEND in run("headroom", str(in_mw), *args).output
