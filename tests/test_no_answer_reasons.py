@@ -167,9 +167,74 @@ def test_compare_says_why_a_row_has_no_data(tmp_path: Path) -> None:
     )
     out = run("compare", str(stock)).output
     said = " ".join(out.split())
-    assert "no data: in 2 of 2 rows the drafter or 'none' has no valid cell" in said, out
+    assert "no data: in 2 of 2 rows no repeat at the reference is valid in both" in said, out
     assert "batch 1 eagle3 on code; batch 1 eagle3 on math" in said, out
     assert "flagged invalid: `dvfs cube info` names the flags" in said, out
+
+
+def test_compare_no_data_note_agrees_with_the_paired_by_repeat_note(tmp_path: Path) -> None:
+    """Both arms hold a valid cell at the reference, but never in the same repeat ('none'
+    repeat 1, eagle3 repeat 0): the "no data:" note said "the drafter or 'none' has no valid
+    cell at the reference", which is false and contradicted the "paired by repeat:" note
+    under it (0 paired, 2 dropped); it says there is no repeat valid in both."""
+    ds = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[300.0, 700.0],
+        drafters=["none", "eagle3"],
+        repeats=2,
+        energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
+        valid=lambda c, p, b, drafter, corpus, r: r == (1 if drafter == "none" else 0),
+    )
+    quality = np.where(ds["valid"].values == 0, Q_FEW_COUNTER_UPDATES, 0).astype(float)
+    ds["quality"] = (ds["valid"].dims, quality, {"units": "1", "long_name": "quality flags"})
+    cube = write_cube(
+        as_twin_sweep(
+            ds, uuid="GPU-aaaaaaaa-0000-4000-8000-000000000001", gpu_name=H100, campaign="odd"
+        ),
+        tmp_path / "c.nc",
+    )
+    doc = json.loads(run("compare", str(cube), "--json").stdout)
+    [row] = doc["rows"]
+    assert row["verdict_at_stock"] == row["verdict_equal_latency"] == "no data", row
+    assert (row["paired_repeats_at_stock"], row["dropped_repeats_at_stock"]) == (0, 2), row
+    said = " ".join(run("compare", str(cube)).output.split())
+    assert "paired by repeat: in 1 of 1 rows" in said, said
+    assert "no valid cell" not in said, said
+    assert "no data: in 1 of 1 rows no repeat at the reference is valid in both" in said, said
+
+
+def test_compare_no_data_in_a_shards_cube_is_left_to_the_merge(tiny_exact_run) -> None:
+    """In one shard's cube the other shard's rows have no data: the note said "not measured
+    yet ...: resume the sweep", but resuming this shard measures none of them (another shard
+    holds them); it says they are not measured here and leaves what measures them to the
+    partial-cube note, which names the shards' commands and the merge."""
+    said = " ".join(run("compare", str(tiny_exact_run("s0"))).output.split())
+    note = said[said.index("no data: ") : said.index("grid edge: ")]
+    assert "(batch 8 eagle3 on code)" in note, note
+    assert "not measured here" in note and "resume" not in note, note
+    assert "`dvfs cube merge SHARD_DIRS" in said, said
+
+
+@pytest.mark.usefixtures("unsaved_figures")
+def test_the_report_gives_a_row_without_an_answer_its_advice_once(tmp_path: Path) -> None:
+    """The headroom table's `no answer:` note went into the report's Headroom section too,
+    where the Findings below give the same rows the same reason and advice ("No valid
+    reference cell (invalid: ...) at: ... What to do: ..."): the report said it twice, word
+    for word. The findings keep it, the table's notes leave it to them."""
+    cube = flagged_cube(tmp_path / "c.nc", lambda clock, limit, corpus: corpus == "math")
+    report = tmp_path / "r.md"
+    run("report", str(cube), "-o", str(report), "--slack", "5%")
+    text = report.read_text(encoding="utf-8")
+    headroom = text.split("## Headroom")[1].split("\n## ")[0]
+    findings = text.split("## Findings")[1].split("\n## ")[0]
+    advice = "then sweep again with --fresh or into another --out folder"
+    assert "No answer" not in headroom and advice not in headroom, headroom
+    assert "No valid reference cell (invalid: few\\_counter\\_updates) at: batch 1" in findings
+    assert findings.count(advice) == 1, findings
+    # the headroom table on the command line still gives it under the table
+    assert (
+        "no answer: no valid reference cell" in run("headroom", str(cube), "--slack", "5%").output
+    )
 
 
 @pytest.mark.usefixtures("unsaved_figures")

@@ -121,7 +121,8 @@ def test_a_headroom_at_the_gpus_lowest_sm_clock_is_no_grid_edge(
     """The clock's floor as the power limit's: the lowest SM clock the GPU lists (the cube's
     `sm_clock_range_mhz`, as its sweep read it) is as low as a sweep goes, so a headroom
     found there is exact; with a cube that records none (an earlier dvfs's) or a GPU that
-    lists lower clocks it stays a lower bound the grid cut off."""
+    lists lower clocks, or a recorded floor above the grid's lowest clock (none of this grid),
+    it stays a lower bound the grid cut off."""
     out = shared_run(CLOCK_FLOOR, "one")
     cube = open_analysable(out).load()
     assert [float(c) for c in cube.attrs["sm_clock_range_mhz"]] == [210.0, 1980.0]
@@ -130,10 +131,14 @@ def test_a_headroom_at_the_gpus_lowest_sm_clock_is_no_grid_edge(
     table = run("headroom", str(out), "--slack", "900%").output
     assert "1770/" in table and "≥1770" not in table and EXTEND_CLOCK not in table
 
-    for name, attrs in (("older", {}), ("lower", {"sm_clock_range_mhz": [105.0, 1980.0]})):
+    for name, attrs in (
+        ("older", {}),
+        ("lower", {"sm_clock_range_mhz": [105.0, 1980.0]}),
+        ("above the grid", {"sm_clock_range_mhz": [400.0, 1980.0]}),  # no floor of this grid
+    ):
         edited = cube.copy()
         edited.attrs.pop("sm_clock_range_mhz")
-        path = write_cube(edited.assign_attrs(attrs), tmp_path / f"{name}.nc")
+        path = write_cube(edited.assign_attrs(attrs), tmp_path / f"{name.split()[0]}.nc")
         doc = json.loads(run("headroom", str(path), "--slack", "900%", "--json").output)
         assert all(row["headroom_mhz_is_lower_bound"] for row in doc["rows"]), name
         assert EXTEND_CLOCK in run("headroom", str(path), "--slack", "900%").output
@@ -155,3 +160,24 @@ def test_each_gpu_of_a_merged_cube_has_its_own_clock_floor(
     bound = {names[row["gpu"]]: row["headroom_mhz_is_lower_bound"] for row in doc["rows"]}
     assert all(row["lowest_feasible"]["sm_clock_mhz"] == 345 for row in doc["rows"]), doc
     assert bound == {"NVIDIA H100 80GB HBM3 (twin)": True, "NVIDIA H200 (twin)": False}, bound
+
+
+def test_a_floor_above_the_grids_lowest_limit_is_not_this_grids(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """A power-limit range the grid went below (no sweep measures below the GPU's floor) is
+    not this grid's GPU's: one written in mW (200000 for the H100's 200 W) took every limit of
+    the grid for the floor, and a headroom at the grid's 300 W (the H100 allows 200 W) lost
+    its `≥` and the advice to extend the grid downward. Only a limit at the floor is it."""
+    cube = open_analysable(small_sweep).load()
+    assert list(cube.attrs["power_limit_range_w"]) == [200.0, 700.0, 700.0]
+    args = ("--slack", "60%", "--knob", "power_limit")
+    doc = json.loads(run("headroom", str(small_sweep), *args, "--json").output)
+    edges = [row["headroom_w_is_lower_bound"] for row in doc["rows"]]
+    assert any(edges) and all(r["lowest_feasible"]["power_limit_w"] == 300 for r in doc["rows"])
+    in_mw = write_cube(
+        cube.assign_attrs(power_limit_range_w=[200000.0, 700000.0, 700000.0]), tmp_path / "mw.nc"
+    )
+    doc = json.loads(run("headroom", str(in_mw), *args, "--json").output)
+    assert [row["headroom_w_is_lower_bound"] for row in doc["rows"]] == edges
+    assert EXTEND in run("headroom", str(in_mw), *args).output

@@ -94,3 +94,30 @@ def test_a_cube_of_only_invalid_cells_says_to_sweep_again_with_fresh(tmp_path: P
         assert "every cell was measured and flagged invalid" in said, said
         assert "run `dvfs sweep` again with --fresh" in said, said
         assert "rerun `dvfs sweep`" not in said, said
+
+
+def test_few_samples_advice_clears_the_flag_when_followed(tmp_path: Path) -> None:
+    """`few_samples` said "lower measurement.sample_period_s or raise measurement.min_window_s",
+    and `dvfs cube info` now shows it for every such cube; but a round's window cannot outlast
+    its decode, so with two-token outputs a --fresh sweep at min_window_s = 1 s flags every
+    cell few_samples again. The advice says to raise workload.output_tokens with it, which
+    clears the flag."""
+    runner = CliRunner()
+
+    def flags(text: str, name: str) -> dict[str, int]:
+        campaign = write(tmp_path / f"{name}.toml", text)
+        out = tmp_path / name
+        swept = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+        assert swept.exit_code == 0, swept.output
+        info = runner.invoke(cli, ["cube", "info", str(out), "--json"])
+        doc = json.loads(info.stdout)
+        if doc["quality_flags"].get("few_samples"):
+            advice = " ".join(doc["flag_notes"]["few_samples"].split())
+            assert "raise measurement.min_window_s with workload.output_tokens" in advice, advice
+        return dict(doc["quality_flags"])
+
+    assert flags(TWO_TOKENS, "short").get("few_samples") == 4
+    longer_window = replace_block(TWO_TOKENS, "min_window_s = 0.2", "min_window_s = 1.0")
+    assert flags(longer_window, "window").get("few_samples") == 4  # the window alone: no help
+    both = replace_block(longer_window, "output_tokens = 2", "output_tokens = 64")
+    assert "few_samples" not in flags(both, "both")

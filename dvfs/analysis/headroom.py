@@ -176,11 +176,16 @@ def reference_setting(cube: xr.Dataset) -> Reference:
     return Reference(max(clocks), max(limits), False, stock_clock, stock_limit)
 
 
+#: How near the grid's lowest power limit must be to the GPU's lowest allowed one to be it (W):
+#: NVML's unit, the milliwatt.
+FLOOR_TOLERANCE_W = 1e-3
+
+
 def lowest_allowed_power_limit(cube: xr.Dataset) -> float:
     """The GPU's lowest allowed power limit (W) as its sweep read it (`power_limit_range_w`:
     min, max, default); NaN where the cube records none (a merged cube's top level, an older
-    or hand-built cube, a GPU that could not tell). A power limit at or below it is as low as
-    the GPU goes, so a headroom found there is no lower bound the grid cut off."""
+    or hand-built cube, a GPU that could not tell). A power limit at it is as low as the GPU
+    goes, so a headroom found there is no lower bound the grid cut off."""
     value = cube.attrs.get("power_limit_range_w")
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
@@ -823,10 +828,12 @@ def headroom(
         bottom_clock = min(c for c, _ in in_grid)
         bottom_limit = min(p for _, p in in_grid)
         # ... unless that is the GPU's lowest allowed power limit: nothing lower can be swept
-        # (the sweep refuses it), so the answer there is the GPU's, not the grid's
-        if bottom_limit <= floor_limit:
+        # (the sweep refuses it), so the answer there is the GPU's, not the grid's. At it, not
+        # below: no sweep measures below it, so a recorded floor above the grid's lowest limit
+        # is no floor of this grid (a range written in mW, another GPU's), and the edge stands.
+        if math.isclose(bottom_limit, floor_limit, rel_tol=0.0, abs_tol=FLOOR_TOLERANCE_W):
             bottom_limit = -math.inf
-        if bottom_clock <= floor_clock:  # nor a lower SM clock than the GPU's lowest
+        if bottom_clock == floor_clock:  # nor at the GPU's lowest SM clock (MHz: exact)
             bottom_clock = -math.inf
         edge["headroom_mhz_is_lower_bound"][idx] = (
             clock_free and lowest_clock <= bottom_clock and not clock_open

@@ -966,7 +966,8 @@ INVALID_ADVICE = {
     "decode) or measurement.max_rounds with measurement.min_window_s (more rounds add up), "
     "or loosen measurement.precision",
     "few_samples": "fewer than three power samples taken while decoding: lower "
-    "measurement.sample_period_s or raise measurement.min_window_s",
+    "measurement.sample_period_s, or raise measurement.min_window_s with "
+    "workload.output_tokens (a round's window cannot outlast its decode)",
     "clock_not_reached": "the observed clock missed the lock: set measurement.settle to a "
     'longer wait in seconds (time it with `dvfs gpu settle`; "measured" times one change at '
     "session start) or drop clocks the GPU cannot hold; a GPU above it lost its lock "

@@ -233,18 +233,21 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
         notes.append(f"saves / costs: {doc['interval']}")
     cov = doc.get("coverage") or {}
     waiting = int(cov.get("missing", 0)) + int(cov.get("failed", 0))
+    # a shard's cube: the other shards' cells are theirs, not "not measured yet"
+    where = "here" if doc.get("shard") else "yet"
     if waiting:
         from dvfs.cube.info import resume_note
 
         then = resume_note(doc)
-        # a shard's cube: the other shards' cells are theirs, not "not measured yet"
-        where = "here" if doc.get("shard") else "yet"
         notes.append(
             f"partial cube: {unmeasured_cells(cov, where)}: a ratio, a "
             'verdict ("not within target", "too slow" included) or a break-even batch '
             f"resting on settings not measured may change; {then}"
         )
-    # rows whose "-" and "no data" are otherwise unexplained: nothing valid to compare
+    # rows whose "-" and "no data" are otherwise unexplained: nothing valid to compare. Said
+    # of the repeats, not the cells: each arm may hold valid cells there whose repeats differ
+    # (the "paired by repeat" note below counts them), and of a partial cube's cells by the
+    # note above, whose advice fits the cube (a shard's: the other shards and the merge).
     empty = [
         r
         for r in doc["rows"]
@@ -252,15 +255,16 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
     ]
     if empty:
         why = (
-            "not measured yet or flagged invalid: resume the sweep (above); `dvfs cube info` "
-            "names any flags and what to change in the campaign"
+            f"its cells are not measured {where} (the partial cube note above says what "
+            "measures them) or flagged invalid (`dvfs cube info` names the flags and what to "
+            "change in the campaign)"
             if waiting
             else "flagged invalid: `dvfs cube info` names the flags and what to change in the "
             "campaign"
         )
         notes.append(
-            f"no data: in {len(empty)} of {len(doc['rows'])} rows the drafter or "
-            f"{doc['baseline']!r} has no valid cell at the reference to compare "
+            f"no data: in {len(empty)} of {len(doc['rows'])} rows no repeat at the reference "
+            f"is valid in both the drafter and {doc['baseline']!r}, so nothing compares "
             f"({named_rows(empty, None)}): {why}"
         )
     dropped = [

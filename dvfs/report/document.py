@@ -293,7 +293,11 @@ def _headroom_section(room: dict[str, Any], options: ReportOptions) -> Section:
                 tuple(header),
                 tuple(tuple(r) for r in rows),
             ),
-            *(Paragraph(_capital(n), tone="warning") for n in headroom_notes(room)),
+            # (the rows without an answer: in the findings, with their advice)
+            *(
+                Paragraph(_capital(n), tone="warning")
+                for n in headroom_notes(room, no_answers=False)
+            ),
         ),
     )
 

@@ -414,9 +414,11 @@ def left_out_note(journal: object) -> str:
 _RESUMED_ELSEWHERE = ("shard", "merged_shards", "merged_cubes", "models_left")
 
 
-def headroom_notes(doc: dict[str, Any]) -> list[str]:
+def headroom_notes(doc: dict[str, Any], *, no_answers: bool = True) -> list[str]:
     """The lines that qualify the table: an answer cut off by the grid, a knob never swept,
-    a setting measured on another GPU than its reference. Empty when nothing needs saying."""
+    a setting measured on another GPU than its reference. Empty when nothing needs saying.
+    `no_answers` False: without the rows that have no answer and their advice (the report,
+    whose findings give each such row its reason and advice in the same words)."""
     rows = [r for r in doc["rows"] if r["feasible"]]
     # a GPU model the sweep folder's cube leaves out (`left_out`, which the caller adds where
     # the cube is a sweep folder's), as `dvfs cube info` says it: else the answer reads whole
@@ -426,7 +428,8 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
         notes.append(partial)
     # Rows without an answer: why, and what would give them one, as the report's findings
     # and caps and `dvfs cap plan` say it (those the partial-cube note tells to resume aside).
-    for reason, advice, group in no_answer_groups(doc["rows"], doc["target"].get("mode"), doc):
+    unanswered = no_answer_groups(doc["rows"], doc["target"].get("mode"), doc) if no_answers else []
+    for reason, advice, group in unanswered:
         if not (partial and "not measured yet" in reason):
             notes.append(f"no answer: {reason} ({named_rows(group, None)}): {advice}")
     clock_open = any(r.get("headroom_mhz_unmeasured_below") for r in rows)
