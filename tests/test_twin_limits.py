@@ -202,6 +202,9 @@ def test_the_twin_engine_answers_a_too_long_prompt_as_the_sglang_client_raises()
 #: A 70B-shaped model: BF16 weights of ~131 GiB, more than one H100 (80 GB) holds.
 BIG = replace_block(ONE_CELL, 'model = "llama-3.1-8b"', 'model = "llama-3.1-70b"')
 
+#: What the closing line of a sweep whose servers SGLang would not start says instead of a rerun.
+NOT_STARTED = "SGLang would not start the server of drafter 'none' for the campaign as it is"
+
 
 def test_a_70b_model_on_one_h100_is_refused_before_running_and_fails_its_server_start(
     tmp_path: Path,
@@ -369,6 +372,13 @@ def test_a_context_length_above_the_model_s_is_refused_as_sglang_refuses_to_star
     allowed = write(tmp_path / "allowed.toml", _with_engine_args(args, env))
     fine = invoke("doctor", str(allowed), "--out", str(tmp_path / "o2"), "--json")
     assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"
+    # the closing line's way out by the environment resumes the journal, as it says
+    said = " ".join(swept.output.split())
+    assert f"they failed as {NOT_STARTED}" in said and "rerun the same command to" not in said
+    assert "a change to engine.sglang.env alone resumes it: then rerun the same command" in said
+    resumed = invoke("sweep", str(allowed), "--out", str(out))
+    assert resumed.exit_code == 0, resumed.output
+    assert "1 cell(s) measured, 0 failed" in " ".join(resumed.output.split()), resumed.output
 
 
 def _on_hardware(text: str) -> str:
@@ -399,10 +409,6 @@ def test_a_hardware_campaign_s_estimate_is_refused_where_its_twin_stand_in_would
     assert len(plan["problems"]) == 1, plan["problems"]
     assert plan["problems"][0].startswith("on the twin stand-in h100-sxm"), plan["problems"]
     assert said in plan["problems"][0], plan["problems"]
-
-
-#: What the closing line of a sweep whose servers SGLang would not start says instead of a rerun.
-NOT_STARTED = "SGLang would not start the server of drafter 'none' for the campaign as it is"
 
 
 @pytest.mark.parametrize(

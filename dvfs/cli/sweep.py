@@ -777,6 +777,9 @@ def _failed_advice(summary: Any, fresh: bool) -> str:
         "every cell again) or with another --out folder, as a changed campaign cannot resume "
         "this journal"
     )
+    if any("engine.sglang.env" in fix for fix in summary.unfit_fixes):
+        # the server's environment may change between runs (`check_resumable`): resumed
+        advice += "; a change to engine.sglang.env alone resumes it: then rerun the same command"
     if not others:
         return advice
     return f"{advice}; the other {others}: {retry}"
