@@ -131,6 +131,13 @@ class ServerRefusedError(EngineError):
         return (type(self), (str(self), self.fix))
 
 
+class ServerUnfitError(EngineError):
+    """SGLang would not start the server for the campaign as it is (weights too large for
+    its GPUs, a --context-length above the model's): a rerun fails it again, so the campaign
+    must change (what its message ends with, after its last ": "), and a changed campaign
+    cannot resume the journal."""
+
+
 class EngineCrashedError(EngineError):
     """The server process died: the cell may be retried after a restart."""
 

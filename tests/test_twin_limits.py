@@ -202,6 +202,9 @@ def test_the_twin_engine_answers_a_too_long_prompt_as_the_sglang_client_raises()
 #: A 70B-shaped model: BF16 weights of ~131 GiB, more than one H100 (80 GB) holds.
 BIG = replace_block(ONE_CELL, 'model = "llama-3.1-8b"', 'model = "llama-3.1-70b"')
 
+#: What the closing line of a sweep whose servers SGLang would not start says instead of a rerun.
+NOT_STARTED = "SGLang would not start the server of drafter 'none' for the campaign as it is"
+
 
 def test_a_70b_model_on_one_h100_is_refused_before_running_and_fails_its_server_start(
     tmp_path: Path,
@@ -369,6 +372,13 @@ def test_a_context_length_above_the_model_s_is_refused_as_sglang_refuses_to_star
     allowed = write(tmp_path / "allowed.toml", _with_engine_args(args, env))
     fine = invoke("doctor", str(allowed), "--out", str(tmp_path / "o2"), "--json")
     assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"
+    # the closing line's way out by the environment resumes the journal, as it says
+    said = " ".join(swept.output.split())
+    assert f"they failed as {NOT_STARTED}" in said and "rerun the same command to" not in said
+    assert "a change to engine.sglang.env alone resumes it: then rerun the same command" in said
+    resumed = invoke("sweep", str(allowed), "--out", str(out))
+    assert resumed.exit_code == 0, resumed.output
+    assert "1 cell(s) measured, 0 failed" in " ".join(resumed.output.split()), resumed.output
 
 
 def _on_hardware(text: str) -> str:
@@ -399,3 +409,81 @@ def test_a_hardware_campaign_s_estimate_is_refused_where_its_twin_stand_in_would
     assert len(plan["problems"]) == 1, plan["problems"]
     assert plan["problems"][0].startswith("on the twin stand-in h100-sxm"), plan["problems"]
     assert said in plan["problems"][0], plan["problems"]
+
+
+@pytest.mark.parametrize(
+    ("gpus", "fixed_gpus"), [((), ()), (("--gpus", "0-1"), ("--gpus", "0-7"))], ids=["one", "fleet"]
+)
+def test_cells_sglang_would_not_start_say_to_change_the_campaign_not_to_rerun_it(
+    tmp_path: Path, gpus: tuple[str, ...], fixed_gpus: tuple[str, ...]
+) -> None:
+    """Llama-3.1-70B on one H100, swept by one server or a fleet of two: the closing line
+    says that its failed cells need a changed campaign (what the refusal says to change),
+    run with --fresh or another --out, not the same command again, which fails them alike.
+    Followed (tp 4 on four GPUs): resumed into the same folder it is refused for its other
+    settings, with --fresh it measures the cell. Before, the line said "rerun the same command
+    to retry them"."""
+    campaign = write(tmp_path / "big.toml", BIG)
+    out = tmp_path / "out"
+    for _ in range(2):  # the same command again: the same failure, the same line
+        swept = invoke("sweep", str(campaign), "--out", str(out), *gpus)
+        assert swept.exit_code == 5, swept.output
+        said = " ".join(swept.output.split())
+        assert "0 cell(s) measured, 1 failed" in said, said
+        assert "rerun the same command" not in said, said
+        assert f"they failed as {NOT_STARTED}" in said, said
+        assert "change the campaign (use more GPUs (tp, engine.tp_size) or a smaller model)" in said
+        assert "then run it with --fresh" in said and "with another --out folder" in said, said
+    text = replace_block(BIG, "devices = [0]", "devices = [0, 1, 2, 3]")
+    text = replace_block(text, 'model = "llama-3.1-70b"', 'model = "llama-3.1-70b"\ntp_size = 4')
+    fixed = write(tmp_path / "big4.toml", text)
+    resumed = invoke("sweep", str(fixed), "--out", str(out), *fixed_gpus)
+    assert resumed.exit_code == 1, resumed.output
+    assert "engine.tp_size: 1 -> 4" in resumed.output and "--fresh" in resumed.output
+    fresh = invoke("sweep", str(fixed), "--out", str(out), "--fresh", *fixed_gpus)
+    assert fresh.exit_code == 0, fresh.output
+    assert "1 cell(s) measured, 0 failed" in " ".join(fresh.output.split()), fresh.output
+
+
+@pytest.mark.parametrize("mode", ["per-level", "in-flight"])
+def test_only_the_drafter_whose_draft_model_does_not_fit_is_named_for_a_changed_campaign(
+    tmp_path: Path, mode: str
+) -> None:
+    """Llama-3.1-8B, which fits one H100, with a standalone drafter whose draft model (a 70B)
+    does not fit beside it: the target's cells are measured, the drafter's fail, and the
+    closing line names that drafter alone for a changed campaign, per level and in flight."""
+    text = ONE_CELL.replace(
+        "[workload]",
+        '[drafters.big]\nalgorithm = "STANDALONE"\ndraft_model = "llama-3.1-70b"\n'
+        "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n\n[workload]",
+    )
+    if mode == "in-flight":
+        text = replace_block(text, "sm_clock = [1980]", "sm_clock = [1980, 1500]")
+        text = replace_block(text, "[measurement]\n", '[measurement]\nmode = "in-flight"\n')
+    campaign = write(tmp_path / "draft.toml", text)
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "out"))
+    assert swept.exit_code == 5, swept.output
+    said = " ".join(swept.output.split())
+    levels = 2 if mode == "in-flight" else 1
+    assert f"{levels} cell(s) measured, {levels} failed" in said, said
+    assert "they failed as SGLang would not start the server of drafter 'big' for" in said, said
+    assert "rerun the same command" not in said, said
+
+
+def test_the_closing_advice_parts_the_cells_a_rerun_retries_from_those_it_does_not() -> None:
+    """Failed cells of both kinds: those SGLang would not start the server of are told to
+    change the campaign, the others to rerun the same command (without --fresh, where given)."""
+    from dvfs.cli.sweep import _failed_advice
+    from dvfs.measure.runner import RunSummary
+
+    fix = "use more GPUs (tp, engine.tp_size) or a smaller model"
+    summary = RunSummary(5, 0, 2, 3, ("a", "b", "c"), 0, (), 2, ("big",), (fix,))
+    said = _failed_advice(summary, fresh=False)
+    assert said.startswith("2 of them failed as SGLang would not start the server of drafter")
+    assert f"change the campaign ({fix})" in said
+    assert said.endswith("; the other 1: rerun the same command to retry them"), said
+    again = _failed_advice(summary, fresh=True)
+    assert "run it again with --fresh" in again
+    assert again.endswith("without --fresh to retry them (with it, every cell is measured again)")
+    plain = RunSummary(5, 0, 2, 3, ("a", "b", "c"))
+    assert _failed_advice(plain, fresh=False) == "rerun the same command to retry them"

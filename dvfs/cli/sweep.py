@@ -580,7 +580,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
             f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): the cube is "
-            f"written without them; {escape(_refused_advice(s))}{_retry_advice(fresh)} (errors "
+            f"written without them; {escape(_failed_advice(s, fresh))} (errors "
             "are in the journal and in `dvfs cube info`).[/yellow]",
             soft_wrap=True,
         )
@@ -755,13 +755,45 @@ def _retry_advice(fresh: bool) -> str:
     return "rerun the same command to retry them"
 
 
-def _refused_advice(summary: Any) -> str:
+def _failed_advice(summary: Any, fresh: bool) -> str:
+    """How a sweep's failed cells are retried. Those SGLang would not start the server of for
+    the campaign as it is (`unfit`: weights too large for the GPUs, a --context-length above
+    the model's) fail again on a rerun: the campaign must change as their refusal says, and a
+    changed campaign cannot resume the journal, so it runs with --fresh or into another --out.
+    The others (`_refused_advice`, `_retry_advice`) are retried by the same command."""
+    unfit = getattr(summary, "unfit", 0)
+    others = summary.failed - unfit
+    retry = f"{_refused_advice(summary, others)}{_retry_advice(fresh)}"
+    if not unfit:
+        return retry
+    which = "they" if not others else f"{unfit} of them"
+    drafters = ", ".join(repr(d) for d in summary.unfit_drafters)
+    one = len(summary.unfit_drafters) == 1
+    advice = (
+        f"{which} failed as SGLang would not start the server of drafter{'' if one else 's'} "
+        f"{drafters} for the campaign as it is, which the same command meets again: change the "
+        f"campaign ({'; '.join(summary.unfit_fixes)}), then run it "
+        f"{'again ' if fresh else ''}with --fresh (which moves this journal aside and measures "
+        "every cell again) or with another --out folder, as a changed campaign cannot resume "
+        "this journal"
+    )
+    if any("engine.sglang.env" in fix for fix in summary.unfit_fixes):
+        # the server's environment may change between runs (`check_resumable`): resumed
+        advice += "; a change to engine.sglang.env alone resumes it: then rerun the same command"
+    if not others:
+        return advice
+    return f"{advice}; the other {others}: {retry}"
+
+
+def _refused_advice(summary: Any, failed: int | None = None) -> str:
     """What to do before a rerun retries the failed cells whose server was refused (another
     SGLang or other flags than the journal's): its refusal's fix, then the rerun; "" where no
-    server was refused (a rerun alone retries them)."""
+    server was refused (a rerun alone retries them). `failed`: of how many failed cells (None:
+    all the summary's)."""
     if not summary.refused:
         return ""
-    which = "they" if summary.refused == summary.failed else f"{summary.refused} of them"
+    failed = summary.failed if failed is None else failed
+    which = "they" if summary.refused == failed else f"{summary.refused} of them"
     return f"{which} failed as their server was refused: {'; '.join(summary.refused_fixes)}, then "
 
 
@@ -851,7 +883,7 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
             f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): "
-            f"{_retry_advice(fresh)}.[/yellow]",
+            f"{escape(_failed_advice(s, fresh))}.[/yellow]",
             soft_wrap=True,
         )
     if invalid:

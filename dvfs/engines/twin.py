@@ -37,7 +37,7 @@ from dvfs.engines.base import (
     check_chunk_times,
     check_chunk_tokens,
 )
-from dvfs.errors import EngineError
+from dvfs.errors import EngineError, ServerUnfitError
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.identity import twin_version
 from dvfs.twin.limits import (
@@ -129,7 +129,7 @@ class TwinEngine:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, drafter: DrafterSpec) -> ServerInfo:
-        """Start serving `drafter`; refused (`EngineError`), as SGLang refuses to start, where
+        """Start serving `drafter`; refused (`ServerUnfitError`), as SGLang refuses to start, where
         the weights leave the GPUs no memory for the KV cache, or a `--context-length` exceeds
         the model's (`dvfs.twin.limits`)."""
         plan = plan_drafter(drafter, self.model)
@@ -144,7 +144,7 @@ class TwinEngine:
         )
         if refusal is not None:
             self.stop()
-            raise EngineError(refusal)  # says that SGLang would not start, and why
+            raise ServerUnfitError(refusal)  # says that SGLang would not start, why, what to do
         self._context_length = served_context_length(self.model, launch, self.server_env)
         self._plan = plan
         self._drafter = drafter

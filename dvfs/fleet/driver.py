@@ -59,7 +59,7 @@ from dvfs.fleet.shard_journal import (
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal, check_journal_link, resume_advice
 from dvfs.measure.plan import Cell, cell_label
-from dvfs.measure.runner import Progress, RunSummary, grow, journaled_repeats
+from dvfs.measure.runner import Progress, RunSummary, grow, journaled_repeats, unfit_fix
 
 #: A unit of work handed to one worker: a cell, or an in-flight group's cells (its knob
 #: levels, measured inside shared decodes).
@@ -315,6 +315,9 @@ class Driver:
         self.stats: dict[str, WorkerStats] = {}
         self.measured = 0
         self.failed: list[str] = []
+        #: Of those, each one SGLang would not start the server of for the campaign as it is
+        #: (`unfit_fix`, which a rerun fails again): its drafter and what to change.
+        self.unfit: list[tuple[str, str]] = []
         self._outstanding = {c.key for c in self.todo}
         #: Each drafter's first server in the journal: every later one must match it
         #: (`SERVER_INVARIANTS`), else the worker is retired and its unit is not journalled.
@@ -500,6 +503,11 @@ class Driver:
             for r in shipment.records
             if r.get("type") == "cell"
         }
+        errors = {
+            str(r.get("key")): str(r.get("error") or "")
+            for r in shipment.records
+            if r.get("type") == "cell"
+        }
         for cell in cells:
             self._outstanding.discard(cell.key)
             status = statuses.get(cell.key, "failed")
@@ -508,6 +516,9 @@ class Driver:
             else:
                 stats.failed += 1
                 self.failed.append(cell_label(cell))
+                fix = unfit_fix(errors.get(cell.key, ""))
+                if fix is not None:
+                    self.unfit.append((cell.drafter, fix))
             self.progress.advance(cell, status)
         self._show(stats)
 
@@ -620,6 +631,9 @@ class Driver:
             self.measured,
             len(self.failed),
             tuple(self.failed),
+            unfit=len(self.unfit),
+            unfit_drafters=tuple(dict.fromkeys(d for d, _ in self.unfit)),
+            unfit_fixes=tuple(dict.fromkeys(f for _, f in self.unfit)),
         )
 
 
@@ -779,6 +793,9 @@ class Fleet:
             sum(p.measured for p in parts),
             sum(p.failed for p in parts),
             tuple(c for p in parts for c in p.failed_cells),
+            unfit=sum(p.unfit for p in parts),
+            unfit_drafters=tuple(dict.fromkeys(d for p in parts for d in p.unfit_drafters)),
+            unfit_fixes=tuple(dict.fromkeys(f for p in parts for f in p.unfit_fixes)),
         )
 
 

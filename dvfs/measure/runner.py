@@ -31,6 +31,7 @@ from dvfs.errors import (
     IncomparableCellsError,
     JournalError,
     ServerRefusedError,
+    ServerUnfitError,
 )
 from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
 from dvfs.gpu.knobs import (
@@ -106,6 +107,18 @@ log = logging.getLogger(__name__)
 
 #: What a cell's error says ahead of why its drafter's server did not start.
 START_FAILED = "server start failed: "
+#: ... and where SGLang would not start it for the campaign as it is (`ServerUnfitError`): a
+#: rerun fails it again, the campaign must change (a fleet's driver reads it off the record).
+START_UNFIT = "server start failed (SGLang would not start it for this campaign): "
+
+
+def unfit_fix(error: str) -> str | None:
+    """What a failed cell's `error` says to change in the campaign where SGLang would not start
+    its server for it as it is (`START_UNFIT`: the refusal's last clause); None for any other
+    error (a rerun may retry it)."""
+    if not error.startswith(START_UNFIT):
+        return None
+    return error.rpartition(": ")[2]
 
 
 def _listed(line: str, changes: Sequence[str], before: str = "") -> str:
@@ -220,6 +233,12 @@ class RunSummary:
     #: refusal's `fix`, said once).
     refused: int = 0
     refused_fixes: tuple[str, ...] = ()
+    #: How many failed as SGLang would not start their drafter's server for the campaign as it
+    #: is (`ServerUnfitError`), which a rerun fails again; those drafters, and what each
+    #: distinct refusal says to change in the campaign.
+    unfit: int = 0
+    unfit_drafters: tuple[str, ...] = ()
+    unfit_fixes: tuple[str, ...] = ()
 
 
 class GpuTime:
@@ -1176,7 +1195,8 @@ class Runner:
             try:
                 self._start_server(drafter)
             except EngineError as exc:
-                self._start_failures[drafter] = f"{START_FAILED}{exc}"
+                unfit = isinstance(exc, ServerUnfitError)  # a rerun would fail it again too
+                self._start_failures[drafter] = f"{START_UNFIT if unfit else START_FAILED}{exc}"
                 if isinstance(exc, ServerRefusedError):  # a rerun alone would be refused again
                     self._refusals[drafter] = exc.fix
                 self._drafter = None
@@ -1228,6 +1248,7 @@ class Runner:
         self._refusals = {}
         measured = refused = 0
         failed: list[str] = []
+        unfit: list[str] = []  # per failed cell SGLang would not start: what to change
         while True:
             for record in self._run_cells(todo):
                 if record.ok:
@@ -1235,6 +1256,9 @@ class Runner:
                 else:
                     failed.append(cell_label(record.cell))
                     refused += record.cell.drafter in self._refusals
+                    fix = unfit_fix(record.error)
+                    if fix is not None:
+                        unfit.append(fix)
             # (never a finished cell but a partly journaled in-flight group's, asked whole)
             todo = self.extra_repeats(cells) if adaptive else []
             if not todo:
@@ -1244,7 +1268,19 @@ class Runner:
             grow(self.progress, len(todo))
             total += len(todo)
         fixes = tuple(dict.fromkeys(self._refusals.values()))
-        return RunSummary(total, skipped, measured, len(failed), tuple(failed), refused, fixes)
+        unfit_drafters = tuple(d for d, e in self._start_failures.items() if unfit_fix(e))
+        return RunSummary(
+            total,
+            skipped,
+            measured,
+            len(failed),
+            tuple(failed),
+            refused,
+            fixes,
+            len(unfit),
+            unfit_drafters,
+            tuple(dict.fromkeys(unfit)),
+        )
 
     def _run_cells(self, cells: Sequence[Cell]) -> Iterator[CellRecord]:
         """Each cell's record, per level (`run_cell`), or stepped in flight by group."""
