@@ -3215,22 +3215,12 @@ def test_a_fleet_folder_its_model_cubes_cannot_be_written_in_is_not_told_another
     assert "another --out" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("kind", list(FAULTS))
-@pytest.mark.parametrize("defaults", [False, True])
-def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
-    fake_nvml: None, tmp_path: Path, kind: str, defaults: bool
-) -> None:
-    """`dvfs gpu reset --state-dir DIR` with a GPU's state file in DIR, on a read-only or full
-    disk or a folder it may not write (the GPU's lock cannot be taken): it said "cannot write
-    DIR/GPU-....lock: read-only file system; choose another --state-dir", whose reset finds
-    none of the state files DIR keeps ("nothing to restore"). It says to mend DIR and run the
-    same reset again, the GPU unchanged and its state file kept."""
+def _dead_runs_state_file(state: Path) -> tuple[dict[str, Any], Path]:
+    """The first fake GPU, and the state file a sweep that died left for it in `state`."""
     import socket
     from datetime import UTC, datetime
 
-    err, _, words = FAULTS[kind]
     [gpu, *_] = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
-    state = tmp_path / "state"
     state.mkdir()
     record = state / f"{gpu['uuid']}.json"
     record.write_text(
@@ -3248,6 +3238,22 @@ def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_d
             }
         )
     )
+    return gpu, record
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+@pytest.mark.parametrize("defaults", [False, True])
+def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
+    fake_nvml: None, tmp_path: Path, kind: str, defaults: bool
+) -> None:
+    """`dvfs gpu reset --state-dir DIR` with a GPU's state file in DIR, on a read-only or full
+    disk or a folder it may not write (the GPU's lock cannot be taken): it said "cannot write
+    DIR/GPU-....lock: read-only file system; choose another --state-dir", whose reset finds
+    none of the state files DIR keeps ("nothing to restore"). It says to mend DIR and run the
+    same reset again, the GPU unchanged and its state file kept."""
+    err, _, words = FAULTS[kind]
+    state = tmp_path / "state"
+    _, record = _dead_runs_state_file(state)
     argv = ["gpu", "reset", *(["--defaults"] if defaults else []), "--state-dir", str(state)]
     with failing_writes(state, err):
         result = CliRunner().invoke(cli, argv)
@@ -3255,4 +3261,26 @@ def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_d
     says = (str(state), words, again, "no GPU was restored")
     check_one_clean_error(result, Case(f"gpu-reset-{kind}", argv, code=1, says=says), {})
     assert "another --state-dir" not in result.stderr, result.stderr
+    assert record.exists()
+
+
+@pytest.mark.parametrize("by", ["index", "uuid"])
+@pytest.mark.parametrize("defaults", [False, True])
+def test_gpu_reset_of_named_gpus_in_a_state_folder_it_cannot_write_says_them_again(
+    fake_nvml: None, tmp_path: Path, by: str, defaults: bool
+) -> None:
+    """`dvfs gpu reset DEVICES --state-dir DIR`, DIR read-only: the reset to run again once DIR
+    is mended was said without DEVICES, which run as said restores every GPU's state file and,
+    with --defaults, resets every other GPU to driver defaults too (caps applied to GPUs the
+    user left out of DEVICES gone). It is said with the DEVICES as given."""
+    state = tmp_path / "state"
+    gpu, record = _dead_runs_state_file(state)
+    device = str(gpu["index"]) if by == "index" else gpu["uuid"]
+    flags = ["--defaults"] if defaults else []
+    argv = ["gpu", "reset", device, *flags, "--state-dir", str(state)]
+    with failing_writes(state, errno.EROFS):
+        result = CliRunner().invoke(cli, argv)
+    again = " ".join(["dvfs gpu reset", device, *flags, f"--state-dir {state}"])
+    says = (str(state), f"run `{again}` again", "no GPU was restored")
+    check_one_clean_error(result, Case(f"gpu-reset-named-{by}", argv, code=1, says=says), {})
     assert record.exists()

@@ -1053,6 +1053,7 @@ def reset_gpus(
     defaults: bool,
     note: Callable[[str], None],
     skip_busy: bool = False,
+    command: str = "",
 ) -> bool:
     """`dvfs gpu reset`: restore what state files record for these GPUs and, with `defaults`,
     reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
@@ -1061,7 +1062,9 @@ def reset_gpus(
     A GPU another dvfs holds is refused (GpuBusyError); with `skip_busy` (no GPU named) it is
     left to that process, which restores it itself, with a note, and the others are still
     restored: a governor's unit restoring after its crash must not fail because another
-    governor runs on another GPU."""
+    governor runs on another GPU. `command`: the reset as it was typed, less --state-dir (its
+    DEVICES too: run again without them, --defaults resets every GPU), said to run again where
+    a lock cannot be written in `directory`."""
     from dvfs.gpu.safety import GpuLocks, StateStore, restore_pending
     from dvfs.signals import signals_raise
 
@@ -1117,11 +1120,11 @@ def reset_gpus(
                 line = state_file_problem(exc)
                 if line is None:
                     raise
-                command = state_dir_command(
-                    "dvfs gpu reset" + (" --defaults" if defaults else ""), directory
+                again = state_dir_command(
+                    command or "dvfs gpu reset" + (" --defaults" if defaults else ""), directory
                 )
                 raise GpuLockFileError(
-                    f"{line}, then run `{command}` again (no GPU was restored)"
+                    f"{line}, then run `{again}` again (no GPU was restored)"
                 ) from exc
         with_state = [g for g in with_state if g not in busy]
         stale = [g for g in stale if g not in busy]
