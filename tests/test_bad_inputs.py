@@ -3284,3 +3284,34 @@ def test_gpu_reset_of_named_gpus_in_a_state_folder_it_cannot_write_says_them_aga
     says = (str(state), f"run `{again}` again", "no GPU was restored")
     check_one_clean_error(result, Case(f"gpu-reset-named-{by}", argv, code=1, says=says), {})
     assert record.exists()
+
+
+@pytest.mark.parametrize("where", ["dev-null", "under-a-file", "link-loop"])
+def test_a_state_folder_that_cannot_be_reached_is_refused_in_one_wording(
+    fake_nvml: None, tmp_path: Path, where: str
+) -> None:
+    """--state-dir naming /dev/null, a path under a file or a link in a loop: `gpu reset` and
+    `cap show`, `cap apply` and `monitor` refused it in two near-identical lines (one said "its
+    state files", "name the folder itself", the other "dvfs's records in it", "name a
+    folder"), two texts to keep in step. Every command says the one line."""
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "caps.toml").write_text(GOOD_CAPS)
+    (tmp_path / "loop").symlink_to("loop")
+    value = {
+        "dev-null": "/dev/null",
+        "under-a-file": str(tmp_path / "file.txt" / "s"),
+        "link-loop": str(tmp_path / "loop"),
+    }[where]
+    lines = set()
+    for argv in (
+        ["gpu", "reset"],
+        ["cap", "show"],
+        ["cap", "apply", str(tmp_path / "caps.toml"), "--dry-run"],
+        ["monitor", "--once", "--gpu", "0"],
+    ):
+        result = CliRunner().invoke(cli, [*argv, "--state-dir", value])
+        assert result.exit_code in (1, 3), (argv, result.output)
+        [line] = result.stderr.splitlines()
+        assert line.startswith(f"Error: state folder {value} is unreadable ("), (argv, line)
+        lines.add(line)
+    assert len(lines) == 1, lines
