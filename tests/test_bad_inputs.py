@@ -3215,6 +3215,35 @@ def test_a_fleet_folder_its_model_cubes_cannot_be_written_in_is_not_told_another
     assert "another --out" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("kind", ["folder", "link-to-nowhere"])
+@pytest.mark.parametrize("out", [False, True])
+def test_a_fleet_model_cube_with_something_in_its_way_is_not_told_to_copy_the_folder(
+    mixed_fleet: Path, tmp_path: Path, kind: str, out: bool
+) -> None:
+    """`dvfs cube build FLEET` where a GPU model's cube.nc is a folder, or a link into a folder
+    that does not exist: it said "make room or write access in FLEET/gpu-<model>, or copy
+    FLEET to a folder that can be written and build the cube there", where there is room and
+    write access, and whose copy holds the same folder or link. It says to move it aside (or
+    remove the link) and run again, which builds the cube."""
+    folder = tmp_path / "fleet"
+    shutil.copytree(mixed_fleet, folder)
+    [cube] = folder.glob("gpu-*h200*/cube.nc")
+    cube.unlink()
+    if kind == "folder":
+        cube.mkdir()
+        says: tuple[str, ...] = ("it is a folder", "move that folder aside and run again")
+    else:
+        cube.symlink_to(tmp_path / "missing" / "cube.nc")
+        says = ("symbolic link to", "remove the link and run again")
+    argv = ["cube", "build", str(folder), *(["-o", str(tmp_path / "m.nc")] if out else [])]
+    result = CliRunner().invoke(cli, argv)
+    case = Case(f"fleet-cube-{kind}", argv, code=1, says=(str(cube), *says))
+    check_one_clean_error(result, case, {})
+    assert "copy" not in result.stderr and "another --out" not in result.stderr, result.stderr
+    (shutil.rmtree if kind == "folder" else Path.unlink)(cube)  # as the line says
+    assert CliRunner().invoke(cli, argv).exit_code == 0
+
+
 def _dead_runs_state_file(state: Path) -> tuple[dict[str, Any], Path]:
     """The first fake GPU, and the state file a sweep that died left for it in `state`."""
     import socket
