@@ -3344,3 +3344,27 @@ def test_a_state_folder_that_cannot_be_reached_is_refused_in_one_wording(
         assert line.startswith(f"Error: state folder {value} is unreadable ("), (argv, line)
         lines.add(line)
     assert len(lines) == 1, lines
+
+
+@pytest.mark.parametrize("blocked", ["gpu-lock", "caps-record"])
+def test_cap_reset_of_a_named_gpu_that_cannot_write_its_state_says_it_again(
+    fake_nvml: None, tmp_path: Path, blocked: str
+) -> None:
+    """`dvfs cap reset 0 --state-dir DIR`, both GPUs capped, where GPU 0's lock cannot be
+    taken, or the caps record cannot be rewritten once GPU 0 is reset (a read-only disk): the
+    reset to run again was said as `dvfs cap reset --state-dir DIR`, which run as said resets
+    GPU 1's caps too. It is said with the DEVICES as given, and run so, leaves GPU 1 capped."""
+    (tmp_path / "caps.toml").write_text(GOOD_CAPS)
+    state = tmp_path / "state"
+    applied = ["cap", "apply", str(tmp_path / "caps.toml"), "--state-dir", str(state)]
+    _assert_ok(CliRunner().invoke(cli, applied))
+    argv = ["cap", "reset", "0", "--state-dir", str(state)]
+    where = state if blocked == "gpu-lock" else state / "caps-applied.json"
+    with failing_writes(where, errno.EROFS):
+        result = CliRunner().invoke(cli, argv)
+    again = f"run `dvfs cap reset 0 --state-dir {state}` again"
+    check_one_clean_error(result, Case(f"cap-reset-0-{blocked}", argv, code=1, says=(again,)), {})
+    _assert_ok(CliRunner().invoke(cli, argv))  # as the line says, the disk writable again
+    shown = CliRunner().invoke(cli, ["cap", "show", "--state-dir", str(state)]).stdout
+    [gpu1] = [line for line in shown.splitlines() if line.startswith("GPU 1 ")]
+    assert "power limit 450 W" in gpu1, shown

@@ -783,6 +783,7 @@ def reset_caps(
     gpus: Sequence[Gpu],
     record: AppliedCaps,
     note: Callable[[str], None] = lambda line: None,
+    command: str = "dvfs cap reset",
 ) -> list[str]:
     """Unlock clocks and restore default power limits; returns what was done per GPU, and
     `note` hears each GPU's line once it is reset, so that one GPU failing (raised once every
@@ -867,7 +868,7 @@ def reset_caps(
                             f"{power}), but {exc.filename or record.path} cannot be written "
                             f"({why[:1].lower() + why[1:]}), so it still lists that GPU's caps, "
                             f"and no GPU after it was reset: {_remedy(exc)}, then run "
-                            f"`{state_dir_command('dvfs cap reset', record.path.parent)}` again",
+                            f"`{state_dir_command(command, record.path.parent)}` again",
                         ]
                     )
                 ) from exc
@@ -955,13 +956,15 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
 
 
 def reset_locked(
-    gpus: Sequence[Gpu], directory: Path
+    gpus: Sequence[Gpu], directory: Path, command: str = "dvfs cap reset"
 ) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | CapsRecordError | None]:
     """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
     holds are left alone and returned (with their refusals) beside what was done on the others, so
     that one running governor does not keep every other GPU capped (`cap reset` at the caps
     unit's stop). The GPUs that failed come back as one error beside what was done on the
-    others and the GPUs held, for the caller to say all three."""
+    others and the GPUs held, for the caller to say all three. `command`: the reset as typed,
+    less --state-dir, said to run again where a file in `directory` cannot be written (its
+    DEVICES too: run again without them, it resets every GPU's caps)."""
     from dvfs.gpu.safety import GpuLocks
     from dvfs.signals import signals_raise
 
@@ -979,14 +982,14 @@ def reset_locked(
                 line = state_file_problem(exc)
                 if line is None:
                     raise
-                command = state_dir_command("dvfs cap reset", directory)
+                again = state_dir_command(command, directory)
                 raise CapsRecordError(
-                    f"{line}, then run `{command}` again (no GPU was reset)"
+                    f"{line}, then run `{again}` again (no GPU was reset)"
                 ) from exc
             free.append(gpu)
         lines: list[str] = []
         try:
-            reset_caps(free, AppliedCaps(directory), note=lines.append)
+            reset_caps(free, AppliedCaps(directory), note=lines.append, command=command)
         except (GpuError, CapsRecordError) as exc:  # said beside the GPUs reset before it
             return lines, busy, exc
         return lines, busy, None
