@@ -3368,3 +3368,25 @@ def test_cap_reset_of_a_named_gpu_that_cannot_write_its_state_says_it_again(
     shown = CliRunner().invoke(cli, ["cap", "show", "--state-dir", str(state)]).stdout
     [gpu1] = [line for line in shown.splitlines() if line.startswith("GPU 1 ")]
     assert "power limit 450 W" in gpu1, shown
+
+
+def test_gpu_reset_defaults_of_a_named_gpu_that_cannot_rewrite_the_caps_record_says_it_again(
+    fake_nvml: None, tmp_path: Path
+) -> None:
+    """`dvfs gpu reset 0 --defaults --state-dir DIR`, both GPUs capped, the caps record
+    unwritable once GPU 0 is reset (a read-only disk): the caps reset to run again was said as
+    `dvfs cap reset --state-dir DIR`, which run as said resets GPU 1's caps too. It is said
+    with the DEVICES as given, and run so, leaves GPU 1 capped."""
+    (tmp_path / "caps.toml").write_text(GOOD_CAPS)
+    state = tmp_path / "state"
+    applied = ["cap", "apply", str(tmp_path / "caps.toml"), "--state-dir", str(state)]
+    _assert_ok(CliRunner().invoke(cli, applied))
+    argv = ["gpu", "reset", "0", "--defaults", "--state-dir", str(state)]
+    with failing_writes(state / "caps-applied.json", errno.EROFS):
+        result = CliRunner().invoke(cli, argv)
+    again = f"run `dvfs cap reset 0 --state-dir {state}` again"
+    check_one_clean_error(result, Case("gpu-reset-0-defaults", argv, code=1, says=(again,)), {})
+    _assert_ok(CliRunner().invoke(cli, ["cap", "reset", "0", "--state-dir", str(state)]))
+    shown = CliRunner().invoke(cli, ["cap", "show", "--state-dir", str(state)]).stdout
+    [gpu1] = [line for line in shown.splitlines() if line.startswith("GPU 1 ")]
+    assert "power limit 450 W" in gpu1, shown

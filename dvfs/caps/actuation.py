@@ -1057,6 +1057,7 @@ def reset_gpus(
     note: Callable[[str], None],
     skip_busy: bool = False,
     command: str = "",
+    caps_command: str = "dvfs cap reset",
 ) -> bool:
     """`dvfs gpu reset`: restore what state files record for these GPUs and, with `defaults`,
     reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
@@ -1067,7 +1068,8 @@ def reset_gpus(
     restored: a governor's unit restoring after its crash must not fail because another
     governor runs on another GPU. `command`: the reset as it was typed, less --state-dir (its
     DEVICES too: run again without them, --defaults resets every GPU), said to run again where
-    a lock cannot be written in `directory`."""
+    a lock cannot be written in `directory`; `caps_command`, the `cap reset` of the same GPUs,
+    where --defaults cannot rewrite the caps record."""
     from dvfs.gpu.safety import GpuLocks, StateStore, restore_pending
     from dvfs.signals import signals_raise
 
@@ -1156,7 +1158,12 @@ def reset_gpus(
         if defaults:
             others = [g for g in gpus if (g not in with_state or g in rebooted) and g not in busy]
             try:
-                reset_caps(others, AppliedCaps(directory), lambda line: note(f"reset {line}"))
+                reset_caps(
+                    others,
+                    AppliedCaps(directory),
+                    lambda line: note(f"reset {line}"),
+                    command=caps_command,
+                )
             except GpuError as exc:
                 failed.append(exc)
         _raise_all(failed, damaged)
