@@ -3215,22 +3215,41 @@ def test_a_fleet_folder_its_model_cubes_cannot_be_written_in_is_not_told_another
     assert "another --out" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("kind", list(FAULTS))
-@pytest.mark.parametrize("defaults", [False, True])
-def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
-    fake_nvml: None, tmp_path: Path, kind: str, defaults: bool
+@pytest.mark.parametrize("kind", ["folder", "link-to-nowhere"])
+@pytest.mark.parametrize("out", [False, True])
+def test_a_fleet_model_cube_with_something_in_its_way_is_not_told_to_copy_the_folder(
+    mixed_fleet: Path, tmp_path: Path, kind: str, out: bool
 ) -> None:
-    """`dvfs gpu reset --state-dir DIR` with a GPU's state file in DIR, on a read-only or full
-    disk or a folder it may not write (the GPU's lock cannot be taken): it said "cannot write
-    DIR/GPU-....lock: read-only file system; choose another --state-dir", whose reset finds
-    none of the state files DIR keeps ("nothing to restore"). It says to mend DIR and run the
-    same reset again, the GPU unchanged and its state file kept."""
+    """`dvfs cube build FLEET` where a GPU model's cube.nc is a folder, or a link into a folder
+    that does not exist: it said "make room or write access in FLEET/gpu-<model>, or copy
+    FLEET to a folder that can be written and build the cube there", where there is room and
+    write access, and whose copy holds the same folder or link. It says to move it aside (or
+    remove the link) and run again, which builds the cube."""
+    folder = tmp_path / "fleet"
+    shutil.copytree(mixed_fleet, folder)
+    [cube] = folder.glob("gpu-*h200*/cube.nc")
+    cube.unlink()
+    if kind == "folder":
+        cube.mkdir()
+        says: tuple[str, ...] = ("it is a folder", "move that folder aside and run again")
+    else:
+        cube.symlink_to(tmp_path / "missing" / "cube.nc")
+        says = ("symbolic link to", "remove the link and run again")
+    argv = ["cube", "build", str(folder), *(["-o", str(tmp_path / "m.nc")] if out else [])]
+    result = CliRunner().invoke(cli, argv)
+    case = Case(f"fleet-cube-{kind}", argv, code=1, says=(str(cube), *says))
+    check_one_clean_error(result, case, {})
+    assert "copy" not in result.stderr and "another --out" not in result.stderr, result.stderr
+    (shutil.rmtree if kind == "folder" else Path.unlink)(cube)  # as the line says
+    assert CliRunner().invoke(cli, argv).exit_code == 0
+
+
+def _dead_runs_state_file(state: Path) -> tuple[dict[str, Any], Path]:
+    """The first fake GPU, and the state file a sweep that died left for it in `state`."""
     import socket
     from datetime import UTC, datetime
 
-    err, _, words = FAULTS[kind]
     [gpu, *_] = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
-    state = tmp_path / "state"
     state.mkdir()
     record = state / f"{gpu['uuid']}.json"
     record.write_text(
@@ -3248,6 +3267,22 @@ def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_d
             }
         )
     )
+    return gpu, record
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+@pytest.mark.parametrize("defaults", [False, True])
+def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
+    fake_nvml: None, tmp_path: Path, kind: str, defaults: bool
+) -> None:
+    """`dvfs gpu reset --state-dir DIR` with a GPU's state file in DIR, on a read-only or full
+    disk or a folder it may not write (the GPU's lock cannot be taken): it said "cannot write
+    DIR/GPU-....lock: read-only file system; choose another --state-dir", whose reset finds
+    none of the state files DIR keeps ("nothing to restore"). It says to mend DIR and run the
+    same reset again, the GPU unchanged and its state file kept."""
+    err, _, words = FAULTS[kind]
+    state = tmp_path / "state"
+    _, record = _dead_runs_state_file(state)
     argv = ["gpu", "reset", *(["--defaults"] if defaults else []), "--state-dir", str(state)]
     with failing_writes(state, err):
         result = CliRunner().invoke(cli, argv)
@@ -3256,3 +3291,102 @@ def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_d
     check_one_clean_error(result, Case(f"gpu-reset-{kind}", argv, code=1, says=says), {})
     assert "another --state-dir" not in result.stderr, result.stderr
     assert record.exists()
+
+
+@pytest.mark.parametrize("by", ["index", "uuid"])
+@pytest.mark.parametrize("defaults", [False, True])
+def test_gpu_reset_of_named_gpus_in_a_state_folder_it_cannot_write_says_them_again(
+    fake_nvml: None, tmp_path: Path, by: str, defaults: bool
+) -> None:
+    """`dvfs gpu reset DEVICES --state-dir DIR`, DIR read-only: the reset to run again once DIR
+    is mended was said without DEVICES, which run as said restores every GPU's state file and,
+    with --defaults, resets every other GPU to driver defaults too (caps applied to GPUs the
+    user left out of DEVICES gone). It is said with the DEVICES as given."""
+    state = tmp_path / "state"
+    gpu, record = _dead_runs_state_file(state)
+    device = str(gpu["index"]) if by == "index" else gpu["uuid"]
+    flags = ["--defaults"] if defaults else []
+    argv = ["gpu", "reset", device, *flags, "--state-dir", str(state)]
+    with failing_writes(state, errno.EROFS):
+        result = CliRunner().invoke(cli, argv)
+    again = " ".join(["dvfs gpu reset", device, *flags, f"--state-dir {state}"])
+    says = (str(state), f"run `{again}` again", "no GPU was restored")
+    check_one_clean_error(result, Case(f"gpu-reset-named-{by}", argv, code=1, says=says), {})
+    assert record.exists()
+
+
+@pytest.mark.parametrize("where", ["dev-null", "under-a-file", "link-loop"])
+def test_a_state_folder_that_cannot_be_reached_is_refused_in_one_wording(
+    fake_nvml: None, tmp_path: Path, where: str
+) -> None:
+    """--state-dir naming /dev/null, a path under a file or a link in a loop: `gpu reset` and
+    `cap show`, `cap apply` and `monitor` refused it in two near-identical lines (one said "its
+    state files", "name the folder itself", the other "dvfs's records in it", "name a
+    folder"), two texts to keep in step. Every command says the one line."""
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "caps.toml").write_text(GOOD_CAPS)
+    (tmp_path / "loop").symlink_to("loop")
+    value = {
+        "dev-null": "/dev/null",
+        "under-a-file": str(tmp_path / "file.txt" / "s"),
+        "link-loop": str(tmp_path / "loop"),
+    }[where]
+    lines = set()
+    for argv in (
+        ["gpu", "reset"],
+        ["cap", "show"],
+        ["cap", "apply", str(tmp_path / "caps.toml"), "--dry-run"],
+        ["monitor", "--once", "--gpu", "0"],
+    ):
+        result = CliRunner().invoke(cli, [*argv, "--state-dir", value])
+        assert result.exit_code in (1, 3), (argv, result.output)
+        [line] = result.stderr.splitlines()
+        assert line.startswith(f"Error: state folder {value} is unreadable ("), (argv, line)
+        lines.add(line)
+    assert len(lines) == 1, lines
+
+
+@pytest.mark.parametrize("blocked", ["gpu-lock", "caps-record"])
+def test_cap_reset_of_a_named_gpu_that_cannot_write_its_state_says_it_again(
+    fake_nvml: None, tmp_path: Path, blocked: str
+) -> None:
+    """`dvfs cap reset 0 --state-dir DIR`, both GPUs capped, where GPU 0's lock cannot be
+    taken, or the caps record cannot be rewritten once GPU 0 is reset (a read-only disk): the
+    reset to run again was said as `dvfs cap reset --state-dir DIR`, which run as said resets
+    GPU 1's caps too. It is said with the DEVICES as given, and run so, leaves GPU 1 capped."""
+    (tmp_path / "caps.toml").write_text(GOOD_CAPS)
+    state = tmp_path / "state"
+    applied = ["cap", "apply", str(tmp_path / "caps.toml"), "--state-dir", str(state)]
+    _assert_ok(CliRunner().invoke(cli, applied))
+    argv = ["cap", "reset", "0", "--state-dir", str(state)]
+    where = state if blocked == "gpu-lock" else state / "caps-applied.json"
+    with failing_writes(where, errno.EROFS):
+        result = CliRunner().invoke(cli, argv)
+    again = f"run `dvfs cap reset 0 --state-dir {state}` again"
+    check_one_clean_error(result, Case(f"cap-reset-0-{blocked}", argv, code=1, says=(again,)), {})
+    _assert_ok(CliRunner().invoke(cli, argv))  # as the line says, the disk writable again
+    shown = CliRunner().invoke(cli, ["cap", "show", "--state-dir", str(state)]).stdout
+    [gpu1] = [line for line in shown.splitlines() if line.startswith("GPU 1 ")]
+    assert "power limit 450 W" in gpu1, shown
+
+
+def test_gpu_reset_defaults_of_a_named_gpu_that_cannot_rewrite_the_caps_record_says_it_again(
+    fake_nvml: None, tmp_path: Path
+) -> None:
+    """`dvfs gpu reset 0 --defaults --state-dir DIR`, both GPUs capped, the caps record
+    unwritable once GPU 0 is reset (a read-only disk): the caps reset to run again was said as
+    `dvfs cap reset --state-dir DIR`, which run as said resets GPU 1's caps too. It is said
+    with the DEVICES as given, and run so, leaves GPU 1 capped."""
+    (tmp_path / "caps.toml").write_text(GOOD_CAPS)
+    state = tmp_path / "state"
+    applied = ["cap", "apply", str(tmp_path / "caps.toml"), "--state-dir", str(state)]
+    _assert_ok(CliRunner().invoke(cli, applied))
+    argv = ["gpu", "reset", "0", "--defaults", "--state-dir", str(state)]
+    with failing_writes(state / "caps-applied.json", errno.EROFS):
+        result = CliRunner().invoke(cli, argv)
+    again = f"run `dvfs cap reset 0 --state-dir {state}` again"
+    check_one_clean_error(result, Case("gpu-reset-0-defaults", argv, code=1, says=(again,)), {})
+    _assert_ok(CliRunner().invoke(cli, ["cap", "reset", "0", "--state-dir", str(state)]))
+    shown = CliRunner().invoke(cli, ["cap", "show", "--state-dir", str(state)]).stdout
+    [gpu1] = [line for line in shown.splitlines() if line.startswith("GPU 1 ")]
+    assert "power limit 450 W" in gpu1, shown

@@ -783,6 +783,7 @@ def reset_caps(
     gpus: Sequence[Gpu],
     record: AppliedCaps,
     note: Callable[[str], None] = lambda line: None,
+    command: str = "dvfs cap reset",
 ) -> list[str]:
     """Unlock clocks and restore default power limits; returns what was done per GPU, and
     `note` hears each GPU's line once it is reset, so that one GPU failing (raised once every
@@ -867,7 +868,7 @@ def reset_caps(
                             f"{power}), but {exc.filename or record.path} cannot be written "
                             f"({why[:1].lower() + why[1:]}), so it still lists that GPU's caps, "
                             f"and no GPU after it was reset: {_remedy(exc)}, then run "
-                            f"`{state_dir_command('dvfs cap reset', record.path.parent)}` again",
+                            f"`{state_dir_command(command, record.path.parent)}` again",
                         ]
                     )
                 ) from exc
@@ -955,13 +956,15 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
 
 
 def reset_locked(
-    gpus: Sequence[Gpu], directory: Path
+    gpus: Sequence[Gpu], directory: Path, command: str = "dvfs cap reset"
 ) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | CapsRecordError | None]:
     """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
     holds are left alone and returned (with their refusals) beside what was done on the others, so
     that one running governor does not keep every other GPU capped (`cap reset` at the caps
     unit's stop). The GPUs that failed come back as one error beside what was done on the
-    others and the GPUs held, for the caller to say all three."""
+    others and the GPUs held, for the caller to say all three. `command`: the reset as typed,
+    less --state-dir, said to run again where a file in `directory` cannot be written (its
+    DEVICES too: run again without them, it resets every GPU's caps)."""
     from dvfs.gpu.safety import GpuLocks
     from dvfs.signals import signals_raise
 
@@ -979,14 +982,14 @@ def reset_locked(
                 line = state_file_problem(exc)
                 if line is None:
                     raise
-                command = state_dir_command("dvfs cap reset", directory)
+                again = state_dir_command(command, directory)
                 raise CapsRecordError(
-                    f"{line}, then run `{command}` again (no GPU was reset)"
+                    f"{line}, then run `{again}` again (no GPU was reset)"
                 ) from exc
             free.append(gpu)
         lines: list[str] = []
         try:
-            reset_caps(free, AppliedCaps(directory), note=lines.append)
+            reset_caps(free, AppliedCaps(directory), note=lines.append, command=command)
         except (GpuError, CapsRecordError) as exc:  # said beside the GPUs reset before it
             return lines, busy, exc
         return lines, busy, None
@@ -1053,6 +1056,8 @@ def reset_gpus(
     defaults: bool,
     note: Callable[[str], None],
     skip_busy: bool = False,
+    command: str = "",
+    caps_command: str = "dvfs cap reset",
 ) -> bool:
     """`dvfs gpu reset`: restore what state files record for these GPUs and, with `defaults`,
     reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
@@ -1061,7 +1066,10 @@ def reset_gpus(
     A GPU another dvfs holds is refused (GpuBusyError); with `skip_busy` (no GPU named) it is
     left to that process, which restores it itself, with a note, and the others are still
     restored: a governor's unit restoring after its crash must not fail because another
-    governor runs on another GPU."""
+    governor runs on another GPU. `command`: the reset as it was typed, less --state-dir (its
+    DEVICES too: run again without them, --defaults resets every GPU), said to run again where
+    a lock cannot be written in `directory`; `caps_command`, the `cap reset` of the same GPUs,
+    where --defaults cannot rewrite the caps record."""
     from dvfs.gpu.safety import GpuLocks, StateStore, restore_pending
     from dvfs.signals import signals_raise
 
@@ -1117,11 +1125,11 @@ def reset_gpus(
                 line = state_file_problem(exc)
                 if line is None:
                     raise
-                command = state_dir_command(
-                    "dvfs gpu reset" + (" --defaults" if defaults else ""), directory
+                again = state_dir_command(
+                    command or "dvfs gpu reset" + (" --defaults" if defaults else ""), directory
                 )
                 raise GpuLockFileError(
-                    f"{line}, then run `{command}` again (no GPU was restored)"
+                    f"{line}, then run `{again}` again (no GPU was restored)"
                 ) from exc
         with_state = [g for g in with_state if g not in busy]
         stale = [g for g in stale if g not in busy]
@@ -1150,7 +1158,12 @@ def reset_gpus(
         if defaults:
             others = [g for g in gpus if (g not in with_state or g in rebooted) and g not in busy]
             try:
-                reset_caps(others, AppliedCaps(directory), lambda line: note(f"reset {line}"))
+                reset_caps(
+                    others,
+                    AppliedCaps(directory),
+                    lambda line: note(f"reset {line}"),
+                    command=caps_command,
+                )
             except GpuError as exc:
                 failed.append(exc)
         _raise_all(failed, damaged)

@@ -10,6 +10,7 @@ seeing to). A dry run exits as the apply would.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -720,7 +721,9 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
         # A GPU that fails is named once the others are reset, with those held and lost.
         directory = state_dir or default_state_dir()
         try:
-            lines, busy, failed = reset_locked(gpus, directory)
+            # the reset to run again, as typed: without its DEVICES, every GPU's caps go
+            again = shlex.join(["dvfs", "cap", "reset", *devices])
+            lines, busy, failed = reset_locked(gpus, directory, again)
         except (CapsRecordError, GpuStateError, GpuLockFileError) as exc:  # a lock refused
             if lost:  # the GPUs fallen off the bus need seeing to all the same
                 exc.args = (f"{exc}; {lost_gpus(lost)}",)

@@ -359,14 +359,28 @@ def _write(ds: Any, path: Path) -> Path:
 def _model_cube_unwritable(exc: OSError, path: Path, sweep_dir: Path) -> str:
     """The line for a fleet GPU model's cube that cannot be written beside its journal (a
     read-only, full or unwritable sweep folder): the cube goes there whatever --out names, so
-    "choose another --out", the advice of the merged cube's, would not get round it."""
+    "choose another --out", the advice of the merged cube's, would not get round it. A folder
+    in the cube's place, or a link there to nowhere, is moved aside or mended: a copy of the
+    sweep folder would hold it too."""
+    import errno
+    import os
+
     from dvfs.cli.common import os_error_words
 
-    return (
+    head = (
         f"cannot write {path}: {os_error_words(exc)}; each GPU model's cube of a fleet is "
-        f"written beside its journal, whatever --out names: make room or write access in "
-        f"{path.parent}, or copy {sweep_dir} to a folder that can be written and build the "
-        "cube there"
+        "written beside its journal, whatever --out names: "
+    )
+    if exc.errno == errno.EISDIR:
+        return head + "move that folder aside and run again"
+    if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+        return head + (
+            f"it is a symbolic link to {os.readlink(path)}, which cannot be written through: "
+            "remove the link and run again"
+        )
+    return head + (
+        f"make room or write access in {path.parent}, or copy {sweep_dir} to a folder that "
+        "can be written and build the cube there"
     )
 
 

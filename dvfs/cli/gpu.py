@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shlex
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -238,6 +239,10 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
 
     out = console()
     every = not devices
+    # the reset to run again (a lock in the state folder that cannot be written), as typed:
+    # its DEVICES dropped, --defaults would reset every GPU
+    named = devices
+    command = shlex.join(["dvfs", "gpu", "reset", *named, *(["--defaults"] if defaults else [])])
     # Every GPU or those named: one fallen off the bus must not keep the others unrestored.
     # A power limit NVML does not support fails none: a restore and --defaults put back the
     # clocks of such a GPU and leave its power limit be (dvfs never changed it).
@@ -267,6 +272,8 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
                 defaults=defaults,
                 note=lambda line: out.print(escape(line)),
                 skip_busy=every,  # every GPU: one a live dvfs holds is its own to restore
+                command=command,
+                caps_command=shlex.join(["dvfs", "cap", "reset", *named]),
             )
         except GpuError as exc:
             if not lost or isinstance(exc, GpuBusyError):

@@ -268,20 +268,12 @@ def record_problem(exc: Exception) -> str:
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
-def _unreadable_folder(directory: Path, why: str) -> str:
-    """`StateStore.readable`'s refusal of a state folder it cannot reach."""
-    return (
-        f"state folder {directory} is unreadable ({why}), so its state files cannot be read: "
-        "check its path (a link in a loop, a file where a folder should be), or name the folder "
-        "itself with --state-dir"
-    )
-
-
 def state_folder_problem(directory: Path) -> str | None:
     """Why the state folder `directory` cannot be reached (a file where a folder of its path
     should be, a link in a loop), in one line saying what to do, or None (it is there, or
     missing: nothing recorded yet). For a record in it that cannot be opened: the folder is at
-    fault then, not the record, which removing would not help (there is none to remove)."""
+    fault then, not the record, which removing would not help (there is none to remove); and
+    `StateStore.readable`'s refusal, in the same words."""
     try:
         mode = os.stat(directory).st_mode
     except FileNotFoundError:
@@ -339,15 +331,10 @@ class StateStore:
         """Whether the state folder is there (False: none yet, nothing recorded); one that
         cannot be reached (a link in a loop, a file in its path: `exists()` is False for
         them) is no missing folder, whose state files would be taken for none: refused."""
-        try:
-            mode = os.stat(self.directory).st_mode
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise GpuStateError(_unreadable_folder(self.directory, record_problem(exc))) from exc
-        if not stat.S_ISDIR(mode):  # a device (--state-dir /dev/null), a FIFO: no folder
-            raise GpuStateError(_unreadable_folder(self.directory, os.strerror(errno.ENOTDIR)))
-        return True
+        problem = state_folder_problem(self.directory)
+        if problem is not None:
+            raise GpuStateError(problem)
+        return os.path.isdir(self.directory)
 
     def left_by_this_process(self) -> list[str]:
         """The GPUs (UUIDs) this process changed and did not put back: their state files are
