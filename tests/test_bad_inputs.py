@@ -3156,9 +3156,32 @@ def mixed_fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return made_once(tmp_path_factory, "bad_inputs-mixed-fleet", make) / "fleet"
 
 
+def damaged_model_journal(out: Path, kind: str) -> Path:
+    """The H200's journal of the fleet folder `out` replaced by a FIFO, a folder, a link in a
+    loop or binary garbage; its path."""
+    import os
+
+    [h200] = [p for p in out.glob("gpu-*h200*/journal.jsonl")]
+    h200.unlink()
+    if kind == "fifo":
+        os.mkfifo(h200)
+    elif kind == "directory":
+        h200.mkdir()
+    elif kind == "garbage":
+        h200.write_bytes(binary_bytes())
+    else:
+        h200.symlink_to(h200.name)
+    return h200
+
+
 @pytest.mark.parametrize(
     ("kind", "says"),
-    [("fifo", "no regular file"), ("directory", "is a folder"), ("symlink-loop", "(a loop)")],
+    [
+        ("fifo", "no regular file"),
+        ("directory", "is a folder"),
+        ("symlink-loop", "(a loop)"),
+        ("garbage", "is not a dvfs journal"),
+    ],
 )
 def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
     mixed_fleet: Path, tmp_path: Path, kind: str, says: str
@@ -3167,19 +3190,11 @@ def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
     or a link in a loop, swept again on the other model's GPU alone (a plain `dvfs sweep
     CAMPAIGN --out DIR`: the GPUs left after a node loss): the sweep skipped that journal,
     exit 0, and rewrote the merged cube with the other model alone; `dvfs cube build`, the dry
-    run and the doctor refuse it. It is refused, before any GPU is used, the cube kept."""
-    import os
-
+    run and the doctor refuse it. It is refused, before any GPU is used, the cube kept (and
+    so is binary garbage there)."""
     out = tmp_path / "fleet"
     shutil.copytree(mixed_fleet, out)
-    [h200] = [p for p in out.glob("gpu-*h200*/journal.jsonl")]
-    h200.unlink()
-    if kind == "fifo":
-        os.mkfifo(h200)
-    elif kind == "directory":
-        h200.mkdir()
-    else:
-        h200.symlink_to(h200.name)
+    h200 = damaged_model_journal(out, kind)
     before = (out / "cube.nc").read_bytes()
     result = CliRunner().invoke(
         cli, ["sweep", str(mixed_fleet.parent / "tiny.toml"), "--out", str(out), "--no-progress"]
@@ -3187,6 +3202,37 @@ def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
     case = Case(f"fleet-model-journal-{kind}", [], code=1, says=(str(h200), says), chatty=True)
     check_one_clean_error(result, case, {})
     assert (out / "cube.nc").read_bytes() == before  # the merged cube of both models kept
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink-loop", "garbage"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["cube", "info", "{out}"],
+        ["headroom", "{out}"],
+        ["report", "{out}", "-o", "{tmp}/r.md"],
+        ["plot", "{out}", "--out", "{tmp}/p"],
+    ],
+)
+def test_the_analyses_of_a_fleet_cube_pass_over_a_models_damaged_journal(
+    mixed_fleet: Path, tmp_path: Path, kind: str, command: list[str]
+) -> None:
+    """`dvfs cube info|headroom|report|plot FLEET`, the merged cube intact but one model's
+    journal binary garbage: refused with the journal's line (exit 1), though the same folder,
+    that journal a FIFO or a folder, was analysed (the journals are read there only to name a
+    model that measured nothing). The cube is analysed either way, and `dvfs cube build`
+    still refuses the journal."""
+    out = tmp_path / "fleet"
+    shutil.copytree(mixed_fleet, out)
+    h200 = damaged_model_journal(out, kind)
+    argv = [a.replace("{out}", str(out)).replace("{tmp}", str(tmp_path)) for a in command]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert str(h200) not in result.stderr  # no model said left out: the cube holds both
+    build = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert build.exit_code == 1, build.output
+    assert str(h200) in build.stderr
 
 
 @pytest.mark.parametrize("kind", ["read-only", "full-disk"])
