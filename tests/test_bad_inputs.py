@@ -3302,3 +3302,37 @@ def test_gpu_reset_in_a_state_folder_it_cannot_write_is_not_told_another_state_d
     check_one_clean_error(result, Case(f"gpu-reset-{kind}", argv, code=1, says=says), {})
     assert "another --state-dir" not in result.stderr, result.stderr
     assert record.exists()
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+@pytest.mark.parametrize("given", [False, True])
+def test_govern_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
+    fake_nvml: None, tmp_path: Path, kind: str, given: bool
+) -> None:
+    """`dvfs govern` with its state folder (--state-dir DIR, or the default) on a read-only or
+    full disk or a folder it may not write (a GPU's lock cannot be taken): it said "cannot
+    write DIR/GPU-....lock: read-only file system; choose another --state-dir", a folder where
+    `cap show`, sweeps and `gpu reset` would not look, as `cap apply` and `gpu reset` no
+    longer say. It says what mends the folder and to start the governor again, in one line,
+    no GPU changed."""
+    import os
+
+    err, _, words = FAULTS[kind]
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    state = tmp_path / "state" if given else Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    before = CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout
+    argv = ["govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0"]
+    argv += ["--max-intervals", "1", "--interval", "0.1", "--listen", "off"]
+    argv += ["--state-dir", str(state)] if given else []
+    with failing_writes(state, err):
+        result = CliRunner().invoke(cli, argv)
+    says = (str(state), words, "start the governor again", "no GPU was changed")
+    case = Case(f"govern-state-{kind}", argv, code=1, says=says, chatty=True)
+    check_one_clean_error(result, case, {})
+    assert "choose another" not in result.stderr, result.stderr
+    assert CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout == before

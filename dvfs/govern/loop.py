@@ -543,12 +543,24 @@ class Ticker:
 @contextlib.contextmanager
 def guarded(gpus: Sequence[Gpu], state_dir: Path) -> Iterator[KnobController]:
     """The safety layer around a governor run (see the module docstring)."""
-    from dvfs.caps.actuation import AppliedCaps
+    from dvfs.caps.actuation import AppliedCaps, state_file_problem
+    from dvfs.errors import GpuLockFileError
     from dvfs.gpu.safety import GpuLocks, StateStore
 
     store = StateStore(state_dir, command="govern")
     record = GovernorLocks(state_dir)
-    with GpuLocks(state_dir).hold(gpus):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(GpuLocks(state_dir).hold(gpus))
+        except OSError as exc:  # before any GPU is changed: never "choose another --state-dir",
+            # where `cap show`, sweeps and `gpu reset` would not look, nor another dvfs's
+            # locks keep it off these GPUs
+            line = state_file_problem(exc)
+            if line is None:
+                raise
+            raise GpuLockFileError(
+                f"{line}, then start the governor again (no GPU was changed)"
+            ) from exc
         store.refuse_if_pending(gpus)
         for gpu in gpus:  # no unrestored change, no governor: a record left is stale
             record.clear(gpu.identity.uuid)
