@@ -3336,3 +3336,68 @@ def test_govern_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
     check_one_clean_error(result, case, {})
     assert "choose another" not in result.stderr, result.stderr
     assert CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout == before
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("read-only", ("{state}:", "read-only file system", "make it writable")),
+        ("full-disk", ("{state}:", "no space left", "free space there")),
+        ("immutable-folder", ("{state}:", "operation not permitted")),
+        ("immutable-lock", ("{state}/{uuid}.lock:", "operation not permitted")),
+    ],
+)
+def test_a_cap_apply_dry_run_says_the_apply_would_fail_on_a_state_folder_it_cannot_write(
+    fake_nvml: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    says: tuple[str, ...],
+) -> None:
+    """`dvfs cap apply --dry-run` with its state folder on a read-only or full file system, or
+    the folder or a GPU's lock in it immutable (`chattr +i`, which refuses root too): it said
+    "would apply to GPU 0", exit 0, where the apply fails "cannot write ...", exit 1, though a
+    dry run exits as the apply would (README). It says the apply would be refused and what
+    mends the folder, exit 1, in one line, writing nothing there. The faults are seen as
+    the dry run sees them (the file system's flags and counts, the inode's flags), made up
+    here: no mount or `chattr` needed."""
+    import os
+
+    import dvfs.gpu.safety as safety
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    [gpu, *_] = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+    uuid = gpu["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / f"{uuid}.lock").write_text("")
+    real_statvfs = os.statvfs
+    real_flags = getattr(safety, "_inode_flags", lambda path: 0)
+
+    def statvfs(path: Any) -> os.statvfs_result:
+        got = real_statvfs(path)
+        if os.path.abspath(path) != str(state):
+            return got
+        fields = list(got)[:10]  # bsize frsize blocks bfree bavail files ffree favail flag max
+        if kind == "read-only":
+            fields[8] |= os.ST_RDONLY
+        elif kind == "full-disk":
+            fields[2], fields[3], fields[4] = max(fields[2], 1), 0, 0
+        return os.statvfs_result(fields)
+
+    def flags(path: Path) -> int:
+        immutable = {"immutable-folder": state, "immutable-lock": state / f"{uuid}.lock"}
+        return 0x10 if Path(path) == immutable.get(kind) else real_flags(path)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(safety, "_inode_flags", flags, raising=False)  # (the dry run's reader)
+    listing = sorted(p.name for p in state.iterdir())
+    argv = ["cap", "apply", str(caps), "--state-dir", str(state), "--dry-run"]
+    result = CliRunner().invoke(cli, argv)
+    places = {"state": str(state), "uuid": uuid}
+    words = ("dry run, nothing changed: the apply would be refused", *says, "apply the caps again")
+    check_one_clean_error(result, Case(f"cap-dry-run-{kind}", argv, code=1, says=words), places)
+    assert sorted(p.name for p in state.iterdir()) == listing  # nothing written there
+    assert "would apply to" not in result.stdout, result.stdout
