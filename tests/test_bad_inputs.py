@@ -125,6 +125,10 @@ def key_case(id: str, path: str, value: Any, *says: str, **kw: Any) -> Case:
 
 GOOD_TEXT = campaign()
 
+#: A TOML file and a JSON document nested 100k deep: deeper than their parsers recurse.
+DEEP_TOML = "a = " + "[" * 100_000 + "]" * 100_000 + "\n"
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
 CAMPAIGN_FILE_CASES = [
     C(
         "campaign-missing-file",
@@ -1483,6 +1487,45 @@ MORE_CASES = (
             files={"c.toml": GOOD_TEXT, "p.toml": _over_limit("MAX_SETTINGS_BYTES")},
             code=2,
             says=("p.toml", "16 MiB"),
+        ),
+        # nested deeper than the parser recurses: exit 1 "one of c.toml, p.toml is nested too
+        # deeply" (the handler of last resort), not invalid input naming the file, exit 2
+        camp_case("nested-100k-deep", DEEP_TOML, "{tmp}/c.toml:", "nested too deeply"),
+        C(
+            "doctor-nested-100k-deep",
+            ["doctor", "{tmp}/c.toml"],
+            files={"c.toml": DEEP_TOML},
+            code=2,
+            says=("{tmp}/c.toml:", "nested too deeply"),
+        ),
+        caps_case("nested-100k-deep", DEEP_TOML, "{tmp}/caps.toml:", "nested too deeply"),
+        plan_case("nested-100k-deep", DEEP_JSON, "{tmp}/h.json is not JSON", "nested too deeply"),
+        plan_case(
+            "rows-nested-100k-deep",
+            '{"schema": "dvfs.headroom/1", "rows": ' + DEEP_JSON + "}",
+            "{tmp}/h.json is not JSON",
+            "nested too deeply",
+        ),
+        C(
+            "twin-predict-campaign-nested-100k-deep",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": DEEP_TOML, "p.toml": GOOD_TEXT},
+            code=2,
+            says=("{tmp}/c.toml:", "nested too deeply"),
+        ),
+        C(
+            "twin-profile-nested-100k-deep",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": GOOD_TEXT, "p.toml": DEEP_TOML},
+            code=2,
+            says=("{tmp}/p.toml is not a readable TOML profile", "nested too deeply"),
+        ),
+        C(
+            "govern-plan-nested-100k-deep",
+            ["govern", "--plan", "{tmp}/p.toml", "--url", "http://127.0.0.1:9", "--dry-run"],
+            files={"p.toml": DEEP_TOML},
+            code=2,
+            says=("{tmp}/p.toml:", "nested too deeply"),
         ),
         # a named pipe no program writes to: was waited on for ever, the command hung
         camp_case("fifo", Writer(_fifo), "c.toml", "pipe"),
