@@ -3381,6 +3381,58 @@ def test_govern_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
     assert CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout == before
 
 
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_govern_whose_state_records_cannot_be_written_is_not_told_another_state_dir(
+    fake_nvml: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """`dvfs govern --state-dir DIR`, its GPU locks taken but its records there not written (a
+    disk filled or remounted read-only since): it said "cannot write DIR/governed-GPU-...json:
+    no space left on the device; free space or choose another --state-dir", a folder where
+    `gpu reset` and `cap show` would not look. It says what mends DIR and to start the
+    governor again, in one line, the GPU as it was."""
+    import os
+
+    import dvfs.govern.metrics
+    import dvfs.gpu.safety
+    from dvfs.govern.metrics import ServerSample
+
+    class Server:  # a server running batch 1, which the plan's step sets a clock for
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> Server:
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            pass
+
+        def __call__(self) -> ServerSample:
+            return ServerSample(1, None, None)
+
+    err, _, words = FAULTS[kind]
+    state = tmp_path / "state"
+
+    def unwritable(path: Path, *args: Any, **kwargs: Any) -> None:
+        raise OSError(err, os.strerror(err), str(path))
+
+    monkeypatch.setattr(dvfs.govern.metrics, "ServerReader", Server)
+    monkeypatch.setattr(dvfs.gpu.safety, "write_json_atomic", unwritable)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    before = CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout
+    argv = ["govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0"]
+    argv += ["--max-intervals", "2", "--interval", "0.1", "--listen", "off"]
+    result = CliRunner().invoke(cli, [*argv, "--state-dir", str(state)])
+    says = (str(state), words, "start the governor again")
+    case = Case(f"govern-records-{kind}", argv, code=1, says=says, chatty=True)
+    check_one_clean_error(result, case, {})
+    assert "choose another" not in result.stderr, result.stderr
+    assert CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout == before
+
+
 @pytest.mark.parametrize(
     ("kind", "says"),
     [
