@@ -3438,8 +3438,8 @@ def test_govern_whose_state_records_cannot_be_written_is_not_told_another_state_
     [
         ("read-only", ("{state}:", "read-only file system", "make it writable")),
         ("full-disk", ("{state}:", "no space left", "free space there")),
-        ("immutable-folder", ("{state}:", "operation not permitted")),
-        ("immutable-lock", ("{state}/{uuid}.lock:", "operation not permitted")),
+        ("immutable-folder", ("{state}:", "operation not permitted", "chattr -i")),
+        ("immutable-lock", ("{state}/{uuid}.lock:", "operation not permitted", "chattr -i")),
     ],
 )
 def test_a_cap_apply_dry_run_says_the_apply_would_fail_on_a_state_folder_it_cannot_write(
