@@ -14,6 +14,11 @@ from dvfs.errors import DvfsError
 #: Checks an opened file (its path and `os.fstat`) before a byte is read; raises to refuse it.
 OpenedCheck = Callable[[Path, os.stat_result], None]
 
+#: Why a file nested deeper than the parser's recursion allows (`[[[[...]]]]` 100k deep) is
+#: refused: as invalid as any other damage to it, named by its reader (exit 2), not a fault of
+#: this machine's.
+TOO_DEEP = "nested too deeply to read"
+
 #: The most bytes of a settings file (campaign, caps file, plan, profile) read.
 MAX_SETTINGS_BYTES = 16 << 20
 #: The most bytes of a `dvfs headroom --json` document read: a row (~1.5 KB) per batch, drafter,

@@ -125,6 +125,10 @@ def key_case(id: str, path: str, value: Any, *says: str, **kw: Any) -> Case:
 
 GOOD_TEXT = campaign()
 
+#: A TOML file and a JSON document nested 100k deep: deeper than their parsers recurse.
+DEEP_TOML = "a = " + "[" * 100_000 + "]" * 100_000 + "\n"
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
 CAMPAIGN_FILE_CASES = [
     C(
         "campaign-missing-file",
@@ -1483,6 +1487,45 @@ MORE_CASES = (
             files={"c.toml": GOOD_TEXT, "p.toml": _over_limit("MAX_SETTINGS_BYTES")},
             code=2,
             says=("p.toml", "16 MiB"),
+        ),
+        # nested deeper than the parser recurses: exit 1 "one of c.toml, p.toml is nested too
+        # deeply" (the handler of last resort), not invalid input naming the file, exit 2
+        camp_case("nested-100k-deep", DEEP_TOML, "{tmp}/c.toml:", "nested too deeply"),
+        C(
+            "doctor-nested-100k-deep",
+            ["doctor", "{tmp}/c.toml"],
+            files={"c.toml": DEEP_TOML},
+            code=2,
+            says=("{tmp}/c.toml:", "nested too deeply"),
+        ),
+        caps_case("nested-100k-deep", DEEP_TOML, "{tmp}/caps.toml:", "nested too deeply"),
+        plan_case("nested-100k-deep", DEEP_JSON, "{tmp}/h.json is not JSON", "nested too deeply"),
+        plan_case(
+            "rows-nested-100k-deep",
+            '{"schema": "dvfs.headroom/1", "rows": ' + DEEP_JSON + "}",
+            "{tmp}/h.json is not JSON",
+            "nested too deeply",
+        ),
+        C(
+            "twin-predict-campaign-nested-100k-deep",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": DEEP_TOML, "p.toml": GOOD_TEXT},
+            code=2,
+            says=("{tmp}/c.toml:", "nested too deeply"),
+        ),
+        C(
+            "twin-profile-nested-100k-deep",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": GOOD_TEXT, "p.toml": DEEP_TOML},
+            code=2,
+            says=("{tmp}/p.toml is not a readable TOML profile", "nested too deeply"),
+        ),
+        C(
+            "govern-plan-nested-100k-deep",
+            ["govern", "--plan", "{tmp}/p.toml", "--url", "http://127.0.0.1:9", "--dry-run"],
+            files={"p.toml": DEEP_TOML},
+            code=2,
+            says=("{tmp}/p.toml:", "nested too deeply"),
         ),
         # a named pipe no program writes to: was waited on for ever, the command hung
         camp_case("fifo", Writer(_fifo), "c.toml", "pipe"),
@@ -3156,9 +3199,32 @@ def mixed_fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return made_once(tmp_path_factory, "bad_inputs-mixed-fleet", make) / "fleet"
 
 
+def damaged_model_journal(out: Path, kind: str) -> Path:
+    """The H200's journal of the fleet folder `out` replaced by a FIFO, a folder, a link in a
+    loop or binary garbage; its path."""
+    import os
+
+    [h200] = [p for p in out.glob("gpu-*h200*/journal.jsonl")]
+    h200.unlink()
+    if kind == "fifo":
+        os.mkfifo(h200)
+    elif kind == "directory":
+        h200.mkdir()
+    elif kind == "garbage":
+        h200.write_bytes(binary_bytes())
+    else:
+        h200.symlink_to(h200.name)
+    return h200
+
+
 @pytest.mark.parametrize(
     ("kind", "says"),
-    [("fifo", "no regular file"), ("directory", "is a folder"), ("symlink-loop", "(a loop)")],
+    [
+        ("fifo", "no regular file"),
+        ("directory", "is a folder"),
+        ("symlink-loop", "(a loop)"),
+        ("garbage", "is not a dvfs journal"),
+    ],
 )
 def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
     mixed_fleet: Path, tmp_path: Path, kind: str, says: str
@@ -3167,19 +3233,11 @@ def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
     or a link in a loop, swept again on the other model's GPU alone (a plain `dvfs sweep
     CAMPAIGN --out DIR`: the GPUs left after a node loss): the sweep skipped that journal,
     exit 0, and rewrote the merged cube with the other model alone; `dvfs cube build`, the dry
-    run and the doctor refuse it. It is refused, before any GPU is used, the cube kept."""
-    import os
-
+    run and the doctor refuse it. It is refused, before any GPU is used, the cube kept (and
+    so is binary garbage there)."""
     out = tmp_path / "fleet"
     shutil.copytree(mixed_fleet, out)
-    [h200] = [p for p in out.glob("gpu-*h200*/journal.jsonl")]
-    h200.unlink()
-    if kind == "fifo":
-        os.mkfifo(h200)
-    elif kind == "directory":
-        h200.mkdir()
-    else:
-        h200.symlink_to(h200.name)
+    h200 = damaged_model_journal(out, kind)
     before = (out / "cube.nc").read_bytes()
     result = CliRunner().invoke(
         cli, ["sweep", str(mixed_fleet.parent / "tiny.toml"), "--out", str(out), "--no-progress"]
@@ -3187,6 +3245,37 @@ def test_a_rerun_of_a_fleet_refuses_a_models_journal_that_is_no_file(
     case = Case(f"fleet-model-journal-{kind}", [], code=1, says=(str(h200), says), chatty=True)
     check_one_clean_error(result, case, {})
     assert (out / "cube.nc").read_bytes() == before  # the merged cube of both models kept
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink-loop", "garbage"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["cube", "info", "{out}"],
+        ["headroom", "{out}"],
+        ["report", "{out}", "-o", "{tmp}/r.md"],
+        ["plot", "{out}", "--out", "{tmp}/p"],
+    ],
+)
+def test_the_analyses_of_a_fleet_cube_pass_over_a_models_damaged_journal(
+    mixed_fleet: Path, tmp_path: Path, kind: str, command: list[str]
+) -> None:
+    """`dvfs cube info|headroom|report|plot FLEET`, the merged cube intact but one model's
+    journal binary garbage: refused with the journal's line (exit 1), though the same folder,
+    that journal a FIFO or a folder, was analysed (the journals are read there only to name a
+    model that measured nothing). The cube is analysed either way, and `dvfs cube build`
+    still refuses the journal."""
+    out = tmp_path / "fleet"
+    shutil.copytree(mixed_fleet, out)
+    h200 = damaged_model_journal(out, kind)
+    argv = [a.replace("{out}", str(out)).replace("{tmp}", str(tmp_path)) for a in command]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert str(h200) not in result.stderr  # no model said left out: the cube holds both
+    build = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert build.exit_code == 1, build.output
+    assert str(h200) in build.stderr
 
 
 @pytest.mark.parametrize("kind", ["read-only", "full-disk"])
@@ -3390,3 +3479,154 @@ def test_gpu_reset_defaults_of_a_named_gpu_that_cannot_rewrite_the_caps_record_s
     shown = CliRunner().invoke(cli, ["cap", "show", "--state-dir", str(state)]).stdout
     [gpu1] = [line for line in shown.splitlines() if line.startswith("GPU 1 ")]
     assert "power limit 450 W" in gpu1, shown
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+@pytest.mark.parametrize("given", [False, True])
+def test_govern_in_a_state_folder_it_cannot_write_is_not_told_another_state_dir(
+    fake_nvml: None, tmp_path: Path, kind: str, given: bool
+) -> None:
+    """`dvfs govern` with its state folder (--state-dir DIR, or the default) on a read-only or
+    full disk or a folder it may not write (a GPU's lock cannot be taken): it said "cannot
+    write DIR/GPU-....lock: read-only file system; choose another --state-dir", a folder where
+    `cap show`, sweeps and `gpu reset` would not look, as `cap apply` and `gpu reset` no
+    longer say. It says what mends the folder and to start the governor again, in one line,
+    no GPU changed."""
+    import os
+
+    err, _, words = FAULTS[kind]
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    state = tmp_path / "state" if given else Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    before = CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout
+    argv = ["govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0"]
+    argv += ["--max-intervals", "1", "--interval", "0.1", "--listen", "off"]
+    argv += ["--state-dir", str(state)] if given else []
+    with failing_writes(state, err):
+        result = CliRunner().invoke(cli, argv)
+    says = (str(state), words, "start the governor again", "no GPU was changed")
+    case = Case(f"govern-state-{kind}", argv, code=1, says=says, chatty=True)
+    check_one_clean_error(result, case, {})
+    assert "choose another" not in result.stderr, result.stderr
+    assert CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout == before
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_govern_whose_state_records_cannot_be_written_is_not_told_another_state_dir(
+    fake_nvml: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """`dvfs govern --state-dir DIR`, its GPU locks taken but its records there not written (a
+    disk filled or remounted read-only since): it said "cannot write DIR/governed-GPU-...json:
+    no space left on the device; free space or choose another --state-dir", a folder where
+    `gpu reset` and `cap show` would not look. It says what mends DIR and to start the
+    governor again, in one line, the GPU as it was."""
+    import os
+
+    import dvfs.govern.metrics
+    import dvfs.gpu.safety
+    from dvfs.govern.metrics import ServerSample
+
+    class Server:  # a server running batch 1, which the plan's step sets a clock for
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> Server:
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            pass
+
+        def __call__(self) -> ServerSample:
+            return ServerSample(1, None, None)
+
+    err, _, words = FAULTS[kind]
+    state = tmp_path / "state"
+
+    def unwritable(path: Path, *args: Any, **kwargs: Any) -> None:
+        raise OSError(err, os.strerror(err), str(path))
+
+    monkeypatch.setattr(dvfs.govern.metrics, "ServerReader", Server)
+    monkeypatch.setattr(dvfs.gpu.safety, "write_json_atomic", unwritable)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    before = CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout
+    argv = ["govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0"]
+    argv += ["--max-intervals", "2", "--interval", "0.1", "--listen", "off"]
+    result = CliRunner().invoke(cli, [*argv, "--state-dir", str(state)])
+    says = (str(state), words, "start the governor again")
+    case = Case(f"govern-records-{kind}", argv, code=1, says=says, chatty=True)
+    check_one_clean_error(result, case, {})
+    assert "choose another" not in result.stderr, result.stderr
+    assert CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout == before
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("read-only", ("{state}:", "read-only file system", "make it writable")),
+        ("full-disk", ("{state}:", "no space left", "free space there")),
+        ("immutable-folder", ("{state}:", "operation not permitted", "chattr -i")),
+        ("immutable-lock", ("{state}/{uuid}.lock:", "operation not permitted", "chattr -i")),
+    ],
+)
+def test_a_cap_apply_dry_run_says_the_apply_would_fail_on_a_state_folder_it_cannot_write(
+    fake_nvml: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    says: tuple[str, ...],
+) -> None:
+    """`dvfs cap apply --dry-run` with its state folder on a read-only or full file system, or
+    the folder or a GPU's lock in it immutable (`chattr +i`, which refuses root too): it said
+    "would apply to GPU 0", exit 0, where the apply fails "cannot write ...", exit 1, though a
+    dry run exits as the apply would (README). It says the apply would be refused and what
+    mends the folder, exit 1, in one line, writing nothing there. The faults are seen as
+    the dry run sees them (the file system's flags and counts, the inode's flags), made up
+    here: no mount or `chattr` needed."""
+    import os
+
+    import dvfs.gpu.safety as safety
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    [gpu, *_] = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+    uuid = gpu["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / f"{uuid}.lock").write_text("")
+    real_statvfs = os.statvfs
+    real_flags = getattr(safety, "_inode_flags", lambda path: 0)
+
+    def statvfs(path: Any) -> os.statvfs_result:
+        got = real_statvfs(path)
+        if os.path.abspath(path) != str(state):
+            return got
+        fields = list(got)[:10]  # bsize frsize blocks bfree bavail files ffree favail flag max
+        if kind == "read-only":
+            fields[8] |= os.ST_RDONLY
+        elif kind == "full-disk":
+            fields[2], fields[3], fields[4] = max(fields[2], 1), 0, 0
+        return os.statvfs_result(fields)
+
+    def flags(path: Path) -> int:
+        immutable = {"immutable-folder": state, "immutable-lock": state / f"{uuid}.lock"}
+        return 0x10 if Path(path) == immutable.get(kind) else real_flags(path)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(safety, "_inode_flags", flags, raising=False)  # (the dry run's reader)
+    listing = sorted(p.name for p in state.iterdir())
+    argv = ["cap", "apply", str(caps), "--state-dir", str(state), "--dry-run"]
+    result = CliRunner().invoke(cli, argv)
+    places = {"state": str(state), "uuid": uuid}
+    words = ("dry run, nothing changed: the apply would be refused", *says, "apply the caps again")
+    check_one_clean_error(result, Case(f"cap-dry-run-{kind}", argv, code=1, says=words), places)
+    assert sorted(p.name for p in state.iterdir()) == listing  # nothing written there
+    assert "would apply to" not in result.stdout, result.stdout

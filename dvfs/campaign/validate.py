@@ -443,7 +443,7 @@ def _demo_hint() -> str:
 
 def load_campaign(path: str | Path) -> Campaign:
     """Read and validate a campaign file."""
-    from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
+    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, read_text_limited
 
     path = Path(path)
     try:
@@ -462,6 +462,10 @@ def load_campaign(path: str | Path) -> Campaign:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise CampaignError(f"{path}: not valid TOML: {exc}") from exc
+    except RecursionError as exc:
+        raise CampaignError(
+            f"{path}: not valid TOML: {TOO_DEEP} (a damaged file?); check the file"
+        ) from exc
     if not data:  # else refused for the first setting it lacks, as if the rest were there
         what = "holds no settings, only comments" if text.strip() else "is empty"
         raise CampaignError(

@@ -757,7 +757,12 @@ def _remedy(exc: OSError) -> str:
         return "free space there"
     if exc.errno == errno.EDQUOT:
         return "free space there or raise the disk quota"
-    if exc.errno in (errno.EACCES, errno.EPERM):
+    if exc.errno == errno.EPERM:  # refused whatever the permissions: root too
+        return (
+            "let this user write that folder (check its owner and permissions, and `lsattr "
+            "-d` for an immutable or append-only flag: `chattr -i -a` clears it)"
+        )
+    if exc.errno == errno.EACCES:
         return "let this user write that folder (check its owner and permissions)"
     if exc.errno == errno.EROFS:
         return "its file system is mounted read-only: make it writable"

@@ -296,7 +296,7 @@ def load_caps(path: str | Path) -> CapsFile:
     path = Path(path)
     if not path.exists():
         raise CapsError(f"caps file {path} does not exist")
-    from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
+    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, read_text_limited
 
     try:
         data = tomllib.loads(
@@ -304,6 +304,10 @@ def load_caps(path: str | Path) -> CapsFile:
         )
     except tomllib.TOMLDecodeError as exc:
         raise CapsError(f"{path}: not valid TOML: {exc}") from exc
+    except RecursionError as exc:
+        raise CapsError(
+            f"{path}: not valid TOML: {TOO_DEEP} (a damaged file?); check the file"
+        ) from exc
     except UnicodeDecodeError as exc:
         raise CapsError(f"{path}: not a caps file (not UTF-8 text: {exc.reason})") from exc
     return parse_caps(data, where=str(path))

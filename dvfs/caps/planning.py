@@ -25,14 +25,15 @@ if TYPE_CHECKING:
 
 def load_headroom(path: Path) -> Any:
     """A `dvfs headroom --json` document from a file (`plan_caps` checks its shape)."""
-    from dvfs.inputs import MAX_DOCUMENT_BYTES, read_text_limited
+    from dvfs.inputs import MAX_DOCUMENT_BYTES, TOO_DEEP, read_text_limited
 
     try:
         text = read_text_limited(path, MAX_DOCUMENT_BYTES, CapsError, "headroom document")
         return json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
+        why = TOO_DEEP if isinstance(exc, RecursionError) else exc
         raise CapsError(
-            f"{path} is not JSON ({exc}); write it with `dvfs headroom CUBE --json -o FILE`"
+            f"{path} is not JSON ({why}); write it with `dvfs headroom CUBE --json -o FILE`"
         ) from exc
 
 

@@ -593,11 +593,13 @@ def _refuse_as_the_apply_would(
 ) -> None:
     """A dry run exits as the apply would: refused (exit 3) for a GPU another dvfs holds or
     one holding an earlier run's unrestored changes, and (exit 1) for a folder in the place of
-    the caps record's lock, read without taking or changing anything."""
+    the caps record's lock or a state folder the apply cannot write (read-only, full,
+    immutable), read without taking or changing anything."""
     from dvfs.caps import AppliedCaps
+    from dvfs.caps.actuation import state_file_problem
     from dvfs.cli.common import describe_os_error
     from dvfs.errors import CapsRecordError, GpuLockFileError, GpuStateError
-    from dvfs.gpu.safety import GpuLocks, StateStore
+    from dvfs.gpu.safety import GpuLocks, StateStore, state_folder_unwritable
 
     wanted = {a.uuid for a in actions}
     targets = [g for g in gpus if g.identity.uuid in wanted]
@@ -615,12 +617,24 @@ def _refuse_as_the_apply_would(
     except GpuStateError as exc:
         raise GpuStateError(prefix + str(exc)) from exc
     if actions:  # as `apply_actions` refuses it, before any GPU is changed
+        record = AppliedCaps(directory)
         try:
-            AppliedCaps(directory).refuse_a_folder_lock()
+            record.refuse_a_folder_lock()
         except CapsRecordError as exc:
             raise CapsRecordError(prefix + str(exc)) from exc
         except OSError as exc:  # in the apply's words (`describe_os_error`)
             raise CapsRecordError(prefix + describe_os_error(exc)) from exc
+        # A state folder the apply cannot write (read-only, full, immutable) fails it, exit 1,
+        # before any GPU is capped: said so, with the apply's way on
+        files = [
+            *(directory / f"{g.identity.uuid}.lock" for g in targets),
+            record.path,
+            record.path.with_name(f"{record.path.name}.lock"),
+        ]
+        unwritable = state_folder_unwritable(directory, files)
+        if unwritable is not None:
+            line = state_file_problem(unwritable) or describe_os_error(unwritable)
+            raise CapsRecordError(f"{prefix}{line}, then apply the caps again")
 
 
 @cap.command("show")

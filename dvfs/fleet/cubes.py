@@ -35,18 +35,31 @@ def cube_journals(out_dir: Path) -> list[Path]:
     return [p for p in found if os.path.lexists(p) and (not p.is_file() or has_sessions(p))]
 
 
-def unmeasured_journals(out_dir: Path) -> list[Path]:
+def unmeasured_journals(out_dir: Path, *, passing_damaged: bool = False) -> list[Path]:
     """The GPU models' journals `cube_journals` leaves out of `out_dir`'s cube: files that hold
     no session yet (empty, or a header alone: nothing measured on that model), and a model
     folder's journal that is missing (moved or deleted: the sweep measures that model again),
     for the line that says so, else the cube reads as the whole campaign. Empty where the
-    folder has its own journal (the models' are not read)."""
+    folder has its own journal (the models' are not read). `passing_damaged`: a journal that
+    cannot be read (binary garbage, unreadable) is passed over, as one that is no regular file
+    (a folder, a FIFO) is, not refused: for an analysis of the intact cube, whose journals
+    `dvfs sweep` and `dvfs cube build` refuse with the line that says what to do."""
+    from dvfs.errors import JournalError
     from dvfs.measure.journal import JOURNAL_NAME
+
+    def unmeasured(journal: Path) -> bool:
+        if not os.path.lexists(journal):
+            return True
+        try:
+            return journal.is_file() and not has_sessions(journal)
+        except (JournalError, OSError):
+            if passing_damaged:
+                return False
+            raise
 
     if os.path.lexists(out_dir / JOURNAL_NAME):
         return []
-    found = model_folder_journals(out_dir)
-    return [p for p in found if not os.path.lexists(p) or (p.is_file() and not has_sessions(p))]
+    return [p for p in model_folder_journals(out_dir) if unmeasured(p)]
 
 
 def left_out_of(cube_path: Path, cube: xr.Dataset) -> list[Path]:
@@ -59,10 +72,14 @@ def left_out_of(cube_path: Path, cube: xr.Dataset) -> list[Path]:
     from dvfs.cube import CUBE_NAME
     from dvfs.fleet.folders import model_folder
 
+    # a model's damaged journal is passed over: the cube is intact, and `dvfs sweep` and
+    # `dvfs cube build` refuse the journal with the line that says what to do
     if cube_path.is_dir():
-        found = unmeasured_journals(cube_path)
+        found = unmeasured_journals(cube_path, passing_damaged=True)
+    elif cube_path.name == CUBE_NAME:
+        found = unmeasured_journals(cube_path.parent, passing_damaged=True)
     else:
-        found = unmeasured_journals(cube_path.parent) if cube_path.name == CUBE_NAME else []
+        found = []
     if not found:
         return []
     held = {model_folder(model) for model in cube_models(cube)}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dvfs.caps.actuation import GovernorLocks, LockInForce
-from dvfs.errors import CapsError, GpuError, GpuNotSupportedError, GpuUnavailableError
+from dvfs.errors import CapsError, DvfsError, GpuError, GpuNotSupportedError, GpuUnavailableError
 from dvfs.govern.exporter import GpuRow, LiveMetrics, Snapshot
 from dvfs.govern.metrics import (
     GpuReading,
@@ -543,12 +544,24 @@ class Ticker:
 @contextlib.contextmanager
 def guarded(gpus: Sequence[Gpu], state_dir: Path) -> Iterator[KnobController]:
     """The safety layer around a governor run (see the module docstring)."""
-    from dvfs.caps.actuation import AppliedCaps
+    from dvfs.caps.actuation import AppliedCaps, state_file_problem
+    from dvfs.errors import GpuLockFileError
     from dvfs.gpu.safety import GpuLocks, StateStore
 
     store = StateStore(state_dir, command="govern")
     record = GovernorLocks(state_dir)
-    with GpuLocks(state_dir).hold(gpus):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(GpuLocks(state_dir).hold(gpus))
+        except OSError as exc:  # before any GPU is changed: never "choose another --state-dir",
+            # where `cap show`, sweeps and `gpu reset` would not look, nor another dvfs's
+            # locks keep it off these GPUs
+            line = state_file_problem(exc)
+            if line is None:
+                raise
+            raise GpuLockFileError(
+                f"{line}, then start the governor again (no GPU was changed)"
+            ) from exc
         store.refuse_if_pending(gpus)
         for gpu in gpus:  # no unrestored change, no governor: a record left is stale
             record.clear(gpu.identity.uuid)
@@ -720,7 +733,28 @@ def govern(
         raise GpuSilentError(
             _stopped_line(stopped, exc, gpus, held[0] if held else None), stopped.silent
         ) from exc
+    except OSError as exc:
+        # A record of the state folder that cannot be written (a disk filled, remounted
+        # read-only since the locks were taken), the GPUs put back on the way out: the folder
+        # to mend, never "choose another --state-dir", where `gpu reset` would not look
+        fault = _state_folder_fault(exc, state_dir)
+        if fault is None:
+            raise
+        raise DvfsError(f"{fault}, then start the governor again") from exc
     return changes
+
+
+def _state_folder_fault(exc: OSError, state_dir: Path | None) -> str | None:
+    """`state_file_problem`'s line for `exc` where it is a write to a file of `state_dir`
+    failing, else None."""
+    from dvfs.caps.actuation import state_file_problem
+
+    if state_dir is None or not exc.filename:
+        return None
+    path = Path(os.fsdecode(exc.filename)).absolute()
+    if not path.is_relative_to(state_dir.absolute()):
+        return None
+    return state_file_problem(exc)
 
 
 def _held(state: PolicyState) -> str:

@@ -278,7 +278,7 @@ def load_plan(path: str | Path) -> BatchPlan:
             f"per-batch plan {path} is {what}, not a regular file: give the file "
             "`dvfs cap plan HEADROOM_JSON --per-batch` wrote"
         )
-    from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
+    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, read_text_limited
 
     try:  # as root, the plan sets GPU caps as a caps file does: checked as one, once open
         data = tomllib.loads(
@@ -288,6 +288,10 @@ def load_plan(path: str | Path) -> BatchPlan:
         )
     except tomllib.TOMLDecodeError as exc:
         raise CapsError(f"{path}: not valid TOML: {exc}") from exc
+    except RecursionError as exc:
+        raise CapsError(
+            f"{path}: not valid TOML: {TOO_DEEP} (a damaged file?); check the file"
+        ) from exc
     except UnicodeDecodeError as exc:
         raise CapsError(f"{path}: not a per-batch plan (not UTF-8 text: {exc.reason})") from exc
     return parse_plan(data, where=str(path))

@@ -268,6 +268,59 @@ def record_problem(exc: Exception) -> str:
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
+#: `FS_IOC_GETFLAGS` (Linux, `_IOR('f', 1, long)`) and the inode flags that refuse a write
+#: even to root: immutable (`chattr +i`), and append-only (`chattr +a`) for a file rewritten.
+_GETFLAGS = 0x80086601
+_IMMUTABLE_FL, _APPEND_FL = 0x10, 0x20
+
+
+def _inode_flags(path: Path) -> int:
+    """`path`'s inode flags (`lsattr`), 0 where they cannot be read (not there, another file
+    system's, no such call): a write then says what is wrong itself."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return 0
+    try:
+        buf = fcntl.ioctl(fd, _GETFLAGS, b"\0" * 8)
+    except (OSError, ValueError):
+        return 0
+    finally:
+        os.close(fd)
+    return int.from_bytes(buf[:4], "little")
+
+
+def state_folder_unwritable(directory: Path, files: Sequence[Path] = ()) -> OSError | None:
+    """Why a command that writes dvfs's state folder `directory` (`files` in it: a GPU's lock,
+    the caps record and its lock) would fail to, found without creating or changing anything,
+    for a dry run to refuse as the command would: a read-only file system (EROFS), a full one
+    (ENOSPC: no block or inode free, root's reserve included), an immutable folder or file
+    (EPERM: `chattr +i`, which refuses root too). None where none is seen; permissions are not
+    judged (the dry run needs no root, the command it previews runs as root), nor a folder
+    that cannot be reached (its readers say so)."""
+    probe = directory
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent  # a folder the command makes: where it would make it
+    if not probe.is_dir():
+        return None
+    try:
+        fs = os.statvfs(probe)
+    except OSError:
+        return None
+    code, where = 0, directory
+    if fs.f_flag & os.ST_RDONLY:
+        code = errno.EROFS
+    elif (fs.f_blocks and not fs.f_bfree) or (fs.f_files and not fs.f_ffree):
+        code = errno.ENOSPC
+    elif _inode_flags(probe) & _IMMUTABLE_FL:
+        code, where = errno.EPERM, probe
+    else:
+        refused = [f for f in files if _inode_flags(f) & (_IMMUTABLE_FL | _APPEND_FL)]
+        if refused:
+            code, where = errno.EPERM, refused[0]
+    return OSError(code, os.strerror(code), str(where)) if code else None
+
+
 def state_folder_problem(directory: Path) -> str | None:
     """Why the state folder `directory` cannot be reached (a file where a folder of its path
     should be, a link in a loop), in one line saying what to do, or None (it is there, or

@@ -510,7 +510,7 @@ def load_profile(path: Path) -> GpuProfile:
     """The GPU profile of a file `profile_toml` wrote (one `[gpu.<key>]` table)."""
     import tomllib
 
-    from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
+    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, read_text_limited
 
     try:
         data = tomllib.loads(
@@ -518,6 +518,8 @@ def load_profile(path: Path) -> GpuProfile:
         )
     except (OSError, ValueError) as exc:
         raise CampaignError(f"{path} is not a readable TOML profile ({exc})") from exc
+    except RecursionError as exc:
+        raise CampaignError(f"{path} is not a readable TOML profile ({TOO_DEEP})") from exc
     tables = data.get("gpu")
     if not isinstance(tables, dict) or len(tables) != 1:
         raise CampaignError(f"{path} holds no single [gpu.<name>] table (a `dvfs twin fit` file)")
