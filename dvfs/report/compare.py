@@ -48,6 +48,12 @@ EDGES = {
     "drafter": "equal_latency_drafter_at_grid_edge",
     "baseline": "equal_latency_baseline_at_grid_edge",
 }
+#: Each knob, and its flag for a setting at equal latency (either arm's) at the grid's lowest
+#: value of it, above the GPU's lowest: the knob the grid-edge note says to extend.
+KNOB_EDGES = {
+    "knobs.sm_clock": "equal_latency_sm_clock_at_grid_edge",
+    "knobs.power_limit": "equal_latency_power_limit_at_grid_edge",
+}
 
 
 def compare_document(
@@ -94,7 +100,7 @@ def compare_document(
                 **_paired(cmp, at, "equal_latency"),
                 **{
                     name: bool(cmp[name].sel(at).fillna(0))  # NaN: a merged cube's gap
-                    for name in EDGES.values()
+                    for name in (*EDGES.values(), *KNOB_EDGES.values())
                     if name in cmp  # absent from an older result
                 },
                 **(
@@ -281,12 +287,14 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
         )
     edge = [r for r in doc["rows"] if edge_arms(r)]
     if edge:
+        # the knobs the edge rows are at the edge of (either, from a result without them)
+        knobs = [k for k, name in KNOB_EDGES.items() if any(r.get(name, True) for r in edge)]
         notes.append(
             f"grid edge: in {len(edge)} of {len(doc['rows'])} rows a setting at equal latency "
             "is the lowest clock or power limit swept "
             f"({named_rows(edge, lambda r: ', '.join(edge_arms(r)))}); a setting below the "
             "grid might spend less, so the drafter's ratio may be lower (the baseline's: "
-            "higher): extend knobs.sm_clock or knobs.power_limit downward to find it"
+            f"higher): extend {' or '.join(knobs)} downward to find it"
         )
     mixed = [r for r in doc["rows"] if r.get("different_gpus")]
     if mixed:
