@@ -279,3 +279,26 @@ def test_too_few_prompts_are_caught_before_anything_runs(tmp_path: Path) -> None
         line = " ".join(said.output.split())
         assert said.exit_code == 2 and "needs 500" in line, said.output
         assert "Lower workload.pool_size" in line and "Lower the batch sizes" not in line
+
+
+def test_compare_keeps_the_accept_length_row_of_a_drafter_with_no_valid_cell(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """The small sweep with every cell of its only speculative drafter (eagle3) flagged: the
+    accept-length table vanished unsaid. It keeps eagle3's row ("-" per corpus), as the
+    acceptance figure does, and a note says why; the JSON names the drafter."""
+    from dvfs.cube import open_analysable, write_cube
+
+    cube = open_analysable(small_sweep).load()
+    cube["valid"] = cube["valid"].where(cube["drafter"] != "eagle3", 0)
+    path = write_cube(cube, tmp_path / "flagged.nc")
+    doc = json.loads(run("compare", str(path), "--json").output)
+    assert doc["acceptance"] == [] and doc["acceptance_no_valid_cell"] == ["eagle3"]
+    markdown = run("compare", str(path), "--markdown").output
+    table = markdown.split("### Mean accept length", 1)[1].split("###", 1)[0]
+    assert "| eagle3 | - | - |" in table, table
+    assert "'eagle3' has no valid cell, so no accept length" in " ".join(markdown.split())
+    assert (
+        json.loads(run("compare", str(small_sweep), "--json").output)["acceptance_no_valid_cell"]
+        == []
+    )

@@ -5,12 +5,13 @@ showing one of them, this fails and the README's "Findings on the twin" is wrong
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import made_once, replace_block, write
+from conftest import SMALL_EXACT, made_once, replace_block, write
 
 from dvfs.cli import cli
 from dvfs.cube.files import open_cube
@@ -166,3 +167,31 @@ def test_energy_alike_in_every_group_is_said_once_not_as_a_range() -> None:
     said = energy_finding(document, ()).headline
     assert "energy per token is 2.68 J in all 2 (batch, drafter, corpus) groups." in said
     assert "ranges" not in said
+
+
+#: SMALL_EXACT at one SM clock and one power limit: nothing swept.
+NOTHING_SWEPT = replace_block(
+    replace_block(
+        SMALL_EXACT,
+        "sm_clock = [1980, 1500, 1005]\npower_limit = [700, 300]",
+        "sm_clock = [1980]\npower_limit = [700]",
+    ),
+    'name = "small"',
+    'name = "flat"',
+)
+
+
+@pytest.mark.usefixtures("unsaved_figures")
+def test_a_report_of_a_cube_with_nothing_swept_says_so(
+    shared_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A cube of one SM clock and one power limit measures no setting below stock: the
+    report's headroom finding said "0 of 8 (batch, drafter, corpus) groups save energy",
+    which reads as a finding that none saves; it says nothing was swept."""
+    out = shared_run(NOTHING_SWEPT, "one")
+    report = tmp_path / "r.md"
+    result = CliRunner().invoke(cli, ["report", str(out), "-o", str(report)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(report.read_text(encoding="utf-8").replace("\\_", "_").split())
+    assert "Nothing was swept (the cube has one SM clock and one power limit)" in text, text
+    assert "groups save energy" not in text

@@ -181,3 +181,36 @@ def test_a_floor_above_the_grids_lowest_limit_is_not_this_grids(
     doc = json.loads(run("headroom", str(in_mw), *args, "--json").output)
     assert [row["headroom_w_is_lower_bound"] for row in doc["rows"]] == edges
     assert EXTEND in run("headroom", str(in_mw), *args).output
+
+
+def _edge_note(out: Path) -> str:
+    notes = [line for line in run("compare", str(out)).output.splitlines() if "grid edge:" in line]
+    assert len(notes) == 1, notes
+    return notes[0]
+
+
+def test_compare_names_only_the_knob_the_grid_cut_off(
+    small_sweep: Path, shared_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """`dvfs compare`'s grid-edge note says to extend only the knob a setting at equal latency
+    is at the lowest swept value of, above the GPU's floor: the small sweep's drafter is at the
+    lowest clock (1005 MHz) but at 700 W, not its lowest limit; FLOOR's is at the lowest limit
+    (200 W), which is no edge on an H100 (its floor) but is on a GPU that allows 100 W. It said
+    "extend knobs.sm_clock or knobs.power_limit downward" for each."""
+    note = _edge_note(small_sweep)
+    assert note.endswith("extend knobs.sm_clock downward to find it"), note
+    assert "power_limit" not in note
+    doc = json.loads(run("compare", str(small_sweep), "--json").output)
+    edge = [r for r in doc["rows"] if r["equal_latency_drafter_at_grid_edge"]]
+    assert edge and all(r["equal_latency_sm_clock_at_grid_edge"] for r in edge)
+    assert not any(r["equal_latency_power_limit_at_grid_edge"] for r in doc["rows"])
+
+    out = shared_run(FLOOR, "one")
+    assert "grid edge" not in run("compare", str(out)).output
+    lower = write_cube(
+        open_analysable(out).load().assign_attrs(power_limit_range_w=[100.0, 700.0, 700.0]),
+        tmp_path / "lower.nc",
+    )
+    note = _edge_note(lower)
+    assert note.endswith("extend knobs.power_limit downward to find it"), note
+    assert "sm_clock" not in note

@@ -1222,3 +1222,23 @@ def test_the_reports_comparison_is_dvfs_compare_at_its_confidence(
     assert tables(section) == tables(compared.stdout)
     at_95 = run("compare", str(small_sweep), "--markdown")
     assert tables(at_95.stdout) != tables(compared.stdout)  # the level changes the intervals
+
+
+@pytest.mark.usefixtures("unsaved_figures")
+def test_two_markdown_pages_of_one_stem_keep_their_figures_apart(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """`-o r.md` and `-o r.html --format md` in one folder: both pages put their figures in
+    r_figures/, so the later overwrote the figures the earlier still linked to. r.md's stay in
+    r_figures/ (as documented), the other's go in r.html_figures/."""
+    runner = CliRunner()
+    for name, extra in (("r.md", ()), ("r.html", ("--format", "md"))):
+        args = ["report", str(small_sweep), "-o", str(tmp_path / name), *extra]
+        result = runner.invoke(cli, args)
+        assert result.exit_code == 0, result.output
+    md, other = ((tmp_path / n).read_text(encoding="utf-8") for n in ("r.md", "r.html"))
+    assert "](r_figures/" in md and "r.html_figures/" not in md
+    assert "](r.html_figures/" in other and "](r_figures/" not in other
+    mine = {p.name for p in (tmp_path / "r_figures").iterdir()}
+    theirs = {p.name for p in (tmp_path / "r.html_figures").iterdir()}
+    assert mine and mine == theirs

@@ -121,3 +121,37 @@ def test_few_samples_advice_clears_the_flag_when_followed(tmp_path: Path) -> Non
     assert flags(longer_window, "window").get("few_samples") == 4  # the window alone: no help
     both = replace_block(longer_window, "output_tokens = 2", "output_tokens = 64")
     assert "few_samples" not in flags(both, "both")
+
+
+def test_a_shards_cube_of_only_invalid_cells_says_to_sweep_each_shard_again_and_merge(
+    tmp_path: Path,
+) -> None:
+    """A shard's cube whose own cells were all measured and flagged was refused with the
+    generic "... then rerun `dvfs sweep`" (its other shards' cells count as missing there),
+    which measures none of them again; and the cube merged from the shards, with every cell
+    flagged, was told to sweep again with --fresh but not to merge again. Each now says to
+    sweep every shard again with --fresh and merge them again."""
+    campaign = write(tmp_path / "short.toml", TWO_TOKENS)
+    runner = CliRunner()
+    shards = []
+    for label in ("0/2", "1/2"):
+        out = tmp_path / f"s{label[0]}"
+        sweep = ["sweep", str(campaign), "--shard", label, "--out", str(out), "--no-progress"]
+        assert runner.invoke(cli, sweep).exit_code == 0
+        shards.append(str(out))
+    merged = tmp_path / "merged.nc"
+    assert runner.invoke(cli, ["cube", "merge", *shards, "-o", str(merged)]).exit_code == 0
+
+    refused = runner.invoke(cli, ["headroom", shards[0]])
+    assert refused.exit_code == 1, refused.output
+    said = " ".join(refused.output.split())
+    assert "every one of shard 0/2's own cells was measured and flagged invalid" in said, said
+    assert "`dvfs sweep CAMPAIGN --shard I/2` again with --fresh" in said, said
+    assert "`dvfs cube merge SHARD_DIRS -o cube.nc`" in said and "rerun" not in said, said
+
+    refused = runner.invoke(cli, ["compare", str(merged)])
+    assert refused.exit_code == 1, refused.output
+    said = " ".join(refused.output.split())
+    assert "every cell was measured and flagged invalid" in said, said
+    assert f"--shard 0/2 --out {shards[0]}, --shard 1/2 --out {shards[1]}" in said, said
+    assert "again with --fresh" in said and "`dvfs cube merge` them again" in said, said

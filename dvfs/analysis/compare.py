@@ -487,14 +487,28 @@ def compare(
     # move (lower for the drafter's, higher for the baseline's) once the grid is extended.
     has_ratio = np.isfinite(by_latency.ratio)
     drafter_edge = drafter_best["chosen_at_grid_edge"].astype(bool).transpose(*GROUPS).values
-    baseline_edge = (
-        baseline_best["chosen_at_grid_edge"]
-        .astype(bool)
-        .sel(drafter=baseline, drop=True)
-        .broadcast_like(drafter_best["chosen_at_grid_edge"])
-        .transpose(*GROUPS)
-        .values
-    )
+
+    def baseline_flag(name: str) -> np.ndarray:
+        return (
+            baseline_best[name]
+            .astype(bool)
+            .sel(drafter=baseline, drop=True)
+            .broadcast_like(drafter_best[name])
+            .transpose(*GROUPS)
+            .values
+        )
+
+    baseline_edge = baseline_flag("chosen_at_grid_edge")
+    # Which knob either arm's setting is at the edge of: only one that can go lower (a clock
+    # or power limit at the GPU's floor is no edge), so the note names only what to extend.
+    knob_edges = {
+        knob: (drafter_best[name].astype(bool).transpose(*GROUPS).values | baseline_flag(name))
+        & has_ratio
+        for knob, name in (
+            ("sm_clock", "chosen_at_clock_edge"),
+            ("power_limit", "chosen_at_limit_edge"),
+        )
+    }
     # Not within target, yet the fastest setting's mean latency met it: only its bound at the
     # confidence asked did not (too few or too noisy repeats), so the drafter is not "too slow".
     point_within = not_within & (
@@ -544,6 +558,18 @@ def compare(
             units="1",
             long_name="the baseline's setting at equal latency is the lowest clock or power "
             "limit swept: one below the grid might spend less (the ratio may be higher)",
+        ),
+        "equal_latency_sm_clock_at_grid_edge": grouped(
+            knob_edges["sm_clock"],
+            units="1",
+            long_name="a setting at equal latency (either arm's) is at the lowest clock swept, "
+            "above the GPU's lowest: extend knobs.sm_clock downward",
+        ),
+        "equal_latency_power_limit_at_grid_edge": grouped(
+            knob_edges["power_limit"],
+            units="1",
+            long_name="a setting at equal latency (either arm's) is at the lowest power limit "
+            "swept, above the GPU's lowest: extend knobs.power_limit downward",
         ),
         "equal_latency_mean_within_target": grouped(
             point_within,

@@ -684,6 +684,8 @@ def headroom(
             "headroom_mhz_is_lower_bound",
             "headroom_w_is_lower_bound",
             "chosen_at_grid_edge",
+            "chosen_at_clock_edge",
+            "chosen_at_limit_edge",
             "headroom_mhz_unmeasured_below",
             "headroom_w_unmeasured_below",
             "chosen_unmeasured_below",
@@ -841,9 +843,12 @@ def headroom(
         edge["headroom_w_is_lower_bound"][idx] = (
             limit_free and lowest_limit <= bottom_limit and not limit_open
         )
-        edge["chosen_at_grid_edge"][idx] = not chosen_open and (
-            (clock_free and clock <= bottom_clock) or (limit_free and limit <= bottom_limit)
-        )
+        # which knob the grid cut off: only one that can go lower (not at the GPU's floor)
+        clock_edge = not chosen_open and clock_free and clock <= bottom_clock
+        limit_edge = not chosen_open and limit_free and limit <= bottom_limit
+        edge["chosen_at_clock_edge"][idx] = clock_edge
+        edge["chosen_at_limit_edge"][idx] = limit_edge
+        edge["chosen_at_grid_edge"][idx] = clock_edge or limit_edge
         # The GPUs behind the two answers (chosen and lowest feasible) and behind the
         # reference they are judged against; an absolute SLO has no reference to pair with.
         answers = sorted(
@@ -1089,6 +1094,10 @@ def headroom(
         "power headroom is at least headroom_w (the grid cuts it off)",
         "chosen_at_grid_edge": "the chosen setting is at the lowest clock or power limit "
         "evaluated: a setting below the grid might save more energy",
+        "chosen_at_clock_edge": "the chosen setting is at the lowest clock evaluated, above "
+        "the GPU's lowest: a clock below the grid might save more energy",
+        "chosen_at_limit_edge": "the chosen setting is at the lowest power limit evaluated, "
+        "above the GPU's lowest: a power limit below the grid might save more energy",
     }
     for name, text in edge_names.items():
         data_vars[name] = (dims, edge[name], {"units": "1", "long_name": text})

@@ -66,6 +66,14 @@ def write_atomically(path: Path, data: bytes) -> None:
     write_bytes(path, data)
 
 
+def figures_folder(output: Path) -> str:
+    """The folder a Markdown page's figures go in, beside it: report.md's in report_figures/,
+    a page of another name's in NAME_figures/ (report.html_figures/ for `-o report.html
+    --format md`): named by the stem alone, report.md's and report.html's figures shared one
+    folder, and the later page's overwrote the earlier's, which still linked to them."""
+    return f"{output.stem if output.suffix == '.md' else output.name}_figures"
+
+
 def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
     """A Markdown page and its figures (`files`: paths relative to the page's folder). Each
     figure is written first to a hidden file in its own folder (made where missing), the page
@@ -157,7 +165,8 @@ def _figures(cube: object, options: ReportOptions) -> list[tuple[str, bytes]]:
     "--output",
     type=OutputFile("report.html"),
     required=True,
-    help="The report file (report.html, or report.md with its figures in report_figures/).",
+    help="The report file (report.html, or report.md with its figures in report_figures/; "
+    "a Markdown page of another name, NAME, has them in NAME_figures/).",
 )
 @click.option(
     "--format",
@@ -251,6 +260,6 @@ def report(
     if fmt == "html":
         write_atomically(output, render_html(document).encode("utf-8"))
     else:
-        text, files = render_markdown(document, f"{output.stem}_figures")
+        text, files = render_markdown(document, figures_folder(output))
         write_markdown(output, text, files)
     click.echo(f"wrote {output}", err=stream)  # not after the page in the same stream

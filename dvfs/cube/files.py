@@ -254,6 +254,62 @@ def open_cube(path: str | Path) -> xr.Dataset:
     return check_cube(loaded, where=str(path), hint=_rebuild_hint(path))
 
 
+def _nothing_valid(path: Path, ds: xr.Dataset) -> str:
+    """The refusal of a cube with no valid measured cell, with what measures one: where every
+    cell (a shard's cube: every one of its own) was measured and flagged, a rerun measures
+    none of them again, so the campaign changes and the sweep (each shard's, each merged
+    sweep's) starts over with --fresh, and a merged cube is merged again."""
+    from dvfs.cube.info import _shard_cells, resume_advice, shards_of
+
+    shards = shards_of(ds)
+    measured = None
+    if "cell_status" in ds:
+        measured = np.asarray(ds["cell_status"].values == STATUS_OK, dtype=bool)
+        if shards.get("shard"):
+            own = _shard_cells(ds)  # the other shards' cells are missing here, not left
+            measured = measured[own] if own is not None and own.any() else None
+    if measured is not None and bool(measured.all()):
+        # every cell measured and flagged: a rerun measures none of them again
+        what = "every cell was measured and flagged invalid"
+        fresh = (
+            "again with --fresh or into another --out folder (without --fresh it measures no "
+            "cell again)"
+        )
+        if shards.get("shard"):
+            label = str(shards["shard"])
+            what = (
+                f"every one of shard {label}'s own cells was measured and flagged invalid; the "
+                "other shards' cells are not in this cube"
+            )
+            again = (
+                f"run each shard's `dvfs sweep CAMPAIGN --shard I/{label.rpartition('/')[2]}` "
+                f"{fresh}, then merge them again (`dvfs cube merge SHARD_DIRS -o cube.nc`)"
+            )
+        elif shards.get("merged_shards"):
+            merged = shards["merged_shards"]
+            each = ", ".join(f"--shard {lab} --out {folder}" for folder, lab in merged.items())
+            again = (
+                f"run each shard's `dvfs sweep CAMPAIGN --shard I/N --out SHARD_DIR` ({each}) "
+                f"{fresh}, then `dvfs cube merge` them again (this cube is merged from them)"
+            )
+        elif shards.get("merged_cubes"):
+            again = (
+                f"run each sweep's `dvfs sweep` command ({', '.join(shards['merged_cubes'])}) "
+                f"{fresh}, then `dvfs cube merge` them again (this cube is merged from them)"
+            )
+        else:
+            again = f"run `dvfs sweep` {fresh}"
+        return (
+            f"{path} has no valid measured cell ({what}): nothing to analyse; change the "
+            f"campaign as `dvfs cube info` advises for its flags, then {again}"
+        )
+    then = resume_advice("the cells left", shards) if shards else "rerun `dvfs sweep`"
+    return (
+        f"{path} has no valid measured cell (every cell is missing, failed or flagged "
+        f"invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then {then}"
+    )
+
+
 def open_analysable(path: str | Path) -> xr.Dataset:
     """The cube at `path` (a cube file or a sweep folder holding cube.nc), refused in one line
     when it holds no valid measured cell: an analysis would otherwise answer from nothing."""
@@ -272,19 +328,7 @@ def open_analysable(path: str | Path) -> xr.Dataset:
     if "cell_status" in ds:
         valid = valid & (variables["cell_status"] == 1)
     if not bool(valid.any()):
-        if "cell_status" in ds and bool((variables["cell_status"] == STATUS_OK).all()):
-            # every cell measured and flagged: a rerun measures none of them again
-            raise CubeError(
-                f"{path} has no valid measured cell (every cell was measured and flagged "
-                "invalid): nothing to analyse; change the campaign as `dvfs cube info` advises "
-                "for its flags, then run `dvfs sweep` again with --fresh or into another --out "
-                "folder (without --fresh it measures no cell again)"
-            )
-        raise CubeError(
-            f"{path} has no valid measured cell (every cell is missing, failed or flagged "
-            "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "
-            "rerun `dvfs sweep`"
-        )
+        raise CubeError(_nothing_valid(path, ds))
     served = arm_differences(ds)
     if served:
         more = f" (and {len(served) - 3} more)" if len(served) > 3 else ""

@@ -48,6 +48,12 @@ EDGES = {
     "drafter": "equal_latency_drafter_at_grid_edge",
     "baseline": "equal_latency_baseline_at_grid_edge",
 }
+#: Each knob, and its flag for a setting at equal latency (either arm's) at the grid's lowest
+#: value of it, above the GPU's lowest: the knob the grid-edge note says to extend.
+KNOB_EDGES = {
+    "knobs.sm_clock": "equal_latency_sm_clock_at_grid_edge",
+    "knobs.power_limit": "equal_latency_power_limit_at_grid_edge",
+}
 
 
 def compare_document(
@@ -94,7 +100,7 @@ def compare_document(
                 **_paired(cmp, at, "equal_latency"),
                 **{
                     name: bool(cmp[name].sel(at).fillna(0))  # NaN: a merged cube's gap
-                    for name in EDGES.values()
+                    for name in (*EDGES.values(), *KNOB_EDGES.values())
                     if name in cmp  # absent from an older result
                 },
                 **(
@@ -152,6 +158,8 @@ def compare_document(
         "rows": rows,
         "break_even_batch": break_even,
         "acceptance": acceptance,
+        # speculative drafters with no valid cell: no accept length, named rather than left out
+        "acceptance_no_valid_cell": _no_valid_cell(cmp, cube, baseline),
         "coverage": coverage(cube),
         **shards_of(cube),
         **models_left(cube),  # the GPU models a fleet's cells left are on, if some only
@@ -164,6 +172,26 @@ def compare_document(
     if roofs and roofline_left_out:
         doc["roofline_left_out"] = list(roofline_left_out)
     return doc
+
+
+def _no_valid_cell(cmp: xr.Dataset, cube: xr.Dataset, baseline: str) -> list[str]:
+    """The drafters besides the baseline that speculate (as far as the cube's campaign says)
+    and have no valid cell at all, so no accept length: the accept-length table keeps their
+    row, as the acceptance figure does, rather than leaving them (or the whole table, where
+    one is the only speculative drafter) out unsaid. None for a cube without accept lengths."""
+    from dvfs.analysis.headroom import valid_mask
+    from dvfs.plots.heatmaps import _plain_drafters
+
+    if "accept_length" not in cmp:
+        return []
+    plain = _plain_drafters(cube)
+    valid = valid_mask(cube)
+    measured = valid.any([d for d in valid.dims if d != "drafter"])
+    return [
+        str(d)
+        for d in cmp["drafter"].values
+        if str(d) != baseline and str(d) not in plain and not bool(measured.sel(drafter=d))
+    ]
 
 
 def _roofline_document(roof: xr.Dataset) -> dict[str, Any]:
@@ -267,6 +295,13 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             f"is valid in both the drafter and {doc['baseline']!r}, so nothing compares "
             f"({named_rows(empty, None)}): {why}"
         )
+    unmeasured = doc.get("acceptance_no_valid_cell") or []
+    if unmeasured:
+        notes.append(
+            f"accept length: {', '.join(repr(d) for d in unmeasured)} "
+            f"{'has' if len(unmeasured) == 1 else 'have'} no valid cell, so no accept length "
+            "(- in its row): `dvfs cube info` names the flags (or the cells not measured)"
+        )
     dropped = [
         r
         for r in doc["rows"]
@@ -281,12 +316,14 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
         )
     edge = [r for r in doc["rows"] if edge_arms(r)]
     if edge:
+        # the knobs the edge rows are at the edge of (either, from a result without them)
+        knobs = [k for k, name in KNOB_EDGES.items() if any(r.get(name, True) for r in edge)]
         notes.append(
             f"grid edge: in {len(edge)} of {len(doc['rows'])} rows a setting at equal latency "
             "is the lowest clock or power limit swept "
             f"({named_rows(edge, lambda r: ', '.join(edge_arms(r)))}); a setting below the "
             "grid might spend less, so the drafter's ratio may be lower (the baseline's: "
-            "higher): extend knobs.sm_clock or knobs.power_limit downward to find it"
+            f"higher): extend {' or '.join(knobs)} downward to find it"
         )
     mixed = [r for r in doc["rows"] if r.get("different_gpus")]
     if mixed:
@@ -492,9 +529,14 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
         ],
     )
     tables = [energy, even]
-    if doc["acceptance"]:
-        corpora = list(dict.fromkeys(a["corpus"] for a in doc["acceptance"]))  # the cube's order
-        drafters = list(dict.fromkeys(a["drafter"] for a in doc["acceptance"]))
+    unmeasured = doc.get("acceptance_no_valid_cell") or []
+    if doc["acceptance"] or unmeasured:
+        # the cube's order; the rows' where no drafter has an accept length
+        corpora = list(dict.fromkeys(a["corpus"] for a in doc["acceptance"] or doc["rows"]))
+        drafters = [
+            *dict.fromkeys(a["drafter"] for a in doc["acceptance"]),
+            *(d for d in unmeasured if d not in {a["drafter"] for a in doc["acceptance"]}),
+        ]
         lookup = {(a["drafter"], a["corpus"]): a["accept_length"] for a in doc["acceptance"]}
         tables.append(
             (

@@ -111,6 +111,15 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
         f"{_at(room['reference'])} "
         f"while meeting {room['target']['description']}."
     )
+    swept = room.get("swept") or {}
+    if rows and swept.get("sm_clock") is False and swept.get("power_limit") is False:
+        # one clock and one limit: no setting below the reference was measured, so "0 of N
+        # save" would read as a finding that none saves
+        headline = (
+            "Nothing was swept (the cube has one SM clock and one power limit), so no setting "
+            f"below {_at(room['reference'])} was measured and no saving can be found: sweep "
+            "knobs.sm_clock or knobs.power_limit over several values to find one."
+        )
     return Finding(headline, tuple(details), figures)
 
 
