@@ -259,14 +259,14 @@ def _nothing_valid(path: Path, ds: xr.Dataset) -> str:
     cell (a shard's cube: every one of its own) was measured and flagged, a rerun measures
     none of them again, so the campaign changes and the sweep (each shard's, each merged
     sweep's) starts over with --fresh, and a merged cube is merged again."""
-    from dvfs.cube.info import _shard_cells, resume_advice, shards_of
+    from dvfs.cube.info import resume_advice, shard_cells, shards_of
 
     shards = shards_of(ds)
     measured = None
     if "cell_status" in ds:
         measured = np.asarray(ds["cell_status"].values == STATUS_OK, dtype=bool)
         if shards.get("shard"):
-            own = _shard_cells(ds)  # the other shards' cells are missing here, not left
+            own = shard_cells(ds)  # the other shards' cells are missing here, not left
             measured = measured[own] if own is not None and own.any() else None
     if measured is not None and bool(measured.all()):
         # every cell measured and flagged: a rerun measures none of them again

@@ -704,7 +704,7 @@ def models_left(ds: xr.Dataset) -> dict[str, Any]:
     left = _cells_left(ds)
     if shards.get("shard"):
         # the other shards' cells count as missing in a shard's cube: its own are left
-        mine = _shard_cells(ds)
+        mine = shard_cells(ds)
         if mine is None:
             return {}
         left &= mine
@@ -718,7 +718,7 @@ def models_left(ds: xr.Dataset) -> dict[str, Any]:
     return {"models_left": waiting}
 
 
-def _shard_cells(ds: xr.Dataset) -> np.ndarray | None:
+def shard_cells(ds: xr.Dataset) -> np.ndarray | None:
     """Which of a shard's cube's cells (along `cell_status`'s dimensions) are the shard's own
     (`cube_shard_groups`); None where the cube cannot say."""
     import xarray as xr
