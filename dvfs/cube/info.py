@@ -1033,3 +1033,17 @@ def invalid_summary(ds: xr.Dataset, *, top: int = 2) -> str | None:
         f"invalid, so no analysis will choose them ({reasons}{more}); after changing the "
         "campaign, sweep again with --fresh or into another --out folder"
     )
+
+
+def plain_drafters(cube: xr.Dataset) -> set[str]:
+    """The drafters the cube's campaign (its "campaign" attribute) runs without speculation
+    (no algorithm, or "none"): they have no accept length to show, measured or not. None
+    known where the cube does not record its campaign."""
+    try:
+        campaign = json.loads(str(cube.attrs.get("campaign", "")) or "{}")
+        drafters = campaign.get("drafters") or []
+        return {
+            str(d["name"]) for d in drafters if str(d.get("algorithm") or "none").lower() == "none"
+        }
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return set()

@@ -315,23 +315,6 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     return panels.fig
 
 
-@styled
-def _plain_drafters(cube: xr.Dataset) -> set[str]:
-    """The drafters the cube's campaign (its "campaign" attribute) runs without speculation
-    (no algorithm, or "none"): they have no accept length to show, measured or not. None
-    known where the cube does not record its campaign."""
-    import json
-
-    try:
-        campaign = json.loads(str(cube.attrs.get("campaign", "")) or "{}")
-        drafters = campaign.get("drafters") or []
-        return {
-            str(d["name"]) for d in drafters if str(d.get("algorithm") or "none").lower() == "none"
-        }
-    except (ValueError, AttributeError, KeyError, TypeError):
-        return set()
-
-
 def draw_acceptance(cube: xr.Dataset, usable: xr.DataArray | None = None) -> Figure | None:
     """Mean accept length (tokens per verify pass) per drafter and corpus; None without one.
     `usable` is `usable_mask(cube)`, made here when not given."""
@@ -350,7 +333,9 @@ def draw_acceptance(cube: xr.Dataset, usable: xr.DataArray | None = None) -> Fig
     # A drafter the campaign runs without speculation (none) has no row, measured or failed.
     measured = usable.any([d for d in usable.dims if d != "drafter"])
     unmeasured = ~measured.sel(drafter=table["drafter"]).values
-    plain = _plain_drafters(cube)
+    from dvfs.cube.info import plain_drafters
+
+    plain = plain_drafters(cube)
     unmeasured &= np.array([str(d) not in plain for d in table["drafter"].values], dtype=bool)
     keep = ~np.all(np.isnan(values), axis=1)
     if not keep.any():

@@ -180,11 +180,11 @@ def _no_valid_cell(cmp: xr.Dataset, cube: xr.Dataset, baseline: str) -> list[str
     row, as the acceptance figure does, rather than leaving them (or the whole table, where
     one is the only speculative drafter) out unsaid. None for a cube without accept lengths."""
     from dvfs.analysis.headroom import valid_mask
-    from dvfs.plots.heatmaps import _plain_drafters
+    from dvfs.cube.info import plain_drafters
 
     if "accept_length" not in cmp:
         return []
-    plain = _plain_drafters(cube)
+    plain = plain_drafters(cube)
     valid = valid_mask(cube)
     measured = valid.any([d for d in valid.dims if d != "drafter"])
     return [
