@@ -55,6 +55,7 @@ from dvfs.measure.journal import (
     Journal,
     SyncPolicy,
     check_journal,
+    renamed_note,
 )
 from dvfs.measure.plan import Cell
 from dvfs.measure.runner import Progress, Runner, RunSummary, journaled_repeats
@@ -330,16 +331,9 @@ def _measure(
     # Closing syncs the journal's last group, however the sweep ends (a signal raises), after
     # the knobs are restored and the backends closed.
     with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
-        renamed = journal.header.get("campaign_name")
-        if renamed is not None and renamed != campaign.name and progress is not None:
-            # the name is no part of the campaign's hash: the journal resumes, and its cube
-            # keeps the name (and campaign file) of the run that started it
-            progress.note(
-                f"resuming campaign {renamed!r}'s journal: campaign.name is now "
-                f"{campaign.name!r}, but the cube keeps {renamed!r}, the journal's (the name "
-                "changes no measurement); to take the new name, sweep with --fresh or into "
-                "another --out folder"
-            )
+        renamed = renamed_note(journal.header, campaign)
+        if renamed is not None and progress is not None:
+            progress.note(renamed)
         claim_shard(journal, shard)
         check_same_server_env(journal, campaign)
         summary: RunSummary | None = None

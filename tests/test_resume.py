@@ -240,24 +240,29 @@ def test_a_lock_file_linking_to_no_file_is_made_where_it_points(tmp_path: Path) 
 # The lock of a running sweep (named, and dying with it): test_sweep.py's SIGKILL test.
 
 
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")], ids=["one-gpu", "fleet"])
 def test_a_renamed_campaign_resumes_and_says_the_cube_keeps_the_journals_name(
-    tiny_exact_run: Callable[[str], Path], tmp_path: Path
+    gpus: tuple[str, ...], tiny_exact_run: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """The campaign's name is no part of its hash: a campaign renamed and swept into its
     folder again resumes the journal, and the cube keeps the name (and campaign file) of the
     run that started it. That was accepted without a word, so the new name looked taken; the
-    resume now says the cube keeps the journal's name, and how to take the new one."""
+    resume now says the cube keeps the journal's name, and how to take the new one. A fleet
+    (`--gpus`) says it too, once: it said nothing."""
     out = copy_sweep(tiny_exact_run("one"), tmp_path / "out")
     text = (tiny_exact_run("one").parent / "campaign.toml").read_text(encoding="utf-8")
     campaign = write(
         tmp_path / "renamed.toml", replace_block(text, 'name = "small"', 'name = "renamed"')
     )
     result = CliRunner().invoke(
-        cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"], catch_exceptions=False
+        cli,
+        ["sweep", str(campaign), "--out", str(out), "--no-progress", *gpus],
+        catch_exceptions=False,
     )
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
     assert "0 cell(s) measured" in said, said
+    assert said.count("resuming campaign") == 1, said
     assert (
         "resuming campaign 'small''s journal: campaign.name is now 'renamed', but the cube "
         "keeps 'small'" in said

@@ -799,10 +799,13 @@ class Fleet:
         )
 
 
-def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
+def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> list[str]:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
-    settings, or of another shard."""
-    from dvfs.measure.journal import iter_records
+    settings, or of another shard. Returns what a resume of a journal started under another
+    campaign name says (`renamed_note`), once however many GPU models' journals say it."""
+    from dvfs.measure.journal import iter_records, renamed_note
+
+    notes: list[str] = []
     from dvfs.preflight import check_inflight_resume
 
     for path in folder_journals(out_dir):
@@ -818,7 +821,11 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
             continue
         with Journal.open(path, campaign) as journal:  # its own refusal: other settings, ...
             check_inflight_resume(journal, campaign, planned_cells(campaign, shard))
+            renamed = renamed_note(journal.header, campaign)
         check_shard(path, shard)
+        if renamed is not None and renamed not in notes:
+            notes.append(renamed)
+    return notes
 
 
 #: An executor runs the fleet's queues on its workers: (fleet, groups) -> None.
@@ -877,7 +884,10 @@ def run_fleet(
             if uninstalled is not None:
                 raise EngineError(uninstalled)
         cells = planned_cells(campaign, shard)
-        _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
+        renamed = _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
+        if progress is not None:
+            for line in renamed:  # as a single run says it, whether or not cells are left
+                progress.note(line)
         fleet: Fleet | None = None
         done = journals_done(out_dir, campaign, cells)
         names = models() if done is not None and models is not None else None

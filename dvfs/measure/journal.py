@@ -88,6 +88,20 @@ FRESH = (
 )
 
 
+def renamed_note(header: dict[str, Any], campaign: Campaign) -> str | None:
+    """What a resume of a journal started under another campaign name says (None where the
+    names agree): the name is no part of the campaign's hash, so the journal resumes and its
+    cube keeps the name (and campaign file) of the run that started it."""
+    name = header.get("campaign_name")
+    if name is None or name == campaign.name:
+        return None
+    return (
+        f"resuming campaign {name!r}'s journal: campaign.name is now {campaign.name!r}, but the "
+        f"cube keeps {name!r}, the journal's (the name changes no measurement); to take the new "
+        "name, sweep with --fresh or into another --out folder"
+    )
+
+
 def resume_advice(fresh: bool) -> str:
     """How a sweep (a fleet) whose GPUs were lost with cells left resumes: its command again,
     less --fresh (which would move the journal aside, unread, and start over)."""
