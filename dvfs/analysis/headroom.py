@@ -181,12 +181,11 @@ def reference_setting(cube: xr.Dataset) -> Reference:
 FLOOR_TOLERANCE_W = 1e-3
 
 
-def lowest_allowed_power_limit(cube: xr.Dataset) -> float:
-    """The GPU's lowest allowed power limit (W) as its sweep read it (`power_limit_range_w`:
-    min, max, default); NaN where the cube records none (a merged cube's top level, an older
-    or hand-built cube, a GPU that could not tell). A power limit at it is as low as the GPU
-    goes, so a headroom found there is no lower bound the grid cut off."""
-    value = cube.attrs.get("power_limit_range_w")
+def _range_floor(cube: xr.Dataset, attr: str) -> float:
+    """The first number of a range the cube keeps as `attr` (a list, or its JSON text): the
+    GPU's lowest value of that knob as its sweep read it; NaN where the cube records none (a
+    merged cube's top level, an older or hand-built cube, a GPU that could not tell)."""
+    value = cube.attrs.get(attr)
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
             value = json.loads(value)
@@ -195,22 +194,20 @@ def lowest_allowed_power_limit(cube: xr.Dataset) -> float:
     except (TypeError, ValueError, IndexError):
         return math.nan
     return low if math.isfinite(low) and low > 0 else math.nan
+
+
+def lowest_allowed_power_limit(cube: xr.Dataset) -> float:
+    """The GPU's lowest allowed power limit (W) (`power_limit_range_w`: min, max, default),
+    or NaN. A power limit at it is as low as the GPU goes, so a headroom found there is no
+    lower bound the grid cut off."""
+    return _range_floor(cube, "power_limit_range_w")
 
 
 def lowest_supported_clock(cube: xr.Dataset) -> float:
-    """The GPU's lowest supported SM clock (MHz) as its sweep listed it (`sm_clock_range_mhz`:
-    lowest, highest); NaN where the cube records none (an earlier dvfs's, a merged cube's top
-    level, a hand-built cube). A clock at or below it is as low as the GPU goes, so a headroom
-    found there is no lower bound the grid cut off."""
-    value = cube.attrs.get("sm_clock_range_mhz")
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            value = json.loads(value)
-    try:
-        low = float(np.ravel(np.asarray(value, dtype=float))[0])
-    except (TypeError, ValueError, IndexError):
-        return math.nan
-    return low if math.isfinite(low) and low > 0 else math.nan
+    """The GPU's lowest supported SM clock (MHz) (`sm_clock_range_mhz`: lowest, highest), or
+    NaN (a cube of a dvfs before it was recorded too). A clock at it is as low as the GPU
+    goes, so a headroom found there is no lower bound the grid cut off."""
+    return _range_floor(cube, "sm_clock_range_mhz")
 
 
 def measured_on(cube: xr.Dataset) -> xr.DataArray:
