@@ -487,3 +487,50 @@ def test_the_closing_advice_parts_the_cells_a_rerun_retries_from_those_it_does_n
     assert again.endswith("without --fresh to retry them (with it, every cell is measured again)")
     plain = RunSummary(5, 0, 2, 3, ("a", "b", "c"))
     assert _failed_advice(plain, fresh=False) == "rerun the same command to retry them"
+
+
+def test_cube_info_headroom_and_compare_say_to_change_the_campaign_for_cells_sglang_would_not_start(
+    tmp_path: Path,
+) -> None:
+    """The drafter whose draft model does not fit beside the target: the sweep's closing line
+    says to change the campaign, and so do `dvfs cube info` (text and --json `resume`), the
+    headroom table (its partial-cube note and the row without a reference) and `dvfs compare`,
+    not "run the same `dvfs sweep` command again", which fails the cells again. With other
+    cells left too (one failed otherwise), those are still told to rerun the same command.
+    Before, every one of them said to rerun the same command."""
+    from dvfs.cube import open_analysable
+    from dvfs.cube.schema import STATUS_FAILED
+
+    text = ONE_CELL.replace(
+        "[workload]",
+        '[drafters.big]\nalgorithm = "STANDALONE"\ndraft_model = "llama-3.1-70b"\n'
+        "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n\n[workload]",
+    )
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(write(tmp_path / "draft.toml", text)), "--out", str(out))
+    assert swept.exit_code == 5, swept.output
+    change = "change the campaign (use more GPUs (tp, engine.tp_size) or a smaller model)"
+    rerun = "run the same `dvfs sweep` command again"
+    info = json.loads(invoke("cube", "info", str(out), "--json").output)
+    assert change in info["resume"] and rerun not in info["resume"], info["resume"]
+    assert "drafter 'big'" in info["resume"] and "--fresh" in info["resume"], info["resume"]
+    for args in (("cube", "info"), ("headroom",), ("compare",)):
+        said = " ".join(invoke(*args, str(out)).output.split())
+        assert change in said and rerun not in said, (args, said)
+    doc = json.loads(invoke("headroom", str(out), "--json").output)
+    (row,) = [r for r in doc["rows"] if not r["feasible"]]
+    assert row["drafter"] == "big" and row["reference_problem"] == "failed", row
+    # another cell left besides (one failed otherwise): that one is still retried by a rerun
+    from dvfs.cube.info import resume_note, unfit_left
+
+    cube = open_analysable(out).load()
+    status = cube["cell_status"].copy()
+    status.loc[{"drafter": "none"}] = STATUS_FAILED
+    left = unfit_left(cube.assign(cell_status=status))
+    assert left["unfit"]["drafters"] == ["big"] and left["unfit"]["others"] == 1, left
+    note = resume_note(left)
+    assert note.startswith("the cells of drafter 'big' failed as SGLang would not start"), note
+    assert change in note and note.endswith(
+        f"for the other 1 cell(s) left: {rerun} without --fresh (which starts over) to resume it"
+    ), note
+    assert resume_note(unfit_left(cube.assign_attrs(failed_cells="[]"))).startswith(rerun)
