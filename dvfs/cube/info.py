@@ -650,7 +650,7 @@ def unfit_left(ds: xr.Dataset) -> dict[str, Any]:
     rerun of the same command fails again): those drafters, what each refusal says to change,
     and how many cells left (`_cells_left`) are of other drafters (`others`, which a rerun
     retries). {} where none failed so."""
-    from dvfs.measure.runner import unfit_fix
+    from dvfs.errors import unfit_fix
 
     failed = _attr_json(ds, "failed_cells")
     drafters: dict[str, None] = {}
