@@ -534,3 +534,6 @@ def test_cube_info_headroom_and_compare_say_to_change_the_campaign_for_cells_sgl
         f"for the other 1 cell(s) left: {rerun} without --fresh (which starts over) to resume it"
     ), note
     assert resume_note(unfit_left(cube.assign_attrs(failed_cells="[]"))).startswith(rerun)
+    # a cube merged from sweeps: each changed sweep's cube merged again
+    merged = resume_note({**unfit_left(cube), "merged_cubes": ["a", "b"]})
+    assert change in merged and merged.endswith("`dvfs cube merge` the cubes again"), merged

@@ -693,6 +693,8 @@ def unfit_advice(doc: dict[str, Any]) -> str:
     )
     if "engine.sglang.env" in fixes:  # the server's environment may change between runs
         advice += " (a change to engine.sglang.env alone resumes the journal by the same command)"
+    if doc.get("shard") or doc.get("merged_shards") or doc.get("merged_cubes"):
+        advice += ", then `dvfs cube merge` the cubes again"  # as `resume_advice` says
     return advice
 
 

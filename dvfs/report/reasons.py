@@ -113,7 +113,7 @@ def _unfit_advice(drafter: object, doc: dict[str, Any] | None) -> str:
     unfit = (doc or {}).get("unfit") or {}
     if drafter is None or str(drafter) not in unfit.get("drafters", ()):
         return ""
-    return unfit_advice({"unfit": {**unfit, "drafters": [str(drafter)]}})
+    return unfit_advice({**(doc or {}), "unfit": {**unfit, "drafters": [str(drafter)]}})
 
 
 def _retry_advice(what: str, doc: dict[str, Any] | None) -> str:
