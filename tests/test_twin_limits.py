@@ -537,3 +537,39 @@ def test_cube_info_headroom_and_compare_say_to_change_the_campaign_for_cells_sgl
     # a cube merged from sweeps: each changed sweep's cube merged again
     merged = resume_note({**unfit_left(cube), "merged_cubes": ["a", "b"]})
     assert change in merged and merged.endswith("`dvfs cube merge` the cubes again"), merged
+
+
+def test_a_merged_cube_tells_the_gpu_sglang_would_not_start_on_from_one_a_rerun_retries(
+    tmp_path: Path,
+) -> None:
+    """A fleet of an H100 and an H200 at a --mem-fraction-static the 8B model fits only the
+    H200 at: the H100's cell failed as SGLang would not start its server, and its row is told
+    to change the campaign; the H200's cell of the same drafter, failed otherwise (edited in),
+    is still a cell a rerun retries, and its row says so. Before, every failed cell of that
+    drafter read as one SGLang would not start, on either GPU."""
+    from dvfs.cube import open_analysable, write_cube
+    from dvfs.cube.info import resume_note, unfit_left
+    from dvfs.cube.schema import STATUS_FAILED
+
+    text = _with_engine_args('["--mem-fraction-static", "0.15"]')
+    campaign = write(tmp_path / "frac.toml", replace_block(text, "batch = [1]", "batch = [1, 8]"))
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(campaign), "--out", str(out), "--gpus", "0,h200-sxm:0")
+    assert swept.exit_code == 5, swept.output
+    cube = open_analysable(out).load()
+    names = json.loads(cube.attrs["gpu_names"])
+    h100, h200 = (str(cube["gpu"].values[names.index(n)]) for n in sorted(names))
+    status = cube["cell_status"].copy()
+    status.loc[{"gpu": h200, "batch": 1}] = STATUS_FAILED
+    edited = cube.assign(cell_status=status)
+    path = write_cube(edited, tmp_path / "edited.nc")
+    said = " ".join(invoke("headroom", str(path)).output.split())
+    assert "change the campaign (raise --mem-fraction-static to at least" in said, said
+    assert "it retries failed cells" in said, said
+    note = resume_note(unfit_left(edited))
+    assert note.endswith(
+        "for the other 1 cell(s) left: run the same `dvfs sweep` command "
+        "again without --fresh (which starts over) to resume it"
+    ), note
+    left = unfit_left(cube)["unfit"]
+    assert left["on"] == {"none": [h100]} and left["others"] == 0, left

@@ -648,12 +648,14 @@ def unfit_left(ds: xr.Dataset) -> dict[str, Any]:
     """For an analysis document: `unfit`, where the cube's failed cells include some whose
     drafter's server SGLang would not start for the campaign as it is (`START_UNFIT`, which a
     rerun of the same command fails again): those drafters, what each refusal says to change,
-    and how many cells left (`_cells_left`) are of other drafters (`others`, which a rerun
-    retries). {} where none failed so."""
+    in a merged cube the GPUs (labels) each failed so on (`on`), and how many cells left
+    (`_cells_left`) are not theirs (`others`, which a rerun retries). {} where none failed so."""
+    import xarray as xr
+
     from dvfs.errors import unfit_fix
 
     failed = _attr_json(ds, "failed_cells")
-    drafters: dict[str, None] = {}
+    on: dict[str, dict[str, None]] = {}  # drafter -> the GPU labels ("" where not said)
     fixes: dict[str, None] = {}
     for item in failed if isinstance(failed, list) else ():
         cell = item.get("cell") if isinstance(item, dict) else None
@@ -661,17 +663,26 @@ def unfit_left(ds: xr.Dataset) -> dict[str, Any]:
             continue
         fix = unfit_fix(str(item.get("error") or ""))
         if fix is not None:
-            drafters[str(cell.get("drafter"))] = None
+            on.setdefault(str(cell.get("drafter")), {})[str(item.get("gpu") or "")] = None
             fixes[fix] = None
-    if not drafters or "cell_status" not in ds or "drafter" not in ds["cell_status"].dims:
+    status = ds.get("cell_status")
+    if not on or status is None or "drafter" not in status.dims:
         return {}
-    status = ds["cell_status"]
-    theirs = np.isin(ds["drafter"].values.astype(str), list(drafters))
-    axis = status.dims.index("drafter")
-    shape = [1] * status.ndim
-    shape[axis] = len(theirs)
-    others = int((_cells_left(ds) & ~theirs.reshape(shape)).sum())
-    return {"unfit": {"drafters": list(drafters), "fixes": list(fixes), "others": others}}
+    by_gpu = "gpu" in status.dims and all("" not in gpus for gpus in on.values())
+    drafters = [str(d) for d in ds["drafter"].values]
+    if by_gpu:
+        gpus = [str(g) for g in ds["gpu"].values]
+        theirs = xr.DataArray(
+            [[g in on.get(d, {}) for d in drafters] for g in gpus], dims=("gpu", "drafter")
+        )
+    else:
+        theirs = xr.DataArray([d in on for d in drafters], dims=("drafter",))
+    mask = theirs.broadcast_like(status).transpose(*status.dims).values
+    others = int((_cells_left(ds) & ~mask).sum())
+    unfit: dict[str, Any] = {"drafters": list(on), "fixes": list(fixes), "others": others}
+    if by_gpu:
+        unfit["on"] = {d: list(gpus) for d, gpus in on.items()}
+    return {"unfit": unfit}
 
 
 def unfit_advice(doc: dict[str, Any]) -> str:
