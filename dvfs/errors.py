@@ -138,6 +138,21 @@ class ServerUnfitError(EngineError):
     cannot resume the journal."""
 
 
+#: What a failed cell's error says ahead of why SGLang would not start its drafter's server for
+#: the campaign as it is (`ServerUnfitError`): a rerun fails it again, the campaign must change
+#: (a fleet's driver, `dvfs cube info` and the headroom read it off the record).
+START_UNFIT = "server start failed (SGLang would not start it for this campaign): "
+
+
+def unfit_fix(error: str) -> str | None:
+    """What a failed cell's `error` says to change in the campaign where SGLang would not start
+    its server for it as it is (`START_UNFIT`: the refusal's last clause); None for any other
+    error (a rerun may retry it)."""
+    if not error.startswith(START_UNFIT):
+        return None
+    return error.rpartition(": ")[2]
+
+
 class EngineCrashedError(EngineError):
     """The server process died: the cell may be retried after a restart."""
 

@@ -487,3 +487,89 @@ def test_the_closing_advice_parts_the_cells_a_rerun_retries_from_those_it_does_n
     assert again.endswith("without --fresh to retry them (with it, every cell is measured again)")
     plain = RunSummary(5, 0, 2, 3, ("a", "b", "c"))
     assert _failed_advice(plain, fresh=False) == "rerun the same command to retry them"
+
+
+def test_cube_info_headroom_and_compare_say_to_change_the_campaign_for_cells_sglang_would_not_start(
+    tmp_path: Path,
+) -> None:
+    """The drafter whose draft model does not fit beside the target: the sweep's closing line
+    says to change the campaign, and so do `dvfs cube info` (text and --json `resume`), the
+    headroom table (its partial-cube note and the row without a reference) and `dvfs compare`,
+    not "run the same `dvfs sweep` command again", which fails the cells again. With other
+    cells left too (one failed otherwise), those are still told to rerun the same command.
+    Before, every one of them said to rerun the same command."""
+    from dvfs.cube import open_analysable
+    from dvfs.cube.schema import STATUS_FAILED
+
+    text = ONE_CELL.replace(
+        "[workload]",
+        '[drafters.big]\nalgorithm = "STANDALONE"\ndraft_model = "llama-3.1-70b"\n'
+        "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n\n[workload]",
+    )
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(write(tmp_path / "draft.toml", text)), "--out", str(out))
+    assert swept.exit_code == 5, swept.output
+    change = "change the campaign (use more GPUs (tp, engine.tp_size) or a smaller model)"
+    rerun = "run the same `dvfs sweep` command again"
+    info = json.loads(invoke("cube", "info", str(out), "--json").output)
+    assert change in info["resume"] and rerun not in info["resume"], info["resume"]
+    assert "drafter 'big'" in info["resume"] and "--fresh" in info["resume"], info["resume"]
+    for args in (("cube", "info"), ("headroom",), ("compare",)):
+        said = " ".join(invoke(*args, str(out)).output.split())
+        assert change in said and rerun not in said, (args, said)
+    doc = json.loads(invoke("headroom", str(out), "--json").output)
+    (row,) = [r for r in doc["rows"] if not r["feasible"]]
+    assert row["drafter"] == "big" and row["reference_problem"] == "failed", row
+    # another cell left besides (one failed otherwise): that one is still retried by a rerun
+    from dvfs.cube.info import resume_note, unfit_left
+
+    cube = open_analysable(out).load()
+    status = cube["cell_status"].copy()
+    status.loc[{"drafter": "none"}] = STATUS_FAILED
+    left = unfit_left(cube.assign(cell_status=status))
+    assert left["unfit"]["drafters"] == ["big"] and left["unfit"]["others"] == 1, left
+    note = resume_note(left)
+    assert note.startswith("the cells of drafter 'big' failed as SGLang would not start"), note
+    assert change in note and note.endswith(
+        f"for the other 1 cell(s) left: {rerun} without --fresh (which starts over) to resume it"
+    ), note
+    assert resume_note(unfit_left(cube.assign_attrs(failed_cells="[]"))).startswith(rerun)
+    # a cube merged from sweeps: each changed sweep's cube merged again
+    merged = resume_note({**unfit_left(cube), "merged_cubes": ["a", "b"]})
+    assert change in merged and merged.endswith("`dvfs cube merge` the cubes again"), merged
+
+
+def test_a_merged_cube_tells_the_gpu_sglang_would_not_start_on_from_one_a_rerun_retries(
+    tmp_path: Path,
+) -> None:
+    """A fleet of an H100 and an H200 at a --mem-fraction-static the 8B model fits only the
+    H200 at: the H100's cell failed as SGLang would not start its server, and its row is told
+    to change the campaign; the H200's cell of the same drafter, failed otherwise (edited in),
+    is still a cell a rerun retries, and its row says so. Before, every failed cell of that
+    drafter read as one SGLang would not start, on either GPU."""
+    from dvfs.cube import open_analysable, write_cube
+    from dvfs.cube.info import resume_note, unfit_left
+    from dvfs.cube.schema import STATUS_FAILED
+
+    text = _with_engine_args('["--mem-fraction-static", "0.15"]')
+    campaign = write(tmp_path / "frac.toml", replace_block(text, "batch = [1]", "batch = [1, 8]"))
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(campaign), "--out", str(out), "--gpus", "0,h200-sxm:0")
+    assert swept.exit_code == 5, swept.output
+    cube = open_analysable(out).load()
+    names = json.loads(cube.attrs["gpu_names"])
+    h100, h200 = (str(cube["gpu"].values[names.index(n)]) for n in sorted(names))
+    status = cube["cell_status"].copy()
+    status.loc[{"gpu": h200, "batch": 1}] = STATUS_FAILED
+    edited = cube.assign(cell_status=status)
+    path = write_cube(edited, tmp_path / "edited.nc")
+    said = " ".join(invoke("headroom", str(path)).output.split())
+    assert "change the campaign (raise --mem-fraction-static to at least" in said, said
+    assert "it retries failed cells" in said, said
+    note = resume_note(unfit_left(edited))
+    assert note.endswith(
+        "for the other 1 cell(s) left: run the same `dvfs sweep` command "
+        "again without --fresh (which starts over) to resume it"
+    ), note
+    left = unfit_left(cube)["unfit"]
+    assert left["on"] == {"none": [h100]} and left["others"] == 0, left

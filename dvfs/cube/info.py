@@ -344,6 +344,8 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     shards = shards_of(ds)
     # the GPU models whose GPUs the sweep's --gpus must name to measure the cells left
     waiting = models_left(ds) if missing or failed else {}
+    # the drafters whose failed cells a rerun fails again (SGLang would not start their server)
+    waiting |= unfit_left(ds) if failed else {}
     return {
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
         "schema": int(ds.attrs.get("dvfs_schema", 0)),
@@ -642,18 +644,94 @@ def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
     )
 
 
+def unfit_left(ds: xr.Dataset) -> dict[str, Any]:
+    """For an analysis document: `unfit`, where the cube's failed cells include some whose
+    drafter's server SGLang would not start for the campaign as it is (`START_UNFIT`, which a
+    rerun of the same command fails again): those drafters, what each refusal says to change,
+    in a merged cube the GPUs (labels) each failed so on (`on`), and how many cells left
+    (`_cells_left`) are not theirs (`others`, which a rerun retries). {} where none failed so."""
+    import xarray as xr
+
+    from dvfs.errors import unfit_fix
+
+    failed = _attr_json(ds, "failed_cells")
+    on: dict[str, dict[str, None]] = {}  # drafter -> the GPU labels ("" where not said)
+    fixes: dict[str, None] = {}
+    for item in failed if isinstance(failed, list) else ():
+        cell = item.get("cell") if isinstance(item, dict) else None
+        if not isinstance(cell, dict):
+            continue
+        fix = unfit_fix(str(item.get("error") or ""))
+        if fix is not None:
+            on.setdefault(str(cell.get("drafter")), {})[str(item.get("gpu") or "")] = None
+            fixes[fix] = None
+    status = ds.get("cell_status")
+    if not on or status is None or "drafter" not in status.dims:
+        return {}
+    by_gpu = "gpu" in status.dims and all("" not in gpus for gpus in on.values())
+    drafters = [str(d) for d in ds["drafter"].values]
+    if by_gpu:
+        gpus = [str(g) for g in ds["gpu"].values]
+        theirs = xr.DataArray(
+            [[g in on.get(d, {}) for d in drafters] for g in gpus], dims=("gpu", "drafter")
+        )
+    else:
+        theirs = xr.DataArray([d in on for d in drafters], dims=("drafter",))
+    mask = theirs.broadcast_like(status).transpose(*status.dims).values
+    others = int((_cells_left(ds) & ~mask).sum())
+    unfit: dict[str, Any] = {"drafters": list(on), "fixes": list(fixes), "others": others}
+    if by_gpu:
+        unfit["on"] = {d: list(gpus) for d, gpus in on.items()}
+    return {"unfit": unfit}
+
+
+def unfit_advice(doc: dict[str, Any]) -> str:
+    """What measures the cells of the drafters SGLang would not start the server of for the
+    campaign as it is (`unfit_left`), as the sweep's closing line says it: not the same command
+    (it fails them again) but a changed campaign, swept again with --fresh or into another --out
+    folder; "" where the document names none."""
+    unfit = doc.get("unfit") or {}
+    drafters = [str(d) for d in unfit.get("drafters") or ()]
+    if not drafters:
+        return ""
+    fixes = "; ".join(str(f) for f in unfit.get("fixes") or ())
+    which = ", ".join(repr(d) for d in drafters)
+    advice = (
+        f"the cells of drafter{'' if len(drafters) == 1 else 's'} {which} failed as SGLang would "
+        "not start their server for the campaign as it is, which the same command meets again: "
+        f"change the campaign ({fixes}), then sweep again with --fresh or into another --out "
+        "folder"
+    )
+    if "engine.sglang.env" in fixes:  # the server's environment may change between runs
+        advice += " (a change to engine.sglang.env alone resumes the journal by the same command)"
+    if doc.get("shard") or doc.get("merged_shards") or doc.get("merged_cubes"):
+        advice += ", then `dvfs cube merge` the cubes again"  # as `resume_advice` says
+    return advice
+
+
+def _with_unfit(doc: dict[str, Any], rest: str) -> str:
+    """`rest` (what measures the cells left), led by `unfit_advice` where some failed cells'
+    server SGLang would not start: `rest` then for the other cells alone, if any are left."""
+    unfit = unfit_advice(doc)
+    if not unfit:
+        return rest
+    others = int((doc.get("unfit") or {}).get("others") or 0)
+    return f"{unfit}; for the other {others} cell(s) left: {rest}" if others else unfit
+
+
 def resume_note(doc: dict[str, Any]) -> str:
     """What measures a partial cube's cells not measured yet, for an analysis document `doc`
     of it: `shard_note` for one shard's cube, the shards' (or sweeps') commands and the merge
     again for a cube merged from shards or from sweeps run apart (`resume_advice`), else the
     sweep's own command again."""
     if doc.get("shard"):
-        return str(shard_note(str(doc["shard"]), doc))
+        return _with_unfit(doc, str(shard_note(str(doc["shard"]), doc)))
     if doc.get("merged_shards") or doc.get("merged_cubes"):
-        return resume_advice("them", doc)
-    return (
+        return _with_unfit(doc, resume_advice("them", doc))
+    return _with_unfit(
+        doc,
         "run the same `dvfs sweep` command again without --fresh (which starts over) to resume "
-        f"it{models_left_advice(doc)}"
+        f"it{models_left_advice(doc)}",
     )
 
 

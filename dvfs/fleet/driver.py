@@ -37,6 +37,7 @@ from dvfs.errors import (
     EngineError,
     JournalError,
     OutputRefusedError,
+    unfit_fix,
 )
 from dvfs.fleet.cubes import write_cubes
 from dvfs.fleet.devices import Group, group_label, one_model
@@ -59,7 +60,7 @@ from dvfs.fleet.shard_journal import (
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal, check_journal_link, resume_advice
 from dvfs.measure.plan import Cell, cell_label
-from dvfs.measure.runner import Progress, RunSummary, grow, journaled_repeats, unfit_fix
+from dvfs.measure.runner import Progress, RunSummary, grow, journaled_repeats
 
 #: A unit of work handed to one worker: a cell, or an in-flight group's cells (its knob
 #: levels, measured inside shared decodes).

@@ -23,6 +23,7 @@ from dvfs.corpora.sampling import eligible_prompts, pool_hash, stable_seed
 from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload, load_of
 from dvfs.errors import (
     MAX_MESSAGE_CHARS,
+    START_UNFIT,
     CorpusError,
     EngineCrashedError,
     EngineError,
@@ -32,6 +33,7 @@ from dvfs.errors import (
     JournalError,
     ServerRefusedError,
     ServerUnfitError,
+    unfit_fix,
 )
 from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
 from dvfs.gpu.knobs import (
@@ -105,20 +107,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: What a cell's error says ahead of why its drafter's server did not start.
+#: What a cell's error says ahead of why its drafter's server did not start (`START_UNFIT`, in
+#: `dvfs.errors`, where SGLang would not start it for the campaign as it is).
 START_FAILED = "server start failed: "
-#: ... and where SGLang would not start it for the campaign as it is (`ServerUnfitError`): a
-#: rerun fails it again, the campaign must change (a fleet's driver reads it off the record).
-START_UNFIT = "server start failed (SGLang would not start it for this campaign): "
-
-
-def unfit_fix(error: str) -> str | None:
-    """What a failed cell's `error` says to change in the campaign where SGLang would not start
-    its server for it as it is (`START_UNFIT`: the refusal's last clause); None for any other
-    error (a rerun may retry it)."""
-    if not error.startswith(START_UNFIT):
-        return None
-    return error.rpartition(": ")[2]
 
 
 def _listed(line: str, changes: Sequence[str], before: str = "") -> str:

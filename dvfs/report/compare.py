@@ -69,7 +69,7 @@ def compare_document(
     a merged cube's GPU models the twin has no roofline of (`rooflines`' `left_out`), named
     so that its `roofline` (another model's) is not read as theirs."""
     from dvfs.analysis.headroom import coverage
-    from dvfs.cube.info import models_left, shards_of
+    from dvfs.cube.info import models_left, shards_of, unfit_left
 
     baseline = cmp.attrs["baseline"]
     gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
@@ -163,6 +163,7 @@ def compare_document(
         "coverage": coverage(cube),
         **shards_of(cube),
         **models_left(cube),  # the GPU models a fleet's cells left are on, if some only
+        **unfit_left(cube),  # the drafters whose failed cells a rerun fails again
     }
     roofs = [] if roof is None else [roof] if not isinstance(roof, Sequence) else list(roof)
     if roofs:

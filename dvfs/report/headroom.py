@@ -236,11 +236,12 @@ def _asked(cube: xr.Dataset) -> dict[str, Any] | None:
 
 
 def _cells_left_where(cube: xr.Dataset) -> dict[str, Any]:
-    """What the resume advice needs: the cube's shards (`shards_of`) and the GPU models its
-    cells left are on where that is some of a fleet's models only (`models_left`)."""
-    from dvfs.cube.info import models_left, shards_of  # not at import: dvfs.cube imports it
+    """What the resume advice needs: the cube's shards (`shards_of`), the GPU models its
+    cells left are on where that is some of a fleet's models only (`models_left`), and the
+    drafters whose failed cells a rerun fails again (`unfit_left`)."""
+    from dvfs.cube.info import models_left, shards_of, unfit_left  # not at import (dvfs.cube)
 
-    return {**shards_of(cube), **models_left(cube)}
+    return {**shards_of(cube), **models_left(cube), **unfit_left(cube)}
 
 
 def _gpu(cube: xr.Dataset) -> dict[str, Any]:

@@ -70,7 +70,9 @@ def no_answer_advice(
     problem = row.get("reference_problem") or ""
     if "target_ms" in row and row["target_ms"] is None:
         if problem == "failed":
-            return _retry_advice("the reference (a rerun retries failed cells)", doc)
+            whose = row.get("reference_drafter") or row.get("drafter")
+            unfit = _unfit_advice(whose, doc, row.get("gpu"))
+            return unfit or _retry_advice("the reference (a rerun retries failed cells)", doc)
         if problem.startswith("invalid"):
             flags = problem.removeprefix("invalid").lstrip(": ").split(", ")
             return flag_advice(flags)
@@ -83,7 +85,8 @@ def no_answer_advice(
         return resume_advice("the reference", doc)
     reason = no_answer(row)
     if reason == "not measured yet (failed)":
-        return _retry_advice("them (a rerun retries failed cells)", doc)
+        unfit = _unfit_advice(row.get("drafter"), doc, row.get("gpu"))
+        return unfit or _retry_advice("them (a rerun retries failed cells)", doc)
     if reason == "not measured yet":
         return resume_advice("them", doc)
     if reason == "too few repeats":
@@ -100,6 +103,21 @@ def no_answer_advice(
         f"every setting judged is over the target: {loosen(mode)} or choose another batch or "
         "drafter"
     )
+
+
+def _unfit_advice(drafter: object, doc: dict[str, Any] | None, row_gpu: object = None) -> str:
+    """Where `drafter`'s cells failed as SGLang would not start its server for the campaign as
+    it is (`doc`'s `unfit`), which the same command fails again: the campaign's change, as the
+    sweep's closing line says it; "" otherwise (a rerun retries them)."""
+    from dvfs.cube.info import unfit_advice
+
+    unfit = (doc or {}).get("unfit") or {}
+    if drafter is None or str(drafter) not in unfit.get("drafters", ()):
+        return ""
+    gpus = (unfit.get("on") or {}).get(str(drafter))
+    if gpus and row_gpu is not None and str(row_gpu) not in gpus:  # on another GPU of a merge
+        return ""
+    return unfit_advice({**(doc or {}), "unfit": {**unfit, "drafters": [str(drafter)]}})
 
 
 def _retry_advice(what: str, doc: dict[str, Any] | None) -> str:
