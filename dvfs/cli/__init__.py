@@ -3,8 +3,9 @@
 Exit codes: 0 success; 1 error; 2 bad usage or an invalid campaign/caps file; 3 a GPU holds
 unrestored changes or is in use by another dvfs, or another sweep is writing to the same --out
 folder; 4 permission denied (needs root); 5 a sweep finished with failed cells (the cube is
-written; rerun to retry them); 130/143 interrupted by SIGINT/SIGTERM (GPU settings restored,
-rerun to resume).
+written; rerun to retry them, or, where SGLang would not start a drafter's server for the
+campaign as it is, change the campaign and sweep with --fresh); 130/143 interrupted by
+SIGINT/SIGTERM (GPU settings restored, rerun to resume).
 """
 
 from __future__ import annotations
