@@ -153,6 +153,33 @@ def unfit_fix(error: str) -> str | None:
     return error.rpartition(": ")[2]
 
 
+#: How many failed cells a cube's `failed_cells` attribute lists (a sweep's or a merge's).
+FAILED_CELLS_CAP = 200
+
+
+def capped_failed(records: list[dict[str, object]]) -> list[dict[str, object]]:
+    """A cube's `failed_cells` records, the first `FAILED_CELLS_CAP` of them, and besides them
+    the first record of each drafter (on each GPU, where `gpu` is said) whose cells failed as
+    SGLang would not start its server (`unfit_fix`): `dvfs cube info` tells those cells apart
+    from the ones a rerun retries by these records, and would count them among the others."""
+    kept = records[:FAILED_CELLS_CAP]
+    seen = {_unfit_key(r) for r in kept}
+    for record in records[FAILED_CELLS_CAP:]:
+        key = _unfit_key(record)
+        if key is not None and key not in seen:
+            seen.add(key)
+            kept.append(record)
+    return kept
+
+
+def _unfit_key(record: dict[str, object]) -> tuple[str, str] | None:
+    """(drafter, GPU label) of a failed cell's record SGLang would not start the server of."""
+    cell = record.get("cell")
+    if not isinstance(cell, dict) or unfit_fix(str(record.get("error") or "")) is None:
+        return None
+    return str(cell.get("drafter")), str(record.get("gpu") or "")
+
+
 class EngineCrashedError(EngineError):
     """The server process died: the cell may be retried after a restart."""
 

@@ -573,3 +573,47 @@ def test_a_merged_cube_tells_the_gpu_sglang_would_not_start_on_from_one_a_rerun_
     ), note
     left = unfit_left(cube)["unfit"]
     assert left["on"] == {"none": [h100]} and left["others"] == 0, left
+
+
+def test_cells_sglang_would_not_start_are_told_past_the_200_failed_cells_a_cube_lists(
+    tmp_path: Path,
+) -> None:
+    """A cube lists its first 200 failed cells: where 201 cells of the target alone failed
+    otherwise (a crash, edited into the journal) ahead of the drafter whose draft model does
+    not fit, that drafter's cells are still told to change the campaign, not counted among
+    the cells a rerun retries. Before, `dvfs cube info` had no `unfit` and said to rerun the
+    same command for all of them, which fails the drafter's cells again."""
+    text = ONE_CELL.replace(
+        "[workload]",
+        '[drafters.big]\nalgorithm = "STANDALONE"\ndraft_model = "llama-3.1-70b"\n'
+        "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n\n[workload]",
+    )
+    limits = ", ".join(str(w) for w in range(300, 701, 2))  # 201 power limits
+    text = replace_block(text, "power_limit = [700]", f"power_limit = [{limits}]")
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(write(tmp_path / "wide.toml", text)), "--out", str(out))
+    assert swept.exit_code == 5, swept.output
+    head: list[str] = []
+    crashed: list[str] = []
+    unfit: list[str] = []
+    for line in (out / "journal.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("type") != "cell":
+            head.append(line)
+        elif record["cell"]["drafter"] == "none":
+            record.pop("measurement", None)
+            crashed.append(json.dumps({**record, "status": "failed", "error": "server crashed"}))
+        else:
+            unfit.append(line)
+    assert len(crashed) == 201 and len(unfit) == 201
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / "journal.jsonl").write_text("\n".join(head + crashed + unfit) + "\n")
+    assert invoke("cube", "build", str(edited)).exit_code == 0
+    info = json.loads(invoke("cube", "info", str(edited), "--json").output)
+    assert info["unfit"]["drafters"] == ["big"] and info["unfit"]["others"] == 201, info["unfit"]
+    assert info["resume"].startswith("the cells of drafter 'big' failed as SGLang"), info["resume"]
+    assert info["resume"].endswith(
+        "for the other 201 cell(s) left: run the same `dvfs sweep` "
+        "command again without --fresh (which starts over) to resume it"
+    )

@@ -33,7 +33,13 @@ from dvfs.cube.schema import (
     VARIABLES,
 )
 from dvfs.engines.base import SPLIT_PARTS
-from dvfs.errors import CubeError, IncomparableCellsError, JournalError, NoJournalError
+from dvfs.errors import (
+    CubeError,
+    IncomparableCellsError,
+    JournalError,
+    NoJournalError,
+    capped_failed,
+)
 from dvfs.measure.journal import FRESH, iter_records, read_records
 from dvfs.measure.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
 from dvfs.records import (
@@ -1016,6 +1022,6 @@ def _dataset(
     )
     failed = list(failed_cells.values())
     ds.attrs["failed_cells"] = json.dumps(
-        [{"cell": asdict(r.cell), "error": r.error} for r in failed][:200]
+        capped_failed([{"cell": asdict(r.cell), "error": r.error} for r in failed])
     )
     return ds

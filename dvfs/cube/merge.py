@@ -13,7 +13,7 @@ import numpy as np
 from dvfs.cube.arms import drafter_servers
 from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS, found_limits_attrs
 from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, SPLIT_METHOD_VAR, STATUS_MISSING
-from dvfs.errors import CubeError, MergeRefusedError
+from dvfs.errors import CubeError, MergeRefusedError, capped_failed
 from dvfs.records import now_iso
 from dvfs.version import __version__
 
@@ -916,7 +916,7 @@ def _failed_on_each(cubes: list[xr.Dataset], labels: list[str]) -> dict[str, str
         for item in _json(ds, "failed_cells", [])
         if isinstance(item, dict)
     ]
-    return {"failed_cells": json.dumps(failed[:200])}
+    return {"failed_cells": json.dumps(capped_failed(failed))}
 
 
 def _found_limits(cubes: list[xr.Dataset]) -> dict[str, Any]:
