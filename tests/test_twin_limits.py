@@ -617,3 +617,32 @@ def test_cells_sglang_would_not_start_are_told_past_the_200_failed_cells_a_cube_
         "for the other 201 cell(s) left: run the same `dvfs sweep` "
         "command again without --fresh (which starts over) to resume it"
     )
+
+
+def test_shards_of_a_fleet_merged_tell_their_cells_sglang_would_not_start_by_the_gpu_label(
+    tmp_path: Path,
+) -> None:
+    """Two shards, each a fleet of an H100 and an H200 at a --mem-fraction-static the 8B model
+    fits only the H200 at, merged: the H100s' label is both UUIDs, each shard's failed cell
+    names its own H100; those cells are still told to change the campaign, none counted among
+    the cells a rerun retries. Before, cube info said "for the other 2 cell(s) left" and the
+    headroom rows said to rerun the shards, which fails the cells again."""
+    text = _with_engine_args('["--mem-fraction-static", "0.15"]')
+    campaign = write(tmp_path / "frac.toml", replace_block(text, "batch = [1]", "batch = [1, 8]"))
+    shards = []
+    for i in range(2):
+        out = tmp_path / f"shard{i}"
+        gpus = f"{i},h200-sxm:{i}"
+        swept = invoke(
+            "sweep", str(campaign), "--out", str(out), "--gpus", gpus, "--shard", f"{i}/2"
+        )
+        assert swept.exit_code == 5, swept.output
+        shards.append(str(out))
+    merged = tmp_path / "merged.nc"
+    assert invoke("cube", "merge", *shards, "-o", str(merged)).exit_code == 0
+    info = json.loads(invoke("cube", "info", str(merged), "--json").output)
+    assert info["unfit"]["others"] == 0, info["unfit"]
+    assert "for the other" not in info["resume"], info["resume"]
+    said = " ".join(invoke("headroom", str(merged)).output.split())
+    assert "rerun the unfinished shards" not in said, said
+    assert "change the campaign (raise --mem-fraction-static to at least" in said, said

@@ -672,6 +672,8 @@ def unfit_left(ds: xr.Dataset) -> dict[str, Any]:
     drafters = [str(d) for d in ds["drafter"].values]
     if by_gpu:
         gpus = [str(g) for g in ds["gpu"].values]
+        # a shard's record names its own GPU, the merged shards' label all of that model's
+        on = {d: {_label_of(g, gpus): None for g in on_gpus} for d, on_gpus in on.items()}
         theirs = xr.DataArray(
             [[g in on.get(d, {}) for d in drafters] for g in gpus], dims=("gpu", "drafter")
         )
@@ -683,6 +685,14 @@ def unfit_left(ds: xr.Dataset) -> dict[str, Any]:
     if by_gpu:
         unfit["on"] = {d: list(gpus) for d, gpus in on.items()}
     return {"unfit": unfit}
+
+
+def _label_of(gpu: str, labels: list[str]) -> str:
+    """The cube's `gpu` label among `labels` holding the GPU (UUIDs) a failed cell's record
+    names (a label of shards of one model on several GPUs is all of their UUIDs); `gpu`
+    itself where none does."""
+    own = set(gpu.split(","))
+    return next((label for label in labels if own & set(label.split(","))), gpu)
 
 
 def unfit_advice(doc: dict[str, Any]) -> str:
