@@ -625,8 +625,9 @@ def test_shards_of_a_fleet_merged_tell_their_cells_sglang_would_not_start_by_the
     """Two shards, each a fleet of an H100 and an H200 at a --mem-fraction-static the 8B model
     fits only the H200 at, merged: the H100s' label is both UUIDs, each shard's failed cell
     names its own H100; those cells are still told to change the campaign, none counted among
-    the cells a rerun retries. Before, cube info said "for the other 2 cell(s) left" and the
-    headroom rows said to rerun the shards, which fails the cells again."""
+    the cells a rerun retries, and `dvfs cube merge`'s note says so too. Before, cube info said
+    "for the other 2 cell(s) left", the headroom rows said to rerun the shards and the merge's
+    note to resume each shard, which fails the cells again."""
     text = _with_engine_args('["--mem-fraction-static", "0.15"]')
     campaign = write(tmp_path / "frac.toml", replace_block(text, "batch = [1]", "batch = [1, 8]"))
     shards = []
@@ -639,7 +640,11 @@ def test_shards_of_a_fleet_merged_tell_their_cells_sglang_would_not_start_by_the
         assert swept.exit_code == 5, swept.output
         shards.append(str(out))
     merged = tmp_path / "merged.nc"
-    assert invoke("cube", "merge", *shards, "-o", str(merged)).exit_code == 0
+    merging = invoke("cube", "merge", *shards, "-o", str(merged))
+    assert merging.exit_code == 0, merging.output
+    note = " ".join(merging.output.split())
+    assert "resume each with" not in note and "change the campaign (raise" in note, note
+    assert note.endswith("`dvfs cube merge` the cubes again"), note
     info = json.loads(invoke("cube", "info", str(merged), "--json").output)
     assert info["unfit"]["others"] == 0, info["unfit"]
     assert "for the other" not in info["resume"], info["resume"]

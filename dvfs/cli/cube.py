@@ -320,17 +320,29 @@ def unfinished_note(merged: Any, *, shards: bool) -> str | None:
     waiting = cov["missing"] + cov["failed"]
     if not waiting:
         return None
-    from dvfs.cube.info import models_left, models_left_advice
+    from dvfs.cube.info import models_left, models_left_advice, unfit_advice, unfit_left
 
     parts = "shards" if shards else "cubes' sweeps"
     command = "its `dvfs sweep --shard I/N` command" if shards else "its `dvfs sweep` command"
     # shards of a fleet mixing GPU models whose cells left are on some models only: their
     # commands again on the others' GPUs (after a rerun on those) measure none of them
     gpus = models_left_advice(models_left(merged)) if shards else ""
-    return (
+    said = (
         f"{waiting} of {cov['cells']} cells are not measured yet ({cov['missing']} never run, "
-        f"{cov['failed']} failed): the {parts} are unfinished; resume each with {command} "
-        f"again without --fresh (which starts over){gpus}, then merge again"
+        f"{cov['failed']} failed)"
+    )
+    resume = (
+        f"the {parts} are unfinished; resume each with {command} again without --fresh (which "
+        f"starts over){gpus}, then merge again"
+    )
+    # failed cells SGLang would not start the server of: the same commands fail them again
+    unfit = unfit_left(merged)
+    if not unfit:
+        return f"{said}: {resume}"
+    change = unfit_advice({**unfit, "merged_cubes": [parts]})  # ends with merging again
+    others = int(unfit["unfit"]["others"])
+    return f"{said}: {change}" + (
+        f"; for the other {others} cell(s) left: {resume}" if others else ""
     )
 
 
