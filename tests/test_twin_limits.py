@@ -651,3 +651,19 @@ def test_shards_of_a_fleet_merged_tell_their_cells_sglang_would_not_start_by_the
     said = " ".join(invoke("headroom", str(merged)).output.split())
     assert "rerun the unfinished shards" not in said, said
     assert "change the campaign (raise --mem-fraction-static to at least" in said, said
+
+
+def test_a_cube_of_cells_sglang_would_not_start_alone_is_refused_with_the_change_to_make(
+    tmp_path: Path,
+) -> None:
+    """Every cell failed as SGLang would not start the 8B model's server at a
+    --mem-fraction-static too low for it: the analyses' refusal says to change the campaign
+    and sweep with --fresh. Before, it said to rerun `dvfs sweep`, which fails them again."""
+    text = _with_engine_args('["--mem-fraction-static", "0.15"]')
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(write(tmp_path / "frac.toml", text)), "--out", str(out))
+    assert swept.exit_code == 5, swept.output
+    said = " ".join(invoke("headroom", str(out)).output.split())
+    assert "has no valid measured cell" in said and "rerun `dvfs sweep`" not in said, said
+    assert "change the campaign (raise --mem-fraction-static to at least" in said, said
+    assert said.endswith("then sweep again with --fresh or into another --out folder"), said

@@ -259,7 +259,7 @@ def _nothing_valid(path: Path, ds: xr.Dataset) -> str:
     cell (a shard's cube: every one of its own) was measured and flagged, a rerun measures
     none of them again, so the campaign changes and the sweep (each shard's, each merged
     sweep's) starts over with --fresh, and a merged cube is merged again."""
-    from dvfs.cube.info import resume_advice, shard_cells, shards_of
+    from dvfs.cube.info import resume_advice, resume_note, shard_cells, shards_of, unfit_left
 
     shards = shards_of(ds)
     measured = None
@@ -304,10 +304,14 @@ def _nothing_valid(path: Path, ds: xr.Dataset) -> str:
             f"campaign as `dvfs cube info` advises for its flags, then {again}"
         )
     then = resume_advice("the cells left", shards) if shards else "rerun `dvfs sweep`"
-    return (
+    said = (
         f"{path} has no valid measured cell (every cell is missing, failed or flagged "
-        f"invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then {then}"
+        "invalid): nothing to analyse; "
     )
+    unfit = unfit_left(ds) if "cell_status" in ds else {}
+    if unfit:  # failed cells SGLang would not start the server of: a rerun fails them again
+        return said + resume_note({**shards, **unfit})
+    return f"{said}see `dvfs cube info` and the sweep's journal, then {then}"
 
 
 def open_analysable(path: str | Path) -> xr.Dataset:
