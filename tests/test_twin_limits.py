@@ -667,3 +667,23 @@ def test_a_cube_of_cells_sglang_would_not_start_alone_is_refused_with_the_change
     assert "has no valid measured cell" in said and "rerun `dvfs sweep`" not in said, said
     assert "change the campaign (raise --mem-fraction-static to at least" in said, said
     assert said.endswith("then sweep again with --fresh or into another --out folder"), said
+
+
+def test_cube_info_counts_the_failed_cells_past_the_200_its_list_keeps(tmp_path: Path) -> None:
+    """201 cells of a drafter whose draft model does not fit failed: the cube lists 200 of
+    them (`FAILED_CELLS_CAP`); `dvfs cube info` shows 5 and says "... and 196 more failed
+    cells", counted from the cube's cells. Before, it counted the list and said 195."""
+    text = ONE_CELL.replace(
+        "[workload]",
+        '[drafters.big]\nalgorithm = "STANDALONE"\ndraft_model = "llama-3.1-70b"\n'
+        "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n\n[workload]",
+    )
+    limits = ", ".join(str(w) for w in range(300, 701, 2))  # 201 power limits
+    text = replace_block(text, "power_limit = [700]", f"power_limit = [{limits}]")
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(write(tmp_path / "wide.toml", text)), "--out", str(out))
+    assert swept.exit_code == 5, swept.output
+    info = json.loads(invoke("cube", "info", str(out), "--json").output)
+    assert info["failed"] == 201 and len(info["failed_cells"]) == 200, info["failed"]
+    said = " ".join(invoke("cube", "info", str(out)).output.split())
+    assert "... and 196 more failed cells" in said, said

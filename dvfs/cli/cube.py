@@ -233,8 +233,10 @@ def _render(summary: dict[str, Any]) -> None:
             f"[yellow]failed[/yellow] {escape(failed_cell_label(item['cell'], item.get('gpu')))}: "
             f"{escape(item['error'])}"
         )
-    if len(failed) > 5:
-        out.print(f"... and {len(failed) - 5} more failed cells")
+    # the cube's failed cells, not its list of them, which keeps the first FAILED_CELLS_CAP
+    more = max(int(summary["failed"]), len(failed)) - len(failed[:5])
+    if more > 0:
+        out.print(f"... and {more} more failed cells")
 
 
 def _recorded(value: Any) -> str:
