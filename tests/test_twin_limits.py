@@ -687,3 +687,16 @@ def test_cube_info_counts_the_failed_cells_past_the_200_its_list_keeps(tmp_path:
     assert info["failed"] == 201 and len(info["failed_cells"]) == 200, info["failed"]
     said = " ".join(invoke("cube", "info", str(out)).output.split())
     assert "... and 196 more failed cells" in said, said
+
+
+def test_a_fleet_of_two_gpu_models_is_told_its_journals_move_aside(tmp_path: Path) -> None:
+    """A fleet of an H100 and an H200 at a --mem-fraction-static the 8B model fits only the
+    H200 at: the cell SGLang would not start on the H100 is told to change the campaign and
+    sweep with --fresh, which moves the folder's two journals (one per GPU model) aside.
+    Before, the closing line spoke of "this journal", as a sweep of one journal does."""
+    campaign = write(tmp_path / "frac.toml", _with_engine_args('["--mem-fraction-static", "0.15"]'))
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "out"), "--gpus", "0,h200-sxm:0")
+    assert swept.exit_code == 5, swept.output
+    said = " ".join(swept.output.split())
+    assert "with --fresh (which moves these journals aside" in said, said
+    assert "cannot resume these journals." in said and "this journal" not in said, said

@@ -755,12 +755,14 @@ def _retry_advice(fresh: bool) -> str:
     return "rerun the same command to retry them"
 
 
-def _failed_advice(summary: Any, fresh: bool) -> str:
+def _failed_advice(summary: Any, fresh: bool, *, journals: int = 1) -> str:
     """How a sweep's failed cells are retried. Those SGLang would not start the server of for
     the campaign as it is (`unfit`: weights too large for the GPUs, a --context-length above
     the model's) fail again on a rerun: the campaign must change as their refusal says, and a
     changed campaign cannot resume the journal, so it runs with --fresh or into another --out.
-    The others (`_refused_advice`, `_retry_advice`) are retried by the same command."""
+    The others (`_refused_advice`, `_retry_advice`) are retried by the same command.
+    `journals`: how many the sweep keeps (a fleet mixing GPU models: one per model)."""
+    these = "this journal" if journals == 1 else "these journals"
     unfit = getattr(summary, "unfit", 0)
     others = summary.failed - unfit
     retry = f"{_refused_advice(summary, others)}{_retry_advice(fresh)}"
@@ -773,13 +775,16 @@ def _failed_advice(summary: Any, fresh: bool) -> str:
         f"{which} failed as SGLang would not start the server of drafter{'' if one else 's'} "
         f"{drafters} for the campaign as it is, which the same command meets again: change the "
         f"campaign ({'; '.join(summary.unfit_fixes)}), then run it "
-        f"{'again ' if fresh else ''}with --fresh (which moves this journal aside and measures "
+        f"{'again ' if fresh else ''}with --fresh (which moves {these} aside and measures "
         "every cell again) or with another --out folder, as a changed campaign cannot resume "
-        "this journal"
+        f"{these}"
     )
     if any("engine.sglang.env" in fix for fix in summary.unfit_fixes):
         # the server's environment may change between runs (`check_resumable`): resumed
-        advice += "; a change to engine.sglang.env alone resumes it: then rerun the same command"
+        advice += (
+            f"; a change to engine.sglang.env alone resumes {'it' if journals == 1 else 'them'}: "
+            "then rerun the same command"
+        )
     if not others:
         return advice
     return f"{advice}; the other {others}: {retry}"
@@ -870,6 +875,8 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
             f"failed, {w.gpu_time_s / 3600:.2f} h of GPU time{lost}"
         )
     s = outcome.summary
+    # a fleet mixing GPU models keeps a journal per model, in the folder its outcome names
+    many = 2 if outcome.journal_path.is_dir() else 1
     invalid = invalid_cells(outcome.cube_path, outcome.cube)
     err.print(
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
@@ -883,7 +890,7 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
             f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): "
-            f"{escape(_failed_advice(s, fresh))}.[/yellow]",
+            f"{escape(_failed_advice(s, fresh, journals=many))}.[/yellow]",
             soft_wrap=True,
         )
     if invalid:
