@@ -700,3 +700,32 @@ def test_a_fleet_of_two_gpu_models_is_told_its_journals_move_aside(tmp_path: Pat
     said = " ".join(swept.output.split())
     assert "with --fresh (which moves these journals aside" in said, said
     assert "cannot resume these journals." in said and "this journal" not in said, said
+
+
+def test_shards_told_to_change_the_campaign_are_told_to_sweep_every_shard_with_fresh(
+    tmp_path: Path,
+) -> None:
+    """Two shards at a --mem-fraction-static the 8B model does not fit an H100 at, merged:
+    the merge's note and `dvfs cube info` of the merged cube say to change the campaign and
+    run every shard again with --fresh, as `dvfs cube merge` merges the shards of one campaign
+    alone. Before, they said "sweep again with --fresh", as to a sweep of its own, which leaves
+    the shards that measured their cells under the old campaign, refused by the merge."""
+    text = _with_engine_args('["--mem-fraction-static", "0.15"]')
+    campaign = write(tmp_path / "frac.toml", replace_block(text, "batch = [1]", "batch = [1, 8]"))
+    shards = []
+    for i in range(2):
+        out = tmp_path / f"shard{i}"
+        swept = invoke("sweep", str(campaign), "--out", str(out), "--shard", f"{i}/2")
+        assert swept.exit_code == 5, swept.output
+        shards.append(str(out))
+    merged = tmp_path / "merged.nc"
+    merging = invoke("cube", "merge", *shards, "-o", str(merged))
+    assert merging.exit_code == 0, merging.output
+    info = json.loads(invoke("cube", "info", str(merged), "--json").output)
+    every = (
+        "then run every shard again with --fresh or into other --out folders (a changed "
+        "campaign needs it on each shard, not only where the cells failed"
+    )
+    for said in (" ".join(merging.output.split()), info["resume"]):
+        assert every in said and "then sweep again with --fresh" not in said, said
+        assert said.endswith("then `dvfs cube merge` the cubes again"), said

@@ -341,7 +341,8 @@ def unfinished_note(merged: Any, *, shards: bool) -> str | None:
     unfit = unfit_left(merged)
     if not unfit:
         return f"{said}: {resume}"
-    change = unfit_advice({**unfit, "merged_cubes": [parts]})  # ends with merging again
+    # ends with merging again; every shard (or sweep) swept again, as a changed campaign is
+    change = unfit_advice({**unfit, ("merged_shards" if shards else "merged_cubes"): [parts]})
     others = int(unfit["unfit"]["others"])
     return f"{said}: {change}" + (
         f"; for the other {others} cell(s) left: {resume}" if others else ""
