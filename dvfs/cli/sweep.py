@@ -755,14 +755,14 @@ def _retry_advice(fresh: bool) -> str:
     return "rerun the same command to retry them"
 
 
-def _failed_advice(summary: Any, fresh: bool, *, journals: int = 1) -> str:
+def _failed_advice(summary: Any, fresh: bool, *, several: bool = False) -> str:
     """How a sweep's failed cells are retried. Those SGLang would not start the server of for
     the campaign as it is (`unfit`: weights too large for the GPUs, a --context-length above
     the model's) fail again on a rerun: the campaign must change as their refusal says, and a
     changed campaign cannot resume the journal, so it runs with --fresh or into another --out.
     The others (`_refused_advice`, `_retry_advice`) are retried by the same command.
-    `journals`: how many the sweep keeps (a fleet mixing GPU models: one per model)."""
-    these = "this journal" if journals == 1 else "these journals"
+    `several`: the sweep keeps several journals (a fleet mixing GPU models: one per model)."""
+    these = "these journals" if several else "this journal"
     unfit = getattr(summary, "unfit", 0)
     others = summary.failed - unfit
     retry = f"{_refused_advice(summary, others)}{_retry_advice(fresh)}"
@@ -782,7 +782,7 @@ def _failed_advice(summary: Any, fresh: bool, *, journals: int = 1) -> str:
     if any("engine.sglang.env" in fix for fix in summary.unfit_fixes):
         # the server's environment may change between runs (`check_resumable`): resumed
         advice += (
-            f"; a change to engine.sglang.env alone resumes {'it' if journals == 1 else 'them'}: "
+            f"; a change to engine.sglang.env alone resumes {'them' if several else 'it'}: "
             "then rerun the same command"
         )
     if not others:
@@ -876,7 +876,7 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
         )
     s = outcome.summary
     # a fleet mixing GPU models keeps a journal per model, in the folder its outcome names
-    many = 2 if outcome.journal_path.is_dir() else 1
+    several = outcome.journal_path.is_dir()
     invalid = invalid_cells(outcome.cube_path, outcome.cube)
     err.print(
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
@@ -890,7 +890,7 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
             f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): "
-            f"{escape(_failed_advice(s, fresh, journals=many))}.[/yellow]",
+            f"{escape(_failed_advice(s, fresh, several=several))}.[/yellow]",
             soft_wrap=True,
         )
     if invalid:
