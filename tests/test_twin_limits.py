@@ -729,3 +729,20 @@ def test_shards_told_to_change_the_campaign_are_told_to_sweep_every_shard_with_f
     for said in (" ".join(merging.output.split()), info["resume"]):
         assert every in said and "then sweep again with --fresh" not in said, said
         assert said.endswith("then `dvfs cube merge` the cubes again"), said
+
+
+def test_a_shards_sweep_told_to_change_the_campaign_is_told_every_shard_sweeps_again(
+    tmp_path: Path,
+) -> None:
+    """Shard 0/2 at a --mem-fraction-static the 8B model does not fit an H100 at: its closing
+    line says to change the campaign and run every shard again with --fresh, not this one
+    alone, as `dvfs cube merge` merges the shards of one campaign alone."""
+    text = _with_engine_args('["--mem-fraction-static", "0.15"]')
+    campaign = write(tmp_path / "frac.toml", replace_block(text, "batch = [1]", "batch = [1, 8]"))
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "s0"), "--shard", "0/2")
+    assert swept.exit_code == 5, swept.output
+    said = " ".join(swept.output.split())
+    assert (
+        "cannot resume this journal; run every shard so (with --fresh or another --out folder), "
+        "not only this one: `dvfs cube merge` merges the shards of one campaign alone"
+    ) in said, said
