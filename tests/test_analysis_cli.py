@@ -302,3 +302,27 @@ def test_compare_keeps_the_accept_length_row_of_a_drafter_with_no_valid_cell(
         json.loads(run("compare", str(small_sweep), "--json").output)["acceptance_no_valid_cell"]
         == []
     )
+
+
+def test_compare_says_a_drafter_not_run_yet_in_a_partial_cube_is_measured_by_resuming(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """The small sweep with none of its speculative drafter's (eagle3) cells measured yet: its
+    accept-length note says they are not measured yet and points to the partial cube note
+    (what measures them), as the "no data:" note does. Before, it said eagle3 "has no valid
+    cell" and pointed to `dvfs cube info` for the flags."""
+    from dvfs.cube import open_analysable, write_cube
+
+    cube = open_analysable(small_sweep).load()
+    eagle = cube["drafter"] == "eagle3"
+    for name in ("energy_per_token_j", "tpot_ms", "valid", "accept_length"):
+        cube[name] = cube[name].where(~eagle)
+    cube["cell_status"] = cube["cell_status"].where(~eagle, 0)
+    path = write_cube(cube, tmp_path / "partial.nc")
+    said = " ".join(run("compare", str(path), "--markdown").output.split())
+    assert "partial cube: " in said, said
+    note = said.split("accept length: 'eagle3'", 1)[1]
+    assert note.startswith(
+        " has no valid cell yet, so no accept length (- in its row): its cells are not measured"
+        " yet (the partial cube note above says what measures them) or flagged invalid"
+    ), note

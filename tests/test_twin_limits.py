@@ -667,3 +667,82 @@ def test_a_cube_of_cells_sglang_would_not_start_alone_is_refused_with_the_change
     assert "has no valid measured cell" in said and "rerun `dvfs sweep`" not in said, said
     assert "change the campaign (raise --mem-fraction-static to at least" in said, said
     assert said.endswith("then sweep again with --fresh or into another --out folder"), said
+
+
+def test_cube_info_counts_the_failed_cells_past_the_200_its_list_keeps(tmp_path: Path) -> None:
+    """201 cells of a drafter whose draft model does not fit failed: the cube lists 200 of
+    them (`FAILED_CELLS_CAP`); `dvfs cube info` shows 5 and says "... and 196 more failed
+    cells", counted from the cube's cells. Before, it counted the list and said 195."""
+    text = ONE_CELL.replace(
+        "[workload]",
+        '[drafters.big]\nalgorithm = "STANDALONE"\ndraft_model = "llama-3.1-70b"\n'
+        "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n\n[workload]",
+    )
+    limits = ", ".join(str(w) for w in range(300, 701, 2))  # 201 power limits
+    text = replace_block(text, "power_limit = [700]", f"power_limit = [{limits}]")
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(write(tmp_path / "wide.toml", text)), "--out", str(out))
+    assert swept.exit_code == 5, swept.output
+    info = json.loads(invoke("cube", "info", str(out), "--json").output)
+    assert info["failed"] == 201 and len(info["failed_cells"]) == 200, info["failed"]
+    said = " ".join(invoke("cube", "info", str(out)).output.split())
+    assert "... and 196 more failed cells" in said, said
+
+
+def test_a_fleet_of_two_gpu_models_is_told_its_journals_move_aside(tmp_path: Path) -> None:
+    """A fleet of an H100 and an H200 at a --mem-fraction-static the 8B model fits only the
+    H200 at: the cell SGLang would not start on the H100 is told to change the campaign and
+    sweep with --fresh, which moves the folder's two journals (one per GPU model) aside.
+    Before, the closing line spoke of "this journal", as a sweep of one journal does."""
+    campaign = write(tmp_path / "frac.toml", _with_engine_args('["--mem-fraction-static", "0.15"]'))
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "out"), "--gpus", "0,h200-sxm:0")
+    assert swept.exit_code == 5, swept.output
+    said = " ".join(swept.output.split())
+    assert "with --fresh (which moves these journals aside" in said, said
+    assert "cannot resume these journals." in said and "this journal" not in said, said
+
+
+def test_shards_told_to_change_the_campaign_are_told_to_sweep_every_shard_with_fresh(
+    tmp_path: Path,
+) -> None:
+    """Two shards at a --mem-fraction-static the 8B model does not fit an H100 at, merged:
+    the merge's note and `dvfs cube info` of the merged cube say to change the campaign and
+    run every shard again with --fresh, as `dvfs cube merge` merges the shards of one campaign
+    alone. Before, they said "sweep again with --fresh", as to a sweep of its own, which leaves
+    the shards that measured their cells under the old campaign, refused by the merge."""
+    text = _with_engine_args('["--mem-fraction-static", "0.15"]')
+    campaign = write(tmp_path / "frac.toml", replace_block(text, "batch = [1]", "batch = [1, 8]"))
+    shards = []
+    for i in range(2):
+        out = tmp_path / f"shard{i}"
+        swept = invoke("sweep", str(campaign), "--out", str(out), "--shard", f"{i}/2")
+        assert swept.exit_code == 5, swept.output
+        shards.append(str(out))
+    merged = tmp_path / "merged.nc"
+    merging = invoke("cube", "merge", *shards, "-o", str(merged))
+    assert merging.exit_code == 0, merging.output
+    info = json.loads(invoke("cube", "info", str(merged), "--json").output)
+    every = (
+        "then run every shard again with --fresh or into other --out folders (a changed "
+        "campaign needs it on each shard, not only where the cells failed"
+    )
+    for said in (" ".join(merging.output.split()), info["resume"]):
+        assert every in said and "then sweep again with --fresh" not in said, said
+        assert said.endswith("then `dvfs cube merge` the cubes again"), said
+
+
+def test_a_shards_sweep_told_to_change_the_campaign_is_told_every_shard_sweeps_again(
+    tmp_path: Path,
+) -> None:
+    """Shard 0/2 at a --mem-fraction-static the 8B model does not fit an H100 at: its closing
+    line says to change the campaign and run every shard again with --fresh, not this one
+    alone, as `dvfs cube merge` merges the shards of one campaign alone."""
+    text = _with_engine_args('["--mem-fraction-static", "0.15"]')
+    campaign = write(tmp_path / "frac.toml", replace_block(text, "batch = [1]", "batch = [1, 8]"))
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "s0"), "--shard", "0/2")
+    assert swept.exit_code == 5, swept.output
+    said = " ".join(swept.output.split())
+    assert (
+        "cannot resume this journal; run every shard so (with --fresh or another --out folder), "
+        "not only this one: `dvfs cube merge` merges the shards of one campaign alone"
+    ) in said, said

@@ -233,8 +233,10 @@ def _render(summary: dict[str, Any]) -> None:
             f"[yellow]failed[/yellow] {escape(failed_cell_label(item['cell'], item.get('gpu')))}: "
             f"{escape(item['error'])}"
         )
-    if len(failed) > 5:
-        out.print(f"... and {len(failed) - 5} more failed cells")
+    # the cube's failed cells, not its list of them, which keeps the first FAILED_CELLS_CAP
+    more = max(int(summary["failed"]), len(failed)) - len(failed[:5])
+    if more > 0:
+        out.print(f"... and {more} more failed cells")
 
 
 def _recorded(value: Any) -> str:
@@ -339,7 +341,8 @@ def unfinished_note(merged: Any, *, shards: bool) -> str | None:
     unfit = unfit_left(merged)
     if not unfit:
         return f"{said}: {resume}"
-    change = unfit_advice({**unfit, "merged_cubes": [parts]})  # ends with merging again
+    # ends with merging again; every shard (or sweep) swept again, as a changed campaign is
+    change = unfit_advice({**unfit, ("merged_shards" if shards else "merged_cubes"): [parts]})
     others = int(unfit["unfit"]["others"])
     return f"{said}: {change}" + (
         f"; for the other {others} cell(s) left: {resume}" if others else ""

@@ -580,7 +580,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
             f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): the cube is "
-            f"written without them; {escape(_failed_advice(s, fresh))} (errors "
+            f"written without them; {escape(_failed_advice(s, fresh, shard=shard))} (errors "
             "are in the journal and in `dvfs cube info`).[/yellow]",
             soft_wrap=True,
         )
@@ -672,7 +672,7 @@ def run_fleet(
         else:
             err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
-    report_fleet(outcome, fresh=fresh)
+    report_fleet(outcome, fresh=fresh, shard=shard)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
         err.print(
             _ray_unrestored(run_on.unrestored, run_on.close_errors, run_on.resets),
@@ -755,12 +755,15 @@ def _retry_advice(fresh: bool) -> str:
     return "rerun the same command to retry them"
 
 
-def _failed_advice(summary: Any, fresh: bool) -> str:
+def _failed_advice(summary: Any, fresh: bool, *, several: bool = False, shard: Any = None) -> str:
     """How a sweep's failed cells are retried. Those SGLang would not start the server of for
     the campaign as it is (`unfit`: weights too large for the GPUs, a --context-length above
     the model's) fail again on a rerun: the campaign must change as their refusal says, and a
     changed campaign cannot resume the journal, so it runs with --fresh or into another --out.
-    The others (`_refused_advice`, `_retry_advice`) are retried by the same command."""
+    The others (`_refused_advice`, `_retry_advice`) are retried by the same command.
+    `several`: the sweep keeps several journals (a fleet mixing GPU models: one per model);
+    `shard`: a shard's sweep, whose changed campaign every shard must sweep again alike."""
+    these = "these journals" if several else "this journal"
     unfit = getattr(summary, "unfit", 0)
     others = summary.failed - unfit
     retry = f"{_refused_advice(summary, others)}{_retry_advice(fresh)}"
@@ -773,13 +776,21 @@ def _failed_advice(summary: Any, fresh: bool) -> str:
         f"{which} failed as SGLang would not start the server of drafter{'' if one else 's'} "
         f"{drafters} for the campaign as it is, which the same command meets again: change the "
         f"campaign ({'; '.join(summary.unfit_fixes)}), then run it "
-        f"{'again ' if fresh else ''}with --fresh (which moves this journal aside and measures "
+        f"{'again ' if fresh else ''}with --fresh (which moves {these} aside and measures "
         "every cell again) or with another --out folder, as a changed campaign cannot resume "
-        "this journal"
+        f"{these}"
     )
+    if shard is not None:  # `dvfs cube merge` merges the shards of one campaign alone
+        advice += (
+            "; run every shard so (with --fresh or another --out folder), not only this one: "
+            "`dvfs cube merge` merges the shards of one campaign alone"
+        )
     if any("engine.sglang.env" in fix for fix in summary.unfit_fixes):
         # the server's environment may change between runs (`check_resumable`): resumed
-        advice += "; a change to engine.sglang.env alone resumes it: then rerun the same command"
+        advice += (
+            f"; a change to engine.sglang.env alone resumes {'them' if several else 'it'}: "
+            "then rerun the same command"
+        )
     if not others:
         return advice
     return f"{advice}; the other {others}: {retry}"
@@ -860,7 +871,7 @@ def _journals_text(path: Path) -> str:
     return f"journals {path / 'gpu-*' / JOURNAL_NAME}" if path.is_dir() else f"journal {path}"
 
 
-def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
+def report_fleet(outcome: Any, *, fresh: bool = False, shard: Any = None) -> None:
     """Per worker: cells and GPU time; then the whole, as `run` reports a sweep."""
     err = console(stderr=True)
     for w in outcome.workers:
@@ -870,6 +881,8 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
             f"failed, {w.gpu_time_s / 3600:.2f} h of GPU time{lost}"
         )
     s = outcome.summary
+    # a fleet mixing GPU models keeps a journal per model, in the folder its outcome names
+    several = outcome.journal_path.is_dir()
     invalid = invalid_cells(outcome.cube_path, outcome.cube)
     err.print(
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
@@ -883,7 +896,7 @@ def report_fleet(outcome: Any, *, fresh: bool = False) -> None:
         shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
             f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): "
-            f"{escape(_failed_advice(s, fresh))}.[/yellow]",
+            f"{escape(_failed_advice(s, fresh, several=several, shard=shard))}.[/yellow]",
             soft_wrap=True,
         )
     if invalid:

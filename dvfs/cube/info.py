@@ -706,15 +706,25 @@ def unfit_advice(doc: dict[str, Any]) -> str:
         return ""
     fixes = "; ".join(str(f) for f in unfit.get("fixes") or ())
     which = ", ".join(repr(d) for d in drafters)
+    # `dvfs cube merge` merges the shards (or sweeps' cubes) of one campaign alone: a changed
+    # campaign is swept again on every one, not only where the cells failed
+    apart = "shard" if doc.get("shard") or doc.get("merged_shards") else "sweep"
+    merged = bool(doc.get("shard") or doc.get("merged_shards") or doc.get("merged_cubes"))
+    again = (
+        f"run every {apart} again with --fresh or into other --out folders (a changed campaign "
+        f"needs it on each {apart}, not only where the cells failed: `dvfs cube merge` merges "
+        f"the {apart}s of one campaign alone)"
+        if merged
+        else "sweep again with --fresh or into another --out folder"
+    )
     advice = (
         f"the cells of drafter{'' if len(drafters) == 1 else 's'} {which} failed as SGLang would "
         "not start their server for the campaign as it is, which the same command meets again: "
-        f"change the campaign ({fixes}), then sweep again with --fresh or into another --out "
-        "folder"
+        f"change the campaign ({fixes}), then {again}"
     )
     if "engine.sglang.env" in fixes:  # the server's environment may change between runs
         advice += " (a change to engine.sglang.env alone resumes the journal by the same command)"
-    if doc.get("shard") or doc.get("merged_shards") or doc.get("merged_cubes"):
+    if merged:
         advice += ", then `dvfs cube merge` the cubes again"  # as `resume_advice` says
     return advice
 

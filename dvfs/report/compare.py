@@ -298,10 +298,20 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
         )
     unmeasured = doc.get("acceptance_no_valid_cell") or []
     if unmeasured:
+        one = len(unmeasured) == 1
+        # in a partial cube its cells may be not measured yet: the note above says what
+        # measures them (`dvfs cube info` would only name flags), as the "no data:" note says
+        why = (
+            f"{'its' if one else 'their'} cells are not measured {where} (the partial cube note "
+            "above says what measures them) or flagged invalid (`dvfs cube info` names the "
+            "flags and what to change in the campaign)"
+            if waiting
+            else "`dvfs cube info` names the flags (or the cells not measured)"
+        )
         notes.append(
             f"accept length: {', '.join(repr(d) for d in unmeasured)} "
-            f"{'has' if len(unmeasured) == 1 else 'have'} no valid cell, so no accept length "
-            "(- in its row): `dvfs cube info` names the flags (or the cells not measured)"
+            f"{'has' if one else 'have'} no valid cell{' ' + where if waiting else ''}, so no "
+            f"accept length (- in {'its row' if one else 'their rows'}): {why}"
         )
     dropped = [
         r
