@@ -575,14 +575,9 @@ def test_a_merged_cube_tells_the_gpu_sglang_would_not_start_on_from_one_a_rerun_
     assert left["on"] == {"none": [h100]} and left["others"] == 0, left
 
 
-def test_cells_sglang_would_not_start_are_told_past_the_200_failed_cells_a_cube_lists(
-    tmp_path: Path,
-) -> None:
-    """A cube lists its first 200 failed cells: where 201 cells of the target alone failed
-    otherwise (a crash, edited into the journal) ahead of the drafter whose draft model does
-    not fit, that drafter's cells are still told to change the campaign, not counted among
-    the cells a rerun retries. Before, `dvfs cube info` had no `unfit` and said to rerun the
-    same command for all of them, which fails the drafter's cells again."""
+def _swept_wide_with_an_unfit_drafter(tmp_path: Path) -> Path:
+    """ONE_CELL over 201 power limits with a drafter whose 70B draft model does not fit,
+    swept (exit 5: its 201 cells failed): the folder."""
     text = ONE_CELL.replace(
         "[workload]",
         '[drafters.big]\nalgorithm = "STANDALONE"\ndraft_model = "llama-3.1-70b"\n'
@@ -593,6 +588,18 @@ def test_cells_sglang_would_not_start_are_told_past_the_200_failed_cells_a_cube_
     out = tmp_path / "out"
     swept = invoke("sweep", str(write(tmp_path / "wide.toml", text)), "--out", str(out))
     assert swept.exit_code == 5, swept.output
+    return out
+
+
+def test_cells_sglang_would_not_start_are_told_past_the_200_failed_cells_a_cube_lists(
+    tmp_path: Path,
+) -> None:
+    """A cube lists its first 200 failed cells: where 201 cells of the target alone failed
+    otherwise (a crash, edited into the journal) ahead of the drafter whose draft model does
+    not fit, that drafter's cells are still told to change the campaign, not counted among
+    the cells a rerun retries. Before, `dvfs cube info` had no `unfit` and said to rerun the
+    same command for all of them, which fails the drafter's cells again."""
+    out = _swept_wide_with_an_unfit_drafter(tmp_path)
     head: list[str] = []
     crashed: list[str] = []
     unfit: list[str] = []
@@ -673,16 +680,7 @@ def test_cube_info_counts_the_failed_cells_past_the_200_its_list_keeps(tmp_path:
     """201 cells of a drafter whose draft model does not fit failed: the cube lists 200 of
     them (`FAILED_CELLS_CAP`); `dvfs cube info` shows 5 and says "... and 196 more failed
     cells", counted from the cube's cells. Before, it counted the list and said 195."""
-    text = ONE_CELL.replace(
-        "[workload]",
-        '[drafters.big]\nalgorithm = "STANDALONE"\ndraft_model = "llama-3.1-70b"\n'
-        "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n\n[workload]",
-    )
-    limits = ", ".join(str(w) for w in range(300, 701, 2))  # 201 power limits
-    text = replace_block(text, "power_limit = [700]", f"power_limit = [{limits}]")
-    out = tmp_path / "out"
-    swept = invoke("sweep", str(write(tmp_path / "wide.toml", text)), "--out", str(out))
-    assert swept.exit_code == 5, swept.output
+    out = _swept_wide_with_an_unfit_drafter(tmp_path)
     info = json.loads(invoke("cube", "info", str(out), "--json").output)
     assert info["failed"] == 201 and len(info["failed_cells"]) == 200, info["failed"]
     said = " ".join(invoke("cube", "info", str(out)).output.split())
