@@ -581,7 +581,10 @@ def test_strictness_survives_loosening() -> None:
     [
         ("tpot_p90<=", "no limit after <="),
         ("foo<=5ms", "unknown latency 'foo'"),
-        ("tpot_p95<=5ms", "unknown latency 'tpot_p95'"),
+        ("tpot_p95<=5ms", "quantile 'p95' for tpot: use tpot_p50, tpot_p90 or tpot_p99"),
+        ("itl<=8ms", "no quantile for itl: use itl_p50, itl_p90 or itl_p99"),
+        ("ITL_<=8ms", "no quantile for itl: use itl_p50"),
+        ("tpotp90<=8ms", "unknown latency 'tpotp90'"),
         ("tpot_p90<=-3ms", "positive, finite number, got -3"),
         ("tpot_p90<=0ms", "positive, finite number, got 0"),
         ("tpot_p90<=nanms", "positive, finite number, got nan"),

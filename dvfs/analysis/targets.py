@@ -103,6 +103,10 @@ def parse_slo(text: str) -> Target:
         raise refuse("no latency named")
     name, op, rhs = match["name"].lower(), match["op"], match["rhs"]
     metric, _, quantile = name.partition("_")
+    if metric in METRICS and quantile not in QUANTILE_NAMES:
+        # a known metric: the quantile is what is wrong ("itl" alone read as an unknown latency)
+        given = f"quantile {quantile!r}" if quantile else "no quantile"
+        raise refuse(f"{given} for {metric}: use {metric}_p50, {metric}_p90 or {metric}_p99")
     if metric not in METRICS or quantile not in QUANTILE_NAMES:
         raise refuse(f"unknown latency {match['name']!r}")
     if op not in ("<=", "<"):
