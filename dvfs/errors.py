@@ -133,7 +133,8 @@ class ServerRefusedError(EngineError):
 
 class ServerUnfitError(EngineError):
     """SGLang would not start the server for the campaign as it is (weights too large for
-    its GPUs, a --context-length above the model's): a rerun fails it again, so the campaign
+    its GPUs, a --context-length above the model's: on the twin, or as a real server's output
+    said as it exited, `dvfs.engines.sglang_refusals`): a rerun fails it again, so the campaign
     must change (what its message ends with, after its last ": "), and a changed campaign
     cannot resume the journal."""
 

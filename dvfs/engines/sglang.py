@@ -78,6 +78,7 @@ from dvfs.engines.sglang_client import (
     accept_length_of,
     hung_probe_s,
 )
+from dvfs.engines.sglang_refusals import StartRefusal, start_refusal
 from dvfs.errors import (
     MAX_MESSAGE_CHARS,
     CorpusError,
@@ -87,6 +88,7 @@ from dvfs.errors import (
     EngineHungError,
     GpuError,
     ServerReplacedError,
+    ServerUnfitError,
 )
 from dvfs.gpu.base import GpuProcesses
 from dvfs.outputs import check_links
@@ -429,6 +431,9 @@ class SglangEngine:
         self._process: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self._log_path: Path | None = None
+        #: Where the running server's own output begins in its log (appended to, as a resumed
+        #: sweep's server of the same start number writes to the same file)
+        self._log_from = 0
         self._client: SglangClient | None = None
         self._help: str | None = None
         self._help_probed = False
@@ -524,6 +529,21 @@ class SglangEngine:
                     raise
                 log.info("%s", exc)  # moved to another block next
 
+    def _refusal(self, drafter: DrafterSpec, argv: Sequence[str]) -> StartRefusal | None:
+        """Why SGLang would not start the server for the campaign as it is, where the server
+        exited before it answered and what it printed says so (`start_refusal`); None for
+        any other failure (a crash, a timeout, its port taken), which a rerun may not meet."""
+        if self._process is None or self._process.poll() is None or self._log_path is None:
+            return None
+        try:
+            with self._log_path.open("rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(self._log_from, size - LOG_TAIL_BYTES))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return None
+        return start_refusal(redact_text(text), drafter, argv, self.campaign.engine.tp_size)
+
     def _held_elsewhere(self) -> str | None:
         """A port of the block another program still holds after `PORT_SETTLE_S`, or None
         (none: no block)."""
@@ -544,6 +564,7 @@ class SglangEngine:
         shown = " ".join(redact_argv(argv))  # the log may be shared: no credentials
         self._log_file.write(("$ " + shown + "\n").encode())
         self._log_file.flush()
+        self._log_from = self._log_file.tell()
         try:
             env = server_env(self.campaign, self.gpu_uuids)
         except EngineError:
@@ -576,7 +597,10 @@ class SglangEngine:
             info = self._client.server_info()
         except EngineError as exc:
             log_path = self._log_path
+            refusal = self._refusal(drafter, argv)
             self.stop()
+            if refusal is not None:  # a rerun meets it again: the campaign must change
+                raise ServerUnfitError(refusal.message(drafter.name, log_path)) from exc
             raise _NoAnswerError(
                 with_log_tail(f"the {drafter.name!r} server failed to start: {exc}", log_path)
             ) from exc

@@ -59,6 +59,16 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
 - ``torch_load_device`` (null): a torch device ("cuda", "cpu") on which matrix-vector
   products over ``torch_load_mib`` (512) MiB of weights run while requests run (``TorchLoad``):
   a real load, and a real compute process, for dvfs on a real GPU.
+- ``start_failure`` (null): the start fails as SGLang's does, after ``listen_delay_s`` (its
+  weights "loading"), before the port is bound: the scheduler's traceback is logged, ending in
+  SGLang's (or torch's) own line, then the launcher's "Received sigquit from a child process"
+  line, and the process kills itself (SIGKILL, as SGLang's launcher kills its process tree:
+  exit -9). One of ``"kv_cache"`` (the weights leave the KV cache nothing: "Not enough memory.
+  Please try to increase --mem-fraction-static."), ``"weights_oom"`` (torch's "CUDA out of
+  memory" while the target's weights load), ``"draft_oom"`` (the same while the draft model's
+  load, the target's loaded), ``"graph_oom"`` (out of memory capturing the CUDA graphs:
+  "Capture cuda graph failed: CUDA out of memory ..."), or ``"crash"`` (a scheduler that fails
+  for no reason of the campaign's: an NCCL error, which a rerun may not meet).
 - ``fail_after_requests`` (null): /generate requests number N, N+1, ... are
   answered ``fail_status`` with ``{"error": {"message": ...}}`` (0 fails them
   all).  Both fault counters number /generate requests from 1 as they arrive
@@ -232,6 +242,12 @@ tokens)."); one whose total with max_new_tokens exceeds the context (0.5.23; rea
 C tokens. ..."), both as a 400, or in-band on a stream; with ``--allow-auto-truncate``
 max_new_tokens is cut to what the context leaves instead.  An admitted request's
 max_new_tokens is then cut, silently, to ``max_req_len`` less its prompt less 1.
+A ``--context-length`` above ``context_len`` is refused at start, as SGLang's ModelConfig
+refuses it ("User-specified context_length (N) is greater than the derived context_length
+(C). ...", a ValueError, exit 1) unless env ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN`` is
+true (then served, as SGLang warns and serves it); a pool or context that leaves
+``max_req_input_len`` at 0 or less fails the start as SGLang's TpModelWorker does (the
+assertion "Memory pool size is too small", logged as ``start_failure``'s are).
 
 Errors as SGLang reports them: a malformed body or an unknown sampling key
 (0.5.23) is a 400 ``{"error": {"message": ...}}``; a bad sampling value is a 400
@@ -509,6 +525,7 @@ class StubConfig:
     die_after_requests: int | None = None
     die_delay_s: float = 0.0
     hang_after_requests: int | None = None
+    start_failure: str | None = None
     fail_after_requests: int | None = None
     fail_status: int = 500
     burst_request: int | None = None
@@ -536,6 +553,78 @@ class StubConfig:
     torch_load_device: str | None = None
     #: MiB of bf16 weights (float32 on the CPU) each of the load's matrix-vector products reads.
     torch_load_mib: float = 512.0
+
+
+#: What the scheduler's traceback ends with for each ``start_failure``, as SGLang 0.5.x and
+#: torch print it (sgl-project/sglang python/sglang/srt/model_executor/pool_configurator.py
+#: ``MemoryPoolConfig``, before it model_runner.py ``init_memory_pool``; cuda_graph_runner.py
+#: ``CudaGraphRunner.__init__``; pytorch/pytorch c10/cuda/CUDACachingAllocator.cpp), and
+#: whether it comes after the weights loaded (``Load weight end``) and, with a draft model,
+#: after its weights began to load.
+_TORCH_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total "
+    "capacity of 79.19 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this "
+    "process has 78.16 GiB memory in use. Of the allocated memory 77.20 GiB is allocated by "
+    "PyTorch, and 0.45 GiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+    "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+START_FAILURES: dict[str, tuple[str, ...]] = {
+    "kv_cache": (
+        "loaded",
+        '  File "sglang/srt/model_executor/model_runner.py", in init_memory_pool',
+        "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
+    ),
+    "weights_oom": (
+        '  File "sglang/srt/model_loader/loader.py", in load_model',
+        _TORCH_OOM,
+    ),
+    "draft_oom": (
+        "loaded",
+        "draft",
+        '  File "sglang/srt/model_loader/loader.py", in load_model',
+        _TORCH_OOM,
+    ),
+    "graph_oom": (
+        "loaded",
+        '  File "sglang/srt/model_executor/cuda_graph_runner.py", in __init__',
+        "Exception: Capture cuda graph failed: " + _TORCH_OOM.partition(": ")[2],
+        "Possible solutions:",
+        "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)",
+        "2. set --cuda-graph-max-bs to a smaller value (e.g., 16)",
+        "3. disable torch compile by not using --enable-torch-compile",
+        "4. disable CUDA graph by --disable-cuda-graph. (Not recommended. Huge performance loss)",
+    ),
+    "crash": (
+        "loaded",
+        '  File "sglang/srt/distributed/device_communicators/pynccl.py", in __init__',
+        "RuntimeError: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)",
+    ),
+}
+#: The assertion SGLang's TpModelWorker fails when its pool or context holds no request.
+POOL_TOO_SMALL = ("loaded", "AssertionError: Memory pool size is too small")
+
+
+def fail_start(steps: Sequence[str], draft: bool) -> None:
+    """Fail the start as SGLang does (`START_FAILURES`): weights loaded ("loaded"; "draft": the
+    draft model's begun, where there is one), the scheduler's traceback, its SIGQUIT to the
+    launcher, and the launcher's SIGKILL of its own process tree."""
+    log("Load weight begin. avail mem=78.50 GB")
+    lines = list(steps)
+    if lines and lines[0] == "loaded":
+        lines.pop(0)
+        log("Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16, avail mem=63.40 GB")
+        if lines and lines[0] == "draft":
+            lines.pop(0)
+            if draft:
+                log("Load weight begin. avail mem=63.38 GB")
+    log("Scheduler hit an exception: Traceback (most recent call last):")
+    for line in lines:
+        sys.stderr.write(line + "\n")
+    log("Received sigquit from a child process. It usually means the child failed.")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 #: Tokens the stub's KV pool holds unless --max-total-tokens says (an H100's, for an 8B model).
@@ -589,6 +678,8 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
     for key in ("natural_stop", "abort_route", "abort_ignored", "hold_unfinished"):
         if not isinstance(getattr(cfg, key), bool):
             raise StubConfigError(f"{key} must be true or false")
+    if cfg.start_failure is not None and cfg.start_failure not in START_FAILURES:
+        raise StubConfigError(f"start_failure must be one of {sorted(START_FAILURES)} or null")
     if cfg.torch_load_device is not None and not isinstance(cfg.torch_load_device, str):
         raise StubConfigError("torch_load_device must be a torch device name or null")
     if cfg.die_after_requests == 0:
@@ -2142,8 +2233,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     bind_host = "127.0.0.1" if host == "localhost" else host
+    asked = int(args.get("context_length") or 0)
+    longer = os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower()
+    if asked > cfg.context_len and longer not in ("true", "1", "yes", "y"):
+        print(
+            "Traceback (most recent call last):\n  (sglang_stub)\nValueError: "
+            f"User-specified context_length ({asked}) is greater than the derived "
+            f"context_length ({cfg.context_len}). This may lead to incorrect model outputs or "
+            "CUDA errors. Note that the derived context_length may differ from "
+            "max_position_embeddings in the model's config. To allow overriding this maximum, "
+            "set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1",
+            file=sys.stderr,
+        )
+        return 1
     if cfg.listen_delay_s:
         time.sleep(cfg.listen_delay_s)
+    draft = bool(args.get("speculative_draft_model_path"))
+    if cfg.start_failure is not None:
+        fail_start(START_FAILURES[cfg.start_failure], draft)
+    pool = int(args.get("max_total_tokens") or KV_TOKENS)
+    if min(int(args.get("context_length") or cfg.context_len), pool) - 1 - 5 <= 0:
+        fail_start(POOL_TOO_SMALL, draft)
     nvml = fake_nvml(os.environ)
     stub = Stub(cfg, args, spec)
     load = None

@@ -1,0 +1,225 @@
+"""Why a real SGLang server that exited as it started would not start for the campaign as it
+is, read off what it printed: a rerun meets the same refusal, so the engine raises
+`ServerUnfitError` (the twin's `dvfs.twin.limits` refuses the same cases before a start).
+
+What SGLang prints, read (never copied) from sgl-project/sglang, messages unchanged from the
+0.5.x model_runner.py they moved out of to the 0.5.23-era files named here:
+
+- python/sglang/srt/model_executor/pool_configurator.py `MemoryPoolConfig.__post_init__` (the
+  KV-cache sizing of python/sglang/srt/mem_cache/kv_cache_configurator.py; before it,
+  model_executor/model_runner.py `init_memory_pool`): "Not enough memory. Please try to
+  increase --mem-fraction-static." (newer releases add " Current value:
+  mem_fraction_static=..."), a RuntimeError when the weights leave the static memory
+  (GPU memory x --mem-fraction-static) no token of KV cache.
+- python/sglang/srt/managers/tp_worker.py `TpModelWorker.__init__`: the assertion "Memory pool
+  size is too small" when the KV pool (--max-total-tokens, or what the memory left) or the
+  context cannot hold one request (max_req_len = min(context, pool) - 1, less 5 for its input).
+- python/sglang/srt/configs/model_config.py `ModelConfig._derive_context_length`: "User-specified
+  context_length (X) is greater than the derived context_length (Y). ... To allow overriding
+  this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1", a ValueError; for
+  a draft model the same with "Target model's context_length" (without the env variable it is
+  only a warning, which does not end with that sentence).
+- python/sglang/srt/model_executor/cuda_graph_runner.py `CudaGraphRunner.__init__`: "Capture
+  cuda graph failed: {error}" and, for an out-of-memory error, "set --mem-fraction-static to a
+  smaller value ... set --cuda-graph-max-bs(-decode) to a smaller value" (newer releases say
+  "This is not an out-of-memory error ..." for the others: that alone is no refusal here).
+- python/sglang/srt/model_executor/model_runner.py `load_model`: "Load weight begin. avail
+  mem=..." and "Load weight end. ..." around each model's weights (the target's, then an EAGLE
+  or standalone drafter's draft model), one pair per tensor-parallel rank.
+- pytorch/pytorch c10/cuda/CUDACachingAllocator.cpp: "CUDA out of memory. Tried to allocate
+  ..." (Python's torch.OutOfMemoryError, torch.cuda.OutOfMemoryError before 2.5); a CUDA call
+  that fails so says "CUDA error: out of memory".
+- python/sglang/srt/managers/scheduler.py `run_scheduler_process` logs "Scheduler hit an
+  exception: {traceback}" and sends its parent SIGQUIT, whose handler
+  (python/sglang/srt/entrypoints/engine.py) logs "Received sigquit from a child process. It
+  usually means the child failed." and kills the whole process tree: the server exits.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dvfs.campaign.model import DrafterSpec
+from dvfs.twin.limits import LONGER_CONTEXT_ENV, given_context_length, mem_fraction_static
+
+#: The fewest tokens of context or KV pool SGLang starts with (tp_worker.py: a request's
+#: max_req_len, the lesser of both less 1, and its input, that less 5, must be above 0).
+REQUEST_MIN_TOKENS = 6
+#: The most characters of SGLang's own line a refusal quotes.
+QUOTE_CHARS = 200
+
+_NOT_ENOUGH = re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static")
+_POOL_TOO_SMALL = re.compile(r"Memory pool size is too small")
+_CONTEXT = re.compile(
+    r"(User-specified|Target model's) context_length \((\d+)\) is greater than the derived "
+    r"context_length \((\d+)\).*To allow overriding this maximum"
+)
+_GRAPH = re.compile(r"Capture cuda graph failed")
+_OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError")
+_LOAD_BEGIN = re.compile(r"Load weight begin\b")
+_LOAD_END = re.compile(r"Load weight end\b")
+
+
+@dataclass(frozen=True)
+class StartRefusal:
+    """Why SGLang would not start the server (`why`, SGLang's own line `said`) and what to
+    change in the campaign (`fix`: no ": " in it, as `dvfs.errors.unfit_fix` reads it)."""
+
+    why: str
+    said: str
+    fix: str
+
+    def message(self, drafter: str, log_path: object) -> str:
+        """The one line of the `ServerUnfitError`: why, SGLang's words, its log, the fix."""
+        return (
+            f"SGLang refused to start the {drafter!r} server: {self.why} (it said "
+            f'"{self.said}"; its log {log_path}): {self.fix}'
+        )
+
+
+def _quote(line: str, start: int) -> str:
+    """SGLang's line from `start` (where its message begins), cut to `QUOTE_CHARS`."""
+    text = line[start:].strip()
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3].rstrip() + "..."
+
+
+def _where(flag_value: object, drafter: DrafterSpec) -> str:
+    """The campaign key whose extra_args give a flag (`flag_value`: the drafter's own value,
+    None where the drafter's extra_args do not give it)."""
+    if flag_value is not None:
+        return f"drafters.{drafter.name}.extra_args"
+    return "engine.sglang.extra_args"
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value `args` give `flag` (`--flag VALUE` or `--flag=VALUE`), None: none."""
+    value = None
+    for i, token in enumerate(args):
+        if token == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif token.startswith(flag + "="):
+            value = token.partition("=")[2]
+    return value
+
+
+def _first(lines: Sequence[str], pattern: re.Pattern[str]) -> tuple[str, re.Match[str]] | None:
+    for line in lines:
+        found = pattern.search(line)
+        if found is not None:
+            return line, found
+    return None
+
+
+def start_refusal(
+    log_text: str, drafter: DrafterSpec, launch: Sequence[str], tp_size: int
+) -> StartRefusal | None:
+    """Why SGLang would not start `drafter`'s server for the campaign, read off `log_text`
+    (what the server printed as it started, and exited), with what to change; `launch`: the
+    server's argv (the campaign's flags in it), `tp_size`: its tensor-parallel ranks. None:
+    nothing it printed is such a refusal (a crash, another program on its port...: a rerun
+    may start it)."""
+    lines = log_text.splitlines()
+    smaller = "use more GPUs (tp, engine.tp_size) or a smaller model"
+    if drafter.draft_model:
+        smaller = (
+            f"use a smaller draft model than {drafter.draft_model}, more GPUs "
+            "(tp, engine.tp_size) or a smaller model"
+        )
+    fraction = mem_fraction_static(launch)
+    fraction_where = _where(mem_fraction_static(drafter.extra_args), drafter)
+
+    hit = _first(lines, _CONTEXT)
+    if hit is not None:
+        line, found = hit
+        asked, model = int(found.group(2)), int(found.group(3))
+        where = _where(given_context_length(drafter.extra_args), drafter)
+        allow = f"set {LONGER_CONTEXT_ENV}=1 in engine.sglang.env"
+        if found.group(1) == "User-specified":
+            return StartRefusal(
+                f"--context-length {asked} is above the model's context length ({model} tokens)",
+                _quote(line, found.start()),
+                f"give --context-length at most {model} in {where}, or {allow}",
+            )
+        draft = drafter.draft_model or f"of drafter {drafter.name!r}"
+        return StartRefusal(
+            f"the context length {asked} is above the draft model {draft}'s ({model} tokens)",
+            _quote(line, found.start()),
+            f"give --context-length at most {model} in {where}, {allow}, or use a draft model "
+            "of a longer context",
+        )
+
+    hit = _first(lines, _POOL_TOO_SMALL)
+    if hit is not None:
+        line, found = hit
+        tokens = _flag_value(launch, "--max-total-tokens")
+        context = given_context_length(launch)
+        if context is not None and context <= REQUEST_MIN_TOKENS:
+            where = _where(given_context_length(drafter.extra_args), drafter)
+            fix = f"give a --context-length above {REQUEST_MIN_TOKENS} in {where}"
+        elif tokens is not None:
+            where = _where(_flag_value(drafter.extra_args, "--max-total-tokens"), drafter)
+            fix = f"give a --max-total-tokens above {tokens} in {where}"
+        else:
+            fix = _more_static(fraction, fraction_where, smaller)
+        return StartRefusal(
+            "its KV cache or context would hold too few tokens for one request",
+            _quote(line, found.start()),
+            fix,
+        )
+
+    hit = _first(lines, _NOT_ENOUGH)
+    if hit is not None:
+        line, found = hit
+        return StartRefusal(
+            "the weights leave its static GPU memory nothing for the KV cache",
+            _quote(line, found.start()),
+            _more_static(fraction, fraction_where, smaller),
+        )
+
+    hit = _first(lines, _OOM)
+    if hit is None:
+        return None
+    line, found = hit
+    said = _quote(line, found.start())
+    graph = _first(lines, _GRAPH)
+    begun = sum(1 for text in lines if _LOAD_BEGIN.search(text))
+    ended = sum(1 for text in lines if _LOAD_END.search(text))
+    if graph is None and begun > ended:  # out of memory while a model's weights loaded
+        target_loaded = ended >= max(tp_size, 1)
+        if drafter.draft_model and target_loaded:
+            return StartRefusal(
+                f"the GPUs ran out of memory loading the draft model {drafter.draft_model} "
+                "beside the target's weights",
+                said,
+                smaller,
+            )
+        return StartRefusal(
+            "the GPUs ran out of memory loading the weights",
+            said,
+            "use more GPUs (tp, engine.tp_size) or a smaller model",
+        )
+    lower = (
+        f"lower --mem-fraction-static below {fraction:g} in {fraction_where}"
+        if fraction is not None
+        else "give a --mem-fraction-static below SGLang's default in engine.sglang.extra_args"
+    )
+    what = "capturing its CUDA graphs" if graph is not None else "after loading the weights"
+    return StartRefusal(
+        f"the GPUs ran out of memory {what}, outside its static memory",
+        said,
+        f"{lower} (more memory outside its static pool), or a smaller largest batch in "
+        "workload.batch (dvfs captures CUDA graphs up to it)",
+    )
+
+
+def _more_static(fraction: float | None, where: str, smaller: str) -> str:
+    """The fix for weights that leave the KV cache too little: a larger static fraction (the
+    campaign's, or above SGLang's default), or less to load per GPU (`smaller`)."""
+    if fraction is not None:
+        return f"raise --mem-fraction-static above {fraction:g} in {where}, or {smaller}"
+    return (
+        "give a --mem-fraction-static above SGLang's default in engine.sglang.extra_args, or "
+        f"{smaller}"
+    )

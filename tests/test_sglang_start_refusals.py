@@ -1,0 +1,181 @@
+"""A real SGLang server that refuses to start for the campaign as it is (the weights leave the
+KV cache nothing, CUDA out of memory as it loads or captures its graphs, a --context-length
+above the model's, a pool too small for a request) fails its cells as one SGLang would not
+start (`ServerUnfitError`), as the twin's do: the sweep's closing line and `dvfs cube info`
+say what to change in the campaign and to sweep with --fresh, not to rerun the same command,
+which meets the same refusal. A server that crashes as it starts for another reason is still
+told to rerun. Through the CLI, the real engine and the stub server started as SGLang is
+(tests/fakes/sglang_stub.py's `start_failure`, printing SGLang's own lines and exiting as it
+does)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
+
+from dvfs.campaign.model import DrafterSpec
+from dvfs.cli import cli
+from dvfs.engines.sglang_refusals import start_refusal
+from dvfs.errors import START_UNFIT
+
+ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
+EAGLE3_ONLY = EAGLE3_DRAFTER
+RERUN = "rerun the same command to retry them"
+#: What a changed campaign is told to run with.
+FRESH = "then run it with --fresh"
+SMALLER = "use more GPUs (tp, engine.tp_size) or a smaller model"
+GRAPHS = (
+    "(more memory outside its static pool), or a smaller largest batch in workload.batch (dvfs "
+    "captures CUDA graphs up to it)"
+)
+
+#: id: (the stub's start_failure, engine.sglang.extra_args, drafters, the fix the line names)
+CASES: dict[str, tuple[str | None, list[str], str, str]] = {
+    "kv-cache": (
+        "kv_cache",
+        [],
+        ONE_DRAFTER,
+        "give a --mem-fraction-static above SGLang's default in engine.sglang.extra_args, or "
+        + SMALLER,
+    ),
+    "kv-cache-fraction-given": (
+        "kv_cache",
+        ["--mem-fraction-static", "0.5"],
+        ONE_DRAFTER,
+        f"raise --mem-fraction-static above 0.5 in engine.sglang.extra_args, or {SMALLER}",
+    ),
+    "weights-oom": ("weights_oom", [], ONE_DRAFTER, SMALLER),
+    "draft-oom": (
+        "draft_oom",
+        [],
+        EAGLE3_ONLY,
+        "use a smaller draft model than draft/eagle3, more GPUs (tp, engine.tp_size) or a "
+        "smaller model",
+    ),
+    "graph-oom": (
+        "graph_oom",
+        ["--mem-fraction-static", "0.9"],
+        ONE_DRAFTER,
+        f"lower --mem-fraction-static below 0.9 in engine.sglang.extra_args {GRAPHS}",
+    ),
+    "context-length": (
+        None,
+        ["--context-length", "200000"],
+        ONE_DRAFTER,
+        "give --context-length at most 131072 in engine.sglang.extra_args, or set "
+        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in engine.sglang.env",
+    ),
+    "pool-too-small": (
+        None,
+        ["--max-total-tokens", "5"],
+        ONE_DRAFTER,
+        "give a --max-total-tokens above 5 in engine.sglang.extra_args",
+    ),
+}
+
+
+def _campaign(
+    tmp_path: Path, failure: str | None, extra: list[str], drafters: str = ONE_DRAFTER
+) -> tuple[Path, str]:
+    """One cell (one batch, one clock) of the stub, failing its start as `failure` says."""
+    return stub_campaign(
+        tmp_path,
+        stub={"start_failure": failure} if failure else None,
+        drafters=drafters,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        sglang_extra=f"extra_args = {json.dumps(extra)}" if extra else "",
+        retries=0,
+    )
+
+
+def _sweep(campaign: Path, out: Path) -> tuple[Result, str]:
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+    return result, " ".join(result.output.split())
+
+
+def _errors(out: Path) -> list[str]:
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    return [r["error"] for r in records if r.get("type") == "cell" and r["status"] != "ok"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_server_sglang_refuses_to_start_says_to_change_the_campaign_not_to_rerun(
+    tmp_path: Path, case: str
+) -> None:
+    """The stub fails its start as SGLang does for the campaign as it is: the cell's error is
+    one line saying SGLang would not start it, why, in SGLang's own words, and what to
+    change; the closing line and `dvfs cube info` (text and --json) tell to change the
+    campaign so and sweep with --fresh, not to rerun the same command. Before, the start was a
+    plain EngineError, whose advice was to rerun, which fails it again."""
+    failure, extra, drafters, fix = CASES[case]
+    campaign, marker = _campaign(tmp_path, failure, extra, drafters)
+    out = tmp_path / "out"
+    result, said = _sweep(campaign, out)
+    assert result.exit_code == 5, result.output
+    assert running(marker) == []
+    [error] = _errors(out)
+    assert error.startswith(START_UNFIT), error
+    assert "\n" not in error and "Traceback" not in error, error
+    assert error.endswith(f": {fix}"), error
+    assert "0 cell(s) measured, 1 failed" in said, said
+    drafter = "eagle3" if drafters is EAGLE3_ONLY else "none"
+    assert f"they failed as SGLang would not start the server of drafter '{drafter}'" in said
+    assert f"change the campaign ({fix})" in said and FRESH in said, said
+    assert RERUN not in said, said
+    info = json.loads(CliRunner().invoke(cli, ["cube", "info", str(out), "--json"]).output)
+    assert fix in info["resume"] and "--fresh" in info["resume"], info["resume"]
+    assert "run the same `dvfs sweep` command again" not in info["resume"], info["resume"]
+    text = " ".join(CliRunner().invoke(cli, ["cube", "info", str(out)]).output.split())
+    assert f"change the campaign ({fix})" in text, text
+
+
+def test_a_server_that_crashes_as_it_starts_is_still_told_to_rerun(tmp_path: Path) -> None:
+    """A start that fails for no reason of the campaign's (an NCCL error, printed as SGLang's
+    scheduler does, the process killed as SGLang's launcher kills it) stays a plain start
+    failure with the log's last lines: the closing line and `dvfs cube info` say to rerun the
+    same command, nothing of --fresh. Neither does a refusal an earlier run of the same start
+    number wrote into the same log (appended to): only the failed server's own output counts."""
+    campaign, _ = _campaign(tmp_path, "kv_cache", [])
+    out = tmp_path / "out"
+    _, said = _sweep(campaign, out)
+    assert RERUN not in said and FRESH in said, said
+    config = tmp_path / "stub.json"  # the same campaign, its server failing otherwise now
+    config.write_text(json.dumps({**json.loads(config.read_text()), "start_failure": "crash"}))
+    result, said = _sweep(campaign, out)
+    assert result.exit_code == 5, result.output
+    assert "Not enough memory" in (out / "logs" / "server-none-1.log").read_text()
+    [error] = _errors(out)[-1:]
+    assert error.startswith("server start failed: the 'none' server failed to start"), error
+    assert "RuntimeError: NCCL error: unhandled system error" in error, error
+    assert f"the cube is written without them; {RERUN} (errors are in" in said, said
+    assert "--fresh" not in said and "change the campaign" not in said, said
+    info = json.loads(CliRunner().invoke(cli, ["cube", "info", str(out), "--json"]).output)
+    assert "change the campaign" not in info["resume"], info["resume"]
+
+
+DRAFTER = DrafterSpec("none")
+
+
+def test_what_only_looks_like_a_refusal_is_none() -> None:
+    """SGLang's warning of a longer context it was allowed to serve, and a CUDA graph capture
+    that failed for another reason than memory (newer releases say "This is not an
+    out-of-memory error"), are no refusal: their start failed otherwise, a rerun may pass."""
+    warned = (
+        "[2026-02-14 02:07:50] Warning: User-specified context_length (200000) is greater than "
+        "the derived context_length (131072). This may lead to incorrect model outputs or CUDA "
+        "errors. Note that the derived context_length may differ from max_position_embeddings "
+        "in the model's config.\nRuntimeError: NCCL error: unhandled system error"
+    )
+    assert start_refusal(warned, DRAFTER, [], 1) is None
+    graph = (
+        "Exception: Capture cuda graph failed: Ninja build failed.\nThis is not an out-of-memory "
+        "error, so lowering --mem-fraction-static or --cuda-graph-max-bs-decode will not help."
+    )
+    assert start_refusal(graph, DRAFTER, [], 1) is None
