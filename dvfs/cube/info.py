@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.cube.arms import arm_differences
+from dvfs.cube.attrs import gpu_uuids, json_attr, merged_sources
 from dvfs.cube.precision import missed_count
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.measure.meter import THROTTLE_VIOLATION_SHARE, describe_quality
@@ -129,16 +130,6 @@ def lifted_caps_text(ds: xr.Dataset) -> str | None:
     return f"the caps found at start ({', '.join(parts)}): caps dvfs applied"
 
 
-def gpu_uuids(ds: xr.Dataset) -> list[str]:
-    """The UUIDs of the GPUs the cube's cells ran on: its `gpu_uuids`, or a cube merged across
-    GPUs' `gpu` labels (each source's)."""
-    if "gpu" in ds.coords:
-        labels = ",".join(str(g) for g in ds["gpu"].values)
-    else:
-        labels = str(ds.attrs.get("gpu_uuids", ""))
-    return [u for u in labels.split(",") if u]
-
-
 def _watts(values: list[float]) -> str:
     return ", ".join(f"{w:g}" for w in values) + " W"
 
@@ -148,7 +139,7 @@ def observe_only(ds: xr.Dataset) -> bool:
     merged cube (a fleet mixing GPU models), which has no `actuation` of its own, where each
     of its sources was (`merged_from`)."""
     if "actuation" not in ds.attrs:
-        sources = _sources(ds).values()
+        sources = merged_sources(ds).values()
         return bool(sources) and all(_no_actuation(s.get("actuation")) for s in sources)
     return _no_actuation(ds.attrs["actuation"])
 
@@ -415,20 +406,12 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     }
 
 
-def _attr_json(ds: xr.Dataset, key: str) -> Any:
-    """A JSON attribute's value; None where the cube has none, "" or not JSON."""
-    try:
-        return json.loads(str(ds.attrs.get(key) or "null"))
-    except ValueError:
-        return None
-
-
 def _sessions(ds: xr.Dataset) -> int | None:
     """The runs of `dvfs sweep` that measured the cube: its own count, or, for a cube merged
     across GPUs (which keeps each source's in `merged_from`), the sum of its sources'; None
     where a source records none."""
     own = _count(ds.attrs.get("sessions"))
-    sources = _sources(ds)
+    sources = merged_sources(ds)
     if own is not None or not sources:
         return own
     counts = [_count(source.get("sessions")) for source in sources.values()]
@@ -458,7 +441,7 @@ def invariants(ds: xr.Dataset) -> dict[str, Any]:
     if "attention_backend" in ds:
         kernels = sorted({str(k) for k in np.ravel(ds["attention_backend"].values) if str(k)})
     pinned = [k for k in str(ds.attrs.get("arms_pinned") or "").split(",") if k]
-    env = _attr_json(ds, "server_env")
+    env = json_attr(ds, "server_env")
     return {
         "arms_on_one_gpu": None if on_one is None else bool(on_one),
         "groups_across_gpus": across,
@@ -468,7 +451,7 @@ def invariants(ds: xr.Dataset) -> dict[str, Any]:
         "attention_kernels": kernels,
         "arms_pinned": [ARMS_PINNED[k][0] if k in ARMS_PINNED else k for k in pinned],
         "server_env": env if isinstance(env, dict) else None,
-        "corpora": corpus_hashes(_attr_json(ds, "corpora")),
+        "corpora": corpus_hashes(json_attr(ds, "corpora")),
         "token_count_method": ds.attrs.get("token_count_method") or None,
         "prompt_format": ds.attrs.get("prompt_format") or None,
     }
@@ -654,7 +637,7 @@ def unfit_left(ds: xr.Dataset) -> dict[str, Any]:
 
     from dvfs.errors import unfit_fix
 
-    failed = _attr_json(ds, "failed_cells")
+    failed = json_attr(ds, "failed_cells")
     on: dict[str, dict[str, None]] = {}  # drafter -> the GPU labels ("" where not said)
     fixes: dict[str, None] = {}
     for item in failed if isinstance(failed, list) else ():
@@ -884,7 +867,7 @@ def idle_power_per_gpu(ds: xr.Dataset) -> dict[str, float]:
     label: the GPUs idle at their own power, so the merged cube keeps each source's in
     `merged_from` and no `idle_power_w` of its own. Empty for one GPU's cube."""
     shown: dict[str, float] = {}
-    for label, source in _sources(ds).items():
+    for label, source in merged_sources(ds).items():
         try:
             shown[label] = float(source.get("idle_power_w", math.nan))
         except (TypeError, ValueError):  # "None": a source that recorded none
@@ -897,7 +880,7 @@ def idle_foreign_per_gpu(ds: xr.Dataset) -> dict[str, list[dict[str, Any]]]:
     GPUs' label (its sources' `idle_foreign_processes`, whose GPU indices are each source's
     own); empty for one GPU's cube, or where no source recorded them (an older merge)."""
     seen: dict[str, list[dict[str, Any]]] = {}
-    for label, source in _sources(ds).items():
+    for label, source in merged_sources(ds).items():
         try:
             listed = json.loads(str(source.get("idle_foreign_processes")))
         except ValueError:  # "None": not recorded
@@ -912,7 +895,7 @@ def idle_readings_per_gpu(ds: xr.Dataset) -> dict[str, bool]:
     readings (their sources' `idle_from_power_readings`), by label: True or False where the
     source records it; empty for one GPU's cube, or where no source recorded it."""
     said: dict[str, bool] = {}
-    for label, source in _sources(ds).items():
+    for label, source in merged_sources(ds).items():
         value = source.get("idle_from_power_readings")
         if value not in (None, "None", ""):
             try:
@@ -971,25 +954,12 @@ def _pinning(text: object) -> dict[str, str]:
     return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
 
 
-def _sources(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
-    """A merged cube's sources (`merged_from`, by their GPUs' label); empty for one GPU's."""
-    if "gpu" not in ds.dims:
-        return {}
-    try:
-        sources = json.loads(str(ds.attrs.get("merged_from") or "{}"))
-    except ValueError:
-        return {}
-    if not isinstance(sources, dict):
-        return {}
-    return {str(k): v for k, v in sources.items() if isinstance(v, dict)}
-
-
 def gpu_pinning(ds: xr.Dataset) -> dict[str, str]:
     """Each drafter's server pinning ("verified: GPU ..." or "unverified: why"), as the sweep
     recorded it; empty where nothing was checked (simulated GPUs, an older cube). A merged
     cube's sources each keep their own (`merged_from`), so there each drafter is named with
     its GPU ("eagle3 on NVIDIA H100"; the GPUs' label where two sources share a model)."""
-    sources = _sources(ds)
+    sources = merged_sources(ds)
     if not sources:
         return _pinning(ds.attrs.get("gpu_pinning"))
     names = [str(s.get("gpu_name") or label) for label, s in sources.items()]
@@ -1009,7 +979,7 @@ def pinning_note(ds: xr.Dataset) -> str | None:
     if not unverified:
         return None
     said = "; ".join(f"{d}: {o.split('unverified: ', 1)[-1]}" for d, o in unverified.items())
-    servers = "drafter server(s)" if _sources(ds) else "drafter(s)"
+    servers = "drafter server(s)" if merged_sources(ds) else "drafter(s)"
     return (
         f"GPU pinning unverified for {len(unverified)} {servers} ({said}): their cells were "
         "not checked for other tenants' processes on the metered GPUs (foreign_process)"
@@ -1131,17 +1101,3 @@ def invalid_summary(ds: xr.Dataset, *, top: int = 2) -> str | None:
         f"invalid, so no analysis will choose them ({reasons}{more}); after changing the "
         "campaign, sweep again with --fresh or into another --out folder"
     )
-
-
-def plain_drafters(cube: xr.Dataset) -> set[str]:
-    """The drafters the cube's campaign (its "campaign" attribute) runs without speculation
-    (no algorithm, or "none"): they have no accept length to show, measured or not. None
-    known where the cube does not record its campaign."""
-    try:
-        campaign = json.loads(str(cube.attrs.get("campaign", "")) or "{}")
-        drafters = campaign.get("drafters") or []
-        return {
-            str(d["name"]) for d in drafters if str(d.get("algorithm") or "none").lower() == "none"
-        }
-    except (ValueError, AttributeError, KeyError, TypeError):
-        return set()

@@ -181,7 +181,7 @@ def _no_valid_cell(cmp: xr.Dataset, cube: xr.Dataset, baseline: str) -> list[str
     row, as the acceptance figure does, rather than leaving them (or the whole table, where
     one is the only speculative drafter) out unsaid. None for a cube without accept lengths."""
     from dvfs.analysis.headroom import valid_mask
-    from dvfs.cube.info import plain_drafters
+    from dvfs.cube.attrs import plain_drafters
 
     if "accept_length" not in cmp:
         return []
