@@ -148,13 +148,13 @@ def _render(summary: dict[str, Any]) -> None:
         failed_cell_label,
         idle_caveat,
         idle_power_text,
-        invalidates,
         invariant_rows,
         mode_text,
         precision_text,
         sessions_text,
         shard_note,
     )
+    from dvfs.cube.quality import invalidates
     from dvfs.report.headroom import left_out_note
 
     out = console()

@@ -236,7 +236,7 @@ def _quality(info: dict[str, Any]) -> list[Any]:
         blocks.insert(0, Paragraph(f"Data quality: every cell was measured and valid{extra}."))
     flags = info["quality_flags"]
     if flags:
-        from dvfs.cube.info import invalidates
+        from dvfs.cube.quality import invalidates
 
         blocks.append(
             Table(

@@ -49,7 +49,7 @@ def loosen(mode: str | None) -> str:
 
 def flag_advice(flags: Iterable[str]) -> str:
     """What to change in the campaign for these invalidating quality flags."""
-    from dvfs.cube.info import INVALID_ADVICE
+    from dvfs.cube.quality import INVALID_ADVICE
 
     named = [f for f in dict.fromkeys(flags) if f]
     if not named:
