@@ -1135,7 +1135,7 @@ def test_a_merge_of_a_merged_cube_names_every_cube_that_went_in(
     folder, losing the shards that went into that file, so the advice on cells not measured
     yet (`cube info`'s resume line, the analyses' notes) sent the user to rerun the sweep of a
     merged file, which has none. It now names every cube that went in, flattened."""
-    from dvfs.cube.info import merged_cubes
+    from dvfs.cube.cells_left import merged_cubes
 
     parts = {}
     for name in ("s0", "s1", "h200"):  # each stopped before its 1005 MHz cells

@@ -221,7 +221,7 @@ def _quality(info: dict[str, Any]) -> list[Any]:
                 tone="warning",
             ),
         )
-    from dvfs.cube.info import shard_note
+    from dvfs.cube.cells_left import shard_note
 
     shard = shard_note(info.get("shard"), info)
     if shard:
