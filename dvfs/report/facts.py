@@ -55,7 +55,7 @@ def _knob_values(
     without, at the GPU's default limit (`lifted_caps_w`); `gpus`: how many GPUs the cube
     holds; `enforced`: where the stock limit is the one NVML enforced, on a GPU whose power
     limit it does not support (`enforced_stock_text`)."""
-    from dvfs.cube.info import unset_knob_text
+    from dvfs.cube.knobs import unset_knob_text
 
     values = _values(info, dim, unit)
     if swept or values == MISSING:
@@ -65,16 +65,8 @@ def _knob_values(
 
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
-    from dvfs.cube.info import (
-        enforced_stock_text,
-        idle_caveat,
-        idle_power_text,
-        info_text,
-        lifted_caps_text,
-        mode_text,
-        observe_only,
-        swept_knobs,
-    )
+    from dvfs.cube.info import idle_caveat, idle_power_text, info_text, mode_text
+    from dvfs.cube.knobs import enforced_stock_text, lifted_caps_text, observe_only, swept_knobs
 
     info = info_text(cube)
     a = cube.attrs
