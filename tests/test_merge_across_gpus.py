@@ -750,7 +750,7 @@ def test_a_merged_cube_keeps_a_sources_unrecorded_attributes_as_json_null(
     for "none", not the text "None"; dvfs reads such a cube, and one an older dvfs merged
     (holding "None"), alike."""
     from dvfs.analysis.headroom import single_gpu
-    from dvfs.cube.info import idle_foreign_per_gpu, idle_power_per_gpu
+    from dvfs.cube.idle import idle_foreign_per_gpu, idle_power_per_gpu
     from dvfs.report.common import campaign_hash
     from dvfs.report.facts import measured_section
 

@@ -145,10 +145,9 @@ def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     from dvfs.cube.cells_left import shard_note
+    from dvfs.cube.idle import idle_caveat, idle_power_text
     from dvfs.cube.info import (
         failed_cell_label,
-        idle_caveat,
-        idle_power_text,
         invariant_rows,
         mode_text,
         precision_text,

@@ -65,7 +65,8 @@ def _knob_values(
 
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
-    from dvfs.cube.info import idle_caveat, idle_power_text, info_text, mode_text
+    from dvfs.cube.idle import idle_caveat, idle_power_text
+    from dvfs.cube.info import info_text, mode_text
     from dvfs.cube.knobs import enforced_stock_text, lifted_caps_text, observe_only, swept_knobs
 
     info = info_text(cube)
