@@ -25,7 +25,7 @@ from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
 from dvfs.cube import merge_cubes, open_cube, write_cube
-from dvfs.cube.info import gpu_pinning, pinning_note
+from dvfs.cube.pinning import gpu_pinning, pinning_note
 from dvfs.measure.journal import read_records
 
 #: What SGLang picks for `chunked_prefill_size` on a GPU of that many GB when not told (0.5.9

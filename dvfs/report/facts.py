@@ -124,7 +124,7 @@ def measured_section(cube: xr.Dataset) -> Section:
     blocks += _server_args(a)
     blocks += _corpora(a)
     blocks += _quality(info)
-    from dvfs.cube.info import pinning_note
+    from dvfs.cube.pinning import pinning_note
 
     unverified = pinning_note(cube)
     if unverified:
