@@ -1,4 +1,11 @@
-"""`dvfs cube info`: a cube's dimensions, coverage and provenance as plain data."""
+"""`dvfs cube info`: a cube's dimensions, coverage and provenance as plain data (`info_text`,
+which the report's measured section reads too), and the rows its text shows them in.
+
+What the summary says of the stock setting (`dvfs.cube.knobs`), the cells left
+(`dvfs.cube.cells_left`), the idle power (`dvfs.cube.idle`), the GPU pinning
+(`dvfs.cube.pinning`) and the quality flags (`dvfs.cube.quality`) each has its own module, which
+every other command that says it imports alike; this one gathers them.
+"""
 
 from __future__ import annotations
 
