@@ -203,8 +203,16 @@ def test_no_private_names_across_modules() -> None:
 #: backends and CLI that carry one out depend on it, never the reverse. `dvfs.gpu.base` is
 #: allowed: it is pure data and helpers (the `Gpu` protocol, event-reason bits,
 #: `unsupported_clock`) that a grid is checked against, and imports nothing from dvfs.
+#: The cube's readers sit below its `cube info` summary, which gathers them (each says one
+#: thing of a cube, for every command that says it): none imports the summary back, and
+#: `dvfs.cube.attrs`, which they all read attributes through, imports nothing of dvfs.
 LAYERS_BELOW: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dvfs.campaign": (("dvfs.engines", "dvfs.gpu", "dvfs.cli"), ("dvfs.gpu.base",)),
+    "dvfs.cube.attrs": (("dvfs",), ()),
+    **{
+        f"dvfs.cube.{reader}": (("dvfs.cube.info",), ())
+        for reader in ("cells_left", "idle", "knobs", "pinning", "quality")
+    },
 }
 
 
@@ -224,10 +232,12 @@ def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
-def test_configuration_imports_no_engine_gpu_backend_or_cli() -> None:
+def test_no_layer_imports_what_sits_above_it() -> None:
+    """The configuration imports no engine, GPU backend or CLI; the cube's readers do not
+    import its `cube info` summary (`LAYERS_BELOW`)."""
     graph, _ = _graph()
     violations = _layer_violations(graph)
-    assert not violations, "configuration reaching up:\n" + "\n".join(violations)
+    assert not violations, "a layer reaching up:\n" + "\n".join(violations)
 
 
 def test_the_layer_check_finds_a_violation() -> None:

@@ -585,7 +585,7 @@ def test_a_models_own_cube_after_a_rerun_on_the_others_names_its_model(
         assert named in " ".join(report.read_text().replace("\\", "").split())
 
     said_of(own)
-    from dvfs.cube.info import FLEET_MODEL_ATTR
+    from dvfs.cube.cells_left import FLEET_MODEL_ATTR
 
     assert open_cube(own).attrs[FLEET_MODEL_ATTR] == "NVIDIA H200 (twin)"
     assert FLEET_MODEL_ATTR not in open_cube(out / "cube.nc").attrs  # the models' merged cube

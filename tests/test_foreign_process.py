@@ -339,7 +339,7 @@ def test_a_tenant_during_a_settings_idle_baseline_flags_every_cell_that_subtract
 def test_merged_cubes_keep_each_sources_idle_tenants() -> None:
     import xarray as xr
 
-    from dvfs.cube.info import idle_foreign_processes
+    from dvfs.cube.idle import idle_foreign_processes
     from dvfs.cube.merge import _idle_foreign
 
     seen = {"gpu": 0, "pid": 42, "name": "python", "at": "start"}

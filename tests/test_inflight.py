@@ -1190,7 +1190,7 @@ def test_levels_no_decode_visited_twice_are_flagged_drift_not_cancelled(tmp_path
         assert "drift_not_cancelled" in describe_quality(m.quality) and not m.valid
     # what to do names the deadline as the campaign file spells it (`[engine]
     # request_timeout_s` is refused as an unknown key)
-    from dvfs.cube.info import INVALID_ADVICE
+    from dvfs.cube.quality import INVALID_ADVICE
 
     assert "engine.sglang.request_timeout_s" in INVALID_ADVICE["drift_not_cancelled"]
 

@@ -323,7 +323,7 @@ def test_a_stock_clock_cell_held_low_is_flagged(clock, reasons, stock_clock, hel
     assert bool(m.quality & Q_CLOCK_HELD_LOW) is held_low
     assert Q_CLOCK_HELD_LOW & INVALIDATING
     if reasons & EVENT_SYNC_BOOST:  # the advice names the cause
-        from dvfs.cube.info import INVALID_ADVICE
+        from dvfs.cube.quality import INVALID_ADVICE
 
         assert "sync-boost group" in INVALID_ADVICE["clock_held_low"]
     assert describe_quality(Q_CLOCK_HELD_LOW) == ["clock_held_low"]

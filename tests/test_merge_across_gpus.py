@@ -25,7 +25,7 @@ from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
 from dvfs.cube import merge_cubes, open_cube, write_cube
-from dvfs.cube.info import gpu_pinning, pinning_note
+from dvfs.cube.pinning import gpu_pinning, pinning_note
 from dvfs.measure.journal import read_records
 
 #: What SGLang picks for `chunked_prefill_size` on a GPU of that many GB when not told (0.5.9
@@ -750,7 +750,7 @@ def test_a_merged_cube_keeps_a_sources_unrecorded_attributes_as_json_null(
     for "none", not the text "None"; dvfs reads such a cube, and one an older dvfs merged
     (holding "None"), alike."""
     from dvfs.analysis.headroom import single_gpu
-    from dvfs.cube.info import idle_foreign_per_gpu, idle_power_per_gpu
+    from dvfs.cube.idle import idle_foreign_per_gpu, idle_power_per_gpu
     from dvfs.report.common import campaign_hash
     from dvfs.report.facts import measured_section
 
@@ -1135,7 +1135,7 @@ def test_a_merge_of_a_merged_cube_names_every_cube_that_went_in(
     folder, losing the shards that went into that file, so the advice on cells not measured
     yet (`cube info`'s resume line, the analyses' notes) sent the user to rerun the sweep of a
     merged file, which has none. It now names every cube that went in, flattened."""
-    from dvfs.cube.info import merged_cubes
+    from dvfs.cube.cells_left import merged_cubes
 
     parts = {}
     for name in ("s0", "s1", "h200"):  # each stopped before its 1005 MHz cells

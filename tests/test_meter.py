@@ -368,7 +368,7 @@ def test_a_tensor_parallel_gpu_above_its_lock_is_flagged(second_mhz) -> None:
     """A lock that did not take on one GPU of a group (reset by an admin or a GPU reset; NVML
     cannot read a lock back) runs that GPU at full clock: the slowest GPU's clock alone still
     reads the lock, and the cell would be valid at a clock it did not run at."""
-    from dvfs.cube.info import INVALID_ADVICE
+    from dvfs.cube.quality import INVALID_ADVICE
     from dvfs.gpu.base import BulkReadings
     from dvfs.measure.sampler import Sampler, Samples
 

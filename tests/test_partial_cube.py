@@ -186,7 +186,7 @@ def test_a_sweep_with_invalid_cells_says_how_many_why_and_what_to_change(
     assert "few_counter_updates x" in result.output and "workload.output_tokens" in result.output
     # Said from the cube the sweep held in memory: word for word what the file it wrote says.
     from dvfs.cube import open_cube
-    from dvfs.cube.info import invalid_summary
+    from dvfs.cube.quality import invalid_summary
 
     assert invalid_summary(open_cube(out)) in " ".join(result.output.split())
     fleet = invoke("sweep", str(campaign), "--out", str(tmp_path / "fleet"), "--gpus", "0-1")

@@ -991,7 +991,7 @@ def test_the_quality_flags_say_which_invalidate_and_what_a_warning_means(
     the report's table and `dvfs cube info` say which makes its cells invalid, and both explain
     the warning, whose cells the analyses still use."""
     from dvfs.cube import write_cube
-    from dvfs.cube.info import FLAG_NOTES
+    from dvfs.cube.quality import FLAG_NOTES
     from dvfs.measure.meter import Q_FOREIGN_PROCESS, Q_IDLE_BASELINE_FOREIGN
     from dvfs.report.facts import measured_section
 

@@ -500,7 +500,7 @@ def test_the_clock_not_reached_advice_names_the_setting_that_sets_the_wait(
     nothing. `measurement.settle` in seconds is the wait."""
     from conftest import TINY, write
 
-    from dvfs.cube.info import INVALID_ADVICE
+    from dvfs.cube.quality import INVALID_ADVICE
 
     def session_settle(text: str, name: str) -> float:
         campaign = write(tmp_path / f"{name}.toml", text)

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import SMALL_CAMPAIGN, replace_block, write
 
 from dvfs.cli import cli
-from dvfs.cube.info import invalidates
+from dvfs.cube.quality import invalidates
 
 #: SMALL_CAMPAIGN cut to two cells whose two-token outputs leave a window of one decode step
 #: (a few ms), far shorter than the twin counter's 100 ms update period.

@@ -521,7 +521,7 @@ def test_cube_info_headroom_and_compare_say_to_change_the_campaign_for_cells_sgl
     (row,) = [r for r in doc["rows"] if not r["feasible"]]
     assert row["drafter"] == "big" and row["reference_problem"] == "failed", row
     # another cell left besides (one failed otherwise): that one is still retried by a rerun
-    from dvfs.cube.info import resume_note, unfit_left
+    from dvfs.cube.cells_left import resume_note, unfit_left
 
     cube = open_analysable(out).load()
     status = cube["cell_status"].copy()
@@ -548,7 +548,7 @@ def test_a_merged_cube_tells_the_gpu_sglang_would_not_start_on_from_one_a_rerun_
     is still a cell a rerun retries, and its row says so. Before, every failed cell of that
     drafter read as one SGLang would not start, on either GPU."""
     from dvfs.cube import open_analysable, write_cube
-    from dvfs.cube.info import resume_note, unfit_left
+    from dvfs.cube.cells_left import resume_note, unfit_left
     from dvfs.cube.schema import STATUS_FAILED
 
     text = _with_engine_args('["--mem-fraction-static", "0.15"]')

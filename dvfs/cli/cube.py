@@ -144,17 +144,16 @@ def info(cube_path: Path, as_json: bool) -> None:
 def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
+    from dvfs.cube.cells_left import shard_note
+    from dvfs.cube.idle import idle_caveat, idle_power_text
     from dvfs.cube.info import (
         failed_cell_label,
-        idle_caveat,
-        idle_power_text,
-        invalidates,
         invariant_rows,
         mode_text,
         precision_text,
         sessions_text,
-        shard_note,
     )
+    from dvfs.cube.quality import invalidates
     from dvfs.report.headroom import left_out_note
 
     out = console()
@@ -268,7 +267,7 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     import json
 
     from dvfs.cube import CUBE_NAME, merge_cubes
-    from dvfs.cube.info import MERGED_CUBES_ATTR, merged_cubes, merged_shards
+    from dvfs.cube.cells_left import MERGED_CUBES_ATTR, merged_cubes, merged_shards
     from dvfs.fleet.shard import cube_shard
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.outputs import is_stream
@@ -322,7 +321,7 @@ def unfinished_note(merged: Any, *, shards: bool) -> str | None:
     waiting = cov["missing"] + cov["failed"]
     if not waiting:
         return None
-    from dvfs.cube.info import models_left, models_left_advice, unfit_advice, unfit_left
+    from dvfs.cube.cells_left import models_left, models_left_advice, unfit_advice, unfit_left
 
     parts = "shards" if shards else "cubes' sweeps"
     command = "its `dvfs sweep --shard I/N` command" if shards else "its `dvfs sweep` command"

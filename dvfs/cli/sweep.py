@@ -604,7 +604,7 @@ def invalid_cells(cube_path: Path | None, cube: Any = None) -> tuple[int, str] |
     if cube_path is None:
         return None
     from dvfs.cube import open_cube
-    from dvfs.cube.info import invalid_reasons, invalid_summary
+    from dvfs.cube.quality import invalid_reasons, invalid_summary
 
     try:
         ds = open_cube(cube_path) if cube is None else cube

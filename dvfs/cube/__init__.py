@@ -3,7 +3,8 @@
 `schema` names its dimensions and variables (and keeps the schema's history) and checks a
 dataset's shape; `build` assembles a cube from a journal, read through `dvfs.records`;
 `files` writes and opens netCDF (`open_analysable`: a cube with something to analyse);
-`merge` joins GPUs; `info` summarises for `dvfs cube info`.
+`merge` joins GPUs; `info` summarises for `dvfs cube info`, from what `knobs`, `cells_left`,
+`idle`, `pinning` and `quality` say of a cube (read through `attrs`) for every command.
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def _nothing_valid(path: Path, ds: xr.Dataset) -> str:
     cell (a shard's cube: every one of its own) was measured and flagged, a rerun measures
     none of them again, so the campaign changes and the sweep (each shard's, each merged
     sweep's) starts over with --fresh, and a merged cube is merged again."""
-    from dvfs.cube.info import resume_advice, resume_note, shard_cells, shards_of, unfit_left
+    from dvfs.cube.cells_left import resume_advice, resume_note, shard_cells, shards_of, unfit_left
 
     shards = shards_of(ds)
     measured = None

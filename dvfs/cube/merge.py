@@ -925,7 +925,8 @@ def _found_limits(cubes: list[xr.Dataset]) -> dict[str, Any]:
     (as a sweep's sessions'), with the GPU each was found on where the source names it;
     nothing where no source lifted one. Else a merge of a capped GPU's cube with others said
     its stock limit was "as found at start", or a shard merge kept the first shard's alone."""
-    from dvfs.cube.info import gpu_uuids, lifted_caps_by_gpu, lifted_caps_w
+    from dvfs.cube.attrs import gpu_uuids
+    from dvfs.cube.knobs import lifted_caps_by_gpu, lifted_caps_w
 
     found: list[tuple[str, float]] = []
     for ds in cubes:

@@ -106,7 +106,7 @@ def model_marked(ds: xr.Dataset, journal: Path) -> xr.Dataset:
     models (`FLEET_MODEL_ATTR`: its model) where the journal is that model's, in the fleet's
     `gpu-<model>/` folder: analysed alone, its cells left name the --gpus they need (a rerun
     on the other models' GPUs measures none of them). `ds` itself where it is not."""
-    from dvfs.cube.info import FLEET_MODEL_ATTR
+    from dvfs.cube.cells_left import FLEET_MODEL_ATTR
     from dvfs.fleet.folders import model_folder
 
     name = ds.attrs.get("gpu_name")

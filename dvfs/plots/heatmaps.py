@@ -333,7 +333,7 @@ def draw_acceptance(cube: xr.Dataset, usable: xr.DataArray | None = None) -> Fig
     # A drafter the campaign runs without speculation (none) has no row, measured or failed.
     measured = usable.any([d for d in usable.dims if d != "drafter"])
     unmeasured = ~measured.sel(drafter=table["drafter"]).values
-    from dvfs.cube.info import plain_drafters
+    from dvfs.cube.attrs import plain_drafters
 
     plain = plain_drafters(cube)
     unmeasured &= np.array([str(d) not in plain for d in table["drafter"].values], dtype=bool)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dvfs.analysis.headroom import reference_setting
-from dvfs.cube.info import swept_knobs
+from dvfs.cube.knobs import swept_knobs
 from dvfs.plots.curves import CHOSEN_LABEL, DIMS, corpus_panels, measured_colors, tidy
 from dvfs.plots.data import cell_means, usable_mask
 from dvfs.plots.style import (

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.analysis.headroom import reference_setting, valid_mask
-from dvfs.cube.info import observe_only, swept_knobs
+from dvfs.cube.knobs import observe_only, swept_knobs
 from dvfs.plots.style import (
     Margins,
     cube_drafter_colors,

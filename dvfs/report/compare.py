@@ -69,7 +69,7 @@ def compare_document(
     a merged cube's GPU models the twin has no roofline of (`rooflines`' `left_out`), named
     so that its `roofline` (another model's) is not read as theirs."""
     from dvfs.analysis.headroom import coverage
-    from dvfs.cube.info import models_left, shards_of, unfit_left
+    from dvfs.cube.cells_left import models_left, shards_of, unfit_left
 
     baseline = cmp.attrs["baseline"]
     gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
@@ -181,7 +181,7 @@ def _no_valid_cell(cmp: xr.Dataset, cube: xr.Dataset, baseline: str) -> list[str
     row, as the acceptance figure does, rather than leaving them (or the whole table, where
     one is the only speculative drafter) out unsaid. None for a cube without accept lengths."""
     from dvfs.analysis.headroom import valid_mask
-    from dvfs.cube.info import plain_drafters
+    from dvfs.cube.attrs import plain_drafters
 
     if "accept_length" not in cmp:
         return []
@@ -265,7 +265,7 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
     # a shard's cube: the other shards' cells are theirs, not "not measured yet"
     where = "here" if doc.get("shard") else "yet"
     if waiting:
-        from dvfs.cube.info import resume_note
+        from dvfs.cube.cells_left import resume_note
 
         then = resume_note(doc)
         notes.append(

@@ -55,7 +55,7 @@ def _knob_values(
     without, at the GPU's default limit (`lifted_caps_w`); `gpus`: how many GPUs the cube
     holds; `enforced`: where the stock limit is the one NVML enforced, on a GPU whose power
     limit it does not support (`enforced_stock_text`)."""
-    from dvfs.cube.info import unset_knob_text
+    from dvfs.cube.knobs import unset_knob_text
 
     values = _values(info, dim, unit)
     if swept or values == MISSING:
@@ -65,16 +65,9 @@ def _knob_values(
 
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
-    from dvfs.cube.info import (
-        enforced_stock_text,
-        idle_caveat,
-        idle_power_text,
-        info_text,
-        lifted_caps_text,
-        mode_text,
-        observe_only,
-        swept_knobs,
-    )
+    from dvfs.cube.idle import idle_caveat, idle_power_text
+    from dvfs.cube.info import info_text, mode_text
+    from dvfs.cube.knobs import enforced_stock_text, lifted_caps_text, observe_only, swept_knobs
 
     info = info_text(cube)
     a = cube.attrs
@@ -131,7 +124,7 @@ def measured_section(cube: xr.Dataset) -> Section:
     blocks += _server_args(a)
     blocks += _corpora(a)
     blocks += _quality(info)
-    from dvfs.cube.info import pinning_note
+    from dvfs.cube.pinning import pinning_note
 
     unverified = pinning_note(cube)
     if unverified:
@@ -221,7 +214,7 @@ def _quality(info: dict[str, Any]) -> list[Any]:
                 tone="warning",
             ),
         )
-    from dvfs.cube.info import shard_note
+    from dvfs.cube.cells_left import shard_note
 
     shard = shard_note(info.get("shard"), info)
     if shard:
@@ -236,7 +229,7 @@ def _quality(info: dict[str, Any]) -> list[Any]:
         blocks.insert(0, Paragraph(f"Data quality: every cell was measured and valid{extra}."))
     flags = info["quality_flags"]
     if flags:
-        from dvfs.cube.info import invalidates
+        from dvfs.cube.quality import invalidates
 
         blocks.append(
             Table(

@@ -239,7 +239,7 @@ def _cells_left_where(cube: xr.Dataset) -> dict[str, Any]:
     """What the resume advice needs: the cube's shards (`shards_of`), the GPU models its
     cells left are on where that is some of a fleet's models only (`models_left`), and the
     drafters whose failed cells a rerun fails again (`unfit_left`)."""
-    from dvfs.cube.info import models_left, shards_of, unfit_left  # not at import (dvfs.cube)
+    from dvfs.cube.cells_left import models_left, shards_of, unfit_left  # not at import (dvfs.cube)
 
     return {**shards_of(cube), **models_left(cube), **unfit_left(cube)}
 
@@ -360,13 +360,13 @@ def _knob_cell(
 
 
 def _resume_note(doc: dict[str, Any]) -> str:
-    from dvfs.cube.info import resume_note
+    from dvfs.cube.cells_left import resume_note
 
     return resume_note(doc)
 
 
 def _resume_advice(what: str, doc: dict[str, Any]) -> str:
-    from dvfs.cube.info import resume_advice
+    from dvfs.cube.cells_left import resume_advice
 
     return resume_advice(what, doc)
 
@@ -379,7 +379,7 @@ def partial_note(doc: dict[str, Any]) -> str | None:
     if not waiting:
         return None
     if doc.get("shard"):
-        from dvfs.cube.info import shard_note
+        from dvfs.cube.cells_left import shard_note
 
         return (
             f"partial cube: {unmeasured_cells(cov, 'here')}; answers marked ? and rows without "

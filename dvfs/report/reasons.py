@@ -49,7 +49,7 @@ def loosen(mode: str | None) -> str:
 
 def flag_advice(flags: Iterable[str]) -> str:
     """What to change in the campaign for these invalidating quality flags."""
-    from dvfs.cube.info import INVALID_ADVICE
+    from dvfs.cube.quality import INVALID_ADVICE
 
     named = [f for f in dict.fromkeys(flags) if f]
     if not named:
@@ -65,7 +65,7 @@ def no_answer_advice(
     one shard's, or merged from shards, each shard's command and the merge), a campaign that
     clears the quality flags, more repeats; loosening the target only where settings were
     judged over it."""
-    from dvfs.cube.info import resume_advice
+    from dvfs.cube.cells_left import resume_advice
 
     problem = row.get("reference_problem") or ""
     if "target_ms" in row and row["target_ms"] is None:
@@ -109,7 +109,7 @@ def _unfit_advice(drafter: object, doc: dict[str, Any] | None, row_gpu: object =
     """Where `drafter`'s cells failed as SGLang would not start its server for the campaign as
     it is (`doc`'s `unfit`), which the same command fails again: the campaign's change, as the
     sweep's closing line says it; "" otherwise (a rerun retries them)."""
-    from dvfs.cube.info import unfit_advice
+    from dvfs.cube.cells_left import unfit_advice
 
     unfit = (doc or {}).get("unfit") or {}
     if drafter is None or str(drafter) not in unfit.get("drafters", ()):
@@ -126,7 +126,7 @@ def _retry_advice(what: str, doc: dict[str, Any] | None) -> str:
     left are on some GPU models only (`models_left`, after a rerun on the others' GPUs), the
     command with its --gpus naming GPUs of them (`resume_advice`): the same command run on the
     other models' GPUs retries none of them."""
-    from dvfs.cube.info import resume_advice
+    from dvfs.cube.cells_left import resume_advice
 
     if doc and (doc.get("merged_shards") or doc.get("merged_cubes") or doc.get("models_left")):
         return resume_advice(what, doc)

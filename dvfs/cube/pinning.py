@@ -1,0 +1,55 @@
+"""Whether each drafter's server ran on the GPUs dvfs metered (`gpu_pinning`, as the sweep
+checked it), and the one line every command says where a check was unverified: those cells
+were not checked for other tenants' processes, whose energy the GPU's counter counts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from dvfs.cube.attrs import merged_sources
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+
+def _pinning(text: object) -> dict[str, str]:
+    """A `gpu_pinning` attribute's drafters and outcomes; empty when it says none."""
+    try:
+        recorded = json.loads(str(text or "{}"))
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
+
+
+def gpu_pinning(ds: xr.Dataset) -> dict[str, str]:
+    """Each drafter's server pinning ("verified: GPU ..." or "unverified: why"), as the sweep
+    recorded it; empty where nothing was checked (simulated GPUs, an older cube). A merged
+    cube's sources each keep their own (`merged_from`), so there each drafter is named with
+    its GPU ("eagle3 on NVIDIA H100"; the GPUs' label where two sources share a model)."""
+    sources = merged_sources(ds)
+    if not sources:
+        return _pinning(ds.attrs.get("gpu_pinning"))
+    names = [str(s.get("gpu_name") or label) for label, s in sources.items()]
+    shown: dict[str, str] = {}
+    for (label, source), name in zip(sources.items(), names, strict=True):
+        gpu = name if names.count(name) == 1 else f"{name} ({label})"
+        for drafter, outcome in _pinning(source.get("gpu_pinning")).items():
+            shown[f"{drafter} on {gpu}"] = outcome
+    return shown or _pinning(ds.attrs.get("gpu_pinning"))
+
+
+def pinning_note(ds: xr.Dataset) -> str | None:
+    """One line when a drafter's server pinning was unverified (None: every one verified, or
+    nothing to check): its cells were not checked for other tenants' processes, whose energy
+    the per-GPU counter would have counted into theirs."""
+    unverified = {d: o for d, o in gpu_pinning(ds).items() if "unverified" in o}
+    if not unverified:
+        return None
+    said = "; ".join(f"{d}: {o.split('unverified: ', 1)[-1]}" for d, o in unverified.items())
+    servers = "drafter server(s)" if merged_sources(ds) else "drafter(s)"
+    return (
+        f"GPU pinning unverified for {len(unverified)} {servers} ({said}): their cells were "
+        "not checked for other tenants' processes on the metered GPUs (foreign_process)"
+    )
