@@ -73,7 +73,7 @@ def fresh_moves(out_dir: Path) -> list[tuple[Path, Path]]:
     # a link in a loop or to nothing too: left, the sweep refuses it (`check_journal_link`)
     journals = [j for j in folder_journals(out_dir) if os.path.lexists(j)]
     moves = [m for j in journals for m in _aside(j, j.parent / CUBE_NAME)]
-    if journals and journals[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
+    if journals and journals[0].parent != out_dir and os.path.lexists(out_dir / CUBE_NAME):
         moves += _aside(out_dir / CUBE_NAME)
     return moves
 
@@ -101,12 +101,14 @@ def _move(path: Path, target: Path, renamed: dict[Path, Path]) -> None:
 
 
 def _aside(first: Path, *others: Path) -> list[tuple[Path, Path]]:
-    """`first` and those of `others` that exist, each to `NAME.n`, one n free for all."""
+    """`first` and those of `others` that exist, each to `NAME.n`, one n free for all. A link
+    to nothing is there too (moved aside as a link, never followed: the run's cube was written
+    through one to where it pointed), and takes its name."""
     paths = (first, *others)
     n = 1
-    while any(p.with_name(f"{p.name}.{n}").exists() for p in paths):
+    while any(os.path.lexists(p.with_name(f"{p.name}.{n}")) for p in paths):
         n += 1
-    return [(p, p.with_name(f"{p.name}.{n}")) for p in paths if p is first or p.exists()]
+    return [(p, p.with_name(f"{p.name}.{n}")) for p in paths if p is first or os.path.lexists(p)]
 
 
 @dataclass
