@@ -89,6 +89,38 @@ def test_a_damaged_cube_says_how_to_rebuild_it(swept: Path, damage, says: str) -
     assert invoke("cube", "info", str(swept)).exit_code == 0
 
 
+@pytest.mark.parametrize("given", ["folder", "cube.nc"])
+@pytest.mark.parametrize("journal", [True, False])
+def test_a_folder_named_cube_nc_is_said_to_be_in_the_cube_files_place(
+    swept: Path, tmp_path: Path, given: str, journal: bool
+) -> None:
+    """A folder named cube.nc where a sweep folder's cube goes: every command that opens a
+    cube said "no cube at DIR/cube.nc/cube.nc" (the folder taken for a sweep folder, the
+    name joined again). It names DIR/cube.nc as a folder in the cube file's place, and says
+    to move it aside, then rebuild the cube from the journal where there is one."""
+    (swept / "cube.nc").unlink()
+    (swept / "cube.nc").mkdir()
+    if not journal:
+        (swept / "journal.jsonl").unlink()
+    cube = swept / "cube.nc"
+    path = swept if given == "folder" else cube
+    then = f"rebuild the cube from its journal with `dvfs cube build {swept}`"
+    for command in [
+        ("cube", "info", str(path)),
+        ("cube", "info", str(path), "--json"),
+        ("headroom", str(path)),
+        ("compare", str(path)),
+        ("report", str(path), "-o", str(tmp_path / "r.md")),
+        ("plot", str(path), "--out", str(tmp_path / "plots")),
+    ]:
+        result = invoke(*command)
+        line = assert_one_line_error(
+            result, 1, f"{cube} is a folder, where the cube file should be: move it aside"
+        )
+        assert "cube.nc/cube.nc" not in line, line
+        assert (then in line) is journal, line
+
+
 def test_a_roofline_file_given_as_a_cube_names_what_reads_it(tmp_path: Path) -> None:
     """A roofline file (netCDF, no cube schema) where a cube is asked for: one line naming
     what it is and what reads it, not advice to rebuild a cube from a journal it never had."""
