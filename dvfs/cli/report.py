@@ -74,6 +74,32 @@ def figures_folder(output: Path) -> str:
     return f"{output.stem if output.suffix == '.md' else output.name}_figures"
 
 
+def refuse_shared_figures(output: Path) -> None:
+    """Refuse (`OutputRefusedError`) a Markdown page whose figures folder is another page's
+    beside it: `r.md`'s is r_figures/, and so is `r`'s (`-o r --format md`), so the later
+    page's figures replaced the earlier's, which still linked to them (and showed figures of
+    another report). The other page is one that links into that folder."""
+    from urllib.parse import quote
+
+    from dvfs.errors import OutputRefusedError
+
+    folder = figures_folder(output)
+    other = output.with_suffix("") if output.suffix == ".md" else Path(f"{output}.md")
+    try:
+        with open(other, "rb") as handle:
+            text = handle.read(1 << 24)
+    except OSError:  # none there (or none this user may read): nothing shares the folder
+        return
+    if f"]({quote(folder)}/".encode() not in text:
+        return  # not a page of figures in that folder (an HTML report, another file)
+    name = f"{output.stem}-2.md" if output.suffix == ".md" else f"{output.name}-2"
+    raise OutputRefusedError(
+        f"the figures of {output} would go in {output.parent / folder}, where the Markdown page "
+        f"{other} has its own, which they would replace: give this page another name (e.g. "
+        f"{output.parent / name}), or move {other} and its figures aside"
+    )
+
+
 def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
     """A Markdown page and its figures (`files`: paths relative to the page's folder). Each
     figure is written first to a hidden file in its own folder (made where missing), the page
@@ -227,6 +253,8 @@ def report(
             "it; give a file's path, or --format html (one file, figures embedded)",
             param_hint="'-o' / '--output'",
         )
+    if fmt == "md":
+        refuse_shared_figures(output)
     ds = open_analysable(cube_path)
     try:
         if (
