@@ -736,15 +736,9 @@ PLAN_CASES = [
         "klingon",
         args=("--corpus", "klingon"),
     ),
+    # (an output in a missing folder is written, the folder made, as `dvfs report -o` makes
+    # it: `test_an_output_files_missing_folders_are_made`)
     # (`cap plan` first warns that twin caps are simulated: chatty)
-    plan_case(
-        "out-in-missing-dir",
-        lambda s: s["headroom"].read_text(),
-        "{tmp}/no/such",
-        args=("-o", "{tmp}/no/such/caps.toml"),
-        code=1,
-        chatty=True,
-    ),
     plan_case(
         "out-under-a-file",
         lambda s: s["headroom"].read_text(),
@@ -1856,12 +1850,6 @@ FLAG_CASES = [
     C("batch-filter-unknown", [*H, "--batch", "999"], says=("999",)),
     C("batch-filter-not-int", [*H, "--batch", "big"], code=2, says=("big",)),
     C(
-        "headroom-out-missing-dir",
-        [*H, "-o", "{tmp}/no/such/h.json"],
-        code=1,
-        says=("{tmp}/no/such",),
-    ),
-    C(
         "headroom-out-under-a-file",
         [*H, "-o", "{tmp}/file.txt/h.json"],
         code=1,
@@ -2407,6 +2395,22 @@ def test_a_write_cut_short_keeps_the_old_file(
     assert str(out) in result.stderr.splitlines()[-1], result.stderr
     assert out.read_bytes() == b"OLD\n"
     assert sorted(p.name for p in out.parent.iterdir()) == ["old.file"]
+
+
+@pytest.mark.parametrize("name", list(OVERWRITES))
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
+def test_an_output_files_missing_folders_are_made(
+    name: str, shared: dict[str, Path], tiny_exact_run, tmp_path: Path
+) -> None:
+    """`-o new/deeper/FILE` where `new` does not exist: `dvfs report` and `dvfs cube build`
+    made the folders, while `dvfs headroom`, `dvfs cap plan`, `dvfs twin fit` and `dvfs gpu
+    roofline` failed "no such file or folder" after their work. Each makes them."""
+    out = tmp_path / "new" / "deeper" / "out.file"
+    if name == "twin-fit-o":
+        shared = {**shared, "fit_cube": tiny_exact_run("one") / "cube.nc"}
+    result = CliRunner().invoke(cli, _argv(name, shared, out))
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and out.stat().st_size > 0
 
 
 def test_a_write_cut_short_in_a_process_of_its_own_is_one_line(

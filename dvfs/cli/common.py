@@ -413,6 +413,18 @@ def describe_unicode_error(exc: UnicodeError) -> str:
     return f"cannot handle text in {_inputs_text()}: {exc}"
 
 
+def make_parent(path: Path) -> None:
+    """The folder of an output file, made if missing, as every command that writes a file
+    makes it (`dvfs plot --out` its folder, `dvfs cube build -o` the cube's); a failure names
+    the output path, as `describe_os_error` then words it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:  # a file where a folder of the path should be
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
 #: The options that name what a command writes.
 OUTPUT_OPTIONS = ("--out", "--output")
 

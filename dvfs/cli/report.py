@@ -19,23 +19,12 @@ from dvfs.cli.analysis import (
     headroom_target,
     headroom_target_options,
 )
-from dvfs.cli.common import OutputFile, handle_errors
+from dvfs.cli.common import OutputFile, handle_errors, make_parent
 
 if TYPE_CHECKING:
     from dvfs.report.document import ReportOptions
 
 MARKDOWN_SUFFIXES = (".md", ".markdown")
-
-
-def make_parent(path: Path) -> None:
-    """The output's folder, made if missing (as `dvfs plot --out` makes its folder); a
-    failure names the output path, as check_output's do."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError as exc:  # a file where a folder of the path should be
-        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def check_output(path: Path) -> None:
