@@ -450,6 +450,13 @@ def load_campaign(path: str | Path) -> Campaign:
         text = read_text_limited(path, MAX_SETTINGS_BYTES, CampaignError, "campaign file")
     except FileNotFoundError as exc:
         raise CampaignError(f"campaign file {path} does not exist{_built_in_hint(path)}") from exc
+    except NotADirectoryError as exc:
+        # `afile/c.toml`: "cannot read campaign file afile/c.toml: Not a directory" said
+        # neither which part nor what to do
+        above = next((p for p in path.parents if p.exists()), path.parent)
+        raise CampaignError(
+            f"campaign file {path} does not exist: {above} is a file, not a folder; check the path"
+        ) from exc
     except OSError as exc:
         raise CampaignError(f"cannot read campaign file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
