@@ -62,6 +62,26 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+def check_link_target(path: Path) -> None:
+    """Refuse (`OutputRefusedError`) an output path that is a symbolic link to a file in a
+    folder that does not exist, which the write through it fails on: "cannot open PATH: no
+    such file or folder; check the path (does its folder exist?)", of a path whose folder is
+    there. Said as `dvfs sweep` says it of a cube.nc linked so (`check_cube_files`). For the
+    output options of the CLI (`make_parent`), not `replacing`'s every write (a GPU's state
+    file)."""
+    if not os.path.islink(path):
+        return
+    target = os.path.realpath(path)
+    if os.path.isdir(os.path.dirname(target)):
+        return  # written through (a link in a loop fails in its own words)
+    from dvfs.errors import OutputRefusedError
+
+    raise OutputRefusedError(
+        f"{path} is a link to {target}, in a folder that does not exist: make that folder, or "
+        "remove the link, and run again"
+    )
+
+
 def who_may_replace(folder: os.stat_result) -> str | None:
     """Who but root may replace an entry of a folder with this status, in words (None: root
     alone): its owner, or, without the sticky bit, everyone or a group other than root's."""

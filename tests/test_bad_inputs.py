@@ -2434,6 +2434,35 @@ def test_a_write_cut_short_in_a_process_of_its_own_is_one_line(
 OUTPUT_FILES = {**OVERWRITES, "cube-merge-o": ["cube", "merge", "{cube}", "{cube}", "-o", "{out}"]}
 
 
+@pytest.mark.parametrize("name", list(OUTPUT_FILES))
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
+def test_an_output_file_linked_into_a_missing_folder_is_said_to_be_that_link(
+    name: str, shared: dict[str, Path], tiny_exact_run, tmp_path: Path
+) -> None:
+    """`-o FILE` where FILE is a symbolic link to a file in a folder that does not exist: "cannot
+    open FILE: no such file or folder; check the path (does its folder exist?)", of a path
+    whose folder is there (`dvfs headroom`, `cap plan`, `twin fit` and `gpu roofline` after
+    their work). Refused in one line naming the link and where it points, as `dvfs sweep`
+    refuses a cube.nc linked so, and that folder not made through it."""
+    out = tmp_path / "out.file"
+    target = tmp_path / "gone" / "out.file"
+    out.symlink_to(target)
+    if name == "twin-fit-o":
+        shared = {**shared, "fit_cube": tiny_exact_run("one") / "cube.nc"}
+    places = {**{k: str(v) for k, v in shared.items()}, "out": str(out)}
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in OUTPUT_FILES[name]])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    # (`cap plan` first warns that twin caps are simulated)
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("Error")]
+    assert line == result.stderr.splitlines()[-1], result.stderr
+    assert line == (
+        f"Error: {out} is a link to {target}, in a folder that does not exist: make that "
+        "folder, or remove the link, and run again"
+    ), line
+    assert not target.parent.exists()
+
+
 @pytest.mark.parametrize("end", ["/", "/.", "/./", "/.."])
 @pytest.mark.parametrize("name", list(OUTPUT_FILES))
 def test_an_output_file_ending_in_a_slash_is_refused(

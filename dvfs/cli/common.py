@@ -416,7 +416,11 @@ def describe_unicode_error(exc: UnicodeError) -> str:
 def make_parent(path: Path) -> None:
     """The folder of an output file, made if missing, as every command that writes a file
     makes it (`dvfs plot --out` its folder, `dvfs cube build -o` the cube's); a failure names
-    the output path, as `describe_os_error` then words it."""
+    the output path, as `describe_os_error` then words it. A link to a file in a folder that
+    does not exist is refused (`check_link_target`): that folder is not made through it."""
+    from dvfs.outputs import check_link_target
+
+    check_link_target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError as exc:  # a file where a folder of the path should be

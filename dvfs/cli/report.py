@@ -31,9 +31,10 @@ def check_output(path: Path) -> None:
     """Refuse an output path that cannot be written before the work, not after: a probe file
     is created and removed beside it (permissions alone miss read-only file systems). As root,
     a path through another user's link is refused here too (`check_links`)."""
-    from dvfs.outputs import check_links
+    from dvfs.outputs import check_link_target, check_links
 
     check_links(path)
+    check_link_target(path)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if path.exists() and not path.is_file():
