@@ -443,7 +443,7 @@ def _demo_hint() -> str:
 
 def load_campaign(path: str | Path) -> Campaign:
     """Read and validate a campaign file."""
-    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, read_text_limited
+    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, file_in_the_way, read_text_limited
 
     path = Path(path)
     try:
@@ -453,9 +453,9 @@ def load_campaign(path: str | Path) -> Campaign:
     except NotADirectoryError as exc:
         # `afile/c.toml`: "cannot read campaign file afile/c.toml: Not a directory" said
         # neither which part nor what to do
-        above = next((p for p in path.parents if p.exists()), path.parent)
         raise CampaignError(
-            f"campaign file {path} does not exist: {above} is a file, not a folder; check the path"
+            f"campaign file {path} does not exist: {file_in_the_way(path)} is a file, not a "
+            "folder; check the path"
         ) from exc
     except OSError as exc:
         raise CampaignError(f"cannot read campaign file {path}: {exc.strerror}") from exc
