@@ -121,6 +121,25 @@ def test_a_folder_named_cube_nc_is_said_to_be_in_the_cube_files_place(
         assert (then in line) is journal, line
 
 
+@pytest.mark.parametrize("fleet", [False, True])
+def test_cube_build_into_a_folder_named_cube_nc_says_to_move_it_aside(
+    tiny_sweep: Path, tiny_exact_run, tmp_path: Path, fleet: bool
+) -> None:
+    """`dvfs cube build DIR` where DIR/cube.nc is a folder, no --out given: "it is a folder,
+    not a file; give a file's path for --out", as if the user had named that folder. The
+    folder is where the command writes by default: move it aside, or choose another --out."""
+    out = copy_sweep(tiny_exact_run("mixed") if fleet else tiny_sweep, tmp_path / "out")
+    (out / "cube.nc").unlink()
+    (out / "cube.nc").mkdir()
+    line = assert_one_line_error(
+        invoke("cube", "build", str(out)),
+        1,
+        f"cannot use {out / 'cube.nc'}: it is a folder, not a file; move that folder aside, or "
+        "choose another --out",
+    )
+    assert "give a file's path" not in line, line
+
+
 def test_a_roofline_file_given_as_a_cube_names_what_reads_it(tmp_path: Path) -> None:
     """A roofline file (netCDF, no cube schema) where a cube is asked for: one line naming
     what it is and what reads it, not advice to rebuild a cube from a journal it never had."""

@@ -345,9 +345,14 @@ def describe_os_error(exc: OSError) -> str:
     if code == errno.EEXIST and path is not None and _is_device(path):
         # /dev/null given for a folder: not to be removed
         words, advice = "a device is there, no folder", "choose another {opt}"
-    if code == errno.EISDIR and param is not None and _derived(path, param[1]):
+    if (
+        code == errno.EISDIR
+        and param is not None
+        and (_derived(path, param[1]) or _option_unset(param[0]))
+    ):
         # a folder where the command puts a file of its own (a figure in --out, in report.md's
-        # figures folder): the option names no file to correct, the folder is to move aside
+        # figures folder, `cube build`'s SWEEP_DIR/cube.nc without --out): the option names no
+        # file to correct, the folder is to move aside
         advice = "move that folder aside, or choose another {opt}"
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
@@ -364,6 +369,17 @@ def _is_device(path: Any) -> bool:
     except (OSError, TypeError, ValueError):
         return False
     return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+
+
+def _option_unset(name: str) -> bool:
+    """Whether the command's option `name` (its longest spelling) was not given: a failed
+    write to where the command writes by default (`cube build`'s SWEEP_DIR/cube.nc) named it
+    as the way round, its path the default one."""
+    ctx = click.get_current_context(silent=True)
+    for param in ctx.command.params if ctx is not None else []:
+        if isinstance(param, click.Option) and max(param.opts, key=len) == name:
+            return ctx is not None and ctx.params.get(param.name or "") is None
+    return False
 
 
 def _derived(path: Any, given: Path) -> bool:
