@@ -2484,6 +2484,24 @@ def test_an_output_file_ending_in_a_slash_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", list(OUTPUT_FILES))
+def test_an_output_file_named_dash_is_refused_not_written_as_a_file_named_dash(
+    name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-o -`, standard output to many tools: each command wrote a file named '-' in the
+    current folder. It is click's usage error (exit 2) naming the option, before any work,
+    saying to give /dev/stdout (or ./- for a file of that name)."""
+    monkeypatch.chdir(tmp_path)
+    places = {**{k: str(v) for k, v in shared.items()}, "out": "-"}
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in OUTPUT_FILES[name]])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = " ".join(result.stderr.split())
+    assert "Error: Invalid value for '-o' / '--out" in error, error
+    assert "give /dev/stdout for standard output, or ./- for a file of that name" in error, error
+    assert list(tmp_path.iterdir()) == []
+
+
 #: Options naming a folder a command writes into (or keeps its state in), "{out}" their value.
 OUTPUT_FOLDERS = {
     "sweep-o": ["sweep", "{campaign}", "-o", "{out}", "--no-progress"],

@@ -596,7 +596,8 @@ class OutputFile(click.Path):
     the folder the user meant would silently become the file's name; one ending in '..' names
     a folder too, and an empty one the current folder. `example` is the file name the error
     suggests in it; a netCDF one (".nc") also refuses a path netCDF cannot write
-    (`dvfs.outputs.netcdf_path_problem`), before the work whose result it would lose."""
+    (`dvfs.outputs.netcdf_path_problem`), before the work whose result it would lose. '-',
+    standard output to many tools, is refused too: it was written as a file named '-'."""
 
     def __init__(self, example: str) -> None:
         super().__init__(dir_okay=False, path_type=Path)
@@ -605,6 +606,13 @@ class OutputFile(click.Path):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         _refuse_empty(self, value, param, ctx, f"give a file's path, e.g. {self.example!r}")
         text = os.fsdecode(value) if isinstance(value, str | bytes) else ""
+        if text == "-":
+            self.fail(
+                "'-' is not read as standard output (it would be a file named '-'): give "
+                "/dev/stdout for standard output, or ./- for a file of that name",
+                param,
+                ctx,
+            )
         # Its trailing separators and '.' parts: what pathlib drops ("x/./", "x/.": "x").
         end = re.search(f"(?:[{re.escape('/' + os.sep)}]\\.?)+\\Z", text)
         if end:
