@@ -2413,6 +2413,24 @@ def test_an_output_files_missing_folders_are_made(
     assert out.is_file() and out.stat().st_size > 0
 
 
+@pytest.mark.parametrize("name", list(OVERWRITES))
+@pytest.mark.usefixtures("unsaved_figures")  # where the page goes, not its figures
+def test_an_output_file_of_a_name_near_the_limit_is_written(
+    name: str, shared: dict[str, Path], tiny_exact_run, tmp_path: Path
+) -> None:
+    """An output name of 250 bytes, which the file system takes (255 at most): its temp file
+    beside it (`.NAME.XXXXXXXX.tmp`) went past the limit, and the command said "the name is
+    too long; use a shorter path" of a name that is not. The temp file's name is cut to fit;
+    the output has the name given, and no temp file is left."""
+    out = tmp_path / ("x" * 246 + ".out")
+    if name == "twin-fit-o":
+        shared = {**shared, "fit_cube": tiny_exact_run("one") / "cube.nc"}
+    result = CliRunner().invoke(cli, _argv(name, shared, out))
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    assert out.stat().st_size > 0
+
+
 def test_a_write_cut_short_in_a_process_of_its_own_is_one_line(
     shared: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -31,7 +31,7 @@ def check_output(path: Path) -> None:
     """Refuse an output path that cannot be written before the work, not after: a probe file
     is created and removed beside it (permissions alone miss read-only file systems). As root,
     a path through another user's link is refused here too (`check_links`)."""
-    from dvfs.outputs import check_link_target, check_links
+    from dvfs.outputs import check_link_target, check_links, temp_prefix
 
     check_links(path)
     check_link_target(path)
@@ -41,7 +41,9 @@ def check_output(path: Path) -> None:
         return  # a device such as /dev/null: written in place, no folder to probe
     real = Path(os.path.realpath(path))  # a symlink's target is what gets replaced
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".probe", dir=real.parent)
+        fd, probe = tempfile.mkstemp(
+            prefix=temp_prefix(real.name), suffix=".probe", dir=real.parent
+        )
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
@@ -97,7 +99,7 @@ def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
     full disk, an immutable file) leaves no figures' folder behind, nor any file in one, and a
     figure that cannot be written (its folder a file, or read-only, or a link to another disk)
     no page linking to it. A failure names the file the user would get."""
-    from dvfs.outputs import check_links, new_file_mode
+    from dvfs.outputs import check_links, new_file_mode, temp_prefix
 
     made: list[Path] = []  # folders made for the figures, removed where no page is written
     staged: list[tuple[Path, Path, Path]] = []  # (hidden file, its name, as the user sees it)
@@ -112,7 +114,9 @@ def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
                 if real.is_dir():
                     raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
                 mode = stat.S_IMODE(real.stat().st_mode) if real.is_file() else new_file_mode()
-                fd, temp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+                fd, temp = tempfile.mkstemp(
+                    prefix=temp_prefix(real.name), suffix=".tmp", dir=real.parent
+                )
                 staged.append((Path(temp), real, final))
                 with os.fdopen(fd, "wb") as handle:
                     handle.write(data)
