@@ -373,9 +373,9 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
     """What `run_sweep` refuses about `out_dir` before it reads a journal there, found without
     creating or writing anything (`check_out_dir`'s first part, which the dry run says too): a
     file in the way of the folder or its lock, a read-only file system or no permission to
-    create them, a link another user may have placed (as root), another sweep holding the
-    folder (`SweepBusyError`), a named pipe where its cube goes (`check_cube_files`; with
-    `fresh`, one --fresh leaves there)."""
+    create them, a file system with no block free (`_no_room`), a link another user may have
+    placed (as root), another sweep holding the folder (`SweepBusyError`), a named pipe where
+    its cube goes (`check_cube_files`; with `fresh`, one --fresh leaves there)."""
     import errno
     import fcntl
 
@@ -387,6 +387,8 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
         code = errno.EEXIST if probe == out_dir else errno.ENOTDIR
     elif os.statvfs(probe).f_flag & os.ST_RDONLY:  # root passes os.access even there
         code = errno.EROFS
+    elif _no_room(probe):  # not a byte: the sweep fails at its lock's pid (doctor said "ok")
+        code = errno.ENOSPC
     elif not os.access(probe, os.W_OK | os.X_OK):
         code = errno.EACCES
     if code:
@@ -416,6 +418,16 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
         finally:
             os.close(fd)
     check_cube_files(out_dir, fresh=fresh)
+
+
+def _no_room(folder: Path) -> bool:
+    """Whether the file system of `folder` has no block (or no inode) left for this user (root
+    may use the blocks reserved for it): the sweep's first write (its lock's pid) fails then,
+    whatever it would measure. A file system of no size (/proc) is not full."""
+    fs = os.statvfs(folder)
+    blocks = fs.f_bfree if os.geteuid() == 0 else fs.f_bavail
+    inodes = fs.f_ffree if os.geteuid() == 0 else fs.f_favail
+    return bool((fs.f_blocks and not blocks) or (fs.f_files and not inodes))
 
 
 def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> list[JournalError]:
