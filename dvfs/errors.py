@@ -24,8 +24,9 @@ class NetcdfPathError(DvfsError):
 
 class OutputRefusedError(DvfsError):
     """As root, an output path through a symbolic link another user may point anywhere
-    (`dvfs.outputs.check_links`), or a named pipe no program read from in 30 s: refused as bad
-    usage, before anything is written."""
+    (`dvfs.outputs.check_links`), a link to a file in a folder that does not exist
+    (`dvfs.outputs.check_link_target`), or a named pipe no program read from in 30 s: refused
+    as bad usage, before anything is written."""
 
     exit_code = 2
 

@@ -26,6 +26,12 @@ MAX_SETTINGS_BYTES = 16 << 20
 MAX_DOCUMENT_BYTES = 64 << 20
 
 
+def file_in_the_way(path: Path) -> Path:
+    """The file where a folder of `path` should be, for a read of `path` that failed ENOTDIR
+    (`afile/c.toml`): the nearest of its folders that exists (a file), else its parent."""
+    return next((p for p in path.parents if p.exists()), path.parent)
+
+
 def read_limited(
     path: Path, limit: int, error: type[DvfsError], what: str, check: OpenedCheck | None = None
 ) -> bytes:

@@ -73,7 +73,7 @@ def fresh_moves(out_dir: Path) -> list[tuple[Path, Path]]:
     # a link in a loop or to nothing too: left, the sweep refuses it (`check_journal_link`)
     journals = [j for j in folder_journals(out_dir) if os.path.lexists(j)]
     moves = [m for j in journals for m in _aside(j, j.parent / CUBE_NAME)]
-    if journals and journals[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
+    if journals and journals[0].parent != out_dir and os.path.lexists(out_dir / CUBE_NAME):
         moves += _aside(out_dir / CUBE_NAME)
     return moves
 
@@ -101,12 +101,14 @@ def _move(path: Path, target: Path, renamed: dict[Path, Path]) -> None:
 
 
 def _aside(first: Path, *others: Path) -> list[tuple[Path, Path]]:
-    """`first` and those of `others` that exist, each to `NAME.n`, one n free for all."""
+    """`first` and those of `others` that exist, each to `NAME.n`, one n free for all. A link
+    to nothing is there too (moved aside as a link, never followed: the run's cube was written
+    through one to where it pointed), and takes its name."""
     paths = (first, *others)
     n = 1
-    while any(p.with_name(f"{p.name}.{n}").exists() for p in paths):
+    while any(os.path.lexists(p.with_name(f"{p.name}.{n}")) for p in paths):
         n += 1
-    return [(p, p.with_name(f"{p.name}.{n}")) for p in paths if p is first or p.exists()]
+    return [(p, p.with_name(f"{p.name}.{n}")) for p in paths if p is first or os.path.lexists(p)]
 
 
 @dataclass
@@ -371,9 +373,9 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
     """What `run_sweep` refuses about `out_dir` before it reads a journal there, found without
     creating or writing anything (`check_out_dir`'s first part, which the dry run says too): a
     file in the way of the folder or its lock, a read-only file system or no permission to
-    create them, a link another user may have placed (as root), another sweep holding the
-    folder (`SweepBusyError`), a named pipe where its cube goes (`check_cube_files`; with
-    `fresh`, one --fresh leaves there)."""
+    create them, a file system with no block free (`_no_room`), a link another user may have
+    placed (as root), another sweep holding the folder (`SweepBusyError`), a named pipe where
+    its cube goes (`check_cube_files`; with `fresh`, one --fresh leaves there)."""
     import errno
     import fcntl
 
@@ -385,6 +387,8 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
         code = errno.EEXIST if probe == out_dir else errno.ENOTDIR
     elif os.statvfs(probe).f_flag & os.ST_RDONLY:  # root passes os.access even there
         code = errno.EROFS
+    elif _no_room(probe):  # not a byte: the sweep fails at its lock's pid (doctor said "ok")
+        code = errno.ENOSPC
     elif not os.access(probe, os.W_OK | os.X_OK):
         code = errno.EACCES
     if code:
@@ -414,6 +418,16 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
         finally:
             os.close(fd)
     check_cube_files(out_dir, fresh=fresh)
+
+
+def _no_room(folder: Path) -> bool:
+    """Whether the file system of `folder` has no block (or no inode) left for this user (root
+    may use the blocks reserved for it): the sweep's first write (its lock's pid) fails then,
+    whatever it would measure. A file system of no size (/proc) is not full."""
+    fs = os.statvfs(folder)
+    blocks = fs.f_bfree if os.geteuid() == 0 else fs.f_bavail
+    inodes = fs.f_ffree if os.geteuid() == 0 else fs.f_favail
+    return bool((fs.f_blocks and not blocks) or (fs.f_files and not inodes))
 
 
 def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> list[JournalError]:

@@ -62,6 +62,36 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+def temp_prefix(name: str) -> str:
+    """`.NAME.`, the prefix of a temp file written beside the file NAME (`tempfile.mkstemp`'s
+    8 random characters and a suffix of a few follow), NAME cut to 200 bytes: the temp
+    file's name stays within the 255 bytes a file system allows a name, so that a NAME near
+    that limit, which can be written, was not refused "the name is too long" for the temp
+    file's sake."""
+    raw = os.fsencode(name)
+    return f".{os.fsdecode(raw[:200]) if len(raw) > 200 else name}."
+
+
+def check_link_target(path: Path) -> None:
+    """Refuse (`OutputRefusedError`) an output path that is a symbolic link to a file in a
+    folder that does not exist, which the write through it fails on: "cannot open PATH: no
+    such file or folder; check the path (does its folder exist?)", of a path whose folder is
+    there. Said as `dvfs sweep` says it of a cube.nc linked so (`check_cube_files`). For the
+    output options of the CLI (`make_parent`), not `replacing`'s every write (a GPU's state
+    file)."""
+    if not os.path.islink(path):
+        return
+    target = os.path.realpath(path)
+    if os.path.isdir(os.path.dirname(target)):
+        return  # written through (a link in a loop fails in its own words)
+    from dvfs.errors import OutputRefusedError
+
+    raise OutputRefusedError(
+        f"{path} is a link to {target}, in a folder that does not exist: make that folder, or "
+        "remove the link, and run again"
+    )
+
+
 def who_may_replace(folder: os.stat_result) -> str | None:
     """Who but root may replace an entry of a folder with this status, in words (None: root
     alone): its owner, or, without the sticky bit, everyone or a group other than root's."""
@@ -194,7 +224,9 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
     tmp_path: Path | None = None
     try:
         try:
-            fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+            fd, name = tempfile.mkstemp(
+                prefix=temp_prefix(real.name), suffix=".tmp", dir=real.parent
+            )
         except OSError as exc:
             raise _named(exc, path) from exc
         os.close(fd)

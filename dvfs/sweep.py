@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dvfs.backends import (
     Backends,
@@ -72,6 +72,8 @@ from dvfs.preflight import (
 if TYPE_CHECKING:
     import xarray as xr
 
+    from dvfs.gpu.safety import GpuLocks
+
 
 @dataclass(frozen=True)
 class SweepOutcome:
@@ -104,6 +106,23 @@ class SweepRestoreError(GpuError):
         self.outcome = outcome
 
 
+def _take_locks(stack: contextlib.ExitStack[Any], locks: GpuLocks, gpus: list[Gpu]) -> None:
+    """`locks.hold(gpus)` entered on `stack`; a GPU's lock that cannot be made or written in
+    dvfs's state folder (a read-only or full file system) said with what to do there: it was
+    "cannot write PATH: read-only file system; choose another path", a path the sweep takes
+    no option for. Not "another state folder": every dvfs holds its GPUs by the locks there."""
+    from dvfs.caps.actuation import state_file_problem
+    from dvfs.errors import GpuError
+
+    try:
+        stack.enter_context(locks.hold(gpus))
+    except OSError as exc:
+        problem = state_file_problem(exc)
+        if problem is None:
+            raise
+        raise GpuError(f"{problem}, then run the sweep again") from exc
+
+
 @contextlib.contextmanager
 def guarded_knobs(
     campaign: Campaign, gpus: list[Gpu], *, state_dir: Path | None = None
@@ -119,7 +138,8 @@ def guarded_knobs(
 
     directory = state_dir or default_state_dir()
     store = StateStore(directory, command="sweep")
-    with GpuLocks(directory).hold(gpus):
+    with contextlib.ExitStack() as held:
+        _take_locks(held, GpuLocks(directory), gpus)
         # A user's sweep (observe-only) keeps its locks in its own folder: one that root's
         # dvfs holds in /var/lib/dvfs is refused too, as the sweep refuses it as root.
         refuse_root_held(gpus, directory)

@@ -220,6 +220,27 @@ def test_not_toml_and_missing_file(tmp_path: Path) -> None:
     assert "ships" not in str(missing.value)  # no campaign of that name is shipped
 
 
+@pytest.mark.parametrize("under", ["x.toml", "deeper/x.toml"])
+def test_a_campaign_path_under_a_regular_file_names_that_file(tmp_path: Path, under: str) -> None:
+    """`dvfs sweep afile/x.toml`: "cannot read campaign file afile/x.toml: Not a directory",
+    which said neither which part of the path is a file nor what to do. It says the file does
+    not exist, names the file in the way, and says to check the path."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    (tmp_path / "afile").write_text("x")
+    path = tmp_path / "afile" / under
+    for command in ("sweep", "doctor"):
+        result = CliRunner().invoke(cli, [command, str(path)])
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.splitlines()
+        assert line == (
+            f"Error: campaign file {path} does not exist: {tmp_path / 'afile'} is a file, not "
+            "a folder; check the path"
+        ), line
+
+
 def test_a_missing_campaign_named_as_a_shipped_one_says_where_that_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

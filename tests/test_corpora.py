@@ -583,7 +583,14 @@ def test_the_twin_takes_acceptance_from_the_text_it_is_given() -> None:
 UNREADABLE = [
     pytest.param("missing.jsonl", None, 2, "does not exist", id="missing"),
     pytest.param("bad.jsonl", '{"text": "a"}\n{bad json\n', 2, "not valid JSON", id="bad-json"),
-    pytest.param("plain.jsonl/x.jsonl", None, 2, "cannot read corpus file", id="under-a-file"),
+    # "cannot read corpus file PATH: Not a directory" said neither which part nor what to do
+    pytest.param(
+        "plain.jsonl/x.jsonl",
+        None,
+        2,
+        "plain.jsonl is a file, not a folder; check the corpus's path",
+        id="under-a-file",
+    ),
     # JSON's escape of half an emoji: read, it failed the sweep (exit 1) with "cannot write
     # '\\ud83d' in the utf-8 encoding: set PYTHONIOENCODING=utf-8", while doctor passed it
     pytest.param(

@@ -89,6 +89,57 @@ def test_a_damaged_cube_says_how_to_rebuild_it(swept: Path, damage, says: str) -
     assert invoke("cube", "info", str(swept)).exit_code == 0
 
 
+@pytest.mark.parametrize("given", ["folder", "cube.nc"])
+@pytest.mark.parametrize("journal", [True, False])
+def test_a_folder_named_cube_nc_is_said_to_be_in_the_cube_files_place(
+    swept: Path, tmp_path: Path, given: str, journal: bool
+) -> None:
+    """A folder named cube.nc where a sweep folder's cube goes: every command that opens a
+    cube said "no cube at DIR/cube.nc/cube.nc" (the folder taken for a sweep folder, the
+    name joined again). It names DIR/cube.nc as a folder in the cube file's place, and says
+    to move it aside, then rebuild the cube from the journal where there is one."""
+    (swept / "cube.nc").unlink()
+    (swept / "cube.nc").mkdir()
+    if not journal:
+        (swept / "journal.jsonl").unlink()
+    cube = swept / "cube.nc"
+    path = swept if given == "folder" else cube
+    then = f"rebuild the cube from its journal with `dvfs cube build {swept}`"
+    for command in [
+        ("cube", "info", str(path)),
+        ("cube", "info", str(path), "--json"),
+        ("headroom", str(path)),
+        ("compare", str(path)),
+        ("report", str(path), "-o", str(tmp_path / "r.md")),
+        ("plot", str(path), "--out", str(tmp_path / "plots")),
+    ]:
+        result = invoke(*command)
+        line = assert_one_line_error(
+            result, 1, f"{cube} is a folder, where the cube file should be: move it aside"
+        )
+        assert "cube.nc/cube.nc" not in line, line
+        assert (then in line) is journal, line
+
+
+@pytest.mark.parametrize("fleet", [False, True])
+def test_cube_build_into_a_folder_named_cube_nc_says_to_move_it_aside(
+    tiny_sweep: Path, tiny_exact_run, tmp_path: Path, fleet: bool
+) -> None:
+    """`dvfs cube build DIR` where DIR/cube.nc is a folder, no --out given: "it is a folder,
+    not a file; give a file's path for --out", as if the user had named that folder. The
+    folder is where the command writes by default: move it aside, or choose another --out."""
+    out = copy_sweep(tiny_exact_run("mixed") if fleet else tiny_sweep, tmp_path / "out")
+    (out / "cube.nc").unlink()
+    (out / "cube.nc").mkdir()
+    line = assert_one_line_error(
+        invoke("cube", "build", str(out)),
+        1,
+        f"cannot use {out / 'cube.nc'}: it is a folder, not a file; move that folder aside, or "
+        "choose another --out",
+    )
+    assert "give a file's path" not in line, line
+
+
 def test_a_roofline_file_given_as_a_cube_names_what_reads_it(tmp_path: Path) -> None:
     """A roofline file (netCDF, no cube schema) where a cube is asked for: one line naming
     what it is and what reads it, not advice to rebuild a cube from a journal it never had."""

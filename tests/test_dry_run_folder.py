@@ -580,6 +580,55 @@ def test_the_dry_run_says_the_sweep_cannot_write_its_output_folder(
     assert not (mount / "out").exists() and (tmp_path / "afile").read_text() == ""
 
 
+def test_doctor_and_the_dry_run_say_a_full_file_system_stops_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An --out folder on a file system with not one block free: the sweep fails at once
+    ("cannot write OUT/sweep.lock: No space left on device"), yet `dvfs doctor` passed the
+    output folder ("usable", and a warning of 0.0 GiB free, exit 0) and the dry run planned it
+    as if all were well. Doctor fails the check in the sweep's words, and the dry run says in
+    its note that the sweep would stop."""
+    import errno
+    import os
+    from typing import Any
+
+    from bad_inputs import failing_writes
+
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    mount = tmp_path / "full"
+    mount.mkdir()
+    out = mount / "out"
+    real_statvfs = os.statvfs
+
+    def statvfs(path: Any) -> os.statvfs_result:
+        got = real_statvfs(path)
+        where = Path(path).absolute()
+        if where != mount and mount not in where.parents:
+            return got
+        fields = list(got)
+        fields[3] = fields[4] = 0  # f_bfree, f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    with failing_writes(mount, errno.ENOSPC):
+        swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+        assert swept.exit_code == 1 and "No space left on device" in swept.output, swept.output
+        doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+        checked = {c["name"]: c for c in json.loads(doctor.output)}
+        assert doctor.exit_code == 1, doctor.output
+        assert checked["output folder"]["status"] == "fail", checked
+        detail = checked["output folder"]["detail"]
+        assert f"cannot use {out} as the output folder" in detail, detail
+        assert "No space left on device; free some space" in detail, detail
+        dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate")
+        assert dry.exit_code == 0, dry.output
+        notes = [" ".join(n.split()) for n in dry.output.splitlines() if n.startswith("note:")]
+        [stop] = [n for n in notes if "sweep would stop" in n]
+        assert f"cannot use {out} as the output folder" in stop, stop
+        assert "No space left on device" in " ".join(dry.output.split()), dry.output
+    assert list(mount.iterdir()) == []
+
+
 def test_doctors_fresh_advice_names_the_sweep_that_takes_it(tmp_path: Path) -> None:
     """`dvfs doctor` on a folder holding another campaign's journal said "use --fresh to move
     the old journal aside": the doctor has no --fresh (its command with it: "No such option").

@@ -2046,6 +2046,51 @@ def test_a_lost_gpus_line_says_the_settings_left_in_grammar_for_one_gpu_and_seve
     assert said.endswith(f"the journal keeps every finished cell; {whose}, {reset}"), said
 
 
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_state_folder_the_sweep_cannot_write_says_what_to_do_there(
+    nvml, env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """A sweep on real GPUs whose state folder (DVFS_STATE_DIR, /var/lib/dvfs as root) is on a
+    read-only or full file system said "cannot write PATH: ...; choose another path", a path
+    the sweep takes no option for. It says what to do there (make it writable, free space),
+    then to run the sweep again; not another folder (every dvfs holds its GPUs' locks there),
+    exit 1, the --out folder left as it was not there."""
+    import errno
+
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    state_dir = Path(env["DVFS_STATE_DIR"])
+    real_mkdir, real_write = Path.mkdir, os.write
+    if fault == "read-only":
+
+        def mkdir(self: Path, *args: Any, **kwargs: Any) -> None:
+            if self == state_dir:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+            real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        says = f"cannot write {state_dir}: read-only file system; its file system is mounted "
+        says += "read-only: make it writable, then run the sweep again"
+    else:
+
+        def full(fd: int, data: bytes) -> int:
+            if Path(os.readlink(f"/proc/self/fd/{fd}")).parent == state_dir:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", full)
+        says = "no space left on device; free space there, then run the sweep again"
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign_file(tmp_path)), "--out", str(out), "--no-progress"]
+    )
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    monkeypatch.setattr(os, "write", real_write)
+    assert result.exit_code == 1, result.output
+    line = result.stderr.splitlines()[-1]
+    assert says in line and "choose another" not in line, line
+    assert not out.exists()
+
+
 def test_a_full_disk_under_the_state_folder_names_the_gpus_lock_not_the_out_folder(
     nvml, env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -614,6 +614,31 @@ def test_fresh_moves_a_relative_link_aside_pointing_where_it_did(tmp_path: Path)
     assert not os.path.lexists(again / "journal.jsonl.1")
 
 
+@pytest.mark.parametrize("target", ["gone/cube.nc", "cube-elsewhere.nc"])
+def test_fresh_moves_a_cube_linked_to_nothing_aside_with_its_journal(
+    tiny_sweep: Path, tmp_path: Path, target: str
+) -> None:
+    """A finished folder whose cube.nc is a link to nothing: `dvfs sweep --fresh` moved the
+    journal aside but not the link (`exists()` follows it), then refused the link to a file
+    in a missing folder, or wrote the new cube through it, out of the folder. The link is
+    moved aside with its journal, as a live one is, never followed, and the new cube is the
+    folder's own file."""
+    import os
+
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
+    (out / "cube.nc").unlink()
+    (out / "cube.nc").symlink_to(tmp_path / target)
+    argv = ["sweep", str(write(tmp_path / "c.toml", TINY)), "--out", str(out), "--fresh"]
+    dry = CliRunner().invoke(cli, [*argv, "--dry-run", "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    assert f"{out / 'cube.nc'} (to cube.nc.1)" in _said(dry.output), dry.output
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 0, swept.output
+    assert (out / "cube.nc").is_file() and not (out / "cube.nc").is_symlink()
+    assert os.readlink(out / "cube.nc.1") == str(tmp_path / target)
+    assert not os.path.lexists(tmp_path / target)
+
+
 def test_a_journal_this_user_may_not_read_is_said_so(
     tiny_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

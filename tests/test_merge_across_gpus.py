@@ -365,6 +365,34 @@ def test_a_fleet_mixing_gpu_models_ends_with_a_merged_cube(tiny_exact_run, tmp_p
     assert {k.split(" on ", 1)[1] for k in pinning} == set(json.loads(cube.attrs["gpu_names"]))
 
 
+@pytest.mark.parametrize("link", ["gpu-a-link", "gpu-z-link"])
+def test_a_gpu_folder_linked_under_another_name_is_one_model(
+    tiny_exact_run, tmp_path: Path, link: str
+) -> None:
+    """A `gpu-*` link to a GPU model's folder of a fleet mixing models (`gpu-x ->
+    gpu-nvidia-h100-...`) was taken for a third model: `dvfs cube build` merged that model's
+    cube with itself ("the same GPU twice"), and the sweep's resume refused alike after its
+    dry run counted 3 GPU models and 48 cells. The folder is that model's, counted once
+    under its own name, whichever name sorts first."""
+    run = tiny_exact_run("mixed")  # --gpus 0,h200-sxm:0
+    out = copy_sweep(run, tmp_path / "out")
+    [h100] = out.glob("gpu-*h100*")
+    (out / link).symlink_to(h100.name)
+    (out / "cube.nc").unlink()
+    built = invoke("cube", "build", str(out))
+    assert built.exit_code == 0, built.output
+    assert link not in built.output and f"{h100 / 'cube.nc'}" in built.output, built.output
+    assert open_cube(out / "cube.nc").sizes["gpu"] == 2
+    argv = ["sweep", str(run.parent / "campaign.toml"), "--out", str(out), *MIXED_FLEET]
+    dry = invoke(*argv, "--dry-run", "--no-estimate")
+    assert dry.exit_code == 0, dry.output
+    said = " ".join(dry.output.split())
+    assert "2 GPU models" in said and "32 cells in all" in said and link not in said, said
+    resumed = invoke(*argv, "--no-progress")
+    assert resumed.exit_code == 0, resumed.output
+    assert "0 cell(s) measured, 0 failed, 32 already done" in resumed.output, resumed.output
+
+
 def test_a_merged_cube_names_each_gpus_unverified_pinning(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:

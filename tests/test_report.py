@@ -1242,3 +1242,38 @@ def test_two_markdown_pages_of_one_stem_keep_their_figures_apart(
     mine = {p.name for p in (tmp_path / "r_figures").iterdir()}
     theirs = {p.name for p in (tmp_path / "r.html_figures").iterdir()}
     assert mine and mine == theirs
+
+
+@pytest.mark.usefixtures("unsaved_figures")
+@pytest.mark.parametrize(("first", "second"), [("r.md", "r"), ("r", "r.md")])
+def test_a_page_and_its_name_with_md_refuse_to_share_a_figures_folder(
+    small_sweep: Path, tmp_path: Path, first: str, second: str
+) -> None:
+    """`-o r.md` and `-o r --format md` in one folder: both pages' figures went in
+    r_figures/, the later page's replacing those the earlier still linked to. The later is
+    refused in one line (exit 2) that names the folder and the other page, before any work,
+    and the earlier page's figures are left as they were; an HTML page of that name, which
+    links no figures folder, shares nothing."""
+    from conftest import folder_files
+
+    runner = CliRunner()
+
+    def report(name: str, *extra: str) -> Any:
+        return runner.invoke(cli, ["report", str(small_sweep), "-o", str(tmp_path / name), *extra])
+
+    md = ("--format", "md")
+    done = report(first, *md)
+    assert done.exit_code == 0, done.output
+    before = folder_files(tmp_path)
+    refused = report(second, *md)
+    assert refused.exit_code == 2, refused.output
+    [line] = refused.stderr.splitlines()
+    assert f"{tmp_path / 'r_figures'}, where the Markdown page {tmp_path / first}" in line, line
+    assert "give this page another name" in line, line
+    assert folder_files(tmp_path) == before
+    html = tmp_path / "html"
+    html.mkdir()
+    for name, fmt in ((first, "html"), (second, "md")):
+        args = ["report", str(small_sweep), "-o", str(html / name), "--format", fmt]
+        done = runner.invoke(cli, args)
+        assert done.exit_code == 0, done.output

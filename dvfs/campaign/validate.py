@@ -443,13 +443,20 @@ def _demo_hint() -> str:
 
 def load_campaign(path: str | Path) -> Campaign:
     """Read and validate a campaign file."""
-    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, read_text_limited
+    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, file_in_the_way, read_text_limited
 
     path = Path(path)
     try:
         text = read_text_limited(path, MAX_SETTINGS_BYTES, CampaignError, "campaign file")
     except FileNotFoundError as exc:
         raise CampaignError(f"campaign file {path} does not exist{_built_in_hint(path)}") from exc
+    except NotADirectoryError as exc:
+        # `afile/c.toml`: "cannot read campaign file afile/c.toml: Not a directory" said
+        # neither which part nor what to do
+        raise CampaignError(
+            f"campaign file {path} does not exist: {file_in_the_way(path)} is a file, not a "
+            "folder; check the path"
+        ) from exc
     except OSError as exc:
         raise CampaignError(f"cannot read campaign file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:

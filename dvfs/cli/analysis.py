@@ -17,6 +17,7 @@ from dvfs.cli.common import (
     echo_json,
     escape,
     handle_errors,
+    make_parent,
     option_given,
 )
 
@@ -342,7 +343,9 @@ def headroom(
         doc["left_out"] = [str(j) for j in left_out]
     if output is not None:
         # A file system fault reaches handle_errors, which names the path and the option.
-        # Replaced atomically: a failed write leaves the previous file whole.
+        # Replaced atomically: a failed write leaves the previous file whole. Its folder
+        # made where missing, as `dvfs report -o` makes it.
+        make_parent(output)
         write_text(output, json.dumps(doc, indent=2) + "\n")
     if as_json:
         echo_json(doc)

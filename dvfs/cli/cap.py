@@ -24,6 +24,7 @@ from dvfs.cli.common import (
     dry_run_reads_gpus,
     escape,
     handle_errors,
+    make_parent,
     show_beside_lost,
 )
 
@@ -155,6 +156,7 @@ def plan(
     if out_path is None:
         click.echo(text, nl=False)
         return
+    make_parent(out_path)  # as `dvfs report -o` makes it
     write_text(out_path, text)  # atomically: a failed write keeps the previous file
     import shlex
 
@@ -205,6 +207,7 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     if out_path is None:
         click.echo(text, nl=False)
         return
+    make_parent(out_path)  # as `dvfs report -o` makes it
     write_text(out_path, text)  # atomically: a failed write keeps the previous file
     import shlex
 

@@ -345,9 +345,14 @@ def describe_os_error(exc: OSError) -> str:
     if code == errno.EEXIST and path is not None and _is_device(path):
         # /dev/null given for a folder: not to be removed
         words, advice = "a device is there, no folder", "choose another {opt}"
-    if code == errno.EISDIR and param is not None and _derived(path, param[1]):
+    if (
+        code == errno.EISDIR
+        and param is not None
+        and (_derived(path, param[1]) or _option_unset(param[0]))
+    ):
         # a folder where the command puts a file of its own (a figure in --out, in report.md's
-        # figures folder): the option names no file to correct, the folder is to move aside
+        # figures folder, `cube build`'s SWEEP_DIR/cube.nc without --out): the option names no
+        # file to correct, the folder is to move aside
         advice = "move that folder aside, or choose another {opt}"
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
@@ -364,6 +369,17 @@ def _is_device(path: Any) -> bool:
     except (OSError, TypeError, ValueError):
         return False
     return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+
+
+def _option_unset(name: str) -> bool:
+    """Whether the command's option `name` (its longest spelling) was not given: a failed
+    write to where the command writes by default (`cube build`'s SWEEP_DIR/cube.nc) named it
+    as the way round, its path the default one."""
+    ctx = click.get_current_context(silent=True)
+    for param in ctx.command.params if ctx is not None else []:
+        if isinstance(param, click.Option) and max(param.opts, key=len) == name:
+            return ctx is not None and ctx.params.get(param.name or "") is None
+    return False
 
 
 def _derived(path: Any, given: Path) -> bool:
@@ -411,6 +427,22 @@ def describe_unicode_error(exc: UnicodeError) -> str:
             "set PYTHONIOENCODING=utf-8 (or a UTF-8 locale) and rerun"
         )
     return f"cannot handle text in {_inputs_text()}: {exc}"
+
+
+def make_parent(path: Path) -> None:
+    """The folder of an output file, made if missing, as every command that writes a file
+    makes it (`dvfs plot --out` its folder, `dvfs cube build -o` the cube's); a failure names
+    the output path, as `describe_os_error` then words it. A link to a file in a folder that
+    does not exist is refused (`check_link_target`): that folder is not made through it."""
+    from dvfs.outputs import check_link_target
+
+    check_link_target(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:  # a file where a folder of the path should be
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 #: The options that name what a command writes.
@@ -564,7 +596,8 @@ class OutputFile(click.Path):
     the folder the user meant would silently become the file's name; one ending in '..' names
     a folder too, and an empty one the current folder. `example` is the file name the error
     suggests in it; a netCDF one (".nc") also refuses a path netCDF cannot write
-    (`dvfs.outputs.netcdf_path_problem`), before the work whose result it would lose."""
+    (`dvfs.outputs.netcdf_path_problem`), before the work whose result it would lose. '-',
+    standard output to many tools, is refused too: it was written as a file named '-'."""
 
     def __init__(self, example: str) -> None:
         super().__init__(dir_okay=False, path_type=Path)
@@ -573,6 +606,13 @@ class OutputFile(click.Path):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         _refuse_empty(self, value, param, ctx, f"give a file's path, e.g. {self.example!r}")
         text = os.fsdecode(value) if isinstance(value, str | bytes) else ""
+        if text == "-":
+            self.fail(
+                "'-' is not read as standard output (it would be a file named '-'): give "
+                "/dev/stdout for standard output, or ./- for a file of that name",
+                param,
+                ctx,
+            )
         # Its trailing separators and '.' parts: what pathlib drops ("x/./", "x/.": "x").
         end = re.search(f"(?:[{re.escape('/' + os.sep)}]\\.?)+\\Z", text)
         if end:

@@ -66,9 +66,10 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
     )
     from dvfs.fleet.shard_journal import shard_cube
     from dvfs.measure.journal import JOURNAL_NAME
-    from dvfs.outputs import is_stream
+    from dvfs.outputs import check_link_target, is_stream
     from dvfs.report.headroom import holds_no_session
 
+    check_link_target(out_path or sweep_dir / CUBE_NAME)  # before the journals are read
     # into a pipe (`-o /dev/stdout | ...`) the cube alone: its line after it would be in it
     err = out_path is not None and is_stream(out_path)
     journals = cube_journals(sweep_dir)
@@ -270,8 +271,9 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     from dvfs.cube.cells_left import MERGED_CUBES_ATTR, merged_cubes, merged_shards
     from dvfs.fleet.shard import cube_shard
     from dvfs.measure.journal import JOURNAL_NAME
-    from dvfs.outputs import is_stream
+    from dvfs.outputs import check_link_target, is_stream
 
+    check_link_target(out_path)  # before the cubes are read
     loaded = [_load_for_merge(p) for p in cubes]
     if len(loaded) == 1:
         # One cube is all the shards only of a run of one shard (`--shard 0/1`: an array of

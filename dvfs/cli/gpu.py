@@ -19,6 +19,7 @@ from dvfs.cli.common import (
     echo_json,
     escape,
     handle_errors,
+    make_parent,
     one_line,
     restore_status,
     show_beside_lost,
@@ -534,6 +535,7 @@ def roofline(
     ds = store.build_dataset(result)
     ds.attrs["model"] = shape.key
     if out_path is not None:
+        make_parent(out_path)  # as `dvfs report -o` makes it
         store.write(ds, out_path)
     doc = store.document(ds)
     if as_json:

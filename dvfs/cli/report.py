@@ -19,7 +19,7 @@ from dvfs.cli.analysis import (
     headroom_target,
     headroom_target_options,
 )
-from dvfs.cli.common import OutputFile, handle_errors
+from dvfs.cli.common import OutputFile, handle_errors, make_parent
 
 if TYPE_CHECKING:
     from dvfs.report.document import ReportOptions
@@ -27,31 +27,23 @@ if TYPE_CHECKING:
 MARKDOWN_SUFFIXES = (".md", ".markdown")
 
 
-def make_parent(path: Path) -> None:
-    """The output's folder, made if missing (as `dvfs plot --out` makes its folder); a
-    failure names the output path, as check_output's do."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError as exc:  # a file where a folder of the path should be
-        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
-
-
 def check_output(path: Path) -> None:
     """Refuse an output path that cannot be written before the work, not after: a probe file
     is created and removed beside it (permissions alone miss read-only file systems). As root,
     a path through another user's link is refused here too (`check_links`)."""
-    from dvfs.outputs import check_links
+    from dvfs.outputs import check_link_target, check_links, temp_prefix
 
     check_links(path)
+    check_link_target(path)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if path.exists() and not path.is_file():
         return  # a device such as /dev/null: written in place, no folder to probe
     real = Path(os.path.realpath(path))  # a symlink's target is what gets replaced
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".probe", dir=real.parent)
+        fd, probe = tempfile.mkstemp(
+            prefix=temp_prefix(real.name), suffix=".probe", dir=real.parent
+        )
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
@@ -74,6 +66,32 @@ def figures_folder(output: Path) -> str:
     return f"{output.stem if output.suffix == '.md' else output.name}_figures"
 
 
+def refuse_shared_figures(output: Path) -> None:
+    """Refuse (`OutputRefusedError`) a Markdown page whose figures folder is another page's
+    beside it: `r.md`'s is r_figures/, and so is `r`'s (`-o r --format md`), so the later
+    page's figures replaced the earlier's, which still linked to them (and showed figures of
+    another report). The other page is one that links into that folder."""
+    from urllib.parse import quote
+
+    from dvfs.errors import OutputRefusedError
+
+    folder = figures_folder(output)
+    other = output.with_suffix("") if output.suffix == ".md" else Path(f"{output}.md")
+    try:
+        with open(other, "rb") as handle:
+            text = handle.read(1 << 24)
+    except OSError:  # none there (or none this user may read): nothing shares the folder
+        return
+    if f"]({quote(folder)}/".encode() not in text:
+        return  # not a page of figures in that folder (an HTML report, another file)
+    name = f"{output.stem}-2.md" if output.suffix == ".md" else f"{output.name}-2"
+    raise OutputRefusedError(
+        f"the figures of {output} would go in {output.parent / folder}, where the Markdown page "
+        f"{other} has its own, which they would replace: give this page another name (e.g. "
+        f"{output.parent / name}), or move {other} and its figures aside"
+    )
+
+
 def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
     """A Markdown page and its figures (`files`: paths relative to the page's folder). Each
     figure is written first to a hidden file in its own folder (made where missing), the page
@@ -81,7 +99,7 @@ def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
     full disk, an immutable file) leaves no figures' folder behind, nor any file in one, and a
     figure that cannot be written (its folder a file, or read-only, or a link to another disk)
     no page linking to it. A failure names the file the user would get."""
-    from dvfs.outputs import check_links, new_file_mode
+    from dvfs.outputs import check_links, new_file_mode, temp_prefix
 
     made: list[Path] = []  # folders made for the figures, removed where no page is written
     staged: list[tuple[Path, Path, Path]] = []  # (hidden file, its name, as the user sees it)
@@ -96,7 +114,9 @@ def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
                 if real.is_dir():
                     raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
                 mode = stat.S_IMODE(real.stat().st_mode) if real.is_file() else new_file_mode()
-                fd, temp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+                fd, temp = tempfile.mkstemp(
+                    prefix=temp_prefix(real.name), suffix=".tmp", dir=real.parent
+                )
                 staged.append((Path(temp), real, final))
                 with os.fdopen(fd, "wb") as handle:
                     handle.write(data)
@@ -227,6 +247,8 @@ def report(
             "it; give a file's path, or --format html (one file, figures embedded)",
             param_hint="'-o' / '--output'",
         )
+    if fmt == "md":
+        refuse_shared_figures(output)
     ds = open_analysable(cube_path)
     try:
         if (

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dvfs.cli.common import OutputFile, OutputFolder, console, escape, fail, handle_errors
+from dvfs.cli.common import (
+    OutputFile,
+    OutputFolder,
+    console,
+    escape,
+    fail,
+    handle_errors,
+    make_parent,
+)
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -74,6 +82,7 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
         )
     if name is not None:
         _check_fit_name(name)
+    make_parent(out_path)  # as `dvfs report -o` makes it, before the work as it does
     check_output(out_path)  # before the work, not after
     if kind == "cube":
         _fit_cube(source, out_path, base, name, max_cells)

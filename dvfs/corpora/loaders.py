@@ -657,6 +657,13 @@ def _open_source(spec: dict[str, Any], base_dir: str) -> tuple[IO[bytes], str, s
             stream: IO[bytes] = open(path, "rb")  # noqa: SIM115 (the caller's `with` closes it)
         except FileNotFoundError as exc:
             raise CorpusError(f"corpus file {path} does not exist") from exc
+        except NotADirectoryError as exc:  # was "cannot read corpus file ...: Not a directory"
+            from dvfs.inputs import file_in_the_way
+
+            raise CorpusError(
+                f"corpus file {path} does not exist: {file_in_the_way(path)} is a file, not a "
+                "folder; check the corpus's path"
+            ) from exc
         except OSError as exc:
             # as a campaign file that cannot be read: the campaign's input, exit 2
             raise CorpusError(f"cannot read corpus file {path}: {exc.strerror}") from exc

@@ -9,6 +9,7 @@ works.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,6 +221,17 @@ def _rebuild_hint(path: Path) -> str:
     )
 
 
+def _folder_in_the_cubes_place(path: Path) -> str:
+    """The refusal of a folder `path` named cube.nc (holding none) where a sweep folder's cube
+    file goes: said as that folder, not as "no cube at PATH/cube.nc"."""
+    folder = path.parent
+    if (folder / JOURNAL_NAME).is_file():
+        then = f"then rebuild the cube from its journal with `dvfs cube build {folder}`"
+    else:
+        then = "or give the cube file's path"
+    return f"{path} is a folder, where the cube file should be: move it aside, {then}"
+
+
 def open_cube(path: str | Path) -> xr.Dataset:
     """Load a cube into memory (the file is closed on return) and check its shape. `path` is
     a cube file or, as every command takes, a sweep folder holding cube.nc.
@@ -232,6 +244,10 @@ def open_cube(path: str | Path) -> xr.Dataset:
     path = Path(path)
     if path.is_dir():
         path = path / CUBE_NAME
+    if path.is_dir():  # a folder in the cube file's place: not "no cube at cube.nc/cube.nc"
+        raise CubeError(_folder_in_the_cubes_place(path))
+    if path.name == path.parent.name == CUBE_NAME and not os.path.lexists(path):
+        raise CubeError(_folder_in_the_cubes_place(path.parent))  # that folder given, or joined
     if not path.exists():
         raise CubeError(f"no cube at {path}: run `dvfs sweep` or `dvfs cube build` first")
     if not path.is_file():  # netCDF is read by seeking: a FIFO would be waited on for ever

@@ -93,8 +93,20 @@ def model_journal_paths(out_dir: Path) -> list[Path]:
     the sweep, its dry run and `dvfs doctor` refuse it rather than start the folder over."""
     from dvfs.measure.journal import JOURNAL_NAME
 
-    found = (d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")))
+    found = (d / JOURNAL_NAME for d in model_folders(out_dir))
     return [path for path in found if os.path.lexists(path)]
+
+
+def model_folders(out_dir: Path) -> list[Path]:
+    """`out_dir`'s `gpu-*` entries, sorted, each folder once: a symbolic link to another of
+    them (`gpu-x -> gpu-nvidia-h100-...`) is that model's folder under a second name, not a
+    model of its own: counted twice, its journal's cells were counted twice, and its cube
+    merged with itself ("the same GPU twice"). Of the names of one folder, its own is kept
+    (not a link), else the first."""
+    kept: dict[str, Path] = {}
+    for entry in sorted(out_dir.glob("gpu-*"), key=lambda d: (d.is_symlink(), d)):
+        kept.setdefault(os.path.realpath(entry), entry)
+    return sorted(kept.values())
 
 
 def model_folder_journals(out_dir: Path) -> list[Path]:
@@ -107,7 +119,7 @@ def model_folder_journals(out_dir: Path) -> list[Path]:
     (`_model_folder_left`): the user's own, no GPU model with every cell left."""
     from dvfs.measure.journal import JOURNAL_NAME
 
-    found = [d / JOURNAL_NAME for d in sorted(out_dir.glob("gpu-*")) if d.is_dir()]
+    found = [d / JOURNAL_NAME for d in model_folders(out_dir) if d.is_dir()]
     if not any(os.path.lexists(path) for path in found):
         return []
     return [path for path in found if os.path.lexists(path) or _model_folder_left(path.parent)]
