@@ -334,7 +334,7 @@ def test_a_dry_run_without_nvml_says_it_reads_the_gpus_not_to_use_the_twin(
     """`dvfs govern --dry-run` and `dvfs cap apply --dry-run` where NVML is missing said "or
     run on the digital twin (... `--twin h100-sxm` for `dvfs gpu list`, ...)": neither takes
     --twin, and a dry run still matches the plan to the GPUs here. The one line says so; the
-    apply itself keeps the twin's hint."""
+    apply itself says what to do about the driver alone (`test_commands_without_a_twin_...`)."""
     from dvfs.caps import CapsFile, GpuCap, dump_caps
 
     plan = tmp_path / "plan.toml"
@@ -353,11 +353,51 @@ def test_a_dry_run_without_nvml_says_it_reads_the_gpus_not_to_use_the_twin(
     shown = "dvfs govern --dry-run" if command == "govern" else "dvfs cap apply --dry-run"
     assert "NVML is missing" in said and f"`{shown}` reads the GPUs it would" in said, said
     assert "(it has no --twin): run it on their host" in said and "`dvfs gpu list`" not in said
-    if command == "cap":
-        applied = dvfs_in_process(*args, env=env)
-        assert applied.returncode == 1 and "`--twin h100-sxm` for `dvfs gpu list`" in " ".join(
-            applied.stderr.split()
-        ), applied.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("cap", "apply", "CAPS", "--wait-for-driver", "0"),
+        ("cap", "show"),
+        ("cap", "reset"),
+        ("gpu", "reset", "--defaults"),
+        ("govern", "--plan", "PLAN", "--url", "http://127.0.0.1:9", "--gpu", "0"),
+        ("monitor", "--once", "--listen", "off"),
+    ],
+)
+@pytest.mark.parametrize("init_error", ["missing", "not-loaded"])
+def test_commands_without_a_twin_say_what_to_do_about_the_driver_alone(
+    tmp_path: Path, args: tuple[str, ...], init_error: str
+) -> None:
+    """The commands that read or change the GPUs here through NVML only (the caps unit's
+    `cap apply --wait-for-driver` and `cap reset`, the governor unit's `govern` and `gpu reset`,
+    the monitor unit's `monitor`, `cap show`) said, where NVML is missing or its kernel module
+    not loaded, "or run on the digital twin (gpu.backend = "twin" in a campaign; `--twin
+    h100-sxm` for `dvfs gpu list`, ...)": none of them can, so the line in the unit's journal
+    pointed the operator at another tool. The one line now says what to do about the driver."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", sm_clock_max_mhz=1500),))))
+    argv = [{"CAPS": str(caps), "PLAN": str(plan)}.get(a, a) for a in args]
+    failure = (
+        {"DVFS_FAKE_NVML_MISSING": "1"}
+        if init_error == "missing"
+        else {"DVFS_FAKE_NVML_INIT_ERROR": "9"}  # NVML_ERROR_DRIVER_NOT_LOADED
+    )
+    result = dvfs_in_process(*argv, env=fake_env(tmp_path, **failure))
+    said = " ".join(result.stderr.split())
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, said
+    fix = (
+        "install the NVIDIA driver on a GPU machine"
+        if init_error == "missing"
+        else "load it (modprobe nvidia, or reboot after a driver update"
+    )
+    assert fix in said, said
+    assert "digital twin" not in said and "--twin" not in said, said
 
 
 def test_a_dry_run_beside_a_running_governor_needs_no_metrics_port(

@@ -24,6 +24,7 @@ from dvfs.cli.common import (
     dry_run_reads_gpus,
     escape,
     handle_errors,
+    has_no_twin,
     show_beside_lost,
 )
 
@@ -647,6 +648,7 @@ def _refuse_as_the_apply_would(
     "/var/lib/dvfs, where root applied them].",
 )
 @handle_errors
+@has_no_twin
 def show(as_json: bool, state_dir: Path | None) -> None:
     """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
     (a running governor's, else `cap apply`'s). A GPU fallen off the bus is named, exit 1,
@@ -709,6 +711,7 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
 @click.argument("devices", nargs=-1)
 @state_dir_option
 @handle_errors
+@has_no_twin
 def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none). A GPU
     fallen off the bus (named or not) is named, exit 1, once the others are reset; a GPU

@@ -46,28 +46,60 @@ def dry_run_reads_gpus(command: str, reads: str, *, refused: str = "") -> Callab
     """A command whose --dry-run still reads the GPUs here through NVML (`reads`: what of
     them), and has no --twin: where NVML is missing or its driver not loaded, its dry run's
     one line says so and to run it on the GPUs' host, not the hint of the commands that take
-    --twin; begun with `refused` (the words its other dry-run refusals begin with)."""
+    --twin; begun with `refused` (the words its other dry-run refusals begin with). Its run
+    itself says what `has_no_twin` says."""
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             from dvfs.errors import GpuUnavailableError
-            from dvfs.gpu.nvml_errors import TWIN_HINT
 
             try:
                 return func(*args, **kwargs)
             except GpuUnavailableError as exc:
-                text, twin = str(exc), f", or {TWIN_HINT}"
-                if not kwargs.get("dry_run") or not text.endswith(twin):
+                text = _without_twin_hint(exc)
+                if text is None:
                     raise
+                if not kwargs.get("dry_run"):
+                    raise type(exc)(text) from exc
                 raise type(exc)(
-                    f"{refused}{text.removesuffix(twin)}; {command} reads {reads} through "
+                    f"{refused}{text}; {command} reads {reads} through "
                     "it (it has no --twin): run it on their host"
                 ) from exc
 
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def has_no_twin(func: F) -> F:
+    """A command that reads or changes the GPUs here through NVML only (no --twin, no
+    campaign: `cap apply`, `cap show`, `cap reset`, `gpu reset`, `monitor`, `govern`, the caps
+    and governor units' commands): where NVML is missing or its driver not loaded, its one line
+    says how to get the driver going, not to run on the digital twin, which it cannot."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from dvfs.errors import GpuUnavailableError
+
+        try:
+            return func(*args, **kwargs)
+        except GpuUnavailableError as exc:
+            text = _without_twin_hint(exc)
+            if text is None:
+                raise
+            raise type(exc)(text) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _without_twin_hint(exc: Exception) -> str | None:
+    """The message of an NVML-missing or driver-not-loaded error without its closing hint to
+    run on the twin (`TWIN_HINT`); None where it has none."""
+    from dvfs.gpu.nvml_errors import TWIN_HINT
+
+    text, twin = str(exc), f", or {TWIN_HINT}"
+    return text.removesuffix(twin) if text.endswith(twin) else None
 
 
 class LazyGroup(click.Group):

@@ -21,7 +21,13 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFolder, dry_run_reads_gpus, handle_errors, option_given
+from dvfs.cli.common import (
+    OutputFolder,
+    dry_run_reads_gpus,
+    handle_errors,
+    has_no_twin,
+    option_given,
+)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 #: An interval or dwell beyond a day is a typo; far beyond, the waits overflow the platform's
@@ -348,6 +354,7 @@ def govern(
     "$XDG_STATE_HOME/dvfs if it holds a record, else /var/lib/dvfs].",
 )
 @handle_errors
+@has_no_twin
 def monitor(
     url: str | None,
     devices: tuple[str, ...],
