@@ -307,6 +307,28 @@ def test_gpu_reset_clears_a_lock_record_with_nothing_to_restore(env: dict[str, s
     assert not nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
 
 
+def test_gpu_reset_says_a_lock_record_from_before_the_reboot_is_cleared_as_such(
+    env: dict[str, str], nvml
+) -> None:
+    """A governor killed with SIGKILL, then a reboot: its state file is dropped (the reboot
+    reset the GPU) and its lock record is left for `gpu reset` (the governor unit's
+    ExecStopPost) to clear. It said the governor "died before changing the GPU", which it had
+    not: the journal told the operator a false story of the crash."""
+    from dvfs.caps.actuation import GovernorLocks
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    locks = GovernorLocks(Path(env["DVFS_STATE_DIR"]))
+    locks.write(uuid, (210, 1200))
+    record = json.loads(locks.path(uuid).read_text())
+    locks.path(uuid).write_text(json.dumps({**record, "boot": "an-earlier-boot"}))
+    reset = dvfs_in_process("gpu", "reset", env=env)
+    assert reset.returncode == 0, reset.stderr
+    said = " ".join(reset.stdout.split())
+    assert "from before the last reboot, which reset the GPU (nothing to restore)" in said, said
+    assert "died before changing" not in said
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("governed-*"))
+
+
 def test_dry_run_prints_and_calls_no_setter(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:

@@ -1156,9 +1156,17 @@ def reset_gpus(
                 if not store.pending(gpu.identity.uuid):
                     governed.clear(gpu.identity.uuid)
         for gpu in stale:
+            # One from before the last reboot: that governor may well have changed the GPU,
+            # but the reboot put it back (its state file is dropped for the same reason).
+            record = recorded[gpu.identity.uuid]
+            why = (
+                "from before the last reboot, which reset the GPU"
+                if before_this_boot(record.get("boot"), record.get("since"))
+                else "that died before changing the GPU"
+            )
             note(
                 f"cleared GPU {gpu.identity.index} ({gpu.identity.uuid}): the lock record of "
-                "a dvfs govern that died before changing the GPU (nothing to restore)"
+                f"a dvfs govern {why} (nothing to restore)"
             )
         if defaults:
             others = [g for g in gpus if (g not in with_state or g in rebooted) and g not in busy]
