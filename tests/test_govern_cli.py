@@ -1243,6 +1243,56 @@ def test_the_monitor_units_command_line_runs(env: dict[str, str], nvml, stub: st
     assert nvml.fake_calls() == []  # read-only
 
 
+@pytest.mark.parametrize("unit", ["dvfs-govern.service", "dvfs-monitor.service"])
+def test_the_governor_and_monitor_units_wait_for_a_driver_loading_late(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch, unit: str
+) -> None:
+    """At boot the NVIDIA driver may not be loaded yet (a DKMS build takes minutes). The
+    governor and monitor units ran `govern` / `monitor` without waiting: exit 1 at once, a
+    restart every RestartSec=10, and after the fifth start in ten minutes (StartLimitBurst=5)
+    the unit failed for good, well before the driver loaded (the governor waits on the caps
+    unit only where /etc/dvfs/caps.toml is there). Their ExecStart, run as written but for the
+    paths and ports, now waits for the driver, then runs."""
+    import dvfs.gpu.nvml
+
+    text = (REPO / "systemd" / unit).read_text()
+    [start] = [
+        line[len("ExecStart=") :] for line in text.splitlines() if line.startswith("ExecStart=")
+    ]
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    argv = (
+        start.replace("/usr/local/bin/dvfs", "")
+        .replace("/etc/dvfs/govern-plan.toml", str(plan))
+        .replace("127.0.0.1:9435", "127.0.0.1:0")
+        .replace("127.0.0.1:9436", "127.0.0.1:0")
+        .replace("http://127.0.0.1:30000", stub)
+        .split()
+    )
+    argv += ["--max-intervals", "1"] + (["--gpu", "0"] if "govern" in argv else [])
+    restarts = re.search(r"^RestartSec=(\d+)$", text, re.M)
+    burst = re.search(r"^StartLimitBurst=(\d+)$", text, re.M)
+    assert restarts and burst and "Restart=on-failure" in text  # what a failure at once met
+    assert "--wait-for-driver" in argv, start
+    wait_s = int(argv[argv.index("--wait-for-driver") + 1])
+    assert wait_s > int(restarts[1]) * int(burst[1]), "the wait outlasts the restarts it replaces"
+    not_loaded = {**env, "DVFS_FAKE_NVML_INIT_ERROR": str(nvml.NVML_ERROR_DRIVER_NOT_LOADED)}
+    slept: list[float] = []
+
+    def driver_loads_at_the_second_try(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 2:  # the module is loaded now
+            os.environ.pop("DVFS_FAKE_NVML_INIT_ERROR")
+
+    monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", driver_loads_at_the_second_try)
+    result = dvfs_in_process(*argv, env=not_loaded)
+    assert result.returncode == 0, result.stderr
+    assert slept == [dvfs.gpu.nvml.DRIVER_POLL_S] * 2
+    [said] = [line for line in result.stderr.splitlines() if "waiting up to" in line]
+    assert said.endswith(f"waiting up to {wait_s} s for it, trying again every 5 s"), said
+    assert ("governing GPU 0" if "govern" in argv else "serving metrics on") in result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [

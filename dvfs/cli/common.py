@@ -72,6 +72,43 @@ def dry_run_reads_gpus(command: str, reads: str, *, refused: str = "") -> Callab
     return decorate
 
 
+def wait_for_driver_option(what: str) -> Callable[[F], F]:
+    """`--wait-for-driver SECONDS` of a command a systemd unit runs at boot (`what`: "before
+    failing", or what the command does instead)."""
+    return click.option(
+        "--wait-for-driver",
+        "wait_for_driver_s",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        metavar="SECONDS",
+        help="While NVML says the NVIDIA kernel module is not loaded (at boot, before the driver "
+        f"is up), try again every few seconds for up to SECONDS {what}.",
+    )
+
+
+def wait_for_the_driver(wait_s: int, *, dry_run: bool = False) -> None:
+    """`--wait-for-driver`: return once NVML starts, or at once where it fails for any other
+    reason (the command then says that failure itself); while the NVIDIA kernel module is not
+    loaded, say so once and try again (`dvfs.gpu.nvml.wait_for_driver`), raising the failure
+    that says how long it waited where the wait runs out."""
+    if not wait_s:
+        return
+    from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver, wait_span
+
+    spent = wait_for_driver(
+        wait_s,
+        lambda: click.echo(
+            f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting "
+            f"{wait_span(wait_s)} for it, trying again every {DRIVER_POLL_S:g} s",
+            err=True,
+        ),
+        dry_run=dry_run,
+    )
+    if spent is not None:  # the wait ran out: its line says so
+        raise spent
+
+
 def has_no_twin(func: F) -> F:
     """A command that reads or changes the GPUs here through NVML only (no --twin, no
     campaign: `cap apply`, `cap show`, `cap reset`, `gpu reset`, `monitor`, `govern`, the caps
