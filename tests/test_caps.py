@@ -3569,3 +3569,27 @@ def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
     # another --state-dir holds none of this folder's saved settings: the GPUs would stay capped
     assert "move it aside" in line and "another --state-dir" not in line, line
     assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
+@pytest.mark.parametrize(
+    ("written", "said"),
+    [('"1"', 'dvfs_caps = "1"'), ("2", "dvfs_caps = 2"), ("true", "dvfs_caps = true")],
+)
+def test_a_caps_file_of_another_schema_is_refused_as_written_with_the_way_on(
+    nvml, tmp_path: Path, written: str, said: str
+) -> None:
+    """`dvfs_caps = "1"` (quoted by hand) was refused "caps schema 1 is not 1", a line that
+    contradicts itself, and any other schema with no way on; `dvfs_caps = true` was taken for
+    schema 1. Each is refused, exit 2, in one line that quotes the value as written and says to
+    plan the file again with this dvfs."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(f'dvfs_caps = {written}\n[[gpu]]\nuuid = "{uuid}"\nsm_clock_max_mhz = 1500\n')
+    for args in (("--dry-run",), ()):
+        result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *args])
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.strip().splitlines()
+        assert f"caps schema {said} is not 1; write it again with this dvfs's `dvfs cap plan" in (
+            line
+        ), line
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
