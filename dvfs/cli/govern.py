@@ -222,7 +222,7 @@ def _timeout(interval: float) -> float:
     help="Where dvfs keeps state files and locks "
     "[default: $DVFS_STATE_DIR if set, else /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
 )
-@wait_for_driver_option("before failing (the governor unit at boot; a dry run does not wait)")
+@wait_for_driver_option("before failing (a dry run does not wait)")
 @handle_errors
 @dry_run_reads_gpus(
     "`dvfs govern --dry-run`", "the GPUs it would govern (what each holds now, the plan's fit)"
@@ -359,7 +359,7 @@ def govern(
     "from there) [default: $DVFS_STATE_DIR if set, else /var/lib/dvfs as root; else "
     "$XDG_STATE_HOME/dvfs if it holds a record, else /var/lib/dvfs].",
 )
-@wait_for_driver_option("before failing (the monitor unit at boot)")
+@wait_for_driver_option("before failing")
 @handle_errors
 @has_no_twin
 def monitor(
