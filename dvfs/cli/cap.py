@@ -398,8 +398,11 @@ def apply(
     if plan.mig:
         console(stderr=True).print(f"note: {escape(plan.mig_message(dry_run=dry_run))}")
     if plan.untouched:
+        from dvfs.gpu.safety import state_dir_command
+
+        reset = state_dir_command("dvfs cap reset {indices}", directory)
         console(stderr=True).print(
-            f"note: {escape(plan.untouched_message(where, dry_run=dry_run))}"
+            f"note: {escape(plan.untouched_message(where, dry_run=dry_run, reset=reset))}"
         )
     if plan.unmatched:
         message = plan.unmatched_message(where, dry_run=dry_run)
