@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import tomllib
 from pathlib import Path
@@ -3569,3 +3570,70 @@ def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
     # another --state-dir holds none of this folder's saved settings: the GPUs would stay capped
     assert "move it aside" in line and "another --state-dir" not in line, line
     assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
+@pytest.mark.parametrize(
+    ("written", "said"),
+    [('"1"', 'dvfs_caps = "1"'), ("2", "dvfs_caps = 2"), ("true", "dvfs_caps = true")],
+)
+def test_a_caps_file_of_another_schema_is_refused_as_written_with_the_way_on(
+    nvml, tmp_path: Path, written: str, said: str
+) -> None:
+    """`dvfs_caps = "1"` (quoted by hand) was refused "caps schema 1 is not 1", a line that
+    contradicts itself, and any other schema with no way on; `dvfs_caps = true` was taken for
+    schema 1. Each is refused, exit 2, in one line that quotes the value as written and says to
+    plan the file again with this dvfs."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(f'dvfs_caps = {written}\n[[gpu]]\nuuid = "{uuid}"\nsm_clock_max_mhz = 1500\n')
+    for args in (("--dry-run",), ()):
+        result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *args])
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.strip().splitlines()
+        assert f"caps schema {said} is not 1; write it again with this dvfs's `dvfs cap plan" in (
+            line
+        ), line
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_a_gpu_a_new_caps_file_leaves_out_is_said_to_keep_an_earlier_files_caps(
+    nvml, tmp_path: Path
+) -> None:
+    """/etc/dvfs/caps.toml edited to cap GPU 0 only, then applied again: GPU 1 keeps the caps
+    the earlier file put on it (by dvfs's record, as `cap show` says), but the note said "it was
+    left as it is (to cap it, `dvfs cap plan` ...)", as of a GPU never capped: the operator who
+    dropped its entry to uncap it was told to plan caps it holds. The note says it keeps them
+    and the `dvfs cap reset N` that removes them, which does, pasted as printed."""
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=first, sm_clock_max_mhz=1500),
+                    GpuCap(uuid=second, sm_clock_max_mhz=1200, power_limit_w=450.0),
+                )
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    for args in (("--dry-run",), ()):
+        result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *args])
+        assert result.exit_code == 0, result.output
+        said = " ".join(result.stderr.split())
+        assert f"has no entry for GPU 1 (NVIDIA H100 80GB HBM3, {second}), capped to SM" in said
+        assert "SM clock locked 210-1200 MHz, power limit 450 W from" in said, said
+        keeps = "would keep" if args else "keeps"
+        assert f"it {keeps} the caps an earlier `dvfs cap apply` put on it (`dvfs cap reset 1" in (
+            said
+        ), said
+        assert "to cap it" not in said, said
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1200]
+    [reset] = re.findall(r"`(dvfs cap reset 1[^`]*)`", said)
+    invoke(*shlex.split(reset)[1:])
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # the file's, kept
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])  # nothing recorded on it now
+    assert "it was left as it is (to cap it, `dvfs cap plan`" in " ".join(result.stderr.split())

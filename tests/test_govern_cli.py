@@ -307,6 +307,28 @@ def test_gpu_reset_clears_a_lock_record_with_nothing_to_restore(env: dict[str, s
     assert not nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
 
 
+def test_gpu_reset_says_a_lock_record_from_before_the_reboot_is_cleared_as_such(
+    env: dict[str, str], nvml
+) -> None:
+    """A governor killed with SIGKILL, then a reboot: its state file is dropped (the reboot
+    reset the GPU) and its lock record is left for `gpu reset` (the governor unit's
+    ExecStopPost) to clear. It said the governor "died before changing the GPU", which it had
+    not: the journal told the operator a false story of the crash."""
+    from dvfs.caps.actuation import GovernorLocks
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    locks = GovernorLocks(Path(env["DVFS_STATE_DIR"]))
+    locks.write(uuid, (210, 1200))
+    record = json.loads(locks.path(uuid).read_text())
+    locks.path(uuid).write_text(json.dumps({**record, "boot": "an-earlier-boot"}))
+    reset = dvfs_in_process("gpu", "reset", env=env)
+    assert reset.returncode == 0, reset.stderr
+    said = " ".join(reset.stdout.split())
+    assert "from before the last reboot, which reset the GPU (nothing to restore)" in said, said
+    assert "died before changing" not in said
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("governed-*"))
+
+
 def test_dry_run_prints_and_calls_no_setter(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:
@@ -334,7 +356,7 @@ def test_a_dry_run_without_nvml_says_it_reads_the_gpus_not_to_use_the_twin(
     """`dvfs govern --dry-run` and `dvfs cap apply --dry-run` where NVML is missing said "or
     run on the digital twin (... `--twin h100-sxm` for `dvfs gpu list`, ...)": neither takes
     --twin, and a dry run still matches the plan to the GPUs here. The one line says so; the
-    apply itself keeps the twin's hint."""
+    apply itself says what to do about the driver alone (`test_commands_without_a_twin_...`)."""
     from dvfs.caps import CapsFile, GpuCap, dump_caps
 
     plan = tmp_path / "plan.toml"
@@ -353,11 +375,51 @@ def test_a_dry_run_without_nvml_says_it_reads_the_gpus_not_to_use_the_twin(
     shown = "dvfs govern --dry-run" if command == "govern" else "dvfs cap apply --dry-run"
     assert "NVML is missing" in said and f"`{shown}` reads the GPUs it would" in said, said
     assert "(it has no --twin): run it on their host" in said and "`dvfs gpu list`" not in said
-    if command == "cap":
-        applied = dvfs_in_process(*args, env=env)
-        assert applied.returncode == 1 and "`--twin h100-sxm` for `dvfs gpu list`" in " ".join(
-            applied.stderr.split()
-        ), applied.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("cap", "apply", "CAPS", "--wait-for-driver", "0"),
+        ("cap", "show"),
+        ("cap", "reset"),
+        ("gpu", "reset", "--defaults"),
+        ("govern", "--plan", "PLAN", "--url", "http://127.0.0.1:9", "--gpu", "0"),
+        ("monitor", "--once", "--listen", "off"),
+    ],
+)
+@pytest.mark.parametrize("init_error", ["missing", "not-loaded"])
+def test_commands_without_a_twin_say_what_to_do_about_the_driver_alone(
+    tmp_path: Path, args: tuple[str, ...], init_error: str
+) -> None:
+    """The commands that read or change the GPUs here through NVML only (the caps unit's
+    `cap apply --wait-for-driver` and `cap reset`, the governor unit's `govern` and `gpu reset`,
+    the monitor unit's `monitor`, `cap show`) said, where NVML is missing or its kernel module
+    not loaded, "or run on the digital twin (gpu.backend = "twin" in a campaign; `--twin
+    h100-sxm` for `dvfs gpu list`, ...)": none of them can, so the line in the unit's journal
+    pointed the operator at another tool. The one line now says what to do about the driver."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", sm_clock_max_mhz=1500),))))
+    argv = [{"CAPS": str(caps), "PLAN": str(plan)}.get(a, a) for a in args]
+    failure = (
+        {"DVFS_FAKE_NVML_MISSING": "1"}
+        if init_error == "missing"
+        else {"DVFS_FAKE_NVML_INIT_ERROR": "9"}  # NVML_ERROR_DRIVER_NOT_LOADED
+    )
+    result = dvfs_in_process(*argv, env=fake_env(tmp_path, **failure))
+    said = " ".join(result.stderr.split())
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, said
+    fix = (
+        "install the NVIDIA driver on a GPU machine"
+        if init_error == "missing"
+        else "load it (modprobe nvidia, or reboot after a driver update"
+    )
+    assert fix in said, said
+    assert "digital twin" not in said and "--twin" not in said, said
 
 
 def test_a_dry_run_beside_a_running_governor_needs_no_metrics_port(
@@ -1179,6 +1241,56 @@ def test_the_monitor_units_command_line_runs(env: dict[str, str], nvml, stub: st
     assert "serving metrics on http://127.0.0.1:" in result.stderr
     assert "server:" not in result.stderr  # the stub answered
     assert nvml.fake_calls() == []  # read-only
+
+
+@pytest.mark.parametrize("unit", ["dvfs-govern.service", "dvfs-monitor.service"])
+def test_the_governor_and_monitor_units_wait_for_a_driver_loading_late(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch, unit: str
+) -> None:
+    """At boot the NVIDIA driver may not be loaded yet (a DKMS build takes minutes). The
+    governor and monitor units ran `govern` / `monitor` without waiting: exit 1 at once, a
+    restart every RestartSec=10, and after the fifth start in ten minutes (StartLimitBurst=5)
+    the unit failed for good, well before the driver loaded (the governor waits on the caps
+    unit only where /etc/dvfs/caps.toml is there). Their ExecStart, run as written but for the
+    paths and ports, now waits for the driver, then runs."""
+    import dvfs.gpu.nvml
+
+    text = (REPO / "systemd" / unit).read_text()
+    [start] = [
+        line[len("ExecStart=") :] for line in text.splitlines() if line.startswith("ExecStart=")
+    ]
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    argv = (
+        start.replace("/usr/local/bin/dvfs", "")
+        .replace("/etc/dvfs/govern-plan.toml", str(plan))
+        .replace("127.0.0.1:9435", "127.0.0.1:0")
+        .replace("127.0.0.1:9436", "127.0.0.1:0")
+        .replace("http://127.0.0.1:30000", stub)
+        .split()
+    )
+    argv += ["--max-intervals", "1"] + (["--gpu", "0"] if "govern" in argv else [])
+    restarts = re.search(r"^RestartSec=(\d+)$", text, re.M)
+    burst = re.search(r"^StartLimitBurst=(\d+)$", text, re.M)
+    assert restarts and burst and "Restart=on-failure" in text  # what a failure at once met
+    assert "--wait-for-driver" in argv, start
+    wait_s = int(argv[argv.index("--wait-for-driver") + 1])
+    assert wait_s > int(restarts[1]) * int(burst[1]), "the wait outlasts the restarts it replaces"
+    not_loaded = {**env, "DVFS_FAKE_NVML_INIT_ERROR": str(nvml.NVML_ERROR_DRIVER_NOT_LOADED)}
+    slept: list[float] = []
+
+    def driver_loads_at_the_second_try(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 2:  # the module is loaded now
+            os.environ.pop("DVFS_FAKE_NVML_INIT_ERROR")
+
+    monkeypatch.setattr(dvfs.gpu.nvml, "_sleep", driver_loads_at_the_second_try)
+    result = dvfs_in_process(*argv, env=not_loaded)
+    assert result.returncode == 0, result.stderr
+    assert slept == [dvfs.gpu.nvml.DRIVER_POLL_S] * 2
+    [said] = [line for line in result.stderr.splitlines() if "waiting up to" in line]
+    assert said.endswith(f"waiting up to {wait_s} s for it, trying again every 5 s"), said
+    assert ("governing GPU 0" if "govern" in argv else "serving metrics on") in result.stderr
 
 
 @pytest.mark.parametrize(

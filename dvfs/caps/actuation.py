@@ -395,9 +395,11 @@ class CapsPlan:
     so an unmatched UUID may be one of them), "" when none is. `untouched`: this host's GPUs
     that no entry names, by UUID or model (another model than the file's, a GPU the plan did
     not measure), which the apply leaves as they are; one of them with MIG enabled is in
-    `mig` instead (no plan caps it). `set_aside`: GPUs here that the file names but that are
-    not capped, their power limit one NVML does not support (`cap apply` names them, exit 1):
-    their entries are matched, neither `unmatched` nor `unused`.
+    `mig` instead (no plan caps it). `kept`: those of `untouched` that dvfs's caps record
+    says an earlier `cap apply` capped, which keep those caps (index, what they hold).
+    `set_aside`: GPUs here that the file names but that are not capped, their power limit one
+    NVML does not support (`cap apply` names them, exit 1): their entries are matched, neither
+    `unmatched` nor `unused`.
     """
 
     actions: tuple[CapAction, ...]
@@ -408,6 +410,7 @@ class CapsPlan:
     lost: str = ""
     untouched: tuple[str, ...] = ()
     set_aside: tuple[str, ...] = ()
+    kept: tuple[tuple[int, str], ...] = ()
 
     def mig_message(self, *, dry_run: bool = False) -> str:
         one = len(self.mig) == 1
@@ -434,7 +437,27 @@ class CapsPlan:
             f"(it has {self.host}); {done}"
         )
 
-    def untouched_message(self, where: str, *, dry_run: bool = False) -> str:
+    def untouched_message(
+        self, where: str, *, dry_run: bool = False, reset: str = "dvfs cap reset {indices}"
+    ) -> str:
+        """The GPUs no entry names: left as they are, to plan if they are to be capped; those
+        an earlier `cap apply` capped are said to keep those caps, with the `reset` (a
+        template of {indices}) that removes them, not told to plan caps they hold."""
+        kept = {text for _, text in self.kept}
+        plain = CapsPlan((), (), "", untouched=tuple(u for u in self.untouched if u not in kept))
+        parts = [plain._left_message(where, dry_run=dry_run)] if plain.untouched else []
+        if self.kept:
+            one = len(self.kept) == 1
+            keep = "would keep" if dry_run else ("keeps" if one else "keep")
+            indices = " ".join(str(index) for index, _ in self.kept)
+            parts.append(
+                f"{where} has no entry for {'; '.join(text for _, text in self.kept)}: "
+                f"{'it' if one else 'they'} {keep} the caps an earlier `dvfs cap apply` put on "
+                f"{'it' if one else 'them'} (`{reset.format(indices=indices)}` removes them)"
+            )
+        return "; ".join(parts)
+
+    def _left_message(self, where: str, *, dry_run: bool = False) -> str:
         one = len(self.untouched) == 1
         left = "would be left" if dry_run else f"{'was' if one else 'were'} left"
         it, its = ("it", "its") if one else ("them", "their")
@@ -500,6 +523,7 @@ def plan_actions(
     matched: set[int] = set()
     mig: list[str] = []
     untouched: list[str] = []
+    kept: list[tuple[int, str]] = []
     other_model: list[str] = []  # GPUs whose [[gpu]] entry was measured on another model
     measured = caps.measured_models()
     for gpu in gpus:
@@ -510,6 +534,10 @@ def plan_actions(
                 mig.append(f"GPU {ident.index} ({ident.uuid})")
             else:
                 untouched.append(f"GPU {ident.index} ({ident.name}, {ident.uuid})")
+                held = _recorded_caps((applied or {}).get(ident.uuid))
+                if held:  # an earlier file's caps, in force by the record: not "to cap it"
+                    kept.append((ident.index, f"{untouched[-1]}, capped to {held}"))
+                    untouched[-1] = kept[-1][1]
             continue
         matched.add(id(cap))
         if cap.uuid:  # its model's entry, which its own entry overrides, is for a GPU here too
@@ -604,8 +632,32 @@ def plan_actions(
     unmatched = tuple(c.uuid for c in caps.caps if c.uuid and id(c) not in matched)
     unused = tuple(c.name for c in caps.caps if c.name and id(c) not in matched)
     return CapsPlan(
-        tuple(actions), unmatched, host, unused, tuple(mig), lost, tuple(untouched), tuple(aside)
+        tuple(actions),
+        unmatched,
+        host,
+        unused,
+        tuple(mig),
+        lost,
+        tuple(untouched),
+        tuple(aside),
+        tuple(kept),
     )
+
+
+def _recorded_caps(entry: dict[str, Any] | None) -> str:
+    """The caps dvfs's record says a GPU holds ("SM clock 210-1380 MHz, power limit 400 W"),
+    "" where it lists none."""
+    if not entry:
+        return ""
+    parts = []
+    lock = entry.get("lock_mhz")
+    if lock:
+        parts.append(f"SM clock locked {lock[0]}-{lock[1]} MHz")
+    power = entry.get("power_limit_mw")
+    if isinstance(power, int):
+        parts.append(f"power limit {power / 1000:g} W")
+    source = entry.get("source")
+    return ", ".join(parts) + (f" from {source}" if parts and source else "")
 
 
 def apply_actions(
@@ -1156,9 +1208,17 @@ def reset_gpus(
                 if not store.pending(gpu.identity.uuid):
                     governed.clear(gpu.identity.uuid)
         for gpu in stale:
+            # One from before the last reboot: that governor may well have changed the GPU,
+            # but the reboot put it back (its state file is dropped for the same reason).
+            record = recorded[gpu.identity.uuid]
+            why = (
+                "from before the last reboot, which reset the GPU"
+                if before_this_boot(record.get("boot"), record.get("since"))
+                else "that died before changing the GPU"
+            )
             note(
                 f"cleared GPU {gpu.identity.index} ({gpu.identity.uuid}): the lock record of "
-                "a dvfs govern that died before changing the GPU (nothing to restore)"
+                f"a dvfs govern {why} (nothing to restore)"
             )
         if defaults:
             others = [g for g in gpus if (g not in with_state or g in rebooted) and g not in busy]

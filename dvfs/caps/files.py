@@ -216,8 +216,13 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
             f"{', '.join(sorted(allowed_top))}"
         )
     version = data.get("dvfs_caps", CAPS_SCHEMA)
-    if version != CAPS_SCHEMA:
-        raise CapsError(f"{where}: caps schema {version} is not {CAPS_SCHEMA}")
+    # (said as written: a quoted "1" read "caps schema 1 is not 1"; true is no schema either)
+    if isinstance(version, bool) or version != CAPS_SCHEMA:
+        raise CapsError(
+            f"{where}: caps schema dvfs_caps = {_toml_value(version)[:40]} is not "
+            f"{CAPS_SCHEMA}; write it again with this dvfs's `dvfs cap plan HEADROOM_JSON "
+            "--batch N --drafter NAME`"
+        )
     caps = []
     for kind in ("gpu", "model"):
         entries = data.get(kind, [])

@@ -24,8 +24,11 @@ from dvfs.cli.common import (
     dry_run_reads_gpus,
     escape,
     handle_errors,
+    has_no_twin,
     make_parent,
     show_beside_lost,
+    wait_for_driver_option,
+    wait_for_the_driver,
 )
 
 if TYPE_CHECKING:
@@ -231,16 +234,7 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     is_flag=True,
     help="Apply caps planned from a digital-twin cube, matched by GPU model name.",
 )
-@click.option(
-    "--wait-for-driver",
-    "wait_for_driver_s",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="SECONDS",
-    help="While NVML says the NVIDIA kernel module is not loaded (at boot, before the driver "
-    "is up), try again every few seconds for up to SECONDS before failing.",
-)
+@wait_for_driver_option("before failing")
 @state_dir_option
 @handle_errors
 @dry_run_reads_gpus(
@@ -290,20 +284,8 @@ def apply(
     from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
-    if wait_for_driver_s:  # once the file is read: a file refused is not waited on
-        from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver, wait_span
-
-        spent = wait_for_driver(
-            wait_for_driver_s,
-            lambda: click.echo(
-                f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting "
-                f"{wait_span(wait_for_driver_s)} for it, trying again every {DRIVER_POLL_S:g} s",
-                err=True,
-            ),
-            dry_run=dry_run,
-        )
-        if spent is not None:  # the wait ran out: its line says so
-            raise spent
+    # once the file is read: a file refused is not waited on
+    wait_for_the_driver(wait_for_driver_s, dry_run=dry_run)
     failed: GpuError | None = None  # writes that failed, once the other GPUs are capped
     # A dry run needs no root: it reads the caps in force where root recorded them.
     directory = state_dir or (records_dir() if dry_run else default_state_dir())
@@ -419,8 +401,11 @@ def apply(
     if plan.mig:
         console(stderr=True).print(f"note: {escape(plan.mig_message(dry_run=dry_run))}")
     if plan.untouched:
+        from dvfs.gpu.safety import state_dir_command
+
+        reset = state_dir_command("dvfs cap reset {indices}", directory)
         console(stderr=True).print(
-            f"note: {escape(plan.untouched_message(where, dry_run=dry_run))}"
+            f"note: {escape(plan.untouched_message(where, dry_run=dry_run, reset=reset))}"
         )
     if plan.unmatched:
         message = plan.unmatched_message(where, dry_run=dry_run)
@@ -650,6 +635,7 @@ def _refuse_as_the_apply_would(
     "/var/lib/dvfs, where root applied them].",
 )
 @handle_errors
+@has_no_twin
 def show(as_json: bool, state_dir: Path | None) -> None:
     """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
     (a running governor's, else `cap apply`'s). A GPU fallen off the bus is named, exit 1,
@@ -712,6 +698,7 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
 @click.argument("devices", nargs=-1)
 @state_dir_option
 @handle_errors
+@has_no_twin
 def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none). A GPU
     fallen off the bus (named or not) is named, exit 1, once the others are reset; a GPU

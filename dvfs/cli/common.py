@@ -46,28 +46,97 @@ def dry_run_reads_gpus(command: str, reads: str, *, refused: str = "") -> Callab
     """A command whose --dry-run still reads the GPUs here through NVML (`reads`: what of
     them), and has no --twin: where NVML is missing or its driver not loaded, its dry run's
     one line says so and to run it on the GPUs' host, not the hint of the commands that take
-    --twin; begun with `refused` (the words its other dry-run refusals begin with)."""
+    --twin; begun with `refused` (the words its other dry-run refusals begin with). Its run
+    itself says what `has_no_twin` says."""
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             from dvfs.errors import GpuUnavailableError
-            from dvfs.gpu.nvml_errors import TWIN_HINT
 
             try:
                 return func(*args, **kwargs)
             except GpuUnavailableError as exc:
-                text, twin = str(exc), f", or {TWIN_HINT}"
-                if not kwargs.get("dry_run") or not text.endswith(twin):
+                text = _without_twin_hint(exc)
+                if text is None:
                     raise
+                if not kwargs.get("dry_run"):
+                    raise type(exc)(text) from exc
                 raise type(exc)(
-                    f"{refused}{text.removesuffix(twin)}; {command} reads {reads} through "
+                    f"{refused}{text}; {command} reads {reads} through "
                     "it (it has no --twin): run it on their host"
                 ) from exc
 
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def wait_for_driver_option(what: str) -> Callable[[F], F]:
+    """`--wait-for-driver SECONDS` of a command a systemd unit runs at boot (`what`: "before
+    failing", or what the command does instead)."""
+    return click.option(
+        "--wait-for-driver",
+        "wait_for_driver_s",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        metavar="SECONDS",
+        help="While NVML says the NVIDIA kernel module is not loaded (at boot, before the driver "
+        f"is up), try again every few seconds for up to SECONDS {what}.",
+    )
+
+
+def wait_for_the_driver(wait_s: int, *, dry_run: bool = False) -> None:
+    """`--wait-for-driver`: return once NVML starts, or at once where it fails for any other
+    reason (the command then says that failure itself); while the NVIDIA kernel module is not
+    loaded, say so once and try again (`dvfs.gpu.nvml.wait_for_driver`), raising the failure
+    that says how long it waited where the wait runs out."""
+    if not wait_s:
+        return
+    from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver, wait_span
+
+    spent = wait_for_driver(
+        wait_s,
+        lambda: click.echo(
+            f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting "
+            f"{wait_span(wait_s)} for it, trying again every {DRIVER_POLL_S:g} s",
+            err=True,
+        ),
+        dry_run=dry_run,
+    )
+    if spent is not None:  # the wait ran out: its line says so
+        raise spent
+
+
+def has_no_twin(func: F) -> F:
+    """A command that reads or changes the GPUs here through NVML only (no --twin, no
+    campaign: `cap apply`, `cap show`, `cap reset`, `gpu reset`, `monitor`, `govern`, the caps
+    and governor units' commands): where NVML is missing or its driver not loaded, its one line
+    says how to get the driver going, not to run on the digital twin, which it cannot."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from dvfs.errors import GpuUnavailableError
+
+        try:
+            return func(*args, **kwargs)
+        except GpuUnavailableError as exc:
+            text = _without_twin_hint(exc)
+            if text is None:
+                raise
+            raise type(exc)(text) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _without_twin_hint(exc: Exception) -> str | None:
+    """The message of an NVML-missing or driver-not-loaded error without its closing hint to
+    run on the twin (`TWIN_HINT`); None where it has none."""
+    from dvfs.gpu.nvml_errors import TWIN_HINT
+
+    text, twin = str(exc), f", or {TWIN_HINT}"
+    return text.removesuffix(twin) if text.endswith(twin) else None
 
 
 class LazyGroup(click.Group):

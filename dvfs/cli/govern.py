@@ -21,7 +21,15 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFolder, dry_run_reads_gpus, handle_errors, option_given
+from dvfs.cli.common import (
+    OutputFolder,
+    dry_run_reads_gpus,
+    handle_errors,
+    has_no_twin,
+    option_given,
+    wait_for_driver_option,
+    wait_for_the_driver,
+)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 #: An interval or dwell beyond a day is a typo; far beyond, the waits overflow the platform's
@@ -214,6 +222,7 @@ def _timeout(interval: float) -> float:
     help="Where dvfs keeps state files and locks "
     "[default: $DVFS_STATE_DIR if set, else /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
 )
+@wait_for_driver_option("before failing (a dry run does not wait)")
 @handle_errors
 @dry_run_reads_gpus(
     "`dvfs govern --dry-run`", "the GPUs it would govern (what each holds now, the plan's fit)"
@@ -230,6 +239,7 @@ def govern(
     listen: str,
     max_intervals: int | None,
     state_dir: Path | None,
+    wait_for_driver_s: int,
 ) -> None:
     """Follow the server's load with the plan's per-batch settings (needs root unless --dry-run).
 
@@ -271,6 +281,8 @@ def govern(
         from dvfs.errors import CapsError
 
         raise CapsError(f"per-batch plan: {describe_os_error(exc)}") from exc
+    # once the plan is read: a plan refused is not waited on; a dry run waits for nothing
+    wait_for_the_driver(0 if dry_run else wait_for_driver_s)
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
     visible = job_gpus("--gpu with {listed}")
@@ -347,7 +359,9 @@ def govern(
     "from there) [default: $DVFS_STATE_DIR if set, else /var/lib/dvfs as root; else "
     "$XDG_STATE_HOME/dvfs if it holds a record, else /var/lib/dvfs].",
 )
+@wait_for_driver_option("before failing")
 @handle_errors
+@has_no_twin
 def monitor(
     url: str | None,
     devices: tuple[str, ...],
@@ -356,6 +370,7 @@ def monitor(
     max_intervals: int | None,
     once: bool,
     state_dir: Path | None,
+    wait_for_driver_s: int,
 ) -> None:
     """Export live power, energy, SM clock, power limit and energy per token (read-only).
 
@@ -386,6 +401,7 @@ def monitor(
     if url is not None:
         _check_url(url)
     directory = state_dir or records_dir()
+    wait_for_the_driver(wait_for_driver_s)
 
     def locks() -> dict[str, LockInForce]:
         try:

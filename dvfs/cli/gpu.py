@@ -19,6 +19,7 @@ from dvfs.cli.common import (
     echo_json,
     escape,
     handle_errors,
+    has_no_twin,
     make_parent,
     one_line,
     restore_status,
@@ -219,6 +220,7 @@ def _print_details(infos: Sequence[dict[str, Any]]) -> None:
     "as root, else $XDG_STATE_HOME/dvfs].",
 )
 @handle_errors
+@has_no_twin
 def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> None:
     """Restore GPU settings recorded by a dvfs run that died (SIGKILL, power loss).
 
