@@ -160,6 +160,30 @@ def test_a_server_that_crashes_as_it_starts_is_still_told_to_rerun(tmp_path: Pat
     assert "change the campaign" not in info["resume"], info["resume"]
 
 
+def test_a_failed_starts_error_shows_only_that_servers_own_log_lines(tmp_path: Path) -> None:
+    """A resumed sweep's server of the same start number appends to the same log: the error
+    of a start that failed for no reason of the campaign's shows the last lines of that
+    server's own output, not an earlier run's (here SGLang's refusal, which the campaign has
+    changed since). Before, it showed the last 40 lines of the whole file, the earlier run's
+    refusal and traceback among them."""
+    campaign, _ = _campaign(tmp_path, "kv_cache", [])
+    out = tmp_path / "out"
+    _sweep(campaign, out)
+    config = tmp_path / "stub.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "start_failure": "crash"}))
+    result, _ = _sweep(campaign, out)
+    assert result.exit_code == 5, result.output
+    log = (out / "logs" / "server-none-1.log").read_text()
+    assert log.count("Not enough memory") == 1 and log.count("$ ") == 2, log
+    [error] = _errors(out)[-1:]
+    first, _, shown = error.partition("\n--- last lines of ")
+    assert first.startswith("server start failed: the 'none' server failed to start"), error
+    assert "RuntimeError: NCCL error: unhandled system error" in shown, error
+    assert "Received sigquit from a child process" in shown, error
+    assert "Not enough memory" not in shown, error
+    assert shown.count("Load weight begin") == 1, error
+
+
 DRAFTER = DrafterSpec("none")
 
 

@@ -240,25 +240,30 @@ def model_files(
     return files
 
 
-def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The log's last lines, for an error (and so the journal and cube): credentials SGLang
-    prints (its `server_args=ServerArgs(..., api_key='...')`) hidden (`redact_text`)."""
+def tail(path: Path, lines: int = LOG_TAIL_LINES, start: int = 0) -> str:
+    """The log's last lines from byte `start` on (where one server's own output begins in a
+    log that servers of the same start number append to, run after run), for an error (and
+    so the journal and cube): credentials SGLang prints (its `server_args=ServerArgs(...,
+    api_key='...')`) hidden (`redact_text`)."""
     try:
         with path.open("rb") as f:
             size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - LOG_TAIL_BYTES))
+            begin = max(start, size - LOG_TAIL_BYTES)
+            f.seek(begin)
             data = f.read(LOG_TAIL_BYTES)
     except OSError:
         return "(no log)"
     text = data.decode("utf-8", errors="replace").splitlines()
-    if size > LOG_TAIL_BYTES and len(text) > 1:
+    if begin > start and len(text) > 1:
         text = text[1:]  # the first line read is cut (kept when it is all there is)
     return "\n".join(redact_text(line) for line in text[-lines:])
 
 
-def with_log_tail(first: str, log_path: Path | None) -> str:
-    """An error's line followed by the server log's last lines (nothing when it has no log)."""
-    return f"{first}\n--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
+def with_log_tail(first: str, log_path: Path | None, start: int = 0) -> str:
+    """An error's line followed by the server log's last lines from byte `start` on (`tail`;
+    nothing when it has no log)."""
+    shown = tail(log_path, start=start) if log_path else ""
+    return f"{first}\n--- last lines of {log_path} ---\n{shown}"
 
 
 class ChatFormatter:
@@ -602,7 +607,11 @@ class SglangEngine:
             if refusal is not None:  # a rerun meets it again: the campaign must change
                 raise ServerUnfitError(refusal.message(drafter.name, log_path)) from exc
             raise _NoAnswerError(
-                with_log_tail(f"the {drafter.name!r} server failed to start: {exc}", log_path)
+                with_log_tail(
+                    f"the {drafter.name!r} server failed to start: {exc}",
+                    log_path,
+                    self._log_from,  # not an earlier run's server's, in the same log
+                )
             ) from exc
         if not self._alive() and self._client.health_status() != 200:
             # It answered, then died, and nothing answers there now: a crash, not another
