@@ -11,10 +11,12 @@ does)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from nvml_support import dvfs_in_process, fake_env, fresh_fake
 from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 from dvfs.campaign.model import DrafterSpec
@@ -182,6 +184,72 @@ def test_a_failed_starts_error_shows_only_that_servers_own_log_lines(tmp_path: P
     assert "Received sigquit from a child process" in shown, error
     assert "Not enough memory" not in shown, error
     assert shown.count("Load weight begin") == 1, error
+
+
+#: id: (the stub's start_failure, engine.sglang.extra_args, the fake GPU the other process is
+#: on: 1 is the server's, 0 another; whether the start is then the campaign's to change)
+BESIDE: dict[str, tuple[str | None, list[str], int, bool]] = {
+    "kv-cache": ("kv_cache", [], 1, False),
+    "weights-oom": ("weights_oom", [], 1, False),
+    "graph-oom": ("graph_oom", [], 1, False),
+    "kv-cache-other-gpu": ("kv_cache", [], 0, True),
+    "context-length": (None, ["--context-length", "200000"], 1, True),
+}
+
+
+@pytest.mark.parametrize("case", list(BESIDE))
+def test_out_of_memory_beside_another_process_on_its_gpu_is_not_the_campaigns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """A server that ran out of GPU memory as it started, while a process not its own held
+    memory on its GPU (another tenant's job, as NVML lists it), may well fit once that one is
+    gone: its cells fail as a plain start failure, naming that process, and the closing line
+    says to rerun, not to change the campaign. A process on a GPU dvfs does not run the
+    server on changes nothing, nor does one beside a refusal that is not of memory (a
+    --context-length above the model's). Before, every such start was the campaign's to
+    change, sweeping with --fresh."""
+    failure, extra, gpu, unfit = BESIDE[case]
+    nv = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h100-sxm")
+    other = subprocess.Popen(["sleep", "120"])
+    try:
+        nv.fake_add_process(gpu, other.pid)
+        campaign, marker = stub_campaign(
+            tmp_path,
+            stub={"start_failure": failure} if failure else None,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs="sm_clock = [1980]\nsettle_s = 0.0",
+            sglang_extra=f"extra_args = {json.dumps(extra)}" if extra else "",
+            gpu='backend = "nvml"\ndevices = [1]',
+            retries=0,
+        )
+        out = tmp_path / "out"
+        env = fake_env(tmp_path)
+        result = dvfs_in_process(
+            "sweep", str(campaign), "--out", str(out), "--no-progress", env=env
+        )
+    finally:
+        other.kill()
+        other.wait()
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 5, said
+    assert running(marker) == []
+    [error] = _errors(out)
+    assert "\n" not in error and "Traceback" not in error, error
+    named = f"GPU 1: process {other.pid} (sleep)"
+    if unfit:
+        assert error.startswith(START_UNFIT), error
+        assert named not in error, error
+        assert FRESH in said and RERUN not in said, said
+        return
+    assert error.startswith("server start failed: the 'none' server failed to start: "), error
+    assert "ran out of memory" in error or "static GPU memory nothing" in error, error
+    assert f"while other processes held memory on its GPUs ({named}): " in error, error
+    assert error.endswith("stop them or wait until they end, then rerun the same command"), error
+    assert f"the cube is written without them; {RERUN} (errors are in" in said, said
+    assert "--fresh" not in said and "change the campaign" not in said, said
+    info = json.loads(dvfs_in_process("cube", "info", str(out), "--json", env=env).stdout)
+    assert "change the campaign" not in info["resume"], info["resume"]
 
 
 DRAFTER = DrafterSpec("none")

@@ -549,6 +549,28 @@ class SglangEngine:
             return None
         return start_refusal(redact_text(text), drafter, argv, self.campaign.engine.tp_size)
 
+    def _others_on_gpus(self, ours: frozenset[int]) -> str | None:
+        """The compute processes NVML lists on the server's GPUs now that are not the
+        server's (`ours`), as "GPU 0: process 42 (python); ..."; None: none, or nothing to
+        tell (simulated GPUs, NVML cannot list them). Only those /proc here shows: in a
+        container's PID namespace NVML names processes by the host's PIDs, so the server's
+        own, still dying, would look like another's."""
+        if self.gpu_processes is None:
+            return None
+        try:
+            gpus = self.gpu_processes()
+        except GpuError:
+            return None
+        seen = []
+        for gpu in gpus:
+            if gpu.uuid not in self.gpu_uuids or not gpu.pids:
+                continue
+            for pid in sorted(gpu.pids - ours):
+                name = process_name(pid)
+                if name is not None:
+                    seen.append(f"GPU {gpu.index}: process {pid} ({name})")
+        return "; ".join(seen) or None
+
     def _held_elsewhere(self) -> str | None:
         """A port of the block another program still holds after `PORT_SETTLE_S`, or None
         (none: no block)."""
@@ -603,7 +625,11 @@ class SglangEngine:
         except EngineError as exc:
             log_path = self._log_path
             refusal = self._refusal(drafter, argv)
+            ours = self._own_pids()  # before the stop: its dying processes may still be listed
             self.stop()
+            others = self._others_on_gpus(ours) if refusal and refusal.memory else None
+            if refusal is not None and others is not None:  # not the campaign's doing
+                raise _NoAnswerError(refusal.beside(drafter.name, log_path, others)) from exc
             if refusal is not None:  # a rerun meets it again: the campaign must change
                 raise ServerUnfitError(refusal.message(drafter.name, log_path)) from exc
             raise _NoAnswerError(

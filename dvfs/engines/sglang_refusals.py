@@ -1,6 +1,9 @@
 """Why a real SGLang server that exited as it started would not start for the campaign as it
 is, read off what it printed: a rerun meets the same refusal, so the engine raises
 `ServerUnfitError` (the twin's `dvfs.twin.limits` refuses the same cases before a start).
+Where the GPUs' memory ran short while NVML listed other processes on them (another tenant's
+job), that is not the campaign's doing: the engine fails the start plainly, naming them
+(`StartRefusal.beside`), and a rerun retries it.
 
 What SGLang prints, read (never copied) from sgl-project/sglang, messages unchanged from the
 0.5.x model_runner.py they moved out of to the 0.5.23-era files named here:
@@ -65,17 +68,31 @@ _LOAD_END = re.compile(r"Load weight end\b")
 @dataclass(frozen=True)
 class StartRefusal:
     """Why SGLang would not start the server (`why`, SGLang's own line `said`) and what to
-    change in the campaign (`fix`: no ": " in it, as `dvfs.errors.unfit_fix` reads it)."""
+    change in the campaign (`fix`: no ": " in it, as `dvfs.errors.unfit_fix` reads it).
+    `memory`: the GPUs' memory ran short (not the campaign's doing where other processes
+    held some of it: the engine checks)."""
 
     why: str
     said: str
     fix: str
+    memory: bool = False
 
     def message(self, drafter: str, log_path: object) -> str:
         """The one line of the `ServerUnfitError`: why, SGLang's words, its log, the fix."""
         return (
             f"SGLang refused to start the {drafter!r} server: {self.why} (it said "
             f'"{self.said}"; its log {log_path}): {self.fix}'
+        )
+
+    def beside(self, drafter: str, log_path: object, others: str) -> str:
+        """The one line of a start that ran out of GPU memory while `others` (processes not
+        the server's, "GPU 0: process 42 (python)") held some of its GPUs' memory: a plain
+        failure, which a rerun retries once they are gone, not the campaign's."""
+        return (
+            f"the {drafter!r} server failed to start: {self.why} (it said "
+            f'"{self.said}"; its log {log_path}), while other processes held memory on its '
+            f"GPUs ({others}): the campaign may well fit without them; stop them or wait "
+            "until they end, then rerun the same command"
         )
 
 
@@ -155,6 +172,7 @@ def start_refusal(
         line, found = hit
         tokens = _flag_value(launch, "--max-total-tokens")
         context = given_context_length(launch)
+        memory = False
         if context is not None and context <= REQUEST_MIN_TOKENS:
             where = _where(given_context_length(drafter.extra_args), drafter)
             fix = f"give a --context-length above {REQUEST_MIN_TOKENS} in {where}"
@@ -162,11 +180,12 @@ def start_refusal(
             where = _where(_flag_value(drafter.extra_args, "--max-total-tokens"), drafter)
             fix = f"give a --max-total-tokens above {tokens} in {where}"
         else:
-            fix = _more_static(fraction, fraction_where, smaller)
+            fix, memory = _more_static(fraction, fraction_where, smaller), True
         return StartRefusal(
             "its KV cache or context would hold too few tokens for one request",
             _quote(line, found.start()),
             fix,
+            memory,
         )
 
     hit = _first(lines, _NOT_ENOUGH)
@@ -176,6 +195,7 @@ def start_refusal(
             "the weights leave its static GPU memory nothing for the KV cache",
             _quote(line, found.start()),
             _more_static(fraction, fraction_where, smaller),
+            memory=True,
         )
 
     hit = _first(lines, _OOM)
@@ -194,11 +214,13 @@ def start_refusal(
                 "beside the target's weights",
                 said,
                 smaller,
+                memory=True,
             )
         return StartRefusal(
             "the GPUs ran out of memory loading the weights",
             said,
             "use more GPUs (tp, engine.tp_size) or a smaller model",
+            memory=True,
         )
     lower = (
         f"lower --mem-fraction-static below {fraction:g} in {fraction_where}"
@@ -211,6 +233,7 @@ def start_refusal(
         said,
         f"{lower} (more memory outside its static pool), or a smaller largest batch in "
         "workload.batch (dvfs captures CUDA graphs up to it)",
+        memory=True,
     )
 
 
