@@ -71,11 +71,19 @@ CASES: dict[str, tuple[str | None, list[str], str, str]] = {
         "give --context-length at most 131072 in engine.sglang.extra_args, or set "
         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in engine.sglang.env",
     ),
+    # The least SGLang starts with, not the number given: 6 fails as 5 does.
     "pool-too-small": (
         None,
         ["--max-total-tokens", "5"],
         ONE_DRAFTER,
-        "give a --max-total-tokens above 5 in engine.sglang.extra_args",
+        "give a --max-total-tokens above 6 in engine.sglang.extra_args",
+    ),
+    "pool-and-context-too-small": (
+        None,
+        ["--context-length", "4", "--max-total-tokens", "6"],
+        ONE_DRAFTER,
+        "give a --context-length above 6 in engine.sglang.extra_args and a --max-total-tokens "
+        "above 6 in engine.sglang.extra_args",
     ),
 }
 
@@ -271,3 +279,15 @@ def test_what_only_looks_like_a_refusal_is_none() -> None:
         "error, so lowering --mem-fraction-static or --cuda-graph-max-bs-decode will not help."
     )
     assert start_refusal(graph, DRAFTER, [], 1) is None
+
+
+def test_a_pool_too_small_under_a_large_max_total_tokens_is_short_of_memory() -> None:
+    """--max-total-tokens only caps the KV pool SGLang sizes from the memory left: a pool too
+    small for one request under a cap of 100000 was short of memory, and raising the cap
+    changes nothing. Before, the fix said to give a --max-total-tokens above 100000."""
+    log = "AssertionError: Memory pool size is too small"
+    launch = ["--max-total-tokens", "100000", "--mem-fraction-static", "0.5"]
+    refusal = start_refusal(log, DRAFTER, launch, 1)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.fix.startswith("raise --mem-fraction-static above 0.5 in "), refusal.fix
+    assert "--max-total-tokens" not in refusal.fix, refusal.fix

@@ -121,6 +121,14 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def _int(value: str | None) -> int | None:
+    """`value` as an integer, None: none, or not one (which SGLang refuses)."""
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
 def _first(lines: Sequence[str], pattern: re.Pattern[str]) -> tuple[str, re.Match[str]] | None:
     for line in lines:
         found = pattern.search(line)
@@ -170,17 +178,21 @@ def start_refusal(
     hit = _first(lines, _POOL_TOO_SMALL)
     if hit is not None:
         line, found = hit
-        tokens = _flag_value(launch, "--max-total-tokens")
+        tokens = _int(_flag_value(launch, "--max-total-tokens"))
         context = given_context_length(launch)
-        memory = False
+        # Too small as given (both, maybe), or a pool SGLang sized by what memory was left
+        # (--max-total-tokens only caps it): the least each must be, else more memory.
+        fixes = []
         if context is not None and context <= REQUEST_MIN_TOKENS:
             where = _where(given_context_length(drafter.extra_args), drafter)
-            fix = f"give a --context-length above {REQUEST_MIN_TOKENS} in {where}"
-        elif tokens is not None:
+            fixes.append(f"a --context-length above {REQUEST_MIN_TOKENS} in {where}")
+        if tokens is not None and tokens <= REQUEST_MIN_TOKENS:
             where = _where(_flag_value(drafter.extra_args, "--max-total-tokens"), drafter)
-            fix = f"give a --max-total-tokens above {tokens} in {where}"
-        else:
-            fix, memory = _more_static(fraction, fraction_where, smaller), True
+            fixes.append(f"a --max-total-tokens above {REQUEST_MIN_TOKENS} in {where}")
+        memory = not fixes
+        fix = "give " + " and ".join(fixes) if fixes else ""
+        if memory:
+            fix = _more_static(fraction, fraction_where, smaller)
         return StartRefusal(
             "its KV cache or context would hold too few tokens for one request",
             _quote(line, found.start()),
