@@ -266,7 +266,10 @@ DRAFTER = DrafterSpec("none")
 def test_what_only_looks_like_a_refusal_is_none() -> None:
     """SGLang's warning of a longer context it was allowed to serve, and a CUDA graph capture
     that failed for another reason than memory (newer releases say "This is not an
-    out-of-memory error"), are no refusal: their start failed otherwise, a rerun may pass."""
+    out-of-memory error"), are no refusal: their start failed otherwise, a rerun may pass. Nor
+    is a warning that quotes an out-of-memory error it survived (FlashInfer's autotuner skipping
+    a tactic): only an exception's line, as a traceback ends, says the start ran out of memory;
+    before, any line naming one did."""
     warned = (
         "[2026-02-14 02:07:50] Warning: User-specified context_length (200000) is greater than "
         "the derived context_length (131072). This may lead to incorrect model outputs or CUDA "
@@ -279,6 +282,20 @@ def test_what_only_looks_like_a_refusal_is_none() -> None:
         "error, so lowering --mem-fraction-static or --cuda-graph-max-bs-decode will not help."
     )
     assert start_refusal(graph, DRAFTER, [], 1) is None
+    # A warning quoting an out-of-memory error it survived, then a start failed otherwise.
+    survived = (
+        "[2026-02-14 02:07:50 TP0] [Autotuner]: Skipping tactic 3, due to failure while "
+        "profiling: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+        "[2026-02-14 02:07:51 TP0] Scheduler hit an exception: Traceback (most recent call "
+        "last):\nRuntimeError: NCCL error: unhandled system error"
+    )
+    assert start_refusal(survived, DRAFTER, [], 1) is None
+    # The same error as the start's own end is one.
+    ended = survived + "\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB."
+    refusal = start_refusal(ended, DRAFTER, [], 1)
+    assert refusal is not None and refusal.said.startswith(
+        "CUDA out of memory. Tried to allocate 1"
+    )
 
 
 def test_a_pool_too_small_under_a_large_max_total_tokens_is_short_of_memory() -> None:

@@ -60,7 +60,15 @@ _CONTEXT = re.compile(
     r"context_length \((\d+)\).*To allow overriding this maximum"
 )
 _GRAPH = re.compile(r"Capture cuda graph failed")
-_OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError")
+#: Out of memory as an exception's line says it, where a traceback ends ("torch.OutOfMemoryError:
+#: CUDA out of memory. ...", "Exception: Capture cuda graph failed: CUDA out of memory ...",
+#: "RuntimeError: CUDA error: out of memory"), after a log line's prefixes ("[time TP0] ",
+#: "[rank0]: "); not a warning that quotes one it survived (FlashInfer's autotuner skipping a
+#: tactic "due to failure while profiling: CUDA out of memory"), which did not end the start.
+_OOM = re.compile(
+    r"^\s*(?:\[[^\]]*\]:?\s*)*[\w.]*(?:Error|Exception): "
+    r".*?(CUDA out of memory|CUDA error: out of memory)"
+)
 _LOAD_BEGIN = re.compile(r"Load weight begin\b")
 _LOAD_END = re.compile(r"Load weight end\b")
 
@@ -214,7 +222,7 @@ def start_refusal(
     if hit is None:
         return None
     line, found = hit
-    said = _quote(line, found.start())
+    said = _quote(line, found.start(1))
     graph = _first(lines, _GRAPH)
     begun = sum(1 for text in lines if _LOAD_BEGIN.search(text))
     ended = sum(1 for text in lines if _LOAD_END.search(text))
