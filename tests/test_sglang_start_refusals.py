@@ -194,6 +194,31 @@ def test_a_failed_starts_error_shows_only_that_servers_own_log_lines(tmp_path: P
     assert shown.count("Load weight begin") == 1, error
 
 
+def test_a_crash_after_the_start_shows_only_that_servers_own_log_lines(tmp_path: Path) -> None:
+    """So does a server that died once started (its first request, the warm-up): the crash's
+    error on a resume shows the last lines of that server's own output, not the earlier run's
+    server's, which wrote to the same log (both the stub's, each one "Uvicorn running on"
+    line). Before, the last 40 lines of the whole file: both runs' servers."""
+    campaign, _ = stub_campaign(
+        tmp_path,
+        stub={"die_after_requests": 1},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        retries=0,
+    )
+    out = tmp_path / "out"
+    for _ in range(2):
+        result, _ = _sweep(campaign, out)
+        assert result.exit_code == 5, result.output
+    assert (out / "logs" / "server-none-1.log").read_text().count("Uvicorn running on") == 2
+    [error] = _errors(out)[-1:]
+    first, _, shown = error.partition("\n--- last lines of ")
+    assert "the SGLang server died (exit code 1)" in first, error
+    assert shown.count("Uvicorn running on") == 1, error
+    assert shown.rstrip().endswith("die_after_requests=1 reached at #1: os._exit(1)"), error
+
+
 #: id: (the stub's start_failure, engine.sglang.extra_args, the fake GPU the other process is
 #: on: 1 is the server's, 0 another; whether the start is then the campaign's to change)
 BESIDE: dict[str, tuple[str | None, list[str], int, bool]] = {

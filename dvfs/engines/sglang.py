@@ -649,6 +649,7 @@ class SglangEngine:
                     f"the {drafter.name!r} server exited (exit code {code}) just after it "
                     f"answered on its port {port}",
                     log_path,
+                    self._log_from,
                 )
             )
         other = self._answered_by_another(drafter, info, port, ports)
@@ -1018,7 +1019,9 @@ class SglangEngine:
         log_path = self._log_path
         self.stop()
         return with_log_tail(
-            f"the SGLang server stopped answering ({exc}; {health}): dvfs stopped it", log_path
+            f"the SGLang server stopped answering ({exc}; {health}): dvfs stopped it",
+            log_path,
+            self._log_from,
         )
 
     def _crash_message(self, exc: Exception | None, client: SglangClient | None = None) -> str:
@@ -1036,7 +1039,7 @@ class SglangEngine:
                 f"answers ({client.shown_url}): another program listens there, and the round's "
                 "answers were that program's"
             )
-        return with_log_tail(first, self._log_path)
+        return with_log_tail(first, self._log_path, self._log_from)
 
 
 class _Stepper:
