@@ -323,6 +323,34 @@ def test_what_only_looks_like_a_refusal_is_none() -> None:
     )
 
 
+def test_sglangs_own_static_fraction_is_named_where_its_log_says_it() -> None:
+    """Where the campaign leaves --mem-fraction-static to SGLang, the fix names the fraction
+    the server resolved, as its log says it (its server_args line as it starts; 0.5.23's
+    "Not enough memory" line), so that the operator knows what to go above or below. Before,
+    only "SGLang's default", which differs by GPU, TP and drafter and is nowhere else."""
+    args = (
+        "[2026-02-14 02:07:40] server_args=ServerArgs(model_path='m', tp_size=1, "
+        "mem_fraction_static=0.836, max_running_requests=64, chunked_prefill_size=8192)\n"
+    )
+    kv = "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
+    refusal = start_refusal(args + kv, DRAFTER, [], 1)
+    assert refusal is not None
+    assert refusal.fix.startswith(
+        "give a --mem-fraction-static above SGLang's default (0.836 here) in "
+        "engine.sglang.extra_args, or "
+    ), refusal.fix
+    current = kv + " Current value: mem_fraction_static=0.81"
+    refusal = start_refusal(current, DRAFTER, [], 1)
+    assert refusal is not None and "above SGLang's default (0.81 here) in " in refusal.fix
+    graph = "Exception: Capture cuda graph failed: CUDA out of memory. Tried to allocate 2 GiB"
+    refusal = start_refusal(args + graph, DRAFTER, [], 1)
+    assert refusal is not None
+    assert refusal.fix.startswith(
+        "give a --mem-fraction-static below SGLang's default (0.836 here) in "
+    ), refusal.fix
+    assert ": " not in refusal.fix  # the closing line reads the fix after the last ": "
+
+
 def test_a_pool_too_small_under_a_large_max_total_tokens_is_short_of_memory() -> None:
     """--max-total-tokens only caps the KV pool SGLang sizes from the memory left: a pool too
     small for one request under a cap of 100000 was short of memory, and raising the cap

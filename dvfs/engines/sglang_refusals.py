@@ -54,6 +54,10 @@ REQUEST_MIN_TOKENS = 6
 QUOTE_CHARS = 200
 
 _NOT_ENOUGH = re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static")
+#: The static fraction the server resolved, as it logs it: its `server_args=ServerArgs(...,
+#: mem_fraction_static=0.836, ...)` line as it starts, and 0.5.23's "Not enough memory" line
+#: ("Current value: mem_fraction_static=0.836").
+_SERVED_FRACTION = re.compile(r"\bmem_fraction_static=([0-9]*\.?[0-9]+)\b")
 _POOL_TOO_SMALL = re.compile(r"Memory pool size is too small")
 _CONTEXT = re.compile(
     r"(User-specified|Target model's) context_length \((\d+)\) is greater than the derived "
@@ -162,6 +166,10 @@ def start_refusal(
         )
     fraction = mem_fraction_static(launch)
     fraction_where = _where(mem_fraction_static(drafter.extra_args), drafter)
+    default = "SGLang's default"  # the number, where the server's log says it
+    served = _first(lines, _SERVED_FRACTION) if fraction is None else None
+    if served is not None:
+        default += f" ({float(served[1].group(1)):g} here)"
 
     hit = _first(lines, _CONTEXT)
     if hit is not None:
@@ -200,7 +208,7 @@ def start_refusal(
         memory = not fixes
         fix = "give " + " and ".join(fixes) if fixes else ""
         if memory:
-            fix = _more_static(fraction, fraction_where, smaller)
+            fix = _more_static(fraction, fraction_where, smaller, default)
         return StartRefusal(
             "its KV cache or context would hold too few tokens for one request",
             _quote(line, found.start()),
@@ -214,7 +222,7 @@ def start_refusal(
         return StartRefusal(
             "the weights leave its static GPU memory nothing for the KV cache",
             _quote(line, found.start()),
-            _more_static(fraction, fraction_where, smaller),
+            _more_static(fraction, fraction_where, smaller, default),
             memory=True,
         )
 
@@ -245,7 +253,7 @@ def start_refusal(
     lower = (
         f"lower --mem-fraction-static below {fraction:g} in {fraction_where}"
         if fraction is not None
-        else "give a --mem-fraction-static below SGLang's default in engine.sglang.extra_args"
+        else f"give a --mem-fraction-static below {default} in engine.sglang.extra_args"
     )
     what = "capturing its CUDA graphs" if graph is not None else "after loading the weights"
     return StartRefusal(
@@ -257,12 +265,9 @@ def start_refusal(
     )
 
 
-def _more_static(fraction: float | None, where: str, smaller: str) -> str:
+def _more_static(fraction: float | None, where: str, smaller: str, default: str) -> str:
     """The fix for weights that leave the KV cache too little: a larger static fraction (the
-    campaign's, or above SGLang's default), or less to load per GPU (`smaller`)."""
+    campaign's, or above SGLang's `default`), or less to load per GPU (`smaller`)."""
     if fraction is not None:
         return f"raise --mem-fraction-static above {fraction:g} in {where}, or {smaller}"
-    return (
-        "give a --mem-fraction-static above SGLang's default in engine.sglang.extra_args, or "
-        f"{smaller}"
-    )
+    return f"give a --mem-fraction-static above {default} in engine.sglang.extra_args, or {smaller}"
