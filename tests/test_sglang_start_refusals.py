@@ -78,6 +78,13 @@ CASES: dict[str, tuple[str | None, list[str], str, str]] = {
         ONE_DRAFTER,
         "give a --max-total-tokens above 6 in engine.sglang.extra_args",
     ),
+    # As argparse reads it: an abbreviation is the flag.
+    "pool-too-small-abbreviated": (
+        None,
+        ["--max-total-tok", "5"],
+        ONE_DRAFTER,
+        "give a --max-total-tokens above 6 in engine.sglang.extra_args",
+    ),
     "pool-and-context-too-small": (
         None,
         ["--context-length", "4", "--max-total-tokens", "6"],

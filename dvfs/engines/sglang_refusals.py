@@ -45,7 +45,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dvfs.campaign.model import DrafterSpec
-from dvfs.twin.limits import LONGER_CONTEXT_ENV, given_context_length, mem_fraction_static
+from dvfs.twin.limits import (
+    LONGER_CONTEXT_ENV,
+    given_context_length,
+    given_max_total_tokens,
+    mem_fraction_static,
+)
 
 #: The fewest tokens of context or KV pool SGLang starts with (tp_worker.py: a request's
 #: max_req_len, the lesser of both less 1, and its input, that less 5, must be above 0).
@@ -122,25 +127,6 @@ def _where(flag_value: object, drafter: DrafterSpec) -> str:
     return "engine.sglang.extra_args"
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The last value `args` give `flag` (`--flag VALUE` or `--flag=VALUE`), None: none."""
-    value = None
-    for i, token in enumerate(args):
-        if token == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif token.startswith(flag + "="):
-            value = token.partition("=")[2]
-    return value
-
-
-def _int(value: str | None) -> int | None:
-    """`value` as an integer, None: none, or not one (which SGLang refuses)."""
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 def _first(lines: Sequence[str], pattern: re.Pattern[str]) -> tuple[str, re.Match[str]] | None:
     for line in lines:
         found = pattern.search(line)
@@ -194,7 +180,7 @@ def start_refusal(
     hit = _first(lines, _POOL_TOO_SMALL)
     if hit is not None:
         line, found = hit
-        tokens = _int(_flag_value(launch, "--max-total-tokens"))
+        tokens = given_max_total_tokens(launch)
         context = given_context_length(launch)
         # Too small as given (both, maybe), or a pool SGLang sized by what memory was left
         # (--max-total-tokens only caps it): the least each must be, else more memory.
@@ -203,7 +189,7 @@ def start_refusal(
             where = _where(given_context_length(drafter.extra_args), drafter)
             fixes.append(f"a --context-length above {REQUEST_MIN_TOKENS} in {where}")
         if tokens is not None and tokens <= REQUEST_MIN_TOKENS:
-            where = _where(_flag_value(drafter.extra_args, "--max-total-tokens"), drafter)
+            where = _where(given_max_total_tokens(drafter.extra_args), drafter)
             fixes.append(f"a --max-total-tokens above {REQUEST_MIN_TOKENS} in {where}")
         memory = not fixes
         fix = "give " + " and ".join(fixes) if fixes else ""

@@ -127,6 +127,7 @@ def weights_refusal(
 #: --context-length-... flags make "--context" ambiguous there).
 MEM_FRACTION_PREFIX = "--mem"
 CONTEXT_LENGTH_PREFIX = "--context-l"
+MAX_TOTAL_TOKENS_PREFIX = "--max-t"
 #: The SGLang environment variable that lets `--context-length` exceed the model's own.
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
@@ -158,6 +159,16 @@ def given_context_length(args: Sequence[str]) -> int | None:
     """The `--context-length` SGLang server args set (the last one, an abbreviation
     included); None where they give none (or no number, which SGLang refuses)."""
     value = _given(args, "--context-length", CONTEXT_LENGTH_PREFIX)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def given_max_total_tokens(args: Sequence[str]) -> int | None:
+    """The `--max-total-tokens` (the KV pool's cap) SGLang server args set (the last one, an
+    abbreviation included); None where they give none (or no number, which SGLang refuses)."""
+    value = _given(args, "--max-total-tokens", MAX_TOTAL_TOKENS_PREFIX)
     try:
         return int(value) if value is not None else None
     except ValueError:
