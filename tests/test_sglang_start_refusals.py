@@ -301,7 +301,7 @@ def test_what_only_looks_like_a_refusal_is_none() -> None:
     out-of-memory error"), are no refusal: their start failed otherwise, a rerun may pass. Nor
     is a warning that quotes an out-of-memory error it survived (FlashInfer's autotuner skipping
     a tactic): only an exception's line, as a traceback ends, says the start ran out of memory;
-    before, any line naming one did."""
+    before, any line naming one did. Nor is running out before any weights began to load."""
     warned = (
         "[2026-02-14 02:07:50] Warning: User-specified context_length (200000) is greater than "
         "the derived context_length (131072). This may lead to incorrect model outputs or CUDA "
@@ -322,8 +322,22 @@ def test_what_only_looks_like_a_refusal_is_none() -> None:
         "last):\nRuntimeError: NCCL error: unhandled system error"
     )
     assert start_refusal(survived, DRAFTER, [], 1) is None
-    # The same error as the start's own end is one.
-    ended = survived + "\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB."
+    # Out of memory before any weights began to load (its CUDA context, NCCL's buffers): the
+    # GPU was full already, which nothing in the campaign leaves it; before, that was "after
+    # loading the weights", to lower --mem-fraction-static.
+    early = (
+        "[2026-02-14 02:07:48 TP0] Init torch distributed begin.\n"
+        "RuntimeError: CUDA error: out of memory\n"
+        "CUDA kernel errors might be asynchronously reported at some other API call"
+    )
+    assert start_refusal(early, DRAFTER, [], 1) is None
+    # The same error as the start's own end, its weights loaded, is one.
+    ended = (
+        "[2026-02-14 02:07:40 TP0] Load weight begin. avail mem=78.50 GB\n"
+        "[2026-02-14 02:07:45 TP0] Load weight end. avail mem=63.40 GB\n"
+        + survived
+        + "\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB."
+    )
     refusal = start_refusal(ended, DRAFTER, [], 1)
     assert refusal is not None and refusal.said.startswith(
         "CUDA out of memory. Tried to allocate 1"
