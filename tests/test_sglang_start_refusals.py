@@ -342,6 +342,9 @@ def test_what_only_looks_like_a_refusal_is_none() -> None:
     assert refusal is not None and refusal.said.startswith(
         "CUDA out of memory. Tried to allocate 1"
     )
+    # So it is where the log's tail, read, lost the "begin" line but not the "end" one.
+    refusal = start_refusal(ended.partition("\n")[2], DRAFTER, [], 1)
+    assert refusal is not None and "after loading the weights" in refusal.why, refusal
 
 
 def test_sglangs_own_static_fraction_is_named_where_its_log_says_it() -> None:
