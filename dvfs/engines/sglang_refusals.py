@@ -223,7 +223,8 @@ def start_refusal(
     if graph is None and begun == 0 and ended == 0:
         # Before any weights (a CUDA context, NCCL's buffers: a GPU's first few hundred MiB):
         # the GPU was full already, which nothing in the campaign leaves it. (A log read from
-        # its last bytes (the engine's `LOG_TAIL_BYTES`) may have lost its "begin" lines, not its "end" ones.)
+        # its end, the engine's `LOG_TAIL_BYTES`, may have lost its "begin" lines, not its
+        # "end" ones.)
         return None
     if graph is None and begun > ended:  # out of memory while a model's weights loaded
         target_loaded = ended >= max(tp_size, 1)
