@@ -29,7 +29,9 @@ EAGLE3_ONLY = EAGLE3_DRAFTER
 RERUN = "rerun the same command to retry them"
 #: What a changed campaign is told to run with.
 FRESH = "then run it with --fresh"
-SMALLER = "use more GPUs (tp, engine.tp_size) or a smaller model"
+SMALLER = (
+    "use more GPUs per server (gpu.devices, and engine.tp_size where given) or a smaller model"
+)
 GRAPHS = (
     "(more memory outside its static pool), or a smaller largest batch in workload.batch (dvfs "
     "captures CUDA graphs up to it)"
@@ -55,8 +57,8 @@ CASES: dict[str, tuple[str | None, list[str], str, str]] = {
         "draft_oom",
         [],
         EAGLE3_ONLY,
-        "use a smaller draft model than draft/eagle3, more GPUs (tp, engine.tp_size) or a "
-        "smaller model",
+        "use a smaller draft model than draft/eagle3, more GPUs per server (gpu.devices, and "
+        "engine.tp_size where given) or a smaller model",
     ),
     "graph-oom": (
         "graph_oom",

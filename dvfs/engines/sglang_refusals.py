@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from dvfs.campaign.model import DrafterSpec
 from dvfs.twin.limits import (
     LONGER_CONTEXT_ENV,
+    MORE_GPUS,
     given_context_length,
     given_max_total_tokens,
     mem_fraction_static,
@@ -144,11 +145,10 @@ def start_refusal(
     nothing it printed is such a refusal (a crash, another program on its port...: a rerun
     may start it)."""
     lines = log_text.splitlines()
-    smaller = "use more GPUs (tp, engine.tp_size) or a smaller model"
+    smaller = f"use {MORE_GPUS} or a smaller model"
     if drafter.draft_model:
         smaller = (
-            f"use a smaller draft model than {drafter.draft_model}, more GPUs "
-            "(tp, engine.tp_size) or a smaller model"
+            f"use a smaller draft model than {drafter.draft_model}, {MORE_GPUS} or a smaller model"
         )
     fraction = mem_fraction_static(launch)
     fraction_where = _where(mem_fraction_static(drafter.extra_args), drafter)
@@ -239,7 +239,7 @@ def start_refusal(
         return StartRefusal(
             "the GPUs ran out of memory loading the weights",
             said,
-            "use more GPUs (tp, engine.tp_size) or a smaller model",
+            f"use {MORE_GPUS} or a smaller model",
             memory=True,
         )
     lower = (
