@@ -32,6 +32,10 @@ FRESH = "then run it with --fresh"
 SMALLER = (
     "use more GPUs per server (gpu.devices, and engine.tp_size where given) or a smaller model"
 )
+SMALLER_DRAFT = (
+    "use a smaller draft model than draft/eagle3, more GPUs per server (gpu.devices, and "
+    "engine.tp_size where given) or a smaller model"
+)
 GRAPHS = (
     "(more memory outside its static pool), or a smaller largest batch in workload.batch (dvfs "
     "captures CUDA graphs up to it)"
@@ -53,12 +57,21 @@ CASES: dict[str, tuple[str | None, list[str], str, str]] = {
         f"raise --mem-fraction-static above 0.5 in engine.sglang.extra_args, or {SMALLER}",
     ),
     "weights-oom": ("weights_oom", [], ONE_DRAFTER, SMALLER),
+    # The target's KV cache took the static memory before the draft model loaded: a lower
+    # fraction leaves the draft room, the first way out.
     "draft-oom": (
         "draft_oom",
         [],
         EAGLE3_ONLY,
-        "use a smaller draft model than draft/eagle3, more GPUs per server (gpu.devices, and "
-        "engine.tp_size where given) or a smaller model",
+        "give a --mem-fraction-static below SGLang's default in engine.sglang.extra_args (room "
+        f"outside its static pool for the draft model), or {SMALLER_DRAFT}",
+    ),
+    "draft-oom-fraction-given": (
+        "draft_oom",
+        ["--mem-fraction-static", "0.9"],
+        EAGLE3_ONLY,
+        "lower --mem-fraction-static below 0.9 in engine.sglang.extra_args (room outside its "
+        f"static pool for the draft model), or {SMALLER_DRAFT}",
     ),
     "graph-oom": (
         "graph_oom",

@@ -229,11 +229,15 @@ def start_refusal(
     if graph is None and begun > ended:  # out of memory while a model's weights loaded
         target_loaded = ended >= max(tp_size, 1)
         if drafter.draft_model and target_loaded:
+            # The target's KV cache took its static memory first: the draft's weights load
+            # into what that leaves (SGLang's default reserves 2 GiB for an EAGLE draft, 6 GiB
+            # for a STANDALONE one), so a lower fraction is the first way out.
+            lower = _lower_static(fraction, fraction_where, default)
             return StartRefusal(
                 f"the GPUs ran out of memory loading the draft model {drafter.draft_model} "
-                "beside the target's weights",
+                "beside the target's weights and KV cache",
                 said,
-                smaller,
+                f"{lower} (room outside its static pool for the draft model), or {smaller}",
                 memory=True,
             )
         return StartRefusal(
@@ -242,11 +246,7 @@ def start_refusal(
             f"use {MORE_GPUS} or a smaller model",
             memory=True,
         )
-    lower = (
-        f"lower --mem-fraction-static below {fraction:g} in {fraction_where}"
-        if fraction is not None
-        else f"give a --mem-fraction-static below {default} in engine.sglang.extra_args"
-    )
+    lower = _lower_static(fraction, fraction_where, default)
     what = "capturing its CUDA graphs" if graph is not None else "after loading the weights"
     return StartRefusal(
         f"the GPUs ran out of memory {what}, outside its static memory",
@@ -255,6 +255,14 @@ def start_refusal(
         "workload.batch (dvfs captures CUDA graphs up to it)",
         memory=True,
     )
+
+
+def _lower_static(fraction: float | None, where: str, default: str) -> str:
+    """A smaller static fraction, for more memory outside SGLang's static pool (the campaign's
+    fraction, or below SGLang's `default`)."""
+    if fraction is not None:
+        return f"lower --mem-fraction-static below {fraction:g} in {where}"
+    return f"give a --mem-fraction-static below {default} in engine.sglang.extra_args"
 
 
 def _more_static(fraction: float | None, where: str, smaller: str, default: str) -> str:
