@@ -191,15 +191,15 @@ def start_refusal(
         if tokens is not None and tokens <= REQUEST_MIN_TOKENS:
             where = _where(given_max_total_tokens(drafter.extra_args), drafter)
             fixes.append(f"a --max-total-tokens above {REQUEST_MIN_TOKENS} in {where}")
-        memory = not fixes
-        fix = "give " + " and ".join(fixes) if fixes else ""
-        if memory:
+        if fixes:
+            fix = "give " + " and ".join(fixes)
+        else:
             fix = _more_static(fraction, fraction_where, smaller, default)
         return StartRefusal(
             "its KV cache or context would hold too few tokens for one request",
             _quote(line, found.start()),
             fix,
-            memory,
+            memory=not fixes,
         )
 
     hit = _first(lines, _NOT_ENOUGH)
