@@ -11,10 +11,12 @@ does)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from nvml_support import dvfs_in_process, fake_env, fresh_fake
 from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 from dvfs.campaign.model import DrafterSpec
@@ -27,7 +29,13 @@ EAGLE3_ONLY = EAGLE3_DRAFTER
 RERUN = "rerun the same command to retry them"
 #: What a changed campaign is told to run with.
 FRESH = "then run it with --fresh"
-SMALLER = "use more GPUs (tp, engine.tp_size) or a smaller model"
+SMALLER = (
+    "use more GPUs per server (gpu.devices, and engine.tp_size where given) or a smaller model"
+)
+SMALLER_DRAFT = (
+    "use a smaller draft model than draft/eagle3, more GPUs per server (gpu.devices, and "
+    "engine.tp_size where given) or a smaller model"
+)
 GRAPHS = (
     "(more memory outside its static pool), or a smaller largest batch in workload.batch (dvfs "
     "captures CUDA graphs up to it)"
@@ -49,12 +57,21 @@ CASES: dict[str, tuple[str | None, list[str], str, str]] = {
         f"raise --mem-fraction-static above 0.5 in engine.sglang.extra_args, or {SMALLER}",
     ),
     "weights-oom": ("weights_oom", [], ONE_DRAFTER, SMALLER),
+    # The target's KV cache took the static memory before the draft model loaded: a lower
+    # fraction leaves the draft room, the first way out.
     "draft-oom": (
         "draft_oom",
         [],
         EAGLE3_ONLY,
-        "use a smaller draft model than draft/eagle3, more GPUs (tp, engine.tp_size) or a "
-        "smaller model",
+        "give a --mem-fraction-static below SGLang's default in engine.sglang.extra_args (room "
+        f"outside its static pool for the draft model), or {SMALLER_DRAFT}",
+    ),
+    "draft-oom-fraction-given": (
+        "draft_oom",
+        ["--mem-fraction-static", "0.9"],
+        EAGLE3_ONLY,
+        "lower --mem-fraction-static below 0.9 in engine.sglang.extra_args (room outside its "
+        f"static pool for the draft model), or {SMALLER_DRAFT}",
     ),
     "graph-oom": (
         "graph_oom",
@@ -69,11 +86,26 @@ CASES: dict[str, tuple[str | None, list[str], str, str]] = {
         "give --context-length at most 131072 in engine.sglang.extra_args, or set "
         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in engine.sglang.env",
     ),
+    # The least SGLang starts with, not the number given: 6 fails as 5 does.
     "pool-too-small": (
         None,
         ["--max-total-tokens", "5"],
         ONE_DRAFTER,
-        "give a --max-total-tokens above 5 in engine.sglang.extra_args",
+        "give a --max-total-tokens above 6 in engine.sglang.extra_args",
+    ),
+    # As argparse reads it: an abbreviation is the flag.
+    "pool-too-small-abbreviated": (
+        None,
+        ["--max-total-tok", "5"],
+        ONE_DRAFTER,
+        "give a --max-total-tokens above 6 in engine.sglang.extra_args",
+    ),
+    "pool-and-context-too-small": (
+        None,
+        ["--context-length", "4", "--max-total-tokens", "6"],
+        ONE_DRAFTER,
+        "give a --context-length above 6 in engine.sglang.extra_args and a --max-total-tokens "
+        "above 6 in engine.sglang.extra_args",
     ),
 }
 
@@ -160,13 +192,131 @@ def test_a_server_that_crashes_as_it_starts_is_still_told_to_rerun(tmp_path: Pat
     assert "change the campaign" not in info["resume"], info["resume"]
 
 
+def test_a_failed_starts_error_shows_only_that_servers_own_log_lines(tmp_path: Path) -> None:
+    """A resumed sweep's server of the same start number appends to the same log: the error
+    of a start that failed for no reason of the campaign's shows the last lines of that
+    server's own output, not an earlier run's (here SGLang's refusal, which the campaign has
+    changed since). Before, it showed the last 40 lines of the whole file, the earlier run's
+    refusal and traceback among them."""
+    campaign, _ = _campaign(tmp_path, "kv_cache", [])
+    out = tmp_path / "out"
+    _sweep(campaign, out)
+    config = tmp_path / "stub.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "start_failure": "crash"}))
+    result, _ = _sweep(campaign, out)
+    assert result.exit_code == 5, result.output
+    log = (out / "logs" / "server-none-1.log").read_text()
+    assert log.count("Not enough memory") == 1 and log.count("$ ") == 2, log
+    [error] = _errors(out)[-1:]
+    first, _, shown = error.partition("\n--- last lines of ")
+    assert first.startswith("server start failed: the 'none' server failed to start"), error
+    assert "RuntimeError: NCCL error: unhandled system error" in shown, error
+    assert "Received sigquit from a child process" in shown, error
+    assert "Not enough memory" not in shown, error
+    assert shown.count("Load weight begin") == 1, error
+
+
+def test_a_crash_after_the_start_shows_only_that_servers_own_log_lines(tmp_path: Path) -> None:
+    """So does a server that died once started (its first request, the warm-up): the crash's
+    error on a resume shows the last lines of that server's own output, not the earlier run's
+    server's, which wrote to the same log (both the stub's, each one "Uvicorn running on"
+    line). Before, the last 40 lines of the whole file: both runs' servers."""
+    campaign, _ = stub_campaign(
+        tmp_path,
+        stub={"die_after_requests": 1},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        retries=0,
+    )
+    out = tmp_path / "out"
+    for _ in range(2):
+        result, _ = _sweep(campaign, out)
+        assert result.exit_code == 5, result.output
+    assert (out / "logs" / "server-none-1.log").read_text().count("Uvicorn running on") == 2
+    [error] = _errors(out)[-1:]
+    first, _, shown = error.partition("\n--- last lines of ")
+    assert "the SGLang server died (exit code 1)" in first, error
+    assert shown.count("Uvicorn running on") == 1, error
+    assert shown.rstrip().endswith("die_after_requests=1 reached at #1: os._exit(1)"), error
+
+
+#: id: (the stub's start_failure, engine.sglang.extra_args, the fake GPU the other process is
+#: on: 1 is the server's, 0 another; whether the start is then the campaign's to change)
+BESIDE: dict[str, tuple[str | None, list[str], int, bool]] = {
+    "kv-cache": ("kv_cache", [], 1, False),
+    "weights-oom": ("weights_oom", [], 1, False),
+    "graph-oom": ("graph_oom", [], 1, False),
+    "kv-cache-other-gpu": ("kv_cache", [], 0, True),
+    "context-length": (None, ["--context-length", "200000"], 1, True),
+}
+
+
+@pytest.mark.parametrize("case", list(BESIDE))
+def test_out_of_memory_beside_another_process_on_its_gpu_is_not_the_campaigns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """A server that ran out of GPU memory as it started, while a process not its own held
+    memory on its GPU (another tenant's job, as NVML lists it), may well fit once that one is
+    gone: its cells fail as a plain start failure, naming that process, and the closing line
+    says to rerun, not to change the campaign. A process on a GPU dvfs does not run the
+    server on changes nothing, nor does one beside a refusal that is not of memory (a
+    --context-length above the model's). Before, every such start was the campaign's to
+    change, sweeping with --fresh."""
+    failure, extra, gpu, unfit = BESIDE[case]
+    nv = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h100-sxm")
+    other = subprocess.Popen(["sleep", "120"])
+    try:
+        nv.fake_add_process(gpu, other.pid)
+        campaign, marker = stub_campaign(
+            tmp_path,
+            stub={"start_failure": failure} if failure else None,
+            drafters=ONE_DRAFTER,
+            batch="[1]",
+            knobs="sm_clock = [1980]\nsettle_s = 0.0",
+            sglang_extra=f"extra_args = {json.dumps(extra)}" if extra else "",
+            gpu='backend = "nvml"\ndevices = [1]',
+            retries=0,
+        )
+        out = tmp_path / "out"
+        env = fake_env(tmp_path)
+        result = dvfs_in_process(
+            "sweep", str(campaign), "--out", str(out), "--no-progress", env=env
+        )
+    finally:
+        other.kill()
+        other.wait()
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 5, said
+    assert running(marker) == []
+    [error] = _errors(out)
+    assert "\n" not in error and "Traceback" not in error, error
+    named = f"GPU 1: process {other.pid} (sleep)"
+    if unfit:
+        assert error.startswith(START_UNFIT), error
+        assert named not in error, error
+        assert FRESH in said and RERUN not in said, said
+        return
+    assert error.startswith("server start failed: the 'none' server failed to start: "), error
+    assert "ran out of memory" in error or "static GPU memory nothing" in error, error
+    assert f"while other processes held memory on its GPUs ({named}): " in error, error
+    assert error.endswith("stop them or wait until they end, then rerun the same command"), error
+    assert f"the cube is written without them; {RERUN} (errors are in" in said, said
+    assert "--fresh" not in said and "change the campaign" not in said, said
+    info = json.loads(dvfs_in_process("cube", "info", str(out), "--json", env=env).stdout)
+    assert "change the campaign" not in info["resume"], info["resume"]
+
+
 DRAFTER = DrafterSpec("none")
 
 
 def test_what_only_looks_like_a_refusal_is_none() -> None:
     """SGLang's warning of a longer context it was allowed to serve, and a CUDA graph capture
     that failed for another reason than memory (newer releases say "This is not an
-    out-of-memory error"), are no refusal: their start failed otherwise, a rerun may pass."""
+    out-of-memory error"), are no refusal: their start failed otherwise, a rerun may pass. Nor
+    is a warning that quotes an out-of-memory error it survived (FlashInfer's autotuner skipping
+    a tactic): only an exception's line, as a traceback ends, says the start ran out of memory;
+    before, any line naming one did. Nor is running out before any weights began to load."""
     warned = (
         "[2026-02-14 02:07:50] Warning: User-specified context_length (200000) is greater than "
         "the derived context_length (131072). This may lead to incorrect model outputs or CUDA "
@@ -179,3 +329,74 @@ def test_what_only_looks_like_a_refusal_is_none() -> None:
         "error, so lowering --mem-fraction-static or --cuda-graph-max-bs-decode will not help."
     )
     assert start_refusal(graph, DRAFTER, [], 1) is None
+    # A warning quoting an out-of-memory error it survived, then a start failed otherwise.
+    survived = (
+        "[2026-02-14 02:07:50 TP0] [Autotuner]: Skipping tactic 3, due to failure while "
+        "profiling: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+        "[2026-02-14 02:07:51 TP0] Scheduler hit an exception: Traceback (most recent call "
+        "last):\nRuntimeError: NCCL error: unhandled system error"
+    )
+    assert start_refusal(survived, DRAFTER, [], 1) is None
+    # Out of memory before any weights began to load (its CUDA context, NCCL's buffers): the
+    # GPU was full already, which nothing in the campaign leaves it; before, that was "after
+    # loading the weights", to lower --mem-fraction-static.
+    early = (
+        "[2026-02-14 02:07:48 TP0] Init torch distributed begin.\n"
+        "RuntimeError: CUDA error: out of memory\n"
+        "CUDA kernel errors might be asynchronously reported at some other API call"
+    )
+    assert start_refusal(early, DRAFTER, [], 1) is None
+    # The same error as the start's own end, its weights loaded, is one.
+    ended = (
+        "[2026-02-14 02:07:40 TP0] Load weight begin. avail mem=78.50 GB\n"
+        "[2026-02-14 02:07:45 TP0] Load weight end. avail mem=63.40 GB\n"
+        + survived
+        + "\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB."
+    )
+    refusal = start_refusal(ended, DRAFTER, [], 1)
+    assert refusal is not None and refusal.said.startswith(
+        "CUDA out of memory. Tried to allocate 1"
+    )
+    # So it is where the log's tail, read, lost the "begin" line but not the "end" one.
+    refusal = start_refusal(ended.partition("\n")[2], DRAFTER, [], 1)
+    assert refusal is not None and "after loading the weights" in refusal.why, refusal
+
+
+def test_sglangs_own_static_fraction_is_named_where_its_log_says_it() -> None:
+    """Where the campaign leaves --mem-fraction-static to SGLang, the fix names the fraction
+    the server resolved, as its log says it (its server_args line as it starts; 0.5.23's
+    "Not enough memory" line), so that the operator knows what to go above or below. Before,
+    only "SGLang's default", which differs by GPU, TP and drafter and is nowhere else."""
+    args = (
+        "[2026-02-14 02:07:40] server_args=ServerArgs(model_path='m', tp_size=1, "
+        "mem_fraction_static=0.836, max_running_requests=64, chunked_prefill_size=8192)\n"
+    )
+    kv = "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
+    refusal = start_refusal(args + kv, DRAFTER, [], 1)
+    assert refusal is not None
+    assert refusal.fix.startswith(
+        "give a --mem-fraction-static above SGLang's default (0.836 here) in "
+        "engine.sglang.extra_args, or "
+    ), refusal.fix
+    current = kv + " Current value: mem_fraction_static=0.81"
+    refusal = start_refusal(current, DRAFTER, [], 1)
+    assert refusal is not None and "above SGLang's default (0.81 here) in " in refusal.fix
+    graph = "Exception: Capture cuda graph failed: CUDA out of memory. Tried to allocate 2 GiB"
+    refusal = start_refusal(args + graph, DRAFTER, [], 1)
+    assert refusal is not None
+    assert refusal.fix.startswith(
+        "give a --mem-fraction-static below SGLang's default (0.836 here) in "
+    ), refusal.fix
+    assert ": " not in refusal.fix  # the closing line reads the fix after the last ": "
+
+
+def test_a_pool_too_small_under_a_large_max_total_tokens_is_short_of_memory() -> None:
+    """--max-total-tokens only caps the KV pool SGLang sizes from the memory left: a pool too
+    small for one request under a cap of 100000 was short of memory, and raising the cap
+    changes nothing. Before, the fix said to give a --max-total-tokens above 100000."""
+    log = "AssertionError: Memory pool size is too small"
+    launch = ["--max-total-tokens", "100000", "--mem-fraction-static", "0.5"]
+    refusal = start_refusal(log, DRAFTER, launch, 1)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.fix.startswith("raise --mem-fraction-static above 0.5 in "), refusal.fix
+    assert "--max-total-tokens" not in refusal.fix, refusal.fix

@@ -24,6 +24,10 @@ from dvfs.errors import EngineError
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.profiles import gpu_profile, model_profile
 
+#: What a campaign whose weights do not fit is told to change: its GPUs (gpu.devices, which
+#: engine.tp_size must match where given) or its model.
+FIX = "use more GPUs per server (gpu.devices, and engine.tp_size where given) or a smaller model"
+
 #: One cell on the exact twin, no drafter: the smallest campaign that runs a server.
 ONE_CELL = replace_block(
     replace_block(
@@ -217,8 +221,8 @@ def test_a_70b_model_on_one_h100_is_refused_before_running_and_fails_its_server_
     out = tmp_path / "out"
     needed = re.compile(
         r"Llama-3\.1-70B-Instruct does not fit: its weights need 131\.4 GiB per GPU \(tp 1\) "
-        r"but NVIDIA H100 80GB HBM3 has [\d.]+ GiB .*use more GPUs \(tp, engine\.tp_size\) or "
-        "a smaller model"
+        r"but NVIDIA H100 80GB HBM3 has [\d.]+ GiB .*use more GPUs per server \(gpu\.devices, "
+        r"and engine\.tp_size where given\) or a smaller model"
     )
     doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
     assert doctor.exit_code == 2, doctor.output
@@ -432,7 +436,7 @@ def test_cells_sglang_would_not_start_say_to_change_the_campaign_not_to_rerun_it
         assert "0 cell(s) measured, 1 failed" in said, said
         assert "rerun the same command" not in said, said
         assert f"they failed as {NOT_STARTED}" in said, said
-        assert "change the campaign (use more GPUs (tp, engine.tp_size) or a smaller model)" in said
+        assert f"change the campaign ({FIX})" in said, said
         assert "then run it with --fresh" in said and "with another --out folder" in said, said
     text = replace_block(BIG, "devices = [0]", "devices = [0, 1, 2, 3]")
     text = replace_block(text, 'model = "llama-3.1-70b"', 'model = "llama-3.1-70b"\ntp_size = 4')
@@ -476,7 +480,7 @@ def test_the_closing_advice_parts_the_cells_a_rerun_retries_from_those_it_does_n
     from dvfs.cli.sweep import _failed_advice
     from dvfs.measure.runner import RunSummary
 
-    fix = "use more GPUs (tp, engine.tp_size) or a smaller model"
+    fix = FIX
     summary = RunSummary(5, 0, 2, 3, ("a", "b", "c"), 0, (), 2, ("big",), (fix,))
     said = _failed_advice(summary, fresh=False)
     assert said.startswith("2 of them failed as SGLang would not start the server of drafter")
@@ -509,7 +513,7 @@ def test_cube_info_headroom_and_compare_say_to_change_the_campaign_for_cells_sgl
     out = tmp_path / "out"
     swept = invoke("sweep", str(write(tmp_path / "draft.toml", text)), "--out", str(out))
     assert swept.exit_code == 5, swept.output
-    change = "change the campaign (use more GPUs (tp, engine.tp_size) or a smaller model)"
+    change = f"change the campaign ({FIX})"
     rerun = "run the same `dvfs sweep` command again"
     info = json.loads(invoke("cube", "info", str(out), "--json").output)
     assert change in info["resume"] and rerun not in info["resume"], info["resume"]

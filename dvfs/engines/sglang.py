@@ -240,25 +240,30 @@ def model_files(
     return files
 
 
-def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The log's last lines, for an error (and so the journal and cube): credentials SGLang
-    prints (its `server_args=ServerArgs(..., api_key='...')`) hidden (`redact_text`)."""
+def tail(path: Path, lines: int = LOG_TAIL_LINES, start: int = 0) -> str:
+    """The log's last lines from byte `start` on (where one server's own output begins in a
+    log that servers of the same start number append to, run after run), for an error (and
+    so the journal and cube): credentials SGLang prints (its `server_args=ServerArgs(...,
+    api_key='...')`) hidden (`redact_text`)."""
     try:
         with path.open("rb") as f:
             size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - LOG_TAIL_BYTES))
+            begin = max(start, size - LOG_TAIL_BYTES)
+            f.seek(begin)
             data = f.read(LOG_TAIL_BYTES)
     except OSError:
         return "(no log)"
     text = data.decode("utf-8", errors="replace").splitlines()
-    if size > LOG_TAIL_BYTES and len(text) > 1:
+    if begin > start and len(text) > 1:
         text = text[1:]  # the first line read is cut (kept when it is all there is)
     return "\n".join(redact_text(line) for line in text[-lines:])
 
 
-def with_log_tail(first: str, log_path: Path | None) -> str:
-    """An error's line followed by the server log's last lines (nothing when it has no log)."""
-    return f"{first}\n--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
+def with_log_tail(first: str, log_path: Path | None, start: int = 0) -> str:
+    """An error's line followed by the server log's last lines from byte `start` on (`tail`;
+    nothing when it has no log)."""
+    shown = tail(log_path, start=start) if log_path else ""
+    return f"{first}\n--- last lines of {log_path} ---\n{shown}"
 
 
 class ChatFormatter:
@@ -544,6 +549,28 @@ class SglangEngine:
             return None
         return start_refusal(redact_text(text), drafter, argv, self.campaign.engine.tp_size)
 
+    def _others_on_gpus(self, ours: frozenset[int]) -> str | None:
+        """The compute processes NVML lists on the server's GPUs now that are not the
+        server's (`ours`), as "GPU 0: process 42 (python); ..."; None: none, or nothing to
+        tell (simulated GPUs, NVML cannot list them). Only those /proc here shows: in a
+        container's PID namespace NVML names processes by the host's PIDs, so the server's
+        own, still dying, would look like another's."""
+        if self.gpu_processes is None:
+            return None
+        try:
+            gpus = self.gpu_processes()
+        except GpuError:
+            return None
+        seen = []
+        for gpu in gpus:
+            if gpu.uuid not in self.gpu_uuids or not gpu.pids:
+                continue
+            for pid in sorted(gpu.pids - ours):
+                name = process_name(pid)
+                if name is not None:
+                    seen.append(f"GPU {gpu.index}: process {pid} ({name})")
+        return "; ".join(seen) or None
+
     def _held_elsewhere(self) -> str | None:
         """A port of the block another program still holds after `PORT_SETTLE_S`, or None
         (none: no block)."""
@@ -598,11 +625,19 @@ class SglangEngine:
         except EngineError as exc:
             log_path = self._log_path
             refusal = self._refusal(drafter, argv)
+            ours = self._own_pids()  # before the stop: its dying processes may still be listed
             self.stop()
+            others = self._others_on_gpus(ours) if refusal and refusal.memory else None
+            if refusal is not None and others is not None:  # not the campaign's doing
+                raise _NoAnswerError(refusal.beside(drafter.name, log_path, others)) from exc
             if refusal is not None:  # a rerun meets it again: the campaign must change
                 raise ServerUnfitError(refusal.message(drafter.name, log_path)) from exc
             raise _NoAnswerError(
-                with_log_tail(f"the {drafter.name!r} server failed to start: {exc}", log_path)
+                with_log_tail(
+                    f"the {drafter.name!r} server failed to start: {exc}",
+                    log_path,
+                    self._log_from,  # not an earlier run's server's, in the same log
+                )
             ) from exc
         if not self._alive() and self._client.health_status() != 200:
             # It answered, then died, and nothing answers there now: a crash, not another
@@ -614,6 +649,7 @@ class SglangEngine:
                     f"the {drafter.name!r} server exited (exit code {code}) just after it "
                     f"answered on its port {port}",
                     log_path,
+                    self._log_from,
                 )
             )
         other = self._answered_by_another(drafter, info, port, ports)
@@ -983,7 +1019,9 @@ class SglangEngine:
         log_path = self._log_path
         self.stop()
         return with_log_tail(
-            f"the SGLang server stopped answering ({exc}; {health}): dvfs stopped it", log_path
+            f"the SGLang server stopped answering ({exc}; {health}): dvfs stopped it",
+            log_path,
+            self._log_from,
         )
 
     def _crash_message(self, exc: Exception | None, client: SglangClient | None = None) -> str:
@@ -1001,7 +1039,7 @@ class SglangEngine:
                 f"answers ({client.shown_url}): another program listens there, and the round's "
                 "answers were that program's"
             )
-        return with_log_tail(first, self._log_path)
+        return with_log_tail(first, self._log_path, self._log_from)
 
 
 class _Stepper:

@@ -1,6 +1,9 @@
 """Why a real SGLang server that exited as it started would not start for the campaign as it
 is, read off what it printed: a rerun meets the same refusal, so the engine raises
 `ServerUnfitError` (the twin's `dvfs.twin.limits` refuses the same cases before a start).
+Where the GPUs' memory ran short while NVML listed other processes on them (another tenant's
+job), that is not the campaign's doing: the engine fails the start plainly, naming them
+(`StartRefusal.beside`), and a rerun retries it.
 
 What SGLang prints, read (never copied) from sgl-project/sglang, messages unchanged from the
 0.5.x model_runner.py they moved out of to the 0.5.23-era files named here:
@@ -42,7 +45,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dvfs.campaign.model import DrafterSpec
-from dvfs.twin.limits import LONGER_CONTEXT_ENV, given_context_length, mem_fraction_static
+from dvfs.twin.limits import (
+    LONGER_CONTEXT_ENV,
+    MORE_GPUS,
+    given_context_length,
+    given_max_total_tokens,
+    mem_fraction_static,
+)
 
 #: The fewest tokens of context or KV pool SGLang starts with (tp_worker.py: a request's
 #: max_req_len, the lesser of both less 1, and its input, that less 5, must be above 0).
@@ -51,13 +60,25 @@ REQUEST_MIN_TOKENS = 6
 QUOTE_CHARS = 200
 
 _NOT_ENOUGH = re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static")
+#: The static fraction the server resolved, as it logs it: its `server_args=ServerArgs(...,
+#: mem_fraction_static=0.836, ...)` line as it starts, and 0.5.23's "Not enough memory" line
+#: ("Current value: mem_fraction_static=0.836").
+_SERVED_FRACTION = re.compile(r"\bmem_fraction_static=([0-9]*\.?[0-9]+)\b")
 _POOL_TOO_SMALL = re.compile(r"Memory pool size is too small")
 _CONTEXT = re.compile(
     r"(User-specified|Target model's) context_length \((\d+)\) is greater than the derived "
     r"context_length \((\d+)\).*To allow overriding this maximum"
 )
 _GRAPH = re.compile(r"Capture cuda graph failed")
-_OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError")
+#: Out of memory as an exception's line says it, where a traceback ends ("torch.OutOfMemoryError:
+#: CUDA out of memory. ...", "Exception: Capture cuda graph failed: CUDA out of memory ...",
+#: "RuntimeError: CUDA error: out of memory"), after a log line's prefixes ("[time TP0] ",
+#: "[rank0]: "); not a warning that quotes one it survived (FlashInfer's autotuner skipping a
+#: tactic "due to failure while profiling: CUDA out of memory"), which did not end the start.
+_OOM = re.compile(
+    r"^\s*(?:\[[^\]]*\]:?\s*)*[\w.]*(?:Error|Exception): "
+    r".*?(CUDA out of memory|CUDA error: out of memory)"
+)
 _LOAD_BEGIN = re.compile(r"Load weight begin\b")
 _LOAD_END = re.compile(r"Load weight end\b")
 
@@ -65,17 +86,31 @@ _LOAD_END = re.compile(r"Load weight end\b")
 @dataclass(frozen=True)
 class StartRefusal:
     """Why SGLang would not start the server (`why`, SGLang's own line `said`) and what to
-    change in the campaign (`fix`: no ": " in it, as `dvfs.errors.unfit_fix` reads it)."""
+    change in the campaign (`fix`: no ": " in it, as `dvfs.errors.unfit_fix` reads it).
+    `memory`: the GPUs' memory ran short (not the campaign's doing where other processes
+    held some of it: the engine checks)."""
 
     why: str
     said: str
     fix: str
+    memory: bool = False
 
     def message(self, drafter: str, log_path: object) -> str:
         """The one line of the `ServerUnfitError`: why, SGLang's words, its log, the fix."""
         return (
             f"SGLang refused to start the {drafter!r} server: {self.why} (it said "
             f'"{self.said}"; its log {log_path}): {self.fix}'
+        )
+
+    def beside(self, drafter: str, log_path: object, others: str) -> str:
+        """The one line of a start that ran out of GPU memory while `others` (processes not
+        the server's, "GPU 0: process 42 (python)") held some of its GPUs' memory: a plain
+        failure, which a rerun retries once they are gone, not the campaign's."""
+        return (
+            f"the {drafter!r} server failed to start: {self.why} (it said "
+            f'"{self.said}"; its log {log_path}), while other processes held memory on its '
+            f"GPUs ({others}): the campaign may well fit without them; stop them or wait "
+            "until they end, then rerun the same command"
         )
 
 
@@ -91,17 +126,6 @@ def _where(flag_value: object, drafter: DrafterSpec) -> str:
     if flag_value is not None:
         return f"drafters.{drafter.name}.extra_args"
     return "engine.sglang.extra_args"
-
-
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The last value `args` give `flag` (`--flag VALUE` or `--flag=VALUE`), None: none."""
-    value = None
-    for i, token in enumerate(args):
-        if token == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif token.startswith(flag + "="):
-            value = token.partition("=")[2]
-    return value
 
 
 def _first(lines: Sequence[str], pattern: re.Pattern[str]) -> tuple[str, re.Match[str]] | None:
@@ -121,14 +145,17 @@ def start_refusal(
     nothing it printed is such a refusal (a crash, another program on its port...: a rerun
     may start it)."""
     lines = log_text.splitlines()
-    smaller = "use more GPUs (tp, engine.tp_size) or a smaller model"
+    smaller = f"use {MORE_GPUS} or a smaller model"
     if drafter.draft_model:
         smaller = (
-            f"use a smaller draft model than {drafter.draft_model}, more GPUs "
-            "(tp, engine.tp_size) or a smaller model"
+            f"use a smaller draft model than {drafter.draft_model}, {MORE_GPUS} or a smaller model"
         )
     fraction = mem_fraction_static(launch)
     fraction_where = _where(mem_fraction_static(drafter.extra_args), drafter)
+    default = "SGLang's default"  # the number, where the server's log says it
+    served = _first(lines, _SERVED_FRACTION) if fraction is None else None
+    if served is not None:
+        default += f" ({float(served[1].group(1)):g} here)"
 
     hit = _first(lines, _CONTEXT)
     if hit is not None:
@@ -153,20 +180,26 @@ def start_refusal(
     hit = _first(lines, _POOL_TOO_SMALL)
     if hit is not None:
         line, found = hit
-        tokens = _flag_value(launch, "--max-total-tokens")
+        tokens = given_max_total_tokens(launch)
         context = given_context_length(launch)
+        # Too small as given (both, maybe), or a pool SGLang sized by what memory was left
+        # (--max-total-tokens only caps it): the least each must be, else more memory.
+        fixes = []
         if context is not None and context <= REQUEST_MIN_TOKENS:
             where = _where(given_context_length(drafter.extra_args), drafter)
-            fix = f"give a --context-length above {REQUEST_MIN_TOKENS} in {where}"
-        elif tokens is not None:
-            where = _where(_flag_value(drafter.extra_args, "--max-total-tokens"), drafter)
-            fix = f"give a --max-total-tokens above {tokens} in {where}"
+            fixes.append(f"a --context-length above {REQUEST_MIN_TOKENS} in {where}")
+        if tokens is not None and tokens <= REQUEST_MIN_TOKENS:
+            where = _where(given_max_total_tokens(drafter.extra_args), drafter)
+            fixes.append(f"a --max-total-tokens above {REQUEST_MIN_TOKENS} in {where}")
+        if fixes:
+            fix = "give " + " and ".join(fixes)
         else:
-            fix = _more_static(fraction, fraction_where, smaller)
+            fix = _more_static(fraction, fraction_where, smaller, default)
         return StartRefusal(
             "its KV cache or context would hold too few tokens for one request",
             _quote(line, found.start()),
             fix,
+            memory=not fixes,
         )
 
     hit = _first(lines, _NOT_ENOUGH)
@@ -175,51 +208,66 @@ def start_refusal(
         return StartRefusal(
             "the weights leave its static GPU memory nothing for the KV cache",
             _quote(line, found.start()),
-            _more_static(fraction, fraction_where, smaller),
+            _more_static(fraction, fraction_where, smaller, default),
+            memory=True,
         )
 
     hit = _first(lines, _OOM)
     if hit is None:
         return None
     line, found = hit
-    said = _quote(line, found.start())
+    said = _quote(line, found.start(1))
     graph = _first(lines, _GRAPH)
     begun = sum(1 for text in lines if _LOAD_BEGIN.search(text))
     ended = sum(1 for text in lines if _LOAD_END.search(text))
+    if graph is None and begun == 0 and ended == 0:
+        # Before any weights (a CUDA context, NCCL's buffers: a GPU's first few hundred MiB):
+        # the GPU was full already, which nothing in the campaign leaves it. (A log read from
+        # its end, the engine's `LOG_TAIL_BYTES`, may have lost its "begin" lines, not its
+        # "end" ones.)
+        return None
     if graph is None and begun > ended:  # out of memory while a model's weights loaded
         target_loaded = ended >= max(tp_size, 1)
         if drafter.draft_model and target_loaded:
+            # The target's KV cache took its static memory first: the draft's weights load
+            # into what that leaves (SGLang's default reserves 2 GiB for an EAGLE draft, 6 GiB
+            # for a STANDALONE one), so a lower fraction is the first way out.
+            lower = _lower_static(fraction, fraction_where, default)
             return StartRefusal(
                 f"the GPUs ran out of memory loading the draft model {drafter.draft_model} "
-                "beside the target's weights",
+                "beside the target's weights and KV cache",
                 said,
-                smaller,
+                f"{lower} (room outside its static pool for the draft model), or {smaller}",
+                memory=True,
             )
         return StartRefusal(
             "the GPUs ran out of memory loading the weights",
             said,
-            "use more GPUs (tp, engine.tp_size) or a smaller model",
+            f"use {MORE_GPUS} or a smaller model",
+            memory=True,
         )
-    lower = (
-        f"lower --mem-fraction-static below {fraction:g} in {fraction_where}"
-        if fraction is not None
-        else "give a --mem-fraction-static below SGLang's default in engine.sglang.extra_args"
-    )
+    lower = _lower_static(fraction, fraction_where, default)
     what = "capturing its CUDA graphs" if graph is not None else "after loading the weights"
     return StartRefusal(
         f"the GPUs ran out of memory {what}, outside its static memory",
         said,
         f"{lower} (more memory outside its static pool), or a smaller largest batch in "
         "workload.batch (dvfs captures CUDA graphs up to it)",
+        memory=True,
     )
 
 
-def _more_static(fraction: float | None, where: str, smaller: str) -> str:
+def _lower_static(fraction: float | None, where: str, default: str) -> str:
+    """A smaller static fraction, for more memory outside SGLang's static pool (the campaign's
+    fraction, or below SGLang's `default`)."""
+    if fraction is not None:
+        return f"lower --mem-fraction-static below {fraction:g} in {where}"
+    return f"give a --mem-fraction-static below {default} in engine.sglang.extra_args"
+
+
+def _more_static(fraction: float | None, where: str, smaller: str, default: str) -> str:
     """The fix for weights that leave the KV cache too little: a larger static fraction (the
-    campaign's, or above SGLang's default), or less to load per GPU (`smaller`)."""
+    campaign's, or above SGLang's `default`), or less to load per GPU (`smaller`)."""
     if fraction is not None:
         return f"raise --mem-fraction-static above {fraction:g} in {where}, or {smaller}"
-    return (
-        "give a --mem-fraction-static above SGLang's default in engine.sglang.extra_args, or "
-        f"{smaller}"
-    )
+    return f"give a --mem-fraction-static above {default} in engine.sglang.extra_args, or {smaller}"

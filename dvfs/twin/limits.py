@@ -107,7 +107,7 @@ def weights_refusal(
     name = target.hf_name or target.key
     with_draft = f" with draft model {draft.hf_name or draft.key}" if draft else ""
     whose = "the campaign's --mem-fraction-static" if given else "SGLang's default one"
-    todo = "use more GPUs (tp, engine.tp_size) or a smaller model"
+    todo = f"use {MORE_GPUS} or a smaller model"
     if given:  # a fraction the campaign set too low: raising it is the first way out
         least = (math.floor(need / (gpu.memory_mib() * MIB) * 100) + 1) / 100
         if least <= default:
@@ -127,6 +127,10 @@ def weights_refusal(
 #: --context-length-... flags make "--context" ambiguous there).
 MEM_FRACTION_PREFIX = "--mem"
 CONTEXT_LENGTH_PREFIX = "--context-l"
+MAX_TOTAL_TOKENS_PREFIX = "--max-t"
+#: More GPUs per server, as a campaign asks for them: gpu.devices (each group of it), which
+#: engine.tp_size must match where the campaign gives it (it defaults to that size).
+MORE_GPUS = "more GPUs per server (gpu.devices, and engine.tp_size where given)"
 #: The SGLang environment variable that lets `--context-length` exceed the model's own.
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
@@ -158,6 +162,16 @@ def given_context_length(args: Sequence[str]) -> int | None:
     """The `--context-length` SGLang server args set (the last one, an abbreviation
     included); None where they give none (or no number, which SGLang refuses)."""
     value = _given(args, "--context-length", CONTEXT_LENGTH_PREFIX)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def given_max_total_tokens(args: Sequence[str]) -> int | None:
+    """The `--max-total-tokens` (the KV pool's cap) SGLang server args set (the last one, an
+    abbreviation included); None where they give none (or no number, which SGLang refuses)."""
+    value = _given(args, "--max-total-tokens", MAX_TOTAL_TOKENS_PREFIX)
     try:
         return int(value) if value is not None else None
     except ValueError:
