@@ -1533,13 +1533,14 @@ def test_a_dry_run_without_the_driver_says_it_changed_nothing(
     assert "dry run" not in applied.stderr, applied.stderr
 
 
-@pytest.mark.parametrize("wait", ["0", "1"])
+@pytest.mark.parametrize("wait", ["0", "1", "5", "6"])
 def test_cap_apply_fails_as_before_without_the_driver(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str
 ) -> None:
     """No --wait-for-driver (0): no wait, today's line. A wait whose time is spent: the same
     line, once it said it waits, saying it waited (it said "not loaded: load it" as if it
-    had not)."""
+    had not). The line saying it waits says how it tries again: `--wait-for-driver 1` said
+    "trying again every 5 s", though it tries once more, after 1 s."""
     import dvfs.gpu.nvml
 
     caps = _driver_caps(tmp_path, nvml)
@@ -1565,6 +1566,10 @@ def test_cap_apply_fails_as_before_without_the_driver(
     waits = [line for line in lines if line.startswith(WAITING)]
     assert len(waits) == (0 if wait == "0" else 1), lines
     assert (slept == []) == (wait == "0"), slept
+    if wait != "0":
+        again = "every 5 s" if wait == "6" else f"once, in {wait} s"
+        assert waits[0] == f"{WAITING} {wait} s for it, trying again {again}", waits
+        assert slept == ([5.0, 1.0] if wait == "6" else [float(wait)]), slept
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
 
 
