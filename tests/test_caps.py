@@ -3642,3 +3642,29 @@ def test_a_gpu_a_new_caps_file_leaves_out_is_said_to_keep_an_earlier_files_caps(
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # the file's, kept
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])  # nothing recorded on it now
     assert "it was left as it is (to cap it, `dvfs cap plan`" in " ".join(result.stderr.split())
+
+
+def test_cap_reset_of_a_gpu_with_mig_says_why_it_is_left_and_how_to_reset_it(
+    nvml, tmp_path: Path
+) -> None:
+    """`dvfs cap reset 1`, GPU 1 with MIG enabled, was refused in the sweep's words ("NVML
+    measures energy and power per GPU, not per MIG slice ... choose another GPU"), though a
+    reset measures nothing and `dvfs gpu reset --defaults 1` resets it. The line says `cap
+    apply` never caps such a GPU, so `cap reset` leaves it (no GPU reset, exit 2, as a GPU not
+    here), and gives the `dvfs gpu reset --defaults` that resets it, which does, pasted."""
+    nvml.fake_update_device(0, locked_clocks=[210, 1500])
+    nvml.fake_update_device(1, mig=True, locked_clocks=[210, 1200], power_limit_mw=500_000)
+    for named in (["1"], ["0", "1"]):
+        result = CliRunner().invoke(cli, ["cap", "reset", *named])
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.strip().splitlines()
+        said = " ".join(line.split())
+        assert said.startswith(f"Error: GPU 1 ({nvml.fake_device_state(1)['uuid']}) has MIG"), said
+        assert "never caps a GPU with MIG enabled" in said and "reset no GPU" in said, said
+        assert "per MIG slice" not in said and "choose another GPU" not in said, said
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # as said: none reset
+    [command] = re.findall(r"`(dvfs gpu reset --defaults[^`]*)`", said)
+    assert command.endswith(" 1"), command
+    invoke(*shlex.split(command)[1:])
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000

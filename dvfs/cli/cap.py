@@ -718,10 +718,12 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     named, lost = reachable_gpus(visible, devices=parse_devices(devices), unsupported_ok=True)
     if not named and lost:
         raise lost_gpus(lost)
-    # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them (a GPU
-    # named here is refused as every command refuses it).
-    with open_gpus(named, visible=visible, allow_mig=not devices) as found:
-        gpus = [g for g in found if not g.mig_enabled()] if not devices else found
+    # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them; one
+    # named here is refused, saying so, not with the sweep's "choose another GPU".
+    with open_gpus(named, visible=visible, allow_mig=True) as found:
+        gpus = [g for g in found if not g.mig_enabled()]
+        if devices and len(gpus) < len(found):
+            raise _named_mig([g for g in found if g not in gpus], state_dir or default_state_dir())
         # A GPU that fails is named once the others are reset, with those held and lost.
         directory = state_dir or default_state_dir()
         try:
@@ -767,6 +769,26 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
         raise GpuPermissionError("; ".join(p for p in (withheld, lost_too) if p))
     if lost:
         raise lost_gpus(lost)
+
+
+def _named_mig(mig: Sequence[Gpu], directory: Path) -> Exception:
+    """The refusal of `cap reset N` naming GPUs with MIG enabled, which `cap apply` never caps
+    (dvfs caps whole GPUs) and `cap reset` leaves alone: said so, with the `dvfs gpu reset
+    --defaults N` that puts back their defaults all the same, not the sweep's "choose another
+    GPU"."""
+    from dvfs.errors import GpuMigError
+    from dvfs.gpu.safety import state_dir_flag
+
+    one = len(mig) == 1
+    named = ", ".join(f"GPU {g.identity.index} ({g.identity.uuid})" for g in mig)
+    numbers = " ".join(str(g.identity.index) for g in mig)
+    return GpuMigError(
+        f"{named} {'has' if one else 'have'} MIG enabled: `dvfs cap apply` never caps a GPU "
+        f"with MIG enabled (dvfs caps whole GPUs only), so `dvfs cap reset` leaves "
+        f"{'it' if one else 'them'} alone, and reset no GPU; to put "
+        f"{'its' if one else 'their'} SM clocks and power limit back to the defaults, run "
+        f"`dvfs gpu reset --defaults{state_dir_flag(directory)} {numbers}`"
+    )
 
 
 def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
