@@ -626,7 +626,12 @@ def _refuse_as_the_apply_would(
 
 
 @cap.command("show")
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON: a list of one object per GPU (power limits, clock lock, caps source).",
+)
 @click.option(
     "--state-dir",
     type=OutputFolder(),
