@@ -3191,6 +3191,21 @@ def test_the_readmes_root_commands_read_caps_and_plans_root_installed() -> None:
         assert path in installed and path.startswith("/etc/dvfs/"), path
 
 
+def test_the_readme_says_how_to_run_a_virtualenvs_dvfs_with_sudo_where_it_first_does() -> None:
+    """The README's `sudo dvfs ...` fails "sudo: dvfs: command not found" with dvfs in a
+    virtualenv, as its own `pip install` puts it (sudo searches its secure_path, not PATH), and
+    it never said so. Before the section of its first `sudo dvfs` ends, it says why and how:
+    `sudo "$(command -v dvfs)" ...` or the venv's full path."""
+    text = (REPO / "README.md").read_text()
+    first = text.index("sudo dvfs ")
+    start = text.rindex("\n## ", 0, first)
+    end = text.index("\n## ", first)
+    section = " ".join(text[start:end].split())
+    assert "secure_path" in section and "command not found" in section, section[:200]
+    assert 'sudo "$(command -v dvfs)" sweep' in section
+    assert "sudo .venv/bin/dvfs" in section
+
+
 def test_a_dry_run_refuses_a_folder_in_place_of_the_caps_records_lock_as_the_apply_does(
     nvml, tmp_path: Path
 ) -> None:
