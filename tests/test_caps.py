@@ -3683,3 +3683,39 @@ def test_cap_reset_of_a_gpu_with_mig_says_why_it_is_left_and_how_to_reset_it(
     invoke(*shlex.split(command)[1:])
     assert nvml.fake_device_state(1)["locked_clocks"] is None
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
+def test_the_caps_units_stop_resets_only_what_its_start_applied(nvml, tmp_path: Path) -> None:
+    """dvfs-caps.service's `ExecStop=dvfs cap reset` reset every GPU: `systemctl restart
+    dvfs-caps` (the README's way to apply an edited file) undid a clock lock and power limit
+    an operator set with nvidia-smi on a GPU the caps file never names, and the power limit
+    they set on a GPU whose clock alone the file caps. The unit's stop, `cap reset --applied`,
+    puts back only what dvfs's caps record says `cap apply` set, and names the GPU it left."""
+    unit = (REPO / "systemd" / "dvfs-caps.service").read_text()
+    [start] = re.findall(r"^ExecStart=/usr/local/bin/dvfs (.*)$", unit, re.M)
+    [stop] = re.findall(r"^ExecStop=/usr/local/bin/dvfs (.*)$", unit, re.M)
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, on the capped GPU
+    nvml.fake_update_device(1, power_limit_mw=500_000, locked_clocks=[210, 1600])
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    invoke(*shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps))))
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    result = CliRunner().invoke(cli, shlex.split(stop))
+    assert result.exit_code == 0, result.output
+    assert nvml.fake_device_state(0)["locked_clocks"] is None  # dvfs's lock: gone
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1600]
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 500_000
+    assert f"GPU 0 ({first}): clocks unlocked, power limit left as it is" in result.output
+    said = " ".join(result.stderr.split())
+    assert f"GPU 1 ({second}) holds no caps dvfs's caps record lists: left as it is" in said
+    # a power limit dvfs set goes back to the default; a plain reset still resets every GPU
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, power_limit_w=450.0),))))
+    invoke(*shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps))))
+    invoke(*shlex.split(stop))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 500_000
+    invoke("cap", "reset")
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
