@@ -3719,3 +3719,36 @@ def test_the_caps_units_stop_resets_only_what_its_start_applied(nvml, tmp_path: 
     invoke("cap", "reset")
     assert nvml.fake_device_state(1)["locked_clocks"] is None
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
+def test_a_state_folder_with_braces_in_its_name_is_named_in_the_kept_caps_note(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap apply --state-dir 'st{x}'` with a GPU that keeps an earlier file's caps failed
+    "internal error: KeyError: 'x'" once the caps were applied (the note's reset command was a
+    template formatted with the folder in it): the note names the folder as it is, pasted."""
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    state = tmp_path / "st{x}"
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=first, sm_clock_max_mhz=1500),
+                    GpuCap(uuid=second, power_limit_w=450.0),
+                )
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps), "--state-dir", str(state))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    for args in (("--dry-run",), ()):
+        result = CliRunner().invoke(
+            cli, ["cap", "apply", str(caps), "--state-dir", str(state), *args]
+        )
+        assert result.exit_code == 0, result.output
+        said = " ".join(result.stderr.split())
+        [reset] = re.findall(r"`(dvfs cap reset 1[^`]*)`", said)
+    assert shlex.split(reset)[-2:] == ["--state-dir", str(state)], reset
+    invoke(*shlex.split(reset)[1:])
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000

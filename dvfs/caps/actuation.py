@@ -438,11 +438,16 @@ class CapsPlan:
         )
 
     def untouched_message(
-        self, where: str, *, dry_run: bool = False, reset: str = "dvfs cap reset {indices}"
+        self,
+        where: str,
+        *,
+        dry_run: bool = False,
+        reset: Callable[[str], str] = lambda indices: f"dvfs cap reset {indices}",
     ) -> str:
         """The GPUs no entry names: left as they are, to plan if they are to be capped; those
-        an earlier `cap apply` capped are said to keep those caps, with the `reset` (a
-        template of {indices}) that removes them, not told to plan caps they hold."""
+        an earlier `cap apply` capped are said to keep those caps, with the `reset` (of their
+        indices, "1 3") that removes them, not told to plan caps they hold. (A function, not a
+        template to format: a --state-dir of "{x}" in it failed "KeyError: 'x'".)"""
         kept = {text for _, text in self.kept}
         plain = CapsPlan((), (), "", untouched=tuple(u for u in self.untouched if u not in kept))
         parts = [plain._left_message(where, dry_run=dry_run)] if plain.untouched else []
@@ -453,7 +458,7 @@ class CapsPlan:
             parts.append(
                 f"{where} has no entry for {'; '.join(text for _, text in self.kept)}: "
                 f"{'it' if one else 'they'} {keep} the caps an earlier `dvfs cap apply` put on "
-                f"{'it' if one else 'them'} (`{reset.format(indices=indices)}` removes them)"
+                f"{'it' if one else 'them'} (`{reset(indices)}` removes them)"
             )
         return "; ".join(parts)
 

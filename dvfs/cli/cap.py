@@ -403,9 +403,11 @@ def apply(
     if plan.untouched:
         from dvfs.gpu.safety import state_dir_command
 
-        reset = state_dir_command("dvfs cap reset {indices}", directory)
+        def reset_of(indices: str) -> str:
+            return state_dir_command(f"dvfs cap reset {indices}", directory)
+
         console(stderr=True).print(
-            f"note: {escape(plan.untouched_message(where, dry_run=dry_run, reset=reset))}"
+            f"note: {escape(plan.untouched_message(where, dry_run=dry_run, reset=reset_of))}"
         )
     if plan.unmatched:
         message = plan.unmatched_message(where, dry_run=dry_run)
