@@ -3645,12 +3645,12 @@ def test_a_gpu_a_new_caps_file_leaves_out_is_said_to_keep_an_earlier_files_caps(
         assert f"has no entry for GPU 1 (NVIDIA H100 80GB HBM3, {second}), capped to SM" in said
         assert "SM clock locked 210-1200 MHz, power limit 450 W from" in said, said
         keeps = "would keep" if args else "keeps"
-        assert f"it {keeps} the caps an earlier `dvfs cap apply` put on it (`dvfs cap reset 1" in (
+        assert f"it {keeps} the caps an earlier `dvfs cap apply` put on it (`dvfs cap reset " in (
             said
         ), said
         assert "to cap it" not in said, said
     assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1200]
-    [reset] = re.findall(r"`(dvfs cap reset 1[^`]*)`", said)
+    [reset] = re.findall(r"`(dvfs cap reset --applied 1[^`]*)`", said)
     invoke(*shlex.split(reset)[1:])
     assert nvml.fake_device_state(1)["locked_clocks"] is None
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
@@ -3748,7 +3748,36 @@ def test_a_state_folder_with_braces_in_its_name_is_named_in_the_kept_caps_note(
         )
         assert result.exit_code == 0, result.output
         said = " ".join(result.stderr.split())
-        [reset] = re.findall(r"`(dvfs cap reset 1[^`]*)`", said)
+        [reset] = re.findall(r"`(dvfs cap reset --applied 1[^`]*)`", said)
     assert shlex.split(reset)[-2:] == ["--state-dir", str(state)], reset
     invoke(*shlex.split(reset)[1:])
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
+def test_the_reset_a_kept_caps_note_names_removes_dvfs_caps_alone(nvml, tmp_path: Path) -> None:
+    """A GPU an earlier caps file capped to a power limit only, whose clock an operator locked
+    with nvidia-smi, keeps that power limit once a new file leaves it out; the note's `dvfs cap
+    reset 1` removed it and the operator's clock lock too. The reset it names, pasted, removes
+    the caps dvfs's record lists alone."""
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    nvml.fake_update_device(1, locked_clocks=[210, 1600])  # the operator's
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=first, sm_clock_max_mhz=1500),
+                    GpuCap(uuid=second, power_limit_w=450.0),
+                )
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 0, result.output
+    [reset] = re.findall(r"`(dvfs cap reset[^`]*)`", " ".join(result.stderr.split()))
+    invoke(*shlex.split(reset)[1:])
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000  # dvfs's cap: gone
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1600]
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]

@@ -442,11 +442,12 @@ class CapsPlan:
         where: str,
         *,
         dry_run: bool = False,
-        reset: Callable[[str], str] = lambda indices: f"dvfs cap reset {indices}",
+        reset: Callable[[str], str] = lambda indices: f"dvfs cap reset --applied {indices}",
     ) -> str:
         """The GPUs no entry names: left as they are, to plan if they are to be capped; those
         an earlier `cap apply` capped are said to keep those caps, with the `reset` (of their
-        indices, "1 3") that removes them, not told to plan caps they hold. (A function, not a
+        indices, "1 3") that removes them (those alone: `--applied` leaves an operator's clock
+        lock or power limit be), not told to plan caps they hold. (A function, not a
         template to format: a --state-dir of "{x}" in it failed "KeyError: 'x'".)"""
         kept = {text for _, text in self.kept}
         plain = CapsPlan((), (), "", untouched=tuple(u for u in self.untouched if u not in kept))

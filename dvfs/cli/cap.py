@@ -404,7 +404,7 @@ def apply(
         from dvfs.gpu.safety import state_dir_command
 
         def reset_of(indices: str) -> str:
-            return state_dir_command(f"dvfs cap reset {indices}", directory)
+            return state_dir_command(f"dvfs cap reset --applied {indices}", directory)
 
         console(stderr=True).print(
             f"note: {escape(plan.untouched_message(where, dry_run=dry_run, reset=reset_of))}"
