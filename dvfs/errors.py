@@ -88,6 +88,14 @@ class GpuNotSupportedError(GpuError):
     """The device does not support the call (MIG slices, old GPUs, unsupported clocks)."""
 
 
+class GpuMigError(GpuNotSupportedError):
+    """A GPU with MIG enabled, which dvfs refuses (it meters and caps whole GPUs): a setting of
+    the host, not a failure a restart fixes, so exit 2, as a GPU not here, and a systemd unit
+    naming it (`RestartPreventExitStatus=2`) is left failed rather than restarted."""
+
+    exit_code = 2
+
+
 class GpuValueError(GpuError):
     """A value outside what the device accepts; the message gives the allowed range."""
 

@@ -163,7 +163,7 @@ sm_clock_mhz = 1200
     [
         ("dvfs_caps = 1\n", "is a caps file .for `dvfs cap apply`., not a per-batch plan"),
         ("x = 1\n", "is not a per-batch plan"),
-        (GOOD.replace("= 1\n[meta]", "= 2\n[meta]"), "schema 2 is not 1"),
+        (GOOD.replace("= 1\n[meta]", "= 2\n[meta]"), "schema dvfs_batch_plan = 2 is not 1"),
         (GOOD + "power = 3\n", "unknown key.s. power"),
         (GOOD.replace('drafter = "none"\n', ""), "needs drafter"),
         (GOOD + "[[batch]]\nbatch = 1\n", "must increase strictly"),
@@ -380,3 +380,26 @@ def test_a_swept_cube_gives_a_plan_per_measured_batch(small_sweep: Path, tmp_pat
         rows = [r for r in document["rows"] if r["batch"] == step.batch and r["drafter"] == "none"]
         if step.setting.sm_clock_mhz is not None:
             assert step.setting.sm_clock_mhz == max(r["chosen"]["sm_clock_mhz"] for r in rows)
+
+
+@pytest.mark.parametrize(("written", "said"), [("true", "true"), ('"1"', '"1"'), ("2", "2")])
+def test_a_plan_of_another_schema_is_refused_as_written_with_the_way_on(
+    tmp_path: Path, written: str, said: str
+) -> None:
+    """`dvfs_batch_plan = true` was taken for schema 1 (Python's True == 1), as a caps file's
+    `dvfs_caps = true` was; a quoted "1" was refused "schema '1' is not 1", and the way on,
+    `dvfs cap plan --per-batch`, fails pasted (it takes HEADROOM_JSON). Each is refused, as the
+    governor reads it, in one line quoting the value as written and the plan command in full."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(GOOD.replace("dvfs_batch_plan = 1", f"dvfs_batch_plan = {written}"))
+    with pytest.raises(CapsError) as info:
+        load_plan(plan)
+    line = str(info.value)
+    assert f"per-batch plan schema dvfs_batch_plan = {said} is not 1; " in line, line
+    assert "write it again with this dvfs's `dvfs cap plan HEADROOM_JSON --per-batch`" in line
+    result = CliRunner().invoke(
+        cli, ["govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--dry-run"]
+    )
+    assert result.exit_code == 2, result.output
+    [told] = result.stderr.strip().splitlines()
+    assert f"schema dvfs_batch_plan = {said} is not 1" in told, told

@@ -1533,13 +1533,14 @@ def test_a_dry_run_without_the_driver_says_it_changed_nothing(
     assert "dry run" not in applied.stderr, applied.stderr
 
 
-@pytest.mark.parametrize("wait", ["0", "1"])
+@pytest.mark.parametrize("wait", ["0", "1", "5", "6"])
 def test_cap_apply_fails_as_before_without_the_driver(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str
 ) -> None:
     """No --wait-for-driver (0): no wait, today's line. A wait whose time is spent: the same
     line, once it said it waits, saying it waited (it said "not loaded: load it" as if it
-    had not)."""
+    had not). The line saying it waits says how it tries again: `--wait-for-driver 1` said
+    "trying again every 5 s", though it tries once more, after 1 s."""
     import dvfs.gpu.nvml
 
     caps = _driver_caps(tmp_path, nvml)
@@ -1565,6 +1566,10 @@ def test_cap_apply_fails_as_before_without_the_driver(
     waits = [line for line in lines if line.startswith(WAITING)]
     assert len(waits) == (0 if wait == "0" else 1), lines
     assert (slept == []) == (wait == "0"), slept
+    if wait != "0":
+        again = "every 5 s" if wait == "6" else f"once, in {wait} s"
+        assert waits[0] == f"{WAITING} {wait} s for it, trying again {again}", waits
+        assert slept == ([5.0, 1.0] if wait == "6" else [float(wait)]), slept
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
 
 
@@ -3186,6 +3191,21 @@ def test_the_readmes_root_commands_read_caps_and_plans_root_installed() -> None:
         assert path in installed and path.startswith("/etc/dvfs/"), path
 
 
+def test_the_readme_says_how_to_run_a_virtualenvs_dvfs_with_sudo_where_it_first_does() -> None:
+    """The README's `sudo dvfs ...` fails "sudo: dvfs: command not found" with dvfs in a
+    virtualenv, as its own `pip install` puts it (sudo searches its secure_path, not PATH), and
+    it never said so. Before the section of its first `sudo dvfs` ends, it says why and how:
+    `sudo "$(command -v dvfs)" ...` or the venv's full path."""
+    text = (REPO / "README.md").read_text()
+    first = text.index("sudo dvfs ")
+    start = text.rindex("\n## ", 0, first)
+    end = text.index("\n## ", first)
+    section = " ".join(text[start:end].split())
+    assert "secure_path" in section and "command not found" in section, section[:200]
+    assert 'sudo "$(command -v dvfs)" sweep' in section
+    assert "sudo .venv/bin/dvfs" in section
+
+
 def test_a_dry_run_refuses_a_folder_in_place_of_the_caps_records_lock_as_the_apply_does(
     nvml, tmp_path: Path
 ) -> None:
@@ -3625,15 +3645,139 @@ def test_a_gpu_a_new_caps_file_leaves_out_is_said_to_keep_an_earlier_files_caps(
         assert f"has no entry for GPU 1 (NVIDIA H100 80GB HBM3, {second}), capped to SM" in said
         assert "SM clock locked 210-1200 MHz, power limit 450 W from" in said, said
         keeps = "would keep" if args else "keeps"
-        assert f"it {keeps} the caps an earlier `dvfs cap apply` put on it (`dvfs cap reset 1" in (
+        assert f"it {keeps} the caps an earlier `dvfs cap apply` put on it (`dvfs cap reset " in (
             said
         ), said
         assert "to cap it" not in said, said
     assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1200]
-    [reset] = re.findall(r"`(dvfs cap reset 1[^`]*)`", said)
+    [reset] = re.findall(r"`(dvfs cap reset --applied 1[^`]*)`", said)
     invoke(*shlex.split(reset)[1:])
     assert nvml.fake_device_state(1)["locked_clocks"] is None
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # the file's, kept
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])  # nothing recorded on it now
     assert "it was left as it is (to cap it, `dvfs cap plan`" in " ".join(result.stderr.split())
+
+
+def test_cap_reset_of_a_gpu_with_mig_says_why_it_is_left_and_how_to_reset_it(
+    nvml, tmp_path: Path
+) -> None:
+    """`dvfs cap reset 1`, GPU 1 with MIG enabled, was refused in the sweep's words ("NVML
+    measures energy and power per GPU, not per MIG slice ... choose another GPU"), though a
+    reset measures nothing and `dvfs gpu reset --defaults 1` resets it. The line says `cap
+    apply` never caps such a GPU, so `cap reset` leaves it (no GPU reset, exit 2, as a GPU not
+    here), and gives the `dvfs gpu reset --defaults` that resets it, which does, pasted."""
+    nvml.fake_update_device(0, locked_clocks=[210, 1500])
+    nvml.fake_update_device(1, mig=True, locked_clocks=[210, 1200], power_limit_mw=500_000)
+    for named in (["1"], ["0", "1"]):
+        result = CliRunner().invoke(cli, ["cap", "reset", *named])
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.strip().splitlines()
+        said = " ".join(line.split())
+        assert said.startswith(f"Error: GPU 1 ({nvml.fake_device_state(1)['uuid']}) has MIG"), said
+        assert "never caps a GPU with MIG enabled" in said and "reset no GPU" in said, said
+        assert "per MIG slice" not in said and "choose another GPU" not in said, said
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # as said: none reset
+    [command] = re.findall(r"`(dvfs gpu reset --defaults[^`]*)`", said)
+    assert command.endswith(" 1"), command
+    invoke(*shlex.split(command)[1:])
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
+def test_the_caps_units_stop_resets_only_what_its_start_applied(nvml, tmp_path: Path) -> None:
+    """dvfs-caps.service's `ExecStop=dvfs cap reset` reset every GPU: `systemctl restart
+    dvfs-caps` (the README's way to apply an edited file) undid a clock lock and power limit
+    an operator set with nvidia-smi on a GPU the caps file never names, and the power limit
+    they set on a GPU whose clock alone the file caps. The unit's stop, `cap reset --applied`,
+    puts back only what dvfs's caps record says `cap apply` set, and names the GPU it left."""
+    unit = (REPO / "systemd" / "dvfs-caps.service").read_text()
+    [start] = re.findall(r"^ExecStart=/usr/local/bin/dvfs (.*)$", unit, re.M)
+    [stop] = re.findall(r"^ExecStop=/usr/local/bin/dvfs (.*)$", unit, re.M)
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, on the capped GPU
+    nvml.fake_update_device(1, power_limit_mw=500_000, locked_clocks=[210, 1600])
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    invoke(*shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps))))
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    result = CliRunner().invoke(cli, shlex.split(stop))
+    assert result.exit_code == 0, result.output
+    assert nvml.fake_device_state(0)["locked_clocks"] is None  # dvfs's lock: gone
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1600]
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 500_000
+    assert f"GPU 0 ({first}): clocks unlocked, power limit left as it is" in result.output
+    said = " ".join(result.stderr.split())
+    assert f"GPU 1 ({second}) holds no caps dvfs's caps record lists: left as it is" in said
+    # a power limit dvfs set goes back to the default; a plain reset still resets every GPU
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, power_limit_w=450.0),))))
+    invoke(*shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps))))
+    invoke(*shlex.split(stop))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 500_000
+    invoke("cap", "reset")
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
+def test_a_state_folder_with_braces_in_its_name_is_named_in_the_kept_caps_note(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap apply --state-dir 'st{x}'` with a GPU that keeps an earlier file's caps failed
+    "internal error: KeyError: 'x'" once the caps were applied (the note's reset command was a
+    template formatted with the folder in it): the note names the folder as it is, pasted."""
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    state = tmp_path / "st{x}"
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=first, sm_clock_max_mhz=1500),
+                    GpuCap(uuid=second, power_limit_w=450.0),
+                )
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps), "--state-dir", str(state))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    for args in (("--dry-run",), ()):
+        result = CliRunner().invoke(
+            cli, ["cap", "apply", str(caps), "--state-dir", str(state), *args]
+        )
+        assert result.exit_code == 0, result.output
+        said = " ".join(result.stderr.split())
+        [reset] = re.findall(r"`(dvfs cap reset --applied 1[^`]*)`", said)
+    assert shlex.split(reset)[-2:] == ["--state-dir", str(state)], reset
+    invoke(*shlex.split(reset)[1:])
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
+def test_the_reset_a_kept_caps_note_names_removes_dvfs_caps_alone(nvml, tmp_path: Path) -> None:
+    """A GPU an earlier caps file capped to a power limit only, whose clock an operator locked
+    with nvidia-smi, keeps that power limit once a new file leaves it out; the note's `dvfs cap
+    reset 1` removed it and the operator's clock lock too. The reset it names, pasted, removes
+    the caps dvfs's record lists alone."""
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    nvml.fake_update_device(1, locked_clocks=[210, 1600])  # the operator's
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=first, sm_clock_max_mhz=1500),
+                    GpuCap(uuid=second, power_limit_w=450.0),
+                )
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 0, result.output
+    [reset] = re.findall(r"`(dvfs cap reset[^`]*)`", " ".join(result.stderr.split()))
+    invoke(*shlex.split(reset)[1:])
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000  # dvfs's cap: gone
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1600]
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
@@ -410,3 +411,24 @@ def test_doctor_fails_a_folder_whose_lock_is_no_regular_file_as_the_sweep_does(
     code, checks = _doctor_checks(tiny, out)
     assert code == 1 and checks["output folder"]["status"] == "fail", checks
     assert checks["output folder"]["detail"] == swept.stderr.strip().removeprefix("Error: ")
+
+
+def _options_without_help(command: click.Command, path: str, parent: click.Context | None):
+    """(command path, option) for each option of `command` and its subcommands, lazy ones
+    included, that `--help` lists with no words."""
+    ctx = click.Context(command, parent=parent, info_name=path.rsplit(" ", 1)[-1])
+    for param in command.params:
+        if isinstance(param, click.Option) and not param.hidden and not param.help:
+            yield path, "/".join(param.opts)
+    if isinstance(command, click.Group):
+        for name in command.list_commands(ctx):
+            sub = command.get_command(ctx, name)
+            if sub is not None and not sub.hidden:
+                yield from _options_without_help(sub, f"{path} {name}", ctx)
+
+
+def test_every_option_says_what_it_does_in_help() -> None:
+    """`--json` of `cap show`, `gpu list`, `gpu info`, `corpus list`, `corpus show` and
+    `doctor`, and `plot --format`, were listed by `--help` with no words (what the JSON holds,
+    what the format is of): every option of every command has help text."""
+    assert list(_options_without_help(cli, "dvfs", None)) == []

@@ -1383,6 +1383,31 @@ def test_a_gpu_not_on_the_host_is_a_usage_error_the_units_do_not_restart_on(
         assert "2" in prevent.split(), unit
 
 
+def test_a_gpu_with_mig_enabled_is_an_error_the_governor_unit_does_not_restart_on(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """`dvfs govern` on a GPU with MIG enabled (named by --gpu, or one of every GPU) exited 1,
+    so dvfs-govern.service restarted it five times before failing: MIG stays on through any
+    restart. It exits 2, which the unit lists in RestartPreventExitStatus; nothing changed."""
+    nvml.fake_update_device(1, mig=True)
+    closed = f"http://127.0.0.1:{closed_port()}"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for gpu in (("--gpu", "1"), ()):
+        for dry in ((), ("--dry-run",)):
+            result = dvfs_in_process(
+                "govern", "--plan", str(plan), "--url", closed, *gpu, *dry, env=env
+            )
+            printed = result.stdout + result.stderr
+            assert result.returncode == 2, (gpu, dry, printed)
+            assert "GPU 1 (" in printed and "has MIG enabled" in printed, printed
+            assert len([line for line in printed.splitlines() if "Error:" in line]) == 1
+    assert not nvml.fake_calls()
+    text = (REPO / "systemd" / "dvfs-govern.service").read_text()
+    [prevent] = re.findall(r"^RestartPreventExitStatus=(.*)$", text, re.M)
+    assert "2" in prevent.split()
+
+
 def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path) -> None:
     from dvfs.govern.metrics import scrape
 

@@ -68,7 +68,7 @@ def test_the_sandbox_keeps_what_nvml_needs_and_says_why() -> None:
         ("Type", "oneshot"),
         ("RemainAfterExit", "yes"),
         ("ExecStart", "/usr/local/bin/dvfs cap apply /etc/dvfs/caps.toml --wait-for-driver 300"),
-        ("ExecStop", "/usr/local/bin/dvfs cap reset"),
+        ("ExecStop", "/usr/local/bin/dvfs cap reset --applied"),
         ("ProtectSystem", "strict"),
         ("PrivateTmp", "yes"),
     ):
@@ -301,12 +301,12 @@ def test_the_readme_says_how_to_remove_the_caps_a_failed_start_applied() -> None
     successful start, so `systemctl stop` then resets nothing. The README said only that
     `ExecStop` resets, and its exit codes gave `cap apply` 5 or 0 where a lost GPU makes it 1:
     it now says how the caps of a failed start are removed, and the lost GPU's exit."""
-    assert values("ExecStop") == ["/usr/local/bin/dvfs cap reset"]
+    assert values("ExecStop") == ["/usr/local/bin/dvfs cap reset --applied"]
     assert values("ExecStopPost") == []  # it would reset the caps of every failed start
     readme = " ".join((UNIT.parent.parent / "README.md").read_text().split())
     assert "A failed start runs no `ExecStop`" in readme
     assert "`systemctl stop dvfs-caps` then leaves the caps it applied in place" in readme
-    assert "`sudo dvfs cap reset` removes them" in readme
+    assert "`sudo dvfs cap reset --applied` removes them" in readme
     codes = readme[readme.index("Exit codes: 0 success") :]
     codes = codes[: codes.index("interrupted")]
     assert "1, either way, when a GPU has fallen off the bus" in codes, codes

@@ -438,11 +438,17 @@ class CapsPlan:
         )
 
     def untouched_message(
-        self, where: str, *, dry_run: bool = False, reset: str = "dvfs cap reset {indices}"
+        self,
+        where: str,
+        *,
+        dry_run: bool = False,
+        reset: Callable[[str], str] = lambda indices: f"dvfs cap reset --applied {indices}",
     ) -> str:
         """The GPUs no entry names: left as they are, to plan if they are to be capped; those
-        an earlier `cap apply` capped are said to keep those caps, with the `reset` (a
-        template of {indices}) that removes them, not told to plan caps they hold."""
+        an earlier `cap apply` capped are said to keep those caps, with the `reset` (of their
+        indices, "1 3") that removes them (those alone: `--applied` leaves an operator's clock
+        lock or power limit be), not told to plan caps they hold. (A function, not a
+        template to format: a --state-dir of "{x}" in it failed "KeyError: 'x'".)"""
         kept = {text for _, text in self.kept}
         plain = CapsPlan((), (), "", untouched=tuple(u for u in self.untouched if u not in kept))
         parts = [plain._left_message(where, dry_run=dry_run)] if plain.untouched else []
@@ -453,7 +459,7 @@ class CapsPlan:
             parts.append(
                 f"{where} has no entry for {'; '.join(text for _, text in self.kept)}: "
                 f"{'it' if one else 'they'} {keep} the caps an earlier `dvfs cap apply` put on "
-                f"{'it' if one else 'them'} (`{reset.format(indices=indices)}` removes them)"
+                f"{'it' if one else 'them'} (`{reset(indices)}` removes them)"
             )
         return "; ".join(parts)
 
@@ -841,10 +847,16 @@ def reset_caps(
     record: AppliedCaps,
     note: Callable[[str], None] = lambda line: None,
     command: str = "dvfs cap reset",
+    *,
+    applied_only: bool = False,
 ) -> list[str]:
     """Unlock clocks and restore default power limits; returns what was done per GPU, and
     `note` hears each GPU's line once it is reset, so that one GPU failing (raised once every
-    GPU was tried) does not leave the others' resets unsaid.
+    GPU was tried) does not leave the others' resets unsaid. `applied_only` (`cap reset
+    --applied`, the caps unit's stop): on each GPU only the knobs the caps record says `cap
+    apply` set, a clock lock or a power limit, go back (an operator's power limit set with
+    nvidia-smi where dvfs locked the clock only is left be), save on a GPU a dead dvfs run left
+    a state file on, which is reset whole as without it (that run changed the GPU).
 
     A state file a dead dvfs run left on a GPU (a governor or sweep killed with SIGKILL) goes
     too: it holds the settings that run found, static caps included, and the GPU is at its
@@ -887,13 +899,19 @@ def reset_caps(
     for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
         ident = gpu.identity
         try:
+            unlock, limit = True, True
+            if applied_only and not os.path.lexists(store.path(ident.uuid)):
+                recorded = record.entries_as_written().get(ident.uuid) or {}
+                unlock = bool(recorded.get("lock_mhz"))
+                limit = isinstance(recorded.get("power_limit_mw"), int)
             refused: GpuError | None = None
             try:
-                gpu.reset_sm_clock()
+                if unlock:
+                    gpu.reset_sm_clock()
             except REFUSED as exc:  # changed nothing: the power limit goes back still
                 refused = exc
             default = _default_or_none(gpu)  # None: not supported, so never capped
-            if default is not None and gpu.power_limit_mw() != default:
+            if limit and default is not None and gpu.power_limit_mw() != default:
                 gpu.set_power_limit_mw(default)
             if refused is not None:  # the entry stays, for the lock the GPU still holds
                 entry = record.entries_as_written().get(ident.uuid)
@@ -906,6 +924,8 @@ def reset_caps(
                 "power limit not supported by NVML (left be)"
                 if default is None
                 else f"power limit {default / 1000:g} W (default)"
+                if limit
+                else "power limit left as it is (dvfs set none)"
             )
             try:
                 # (a GPU the record does not list needs no write: an unwritable record must
@@ -930,7 +950,8 @@ def reset_caps(
                     )
                 ) from exc
             GovernorLocks(record.path.parent).clear(ident.uuid)
-            line = f"GPU {ident.index} ({ident.uuid}): clocks unlocked, {power}"
+            clocks = "clocks unlocked" if unlock else "clocks left as they are (dvfs locked none)"
+            line = f"GPU {ident.index} ({ident.uuid}): {clocks}, {power}"
             if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
                 line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
                 store.clear(ident.uuid)
@@ -1013,7 +1034,11 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
 
 
 def reset_locked(
-    gpus: Sequence[Gpu], directory: Path, command: str = "dvfs cap reset"
+    gpus: Sequence[Gpu],
+    directory: Path,
+    command: str = "dvfs cap reset",
+    *,
+    applied_only: bool = False,
 ) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | CapsRecordError | None]:
     """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
     holds are left alone and returned (with their refusals) beside what was done on the others, so
@@ -1046,7 +1071,13 @@ def reset_locked(
             free.append(gpu)
         lines: list[str] = []
         try:
-            reset_caps(free, AppliedCaps(directory), note=lines.append, command=command)
+            reset_caps(
+                free,
+                AppliedCaps(directory),
+                note=lines.append,
+                command=command,
+                applied_only=applied_only,
+            )
         except (GpuError, CapsRecordError) as exc:  # said beside the GPUs reset before it
             return lines, busy, exc
         return lines, busy, None

@@ -485,7 +485,12 @@ def compare(
     help="Folder for the figures.",
 )
 @click.option(
-    "--format", "fmt", type=click.Choice(["png", "pdf", "svg"]), default="png", show_default=True
+    "--format",
+    "fmt",
+    type=click.Choice(["png", "pdf", "svg"]),
+    default="png",
+    show_default=True,
+    help="The figures' file format.",
 )
 @latency_options
 @slack_option(

@@ -403,9 +403,11 @@ def apply(
     if plan.untouched:
         from dvfs.gpu.safety import state_dir_command
 
-        reset = state_dir_command("dvfs cap reset {indices}", directory)
+        def reset_of(indices: str) -> str:
+            return state_dir_command(f"dvfs cap reset --applied {indices}", directory)
+
         console(stderr=True).print(
-            f"note: {escape(plan.untouched_message(where, dry_run=dry_run, reset=reset))}"
+            f"note: {escape(plan.untouched_message(where, dry_run=dry_run, reset=reset_of))}"
         )
     if plan.unmatched:
         message = plan.unmatched_message(where, dry_run=dry_run)
@@ -626,7 +628,12 @@ def _refuse_as_the_apply_would(
 
 
 @cap.command("show")
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON: a list of one object per GPU (power limits, clock lock, caps source).",
+)
 @click.option(
     "--state-dir",
     type=OutputFolder(),
@@ -696,11 +703,19 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
 
 @cap.command("reset")
 @click.argument("devices", nargs=-1)
+@click.option(
+    "--applied",
+    is_flag=True,
+    help="Reset only what dvfs's caps record says `dvfs cap apply` set (the caps unit's stop): "
+    "GPUs it lists no caps for are left as they are, and on the others a clock lock or power "
+    "limit it did not set (an operator's, with nvidia-smi) is left be.",
+)
 @state_dir_option
 @handle_errors
 @has_no_twin
-def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
-    """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none). A GPU
+def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> None:
+    """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none; with
+    --applied, only what `cap apply` set, by dvfs's caps record). A GPU
     fallen off the bus (named or not) is named, exit 1, once the others are reset; a GPU
     another dvfs process holds (a running `dvfs govern`) is left to it and named, exit 3,
     once the others are reset. With no DEVICES (nor CUDA_VISIBLE_DEVICES), where NVML counts a
@@ -718,23 +733,47 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     named, lost = reachable_gpus(visible, devices=parse_devices(devices), unsupported_ok=True)
     if not named and lost:
         raise lost_gpus(lost)
-    # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them (a GPU
-    # named here is refused as every command refuses it).
-    with open_gpus(named, visible=visible, allow_mig=not devices) as found:
-        gpus = [g for g in found if not g.mig_enabled()] if not devices else found
+    # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them; one
+    # named here is refused, saying so, not with the sweep's "choose another GPU".
+    with open_gpus(named, visible=visible, allow_mig=True) as found:
+        gpus = [g for g in found if not g.mig_enabled()]
+        if devices and len(gpus) < len(found):
+            raise _named_mig([g for g in found if g not in gpus], state_dir or default_state_dir())
         # A GPU that fails is named once the others are reset, with those held and lost.
         directory = state_dir or default_state_dir()
+        flag = ["--applied"] if applied else []
+        kept: list[Gpu] = []
+        if applied:  # only the GPUs the record lists caps on: the others are not dvfs's
+            capped = _recorded_capped(directory)
+            kept = [g for g in gpus if g.identity.uuid not in capped]
+            gpus = [g for g in gpus if g.identity.uuid in capped]
         try:
             # the reset to run again, as typed: without its DEVICES, every GPU's caps go
-            again = shlex.join(["dvfs", "cap", "reset", *devices])
-            lines, busy, failed = reset_locked(gpus, directory, again)
+            again = shlex.join(["dvfs", "cap", "reset", *flag, *devices])
+            lines, busy, failed = reset_locked(gpus, directory, again, applied_only=applied)
         except (CapsRecordError, GpuStateError, GpuLockFileError) as exc:  # a lock refused
             if lost:  # the GPUs fallen off the bus need seeing to all the same
                 exc.args = (f"{exc}; {lost_gpus(lost)}",)
             raise
-        mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
+        mig = [
+            f"GPU {g.identity.index} ({g.identity.uuid})"
+            for g in found
+            if g not in gpus and g not in kept
+        ]
     for line in lines:  # a state file's path named in it: text, not markup, one line each
         console().print(escape(line), soft_wrap=True)
+    if kept:
+        one = len(kept) == 1
+        console(stderr=True).print(
+            escape(
+                f"note: {', '.join(f'GPU {g.identity.index} ({g.identity.uuid})' for g in kept)} "
+                f"{'holds' if one else 'hold'} no caps dvfs's caps record lists: left as "
+                f"{'it is' if one else 'they are'} (`dvfs cap reset"
+                f"{state_dir_flag(directory)} {' '.join(str(g.identity.index) for g in kept)}` "
+                "resets every knob)"
+            ),
+            soft_wrap=True,
+        )
     if mig:
         console(stderr=True).print(
             f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "
@@ -751,7 +790,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
             f"{who} {'is' if one else 'are'} in use by another dvfs process and "
             f"{'was' if one else 'were'} not reset (a running `dvfs govern` puts back the caps "
             f"it found when it stops): stop it, then "
-            f"`dvfs cap reset{state_dir_flag(directory)} {numbers}`"
+            f"`dvfs cap reset{' --applied' if applied else ''}{state_dir_flag(directory)} "
+            f"{numbers}`"
         )
     lost_too = str(lost_gpus(lost)) if lost else ""
     # every GPU leaves out one NVML may not talk to: caps recorded for none of those found may
@@ -767,6 +807,49 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
         raise GpuPermissionError("; ".join(p for p in (withheld, lost_too) if p))
     if lost:
         raise lost_gpus(lost)
+
+
+def _recorded_capped(directory: Path) -> set[str]:
+    """The UUIDs of the GPUs dvfs's caps record lists a clock lock or power limit on, in force
+    this boot (`cap reset --applied`); a record that cannot be read tells none, so nothing is
+    reset."""
+    from dvfs.caps import AppliedCaps
+    from dvfs.errors import CapsError, CapsRecordError
+    from dvfs.gpu.safety import state_dir_flag
+
+    try:
+        entries = AppliedCaps(directory).entries_as_written()
+    except CapsError as exc:
+        told = str(exc).removesuffix("; remove it and re-apply")
+        raise CapsRecordError(
+            f"{told}; it is what says what `dvfs cap apply` set, so nothing was reset: remove "
+            f"it, then reset every GPU with `dvfs cap reset{state_dir_flag(directory)}`"
+        ) from exc
+    return {
+        uuid
+        for uuid, entry in entries.items()
+        if entry.get("lock_mhz") or isinstance(entry.get("power_limit_mw"), int)
+    }
+
+
+def _named_mig(mig: Sequence[Gpu], directory: Path) -> Exception:
+    """The refusal of `cap reset N` naming GPUs with MIG enabled, which `cap apply` never caps
+    (dvfs caps whole GPUs) and `cap reset` leaves alone: said so, with the `dvfs gpu reset
+    --defaults N` that puts back their defaults all the same, not the sweep's "choose another
+    GPU"."""
+    from dvfs.errors import GpuMigError
+    from dvfs.gpu.safety import state_dir_flag
+
+    one = len(mig) == 1
+    named = ", ".join(f"GPU {g.identity.index} ({g.identity.uuid})" for g in mig)
+    numbers = " ".join(str(g.identity.index) for g in mig)
+    return GpuMigError(
+        f"{named} {'has' if one else 'have'} MIG enabled: `dvfs cap apply` never caps a GPU "
+        f"with MIG enabled (dvfs caps whole GPUs only), so `dvfs cap reset` leaves "
+        f"{'it' if one else 'them'} alone, and reset no GPU; to put "
+        f"{'its' if one else 'their'} SM clocks and power limit back to the defaults, run "
+        f"`dvfs gpu reset --defaults{state_dir_flag(directory)} {numbers}`"
+    )
 
 
 def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:

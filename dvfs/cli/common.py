@@ -96,11 +96,13 @@ def wait_for_the_driver(wait_s: int, *, dry_run: bool = False) -> None:
         return
     from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver, wait_span
 
+    # (a wait no longer than one poll tries again once, at its end: not "every 5 s" of 1 s)
+    again = f"every {DRIVER_POLL_S:g} s" if wait_s > DRIVER_POLL_S else f"once, in {wait_s} s"
     spent = wait_for_driver(
         wait_s,
         lambda: click.echo(
             f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting "
-            f"{wait_span(wait_s)} for it, trying again every {DRIVER_POLL_S:g} s",
+            f"{wait_span(wait_s)} for it, trying again {again}",
             err=True,
         ),
         dry_run=dry_run,

@@ -79,7 +79,12 @@ def corpus() -> None:
 
 @corpus.command("list")
 @campaign_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON: each corpus's statistics, and how tokens were counted.",
+)
 @handle_errors
 def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
     """Corpora with prompt counts and input-token statistics."""
@@ -136,7 +141,9 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
     help="Prompts to print.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Which prompts (sampled).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print JSON: the statistics and the prompts sampled."
+)
 @handle_errors
 def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: bool) -> None:
     """Statistics and a few prompts of corpus NAME."""

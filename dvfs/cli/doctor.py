@@ -55,7 +55,12 @@ from dvfs.cli.common import (
     "and the real GPUs and the SGLang servers are the Ray workers' nodes' (`dvfs doctor` on a "
     "node checks them).",
 )
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON: a list of one object per check (name, status, detail, invalid).",
+)
 @handle_errors
 def doctor(
     campaign_file: Path,

@@ -79,7 +79,7 @@ def gpu() -> None:
 
 @gpu.command("list")
 @twin_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: a list of one object per GPU.")
 @handle_errors
 def list_gpus(twin: str | None, as_json: bool) -> None:
     """GPUs on this machine: index, UUID, name, driver, power limit, SM clock, MIG.
@@ -146,7 +146,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
 @gpu.command("info")
 @click.argument("devices", nargs=-1)
 @twin_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: a list of one object per GPU.")
 @handle_errors
 def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
     """Supported clocks, power-limit range, current and enforced settings, persistence,

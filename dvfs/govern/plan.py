@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dvfs.caps.files import _toml_value as toml_value
 from dvfs.caps.files import base_model_name, check_file_safety, exact, is_twin_name
 from dvfs.errors import CapsError
 
@@ -209,10 +210,12 @@ def parse_plan(data: dict[str, Any], *, where: str) -> BatchPlan:
             f"{where} is {what}; write one with `dvfs cap plan HEADROOM_JSON --per-batch`"
         )
     version = data[SCHEMA_KEY]
-    if version != BATCH_PLAN_SCHEMA:
+    # (said as written, as a caps file's is; true is no schema: True == 1 in Python)
+    if isinstance(version, bool) or version != BATCH_PLAN_SCHEMA:
         raise CapsError(
-            f"{where}: per-batch plan schema {version!r} is not {BATCH_PLAN_SCHEMA}; "
-            "write it again with this dvfs's `dvfs cap plan --per-batch`"
+            f"{where}: per-batch plan schema {SCHEMA_KEY} = {toml_value(version)[:40]} is not "
+            f"{BATCH_PLAN_SCHEMA}; write it again with this dvfs's "
+            "`dvfs cap plan HEADROOM_JSON --per-batch`"
         )
     unknown = sorted(set(data) - {SCHEMA_KEY, "meta", "batch"})
     if unknown:

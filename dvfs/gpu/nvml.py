@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 from dvfs.errors import (
     CampaignError,
     GpuError,
+    GpuMigError,
     GpuNotFoundError,
     GpuNotSupportedError,
     GpuPermissionError,
@@ -598,7 +599,7 @@ def open_device(
         ) from exc
     gpu = NvmlGpu(nvml, handle, index, deadline_s=limit or 0, worker=worker)
     if not allow_mig and gpu.mig_enabled():
-        raise GpuNotSupportedError(
+        raise GpuMigError(
             f"GPU {index} ({gpu.identity.uuid}) has MIG enabled: NVML measures energy and power "
             "per GPU, not per MIG slice, so dvfs refuses it; disable MIG (nvidia-smi -mig 0) or "
             "choose another GPU"
