@@ -9,7 +9,6 @@ build on it, so a reader of the format needs neither headroom documents nor GPUs
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
@@ -21,6 +20,7 @@ from typing import Any
 from dvfs.errors import CapsError
 from dvfs.gpu.base import canonical_uuid
 from dvfs.outputs import group_name, who_may_replace
+from dvfs.toml_text import toml_value
 
 CAPS_SCHEMA = 1
 #: How the twin's GPUs name themselves: the NVML model name with this suffix.
@@ -219,7 +219,7 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
     # (said as written: a quoted "1" read "caps schema 1 is not 1"; true is no schema either)
     if isinstance(version, bool) or version != CAPS_SCHEMA:
         raise CapsError(
-            f"{where}: caps schema dvfs_caps = {_toml_value(version)[:40]} is not "
+            f"{where}: caps schema dvfs_caps = {toml_value(version)[:40]} is not "
             f"{CAPS_SCHEMA}; write it again with this dvfs's `dvfs cap plan HEADROOM_JSON "
             "--batch N --drafter NAME`"
         )
@@ -318,16 +318,6 @@ def load_caps(path: str | Path) -> CapsFile:
     return parse_caps(data, where=str(path))
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    return json.dumps(str(value))
-
-
 def exact(value: float) -> str:
     """A number as TOML, short when that is exact (400, 412.5), else in full: a caps file
     must read back as the limit planned."""
@@ -351,11 +341,11 @@ def dump_caps(caps: CapsFile) -> str:
         "",
         "[meta]",
     ]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in caps.meta.items() if v is not None]
+    lines += [f"{k} = {toml_value(v)}" for k, v in caps.meta.items() if v is not None]
     for cap in caps.caps:
         lines += ["", "[[gpu]]" if cap.uuid else "[[model]]"]
         lines.append(
-            f"uuid = {json.dumps(cap.uuid)}" if cap.uuid else f"name = {json.dumps(cap.name)}"
+            f"uuid = {toml_value(cap.uuid)}" if cap.uuid else f"name = {toml_value(cap.name)}"
         )
         if cap.sm_clock_max_mhz is not None:
             lines.append(f"sm_clock_max_mhz = {cap.sm_clock_max_mhz}")

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dvfs.caps.files import _toml_value as toml_value
 from dvfs.caps.files import base_model_name, check_file_safety, exact, is_twin_name
 from dvfs.errors import CapsError
+from dvfs.toml_text import toml_value
 
 BATCH_PLAN_SCHEMA = 1
 SCHEMA_KEY = "dvfs_batch_plan"

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.errors import CampaignError, DvfsError
+from dvfs.toml_text import toml_value
 from dvfs.twin import physics
 from dvfs.twin.profiles import GpuProfile
 
@@ -436,19 +437,6 @@ def _gemm_curve(
 # -- the profile file ------------------------------------------------------------------------
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # nan and inf are TOML too
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'
-
-
 def profile_toml(fit: Any) -> str:
     """The fitted profile (a `RooflineFit` or a `fitcube.CubeFit`) as TOML: `[gpu.<key>]` holds
     exactly the twin's GPU fields (as in dvfs/twin/data/gpus.toml), `[fit]` the provenance and
@@ -459,50 +447,46 @@ def profile_toml(fit: Any) -> str:
         f"# (base profile {fit.base}). Fitted: {', '.join(fit.fitted)}; the rest is the base's.",
         "",
         "[fit]",
-        f"schema = {_toml_value(PROFILE_SCHEMA)}",
-        f"source = {_toml_value(fit.source)}",
-        f"base = {_toml_value(fit.base)}",
-        f"fitted = {_toml_value(list(fit.fitted))}",
-        f"notes = {_toml_value(list(fit.notes))}",
+        f"schema = {toml_value(PROFILE_SCHEMA)}",
+        f"source = {toml_value(fit.source)}",
+        f"base = {toml_value(fit.base)}",
+        f"fitted = {toml_value(list(fit.fitted))}",
+        f"notes = {toml_value(list(fit.notes))}",
         *(
-            [f"undetermined = {_toml_value(list(fit.undetermined))}"]
+            [f"undetermined = {toml_value(list(fit.undetermined))}"]
             if hasattr(fit, "undetermined")
             else []
         ),
-        *(
-            [f"warnings = {_toml_value(list(fit.warnings))}"]
-            if getattr(fit, "warnings", ())
-            else []
-        ),
+        *([f"warnings = {toml_value(list(fit.warnings))}"] if getattr(fit, "warnings", ()) else []),
         "",
         "[fit.residuals]",
-        *(f"{k} = {_toml_value(v)}" for k, v in fit.residuals.items()),
+        *(f"{k} = {toml_value(v)}" for k, v in fit.residuals.items()),
         "",
     ]
     worst = getattr(fit, "worst_cells", None)
     if worst is not None:  # a cube fit
         lines += [
             "[fit.worst_cells]  # per observable, the cell with the largest relative error",
-            *(f"{k} = {_toml_value(v)}" for k, v in worst.items()),
+            *(f"{k} = {toml_value(v)}" for k, v in worst.items()),
             "",
             "[fit.base_values]  # each fitted figure before the fit",
-            *(f"{k} = {_toml_value(v)}" for k, v in fit.base_values.items()),
+            *(f"{k} = {toml_value(v)}" for k, v in fit.base_values.items()),
             "",
             "[fit.std_errors]  # from the fit's Jacobian, scaled by its residuals",
-            *(f"{k} = {_toml_value(v)}" for k, v in fit.std_errors.items()),
+            *(f"{k} = {toml_value(v)}" for k, v in fit.std_errors.items()),
             "",
         ]
     if fit.gemm_tokens:
         lines += [
             "[fit.gemm_efficiency_by_tokens]  # FLOP/s over the datasheet peak, at the top clock",
-            f"tokens = {_toml_value(list(fit.gemm_tokens))}",
-            *(f"{s} = {_toml_value(list(v))}" for s, v in fit.gemm_efficiency_by_tokens.items()),
+            f"tokens = {toml_value(list(fit.gemm_tokens))}",
+            *(f"{s} = {toml_value(list(v))}" for s, v in fit.gemm_efficiency_by_tokens.items()),
             "",
         ]
     lines.append(f'[gpu."{fit.profile.key}"]')
     for f in fields(GpuProfile):
         if f.name != "key":
-            lines.append(f"{f.name} = {_toml_value(getattr(fit.profile, f.name))}")
+            lines.append(f"{f.name} = {toml_value(getattr(fit.profile, f.name))}")
     return "\n".join(lines) + "\n"
 
 
