@@ -2094,6 +2094,8 @@ def test_a_mig_gpu_on_the_host_does_not_stop_the_others_being_capped(nvml, tmp_p
     out = " ".join(invoke("cap", "apply", str(fleet)).split())
     assert f"applied to GPU 0 ({first})" in out and "applied caps to 1 GPU(s)" in out, out
     assert f"GPU 1 ({second}) has MIG enabled and was left alone" in out, out
+    # the command it gives turns MIG off on that GPU alone (without -i: on every GPU here)
+    assert "(to cap it: `sudo nvidia-smi -i 1 -mig 0`)" in out, out
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
     named = tmp_path / "named.toml"
@@ -2101,6 +2103,7 @@ def test_a_mig_gpu_on_the_host_does_not_stop_the_others_being_capped(nvml, tmp_p
     before = len(nvml.fake_calls())
     refused = " ".join(invoke("cap", "apply", str(named), code=2).split())
     assert "GPU 1: MIG is enabled, and dvfs caps whole GPUs only" in refused, refused
+    assert "disable MIG (`sudo nvidia-smi -i 1 -mig 0`)" in refused, refused
     assert len(nvml.fake_calls()) == before
     out = " ".join(invoke("cap", "reset").split())
     assert f"GPU 0 ({first}): clocks unlocked" in out and "GPU 1 (" not in out.split("note")[0]

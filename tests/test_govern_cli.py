@@ -1401,6 +1401,7 @@ def test_a_gpu_with_mig_enabled_is_an_error_the_governor_unit_does_not_restart_o
             printed = result.stdout + result.stderr
             assert result.returncode == 2, (gpu, dry, printed)
             assert "GPU 1 (" in printed and "has MIG enabled" in printed, printed
+            assert "`sudo nvidia-smi -i 1 -mig 0`" in " ".join(printed.split()), printed
             assert len([line for line in printed.splitlines() if "Error:" in line]) == 1
     assert not nvml.fake_calls()
     text = (REPO / "systemd" / "dvfs-govern.service").read_text()

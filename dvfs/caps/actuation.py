@@ -32,7 +32,7 @@ from dvfs.errors import (
     GpuStateError,
     GpuUnavailableError,
 )
-from dvfs.gpu.base import Gpu, unsupported_clock
+from dvfs.gpu.base import Gpu, mig_off_advice, unsupported_clock
 from dvfs.gpu.knobs import (
     REFUSED,
     ChangeLog,
@@ -411,13 +411,15 @@ class CapsPlan:
     untouched: tuple[str, ...] = ()
     set_aside: tuple[str, ...] = ()
     kept: tuple[tuple[int, str], ...] = ()
+    mig_indices: tuple[int, ...] = ()  # `mig`'s indices, for the command that turns MIG off
 
     def mig_message(self, *, dry_run: bool = False) -> str:
         one = len(self.mig) == 1
         left = "would be left alone" if dry_run else f"{'was' if one else 'were'} left alone"
+        off = mig_off_advice(self.mig_indices)
         return (
             f"{', '.join(self.mig)} {'has' if one else 'have'} MIG enabled and {left}: dvfs "
-            "caps whole GPUs (disable MIG with nvidia-smi -mig 0 to cap them)"
+            f"caps whole GPUs (to cap {'it' if one else 'them'}: {off})"
         )
 
     def unmatched_message(self, where: str, *, dry_run: bool = False) -> str:
@@ -528,6 +530,7 @@ def plan_actions(
     problems: list[str] = []  # every GPU's, reported together
     matched: set[int] = set()
     mig: list[str] = []
+    mig_indices: list[int] = []
     untouched: list[str] = []
     kept: list[tuple[int, str]] = []
     other_model: list[str] = []  # GPUs whose [[gpu]] entry was measured on another model
@@ -538,6 +541,7 @@ def plan_actions(
         if cap is None:
             if gpu.mig_enabled():  # no plan caps it while MIG is on: noted as MIG, not "plan it"
                 mig.append(f"GPU {ident.index} ({ident.uuid})")
+                mig_indices.append(ident.index)
             else:
                 untouched.append(f"GPU {ident.index} ({ident.name}, {ident.uuid})")
                 held = _recorded_caps((applied or {}).get(ident.uuid))
@@ -560,10 +564,11 @@ def plan_actions(
             if cap.uuid:
                 problems.append(
                     f"GPU {ident.index}: MIG is enabled, and dvfs caps whole GPUs only; disable "
-                    "MIG (nvidia-smi -mig 0) or remove its [[gpu]] entry"
+                    f"MIG ({mig_off_advice([ident.index])}) or remove its [[gpu]] entry"
                 )
             else:
                 mig.append(f"GPU {ident.index} ({ident.uuid})")
+                mig_indices.append(ident.index)
             continue
         found = []
         lock = None
@@ -647,6 +652,7 @@ def plan_actions(
         tuple(untouched),
         tuple(aside),
         tuple(kept),
+        mig_indices=tuple(mig_indices),
     )
 
 

@@ -105,6 +105,12 @@ def unsupported_clock(mhz: int, supported: Collection[int], *, of: str = "") -> 
     )
 
 
+def mig_off_advice(indices: Sequence[int]) -> str:
+    """The command that turns MIG off on exactly these GPUs: `nvidia-smi -mig 0` without `-i`
+    turns it off on every GPU of the host, other tenants' slices included."""
+    return " and ".join(f"`sudo nvidia-smi -i {i} -mig 0`" for i in indices)
+
+
 @dataclass(frozen=True)
 class PowerLimitRange:
     """Power-limit constraints of a device (mW, as NVML reports them)."""

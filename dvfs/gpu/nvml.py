@@ -56,6 +56,7 @@ from dvfs.gpu.base import (
     GpuProcesses,
     PowerLimitRange,
     canonical_uuid,
+    mig_off_advice,
     unsupported_clock,
 )
 from dvfs.gpu.deadline import CallWorker, DeadlineExceeded, GpuTimeoutError, default_deadline_s
@@ -601,7 +602,8 @@ def open_device(
     if not allow_mig and gpu.mig_enabled():
         raise GpuMigError(
             f"GPU {index} ({gpu.identity.uuid}) has MIG enabled: NVML measures energy and power "
-            "per GPU, not per MIG slice, so dvfs refuses it; disable MIG (nvidia-smi -mig 0) or "
+            "per GPU, not per MIG slice, so dvfs refuses it; disable MIG "
+            f"({mig_off_advice([index])}) or "
             "choose another GPU"
         )
     return gpu
