@@ -141,3 +141,30 @@ def test_a_round_vouched_lockstep_reads_as_one_compared_and_a_false_claim_is_cau
     assert compared.lockstep is not None and trusted.lockstep is not None
     for got, want in zip(trusted.lockstep, compared.lockstep, strict=True):
         assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lockstep_arrays(), st.integers(1, 10**9))
+def test_a_token_grid_run_again_later_gives_the_numbers_of_its_own_chunks(arrays, later) -> None:
+    """A twin sweep runs each planned round, the same read-only token array, at every knob
+    setting: what its tokens alone give (their sums, the ITL's counts) is remembered with the
+    array (`_token_grid`) and read again for the same tokens at other instants, with the
+    numbers of those rounds' own chunks, to the bit. A writable array is never remembered
+    (its tokens could change)."""
+    again = replace(arrays, sent_ns=arrays.sent_ns + later, chunk_ns=arrays.chunk_ns + later)
+    again.chunk_ns.flags.writeable = False
+    results = [RoundResult.of_arrays(a, 0, 1, None) for a in (arrays, again)]
+    chunks = [meter.round_chunks(result) for result in results]
+    assert meter._token_grid(arrays.chunk_tokens) is meter._token_grid(arrays.chunk_tokens)
+    sums = meter._token_grid(arrays.chunk_tokens).sums()
+    assert np.array_equal(sums, arrays.chunk_tokens.sum(axis=0)) and not sums.flags.writeable
+    writable = arrays.chunk_tokens.copy()
+    assert meter._token_grid(writable) is not meter._token_grid(writable)
+    for c in chunks:
+        want = meter._latency_from(c.sent, c.completion, c.counts, c.ns, c.tokens)
+        if c.lockstep is None:
+            continue
+        assert c.grid is arrays.chunk_tokens  # the engine's array, shared by both rounds
+        got = meter._lockstep_latency([c])
+        if got is not None:
+            assert stats_bits(got) == stats_bits(want)
