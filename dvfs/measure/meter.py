@@ -356,9 +356,10 @@ class _TokenGrid:
 
 
 #: `_TokenGrid`s by the identity of their (read-only) token arrays, holding each array, the
-#: oldest dropped past the size: a demo sweep's setting runs about a hundred planned rounds.
+#: oldest dropped past the size: as many as the twin engine keeps planned rounds (a demo
+#: sweep's setting runs about a hundred), so it holds few arrays the engine has let go.
 _GRID_MEMO: dict[int, tuple[object, _TokenGrid]] = {}
-_GRID_MEMO_SIZE = 512
+_GRID_MEMO_SIZE = 256
 
 
 def _token_grid(tokens: np.ndarray) -> _TokenGrid:
