@@ -6,7 +6,9 @@ bit, at any instant: on a chunk, between two, before the first, after the last."
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from dataclasses import replace
 from unittest import mock
 
@@ -155,11 +157,12 @@ def test_a_token_grid_run_again_later_gives_the_numbers_of_its_own_chunks(arrays
     again.chunk_ns.flags.writeable = False
     results = [RoundResult.of_arrays(a, 0, 1, None) for a in (arrays, again)]
     chunks = [meter.round_chunks(result) for result in results]
-    assert meter._token_grid(arrays.chunk_tokens) is meter._token_grid(arrays.chunk_tokens)
-    sums = meter._token_grid(arrays.chunk_tokens).sums()
+    grid = meter._token_grid(arrays.chunk_tokens)
+    assert meter._token_grid(arrays.chunk_tokens).facts is grid.facts
+    sums = grid.sums()
     assert np.array_equal(sums, arrays.chunk_tokens.sum(axis=0)) and not sums.flags.writeable
     writable = arrays.chunk_tokens.copy()
-    assert meter._token_grid(writable) is not meter._token_grid(writable)
+    assert meter._token_grid(writable).facts is not meter._token_grid(writable).facts
     for c in chunks:
         want = meter._latency_from(c.sent, c.completion, c.counts, c.ns, c.tokens)
         if c.lockstep is None:
@@ -168,3 +171,20 @@ def test_a_token_grid_run_again_later_gives_the_numbers_of_its_own_chunks(arrays
         got = meter._lockstep_latency([c])
         if got is not None:
             assert stats_bits(got) == stats_bits(want)
+
+
+def test_the_token_memo_keeps_no_array_alive() -> None:
+    """The memo of what token arrays give holds each array weakly: the engine's cache of
+    planned rounds decides how long one lives (a sweep's memory stays flat), and an array
+    made later at the same address is not taken for the one that died."""
+    tokens = np.ones((4, 6), dtype=np.int64)
+    tokens.flags.writeable = False
+    held = weakref.ref(tokens)
+    first = meter._token_grid(tokens).facts
+    assert meter._token_grid(tokens).facts is first
+    del tokens
+    gc.collect()
+    assert held() is None
+    again = np.ones((4, 6), dtype=np.int64)
+    again.flags.writeable = False
+    assert meter._token_grid(again).facts is not first

@@ -15,6 +15,7 @@ import functools
 import math
 import operator
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -325,54 +326,69 @@ def _lockstep(
     return np.concatenate([instants, row[1:]]), np.concatenate([at_first, tokens[1:]])
 
 
+class _TokenFacts:
+    """What a lockstep round's tokens alone give, each worked out when first asked: the
+    tokens summed over the requests, chunk by chunk (`_lockstep`), and `_itl_counts`."""
+
+    __slots__ = ("sums", "itl")
+
+    def __init__(self) -> None:
+        self.sums: np.ndarray | None = None
+        self.itl: _ItlCounts | None | bool = False  # False: not worked out yet
+
+
 class _TokenGrid:
-    """What a lockstep round's tokens alone give (requests x chunks, whole rows), each worked
-    out when first asked: the tokens summed over the requests, chunk by chunk (`_lockstep`),
-    and the counts `_lockstep_itl` weighs the gaps with (`itl_counts`). A twin sweep runs
-    each planned round, the same read-only token array, at every knob setting: only its
-    instants change, and these are remembered with the array (`_token_grid`)."""
+    """A lockstep round's tokens (requests x chunks, whole rows) with their `_TokenFacts`. A
+    twin sweep runs each planned round, the same read-only token array, at every knob
+    setting: only its instants change, and the facts are remembered for the array
+    (`_token_grid`)."""
 
-    __slots__ = ("tokens", "_sums", "_itl")
+    __slots__ = ("tokens", "facts")
 
-    def __init__(self, tokens: np.ndarray) -> None:
+    def __init__(self, tokens: np.ndarray, facts: _TokenFacts) -> None:
         self.tokens = tokens
-        self._sums: np.ndarray | None = None
-        self._itl: _ItlCounts | None | bool = False  # False: not worked out yet
+        self.facts = facts
 
     def sums(self) -> np.ndarray:
         """The tokens summed over the requests (read-only)."""
-        if self._sums is None:
+        facts = self.facts
+        if facts.sums is None:
             # (what ndarray.sum calls, without its wrapper)
             sums = _SUM(self.tokens, axis=0)
             sums.flags.writeable = False
-            self._sums = sums
-        return self._sums
+            facts.sums = sums
+        return facts.sums
 
     def itl_counts(self) -> _ItlCounts | None:
         """`_itl_counts` of the tokens."""
-        if self._itl is False:
-            self._itl = _itl_counts(self.tokens)
-        return self._itl  # type: ignore[return-value]
+        facts = self.facts
+        if facts.itl is False:
+            facts.itl = _itl_counts(self.tokens)
+        return facts.itl  # type: ignore[return-value]
 
 
-#: `_TokenGrid`s by the identity of their (read-only) token arrays, holding each array, the
-#: oldest dropped past the size: as many as the twin engine keeps planned rounds (a demo
-#: sweep's setting runs about a hundred), so it holds few arrays the engine has let go.
-_GRID_MEMO: dict[int, tuple[object, _TokenGrid]] = {}
+#: `_TokenFacts` by the identity of their (read-only) token arrays, each with a weak
+#: reference to its array (the memo keeps no array alive: the engine's cache of planned rounds
+#: decides how long one lives), the oldest dropped past the size: as many as the twin engine
+#: keeps planned rounds (a demo sweep's setting runs about a hundred).
+_GRID_MEMO: dict[int, tuple[weakref.ref[np.ndarray], _TokenFacts]] = {}
 _GRID_MEMO_SIZE = 256
 
 
 def _token_grid(tokens: np.ndarray) -> _TokenGrid:
-    """The `_TokenGrid` of a lockstep round's tokens: remembered for a read-only array (an
-    engine's own, which nothing changes), made afresh for any other."""
+    """A lockstep round's tokens with their facts: remembered for a read-only array (an
+    engine's own, which nothing changes), worked out afresh for any other."""
     if tokens.flags.writeable:
-        return _TokenGrid(tokens)
+        return _TokenGrid(tokens, _TokenFacts())
     seen = _GRID_MEMO.get(id(tokens))
-    if seen is not None and seen[0] is tokens:
-        return seen[1]
-    grid = _TokenGrid(tokens)
-    _remember(_GRID_MEMO, _GRID_MEMO_SIZE, tokens, grid)
-    return grid
+    if seen is not None and seen[0]() is tokens:
+        return _TokenGrid(tokens, seen[1])
+    facts = _TokenFacts()
+    with _MEMO_LOCK:  # (`_remember`'s steps, by the array's identity, holding it weakly)
+        _GRID_MEMO[id(tokens)] = (weakref.ref(tokens), facts)
+        while len(_GRID_MEMO) > _GRID_MEMO_SIZE:
+            del _GRID_MEMO[next(iter(_GRID_MEMO))]
+    return _TokenGrid(tokens, facts)
 
 
 #: The last few rounds' `RoundChunks`, by the identity of their (immutable) tuple of traces or
