@@ -180,9 +180,11 @@ def test_the_token_memo_keeps_no_array_alive() -> None:
     tokens = np.ones((4, 6), dtype=np.int64)
     tokens.flags.writeable = False
     held = weakref.ref(tokens)
-    first = meter._token_grid(tokens).facts
+    grid = meter._token_grid(tokens)
+    grid.sums(), grid.itl_counts()  # what is remembered holds no view of the array either
+    first = grid.facts
     assert meter._token_grid(tokens).facts is first
-    del tokens
+    del tokens, grid
     gc.collect()
     assert held() is None
     again = np.ones((4, 6), dtype=np.int64)

@@ -793,7 +793,7 @@ def _itl_counts(tokens: np.ndarray) -> _ItlCounts | None:
     if most > _COUNTED_TOKENS or int(_MIN(tokens, axis=None)) < 0:
         return None
     tokens = tokens.astype(np.int64, copy=False)  # (whole numbers: `_lockstep`)
-    second = tokens[:, 1]
+    second = tokens[:, 1].copy()  # (not a view: the memo holds no token array, `_GRID_MEMO`)
     later = None
     if width > 2:  # the later chunks' (column, tokens) pairs, each counted once
         span = most + 1
