@@ -6,7 +6,9 @@ bit, at any instant: on a chunk, between two, before the first, after the last."
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from dataclasses import replace
 from unittest import mock
 
@@ -141,3 +143,50 @@ def test_a_round_vouched_lockstep_reads_as_one_compared_and_a_false_claim_is_cau
     assert compared.lockstep is not None and trusted.lockstep is not None
     for got, want in zip(trusted.lockstep, compared.lockstep, strict=True):
         assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lockstep_arrays(), st.integers(1, 10**9))
+def test_a_token_grid_run_again_later_gives_the_numbers_of_its_own_chunks(arrays, later) -> None:
+    """A twin sweep runs each planned round, the same read-only token array, at every knob
+    setting: what its tokens alone give (their sums, the ITL's counts) is remembered with the
+    array (`_token_grid`) and read again for the same tokens at other instants, with the
+    numbers of those rounds' own chunks, to the bit. A writable array is never remembered
+    (its tokens could change)."""
+    again = replace(arrays, sent_ns=arrays.sent_ns + later, chunk_ns=arrays.chunk_ns + later)
+    again.chunk_ns.flags.writeable = False
+    results = [RoundResult.of_arrays(a, 0, 1, None) for a in (arrays, again)]
+    chunks = [meter.round_chunks(result) for result in results]
+    grid = meter._token_grid(arrays.chunk_tokens)
+    assert meter._token_grid(arrays.chunk_tokens).facts is grid.facts
+    sums = grid.sums()
+    assert np.array_equal(sums, arrays.chunk_tokens.sum(axis=0)) and not sums.flags.writeable
+    writable = arrays.chunk_tokens.copy()
+    assert meter._token_grid(writable).facts is not meter._token_grid(writable).facts
+    for c in chunks:
+        want = meter._latency_from(c.sent, c.completion, c.counts, c.ns, c.tokens)
+        if c.lockstep is None:
+            continue
+        assert c.grid is arrays.chunk_tokens  # the engine's array, shared by both rounds
+        got = meter._lockstep_latency([c])
+        if got is not None:
+            assert stats_bits(got) == stats_bits(want)
+
+
+def test_the_token_memo_keeps_no_array_alive() -> None:
+    """The memo of what token arrays give holds each array weakly: the engine's cache of
+    planned rounds decides how long one lives (a sweep's memory stays flat), and an array
+    made later at the same address is not taken for the one that died."""
+    tokens = np.ones((4, 6), dtype=np.int64)
+    tokens.flags.writeable = False
+    held = weakref.ref(tokens)
+    grid = meter._token_grid(tokens)
+    grid.sums(), grid.itl_counts()  # what is remembered holds no view of the array either
+    first = grid.facts
+    assert meter._token_grid(tokens).facts is first
+    del tokens, grid
+    gc.collect()
+    assert held() is None
+    again = np.ones((4, 6), dtype=np.int64)
+    again.flags.writeable = False
+    assert meter._token_grid(again).facts is not first

@@ -15,6 +15,7 @@ import functools
 import math
 import operator
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -214,6 +215,10 @@ class RoundChunks:
     #: rounds do), and the tokens that arrived at each, summed over the requests
     #: (`_lockstep`); None: not such a round.
     lockstep: tuple[np.ndarray, np.ndarray] | None = None
+    #: A lockstep round's tokens as the engine gave them (requests x chunks, whole rows:
+    #: `tokens` row after row), whose sums and ITL counts `_token_grid` remembers; None: not
+    #: such a round.
+    grid: np.ndarray | None = None
 
     def curve(self) -> TokenCurve:
         """The round's token curve (`TokenCurve.of` on these chunks: the same arrays, cast as
@@ -263,11 +268,12 @@ def _chunks_of_arrays(arrays: RoundArrays) -> RoundChunks:
         completion = completion[rows]
         fewest = int(_MIN(counts))
     width = chunk_ns.shape[1]
-    lockstep = None
+    lockstep = grid = None
     if fewest == width:  # every row whole (a round cut at its window's end): as they lie
         ns, tokens = chunk_ns.reshape(-1), chunk_tokens.reshape(-1)
         lasts = chunk_ns[:, -1].tolist()
         lockstep = _lockstep(chunk_ns, chunk_tokens, arrays.lockstep)
+        grid = chunk_tokens if lockstep is not None else None
     else:  # row i's first counts[i] columns, row after row
         used = np.arange(width) < counts[:, None]
         ns, tokens = chunk_ns[used], chunk_tokens[used]
@@ -284,6 +290,7 @@ def _chunks_of_arrays(arrays: RoundArrays) -> RoundChunks:
         sent,
         completion.astype(np.int64, copy=False),
         lockstep,
+        grid,
     )
     for array in (chunks.counts, chunks.ns, tokens, sent, chunks.completion):
         array.flags.writeable = False
@@ -308,7 +315,7 @@ def _lockstep(
         return row, chunk_tokens[0]
     if not vouched and not bool(_ALL(chunk_ns[:, 1:] == row[1:], axis=None)):
         return None
-    tokens = _SUM(chunk_tokens, axis=0)  # (what ndarray.sum and .all call, without their wrappers)
+    tokens = _token_grid(chunk_tokens).sums()
     firsts = chunk_ns[:, 0]
     if bool(_ALL(firsts == row[0])):
         return row, tokens
@@ -317,6 +324,71 @@ def _lockstep(
     instants, inverse = np.unique(firsts, return_inverse=True)
     at_first = np.bincount(inverse, weights=chunk_tokens[:, 0]).astype(tokens.dtype)
     return np.concatenate([instants, row[1:]]), np.concatenate([at_first, tokens[1:]])
+
+
+class _TokenFacts:
+    """What a lockstep round's tokens alone give, each worked out when first asked: the
+    tokens summed over the requests, chunk by chunk (`_lockstep`), and `_itl_counts`."""
+
+    __slots__ = ("sums", "itl")
+
+    def __init__(self) -> None:
+        self.sums: np.ndarray | None = None
+        self.itl: _ItlCounts | None | bool = False  # False: not worked out yet
+
+
+class _TokenGrid:
+    """A lockstep round's tokens (requests x chunks, whole rows) with their `_TokenFacts`. A
+    twin sweep runs each planned round, the same read-only token array, at every knob
+    setting: only its instants change, and the facts are remembered for the array
+    (`_token_grid`)."""
+
+    __slots__ = ("tokens", "facts")
+
+    def __init__(self, tokens: np.ndarray, facts: _TokenFacts) -> None:
+        self.tokens = tokens
+        self.facts = facts
+
+    def sums(self) -> np.ndarray:
+        """The tokens summed over the requests (read-only)."""
+        facts = self.facts
+        if facts.sums is None:
+            # (what ndarray.sum calls, without its wrapper)
+            sums = _SUM(self.tokens, axis=0)
+            sums.flags.writeable = False
+            facts.sums = sums
+        return facts.sums
+
+    def itl_counts(self) -> _ItlCounts | None:
+        """`_itl_counts` of the tokens."""
+        facts = self.facts
+        if facts.itl is False:
+            facts.itl = _itl_counts(self.tokens)
+        return facts.itl  # type: ignore[return-value]
+
+
+#: `_TokenFacts` by the identity of their (read-only) token arrays, each with a weak
+#: reference to its array (the memo keeps no array alive: the engine's cache of planned rounds
+#: decides how long one lives), the oldest dropped past the size: as many as the twin engine
+#: keeps planned rounds (a demo sweep's setting runs about a hundred).
+_GRID_MEMO: dict[int, tuple[weakref.ref[np.ndarray], _TokenFacts]] = {}
+_GRID_MEMO_SIZE = 256
+
+
+def _token_grid(tokens: np.ndarray) -> _TokenGrid:
+    """A lockstep round's tokens with their facts: remembered for a read-only array (an
+    engine's own, which nothing changes), worked out afresh for any other."""
+    if tokens.flags.writeable:
+        return _TokenGrid(tokens, _TokenFacts())
+    seen = _GRID_MEMO.get(id(tokens))
+    if seen is not None and seen[0]() is tokens:
+        return _TokenGrid(tokens, seen[1])
+    facts = _TokenFacts()
+    with _MEMO_LOCK:  # (`_remember`'s steps, by the array's identity, holding it weakly)
+        _GRID_MEMO[id(tokens)] = (weakref.ref(tokens), facts)
+        while len(_GRID_MEMO) > _GRID_MEMO_SIZE:
+            del _GRID_MEMO[next(iter(_GRID_MEMO))]
+    return _TokenGrid(tokens, facts)
 
 
 #: The last few rounds' `RoundChunks`, by the identity of their (immutable) tuple of traces or
@@ -653,7 +725,13 @@ def _lockstep_latency(rounds: Sequence[RoundChunks]) -> LatencyStats | None:
     numbers, without the chunks put end to end: TTFT and TPOT from each request's first and
     last chunk, the ITL by `_lockstep_itl`. None where a chunk's tokens are not counted so
     (negative, or more than `_COUNTED_TOKENS`)."""
-    grids = [(c.ns.reshape(len(c.counts), -1), c.tokens.reshape(len(c.counts), -1)) for c in rounds]
+    grids = [
+        (
+            c.ns.reshape(len(c.counts), -1),
+            _token_grid(c.tokens.reshape(len(c.counts), -1) if c.grid is None else c.grid),
+        )
+        for c in rounds
+    ]
     itl_ms = _lockstep_itl(grids)
     if itl_ms is None:
         return None
@@ -667,39 +745,68 @@ def _lockstep_latency(rounds: Sequence[RoundChunks]) -> LatencyStats | None:
     return LatencyStats(_ordered_quantiles(ttft), _ordered_quantiles(tpot), itl_ms)
 
 
-def _lockstep_itl(grids: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[float, ...] | None:
+def _lockstep_itl(grids: Sequence[tuple[np.ndarray, _TokenGrid]]) -> tuple[float, ...] | None:
     """The ITL quantiles `_latency_from` takes (each gap over its chunk's tokens, once per
     token; empty chunks left out) of lockstep rounds, each its chunks' instants and tokens
     (requests x chunks, whole rows): the same order statistics of the same values, counted
     instead of repeated. A request's gaps after its second chunk are the first request's, so
-    each (gap, tokens) pair is one value with a count (a bincount over the round's tokens,
-    not a copy of every token's value to partition); the second chunks' gaps are each
-    request's own. An empty chunk's value has no count: never picked. None where a chunk's
-    tokens are negative or over `_COUNTED_TOKENS`."""
+    each (gap, tokens) pair is one value with a count (`_itl_counts`, from the tokens alone);
+    the second chunks' gaps are each request's own. An empty chunk's value has no count:
+    never picked. None where a chunk's tokens are negative or over `_COUNTED_TOKENS`."""
     values, weights = [], []
-    for ns, tokens in grids:
-        width = ns.shape[1]
-        if width < 2:
+    for ns, grid in grids:
+        if ns.shape[1] < 2:
             continue
-        most = int(_MAX(tokens, axis=None))
-        if most > _COUNTED_TOKENS or int(_MIN(tokens, axis=None)) < 0:
+        counts = grid.itl_counts()
+        if counts is None:
             return None
-        tokens = tokens.astype(np.int64, copy=False)  # (whole numbers: `_lockstep`)
-        row, second = ns[0], tokens[:, 1]
-        values.append(((row[1] - ns[:, 0]) * 1e-6) / np.maximum(second, 1))
-        weights.append(second)
-        if width > 2:  # the later chunks' (column, tokens) pairs, each counted once
-            span = most + 1
-            pairs = np.bincount((tokens + np.arange(0, width * span, span)).reshape(-1))
-            pairs = pairs[2 * span :]
-            pairs[::span] = 0  # empty chunks
-            found = np.flatnonzero(pairs)
-            column, counted = np.divmod(found, span)
-            values.append(((row[2:] - row[1:-1])[column] * 1e-6) / counted)
-            weights.append(counted * pairs[found])
+        row = ns[0]
+        values.append(((row[1] - ns[:, 0]) * 1e-6) / counts.second_over)
+        weights.append(counts.second)
+        if counts.later is not None:  # the later chunks' (column, tokens) pairs
+            column, tokens, weight = counts.later
+            values.append(((row[2:] - row[1:-1])[column] * 1e-6) / tokens)
+            weights.append(weight)
     if not values:
         return tuple(math.nan for _ in QUANTILES)
     return _counted_quantiles(np.concatenate(values), np.concatenate(weights))
+
+
+@dataclass(frozen=True)
+class _ItlCounts:
+    """What `_lockstep_itl` weighs a lockstep round's gaps with, from its tokens alone: the
+    second chunks' tokens (int64) and the same at least 1 (each request's own gap is over
+    them); with more than two chunks a request, `later`: the later chunks' distinct (column,
+    tokens) pairs as their columns, their tokens and their weights (tokens x requests with
+    the pair). Read-only."""
+
+    second: np.ndarray
+    second_over: np.ndarray
+    later: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+def _itl_counts(tokens: np.ndarray) -> _ItlCounts | None:
+    """`_ItlCounts` of a lockstep round's tokens (requests x chunks, at least two a request);
+    None where a chunk's tokens are negative or over `_COUNTED_TOKENS`."""
+    width = tokens.shape[1]
+    most = int(_MAX(tokens, axis=None))
+    if most > _COUNTED_TOKENS or int(_MIN(tokens, axis=None)) < 0:
+        return None
+    tokens = tokens.astype(np.int64, copy=False)  # (whole numbers: `_lockstep`)
+    second = tokens[:, 1].copy()  # (not a view: the memo holds no token array, `_GRID_MEMO`)
+    later = None
+    if width > 2:  # the later chunks' (column, tokens) pairs, each counted once
+        span = most + 1
+        pairs = np.bincount((tokens + np.arange(0, width * span, span)).reshape(-1))
+        pairs = pairs[2 * span :]
+        pairs[::span] = 0  # empty chunks
+        found = np.flatnonzero(pairs)
+        column, counted = np.divmod(found, span)
+        later = (column, counted, counted * pairs[found])
+    counts = _ItlCounts(second, np.maximum(second, 1), later)
+    for array in (second, counts.second_over, *(later or ())):
+        array.flags.writeable = False
+    return counts
 
 
 def _counted_quantiles(values: np.ndarray, counts: np.ndarray) -> tuple[float, ...]:
