@@ -169,3 +169,85 @@ def test_a_counter_reset_during_the_idle_baselines_does_not_make_idle_power_nega
         want["energy_per_token_above_idle_j"], rel=0.05
     )
     assert not math.isnan(got["energy_per_token_j"])
+
+
+def _reset_round(periods: tuple[float | None, ...], gpus: int) -> Any:
+    """A round of 1.2 s read every 10 ms, its window 0.1-1.0 s: each GPU's counter steps every
+    100 ms at 100 W; GPU 0's (gpus == 1) or GPU 1's, loaded shortly before (5 J counted),
+    restarts from zero at 0.55 s: its difference across the window is positive, 60 J short."""
+    from dvfs.engines.base import RequestTrace, RoundResult
+    from dvfs.measure.meter import WindowPart
+
+    t = np.arange(0, 1_200_000_000, 10_000_000, dtype=np.int64)
+    step = t // 100_000_000 * 100_000_000
+    steady = 10**9 + step // 10_000
+    reset = np.where(step < 550_000_000, 5_000 + step // 10_000, (step - 550_000_000) // 10_000)
+    energy = np.stack([steady, reset] if gpus == 2 else [reset], axis=1).astype(np.int64)
+    tokens = np.ones(len(t), dtype=np.int64)
+    trace = RequestTrace(0, t, tokens, 10, int(tokens.sum()), "length")
+    samples = {
+        "t_ns": t,
+        "energy_mj": energy.sum(axis=1),
+        "power_mw": np.full(len(t), 100_000 * gpus),
+        "sm_clock_mhz": np.full(len(t), 1500),
+        "temperature_c": np.full(len(t), 60),
+        "reasons": np.zeros(len(t), dtype=np.int64),
+        "sm_clock_max_mhz": np.full(len(t), 1500),
+        "gpu_energy_mj": energy,
+        "gpu_energy_t_ns": np.repeat(t[:, None], gpus, axis=1),
+    }
+    return WindowPart(RoundResult((trace,), 0, int(t[-1])), (100_000_000, 1_000_000_000), samples)
+
+
+@pytest.mark.parametrize(
+    ("periods", "gpus"),
+    [((0.1,), 1), ((None,), 1), ((0.0,), 1), ((0.1, 0.1), 2)],
+    ids=["fitted", "unknown-period", "continuous", "tensor-parallel"],
+)
+def test_a_counter_reset_inside_a_window_invalidates_the_cell(
+    periods: tuple[float | None, ...], gpus: int
+) -> None:
+    """A counter that restarts from zero inside a round's window from a count lower than the
+    window's energy after it (a driver loaded shortly before, as after an earlier reload):
+    the difference across the window is positive, a quarter of the energy spent, and was kept
+    as a valid cell's energy per token. Repro: `round_energy` on these readings gave 20 J over
+    0.8 s at 100 W, stalled False."""
+    from dvfs.measure.meter import Q_COUNTER_STALLED, summarise
+
+    m = summarise(
+        [_reset_round(periods, gpus)],
+        requested_clock_mhz=None,
+        min_window_s=0.5,
+        sample_period_s=0.01,
+        idle_power_w=75.0,
+        counter_periods_s=periods,
+        precision=0.5,
+    )
+    assert m.quality & Q_COUNTER_STALLED and not m.valid, describe(m.quality)
+
+
+def test_a_steady_counter_in_the_same_round_is_valid() -> None:
+    """The same round without the reset: valid, at 100 W per GPU (the check costs no cell)."""
+    from dvfs.measure.meter import summarise
+
+    part = _reset_round((0.1,), 1)
+    steady = 10**9 + part.samples["t_ns"] // 100_000_000 * 100_000_000 // 10_000
+    part.samples["gpu_energy_mj"] = steady[:, None]
+    part.samples["energy_mj"] = steady
+    m = summarise(
+        [part],
+        requested_clock_mhz=None,
+        min_window_s=0.5,
+        sample_period_s=0.01,
+        idle_power_w=75.0,
+        counter_periods_s=(0.1,),
+        precision=0.5,
+    )
+    assert m.valid and m.quality == 0, describe(m.quality)
+    assert m.power_mean_w == pytest.approx(100.0)
+
+
+def describe(mask: int) -> list[str]:
+    from dvfs.measure.meter import describe_quality
+
+    return describe_quality(mask)

@@ -85,10 +85,11 @@ INVALID_ADVICE = {
     f"past {THROTTLE_VIOLATION_SHARE:.0%} of the cell's steady windows: the cube's "
     "throttle_violation_s): check its cooling and what else runs "
     "on it",
-    "counter_stalled": "the energy counter did not advance over a window: a window shorter "
-    "than the counter's update period (the cube's counter_update_period_s) sees no update, so "
-    "raise workload.output_tokens (a round's window cannot outlast its decode); with longer "
-    "windows, check the driver and GPU with `dvfs doctor`",
+    "counter_stalled": "the energy counter did not advance over a window, or went backwards "
+    "in it: a window shorter than the counter's update period (the cube's "
+    "counter_update_period_s) sees no update, so raise workload.output_tokens (a round's "
+    "window cannot outlast its decode); with longer windows, or a counter reset (a driver "
+    "reload or GPU reset), check the driver and GPU with `dvfs doctor`",
     "no_steady_window": "no steady-state decode window was found: raise workload.output_tokens",
     "drift_not_cancelled": "every in-flight decode ended before the levels' second visits, "
     "each level at its own place along the decode (its drift neither cancelled nor fitted): "

@@ -547,8 +547,9 @@ class RoundEnergy:
     #: How far `seconds` may be off (`CounterWindow.uncertainty_s`; on interpolation, one update
     #: period's worth of step at each edge).
     uncertainty_s: float = 0.0
-    #: Whether some GPU's own counter did not advance over its interval: with several GPUs the
-    #: summed energy can stay positive while one GPU's energy is missing from it.
+    #: Whether some GPU's own counter did not advance over its interval (with several GPUs the
+    #: summed energy can stay positive while one GPU's energy is missing from it), or went
+    #: backwards in it (`_went_back`: reset, the difference is not the energy spent).
     stalled: bool = False
 
     @property
@@ -575,6 +576,23 @@ def _some_gpu_stalled(samples: dict[str, np.ndarray], start_ns: float, end_ns: f
     )
 
 
+def _went_back(times: np.ndarray, values: np.ndarray, start_ns: float, end_ns: float) -> bool:
+    """Whether some GPU's counter went backwards among the readings a window's energy is taken
+    from (the last at or before `start_ns` to the first at or after `end_ns`): reset by a
+    driver reload or a GPU reset, after which the difference across the window is not the
+    energy spent. It is negative where the counter had counted more before the reset than
+    after it (flagged as not advancing), but positive and too small where it had counted
+    less (a driver loaded shortly before), which nothing else would flag."""
+    for g in range(times.shape[1]):
+        t, v = times[:, g], values[:, g]
+        first = max(int(t.searchsorted(start_ns, "right")) - 1, 0)
+        last = int(t.searchsorted(end_ns, "left")) + 1
+        span = v[first:last]
+        if len(span) > 1 and not bool(_ALL(span[1:] >= span[:-1])):
+            return True
+    return False
+
+
 def round_energy(
     samples: dict[str, np.ndarray],
     curve: TokenCurve,
@@ -597,7 +615,7 @@ def round_energy(
         # continuous counters: exact at every reading, so the window's own edges (chunk
         # arrivals, the tokens between them exact) interpolate between readings a sample apart
         energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
-        stalled = _some_gpu_stalled(samples, start, end)
+        stalled = _some_gpu_stalled(samples, start, end) or _went_back(times, values, start, end)
         return RoundEnergy(
             energy, curve.between(start, end), (end - start) * 1e-9, counted, False, 0.0, stalled
         )
@@ -605,7 +623,7 @@ def round_energy(
         energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
         known = [p for p in periods_s if p]
         step = max(known) if known else (end - start) * 1e-9
-        stalled = _some_gpu_stalled(samples, start, end)
+        stalled = _some_gpu_stalled(samples, start, end) or _went_back(times, values, start, end)
         return RoundEnergy(
             energy,
             curve.between(start, end),
@@ -622,5 +640,7 @@ def round_energy(
         own = curve.between(w.start_ns, w.end_ns)
         energy += w.energy_mj * (tokens / own) if own > 0 else w.energy_mj
     uncertainty = max([w.uncertainty_s for w in windows])
-    stalled = gpus > 1 and any(not w.energy_mj > 0 for w in windows)
+    stalled = (gpus > 1 and any(not w.energy_mj > 0 for w in windows)) or _went_back(
+        times, values, start, end
+    )
     return RoundEnergy(energy, tokens, ref.seconds, counted, True, uncertainty, stalled)
