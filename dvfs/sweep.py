@@ -110,7 +110,11 @@ def _take_locks(stack: contextlib.ExitStack[Any], locks: GpuLocks, gpus: list[Gp
     """`locks.hold(gpus)` entered on `stack`; a GPU's lock that cannot be made or written in
     dvfs's state folder (a read-only or full file system) said with what to do there: it was
     "cannot write PATH: read-only file system; choose another path", a path the sweep takes
-    no option for. Not "another state folder": every dvfs holds its GPUs by the locks there."""
+    no option for. Not "another state folder": every dvfs holds its GPUs by the locks there.
+    A read-only one said so once (it was "read-only file system; its file system is mounted
+    read-only")."""
+    import errno
+
     from dvfs.caps.actuation import state_file_problem
     from dvfs.errors import GpuError
 
@@ -120,6 +124,9 @@ def _take_locks(stack: contextlib.ExitStack[Any], locks: GpuLocks, gpus: list[Gp
         problem = state_file_problem(exc)
         if problem is None:
             raise
+        if exc.errno == errno.EROFS:  # not "read-only file system; ... mounted read-only"
+            problem = f"cannot write {exc.filename}: its file system is mounted read-only"
+            problem += ": make it writable"
         raise GpuError(f"{problem}, then run the sweep again") from exc
 
 

@@ -2068,7 +2068,8 @@ def test_a_state_folder_the_sweep_cannot_write_says_what_to_do_there(
             real_mkdir(self, *args, **kwargs)
 
         monkeypatch.setattr(Path, "mkdir", mkdir)
-        says = f"cannot write {state_dir}: read-only file system; its file system is mounted "
+        # read-only once: it said "read-only file system; its file system is mounted read-only"
+        says = f"cannot write {state_dir}: its file system is mounted "
         says += "read-only: make it writable, then run the sweep again"
     else:
 
@@ -2088,6 +2089,7 @@ def test_a_state_folder_the_sweep_cannot_write_says_what_to_do_there(
     assert result.exit_code == 1, result.output
     line = result.stderr.splitlines()[-1]
     assert says in line and "choose another" not in line, line
+    assert line.lower().count("read-only") == (fault == "read-only"), line
     assert not out.exists()
 
 
