@@ -2432,6 +2432,39 @@ def test_an_output_file_of_a_name_near_the_limit_is_written(
     assert out.stat().st_size > 0
 
 
+@pytest.mark.parametrize("name", ["twin-fit-o", "report-o"])
+def test_an_output_folder_made_for_a_command_that_fails_is_removed_again(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o new/deeper/FILE` of a command that then fails (an unknown `--base`, a damaged cube):
+    the folders made for the output were left behind, empty. They are removed again; a folder
+    that was there is kept."""
+    (tmp_path / "bad.nc").write_text("not a cube")
+    shared = {**shared, "fit_cube": shared["cube"], "cube": tmp_path / "bad.nc"}
+    (tmp_path / "was").mkdir()
+    out = tmp_path / "was" / "new" / "deeper" / "out.file"
+    argv = [*_argv(name, shared, out), *(["--base", "nosuch"] if name == "twin-fit-o" else [])]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert list((tmp_path / "was").iterdir()) == [], result.output
+
+
+@pytest.mark.parametrize("home", ["~", "~root"])
+def test_an_output_under_a_tilde_no_shell_expanded_is_refused(
+    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, home: str
+) -> None:
+    """`-o '~/r/h.json'` (quoted, or `--output=~/r/h.json`: no shell expands it) made a folder
+    named '~' in the current folder and wrote there, since output folders are made. It is
+    refused in one line, exit 2, saying the path in full; nothing is made."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, _argv("headroom-o", shared, Path(f"{home}/r/h.json")))
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert f"{home}/r/h.json: no shell expanded its {home!r}" in line, line
+    assert f"write the path in full (e.g. {Path(home).expanduser()}/r/h.json)" in line, line
+    assert not (tmp_path / home).exists()
+
+
 def test_a_write_cut_short_in_a_process_of_its_own_is_one_line(
     shared: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -502,16 +502,57 @@ def make_parent(path: Path) -> None:
     """The folder of an output file, made if missing, as every command that writes a file
     makes it (`dvfs plot --out` its folder, `dvfs cube build -o` the cube's); a failure names
     the output path, as `describe_os_error` then words it. A link to a file in a folder that
-    does not exist is refused (`check_link_target`): that folder is not made through it."""
+    does not exist is refused (`check_link_target`): that folder is not made through it.
+
+    The folders made are removed again, where still empty, once the command is over: one
+    that failed after (a damaged cube, an unknown `--base`) left them behind, empty. A
+    relative path whose first folder, missing, is a '~' no shell expanded (`-o '~/r.json'`,
+    `--out=~/r.json`) is refused, not made as a folder named '~' here (`_unexpanded_home`)."""
     from dvfs.outputs import check_link_target
 
     check_link_target(path)
+    missing: list[Path] = []  # deepest first
+    folder = path.parent
+    while folder != folder.parent and not os.path.lexists(folder):
+        missing.append(folder)
+        folder = folder.parent
+    if missing:
+        _unexpanded_home(path, missing[-1])
+        ctx = click.get_current_context(silent=True)
+        if ctx is not None:
+            ctx.call_on_close(functools.partial(_remove_empty, missing))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError as exc:  # a file where a folder of the path should be
         raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (deepest first) that are empty: those `make_parent` made for a file
+    the command did not write."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:  # holding the output (or anything else), or never made
+            return
+
+
+def _unexpanded_home(path: Path, first: Path) -> None:
+    """Refuse (`OutputRefusedError`) a relative output `path` whose missing first folder
+    `first` is a '~' or '~user' no shell expanded: made, it was a folder of that name in the
+    current one, the file written there, not in the home folder."""
+    if path.is_absolute() or first.parent != Path(".") or not first.name.startswith("~"):
+        return
+    from dvfs.errors import OutputRefusedError
+
+    home = os.path.expanduser(first.name)
+    full = f" (e.g. {Path(home) / path.relative_to(first)})" if home != first.name else ""
+    raise OutputRefusedError(
+        f"{path}: no shell expanded its {first.name!r} (it was quoted, or joined to its option), "
+        f"and a folder named {first.name!r} would be made here: write the path in full{full}"
+    )
 
 
 #: The options that name what a command writes.
