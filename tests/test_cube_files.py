@@ -407,7 +407,8 @@ def test_a_read_only_output_folder(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
     result = sweep(campaign, out)
-    assert_one_line_error(result, 1, str(out), "Read-only file system", "--out")
+    line = assert_one_line_error(result, 1, str(out), "file system is mounted read-only", "--out")
+    assert line.lower().count("read-only") == 1, line  # not "Read-only ...; ... read-only"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
