@@ -121,6 +121,35 @@ def test_a_folder_named_cube_nc_is_said_to_be_in_the_cube_files_place(
         assert (then in line) is journal, line
 
 
+@pytest.mark.parametrize("fault", ["damaged", "a-folder"])
+def test_the_cube_build_said_for_a_folder_with_a_space_runs_pasted(
+    tiny_sweep: Path, tmp_path: Path, fault: str
+) -> None:
+    """A sweep folder whose name has a space ("my run"), its cube damaged or a folder in its
+    place: the rebuild said was `dvfs cube build /.../my run`, which pasted into a shell is
+    two folders ("Got unexpected extra argument"). It is quoted, and runs as said."""
+    import shlex
+    import subprocess
+    import sys
+
+    swept = copy_sweep(tiny_sweep, tmp_path / "my run")
+    cube = swept / "cube.nc"
+    if fault == "damaged":
+        _truncate(cube)
+    else:
+        cube.unlink()
+        cube.mkdir()
+    line = assert_one_line_error(invoke("cube", "info", str(swept)), 1, "`dvfs cube build ")
+    said = line.split("`dvfs cube build ", 1)[1].split("`", 1)[0]
+    assert shlex.split(said) == [str(swept)], line
+    if fault == "a-folder":
+        cube.rename(swept / "cube.nc.aside")  # "move it aside"
+    build = [sys.executable, "-m", "dvfs", "cube", "build", *shlex.split(said)]
+    done = subprocess.run(build, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert invoke("cube", "info", str(swept)).exit_code == 0
+
+
 @pytest.mark.parametrize("fleet", [False, True])
 def test_cube_build_into_a_folder_named_cube_nc_says_to_move_it_aside(
     tiny_sweep: Path, tiny_exact_run, tmp_path: Path, fleet: bool

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,7 +215,7 @@ def _first_line(exc: BaseException) -> str:
 def _rebuild_hint(path: Path) -> str:
     folder = path.parent
     if (folder / JOURNAL_NAME).is_file():
-        return f"rebuild it from its journal with `dvfs cube build {folder}`"
+        return f"rebuild it from its journal with `dvfs cube build {shlex.quote(str(folder))}`"
     return (
         "rebuild it from its sweep's journal with `dvfs cube build SWEEP_DIR` "
         "(a merged cube: merge again with `dvfs cube merge`)"
@@ -226,7 +227,8 @@ def _folder_in_the_cubes_place(path: Path) -> str:
     file goes: said as that folder, not as "no cube at PATH/cube.nc"."""
     folder = path.parent
     if (folder / JOURNAL_NAME).is_file():
-        then = f"then rebuild the cube from its journal with `dvfs cube build {folder}`"
+        build = f"dvfs cube build {shlex.quote(str(folder))}"  # pasted as said: 'my run' quoted
+        then = f"then rebuild the cube from its journal with `{build}`"
     else:
         then = "or give the cube file's path"
     return f"{path} is a folder, where the cube file should be: move it aside, {then}"
