@@ -121,6 +121,20 @@ def test_a_folder_named_cube_nc_is_said_to_be_in_the_cube_files_place(
         assert (then in line) is journal, line
 
 
+def test_a_cube_file_given_as_a_folder_is_not_said_to_be_a_folder(swept: Path) -> None:
+    """`RUN/cube.nc/cube.nc`, RUN/cube.nc the cube file (its name joined twice): it was said
+    "RUN/cube.nc is a folder, where the cube file should be: move it aside, then rebuild",
+    advice that moves a good cube aside. It says that file is no folder, to check the path."""
+    cube = swept / "cube.nc"
+    before = cube.read_bytes()
+    for command in _commands(cube / "cube.nc"):
+        line = assert_one_line_error(
+            invoke(*command), 1, f"no cube at {cube / 'cube.nc'}: {cube} is a file, not a folder"
+        )
+        assert "is a folder" not in line and "move it aside" not in line, line
+    assert cube.read_bytes() == before
+
+
 @pytest.mark.parametrize("fault", ["damaged", "a-folder"])
 def test_the_cube_build_said_for_a_folder_with_a_space_runs_pasted(
     tiny_sweep: Path, tmp_path: Path, fault: str

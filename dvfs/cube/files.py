@@ -248,6 +248,13 @@ def open_cube(path: str | Path) -> xr.Dataset:
         path = path / CUBE_NAME
     if path.is_dir():  # a folder in the cube file's place: not "no cube at cube.nc/cube.nc"
         raise CubeError(_folder_in_the_cubes_place(path))
+    if not os.path.lexists(path) and path.parent.is_file():
+        # `RUN/cube.nc/cube.nc`, RUN/cube.nc the cube: it was said to be a folder, to be moved
+        # aside; or "no cube at", which a sweep would not mend
+        raise CubeError(
+            f"no cube at {path}: {path.parent} is a file, not a folder; check the path (a cube "
+            "file, or the sweep folder holding cube.nc)"
+        )
     if path.name == path.parent.name == CUBE_NAME and not os.path.lexists(path):
         raise CubeError(_folder_in_the_cubes_place(path.parent))  # that folder given, or joined
     if not path.exists():
