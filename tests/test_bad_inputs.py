@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -2430,6 +2431,34 @@ def test_an_output_file_of_a_name_near_the_limit_is_written(
     assert result.exit_code == 0, result.output
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
     assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("link", ["to-nothing", "loop"])
+@pytest.mark.usefixtures("unsaved_figures")
+def test_a_plot_folder_that_is_a_link_to_nothing_is_said_as_that(
+    shared: dict[str, Path], tmp_path: Path, link: str
+) -> None:
+    """`dvfs plot CUBE --out L`, L a symbolic link to nothing (or in a loop): "cannot create L:
+    something is in the way; remove it", of no thing. It says what L is; the `mkdir -p` said
+    for a link to nothing, run as said, lets the figures be written through it."""
+    out = tmp_path / "plots"
+    target = tmp_path / "gone" / "{x}"  # braces: the advice is formatted with its option
+    out.symlink_to(target if link == "to-nothing" else out)
+    argv = ["plot", str(shared["cube"]), "--out", str(out)]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    words = "leads back to itself (a loop)"
+    if link == "to-nothing":
+        words = f"link to {target}, which does not exist"
+    assert line.startswith(f"Error: cannot create {out}: it is a symbolic "), line
+    assert words in line and "in the way" not in line and "choose another --out" in line, line
+    if link == "to-nothing":
+        said = line.split("(mkdir -p ", 1)[1].split("), or remove", 1)[0]
+        subprocess.run(["mkdir", "-p", *shlex.split(said)], check=True)
+        result = CliRunner().invoke(cli, argv)
+        assert result.exit_code == 0, result.output
+        assert any(target.iterdir()) and out.is_symlink()
 
 
 @pytest.mark.parametrize("name", ["twin-fit-o", "report-o"])

@@ -414,6 +414,9 @@ def describe_os_error(exc: OSError) -> str:
     if code == errno.EEXIST and path is not None and _is_device(path):
         # /dev/null given for a folder: not to be removed
         words, advice = "a device is there, no folder", "choose another {opt}"
+    broken = _broken_link(path) if code == errno.EEXIST and path is not None else None
+    if broken is not None:  # not "something is in the way": a link to nothing, or a loop
+        words, advice = broken
     if (
         code == errno.EISDIR
         and param is not None
@@ -426,6 +429,34 @@ def describe_os_error(exc: OSError) -> str:
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+def _broken_link(path: Any) -> tuple[str, str] | None:
+    """What a symbolic link `path` that leads to nothing (or round in a loop) is, and what to
+    do, for a folder that could not be made there (EEXIST), or None where it is no such link."""
+    import shlex
+
+    try:
+        if not os.path.islink(path):
+            return None
+        os.stat(path)
+    except FileNotFoundError:
+        target = os.path.realpath(path)
+        said = shlex.quote(target).replace("{", "{{").replace("}", "}}")  # for its {opt}
+        return (
+            f"it is a symbolic link to {target}, which does not exist",
+            f"make that folder (mkdir -p {said}), or remove the link, or choose another {{opt}}",
+        )
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return None
+        return (
+            "it is a symbolic link that leads back to itself (a loop)",
+            "remove it or point it at a folder, or choose another {opt}",
+        )
+    except (TypeError, ValueError):
+        return None
+    return None
 
 
 def _is_device(path: Any) -> bool:
