@@ -2461,6 +2461,29 @@ def test_a_plot_folder_that_is_a_link_to_nothing_is_said_as_that(
         assert any(target.iterdir()) and out.is_symlink()
 
 
+@pytest.mark.parametrize("name", ["headroom-o", "report-o"])
+@pytest.mark.usefixtures("unsaved_figures")
+def test_an_output_file_in_a_folder_linked_to_nothing_is_said_as_that(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o L/FILE`, L a symbolic link to nothing: "a part of the path is a file, not a
+    folder", of no file (the folder, made where missing, could not be made there). It says
+    what L is; the `mkdir -p` said, run as said, lets the file be written through it."""
+    link, target = tmp_path / "L", tmp_path / "gone" / "there"
+    link.symlink_to(target)
+    argv = _argv(name, shared, link / "out.file")
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    said = f"Error: cannot create {link}: it is a symbolic link to {target}, which does not exist"
+    assert line.startswith(said) and "a part of the path is a file" not in line, line
+    made = line.split("(mkdir -p ", 1)[1].split("), or remove", 1)[0]
+    subprocess.run(["mkdir", "-p", *shlex.split(made)], check=True)
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    assert (target / "out.file").is_file()
+
+
 @pytest.mark.parametrize("name", ["twin-fit-o", "report-o"])
 def test_an_output_folder_made_for_a_command_that_fails_is_removed_again(
     name: str, shared: dict[str, Path], tmp_path: Path

@@ -555,6 +555,10 @@ def make_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError as exc:  # a file where a folder of the path should be
+        # or a link to nothing, or in a loop: not "a part of the path is a file"
+        for folder in (path.parent, *path.parent.parents):
+            if os.path.islink(folder) and _broken_link(folder) is not None:
+                raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), str(folder)) from exc
         raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
