@@ -469,7 +469,7 @@ def _gpu_checks(
                     ),
                 )
             else:
-                state = Check("state", OK, f"no unrestored changes ({directory})")
+                state = _state_folder_writable(directory, gpus)
             checks.append(state)
             for g in gpus:
                 busy = holders[g.identity.uuid]
@@ -601,6 +601,22 @@ def _stock(
         return OK, f"the GPUs start from one stock power limit, {watts[0]:g} W"
     limits = ", ".join(f"{w:g} W" for w in watts)
     return OK, f"each GPU model's GPUs start from one stock power limit ({limits})"
+
+
+def _state_folder_writable(directory: Path, gpus: Sequence[Gpu]) -> Check:
+    """The state check of a folder holding no unrestored change: failed where the sweep could
+    not lock its GPUs there (a read-only or full file system, an immutable folder or lock:
+    `state_folder_unwritable`), in the sweep's words; doctor said "no unrestored changes",
+    exit 0, and the sweep failed at once."""
+    from dvfs.gpu.safety import state_folder_unwritable
+    from dvfs.sweep import state_lock_problem
+
+    locks = [directory / f"{g.identity.uuid}.lock" for g in gpus]
+    unwritable = state_folder_unwritable(directory, locks)
+    problem = state_lock_problem(unwritable) if unwritable is not None else None
+    if problem is not None:
+        return Check("state", FAIL, f"no unrestored changes, but {problem}")
+    return Check("state", OK, f"no unrestored changes ({directory})")
 
 
 def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool, observe_only: bool = False) -> Check:

@@ -106,6 +106,15 @@ class GpuStateError(GpuError):
     exit_code = 3
 
 
+class StateFolderError(GpuStateError):
+    """dvfs's state folder cannot be reached (a file where a folder of its path goes, a link in
+    a loop, a device): the folder's fault, exit 1 as `cap show` and `monitor` say it, not 3
+    (no GPU holds changes, no other dvfs uses it). A `GpuStateError` still to the callers that
+    name a state file they cannot read (`dvfs doctor`'s state check)."""
+
+    exit_code = 1
+
+
 class GpuLockFileError(GpuError):
     """A GPU's lock file in the state folder is no regular file (a folder, a FIFO): no running
     dvfs holds it, so exit 1 (a state folder's fault), not 3 (another dvfs uses the GPU)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -153,9 +154,7 @@ def out_dir_lock(
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
             _remove_folders(made_folders)
-            raise JournalError(
-                describe_os_error(exc, f"use {out_dir} as the output folder")
-            ) from exc
+            raise JournalError(folder_problem(exc, out_dir)) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -376,9 +375,11 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
     create them, a file system with no block free (`_no_room`), a link another user may have
     placed (as root), another sweep holding the folder (`SweepBusyError`), a named pipe where
     its cube goes (`check_cube_files`; with `fresh`, one --fresh leaves there)."""
-    import errno
     import fcntl
 
+    broken = _broken_link(out_dir)
+    if broken:  # not there, so its folder was probed: doctor said "usable"
+        raise JournalError(broken)
     probe = out_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -393,7 +394,7 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
         code = errno.EACCES
     if code:
         problem = OSError(code, os.strerror(code), str(probe))
-        raise JournalError(describe_os_error(problem, f"use {out_dir} as the output folder"))
+        raise JournalError(folder_problem(problem, out_dir))
     from dvfs.outputs import check_links
 
     lock = out_dir / LOCK_NAME
@@ -406,9 +407,7 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
             # not write is refused here too, in the sweep's words.
             fd = os.open(lock, os.O_RDWR)
         except OSError as exc:
-            raise JournalError(
-                describe_os_error(exc, f"use {out_dir} as the output folder")
-            ) from exc
+            raise JournalError(folder_problem(exc, out_dir)) from exc
         try:
             _check_lock_file(lock, fd)
             # A shared lock, dropped at once: refused while a sweep holds its exclusive one.
@@ -418,6 +417,51 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
         finally:
             os.close(fd)
     check_cube_files(out_dir, fresh=fresh)
+
+
+def _broken_link(out_dir: Path) -> str | None:
+    """The refusal of an --out folder that is a symbolic link leading to nothing (or round in
+    a loop), or None: it was "File exists; a file is in the way of that folder", of no file."""
+    import shlex
+
+    if not os.path.islink(out_dir):
+        return None
+    try:
+        os.stat(out_dir)
+    except FileNotFoundError:
+        target = os.path.realpath(out_dir)
+        return (
+            f"cannot use {out_dir} as the output folder: it is a symbolic link to {target}, "
+            f"which does not exist: make that folder (mkdir -p {shlex.quote(target)}), or "
+            "remove the link, or choose another --out"
+        )
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return None  # said by the sweep's own words where it uses the folder
+        return (
+            f"cannot use {out_dir} as the output folder: it is a symbolic link that leads back "
+            "to itself (a loop): remove it or point it at a folder, or choose another --out"
+        )
+    return None
+
+
+def folder_problem(exc: OSError, out_dir: Path) -> str:
+    """`describe_os_error`'s line for the output folder `out_dir` that cannot be used, saying
+    each thing once: the path where it is the folder's own ("cannot use DIR as the output
+    folder (DIR)"), and a read-only file system ("Read-only file system; the filesystem is
+    read-only"); a link to nothing in the folder's place as that (`_broken_link`), not "a
+    file is in the way"."""
+    broken = _broken_link(out_dir) if exc.errno == errno.EEXIST else None
+    if broken:
+        return broken
+    doing = f"use {out_dir} as the output folder"
+    if exc.errno == errno.EROFS:
+        where = f" ({exc.filename})" if exc.filename and exc.filename != str(out_dir) else ""
+        return (
+            f"cannot {doing}{where}: its file system is mounted read-only: choose another "
+            "folder with --out"
+        )
+    return describe_os_error(exc, doing, show_file=exc.filename != str(out_dir))
 
 
 def _no_room(folder: Path) -> bool:

@@ -106,21 +106,38 @@ class SweepRestoreError(GpuError):
         self.outcome = outcome
 
 
+def state_lock_problem(exc: OSError) -> str | None:
+    """The sweep's line for a GPU's lock it cannot make or write in dvfs's state folder (a
+    read-only or full file system, an immutable folder), with what to do there, or None
+    (then the error as it is). It was "cannot write PATH: read-only file system; choose
+    another path", a path the sweep takes no option for; not "another state folder" either:
+    every dvfs holds its GPUs by the locks there. Read-only said once (it was "read-only file
+    system; its file system is mounted read-only"). `dvfs doctor` says it too."""
+    import errno
+
+    from dvfs.caps.actuation import state_file_problem
+
+    problem = state_file_problem(exc)
+    if problem is None:
+        return None
+    if exc.errno == errno.EROFS:
+        problem = f"cannot write {exc.filename}: its file system is mounted read-only"
+        problem += ": make it writable"
+    return f"{problem}, then run the sweep again"
+
+
 def _take_locks(stack: contextlib.ExitStack[Any], locks: GpuLocks, gpus: list[Gpu]) -> None:
     """`locks.hold(gpus)` entered on `stack`; a GPU's lock that cannot be made or written in
-    dvfs's state folder (a read-only or full file system) said with what to do there: it was
-    "cannot write PATH: read-only file system; choose another path", a path the sweep takes
-    no option for. Not "another state folder": every dvfs holds its GPUs by the locks there."""
-    from dvfs.caps.actuation import state_file_problem
+    dvfs's state folder said as `state_lock_problem` says it."""
     from dvfs.errors import GpuError
 
     try:
         stack.enter_context(locks.hold(gpus))
     except OSError as exc:
-        problem = state_file_problem(exc)
+        problem = state_lock_problem(exc)
         if problem is None:
             raise
-        raise GpuError(f"{problem}, then run the sweep again") from exc
+        raise GpuError(problem) from exc
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -1232,7 +1233,8 @@ GPU_CASES = [
                 "fifo": Writer(lambda path, env: _fifo(path, env)),
             },
             nvml=True,
-            code=3 if argv[0] == "gpu" else 1,
+            # `gpu reset` too (it exited 3, as if a GPU held changes or another dvfs used it)
+            code=1,
             says=(f"state folder {value}", "a file where a folder should be", "--state-dir"),
         )
         for where, value in (
@@ -2431,6 +2433,90 @@ def test_an_output_file_of_a_name_near_the_limit_is_written(
     assert out.stat().st_size > 0
 
 
+@pytest.mark.parametrize("link", ["to-nothing", "loop"])
+@pytest.mark.usefixtures("unsaved_figures")
+def test_a_plot_folder_that_is_a_link_to_nothing_is_said_as_that(
+    shared: dict[str, Path], tmp_path: Path, link: str
+) -> None:
+    """`dvfs plot CUBE --out L`, L a symbolic link to nothing (or in a loop): "cannot create L:
+    something is in the way; remove it", of no thing. It says what L is; the `mkdir -p` said
+    for a link to nothing, run as said, lets the figures be written through it."""
+    out = tmp_path / "plots"
+    target = tmp_path / "gone" / "{x}"  # braces: the advice is formatted with its option
+    out.symlink_to(target if link == "to-nothing" else out)
+    argv = ["plot", str(shared["cube"]), "--out", str(out)]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    words = "leads back to itself (a loop)"
+    if link == "to-nothing":
+        words = f"link to {target}, which does not exist"
+    assert line.startswith(f"Error: cannot create {out}: it is a symbolic "), line
+    assert words in line and "in the way" not in line and "choose another --out" in line, line
+    if link == "to-nothing":
+        said = line.split("(mkdir -p ", 1)[1].split("), or remove", 1)[0]
+        subprocess.run(["mkdir", "-p", *shlex.split(said)], check=True)
+        result = CliRunner().invoke(cli, argv)
+        assert result.exit_code == 0, result.output
+        assert any(target.iterdir()) and out.is_symlink()
+
+
+@pytest.mark.parametrize("name", ["headroom-o", "report-o"])
+@pytest.mark.usefixtures("unsaved_figures")
+def test_an_output_file_in_a_folder_linked_to_nothing_is_said_as_that(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o L/FILE`, L a symbolic link to nothing: "a part of the path is a file, not a
+    folder", of no file (the folder, made where missing, could not be made there). It says
+    what L is; the `mkdir -p` said, run as said, lets the file be written through it."""
+    link, target = tmp_path / "L", tmp_path / "gone" / "there"
+    link.symlink_to(target)
+    argv = _argv(name, shared, link / "out.file")
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    said = f"Error: cannot create {link}: it is a symbolic link to {target}, which does not exist"
+    assert line.startswith(said) and "a part of the path is a file" not in line, line
+    made = line.split("(mkdir -p ", 1)[1].split("), or remove", 1)[0]
+    subprocess.run(["mkdir", "-p", *shlex.split(made)], check=True)
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    assert (target / "out.file").is_file()
+
+
+@pytest.mark.parametrize("name", ["twin-fit-o", "report-o"])
+def test_an_output_folder_made_for_a_command_that_fails_is_removed_again(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o new/deeper/FILE` of a command that then fails (an unknown `--base`, a damaged cube):
+    the folders made for the output were left behind, empty. They are removed again; a folder
+    that was there is kept."""
+    (tmp_path / "bad.nc").write_text("not a cube")
+    shared = {**shared, "fit_cube": shared["cube"], "cube": tmp_path / "bad.nc"}
+    (tmp_path / "was").mkdir()
+    out = tmp_path / "was" / "new" / "deeper" / "out.file"
+    argv = [*_argv(name, shared, out), *(["--base", "nosuch"] if name == "twin-fit-o" else [])]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert list((tmp_path / "was").iterdir()) == [], result.output
+
+
+@pytest.mark.parametrize("home", ["~", "~root"])
+def test_an_output_under_a_tilde_no_shell_expanded_is_refused(
+    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, home: str
+) -> None:
+    """`-o '~/r/h.json'` (quoted, or `--output=~/r/h.json`: no shell expands it) made a folder
+    named '~' in the current folder and wrote there, since output folders are made. It is
+    refused in one line, exit 2, saying the path in full; nothing is made."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, _argv("headroom-o", shared, Path(f"{home}/r/h.json")))
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert f"{home}/r/h.json: no shell expanded its {home!r}" in line, line
+    assert f"write the path in full (e.g. {Path(home).expanduser()}/r/h.json)" in line, line
+    assert not (tmp_path / home).exists()
+
+
 def test_a_write_cut_short_in_a_process_of_its_own_is_one_line(
     shared: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -3480,7 +3566,8 @@ def test_a_state_folder_that_cannot_be_reached_is_refused_in_one_wording(
     """--state-dir naming /dev/null, a path under a file or a link in a loop: `gpu reset` and
     `cap show`, `cap apply` and `monitor` refused it in two near-identical lines (one said "its
     state files", "name the folder itself", the other "dvfs's records in it", "name a
-    folder"), two texts to keep in step. Every command says the one line."""
+    folder"), two texts to keep in step. Every command says the one line, exit 1 each (`gpu
+    reset` exited 3, which says a GPU holds changes or another dvfs uses it)."""
     (tmp_path / "file.txt").write_text("x")
     (tmp_path / "caps.toml").write_text(GOOD_CAPS)
     (tmp_path / "loop").symlink_to("loop")
@@ -3492,12 +3579,13 @@ def test_a_state_folder_that_cannot_be_reached_is_refused_in_one_wording(
     lines = set()
     for argv in (
         ["gpu", "reset"],
+        ["gpu", "reset", "0", "--defaults"],
         ["cap", "show"],
         ["cap", "apply", str(tmp_path / "caps.toml"), "--dry-run"],
         ["monitor", "--once", "--gpu", "0"],
     ):
         result = CliRunner().invoke(cli, [*argv, "--state-dir", value])
-        assert result.exit_code in (1, 3), (argv, result.output)
+        assert result.exit_code == 1, (argv, result.output)
         [line] = result.stderr.splitlines()
         assert line.startswith(f"Error: state folder {value} is unreadable ("), (argv, line)
         lines.add(line)

@@ -121,6 +121,49 @@ def test_a_folder_named_cube_nc_is_said_to_be_in_the_cube_files_place(
         assert (then in line) is journal, line
 
 
+def test_a_cube_file_given_as_a_folder_is_not_said_to_be_a_folder(swept: Path) -> None:
+    """`RUN/cube.nc/cube.nc`, RUN/cube.nc the cube file (its name joined twice): it was said
+    "RUN/cube.nc is a folder, where the cube file should be: move it aside, then rebuild",
+    advice that moves a good cube aside. It says that file is no folder, to check the path."""
+    cube = swept / "cube.nc"
+    before = cube.read_bytes()
+    for command in _commands(cube / "cube.nc"):
+        line = assert_one_line_error(
+            invoke(*command), 1, f"no cube at {cube / 'cube.nc'}: {cube} is a file, not a folder"
+        )
+        assert "is a folder" not in line and "move it aside" not in line, line
+    assert cube.read_bytes() == before
+
+
+@pytest.mark.parametrize("fault", ["damaged", "a-folder"])
+def test_the_cube_build_said_for_a_folder_with_a_space_runs_pasted(
+    tiny_sweep: Path, tmp_path: Path, fault: str
+) -> None:
+    """A sweep folder whose name has a space ("my run"), its cube damaged or a folder in its
+    place: the rebuild said was `dvfs cube build /.../my run`, which pasted into a shell is
+    two folders ("Got unexpected extra argument"). It is quoted, and runs as said."""
+    import shlex
+    import subprocess
+    import sys
+
+    swept = copy_sweep(tiny_sweep, tmp_path / "my run")
+    cube = swept / "cube.nc"
+    if fault == "damaged":
+        _truncate(cube)
+    else:
+        cube.unlink()
+        cube.mkdir()
+    line = assert_one_line_error(invoke("cube", "info", str(swept)), 1, "`dvfs cube build ")
+    said = line.split("`dvfs cube build ", 1)[1].split("`", 1)[0]
+    assert shlex.split(said) == [str(swept)], line
+    if fault == "a-folder":
+        cube.rename(swept / "cube.nc.aside")  # "move it aside"
+    build = [sys.executable, "-m", "dvfs", "cube", "build", *shlex.split(said)]
+    done = subprocess.run(build, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert invoke("cube", "info", str(swept)).exit_code == 0
+
+
 @pytest.mark.parametrize("fleet", [False, True])
 def test_cube_build_into_a_folder_named_cube_nc_says_to_move_it_aside(
     tiny_sweep: Path, tiny_exact_run, tmp_path: Path, fleet: bool
@@ -407,7 +450,8 @@ def test_a_read_only_output_folder(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
     result = sweep(campaign, out)
-    assert_one_line_error(result, 1, str(out), "Read-only file system", "--out")
+    line = assert_one_line_error(result, 1, str(out), "file system is mounted read-only", "--out")
+    assert line.lower().count("read-only") == 1, line  # not "Read-only ...; ... read-only"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")

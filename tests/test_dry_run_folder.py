@@ -5,6 +5,7 @@ with --fresh it plans the sweep that starts over, moving nothing."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -626,6 +627,62 @@ def test_doctor_and_the_dry_run_say_a_full_file_system_stops_the_sweep(
         [stop] = [n for n in notes if "sweep would stop" in n]
         assert f"cannot use {out} as the output folder" in stop, stop
         assert "No space left on device" in " ".join(dry.output.split()), dry.output
+    assert list(mount.iterdir()) == []
+
+
+@pytest.mark.parametrize("link", ["to-nothing", "loop"])
+def test_an_out_folder_linked_to_nothing_is_said_as_that_by_doctor_dry_run_and_sweep(
+    tmp_path: Path, link: str
+) -> None:
+    """--out naming a symbolic link to nothing (or in a loop): `dvfs doctor` said "usable" and
+    the dry run planned it, then the sweep failed "cannot use OUT as the output folder (OUT):
+    File exists; a file is in the way of that folder", of no file. Each says what it is, once;
+    the `mkdir -p` said for a link to nothing, run as said, lets the sweep write through it."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    out = tmp_path / "out"
+    target = tmp_path / "gone" / "run"
+    out.symlink_to(target if link == "to-nothing" else out)
+    words = "which does not exist" if link == "to-nothing" else "leads back to itself"
+    swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert swept.exit_code == 1, swept.output
+    [line] = swept.stderr.splitlines()
+    assert line.startswith(f"Error: cannot use {out} as the output folder: it is a symbolic "), line
+    assert words in line and "in the way" not in line and f"({out})" not in line, line
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    checked = {c["name"]: c for c in json.loads(doctor.stdout)}
+    assert doctor.exit_code == 1 and checked["output folder"]["status"] == "fail", checked
+    assert checked["output folder"]["detail"] == line.removeprefix("Error: ")
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate")
+    assert dry.exit_code == 0, dry.output
+    assert "sweep would stop" in dry.output and words in " ".join(dry.output.split())
+    assert not (tmp_path / "gone").exists() and os.path.islink(out)
+    if link == "to-nothing":
+        said = line.split("(mkdir -p ", 1)[1].split("), or remove", 1)[0]
+        subprocess.run(["mkdir", "-p", *shlex.split(said)], check=True)
+        swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+        assert swept.exit_code == 0, swept.output
+        assert (target / "cube.nc").is_file() and os.path.islink(out)
+
+
+def test_an_out_folder_on_a_read_only_mount_is_said_read_only_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An --out folder on a read-only file system: the sweep said "Read-only file system; the
+    filesystem is read-only: choose another folder with --out", and an --out that is itself
+    the folder failing named it twice ("cannot use OUT as the output folder (OUT)")."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    from bad_inputs import failing_writes
+
+    _read_only_mount(mount, monkeypatch)
+    for out in (mount / "out", mount):
+        with failing_writes(mount):
+            swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+        assert swept.exit_code == 1, swept.output
+        [line] = swept.stderr.splitlines()
+        assert line.lower().count("read-only") == 1 and "choose another" in line, line
+        assert line.count(f"{out} ") + line.count(f"{out})") == 1, line
     assert list(mount.iterdir()) == []
 
 

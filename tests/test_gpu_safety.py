@@ -2068,7 +2068,8 @@ def test_a_state_folder_the_sweep_cannot_write_says_what_to_do_there(
             real_mkdir(self, *args, **kwargs)
 
         monkeypatch.setattr(Path, "mkdir", mkdir)
-        says = f"cannot write {state_dir}: read-only file system; its file system is mounted "
+        # read-only once: it said "read-only file system; its file system is mounted read-only"
+        says = f"cannot write {state_dir}: its file system is mounted "
         says += "read-only: make it writable, then run the sweep again"
     else:
 
@@ -2088,7 +2089,45 @@ def test_a_state_folder_the_sweep_cannot_write_says_what_to_do_there(
     assert result.exit_code == 1, result.output
     line = result.stderr.splitlines()[-1]
     assert says in line and "choose another" not in line, line
+    assert line.lower().count("read-only") == (fault == "read-only"), line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_doctor_fails_a_state_folder_the_sweep_cannot_lock_its_gpus_in(
+    nvml, env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """The state folder (DVFS_STATE_DIR, /var/lib/dvfs as root) on a read-only or full file
+    system: the sweep fails at once, before it measures (it cannot lock its GPUs there), yet
+    `dvfs doctor` said "ok state: no unrestored changes", exit 0. Its state check fails, in
+    the sweep's words."""
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    state_dir = Path(env["DVFS_STATE_DIR"])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    real_statvfs = os.statvfs
+
+    def statvfs(path: Any) -> os.statvfs_result:
+        got = real_statvfs(path)
+        if Path(path).absolute() != state_dir:
+            return got
+        fields = list(got)
+        if fault == "read-only":
+            fields[8] |= os.ST_RDONLY  # f_flag
+        else:
+            fields[3] = fields[4] = 0  # f_bfree, f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    campaign = campaign_file(tmp_path)
+    out = ["--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(cli, ["doctor", str(campaign), *out, "--json"])
+    checked = {c["name"]: c for c in json.loads(result.stdout)}
+    assert result.exit_code == 1, result.output
+    assert checked["state"]["status"] == "fail", checked["state"]
+    words = "mounted read-only: make it writable" if fault == "read-only" else "free space there"
+    assert str(state_dir) in checked["state"]["detail"], checked["state"]
+    assert words in checked["state"]["detail"], checked["state"]
+    assert checked["state"]["detail"].endswith("then run the sweep again"), checked["state"]
 
 
 def test_a_full_disk_under_the_state_folder_names_the_gpus_lock_not_the_out_folder(

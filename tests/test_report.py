@@ -1244,6 +1244,37 @@ def test_two_markdown_pages_of_one_stem_keep_their_figures_apart(
     assert mine and mine == theirs
 
 
+def test_a_named_pipe_beside_a_markdown_page_is_not_waited_on(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """A named pipe `r` beside `-o r.md`: the check for a page sharing r_figures/ opened it to
+    read it, and the report waited for a writer for ever, saying nothing. It is no page: the
+    report is written, the pipe never opened for reading. (The test opens the pipe's writing
+    end as soon as a reader waits on it, so that the old behaviour ends, and fails.)"""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import subprocess_env
+
+    fifo = tmp_path / "r"
+    os.mkfifo(fifo)
+    argv = [sys.executable, "-m", "dvfs", "report", str(small_sweep), "-o", str(tmp_path / "r.md")]
+    env = subprocess_env(MPLCONFIGDIR=str(tmp_path / "mpl"))
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    waited_on = False
+    while proc.poll() is None and not waited_on:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a reader is waiting
+            waited_on = True
+        except OSError:  # ENXIO: no reader
+            time.sleep(0.05)
+    _, err = proc.communicate()
+    assert not waited_on, "the report opened the named pipe to read it"
+    assert proc.returncode == 0, err
+    assert (tmp_path / "r.md").is_file() and fifo.is_fifo()
+
+
 @pytest.mark.usefixtures("unsaved_figures")
 @pytest.mark.parametrize(("first", "second"), [("r.md", "r"), ("r", "r.md")])
 def test_a_page_and_its_name_with_md_refuse_to_share_a_figures_folder(

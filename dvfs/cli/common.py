@@ -416,6 +416,9 @@ def describe_os_error(exc: OSError) -> str:
     if code == errno.EEXIST and path is not None and _is_device(path):
         # /dev/null given for a folder: not to be removed
         words, advice = "a device is there, no folder", "choose another {opt}"
+    broken = _broken_link(path) if code == errno.EEXIST and path is not None else None
+    if broken is not None:  # not "something is in the way": a link to nothing, or a loop
+        words, advice = broken
     if (
         code == errno.EISDIR
         and param is not None
@@ -428,6 +431,34 @@ def describe_os_error(exc: OSError) -> str:
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+def _broken_link(path: Any) -> tuple[str, str] | None:
+    """What a symbolic link `path` that leads to nothing (or round in a loop) is, and what to
+    do, for a folder that could not be made there (EEXIST), or None where it is no such link."""
+    import shlex
+
+    try:
+        if not os.path.islink(path):
+            return None
+        os.stat(path)
+    except FileNotFoundError:
+        target = os.path.realpath(path)
+        said = shlex.quote(target).replace("{", "{{").replace("}", "}}")  # for its {opt}
+        return (
+            f"it is a symbolic link to {target}, which does not exist",
+            f"make that folder (mkdir -p {said}), or remove the link, or choose another {{opt}}",
+        )
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return None
+        return (
+            "it is a symbolic link that leads back to itself (a loop)",
+            "remove it or point it at a folder, or choose another {opt}",
+        )
+    except (TypeError, ValueError):
+        return None
+    return None
 
 
 def _is_device(path: Any) -> bool:
@@ -504,16 +535,61 @@ def make_parent(path: Path) -> None:
     """The folder of an output file, made if missing, as every command that writes a file
     makes it (`dvfs plot --out` its folder, `dvfs cube build -o` the cube's); a failure names
     the output path, as `describe_os_error` then words it. A link to a file in a folder that
-    does not exist is refused (`check_link_target`): that folder is not made through it."""
+    does not exist is refused (`check_link_target`): that folder is not made through it.
+
+    The folders made are removed again, where still empty, once the command is over: one
+    that failed after (a damaged cube, an unknown `--base`) left them behind, empty. A
+    relative path whose first folder, missing, is a '~' no shell expanded (`-o '~/r.json'`,
+    `--out=~/r.json`) is refused, not made as a folder named '~' here (`_unexpanded_home`)."""
     from dvfs.outputs import check_link_target
 
     check_link_target(path)
+    missing: list[Path] = []  # deepest first
+    folder = path.parent
+    while folder != folder.parent and not os.path.lexists(folder):
+        missing.append(folder)
+        folder = folder.parent
+    if missing:
+        _unexpanded_home(path, missing[-1])
+        ctx = click.get_current_context(silent=True)
+        if ctx is not None:
+            ctx.call_on_close(functools.partial(_remove_empty, missing))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError as exc:  # a file where a folder of the path should be
+        # or a link to nothing, or in a loop: not "a part of the path is a file"
+        for folder in (path.parent, *path.parent.parents):
+            if os.path.islink(folder) and _broken_link(folder) is not None:
+                raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), str(folder)) from exc
         raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (deepest first) that are empty: those `make_parent` made for a file
+    the command did not write."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:  # holding the output (or anything else), or never made
+            return
+
+
+def _unexpanded_home(path: Path, first: Path) -> None:
+    """Refuse (`OutputRefusedError`) a relative output `path` whose missing first folder
+    `first` is a '~' or '~user' no shell expanded: made, it was a folder of that name in the
+    current one, the file written there, not in the home folder."""
+    if path.is_absolute() or first.parent != Path(".") or not first.name.startswith("~"):
+        return
+    from dvfs.errors import OutputRefusedError
+
+    home = os.path.expanduser(first.name)
+    full = f" (e.g. {Path(home) / path.relative_to(first)})" if home != first.name else ""
+    raise OutputRefusedError(
+        f"{path}: no shell expanded its {first.name!r} (it was quoted, or joined to its option), "
+        f"and a folder named {first.name!r} would be made here: write the path in full{full}"
+    )
 
 
 #: The options that name what a command writes.

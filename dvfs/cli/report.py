@@ -78,10 +78,17 @@ def refuse_shared_figures(output: Path) -> None:
     folder = figures_folder(output)
     other = output.with_suffix("") if output.suffix == ".md" else Path(f"{output}.md")
     try:
-        with open(other, "rb") as handle:
-            text = handle.read(1 << 24)
+        # not waited on: a named pipe there (`r` beside `-o r.md`) hung the report for ever
+        fd = os.open(other, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:  # none there (or none this user may read): nothing shares the folder
         return
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return  # a FIFO, a device, a folder: no page
+            text = handle.read(1 << 24)
+        except OSError:
+            return
     if f"]({quote(folder)}/".encode() not in text:
         return  # not a page of figures in that folder (an HTML report, another file)
     name = f"{output.stem}-2.md" if output.suffix == ".md" else f"{output.name}-2"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,7 +215,7 @@ def _first_line(exc: BaseException) -> str:
 def _rebuild_hint(path: Path) -> str:
     folder = path.parent
     if (folder / JOURNAL_NAME).is_file():
-        return f"rebuild it from its journal with `dvfs cube build {folder}`"
+        return f"rebuild it from its journal with `dvfs cube build {shlex.quote(str(folder))}`"
     return (
         "rebuild it from its sweep's journal with `dvfs cube build SWEEP_DIR` "
         "(a merged cube: merge again with `dvfs cube merge`)"
@@ -226,7 +227,8 @@ def _folder_in_the_cubes_place(path: Path) -> str:
     file goes: said as that folder, not as "no cube at PATH/cube.nc"."""
     folder = path.parent
     if (folder / JOURNAL_NAME).is_file():
-        then = f"then rebuild the cube from its journal with `dvfs cube build {folder}`"
+        build = f"dvfs cube build {shlex.quote(str(folder))}"  # pasted as said: 'my run' quoted
+        then = f"then rebuild the cube from its journal with `{build}`"
     else:
         then = "or give the cube file's path"
     return f"{path} is a folder, where the cube file should be: move it aside, {then}"
@@ -246,6 +248,13 @@ def open_cube(path: str | Path) -> xr.Dataset:
         path = path / CUBE_NAME
     if path.is_dir():  # a folder in the cube file's place: not "no cube at cube.nc/cube.nc"
         raise CubeError(_folder_in_the_cubes_place(path))
+    if not os.path.lexists(path) and path.parent.is_file():
+        # `RUN/cube.nc/cube.nc`, RUN/cube.nc the cube: it was said to be a folder, to be moved
+        # aside; or "no cube at", which a sweep would not mend
+        raise CubeError(
+            f"no cube at {path}: {path.parent} is a file, not a folder; check the path (a cube "
+            "file, or the sweep folder holding cube.nc)"
+        )
     if path.name == path.parent.name == CUBE_NAME and not os.path.lexists(path):
         raise CubeError(_folder_in_the_cubes_place(path.parent))  # that folder given, or joined
     if not path.exists():

@@ -28,7 +28,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dvfs.errors import DvfsError, GpuBusyError, GpuLockFileError, GpuStateError
+from dvfs.errors import (
+    DvfsError,
+    GpuBusyError,
+    GpuLockFileError,
+    GpuStateError,
+    StateFolderError,
+)
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import REFUSED, GatheredFailures, GpuSettings
 
@@ -386,7 +392,7 @@ class StateStore:
         them) is no missing folder, whose state files would be taken for none: refused."""
         problem = state_folder_problem(self.directory)
         if problem is not None:
-            raise GpuStateError(problem)
+            raise StateFolderError(problem)  # exit 1: no GPU's changes, no other dvfs
         return os.path.isdir(self.directory)
 
     def left_by_this_process(self) -> list[str]:
