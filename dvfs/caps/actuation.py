@@ -248,6 +248,10 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     power = record.get("power_limit_mw")
     if power is not None and not _positive_int(power):
         return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
+    before = record.get("power_limit_before_mw")  # the limit dvfs's replaced (absent: older)
+    if before is not None and not _positive_int(before):
+        shown = json.dumps(before)[:40]
+        return f"power_limit_before_mw is {shown}, expected a power limit in mW or null"
     return None
 
 
@@ -750,7 +754,14 @@ def apply_actions(
                     changed.append(
                         f"power limit set to {action.default_power_limit_mw / 1000:g} W (default)"
                     )
-                keep(action.uuid, {**applied.get(action.uuid, blank), "power_limit_mw": None})
+                keep(
+                    action.uuid,
+                    {
+                        **applied.get(action.uuid, blank),
+                        "power_limit_mw": None,
+                        "power_limit_before_mw": None,
+                    },
+                )
             if action.lock_mhz is not None:
                 earlier = applied.get(action.uuid, blank).get("lock_mhz")
                 gpu.lock_sm_clock(*action.lock_mhz)
@@ -763,14 +774,24 @@ def apply_actions(
                 changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
             if action.power_limit_mw is not None:
                 before = gpu.power_limit_mw()
+                # The limit this cap replaced, for `cap reset --applied` to put back: the
+                # GPU's own, read now, unless an earlier apply's cap holds it (then the one
+                # that cap replaced, as recorded; none where an older dvfs recorded none).
+                prior = applied.get(action.uuid, blank)
+                replaced = (
+                    prior.get("power_limit_before_mw")
+                    if isinstance(prior.get("power_limit_mw"), int)
+                    else before
+                )
                 if action.power_limit_mw != before:
                     gpu.set_power_limit_mw(action.power_limit_mw)
                 keep(
                     action.uuid,
                     {
-                        **applied.get(action.uuid, blank),
+                        **prior,
                         **stamp,
                         "power_limit_mw": action.power_limit_mw,
+                        "power_limit_before_mw": replaced,
                     },
                     partial(gpu.set_power_limit_mw, before)
                     if action.power_limit_mw != before
@@ -906,6 +927,7 @@ def reset_caps(
         ident = gpu.identity
         try:
             unlock, limit = True, True
+            recorded: dict[str, Any] = {}
             if applied_only and not os.path.lexists(store.path(ident.uuid)):
                 recorded = record.entries_as_written().get(ident.uuid) or {}
                 unlock = bool(recorded.get("lock_mhz"))
@@ -917,16 +939,24 @@ def reset_caps(
             except REFUSED as exc:  # changed nothing: the power limit goes back still
                 refused = exc
             default = _default_or_none(gpu)  # None: not supported, so never capped
-            if limit and default is not None and gpu.power_limit_mw() != default:
-                gpu.set_power_limit_mw(default)
+            target, power = default, ""
+            if limit and default is not None and recorded:
+                # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
+                # holds that cap; one set outside dvfs since is the operator's, left be.
+                target, power = _limit_replaced(gpu, recorded, default)
+            if limit and target is not None and gpu.power_limit_mw() != target:
+                gpu.set_power_limit_mw(target)
             if refused is not None:  # the entry stays, for the lock the GPU still holds
                 entry = record.entries_as_written().get(ident.uuid)
                 if entry is not None and entry.get("power_limit_mw") is not None:
                     # but not the limit, gone: a sweep would take the same limit set outside
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
-                    record.update(ident.uuid, {**entry, "power_limit_mw": None})
+                    record.update(
+                        ident.uuid,
+                        {**entry, "power_limit_mw": None, "power_limit_before_mw": None},
+                    )
                 raise refused
-            power = (
+            power = power or (
                 "power limit not supported by NVML (left be)"
                 if default is None
                 else f"power limit {default / 1000:g} W (default)"
@@ -967,6 +997,27 @@ def reset_caps(
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
     return done
+
+
+def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[int | None, str]:
+    """The power limit `cap reset --applied` puts back on a GPU whose caps record entry lists
+    one dvfs set, and its words: the limit that cap replaced, as `cap apply` recorded it; None
+    (left be) where the GPU holds another than dvfs's now (an operator's `nvidia-smi -pl`
+    since); the default where the record, an older dvfs's, does not say which it replaced."""
+    applied = int(recorded["power_limit_mw"])
+    current = gpu.power_limit_mw()
+    if current != applied:
+        return None, (
+            f"power limit left at {current / 1000:g} W (set outside dvfs since `dvfs cap "
+            f"apply` set {applied / 1000:g} W)"
+        )
+    before = recorded.get("power_limit_before_mw")
+    if isinstance(before, int) and _positive_int(before):
+        return before, f"power limit {before / 1000:g} W (as before `dvfs cap apply`)"
+    return default, (
+        f"power limit {default / 1000:g} W (default: the caps record, written by an older dvfs, "
+        "does not say which limit dvfs's cap replaced)"
+    )
 
 
 def _default_or_none(gpu: Gpu) -> int | None:
