@@ -3815,6 +3815,16 @@ def test_the_caps_units_stop_puts_back_the_power_limit_dvfs_replaced(nvml, tmp_p
     assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000
     assert "power limit left at 550 W (set outside dvfs since `dvfs cap apply` set 450 W)" in said
     invoke(*started)
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's again, then applied over
+    invoke(*started)
+    said = invoke(*shlex.split(stop))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, said  # theirs, not 550 W
+    invoke(*started)
+    # a reset that put the limit back and stopped before it dropped the entry: said as put back
+    nvml.fake_update_device(0, power_limit_mw=500_000)
+    said = " ".join(invoke(*shlex.split(stop)).split())
+    assert "power limit 500 W (as before `dvfs cap apply`)" in said, said
+    invoke(*started)
     record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
     entries = json.loads(record.read_text())
     del entries[uuid]["power_limit_before_mw"]  # as an older dvfs wrote it

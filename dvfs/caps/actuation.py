@@ -775,12 +775,13 @@ def apply_actions(
             if action.power_limit_mw is not None:
                 before = gpu.power_limit_mw()
                 # The limit this cap replaced, for `cap reset --applied` to put back: the
-                # GPU's own, read now, unless an earlier apply's cap holds it (then the one
-                # that cap replaced, as recorded; none where an older dvfs recorded none).
+                # GPU's own, read now, unless it is an earlier apply's cap, still held (then
+                # the one that cap replaced, as recorded; none where an older dvfs recorded
+                # none); one an operator set over that cap since is theirs, and replaced.
                 prior = applied.get(action.uuid, blank)
                 replaced = (
                     prior.get("power_limit_before_mw")
-                    if isinstance(prior.get("power_limit_mw"), int)
+                    if prior.get("power_limit_mw") == before
                     else before
                 )
                 if action.power_limit_mw != before:
@@ -1006,13 +1007,15 @@ def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[i
     since); the default where the record, an older dvfs's, does not say which it replaced."""
     applied = int(recorded["power_limit_mw"])
     current = gpu.power_limit_mw()
-    if current != applied:
+    before = recorded.get("power_limit_before_mw")
+    known = isinstance(before, int) and _positive_int(before)
+    if current != applied and not (known and current == before):  # (back already: a reset
+        # stopped before it dropped the entry)
         return None, (
             f"power limit left at {current / 1000:g} W (set outside dvfs since `dvfs cap "
             f"apply` set {applied / 1000:g} W)"
         )
-    before = recorded.get("power_limit_before_mw")
-    if isinstance(before, int) and _positive_int(before):
+    if isinstance(before, int) and known:
         return before, f"power limit {before / 1000:g} W (as before `dvfs cap apply`)"
     return default, (
         f"power limit {default / 1000:g} W (default: the caps record, written by an older dvfs, "
