@@ -3833,3 +3833,36 @@ def test_the_caps_units_stop_puts_back_the_power_limit_dvfs_replaced(nvml, tmp_p
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
     older = "power limit 700 W (default: the caps record, written by an older dvfs, does not say"
     assert older in said, said
+
+
+def test_a_signal_between_a_cap_and_its_record_leaves_the_cap_recorded(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl stop dvfs-caps` (SIGTERM) landing in `cap apply` after NVML set a GPU's
+    power limit but before the caps record listed it left the cap on the GPU unrecorded: the
+    stop's `cap reset --applied` then said "power limit left as it is (dvfs set none)" and left
+    450 W on it, and `cap show` did not count it dvfs's. A signal there is held until the record
+    is written: the apply stops (exit 143), its cap recorded, and the reset puts back 600 W."""
+    import signal
+
+    from dvfs.caps import AppliedCaps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    update = AppliedCaps.update
+
+    def signalled(self: AppliedCaps, gpu: str, entry: dict | None) -> None:
+        if entry and entry.get("power_limit_mw"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the stop, just after the limit was set
+        update(self, gpu, entry)
+
+    monkeypatch.setattr(AppliedCaps, "update", signalled)
+    stopped = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    monkeypatch.setattr(AppliedCaps, "update", update)
+    assert stopped.exit_code == 143, stopped.output
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said

@@ -764,12 +764,16 @@ def apply_actions(
                 )
             if action.lock_mhz is not None:
                 earlier = applied.get(action.uuid, blank).get("lock_mhz")
-                gpu.lock_sm_clock(*action.lock_mhz)
-                keep(  # recorded even if the limit fails
-                    action.uuid,
-                    {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(action.lock_mhz)},
-                    partial(gpu.lock_sm_clock, *earlier) if earlier else gpu.reset_sm_clock,
-                    f"SM clock lock {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz",
+                lock = action.lock_mhz
+                recorded_even_if_signalled(
+                    partial(gpu.lock_sm_clock, *lock),
+                    partial(
+                        keep,  # recorded even if the limit fails
+                        action.uuid,
+                        {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(lock)},
+                        partial(gpu.lock_sm_clock, *earlier) if earlier else gpu.reset_sm_clock,
+                        f"SM clock lock {lock[0]}-{lock[1]} MHz",
+                    ),
                 )
                 changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
             if action.power_limit_mw is not None:
@@ -784,20 +788,21 @@ def apply_actions(
                     if prior.get("power_limit_mw") == before
                     else before
                 )
-                if action.power_limit_mw != before:
-                    gpu.set_power_limit_mw(action.power_limit_mw)
-                keep(
-                    action.uuid,
-                    {
-                        **prior,
-                        **stamp,
-                        "power_limit_mw": action.power_limit_mw,
-                        "power_limit_before_mw": replaced,
-                    },
-                    partial(gpu.set_power_limit_mw, before)
-                    if action.power_limit_mw != before
-                    else None,
-                    f"power limit {action.power_limit_mw / 1000:g} W",
+                limit = action.power_limit_mw
+                recorded_even_if_signalled(
+                    partial(gpu.set_power_limit_mw, limit) if limit != before else lambda: None,
+                    partial(
+                        keep,
+                        action.uuid,
+                        {
+                            **prior,
+                            **stamp,
+                            "power_limit_mw": limit,
+                            "power_limit_before_mw": replaced,
+                        },
+                        partial(gpu.set_power_limit_mw, before) if limit != before else None,
+                        f"power limit {limit / 1000:g} W",
+                    ),
                 )
         except GpuError as exc:
             # The GPU is not left changed unsaid: what is in place on it already is named.
@@ -831,6 +836,28 @@ def apply_actions(
             ) from exc
         done(action)
     failures.raise_if_any("could not apply caps: ")
+
+
+def recorded_even_if_signalled(change: Callable[[], None], record: Callable[[], None]) -> None:
+    """`change` a GPU, then `record` it in the caps record, the record written whenever the
+    change may have landed: a signal (the caps unit's stop, Ctrl-C) that ends the change's NVML
+    call (which a worker thread may finish all the same) or comes before the record is written
+    leaves the cap recorded, not on the GPU unknown to `cap show`, sweeps and `cap reset
+    --applied`, and is raised then. (The record may list a cap the GPU does not hold, never the
+    reverse; the NVML call itself is not held back: a hung one still ends on the signal.)"""
+    from dvfs.signals import Interrupted, held_back
+
+    done = False
+    try:
+        change()
+        with held_back():
+            record()
+            done = True
+    except (KeyboardInterrupt, Interrupted):
+        if not done:
+            with held_back(), contextlib.suppress(CapsRecordError, OSError):
+                record()  # (one that cannot be written takes the change back: the signal wins)
+        raise
 
 
 def _remedy(exc: OSError) -> str:
