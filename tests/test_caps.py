@@ -3714,11 +3714,11 @@ def test_the_caps_units_stop_resets_only_what_its_start_applied(nvml, tmp_path: 
     assert f"GPU 0 ({first}): clocks unlocked, power limit left as it is" in result.output
     said = " ".join(result.stderr.split())
     assert f"GPU 1 ({second}) holds no caps dvfs's caps record lists: left as it is" in said
-    # a power limit dvfs set goes back to the default; a plain reset still resets every GPU
+    # a power limit dvfs set goes back to the one it replaced; a plain reset resets every GPU
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, power_limit_w=450.0),))))
     invoke(*shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps))))
     invoke(*shlex.split(stop))
-    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
     assert nvml.fake_device_state(1)["power_limit_mw"] == 500_000
     invoke("cap", "reset")
     assert nvml.fake_device_state(1)["locked_clocks"] is None
@@ -3785,3 +3785,85 @@ def test_the_reset_a_kept_caps_note_names_removes_dvfs_caps_alone(nvml, tmp_path
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000  # dvfs's cap: gone
     assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1600]
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+
+
+def test_the_caps_units_stop_puts_back_the_power_limit_dvfs_replaced(nvml, tmp_path: Path) -> None:
+    """`cap reset --applied` (the caps unit's stop) put a power limit dvfs set back to the
+    GPU's default, 700 W, not to the 600 W an operator had set before `cap apply` capped it to
+    450 W: `systemctl restart dvfs-caps` raised the operator's limit. `cap apply` records the
+    limit each cap replaces (an earlier apply's cap's own replaced one, re-applying), and the
+    stop puts that back; a limit set outside dvfs since the cap is left be, said so; a record an
+    older dvfs wrote, without it, still goes back to the default, saying why."""
+    unit = (REPO / "systemd" / "dvfs-caps.service").read_text()
+    [start] = re.findall(r"^ExecStart=/usr/local/bin/dvfs (.*)$", unit, re.M)
+    [stop] = re.findall(r"^ExecStop=/usr/local/bin/dvfs (.*)$", unit, re.M)
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    started = shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps)))
+    invoke(*started)
+    invoke(*started)  # applied again over its own cap: 600 W is still the one it replaced
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    for _ in range(2):  # `systemctl restart dvfs-caps`, then its stop
+        said = invoke(*shlex.split(stop))
+        assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+        assert f"GPU 0 ({uuid}): clocks left as they are (dvfs locked none), power limit " in said
+        assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
+        invoke(*started)
+    nvml.fake_update_device(0, power_limit_mw=550_000)  # the operator's, over dvfs's cap
+    said = " ".join(invoke(*shlex.split(stop)).split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000
+    assert "power limit left at 550 W (set outside dvfs since `dvfs cap apply` set 450 W)" in said
+    invoke(*started)
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's again, then applied over
+    invoke(*started)
+    said = invoke(*shlex.split(stop))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, said  # theirs, not 550 W
+    invoke(*started)
+    # a reset that put the limit back and stopped before it dropped the entry: said as put back
+    nvml.fake_update_device(0, power_limit_mw=500_000)
+    said = " ".join(invoke(*shlex.split(stop)).split())
+    assert "power limit 500 W (as before `dvfs cap apply`)" in said, said
+    invoke(*started)
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    entries = json.loads(record.read_text())
+    del entries[uuid]["power_limit_before_mw"]  # as an older dvfs wrote it
+    record.write_text(json.dumps(entries))
+    said = " ".join(invoke(*shlex.split(stop)).split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+    older = "power limit 700 W (default: the caps record, written by an older dvfs, does not say"
+    assert older in said, said
+
+
+def test_a_signal_between_a_cap_and_its_record_leaves_the_cap_recorded(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl stop dvfs-caps` (SIGTERM) landing in `cap apply` after NVML set a GPU's
+    power limit but before the caps record listed it left the cap on the GPU unrecorded: the
+    stop's `cap reset --applied` then said "power limit left as it is (dvfs set none)" and left
+    450 W on it, and `cap show` did not count it dvfs's. A signal there is held until the record
+    is written: the apply stops (exit 143), its cap recorded, and the reset puts back 600 W."""
+    import signal
+
+    from dvfs.caps import AppliedCaps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    update = AppliedCaps.update
+
+    def signalled(self: AppliedCaps, gpu: str, entry: dict | None) -> None:
+        if entry and entry.get("power_limit_mw"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the stop, just after the limit was set
+        update(self, gpu, entry)
+
+    monkeypatch.setattr(AppliedCaps, "update", signalled)
+    stopped = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    monkeypatch.setattr(AppliedCaps, "update", update)
+    assert stopped.exit_code == 143, stopped.output
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said

@@ -377,6 +377,43 @@ def test_a_dry_run_without_nvml_says_it_reads_the_gpus_not_to_use_the_twin(
     assert "(it has no --twin): run it on their host" in said and "`dvfs gpu list`" not in said
 
 
+@pytest.mark.parametrize("command", ["govern", "cap"])
+@pytest.mark.parametrize("wait", ["0", "5"])
+def test_a_dry_run_with_the_module_not_loaded_says_to_load_it_here(
+    tmp_path: Path, command: str, wait: str
+) -> None:
+    """`dvfs govern --dry-run` (and `cap apply --dry-run`) where the NVIDIA driver is installed
+    but its kernel module not loaded ended "(it has no --twin): run it on their host", wrong on
+    the GPUs' host, which a driver installed here says this is: the line says to load the module
+    (`sudo modprobe nvidia`: dvfs runs as a user there) and run it again; where NVML is missing
+    it still says to run it on their host."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", sm_clock_max_mhz=1500),))))
+    args = (
+        ("govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0")
+        if command == "govern"
+        else ("cap", "apply", str(caps))
+    )
+    for failure, ends in (
+        (
+            {"DVFS_FAKE_NVML_INIT_ERROR": "9"},
+            "(it has no --twin): load the module, then run it again",
+        ),
+        ({"DVFS_FAKE_NVML_MISSING": "1"}, "(it has no --twin): run it on their host"),
+    ):
+        env = fake_env(tmp_path, **failure)
+        dry = dvfs_in_process(*args, "--dry-run", "--wait-for-driver", wait, env=env)
+        said = " ".join(dry.stderr.split())
+        assert dry.returncode == 1 and len(dry.stderr.strip().splitlines()) == 1, dry.stderr
+        assert said.endswith(ends), said
+        if "DVFS_FAKE_NVML_INIT_ERROR" in failure:
+            assert "load it (sudo modprobe nvidia, or reboot" in said, said
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -416,7 +453,7 @@ def test_commands_without_a_twin_say_what_to_do_about_the_driver_alone(
     fix = (
         "install the NVIDIA driver on a GPU machine"
         if init_error == "missing"
-        else "load it (modprobe nvidia, or reboot after a driver update"
+        else "load it (sudo modprobe nvidia, or reboot after a driver update"
     )
     assert fix in said, said
     assert "digital twin" not in said and "--twin" not in said, said

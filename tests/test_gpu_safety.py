@@ -600,7 +600,7 @@ def test_a_driver_installed_but_not_loaded_is_not_called_missing(env, monkeypatc
     monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", "9")
     result = dvfs_in_process("gpu", "list", env={**env, "DVFS_FAKE_NVML_INIT_ERROR": "9"})
     assert result.returncode == 1 and result.stderr.count("\n") == 1
-    assert "not loaded" in result.stderr and "modprobe nvidia" in result.stderr
+    assert "not loaded" in result.stderr and "sudo modprobe nvidia" in result.stderr
     assert "no NVIDIA driver was found" not in result.stderr
     assert "install the NVIDIA driver" not in result.stderr
     assert "--twin h100-sxm" in result.stderr and "Traceback" not in result.stderr

@@ -407,3 +407,28 @@ def test_each_units_dvfs_commands_parse_as_the_cli_spells_them(unit: Path) -> No
         for word in words:
             if word.startswith("--"):
                 assert word.split("=")[0] in helped, f"{unit.name}: {line}: {word}"
+
+
+@pytest.mark.parametrize("unit", ["dvfs-govern.service", "dvfs-monitor.service"])
+def test_a_unit_whose_driver_never_loads_ends_failed(unit: str) -> None:
+    """The governor (and monitor) unit whose NVIDIA driver never loads waits --wait-for-driver
+    300 s each start, exits 1 and restarts RestartSec later: a start every 310 s, of which a
+    600 s start-limit window held two, never five, so it restarted for ever, never failed for
+    alerting to see. The window holds StartLimitBurst such starts (the next is refused: the
+    unit is failed), and the README gives the window and when it fails."""
+    path = UNIT.parent / unit
+    [start] = unit_values(path, "ExecStart")
+    argv = start.split()
+    wait_s = int(argv[argv.index("--wait-for-driver") + 1])
+    [window] = unit_values(path, "StartLimitIntervalSec", "Unit")
+    [burst] = unit_values(path, "StartLimitBurst", "Unit")
+    [pause] = unit_values(path, "RestartSec")
+    every = wait_s + int(pause)  # one start's wait and exit, then the pause before the next
+    # systemd refuses the start after `burst` starts within `window` of the first
+    assert int(burst) * every < int(window), (burst, every, window)
+    readme = " ".join((UNIT.parent.parent / "README.md").read_text().split())
+    minutes = int(window) // 60
+    said = {30: "thirty"}.get(minutes, str(minutes))
+    assert f"five failed starts in {said} minutes leave it failed" in readme
+    assert f"the unit starts every {every} s" in readme
+    assert f"some {round(int(burst) * every / 60)} minutes after boot" in readme

@@ -248,6 +248,10 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     power = record.get("power_limit_mw")
     if power is not None and not _positive_int(power):
         return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
+    before = record.get("power_limit_before_mw")  # the limit dvfs's replaced (absent: older)
+    if before is not None and not _positive_int(before):
+        shown = json.dumps(before)[:40]
+        return f"power_limit_before_mw is {shown}, expected a power limit in mW or null"
     return None
 
 
@@ -750,32 +754,55 @@ def apply_actions(
                     changed.append(
                         f"power limit set to {action.default_power_limit_mw / 1000:g} W (default)"
                     )
-                keep(action.uuid, {**applied.get(action.uuid, blank), "power_limit_mw": None})
-            if action.lock_mhz is not None:
-                earlier = applied.get(action.uuid, blank).get("lock_mhz")
-                gpu.lock_sm_clock(*action.lock_mhz)
-                keep(  # recorded even if the limit fails
-                    action.uuid,
-                    {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(action.lock_mhz)},
-                    partial(gpu.lock_sm_clock, *earlier) if earlier else gpu.reset_sm_clock,
-                    f"SM clock lock {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz",
-                )
-                changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
-            if action.power_limit_mw is not None:
-                before = gpu.power_limit_mw()
-                if action.power_limit_mw != before:
-                    gpu.set_power_limit_mw(action.power_limit_mw)
                 keep(
                     action.uuid,
                     {
                         **applied.get(action.uuid, blank),
-                        **stamp,
-                        "power_limit_mw": action.power_limit_mw,
+                        "power_limit_mw": None,
+                        "power_limit_before_mw": None,
                     },
-                    partial(gpu.set_power_limit_mw, before)
-                    if action.power_limit_mw != before
-                    else None,
-                    f"power limit {action.power_limit_mw / 1000:g} W",
+                )
+            if action.lock_mhz is not None:
+                earlier = applied.get(action.uuid, blank).get("lock_mhz")
+                lock = action.lock_mhz
+                recorded_even_if_signalled(
+                    partial(gpu.lock_sm_clock, *lock),
+                    partial(
+                        keep,  # recorded even if the limit fails
+                        action.uuid,
+                        {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(lock)},
+                        partial(gpu.lock_sm_clock, *earlier) if earlier else gpu.reset_sm_clock,
+                        f"SM clock lock {lock[0]}-{lock[1]} MHz",
+                    ),
+                )
+                changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
+            if action.power_limit_mw is not None:
+                before = gpu.power_limit_mw()
+                # The limit this cap replaced, for `cap reset --applied` to put back: the
+                # GPU's own, read now, unless it is an earlier apply's cap, still held (then
+                # the one that cap replaced, as recorded; none where an older dvfs recorded
+                # none); one an operator set over that cap since is theirs, and replaced.
+                prior = applied.get(action.uuid, blank)
+                replaced = (
+                    prior.get("power_limit_before_mw")
+                    if prior.get("power_limit_mw") == before
+                    else before
+                )
+                limit = action.power_limit_mw
+                recorded_even_if_signalled(
+                    partial(gpu.set_power_limit_mw, limit) if limit != before else lambda: None,
+                    partial(
+                        keep,
+                        action.uuid,
+                        {
+                            **prior,
+                            **stamp,
+                            "power_limit_mw": limit,
+                            "power_limit_before_mw": replaced,
+                        },
+                        partial(gpu.set_power_limit_mw, before) if limit != before else None,
+                        f"power limit {limit / 1000:g} W",
+                    ),
                 )
         except GpuError as exc:
             # The GPU is not left changed unsaid: what is in place on it already is named.
@@ -809,6 +836,28 @@ def apply_actions(
             ) from exc
         done(action)
     failures.raise_if_any("could not apply caps: ")
+
+
+def recorded_even_if_signalled(change: Callable[[], None], record: Callable[[], None]) -> None:
+    """`change` a GPU, then `record` it in the caps record, the record written whenever the
+    change may have landed: a signal (the caps unit's stop, Ctrl-C) that ends the change's NVML
+    call (which a worker thread may finish all the same) or comes before the record is written
+    leaves the cap recorded, not on the GPU unknown to `cap show`, sweeps and `cap reset
+    --applied`, and is raised then. (The record may list a cap the GPU does not hold, never the
+    reverse; the NVML call itself is not held back: a hung one still ends on the signal.)"""
+    from dvfs.signals import Interrupted, held_back
+
+    done = False
+    try:
+        change()
+        with held_back():
+            record()
+            done = True
+    except (KeyboardInterrupt, Interrupted):
+        if not done:
+            with held_back(), contextlib.suppress(CapsRecordError, OSError):
+                record()  # (one that cannot be written takes the change back: the signal wins)
+        raise
 
 
 def _remedy(exc: OSError) -> str:
@@ -906,6 +955,7 @@ def reset_caps(
         ident = gpu.identity
         try:
             unlock, limit = True, True
+            recorded: dict[str, Any] = {}
             if applied_only and not os.path.lexists(store.path(ident.uuid)):
                 recorded = record.entries_as_written().get(ident.uuid) or {}
                 unlock = bool(recorded.get("lock_mhz"))
@@ -917,16 +967,24 @@ def reset_caps(
             except REFUSED as exc:  # changed nothing: the power limit goes back still
                 refused = exc
             default = _default_or_none(gpu)  # None: not supported, so never capped
-            if limit and default is not None and gpu.power_limit_mw() != default:
-                gpu.set_power_limit_mw(default)
+            target, power = default, ""
+            if limit and default is not None and recorded:
+                # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
+                # holds that cap; one set outside dvfs since is the operator's, left be.
+                target, power = _limit_replaced(gpu, recorded, default)
+            if limit and target is not None and gpu.power_limit_mw() != target:
+                gpu.set_power_limit_mw(target)
             if refused is not None:  # the entry stays, for the lock the GPU still holds
                 entry = record.entries_as_written().get(ident.uuid)
                 if entry is not None and entry.get("power_limit_mw") is not None:
                     # but not the limit, gone: a sweep would take the same limit set outside
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
-                    record.update(ident.uuid, {**entry, "power_limit_mw": None})
+                    record.update(
+                        ident.uuid,
+                        {**entry, "power_limit_mw": None, "power_limit_before_mw": None},
+                    )
                 raise refused
-            power = (
+            power = power or (
                 "power limit not supported by NVML (left be)"
                 if default is None
                 else f"power limit {default / 1000:g} W (default)"
@@ -967,6 +1025,29 @@ def reset_caps(
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
     return done
+
+
+def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[int | None, str]:
+    """The power limit `cap reset --applied` puts back on a GPU whose caps record entry lists
+    one dvfs set, and its words: the limit that cap replaced, as `cap apply` recorded it; None
+    (left be) where the GPU holds another than dvfs's now (an operator's `nvidia-smi -pl`
+    since); the default where the record, an older dvfs's, does not say which it replaced."""
+    applied = int(recorded["power_limit_mw"])
+    current = gpu.power_limit_mw()
+    before = recorded.get("power_limit_before_mw")
+    known = isinstance(before, int) and _positive_int(before)
+    if current != applied and not (known and current == before):  # (back already: a reset
+        # stopped before it dropped the entry)
+        return None, (
+            f"power limit left at {current / 1000:g} W (set outside dvfs since `dvfs cap "
+            f"apply` set {applied / 1000:g} W)"
+        )
+    if isinstance(before, int) and known:
+        return before, f"power limit {before / 1000:g} W (as before `dvfs cap apply`)"
+    return default, (
+        f"power limit {default / 1000:g} W (default: the caps record, written by an older dvfs, "
+        "does not say which limit dvfs's cap replaced)"
+    )
 
 
 def _default_or_none(gpu: Gpu) -> int | None:

@@ -708,7 +708,8 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
     is_flag=True,
     help="Reset only what dvfs's caps record says `dvfs cap apply` set (the caps unit's stop): "
     "GPUs it lists no caps for are left as they are, and on the others a clock lock or power "
-    "limit it did not set (an operator's, with nvidia-smi) is left be.",
+    "limit it did not set (an operator's, with nvidia-smi) is left be; a power limit it set "
+    "goes back to the one it replaced.",
 )
 @state_dir_option
 @handle_errors

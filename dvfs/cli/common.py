@@ -62,9 +62,16 @@ def dry_run_reads_gpus(command: str, reads: str, *, refused: str = "") -> Callab
                     raise
                 if not kwargs.get("dry_run"):
                     raise type(exc)(text) from exc
+                # NVML missing: not the GPUs' host, most likely; its driver installed but not
+                # loaded: their host, where the module is to be loaded first
+                where = (
+                    "load the module, then run it again"
+                    if _not_loaded(text)
+                    else "run it on their host"
+                )
                 raise type(exc)(
                     f"{refused}{text}; {command} reads {reads} through "
-                    "it (it has no --twin): run it on their host"
+                    f"it (it has no --twin): {where}"
                 ) from exc
 
         return wrapper  # type: ignore[return-value]
@@ -130,6 +137,16 @@ def has_no_twin(func: F) -> F:
             raise type(exc)(text) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+def _not_loaded(text: str) -> bool:
+    """Whether `text` (`_without_twin_hint`'s) says NVML's driver is installed here but its
+    kernel module not loaded: this is the GPUs' host, not one without them. (Its words after
+    "not loaded", which a dry run's note of the wait it would make comes before.)"""
+    from dvfs.gpu.nvml_errors import NOT_LOADED_HINT, TWIN_HINT
+
+    hint = NOT_LOADED_HINT.removesuffix(f", or {TWIN_HINT}")
+    return text.endswith(hint.partition(" not loaded")[2]) and " not loaded" in text
 
 
 def _without_twin_hint(exc: Exception) -> str | None:

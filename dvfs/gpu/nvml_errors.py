@@ -31,7 +31,7 @@ NO_DRIVER_HINT = (
 # DriverNotLoaded: NVML's library is there but the kernel module is not (a driver updated
 # without a reboot, a module that failed to load): installing the driver is not the fix.
 NOT_LOADED_HINT = (
-    "the NVIDIA driver is installed but its kernel module is not loaded: load it (modprobe "
+    "the NVIDIA driver is installed but its kernel module is not loaded: load it (sudo modprobe "
     "nvidia, or reboot after a driver update; dmesg says why it failed), "
     f"or {TWIN_HINT}"
 )
