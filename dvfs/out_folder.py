@@ -455,12 +455,6 @@ def folder_problem(exc: OSError, out_dir: Path) -> str:
     if broken:
         return broken
     doing = f"use {out_dir} as the output folder"
-    if exc.errno == errno.EROFS:
-        where = f" ({exc.filename})" if exc.filename and exc.filename != str(out_dir) else ""
-        return (
-            f"cannot {doing}{where}: its file system is mounted read-only: choose another "
-            "folder with --out"
-        )
     return describe_os_error(exc, doing, show_file=exc.filename != str(out_dir))
 
 

@@ -108,7 +108,8 @@ REGISTRY = tuple(
             "int",
             "",
             "1: a session's opening idle measurement is the mean of the instant power readings "
-            "(an energy counter updated less than twice in it), so idle_power_w is less exact",
+            "(an energy counter updated less than twice in it, or measurement.idle_s = 0 read "
+            "the power once), so idle_power_w is less exact",
         ),
         (
             "counter_update_period_s",

@@ -2619,6 +2619,30 @@ OUTPUT_FOLDERS = {
 }
 
 
+@pytest.mark.parametrize("name", list(OUTPUT_FOLDERS))
+def test_an_output_folder_named_dash_is_refused_not_made_as_a_folder_named_dash(
+    name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--out -` for a folder option (sweep, plot, demo, ...): it made a folder named '-' in
+    the current folder, while the file options refuse `-o -`. It is click's usage error
+    (exit 2) naming the option, before any work, saying to give ./- for a folder of that
+    name."""
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    places = {**{k: str(v) for k, v in shared.items()}, "campaign": str(tmp_path / "tiny.toml")}
+    argv = OUTPUT_FOLDERS[name]
+    result = CliRunner().invoke(cli, [_fill(a, {**places, "out": "-"}) for a in argv])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = " ".join(result.stderr.split())
+    option = argv[argv.index("{out}") - 1]
+    assert f"Error: Invalid value for '{option}'" in error, error
+    assert "give ./- for a folder of that name" in error, error
+    assert list(work.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", [*OUTPUT_FILES, *OUTPUT_FOLDERS])
 def test_an_empty_output_path_is_refused(
     name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -902,3 +902,44 @@ def test_a_cube_is_written_alike_where_xarrays_internals_differ(
     monkeypatch.setattr(dvfs.cube.files, "_define_then_fill", other_xarray)
     assert _netcdf_content(write_cube(tiny, tmp_path / "other.nc")) == expected
     xr.testing.assert_identical(open_cube(tmp_path / "other.nc"), tiny)
+
+
+@pytest.mark.parametrize("target", ["journal", "cube"])
+def test_a_read_only_file_system_mid_run_is_said_once(
+    tmp_path: Path, monkeypatch, target: str
+) -> None:
+    """A journal or cube write that meets a read-only file system mid-run says so once: it
+    was "Read-only file system; the filesystem is read-only" (as an --out folder's now is)."""
+    import dvfs.measure.journal
+
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    journal = out / "journal.jsonl"
+    read_only = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    if target == "journal":
+        real_write = os.write
+
+        def write_fd(fd: int, data) -> int:  # type: ignore[no-untyped-def]
+            cell = b'"type":"cell"' in bytes(data)
+            if cell and journal.exists() and os.path.samestat(os.fstat(fd), os.stat(journal)):
+                raise read_only
+            return real_write(fd, data)
+
+        monkeypatch.setattr(dvfs.measure.journal.os, "write", write_fd)
+        doing = f"cannot write the journal {journal}"
+    else:
+
+        def fail(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise read_only
+
+        monkeypatch.setattr(dvfs.cube.files, "_write_netcdf4", fail)
+        doing = f"cannot write the cube {out / 'cube.nc'}"
+    result = sweep(campaign, out)
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        f"Error: {doing}: its file system is mounted read-only: choose another folder with --out"
+    ), line
+    assert line.lower().count("read-only") == 1, line

@@ -297,7 +297,8 @@ def test_a_tenant_during_the_opening_idle_only_flags_the_above_idle_energy_built
     assert int(ds["quality"].max()) & Q_IDLE_BASELINE_FOREIGN
     assert int(ds["valid"].max()) == 1  # its energy per token does not use the idle: valid
     info = json.loads(dvfs_in_process("cube", "info", cube, "--json", env=env(tmp_path)).stdout)
-    assert info["quality_flags"] == {"idle_baseline_foreign": 1}
+    # idle_s = 0 (the stub's campaign): its opening idle is one instant power reading
+    assert info["quality_flags"] == {"idle_baseline_foreign": 1, "idle_from_power_readings": 1}
     assert [(p["gpu"], p["pid"]) for p in info["idle_foreign_processes"]] == [(1, tenant)] * 2
     shown = dvfs_in_process("cube", "info", cube, env=env(tmp_path))
     text = " ".join(shown.stdout.split())
@@ -309,9 +310,11 @@ def test_a_tenant_during_the_opening_idle_only_flags_the_above_idle_energy_built
 
     section = measured_section(ds)
     facts = dict(next(b for b in section.blocks if isinstance(b, Facts)).pairs)
-    assert facts["Idle power"].endswith(
-        f"(not idle: another tenant's process {tenant} (sleep) on GPU 1 ran during it)"
-    )
+    # followed by the one instant power reading's caveat (idle_s = 0)
+    assert (
+        f"75 W (not idle: another tenant's process {tenant} (sleep) on GPU 1 ran during it) "
+        "(the mean of the instant power readings"
+    ) in facts["Idle power"], facts["Idle power"]
 
 
 def test_a_tenant_during_a_settings_idle_baseline_flags_every_cell_that_subtracts_it(

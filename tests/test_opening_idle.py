@@ -251,6 +251,29 @@ def test_an_opening_idle_from_instant_power_readings_is_recorded_where_no_cell_s
     assert "idle power 75.0 W (the mean of the instant power readings" in said, said
 
 
+def test_an_opening_idle_of_idle_s_0_is_recorded_as_from_power_readings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """idle_s = 0 takes the opening idle from one instant power reading, no counter: the
+    cells subtracting it were not flagged idle_from_power_readings, and the session (and the
+    cube) said the baseline was not from the power readings. They are flagged (a warning: the
+    cells stay valid), and the session and the cube record it."""
+    from dvfs.cube import STATUS_OK
+
+    _, records = _sweep_with_counter_period(tmp_path, monkeypatch, 0.0, CAMPAIGN.format(idle_s=0))
+    (session,) = [r for r in records if r["type"] == "session"]
+    assert session["idle_from_power_readings"] is True
+    cells = [r for r in records if r["type"] == "cell"]
+    assert cells
+    for cell in cells:
+        assert "idle_from_power_readings" in describe_quality(cell["measurement"]["quality"])
+    with open_cube(tmp_path / "out" / "cube.nc") as ds:
+        assert int(ds.attrs["idle_from_power_readings"]) == 1
+        flags = [describe_quality(int(q)) for q in ds["quality"].values.ravel()]
+        assert (ds["cell_status"].values == STATUS_OK).all()
+    assert flags and all("idle_from_power_readings" in f for f in flags), flags
+
+
 @pytest.mark.usefixtures("unsaved_figures")
 def test_an_opening_idle_from_the_counter_is_not_called_one_from_power_readings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

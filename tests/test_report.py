@@ -1308,3 +1308,29 @@ def test_a_page_and_its_name_with_md_refuse_to_share_a_figures_folder(
         args = ["report", str(small_sweep), "-o", str(html / name), "--format", fmt]
         done = runner.invoke(cli, args)
         assert done.exit_code == 0, done.output
+
+
+def test_a_markdown_page_whose_figures_folder_name_is_too_long_is_refused_before_the_work(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-o NAME.md` with NAME of 248 bytes or more (on a file system of 255-byte names): the
+    page's name fits, NAME_figures does not, and "the name is too long" was said only after
+    the cube was read and every figure drawn. It is said before any work, in one line, and
+    nothing is written."""
+    import dvfs.cube
+
+    def no_work(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cube was opened before the figures folder's name was checked")
+
+    monkeypatch.setattr(dvfs.cube, "open_analysable", no_work)
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    stem = "r" * (limit - len("_figures") + 1)  # NAME.md fits, NAME_figures does not
+    page = tmp_path / f"{stem}.md"
+    result = CliRunner().invoke(cli, ["report", str(small_sweep), "-o", str(page)])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot use {tmp_path / (stem + '_figures')}: the name is too long; use a "
+        "shorter path"
+    ], result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -816,7 +816,8 @@ class OutputFolder(click.Path):
     """An option naming the folder a command writes into (or keeps its state in). An empty
     path is refused (see `_refuse_empty`), not read as the current folder. `cube`: the
     command writes its cube.nc there, so a folder netCDF cannot write in is refused too
-    (`dvfs.outputs.netcdf_path_problem`), before a sweep measures for hours."""
+    (`dvfs.outputs.netcdf_path_problem`), before a sweep measures for hours. '-', standard
+    output to many tools, is refused as `OutputFile` refuses it: it made a folder named '-'."""
 
     def __init__(self, *, cube: bool = False) -> None:
         super().__init__(file_okay=False, path_type=Path)
@@ -832,6 +833,13 @@ class OutputFolder(click.Path):
             "give a folder's path ('.' for the current one)"
             + (", or leave the option out" if optional else ""),
         )
+        if isinstance(value, str | bytes) and os.fsdecode(value) == "-":
+            self.fail(
+                "'-' is not read as standard output (it would be a folder named '-'): give "
+                "./- for a folder of that name",
+                param,
+                ctx,
+            )
         path = super().convert(value, param, ctx)
         if self.cube and isinstance(path, Path):
             from dvfs.cube.schema import CUBE_NAME

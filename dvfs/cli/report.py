@@ -66,6 +66,19 @@ def figures_folder(output: Path) -> str:
     return f"{output.stem if output.suffix == '.md' else output.name}_figures"
 
 
+def check_figures_name(output: Path) -> None:
+    """Refuse (`OSError` ENAMETOOLONG, as the write would fail) a Markdown page whose figures
+    folder's name is longer than its file system allows (a page of 248 bytes or more before
+    `.md`), before the work: the figures folder was refused only once the report was made."""
+    folder = output.parent / figures_folder(output)
+    try:
+        limit = os.pathconf(output.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    if len(os.fsencode(folder.name)) > limit:
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(folder))
+
+
 def refuse_shared_figures(output: Path) -> None:
     """Refuse (`OutputRefusedError`) a Markdown page whose figures folder is another page's
     beside it: `r.md`'s is r_figures/, and so is `r`'s (`-o r --format md`), so the later
@@ -255,6 +268,7 @@ def report(
             param_hint="'-o' / '--output'",
         )
     if fmt == "md":
+        check_figures_name(output)
         refuse_shared_figures(output)
     ds = open_analysable(cube_path)
     try:

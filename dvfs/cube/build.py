@@ -568,7 +568,7 @@ def _provenance(
             [dict(p) for part in idle for p in part.get("idle_foreign_processes") or ()]
         ),
         # A session's opening idle measurement from the instant power readings (a counter
-        # updated less than twice in it): `idle_power_w` is less exact.
+        # updated less than twice in it, or idle_s = 0): `idle_power_w` is less exact.
         "idle_from_power_readings": int(any(part.get("idle_from_power_readings") for part in idle)),
         "counter_update_period_s": _counter_periods(journal, gpus),
         "measurement_method": session.measurement_method,

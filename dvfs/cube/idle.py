@@ -94,7 +94,7 @@ def readings_caveat(from_readings: bool) -> str:
         return ""
     return (
         " (the mean of the instant power readings: an energy counter updated less than twice "
-        "while it was measured; less exact)"
+        "while it was measured, or measurement.idle_s = 0 read the power once; less exact)"
     )
 
 

@@ -58,8 +58,9 @@ FLAG_NOTES = {
     "and stands. The journal's session record (the opening idle measurement) or cell records "
     "(a setting's) name it; sweep on GPUs nothing else uses",
     "idle_from_power_readings": "an energy counter updated less than twice while the idle "
-    "baseline these cells' above-idle energy subtracts was measured, so that baseline is the "
-    "mean of the instant power readings, not the counter's energy over its window: their "
+    "baseline these cells' above-idle energy subtracts was measured (or measurement.idle_s = 0 "
+    "read the power once for the opening one), so that baseline is the mean of the instant "
+    "power readings, not the counter's energy over its window: their "
     "energy_per_token_above_idle_j is less exact; their energy_per_token_j does not use the "
     "idle and stands. Raise measurement.idle_s (a setting's baseline spans a fifth of it) or "
     "check the counter with `dvfs doctor`",

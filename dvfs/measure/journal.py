@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 
 def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> str:
-    """One line saying what failed on disk and what to do about it."""
+    """One line saying what failed on disk and what to do about it, each thing once (a
+    read-only file system was "Read-only file system; the filesystem is read-only")."""
     where = f" ({exc.filename})" if exc.filename and show_file else ""
     reason = exc.strerror or str(exc)
     hints = {
@@ -48,7 +49,6 @@ def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> st
         errno.EDQUOT: "free some space (disk quota) and run the command again",
         errno.EACCES: "choose a folder you can write to with --out",
         errno.EPERM: "choose a folder you can write to with --out",
-        errno.EROFS: "the filesystem is read-only: choose another folder with --out",
         errno.ENOTDIR: "part of that path is a file, not a folder: choose another --out",
         errno.EEXIST: "a file is in the way of that folder: choose another --out",
         errno.EISDIR: "a folder is in the way of that file: move it aside, or choose another --out",
@@ -62,6 +62,11 @@ def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> st
             "file, or choose another --out"
         ),
     }
+    if exc.errno == errno.EROFS:  # its strerror and a hint said it twice
+        return (
+            f"cannot {doing}{where}: its file system is mounted read-only: choose another "
+            "folder with --out"
+        )
     hint = hints.get(exc.errno or 0)
     return f"cannot {doing}{where}: {reason}" + (f"; {hint}" if hint else "")
 

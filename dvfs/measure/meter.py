@@ -68,7 +68,8 @@ Q_IDLE_BASELINE_FOREIGN = 1 << 13
 Q_DRIFT_NOT_CANCELLED = 1 << 14
 #: The idle baseline the cell's above-idle energy subtracts (the session's opening one, or its
 #: setting's) is the mean of the instant power readings, not the energy counter's: a counter
-#: updated less than twice while it was measured (`dvfs.measure.baseline.idle_baseline`).
+#: updated less than twice while it was measured (`dvfs.measure.baseline.idle_baseline`), or
+#: an opening one of `idle_s` = 0, one instant reading (`measure_idle_power_w`).
 #: Its energy per token does not use the idle and stands, so the cell stays valid.
 Q_IDLE_POWER_READINGS = 1 << 15
 

@@ -367,7 +367,12 @@ class Runner:
         slowest = max((p for p in periods if p), default=None)
         short = slowest is not None and seconds < OPENING_IDLE_MIN_UPDATES * slowest
         self.idle_flags = 0
-        if seconds <= 0 or not (short or None in periods):
+        if seconds <= 0:
+            # one instant power reading (`measure_idle_power_w`), no counter: flagged as a
+            # baseline of the power readings is (the session and the cells said it was not)
+            self.idle_flags = Q_IDLE_POWER_READINGS
+            return measure_idle_power_w(self.gpus, self.clock, seconds)
+        if not (short or None in periods):
             return measure_idle_power_w(self.gpus, self.clock, seconds)
         from dvfs.measure.baseline import IDLE_BASELINE_MAX_S, idle_baseline
 

@@ -90,7 +90,8 @@ class Session:
     #: start or end), whose work `idle_power_w` then counts; empty where none was seen.
     idle_foreign_processes: tuple[dict[str, Any], ...] = ()
     #: The opening idle measurement fell back to the mean of the instant power readings (an
-    #: energy counter updated less than twice in it): `idle_power_w` is less exact. Recorded
+    #: energy counter updated less than twice in it), or is one reading of them (`idle_s` =
+    #: 0): `idle_power_w` is less exact. Recorded
     #: here, as the cells that subtract it are flagged idle_from_power_readings, for where
     #: none does (every cell at a setting with its own baseline). False: the counter's energy
     #: (or before dvfs recorded it).
