@@ -2501,22 +2501,6 @@ def test_an_output_folder_made_for_a_command_that_fails_is_removed_again(
     assert list((tmp_path / "was").iterdir()) == [], result.output
 
 
-@pytest.mark.parametrize("home", ["~", "~root"])
-def test_an_output_under_a_tilde_no_shell_expanded_is_refused(
-    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, home: str
-) -> None:
-    """`-o '~/r/h.json'` (quoted, or `--output=~/r/h.json`: no shell expands it) made a folder
-    named '~' in the current folder and wrote there, since output folders are made. It is
-    refused in one line, exit 2, saying the path in full; nothing is made."""
-    monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli, _argv("headroom-o", shared, Path(f"{home}/r/h.json")))
-    assert result.exit_code == 2, result.output
-    [line] = result.stderr.splitlines()
-    assert f"{home}/r/h.json: no shell expanded its {home!r}" in line, line
-    assert f"write the path in full (e.g. {Path(home).expanduser()}/r/h.json)" in line, line
-    assert not (tmp_path / home).exists()
-
-
 def test_a_write_cut_short_in_a_process_of_its_own_is_one_line(
     shared: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -2641,6 +2625,43 @@ def test_an_output_folder_named_dash_is_refused_not_made_as_a_folder_named_dash(
     assert f"Error: Invalid value for '{option}'" in error, error
     assert "give ./- for a folder of that name" in error, error
     assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("home", ["~", "~root"])
+@pytest.mark.parametrize("name", [*OUTPUT_FILES, *OUTPUT_FOLDERS])
+def test_an_output_under_a_tilde_no_shell_expanded_is_refused_before_the_work(
+    name: str, home: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-o '~/r/h.json'` (quoted, or `--output=~/r/h.json`: no shell expands it) made a folder
+    named '~' in the current folder and wrote there (`cube build -o`, `plot --out`, `sweep
+    --out`), or was refused only once the work was done (headroom, cap plan). It is click's
+    usage error for every output option, exit 2, before any work, saying the path in full;
+    nothing is made. A folder here really named '~' is the user's to write into."""
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    places = {**{k: str(v) for k, v in shared.items()}, "campaign": str(tmp_path / "tiny.toml")}
+    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
+    given = f"{home}/r/out.file"
+    result = CliRunner().invoke(cli, [_fill(a, {**places, "out": given}) for a in argv])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = " ".join(result.stderr.split())
+    assert f"{given}: no shell expanded its {home!r}" in error, error
+    assert f"write the path in full (e.g. {Path(home).expanduser()}/r/out.file)" in error, error
+    assert list(work.iterdir()) == []
+
+
+def test_a_folder_really_named_tilde_is_written_into(
+    shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal above is of a '~' no folder here is named: one the user made is used."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "~").mkdir()
+    result = CliRunner().invoke(cli, _argv("headroom-o", shared, Path("~/h.json")))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "~" / "h.json").is_file()
 
 
 @pytest.mark.parametrize("name", [*OUTPUT_FILES, *OUTPUT_FOLDERS])

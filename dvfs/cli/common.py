@@ -597,15 +597,30 @@ def _unexpanded_home(path: Path, first: Path) -> None:
     """Refuse (`OutputRefusedError`) a relative output `path` whose missing first folder
     `first` is a '~' or '~user' no shell expanded: made, it was a folder of that name in the
     current one, the file written there, not in the home folder."""
-    if path.is_absolute() or first.parent != Path(".") or not first.name.startswith("~"):
+    if path.is_absolute() or first.parent != Path("."):
         return
-    from dvfs.errors import OutputRefusedError
+    problem = unexpanded_home_problem(path)
+    if problem is not None:
+        from dvfs.errors import OutputRefusedError
 
-    home = os.path.expanduser(first.name)
-    full = f" (e.g. {Path(home) / path.relative_to(first)})" if home != first.name else ""
-    raise OutputRefusedError(
-        f"{path}: no shell expanded its {first.name!r} (it was quoted, or joined to its option), "
-        f"and a folder named {first.name!r} would be made here: write the path in full{full}"
+        raise OutputRefusedError(problem)
+
+
+def unexpanded_home_problem(path: Path) -> str | None:
+    """What is wrong with a relative output `path` whose first part is a '~' or '~user' no
+    shell expanded and no folder here is named (quoted, or joined to its option:
+    `--out=~/runs`): written, it would go to a folder of that name made here, not to the home
+    folder; None for any other path."""
+    if path.is_absolute() or not path.parts:
+        return None
+    first = path.parts[0]
+    if not first.startswith("~") or os.path.lexists(first):
+        return None
+    home = os.path.expanduser(first)
+    full = f" (e.g. {Path(home) / path.relative_to(first)})" if home != first else ""
+    return (
+        f"{path}: no shell expanded its {first!r} (it was quoted, or joined to its option), "
+        f"and a folder named {first!r} would be made here: write the path in full{full}"
     )
 
 
@@ -761,7 +776,8 @@ class OutputFile(click.Path):
     a folder too, and an empty one the current folder. `example` is the file name the error
     suggests in it; a netCDF one (".nc") also refuses a path netCDF cannot write
     (`dvfs.outputs.netcdf_path_problem`), before the work whose result it would lose. '-',
-    standard output to many tools, is refused too: it was written as a file named '-'."""
+    standard output to many tools, is refused too: it was written as a file named '-'; so is a
+    relative path under a '~' no shell expanded (`unexpanded_home_problem`)."""
 
     def __init__(self, example: str) -> None:
         super().__init__(dir_okay=False, path_type=Path)
@@ -777,6 +793,9 @@ class OutputFile(click.Path):
                 param,
                 ctx,
             )
+        home_problem = unexpanded_home_problem(Path(text)) if text else None
+        if home_problem is not None:  # refused before the work, not when its file is written
+            self.fail(home_problem, param, ctx)
         # Its trailing separators and '.' parts: what pathlib drops ("x/./", "x/.": "x").
         end = re.search(f"(?:[{re.escape('/' + os.sep)}]\\.?)+\\Z", text)
         if end:
@@ -817,7 +836,8 @@ class OutputFolder(click.Path):
     path is refused (see `_refuse_empty`), not read as the current folder. `cube`: the
     command writes its cube.nc there, so a folder netCDF cannot write in is refused too
     (`dvfs.outputs.netcdf_path_problem`), before a sweep measures for hours. '-', standard
-    output to many tools, is refused as `OutputFile` refuses it: it made a folder named '-'."""
+    output to many tools, is refused as `OutputFile` refuses it: it made a folder named '-'; so
+    is a relative path under a '~' no shell expanded (`unexpanded_home_problem`)."""
 
     def __init__(self, *, cube: bool = False) -> None:
         super().__init__(file_okay=False, path_type=Path)
@@ -841,6 +861,9 @@ class OutputFolder(click.Path):
                 ctx,
             )
         path = super().convert(value, param, ctx)
+        home_problem = unexpanded_home_problem(path) if isinstance(path, Path) else None
+        if home_problem is not None:  # else a folder named '~' made here, the output in it
+            self.fail(home_problem, param, ctx)
         if self.cube and isinstance(path, Path):
             from dvfs.cube.schema import CUBE_NAME
 
