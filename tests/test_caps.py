@@ -3867,3 +3867,28 @@ def test_a_signal_between_a_cap_and_its_record_leaves_the_cap_recorded(
     said = " ".join(invoke("cap", "reset", "--applied").split())
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
     assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
+
+
+def test_the_caps_units_stop_puts_back_the_default_for_a_replaced_limit_out_of_range(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps record naming a replaced power limit outside the GPU's range now (edited by hand,
+    or another driver's range) made `cap reset --applied`, the caps unit's stop, ask NVML for it:
+    refused, exit 1, on every stop, the GPU left at dvfs's cap. It puts back the default, said
+    why."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    invoke("cap", "apply", str(caps))
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    entries = json.loads(record.read_text())
+    entries[uuid]["power_limit_before_mw"] = 100_000  # below the fake H100's 200 W minimum
+    record.write_text(json.dumps(entries))
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000, said
+    assert (
+        "power limit 700 W (default: the limit the caps record says dvfs's cap replaced, 100 W, "
+        "is outside this GPU's range 200-700 W now)"
+    ) in said, said
+    assert not record.exists() or uuid not in json.loads(record.read_text())  # dropped

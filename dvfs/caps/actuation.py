@@ -1031,7 +1031,9 @@ def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[i
     """The power limit `cap reset --applied` puts back on a GPU whose caps record entry lists
     one dvfs set, and its words: the limit that cap replaced, as `cap apply` recorded it; None
     (left be) where the GPU holds another than dvfs's now (an operator's `nvidia-smi -pl`
-    since); the default where the record, an older dvfs's, does not say which it replaced."""
+    since); the default where the record, an older dvfs's, does not say which it replaced, or
+    names one outside the GPU's range now (a hand-edited record, another driver's range),
+    which NVML refuses: the stop failed on it for ever, the GPU left at dvfs's cap."""
     applied = int(recorded["power_limit_mw"])
     current = gpu.power_limit_mw()
     before = recorded.get("power_limit_before_mw")
@@ -1043,7 +1045,15 @@ def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[i
             f"apply` set {applied / 1000:g} W)"
         )
     if isinstance(before, int) and known:
-        return before, f"power limit {before / 1000:g} W (as before `dvfs cap apply`)"
+        limits = gpu.power_limit_range()
+        outside = limits.outside(before)
+        if current == before or outside is None:
+            return before, f"power limit {before / 1000:g} W (as before `dvfs cap apply`)"
+        return default, (
+            f"power limit {default / 1000:g} W (default: the limit the caps record says dvfs's "
+            f"cap replaced, {before / 1000:g} W, is outside this GPU's range "
+            f"{limits.describe_w()} now)"
+        )
     return default, (
         f"power limit {default / 1000:g} W (default: the caps record, written by an older dvfs, "
         "does not say which limit dvfs's cap replaced)"
