@@ -2027,9 +2027,10 @@ def test_the_units_say_a_damaged_caps_record_is_removed_not_rewritten_by_cap_app
     record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
     record.write_text('{"GPU-')
     told = " ".join(invoke("cap", "apply", str(tmp_path / "caps.toml"), code=1).split())
-    assert f"{record} is unreadable" in told and "remove it and re-apply" in told, told
+    assert f"{record} is unreadable" in told and "remove it, reset the GPUs" in told, told
     assert record.read_text() == '{"GPU-'  # not rewritten
-    record.unlink()  # what mends it
+    record.unlink()  # what mends it, with the reset its error names
+    invoke("cap", "reset")
     invoke("cap", "apply", str(tmp_path / "caps.toml"))
     assert json.loads(record.read_text())[uuid]["lock_mhz"] == [210, 1500]
     units = Path(__file__).resolve().parents[1] / "systemd"
@@ -2040,6 +2041,27 @@ def test_the_units_say_a_damaged_caps_record_is_removed_not_rewritten_by_cap_app
         assert "cap apply` rewrites it" not in comments, unit
         assert "cap apply` or the governor rewrites it" not in comments, unit
         assert "damaged: named in the journal, to remove" in comments, unit
+
+
+def test_a_damaged_caps_record_mended_as_told_leaves_no_cap_taken_for_the_stock(
+    nvml, tmp_path: Path
+) -> None:
+    """A damaged caps record is refused, "remove it and re-apply": done so, the apply found
+    its own cap in force, recorded it as the limit it replaced, and the caps unit's stop
+    (`cap reset --applied`) then kept the cap on the GPU as "as before". The error names the
+    reset that comes between; followed as written, the stop leaves the GPU at its stock."""
+    uuid = apply_caps(tmp_path, 1500, 450.0)
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    record.write_text('{"GPU-')
+    told = " ".join(invoke("cap", "apply", str(tmp_path / "caps.toml"), code=1).split())
+    [command] = re.findall(r"reset the GPUs with `(dvfs [^`]*)`", told)
+    record.unlink()
+    invoke(*shlex.split(command)[1:])
+    invoke("cap", "apply", str(tmp_path / "caps.toml"))
+    assert json.loads(record.read_text())[uuid]["lock_mhz"] == [210, 1500]
+    invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
 
 
 def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:

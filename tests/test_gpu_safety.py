@@ -1774,7 +1774,7 @@ def test_the_dry_run_says_the_sweep_would_stop_on_a_damaged_caps_record_or_no_en
     refused = swept()
     assert refused.returncode == 1 and "caps-applied.json is unreadable" in refused.stderr
     [note] = notes()
-    assert "caps-applied.json is unreadable" in note and "remove it and re-apply" in note, note
+    assert "caps-applied.json is unreadable" in note and "remove it, reset the GPUs" in note, note
     assert record.read_text() == "{not json"
     record.unlink()
     nvml.fake_update_device(0, errors={"nvmlDeviceGetTotalEnergyConsumption": 3})

@@ -92,6 +92,18 @@ class CapAction:
         return f"GPU {self.index} ({self.uuid}): " + ", ".join(parts)
 
 
+def record_fix(directory: Path) -> str:
+    """What mends a damaged caps record in `directory`, as its error's tail: removed alone, the
+    next `cap apply` would take the caps in force (dvfs's own) for the limits they replaced,
+    and `cap reset --applied` put those back; so the GPUs are reset first."""
+    from dvfs.gpu.safety import state_dir_flag
+
+    return (
+        f"; remove it, reset the GPUs with `dvfs cap reset{state_dir_flag(directory)}` (the "
+        "limits dvfs's caps replaced are lost with it), then apply again"
+    )
+
+
 class AppliedCaps:
     """dvfs's record of the caps it applied (NVML cannot read a clock lock back)."""
 
@@ -125,20 +137,19 @@ class AppliedCaps:
             if folder is not None:
                 raise CapsRecordError(folder) from exc
             why = record_problem(exc)
-            raise CapsRecordError(
-                f"{self.path} is unreadable ({why}); remove it and re-apply"
-            ) from exc
+            fix = record_fix(self.path.parent)
+            raise CapsRecordError(f"{self.path} is unreadable ({why}){fix}") from exc
         if not isinstance(data, dict) or not all(isinstance(r, dict) for r in data.values()):
             raise CapsRecordError(
-                f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects); "
-                "remove it and re-apply"
+                f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects)"
+                + record_fix(self.path.parent)
             )
         for uuid, r in data.items():  # what `cap show`, sweeps and applies read of each
             problem = _record_problem(r) if checked else None
             if problem:
                 raise CapsRecordError(
-                    f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem}); "
-                    "remove it and re-apply"
+                    f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem})"
+                    + record_fix(self.path.parent)
                 )
         return {
             u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
@@ -926,7 +937,7 @@ def reset_caps(
         try:
             record.entries_as_written()
         except CapsError as exc:
-            told = str(exc).removesuffix("; remove it and re-apply")
+            told = str(exc).removesuffix(record_fix(record.path.parent))
             raise CapsRecordError(
                 f"{told}; nothing was reset: remove it, then reset again"
             ) from exc

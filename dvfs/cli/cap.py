@@ -815,13 +815,14 @@ def _recorded_capped(directory: Path) -> set[str]:
     this boot (`cap reset --applied`); a record that cannot be read tells none, so nothing is
     reset."""
     from dvfs.caps import AppliedCaps
+    from dvfs.caps.actuation import record_fix
     from dvfs.errors import CapsError, CapsRecordError
     from dvfs.gpu.safety import state_dir_flag
 
     try:
         entries = AppliedCaps(directory).entries_as_written()
     except CapsError as exc:
-        told = str(exc).removesuffix("; remove it and re-apply")
+        told = str(exc).removesuffix(record_fix(directory))
         raise CapsRecordError(
             f"{told}; it is what says what `dvfs cap apply` set, so nothing was reset: remove "
             f"it, then reset every GPU with `dvfs cap reset{state_dir_flag(directory)}`"
