@@ -2664,6 +2664,22 @@ def test_a_folder_really_named_tilde_is_written_into(
     assert (tmp_path / "~" / "h.json").is_file()
 
 
+@pytest.mark.parametrize("name", ["headroom-o", "plot-o"])  # a file option, a folder one
+def test_an_output_under_dot_slash_tilde_is_a_folder_named_tilde_here(
+    name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-o ./~/r/out.file`: no shell expands a '~' after './', and the './' says the folder is
+    here; pathlib drops the './', so it was refused as the '~' above, which only the path in
+    full could get past. It is written into a folder named '~' here."""
+    monkeypatch.chdir(tmp_path)
+    places = {**{k: str(v) for k, v in shared.items()}, "out": "./~/r/out.file"}
+    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in argv])
+    assert "no shell expanded" not in result.output, result.output
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "~" / "r" / "out.file").exists()
+
+
 @pytest.mark.parametrize("name", [*OUTPUT_FILES, *OUTPUT_FOLDERS])
 def test_an_empty_output_path_is_refused(
     name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

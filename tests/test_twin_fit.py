@@ -597,14 +597,16 @@ def test_a_profile_fit_writes_on_another_gpus_base_is_one_predict_takes(
     assert "hbm_bandwidth_gb_s is raised from" in " ".join(fitted.output.split())
 
 
-@pytest.mark.parametrize("name", ["h100-sxm:none", "my:fit", 'my"fit', "my\\fit", "h100-sxm", "  "])
+@pytest.mark.parametrize(
+    "name", ["h100-sxm:none", "my:fit", 'my"fit', "my\\fit", "my\x7ffit", "h100-sxm", "  "]
+)
 def test_a_fit_name_no_campaign_can_name_as_that_fit_is_refused_before_the_fit(
     tmp_path: Path, name: str
 ) -> None:
     """A fit's name is the key a campaign's `gpu.profile` names: `h100-sxm:none` reads as the
     shipped H100 with its traps off (predict swept that H100, the fit's figures unused),
-    `my:fit` as an unknown profile `my` with traps `fit`, a quote or backslash wrote a table
-    header TOML cannot read, and a shipped key or a blank one is refused by predict: each is
+    `my:fit` as an unknown profile `my` with traps `fit`, a quote, backslash or DEL wrote a
+    table header TOML cannot read, and a shipped key or a blank one is refused by predict: each is
     one line at the fit, before anything is written."""
     source = store.write(twin_roofline(true_profile()), tmp_path / "roofline.nc")
     out = tmp_path / "p.toml"

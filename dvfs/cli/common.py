@@ -606,6 +606,13 @@ def _unexpanded_home(path: Path, first: Path) -> None:
         raise OutputRefusedError(problem)
 
 
+def _here_explicitly(value: Any) -> bool:
+    """Whether an option's `value` as given starts with './': `./~/x` names a folder '~' here
+    (no shell expands that '~'), though pathlib drops the './' and reads it as `~/x`."""
+    text = os.fsdecode(value) if isinstance(value, str | bytes) else ""
+    return text.startswith(("./", "." + os.sep))
+
+
 def unexpanded_home_problem(path: Path) -> str | None:
     """What is wrong with a relative output `path` whose first part is a '~' or '~user' no
     shell expanded and no folder here is named (quoted, or joined to its option:
@@ -794,8 +801,8 @@ class OutputFile(click.Path):
                 ctx,
             )
         home_problem = unexpanded_home_problem(Path(text)) if text else None
-        if home_problem is not None:  # refused before the work, not when its file is written
-            self.fail(home_problem, param, ctx)
+        if home_problem is not None and not _here_explicitly(text):
+            self.fail(home_problem, param, ctx)  # before the work, not when its file is written
         # Its trailing separators and '.' parts: what pathlib drops ("x/./", "x/.": "x").
         end = re.search(f"(?:[{re.escape('/' + os.sep)}]\\.?)+\\Z", text)
         if end:
@@ -816,6 +823,8 @@ class OutputFile(click.Path):
                 ctx,
             )
         path = super().convert(value, param, ctx)
+        if home_problem is not None and isinstance(path, Path):  # './~/x': '~' here, as written
+            path = Path.cwd() / path
         if self.example.endswith(".nc"):
             _refuse_for_netcdf(self, path, param, ctx)
         return path
@@ -862,8 +871,10 @@ class OutputFolder(click.Path):
             )
         path = super().convert(value, param, ctx)
         home_problem = unexpanded_home_problem(path) if isinstance(path, Path) else None
-        if home_problem is not None:  # else a folder named '~' made here, the output in it
-            self.fail(home_problem, param, ctx)
+        if home_problem is not None and not _here_explicitly(value):
+            self.fail(home_problem, param, ctx)  # else a folder named '~' made here, output in it
+        if home_problem is not None and isinstance(path, Path):  # './~/x': '~' here, as written
+            path = Path.cwd() / path
         if self.cube and isinstance(path, Path):
             from dvfs.cube.schema import CUBE_NAME
 

@@ -103,7 +103,11 @@ def _check_fit_name(name: str) -> None:
     from dvfs.twin.profiles import gpu_profiles
 
     blank = bool(name) and not name.strip()  # "" is the default name; "  " names nothing
-    if blank or any(c in name for c in _NOT_IN_A_NAME) or any(ord(c) < 32 for c in name):
+    if (
+        blank
+        or any(c in name for c in _NOT_IN_A_NAME)
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+    ):
         fail(
             f"--name {name!r}: a profile's name cannot hold ':' (a campaign's gpu.profile reads "
             "what follows it as a trap list, as in h100-sxm:none), a quote, a backslash or a "
