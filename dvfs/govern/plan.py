@@ -17,7 +17,6 @@ the GPU runs at stock.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import stat
 import tomllib
@@ -300,14 +299,6 @@ def load_plan(path: str | Path) -> BatchPlan:
     return parse_plan(data, where=str(path))
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))
-
-
 def dump_plan(plan: BatchPlan) -> str:
     lines = [
         "# Per-batch GPU settings written by `dvfs cap plan --per-batch`; follow them with",
@@ -321,7 +312,7 @@ def dump_plan(plan: BatchPlan) -> str:
             "# measurements of real GPUs; `dvfs govern` refuses it without --allow-simulated.",
         ]
     lines += [f"{SCHEMA_KEY} = {BATCH_PLAN_SCHEMA}", "", "[meta]"]
-    lines += [f"{k} = {_toml(v)}" for k, v in plan.meta.items() if v is not None]
+    lines += [f"{k} = {toml_value(v)}" for k, v in plan.meta.items() if v is not None]
     for step in plan.steps:
         lines += ["", "[[batch]]", f"batch = {step.batch}"]
         if step.setting.sm_clock_mhz is not None:
