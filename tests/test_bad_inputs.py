@@ -2227,6 +2227,29 @@ def test_a_closed_pipe_stops_quietly() -> None:
     assert err == "", err
 
 
+def test_an_argument_of_bytes_not_utf8_is_said_to_be_that_not_an_output_encoding(
+    shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`dvfs twin fit CUBE --name $'my\\xffgpu'`: Python carries the byte as a surrogate,
+    which no encoding writes, and the error said "set PYTHONIOENCODING=utf-8 (or a UTF-8
+    locale) and rerun", which changes nothing under a UTF-8 locale. It names the byte and says
+    to give the argument in UTF-8."""
+    from conftest import PYTHON, subprocess_env
+
+    proc = subprocess.run(
+        [PYTHON, "-m", "dvfs", "twin", "fit", str(shared["cube"]), "-o", str(tmp_path / "p.toml")]
+        + ["--name", b"my\xffgpu"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(PYTHONIOENCODING="utf-8", LC_ALL="C.UTF-8"),
+        timeout=300,
+    )
+    assert proc.returncode in (1, 2), proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("Error:")]
+    assert "PYTHONIOENCODING" not in line, line
+    assert "bytes that are not UTF-8 (0xff)" in line and "give it in UTF-8" in line, line
+
+
 @pytest.mark.parametrize(
     ("exc", "says"),
     [

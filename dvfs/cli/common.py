@@ -541,6 +541,15 @@ def describe_unicode_error(exc: UnicodeError) -> str:
             "file? Save text files as UTF-8"
         )
     if isinstance(exc, UnicodeEncodeError):
+        bad = exc.object[exc.start : exc.end]
+        if bad and all(0xDC80 <= ord(c) <= 0xDCFF for c in bad):
+            # bytes Python could not decode (an argument or a file name), carried as
+            # surrogates: no output encoding writes them, so PYTHONIOENCODING cannot help
+            raw = " ".join(f"0x{ord(c) - 0xDC00:02x}" for c in bad)
+            return (
+                f"an argument or a file name holds bytes that are not UTF-8 ({raw}), which "
+                "dvfs cannot write into text: give it in UTF-8 (rename such a file)"
+            )
         return (
             f"cannot write {exc.object[exc.start : exc.end]!r} in the {exc.encoding} encoding: "
             "set PYTHONIOENCODING=utf-8 (or a UTF-8 locale) and rerun"
