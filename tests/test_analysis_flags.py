@@ -313,7 +313,9 @@ def test_one_repeat_says_no_interval_was_possible(small_sweep: Path) -> None:
 
 
 def test_writing_the_json_where_it_cannot_go_is_one_line(small_sweep: Path, tmp_path) -> None:
-    target = tmp_path / "no" / "such" / "h.json"
+    """A path under a regular file (a missing folder is made: `make_parent`)."""
+    (tmp_path / "afile").write_text("")
+    target = tmp_path / "afile" / "such" / "h.json"
     refused(invoke("headroom", str(small_sweep), "-o", str(target)), 1, str(target))
 
 
