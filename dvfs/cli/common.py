@@ -49,32 +49,16 @@ def dry_run_reads_gpus(command: str, reads: str, *, refused: str = "") -> Callab
     --twin; begun with `refused` (the words its other dry-run refusals begin with). Its run
     itself says what `has_no_twin` says."""
 
+    def on_dry_run(text: str) -> str:
+        # NVML missing: not the GPUs' host, most likely; its driver installed but not
+        # loaded: their host, where the module is to be loaded first
+        where = (
+            "load the module, then run it again" if _not_loaded(text) else "run it on their host"
+        )
+        return f"{refused}{text}; {command} reads {reads} through it (it has no --twin): {where}"
+
     def decorate(func: F) -> F:
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            from dvfs.errors import GpuUnavailableError
-
-            try:
-                return func(*args, **kwargs)
-            except GpuUnavailableError as exc:
-                text = _without_twin_hint(exc)
-                if text is None:
-                    raise
-                if not kwargs.get("dry_run"):
-                    raise type(exc)(text) from exc
-                # NVML missing: not the GPUs' host, most likely; its driver installed but not
-                # loaded: their host, where the module is to be loaded first
-                where = (
-                    "load the module, then run it again"
-                    if _not_loaded(text)
-                    else "run it on their host"
-                )
-                raise type(exc)(
-                    f"{refused}{text}; {command} reads {reads} through "
-                    f"it (it has no --twin): {where}"
-                ) from exc
-
-        return wrapper  # type: ignore[return-value]
+        return _without_the_twins_hint(func, on_dry_run)
 
     return decorate
 
@@ -124,6 +108,14 @@ def has_no_twin(func: F) -> F:
     and governor units' commands): where NVML is missing or its driver not loaded, its one line
     says how to get the driver going, not to run on the digital twin, which it cannot."""
 
+    return _without_the_twins_hint(func, None)
+
+
+def _without_the_twins_hint(func: F, on_dry_run: Callable[[str], str] | None) -> F:
+    """`func`, its failure to reach NVML (`GpuUnavailableError`) said without the hint to run
+    on the twin (`_without_twin_hint`); in a dry run (`dry_run=True`), as `on_dry_run` words
+    it, where given."""
+
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from dvfs.errors import GpuUnavailableError
@@ -134,6 +126,8 @@ def has_no_twin(func: F) -> F:
             text = _without_twin_hint(exc)
             if text is None:
                 raise
+            if on_dry_run is not None and kwargs.get("dry_run"):
+                text = on_dry_run(text)
             raise type(exc)(text) from exc
 
     return wrapper  # type: ignore[return-value]
