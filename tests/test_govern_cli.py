@@ -1236,14 +1236,12 @@ def test_a_dry_run_whose_server_has_no_metrics_names_the_flag(
     assert nvml.fake_calls() == []
 
 
-def test_the_systemd_units_command_line_runs(
-    tmp_path: Path, env: dict[str, str], nvml, stub: str
-) -> None:
-    """ExecStart of systemd/dvfs-govern.service, pointed at a test plan, a free port, the stub
-    and a dry run: every option it passes exists and parses."""
-    unit = (REPO / "systemd" / "dvfs-govern.service").read_text()
+def unit_argv(unit: str, tmp_path: Path, stub: str) -> tuple[str, list[str]]:
+    """A unit file's text and its ExecStart as dvfs's argv, run as written but for the paths
+    and ports: the test plan (written to `tmp_path`), free ports and the stub server."""
+    text = (REPO / "systemd" / unit).read_text()
     [start] = [
-        line[len("ExecStart=") :] for line in unit.splitlines() if line.startswith("ExecStart=")
+        line[len("ExecStart=") :] for line in text.splitlines() if line.startswith("ExecStart=")
     ]
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
@@ -1251,28 +1249,31 @@ def test_the_systemd_units_command_line_runs(
         start.replace("/usr/local/bin/dvfs", "")
         .replace("/etc/dvfs/govern-plan.toml", str(plan))
         .replace("127.0.0.1:9435", "127.0.0.1:0")
+        .replace("127.0.0.1:9436", "127.0.0.1:0")
         .replace("http://127.0.0.1:30000", stub)
         .split()
     )
+    return text, argv
+
+
+def test_the_systemd_units_command_line_runs(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """ExecStart of systemd/dvfs-govern.service, pointed at a test plan, a free port, the stub
+    and a dry run: every option it passes exists and parses."""
+    _, argv = unit_argv("dvfs-govern.service", tmp_path, stub)
     result = dvfs_in_process(*argv, "--dry-run", "--max-intervals", "1", "--gpu", "0", env=env)
     assert result.returncode == 0, result.stderr
     assert "would set running batch 0 -> plan batch 1" in result.stderr
     assert nvml.fake_calls() == []
 
 
-def test_the_monitor_units_command_line_runs(env: dict[str, str], nvml, stub: str) -> None:
+def test_the_monitor_units_command_line_runs(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
     """ExecStart of systemd/dvfs-monitor.service, pointed at the stub and a free port, for two
     intervals: every option it passes exists, and it serves the server's metrics too."""
-    unit = (REPO / "systemd" / "dvfs-monitor.service").read_text()
-    [start] = [
-        line[len("ExecStart=") :] for line in unit.splitlines() if line.startswith("ExecStart=")
-    ]
-    argv = (
-        start.replace("/usr/local/bin/dvfs", "")
-        .replace("127.0.0.1:9436", "127.0.0.1:0")
-        .replace("http://127.0.0.1:30000", stub)
-        .split()
-    )
+    _, argv = unit_argv("dvfs-monitor.service", tmp_path, stub)
     result = dvfs_in_process(*argv, "--max-intervals", "2", env=env)
     assert result.returncode == 0, result.stderr
     assert "serving metrics on http://127.0.0.1:" in result.stderr
@@ -1292,25 +1293,12 @@ def test_the_governor_and_monitor_units_wait_for_a_driver_loading_late(
     paths and ports, now waits for the driver, then runs."""
     import dvfs.gpu.nvml
 
-    text = (REPO / "systemd" / unit).read_text()
-    [start] = [
-        line[len("ExecStart=") :] for line in text.splitlines() if line.startswith("ExecStart=")
-    ]
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
-    argv = (
-        start.replace("/usr/local/bin/dvfs", "")
-        .replace("/etc/dvfs/govern-plan.toml", str(plan))
-        .replace("127.0.0.1:9435", "127.0.0.1:0")
-        .replace("127.0.0.1:9436", "127.0.0.1:0")
-        .replace("http://127.0.0.1:30000", stub)
-        .split()
-    )
+    text, argv = unit_argv(unit, tmp_path, stub)
     argv += ["--max-intervals", "1"] + (["--gpu", "0"] if "govern" in argv else [])
     restarts = re.search(r"^RestartSec=(\d+)$", text, re.M)
     burst = re.search(r"^StartLimitBurst=(\d+)$", text, re.M)
     assert restarts and burst and "Restart=on-failure" in text  # what a failure at once met
-    assert "--wait-for-driver" in argv, start
+    assert "--wait-for-driver" in argv, argv
     wait_s = int(argv[argv.index("--wait-for-driver") + 1])
     assert wait_s > int(restarts[1]) * int(burst[1]), "the wait outlasts the restarts it replaces"
     not_loaded = {**env, "DVFS_FAKE_NVML_INIT_ERROR": str(nvml.NVML_ERROR_DRIVER_NOT_LOADED)}
