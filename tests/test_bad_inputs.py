@@ -1219,6 +1219,21 @@ GPU_CASES = [
         for where, value in (("dev-null", "/dev/null"), ("under-a-file", "{tmp}/file.txt/s"))
         for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"], ["cap", "show"])
     ),
+    # A relative $DVFS_STATE_DIR named another folder from each folder a command ran in: a
+    # sweep's state files were left where `dvfs gpu reset` (and the units) never looked.
+    *(
+        C(
+            f"state-dir-env-relative-{where}-{'-'.join(argv[:2])}",
+            argv,
+            files={"caps.toml": GOOD_CAPS},
+            nvml=True,
+            env={"DVFS_STATE_DIR": value},
+            code=1,
+            says=(f"DVFS_STATE_DIR={value!r} is a relative path", "to an absolute folder"),
+        )
+        for where, value in (("plain", "state"), ("tilde", "~/state"))
+        for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"], ["cap", "show"])
+    ),
     # The same folders given with --state-dir (and a FIFO): its caps record was said to be
     # "unreadable (Not a directory); remove it and re-apply", a file that is not there to
     # remove; `gpu reset` said so of each GPU's state file; `cap reset` and `gpu settle` said to

@@ -2161,3 +2161,33 @@ def test_a_full_disk_under_the_state_folder_names_the_gpus_lock_not_the_out_fold
     # written beside an output ("choose another --out", which changes nothing)
     assert "--out" not in result.stderr.splitlines()[-1], result.stderr
     assert load_fake().fake_state()["devices"][0]["locked_clocks"] is None
+
+
+def test_a_relative_xdg_state_home_is_ignored_as_the_xdg_spec_says(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The XDG base directory spec: a relative $XDG_STATE_HOME is invalid and ignored. Used, it
+    named another state folder from each folder a user ran dvfs in, so a sweep's state files
+    were left where a `dvfs gpu reset` run elsewhere never looked."""
+    from dvfs.gpu import safety
+
+    monkeypatch.setattr(safety.os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("DVFS_STATE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", "state")
+    assert safety.default_state_dir() == tmp_path / ".local" / "state" / "dvfs"
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert safety.default_state_dir() == tmp_path / "xdg" / "dvfs"
+
+
+def test_a_reset_advised_for_a_relative_state_folder_names_it_from_anywhere(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """`--state-dir state` given to a sweep or `cap apply`: the `dvfs gpu reset --state-dir`
+    its advice names must find that folder whichever folder the operator runs it from."""
+    from dvfs.gpu import safety
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DVFS_STATE_DIR", raising=False)
+    advice = safety.reset_command(Path("state"))
+    assert advice == f"`dvfs gpu reset --state-dir {shlex.quote(str(tmp_path / 'state'))}`"

@@ -102,7 +102,7 @@ def default_state_dir() -> Path:
     if os.geteuid() == 0:
         return ROOT_STATE_DIR
     xdg = os.environ.get("XDG_STATE_HOME")
-    if xdg:
+    if xdg and Path(xdg).is_absolute():  # a relative one is ignored, as the XDG spec says
         return _folder_from_env("XDG_STATE_HOME", xdg, Path(xdg) / "dvfs")
     return Path.home() / ".local" / "state" / "dvfs"
 
@@ -118,8 +118,8 @@ def state_dir_flag(directory: Path) -> str:
     them: where that is not the default (a command run with --state-dir), which a plain
     command does not look in, and where $DVFS_STATE_DIR chose it: such a command is run as
     root, and `sudo` drops the environment (env_reset), so the command it runs looks in
-    /var/lib/dvfs."""
-    flag = f" --state-dir {shlex.quote(str(directory))}"
+    /var/lib/dvfs. The folder is named absolute: the command may be run from another folder."""
+    flag = f" --state-dir {shlex.quote(str(directory.absolute()))}"
     if os.environ.get("DVFS_STATE_DIR"):
         return flag
     try:
@@ -138,7 +138,15 @@ def state_dir_command(command: str, directory: Path) -> str:
 def _folder_from_env(variable: str, value: str, path: Path) -> Path:
     """`path`, refused in one line naming the variable when a file (or a device such as
     /dev/null) stands where it or a folder above it should be: the fix is the variable, not
-    removing that file."""
+    removing that file; and a relative path, which names another folder from each folder dvfs
+    runs in, so that `dvfs gpu reset` and the systemd units would miss the state a run left."""
+    if not path.is_absolute():
+        tilde = " (a shell expands '~' only unquoted at a word's start: write $HOME)"
+        raise DvfsError(
+            f"{variable}={value!r} is a relative path, another folder from each folder dvfs "
+            f"runs in{tilde if value.startswith('~') else ''}: set {variable} to an absolute "
+            "folder, or unset it"
+        )
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
