@@ -11,6 +11,7 @@ does)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 from dvfs.campaign.model import DrafterSpec
 from dvfs.cli import cli
+from dvfs.engines import sglang as sglang_engine
 from dvfs.engines.sglang_refusals import start_refusal
 from dvfs.errors import START_UNFIT
 
@@ -271,6 +273,52 @@ def test_a_server_that_crashes_as_it_starts_is_still_told_to_rerun(tmp_path: Pat
     assert "--fresh" not in said and "change the campaign" not in said, said
     info = json.loads(CliRunner().invoke(cli, ["cube", "info", str(out), "--json"]).output)
     assert "change the campaign" not in info["resume"], info["resume"]
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_a_scheduler_killed_outright_as_it_starts_is_named_before_the_start_times_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """A scheduler rank killed outright as the server starts (SIGKILL, the OS's out-of-memory
+    killer: no traceback, no SIGQUIT to its launcher) beside a rank waiting for it: SGLang
+    0.5.9's launcher waits on the waiting rank's pipe and never notices, so the server neither
+    answers nor exits. dvfs sees the dead process lie unreaped in the server's tree and fails
+    the start naming it, a plain failure (rerun), long before engine.sglang.startup_timeout_s.
+    Before, it waited the whole timeout and then said to give a longer one, which waits as long
+    again. 0.5.23's launcher notices itself and exits, its own words in the error."""
+    monkeypatch.setattr(sglang_engine, "DEAD_MEMBER_GRACE_S", 0.5, raising=False)
+    monkeypatch.setattr(sglang_engine, "DEAD_MEMBER_POLL_S", 0.05, raising=False)
+    campaign, marker = stub_campaign(
+        tmp_path,
+        version=version,
+        stub={"start_failure": "scheduler_killed"},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        startup_timeout_s=60.0,
+        retries=0,
+    )
+    out = tmp_path / "out"
+    result, said = _sweep(campaign, out)
+    assert result.exit_code == 5, result.output
+    assert running(marker) == []
+    [error] = _errors(out)
+    first = error.partition("\n")[0]
+    assert first.startswith("server start failed: the 'none' server failed to start: "), error
+    assert "startup_timeout_s" not in first and "not ready within" not in first, error
+    if version == "0.5.9":
+        assert re.search(
+            r"its process \d+ \(\S+\) was killed \(SIGKILL; the OS's out-of-memory killer, most "
+            r"likely: dmesg -T \| grep -i oom tells\) as the server started, and the server has "
+            r"waited on it for 0.5 s without noticing ",
+            first,
+        ), error
+        assert first.endswith("more start-up time would not help"), error
+    else:
+        assert "the server process exited while starting" in first, error
+        assert "RuntimeError: Rank 1 scheduler died during initialization (exit code: -9)" in error
+    assert f"the cube is written without them; {RERUN} (errors are in" in said, said
+    assert "--fresh" not in said, said
 
 
 def test_a_failed_starts_error_shows_only_that_servers_own_log_lines(tmp_path: Path) -> None:

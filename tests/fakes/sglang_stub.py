@@ -73,7 +73,9 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   ``--enable-piecewise-cuda-graph``; 0.5.23's prefill one, on by default, whose failure ends in
   torch's own line), or ``"crash"`` (a scheduler that fails for no reason of the campaign's: an
   NCCL error, which a rerun may not meet). Each logs the CUDA graph captures begun (and
-  ended) before it as its release does.
+  ended) before it as its release does. Or ``"scheduler_killed"``: a scheduler rank killed
+  outright (SIGKILL, no traceback, no SIGQUIT) beside one waiting for it; 0.5.9's launcher
+  then waits on, never reaping it, 0.5.23's notices and exits 1 (``scheduler_killed``).
 - ``fail_after_requests`` (null): /generate requests number N, N+1, ... are
   answered ``fail_status`` with ``{"error": {"message": ...}}`` (0 fails them
   all).  Both fault counters number /generate requests from 1 as they arrive
@@ -264,6 +266,7 @@ HTTP request plus one per finished /generate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -709,6 +712,45 @@ def fail_start(steps: Sequence[str], draft: bool) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def scheduler_killed(cfg: StubConfig, started: float) -> int:
+    """``start_failure`` "scheduler_killed": two scheduler ranks forked as SGLang's launcher
+    spawns them, rank 1 killed outright as its weights load (SIGKILL: the OS's out-of-memory
+    killer), so no "Scheduler hit an exception" and no SIGQUIT; rank 0 waits for it (as in a
+    collective). 0.5.9's launcher waits on rank 0's pipe (entrypoints/engine.py
+    `_wait_for_scheduler_ready`: a blocking recv per rank, in turn), never reaping rank 1: the
+    stub lives on, listening nowhere, until stopped or ``max_lifetime_s``. 0.5.23's polls every
+    rank (every 5 s there) and raises "Rank 1 scheduler died during initialization (exit code:
+    -9) ...", then its launch_server.py kills its process tree: exit 1."""
+    log("Load weight begin. avail mem=78.50 GB")
+    sys.stderr.flush()
+    lifetime = max(cfg.max_lifetime_s - (time.monotonic() - started), 0.0)
+    rank0 = os.fork()
+    if rank0 == 0:  # waits for rank 1, as in a collective, until stopped (default SIGTERM)
+        time.sleep(lifetime)
+        os._exit(0)
+    rank1 = os.fork()
+    if rank1 == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if cfg.version == "0.5.9":
+        stop.wait(lifetime)  # blocked on rank 0's pipe: rank 1 lies dead, unreaped
+    else:
+        while not stop.is_set() and os.waitpid(rank1, os.WNOHANG) == (0, 0):
+            stop.wait(0.05)
+        if not stop.is_set():
+            print(
+                "Traceback (most recent call last):\n  (sglang_stub)\nRuntimeError: Rank 1 "
+                "scheduler died during initialization (exit code: -9). If exit code is -9 "
+                "(SIGKILL), a common cause is the OS OOM killer. Run `dmesg -T | grep -i oom` to "
+                "check.",
+                file=sys.stderr,
+            )
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(rank0, signal.SIGKILL)
+    return 1
+
+
 #: Tokens the stub's KV pool holds unless --max-total-tokens says (an H100's, for an 8B model).
 KV_TOKENS = 460_000
 
@@ -760,8 +802,9 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
     for key in ("natural_stop", "abort_route", "abort_ignored", "hold_unfinished"):
         if not isinstance(getattr(cfg, key), bool):
             raise StubConfigError(f"{key} must be true or false")
-    if cfg.start_failure is not None and cfg.start_failure not in START_FAILURES:
-        raise StubConfigError(f"start_failure must be one of {sorted(START_FAILURES)} or null")
+    failures = sorted([*START_FAILURES, "scheduler_killed"])
+    if cfg.start_failure is not None and cfg.start_failure not in failures:
+        raise StubConfigError(f"start_failure must be one of {failures} or null")
     if cfg.torch_load_device is not None and not isinstance(cfg.torch_load_device, str):
         raise StubConfigError("torch_load_device must be a torch device name or null")
     if cfg.die_after_requests == 0:
@@ -2331,6 +2374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.listen_delay_s:
         time.sleep(cfg.listen_delay_s)
     draft = bool(args.get("speculative_draft_model_path"))
+    if cfg.start_failure == "scheduler_killed":
+        return scheduler_killed(cfg, started)
     if cfg.start_failure is not None:
         steps = START_FAILURES[cfg.start_failure]
         fail_start(steps[cfg.version] if isinstance(steps, dict) else steps, draft)
