@@ -87,6 +87,22 @@ def server_pids(root: int, proc: Path = PROC) -> frozenset[int]:
     return frozenset(ours)
 
 
+def dead_members(root: int, proc: Path = PROC) -> dict[int, int | None]:
+    """The processes of `root`'s tree (`server_pids`) but `root` that have died and wait for
+    their parent to reap them (zombies: state Z), each with how it ended as waitpid(2) words it
+    (stat's 52nd field, exit_code, from Linux 3.5; None where it cannot be read)."""
+    dead: dict[int, int | None] = {}
+    for pid in sorted(server_pids(root, proc) - {root}):
+        fields = _stat_fields(pid, proc)
+        if not fields or fields[0] != "Z":
+            continue
+        try:
+            dead[pid] = int(fields[49])
+        except (IndexError, ValueError):
+            dead[pid] = None
+    return dead
+
+
 def _listen_address(text: str) -> Address:
     """A local address as /proc/net/tcp and tcp6 write it: hex 32-bit words, each in the
     host's byte order ("0100007F" is 127.0.0.1 on a little-endian machine); an IPv4-mapped

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from dvfs.procfs import earlier_holder, port_holders, process_name, server_pids, start_ticks
+from dvfs.procfs import (
+    dead_members,
+    earlier_holder,
+    port_holders,
+    process_name,
+    server_pids,
+    start_ticks,
+)
 
 #: A name a program may give itself (PR_SET_NAME takes any 15 bytes): not UTF-8, with a ')'
 #: and a space where /proc/<pid>/stat's fields are split.
@@ -256,3 +263,22 @@ def test_a_host_that_does_not_resolve_yet_is_looked_up_again_not_called_remote(
     got = find_server_gpus("http://gpu-node-17.example:30000", [])
     assert got.uuids is None and not got.lasting
     assert "gpu-node-17.example does not resolve" in got.why
+
+
+def test_dead_members_of_a_tree_are_its_zombies_with_how_they_ended(tmp_path: Path) -> None:
+    """A server (100) with a child killed outright and not reaped (101: state Z, stat's
+    exit_code 9, SIGKILL), one that exited 0 (102), one dead whose stat is cut short (103: how
+    unknown) and one alive (104); a zombie outside its tree (7) is not its. The root is never
+    its own dead member (dvfs reaps it)."""
+    proc = tmp_path / "proc"
+    for pid, state, exit_code in [(101, "Z", "9"), (102, "Z", "0"), (104, "S", "0")]:
+        folder = proc / str(pid)
+        folder.mkdir(parents=True)
+        rest = [state, "100", "100"] + ["0"] * 46 + [exit_code]
+        (folder / "stat").write_text(f"{pid} (sglang::schedul) " + " ".join(rest) + "\n")
+    _process(proc, 100, b"python3", 1, 100, started=5000)
+    (proc / "103").mkdir()
+    (proc / "103" / "stat").write_text("103 (python3) Z 100 100 0\n")
+    (proc / "7").mkdir()
+    (proc / "7" / "stat").write_text("7 (x) Z 1 7 " + " ".join(["0"] * 47) + "\n")
+    assert dead_members(100, proc) == {101: 9, 102: 0, 103: None}

@@ -11,6 +11,7 @@ does)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 from dvfs.campaign.model import DrafterSpec
 from dvfs.cli import cli
+from dvfs.engines import sglang as sglang_engine
 from dvfs.engines.sglang_refusals import start_refusal
 from dvfs.errors import START_UNFIT
 
@@ -38,7 +40,7 @@ SMALLER_DRAFT = (
 )
 GRAPHS = (
     "(more memory outside its static pool), or a smaller largest batch in workload.batch (dvfs "
-    "captures CUDA graphs up to it)"
+    "sets --cuda-graph-max-bs-decode to it)"
 )
 
 #: id: (the stub's start_failure, engine.sglang.extra_args, drafters, the fix the line names)
@@ -111,11 +113,16 @@ CASES: dict[str, tuple[str | None, list[str], str, str]] = {
 
 
 def _campaign(
-    tmp_path: Path, failure: str | None, extra: list[str], drafters: str = ONE_DRAFTER
+    tmp_path: Path,
+    failure: str | None,
+    extra: list[str],
+    drafters: str = ONE_DRAFTER,
+    version: str = "0.5.23",
 ) -> tuple[Path, str]:
     """One cell (one batch, one clock) of the stub, failing its start as `failure` says."""
     return stub_campaign(
         tmp_path,
+        version=version,
         stub={"start_failure": failure} if failure else None,
         drafters=drafters,
         batch="[1]",
@@ -168,6 +175,82 @@ def test_a_server_sglang_refuses_to_start_says_to_change_the_campaign_not_to_rer
     assert f"change the campaign ({fix})" in text, text
 
 
+#: id: (SGLang's version, the stub's start_failure, engine.sglang.extra_args, SGLang's own hint
+#: in the server's log, what the error says happened, the fix it names)
+GRAPH_CASES: dict[str, tuple[str, str, list[str], str, str, str]] = {
+    # 0.5.23 has no --cuda-graph-max-bs (an ambiguous prefix there): its hint names -decode.
+    "decode-0.5.23": (
+        "0.5.23",
+        "graph_oom",
+        [],
+        "2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)",
+        "capturing its CUDA graphs",
+        "or a smaller largest batch in workload.batch (dvfs sets --cuda-graph-max-bs-decode to it)",
+    ),
+    "decode-0.5.9": (
+        "0.5.9",
+        "graph_oom",
+        [],
+        "2. set --cuda-graph-max-bs to a smaller value (e.g., 16)",
+        "capturing its CUDA graphs",
+        "or a smaller largest batch in workload.batch (dvfs sets --cuda-graph-max-bs to it)",
+    ),
+    # The prefill graph (on by default in 0.5.23) is sized in tokens, by a flag dvfs leaves to
+    # the campaign, and its failure ends in torch's own line, no "Capture cuda graph failed".
+    "prefill-0.5.23": (
+        "0.5.23",
+        "prefill_graph_oom",
+        [],
+        "set --cuda-graph-max-bs-prefill to a smaller value (e.g., 2048)",
+        "capturing its prefill CUDA graphs",
+        "or give a --cuda-graph-max-bs-prefill below 8192 in engine.sglang.extra_args (the most "
+        "tokens its prefill CUDA graphs hold), or --cuda-graph-backend-prefill disabled there",
+    ),
+    "piecewise-0.5.9": (
+        "0.5.9",
+        "prefill_graph_oom",
+        ["--enable-piecewise-cuda-graph"],
+        "2. set --piecewise-cuda-graph-max-tokens to a smaller value (e.g., 512)",
+        "capturing its prefill CUDA graphs",
+        "or give a --piecewise-cuda-graph-max-tokens in engine.sglang.extra_args (the most "
+        "tokens its piecewise CUDA graphs hold), or leave out --enable-piecewise-cuda-graph",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_a_cuda_graph_that_ran_out_of_memory_names_the_flag_of_the_running_release(
+    tmp_path: Path, case: str
+) -> None:
+    """A CUDA graph capture that ran out of GPU memory, as each release words it (the stub
+    prints the hint of the release it plays: 0.5.23's decode hint names
+    --cuda-graph-max-bs-decode, the only decode flag it has): the fix names the flag that sizes
+    that graph in the release the campaign runs, dvfs's own for the decode graph (the largest
+    batch), the campaign's to give for the prefill graph (tokens, not the batch). Before, the
+    stub's 0.5.23 hint named --cuda-graph-max-bs, the fix named no flag, and a prefill graph's
+    (0.5.23's, on by default) was "after loading the weights", to shrink workload.batch, which
+    does not size it; 0.5.9's piecewise one was told the same."""
+    version, failure, extra, hint, what, fix = GRAPH_CASES[case]
+    campaign, marker = _campaign(tmp_path, failure, extra, version=version)
+    out = tmp_path / "out"
+    result, said = _sweep(campaign, out)
+    assert result.exit_code == 5, result.output
+    assert running(marker) == []
+    log = (out / "logs" / "server-none-1.log").read_text()
+    assert hint in log, log
+    if version == "0.5.23":
+        assert "--cuda-graph-max-bs to" not in log, log
+    [error] = _errors(out)
+    assert error.startswith(START_UNFIT), error
+    assert "\n" not in error and "Traceback" not in error, error
+    assert f"the GPUs ran out of memory {what}, outside its static memory" in error, error
+    assert error.endswith(
+        "give a --mem-fraction-static below SGLang's default in engine.sglang.extra_args (more "
+        f"memory outside its static pool), {fix}"
+    ), error
+    assert FRESH in said and RERUN not in said, said
+
+
 def test_a_server_that_crashes_as_it_starts_is_still_told_to_rerun(tmp_path: Path) -> None:
     """A start that fails for no reason of the campaign's (an NCCL error, printed as SGLang's
     scheduler does, the process killed as SGLang's launcher kills it) stays a plain start
@@ -190,6 +273,52 @@ def test_a_server_that_crashes_as_it_starts_is_still_told_to_rerun(tmp_path: Pat
     assert "--fresh" not in said and "change the campaign" not in said, said
     info = json.loads(CliRunner().invoke(cli, ["cube", "info", str(out), "--json"]).output)
     assert "change the campaign" not in info["resume"], info["resume"]
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_a_scheduler_killed_outright_as_it_starts_is_named_before_the_start_times_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """A scheduler rank killed outright as the server starts (SIGKILL, the OS's out-of-memory
+    killer: no traceback, no SIGQUIT to its launcher) beside a rank waiting for it: SGLang
+    0.5.9's launcher waits on the waiting rank's pipe and never notices, so the server neither
+    answers nor exits. dvfs sees the dead process lie unreaped in the server's tree and fails
+    the start naming it, a plain failure (rerun), long before engine.sglang.startup_timeout_s.
+    Before, it waited the whole timeout and then said to give a longer one, which waits as long
+    again. 0.5.23's launcher notices itself and exits, its own words in the error."""
+    monkeypatch.setattr(sglang_engine, "DEAD_MEMBER_GRACE_S", 0.5, raising=False)
+    monkeypatch.setattr(sglang_engine, "DEAD_MEMBER_POLL_S", 0.05, raising=False)
+    campaign, marker = stub_campaign(
+        tmp_path,
+        version=version,
+        stub={"start_failure": "scheduler_killed"},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        startup_timeout_s=60.0,
+        retries=0,
+    )
+    out = tmp_path / "out"
+    result, said = _sweep(campaign, out)
+    assert result.exit_code == 5, result.output
+    assert running(marker) == []
+    [error] = _errors(out)
+    first = error.partition("\n")[0]
+    assert first.startswith("server start failed: the 'none' server failed to start: "), error
+    assert "startup_timeout_s" not in first and "not ready within" not in first, error
+    if version == "0.5.9":
+        assert re.search(
+            r"its process \d+ \(\S+\) was killed \(SIGKILL; the OS's out-of-memory killer, most "
+            r"likely: dmesg -T \| grep -i oom tells\) as the server started, and the server has "
+            r"waited on it for 0.5 s without noticing ",
+            first,
+        ), error
+        assert first.endswith("more start-up time would not help"), error
+    else:
+        assert "the server process exited while starting" in first, error
+        assert "RuntimeError: Rank 1 scheduler died during initialization (exit code: -9)" in error
+    assert f"the cube is written without them; {RERUN} (errors are in" in said, said
+    assert "--fresh" not in said, said
 
 
 def test_a_failed_starts_error_shows_only_that_servers_own_log_lines(tmp_path: Path) -> None:
@@ -400,3 +529,56 @@ def test_a_pool_too_small_under_a_large_max_total_tokens_is_short_of_memory() ->
     assert refusal is not None and refusal.memory, refusal
     assert refusal.fix.startswith("raise --mem-fraction-static above 0.5 in "), refusal.fix
     assert "--max-total-tokens" not in refusal.fix, refusal.fix
+
+
+NCCL_AT_TP_START = (
+    "[2026-02-14 02:07:48 TP1] Init torch distributed begin.\n"
+    "h100:4711:4790 [1] include/alloc.h:124 NCCL WARN Cuda failure 'out of memory'\n"
+    "[2026-02-14 02:07:49 TP1] Scheduler hit an exception: Traceback (most recent call last):\n"
+    "RuntimeError: NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO for details)"
+)
+LOADED_TP2 = (
+    "[2026-02-14 02:07:40 TP0] Load weight begin. avail mem=78.50 GB\n"
+    "[2026-02-14 02:07:40 TP1] Load weight begin. avail mem=78.50 GB\n"
+    "[2026-02-14 02:07:45 TP0] Load weight end. avail mem=63.40 GB\n"
+    "[2026-02-14 02:07:45 TP1] Load weight end. avail mem=63.40 GB\n"
+)
+
+
+def test_nccl_out_of_memory_is_read_as_sglangs_own_by_when_it_came() -> None:
+    """NCCL words a failed CUDA allocation its own way ("Cuda failure 'out of memory'", the
+    driver's "Cuda failure 2 'out of memory'"), the start ending in its "unhandled cuda error"
+    (SGLang's pynccl: "NCCL error: ..."; torch's ProcessGroupNCCL: "NCCL error in: ...", NCCL's
+    warning after "Last error:"). As the tensor-parallel communicators are set up, before any
+    weights, the GPU was full already: no refusal, a rerun may pass. Once the weights loaded
+    (NCCL allocating at a later first collective, a graph capture), the static pool left too
+    little outside it: the campaign's to change, as torch's out of memory there. Before, it was
+    never read as out of memory: a plain failure, to rerun, which meets it again."""
+    assert start_refusal(NCCL_AT_TP_START, DRAFTER, [], 2) is None
+    capture = (
+        LOADED_TP2
+        + "[2026-02-14 02:07:50 TP1] Capture cuda graph begin. This can take up to several "
+        "minutes. avail mem=1.10 GB\n"
+        "h100:4711:4790 [1] transport/p2p.cc:275 NCCL WARN Cuda failure 2 'out of memory'\n"
+        + NCCL_AT_TP_START.partition("\n")[2].partition("\n")[2]
+    )
+    refusal = start_refusal(capture, DRAFTER, ["--cuda-graph-max-bs", "8"], 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "NCCL ran out of GPU memory capturing its CUDA graphs, outside its static memory"
+    )
+    assert refusal.said == "Cuda failure 2 'out of memory'"
+    assert refusal.fix.endswith("(dvfs sets --cuda-graph-max-bs to it)"), refusal.fix
+    torch_pg = (
+        LOADED_TP2 + "torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/"
+        "distributed/c10d/NCCLUtils.cpp:77, unhandled cuda error (run with NCCL_DEBUG=INFO for "
+        "details), NCCL version 2.27.3\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+        "Last error:\nCuda failure 'out of memory'"
+    )
+    refusal = start_refusal(torch_pg, DRAFTER, ["--mem-fraction-static", "0.9"], 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why.startswith("NCCL ran out of GPU memory after loading the weights"), refusal
+    assert refusal.fix.startswith("lower --mem-fraction-static below 0.9 in "), refusal.fix
+    # NCCL's warning alone, its call then retried or passed over, ended no start.
+    survived = LOADED_TP2 + NCCL_AT_TP_START.replace("unhandled cuda error", "internal error")
+    assert start_refusal(survived, DRAFTER, [], 2) is None

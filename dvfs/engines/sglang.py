@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,7 @@ from dvfs.errors import (
 )
 from dvfs.gpu.base import GpuProcesses
 from dvfs.outputs import check_links
-from dvfs.procfs import earlier_holder, port_holders, process_name, server_pids
+from dvfs.procfs import dead_members, earlier_holder, port_holders, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,18 @@ LOG_TAIL_BYTES = 256 * 1024
 STOP_GRACE_S = 20.0
 #: After a broken connection, how long to wait for the server to exit before calling it a crash.
 CRASH_GRACE_S = 5.0
+#: How long a process of a starting server's tree may lie dead, unreaped by its parent, before
+#: the start is given up (`_DeadMembers`). SGLang's scheduler that fails by an exception sends
+#: its launcher SIGQUIT, which ends the server (managers/scheduler.py `run_scheduler_process`,
+#: entrypoints/engine.py's handler). One killed outright (the OS's out-of-memory killer, a
+#: crash in native code) sends nothing: 0.5.23's launcher polls every rank each 5 s and exits
+#: ("Rank N scheduler died during initialization", entrypoints/engine.py
+#: `_wait_for_scheduler_ready`), but 0.5.9's waits on each rank's pipe in turn, so a rank that
+#: died behind one still waiting for it (in a collective) leaves it waiting, unreaped, until
+#: the start times out, a longer timeout no help.
+DEAD_MEMBER_GRACE_S = 30.0
+#: How often the server's process tree is read for dead members while it starts.
+DEAD_MEMBER_POLL_S = 1.0
 #: How many times one server start may move to another block of ports (`PortBlock`) when
 #: another program has taken one of its block's.
 PORT_MOVES = 3
@@ -407,6 +420,56 @@ def check_attached(campaign: Campaign, info: dict[str, Any]) -> None:
         engine._check_resolved(drafter, info, attached=True)
 
 
+class _DeadMembers:
+    """Watches a starting server's process tree for a member that died and lies unreaped
+    longer than `DEAD_MEMBER_GRACE_S` (`DEAD_MEMBER_GRACE_S` says why SGLang 0.5.9 may wait
+    on one forever); `check` raises the start's `EngineError` naming it. A member that exited
+    with 0 is none (a helper its parent has yet to reap)."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self._seen: dict[int, float] = {}
+        self._next = 0.0
+
+    def check(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return True
+        self._next = now + DEAD_MEMBER_POLL_S
+        dead = {pid: how for pid, how in dead_members(self.root).items() if how != 0}
+        self._seen = {pid: self._seen.get(pid, now) for pid in dead}
+        for pid, since in sorted(self._seen.items()):
+            if now - since >= DEAD_MEMBER_GRACE_S:
+                name = process_name(pid)
+                raise EngineError(
+                    f"its process {pid}{f' ({name})' if name else ''} {_ended(dead[pid])} as "
+                    f"the server started, and the server has waited on it for "
+                    f"{DEAD_MEMBER_GRACE_S:g} s without noticing (SGLang before 0.5.23 does not "
+                    "notice a scheduler killed outright while its launcher waits on another "
+                    "rank): more start-up time would not help"
+                )
+        return True
+
+
+def _ended(status: int | None) -> str:
+    """How a process ended, from its waitpid(2) status (None: unknown)."""
+    if status is None:
+        return "died"
+    signum = status & 0x7F
+    if not signum:
+        return f"exited with code {status >> 8}"
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    if signum == signal.SIGKILL:
+        return (
+            f"was killed ({name}; the OS's out-of-memory killer, most likely: "
+            "dmesg -T | grep -i oom tells)"
+        )
+    return f"was killed ({name})"
+
+
 class _NoAnswerError(EngineError):
     """A started server exited or timed out before it answered (its ports may be taken)."""
 
@@ -615,10 +678,11 @@ class SglangEngine:
             self.stop()
             raise EngineError(f"cannot start the server ({argv[0]}): {exc.strerror}") from exc
         self._client = self._client_for(host_url(self.config.host, port))
+        members = _DeadMembers(self._process.pid)
         try:
             self._client.wait_healthy(
                 self.config.startup_timeout_s,
-                alive=self._alive,
+                alive=lambda: self._alive() and members.check(),
                 hint="one still loading its model needs a longer engine.sglang.startup_timeout_s",
             )
             info = self._client.server_info()

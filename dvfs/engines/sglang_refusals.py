@@ -22,10 +22,32 @@ What SGLang prints, read (never copied) from sgl-project/sglang, messages unchan
   this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1", a ValueError; for
   a draft model the same with "Target model's context_length" (without the env variable it is
   only a warning, which does not end with that sentence).
-- python/sglang/srt/model_executor/cuda_graph_runner.py `CudaGraphRunner.__init__`: "Capture
-  cuda graph failed: {error}" and, for an out-of-memory error, "set --mem-fraction-static to a
-  smaller value ... set --cuda-graph-max-bs(-decode) to a smaller value" (newer releases say
-  "This is not an out-of-memory error ..." for the others: that alone is no refusal here).
+- python/sglang/srt/model_executor/cuda_graph_runner.py `CudaGraphRunner.__init__` (0.5.9;
+  0.5.23: model_executor/runner/decode_cuda_graph_runner.py, its hint in
+  model_executor/runner_backend_utils/__init__.py): "Capture cuda graph failed: {error}" and
+  "set --mem-fraction-static to a smaller value ... set --cuda-graph-max-bs to a smaller value"
+  (0.5.23: --cuda-graph-max-bs-decode, its only decode flag; newer releases say "This is not an
+  out-of-memory error ..." for the others: that alone is no refusal here). The capture of each
+  graph is logged as it begins and ends: model_runner.py `init_device_graphs` /
+  `init_piecewise_cuda_graphs` ("Capture cuda graph begin.", "Capture piecewise CUDA graph
+  begin.", 0.5.9) and model_runner_components/cuda_graph_setup.py ("Capture target prefill
+  CUDA graph begin. backend=breakable, num_tokens=[...]", then "... decode ...", 0.5.23).
+- The prefill-side graph: 0.5.9's piecewise one (--enable-piecewise-cuda-graph,
+  model_executor/piecewise_cuda_graph_runner.py: "Capture cuda graph failed" too, its hint
+  naming --piecewise-cuda-graph-max-tokens); 0.5.23's, on by default
+  (model_executor/runner_backend_utils/breakable_cuda_graph/context.py logs the error with
+  "Fail when using backend: breakable for prefill runner." and a hint naming
+  --cuda-graph-max-bs-prefill, then re-raises it: the traceback ends in torch's own line).
+  Its size is prefill tokens (up to the chunked prefill size), not the batch dvfs sets.
+- NVIDIA/nccl src/include/checks.h `CUDACHECK` and src/include/cudawrap.h `CUCHECK`: NCCL's
+  warning "Cuda failure 'out of memory'" (the driver's: "Cuda failure 2 'out of memory'"),
+  and the call fails with ncclUnhandledCudaError, which src/init.cc `ncclGetErrorString`
+  words "unhandled cuda error (run with NCCL_DEBUG=INFO for details)": SGLang's pynccl
+  (distributed/device_communicators/pynccl_wrapper.py) raises "RuntimeError: NCCL error:
+  {that}", torch's ProcessGroupNCCL "NCCL error in: ..., {that}" with NCCL's last warning
+  after "Last error:". SGLang sets up its tensor-parallel communicators
+  (model_runner.py `init_torch_distributed`) before any weights load; NCCL may allocate more
+  at a later first collective (a graph capture).
 - python/sglang/srt/model_executor/model_runner.py `load_model`: "Load weight begin. avail
   mem=..." and "Load weight end. ..." around each model's weights (the target's, then an EAGLE
   or standalone drafter's draft model), one pair per tensor-parallel rank.
@@ -45,6 +67,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dvfs.campaign.model import DrafterSpec
+from dvfs.engines.sglang_args import NEW_CUDA_GRAPH_FLAG, OLD_CUDA_GRAPH_FLAG
 from dvfs.twin.limits import (
     LONGER_CONTEXT_ENV,
     MORE_GPUS,
@@ -79,6 +102,23 @@ _OOM = re.compile(
     r"^\s*(?:\[[^\]]*\]:?\s*)*[\w.]*(?:Error|Exception): "
     r".*?(CUDA out of memory|CUDA error: out of memory)"
 )
+#: NCCL's own words for a CUDA allocation that failed (its warning; torch's "Last error:").
+_NCCL_OOM = re.compile(r"Cuda failure (?:\d+ )?'out of memory'")
+#: The exception NCCL's failure ends the start with (an exception's line, as for `_OOM`).
+_NCCL_FATAL = re.compile(
+    r"^\s*(?:\[[^\]]*\]:?\s*)*[\w.]*(?:Error|Exception): .*unhandled cuda error"
+)
+#: A CUDA graph capture beginning or ending, as SGLang logs it (what: "", "piecewise ",
+#: "target prefill ", "target decode ", "draft "...); not "Capture cuda graph failed".
+_CAPTURE = re.compile(r"\bCapture (?P<what>[\w .-]*?)(?:CUDA|cuda) graph (?P<edge>begin|end)\b")
+#: The prefill-side graph's own failure words, where its capture's begin is not in the log.
+_PREFILL_GRAPH = re.compile(
+    r"Capture prefill CUDA graph failed|for prefill runner\.|--piecewise-cuda-graph-max-tokens to"
+)
+#: The prefill token sizes 0.5.23 captures (its begin line); 0.5.9's piecewise runner logs
+#: "Capture cuda graph num tokens [...]".
+_PREFILL_TOKENS = re.compile(r"(?:num_tokens=|Capture cuda graph num tokens )\[([\d, ]+)\]")
+_PIECEWISE = re.compile(r"\bpiecewise\b", re.IGNORECASE)
 _LOAD_BEGIN = re.compile(r"Load weight begin\b")
 _LOAD_END = re.compile(r"Load weight end\b")
 
@@ -212,21 +252,23 @@ def start_refusal(
             memory=True,
         )
 
-    hit = _first(lines, _OOM)
-    if hit is None:
+    oom = _out_of_memory(lines)
+    if oom is None:
         return None
-    line, found = hit
-    said = _quote(line, found.start(1))
-    graph = _first(lines, _GRAPH)
-    begun = sum(1 for text in lines if _LOAD_BEGIN.search(text))
-    ended = sum(1 for text in lines if _LOAD_END.search(text))
-    if graph is None and begun == 0 and ended == 0:
-        # Before any weights (a CUDA context, NCCL's buffers: a GPU's first few hundred MiB):
-        # the GPU was full already, which nothing in the campaign leaves it. (A log read from
-        # its end, the engine's `LOG_TAIL_BYTES`, may have lost its "begin" lines, not its
-        # "end" ones.)
+    at, said, nccl = oom
+    upto = lines[: at + 1]
+    ran_out = "NCCL ran out of GPU memory" if nccl else "the GPUs ran out of memory"
+    capture = _capturing(upto)
+    graph = capture is not None or _first(upto, _GRAPH) is not None
+    begun = sum(1 for text in upto if _LOAD_BEGIN.search(text))
+    ended = sum(1 for text in upto if _LOAD_END.search(text))
+    if not graph and begun == 0 and ended == 0:
+        # Before any weights (a CUDA context, NCCL's buffers as its tensor-parallel
+        # communicators are set up: a GPU's first few hundred MiB): the GPU was full already,
+        # which nothing in the campaign leaves it. (A log read from its end, the engine's
+        # `LOG_TAIL_BYTES`, may have lost its "begin" lines, not its "end" ones.)
         return None
-    if graph is None and begun > ended:  # out of memory while a model's weights loaded
+    if not graph and begun > ended:  # out of memory while a model's weights loaded
         target_loaded = ended >= max(tp_size, 1)
         if drafter.draft_model and target_loaded:
             # The target's KV cache took its static memory first: the draft's weights load
@@ -234,27 +276,120 @@ def start_refusal(
             # for a STANDALONE one), so a lower fraction is the first way out.
             lower = _lower_static(fraction, fraction_where, default)
             return StartRefusal(
-                f"the GPUs ran out of memory loading the draft model {drafter.draft_model} "
+                f"{ran_out} loading the draft model {drafter.draft_model} "
                 "beside the target's weights and KV cache",
                 said,
                 f"{lower} (room outside its static pool for the draft model), or {smaller}",
                 memory=True,
             )
         return StartRefusal(
-            "the GPUs ran out of memory loading the weights",
+            f"{ran_out} loading the weights",
             said,
             f"use {MORE_GPUS} or a smaller model",
             memory=True,
         )
     lower = _lower_static(fraction, fraction_where, default)
-    what = "capturing its CUDA graphs" if graph is not None else "after loading the weights"
+    if _prefill_graph(upto, lines, capture):
+        return StartRefusal(
+            f"{ran_out} capturing its prefill CUDA graphs, outside its static memory",
+            said,
+            f"{lower} (more memory outside its static pool), or "
+            + _smaller_prefill_graphs(lines, capture, launch),
+            memory=True,
+        )
+    what = "capturing its CUDA graphs" if graph else "after loading the weights"
+    flag = _decode_graph_flag(launch)
+    sized = f"dvfs sets {flag} to it" if flag else "dvfs captures CUDA graphs up to it"
     return StartRefusal(
-        f"the GPUs ran out of memory {what}, outside its static memory",
+        f"{ran_out} {what}, outside its static memory",
         said,
         f"{lower} (more memory outside its static pool), or a smaller largest batch in "
-        "workload.batch (dvfs captures CUDA graphs up to it)",
+        f"workload.batch ({sized})",
         memory=True,
     )
+
+
+def _out_of_memory(lines: Sequence[str]) -> tuple[int, str, bool] | None:
+    """Where the start ran out of GPU memory: the index of the exception's line, SGLang's (or
+    NCCL's) words to quote, and whether NCCL said it (its "unhandled cuda error", NCCL's own
+    "Cuda failure 'out of memory'" beside it); None: it did not."""
+    for i, line in enumerate(lines):
+        found = _OOM.search(line)
+        if found is not None:
+            return i, _quote(line, found.start(1)), False
+        if _NCCL_FATAL.search(line):
+            said = _first(lines, _NCCL_OOM)
+            if said is not None:
+                return i, _quote(said[0], said[1].start()), True
+    return None
+
+
+def _capturing(lines: Sequence[str]) -> str | None:
+    """The CUDA graph being captured at the end of `lines` (its name as SGLang logs it, "" for
+    0.5.9's decode graph): the last begun whose end is not logged, where no weights began to
+    load after it (a draft model's, once the target's graphs are captured); None: none."""
+    open_: dict[str, int] = {}
+    latest: str | None = None
+    for line in lines:
+        if _LOAD_BEGIN.search(line):
+            latest = None
+            continue
+        found = _CAPTURE.search(line)
+        if found is None:
+            continue
+        what = found.group("what").strip().lower()
+        if found.group("edge") == "begin":
+            open_[what] = open_.get(what, 0) + 1
+            latest = what
+        else:
+            open_[what] = max(open_.get(what, 0) - 1, 0)
+            if latest == what and not open_[what]:
+                latest = next((w for w, n in open_.items() if n), None)
+    return latest
+
+
+def _prefill_graph(upto: Sequence[str], lines: Sequence[str], capture: str | None) -> bool:
+    """Whether the graph being captured was the prefill-side one (0.5.23's prefill graph,
+    0.5.9's piecewise one), by its begin line, else by its own failure words."""
+    if capture is not None:
+        return "prefill" in capture or "piecewise" in capture
+    return _first(lines, _PREFILL_GRAPH) is not None and _first(upto, _CAPTURE) is None
+
+
+def _smaller_prefill_graphs(
+    lines: Sequence[str], capture: str | None, launch: Sequence[str]
+) -> str:
+    """The fix for a prefill-side graph too large: the flag that sizes it in this release
+    (0.5.9's piecewise graph, else 0.5.23's prefill graph), with the largest size it captured
+    where the log says it, or no such graph."""
+    legacy = (capture is not None and "piecewise" in capture) or (
+        capture is None and (OLD_CUDA_GRAPH_FLAG in launch or _first(lines, _PIECEWISE) is not None)
+    )
+    sizes = None
+    for line in lines:
+        found = _PREFILL_TOKENS.search(line)
+        if found is not None:
+            sizes = [int(n) for n in found.group(1).split(",") if n.strip()]
+    here = f" below {max(sizes)}" if sizes else ""
+    if legacy:
+        return (
+            f"give a --piecewise-cuda-graph-max-tokens{here} in engine.sglang.extra_args (the "
+            "most tokens its piecewise CUDA graphs hold), or leave out "
+            "--enable-piecewise-cuda-graph"
+        )
+    return (
+        f"give a --cuda-graph-max-bs-prefill{here} in engine.sglang.extra_args (the most tokens "
+        "its prefill CUDA graphs hold), or --cuda-graph-backend-prefill disabled there"
+    )
+
+
+def _decode_graph_flag(launch: Sequence[str]) -> str | None:
+    """The flag dvfs gave the server's decode CUDA graph limit in (the largest batch): 0.5.9's
+    --cuda-graph-max-bs, 0.5.23's --cuda-graph-max-bs-decode; None: neither."""
+    for flag in (NEW_CUDA_GRAPH_FLAG, OLD_CUDA_GRAPH_FLAG):
+        if flag in launch:
+            return flag
+    return None
 
 
 def _lower_static(fraction: float | None, where: str, default: str) -> str:

@@ -66,9 +66,16 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   exit -9). One of ``"kv_cache"`` (the weights leave the KV cache nothing: "Not enough memory.
   Please try to increase --mem-fraction-static."), ``"weights_oom"`` (torch's "CUDA out of
   memory" while the target's weights load), ``"draft_oom"`` (the same while the draft model's
-  load, the target's loaded), ``"graph_oom"`` (out of memory capturing the CUDA graphs:
-  "Capture cuda graph failed: CUDA out of memory ..."), or ``"crash"`` (a scheduler that fails
-  for no reason of the campaign's: an NCCL error, which a rerun may not meet).
+  load, the target's loaded), ``"graph_oom"`` (out of memory capturing the decode CUDA graphs:
+  "Capture cuda graph failed: CUDA out of memory ...", the hint naming the release's flag:
+  ``--cuda-graph-max-bs``, 0.5.23's ``--cuda-graph-max-bs-decode``), ``"prefill_graph_oom"``
+  (out of memory capturing the prefill-side graph: 0.5.9's piecewise one, as with
+  ``--enable-piecewise-cuda-graph``; 0.5.23's prefill one, on by default, whose failure ends in
+  torch's own line), or ``"crash"`` (a scheduler that fails for no reason of the campaign's: an
+  NCCL error, which a rerun may not meet). Each logs the CUDA graph captures begun (and
+  ended) before it as its release does. Or ``"scheduler_killed"``: a scheduler rank killed
+  outright (SIGKILL, no traceback, no SIGQUIT) beside one waiting for it; 0.5.9's launcher
+  then waits on, never reaping it, 0.5.23's notices and exits 1 (``scheduler_killed``).
 - ``fail_after_requests`` (null): /generate requests number N, N+1, ... are
   answered ``fail_status`` with ``{"error": {"message": ...}}`` (0 fails them
   all).  Both fault counters number /generate requests from 1 as they arrive
@@ -259,6 +266,7 @@ HTTP request plus one per finished /generate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -570,7 +578,15 @@ _TORCH_OOM = (
     "fragmentation.  See documentation for Memory Management  "
     "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
 )
-START_FAILURES: dict[str, tuple[str, ...]] = {
+#: 0.5.23's log line as its prefill CUDA graph capture begins (cuda_graph_setup.py): the token
+#: sizes it captures, up to --cuda-graph-max-bs-prefill (the chunked prefill size unless given).
+_PREFILL_BEGIN = (
+    "log:Capture target prefill CUDA graph begin. backend=breakable, num_tokens=[4, 8, 12, 16, "
+    "20, 24, 28, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, "
+    "768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192], "
+    "avail mem=5.10 GB"
+)
+START_FAILURES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
     "kv_cache": (
         "loaded",
         '  File "sglang/srt/model_executor/model_runner.py", in init_memory_pool',
@@ -586,16 +602,75 @@ START_FAILURES: dict[str, tuple[str, ...]] = {
         '  File "sglang/srt/model_loader/loader.py", in load_model',
         _TORCH_OOM,
     ),
-    "graph_oom": (
-        "loaded",
-        '  File "sglang/srt/model_executor/cuda_graph_runner.py", in __init__',
-        "Exception: Capture cuda graph failed: " + _TORCH_OOM.partition(": ")[2],
-        "Possible solutions:",
-        "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)",
-        "2. set --cuda-graph-max-bs to a smaller value (e.g., 16)",
-        "3. disable torch compile by not using --enable-torch-compile",
-        "4. disable CUDA graph by --disable-cuda-graph. (Not recommended. Huge performance loss)",
-    ),
+    # 0.5.9: model_executor/cuda_graph_runner.py (the message, its CUDA_GRAPH_CAPTURE_FAILED_MSG);
+    # model_runner.py `init_device_graphs` logs the capture's begin.
+    # 0.5.23: model_executor/runner/decode_cuda_graph_runner.py, its message in
+    # model_executor/runner_backend_utils/__init__.py (naming --cuda-graph-max-bs-decode, the
+    # only decode flag there); model_runner_components/cuda_graph_setup.py logs each capture's
+    # begin and end, the prefill graph's (breakable, on by default) before the decode one's.
+    "graph_oom": {
+        "0.5.9": (
+            "loaded",
+            "log:Capture cuda graph begin. This can take up to several minutes. avail mem=5.10 GB",
+            '  File "sglang/srt/model_executor/cuda_graph_runner.py", in __init__',
+            "Exception: Capture cuda graph failed: " + _TORCH_OOM.partition(": ")[2],
+            "Possible solutions:",
+            "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)",
+            "2. set --cuda-graph-max-bs to a smaller value (e.g., 16)",
+            "3. disable torch compile by not using --enable-torch-compile",
+            "4. disable CUDA graph by --disable-cuda-graph. (Not recommended. Huge performance "
+            "loss)",
+        ),
+        "0.5.23": (
+            "loaded",
+            _PREFILL_BEGIN,
+            "log:Capture target prefill CUDA graph end. elapsed=9.71 s, mem usage=0.62 GB, "
+            "avail mem=4.48 GB.",
+            "log:Capture target decode CUDA graph begin. backend=full, num_tokens_per_req=1, "
+            "avail mem=4.48 GB",
+            '  File "sglang/srt/model_executor/runner/decode_cuda_graph_runner.py", in __init__',
+            "Exception: Capture cuda graph failed: " + _TORCH_OOM.partition(": ")[2],
+            "Possible solutions:",
+            "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)",
+            "2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)",
+            "3. disable decode CUDA graph by --cuda-graph-backend-decode=disabled. (Not "
+            "recommended. Huge performance loss)",
+        ),
+    },
+    # The prefill-side graph. 0.5.9 (with --enable-piecewise-cuda-graph):
+    # model_executor/piecewise_cuda_graph_runner.py, after the decode graph, model_runner.py
+    # `init_piecewise_cuda_graphs` logging its begin. 0.5.23 (on by default, breakable):
+    # model_executor/runner_backend_utils/breakable_cuda_graph/context.py logs the error with
+    # the prefill runner's hint (PREFILL_CUDA_GRAPH_CAPTURE_FAILED_MSG) and re-raises it, so
+    # the traceback ends in torch's own line, no "Capture cuda graph failed".
+    "prefill_graph_oom": {
+        "0.5.9": (
+            "loaded",
+            "log:Capture cuda graph begin. This can take up to several minutes. avail mem=5.10 GB",
+            "log:Capture cuda graph end. Time elapsed: 8.12 s. mem usage=0.61 GB. avail mem=4.49 "
+            "GB.",
+            "log:Capture piecewise CUDA graph begin. avail mem=4.49 GB",
+            '  File "sglang/srt/model_executor/piecewise_cuda_graph_runner.py", in __init__',
+            "Exception: Capture cuda graph failed: " + _TORCH_OOM.partition(": ")[2],
+            "Possible solutions:",
+            "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)",
+            "2. set --piecewise-cuda-graph-max-tokens to a smaller value (e.g., 512)",
+            "3. disable Piecewise CUDA graph by unset --enable-piecewise-cuda-graph",
+        ),
+        "0.5.23": (
+            "loaded",
+            _PREFILL_BEGIN,
+            "log:" + _TORCH_OOM.removeprefix("torch."),
+            "Fail when using backend: breakable for prefill runner.",
+            "Possible suggestions:",
+            "1. disable the prefill CUDA graph by --cuda-graph-backend-prefill=disabled",
+            "2. if it is an OOM problem, set --mem-fraction-static to a smaller value (e.g., 0.8 "
+            "or 0.7) or set --cuda-graph-max-bs-prefill to a smaller value (e.g., 2048)",
+            "traceback",
+            '  File "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py", in capture',
+            _TORCH_OOM,
+        ),
+    },
     "crash": (
         "loaded",
         '  File "sglang/srt/distributed/device_communicators/pynccl.py", in __init__',
@@ -608,8 +683,9 @@ POOL_TOO_SMALL = ("loaded", "AssertionError: Memory pool size is too small")
 
 def fail_start(steps: Sequence[str], draft: bool) -> None:
     """Fail the start as SGLang does (`START_FAILURES`): weights loaded ("loaded"; "draft": the
-    draft model's begun, where there is one), the scheduler's traceback, its SIGQUIT to the
-    launcher, and the launcher's SIGKILL of its own process tree."""
+    draft model's begun, where there is one), its own log lines ("log:" and the line), the
+    scheduler's traceback ("traceback": where it begins, else before the first other line),
+    its SIGQUIT to the launcher, and the launcher's SIGKILL of its own process tree."""
     log("Load weight begin. avail mem=78.50 GB")
     lines = list(steps)
     if lines and lines[0] == "loaded":
@@ -619,12 +695,60 @@ def fail_start(steps: Sequence[str], draft: bool) -> None:
             lines.pop(0)
             if draft:
                 log("Load weight begin. avail mem=63.38 GB")
-    log("Scheduler hit an exception: Traceback (most recent call last):")
+    header = "Scheduler hit an exception: Traceback (most recent call last):"
+    begun = "traceback" not in lines
     for line in lines:
-        sys.stderr.write(line + "\n")
+        if line == "traceback":
+            log(header)
+        elif line.startswith("log:"):
+            log(line.removeprefix("log:"))
+        else:
+            if begun:
+                log(header)
+                begun = False
+            sys.stderr.write(line + "\n")
     log("Received sigquit from a child process. It usually means the child failed.")
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def scheduler_killed(cfg: StubConfig, started: float) -> int:
+    """``start_failure`` "scheduler_killed": two scheduler ranks forked as SGLang's launcher
+    spawns them, rank 1 killed outright as its weights load (SIGKILL: the OS's out-of-memory
+    killer), so no "Scheduler hit an exception" and no SIGQUIT; rank 0 waits for it (as in a
+    collective). 0.5.9's launcher waits on rank 0's pipe (entrypoints/engine.py
+    `_wait_for_scheduler_ready`: a blocking recv per rank, in turn), never reaping rank 1: the
+    stub lives on, listening nowhere, until stopped or ``max_lifetime_s``. 0.5.23's polls every
+    rank (every 5 s there) and raises "Rank 1 scheduler died during initialization (exit code:
+    -9) ...", then its launch_server.py kills its process tree: exit 1."""
+    log("Load weight begin. avail mem=78.50 GB")
+    sys.stderr.flush()
+    lifetime = max(cfg.max_lifetime_s - (time.monotonic() - started), 0.0)
+    rank0 = os.fork()
+    if rank0 == 0:  # waits for rank 1, as in a collective, until stopped (default SIGTERM)
+        time.sleep(lifetime)
+        os._exit(0)
+    rank1 = os.fork()
+    if rank1 == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if cfg.version == "0.5.9":
+        stop.wait(lifetime)  # blocked on rank 0's pipe: rank 1 lies dead, unreaped
+    else:
+        while not stop.is_set() and os.waitpid(rank1, os.WNOHANG) == (0, 0):
+            stop.wait(0.05)
+        if not stop.is_set():
+            print(
+                "Traceback (most recent call last):\n  (sglang_stub)\nRuntimeError: Rank 1 "
+                "scheduler died during initialization (exit code: -9). If exit code is -9 "
+                "(SIGKILL), a common cause is the OS OOM killer. Run `dmesg -T | grep -i oom` to "
+                "check.",
+                file=sys.stderr,
+            )
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(rank0, signal.SIGKILL)
+    return 1
 
 
 #: Tokens the stub's KV pool holds unless --max-total-tokens says (an H100's, for an 8B model).
@@ -678,8 +802,9 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
     for key in ("natural_stop", "abort_route", "abort_ignored", "hold_unfinished"):
         if not isinstance(getattr(cfg, key), bool):
             raise StubConfigError(f"{key} must be true or false")
-    if cfg.start_failure is not None and cfg.start_failure not in START_FAILURES:
-        raise StubConfigError(f"start_failure must be one of {sorted(START_FAILURES)} or null")
+    failures = sorted([*START_FAILURES, "scheduler_killed"])
+    if cfg.start_failure is not None and cfg.start_failure not in failures:
+        raise StubConfigError(f"start_failure must be one of {failures} or null")
     if cfg.torch_load_device is not None and not isinstance(cfg.torch_load_device, str):
         raise StubConfigError("torch_load_device must be a torch device name or null")
     if cfg.die_after_requests == 0:
@@ -2249,8 +2374,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.listen_delay_s:
         time.sleep(cfg.listen_delay_s)
     draft = bool(args.get("speculative_draft_model_path"))
+    if cfg.start_failure == "scheduler_killed":
+        return scheduler_killed(cfg, started)
     if cfg.start_failure is not None:
-        fail_start(START_FAILURES[cfg.start_failure], draft)
+        steps = START_FAILURES[cfg.start_failure]
+        fail_start(steps[cfg.version] if isinstance(steps, dict) else steps, draft)
     pool = int(args.get("max_total_tokens") or KV_TOKENS)
     if min(int(args.get("context_length") or cfg.context_len), pool) - 1 - 5 <= 0:
         fail_start(POOL_TOO_SMALL, draft)
