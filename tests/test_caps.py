@@ -1838,7 +1838,7 @@ def test_a_knob_the_new_file_leaves_at_stock_goes_back_to_stock(nvml, tmp_path: 
     assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] is None
     clock_only = tmp_path / "clock.toml"
     clock_only.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
-    assert "power limit 700 W (default" in invoke("cap", "apply", str(clock_only))
+    assert "power limit 700 W (as before" in invoke("cap", "apply", str(clock_only))
     device = nvml.fake_device_state(0)
     assert device["locked_clocks"] == [210, 1500] and device["power_limit_mw"] == 700_000
     [shown, _] = json.loads(invoke("cap", "show", "--json"))
@@ -3914,3 +3914,72 @@ def test_the_caps_units_stop_puts_back_the_default_for_a_replaced_limit_out_of_r
         "is outside this GPU's range 200-700 W now)"
     ) in said, said
     assert not record.exists() or uuid not in json.loads(record.read_text())  # dropped
+
+
+def test_a_file_leaving_the_power_limit_at_stock_puts_back_the_one_dvfs_replaced(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps file with no power limit for a GPU, applied over an earlier dvfs cap of 450 W
+    that replaced an operator's 600 W, set the GPU's default, 700 W, and dropped the record's
+    600 W: the operator's limit was lost, and `cap reset --applied` left 700 W. The apply puts
+    back the limit dvfs's cap replaced, as `cap reset --applied` does, so the two agree; one
+    set outside dvfs since the cap is left be, as the reset leaves it."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = tmp_path / "caps.toml"
+    capped = dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500, power_limit_w=450.0),)))
+    caps.write_text(capped)
+    invoke("cap", "apply", str(caps))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run").split())
+    assert "power limit 600 W (as before `dvfs cap apply`), none in this file" in dry, dry
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    said = " ".join(invoke("cap", "apply", str(caps)).split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert "power limit 600 W (as before `dvfs cap apply`), none in this file" in said, said
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    # one the operator set over dvfs's cap since is theirs: left be, by both
+    caps.write_text(capped)
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(0, power_limit_mw=550_000)
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    said = " ".join(invoke("cap", "apply", str(caps)).split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
+    assert "power limit left at 550 W (set outside dvfs since `dvfs cap apply` set 450 W)" in said
+    invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000
+
+
+def test_a_signal_stopping_a_limit_change_over_dvfs_cap_keeps_that_cap_dvfs(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl stop dvfs-caps` (SIGTERM) ending `cap apply`'s change of a GPU's power limit
+    from dvfs's earlier cap, 500 W, to 450 W before it landed recorded 450 W alone: the GPU
+    kept 500 W, which `cap reset --applied` then took for an operator's ("set outside dvfs
+    since") and left on it, and the next apply took for the limit before dvfs. The record names
+    both dvfs's (`power_limit_earlier_mw`), so the reset puts back the operator's 600 W."""
+    import signal
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500.0),))))
+    invoke("cap", "apply", str(caps))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+
+    def stopped(handle: object, limit_mw: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop, in NVML's call: it never lands
+
+    real = nvml.nvmlDeviceSetPowerManagementLimit
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0")  # NVML called in this thread, which the
+    # signal interrupts
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", stopped)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", real)
+    assert result.exit_code == 143, result.output
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000  # dvfs's earlier cap
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said

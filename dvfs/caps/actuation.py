@@ -57,8 +57,10 @@ class CapsPartlyAppliedError(CapsError):
 @dataclass(frozen=True)
 class CapAction:
     """What applying a caps file does to one GPU. A knob the file leaves at stock that an
-    earlier `cap apply` capped goes back to stock (`unlock`, `default_power_limit_mw`): the
-    file says what the GPU holds, so the earlier cap must not stay on it unrecorded."""
+    earlier `cap apply` capped goes back to what it was before dvfs capped it (`unlock`,
+    `power_limit_back`): the file says what the GPU holds, so the earlier cap must not stay on
+    it unrecorded, and the power limit goes back as `cap reset --applied` puts it back (the
+    one that cap replaced, as recorded), not to the default over an operator's own."""
 
     index: int
     uuid: str
@@ -67,7 +69,9 @@ class CapAction:
     #: None: NVML does not support this GPU's power limit (its entry caps only clocks)
     current_power_limit_mw: int | None
     unlock: bool = False
-    default_power_limit_mw: int | None = None
+    #: An earlier apply's power limit this file leaves at stock: the limit put back (None:
+    #: left be, one set outside dvfs since) and its words (`_limit_replaced`); None: no such
+    power_limit_back: tuple[int | None, str] | None = None
 
     def describe(self) -> str:
         """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
@@ -76,10 +80,9 @@ class CapAction:
             parts.append(f"SM clock locked to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
         elif self.unlock:
             parts.append("SM clock unlocked (stock in this file; an earlier cap apply locked it)")
-        if self.default_power_limit_mw is not None:
+        if self.power_limit_back is not None:
             parts.append(
-                f"power limit {self.default_power_limit_mw / 1000:g} W (default: stock in this "
-                "file; an earlier cap apply set it)"
+                f"{self.power_limit_back[1]}, none in this file (an earlier cap apply set one)"
             )
         if self.power_limit_mw is not None:
             current = self.current_power_limit_mw  # read (a GPU without one is set aside)
@@ -173,12 +176,17 @@ class AppliedCaps:
         restores the caps recorded here, and measures stock as the GPUs' own stock, not under
         them (unlocked clocks, the default power limit), so production caps never pass as
         stock in a cube."""
+        applied, entries = self.power_limits_mw(), self.read()
+        for gpu in gpus:  # dvfs's earlier cap a signal left in place is dvfs's too (`EARLIER`)
+            earlier = entries.get(gpu.identity.uuid, {}).get(EARLIER)
+            if earlier is not None and power_limit_or_none(gpu) == earlier:
+                applied[gpu.identity.uuid] = earlier
         return KnobController(
             gpus,
             actuation=actuation,
             change_log=change_log,
             prior_locks=self.locks(),
-            applied_power_mw=self.power_limits_mw(),
+            applied_power_mw=applied,
             stock_without_caps=True,
         )
 
@@ -263,7 +271,17 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     if before is not None and not _positive_int(before):
         shown = json.dumps(before)[:40]
         return f"power_limit_before_mw is {shown}, expected a power limit in mW or null"
+    earlier = record.get(EARLIER)  # dvfs's earlier cap a signal may have left (`EARLIER`)
+    if earlier is not None and not _positive_int(earlier):
+        return f"{EARLIER} is {json.dumps(earlier)[:40]}, expected a power limit in mW or null"
     return None
+
+
+#: A caps record entry's earlier dvfs power limit the GPU may still hold: a signal (the caps
+#: unit's stop) ended the change from it to `power_limit_mw` before the change was known to
+#: land, so either is dvfs's cap, and `cap reset --applied` and the next `cap apply` take the
+#: GPU's limit for dvfs's, not an operator's, where it is either. Dropped once a change lands.
+EARLIER = "power_limit_earlier_mw"
 
 
 def _positive_int(value: Any) -> bool:
@@ -598,9 +616,6 @@ def plan_actions(
             found.append(gpu.power_limit_range().outside(limit))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
-        default = None
-        if limit is None and isinstance(earlier.get("power_limit_mw"), int):
-            default = gpu.power_limit_range().default_mw
         actions.append(
             CapAction(
                 ident.index,
@@ -609,7 +624,7 @@ def plan_actions(
                 limit,
                 power_limit_or_none(gpu),
                 unlock=lock is None and bool(earlier.get("lock_mhz")),
-                default_power_limit_mw=default,
+                power_limit_back=_power_limit_back(limit, earlier, gpu),
             )
         )
     if other_model:
@@ -759,19 +774,20 @@ def apply_actions(
                 gpu.reset_sm_clock()
                 keep(action.uuid, {**applied.get(action.uuid, blank), "lock_mhz": None})
                 changed.append("SM clock unlocked")
-            if action.default_power_limit_mw is not None:
-                if action.default_power_limit_mw != gpu.power_limit_mw():
-                    gpu.set_power_limit_mw(action.default_power_limit_mw)
-                    changed.append(
-                        f"power limit set to {action.default_power_limit_mw / 1000:g} W (default)"
-                    )
+            if action.power_limit_back is not None:
+                back = action.power_limit_back[0]
+                if back is not None and back != gpu.power_limit_mw():
+                    gpu.set_power_limit_mw(back)
+                    changed.append(f"power limit set back to {back / 1000:g} W")
                 keep(
                     action.uuid,
-                    {
-                        **applied.get(action.uuid, blank),
-                        "power_limit_mw": None,
-                        "power_limit_before_mw": None,
-                    },
+                    _without_earlier(
+                        {
+                            **applied.get(action.uuid, blank),
+                            "power_limit_mw": None,
+                            "power_limit_before_mw": None,
+                        }
+                    ),
                 )
             if action.lock_mhz is not None:
                 earlier = applied.get(action.uuid, blank).get("lock_mhz")
@@ -794,26 +810,25 @@ def apply_actions(
                 # the one that cap replaced, as recorded; none where an older dvfs recorded
                 # none); one an operator set over that cap since is theirs, and replaced.
                 prior = applied.get(action.uuid, blank)
-                replaced = (
-                    prior.get("power_limit_before_mw")
-                    if prior.get("power_limit_mw") == before
-                    else before
-                )
+                dvfs_cap = before in (prior.get("power_limit_mw"), prior.get(EARLIER))
+                replaced = prior.get("power_limit_before_mw") if dvfs_cap else before
                 limit = action.power_limit_mw
+                entry = {
+                    **prior,
+                    **stamp,
+                    "power_limit_mw": limit,
+                    "power_limit_before_mw": replaced,
+                }
+                undo = partial(gpu.set_power_limit_mw, before) if limit != before else None
+                what = f"power limit {limit / 1000:g} W"
                 recorded_even_if_signalled(
                     partial(gpu.set_power_limit_mw, limit) if limit != before else lambda: None,
-                    partial(
-                        keep,
-                        action.uuid,
-                        {
-                            **prior,
-                            **stamp,
-                            "power_limit_mw": limit,
-                            "power_limit_before_mw": replaced,
-                        },
-                        partial(gpu.set_power_limit_mw, before) if limit != before else None,
-                        f"power limit {limit / 1000:g} W",
-                    ),
+                    partial(keep, action.uuid, _without_earlier(entry), undo, what),
+                    # a change stopped before it landed may leave dvfs's earlier cap: both
+                    # recorded dvfs's, so neither passes for an operator's limit later
+                    partial(keep, action.uuid, {**entry, EARLIER: before}, undo, what)
+                    if dvfs_cap and limit != before
+                    else None,
                 )
         except GpuError as exc:
             # The GPU is not left changed unsaid: what is in place on it already is named.
@@ -849,26 +864,39 @@ def apply_actions(
     failures.raise_if_any("could not apply caps: ")
 
 
-def recorded_even_if_signalled(change: Callable[[], None], record: Callable[[], None]) -> None:
+def recorded_even_if_signalled(
+    change: Callable[[], None],
+    record: Callable[[], None],
+    unsure: Callable[[], None] | None = None,
+) -> None:
     """`change` a GPU, then `record` it in the caps record, the record written whenever the
     change may have landed: a signal (the caps unit's stop, Ctrl-C) that ends the change's NVML
     call (which a worker thread may finish all the same) or comes before the record is written
     leaves the cap recorded, not on the GPU unknown to `cap show`, sweeps and `cap reset
     --applied`, and is raised then. (The record may list a cap the GPU does not hold, never the
-    reverse; the NVML call itself is not held back: a hung one still ends on the signal.)"""
+    reverse; the NVML call itself is not held back: a hung one still ends on the signal.)
+    `unsure`, where given, records instead a change the signal ended before it returned, which
+    may or may not have landed (both what the GPU held and the change recorded)."""
     from dvfs.signals import Interrupted, held_back
 
-    done = False
+    done = changed = False
     try:
         change()
+        changed = True
         with held_back():
             record()
             done = True
     except (KeyboardInterrupt, Interrupted):
         if not done:
             with held_back(), contextlib.suppress(CapsRecordError, OSError):
-                record()  # (one that cannot be written takes the change back: the signal wins)
+                # (one that cannot be written takes the change back: the signal wins)
+                (record if changed or unsure is None else unsure)()
         raise
+
+
+def _without_earlier(entry: dict[str, Any]) -> dict[str, Any]:
+    """A caps record entry once a power-limit change landed: no `EARLIER` cap left to doubt."""
+    return {k: v for k, v in entry.items() if k != EARLIER}
 
 
 def _remedy(exc: OSError) -> str:
@@ -992,7 +1020,9 @@ def reset_caps(
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
                     record.update(
                         ident.uuid,
-                        {**entry, "power_limit_mw": None, "power_limit_before_mw": None},
+                        _without_earlier(
+                            {**entry, "power_limit_mw": None, "power_limit_before_mw": None}
+                        ),
                     )
                 raise refused
             power = power or (
@@ -1049,6 +1079,8 @@ def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[i
     current = gpu.power_limit_mw()
     before = recorded.get("power_limit_before_mw")
     known = isinstance(before, int) and _positive_int(before)
+    if current == recorded.get(EARLIER):  # dvfs's earlier cap, which a signal left in place
+        applied = current
     if current != applied and not (known and current == before):  # (back already: a reset
         # stopped before it dropped the entry)
         return None, (
@@ -1127,9 +1159,6 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
     changes read under the lock too: "applied to" says the one it was changed from."""
     from dataclasses import replace
 
-    default = None
-    if action.power_limit_mw is None and isinstance(earlier.get("power_limit_mw"), int):
-        default = gpu.power_limit_range().default_mw
     current = action.current_power_limit_mw
     if action.power_limit_mw is not None:
         current = power_limit_or_none(gpu)
@@ -1137,8 +1166,22 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
         action,
         current_power_limit_mw=current,
         unlock=action.lock_mhz is None and bool(earlier.get("lock_mhz")),
-        default_power_limit_mw=default,
+        power_limit_back=_power_limit_back(action.power_limit_mw, earlier, gpu),
     )
+
+
+def _power_limit_back(
+    limit_mw: int | None, earlier: dict[str, Any], gpu: Gpu
+) -> tuple[int | None, str] | None:
+    """Where a caps file sets no power limit on a GPU whose caps record `earlier` lists one
+    dvfs set: the limit that goes back and its words, as `cap reset --applied` puts it back
+    (`_limit_replaced`: the one dvfs's cap replaced, the operator's own before dvfs; left be
+    where one was set outside dvfs since), so the apply, the record it leaves (no power limit
+    dvfs's) and a later `cap reset --applied` (which leaves the limit be) agree; None where
+    there is none to put back."""
+    if limit_mw is not None or not isinstance(earlier.get("power_limit_mw"), int):
+        return None
+    return _limit_replaced(gpu, earlier, gpu.power_limit_range().default_mw)
 
 
 def reset_locked(
