@@ -3983,3 +3983,45 @@ def test_a_signal_stopping_a_limit_change_over_dvfs_cap_keeps_that_cap_dvfs(
     said = " ".join(invoke("cap", "reset", "--applied").split())
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
     assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
+
+
+def test_a_damaged_replaced_limit_names_its_gpu_and_honours_the_rest_of_the_record(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps record whose power_limit_before_mw for one GPU was damaged ("600 W", by hand)
+    refused the whole record: `cap show`, `cap apply` and sweeps failed for every GPU, telling
+    the operator to remove it (losing the other GPUs' replaced limits too). The other GPUs'
+    entries, and that GPU's caps, are honoured; the damaged one is named in a warning with
+    what to do, and `cap reset --applied` puts back its default, saying why."""
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    nvml.fake_update_device(1, power_limit_mw=650_000)
+    caps = tmp_path / "caps.toml"
+    both = tuple(
+        GpuCap(uuid=u, sm_clock_max_mhz=1500, power_limit_w=450.0) for u in (first, second)
+    )
+    caps.write_text(dump_caps(CapsFile(both)))
+    invoke("cap", "apply", str(caps))
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    entries = json.loads(record.read_text())
+    entries[first]["power_limit_before_mw"] = "600 W"
+    record.write_text(json.dumps(entries))
+    warning = (
+        f"warning: dvfs's caps record {record} is damaged for GPU 0 ({first}): "
+        'power_limit_before_mw is "600 W", expected the power limit in mW'
+    )
+    for command in (["cap", "show", "--json"], ["cap", "apply", str(caps), "--dry-run"]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 0, result.output
+        assert warning in result.stderr and "write that limit in mW there" in result.stderr
+        assert "Error" not in result.output
+    shown = json.loads(CliRunner().invoke(cli, ["cap", "show", "--json"]).stdout)
+    assert [r["sm_clock_lock_mhz"] for r in shown] == [[210, 1500], [210, 1500]]
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 650_000, said  # honoured
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000, said
+    assert (
+        "power limit 700 W (default: the caps record's limit dvfs's cap replaced, \"600 W\", "
+        "is no power limit in mW)"
+    ) in said, said
+    assert not record.exists()

@@ -161,6 +161,30 @@ class AppliedCaps:
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
 
+    def damaged_lines(self, index: dict[str, int] | None = None) -> list[str]:
+        """A warning line for each GPU whose entry names a damaged limit that dvfs's cap
+        replaced (`_damaged_before`), which every reader otherwise passes over: the other GPUs'
+        entries, and this one's caps, are honoured, and the line says what that means and
+        what to do. `index`: the GPUs' indices by UUID, to name them by. [] where the record
+        cannot be read (its readers refuse it, saying so)."""
+        try:
+            entries = self.entries_as_written()
+        except CapsError:
+            return []
+        lines = []
+        for uuid, entry in entries.items():
+            problem = _damaged_before(entry)
+            if problem is None or before_this_boot(entry.get("boot"), entry.get("applied")):
+                continue
+            gpu = f"GPU {index[uuid]} ({uuid})" if index and uuid in index else f"GPU {uuid[:48]}"
+            lines.append(
+                f"dvfs's caps record {self.path} is damaged for {gpu}: {problem}, expected the "
+                "power limit in mW that dvfs's cap replaced, or null; its caps are honoured, and "
+                "`dvfs cap reset --applied` puts back its default power limit: to have it put "
+                "back the limit the GPU had before dvfs capped it, write that limit in mW there"
+            )
+        return lines
+
     def power_limits_mw(self) -> dict[str, int]:
         """The power limits dvfs applied, by GPU UUID (a measurement's stock is not these)."""
         return {
@@ -258,7 +282,8 @@ def _a_folder(path: Path) -> str:
 def _record_problem(record: dict[str, Any]) -> str | None:
     """What is wrong with one GPU's entry of the caps record (a damaged or hand-edited file),
     in words; None when its knobs are a clock lock (two clocks in MHz, low first) or null and a
-    power limit (mW) or null."""
+    power limit (mW) or null. (A damaged limit dvfs's cap replaced is no such problem: the caps
+    in force are known still, `_damaged_before` names it.)"""
 
     lock = record.get("lock_mhz")
     if lock is not None and not _is_lock(lock):
@@ -267,13 +292,18 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     power = record.get("power_limit_mw")
     if power is not None and not _positive_int(power):
         return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
-    before = record.get("power_limit_before_mw")  # the limit dvfs's replaced (absent: older)
-    if before is not None and not _positive_int(before):
-        shown = json.dumps(before)[:40]
-        return f"power_limit_before_mw is {shown}, expected a power limit in mW or null"
-    earlier = record.get(EARLIER)  # dvfs's earlier cap a signal may have left (`EARLIER`)
-    if earlier is not None and not _positive_int(earlier):
-        return f"{EARLIER} is {json.dumps(earlier)[:40]}, expected a power limit in mW or null"
+    return None
+
+
+def _damaged_before(record: dict[str, Any]) -> str | None:
+    """A caps record entry's damaged `power_limit_before_mw` (the limit dvfs's cap replaced) or
+    `EARLIER`, as its key and value ("power_limit_before_mw is "600 W""); None where both are a
+    power limit in mW or absent or null. Such an entry's caps are honoured all the same, and
+    the limit it replaced taken as unknown (`cap reset --applied` puts back the default)."""
+    for key in ("power_limit_before_mw", EARLIER):
+        value = record.get(key)
+        if value is not None and not _positive_int(value):
+            return f"{key} is {json.dumps(value)[:40]}"
     return None
 
 
@@ -1086,6 +1116,11 @@ def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[i
         return None, (
             f"power limit left at {current / 1000:g} W (set outside dvfs since `dvfs cap "
             f"apply` set {applied / 1000:g} W)"
+        )
+    if before is not None and not known:  # damaged (`AppliedCaps.damaged_lines` says so)
+        return default, (
+            f"power limit {default / 1000:g} W (default: the caps record's limit dvfs's cap "
+            f"replaced, {json.dumps(before)[:40]}, is no power limit in mW)"
         )
     if isinstance(before, int) and known:
         limits = gpu.power_limit_range()
