@@ -4025,3 +4025,41 @@ def test_a_damaged_replaced_limit_names_its_gpu_and_honours_the_rest_of_the_reco
         "is no power limit in mW)"
     ) in said, said
     assert not record.exists()
+
+
+def test_the_caps_units_stop_after_a_dead_sweep_puts_back_what_that_sweep_found(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap reset --applied` (the caps unit's stop) on a GPU a killed `dvfs sweep` left a state
+    file on reset it whole: the default power limit, 700 W, over the operator's 600 W, which the
+    state file says the sweep found and which dvfs never capped (it locked the clock only).
+    The power limit goes back to what the sweep found, or, where that was dvfs's cap, to the
+    one that cap replaced; the clock is unlocked (NVML cannot read back a lock the sweep may
+    have set, and the one it found was dvfs's)."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    # a `dvfs sweep` killed with SIGKILL: its state file holds what it found, the GPU its cell
+    StateStore(state, command="sweep").record(GpuSettings(uuid, (210, 1500), 600_000))
+    nvml.fake_update_device(0, locked_clocks=[210, 900], power_limit_mw=400_000)
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    device = nvml.fake_device_state(0)
+    assert device["power_limit_mw"] == 600_000, said
+    assert device["locked_clocks"] is None, said
+    assert "clocks unlocked, power limit 600 W (as the dead dvfs run found it)" in said, said
+    assert "'sweep'" in said and not StateStore(state).pending()
+    # dvfs's own power cap, found by the sweep: the limit that cap replaced goes back
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    invoke("cap", "apply", str(caps))
+    StateStore(state, command="sweep").record(GpuSettings(uuid, None, 450_000))
+    nvml.fake_update_device(0, locked_clocks=[210, 900], power_limit_mw=300_000)
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    device = nvml.fake_device_state(0)
+    assert device["power_limit_mw"] == 600_000, said
+    assert device["locked_clocks"] is None, said
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said

@@ -43,6 +43,7 @@ from dvfs.gpu.knobs import (
 from dvfs.gpu.safety import before_this_boot, boot_id, record_problem, state_dir_command
 
 if TYPE_CHECKING:
+    from dvfs.gpu.knobs import GpuSettings
     from dvfs.gpu.safety import StateStore
 
 APPLIED_NAME = "caps-applied.json"
@@ -979,8 +980,12 @@ def reset_caps(
     GPU was tried) does not leave the others' resets unsaid. `applied_only` (`cap reset
     --applied`, the caps unit's stop): on each GPU only the knobs the caps record says `cap
     apply` set, a clock lock or a power limit, go back (an operator's power limit set with
-    nvidia-smi where dvfs locked the clock only is left be), save on a GPU a dead dvfs run left
-    a state file on, which is reset whole as without it (that run changed the GPU).
+    nvidia-smi where dvfs locked the clock only is left be). On a GPU a dead dvfs run left a
+    state file on (this boot's), that run may have changed both knobs: its clocks are unlocked
+    (NVML cannot read a lock back, so the one it found, dvfs's caps record's if any, is all
+    that is known) and its power limit goes back to the one the state file says it found, or,
+    where that was dvfs's cap, the one that cap replaced (`_limit_replaced`); an unreadable
+    state file tells nothing, and its GPU is reset whole.
 
     A state file a dead dvfs run left on a GPU (a governor or sweep killed with SIGKILL) goes
     too: it holds the settings that run found, static caps included, and the GPU is at its
@@ -1025,10 +1030,11 @@ def reset_caps(
         try:
             unlock, limit = True, True
             recorded: dict[str, Any] = {}
-            if applied_only and not os.path.lexists(store.path(ident.uuid)):
+            dead = _found_by_a_dead_run(store, ident.uuid) if applied_only else None
+            if applied_only and (dead is not None or _stale_or_none(store, ident.uuid)):
                 recorded = record.entries_as_written().get(ident.uuid) or {}
-                unlock = bool(recorded.get("lock_mhz"))
-                limit = isinstance(recorded.get("power_limit_mw"), int)
+                unlock = dead is not None or bool(recorded.get("lock_mhz"))
+                limit = dead is not None or isinstance(recorded.get("power_limit_mw"), int)
             refused: GpuError | None = None
             try:
                 if unlock:
@@ -1037,7 +1043,16 @@ def reset_caps(
                 refused = exc
             default = _default_or_none(gpu)  # None: not supported, so never capped
             target, power = default, ""
-            if limit and default is not None and recorded:
+            found = None if dead is None else dead.power_limit_mw
+            if limit and default is not None and found is not None:
+                # `--applied` after a dead run: the limit it found goes back (the operator's),
+                # or, where that was dvfs's cap, the one that cap replaced
+                if isinstance(recorded.get("power_limit_mw"), int):
+                    target, power = _limit_replaced(gpu, recorded, default, current=found)
+                if target is None or not power:
+                    target = found
+                    power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
+            elif limit and default is not None and recorded:
                 # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
                 # holds that cap; one set outside dvfs since is the operator's, left be.
                 target, power = _limit_replaced(gpu, recorded, default)
@@ -1088,7 +1103,12 @@ def reset_caps(
             clocks = "clocks unlocked" if unlock else "clocks left as they are (dvfs locked none)"
             line = f"GPU {ident.index} ({ident.uuid}): {clocks}, {power}"
             if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
-                line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
+                now = "the GPU is at its defaults now"
+                if dead is not None:
+                    now = "what that run changed is undone, dvfs's caps with it"
+                elif applied_only and _stale_or_none(store, ident.uuid):
+                    now = "from before the last reboot, which reset the GPU"
+                line += f"; {_left_by(store, ident.uuid)}: dropped, {now}"
                 store.clear(ident.uuid)
             done.append(line)
             note(line)
@@ -1098,7 +1118,34 @@ def reset_caps(
     return done
 
 
-def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[int | None, str]:
+def _found_by_a_dead_run(store: StateStore, uuid: str) -> GpuSettings | None:
+    """What a dead dvfs run's state file on a GPU says it found there (this boot's); None where
+    there is none, it is unreadable (nothing can be told from it) or from before the last
+    reboot (which reset the GPU since)."""
+    try:
+        pending = store.pending(uuid)
+    except GpuStateError:
+        return None
+    if not pending or pending[0].before_this_boot:
+        return None
+    return pending[0].original
+
+
+def _stale_or_none(store: StateStore, uuid: str) -> bool:
+    """Whether a GPU has no state file, or only one from before the last reboot (which reset
+    the GPU: `cap reset --applied` goes by dvfs's caps record alone, as without one)."""
+    if not os.path.lexists(store.path(uuid)):
+        return True
+    try:
+        pending = store.pending(uuid)
+    except GpuStateError:
+        return False
+    return bool(pending) and all(p.before_this_boot for p in pending)
+
+
+def _limit_replaced(
+    gpu: Gpu, recorded: dict[str, Any], default: int, *, current: int | None = None
+) -> tuple[int | None, str]:
     """The power limit `cap reset --applied` puts back on a GPU whose caps record entry lists
     one dvfs set, and its words: the limit that cap replaced, as `cap apply` recorded it; None
     (left be) where the GPU holds another than dvfs's now (an operator's `nvidia-smi -pl`
@@ -1106,7 +1153,8 @@ def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[i
     names one outside the GPU's range now (a hand-edited record, another driver's range),
     which NVML refuses: the stop failed on it for ever, the GPU left at dvfs's cap."""
     applied = int(recorded["power_limit_mw"])
-    current = gpu.power_limit_mw()
+    if current is None:  # (given: what a dead run found, which it may have changed since)
+        current = gpu.power_limit_mw()
     before = recorded.get("power_limit_before_mw")
     known = isinstance(before, int) and _positive_int(before)
     if current == recorded.get(EARLIER):  # dvfs's earlier cap, which a signal left in place
