@@ -4063,3 +4063,26 @@ def test_the_caps_units_stop_after_a_dead_sweep_puts_back_what_that_sweep_found(
     assert device["power_limit_mw"] == 600_000, said
     assert device["locked_clocks"] is None, said
     assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
+
+
+def test_the_caps_units_stop_after_a_dead_run_that_read_no_power_limit(
+    nvml, tmp_path: Path
+) -> None:
+    """A dead run's state file with no power limit (null: none read when it started) on a GPU
+    dvfs locked the clock of only: `cap reset --applied` failed on the record's null power
+    limit (a TypeError); the state file telling no limit, the default goes back, as `cap reset`
+    puts it."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    StateStore(Path(os.environ["DVFS_STATE_DIR"]), command="sweep").record(
+        GpuSettings(uuid, (210, 1500), None)
+    )
+    nvml.fake_update_device(0, locked_clocks=[210, 900], power_limit_mw=400_000)
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert "clocks unlocked, power limit 700 W (default)" in said, said
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000

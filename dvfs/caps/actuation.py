@@ -1052,7 +1052,7 @@ def reset_caps(
                 if target is None or not power:
                     target = found
                     power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
-            elif limit and default is not None and recorded:
+            elif limit and default is not None and isinstance(recorded.get("power_limit_mw"), int):
                 # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
                 # holds that cap; one set outside dvfs since is the operator's, left be.
                 target, power = _limit_replaced(gpu, recorded, default)
