@@ -569,7 +569,8 @@ def plan_actions(
 ) -> CapsPlan:
     """Match caps to this host's GPUs and validate them against each GPU's supported clocks
     and power range, without writing. `applied`: dvfs's record of the caps in force (`AppliedCaps`),
-    whose knobs this file leaves at stock go back to stock.
+    whose knobs this file leaves at stock go back as `cap reset --applied` puts them back
+    (clocks unlocked, the power limit that cap replaced: `CapAction.power_limit_back`).
 
     Refuses (CapsError) simulated caps unless `allow_simulated`, and a file that matches no
     GPU at all; entries that match nothing are listed in the plan for the caller to report.
