@@ -4086,3 +4086,30 @@ def test_the_caps_units_stop_after_a_dead_run_that_read_no_power_limit(
     assert "clocks unlocked, power limit 700 W (default)" in said, said
     device = nvml.fake_device_state(0)
     assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+
+
+def test_the_caps_units_stop_goes_by_the_record_beside_an_earlier_boots_state_file(
+    nvml, tmp_path: Path
+) -> None:
+    """A state file from before the last reboot (which reset the GPU) on a GPU dvfs locked the
+    clock of only made `cap reset --applied` reset it whole, to the default power limit over
+    the operator's 600 W set since the boot: the file tells nothing of this boot's GPU, so the
+    reset goes by dvfs's caps record alone, and drops it, saying why."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, this boot
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    store = StateStore(state, command="sweep")
+    store.record(GpuSettings(uuid, None, 300_000))
+    earlier = {**json.loads(store.path(uuid).read_text()), "boot": "an-earlier-boot"}
+    store.path(uuid).write_text(json.dumps(earlier))
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    device = nvml.fake_device_state(0)
+    assert device["power_limit_mw"] == 600_000 and device["locked_clocks"] is None, said
+    assert "clocks unlocked, power limit left as it is (dvfs set none)" in said, said
+    assert "dropped, from before the last reboot, which reset the GPU" in said, said
+    assert not store.path(uuid).exists()
