@@ -3959,8 +3959,12 @@ def test_a_signal_stopping_a_limit_change_over_dvfs_cap_keeps_that_cap_dvfs(
     from dvfs's earlier cap, 500 W, to 450 W before it landed recorded 450 W alone: the GPU
     kept 500 W, which `cap reset --applied` then took for an operator's ("set outside dvfs
     since") and left on it, and the next apply took for the limit before dvfs. The record names
-    both dvfs's (`power_limit_earlier_mw`), so the reset puts back the operator's 600 W."""
+    both dvfs's (`power_limit_earlier_mw`), so the reset puts back the operator's 600 W, and a
+    sweep measures stock at the default, not at the earlier cap."""
     import signal
+
+    from dvfs.caps import AppliedCaps
+    from dvfs.gpu.nvml import open_nvml_gpus
 
     uuid = nvml.fake_device_state(0)["uuid"]
     nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
@@ -3980,6 +3984,10 @@ def test_a_signal_stopping_a_limit_change_over_dvfs_cap_keeps_that_cap_dvfs(
     monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", real)
     assert result.exit_code == 143, result.output
     assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000  # dvfs's earlier cap
+    # a sweep meanwhile takes it for dvfs's cap too, not for the operator's stock
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        knobs = AppliedCaps(Path(os.environ["DVFS_STATE_DIR"])).measuring(gpus)
+        assert knobs.read_stock()[uuid].power_limit_mw == 700_000  # the GPU's own stock
     said = " ".join(invoke("cap", "reset", "--applied").split())
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
     assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
