@@ -1838,7 +1838,7 @@ def test_a_knob_the_new_file_leaves_at_stock_goes_back_to_stock(nvml, tmp_path: 
     assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] is None
     clock_only = tmp_path / "clock.toml"
     clock_only.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
-    assert "power limit 700 W (default" in invoke("cap", "apply", str(clock_only))
+    assert "power limit 700 W (as before" in invoke("cap", "apply", str(clock_only))
     device = nvml.fake_device_state(0)
     assert device["locked_clocks"] == [210, 1500] and device["power_limit_mw"] == 700_000
     [shown, _] = json.loads(invoke("cap", "show", "--json"))
@@ -3914,3 +3914,210 @@ def test_the_caps_units_stop_puts_back_the_default_for_a_replaced_limit_out_of_r
         "is outside this GPU's range 200-700 W now)"
     ) in said, said
     assert not record.exists() or uuid not in json.loads(record.read_text())  # dropped
+
+
+def test_a_file_leaving_the_power_limit_at_stock_puts_back_the_one_dvfs_replaced(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps file with no power limit for a GPU, applied over an earlier dvfs cap of 450 W
+    that replaced an operator's 600 W, set the GPU's default, 700 W, and dropped the record's
+    600 W: the operator's limit was lost, and `cap reset --applied` left 700 W. The apply puts
+    back the limit dvfs's cap replaced, as `cap reset --applied` does, so the two agree; one
+    set outside dvfs since the cap is left be, as the reset leaves it."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = tmp_path / "caps.toml"
+    capped = dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500, power_limit_w=450.0),)))
+    caps.write_text(capped)
+    invoke("cap", "apply", str(caps))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run").split())
+    assert "power limit 600 W (as before `dvfs cap apply`), none in this file" in dry, dry
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    said = " ".join(invoke("cap", "apply", str(caps)).split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert "power limit 600 W (as before `dvfs cap apply`), none in this file" in said, said
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    # one the operator set over dvfs's cap since is theirs: left be, by both
+    caps.write_text(capped)
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(0, power_limit_mw=550_000)
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    said = " ".join(invoke("cap", "apply", str(caps)).split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
+    assert "power limit left at 550 W (set outside dvfs since `dvfs cap apply` set 450 W)" in said
+    invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000
+
+
+def test_a_signal_stopping_a_limit_change_over_dvfs_cap_keeps_that_cap_dvfs(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl stop dvfs-caps` (SIGTERM) ending `cap apply`'s change of a GPU's power limit
+    from dvfs's earlier cap, 500 W, to 450 W before it landed recorded 450 W alone: the GPU
+    kept 500 W, which `cap reset --applied` then took for an operator's ("set outside dvfs
+    since") and left on it, and the next apply took for the limit before dvfs. The record names
+    both dvfs's (`power_limit_earlier_mw`), so the reset puts back the operator's 600 W, and a
+    sweep measures stock at the default, not at the earlier cap."""
+    import signal
+
+    from dvfs.caps import AppliedCaps
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500.0),))))
+    invoke("cap", "apply", str(caps))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+
+    def stopped(handle: object, limit_mw: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop, in NVML's call: it never lands
+
+    real = nvml.nvmlDeviceSetPowerManagementLimit
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0")  # NVML called in this thread, which the
+    # signal interrupts
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", stopped)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", real)
+    assert result.exit_code == 143, result.output
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000  # dvfs's earlier cap
+    # a sweep meanwhile takes it for dvfs's cap too, not for the operator's stock
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        knobs = AppliedCaps(Path(os.environ["DVFS_STATE_DIR"])).measuring(gpus)
+        assert knobs.read_stock()[uuid].power_limit_mw == 700_000  # the GPU's own stock
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
+
+
+def test_a_damaged_replaced_limit_names_its_gpu_and_honours_the_rest_of_the_record(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps record whose power_limit_before_mw for one GPU was damaged ("600 W", by hand)
+    refused the whole record: `cap show`, `cap apply` and sweeps failed for every GPU, telling
+    the operator to remove it (losing the other GPUs' replaced limits too). The other GPUs'
+    entries, and that GPU's caps, are honoured; the damaged one is named in a warning with
+    what to do, and `cap reset --applied` puts back its default, saying why."""
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    nvml.fake_update_device(1, power_limit_mw=650_000)
+    caps = tmp_path / "caps.toml"
+    both = tuple(
+        GpuCap(uuid=u, sm_clock_max_mhz=1500, power_limit_w=450.0) for u in (first, second)
+    )
+    caps.write_text(dump_caps(CapsFile(both)))
+    invoke("cap", "apply", str(caps))
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    entries = json.loads(record.read_text())
+    entries[first]["power_limit_before_mw"] = "600 W"
+    record.write_text(json.dumps(entries))
+    warning = (
+        f"warning: dvfs's caps record {record} is damaged for GPU 0 ({first}): "
+        'power_limit_before_mw is "600 W", expected the power limit in mW'
+    )
+    for command in (["cap", "show", "--json"], ["cap", "apply", str(caps), "--dry-run"]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 0, result.output
+        assert warning in result.stderr and "write that limit in mW there" in result.stderr
+        assert "Error" not in result.output
+    shown = json.loads(CliRunner().invoke(cli, ["cap", "show", "--json"]).stdout)
+    assert [r["sm_clock_lock_mhz"] for r in shown] == [[210, 1500], [210, 1500]]
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 650_000, said  # honoured
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000, said
+    assert (
+        "power limit 700 W (default: the caps record's limit dvfs's cap replaced, \"600 W\", "
+        "is no power limit in mW)"
+    ) in said, said
+    assert not record.exists()
+
+
+def test_the_caps_units_stop_after_a_dead_sweep_puts_back_what_that_sweep_found(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap reset --applied` (the caps unit's stop) on a GPU a killed `dvfs sweep` left a state
+    file on reset it whole: the default power limit, 700 W, over the operator's 600 W, which the
+    state file says the sweep found and which dvfs never capped (it locked the clock only).
+    The power limit goes back to what the sweep found, or, where that was dvfs's cap, to the
+    one that cap replaced; the clock is unlocked (NVML cannot read back a lock the sweep may
+    have set, and the one it found was dvfs's)."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    # a `dvfs sweep` killed with SIGKILL: its state file holds what it found, the GPU its cell
+    StateStore(state, command="sweep").record(GpuSettings(uuid, (210, 1500), 600_000))
+    nvml.fake_update_device(0, locked_clocks=[210, 900], power_limit_mw=400_000)
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    device = nvml.fake_device_state(0)
+    assert device["power_limit_mw"] == 600_000, said
+    assert device["locked_clocks"] is None, said
+    assert "clocks unlocked, power limit 600 W (as the dead dvfs run found it)" in said, said
+    assert "'sweep'" in said and not StateStore(state).pending()
+    # dvfs's own power cap, found by the sweep: the limit that cap replaced goes back
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    invoke("cap", "apply", str(caps))
+    StateStore(state, command="sweep").record(GpuSettings(uuid, None, 450_000))
+    nvml.fake_update_device(0, locked_clocks=[210, 900], power_limit_mw=300_000)
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    device = nvml.fake_device_state(0)
+    assert device["power_limit_mw"] == 600_000, said
+    assert device["locked_clocks"] is None, said
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
+
+
+def test_the_caps_units_stop_after_a_dead_run_that_read_no_power_limit(
+    nvml, tmp_path: Path
+) -> None:
+    """A dead run's state file with no power limit (null: none read when it started) on a GPU
+    dvfs locked the clock of only: `cap reset --applied` failed on the record's null power
+    limit (a TypeError); the state file telling no limit, the default goes back, as `cap reset`
+    puts it."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    StateStore(Path(os.environ["DVFS_STATE_DIR"]), command="sweep").record(
+        GpuSettings(uuid, (210, 1500), None)
+    )
+    nvml.fake_update_device(0, locked_clocks=[210, 900], power_limit_mw=400_000)
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert "clocks unlocked, power limit 700 W (default)" in said, said
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+
+
+def test_the_caps_units_stop_goes_by_the_record_beside_an_earlier_boots_state_file(
+    nvml, tmp_path: Path
+) -> None:
+    """A state file from before the last reboot (which reset the GPU) on a GPU dvfs locked the
+    clock of only made `cap reset --applied` reset it whole, to the default power limit over
+    the operator's 600 W set since the boot: the file tells nothing of this boot's GPU, so the
+    reset goes by dvfs's caps record alone, and drops it, saying why."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, this boot
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    store = StateStore(state, command="sweep")
+    store.record(GpuSettings(uuid, None, 300_000))
+    earlier = {**json.loads(store.path(uuid).read_text()), "boot": "an-earlier-boot"}
+    store.path(uuid).write_text(json.dumps(earlier))
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    device = nvml.fake_device_state(0)
+    assert device["power_limit_mw"] == 600_000 and device["locked_clocks"] is None, said
+    assert "clocks unlocked, power limit left as it is (dvfs set none)" in said, said
+    assert "dropped, from before the last reboot, which reset the GPU" in said, said
+    assert not store.path(uuid).exists()

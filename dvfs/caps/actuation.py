@@ -43,6 +43,7 @@ from dvfs.gpu.knobs import (
 from dvfs.gpu.safety import before_this_boot, boot_id, record_problem, state_dir_command
 
 if TYPE_CHECKING:
+    from dvfs.gpu.knobs import GpuSettings
     from dvfs.gpu.safety import StateStore
 
 APPLIED_NAME = "caps-applied.json"
@@ -57,8 +58,10 @@ class CapsPartlyAppliedError(CapsError):
 @dataclass(frozen=True)
 class CapAction:
     """What applying a caps file does to one GPU. A knob the file leaves at stock that an
-    earlier `cap apply` capped goes back to stock (`unlock`, `default_power_limit_mw`): the
-    file says what the GPU holds, so the earlier cap must not stay on it unrecorded."""
+    earlier `cap apply` capped goes back to what it was before dvfs capped it (`unlock`,
+    `power_limit_back`): the file says what the GPU holds, so the earlier cap must not stay on
+    it unrecorded, and the power limit goes back as `cap reset --applied` puts it back (the
+    one that cap replaced, as recorded), not to the default over an operator's own."""
 
     index: int
     uuid: str
@@ -67,7 +70,9 @@ class CapAction:
     #: None: NVML does not support this GPU's power limit (its entry caps only clocks)
     current_power_limit_mw: int | None
     unlock: bool = False
-    default_power_limit_mw: int | None = None
+    #: An earlier apply's power limit this file leaves at stock: the limit put back (None:
+    #: left be, one set outside dvfs since) and its words (`_limit_replaced`); None: no such
+    power_limit_back: tuple[int | None, str] | None = None
 
     def describe(self) -> str:
         """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
@@ -76,10 +81,9 @@ class CapAction:
             parts.append(f"SM clock locked to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
         elif self.unlock:
             parts.append("SM clock unlocked (stock in this file; an earlier cap apply locked it)")
-        if self.default_power_limit_mw is not None:
+        if self.power_limit_back is not None:
             parts.append(
-                f"power limit {self.default_power_limit_mw / 1000:g} W (default: stock in this "
-                "file; an earlier cap apply set it)"
+                f"{self.power_limit_back[1]}, none in this file (an earlier cap apply set one)"
             )
         if self.power_limit_mw is not None:
             current = self.current_power_limit_mw  # read (a GPU without one is set aside)
@@ -158,6 +162,30 @@ class AppliedCaps:
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
 
+    def damaged_lines(self, index: dict[str, int] | None = None) -> list[str]:
+        """A warning line for each GPU whose entry names a damaged limit that dvfs's cap
+        replaced (`_damaged_before`), which every reader otherwise passes over: the other GPUs'
+        entries, and this one's caps, are honoured, and the line says what that means and
+        what to do. `index`: the GPUs' indices by UUID, to name them by. [] where the record
+        cannot be read (its readers refuse it, saying so)."""
+        try:
+            entries = self.entries_as_written()
+        except CapsError:
+            return []
+        lines = []
+        for uuid, entry in entries.items():
+            problem = _damaged_before(entry)
+            if problem is None or before_this_boot(entry.get("boot"), entry.get("applied")):
+                continue
+            gpu = f"GPU {index[uuid]} ({uuid})" if index and uuid in index else f"GPU {uuid[:48]}"
+            lines.append(
+                f"dvfs's caps record {self.path} is damaged for {gpu}: {problem}, expected the "
+                "power limit in mW that dvfs's cap replaced, or null; its caps are honoured, and "
+                "`dvfs cap reset --applied` puts back its default power limit: to have it put "
+                "back the limit the GPU had before dvfs capped it, write that limit in mW there"
+            )
+        return lines
+
     def power_limits_mw(self) -> dict[str, int]:
         """The power limits dvfs applied, by GPU UUID (a measurement's stock is not these)."""
         return {
@@ -173,12 +201,17 @@ class AppliedCaps:
         restores the caps recorded here, and measures stock as the GPUs' own stock, not under
         them (unlocked clocks, the default power limit), so production caps never pass as
         stock in a cube."""
+        applied, entries = self.power_limits_mw(), self.read()
+        for gpu in gpus:  # dvfs's earlier cap a signal left in place is dvfs's too (`EARLIER`)
+            earlier = entries.get(gpu.identity.uuid, {}).get(EARLIER)
+            if earlier is not None and power_limit_or_none(gpu) == earlier:
+                applied[gpu.identity.uuid] = earlier
         return KnobController(
             gpus,
             actuation=actuation,
             change_log=change_log,
             prior_locks=self.locks(),
-            applied_power_mw=self.power_limits_mw(),
+            applied_power_mw=applied,
             stock_without_caps=True,
         )
 
@@ -250,7 +283,8 @@ def _a_folder(path: Path) -> str:
 def _record_problem(record: dict[str, Any]) -> str | None:
     """What is wrong with one GPU's entry of the caps record (a damaged or hand-edited file),
     in words; None when its knobs are a clock lock (two clocks in MHz, low first) or null and a
-    power limit (mW) or null."""
+    power limit (mW) or null. (A damaged limit dvfs's cap replaced is no such problem: the caps
+    in force are known still, `_damaged_before` names it.)"""
 
     lock = record.get("lock_mhz")
     if lock is not None and not _is_lock(lock):
@@ -259,11 +293,26 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     power = record.get("power_limit_mw")
     if power is not None and not _positive_int(power):
         return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
-    before = record.get("power_limit_before_mw")  # the limit dvfs's replaced (absent: older)
-    if before is not None and not _positive_int(before):
-        shown = json.dumps(before)[:40]
-        return f"power_limit_before_mw is {shown}, expected a power limit in mW or null"
     return None
+
+
+def _damaged_before(record: dict[str, Any]) -> str | None:
+    """A caps record entry's damaged `power_limit_before_mw` (the limit dvfs's cap replaced) or
+    `EARLIER`, as its key and value ("power_limit_before_mw is "600 W""); None where both are a
+    power limit in mW or absent or null. Such an entry's caps are honoured all the same, and
+    the limit it replaced taken as unknown (`cap reset --applied` puts back the default)."""
+    for key in ("power_limit_before_mw", EARLIER):
+        value = record.get(key)
+        if value is not None and not _positive_int(value):
+            return f"{key} is {json.dumps(value)[:40]}"
+    return None
+
+
+#: A caps record entry's earlier dvfs power limit the GPU may still hold: a signal (the caps
+#: unit's stop) ended the change from it to `power_limit_mw` before the change was known to
+#: land, so either is dvfs's cap, and `cap reset --applied` and the next `cap apply` take the
+#: GPU's limit for dvfs's, not an operator's, where it is either. Dropped once a change lands.
+EARLIER = "power_limit_earlier_mw"
 
 
 def _positive_int(value: Any) -> bool:
@@ -520,7 +569,8 @@ def plan_actions(
 ) -> CapsPlan:
     """Match caps to this host's GPUs and validate them against each GPU's supported clocks
     and power range, without writing. `applied`: dvfs's record of the caps in force (`AppliedCaps`),
-    whose knobs this file leaves at stock go back to stock.
+    whose knobs this file leaves at stock go back as `cap reset --applied` puts them back
+    (clocks unlocked, the power limit that cap replaced: `CapAction.power_limit_back`).
 
     Refuses (CapsError) simulated caps unless `allow_simulated`, and a file that matches no
     GPU at all; entries that match nothing are listed in the plan for the caller to report.
@@ -598,9 +648,6 @@ def plan_actions(
             found.append(gpu.power_limit_range().outside(limit))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
-        default = None
-        if limit is None and isinstance(earlier.get("power_limit_mw"), int):
-            default = gpu.power_limit_range().default_mw
         actions.append(
             CapAction(
                 ident.index,
@@ -609,7 +656,7 @@ def plan_actions(
                 limit,
                 power_limit_or_none(gpu),
                 unlock=lock is None and bool(earlier.get("lock_mhz")),
-                default_power_limit_mw=default,
+                power_limit_back=_power_limit_back(limit, earlier, gpu),
             )
         )
     if other_model:
@@ -759,19 +806,20 @@ def apply_actions(
                 gpu.reset_sm_clock()
                 keep(action.uuid, {**applied.get(action.uuid, blank), "lock_mhz": None})
                 changed.append("SM clock unlocked")
-            if action.default_power_limit_mw is not None:
-                if action.default_power_limit_mw != gpu.power_limit_mw():
-                    gpu.set_power_limit_mw(action.default_power_limit_mw)
-                    changed.append(
-                        f"power limit set to {action.default_power_limit_mw / 1000:g} W (default)"
-                    )
+            if action.power_limit_back is not None:
+                back = action.power_limit_back[0]
+                if back is not None and back != gpu.power_limit_mw():
+                    gpu.set_power_limit_mw(back)
+                    changed.append(f"power limit set back to {back / 1000:g} W")
                 keep(
                     action.uuid,
-                    {
-                        **applied.get(action.uuid, blank),
-                        "power_limit_mw": None,
-                        "power_limit_before_mw": None,
-                    },
+                    _without_earlier(
+                        {
+                            **applied.get(action.uuid, blank),
+                            "power_limit_mw": None,
+                            "power_limit_before_mw": None,
+                        }
+                    ),
                 )
             if action.lock_mhz is not None:
                 earlier = applied.get(action.uuid, blank).get("lock_mhz")
@@ -794,26 +842,25 @@ def apply_actions(
                 # the one that cap replaced, as recorded; none where an older dvfs recorded
                 # none); one an operator set over that cap since is theirs, and replaced.
                 prior = applied.get(action.uuid, blank)
-                replaced = (
-                    prior.get("power_limit_before_mw")
-                    if prior.get("power_limit_mw") == before
-                    else before
-                )
+                dvfs_cap = before in (prior.get("power_limit_mw"), prior.get(EARLIER))
+                replaced = prior.get("power_limit_before_mw") if dvfs_cap else before
                 limit = action.power_limit_mw
+                entry = {
+                    **prior,
+                    **stamp,
+                    "power_limit_mw": limit,
+                    "power_limit_before_mw": replaced,
+                }
+                undo = partial(gpu.set_power_limit_mw, before) if limit != before else None
+                what = f"power limit {limit / 1000:g} W"
                 recorded_even_if_signalled(
                     partial(gpu.set_power_limit_mw, limit) if limit != before else lambda: None,
-                    partial(
-                        keep,
-                        action.uuid,
-                        {
-                            **prior,
-                            **stamp,
-                            "power_limit_mw": limit,
-                            "power_limit_before_mw": replaced,
-                        },
-                        partial(gpu.set_power_limit_mw, before) if limit != before else None,
-                        f"power limit {limit / 1000:g} W",
-                    ),
+                    partial(keep, action.uuid, _without_earlier(entry), undo, what),
+                    # a change stopped before it landed may leave dvfs's earlier cap: both
+                    # recorded dvfs's, so neither passes for an operator's limit later
+                    partial(keep, action.uuid, {**entry, EARLIER: before}, undo, what)
+                    if dvfs_cap and limit != before
+                    else None,
                 )
         except GpuError as exc:
             # The GPU is not left changed unsaid: what is in place on it already is named.
@@ -849,26 +896,39 @@ def apply_actions(
     failures.raise_if_any("could not apply caps: ")
 
 
-def recorded_even_if_signalled(change: Callable[[], None], record: Callable[[], None]) -> None:
+def recorded_even_if_signalled(
+    change: Callable[[], None],
+    record: Callable[[], None],
+    unsure: Callable[[], None] | None = None,
+) -> None:
     """`change` a GPU, then `record` it in the caps record, the record written whenever the
     change may have landed: a signal (the caps unit's stop, Ctrl-C) that ends the change's NVML
     call (which a worker thread may finish all the same) or comes before the record is written
     leaves the cap recorded, not on the GPU unknown to `cap show`, sweeps and `cap reset
     --applied`, and is raised then. (The record may list a cap the GPU does not hold, never the
-    reverse; the NVML call itself is not held back: a hung one still ends on the signal.)"""
+    reverse; the NVML call itself is not held back: a hung one still ends on the signal.)
+    `unsure`, where given, records instead a change the signal ended before it returned, which
+    may or may not have landed (both what the GPU held and the change recorded)."""
     from dvfs.signals import Interrupted, held_back
 
-    done = False
+    done = changed = False
     try:
         change()
+        changed = True
         with held_back():
             record()
             done = True
     except (KeyboardInterrupt, Interrupted):
         if not done:
             with held_back(), contextlib.suppress(CapsRecordError, OSError):
-                record()  # (one that cannot be written takes the change back: the signal wins)
+                # (one that cannot be written takes the change back: the signal wins)
+                (record if changed or unsure is None else unsure)()
         raise
+
+
+def _without_earlier(entry: dict[str, Any]) -> dict[str, Any]:
+    """A caps record entry once a power-limit change landed: no `EARLIER` cap left to doubt."""
+    return {k: v for k, v in entry.items() if k != EARLIER}
 
 
 def _remedy(exc: OSError) -> str:
@@ -921,8 +981,12 @@ def reset_caps(
     GPU was tried) does not leave the others' resets unsaid. `applied_only` (`cap reset
     --applied`, the caps unit's stop): on each GPU only the knobs the caps record says `cap
     apply` set, a clock lock or a power limit, go back (an operator's power limit set with
-    nvidia-smi where dvfs locked the clock only is left be), save on a GPU a dead dvfs run left
-    a state file on, which is reset whole as without it (that run changed the GPU).
+    nvidia-smi where dvfs locked the clock only is left be). On a GPU a dead dvfs run left a
+    state file on (this boot's), that run may have changed both knobs: its clocks are unlocked
+    (NVML cannot read a lock back, so the one it found, dvfs's caps record's if any, is all
+    that is known) and its power limit goes back to the one the state file says it found, or,
+    where that was dvfs's cap, the one that cap replaced (`_limit_replaced`); an unreadable
+    state file tells nothing, and its GPU is reset whole.
 
     A state file a dead dvfs run left on a GPU (a governor or sweep killed with SIGKILL) goes
     too: it holds the settings that run found, static caps included, and the GPU is at its
@@ -967,10 +1031,11 @@ def reset_caps(
         try:
             unlock, limit = True, True
             recorded: dict[str, Any] = {}
-            if applied_only and not os.path.lexists(store.path(ident.uuid)):
+            dead = _found_by_a_dead_run(store, ident.uuid) if applied_only else None
+            if applied_only and (dead is not None or _stale_or_none(store, ident.uuid)):
                 recorded = record.entries_as_written().get(ident.uuid) or {}
-                unlock = bool(recorded.get("lock_mhz"))
-                limit = isinstance(recorded.get("power_limit_mw"), int)
+                unlock = dead is not None or bool(recorded.get("lock_mhz"))
+                limit = dead is not None or isinstance(recorded.get("power_limit_mw"), int)
             refused: GpuError | None = None
             try:
                 if unlock:
@@ -979,7 +1044,16 @@ def reset_caps(
                 refused = exc
             default = _default_or_none(gpu)  # None: not supported, so never capped
             target, power = default, ""
-            if limit and default is not None and recorded:
+            found = None if dead is None else dead.power_limit_mw
+            if limit and default is not None and found is not None:
+                # `--applied` after a dead run: the limit it found goes back (the operator's),
+                # or, where that was dvfs's cap, the one that cap replaced
+                if isinstance(recorded.get("power_limit_mw"), int):
+                    target, power = _limit_replaced(gpu, recorded, default, current=found)
+                if target is None or not power:
+                    target = found
+                    power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
+            elif limit and default is not None and isinstance(recorded.get("power_limit_mw"), int):
                 # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
                 # holds that cap; one set outside dvfs since is the operator's, left be.
                 target, power = _limit_replaced(gpu, recorded, default)
@@ -992,7 +1066,9 @@ def reset_caps(
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
                     record.update(
                         ident.uuid,
-                        {**entry, "power_limit_mw": None, "power_limit_before_mw": None},
+                        _without_earlier(
+                            {**entry, "power_limit_mw": None, "power_limit_before_mw": None}
+                        ),
                     )
                 raise refused
             power = power or (
@@ -1028,7 +1104,12 @@ def reset_caps(
             clocks = "clocks unlocked" if unlock else "clocks left as they are (dvfs locked none)"
             line = f"GPU {ident.index} ({ident.uuid}): {clocks}, {power}"
             if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
-                line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
+                now = "the GPU is at its defaults now"
+                if dead is not None:
+                    now = "what that run changed is undone, dvfs's caps with it"
+                elif applied_only and _stale_or_none(store, ident.uuid):
+                    now = "from before the last reboot, which reset the GPU"
+                line += f"; {_left_by(store, ident.uuid)}: dropped, {now}"
                 store.clear(ident.uuid)
             done.append(line)
             note(line)
@@ -1038,7 +1119,34 @@ def reset_caps(
     return done
 
 
-def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[int | None, str]:
+def _found_by_a_dead_run(store: StateStore, uuid: str) -> GpuSettings | None:
+    """What a dead dvfs run's state file on a GPU says it found there (this boot's); None where
+    there is none, it is unreadable (nothing can be told from it) or from before the last
+    reboot (which reset the GPU since)."""
+    try:
+        pending = store.pending(uuid)
+    except GpuStateError:
+        return None
+    if not pending or pending[0].before_this_boot:
+        return None
+    return pending[0].original
+
+
+def _stale_or_none(store: StateStore, uuid: str) -> bool:
+    """Whether a GPU has no state file, or only one from before the last reboot (which reset
+    the GPU: `cap reset --applied` goes by dvfs's caps record alone, as without one)."""
+    if not os.path.lexists(store.path(uuid)):
+        return True
+    try:
+        pending = store.pending(uuid)
+    except GpuStateError:
+        return False
+    return bool(pending) and all(p.before_this_boot for p in pending)
+
+
+def _limit_replaced(
+    gpu: Gpu, recorded: dict[str, Any], default: int, *, current: int | None = None
+) -> tuple[int | None, str]:
     """The power limit `cap reset --applied` puts back on a GPU whose caps record entry lists
     one dvfs set, and its words: the limit that cap replaced, as `cap apply` recorded it; None
     (left be) where the GPU holds another than dvfs's now (an operator's `nvidia-smi -pl`
@@ -1046,14 +1154,22 @@ def _limit_replaced(gpu: Gpu, recorded: dict[str, Any], default: int) -> tuple[i
     names one outside the GPU's range now (a hand-edited record, another driver's range),
     which NVML refuses: the stop failed on it for ever, the GPU left at dvfs's cap."""
     applied = int(recorded["power_limit_mw"])
-    current = gpu.power_limit_mw()
+    if current is None:  # (given: what a dead run found, which it may have changed since)
+        current = gpu.power_limit_mw()
     before = recorded.get("power_limit_before_mw")
     known = isinstance(before, int) and _positive_int(before)
+    if current == recorded.get(EARLIER):  # dvfs's earlier cap, which a signal left in place
+        applied = current
     if current != applied and not (known and current == before):  # (back already: a reset
         # stopped before it dropped the entry)
         return None, (
             f"power limit left at {current / 1000:g} W (set outside dvfs since `dvfs cap "
             f"apply` set {applied / 1000:g} W)"
+        )
+    if before is not None and not known:  # damaged (`AppliedCaps.damaged_lines` says so)
+        return default, (
+            f"power limit {default / 1000:g} W (default: the caps record's limit dvfs's cap "
+            f"replaced, {json.dumps(before)[:40]}, is no power limit in mW)"
         )
     if isinstance(before, int) and known:
         limits = gpu.power_limit_range()
@@ -1127,9 +1243,6 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
     changes read under the lock too: "applied to" says the one it was changed from."""
     from dataclasses import replace
 
-    default = None
-    if action.power_limit_mw is None and isinstance(earlier.get("power_limit_mw"), int):
-        default = gpu.power_limit_range().default_mw
     current = action.current_power_limit_mw
     if action.power_limit_mw is not None:
         current = power_limit_or_none(gpu)
@@ -1137,8 +1250,22 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
         action,
         current_power_limit_mw=current,
         unlock=action.lock_mhz is None and bool(earlier.get("lock_mhz")),
-        default_power_limit_mw=default,
+        power_limit_back=_power_limit_back(action.power_limit_mw, earlier, gpu),
     )
+
+
+def _power_limit_back(
+    limit_mw: int | None, earlier: dict[str, Any], gpu: Gpu
+) -> tuple[int | None, str] | None:
+    """Where a caps file sets no power limit on a GPU whose caps record `earlier` lists one
+    dvfs set: the limit that goes back and its words, as `cap reset --applied` puts it back
+    (`_limit_replaced`: the one dvfs's cap replaced, the operator's own before dvfs; left be
+    where one was set outside dvfs since), so the apply, the record it leaves (no power limit
+    dvfs's) and a later `cap reset --applied` (which leaves the limit be) agree; None where
+    there is none to put back."""
+    if limit_mw is not None or not isinstance(earlier.get("power_limit_mw"), int):
+        return None
+    return _limit_replaced(gpu, earlier, gpu.power_limit_range().default_mw)
 
 
 def reset_locked(

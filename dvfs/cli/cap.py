@@ -302,6 +302,7 @@ def apply(
         )
         raise lost_gpus(lost)
     with open_gpus(openable, allow_mig=True) as opened:  # MIG GPUs: left alone (`plan_actions`)
+        _warn_damaged(directory, opened)
         gpus, unsupported = _set_aside_unsupported(caps, opened, allow_simulated)
         gone_line = str(lost_gpus(lost)) if lost else ""  # those that did not open
         lost = sorted([*lost, *unsupported], key=lambda e: (e.index is None, e.index or 0))
@@ -660,6 +661,7 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     if openable or not lost:
         directory = state_dir or records_dir()
         with open_gpus(openable, allow_mig=True) as gpus:
+            _warn_damaged(directory, gpus)
             rows = caps_status(gpus, directory)
             # every GPU leaves out one NVML may not talk to: caps recorded for none of those
             # shown may be its, in force, which must not read as no caps there
@@ -808,6 +810,16 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
         raise GpuPermissionError("; ".join(p for p in (withheld, lost_too) if p))
     if lost:
         raise lost_gpus(lost)
+
+
+def _warn_damaged(directory: Path, gpus: Sequence[Gpu]) -> None:
+    """A warning line for each GPU whose caps record entry names a damaged limit that dvfs's
+    cap replaced (`AppliedCaps.damaged_lines`): the record is honoured for the rest."""
+    from dvfs.caps import AppliedCaps
+
+    index = {g.identity.uuid: g.identity.index for g in gpus}
+    for line in AppliedCaps(directory).damaged_lines(index):
+        click.echo(f"warning: {line}", err=True)  # one line, unwrapped
 
 
 def _recorded_capped(directory: Path) -> set[str]:
