@@ -582,3 +582,44 @@ def test_nccl_out_of_memory_is_read_as_sglangs_own_by_when_it_came() -> None:
     # NCCL's warning alone, its call then retried or passed over, ended no start.
     survived = LOADED_TP2 + NCCL_AT_TP_START.replace("unhandled cuda error", "internal error")
     assert start_refusal(survived, DRAFTER, [], 2) is None
+
+
+def test_a_prefill_graph_out_of_memory_is_read_at_a_raised_log_level() -> None:
+    """With a --log-level above info in extra_args, SGLang logs no "Load weight begin/end" and
+    no "Capture ... CUDA graph begin" lines. 0.5.23's prefill graph (breakable, on by default)
+    that ran out of memory still logs its error with "Fail when using backend: breakable for
+    prefill runner." and the hint naming --cuda-graph-max-bs-prefill, its traceback ending in
+    torch's own line: a refusal, its prefill graph's flag named. Before, with no weights seen
+    loading, it was read as out of memory before any weights (the GPU full already): no
+    refusal, a plain failure to rerun, which meets it again."""
+    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB."
+    log = "\n".join(
+        [
+            f"[2026-02-14 02:07:50 TP0] {oom}",
+            "Fail when using backend: breakable for prefill runner.",
+            "Possible suggestions:",
+            "1. disable the prefill CUDA graph by --cuda-graph-backend-prefill=disabled",
+            "2. if it is an OOM problem, set --mem-fraction-static to a smaller value (e.g., 0.8 "
+            "or 0.7) or set --cuda-graph-max-bs-prefill to a smaller value (e.g., 2048)",
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            '  File "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py", in capture',
+            "torch." + oom,
+            "[2026-02-14 02:07:51] Received sigquit from a child process. It usually means the "
+            "child failed.",
+        ]
+    )
+    launch = ["--cuda-graph-max-bs-decode", "64", "--log-level", "warning"]
+    refusal = start_refusal(log, DRAFTER, launch, 1)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its prefill CUDA graphs, outside its static memory"
+    )
+    assert refusal.said == "CUDA out of memory. Tried to allocate 1.96 GiB."
+    assert refusal.fix.endswith(
+        "or give a --cuda-graph-max-bs-prefill in engine.sglang.extra_args (the most tokens its "
+        "prefill CUDA graphs hold), or --cuda-graph-backend-prefill disabled there"
+    ), refusal.fix
+    # The same out of memory without those words, as the first thing a start hit: still none.
+    early = f"[2026-02-14 02:07:50 TP0] {oom}\ntorch.{oom}"
+    assert start_refusal(early, DRAFTER, launch, 1) is None
