@@ -263,7 +263,10 @@ def start_refusal(
     # --log-level above info drops SGLang's "Capture ... begin" and "Load weight" lines): it
     # ran out after the weights, whatever those lines say.
     prefill = _prefill_graph(upto, lines, capture)
-    graph = prefill or capture is not None or _first(upto, _GRAPH) is not None
+    # "Capture cuda graph failed" is read past the out of memory: SGLang raises it inside
+    # `except RuntimeError as e` (no `from`), so the scheduler's traceback shows torch's error
+    # first, then "During handling of the above exception...", then this one.
+    graph = prefill or capture is not None or _first(lines, _GRAPH) is not None
     begun = sum(1 for text in upto if _LOAD_BEGIN.search(text))
     ended = sum(1 for text in upto if _LOAD_END.search(text))
     if not graph and begun == 0 and ended == 0:
