@@ -582,3 +582,108 @@ def test_nccl_out_of_memory_is_read_as_sglangs_own_by_when_it_came() -> None:
     # NCCL's warning alone, its call then retried or passed over, ended no start.
     survived = LOADED_TP2 + NCCL_AT_TP_START.replace("unhandled cuda error", "internal error")
     assert start_refusal(survived, DRAFTER, [], 2) is None
+
+
+def test_a_prefill_graph_out_of_memory_is_read_at_a_raised_log_level() -> None:
+    """With a --log-level above info in extra_args, SGLang logs no "Load weight begin/end" and
+    no "Capture ... CUDA graph begin" lines. 0.5.23's prefill graph (breakable, on by default)
+    that ran out of memory still logs its error with "Fail when using backend: breakable for
+    prefill runner." and the hint naming --cuda-graph-max-bs-prefill, its traceback ending in
+    torch's own line: a refusal, its prefill graph's flag named. Before, with no weights seen
+    loading, it was read as out of memory before any weights (the GPU full already): no
+    refusal, a plain failure to rerun, which meets it again."""
+    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB."
+    log = "\n".join(
+        [
+            f"[2026-02-14 02:07:50 TP0] {oom}",
+            "Fail when using backend: breakable for prefill runner.",
+            "Possible suggestions:",
+            "1. disable the prefill CUDA graph by --cuda-graph-backend-prefill=disabled",
+            "2. if it is an OOM problem, set --mem-fraction-static to a smaller value (e.g., 0.8 "
+            "or 0.7) or set --cuda-graph-max-bs-prefill to a smaller value (e.g., 2048)",
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            '  File "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py", in capture',
+            "torch." + oom,
+            "[2026-02-14 02:07:51] Received sigquit from a child process. It usually means the "
+            "child failed.",
+        ]
+    )
+    launch = ["--cuda-graph-max-bs-decode", "64", "--log-level", "warning"]
+    refusal = start_refusal(log, DRAFTER, launch, 1)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its prefill CUDA graphs, outside its static memory"
+    )
+    assert refusal.said == "CUDA out of memory. Tried to allocate 1.96 GiB."
+    assert refusal.fix.endswith(
+        "or give a --cuda-graph-max-bs-prefill in engine.sglang.extra_args (the most tokens its "
+        "prefill CUDA graphs hold), or --cuda-graph-backend-prefill disabled there"
+    ), refusal.fix
+    # The same out of memory without those words, as the first thing a start hit: still none.
+    early = f"[2026-02-14 02:07:50 TP0] {oom}\ntorch.{oom}"
+    assert start_refusal(early, DRAFTER, launch, 1) is None
+
+
+def _chained(runner: str, hint: list[str]) -> str:
+    """A graph capture's out of memory as SGLang's scheduler logs it: its runner raises
+    Exception("Capture cuda graph failed: {e}\\n{hint}") inside `except RuntimeError as e`,
+    with no `from`, so traceback.format_exception shows torch's error first, then "During
+    handling of the above exception, another exception occurred", then SGLang's."""
+    oom = "CUDA out of memory. Tried to allocate 1.96 GiB."
+    return "\n".join(
+        [
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            f'  File "/sglang/srt/model_executor/{runner}", line 370, in __init__',
+            "    self.capture()",
+            f"torch.OutOfMemoryError: {oom}",
+            "",
+            "During handling of the above exception, another exception occurred:",
+            "",
+            "Traceback (most recent call last):",
+            '  File "/sglang/srt/managers/scheduler.py", line 2900, in run_scheduler_process',
+            f'  File "/sglang/srt/model_executor/{runner}", line 372, in __init__',
+            f"Exception: Capture cuda graph failed: {oom}",
+            "Possible solutions:",
+            "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)",
+            *hint,
+            "",
+            "[2026-02-14 02:07:51] Received sigquit from a child process. It usually means the "
+            "child failed.",
+        ]
+    )
+
+
+def test_a_graph_out_of_memory_is_read_through_sglangs_chained_traceback() -> None:
+    """SGLang's "Capture cuda graph failed" comes after torch's own out-of-memory line in the
+    scheduler's traceback (it is raised while handling that one). With a --log-level above info
+    (no "Capture ... begin" and no "Load weight" lines) it alone says the graphs ran out: a
+    refusal naming the decode graph's flag (0.5.9's decode runner, 0.5.23's the same words),
+    the prefill-side one's for 0.5.9's piecewise runner. Before, only the lines up to torch's
+    were read for it: out of memory before any weights, no refusal, a plain failure to rerun
+    (which meets it again), where before this reading it had been a refusal."""
+    warn = ["--log-level", "warning"]
+    decode = _chained("cuda_graph_runner.py", ["2. set --cuda-graph-max-bs to a smaller value"])
+    refusal = start_refusal(decode, DRAFTER, ["--cuda-graph-max-bs", "64", *warn], 1)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its CUDA graphs, outside its static memory"
+    )
+    assert refusal.said == "CUDA out of memory. Tried to allocate 1.96 GiB."
+    assert refusal.fix.endswith("(dvfs sets --cuda-graph-max-bs to it)"), refusal.fix
+    decode_23 = _chained(
+        "runner/decode_cuda_graph_runner.py",
+        ["2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)"],
+    )
+    refusal = start_refusal(decode_23, DRAFTER, ["--cuda-graph-max-bs-decode", "64", *warn], 1)
+    assert refusal is not None and refusal.fix.endswith(
+        "(dvfs sets --cuda-graph-max-bs-decode to it)"
+    ), refusal
+    piecewise = _chained(
+        "piecewise_cuda_graph_runner.py",
+        ["2. set --piecewise-cuda-graph-max-tokens to a smaller value (e.g., 512)"],
+    )
+    refusal = start_refusal(piecewise, DRAFTER, ["--cuda-graph-max-bs", "64", *warn], 1)
+    assert refusal is not None and "its prefill CUDA graphs" in refusal.why, refusal
+    assert "--piecewise-cuda-graph-max-tokens in engine.sglang.extra_args" in refusal.fix

@@ -259,7 +259,14 @@ def start_refusal(
     upto = lines[: at + 1]
     ran_out = "NCCL ran out of GPU memory" if nccl else "the GPUs ran out of memory"
     capture = _capturing(upto)
-    graph = capture is not None or _first(upto, _GRAPH) is not None
+    # The prefill-side graph's own failure words tell it where no capture begin is logged (a
+    # --log-level above info drops SGLang's "Capture ... begin" and "Load weight" lines): it
+    # ran out after the weights, whatever those lines say.
+    prefill = _prefill_graph(upto, lines, capture)
+    # "Capture cuda graph failed" is read past the out of memory: SGLang raises it inside
+    # `except RuntimeError as e` (no `from`), so the scheduler's traceback shows torch's error
+    # first, then "During handling of the above exception...", then this one.
+    graph = prefill or capture is not None or _first(lines, _GRAPH) is not None
     begun = sum(1 for text in upto if _LOAD_BEGIN.search(text))
     ended = sum(1 for text in upto if _LOAD_END.search(text))
     if not graph and begun == 0 and ended == 0:
@@ -289,7 +296,7 @@ def start_refusal(
             memory=True,
         )
     lower = _lower_static(fraction, fraction_where, default)
-    if _prefill_graph(upto, lines, capture):
+    if prefill:
         return StartRefusal(
             f"{ran_out} capturing its prefill CUDA graphs, outside its static memory",
             said,
