@@ -87,6 +87,7 @@ def _short(value: Any, limit: int = 60) -> str:
 #: besides the campaign: cubes that differ here compare software or prompts, not GPUs or
 #: settings (with the corpora's content and each drafter's server, `provenance_differences`).
 SHARED = (
+    "ecc_mode",
     "engine_version",
     "measurement_method",
     "token_count_method",
@@ -164,6 +165,14 @@ AUTO_KERNEL_ARGS = (
 )
 
 
+#: What the shards of one run, on one GPU model, share besides `SHARED` (compared only where
+#: both record them, as the `WHEN_KNOWN`: an earlier dvfs's shard does not): their GPUs'
+#: identity (`dvfs.records.GPU_INVARIANTS`), which a journal's sessions share too.
+SHARD_GPU_KEYS = ("driver_version", "memory_clock_mhz", "vbios_version")
+#: The `SHARD_GPU_KEYS` an earlier dvfs's cube does not record.
+GPU_WHEN_KNOWN = ("vbios_version",)
+
+
 def _kernels_pinned(ds: xr.Dataset) -> bool:
     """Whether the cube's campaign names the attention backend (not "auto")."""
     try:
@@ -206,7 +215,7 @@ def provenance_differences(
     changes = []
     for key in keys:
         a, b = first.attrs.get(key), ds.attrs.get(key)
-        if key in WHEN_KNOWN and (a in (None, "") or b in (None, "")):
+        if key in (*WHEN_KNOWN, *GPU_WHEN_KNOWN) and (a in (None, "") or b in (None, "")):
             continue
         if key == "server_env" and str(a) != str(b):  # each variable that differs, named
             changes += env_changes(
@@ -254,6 +263,8 @@ SOURCE_KEYS = (
     "gpu_backend",
     "driver_version",
     "memory_clock_mhz",
+    "ecc_mode",
+    "vbios_version",
     "twin_profile",
     "engine_version",
     "created",
@@ -429,6 +440,8 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
             for key in ("gpu_backend", "driver_version", "engine_version", "campaign_name")
         },
         server_args=first.attrs.get("server_args", "{}"),
+        # Each GPU's VBIOS where its cube read it (GPUs of other cubes may have other boards).
+        **{k: v for k in ("vbios_version",) if (v := _each_known(cubes, k))},
         **_found_limits(cubes),
         **_enforced_stock(cubes),
         **_idle_foreign(cubes),
@@ -621,7 +634,7 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
                 f"{' and '.join(models)}; {name}: {' and '.join(theirs)}); run every shard on "
                 "the same models, or the whole campaign once per model and merge those cubes"
             )
-        changes = provenance_differences(first, ds, ("driver_version", "memory_clock_mhz", *SHARED))
+        changes = provenance_differences(first, ds, (*SHARD_GPU_KEYS, *SHARED))
         if changes:
             raise MergeRefusedError(
                 f"cannot merge: the shards {first_name} and {name} were not run alike "
