@@ -168,9 +168,33 @@ AUTO_KERNEL_ARGS = (
 #: What the shards of one run, on one GPU model, share besides `SHARED` (compared only where
 #: both record them, as the `WHEN_KNOWN`: an earlier dvfs's shard does not): their GPUs'
 #: identity (`dvfs.records.GPU_INVARIANTS`), which a journal's sessions share too.
-SHARD_GPU_KEYS = ("driver_version", "memory_clock_mhz", "vbios_version")
+#: Their sessions' power-limit range and SM clock range too (`SESSION_INVARIANTS`, the top SM
+#: clock of `GPU_INVARIANTS`), which a journal's sessions share.
+SHARD_GPU_KEYS = (
+    "driver_version",
+    "memory_clock_mhz",
+    "vbios_version",
+    "power_limit_range_w",
+    "sm_clock_range_mhz",
+)
 #: The `SHARD_GPU_KEYS` an earlier dvfs's cube does not record.
 GPU_WHEN_KNOWN = ("vbios_version",)
+#: The `SHARD_GPU_KEYS` that hold numbers, compared as numbers (netCDF gives them back as
+#: arrays) where both cubes know them: NaN is a range not known (a power limit NVML does not
+#: support, whose stock is compared apart, `stock_power_limit_enforced`; an SM clock range an
+#: earlier dvfs did not record).
+_RANGES = ("power_limit_range_w", "sm_clock_range_mhz")
+
+
+def _ranges_differ(a: Any, b: Any) -> bool:
+    """Whether two cubes' `_RANGES` attribute differs, both known."""
+    try:
+        x, y = (np.atleast_1d(np.asarray(v, dtype=float)).ravel() for v in (a, b))
+    except (TypeError, ValueError):  # a hand-edited cube's text: compared as text
+        return str(a) != str(b)
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        return False
+    return x.shape != y.shape or not np.array_equal(x, y)
 
 
 def _kernels_pinned(ds: xr.Dataset) -> bool:
@@ -228,6 +252,9 @@ def provenance_differences(
                     "server_env_prefixes": ds.attrs.get("server_env_prefixes"),
                 },
             )
+        elif key in _RANGES:
+            if _ranges_differ(a, b):
+                changes.append(f"{key}: {_source_value(key, a)} -> {_source_value(key, b)}")
         elif str(a) != str(b):
             changes.append(f"{key}: {_short(a)} -> {_short(b)}")
     changes += corpus_changes(_json(first, "corpora", {}), _json(ds, "corpora", {}))
@@ -638,9 +665,10 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
         if changes:
             raise MergeRefusedError(
                 f"cannot merge: the shards {first_name} and {name} were not run alike "
-                f"({_listed(changes)}): their cells would compare software or prompts too; "
-                "rerun the odd shard with --fresh on the others' driver, engine, server "
-                "environment, corpora and tokenizer"
+                f"({_listed(changes)}): their cells would compare GPUs, software or prompts "
+                "too; rerun the odd shard with --fresh on GPUs like the others' (driver, "
+                "VBIOS, ECC, power-limit and clock ranges), their engine, server environment, "
+                "corpora and tokenizer"
             )
         for dim in first.dims:
             if dim == "gpu":  # each shard's own GPUs of each model: lined up by model
