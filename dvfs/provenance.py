@@ -45,6 +45,22 @@ REGISTRY = tuple(
         ),
         ("driver_version", "str", "", "NVIDIA driver version"),
         ("memory_clock_mhz", "int", "MHz", "memory clock"),
+        (
+            "ecc_mode",
+            "str",
+            "",
+            "the GPUs' ECC mode: on, off or unsupported (absent: not read: the twin, an "
+            "earlier dvfs)",
+            True,
+            True,
+        ),
+        (
+            "vbios_version",
+            "str",
+            "",
+            "the GPUs' VBIOS version (absent: not read: the twin, an earlier dvfs; a merged "
+            "cube's: each GPU's, comma-joined)",
+        ),
         ("twin_profile", "str", "", "twin GPU profile, if simulated"),
         ("engine_backend", "str", "", "sglang or twin", True),
         ("engine_version", "str", "", "engine version(s)", True, True),

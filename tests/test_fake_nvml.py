@@ -42,6 +42,8 @@ CONTRACT_FUNCTIONS = [
     "nvmlDeviceGetUUID",
     "nvmlDeviceGetArchitecture",
     "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetEccMode",
+    "nvmlDeviceGetVbiosVersion",
     "nvmlDeviceGetSupportedMemoryClocks",
     "nvmlDeviceGetSupportedGraphicsClocks",
     "nvmlDeviceGetClockInfo",

@@ -193,6 +193,8 @@ def _session(name: str = "NVIDIA H100", driver: str = "550.54", worker: str = "g
                 "backend": "nvml",
                 "memory_clock_mhz": 2619,
                 "max_sm_clock_mhz": 1980,
+                "ecc_mode": "on",
+                "vbios_version": "96.00.99.00.01",
             }
         ],
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -402,3 +403,33 @@ def test_the_chat_formatter_names_its_template_or_plain_text() -> None:
     assert ChatFormatter("m", tokenizer=Tokenizer()).describe() not in (one, "plain")
     Tokenizer.chat_template = ""
     assert ChatFormatter("m", tokenizer=Tokenizer()).describe() == "plain"
+
+
+def test_shards_on_gpus_of_another_power_limit_or_clock_range_do_not_merge(
+    swept: Path, tmp_path: Path
+) -> None:
+    """A journal's sessions must share their GPUs' power-limit range and top SM clock
+    (`SESSION_INVARIANTS`, `GPU_INVARIANTS`): the shards of one run, a journal split, must too.
+    They merged whatever their ranges, the whole cube keeping the first shard's."""
+    s0, s1 = (swept / f"s{i}" / "cube.nc" for i in range(2))
+    merged = tmp_path / "m.nc"
+    first = open_cube(s0).attrs
+    low, high = first["sm_clock_range_mhz"]
+    for attrs, named in (
+        ({"power_limit_range_w": [200.0, 600.0, 600.0]}, "power_limit_range_w: "),
+        ({"sm_clock_range_mhz": [low, high - 15]}, "sm_clock_range_mhz: "),
+    ):
+        odd = _rewrite(s1, tmp_path / "odd.nc", **attrs)
+        refused = invoke("cube", "merge", str(s0), str(odd), "-o", str(merged))
+        line = assert_one_line_error(refused, 2, "were not run alike", named)
+        assert str(odd) in line
+    # A shard of an earlier dvfs, which did not record its SM clock range, still merges, as
+    # does one on a GPU whose power limit NVML does not support (its range not known).
+    older = _rewrite(
+        s1,
+        tmp_path / "older.nc",
+        sm_clock_range_mhz=[math.nan, math.nan],
+        power_limit_range_w=[math.nan] * 3,
+    )
+    ok = invoke("cube", "merge", str(s0), str(older), "-o", str(merged))
+    assert ok.exit_code == 0, ok.output

@@ -517,6 +517,9 @@ def _provenance(
         "gpu_count": len(gpus),
         "driver_version": gpus[0]["driver_version"],
         "memory_clock_mhz": gpus[0]["memory_clock_mhz"],
+        # The GPUs' ECC mode and VBIOS, alike across the journal (`GPU_INVARIANTS`), where
+        # its sessions read them (not the twin's, nor an earlier dvfs's).
+        **_known_gpu_keys(gpus, ("ecc_mode", "vbios_version")),
         # the campaign's, or the profile of the model this journal's GPUs are (a fleet
         # mixing twin models journals each under the campaign's gpu.profile)
         "twin_profile": _twin_profile_run(facts.twin_profile, str(gpus[0]["name"])),
@@ -585,6 +588,17 @@ def _provenance(
         "created": now_iso(),
         "history": f"{now_iso()} built by dvfs {__version__} from journal",
     }
+
+
+def _known_gpu_keys(gpus: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, str]:
+    """Each of `keys` the cube's GPUs recorded (comma-joined where they differ, which only a
+    GPU that did not read it leaves possible); nothing for a key none of them recorded."""
+    found = {}
+    for key in keys:
+        values = dict.fromkeys(str(g[key]) for g in gpus if g.get(key))
+        if values:
+            found[key] = ",".join(values)
+    return found
 
 
 def _enforced_stock(journal: JournalContents, gpus: Sequence[dict[str, Any]]) -> dict[str, Any]:

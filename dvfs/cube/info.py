@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -86,7 +86,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
         "schema": int(ds.attrs.get("dvfs_schema", 0)),
         "gpu": gpu,
-        "driver": ds.attrs.get("driver_version"),
+        "driver": _driver_text(ds.attrs),
         "engine": " ".join(str(e) for e in engine if e is not None) or None,
         "model": ds.attrs.get("model"),
         # Which runs and GPUs the cells came from: the sweep's sessions (each run of `dvfs
@@ -273,6 +273,20 @@ def sessions_text(sessions: int | None, uuids: Sequence[str], shown: int = 4) ->
         f" and {len(uuids) - shown} more" if len(uuids) > shown else ""
     )
     return f"{text}, on {len(uuids)} GPU(s): {named}"
+
+
+def _driver_text(attrs: Mapping[str, Any]) -> Any:
+    """The cube's driver version, with its GPUs' ECC mode and VBIOS where it recorded them (the
+    GPU invariants besides the model: "570.133.20 (ECC on, VBIOS 96.00.99.00.01)")."""
+    driver = attrs.get("driver_version")
+    said = [
+        f"{what} {attrs[key]}"
+        for key, what in (("ecc_mode", "ECC"), ("vbios_version", "VBIOS"))
+        if attrs.get(key) not in (None, "")
+    ]
+    if driver is None or not said:
+        return driver
+    return f"{driver} ({', '.join(said)})"
 
 
 def _gpu_text(attrs: dict[Any, Any]) -> str | None:

@@ -87,6 +87,7 @@ def _short(value: Any, limit: int = 60) -> str:
 #: besides the campaign: cubes that differ here compare software or prompts, not GPUs or
 #: settings (with the corpora's content and each drafter's server, `provenance_differences`).
 SHARED = (
+    "ecc_mode",
     "engine_version",
     "measurement_method",
     "token_count_method",
@@ -164,6 +165,38 @@ AUTO_KERNEL_ARGS = (
 )
 
 
+#: What the shards of one run, on one GPU model, share besides `SHARED` (compared only where
+#: both record them, as the `WHEN_KNOWN`: an earlier dvfs's shard does not): their GPUs'
+#: identity (`dvfs.records.GPU_INVARIANTS`), which a journal's sessions share too.
+#: Their sessions' power-limit range and SM clock range too (`SESSION_INVARIANTS`, the top SM
+#: clock of `GPU_INVARIANTS`), which a journal's sessions share.
+SHARD_GPU_KEYS = (
+    "driver_version",
+    "memory_clock_mhz",
+    "vbios_version",
+    "power_limit_range_w",
+    "sm_clock_range_mhz",
+)
+#: The `SHARD_GPU_KEYS` an earlier dvfs's cube does not record.
+GPU_WHEN_KNOWN = ("vbios_version",)
+#: The `SHARD_GPU_KEYS` that hold numbers, compared as numbers (netCDF gives them back as
+#: arrays) where both cubes know them: NaN is a range not known (a power limit NVML does not
+#: support, whose stock is compared apart, `stock_power_limit_enforced`; an SM clock range an
+#: earlier dvfs did not record).
+_RANGES = ("power_limit_range_w", "sm_clock_range_mhz")
+
+
+def _ranges_differ(a: Any, b: Any) -> bool:
+    """Whether two cubes' `_RANGES` attribute differs, both known."""
+    try:
+        x, y = (np.atleast_1d(np.asarray(v, dtype=float)).ravel() for v in (a, b))
+    except (TypeError, ValueError):  # a hand-edited cube's text: compared as text
+        return str(a) != str(b)
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        return False
+    return x.shape != y.shape or not np.array_equal(x, y)
+
+
 def _kernels_pinned(ds: xr.Dataset) -> bool:
     """Whether the cube's campaign names the attention backend (not "auto")."""
     try:
@@ -206,7 +239,7 @@ def provenance_differences(
     changes = []
     for key in keys:
         a, b = first.attrs.get(key), ds.attrs.get(key)
-        if key in WHEN_KNOWN and (a in (None, "") or b in (None, "")):
+        if key in (*WHEN_KNOWN, *GPU_WHEN_KNOWN) and (a in (None, "") or b in (None, "")):
             continue
         if key == "server_env" and str(a) != str(b):  # each variable that differs, named
             changes += env_changes(
@@ -219,6 +252,9 @@ def provenance_differences(
                     "server_env_prefixes": ds.attrs.get("server_env_prefixes"),
                 },
             )
+        elif key in _RANGES:
+            if _ranges_differ(a, b):
+                changes.append(f"{key}: {_source_value(key, a)} -> {_source_value(key, b)}")
         elif str(a) != str(b):
             changes.append(f"{key}: {_short(a)} -> {_short(b)}")
     changes += corpus_changes(_json(first, "corpora", {}), _json(ds, "corpora", {}))
@@ -254,6 +290,8 @@ SOURCE_KEYS = (
     "gpu_backend",
     "driver_version",
     "memory_clock_mhz",
+    "ecc_mode",
+    "vbios_version",
     "twin_profile",
     "engine_version",
     "created",
@@ -429,6 +467,8 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
             for key in ("gpu_backend", "driver_version", "engine_version", "campaign_name")
         },
         server_args=first.attrs.get("server_args", "{}"),
+        # Each GPU's VBIOS where its cube read it (GPUs of other cubes may have other boards).
+        **{k: v for k in ("vbios_version",) if (v := _each_known(cubes, k))},
         **_found_limits(cubes),
         **_enforced_stock(cubes),
         **_idle_foreign(cubes),
@@ -621,13 +661,14 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
                 f"{' and '.join(models)}; {name}: {' and '.join(theirs)}); run every shard on "
                 "the same models, or the whole campaign once per model and merge those cubes"
             )
-        changes = provenance_differences(first, ds, ("driver_version", "memory_clock_mhz", *SHARED))
+        changes = provenance_differences(first, ds, (*SHARD_GPU_KEYS, *SHARED))
         if changes:
             raise MergeRefusedError(
                 f"cannot merge: the shards {first_name} and {name} were not run alike "
-                f"({_listed(changes)}): their cells would compare software or prompts too; "
-                "rerun the odd shard with --fresh on the others' driver, engine, server "
-                "environment, corpora and tokenizer"
+                f"({_listed(changes)}): their cells would compare GPUs, software or prompts "
+                "too; rerun the odd shard with --fresh on GPUs like the others' (driver, "
+                "VBIOS, ECC, power-limit and clock ranges), their engine, server environment, "
+                "corpora and tokenizer"
             )
         for dim in first.dims:
             if dim == "gpu":  # each shard's own GPUs of each model: lined up by model

@@ -75,6 +75,13 @@ class GpuIdentity:
     backend: str
     memory_clock_mhz: int
     max_sm_clock_mhz: int
+    #: Whether the GPU's memory runs with ECC ("on", "off"; "unsupported" where the board has
+    #: none): ECC's check bits cost memory bandwidth and energy, and the mode changes only at a
+    #: reboot, so a resume may find it changed. "" where not read (the twin, an older dvfs).
+    ecc_mode: str = ""
+    #: The board's VBIOS version, whose clock and power tables the knobs act through (a
+    #: reflashed board may hold other ones); "" where not read.
+    vbios_version: str = ""
 
 
 def canonical_uuid(name: str) -> str:

@@ -135,6 +135,8 @@ class NvmlGpu:
             backend="nvml",
             memory_clock_mhz=memory_clocks[0],
             max_sm_clock_mhz=max(self._sm_clocks),
+            ecc_mode=self._ecc_mode(),
+            vbios_version=self._vbios_version(),
         )
         self._where = f"GPU {index} ({self._identity.uuid})"
 
@@ -170,6 +172,31 @@ class NvmlGpu:
                 if getattr(exc.__cause__, "value", None) != self.errors.function_not_found:
                     raise
         return self._call(getattr(self.nvml, old), what, *args)
+
+    def _ecc_mode(self) -> str:
+        """The ECC mode in force ("on", "off", "unsupported"); "" where NVML cannot say (an
+        older nvidia-ml-py, a VM's restricted passthrough): not known, so not compared."""
+        fn = getattr(self.nvml, "nvmlDeviceGetEccMode", None)
+        if fn is None:
+            return ""
+        try:
+            current, _pending = self._call(fn, "read the ECC mode")
+        except GpuNotSupportedError as exc:
+            found = getattr(exc.__cause__, "value", None) != self.errors.function_not_found
+            return "unsupported" if found else ""
+        except GpuPermissionError:
+            return ""
+        return "on" if int(current) else "off"
+
+    def _vbios_version(self) -> str:
+        """The VBIOS version; "" where NVML cannot say."""
+        fn = getattr(self.nvml, "nvmlDeviceGetVbiosVersion", None)
+        if fn is None:
+            return ""
+        try:
+            return _text(self._call(fn, "read the VBIOS version")).strip()
+        except (GpuNotSupportedError, GpuPermissionError):
+            return ""
 
     def _memory_clocks(self) -> list[int]:
         clocks = self._call(self.nvml.nvmlDeviceGetSupportedMemoryClocks, "list memory clocks")

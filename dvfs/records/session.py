@@ -274,6 +274,8 @@ GPU_INVARIANTS: dict[str, str] = {
     "memory_clock_mhz": "memory clock (MHz)",
     "max_sm_clock_mhz": "top SM clock (MHz)",
     "backend": "GPU backend",
+    "ecc_mode": "ECC mode",
+    "vbios_version": "VBIOS version",
 }
 #: What every session of one journal shares besides its GPUs' identity (the stock settings are
 #: checked apart, with their own advice).
@@ -1132,7 +1134,10 @@ def _same(value: Any) -> Any:
 
 
 def _gpu_values(session: Mapping[str, Any], key: str) -> list[str]:
-    return sorted({str(g.get(key)) for g in session.get("gpus") or ()})
+    """The distinct values of `key` a session's GPUs recorded; "None" for a GPU that did not
+    record it or recorded "" (an older dvfs; NVML could not say): unknown, not compared."""
+    gpus = session.get("gpus") or ()
+    return sorted({str(g.get(key)) if g.get(key) != "" else "None" for g in gpus})
 
 
 def corpus_hashes(corpora: Any, key: str = "content_hash") -> dict[str, str]:
@@ -1219,7 +1224,7 @@ def mixed_within(session: Mapping[str, Any]) -> list[str]:
     return [
         f"{label}: {', '.join(values)}"
         for key, label in GPU_INVARIANTS.items()
-        if len(values := _gpu_values(session, key)) > 1
+        if len(values := [v for v in _gpu_values(session, key) if v != "None"]) > 1
     ]
 
 

@@ -550,6 +550,7 @@ for _profile in FAKE_PROFILES.values():
 
 DEFAULT_DEVICES = "h100-sxm,h100-sxm"
 DRIVER_VERSION = "570.133.20"
+FAKE_VBIOS = "96.00.99.00.01"
 FAKE_ENERGY_UPDATE_S = 0.02
 _INITIAL_ENERGY_MJ = 1_000_000_000  # the real counter starts at driver load
 
@@ -646,6 +647,7 @@ def _new_device(index: int, profile: str, now: float) -> dict[str, Any]:
         "profile": profile,
         "uuid": "GPU-" + str(_uuid.uuid5(_UUID_NAMESPACE, f"{profile}/{index}")),
         "mig": False,
+        "ecc": NVML_FEATURE_ENABLED,
         "lost": False,
         "errors": {},
         "field_errors": {},
@@ -1012,6 +1014,21 @@ def nvmlDeviceGetArchitecture(device: FakeNvmlDeviceHandle) -> int:
 def nvmlDeviceGetMigMode(device: FakeNvmlDeviceHandle) -> list[int]:
     """``[current, pending]`` MIG mode."""
     return _get("nvmlDeviceGetMigMode", device, lambda d, p: [int(d["mig"]), int(d["mig"])])
+
+
+def nvmlDeviceGetEccMode(handle: FakeNvmlDeviceHandle) -> list[int]:
+    """``[current, pending]`` ECC mode: on, unless ``fake_update_device(i, ecc=0)`` turned it
+    off (as `nvidia-smi -e 0` and a reboot would: both at once here)."""
+    return _get(
+        "nvmlDeviceGetEccMode",
+        handle,
+        lambda d, p: [int(d.get("ecc", NVML_FEATURE_ENABLED))] * 2,
+    )
+
+
+def nvmlDeviceGetVbiosVersion(handle: FakeNvmlDeviceHandle) -> str:
+    """The VBIOS version (``fake_update_device(i, vbios=...)``: a reflashed board)."""
+    return _get("nvmlDeviceGetVbiosVersion", handle, lambda d, p: str(d.get("vbios") or FAKE_VBIOS))
 
 
 def nvmlDeviceGetMemoryInfo(
@@ -1429,6 +1446,8 @@ def nvmlDeviceGetViolationStatus(
 
 _UPDATABLE = {
     "mig",
+    "ecc",
+    "vbios",
     "lost",
     "errors",
     "field_errors",
