@@ -36,6 +36,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -448,16 +449,55 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+#: Seconds the shared Ray instance is given to free what the tests before left held (Ray frees
+#: a killed actor's resources once its process is gone) before it is started again for the next
+#: test (`_RayInstance.start`): a cost only, never a verdict.
+RAY_FREE_GRACE_S = 20.0
+
+
+def ray_held(ray: object) -> dict[str, float]:
+    """The resources of the Ray instance `ray` that something holds: each one's amount not
+    free (none: every worker a sweep places can start); the object store's memory aside."""
+    from dvfs.fleet.ray_executor import TWIN_RESOURCE
+
+    total = ray.cluster_resources()  # type: ignore[attr-defined]
+    free = ray.available_resources()  # type: ignore[attr-defined]
+    return {
+        name: total[name] - free.get(name, 0.0)
+        for name in ("CPU", "GPU", TWIN_RESOURCE)
+        if free.get(name, 0.0) < total.get(name, 0.0)
+    }
+
+
 class _RayInstance:
     """The loopback Ray instance the `ray_cluster` tests share: started on first use, stopped
     after the last of a run of consecutive tests that use it (an idle Ray burns CPU in its
-    daemons for as long as it runs: about 0.04 CPU-s a second, besides ~4 CPU-s to start)."""
+    daemons for as long as it runs: about 0.04 CPU-s a second, besides ~4 CPU-s to start).
+
+    Each test gets it whole, whatever the tests before it left: an actor one killed as Ray
+    was creating it can keep its GPUs for as long as the instance runs (Ray 2.60 leases a
+    worker for it, then the kill reaches that worker before the actor's creation does and is
+    ignored: "Mismatched ActorID: ignoring KillActor", in the worker's log; the worker and its
+    lease last until this process's Ray job ends), and the next sweep's workers then waited
+    for that GPU until the test's timeout. So what is still held `RAY_FREE_GRACE_S` after the
+    test before is freed by starting Ray again."""
 
     def __init__(self) -> None:
         self.ray: object | None = None
         self.nvml_env: dict[str, str] = {}
 
     def start(self) -> object:
+        if self.ray is not None:
+            deadline = time.monotonic() + RAY_FREE_GRACE_S
+            while (held := ray_held(self.ray)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if held:
+                print(
+                    f"ray_cluster: {held} still held {RAY_FREE_GRACE_S:g} s after the tests "
+                    "before (a killed actor's worker Ray kept); Ray started again",
+                    file=sys.stderr,
+                )
+                self.stop()
         if self.ray is None:
             ray = pytest.importorskip("ray")
             from nvml_support import FAKE_DIR
@@ -510,7 +550,7 @@ def ray_cluster() -> object:
     test that asks for it first (one xdist worker then runs them in a row, at the start of
     its share, where work stealing takes nothing), and the instance stops after the last
     (`pytest_runtest_teardown`). A test that kills an actor leaves it usable (each sweep starts
-    its own actors)."""
+    its own actors), and each test gets every resource of it free (`_RayInstance.start`)."""
     return _RAY.start()
 
 
