@@ -17,8 +17,9 @@ that changes one works on `copy_sweep` of it):
   once per session, for a module fixture that writes files (module scope alone builds it again
   on each worker that runs one of the module's tests).
 - `ray_cluster`: one loopback Ray instance with four twin GPUs (and two of the fake NVML's:
-  `ray_nvml`), shared by the tests that use it, which run first and in a row (so on one xdist
-  worker), and stopped after the last.
+  `ray_nvml`), shared by the tests that use it, which run first and in a row on each xdist
+  worker that gets some (worksteal may share them out: each such worker starts its own; the
+  modules' xdist_group marks only bind under --dist loadgroup), and stopped after the last.
 
 Run follow-up commands in process (`click.testing.CliRunner`); a subprocess is for what is
 about processes (signals, a kill, exit paths, a server's life) and pays ~1 s of imports.
