@@ -213,6 +213,17 @@ class AppliedCaps:
             if isinstance(r.get("power_limit_mw"), int)
         }
 
+    def power_limits_held(self, gpus: Sequence[Gpu]) -> dict[str, int]:
+        """`power_limits_mw`, but where a GPU holds dvfs's earlier cap that a signal left in
+        place (`EARLIER`), that one: dvfs's too, which a measurement lifts (`measuring`) and
+        `dvfs doctor` names as dvfs's caps in force, not as the GPU's own stock."""
+        applied, entries = self.power_limits_mw(), self.read()
+        for gpu in gpus:
+            earlier = entries.get(gpu.identity.uuid, {}).get(EARLIER)
+            if earlier is not None and power_limit_or_none(gpu) == earlier:
+                applied[gpu.identity.uuid] = earlier
+        return applied
+
     def measuring(
         self, gpus: Sequence[Gpu], *, actuation: bool = True, change_log: ChangeLog | None = None
     ) -> KnobController:
@@ -220,17 +231,12 @@ class AppliedCaps:
         restores the caps recorded here, and measures stock as the GPUs' own stock, not under
         them (unlocked clocks, the default power limit), so production caps never pass as
         stock in a cube."""
-        applied, entries = self.power_limits_mw(), self.read()
-        for gpu in gpus:  # dvfs's earlier cap a signal left in place is dvfs's too (`EARLIER`)
-            earlier = entries.get(gpu.identity.uuid, {}).get(EARLIER)
-            if earlier is not None and power_limit_or_none(gpu) == earlier:
-                applied[gpu.identity.uuid] = earlier
         return KnobController(
             gpus,
             actuation=actuation,
             change_log=change_log,
             prior_locks=self.locks(),
-            applied_power_mw=applied,
+            applied_power_mw=self.power_limits_held(gpus),
             stock_without_caps=True,
         )
 
