@@ -4170,3 +4170,37 @@ def test_a_damaged_earlier_cap_is_warned_of_as_what_it_is(nvml, tmp_path: Path) 
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said  # not the default
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000, said
     assert "GPU 1" in said and "power limit left as it is (dvfs set none)" in said, said
+
+
+def test_a_limit_change_past_its_deadline_is_recorded_as_one_that_may_land(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap apply`'s power-limit change whose NVML call overran its deadline (a driver not
+    responding) was not recorded, yet the driver may finish the stuck call once it answers
+    again (`dvfs.gpu.deadline`): the GPU then held dvfs's 450 W with no record of it, which
+    `cap reset --applied` (the caps unit's stop) left on it as a limit dvfs never set, and
+    sweeps took for the GPU's stock. It is recorded as one a signal ended: the reset puts back
+    the operator's 600 W, whether the call landed or not."""
+    import threading
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0.2")
+    monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "nvmlDeviceSetPowerManagementLimit=inf")
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 1, result.output
+    assert "nvmlDeviceSetPowerManagementLimit on GPU 0" in result.output, result.output
+    monkeypatch.delenv("DVFS_FAKE_NVML_HANG")
+    nvml.fake_release_hangs()
+    for worker in threading.enumerate():  # the stuck call let go, and ended, before going on
+        if worker.name.startswith("nvml-"):
+            worker.join()
+    entry = json.loads((Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json").read_text())
+    assert entry[uuid]["power_limit_mw"] == 450_000, entry
+    assert entry[uuid]["power_limit_before_mw"] == 600_000, entry
+    nvml.fake_update_device(0, power_limit_mw=450_000)  # the driver finished the stuck call
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said

@@ -935,7 +935,10 @@ def recorded_even_if_signalled(
     --applied`, and is raised then. (The record may list a cap the GPU does not hold, never the
     reverse; the NVML call itself is not held back: a hung one still ends on the signal.)
     `unsure`, where given, records instead a change the signal ended before it returned, which
-    may or may not have landed (both what the GPU held and the change recorded)."""
+    may or may not have landed (both what the GPU held and the change recorded). So is one
+    whose NVML call overran its deadline (`GpuTimeoutError`, raised then): the driver may
+    finish the stuck call once it answers again, the cap landing after dvfs gave up on it."""
+    from dvfs.gpu.deadline import GpuTimeoutError
     from dvfs.signals import Interrupted, held_back
 
     done = changed = False
@@ -945,7 +948,7 @@ def recorded_even_if_signalled(
         with held_back():
             record()
             done = True
-    except (KeyboardInterrupt, Interrupted):
+    except (KeyboardInterrupt, Interrupted, GpuTimeoutError):
         if not done:
             with held_back(), contextlib.suppress(CapsRecordError, OSError):
                 # (one that cannot be written takes the change back: the signal wins)
