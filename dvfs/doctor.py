@@ -480,7 +480,7 @@ def _gpu_checks(
                 )
             try:  # the caps root's `cap apply` recorded, for observe-only too (measured under)
                 locks = AppliedCaps(state_dir or records_dir()).locks()
-                limits = AppliedCaps(state_dir or records_dir()).power_limits_mw()
+                limits = AppliedCaps(state_dir or records_dir()).power_limits_held(gpus)
             except CapsRecordError as exc:  # dvfs's own record, named: not the driver's
                 checks.append(Check("caps", FAIL, str(exc)))
                 locks, limits = {}, {}

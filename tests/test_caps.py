@@ -4121,3 +4121,86 @@ def test_the_caps_units_stop_goes_by_the_record_beside_an_earlier_boots_state_fi
     assert "clocks unlocked, power limit left as it is (dvfs set none)" in said, said
     assert "dropped, from before the last reboot, which reset the GPU" in said, said
     assert not store.path(uuid).exists()
+
+
+def test_a_damaged_earlier_cap_is_warned_of_as_what_it_is(nvml, tmp_path: Path) -> None:
+    """A damaged power_limit_earlier_mw ("500 W", by hand) was warned of as the limit dvfs's
+    cap replaced, saying `cap reset --applied` puts back the default and to write there the
+    limit the GPU had before dvfs (which would make that limit pass for dvfs's cap): the reset
+    puts back the replaced 600 W all the same. Each damaged key is warned of as what it is, a
+    damaged value next to no power limit dvfs set as unused, and the reset named runs on the
+    record's folder (--state-dir, which `sudo` needs: it drops $DVFS_STATE_DIR)."""
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=first, power_limit_w=450.0),
+                    GpuCap(uuid=second, sm_clock_max_mhz=1500),
+                )
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps))
+    record = state / "caps-applied.json"
+    entries = json.loads(record.read_text())
+    entries[first]["power_limit_earlier_mw"] = "500 W"
+    entries[second]["power_limit_before_mw"] = "650 W"  # beside no power limit dvfs set
+    record.write_text(json.dumps(entries))
+    result = CliRunner().invoke(cli, ["cap", "show"])
+    assert result.exit_code == 0, result.output
+    warned = " ".join(result.stderr.split())
+    reset = f"`dvfs cap reset --applied --state-dir {state}`"
+    assert (
+        f'damaged for GPU 0 ({first}): power_limit_earlier_mw is "500 W", expected the power '
+        "limit in mW of dvfs's earlier cap, which a stopped `dvfs cap apply` may have left on "
+        "the GPU, or null; its caps are honoured, but that earlier cap, where the GPU holds it, "
+        f"is taken for a limit set outside dvfs, which {reset} leaves be: write that earlier "
+        "cap in mW there"
+    ) in warned, warned
+    assert (
+        f'damaged for GPU 1 ({second}): power_limit_before_mw is "650 W", but it lists no power '
+        "limit dvfs set on that GPU, so the value is not used: write null there"
+    ) in warned, warned
+    assert "puts back its default" not in warned, warned
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said  # not the default
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000, said
+    assert "GPU 1" in said and "power limit left as it is (dvfs set none)" in said, said
+
+
+def test_a_limit_change_past_its_deadline_is_recorded_as_one_that_may_land(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap apply`'s power-limit change whose NVML call overran its deadline (a driver not
+    responding) was not recorded, yet the driver may finish the stuck call once it answers
+    again (`dvfs.gpu.deadline`): the GPU then held dvfs's 450 W with no record of it, which
+    `cap reset --applied` (the caps unit's stop) left on it as a limit dvfs never set, and
+    sweeps took for the GPU's stock. It is recorded as one a signal ended: the reset puts back
+    the operator's 600 W, whether the call landed or not."""
+    import threading
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0.2")
+    monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "nvmlDeviceSetPowerManagementLimit=inf")
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 1, result.output
+    assert "nvmlDeviceSetPowerManagementLimit on GPU 0" in result.output, result.output
+    monkeypatch.delenv("DVFS_FAKE_NVML_HANG")
+    nvml.fake_release_hangs()
+    for worker in threading.enumerate():  # the stuck call let go, and ended, before going on
+        if worker.name.startswith("nvml-"):
+            worker.join()
+    entry = json.loads((Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json").read_text())
+    assert entry[uuid]["power_limit_mw"] == 450_000, entry
+    assert entry[uuid]["power_limit_before_mw"] == 600_000, entry
+    nvml.fake_update_device(0, power_limit_mw=450_000)  # the driver finished the stuck call
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said

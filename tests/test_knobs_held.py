@@ -482,3 +482,35 @@ def test_doctor_warns_of_a_lock_and_a_limit_held_outside_dvfs(nvml, env, tmp_pat
     assert "reports ApplicationsClocksSetting (0x2)" in said, said
     assert "would be flagged clock_held_low" not in said
     assert "its cells not flagged clock_held_low" in said
+
+
+def test_doctor_names_dvfs_earlier_power_cap_a_signal_left_as_dvfs(
+    nvml, env, tmp_path: Path
+) -> None:
+    """`systemctl stop dvfs-caps` ending `cap apply`'s change from dvfs's 500 W cap to 450 W
+    before it landed leaves the GPU at 500 W, recorded as dvfs's too (power_limit_earlier_mw),
+    which the sweep lifts while it measures (stock at the default); `dvfs doctor` took the
+    500 W for the GPU's own stock and named no dvfs caps in force. It names it, as the sweep
+    takes it."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    applied = dvfs_in_process("cap", "apply", str(caps), env=env)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    # as the stop leaves it: the record's 450 W beside the earlier 500 W the GPU still holds
+    record = Path(env["DVFS_STATE_DIR"]) / "caps-applied.json"
+    entries = json.loads(record.read_text())
+    entries[uuid]["power_limit_earlier_mw"] = 500_000
+    record.write_text(json.dumps(entries))
+    nvml.fake_update_device(0, power_limit_mw=500_000)
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(campaign_text())
+    said = " ".join(dvfs_in_process("doctor", str(campaign), env=env).stdout.split())
+    assert "dvfs caps in force: GPU 0 (power limit 500 W); the sweep lifts them" in said, said
+    # one the operator set since is theirs: the GPU's stock, as the sweep takes it
+    nvml.fake_update_device(0, power_limit_mw=550_000)
+    said = " ".join(dvfs_in_process("doctor", str(campaign), env=env).stdout.split())
+    assert "dvfs caps in force" not in said, said

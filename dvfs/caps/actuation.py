@@ -163,27 +163,46 @@ class AppliedCaps:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
 
     def damaged_lines(self, index: dict[str, int] | None = None) -> list[str]:
-        """A warning line for each GPU whose entry names a damaged limit that dvfs's cap
-        replaced (`_damaged_before`), which every reader otherwise passes over: the other GPUs'
-        entries, and this one's caps, are honoured, and the line says what that means and
-        what to do. `index`: the GPUs' indices by UUID, to name them by. [] where the record
-        cannot be read (its readers refuse it, saying so)."""
+        """A warning line for each damaged limit a GPU's entry names beside its caps
+        (`_damaged_before`: the one dvfs's cap replaced, or `EARLIER`), which every reader
+        otherwise passes over: the other GPUs' entries, and this one's caps, are honoured, and
+        the line says what that means for that key and what to do. `index`: the GPUs' indices
+        by UUID, to name them by. [] where the record cannot be read (its readers refuse it,
+        saying so)."""
+        from dvfs.gpu.safety import state_dir_flag
+
         try:
             entries = self.entries_as_written()
         except CapsError:
             return []
+        reset = f"`dvfs cap reset --applied{state_dir_flag(self.path.parent)}`"
         lines = []
         for uuid, entry in entries.items():
-            problem = _damaged_before(entry)
-            if problem is None or before_this_boot(entry.get("boot"), entry.get("applied")):
+            if before_this_boot(entry.get("boot"), entry.get("applied")):
                 continue
             gpu = f"GPU {index[uuid]} ({uuid})" if index and uuid in index else f"GPU {uuid[:48]}"
-            lines.append(
-                f"dvfs's caps record {self.path} is damaged for {gpu}: {problem}, expected the "
-                "power limit in mW that dvfs's cap replaced, or null; its caps are honoured, and "
-                "`dvfs cap reset --applied` puts back its default power limit: to have it put "
-                "back the limit the GPU had before dvfs capped it, write that limit in mW there"
-            )
+            for problem, key in _damaged_before(entry):
+                damaged = f"dvfs's caps record {self.path} is damaged for {gpu}: {problem}"
+                if not isinstance(entry.get("power_limit_mw"), int):  # (read beside one only)
+                    lines.append(
+                        f"{damaged}, but it lists no power limit dvfs set on that GPU, so the "
+                        f"value is not used: write null there"
+                    )
+                elif key == EARLIER:
+                    lines.append(
+                        f"{damaged}, expected the power limit in mW of dvfs's earlier cap, which "
+                        "a stopped `dvfs cap apply` may have left on the GPU, or null; its caps "
+                        "are honoured, but that earlier cap, where the GPU holds it, is taken for "
+                        f"a limit set outside dvfs, which {reset} leaves be: write that earlier "
+                        "cap in mW there"
+                    )
+                else:
+                    lines.append(
+                        f"{damaged}, expected the power limit in mW that dvfs's cap replaced, or "
+                        f"null; its caps are honoured, and {reset} puts back its default power "
+                        "limit: to have it put back the limit the GPU had before dvfs capped it, "
+                        "write that limit in mW there"
+                    )
         return lines
 
     def power_limits_mw(self) -> dict[str, int]:
@@ -194,6 +213,17 @@ class AppliedCaps:
             if isinstance(r.get("power_limit_mw"), int)
         }
 
+    def power_limits_held(self, gpus: Sequence[Gpu]) -> dict[str, int]:
+        """`power_limits_mw`, but where a GPU holds dvfs's earlier cap that a signal left in
+        place (`EARLIER`), that one: dvfs's too, which a measurement lifts (`measuring`) and
+        `dvfs doctor` names as dvfs's caps in force, not as the GPU's own stock."""
+        applied, entries = self.power_limits_mw(), self.read()
+        for gpu in gpus:
+            earlier = entries.get(gpu.identity.uuid, {}).get(EARLIER)
+            if earlier is not None and power_limit_or_none(gpu) == earlier:
+                applied[gpu.identity.uuid] = earlier
+        return applied
+
     def measuring(
         self, gpus: Sequence[Gpu], *, actuation: bool = True, change_log: ChangeLog | None = None
     ) -> KnobController:
@@ -201,17 +231,12 @@ class AppliedCaps:
         restores the caps recorded here, and measures stock as the GPUs' own stock, not under
         them (unlocked clocks, the default power limit), so production caps never pass as
         stock in a cube."""
-        applied, entries = self.power_limits_mw(), self.read()
-        for gpu in gpus:  # dvfs's earlier cap a signal left in place is dvfs's too (`EARLIER`)
-            earlier = entries.get(gpu.identity.uuid, {}).get(EARLIER)
-            if earlier is not None and power_limit_or_none(gpu) == earlier:
-                applied[gpu.identity.uuid] = earlier
         return KnobController(
             gpus,
             actuation=actuation,
             change_log=change_log,
             prior_locks=self.locks(),
-            applied_power_mw=applied,
+            applied_power_mw=self.power_limits_held(gpus),
             stock_without_caps=True,
         )
 
@@ -296,16 +321,18 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     return None
 
 
-def _damaged_before(record: dict[str, Any]) -> str | None:
-    """A caps record entry's damaged `power_limit_before_mw` (the limit dvfs's cap replaced) or
-    `EARLIER`, as its key and value ("power_limit_before_mw is "600 W""); None where both are a
-    power limit in mW or absent or null. Such an entry's caps are honoured all the same, and
-    the limit it replaced taken as unknown (`cap reset --applied` puts back the default)."""
+def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """A caps record entry's damaged `power_limit_before_mw` (the limit dvfs's cap replaced) and
+    `EARLIER`, each as its key and value ("power_limit_before_mw is "600 W"") and its key; []
+    where both are a power limit in mW or absent or null. Such an entry's caps are honoured all
+    the same, the damaged value taken as unknown (a damaged replaced limit: `cap reset
+    --applied` puts back the default; a damaged earlier cap: none, as without one)."""
+    found = []
     for key in ("power_limit_before_mw", EARLIER):
         value = record.get(key)
         if value is not None and not _positive_int(value):
-            return f"{key} is {json.dumps(value)[:40]}"
-    return None
+            found.append((f"{key} is {json.dumps(value)[:40]}", key))
+    return found
 
 
 #: A caps record entry's earlier dvfs power limit the GPU may still hold: a signal (the caps
@@ -908,7 +935,10 @@ def recorded_even_if_signalled(
     --applied`, and is raised then. (The record may list a cap the GPU does not hold, never the
     reverse; the NVML call itself is not held back: a hung one still ends on the signal.)
     `unsure`, where given, records instead a change the signal ended before it returned, which
-    may or may not have landed (both what the GPU held and the change recorded)."""
+    may or may not have landed (both what the GPU held and the change recorded). So is one
+    whose NVML call overran its deadline (`GpuTimeoutError`, raised then): the driver may
+    finish the stuck call once it answers again, the cap landing after dvfs gave up on it."""
+    from dvfs.gpu.deadline import GpuTimeoutError
     from dvfs.signals import Interrupted, held_back
 
     done = changed = False
@@ -918,7 +948,7 @@ def recorded_even_if_signalled(
         with held_back():
             record()
             done = True
-    except (KeyboardInterrupt, Interrupted):
+    except (KeyboardInterrupt, Interrupted, GpuTimeoutError):
         if not done:
             with held_back(), contextlib.suppress(CapsRecordError, OSError):
                 # (one that cannot be written takes the change back: the signal wins)
