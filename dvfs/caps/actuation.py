@@ -186,7 +186,7 @@ class AppliedCaps:
                 if not isinstance(entry.get("power_limit_mw"), int):  # (read beside one only)
                     lines.append(
                         f"{damaged}, but it lists no power limit dvfs set on that GPU, so the "
-                        f"value is not used: write null there"
+                        "value is not used: write null there"
                     )
                 elif key == EARLIER:
                     lines.append(
