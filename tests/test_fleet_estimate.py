@@ -11,7 +11,7 @@ from typing import Any
 
 from click.testing import CliRunner
 from conftest import SMALL_CAMPAIGN, TINY, TINY_EXACT, replace_block, write
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from dvfs.cli import cli
@@ -258,6 +258,17 @@ def _grids(draw: st.DrawFn) -> tuple[list[Cell], Any, int]:
     return cells, run, draw(st.integers(1, 9))
 
 
+def _nought_cost_grid() -> tuple[list[Cell], Any, int]:
+    """Two groups costing nothing (a run that measured nothing of them), three workers:
+    hypothesis found the first worker taking both, as if the others never started."""
+    from dvfs.estimate import RunCosts
+
+    cells = [Cell("d0", 0, None, None, 1, corpus) for corpus in ("code", "chat")]
+    run = RunCosts({c.key: 0.0 for c in cells}, 0.0, 0.0, 0.0, 0.0)
+    return cells, run, 3
+
+
+@example(_nought_cost_grid())
 @given(_grids())
 def test_fleet_time_bounds(grid: tuple[list[Cell], Any, int]) -> None:
     """The makespan is at least the fleet's GPU time shared out evenly, and at least the

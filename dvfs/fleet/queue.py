@@ -429,8 +429,11 @@ def simulated_loads(
                     alive.remove(worker)
     else:
         order = {w: i for i, w in enumerate(names)}
-        while alive:  # the one that has spent the least takes the next cell
-            worker = min(alive, key=lambda w: (spent[w], order[w]))
+        # The one that has spent the least takes the next cell; of those tied, the one that has
+        # taken the fewest (every GPU takes a group at the start, also where the costs `run`
+        # gives are nought: cells it measured nothing of).
+        while alive:
+            worker = min(alive, key=lambda w: (spent[w], len(ran[w]), order[w]))
             if not take(worker):
                 alive.remove(worker)
     return [WorkerLoad(starts[w], changes[w], len(settings[w]), tuple(ran[w])) for w in names]
