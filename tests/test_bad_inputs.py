@@ -2155,8 +2155,15 @@ def check_one_clean_error(result: Any, case: Case, places: dict[str, str]) -> No
 
 @pytest.mark.parametrize("case", _params())
 def test_bad_input_is_one_clean_error(
-    case: Case, shared: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest
+    case: Case,
+    shared: dict[str, Path],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # in the case's own folder: a relative path a command wrongly takes lands there, not in
+    # the repository
+    monkeypatch.chdir(tmp_path)
     places = {"tmp": str(tmp_path), **{k: str(v) for k, v in shared.items()}}
     if case.nvml:
         request.getfixturevalue("fake_nvml")
