@@ -25,6 +25,7 @@ from dvfs.records.session import Server
 ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
 DEVICES = "h100-sxm,h100-sxm,h100-sxm"
 LIST_FN = "nvmlDeviceGetComputeRunningProcesses"
+MEMORY_FN = "nvmlDeviceGetMemoryInfo"
 
 
 @pytest.fixture
@@ -33,10 +34,14 @@ def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return fresh_fake(tmp_path, monkeypatch, DEVICES)
 
 
-def _no_process_lists(nv: ModuleType) -> None:
-    """NVML lists no compute processes on any of the fake's GPUs (Not Supported)."""
+def _no_process_lists(nv: ModuleType, memory: bool = False) -> None:
+    """NVML lists no compute processes on any of the fake's GPUs (Not Supported), nor, unless
+    `memory`, reads their memory: where the server took it cannot tell either."""
+    errors = {LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED}
+    if not memory:
+        errors[MEMORY_FN] = nv.NVML_ERROR_NOT_SUPPORTED
     for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+        nv.fake_update_device(index, errors=errors)
 
 
 def _sweep_into(path: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -2107,6 +2112,7 @@ def test_the_dry_run_of_a_real_fleet_mixing_gpu_models_counts_each_models_cells(
 def test_nvml_without_process_lists_leaves_the_server_unverified(
     nv: ModuleType, tmp_path: Path
 ) -> None:
+    """Nor memory: where the server took it cannot tell either (`_no_process_lists`)."""
     _no_process_lists(nv)
     code, cells, servers, output = _sweep(tmp_path)
     assert code == 0, output
@@ -2114,6 +2120,7 @@ def test_nvml_without_process_lists_leaves_the_server_unverified(
     pinning = _pinning(tmp_path)["none"]
     assert pinning.startswith("unverified: NVML cannot list the compute processes of GPU 0")
     assert "Not Supported" in pinning and "lists none" not in pinning
+    assert "; memory cannot tell: NVML cannot read the memory of GPU 0 (" in pinning, pinning
     assert servers[0]["gpu_pinning"] == pinning
 
 
