@@ -46,19 +46,27 @@ def host_pid() -> Iterator[int]:
         process.wait()
 
 
-def _sweep(tmp_path: Path, stub: dict, drafters: str = "") -> tuple[int, list, list, str]:
-    """The stub's drafters ("none", and `drafters`) on the fake's GPU 1: exit code, cell
-    records, server records, output on one line."""
+def _sweep(
+    tmp_path: Path, stub: dict, drafters: str = "", devices: str = "[1]"
+) -> tuple[int, list, list, str]:
+    """The stub's drafters ("none", and `drafters`) on the fake's GPU 1 (or `devices`, one
+    tensor-parallel server on them): exit code, cell records, server records, output on one
+    line."""
     path, marker = stub_campaign(
         tmp_path,
         stub={"tpot_s": 0.004, **stub},  # windows long enough for valid cells
         drafters='\n[drafters.none]\nalgorithm = "none"\n' + drafters,
         batch="[1]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
-        gpu='backend = "nvml"\ndevices = [1]',
+        gpu=f'backend = "nvml"\ndevices = {devices}',
         output_tokens=96,
         measurement_extra="precision = 0.5",
     )
+    if devices != "[1]":
+        tp = f"tp_size = {len(json.loads(devices))}"
+        path.write_text(
+            path.read_text().replace(f'model = "{marker}"', f'model = "{marker}"\n{tp}')
+        )
     out = tmp_path / "out"
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
     result = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
@@ -138,6 +146,18 @@ def test_a_container_server_that_escaped_to_another_gpu_is_refused_by_its_memory
         assert "a GPU dvfs does not meter" in error and f"GPU 1 ({devices[1]['uuid']})" in error
         assert "CUDA_VISIBLE_DEVICES" in error and "server_command" in error
     assert all(not d["processes"] for d in nv.fake_state()["devices"])
+
+
+def test_a_container_tensor_parallel_server_is_verified_by_every_metered_gpus_memory(
+    nv: ModuleType, host_pid: int, tmp_path: Path
+) -> None:
+    code, cells, servers, output = _sweep(tmp_path, {"nvml_pid": host_pid}, devices="[1, 2]")
+    assert code == 0, output
+    devices = nv.fake_state()["devices"]
+    [server] = servers
+    pinning = server["gpu_pinning"]
+    assert pinning.startswith(f"verified by memory: GPU 1 ({devices[1]['uuid']}) "), pinning
+    assert f"; GPU 2 ({devices[2]['uuid']}) " in pinning, pinning
 
 
 def test_a_server_nvml_cannot_list_is_verified_by_memory(nv: ModuleType, tmp_path: Path) -> None:
