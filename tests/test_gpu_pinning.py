@@ -813,7 +813,8 @@ def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
         output = " ".join(checked.stdout.split())
         assert said in output and "pinned to" not in output, output
         assert (
-            f"{said}: the sweep stops the server only where NVML lists it on another GPU; name "
+            f"{said}: the sweep stops the server only where NVML lists it or its memory "
+            "on another GPU; name "
             "the metered GPUs there by UUID, or pass the container dvfs's own "
             "CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus all), right for each "
             "fleet worker's GPUs, or outside a container remove it from server_command"
@@ -920,7 +921,8 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
             "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
             f"the container runtime gives it (with a CUDA image, all) rather than the metered "
             f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
-            "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
+            "lists it or its memory on another GPU; pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e "
             f"CUDA_VISIBLE_DEVICES with {gpus}), right for each fleet worker's GPUs"
         ) in output, output
     hosted = container_campaign(tmp_path / "hosted", "--env-host", engine="podman")
@@ -961,7 +963,8 @@ def test_docker_exec_and_nvidia_docker_are_judged_as_containers(
         "engine.sglang.server_command runs the server in a container made before (docker "
         "exec), not passed CUDA_VISIBLE_DEVICES on its command line: the server runs on the "
         f"GPUs the container was made with rather than the metered {metered}, which dvfs "
-        "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+        "cannot check: the sweep stops the server only where NVML lists it or its memory "
+        "on another GPU; "
         "pass it dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after exec), the "
         "container made with the metered GPUs (or --gpus all)"
     ) in output, output
@@ -1344,7 +1347,8 @@ def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
             "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
             f"the container runtime gives it (with a CUDA image, all) rather than the metered "
             f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
-            "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
+            "lists it or its memory on another GPU; pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e "
             "CUDA_VISIBLE_DEVICES after run, the compose file reserving it every GPU), right "
             "for each fleet worker's GPUs"
         ) in output, output
@@ -1375,7 +1379,8 @@ def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_p
         (
             (
                 (),
-                f"{slurms}: the sweep stops the server only where NVML lists it on another GPU; "
+                f"{slurms}: the sweep stops the server only where NVML lists it or its memory "
+                "on another GPU; "
                 "drop srun from server_command and run dvfs itself in the Slurm job, which "
                 "starts the server on the metered GPUs",
             ),
@@ -1418,8 +1423,9 @@ def test_srun_gres_and_g_are_warned_of_as_srun_gpus_is(nv: ModuleType, tmp_path:
         assert (
             f"engine.sglang.server_command gives srun {setting} in place of the metered "
             f"{metered}: GPUs Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, "
-            "which dvfs cannot check: the sweep stops the server only where NVML lists it on "
-            "another GPU; drop srun from server_command and run dvfs itself in the Slurm job"
+            "which dvfs cannot check: the sweep stops the server only where NVML lists it or "
+            "its memory on another GPU; drop srun from server_command and run dvfs itself in the "
+            "Slurm job"
         ) in output, output
     path = observed_campaign(tmp_path / "network", (str(srun), "--gres=craynetwork:1"))
     checked = _doctor(path, env)
@@ -1450,7 +1456,8 @@ def test_an_env_dropping_cuda_visible_devices_is_warned_of_and_recorded(
         assert (
             f"engine.sglang.server_command drops CUDA_VISIBLE_DEVICES ({setting}) in place of "
             f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
-            "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+            "cannot check: the sweep stops the server only where NVML lists it or its memory "
+            "on another GPU; "
             "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
             "metered GPUs' UUIDs"
         ) in output, output
@@ -1502,7 +1509,7 @@ def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
             "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo without -E, unless "
             f"its sudoers keeps it) in place of the metered {metered}: the server then runs on "
             "CUDA's first GPU(s), which dvfs cannot check: the sweep stops the server only where "
-            "NVML lists it on another GPU; give sudo -E (or "
+            "NVML lists it or its memory on another GPU; give sudo -E (or "
             "--preserve-env=CUDA_VISIBLE_DEVICES), which keeps the CUDA_VISIBLE_DEVICES dvfs "
             "hands the server"
         ) in output, output
@@ -1556,7 +1563,7 @@ def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices(
         "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo -i, a login shell "
         "resetting the environment, unless its sudoers keeps it) in place of the metered "
         f"{metered}: the server then runs on CUDA's first GPU(s), which dvfs cannot check: the "
-        "sweep stops the server only where NVML lists it on another GPU; give sudo "
+        "sweep stops the server only where NVML lists it or its memory on another GPU; give sudo "
         "--preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES dvfs hands "
         "the server with -i too (or -E in place of -i)"
     ) in output, output
@@ -1605,7 +1612,8 @@ def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
                 "runs the server through ssh gpu-host, which passes it none of dvfs's "
                 "CUDA_VISIBLE_DEVICES: on that host, on CUDA's first GPU(s) rather than the "
                 f"metered {metered}, which dvfs cannot check: the sweep stops the server only "
-                "where NVML lists it on another GPU; run dvfs itself on the host that serves, "
+                "where NVML lists it or its memory on another GPU; run dvfs itself on the host "
+                "that serves, "
                 "whose GPUs it then meters and pins the server to, and drop ssh from "
                 "server_command",
             ),
@@ -1613,7 +1621,8 @@ def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
                 ("kubectl", "run", "sglang", "--image=IMG", "--restart=Never", "--"),
                 "runs the server in a Kubernetes pod (kubectl run), on a node and GPUs "
                 f"Kubernetes picks rather than the metered {metered}, which dvfs cannot check: "
-                "the sweep stops the server only where NVML lists it on another GPU; run dvfs "
+                "the sweep stops the server only where NVML lists it or its memory "
+                "on another GPU; run dvfs "
                 "itself in the pod, which starts the server on the metered GPUs",
             ),
             (
