@@ -134,8 +134,9 @@ def memory_outcome(
         cannot.append(
             "the metered "
             + "; ".join(f"{named(u)} of the server's {_gib(took[u][3])} claim" for u in short)
-            + f" ({known}) as it started, under {CLAIM_SHARE:.0%} of it (another tenant's "
-            "memory there left SGLang less, or the server is elsewhere)"
+            + f" ({known}) as it started, under {CLAIM_SHARE:.0%} of it (memory held there "
+            "before, another tenant's or an earlier server's not yet freed, left SGLang less "
+            "room; or the server is elsewhere)"
         )
     if strays:
         cannot.append(
