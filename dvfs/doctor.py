@@ -415,8 +415,8 @@ def _gpu_checks(
                     said = unjudged_wrapper_devices(campaign, "; ".join(pinned), metered)
                     if said is not None:  # it replaces the UUIDs dvfs hands the wrapper
                         return WARN, (
-                            f"{said}: the sweep stops the server only where NVML lists it on "
-                            f"another GPU; {unjudged_remedy(campaign, metered)}"
+                            f"{said}: the sweep stops the server only where NVML lists it or "
+                            f"its memory on another GPU; {unjudged_remedy(campaign, metered)}"
                         )
                     return OK, f"{servers} pinned to {'; '.join(pinned)} ({pinned_by(campaign)})"
 

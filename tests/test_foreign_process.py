@@ -155,7 +155,10 @@ def test_in_a_containers_pid_namespace_nothing_is_flagged_and_every_command_says
     nv: ModuleType, tenant: int, tmp_path: Path
 ) -> None:
     # NVML names the server by a host PID it cannot see as its own: every PID looks foreign.
-    # One clock: the verdict is each server's (drafter's), whatever the clock.
+    # One clock: the verdict is each server's (drafter's), whatever the clock. Nor does NVML
+    # read the GPUs' memory, which would verify the pinning (tests/test_pinning_by_memory.py).
+    for index in range(2):
+        nv.fake_update_device(index, errors={"nvmlDeviceGetMemoryInfo": 3})  # Not Supported
     code, cells, servers, output = sweep(
         tmp_path, {"nvml_pid": tenant}, clocks="[1980]", drafters=EAGLE3_DRAFTER
     )
@@ -164,7 +167,10 @@ def test_in_a_containers_pid_namespace_nothing_is_flagged_and_every_command_says
     assert not any(flagged(c) or c.get("foreign_processes") for c in cells)
     assert [s["gpu_pinning"] for s in servers] == [
         "unverified: NVML lists none of the server's 1 process(es) on any GPU (a container's "
-        "PID namespace hides them, or the server has not allocated GPU memory yet)"
+        "PID namespace hides them, or the server has not allocated GPU memory yet); memory "
+        "cannot tell: NVML cannot read the memory of GPU 0 (GPU 0: cannot read its memory: "
+        "NVML says Not Supported), GPU 1 (GPU 1: cannot read its memory: NVML says Not "
+        "Supported)"
     ] * 2
     assert "server's GPU pinning is unverified" in output
     assert "no cell is checked for them (foreign_process)" in output

@@ -25,6 +25,7 @@ from dvfs.records.session import Server
 ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
 DEVICES = "h100-sxm,h100-sxm,h100-sxm"
 LIST_FN = "nvmlDeviceGetComputeRunningProcesses"
+MEMORY_FN = "nvmlDeviceGetMemoryInfo"
 
 
 @pytest.fixture
@@ -33,10 +34,14 @@ def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return fresh_fake(tmp_path, monkeypatch, DEVICES)
 
 
-def _no_process_lists(nv: ModuleType) -> None:
-    """NVML lists no compute processes on any of the fake's GPUs (Not Supported)."""
+def _no_process_lists(nv: ModuleType, memory: bool = False) -> None:
+    """NVML lists no compute processes on any of the fake's GPUs (Not Supported), nor, unless
+    `memory`, reads their memory: where the server took it cannot tell either."""
+    errors = {LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED}
+    if not memory:
+        errors[MEMORY_FN] = nv.NVML_ERROR_NOT_SUPPORTED
     for index in range(3):
-        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+        nv.fake_update_device(index, errors=errors)
 
 
 def _sweep_into(path: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -808,7 +813,8 @@ def test_a_container_given_gpus_by_index_or_all_is_warned_of_and_recorded(
         output = " ".join(checked.stdout.split())
         assert said in output and "pinned to" not in output, output
         assert (
-            f"{said}: the sweep stops the server only where NVML lists it on another GPU; name "
+            f"{said}: the sweep stops the server only where NVML lists it or its memory "
+            "on another GPU; name "
             "the metered GPUs there by UUID, or pass the container dvfs's own "
             "CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES with --gpus all), right for each "
             "fleet worker's GPUs, or outside a container remove it from server_command"
@@ -915,7 +921,8 @@ def test_a_container_passed_no_cuda_visible_devices_is_warned_of_and_recorded(
             "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
             f"the container runtime gives it (with a CUDA image, all) rather than the metered "
             f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
-            "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
+            "lists it or its memory on another GPU; pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e "
             f"CUDA_VISIBLE_DEVICES with {gpus}), right for each fleet worker's GPUs"
         ) in output, output
     hosted = container_campaign(tmp_path / "hosted", "--env-host", engine="podman")
@@ -956,7 +963,8 @@ def test_docker_exec_and_nvidia_docker_are_judged_as_containers(
         "engine.sglang.server_command runs the server in a container made before (docker "
         "exec), not passed CUDA_VISIBLE_DEVICES on its command line: the server runs on the "
         f"GPUs the container was made with rather than the metered {metered}, which dvfs "
-        "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+        "cannot check: the sweep stops the server only where NVML lists it or its memory "
+        "on another GPU; "
         "pass it dvfs's own CUDA_VISIBLE_DEVICES (-e CUDA_VISIBLE_DEVICES after exec), the "
         "container made with the metered GPUs (or --gpus all)"
     ) in output, output
@@ -1339,7 +1347,8 @@ def test_a_compose_run_container_passed_no_cuda_visible_devices_is_warned_of(
             "CUDA_VISIBLE_DEVICES on its command line: without it the server runs on the GPUs "
             f"the container runtime gives it (with a CUDA image, all) rather than the metered "
             f"{metered}, which dvfs cannot check: the sweep stops the server only where NVML "
-            "lists it on another GPU; pass the container dvfs's own CUDA_VISIBLE_DEVICES (-e "
+            "lists it or its memory on another GPU; pass the container dvfs's own "
+            "CUDA_VISIBLE_DEVICES (-e "
             "CUDA_VISIBLE_DEVICES after run, the compose file reserving it every GPU), right "
             "for each fleet worker's GPUs"
         ) in output, output
@@ -1370,7 +1379,8 @@ def test_srun_gpus_is_warned_of_as_slurms_not_a_containers(nv: ModuleType, tmp_p
         (
             (
                 (),
-                f"{slurms}: the sweep stops the server only where NVML lists it on another GPU; "
+                f"{slurms}: the sweep stops the server only where NVML lists it or its memory "
+                "on another GPU; "
                 "drop srun from server_command and run dvfs itself in the Slurm job, which "
                 "starts the server on the metered GPUs",
             ),
@@ -1413,8 +1423,9 @@ def test_srun_gres_and_g_are_warned_of_as_srun_gpus_is(nv: ModuleType, tmp_path:
         assert (
             f"engine.sglang.server_command gives srun {setting} in place of the metered "
             f"{metered}: GPUs Slurm picks by count and names in its own CUDA_VISIBLE_DEVICES, "
-            "which dvfs cannot check: the sweep stops the server only where NVML lists it on "
-            "another GPU; drop srun from server_command and run dvfs itself in the Slurm job"
+            "which dvfs cannot check: the sweep stops the server only where NVML lists it or "
+            "its memory on another GPU; drop srun from server_command and run dvfs itself in the "
+            "Slurm job"
         ) in output, output
     path = observed_campaign(tmp_path / "network", (str(srun), "--gres=craynetwork:1"))
     checked = _doctor(path, env)
@@ -1445,7 +1456,8 @@ def test_an_env_dropping_cuda_visible_devices_is_warned_of_and_recorded(
         assert (
             f"engine.sglang.server_command drops CUDA_VISIBLE_DEVICES ({setting}) in place of "
             f"the metered {metered}: the server then runs on CUDA's first GPU(s), which dvfs "
-            "cannot check: the sweep stops the server only where NVML lists it on another GPU; "
+            "cannot check: the sweep stops the server only where NVML lists it or its memory "
+            "on another GPU; "
             "remove it from server_command: dvfs hands the server CUDA_VISIBLE_DEVICES = the "
             "metered GPUs' UUIDs"
         ) in output, output
@@ -1497,7 +1509,7 @@ def test_sudo_without_e_is_warned_of_as_dropping_cuda_visible_devices(
             "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo without -E, unless "
             f"its sudoers keeps it) in place of the metered {metered}: the server then runs on "
             "CUDA's first GPU(s), which dvfs cannot check: the sweep stops the server only where "
-            "NVML lists it on another GPU; give sudo -E (or "
+            "NVML lists it or its memory on another GPU; give sudo -E (or "
             "--preserve-env=CUDA_VISIBLE_DEVICES), which keeps the CUDA_VISIBLE_DEVICES dvfs "
             "hands the server"
         ) in output, output
@@ -1551,7 +1563,7 @@ def test_sudo_i_is_warned_of_as_dropping_cuda_visible_devices(
         "engine.sglang.server_command drops CUDA_VISIBLE_DEVICES (sudo -i, a login shell "
         "resetting the environment, unless its sudoers keeps it) in place of the metered "
         f"{metered}: the server then runs on CUDA's first GPU(s), which dvfs cannot check: the "
-        "sweep stops the server only where NVML lists it on another GPU; give sudo "
+        "sweep stops the server only where NVML lists it or its memory on another GPU; give sudo "
         "--preserve-env=CUDA_VISIBLE_DEVICES, which keeps the CUDA_VISIBLE_DEVICES dvfs hands "
         "the server with -i too (or -E in place of -i)"
     ) in output, output
@@ -1600,7 +1612,8 @@ def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
                 "runs the server through ssh gpu-host, which passes it none of dvfs's "
                 "CUDA_VISIBLE_DEVICES: on that host, on CUDA's first GPU(s) rather than the "
                 f"metered {metered}, which dvfs cannot check: the sweep stops the server only "
-                "where NVML lists it on another GPU; run dvfs itself on the host that serves, "
+                "where NVML lists it or its memory on another GPU; run dvfs itself on the host "
+                "that serves, "
                 "whose GPUs it then meters and pins the server to, and drop ssh from "
                 "server_command",
             ),
@@ -1608,7 +1621,8 @@ def test_ssh_and_kubectl_are_warned_of_as_running_the_server_elsewhere(
                 ("kubectl", "run", "sglang", "--image=IMG", "--restart=Never", "--"),
                 "runs the server in a Kubernetes pod (kubectl run), on a node and GPUs "
                 f"Kubernetes picks rather than the metered {metered}, which dvfs cannot check: "
-                "the sweep stops the server only where NVML lists it on another GPU; run dvfs "
+                "the sweep stops the server only where NVML lists it or its memory "
+                "on another GPU; run dvfs "
                 "itself in the pod, which starts the server on the metered GPUs",
             ),
             (
@@ -2107,6 +2121,7 @@ def test_the_dry_run_of_a_real_fleet_mixing_gpu_models_counts_each_models_cells(
 def test_nvml_without_process_lists_leaves_the_server_unverified(
     nv: ModuleType, tmp_path: Path
 ) -> None:
+    """Nor memory: where the server took it cannot tell either (`_no_process_lists`)."""
     _no_process_lists(nv)
     code, cells, servers, output = _sweep(tmp_path)
     assert code == 0, output
@@ -2114,6 +2129,7 @@ def test_nvml_without_process_lists_leaves_the_server_unverified(
     pinning = _pinning(tmp_path)["none"]
     assert pinning.startswith("unverified: NVML cannot list the compute processes of GPU 0")
     assert "Not Supported" in pinning and "lists none" not in pinning
+    assert "; memory cannot tell: NVML cannot read the memory of GPU 0 (" in pinning, pinning
     assert servers[0]["gpu_pinning"] == pinning
 
 

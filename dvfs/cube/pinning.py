@@ -1,6 +1,8 @@
 """Whether each drafter's server ran on the GPUs dvfs metered (`gpu_pinning`, as the sweep
-checked it), and the one line every command says where a check was unverified: those cells
-were not checked for other tenants' processes, whose energy the GPU's counter counts.
+checked it: by PID, "verified: ...", or where NVML listed none of its PIDs by where it took its
+memory, "verified by memory: ...", else "unverified: why"), and the one line every command says
+where a check was unverified or by memory only: those cells were not checked for other
+tenants' processes, whose energy the GPU's counter counts.
 """
 
 from __future__ import annotations
@@ -9,6 +11,10 @@ import json
 from typing import TYPE_CHECKING
 
 from dvfs.cube.attrs import merged_sources
+
+#: What a server's pinning outcome says where its memory, not its PIDs, verified it
+#: (`dvfs.engines.server_memory.memory_outcome`).
+BY_MEMORY = "verified by memory: "
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -24,7 +30,8 @@ def _pinning(text: object) -> dict[str, str]:
 
 
 def gpu_pinning(ds: xr.Dataset) -> dict[str, str]:
-    """Each drafter's server pinning ("verified: GPU ..." or "unverified: why"), as the sweep
+    """Each drafter's server pinning ("verified: GPU ...", "verified by memory: GPU ..." or
+    "unverified: why"), as the sweep
     recorded it; empty where nothing was checked (simulated GPUs, an older cube). A merged
     cube's sources each keep their own (`merged_from`), so there each drafter is named with
     its GPU ("eagle3 on NVIDIA H100"; the GPUs' label where two sources share a model)."""
@@ -41,15 +48,26 @@ def gpu_pinning(ds: xr.Dataset) -> dict[str, str]:
 
 
 def pinning_note(ds: xr.Dataset) -> str | None:
-    """One line when a drafter's server pinning was unverified (None: every one verified, or
-    nothing to check): its cells were not checked for other tenants' processes, whose energy
-    the per-GPU counter would have counted into theirs."""
-    unverified = {d: o for d, o in gpu_pinning(ds).items() if "unverified" in o}
-    if not unverified:
+    """One line when a drafter's server pinning was unverified, or verified by memory alone
+    (None: every one verified by PID, or nothing to check): its cells were not checked for
+    other tenants' processes, whose energy the per-GPU counter would have counted into theirs
+    (only the server's own PIDs tell a tenant's from the server's)."""
+    pinning = gpu_pinning(ds)
+    unverified = {d: o for d, o in pinning.items() if "unverified" in o}
+    by_memory = [d for d, o in pinning.items() if d not in unverified and BY_MEMORY in o]
+    if not unverified and not by_memory:
         return None
-    said = "; ".join(f"{d}: {o.split('unverified: ', 1)[-1]}" for d, o in unverified.items())
     servers = "drafter server(s)" if merged_sources(ds) else "drafter(s)"
+    said = []
+    if unverified:
+        why = "; ".join(f"{d}: {o.split('unverified: ', 1)[-1]}" for d, o in unverified.items())
+        said.append(f"unverified for {len(unverified)} {servers} ({why})")
+    if by_memory:
+        said.append(
+            f"verified by memory only (NVML listed none of the server's PIDs) for "
+            f"{len(by_memory)} {servers} ({', '.join(by_memory)})"
+        )
     return (
-        f"GPU pinning unverified for {len(unverified)} {servers} ({said}): their cells were "
-        "not checked for other tenants' processes on the metered GPUs (foreign_process)"
+        f"GPU pinning {'; '.join(said)}: their cells were not checked for other tenants' "
+        "processes on the metered GPUs (foreign_process)"
     )

@@ -8,10 +8,11 @@ Schema history (`attrs["dvfs_schema"]`):
       counter_update_period_s attribute are additions a reader may find absent.
       The energy split (energy_<part>_j, time_<part>_s for prefill, draft, verify and
       overhead, and energy_split_method) is such an addition; NaN (method 0) where a cell's
-      record carries none. So is the gpu_pinning attribute (JSON, per drafter: "verified: ..."
-      or "unverified: why", whether its server ran on the metered GPUs; absent or "{}" where
-      not checked). So are a shard's `shard` ("I/N") and `shard_deal` ("groups"; absent in the
-      cube of a shard an earlier dvfs cut in contiguous slices), which `dvfs cube merge` reads.
+      record carries none. So is the gpu_pinning attribute (JSON, per drafter: "verified: ...",
+      "verified by memory: ..." or "unverified: why", whether its server ran on the metered
+      GPUs; absent or "{}" where not checked). So are a shard's `shard` ("I/N") and
+      `shard_deal` ("groups"; absent in the cube of a shard an earlier dvfs cut in contiguous
+      slices), which `dvfs cube merge` reads.
       So is prompt_tokens (per cell, the mean input tokens of the prompts its rounds sent,
       which the roofline's context reads; NaN where a cell's record carries none).
       So is throttle_violation_s (per cell, the seconds NVML's thermal and board-limit

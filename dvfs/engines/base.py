@@ -419,11 +419,12 @@ class ServerInfo:
     #: The attention kernels the server resolved ("fa3", or "prefill=X,decode=Y"); None: not
     #: applicable (the twin) or not reported.
     attention_backend: str | None = None
-    #: Whether the server runs on the metered GPUs ("verified: ..." or "unverified: why",
-    #: `dvfs.engines.sglang.pinning_outcome`); None: not applicable (simulated GPUs).
+    #: Whether the server runs on the metered GPUs ("verified: ...", by PID, "verified by
+    #: memory: ..." or "unverified: why", `dvfs.engines.sglang.pinning_outcome` and
+    #: `dvfs.engines.server_memory.memory_outcome`); None: not applicable (simulated GPUs).
     gpu_pinning: str | None = None
     #: The server's process tree now (host PIDs), where dvfs knows it and NVML lists it on
-    #: the metered GPUs (pinning verified): any other compute process there is another
+    #: the metered GPUs (pinning verified by PID): any other compute process there is another
     #: tenant's (`dvfs.measure.tenants`). None: not known (an attached server, a container's
     #: PID namespace, NVML that cannot list processes, the twin).
     own_pids: Callable[[], frozenset[int]] | None = field(default=None, compare=False, repr=False)

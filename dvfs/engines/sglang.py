@@ -12,7 +12,9 @@ before any server starts (`check_arms_can_match`); what else the arms share is c
 runner against the journal (`arm_changes`). A started server must run on the metered GPUs
 (`pinning_outcome`): NVML's compute processes of every GPU are matched against the server's
 process tree, so a `server_command` wrapper that escapes CUDA_VISIBLE_DEVICES is refused; where
-NVML cannot tell, the server record says "unverified". Where it is verified, the server's
+NVML lists none of its processes, by where it took its memory (`memory_outcome`: "verified by
+memory", or refused alike), and where that cannot tell either, the server record says
+"unverified". Where it is verified by PID, the server's
 process tree is handed on (`ServerInfo.own_pids`), so the runner can tell another tenant's
 process on a metered GPU from the server's.
 """
@@ -48,6 +50,7 @@ from dvfs.engines.base import (
     server_accept_covers,
 )
 from dvfs.engines.server_gpus import unjudged_wrapper_devices
+from dvfs.engines.server_memory import memory_outcome, server_fraction
 from dvfs.engines.sglang_args import (
     Kernels,
     LaunchHelp,
@@ -95,6 +98,7 @@ from dvfs.gpu.base import GpuProcesses
 from dvfs.outputs import check_links
 from dvfs.procfs import dead_members, earlier_holder, port_holders, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
+from dvfs.twin.limits import mem_fraction_static
 
 log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
@@ -513,6 +517,10 @@ class SglangEngine:
         #: What the running server's context leaves a request (`ContextRoom`, read from its
         #: /server_info at each start); None: it reports nothing to tell.
         self._room: ContextRoom | None = None
+        #: Every GPU as NVML read it right before the server's start (its memory, for
+        #: `memory_outcome`), and the --mem-fraction-static dvfs passed it (None: none).
+        self._memory_before: list[GpuProcesses] | None = None
+        self._fraction_given: float | None = None
         #: The metered GPUs, which the server is pinned to (empty: simulated GPUs, no pinning).
         self.gpu_uuids = tuple(gpu_uuids)
         #: Lists every GPU's compute PIDs (NVML), to check where a started server runs; None:
@@ -665,6 +673,8 @@ class SglangEngine:
         if problem:
             self.stop()
             raise EngineError(f"cannot start the server: {problem}")
+        self._memory_before = self._gpus_now()  # where it took its memory, if NVML lists no PID
+        self._fraction_given = mem_fraction_static(argv)
         try:
             self._process = subprocess.Popen(
                 dying_with_parent(argv),
@@ -723,7 +733,7 @@ class SglangEngine:
             raise _NoAnswerError(f"{other} (the server's log: {log_path})")
         try:
             kernels = self._check_resolved(drafter, info)
-            pinning = self._check_pinning(drafter)
+            pinning = self._check_pinning(drafter, info)
         except EngineError:
             self.stop()  # a server that does not run what was asked must not linger
             raise
@@ -744,7 +754,8 @@ class SglangEngine:
             str(self._log_path),
             attention_backend=kernels.label,
             gpu_pinning=pinning,
-            own_pids=self._own_pids if pinning and pinning.startswith("verified") else None,
+            # Only where NVML lists its PIDs: verified by memory, every PID there looks foreign.
+            own_pids=self._own_pids if pinning and pinning.startswith("verified: ") else None,
             prompt_format=self.formatter.settle(),
             ports=ports.to_json() if ports else None,
             model_commit=commit,
@@ -932,9 +943,20 @@ class SglangEngine:
             )
         return self._check_kernels(drafter, args)
 
-    def _check_pinning(self, drafter: DrafterSpec) -> str | None:
+    def _gpus_now(self) -> list[GpuProcesses] | None:
+        """Every GPU's compute processes and memory now (None: simulated GPUs, or NVML cannot
+        tell)."""
+        if self.gpu_processes is None:
+            return None
+        try:
+            return list(self.gpu_processes())
+        except GpuError:
+            return None
+
+    def _check_pinning(self, drafter: DrafterSpec, info: dict[str, Any]) -> str | None:
         """Where the started server runs, by NVML's compute processes of every GPU (None:
-        simulated GPUs); refuses one on a GPU dvfs does not meter (`pinning_outcome`)."""
+        simulated GPUs); refuses one on a GPU dvfs does not meter (`pinning_outcome`). Where
+        NVML lists none of its processes, by where it took its memory (`memory_outcome`)."""
         if self.gpu_processes is None or self._process is None:
             return None
         ours = server_pids(self._process.pid)
@@ -944,6 +966,16 @@ class SglangEngine:
             outcome = f"unverified: {exc}"
         else:
             outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
+            before, self._memory_before = self._memory_before, None
+            if outcome.startswith("unverified: ") and before is not None:
+                outcome = memory_outcome(
+                    drafter.name,
+                    before,
+                    gpus,
+                    self.gpu_uuids,
+                    server_fraction(_resolved_args(info), self._fraction_given),
+                    outcome.removeprefix("unverified: "),
+                )
         said = unjudged_wrapper_devices(self.campaign, gpu_uuids=self.gpu_uuids)
         if said is not None and not outcome.startswith("verified"):
             # What NVML could not tell, the wrapper's index or `all` does not either (doctor

@@ -5,8 +5,8 @@ Both backends (real NVML and the twin) implement it and raise the same `GpuError
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -214,12 +214,21 @@ def gpu_names(gpus: Iterable[Gpu]) -> str:
 
 @dataclass(frozen=True)
 class GpuProcesses:
-    """One GPU of the machine and the compute PIDs on it (None: NVML cannot tell, and `why`)."""
+    """One GPU of the machine and the compute PIDs on it (None: NVML cannot tell, and `why`),
+    with its memory as NVML reads it then: where a server that NVML does not list by a PID dvfs
+    knows (a container's PID namespace) took its memory (`dvfs.engines.sglang.memory_outcome`)."""
 
     index: int
     uuid: str
     pids: frozenset[int] | None
     why: str = ""
+    #: Its used and total memory (bytes, nvmlDeviceGetMemoryInfo); None: NVML cannot tell
+    #: (`memory_why` says why).
+    used_bytes: int | None = None
+    total_bytes: int | None = None
+    memory_why: str = ""
+    #: Each listed process's own memory (NVML's usedGpuMemory, bytes), where NVML gives it.
+    process_bytes: Mapping[int, int] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True)

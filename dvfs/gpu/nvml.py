@@ -538,7 +538,9 @@ def device_count(nvml: ModuleType, *, deadline_s: float | None = None) -> int:
 def gpu_processes(nvml: ModuleType, *, deadline_s: float | None = None) -> list[GpuProcesses]:
     """Every GPU NVML sees (not only the campaign's) with the compute PIDs on it: where a server
     really runs. Read-only, each call within the deadline; a GPU whose processes NVML cannot
-    list (NotSupported, NoPermission, an NVML error on it) has `pids` None and says why."""
+    list (NotSupported, NoPermission, an NVML error on it) has `pids` None and says why. Each
+    GPU's used and total memory too, and each listed process's own (usedGpuMemory, where NVML
+    gives it): where a server NVML names by PIDs dvfs cannot see took its memory."""
     errors = NvmlErrors(nvml)
     limit = resolve_deadline_s(deadline_s)
     worker = CallWorker("nvml-processes")
@@ -547,16 +549,37 @@ def gpu_processes(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
         with errors.translated("cannot count GPUs"):
             count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
         for index in range(count):
-            where, uuid = f"GPU {index}", "?"
+            where, uuid, handle = f"GPU {index}", "?", None
+            pids: frozenset[int] | None = None
+            why, own = "", {}
             try:
                 with errors.translated(f"GPU {index}: cannot list compute processes"):
                     handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
                     uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
                     procs = _bounded(worker, limit, where, process_lister(nvml), handle)
             except GpuError as exc:
-                found.append(GpuProcesses(index, uuid, None, str(exc)))
-                continue
-            found.append(GpuProcesses(index, uuid, frozenset(int(p.pid) for p in procs)))
+                why = str(exc)
+            else:
+                pids = frozenset(int(p.pid) for p in procs)
+                own = {
+                    int(p.pid): int(used)
+                    for p in procs
+                    if isinstance(used := getattr(p, "usedGpuMemory", None), int)
+                }
+            used = total = None
+            memory_why = "no handle"
+            if handle is not None:
+                try:
+                    with errors.translated(f"GPU {index}: cannot read its memory"):
+                        read = nvml.nvmlDeviceGetMemoryInfo
+                        memory = _bounded(worker, limit, where, read, handle)
+                        used, total = int(memory.used), int(memory.total)
+                        memory_why = ""
+                except GpuError as exc:
+                    memory_why = str(exc)
+            found.append(
+                GpuProcesses(index, uuid, pids, why, used, total, memory_why, process_bytes=own)
+            )
     finally:
         worker.close()
     return found

@@ -4,9 +4,9 @@ NVML's energy counter is per GPU, so another process's work on a metered GPU is 
 the cell's energy per token, and it competes for SMs and memory bandwidth, changing latency.
 The runner lists each metered GPU's compute processes at a cell's start and end (where it reads
 the power limits back) and flags the cell `foreign_process` when one is not the server's. Only
-where the server's own PIDs are known and NVML lists them (its GPU pinning "verified"): in a
-container's PID namespace every PID NVML reports would look foreign, so there nothing is
-flagged.
+where the server's own PIDs are known and NVML lists them (its GPU pinning "verified" by PID,
+not "verified by memory"): in a container's PID namespace every PID NVML reports would look
+foreign, so there nothing is flagged.
 
 Idle baselines are checked the same way, right before and after each is measured: the
 session's opening one (before any server starts, so every compute process then is another

@@ -1244,8 +1244,9 @@ class Server:
     attention_backend: str | None = None  # None: the server did not say (e.g. the twin)
     log_path: str | None = None
     started: str = ""
-    #: Whether it ran on the metered GPUs: "verified: ..." or "unverified: why"
-    #: (`dvfs.engines.sglang.pinning_outcome`); None: not applicable (simulated GPUs), or a
+    #: Whether it ran on the metered GPUs: "verified: ...", "verified by memory: ..." or
+    #: "unverified: why" (`dvfs.engines.sglang.pinning_outcome`,
+    #: `dvfs.engines.server_memory.memory_outcome`); None: not applicable (simulated GPUs), or a
     #: record older than the check (an optional key within journal version 3).
     gpu_pinning: str | None = None
     #: How prompts went out to it: "chat_template:<hash>" or "plain"; "" where the engine

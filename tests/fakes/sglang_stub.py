@@ -226,15 +226,17 @@ that key instead (the API key no longer opens them).
 GPU processes: when env ``DVFS_FAKE_NVML_STATE`` names a fake NVML state
 (``tests/fakes/nvml/pynvml.py``, loaded by path), the stub lists its own pid as a compute
 process on the fake devices whose UUIDs its CUDA_VISIBLE_DEVICES names, before it listens, as
-a server that loaded its weights would; ``nvml_device`` (null) in the config puts it on that
-device index instead (a wrapper that escaped CUDA_VISIBLE_DEVICES).  It drops itself again on
-a clean exit (the fake lists only live pids anyway).  ``nvml_pid`` (null) lists that live pid
-instead of its own, as a driver outside a container's PID namespace names the server by a host
-PID the server's parent cannot see.  ``foreign_pid`` (null) plays another tenant's job on the
-same GPU(s): that live pid is listed there when the ``foreign_from_request``-th /generate
-arrives (null: at start) and dropped when the ``foreign_until_request``-th does (null: never;
-0: as the stub starts, for a tenant the test listed before dvfs started, gone by the first
-cell, with ``foreign_from_request`` past the last request).
+a server that loaded its weights would, with the memory SGLang claims (``--mem-fraction-static``,
+0.85 unless given, of the GPU's memory, less what is used there: ``claim_bytes``), which the
+fake's ``nvmlDeviceGetMemoryInfo`` counts as used; ``nvml_device`` (null) in the config puts it
+on that device index instead (a wrapper that escaped CUDA_VISIBLE_DEVICES).  It drops itself
+again on a clean exit (the fake lists only live pids anyway).  ``nvml_pid`` (null) lists that
+live pid instead of its own, as a driver outside a container's PID namespace names the server
+by a host PID the server's parent cannot see.  ``foreign_pid`` (null) plays another tenant's
+job on the same GPU(s): that live pid is listed there when the ``foreign_from_request``-th
+/generate arrives (null: at start) and dropped when the ``foreign_until_request``-th does
+(null: never; 0: as the stub starts, for a tenant the test listed before dvfs started, gone by
+the first cell, with ``foreign_from_request`` past the last request).
 
 Context, as SGLang's scheduler and tokenizer manager count it (0.5.9 and 0.5.23 alike): the
 KV pool holds ``--max-total-tokens`` (``KV_TOKENS`` unless given) tokens; ``max_req_len`` is
@@ -2273,9 +2275,32 @@ def fake_nvml(environ: Mapping[str, str]) -> Any:
     return module
 
 
-def register_gpu_process(nvml: Any, cfg: StubConfig, environ: Mapping[str, str]) -> list[Any]:
+#: The stub's --mem-fraction-static where the launch gives none (SGLang's default on an
+#: 80 GiB GPU is about this; /server_info reports it unresolved, as the stub always has).
+STUB_MEM_FRACTION = 0.85
+
+
+def claim_bytes(nvml: Any, device: Any, fraction: float | None) -> int:
+    """What SGLang takes of a fake device as it starts: it fills the GPU up to
+    ``fraction`` (None: `STUB_MEM_FRACTION`) of its memory, less what is used there already
+    (another tenant's, the driver's), a CUDA context's at least."""
+    for dev in nvml.fake_state()["devices"]:
+        if device in (dev["index"], dev["uuid"]):
+            total = int(nvml.FAKE_PROFILES[dev["profile"]]["memory_total_bytes"])
+            used = int(dev["memory_used_bytes"]) + sum(
+                int(e.get("used_bytes") or 0) for e in dev.get("processes") or ()
+            )
+            share = STUB_MEM_FRACTION if fraction is None else fraction
+            return max(int(share * total) - used, 512 * 2**20)
+    return 512 * 2**20
+
+
+def register_gpu_process(
+    nvml: Any, cfg: StubConfig, environ: Mapping[str, str], fraction: float | None = None
+) -> list[Any]:
     """List this process on the fake devices it runs on: those its CUDA_VISIBLE_DEVICES names
-    by UUID, or ``nvml_device``; returns them."""
+    by UUID, or ``nvml_device``, with the memory it claims there (`claim_bytes`); returns
+    them."""
     if cfg.nvml_device is not None:
         devices: list[Any] = [cfg.nvml_device]
     else:
@@ -2284,7 +2309,7 @@ def register_gpu_process(nvml: Any, cfg: StubConfig, environ: Mapping[str, str])
         devices = [v.strip() for v in visible if v.strip() in uuids]
     pid = os.getpid() if cfg.nvml_pid is None else cfg.nvml_pid
     for device in devices:
-        nvml.fake_add_process(device, pid)
+        nvml.fake_add_process(device, pid, used_bytes=claim_bytes(nvml, device, fraction))
     log(f"listed pid {pid} as a compute process on fake GPU(s) {devices}")
     return devices
 
@@ -2388,7 +2413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.torch_load_device is not None:
         load = TorchLoad(stub, cfg.torch_load_device, cfg.torch_load_mib)
     if nvml is not None:
-        stub.nvml, stub.devices = nvml, register_gpu_process(nvml, cfg, os.environ)
+        fraction = args.get("mem_fraction_static")
+        fraction = float(fraction) if isinstance(fraction, int | float) else None
+        stub.nvml, stub.devices = nvml, register_gpu_process(nvml, cfg, os.environ, fraction)
         stub.other_tenant(0)
     try:
         server = StubHTTPServer((bind_host, int(args["port"])), LOOPBACK_HOSTS[host], stub)

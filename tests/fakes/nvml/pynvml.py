@@ -29,8 +29,10 @@ Environment (read at every call):
 
 Compute processes: each device's ``processes`` list (``{"pid", "used_bytes"}``) is what
 ``nvmlDeviceGetComputeRunningProcesses`` returns, live pids only (NVML drops a process that
-exited); ``fake_add_process``/``fake_remove_process`` register and drop one (the SGLang stub
-registers itself on the devices its CUDA_VISIBLE_DEVICES names). Inject
+exited), and their ``used_bytes`` count into ``nvmlDeviceGetMemoryInfo``'s ``used`` (with the
+driver's own ``memory_used_bytes``), listed or not; ``fake_add_process``/``fake_remove_process``
+register and drop one (the SGLang stub registers itself on the devices its
+CUDA_VISIBLE_DEVICES names, with the memory it claims there). Inject
 ``errors={"nvmlDeviceGetComputeRunningProcesses": 3}`` to play a driver that cannot list them.
 
 Energy counter: power is integrated over ``time.time()`` and persisted; the value
@@ -1034,12 +1036,19 @@ def nvmlDeviceGetVbiosVersion(handle: FakeNvmlDeviceHandle) -> str:
 def nvmlDeviceGetMemoryInfo(
     handle: FakeNvmlDeviceHandle, version: int | None = None
 ) -> c_nvmlMemory_t:
-    """Framebuffer memory (bytes)."""
-    return _get(
-        "nvmlDeviceGetMemoryInfo",
-        handle,
-        lambda d, p: c_nvmlMemory_t(p["memory_total_bytes"], d["memory_used_bytes"], version),
-    )
+    """Framebuffer memory (bytes). As on a real GPU, ``used`` is what the driver reserves
+    (``memory_used_bytes``) plus every live compute process's own memory (``used_bytes``),
+    at most the total: a process that took memory shows there even where its pid is one no
+    caller can see, or NVML cannot list processes."""
+
+    def read(d: dict[str, Any], p: dict[str, Any]) -> c_nvmlMemory_t:
+        contexts = sum(
+            int(e.get("used_bytes") or 0) for e in d.get("processes") or () if _alive(int(e["pid"]))
+        )
+        total = int(p["memory_total_bytes"])
+        return c_nvmlMemory_t(total, min(total, int(d["memory_used_bytes"]) + contexts), version)
+
+    return _get("nvmlDeviceGetMemoryInfo", handle, read)
 
 
 def nvmlDeviceGetPersistenceMode(handle: FakeNvmlDeviceHandle) -> int:
