@@ -5,6 +5,7 @@ cubes of different GPUs merge when their ECC modes differ (nor shards their VBIO
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -15,7 +16,6 @@ from nvml_support import NVML_CAMPAIGN, installed_root_fake
 from dvfs.cli import cli
 from dvfs.cube import open_cube
 from dvfs.cube.merge import provenance_differences
-from dvfs.errors import MergeRefusedError
 from dvfs.measure.journal import read_records
 from dvfs.records import incomparable, mixed_within
 
@@ -79,31 +79,78 @@ def test_unknown_ecc_and_vbios_are_not_compared_but_known_ones_are() -> None:
     assert mixed_within({"gpus": [*on["gpus"], *session()["gpus"]]}) == []
 
 
-def test_cubes_whose_gpus_ran_other_ecc_modes_do_not_merge(
+def _fake_ecc_off_gpu1(nvml: ModuleType, tmp_path: Path) -> tuple[Path, Path]:
+    """GPU 1 of the fake's two H100s with ECC off; each GPU swept into its own folder."""
+    nvml.fake_update_device(1, ecc=0)
+    folders = []
+    for gpu in ("0", "1"):
+        out = tmp_path / f"gpu{gpu}"
+        campaign = tmp_path / "campaign.toml"
+        text = NVML_CAMPAIGN.format(output_tokens=8, repeats=1)
+        campaign.write_text(text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980]"))
+        args = ["sweep", str(campaign), "--gpus", gpu, "--out", str(out), "--no-progress"]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        folders.append(out)
+    return folders[0], folders[1]
+
+
+def test_a_fleet_node_with_ecc_off_is_refused_then_merged_as_its_advice_says(
     nvml: ModuleType, tmp_path: Path
 ) -> None:
-    from dvfs.cube.merge import merge_cubes
+    """One journal holds one ECC mode, but the cubes of GPUs side by side may differ in it, as
+    in their driver: the fleet's refusal advises separate folders and `dvfs cube merge`, which
+    merges them, keeps each GPU's mode and warns in the report."""
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Paragraph, Table
+
+    campaign = tmp_path / "campaign.toml"
+    nvml.fake_update_device(1, ecc=0)
+    text = NVML_CAMPAIGN.format(output_tokens=8, repeats=1)
+    campaign.write_text(text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980]"))
+    args = ["sweep", str(campaign), "--gpus", "0,1", "--out", str(tmp_path / "fleet")]
+    fleet = CliRunner().invoke(cli, [*args, "--no-progress"])
+    assert fleet.exit_code != 0
+    assert "(ECC mode: on -> off)" in fleet.output and "`dvfs cube merge`" in fleet.output
+    a, b = _fake_ecc_off_gpu1(nvml, tmp_path)
+    merged_path = tmp_path / "merged.nc"
+    args = ["cube", "merge", str(a / "cube.nc"), str(b / "cube.nc"), "-o", str(merged_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    merged = open_cube(merged_path)
+    assert merged.attrs["ecc_mode"] == "off, on"
+    sources = json.loads(merged.attrs["merged_from"])
+    assert sorted(s["ecc_mode"] for s in sources.values()) == ["off", "on"]
+    blocks = measured_section(merged).blocks
+    [table] = [b for b in blocks if isinstance(b, Table) and b.title == "Merged from"]
+    assert sorted(r[table.header.index("ECC")] for r in table.rows) == ["off", "on"]
+    warned = [b.text for b in blocks if isinstance(b, Paragraph) and "ECC modes" in b.text]
+    assert len(warned) == 1 and "ECC off: " in warned[0] and "ECC on: " in warned[0], warned
+
+
+def test_shards_of_one_run_whose_ecc_or_vbios_differ_do_not_merge(
+    nvml: ModuleType, tmp_path: Path
+) -> None:
+    from dvfs.cube.merge import SHARD_GPU_KEYS, merge_cubes
 
     out = tmp_path / "out"
     code, output = _sweep(tmp_path, out)
     assert code == 0, output
     first = open_cube(out / "cube.nc")
-    other = first.copy()
-    other.attrs = {**first.attrs, "gpu_uuids": "GPU-other", "ecc_mode": "off"}
-    with pytest.raises(MergeRefusedError, match=r"ecc_mode: 'on' -> 'off'"):
-        merge_cubes([first, other], ["a", "b"])
-    # an earlier dvfs's cube, which did not read it, still merges
+    # an earlier dvfs's cube, which did not read them, still merges
     older = first.copy()
     older.attrs = {k: v for k, v in first.attrs.items() if k not in ("ecc_mode", "vbios_version")}
     older.attrs["gpu_uuids"] = "GPU-older"
     merged = merge_cubes([first, older], ["a", "b"])
     assert merged.attrs["ecc_mode"] == "on"
     assert merged.attrs["vbios_version"] == "96.00.99.00.01"
-    # shards of one run compare their VBIOS too, where both read it
-    shard_keys = ("driver_version", "memory_clock_mhz", "vbios_version")
+    # shards of one run compare their ECC mode and VBIOS, where both read them
+    off = first.copy()
+    off.attrs = {**first.attrs, "ecc_mode": "off"}
+    assert provenance_differences(first, off, SHARD_GPU_KEYS) == ["ecc_mode: 'on' -> 'off'"]
     flashed = first.copy()
     flashed.attrs = {**first.attrs, "vbios_version": "96.00.AA.00.02"}
-    assert provenance_differences(first, flashed, shard_keys) == [
+    assert provenance_differences(first, flashed, SHARD_GPU_KEYS) == [
         "vbios_version: '96.00.99.00.01' -> '96.00.AA.00.02'"
     ]
-    assert provenance_differences(first, older, shard_keys) == []
+    assert provenance_differences(first, older, SHARD_GPU_KEYS) == []
