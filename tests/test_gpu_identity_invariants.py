@@ -154,3 +154,40 @@ def test_shards_of_one_run_whose_ecc_or_vbios_differ_do_not_merge(
         "vbios_version: '96.00.99.00.01' -> '96.00.AA.00.02'"
     ]
     assert provenance_differences(first, older, SHARD_GPU_KEYS) == []
+
+
+def test_a_rerun_on_the_gpus_left_is_not_refused_for_a_lost_gpu_that_read_no_vbios(
+    nvml: ModuleType, tmp_path: Path
+) -> None:
+    """A fleet whose GPU 1 NVML reads no VBIOS for (NotSupported: unknown, not compared) is
+    cut short, as a node loss leaves it; the rerun on GPU 0 alone, of the same VBIOS, goes on.
+    It was refused, "VBIOS version: 96.00.99.00.01, None -> 96.00.99.00.01": the lost GPU's
+    unknown compared as a value."""
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetVbiosVersion": nvml.NVML_ERROR_NOT_SUPPORTED})
+    campaign = tmp_path / "campaign.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=8, repeats=2))
+    out = tmp_path / "out"
+
+    def sweep(gpus: str) -> tuple[int, str]:
+        args = ["sweep", str(campaign), "--gpus", gpus, "--out", str(out), "--no-progress"]
+        result = CliRunner().invoke(cli, args)
+        return result.exit_code, result.output
+
+    code, output = sweep("0,1")
+    assert code == 0, output
+    journal = out / "journal.jsonl"
+    [session] = [r for r in read_records(journal) if r["type"] == "session"]
+    assert sorted(g["vbios_version"] for g in session["gpus"]) == ["", "96.00.99.00.01"]
+    lines = journal.read_text().splitlines(keepends=True)
+    cells = [i for i, line in enumerate(lines) if json.loads(line).get("type") == "cell"]
+    journal.write_text("".join(lines[: cells[len(cells) // 2]]))
+    code, output = sweep("0")
+    assert code == 0, output
+    assert "VBIOS" not in output
+
+    # known values still compare, where some GPUs of a session did not read them
+    def session_of(*vbios: str) -> dict[str, object]:
+        return {"gpus": [{"name": "H100", "vbios_version": v} for v in vbios]}
+
+    assert incomparable(session_of("", "A"), session_of("A")) == []
+    assert incomparable(session_of("", "A"), session_of("B")) == ["VBIOS version: A -> B"]
