@@ -565,7 +565,9 @@ def _workers(
     """A fleet's workers (or one tensor-parallel server), one per group, each of one GPU
     model: the sweep refuses a group spanning two models (exit 2), a fleet's or its one
     server's, in `one_model`'s words. `models` gets each group's."""
-    from dvfs.fleet.devices import group_label, one_model
+    from dataclasses import asdict
+
+    from dvfs.fleet.devices import group_label, one_identity, one_model
 
     shown = []
     for group, gpus in zip(groups, by_group, strict=True):
@@ -573,6 +575,7 @@ def _workers(
             model = one_model(
                 group_label(group), [(g.identity.index, g.identity.name) for g in gpus]
             )
+            one_identity(group_label(group), [asdict(g.identity) for g in gpus])
         except CampaignError as exc:
             return Check("workers", FAIL, str(exc), invalid=True)
         models.append(model)

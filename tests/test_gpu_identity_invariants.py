@@ -191,3 +191,34 @@ def test_a_rerun_on_the_gpus_left_is_not_refused_for_a_lost_gpu_that_read_no_vbi
 
     assert incomparable(session_of("", "A"), session_of("A")) == []
     assert incomparable(session_of("", "A"), session_of("B")) == ["VBIOS version: A -> B"]
+
+
+def test_a_server_on_gpus_of_other_ecc_modes_is_refused_before_it_measures(
+    nvml: ModuleType, tmp_path: Path
+) -> None:
+    """A tensor-parallel server on GPU 0 (ECC on) and GPU 1 (ECC off): the sweep measured
+    every cell, then its cube was refused ("GPUs that do not compare (ECC mode: off, on)"),
+    while `dvfs doctor` and the dry run said nothing. Now all three say it first."""
+    nvml.fake_update_device(1, ecc=0)
+    campaign = tmp_path / "campaign.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=8, repeats=1)
+    text = text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980]")
+    text = text.replace("devices = [0]", "devices = [0, 1]")
+    campaign.write_text(
+        text.replace('model = "llama-3.1-8b"\n', 'model = "llama-3.1-8b"\ntp_size = 2\n')
+    )
+    out = tmp_path / "out"
+    said = "worker gpu0+1 spans GPUs that differ in their ECC mode (GPU 0: on, GPU 1: off)"
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out)])
+    assert doctor.exit_code != 0
+    assert any(line.startswith("FAIL workers: ") for line in doctor.output.splitlines())
+    assert said in " ".join(doctor.output.split()), doctor.output
+    args = ["sweep", str(campaign), "--out", str(out), "--no-progress"]
+    dry = CliRunner().invoke(cli, [*args, "--dry-run", "--no-estimate"])
+    assert f"note: on this machine the sweep would stop: {said}" in dry.output, dry.output
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and said in error[0], result.output
+    assert "Traceback" not in result.output
+    assert not (out / "journal.jsonl").exists()  # nothing measured

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError
@@ -211,6 +212,25 @@ def one_model(worker: str, gpus: Sequence[tuple[int, str]]) -> str:
             "group is one model: group GPUs of one model (--gpus, or gpu.devices)"
         )
     return names.pop()
+
+
+def one_identity(worker: str, gpus: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse one server's GPUs (`worker`; each GPU's identity as a session records it) that
+    differ in a GPU invariant besides the model (`dvfs.records.GPU_INVARIANTS`, compared where
+    known): GPUs of one model with other ECC modes, or VBIOS, on one node. A `CampaignError`
+    (exit 2) naming each GPU's, before anything is measured: their session's cube is refused
+    (`dvfs.records.mixed_within`), only once every cell was measured."""
+    from dvfs.records import GPU_INVARIANTS
+
+    for key, label in GPU_INVARIANTS.items():
+        said = [(g.get("index"), str(g[key])) for g in gpus if g.get(key) not in (None, "")]
+        if len({value for _, value in said}) > 1:
+            shown = ", ".join(f"GPU {index}: {value}" for index, value in said)
+            raise CampaignError(
+                f"worker {worker} spans GPUs that differ in their {label} ({shown}): a "
+                "journal's GPUs share it, and its cube would be refused once every cell was "
+                "measured; group GPUs alike (--gpus, or gpu.devices)"
+            )
 
 
 def group_label(group: Group) -> str:
