@@ -222,3 +222,25 @@ def test_a_server_on_gpus_of_other_ecc_modes_is_refused_before_it_measures(
     assert len(error) == 1 and said in error[0], result.output
     assert "Traceback" not in result.output
     assert not (out / "journal.jsonl").exists()  # nothing measured
+
+
+def test_gpu_info_shows_the_ecc_mode_and_vbios_a_resume_compares(nvml: ModuleType) -> None:
+    """A resume refused for "ECC mode: on -> off" is checked with `dvfs gpu info`: it showed
+    neither the ECC mode nor the VBIOS. The twin reads neither: none shown."""
+    nvml.fake_update_device(1, ecc=0, vbios="96.00.AA.00.02")
+    text = CliRunner().invoke(cli, ["gpu", "info", "1"])
+    assert text.exit_code == 0, text.output
+    assert "(ECC off, VBIOS 96.00.AA.00.02)" in " ".join(text.output.split()), text.output
+    shown = CliRunner().invoke(cli, ["gpu", "info", "0", "1", "--json"])
+    assert shown.exit_code == 0, shown.output
+    found = json.loads(shown.output)
+    gpus = found if isinstance(found, list) else found["gpus"]
+    assert [(g["ecc_mode"], g["vbios_version"]) for g in gpus] == [
+        ("on", "96.00.99.00.01"),
+        ("off", "96.00.AA.00.02"),
+    ]
+    twin = CliRunner().invoke(cli, ["gpu", "info", "--twin", "h100-sxm", "--json"])
+    assert twin.exit_code == 0, twin.output
+    found = json.loads(twin.output)
+    [gpu] = found if isinstance(found, list) else found["gpus"]
+    assert gpu["ecc_mode"] is None and gpu["vbios_version"] is None
