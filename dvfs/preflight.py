@@ -667,7 +667,7 @@ def check_gpus(
     from dataclasses import asdict
 
     from dvfs.backends import job_gpus, open_gpus
-    from dvfs.fleet.devices import group_label, one_identity
+    from dvfs.fleet.devices import fleet_identity_refusal, group_label, one_identity
 
     with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
         found = [(g.identity.index, g.identity.name) for g in gpus]
@@ -682,6 +682,10 @@ def check_gpus(
             for group, server in zip(groups or (), servers_of(gpus, groups or ()), strict=True):
                 if len({g.identity.name for g in server}) == 1:  # (two models: one_model's)
                     one_identity(group_label(tuple(group)), [asdict(g.identity) for g in server])
+            if groups is not None and len(groups) > 1:  # a fleet's workers, as it opens them
+                mixed = fleet_identity_refusal([asdict(g.identity) for g in gpus])
+                if mixed is not None:
+                    raise JournalError(mixed)
             try:  # a caps record the sweep cannot read
                 stock = read_stock_as_swept(campaign, gpus, directory)
             except CapsRecordError as exc:

@@ -244,3 +244,27 @@ def test_gpu_info_shows_the_ecc_mode_and_vbios_a_resume_compares(nvml: ModuleTyp
     found = json.loads(twin.output)
     [gpu] = found if isinstance(found, list) else found["gpus"]
     assert gpu["ecc_mode"] is None and gpu["vbios_version"] is None
+
+
+def test_doctor_and_the_dry_run_say_a_fleet_refuses_gpus_of_other_ecc_modes(
+    nvml: ModuleType, tmp_path: Path
+) -> None:
+    """A fleet on GPU 0 (ECC on) and GPU 1 (ECC off) is refused when its workers open their
+    sessions; `dvfs doctor` and the dry run said all was well."""
+    nvml.fake_update_device(1, ecc=0)
+    campaign = tmp_path / "campaign.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=8, repeats=1)
+    campaign.write_text(text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980]"))
+    out = tmp_path / "out"
+    said = "GPUs differ in their ECC mode (GPU 0: on, GPU 1: off)"
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--gpus", "0,1", "--out", str(out)])
+    assert doctor.exit_code != 0
+    [line] = [line for line in doctor.output.splitlines() if line.startswith("FAIL")]
+    assert line.startswith("FAIL workers: ")
+    assert said in " ".join(doctor.output.split()), doctor.output
+    args = ["sweep", str(campaign), "--gpus", "0,1", "--out", str(out), "--no-progress"]
+    dry = CliRunner().invoke(cli, [*args, "--dry-run", "--no-estimate"])
+    assert "note: on this machine the sweep would stop: " in dry.output, dry.output
+    assert said in dry.output and "`dvfs cube merge`" in dry.output, dry.output
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0 and "(ECC mode: on -> off)" in result.output, result.output
