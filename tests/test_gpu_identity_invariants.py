@@ -268,3 +268,27 @@ def test_doctor_and_the_dry_run_say_a_fleet_refuses_gpus_of_other_ecc_modes(
     assert said in dry.output and "`dvfs cube merge`" in dry.output, dry.output
     result = CliRunner().invoke(cli, args)
     assert result.exit_code != 0 and "(ECC mode: on -> off)" in result.output, result.output
+
+
+def test_an_ecc_or_vbios_read_nvml_fails_is_not_known_and_leaves_the_gpu_usable(
+    nvml: ModuleType,
+) -> None:
+    """An Unknown Error reading the ECC mode or VBIOS (NVML's answer to "any unexpected
+    error") refused to open the GPU at all, `dvfs gpu reset` included: neither read is needed
+    to restore a GPU's knobs. Now either is "" (not known, not compared, never "unsupported");
+    a GPU fallen off the bus still stops, as any call on it would."""
+    from dvfs.gpu.nvml import nvml_session, open_device
+
+    unknown = nvml.NVML_ERROR_UNKNOWN
+    nvml.fake_update_device(
+        0, errors={"nvmlDeviceGetEccMode": unknown, "nvmlDeviceGetVbiosVersion": unknown}
+    )
+    reset = CliRunner().invoke(cli, ["gpu", "reset", "--defaults", "0"])
+    assert reset.exit_code == 0, reset.output
+    with nvml_session(nvml):
+        identity = open_device(nvml, 0).identity
+    assert (identity.ecc_mode, identity.vbios_version) == ("", "")
+    nvml.fake_update_device(0, errors={"nvmlDeviceGetEccMode": nvml.NVML_ERROR_GPU_IS_LOST})
+    lost = CliRunner().invoke(cli, ["gpu", "info", "0"])
+    assert lost.exit_code != 0 and "fallen off the bus" in lost.output, lost.output
+    assert "Traceback" not in lost.output
