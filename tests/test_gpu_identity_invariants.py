@@ -126,6 +126,13 @@ def test_a_fleet_node_with_ecc_off_is_refused_then_merged_as_its_advice_says(
     assert sorted(r[table.header.index("ECC")] for r in table.rows) == ["off", "on"]
     warned = [b.text for b in blocks if isinstance(b, Paragraph) and "ECC modes" in b.text]
     assert len(warned) == 1 and "ECC off: " in warned[0] and "ECC on: " in warned[0], warned
+    assert warned[0].startswith("The NVIDIA H100 80GB HBM3 GPUs ran with different ECC modes")
+    # GPUs of two models differ in their boards anyway: not warned for
+    from dvfs.report.facts import _merged_from
+
+    two = {"a": {"gpu_name": "NVIDIA H100", "ecc_mode": "on"}}
+    two["b"] = {"gpu_name": "NVIDIA GeForce RTX 4090", "ecc_mode": "unsupported"}
+    assert [type(b) for b in _merged_from({"merged_from": json.dumps(two)})] == [Table]
 
 
 def test_shards_of_one_run_whose_ecc_or_vbios_differ_do_not_merge(

@@ -176,18 +176,23 @@ def _merged_from(attrs: dict[Any, Any]) -> list[Paragraph | Table]:
     )
     header = ("GPU", "model", "campaign", "hash", "driver", "ECC", "engine", "measured")
     blocks: list[Paragraph | Table] = [Table("Merged from", header, rows)]
-    modes: dict[str, list[str]] = {}
+    # GPUs of one model whose ECC modes differ (where their cubes read them): of two models,
+    # the boards differ anyway.
+    modes: dict[str, dict[str, list[str]]] = {}
     for label, s in sources.items():
         if _text(s.get("ecc_mode")) != MISSING:
-            modes.setdefault(str(s["ecc_mode"]), []).append(str(label))
-    if len(modes) > 1:
-        said = "; ".join(f"ECC {mode}: {', '.join(gpus)}" for mode, gpus in sorted(modes.items()))
+            of_model = modes.setdefault(_text(s.get("gpu_name")), {})
+            of_model.setdefault(str(s["ecc_mode"]), []).append(str(label))
+    for model, by_mode in modes.items():
+        if len(by_mode) < 2:
+            continue
+        said = "; ".join(f"ECC {mode}: {', '.join(gpus)}" for mode, gpus in sorted(by_mode.items()))
         blocks.insert(
             0,
             Paragraph(
-                f"The GPUs ran with different ECC modes ({said}): ECC's check bits cost "
-                "memory bandwidth and energy, so their cells differ in that as well as in "
-                "the GPU; compare GPUs of one ECC mode.",
+                f"The {model} GPUs ran with different ECC modes ({said}): ECC's check bits "
+                "cost memory bandwidth and energy, so their cells differ in that as well; "
+                "compare GPUs of one ECC mode.",
                 tone="warning",
             ),
         )
