@@ -357,6 +357,12 @@ def _gpu_checks(
             )
             if len(groups) > 1 or len(gpus) > 1:  # a fleet, or a tensor-parallel server
                 servers = _workers(groups, by_group, models)
+                if servers.status == OK and len(groups) > 1:
+                    from dvfs.fleet.devices import fleet_identity_refusal
+
+                    refusal = fleet_identity_refusal([asdict(g.identity) for g in gpus])
+                    if refusal is not None:
+                        servers = Check("workers", FAIL, refusal)
                 checks.append(servers)
                 if servers.status == OK:  # (GPUs of two models: that line says so)
                     checks.append(_run("stock", lambda: _stock(campaign, by_group, directory)))
@@ -565,7 +571,7 @@ def _workers(
     """A fleet's workers (or one tensor-parallel server), one per group, each of one GPU
     model: the sweep refuses a group spanning two models (exit 2), a fleet's or its one
     server's, in `one_model`'s words. `models` gets each group's."""
-    from dvfs.fleet.devices import group_label, one_model
+    from dvfs.fleet.devices import group_label, one_identity, one_model
 
     shown = []
     for group, gpus in zip(groups, by_group, strict=True):
@@ -573,6 +579,7 @@ def _workers(
             model = one_model(
                 group_label(group), [(g.identity.index, g.identity.name) for g in gpus]
             )
+            one_identity(group_label(group), [asdict(g.identity) for g in gpus])
         except CampaignError as exc:
             return Check("workers", FAIL, str(exc), invalid=True)
         models.append(model)

@@ -543,18 +543,24 @@ def check_server_gpus(
     GPU under a real engine, or the twin's (one profile), has nothing to check."""
     if not real_gpus(campaign):
         return
-    from dvfs.backends import job_gpus
-    from dvfs.fleet.devices import group_label, one_model
+    from dataclasses import asdict
+
+    from dvfs.backends import job_gpus, open_gpus
+    from dvfs.fleet.devices import group_label, one_identity, one_model
 
     twin_load = gpus is None and simulated_engine(campaign) and not campaign.gpu.profile
     if gpus is None:
         if len(campaign.gpu.devices) < 2 and not twin_load:
             return
-        named = read_gpu_names(campaign.gpu.devices, nvml=nvml, visible=job_gpus())
+        with open_gpus(campaign.gpu.devices, nvml=nvml, visible=job_gpus()) as opened:
+            identities = [asdict(g.identity) for g in opened]
     else:
-        named = [(g.identity.index, g.identity.name) for g in gpus]
+        identities = [asdict(g.identity) for g in gpus]
+    named = [(int(i["index"]), str(i["name"])) for i in identities]
     if len(named) > 1:
-        one_model(group_label(tuple(index for index, _ in named)), named)
+        worker = group_label(tuple(index for index, _ in named))
+        one_model(worker, named)
+        one_identity(worker, identities)
     if twin_load:
         free_running_profile(campaign, named[0][1])
 
@@ -656,8 +662,12 @@ def check_gpus(
     since those a fleet resumes in `fleet_dir` were, `resumed_fleet_stock_refusal`), None if
     nothing.
     A `GpuError` where one cannot be opened (not here, fallen off the bus) or NVML does not
-    answer."""
+    answer. A server whose GPUs differ in their ECC mode or VBIOS is a stop too
+    (`one_identity`)."""
+    from dataclasses import asdict
+
     from dvfs.backends import job_gpus, open_gpus
+    from dvfs.fleet.devices import fleet_identity_refusal, group_label, one_identity
 
     with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
         found = [(g.identity.index, g.identity.name) for g in gpus]
@@ -669,6 +679,13 @@ def check_gpus(
             directory = records_dir() if campaign.gpu.actuation else default_state_dir()
             check_gpus_free(gpus, directory)
             check_knobs_against(campaign, gpus)
+            for group, server in zip(groups or (), servers_of(gpus, groups or ()), strict=True):
+                if len({g.identity.name for g in server}) == 1:  # (two models: one_model's)
+                    one_identity(group_label(tuple(group)), [asdict(g.identity) for g in server])
+            if groups is not None and len(groups) > 1:  # a fleet's workers, as it opens them
+                mixed = fleet_identity_refusal([asdict(g.identity) for g in gpus])
+                if mixed is not None:
+                    raise JournalError(mixed)
             try:  # a caps record the sweep cannot read
                 stock = read_stock_as_swept(campaign, gpus, directory)
             except CapsRecordError as exc:

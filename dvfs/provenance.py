@@ -50,9 +50,7 @@ REGISTRY = tuple(
             "str",
             "",
             "the GPUs' ECC mode: on, off or unsupported (absent: not read: the twin, an "
-            "earlier dvfs)",
-            True,
-            True,
+            "earlier dvfs; a merged cube's: each GPU's, comma-joined)",
         ),
         (
             "vbios_version",

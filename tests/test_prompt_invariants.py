@@ -423,6 +423,15 @@ def test_shards_on_gpus_of_another_power_limit_or_clock_range_do_not_merge(
         refused = invoke("cube", "merge", str(s0), str(odd), "-o", str(merged))
         line = assert_one_line_error(refused, 2, "were not run alike", named)
         assert str(odd) in line
+    # Their GPUs' ECC mode and VBIOS too (`GPU_INVARIANTS`), where both shards read them.
+    on = _rewrite(s0, tmp_path / "on.nc", ecc_mode="on", vbios_version="96.00.99.00.01")
+    for attrs, named in (
+        ({"ecc_mode": "off", "vbios_version": "96.00.99.00.01"}, "ecc_mode: 'on' -> 'off'"),
+        ({"ecc_mode": "on", "vbios_version": "96.00.AA.00.02"}, "vbios_version: "),
+    ):
+        odd = _rewrite(s1, tmp_path / "odd.nc", **attrs)
+        refused = invoke("cube", "merge", str(on), str(odd), "-o", str(merged))
+        assert_one_line_error(refused, 2, "were not run alike", named)
     # A shard of an earlier dvfs, which did not record its SM clock range, still merges, as
     # does one on a GPU whose power limit NVML does not support (its range not known).
     older = _rewrite(

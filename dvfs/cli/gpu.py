@@ -171,7 +171,13 @@ def _print_details(infos: Sequence[dict[str, Any]]) -> None:
     out = console()
     for i in infos:
         c, p = i["supported_sm_clocks_mhz"], i["power_limit_w"]
-        out.print(f"[bold]GPU {i['index']}[/bold] {i['name']} ({i['uuid']}), driver {i['driver']}")
+        said = [
+            f"{what} {i[key]}"
+            for key, what in (("ecc_mode", "ECC"), ("vbios_version", "VBIOS"))
+            if i.get(key)
+        ]
+        driver = f"{i['driver']} ({', '.join(said)})" if said else i["driver"]
+        out.print(f"[bold]GPU {i['index']}[/bold] {i['name']} ({i['uuid']}), driver {driver}")
         out.print(
             f"  SM clocks: {c['count']} supported, {c['min']}-{c['max']} MHz; "
             f"now {i['sm_clock_mhz']} MHz;"

@@ -87,7 +87,6 @@ def _short(value: Any, limit: int = 60) -> str:
 #: besides the campaign: cubes that differ here compare software or prompts, not GPUs or
 #: settings (with the corpora's content and each drafter's server, `provenance_differences`).
 SHARED = (
-    "ecc_mode",
     "engine_version",
     "measurement_method",
     "token_count_method",
@@ -167,18 +166,22 @@ AUTO_KERNEL_ARGS = (
 
 #: What the shards of one run, on one GPU model, share besides `SHARED` (compared only where
 #: both record them, as the `WHEN_KNOWN`: an earlier dvfs's shard does not): their GPUs'
-#: identity (`dvfs.records.GPU_INVARIANTS`), which a journal's sessions share too.
+#: identity (`dvfs.records.GPU_INVARIANTS`), which a journal's sessions share too. Cubes of
+#: different GPUs may differ in it (a fleet's node with ECC off, run into its own folder as
+#: the fleet's refusal advises): their merge keeps each GPU's (`merged_from`) and the report
+#: says where their ECC modes differ.
 #: Their sessions' power-limit range and SM clock range too (`SESSION_INVARIANTS`, the top SM
 #: clock of `GPU_INVARIANTS`), which a journal's sessions share.
 SHARD_GPU_KEYS = (
     "driver_version",
     "memory_clock_mhz",
+    "ecc_mode",
     "vbios_version",
     "power_limit_range_w",
     "sm_clock_range_mhz",
 )
 #: The `SHARD_GPU_KEYS` an earlier dvfs's cube does not record.
-GPU_WHEN_KNOWN = ("vbios_version",)
+GPU_WHEN_KNOWN = ("ecc_mode", "vbios_version")
 #: The `SHARD_GPU_KEYS` that hold numbers, compared as numbers (netCDF gives them back as
 #: arrays) where both cubes know them: NaN is a range not known (a power limit NVML does not
 #: support, whose stock is compared apart, `stock_power_limit_enforced`; an SM clock range an
@@ -467,8 +470,9 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
             for key in ("gpu_backend", "driver_version", "engine_version", "campaign_name")
         },
         server_args=first.attrs.get("server_args", "{}"),
-        # Each GPU's VBIOS where its cube read it (GPUs of other cubes may have other boards).
-        **{k: v for k in ("vbios_version",) if (v := _each_known(cubes, k))},
+        # Each GPU's ECC mode and VBIOS where its cube read them (GPUs of other cubes may run
+        # another mode, or have other boards): each cube's in `merged_from`.
+        **{k: v for k in GPU_WHEN_KNOWN if (v := _each_known(cubes, k))},
         **_found_limits(cubes),
         **_enforced_stock(cubes),
         **_idle_foreign(cubes),
@@ -1043,7 +1047,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         attrs["gpu_pinning"] = json.dumps(
             {drafter: "; ".join(outcomes) for drafter, outcomes in pinning.items()}, sort_keys=True
         )
-    attrs.update(_first_known(cubes, WHEN_KNOWN))
+    attrs.update(_first_known(cubes, (*WHEN_KNOWN, *GPU_WHEN_KNOWN)))
     attrs.update(
         engine_version=_each_known(cubes, "engine_version"),
         server_args=json.dumps(servers, sort_keys=True),

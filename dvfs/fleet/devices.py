@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError
@@ -211,6 +212,53 @@ def one_model(worker: str, gpus: Sequence[tuple[int, str]]) -> str:
             "group is one model: group GPUs of one model (--gpus, or gpu.devices)"
         )
     return names.pop()
+
+
+def identity_difference(gpus: Sequence[Mapping[str, Any]]) -> str | None:
+    """The first GPU invariant besides the model (`dvfs.records.GPU_INVARIANTS`, compared
+    where known) in which `gpus` (each GPU's identity as a session records it) differ, with
+    each GPU's value ("ECC mode (GPU 0: on, GPU 1: off)"); None where they do not."""
+    from dvfs.records import GPU_INVARIANTS
+
+    for key, label in GPU_INVARIANTS.items():
+        said = [(g.get("index"), str(g[key])) for g in gpus if g.get(key) not in (None, "")]
+        if len({value for _, value in said}) > 1:
+            return f"{label} ({', '.join(f'GPU {index}: {value}' for index, value in said)})"
+    return None
+
+
+def one_identity(worker: str, gpus: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse one server's GPUs (`worker`; each GPU's identity as a session records it) that
+    differ in a GPU invariant besides the model (`identity_difference`): GPUs of one model
+    with other ECC modes, or VBIOS, on one node. A `CampaignError` (exit 2) naming each GPU's,
+    before anything is measured: their session's cube is refused (`dvfs.records.mixed_within`),
+    only once every cell was measured."""
+    differ = identity_difference(gpus)
+    if differ is not None:
+        raise CampaignError(
+            f"worker {worker} spans GPUs that differ in their {differ}: a journal's GPUs share "
+            "it, and its cube would be refused once every cell was measured; group GPUs alike "
+            "(--gpus, or gpu.devices)"
+        )
+
+
+def fleet_identity_refusal(gpus: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why a fleet refuses its workers of one GPU model (each GPU's identity, as a session
+    records it) when they open their sessions (`dvfs.fleet.driver.combine_sessions`), for
+    `dvfs doctor` and the dry run to say first: GPUs of one model that differ in a GPU
+    invariant (`identity_difference`); None where none do."""
+    by_model: dict[str, list[Mapping[str, Any]]] = {}
+    for g in gpus:
+        by_model.setdefault(str(g.get("name")), []).append(g)
+    for model, theirs in by_model.items():
+        differ = identity_difference(theirs)
+        if differ is not None:
+            return (
+                f"the fleet's {model} GPUs differ in their {differ}: their workers' cells "
+                "cannot share one journal; leave the odd ones out (--gpus), or run them into "
+                "separate --out folders and `dvfs cube merge` the cubes"
+            )
+    return None
 
 
 def group_label(group: Group) -> str:

@@ -34,6 +34,10 @@ def gpu_details(g: Gpu) -> dict[str, Any]:
         "uuid": info.identity.uuid,
         "name": info.identity.name,
         "driver": info.identity.driver_version,
+        # The GPU invariants a resume compares besides these (`dvfs.records.GPU_INVARIANTS`):
+        # None where not read (the twin; NVML could not say).
+        "ecc_mode": info.identity.ecc_mode or None,
+        "vbios_version": info.identity.vbios_version or None,
         "architecture": info.architecture,
         "memory_clock_mhz": info.identity.memory_clock_mhz,
         "supported_sm_clocks_mhz": {

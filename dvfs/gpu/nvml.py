@@ -7,8 +7,15 @@ in a fake with NVML's semantics. Every call has a deadline (`dvfs.gpu.deadline`)
 call is reported as `GpuTimeoutError` naming the call and the GPU; NVML's return codes map to
 dvfs's errors through one table (`dvfs.gpu.nvml_errors`).
 
-Four calls beyond /work/shared/NVML-CONTRACT.md's table; their rows, as that table would hold
+Six calls beyond /work/shared/NVML-CONTRACT.md's table; their rows, as that table would hold
 them:
+  call: `nvmlDeviceGetEccMode(h)` (`GpuIdentity.ecc_mode`): `[current, pending]`, each
+    `NVML_FEATURE_ENABLED` (1) or `DISABLED` (0); pending differs until a reboot.
+  may raise: `NotSupported` (a board without ECC: "unsupported"), `FunctionNotFound`,
+    `NoPermission`, `Unknown` (not known: ""), `GpuIsLost` (raised).
+  call: `nvmlDeviceGetVbiosVersion(h)` (`GpuIdentity.vbios_version`): text (nvidia-ml-py
+    decodes it; an older one gives bytes).
+  may raise: as `nvmlDeviceGetEccMode`, `NotSupported` not known too ("").
   call: `nvmlDeviceGetViolationStatus(h, policy)`, policy `NVML_PERF_POLICY_THERMAL` (1) or
     `NVML_PERF_POLICY_BOARD_LIMIT` (3) (`dvfs.gpu.base.THROTTLE_POLICIES`); pynvml marks it
     deprecated in favour of field values ("will be removed in CUDA 14.0").
@@ -175,7 +182,8 @@ class NvmlGpu:
 
     def _ecc_mode(self) -> str:
         """The ECC mode in force ("on", "off", "unsupported"); "" where NVML cannot say (an
-        older nvidia-ml-py, a VM's restricted passthrough): not known, so not compared."""
+        older nvidia-ml-py, a VM's restricted passthrough, `_unread`): not known, so not
+        compared."""
         fn = getattr(self.nvml, "nvmlDeviceGetEccMode", None)
         if fn is None:
             return ""
@@ -184,19 +192,39 @@ class NvmlGpu:
         except GpuNotSupportedError as exc:
             found = getattr(exc.__cause__, "value", None) != self.errors.function_not_found
             return "unsupported" if found else ""
-        except GpuPermissionError:
-            return ""
+        except GpuError as exc:
+            return self._unread(exc)
         return "on" if int(current) else "off"
 
     def _vbios_version(self) -> str:
-        """The VBIOS version; "" where NVML cannot say."""
+        """The VBIOS version; "" where NVML cannot say (`_unread`)."""
         fn = getattr(self.nvml, "nvmlDeviceGetVbiosVersion", None)
         if fn is None:
             return ""
         try:
             return _text(self._call(fn, "read the VBIOS version")).strip()
-        except (GpuNotSupportedError, GpuPermissionError):
+        except GpuNotSupportedError:
             return ""
+        except GpuError as exc:
+            return self._unread(exc)
+
+    def _unread(self, exc: GpuError) -> str:
+        """Not known ("") for an ECC mode or VBIOS NVML would not give: permission refused, or
+        an error of that read alone (Unknown Error, a buffer too small), logged. Part of the
+        GPU's identity only for a resume to compare, so no reason to refuse the GPU: `dvfs gpu
+        reset` must still open it to restore its knobs. A GPU fallen off the bus, a hung
+        call or NVML's own error (`machine_wide`) raise, as any other call then would."""
+        cause = exc.__cause__
+        own = (
+            type(exc) is GpuError
+            and cause is not None
+            and self.errors.is_nvml_error(cause)
+            and not self.errors.machine_wide(cause)
+        )
+        if not (own or isinstance(exc, GpuPermissionError)):
+            raise exc
+        log.warning("%s; taken as not known", exc)
+        return ""
 
     def _memory_clocks(self) -> list[int]:
         clocks = self._call(self.nvml.nvmlDeviceGetSupportedMemoryClocks, "list memory clocks")

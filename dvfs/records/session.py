@@ -1212,10 +1212,18 @@ def incomparable(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]
         if a is not None and b is not None and _same(a) != _same(b):
             changes.append(f"{label}: {a} -> {b}")
     for key, label in GPU_INVARIANTS.items():
-        a, b = _gpu_values(before, key), _gpu_values(now, key)
-        if a != ["None"] and b != ["None"] and a != b:
+        # What the GPUs that read it said: a GPU that did not (an older dvfs's, one NVML
+        # could not read it on) is unknown, whether all of a session's or some (a fleet's
+        # node, lost since: the rerun on the GPUs left is not refused for it).
+        a, b = (_known_gpu_values(s, key) for s in (before, now))
+        if a and b and a != b:
             changes.append(f"{label}: {', '.join(a)} -> {', '.join(b)}")
     return changes + prompt_changes(before, now) + env_changes(before, now)
+
+
+def _known_gpu_values(session: Mapping[str, Any], key: str) -> list[str]:
+    """`_gpu_values` without the GPUs that did not record `key`."""
+    return [v for v in _gpu_values(session, key) if v != "None"]
 
 
 def mixed_within(session: Mapping[str, Any]) -> list[str]:
@@ -1224,7 +1232,7 @@ def mixed_within(session: Mapping[str, Any]) -> list[str]:
     return [
         f"{label}: {', '.join(values)}"
         for key, label in GPU_INVARIANTS.items()
-        if len(values := [v for v in _gpu_values(session, key) if v != "None"]) > 1
+        if len(values := _known_gpu_values(session, key)) > 1
     ]
 
 

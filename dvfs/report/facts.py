@@ -155,19 +155,48 @@ def _server_args(attrs: dict[Any, Any]) -> list[Table]:
     return [Table("Resolved server arguments", ("drafter", "engine", "arguments"), tuple(rows))]
 
 
-def _merged_from(attrs: dict[Any, Any]) -> list[Table]:
-    """A merged cube's sources: each GPU's campaign, driver, engine and date."""
+def _merged_from(attrs: dict[Any, Any]) -> list[Paragraph | Table]:
+    """A merged cube's sources: each GPU's campaign, driver, ECC mode, engine and date; a
+    warning first where the GPUs ran with other ECC modes (where their cubes read them)."""
     sources = _json_attr(attrs, "merged_from")
     if not isinstance(sources, dict) or not sources:
         return []
-    keys = ("gpu_name", "campaign_name", "campaign_hash", "driver_version", "engine_version")
+    sources = {label: s for label, s in sources.items() if isinstance(s, dict)}
+    keys = (
+        "gpu_name",
+        "campaign_name",
+        "campaign_hash",
+        "driver_version",
+        "ecc_mode",
+        "engine_version",
+    )
     rows = tuple(
         (str(label), *(_text(s.get(k)) for k in keys), _text(s.get("created")))
         for label, s in sources.items()
-        if isinstance(s, dict)
     )
-    header = ("GPU", "model", "campaign", "hash", "driver", "engine", "measured")
-    return [Table("Merged from", header, rows)]
+    header = ("GPU", "model", "campaign", "hash", "driver", "ECC", "engine", "measured")
+    blocks: list[Paragraph | Table] = [Table("Merged from", header, rows)]
+    # GPUs of one model whose ECC modes differ (where their cubes read them): of two models,
+    # the boards differ anyway.
+    modes: dict[str, dict[str, list[str]]] = {}
+    for label, s in sources.items():
+        if _text(s.get("ecc_mode")) != MISSING:
+            of_model = modes.setdefault(_text(s.get("gpu_name")), {})
+            of_model.setdefault(str(s["ecc_mode"]), []).append(str(label))
+    for model, by_mode in modes.items():
+        if len(by_mode) < 2:
+            continue
+        said = "; ".join(f"ECC {mode}: {', '.join(gpus)}" for mode, gpus in sorted(by_mode.items()))
+        blocks.insert(
+            0,
+            Paragraph(
+                f"The {model} GPUs ran with different ECC modes ({said}): ECC's check bits "
+                "cost memory bandwidth and energy, so their cells differ in that as well; "
+                "compare GPUs of one ECC mode.",
+                tone="warning",
+            ),
+        )
+    return blocks
 
 
 def _corpora(attrs: dict[Any, Any]) -> list[Table]:
