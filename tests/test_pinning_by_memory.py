@@ -350,3 +350,29 @@ def test_the_claim_is_the_servers_reported_fraction_else_the_one_passed() -> Non
         "mem_fraction_static 0.6 as passed",
     )
     assert server_fraction({}, None) == (0.7, "mem_fraction_static unreported, 0.7 taken")
+
+
+def test_a_drafter_verified_by_pid_in_one_session_and_by_memory_in_another_is_named_so() -> None:
+    """A resumed (or merged) cube joins each drafter's distinct outcomes: one verified by PID
+    in one session and by memory in another is not memory-only; the line says which."""
+    import xarray as xr
+
+    from dvfs.cube.pinning import pinning_note
+
+    both = "verified: GPU 0 (GPU-a); verified by memory: GPU 0 (GPU-a) grew 60 GiB"
+    pinning = {"eagle3": both, "none": "verified by memory: GPU 0 (GPU-a)"}
+    note = pinning_note(xr.Dataset(attrs={"gpu_pinning": json.dumps(pinning)}))
+    assert note is not None
+    assert "PID" in note and "for 1 drafter(s) (none)" in note, note
+    assert "for some servers of 1 drafter(s) (eagle3; the others by PID)" in note, note
+    alone = {"eagle3": "verified by memory: GPU 0 (GPU-a); verified: GPU 0 (GPU-a)"}
+    note = pinning_note(xr.Dataset(attrs={"gpu_pinning": json.dumps(alone)}))
+    assert note is not None and "memory only (NVML listed none of the server's PIDs) for 1" not in (
+        note
+    ), note
+    assert note.endswith(
+        "(eagle3; the others by PID): those servers' cells were not checked for other tenants' "
+        "processes on the metered GPUs (foreign_process)"
+    ), note
+    verified = {"eagle3": "verified: GPU 0 (GPU-a)"}
+    assert pinning_note(xr.Dataset(attrs={"gpu_pinning": json.dumps(verified)})) is None

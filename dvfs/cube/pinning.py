@@ -47,6 +47,12 @@ def gpu_pinning(ds: xr.Dataset) -> dict[str, str]:
     return shown or _pinning(ds.attrs.get("gpu_pinning"))
 
 
+def _by_pid(outcome: str) -> bool:
+    """Whether a drafter's outcomes (each server's distinct one, joined by "; ") hold one
+    verified by PID ("verified: ...")."""
+    return outcome.startswith("verified: ") or "; verified: " in outcome
+
+
 def pinning_note(ds: xr.Dataset) -> str | None:
     """One line when a drafter's server pinning was unverified, or verified by memory alone
     (None: every one verified by PID, or nothing to check): its cells were not checked for
@@ -55,7 +61,11 @@ def pinning_note(ds: xr.Dataset) -> str | None:
     pinning = gpu_pinning(ds)
     unverified = {d: o for d, o in pinning.items() if "unverified" in o}
     by_memory = [d for d, o in pinning.items() if d not in unverified and BY_MEMORY in o]
-    if not unverified and not by_memory:
+    # A merged or resumed cube's drafter whose servers were verified by PID in one shard or
+    # session and by memory in another: only the latter's cells went unchecked.
+    partly = [d for d in by_memory if _by_pid(pinning[d])]
+    by_memory = [d for d in by_memory if d not in partly]
+    if not unverified and not by_memory and not partly:
         return None
     servers = "drafter server(s)" if merged_sources(ds) else "drafter(s)"
     said = []
@@ -67,7 +77,13 @@ def pinning_note(ds: xr.Dataset) -> str | None:
             f"verified by memory only (NVML listed none of the server's PIDs) for "
             f"{len(by_memory)} {servers} ({', '.join(by_memory)})"
         )
+    if partly:
+        said.append(
+            f"verified by memory only (NVML listed none of the server's PIDs) for some "
+            f"servers of {len(partly)} {servers} ({', '.join(partly)}; the others by PID)"
+        )
+    whose = "their cells" if unverified or by_memory else "those servers' cells"
     return (
-        f"GPU pinning {'; '.join(said)}: their cells were not checked for other tenants' "
+        f"GPU pinning {'; '.join(said)}: {whose} were not checked for other tenants' "
         "processes on the metered GPUs (foreign_process)"
     )
