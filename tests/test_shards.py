@@ -97,6 +97,45 @@ def test_shards_with_one_of_an_older_dvfs_say_no_session_count(
     assert json.loads(info.stdout)["sessions"] is None, info.stdout
 
 
+@pytest.mark.parametrize(
+    ("key", "values", "said"),
+    [
+        ("ecc_mode", ("on", "off"), "ecc_mode: 'on' -> 'off'"),
+        ("vbios_version", ("96.00.99.00.01", "96.00.AA.00.02"), "vbios_version: '96.00.99.00.01'"),
+        ("engine_version", ("0.5.9", "0.5.23"), "engine_version: '0.5.9' -> '0.5.23'"),
+    ],
+)
+def test_shards_that_differ_where_the_first_shard_records_nothing_do_not_merge(
+    key: str, values: tuple[str, str], said: str, runs: Path, tmp_path: Path
+) -> None:
+    """The first shard written by an earlier dvfs, which recorded no ECC mode (VBIOS, engine
+    version): the later shards were each compared with it alone, so two of them that differ
+    in it merged silently. Each is compared among every shard that records it."""
+    paths = []
+    for i in range(3):
+        ds = open_cube(runs / f"s{i}" / "cube.nc").load()
+        if i == 0:
+            ds.attrs.pop(key, None)
+        else:
+            ds.attrs[key] = values[i - 1]
+        paths.append(write_cube(ds, tmp_path / f"s{i}.nc"))
+    merged = tmp_path / "merged.nc"
+    result = invoke("cube", "merge", *map(str, paths), "-o", str(merged))
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert f"the shards {paths[1]} and {paths[2]} were not run alike" in line, line
+    assert said in line, line
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not merged.exists()
+    # alike where known: merged, keeping the known value
+    paths[2] = write_cube(
+        open_cube(paths[2]).load().assign_attrs({key: values[0]}), tmp_path / "s2b.nc"
+    )
+    result = invoke("cube", "merge", *map(str, paths), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert open_cube(merged).attrs[key] == values[0]
+
+
 def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> None:
     whole = open_cube(runs / "whole" / "cube.nc")
     shards = [open_cube(runs / f"s{i}" / "cube.nc") for i in range(3)]

@@ -636,7 +636,7 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
     first, first_name = cubes[0], names[0]
     shards = [_parse_shard(ds, name) for ds, name in zip(cubes, names, strict=True)]
     models = _models(first, first_name)
-    for ds, name, shard in zip(cubes, names, shards, strict=True):
+    for k, (ds, name, shard) in enumerate(zip(cubes, names, shards, strict=True)):
         changes = measured_differences(
             _campaign_attr(first, first_name), _campaign_attr(ds, name), ignore=SHARD_MAY_DIFFER
         )
@@ -665,15 +665,19 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
                 f"{' and '.join(models)}; {name}: {' and '.join(theirs)}); run every shard on "
                 "the same models, or the whole campaign once per model and merge those cubes"
             )
-        changes = provenance_differences(first, ds, (*SHARD_GPU_KEYS, *SHARED))
-        if changes:
-            raise MergeRefusedError(
-                f"cannot merge: the shards {first_name} and {name} were not run alike "
-                f"({_listed(changes)}): their cells would compare GPUs, software or prompts "
-                "too; rerun the odd shard with --fresh on GPUs like the others' (driver, "
-                "VBIOS, ECC, power-limit and clock ranges), their engine, server environment, "
-                "corpora and tokenizer"
-            )
+        # Each earlier shard, not the first alone: what a shard records only where known (an
+        # earlier dvfs's: no ECC mode, VBIOS, engine version...) is compared among every
+        # shard that records it, so two later shards that differ there are not merged.
+        for other, other_name in zip(cubes[:k], names[:k], strict=True):
+            changes = provenance_differences(other, ds, (*SHARD_GPU_KEYS, *SHARED))
+            if changes:
+                raise MergeRefusedError(
+                    f"cannot merge: the shards {other_name} and {name} were not run alike "
+                    f"({_listed(changes)}): their cells would compare GPUs, software or "
+                    "prompts too; rerun the odd shard with --fresh on GPUs like the others' "
+                    "(driver, VBIOS, ECC, power-limit and clock ranges), their engine, server "
+                    "environment, corpora and tokenizer"
+                )
         for dim in first.dims:
             if dim == "gpu":  # each shard's own GPUs of each model: lined up by model
                 continue
