@@ -1354,3 +1354,38 @@ def test_a_gpu_folder_of_the_users_own_in_a_mixed_fleets_folder_is_no_model_left
     planned = invoke("sweep", campaign, "--gpus", "0", "--out", str(out), "--dry-run", "--json")
     left = json.loads(planned.stdout)["left_for_other_models"]
     assert left == {h200.parent.name: 16}, left
+
+
+def test_compare_on_a_merged_cube_warns_where_one_models_gpus_differ_in_ecc_mode(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two H100s, one with ECC off, merged: the report warns that their cells differ in it;
+    `dvfs compare` said nothing. It says the report's warning (stderr, and in its Markdown)."""
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Paragraph
+
+    on = _cube(runs["h100"] / "cube.nc", tmp_path / "on.nc", ecc_mode="on")
+    ds = open_cube(on).load()
+    uuids = str(ds.attrs["gpu_uuids"])
+    off = _cube(on, tmp_path / "off.nc", ecc_mode="off", gpu_uuids=f"{uuids}-other")
+    merged = tmp_path / "m.nc"
+    done = invoke("cube", "merge", str(on), str(off), "-o", str(merged))
+    assert done.exit_code == 0, done.output
+    blocks = measured_section(open_cube(merged)).blocks
+    [warned] = [b.text for b in blocks if isinstance(b, Paragraph) and "ECC modes" in b.text]
+    assert "ECC off: " in warned and "ECC on: " in warned, warned
+    for extra in ([], ["--markdown"], ["--json"]):
+        compared = invoke("compare", str(merged), *extra)
+        assert compared.exit_code == 0, compared.output
+        said = " ".join(compared.stderr.split())
+        assert warned in said, said
+        if extra == ["--markdown"]:
+            assert f"- {warned}" in compared.stdout, compared.stdout
+        if extra == ["--json"]:
+            json.loads(compared.stdout)
+    # GPUs of one ECC mode: not warned for
+    alike = _cube(on, tmp_path / "alike.nc", gpu_uuids=f"{uuids}-other")
+    assert invoke("cube", "merge", str(on), str(alike), "-o", str(merged)).exit_code == 0
+    compared = invoke("compare", str(merged))
+    assert compared.exit_code == 0, compared.output
+    assert "ECC modes" not in compared.stderr + compared.stdout

@@ -408,6 +408,7 @@ def compare(
     from dvfs.errors import AnalysisError
     from dvfs.fleet.cubes import left_out_of
     from dvfs.report import compare_document, compare_markdown, compare_notes, compare_tables
+    from dvfs.report.facts import ecc_mode_warnings
     from dvfs.report.headroom import left_out_note
 
     _one_output_format(as_json, markdown)
@@ -457,6 +458,8 @@ def compare(
         roof = None
     left_out = left_out_of(cube_path, ds)  # a GPU model the folder's cube leaves out, as cube info
     notes[:0] = [left_out_note(journal) for journal in left_out]
+    # a merged cube's GPUs of one model whose ECC modes differ, as the report warns
+    notes[:0] = ecc_mode_warnings(dict(ds.attrs))
     for note in notes:
         print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
     doc = compare_document(result, roof, ds, roofline_left_out=models)

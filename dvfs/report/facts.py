@@ -155,6 +155,31 @@ def _server_args(attrs: dict[Any, Any]) -> list[Table]:
     return [Table("Resolved server arguments", ("drafter", "engine", "arguments"), tuple(rows))]
 
 
+def ecc_mode_warnings(attrs: dict[Any, Any]) -> list[str]:
+    """A merged cube's warning for each GPU model whose GPUs ran with different ECC modes
+    (where their cubes read them), as the report and `dvfs compare` say it: of two models, the
+    boards differ anyway."""
+    sources = _json_attr(attrs, "merged_from")
+    if not isinstance(sources, dict):
+        return []
+    modes: dict[str, dict[str, list[str]]] = {}
+    for label, s in sources.items():
+        if isinstance(s, dict) and _text(s.get("ecc_mode")) != MISSING:
+            of_model = modes.setdefault(_text(s.get("gpu_name")), {})
+            of_model.setdefault(str(s["ecc_mode"]), []).append(str(label))
+    warnings = []
+    for model, by_mode in modes.items():
+        if len(by_mode) < 2:
+            continue
+        said = "; ".join(f"ECC {mode}: {', '.join(gpus)}" for mode, gpus in sorted(by_mode.items()))
+        warnings.append(
+            f"The {model} GPUs ran with different ECC modes ({said}): ECC's check bits cost "
+            "memory bandwidth and energy, so their cells differ in that as well; compare GPUs "
+            "of one ECC mode."
+        )
+    return warnings
+
+
 def _merged_from(attrs: dict[Any, Any]) -> list[Paragraph | Table]:
     """A merged cube's sources: each GPU's campaign, driver, ECC mode, engine and date; a
     warning first where the GPUs ran with other ECC modes (where their cubes read them)."""
@@ -176,26 +201,8 @@ def _merged_from(attrs: dict[Any, Any]) -> list[Paragraph | Table]:
     )
     header = ("GPU", "model", "campaign", "hash", "driver", "ECC", "engine", "measured")
     blocks: list[Paragraph | Table] = [Table("Merged from", header, rows)]
-    # GPUs of one model whose ECC modes differ (where their cubes read them): of two models,
-    # the boards differ anyway.
-    modes: dict[str, dict[str, list[str]]] = {}
-    for label, s in sources.items():
-        if _text(s.get("ecc_mode")) != MISSING:
-            of_model = modes.setdefault(_text(s.get("gpu_name")), {})
-            of_model.setdefault(str(s["ecc_mode"]), []).append(str(label))
-    for model, by_mode in modes.items():
-        if len(by_mode) < 2:
-            continue
-        said = "; ".join(f"ECC {mode}: {', '.join(gpus)}" for mode, gpus in sorted(by_mode.items()))
-        blocks.insert(
-            0,
-            Paragraph(
-                f"The {model} GPUs ran with different ECC modes ({said}): ECC's check bits "
-                "cost memory bandwidth and energy, so their cells differ in that as well; "
-                "compare GPUs of one ECC mode.",
-                tone="warning",
-            ),
-        )
+    for text in ecc_mode_warnings(attrs):
+        blocks.insert(0, Paragraph(text, tone="warning"))
     return blocks
 
 
