@@ -561,6 +561,35 @@ def test_gpu_list_lists_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> Non
         nvml.fake_update_device(1, lost=False)
 
 
+def test_gpu_list_shows_each_gpus_ecc_mode_and_vbios_as_gpu_info_does(nvml, env) -> None:
+    """`dvfs gpu info` shows each GPU's ECC mode and VBIOS (invariants a resume compares);
+    `dvfs gpu list` showed neither, though a GPU of a node with ECC off is what a fleet
+    refuses. It lists both (a column each; null in --json where not read, as gpu info)."""
+    nvml.fake_update_device(1, ecc=0)
+    try:
+        rows = json.loads(dvfs_in_process("gpu", "list", "--json", env=env).stdout)
+        details = json.loads(dvfs_in_process("gpu", "info", "--json", env=env).stdout)
+        for row, info in zip(rows, details, strict=True):
+            for key in ("ecc_mode", "vbios_version"):
+                assert row[key] == info[key], (row, info)
+        assert [r["ecc_mode"] for r in rows] == ["on", "off"]
+        assert rows[0]["vbios_version"] == "96.00.99.00.01"
+        table = dvfs_in_process("gpu", "list", env=env)
+        assert table.returncode == 0, table.stderr
+        lines = table.stdout.splitlines()
+        [header] = [line for line in lines if "uuid" in line]
+        assert [c.strip() for c in header.strip("┃ ").split("┃")][3:6] == ["driver", "ECC", "VBIOS"]
+        for r in rows:
+            [line] = [line for line in lines if r["uuid"] in line]
+            cells = [c.strip() for c in line.strip("│ ").split("│")]
+            assert cells[4:6] == [r["ecc_mode"], r["vbios_version"]], line
+        twin = dvfs_in_process("gpu", "list", "--twin", "h100-sxm", "--json", env=env)
+        [row] = json.loads(twin.stdout)
+        assert row["ecc_mode"] is None and row["vbios_version"] is None
+    finally:
+        nvml.fake_update_device(1, ecc=1)
+
+
 def test_gpu_info_shows_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> None:
     """`dvfs gpu info` with no GPU named failed whole on a GPU fallen off the bus, showing none
     of the others. It now shows every GPU it can open (as text or --json), then names the lost

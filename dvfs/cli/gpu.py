@@ -82,7 +82,8 @@ def gpu() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: a list of one object per GPU.")
 @handle_errors
 def list_gpus(twin: str | None, as_json: bool) -> None:
-    """GPUs on this machine: index, UUID, name, driver, power limit, SM clock, MIG.
+    """GPUs on this machine: index, UUID, name, driver, ECC mode, VBIOS, power limit, SM clock,
+    MIG.
 
     A GPU fallen off the bus is named, exit 1, after the others are listed."""
     from dvfs.backends import lost_gpus
@@ -121,22 +122,31 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table()
-    for col in ("index", "uuid", "name", "driver", "power limit", "SM clock", "MIG"):
+    columns = ("index", "uuid", "name", "driver", "ECC", "VBIOS", "power limit", "SM clock", "MIG")
+    for col in columns:
         table.add_column(col, no_wrap=col == "uuid", overflow="fold")
     for r in rows:
         if "error" in r:
-            table.add_row(str(r["index"]), "", f"[red]{r['error']}[/red]", "", "", "", "")
+            table.add_row(
+                str(r["index"]), "", f"[red]{r['error']}[/red]", *[""] * (len(columns) - 3)
+            )
             continue
         table.add_row(
             str(r["index"]),
             r["uuid"],
             r["name"],
             r["driver"],
+            r["ecc_mode"] or "-",  # "-": not read (the twin; NVML could not say)
+            r["vbios_version"] or "-",
             "not supported" if r["power_limit_w"] is None else f"{r['power_limit_w']:g} W",
             f"{r['sm_clock_mhz']} MHz",
             "on (refused)" if r["mig"] else "off",
         )
-    console().print(table)
+    out = console()
+    if not out.is_terminal:  # into a pipe or file: its natural width, no column folded
+        out.width = 1_000_000
+        out.width = max(120, out.measure(table).maximum)
+    out.print(table)
     if note:
         console(stderr=True).print(note, highlight=False, soft_wrap=True)
     if lost:

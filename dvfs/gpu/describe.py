@@ -10,7 +10,8 @@ from dvfs.gpu.knobs import power_limit_or_none
 
 
 def gpu_summary(g: Gpu) -> dict[str, Any]:
-    """`dvfs gpu list`: one GPU's identity, power limit (W), SM clock and MIG mode."""
+    """`dvfs gpu list`: one GPU's identity (ECC mode and VBIOS too), power limit (W), SM clock
+    and MIG mode."""
     ident = g.identity
     mig = g.mig_enabled()
     return {
@@ -18,6 +19,9 @@ def gpu_summary(g: Gpu) -> dict[str, Any]:
         "uuid": ident.uuid,
         "name": ident.name,
         "driver": ident.driver_version,
+        # as `gpu_details`: None where not read (the twin; NVML could not say)
+        "ecc_mode": ident.ecc_mode or None,
+        "vbios_version": ident.vbios_version or None,
         # None: NVML does not support this GPU's power limit
         "power_limit_w": None if (limit := power_limit_or_none(g)) is None else limit / 1000,
         "sm_clock_mhz": g.sm_clock_mhz(),
