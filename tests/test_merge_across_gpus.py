@@ -1389,3 +1389,33 @@ def test_compare_on_a_merged_cube_warns_where_one_models_gpus_differ_in_ecc_mode
     compared = invoke("compare", str(merged))
     assert compared.exit_code == 0, compared.output
     assert "ECC modes" not in compared.stderr + compared.stdout
+
+
+def test_cubes_that_differ_where_the_first_cube_records_nothing_do_not_merge(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The first cube an earlier dvfs wrote, with no engine version: each later cube was
+    compared with it (and with the first of its own model) alone, so an H200's on SGLang 0.5.9
+    and a second H100's on 0.5.23 merged silently. Each is compared with every earlier cube."""
+    ds = open_cube(runs["h100"] / "cube.nc").load()
+    del ds.attrs["engine_version"]
+    older = write_cube(ds, tmp_path / "older.nc")
+    h200 = _cube(runs["h200"] / "cube.nc", tmp_path / "h200.nc", engine_version="0.5.9")
+    other = str(ds.attrs["gpu_uuids"]) + "-other"
+    h100 = _cube(
+        runs["h100"] / "cube.nc", tmp_path / "h100.nc", engine_version="0.5.23", gpu_uuids=other
+    )
+    merged = tmp_path / "m.nc"
+    done = invoke("cube", "merge", str(older), str(h200), str(h100), "-o", str(merged))
+    assert_one_line_error(
+        done,
+        2,
+        f"{h200} and {h100} were not measured alike",
+        "engine_version: '0.5.9' -> '0.5.23'",
+    )
+    assert not merged.exists()
+    # alike where known: merged, keeping the known version
+    h100 = _cube(h100, tmp_path / "h100b.nc", engine_version="0.5.9")
+    done = invoke("cube", "merge", str(older), str(h200), str(h100), "-o", str(merged))
+    assert done.exit_code == 0, done.output
+    assert open_cube(merged).attrs["engine_version"] == "0.5.9"

@@ -374,7 +374,9 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         if "gpu" in ds.dims:
             raise MergeRefusedError(f"{label} is already a merged cube; merge the single-GPU cubes")
     _check_one_twin(cubes, names)  # before the provenance: its own advice
-    for label, ds in zip(names[1:], cubes[1:], strict=True):
+    for k, (label, ds) in enumerate(zip(names, cubes, strict=True)):
+        if k == 0:
+            continue
         for key in CHECKED:
             if key in WHEN_KNOWN:  # with the corpora and servers, below
                 continue
@@ -384,18 +386,17 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
                     f"{label}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
                 )
         _check_same_workload(first, ds, names[0], label)
-        # Two runs on one GPU model (two H100s) get the same from SGLang: compared in it all,
-        # with the first cube of that model (not the first cube, another model's, alone).
-        ref, ref_label = next(
-            (c, n)
-            for c, n in zip(cubes, names, strict=True)
-            if str(c.attrs.get("gpu_name")) == str(ds.attrs.get("gpu_name"))
-        )
-        changes = provenance_differences(first, ds, across_gpus=ref is not first)
-        if not changes and ref is not first and ref is not ds:
-            changes, first_label = provenance_differences(ref, ds), ref_label
-        else:
-            first_label = names[0]
+        # Compared with each earlier cube, not the first alone: what a cube records only where
+        # known (an earlier dvfs's: no engine version...) is compared among every cube that
+        # records it. Two runs on one GPU model (two H100s) get the same from SGLang: compared
+        # in it all; cubes of two models, not in what SGLang derives from the GPU.
+        changes, first_label = [], names[0]
+        for other, other_label in zip(cubes[:k], names[:k], strict=True):
+            same_model = str(other.attrs.get("gpu_name")) == str(ds.attrs.get("gpu_name"))
+            changes = provenance_differences(other, ds, across_gpus=not same_model)
+            if changes:
+                first_label = other_label
+                break
         if changes:
             raise MergeRefusedError(
                 f"cannot merge: {first_label} and {label} were not measured alike "
