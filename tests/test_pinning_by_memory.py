@@ -368,11 +368,28 @@ def test_memory_that_cannot_tell_leaves_the_pinning_unverified_saying_why() -> N
     assert gone.endswith("memory cannot tell: NVML lists no GPU GPU-1"), gone
 
 
+def test_a_server_whose_gpu_a_tenant_left_meanwhile_is_not_refused() -> None:
+    """NVML that lists no processes; a tenant's 30 GiB on the metered GPU 1 before the start.
+    SGLang claims mem_fraction_static of the memory free as it starts (0.85 x 49.5 GiB: 42.1
+    GiB), then the tenant's job ends before the server answers: GPU 1 grew by 12.1 GiB only,
+    while another server took 68 GiB of GPU 0. The server is on GPU 1 (its 12 GiB say so):
+    memory cannot tell, no refusal; a metered GPU that took nothing (under 2 GiB) still is."""
+    before = [_gpu(0, 0.5), _gpu(1, 30.5)]
+    after = [_gpu(0, 68.5), _gpu(1, 0.5 + 0.85 * 49.5)]
+    outcome = memory_outcome("d", before, after, ["GPU-1"], FRACTION, WHY)
+    assert outcome.startswith(f"unverified: {WHY}; memory cannot tell: the metered GPU 1"), outcome
+    assert "GPU 0 (GPU-0) used memory +68.0 GiB as it started too" in outcome, outcome
+    escaped = [_gpu(0, 68.5), _gpu(1, 32)]  # the tenant's noise: 1.5 GiB more
+    with pytest.raises(EngineError, match="memory went to GPU 0"):
+        memory_outcome("d", before, escaped, ["GPU-1"], FRACTION, WHY)
+
+
 def test_a_kv_capped_server_short_of_its_claim_refuses_nothing() -> None:
-    """Its weights and capped KV pool (24 GiB) on the metered GPU 1, another server's 68 GiB
-    on GPU 0: without the cap that is the escape refused; with it, memory cannot tell."""
+    """A small model's weights and capped KV pool (1.5 GiB) on the metered GPU 1, another
+    server's 68 GiB on GPU 0: without the cap that is the escape refused; with it, memory
+    cannot tell."""
     before = [_gpu(0, 0.5), _gpu(1, 0.5)]
-    after = [_gpu(0, 68), _gpu(1, 24.5)]
+    after = [_gpu(0, 68.5), _gpu(1, 2)]
     with pytest.raises(EngineError):
         memory_outcome("d", before, after, ["GPU-1"], FRACTION, WHY)
     outcome = memory_outcome("d", before, after, ["GPU-1"], FRACTION, WHY, 65536)

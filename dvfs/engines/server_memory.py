@@ -6,7 +6,7 @@ SGLang claims most of each of its GPUs' memory as it starts (--mem-fraction-stat
 GPU's total, 0.8-0.9 by default: weights and KV cache, before it answers), so every GPU's used
 memory is read right before the server starts and again once it answers: the metered GPUs'
 grew by about that claim and no other GPU's did ("verified by memory: ..."), or a GPU dvfs
-does not meter grew by it while the metered ones did not (refused, as a stray PID is), or
+does not meter grew by it while the metered ones took nothing (refused, as a stray PID is), or
 memory cannot tell (another tenant's job starting meanwhile, a tenant's memory leaving SGLang
 less, memory NVML cannot read): the pinning stays "unverified", saying why. Where
 --max-total-tokens caps the server's KV pool, it takes only its weights and that pool, maybe
@@ -92,8 +92,9 @@ def memory_outcome(
     cannot tell: why"), from every GPU read right before the server started (`before`) and
     once it answered (`after`); `fraction`: its --mem-fraction-static and how it is known
     (`server_fraction`); `by_pid`: why `pinning_outcome` could not tell; `cap`: its KV pool's
-    cap (`kv_cap`). A GPU dvfs does not meter that took the server's claim while no metered
-    one did is refused (`EngineError`), unless the cap leaves the server less than its claim."""
+    cap (`kv_cap`). A GPU dvfs does not meter that took the server's claim while every
+    metered one took nothing (with room to) is refused (`EngineError`), unless the cap leaves
+    the server less than its claim."""
     share, known = fraction
     was = {g.uuid: g for g in before}
     took: dict[str, tuple[GpuProcesses, int, str, float]] = {}
@@ -124,14 +125,16 @@ def memory_outcome(
 
     ours = [u for u in metered if u in took]
     strays = [u for u in took if u not in metered and grew(u)]
+
+    def took_nothing(uuid: str) -> bool:
+        """Whether the GPU took nothing of a server (under `MIN_CLAIM_BYTES`, tenants' noise):
+        one short of the claim but above that holds some server, maybe this one (SGLang
+        claims its share of the memory free as it starts, so a tenant's job ending before it
+        answers leaves the growth short of the claim, never near nought)."""
+        return took[uuid][1] < MIN_CLAIM_BYTES
+
     capped = f"--max-total-tokens {cap} caps the server's KV pool" if cap is not None else ""
-    if (
-        strays
-        and ours
-        and not capped
-        and not any(grew(u) for u in ours)
-        and all(had_room(u) for u in ours)
-    ):
+    if strays and ours and not capped and all(took_nothing(u) and had_room(u) for u in ours):
         gpu, _, _, claim = took[strays[0]]
         where = "; ".join(named(u) for u in strays)
         mine = "; ".join(named(u) for u in ours) or "none readable"
