@@ -114,7 +114,7 @@ def test_a_container_server_on_the_metered_gpu_is_verified_by_memory(
     assert done.returncode == 0, done.stdout + done.stderr
     line = " ".join(done.stderr.split())
     assert line.startswith(
-        "GPU pinning verified by memory only (NVML listed none of the server's PIDs) for 2 "
+        "GPU pinning verified by memory only (NVML's process lists could not tell) for 2 "
         "drafter(s) (eagle3, none): their cells were not checked for other tenants' processes"
     ), line
     from dvfs.report.facts import measured_section
@@ -401,6 +401,23 @@ def test_a_kv_capped_server_short_of_its_claim_refuses_nothing() -> None:
     assert kv_cap({"max_total_tokens": 65536}, None) == 65536
     assert kv_cap({"max_total_tokens": None}, 4096) == 4096
     assert kv_cap({}, None) is None and kv_cap({"max_total_tokens": True}, None) is None
+
+
+def test_the_note_on_a_memory_verified_server_says_only_what_nvml_could_not_tell() -> None:
+    """NVML listed the server on its metered GPU but could not list another GPU's processes:
+    verified by memory, and the note does not say NVML listed none of its PIDs."""
+    import xarray as xr
+
+    from dvfs.cube.pinning import pinning_note
+
+    blind = "NVML cannot list the compute processes of GPU 2 (Not Supported)"
+    outcome = memory_outcome(
+        "d", [_gpu(0, 0.5), _gpu(1, 0.5)], [_gpu(0, 0.5), _gpu(1, 68)], ["GPU-1"], FRACTION, blind
+    )
+    assert outcome.startswith("verified by memory: GPU 1 (GPU-1)"), outcome
+    note = pinning_note(xr.Dataset(attrs={"gpu_pinning": json.dumps({"d": outcome})}))
+    assert note is not None and "verified by memory only" in note, note
+    assert "listed none" not in note, note
 
 
 def test_the_claim_is_the_servers_reported_fraction_else_the_one_passed() -> None:
