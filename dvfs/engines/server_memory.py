@@ -12,9 +12,9 @@ less, memory NVML cannot read): the pinning stays "unverified", saying why. Wher
 --max-total-tokens caps the server's KV pool, it takes only its weights and that pool, maybe
 far less than its claim: a metered GPU grown short of it then says nothing of where the server
 is, so nothing is refused by memory (another tenant's server starting elsewhere meanwhile
-would be taken for this one). A GPU's growth is
-the most of what NVML says of it: its used memory's, and where it lists processes with their
-own memory, the new processes' (not fooled by an earlier server's memory still being freed).
+would be taken for this one). A GPU's growth is the most of what NVML says of it: its used
+memory's, and where it lists processes with their own memory, the new processes' (not fooled
+by an earlier server's memory still being freed).
 """
 
 from __future__ import annotations
@@ -127,10 +127,10 @@ def memory_outcome(
     strays = [u for u in took if u not in metered and grew(u)]
 
     def took_nothing(uuid: str) -> bool:
-        """Whether the GPU took nothing of a server (under `MIN_CLAIM_BYTES`, tenants' noise):
-        one short of the claim but above that holds some server, maybe this one (SGLang
-        claims its share of the memory free as it starts, so a tenant's job ending before it
-        answers leaves the growth short of the claim, never near nought)."""
+        """Whether the GPU took next to nothing (under `MIN_CLAIM_BYTES`, tenants' noise):
+        the server there would take more whatever was held before. SGLang claims its share
+        of the memory free as it starts, so a tenant's job ending before the server answers
+        leaves the growth short of the claim, but never near nought."""
         return took[uuid][1] < MIN_CLAIM_BYTES
 
     capped = f"--max-total-tokens {cap} caps the server's KV pool" if cap is not None else ""
