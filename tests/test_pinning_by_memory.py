@@ -18,7 +18,7 @@ from nvml_support import dvfs_in_process, fake_env, fresh_fake
 from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 import dvfs
-from dvfs.engines.server_memory import memory_outcome, server_fraction
+from dvfs.engines.server_memory import kv_cap, memory_outcome, server_fraction
 from dvfs.errors import EngineError
 from dvfs.gpu.base import GpuProcesses
 from dvfs.gpu.nvml import gpu_processes
@@ -47,11 +47,11 @@ def host_pid() -> Iterator[int]:
 
 
 def _sweep(
-    tmp_path: Path, stub: dict, drafters: str = "", devices: str = "[1]"
+    tmp_path: Path, stub: dict, drafters: str = "", devices: str = "[1]", sglang_extra: str = ""
 ) -> tuple[int, list, list, str]:
     """The stub's drafters ("none", and `drafters`) on the fake's GPU 1 (or `devices`, one
-    tensor-parallel server on them): exit code, cell records, server records, output on one
-    line."""
+    tensor-parallel server on them; `sglang_extra`: more of [engine.sglang]): exit code, cell
+    records, server records, output on one line."""
     path, marker = stub_campaign(
         tmp_path,
         stub={"tpot_s": 0.004, **stub},  # windows long enough for valid cells
@@ -61,6 +61,7 @@ def _sweep(
         gpu=f'backend = "nvml"\ndevices = {devices}',
         output_tokens=96,
         measurement_extra="precision = 0.5",
+        sglang_extra=sglang_extra,
     )
     if devices != "[1]":
         tp = f"tp_size = {len(json.loads(devices))}"
@@ -113,7 +114,7 @@ def test_a_container_server_on_the_metered_gpu_is_verified_by_memory(
     assert done.returncode == 0, done.stdout + done.stderr
     line = " ".join(done.stderr.split())
     assert line.startswith(
-        "GPU pinning verified by memory only (NVML listed none of the server's PIDs) for 2 "
+        "GPU pinning verified by memory only (NVML's process lists could not tell) for 2 "
         "drafter(s) (eagle3, none): their cells were not checked for other tenants' processes"
     ), line
     from dvfs.report.facts import measured_section
@@ -158,6 +159,30 @@ def test_a_container_tensor_parallel_server_is_verified_by_every_metered_gpus_me
     pinning = server["gpu_pinning"]
     assert pinning.startswith(f"verified by memory: GPU 1 ({devices[1]['uuid']}) "), pinning
     assert f"; GPU 2 ({devices[2]['uuid']}) " in pinning, pinning
+
+
+def test_a_kv_capped_server_is_not_refused_for_another_servers_memory(
+    nv: ModuleType, host_pid: int, tmp_path: Path
+) -> None:
+    """--max-total-tokens caps the server's KV pool, so it takes its weights and that pool
+    (24 GiB of the stub's 8B model), not its 68 GiB claim, on the metered GPU 1; another
+    tenant's uncapped server starts on GPU 0 meanwhile. The server is where it should be: the
+    sweep was refused ("memory went to GPU 0"), stopping a user's sweep; now memory cannot
+    tell, saying the cap, and the cells run."""
+    with host_process() as neighbour:
+        stub = {"nvml_pid": host_pid, "neighbour_device": 0, "neighbour_pid": neighbour}
+        capped = 'extra_args = ["--max-total-tokens", "65536"]'
+        code, cells, servers, output = _sweep(tmp_path, stub, sglang_extra=capped)
+    assert code == 0, output
+    assert "memory went to" not in output, output
+    assert cells and all(c["status"] == "ok" for c in cells)
+    [server] = servers
+    pinning = server["gpu_pinning"]
+    assert pinning.startswith("unverified: NVML lists none of the server's"), pinning
+    assert "memory cannot tell: the metered GPU 1 (" in pinning, pinning
+    assert "used memory +24.0 GiB" in pinning, pinning
+    assert "(--max-total-tokens 65536 caps the server's KV pool: it takes only" in pinning
+    assert "GPU 0 (" in pinning and "as it started too" in pinning, pinning
 
 
 def test_a_server_nvml_cannot_list_is_verified_by_memory(nv: ModuleType, tmp_path: Path) -> None:
@@ -341,6 +366,58 @@ def test_memory_that_cannot_tell_leaves_the_pinning_unverified_saying_why() -> N
     assert "is under 2.0 GiB, within tenants' memory noise" in small, small
     gone = memory_outcome("d", before, [_gpu(0, 0.5)], ["GPU-1"], FRACTION, WHY)
     assert gone.endswith("memory cannot tell: NVML lists no GPU GPU-1"), gone
+
+
+def test_a_server_whose_gpu_a_tenant_left_meanwhile_is_not_refused() -> None:
+    """NVML that lists no processes; a tenant's 30 GiB on the metered GPU 1 before the start.
+    SGLang claims mem_fraction_static of the memory free as it starts (0.85 x 49.5 GiB: 42.1
+    GiB), then the tenant's job ends before the server answers: GPU 1 grew by 12.1 GiB only,
+    while another server took 68 GiB of GPU 0. The server is on GPU 1 (its 12 GiB say so):
+    memory cannot tell, no refusal; a metered GPU that took nothing (under 2 GiB) still is."""
+    before = [_gpu(0, 0.5), _gpu(1, 30.5)]
+    after = [_gpu(0, 68.5), _gpu(1, 0.5 + 0.85 * 49.5)]
+    outcome = memory_outcome("d", before, after, ["GPU-1"], FRACTION, WHY)
+    assert outcome.startswith(f"unverified: {WHY}; memory cannot tell: the metered GPU 1"), outcome
+    assert "GPU 0 (GPU-0) used memory +68.0 GiB as it started too" in outcome, outcome
+    escaped = [_gpu(0, 68.5), _gpu(1, 32)]  # the tenant's noise: 1.5 GiB more
+    with pytest.raises(EngineError, match="memory went to GPU 0"):
+        memory_outcome("d", before, escaped, ["GPU-1"], FRACTION, WHY)
+
+
+def test_a_kv_capped_server_short_of_its_claim_refuses_nothing() -> None:
+    """A small model's weights and capped KV pool (1.5 GiB) on the metered GPU 1, another
+    server's 68 GiB on GPU 0: without the cap that is the escape refused; with it, memory
+    cannot tell."""
+    before = [_gpu(0, 0.5), _gpu(1, 0.5)]
+    after = [_gpu(0, 68.5), _gpu(1, 2)]
+    with pytest.raises(EngineError):
+        memory_outcome("d", before, after, ["GPU-1"], FRACTION, WHY)
+    outcome = memory_outcome("d", before, after, ["GPU-1"], FRACTION, WHY, 65536)
+    assert outcome.startswith(f"unverified: {WHY}; memory cannot tell: the metered GPU 1"), outcome
+    assert "(--max-total-tokens 65536 caps the server's KV pool: it takes only its" in outcome
+    # Grown by the claim all the same, and nothing elsewhere: verified, capped or not.
+    full = memory_outcome("d", before, [_gpu(0, 0.5), _gpu(1, 68)], ["GPU-1"], FRACTION, WHY, 8)
+    assert full.startswith("verified by memory: GPU 1 (GPU-1) used memory +67.5 GiB"), full
+    assert kv_cap({"max_total_tokens": 65536}, None) == 65536
+    assert kv_cap({"max_total_tokens": None}, 4096) == 4096
+    assert kv_cap({}, None) is None and kv_cap({"max_total_tokens": True}, None) is None
+
+
+def test_the_note_on_a_memory_verified_server_says_only_what_nvml_could_not_tell() -> None:
+    """NVML listed the server on its metered GPU but could not list another GPU's processes:
+    verified by memory, and the note does not say NVML listed none of its PIDs."""
+    import xarray as xr
+
+    from dvfs.cube.pinning import pinning_note
+
+    blind = "NVML cannot list the compute processes of GPU 2 (Not Supported)"
+    outcome = memory_outcome(
+        "d", [_gpu(0, 0.5), _gpu(1, 0.5)], [_gpu(0, 0.5), _gpu(1, 68)], ["GPU-1"], FRACTION, blind
+    )
+    assert outcome.startswith("verified by memory: GPU 1 (GPU-1)"), outcome
+    note = pinning_note(xr.Dataset(attrs={"gpu_pinning": json.dumps({"d": outcome})}))
+    assert note is not None and "verified by memory only" in note, note
+    assert "listed none" not in note, note
 
 
 def test_the_claim_is_the_servers_reported_fraction_else_the_one_passed() -> None:

@@ -74,7 +74,7 @@ def pinning_note(ds: xr.Dataset) -> str | None:
         said.append(f"unverified for {len(unverified)} {servers} ({why})")
     if by_memory:
         said.append(
-            f"verified by memory only (NVML listed none of the server's PIDs) for "
+            f"verified by memory only (NVML's process lists could not tell) for "
             f"{len(by_memory)} {servers} ({', '.join(by_memory)})"
         )
     if partly:

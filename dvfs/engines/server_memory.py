@@ -6,11 +6,15 @@ SGLang claims most of each of its GPUs' memory as it starts (--mem-fraction-stat
 GPU's total, 0.8-0.9 by default: weights and KV cache, before it answers), so every GPU's used
 memory is read right before the server starts and again once it answers: the metered GPUs'
 grew by about that claim and no other GPU's did ("verified by memory: ..."), or a GPU dvfs
-does not meter grew by it while the metered ones did not (refused, as a stray PID is), or
+does not meter grew by it while the metered ones took nothing (refused, as a stray PID is), or
 memory cannot tell (another tenant's job starting meanwhile, a tenant's memory leaving SGLang
-less, memory NVML cannot read): the pinning stays "unverified", saying why. A GPU's growth is
-the most of what NVML says of it: its used memory's, and where it lists processes with their
-own memory, the new processes' (not fooled by an earlier server's memory still being freed).
+less, memory NVML cannot read): the pinning stays "unverified", saying why. Where
+--max-total-tokens caps the server's KV pool, it takes only its weights and that pool, maybe
+far less than its claim: a metered GPU grown short of it then says nothing of where the server
+is, so nothing is refused by memory (another tenant's server starting elsewhere meanwhile
+would be taken for this one). A GPU's growth is the most of what NVML says of it: its used
+memory's, and where it lists processes with their own memory, the new processes' (not fooled
+by an earlier server's memory still being freed).
 """
 
 from __future__ import annotations
@@ -51,6 +55,15 @@ def server_fraction(args: Mapping[str, object], given: float | None) -> tuple[fl
     return DEFAULT_FRACTION, f"mem_fraction_static unreported, {DEFAULT_FRACTION:g} taken"
 
 
+def kv_cap(args: Mapping[str, object], given: int | None) -> int | None:
+    """The server's --max-total-tokens (its KV pool's cap), as its /server_info reports it
+    (0.5.9 and 0.5.23 alike: null unless given), else as dvfs passed it; None: uncapped."""
+    reported = args.get("max_total_tokens")
+    if isinstance(reported, int) and not isinstance(reported, bool) and reported > 0:
+        return reported
+    return given if given is not None and given > 0 else None
+
+
 def _took(before: GpuProcesses, after: GpuProcesses) -> tuple[int, str]:
     """How much memory `after`'s GPU took since `before` (bytes) and the evidence: its used
     memory's growth, and where NVML lists processes with their own memory, its new processes'
@@ -73,12 +86,15 @@ def memory_outcome(
     metered: Sequence[str],
     fraction: tuple[float, str],
     by_pid: str,
+    cap: int | None = None,
 ) -> str:
     """The pinning by memory ("verified by memory: ..." or "unverified: `by_pid`; memory
     cannot tell: why"), from every GPU read right before the server started (`before`) and
     once it answered (`after`); `fraction`: its --mem-fraction-static and how it is known
-    (`server_fraction`); `by_pid`: why `pinning_outcome` could not tell. A GPU dvfs does not
-    meter that took the server's claim while no metered one did is refused (`EngineError`)."""
+    (`server_fraction`); `by_pid`: why `pinning_outcome` could not tell; `cap`: its KV pool's
+    cap (`kv_cap`). A GPU dvfs does not meter that took the server's claim while every
+    metered one took nothing (with room to) is refused (`EngineError`), unless the cap leaves
+    the server less than its claim."""
     share, known = fraction
     was = {g.uuid: g for g in before}
     took: dict[str, tuple[GpuProcesses, int, str, float]] = {}
@@ -109,7 +125,16 @@ def memory_outcome(
 
     ours = [u for u in metered if u in took]
     strays = [u for u in took if u not in metered and grew(u)]
-    if strays and ours and not any(grew(u) for u in ours) and all(had_room(u) for u in ours):
+
+    def took_nothing(uuid: str) -> bool:
+        """Whether the GPU took next to nothing (under `MIN_CLAIM_BYTES`, tenants' noise):
+        the server there would take more whatever was held before. SGLang claims its share
+        of the memory free as it starts, so a tenant's job ending before the server answers
+        leaves the growth short of the claim, but never near nought."""
+        return took[uuid][1] < MIN_CLAIM_BYTES
+
+    capped = f"--max-total-tokens {cap} caps the server's KV pool" if cap is not None else ""
+    if strays and ours and not capped and all(took_nothing(u) and had_room(u) for u in ours):
         gpu, _, _, claim = took[strays[0]]
         where = "; ".join(named(u) for u in strays)
         mine = "; ".join(named(u) for u in ours) or "none readable"
@@ -134,9 +159,14 @@ def memory_outcome(
         cannot.append(
             "the metered "
             + "; ".join(f"{named(u)} of the server's {_gib(took[u][3])} claim" for u in short)
-            + f" ({known}) as it started, under {CLAIM_SHARE:.0%} of it (memory held there "
-            "before, another tenant's or an earlier server's not yet freed, left SGLang less "
-            "room; or the server is elsewhere)"
+            + f" ({known}) as it started, under {CLAIM_SHARE:.0%} of it ("
+            + (
+                f"{capped}: it takes only its weights and that pool, not its claim; or "
+                if capped
+                else ""
+            )
+            + "memory held there before, another tenant's or an earlier server's not yet "
+            "freed, left SGLang less room; or the server is elsewhere)"
         )
     if strays:
         cannot.append(

@@ -50,7 +50,7 @@ from dvfs.engines.base import (
     server_accept_covers,
 )
 from dvfs.engines.server_gpus import unjudged_wrapper_devices
-from dvfs.engines.server_memory import memory_outcome, server_fraction
+from dvfs.engines.server_memory import kv_cap, memory_outcome, server_fraction
 from dvfs.engines.sglang_args import (
     Kernels,
     LaunchHelp,
@@ -98,7 +98,7 @@ from dvfs.gpu.base import GpuProcesses
 from dvfs.outputs import check_links
 from dvfs.procfs import dead_members, earlier_holder, port_holders, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
-from dvfs.twin.limits import mem_fraction_static
+from dvfs.twin.limits import given_max_total_tokens, mem_fraction_static
 
 log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
@@ -518,9 +518,11 @@ class SglangEngine:
         #: /server_info at each start); None: it reports nothing to tell.
         self._room: ContextRoom | None = None
         #: Every GPU as NVML read it right before the server's start (its memory, for
-        #: `memory_outcome`), and the --mem-fraction-static dvfs passed it (None: none).
+        #: `memory_outcome`), and the --mem-fraction-static and --max-total-tokens dvfs passed
+        #: it (None: none).
         self._memory_before: list[GpuProcesses] | None = None
         self._fraction_given: float | None = None
+        self._cap_given: int | None = None
         #: The metered GPUs, which the server is pinned to (empty: simulated GPUs, no pinning).
         self.gpu_uuids = tuple(gpu_uuids)
         #: Lists every GPU's compute PIDs (NVML), to check where a started server runs; None:
@@ -675,6 +677,7 @@ class SglangEngine:
             raise EngineError(f"cannot start the server: {problem}")
         self._memory_before = self._gpus_now()  # where it took its memory, if NVML lists no PID
         self._fraction_given = mem_fraction_static(argv)
+        self._cap_given = given_max_total_tokens(argv)
         try:
             self._process = subprocess.Popen(
                 dying_with_parent(argv),
@@ -968,13 +971,15 @@ class SglangEngine:
             outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
             before, self._memory_before = self._memory_before, None
             if outcome.startswith("unverified: ") and before is not None:
+                args = _resolved_args(info)
                 outcome = memory_outcome(
                     drafter.name,
                     before,
                     gpus,
                     self.gpu_uuids,
-                    server_fraction(_resolved_args(info), self._fraction_given),
+                    server_fraction(args, self._fraction_given),
                     outcome.removeprefix("unverified: "),
+                    kv_cap(args, self._cap_given),
                 )
         said = unjudged_wrapper_devices(self.campaign, gpu_uuids=self.gpu_uuids)
         if said is not None and not outcome.startswith("verified"):

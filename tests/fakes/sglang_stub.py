@@ -227,8 +227,11 @@ GPU processes: when env ``DVFS_FAKE_NVML_STATE`` names a fake NVML state
 (``tests/fakes/nvml/pynvml.py``, loaded by path), the stub lists its own pid as a compute
 process on the fake devices whose UUIDs its CUDA_VISIBLE_DEVICES names, before it listens, as
 a server that loaded its weights would, with the memory SGLang claims (``--mem-fraction-static``,
-0.85 unless given, of the GPU's memory, less what is used there: ``claim_bytes``), which the
-fake's ``nvmlDeviceGetMemoryInfo`` counts as used; ``nvml_device`` (null) in the config puts it
+0.85 unless given, of the GPU's memory, less what is used there; where ``--max-total-tokens``
+caps the KV pool, an 8B model's weights and that pool at most: ``claim_bytes``), which the
+fake's ``nvmlDeviceGetMemoryInfo`` counts as used; ``neighbour_pid`` (null) is listed on
+``neighbour_device`` at start with an uncapped server's claim (another tenant's server starting
+on another GPU meanwhile); ``nvml_device`` (null) in the config puts it
 on that device index instead (a wrapper that escaped CUDA_VISIBLE_DEVICES).  It drops itself
 again on a clean exit (the fake lists only live pids anyway).  ``nvml_pid`` (null) lists that
 live pid instead of its own, as a driver outside a container's PID namespace names the server
@@ -555,6 +558,11 @@ class StubConfig:
     foreign_pid: int | None = None
     foreign_from_request: int | None = None
     foreign_until_request: int | None = None
+    #: Another tenant's SGLang server (or a fleet's other worker's) starting on fake device
+    #: ``neighbour_device`` as this one does: ``neighbour_pid`` (a live pid) is listed there at
+    #: start with an uncapped server's claim; None: no neighbour.
+    neighbour_device: int | None = None
+    neighbour_pid: int | None = None
     #: A file each /generate body's "text" is appended to (a JSON line), so a test can tell
     #: which prompts went out and how they were formatted; None: nothing recorded.
     requests_log: str | None = None
@@ -766,6 +774,7 @@ _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requ
 _OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
 _OPTIONAL_INT_KEYS += ("nvml_device", "nvml_pid", "foreign_pid", "foreign_from_request")
 _OPTIONAL_INT_KEYS += ("foreign_until_request", "hang_after_requests", "burst_request")
+_OPTIONAL_INT_KEYS += ("neighbour_device", "neighbour_pid")
 
 
 def load_config(environ: Mapping[str, str]) -> StubConfig:
@@ -2278,12 +2287,20 @@ def fake_nvml(environ: Mapping[str, str]) -> Any:
 #: The stub's --mem-fraction-static where the launch gives none (SGLang's default on an
 #: 80 GiB GPU is about this; /server_info reports it unresolved, as the stub always has).
 STUB_MEM_FRACTION = 0.85
+#: Where ``--max-total-tokens`` caps the KV pool, SGLang takes only the weights and that pool
+#: (not its whole claim): an 8B bf16 model's 16 GiB, 128 KiB per token (32 layers x 8 KV heads
+#: x 128 x K and V x 2 bytes).
+STUB_WEIGHTS_BYTES = 16 * 2**30
+STUB_KV_BYTES_PER_TOKEN = 128 * 2**10
 
 
-def claim_bytes(nvml: Any, device: Any, fraction: float | None) -> int:
+def claim_bytes(
+    nvml: Any, device: Any, fraction: float | None, max_total_tokens: int | None = None
+) -> int:
     """What SGLang takes of a fake device as it starts: it fills the GPU up to
     ``fraction`` (None: `STUB_MEM_FRACTION`) of its memory, less what is used there already
-    (another tenant's, the driver's), a CUDA context's at least."""
+    (another tenant's, the driver's), a CUDA context's at least; where ``max_total_tokens``
+    caps the KV pool, no more than the weights and that pool."""
     for dev in nvml.fake_state()["devices"]:
         if device in (dev["index"], dev["uuid"]):
             total = int(nvml.FAKE_PROFILES[dev["profile"]]["memory_total_bytes"])
@@ -2291,16 +2308,27 @@ def claim_bytes(nvml: Any, device: Any, fraction: float | None) -> int:
                 int(e.get("used_bytes") or 0) for e in dev.get("processes") or ()
             )
             share = STUB_MEM_FRACTION if fraction is None else fraction
-            return max(int(share * total) - used, 512 * 2**20)
+            claim = int(share * total) - used
+            if max_total_tokens is not None:
+                claim = min(claim, STUB_WEIGHTS_BYTES + max_total_tokens * STUB_KV_BYTES_PER_TOKEN)
+            return max(claim, 512 * 2**20)
     return 512 * 2**20
 
 
 def register_gpu_process(
-    nvml: Any, cfg: StubConfig, environ: Mapping[str, str], fraction: float | None = None
+    nvml: Any,
+    cfg: StubConfig,
+    environ: Mapping[str, str],
+    fraction: float | None = None,
+    max_total_tokens: int | None = None,
 ) -> list[Any]:
     """List this process on the fake devices it runs on: those its CUDA_VISIBLE_DEVICES names
-    by UUID, or ``nvml_device``, with the memory it claims there (`claim_bytes`); returns
-    them."""
+    by UUID, or ``nvml_device``, with the memory it claims there (`claim_bytes`), and
+    ``neighbour_pid`` on ``neighbour_device``; returns this process's devices."""
+    if cfg.neighbour_device is not None and cfg.neighbour_pid is not None:
+        claim = claim_bytes(nvml, cfg.neighbour_device, None)
+        nvml.fake_add_process(cfg.neighbour_device, cfg.neighbour_pid, used_bytes=claim)
+        log(f"neighbour pid {cfg.neighbour_pid} on fake GPU {cfg.neighbour_device}")
     if cfg.nvml_device is not None:
         devices: list[Any] = [cfg.nvml_device]
     else:
@@ -2309,7 +2337,8 @@ def register_gpu_process(
         devices = [v.strip() for v in visible if v.strip() in uuids]
     pid = os.getpid() if cfg.nvml_pid is None else cfg.nvml_pid
     for device in devices:
-        nvml.fake_add_process(device, pid, used_bytes=claim_bytes(nvml, device, fraction))
+        claim = claim_bytes(nvml, device, fraction, max_total_tokens)
+        nvml.fake_add_process(device, pid, used_bytes=claim)
     log(f"listed pid {pid} as a compute process on fake GPU(s) {devices}")
     return devices
 
@@ -2415,7 +2444,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nvml is not None:
         fraction = args.get("mem_fraction_static")
         fraction = float(fraction) if isinstance(fraction, int | float) else None
-        stub.nvml, stub.devices = nvml, register_gpu_process(nvml, cfg, os.environ, fraction)
+        cap = args.get("max_total_tokens")
+        cap = int(cap) if isinstance(cap, int) else None
+        devices = register_gpu_process(nvml, cfg, os.environ, fraction, cap)
+        stub.nvml, stub.devices = nvml, devices
         stub.other_tenant(0)
     try:
         server = StubHTTPServer((bind_host, int(args["port"])), LOOPBACK_HOSTS[host], stub)
