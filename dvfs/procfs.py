@@ -1,5 +1,6 @@
 """What Linux's /proc says of processes: a server's process tree, when a process started, its
-command name, and who listens on a TCP port and address. Every reader answers None or nothing
+command name, which of a tree's processes died unreaped (`dead_members`), and who listens
+on a TCP port and address. Every reader answers None or nothing
 where /proc is missing, a process is gone or not ours to read, or a file holds what it should
 not: a process's name is any bytes its program chose (not UTF-8, parentheses, spaces), and one
 such process anywhere on the machine must not stop a sweep."""

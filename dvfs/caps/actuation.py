@@ -1006,7 +1006,8 @@ def reset_caps(
     *,
     applied_only: bool = False,
 ) -> list[str]:
-    """Unlock clocks and restore default power limits; returns what was done per GPU, and
+    """Unlock clocks and restore power limits (the defaults; with `applied_only`, the limits
+    dvfs's caps replaced); returns what was done per GPU, and
     `note` hears each GPU's line once it is reset, so that one GPU failing (raised once every
     GPU was tried) does not leave the others' resets unsaid. `applied_only` (`cap reset
     --applied`, the caps unit's stop): on each GPU only the knobs the caps record says `cap
@@ -1020,8 +1021,9 @@ def reset_caps(
 
     A state file a dead dvfs run left on a GPU (a governor or sweep killed with SIGKILL) goes
     too: it holds the settings that run found, static caps included, and the GPU is at its
-    defaults now, as asked. Left behind, a later `dvfs gpu reset` would put those settings back
-    on the GPU with no record of them, and `cap apply` and sweeps would refuse the GPU."""
+    defaults now, as asked (with `applied_only`, at what that run found, as above). Left behind,
+    a later `dvfs gpu reset` would put those settings back on the GPU with no record of them,
+    and `cap apply` and sweeps would refuse the GPU."""
     from dvfs.gpu.safety import StateStore
 
     failures = GatheredFailures()

@@ -221,8 +221,8 @@ def print_line(text: str, *, stderr: bool = False) -> None:
 
 
 def _pinning_line(ds: Any) -> None:
-    """One line (stderr, so --json stays parseable) when a server's GPU pinning was unverified:
-    its cells were not checked for other tenants' processes."""
+    """One line (stderr, so --json stays parseable) when a server's GPU pinning was unverified
+    or verified by memory only: its cells were not checked for other tenants' processes."""
     from dvfs.cube.pinning import pinning_note
 
     note = pinning_note(ds)

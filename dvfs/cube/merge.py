@@ -169,7 +169,7 @@ AUTO_KERNEL_ARGS = (
 #: identity (`dvfs.records.GPU_INVARIANTS`), which a journal's sessions share too. Cubes of
 #: different GPUs may differ in it (a fleet's node with ECC off, run into its own folder as
 #: the fleet's refusal advises): their merge keeps each GPU's (`merged_from`) and the report
-#: says where their ECC modes differ.
+#: and `dvfs compare` say where their ECC modes differ.
 #: Their sessions' power-limit range and SM clock range too (`SESSION_INVARIANTS`, the top SM
 #: clock of `GPU_INVARIANTS`), which a journal's sessions share.
 SHARD_GPU_KEYS = (

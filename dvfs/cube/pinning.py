@@ -79,7 +79,7 @@ def pinning_note(ds: xr.Dataset) -> str | None:
         )
     if partly:
         said.append(
-            f"verified by memory only (NVML listed none of the server's PIDs) for some "
+            f"verified by memory only (NVML's process lists could not tell) for some "
             f"servers of {len(partly)} {servers} ({', '.join(partly)}; the others by PID)"
         )
     whose = "their cells" if unverified or by_memory else "those servers' cells"

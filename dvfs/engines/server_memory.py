@@ -2,20 +2,19 @@
 only" where NVML lists none of its processes by a PID dvfs knows (a container's PID namespace:
 NVML names them by the host's PIDs) or cannot list processes at all.
 
-SGLang claims most of each of its GPUs' memory as it starts (--mem-fraction-static of the
-GPU's total, 0.8-0.9 by default: weights and KV cache, before it answers), so every GPU's used
-memory is read right before the server starts and again once it answers: the metered GPUs'
-grew by about that claim and no other GPU's did ("verified by memory: ..."), or a GPU dvfs
-does not meter grew by it while the metered ones took nothing (refused, as a stray PID is), or
-memory cannot tell (another tenant's job starting meanwhile, a tenant's memory leaving SGLang
-less, memory NVML cannot read): the pinning stays "unverified", saying why. Where
+SGLang claims most of each of its GPUs' memory as it starts (--mem-fraction-static of the GPU's
+total, by default 0.7-0.9 by the GPU's memory: weights and KV cache, before it answers), so
+every GPU's used memory is read right before the server starts and again once it answers: the
+metered GPUs' grew by about that claim and no other GPU's did ("verified by memory: ..."), or a
+GPU dvfs does not meter grew by it while the metered ones took nothing (refused, as a stray PID
+is), or memory cannot tell (another tenant's job starting meanwhile, a tenant's memory leaving
+SGLang less, memory NVML cannot read): the pinning stays "unverified", saying why. Where
 --max-total-tokens caps the server's KV pool, it takes only its weights and that pool, maybe
 far less than its claim: a metered GPU grown short of it then says nothing of where the server
-is, so nothing is refused by memory (another tenant's server starting elsewhere meanwhile
-would be taken for this one). A GPU's growth is the most of what NVML says of it: its used
-memory's, and where it lists processes with their own memory, the new processes' (not fooled
-by an earlier server's memory still being freed).
-"""
+is, so nothing is refused by memory (another tenant's server starting elsewhere meanwhile would
+be taken for this one). A GPU's growth is the most of what NVML says of it: its used memory's,
+and where it lists processes with their own memory, the new processes' (not fooled by an
+earlier server's memory still being freed)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ Before dvfs changes a GPU it writes the GPU's original settings to `<state dir>/
 the whole run, keeps two dvfs processes from fighting over one GPU.
 
 State lives in /var/lib/dvfs when running as root, else $XDG_STATE_HOME/dvfs
-(~/.local/state/dvfs); $DVFS_STATE_DIR overrides both. Read-only looks at the caps in force
+(~/.local/state/dvfs); $DVFS_STATE_DIR overrides both, and must be absolute (a relative one
+named another folder from each folder dvfs ran in; a relative $XDG_STATE_HOME is ignored, as
+the XDG spec says). Read-only looks at the caps in force
 without root read root's records in /var/lib/dvfs (`records_dir`).
 """
 
