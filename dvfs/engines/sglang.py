@@ -6,17 +6,17 @@ whole group, on exit, error, signal and a failed check of what it resolved; and 
 die with dvfs (PR_SET_PDEATHSIG, armed by the `_pdeathsig` launcher rather than a `preexec_fn`)
 so a SIGKILLed dvfs leaves no orphan. Or dvfs attaches to a server already running at a URL and
 never starts or stops it, after the same checks of what it resolved (the model, the algorithm,
-the kernels). Every drafter's server must run the same attention kernels (`check_same_kernels`);
-a campaign whose drafters SGLang would schedule differently whatever dvfs passes is refused
-before any server starts (`check_arms_can_match`); what else the arms share is checked by the
-runner against the journal (`arm_changes`). A started server must run on the metered GPUs
-(`pinning_outcome`): NVML's compute processes of every GPU are matched against the server's
-process tree, so a `server_command` wrapper that escapes CUDA_VISIBLE_DEVICES is refused; where
-NVML lists none of its processes, by where it took its memory (`memory_outcome`: "verified by
-memory", or refused alike), and where that cannot tell either, the server record says
-"unverified". Where it is verified by PID, the server's
-process tree is handed on (`ServerInfo.own_pids`), so the runner can tell another tenant's
-process on a metered GPU from the server's.
+the kernels). Every drafter's server must run the same attention kernels
+(`check_same_kernels`); a campaign whose drafters SGLang would schedule differently whatever
+dvfs passes is refused before any server starts (`check_arms_can_match`); what else the arms
+share is checked by the runner against the journal (`arm_changes`). A started server must run
+on the metered GPUs (`pinning_outcome`): NVML's compute processes of every GPU are matched
+against the server's process tree, so a `server_command` wrapper that escapes
+CUDA_VISIBLE_DEVICES is refused; where NVML lists none of its processes (or cannot list
+processes), by where it took its memory (`memory_outcome`: "verified by memory", or refused
+alike), and where that cannot tell either, the server record says "unverified". Where it is
+verified by PID, the server's process tree is handed on (`ServerInfo.own_pids`), so the runner
+can tell another tenant's process on a metered GPU from the server's.
 """
 
 from __future__ import annotations
