@@ -1112,6 +1112,11 @@ BAD_ATTRIBUTES: dict[str, tuple[str, Any]] = {
     "campaign-source-number": ("campaign_source", 5),
     "corpora-number": ("corpora", 5),
     "tp-size-text": ("tp_size", "two"),
+    # A GPU's ECC mode or VBIOS hand-edited: a newline or a terminal's escape broke the lines
+    # `cube info`, the report and `compare` print it in.
+    "ecc-mode-list": ("ecc_mode", [1, 2]),
+    "ecc-mode-newline": ("ecc_mode", "on\nx"),
+    "vbios-version-escape": ("vbios_version", "96.00.99\x1b[31m"),
 }
 
 
@@ -1173,7 +1178,18 @@ ATTRIBUTE_CASES = [
         ("compare", ["compare", "{tmp}/cube.nc"]),
         ("report", ["report", "{tmp}/cube.nc", "-o", "{tmp}/r.html"]),
     )
-    if cmd != "report" or kind.startswith("gpu-name")
+    if cmd != "report" or kind.startswith(("gpu-name", "ecc-mode", "vbios"))
+]
+ATTRIBUTE_CASES += [
+    C(
+        f"cube-attribute-{kind}-info",
+        ["cube", "info", "{tmp}/cube.nc"],
+        files={"cube.nc": _ATTRIBUTE_CUBES[kind]},
+        code=1,
+        says=("cube.nc", attr, "dvfs cube build"),
+    )
+    for kind, (attr, _) in BAD_ATTRIBUTES.items()
+    if kind.startswith(("ecc-mode", "vbios"))
 ]
 
 #: JSON attributes the commands index into, of another shape: (attribute, text, the command).
