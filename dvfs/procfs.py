@@ -57,9 +57,14 @@ def start_ticks(pid: int, proc: Path = PROC) -> int | None:
 
 
 def process_name(pid: int, proc: Path = PROC) -> str | None:
-    """A process's command name (/proc/<pid>/comm), None when it is gone or not ours to read."""
+    """A process's command name (/proc/<pid>/comm), None when it is gone or not ours to read;
+    characters that do not print (a newline, an escape: any 15 bytes a program chose) as '?',
+    so an error naming it stays one line."""
     text = _read(proc / str(pid) / "comm")
-    return (text.strip() or None) if text is not None else None
+    if text is None:
+        return None
+    name = text.removesuffix("\n")
+    return "".join(c if c.isprintable() else "?" for c in name).strip() or None
 
 
 def server_pids(root: int, proc: Path = PROC) -> frozenset[int]:

@@ -793,7 +793,50 @@ def _cell_field(key: str, value: Any) -> Callable[[list[dict[str, Any]]], list[A
     return edit
 
 
+def _session_gpu(key: str, value: Any) -> Callable[[list[dict[str, Any]]], list[Any]]:
+    """The first session's GPUs' `key` hand-edited to `value`."""
+
+    def edit(records: list[dict[str, Any]]) -> list[Any]:
+        i = next(i for i, r in enumerate(records) if r.get("type") == "session")
+        gpus = [{**g, key: value} for g in records[i]["gpus"]]
+        records[i] = {**records[i], "gpus": gpus}
+        return records
+
+    return edit
+
+
 JOURNAL_CASES = [
+    # A GPU's ECC mode or VBIOS hand-edited to what is no name: before, a list or number went
+    # into the cube as its repr, a newline into `cube info`'s lines, and a name longer than a
+    # cube attribute may hold made a cube `cube info` called damaged, "rebuild it from its
+    # journal" (this one): the journal's line is named instead.
+    *(
+        journal_case(
+            f"session-gpu-{key}-{what}",
+            _journal_edit(_session_gpu(key, value)),
+            "journal.jsonl, line 2",
+            f"GPU 0's {key} is",
+        )
+        for key in ("ecc_mode", "vbios_version")
+        for what, value in (
+            ("list", ["on"]),
+            ("number", 1),
+            ("bool", True),
+            ("long", "E" * 5000),
+            ("newline", "on\nx"),
+        )
+    ),
+    C(
+        "journal-session-gpu-ecc-mode-garbled-on-resume",
+        ["sweep", "{tmp}/c.toml", "--out", "{tmp}/run", "--no-progress"],
+        files={
+            "c.toml": GOOD_TEXT,
+            "run/journal.jsonl": _journal_edit(_session_gpu("ecc_mode", {"on": 1})),
+        },
+        code=1,
+        says=("journal.jsonl, line 2", "GPU 0's ecc_mode is"),
+        chatty=True,
+    ),
     journal_case("missing-dir", None, "{tmp}/run"),
     journal_case("no-journal", None, "journal.jsonl", files_extra={"run/notes.txt": "x"}),
     journal_case("garbage-bytes", binary_bytes(), "journal.jsonl"),
@@ -1069,6 +1112,11 @@ BAD_ATTRIBUTES: dict[str, tuple[str, Any]] = {
     "campaign-source-number": ("campaign_source", 5),
     "corpora-number": ("corpora", 5),
     "tp-size-text": ("tp_size", "two"),
+    # A GPU's ECC mode or VBIOS hand-edited: a newline or a terminal's escape broke the lines
+    # `cube info`, the report and `compare` print it in.
+    "ecc-mode-list": ("ecc_mode", [1, 2]),
+    "ecc-mode-newline": ("ecc_mode", "on\nx"),
+    "vbios-version-escape": ("vbios_version", "96.00.99\x1b[31m"),
 }
 
 
@@ -1130,7 +1178,18 @@ ATTRIBUTE_CASES = [
         ("compare", ["compare", "{tmp}/cube.nc"]),
         ("report", ["report", "{tmp}/cube.nc", "-o", "{tmp}/r.html"]),
     )
-    if cmd != "report" or kind.startswith("gpu-name")
+    if cmd != "report" or kind.startswith(("gpu-name", "ecc-mode", "vbios"))
+]
+ATTRIBUTE_CASES += [
+    C(
+        f"cube-attribute-{kind}-info",
+        ["cube", "info", "{tmp}/cube.nc"],
+        files={"cube.nc": _ATTRIBUTE_CUBES[kind]},
+        code=1,
+        says=("cube.nc", attr, "dvfs cube build"),
+    )
+    for kind, (attr, _) in BAD_ATTRIBUTES.items()
+    if kind.startswith(("ecc-mode", "vbios"))
 ]
 
 #: JSON attributes the commands index into, of another shape: (attribute, text, the command).

@@ -4172,6 +4172,34 @@ def test_a_damaged_earlier_cap_is_warned_of_as_what_it_is(nvml, tmp_path: Path) 
     assert "GPU 1" in said and "power limit left as it is (dvfs set none)" in said, said
 
 
+@pytest.mark.parametrize("damaged", [500_000.0, True, [500_000]])
+def test_a_damaged_earlier_cap_equal_to_the_gpus_limit_is_left_be_as_warned(
+    nvml, tmp_path: Path, damaged: object
+) -> None:
+    """A power_limit_earlier_mw hand-edited to 500000.0 (or true, on a GPU whose limit read
+    1 mW) is warned of as damaged, "taken for a limit set outside dvfs, which reset leaves be",
+    yet it passed for dvfs's earlier cap by Python's 500000 == 500000.0: `cap reset --applied`
+    put back the replaced 600 W over the GPU's 500 W. It is left be, as warned."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    invoke("cap", "apply", str(caps))
+    record = state / "caps-applied.json"
+    entries = json.loads(record.read_text())
+    entries[uuid]["power_limit_earlier_mw"] = damaged
+    record.write_text(json.dumps(entries))
+    held = 1 if damaged is True else 500_000
+    nvml.fake_update_device(0, power_limit_mw=held)
+    result = CliRunner().invoke(cli, ["cap", "show"])
+    assert result.exit_code == 0, result.output
+    assert "is taken for a limit set outside dvfs" in " ".join(result.stderr.split())
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == held, said
+    assert "set outside dvfs since" in said, said
+
+
 def test_a_limit_change_past_its_deadline_is_recorded_as_one_that_may_land(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

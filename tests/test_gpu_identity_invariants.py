@@ -135,6 +135,29 @@ def test_a_fleet_node_with_ecc_off_is_refused_then_merged_as_its_advice_says(
     assert [type(b) for b in _merged_from({"merged_from": json.dumps(two)})] == [Table]
 
 
+@pytest.mark.parametrize("odd", [[1], {"a": [2]}, "on\nx\x1b[31m", "E" * 100_000, True, 1])
+def test_a_merged_cubes_hand_edited_ecc_mode_tells_no_mode_apart(odd: object) -> None:
+    """A merged cube's source whose ecc_mode was hand-edited to no name (a list, an object, a
+    newline and a terminal's escape, a page of text) took its repr for an ECC mode: the report
+    and `compare` warned of GPUs that "ran with different ECC modes" over it, printing the
+    escape or the page in their one line. It is taken as not recorded."""
+    from dvfs.report.facts import MISSING, _merged_from, ecc_mode_warnings
+    from dvfs.report.model import Table
+
+    sources = {
+        "a": {"gpu_name": "NVIDIA H100", "ecc_mode": odd},
+        "b": {"gpu_name": "NVIDIA H100", "ecc_mode": "on"},
+    }
+    attrs = {"merged_from": json.dumps(sources)}
+    assert ecc_mode_warnings(attrs) == []
+    [table] = _merged_from(attrs)
+    assert isinstance(table, Table)
+    assert [r[table.header.index("ECC")] for r in table.rows] == [MISSING, "on"]
+    # Two recorded modes are still warned of.
+    sources["a"]["ecc_mode"] = "off"
+    assert len(ecc_mode_warnings({"merged_from": json.dumps(sources)})) == 1
+
+
 def test_shards_of_one_run_whose_ecc_or_vbios_differ_do_not_merge(
     nvml: ModuleType, tmp_path: Path
 ) -> None:

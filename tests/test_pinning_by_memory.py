@@ -429,6 +429,52 @@ def test_the_claim_is_the_servers_reported_fraction_else_the_one_passed() -> Non
     assert server_fraction({}, None) == (0.7, "mem_fraction_static unreported, 0.7 taken")
 
 
+@pytest.mark.parametrize(
+    "reported", [85, 1.5, float("inf"), float("nan"), 1e308, -0.5, 0, True, "0.8", [0.8], {"a": 1}]
+)
+def test_a_reported_fraction_that_is_no_share_of_memory_is_not_taken(reported: object) -> None:
+    """A /server_info saying anything but a number in (0, 1] (a percentage, inf, a string) is
+    as good as unreported: its claim would be above the GPU's memory, or NaN."""
+    assert server_fraction({"mem_fraction_static": reported}, 0.6) == (
+        0.6,
+        "mem_fraction_static 0.6 as passed",
+    )
+    assert server_fraction({"mem_fraction_static": reported}, None)[0] == 0.7
+    assert server_fraction({}, float("inf"))[0] == 0.7
+
+
+NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE (c_ulonglong(-1)), as a binding may pass it
+
+
+def test_memory_nvml_cannot_mean_refuses_nothing() -> None:
+    """A process whose usedGpuMemory is NVML_VALUE_NOT_AVAILABLE, or a GPU said to use more than
+    it has, on a GPU dvfs does not meter is no server's claim: the metered GPU that took nothing
+    is not refused for it; memory cannot tell."""
+    before = [_gpu(0, 0.5, {}), _gpu(1, 0.5, {})]
+    stray = _gpu(1, 0.5, {})
+    garbled = GpuProcesses(
+        1, "GPU-1", frozenset({9}), "", stray.used_bytes, TOTAL, "", {9: NOT_AVAILABLE}
+    )
+    outcome = memory_outcome("d", before, [_gpu(0, 0.5, {}), garbled], ["GPU-0"], FRACTION, WHY)
+    assert outcome.startswith(f"unverified: {WHY}; memory cannot tell: the metered GPU 0"), outcome
+    over = GpuProcesses(1, "GPU-1", frozenset(), "", NOT_AVAILABLE, TOTAL, "", {})
+    outcome = memory_outcome("d", before, [_gpu(0, 0.5, {}), over], ["GPU-0"], FRACTION, WHY)
+    assert f"NVML cannot read the memory of GPU 1 (NVML says {NOT_AVAILABLE} bytes used of" in (
+        outcome
+    ), outcome
+    # Nor is a metered GPU verified by such memory.
+    mine = GpuProcesses(
+        0, "GPU-0", frozenset({9}), "", stray.used_bytes, TOTAL, "", {9: NOT_AVAILABLE}
+    )
+    outcome = memory_outcome("d", before, [mine, _gpu(1, 0.5, {})], ["GPU-0"], FRACTION, WHY)
+    assert outcome.startswith("unverified: "), outcome
+    # A process NVML cannot read the memory of (None, as nvidia-ml-py reports it): its GPU's
+    # used memory alone tells.
+    unread = GpuProcesses(0, "GPU-0", frozenset({9}), "", int(68 * GIB), TOTAL, "", {})
+    outcome = memory_outcome("d", before, [unread, _gpu(1, 0.5, {})], ["GPU-0"], FRACTION, WHY)
+    assert outcome.startswith("verified by memory: GPU 0 (GPU-0) used memory +67.5 GiB"), outcome
+
+
 def test_a_drafter_verified_by_pid_in_one_session_and_by_memory_in_another_is_named_so() -> None:
     """A resumed (or merged) cube joins each drafter's distinct outcomes: one verified by PID
     in one session and by memory in another is not memory-only; the line says which."""

@@ -73,6 +73,21 @@ def test_names_that_are_not_utf8_are_read_and_the_fields_after_them_found(tmp_pa
     assert process_name(999, proc) is None and start_ticks(999, proc) is None
 
 
+def test_a_name_with_a_newline_or_escape_is_read_on_one_line(tmp_path: Path) -> None:
+    """A process may name itself with a newline or an ANSI escape (PR_SET_NAME takes any 15
+    bytes): its name, in the start's error naming a dead member or a tenant's note, is one
+    printable line; its stat's fields are still found after the name's last ')'."""
+    proc = tmp_path / "proc"
+    _process(proc, 100, b"python3", 1, 100, started=5000)
+    _process(proc, 101, b"a) Z\n\x1b[31m(b", 100, 100, started=5001)
+    assert process_name(101, proc) == "a) Z??[31m(b"
+    assert server_pids(100, proc) == frozenset({100, 101}) and start_ticks(101, proc) == 5001
+    assert dead_members(100, proc) == {}
+    (proc / "102").mkdir()
+    (proc / "102" / "comm").write_bytes(b"\n\n")
+    assert process_name(102, proc) == "?"  # named by a newline alone
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_NAME is Linux's")
 def test_a_real_process_named_in_bytes_that_are_not_utf8_is_in_its_parents_tree() -> None:
     """The real /proc: a child that named itself BAD_NAME (as any program on the machine may)

@@ -491,6 +491,41 @@ def test_what_only_looks_like_a_refusal_is_none() -> None:
     assert refusal is not None and "after loading the weights" in refusal.why, refusal
 
 
+def test_a_log_in_colour_or_with_bytes_that_do_not_print_is_read_and_quoted_on_one_line() -> None:
+    """A server log written in colour (FORCE_COLOR, Python 3.13's coloured tracebacks) holds
+    ANSI escapes before an exception's name, which hid its out-of-memory line (no refusal: a
+    rerun met it again); and escapes or bytes that do not print (a NUL, a bell, the replaced
+    bytes of a binary log) went into the refusal's quote, its one line."""
+    esc = "\x1b"
+    loaded = (
+        "[2026-02-14 02:07:40 TP0] Load weight begin. avail mem=78.50 GB\n"
+        "[2026-02-14 02:07:45 TP0] Load weight end. avail mem=63.40 GB\n"
+    )
+    coloured = (
+        loaded + f"{esc}[1;35mtorch.OutOfMemoryError{esc}[0m: {esc}[35mCUDA out of memory. "
+        f"Tried to allocate 1 GiB.{esc}[0m\n"
+    )
+    refusal = start_refusal(coloured, DRAFTER, [], 1)
+    assert refusal is not None and refusal.said == "CUDA out of memory. Tried to allocate 1 GiB."
+    binary = (
+        "\x00\ufffd\x07"
+        * 100
+        + f"\n{esc}[31m[2026-02-14 02:07:50 TP0] RuntimeError: Not enough memory. Please try to "
+        f"increase --mem-fraction-static.{esc}[0m\x00\x07\ttail\n\ufffd\x00"
+    )
+    refusal = start_refusal(binary, DRAFTER, [], 1)
+    assert refusal is not None
+    said = refusal.message("d", "log")
+    assert all(c.isprintable() for c in said), said
+    assert "increase --mem-fraction-static.??" in said, said
+    # Cut short mid-line (the log's tail read from within a line, or the server killed as it
+    # wrote): no refusal read off half of one.
+    assert (
+        start_refusal("RuntimeError: Not enough memory. Please try to increa", DRAFTER, [], 1)
+        is None
+    )
+
+
 def test_sglangs_own_static_fraction_is_named_where_its_log_says_it() -> None:
     """Where the campaign leaves --mem-fraction-static to SGLang, the fix names the fraction
     the server resolved, as its log says it (its server_args line as it starts; 0.5.23's

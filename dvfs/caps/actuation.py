@@ -14,7 +14,7 @@ import contextlib
 import errno
 import json
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -219,7 +219,7 @@ class AppliedCaps:
         `dvfs doctor` names as dvfs's caps in force, not as the GPU's own stock."""
         applied, entries = self.power_limits_mw(), self.read()
         for gpu in gpus:
-            earlier = entries.get(gpu.identity.uuid, {}).get(EARLIER)
+            earlier = _earlier_cap(entries.get(gpu.identity.uuid, {}))
             if earlier is not None and power_limit_or_none(gpu) == earlier:
                 applied[gpu.identity.uuid] = earlier
         return applied
@@ -340,6 +340,15 @@ def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
 #: land, so either is dvfs's cap, and `cap reset --applied` and the next `cap apply` take the
 #: GPU's limit for dvfs's, not an operator's, where it is either. Dropped once a change lands.
 EARLIER = "power_limit_earlier_mw"
+
+
+def _earlier_cap(entry: Mapping[str, Any]) -> int | None:
+    """A caps record entry's `EARLIER` cap where it is a power limit in mW; None where absent,
+    null or damaged (a float, a string, true: `damaged_lines` says it is taken for none, and
+    500000.0 or true must not pass for the GPU's limit by Python's 500000 == 500000.0 or
+    1 == True)."""
+    earlier = entry.get(EARLIER)
+    return earlier if _positive_int(earlier) else None
 
 
 def _positive_int(value: Any) -> bool:
@@ -869,7 +878,7 @@ def apply_actions(
                 # the one that cap replaced, as recorded; none where an older dvfs recorded
                 # none); one an operator set over that cap since is theirs, and replaced.
                 prior = applied.get(action.uuid, blank)
-                dvfs_cap = before in (prior.get("power_limit_mw"), prior.get(EARLIER))
+                dvfs_cap = before in (prior.get("power_limit_mw"), _earlier_cap(prior))
                 replaced = prior.get("power_limit_before_mw") if dvfs_cap else before
                 limit = action.power_limit_mw
                 entry = {
@@ -1190,7 +1199,7 @@ def _limit_replaced(
         current = gpu.power_limit_mw()
     before = recorded.get("power_limit_before_mw")
     known = isinstance(before, int) and _positive_int(before)
-    if current == recorded.get(EARLIER):  # dvfs's earlier cap, which a signal left in place
+    if current == _earlier_cap(recorded):  # dvfs's earlier cap, which a signal left in place
         applied = current
     if current != applied and not (known and current == before):  # (back already: a reset
         # stopped before it dropped the entry)

@@ -274,6 +274,12 @@ TEXT_ATTRIBUTES = (
 MAX_NAME_CHARS = 4096
 
 
+#: The GPUs' identity as NVML words it, printed inside `cube info`'s, the report's and
+#: `compare`'s lines: a newline or a terminal's escape there (a hand-edited cube) broke them.
+#: (Not every name: a campaign folder's path may hold any character but '/'.)
+ONE_LINE_ATTRIBUTES = ("ecc_mode", "vbios_version")
+
+
 def _attribute_problem(ds: xr.Dataset) -> str | None:
     """The first attribute the analyses read that holds what they cannot use: a number or a
     list where text goes (its name, a JSON document), text where a number goes (one number,
@@ -300,6 +306,8 @@ def _attribute_problem(ds: xr.Dataset) -> str | None:
                     f"its {name} attribute is {len(value)} characters long, not a name (at "
                     f"most {MAX_NAME_CHARS})"
                 )
+            if name in ONE_LINE_ATTRIBUTES and not value.isprintable():
+                return f"its {name} attribute holds {shown}, not a one-line name"
         elif not (
             isinstance(value, numbers.Real)
             and not isinstance(value, bool)

@@ -18,7 +18,9 @@ earlier server's memory still being freed)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import TypeGuard
 
 from dvfs.errors import EngineError
 from dvfs.gpu.base import GpuProcesses
@@ -47,11 +49,23 @@ def server_fraction(args: Mapping[str, object], given: float | None) -> tuple[fl
     """The server's --mem-fraction-static and how it is known: as it reports it resolved
     (`args`, its /server_info), else as dvfs passed it (`given`), else `DEFAULT_FRACTION`."""
     reported = args.get("mem_fraction_static")
-    if isinstance(reported, int | float) and not isinstance(reported, bool) and reported > 0:
+    if _fraction(reported):
         return float(reported), f"mem_fraction_static {float(reported):g}"
-    if given is not None and given > 0:
-        return given, f"mem_fraction_static {given:g} as passed"
+    if _fraction(given):
+        return float(given), f"mem_fraction_static {given:g} as passed"
     return DEFAULT_FRACTION, f"mem_fraction_static unreported, {DEFAULT_FRACTION:g} taken"
+
+
+def _fraction(value: object) -> TypeGuard[int | float]:
+    """Whether `value` is a share of a GPU's memory (a number in (0, 1]): a server's /server_info
+    (or a hand-written value) may say anything, and a claim above the GPU's memory, infinite or
+    NaN would judge the memory by nonsense."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= 1
+    )
 
 
 def kv_cap(args: Mapping[str, object], given: int | None) -> int | None:
@@ -72,10 +86,29 @@ def _took(before: GpuProcesses, after: GpuProcesses) -> tuple[int, str]:
     used = f"used memory {'+' if grown >= 0 else '-'}{_gib(abs(grown))}"
     if after.pids is not None and before.pids is not None:
         fresh = after.pids - before.pids
-        if fresh and all(p in after.process_bytes for p in fresh):
+        if fresh and all(_plausible(after.process_bytes.get(p), after) for p in fresh):
             new = sum(after.process_bytes[p] for p in fresh)
             return max(new, grown), f"{_gib(new)} in {len(fresh)} new compute process(es), {used}"
     return grown, used
+
+
+def _plausible(held: object, gpu: GpuProcesses) -> bool:
+    """Whether `held` (a process's or the GPU's used memory, bytes) is one NVML could mean: a
+    whole number from nought to the GPU's total. NVML_VALUE_NOT_AVAILABLE (2**64 - 1, passed on
+    as it is by a binding that does not turn it to None) or memory above the GPU's would read as
+    a server's claim on a GPU that took nothing."""
+    return (
+        isinstance(held, int)
+        and not isinstance(held, bool)
+        and 0 <= held <= (gpu.total_bytes if gpu.total_bytes is not None else held)
+    )
+
+
+def _nonsense(gpu: GpuProcesses) -> str:
+    """Why the used memory NVML read of `gpu` cannot be ("": it can)."""
+    if gpu.used_bytes is None or _plausible(gpu.used_bytes, gpu):
+        return ""
+    return f"NVML says {gpu.used_bytes} bytes used of {gpu.total_bytes}"
 
 
 def memory_outcome(
@@ -100,8 +133,9 @@ def memory_outcome(
     unread: list[str] = []
     for gpu in after:
         earlier = was.get(gpu.uuid)
-        if earlier is None or earlier.used_bytes is None or gpu.used_bytes is None:
-            why = gpu.memory_why or (earlier.memory_why if earlier is not None else "")
+        nonsense = _nonsense(gpu) or (_nonsense(earlier) if earlier is not None else "")
+        if earlier is None or earlier.used_bytes is None or gpu.used_bytes is None or nonsense:
+            why = nonsense or gpu.memory_why or (earlier.memory_why if earlier is not None else "")
             unread.append(f"GPU {gpu.index}" + (f" ({why})" if why else ""))
             continue
         grown, evidence = _took(earlier, gpu)

@@ -82,6 +82,10 @@ REQUEST_MIN_TOKENS = 6
 #: The most characters of SGLang's own line a refusal quotes.
 QUOTE_CHARS = 200
 
+#: A terminal's escape sequence (ANSI colour, CSI, or a two-character one): a log written with
+#: colour (FORCE_COLOR, Python 3.13's coloured tracebacks) holds them before and inside the
+#: lines read here, where they hid an exception's line from `_OOM` and went into the quote.
+_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
 _NOT_ENOUGH = re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static")
 #: The static fraction the server resolved, as it logs it: its `server_args=ServerArgs(...,
 #: mem_fraction_static=0.836, ...)` line as it starts, and 0.5.23's "Not enough memory" line
@@ -156,7 +160,7 @@ class StartRefusal:
 
 def _quote(line: str, start: int) -> str:
     """SGLang's line from `start` (where its message begins), cut to `QUOTE_CHARS`."""
-    text = line[start:].strip()
+    text = "".join(c if c.isprintable() else "?" for c in line[start:].strip())
     return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3].rstrip() + "..."
 
 
@@ -184,7 +188,7 @@ def start_refusal(
     server's argv (the campaign's flags in it), `tp_size`: its tensor-parallel ranks. None:
     nothing it printed is such a refusal (a crash, another program on its port...: a rerun
     may start it)."""
-    lines = log_text.splitlines()
+    lines = _ESCAPE.sub("", log_text).splitlines()
     smaller = f"use {MORE_GPUS} or a smaller model"
     if drafter.draft_model:
         smaller = (

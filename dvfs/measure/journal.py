@@ -616,6 +616,34 @@ def _record_problem(record: Any) -> str | None:
         return "a cell record without its key"
     if record["type"] == "cell":
         return _cell_problem(record["cell"])
+    if record["type"] == "session":
+        return _gpu_text_problem(record.get("gpus"))
+    return None
+
+
+#: The GPU identity a session reads as text where NVML gives it ("": not read), which a cube
+#: records as an attribute and `cube info`, the report and `compare` print in a line.
+GPU_TEXT_KEYS = ("ecc_mode", "vbios_version")
+
+
+def _gpu_text_problem(gpus: Any) -> str | None:
+    """Why a session record's GPUs' `GPU_TEXT_KEYS` are not text (None if they are, or absent):
+    a hand-edited list or number went into the cube as its repr, and a name longer than a
+    cube's attribute may hold made a cube that `cube info` called damaged, to be rebuilt from
+    this same journal."""
+    from dvfs.cube.schema import MAX_NAME_CHARS
+
+    for gpu in gpus if isinstance(gpus, list) else ():
+        for key in GPU_TEXT_KEYS:
+            value = gpu.get(key) if isinstance(gpu, dict) else None
+            if value is None:
+                continue
+            if not isinstance(value, str) or len(value) > MAX_NAME_CHARS or not value.isprintable():
+                return (
+                    f"a session record whose GPU {_shown(gpu.get('index'))}'s {key} is "
+                    f"{_shown(value)}, not a one-line name of at most {MAX_NAME_CHARS} "
+                    'characters (or "")'
+                )
     return None
 
 

@@ -164,9 +164,9 @@ def ecc_mode_warnings(attrs: dict[Any, Any]) -> list[str]:
         return []
     modes: dict[str, dict[str, list[str]]] = {}
     for label, s in sources.items():
-        if isinstance(s, dict) and _text(s.get("ecc_mode")) != MISSING:
+        if isinstance(s, dict) and (mode := _ecc_mode(s.get("ecc_mode"))) is not None:
             of_model = modes.setdefault(_text(s.get("gpu_name")), {})
-            of_model.setdefault(str(s["ecc_mode"]), []).append(str(label))
+            of_model.setdefault(mode, []).append(str(label))
     warnings = []
     for model, by_mode in modes.items():
         if len(by_mode) < 2:
@@ -178,6 +178,17 @@ def ecc_mode_warnings(attrs: dict[Any, Any]) -> list[str]:
             "of one ECC mode."
         )
     return warnings
+
+
+def _ecc_mode(value: Any) -> str | None:
+    """A merged cube's source's ECC mode as NVML words it ("on", "off", "on (pending off)");
+    None where it is not recorded, or is not such a name (a hand-edited cube: a list, a
+    newline or a terminal's escape, a page of text), which tells no ECC mode apart."""
+    from dvfs.cube.schema import MAX_NAME_CHARS
+
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        return None
+    return value if value.isprintable() and value not in ("None", "nan") else None
 
 
 def _merged_from(attrs: dict[Any, Any]) -> list[Paragraph | Table]:
@@ -196,7 +207,11 @@ def _merged_from(attrs: dict[Any, Any]) -> list[Paragraph | Table]:
         "engine_version",
     )
     rows = tuple(
-        (str(label), *(_text(s.get(k)) for k in keys), _text(s.get("created")))
+        (
+            str(label),
+            *(_text(s.get(k)) if k != "ecc_mode" else _ecc_mode(s.get(k)) or MISSING for k in keys),
+            _text(s.get("created")),
+        )
         for label, s in sources.items()
     )
     header = ("GPU", "model", "campaign", "hash", "driver", "ECC", "engine", "measured")
