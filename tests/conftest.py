@@ -54,10 +54,16 @@ REPO = Path(__file__).resolve().parent.parent
 # Nor the explain phase: on Python < 3.12 it traces every line (sys.settrace) of each example
 # replayed after a failure, which made one failing property test (xarray under the tracer) run
 # past pytest-timeout's 120 s, so the report showed a flaky timeout, not the failure.
-settings.register_profile(
-    "dvfs", deadline=None, phases=[phase for phase in Phase if phase is not Phase.explain]
-)
-settings.load_profile("dvfs")
+# The default profile is "dvfs" (hypothesis's 100 examples a test); DVFS_HYPOTHESIS_PROFILE=deep
+# loads "deep" instead, the same settings at 2,000 examples a test, to hunt latent defects (run
+# it file by file, with `-p no:timeout`: not for the suite's ordinary run). Under "deep", a test
+# whose own @settings names fewer examples runs the profile's count too (`_deepen`).
+_PHASES = [phase for phase in Phase if phase is not Phase.explain]
+settings.register_profile("dvfs", deadline=None, phases=_PHASES)
+DEEP_EXAMPLES = 2000
+settings.register_profile("deep", deadline=None, phases=_PHASES, max_examples=DEEP_EXAMPLES)
+HYPOTHESIS_PROFILE = os.environ.get("DVFS_HYPOTHESIS_PROFILE", "dvfs")
+settings.load_profile(HYPOTHESIS_PROFILE)
 FAKES = REPO / "tests" / "fakes"
 
 SMALL_CAMPAIGN = """
@@ -570,9 +576,28 @@ def ray_nvml(ray_cluster: object, monkeypatch: pytest.MonkeyPatch) -> ModuleType
     return fake
 
 
+def _deepen(test: object) -> None:
+    """Raise a property test's own `max_examples` to the "deep" profile's, never lower it. A
+    test's `@settings(max_examples=N)` overrides any profile, so without this the deep run
+    would leave the tests that set one (about a hundred) at their own count. Hypothesis reads the
+    settings from this attribute of the @given wrapper each time the test runs (no public way
+    to change them once decorated); only the deep profile touches it."""
+    own = getattr(test, "_hypothesis_internal_use_settings", None)
+    deepens = own is not None and own.max_examples < DEEP_EXAMPLES
+    if getattr(test, "is_hypothesis_test", False) and deepens:
+        test._hypothesis_internal_use_settings = settings(  # type: ignore[attr-defined]
+            own, max_examples=DEEP_EXAMPLES
+        )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that use `ray_cluster` first, in their order; the rest as collected. Every
-    xdist worker sorts the same collection the same way, as xdist requires."""
+    xdist worker sorts the same collection the same way, as xdist requires. Under the "deep"
+    profile, a property test's own `@settings(max_examples=N)` is raised to the profile's
+    count (`_deepen`)."""
+    if HYPOTHESIS_PROFILE == "deep":
+        for item in items:
+            _deepen(getattr(item, "obj", None))
     uses = ["ray_cluster" in getattr(item, "fixturenames", ()) for item in items]
     items[:] = [i for i, u in zip(items, uses, strict=True) if u] + [
         i for i, u in zip(items, uses, strict=True) if not u

@@ -91,6 +91,11 @@ STAGE_ROUNDS = 3
 #: than polishing there (converged first fits take 10-20 steps; on 30 cubes the predictor made
 #: from random figures this cut the fit's time by about a half, the figures found the same).
 STAGE_MAX_NFEV = 20
+#: The relative step of the first fits' finite differences. Their cells ran at their lock, so
+#: no clock search jitters their residuals, and `DIFF_STEP`'s coarse differences there stall the
+#: search short of the optimum where the figures trade closely (on cells the predictor itself
+#: made: residuals of 1e-4 left and host_overhead_s 13% off, tests/test_twin_fit_cube.py).
+STAGE_DIFF_STEP = 1e-5
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,16 @@ def fit_cube_cells(
         if int(free.sum()) <= len(params) or free.all():
             break
         first = _solve(
-            cells.subset(free), base, params, unit, x0, x, bounds, source, STAGE_MAX_NFEV
+            cells.subset(free),
+            base,
+            params,
+            unit,
+            x0,
+            x,
+            bounds,
+            source,
+            STAGE_MAX_NFEV,
+            diff_step=STAGE_DIFF_STEP,
         )
         x, evaluations = first.x, evaluations + int(first.nfev)
         again = _unthrottled(cells, _with(base, params, x * unit))
@@ -297,9 +311,12 @@ def _solve(
     bounds: tuple[np.ndarray, np.ndarray],
     source: str,
     max_nfev: int | None = None,
+    *,
+    diff_step: float = DIFF_STEP,
 ) -> Any:
     """Bounded least squares from `start` (figures in units of `unit`), pulled weakly to
-    `prior`, with at most `max_nfev` steps (default: 200 per figure)."""
+    `prior`, with at most `max_nfev` steps (default: 200 per figure), its finite differences
+    of relative step `diff_step`."""
     from scipy.optimize import least_squares
 
     def residuals(x: np.ndarray) -> np.ndarray:
@@ -311,7 +328,7 @@ def _solve(
             residuals,
             start,
             bounds=bounds,
-            diff_step=DIFF_STEP,
+            diff_step=diff_step,
             xtol=1e-10,
             ftol=1e-10,
             gtol=1e-10,
