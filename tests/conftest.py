@@ -16,6 +16,7 @@ that changes one works on `copy_sweep` of it):
 - `made_once(tmp_path_factory, NAME, MAKE)` (a function, not a fixture): a folder MAKE fills
   once per session, for a module fixture that writes files (module scope alone builds it again
   on each worker that runs one of the module's tests).
+- `live_pid`: a live `sleep` process that is no server's (a tenant, a container's host PID).
 - `ray_cluster`: one loopback Ray instance with four twin GPUs (and two of the fake NVML's:
   `ray_nvml`), shared by the tests that use it, which run first and in a row on each xdist
   worker that gets some (worksteal may share them out: each such worker starts its own; the
@@ -34,6 +35,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -658,3 +660,15 @@ def default_dispositions() -> None:
     that signal the child."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_DFL)
+
+
+@pytest.fixture
+def live_pid() -> Iterator[int]:
+    """A live process that is not a server's (NVML lists live PIDs only): another tenant's job,
+    or the host PID NVML names a container's server by. Its pid."""
+    process = subprocess.Popen(["sleep", "120"])
+    try:
+        yield process.pid
+    finally:
+        process.kill()
+        process.wait()

@@ -7,8 +7,6 @@ plays the tenant (`foreign_pid`) and a container's PID namespace (`nvml_pid`).""
 from __future__ import annotations
 
 import json
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -42,14 +40,9 @@ def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 @pytest.fixture
-def tenant() -> Iterator[int]:
-    """A live process that is not the server's (NVML lists live PIDs only): its pid."""
-    process = subprocess.Popen(["sleep", "120"])
-    try:
-        yield process.pid
-    finally:
-        process.kill()
-        process.wait()
+def tenant(live_pid: int) -> int:
+    """Another tenant's live process (`live_pid`)."""
+    return live_pid
 
 
 def sweep(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -35,15 +34,9 @@ def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 @pytest.fixture
-def host_pid() -> Iterator[int]:
-    """A live process that is not the server's: the host PID NVML names a container's server
-    by, which the server's parent cannot see as its own."""
-    process = subprocess.Popen(["sleep", "120"])
-    try:
-        yield process.pid
-    finally:
-        process.kill()
-        process.wait()
+def host_pid(live_pid: int) -> int:
+    """The host PID NVML names a container's server by (`live_pid`)."""
+    return live_pid
 
 
 def _sweep(
