@@ -27,6 +27,12 @@ def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return installed_root_fake(tmp_path, monkeypatch)
 
 
+def write_caps(path: Path, *caps: GpuCap) -> Path:
+    """A caps file at `path` holding `caps`, as `dvfs cap plan` writes one."""
+    path.write_text(dump_caps(CapsFile(caps)))
+    return path
+
+
 def invoke(*args: str, code: int = 0) -> str:
     result = CliRunner().invoke(cli, list(args))
     assert result.exit_code == code, result.output
@@ -129,7 +135,7 @@ def test_caps_file_round_trip_and_validation(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="the world-writable check applies to root only")
 def test_root_refuses_a_world_writable_caps_file(tmp_path: Path) -> None:
     path = tmp_path / "caps.toml"
-    path.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),))))
+    write_caps(path, GpuCap(uuid="GPU-1", power_limit_w=400.0))
     path.chmod(0o666)
     with pytest.raises(CapsError, match="world-writable"):
         load_caps(path)
@@ -234,9 +240,9 @@ def test_root_reads_the_caps_file_it_checked(tmp_path: Path, monkeypatch) -> Non
     import dvfs.caps.files as files
 
     path = tmp_path / "caps.toml"
-    path.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),))))
+    write_caps(path, GpuCap(uuid="GPU-1", power_limit_w=400.0))
     theirs = tmp_path / "theirs.toml"
-    theirs.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=100.0),))))
+    write_caps(theirs, GpuCap(uuid="GPU-1", power_limit_w=100.0))
     os.chown(theirs, 1, 1)
     check = files.check_file_safety
 
@@ -357,7 +363,7 @@ def _h100_caps_file(tmp_path: Path) -> Path:
     """A caps file capping every H100 at 1500 MHz and 500 W."""
     caps = tmp_path / "caps.toml"
     cap = GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500)
-    caps.write_text(dump_caps(CapsFile((cap,))))
+    write_caps(caps, cap)
     return caps
 
 
@@ -562,7 +568,7 @@ def test_cap_apply_caps_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
         assert lost_uuid in " ".join(result.stderr.split())  # noted, not the exit
         assert nvml.fake_device_state(1)["power_limit_mw"] == 450_000
     only_lost = tmp_path / "lost.toml"
-    only_lost.write_text(dump_caps(CapsFile((GpuCap(uuid=lost_uuid, power_limit_w=400.0),))))
+    write_caps(only_lost, GpuCap(uuid=lost_uuid, power_limit_w=400.0))
     refused = CliRunner().invoke(cli, ["cap", "apply", str(only_lost)])
     line = lost_line(refused)
     assert "matches none of this host's GPUs that open, so nothing was capped" in line
@@ -628,7 +634,7 @@ def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
     1. Its --json gives the lost GPU the row `gpu list --json` gives it (its index and error)."""
     uuid = nvml.fake_device_state(1)["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     invoke("cap", "apply", str(caps))
     nvml.fake_update_device(0, lost=True)
     for extra in ((), ("--json",)):
@@ -747,7 +753,7 @@ def test_a_gpu_whose_power_limit_nvml_does_not_support_fails_no_command_that_lea
     (exit 0), the reset finds nothing to restore (exit 0)."""
     uuid = nvml.fake_device_state(0)["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     nvml.fake_update_device(
         1, errors={"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_NOT_SUPPORTED}
     )
@@ -845,15 +851,15 @@ def test_monitor_exports_the_enforced_limit_of_a_gpu_whose_power_limit_is_not_su
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=elsewhere, power_limit_w=400.0),))))
+    write_caps(caps, GpuCap(uuid=elsewhere, power_limit_w=400.0))
     missing = invoke("cap", "apply", str(caps), code=2)
     assert "matches no GPU on this host" in missing and elsewhere in missing
     assert "GPU 0 NVIDIA H100 80GB HBM3 (GPU-" in missing  # what the host has
     assert nvml.fake_calls() == []
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1507),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1507))
     assert "1507 MHz is not a supported SM clock" in invoke("cap", "apply", str(caps), code=2)
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=400.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=400.0))
     monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
     denied = invoke("cap", "apply", str(caps), code=4)
     assert "permission denied" in denied and "systemd" in denied
@@ -862,7 +868,7 @@ def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
 def test_a_caps_file_matching_no_gpu_fails_even_with_skip_missing(nvml, tmp_path: Path) -> None:
     """The boot unit must not report success having capped nothing."""
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(name="NVIDIA H200", power_limit_w=400.0),))))
+    write_caps(caps, GpuCap(name="NVIDIA H200", power_limit_w=400.0))
     for extra in ((), ("--skip-missing",), ("--dry-run",)):
         out = invoke("cap", "apply", str(caps), *extra, code=2)
         assert "matches no GPU on this host" in out and "model 'NVIDIA H200'" in out
@@ -874,16 +880,7 @@ def test_a_partial_match_applies_what_matches_and_says_what_did_not(nvml, tmp_pa
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     gone = "GPU-11111111-1111-1111-1111-111111111111"
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (
-                    GpuCap(uuid=uuid, power_limit_w=450.0),
-                    GpuCap(uuid=gone, power_limit_w=450.0),
-                )
-            )
-        )
-    )
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0), GpuCap(uuid=gone, power_limit_w=450.0))
     dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run", code=5).split())
     assert "dry run, nothing changed:" in dry and gone in dry and "not on this host" in dry
     assert "`cap apply` would cap the GPUs that match and exit 5" in dry
@@ -903,15 +900,10 @@ def test_a_partial_match_applies_what_matches_and_says_what_did_not(nvml, tmp_pa
 
 def test_a_fleet_file_notes_models_this_host_lacks(nvml, tmp_path: Path) -> None:
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (
-                    GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=450.0),
-                    GpuCap(name="NVIDIA H200", power_limit_w=500.0),
-                )
-            )
-        )
+    write_caps(
+        caps,
+        GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=450.0),
+        GpuCap(name="NVIDIA H200", power_limit_w=500.0),
     )
     out = invoke("cap", "apply", str(caps))  # exit 0: a fleet file names every model
     assert "applied caps to 2 GPU(s)" in out and "note:" in out and "NVIDIA H200" in out
@@ -1036,7 +1028,7 @@ def test_apply_names_the_gpus_here_that_the_file_has_no_entry_for(nvml, tmp_path
     nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
     gpus = json.loads(invoke("gpu", "list", "--json"))
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(name=gpus[0]["name"], power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(name=gpus[0]["name"], power_limit_w=450.0))
     for extra, left in (
         (("--dry-run",), "it would be left as it is"),
         ((), "it was left as it is"),
@@ -1049,11 +1041,11 @@ def test_apply_names_the_gpus_here_that_the_file_has_no_entry_for(nvml, tmp_path
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
     nvml.fake_reset_state(["h100-sxm", "h100-sxm"])
     gpus = json.loads(invoke("gpu", "list", "--json"))
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=gpus[0]["uuid"], power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=gpus[0]["uuid"], power_limit_w=450.0))
     assert f"no entry for GPU 1 ({gpus[1]['name']}" in " ".join(
         invoke("cap", "apply", str(caps)).split()
     )
-    caps.write_text(dump_caps(CapsFile((GpuCap(name=gpus[0]["name"], power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(name=gpus[0]["name"], power_limit_w=450.0))
     assert "no entry" not in invoke("cap", "apply", str(caps))  # every GPU here has its caps
     # One with MIG enabled no plan can cap (dvfs refuses MIG GPUs): told so, not to plan it.
     nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
@@ -1361,7 +1353,7 @@ def test_an_unchanged_limit_whose_record_fails_says_the_way_on_alone_too(
     held = nvml.fake_device_state(0)
     caps = tmp_path / "caps.toml"
     limit_w = held["power_limit_mw"] / 1000
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=held["uuid"], power_limit_w=limit_w),))))
+    write_caps(caps, GpuCap(uuid=held["uuid"], power_limit_w=limit_w))
     state = tmp_path / "state"
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps), "--state-dir", str(state)])
     assert result.exit_code == 1, result.output
@@ -1412,7 +1404,7 @@ def test_a_cap_neither_recorded_nor_taken_back_is_said_and_stops_the_apply(
 def _driver_caps(tmp_path: Path, nvml) -> Path:
     caps = tmp_path / "caps.toml"
     uuid = nvml.fake_device_state(0)["uuid"]
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
     return caps
 
 
@@ -1587,7 +1579,7 @@ def test_cap_apply_waits_for_nothing_but_the_driver(
     elif refusal == "no driver":
         monkeypatch.setenv("DVFS_FAKE_NVML_MISSING", "1")
     else:
-        caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-elsewhere", power_limit_w=450.0),))))
+        write_caps(caps, GpuCap(uuid="GPU-elsewhere", power_limit_w=450.0))
 
     def never(seconds: float) -> None:
         raise AssertionError(f"waited {seconds} s on {refusal}")
@@ -1672,8 +1664,8 @@ def test_an_apply_planned_before_another_capped_the_gpu_holds_its_own_file(
 
     uuid = nvml.fake_device_state(0)["uuid"]
     clock, limit = tmp_path / "clock.toml", tmp_path / "limit.toml"
-    clock.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
-    limit.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500),))))
+    write_caps(clock, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    write_caps(limit, GpuCap(uuid=uuid, power_limit_w=500))
     _another_apply_between_plan_and_lock(monkeypatch, clock)
     said = invoke("cap", "apply", str(limit))
     device = nvml.fake_device_state(0)
@@ -1696,8 +1688,8 @@ def test_an_apply_planned_before_another_capped_the_gpu_says_the_limit_it_change
 
     uuid = nvml.fake_device_state(0)["uuid"]
     earlier, later = tmp_path / "earlier.toml", tmp_path / "later.toml"
-    earlier.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500),))))
-    later.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=later_w),))))
+    write_caps(earlier, GpuCap(uuid=uuid, power_limit_w=500))
+    write_caps(later, GpuCap(uuid=uuid, power_limit_w=later_w))
     _another_apply_between_plan_and_lock(monkeypatch, earlier)
     out = invoke("cap", "apply", str(later))
     assert f"power limit {later_w} W {said}" in out, out
@@ -1756,7 +1748,7 @@ def test_a_reset_whose_record_cannot_be_written_goes_past_a_gpu_it_never_listed(
 
     uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuids[1], sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuids[1], sm_clock_max_mhz=1500))
     invoke("cap", "apply", str(caps))
     result = _reset_with_the_record_unwritable(monkeypatch)
     assert f"GPU 0 ({uuids[0]}): clocks unlocked" in result.stdout, result.output
@@ -1829,7 +1821,7 @@ def test_a_knob_the_new_file_leaves_at_stock_goes_back_to_stock(nvml, tmp_path: 
     left on the GPU while the record (and `cap show`) forgets it."""
     uuid = apply_caps(tmp_path, 1410, 500.0)
     power_only = tmp_path / "power.toml"
-    power_only.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(power_only, GpuCap(uuid=uuid, power_limit_w=450.0))
     dry = invoke("cap", "apply", str(power_only), "--dry-run")
     assert "SM clock unlocked" in dry and nvml.fake_device_state(0)["locked_clocks"] == [210, 1410]
     invoke("cap", "apply", str(power_only))
@@ -1837,7 +1829,7 @@ def test_a_knob_the_new_file_leaves_at_stock_goes_back_to_stock(nvml, tmp_path: 
     assert device["locked_clocks"] is None and device["power_limit_mw"] == 450_000
     assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] is None
     clock_only = tmp_path / "clock.toml"
-    clock_only.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(clock_only, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     assert "power limit 700 W (as before" in invoke("cap", "apply", str(clock_only))
     device = nvml.fake_device_state(0)
     assert device["locked_clocks"] == [210, 1500] and device["power_limit_mw"] == 700_000
@@ -2074,7 +2066,7 @@ def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> 
 
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     state = Path(os.environ["DVFS_STATE_DIR"])
     with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
         assert "in use by another dvfs process" in invoke("cap", "apply", str(caps), code=3)
@@ -2094,7 +2086,7 @@ def test_apply_warns_when_the_driver_may_drop_the_caps(nvml, tmp_path: Path) -> 
     may be gone as soon as dvfs exits, so the apply says so and how to fix it."""
     nvml.fake_update_device(1, persistence_mode=False)
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=450),))))
+    write_caps(caps, GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=450))
     for extra in ((), ("--dry-run",)):
         out = invoke("cap", "apply", str(caps), *extra)
         assert "persistence mode is off on GPU 1:" in out and "nvidia-smi -pm 1" in out, out
@@ -2121,7 +2113,7 @@ def test_a_mig_gpu_on_the_host_does_not_stop_the_others_being_capped(nvml, tmp_p
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
     named = tmp_path / "named.toml"
-    named.write_text(dump_caps(CapsFile((GpuCap(uuid=second, power_limit_w=450),))))
+    write_caps(named, GpuCap(uuid=second, power_limit_w=450))
     before = len(nvml.fake_calls())
     refused = " ".join(invoke("cap", "apply", str(named), code=2).split())
     assert "GPU 1: MIG is enabled, and dvfs caps whole GPUs only" in refused, refused
@@ -2348,7 +2340,7 @@ def test_records_an_older_dvfs_wrote_before_a_reboot_are_not_taken_for_this_boot
     assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
     StateStore(state).path(uuid).write_text(json.dumps(state_file))
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     invoke("cap", "apply", str(caps))  # dvfs-caps.service at boot
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
     invoke("cap", "reset")
@@ -2382,7 +2374,7 @@ def test_a_model_entry_every_gpu_here_overrides_is_not_noted_as_another_hosts(
         GpuCap(name=name, sm_clock_max_mhz=1200),
         GpuCap(name="NVIDIA H200", power_limit_w=500),
     )
-    caps.write_text(dump_caps(CapsFile((*entries, *others))))
+    write_caps(caps, *entries, *others)
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
     assert result.exit_code == 0, result.output
     told = " ".join(result.output.split())
@@ -2432,7 +2424,7 @@ def test_show_and_monitor_without_root_see_the_caps_root_applied(
     [shown, _] = json.loads(invoke("cap", "show", "--json"))
     assert shown["uuid"] == uuid and shown["sm_clock_lock_mhz"] == [210, 1410]
     power_only = tmp_path / "power.toml"
-    power_only.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(power_only, GpuCap(uuid=uuid, power_limit_w=450.0))
     assert "SM clock unlocked" in invoke("cap", "apply", str(power_only), "--dry-run")
     page = invoke("monitor", "--once", "--interval", "0.01")
     assert f'dvfs_gpu_sm_clock_lock_max_hertz{{gpu="0",uuid="{uuid}"}} 1.41e+09' in page
@@ -2783,7 +2775,7 @@ def test_a_clock_only_sweep_on_capped_gpus_says_its_stock_limit_is_not_the_one_f
 
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
     invoke("cap", "apply", str(caps))
     campaign = tmp_path / "clock.toml"
     text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
@@ -2833,7 +2825,7 @@ def test_a_merge_keeps_the_cap_each_source_found_and_lifted(nvml, tmp_path: Path
 
     u0 = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=u0, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=u0, power_limit_w=450.0))
     invoke("cap", "apply", str(caps))
     campaign = tmp_path / "clock.toml"
     text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
@@ -2883,15 +2875,8 @@ def test_each_gpus_cap_found_and_lifted_is_kept_and_said(nvml, tmp_path: Path, h
 
     uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))][:2]
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (
-                    GpuCap(uuid=uuids[0], power_limit_w=450.0),
-                    GpuCap(uuid=uuids[1], power_limit_w=500.0),
-                )
-            )
-        )
+    write_caps(
+        caps, GpuCap(uuid=uuids[0], power_limit_w=450.0), GpuCap(uuid=uuids[1], power_limit_w=500.0)
     )
     invoke("cap", "apply", str(caps))
     campaign = tmp_path / "clock.toml"
@@ -3001,15 +2986,10 @@ def test_every_gpus_invalid_cap_is_reported_together(nvml, tmp_path: Path) -> No
     """100 W on GPU 0 and 900 W on GPU 1: both named in one error, nothing applied."""
     uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (
-                    GpuCap(uuid=uuids[0], power_limit_w=100.0),
-                    GpuCap(uuid=uuids[1], sm_clock_max_mhz=1507, power_limit_w=900.0),
-                )
-            )
-        )
+    write_caps(
+        caps,
+        GpuCap(uuid=uuids[0], power_limit_w=100.0),
+        GpuCap(uuid=uuids[1], sm_clock_max_mhz=1507, power_limit_w=900.0),
     )
     for extra in ((), ("--dry-run",)):
         out = " ".join(invoke("cap", "apply", str(caps), *extra, code=2).split())
@@ -3028,7 +3008,7 @@ def test_a_refused_apply_does_not_print_the_change_as_done(
 
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid, sm_clock_max_mhz=1500, power_limit_w=500),))))
+    write_caps(caps, GpuCap(uuid, sm_clock_max_mhz=1500, power_limit_w=500))
     monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
     denied = invoke("cap", "apply", str(caps), code=4)
     assert "permission" in denied and "SM clock locked" not in denied, denied
@@ -3242,7 +3222,7 @@ def test_a_dry_run_refuses_a_folder_in_place_of_the_caps_records_lock_as_the_app
     folder = state / "caps-applied.json.lock"
     folder.mkdir(parents=True)
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     real = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
     assert real.exit_code == 1, real.output
     before = sorted(state.rglob("*"))
@@ -3268,7 +3248,7 @@ def test_a_dry_run_refuses_a_lock_linked_into_a_missing_folder_as_the_apply_does
     lock = state / "caps-applied.json.lock"
     lock.symlink_to(tmp_path / "gone" / "caps.lock")
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     real = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
     refusal = " ".join(real.output.split()).removeprefix("Error: ")
     assert real.exit_code == 1 and f"cannot open {lock}: no such file" in refusal, refusal
@@ -3299,7 +3279,7 @@ def test_a_caps_record_lock_that_cannot_be_opened_names_a_gpu_fallen_off_the_bus
     else:
         path.symlink_to(tmp_path / "gone" / "caps.lock")
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *(["--dry-run"] * dry_run)])
     said = " ".join(result.output.split())
     assert result.exit_code == 1 and said.startswith("Error: "), said
@@ -3333,7 +3313,7 @@ def test_a_gpu_lock_that_cannot_be_written_is_told_no_other_state_dir(
     uuid = nvml.fake_device_state(0)["uuid"]
     state = tmp_path / "state"
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     if command == "reset":
         invoke("cap", "apply", str(caps), "--state-dir", str(state))
     before = nvml.fake_device_state(0)["locked_clocks"]
@@ -3369,7 +3349,7 @@ def test_a_reset_refused_by_a_gpus_lock_names_a_gpu_fallen_off_the_bus_too(
 
     uuid = nvml.fake_device_state(0)["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     invoke("cap", "apply", str(caps))
     nvml.fake_update_device(1, lost=True)
     path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
@@ -3411,7 +3391,7 @@ def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_
     folder = state / name.format(uuid=uuid)
     folder.mkdir(parents=True)
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     (tmp_path / "plan.toml").write_text(
         'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
         "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
@@ -3457,7 +3437,7 @@ def test_doctor_says_what_the_sweep_does_with_a_power_cap_too(
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     caps = tmp_path / "caps.toml"
     cap = GpuCap(uuid=uuid, sm_clock_max_mhz=clock_mhz, power_limit_w=500.0)
-    caps.write_text(dump_caps(CapsFile((cap,))))
+    write_caps(caps, cap)
     invoke("cap", "apply", str(caps))
     campaign = tmp_path / "c.toml"
     campaign.write_text(NVML_CAMPAIGN.format(output_tokens=8, repeats=1))
@@ -3522,7 +3502,7 @@ def test_a_state_file_in_a_symlink_loop_is_refused_not_taken_for_none(nvml, tmp_
     assert result.exit_code == 3, result.output
     assert str(loop) in result.stderr and "symbolic links" in result.stderr, result.stderr
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
     assert result.exit_code == 3, result.output
     assert nvml.fake_device_state(0)["locked_clocks"] is None
@@ -3600,7 +3580,7 @@ def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
     that is a folder is, it exits 1 in its own line, the GPU unchanged."""
     uuid = nvml.fake_device_state(0)["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     if command == "reset":
         invoke("cap", "apply", str(caps))
     before = nvml.fake_device_state(0)["locked_clocks"]
@@ -3652,18 +3632,13 @@ def test_a_gpu_a_new_caps_file_leaves_out_is_said_to_keep_an_earlier_files_caps(
     and the `dvfs cap reset N` that removes them, which does, pasted as printed."""
     [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (
-                    GpuCap(uuid=first, sm_clock_max_mhz=1500),
-                    GpuCap(uuid=second, sm_clock_max_mhz=1200, power_limit_w=450.0),
-                )
-            )
-        )
+    write_caps(
+        caps,
+        GpuCap(uuid=first, sm_clock_max_mhz=1500),
+        GpuCap(uuid=second, sm_clock_max_mhz=1200, power_limit_w=450.0),
     )
     invoke("cap", "apply", str(caps))
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=first, sm_clock_max_mhz=1500))
     for args in (("--dry-run",), ()):
         result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *args])
         assert result.exit_code == 0, result.output
@@ -3724,7 +3699,7 @@ def test_the_caps_units_stop_resets_only_what_its_start_applied(nvml, tmp_path: 
     nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, on the capped GPU
     nvml.fake_update_device(1, power_limit_mw=500_000, locked_clocks=[210, 1600])
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=first, sm_clock_max_mhz=1500))
     invoke(*shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps))))
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
     result = CliRunner().invoke(cli, shlex.split(stop))
@@ -3737,7 +3712,7 @@ def test_the_caps_units_stop_resets_only_what_its_start_applied(nvml, tmp_path: 
     said = " ".join(result.stderr.split())
     assert f"GPU 1 ({second}) holds no caps dvfs's caps record lists: left as it is" in said
     # a power limit dvfs set goes back to the one it replaced; a plain reset resets every GPU
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=first, power_limit_w=450.0))
     invoke(*shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps))))
     invoke(*shlex.split(stop))
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
@@ -3756,18 +3731,11 @@ def test_a_state_folder_with_braces_in_its_name_is_named_in_the_kept_caps_note(
     [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
     state = tmp_path / "st{x}"
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (
-                    GpuCap(uuid=first, sm_clock_max_mhz=1500),
-                    GpuCap(uuid=second, power_limit_w=450.0),
-                )
-            )
-        )
+    write_caps(
+        caps, GpuCap(uuid=first, sm_clock_max_mhz=1500), GpuCap(uuid=second, power_limit_w=450.0)
     )
     invoke("cap", "apply", str(caps), "--state-dir", str(state))
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=first, sm_clock_max_mhz=1500))
     for args in (("--dry-run",), ()):
         result = CliRunner().invoke(
             cli, ["cap", "apply", str(caps), "--state-dir", str(state), *args]
@@ -3788,18 +3756,11 @@ def test_the_reset_a_kept_caps_note_names_removes_dvfs_caps_alone(nvml, tmp_path
     [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
     nvml.fake_update_device(1, locked_clocks=[210, 1600])  # the operator's
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (
-                    GpuCap(uuid=first, sm_clock_max_mhz=1500),
-                    GpuCap(uuid=second, power_limit_w=450.0),
-                )
-            )
-        )
+    write_caps(
+        caps, GpuCap(uuid=first, sm_clock_max_mhz=1500), GpuCap(uuid=second, power_limit_w=450.0)
     )
     invoke("cap", "apply", str(caps))
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=first, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=first, sm_clock_max_mhz=1500))
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
     assert result.exit_code == 0, result.output
     [reset] = re.findall(r"`(dvfs cap reset[^`]*)`", " ".join(result.stderr.split()))
@@ -3822,7 +3783,7 @@ def test_the_caps_units_stop_puts_back_the_power_limit_dvfs_replaced(nvml, tmp_p
     uuid = nvml.fake_device_state(0)["uuid"]
     nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
     started = shlex.split(start.replace("/etc/dvfs/caps.toml", str(caps)))
     invoke(*started)
     invoke(*started)  # applied again over its own cap: 600 W is still the one it replaced
@@ -3873,7 +3834,7 @@ def test_a_signal_between_a_cap_and_its_record_leaves_the_cap_recorded(
     uuid = nvml.fake_device_state(0)["uuid"]
     nvml.fake_update_device(0, power_limit_mw=600_000)
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
     update = AppliedCaps.update
 
     def signalled(self: AppliedCaps, gpu: str, entry: dict | None) -> None:
@@ -3901,7 +3862,7 @@ def test_the_caps_units_stop_puts_back_the_default_for_a_replaced_limit_out_of_r
     uuid = nvml.fake_device_state(0)["uuid"]
     nvml.fake_update_device(0, power_limit_mw=600_000)
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
     invoke("cap", "apply", str(caps))
     record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
     entries = json.loads(record.read_text())
@@ -3930,7 +3891,7 @@ def test_a_file_leaving_the_power_limit_at_stock_puts_back_the_one_dvfs_replaced
     capped = dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500, power_limit_w=450.0),)))
     caps.write_text(capped)
     invoke("cap", "apply", str(caps))
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run").split())
     assert "power limit 600 W (as before `dvfs cap apply`), none in this file" in dry, dry
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
@@ -3944,7 +3905,7 @@ def test_a_file_leaving_the_power_limit_at_stock_puts_back_the_one_dvfs_replaced
     caps.write_text(capped)
     invoke("cap", "apply", str(caps))
     nvml.fake_update_device(0, power_limit_mw=550_000)
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     said = " ".join(invoke("cap", "apply", str(caps)).split())
     assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
     assert "power limit left at 550 W (set outside dvfs since `dvfs cap apply` set 450 W)" in said
@@ -3969,9 +3930,9 @@ def test_a_signal_stopping_a_limit_change_over_dvfs_cap_keeps_that_cap_dvfs(
     uuid = nvml.fake_device_state(0)["uuid"]
     nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=500.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=500.0))
     invoke("cap", "apply", str(caps))
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
 
     def stopped(handle: object, limit_mw: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the stop, in NVML's call: it never lands
@@ -4050,7 +4011,7 @@ def test_the_caps_units_stop_after_a_dead_sweep_puts_back_what_that_sweep_found(
     state = Path(os.environ["DVFS_STATE_DIR"])
     nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     invoke("cap", "apply", str(caps))
     # a `dvfs sweep` killed with SIGKILL: its state file holds what it found, the GPU its cell
     StateStore(state, command="sweep").record(GpuSettings(uuid, (210, 1500), 600_000))
@@ -4062,7 +4023,7 @@ def test_the_caps_units_stop_after_a_dead_sweep_puts_back_what_that_sweep_found(
     assert "clocks unlocked, power limit 600 W (as the dead dvfs run found it)" in said, said
     assert "'sweep'" in said and not StateStore(state).pending()
     # dvfs's own power cap, found by the sweep: the limit that cap replaced goes back
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
     invoke("cap", "apply", str(caps))
     StateStore(state, command="sweep").record(GpuSettings(uuid, None, 450_000))
     nvml.fake_update_device(0, locked_clocks=[210, 900], power_limit_mw=300_000)
@@ -4084,7 +4045,7 @@ def test_the_caps_units_stop_after_a_dead_run_that_read_no_power_limit(
 
     uuid = nvml.fake_device_state(0)["uuid"]
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     invoke("cap", "apply", str(caps))
     StateStore(Path(os.environ["DVFS_STATE_DIR"]), command="sweep").record(
         GpuSettings(uuid, (210, 1500), None)
@@ -4109,7 +4070,7 @@ def test_the_caps_units_stop_goes_by_the_record_beside_an_earlier_boots_state_fi
     state = Path(os.environ["DVFS_STATE_DIR"])
     nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, this boot
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
     invoke("cap", "apply", str(caps))
     store = StateStore(state, command="sweep")
     store.record(GpuSettings(uuid, None, 300_000))
@@ -4134,15 +4095,8 @@ def test_a_damaged_earlier_cap_is_warned_of_as_what_it_is(nvml, tmp_path: Path) 
     state = Path(os.environ["DVFS_STATE_DIR"])
     nvml.fake_update_device(0, power_limit_mw=600_000)
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (
-                    GpuCap(uuid=first, power_limit_w=450.0),
-                    GpuCap(uuid=second, sm_clock_max_mhz=1500),
-                )
-            )
-        )
+    write_caps(
+        caps, GpuCap(uuid=first, power_limit_w=450.0), GpuCap(uuid=second, sm_clock_max_mhz=1500)
     )
     invoke("cap", "apply", str(caps))
     record = state / "caps-applied.json"
@@ -4184,7 +4138,7 @@ def test_a_damaged_earlier_cap_equal_to_the_gpus_limit_is_left_be_as_warned(
     state = Path(os.environ["DVFS_STATE_DIR"])
     nvml.fake_update_device(0, power_limit_mw=600_000)
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
     invoke("cap", "apply", str(caps))
     record = state / "caps-applied.json"
     entries = json.loads(record.read_text())
@@ -4214,7 +4168,7 @@ def test_a_limit_change_past_its_deadline_is_recorded_as_one_that_may_land(
     uuid = nvml.fake_device_state(0)["uuid"]
     nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
     caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
     monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0.2")
     monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "nvmlDeviceSetPowerManagementLimit=inf")
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
