@@ -901,6 +901,25 @@ def test_a_server_logs_tail_in_an_error_hides_the_keys_sglang_prints(tmp_path: P
     assert "admin_api_key=None" in shown and shown.endswith("RuntimeError: CUDA out of memory")
 
 
+def test_a_server_logs_tail_in_an_error_is_shown_without_the_terminals_escapes(
+    tmp_path: Path,
+) -> None:
+    """A log written in colour (FORCE_COLOR, Python 3.13's coloured tracebacks) or holding a
+    NUL or a bell: its tail, pasted into the error a user's terminal shows, left the colour on
+    for the rest of the terminal; a colour code inside a ServerArgs line kept its key from
+    being hidden."""
+    from dvfs.engines.sglang import tail
+
+    log = tmp_path / "server.log"
+    log.write_bytes(
+        b"server_args=ServerArgs(model_path='m', api_key=\x1b[1m'k-1'\x1b[0m)\n"
+        b"\x1b[31mRuntimeError: CUDA out of memory\x1b[0m\x07\x00\tend\n"
+    )
+    shown = tail(log)
+    assert "\x1b" not in shown and "k-1" not in shown, repr(shown)
+    assert shown.splitlines()[-1] == "RuntimeError: CUDA out of memory?? end", repr(shown)
+
+
 def test_a_huge_log_is_read_from_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server's log after a long sweep may be gigabytes: its tail is read from the end, never
     the whole file (reading it whole fails here), whole lines only, bytes that are not UTF-8

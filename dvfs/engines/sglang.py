@@ -82,7 +82,7 @@ from dvfs.engines.sglang_client import (
     accept_length_of,
     hung_probe_s,
 )
-from dvfs.engines.sglang_refusals import StartRefusal, start_refusal
+from dvfs.engines.sglang_refusals import StartRefusal, start_refusal, terminal_safe
 from dvfs.errors import (
     MAX_MESSAGE_CHARS,
     CorpusError,
@@ -261,7 +261,7 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES, start: int = 0) -> str:
     """The log's last lines from byte `start` on (where one server's own output begins in a
     log that servers of the same start number append to, run after run), for an error (and
     so the journal and cube): credentials SGLang prints (its `server_args=ServerArgs(...,
-    api_key='...')`) hidden (`redact_text`)."""
+    api_key='...')`) hidden (`redact_text`), each line terminal-safe (`terminal_safe`)."""
     try:
         with path.open("rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -273,7 +273,7 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES, start: int = 0) -> str:
     text = data.decode("utf-8", errors="replace").splitlines()
     if begin > start and len(text) > 1:
         text = text[1:]  # the first line read is cut (kept when it is all there is)
-    return "\n".join(redact_text(line) for line in text[-lines:])
+    return "\n".join(redact_text(terminal_safe(line)) for line in text[-lines:])
 
 
 def with_log_tail(first: str, log_path: Path | None, start: int = 0) -> str:

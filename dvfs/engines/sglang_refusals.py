@@ -158,6 +158,14 @@ class StartRefusal:
         )
 
 
+def terminal_safe(line: str) -> str:
+    """A server log's line as an error may show it: a terminal's escape sequences dropped (a
+    colour left on would colour the rest of the user's terminal), any other character that
+    does not print (NUL, a bell, a carriage return) shown as '?', a tab as a space."""
+    text = _ESCAPE.sub("", line).replace("\t", " ")
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _quote(line: str, start: int) -> str:
     """SGLang's line from `start` (where its message begins), cut to `QUOTE_CHARS`."""
     text = "".join(c if c.isprintable() else "?" for c in line[start:].strip())
