@@ -4034,6 +4034,30 @@ def test_the_caps_units_stop_after_a_dead_sweep_puts_back_what_that_sweep_found(
     assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
 
 
+def test_the_caps_units_stop_names_the_gpu_reset_a_dead_runs_gpu_without_caps_needs(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap reset --applied` leaves a GPU the caps record lists no caps on, as it should (not
+    dvfs's), but one a killed `dvfs sweep` left changed, its state file beside the record, was
+    only said to "hold no caps", its advice `dvfs cap reset N` (every knob to the default, not
+    what that run found). The note names the `dvfs gpu reset N` that puts that back."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    [first, second] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    write_caps(tmp_path / "caps.toml", GpuCap(uuid=first, sm_clock_max_mhz=1500))
+    invoke("cap", "apply", str(tmp_path / "caps.toml"))
+    StateStore(state, command="sweep").record(GpuSettings(second, None, 600_000))
+    nvml.fake_update_device(1, locked_clocks=[210, 900], power_limit_mw=400_000)
+    said = " ".join(invoke("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 400_000, said  # left, not dvfs's cap
+    reset = f"dvfs gpu reset 1 --state-dir {shlex.quote(str(state))}"
+    assert f"GPU 1 holds a state file a dead dvfs run left: `{reset}`" in said, said
+    invoke(*shlex.split(reset)[1:])  # as advised
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 600_000
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+
+
 def test_the_caps_units_stop_after_a_dead_run_that_read_no_power_limit(
     nvml, tmp_path: Path
 ) -> None:

@@ -1173,6 +1173,12 @@ def _found_by_a_dead_run(store: StateStore, uuid: str) -> GpuSettings | None:
     return pending[0].original
 
 
+def dead_run_left(store: StateStore, uuid: str) -> bool:
+    """Whether a dead dvfs run left a state file on a GPU this boot (or one that cannot be
+    read, which `dvfs gpu reset` names): not `_stale_or_none`."""
+    return not _stale_or_none(store, uuid)
+
+
 def _stale_or_none(store: StateStore, uuid: str) -> bool:
     """Whether a GPU has no state file, or only one from before the last reboot (which reset
     the GPU: `cap reset --applied` goes by dvfs's caps record alone, as without one)."""

@@ -727,7 +727,7 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
     from dvfs.errors import CapsRecordError, GpuLockFileError, GpuPermissionError, GpuStateError
-    from dvfs.gpu.safety import default_state_dir, state_dir_flag
+    from dvfs.gpu.safety import default_state_dir, state_dir_command, state_dir_flag
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
     # Every GPU (the job's) or those named: one fallen off the bus must not keep the others
@@ -777,6 +777,18 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
             ),
             soft_wrap=True,
         )
+        dead = _dead_runs_gpus(kept, directory)
+        if dead:  # a killed sweep's or governor's changes, which the caps record never lists
+            numbers = " ".join(str(g.identity.index) for g in dead)
+            console(stderr=True).print(
+                escape(
+                    f"note: {', '.join(f'GPU {g.identity.index}' for g in dead)} "
+                    f"{'holds' if len(dead) == 1 else 'hold'} a state file a dead dvfs run "
+                    f"left: `{state_dir_command(f'dvfs gpu reset {numbers}', directory)}` puts "
+                    "back the settings that run found"
+                ),
+                soft_wrap=True,
+            )
     if mig:
         console(stderr=True).print(
             f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "
@@ -820,6 +832,17 @@ def _warn_damaged(directory: Path, gpus: Sequence[Gpu]) -> None:
     index = {g.identity.uuid: g.identity.index for g in gpus}
     for line in AppliedCaps(directory).damaged_lines(index):
         click.echo(f"warning: {line}", err=True)  # one line, unwrapped
+
+
+def _dead_runs_gpus(gpus: Sequence[Gpu], directory: Path) -> list[Gpu]:
+    """Those of `gpus` a dead dvfs run (a sweep or governor killed) left a state file on this
+    boot, in `directory`: `cap reset --applied` leaves them (no caps record entry), and only
+    `dvfs gpu reset` puts back what that run found."""
+    from dvfs.caps.actuation import dead_run_left
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(directory)
+    return [g for g in gpus if dead_run_left(store, g.identity.uuid)]
 
 
 def _recorded_capped(directory: Path) -> set[str]:
