@@ -349,6 +349,20 @@ def test_dry_run_prints_and_calls_no_setter(
     )
 
 
+def _dry_run_args(tmp_path: Path, command: str) -> tuple[str, ...]:
+    """The argv (less --dry-run) of `dvfs govern` on a plan, or `dvfs cap apply` on a caps
+    file capping GPU-1, both written in `tmp_path`."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", sm_clock_max_mhz=1500),))))
+    if command == "govern":
+        return ("govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0")
+    return ("cap", "apply", str(caps))
+
+
 @pytest.mark.parametrize("command", ["govern", "cap"])
 def test_a_dry_run_without_nvml_says_it_reads_the_gpus_not_to_use_the_twin(
     tmp_path: Path, command: str
@@ -357,17 +371,7 @@ def test_a_dry_run_without_nvml_says_it_reads_the_gpus_not_to_use_the_twin(
     run on the digital twin (... `--twin h100-sxm` for `dvfs gpu list`, ...)": neither takes
     --twin, and a dry run still matches the plan to the GPUs here. The one line says so; the
     apply itself says what to do about the driver alone (`test_commands_without_a_twin_...`)."""
-    from dvfs.caps import CapsFile, GpuCap, dump_caps
-
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
-    caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", sm_clock_max_mhz=1500),))))
-    args = (
-        ("govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0")
-        if command == "govern"
-        else ("cap", "apply", str(caps))
-    )
+    args = _dry_run_args(tmp_path, command)
     env = fake_env(tmp_path, DVFS_FAKE_NVML_MISSING="1")
     dry = dvfs_in_process(*args, "--dry-run", env=env)
     said = " ".join(dry.stderr.split())
@@ -387,17 +391,7 @@ def test_a_dry_run_with_the_module_not_loaded_says_to_load_it_here(
     the GPUs' host, which a driver installed here says this is: the line says to load the module
     (`sudo modprobe nvidia`: dvfs runs as a user there) and run it again; where NVML is missing
     it still says to run it on their host."""
-    from dvfs.caps import CapsFile, GpuCap, dump_caps
-
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
-    caps = tmp_path / "caps.toml"
-    caps.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", sm_clock_max_mhz=1500),))))
-    args = (
-        ("govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0")
-        if command == "govern"
-        else ("cap", "apply", str(caps))
-    )
+    args = _dry_run_args(tmp_path, command)
     for failure, ends in (
         (
             {"DVFS_FAKE_NVML_INIT_ERROR": "9"},
