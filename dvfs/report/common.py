@@ -155,9 +155,11 @@ def gpu_names(cube: xr.Dataset) -> dict[str, str]:
 
 
 def gpu_uuids(cube: xr.Dataset) -> list[str]:
-    """Every GPU UUID the cube records: its `gpu_uuids`, or a merged cube's `gpu` labels."""
-    labels = list(gpu_names(cube)) or [str(cube.attrs.get("gpu_uuids", ""))]
-    return [u for label in labels for u in label.split(",") if u.startswith("GPU-")]
+    """Every GPU UUID the cube records (cube.attrs.gpu_uuids), without a GPU whose UUID was
+    never read ("?" or "unknown"): the report names GPUs, it does not count them."""
+    from dvfs.cube.attrs import gpu_uuids as recorded  # dvfs.cube imports this module's json_safe
+
+    return [u for u in recorded(cube) if u.startswith("GPU-")]
 
 
 def gpus_of(r: xr.Dataset, name: str) -> list[str]:
