@@ -494,3 +494,24 @@ def test_a_drafter_verified_by_pid_in_one_session_and_by_memory_in_another_is_na
     ), note
     verified = {"eagle3": "verified: GPU 0 (GPU-a)"}
     assert pinning_note(xr.Dataset(attrs={"gpu_pinning": json.dumps(verified)})) is None
+
+
+def test_gpus_whose_uuid_nvml_could_not_read_are_each_compared_with_themselves() -> None:
+    """Two GPUs dvfs does not meter whose UUID read failed ("?"): each is found again after the
+    start by its index, not taken for the other (a tenant's full GPU 0 read against the empty
+    GPU 2's earlier memory grew by 69.5 GiB: a stray server's, leaving the pinning unverified)."""
+
+    def unnamed(gpu: GpuProcesses) -> GpuProcesses:
+        return GpuProcesses(
+            gpu.index, "?", gpu.pids, "", gpu.used_bytes, gpu.total_bytes, "", gpu.process_bytes
+        )
+
+    before = [unnamed(_gpu(0, 70, {})), _gpu(1, 0.5, {}), unnamed(_gpu(2, 0.5, {}))]
+    after = [unnamed(_gpu(0, 70, {})), _gpu(1, 68, {9: 67.5}), unnamed(_gpu(2, 0.5, {}))]
+    outcome = memory_outcome("d", before, after, ["GPU-1"], FRACTION, WHY)
+    assert outcome.startswith("verified by memory: GPU 1 (GPU-1) 67.5 GiB"), outcome
+    assert "no GPU dvfs does not meter more than 0.0 GiB" in outcome, outcome
+    # The server escaped to the second of them: refused, that GPU named by its index.
+    escaped = [unnamed(_gpu(0, 70, {})), _gpu(1, 0.5, {}), unnamed(_gpu(2, 68, {9: 67.5}))]
+    with pytest.raises(EngineError, match=r"memory went to GPU 2 \(\?\) 67\.5 GiB"):
+        memory_outcome("d", before, escaped, ["GPU-1"], FRACTION, WHY)

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TypeGuard
 
 from dvfs.errors import EngineError
-from dvfs.gpu.base import GpuProcesses
+from dvfs.gpu.base import UNREAD_UUID, GpuProcesses
 
 #: The share of the server's claim (mem_fraction_static x the GPU's memory) a GPU's memory must
 #: grow by to count as holding the server: SGLang fills its GPU up to the claim, less what
@@ -77,6 +77,12 @@ def kv_cap(args: Mapping[str, object], given: int | None) -> int | None:
     return given if given is not None and given > 0 else None
 
 
+def _key(gpu: GpuProcesses) -> str:
+    """How a GPU read before the start is found again after it: by its UUID, or where NVML
+    could not read that ("?"), by its index (several such GPUs would be taken for one)."""
+    return gpu.uuid if gpu.uuid != UNREAD_UUID else f"{UNREAD_UUID}{gpu.index}"
+
+
 def _took(before: GpuProcesses, after: GpuProcesses) -> tuple[int, str]:
     """How much memory `after`'s GPU took since `before` (bytes) and the evidence: its used
     memory's growth, and where NVML lists processes with their own memory, its new processes'
@@ -128,18 +134,18 @@ def memory_outcome(
     metered one took nothing (with room to) is refused (`EngineError`), unless the cap leaves
     the server less than its claim."""
     share, known = fraction
-    was = {g.uuid: g for g in before}
+    was = {_key(g): g for g in before}
     took: dict[str, tuple[GpuProcesses, int, str, float]] = {}
     unread: list[str] = []
     for gpu in after:
-        earlier = was.get(gpu.uuid)
+        earlier = was.get(_key(gpu))
         nonsense = _nonsense(gpu) or (_nonsense(earlier) if earlier is not None else "")
         if earlier is None or earlier.used_bytes is None or gpu.used_bytes is None or nonsense:
             why = nonsense or gpu.memory_why or (earlier.memory_why if earlier is not None else "")
             unread.append(f"GPU {gpu.index}" + (f" ({why})" if why else ""))
             continue
         grown, evidence = _took(earlier, gpu)
-        took[gpu.uuid] = (gpu, grown, evidence, share * (gpu.total_bytes or 0))
+        took[_key(gpu)] = (gpu, grown, evidence, share * (gpu.total_bytes or 0))
 
     def grew(uuid: str) -> bool:
         _, grown, _, claim = took[uuid]
@@ -147,7 +153,7 @@ def memory_outcome(
 
     def named(uuid: str) -> str:
         gpu, grown, evidence, _ = took[uuid]
-        return f"GPU {gpu.index} ({uuid}) {evidence}"
+        return f"GPU {gpu.index} ({gpu.uuid}) {evidence}"
 
     def had_room(uuid: str) -> bool:
         """Whether the GPU had room to show the server's claim: SGLang fills it up to its

@@ -212,6 +212,10 @@ def gpu_names(gpus: Iterable[Gpu]) -> str:
     return ", ".join(f"GPU {g.identity.index}" for g in gpus)
 
 
+#: A GPU's UUID where NVML could not read it (`GpuProcesses.uuid`).
+UNREAD_UUID = "?"
+
+
 @dataclass(frozen=True)
 class GpuProcesses:
     """One GPU of the machine and the compute PIDs on it (None: NVML cannot tell, and `why`),

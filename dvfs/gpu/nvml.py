@@ -58,6 +58,7 @@ from dvfs.errors import (
 )
 from dvfs.gpu.base import (
     THROTTLE_POLICIES,
+    UNREAD_UUID,
     DeviceInfo,
     GpuIdentity,
     GpuProcesses,
@@ -577,7 +578,7 @@ def gpu_processes(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
         with errors.translated("cannot count GPUs"):
             count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
         for index in range(count):
-            where, uuid, handle = f"GPU {index}", "?", None
+            where, uuid, handle = f"GPU {index}", UNREAD_UUID, None
             pids: frozenset[int] | None = None
             why, own = "", {}
             try:
