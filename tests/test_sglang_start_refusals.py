@@ -722,3 +722,35 @@ def test_a_graph_out_of_memory_is_read_through_sglangs_chained_traceback() -> No
     refusal = start_refusal(piecewise, DRAFTER, ["--cuda-graph-max-bs", "64", *warn], 1)
     assert refusal is not None and "its prefill CUDA graphs" in refusal.why, refusal
     assert "--piecewise-cuda-graph-max-tokens in engine.sglang.extra_args" in refusal.fix
+
+
+def test_a_0523_prefill_graph_is_told_its_own_flags_whatever_its_log_says() -> None:
+    """0.5.23 has no piecewise CUDA graph flags (its option table): where its log, at a
+    --log-level above info, has no capture line, its prefill graph's failure is told
+    --cuda-graph-max-bs-prefill even where a line holds the word "piecewise" (here a model
+    path's). Before, any such line made it 0.5.9's advice: --piecewise-cuda-graph-max-tokens
+    and --enable-piecewise-cuda-graph, which 0.5.23 refuses as unknown."""
+    oom = "CUDA out of memory. Tried to allocate 1.96 GiB."
+    log = "\n".join(
+        [
+            "[2026-02-14 02:07:40 TP0] WARNING: Using the chat template of /models/piecewise "
+            "linear/llama: no generation_config.json found",
+            f"[2026-02-14 02:07:50 TP0] OutOfMemoryError: {oom}",
+            "Fail when using backend: breakable for prefill runner.",
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            f"torch.OutOfMemoryError: {oom}",
+        ]
+    )
+    launch = ["--cuda-graph-max-bs-decode", "64", "--log-level", "warning"]
+    refusal = start_refusal(log, DRAFTER, launch, 1)
+    assert refusal is not None and "its prefill CUDA graphs" in refusal.why, refusal
+    assert refusal.fix.endswith(
+        "or give a --cuda-graph-max-bs-prefill in engine.sglang.extra_args (the most tokens its "
+        "prefill CUDA graphs hold), or --cuda-graph-backend-prefill disabled there"
+    ), refusal.fix
+    assert "piecewise" not in refusal.fix, refusal.fix
+    # 0.5.9 (its decode graph flag in the launch) is still told its piecewise graph's flags.
+    legacy = ["--cuda-graph-max-bs", "64", "--log-level", "warning"]
+    refusal = start_refusal(log, DRAFTER, legacy, 1)
+    assert refusal is not None and "--piecewise-cuda-graph-max-tokens" in refusal.fix, refusal

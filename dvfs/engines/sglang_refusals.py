@@ -381,9 +381,14 @@ def _smaller_prefill_graphs(
     """The fix for a prefill-side graph too large: the flag that sizes it in this release
     (0.5.9's piecewise graph, else 0.5.23's prefill graph), with the largest size it captured
     where the log says it, or no such graph."""
-    legacy = (capture is not None and "piecewise" in capture) or (
-        capture is None and (OLD_CUDA_GRAPH_FLAG in launch or _first(lines, _PIECEWISE) is not None)
-    )
+    if capture is not None:
+        legacy = "piecewise" in capture
+    elif NEW_CUDA_GRAPH_FLAG in launch or OLD_CUDA_GRAPH_FLAG in launch:
+        # The release as dvfs launched it (each has its own decode graph flag): a line of
+        # 0.5.23's holding "piecewise" does not make it 0.5.9, which has no such flags.
+        legacy = OLD_CUDA_GRAPH_FLAG in launch
+    else:
+        legacy = _first(lines, _PIECEWISE) is not None
     sizes = None
     for line in lines:
         found = _PREFILL_TOKENS.search(line)
