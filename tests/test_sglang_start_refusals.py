@@ -724,6 +724,70 @@ def test_a_graph_out_of_memory_is_read_through_sglangs_chained_traceback() -> No
     assert "--piecewise-cuda-graph-max-tokens in engine.sglang.extra_args" in refusal.fix
 
 
+PREFILL_TOKENS = "num_tokens=[4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]"
+
+
+def test_each_tensor_parallel_rank_is_read_by_its_own_capture_lines() -> None:
+    """Each tensor-parallel rank logs its own "Capture ... begin/end" lines, and one rank may
+    run ahead of another: 0.5.23's TP0 had captured its prefill graphs and begun its decode
+    ones when TP1 ran out of memory still capturing its prefill graphs; 0.5.9's TP0 had begun
+    its piecewise graph when TP1 ran out in its decode graph. The graph named, and the flag
+    its fix names, is the failing rank's. Before, the last capture begun by any rank was taken
+    for it: TP1's prefill graph told to shrink the batch (the decode graph's), TP1's decode
+    graph told --piecewise-cuda-graph-max-tokens."""
+    oom = "CUDA out of memory. Tried to allocate 1.96 GiB."
+    log_23 = "\n".join(
+        [
+            LOADED_TP2.rstrip("\n"),
+            f"[2026-02-14 02:07:46 TP0] Capture target prefill CUDA graph begin. backend="
+            f"breakable, {PREFILL_TOKENS}, avail mem=5.10 GB",
+            f"[2026-02-14 02:07:46 TP1] Capture target prefill CUDA graph begin. backend="
+            f"breakable, {PREFILL_TOKENS}, avail mem=5.10 GB",
+            "[2026-02-14 02:07:55 TP0] Capture target prefill CUDA graph end. elapsed=9.71 s, "
+            "mem usage=0.62 GB, avail mem=4.48 GB.",
+            "[2026-02-14 02:07:55 TP0] Capture target decode CUDA graph begin. backend=full, "
+            "num_tokens_per_req=1, bs=[1, 2, 4, 8], avail mem=4.48 GB",
+            f"[2026-02-14 02:07:56 TP1] OutOfMemoryError: {oom}",
+            "Fail when using backend: breakable for prefill runner.",
+            "[2026-02-14 02:07:56 TP1] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            '  File "/sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py", line 90, '
+            "in capture",
+            f"torch.OutOfMemoryError: {oom}",
+        ]
+    )
+    launch = ["--cuda-graph-max-bs-decode", "8"]
+    refusal = start_refusal(log_23, DRAFTER, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its prefill CUDA graphs, outside its static memory"
+    ), refusal
+    assert "give a --cuda-graph-max-bs-prefill below 8192 in " in refusal.fix, refusal.fix
+    assert "workload.batch" not in refusal.fix, refusal.fix
+    log_9 = "\n".join(
+        [
+            LOADED_TP2.rstrip("\n"),
+            "[2026-02-14 02:07:46 TP0] Capture cuda graph begin. This can take up to several "
+            "minutes. avail mem=5.10 GB",
+            "[2026-02-14 02:07:46 TP1] Capture cuda graph begin. This can take up to several "
+            "minutes. avail mem=5.10 GB",
+            "[2026-02-14 02:07:54 TP0] Capture cuda graph end. Time elapsed: 8.12 s. mem "
+            "usage=0.61 GB. avail mem=4.49 GB.",
+            "[2026-02-14 02:07:54 TP0] Capture piecewise CUDA graph begin. avail mem=4.49 GB",
+            _chained(
+                "cuda_graph_runner.py", ["2. set --cuda-graph-max-bs to a smaller value"]
+            ).replace(" TP0]", " TP1]"),
+        ]
+    )
+    launch = ["--cuda-graph-max-bs", "8", "--enable-piecewise-cuda-graph"]
+    refusal = start_refusal(log_9, DRAFTER, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its CUDA graphs, outside its static memory"
+    ), refusal
+    assert refusal.fix.endswith("(dvfs sets --cuda-graph-max-bs to it)"), refusal.fix
+
+
 def test_a_0523_prefill_graph_is_told_its_own_flags_whatever_its_log_says() -> None:
     """0.5.23 has no piecewise CUDA graph flags (its option table): where its log, at a
     --log-level above info, has no capture line, its prefill graph's failure is told

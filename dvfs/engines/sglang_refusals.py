@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dvfs.campaign.model import DrafterSpec
 from dvfs.engines.sglang_args import NEW_CUDA_GRAPH_FLAG, OLD_CUDA_GRAPH_FLAG
@@ -125,6 +125,10 @@ _PREFILL_TOKENS = re.compile(r"(?:num_tokens=|Capture cuda graph num tokens )\[(
 _PIECEWISE = re.compile(r"\bpiecewise\b", re.IGNORECASE)
 _LOAD_BEGIN = re.compile(r"Load weight begin\b")
 _LOAD_END = re.compile(r"Load weight end\b")
+#: The rank a log line's prefix names: SGLang's scheduler logs "[2026-02-14 02:07:50 TP1] ..."
+#: (" DP0", " PP0", " EP1" beside it where those are set).
+_RANK = re.compile(r"\s*\[[^\]]*?((?:\s(?:DP|PP|TP|EP|CP)\d+)+)\]")
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 
 
 @dataclass(frozen=True)
@@ -268,39 +272,27 @@ def start_refusal(
     if oom is None:
         return None
     at, said, nccl = oom
-    upto = lines[: at + 1]
     ran_out = "NCCL ran out of GPU memory" if nccl else "the GPUs ran out of memory"
-    capture = _capturing(upto)
-    # The prefill-side graph's own failure words tell it where no capture begin is logged (a
-    # --log-level above info drops SGLang's "Capture ... begin" and "Load weight" lines): it
-    # ran out after the weights, whatever those lines say.
-    prefill = _prefill_graph(upto, lines, capture)
-    # "Capture cuda graph failed" is read past the out of memory: SGLang raises it inside
-    # `except RuntimeError as e` (no `from`), so the scheduler's traceback shows torch's error
-    # first, then "During handling of the above exception...", then this one.
-    graph = prefill or capture is not None or _first(lines, _GRAPH) is not None
-    begun = sum(1 for text in upto if _LOAD_BEGIN.search(text))
-    ended = sum(1 for text in upto if _LOAD_END.search(text))
-    if not graph and begun == 0 and ended == 0:
+    reached = _progress(lines, at, tp_size, bool(drafter.draft_model))
+    if reached.stage == "before":
         # Before any weights (a CUDA context, NCCL's buffers as its tensor-parallel
         # communicators are set up: a GPU's first few hundred MiB): the GPU was full already,
         # which nothing in the campaign leaves it. (A log read from its end, the engine's
         # `LOG_TAIL_BYTES`, may have lost its "begin" lines, not its "end" ones.)
         return None
-    if not graph and begun > ended:  # out of memory while a model's weights loaded
-        target_loaded = ended >= max(tp_size, 1)
-        if drafter.draft_model and target_loaded:
-            # The target's KV cache took its static memory first: the draft's weights load
-            # into what that leaves (SGLang's default reserves 2 GiB for an EAGLE draft, 6 GiB
-            # for a STANDALONE one), so a lower fraction is the first way out.
-            lower = _lower_static(fraction, fraction_where, default)
-            return StartRefusal(
-                f"{ran_out} loading the draft model {drafter.draft_model} "
-                "beside the target's weights and KV cache",
-                said,
-                f"{lower} (room outside its static pool for the draft model), or {smaller}",
-                memory=True,
-            )
+    if reached.stage == "draft":
+        # The target's KV cache took its static memory first: the draft's weights load
+        # into what that leaves (SGLang's default reserves 2 GiB for an EAGLE draft, 6 GiB
+        # for a STANDALONE one), so a lower fraction is the first way out.
+        lower = _lower_static(fraction, fraction_where, default)
+        return StartRefusal(
+            f"{ran_out} loading the draft model {drafter.draft_model} "
+            "beside the target's weights and KV cache",
+            said,
+            f"{lower} (room outside its static pool for the draft model), or {smaller}",
+            memory=True,
+        )
+    if reached.stage == "weights":
         return StartRefusal(
             f"{ran_out} loading the weights",
             said,
@@ -308,15 +300,15 @@ def start_refusal(
             memory=True,
         )
     lower = _lower_static(fraction, fraction_where, default)
-    if prefill:
+    if reached.stage == "prefill":
         return StartRefusal(
             f"{ran_out} capturing its prefill CUDA graphs, outside its static memory",
             said,
             f"{lower} (more memory outside its static pool), or "
-            + _smaller_prefill_graphs(lines, capture, launch),
+            + _smaller_prefill_graphs(lines, reached.capture, launch),
             memory=True,
         )
-    what = "capturing its CUDA graphs" if graph else "after loading the weights"
+    what = "capturing its CUDA graphs" if reached.stage == "graph" else "after loading the weights"
     flag = _decode_graph_flag(launch)
     sized = f"dvfs sets {flag} to it" if flag else "dvfs captures CUDA graphs up to it"
     return StartRefusal(
@@ -343,36 +335,101 @@ def _out_of_memory(lines: Sequence[str]) -> tuple[int, str, bool] | None:
     return None
 
 
-def _capturing(lines: Sequence[str]) -> str | None:
-    """The CUDA graph being captured at the end of `lines` (its name as SGLang logs it, "" for
-    0.5.9's decode graph): the last begun whose end is not logged, where no weights began to
-    load after it (a draft model's, once the target's graphs are captured); None: none."""
-    open_: dict[str, int] = {}
+@dataclass(frozen=True)
+class _Where:
+    """How far the failing rank's start had come when it ran out of memory: `stage` one of
+    "before" (no weights begun: not the campaign's), "weights", "draft" (the draft model's
+    weights, the target's loaded), "graph", "prefill" (the prefill-side graph), "after" (after
+    loading the weights, none of those); `capture`: the graph being captured as SGLang named it
+    in its begin line (None: none logged)."""
+
+    stage: str
+    capture: str | None = None
+
+
+@dataclass
+class _Rank:
+    """What one tensor-parallel rank's own log lines say of its start, read in order."""
+
+    begun: int = 0  # "Load weight begin" lines
+    ended: int = 0  # "Load weight end" lines
+    timed: bool = False  # any line that says how far it came
+    open_: dict[str, int] = field(default_factory=dict)
     latest: str | None = None
-    for line in lines:
+
+    def read(self, line: str) -> None:
         if _LOAD_BEGIN.search(line):
-            latest = None
-            continue
+            self.begun += 1
+            self.latest, self.timed = None, True
+            return
+        if _LOAD_END.search(line):
+            self.ended += 1
+            self.timed = True
+            return
         found = _CAPTURE.search(line)
         if found is None:
-            continue
+            return
+        self.timed = True
         what = found.group("what").strip().lower()
         if found.group("edge") == "begin":
-            open_[what] = open_.get(what, 0) + 1
-            latest = what
+            self.open_[what] = self.open_.get(what, 0) + 1
+            self.latest = what
         else:
-            open_[what] = max(open_.get(what, 0) - 1, 0)
-            if latest == what and not open_[what]:
-                latest = next((w for w, n in open_.items() if n), None)
-    return latest
+            self.open_[what] = max(self.open_.get(what, 0) - 1, 0)
+            if self.latest == what and not self.open_[what]:
+                self.latest = next((w for w, n in self.open_.items() if n), None)
 
 
-def _prefill_graph(upto: Sequence[str], lines: Sequence[str], capture: str | None) -> bool:
-    """Whether the graph being captured was the prefill-side one (0.5.23's prefill graph,
-    0.5.9's piecewise one), by its begin line, else by its own failure words."""
+def _rank_of(line: str) -> str | None:
+    """The rank a line of SGLang's log is from, as its prefix names it ("TP1", "DP0 TP1");
+    None: no rank named (a traceback's own lines, a server of one rank, NCCL's lines)."""
+    found = _RANK.match(line)
+    return " ".join(found.group(1).split()) if found is not None else None
+
+
+def _failing_rank(lines: Sequence[str], at: int) -> str | None:
+    """The rank whose exception is at line `at`: the line's own prefix, else that of the
+    scheduler's traceback header it ends ("[... TP1] Scheduler hit an exception: Traceback
+    ..."), the nearest such line above it; None: none names one."""
+    for i in range(at, -1, -1):
+        rank = _rank_of(lines[i])
+        if rank is not None and (i == at or _TRACEBACK.search(lines[i])):
+            return rank
+    return None
+
+
+def _progress(lines: Sequence[str], at: int, tp_size: int, draft: bool) -> _Where:
+    """How far the start had come when the exception at line `at` ended it, read off the
+    failing rank's own log lines: each tensor-parallel rank logs its own "Load weight" and
+    "Capture ... begin/end" lines, so one rank's graph captured says nothing of another's
+    still capturing. Where no line names the rank, every rank's lines are read together."""
+    upto = lines[: at + 1]
+    rank = _failing_rank(lines, at)
+    state = _Rank()
+    for line in upto:
+        if rank is None or _rank_of(line) == rank:
+            state.read(line)
+    capture = state.latest
     if capture is not None:
-        return "prefill" in capture or "piecewise" in capture
-    return _first(lines, _PREFILL_GRAPH) is not None and _first(upto, _CAPTURE) is None
+        return _Where(
+            "prefill" if "prefill" in capture or "piecewise" in capture else "graph", capture
+        )
+    # The prefill-side graph's own failure words tell it where no capture begin is logged (a
+    # --log-level above info drops SGLang's "Capture ... begin" and "Load weight" lines): it
+    # ran out after the weights, whatever those lines say.
+    if _first(lines, _PREFILL_GRAPH) is not None and _first(upto, _CAPTURE) is None:
+        return _Where("prefill")
+    # "Capture cuda graph failed" is read past the out of memory: SGLang raises it inside
+    # `except RuntimeError as e` (no `from`), so the scheduler's traceback shows torch's error
+    # first, then "During handling of the above exception...", then this one.
+    if _first(lines, _GRAPH) is not None:
+        return _Where("graph")
+    if state.begun > state.ended:  # out of memory while a model's weights loaded
+        loaded = state.ended >= (1 if rank is not None else max(tp_size, 1))
+        return _Where("draft" if draft and loaded else "weights")
+    # A line of its weights or graphs logged: after the weights; none (a --log-level above info
+    # drops them all): before any weights, as far as can be known.
+    return _Where("after" if state.timed else "before")
 
 
 def _smaller_prefill_graphs(
