@@ -818,3 +818,66 @@ def test_a_0523_prefill_graph_is_told_its_own_flags_whatever_its_log_says() -> N
     legacy = ["--cuda-graph-max-bs", "64", "--log-level", "warning"]
     refusal = start_refusal(log, DRAFTER, legacy, 1)
     assert refusal is not None and "--piecewise-cuda-graph-max-tokens" in refusal.fix, refusal
+
+
+#: A kernel warm-up's out of memory as the scheduler's traceback shows it (0.5.23: the eager
+#: runner's warm-up, FlashInfer's autotune, before any graph is captured).
+WARMUP_FRAMES = [
+    '  File "/sglang/srt/managers/scheduler.py", line 2900, in run_scheduler_process',
+    '  File "/sglang/srt/model_executor/model_runner.py", line 420, in initialize',
+    '  File "/sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py", line 380, '
+    "in capture_cuda_graphs",
+    '  File "/sglang/srt/model_executor/runner/eager_runner.py", line 150, in __init__',
+    '  File "/sglang/srt/model_executor/runner/base_runner.py", line 240, in warmup',
+    '  File "/sglang/srt/model_executor/runner/flashinfer_autotune.py", line 300, in '
+    "run_flashinfer_autotune_forward",
+    '  File "/sglang/srt/layers/moe/fused_moe.py", line 80, in forward',
+]
+WARMUP_FIX = (
+    "give --disable-flashinfer-autotune in engine.sglang.extra_args, or a smaller largest batch "
+    "in workload.batch (the autotune runs a batch of --max-running-requests, which dvfs sets to "
+    "it)"
+)
+
+
+def test_a_kernel_warmup_out_of_memory_names_the_flag_that_skips_it() -> None:
+    """SGLang warms its kernels up (FlashInfer's autotune: one forward of
+    --max-running-requests requests) after the weights and KV cache, before any CUDA graph is
+    captured, its "Running FlashInfer autotune" line begun and no "FlashInfer autotune
+    completed." after it: out of memory there is told --disable-flashinfer-autotune (both
+    releases' option tables have it) and what sizes its batch. Before, it was "after loading
+    the weights", a smaller batch said to be the decode CUDA graph's (which was never begun)."""
+    oom = "CUDA out of memory. Tried to allocate 3.50 GiB."
+    log = "\n".join(
+        [
+            LOADED_TP2.rstrip("\n"),
+            "[2026-02-14 02:07:46 TP0] Running FlashInfer autotune with cache: /root/.cache/"
+            "sglang/flashinfer/autotune/0.6.1/sm90/3f1c/rank_tp0_pp0_dp0.json",
+            "[2026-02-14 02:07:46 TP1] Running FlashInfer autotune with cache: /root/.cache/"
+            "sglang/flashinfer/autotune/0.6.1/sm90/3f1c/rank_tp1_pp0_dp0.json",
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            *WARMUP_FRAMES,
+            f"torch.OutOfMemoryError: {oom}",
+        ]
+    )
+    launch = ["--max-running-requests", "64", "--cuda-graph-max-bs-decode", "64"]
+    refusal = start_refusal(log, DRAFTER, [*launch, "--mem-fraction-static", "0.9"], 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory warming up its kernels (FlashInfer autotune), outside its "
+        "static memory"
+    ), refusal
+    assert refusal.fix == (
+        "lower --mem-fraction-static below 0.9 in engine.sglang.extra_args (more memory outside "
+        f"its static pool), {WARMUP_FIX}"
+    ), refusal.fix
+    assert ": " not in refusal.fix
+    # Its autotune completed, the same out of memory came after it: no warm-up's.
+    done = log.replace(
+        "[2026-02-14 02:07:50 TP0] Scheduler",
+        "[2026-02-14 02:07:49 TP0] FlashInfer autotune completed.\n"
+        "[2026-02-14 02:07:50 TP0] Scheduler",
+    )
+    refusal = start_refusal(done, DRAFTER, launch, 2)
+    assert refusal is not None and "after loading the weights" in refusal.why, refusal

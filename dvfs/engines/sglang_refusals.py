@@ -125,6 +125,10 @@ _PREFILL_TOKENS = re.compile(r"(?:num_tokens=|Capture cuda graph num tokens )\[(
 _PIECEWISE = re.compile(r"\bpiecewise\b", re.IGNORECASE)
 _LOAD_BEGIN = re.compile(r"Load weight begin\b")
 _LOAD_END = re.compile(r"Load weight end\b")
+#: The kernel warm-up before any CUDA graph is captured (FlashInfer's autotune, as SGLang logs
+#: it: model_runner_components/kernel_warmup.py, 0.5.23's runner/flashinfer_autotune.py).
+_WARMUP_BEGIN = re.compile(r"\bRunning FlashInfer autotune\b")
+_WARMUP_END = re.compile(r"\bFlashInfer autotune completed\b")
 #: The rank a log line's prefix names: SGLang's scheduler logs "[2026-02-14 02:07:50 TP1] ..."
 #: (" DP0", " PP0", " EP1" beside it where those are set).
 _RANK = re.compile(r"\s*\[[^\]]*?((?:\s(?:DP|PP|TP|EP|CP)\d+)+)\]")
@@ -308,6 +312,19 @@ def start_refusal(
             + _smaller_prefill_graphs(lines, reached.capture, launch),
             memory=True,
         )
+    if reached.stage == "warmup":
+        # Its kernel warm-up (FlashInfer's autotune, before any graph is captured) runs one
+        # forward of --max-running-requests requests outside the static pool; SGLang skips it
+        # with --disable-flashinfer-autotune (both releases' option tables).
+        return StartRefusal(
+            f"{ran_out} warming up its kernels (FlashInfer autotune), outside its static memory",
+            said,
+            f"{lower} (more memory outside its static pool), give "
+            "--disable-flashinfer-autotune in engine.sglang.extra_args, or a smaller largest "
+            "batch in workload.batch (the autotune runs a batch of --max-running-requests, which "
+            "dvfs sets to it)",
+            memory=True,
+        )
     what = "capturing its CUDA graphs" if reached.stage == "graph" else "after loading the weights"
     flag = _decode_graph_flag(launch)
     sized = f"dvfs sets {flag} to it" if flag else "dvfs captures CUDA graphs up to it"
@@ -339,9 +356,9 @@ def _out_of_memory(lines: Sequence[str]) -> tuple[int, str, bool] | None:
 class _Where:
     """How far the failing rank's start had come when it ran out of memory: `stage` one of
     "before" (no weights begun: not the campaign's), "weights", "draft" (the draft model's
-    weights, the target's loaded), "graph", "prefill" (the prefill-side graph), "after" (after
-    loading the weights, none of those); `capture`: the graph being captured as SGLang named it
-    in its begin line (None: none logged)."""
+    weights, the target's loaded), "warmup" (its kernel autotune), "graph", "prefill" (the
+    prefill-side graph), "after" (after loading the weights, none of those); `capture`: the
+    graph being captured as SGLang named it in its begin line (None: none logged)."""
 
     stage: str
     capture: str | None = None
@@ -353,6 +370,7 @@ class _Rank:
 
     begun: int = 0  # "Load weight begin" lines
     ended: int = 0  # "Load weight end" lines
+    warming: int = 0  # kernel autotunes begun, not completed since the last weights began
     timed: bool = False  # any line that says how far it came
     open_: dict[str, int] = field(default_factory=dict)
     latest: str | None = None
@@ -360,10 +378,18 @@ class _Rank:
     def read(self, line: str) -> None:
         if _LOAD_BEGIN.search(line):
             self.begun += 1
-            self.latest, self.timed = None, True
+            self.latest, self.warming, self.timed = None, 0, True
             return
         if _LOAD_END.search(line):
             self.ended += 1
+            self.timed = True
+            return
+        if _WARMUP_BEGIN.search(line):
+            self.warming += 1
+            self.timed = True
+            return
+        if _WARMUP_END.search(line):
+            self.warming = max(self.warming - 1, 0)
             self.timed = True
             return
         found = _CAPTURE.search(line)
@@ -424,11 +450,13 @@ def _progress(lines: Sequence[str], at: int, tp_size: int, draft: bool) -> _Wher
     # first, then "During handling of the above exception...", then this one.
     if _first(lines, _GRAPH) is not None:
         return _Where("graph")
+    if state.warming:
+        return _Where("warmup")
     if state.begun > state.ended:  # out of memory while a model's weights loaded
         loaded = state.ended >= (1 if rank is not None else max(tp_size, 1))
         return _Where("draft" if draft and loaded else "weights")
-    # A line of its weights or graphs logged: after the weights; none (a --log-level above info
-    # drops them all): before any weights, as far as can be known.
+    # A line of its weights, warm-up or graphs logged: after the weights; none (a --log-level
+    # above info drops them all): before any weights, as far as can be known.
     return _Where("after" if state.timed else "before")
 
 
