@@ -881,3 +881,61 @@ def test_a_kernel_warmup_out_of_memory_names_the_flag_that_skips_it() -> None:
     )
     refusal = start_refusal(done, DRAFTER, launch, 2)
     assert refusal is not None and "after loading the weights" in refusal.why, refusal
+
+
+def test_an_nccl_out_of_memory_at_a_raised_log_level_is_timed_by_its_traceback() -> None:
+    """With a --log-level above info SGLang logs no "Load weight" line, so their absence does
+    not say the start ran out before any weights: the scheduler's traceback does, by the
+    frame it failed in. NCCL out of memory at its first collective in the kernel warm-up (after
+    the weights) is a refusal, told as the warm-up's; in `init_torch_distributed`, as its
+    communicators were set up, it stays none (the GPU was full already), as does one whose
+    traceback names no such frame. Before, every one was read as before any weights: a plain
+    failure to rerun, which meets it again."""
+    warn = "h100:4711:4790 [1] transport/p2p.cc:275 NCCL WARN Cuda failure 2 'out of memory'"
+    header = (
+        "[2026-02-14 02:07:50 TP1] Scheduler hit an exception: Traceback (most recent call last):"
+    )
+    fatal = "RuntimeError: NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO for details)"
+    nccl = (
+        '  File "/sglang/srt/distributed/device_communicators/pynccl.py", line 150, in all_reduce'
+    )
+    launch = ["--cuda-graph-max-bs-decode", "64", "--log-level", "warning"]
+    log = "\n".join([warn, header, *WARMUP_FRAMES, nccl, fatal])
+    refusal = start_refusal(log, DRAFTER, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "NCCL ran out of GPU memory warming up its kernels (FlashInfer autotune), outside its "
+        "static memory"
+    ), refusal
+    assert refusal.said == "Cuda failure 2 'out of memory'"
+    assert refusal.fix.endswith(WARMUP_FIX), refusal.fix
+    setup = [
+        '  File "/sglang/srt/model_executor/model_runner.py", line 330, in __init__',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 380, in init_torch_distributed',
+        '  File "/sglang/srt/distributed/parallel_state.py", line 1400, in '
+        "initialize_model_parallel",
+        nccl.replace("all_reduce", "__init__"),
+    ]
+    assert start_refusal("\n".join([warn, header, *setup, fatal]), DRAFTER, launch, 2) is None
+    assert start_refusal("\n".join([warn, header, fatal]), DRAFTER, launch, 2) is None
+    # torch's own out of memory as the KV cache is sized, at the same log level, likewise.
+    pool = [
+        '  File "/sglang/srt/model_executor/model_runner.py", line 330, in __init__',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 700, in init_memory_pool',
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB.",
+    ]
+    refusal = start_refusal("\n".join([header, *pool]), DRAFTER, launch, 2)
+    assert refusal is not None and "after loading the weights" in refusal.why, refusal
+    # Out of memory as weights load: the target's, or (through the speculative worker) the
+    # draft model's.
+    loading = [
+        '  File "/sglang/srt/speculative/eagle_worker.py", line 120, in __init__',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 500, in load_model',
+        '  File "/sglang/srt/model_loader/loader.py", line 380, in load_model',
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.",
+    ]
+    refusal = start_refusal("\n".join([header, *loading[1:]]), DRAFTER, launch, 2)
+    assert refusal is not None and refusal.why.endswith("loading the weights"), refusal
+    eagle = DrafterSpec("eagle3", algorithm="EAGLE3", draft_model="draft/eagle3")
+    refusal = start_refusal("\n".join([header, *loading]), eagle, launch, 2)
+    assert refusal is not None and "loading the draft model draft/eagle3" in refusal.why, refusal

@@ -39,6 +39,16 @@ What SGLang prints, read (never copied) from sgl-project/sglang, messages unchan
   "Fail when using backend: breakable for prefill runner." and a hint naming
   --cuda-graph-max-bs-prefill, then re-raises it: the traceback ends in torch's own line).
   Its size is prefill tokens (up to the chunked prefill size), not the batch dvfs sets.
+- python/sglang/srt/model_executor/model_runner_components/kernel_warmup.py (later
+  model_executor/runner/flashinfer_autotune.py, run by the eager runner's warm-up): "Running
+  FlashInfer autotune with cache: ..." and "FlashInfer autotune completed." around a forward of
+  --max-running-requests requests, after the KV cache and before any CUDA graph is captured
+  (--disable-flashinfer-autotune skips it, in both releases' option tables).
+- Each tensor-parallel rank logs its own lines ("[time TP1] ..."), its "Scheduler hit an
+  exception: Traceback ..." line too; a --log-level above info drops the "Load weight",
+  "Capture ..." and autotune lines, where the traceback's frames still say where it failed
+  (model_runner.py `init_torch_distributed` as the communicators are set up, before any
+  weights; `load_model`; `init_memory_pool`; the warm-up's; the graph runners').
 - NVIDIA/nccl src/include/checks.h `CUDACHECK` and src/include/cudawrap.h `CUCHECK`: NCCL's
   warning "Cuda failure 'out of memory'" (the driver's: "Cuda failure 2 'out of memory'"),
   and the call fails with ncclUnhandledCudaError, which src/init.cc `ncclGetErrorString`
@@ -133,6 +143,21 @@ _WARMUP_END = re.compile(r"\bFlashInfer autotune completed\b")
 #: (" DP0", " PP0", " EP1" beside it where those are set).
 _RANK = re.compile(r"\s*\[[^\]]*?((?:\s(?:DP|PP|TP|EP|CP)\d+)+)\]")
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+#: A traceback's frame line ("line N" left out by some).
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)"(?:, line \d+)?, in (?P<func>[\w.<>]+)')
+#: Where SGLang sets up its tensor-parallel communicators (model_runner.py
+#: `init_torch_distributed`, distributed/parallel_state.py), before any weights.
+_DISTRIBUTED_FUNCS = frozenset(
+    {"init_torch_distributed", "init_distributed_environment", "initialize_model_parallel"}
+)
+#: Where a draft model's weights load (speculative workers).
+_DRAFT_WORKERS = ("eagle_worker", "standalone_worker", "draft")
+#: Where the CUDA graphs are captured (model_runner.py; 0.5.23's cuda_graph_setup.py).
+_GRAPH_FUNCS = frozenset(
+    {"init_device_graphs", "init_cuda_graphs", "init_piecewise_cuda_graphs", "capture"}
+)
+#: Where the KV cache is sized (after the weights loaded).
+_POOL_FILES = frozenset({"pool_configurator.py", "kv_cache_configurator.py"})
 
 
 @dataclass(frozen=True)
@@ -424,6 +449,41 @@ def _failing_rank(lines: Sequence[str], at: int) -> str | None:
     return None
 
 
+def _frames(lines: Sequence[str], at: int) -> list[tuple[str, str]]:
+    """The (file, function) of each frame of the traceback whose exception is at line `at`."""
+    start = next((i for i in range(at, -1, -1) if _TRACEBACK.search(lines[i])), None)
+    if start is None:
+        return []
+    return [
+        (found.group("path"), found.group("func"))
+        for line in lines[start:at]
+        if (found := _FRAME.search(line)) is not None
+    ]
+
+
+def _frame_stage(frames: Sequence[tuple[str, str]], draft: bool) -> str | None:
+    """How far a start came, by the innermost frame of its traceback that tells (where its
+    log, at a --log-level above info, says nothing of it): "before" (its tensor-parallel
+    communicators being set up), "weights" or "draft", "warmup", "graph" or "prefill", "after"
+    (its KV cache being sized); None: no frame tells."""
+    paths = [(path.replace("\\", "/"), func) for path, func in frames]
+    drafting = draft and any(w in path for path, _ in paths for w in _DRAFT_WORKERS)
+    stage = None
+    for path, func in paths:
+        name = path.rsplit("/", 1)[-1]
+        if func in _DISTRIBUTED_FUNCS:
+            stage = "before"
+        elif func in ("load_model", "load_weights") or "model_loader/" in path:
+            stage = "draft" if drafting else "weights"
+        elif "autotune" in name or "warmup" in name or "autotune" in func or func == "warmup":
+            stage = "warmup"
+        elif "cuda_graph" in name or func in _GRAPH_FUNCS:
+            stage = "prefill" if "prefill" in name or "piecewise" in name else "graph"
+        elif func == "init_memory_pool" or name in _POOL_FILES:
+            stage = "after"
+    return stage
+
+
 def _progress(lines: Sequence[str], at: int, tp_size: int, draft: bool) -> _Where:
     """How far the start had come when the exception at line `at` ended it, read off the
     failing rank's own log lines: each tensor-parallel rank logs its own "Load weight" and
@@ -455,9 +515,11 @@ def _progress(lines: Sequence[str], at: int, tp_size: int, draft: bool) -> _Wher
     if state.begun > state.ended:  # out of memory while a model's weights loaded
         loaded = state.ended >= (1 if rank is not None else max(tp_size, 1))
         return _Where("draft" if draft and loaded else "weights")
-    # A line of its weights, warm-up or graphs logged: after the weights; none (a --log-level
-    # above info drops them all): before any weights, as far as can be known.
-    return _Where("after" if state.timed else "before")
+    if state.timed:
+        return _Where("after")
+    # No line says how far it came (a --log-level above info drops them all): its traceback's
+    # frames may; where none tells, it ran out before any weights, as far as can be known.
+    return _Where(_frame_stage(_frames(lines, at), draft) or "before")
 
 
 def _smaller_prefill_graphs(
