@@ -939,3 +939,34 @@ def test_an_nccl_out_of_memory_at_a_raised_log_level_is_timed_by_its_traceback()
     eagle = DrafterSpec("eagle3", algorithm="EAGLE3", draft_model="draft/eagle3")
     refusal = start_refusal("\n".join([header, *loading]), eagle, launch, 2)
     assert refusal is not None and "loading the draft model draft/eagle3" in refusal.why, refusal
+
+
+def test_cublas_failing_to_allocate_is_out_of_memory() -> None:
+    """cuBLAS words its own failed allocation (its workspace, as the first matmul creates its
+    handle, in a graph capture or the warm-up after the weights): "CUDA error:
+    CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", which SGLang's graph
+    runners too take for out of memory (their hint says to lower --mem-fraction-static). It is
+    read as out of memory, timed as any other. Before, it was no refusal: a plain failure to
+    rerun, which meets it again."""
+    failed = "CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    log = "\n".join(
+        [
+            LOADED_TP2.rstrip("\n"),
+            "[2026-02-14 02:07:46 TP0] Capture cuda graph begin. This can take up to several "
+            "minutes. avail mem=0.40 GB",
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            f"Exception: Capture cuda graph failed: CUDA error: {failed}",
+            "Possible solutions:",
+            "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)",
+        ]
+    )
+    refusal = start_refusal(log, DRAFTER, ["--cuda-graph-max-bs", "8"], 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its CUDA graphs, outside its static memory"
+    ), refusal
+    assert refusal.said == failed, refusal
+    # Its other statuses (a library or driver that does not match) are no refusal.
+    other = log.replace("CUBLAS_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ARCH_MISMATCH")
+    assert start_refusal(other, DRAFTER, ["--cuda-graph-max-bs", "8"], 2) is None

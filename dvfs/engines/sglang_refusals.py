@@ -112,9 +112,13 @@ _GRAPH = re.compile(r"Capture cuda graph failed")
 #: "RuntimeError: CUDA error: out of memory"), after a log line's prefixes ("[time TP0] ",
 #: "[rank0]: "); not a warning that quotes one it survived (FlashInfer's autotuner skipping a
 #: tactic "due to failure while profiling: CUDA out of memory"), which did not end the start.
+#: cuBLAS words its own failed allocation (its workspace, as the first matmul creates its
+#: handle: "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
+#: `cublasCreate(handle)`"), which SGLang's graph runners also take for out of memory
+#: (runner_backend_utils `_OOM_MARKERS`).
 _OOM = re.compile(
     r"^\s*(?:\[[^\]]*\]:?\s*)*[\w.]*(?:Error|Exception): "
-    r".*?(CUDA out of memory|CUDA error: out of memory)"
+    r".*?(CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED)"
 )
 #: NCCL's own words for a CUDA allocation that failed (its warning; torch's "Last error:").
 _NCCL_OOM = re.compile(r"Cuda failure (?:\d+ )?'out of memory'")
