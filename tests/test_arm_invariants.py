@@ -867,9 +867,10 @@ def test_a_flag_giving_sglangs_default_is_no_change_for_the_stub_either(version:
         assert type(given[key]) is type(value), key
         assert arm_changes({**base, "args": plain}, {**base, "args": given}) == [], key
     # Every compared arg the stub reports set is SGLang's value listed here, or one the argv or
-    # the GPU sets (the model's path, the random seed, Hopper's KV page and prefill chunk).
+    # the GPU sets (the model's path, the random seed, Hopper's KV page, prefill chunk and
+    # static memory fraction).
     listed = {*STUB_DEFAULTS[version], "model_path", "tokenizer_path", "random_seed"}
-    listed |= {"page_size", "chunked_prefill_size"}
+    listed |= {"page_size", "chunked_prefill_size", "mem_fraction_static"}
     compared = {*ARM_ARGS, *DRAFTER_ARGS} & plain.keys()
     unlisted = {k: plain[k] for k in compared - listed if plain[k] not in (None, False)}
     assert unlisted == {}
@@ -927,13 +928,16 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     [server] = [r for r in records if r["type"] == "server"]
     cells = [r for r in records if r["type"] == "cell"]
     assert len(cells) == 2
+    # SGLang's default on the stub's H100 (decode graphs up to the largest batch), as reported
+    resolved = server["args"]["mem_fraction_static"]
+    assert resolved == 0.836, resolved
     journal.write_text("".join(json.dumps(r) + "\n" for r in records if r is not cells[-1]))
     (out / "cube.nc").unlink()
     wrapper.write_text('#!/bin/sh\nexec "$@" --mem-fraction-static 0.6\n')
     again = sweep(path, out)
     assert again.exit_code == 5, again.output
     [failed] = [r for r in read_records(journal) if r["type"] == "cell" and r["status"] != "ok"]
-    assert "(mem_fraction_static: None -> 0.6)" in failed["error"], failed["error"]
+    assert f"(mem_fraction_static: {resolved} -> 0.6)" in failed["error"], failed["error"]
     # said as its own earlier server, not another arm's, with what to restore
     assert "server differs from the one that measured its cells in" in failed["error"]
     assert "start it as it was (the same SGLang, and the same flags" in failed["error"]
@@ -952,7 +956,7 @@ def test_one_drafters_servers_share_what_sglang_may_set_for_speculation(tmp_path
     built = CliRunner().invoke(cli, ["cube", "build", str(out)])
     assert built.exit_code != 0
     assert "drafter 'none' were served by different engines or flags" in last_line(built)
-    assert "(mem_fraction_static: None -> 0.6)" in last_line(built)
+    assert f"(mem_fraction_static: {resolved} -> 0.6)" in last_line(built)
     # a flag, not software, differs
     assert "would compare engine flags, not settings" in last_line(built)
     # Each of them, one drafter's servers compared (as shards' are when merged).

@@ -722,3 +722,251 @@ def test_a_graph_out_of_memory_is_read_through_sglangs_chained_traceback() -> No
     refusal = start_refusal(piecewise, DRAFTER, ["--cuda-graph-max-bs", "64", *warn], 1)
     assert refusal is not None and "its prefill CUDA graphs" in refusal.why, refusal
     assert "--piecewise-cuda-graph-max-tokens in engine.sglang.extra_args" in refusal.fix
+
+
+PREFILL_TOKENS = "num_tokens=[4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]"
+
+
+def test_each_tensor_parallel_rank_is_read_by_its_own_capture_lines() -> None:
+    """Each tensor-parallel rank logs its own "Capture ... begin/end" lines, and one rank may
+    run ahead of another: 0.5.23's TP0 had captured its prefill graphs and begun its decode
+    ones when TP1 ran out of memory still capturing its prefill graphs; 0.5.9's TP0 had begun
+    its piecewise graph when TP1 ran out in its decode graph. The graph named, and the flag
+    its fix names, is the failing rank's. Before, the last capture begun by any rank was taken
+    for it: TP1's prefill graph told to shrink the batch (the decode graph's), TP1's decode
+    graph told --piecewise-cuda-graph-max-tokens."""
+    oom = "CUDA out of memory. Tried to allocate 1.96 GiB."
+    log_23 = "\n".join(
+        [
+            LOADED_TP2.rstrip("\n"),
+            f"[2026-02-14 02:07:46 TP0] Capture target prefill CUDA graph begin. backend="
+            f"breakable, {PREFILL_TOKENS}, avail mem=5.10 GB",
+            f"[2026-02-14 02:07:46 TP1] Capture target prefill CUDA graph begin. backend="
+            f"breakable, {PREFILL_TOKENS}, avail mem=5.10 GB",
+            "[2026-02-14 02:07:55 TP0] Capture target prefill CUDA graph end. elapsed=9.71 s, "
+            "mem usage=0.62 GB, avail mem=4.48 GB.",
+            "[2026-02-14 02:07:55 TP0] Capture target decode CUDA graph begin. backend=full, "
+            "num_tokens_per_req=1, bs=[1, 2, 4, 8], avail mem=4.48 GB",
+            f"[2026-02-14 02:07:56 TP1] OutOfMemoryError: {oom}",
+            "Fail when using backend: breakable for prefill runner.",
+            "[2026-02-14 02:07:56 TP1] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            '  File "/sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py", line 90, '
+            "in capture",
+            f"torch.OutOfMemoryError: {oom}",
+        ]
+    )
+    launch = ["--cuda-graph-max-bs-decode", "8"]
+    refusal = start_refusal(log_23, DRAFTER, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its prefill CUDA graphs, outside its static memory"
+    ), refusal
+    assert "give a --cuda-graph-max-bs-prefill below 8192 in " in refusal.fix, refusal.fix
+    assert "workload.batch" not in refusal.fix, refusal.fix
+    log_9 = "\n".join(
+        [
+            LOADED_TP2.rstrip("\n"),
+            "[2026-02-14 02:07:46 TP0] Capture cuda graph begin. This can take up to several "
+            "minutes. avail mem=5.10 GB",
+            "[2026-02-14 02:07:46 TP1] Capture cuda graph begin. This can take up to several "
+            "minutes. avail mem=5.10 GB",
+            "[2026-02-14 02:07:54 TP0] Capture cuda graph end. Time elapsed: 8.12 s. mem "
+            "usage=0.61 GB. avail mem=4.49 GB.",
+            "[2026-02-14 02:07:54 TP0] Capture piecewise CUDA graph begin. avail mem=4.49 GB",
+            _chained(
+                "cuda_graph_runner.py", ["2. set --cuda-graph-max-bs to a smaller value"]
+            ).replace(" TP0]", " TP1]"),
+        ]
+    )
+    launch = ["--cuda-graph-max-bs", "8", "--enable-piecewise-cuda-graph"]
+    refusal = start_refusal(log_9, DRAFTER, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its CUDA graphs, outside its static memory"
+    ), refusal
+    assert refusal.fix.endswith("(dvfs sets --cuda-graph-max-bs to it)"), refusal.fix
+
+
+def test_a_0523_prefill_graph_is_told_its_own_flags_whatever_its_log_says() -> None:
+    """0.5.23 has no piecewise CUDA graph flags (its option table): where its log, at a
+    --log-level above info, has no capture line, its prefill graph's failure is told
+    --cuda-graph-max-bs-prefill even where a line holds the word "piecewise" (here a model
+    path's). Before, any such line made it 0.5.9's advice: --piecewise-cuda-graph-max-tokens
+    and --enable-piecewise-cuda-graph, which 0.5.23 refuses as unknown."""
+    oom = "CUDA out of memory. Tried to allocate 1.96 GiB."
+    log = "\n".join(
+        [
+            "[2026-02-14 02:07:40 TP0] WARNING: Using the chat template of /models/piecewise "
+            "linear/llama: no generation_config.json found",
+            f"[2026-02-14 02:07:50 TP0] OutOfMemoryError: {oom}",
+            "Fail when using backend: breakable for prefill runner.",
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            f"torch.OutOfMemoryError: {oom}",
+        ]
+    )
+    launch = ["--cuda-graph-max-bs-decode", "64", "--log-level", "warning"]
+    refusal = start_refusal(log, DRAFTER, launch, 1)
+    assert refusal is not None and "its prefill CUDA graphs" in refusal.why, refusal
+    assert refusal.fix.endswith(
+        "or give a --cuda-graph-max-bs-prefill in engine.sglang.extra_args (the most tokens its "
+        "prefill CUDA graphs hold), or --cuda-graph-backend-prefill disabled there"
+    ), refusal.fix
+    assert "piecewise" not in refusal.fix, refusal.fix
+    # 0.5.9 (its decode graph flag in the launch) is still told its piecewise graph's flags.
+    legacy = ["--cuda-graph-max-bs", "64", "--log-level", "warning"]
+    refusal = start_refusal(log, DRAFTER, legacy, 1)
+    assert refusal is not None and "--piecewise-cuda-graph-max-tokens" in refusal.fix, refusal
+
+
+#: A kernel warm-up's out of memory as the scheduler's traceback shows it (0.5.23: the eager
+#: runner's warm-up, FlashInfer's autotune, before any graph is captured).
+WARMUP_FRAMES = [
+    '  File "/sglang/srt/managers/scheduler.py", line 2900, in run_scheduler_process',
+    '  File "/sglang/srt/model_executor/model_runner.py", line 420, in initialize',
+    '  File "/sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py", line 380, '
+    "in capture_cuda_graphs",
+    '  File "/sglang/srt/model_executor/runner/eager_runner.py", line 150, in __init__',
+    '  File "/sglang/srt/model_executor/runner/base_runner.py", line 240, in warmup',
+    '  File "/sglang/srt/model_executor/runner/flashinfer_autotune.py", line 300, in '
+    "run_flashinfer_autotune_forward",
+    '  File "/sglang/srt/layers/moe/fused_moe.py", line 80, in forward',
+]
+WARMUP_FIX = (
+    "give --disable-flashinfer-autotune in engine.sglang.extra_args, or a smaller largest batch "
+    "in workload.batch (the autotune runs a batch of --max-running-requests, which dvfs sets to "
+    "it)"
+)
+
+
+def test_a_kernel_warmup_out_of_memory_names_the_flag_that_skips_it() -> None:
+    """SGLang warms its kernels up (FlashInfer's autotune: one forward of
+    --max-running-requests requests) after the weights and KV cache, before any CUDA graph is
+    captured, its "Running FlashInfer autotune" line begun and no "FlashInfer autotune
+    completed." after it: out of memory there is told --disable-flashinfer-autotune (both
+    releases' option tables have it) and what sizes its batch. Before, it was "after loading
+    the weights", a smaller batch said to be the decode CUDA graph's (which was never begun)."""
+    oom = "CUDA out of memory. Tried to allocate 3.50 GiB."
+    log = "\n".join(
+        [
+            LOADED_TP2.rstrip("\n"),
+            "[2026-02-14 02:07:46 TP0] Running FlashInfer autotune with cache: /root/.cache/"
+            "sglang/flashinfer/autotune/0.6.1/sm90/3f1c/rank_tp0_pp0_dp0.json",
+            "[2026-02-14 02:07:46 TP1] Running FlashInfer autotune with cache: /root/.cache/"
+            "sglang/flashinfer/autotune/0.6.1/sm90/3f1c/rank_tp1_pp0_dp0.json",
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            *WARMUP_FRAMES,
+            f"torch.OutOfMemoryError: {oom}",
+        ]
+    )
+    launch = ["--max-running-requests", "64", "--cuda-graph-max-bs-decode", "64"]
+    refusal = start_refusal(log, DRAFTER, [*launch, "--mem-fraction-static", "0.9"], 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory warming up its kernels (FlashInfer autotune), outside its "
+        "static memory"
+    ), refusal
+    assert refusal.fix == (
+        "lower --mem-fraction-static below 0.9 in engine.sglang.extra_args (more memory outside "
+        f"its static pool), {WARMUP_FIX}"
+    ), refusal.fix
+    assert ": " not in refusal.fix
+    # Its autotune completed, the same out of memory came after it: no warm-up's.
+    done = log.replace(
+        "[2026-02-14 02:07:50 TP0] Scheduler",
+        "[2026-02-14 02:07:49 TP0] FlashInfer autotune completed.\n"
+        "[2026-02-14 02:07:50 TP0] Scheduler",
+    )
+    refusal = start_refusal(done, DRAFTER, launch, 2)
+    assert refusal is not None and "after loading the weights" in refusal.why, refusal
+
+
+def test_an_nccl_out_of_memory_at_a_raised_log_level_is_timed_by_its_traceback() -> None:
+    """With a --log-level above info SGLang logs no "Load weight" line, so their absence does
+    not say the start ran out before any weights: the scheduler's traceback does, by the
+    frame it failed in. NCCL out of memory at its first collective in the kernel warm-up (after
+    the weights) is a refusal, told as the warm-up's; in `init_torch_distributed`, as its
+    communicators were set up, it stays none (the GPU was full already), as does one whose
+    traceback names no such frame. Before, every one was read as before any weights: a plain
+    failure to rerun, which meets it again."""
+    warn = "h100:4711:4790 [1] transport/p2p.cc:275 NCCL WARN Cuda failure 2 'out of memory'"
+    header = (
+        "[2026-02-14 02:07:50 TP1] Scheduler hit an exception: Traceback (most recent call last):"
+    )
+    fatal = "RuntimeError: NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO for details)"
+    nccl = (
+        '  File "/sglang/srt/distributed/device_communicators/pynccl.py", line 150, in all_reduce'
+    )
+    launch = ["--cuda-graph-max-bs-decode", "64", "--log-level", "warning"]
+    log = "\n".join([warn, header, *WARMUP_FRAMES, nccl, fatal])
+    refusal = start_refusal(log, DRAFTER, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "NCCL ran out of GPU memory warming up its kernels (FlashInfer autotune), outside its "
+        "static memory"
+    ), refusal
+    assert refusal.said == "Cuda failure 2 'out of memory'"
+    assert refusal.fix.endswith(WARMUP_FIX), refusal.fix
+    setup = [
+        '  File "/sglang/srt/model_executor/model_runner.py", line 330, in __init__',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 380, in init_torch_distributed',
+        '  File "/sglang/srt/distributed/parallel_state.py", line 1400, in '
+        "initialize_model_parallel",
+        nccl.replace("all_reduce", "__init__"),
+    ]
+    assert start_refusal("\n".join([warn, header, *setup, fatal]), DRAFTER, launch, 2) is None
+    assert start_refusal("\n".join([warn, header, fatal]), DRAFTER, launch, 2) is None
+    # torch's own out of memory as the KV cache is sized, at the same log level, likewise.
+    pool = [
+        '  File "/sglang/srt/model_executor/model_runner.py", line 330, in __init__',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 700, in init_memory_pool',
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB.",
+    ]
+    refusal = start_refusal("\n".join([header, *pool]), DRAFTER, launch, 2)
+    assert refusal is not None and "after loading the weights" in refusal.why, refusal
+    # Out of memory as weights load: the target's, or (through the speculative worker) the
+    # draft model's.
+    loading = [
+        '  File "/sglang/srt/speculative/eagle_worker.py", line 120, in __init__',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 500, in load_model',
+        '  File "/sglang/srt/model_loader/loader.py", line 380, in load_model',
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.",
+    ]
+    refusal = start_refusal("\n".join([header, *loading[1:]]), DRAFTER, launch, 2)
+    assert refusal is not None and refusal.why.endswith("loading the weights"), refusal
+    eagle = DrafterSpec("eagle3", algorithm="EAGLE3", draft_model="draft/eagle3")
+    refusal = start_refusal("\n".join([header, *loading]), eagle, launch, 2)
+    assert refusal is not None and "loading the draft model draft/eagle3" in refusal.why, refusal
+
+
+def test_cublas_failing_to_allocate_is_out_of_memory() -> None:
+    """cuBLAS words its own failed allocation (its workspace, as the first matmul creates its
+    handle, in a graph capture or the warm-up after the weights): "CUDA error:
+    CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", which SGLang's graph
+    runners too take for out of memory (their hint says to lower --mem-fraction-static). It is
+    read as out of memory, timed as any other. Before, it was no refusal: a plain failure to
+    rerun, which meets it again."""
+    failed = "CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    log = "\n".join(
+        [
+            LOADED_TP2.rstrip("\n"),
+            "[2026-02-14 02:07:46 TP0] Capture cuda graph begin. This can take up to several "
+            "minutes. avail mem=0.40 GB",
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            f"Exception: Capture cuda graph failed: CUDA error: {failed}",
+            "Possible solutions:",
+            "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)",
+        ]
+    )
+    refusal = start_refusal(log, DRAFTER, ["--cuda-graph-max-bs", "8"], 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its CUDA graphs, outside its static memory"
+    ), refusal
+    assert refusal.said == failed, refusal
+    # Its other statuses (a library or driver that does not match) are no refusal.
+    other = log.replace("CUBLAS_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ARCH_MISMATCH")
+    assert start_refusal(other, DRAFTER, ["--cuda-graph-max-bs", "8"], 2) is None

@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import importlib.util
 import json
+import os
 import re
 import signal
 import socket
@@ -506,6 +507,47 @@ def test_speculative_defaults_follow_sglang(stub_module: ModuleType, version: st
     )
     none = _resolve(stub_module, version, "--tp", "2")
     assert none["tp_size"] == 2 and none["max_running_requests"] is None
+
+
+#: SGLang's default --mem-fraction-static on an H100 SXM (81559 MiB), tp 1, chunked prefill 8192,
+#: decode graphs up to 256: 0.5.9 reserves 512 + 8192 x 1.5 + 128 + 256 x 2 = 13440 MiB (0.835),
+#: 2 GiB more for an EAGLE drafter (0.810), 6 GiB for a STANDALONE one (0.760), none for NGRAM;
+#: 0.5.23 reserves 8 MiB more per prefill graph size (58 up to 8192) and nothing per drafter:
+#: 13904 MiB (0.830). On an H200 (143771 MiB) 0.5.23's is 0.903.
+DEFAULT_FRACTIONS = {
+    "0.5.9": {None: 0.835, "EAGLE3": 0.81, "STANDALONE": 0.76, "NGRAM": 0.835},
+    "0.5.23": {None: 0.83, "EAGLE3": 0.83, "STANDALONE": 0.83, "NGRAM": 0.83},
+}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_an_unset_static_memory_fraction_is_reported_as_sglang_resolves_it(
+    stub_module: ModuleType, version: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang resolves an unset --mem-fraction-static from the GPU's memory, less what it
+    reserves for activations, CUDA graphs and (0.5.9) a draft model, and /server_info reports
+    the number; a given one as given. Before, the stub reported null unless given, so dvfs's
+    reading of the server's memory claim (engines/server_memory.py) was only ever exercised
+    with its 0.7 fallback, and a wrapper's --mem-fraction-static read "None -> 0.6"."""
+    for algorithm, fraction in DEFAULT_FRACTIONS[version].items():
+        argv = ["--speculative-algorithm", algorithm] if algorithm else []
+        if algorithm == "STANDALONE":
+            argv += ["--speculative-draft-model-path", "d"]
+        assert _resolve(stub_module, version, *argv)["mem_fraction_static"] == fraction, algorithm
+    assert (
+        _resolve(stub_module, version, "--mem-fraction-static", "0.6")["mem_fraction_static"] == 0.6
+    )
+    # The smallest GPU SGLang sees, as the fake NVML lists them (a new state file of each).
+    cfg = stub_module.StubConfig(version=version)
+    h200 = 0.907 if version == "0.5.9" else 0.903  # 13440 or 13904 MiB of 143771
+    for devices, fraction in (
+        ("h200-sxm", h200),
+        ("h200-sxm,h100-sxm", DEFAULT_FRACTIONS[version][None]),
+    ):
+        monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / f"{devices}.json"))
+        monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", devices)
+        args, _ = stub_module.parse_launch_argv(["--model-path", "m"], cfg, os.environ)
+        assert args["mem_fraction_static"] == fraction, devices
 
 
 def test_dflash_defaults_on_0523(stub_module: ModuleType) -> None:

@@ -39,6 +39,16 @@ What SGLang prints, read (never copied) from sgl-project/sglang, messages unchan
   "Fail when using backend: breakable for prefill runner." and a hint naming
   --cuda-graph-max-bs-prefill, then re-raises it: the traceback ends in torch's own line).
   Its size is prefill tokens (up to the chunked prefill size), not the batch dvfs sets.
+- python/sglang/srt/model_executor/model_runner_components/kernel_warmup.py (later
+  model_executor/runner/flashinfer_autotune.py, run by the eager runner's warm-up): "Running
+  FlashInfer autotune with cache: ..." and "FlashInfer autotune completed." around a forward of
+  --max-running-requests requests, after the KV cache and before any CUDA graph is captured
+  (--disable-flashinfer-autotune skips it, in both releases' option tables).
+- Each tensor-parallel rank logs its own lines ("[time TP1] ..."), its "Scheduler hit an
+  exception: Traceback ..." line too; a --log-level above info drops the "Load weight",
+  "Capture ..." and autotune lines, where the traceback's frames still say where it failed
+  (model_runner.py `init_torch_distributed` as the communicators are set up, before any
+  weights; `load_model`; `init_memory_pool`; the warm-up's; the graph runners').
 - NVIDIA/nccl src/include/checks.h `CUDACHECK` and src/include/cudawrap.h `CUCHECK`: NCCL's
   warning "Cuda failure 'out of memory'" (the driver's: "Cuda failure 2 'out of memory'"),
   and the call fails with ncclUnhandledCudaError, which src/init.cc `ncclGetErrorString`
@@ -64,7 +74,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dvfs.campaign.model import DrafterSpec
 from dvfs.engines.sglang_args import NEW_CUDA_GRAPH_FLAG, OLD_CUDA_GRAPH_FLAG
@@ -102,9 +112,13 @@ _GRAPH = re.compile(r"Capture cuda graph failed")
 #: "RuntimeError: CUDA error: out of memory"), after a log line's prefixes ("[time TP0] ",
 #: "[rank0]: "); not a warning that quotes one it survived (FlashInfer's autotuner skipping a
 #: tactic "due to failure while profiling: CUDA out of memory"), which did not end the start.
+#: cuBLAS words its own failed allocation (its workspace, as the first matmul creates its
+#: handle: "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
+#: `cublasCreate(handle)`"), which SGLang's graph runners also take for out of memory
+#: (runner_backend_utils `_OOM_MARKERS`).
 _OOM = re.compile(
     r"^\s*(?:\[[^\]]*\]:?\s*)*[\w.]*(?:Error|Exception): "
-    r".*?(CUDA out of memory|CUDA error: out of memory)"
+    r".*?(CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED)"
 )
 #: NCCL's own words for a CUDA allocation that failed (its warning; torch's "Last error:").
 _NCCL_OOM = re.compile(r"Cuda failure (?:\d+ )?'out of memory'")
@@ -125,6 +139,29 @@ _PREFILL_TOKENS = re.compile(r"(?:num_tokens=|Capture cuda graph num tokens )\[(
 _PIECEWISE = re.compile(r"\bpiecewise\b", re.IGNORECASE)
 _LOAD_BEGIN = re.compile(r"Load weight begin\b")
 _LOAD_END = re.compile(r"Load weight end\b")
+#: The kernel warm-up before any CUDA graph is captured (FlashInfer's autotune, as SGLang logs
+#: it: model_runner_components/kernel_warmup.py, 0.5.23's runner/flashinfer_autotune.py).
+_WARMUP_BEGIN = re.compile(r"\bRunning FlashInfer autotune\b")
+_WARMUP_END = re.compile(r"\bFlashInfer autotune completed\b")
+#: The rank a log line's prefix names: SGLang's scheduler logs "[2026-02-14 02:07:50 TP1] ..."
+#: (" DP0", " PP0", " EP1" beside it where those are set).
+_RANK = re.compile(r"\s*\[[^\]]*?((?:\s(?:DP|PP|TP|EP|CP)\d+)+)\]")
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+#: A traceback's frame line ("line N" left out by some).
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)"(?:, line \d+)?, in (?P<func>[\w.<>]+)')
+#: Where SGLang sets up its tensor-parallel communicators (model_runner.py
+#: `init_torch_distributed`, distributed/parallel_state.py), before any weights.
+_DISTRIBUTED_FUNCS = frozenset(
+    {"init_torch_distributed", "init_distributed_environment", "initialize_model_parallel"}
+)
+#: Where a draft model's weights load (speculative workers).
+_DRAFT_WORKERS = ("eagle_worker", "standalone_worker", "draft")
+#: Where the CUDA graphs are captured (model_runner.py; 0.5.23's cuda_graph_setup.py).
+_GRAPH_FUNCS = frozenset(
+    {"init_device_graphs", "init_cuda_graphs", "init_piecewise_cuda_graphs", "capture"}
+)
+#: Where the KV cache is sized (after the weights loaded).
+_POOL_FILES = frozenset({"pool_configurator.py", "kv_cache_configurator.py"})
 
 
 @dataclass(frozen=True)
@@ -268,39 +305,27 @@ def start_refusal(
     if oom is None:
         return None
     at, said, nccl = oom
-    upto = lines[: at + 1]
     ran_out = "NCCL ran out of GPU memory" if nccl else "the GPUs ran out of memory"
-    capture = _capturing(upto)
-    # The prefill-side graph's own failure words tell it where no capture begin is logged (a
-    # --log-level above info drops SGLang's "Capture ... begin" and "Load weight" lines): it
-    # ran out after the weights, whatever those lines say.
-    prefill = _prefill_graph(upto, lines, capture)
-    # "Capture cuda graph failed" is read past the out of memory: SGLang raises it inside
-    # `except RuntimeError as e` (no `from`), so the scheduler's traceback shows torch's error
-    # first, then "During handling of the above exception...", then this one.
-    graph = prefill or capture is not None or _first(lines, _GRAPH) is not None
-    begun = sum(1 for text in upto if _LOAD_BEGIN.search(text))
-    ended = sum(1 for text in upto if _LOAD_END.search(text))
-    if not graph and begun == 0 and ended == 0:
+    reached = _progress(lines, at, tp_size, bool(drafter.draft_model))
+    if reached.stage == "before":
         # Before any weights (a CUDA context, NCCL's buffers as its tensor-parallel
         # communicators are set up: a GPU's first few hundred MiB): the GPU was full already,
         # which nothing in the campaign leaves it. (A log read from its end, the engine's
         # `LOG_TAIL_BYTES`, may have lost its "begin" lines, not its "end" ones.)
         return None
-    if not graph and begun > ended:  # out of memory while a model's weights loaded
-        target_loaded = ended >= max(tp_size, 1)
-        if drafter.draft_model and target_loaded:
-            # The target's KV cache took its static memory first: the draft's weights load
-            # into what that leaves (SGLang's default reserves 2 GiB for an EAGLE draft, 6 GiB
-            # for a STANDALONE one), so a lower fraction is the first way out.
-            lower = _lower_static(fraction, fraction_where, default)
-            return StartRefusal(
-                f"{ran_out} loading the draft model {drafter.draft_model} "
-                "beside the target's weights and KV cache",
-                said,
-                f"{lower} (room outside its static pool for the draft model), or {smaller}",
-                memory=True,
-            )
+    if reached.stage == "draft":
+        # The target's KV cache took its static memory first: the draft's weights load
+        # into what that leaves (SGLang's default reserves 2 GiB for an EAGLE draft, 6 GiB
+        # for a STANDALONE one), so a lower fraction is the first way out.
+        lower = _lower_static(fraction, fraction_where, default)
+        return StartRefusal(
+            f"{ran_out} loading the draft model {drafter.draft_model} "
+            "beside the target's weights and KV cache",
+            said,
+            f"{lower} (room outside its static pool for the draft model), or {smaller}",
+            memory=True,
+        )
+    if reached.stage == "weights":
         return StartRefusal(
             f"{ran_out} loading the weights",
             said,
@@ -308,15 +333,28 @@ def start_refusal(
             memory=True,
         )
     lower = _lower_static(fraction, fraction_where, default)
-    if prefill:
+    if reached.stage == "prefill":
         return StartRefusal(
             f"{ran_out} capturing its prefill CUDA graphs, outside its static memory",
             said,
             f"{lower} (more memory outside its static pool), or "
-            + _smaller_prefill_graphs(lines, capture, launch),
+            + _smaller_prefill_graphs(lines, reached.capture, launch),
             memory=True,
         )
-    what = "capturing its CUDA graphs" if graph else "after loading the weights"
+    if reached.stage == "warmup":
+        # Its kernel warm-up (FlashInfer's autotune, before any graph is captured) runs one
+        # forward of --max-running-requests requests outside the static pool; SGLang skips it
+        # with --disable-flashinfer-autotune (both releases' option tables).
+        return StartRefusal(
+            f"{ran_out} warming up its kernels (FlashInfer autotune), outside its static memory",
+            said,
+            f"{lower} (more memory outside its static pool), give "
+            "--disable-flashinfer-autotune in engine.sglang.extra_args, or a smaller largest "
+            "batch in workload.batch (the autotune runs a batch of --max-running-requests, which "
+            "dvfs sets to it)",
+            memory=True,
+        )
+    what = "capturing its CUDA graphs" if reached.stage == "graph" else "after loading the weights"
     flag = _decode_graph_flag(launch)
     sized = f"dvfs sets {flag} to it" if flag else "dvfs captures CUDA graphs up to it"
     return StartRefusal(
@@ -343,36 +381,149 @@ def _out_of_memory(lines: Sequence[str]) -> tuple[int, str, bool] | None:
     return None
 
 
-def _capturing(lines: Sequence[str]) -> str | None:
-    """The CUDA graph being captured at the end of `lines` (its name as SGLang logs it, "" for
-    0.5.9's decode graph): the last begun whose end is not logged, where no weights began to
-    load after it (a draft model's, once the target's graphs are captured); None: none."""
-    open_: dict[str, int] = {}
+@dataclass(frozen=True)
+class _Where:
+    """How far the failing rank's start had come when it ran out of memory: `stage` one of
+    "before" (no weights begun: not the campaign's), "weights", "draft" (the draft model's
+    weights, the target's loaded), "warmup" (its kernel autotune), "graph", "prefill" (the
+    prefill-side graph), "after" (after loading the weights, none of those); `capture`: the
+    graph being captured as SGLang named it in its begin line (None: none logged)."""
+
+    stage: str
+    capture: str | None = None
+
+
+@dataclass
+class _Rank:
+    """What one tensor-parallel rank's own log lines say of its start, read in order."""
+
+    begun: int = 0  # "Load weight begin" lines
+    ended: int = 0  # "Load weight end" lines
+    warming: int = 0  # kernel autotunes begun, not completed since the last weights began
+    timed: bool = False  # any line that says how far it came
+    open_: dict[str, int] = field(default_factory=dict)
     latest: str | None = None
-    for line in lines:
+
+    def read(self, line: str) -> None:
         if _LOAD_BEGIN.search(line):
-            latest = None
-            continue
+            self.begun += 1
+            self.latest, self.warming, self.timed = None, 0, True
+            return
+        if _LOAD_END.search(line):
+            self.ended += 1
+            self.timed = True
+            return
+        if _WARMUP_BEGIN.search(line):
+            self.warming += 1
+            self.timed = True
+            return
+        if _WARMUP_END.search(line):
+            self.warming = max(self.warming - 1, 0)
+            self.timed = True
+            return
         found = _CAPTURE.search(line)
         if found is None:
-            continue
+            return
+        self.timed = True
         what = found.group("what").strip().lower()
         if found.group("edge") == "begin":
-            open_[what] = open_.get(what, 0) + 1
-            latest = what
+            self.open_[what] = self.open_.get(what, 0) + 1
+            self.latest = what
         else:
-            open_[what] = max(open_.get(what, 0) - 1, 0)
-            if latest == what and not open_[what]:
-                latest = next((w for w, n in open_.items() if n), None)
-    return latest
+            self.open_[what] = max(self.open_.get(what, 0) - 1, 0)
+            if self.latest == what and not self.open_[what]:
+                self.latest = next((w for w, n in self.open_.items() if n), None)
 
 
-def _prefill_graph(upto: Sequence[str], lines: Sequence[str], capture: str | None) -> bool:
-    """Whether the graph being captured was the prefill-side one (0.5.23's prefill graph,
-    0.5.9's piecewise one), by its begin line, else by its own failure words."""
+def _rank_of(line: str) -> str | None:
+    """The rank a line of SGLang's log is from, as its prefix names it ("TP1", "DP0 TP1");
+    None: no rank named (a traceback's own lines, a server of one rank, NCCL's lines)."""
+    found = _RANK.match(line)
+    return " ".join(found.group(1).split()) if found is not None else None
+
+
+def _failing_rank(lines: Sequence[str], at: int) -> str | None:
+    """The rank whose exception is at line `at`: the line's own prefix, else that of the
+    scheduler's traceback header it ends ("[... TP1] Scheduler hit an exception: Traceback
+    ..."), the nearest such line above it; None: none names one."""
+    for i in range(at, -1, -1):
+        rank = _rank_of(lines[i])
+        if rank is not None and (i == at or _TRACEBACK.search(lines[i])):
+            return rank
+    return None
+
+
+def _frames(lines: Sequence[str], at: int) -> list[tuple[str, str]]:
+    """The (file, function) of each frame of the traceback whose exception is at line `at`."""
+    start = next((i for i in range(at, -1, -1) if _TRACEBACK.search(lines[i])), None)
+    if start is None:
+        return []
+    return [
+        (found.group("path"), found.group("func"))
+        for line in lines[start:at]
+        if (found := _FRAME.search(line)) is not None
+    ]
+
+
+def _frame_stage(frames: Sequence[tuple[str, str]], draft: bool) -> str | None:
+    """How far a start came, by the innermost frame of its traceback that tells (where its
+    log, at a --log-level above info, says nothing of it): "before" (its tensor-parallel
+    communicators being set up), "weights" or "draft", "warmup", "graph" or "prefill", "after"
+    (its KV cache being sized); None: no frame tells."""
+    paths = [(path.replace("\\", "/"), func) for path, func in frames]
+    drafting = draft and any(w in path for path, _ in paths for w in _DRAFT_WORKERS)
+    stage = None
+    for path, func in paths:
+        name = path.rsplit("/", 1)[-1]
+        if func in _DISTRIBUTED_FUNCS:
+            stage = "before"
+        elif func in ("load_model", "load_weights") or "model_loader/" in path:
+            stage = "draft" if drafting else "weights"
+        elif "autotune" in name or "warmup" in name or "autotune" in func or func == "warmup":
+            stage = "warmup"
+        elif "cuda_graph" in name or func in _GRAPH_FUNCS:
+            stage = "prefill" if "prefill" in name or "piecewise" in name else "graph"
+        elif func == "init_memory_pool" or name in _POOL_FILES:
+            stage = "after"
+    return stage
+
+
+def _progress(lines: Sequence[str], at: int, tp_size: int, draft: bool) -> _Where:
+    """How far the start had come when the exception at line `at` ended it, read off the
+    failing rank's own log lines: each tensor-parallel rank logs its own "Load weight" and
+    "Capture ... begin/end" lines, so one rank's graph captured says nothing of another's
+    still capturing. Where no line names the rank, every rank's lines are read together."""
+    upto = lines[: at + 1]
+    rank = _failing_rank(lines, at)
+    state = _Rank()
+    for line in upto:
+        if rank is None or _rank_of(line) == rank:
+            state.read(line)
+    capture = state.latest
     if capture is not None:
-        return "prefill" in capture or "piecewise" in capture
-    return _first(lines, _PREFILL_GRAPH) is not None and _first(upto, _CAPTURE) is None
+        return _Where(
+            "prefill" if "prefill" in capture or "piecewise" in capture else "graph", capture
+        )
+    # The prefill-side graph's own failure words tell it where no capture begin is logged (a
+    # --log-level above info drops SGLang's "Capture ... begin" and "Load weight" lines): it
+    # ran out after the weights, whatever those lines say.
+    if _first(lines, _PREFILL_GRAPH) is not None and _first(upto, _CAPTURE) is None:
+        return _Where("prefill")
+    # "Capture cuda graph failed" is read past the out of memory: SGLang raises it inside
+    # `except RuntimeError as e` (no `from`), so the scheduler's traceback shows torch's error
+    # first, then "During handling of the above exception...", then this one.
+    if _first(lines, _GRAPH) is not None:
+        return _Where("graph")
+    if state.warming:
+        return _Where("warmup")
+    if state.begun > state.ended:  # out of memory while a model's weights loaded
+        loaded = state.ended >= (1 if rank is not None else max(tp_size, 1))
+        return _Where("draft" if draft and loaded else "weights")
+    if state.timed:
+        return _Where("after")
+    # No line says how far it came (a --log-level above info drops them all): its traceback's
+    # frames may; where none tells, it ran out before any weights, as far as can be known.
+    return _Where(_frame_stage(_frames(lines, at), draft) or "before")
 
 
 def _smaller_prefill_graphs(
@@ -381,9 +532,14 @@ def _smaller_prefill_graphs(
     """The fix for a prefill-side graph too large: the flag that sizes it in this release
     (0.5.9's piecewise graph, else 0.5.23's prefill graph), with the largest size it captured
     where the log says it, or no such graph."""
-    legacy = (capture is not None and "piecewise" in capture) or (
-        capture is None and (OLD_CUDA_GRAPH_FLAG in launch or _first(lines, _PIECEWISE) is not None)
-    )
+    if capture is not None:
+        legacy = "piecewise" in capture
+    elif NEW_CUDA_GRAPH_FLAG in launch or OLD_CUDA_GRAPH_FLAG in launch:
+        # The release as dvfs launched it (each has its own decode graph flag): a line of
+        # 0.5.23's holding "piecewise" does not make it 0.5.9, which has no such flags.
+        legacy = OLD_CUDA_GRAPH_FLAG in launch
+    else:
+        legacy = _first(lines, _PIECEWISE) is not None
     sizes = None
     for line in lines:
         found = _PREFILL_TOKENS.search(line)

@@ -241,6 +241,16 @@ job on the same GPU(s): that live pid is listed there when the ``foreign_from_re
 (null: never; 0: as the stub starts, for a tenant the test listed before dvfs started, gone by
 the first cell, with ``foreign_from_request`` past the last request).
 
+Memory: an unset ``--mem-fraction-static`` is resolved and reported as SGLang resolves it
+(0.5.9 server_args.py ``_handle_gpu_memory_settings``, 0.5.23 arg_groups/memory_hook.py
+``handle_gpu_memory_settings``): (GPU memory - reserved) / GPU memory, rounded to 3 places, the
+reserve (MiB) 512, 1.5 per token of the chunked prefill (at least 2048), 128 per
+tensor-parallel rank, 2 per decode CUDA-graph batch size of the largest, in 0.5.23 8 per prefill
+CUDA-graph token size (unless that graph is disabled), at least 10 GiB on a GPU above 60 GiB;
+0.5.9 then adds 6 GiB for a STANDALONE drafter and 2 GiB for the others but NGRAM. The GPU is
+the smallest of the fake NVML's devices (``DVFS_FAKE_NVML_STATE``: SGLang reads every GPU's
+memory), else an H100 SXM's 81559 MiB.
+
 Context, as SGLang's scheduler and tokenizer manager count it (0.5.9 and 0.5.23 alike): the
 KV pool holds ``--max-total-tokens`` (``KV_TOKENS`` unless given) tokens; ``max_req_len`` is
 the lesser of the served context less 1 and that pool less 1, ``max_req_input_len`` that less
@@ -1124,6 +1134,65 @@ def _resolve_scheduling(args: dict[str, Any], version: str, environ: Mapping[str
         args["enable_mixed_chunk"] = False
 
 
+#: The GPU memory (MiB) SGLang sizes an unset --mem-fraction-static by where the stub has no
+#: fake NVML: an H100 SXM's (the Hopper GPU it plays).
+STUB_GPU_MIB = 81559
+
+
+def prefill_graph_tokens(max_tokens: int) -> list[int]:
+    """0.5.23's default prefill CUDA-graph token sizes up to ``max_tokens`` (arg_groups/
+    cuda_graph_hook.py ``generate_prefill_cuda_graph_batch_sizes``)."""
+    sizes = [
+        *range(4, 33, 4),
+        *range(48, 257, 16),
+        *range(288, 513, 32),
+        *range(576, 1025, 64),
+        *range(1280, 4097, 256),
+        *range(4608, max_tokens + 1, 512),
+    ]
+    return [n for n in sizes if n <= max_tokens]
+
+
+def smallest_gpu_mib(environ: Mapping[str, str]) -> int:
+    """The memory (MiB) of the smallest GPU SGLang would see: the fake NVML's devices where
+    ``DVFS_FAKE_NVML_STATE`` names its state, else `STUB_GPU_MIB`."""
+    nvml = fake_nvml(environ)
+    if nvml is None:
+        return STUB_GPU_MIB
+    totals = [
+        int(nvml.FAKE_PROFILES[dev["profile"]]["memory_total_bytes"]) // 2**20
+        for dev in nvml.fake_state()["devices"]
+    ]
+    return min(totals) if totals else STUB_GPU_MIB
+
+
+def _resolve_memory(args: dict[str, Any], version: str, gpu_mib: int) -> None:
+    """An unset --mem-fraction-static as the release resolves it (module docstring,
+    "Memory"), for the GPU memory ``gpu_mib``."""
+    if args.get("mem_fraction_static") is not None:
+        return
+    tp, pp = int(args.get("tp_size") or 1), int(args.get("pp_size") or 1)
+    reserved = 512 + max(int(args["chunked_prefill_size"]), 2048) * 1.5 + tp * pp / 8 * 1024
+    if version == "0.5.9":
+        if not args.get("disable_cuda_graph"):
+            reserved += int(args["cuda_graph_max_bs"]) * 2
+    else:
+        graphs = args["cuda_graph_config"]
+        if graphs["decode"]["backend"] != "disabled":
+            reserved += int(graphs["decode"]["max_bs"]) * 2
+        if graphs["prefill"]["backend"] != "disabled":
+            sizes = graphs["prefill"]["bs"] or prefill_graph_tokens(
+                int(graphs["prefill"]["max_bs"])
+            )
+            reserved += len(sizes) * 8
+    if gpu_mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    algorithm = args.get("speculative_algorithm")
+    if version == "0.5.9" and algorithm is not None and algorithm != "NGRAM":
+        reserved += 6 * 1024 if algorithm == "STANDALONE" else 2 * 1024
+    args["mem_fraction_static"] = round((gpu_mib - reserved) / gpu_mib, 3)
+
+
 def _resolve_modelscope(args: dict[str, Any], version: str, environ: Mapping[str, str]) -> None:
     """With env SGLANG_USE_MODELSCOPE true (0.5.9: "true" or "1"; 0.5.23 also "yes" or "y",
     any case), a model_path that is no existing path is downloaded from ModelScope, and the
@@ -1190,6 +1259,7 @@ def resolve_server_args(
     _resolve_sampling_and_lora(args, version)
     _resolve_speculative(args, version, cfg)
     _resolve_scheduling(args, version, environ or {})
+    _resolve_memory(args, version, smallest_gpu_mib(environ or {}))
     return args
 
 
@@ -2284,8 +2354,9 @@ def fake_nvml(environ: Mapping[str, str]) -> Any:
     return module
 
 
-#: The stub's --mem-fraction-static where the launch gives none (SGLang's default on an
-#: 80 GiB GPU is about this; /server_info reports it unresolved, as the stub always has).
+#: The --mem-fraction-static `claim_bytes` takes where none is known (a neighbour's server,
+#: started elsewhere: about SGLang's default on an 80 GiB GPU). The stub's own server claims
+#: the fraction it resolved (``_resolve_memory``), as /server_info reports it.
 STUB_MEM_FRACTION = 0.85
 #: Where ``--max-total-tokens`` caps the KV pool, SGLang takes only the weights and that pool
 #: (not its whole claim): an 8B bf16 model's 16 GiB, 128 KiB per token (32 layers x 8 KV heads
