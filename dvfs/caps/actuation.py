@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from dvfs.caps.files import CapsFile, base_model_name, headroom_again, plan_again
 from dvfs.errors import (
@@ -340,18 +340,68 @@ def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
 #: land, so either is dvfs's cap, and `cap reset --applied` and the next `cap apply` take the
 #: GPU's limit for dvfs's, not an operator's, where it is either. Dropped once a change lands.
 EARLIER = "power_limit_earlier_mw"
+#: The `power_limit_mw` an `EARLIER` cap was recorded beside: an older dvfs, which knows
+#: neither key, carries both along when it changes the cap, so an earlier cap beside another
+#: (or beside none said) is stale, no longer known to be dvfs's (`_doubtful_limit`).
+EARLIER_FOR = "power_limit_earlier_for_mw"
 
 
 def _earlier_cap(entry: Mapping[str, Any]) -> int | None:
-    """A caps record entry's `EARLIER` cap where it is a power limit in mW; None where absent,
-    null or damaged (a float, a string, true: `damaged_lines` says it is taken for none, and
-    500000.0 or true must not pass for the GPU's limit by Python's 500000 == 500000.0 or
-    1 == True)."""
+    """A caps record entry's `EARLIER` cap where it is a power limit in mW recorded beside the
+    entry's `power_limit_mw` (`EARLIER_FOR`); None where absent, null, damaged (a float, a
+    string, true: `damaged_lines` says it is taken for none, and 500000.0 or true must not pass
+    for the GPU's limit by Python's 500000 == 500000.0 or 1 == True) or stale (recorded beside
+    another cap: `_doubtful_limit`)."""
     earlier = entry.get(EARLIER)
-    return earlier if _positive_int(earlier) else None
+    return earlier if _positive_int(earlier) and _earlier_bound(entry) else None
 
 
-def _positive_int(value: Any) -> bool:
+def _earlier_bound(entry: Mapping[str, Any]) -> bool:
+    """Whether an entry's `EARLIER` cap was recorded beside the cap the entry lists now."""
+    beside, applied = entry.get(EARLIER_FOR), entry.get("power_limit_mw")
+    return _positive_int(beside) and _positive_int(applied) and beside == applied
+
+
+class DoubtfulLimitError(GpuError):
+    """A GPU holds the power limit its caps record entry names as dvfs's earlier cap, but one
+    recorded beside another cap than the entry lists now: whether dvfs set it cannot be told,
+    so it is left as it is (`_doubtful_limit`)."""
+
+
+def _doubtful_limit(gpu: Gpu, entry: Mapping[str, Any], current: int | None) -> None:
+    """Refuse (`DoubtfulLimitError`) to take a GPU's power limit `current` for an operator's or
+    for dvfs's where it is the `EARLIER` cap of its caps record `entry` but that cap is stale:
+    recorded beside another cap than `power_limit_mw` (or by a dvfs that did not say beside
+    which), an older dvfs having changed the cap since and carried the value along. Taken for
+    dvfs's, `cap reset --applied` put back the limit dvfs's first cap replaced over an
+    operator's; taken for the operator's, dvfs's own earlier cap would stay. Nothing where the
+    GPU holds the cap the entry lists, or the limit it replaced."""
+    earlier = entry.get(EARLIER)
+    if (
+        current is None
+        or not _positive_int(earlier)
+        or _earlier_bound(entry)
+        or current != earlier
+        or current in (entry.get("power_limit_mw"), entry.get("power_limit_before_mw"))
+    ):
+        return
+    index, beside, applied = gpu.identity.index, entry.get(EARLIER_FOR), entry.get("power_limit_mw")
+    now = f"the {applied / 1000:g} W it lists now" if _positive_int(applied) else "none, as now"
+    when = (
+        f"beside a cap of {beside / 1000:g} W, not {now}"
+        if _positive_int(beside)
+        else "by a dvfs that did not say beside which cap"
+    )
+    raise DoubtfulLimitError(
+        f"GPU {index}'s power limit {current / 1000:g} W is the one dvfs's caps record names as "
+        f"dvfs's earlier cap ({EARLIER}), but that was recorded {when}, and an older dvfs may "
+        "have changed the cap since, so whether dvfs or someone else set it cannot be told: it "
+        f"is left as it is; set the limit the GPU should have (`nvidia-smi -i {index} -pl "
+        f"WATTS`), or its defaults with `dvfs cap reset {index}`, then run this again"
+    )
+
+
+def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -684,6 +734,8 @@ def plan_actions(
             found.append(gpu.power_limit_range().outside(limit))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
+        if limit is not None:  # (the limit it replaces, recorded for `cap reset --applied`)
+            _doubtful_limit(gpu, earlier, power_limit_or_none(gpu))
         actions.append(
             CapAction(
                 ident.index,
@@ -894,7 +946,13 @@ def apply_actions(
                     partial(keep, action.uuid, _without_earlier(entry), undo, what),
                     # a change stopped before it landed may leave dvfs's earlier cap: both
                     # recorded dvfs's, so neither passes for an operator's limit later
-                    partial(keep, action.uuid, {**entry, EARLIER: before}, undo, what)
+                    partial(
+                        keep,
+                        action.uuid,
+                        {**entry, EARLIER: before, EARLIER_FOR: limit},
+                        undo,
+                        what,
+                    )
                     if dvfs_cap and limit != before
                     else None,
                 )
@@ -967,7 +1025,7 @@ def recorded_even_if_signalled(
 
 def _without_earlier(entry: dict[str, Any]) -> dict[str, Any]:
     """A caps record entry once a power-limit change landed: no `EARLIER` cap left to doubt."""
-    return {k: v for k, v in entry.items() if k != EARLIER}
+    return {k: v for k, v in entry.items() if k not in (EARLIER, EARLIER_FOR)}
 
 
 def _remedy(exc: OSError) -> str:
@@ -1086,18 +1144,28 @@ def reset_caps(
             default = _default_or_none(gpu)  # None: not supported, so never capped
             target, power = default, ""
             found = None if dead is None else dead.power_limit_mw
-            if limit and default is not None and found is not None:
-                # `--applied` after a dead run: the limit it found goes back (the operator's),
-                # or, where that was dvfs's cap, the one that cap replaced
-                if isinstance(recorded.get("power_limit_mw"), int):
-                    target, power = _limit_replaced(gpu, recorded, default, current=found)
-                if target is None or not power:
-                    target = found
-                    power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
-            elif limit and default is not None and isinstance(recorded.get("power_limit_mw"), int):
-                # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
-                # holds that cap; one set outside dvfs since is the operator's, left be.
-                target, power = _limit_replaced(gpu, recorded, default)
+            try:
+                if limit and default is not None and found is not None:
+                    # `--applied` after a dead run: the limit it found goes back (the
+                    # operator's), or, where that was dvfs's cap, the one that cap replaced
+                    if isinstance(recorded.get("power_limit_mw"), int):
+                        target, power = _limit_replaced(gpu, recorded, default, current=found)
+                    if target is None or not power:
+                        target = found
+                        power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
+                elif (
+                    limit
+                    and default is not None
+                    and isinstance(recorded.get("power_limit_mw"), int)
+                ):
+                    # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
+                    # holds that cap; one set outside dvfs since is the operator's, left be.
+                    target, power = _limit_replaced(gpu, recorded, default)
+            except DoubtfulLimitError:  # the power limit left as it is, and its entry
+                entry = record.entries_as_written().get(ident.uuid)
+                if unlock and refused is None and entry and entry.get("lock_mhz") is not None:
+                    record.update(ident.uuid, {**entry, "lock_mhz": None})  # (unlocked)
+                raise
             if limit and target is not None and gpu.power_limit_mw() != target:
                 gpu.set_power_limit_mw(target)
             if refused is not None:  # the entry stays, for the lock the GPU still holds
@@ -1203,6 +1271,7 @@ def _limit_replaced(
     applied = int(recorded["power_limit_mw"])
     if current is None:  # (given: what a dead run found, which it may have changed since)
         current = gpu.power_limit_mw()
+    _doubtful_limit(gpu, recorded, current)
     before = recorded.get("power_limit_before_mw")
     known = isinstance(before, int) and _positive_int(before)
     if current == _earlier_cap(recorded):  # dvfs's earlier cap, which a signal left in place
@@ -1293,6 +1362,7 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
     current = action.current_power_limit_mw
     if action.power_limit_mw is not None:
         current = power_limit_or_none(gpu)
+        _doubtful_limit(gpu, earlier, current)
     return replace(
         action,
         current_power_limit_mw=current,

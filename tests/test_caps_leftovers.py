@@ -1,0 +1,116 @@
+"""Caps records an older dvfs, a refused unlock or a hand edit left doubtful: what `cap apply`
+and `cap reset` make of each (the fake NVML of tests/fakes, never a real GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from nvml_support import installed_root_fake
+
+from dvfs.caps import CapsFile, GpuCap, dump_caps
+from dvfs.cli import cli
+
+
+@pytest.fixture
+def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    return installed_root_fake(tmp_path, monkeypatch)
+
+
+def invoke(*args: str, code: int = 0) -> str:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == code, result.output
+    return " ".join(result.output.split())
+
+
+def write_caps(path: Path, *caps: GpuCap) -> Path:
+    path.write_text(dump_caps(CapsFile(caps)))
+    return path
+
+
+def record_path() -> Path:
+    return Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+
+
+def edit_record(uuid: str, **fields: object) -> None:
+    """Change one GPU's caps record entry as an older dvfs or a hand edit leaves it."""
+    entries = json.loads(record_path().read_text())
+    entries[uuid].update(fields)
+    record_path().write_text(json.dumps(entries, indent=2))
+
+
+def test_an_earlier_cap_an_older_dvfs_left_beside_another_cap_is_not_taken_for_dvfs(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal ending `cap apply`'s change from dvfs's 500 W to 450 W records 500 W as dvfs's
+    earlier cap (`power_limit_earlier_mw`). An older dvfs, which does not know the field,
+    then capped the GPU at 400 W and carried it along unchanged; the operator set 500 W of
+    their own since. `cap reset --applied` took that 500 W for dvfs's earlier cap and put
+    back the 600 W dvfs's first cap replaced over the operator's limit. The earlier cap is
+    bound to the cap it was recorded beside: beside another, it is stale, and the reset
+    leaves the limit as it is, failing in one line that says what to do."""
+    import signal
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=500.0))
+    invoke("cap", "apply", str(caps))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
+
+    def stopped(handle: object, limit_mw: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    real = nvml.nvmlDeviceSetPowerManagementLimit
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0")
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", stopped)
+    assert CliRunner().invoke(cli, ["cap", "apply", str(caps)]).exit_code == 143
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", real)
+    assert json.loads(record_path().read_text())[uuid]["power_limit_earlier_mw"] == 500_000
+    # an older dvfs's `cap apply` of 400 W: {**entry, power_limit_mw: 400000}, the rest kept
+    nvml.fake_update_device(0, power_limit_mw=400_000)
+    edit_record(uuid, power_limit_mw=400_000)
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's `nvidia-smi -pl 500`
+    said = invoke("cap", "reset", "--applied", code=1)
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None, said
+    assert "power_limit_earlier_mw" in said and "dvfs cap reset 0" in said, said
+    assert "nvidia-smi -i 0 -pl" in said, said
+    # the operator's choice made, the reset goes through: their limit is left be
+    nvml.fake_update_device(0, power_limit_mw=550_000)
+    said = invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
+    assert not record_path().exists()
+
+
+def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_path: Path) -> None:
+    """The next `cap apply` took the operator's 500 W for dvfs's stale earlier cap too, and
+    recorded the 600 W dvfs's first cap replaced as the limit its cap replaced, for `cap
+    reset --applied` to put back over the operator's. Whose it is cannot be told: the apply
+    is refused in one line, nothing capped, until the operator sets the limit they want."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=450.0))
+    invoke("cap", "apply", str(caps))
+    # an older dvfs carried a newer one's earlier cap (written beside 450 W) to its 400 W cap
+    edit_record(
+        uuid,
+        power_limit_mw=400_000,
+        power_limit_earlier_mw=500_000,
+        power_limit_earlier_for_mw=450_000,
+    )
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500, power_limit_w=420.0))
+    for dry_run in (["--dry-run"], []):
+        said = invoke("cap", "apply", str(caps), *dry_run, code=1)
+        assert "power_limit_earlier_mw" in said and "nvidia-smi -i 0 -pl" in said, said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    nvml.fake_update_device(0, power_limit_mw=550_000)  # the operator's choice, made
+    invoke("cap", "apply", str(caps))
+    entry = json.loads(record_path().read_text())[uuid]
+    assert entry["power_limit_before_mw"] == 550_000, entry
+    said = invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
