@@ -13,6 +13,8 @@ from nvml_support import installed_root_fake
 
 from dvfs.caps import CapsFile, GpuCap, dump_caps
 from dvfs.cli import cli
+from dvfs.gpu.knobs import GpuSettings
+from dvfs.gpu.safety import StateStore
 
 
 @pytest.fixture
@@ -114,3 +116,42 @@ def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_p
     assert entry["power_limit_before_mw"] == 550_000, entry
     said = invoke("cap", "reset", "--applied")
     assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
+
+
+@pytest.mark.parametrize(("reset", "after"), [(["--applied"], 600_000), ([], 700_000)])
+def test_a_refused_unlock_after_a_dead_run_leaves_the_record_beside_its_state_file(
+    nvml, tmp_path: Path, reset: list[str], after: int
+) -> None:
+    """`cap reset --applied` after a killed sweep whose clock unlock NVML refused put back the
+    power limit dvfs's cap replaced and dropped that cap from the caps record, but kept the
+    sweep's state file (the GPU was not reset whole): the `dvfs gpu reset` it names then put
+    back what the sweep found, dvfs's 450 W cap, with no record of it (a later `cap reset
+    --applied` left it as "dvfs set none", sweeps took it for the GPU's stock). Where the
+    state file stays, the record keeps the caps it would put back, and the failure says so
+    (so too for `cap reset`, which puts back the default power limit)."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's
+    caps = write_caps(
+        tmp_path / "caps.toml", GpuCap(uuid=uuid, sm_clock_max_mhz=1500, power_limit_w=450.0)
+    )
+    invoke("cap", "apply", str(caps))
+    StateStore(state, command="sweep").record(GpuSettings(uuid, (210, 1500), 450_000))
+    nvml.fake_update_device(
+        0,
+        locked_clocks=[210, 900],
+        power_limit_mw=300_000,
+        errors={"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NOT_SUPPORTED},
+    )
+    said = invoke("cap", "reset", *reset, code=1)
+    assert nvml.fake_device_state(0)["power_limit_mw"] == after, said
+    assert StateStore(state).pending(), said
+    assert "dvfs gpu reset 0" in said and "'sweep'" in said, said
+    nvml.fake_update_device(0, errors={})
+    invoke("gpu", "reset", "0")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000  # what the sweep found
+    entry = json.loads(record_path().read_text())[uuid]
+    assert entry["power_limit_mw"] == 450_000, entry  # dvfs's, so recorded
+    said = invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None, said

@@ -1170,6 +1170,27 @@ def reset_caps(
                 gpu.set_power_limit_mw(target)
             if refused is not None:  # the entry stays, for the lock the GPU still holds
                 entry = record.entries_as_written().get(ident.uuid)
+                if _found_by_a_dead_run(store, ident.uuid) is not None:
+                    # A dead run's state file stays (the GPU was not reset): `dvfs gpu reset`
+                    # puts back what that run found, dvfs's caps included, which the entry
+                    # must list still, whole (the sweeps it refuses meanwhile take nothing
+                    # for stock).
+                    gpu_reset = state_dir_command(
+                        f"dvfs gpu reset {ident.index}", record.path.parent
+                    )
+                    left = "; ".join(
+                        [
+                            f"{refused}",
+                            f"GPU {ident.index} otherwise reset: "
+                            + _power_words(power, default, limit=limit),
+                            f"{_left_by(store, ident.uuid)} stays, and dvfs's caps record keeps "
+                            "that GPU's caps: once its clock can be unlocked, run "
+                            f"`{state_dir_command(command, record.path.parent)}` again, or "
+                            f"`{gpu_reset}` to put back what that run found (dvfs's caps "
+                            "included, as the record lists them)",
+                        ]
+                    )
+                    raise type(refused)(left) from refused
                 if entry is not None and entry.get("power_limit_mw") is not None:
                     # but not the limit, gone: a sweep would take the same limit set outside
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
@@ -1180,13 +1201,7 @@ def reset_caps(
                         ),
                     )
                 raise refused
-            power = power or (
-                "power limit not supported by NVML (left be)"
-                if default is None
-                else f"power limit {default / 1000:g} W (default)"
-                if limit
-                else "power limit left as it is (dvfs set none)"
-            )
+            power = _power_words(power, default, limit=limit)
             try:
                 # (a GPU the record does not list needs no write: an unwritable record must
                 # not keep the GPUs after it capped, said to list caps it never listed)
@@ -1226,6 +1241,18 @@ def reset_caps(
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
     return done
+
+
+def _power_words(power: str, default: int | None, *, limit: bool) -> str:
+    """What `reset_caps` did to a GPU's power limit, in its line: `power` where said already,
+    else the default put back, or the limit left be (not supported; dvfs set none)."""
+    return power or (
+        "power limit not supported by NVML (left be)"
+        if default is None
+        else f"power limit {default / 1000:g} W (default)"
+        if limit
+        else "power limit left as it is (dvfs set none)"
+    )
 
 
 def _found_by_a_dead_run(store: StateStore, uuid: str) -> GpuSettings | None:
