@@ -155,3 +155,85 @@ def test_a_refused_unlock_after_a_dead_run_leaves_the_record_beside_its_state_fi
     said = invoke("cap", "reset", "--applied")
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
     assert nvml.fake_device_state(0)["locked_clocks"] is None, said
+
+
+def _both_capped(nvml, tmp_path: Path, **cap: object) -> tuple[list[str], Path]:
+    """GPU 0 (the operator's 600 W before dvfs) and GPU 1 capped by `cap apply`; their UUIDs
+    and the caps file."""
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, *(GpuCap(uuid=u, **cap) for u in uuids))  # type: ignore[arg-type]
+    invoke("cap", "apply", str(caps))
+    return uuids, caps
+
+
+def _line(field: str) -> int:
+    """The line of GPU 0's `field` in the caps record (dvfs writes one key a line)."""
+    lines = record_path().read_text().splitlines()
+    return next(i for i, line in enumerate(lines) if f'"{field}"' in line) + 1
+
+
+@pytest.mark.parametrize("damaged", ["450 W", 450_000.0, True])
+def test_a_damaged_power_limit_spoils_that_knob_alone(
+    nvml, tmp_path: Path, damaged: object
+) -> None:
+    """A caps record entry's power_limit_mw hand-edited ("450 W", 450000.0) refused the whole
+    record for `cap show` and `cap apply`, every GPU's caps with it, and `cap reset --applied`
+    left dvfs's 450 W cap on the GPU saying "dvfs set none", dropping the entry. The damaged
+    value spoils the power limit alone, with a warning naming the key, the file and its line:
+    the clock is unlocked (or locked, by an apply), the other GPU honoured, and the power limit,
+    whose owner cannot be told, left as it is in one line saying what to do; where the GPU holds
+    the limit dvfs's cap replaced, nothing is in doubt."""
+    uuids, caps = _both_capped(nvml, tmp_path, sm_clock_max_mhz=1500, power_limit_w=450.0)
+    edit_record(uuids[0], power_limit_mw=damaged)
+    where = f"{record_path()} line {_line('power_limit_mw')} is damaged for GPU 0 ({uuids[0]})"
+    result = CliRunner().invoke(cli, ["cap", "show", "--json"])
+    assert result.exit_code == 0, result.output
+    assert where in " ".join(result.stderr.split()), result.stderr
+    assert [r["sm_clock_lock_mhz"] for r in json.loads(result.stdout)] == [[210, 1500]] * 2
+    write_caps(caps, *(GpuCap(uuid=u, sm_clock_max_mhz=1410, power_limit_w=420.0) for u in uuids))
+    for dry_run in (["--dry-run"], []):
+        said = invoke("cap", "apply", str(caps), *dry_run, code=1)
+        assert where in said and "power limit 450 W was left as it is" in said, said
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [[210, 1410]] * 2
+    assert [nvml.fake_device_state(i)["power_limit_mw"] for i in (0, 1)] == [450_000, 420_000]
+    said = invoke("cap", "reset", "--applied", code=1)
+    assert where in said and "`dvfs cap reset 0`" in said, said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None, said
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000, said
+    assert list(json.loads(record_path().read_text())) == [uuids[0]]  # its doubt kept
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the limit dvfs's cap replaced
+    said = invoke("cap", "reset", "--applied")
+    assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
+    assert not record_path().exists()
+
+
+@pytest.mark.parametrize("damaged", ["1500", [1500, 210], []])
+def test_a_damaged_clock_lock_spoils_that_knob_alone(nvml, tmp_path: Path, damaged: object) -> None:
+    """A caps record entry's lock_mhz hand-edited ("1500", the clocks swapped) refused the
+    whole record for `cap show` and `cap apply`, and one edited to [] was taken by `cap reset
+    --applied` for no lock, leaving dvfs's lock on the GPU. Which lock dvfs set cannot be told,
+    but none is needed to unlock it or lock the file's: the apply caps both GPUs (mending the
+    entry), and the reset unlocks it, each with a warning naming the key, file and line."""
+    uuids, caps = _both_capped(nvml, tmp_path, sm_clock_max_mhz=1500)
+    edit_record(uuids[0], lock_mhz=damaged)
+    where = f"{record_path()} line {_line('lock_mhz')} is damaged for GPU 0 ({uuids[0]})"
+    result = CliRunner().invoke(cli, ["cap", "show"])
+    assert result.exit_code == 0, result.output
+    assert where in " ".join(result.stderr.split()), result.stderr
+    said = invoke("cap", "reset", "--applied")
+    assert where in said, said
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None], said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said  # dvfs set none
+    # an apply over such a lock: the file's lock, or (power only) the GPU unlocked
+    invoke("cap", "apply", str(caps))
+    edit_record(uuids[0], lock_mhz=damaged)
+    write_caps(caps, *(GpuCap(uuid=u, power_limit_w=450.0) for u in uuids))
+    said = invoke("cap", "apply", str(caps))
+    assert where in said, said
+    assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None], said
+    assert json.loads(record_path().read_text())[uuids[0]]["lock_mhz"] is None
+    said = invoke("cap", "reset", "--applied")
+    assert [nvml.fake_device_state(i)["power_limit_mw"] for i in (0, 1)] == [600_000, 700_000]

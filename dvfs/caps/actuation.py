@@ -73,6 +73,9 @@ class CapAction:
     #: An earlier apply's power limit this file leaves at stock: the limit put back (None:
     #: left be, one set outside dvfs since) and its words (`_limit_replaced`); None: no such
     power_limit_back: tuple[int | None, str] | None = None
+    #: Why the power limit is left as it is, its caps record entry's cap damaged
+    #: (`_spoiled_power`): the apply fails on it once the clock is done; "" where not so
+    power_doubt: str = ""
 
     def describe(self) -> str:
         """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
@@ -85,7 +88,7 @@ class CapAction:
             parts.append(
                 f"{self.power_limit_back[1]}, none in this file (an earlier cap apply set one)"
             )
-        if self.power_limit_mw is not None:
+        if self.power_limit_mw is not None and not self.power_doubt:
             current = self.current_power_limit_mw  # read (a GPU without one is set aside)
             change = (
                 "unchanged"
@@ -93,6 +96,8 @@ class CapAction:
                 else f"from {(current or 0) / 1000:g} W"
             )
             parts.append(f"power limit {self.power_limit_mw / 1000:g} W ({change})")
+        if self.power_doubt:
+            parts.append("power limit left as it is (dvfs's caps record's cap is damaged)")
         return f"GPU {self.index} ({self.uuid}): " + ", ".join(parts)
 
 
@@ -148,16 +153,38 @@ class AppliedCaps:
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects)"
                 + record_fix(self.path.parent)
             )
-        for uuid, r in data.items():  # what `cap show`, sweeps and applies read of each
-            problem = _record_problem(r) if checked else None
-            if problem:
+        for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
+            spoiled = _spoiled_knobs(r) if checked else {}
+            if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
+                from dvfs.gpu.safety import state_dir_flag
+
+                key, problem = next(iter(spoiled.items()))
+                what = "clock lock" if key == "lock_mhz" else "power limit"
                 raise CapsRecordError(
-                    f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem})"
-                    + record_fix(self.path.parent)
+                    f"{self.path} line {self.line_of(uuid, key)} is damaged for GPU "
+                    f"{uuid[:48]}: {problem}; this command must know the {what} dvfs's cap "
+                    "holds on that GPU (to put it back, or to tell it from the GPU's own), so "
+                    "it refuses the record: write it there, or reset that GPU with `dvfs cap "
+                    f"reset{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops its "
+                    "entry alone"
                 )
         return {
             u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
         }
+
+    def line_of(self, uuid: str, key: str) -> int:
+        """The line of the record that holds `key` of a GPU's entry (dvfs writes one key a
+        line), for a warning naming it: the first line holding `key` from the one naming the
+        GPU on; 1 where the file cannot be read (or is one line)."""
+        from dvfs.gpu.safety import read_record
+
+        try:
+            lines = read_record(self.path).splitlines()
+        except (ValueError, OSError):
+            return 1
+        start = next((i for i, line in enumerate(lines) if f'"{uuid}"' in line), 0)
+        found = (i for i in range(start, len(lines)) if f'"{key}"' in lines[i])
+        return next(found, start) + 1
 
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
@@ -181,6 +208,34 @@ class AppliedCaps:
             if before_this_boot(entry.get("boot"), entry.get("applied")):
                 continue
             gpu = f"GPU {index[uuid]} ({uuid})" if index and uuid in index else f"GPU {uuid[:48]}"
+            number = str(index[uuid]) if index and uuid in index else uuid[:48]
+            spoiled = _spoiled_knobs(entry)
+            for key, problem in spoiled.items():
+                damaged = (
+                    f"dvfs's caps record {self.path} line {self.line_of(uuid, key)} is damaged "
+                    f"for {gpu}: {problem}"
+                )
+                if key == "lock_mhz":
+                    unlock = state_dir_command(
+                        f"dvfs cap reset --applied {number}", self.path.parent
+                    )
+                    lines.append(
+                        f"{damaged}; which clock lock dvfs's cap holds there cannot be told: `dvfs "
+                        f"cap apply` locks the file's clock or unlocks it, and {reset} unlocks it "
+                        "(its power limit honoured by both), but sweeps and `dvfs govern` refuse "
+                        f"the record, having to put that lock back: write it there, or `{unlock}`"
+                    )
+                else:
+                    default = state_dir_command(f"dvfs cap reset {number}", self.path.parent)
+                    lines.append(
+                        f"{damaged}; whether the GPU's power limit is that cap cannot be told: "
+                        f"`dvfs cap apply` and {reset} leave it as it is, failing (exit 1), its "
+                        "clock lock honoured by both, and sweeps and `dvfs govern` refuse the "
+                        f"record: write dvfs's cap there in mW, or put back the default with "
+                        f"`{default}`"
+                    )
+            if "power_limit_mw" in spoiled:  # (what it replaced is moot beside it)
+                continue
             for problem, key in _damaged_before(entry):
                 damaged = f"dvfs's caps record {self.path} is damaged for {gpu}: {problem}"
                 if not isinstance(entry.get("power_limit_mw"), int):  # (read beside one only)
@@ -310,15 +365,49 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     in words; None when its knobs are a clock lock (two clocks in MHz, low first) or null and a
     power limit (mW) or null. (A damaged limit dvfs's cap replaced is no such problem: the caps
     in force are known still, `_damaged_before` names it.)"""
+    return next(iter(_spoiled_knobs(record).values()), None)
 
+
+def _spoiled_knobs(record: Mapping[str, Any]) -> dict[str, str]:
+    """Each knob of a caps record entry whose value is damaged (a hand edit: a lock of one
+    clock, text, a float), by key, in words ("lock_mhz is "1500", expected ..."): dvfs set
+    that knob (the value is not null), but to what cannot be told. `cap apply` and `cap reset`
+    act on such an entry's other knob all the same (`damaged_lines` names the key, file and
+    line); readers that must know the value (a sweep puts dvfs's caps back) refuse the record."""
+    found = {}
     lock = record.get("lock_mhz")
     if lock is not None and not _is_lock(lock):
-        shown = json.dumps(lock)[:40]
-        return f"lock_mhz is {shown}, expected two clocks in MHz, low first, or null"
+        found["lock_mhz"] = (
+            f"lock_mhz is {json.dumps(lock)[:40]}, expected two clocks in MHz, low first, or null"
+        )
     power = record.get("power_limit_mw")
     if power is not None and not _positive_int(power):
-        return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
-    return None
+        found["power_limit_mw"] = (
+            f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
+        )
+    return found
+
+
+def _spoiled_power(gpu: Gpu, entry: Mapping[str, Any], current: int | None) -> str:
+    """Why a GPU's power limit `current` is left as it is, where its caps record `entry` says
+    dvfs capped it but the cap is damaged (`_spoiled_knobs`): whether the GPU holds dvfs's cap
+    or an operator's limit since cannot be told, so neither `cap reset --applied` nor `cap
+    apply` may take it for one (the default over an operator's limit, or an operator's taken
+    for the limit dvfs's cap replaced). "" where the cap is not damaged, or the GPU holds the
+    limit it replaced (nothing to tell), or NVML does not support its power limit."""
+    power = entry.get("power_limit_mw")
+    before = entry.get("power_limit_before_mw")
+    if power is None or _positive_int(power) or current is None:
+        return ""
+    if _positive_int(before) and current == before:
+        return ""
+    index = gpu.identity.index
+    return (
+        f"GPU {index}'s power limit {current / 1000:g} W was left as it is: dvfs's caps record "
+        f"says dvfs capped it, but its power_limit_mw is {json.dumps(power)[:40]}, no power "
+        "limit in mW, so whether the GPU holds that cap cannot be told; write dvfs's cap there "
+        f"in mW and run this again, or put back its default with `dvfs cap reset {index}`"
+    )
 
 
 def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
@@ -405,7 +494,7 @@ def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _is_lock(lock: Any) -> bool:
+def _is_lock(lock: Any) -> TypeGuard[list[int]]:
     """Whether a record's `lock_mhz` is a clock lock: two clocks in MHz, low first (one
     written the other way round by hand would be shown as "1500-210 MHz")."""
     return (
@@ -520,13 +609,16 @@ class LockInForce:
         return "dvfs cap apply"
 
 
-def locks_in_force(directory: Path) -> dict[str, LockInForce]:
+def locks_in_force(directory: Path, *, spoiled_ok: bool = False) -> dict[str, LockInForce]:
     """The clock lock each GPU holds by dvfs's records: a running governor's where it holds
-    one (under the static caps), else the one `cap apply` recorded."""
+    one (under the static caps), else the one `cap apply` recorded. `spoiled_ok` (`cap
+    show`): a caps record entry's damaged lock is passed over (`damaged_lines` names it), not
+    the whole record refused."""
+    record = AppliedCaps(directory)
     found = {
         uuid: LockInForce((r["lock_mhz"][0], r["lock_mhz"][1]), False, r)
-        for uuid, r in AppliedCaps(directory).read().items()
-        if r.get("lock_mhz")
+        for uuid, r in (record.entries_as_written() if spoiled_ok else record.read()).items()
+        if _is_lock(r.get("lock_mhz"))
     }
     for uuid, r in GovernorLocks(directory).read().items():
         found[uuid] = LockInForce((r["lock_mhz"][0], r["lock_mhz"][1]), True, r)
@@ -736,6 +828,7 @@ def plan_actions(
         earlier = (applied or {}).get(ident.uuid, {})
         if limit is not None:  # (the limit it replaces, recorded for `cap reset --applied`)
             _doubtful_limit(gpu, earlier, power_limit_or_none(gpu))
+        doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu))
         actions.append(
             CapAction(
                 ident.index,
@@ -743,8 +836,9 @@ def plan_actions(
                 lock,
                 limit,
                 power_limit_or_none(gpu),
-                unlock=lock is None and bool(earlier.get("lock_mhz")),
-                power_limit_back=_power_limit_back(limit, earlier, gpu),
+                unlock=lock is None and earlier.get("lock_mhz") is not None,
+                power_limit_back=None if doubt else _power_limit_back(limit, earlier, gpu),
+                power_doubt=doubt,
             )
         )
     if other_model:
@@ -813,11 +907,15 @@ def _recorded_caps(entry: dict[str, Any] | None) -> str:
         return ""
     parts = []
     lock = entry.get("lock_mhz")
-    if lock:
+    if _is_lock(lock):
         parts.append(f"SM clock locked {lock[0]}-{lock[1]} MHz")
+    elif lock is not None:
+        parts.append("SM clock locked (to what, the damaged record does not say)")
     power = entry.get("power_limit_mw")
-    if isinstance(power, int):
+    if _positive_int(power):
         parts.append(f"power limit {power / 1000:g} W")
+    elif power is not None:
+        parts.append("a power limit (which, the damaged record does not say)")
     source = entry.get("source")
     return ", ".join(parts) + (f" from {source}" if parts and source else "")
 
@@ -839,7 +937,7 @@ def apply_actions(
     by_uuid = {g.identity.uuid: g for g in gpus}
     if actions:
         record.check_writable()  # no GPU changed where its change could not be recorded
-    applied = record.read()
+    applied = record.entries_as_written()  # (a damaged knob: `CapAction.power_doubt`, below)
     failures = GatheredFailures()
 
     def keep(
@@ -918,19 +1016,25 @@ def apply_actions(
                         keep,  # recorded even if the limit fails
                         action.uuid,
                         {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(lock)},
-                        partial(gpu.lock_sm_clock, *earlier) if earlier else gpu.reset_sm_clock,
+                        partial(gpu.lock_sm_clock, *earlier)
+                        if _is_lock(earlier)
+                        else gpu.reset_sm_clock,
                         f"SM clock lock {lock[0]}-{lock[1]} MHz",
                     ),
                 )
                 changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
-            if action.power_limit_mw is not None:
+            if action.power_limit_mw is not None and not action.power_doubt:
                 before = gpu.power_limit_mw()
                 # The limit this cap replaced, for `cap reset --applied` to put back: the
                 # GPU's own, read now, unless it is an earlier apply's cap, still held (then
                 # the one that cap replaced, as recorded; none where an older dvfs recorded
                 # none); one an operator set over that cap since is theirs, and replaced.
                 prior = applied.get(action.uuid, blank)
-                dvfs_cap = before in (prior.get("power_limit_mw"), _earlier_cap(prior))
+                dvfs_cap = before in [  # (a damaged 450000.0 is no cap, though == 450000)
+                    v
+                    for v in (prior.get("power_limit_mw"), _earlier_cap(prior))
+                    if _positive_int(v)
+                ]
                 replaced = prior.get("power_limit_before_mw") if dvfs_cap else before
                 limit = action.power_limit_mw
                 entry = {
@@ -956,6 +1060,8 @@ def apply_actions(
                     if dvfs_cap and limit != before
                     else None,
                 )
+            if action.power_doubt:  # the clock done, the power limit left as it is
+                raise GpuError(action.power_doubt)
         except GpuError as exc:
             # The GPU is not left changed unsaid: what is in place on it already is named.
             failures.add(
@@ -1133,8 +1239,9 @@ def reset_caps(
             dead = _found_by_a_dead_run(store, ident.uuid) if applied_only else None
             if applied_only and (dead is not None or _stale_or_none(store, ident.uuid)):
                 recorded = record.entries_as_written().get(ident.uuid) or {}
-                unlock = dead is not None or bool(recorded.get("lock_mhz"))
-                limit = dead is not None or isinstance(recorded.get("power_limit_mw"), int)
+                # (a damaged knob is one dvfs set all the same: `_spoiled_knobs`)
+                unlock = dead is not None or recorded.get("lock_mhz") is not None
+                limit = dead is not None or recorded.get("power_limit_mw") is not None
             refused: GpuError | None = None
             try:
                 if unlock:
@@ -1144,23 +1251,29 @@ def reset_caps(
             default = _default_or_none(gpu)  # None: not supported, so never capped
             target, power = default, ""
             found = None if dead is None else dead.power_limit_mw
+            capped = recorded.get("power_limit_mw")
             try:
+                if limit and default is not None and capped is not None:
+                    held = gpu.power_limit_mw() if found is None else found
+                    spoiled = _spoiled_power(gpu, recorded, held)
+                    if spoiled:  # whether the GPU holds dvfs's cap cannot be told: left be
+                        raise DoubtfulLimitError(spoiled)
                 if limit and default is not None and found is not None:
                     # `--applied` after a dead run: the limit it found goes back (the
                     # operator's), or, where that was dvfs's cap, the one that cap replaced
-                    if isinstance(recorded.get("power_limit_mw"), int):
+                    if _positive_int(capped):
                         target, power = _limit_replaced(gpu, recorded, default, current=found)
                     if target is None or not power:
                         target = found
                         power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
-                elif (
-                    limit
-                    and default is not None
-                    and isinstance(recorded.get("power_limit_mw"), int)
-                ):
+                elif limit and default is not None and _positive_int(capped):
                     # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
                     # holds that cap; one set outside dvfs since is the operator's, left be.
                     target, power = _limit_replaced(gpu, recorded, default)
+                elif limit and default is not None and capped is not None:
+                    # damaged, the GPU holding the limit it replaced (`_spoiled_power`)
+                    target = recorded["power_limit_before_mw"]
+                    power = f"power limit {target / 1000:g} W (as before `dvfs cap apply`)"
             except DoubtfulLimitError:  # the power limit left as it is, and its entry
                 entry = record.entries_as_written().get(ident.uuid)
                 if unlock and refused is None and entry and entry.get("lock_mhz") is not None:
@@ -1375,7 +1488,7 @@ def enforce_plan(
         # file leaves at stock is put back by the record as it is now, so the GPU holds this
         # file, not a mix of both.
         by_uuid = {g.identity.uuid: g for g in targets}
-        recorded = record.read() if plan.actions else {}
+        recorded = record.entries_as_written() if plan.actions else {}
         actions = [_as_recorded(a, recorded.get(a.uuid, {}), by_uuid[a.uuid]) for a in plan.actions]
         apply_actions(actions, targets, record, source, done)
 
@@ -1390,11 +1503,13 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
     if action.power_limit_mw is not None:
         current = power_limit_or_none(gpu)
         _doubtful_limit(gpu, earlier, current)
+    doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu))
     return replace(
         action,
         current_power_limit_mw=current,
-        unlock=action.lock_mhz is None and bool(earlier.get("lock_mhz")),
-        power_limit_back=_power_limit_back(action.power_limit_mw, earlier, gpu),
+        unlock=action.lock_mhz is None and earlier.get("lock_mhz") is not None,
+        power_limit_back=None if doubt else _power_limit_back(action.power_limit_mw, earlier, gpu),
+        power_doubt=doubt,
     )
 
 
@@ -1407,8 +1522,14 @@ def _power_limit_back(
     where one was set outside dvfs since), so the apply, the record it leaves (no power limit
     dvfs's) and a later `cap reset --applied` (which leaves the limit be) agree; None where
     there is none to put back."""
-    if limit_mw is not None or not isinstance(earlier.get("power_limit_mw"), int):
+    if limit_mw is not None or earlier.get("power_limit_mw") is None:
         return None
+    before = earlier.get("power_limit_before_mw")
+    if not _positive_int(earlier["power_limit_mw"]):  # damaged: the GPU holds the limit it
+        # replaced (else `_spoiled_power` sets the knob aside), so none is dvfs's now
+        if not _positive_int(before):  # (NVML does not support its power limit)
+            return None
+        return (before, f"power limit {before / 1000:g} W (as before `dvfs cap apply`)")
     return _limit_replaced(gpu, earlier, gpu.power_limit_range().default_mw)
 
 
@@ -1488,8 +1609,8 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
     """What is enforced per GPU now: power limits read from the GPU, clock locks from dvfs's
     records (NVML cannot read a lock back): a running governor's, else `cap apply`'s (whose
     static caps stay in `caps_sm_clock_lock_mhz`)."""
-    applied = AppliedCaps(directory).read()
-    in_force = locks_in_force(directory)
+    applied = AppliedCaps(directory).entries_as_written()  # a damaged knob: warned of, unknown
+    in_force = locks_in_force(directory, spoiled_ok=True)
     rows = []
     for g in gpus:
         ident = g.identity
@@ -1506,8 +1627,16 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
                 "configured_power_limit_w": None if configured is None else configured / 1000,
                 "default_power_limit_w": default,
                 "sm_clock_lock_mhz": None if lock is None else list(lock.lock_mhz),
-                "sm_clock_lock_set_by": None if lock is None else _set_by(lock, g, directory),
-                "caps_sm_clock_lock_mhz": record.get("lock_mhz"),
+                "sm_clock_lock_set_by": (
+                    _set_by(lock, g, directory)
+                    if lock is not None
+                    else "dvfs cap apply (to what, its damaged caps record entry does not say)"
+                    if record.get("lock_mhz") is not None
+                    else None
+                ),
+                "caps_sm_clock_lock_mhz": (
+                    record["lock_mhz"] if _is_lock(record.get("lock_mhz")) else None
+                ),
                 "sm_clock_mhz": g.sm_clock_mhz(),
                 "caps_source": record.get("source"),
                 "applied": record.get("applied"),

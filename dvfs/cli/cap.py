@@ -313,7 +313,7 @@ def apply(
                 gpus,
                 where=str(caps_file),
                 allow_simulated=allow_simulated,
-                applied=AppliedCaps(directory).read(),
+                applied=AppliedCaps(directory).entries_as_written(),  # (damaged: warned of)
                 lost=gone_line,
                 set_aside=[g for g in opened if g not in gpus],
             )
@@ -348,6 +348,12 @@ def apply(
                 raise _naming_lost(exc, lost_line) from None
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
+            doubts = [a.power_doubt for a in plan.actions if a.power_doubt]
+            if doubts:  # the apply fails on them, exit 1, once the rest is capped
+                failed = GpuError(
+                    "dry run, nothing changed: `cap apply` would apply the rest and exit 1: "
+                    + "; ".join(doubts)
+                )
         else:  # each GPU reported once its caps are in place, not before
             applied: set[str] = set()
 
@@ -681,6 +687,8 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
             f"locked {r['sm_clock_lock_mhz'][0]}-{r['sm_clock_lock_mhz'][1]} MHz by "
             f"{r['sm_clock_lock_set_by']} (dvfs record)"
             if r["sm_clock_lock_mhz"]
+            else f"locked by {r['sm_clock_lock_set_by']}"
+            if r["sm_clock_lock_set_by"]  # (a damaged record's lock: unknown)
             else "no dvfs clock lock"
         )
         static = r["caps_sm_clock_lock_mhz"]
@@ -746,6 +754,7 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
         directory = state_dir or default_state_dir()
         flag = ["--applied"] if applied else []
         kept: list[Gpu] = []
+        _warn_damaged(directory, found)  # (a damaged knob: what the reset does with it)
         if applied:  # only the GPUs the record lists caps on: the others are not dvfs's
             capped = _recorded_capped(directory)
             kept = [g for g in gpus if g.identity.uuid not in capped]
@@ -862,10 +871,10 @@ def _recorded_capped(directory: Path) -> set[str]:
             f"{told}; it is what says what `dvfs cap apply` set, so nothing was reset: remove "
             f"it, then reset every GPU with `dvfs cap reset{state_dir_flag(directory)}`"
         ) from exc
-    return {
+    return {  # (a damaged value is a knob dvfs set all the same: `_spoiled_knobs`)
         uuid
         for uuid, entry in entries.items()
-        if entry.get("lock_mhz") or isinstance(entry.get("power_limit_mw"), int)
+        if entry.get("lock_mhz") is not None or entry.get("power_limit_mw") is not None
     }
 
 
