@@ -237,3 +237,29 @@ def test_a_damaged_clock_lock_spoils_that_knob_alone(nvml, tmp_path: Path, damag
     assert json.loads(record_path().read_text())[uuids[0]]["lock_mhz"] is None
     said = invoke("cap", "reset", "--applied")
     assert [nvml.fake_device_state(i)["power_limit_mw"] for i in (0, 1)] == [600_000, 700_000]
+
+
+@pytest.mark.parametrize("kind", ["caps record", "state file", "governor record"])
+def test_a_record_nested_too_deeply_is_named_in_one_line(nvml, tmp_path: Path, kind: str) -> None:
+    """A caps record, state file or governor record holding JSON nested 100,000 deep (well
+    under the 1 MiB read) gave `cap show`, `cap reset` and `dvfs gpu reset` "internal error:
+    RecursionError". Each is named unreadable in one line, as a file that is no JSON is."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    name = {
+        "caps record": "caps-applied.json",
+        "state file": f"{uuid}.json",
+        "governor record": f"governed-{uuid}.json",
+    }[kind]
+    (state / name).write_text("[" * 100_000 + "]" * 100_000)
+    readers = {  # the commands that read it
+        "caps record": [("cap", "show"), ("cap", "reset", "--applied", "0")],
+        "state file": [("gpu", "reset", "0")],  # (`cap reset` resets it whole, as asked)
+        "governor record": [("cap", "show"), ("gpu", "reset", "0")],
+    }[kind]
+    for command in [*readers, ("gpu", "reset", "--defaults", "0")]:
+        result = CliRunner().invoke(cli, list(command))
+        told = " ".join(result.output.split())
+        assert result.exit_code != 0 and "nested too deeply" in told, (command, told)
+        assert "internal error" not in told and told.count("Error:") == 1, (command, told)

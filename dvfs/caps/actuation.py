@@ -133,11 +133,11 @@ class AppliedCaps:
         """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
         one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
         damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
-        from dvfs.gpu.safety import read_record, record_problem, state_folder_problem
+        from dvfs.gpu.safety import load_record, record_problem, state_folder_problem
 
         try:  # (a FIFO is refused, not waited on for ever; a folder or a link in a loop is no
             # record either)
-            data = json.loads(read_record(self.path))
+            data = load_record(self.path)
         except FileNotFoundError:  # none, or removed meanwhile (the last GPU's entry reset)
             return {}
         except (ValueError, OSError) as exc:  # UnicodeDecodeError included
@@ -560,7 +560,7 @@ class GovernorLocks:
         (another GPU's damaged record must not stop a reset of these)."""
         if not self.directory.is_dir():
             return {}
-        from dvfs.gpu.safety import read_record, record_problem
+        from dvfs.gpu.safety import load_record, record_problem
 
         found = {}
         for path in sorted(self.directory.glob(f"{self.PREFIX}GPU-*.json")):
@@ -570,7 +570,7 @@ class GovernorLocks:
             ):
                 continue
             try:  # (a FIFO is refused, not waited on for ever; a folder is no record either)
-                data = json.loads(read_record(path))
+                data = load_record(path)
             except FileNotFoundError:
                 continue
             except (ValueError, OSError) as exc:  # UnicodeDecodeError included
