@@ -263,3 +263,17 @@ def test_a_record_nested_too_deeply_is_named_in_one_line(nvml, tmp_path: Path, k
         told = " ".join(result.output.split())
         assert result.exit_code != 0 and "nested too deeply" in told, (command, told)
         assert "internal error" not in told and told.count("Error:") == 1, (command, told)
+
+
+@pytest.mark.parametrize("source", [5, ["caps.toml"], None])
+def test_cap_show_shows_an_entry_whose_source_is_no_text(
+    nvml, tmp_path: Path, source: object
+) -> None:
+    """A caps record entry whose `source` (the caps file applied) was hand-edited to a number
+    or a list gave `cap show` "internal error: TypeError" (it escaped it as text); shown as
+    written, beside the lock the entry holds."""
+    uuids, _ = _both_capped(nvml, tmp_path, sm_clock_max_mhz=1500)
+    edit_record(uuids[0], source=source)
+    said = invoke("cap", "show")
+    assert "locked 210-1500 MHz by dvfs cap apply" in said and "internal error" not in said
+    assert source is None or f"from {source} at" in said, said

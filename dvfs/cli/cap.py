@@ -698,7 +698,11 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
                 if static
                 else ", no static clock cap"
             )
-        source = f", from {escape(r['caps_source'])} at {r['applied']}" if r["caps_source"] else ""
+        source = (  # (text, as written: a hand-edited record's number or list too)
+            f", from {escape(str(r['caps_source']))} at {escape(str(r['applied']))}"
+            if r["caps_source"]
+            else ""
+        )
         default = r["default_power_limit_w"]
         power = f"power limit {r['enforced_power_limit_w']:g} W" + (
             " enforced (NVML does not support setting it on this GPU)"
