@@ -277,3 +277,60 @@ def test_cap_show_shows_an_entry_whose_source_is_no_text(
     said = invoke("cap", "show")
     assert "locked 210-1500 MHz by dvfs cap apply" in said and "internal error" not in said
     assert source is None or f"from {source} at" in said, said
+
+
+@pytest.mark.parametrize("reset", [["--applied"], []])
+def test_a_refused_unlock_beside_an_unwritable_record_says_what_it_did(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reset: list[str]
+) -> None:
+    """`cap reset` whose clock unlock NVML refused on GPU 0, with the caps record unwritable (a
+    full disk, a folder root may not write), put GPU 0's power limit back, then ended "cannot
+    use RECORD: permission denied; check permissions or choose another path": nothing said of
+    the limit put back, another --state-dir advised (where no `cap show` looks), GPU 1 left
+    capped. The refusal is said with what was done and why the record still lists the limit,
+    and GPU 1 is reset."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    _both_capped(nvml, tmp_path, sm_clock_max_mhz=1500, power_limit_w=450.0)
+    nvml.fake_update_device(
+        0, errors={"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NOT_SUPPORTED}
+    )
+
+    def unwritable(self: AppliedCaps, records: dict) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", unwritable)
+    said = invoke("cap", "reset", *reset, code=1)
+    back = 600_000 if reset else 700_000
+    assert nvml.fake_device_state(0)["power_limit_mw"] == back, said
+    assert f"power limit {back // 1000} W" in said and "cannot be written" in said, said
+    assert "cannot reset locked SM clocks" in said and "another path" not in said, said
+    assert said.count("Error:") == 1, said
+    assert nvml.fake_device_state(1)["locked_clocks"] is None, said
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000, said
+
+
+def test_a_doubtful_limit_beside_an_unwritable_record_is_said_as_it_is(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where `cap reset --applied` leaves a doubtful power limit (a damaged power_limit_mw) and
+    the record, which would drop the lock it unlocked, cannot be written, the doubt is said,
+    not "cannot use RECORD ... choose another path": the record lists the lock still (more
+    than the GPU holds, never less)."""
+    import errno
+
+    from dvfs.caps import AppliedCaps
+
+    uuids, _ = _both_capped(nvml, tmp_path, sm_clock_max_mhz=1500, power_limit_w=450.0)
+    edit_record(uuids[0], power_limit_mw="450 W")
+
+    def unwritable(self: AppliedCaps, records: dict) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
+
+    monkeypatch.setattr(AppliedCaps, "write", unwritable)
+    said = invoke("cap", "reset", "--applied", "0", code=1)
+    assert "power limit 450 W was left as it is" in said and "another path" not in said, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None, said
+    assert json.loads(record_path().read_text())[uuids[0]]["lock_mhz"] == [210, 1500]

@@ -1277,7 +1277,8 @@ def reset_caps(
             except DoubtfulLimitError:  # the power limit left as it is, and its entry
                 entry = record.entries_as_written().get(ident.uuid)
                 if unlock and refused is None and entry and entry.get("lock_mhz") is not None:
-                    record.update(ident.uuid, {**entry, "lock_mhz": None})  # (unlocked)
+                    with contextlib.suppress(OSError):  # (else it lists the lock: never less)
+                        record.update(ident.uuid, {**entry, "lock_mhz": None})  # (unlocked)
                 raise
             if limit and target is not None and gpu.power_limit_mw() != target:
                 gpu.set_power_limit_mw(target)
@@ -1307,12 +1308,23 @@ def reset_caps(
                 if entry is not None and entry.get("power_limit_mw") is not None:
                     # but not the limit, gone: a sweep would take the same limit set outside
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
-                    record.update(
-                        ident.uuid,
-                        _without_earlier(
-                            {**entry, "power_limit_mw": None, "power_limit_before_mw": None}
-                        ),
-                    )
+                    try:
+                        record.update(
+                            ident.uuid,
+                            _without_earlier(
+                                {**entry, "power_limit_mw": None, "power_limit_before_mw": None}
+                            ),
+                        )
+                    except OSError as exc:  # said with the refusal, the GPUs after it reset
+                        # still: the record lists a limit the GPU no longer holds (never less)
+                        why = record_problem(exc)
+                        refused = type(refused)(
+                            f"{refused}; {_power_words(power, default, limit=limit)} all the "
+                            "same, but "
+                            f"{exc.filename or record.path} cannot be written "
+                            f"({why[:1].lower() + why[1:]}), so it still lists dvfs's power "
+                            f"limit on that GPU: {_remedy(exc)}"
+                        )
                 raise refused
             power = _power_words(power, default, limit=limit)
             try:
