@@ -78,7 +78,8 @@ def test_an_earlier_cap_an_older_dvfs_left_beside_another_cap_is_not_taken_for_d
     said = invoke("cap", "reset", "--applied", code=1)
     assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, said
     assert nvml.fake_device_state(0)["locked_clocks"] is None, said
-    assert "power_limit_earlier_mw" in said and "dvfs cap reset 0" in said, said
+    reset = f"`dvfs cap reset 0 --state-dir {os.environ['DVFS_STATE_DIR']}`"  # (as sudo runs it)
+    assert "power_limit_earlier_mw" in said and f"its defaults with {reset}" in said, said
     assert "nvidia-smi -i 0 -pl" in said, said
     # the operator's choice made, the reset goes through: their limit is left be
     nvml.fake_update_device(0, power_limit_mw=550_000)
@@ -199,7 +200,8 @@ def test_a_damaged_power_limit_spoils_that_knob_alone(
     assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [[210, 1410]] * 2
     assert [nvml.fake_device_state(i)["power_limit_mw"] for i in (0, 1)] == [450_000, 420_000]
     said = invoke("cap", "reset", "--applied", code=1)
-    assert where in said and "`dvfs cap reset 0`" in said, said
+    reset = f"`dvfs cap reset 0 --state-dir {os.environ['DVFS_STATE_DIR']}`"  # (as sudo runs it)
+    assert where in said and f"put back its default with {reset}" in said, said
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000, said
     assert nvml.fake_device_state(0)["locked_clocks"] is None, said
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000, said

@@ -388,7 +388,9 @@ def _spoiled_knobs(record: Mapping[str, Any]) -> dict[str, str]:
     return found
 
 
-def _spoiled_power(gpu: Gpu, entry: Mapping[str, Any], current: int | None) -> str:
+def _spoiled_power(
+    gpu: Gpu, entry: Mapping[str, Any], current: int | None, directory: Path | None = None
+) -> str:
     """Why a GPU's power limit `current` is left as it is, where its caps record `entry` says
     dvfs capped it but the cap is damaged (`_spoiled_knobs`): whether the GPU holds dvfs's cap
     or an operator's limit since cannot be told, so neither `cap reset --applied` nor `cap
@@ -406,8 +408,15 @@ def _spoiled_power(gpu: Gpu, entry: Mapping[str, Any], current: int | None) -> s
         f"GPU {index}'s power limit {current / 1000:g} W was left as it is: dvfs's caps record "
         f"says dvfs capped it, but its power_limit_mw is {json.dumps(power)[:40]}, no power "
         "limit in mW, so whether the GPU holds that cap cannot be told; write dvfs's cap there "
-        f"in mW and run this again, or put back its default with `dvfs cap reset {index}`"
+        f"in mW and run this again, or put back its default with `{_reset(index, directory)}`"
     )
+
+
+def _reset(index: int, directory: Path | None) -> str:
+    """The `dvfs cap reset N` that puts back a GPU's defaults, with the --state-dir it needs to
+    read `directory`, the caps record's folder, where known."""
+    command = f"dvfs cap reset {index}"
+    return command if directory is None else state_dir_command(command, directory)
 
 
 def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
@@ -457,7 +466,9 @@ class DoubtfulLimitError(GpuError):
     so it is left as it is (`_doubtful_limit`)."""
 
 
-def _doubtful_limit(gpu: Gpu, entry: Mapping[str, Any], current: int | None) -> None:
+def _doubtful_limit(
+    gpu: Gpu, entry: Mapping[str, Any], current: int | None, directory: Path | None = None
+) -> None:
     """Refuse (`DoubtfulLimitError`) to take a GPU's power limit `current` for an operator's or
     for dvfs's where it is the `EARLIER` cap of its caps record `entry` but that cap is stale:
     recorded beside another cap than `power_limit_mw` (or by a dvfs that did not say beside
@@ -486,7 +497,7 @@ def _doubtful_limit(gpu: Gpu, entry: Mapping[str, Any], current: int | None) -> 
         f"dvfs's earlier cap ({EARLIER}), but that was recorded {when}, and an older dvfs may "
         "have changed the cap since, so whether dvfs or someone else set it cannot be told: it "
         f"is left as it is; set the limit the GPU should have (`nvidia-smi -i {index} -pl "
-        f"WATTS`), or its defaults with `dvfs cap reset {index}`, then run this again"
+        f"WATTS`), or its defaults with `{_reset(index, directory)}`, then run this again"
     )
 
 
@@ -744,6 +755,7 @@ def plan_actions(
     applied: dict[str, dict[str, Any]] | None = None,
     lost: str = "",
     set_aside: Sequence[Gpu] = (),
+    directory: Path | None = None,
 ) -> CapsPlan:
     """Match caps to this host's GPUs and validate them against each GPU's supported clocks
     and power range, without writing. `applied`: dvfs's record of the caps in force (`AppliedCaps`),
@@ -827,8 +839,8 @@ def plan_actions(
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
         if limit is not None:  # (the limit it replaces, recorded for `cap reset --applied`)
-            _doubtful_limit(gpu, earlier, power_limit_or_none(gpu))
-        doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu))
+            _doubtful_limit(gpu, earlier, power_limit_or_none(gpu), directory)
+        doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
         actions.append(
             CapAction(
                 ident.index,
@@ -837,7 +849,9 @@ def plan_actions(
                 limit,
                 power_limit_or_none(gpu),
                 unlock=lock is None and earlier.get("lock_mhz") is not None,
-                power_limit_back=None if doubt else _power_limit_back(limit, earlier, gpu),
+                power_limit_back=(
+                    None if doubt else _power_limit_back(limit, earlier, gpu, directory)
+                ),
                 power_doubt=doubt,
             )
         )
@@ -1255,21 +1269,25 @@ def reset_caps(
             try:
                 if limit and default is not None and capped is not None:
                     held = gpu.power_limit_mw() if found is None else found
-                    spoiled = _spoiled_power(gpu, recorded, held)
+                    spoiled = _spoiled_power(gpu, recorded, held, record.path.parent)
                     if spoiled:  # whether the GPU holds dvfs's cap cannot be told: left be
                         raise DoubtfulLimitError(spoiled)
                 if limit and default is not None and found is not None:
                     # `--applied` after a dead run: the limit it found goes back (the
                     # operator's), or, where that was dvfs's cap, the one that cap replaced
                     if _positive_int(capped):
-                        target, power = _limit_replaced(gpu, recorded, default, current=found)
+                        target, power = _limit_replaced(
+                            gpu, recorded, default, current=found, directory=record.path.parent
+                        )
                     if target is None or not power:
                         target = found
                         power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
                 elif limit and default is not None and _positive_int(capped):
                     # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
                     # holds that cap; one set outside dvfs since is the operator's, left be.
-                    target, power = _limit_replaced(gpu, recorded, default)
+                    target, power = _limit_replaced(
+                        gpu, recorded, default, directory=record.path.parent
+                    )
                 elif limit and default is not None and capped is not None:
                     # damaged, the GPU holding the limit it replaced (`_spoiled_power`)
                     target = recorded["power_limit_before_mw"]
@@ -1412,7 +1430,12 @@ def _stale_or_none(store: StateStore, uuid: str) -> bool:
 
 
 def _limit_replaced(
-    gpu: Gpu, recorded: dict[str, Any], default: int, *, current: int | None = None
+    gpu: Gpu,
+    recorded: dict[str, Any],
+    default: int,
+    *,
+    current: int | None = None,
+    directory: Path | None = None,
 ) -> tuple[int | None, str]:
     """The power limit `cap reset --applied` puts back on a GPU whose caps record entry lists
     one dvfs set, and its words: the limit that cap replaced, as `cap apply` recorded it; None
@@ -1423,7 +1446,7 @@ def _limit_replaced(
     applied = int(recorded["power_limit_mw"])
     if current is None:  # (given: what a dead run found, which it may have changed since)
         current = gpu.power_limit_mw()
-    _doubtful_limit(gpu, recorded, current)
+    _doubtful_limit(gpu, recorded, current, directory)
     before = recorded.get("power_limit_before_mw")
     known = isinstance(before, int) and _positive_int(before)
     if current == _earlier_cap(recorded):  # dvfs's earlier cap, which a signal left in place
@@ -1501,11 +1524,16 @@ def enforce_plan(
         # file, not a mix of both.
         by_uuid = {g.identity.uuid: g for g in targets}
         recorded = record.entries_as_written() if plan.actions else {}
-        actions = [_as_recorded(a, recorded.get(a.uuid, {}), by_uuid[a.uuid]) for a in plan.actions]
+        actions = [
+            _as_recorded(a, recorded.get(a.uuid, {}), by_uuid[a.uuid], directory)
+            for a in plan.actions
+        ]
         apply_actions(actions, targets, record, source, done)
 
 
-def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAction:
+def _as_recorded(
+    action: CapAction, earlier: dict[str, Any], gpu: Gpu, directory: Path | None = None
+) -> CapAction:
     """`action` with the knobs its file leaves at stock put back by `earlier`, the GPU's caps
     record entry read under its lock (`plan_actions` read it before), and the power limit it
     changes read under the lock too: "applied to" says the one it was changed from."""
@@ -1514,19 +1542,21 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
     current = action.current_power_limit_mw
     if action.power_limit_mw is not None:
         current = power_limit_or_none(gpu)
-        _doubtful_limit(gpu, earlier, current)
-    doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu))
+        _doubtful_limit(gpu, earlier, current, directory)
+    doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
     return replace(
         action,
         current_power_limit_mw=current,
         unlock=action.lock_mhz is None and earlier.get("lock_mhz") is not None,
-        power_limit_back=None if doubt else _power_limit_back(action.power_limit_mw, earlier, gpu),
+        power_limit_back=(
+            None if doubt else _power_limit_back(action.power_limit_mw, earlier, gpu, directory)
+        ),
         power_doubt=doubt,
     )
 
 
 def _power_limit_back(
-    limit_mw: int | None, earlier: dict[str, Any], gpu: Gpu
+    limit_mw: int | None, earlier: dict[str, Any], gpu: Gpu, directory: Path | None = None
 ) -> tuple[int | None, str] | None:
     """Where a caps file sets no power limit on a GPU whose caps record `earlier` lists one
     dvfs set: the limit that goes back and its words, as `cap reset --applied` puts it back
@@ -1542,7 +1572,7 @@ def _power_limit_back(
         if not _positive_int(before):  # (NVML does not support its power limit)
             return None
         return (before, f"power limit {before / 1000:g} W (as before `dvfs cap apply`)")
-    return _limit_replaced(gpu, earlier, gpu.power_limit_range().default_mw)
+    return _limit_replaced(gpu, earlier, gpu.power_limit_range().default_mw, directory=directory)
 
 
 def reset_locked(

@@ -316,6 +316,7 @@ def apply(
                 applied=AppliedCaps(directory).entries_as_written(),  # (damaged: warned of)
                 lost=gone_line,
                 set_aside=[g for g in opened if g not in gpus],
+                directory=directory,
             )
         except (CapsError, GpuUnavailableError):  # matching none here (a GPU lost or not)
             _refuse_unmatched_withheld(
