@@ -336,3 +336,39 @@ def test_a_doubtful_limit_beside_an_unwritable_record_is_said_as_it_is(
     assert "power limit 450 W was left as it is" in said and "another path" not in said, said
     assert nvml.fake_device_state(0)["locked_clocks"] is None, said
     assert json.loads(record_path().read_text())[uuids[0]]["lock_mhz"] == [210, 1500]
+
+
+def test_a_signal_after_the_reset_drops_a_gpus_entry_takes_the_dead_runs_state_file_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl stop dvfs-caps` (`cap reset --applied`) signalled just after it dropped a
+    GPU's caps record entry, on a GPU a killed sweep left a state file on, left the state file:
+    the `dvfs gpu reset` it names then put back what the sweep found, dvfs's 450 W cap, with
+    no record of it (sweeps took it for the GPU's stock, `cap reset --applied` for no cap of
+    dvfs's). The entry and the state file go together, the signal raised once both are gone."""
+    import signal
+
+    from dvfs.caps import AppliedCaps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's
+    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=450.0))
+    invoke("cap", "apply", str(caps))
+    StateStore(state, command="sweep").record(GpuSettings(uuid, None, 450_000))
+    nvml.fake_update_device(0, power_limit_mw=300_000)
+    real = AppliedCaps.update
+
+    def then_stopped(self: AppliedCaps, gpu: str, entry: dict | None) -> None:
+        real(self, gpu, entry)
+        if entry is None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(AppliedCaps, "update", then_stopped)
+    result = CliRunner().invoke(cli, ["cap", "reset", "--applied", "0"])
+    monkeypatch.setattr(AppliedCaps, "update", real)
+    assert result.exit_code == 143, result.output
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
+    assert not record_path().exists() and not StateStore(state).pending(), result.output
+    invoke("gpu", "reset", "0")  # nothing left to put back
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000

@@ -1212,6 +1212,7 @@ def reset_caps(
     a later `dvfs gpu reset` would put those settings back on the GPU with no record of them,
     and `cap apply` and sweeps would refuse the GPU."""
     from dvfs.gpu.safety import StateStore
+    from dvfs.signals import held_back
 
     failures = GatheredFailures()
     done = []
@@ -1345,41 +1346,47 @@ def reset_caps(
                         )
                 raise refused
             power = _power_words(power, default, limit=limit)
-            try:
-                # (a GPU the record does not list needs no write: an unwritable record must
-                # not keep the GPUs after it capped, said to list caps it never listed)
-                if ident.uuid in record.entries_as_written():
-                    record.update(ident.uuid, None)
-            except OSError as exc:
-                # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
-                # take them for in force): said so, and no other GPU is reset, so the record
-                # lists no more that are not; the GPUs reset before it are said (`note`).
-                why = record_problem(exc)
-                raise CapsRecordError(
-                    "; ".join(
-                        [
-                            *failures.messages,
-                            f"GPU {ident.index} ({ident.uuid}) was reset (clocks unlocked, "
-                            f"{power}), but {exc.filename or record.path} cannot be written "
-                            f"({why[:1].lower() + why[1:]}), so it still lists that GPU's caps, "
-                            f"and no GPU after it was reset: {_remedy(exc)}, then run "
-                            f"`{state_dir_command(command, record.path.parent)}` again",
-                        ]
-                    )
-                ) from exc
-            GovernorLocks(record.path.parent).clear(ident.uuid)
-            clocks = "clocks unlocked" if unlock else "clocks left as they are (dvfs locked none)"
-            line = f"GPU {ident.index} ({ident.uuid}): {clocks}, {power}"
-            if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
-                now = "the GPU is at its defaults now"
-                if dead is not None:
-                    now = "what that run changed is undone, dvfs's caps with it"
-                elif applied_only and _stale_or_none(store, ident.uuid):
-                    now = "from before the last reboot, which reset the GPU"
-                line += f"; {_left_by(store, ident.uuid)}: dropped, {now}"
-                store.clear(ident.uuid)
-            done.append(line)
-            note(line)
+            # The entry and a dead run's state file go together, a signal held back between
+            # them: the file left alone, `dvfs gpu reset` put back what that run found (dvfs's
+            # caps) with no record of them.
+            with held_back():
+                try:
+                    # (a GPU the record does not list needs no write: an unwritable record must
+                    # not keep the GPUs after it capped, said to list caps it never listed)
+                    if ident.uuid in record.entries_as_written():
+                        record.update(ident.uuid, None)
+                except OSError as exc:
+                    # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
+                    # take them for in force): said so, and no other GPU is reset, so the record
+                    # lists no more that are not; the GPUs reset before it are said (`note`).
+                    why = record_problem(exc)
+                    raise CapsRecordError(
+                        "; ".join(
+                            [
+                                *failures.messages,
+                                f"GPU {ident.index} ({ident.uuid}) was reset (clocks unlocked, "
+                                f"{power}), but {exc.filename or record.path} cannot be written "
+                                f"({why[:1].lower() + why[1:]}), so it still lists that GPU's "
+                                f"caps, and no GPU after it was reset: {_remedy(exc)}, then run "
+                                f"`{state_dir_command(command, record.path.parent)}` again",
+                            ]
+                        )
+                    ) from exc
+                GovernorLocks(record.path.parent).clear(ident.uuid)
+                clocks = (
+                    "clocks unlocked" if unlock else "clocks left as they are (dvfs locked none)"
+                )
+                line = f"GPU {ident.index} ({ident.uuid}): {clocks}, {power}"
+                if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
+                    now = "the GPU is at its defaults now"
+                    if dead is not None:
+                        now = "what that run changed is undone, dvfs's caps with it"
+                    elif applied_only and _stale_or_none(store, ident.uuid):
+                        now = "from before the last reboot, which reset the GPU"
+                    line += f"; {_left_by(store, ident.uuid)}: dropped, {now}"
+                    store.clear(ident.uuid)
+                done.append(line)
+                note(line)  # (said before a signal held back ends the reset)
         except GpuError as exc:
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
