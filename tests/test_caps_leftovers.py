@@ -372,3 +372,16 @@ def test_a_signal_after_the_reset_drops_a_gpus_entry_takes_the_dead_runs_state_f
     assert not record_path().exists() and not StateStore(state).pending(), result.output
     invoke("gpu", "reset", "0")  # nothing left to put back
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
+
+
+def test_cap_show_shows_a_governor_records_pid_and_time_as_written(nvml) -> None:
+    """A governor's lock record whose pid or time (damaged, by hand) read like markup ("[/y]")
+    gave `cap show` "internal error: MarkupError" (the line naming who set the lock was
+    printed as markup); they are shown as written."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    record = {"lock_mhz": [210, 1500], "pid": "[/y]", "since": "[bold]t[/bold]"}
+    (state / f"governed-{uuid}.json").write_text(json.dumps(record))
+    said = invoke("cap", "show")
+    assert "dvfs govern (pid [/y], since [bold]t[/bold]" in said, said

@@ -686,9 +686,9 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
     for r in rows:
         lock = (
             f"locked {r['sm_clock_lock_mhz'][0]}-{r['sm_clock_lock_mhz'][1]} MHz by "
-            f"{r['sm_clock_lock_set_by']} (dvfs record)"
-            if r["sm_clock_lock_mhz"]
-            else f"locked by {r['sm_clock_lock_set_by']}"
+            f"{escape(r['sm_clock_lock_set_by'])} (dvfs record)"  # (a record's pid and time
+            if r["sm_clock_lock_mhz"]  # as written, text: "[/x]" is no markup)
+            else f"locked by {escape(r['sm_clock_lock_set_by'])}"
             if r["sm_clock_lock_set_by"]  # (a damaged record's lock: unknown)
             else "no dvfs clock lock"
         )
