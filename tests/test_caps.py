@@ -2605,17 +2605,24 @@ def test_a_caps_record_with_a_damaged_entry_is_named_in_one_line(
     nvml, tmp_path: Path, entry: dict
 ) -> None:
     """A caps record whose entry holds a lock of one clock (or text) gave `cap show` "internal
-    error: IndexError", or showed the text as a lock (and a sweep took it for one); each
-    command reading it now names the record and the entry, exit 1 (dvfs's own record damaged:
-    a failure, not bad usage), as for a record that is no JSON object."""
+    error: IndexError", or showed the text as a lock (and a sweep took it for one). `cap show`
+    names the record, its line and the entry in a warning and shows the rest (the damaged knob
+    unknown); a sweep, which must put dvfs's caps back, refuses it in one line, exit 1 (dvfs's
+    own record damaged: a failure, not bad usage), saying why."""
     uuid = nvml.fake_device_state(0)["uuid"]
     state = Path(os.environ["DVFS_STATE_DIR"])
     state.mkdir(parents=True, exist_ok=True)
     (state / "caps-applied.json").write_text(json.dumps({uuid: entry}))
     for args in (("cap", "show"), ("cap", "show", "--json")):
-        told = " ".join(invoke(*args, code=1).split())
-        assert "is not a dvfs caps record" in told and uuid in told, told
-        assert "internal error" not in told and told.count("Error:") == 1, told
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 0, result.output
+        told = " ".join(result.stderr.split())
+        assert f"caps-applied.json line 1 is damaged for GPU 0 ({uuid})" in told, told
+        assert "internal error" not in result.output and "Error" not in result.output, told
+    campaign = _stock_campaign(tmp_path)
+    told = " ".join(invoke("sweep", str(campaign), "--out", str(tmp_path / "out"), code=1).split())
+    assert "caps-applied.json line 1 is damaged for GPU" in told and uuid in told, told
+    assert "this command must know" in told and told.count("Error:") == 1, told
 
 
 @pytest.mark.parametrize("command", [("cap", "reset"), ("gpu", "reset", "--defaults")])

@@ -504,6 +504,7 @@ def test_doctor_names_dvfs_earlier_power_cap_a_signal_left_as_dvfs(
     record = Path(env["DVFS_STATE_DIR"]) / "caps-applied.json"
     entries = json.loads(record.read_text())
     entries[uuid]["power_limit_earlier_mw"] = 500_000
+    entries[uuid]["power_limit_earlier_for_mw"] = 450_000  # (beside the cap it was changing to)
     record.write_text(json.dumps(entries))
     nvml.fake_update_device(0, power_limit_mw=500_000)
     campaign = tmp_path / "nvml.toml"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from dvfs.caps.files import CapsFile, base_model_name, headroom_again, plan_again
 from dvfs.errors import (
@@ -73,6 +73,9 @@ class CapAction:
     #: An earlier apply's power limit this file leaves at stock: the limit put back (None:
     #: left be, one set outside dvfs since) and its words (`_limit_replaced`); None: no such
     power_limit_back: tuple[int | None, str] | None = None
+    #: Why the power limit is left as it is, its caps record entry's cap damaged
+    #: (`_spoiled_power`): the apply fails on it once the clock is done; "" where not so
+    power_doubt: str = ""
 
     def describe(self) -> str:
         """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
@@ -85,7 +88,7 @@ class CapAction:
             parts.append(
                 f"{self.power_limit_back[1]}, none in this file (an earlier cap apply set one)"
             )
-        if self.power_limit_mw is not None:
+        if self.power_limit_mw is not None and not self.power_doubt:
             current = self.current_power_limit_mw  # read (a GPU without one is set aside)
             change = (
                 "unchanged"
@@ -93,6 +96,8 @@ class CapAction:
                 else f"from {(current or 0) / 1000:g} W"
             )
             parts.append(f"power limit {self.power_limit_mw / 1000:g} W ({change})")
+        if self.power_doubt:
+            parts.append("power limit left as it is (dvfs's caps record's cap is damaged)")
         return f"GPU {self.index} ({self.uuid}): " + ", ".join(parts)
 
 
@@ -128,11 +133,11 @@ class AppliedCaps:
         """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
         one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
         damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
-        from dvfs.gpu.safety import read_record, record_problem, state_folder_problem
+        from dvfs.gpu.safety import load_record, record_problem, state_folder_problem
 
         try:  # (a FIFO is refused, not waited on for ever; a folder or a link in a loop is no
             # record either)
-            data = json.loads(read_record(self.path))
+            data = load_record(self.path)
         except FileNotFoundError:  # none, or removed meanwhile (the last GPU's entry reset)
             return {}
         except (ValueError, OSError) as exc:  # UnicodeDecodeError included
@@ -148,16 +153,38 @@ class AppliedCaps:
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects)"
                 + record_fix(self.path.parent)
             )
-        for uuid, r in data.items():  # what `cap show`, sweeps and applies read of each
-            problem = _record_problem(r) if checked else None
-            if problem:
+        for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
+            spoiled = _spoiled_knobs(r) if checked else {}
+            if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
+                from dvfs.gpu.safety import state_dir_flag
+
+                key, problem = next(iter(spoiled.items()))
+                what = "clock lock" if key == "lock_mhz" else "power limit"
                 raise CapsRecordError(
-                    f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem})"
-                    + record_fix(self.path.parent)
+                    f"{self.path} line {self.line_of(uuid, key)} is damaged for GPU "
+                    f"{uuid[:48]}: {problem}; this command must know the {what} dvfs's cap "
+                    "holds on that GPU (to put it back, or to tell it from the GPU's own), so "
+                    "it refuses the record: write it there, or reset that GPU with `dvfs cap "
+                    f"reset{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops its "
+                    "entry alone"
                 )
         return {
             u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
         }
+
+    def line_of(self, uuid: str, key: str) -> int:
+        """The line of the record that holds `key` of a GPU's entry (dvfs writes one key a
+        line), for a warning naming it: the first line holding `key` from the one naming the
+        GPU on; 1 where the file cannot be read (or is one line)."""
+        from dvfs.gpu.safety import read_record
+
+        try:
+            lines = read_record(self.path).splitlines()
+        except (ValueError, OSError):
+            return 1
+        start = next((i for i, line in enumerate(lines) if f'"{uuid}"' in line), 0)
+        found = (i for i in range(start, len(lines)) if f'"{key}"' in lines[i])
+        return next(found, start) + 1
 
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
@@ -181,6 +208,34 @@ class AppliedCaps:
             if before_this_boot(entry.get("boot"), entry.get("applied")):
                 continue
             gpu = f"GPU {index[uuid]} ({uuid})" if index and uuid in index else f"GPU {uuid[:48]}"
+            number = str(index[uuid]) if index and uuid in index else uuid[:48]
+            spoiled = _spoiled_knobs(entry)
+            for key, problem in spoiled.items():
+                damaged = (
+                    f"dvfs's caps record {self.path} line {self.line_of(uuid, key)} is damaged "
+                    f"for {gpu}: {problem}"
+                )
+                if key == "lock_mhz":
+                    unlock = state_dir_command(
+                        f"dvfs cap reset --applied {number}", self.path.parent
+                    )
+                    lines.append(
+                        f"{damaged}; which clock lock dvfs's cap holds there cannot be told: `dvfs "
+                        f"cap apply` locks the file's clock or unlocks it, and {reset} unlocks it "
+                        "(its power limit honoured by both), but sweeps and `dvfs govern` refuse "
+                        f"the record, having to put that lock back: write it there, or `{unlock}`"
+                    )
+                else:
+                    default = state_dir_command(f"dvfs cap reset {number}", self.path.parent)
+                    lines.append(
+                        f"{damaged}; whether the GPU's power limit is that cap cannot be told: "
+                        f"`dvfs cap apply` and {reset} leave it as it is, failing (exit 1), its "
+                        "clock lock honoured by both, and sweeps and `dvfs govern` refuse the "
+                        f"record: write dvfs's cap there in mW, or put back the default with "
+                        f"`{default}`"
+                    )
+            if "power_limit_mw" in spoiled:  # (what it replaced is moot beside it)
+                continue
             for problem, key in _damaged_before(entry):
                 damaged = f"dvfs's caps record {self.path} is damaged for {gpu}: {problem}"
                 if not isinstance(entry.get("power_limit_mw"), int):  # (read beside one only)
@@ -310,15 +365,58 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     in words; None when its knobs are a clock lock (two clocks in MHz, low first) or null and a
     power limit (mW) or null. (A damaged limit dvfs's cap replaced is no such problem: the caps
     in force are known still, `_damaged_before` names it.)"""
+    return next(iter(_spoiled_knobs(record).values()), None)
 
+
+def _spoiled_knobs(record: Mapping[str, Any]) -> dict[str, str]:
+    """Each knob of a caps record entry whose value is damaged (a hand edit: a lock of one
+    clock, text, a float), by key, in words ("lock_mhz is "1500", expected ..."): dvfs set
+    that knob (the value is not null), but to what cannot be told. `cap apply` and `cap reset`
+    act on such an entry's other knob all the same (`damaged_lines` names the key, file and
+    line); readers that must know the value (a sweep puts dvfs's caps back) refuse the record."""
+    found = {}
     lock = record.get("lock_mhz")
     if lock is not None and not _is_lock(lock):
-        shown = json.dumps(lock)[:40]
-        return f"lock_mhz is {shown}, expected two clocks in MHz, low first, or null"
+        found["lock_mhz"] = (
+            f"lock_mhz is {json.dumps(lock)[:40]}, expected two clocks in MHz, low first, or null"
+        )
     power = record.get("power_limit_mw")
     if power is not None and not _positive_int(power):
-        return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
-    return None
+        found["power_limit_mw"] = (
+            f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
+        )
+    return found
+
+
+def _spoiled_power(
+    gpu: Gpu, entry: Mapping[str, Any], current: int | None, directory: Path | None = None
+) -> str:
+    """Why a GPU's power limit `current` is left as it is, where its caps record `entry` says
+    dvfs capped it but the cap is damaged (`_spoiled_knobs`): whether the GPU holds dvfs's cap
+    or an operator's limit since cannot be told, so neither `cap reset --applied` nor `cap
+    apply` may take it for one (the default over an operator's limit, or an operator's taken
+    for the limit dvfs's cap replaced). "" where the cap is not damaged, or the GPU holds the
+    limit it replaced (nothing to tell), or NVML does not support its power limit."""
+    power = entry.get("power_limit_mw")
+    before = entry.get("power_limit_before_mw")
+    if power is None or _positive_int(power) or current is None:
+        return ""
+    if _positive_int(before) and current == before:
+        return ""
+    index = gpu.identity.index
+    return (
+        f"GPU {index}'s power limit {current / 1000:g} W was left as it is: dvfs's caps record "
+        f"says dvfs capped it, but its power_limit_mw is {json.dumps(power)[:40]}, no power "
+        "limit in mW, so whether the GPU holds that cap cannot be told; write dvfs's cap there "
+        f"in mW and run this again, or put back its default with `{_reset(index, directory)}`"
+    )
+
+
+def _reset(index: int, directory: Path | None) -> str:
+    """The `dvfs cap reset N` that puts back a GPU's defaults, with the --state-dir it needs to
+    read `directory`, the caps record's folder, where known."""
+    command = f"dvfs cap reset {index}"
+    return command if directory is None else state_dir_command(command, directory)
 
 
 def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
@@ -340,22 +438,74 @@ def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
 #: land, so either is dvfs's cap, and `cap reset --applied` and the next `cap apply` take the
 #: GPU's limit for dvfs's, not an operator's, where it is either. Dropped once a change lands.
 EARLIER = "power_limit_earlier_mw"
+#: The `power_limit_mw` an `EARLIER` cap was recorded beside: an older dvfs, which knows
+#: neither key, carries both along when it changes the cap, so an earlier cap beside another
+#: (or beside none said) is stale, no longer known to be dvfs's (`_doubtful_limit`).
+EARLIER_FOR = "power_limit_earlier_for_mw"
 
 
 def _earlier_cap(entry: Mapping[str, Any]) -> int | None:
-    """A caps record entry's `EARLIER` cap where it is a power limit in mW; None where absent,
-    null or damaged (a float, a string, true: `damaged_lines` says it is taken for none, and
-    500000.0 or true must not pass for the GPU's limit by Python's 500000 == 500000.0 or
-    1 == True)."""
+    """A caps record entry's `EARLIER` cap where it is a power limit in mW recorded beside the
+    entry's `power_limit_mw` (`EARLIER_FOR`); None where absent, null, damaged (a float, a
+    string, true: `damaged_lines` says it is taken for none, and 500000.0 or true must not pass
+    for the GPU's limit by Python's 500000 == 500000.0 or 1 == True) or stale (recorded beside
+    another cap: `_doubtful_limit`)."""
     earlier = entry.get(EARLIER)
-    return earlier if _positive_int(earlier) else None
+    return earlier if _positive_int(earlier) and _earlier_bound(entry) else None
 
 
-def _positive_int(value: Any) -> bool:
+def _earlier_bound(entry: Mapping[str, Any]) -> bool:
+    """Whether an entry's `EARLIER` cap was recorded beside the cap the entry lists now."""
+    beside, applied = entry.get(EARLIER_FOR), entry.get("power_limit_mw")
+    return _positive_int(beside) and _positive_int(applied) and beside == applied
+
+
+class DoubtfulLimitError(GpuError):
+    """A GPU holds the power limit its caps record entry names as dvfs's earlier cap, but one
+    recorded beside another cap than the entry lists now: whether dvfs set it cannot be told,
+    so it is left as it is (`_doubtful_limit`)."""
+
+
+def _doubtful_limit(
+    gpu: Gpu, entry: Mapping[str, Any], current: int | None, directory: Path | None = None
+) -> None:
+    """Refuse (`DoubtfulLimitError`) to take a GPU's power limit `current` for an operator's or
+    for dvfs's where it is the `EARLIER` cap of its caps record `entry` but that cap is stale:
+    recorded beside another cap than `power_limit_mw` (or by a dvfs that did not say beside
+    which), an older dvfs having changed the cap since and carried the value along. Taken for
+    dvfs's, `cap reset --applied` put back the limit dvfs's first cap replaced over an
+    operator's; taken for the operator's, dvfs's own earlier cap would stay. Nothing where the
+    GPU holds the cap the entry lists, or the limit it replaced."""
+    earlier = entry.get(EARLIER)
+    if (
+        current is None
+        or not _positive_int(earlier)
+        or _earlier_bound(entry)
+        or current != earlier
+        or current in (entry.get("power_limit_mw"), entry.get("power_limit_before_mw"))
+    ):
+        return
+    index, beside, applied = gpu.identity.index, entry.get(EARLIER_FOR), entry.get("power_limit_mw")
+    now = f"the {applied / 1000:g} W it lists now" if _positive_int(applied) else "none, as now"
+    when = (
+        f"beside a cap of {beside / 1000:g} W, not {now}"
+        if _positive_int(beside)
+        else "by a dvfs that did not say beside which cap"
+    )
+    raise DoubtfulLimitError(
+        f"GPU {index}'s power limit {current / 1000:g} W is the one dvfs's caps record names as "
+        f"dvfs's earlier cap ({EARLIER}), but that was recorded {when}, and an older dvfs may "
+        "have changed the cap since, so whether dvfs or someone else set it cannot be told: it "
+        f"is left as it is; set the limit the GPU should have (`nvidia-smi -i {index} -pl "
+        f"WATTS`), or its defaults with `{_reset(index, directory)}`, then run this again"
+    )
+
+
+def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _is_lock(lock: Any) -> bool:
+def _is_lock(lock: Any) -> TypeGuard[list[int]]:
     """Whether a record's `lock_mhz` is a clock lock: two clocks in MHz, low first (one
     written the other way round by hand would be shown as "1500-210 MHz")."""
     return (
@@ -421,7 +571,7 @@ class GovernorLocks:
         (another GPU's damaged record must not stop a reset of these)."""
         if not self.directory.is_dir():
             return {}
-        from dvfs.gpu.safety import read_record, record_problem
+        from dvfs.gpu.safety import load_record, record_problem
 
         found = {}
         for path in sorted(self.directory.glob(f"{self.PREFIX}GPU-*.json")):
@@ -431,7 +581,7 @@ class GovernorLocks:
             ):
                 continue
             try:  # (a FIFO is refused, not waited on for ever; a folder is no record either)
-                data = json.loads(read_record(path))
+                data = load_record(path)
             except FileNotFoundError:
                 continue
             except (ValueError, OSError) as exc:  # UnicodeDecodeError included
@@ -470,13 +620,16 @@ class LockInForce:
         return "dvfs cap apply"
 
 
-def locks_in_force(directory: Path) -> dict[str, LockInForce]:
+def locks_in_force(directory: Path, *, spoiled_ok: bool = False) -> dict[str, LockInForce]:
     """The clock lock each GPU holds by dvfs's records: a running governor's where it holds
-    one (under the static caps), else the one `cap apply` recorded."""
+    one (under the static caps), else the one `cap apply` recorded. `spoiled_ok` (`cap
+    show`): a caps record entry's damaged lock is passed over (`damaged_lines` names it), not
+    the whole record refused."""
+    record = AppliedCaps(directory)
     found = {
         uuid: LockInForce((r["lock_mhz"][0], r["lock_mhz"][1]), False, r)
-        for uuid, r in AppliedCaps(directory).read().items()
-        if r.get("lock_mhz")
+        for uuid, r in (record.entries_as_written() if spoiled_ok else record.read()).items()
+        if _is_lock(r.get("lock_mhz"))
     }
     for uuid, r in GovernorLocks(directory).read().items():
         found[uuid] = LockInForce((r["lock_mhz"][0], r["lock_mhz"][1]), True, r)
@@ -602,6 +755,7 @@ def plan_actions(
     applied: dict[str, dict[str, Any]] | None = None,
     lost: str = "",
     set_aside: Sequence[Gpu] = (),
+    directory: Path | None = None,
 ) -> CapsPlan:
     """Match caps to this host's GPUs and validate them against each GPU's supported clocks
     and power range, without writing. `applied`: dvfs's record of the caps in force (`AppliedCaps`),
@@ -684,6 +838,9 @@ def plan_actions(
             found.append(gpu.power_limit_range().outside(limit))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
+        if limit is not None:  # (the limit it replaces, recorded for `cap reset --applied`)
+            _doubtful_limit(gpu, earlier, power_limit_or_none(gpu), directory)
+        doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
         actions.append(
             CapAction(
                 ident.index,
@@ -691,8 +848,11 @@ def plan_actions(
                 lock,
                 limit,
                 power_limit_or_none(gpu),
-                unlock=lock is None and bool(earlier.get("lock_mhz")),
-                power_limit_back=_power_limit_back(limit, earlier, gpu),
+                unlock=lock is None and earlier.get("lock_mhz") is not None,
+                power_limit_back=(
+                    None if doubt else _power_limit_back(limit, earlier, gpu, directory)
+                ),
+                power_doubt=doubt,
             )
         )
     if other_model:
@@ -761,11 +921,15 @@ def _recorded_caps(entry: dict[str, Any] | None) -> str:
         return ""
     parts = []
     lock = entry.get("lock_mhz")
-    if lock:
+    if _is_lock(lock):
         parts.append(f"SM clock locked {lock[0]}-{lock[1]} MHz")
+    elif lock is not None:
+        parts.append("SM clock locked (to what, the damaged record does not say)")
     power = entry.get("power_limit_mw")
-    if isinstance(power, int):
+    if _positive_int(power):
         parts.append(f"power limit {power / 1000:g} W")
+    elif power is not None:
+        parts.append("a power limit (which, the damaged record does not say)")
     source = entry.get("source")
     return ", ".join(parts) + (f" from {source}" if parts and source else "")
 
@@ -787,7 +951,7 @@ def apply_actions(
     by_uuid = {g.identity.uuid: g for g in gpus}
     if actions:
         record.check_writable()  # no GPU changed where its change could not be recorded
-    applied = record.read()
+    applied = record.entries_as_written()  # (a damaged knob: `CapAction.power_doubt`, below)
     failures = GatheredFailures()
 
     def keep(
@@ -866,19 +1030,25 @@ def apply_actions(
                         keep,  # recorded even if the limit fails
                         action.uuid,
                         {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(lock)},
-                        partial(gpu.lock_sm_clock, *earlier) if earlier else gpu.reset_sm_clock,
+                        partial(gpu.lock_sm_clock, *earlier)
+                        if _is_lock(earlier)
+                        else gpu.reset_sm_clock,
                         f"SM clock lock {lock[0]}-{lock[1]} MHz",
                     ),
                 )
                 changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
-            if action.power_limit_mw is not None:
+            if action.power_limit_mw is not None and not action.power_doubt:
                 before = gpu.power_limit_mw()
                 # The limit this cap replaced, for `cap reset --applied` to put back: the
                 # GPU's own, read now, unless it is an earlier apply's cap, still held (then
                 # the one that cap replaced, as recorded; none where an older dvfs recorded
                 # none); one an operator set over that cap since is theirs, and replaced.
                 prior = applied.get(action.uuid, blank)
-                dvfs_cap = before in (prior.get("power_limit_mw"), _earlier_cap(prior))
+                dvfs_cap = before in [  # (a damaged 450000.0 is no cap, though == 450000)
+                    v
+                    for v in (prior.get("power_limit_mw"), _earlier_cap(prior))
+                    if _positive_int(v)
+                ]
                 replaced = prior.get("power_limit_before_mw") if dvfs_cap else before
                 limit = action.power_limit_mw
                 entry = {
@@ -894,10 +1064,18 @@ def apply_actions(
                     partial(keep, action.uuid, _without_earlier(entry), undo, what),
                     # a change stopped before it landed may leave dvfs's earlier cap: both
                     # recorded dvfs's, so neither passes for an operator's limit later
-                    partial(keep, action.uuid, {**entry, EARLIER: before}, undo, what)
+                    partial(
+                        keep,
+                        action.uuid,
+                        {**entry, EARLIER: before, EARLIER_FOR: limit},
+                        undo,
+                        what,
+                    )
                     if dvfs_cap and limit != before
                     else None,
                 )
+            if action.power_doubt:  # the clock done, the power limit left as it is
+                raise GpuError(action.power_doubt)
         except GpuError as exc:
             # The GPU is not left changed unsaid: what is in place on it already is named.
             failures.add(
@@ -967,7 +1145,7 @@ def recorded_even_if_signalled(
 
 def _without_earlier(entry: dict[str, Any]) -> dict[str, Any]:
     """A caps record entry once a power-limit change landed: no `EARLIER` cap left to doubt."""
-    return {k: v for k, v in entry.items() if k != EARLIER}
+    return {k: v for k, v in entry.items() if k not in (EARLIER, EARLIER_FOR)}
 
 
 def _remedy(exc: OSError) -> str:
@@ -1034,6 +1212,7 @@ def reset_caps(
     a later `dvfs gpu reset` would put those settings back on the GPU with no record of them,
     and `cap apply` and sweeps would refuse the GPU."""
     from dvfs.gpu.safety import StateStore
+    from dvfs.signals import held_back
 
     failures = GatheredFailures()
     done = []
@@ -1075,8 +1254,9 @@ def reset_caps(
             dead = _found_by_a_dead_run(store, ident.uuid) if applied_only else None
             if applied_only and (dead is not None or _stale_or_none(store, ident.uuid)):
                 recorded = record.entries_as_written().get(ident.uuid) or {}
-                unlock = dead is not None or bool(recorded.get("lock_mhz"))
-                limit = dead is not None or isinstance(recorded.get("power_limit_mw"), int)
+                # (a damaged knob is one dvfs set all the same: `_spoiled_knobs`)
+                unlock = dead is not None or recorded.get("lock_mhz") is not None
+                limit = dead is not None or recorded.get("power_limit_mw") is not None
             refused: GpuError | None = None
             try:
                 if unlock:
@@ -1086,78 +1266,143 @@ def reset_caps(
             default = _default_or_none(gpu)  # None: not supported, so never capped
             target, power = default, ""
             found = None if dead is None else dead.power_limit_mw
-            if limit and default is not None and found is not None:
-                # `--applied` after a dead run: the limit it found goes back (the operator's),
-                # or, where that was dvfs's cap, the one that cap replaced
-                if isinstance(recorded.get("power_limit_mw"), int):
-                    target, power = _limit_replaced(gpu, recorded, default, current=found)
-                if target is None or not power:
-                    target = found
-                    power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
-            elif limit and default is not None and isinstance(recorded.get("power_limit_mw"), int):
-                # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
-                # holds that cap; one set outside dvfs since is the operator's, left be.
-                target, power = _limit_replaced(gpu, recorded, default)
+            capped = recorded.get("power_limit_mw")
+            try:
+                if limit and default is not None and capped is not None:
+                    held = gpu.power_limit_mw() if found is None else found
+                    spoiled = _spoiled_power(gpu, recorded, held, record.path.parent)
+                    if spoiled:  # whether the GPU holds dvfs's cap cannot be told: left be
+                        raise DoubtfulLimitError(spoiled)
+                if limit and default is not None and found is not None:
+                    # `--applied` after a dead run: the limit it found goes back (the
+                    # operator's), or, where that was dvfs's cap, the one that cap replaced
+                    if _positive_int(capped):
+                        target, power = _limit_replaced(
+                            gpu, recorded, default, current=found, directory=record.path.parent
+                        )
+                    if target is None or not power:
+                        target = found
+                        power = f"power limit {found / 1000:g} W (as the dead dvfs run found it)"
+                elif limit and default is not None and _positive_int(capped):
+                    # `--applied`: the limit dvfs's cap replaced goes back, where the GPU still
+                    # holds that cap; one set outside dvfs since is the operator's, left be.
+                    target, power = _limit_replaced(
+                        gpu, recorded, default, directory=record.path.parent
+                    )
+                elif limit and default is not None and capped is not None:
+                    # damaged, the GPU holding the limit it replaced (`_spoiled_power`)
+                    target = recorded["power_limit_before_mw"]
+                    power = f"power limit {target / 1000:g} W (as before `dvfs cap apply`)"
+            except DoubtfulLimitError:  # the power limit left as it is, and its entry
+                entry = record.entries_as_written().get(ident.uuid)
+                if unlock and refused is None and entry and entry.get("lock_mhz") is not None:
+                    with contextlib.suppress(OSError):  # (else it lists the lock: never less)
+                        record.update(ident.uuid, {**entry, "lock_mhz": None})  # (unlocked)
+                raise
             if limit and target is not None and gpu.power_limit_mw() != target:
                 gpu.set_power_limit_mw(target)
             if refused is not None:  # the entry stays, for the lock the GPU still holds
                 entry = record.entries_as_written().get(ident.uuid)
+                if _found_by_a_dead_run(store, ident.uuid) is not None:
+                    # A dead run's state file stays (the GPU was not reset): `dvfs gpu reset`
+                    # puts back what that run found, dvfs's caps included, which the entry
+                    # must list still, whole (the sweeps it refuses meanwhile take nothing
+                    # for stock).
+                    gpu_reset = state_dir_command(
+                        f"dvfs gpu reset {ident.index}", record.path.parent
+                    )
+                    left = "; ".join(
+                        [
+                            f"{refused}",
+                            f"GPU {ident.index} otherwise reset: "
+                            + _power_words(power, default, limit=limit),
+                            f"{_left_by(store, ident.uuid)} stays, and dvfs's caps record keeps "
+                            "that GPU's caps: once its clock can be unlocked, run "
+                            f"`{state_dir_command(command, record.path.parent)}` again, or "
+                            f"`{gpu_reset}` to put back what that run found (dvfs's caps "
+                            "included, as the record lists them)",
+                        ]
+                    )
+                    raise type(refused)(left) from refused
                 if entry is not None and entry.get("power_limit_mw") is not None:
                     # but not the limit, gone: a sweep would take the same limit set outside
                     # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
-                    record.update(
-                        ident.uuid,
-                        _without_earlier(
-                            {**entry, "power_limit_mw": None, "power_limit_before_mw": None}
-                        ),
-                    )
+                    try:
+                        record.update(
+                            ident.uuid,
+                            _without_earlier(
+                                {**entry, "power_limit_mw": None, "power_limit_before_mw": None}
+                            ),
+                        )
+                    except OSError as exc:  # said with the refusal, the GPUs after it reset
+                        # still: the record lists a limit the GPU no longer holds (never less)
+                        why = record_problem(exc)
+                        refused = type(refused)(
+                            f"{refused}; {_power_words(power, default, limit=limit)} all the "
+                            "same, but "
+                            f"{exc.filename or record.path} cannot be written "
+                            f"({why[:1].lower() + why[1:]}), so it still lists dvfs's power "
+                            f"limit on that GPU: {_remedy(exc)}"
+                        )
                 raise refused
-            power = power or (
-                "power limit not supported by NVML (left be)"
-                if default is None
-                else f"power limit {default / 1000:g} W (default)"
-                if limit
-                else "power limit left as it is (dvfs set none)"
-            )
-            try:
-                # (a GPU the record does not list needs no write: an unwritable record must
-                # not keep the GPUs after it capped, said to list caps it never listed)
-                if ident.uuid in record.entries_as_written():
-                    record.update(ident.uuid, None)
-            except OSError as exc:
-                # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
-                # take them for in force): said so, and no other GPU is reset, so the record
-                # lists no more that are not; the GPUs reset before it are said (`note`).
-                why = record_problem(exc)
-                raise CapsRecordError(
-                    "; ".join(
-                        [
-                            *failures.messages,
-                            f"GPU {ident.index} ({ident.uuid}) was reset (clocks unlocked, "
-                            f"{power}), but {exc.filename or record.path} cannot be written "
-                            f"({why[:1].lower() + why[1:]}), so it still lists that GPU's caps, "
-                            f"and no GPU after it was reset: {_remedy(exc)}, then run "
-                            f"`{state_dir_command(command, record.path.parent)}` again",
-                        ]
-                    )
-                ) from exc
-            GovernorLocks(record.path.parent).clear(ident.uuid)
-            clocks = "clocks unlocked" if unlock else "clocks left as they are (dvfs locked none)"
-            line = f"GPU {ident.index} ({ident.uuid}): {clocks}, {power}"
-            if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
-                now = "the GPU is at its defaults now"
-                if dead is not None:
-                    now = "what that run changed is undone, dvfs's caps with it"
-                elif applied_only and _stale_or_none(store, ident.uuid):
-                    now = "from before the last reboot, which reset the GPU"
-                line += f"; {_left_by(store, ident.uuid)}: dropped, {now}"
-                store.clear(ident.uuid)
-            done.append(line)
-            note(line)
+            power = _power_words(power, default, limit=limit)
+            # The entry and a dead run's state file go together, a signal held back between
+            # them: the file left alone, `dvfs gpu reset` put back what that run found (dvfs's
+            # caps) with no record of them.
+            with held_back():
+                try:
+                    # (a GPU the record does not list needs no write: an unwritable record must
+                    # not keep the GPUs after it capped, said to list caps it never listed)
+                    if ident.uuid in record.entries_as_written():
+                        record.update(ident.uuid, None)
+                except OSError as exc:
+                    # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
+                    # take them for in force): said so, and no other GPU is reset, so the record
+                    # lists no more that are not; the GPUs reset before it are said (`note`).
+                    why = record_problem(exc)
+                    raise CapsRecordError(
+                        "; ".join(
+                            [
+                                *failures.messages,
+                                f"GPU {ident.index} ({ident.uuid}) was reset (clocks unlocked, "
+                                f"{power}), but {exc.filename or record.path} cannot be written "
+                                f"({why[:1].lower() + why[1:]}), so it still lists that GPU's "
+                                f"caps, and no GPU after it was reset: {_remedy(exc)}, then run "
+                                f"`{state_dir_command(command, record.path.parent)}` again",
+                            ]
+                        )
+                    ) from exc
+                GovernorLocks(record.path.parent).clear(ident.uuid)
+                clocks = (
+                    "clocks unlocked" if unlock else "clocks left as they are (dvfs locked none)"
+                )
+                line = f"GPU {ident.index} ({ident.uuid}): {clocks}, {power}"
+                if os.path.lexists(store.path(ident.uuid)):  # (a link in a loop: unreadable too)
+                    now = "the GPU is at its defaults now"
+                    if dead is not None:
+                        now = "what that run changed is undone, dvfs's caps with it"
+                    elif applied_only and _stale_or_none(store, ident.uuid):
+                        now = "from before the last reboot, which reset the GPU"
+                    line += f"; {_left_by(store, ident.uuid)}: dropped, {now}"
+                    store.clear(ident.uuid)
+                done.append(line)
+                note(line)  # (said before a signal held back ends the reset)
         except GpuError as exc:
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
     return done
+
+
+def _power_words(power: str, default: int | None, *, limit: bool) -> str:
+    """What `reset_caps` did to a GPU's power limit, in its line: `power` where said already,
+    else the default put back, or the limit left be (not supported; dvfs set none)."""
+    return power or (
+        "power limit not supported by NVML (left be)"
+        if default is None
+        else f"power limit {default / 1000:g} W (default)"
+        if limit
+        else "power limit left as it is (dvfs set none)"
+    )
 
 
 def _found_by_a_dead_run(store: StateStore, uuid: str) -> GpuSettings | None:
@@ -1192,7 +1437,12 @@ def _stale_or_none(store: StateStore, uuid: str) -> bool:
 
 
 def _limit_replaced(
-    gpu: Gpu, recorded: dict[str, Any], default: int, *, current: int | None = None
+    gpu: Gpu,
+    recorded: dict[str, Any],
+    default: int,
+    *,
+    current: int | None = None,
+    directory: Path | None = None,
 ) -> tuple[int | None, str]:
     """The power limit `cap reset --applied` puts back on a GPU whose caps record entry lists
     one dvfs set, and its words: the limit that cap replaced, as `cap apply` recorded it; None
@@ -1203,6 +1453,7 @@ def _limit_replaced(
     applied = int(recorded["power_limit_mw"])
     if current is None:  # (given: what a dead run found, which it may have changed since)
         current = gpu.power_limit_mw()
+    _doubtful_limit(gpu, recorded, current, directory)
     before = recorded.get("power_limit_before_mw")
     known = isinstance(before, int) and _positive_int(before)
     if current == _earlier_cap(recorded):  # dvfs's earlier cap, which a signal left in place
@@ -1279,12 +1530,17 @@ def enforce_plan(
         # file leaves at stock is put back by the record as it is now, so the GPU holds this
         # file, not a mix of both.
         by_uuid = {g.identity.uuid: g for g in targets}
-        recorded = record.read() if plan.actions else {}
-        actions = [_as_recorded(a, recorded.get(a.uuid, {}), by_uuid[a.uuid]) for a in plan.actions]
+        recorded = record.entries_as_written() if plan.actions else {}
+        actions = [
+            _as_recorded(a, recorded.get(a.uuid, {}), by_uuid[a.uuid], directory)
+            for a in plan.actions
+        ]
         apply_actions(actions, targets, record, source, done)
 
 
-def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAction:
+def _as_recorded(
+    action: CapAction, earlier: dict[str, Any], gpu: Gpu, directory: Path | None = None
+) -> CapAction:
     """`action` with the knobs its file leaves at stock put back by `earlier`, the GPU's caps
     record entry read under its lock (`plan_actions` read it before), and the power limit it
     changes read under the lock too: "applied to" says the one it was changed from."""
@@ -1293,16 +1549,21 @@ def _as_recorded(action: CapAction, earlier: dict[str, Any], gpu: Gpu) -> CapAct
     current = action.current_power_limit_mw
     if action.power_limit_mw is not None:
         current = power_limit_or_none(gpu)
+        _doubtful_limit(gpu, earlier, current, directory)
+    doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
     return replace(
         action,
         current_power_limit_mw=current,
-        unlock=action.lock_mhz is None and bool(earlier.get("lock_mhz")),
-        power_limit_back=_power_limit_back(action.power_limit_mw, earlier, gpu),
+        unlock=action.lock_mhz is None and earlier.get("lock_mhz") is not None,
+        power_limit_back=(
+            None if doubt else _power_limit_back(action.power_limit_mw, earlier, gpu, directory)
+        ),
+        power_doubt=doubt,
     )
 
 
 def _power_limit_back(
-    limit_mw: int | None, earlier: dict[str, Any], gpu: Gpu
+    limit_mw: int | None, earlier: dict[str, Any], gpu: Gpu, directory: Path | None = None
 ) -> tuple[int | None, str] | None:
     """Where a caps file sets no power limit on a GPU whose caps record `earlier` lists one
     dvfs set: the limit that goes back and its words, as `cap reset --applied` puts it back
@@ -1310,9 +1571,15 @@ def _power_limit_back(
     where one was set outside dvfs since), so the apply, the record it leaves (no power limit
     dvfs's) and a later `cap reset --applied` (which leaves the limit be) agree; None where
     there is none to put back."""
-    if limit_mw is not None or not isinstance(earlier.get("power_limit_mw"), int):
+    if limit_mw is not None or earlier.get("power_limit_mw") is None:
         return None
-    return _limit_replaced(gpu, earlier, gpu.power_limit_range().default_mw)
+    before = earlier.get("power_limit_before_mw")
+    if not _positive_int(earlier["power_limit_mw"]):  # damaged: the GPU holds the limit it
+        # replaced (else `_spoiled_power` sets the knob aside), so none is dvfs's now
+        if not _positive_int(before):  # (NVML does not support its power limit)
+            return None
+        return (before, f"power limit {before / 1000:g} W (as before `dvfs cap apply`)")
+    return _limit_replaced(gpu, earlier, gpu.power_limit_range().default_mw, directory=directory)
 
 
 def reset_locked(
@@ -1391,8 +1658,8 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
     """What is enforced per GPU now: power limits read from the GPU, clock locks from dvfs's
     records (NVML cannot read a lock back): a running governor's, else `cap apply`'s (whose
     static caps stay in `caps_sm_clock_lock_mhz`)."""
-    applied = AppliedCaps(directory).read()
-    in_force = locks_in_force(directory)
+    applied = AppliedCaps(directory).entries_as_written()  # a damaged knob: warned of, unknown
+    in_force = locks_in_force(directory, spoiled_ok=True)
     rows = []
     for g in gpus:
         ident = g.identity
@@ -1409,8 +1676,16 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
                 "configured_power_limit_w": None if configured is None else configured / 1000,
                 "default_power_limit_w": default,
                 "sm_clock_lock_mhz": None if lock is None else list(lock.lock_mhz),
-                "sm_clock_lock_set_by": None if lock is None else _set_by(lock, g, directory),
-                "caps_sm_clock_lock_mhz": record.get("lock_mhz"),
+                "sm_clock_lock_set_by": (
+                    _set_by(lock, g, directory)
+                    if lock is not None
+                    else "dvfs cap apply (to what, its damaged caps record entry does not say)"
+                    if record.get("lock_mhz") is not None
+                    else None
+                ),
+                "caps_sm_clock_lock_mhz": (
+                    record["lock_mhz"] if _is_lock(record.get("lock_mhz")) else None
+                ),
                 "sm_clock_mhz": g.sm_clock_mhz(),
                 "caps_source": record.get("source"),
                 "applied": record.get("applied"),

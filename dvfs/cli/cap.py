@@ -313,9 +313,10 @@ def apply(
                 gpus,
                 where=str(caps_file),
                 allow_simulated=allow_simulated,
-                applied=AppliedCaps(directory).read(),
+                applied=AppliedCaps(directory).entries_as_written(),  # (damaged: warned of)
                 lost=gone_line,
                 set_aside=[g for g in opened if g not in gpus],
+                directory=directory,
             )
         except (CapsError, GpuUnavailableError):  # matching none here (a GPU lost or not)
             _refuse_unmatched_withheld(
@@ -348,6 +349,12 @@ def apply(
                 raise _naming_lost(exc, lost_line) from None
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
+            doubts = [a.power_doubt for a in plan.actions if a.power_doubt]
+            if doubts:  # the apply fails on them, exit 1, once the rest is capped
+                failed = GpuError(
+                    "dry run, nothing changed: `cap apply` would apply the rest and exit 1: "
+                    + "; ".join(doubts)
+                )
         else:  # each GPU reported once its caps are in place, not before
             applied: set[str] = set()
 
@@ -679,8 +686,10 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
     for r in rows:
         lock = (
             f"locked {r['sm_clock_lock_mhz'][0]}-{r['sm_clock_lock_mhz'][1]} MHz by "
-            f"{r['sm_clock_lock_set_by']} (dvfs record)"
-            if r["sm_clock_lock_mhz"]
+            f"{escape(r['sm_clock_lock_set_by'])} (dvfs record)"  # (a record's pid and time
+            if r["sm_clock_lock_mhz"]  # as written, text: "[/x]" is no markup)
+            else f"locked by {escape(r['sm_clock_lock_set_by'])}"
+            if r["sm_clock_lock_set_by"]  # (a damaged record's lock: unknown)
             else "no dvfs clock lock"
         )
         static = r["caps_sm_clock_lock_mhz"]
@@ -690,7 +699,11 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
                 if static
                 else ", no static clock cap"
             )
-        source = f", from {escape(r['caps_source'])} at {r['applied']}" if r["caps_source"] else ""
+        source = (  # (text, as written: a hand-edited record's number or list too)
+            f", from {escape(str(r['caps_source']))} at {escape(str(r['applied']))}"
+            if r["caps_source"]
+            else ""
+        )
         default = r["default_power_limit_w"]
         power = f"power limit {r['enforced_power_limit_w']:g} W" + (
             " enforced (NVML does not support setting it on this GPU)"
@@ -746,6 +759,7 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
         directory = state_dir or default_state_dir()
         flag = ["--applied"] if applied else []
         kept: list[Gpu] = []
+        _warn_damaged(directory, found)  # (a damaged knob: what the reset does with it)
         if applied:  # only the GPUs the record lists caps on: the others are not dvfs's
             capped = _recorded_capped(directory)
             kept = [g for g in gpus if g.identity.uuid not in capped]
@@ -862,10 +876,10 @@ def _recorded_capped(directory: Path) -> set[str]:
             f"{told}; it is what says what `dvfs cap apply` set, so nothing was reset: remove "
             f"it, then reset every GPU with `dvfs cap reset{state_dir_flag(directory)}`"
         ) from exc
-    return {
+    return {  # (a damaged value is a knob dvfs set all the same: `_spoiled_knobs`)
         uuid
         for uuid, entry in entries.items()
-        if entry.get("lock_mhz") or isinstance(entry.get("power_limit_mw"), int)
+        if entry.get("lock_mhz") is not None or entry.get("power_limit_mw") is not None
     }
 
 

@@ -279,6 +279,18 @@ def read_record(path: Path) -> str:
     return data.decode("utf-8")
 
 
+def load_record(path: Path) -> Any:
+    """`read_record`'s JSON; `ValueError` where it is nested too deeply for Python's parser
+    (a damaged file: a RecursionError was an internal error), as where it is no JSON."""
+    from dvfs.inputs import TOO_DEEP
+
+    text = read_record(path)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{TOO_DEEP} (a damaged file?)") from None
+
+
 def record_problem(exc: Exception) -> str:
     """Why `read_record` (or the JSON in it) failed, in words: an `OSError`'s reason alone."""
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -417,7 +429,7 @@ class StateStore:
         found = []
         for path in files:
             try:  # (a link in a loop is no missing file: it is read, and refused)
-                data = json.loads(read_record(path))
+                data = load_record(path)
                 if not isinstance(data, dict) or not isinstance(data.get("original"), dict):
                     raise ValueError("not a JSON object with an 'original' table")
                 original = settings_from_dict(data["original"])
