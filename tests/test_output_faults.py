@@ -71,3 +71,49 @@ def test_a_full_file_other_than_standard_output_is_not_said_to_be_it(
     except OSError as exc:
         text = describe_os_error(exc)
     assert "standard output" not in text and "no space left" in text, text
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full here")
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["cube", "--help"]])
+def test_click_s_own_output_into_a_full_standard_output_is_one_line(args: list[str]) -> None:
+    """`dvfs --help > /dev/full` (and --version, a group's --help: click writes those itself,
+    before any command's handler) ended in a traceback of click's echo; it is one line on
+    stderr, exit 1."""
+    with FULL.open("w") as full:
+        done = subprocess.run(
+            [PYTHON, "-m", "dvfs", *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+            timeout=120,
+        )
+    assert done.returncode == 1, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("Error: cannot write to standard output: no space left"), line
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full here")
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["no-such-command"], 2),  # click's usage error
+        (["cube", "info"], 2),  # a missing argument
+        (["cube", "info", "{missing}"], 1),  # dvfs's own error
+        (["sweep", "{missing}"], 2),  # a missing campaign file
+    ],
+)
+def test_a_standard_error_that_cannot_be_written_keeps_the_exit_code(
+    tmp_path: Path, args: list[str], code: int
+) -> None:
+    """`dvfs COMMAND 2> /dev/full`: the one line cannot be written, so the exit code is all
+    that tells; a usage error exited 1 there (the failed write's traceback, itself unwritten),
+    not the 2 it exits with otherwise."""
+    missing = tmp_path / "missing.toml"
+    command = [PYTHON, "-m", "dvfs", *(a.format(missing=missing) for a in args)]
+    with FULL.open("w") as full:
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=full, env=subprocess_env(), timeout=120
+        )
+    assert done.returncode == code
+    assert done.stdout == b""

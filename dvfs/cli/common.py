@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import importlib
@@ -173,10 +174,12 @@ class LazyGroup(click.Group):
             return getattr(importlib.import_module(module), attr)
         return super().get_command(ctx, name)
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: click.Context) -> None:
         """Run the command line; a failure outside any command's own handler (an optional
-        dependency that does not import, say) is still one line, never a traceback."""
-        return guard(super().invoke, ctx)
+        dependency that does not import, say) is still one line, never a traceback. What the
+        command returns is dropped, as click's standalone mode drops it: `run_main` takes
+        what click returns for an exit code."""
+        guard(super().invoke, ctx)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """List lazy commands with their one-line help without importing them."""
@@ -336,8 +339,37 @@ def _silence_stdout() -> None:
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"Error: {one_line(message)}", err=True)
+    _to_stderr(lambda: click.echo(f"Error: {one_line(message)}", err=True))
     sys.exit(code)
+
+
+def _to_stderr(write: Callable[[], None]) -> None:
+    """`write` a message to standard error; where that cannot be written (`2> /dev/full`, a
+    closed pipe), nothing: the exit code that follows is all that still tells."""
+    with contextlib.suppress(OSError):
+        write()
+
+
+def run_main(group: click.Group, prog_name: str) -> NoReturn:
+    """`group` as click's standalone main runs it, less its two ends in a traceback: click's
+    own output (--help, --version) into a standard output that cannot be written
+    (`> /dev/full`) is one line on stderr, exit 1; and a usage error that cannot be written to
+    standard error (`2> /dev/full`) still exits with its code (2), not 1."""
+    try:
+        code = group.main(prog_name=prog_name, standalone_mode=False)
+    except click.ClickException as exc:
+        _to_stderr(exc.show)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        _to_stderr(lambda: click.echo("Aborted!", err=True))
+        sys.exit(1)
+    except OSError as exc:  # (EPIPE is click's: it exits 1, quietly)
+        text = describe_os_error(exc)
+        if _stdout_failed(exc):
+            _silence_stdout()
+        fail(text)
+    # an Exit's code (--help's 0); a command's return value is none (`LazyGroup.invoke`)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 #: Characters str.splitlines() breaks on, besides the ordinary line ends.
