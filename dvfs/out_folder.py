@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,31 @@ if TYPE_CHECKING:
 
 
 LOCK_NAME = "sweep.lock"
+
+#: The kernel's own file systems: its state shown as files (/proc, /sys, cgroups...), where
+#: no output can go. As root, the usual checks pass there (`os.access` says yes, no block is
+#: ever short): the sweep then failed at its lock, or not at all before a folder was made (a
+#: cgroup, under /sys/fs/cgroup), while `dvfs doctor` said the folder was usable.
+KERNEL_FILE_SYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "efivarfs",
+        "fusectl",
+        "devpts",
+        "mqueue",
+        "binfmt_misc",
+        "hugetlbfs",
+    }
+)
 
 
 class SweepBusyError(JournalError):
@@ -138,6 +164,9 @@ def out_dir_lock(
 
     from dvfs.outputs import check_links
 
+    kernel = kernel_folder(out_dir)
+    if kernel:  # before any folder is made there (as root, a cgroup under /sys/fs/cgroup)
+        raise JournalError(kernel)
     lock = out_dir / LOCK_NAME
     check_links(lock)  # as root, never truncated through another user's link to a root file
     made_folders = _missing_folders(out_dir)
@@ -380,6 +409,9 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
     broken = _broken_link(out_dir)
     if broken:  # not there, so its folder was probed: doctor said "usable"
         raise JournalError(broken)
+    kernel = kernel_folder(out_dir)
+    if kernel:
+        raise JournalError(kernel)
     probe = out_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -456,6 +488,47 @@ def folder_problem(exc: OSError, out_dir: Path) -> str:
         return broken
     doing = f"use {out_dir} as the output folder"
     return describe_os_error(exc, doing, show_file=exc.filename != str(out_dir))
+
+
+def kernel_folder(out_dir: Path) -> str | None:
+    """The refusal of an --out folder on one of the kernel's file systems
+    (`KERNEL_FILE_SYSTEMS`: under /proc or /sys, or where /proc/self/mountinfo mounts one),
+    or None."""
+    where = os.path.realpath(out_dir)
+    mount, kind = _mount_of(where)
+    if kind not in KERNEL_FILE_SYSTEMS:
+        for top, name in (("/proc", "proc"), ("/sys", "sysfs")):
+            if where == top or where.startswith(top + "/"):
+                mount, kind = top, name
+                break
+        else:
+            return None
+    return (
+        f"cannot use {out_dir} as the output folder: {mount} is the kernel's {kind} file "
+        "system (its state shown as files), where no output can go; choose a folder on a "
+        "disk with --out"
+    )
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    """The mount point holding `path` (resolved) and its file system's type, as
+    /proc/self/mountinfo says; ("", "") where it cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as info:
+            lines = info.read().splitlines()
+    except OSError:
+        return "", ""
+    found = ("", "")
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        kind = fields[fields.index("-", 6) + 1]
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(found[0]):  # the last of a mount point's wins
+            found = (point, kind)
+    return found
 
 
 def _no_room(folder: Path) -> bool:
