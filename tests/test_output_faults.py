@@ -117,3 +117,30 @@ def test_a_standard_error_that_cannot_be_written_keeps_the_exit_code(
         )
     assert done.returncode == code
     assert done.stdout == b""
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full here")
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_standard_error_that_cannot_be_written_does_not_stop_the_work(
+    tmp_path: Path, progress: bool
+) -> None:
+    """`dvfs sweep CAMPAIGN 2> /dev/full` (a cron job's stderr on a full disk): the sweep died
+    at its first progress note ("starting twin server"), exit 1, having measured nothing, and
+    said nothing. What is said on stderr is lost; the sweep measures, writes its cube, and
+    exits 0."""
+    from conftest import TINY, write
+
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    command = [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out)]
+    with FULL.open("w") as full:
+        done = subprocess.run(
+            [*command, *([] if progress else ["--no-progress"])],
+            stdout=subprocess.PIPE,
+            stderr=full,
+            text=True,
+            env=subprocess_env(),
+            timeout=300,
+        )
+    assert done.returncode == 0, done.stdout
+    assert (out / "cube.nc").is_file()

@@ -350,11 +350,41 @@ def _to_stderr(write: Callable[[], None]) -> None:
         write()
 
 
+class _BestEffortStderr:
+    """Standard error, whose writes that fail (`2> /dev/full`, a pipe whose reader is gone) are
+    dropped: what dvfs says there (progress, notes, warnings, its one line of error) is for
+    the user to read, none of the work; a sweep died of its first progress note there, exit 1,
+    having measured nothing. The exit code still tells how the command ended."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+
+    def write(self, text: Any) -> int:
+        try:
+            return int(self.wrapped.write(text))
+        except OSError:
+            return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self.wrapped.flush()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.wrapped, attr)
+
+
 def run_main(group: click.Group, prog_name: str) -> NoReturn:
-    """`group` as click's standalone main runs it, less its two ends in a traceback: click's
-    own output (--help, --version) into a standard output that cannot be written
-    (`> /dev/full`) is one line on stderr, exit 1; and a usage error that cannot be written to
-    standard error (`2> /dev/full`) still exits with its code (2), not 1."""
+    """`group` as click's standalone main runs it, less its ends in a traceback or in a
+    failure of its own: click's own output (--help, --version) into a standard output that
+    cannot be written (`> /dev/full`) is one line on stderr, exit 1; a standard error that
+    cannot be written (`2> /dev/full`) loses what is said there, not the work
+    (`_BestEffortStderr`), and a usage error still exits with its code (2), not 1."""
+    if sys.stderr is not None and not isinstance(sys.stderr, _BestEffortStderr):
+        sys.stderr = _BestEffortStderr(sys.stderr)
     try:
         code = group.main(prog_name=prog_name, standalone_mode=False)
     except click.ClickException as exc:
