@@ -144,3 +144,46 @@ def test_a_standard_error_that_cannot_be_written_does_not_stop_the_work(
         )
     assert done.returncode == 0, done.stdout
     assert (out / "cube.nc").is_file()
+
+
+@pytest.mark.parametrize(
+    "args", [["corpus", "list"], ["gpu", "list", "--twin", "h100-sxm"], ["cube", "info", "{cube}"]]
+)
+def test_tables_on_a_terminal_narrower_than_120_columns_fit_it(
+    small_sweep: Path, args: list[str]
+) -> None:
+    """On a terminal 80 columns wide, every table was drawn 120 wide (the width a pipe or file
+    gets): each of its lines broke in two on the screen, the borders scattered. A terminal
+    gets its own width, a value too long for its column folded, not cut short."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = subprocess_env()
+    for name in ("COLUMNS", "LINES", "FORCE_TERMINAL", "NO_COLOR", "TERM"):
+        env.pop(name, None)
+    env["TERM"] = "xterm"
+    command = [PYTHON, "-m", "dvfs", *(a.format(cube=small_sweep) for a in args)]
+    with subprocess.Popen(command, stdout=follower, stderr=subprocess.DEVNULL, env=env) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=120) == 0
+    os.close(leader)
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
+    lines = text.replace("\r", "").splitlines()
+    assert lines and max(len(line) for line in lines) <= 80, text
+    assert "\u2026" not in text, text  # nothing cut short with an ellipsis

@@ -791,13 +791,17 @@ def _internal_error(exc: BaseException) -> NoReturn:
 
 
 def console(stderr: bool = False) -> Any:
-    """A rich console; at least 120 columns wide when writing to a pipe or file."""
+    """A rich console: a terminal's own width, at least 120 columns when writing to a pipe or
+    file. (A terminal narrower than 120 columns was written 120 wide too: every table line
+    longer than the terminal broke in two, its borders scattered.)"""
     import shutil
 
     from rich.console import Console
 
-    width = max(120, shutil.get_terminal_size((120, 24)).columns)
-    return Console(stderr=stderr, highlight=False, width=width)
+    out = Console(stderr=stderr, highlight=False)
+    if not out.is_terminal:
+        out.width = max(120, shutil.get_terminal_size((120, 24)).columns)
+    return out
 
 
 def echo_json(data: Any) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import math
 import shlex
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -156,9 +155,8 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
             f"{r['sm_clock_mhz']} MHz",
         )
     out = console()
-    # A terminal's own width, 100 columns into a pipe or file: the uuid whole, a long name or
-    # an error (or columns GPUs differ in) folded within its column where it would not fit
-    out.width = shutil.get_terminal_size((100, 24)).columns if out.is_terminal else 100
+    if not out.is_terminal:  # (a terminal's own width): the uuid whole, a long name or an
+        out.width = 100  # error (or columns GPUs differ in) folded where it would not fit
     out.print(table)
     if alike:
         said = ", ".join(
