@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import errno
 import os
-import re
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,31 +42,6 @@ if TYPE_CHECKING:
 
 
 LOCK_NAME = "sweep.lock"
-
-#: The kernel's own file systems: its state shown as files (/proc, /sys, cgroups...), where
-#: no output can go. As root, the usual checks pass there (`os.access` says yes, no block is
-#: ever short): the sweep then failed at its lock, or not at all before a folder was made (a
-#: cgroup, under /sys/fs/cgroup), while `dvfs doctor` said the folder was usable.
-KERNEL_FILE_SYSTEMS = frozenset(
-    {
-        "proc",
-        "sysfs",
-        "cgroup",
-        "cgroup2",
-        "debugfs",
-        "tracefs",
-        "securityfs",
-        "pstore",
-        "bpf",
-        "configfs",
-        "efivarfs",
-        "fusectl",
-        "devpts",
-        "mqueue",
-        "binfmt_misc",
-        "hugetlbfs",
-    }
-)
 
 
 class SweepBusyError(JournalError):
@@ -492,43 +466,20 @@ def folder_problem(exc: OSError, out_dir: Path) -> str:
 
 def kernel_folder(out_dir: Path) -> str | None:
     """The refusal of an --out folder on one of the kernel's file systems
-    (`KERNEL_FILE_SYSTEMS`: under /proc or /sys, or where /proc/self/mountinfo mounts one),
-    or None."""
-    where = os.path.realpath(out_dir)
-    mount, kind = _mount_of(where)
-    if kind not in KERNEL_FILE_SYSTEMS:
-        for top, name in (("/proc", "proc"), ("/sys", "sysfs")):
-            if where == top or where.startswith(top + "/"):
-                mount, kind = top, name
-                break
-        else:
-            return None
+    (`kernel_file_system`: /proc, /sys, cgroups...), or None. As root, the usual checks pass
+    there (`os.access` says yes, no block is ever short): the sweep then failed at its lock,
+    or making the folder, while `dvfs doctor` said the folder was usable."""
+    from dvfs.outputs import kernel_file_system
+
+    found = kernel_file_system(out_dir)
+    if found is None:
+        return None
+    mount, kind = found
     return (
         f"cannot use {out_dir} as the output folder: {mount} is the kernel's {kind} file "
         "system (its state shown as files), where no output can go; choose a folder on a "
         "disk with --out"
     )
-
-
-def _mount_of(path: str) -> tuple[str, str]:
-    """The mount point holding `path` (resolved) and its file system's type, as
-    /proc/self/mountinfo says; ("", "") where it cannot be read."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as info:
-            lines = info.read().splitlines()
-    except OSError:
-        return "", ""
-    found = ("", "")
-    for line in lines:
-        fields = line.split()
-        if "-" not in fields[6:]:
-            continue
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
-        kind = fields[fields.index("-", 6) + 1]
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(found[0]):  # the last of a mount point's wins
-            found = (point, kind)
-    return found
 
 
 def _no_room(folder: Path) -> bool:

@@ -31,6 +31,68 @@ from typing import BinaryIO
 log = logging.getLogger(__name__)
 
 
+#: The kernel's own file systems: its state shown as files (/proc, /sys, cgroups...), where
+#: no output can go (as root, a folder made under /sys/fs/cgroup is a cgroup).
+KERNEL_FILE_SYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "efivarfs",
+        "fusectl",
+        "devpts",
+        "mqueue",
+        "binfmt_misc",
+        "hugetlbfs",
+    }
+)
+
+
+def kernel_file_system(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """(mount point, type) of the kernel's file system (`KERNEL_FILE_SYSTEMS`) that `path`
+    (resolved) lies on: where /proc/self/mountinfo mounts one, else under /proc or /sys; None
+    elsewhere, and for a process's open file (/proc/self/fd/N, /dev/stdout), which is where
+    that file is."""
+    where = os.path.realpath(path)
+    if re.fullmatch(r"/proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd/.*", where):
+        return None
+    mount, kind = _mount_of(where)
+    if kind in KERNEL_FILE_SYSTEMS:
+        return mount, kind
+    for top, name in (("/proc", "proc"), ("/sys", "sysfs")):
+        if where == top or where.startswith(top + "/"):
+            return top, name
+    return None
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    """The mount point holding `path` (resolved) and its file system's type, as
+    /proc/self/mountinfo says; ("", "") where it cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as info:
+            lines = info.read().splitlines()
+    except OSError:
+        return "", ""
+    found = ("", "")
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        kind = fields[fields.index("-", 6) + 1]
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(found[0]):  # the last of a mount point's wins
+            found = (point, kind)
+    return found
+
+
 def new_file_mode() -> int:
     """0666 less the umask: the mode `open()` would give a new file."""
     try:

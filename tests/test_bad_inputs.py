@@ -1934,6 +1934,26 @@ FLAG_CASES = [
     ),
     C("headroom-out-is-a-dir", [*H, "-o", "{tmp}"], code=2, says=("{tmp}",)),
     C("headroom-out-full-disk", [*H, "-o", "/dev/full"], code=1, says=("/dev/full", "space")),
+    # An output on the kernel's file systems: "no such file or folder; check the path (does
+    # its folder exist?)" of /proc, "permission denied; check permissions" of /sys (to root).
+    C(
+        "headroom-out-under-proc",
+        [*H, "-o", "/proc/dvfs-test-h.json"],
+        code=1,
+        says=("/proc/dvfs-test-h.json: /proc is the kernel's proc file system", "for --output"),
+    ),
+    C(
+        "plot-out-under-sys",
+        ["plot", "{cube}", "--out", "/sys/dvfs-test-plots"],
+        code=1,
+        says=("/sys is the kernel's sysfs file system", "choose a folder on a disk for --out"),
+    ),
+    C(
+        "report-out-under-sys",
+        ["report", "{cube}", "-o", "/sys/kernel/dvfs-test.html"],
+        code=1,
+        says=("/sys is the kernel's sysfs file system", "choose a folder on a disk for --output"),
+    ),
     C("headroom-unknown-option", [*H, "--slak", "5%"], code=2, says=("--slak",)),
     C("compare-baseline-unknown", ["compare", "{cube}", "--baseline", "medusa"], says=("medusa",)),
     C("compare-drafter-unknown", ["compare", "{cube}", "--drafter", "medusa"], says=("medusa",)),

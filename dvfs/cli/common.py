@@ -501,9 +501,39 @@ def describe_os_error(exc: OSError) -> str:
         # figures folder, `cube build`'s SWEEP_DIR/cube.nc without --out): the option names no
         # file to correct, the folder is to move aside
         advice = "move that folder aside, or choose another {opt}"
+    kernel = _kernel_output(path, param, code, writing=writing)
+    if kernel is not None:  # not "check the path (does its folder exist?)", of /proc
+        words, advice = kernel, "choose a folder on a disk for {opt}"
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+#: What a write on the kernel's file systems (/proc, /sys) fails with: no such file (/proc
+#: makes none), permission denied or not permitted (of root too), invalid argument.
+_KERNEL_REFUSALS = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EINVAL, errno.EROFS)
+
+
+def _kernel_output(
+    path: Any, param: tuple[str, Path] | None, code: int, *, writing: bool
+) -> str | None:
+    """What an output path on one of the kernel's file systems is (`kernel_file_system`),
+    where writing it failed as writes fail there; None for any other fault or path, and for
+    an input's."""
+    if path is None or code not in _KERNEL_REFUSALS:
+        return None
+    output = param is not None and any(name == param[0] and out for name, _, out in _path_params())
+    if not (writing or output):
+        return None
+    from dvfs.outputs import kernel_file_system
+
+    try:
+        found = kernel_file_system(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return None
+    if found is None:
+        return None
+    return f"{found[0]} is the kernel's {found[1]} file system, where no output can go"
 
 
 def _broken_link(path: Any) -> tuple[str, str] | None:
