@@ -311,6 +311,12 @@ CAMPAIGN_KEY_CASES = [
     key_case("seed-negative", "measurement.seed", -1, "seed"),
     key_case("sample-period-too-coarse", "measurement.sample_period_s", 1.0, "sample_period_s"),
     key_case("idle-negative", "measurement.idle_s", -1, "idle_s"),
+    # A duration past any clock's reach: the twin's idle baseline of 2**70 s (or 1e12 s) ended
+    # in an internal error ("Python int too large to convert to C long") after the sweep began.
+    key_case("idle-beyond-64-bits", "measurement.idle_s", 2**70, "measurement.idle_s", "a week"),
+    key_case("idle-1e12-s", "measurement.idle_s", 1e12, "measurement.idle_s", "a week"),
+    key_case("settle-beyond-a-week", "knobs.settle_s", 2**70, "knobs.settle_s", "a week"),
+    key_case("window-beyond-a-week", "measurement.min_window_s", 1e12, "min_window_s", "a week"),
     key_case("retries-negative", "measurement.retries", -1, "retries"),
     key_case("measurement-misspelt-key", "measurement.repeat", 2, "repeat"),
     # sections
