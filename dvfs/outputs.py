@@ -436,21 +436,41 @@ def _sync_folder(folder: Path) -> None:
 
 
 def netcdf_path_problem(path: Path, *, writing: bool) -> str | None:
-    """Why netCDF-C cannot use `path`, in one line (None when it can). It reads a backslash
+    """Why netCDF-C cannot use `path`, in one line (None when it can): one holding bytes that
+    are not UTF-8, which it cannot encode. It reads a backslash
     anywhere in the absolute path as '/' (the Windows separator), even on Linux: `a\\b.nc`
     is created as `a/b.nc`, or fails as "Permission denied" where no folder `a` is, and
     opening one fails as "NetCDF: HDF error" (a damaged file, it seemed). Writing goes to a
     temp file beside the link-resolved path (`replacing`), so that is the path checked."""
     full = os.path.realpath(path) if writing else os.path.abspath(path)
+    verb = "write" if writing else "open"
+    try:
+        full.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8, which netCDF-C cannot take
+        # (a sweep measured every cell, then failed writing its cube: "cannot write into text")
+        fix = "choose a path in UTF-8" if writing else "rename it (or its folder) in UTF-8"
+        where = "" if _not_utf8(str(path)) else f" (in {full})"
+        return (
+            f"cannot {verb} {path}: netCDF takes paths in UTF-8 alone, and this one{where} "
+            f"holds bytes that are not; {fix}"
+        )
     if "\\" not in full:
         return None
-    verb = "write" if writing else "open"
     fix = "choose a path without one" if writing else "rename it (or its folder) without one"
     where = "" if "\\" in str(path) else f" (in {full})"
     return (
         f"cannot {verb} {path}: netCDF reads a backslash in a path{where} as '/', a Windows "
         f"folder separator; {fix}"
     )
+
+
+def _not_utf8(text: str) -> bool:
+    """Whether `text` (a path, its undecodable bytes as surrogates) holds bytes not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> None:

@@ -2869,6 +2869,51 @@ def test_a_netcdf_output_with_a_backslash_is_refused(
     assert list(work.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("name", "out"),
+    [
+        ("cube-build-o", "a\udcffb.nc"),
+        ("sweep-o", "a\udcffb"),
+        ("cube-build-o", "a\udcffb/cube.nc"),  # in a folder whose name holds one
+    ],
+)
+def test_a_netcdf_output_whose_path_is_not_utf8_is_refused(
+    name: str, out: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """A path holding bytes that are not UTF-8 (`--out $'run\xff'`, a Latin-1 folder name):
+    netCDF-C cannot take it, so a sweep measured its whole campaign and then failed writing
+    its cube ("an argument or a file name holds bytes that are not UTF-8"), its cells in a
+    journal of no cube. It is click's usage error naming the option and the reason, before
+    any work; nothing is written. A cube at such a path, given to read, is named so too."""
+    import shutil
+
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    places = {
+        **{k: str(v) for k, v in shared.items()},
+        "campaign": str(tmp_path / "tiny.toml"),
+        "out": str(work / out),
+    }
+    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in argv])
+    assert result.exit_code == 2, result.output
+    error = " ".join(result.stderr.split())
+    assert "Error: Invalid value for '-o' / '--out': cannot write " in error, error
+    assert "netCDF takes paths in UTF-8 alone" in error and "choose a path in UTF-8" in error
+    assert list(work.iterdir()) == []
+    folder = tmp_path / "r\udcffn"
+    folder.mkdir()
+    shutil.copyfile(shared["cube"], folder / "cube.nc")
+    read = CliRunner().invoke(cli, ["cube", "info", str(folder)])
+    assert read.exit_code == 1, read.output
+    shown = str(folder / "cube.nc").replace("\udcff", "\\udcff")  # as the line shows it
+    assert read.stderr.strip().splitlines()[-1] == (
+        f"Error: cannot open {shown}: netCDF takes paths in UTF-8 alone, and this one holds "
+        "bytes that are not; rename it (or its folder) in UTF-8"
+    ), read.output
+
+
 def test_a_cube_built_into_a_folder_with_a_backslash_is_refused_before_writing(
     shared: dict[str, Path], tmp_path: Path
 ) -> None:
