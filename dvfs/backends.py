@@ -590,20 +590,28 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
         return None
     _, limit, reserved = min(budgets)
     w = campaign.workload
-    over = []
+    # The most new tokens a request asks: a round's, or the warm-up's (the first round's
+    # prompts, cut to warmup_tokens), which SGLang refuses alike: it ended the sweep in "the
+    # server reported an error", the doctor and the dry run having said nothing.
+    asked, key = w.output_tokens, "output_tokens"
+    if campaign.measurement.warmup_tokens > asked:
+        asked, key = campaign.measurement.warmup_tokens, "measurement.warmup_tokens"
+    over, longest_over = [], 0
     for name, corpus in corpora.items():
         lengths = [p.input_tokens for p in eligible_prompts(corpus, w.input_tokens)]
         longest = max(lengths, default=0)
-        if lengths and context_refusal(longest + reserved, w.output_tokens, limit) is not None:
+        if lengths and context_refusal(longest + reserved, asked, limit) is not None:
             over.append(f"corpus {name!r} has prompts of {longest} tokens")
+            longest_over = max(longest_over, longest)
     if not over:
         return None
     slots = f" and {reserved} draft slots an EAGLE drafter reserves" if reserved else ""
-    fits = limit - reserved - w.output_tokens
+    fits = limit - reserved - asked
+    # (at most what the longest prompt leaves: the shortest bound's left the longer prompts over)
     todo = (
-        f"set workload.input_tokens' upper bound to at most {fits} (or lower output_tokens)"
+        f"set workload.input_tokens' upper bound to at most {fits} (or lower {key})"
         if fits >= w.input_tokens[0]
-        else f"lower output_tokens (to at most {limit - reserved - w.input_tokens[0]})"
+        else f"lower {key} (to at most {limit - reserved - longest_over})"
     )
     whose = f"context length of {model.hf_name or model.key} ({limit} tokens)"
     if limit != model.context_length:  # the campaign's --context-length, not the model's
@@ -611,7 +619,7 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
         if limit < model.context_length:
             todo += f", or raise --context-length (the model's is {model.context_length})"
     return (
-        f"{'; '.join(over)}: with output_tokens = {w.output_tokens}{slots} that exceeds the "
+        f"{'; '.join(over)}: with {key} = {asked}{slots} that exceeds the "
         f"{whose}, and SGLang refuses such requests; {todo}"
     )
 

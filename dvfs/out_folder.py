@@ -138,6 +138,9 @@ def out_dir_lock(
 
     from dvfs.outputs import check_links
 
+    kernel = kernel_folder(out_dir)
+    if kernel:  # before any folder is made there (as root, a cgroup under /sys/fs/cgroup)
+        raise JournalError(kernel)
     lock = out_dir / LOCK_NAME
     check_links(lock)  # as root, never truncated through another user's link to a root file
     made_folders = _missing_folders(out_dir)
@@ -380,6 +383,9 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
     broken = _broken_link(out_dir)
     if broken:  # not there, so its folder was probed: doctor said "usable"
         raise JournalError(broken)
+    kernel = kernel_folder(out_dir)
+    if kernel:
+        raise JournalError(kernel)
     probe = out_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -456,6 +462,24 @@ def folder_problem(exc: OSError, out_dir: Path) -> str:
         return broken
     doing = f"use {out_dir} as the output folder"
     return describe_os_error(exc, doing, show_file=exc.filename != str(out_dir))
+
+
+def kernel_folder(out_dir: Path) -> str | None:
+    """The refusal of an --out folder on one of the kernel's file systems
+    (`kernel_file_system`: /proc, /sys, cgroups...), or None. As root, the usual checks pass
+    there (`os.access` says yes, no block is ever short): the sweep then failed at its lock,
+    or making the folder, while `dvfs doctor` said the folder was usable."""
+    from dvfs.outputs import kernel_file_system
+
+    found = kernel_file_system(out_dir)
+    if found is None:
+        return None
+    mount, kind = found
+    return (
+        f"cannot use {out_dir} as the output folder: {mount} is the kernel's {kind} file "
+        "system (its state shown as files), where no output can go; choose a folder on a "
+        "disk with --out"
+    )
 
 
 def _no_room(folder: Path) -> bool:

@@ -31,6 +31,68 @@ from typing import BinaryIO
 log = logging.getLogger(__name__)
 
 
+#: The kernel's own file systems: its state shown as files (/proc, /sys, cgroups...), where
+#: no output can go (as root, a folder made under /sys/fs/cgroup is a cgroup).
+KERNEL_FILE_SYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "efivarfs",
+        "fusectl",
+        "devpts",
+        "mqueue",
+        "binfmt_misc",
+        "hugetlbfs",
+    }
+)
+
+
+def kernel_file_system(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """(mount point, type) of the kernel's file system (`KERNEL_FILE_SYSTEMS`) that `path`
+    (resolved) lies on: where /proc/self/mountinfo mounts one, else under /proc or /sys; None
+    elsewhere, and for a process's open file (/proc/self/fd/N, /dev/stdout), which is where
+    that file is."""
+    where = os.path.realpath(path)
+    if re.fullmatch(r"/proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd/.*", where):
+        return None
+    mount, kind = _mount_of(where)
+    if kind in KERNEL_FILE_SYSTEMS:
+        return mount, kind
+    for top, name in (("/proc", "proc"), ("/sys", "sysfs")):
+        if where == top or where.startswith(top + "/"):
+            return top, name
+    return None
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    """The mount point holding `path` (resolved) and its file system's type, as
+    /proc/self/mountinfo says; ("", "") where it cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as info:
+            lines = info.read().splitlines()
+    except OSError:
+        return "", ""
+    found = ("", "")
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        kind = fields[fields.index("-", 6) + 1]
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(found[0]):  # the last of a mount point's wins
+            found = (point, kind)
+    return found
+
+
 def new_file_mode() -> int:
     """0666 less the umask: the mode `open()` would give a new file."""
     try:
@@ -374,21 +436,41 @@ def _sync_folder(folder: Path) -> None:
 
 
 def netcdf_path_problem(path: Path, *, writing: bool) -> str | None:
-    """Why netCDF-C cannot use `path`, in one line (None when it can). It reads a backslash
+    """Why netCDF-C cannot use `path`, in one line (None when it can): one holding bytes that
+    are not UTF-8, which it cannot encode. It reads a backslash
     anywhere in the absolute path as '/' (the Windows separator), even on Linux: `a\\b.nc`
     is created as `a/b.nc`, or fails as "Permission denied" where no folder `a` is, and
     opening one fails as "NetCDF: HDF error" (a damaged file, it seemed). Writing goes to a
     temp file beside the link-resolved path (`replacing`), so that is the path checked."""
     full = os.path.realpath(path) if writing else os.path.abspath(path)
+    verb = "write" if writing else "open"
+    try:
+        full.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8, which netCDF-C cannot take
+        # (a sweep measured every cell, then failed writing its cube: "cannot write into text")
+        fix = "choose a path in UTF-8" if writing else "rename it (or its folder) in UTF-8"
+        where = "" if _not_utf8(str(path)) else f" (in {full})"
+        return (
+            f"cannot {verb} {path}: netCDF takes paths in UTF-8 alone, and this one{where} "
+            f"holds bytes that are not; {fix}"
+        )
     if "\\" not in full:
         return None
-    verb = "write" if writing else "open"
     fix = "choose a path without one" if writing else "rename it (or its folder) without one"
     where = "" if "\\" in str(path) else f" (in {full})"
     return (
         f"cannot {verb} {path}: netCDF reads a backslash in a path{where} as '/', a Windows "
         f"folder separator; {fix}"
     )
+
+
+def _not_utf8(text: str) -> bool:
+    """Whether `text` (a path, its undecodable bytes as surrogates) holds bytes not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> None:

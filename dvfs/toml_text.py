@@ -8,13 +8,29 @@ import json
 import numbers
 from typing import Any
 
+from dvfs.errors import DvfsError
+
+#: TOML's integers are 64-bit: a reader "must throw" on one beyond them (Python's `tomllib`
+#: reads any, so such a file read back here, and failed on the next reader).
+TOML_INT_MIN, TOML_INT_MAX = -(2**63), 2**63 - 1
+
+
+class TomlValueError(DvfsError):
+    """A value TOML cannot hold (an integer beyond 64 bits): refused, nothing written."""
+
 
 def toml_value(value: Any) -> str:
     """`value` as a TOML value that `tomllib` reads back equal: booleans, numbers (nan and inf
-    included), lists and tuples as arrays, dicts as inline tables, anything else as a string."""
+    included), lists and tuples as arrays, dicts as inline tables, anything else as a string.
+    An integer beyond TOML's 64 bits is refused (`TomlValueError`)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, numbers.Integral):
+        if not TOML_INT_MIN <= int(value) <= TOML_INT_MAX:
+            raise TomlValueError(
+                f"{int(value)} is beyond TOML's 64-bit integers ({TOML_INT_MIN} to "
+                f"{TOML_INT_MAX}), which readers other than Python's refuse"
+            )
         return str(int(value))
     if isinstance(value, numbers.Real):  # numpy's floats too, whose repr is not TOML
         return repr(float(value))
@@ -31,3 +47,15 @@ def toml_key(key: Any) -> str:
     text = str(key)
     bare = text and all(c.isascii() and (c.isalnum() or c in "-_") for c in text)
     return text if bare else toml_value(text)
+
+
+def toml_line(key: str, value: Any) -> str:
+    """`key = value` (`toml_value`), a value TOML cannot hold refused naming the key and what
+    to do: the file is not written."""
+    try:
+        return f"{key} = {toml_value(value)}"
+    except TomlValueError as exc:
+        raise TomlValueError(
+            f"cannot write {key} into a TOML file: {exc}; correct the value in the input it "
+            "came from"
+        ) from None

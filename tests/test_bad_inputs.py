@@ -311,6 +311,12 @@ CAMPAIGN_KEY_CASES = [
     key_case("seed-negative", "measurement.seed", -1, "seed"),
     key_case("sample-period-too-coarse", "measurement.sample_period_s", 1.0, "sample_period_s"),
     key_case("idle-negative", "measurement.idle_s", -1, "idle_s"),
+    # A duration past any clock's reach: the twin's idle baseline of 2**70 s (or 1e12 s) ended
+    # in an internal error ("Python int too large to convert to C long") after the sweep began.
+    key_case("idle-beyond-64-bits", "measurement.idle_s", 2**70, "measurement.idle_s", "a week"),
+    key_case("idle-1e12-s", "measurement.idle_s", 1e12, "measurement.idle_s", "a week"),
+    key_case("settle-beyond-a-week", "knobs.settle_s", 2**70, "knobs.settle_s", "a week"),
+    key_case("window-beyond-a-week", "measurement.min_window_s", 1e12, "min_window_s", "a week"),
     key_case("retries-negative", "measurement.retries", -1, "retries"),
     key_case("measurement-misspelt-key", "measurement.repeat", 2, "repeat"),
     # sections
@@ -1934,6 +1940,26 @@ FLAG_CASES = [
     ),
     C("headroom-out-is-a-dir", [*H, "-o", "{tmp}"], code=2, says=("{tmp}",)),
     C("headroom-out-full-disk", [*H, "-o", "/dev/full"], code=1, says=("/dev/full", "space")),
+    # An output on the kernel's file systems: "no such file or folder; check the path (does
+    # its folder exist?)" of /proc, "permission denied; check permissions" of /sys (to root).
+    C(
+        "headroom-out-under-proc",
+        [*H, "-o", "/proc/dvfs-test-h.json"],
+        code=1,
+        says=("/proc/dvfs-test-h.json: /proc is the kernel's proc file system", "for --output"),
+    ),
+    C(
+        "plot-out-under-sys",
+        ["plot", "{cube}", "--out", "/sys/dvfs-test-plots"],
+        code=1,
+        says=("/sys is the kernel's sysfs file system", "choose a folder on a disk for --out"),
+    ),
+    C(
+        "report-out-under-sys",
+        ["report", "{cube}", "-o", "/sys/kernel/dvfs-test.html"],
+        code=1,
+        says=("/sys is the kernel's sysfs file system", "choose a folder on a disk for --output"),
+    ),
     C("headroom-unknown-option", [*H, "--slak", "5%"], code=2, says=("--slak",)),
     C("compare-baseline-unknown", ["compare", "{cube}", "--baseline", "medusa"], says=("medusa",)),
     C("compare-drafter-unknown", ["compare", "{cube}", "--drafter", "medusa"], says=("medusa",)),
@@ -2841,6 +2867,51 @@ def test_a_netcdf_output_with_a_backslash_is_refused(
     assert "Error: Invalid value for '-o' / '--out': cannot write " in error, error
     assert "netCDF reads a backslash in a path as '/'" in error, error
     assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "out"),
+    [
+        ("cube-build-o", "a\udcffb.nc"),
+        ("sweep-o", "a\udcffb"),
+        ("cube-build-o", "a\udcffb/cube.nc"),  # in a folder whose name holds one
+    ],
+)
+def test_a_netcdf_output_whose_path_is_not_utf8_is_refused(
+    name: str, out: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """A path holding bytes that are not UTF-8 (`--out $'run\xff'`, a Latin-1 folder name):
+    netCDF-C cannot take it, so a sweep measured its whole campaign and then failed writing
+    its cube ("an argument or a file name holds bytes that are not UTF-8"), its cells in a
+    journal of no cube. It is click's usage error naming the option and the reason, before
+    any work; nothing is written. A cube at such a path, given to read, is named so too."""
+    import shutil
+
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    places = {
+        **{k: str(v) for k, v in shared.items()},
+        "campaign": str(tmp_path / "tiny.toml"),
+        "out": str(work / out),
+    }
+    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in argv])
+    assert result.exit_code == 2, result.output
+    error = " ".join(result.stderr.split())
+    assert "Error: Invalid value for '-o' / '--out': cannot write " in error, error
+    assert "netCDF takes paths in UTF-8 alone" in error and "choose a path in UTF-8" in error
+    assert list(work.iterdir()) == []
+    folder = tmp_path / "r\udcffn"
+    folder.mkdir()
+    shutil.copyfile(shared["cube"], folder / "cube.nc")
+    read = CliRunner().invoke(cli, ["cube", "info", str(folder)])
+    assert read.exit_code == 1, read.output
+    shown = str(folder / "cube.nc").replace("\udcff", "\\udcff")  # as the line shows it
+    assert read.stderr.strip().splitlines()[-1] == (
+        f"Error: cannot open {shown}: netCDF takes paths in UTF-8 alone, and this one holds "
+        "bytes that are not; rename it (or its folder) in UTF-8"
+    ), read.output
 
 
 def test_a_cube_built_into_a_folder_with_a_backslash_is_refused_before_writing(

@@ -71,6 +71,32 @@ def row(corpus: str, clock: int, limit: float, feasible: bool = True) -> dict:
     }
 
 
+@pytest.mark.parametrize(
+    ("key", "per_batch"), [("campaign", False), ("campaign", True), ("batch", True)]
+)
+def test_a_plan_of_an_integer_beyond_64_bits_is_refused_writing_nothing(
+    tmp_path: Path, key: str, per_batch: bool
+) -> None:
+    """A headroom document holding an integer beyond 64 bits (its campaign, a row's batch: a
+    hand-edited or damaged file) was written into the caps file or plan as it was: TOML's
+    integers are 64-bit, so every reader but Python's refuses the file. `dvfs cap plan`
+    refuses it in one line naming the key, writing nothing."""
+    big = 2**70
+    rows = [{**row("code", 1305, 450.0), **({"batch": big} if key == "batch" else {})}]
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps({**doc(rows), **({"campaign": big} if key != "batch" else {})}))
+    out = tmp_path / "caps.toml"
+    how = ["--per-batch"] if per_batch else ["--batch", "16"]
+    result = CliRunner().invoke(
+        cli, ["cap", "plan", str(headroom), *how, "--drafter", "eagle3", "-o", str(out)]
+    )
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"Error: cannot write {key} into a TOML file: {big} is beyond"), line
+    assert "64-bit" in line and "correct the value" in line, line
+    assert not out.exists()
+
+
 def test_plan_worst_case_takes_the_least_aggressive_knob_per_corpus() -> None:
     caps = plan_caps(
         doc([row("code", 1305, 400.0), row("math", 1455, 300.0)]),

@@ -89,6 +89,37 @@ def test_a_damaged_cube_says_how_to_rebuild_it(swept: Path, damage, says: str) -
     assert invoke("cube", "info", str(swept)).exit_code == 0
 
 
+def test_a_journal_or_a_campaign_given_for_a_cube_is_said_to_be_one(
+    swept: Path, tmp_path: Path
+) -> None:
+    """`dvfs headroom OUT/journal.jsonl` (the tab key's slip): "is not a readable netCDF cube
+    ... rebuild it from its journal with `dvfs cube build OUT`", which, followed, left the
+    journal given and refused again; a campaign file was told to be rebuilt from a journal
+    too. Each is said as what it is, and what to give; given so, the command runs."""
+    import shlex
+
+    journal = swept / "journal.jsonl"
+    campaign = tmp_path / "mine.toml"
+    campaign.write_text('[campaign]\nname = "mine"\n')
+    for command in _commands(swept):
+        name = command[1] if command[0] == "cube" else command[0]
+        at = command.index(str(swept), 1)
+        for given, says in (
+            (journal, f"is a sweep's journal, not a cube: give its folder ({swept})"),
+            (campaign, f"is a campaign file, not a cube: sweep it (`dvfs sweep {campaign}`)"),
+        ):
+            argv = [*command[:at], str(given), *command[at + 1 :]]
+            if name == "merge":
+                continue  # `cube merge` reads a journal it is given, as a folder's
+            result = invoke(*argv)
+            line = assert_one_line_error(result, 1, f"{given} {says}")
+            assert "rebuild" not in line, line
+    result = invoke("cube", "info", str(journal))
+    said = result.stderr.split("give its folder (", 1)[1].split(")", 1)[0]
+    followed = invoke("cube", "info", *shlex.split(said))
+    assert followed.exit_code == 0, followed.output
+
+
 @pytest.mark.parametrize("given", ["folder", "cube.nc"])
 @pytest.mark.parametrize("journal", [True, False])
 def test_a_folder_named_cube_nc_is_said_to_be_in_the_cube_files_place(

@@ -704,3 +704,32 @@ def test_doctors_fresh_advice_names_the_sweep_that_takes_it(tmp_path: Path) -> N
     swept = invoke(*argv, "--no-progress")
     assert swept.exit_code == 0, swept.output
     assert (out / "journal.jsonl.1").read_text() == foreign  # moved aside, as the advice said
+
+
+@pytest.mark.parametrize("out", ["/sys/kernel", "/sys/dvfs-test-out", "/proc/dvfs-test-out"])
+def test_an_out_folder_on_the_kernels_file_systems_is_refused_up_front(
+    tmp_path: Path, out: str
+) -> None:
+    """--out under /sys or /proc: as root, `dvfs doctor` said "usable" (root passes every
+    permission check there, and no block is short where there are none) and the sweep failed
+    later, at its lock ("Permission denied", of root) or making the folder ("No such file or
+    directory" under /proc, with no advice). Doctor fails its output folder check, the dry run
+    says the sweep would stop, and the sweep refuses, each in the one line that says what
+    the place is, making nothing there."""
+    if not Path(out).parent.is_dir():
+        pytest.skip(f"no {Path(out).parent} here")
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    words = f"cannot use {out} as the output folder: {out[:5].rstrip('/')} is the kernel's"
+    doctor = invoke("doctor", str(campaign), "--out", out, "--json")
+    checked = {c["name"]: c for c in json.loads(doctor.stdout)}
+    assert doctor.exit_code == 1 and checked["output folder"]["status"] == "fail", checked
+    detail = checked["output folder"]["detail"]
+    assert detail.startswith(words) and detail.endswith("with --out"), detail
+    dry = invoke("sweep", str(campaign), "--out", out, "--dry-run", "--no-estimate")
+    assert dry.exit_code == 0, dry.output
+    assert f"sweep would stop: {detail}" in " ".join(dry.output.split()), dry.output
+    swept = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", out, "--no-progress"])
+    assert swept.exit_code == 1, swept.output
+    [line] = swept.stderr.splitlines()
+    assert line == f"Error: {detail}", line
+    assert Path(out).exists() == (out == "/sys/kernel")

@@ -322,3 +322,38 @@ def test_an_ecc_or_vbios_read_nvml_fails_is_not_known_and_leaves_the_gpu_usable(
     lost = CliRunner().invoke(cli, ["gpu", "info", "0"])
     assert lost.exit_code != 0 and "fallen off the bus" in lost.output, lost.output
     assert "Traceback" not in lost.output
+
+
+@pytest.mark.parametrize("differ", [None, "vbios", "mig"])
+def test_gpu_list_fits_100_columns_and_says_every_gpus_driver_ecc_and_vbios(
+    nvml: ModuleType, differ: str | None
+) -> None:
+    """`dvfs gpu list` was a table of nine columns ~144 characters wide, wider than most
+    terminals (and folded or wrapped there). What every GPU listed has alike (its driver,
+    ECC mode, VBIOS, MIG mode) is said once under it; a value GPUs differ in keeps its
+    column. Every line fits 100 columns, each UUID whole on its GPU's line, nothing lost."""
+    if differ == "vbios":
+        nvml.fake_update_device(1, vbios="96.00.AA.00.02")
+    elif differ == "mig":
+        nvml.fake_update_device(1, mig=True)
+    result = CliRunner().invoke(cli, ["gpu", "list"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100, result.stdout
+    gpus = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+    for gpu in gpus:
+        [line] = [line for line in lines if gpu["uuid"] in line]
+        assert line.split()[1] == str(gpu["index"]) and "700 W" in line, line
+    *_, said = lines
+    [head] = [line for line in lines if " uuid " in line]
+    assert said.startswith("every GPU listed: driver 570.133.20, ECC on"), said
+    text = " ".join(result.stdout.split())
+    if differ == "vbios":
+        assert "VBIOS" in head and "VBIOS" not in said, result.stdout
+        assert "96.00.99.00.01" in text and "96.00.AA.00.02" in text, result.stdout
+    else:
+        assert said.split("ECC on, ")[1].startswith("VBIOS 96.00.99.00.01"), said
+    if differ == "mig":
+        assert "MIG" in head and "on (refused)" in text and "MIG" not in said, text
+    else:
+        assert said.endswith("MIG off"), said

@@ -95,6 +95,57 @@ def test_a_bad_middle_line_names_the_line_and_the_way_out(
     assert invoke("cube", "build", str(out)).exit_code == 0
 
 
+@pytest.mark.parametrize("damage", ["ecc-mode-a-number", "torn", "second-session"])
+def test_a_damaged_session_lines_advice_followed_lets_the_sweep_measure_its_cells_again(
+    swept: tuple[Path, Path], damage: str
+) -> None:
+    """A damaged session record said "or delete line N to keep the rest": followed, the cells
+    after it had no session (a first session's: `cube build` said "no measurement session
+    yet", and the rerun it advised skipped them as done and said the same, for ever), or
+    were taken for the session's before them (another run's GPUs). It names the session's
+    lines, up to the next session's, which followed let the sweep measure those cells again;
+    a damaged cell's line is still the one line to delete."""
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    lines = _lines(journal)
+    kinds = [json.loads(raw)["type"] if raw.strip() else None for raw in lines]
+    cells = kinds.count("cell")
+    if damage == "second-session":  # a resumed sweep's: its session after the first cell
+        first = kinds.index("cell")
+        lines.insert(first + 1, lines[kinds.index("session")])
+        kinds.insert(first + 1, "session")
+        journal.write_bytes(b"\n".join(lines))
+    index = len(kinds) - 1 - kinds[::-1].index("session")
+    record = json.loads(lines[index])
+    if damage == "torn":
+        raw = lines[index][:200]
+    else:
+        record["gpus"][0]["ecc_mode"] = 5
+        raw = json.dumps(record).encode()
+    _replace_line(journal, index, raw)
+    end = max(i for i, kind in enumerate(kinds) if kind is not None)  # the session is the last
+    remeasured = kinds[index:].count("cell")
+    line = assert_one_line_error(invoke("cube", "build", str(out)), 1, f"line {index + 1}: ")
+    said = f"delete lines {index + 1}-{end + 1} (the session and the {remeasured} cell record(s)"
+    assert said in line and "alone leaves its cells without their session" in line, line
+    kept = [raw for i, raw in enumerate(_lines(journal)) if not index <= i <= end]
+    journal.write_bytes(b"\n".join(kept))
+    resumed = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert resumed.exit_code == 0, resumed.output
+    assert f"{remeasured} cell(s) measured, 0 failed, {cells - remeasured} already done" in (
+        resumed.output
+    )
+    assert invoke("cube", "build", str(out)).exit_code == 0
+    # a cell's line: that one, measured again
+    lines = _lines(journal)
+    index = max(i for i, raw in enumerate(lines) if raw.startswith(b'{"type":"cell"'))
+    _replace_line(journal, index, lines[index][:100])
+    lines = _lines(journal)
+    journal.write_bytes(b"\n".join([*lines, lines[0]]))  # (a torn line is not the last)
+    line = assert_one_line_error(invoke("cube", "build", str(out)), 1)
+    assert line.endswith(f"delete line {index + 1} (the sweep measures that cell again)"), line
+
+
 @pytest.mark.parametrize(
     ("coordinate", "value", "said"),
     [

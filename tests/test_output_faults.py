@@ -71,3 +71,119 @@ def test_a_full_file_other_than_standard_output_is_not_said_to_be_it(
     except OSError as exc:
         text = describe_os_error(exc)
     assert "standard output" not in text and "no space left" in text, text
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full here")
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["cube", "--help"]])
+def test_click_s_own_output_into_a_full_standard_output_is_one_line(args: list[str]) -> None:
+    """`dvfs --help > /dev/full` (and --version, a group's --help: click writes those itself,
+    before any command's handler) ended in a traceback of click's echo; it is one line on
+    stderr, exit 1."""
+    with FULL.open("w") as full:
+        done = subprocess.run(
+            [PYTHON, "-m", "dvfs", *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+            timeout=120,
+        )
+    assert done.returncode == 1, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("Error: cannot write to standard output: no space left"), line
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full here")
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["no-such-command"], 2),  # click's usage error
+        (["cube", "info"], 2),  # a missing argument
+        (["cube", "info", "{missing}"], 1),  # dvfs's own error
+        (["sweep", "{missing}"], 2),  # a missing campaign file
+    ],
+)
+def test_a_standard_error_that_cannot_be_written_keeps_the_exit_code(
+    tmp_path: Path, args: list[str], code: int
+) -> None:
+    """`dvfs COMMAND 2> /dev/full`: the one line cannot be written, so the exit code is all
+    that tells; a usage error exited 1 there (the failed write's traceback, itself unwritten),
+    not the 2 it exits with otherwise."""
+    missing = tmp_path / "missing.toml"
+    command = [PYTHON, "-m", "dvfs", *(a.format(missing=missing) for a in args)]
+    with FULL.open("w") as full:
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=full, env=subprocess_env(), timeout=120
+        )
+    assert done.returncode == code
+    assert done.stdout == b""
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full here")
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_standard_error_that_cannot_be_written_does_not_stop_the_work(
+    tmp_path: Path, progress: bool
+) -> None:
+    """`dvfs sweep CAMPAIGN 2> /dev/full` (a cron job's stderr on a full disk): the sweep died
+    at its first progress note ("starting twin server"), exit 1, having measured nothing, and
+    said nothing. What is said on stderr is lost; the sweep measures, writes its cube, and
+    exits 0."""
+    from conftest import TINY, write
+
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    command = [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out)]
+    with FULL.open("w") as full:
+        done = subprocess.run(
+            [*command, *([] if progress else ["--no-progress"])],
+            stdout=subprocess.PIPE,
+            stderr=full,
+            text=True,
+            env=subprocess_env(),
+            timeout=300,
+        )
+    assert done.returncode == 0, done.stdout
+    assert (out / "cube.nc").is_file()
+
+
+@pytest.mark.parametrize(
+    "args", [["corpus", "list"], ["gpu", "list", "--twin", "h100-sxm"], ["cube", "info", "{cube}"]]
+)
+def test_tables_on_a_terminal_narrower_than_120_columns_fit_it(
+    small_sweep: Path, args: list[str]
+) -> None:
+    """On a terminal 80 columns wide, every table was drawn 120 wide (the width a pipe or file
+    gets): each of its lines broke in two on the screen, the borders scattered. A terminal
+    gets its own width, a value too long for its column folded, not cut short."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = subprocess_env()
+    for name in ("COLUMNS", "LINES", "FORCE_TERMINAL", "NO_COLOR", "TERM"):
+        env.pop(name, None)
+    env["TERM"] = "xterm"
+    command = [PYTHON, "-m", "dvfs", *(a.format(cube=small_sweep) for a in args)]
+    with subprocess.Popen(command, stdout=follower, stderr=subprocess.DEVNULL, env=env) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=120) == 0
+    os.close(leader)
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
+    lines = text.replace("\r", "").splitlines()
+    assert lines and max(len(line) for line in lines) <= 80, text
+    assert "\u2026" not in text, text  # nothing cut short with an ellipsis

@@ -758,6 +758,35 @@ def test_a_merge_of_the_shards_model_folders_names_the_model_left_as_of_their_cu
         assert made.exit_code == 0 and "Note" not in made.output, made.output
 
 
+def test_a_shards_model_folder_moved_elsewhere_still_names_the_model_left(
+    tiny_exact_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards' H200 folders of a fleet mixing GPU models moved out of their shard folders
+    under other names (to merge that model's shards): `dvfs cube merge` of them, read from
+    their journals, said to run the shards' commands again without the H200's --gpus (a
+    journal was a model's by its folder's name alone), and `dvfs cube build` of one wrote a
+    cube that named none either. The cube the sweep wrote beside the journal says whose it
+    is: both name the model, as in place."""
+    import shutil
+
+    s0, s1, _ = _mixed_shard_1_h200_left(tiny_exact_run, tmp_path, monkeypatch)
+    named = "its --gpus naming GPUs of NVIDIA H200 (twin): the cells left are on that model"
+    moved = []
+    for i, shard in enumerate((s0, s1)):
+        moved.append(tmp_path / f"h200-shard-{i}")
+        shutil.copytree(shard / "gpu-nvidia-h200-twin", moved[-1])
+    shutil.rmtree(s1 / "gpu-nvidia-h200-twin")
+    merged = tmp_path / "h200.nc"
+    made = invoke("cube", "merge", *map(str, moved), "-o", str(merged))
+    assert made.exit_code == 0, made.output
+    assert f"(which starts over), {named}" in " ".join(made.output.split()), made.output
+    info = json.loads(invoke("cube", "info", str(merged), "--json").output)
+    assert info.get("models_left") == ["NVIDIA H200 (twin)"] and named in info["resume"], info
+    assert invoke("cube", "build", str(moved[1])).exit_code == 0
+    info = json.loads(invoke("cube", "info", str(moved[1]), "--json").output)
+    assert info.get("models_left") == ["NVIDIA H200 (twin)"], info.get("models_left")
+
+
 def _begun_by_an_earlier_dvfs(folder: Path, *, cells: int | None = None) -> Path:
     """`folder` as a dvfs before the shard record named its dealing left it: the shard record
     without `deal` (that dvfs cut contiguous slices), and only the first `cells` cell records

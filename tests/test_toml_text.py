@@ -50,3 +50,20 @@ def test_numpy_numbers_and_non_finite_floats_are_toml_numbers() -> None:
     )
     assert doc["f"] == 1.5 and doc["i"] == 7 and math.isnan(doc["n"]) and doc["inf"] == -math.inf
     assert doc["t"] == [1, 2]
+
+
+@given(st.integers(min_value=2**63) | st.integers(max_value=-(2**63) - 1))
+def test_an_integer_beyond_64_bits_is_refused_not_written(number: int) -> None:
+    """TOML's integers are 64-bit, and a reader must refuse a larger one: `tomllib` reads any,
+    so a file holding one read back here, and failed in the next reader. It is refused,
+    naming the key, and the 64-bit bounds are written as they are."""
+    import pytest
+
+    from dvfs.toml_text import TomlValueError, toml_line
+
+    with pytest.raises(TomlValueError, match=f"cannot write batch into a TOML file: {number} "):
+        toml_line("batch", number)
+    with pytest.raises(TomlValueError):
+        toml_value({"a": [1, np.int64(2), number]})
+    bounds = {"lo": -(2**63), "hi": 2**63 - 1}
+    assert tomllib.loads(toml_line("t", bounds)) == {"t": bounds}

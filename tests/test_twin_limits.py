@@ -115,6 +115,45 @@ def test_a_prompt_longer_than_the_context_is_refused_by_sweep_dry_run_and_doctor
     _context_line(failed[0]["detail"], longest)
 
 
+@pytest.mark.parametrize(
+    ("key", "written"),
+    [
+        ("measurement.warmup_tokens", "warmup_tokens = 8"),
+        ("output_tokens", "output_tokens = 64"),
+    ],
+)
+def test_new_tokens_beyond_the_context_are_refused_with_a_bound_that_is_then_accepted(
+    tmp_path: Path, key: str, written: str
+) -> None:
+    """measurement.warmup_tokens above the model's context (200000 of Llama-3.1-8B's 131072):
+    `dvfs doctor` passed the corpora and the dry run found no problem, then the sweep ended in
+    "the server reported an error: a prompt of 99 tokens and 200000 new tokens come to ...",
+    exit 1, saying nothing of what to change: the warm-up asks the first round's prompts for
+    that many tokens. The sweep refuses it before it makes a journal (exit 2), the dry run
+    and the doctor alike, naming the key, as output_tokens was. And the bound each names,
+    "lower KEY (to at most N)", left the corpus's longer prompts over (N fitted its shortest
+    input bound): followed, it was refused again. The bound followed is accepted."""
+    text = replace_block(ONE_CELL, written, written.split(" = ")[0] + " = 200000")
+    campaign = write(tmp_path / "long.toml", text)
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    assert swept.exit_code == 2, swept.output
+    line = " ".join(swept.output.split())
+    assert f"with {key} = 200000" in line, line
+    found = re.search(rf"lower {re.escape(key)} \(to at most (\d+)\)", line)
+    assert found, line
+    assert not (out / "journal.jsonl").exists()
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 2 and len(json.loads(dry.output)["problems"]) == 1, dry.output
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    failed = [c["name"] for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert doctor.exit_code == 2 and failed == ["corpora"], doctor.output
+    for tokens, code in ((int(found[1]), 0), (int(found[1]) + 1, 2)):
+        edited = write(tmp_path / f"at-{tokens}.toml", text.replace("200000", str(tokens)))
+        plan = invoke("sweep", str(edited), "--out", str(out), "--dry-run", "--no-estimate")
+        assert plan.exit_code == code, plan.output
+
+
 def test_the_input_bound_the_refusal_names_is_one_the_sweep_then_accepts(tmp_path: Path) -> None:
     """The line's "at most N" for workload.input_tokens is the bound that fits: the dry run of
     the campaign with it finds no problem (and one token more is refused)."""

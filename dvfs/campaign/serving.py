@@ -65,9 +65,9 @@ def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:
         extra_args=argv_list(sg, "extra_args"),
         version=sg.string("version"),
         host=sg.string("host", "127.0.0.1"),
-        startup_timeout_s=sg.number("startup_timeout_s", 900.0, strictly_positive=True),
-        request_timeout_s=sg.number("request_timeout_s", 120.0, strictly_positive=True),
-        stall_timeout_s=sg.number("stall_timeout_s", 60.0, strictly_positive=True),
+        startup_timeout_s=sg.seconds("startup_timeout_s", 900.0, strictly_positive=True),
+        request_timeout_s=sg.seconds("request_timeout_s", 120.0, strictly_positive=True),
+        stall_timeout_s=sg.seconds("stall_timeout_s", 60.0, strictly_positive=True),
         env=tuple(sorted(env.items())),
         attention_backend=_attention_backend(sg),
     )

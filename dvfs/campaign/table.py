@@ -9,6 +9,9 @@ from typing import Any
 from dvfs.campaign.model import show
 from dvfs.errors import CampaignError
 
+#: The longest duration a campaign may set (`Table.seconds`): a week.
+MAX_SECONDS = 7 * 24 * 3600.0
+
 
 class Table:
     """A TOML table being validated: remembers its path and which keys were consumed."""
@@ -134,6 +137,24 @@ class Table:
         if minimum is not None and value < minimum:
             raise self.fail(name, f"must be at least {minimum}, got {value}")
         return float(value)
+
+    def seconds(
+        self,
+        name: str,
+        default: float | None = None,
+        *,
+        minimum: float | None = None,
+        strictly_positive: bool = False,
+    ) -> Any:
+        """A duration in seconds (`number`), at most `MAX_SECONDS`: a larger one is no
+        setting (a typo, a value in ms or ns), and past the clocks' reach it ended in an
+        internal error (the twin's idle baseline of 2**70 s: "int too large to convert")."""
+        value = self.number(name, default, minimum=minimum, strictly_positive=strictly_positive)
+        if value is not None and value > MAX_SECONDS:
+            raise self.fail(
+                name, f"must be at most {MAX_SECONDS:g} s (a week), got {self.get(name)} s"
+            )
+        return value
 
     def boolean(self, name: str, default: bool) -> bool:
         value = self.get(name, default)

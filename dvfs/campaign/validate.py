@@ -163,7 +163,7 @@ def _knobs(table: Table, gpu: GpuConfig) -> KnobConfig:
         raise table.fail(
             "power_limit", f'expected "stock" or a list of watts, got {show(limits_raw)}'
         )
-    settle_s = table.number("settle_s", 2.0, minimum=0.0)
+    settle_s = table.seconds("settle_s", 2.0, minimum=0.0)
     table.finish()
     if gpu.backend == "twin" and gpu.profile:
         from dvfs.gpu.base import unsupported_clock
@@ -269,12 +269,12 @@ def _workload(table: Table, user_corpora: dict[str, Any]) -> WorkloadConfig:
 def _measurement(table: Table) -> MeasurementConfig:
     m = MeasurementConfig(
         warmup_tokens=table.integer("warmup_tokens", 32, minimum=0),
-        min_window_s=table.number("min_window_s", 1.0, strictly_positive=True),
+        min_window_s=table.seconds("min_window_s", 1.0, strictly_positive=True),
         max_rounds=table.integer("max_rounds", 32, minimum=1),
         repeats=table.integer("repeats", 1, minimum=1),
         seed=table.integer("seed", 0, minimum=0),
-        sample_period_s=table.number("sample_period_s", 0.02, strictly_positive=True),
-        idle_s=table.number("idle_s", 5.0, minimum=0.0),
+        sample_period_s=table.seconds("sample_period_s", 0.02, strictly_positive=True),
+        idle_s=table.seconds("idle_s", 5.0, minimum=0.0),
         retries=table.integer("retries", 2, minimum=0),
         **_protocol(table),
     )
@@ -325,7 +325,7 @@ def _protocol(table: Table) -> dict[str, Any]:
                 "settle", f'{settle!r} is not allowed; use "measured" or a number of seconds'
             )
     else:
-        settle = table.number("settle", minimum=0.0)
+        settle = table.seconds("settle", minimum=0.0)
     return {
         "precision": precision,
         "confidence": confidence,
@@ -338,7 +338,7 @@ def _protocol(table: Table) -> dict[str, Any]:
         "thermal_slope_c_per_min": table.number(
             "thermal_slope_c_per_min", 1.0, strictly_positive=True
         ),
-        "thermal_max_s": table.number("thermal_max_s", 120.0, minimum=0.0),
+        "thermal_max_s": table.seconds("thermal_max_s", 120.0, minimum=0.0),
         "idle_per_setting": table.boolean("idle_per_setting", True),
     }
 

@@ -20,7 +20,7 @@ from typing import Any
 from dvfs.errors import CapsError
 from dvfs.gpu.base import canonical_uuid
 from dvfs.outputs import group_name, who_may_replace
-from dvfs.toml_text import toml_value
+from dvfs.toml_text import toml_line, toml_value
 
 CAPS_SCHEMA = 1
 #: How the twin's GPUs name themselves: the NVML model name with this suffix.
@@ -341,16 +341,16 @@ def dump_caps(caps: CapsFile) -> str:
         "",
         "[meta]",
     ]
-    lines += [f"{k} = {toml_value(v)}" for k, v in caps.meta.items() if v is not None]
+    lines += [toml_line(k, v) for k, v in caps.meta.items() if v is not None]
     for cap in caps.caps:
         lines += ["", "[[gpu]]" if cap.uuid else "[[model]]"]
         lines.append(
             f"uuid = {toml_value(cap.uuid)}" if cap.uuid else f"name = {toml_value(cap.name)}"
         )
         if cap.sm_clock_max_mhz is not None:
-            lines.append(f"sm_clock_max_mhz = {cap.sm_clock_max_mhz}")
+            lines.append(toml_line("sm_clock_max_mhz", cap.sm_clock_max_mhz))
         if cap.sm_clock_min_mhz is not None:
-            lines.append(f"sm_clock_min_mhz = {cap.sm_clock_min_mhz}")
+            lines.append(toml_line("sm_clock_min_mhz", cap.sm_clock_min_mhz))
         if cap.power_limit_w is not None:
             lines.append(f"power_limit_w = {exact(cap.power_limit_w)}")
     return "\n".join(lines) + "\n"

@@ -77,4 +77,6 @@ def cli(verbose: int) -> None:
 
 
 def main() -> None:
-    cli(prog_name="dvfs")
+    from dvfs.cli.common import run_main
+
+    run_main(cli, "dvfs")

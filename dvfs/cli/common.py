@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import importlib
@@ -173,10 +174,12 @@ class LazyGroup(click.Group):
             return getattr(importlib.import_module(module), attr)
         return super().get_command(ctx, name)
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: click.Context) -> None:
         """Run the command line; a failure outside any command's own handler (an optional
-        dependency that does not import, say) is still one line, never a traceback."""
-        return guard(super().invoke, ctx)
+        dependency that does not import, say) is still one line, never a traceback. What the
+        command returns is dropped, as click's standalone mode drops it: `run_main` takes
+        what click returns for an exit code."""
+        guard(super().invoke, ctx)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """List lazy commands with their one-line help without importing them."""
@@ -336,8 +339,67 @@ def _silence_stdout() -> None:
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"Error: {one_line(message)}", err=True)
+    _to_stderr(lambda: click.echo(f"Error: {one_line(message)}", err=True))
     sys.exit(code)
+
+
+def _to_stderr(write: Callable[[], None]) -> None:
+    """`write` a message to standard error; where that cannot be written (`2> /dev/full`, a
+    closed pipe), nothing: the exit code that follows is all that still tells."""
+    with contextlib.suppress(OSError):
+        write()
+
+
+class _BestEffortStderr:
+    """Standard error, whose writes that fail (`2> /dev/full`, a pipe whose reader is gone) are
+    dropped: what dvfs says there (progress, notes, warnings, its one line of error) is for
+    the user to read, none of the work; a sweep died of its first progress note there, exit 1,
+    having measured nothing. The exit code still tells how the command ended."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+
+    def write(self, text: Any) -> int:
+        try:
+            return int(self.wrapped.write(text))
+        except OSError:
+            return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self.wrapped.flush()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.wrapped, attr)
+
+
+def run_main(group: click.Group, prog_name: str) -> NoReturn:
+    """`group` as click's standalone main runs it, less its ends in a traceback or in a
+    failure of its own: click's own output (--help, --version) into a standard output that
+    cannot be written (`> /dev/full`) is one line on stderr, exit 1; a standard error that
+    cannot be written (`2> /dev/full`) loses what is said there, not the work
+    (`_BestEffortStderr`), and a usage error still exits with its code (2), not 1."""
+    if sys.stderr is not None and not isinstance(sys.stderr, _BestEffortStderr):
+        sys.stderr = _BestEffortStderr(sys.stderr)
+    try:
+        code = group.main(prog_name=prog_name, standalone_mode=False)
+    except click.ClickException as exc:
+        _to_stderr(exc.show)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        _to_stderr(lambda: click.echo("Aborted!", err=True))
+        sys.exit(1)
+    except OSError as exc:  # (EPIPE is click's: it exits 1, quietly)
+        text = describe_os_error(exc)
+        if _stdout_failed(exc):
+            _silence_stdout()
+        fail(text)
+    # an Exit's code (--help's 0); a command's return value is none (`LazyGroup.invoke`)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 #: Characters str.splitlines() breaks on, besides the ordinary line ends.
@@ -439,9 +501,39 @@ def describe_os_error(exc: OSError) -> str:
         # figures folder, `cube build`'s SWEEP_DIR/cube.nc without --out): the option names no
         # file to correct, the folder is to move aside
         advice = "move that folder aside, or choose another {opt}"
+    kernel = _kernel_output(path, param, code, writing=writing)
+    if kernel is not None:  # not "check the path (does its folder exist?)", of /proc
+        words, advice = kernel, "choose a folder on a disk for {opt}"
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
     return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+#: What a write on the kernel's file systems (/proc, /sys) fails with: no such file (/proc
+#: makes none), permission denied or not permitted (of root too), invalid argument.
+_KERNEL_REFUSALS = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EINVAL, errno.EROFS)
+
+
+def _kernel_output(
+    path: Any, param: tuple[str, Path] | None, code: int, *, writing: bool
+) -> str | None:
+    """What an output path on one of the kernel's file systems is (`kernel_file_system`),
+    where writing it failed as writes fail there; None for any other fault or path, and for
+    an input's."""
+    if path is None or code not in _KERNEL_REFUSALS:
+        return None
+    output = param is not None and any(name == param[0] and out for name, _, out in _path_params())
+    if not (writing or output):
+        return None
+    from dvfs.outputs import kernel_file_system
+
+    try:
+        found = kernel_file_system(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return None
+    if found is None:
+        return None
+    return f"{found[0]} is the kernel's {found[1]} file system, where no output can go"
 
 
 def _broken_link(path: Any) -> tuple[str, str] | None:
@@ -729,13 +821,17 @@ def _internal_error(exc: BaseException) -> NoReturn:
 
 
 def console(stderr: bool = False) -> Any:
-    """A rich console; at least 120 columns wide when writing to a pipe or file."""
+    """A rich console: a terminal's own width, at least 120 columns when writing to a pipe or
+    file. (A terminal narrower than 120 columns was written 120 wide too: every table line
+    longer than the terminal broke in two, its borders scattered.)"""
     import shutil
 
     from rich.console import Console
 
-    width = max(120, shutil.get_terminal_size((120, 24)).columns)
-    return Console(stderr=stderr, highlight=False, width=width)
+    out = Console(stderr=stderr, highlight=False)
+    if not out.is_terminal:
+        out.width = max(120, shutil.get_terminal_size((120, 24)).columns)
+    return out
 
 
 def echo_json(data: Any) -> None:

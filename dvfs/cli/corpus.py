@@ -113,7 +113,7 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
     table = Table()
     columns = ("corpus", "prompts", "multi-turn", "input tokens min/median/max", "reads as")
     for col in (*columns, "description"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a narrow terminal's: folded, never cut short
     for r in rows:
         text = r["text"]
         table.add_row(  # names and descriptions are the user's text, not markup

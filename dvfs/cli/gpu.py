@@ -121,32 +121,49 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
         return
     from rich.table import Table
 
+    cells: dict[str, Callable[[dict[str, Any]], str]] = {
+        "driver": lambda r: r["driver"],
+        "ECC": lambda r: r["ecc_mode"] or "-",  # "-": not read (the twin; NVML could not say)
+        "VBIOS": lambda r: r["vbios_version"] or "-",
+        "MIG": lambda r: "on (refused)" if r["mig"] else "off",
+    }
+    # What every GPU listed has alike (one driver per machine; most often one VBIOS, ECC mode
+    # and MIG mode too) is said once under the table, not in a column of its own: the nine
+    # columns made a table ~144 characters wide, wider than most terminals.
+    shown = [r for r in rows if "error" not in r]
+    alike = {
+        col: values.pop()
+        for col, cell in cells.items()
+        if len(values := {cell(r) for r in shown}) == 1
+    }
+    columns = ("GPU", "uuid", "name", *(c for c in cells if c not in alike))  # GPU: its index
     table = Table()
-    columns = ("index", "uuid", "name", "driver", "ECC", "VBIOS", "power limit", "SM clock", "MIG")
-    for col in columns:
-        table.add_column(col, no_wrap=col == "uuid", overflow="fold")
+    for col in (*columns, "power limit", "SM clock"):  # only a name (or an error) wraps
+        table.add_column(col, no_wrap=col != "name", overflow="fold")
     for r in rows:
         if "error" in r:
             table.add_row(
-                str(r["index"]), "", f"[red]{r['error']}[/red]", *[""] * (len(columns) - 3)
+                str(r["index"]), "", f"[red]{r['error']}[/red]", *[""] * (len(columns) - 1)
             )
             continue
         table.add_row(
             str(r["index"]),
             r["uuid"],
             r["name"],
-            r["driver"],
-            r["ecc_mode"] or "-",  # "-": not read (the twin; NVML could not say)
-            r["vbios_version"] or "-",
+            *(cells[c](r) for c in columns[3:]),
             "not supported" if r["power_limit_w"] is None else f"{r['power_limit_w']:g} W",
             f"{r['sm_clock_mhz']} MHz",
-            "on (refused)" if r["mig"] else "off",
         )
     out = console()
-    if not out.is_terminal:  # into a pipe or file: its natural width, no column folded
-        out.width = 1_000_000
-        out.width = max(120, out.measure(table).maximum)
+    if not out.is_terminal:  # (a terminal's own width): the uuid whole, a long name or an
+        out.width = 100  # error (or columns GPUs differ in) folded where it would not fit
     out.print(table)
+    if alike:
+        said = ", ".join(
+            f"{col} {'not read' if value == '-' else value}" for col, value in alike.items()
+        )
+        every = "every GPU listed" if len(shown) > 1 else f"GPU {shown[0]['index']}"
+        out.print(escape(f"{every}: {said}"))
     if note:
         console(stderr=True).print(note, highlight=False, soft_wrap=True)
     if lost:

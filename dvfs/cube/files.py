@@ -222,6 +222,33 @@ def _rebuild_hint(path: Path) -> str:
     )
 
 
+def _another_dvfs_file(path: Path) -> str | None:
+    """The refusal of a file given for a cube that is another of dvfs's files, a sweep's
+    journal or a campaign file (a slip of the tab key), said as what it is and what to give
+    instead; None for any other file, damaged or not. A journal was "not a readable netCDF
+    cube: rebuild it from its journal with `dvfs cube build DIR`", which, followed, left the
+    same journal given and refused again."""
+    if path.name == CUBE_NAME:
+        return None  # the folder's own cube, damaged: the netCDF reader's line says rebuild
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None  # said by the netCDF reader's line
+    folder = shlex.quote(str(path.parent))
+    if head.lstrip().startswith(b'{"type":"header"') or path.name == JOURNAL_NAME:
+        return (
+            f"{path} is a sweep's journal, not a cube: give its folder ({folder}) or the "
+            f"cube.nc there; `dvfs cube build {folder}` writes that cube from this journal"
+        )
+    if path.suffix == ".toml" and b"[campaign]" in head:
+        return (
+            f"{path} is a campaign file, not a cube: sweep it (`dvfs sweep "
+            f"{shlex.quote(str(path))}`), then give the folder it sweeps into"
+        )
+    return None
+
+
 def _folder_in_the_cubes_place(path: Path) -> str:
     """The refusal of a folder `path` named cube.nc (holding none) where a sweep folder's cube
     file goes: said as that folder, not as "no cube at PATH/cube.nc"."""
@@ -266,7 +293,7 @@ def open_cube(path: str | Path) -> xr.Dataset:
         )
     from dvfs.outputs import netcdf_path_problem
 
-    problem = netcdf_path_problem(path, writing=False)
+    problem = netcdf_path_problem(path, writing=False) or _another_dvfs_file(path)
     if problem:
         raise CubeError(problem)
     try:

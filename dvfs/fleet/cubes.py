@@ -105,14 +105,37 @@ def model_marked(ds: xr.Dataset, journal: Path) -> xr.Dataset:
     """`ds`, the cube of `journal`, marked as one GPU model's own cube of a fleet mixing GPU
     models (`FLEET_MODEL_ATTR`: its model) where the journal is that model's, in the fleet's
     `gpu-<model>/` folder: analysed alone, its cells left name the --gpus they need (a rerun
-    on the other models' GPUs measures none of them). `ds` itself where it is not."""
+    on the other models' GPUs measures none of them). A model's folder moved or renamed (out
+    of its shard's folder, to be merged with the other shards' of that model) is told by the
+    cube beside the journal, which the sweep marked so. `ds` itself where it is not."""
     from dvfs.cube.cells_left import FLEET_MODEL_ATTR
     from dvfs.fleet.folders import model_folder
 
     name = ds.attrs.get("gpu_name")
-    if not name or journal.parent.name != model_folder(str(name)):
+    if not name:
+        return ds
+    if journal.parent.name != model_folder(str(name)) and _marked(journal.parent) != name:
         return ds
     return ds.assign_attrs({FLEET_MODEL_ATTR: str(name)})
+
+
+def _marked(folder: Path) -> str | None:
+    """The GPU model whose own cube of a fleet (`FLEET_MODEL_ATTR`) `folder`'s cube.nc is, or
+    None (no cube there, another cube, or one that cannot be read)."""
+    import xarray as xr
+
+    from dvfs.cube import CUBE_NAME
+    from dvfs.cube.cells_left import FLEET_MODEL_ATTR
+
+    cube = folder / CUBE_NAME
+    if not cube.is_file():
+        return None
+    try:
+        with xr.open_dataset(cube, engine="netcdf4") as ds:  # its attributes alone, not loaded
+            model = ds.attrs.get(FLEET_MODEL_ATTR)
+    except Exception:  # damaged, not netCDF: no mark to read (the build writes it anew)
+        return None
+    return None if model is None else str(model)
 
 
 def write_cubes(

@@ -26,7 +26,7 @@ from typing import Any
 
 from dvfs.caps.files import base_model_name, check_file_safety, exact, is_twin_name
 from dvfs.errors import CapsError
-from dvfs.toml_text import toml_value
+from dvfs.toml_text import toml_line, toml_value
 
 BATCH_PLAN_SCHEMA = 1
 SCHEMA_KEY = "dvfs_batch_plan"
@@ -312,11 +312,11 @@ def dump_plan(plan: BatchPlan) -> str:
             "# measurements of real GPUs; `dvfs govern` refuses it without --allow-simulated.",
         ]
     lines += [f"{SCHEMA_KEY} = {BATCH_PLAN_SCHEMA}", "", "[meta]"]
-    lines += [f"{k} = {toml_value(v)}" for k, v in plan.meta.items() if v is not None]
+    lines += [toml_line(k, v) for k, v in plan.meta.items() if v is not None]
     for step in plan.steps:
-        lines += ["", "[[batch]]", f"batch = {step.batch}"]
+        lines += ["", "[[batch]]", toml_line("batch", step.batch)]
         if step.setting.sm_clock_mhz is not None:
-            lines.append(f"sm_clock_mhz = {step.setting.sm_clock_mhz}")
+            lines.append(toml_line("sm_clock_mhz", step.setting.sm_clock_mhz))
         if step.setting.power_limit_w is not None:
             lines.append(f"power_limit_w = {exact(step.setting.power_limit_w)}")
         if step.energy_per_token_j is not None:

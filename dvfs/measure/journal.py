@@ -513,7 +513,7 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
             number += 1
             if len(raw) > MAX_LINE_BYTES:
                 why = f"longer than {MAX_LINE_BYTES >> 20} MiB, which no dvfs record is"
-                raise _bad_line(path, number, why, first=not count)
+                raise _bad_line(path, number, why, first=not count, raw=raw)
             if not raw.strip():
                 good_bytes += len(raw)
                 continue
@@ -527,10 +527,10 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
                         _truncate(path, good_bytes)
                     return
                 why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "not valid JSON"
-                raise _bad_line(path, number, why, first=not count) from exc
+                raise _bad_line(path, number, why, first=not count, raw=raw) from exc
             problem = _record_problem(record)
             if problem:
-                raise _bad_line(path, number, problem, first=not count)
+                raise _bad_line(path, number, problem, first=not count, raw=raw)
             if count and record["type"] == "header":
                 raise _appended_journal(path, number, record)
             count += 1
@@ -699,13 +699,59 @@ def _appended_journal(path: Path, line: int, header: dict[str, Any]) -> JournalE
     )
 
 
-def _bad_line(path: Path, line: int, why: str, *, first: bool) -> JournalError:
+def _bad_line(path: Path, line: int, why: str, *, first: bool, raw: bytes = b"") -> JournalError:
     if first:
         return JournalError(
             f"{path} is not a dvfs journal (line {line}: {why}): move it aside, or start over "
             f"with {FRESH}, which renames it"
         )
-    return JournalError(
-        f"{path}, line {line}: {why}. The journal is damaged: start over with {FRESH} (it "
-        f"moves the journal aside), or delete line {line} to keep the rest"
+    damaged = f"{path}, line {line}: {why}. The journal is damaged: start over with {FRESH} (it "
+    kind = _line_type(raw)
+    end, cells = _session_span(path, line) if kind in ("session", None) else (line, 0)
+    if end == line:  # a cell (measured again), a server's start, or nothing after it
+        again = " (the sweep measures that cell again)" if kind == "cell" else ""
+        return JournalError(f"{damaged}moves the journal aside), or delete line {line}{again}")
+    # A session's cells are read as measured in the session before them: deleting its line
+    # alone left them with none (a first session: "no measurement session yet", to which a
+    # rerun, skipping them as done, said the same), or took them for another's GPUs.
+    span = (
+        f"lines {line}-{end} (the session and the {cells} cell record(s) measured in it, "
+        "which the sweep measures again)"
     )
+    if kind == "session":
+        how = f"delete {span}: deleting line {line} alone leaves its cells without their session"
+    else:
+        how = f"delete line {line} if it is no session record, else {span}"
+    return JournalError(f"{damaged}moves the journal aside), or {how}")
+
+
+def _line_type(raw: bytes) -> str | None:
+    """The record type a journal line begins with (dvfs writes it first), read from its text,
+    damaged or not; None where it cannot be read there."""
+    import re
+
+    found = re.match(rb'\s*\{\s*"type"\s*:\s*"([a-z_]+)"', raw[:200])
+    return found[1].decode() if found else None
+
+
+def _session_span(path: Path, line: int) -> tuple[int, int]:
+    """The last line of the session record at `line`'s span (the lines after it up to the next
+    session's, or the file's end), and the cell records in it; (line, 0) where the file cannot
+    be read again."""
+    end = cells = number = 0
+    try:
+        with open(path, "rb") as f:
+            while raw := f.readline(MAX_LINE_BYTES):
+                chunk = raw  # the rest of a line too long to hold: its start says what it is
+                while not chunk.endswith(b"\n") and (chunk := f.readline(MAX_LINE_BYTES)):
+                    pass
+                number += 1
+                if number <= line or not raw.strip():
+                    continue
+                kind = _line_type(raw)
+                if kind in ("session", "header"):
+                    break
+                end, cells = number, cells + (kind == "cell")
+    except OSError:
+        return line, 0
+    return max(end, line), cells
