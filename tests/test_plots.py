@@ -918,3 +918,34 @@ def test_a_power_limit_only_campaign_draws_energy_and_latency_against_the_limit(
     for corpus in corpora:
         assert f"energy_vs_power_limit_{corpus}.png" in report
         assert f"latency_vs_power_limit_{corpus}.png" in report
+
+
+def test_the_headroom_map_names_an_answer_that_has_no_saving() -> None:
+    """With --slo, a row whose reference has too few usable repeats still has an answer (a
+    setting meets the absolute limit) but no stock energy to save against: the table reads
+    `-` for its saving and names the setting. The map said "none feasible" there, as if no
+    setting met the target, and its bar "no cell has an answer"."""
+    from matplotlib.patches import Rectangle
+
+    from dvfs.analysis.targets import parse_slo
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        repeats=3,
+        latency=lambda c, *_: 10.0 * 2000 / c,  # 20, 13.3 and 10 ms: 1500 MHz meets 16 ms
+        energy=lambda c, *_: 0.5 + (c / 2000) ** 2,
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r >= 1),  # one usable stock repeat
+    )
+    result = headroom(cube, target=parse_slo("tpot_p50<=16ms"))
+    row = headroom_table_rows(headroom_document(result, cube))[1][0]
+    assert row[3] == "1500/700" and row[7] == "-", row  # the table: the setting, no saving
+    fig = draw_headroom(result)
+    texts = [" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts]
+    assert "- 1500 MHz" in texts, texts
+    assert not any("feasible" in t or "no cell has an answer" in t for t in texts), texts
+    # drawn as an answer, not in the grey of a cell without one, and the key says what "-" is
+    drawn = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_gid()]
+    assert [p.get_gid() for p in drawn] == ["unknown"]
+    labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+    assert any(label.startswith("-: an answer, but no energy at stock") for label in labels)
