@@ -460,6 +460,31 @@ def test_acceptance_has_no_row_for_none_whether_measured_or_failed() -> None:
     assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
 
 
+def test_acceptance_keeps_the_row_of_a_drafter_whose_cells_record_no_accept_length() -> None:
+    """dflash, run speculating by its campaign, measured with valid cells that record no
+    accept length (a server that reported no speculation counters): its row vanished from the
+    map, as if never asked for. It keeps a row of "-", as `dvfs compare`'s table does."""
+    from dvfs.plots import draw_acceptance
+
+    cube = small_cube([1], corpora=("code", "math"))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    cube.attrs["campaign"] = json.dumps(
+        {
+            "drafters": [
+                {"name": "none", "algorithm": None},
+                {"name": "eagle3", "algorithm": "EAGLE3"},
+                {"name": "dflash", "algorithm": "DFLASH"},
+            ]
+        }
+    )
+    cube["accept_length"] = cube["accept_length"].where(cube["drafter"] != "dflash")
+    ax = draw_acceptance(cube).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["eagle3", "dflash"]
+    assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
+
+
 def test_compare_gives_the_accept_length_the_acceptance_figure_draws(tmp_path: Path) -> None:
     """`dvfs compare`'s acceptance table (and the report's sentence read off it) averaged the
     valid repeat of a setting with an invalid one, which the acceptance figure beside it

@@ -358,10 +358,14 @@ def draw_acceptance(cube: xr.Dataset, usable: xr.DataArray | None = None) -> Fig
     # A drafter the campaign runs without speculation (none) has no row, measured or failed.
     measured = usable.any([d for d in usable.dims if d != "drafter"])
     unmeasured = ~measured.sel(drafter=table["drafter"]).values
-    from dvfs.cube.attrs import plain_drafters
+    from dvfs.cube.attrs import plain_drafters, speculative_drafters
 
     plain = plain_drafters(cube)
     unmeasured &= np.array([str(d) not in plain for d in table["drafter"].values], dtype=bool)
+    # One the campaign runs speculating whose usable cells record no accept length (a server
+    # that reported no speculation counters) keeps its row of "-" too, as `dvfs compare` does.
+    speculative = speculative_drafters(cube)
+    unmeasured |= np.array([str(d) in speculative for d in table["drafter"].values], dtype=bool)
     keep = ~np.all(np.isnan(values), axis=1)
     if not keep.any():
         return None
