@@ -537,6 +537,57 @@ def test_the_headroom_map_names_a_power_limit_as_the_table_does() -> None:
         assert texts == [f"20%\n1980 MHz\n{limit:g} W"], texts
 
 
+def test_the_chosen_star_sits_on_the_point_drawn_for_its_setting() -> None:
+    """Stock's third repeat flagged (its other two still the reference): headroom's chosen
+    energy is over the two repeats paired with it, the point drawn for 1500 MHz over all three
+    (the third spends 30% more). The Pareto star sat at the paired 1.06 J, 9% below the 1.17 J
+    point drawn, a point of its own below the front; on the power-limit figures alike. It sits
+    on the drawn point, as the stock diamond does."""
+    from dvfs.analysis.targets import Target
+    from dvfs.plots import draw_energy_vs_power_limit, draw_latency_vs_power_limit, draw_pareto
+
+    extra = {0: 1.0, 1: 1.0, 2: 1.3}
+    target = Target("preserve", slack=0.4)
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        repeats=3,
+        latency=lambda c, *_: 10 * 2000 / c,
+        energy=lambda c, p, b, d, k, r: (0.5 + (c / 2000) ** 2) * extra[r],
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r == 2),
+    )
+    chosen = headroom(cube, target=target)
+    row = chosen.isel(batch=0, drafter=0, corpus=0)
+    assert float(row["chosen_sm_clock"]) == 1500
+    assert float(row["chosen_energy_per_token_j"]) == pytest.approx(1.0625)  # repeats 0, 1
+
+    def marks(fig: Figure) -> dict[str, list[list[float]]]:
+        return {
+            str(c.get_gid()): np.asarray(c.get_offsets()).tolist()
+            for c in fig.axes[0].collections
+            if c.get_gid() in ("chosen", "stock")
+        }
+
+    drawn = marks(draw_pareto(cube, chosen, target, "code"))
+    assert drawn["chosen"] == [[pytest.approx(2000 * 10 / 1500), pytest.approx(1.16875)]]
+    assert drawn["stock"] == [[10.0, 1.5]]
+    # one clock and three power limits: the limit figures star the chosen limit on its point
+    capped = {700.0: 1.0, 500.0: 1.0, 300.0: 1.2}
+    limits = make_cube(
+        clocks=[1980],
+        limits=list(capped),
+        repeats=3,
+        latency=lambda c, p, *_: 10.0 * capped[p],
+        energy=lambda c, p, b, d, k, r: (0.6 if p == 500 else 1.0) * extra[r],
+        valid=lambda c, p, b, d, k, r: not (p == 700 and r == 2),
+    )
+    chosen = headroom(limits, target=target)
+    assert float(chosen["chosen_power_limit"].squeeze()) == 500
+    energy = marks(draw_energy_vs_power_limit(limits, chosen, "code"))
+    assert energy["chosen"] == [[500.0, pytest.approx(0.6 * 3.3 / 3)]]
+    latency = marks(draw_latency_vs_power_limit(limits, chosen, target, "code"))
+    assert latency["chosen"] == [[500.0, pytest.approx(10.0)]]
+
+
 def test_timelines_draw_every_stored_sample_and_end_at_the_last() -> None:
     """The meter stores only samples inside its windows, on an axis of whole window lengths,
     which runs past decode_time_s (the spans between counter updates): every stored sample is

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dvfs.analysis.headroom import reference_setting
-from dvfs.plots.data import cell_means, pareto_front, usable_mask
+from dvfs.plots.data import at_chosen, cell_means, pareto_front, usable_mask
 from dvfs.plots.style import (
     CHOSEN_STYLE,
     ENERGY_LABEL,
@@ -201,9 +201,10 @@ def draw_pareto(
     )
     p_stock, c_stock = limits.index(ref.power_limit), clocks.index(ref.sm_clock)
     picks = chosen.sel(corpus=corpus).transpose("batch", "drafter")
-    feasible = picks["feasible"].values
-    chosen_lat = np.where(feasible, picks["chosen_latency_ms"].values, np.nan)
-    chosen_energy = np.where(feasible, picks["chosen_energy_per_token_j"].values, np.nan)
+    chosen_lat = at_chosen(picks, latency, clocks, limits, picks["chosen_latency_ms"].values)
+    chosen_energy = at_chosen(
+        picks, energy, clocks, limits, picks["chosen_energy_per_token_j"].values
+    )
     drafter_rgb = [colors[d] for d in drafters]
     handles = [
         *color_handles(measured_colors(colors, energy, latency)),

@@ -13,7 +13,7 @@ import numpy as np
 from dvfs.analysis.headroom import reference_setting
 from dvfs.cube.knobs import swept_knobs
 from dvfs.plots.curves import CHOSEN_LABEL, DIMS, corpus_panels, measured_colors, tidy
-from dvfs.plots.data import cell_means, usable_mask
+from dvfs.plots.data import at_chosen, cell_means, usable_mask
 from dvfs.plots.style import (
     CHOSEN_STYLE,
     ENERGY_LABEL,
@@ -77,8 +77,9 @@ def _draw(
     targets: np.ndarray | None,
 ) -> Figure:
     """Each drafter's `values` (batch, drafter, power limit, clock) against the power limit at
-    the reference clock, the reference ringed, `chosen_values` (batch, drafter) starred at the
-    chosen limit, `targets` (batch, drafter; None: none) dotted."""
+    the reference clock, the reference ringed, the chosen setting starred on its point
+    (`chosen_values`, headroom's (batch, drafter), where none is drawn), `targets` (batch,
+    drafter; None: none) dotted."""
     from matplotlib.lines import Line2D
 
     ref = reference_setting(cube)
@@ -92,7 +93,7 @@ def _draw(
     picks = chosen.sel(corpus=corpus).transpose("batch", "drafter")
     feasible = picks["feasible"].values
     chosen_limit = np.where(feasible, picks["chosen_power_limit"].values, np.nan)
-    chosen_y = np.where(feasible, chosen_values, np.nan)
+    chosen_y = at_chosen(picks, values, clocks, limits.tolist(), chosen_values)
     order = np.argsort(limits)
     handles = [
         *color_handles(measured_colors(colors, values)),
