@@ -438,6 +438,33 @@ def test_the_headroom_map_says_why_a_cell_has_no_answer() -> None:
         assert any(t.endswith("MHz") for t in texts)  # none's cell has its answer
 
 
+def test_a_steady_power_reads_as_watts_and_level() -> None:
+    """A power steady at 240.875-240.895 W through the window: the axis spanned those 0.02 W
+    with ticks 0.0750 ... 0.0950 under a "+2.408e2" offset, which reads as a GPU drawing
+    0.09 W, and stretched its last digits into a sawtooth the height of the panel. Every tick
+    says its watts, and the axis spans at least 10 W, so a level power is drawn level."""
+    cube = small_cube([1, 8], corpora=("code",)).isel(power_limit=[0])  # no cap line drawn
+    ramp = 240.875 + 0.02 * (np.arange(cube.sizes["sample"]) % 2)
+    cube["timeline_power_w"] = cube["timeline_power_w"] * 0 + ramp
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    assert fig is not None
+    fig.canvas.draw()
+    power = [ax for ax in fig.axes if ax.get_ylabel() == "GPU power (W)"]
+    assert len(power) == 2
+    for ax in power:
+        low, high = ax.get_ylim()
+        assert high - low >= 10.0 and low < 240.875 and high > 240.895, (low, high)
+        assert ax.yaxis.get_major_formatter().get_offset() == ""
+        labels = [float(t.get_text().replace("\u2212", "-")) for t in ax.get_yticklabels()]
+        assert labels and all(230 < v < 251 for v in labels), labels  # watts, not 0.09
+    # an energy alike at every clock to the third decimal: each tick its whole joules
+    flat = make_cube(clocks=CLOCKS, energy=lambda c, *_: 1.4095 + 1e-7 * c)
+    fig = draw_energy_vs_clock(flat, "code")
+    fig.canvas.draw()
+    assert fig.axes[0].yaxis.get_major_formatter().get_offset() == ""
+    assert all(t.get_text().startswith("1.4") for t in fig.axes[0].get_yticklabels())
+
+
 def _timeline_labels(cube: xr.Dataset) -> list[str]:
     fig = draw_timelines(cube, headroom(cube, target=TARGET))
     assert fig is not None

@@ -43,6 +43,9 @@ RC: dict[str, Any] = {
     "axes.spines.top": False,
     "axes.spines.right": False,
     "lines.linewidth": 1.5,
+    # every tick says its whole value: an offset ("+2.408e2" in a corner, ticks 0.075 to
+    # 0.095) read as a GPU drawing 0.09 W
+    "axes.formatter.useoffset": False,
     "figure.dpi": DPI,
     "savefig.dpi": DPI,
 }
