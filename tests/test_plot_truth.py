@@ -651,6 +651,42 @@ def test_a_panel_with_no_valid_cell_says_so_rather_than_stay_blank() -> None:
         assert {title for title, notes in said[name].items() if notes} == titles, said[name]
 
 
+def test_a_drafter_with_valid_cells_beside_invalid_repeats_is_not_said_to_have_none() -> None:
+    """eagle3's second repeat flagged at every setting of batch 8 (its first valid): each
+    setting is left out whole, as headroom never chooses it, and the panels said "no valid
+    cell at any setting: eagle3", where `dvfs cube info` counts its valid cells. They say
+    why instead: an invalid repeat at every setting (at the reference, too few valid repeats);
+    a drafter with no valid cell is still said to have none."""
+    cube = small_cube([1, 8], corpora=("code",), repeats=2)
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    flagged = (cube["drafter"] == "eagle3") & (cube["batch"] == 8) & (cube["repeat"] == 1)
+    cube["valid"] = cube["valid"].where(~flagged, 0.0)
+    cube["valid"] = cube["valid"].where(~((cube["drafter"] == "dflash") & (cube["batch"] == 8)), 0)
+    notes = {
+        name: {
+            ax.get_title(): " ".join(" ".join(t.get_text() for t in ax.texts).split())
+            for ax in fig.axes
+            if ax.get_title().startswith("batch 8")
+        }
+        for name, fig in figures(cube, TARGET)
+        if name in ("energy_vs_clock_code", "pareto_code")
+    }
+    for name, said in notes.items():
+        assert said["batch 8"] == (
+            "no valid cell at any setting: dflash an invalid repeat at every setting: eagle3"
+        ), (name, said)
+    # the batch figure at the reference: eagle3 valid there in one repeat of two everywhere
+    cube["valid"] = cube["valid"].where(~((cube["drafter"] == "eagle3") & (cube["repeat"] == 1)), 0)
+    from dvfs.plots import draw_energy_vs_batch
+
+    fig = draw_energy_vs_batch(cube)
+    assert fig is not None
+    said = " ".join(" ".join(t.get_text() for t in fig.axes[0].texts).split())
+    assert said == "too few valid repeats at stock: eagle3", said
+
+
 def test_a_panel_missing_a_drafter_names_it_rather_than_drop_it_silently() -> None:
     """eagle3 failed every cell at batch 8 and every cell on corpus math (a drafter whose
     server crashed there), none measured everywhere. Its line was left out of those panels

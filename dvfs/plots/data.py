@@ -22,6 +22,15 @@ def usable_mask(cube: xr.Dataset) -> xr.DataArray:
     return valid_mask(cube) & ~ruled_out_settings(cube)
 
 
+def flagged_drafters(cube: xr.Dataset, drafters: Sequence[str], **sel: Any) -> list[str]:
+    """Of `drafters` (those a panel draws no point of), the ones with a valid cell where the
+    panel looks (`sel`: its corpus, batch, setting): each such setting was left out for an
+    invalid repeat beside its valid ones, not for want of a valid cell."""
+    valid = valid_mask(cube).sel(**sel)
+    has = valid.any([d for d in valid.dims if d != "drafter"])
+    return [d for d in drafters if bool(has.sel(drafter=d))]
+
+
 def cell_means(
     cube: xr.Dataset,
     name: str,

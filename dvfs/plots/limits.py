@@ -13,7 +13,7 @@ import numpy as np
 from dvfs.analysis.headroom import reference_setting
 from dvfs.cube.knobs import swept_knobs
 from dvfs.plots.curves import CHOSEN_LABEL, DIMS, corpus_panels, measured_colors, tidy
-from dvfs.plots.data import at_chosen, cell_means, usable_mask
+from dvfs.plots.data import at_chosen, cell_means, flagged_drafters, usable_mask
 from dvfs.plots.style import (
     CHOSEN_STYLE,
     ENERGY_LABEL,
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from dvfs.analysis.targets import Target
 
 LIMIT_LABEL = "power limit (W)"
+#: A panel with valid cells but no point: each limit has an invalid repeat beside them.
+NO_LIMIT = "no power limit without an invalid repeat"
 TARGET_LABEL = "target (dotted, each drafter's colour)"
 
 
@@ -130,11 +132,19 @@ def _draw(
             gid="chosen",
             **CHOSEN_STYLE,
         )
+        missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(at_clock[b, i]))]
+        flagged = flagged_drafters(cube, missing, corpus=corpus, batch=batch, sm_clock=ref.sm_clock)
         if np.all(np.isnan(at_clock[b])):
-            say_nothing_drawn(ax, "no valid cell at any power limit")
+            say_nothing_drawn(ax, NO_LIMIT if flagged else "no valid cell at any power limit")
         else:
-            missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(at_clock[b, i]))]
-            say_not_drawn(ax, missing, "no valid cell at any power limit", "upper center")
+            say_not_drawn(
+                ax,
+                missing,
+                "no valid cell at any power limit",
+                "upper center",
+                flagged,
+                "an invalid repeat at every power limit",
+            )
         ax.set_title(f"batch {batch}")
         tidy(ax, LIMIT_LABEL)
         ax.set_ylabel(ylabel)
