@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import xarray as xr
 from cubes import make_cube
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_plots import TARGET, small_cube
 
 import dvfs.plots
@@ -586,6 +588,48 @@ def test_the_chosen_star_sits_on_the_point_drawn_for_its_setting() -> None:
     assert energy["chosen"] == [[500.0, pytest.approx(0.6 * 3.3 / 3)]]
     latency = marks(draw_latency_vs_power_limit(limits, chosen, target, "code"))
     assert latency["chosen"] == [[500.0, pytest.approx(10.0)]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    energy=st.lists(st.floats(0.5, 2.0), min_size=18, max_size=18),
+    latency=st.lists(st.floats(5.0, 15.0), min_size=18, max_size=18),
+    valid=st.lists(st.booleans(), min_size=18, max_size=18),
+)
+def test_every_chosen_star_is_a_point_drawn(
+    energy: list[float], latency: list[float], valid: list[bool]
+) -> None:
+    """Whatever the cells and their flags, each chosen setting's marker on the Pareto figure
+    sits on a point drawn for that drafter (its setting's), never apart from every point."""
+    from dvfs.analysis.targets import Target
+    from dvfs.plots.data import at_chosen, cell_means
+
+    shape = (3, 2, 1, 1, 1, 3)  # clocks, limits, batch, drafter, corpus, repeats
+    ok = np.array(valid, dtype=bool).reshape(shape)
+    ok[-1, 0, ..., :2] = True  # the reference usable: most rows have an answer
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        limits=[700.0, 300.0],
+        repeats=3,
+        energy=np.array(energy),
+        latency=np.array(latency),
+        valid=lambda c, p, b, d, k, r: bool(
+            ok[[1000, 1500, 2000].index(c), [700.0, 300.0].index(p), 0, 0, 0, r]
+        ),
+    )
+    target = Target("preserve", slack=0.3)
+    picks = headroom(cube, target=target).sel(corpus="code").transpose("batch", "drafter")
+    dims = ("batch", "drafter", "power_limit", "sm_clock")
+    drawn_e = cell_means(cube, "energy_per_token_j", dims, corpus="code")
+    drawn_l = cell_means(cube, "tpot_ms", dims, corpus="code", quantile=0.5)
+    args = ([1000, 1500, 2000], [700.0, 300.0])
+    star_e = at_chosen(picks, drawn_e, *args, picks["chosen_energy_per_token_j"].values)
+    star_l = at_chosen(picks, drawn_l, *args, picks["chosen_latency_ms"].values)
+    points = set(zip(drawn_l[0, 0].ravel().tolist(), drawn_e[0, 0].ravel().tolist(), strict=True))
+    if bool(picks["feasible"].values[0, 0]):
+        assert (float(star_l[0, 0]), float(star_e[0, 0])) in points
+    else:
+        assert np.isnan(star_e[0, 0]) and np.isnan(star_l[0, 0])
 
 
 def test_timelines_draw_every_stored_sample_and_end_at_the_last() -> None:
