@@ -213,8 +213,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     order = ("corpus", "drafter", "batch")
     saving = chosen["saving"].transpose(*order).values * 100.0
     # a row with an answer (a setting meets the target) may have no saving: with too few usable
-    # repeats at the reference there is no stock energy (an --slo answer's saving, the
-    # table's "-"); it names its setting, never a reason for an answer it has
+    # repeats at the reference there is no stock energy (an --slo or --vs-baseline answer's
+    # saving, the table's "-"); it names its setting, never a reason for an answer it has
     answered = (
         chosen["feasible"].transpose(*order).values.astype(bool)
         if "feasible" in chosen

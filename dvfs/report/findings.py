@@ -77,8 +77,8 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
     saving = [r for r in saved if not r.get("saving_within_noise")]
     noise = [r for r in saved if r.get("saving_within_noise")]
     infeasible = [r for r in rows if not r["feasible"]]
-    # an answer with no usable energy at the reference (an --slo answer, the table's "-"): its
-    # saving is unknown, not none
+    # an answer with no usable energy at the reference (an --slo or --vs-baseline answer, the
+    # table's "-"): its saving is unknown, not none
     unknown = [r for r in rows if r["feasible"] and r["saving"] is None]
     details = []
     if saving:
@@ -119,7 +119,7 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
         f"{len(saving)} of {len(rows)} {_groups(rows)} save energy below "
         f"{_at(room['reference'])} "
         f"while meeting {room['target']['description']}"
-        + (f"; {len(unknown)} of them {_meet(unknown)} it, the saving unknown." if unknown else ".")
+        + (f"; {_others(unknown)} it with the saving unknown." if unknown else ".")
     )
     swept = room.get("swept") or {}
     if rows and swept.get("sm_clock") is False and swept.get("power_limit") is False:
@@ -180,8 +180,11 @@ def _batch_trend(rows: list[dict[str, Any]], at: str) -> tuple[str, ...]:
     )
 
 
-def _meet(rows: list[dict[str, Any]]) -> str:
-    return "meets" if len(rows) == 1 else "meet"
+def _others(rows: list[dict[str, Any]]) -> str:
+    """'1 other row meets' / '2 other rows meet' (rows: those not counted as saving)."""
+    kind = "rows" if _merged(rows) else "groups"
+    one = len(rows) == 1
+    return f"{len(rows)} other {kind[:-1] if one else kind} {'meets' if one else 'meet'}"
 
 
 def _merged(rows: list[dict[str, Any]]) -> bool:
