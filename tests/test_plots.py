@@ -976,3 +976,15 @@ def test_the_headroom_map_names_an_answer_that_has_no_saving() -> None:
     assert [p.get_gid() for p in drawn] == ["unknown"]
     labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
     assert any(label.startswith("-: an answer, but no energy at stock") for label in labels)
+
+
+def test_the_headroom_map_of_a_cube_with_nothing_swept_says_so() -> None:
+    """One SM clock and one power limit: every cell is stock at 0%, which read as a finding
+    that no setting saves, where none below stock was measured (the report's finding and the
+    table's "not swept" say so). The map's title says nothing was swept; a swept one does
+    not."""
+    flat = make_cube(clocks=[1980], batches=[1, 8])
+    swept = make_cube(clocks=[1500, 1980], batches=[1, 8])
+    for cube, said in ((flat, True), (swept, False)):
+        title = draw_headroom(headroom(cube, target=TARGET)).get_suptitle()
+        assert ("nothing swept (one SM clock, one power limit)" in title) is said, title

@@ -276,10 +276,20 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     side = 0.0 if len(corpora) < rows * cols else max(3.2, widest + 0.3)
     # a search that kept one knob at stock says so: the answers are that search's
     moved = {"sm_clock": "; SM clock only", "power_limit": "; power limit only"}
+    # one SM clock and one power limit: no setting below the reference was measured, so a map
+    # of 0% would read as a finding that none saves (the report's finding says so too)
+    unswept = not any(
+        int(chosen.attrs.get(f"{knob}_swept", 1)) for knob in ("sm_clock", "power_limit")
+    )
+    nothing = (
+        "\nnothing swept (one SM clock, one power limit): no lower setting was measured"
+        if unswept
+        else ""
+    )
     title = (
         "Headroom: energy saved at the setting dvfs headroom chooses for\n"
         f"{chosen.attrs.get('target', 'the target')}"
-        f"{moved.get(str(chosen.attrs.get('knob', 'both')), '')}\n"
+        f"{moved.get(str(chosen.attrs.get('knob', 'both')), '')}{nothing}\n"
         + (
             "cell: saving, SM clock lock, and the power limit when capped"
             if clock_locked
@@ -292,7 +302,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         # colour bar's label (left-aligned where no cell has an answer) end at its right, past
         # a slot of few batches; the right margin takes what the slot lacks
         right = max(right, widest - panel_w)
-    margins = Margins(left=label_w, right=right, top=1.15, wspace=0.3, hspace=0.85, side=side)
+    top = 1.15 + (0.3 if unswept else 0.0)  # a line more of title
+    margins = Margins(left=label_w, right=right, top=top, wspace=0.3, hspace=0.85, side=side)
     labels = [
         [
             [
