@@ -189,8 +189,8 @@ def _answer_label(
     """A cell's text: the saving (after `mark`: the table's on a saving within the noise),
     then the knobs the answer sets (the clock only when locked), and where a lower setting's
     saving was set aside within the noise (`set_aside`, its saving), that saving."""
-    # no energy at the reference to save against (too few usable repeats there: an --slo
-    # answer): the table's "-", the setting still named
+    # no energy at the reference to save against (too few usable repeats there: an --slo or
+    # --vs-baseline answer): the table's "-", the setting still named
     said = f"{mark}{saving:.0f}%" if np.isfinite(saving) else UNKNOWN_SAVING
     aside = f"\n{set_aside * 100:.1f}% in noise" if np.isfinite(set_aside) else ""
     # the limit as the table, `dvfs cap plan` and the key write it (250.5 W, not 250 W)
