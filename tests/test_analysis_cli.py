@@ -304,6 +304,39 @@ def test_compare_keeps_the_accept_length_row_of_a_drafter_with_no_valid_cell(
     )
 
 
+def test_compare_names_a_drafter_with_valid_cells_but_no_accept_length(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """The small sweep's only speculative drafter (eagle3) valid everywhere but its cells
+    recording no accept length (a server that reported no speculation counters), or valid
+    cells only beside an invalid repeat at every setting (each left out whole): the
+    accept-length table vanished unsaid, as did eagle3's row of the acceptance figure. The
+    table keeps its row of "-", a note says why, and the JSON names it."""
+    from dvfs.cube import open_analysable, write_cube
+
+    cube = open_analysable(small_sweep).load()
+    eagle3 = cube["drafter"] == "eagle3"
+    unrecorded = cube.copy()
+    unrecorded["accept_length"] = cube["accept_length"].where(~eagle3)
+    flagged = cube.copy()  # repeat 1 of eagle3 invalid everywhere: no setting usable
+    flagged["valid"] = cube["valid"].where(~(eagle3 & (cube["repeat"] == 1)), 0)
+    for name, edited, key, said in (
+        ("unrecorded", unrecorded, "acceptance_not_recorded", "none records an accept length"),
+        ("flagged", flagged, "acceptance_none_usable", "every setting it was measured at has"),
+    ):
+        path = write_cube(edited, tmp_path / f"{name}.nc")
+        doc = json.loads(run("compare", str(path), "--json").output)
+        assert doc["acceptance"] == [] and doc[key] == ["eagle3"], doc
+        assert doc["acceptance_no_valid_cell"] == []
+        markdown = run("compare", str(path), "--markdown").output
+        table = markdown.split("### Mean accept length", 1)[1].split("###", 1)[0]
+        assert "| eagle3 | - | - |" in table, table
+        text = " ".join(markdown.split())
+        assert f"'eagle3' has valid cells, but {said}" in text, text
+    doc = json.loads(run("compare", str(small_sweep), "--json").output)
+    assert doc["acceptance_not_recorded"] == doc["acceptance_none_usable"] == []
+
+
 def test_compare_says_a_drafter_not_run_yet_in_a_partial_cube_is_measured_by_resuming(
     small_sweep: Path, tmp_path: Path
 ) -> None:

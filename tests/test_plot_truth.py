@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import xarray as xr
 from cubes import make_cube
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_plots import TARGET, small_cube
 
 import dvfs.plots
@@ -460,6 +462,31 @@ def test_acceptance_has_no_row_for_none_whether_measured_or_failed() -> None:
     assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
 
 
+def test_acceptance_keeps_the_row_of_a_drafter_whose_cells_record_no_accept_length() -> None:
+    """dflash, run speculating by its campaign, measured with valid cells that record no
+    accept length (a server that reported no speculation counters): its row vanished from the
+    map, as if never asked for. It keeps a row of "-", as `dvfs compare`'s table does."""
+    from dvfs.plots import draw_acceptance
+
+    cube = small_cube([1], corpora=("code", "math"))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    cube.attrs["campaign"] = json.dumps(
+        {
+            "drafters": [
+                {"name": "none", "algorithm": None},
+                {"name": "eagle3", "algorithm": "EAGLE3"},
+                {"name": "dflash", "algorithm": "DFLASH"},
+            ]
+        }
+    )
+    cube["accept_length"] = cube["accept_length"].where(cube["drafter"] != "dflash")
+    ax = draw_acceptance(cube).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["eagle3", "dflash"]
+    assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
+
+
 def test_compare_gives_the_accept_length_the_acceptance_figure_draws(tmp_path: Path) -> None:
     """`dvfs compare`'s acceptance table (and the report's sentence read off it) averaged the
     valid repeat of a setting with an invalid one, which the acceptance figure beside it
@@ -510,6 +537,99 @@ def test_the_headroom_map_names_a_power_limit_as_the_table_does() -> None:
         assert rows[0][3] == f"1980/{limit:g}", rows  # the chosen setting in the table
         texts = [t.get_text() for ax in draw_headroom(result).axes for t in ax.texts]
         assert texts == [f"20%\n1980 MHz\n{limit:g} W"], texts
+
+
+def test_the_chosen_star_sits_on_the_point_drawn_for_its_setting() -> None:
+    """Stock's third repeat flagged (its other two still the reference): headroom's chosen
+    energy is over the two repeats paired with it, the point drawn for 1500 MHz over all three
+    (the third spends 30% more). The Pareto star sat at the paired 1.06 J, 9% below the 1.17 J
+    point drawn, a point of its own below the front; on the power-limit figures alike. It sits
+    on the drawn point, as the stock diamond does."""
+    from dvfs.analysis.targets import Target
+    from dvfs.plots import draw_energy_vs_power_limit, draw_latency_vs_power_limit, draw_pareto
+
+    extra = {0: 1.0, 1: 1.0, 2: 1.3}
+    target = Target("preserve", slack=0.4)
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        repeats=3,
+        latency=lambda c, *_: 10 * 2000 / c,
+        energy=lambda c, p, b, d, k, r: (0.5 + (c / 2000) ** 2) * extra[r],
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r == 2),
+    )
+    chosen = headroom(cube, target=target)
+    row = chosen.isel(batch=0, drafter=0, corpus=0)
+    assert float(row["chosen_sm_clock"]) == 1500
+    assert float(row["chosen_energy_per_token_j"]) == pytest.approx(1.0625)  # repeats 0, 1
+
+    def marks(fig: Figure) -> dict[str, list[list[float]]]:
+        return {
+            str(c.get_gid()): np.asarray(c.get_offsets()).tolist()
+            for c in fig.axes[0].collections
+            if c.get_gid() in ("chosen", "stock")
+        }
+
+    drawn = marks(draw_pareto(cube, chosen, target, "code"))
+    assert drawn["chosen"] == [[pytest.approx(2000 * 10 / 1500), pytest.approx(1.16875)]]
+    assert drawn["stock"] == [[10.0, 1.5]]
+    # one clock and three power limits: the limit figures star the chosen limit on its point
+    capped = {700.0: 1.0, 500.0: 1.0, 300.0: 1.2}
+    limits = make_cube(
+        clocks=[1980],
+        limits=list(capped),
+        repeats=3,
+        latency=lambda c, p, *_: 10.0 * capped[p],
+        energy=lambda c, p, b, d, k, r: (0.6 if p == 500 else 1.0) * extra[r],
+        valid=lambda c, p, b, d, k, r: not (p == 700 and r == 2),
+    )
+    chosen = headroom(limits, target=target)
+    assert float(chosen["chosen_power_limit"].squeeze()) == 500
+    energy = marks(draw_energy_vs_power_limit(limits, chosen, "code"))
+    assert energy["chosen"] == [[500.0, pytest.approx(0.6 * 3.3 / 3)]]
+    latency = marks(draw_latency_vs_power_limit(limits, chosen, target, "code"))
+    assert latency["chosen"] == [[500.0, pytest.approx(10.0)]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    energy=st.lists(st.floats(0.5, 2.0), min_size=18, max_size=18),
+    latency=st.lists(st.floats(5.0, 15.0), min_size=18, max_size=18),
+    valid=st.lists(st.booleans(), min_size=18, max_size=18),
+)
+def test_every_chosen_star_is_a_point_drawn(
+    energy: list[float], latency: list[float], valid: list[bool]
+) -> None:
+    """Whatever the cells and their flags, each chosen setting's marker on the Pareto figure
+    sits on a point drawn for that drafter (its setting's), never apart from every point."""
+    from dvfs.analysis.targets import Target
+    from dvfs.plots.data import at_chosen, cell_means
+
+    shape = (3, 2, 1, 1, 1, 3)  # clocks, limits, batch, drafter, corpus, repeats
+    ok = np.array(valid, dtype=bool).reshape(shape)
+    ok[-1, 0, ..., :2] = True  # the reference usable: most rows have an answer
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        limits=[700.0, 300.0],
+        repeats=3,
+        energy=np.array(energy),
+        latency=np.array(latency),
+        valid=lambda c, p, b, d, k, r: bool(
+            ok[[1000, 1500, 2000].index(c), [700.0, 300.0].index(p), 0, 0, 0, r]
+        ),
+    )
+    target = Target("preserve", slack=0.3)
+    picks = headroom(cube, target=target).sel(corpus="code").transpose("batch", "drafter")
+    dims = ("batch", "drafter", "power_limit", "sm_clock")
+    drawn_e = cell_means(cube, "energy_per_token_j", dims, corpus="code")
+    drawn_l = cell_means(cube, "tpot_ms", dims, corpus="code", quantile=0.5)
+    args = ([1000, 1500, 2000], [700.0, 300.0])
+    star_e = at_chosen(picks, drawn_e, *args, picks["chosen_energy_per_token_j"].values)
+    star_l = at_chosen(picks, drawn_l, *args, picks["chosen_latency_ms"].values)
+    points = set(zip(drawn_l[0, 0].ravel().tolist(), drawn_e[0, 0].ravel().tolist(), strict=True))
+    if bool(picks["feasible"].values[0, 0]):
+        assert (float(star_l[0, 0]), float(star_e[0, 0])) in points
+    else:
+        assert np.isnan(star_e[0, 0]) and np.isnan(star_l[0, 0])
 
 
 def test_timelines_draw_every_stored_sample_and_end_at_the_last() -> None:
@@ -573,6 +693,42 @@ def test_a_panel_with_no_valid_cell_says_so_rather_than_stay_blank() -> None:
     }
     for name, titles in empty.items():
         assert {title for title, notes in said[name].items() if notes} == titles, said[name]
+
+
+def test_a_drafter_with_valid_cells_beside_invalid_repeats_is_not_said_to_have_none() -> None:
+    """eagle3's second repeat flagged at every setting of batch 8 (its first valid): each
+    setting is left out whole, as headroom never chooses it, and the panels said "no valid
+    cell at any setting: eagle3", where `dvfs cube info` counts its valid cells. They say
+    why instead: an invalid repeat at every setting (at the reference, too few valid repeats);
+    a drafter with no valid cell is still said to have none."""
+    cube = small_cube([1, 8], corpora=("code",), repeats=2)
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    flagged = (cube["drafter"] == "eagle3") & (cube["batch"] == 8) & (cube["repeat"] == 1)
+    cube["valid"] = cube["valid"].where(~flagged, 0.0)
+    cube["valid"] = cube["valid"].where(~((cube["drafter"] == "dflash") & (cube["batch"] == 8)), 0)
+    notes = {
+        name: {
+            ax.get_title(): " ".join(" ".join(t.get_text() for t in ax.texts).split())
+            for ax in fig.axes
+            if ax.get_title().startswith("batch 8")
+        }
+        for name, fig in figures(cube, TARGET)
+        if name in ("energy_vs_clock_code", "pareto_code")
+    }
+    for name, said in notes.items():
+        assert said["batch 8"] == (
+            "no valid cell at any setting: dflash an invalid repeat at every setting: eagle3"
+        ), (name, said)
+    # the batch figure at the reference: eagle3 valid there in one repeat of two everywhere
+    cube["valid"] = cube["valid"].where(~((cube["drafter"] == "eagle3") & (cube["repeat"] == 1)), 0)
+    from dvfs.plots import draw_energy_vs_batch
+
+    fig = draw_energy_vs_batch(cube)
+    assert fig is not None
+    said = " ".join(" ".join(t.get_text() for t in fig.axes[0].texts).split())
+    assert said == "too few valid repeats at stock: eagle3", said
 
 
 def test_a_panel_missing_a_drafter_names_it_rather_than_drop_it_silently() -> None:

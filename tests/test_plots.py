@@ -438,6 +438,33 @@ def test_the_headroom_map_says_why_a_cell_has_no_answer() -> None:
         assert any(t.endswith("MHz") for t in texts)  # none's cell has its answer
 
 
+def test_a_steady_power_reads_as_watts_and_level() -> None:
+    """A power steady at 240.875-240.895 W through the window: the axis spanned those 0.02 W
+    with ticks 0.0750 ... 0.0950 under a "+2.408e2" offset, which reads as a GPU drawing
+    0.09 W, and stretched its last digits into a sawtooth the height of the panel. Every tick
+    says its watts, and the axis spans at least 10 W, so a level power is drawn level."""
+    cube = small_cube([1, 8], corpora=("code",)).isel(power_limit=[0])  # no cap line drawn
+    ramp = 240.875 + 0.02 * (np.arange(cube.sizes["sample"]) % 2)
+    cube["timeline_power_w"] = cube["timeline_power_w"] * 0 + ramp
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    assert fig is not None
+    fig.canvas.draw()
+    power = [ax for ax in fig.axes if ax.get_ylabel() == "GPU power (W)"]
+    assert len(power) == 2
+    for ax in power:
+        low, high = ax.get_ylim()
+        assert high - low >= 10.0 and low < 240.875 and high > 240.895, (low, high)
+        assert ax.yaxis.get_major_formatter().get_offset() == ""
+        labels = [float(t.get_text().replace("\u2212", "-")) for t in ax.get_yticklabels()]
+        assert labels and all(230 < v < 251 for v in labels), labels  # watts, not 0.09
+    # an energy alike at every clock to the third decimal: each tick its whole joules
+    flat = make_cube(clocks=CLOCKS, energy=lambda c, *_: 1.4095 + 1e-7 * c)
+    fig = draw_energy_vs_clock(flat, "code")
+    fig.canvas.draw()
+    assert fig.axes[0].yaxis.get_major_formatter().get_offset() == ""
+    assert all(t.get_text().startswith("1.4") for t in fig.axes[0].get_yticklabels())
+
+
 def _timeline_labels(cube: xr.Dataset) -> list[str]:
     fig = draw_timelines(cube, headroom(cube, target=TARGET))
     assert fig is not None
@@ -918,3 +945,46 @@ def test_a_power_limit_only_campaign_draws_energy_and_latency_against_the_limit(
     for corpus in corpora:
         assert f"energy_vs_power_limit_{corpus}.png" in report
         assert f"latency_vs_power_limit_{corpus}.png" in report
+
+
+def test_the_headroom_map_names_an_answer_that_has_no_saving() -> None:
+    """With --slo, a row whose reference has too few usable repeats still has an answer (a
+    setting meets the absolute limit) but no stock energy to save against: the table reads
+    `-` for its saving and names the setting. The map said "none feasible" there, as if no
+    setting met the target, and its bar "no cell has an answer"."""
+    from matplotlib.patches import Rectangle
+
+    from dvfs.analysis.targets import parse_slo
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        repeats=3,
+        latency=lambda c, *_: 10.0 * 2000 / c,  # 20, 13.3 and 10 ms: 1500 MHz meets 16 ms
+        energy=lambda c, *_: 0.5 + (c / 2000) ** 2,
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r >= 1),  # one usable stock repeat
+    )
+    result = headroom(cube, target=parse_slo("tpot_p50<=16ms"))
+    row = headroom_table_rows(headroom_document(result, cube))[1][0]
+    assert row[3] == "1500/700" and row[7] == "-", row  # the table: the setting, no saving
+    fig = draw_headroom(result)
+    texts = [" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts]
+    assert "- 1500 MHz" in texts, texts
+    assert not any("feasible" in t or "no cell has an answer" in t for t in texts), texts
+    # drawn as an answer, not in the grey of a cell without one, and the key says what "-" is
+    drawn = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_gid()]
+    assert [p.get_gid() for p in drawn] == ["unknown"]
+    labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+    assert any(label.startswith("-: an answer, but no energy at stock") for label in labels)
+
+
+def test_the_headroom_map_of_a_cube_with_nothing_swept_says_so() -> None:
+    """One SM clock and one power limit: every cell is stock at 0%, which read as a finding
+    that no setting saves, where none below stock was measured (the report's finding and the
+    table's "not swept" say so). The map's title says nothing was swept; a swept one does
+    not."""
+    flat = make_cube(clocks=[1980], batches=[1, 8])
+    swept = make_cube(clocks=[1500, 1980], batches=[1, 8])
+    for cube, said in ((flat, True), (swept, False)):
+        title = draw_headroom(headroom(cube, target=TARGET)).get_suptitle()
+        assert ("nothing swept (one SM clock, one power limit)" in title) is said, title

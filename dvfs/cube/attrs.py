@@ -47,6 +47,19 @@ def merged_sources(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
     return {str(k): v for k, v in sources.items() if isinstance(v, dict)}
 
 
+def speculative_drafters(cube: xr.Dataset) -> set[str]:
+    """The drafters the cube's campaign runs with a speculative algorithm: each should have an
+    accept length. None known where the cube does not record its campaign."""
+    try:
+        campaign = json.loads(str(cube.attrs.get("campaign", "")) or "{}")
+        drafters = campaign.get("drafters") or []
+        return {
+            str(d["name"]) for d in drafters if str(d.get("algorithm") or "none").lower() != "none"
+        }
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return set()
+
+
 def plain_drafters(cube: xr.Dataset) -> set[str]:
     """The drafters the cube's campaign (its "campaign" attribute) runs without speculation
     (no algorithm, or "none"): they have no accept length to show, measured or not. None

@@ -12,7 +12,7 @@ import numpy as np
 
 from dvfs.analysis.headroom import reference_setting
 from dvfs.plots.curves import measured_colors
-from dvfs.plots.data import cell_means
+from dvfs.plots.data import cell_means, flagged_drafters
 from dvfs.plots.style import (
     ENERGY_LABEL,
     Margins,
@@ -106,11 +106,17 @@ def draw_energy_vs_batch(cube: xr.Dataset, usable: xr.DataArray | None = None) -
             if np.all(np.isnan(energy[c, d])):
                 continue
             ax.plot(batches, energy[c, d], color=colors[drafter], **line_style(drafter))
+        missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(energy[c, i]))]
+        ref = reference_setting(cube)
+        # valid cells at the reference, but too few usable repeats there to be the reference
+        flagged = flagged_drafters(
+            cube, missing, corpus=corpus, sm_clock=ref.sm_clock, power_limit=ref.power_limit
+        )
+        few = f"too few valid repeats at {at}"
         if np.all(np.isnan(energy[c])):
-            say_nothing_drawn(ax, f"no valid cell at {at}")
+            say_nothing_drawn(ax, few if flagged else f"no valid cell at {at}")
         else:  # the lines fall from the upper left: its right is free
-            missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(energy[c, i]))]
-            say_not_drawn(ax, missing, f"no valid cell at {at}", "upper right")
+            say_not_drawn(ax, missing, f"no valid cell at {at}", "upper right", flagged, few)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         # 1-2-5 ticks, labelled, and no minor ticks: readable, and each tick is a few artists

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dvfs.analysis.headroom import reference_setting
-from dvfs.plots.data import cell_means, pareto_front, usable_mask
+from dvfs.plots.data import at_chosen, cell_means, flagged_drafters, pareto_front, usable_mask
 from dvfs.plots.style import (
     CHOSEN_STYLE,
     ENERGY_LABEL,
@@ -44,6 +44,9 @@ PANEL_W_IN = 3.7
 PANEL_H_IN = 3.0
 DIMS = ("batch", "drafter", "power_limit", "sm_clock")
 
+
+#: A panel with valid cells but no point: each setting has an invalid repeat beside them.
+NO_SETTING = "no setting without an invalid repeat"
 
 #: `dvfs headroom`'s choice: the least energy meeting the target of the settings that save
 #: beyond the measurement noise (and stock), not always the least energy meeting it.
@@ -162,11 +165,12 @@ def draw_energy_vs_clock(
                 )
         stock_y = energy[b, :, p_stock, c_stock]
         ax.scatter(np.full(len(drafters), ref.sm_clock), stock_y, gid="stock", **STOCK_STYLE)
+        missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(energy[b, i]))]
+        flagged = flagged_drafters(cube, missing, corpus=corpus, batch=batch)
         if np.all(np.isnan(energy[b])):
-            say_nothing_drawn(ax, "no valid cell at any setting")
+            say_nothing_drawn(ax, NO_SETTING if flagged else "no valid cell at any setting")
         else:  # U-shaped curves: the space above their dip is free
-            missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(energy[b, i]))]
-            say_not_drawn(ax, missing, "no valid cell at any setting", "upper center")
+            say_not_drawn(ax, missing, "no valid cell at any setting", "upper center", flagged)
         ax.set_title(f"batch {batch}")
         tidy(ax, "SM clock lock (MHz)")
     place_legend(panels, handles)
@@ -201,9 +205,10 @@ def draw_pareto(
     )
     p_stock, c_stock = limits.index(ref.power_limit), clocks.index(ref.sm_clock)
     picks = chosen.sel(corpus=corpus).transpose("batch", "drafter")
-    feasible = picks["feasible"].values
-    chosen_lat = np.where(feasible, picks["chosen_latency_ms"].values, np.nan)
-    chosen_energy = np.where(feasible, picks["chosen_energy_per_token_j"].values, np.nan)
+    chosen_lat = at_chosen(picks, latency, clocks, limits, picks["chosen_latency_ms"].values)
+    chosen_energy = at_chosen(
+        picks, energy, clocks, limits, picks["chosen_energy_per_token_j"].values
+    )
     drafter_rgb = [colors[d] for d in drafters]
     handles = [
         *color_handles(measured_colors(colors, energy, latency)),
@@ -242,11 +247,12 @@ def draw_pareto(
         )
         ax.scatter(chosen_lat[b], chosen_energy[b], color=drafter_rgb, gid="chosen", **CHOSEN_STYLE)
         unpaired = np.isnan(energy[b]) | np.isnan(latency[b])  # no point to draw
+        missing = [d for i, d in enumerate(drafters) if np.all(unpaired[i])]
+        flagged = flagged_drafters(cube, missing, corpus=corpus, batch=batch)
         if np.all(unpaired):
-            say_nothing_drawn(ax, "no valid cell at any setting")
+            say_nothing_drawn(ax, NO_SETTING if flagged else "no valid cell at any setting")
         else:  # slow and costly is where no front lies
-            missing = [d for i, d in enumerate(drafters) if np.all(unpaired[i])]
-            say_not_drawn(ax, missing, "no valid cell at any setting", "upper right")
+            say_not_drawn(ax, missing, "no valid cell at any setting", "upper right", flagged)
         ax.set_title(f"batch {batch}")
         tidy(ax, f"{target.metric.upper()} {target.quantile_name} (ms)")
     place_legend(panels, handles)

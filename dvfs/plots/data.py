@@ -3,6 +3,7 @@ energy-latency Pareto front. Pure functions; no matplotlib here."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,6 +22,15 @@ def usable_mask(cube: xr.Dataset) -> xr.DataArray:
     return valid_mask(cube) & ~ruled_out_settings(cube)
 
 
+def flagged_drafters(cube: xr.Dataset, drafters: Sequence[str], **sel: Any) -> list[str]:
+    """Of `drafters` (those a panel draws no point of), the ones with a valid cell where the
+    panel looks (`sel`: its corpus, batch, setting): each such setting was left out for an
+    invalid repeat beside its valid ones, not for want of a valid cell."""
+    valid = valid_mask(cube).sel(**sel)
+    has = valid.any([d for d in valid.dims if d != "drafter"])
+    return [d for d in drafters if bool(has.sel(drafter=d))]
+
+
 def cell_means(
     cube: xr.Dataset,
     name: str,
@@ -35,6 +45,32 @@ def cell_means(
     usable = usable_mask(cube) if usable is None else usable
     values = cube[name].where(usable).sel(**sel).mean("repeat")
     return np.asarray(values.transpose(*dims).values, dtype=float)
+
+
+def at_chosen(
+    picks: xr.Dataset,
+    values: np.ndarray,
+    clocks: Sequence[float],
+    limits: Sequence[float],
+    fallback: np.ndarray,
+) -> np.ndarray:
+    """`values` (axes batch, drafter, power limit, clock: as a figure draws them) at each
+    (batch, drafter)'s chosen setting in `picks` (headroom's, of one corpus, axes batch and
+    drafter), NaN where none meets the target: the marker of a setting sits on the point drawn
+    for it. Headroom's own value (`fallback`) stands only where no point is drawn there. (Its
+    chosen energy and latency are over the repeats paired with the reference, the saving's: a
+    repeat flagged at the reference alone would set the marker apart from every point.)"""
+    feasible = picks["feasible"].values.astype(bool)
+    clock = picks["chosen_sm_clock"].values
+    limit = picks["chosen_power_limit"].values
+    clock_at = {float(c): i for i, c in enumerate(clocks)}
+    limit_at = {float(p): i for i, p in enumerate(limits)}
+    out = np.full(feasible.shape, np.nan)
+    for idx in zip(*np.nonzero(feasible), strict=True):
+        ci, pi = clock_at.get(float(clock[idx])), limit_at.get(float(limit[idx]))
+        drawn = values[(*idx, pi, ci)] if ci is not None and pi is not None else np.nan
+        out[idx] = drawn if np.isfinite(drawn) else fallback[idx]
+    return out
 
 
 def pareto_front(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 MISSING_COLOR = "#d9d9d9"
+#: A cell's saving where the row has an answer but no energy at the reference to divide by.
+UNKNOWN_SAVING = "-"
+UNKNOWN_CELL: dict[str, Any] = {"facecolor": "white", "edgecolor": MISSING_COLOR, "lw": 1.3}
 CAP_OUTLINE: dict[str, Any] = {"fill": False, "edgecolor": "black", "linestyle": "--", "lw": 1.3}
 
 
@@ -78,12 +81,17 @@ def _heat_axes(ax: Axes, cols: list[str], rows: list[str] | None, xlabel: str) -
 
 
 def _colorbar_and_key(
-    panels: Panels, image: Any, label: str, key: list[Any], values: np.ndarray
+    panels: Panels,
+    image: Any,
+    label: str,
+    key: list[Any],
+    values: np.ndarray,
+    empty: str = "no cell has an answer",
 ) -> None:
     """One colourbar for the whole figure, and the key below it: in the free grid slot, else
     in the side column. The bar spans the values the cells hold: where they all hold one
     value it is that value's colour alone, ticked at it (a 0-1 bar would show a range no cell
-    has); where no cell has a value there is no bar, and a line says so."""
+    has); where no cell has a value there is no bar, and a line says so (`empty`)."""
     fig = panels.fig
     box = panels.spare
     if box is None:
@@ -95,7 +103,7 @@ def _colorbar_and_key(
         box.set_axis_off()
     finite = np.unique(values[np.isfinite(values)])
     if finite.size == 0:
-        box.text(0.0, 0.85, f"{label}:\nno cell has an answer", va="center", fontsize=9)
+        box.text(0.0, 0.85, f"{label}:\n{empty}", va="center", fontsize=9)
     elif finite.size == 1:
         (v,) = finite
         cax = box.inset_axes((0.0, 0.8, 0.9, 0.1))
@@ -181,7 +189,9 @@ def _answer_label(
     """A cell's text: the saving (after `mark`: the table's on a saving within the noise),
     then the knobs the answer sets (the clock only when locked), and where a lower setting's
     saving was set aside within the noise (`set_aside`, its saving), that saving."""
-    said = f"{mark}{saving:.0f}%"
+    # no energy at the reference to save against (too few usable repeats there: an --slo or
+    # --vs-baseline answer): the table's "-", the setting still named
+    said = f"{mark}{saving:.0f}%" if np.isfinite(saving) else UNKNOWN_SAVING
     aside = f"\n{set_aside * 100:.1f}% in noise" if np.isfinite(set_aside) else ""
     # the limit as the table, `dvfs cap plan` and the key write it (250.5 W, not 250 W)
     if not clock_locked:
@@ -202,6 +212,15 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     batches = [str(int(b)) for b in chosen["batch"].values]
     order = ("corpus", "drafter", "batch")
     saving = chosen["saving"].transpose(*order).values * 100.0
+    # a row with an answer (a setting meets the target) may have no saving: with too few usable
+    # repeats at the reference there is no stock energy (an --slo or --vs-baseline answer's
+    # saving, the table's "-"); it names its setting, never a reason for an answer it has
+    answered = (
+        chosen["feasible"].transpose(*order).values.astype(bool)
+        if "feasible" in chosen
+        else np.isfinite(saving)
+    )
+    unknown = answered & ~np.isfinite(saving)
     clock = chosen["chosen_sm_clock"].transpose(*order).values
     limit = chosen["chosen_power_limit"].transpose(*order).values
     stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
@@ -228,12 +247,16 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     # not "unlocked": observe-only keeps a lock set outside dvfs.
     clock_locked = bool(int(chosen.attrs.get("sm_clock_locked", 1)))
     why = _no_answer_labels(chosen, order)
+    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
     norm = shared_norm([saving])
     cmap = _cmap("Greens")
     key = [
         Patch(label=f"power limit capped below {stock_limit:g} W", **CAP_OUTLINE),
         Patch(facecolor=MISSING_COLOR, label="no answer (the cell says why)"),
     ]
+    if unknown.any():
+        no_saving = f"{UNKNOWN_SAVING}: an answer, but no energy at {versus} to save against"
+        key.append(Patch(label=no_saving, **UNKNOWN_CELL))
     if (noise & np.isfinite(saving)).any():
         within = f"{NOISE_MARK}: saving within the noise"
         key.append(Patch(facecolor="none", edgecolor="none", label=within))
@@ -243,7 +266,6 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
 
     rows, cols = grid_shape(len(corpora))
     label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
-    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
     bar_label = f"energy saved vs {versus} (%)"
     # the side column (no free slot) holds the colour bar and the key: as wide as its widest
     # line, from 0.15 in into the column ("x% in noise: ..." ran past the figure's edge)
@@ -254,10 +276,20 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     side = 0.0 if len(corpora) < rows * cols else max(3.2, widest + 0.3)
     # a search that kept one knob at stock says so: the answers are that search's
     moved = {"sm_clock": "; SM clock only", "power_limit": "; power limit only"}
+    # one SM clock and one power limit: no setting below the reference was measured, so a map
+    # of 0% would read as a finding that none saves (the report's finding says so too)
+    unswept = not any(
+        int(chosen.attrs.get(f"{knob}_swept", 1)) for knob in ("sm_clock", "power_limit")
+    )
+    nothing = (
+        "\nnothing swept (one SM clock, one power limit): no lower setting was measured"
+        if unswept
+        else ""
+    )
     title = (
         "Headroom: energy saved at the setting dvfs headroom chooses for\n"
         f"{chosen.attrs.get('target', 'the target')}"
-        f"{moved.get(str(chosen.attrs.get('knob', 'both')), '')}\n"
+        f"{moved.get(str(chosen.attrs.get('knob', 'both')), '')}{nothing}\n"
         + (
             "cell: saving, SM clock lock, and the power limit when capped"
             if clock_locked
@@ -270,12 +302,13 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         # colour bar's label (left-aligned where no cell has an answer) end at its right, past
         # a slot of few batches; the right margin takes what the slot lacks
         right = max(right, widest - panel_w)
-    margins = Margins(left=label_w, right=right, top=1.15, wspace=0.3, hspace=0.85, side=side)
+    top = 1.15 + (0.3 if unswept else 0.0)  # a line more of title
+    margins = Margins(left=label_w, right=right, top=top, wspace=0.3, hspace=0.85, side=side)
     labels = [
         [
             [
                 why[k, i, j]
-                if not np.isfinite(saving[k, i, j])
+                if not answered[k, i, j]
                 else _answer_label(
                     saving[k, i, j],
                     clock[k, i, j],
@@ -304,13 +337,16 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
             ax.imshow(np.ma.masked_invalid(saving[k]), cmap=cmap, norm=norm, aspect="auto")
         )
         _label_cells(ax, saving[k], labels[k], (cmap, norm), 7.5)
+        for i, j in zip(*np.nonzero(unknown[k]), strict=True):  # an answer: not grey
+            ax.add_patch(Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, gid="unknown", **UNKNOWN_CELL))
         for i, j in zip(*np.nonzero(capped[k]), strict=True):
             ax.add_patch(Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, gid="cap", **CAP_OUTLINE))
         _heat_axes(ax, batches, drafters if k % cols == 0 else None, "batch")
         if k % cols == 0:
             ax.set_ylabel("drafter")
         ax.set_title(f"corpus {corpus}")
-    _colorbar_and_key(panels, images[0], bar_label, key, saving)
+    empty = "no answer has a saving" if answered.any() else "no cell has an answer"
+    _colorbar_and_key(panels, images[0], bar_label, key, saving, empty)
     suptitle(panels.fig, title)
     return panels.fig
 
@@ -333,10 +369,14 @@ def draw_acceptance(cube: xr.Dataset, usable: xr.DataArray | None = None) -> Fig
     # A drafter the campaign runs without speculation (none) has no row, measured or failed.
     measured = usable.any([d for d in usable.dims if d != "drafter"])
     unmeasured = ~measured.sel(drafter=table["drafter"]).values
-    from dvfs.cube.attrs import plain_drafters
+    from dvfs.cube.attrs import plain_drafters, speculative_drafters
 
     plain = plain_drafters(cube)
     unmeasured &= np.array([str(d) not in plain for d in table["drafter"].values], dtype=bool)
+    # One the campaign runs speculating whose usable cells record no accept length (a server
+    # that reported no speculation counters) keeps its row of "-" too, as `dvfs compare` does.
+    speculative = speculative_drafters(cube)
+    unmeasured |= np.array([str(d) in speculative for d in table["drafter"].values], dtype=bool)
     keep = ~np.all(np.isnan(values), axis=1)
     if not keep.any():
         return None

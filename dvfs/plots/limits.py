@@ -13,7 +13,7 @@ import numpy as np
 from dvfs.analysis.headroom import reference_setting
 from dvfs.cube.knobs import swept_knobs
 from dvfs.plots.curves import CHOSEN_LABEL, DIMS, corpus_panels, measured_colors, tidy
-from dvfs.plots.data import cell_means, usable_mask
+from dvfs.plots.data import at_chosen, cell_means, flagged_drafters, usable_mask
 from dvfs.plots.style import (
     CHOSEN_STYLE,
     ENERGY_LABEL,
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from dvfs.analysis.targets import Target
 
 LIMIT_LABEL = "power limit (W)"
+#: A panel with valid cells but no point: each limit has an invalid repeat beside them.
+NO_LIMIT = "no power limit without an invalid repeat"
 TARGET_LABEL = "target (dotted, each drafter's colour)"
 
 
@@ -77,8 +79,9 @@ def _draw(
     targets: np.ndarray | None,
 ) -> Figure:
     """Each drafter's `values` (batch, drafter, power limit, clock) against the power limit at
-    the reference clock, the reference ringed, `chosen_values` (batch, drafter) starred at the
-    chosen limit, `targets` (batch, drafter; None: none) dotted."""
+    the reference clock, the reference ringed, the chosen setting starred on its point
+    (`chosen_values`, headroom's (batch, drafter), where none is drawn), `targets` (batch,
+    drafter; None: none) dotted."""
     from matplotlib.lines import Line2D
 
     ref = reference_setting(cube)
@@ -92,7 +95,7 @@ def _draw(
     picks = chosen.sel(corpus=corpus).transpose("batch", "drafter")
     feasible = picks["feasible"].values
     chosen_limit = np.where(feasible, picks["chosen_power_limit"].values, np.nan)
-    chosen_y = np.where(feasible, chosen_values, np.nan)
+    chosen_y = at_chosen(picks, values, clocks, limits.tolist(), chosen_values)
     order = np.argsort(limits)
     handles = [
         *color_handles(measured_colors(colors, values)),
@@ -129,11 +132,19 @@ def _draw(
             gid="chosen",
             **CHOSEN_STYLE,
         )
+        missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(at_clock[b, i]))]
+        flagged = flagged_drafters(cube, missing, corpus=corpus, batch=batch, sm_clock=ref.sm_clock)
         if np.all(np.isnan(at_clock[b])):
-            say_nothing_drawn(ax, "no valid cell at any power limit")
+            say_nothing_drawn(ax, NO_LIMIT if flagged else "no valid cell at any power limit")
         else:
-            missing = [d for i, d in enumerate(drafters) if np.all(np.isnan(at_clock[b, i]))]
-            say_not_drawn(ax, missing, "no valid cell at any power limit", "upper center")
+            say_not_drawn(
+                ax,
+                missing,
+                "no valid cell at any power limit",
+                "upper center",
+                flagged,
+                "an invalid repeat at every power limit",
+            )
         ax.set_title(f"batch {batch}")
         tidy(ax, LIMIT_LABEL)
         ax.set_ylabel(ylabel)

@@ -43,6 +43,9 @@ RC: dict[str, Any] = {
     "axes.spines.top": False,
     "axes.spines.right": False,
     "lines.linewidth": 1.5,
+    # every tick says its whole value: an offset ("+2.408e2" in a corner, ticks 0.075 to
+    # 0.095) read as a GPU drawing 0.09 W
+    "axes.formatter.useoffset": False,
     "figure.dpi": DPI,
     "savefig.dpi": DPI,
 }
@@ -448,21 +451,38 @@ NOTE_CORNERS: dict[str, tuple[float, float, str, str]] = {
 }
 
 
-def say_not_drawn(ax: Axes, drafters: Sequence[str], why: str, corner: str) -> None:
+#: Why a drafter with valid cells has no point: each setting's valid repeats sit beside an
+#: invalid one, which leaves the setting out whole, as headroom never chooses it.
+FLAGGED_WHY = "an invalid repeat at every setting"
+
+
+def say_not_drawn(
+    ax: Axes,
+    drafters: Sequence[str],
+    why: str,
+    corner: str,
+    flagged: Sequence[str] = (),
+    flagged_why: str = FLAGGED_WHY,
+) -> None:
     """Name the drafters of the cube a panel has no point of while it draws others ("no
     valid cell at any setting: ngram"), in `corner` (NOTE_CORNERS: where the figure's data
     seldom are). A line missing from one panel beside panels that draw it under one legend,
     or from a whole figure whose legend then leaves it out, would read as a drafter never
-    asked for, where the headroom map names each such cell's reason. Nothing for none."""
+    asked for, where the headroom map names each such cell's reason. Nothing for none.
+    Of `drafters`, those also in `flagged` have valid cells, none drawn (`flagged_drafters`):
+    they are named for `flagged_why`, not for wanting a valid cell."""
+    plain = [d for d in drafters if d not in flagged]
+    flagged = [d for d in drafters if d in flagged]
     if not drafters:
         return
     import textwrap
 
     x, y, ha, va = NOTE_CORNERS[corner]
+    said = [(why, plain), (flagged_why, flagged)]
     ax.text(
         x,
         y,
-        textwrap.fill(f"{why}: {', '.join(drafters)}", 36),
+        "\n".join(textwrap.fill(f"{w}: {', '.join(ds)}", 36) for w, ds in said if ds),
         transform=ax.transAxes,
         ha=ha,
         va=va,

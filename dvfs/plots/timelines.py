@@ -23,6 +23,7 @@ from dvfs.plots.style import (
 
 if TYPE_CHECKING:
     import xarray as xr
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 SETTING_LINESTYLES = {"stock": "-", "chosen": "--"}
@@ -105,6 +106,19 @@ def stored_samples(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray
         cell["timeline_power_w"].values[keep],
         cell["timeline_sm_clock_mhz"].values[keep],
     )
+
+
+#: The least span of a power axis (W): a power steady within a watt or so is drawn level, not
+#: stretched over the whole axis as a sawtooth of its last digits.
+MIN_POWER_SPAN_W = 10.0
+
+
+def level_power_axis(ax: Axes) -> None:
+    """Widen a power axis spanning less than MIN_POWER_SPAN_W to that span, around its data."""
+    low, high = ax.get_ylim()
+    if high - low < MIN_POWER_SPAN_W:
+        middle = (low + high) / 2
+        ax.set_ylim(middle - MIN_POWER_SPAN_W / 2, middle + MIN_POWER_SPAN_W / 2)
 
 
 @styled
@@ -211,6 +225,7 @@ def draw_timelines(
             )
         else:  # the lines run level above the idle power at the window's end
             say_not_drawn(power_ax, not_drawn, "no valid cell with a timeline", "lower center")
+        level_power_axis(power_ax)
         power_ax.set_title(f"batch {batch}, corpus {corpus}")
         power_ax.set_ylabel("GPU power (W)")
         clock_ax.set_ylabel("SM clock (MHz)")

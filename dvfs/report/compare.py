@@ -160,6 +160,8 @@ def compare_document(
         "acceptance": acceptance,
         # speculative drafters with no valid cell: no accept length, named rather than left out
         "acceptance_no_valid_cell": _no_valid_cell(cmp, cube, baseline),
+        # and those with valid cells but no accept length in the cells the table averages
+        **_no_accept_length(cmp, cube, baseline, acceptance),
         "coverage": coverage(cube),
         **shards_of(cube),
         **models_left(cube),  # the GPU models a fleet's cells left are on, if some only
@@ -193,6 +195,40 @@ def _no_valid_cell(cmp: xr.Dataset, cube: xr.Dataset, baseline: str) -> list[str
         for d in cmp["drafter"].values
         if str(d) != baseline and str(d) not in plain and not bool(measured.sel(drafter=d))
     ]
+
+
+def _no_accept_length(
+    cmp: xr.Dataset, cube: xr.Dataset, baseline: str, acceptance: list[dict[str, Any]]
+) -> dict[str, list[str]]:
+    """The drafters besides the baseline the campaign runs speculating that have valid cells
+    but no accept length in any corpus, named rather than left out of the accept-length table
+    unsaid (its figure keeps their row of "-"): `acceptance_none_usable`, those whose every
+    setting measured has an invalid repeat (left out whole, as headroom leaves it), and
+    `acceptance_not_recorded`, those whose usable cells record none (a server that reported no
+    speculation counters, or rounds that cut requests off). Empty for a cube without accept
+    lengths or a campaign."""
+    from dvfs.analysis.headroom import ruled_out_settings, valid_mask
+    from dvfs.cube.attrs import speculative_drafters
+
+    if "accept_length" not in cmp:
+        return {}
+    valid = valid_mask(cube)
+    usable = valid & ~ruled_out_settings(cube)
+    others = [d for d in valid.dims if d != "drafter"]
+    has_valid, has_usable = valid.any(others), usable.any(others)
+    with_value = {a["drafter"] for a in acceptance}
+    lacking = [
+        str(d)
+        for d in cmp["drafter"].values
+        if str(d) != baseline
+        and str(d) in speculative_drafters(cube)
+        and str(d) not in with_value
+        and bool(has_valid.sel(drafter=d))
+    ]
+    return {
+        "acceptance_none_usable": [d for d in lacking if not bool(has_usable.sel(drafter=d))],
+        "acceptance_not_recorded": [d for d in lacking if bool(has_usable.sel(drafter=d))],
+    }
 
 
 def _roofline_document(roof: xr.Dataset) -> dict[str, Any]:
@@ -313,6 +349,26 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             f"{'has' if one else 'have'} no valid cell{' ' + where if waiting else ''}, so no "
             f"accept length (- in {'its row' if one else 'their rows'}): {why}"
         )
+    for key, why in (
+        (
+            "acceptance_none_usable",
+            "valid cells, but every setting it was measured at has an invalid repeat, which "
+            "leaves it out whole as headroom does: `dvfs cube info` names the flags",
+        ),
+        (
+            "acceptance_not_recorded",
+            "valid cells, but none records an accept length (the server reported no "
+            "speculation counters, or rounds cut requests off)",
+        ),
+    ):
+        lacking = doc.get(key) or []
+        if lacking:
+            one = len(lacking) == 1
+            notes.append(
+                f"accept length: {', '.join(repr(d) for d in lacking)} "
+                f"{'has' if one else 'have'} {why}, so no accept length "
+                f"(- in {'its row' if one else 'their rows'})"
+            )
     dropped = [
         r
         for r in doc["rows"]
@@ -540,7 +596,11 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
         ],
     )
     tables = [energy, even]
-    unmeasured = doc.get("acceptance_no_valid_cell") or []
+    unmeasured = [
+        *(doc.get("acceptance_no_valid_cell") or []),
+        *(doc.get("acceptance_none_usable") or []),
+        *(doc.get("acceptance_not_recorded") or []),
+    ]
     if doc["acceptance"] or unmeasured:
         # the cube's order; the rows' where no drafter has an accept length
         corpora = list(dict.fromkeys(a["corpus"] for a in doc["acceptance"] or doc["rows"]))

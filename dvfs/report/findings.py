@@ -77,6 +77,9 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
     saving = [r for r in saved if not r.get("saving_within_noise")]
     noise = [r for r in saved if r.get("saving_within_noise")]
     infeasible = [r for r in rows if not r["feasible"]]
+    # an answer with no usable energy at the reference (an --slo or --vs-baseline answer, the
+    # table's "-"): its saving is unknown, not none
+    unknown = [r for r in rows if r["feasible"] and r["saving"] is None]
     details = []
     if saving:
         best = max(saving, key=lambda r: r["saving"])
@@ -97,6 +100,12 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
             "is within the measurement noise (no setting that saves beyond it, nor "
             f"{_at(room['reference'])}, meets the target): no saving is shown to exist there."
         )
+    if unknown:
+        details.append(
+            f"At {_named([_where(r) for r in unknown])} a setting meets the target, but "
+            f"{_at(room['reference'])} has no usable energy to save against (too few usable "
+            "repeats there, or none), so its saving is unknown (the headroom table's -)."
+        )
     # Each row without an answer with the headroom table's reason and what would give it one:
     # "no setting meets the target" only where settings were judged over it.
     for reason, advice, group in no_answer_groups(infeasible, room["target"].get("mode"), room):
@@ -109,7 +118,8 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
     headline = (
         f"{len(saving)} of {len(rows)} {_groups(rows)} save energy below "
         f"{_at(room['reference'])} "
-        f"while meeting {room['target']['description']}."
+        f"while meeting {room['target']['description']}"
+        + (f"; {_others(unknown)} it with the saving unknown." if unknown else ".")
     )
     swept = room.get("swept") or {}
     if rows and swept.get("sm_clock") is False and swept.get("power_limit") is False:
@@ -127,7 +137,14 @@ def energy_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding
     rows = [r for r in room["rows"] if r["stock_energy_per_token_j"] is not None]
     at = _at(room["reference"])
     if not rows:
-        return Finding(f"No cell at {at} was measured: no energy there to report.", (), figures)
+        # measured but unusable is not unmeasured: flagged, failed, or one usable repeat of
+        # several (an energy there needs two), as the headroom table's rows say
+        return Finding(
+            f"No energy at {at} to report: none of its cells is usable (not measured yet, "
+            "failed, flagged invalid, or too few usable repeats).",
+            (),
+            figures,
+        )
     low = min(rows, key=lambda r: r["stock_energy_per_token_j"])
     high = max(rows, key=lambda r: r["stock_energy_per_token_j"])
     least, most = (f"{r['stock_energy_per_token_j']:.4g}" for r in (low, high))
@@ -161,6 +178,13 @@ def _batch_trend(rows: list[dict[str, Any]], at: str) -> tuple[str, ...]:
         f"From the smallest to the largest batch measured, energy per token at {at} falls for "
         f"{falls} of {len(pairs)} {what} (batches {lo} to {hi}).",
     )
+
+
+def _others(rows: list[dict[str, Any]]) -> str:
+    """'1 other row meets' / '2 other rows meet' (rows: those not counted as saving)."""
+    kind = "rows" if _merged(rows) else "groups"
+    one = len(rows) == 1
+    return f"{len(rows)} other {kind[:-1] if one else kind} {'meets' if one else 'meet'}"
 
 
 def _merged(rows: list[dict[str, Any]]) -> bool:
