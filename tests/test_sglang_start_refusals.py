@@ -970,3 +970,48 @@ def test_cublas_failing_to_allocate_is_out_of_memory() -> None:
     # Its other statuses (a library or driver that does not match) are no refusal.
     other = log.replace("CUBLAS_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ARCH_MISMATCH")
     assert start_refusal(other, DRAFTER, ["--cuda-graph-max-bs", "8"], 2) is None
+
+
+def test_a_warm_up_frame_without_the_autotune_is_no_autotune_out_of_memory() -> None:
+    """0.5.23's runner `warmup` (base_runner.py, run as its decode graph capture begins) also
+    sets up FlashInfer's allreduce workspaces and the model's resources, for a dense model with
+    no autotune at all: out of memory there, at a --log-level above info (no log line says how
+    far it came), is its CUDA graphs', not the autotune's. Before, the frame's name `warmup`
+    alone told --disable-flashinfer-autotune, which changes nothing there."""
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB."
+    frames = [
+        '  File "/sglang/srt/managers/scheduler.py", line 2900, in run_scheduler_process',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 420, in initialize',
+        '  File "/sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py", '
+        "line 710, in capture_decode_graph",
+        '  File "/sglang/srt/model_executor/runner/decode_cuda_graph_runner.py", line 1250, '
+        "in capture",
+        '  File "/sglang/srt/model_executor/runner/decode_cuda_graph_runner.py", line 1256, '
+        "in _capture",
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 255, in warmup',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 267, in _warmup',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 330, in '
+        "_pre_initialize_flashinfer_allreduce_workspace",
+        '  File "/sglang/srt/layers/flashinfer_comm_fusion.py", line 120, in '
+        "pre_initialize_workspaces",
+    ]
+    log = "\n".join(
+        [
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            *frames,
+            f"torch.OutOfMemoryError: {oom}",
+        ]
+    )
+    launch = ["--cuda-graph-max-bs-decode", "64", "--log-level", "warning"]
+    refusal = start_refusal(log, DRAFTER, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its CUDA graphs, outside its static memory"
+    ), refusal
+    assert "autotune" not in refusal.fix, refusal.fix
+    assert refusal.fix.endswith("(dvfs sets --cuda-graph-max-bs-decode to it)"), refusal.fix
+    # The autotune's own frame below the warm-up's still tells it.
+    tuned = log.replace("_pre_initialize_flashinfer_allreduce_workspace", "_flashinfer_autotune")
+    refusal = start_refusal(tuned, DRAFTER, launch, 2)
+    assert refusal is not None and "--disable-flashinfer-autotune" in refusal.fix, refusal
