@@ -550,6 +550,30 @@ def test_an_unset_static_memory_fraction_is_reported_as_sglang_resolves_it(
         assert args["mem_fraction_static"] == fraction, devices
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_static_fraction_reserves_what_sglang_reserves_for_each_flag(
+    stub_module: ModuleType, version: str
+) -> None:
+    """SGLang's reserve on an H100 (81559 MiB) as the launch's flags change it: without
+    chunked prefill (--chunked-prefill-size -1) the activations of a --max-prefill-tokens
+    prefill (16384: 512 + 24576 + 128 + 512, 0.685; 0.5.23's prefill graphs hold no token
+    size); 0.5.9 keeps its decode graphs' share with --disable-cuda-graph (0.835) and adds 8
+    MiB per piecewise graph token size with --enable-piecewise-cuda-graph (58: 0.830). Before,
+    the stub reserved 2048 tokens' activations without chunked prefill (0.874), and for 0.5.9
+    dropped the decode share with graphs off (0.841) and had no piecewise share (0.835)."""
+    no_chunk = _resolve(stub_module, version, "--chunked-prefill-size", "-1")
+    assert no_chunk["mem_fraction_static"] == 0.685
+    small = _resolve(
+        stub_module, version, "--chunked-prefill-size", "-1", "--max-prefill-tokens", "4096"
+    )
+    assert small["mem_fraction_static"] == 0.874  # the 10 GiB floor
+    if version != "0.5.9":
+        return
+    assert _resolve(stub_module, version, "--disable-cuda-graph")["mem_fraction_static"] == 0.835
+    piecewise = _resolve(stub_module, version, "--enable-piecewise-cuda-graph")
+    assert piecewise["mem_fraction_static"] == 0.83
+
+
 def test_dflash_defaults_on_0523(stub_module: ModuleType) -> None:
     """DFLASH forces one step, topk 1, and a 16-token block unless told otherwise."""
     args = _resolve(stub_module, "0.5.23", "--speculative-algorithm", "DFLASH")
