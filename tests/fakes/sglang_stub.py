@@ -196,7 +196,9 @@ the max (given, else 256 below TP 4 and 512 from it, and in 0.5.23 no more than 
 ``--max-running-requests``; 0.5.23 captures the max itself too), a finer ladder when
 speculating; 0.5.9 reports them as
 ``cuda_graph_bs`` / ``cuda_graph_max_bs``, 0.5.23 as ``cuda_graph_config`` (``decode`` and
-``prefill``: backend, max_bs, bs; the prefill token buckets are left None).  0.5.9 turns the
+``prefill``: backend, max_bs, bs; the prefill token buckets are left None, its max_bs the
+chunked prefill size unless given, no more than a given ``--max-total-tokens``, 4096 for a
+Llama 2).  0.5.9 turns the
 overlap scheduler off (``disable_overlap_schedule``) for NGRAM and for the EAGLE family (on
 instead with env ``SGLANG_ENABLE_SPEC_V2`` true), and mixed chunked prefill
 (``enable_mixed_chunk``) off for every algorithm; 0.5.23 keeps the overlap scheduler and turns
@@ -1085,6 +1087,15 @@ def _resolve_graphs(args: dict[str, Any], version: str) -> None:
     off = bool(args.get("disable_cuda_graph"))
     decode_off = off or bool(args.get("disable_decode_cuda_graph"))
     prefill_off = off or bool(args.get("disable_prefill_cuda_graph"))
+    prefill_max = args.get("cuda_graph_max_bs_prefill")
+    if not prefill_max:
+        # The chunked prefill size, no more than a given --max-total-tokens, and 4096 for a
+        # Llama 2 (0.5.23 arg_groups/memory_hook.py `handle_gpu_memory_settings`).
+        prefill_max = args["chunked_prefill_size"]
+        if args.get("max_total_tokens") is not None:
+            prefill_max = min(prefill_max, args["max_total_tokens"])
+        if "llama-2" in str(args["model_path"]).lower():
+            prefill_max = min(prefill_max, 4096)
     args["cuda_graph_config"] = {
         "decode": {
             "backend": args.get("cuda_graph_backend_decode")
@@ -1095,7 +1106,7 @@ def _resolve_graphs(args: dict[str, Any], version: str) -> None:
         "prefill": {
             "backend": args.get("cuda_graph_backend_prefill")
             or ("disabled" if prefill_off else "breakable"),
-            "max_bs": args.get("cuda_graph_max_bs_prefill") or args["chunked_prefill_size"],
+            "max_bs": prefill_max,
             "bs": args.get("cuda_graph_bs_prefill"),
         },
     }
