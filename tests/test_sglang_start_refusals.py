@@ -973,21 +973,19 @@ def test_cublas_failing_to_allocate_is_out_of_memory() -> None:
 
 
 def test_a_warm_up_frame_without_the_autotune_is_no_autotune_out_of_memory() -> None:
-    """0.5.23's runner `warmup` (base_runner.py, run as its decode graph capture begins) also
-    sets up FlashInfer's allreduce workspaces and the model's resources, for a dense model with
-    no autotune at all: out of memory there, at a --log-level above info (no log line says how
-    far it came), is its CUDA graphs', not the autotune's. Before, the frame's name `warmup`
-    alone told --disable-flashinfer-autotune, which changes nothing there."""
+    """0.5.23's runner `warmup` (base_runner.py, run once by the eager runner as its CUDA graph
+    setup begins) also sets up FlashInfer's allreduce workspaces and the model's resources, for
+    a dense model with no autotune at all: out of memory there, at a --log-level above info (no
+    log line says how far it came), is its CUDA graph setup's, not the autotune's. Before, the
+    frame's name `warmup` alone told --disable-flashinfer-autotune, which changes nothing
+    there."""
     oom = "CUDA out of memory. Tried to allocate 2.00 GiB."
     frames = [
         '  File "/sglang/srt/managers/scheduler.py", line 2900, in run_scheduler_process',
-        '  File "/sglang/srt/model_executor/model_runner.py", line 420, in initialize',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 1192, in init_cuda_graphs',
         '  File "/sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py", '
-        "line 710, in capture_decode_graph",
-        '  File "/sglang/srt/model_executor/runner/decode_cuda_graph_runner.py", line 1250, '
-        "in capture",
-        '  File "/sglang/srt/model_executor/runner/decode_cuda_graph_runner.py", line 1256, '
-        "in _capture",
+        "line 416, in capture_cuda_graphs",
+        '  File "/sglang/srt/model_executor/runner/eager_runner.py", line 153, in __init__',
         '  File "/sglang/srt/model_executor/runner/base_runner.py", line 255, in warmup',
         '  File "/sglang/srt/model_executor/runner/base_runner.py", line 267, in _warmup',
         '  File "/sglang/srt/model_executor/runner/base_runner.py", line 330, in '

@@ -481,8 +481,9 @@ def _frame_stage(frames: Sequence[tuple[str, str]], draft: bool) -> str | None:
             stage = "draft" if drafting else "weights"
         elif "autotune" in name or "autotune" in func:
             # FlashInfer's autotune itself (0.5.9 `_flashinfer_autotune`, 0.5.23
-            # flashinfer_autotune.py), not any warm-up: 0.5.23's runner `warmup` also sets up
-            # allreduce workspaces and model resources, as its decode graph capture begins.
+            # flashinfer_autotune.py), not any warm-up: 0.5.23's runner `warmup` (run once by
+            # the eager runner as its CUDA graph setup begins) also sets up allreduce
+            # workspaces and model resources.
             stage = "warmup"
         elif "cuda_graph" in name or func in _GRAPH_FUNCS:
             stage = "prefill" if "prefill" in name or "piecewise" in name else "graph"
