@@ -1013,3 +1013,38 @@ def test_a_warm_up_frame_without_the_autotune_is_no_autotune_out_of_memory() -> 
     tuned = log.replace("_pre_initialize_flashinfer_allreduce_workspace", "_flashinfer_autotune")
     refusal = start_refusal(tuned, DRAFTER, launch, 2)
     assert refusal is not None and "--disable-flashinfer-autotune" in refusal.fix, refusal
+
+
+def test_a_draft_named_in_the_install_path_is_no_draft_model_loading() -> None:
+    """Where no log line says how far a start came (a --log-level above info), the traceback's
+    frames tell whose weights were loading by SGLang's own modules (its speculative workers),
+    not by the folders SGLang is installed under: a virtual environment in
+    /home/me/draft-study/ running out of memory loading the target's weights of an EAGLE3
+    server is the target's, told more GPUs or a smaller model. Before, the word "draft" in
+    every frame's path made it the draft model's, told to lower --mem-fraction-static."""
+    root = "/home/me/draft-study/.venv/lib/python3.11/site-packages"
+    log = "\n".join(
+        [
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            f'  File "{root}/sglang/srt/managers/scheduler.py", line 2900, in '
+            "run_scheduler_process",
+            f'  File "{root}/sglang/srt/model_executor/model_runner.py", line 500, in load_model',
+            f'  File "{root}/sglang/srt/model_loader/loader.py", line 380, in load_model',
+            f'  File "{root}/torch/nn/modules/module.py", line 1340, in to',
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.",
+        ]
+    )
+    eagle = DrafterSpec("eagle3", algorithm="EAGLE3", draft_model="draft/eagle3")
+    launch = ["--cuda-graph-max-bs-decode", "8", "--log-level", "warning"]
+    refusal = start_refusal(log, eagle, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == "the GPUs ran out of memory loading the weights", refusal
+    # Through SGLang's own speculative worker, the draft model's as before.
+    drafting = log.replace(
+        'model_runner.py", line 500',
+        'speculative/eagle_worker_v2.py", line 120, in __init__\n'
+        f'  File "{root}/sglang/srt/model_executor/model_runner.py", line 500',
+    )
+    refusal = start_refusal(drafting, eagle, launch, 2)
+    assert refusal is not None and "loading the draft model draft/eagle3" in refusal.why, refusal

@@ -465,12 +465,21 @@ def _frames(lines: Sequence[str], at: int) -> list[tuple[str, str]]:
     ]
 
 
+def _module_path(path: str) -> str:
+    """A frame's file as SGLang's own module path below sglang/srt/ ("model_loader/loader.py"),
+    else its file name alone: the folders it is installed under (a virtual environment in
+    /home/me/draft-study/) say nothing of where it failed."""
+    path = "/" + path.replace("\\", "/")
+    at = path.rfind("/sglang/srt/")
+    return path[at + len("/sglang/srt/") :] if at >= 0 else path.rsplit("/", 1)[-1]
+
+
 def _frame_stage(frames: Sequence[tuple[str, str]], draft: bool) -> str | None:
     """How far a start came, by the innermost frame of its traceback that tells (where its
     log, at a --log-level above info, says nothing of it): "before" (its tensor-parallel
     communicators being set up), "weights" or "draft", "warmup", "graph" or "prefill", "after"
     (its KV cache being sized); None: no frame tells."""
-    paths = [(path.replace("\\", "/"), func) for path, func in frames]
+    paths = [(_module_path(path), func) for path, func in frames]
     drafting = draft and any(w in path for path, _ in paths for w in _DRAFT_WORKERS)
     stage = None
     for path, func in paths:
