@@ -1048,3 +1048,41 @@ def test_a_draft_named_in_the_install_path_is_no_draft_model_loading() -> None:
     )
     refusal = start_refusal(drafting, eagle, launch, 2)
     assert refusal is not None and "loading the draft model draft/eagle3" in refusal.why, refusal
+
+
+def test_a_function_named_capture_outside_the_graph_runners_is_no_graph_capture() -> None:
+    """`capture` names more than the graph runners' capture in SGLang 0.5.23: an EAGLE3
+    target's forward captures its auxiliary hidden states (layers/aux_hidden_states.py, a
+    clone each), also in the kernel warm-up's autotune forward. Out of memory there, at a
+    --log-level above info, is the autotune's (told --disable-flashinfer-autotune). Before,
+    the innermost `capture` frame made it a CUDA graph capture's, told its decode graph flag."""
+    eagle = DrafterSpec("eagle3", algorithm="EAGLE3", draft_model="draft/eagle3")
+    frames = [
+        '  File "/sglang/srt/managers/scheduler.py", line 2900, in run_scheduler_process',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 1192, in init_cuda_graphs',
+        '  File "/sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py", '
+        "line 416, in capture_cuda_graphs",
+        '  File "/sglang/srt/model_executor/runner/eager_runner.py", line 153, in __init__',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 255, in warmup',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 281, in _warmup',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 340, in '
+        "_flashinfer_autotune",
+        '  File "/sglang/srt/model_executor/runner/flashinfer_autotune.py", line 380, in '
+        "run_flashinfer_autotune_forward",
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 520, in _dummy_run',
+        '  File "/sglang/srt/models/qwen3_moe.py", line 900, in forward',
+        '  File "/sglang/srt/layers/aux_hidden_states.py", line 26, in capture',
+    ]
+    log = "\n".join(
+        [
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            *frames,
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 640.00 MiB.",
+        ]
+    )
+    launch = ["--max-running-requests", "64", "--cuda-graph-max-bs-decode", "64"]
+    refusal = start_refusal(log, eagle, [*launch, "--log-level", "warning"], 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert "warming up its kernels (FlashInfer autotune)" in refusal.why, refusal
+    assert "--disable-flashinfer-autotune" in refusal.fix, refusal.fix

@@ -156,10 +156,11 @@ _DISTRIBUTED_FUNCS = frozenset(
 )
 #: Where a draft model's weights load (speculative workers).
 _DRAFT_WORKERS = ("eagle_worker", "standalone_worker", "draft")
-#: Where the CUDA graphs are captured (model_runner.py; 0.5.23's cuda_graph_setup.py).
-_GRAPH_FUNCS = frozenset(
-    {"init_device_graphs", "init_cuda_graphs", "init_piecewise_cuda_graphs", "capture"}
-)
+#: Where the CUDA graphs are captured (model_runner.py, the speculative workers; the graph
+#: runners' own files, *cuda_graph*.py, tell it by their names). Not `capture` alone, which
+#: names more than a graph's capture in 0.5.23 (an EAGLE3 target's auxiliary hidden states in
+#: every forward, routed experts, the overlapped weight load).
+_GRAPH_FUNCS = frozenset({"init_device_graphs", "init_cuda_graphs", "init_piecewise_cuda_graphs"})
 #: Where the KV cache is sized (after the weights loaded).
 _POOL_FILES = frozenset({"pool_configurator.py", "kv_cache_configurator.py"})
 
