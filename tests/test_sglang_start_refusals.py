@@ -970,3 +970,119 @@ def test_cublas_failing_to_allocate_is_out_of_memory() -> None:
     # Its other statuses (a library or driver that does not match) are no refusal.
     other = log.replace("CUBLAS_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ARCH_MISMATCH")
     assert start_refusal(other, DRAFTER, ["--cuda-graph-max-bs", "8"], 2) is None
+
+
+def test_a_warm_up_frame_without_the_autotune_is_no_autotune_out_of_memory() -> None:
+    """0.5.23's runner `warmup` (base_runner.py, run once by the eager runner as its CUDA graph
+    setup begins) also sets up FlashInfer's allreduce workspaces and the model's resources, for
+    a dense model with no autotune at all: out of memory there, at a --log-level above info (no
+    log line says how far it came), is its CUDA graph setup's, not the autotune's. Before, the
+    frame's name `warmup` alone told --disable-flashinfer-autotune, which changes nothing
+    there."""
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB."
+    frames = [
+        '  File "/sglang/srt/managers/scheduler.py", line 2900, in run_scheduler_process',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 1192, in init_cuda_graphs',
+        '  File "/sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py", '
+        "line 416, in capture_cuda_graphs",
+        '  File "/sglang/srt/model_executor/runner/eager_runner.py", line 153, in __init__',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 255, in warmup',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 267, in _warmup',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 330, in '
+        "_pre_initialize_flashinfer_allreduce_workspace",
+        '  File "/sglang/srt/layers/flashinfer_comm_fusion.py", line 120, in '
+        "pre_initialize_workspaces",
+    ]
+    log = "\n".join(
+        [
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            *frames,
+            f"torch.OutOfMemoryError: {oom}",
+        ]
+    )
+    launch = ["--cuda-graph-max-bs-decode", "64", "--log-level", "warning"]
+    refusal = start_refusal(log, DRAFTER, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == (
+        "the GPUs ran out of memory capturing its CUDA graphs, outside its static memory"
+    ), refusal
+    assert "autotune" not in refusal.fix, refusal.fix
+    assert refusal.fix.endswith("(dvfs sets --cuda-graph-max-bs-decode to it)"), refusal.fix
+    # The autotune's own frame below the warm-up's still tells it.
+    tuned = log.replace("_pre_initialize_flashinfer_allreduce_workspace", "_flashinfer_autotune")
+    refusal = start_refusal(tuned, DRAFTER, launch, 2)
+    assert refusal is not None and "--disable-flashinfer-autotune" in refusal.fix, refusal
+
+
+def test_a_draft_named_in_the_install_path_is_no_draft_model_loading() -> None:
+    """Where no log line says how far a start came (a --log-level above info), the traceback's
+    frames tell whose weights were loading by SGLang's own modules (its speculative workers),
+    not by the folders SGLang is installed under: a virtual environment in
+    /home/me/draft-study/ running out of memory loading the target's weights of an EAGLE3
+    server is the target's, told more GPUs or a smaller model. Before, the word "draft" in
+    every frame's path made it the draft model's, told to lower --mem-fraction-static."""
+    root = "/home/me/draft-study/.venv/lib/python3.11/site-packages"
+    log = "\n".join(
+        [
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            f'  File "{root}/sglang/srt/managers/scheduler.py", line 2900, in '
+            "run_scheduler_process",
+            f'  File "{root}/sglang/srt/model_executor/model_runner.py", line 500, in load_model',
+            f'  File "{root}/sglang/srt/model_loader/loader.py", line 380, in load_model',
+            f'  File "{root}/torch/nn/modules/module.py", line 1340, in to',
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.",
+        ]
+    )
+    eagle = DrafterSpec("eagle3", algorithm="EAGLE3", draft_model="draft/eagle3")
+    launch = ["--cuda-graph-max-bs-decode", "8", "--log-level", "warning"]
+    refusal = start_refusal(log, eagle, launch, 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert refusal.why == "the GPUs ran out of memory loading the weights", refusal
+    # Through SGLang's own speculative worker, the draft model's as before.
+    drafting = log.replace(
+        'model_runner.py", line 500',
+        'speculative/eagle_worker_v2.py", line 120, in __init__\n'
+        f'  File "{root}/sglang/srt/model_executor/model_runner.py", line 500',
+    )
+    refusal = start_refusal(drafting, eagle, launch, 2)
+    assert refusal is not None and "loading the draft model draft/eagle3" in refusal.why, refusal
+
+
+def test_a_function_named_capture_outside_the_graph_runners_is_no_graph_capture() -> None:
+    """`capture` names more than the graph runners' capture in SGLang 0.5.23: an EAGLE3
+    target's forward captures its auxiliary hidden states (layers/aux_hidden_states.py, a
+    clone each), also in the kernel warm-up's autotune forward. Out of memory there, at a
+    --log-level above info, is the autotune's (told --disable-flashinfer-autotune). Before,
+    the innermost `capture` frame made it a CUDA graph capture's, told its decode graph flag."""
+    eagle = DrafterSpec("eagle3", algorithm="EAGLE3", draft_model="draft/eagle3")
+    frames = [
+        '  File "/sglang/srt/managers/scheduler.py", line 2900, in run_scheduler_process',
+        '  File "/sglang/srt/model_executor/model_runner.py", line 1192, in init_cuda_graphs',
+        '  File "/sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py", '
+        "line 416, in capture_cuda_graphs",
+        '  File "/sglang/srt/model_executor/runner/eager_runner.py", line 153, in __init__',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 255, in warmup',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 281, in _warmup',
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 340, in '
+        "_flashinfer_autotune",
+        '  File "/sglang/srt/model_executor/runner/flashinfer_autotune.py", line 380, in '
+        "run_flashinfer_autotune_forward",
+        '  File "/sglang/srt/model_executor/runner/base_runner.py", line 520, in _dummy_run',
+        '  File "/sglang/srt/models/qwen3_moe.py", line 900, in forward',
+        '  File "/sglang/srt/layers/aux_hidden_states.py", line 26, in capture',
+    ]
+    log = "\n".join(
+        [
+            "[2026-02-14 02:07:50 TP0] Scheduler hit an exception: Traceback (most recent call "
+            "last):",
+            *frames,
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 640.00 MiB.",
+        ]
+    )
+    launch = ["--max-running-requests", "64", "--cuda-graph-max-bs-decode", "64"]
+    refusal = start_refusal(log, eagle, [*launch, "--log-level", "warning"], 2)
+    assert refusal is not None and refusal.memory, refusal
+    assert "warming up its kernels (FlashInfer autotune)" in refusal.why, refusal
+    assert "--disable-flashinfer-autotune" in refusal.fix, refusal.fix

@@ -550,6 +550,48 @@ def test_an_unset_static_memory_fraction_is_reported_as_sglang_resolves_it(
         assert args["mem_fraction_static"] == fraction, devices
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_static_fraction_reserves_what_sglang_reserves_for_each_flag(
+    stub_module: ModuleType, version: str
+) -> None:
+    """SGLang's reserve on an H100 (81559 MiB) as the launch's flags change it: without
+    chunked prefill (--chunked-prefill-size -1) the activations of a --max-prefill-tokens
+    prefill (16384: 512 + 24576 + 128 + 512, 0.685; 0.5.23's prefill graphs hold no token
+    size); 0.5.9 keeps its decode graphs' share with --disable-cuda-graph (0.835) and adds 8
+    MiB per piecewise graph token size with --enable-piecewise-cuda-graph (58: 0.830). Before,
+    the stub reserved 2048 tokens' activations without chunked prefill (0.874), and for 0.5.9
+    dropped the decode share with graphs off (0.841) and had no piecewise share (0.835)."""
+    no_chunk = _resolve(stub_module, version, "--chunked-prefill-size", "-1")
+    assert no_chunk["mem_fraction_static"] == 0.685
+    small = _resolve(
+        stub_module, version, "--chunked-prefill-size", "-1", "--max-prefill-tokens", "4096"
+    )
+    assert small["mem_fraction_static"] == 0.874  # the 10 GiB floor
+    if version != "0.5.9":
+        return
+    assert _resolve(stub_module, version, "--disable-cuda-graph")["mem_fraction_static"] == 0.835
+    piecewise = _resolve(stub_module, version, "--enable-piecewise-cuda-graph")
+    assert piecewise["mem_fraction_static"] == 0.83
+
+
+def test_0523_prefill_graphs_hold_no_more_tokens_than_the_kv_pool(stub_module: ModuleType) -> None:
+    """0.5.23 caps its prefill CUDA graphs' largest token size (the chunked prefill size unless
+    --cuda-graph-max-bs-prefill is given) at a given --max-total-tokens, and at 4096 for a
+    Llama 2, before it sizes the static fraction by them: with --max-total-tokens 1024 it
+    captures 38 token sizes (a 13744 MiB reserve on an H100: 0.831). Before, the stub reported
+    8192 and reserved for 58 sizes (0.830)."""
+    capped = _resolve(stub_module, "0.5.23", "--max-total-tokens", "1024")
+    assert capped["cuda_graph_config"]["prefill"]["max_bs"] == 1024
+    assert capped["mem_fraction_static"] == 0.831
+    cfg = stub_module.StubConfig(version="0.5.23")
+    llama2, _ = stub_module.parse_launch_argv(["--model-path", "meta-llama/Llama-2-7b-hf"], cfg)
+    assert llama2["cuda_graph_config"]["prefill"]["max_bs"] == 4096
+    given = _resolve(
+        stub_module, "0.5.23", "--max-total-tokens", "1024", "--cuda-graph-max-bs-prefill", "2048"
+    )
+    assert given["cuda_graph_config"]["prefill"]["max_bs"] == 2048
+
+
 def test_dflash_defaults_on_0523(stub_module: ModuleType) -> None:
     """DFLASH forces one step, topk 1, and a 16-token block unless told otherwise."""
     args = _resolve(stub_module, "0.5.23", "--speculative-algorithm", "DFLASH")

@@ -156,10 +156,11 @@ _DISTRIBUTED_FUNCS = frozenset(
 )
 #: Where a draft model's weights load (speculative workers).
 _DRAFT_WORKERS = ("eagle_worker", "standalone_worker", "draft")
-#: Where the CUDA graphs are captured (model_runner.py; 0.5.23's cuda_graph_setup.py).
-_GRAPH_FUNCS = frozenset(
-    {"init_device_graphs", "init_cuda_graphs", "init_piecewise_cuda_graphs", "capture"}
-)
+#: Where the CUDA graphs are captured (model_runner.py, the speculative workers; the graph
+#: runners' own files, *cuda_graph*.py, tell it by their names). Not `capture` alone, which
+#: names more than a graph's capture in 0.5.23 (an EAGLE3 target's auxiliary hidden states in
+#: every forward, routed experts, the overlapped weight load).
+_GRAPH_FUNCS = frozenset({"init_device_graphs", "init_cuda_graphs", "init_piecewise_cuda_graphs"})
 #: Where the KV cache is sized (after the weights loaded).
 _POOL_FILES = frozenset({"pool_configurator.py", "kv_cache_configurator.py"})
 
@@ -465,12 +466,21 @@ def _frames(lines: Sequence[str], at: int) -> list[tuple[str, str]]:
     ]
 
 
+def _module_path(path: str) -> str:
+    """A frame's file as SGLang's own module path below sglang/srt/ ("model_loader/loader.py"),
+    else its file name alone: the folders it is installed under (a virtual environment in
+    /home/me/draft-study/) say nothing of where it failed."""
+    path = "/" + path.replace("\\", "/")
+    at = path.rfind("/sglang/srt/")
+    return path[at + len("/sglang/srt/") :] if at >= 0 else path.rsplit("/", 1)[-1]
+
+
 def _frame_stage(frames: Sequence[tuple[str, str]], draft: bool) -> str | None:
     """How far a start came, by the innermost frame of its traceback that tells (where its
     log, at a --log-level above info, says nothing of it): "before" (its tensor-parallel
     communicators being set up), "weights" or "draft", "warmup", "graph" or "prefill", "after"
     (its KV cache being sized); None: no frame tells."""
-    paths = [(path.replace("\\", "/"), func) for path, func in frames]
+    paths = [(_module_path(path), func) for path, func in frames]
     drafting = draft and any(w in path for path, _ in paths for w in _DRAFT_WORKERS)
     stage = None
     for path, func in paths:
@@ -479,7 +489,11 @@ def _frame_stage(frames: Sequence[tuple[str, str]], draft: bool) -> str | None:
             stage = "before"
         elif func in ("load_model", "load_weights") or "model_loader/" in path:
             stage = "draft" if drafting else "weights"
-        elif "autotune" in name or "warmup" in name or "autotune" in func or func == "warmup":
+        elif "autotune" in name or "autotune" in func:
+            # FlashInfer's autotune itself (0.5.9 `_flashinfer_autotune`, 0.5.23
+            # flashinfer_autotune.py), not any warm-up: 0.5.23's runner `warmup` (run once by
+            # the eager runner as its CUDA graph setup begins) also sets up allreduce
+            # workspaces and model resources.
             stage = "warmup"
         elif "cuda_graph" in name or func in _GRAPH_FUNCS:
             stage = "prefill" if "prefill" in name or "piecewise" in name else "graph"

@@ -196,7 +196,9 @@ the max (given, else 256 below TP 4 and 512 from it, and in 0.5.23 no more than 
 ``--max-running-requests``; 0.5.23 captures the max itself too), a finer ladder when
 speculating; 0.5.9 reports them as
 ``cuda_graph_bs`` / ``cuda_graph_max_bs``, 0.5.23 as ``cuda_graph_config`` (``decode`` and
-``prefill``: backend, max_bs, bs; the prefill token buckets are left None).  0.5.9 turns the
+``prefill``: backend, max_bs, bs; the prefill token buckets are left None, its max_bs the
+chunked prefill size unless given, no more than a given ``--max-total-tokens``, 4096 for a
+Llama 2).  0.5.9 turns the
 overlap scheduler off (``disable_overlap_schedule``) for NGRAM and for the EAGLE family (on
 instead with env ``SGLANG_ENABLE_SPEC_V2`` true), and mixed chunked prefill
 (``enable_mixed_chunk``) off for every algorithm; 0.5.23 keeps the overlap scheduler and turns
@@ -244,9 +246,11 @@ the first cell, with ``foreign_from_request`` past the last request).
 Memory: an unset ``--mem-fraction-static`` is resolved and reported as SGLang resolves it
 (0.5.9 server_args.py ``_handle_gpu_memory_settings``, 0.5.23 arg_groups/memory_hook.py
 ``handle_gpu_memory_settings``): (GPU memory - reserved) / GPU memory, rounded to 3 places, the
-reserve (MiB) 512, 1.5 per token of the chunked prefill (at least 2048), 128 per
-tensor-parallel rank, 2 per decode CUDA-graph batch size of the largest, in 0.5.23 8 per prefill
-CUDA-graph token size (unless that graph is disabled), at least 10 GiB on a GPU above 60 GiB;
+reserve (MiB) 512, 1.5 per token of the chunked prefill (at least 2048; without chunked
+prefill, of ``--max-prefill-tokens``), 128 per tensor-parallel rank, 2 per decode CUDA-graph
+batch size of the largest (0.5.9: with ``--disable-cuda-graph`` too), 8 per prefill-side
+CUDA-graph token size (0.5.23's prefill graph unless disabled, 0.5.9's piecewise one with
+``--enable-piecewise-cuda-graph``), at least 10 GiB on a GPU above 60 GiB;
 0.5.9 then adds 6 GiB for a STANDALONE drafter and 2 GiB for the others but NGRAM. The GPU is
 the smallest of the fake NVML's devices (``DVFS_FAKE_NVML_STATE``: SGLang reads every GPU's
 memory), else an H100 SXM's 81559 MiB.
@@ -1083,6 +1087,15 @@ def _resolve_graphs(args: dict[str, Any], version: str) -> None:
     off = bool(args.get("disable_cuda_graph"))
     decode_off = off or bool(args.get("disable_decode_cuda_graph"))
     prefill_off = off or bool(args.get("disable_prefill_cuda_graph"))
+    prefill_max = args.get("cuda_graph_max_bs_prefill")
+    if not prefill_max:
+        # The chunked prefill size, no more than a given --max-total-tokens, and 4096 for a
+        # Llama 2 (0.5.23 arg_groups/memory_hook.py `handle_gpu_memory_settings`).
+        prefill_max = args["chunked_prefill_size"]
+        if args.get("max_total_tokens") is not None:
+            prefill_max = min(prefill_max, args["max_total_tokens"])
+        if "llama-2" in str(args["model_path"]).lower():
+            prefill_max = min(prefill_max, 4096)
     args["cuda_graph_config"] = {
         "decode": {
             "backend": args.get("cuda_graph_backend_decode")
@@ -1093,7 +1106,7 @@ def _resolve_graphs(args: dict[str, Any], version: str) -> None:
         "prefill": {
             "backend": args.get("cuda_graph_backend_prefill")
             or ("disabled" if prefill_off else "breakable"),
-            "max_bs": args.get("cuda_graph_max_bs_prefill") or args["chunked_prefill_size"],
+            "max_bs": prefill_max,
             "bs": args.get("cuda_graph_bs_prefill"),
         },
     }
@@ -1172,10 +1185,18 @@ def _resolve_memory(args: dict[str, Any], version: str, gpu_mib: int) -> None:
     if args.get("mem_fraction_static") is not None:
         return
     tp, pp = int(args.get("tp_size") or 1), int(args.get("pp_size") or 1)
-    reserved = 512 + max(int(args["chunked_prefill_size"]), 2048) * 1.5 + tp * pp / 8 * 1024
+    chunked = int(args["chunked_prefill_size"])
+    # Without chunked prefill (-1), a prefill of up to --max-prefill-tokens tokens.
+    activation = chunked if chunked > 0 else int(args.get("max_prefill_tokens") or 16384)
+    reserved = 512 + max(activation, 2048) * 1.5 + tp * pp / 8 * 1024
     if version == "0.5.9":
-        if not args.get("disable_cuda_graph"):
-            reserved += int(args["cuda_graph_max_bs"]) * 2
+        # Its decode graphs' share even with --disable-cuda-graph (0.5.9 reserves it always).
+        reserved += int(args["cuda_graph_max_bs"]) * 2
+        if args.get("enable_piecewise_cuda_graph"):
+            tokens = args.get("piecewise_cuda_graph_tokens") or prefill_graph_tokens(
+                int(args["piecewise_cuda_graph_max_tokens"])
+            )
+            reserved += len(tokens) * 8
     else:
         graphs = args["cuda_graph_config"]
         if graphs["decode"]["backend"] != "disabled":
