@@ -119,6 +119,71 @@ def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_p
     assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
 
 
+@pytest.mark.parametrize("then", ["reset", "apply"])
+def test_an_earlier_cap_a_dvfs_before_earlier_for_recorded_is_honoured_after_an_upgrade(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """The dvfs before power_limit_earlier_for_mw (main at 57a0e96) wrote an earlier cap only
+    beside the cap it was changing to, as a stop ended `cap apply`'s change from dvfs's 500 W
+    to 450 W, and dropped it once a change landed. After a plain upgrade that record, which
+    does not say beside which cap, was taken for stale: `cap reset --applied` and `cap apply`
+    refused the GPU still at dvfs's 500 W (exit 1), where that dvfs put back the operator's
+    600 W (and recorded it as what the next cap replaced). It is taken as written beside the
+    cap the entry lists, as that dvfs took it."""
+    import signal
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=500.0))
+    invoke("cap", "apply", str(caps))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
+
+    def stopped(handle: object, limit_mw: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    real = nvml.nvmlDeviceSetPowerManagementLimit
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0")
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", stopped)
+    assert CliRunner().invoke(cli, ["cap", "apply", str(caps)]).exit_code == 143
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", real)
+    # the entry as that dvfs wrote it: the earlier cap beside the 450 W, no key saying so
+    entries = json.loads(record_path().read_text())
+    assert entries[uuid].pop("power_limit_earlier_for_mw") == 450_000
+    record_path().write_text(json.dumps(entries, indent=2))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000  # dvfs's, still
+    if then == "apply":
+        said = invoke("cap", "apply", str(caps))
+        assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000, said
+        entry = json.loads(record_path().read_text())[uuid]
+        assert entry["power_limit_before_mw"] == 600_000, entry
+        assert "power_limit_earlier_mw" not in entry, entry
+    said = invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert not record_path().exists()
+
+
+def test_an_earlier_cap_beside_a_cap_its_entry_no_longer_lists_is_doubtful(
+    nvml, tmp_path: Path
+) -> None:
+    """An entry whose earlier cap no key binds, beside no cap dvfs set (an older dvfs's reset
+    of the limit carried it along): a GPU holding it is not taken for dvfs's, as one beside
+    another cap is not, and the refusal says so in one line."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = write_caps(
+        tmp_path / "caps.toml", GpuCap(uuid=uuid, sm_clock_max_mhz=1500, power_limit_w=450.0)
+    )
+    invoke("cap", "apply", str(caps))
+    edit_record(
+        uuid, power_limit_mw=None, power_limit_before_mw=None, power_limit_earlier_mw=500_000
+    )
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    said = invoke("cap", "apply", str(caps), code=1)
+    assert "beside a cap the entry no longer lists" in said, said
+    assert "nvidia-smi -i 0 -pl" in said and "dvfs cap reset 0" in said, said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000
+
+
 @pytest.mark.parametrize(("reset", "after"), [(["--applied"], 600_000), ([], 700_000)])
 def test_a_refused_unlock_after_a_dead_run_leaves_the_record_beside_its_state_file(
     nvml, tmp_path: Path, reset: list[str], after: int

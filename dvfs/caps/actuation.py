@@ -440,7 +440,11 @@ def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
 EARLIER = "power_limit_earlier_mw"
 #: The `power_limit_mw` an `EARLIER` cap was recorded beside: an older dvfs, which knows
 #: neither key, carries both along when it changes the cap, so an earlier cap beside another
-#: (or beside none said) is stale, no longer known to be dvfs's (`_doubtful_limit`).
+#: (or beside none said, a damaged value) is stale, no longer known to be dvfs's
+#: (`_doubtful_limit`). An entry without the key was written by a dvfs before it, which
+#: wrote `EARLIER` only beside the cap it was changing to (and dropped it once a change
+#: landed): that one is taken as written beside the `power_limit_mw` it lists, as that dvfs
+#: took it, so a plain upgrade after a stopped `cap apply` is not refused.
 EARLIER_FOR = "power_limit_earlier_for_mw"
 
 
@@ -455,8 +459,10 @@ def _earlier_cap(entry: Mapping[str, Any]) -> int | None:
 
 
 def _earlier_bound(entry: Mapping[str, Any]) -> bool:
-    """Whether an entry's `EARLIER` cap was recorded beside the cap the entry lists now."""
-    beside, applied = entry.get(EARLIER_FOR), entry.get("power_limit_mw")
+    """Whether an entry's `EARLIER` cap was recorded beside the cap the entry lists now (one
+    without `EARLIER_FOR`, an older dvfs's, beside the cap it lists)."""
+    applied = entry.get("power_limit_mw")
+    beside = entry.get(EARLIER_FOR, applied)  # (null there: damaged, not absent)
     return _positive_int(beside) and _positive_int(applied) and beside == applied
 
 
@@ -471,8 +477,8 @@ def _doubtful_limit(
 ) -> None:
     """Refuse (`DoubtfulLimitError`) to take a GPU's power limit `current` for an operator's or
     for dvfs's where it is the `EARLIER` cap of its caps record `entry` but that cap is stale:
-    recorded beside another cap than `power_limit_mw` (or by a dvfs that did not say beside
-    which), an older dvfs having changed the cap since and carried the value along. Taken for
+    recorded beside another cap than `power_limit_mw` (or beside none said, or none listed
+    now), an older dvfs having changed the cap since and carried the value along. Taken for
     dvfs's, `cap reset --applied` put back the limit dvfs's first cap replaced over an
     operator's; taken for the operator's, dvfs's own earlier cap would stay. Nothing where the
     GPU holds the cap the entry lists, or the limit it replaced."""
@@ -490,7 +496,9 @@ def _doubtful_limit(
     when = (
         f"beside a cap of {beside / 1000:g} W, not {now}"
         if _positive_int(beside)
-        else "by a dvfs that did not say beside which cap"
+        else f"beside a cap its {EARLIER_FOR} does not say (damaged), not {now}"
+        if EARLIER_FOR in entry
+        else "beside a cap the entry no longer lists"
     )
     raise DoubtfulLimitError(
         f"GPU {index}'s power limit {current / 1000:g} W is the one dvfs's caps record names as "
