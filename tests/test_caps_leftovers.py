@@ -119,6 +119,48 @@ def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_p
     assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
 
 
+def test_a_stale_earlier_cap_on_one_gpu_leaves_the_others_capped(nvml, tmp_path: Path) -> None:
+    """A stale earlier cap on GPU 0 refused the whole plan: `cap apply` capped none of the
+    host's GPUs, so `systemctl restart dvfs-caps` (whose stop reset the others) left every
+    GPU uncapped for one GPU's doubt. That GPU alone is left as it is, the others capped,
+    exit 1 naming it, as for a damaged cap; the dry run says so too."""
+    uuid0, uuid1 = (nvml.fake_device_state(i)["uuid"] for i in (0, 1))
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = write_caps(
+        tmp_path / "caps.toml",
+        GpuCap(uuid=uuid0, sm_clock_max_mhz=1500, power_limit_w=450.0),
+        GpuCap(uuid=uuid1, sm_clock_max_mhz=1500, power_limit_w=450.0),
+    )
+    invoke("cap", "apply", str(caps))
+    edit_record(
+        uuid0,
+        power_limit_mw=400_000,
+        power_limit_earlier_mw=500_000,
+        power_limit_earlier_for_mw=450_000,
+    )
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    said = invoke("cap", "reset", "--applied", code=1)  # the caps unit's stop
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000, said
+    write_caps(
+        caps,
+        GpuCap(uuid=uuid0, sm_clock_max_mhz=1410, power_limit_w=420.0),
+        GpuCap(uuid=uuid1, sm_clock_max_mhz=1410, power_limit_w=420.0),
+    )
+    said = invoke("cap", "apply", str(caps), "--dry-run", code=1)
+    assert "would apply to GPU 1" in said and "would apply to GPU 0" not in said, said
+    assert "power_limit_earlier_mw" in said and "nvidia-smi -i 0 -pl" in said, said
+    said = invoke("cap", "apply", str(caps), code=1)  # its start
+    assert "applied to GPU 1" in said and "applied to GPU 0" not in said, said
+    assert "power_limit_earlier_mw" in said and "nvidia-smi -i 0 -pl" in said, said
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 420_000, said
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1410], said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None, said
+    entries = json.loads(record_path().read_text())
+    assert entries[uuid1]["power_limit_mw"] == 420_000, entries
+    assert entries[uuid0]["power_limit_mw"] == 400_000, entries  # (left as it was)
+
+
 @pytest.mark.parametrize("then", ["reset", "apply"])
 def test_an_earlier_cap_a_dvfs_before_earlier_for_recorded_is_honoured_after_an_upgrade(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str

@@ -76,6 +76,10 @@ class CapAction:
     #: Why the power limit is left as it is, its caps record entry's cap damaged
     #: (`_spoiled_power`): the apply fails on it once the clock is done; "" where not so
     power_doubt: str = ""
+    #: Why this GPU is left as it is whole, its power limit one whose owner cannot be told
+    #: (`_doubtful_limit`): the apply fails on it, exit 1, once the other GPUs are capped (a
+    #: refused plan left every GPU of the host uncapped); "" where not so
+    refused: str = ""
 
     def describe(self) -> str:
         """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
@@ -846,9 +850,7 @@ def plan_actions(
             found.append(gpu.power_limit_range().outside(limit))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
-        if limit is not None:  # (the limit it replaces, recorded for `cap reset --applied`)
-            _doubtful_limit(gpu, earlier, power_limit_or_none(gpu), directory)
-        doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
+        doubt, back, refused = _power_plan(limit, earlier, gpu, directory)
         actions.append(
             CapAction(
                 ident.index,
@@ -857,10 +859,9 @@ def plan_actions(
                 limit,
                 power_limit_or_none(gpu),
                 unlock=lock is None and earlier.get("lock_mhz") is not None,
-                power_limit_back=(
-                    None if doubt else _power_limit_back(limit, earlier, gpu, directory)
-                ),
+                power_limit_back=back,
                 power_doubt=doubt,
+                refused=refused,
             )
         )
     if other_model:
@@ -920,6 +921,22 @@ def plan_actions(
         tuple(kept),
         mig_indices=tuple(mig_indices),
     )
+
+
+def _power_plan(
+    limit: int | None, earlier: dict[str, Any], gpu: Gpu, directory: Path | None
+) -> tuple[str, tuple[int | None, str] | None, str]:
+    """What a caps file does with a GPU's power limit by its caps record entry `earlier`:
+    `CapAction.power_doubt`, `power_limit_back` and `refused` (a `DoubtfulLimitError`'s
+    words: that GPU alone is left as it is, the others capped)."""
+    try:
+        if limit is not None:  # (the limit it replaces, recorded for `cap reset --applied`)
+            _doubtful_limit(gpu, earlier, power_limit_or_none(gpu), directory)
+        doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
+        back = None if doubt else _power_limit_back(limit, earlier, gpu, directory)
+    except DoubtfulLimitError as exc:
+        return "", None, str(exc)
+    return doubt, back, ""
 
 
 def _recorded_caps(entry: dict[str, Any] | None) -> str:
@@ -995,6 +1012,9 @@ def apply_actions(
         applied[uuid] = entry
 
     for action in actions:
+        if action.refused:  # left as it is whole, said with the others' failures
+            failures.add(GpuError(action.refused))
+            continue
         gpu = by_uuid[action.uuid]
         stamp = {
             "source": source,
@@ -1557,16 +1577,14 @@ def _as_recorded(
     current = action.current_power_limit_mw
     if action.power_limit_mw is not None:
         current = power_limit_or_none(gpu)
-        _doubtful_limit(gpu, earlier, current, directory)
-    doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
+    doubt, back, refused = _power_plan(action.power_limit_mw, earlier, gpu, directory)
     return replace(
         action,
         current_power_limit_mw=current,
         unlock=action.lock_mhz is None and earlier.get("lock_mhz") is not None,
-        power_limit_back=(
-            None if doubt else _power_limit_back(action.power_limit_mw, earlier, gpu, directory)
-        ),
+        power_limit_back=back,
         power_doubt=doubt,
+        refused=refused,
     )
 
 
