@@ -119,6 +119,36 @@ def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_p
     assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
 
 
+def test_a_doubtful_limit_refusal_says_how_to_keep_that_limit(nvml, tmp_path: Path) -> None:
+    """The refusal said to set the limit the GPU should have with `nvidia-smi -pl`: an
+    operator whose limit is the doubtful 500 W set it again, and met the same refusal, for
+    ever. It says how to keep that limit (the GPU's defaults first, which drop dvfs's record
+    of it), and doing so, the next apply and reset take the 500 W for the operator's."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=450.0))
+    invoke("cap", "apply", str(caps))
+    edit_record(
+        uuid,
+        power_limit_mw=400_000,
+        power_limit_earlier_mw=500_000,
+        power_limit_earlier_for_mw=450_000,
+    )
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    invoke("cap", "apply", str(caps), code=1)
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # `nvidia-smi -i 0 -pl 500` again
+    said = invoke("cap", "apply", str(caps), code=1)
+    reset = f"dvfs cap reset 0 --state-dir {record_path().parent}"
+    assert "the way to keep 500 W: that reset, then `nvidia-smi -i 0 -pl 500`" in said, said
+    assert f"`{reset}`" in said, said
+    invoke(*reset.split()[1:])
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # then `nvidia-smi -i 0 -pl 500`
+    said = invoke("cap", "apply", str(caps))
+    assert json.loads(record_path().read_text())[uuid]["power_limit_before_mw"] == 500_000
+    said = invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, said
+
+
 def test_a_stale_earlier_cap_on_one_gpu_leaves_the_others_capped(nvml, tmp_path: Path) -> None:
     """A stale earlier cap on GPU 0 refused the whole plan: `cap apply` capped none of the
     host's GPUs, so `systemctl restart dvfs-caps` (whose stop reset the others) left every

@@ -509,7 +509,9 @@ def _doubtful_limit(
         f"dvfs's earlier cap ({EARLIER}), but that was recorded {when}, and an older dvfs may "
         "have changed the cap since, so whether dvfs or someone else set it cannot be told: it "
         f"is left as it is; set the limit the GPU should have (`nvidia-smi -i {index} -pl "
-        f"WATTS`), or its defaults with `{_reset(index, directory)}`, then run this again"
+        f"WATTS`), or its defaults with `{_reset(index, directory)}` (the way to keep "
+        f"{current / 1000:g} W: that reset, then `nvidia-smi -i {index} -pl {current / 1000:g}`;"
+        " set again alone, it stays doubtful), then run this again"
     )
 
 
