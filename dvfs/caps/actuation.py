@@ -164,13 +164,16 @@ class AppliedCaps:
 
                 key, problem = next(iter(spoiled.items()))
                 what = "clock lock" if key == "lock_mhz" else "power limit"
+                # (a damaged lock alone: `--applied` unlocks it and puts back the limit dvfs's
+                # cap replaced, known still, not the default over an operator's own)
+                applied = "" if "power_limit_mw" in spoiled else " --applied"
                 raise CapsRecordError(
                     f"{self.path} line {self.line_of(uuid, key)} is damaged for GPU "
                     f"{uuid[:48]}: {problem}; this command must know the {what} dvfs's cap "
                     "holds on that GPU (to put it back, or to tell it from the GPU's own), so "
                     "it refuses the record: write it there, or reset that GPU with `dvfs cap "
-                    f"reset{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops its "
-                    "entry alone"
+                    f"reset{applied}{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops "
+                    "its entry alone"
                 )
         return {
             u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
