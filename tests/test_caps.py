@@ -4243,3 +4243,28 @@ def test_a_limit_change_past_its_deadline_is_recorded_as_one_that_may_land(
     said = " ".join(invoke("cap", "reset", "--applied").split())
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
     assert "power limit 600 W (as before `dvfs cap apply`)" in said, said
+
+
+def test_a_sweeps_refusal_of_a_damaged_clock_lock_names_the_reset_that_keeps_the_limit(
+    nvml, tmp_path: Path
+) -> None:
+    """A sweep refuses a caps record whose clock lock is damaged, naming the reset that drops
+    that GPU's entry alone: it named `dvfs cap reset UUID`, which puts back the default power
+    limit (700 W) over the operator's 600 W that dvfs's 450 W cap replaced, though the limit
+    is known. It names `dvfs cap reset --applied UUID`, as `cap show`'s warning does: the
+    clock unlocked, the 600 W put back, the entry dropped, and the sweep runs."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    apply_caps(tmp_path, 1500, 450.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    entries = json.loads((state / "caps-applied.json").read_text())
+    entries[uuid]["lock_mhz"] = "1500"  # a hand edit
+    (state / "caps-applied.json").write_text(json.dumps(entries, indent=2))
+    campaign = _stock_campaign(tmp_path)
+    told = " ".join(invoke("sweep", str(campaign), "--out", str(tmp_path / "out"), code=1).split())
+    reset = f"dvfs cap reset --applied --state-dir {state} {uuid}"
+    assert f"`{reset}`" in told, told
+    invoke(*shlex.split(reset)[1:])
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not (state / "caps-applied.json").exists()

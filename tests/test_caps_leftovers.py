@@ -119,6 +119,143 @@ def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_p
     assert nvml.fake_device_state(0)["power_limit_mw"] == 550_000, said
 
 
+def test_a_doubtful_limit_refusal_says_how_to_keep_that_limit(nvml, tmp_path: Path) -> None:
+    """The refusal said to set the limit the GPU should have with `nvidia-smi -pl`: an
+    operator whose limit is the doubtful 500 W set it again, and met the same refusal, for
+    ever. It says how to keep that limit (the GPU's defaults first, which drop dvfs's record
+    of it), and doing so, the next apply and reset take the 500 W for the operator's."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=450.0))
+    invoke("cap", "apply", str(caps))
+    edit_record(
+        uuid,
+        power_limit_mw=400_000,
+        power_limit_earlier_mw=500_000,
+        power_limit_earlier_for_mw=450_000,
+    )
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    invoke("cap", "apply", str(caps), code=1)
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # `nvidia-smi -i 0 -pl 500` again
+    said = invoke("cap", "apply", str(caps), code=1)
+    reset = f"dvfs cap reset 0 --state-dir {record_path().parent}"
+    assert "the way to keep 500 W: that reset, then `nvidia-smi -i 0 -pl 500`" in said, said
+    assert f"`{reset}`" in said, said
+    invoke(*reset.split()[1:])
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # then `nvidia-smi -i 0 -pl 500`
+    said = invoke("cap", "apply", str(caps))
+    assert json.loads(record_path().read_text())[uuid]["power_limit_before_mw"] == 500_000
+    said = invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, said
+
+
+def test_a_stale_earlier_cap_on_one_gpu_leaves_the_others_capped(nvml, tmp_path: Path) -> None:
+    """A stale earlier cap on GPU 0 refused the whole plan: `cap apply` capped none of the
+    host's GPUs, so `systemctl restart dvfs-caps` (whose stop reset the others) left every
+    GPU uncapped for one GPU's doubt. That GPU alone is left as it is, the others capped,
+    exit 1 naming it, as for a damaged cap; the dry run says so too."""
+    uuid0, uuid1 = (nvml.fake_device_state(i)["uuid"] for i in (0, 1))
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = write_caps(
+        tmp_path / "caps.toml",
+        GpuCap(uuid=uuid0, sm_clock_max_mhz=1500, power_limit_w=450.0),
+        GpuCap(uuid=uuid1, sm_clock_max_mhz=1500, power_limit_w=450.0),
+    )
+    invoke("cap", "apply", str(caps))
+    edit_record(
+        uuid0,
+        power_limit_mw=400_000,
+        power_limit_earlier_mw=500_000,
+        power_limit_earlier_for_mw=450_000,
+    )
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    said = invoke("cap", "reset", "--applied", code=1)  # the caps unit's stop
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000, said
+    write_caps(
+        caps,
+        GpuCap(uuid=uuid0, sm_clock_max_mhz=1410, power_limit_w=420.0),
+        GpuCap(uuid=uuid1, sm_clock_max_mhz=1410, power_limit_w=420.0),
+    )
+    said = invoke("cap", "apply", str(caps), "--dry-run", code=1)
+    assert "would apply to GPU 1" in said and "would apply to GPU 0" not in said, said
+    assert "power_limit_earlier_mw" in said and "nvidia-smi -i 0 -pl" in said, said
+    said = invoke("cap", "apply", str(caps), code=1)  # its start
+    assert "applied to GPU 1" in said and "applied to GPU 0" not in said, said
+    assert "power_limit_earlier_mw" in said and "nvidia-smi -i 0 -pl" in said, said
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 420_000, said
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1410], said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None, said
+    entries = json.loads(record_path().read_text())
+    assert entries[uuid1]["power_limit_mw"] == 420_000, entries
+    assert entries[uuid0]["power_limit_mw"] == 400_000, entries  # (left as it was)
+
+
+@pytest.mark.parametrize("then", ["reset", "apply"])
+def test_an_earlier_cap_a_dvfs_before_earlier_for_recorded_is_honoured_after_an_upgrade(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """The dvfs before power_limit_earlier_for_mw (main at 57a0e96) wrote an earlier cap only
+    beside the cap it was changing to, as a stop ended `cap apply`'s change from dvfs's 500 W
+    to 450 W, and dropped it once a change landed. After a plain upgrade that record, which
+    does not say beside which cap, was taken for stale: `cap reset --applied` and `cap apply`
+    refused the GPU still at dvfs's 500 W (exit 1), where that dvfs put back the operator's
+    600 W (and recorded it as what the next cap replaced). It is taken as written beside the
+    cap the entry lists, as that dvfs took it."""
+    import signal
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
+    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=500.0))
+    invoke("cap", "apply", str(caps))
+    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
+
+    def stopped(handle: object, limit_mw: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    real = nvml.nvmlDeviceSetPowerManagementLimit
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0")
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", stopped)
+    assert CliRunner().invoke(cli, ["cap", "apply", str(caps)]).exit_code == 143
+    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", real)
+    # the entry as that dvfs wrote it: the earlier cap beside the 450 W, no key saying so
+    entries = json.loads(record_path().read_text())
+    assert entries[uuid].pop("power_limit_earlier_for_mw") == 450_000
+    record_path().write_text(json.dumps(entries, indent=2))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000  # dvfs's, still
+    if then == "apply":
+        said = invoke("cap", "apply", str(caps))
+        assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000, said
+        entry = json.loads(record_path().read_text())[uuid]
+        assert entry["power_limit_before_mw"] == 600_000, entry
+        assert "power_limit_earlier_mw" not in entry, entry
+    said = invoke("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000, said
+    assert not record_path().exists()
+
+
+def test_an_earlier_cap_beside_a_cap_its_entry_no_longer_lists_is_doubtful(
+    nvml, tmp_path: Path
+) -> None:
+    """An entry whose earlier cap no key binds, beside no cap dvfs set (an older dvfs's reset
+    of the limit carried it along): a GPU holding it is not taken for dvfs's, as one beside
+    another cap is not, and the refusal says so in one line."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = write_caps(
+        tmp_path / "caps.toml", GpuCap(uuid=uuid, sm_clock_max_mhz=1500, power_limit_w=450.0)
+    )
+    invoke("cap", "apply", str(caps))
+    edit_record(
+        uuid, power_limit_mw=None, power_limit_before_mw=None, power_limit_earlier_mw=500_000
+    )
+    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    said = invoke("cap", "apply", str(caps), code=1)
+    assert "beside a cap the entry no longer lists" in said, said
+    assert "nvidia-smi -i 0 -pl" in said and "dvfs cap reset 0" in said, said
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000
+
+
 @pytest.mark.parametrize(("reset", "after"), [(["--applied"], 600_000), ([], 700_000)])
 def test_a_refused_unlock_after_a_dead_run_leaves_the_record_beside_its_state_file(
     nvml, tmp_path: Path, reset: list[str], after: int

@@ -484,14 +484,19 @@ def test_doctor_warns_of_a_lock_and_a_limit_held_outside_dvfs(nvml, env, tmp_pat
     assert "its cells not flagged clock_held_low" in said
 
 
+@pytest.mark.parametrize(
+    "earlier_for", [450_000, None], ids=["this-dvfs", "written-before-earlier-for"]
+)
 def test_doctor_names_dvfs_earlier_power_cap_a_signal_left_as_dvfs(
-    nvml, env, tmp_path: Path
+    nvml, env, tmp_path: Path, earlier_for: int | None
 ) -> None:
     """`systemctl stop dvfs-caps` ending `cap apply`'s change from dvfs's 500 W cap to 450 W
     before it landed leaves the GPU at 500 W, recorded as dvfs's too (power_limit_earlier_mw),
     which the sweep lifts while it measures (stock at the default); `dvfs doctor` took the
     500 W for the GPU's own stock and named no dvfs caps in force. It names it, as the sweep
-    takes it."""
+    takes it; so too in a record the dvfs before power_limit_earlier_for_mw wrote, read after
+    an upgrade (it wrote the earlier cap only beside the cap it was changing to; taken for
+    stale, the sweep measured dvfs's 500 W cap as the GPU's stock)."""
     from dvfs.caps import CapsFile, GpuCap, dump_caps
 
     uuid = nvml.fake_device_state(0)["uuid"]
@@ -504,7 +509,8 @@ def test_doctor_names_dvfs_earlier_power_cap_a_signal_left_as_dvfs(
     record = Path(env["DVFS_STATE_DIR"]) / "caps-applied.json"
     entries = json.loads(record.read_text())
     entries[uuid]["power_limit_earlier_mw"] = 500_000
-    entries[uuid]["power_limit_earlier_for_mw"] = 450_000  # (beside the cap it was changing to)
+    if earlier_for is not None:  # (beside the cap it was changing to; none said before it)
+        entries[uuid]["power_limit_earlier_for_mw"] = earlier_for
     record.write_text(json.dumps(entries))
     nvml.fake_update_device(0, power_limit_mw=500_000)
     campaign = tmp_path / "nvml.toml"

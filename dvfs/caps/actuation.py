@@ -76,6 +76,10 @@ class CapAction:
     #: Why the power limit is left as it is, its caps record entry's cap damaged
     #: (`_spoiled_power`): the apply fails on it once the clock is done; "" where not so
     power_doubt: str = ""
+    #: Why this GPU is left as it is whole, its power limit one whose owner cannot be told
+    #: (`_doubtful_limit`): the apply fails on it, exit 1, once the other GPUs are capped (a
+    #: refused plan left every GPU of the host uncapped); "" where not so
+    refused: str = ""
 
     def describe(self) -> str:
         """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
@@ -160,13 +164,16 @@ class AppliedCaps:
 
                 key, problem = next(iter(spoiled.items()))
                 what = "clock lock" if key == "lock_mhz" else "power limit"
+                # (a damaged lock alone: `--applied` unlocks it and puts back the limit dvfs's
+                # cap replaced, known still, not the default over an operator's own)
+                applied = "" if "power_limit_mw" in spoiled else " --applied"
                 raise CapsRecordError(
                     f"{self.path} line {self.line_of(uuid, key)} is damaged for GPU "
                     f"{uuid[:48]}: {problem}; this command must know the {what} dvfs's cap "
                     "holds on that GPU (to put it back, or to tell it from the GPU's own), so "
                     "it refuses the record: write it there, or reset that GPU with `dvfs cap "
-                    f"reset{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops its "
-                    "entry alone"
+                    f"reset{applied}{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops "
+                    "its entry alone"
                 )
         return {
             u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
@@ -440,7 +447,11 @@ def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
 EARLIER = "power_limit_earlier_mw"
 #: The `power_limit_mw` an `EARLIER` cap was recorded beside: an older dvfs, which knows
 #: neither key, carries both along when it changes the cap, so an earlier cap beside another
-#: (or beside none said) is stale, no longer known to be dvfs's (`_doubtful_limit`).
+#: (or beside none said, a damaged value) is stale, no longer known to be dvfs's
+#: (`_doubtful_limit`). An entry without the key was written by a dvfs before it, which
+#: wrote `EARLIER` only beside the cap it was changing to (and dropped it once a change
+#: landed): that one is taken as written beside the `power_limit_mw` it lists, as that dvfs
+#: took it, so a plain upgrade after a stopped `cap apply` is not refused.
 EARLIER_FOR = "power_limit_earlier_for_mw"
 
 
@@ -455,8 +466,10 @@ def _earlier_cap(entry: Mapping[str, Any]) -> int | None:
 
 
 def _earlier_bound(entry: Mapping[str, Any]) -> bool:
-    """Whether an entry's `EARLIER` cap was recorded beside the cap the entry lists now."""
-    beside, applied = entry.get(EARLIER_FOR), entry.get("power_limit_mw")
+    """Whether an entry's `EARLIER` cap was recorded beside the cap the entry lists now (one
+    without `EARLIER_FOR`, an older dvfs's, beside the cap it lists)."""
+    applied = entry.get("power_limit_mw")
+    beside = entry.get(EARLIER_FOR, applied)  # (null there: damaged, not absent)
     return _positive_int(beside) and _positive_int(applied) and beside == applied
 
 
@@ -471,8 +484,8 @@ def _doubtful_limit(
 ) -> None:
     """Refuse (`DoubtfulLimitError`) to take a GPU's power limit `current` for an operator's or
     for dvfs's where it is the `EARLIER` cap of its caps record `entry` but that cap is stale:
-    recorded beside another cap than `power_limit_mw` (or by a dvfs that did not say beside
-    which), an older dvfs having changed the cap since and carried the value along. Taken for
+    recorded beside another cap than `power_limit_mw` (or beside none said, or none listed
+    now), an older dvfs having changed the cap since and carried the value along. Taken for
     dvfs's, `cap reset --applied` put back the limit dvfs's first cap replaced over an
     operator's; taken for the operator's, dvfs's own earlier cap would stay. Nothing where the
     GPU holds the cap the entry lists, or the limit it replaced."""
@@ -490,14 +503,18 @@ def _doubtful_limit(
     when = (
         f"beside a cap of {beside / 1000:g} W, not {now}"
         if _positive_int(beside)
-        else "by a dvfs that did not say beside which cap"
+        else f"beside a cap its {EARLIER_FOR} does not say (damaged), not {now}"
+        if EARLIER_FOR in entry
+        else "beside a cap the entry no longer lists"
     )
     raise DoubtfulLimitError(
         f"GPU {index}'s power limit {current / 1000:g} W is the one dvfs's caps record names as "
         f"dvfs's earlier cap ({EARLIER}), but that was recorded {when}, and an older dvfs may "
         "have changed the cap since, so whether dvfs or someone else set it cannot be told: it "
         f"is left as it is; set the limit the GPU should have (`nvidia-smi -i {index} -pl "
-        f"WATTS`), or its defaults with `{_reset(index, directory)}`, then run this again"
+        f"WATTS`), or its defaults with `{_reset(index, directory)}` (the way to keep "
+        f"{current / 1000:g} W: that reset, then `nvidia-smi -i {index} -pl {current / 1000:g}`;"
+        " set again alone, it stays doubtful), then run this again"
     )
 
 
@@ -838,9 +855,7 @@ def plan_actions(
             found.append(gpu.power_limit_range().outside(limit))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
-        if limit is not None:  # (the limit it replaces, recorded for `cap reset --applied`)
-            _doubtful_limit(gpu, earlier, power_limit_or_none(gpu), directory)
-        doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
+        doubt, back, refused = _power_plan(limit, earlier, gpu, directory)
         actions.append(
             CapAction(
                 ident.index,
@@ -849,10 +864,9 @@ def plan_actions(
                 limit,
                 power_limit_or_none(gpu),
                 unlock=lock is None and earlier.get("lock_mhz") is not None,
-                power_limit_back=(
-                    None if doubt else _power_limit_back(limit, earlier, gpu, directory)
-                ),
+                power_limit_back=back,
                 power_doubt=doubt,
+                refused=refused,
             )
         )
     if other_model:
@@ -912,6 +926,22 @@ def plan_actions(
         tuple(kept),
         mig_indices=tuple(mig_indices),
     )
+
+
+def _power_plan(
+    limit: int | None, earlier: dict[str, Any], gpu: Gpu, directory: Path | None
+) -> tuple[str, tuple[int | None, str] | None, str]:
+    """What a caps file does with a GPU's power limit by its caps record entry `earlier`:
+    `CapAction.power_doubt`, `power_limit_back` and `refused` (a `DoubtfulLimitError`'s
+    words: that GPU alone is left as it is, the others capped)."""
+    try:
+        if limit is not None:  # (the limit it replaces, recorded for `cap reset --applied`)
+            _doubtful_limit(gpu, earlier, power_limit_or_none(gpu), directory)
+        doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
+        back = None if doubt else _power_limit_back(limit, earlier, gpu, directory)
+    except DoubtfulLimitError as exc:
+        return "", None, str(exc)
+    return doubt, back, ""
 
 
 def _recorded_caps(entry: dict[str, Any] | None) -> str:
@@ -987,6 +1017,9 @@ def apply_actions(
         applied[uuid] = entry
 
     for action in actions:
+        if action.refused:  # left as it is whole, said with the others' failures
+            failures.add(GpuError(action.refused))
+            continue
         gpu = by_uuid[action.uuid]
         stamp = {
             "source": source,
@@ -1549,16 +1582,14 @@ def _as_recorded(
     current = action.current_power_limit_mw
     if action.power_limit_mw is not None:
         current = power_limit_or_none(gpu)
-        _doubtful_limit(gpu, earlier, current, directory)
-    doubt = _spoiled_power(gpu, earlier, power_limit_or_none(gpu), directory)
+    doubt, back, refused = _power_plan(action.power_limit_mw, earlier, gpu, directory)
     return replace(
         action,
         current_power_limit_mw=current,
         unlock=action.lock_mhz is None and earlier.get("lock_mhz") is not None,
-        power_limit_back=(
-            None if doubt else _power_limit_back(action.power_limit_mw, earlier, gpu, directory)
-        ),
+        power_limit_back=back,
         power_doubt=doubt,
+        refused=refused,
     )
 
 

@@ -336,7 +336,7 @@ def apply(
         # every GPU leaves out one NVML may not talk to: a [[model]] entry may name it (its
         # model cannot be read), left uncapped, which must not read as the file applied
         withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run, command=again)
-        capped = {a.uuid for a in plan.actions}
+        capped = {a.uuid for a in plan.actions if not a.refused}
         volatile = {
             g.identity.uuid: f"GPU {g.identity.index}"
             for g in gpus
@@ -348,8 +348,11 @@ def apply(
             except (GpuError, CapsRecordError) as exc:
                 raise _naming_lost(exc, lost_line) from None
             for action in plan.actions:
-                click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
-            doubts = [a.power_doubt for a in plan.actions if a.power_doubt]
+                if not action.refused:  # (said below, as the apply fails on it)
+                    click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
+            doubts = [
+                a.power_doubt or a.refused for a in plan.actions if a.power_doubt or a.refused
+            ]
             if doubts:  # the apply fails on them, exit 1, once the rest is capped
                 failed = GpuError(
                     "dry run, nothing changed: `cap apply` would apply the rest and exit 1: "
