@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from hypothesis import given
+from hypothesis import strategies as st
 from nvml_support import dvfs_in_process, fake_env, fresh_fake
 from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 from dvfs.campaign.model import DrafterSpec
 from dvfs.cli import cli
 from dvfs.engines import sglang as sglang_engine
-from dvfs.engines.sglang_refusals import start_refusal
+from dvfs.engines.sglang_refusals import _rank_of, start_refusal
 from dvfs.errors import START_UNFIT
 
 ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
@@ -1086,3 +1088,40 @@ def test_a_function_named_capture_outside_the_graph_runners_is_no_graph_capture(
     assert refusal is not None and refusal.memory, refusal
     assert "warming up its kernels (FlashInfer autotune)" in refusal.why, refusal
     assert "--disable-flashinfer-autotune" in refusal.fix, refusal.fix
+
+
+#: The rank prefix's reading as a regular expression (before it was read in one pass): the
+#: reference the one-pass reading must agree with.
+_RANK_AS_REGEX = re.compile(r"\s*\[[^\]]*?((?:\s(?:DP|PP|TP|EP|CP)\d+)+)\]")
+
+
+#: A rank-like word of a log line's prefix: a separator (one whitespace character, more, or
+#: none), a kind (SGLang's, or not) and digits (none, ASCII, or another script's).
+_RANK_LIKE = st.tuples(
+    st.sampled_from([" ", "\t", "  ", "", "a", "]"]),
+    st.sampled_from(["TP", "DP", "EP", "PP", "CP", "XP", "T", ""]),
+    st.sampled_from(["", "1", "12", "٣"]),
+).map("".join)
+
+
+@given(
+    st.tuples(
+        st.sampled_from(["", " ", "x"]),
+        st.sampled_from(["[", "", "]"]),
+        st.sampled_from(["", "2026-02-14 02:07:50", "TP1", " "]),
+        st.lists(_RANK_LIKE, max_size=5).map("".join),
+        st.sampled_from(["]", "", "] x", "]]"]),
+    ).map("".join)
+)
+def test_a_lines_rank_is_read_as_the_regular_expression_read_it(line: str) -> None:
+    """`_rank_of` reads a log line's rank in one pass over its prefix, as the regular
+    expression it replaced did (which backtracked over every word of a long unclosed bracket)."""
+    found = _RANK_AS_REGEX.match(line)
+    expected = " ".join(found.group(1).split()) if found is not None else None
+    assert _rank_of(line) == expected, line
+
+
+def test_a_prefix_of_many_rank_words_reads_them_all() -> None:
+    line = "[2026-02-14 02:07:50" + " TP1" * 5000 + " DP0] Capture cuda graph begin."
+    assert _rank_of(line) == " ".join(["TP1"] * 5000 + ["DP0"])
+    assert _rank_of("[" + " TP1" * 5000) is None  # never closed: no prefix

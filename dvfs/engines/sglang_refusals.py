@@ -39,11 +39,13 @@ What SGLang prints, read (never copied) from sgl-project/sglang, messages unchan
   "Fail when using backend: breakable for prefill runner." and a hint naming
   --cuda-graph-max-bs-prefill, then re-raises it: the traceback ends in torch's own line).
   Its size is prefill tokens (up to the chunked prefill size), not the batch dvfs sets.
-- python/sglang/srt/model_executor/model_runner_components/kernel_warmup.py (later
-  model_executor/runner/flashinfer_autotune.py, run by the eager runner's warm-up): "Running
-  FlashInfer autotune with cache: ..." and "FlashInfer autotune completed." around a forward of
-  --max-running-requests requests, after the KV cache and before any CUDA graph is captured
-  (--disable-flashinfer-autotune skips it, in both releases' option tables).
+- The kernel warm-up: 0.5.9's model_executor/model_runner.py (`kernel_warmup`,
+  `_flashinfer_autotune`; only with the flashinfer_trtllm or flashinfer_mxfp4 MoE backend),
+  0.5.23's model_executor/runner/flashinfer_autotune.py, run by runner/base_runner.py's
+  warm-up in the eager runner: "Running FlashInfer autotune with cache: ..." and "FlashInfer
+  autotune completed." around a forward of --max-running-requests requests, after the KV
+  cache and before any CUDA graph is captured (--disable-flashinfer-autotune skips it, in both
+  releases' option tables).
 - Each tensor-parallel rank logs its own lines ("[time TP1] ..."), its "Scheduler hit an
   exception: Traceback ..." line too; a --log-level above info drops the "Load weight",
   "Capture ..." and autotune lines, where the traceback's frames still say where it failed
@@ -114,8 +116,8 @@ _GRAPH = re.compile(r"Capture cuda graph failed")
 #: tactic "due to failure while profiling: CUDA out of memory"), which did not end the start.
 #: cuBLAS words its own failed allocation (its workspace, as the first matmul creates its
 #: handle: "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
-#: `cublasCreate(handle)`"), which SGLang's graph runners also take for out of memory
-#: (runner_backend_utils `_OOM_MARKERS`).
+#: `cublasCreate(handle)`"), which SGLang releases after 0.5.23 take for out of memory in
+#: their graph runners too (0.5.9 and 0.5.23 do not name it).
 _OOM = re.compile(
     r"^\s*(?:\[[^\]]*\]:?\s*)*[\w.]*(?:Error|Exception): "
     r".*?(CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED)"
@@ -140,12 +142,16 @@ _PIECEWISE = re.compile(r"\bpiecewise\b", re.IGNORECASE)
 _LOAD_BEGIN = re.compile(r"Load weight begin\b")
 _LOAD_END = re.compile(r"Load weight end\b")
 #: The kernel warm-up before any CUDA graph is captured (FlashInfer's autotune, as SGLang logs
-#: it: model_runner_components/kernel_warmup.py, 0.5.23's runner/flashinfer_autotune.py).
+#: it: 0.5.9's model_runner.py `_flashinfer_autotune`, 0.5.23's runner/flashinfer_autotune.py).
 _WARMUP_BEGIN = re.compile(r"\bRunning FlashInfer autotune\b")
 _WARMUP_END = re.compile(r"\bFlashInfer autotune completed\b")
 #: The rank a log line's prefix names: SGLang's scheduler logs "[2026-02-14 02:07:50 TP1] ..."
 #: (" DP0", " PP0", " EP1" beside it where those are set).
-_RANK = re.compile(r"\s*\[[^\]]*?((?:\s(?:DP|PP|TP|EP|CP)\d+)+)\]")
+#: The prefix's bracket, read once; its trailing rank words are taken from its end
+#: (`_rank_words`) in one pass, where a regular expression backtracked over every word of a
+#: long unclosed bracket.
+_PREFIX = re.compile(r"\s*\[([^\]]*)\]")
+_RANK_KINDS = frozenset({"DP", "PP", "TP", "EP", "CP"})
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 #: A traceback's frame line ("line N" left out by some).
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)"(?:, line \d+)?, in (?P<func>[\w.<>]+)')
@@ -439,8 +445,30 @@ class _Rank:
 def _rank_of(line: str) -> str | None:
     """The rank a line of SGLang's log is from, as its prefix names it ("TP1", "DP0 TP1");
     None: no rank named (a traceback's own lines, a server of one rank, NCCL's lines)."""
-    found = _RANK.match(line)
-    return " ".join(found.group(1).split()) if found is not None else None
+    found = _PREFIX.match(line)
+    if found is None:
+        return None
+    words = _rank_words(found.group(1))
+    return " ".join(words) if words else None
+
+
+def _rank_words(prefix: str) -> list[str]:
+    """The rank words ("DP0", "TP1") that end a log line's bracketed prefix, each after one
+    whitespace character ("2026-02-14 02:07:50 DP0 TP1" -> ["DP0", "TP1"])."""
+    words: list[str] = []  # from the last
+    end = len(prefix)
+    while True:
+        start = end
+        while start > 0 and prefix[start - 1].isdecimal():
+            start -= 1
+        kind = start - 2
+        if start == end or kind < 1 or prefix[kind:start] not in _RANK_KINDS:
+            break
+        if not prefix[kind - 1].isspace():
+            break
+        words.append(prefix[kind:end])
+        end = kind - 1
+    return words[::-1]
 
 
 def _failing_rank(lines: Sequence[str], at: int) -> str | None:
