@@ -829,9 +829,20 @@ def console(stderr: bool = False) -> Any:
     from rich.console import Console
 
     out = Console(stderr=stderr, highlight=False)
-    if not out.is_terminal:
+    if not on_terminal(out):
         out.width = max(120, shutil.get_terminal_size((120, 24)).columns)
     return out
+
+
+def on_terminal(out: Any) -> bool:
+    """Whether the rich console `out` writes to a terminal, as its file says: not rich's
+    `is_terminal`, which FORCE_COLOR or TTY_COMPATIBLE make true of a pipe or file too (which
+    drew a pipe's tables 80 columns wide, rich's guess for a terminal it cannot measure)."""
+    isatty = getattr(out.file, "isatty", None)
+    try:
+        return bool(isatty is not None and isatty())
+    except ValueError:  # a closed file
+        return False
 
 
 def echo_json(data: Any) -> None:
