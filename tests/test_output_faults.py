@@ -210,3 +210,38 @@ def test_forced_colour_keeps_the_width_of_a_pipe(args: list[str], forced: dict[s
     plain = lines({"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "NO_COLOR": None})
     assert max(len(line) for line in plain) > 80
     assert lines({**forced, "NO_COLOR": None}) == plain
+
+
+@pytest.mark.parametrize("argv", [["--bogus-option"], ["corpus", "show", "nosuch"]])
+def test_an_interrupt_while_a_usage_error_is_said_keeps_its_exit_code(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    """click's own main, standalone, holds one policy for an interrupt that arrives while it
+    writes its last message (Ctrl-C as the usage error is shown): the message may be lost, the
+    exit code stands (2). `dvfs`'s entry, which runs click with standalone_mode=False and shows
+    its errors itself, let that KeyboardInterrupt out: a traceback, and death by SIGINT."""
+    import sys
+
+    import click
+
+    from dvfs.cli import cli
+    from dvfs.cli.common import run_main
+
+    def interrupted(self: click.ClickException, file: object = None) -> None:
+        raise KeyboardInterrupt
+
+    for kind in (click.ClickException, click.UsageError, click.BadParameter):
+        monkeypatch.setattr(kind, "show", interrupted)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)  # run_main wraps it: put back after
+    monkeypatch.setattr(sys, "argv", ["dvfs", *argv])
+    with pytest.raises(SystemExit) as standalone:
+        cli.main(prog_name="dvfs")  # click's own standalone main
+    assert standalone.value.code == 2
+    try:
+        run_main(cli, "dvfs")
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt left dvfs's entry (a traceback)")
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        pytest.fail("run_main returned")

@@ -350,6 +350,15 @@ def _to_stderr(write: Callable[[], None]) -> None:
         write()
 
 
+def _say_then_exit(say: Callable[[], None], code: int) -> NoReturn:
+    """`say` on standard error (`_to_stderr`), then exit `code`. As click's standalone main
+    holds it, an interrupt that arrives while the message is written (Ctrl-C as a usage error
+    is shown) loses the message, not the exit code: it was a traceback, and death by SIGINT."""
+    with contextlib.suppress(KeyboardInterrupt, EOFError):
+        _to_stderr(say)
+    sys.exit(code)
+
+
 class _BestEffortStderr:
     """Standard error, whose writes that fail (`2> /dev/full`, a pipe whose reader is gone) are
     dropped: what dvfs says there (progress, notes, warnings, its one line of error) is for
@@ -388,11 +397,9 @@ def run_main(group: click.Group, prog_name: str) -> NoReturn:
     try:
         code = group.main(prog_name=prog_name, standalone_mode=False)
     except click.ClickException as exc:
-        _to_stderr(exc.show)
-        sys.exit(exc.exit_code)
+        _say_then_exit(exc.show, exc.exit_code)
     except click.Abort:
-        _to_stderr(lambda: click.echo("Aborted!", err=True))
-        sys.exit(1)
+        _say_then_exit(lambda: click.echo("Aborted!", err=True), 1)
     except OSError as exc:  # (EPIPE is click's: it exits 1, quietly)
         text = describe_os_error(exc)
         if _stdout_failed(exc):
