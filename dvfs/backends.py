@@ -561,6 +561,11 @@ def twin_start_refusal(campaign: Campaign) -> str | None:
     return "; ".join(refused) or None
 
 
+#: The fewest new tokens the thermal stabilisation's load asks of each request (the first
+#: round's prompts, for measurement.warmup_tokens if more: `Runner._stabilise`).
+STABILISE_TOKENS = 64
+
+
 def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> str | None:
     """The corpora whose longest prompt the sweep may draw (`eligible_prompts`), with the
     output asked and the draft slots an EAGLE drafter reserves, exceeds the twin model's
@@ -590,12 +595,31 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
         return None
     _, limit, reserved = min(budgets)
     w = campaign.workload
-    # The most new tokens a request asks: a round's, or the warm-up's (the first round's
-    # prompts, cut to warmup_tokens), which SGLang refuses alike: it ended the sweep in "the
-    # server reported an error", the doctor and the dry run having said nothing.
-    asked, key = w.output_tokens, "output_tokens"
-    if campaign.measurement.warmup_tokens > asked:
-        asked, key = campaign.measurement.warmup_tokens, "measurement.warmup_tokens"
+    m = campaign.measurement
+    # What each request asks for new tokens, which SGLang refuses alike past the context: a
+    # round (output_tokens), the warm-up (the first round's prompts for warmup_tokens) and,
+    # after each server start where thermal_max_s is not 0, the thermal stabilisation (those
+    # prompts for at least STABILISE_TOKENS, `Runner._stabilise`). Each unchecked ended the
+    # sweep in "the server reported an error", the doctor and the dry run having said nothing.
+    asks = [(w.output_tokens, "output_tokens", f"output_tokens = {w.output_tokens}")]
+    if m.warmup_tokens:
+        asks.append(
+            (
+                m.warmup_tokens,
+                "measurement.warmup_tokens",
+                f"measurement.warmup_tokens = {m.warmup_tokens}",
+            )
+        )
+    if m.thermal_max_s > 0 and m.warmup_tokens < STABILISE_TOKENS:
+        asks.append(
+            (
+                STABILISE_TOKENS,
+                "measurement.thermal_max_s",
+                f"the thermal stabilisation's {STABILISE_TOKENS} new tokens "
+                f"(measurement.thermal_max_s = {m.thermal_max_s:g})",
+            )
+        )
+    asked, key, said = max(asks, key=lambda a: a[0])
     over, longest_over = [], 0
     for name, corpus in corpora.items():
         lengths = [p.input_tokens for p in eligible_prompts(corpus, w.input_tokens)]
@@ -608,18 +632,27 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
     slots = f" and {reserved} draft slots an EAGLE drafter reserves" if reserved else ""
     fits = limit - reserved - asked
     # (at most what the longest prompt leaves: the shortest bound's left the longer prompts over)
-    todo = (
-        f"set workload.input_tokens' upper bound to at most {fits} (or lower {key})"
-        if fits >= w.input_tokens[0]
-        else f"lower {key} (to at most {limit - reserved - longest_over})"
-    )
+    room = limit - reserved - longest_over
+    lower = [
+        "set measurement.thermal_max_s = 0 (no thermal stabilisation)"
+        if what == "measurement.thermal_max_s"
+        else f"lower {what} (to at most {room})"
+        for tokens, what, _ in asks
+        if tokens > room
+    ]
+    if fits >= w.input_tokens[0]:
+        stabilising = key == "measurement.thermal_max_s"
+        instead = f"set {key} = 0" if stabilising else f"lower {key}"
+        todo = f"set workload.input_tokens' upper bound to at most {fits} (or {instead})"
+    else:
+        todo = ", and ".join(lower)
     whose = f"context length of {model.hf_name or model.key} ({limit} tokens)"
     if limit != model.context_length:  # the campaign's --context-length, not the model's
         whose = f"context length its servers are started with (--context-length {limit})"
         if limit < model.context_length:
             todo += f", or raise --context-length (the model's is {model.context_length})"
     return (
-        f"{'; '.join(over)}: with {key} = {asked}{slots} that exceeds the "
+        f"{'; '.join(over)}: with {said}{slots} that exceeds the "
         f"{whose}, and SGLang refuses such requests; {todo}"
     )
 

@@ -317,6 +317,15 @@ CAMPAIGN_KEY_CASES = [
     key_case("idle-1e12-s", "measurement.idle_s", 1e12, "measurement.idle_s", "a week"),
     key_case("settle-beyond-a-week", "knobs.settle_s", 2**70, "knobs.settle_s", "a week"),
     key_case("window-beyond-a-week", "measurement.min_window_s", 1e12, "min_window_s", "a week"),
+    # An integer no float holds (TOML's are any size to Python): "internal error:
+    # OverflowError: int too large to convert to float", before the week's bound was reached.
+    key_case(
+        "idle-beyond-a-float", "measurement.idle_s", 10**400, "measurement.idle_s", "too large"
+    ),
+    key_case(
+        "settle-beyond-a-float", "measurement.settle", -(10**400), "measurement.settle", "too large"
+    ),
+    key_case("slope-beyond-a-float", "measurement.thermal_slope_c_per_min", 10**400, "too large"),
     key_case("retries-negative", "measurement.retries", -1, "retries"),
     key_case("measurement-misspelt-key", "measurement.repeat", 2, "repeat"),
     # sections

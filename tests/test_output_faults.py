@@ -187,3 +187,61 @@ def test_tables_on_a_terminal_narrower_than_120_columns_fit_it(
     lines = text.replace("\r", "").splitlines()
     assert lines and max(len(line) for line in lines) <= 80, text
     assert "\u2026" not in text, text  # nothing cut short with an ellipsis
+
+
+@pytest.mark.parametrize("forced", [{"FORCE_COLOR": "1"}, {"TTY_COMPATIBLE": "1"}])
+@pytest.mark.parametrize("args", [["corpus", "list"], ["gpu", "list", "--twin", "h100-sxm"]])
+def test_forced_colour_keeps_the_width_of_a_pipe(args: list[str], forced: dict[str, str]) -> None:
+    """FORCE_COLOR=1 (or TTY_COMPATIBLE=1), as CI jobs often set it, makes rich take a pipe for
+    a terminal: its tables were drawn 80 columns wide (rich's guess for a terminal it cannot
+    measure), not the 120 a pipe gets, their cells folded. Colour may be forced; the width of
+    a pipe is still a pipe's."""
+    import re
+
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    def lines(env: dict[str, str | None]) -> list[str]:
+        done = CliRunner().invoke(cli, args, env={"COLUMNS": None, "LINES": None, **env})
+        assert done.exit_code == 0, done.output
+        return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout).splitlines()
+
+    plain = lines({"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "NO_COLOR": None})
+    assert max(len(line) for line in plain) > 80
+    assert lines({**forced, "NO_COLOR": None}) == plain
+
+
+@pytest.mark.parametrize("argv", [["--bogus-option"], ["corpus", "show", "nosuch"]])
+def test_an_interrupt_while_a_usage_error_is_said_keeps_its_exit_code(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    """click's own main, standalone, holds one policy for an interrupt that arrives while it
+    writes its last message (Ctrl-C as the usage error is shown): the message may be lost, the
+    exit code stands (2). `dvfs`'s entry, which runs click with standalone_mode=False and shows
+    its errors itself, let that KeyboardInterrupt out: a traceback, and death by SIGINT."""
+    import sys
+
+    import click
+
+    from dvfs.cli import cli
+    from dvfs.cli.common import run_main
+
+    def interrupted(self: click.ClickException, file: object = None) -> None:
+        raise KeyboardInterrupt
+
+    for kind in (click.ClickException, click.UsageError, click.BadParameter):
+        monkeypatch.setattr(kind, "show", interrupted)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)  # run_main wraps it: put back after
+    monkeypatch.setattr(sys, "argv", ["dvfs", *argv])
+    with pytest.raises(SystemExit) as standalone:
+        cli.main(prog_name="dvfs")  # click's own standalone main
+    assert standalone.value.code == 2
+    try:
+        run_main(cli, "dvfs")
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt left dvfs's entry (a traceback)")
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        pytest.fail("run_main returned")

@@ -154,6 +154,44 @@ def test_new_tokens_beyond_the_context_are_refused_with_a_bound_that_is_then_acc
         assert plan.exit_code == code, plan.output
 
 
+def test_the_thermal_stabilisations_new_tokens_beyond_the_context_are_refused(
+    tmp_path: Path,
+) -> None:
+    """After each server start (thermal_max_s not 0), the thermal stabilisation runs the first
+    round's prompts for at least 64 new tokens, more than output_tokens = 16 and warmup_tokens =
+    8 ask: with --context-length 20 tokens past the longest prompt, `dvfs doctor` passed the
+    corpora and the dry run found no problem, then the sweep ended in "the server reported an
+    error: a prompt of N tokens and 64 new tokens come to ...", exit 1. The sweep refuses it
+    before it makes a journal (exit 2), the dry run and the doctor alike, saying what asks
+    those tokens and to set thermal_max_s = 0; followed, the sweep measures the cell."""
+    longest = max(p.input_tokens for p in load_corpus("code").prompts)
+    text = replace_block(ONE_CELL, "input_tokens = [16, 2048]", f"input_tokens = [{longest}, 2048]")
+    text = replace_block(text, "output_tokens = 64", "output_tokens = 16")
+    text += f'\n[engine.sglang]\nextra_args = ["--context-length", "{longest + 20}"]\n'
+    assert "thermal_max_s" not in text  # its default, 120 s
+    campaign = write(tmp_path / "stabilise.toml", text)
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert swept.exit_code == 2, swept.output
+    line = " ".join(swept.output.split())
+    assert f"prompts of {longest} tokens" in line, line
+    assert "thermal stabilisation's 64 new tokens" in line, line
+    assert "set measurement.thermal_max_s = 0" in line, line
+    assert not (out / "journal.jsonl").exists()
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 2 and len(json.loads(dry.output)["problems"]) == 1, dry.output
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    failed = [c["name"] for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert doctor.exit_code == 2 and failed == ["corpora"], doctor.output
+    followed = write(
+        tmp_path / "followed.toml",
+        text.replace("[measurement]\n", "[measurement]\nthermal_max_s = 0\n"),
+    )
+    done = invoke("sweep", str(followed), "--out", str(tmp_path / "out2"), "--no-progress")
+    assert done.exit_code == 0, done.output
+    assert (tmp_path / "out2" / "cube.nc").is_file()
+
+
 def test_the_input_bound_the_refusal_names_is_one_the_sweep_then_accepts(tmp_path: Path) -> None:
     """The line's "at most N" for workload.input_tokens is the bound that fits: the dry run of
     the campaign with it finds no problem (and one token more is refused)."""

@@ -130,7 +130,15 @@ class Table:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.fail(name, f"expected a number, got {show(value)}")
-        if not math.isfinite(value):  # TOML allows nan and inf; no setting means either
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an integer no float holds (tomllib reads any): no setting
+            digits = len(str(abs(value)))
+            raise self.fail(
+                name,
+                f"got an integer of {digits} digits, too large for a number; set a smaller one",
+            ) from None
+        if not finite:  # TOML allows nan and inf; no setting means either
             raise self.fail(name, f"expected a finite number, got {value}")
         if strictly_positive and value <= 0:
             raise self.fail(name, f"must be greater than 0, got {value}")

@@ -350,6 +350,15 @@ def _to_stderr(write: Callable[[], None]) -> None:
         write()
 
 
+def _say_then_exit(say: Callable[[], None], code: int) -> NoReturn:
+    """`say` on standard error (`_to_stderr`), then exit `code`. As click's standalone main
+    holds it, an interrupt that arrives while the message is written (Ctrl-C as a usage error
+    is shown) loses the message, not the exit code: it was a traceback, and death by SIGINT."""
+    with contextlib.suppress(KeyboardInterrupt, EOFError):
+        _to_stderr(say)
+    sys.exit(code)
+
+
 class _BestEffortStderr:
     """Standard error, whose writes that fail (`2> /dev/full`, a pipe whose reader is gone) are
     dropped: what dvfs says there (progress, notes, warnings, its one line of error) is for
@@ -388,11 +397,9 @@ def run_main(group: click.Group, prog_name: str) -> NoReturn:
     try:
         code = group.main(prog_name=prog_name, standalone_mode=False)
     except click.ClickException as exc:
-        _to_stderr(exc.show)
-        sys.exit(exc.exit_code)
+        _say_then_exit(exc.show, exc.exit_code)
     except click.Abort:
-        _to_stderr(lambda: click.echo("Aborted!", err=True))
-        sys.exit(1)
+        _say_then_exit(lambda: click.echo("Aborted!", err=True), 1)
     except OSError as exc:  # (EPIPE is click's: it exits 1, quietly)
         text = describe_os_error(exc)
         if _stdout_failed(exc):
@@ -829,9 +836,20 @@ def console(stderr: bool = False) -> Any:
     from rich.console import Console
 
     out = Console(stderr=stderr, highlight=False)
-    if not out.is_terminal:
+    if not on_terminal(out):
         out.width = max(120, shutil.get_terminal_size((120, 24)).columns)
     return out
+
+
+def on_terminal(out: Any) -> bool:
+    """Whether the rich console `out` writes to a terminal, as its file says: not rich's
+    `is_terminal`, which FORCE_COLOR or TTY_COMPATIBLE make true of a pipe or file too (which
+    drew a pipe's tables 80 columns wide, rich's guess for a terminal it cannot measure)."""
+    isatty = getattr(out.file, "isatty", None)
+    try:
+        return bool(isatty is not None and isatty())
+    except ValueError:  # a closed file
+        return False
 
 
 def echo_json(data: Any) -> None:

@@ -21,6 +21,7 @@ from dvfs.cli.common import (
     handle_errors,
     has_no_twin,
     make_parent,
+    on_terminal,
     one_line,
     restore_status,
     show_beside_lost,
@@ -155,7 +156,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
             f"{r['sm_clock_mhz']} MHz",
         )
     out = console()
-    if not out.is_terminal:  # (a terminal's own width): the uuid whole, a long name or an
+    if not on_terminal(out):  # (a terminal's own width): the uuid whole, a long name or an
         out.width = 100  # error (or columns GPUs differ in) folded where it would not fit
     out.print(table)
     if alike:
