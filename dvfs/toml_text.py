@@ -59,3 +59,34 @@ def toml_line(key: str, value: Any) -> str:
             f"cannot write {key} into a TOML file: {exc}; correct the value in the input it "
             "came from"
         ) from None
+
+
+def beyond_64_bits(data: Any, where: str = "") -> str | None:
+    """The dotted key (with [i] for an array's item) of the first integer in parsed TOML `data`
+    beyond TOML's 64 bits, None where there is none: `tomllib` reads any integer, which the
+    spec calls invalid TOML, and a value such as batch = 10**400 fails later, as no float."""
+    if isinstance(data, bool):
+        return None
+    if isinstance(data, int):
+        return None if TOML_INT_MIN <= data <= TOML_INT_MAX else where
+    items: Any = ()
+    if isinstance(data, dict):
+        items = ((f"{where}.{k}" if where else str(k), v) for k, v in data.items())
+    elif isinstance(data, list):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(data))
+    for key, value in items:
+        found = beyond_64_bits(value, key)
+        if found is not None:
+            return found
+    return None
+
+
+def refuse_beyond_64_bits(data: Any, where: str, error: type[DvfsError]) -> None:
+    """Raise `error` naming `where` (the file) and the key where parsed TOML `data` holds an
+    integer beyond TOML's 64 bits (`beyond_64_bits`): one line, before any value is used."""
+    huge = beyond_64_bits(data)
+    if huge is not None:
+        raise error(
+            f"{where}: not valid TOML: {huge} is an integer beyond TOML's 64 bits "
+            f"({TOML_INT_MIN} to {TOML_INT_MAX}); set a smaller one"
+        )

@@ -313,19 +313,23 @@ CAMPAIGN_KEY_CASES = [
     key_case("idle-negative", "measurement.idle_s", -1, "idle_s"),
     # A duration past any clock's reach: the twin's idle baseline of 2**70 s (or 1e12 s) ended
     # in an internal error ("Python int too large to convert to C long") after the sweep began.
-    key_case("idle-beyond-64-bits", "measurement.idle_s", 2**70, "measurement.idle_s", "a week"),
+    key_case("idle-huge", "measurement.idle_s", 2**62, "measurement.idle_s", "a week"),
     key_case("idle-1e12-s", "measurement.idle_s", 1e12, "measurement.idle_s", "a week"),
-    key_case("settle-beyond-a-week", "knobs.settle_s", 2**70, "knobs.settle_s", "a week"),
+    key_case("settle-beyond-a-week", "knobs.settle_s", 2**62, "knobs.settle_s", "a week"),
     key_case("window-beyond-a-week", "measurement.min_window_s", 1e12, "min_window_s", "a week"),
     # An integer no float holds (TOML's are any size to Python): "internal error:
     # OverflowError: int too large to convert to float", before the week's bound was reached.
+    key_case("idle-beyond-a-float", "measurement.idle_s", 10**400, "measurement.idle_s", "64 bits"),
     key_case(
-        "idle-beyond-a-float", "measurement.idle_s", 10**400, "measurement.idle_s", "too large"
+        "settle-beyond-a-float", "measurement.settle", -(10**400), "measurement.settle", "64 bits"
     ),
+    key_case("slope-beyond-a-float", "measurement.thermal_slope_c_per_min", 10**400, "64 bits"),
+    # Beyond TOML's 64 bits (tomllib reads any integer): "internal error: OverflowError" where
+    # an integer key's value met a float (a batch's, the warm-up's tokens).
+    key_case("batch-beyond-64-bits", "workload.batch", [1, 2**64], "workload.batch[1]", "64 bits"),
     key_case(
-        "settle-beyond-a-float", "measurement.settle", -(10**400), "measurement.settle", "too large"
+        "warmup-beyond-64-bits", "measurement.warmup_tokens", 10**400, "warmup_tokens", "64 bits"
     ),
-    key_case("slope-beyond-a-float", "measurement.thermal_slope_c_per_min", 10**400, "too large"),
     key_case("retries-negative", "measurement.retries", -1, "retries"),
     key_case("measurement-misspelt-key", "measurement.repeat", 2, "repeat"),
     # sections
@@ -629,6 +633,13 @@ CAPS_CASES = [
     caps_case("absurd-watts", GOOD_CAPS.replace("450", "1000000"), "power limit", nvml=True),
     caps_case("absurd-mhz", GOOD_CAPS.replace("1305", "99999"), "99999", nvml=True),
     caps_case("tiny-watts", GOOD_CAPS.replace("450", "1"), "power limit", nvml=True),
+    # An integer beyond TOML's 64 bits (tomllib reads any): "internal error: OverflowError"
+    caps_case(
+        "watts-beyond-64-bits",
+        GOOD_CAPS.replace("450", str(10**400)),
+        "model[0].power_limit_w",
+        "64 bits",
+    ),
     C(
         "caps-show-garbled-record",
         ["cap", "show", "--state-dir", "{tmp}/state"],
@@ -1604,6 +1615,20 @@ MORE_CASES = (
             files={"c.toml": GOOD_TEXT, "p.toml": DEEP_TOML},
             code=2,
             says=("{tmp}/p.toml is not a readable TOML profile", "nested too deeply"),
+        ),
+        C(
+            "govern-plan-beyond-64-bits",
+            ["govern", "--plan", "{tmp}/p.toml", "--url", "http://127.0.0.1:9", "--dry-run"],
+            files={"p.toml": f"dvfs_batch_plan = {2**64}\n"},
+            code=2,
+            says=("{tmp}/p.toml:", "dvfs_batch_plan", "64 bits"),
+        ),
+        C(
+            "twin-profile-beyond-64-bits",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": GOOD_TEXT, "p.toml": f"[gpu.x]\nidle_w = {10**400}\n"},
+            code=2,
+            says=("{tmp}/p.toml:", "gpu.x.idle_w", "64 bits"),
         ),
         C(
             "govern-plan-nested-100k-deep",

@@ -32,6 +32,7 @@ from dvfs.campaign.serving import parse_drafter, parse_engine
 from dvfs.campaign.table import Table
 from dvfs.errors import CampaignError
 from dvfs.gpu.base import canonical_uuid
+from dvfs.toml_text import refuse_beyond_64_bits
 
 #: The most repeats a cell may take: a journal's stored campaign asking more is read back as
 #: an edited one (`dvfs.records.header`'s bound on its counts), so no cube could be built.
@@ -473,6 +474,7 @@ def load_campaign(path: str | Path) -> Campaign:
         raise CampaignError(
             f"{path}: not valid TOML: {TOO_DEEP} (a damaged file?); check the file"
         ) from exc
+    refuse_beyond_64_bits(data, str(path), CampaignError)
     if not data:  # else refused for the first setting it lacks, as if the rest were there
         what = "holds no settings, only comments" if text.strip() else "is empty"
         raise CampaignError(

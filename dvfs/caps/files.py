@@ -20,7 +20,7 @@ from typing import Any
 from dvfs.errors import CapsError
 from dvfs.gpu.base import canonical_uuid
 from dvfs.outputs import group_name, who_may_replace
-from dvfs.toml_text import toml_line, toml_value
+from dvfs.toml_text import refuse_beyond_64_bits, toml_line, toml_value
 
 CAPS_SCHEMA = 1
 #: How the twin's GPUs name themselves: the NVML model name with this suffix.
@@ -315,6 +315,7 @@ def load_caps(path: str | Path) -> CapsFile:
         ) from exc
     except UnicodeDecodeError as exc:
         raise CapsError(f"{path}: not a caps file (not UTF-8 text: {exc.reason})") from exc
+    refuse_beyond_64_bits(data, str(path), CapsError)
     return parse_caps(data, where=str(path))
 
 

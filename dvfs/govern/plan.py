@@ -26,7 +26,7 @@ from typing import Any
 
 from dvfs.caps.files import base_model_name, check_file_safety, exact, is_twin_name
 from dvfs.errors import CapsError
-from dvfs.toml_text import toml_line, toml_value
+from dvfs.toml_text import refuse_beyond_64_bits, toml_line, toml_value
 
 BATCH_PLAN_SCHEMA = 1
 SCHEMA_KEY = "dvfs_batch_plan"
@@ -296,6 +296,7 @@ def load_plan(path: str | Path) -> BatchPlan:
         ) from exc
     except UnicodeDecodeError as exc:
         raise CapsError(f"{path}: not a per-batch plan (not UTF-8 text: {exc.reason})") from exc
+    refuse_beyond_64_bits(data, str(path), CapsError)
     return parse_plan(data, where=str(path))
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.errors import CampaignError, DvfsError
-from dvfs.toml_text import toml_value
+from dvfs.toml_text import refuse_beyond_64_bits, toml_value
 from dvfs.twin import physics
 from dvfs.twin.profiles import GpuProfile
 
@@ -504,6 +504,7 @@ def load_profile(path: Path) -> GpuProfile:
         raise CampaignError(f"{path} is not a readable TOML profile ({exc})") from exc
     except RecursionError as exc:
         raise CampaignError(f"{path} is not a readable TOML profile ({TOO_DEEP})") from exc
+    refuse_beyond_64_bits(data, str(path), CampaignError)
     tables = data.get("gpu")
     if not isinstance(tables, dict) or len(tables) != 1:
         raise CampaignError(f"{path} holds no single [gpu.<name>] table (a `dvfs twin fit` file)")
