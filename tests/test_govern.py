@@ -274,6 +274,49 @@ def test_the_server_page_is_summed_over_schedulers() -> None:
         parse_server_metrics("sglang:num_running_reqs{ 1 2 3\n")
 
 
+@pytest.mark.parametrize(
+    "rows",
+    [
+        'sglang:num_running_reqs{dp_rank="0"} 1e308\nsglang:num_running_reqs{dp_rank="1"} 1e308\n',
+        "sglang:num_running_reqs 3\n"
+        + "".join(
+            f'sglang:realtime_tokens_total{{mode="decode",dp_rank="{dp}"}} 1e308\n' for dp in (0, 1)
+        ),
+        'sglang:num_running_reqs 3\nsglang:generation_tokens_total{a="0"} 1.5e308\n'
+        'sglang:generation_tokens_total{a="1"} 1.5e308\n',
+    ],
+    ids=["batch", "decoded", "generated"],
+)
+def test_values_that_add_up_past_the_largest_number_are_a_page_not_read(rows: str) -> None:
+    """Each finite, a damaged page's values can add up to infinity: no batch (round() raised
+    OverflowError, which ended the governor, and the monitor, with an internal error) and no
+    token count (an infinite counter exported). The page is one the server did not answer
+    with: the governor holds stock, and both say so once."""
+    with pytest.raises(ScrapeError, match="too large"):
+        parse_server_metrics(rows)
+    notes: list[str] = []
+    watch = Watch([], lambda: parse_server_metrics(rows), note=notes.append)
+    assert watch.server() is None and watch.server() is None
+    assert len(notes) == 1 and "too large" in notes[0]
+
+
+@pytest.mark.parametrize("charset", ["base64", "rot13", "idna", "punycode", "undefined", "utf-8"])
+def test_a_page_in_a_charset_that_is_no_text_encoding_is_read_as_utf8(charset: str) -> None:
+    """A Content-Type naming a bytes codec (base64, rot13) or one that cannot decode with
+    replacement (idna, punycode, undefined) raised LookupError or UnicodeError out of the
+    read, which ended the governor: the page is read as Prometheus text is, UTF-8."""
+    from dvfs.govern.metrics import ServerReader
+
+    page = b"sglang:num_running_reqs 3\n# caf\xc3\xa9, and a byte no UTF-8 has: \xff\n"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": f"text/plain; version=0.0.4; charset={charset}"}
+        return httpx.Response(200, headers=headers, content=page)
+
+    with ServerReader("http://127.0.0.1:1", 1.0, transport=httpx.MockTransport(answer)) as read:
+        assert read().running == 3
+
+
 def test_the_ranks_of_one_tensor_parallel_group_count_their_batch_once() -> None:
     """With --enable-metrics-for-all-schedulers every rank of a tensor-parallel group reports
     the batch they share (labelled by tp_rank): summed, a TP-4 server running 16 read as 64,
