@@ -528,6 +528,36 @@ def test_the_export_parses_and_joins_each_gpus_energy_with_the_servers_tokens() 
     assert got[("dvfs_server_generated_tokens_total", ())] == 150
 
 
+def test_a_gpu_without_an_energy_counter_exports_no_nan_counter() -> None:
+    """NVML reports no energy counter on some GPUs (older than Volta, some virtual GPUs): its
+    counter series is left out, not NaN (a NaN counter carries into every rate() and sum()
+    over it, the other GPUs' included), while its other readings and the other GPU's counter
+    are exported."""
+    from dvfs.errors import GpuNotSupportedError
+
+    class NoEnergyCounter(MeterGpu):
+        def energy_mj(self) -> int:
+            raise GpuNotSupportedError("GPU 0: energy counter: Not Supported")
+
+    gpus = [NoEnergyCounter(0), MeterGpu(1, 5_000_000)]
+    samples = iter([ServerSample(3, 100.0, None), ServerSample(4, 150.0, None)])
+    watch = Watch(gpus, lambda: next(samples), note=print)  # type: ignore[arg-type]
+    live = LiveMetrics()
+    for _ in range(2):
+        live.publish(watch.snapshot(watch.server(), {}))
+    text = render(live)
+    got = series(text)
+    g0 = (("gpu", "0"), ("uuid", "GPU-0000"))
+    g1 = (("gpu", "1"), ("uuid", "GPU-0001"))
+    assert ("dvfs_gpu_energy_joules_total", g0) not in got
+    assert got[("dvfs_gpu_energy_joules_total", g1)] == 5000.0
+    assert got[("dvfs_gpu_power_watts", g0)] == 300.0
+    assert math.isnan(got[("dvfs_gpu_energy_per_token_joules", g0)])
+    for family in text_string_to_metric_families(text):
+        if family.type == "counter":
+            assert all(math.isfinite(s.value) for s in family.samples), family.name
+
+
 def test_an_intervals_tokens_come_from_one_counter() -> None:
     """The decode counter first appears with a server's first decode iteration: the interval
     in which the count moves from the generated-token counter to it has no energy per token

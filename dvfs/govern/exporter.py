@@ -13,7 +13,8 @@ by `gpu` (index) and `uuid`:
   server's generated tokens in the last interval; NaN with no token, and on a GPU found not to
   be the server's)
 
-A reading the GPU does not support is NaN; a GPU that did not answer has dvfs_gpu_up 0 and its
+A reading the GPU does not support is NaN, but for the energy counter, left out (a counter
+never carries NaN); a GPU that did not answer has dvfs_gpu_up 0 and its
 NVML readings (power, energy, clock, power limit, energy per token) left out until it answers
 again, not NaN (a counter's rate() would carry a NaN); its lock series, from dvfs's records,
 stay. A GPU that did not open as the monitor started has dvfs_gpu_up 0 alone, its uuid empty (its
@@ -131,8 +132,12 @@ class LiveCollector:
             "dvfs_gpu_energy_joules", "NVML energy counter (since driver load).", labels=labels
         )
         for row in answered:
+            if row.reading.energy_j is None:
+                # no energy counter on this GPU: left out, a NaN counter would carry into
+                # every rate() and sum() over it (the other GPUs' included)
+                continue
             ident = [str(row.reading.index), row.reading.uuid]
-            energy.add_metric(ident, _nan(row.reading.energy_j))
+            energy.add_metric(ident, row.reading.energy_j)
         yield energy
         yield gpu_gauge(
             "dvfs_gpu_sm_clock_hertz",
