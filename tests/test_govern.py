@@ -897,6 +897,42 @@ def test_after_a_stalled_read_the_monitor_does_not_run_the_missed_intervals_back
         assert value == pytest.approx(power_w / tokens_per_s, rel=0.25), published
 
 
+def test_while_an_nvml_read_hangs_the_page_says_when_its_numbers_were_read() -> None:
+    """An NVML call that does not return (a GPU in a bad state) holds the loop in it, and the
+    page keeps serving the last interval's numbers, dvfs_gpu_up 1 among them: nothing on it
+    told a stale page from a fresh one, and an alert on dvfs_gpu_up == 0 never fired. The
+    page says when the reads it holds ended, which stops advancing while one hangs."""
+    from dvfs.govern.loop import monitor
+
+    time = VirtualTime()
+    pages: list[str] = []
+    live = LiveMetrics()
+    live.clock = lambda: 1_700_000_000.0 + time.now
+
+    class HangingGpu(MeterGpu):
+        reads = 0
+
+        def power_mw(self) -> int:
+            self.reads += 1
+            if self.reads == 3:  # the third interval's read hangs for an hour: scraped then
+                time.sleep(3600.0)
+                pages.append(render(live))
+            return self.power
+
+    monitor(
+        [HangingGpu(0)],  # type: ignore[list-item]
+        None,
+        Ticker(1.0, 4, clock=time.clock, sleep=time.sleep),
+        live=live,
+        note=print,
+    )
+    during, after = series(pages[0]), series(render(live))
+    read_at = during[("dvfs_last_read_timestamp_seconds", ())]
+    assert read_at == pytest.approx(1_700_000_001.0, abs=0.01)  # the second interval's reads
+    assert during[("dvfs_gpu_up", (("gpu", "0"), ("uuid", "GPU-0000")))] == 1.0
+    assert after[("dvfs_last_read_timestamp_seconds", ())] > read_at + 3600
+
+
 def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> None:
     from dvfs.backends import open_gpus
 
