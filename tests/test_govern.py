@@ -274,6 +274,49 @@ def test_the_server_page_is_summed_over_schedulers() -> None:
         parse_server_metrics("sglang:num_running_reqs{ 1 2 3\n")
 
 
+@pytest.mark.parametrize(
+    "rows",
+    [
+        'sglang:num_running_reqs{dp_rank="0"} 1e308\nsglang:num_running_reqs{dp_rank="1"} 1e308\n',
+        "sglang:num_running_reqs 3\n"
+        + "".join(
+            f'sglang:realtime_tokens_total{{mode="decode",dp_rank="{dp}"}} 1e308\n' for dp in (0, 1)
+        ),
+        'sglang:num_running_reqs 3\nsglang:generation_tokens_total{a="0"} 1.5e308\n'
+        'sglang:generation_tokens_total{a="1"} 1.5e308\n',
+    ],
+    ids=["batch", "decoded", "generated"],
+)
+def test_values_that_add_up_past_the_largest_number_are_a_page_not_read(rows: str) -> None:
+    """Each finite, a damaged page's values can add up to infinity: no batch (round() raised
+    OverflowError, which ended the governor, and the monitor, with an internal error) and no
+    token count (an infinite counter exported). The page is one the server did not answer
+    with: the governor holds stock, and both say so once."""
+    with pytest.raises(ScrapeError, match="too large"):
+        parse_server_metrics(rows)
+    notes: list[str] = []
+    watch = Watch([], lambda: parse_server_metrics(rows), note=notes.append)
+    assert watch.server() is None and watch.server() is None
+    assert len(notes) == 1 and "too large" in notes[0]
+
+
+@pytest.mark.parametrize("charset", ["base64", "rot13", "idna", "punycode", "undefined", "utf-8"])
+def test_a_page_in_a_charset_that_is_no_text_encoding_is_read_as_utf8(charset: str) -> None:
+    """A Content-Type naming a bytes codec (base64, rot13) or one that cannot decode with
+    replacement (idna, punycode, undefined) raised LookupError or UnicodeError out of the
+    read, which ended the governor: the page is read as Prometheus text is, UTF-8."""
+    from dvfs.govern.metrics import ServerReader
+
+    page = b"sglang:num_running_reqs 3\n# caf\xc3\xa9, and a byte no UTF-8 has: \xff\n"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": f"text/plain; version=0.0.4; charset={charset}"}
+        return httpx.Response(200, headers=headers, content=page)
+
+    with ServerReader("http://127.0.0.1:1", 1.0, transport=httpx.MockTransport(answer)) as read:
+        assert read().running == 3
+
+
 def test_the_ranks_of_one_tensor_parallel_group_count_their_batch_once() -> None:
     """With --enable-metrics-for-all-schedulers every rank of a tensor-parallel group reports
     the batch they share (labelled by tp_rank): summed, a TP-4 server running 16 read as 64,
@@ -483,6 +526,36 @@ def test_the_export_parses_and_joins_each_gpus_energy_with_the_servers_tokens() 
     assert got[("dvfs_gpu_sm_clock_lock_max_hertz", g1)] == 0.0
     assert got[("dvfs_server_running_requests", ())] == 4
     assert got[("dvfs_server_generated_tokens_total", ())] == 150
+
+
+def test_a_gpu_without_an_energy_counter_exports_no_nan_counter() -> None:
+    """NVML reports no energy counter on some GPUs (older than Volta, some virtual GPUs): its
+    counter series is left out, not NaN (a NaN counter carries into every rate() and sum()
+    over it, the other GPUs' included), while its other readings and the other GPU's counter
+    are exported."""
+    from dvfs.errors import GpuNotSupportedError
+
+    class NoEnergyCounter(MeterGpu):
+        def energy_mj(self) -> int:
+            raise GpuNotSupportedError("GPU 0: energy counter: Not Supported")
+
+    gpus = [NoEnergyCounter(0), MeterGpu(1, 5_000_000)]
+    samples = iter([ServerSample(3, 100.0, None), ServerSample(4, 150.0, None)])
+    watch = Watch(gpus, lambda: next(samples), note=print)  # type: ignore[arg-type]
+    live = LiveMetrics()
+    for _ in range(2):
+        live.publish(watch.snapshot(watch.server(), {}))
+    text = render(live)
+    got = series(text)
+    g0 = (("gpu", "0"), ("uuid", "GPU-0000"))
+    g1 = (("gpu", "1"), ("uuid", "GPU-0001"))
+    assert ("dvfs_gpu_energy_joules_total", g0) not in got
+    assert got[("dvfs_gpu_energy_joules_total", g1)] == 5000.0
+    assert got[("dvfs_gpu_power_watts", g0)] == 300.0
+    assert math.isnan(got[("dvfs_gpu_energy_per_token_joules", g0)])
+    for family in text_string_to_metric_families(text):
+        if family.type == "counter":
+            assert all(math.isfinite(s.value) for s in family.samples), family.name
 
 
 def test_an_intervals_tokens_come_from_one_counter() -> None:
@@ -822,6 +895,42 @@ def test_after_a_stalled_read_the_monitor_does_not_run_the_missed_intervals_back
     assert math.isnan(published[0])  # no interval before the first read
     for value in published[1:]:
         assert value == pytest.approx(power_w / tokens_per_s, rel=0.25), published
+
+
+def test_while_an_nvml_read_hangs_the_page_says_when_its_numbers_were_read() -> None:
+    """An NVML call that does not return (a GPU in a bad state) holds the loop in it, and the
+    page keeps serving the last interval's numbers, dvfs_gpu_up 1 among them: nothing on it
+    told a stale page from a fresh one, and an alert on dvfs_gpu_up == 0 never fired. The
+    page says when the reads it holds ended, which stops advancing while one hangs."""
+    from dvfs.govern.loop import monitor
+
+    time = VirtualTime()
+    pages: list[str] = []
+    live = LiveMetrics()
+    live.clock = lambda: 1_700_000_000.0 + time.now
+
+    class HangingGpu(MeterGpu):
+        reads = 0
+
+        def power_mw(self) -> int:
+            self.reads += 1
+            if self.reads == 3:  # the third interval's read hangs for an hour: scraped then
+                time.sleep(3600.0)
+                pages.append(render(live))
+            return self.power
+
+    monitor(
+        [HangingGpu(0)],  # type: ignore[list-item]
+        None,
+        Ticker(1.0, 4, clock=time.clock, sleep=time.sleep),
+        live=live,
+        note=print,
+    )
+    during, after = series(pages[0]), series(render(live))
+    read_at = during[("dvfs_last_read_timestamp_seconds", ())]
+    assert read_at == pytest.approx(1_700_000_001.0, abs=0.01)  # the second interval's reads
+    assert during[("dvfs_gpu_up", (("gpu", "0"), ("uuid", "GPU-0000")))] == 1.0
+    assert after[("dvfs_last_read_timestamp_seconds", ())] > read_at + 3600
 
 
 def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> None:

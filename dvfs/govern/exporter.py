@@ -13,7 +13,8 @@ by `gpu` (index) and `uuid`:
   server's generated tokens in the last interval; NaN with no token, and on a GPU found not to
   be the server's)
 
-A reading the GPU does not support is NaN; a GPU that did not answer has dvfs_gpu_up 0 and its
+A reading the GPU does not support is NaN, but for the energy counter, left out (a counter
+never carries NaN); a GPU that did not answer has dvfs_gpu_up 0 and its
 NVML readings (power, energy, clock, power limit, energy per token) left out until it answers
 again, not NaN (a counter's rate() would carry a NaN); its lock series, from dvfs's records,
 stay. A GPU that did not open as the monitor started has dvfs_gpu_up 0 alone, its uuid empty (its
@@ -25,7 +26,8 @@ dvfs_server_energy_per_token_joules (its GPUs: those --gpu names, else those it 
 else every GPU read, `dvfs.govern.servergpus`; NaN where one of those did not answer,
 or did not open as the monitor started); for the governor: dvfs_govern_changes_total
 and dvfs_govern_plan_batch (the largest planned batch the band in force reaches; 0 when it
-reaches above the plan, at stock).
+reaches above the plan, at stock); and dvfs_last_read_timestamp_seconds (when the reads this
+page holds ended: it stops advancing while one hangs, an NVML call that does not return).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,14 +82,23 @@ class LiveMetrics:
     #: by UUID: it could not be read) for as long as it runs, so that an alert on
     #: dvfs_gpu_up == 0 does not clear when the monitor restarts without them.
     unopened: tuple[int | str, ...] = ()
+    #: The wall clock each snapshot is stamped with as it is published (tests: a fake one).
+    clock: Callable[[], float] = time.time
+    _published_at: float | None = None
 
     def publish(self, snapshot: Snapshot) -> None:
+        stamp = self.clock()
         with self._lock:
-            self._snapshot = snapshot
+            self._snapshot, self._published_at = snapshot, stamp
 
     def latest(self) -> Snapshot:
         with self._lock:
             return self._snapshot
+
+    def stamped(self) -> tuple[Snapshot, float | None]:
+        """The latest snapshot and when it was published (None: nothing yet)."""
+        with self._lock:
+            return self._snapshot, self._published_at
 
 
 def _nan(value: float | None) -> float:
@@ -102,8 +114,18 @@ class LiveCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        snap = self.live.latest()
+        snap, stamp = self.live.stamped()
         labels = ["gpu", "uuid"]
+        if stamp is not None:
+            # The page serves the latest snapshot for as long as no new one comes: a read that
+            # never returns (an NVML call hung on a GPU in a bad state) left it saying the
+            # GPUs answered, with their last numbers, for ever. This stops advancing instead.
+            yield GaugeMetricFamily(
+                "dvfs_last_read_timestamp_seconds",
+                "Unix time the latest reads of the GPUs and the server ended, whose numbers "
+                "this page holds; it stops advancing while a read hangs.",
+                value=stamp,
+            )
 
         # A GPU that did not answer this interval's read has no reading: its series of NVML
         # readings are left out (not NaN, which a counter's rate() would carry), and
@@ -131,8 +153,12 @@ class LiveCollector:
             "dvfs_gpu_energy_joules", "NVML energy counter (since driver load).", labels=labels
         )
         for row in answered:
+            if row.reading.energy_j is None:
+                # no energy counter on this GPU: left out, a NaN counter would carry into
+                # every rate() and sum() over it (the other GPUs' included)
+                continue
             ident = [str(row.reading.index), row.reading.uuid]
-            energy.add_metric(ident, _nan(row.reading.energy_j))
+            energy.add_metric(ident, row.reading.energy_j)
         yield energy
         yield gpu_gauge(
             "dvfs_gpu_sm_clock_hertz",

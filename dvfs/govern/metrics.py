@@ -120,6 +120,15 @@ def parse_server_metrics(text: str) -> ServerSample:
         raise ScrapeError(
             f"the server's /metrics has no {RUNNING}: is it SGLang, started with --enable-metrics?"
         )
+    # Finite values can add up to infinity (two series of 1e308): no batch (round() of it
+    # raised OverflowError, which ended the governor) and no token count.
+    if not all(
+        math.isfinite(sum(values))
+        for values in (batches.values(), decoded.values(), generated, accept)
+    ):
+        raise ScrapeError(
+            "the server's /metrics holds values too large to add up: is --url an SGLang server?"
+        )
     return ServerSample(
         running=max(0, round(sum(batches.values()))),
         generated_tokens=sum(generated) if generated else None,
@@ -215,7 +224,7 @@ class ServerReader:
                             f"cannot read {address}: its page did not come within "
                             f"{self.timeout_s:g} s"
                         )
-                text = b"".join(chunks).decode(response.encoding or "utf-8", errors="replace")
+                text = _decoded(b"".join(chunks), response.encoding)
         except httpx.HTTPError as exc:
             raise ServerDownError(f"cannot read {address}: {exc or type(exc).__name__}") from exc
         if response.status_code == 404:
@@ -235,6 +244,17 @@ class ServerReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _decoded(page: bytes, charset: str | None) -> str:
+    """The page as text, in the charset its Content-Type names, else UTF-8 (Prometheus' own).
+    A charset that cannot decode with replacement is no charset: a bytes codec (base64, rot13:
+    LookupError) or one that refuses it or still fails (idna, punycode, undefined: a
+    UnicodeError), each of which ended the governor."""
+    try:
+        return page.decode(charset or "utf-8", errors="replace")
+    except (LookupError, ValueError):  # a UnicodeError is a ValueError
+        return page.decode("utf-8", errors="replace")
 
 
 def scrape(url: str, timeout_s: float) -> ServerSample:
