@@ -212,6 +212,56 @@ def test_forced_colour_keeps_the_width_of_a_pipe(args: list[str], forced: dict[s
     assert lines({**forced, "NO_COLOR": None}) == plain
 
 
+@pytest.mark.parametrize("forced", [{"FORCE_COLOR": "1"}, {"TTY_COMPATIBLE": "1"}])
+@pytest.mark.parametrize("command", ["headroom", "compare"])
+def test_forced_colour_keeps_an_analysis_table_whole_in_a_pipe(
+    small_sweep: Path, command: str, forced: dict[str, str]
+) -> None:
+    """The headroom and compare tables (and their notes) into a pipe keep their natural width,
+    as the README says of every table written to a pipe or file; they asked rich's
+    `is_terminal`, which FORCE_COLOR or TTY_COMPATIBLE make true of a pipe, so under either
+    the table was fitted to 120 columns, its cells folded ('conversati' over 'on') and its
+    notes wrapped."""
+    import re
+
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    def lines(env: dict[str, str | None]) -> list[str]:
+        done = CliRunner().invoke(
+            cli, [command, str(small_sweep)], env={"COLUMNS": None, "LINES": None, **env}
+        )
+        assert done.exit_code == 0, done.output
+        return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout).splitlines()
+
+    plain = lines({"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "NO_COLOR": None})
+    assert max(len(line) for line in plain) > 120
+    assert lines({**forced, "NO_COLOR": None}) == plain
+
+
+@pytest.mark.parametrize("forced", [{"FORCE_COLOR": "1"}, {"TTY_COMPATIBLE": "1"}])
+def test_forced_colour_draws_no_progress_bar_into_a_log(
+    monkeypatch: pytest.MonkeyPatch, forced: dict[str, str]
+) -> None:
+    """A sweep's progress bars (one GPU's and a fleet's) are drawn on a terminal only, as the
+    README says: off one a log gets the notes and summary lines. They asked rich's
+    `is_terminal`, which FORCE_COLOR or TTY_COMPATIBLE make true of a file, so a CI log (or
+    `2> sweep.log`) got the bar's redraws and cursor codes, cut to 80 columns ('868/...')."""
+    import io
+    import sys
+
+    from dvfs.cli.fleet_progress import RichFleetProgress
+    from dvfs.cli.progress import RichProgress
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    for key, value in forced.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a file, no terminal
+    for bar in (RichProgress("one"), RichFleetProgress("fleet")):
+        assert bar._progress.disable, type(bar).__name__
+
+
 @pytest.mark.parametrize("argv", [["--bogus-option"], ["corpus", "show", "nosuch"]])
 def test_an_interrupt_while_a_usage_error_is_said_keeps_its_exit_code(
     monkeypatch: pytest.MonkeyPatch, argv: list[str]

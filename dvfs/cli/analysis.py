@@ -18,6 +18,7 @@ from dvfs.cli.common import (
     escape,
     handle_errors,
     make_parent,
+    on_terminal,
     option_given,
 )
 
@@ -207,17 +208,18 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     for row in rows:
         table.add_row(*row)
     out = console()
-    if not out.is_terminal:
+    terminal = on_terminal(out)  # (not rich's is_terminal: FORCE_COLOR makes a pipe one)
+    if not terminal:
         out.width = 1_000_000  # measure without a limit, then fit the console to the table
         out.width = max(120, out.measure(table).maximum)
-    out.print(f"[bold]{escape(title)}[/bold]", soft_wrap=not out.is_terminal)
+    out.print(f"[bold]{escape(title)}[/bold]", soft_wrap=not terminal)
     out.print(table)
 
 
 def print_line(text: str, *, stderr: bool = False) -> None:
     """A line of prose: wrapped on a terminal, left whole in a pipe."""
     out = console(stderr=stderr)
-    out.print(text, soft_wrap=not out.is_terminal)
+    out.print(text, soft_wrap=not on_terminal(out))
 
 
 def _pinning_line(ds: Any) -> None:

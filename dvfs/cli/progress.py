@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dvfs.cli.common import escape
+from dvfs.cli.common import escape, on_terminal
 from dvfs.measure.plan import Cell
 from dvfs.measure.runner import NullProgress
 
@@ -35,8 +35,9 @@ class RichProgress:
             TextColumn("{task.fields[current]}"),
             console=self.console,
             # Off a terminal the bar would only be drawn once, at the end, cut to 80 columns
-            # ("1080/…"): a log gets the notes and the summary lines instead.
-            disable=not enabled or not self.console.is_terminal,
+            # ("1080/…"): a log gets the notes and the summary lines instead. (Not rich's
+            # is_terminal, which FORCE_COLOR or TTY_COMPATIBLE make true of a file.)
+            disable=not enabled or not on_terminal(self.console),
             transient=False,
         )
         self._description = description
