@@ -307,7 +307,7 @@ def test_the_readme_says_how_to_remove_the_caps_a_failed_start_applied() -> None
     assert "A failed start runs no `ExecStop`" in readme
     assert "`systemctl stop dvfs-caps` then leaves the caps it applied in place" in readme
     assert "`sudo dvfs cap reset --applied` removes them" in readme
-    codes = readme[readme.index("Exit codes: 0 success") :]
+    codes = readme[readme.index("Exit codes: - 0: success") :]
     codes = codes[: codes.index("interrupted")]
     assert "1, either way, when a GPU has fallen off the bus" in codes, codes
 
