@@ -242,6 +242,10 @@ def plan_caps(
             stock = "{} MHz, {:g} W".format(*stocks.pop()) if len(stocks) == 1 else "each GPU's own"
             at_stock.append(f"stock ({stock}){f' on {key}' if key else ''}")
             continue
+        unknown = unknown_saving(doc, group)
+        if unknown:
+            where = f" on {key}" if key else ""
+            raise CapsError(f"no cap at batch {batch} with drafter {drafter!r}{where}: {unknown}")
         edge = edge or at_grid_edge(group)
         if by_model:
             caps.append(GpuCap(name=key, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap))
@@ -315,6 +319,25 @@ def measured_as(doc: dict[str, Any], model_name: str, simulated: bool) -> set[st
             f"it measured {', '.join(repr(str(m)) for m in models)}: pass one of those"
         )
     return matched
+
+
+def unknown_saving(doc: dict[str, Any], group: Sequence[dict[str, Any]]) -> str | None:
+    """Why rows with an answer but no saving (an --slo or --vs-baseline answer where the
+    reference has too few usable repeats for an energy: the headroom table's "-") get no cap,
+    and what to change; None where every row's saving is known (or a document older than
+    the saving). A cap is planned for a saving shown: one within the noise is not, and one
+    unknown may spend more than stock."""
+    unknown = [r for r in group if r["feasible"] and "saving" in r and r["saving"] is None]
+    if not unknown:
+        return None
+    versus = "stock" if doc["reference"].get("is_stock", True) else "the reference"
+    corpora = ", ".join(dict.fromkeys(r["corpus"] for r in unknown))
+    return (
+        f"saving unknown for corpus {corpora}: {versus} has too few usable repeats for an "
+        "energy to save against, so the chosen setting may spend more than it; `dvfs cube "
+        "info` says why its repeats are unusable: clear that (or raise measurement.repeats), "
+        "sweep again and run `dvfs headroom` again"
+    )
 
 
 def no_answer_error(
