@@ -321,6 +321,13 @@ def measured_as(doc: dict[str, Any], model_name: str, simulated: bool) -> set[st
     return matched
 
 
+#: Why a per-batch plan holds stock at a batch whose chosen setting's saving is unknown.
+UNKNOWN_NOTE = (
+    "the chosen setting's saving there is unknown (stock has too few usable repeats for an "
+    "energy: the headroom table's -), so it may spend more than stock; `dvfs cap plan` says why"
+)
+
+
 def unknown_saving(doc: dict[str, Any], group: Sequence[dict[str, Any]]) -> str | None:
     """Why rows with an answer but no saving (an --slo or --vs-baseline answer where the
     reference has too few usable repeats for an energy: the headroom table's "-") get no cap,
@@ -437,8 +444,9 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
     (`corpus` "worst-case") and across the GPUs of a merged document, all of one model: the
     plan names the model `dvfs govern` checks each GPU against.
 
-    A batch with no feasible setting, or whose chosen setting is stock, is planned at stock: the
-    governor then leaves the GPU alone at that load.
+    A batch with no feasible setting, whose chosen setting is stock, or whose saving is unknown
+    (`unknown_saving`: no cap, as `plan_caps` plans none), is planned at stock: the governor
+    then leaves the GPU alone at that load.
     """
     from dvfs.govern.plan import BatchPlan
 
@@ -471,6 +479,7 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
     steps = []
     edge_batches = []
     noise_batches = []  # planned at stock where a lower setting's saving was within the noise
+    unknown_batches = []  # planned at stock where the chosen setting's saving is unknown
     for batch in sorted({int(r["batch"]) for r in rows}):
         group = [r for r in rows if int(r["batch"]) == batch]
         step = _batch_step(doc, batch, group)
@@ -479,12 +488,16 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
             edge_batches.append(str(batch))
         if step.setting.is_stock and any(r.get("saving_set_aside_within_noise") for r in group):
             noise_batches.append(str(batch))
-    if all(step.setting.is_stock for step in steps) and any(
-        r.get("saving_set_aside_within_noise") for r in rows
+        if all(r["feasible"] for r in group) and unknown_saving(doc, group):
+            unknown_batches.append(str(batch))
+    if all(step.setting.is_stock for step in steps) and (
+        any(r.get("saving_set_aside_within_noise") for r in rows) or unknown_batches
     ):
+        why = [NOISE_NOTE] if noise_batches else []
+        why += [f"batch {', '.join(unknown_batches)}: {UNKNOWN_NOTE}"] if unknown_batches else []
         raise CapsError(
             "per-batch plan: every step is stock, so there is nothing to govern (drafter "
-            f"{drafter!r}, corpus {corpus}); {NOISE_NOTE}"
+            f"{drafter!r}, corpus {corpus}); {'; '.join(why)}"
         )
     measured_on = str(models[0] or "unknown GPU")
     simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
@@ -505,6 +518,11 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
         "within_noise": (
             f"batch {', '.join(noise_batches)} at stock: {NOISE_NOTE}" if noise_batches else None
         ),
+        "saving_unknown": (
+            f"batch {', '.join(unknown_batches)} at stock: {UNKNOWN_NOTE}"
+            if unknown_batches
+            else None
+        ),
     }
     try:
         return BatchPlan(tuple(steps), measured_on, drafter, meta)
@@ -517,7 +535,7 @@ def _batch_step(doc: dict[str, Any], batch: int, group: list[dict[str, Any]]) ->
     the highest chosen value, a knob at or above the GPU's stock value left at stock."""
     from dvfs.govern.plan import BatchStep, Setting
 
-    if not all(r["feasible"] for r in group):
+    if not all(r["feasible"] for r in group) or unknown_saving(doc, group):
         return BatchStep(batch, Setting())
     # The planned energies are meaningful for one corpus on one GPU only.
     single = group[0] if len(group) == 1 else {}
