@@ -783,6 +783,44 @@ def test_a_drafter_with_valid_cells_beside_invalid_repeats_is_not_said_to_have_n
     assert said == "too few valid repeats at stock: eagle3", said
 
 
+def test_the_limit_figures_and_a_wholly_flagged_panel_say_an_invalid_repeat_not_no_cell() -> None:
+    """The figures against the power limit, and a panel whose every drafter has valid cells
+    only beside invalid repeats, said "no valid cell at any power limit" (and "... setting"),
+    which `dvfs cube info` contradicts: no test held them. Repeat 1 of batch 8 flagged for
+    eagle3 alone, then for every drafter."""
+    from dvfs.plots import draw_energy_vs_power_limit, draw_latency_vs_power_limit, draw_pareto
+
+    def said(fig: Figure) -> str:
+        (ax,) = [ax for ax in fig.axes if ax.get_title() == "batch 8"]
+        return " ".join(" ".join(t.get_text() for t in ax.texts).split())
+
+    for whole, limit_note, pareto_note in (
+        (
+            False,
+            "an invalid repeat at every power limit: eagle3",
+            "an invalid repeat at every setting: eagle3",
+        ),
+        (True, "no power limit without an invalid repeat", "no setting without an invalid repeat"),
+    ):
+        cube = make_cube(
+            clocks=[1980],
+            limits=[700.0, 500.0, 300.0],
+            batches=[1, 8],
+            drafters=["none", "eagle3"],
+            repeats=2,
+            latency=lambda *_: 10.0,
+            energy=lambda c, p, *_: p / 700,
+            valid=lambda c, p, b, d, k, r, whole=whole: (
+                not (b == 8 and r == 1 and (whole or d == "eagle3"))
+            ),
+        )
+        chosen = headroom(cube, target=TARGET)
+        corpus = str(cube["corpus"].values[0])
+        assert said(draw_energy_vs_power_limit(cube, chosen, corpus)) == limit_note
+        assert said(draw_latency_vs_power_limit(cube, chosen, TARGET, corpus)) == limit_note
+        assert said(draw_pareto(cube, chosen, TARGET, corpus)) == pareto_note
+
+
 def test_a_panel_missing_a_drafter_names_it_rather_than_drop_it_silently() -> None:
     """eagle3 failed every cell at batch 8 and every cell on corpus math (a drafter whose
     server crashed there), none measured everywhere. Its line was left out of those panels
