@@ -142,6 +142,11 @@ def test_plan_caps_no_answer_whose_saving_is_unknown() -> None:
     assert planned.caps[0].sm_clock_max_mhz == 1305
     older = plan_caps(doc([row("math", 1455, 700.0)]), batch=16, drafter="eagle3", corpus="math")
     assert older.caps[0].sm_clock_max_mhz == 1455
+    # --vs-baseline: known against the baseline, unknown against the drafter's own stock
+    versus = doc([{**unknown, "saving_vs_baseline": 0.3}])
+    versus["target"]["mode"] = "vs-baseline"
+    with pytest.raises(CapsError, match="math: the drafter's own stock has too few usable"):
+        plan_caps(versus, batch=16, drafter="eagle3", corpus="math")
 
 
 def test_plan_refuses_what_it_cannot_do() -> None:

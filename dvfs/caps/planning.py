@@ -338,9 +338,12 @@ def unknown_saving(doc: dict[str, Any], group: Sequence[dict[str, Any]]) -> str 
     if not unknown:
         return None
     versus = "stock" if doc["reference"].get("is_stock", True) else "the reference"
+    # --vs-baseline: the saving against the baseline may be known; the cap's, against the
+    # drafter's own stock, is not
+    whose = f"the drafter's own {versus}" if doc["target"].get("mode") == "vs-baseline" else versus
     corpora = ", ".join(dict.fromkeys(r["corpus"] for r in unknown))
     return (
-        f"saving unknown for corpus {corpora}: {versus} has too few usable repeats for an "
+        f"saving unknown for corpus {corpora}: {whose} has too few usable repeats for an "
         "energy to save against, so the chosen setting may spend more than it; `dvfs cube "
         "info` says why its repeats are unusable: clear that (or raise measurement.repeats), "
         "sweep again and run `dvfs headroom` again"
