@@ -98,6 +98,31 @@ def test_an_infeasible_batch_is_planned_at_stock() -> None:
     assert plan.steps[1].setting.is_stock and plan.steps[0].setting == Setting(1005, 300.0)
 
 
+def test_a_batch_whose_saving_is_unknown_is_planned_at_stock(tmp_path: Path) -> None:
+    """Batch 8's --slo answer (1305 MHz meets the limit) has no saving: stock had too few
+    usable repeats for an energy. `dvfs cap plan` plans no cap there, yet the per-batch plan
+    stepped the GPU down to 1305 MHz at batch 8, a setting that may spend more than stock. It
+    holds stock there, says why in a note, and a plan of nothing but such batches is refused."""
+    unknown = {"saving": None, "stock_energy_per_token_j": None}
+    rows = [row(1, "code", 1005, 300.0, saving=0.2), row(8, "code", 1305, 700.0, **unknown)]
+    plan = plan_per_batch(doc(rows), drafter="eagle3", corpus="worst-case")
+    assert [s.setting for s in plan.steps] == [Setting(1005, 300.0), Setting(None, None)]
+    note = plan.meta["saving_unknown"]
+    assert note.startswith("batch 8 at stock: the chosen setting's saving there is unknown"), note
+    with pytest.raises(CapsError, match="nothing to govern .*batch 8: the chosen setting's sav"):
+        plan_per_batch(doc(rows[1:]), drafter="eagle3", corpus="worst-case")
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc(rows)))
+    said = CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--per-batch"])
+    assert said.exit_code == 0, said.output
+    assert "Note: batch 8 at stock: the chosen setting's saving there is unknown" in " ".join(
+        said.output.split()
+    ), said.output
+    # a document older than the saving plans the setting, as before
+    older = plan_per_batch(doc([row(8, "code", 1305, 700.0)]), drafter="eagle3", corpus="code")
+    assert older.steps[0].setting == Setting(1305, None) and older.meta["saving_unknown"] is None
+
+
 def test_the_drafter_is_chosen_or_must_be_named() -> None:
     rows = [row(1, "code", 1005, 300.0), row(1, "code", 1200, 300.0, drafter="none")]
     with pytest.raises(CapsError, match=r"drafters \['eagle3', 'none'\]: pass --drafter"):

@@ -123,6 +123,32 @@ def test_plan_worst_case_takes_the_least_aggressive_knob_per_corpus() -> None:
     assert fleet.caps[0].name == "NVIDIA H100 80GB HBM3" and fleet.caps[0].uuid is None
 
 
+def test_plan_caps_no_answer_whose_saving_is_unknown() -> None:
+    """An --slo answer (math: 1455 MHz meets the limit) whose stock has too few usable
+    repeats for an energy: the headroom table's saving is "-", yet `dvfs cap plan` wrote the
+    cap and the report recommended it, where a saving within the noise is no cap, and one
+    unknown may spend more than stock. Refused, saying why and what to do; a known saving
+    (code) and a document older than the saving still plan."""
+    unknown = {**row("math", 1455, 700.0), "saving": None, "stock_energy_per_token_j": None}
+    known = {**row("code", 1305, 700.0), "saving": 0.2}
+    for corpus in ("worst-case", "math"):
+        with pytest.raises(CapsError) as caught:
+            plan_caps(doc([known, unknown]), batch=16, drafter="eagle3", corpus=corpus)
+        said = str(caught.value)
+        assert said.startswith("no cap at batch 16 with drafter 'eagle3': saving unknown for ")
+        assert "corpus math: stock has too few usable repeats" in said, said
+        assert "code" not in said.split("unknown for ", 1)[1].split(":", 1)[0], said
+    planned = plan_caps(doc([known, unknown]), batch=16, drafter="eagle3", corpus="code")
+    assert planned.caps[0].sm_clock_max_mhz == 1305
+    older = plan_caps(doc([row("math", 1455, 700.0)]), batch=16, drafter="eagle3", corpus="math")
+    assert older.caps[0].sm_clock_max_mhz == 1455
+    # --vs-baseline: known against the baseline, unknown against the drafter's own stock
+    versus = doc([{**unknown, "saving_vs_baseline": 0.3}])
+    versus["target"]["mode"] = "vs-baseline"
+    with pytest.raises(CapsError, match="math: the drafter's own stock has too few usable"):
+        plan_caps(versus, batch=16, drafter="eagle3", corpus="math")
+
+
 def test_plan_refuses_what_it_cannot_do() -> None:
     with pytest.raises(CapsError, match="no setting meets the target for corpus math"):
         plan_caps(

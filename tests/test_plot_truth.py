@@ -590,6 +590,58 @@ def test_the_chosen_star_sits_on_the_point_drawn_for_its_setting() -> None:
     assert latency["chosen"] == [[500.0, pytest.approx(10.0)]]
 
 
+def test_a_star_apart_from_the_table_says_which_energy_it_shows() -> None:
+    """Stock's third repeat flagged (its other two still the reference): the star sits on the
+    1.17 J point drawn for 1500 MHz (all three repeats), the headroom table's "J/tok chosen" is
+    1.06 J (the two paired with stock), and the saving read off the figure (22%) is not the
+    table's (29%). The legend called the star only "dvfs headroom's setting", so a reader
+    putting the figure beside the table had two energies for one setting and no word why.
+    Where they differ the legend says the star is on its point and what the table's is over;
+    where they agree (no flag) it says the setting alone."""
+    from dvfs.analysis.targets import Target
+    from dvfs.plots import draw_energy_vs_power_limit, draw_latency_vs_power_limit, draw_pareto
+    from dvfs.plots.curves import CHOSEN_LABEL
+
+    def chosen_entry(fig: Figure) -> str:
+        (label,) = [
+            t.get_text()
+            for legend in _legends(fig)
+            for t, h in zip(legend.get_texts(), legend.legend_handles, strict=True)
+            if getattr(h, "get_marker", lambda: None)() == "*"
+        ]
+        return " ".join(label.split())
+
+    apart = (
+        f"{CHOSEN_LABEL}, on its point: every usable repeat (the table's: those paired with stock)"
+    )
+    extra = {0: 1.0, 1: 1.0, 2: 1.3}
+    target = Target("preserve", slack=0.4)
+    capped = {700.0: 1.0, 500.0: 1.0, 300.0: 1.2}
+    for flag, said in ((True, apart), (False, CHOSEN_LABEL)):
+        cube = make_cube(
+            clocks=[1000, 1500, 2000],
+            repeats=3,
+            latency=lambda c, *_: 10 * 2000 / c,
+            energy=lambda c, p, b, d, k, r: (0.5 + (c / 2000) ** 2) * extra[r],
+            valid=lambda c, p, b, d, k, r, flag=flag: not (flag and c == 2000 and r == 2),
+        )
+        chosen = headroom(cube, target=target)
+        assert chosen_entry(draw_pareto(cube, chosen, target, "code")) == said, flag
+        limits = make_cube(
+            clocks=[1980],
+            limits=list(capped),
+            repeats=3,
+            latency=lambda c, p, *_: 10.0 * capped[p],
+            energy=lambda c, p, b, d, k, r: (0.6 if p == 500 else 1.0) * extra[r],
+            valid=lambda c, p, b, d, k, r, flag=flag: not (flag and p == 700 and r == 2),
+        )
+        chosen = headroom(limits, target=target)
+        assert chosen_entry(draw_energy_vs_power_limit(limits, chosen, "code")) == said, flag
+        # the latency drawn is the table's: its star needs no word
+        latency = draw_latency_vs_power_limit(limits, chosen, target, "code")
+        assert chosen_entry(latency) == CHOSEN_LABEL, flag
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     energy=st.lists(st.floats(0.5, 2.0), min_size=18, max_size=18),
@@ -729,6 +781,44 @@ def test_a_drafter_with_valid_cells_beside_invalid_repeats_is_not_said_to_have_n
     assert fig is not None
     said = " ".join(" ".join(t.get_text() for t in fig.axes[0].texts).split())
     assert said == "too few valid repeats at stock: eagle3", said
+
+
+def test_the_limit_figures_and_a_wholly_flagged_panel_say_an_invalid_repeat_not_no_cell() -> None:
+    """The figures against the power limit, and a panel whose every drafter has valid cells
+    only beside invalid repeats, said "no valid cell at any power limit" (and "... setting"),
+    which `dvfs cube info` contradicts: no test held them. Repeat 1 of batch 8 flagged for
+    eagle3 alone, then for every drafter."""
+    from dvfs.plots import draw_energy_vs_power_limit, draw_latency_vs_power_limit, draw_pareto
+
+    def said(fig: Figure) -> str:
+        (ax,) = [ax for ax in fig.axes if ax.get_title() == "batch 8"]
+        return " ".join(" ".join(t.get_text() for t in ax.texts).split())
+
+    for whole, limit_note, pareto_note in (
+        (
+            False,
+            "an invalid repeat at every power limit: eagle3",
+            "an invalid repeat at every setting: eagle3",
+        ),
+        (True, "no power limit without an invalid repeat", "no setting without an invalid repeat"),
+    ):
+        cube = make_cube(
+            clocks=[1980],
+            limits=[700.0, 500.0, 300.0],
+            batches=[1, 8],
+            drafters=["none", "eagle3"],
+            repeats=2,
+            latency=lambda *_: 10.0,
+            energy=lambda c, p, *_: p / 700,
+            valid=lambda c, p, b, d, k, r, whole=whole: (
+                not (b == 8 and r == 1 and (whole or d == "eagle3"))
+            ),
+        )
+        chosen = headroom(cube, target=TARGET)
+        corpus = str(cube["corpus"].values[0])
+        assert said(draw_energy_vs_power_limit(cube, chosen, corpus)) == limit_note
+        assert said(draw_latency_vs_power_limit(cube, chosen, TARGET, corpus)) == limit_note
+        assert said(draw_pareto(cube, chosen, TARGET, corpus)) == pareto_note
 
 
 def test_a_panel_missing_a_drafter_names_it_rather_than_drop_it_silently() -> None:

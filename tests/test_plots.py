@@ -465,6 +465,27 @@ def test_a_steady_power_reads_as_watts_and_level() -> None:
     assert all(t.get_text().startswith("1.4") for t in fig.axes[0].get_yticklabels())
 
 
+def test_a_timeline_power_axis_reads_no_negative_watts() -> None:
+    """The 10 W least span was laid around whatever the axis held: a panel with no timeline
+    to draw (no valid cell at batch 8) had its empty 0-1 axis widened to -4.5 ... 5.5, ticks
+    reading -6 W, and a power steady at 2 W spanned -3 ... 7 W. An empty panel keeps its axis;
+    a low power's axis starts at 0 W."""
+    cube = small_cube([1, 8], corpora=("code",)).isel(power_limit=[0])  # no cap line drawn
+    cube["valid"] = cube["valid"].where(cube["batch"] != 8, 0.0)
+    cube["timeline_power_w"] = cube["timeline_power_w"] * 0 + 2.0
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    assert fig is not None
+    fig.canvas.draw()
+    power = {ax.get_title(): ax for ax in fig.axes if ax.get_ylabel() == "GPU power (W)"}
+    assert set(power) == {"batch 1, corpus code", "batch 8, corpus code"}
+    assert power["batch 1, corpus code"].get_ylim() == (0.0, 10.0)
+    empty = power["batch 8, corpus code"]
+    assert not empty.lines and empty.get_ylim() == (0.0, 1.0), empty.get_ylim()
+    for ax in power.values():
+        ticks = [float(t.get_text().replace("\u2212", "-")) for t in ax.get_yticklabels()]
+        assert ticks and min(ticks) >= 0, ticks
+
+
 def _timeline_labels(cube: xr.Dataset) -> list[str]:
     fig = draw_timelines(cube, headroom(cube, target=TARGET))
     assert fig is not None

@@ -578,6 +578,36 @@ def _a_within_target_from_1000_b_from_1500(
     return 10.0 if clock >= floor else 20.0
 
 
+def test_the_caps_table_recommends_no_cap_whose_saving_is_unknown() -> None:
+    """With --slo, stock measured in three repeats of which one is usable has no energy (it
+    needs two), yet 1500 MHz meets the limit: the headroom table and the findings say its
+    saving is unknown, and the caps table below them recommended "cap" at 1500 MHz, a cap
+    that may spend more than stock. It says no cap, why and what to do, as `dvfs cap plan`."""
+    from dvfs.analysis.targets import parse_slo
+
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        repeats=3,
+        latency=lambda c, *_: 10.0 * 2000 / c,  # 20, 13.3 and 10 ms: 1500 MHz meets 16 ms
+        energy=lambda c, *_: 0.5 + (c / 2000) ** 2,
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r >= 1),  # one usable stock repeat
+    )
+    cube.attrs["gpu_uuids"] = "GPU-1234"
+    options = ReportOptions(parse_slo("tpot_p50<=16ms"))
+    caps = build_document(cube, options, [], generated="now").sections[-1].blocks[1]
+    assert isinstance(caps, Table)
+    ((*lead, decision),) = caps.rows
+    assert lead == ["1", "none", "GPU-1234", "stock", "stock"], caps.rows
+    assert decision.startswith("no cap: saving unknown for corpus code: stock has too few"), (
+        decision
+    )
+    # every stock repeat usable: the saving is known, and the cap recommended
+    cube["valid"][...] = 1.0
+    caps = build_document(cube, options, [], generated="now").sections[-1].blocks[1]
+    assert isinstance(caps, Table)
+    assert caps.rows == (("1", "none", "GPU-1234", "1500 MHz", "stock", "cap"),)
+
+
 def test_document_recommends_the_worst_case_cap_over_corpora() -> None:
     """Corpus a tolerates 1000 MHz, corpus b only 1500: the cap is 1500 MHz."""
 

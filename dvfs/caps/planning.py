@@ -242,6 +242,10 @@ def plan_caps(
             stock = "{} MHz, {:g} W".format(*stocks.pop()) if len(stocks) == 1 else "each GPU's own"
             at_stock.append(f"stock ({stock}){f' on {key}' if key else ''}")
             continue
+        unknown = unknown_saving(doc, group)
+        if unknown:
+            where = f" on {key}" if key else ""
+            raise CapsError(f"no cap at batch {batch} with drafter {drafter!r}{where}: {unknown}")
         edge = edge or at_grid_edge(group)
         if by_model:
             caps.append(GpuCap(name=key, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap))
@@ -315,6 +319,35 @@ def measured_as(doc: dict[str, Any], model_name: str, simulated: bool) -> set[st
             f"it measured {', '.join(repr(str(m)) for m in models)}: pass one of those"
         )
     return matched
+
+
+#: Why a per-batch plan holds stock at a batch whose chosen setting's saving is unknown.
+UNKNOWN_NOTE = (
+    "the chosen setting's saving there is unknown (stock has too few usable repeats for an "
+    "energy: the headroom table's -), so it may spend more than stock; `dvfs cap plan` says why"
+)
+
+
+def unknown_saving(doc: dict[str, Any], group: Sequence[dict[str, Any]]) -> str | None:
+    """Why rows with an answer but no saving (an --slo or --vs-baseline answer where the
+    reference has too few usable repeats for an energy: the headroom table's "-") get no cap,
+    and what to change; None where every row's saving is known (or a document older than
+    the saving). A cap is planned for a saving shown: one within the noise is not, and one
+    unknown may spend more than stock."""
+    unknown = [r for r in group if r["feasible"] and "saving" in r and r["saving"] is None]
+    if not unknown:
+        return None
+    versus = "stock" if doc["reference"].get("is_stock", True) else "the reference"
+    # --vs-baseline: the saving against the baseline may be known; the cap's, against the
+    # drafter's own stock, is not
+    whose = f"the drafter's own {versus}" if doc["target"].get("mode") == "vs-baseline" else versus
+    corpora = ", ".join(dict.fromkeys(r["corpus"] for r in unknown))
+    return (
+        f"saving unknown for corpus {corpora}: {whose} has too few usable repeats for an "
+        "energy to save against, so the chosen setting may spend more than it; `dvfs cube "
+        "info` says why its repeats are unusable: clear that (or raise measurement.repeats), "
+        "sweep again and run `dvfs headroom` again"
+    )
 
 
 def no_answer_error(
@@ -414,8 +447,9 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
     (`corpus` "worst-case") and across the GPUs of a merged document, all of one model: the
     plan names the model `dvfs govern` checks each GPU against.
 
-    A batch with no feasible setting, or whose chosen setting is stock, is planned at stock: the
-    governor then leaves the GPU alone at that load.
+    A batch with no feasible setting, whose chosen setting is stock, or whose saving is unknown
+    (`unknown_saving`: no cap, as `plan_caps` plans none), is planned at stock: the governor
+    then leaves the GPU alone at that load.
     """
     from dvfs.govern.plan import BatchPlan
 
@@ -448,6 +482,7 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
     steps = []
     edge_batches = []
     noise_batches = []  # planned at stock where a lower setting's saving was within the noise
+    unknown_batches = []  # planned at stock where the chosen setting's saving is unknown
     for batch in sorted({int(r["batch"]) for r in rows}):
         group = [r for r in rows if int(r["batch"]) == batch]
         step = _batch_step(doc, batch, group)
@@ -456,12 +491,16 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
             edge_batches.append(str(batch))
         if step.setting.is_stock and any(r.get("saving_set_aside_within_noise") for r in group):
             noise_batches.append(str(batch))
-    if all(step.setting.is_stock for step in steps) and any(
-        r.get("saving_set_aside_within_noise") for r in rows
+        if all(r["feasible"] for r in group) and unknown_saving(doc, group):
+            unknown_batches.append(str(batch))
+    if all(step.setting.is_stock for step in steps) and (
+        any(r.get("saving_set_aside_within_noise") for r in rows) or unknown_batches
     ):
+        why = [NOISE_NOTE] if noise_batches else []
+        why += [f"batch {', '.join(unknown_batches)}: {UNKNOWN_NOTE}"] if unknown_batches else []
         raise CapsError(
             "per-batch plan: every step is stock, so there is nothing to govern (drafter "
-            f"{drafter!r}, corpus {corpus}); {NOISE_NOTE}"
+            f"{drafter!r}, corpus {corpus}); {'; '.join(why)}"
         )
     measured_on = str(models[0] or "unknown GPU")
     simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
@@ -482,6 +521,11 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
         "within_noise": (
             f"batch {', '.join(noise_batches)} at stock: {NOISE_NOTE}" if noise_batches else None
         ),
+        "saving_unknown": (
+            f"batch {', '.join(unknown_batches)} at stock: {UNKNOWN_NOTE}"
+            if unknown_batches
+            else None
+        ),
     }
     try:
         return BatchPlan(tuple(steps), measured_on, drafter, meta)
@@ -494,7 +538,7 @@ def _batch_step(doc: dict[str, Any], batch: int, group: list[dict[str, Any]]) ->
     the highest chosen value, a knob at or above the GPU's stock value left at stock."""
     from dvfs.govern.plan import BatchStep, Setting
 
-    if not all(r["feasible"] for r in group):
+    if not all(r["feasible"] for r in group) or unknown_saving(doc, group):
         return BatchStep(batch, Setting())
     # The planned energies are meaningful for one corpus on one GPU only.
     single = group[0] if len(group) == 1 else {}

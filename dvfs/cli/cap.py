@@ -200,7 +200,7 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
         )
     for step in plan.steps:
         err.print(f"batch {step.batch}: {escape(step.setting.describe())}")
-    for note in ("grid_edge", "within_noise"):
+    for note in ("grid_edge", "within_noise", "saving_unknown"):
         if plan.meta.get(note):
             err.print(f"[yellow]Note: {escape(str(plan.meta[note]))}.[/yellow]")
     err.print(

@@ -53,6 +53,24 @@ NO_SETTING = "no setting without an invalid repeat"
 CHOSEN_LABEL = "chosen: dvfs headroom's setting"
 
 
+def chosen_label(is_stock: bool, *stars: tuple[np.ndarray, np.ndarray]) -> str:
+    """The chosen star's legend entry. Each star sits on its setting's point, the mean of
+    every usable repeat there (`at_chosen`); the headroom table's values are over the repeats
+    paired with the reference, the saving's. Where a repeat flagged at the reference alone
+    sets the two apart for any star of the figure (`stars`: its values drawn and the table's,
+    pairs of like shape), the entry says which the star shows, so the figure and the table
+    read alike; elsewhere they agree and it is CHOSEN_LABEL alone."""
+    for drawn, table in stars:
+        both = np.isfinite(drawn) & np.isfinite(table)
+        if not np.allclose(drawn[both], table[both], rtol=1e-9, atol=0.0):
+            versus = "stock" if is_stock else "the reference"
+            return (
+                f"{CHOSEN_LABEL},\non its point: every usable repeat\n"
+                f"(the table's: those paired with {versus})"
+            )
+    return CHOSEN_LABEL
+
+
 def energy_title(cube: xr.Dataset, corpus: str) -> str:
     gpu = cube.attrs.get("gpu_name", "")
     return f"Energy per token vs SM clock - corpus {corpus}" + (f" ({gpu})" if gpu else "")
@@ -210,11 +228,16 @@ def draw_pareto(
         picks, energy, clocks, limits, picks["chosen_energy_per_token_j"].values
     )
     drafter_rgb = [colors[d] for d in drafters]
+    label = chosen_label(
+        ref.is_stock,
+        (chosen_energy, picks["chosen_energy_per_token_j"].values),
+        (chosen_lat, picks["chosen_latency_ms"].values),
+    )
     handles = [
         *color_handles(measured_colors(colors, energy, latency)),
         *limit_handles(styles, lines=False),
         stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
-        chosen_handle(CHOSEN_LABEL),
+        chosen_handle(label),
     ]
 
     if panels is None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from dvfs.analysis.headroom import reference_setting
 from dvfs.cube.knobs import swept_knobs
-from dvfs.plots.curves import CHOSEN_LABEL, DIMS, corpus_panels, measured_colors, tidy
+from dvfs.plots.curves import DIMS, chosen_label, corpus_panels, measured_colors, tidy
 from dvfs.plots.data import at_chosen, cell_means, flagged_drafters, usable_mask
 from dvfs.plots.style import (
     CHOSEN_STYLE,
@@ -100,7 +100,7 @@ def _draw(
     handles = [
         *color_handles(measured_colors(colors, values)),
         stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
-        chosen_handle(CHOSEN_LABEL),
+        chosen_handle(chosen_label(ref.is_stock, (chosen_y, chosen_values))),
     ]
     if targets is not None:
         handles.append(Line2D([], [], color="#555555", linestyle=":", label=TARGET_LABEL))

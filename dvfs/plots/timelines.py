@@ -114,11 +114,15 @@ MIN_POWER_SPAN_W = 10.0
 
 
 def level_power_axis(ax: Axes) -> None:
-    """Widen a power axis spanning less than MIN_POWER_SPAN_W to that span, around its data."""
+    """Widen a power axis spanning less than MIN_POWER_SPAN_W to that span, around its data,
+    never below 0 W. An axis with no line is left as it is: widened around nothing, an empty
+    panel's axis read -6 to 6 W."""
+    if not ax.lines:
+        return
     low, high = ax.get_ylim()
     if high - low < MIN_POWER_SPAN_W:
-        middle = (low + high) / 2
-        ax.set_ylim(middle - MIN_POWER_SPAN_W / 2, middle + MIN_POWER_SPAN_W / 2)
+        bottom = max(0.0, (low + high) / 2 - MIN_POWER_SPAN_W / 2)
+        ax.set_ylim(bottom, bottom + MIN_POWER_SPAN_W)
 
 
 @styled

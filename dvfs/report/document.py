@@ -376,7 +376,7 @@ def per_gpu_documents(room: dict[str, Any], names: dict[str, str]) -> list[dict[
 
 def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str, ...]]:
     from dvfs.caps.files import is_twin_name
-    from dvfs.caps.planning import NOISE_NOTE, plan_caps, twin_model
+    from dvfs.caps.planning import NOISE_NOTE, plan_caps, twin_model, unknown_saving
     from dvfs.errors import CapsError
 
     group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
@@ -397,6 +397,9 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
             for reason, advice, rows in no_answer_groups(group, room["target"].get("mode"), room)
         ]
         return [(*lead, label, "stock", "stock", "no cap: " + "; ".join(whys)) for label in labels]
+    unknown = unknown_saving(room, group)
+    if unknown:  # as `dvfs cap plan` refuses it: no saving shown, no cap recommended
+        return [(*lead, label, "stock", "stock", f"no cap: {unknown}") for label in labels]
     try:
         planned = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case")
     except CapsError as exc:
