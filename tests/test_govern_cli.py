@@ -914,6 +914,41 @@ def test_a_governed_gpu_lost_mid_run_stops_the_governor_in_one_line(
     assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
 
 
+def test_sigterm_while_a_governed_gpus_nvml_call_hangs_ends_within_its_deadline(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """`systemctl stop` while a read of GPU 0 hangs in the driver: the restore of GPU 0 queued
+    behind the stuck read and waited a deadline of its own (one more per GPU where the driver
+    is stuck: past TimeoutStopSec, SIGKILL), then failed blaming its own call, which never
+    ran, in a line that did not say the governor was stopped. The restore now waits for the
+    stuck read only to its deadline, and the line says the signal, the GPU put back (GPU 1),
+    what failed on GPU 0 (the read that hangs) and the `dvfs gpu reset 0` to run; exit 1."""
+    hung = {
+        "DVFS_NVML_DEADLINE_S": "5",  # (the signal is sent once the read is stuck)
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetTotalEnergyConsumption@0=inf",
+    }
+    proc, log = start_governor(tmp_path, {**env, **hung}, stub, "--gpu", "1")
+    try:
+        wait_for(lambda: bool(nvml.fake_hangs_started()), "GPU 0's read to hang", log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STUCK_S) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    [line] = lines(log, "Error:")
+    uuid = nvml.fake_device_state(0)["uuid"]
+    assert line.startswith("Error: stopped (received SIGTERM); put GPU 1 back as found; "), line
+    assert f"nvmlDeviceResetGpuLockedClocks on GPU 0 ({uuid}) was not attempted: " in line, line
+    assert "nvmlDeviceGetTotalEnergyConsumption has not returned" in line, line
+    state = Path(env["DVFS_STATE_DIR"])
+    assert f"`dvfs gpu reset 0 --state-dir {state}` puts back" in line, line
+    assert "Traceback" not in text
+    healthy = nvml.fake_device_state(1)
+    assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
+    assert (state / f"{uuid}.json").exists()  # for that reset
+
+
 @pytest.mark.parametrize(
     ("command", "reads"),
     [

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dvfs.caps.actuation import GovernorLocks, LockInForce
-from dvfs.errors import CapsError, DvfsError, GpuError, GpuNotSupportedError, GpuUnavailableError
+from dvfs.errors import (
+    CapsError,
+    DvfsError,
+    GpuError,
+    GpuNotSupportedError,
+    GpuPermissionError,
+    GpuUnavailableError,
+)
 from dvfs.govern.exporter import GpuRow, LiveMetrics, Snapshot
 from dvfs.govern.metrics import (
     GpuReading,
@@ -503,6 +510,41 @@ def _stopped_line(
     return line
 
 
+def _signal_restore_line(
+    failed: GpuError, gpus: Sequence[Gpu], knobs: KnobController
+) -> str | None:
+    """One line for a governor a signal stopped (SIGTERM: `systemctl stop`) whose restore then
+    failed on some GPU (its NVML call hung: the signal came while it was in the driver), or
+    None where no signal came first: the signal, the GPUs put back, what failed on the
+    others, and the `dvfs gpu reset` naming them, which puts them back once they answer."""
+    from dvfs.gpu.knobs import restore_error_parts
+
+    signum = None
+    seen = failed.__context__
+    while seen is not None and signum is None:
+        signum = _signal_behind(seen) if not isinstance(seen, GpuError) else None
+        seen = seen.__context__
+    if signum is None:
+        return None
+    current, original = knobs.current, knobs.original
+    back = [g for g in gpus if current.get(g.identity.uuid) == original.get(g.identity.uuid)]
+    stuck = [g for g in gpus if g not in back]
+    what, _ = restore_error_parts(str(failed))
+    line = f"stopped (received {signal.Signals(signum).name})"
+    if back:
+        line += f"; put {gpu_names(back)} back as found"
+    line += f"; {what.rstrip('.')}"
+    if stuck:
+        indices = " ".join(str(g.identity.index) for g in stuck)
+        reset = knobs.reset_advice().replace("dvfs gpu reset", f"dvfs gpu reset {indices}", 1)
+        keeps, answers = ("keeps", "it answers") if len(stuck) == 1 else ("keep", "they answer")
+        line += (
+            f"; {gpu_names(stuck)} {keeps} the governor's settings: once {answers} again (after "
+            f"a GPU reset or a reboot), {reset} puts back what the state files recorded"
+        )
+    return line
+
+
 def _failed_restore(raised: BaseException, stopped: GpuSilentError) -> GpuError | None:
     """The error of the restore that followed `stopped`, where it ran and failed: `raised`
     itself, or what a signal landing as that error unwound replaced (its context)."""
@@ -728,6 +770,11 @@ def govern(
         # they are: the silent GPU stays the reason, said with the signal (a second signal,
         # which gave up on the restore, is its own message).
         stopped = _stopped_cause(exc)
+        if stopped is None and held and isinstance(exc, GpuError):
+            told = _signal_restore_line(exc, gpus, held[0])
+            if told is not None:  # a signal, then a restore that failed (a hung NVML call)
+                kind = GpuPermissionError if isinstance(exc, GpuPermissionError) else GpuError
+                raise kind(told) from exc
         if stopped is None or isinstance(exc, RestoreAbandoned):
             raise
         raise GpuSilentError(
