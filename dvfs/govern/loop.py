@@ -785,9 +785,9 @@ def govern(
         # read-only since the locks were taken), the GPUs put back on the way out: the folder
         # to mend, never "choose another --state-dir", where `gpu reset` would not look
         fault = _state_folder_fault(exc, state_dir)
-        if fault is None:
+        if fault is None or state_dir is None:
             raise
-        raise DvfsError(f"{fault}, then start the governor again") from exc
+        raise DvfsError(_state_folder_line(fault, gpus, state_dir)) from exc
     return changes
 
 
@@ -802,6 +802,27 @@ def _state_folder_fault(exc: OSError, state_dir: Path | None) -> str | None:
     if not path.is_relative_to(state_dir.absolute()):
         return None
     return state_file_problem(exc)
+
+
+def _state_folder_line(fault: str, gpus: Sequence[Gpu], state_dir: Path) -> str:
+    """What to do about a state folder the governor could not write mid-run (`fault`, with
+    how to mend it), the GPUs put back: where a GPU's state file could not be removed either
+    (a read-only folder), the governor refuses to start on that GPU (exit 3) until the `dvfs
+    gpu reset` that reads it runs, so the line names it."""
+    from dvfs.gpu.safety import StateStore, reset_command
+
+    try:
+        left = set(StateStore(state_dir).left_by_this_process())
+    except DvfsError:  # a folder that cannot be read any more: nothing more to tell
+        left = set()
+    stuck = [g for g in gpus if g.identity.uuid in left]
+    if not stuck:
+        return f"{fault}, then start the governor again"
+    return (
+        f"{fault}, then run {reset_command(state_dir)}, which removes the state files the "
+        f"governor could not ({gpu_names(stuck)} put back as found; a restart is refused "
+        "until then), and start the governor again"
+    )
 
 
 def _held(state: PolicyState) -> str:
