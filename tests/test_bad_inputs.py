@@ -3994,6 +3994,89 @@ def test_govern_whose_state_records_cannot_be_written_is_not_told_another_state_
     assert CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout == before
 
 
+def test_govern_whose_state_folder_turns_read_only_mid_run_names_the_reset_a_restart_needs(
+    fake_nvml: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs govern` on two GPUs, its state folder turned read-only after the first step (an
+    ext4 error remounting it): GPU 0's state file could not be removed on the way out, which
+    stopped the restore there, GPU 1 left capped, and the line said only "make it writable,
+    then start the governor again", though a restart is refused (exit 3) until `dvfs gpu
+    reset` runs. Both GPUs are put back, and the line names that reset, with the folder."""
+    import os
+
+    import dvfs.govern.loop
+    import dvfs.govern.metrics
+    import dvfs.gpu.safety
+    from dvfs.govern.metrics import ServerSample
+
+    class Server:  # batch 1, then 4: the second step's record cannot be written
+        batches = iter([1, 4])
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> Server:
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            pass
+
+        def __call__(self) -> ServerSample:
+            return ServerSample(next(self.batches, 4), None, None)
+
+    state = tmp_path / "state"
+    read_only, remounts = [False], [True]
+    write, unlink, apply = (
+        dvfs.gpu.safety.write_json_atomic,
+        Path.unlink,
+        dvfs.govern.loop.CappedKnobs.apply,
+    )
+
+    def refused(path: Path) -> OSError:
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    def writes(path: Path, *args: Any, **kwargs: Any) -> None:
+        if read_only[0]:
+            raise refused(path)
+        write(path, *args, **kwargs)
+
+    def unlinks(path: Path, *args: Any, **kwargs: Any) -> None:
+        if read_only[0] and path.absolute().is_relative_to(state.absolute()):
+            raise refused(path)
+        unlink(path, *args, **kwargs)
+
+    def applies(knobs: Any, setting: Any) -> bool:
+        wrote = apply(knobs, setting)
+        read_only[0] = remounts[0]  # remounted once the first step's records are written
+        return wrote
+
+    monkeypatch.setattr(dvfs.govern.metrics, "ServerReader", Server)
+    monkeypatch.setattr(dvfs.gpu.safety, "write_json_atomic", writes)
+    monkeypatch.setattr(Path, "unlink", unlinks)
+    monkeypatch.setattr(dvfs.govern.loop.CappedKnobs, "apply", applies)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n[[batch]]\nbatch = 4\nsm_clock_mhz = 1500\n"
+    )
+    before = CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout
+    argv = ["govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--gpu", "0"]
+    argv += ["--gpu", "1", "--max-intervals", "5", "--interval", "0.01", "--dwell", "0"]
+    argv += ["--listen", "off", "--state-dir", str(state)]
+    result = CliRunner().invoke(cli, argv)
+    reset = f"`dvfs gpu reset --state-dir {state}`"
+    says = (str(state), "read-only", "make it writable", reset, "start the governor again")
+    case = Case("govern-records-read-only-mid-run", argv, code=1, says=says, chatty=True)
+    check_one_clean_error(result, case, {})
+    fake = sys.modules["pynvml"]
+    assert [fake.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None]
+    read_only[0] = remounts[0] = False  # made writable
+    assert CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout == before
+    assert CliRunner().invoke(cli, argv).exit_code == 3  # the restart the line warns of
+    assert CliRunner().invoke(cli, ["gpu", "reset", "--state-dir", str(state)]).exit_code == 0
+    assert CliRunner().invoke(cli, argv).exit_code == 0
+
+
 @pytest.mark.parametrize(
     ("kind", "says"),
     [

@@ -914,6 +914,111 @@ def test_a_governed_gpu_lost_mid_run_stops_the_governor_in_one_line(
     assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
 
 
+def test_sigterm_while_a_governed_gpus_nvml_call_hangs_ends_within_its_deadline(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """`systemctl stop` while a read of GPU 0 hangs in the driver: the restore of GPU 0 queued
+    behind the stuck read and waited a deadline of its own (one more per GPU where the driver
+    is stuck: past TimeoutStopSec, SIGKILL), then failed blaming its own call, which never
+    ran, in a line that did not say the governor was stopped. The restore now waits for the
+    stuck read only to its deadline, and the line says the signal, the GPU put back (GPU 1),
+    what failed on GPU 0 (the read that hangs) and the `dvfs gpu reset 0` to run; exit 1."""
+    hung = {
+        "DVFS_NVML_DEADLINE_S": "5",  # (the signal is sent once the read is stuck)
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetTotalEnergyConsumption@0=inf",
+    }
+    proc, log = start_governor(tmp_path, {**env, **hung}, stub, "--gpu", "1")
+    try:
+        wait_for(lambda: bool(nvml.fake_hangs_started()), "GPU 0's read to hang", log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STUCK_S) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    [line] = lines(log, "Error:")
+    uuid = nvml.fake_device_state(0)["uuid"]
+    assert line.startswith("Error: stopped (received SIGTERM); put GPU 1 back as found; "), line
+    assert f"nvmlDeviceResetGpuLockedClocks on GPU 0 ({uuid}) was not attempted: " in line, line
+    assert "nvmlDeviceGetTotalEnergyConsumption has not returned" in line, line
+    state = Path(env["DVFS_STATE_DIR"])
+    assert f"`dvfs gpu reset 0 --state-dir {state}` puts back" in line, line
+    assert "Traceback" not in text
+    healthy = nvml.fake_device_state(1)
+    assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
+    assert (state / f"{uuid}.json").exists()  # for that reset
+
+
+def test_a_hung_read_stops_the_governor_at_its_deadline_in_one_line(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """A read of a governed GPU that hangs in the driver: the governor does not wait on it for
+    ever but stops at the call's deadline, as for a GPU that stopped answering: one line naming
+    the call and the GPU, the other GPU put back, the hung one's state file kept; exit 1."""
+    hung = {
+        "DVFS_NVML_DEADLINE_S": "0.5",
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetTotalEnergyConsumption@0=inf",
+    }
+    proc, log = start_governor(tmp_path, {**env, **hung}, stub, "--gpu", "1")
+    try:
+        assert proc.wait(timeout=STUCK_S) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [line] = lines(log, "Error:")
+    uuid = nvml.fake_device_state(0)["uuid"]
+    assert line.startswith(f"Error: GPU 0 ({uuid}) stopped answering while governed: "), line
+    assert "nvmlDeviceGetTotalEnergyConsumption on GPU 0" in line, line
+    assert "did not return within 0.5 s" in line and "put GPU 1 back as found" in line, line
+    assert "dvfs gpu reset" in line and "Traceback" not in log.read_text()
+    healthy = nvml.fake_device_state(1)
+    assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
+    assert (Path(env["DVFS_STATE_DIR"]) / f"{uuid}.json").exists()
+
+
+def test_the_monitor_exports_a_gpu_whose_read_hangs_as_not_up_and_goes_on(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """A read of GPU 0 that hangs in the driver: at its deadline the monitor logs GPU 0 as not
+    answering, exports it with dvfs_gpu_up 0, and goes on reading GPU 1 every interval (its
+    last-read time advancing); a SIGTERM then stops it, exit 143."""
+    hung = {
+        "DVFS_NVML_DEADLINE_S": "0.5",
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetTotalEnergyConsumption@0=inf",
+    }
+    log = tmp_path / "monitor.log"
+    args = ["monitor", "--interval", "0.05", "--listen", "127.0.0.1:0"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dvfs", *args, "--max-intervals", "100000"],
+            env={**env, **hung},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: bool(lines(log, "serving metrics on")), "the exporter", log)
+        url = re.findall(r"serving metrics on (\S+)", log.read_text())[0]
+        wait_for(lambda: gpu_series(url, "0").get("dvfs_gpu_up") == 0.0, "GPU 0 not up", log)
+        assert "dvfs_gpu_power_watts" not in gpu_series(url, "0")
+        assert gpu_series(url, "1")["dvfs_gpu_up"] == 1.0
+
+        def read_at() -> float:
+            page = httpx.get(url, timeout=10).text
+            return page_values(page)[("dvfs_last_read_timestamp_seconds", None)]
+
+        first = read_at()
+        wait_for(lambda: read_at() > first, "the reads going on", log)
+        assert gpu_series(url, "1")["dvfs_gpu_up"] == 1.0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STUCK_S) == 143, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [silent] = lines(log, "stopped answering")
+    assert "nvmlDeviceGetTotalEnergyConsumption on GPU 0" in silent, silent
+    assert "did not return within 0.5 s" in silent and "Traceback" not in log.read_text()
+
+
 @pytest.mark.parametrize(
     ("command", "reads"),
     [

@@ -738,6 +738,90 @@ def test_a_hung_nvml_call_ends_at_its_deadline_naming_the_call_and_gpu(nvml, han
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+def _interrupted_while_hung(nvml, call: str, read) -> None:  # type: ignore[no-untyped-def]
+    """`read()` (an NVML call, `call`, that hangs) interrupted by a Ctrl-C sent once it is
+    stuck in the driver, as `systemctl stop` interrupts a governor."""
+    import threading
+
+    def interrupt() -> None:
+        wait_for(nvml.fake_hangs_started, "the read is stuck in NVML")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever pytest was given
+    sender = threading.Thread(target=interrupt, daemon=True)
+    sender.start()
+    with pytest.raises(KeyboardInterrupt):
+        read()
+    sender.join()
+    assert [h["fn"] for h in nvml.fake_hangs_started()] == [call]
+
+
+def test_a_signal_during_a_hung_call_leaves_the_restore_the_rest_of_its_deadline(
+    nvml, hang, dispositions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal interrupting the wait on a hung NVML call left the call in the driver, not
+    marked as hung: the restore that follows queued behind it and waited a deadline of its
+    own (a stuck driver: one more deadline per GPU on the way out, past a unit's
+    TimeoutStopSec), then blamed its own call, which never ran. The next call now waits for
+    the stuck one only until that one's deadline ends (here: passed, the clock moved on), then
+    fails at once, naming it, without being attempted."""
+    import threading
+    from types import SimpleNamespace
+
+    from dvfs.gpu import deadline
+    from dvfs.gpu.deadline import GpuTimeoutError
+
+    later = [0.0]
+    monkeypatch.setattr(
+        deadline, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + later[0])
+    )
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=3600) as (gpu,):
+        hang("nvmlDeviceGetTotalEnergyConsumption")
+        _interrupted_while_hung(nvml, "nvmlDeviceGetTotalEnergyConsumption", gpu.energy_mj)
+        later[0] = 3600.0  # the stuck call's deadline has passed
+        # (before the fix the reset queued behind the stuck read for a deadline of its own:
+        # let the read go at last, so that such a run ends, and fails)
+        release = threading.Timer(60, nvml.fake_release_hangs)
+        release.start()
+        try:
+            with pytest.raises(GpuTimeoutError) as caught:
+                gpu.reset_sm_clock()
+        finally:
+            release.cancel()
+        message = str(caught.value)
+        assert f"nvmlDeviceResetGpuLockedClocks on GPU 0 ({gpu.identity.uuid}) was not " in message
+        assert "attempted: nvmlDeviceGetTotalEnergyConsumption has not returned" in message
+        assert nvml.fake_calls("nvmlDeviceResetGpuLockedClocks") == []
+
+
+def test_a_slow_call_a_signal_interrupted_is_waited_for_and_the_next_runs(
+    nvml, hang, dispositions
+) -> None:
+    """The other side: an interrupted call that returns within its deadline (slow, not hung)
+    holds the next call on that GPU only until it returns; the restore then runs."""
+    import threading
+
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=3600) as (gpu,):
+        hang("nvmlDeviceGetTotalEnergyConsumption")
+        _interrupted_while_hung(nvml, "nvmlDeviceGetTotalEnergyConsumption", gpu.energy_mj)
+        os.environ.pop("DVFS_FAKE_NVML_HANG")
+        restored = threading.Event()
+
+        def release() -> None:  # until the read lets go (a release just before it waits)
+            while not restored.is_set():
+                nvml.fake_release_hangs()
+                time.sleep(0.05)
+
+        releaser = threading.Thread(target=release, daemon=True)
+        releaser.start()
+        try:
+            gpu.reset_sm_clock()
+        finally:
+            restored.set()
+            releaser.join()
+    assert [c["ok"] for c in nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")] == [True]
+
+
 def test_a_restore_gives_up_at_the_deadline_and_keeps_the_state_file(
     nvml, hang, tmp_path: Path
 ) -> None:

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dvfs.caps.actuation import GovernorLocks, LockInForce
-from dvfs.errors import CapsError, DvfsError, GpuError, GpuNotSupportedError, GpuUnavailableError
+from dvfs.errors import (
+    CapsError,
+    DvfsError,
+    GpuError,
+    GpuNotSupportedError,
+    GpuPermissionError,
+    GpuUnavailableError,
+)
 from dvfs.govern.exporter import GpuRow, LiveMetrics, Snapshot
 from dvfs.govern.metrics import (
     GpuReading,
@@ -503,6 +510,41 @@ def _stopped_line(
     return line
 
 
+def _signal_restore_line(
+    failed: GpuError, gpus: Sequence[Gpu], knobs: KnobController
+) -> str | None:
+    """One line for a governor a signal stopped (SIGTERM: `systemctl stop`) whose restore then
+    failed on some GPU (its NVML call hung: the signal came while it was in the driver), or
+    None where no signal came first: the signal, the GPUs put back, what failed on the
+    others, and the `dvfs gpu reset` naming them, which puts them back once they answer."""
+    from dvfs.gpu.knobs import restore_error_parts
+
+    signum = None
+    seen = failed.__context__
+    while seen is not None and signum is None:
+        signum = _signal_behind(seen) if not isinstance(seen, GpuError) else None
+        seen = seen.__context__
+    if signum is None:
+        return None
+    current, original = knobs.current, knobs.original
+    back = [g for g in gpus if current.get(g.identity.uuid) == original.get(g.identity.uuid)]
+    stuck = [g for g in gpus if g not in back]
+    what, _ = restore_error_parts(str(failed))
+    line = f"stopped (received {signal.Signals(signum).name})"
+    if back:
+        line += f"; put {gpu_names(back)} back as found"
+    line += f"; {what.rstrip('.')}"
+    if stuck:
+        indices = " ".join(str(g.identity.index) for g in stuck)
+        reset = knobs.reset_advice().replace("dvfs gpu reset", f"dvfs gpu reset {indices}", 1)
+        keeps, answers = ("keeps", "it answers") if len(stuck) == 1 else ("keep", "they answer")
+        line += (
+            f"; {gpu_names(stuck)} {keeps} the governor's settings: once {answers} again (after "
+            f"a GPU reset or a reboot), {reset} puts back what the state files recorded"
+        )
+    return line
+
+
 def _failed_restore(raised: BaseException, stopped: GpuSilentError) -> GpuError | None:
     """The error of the restore that followed `stopped`, where it ran and failed: `raised`
     itself, or what a signal landing as that error unwound replaced (its context)."""
@@ -728,6 +770,11 @@ def govern(
         # they are: the silent GPU stays the reason, said with the signal (a second signal,
         # which gave up on the restore, is its own message).
         stopped = _stopped_cause(exc)
+        if stopped is None and held and isinstance(exc, GpuError):
+            told = _signal_restore_line(exc, gpus, held[0])
+            if told is not None:  # a signal, then a restore that failed (a hung NVML call)
+                kind = GpuPermissionError if isinstance(exc, GpuPermissionError) else GpuError
+                raise kind(told) from exc
         if stopped is None or isinstance(exc, RestoreAbandoned):
             raise
         raise GpuSilentError(
@@ -738,9 +785,9 @@ def govern(
         # read-only since the locks were taken), the GPUs put back on the way out: the folder
         # to mend, never "choose another --state-dir", where `gpu reset` would not look
         fault = _state_folder_fault(exc, state_dir)
-        if fault is None:
+        if fault is None or state_dir is None:
             raise
-        raise DvfsError(f"{fault}, then start the governor again") from exc
+        raise DvfsError(_state_folder_line(fault, gpus, state_dir)) from exc
     return changes
 
 
@@ -755,6 +802,27 @@ def _state_folder_fault(exc: OSError, state_dir: Path | None) -> str | None:
     if not path.is_relative_to(state_dir.absolute()):
         return None
     return state_file_problem(exc)
+
+
+def _state_folder_line(fault: str, gpus: Sequence[Gpu], state_dir: Path) -> str:
+    """What to do about a state folder the governor could not write mid-run (`fault`, with
+    how to mend it), the GPUs put back: where a GPU's state file could not be removed either
+    (a read-only folder), the governor refuses to start on that GPU (exit 3) until the `dvfs
+    gpu reset` that reads it runs, so the line names it."""
+    from dvfs.gpu.safety import StateStore, reset_command
+
+    try:
+        left = set(StateStore(state_dir).left_by_this_process())
+    except DvfsError:  # a folder that cannot be read any more: nothing more to tell
+        left = set()
+    stuck = [g for g in gpus if g.identity.uuid in left]
+    if not stuck:
+        return f"{fault}, then start the governor again"
+    return (
+        f"{fault}, then run {reset_command(state_dir)}, which removes the state files the "
+        f"governor could not ({gpu_names(stuck)} put back as found; a restart is refused "
+        "until then), and start the governor again"
+    )
 
 
 def _held(state: PolicyState) -> str:

@@ -5,7 +5,11 @@ one worker thread and the caller waits at most the deadline. Waiting on a lock k
 thread responsive to signals even while the driver is stuck. A call that overruns leaves the
 worker stuck in the driver (a daemon thread: it does not keep the process alive); until it
 returns, further calls on that GPU fail at once instead of queueing behind it, so a late
-setter can never land after a later restore. The hop costs tens of microseconds per call.
+setter can never land after a later restore. A call whose wait a signal interrupted (Ctrl-C,
+`systemctl stop`) is still in the driver: the next call on that GPU (the restore) waits for it
+only until that call's own deadline ends, then fails at once as after an overrun, so a signal
+during a hung call ends the run within the deadline instead of queueing the restore behind
+the stuck call for a deadline of its own. The hop costs tens of microseconds per call.
 
 The deadline comes from $DVFS_NVML_DEADLINE_S (seconds, default 10; 0 turns it off).
 """
@@ -76,14 +80,19 @@ class DeadlineExceeded(Exception):  # noqa: N818  (internal; callers raise GpuTi
 
 
 class _Job:
-    __slots__ = ("fn", "args", "name", "done", "result", "error", "since")
+    __slots__ = ("fn", "args", "name", "done", "result", "error", "since", "until")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], name: str, deadline_s: float
+    ) -> None:
         self.fn, self.args, self.name = fn, args, name
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
         self.since = time.monotonic()
+        #: When its deadline ends: a call an interrupted wait left behind is waited for until
+        #: then, no longer (`CallWorker._wait_out_left_behind`).
+        self.until = self.since + deadline_s
 
 
 class CallWorker:
@@ -101,20 +110,37 @@ class CallWorker:
         name = getattr(fn, "__name__", repr(fn))
         if deadline_s is None:
             return fn(*args)
-        job = _Job(fn, args, name)
-        with self._lock:
-            hung = self._hung
-            if hung is not None and not hung.done.is_set():
-                raise DeadlineExceeded(name, deadline_s, hung.name, time.monotonic() - hung.since)
-            self._hung = None
-            if self._queue is None:
-                self._queue = queue.SimpleQueue()
-                threading.Thread(
-                    target=self._serve, args=(self._queue,), name=f"nvml-{self.name}", daemon=True
-                ).start()
-            self._queue.put(job)
-        with lock_left_unheld_is_the_interruption():  # a Ctrl-C as the wait wakes
-            finished = job.done.wait(deadline_s)
+        self._wait_out_left_behind()
+        job = _Job(fn, args, name, deadline_s)
+        queued = False
+        try:
+            with self._lock:
+                hung = self._hung
+                if hung is not None and not hung.done.is_set():
+                    since = time.monotonic() - hung.since
+                    raise DeadlineExceeded(name, deadline_s, hung.name, since)
+                self._hung = None
+                if self._queue is None:
+                    self._queue = queue.SimpleQueue()
+                    threading.Thread(
+                        target=self._serve,
+                        args=(self._queue,),
+                        name=f"nvml-{self.name}",
+                        daemon=True,
+                    ).start()
+                self._queue.put(job)
+                queued = True
+            with lock_left_unheld_is_the_interruption():  # a Ctrl-C as the wait wakes
+                finished = job.done.wait(deadline_s)
+        except BaseException:
+            # A signal's exception, the restore next, and the call still in the driver: left
+            # as it was, the restore queued behind it and waited a deadline of its own (with
+            # the driver stuck, one more deadline per GPU, past a unit's stop timeout)
+            if queued:
+                with self._lock:
+                    if not job.done.is_set():
+                        self._hung = job
+            raise
         if not finished:
             with self._lock:
                 if not job.done.is_set():
@@ -123,6 +149,19 @@ class CallWorker:
         if job.error is not None:
             raise job.error
         return job.result
+
+    def _wait_out_left_behind(self) -> None:
+        """Before a call: a call an interrupted wait left in the driver is given the rest of
+        its own deadline to return (a slow call is no hung one); one still there after is
+        hung, and the call that follows fails at once, naming it (`call`)."""
+        with self._lock:
+            hung = self._hung
+        if hung is None or hung.done.is_set():
+            return
+        left = hung.until - time.monotonic()
+        if left > 0:
+            with lock_left_unheld_is_the_interruption():
+                hung.done.wait(left)
 
     def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
         while True:

@@ -250,6 +250,10 @@ class KnobController:
         """
         with restoring(reset=self.reset_advice()):  # the reset that reads its state files
             failures = GatheredFailures()
+            # A state file that cannot be removed (its folder remounted read-only) stays for
+            # `dvfs gpu reset`, its GPU put back: raised once every GPU is, not before the
+            # next GPU's restore (which it skipped, leaving that GPU capped)
+            unremoved: list[OSError] = []
             for gpu in self.gpus:
                 uuid = gpu.identity.uuid
                 original = self._snapshot.get(uuid)
@@ -258,16 +262,22 @@ class KnobController:
                     continue
                 try:
                     self._write(gpu, uuid, current, original)
-                    if self.change_log is not None:
-                        self.change_log.clear(uuid)
                     log.info("restored GPU %s to %s", gpu.identity.index, original)
                 except GpuError as exc:
                     failures.add(exc, f"GPU {gpu.identity.index} ({uuid}): ")
                     self._restore_limit_alone(gpu, uuid, original, exc, failures)
+                    continue
+                if self.change_log is not None:
+                    try:
+                        self.change_log.clear(uuid)
+                    except OSError as exc:
+                        unremoved.append(exc)
             failures.raise_if_any(
                 "could not restore GPU settings: ",
                 f". {self.reset_advice()}{RETRIES}",
             )
+            if unremoved:
+                raise unremoved[0]
 
     def reset_advice(self) -> str:
         """The `dvfs gpu reset` that reads this controller's state files (with --state-dir
