@@ -8,6 +8,7 @@ role/content dicts, or ShareGPT-style from/value). Errors name the file and the 
 
 from __future__ import annotations
 
+import codecs
 import csv
 import difflib
 import hashlib
@@ -27,6 +28,11 @@ from dvfs.errors import CorpusError, CorpusUnavailableError
 FORMATS = ("jsonl", "csv", "parquet")
 #: Corpus files above this size are refused before reading: sample them into a smaller file.
 MAX_CORPUS_BYTES = 1 << 30
+#: The longest record read (a line of JSON Lines or CSV) and the most text one prompt holds: some
+#: 4 million tokens, past any model's context, and a sweep trims a prompt to the campaign's
+#: workload.input_tokens anyway. A longer line is refused having held no more than this of it
+#: (a 240 MB one-prompt file took 3.4 GB to list), a longer prompt before its tokens are counted.
+MAX_PROMPT_BYTES = 16 << 20
 #: The longest CSV cell read (csv's default of 128 KiB is shorter than a long-context prompt).
 MAX_CSV_FIELD_CHARS = 64 << 20
 SPEC_KEYS = {
@@ -131,19 +137,32 @@ class _Lines:
         self.blank = True  # only whitespace so far
         self.binary: CorpusError | None = None  # the first line holding a NUL
         self.not_utf8: CorpusError | None = None  # the first line that is not UTF-8
+        self.too_long: CorpusError | None = None  # the first line over MAX_PROMPT_BYTES
+        self.longest_held = 0  # the most bytes of one line held at once
 
-    def _raw(self) -> Iterator[bytes]:
+    def _raw(self, *, bounded: bool = True, refuse_long: bool = True) -> Iterator[bytes]:
         """Each line's bytes; a line holding a NUL only up to the piece that holds it (read no
         further: the file is refused there), so that a disk image with no line end in it is
-        not read whole into one line (twice its size, as `readline` joins it)."""
+        not read whole into one line (twice its size, as `readline` joins it). `bounded`: a
+        line longer than `MAX_PROMPT_BYTES` is not held but skipped (`_skip_long`), refused
+        where `refuse_long`."""
+        bound = MAX_PROMPT_BYTES if bounded else None
         try:
             while piece := self.stream.readline(_PIECE):
                 pieces = [piece]
+                size = len(piece)
                 while not piece.endswith(b"\n") and b"\x00" not in piece:
+                    if bound is not None and size > bound:
+                        break
                     piece = self.stream.readline(_PIECE)
                     if not piece:
                         break
                     pieces.append(piece)
+                    size += len(piece)
+                self.longest_held = max(self.longest_held, size)
+                if bound is not None and size > bound and b"\x00" not in pieces[-1]:
+                    self._skip_long(pieces, refuse_long)
+                    continue
                 raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
                 del pieces
                 self.digest.update(raw)
@@ -153,6 +172,41 @@ class _Lines:
                 yield raw
         except OSError as exc:
             raise CorpusError(f"{self.unreadable}: {exc.strerror}") from exc
+
+    def _skip_long(self, pieces: list[bytes], refuse: bool) -> None:
+        """Read the rest of a line longer than `MAX_PROMPT_BYTES` a piece at a time, holding
+        none: hashed, and checked for a NUL and UTF-8 as any line (`finish` refuses the file
+        for either first); then, where `refuse`, refused (`too_long`). `pieces`: the line's
+        start, read so far."""
+        self.lineno += 1
+        self.blank = False  # refused as too long, not as an empty file
+        decoder = codecs.getincrementaldecoder("utf-8-sig" if self.lineno == 1 else "utf-8")()
+        pending = list(pieces)
+        pieces.clear()
+        while piece := (pending.pop(0) if pending else self.stream.readline(_PIECE)):
+            self.digest.update(piece)
+            if b"\x00" in piece:
+                self._decoded(piece)  # refused: a binary file
+            if self.not_utf8 is None:
+                try:
+                    decoder.decode(piece)
+                except UnicodeDecodeError as exc:
+                    self.not_utf8 = CorpusError(
+                        f"{self.where}, line {self.lineno}: not UTF-8 text (byte "
+                        f"0x{exc.object[exc.start]:02x}): save the file as UTF-8"
+                    )
+            if piece.endswith(b"\n"):
+                break
+        if self.too_long is None:
+            self.too_long = CorpusError(
+                f"{self.where}, line {self.lineno}: a record longer than dvfs's limit of "
+                f"{_bound()} (some 4 million tokens, past any "
+                "model's context), not read: cut its prompt to the campaign's "
+                "workload.input_tokens (longer ones are trimmed to it), or give each record "
+                "a line of its own"
+            )
+        if refuse:
+            raise self.too_long
 
     def _decoded(self, raw: bytes) -> str | None:
         """`raw` as text; None (the refusal kept in `not_utf8`) where it is no UTF-8. A NUL
@@ -175,10 +229,11 @@ class _Lines:
                 )
             return None
 
-    def lines(self) -> Iterator[str]:
+    def lines(self, *, bounded: bool = True) -> Iterator[str]:
         """Each line as text, its "\\n" kept; a line that is no UTF-8 ends them, refused
-        once the rest of the file holds no NUL (`finish`)."""
-        for raw in self._raw():
+        once the rest of the file holds no NUL (`finish`); `bounded`: one longer than
+        `MAX_PROMPT_BYTES` too (`_raw`)."""
+        for raw in self._raw(bounded=bounded):
             text = self._decoded(raw)
             if text is None:
                 self.finish()
@@ -187,7 +242,7 @@ class _Lines:
 
     def only_whitespace(self) -> bool:
         """Whether the file holds only whitespace (read until it holds more)."""
-        for _ in self._raw():
+        for _ in self._raw(refuse_long=False):
             if not self.blank:
                 break
         return self.blank
@@ -205,15 +260,15 @@ class _Lines:
 
     def whole(self, read: list[str]) -> str:
         """The text of the file: the lines `read` so far and the rest (a JSON document, which
-        is parsed whole)."""
-        return "".join([*read, *self.lines()])
+        is parsed whole, its records' prompts bounded once read: `_prompt`)."""
+        return "".join([*read, *self.lines(bounded=False)])
 
     def finish(self) -> None:
         """Read the rest of the file: its hash whole, and the refusal the whole file's check
         made first (a NUL, then the first line that is no UTF-8), if any."""
         if self.binary is not None:
             raise self.binary
-        for raw in self._raw():
+        for raw in self._raw(refuse_long=False):
             if self.not_utf8 is None:
                 self._decoded(raw)
             elif b"\x00" in raw:
@@ -229,6 +284,13 @@ class _Lines:
         except CorpusError as whole:
             return whole
         return _empty_file(self.where) if self.blank else exc
+
+
+def _bound() -> str:
+    """`MAX_PROMPT_BYTES` in words."""
+    if MAX_PROMPT_BYTES % (1 << 20) == 0:
+        return f"{MAX_PROMPT_BYTES >> 20} MiB"
+    return f"{MAX_PROMPT_BYTES:,} bytes"
 
 
 def _empty_file(where: str) -> CorpusError:
@@ -604,6 +666,14 @@ def _prompt(
         messages: tuple[Message, ...] = (Message("user", value),)
     else:
         messages = chat_messages(value, where, key)
+    chars = sum(len(m.content) for m in messages)
+    if chars > MAX_PROMPT_BYTES:  # a JSON array's, a Parquet file's: no line bounded it
+        raise CorpusError(
+            f"{where}: a prompt of {chars:,} characters, over dvfs's limit of "
+            f"{_bound()} of text (some 4 million tokens, past any "
+            "model's context): cut it to the campaign's workload.input_tokens (longer prompts "
+            "are trimmed to it)"
+        )
     ident = str(record.get("id") or record.get("task_id") or f"{name}-{index:05d}")
     _refuse_lone_surrogate(ident, where, "its id")
     try:
@@ -744,9 +814,8 @@ def _prompts(
     """The prompts of `records`, up to the table's `limit`."""
     limit = spec.get("limit")
     prompts = []
-    for index, (at, record) in enumerate(records):
-        if limit is not None and index >= limit:
-            break
+    # No record past the limit is read as one (a line past it too long to read is no refusal)
+    for index, (at, record) in enumerate(itertools.islice(records, limit)):
         prompts.append(_prompt(record, spec, at, index, name, count_tokens))
     return prompts
 

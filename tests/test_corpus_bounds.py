@@ -1,0 +1,178 @@
+"""Huge corpus files: a record (a line) or a prompt over `MAX_PROMPT_BYTES` is refused in one
+line naming the file, the line and the limit, having held no more than the limit (and one read
+piece) of it, and before any of its tokens are counted. The limit is made small here, so the
+files stay small; memory is asserted through the bytes of one line held, never through time."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from conftest import TINY, replace_block, write
+
+from dvfs.cli import cli
+from dvfs.corpora import load_corpus, loaders
+from dvfs.corpora.model import Message, estimate_tokens
+from dvfs.errors import CorpusError
+
+BOUND = 4096
+PIECE = 512
+
+
+@pytest.fixture
+def small_bound(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """MAX_PROMPT_BYTES and the read piece made small; the `_Lines` readers made, to ask how
+    much of one line each held at once."""
+    monkeypatch.setattr(loaders, "MAX_PROMPT_BYTES", BOUND, raising=False)
+    monkeypatch.setattr(loaders, "_PIECE", PIECE)
+    made: list[Any] = []
+    init = loaders._Lines.__init__
+
+    def spy(self: Any, *args: Any) -> None:
+        init(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(loaders._Lines, "__init__", spy)
+    return made
+
+
+def _held(made: list[Any]) -> int:
+    """The most bytes of one line a reader held (what the line reader joined at once)."""
+    return max(getattr(lines, "longest_held", 1 << 62) for lines in made)
+
+
+def _counting() -> tuple[list[int], Any]:
+    seen: list[int] = []
+
+    def count(messages: tuple[Message, ...]) -> int:
+        seen.append(sum(len(m.content) for m in messages))
+        return estimate_tokens(messages)
+
+    return seen, count
+
+
+def _load(tmp_path: Path, file: str, count: Any = estimate_tokens, **spec: Any) -> Any:
+    return load_corpus(
+        "big", {"path": file, "field": "text", **spec}, base_dir=str(tmp_path), count_tokens=count
+    )
+
+
+def test_a_line_over_the_bound_is_refused_holding_at_most_the_bound(
+    tmp_path: Path, small_bound: list[Any]
+) -> None:
+    long = "lorem ipsum " * 20_000  # 240 kB: some 60 times the bound
+    lines = [{"text": "a short prompt"}, {"text": long}, {"text": "another"}]
+    write(tmp_path / "big.jsonl", "".join(json.dumps(r) + "\n" for r in lines))
+    seen, count = _counting()
+    with pytest.raises(CorpusError) as caught:
+        _load(tmp_path, "big.jsonl", count)
+    said = str(caught.value)
+    assert str(tmp_path / "big.jsonl") in said and "line 2" in said, said
+    assert f"limit of {BOUND:,} bytes" in said and "input_tokens" in said, said
+    assert "\n" not in said
+    assert _held(small_bound) <= BOUND + PIECE
+    assert max(seen) < BOUND  # the long prompt's tokens were never counted
+
+
+def test_one_line_with_no_end_is_refused_as_too_long_not_read_whole(
+    tmp_path: Path, small_bound: list[Any]
+) -> None:
+    (tmp_path / "big.jsonl").write_bytes(b"x" * 200_000)
+    with pytest.raises(CorpusError, match=r"line 1: a record longer than"):
+        _load(tmp_path, "big.jsonl")
+    assert _held(small_bound) <= BOUND + PIECE
+
+
+def test_a_line_at_the_bound_is_read(tmp_path: Path, small_bound: list[Any]) -> None:
+    text = "y" * (BOUND - len(json.dumps({"text": ""}) + "\n"))
+    line = json.dumps({"text": text}) + "\n"
+    assert len(line) == BOUND
+    write(tmp_path / "big.jsonl", line)
+    corpus = _load(tmp_path, "big.jsonl")
+    assert corpus.prompts[0].messages[0].content == text
+
+
+@pytest.mark.parametrize("where", ["in the long line", "after it"])
+def test_a_nul_still_refuses_the_file_as_binary(
+    tmp_path: Path, small_bound: list[Any], where: str
+) -> None:
+    """A NUL anywhere refuses the file first, as it did before a line was bounded."""
+    long = b'{"text": "' + b"z" * 50_000
+    data = (
+        b'{"text": "ok"}\n' + long + b"\x00" + b'"}\n'
+        if where == "in the long line"
+        else b'{"text": "ok"}\n' + long + b'"}\n' + b'{"text": "ok"}\n\x00\n'
+    )
+    (tmp_path / "big.jsonl").write_bytes(data)
+    with pytest.raises(CorpusError, match="a binary file, not text"):
+        _load(tmp_path, "big.jsonl")
+    assert _held(small_bound) <= BOUND + PIECE
+
+
+def test_a_line_that_is_no_utf8_before_the_long_line_is_said_first(
+    tmp_path: Path, small_bound: list[Any]
+) -> None:
+    data = b'{"text": "caf\xe9"}\n' + json.dumps({"text": "w" * 50_000}).encode() + b"\n"
+    (tmp_path / "big.jsonl").write_bytes(data)
+    with pytest.raises(CorpusError, match="line 1: not UTF-8 text"):
+        _load(tmp_path, "big.jsonl")
+
+
+def test_the_corpus_hash_still_covers_a_file_read_past_its_limit(
+    tmp_path: Path, small_bound: list[Any]
+) -> None:
+    """A long line after the table's `limit` is hashed, not held, and not refused."""
+    rows = [{"text": f"prompt {i}"} for i in range(3)] + [{"text": "v" * 50_000}]
+    write(tmp_path / "big.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    corpus = _load(tmp_path, "big.jsonl", limit=3)
+    assert len(corpus.prompts) == 3
+    assert _held(small_bound) <= BOUND + PIECE
+
+
+def test_a_long_prompt_in_a_json_array_is_refused_before_its_tokens_are_counted(
+    tmp_path: Path, small_bound: list[Any]
+) -> None:
+    """A JSON array (parsed whole, on one line or many) and CSV (a cell may span lines) are
+    bounded by the prompt's text."""
+    records = [{"text": "short"}, {"text": "q" * 50_000}]
+    write(tmp_path / "big.json", json.dumps(records, indent=1))
+    seen, count = _counting()
+    with pytest.raises(CorpusError, match=r"record 2 of the array: a prompt of 50,000 characters"):
+        _load(tmp_path, "big.json", count)
+    assert max(seen) < BOUND
+
+
+def test_a_long_csv_cell_over_many_lines_is_refused(tmp_path: Path, small_bound: list[Any]) -> None:
+    buffer = io.StringIO()
+    out = csv.writer(buffer)
+    out.writerow(["id", "text"])
+    out.writerow(["p1", "short"])
+    out.writerow(["p2", "a line of a long prompt\n" * 2000])
+    write(tmp_path / "big.csv", buffer.getvalue())
+    seen, count = _counting()
+    with pytest.raises(CorpusError, match=r"big.csv, line \d+: a prompt of 48,000 characters"):
+        _load(tmp_path, "big.csv", count)
+    assert max(seen) < BOUND
+
+
+def test_corpus_list_refuses_a_huge_record_in_one_line(
+    tmp_path: Path, small_bound: list[Any]
+) -> None:
+    write(
+        tmp_path / "big.jsonl",
+        json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "h" * 100_000}) + "\n",
+    )
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["big"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.big]\npath = "big.jsonl"\nfield = "text"\n'
+    )
+    result = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign)])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    said = [line for line in result.output.splitlines() if line.strip()]
+    assert len(said) == 1 and "big.jsonl, line 2: a record longer than" in said[0], said
