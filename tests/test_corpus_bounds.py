@@ -176,3 +176,46 @@ def test_corpus_list_refuses_a_huge_record_in_one_line(
     assert "Traceback" not in result.output
     said = [line for line in result.output.splitlines() if line.strip()]
     assert len(said) == 1 and "big.jsonl, line 2: a record longer than" in said[0], said
+
+
+def test_a_parquet_files_limit_makes_no_more_rows_python_records_than_a_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parquet is read a batch of rows at a time: a table's `limit` of a large file holds that
+    many prompts, not every row as a Python record (Python's own allocations are counted,
+    deterministically: the file's bytes, read whole for its hash, are some 0.3 MB)."""
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(loaders, "_PARQUET_ROWS", 100, raising=False)
+    rows = 20_000
+    texts = [f"prompt {i} about the weather in town {i % 977}" for i in range(rows)]
+    pq.write_table(
+        pa.table({"id": [f"p{i}" for i in range(rows)], "text": texts}), tmp_path / "big.parquet"
+    )
+    tracemalloc.start()
+    try:
+        corpus = _load(tmp_path, "big.parquet", limit=3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [p.id for p in corpus.prompts] == ["p0", "p1", "p2"]
+    size = (tmp_path / "big.parquet").stat().st_size
+    assert peak < size + (1 << 20), (peak, size)  # every row as a record: some 6 MB more
+
+
+def test_parquet_rows_are_numbered_across_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(loaders, "_PARQUET_ROWS", 4, raising=False)
+    texts = [f"prompt {i}" for i in range(9)] + [""]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "p.parquet")
+    with pytest.raises(CorpusError, match=r"p.parquet, row 10: field 'text' is empty"):
+        _load(tmp_path, "p.parquet")
+    corpus = _load(tmp_path, "p.parquet", limit=9)
+    assert [p.messages[0].content for p in corpus.prompts] == texts[:9]

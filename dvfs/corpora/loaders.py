@@ -551,21 +551,40 @@ def _records_csv(source: _Lines, where: str, key: str = "") -> Iterator[tuple[st
         csv.field_size_limit(previous)
 
 
+#: Parquet rows made Python records at once: a file's rows are read a batch at a time, so that
+#: a table's `limit` of a large file holds no more than that many (all of a 194 MB file's rows
+#: took 1.6 GB for 10 prompts).
+_PARQUET_ROWS = 1024
+
+
 def _records_parquet(source: _Lines, where: str) -> Iterator[tuple[str, Any]]:
-    data = source.read_all()  # a columnar file: read whole
+    data = source.read_all()  # a columnar file: read whole (its hash too)
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise CorpusUnavailableError(
             f"{where}: reading Parquet needs pyarrow: pip install 'dvfs[parquet]'"
         ) from exc
-    try:
-        table = pq.read_table(io.BytesIO(data))
-    except Exception as exc:  # pyarrow raises several types for a damaged file
+
+    def unreadable(exc: Exception) -> CorpusError:
         detail = " ".join(str(exc).split())
-        raise CorpusError(f"{where}: not a readable Parquet file ({detail})") from exc
-    for i, row in enumerate(table.to_pylist(), start=1):
-        yield f"{where}, row {i}", row
+        return CorpusError(f"{where}: not a readable Parquet file ({detail})")
+
+    try:
+        batches = pq.ParquetFile(io.BytesIO(data)).iter_batches(batch_size=_PARQUET_ROWS)
+    except Exception as exc:  # pyarrow raises several types for a damaged file
+        raise unreadable(exc) from exc
+    i = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # a damaged row group
+            raise unreadable(exc) from exc
+        if batch is None:
+            return
+        for row in batch.to_pylist():
+            i += 1
+            yield f"{where}, row {i}", row
 
 
 READERS = {"jsonl": _records_jsonl, "csv": _records_csv, "parquet": _records_parquet}
