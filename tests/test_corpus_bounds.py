@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -219,3 +220,62 @@ def test_parquet_rows_are_numbered_across_batches(
         _load(tmp_path, "p.parquet")
     corpus = _load(tmp_path, "p.parquet", limit=9)
     assert [p.messages[0].content for p in corpus.prompts] == texts[:9]
+
+
+def _array_peak(tmp_path: Path, records: list[Any], **spec: Any) -> tuple[Any, int, int]:
+    import tracemalloc
+
+    write(tmp_path / "big.json", json.dumps(records, indent=1))
+    tracemalloc.start()
+    try:
+        corpus = _load(tmp_path, "big.json", **spec)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return corpus, peak, (tmp_path / "big.json").stat().st_size
+
+
+def test_a_json_arrays_limit_makes_no_more_records_than_it_reads(tmp_path: Path) -> None:
+    """A `.json` array is parsed a record at a time: with a table's `limit`, the records past
+    it are checked, not all held at once (Python's own allocations, counted
+    deterministically: the text and its lines are a few times the file's 0.5 MB; every
+    record held at once some 8 MB)."""
+    records = [{"id": f"p{i}", "text": f"prompt {i} on town {i % 977}"} for i in range(20_000)]
+    corpus, peak, size = _array_peak(tmp_path, records, limit=3)
+    assert [p.id for p in corpus.prompts] == ["p0", "p1", "p2"]
+    assert peak < 4 * size + (1 << 20), (peak, size)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('[{"text": "a"}, {"text": "b"}] x', "line 1: not valid JSON (Extra data)"),
+        ('[{"text": "a"} {"text": "b"}]', "line 1: not valid JSON (Expecting ',' delimiter)"),
+        ('[{"text": "a"},\n]', "line 2: not valid JSON (Expecting value)"),
+        ('\u00a0[{"text": "a"}]', "line 1: not valid JSON (Expecting value)"),
+        ('[{"text": "a"}, {"text": "b", "text": "c"}]', "record 2 of the array: an object names"),
+        ('[{"text": "a"}, 3]', "record 2 of the array: expected an object"),
+    ],
+)
+def test_a_json_array_read_a_record_at_a_time_is_refused_as_when_read_whole(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    write(tmp_path / "a.json", text)
+    with pytest.raises(CorpusError, match=re.escape(says)):
+        _load(tmp_path, "a.json")
+
+
+def test_a_json_array_read_a_record_at_a_time_reads_as_whole(tmp_path: Path) -> None:
+    records = [{"text": f"prompt {i}", "meta": [{"x": [1, {"y": "]"}]}]} for i in range(5)]
+    for dumped in (
+        json.dumps(records),
+        json.dumps(records, indent=2),
+        " [ ] ".replace("[ ]", "[]"),
+    ):
+        write(tmp_path / "a.json", dumped)
+        if dumped.strip() == "[]":
+            with pytest.raises(CorpusError, match="holds no records"):
+                _load(tmp_path, "a.json")
+            continue
+        corpus = _load(tmp_path, "a.json")
+        assert [p.messages[0].content for p in corpus.prompts] == [r["text"] for r in records]

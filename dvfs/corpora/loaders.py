@@ -260,8 +260,20 @@ class _Lines:
 
     def whole(self, read: list[str]) -> str:
         """The text of the file: the lines `read` so far and the rest (a JSON document, which
-        is parsed whole, its records' prompts bounded once read: `_prompt`)."""
-        return "".join([*read, *self.lines(bounded=False)])
+        is parsed whole, its records' prompts bounded once read: `_prompt`). Gathered as bytes,
+        each line checked as `lines` checks it, and decoded once: not kept as a string per line
+        as well (some 50 bytes more each, a GB for a pretty-printed ShareGPT export)."""
+        data = bytearray("".join(read).encode())
+        for raw in self._raw(bounded=False):
+            text = self._decoded(raw)
+            if text is None:
+                self.finish()  # refused: no UTF-8 (or a NUL further on)
+            elif self.lineno == 1:  # its byte-order mark dropped
+                data += text.encode()
+            else:
+                data += raw
+            del text
+        return data.decode("utf-8")
 
     def finish(self) -> None:
         """Read the rest of the file: its hash whole, and the refusal the whole file's check
@@ -370,19 +382,65 @@ def _refuse_key_twice(key: str, at: str) -> CorpusError:
     )
 
 
-def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
+#: JSON's whitespace, as `json` skips it between an array's values.
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _past_space(text: str, pos: int) -> int:
+    """Where the JSON whitespace from `pos` on ends."""
+    match = _JSON_SPACE.match(text, pos)
+    return match.end() if match else pos
+
+
+def _array_values(text: str, decoder: json.JSONDecoder) -> Iterator[Any]:
+    """The values of the JSON array `text` (which starts with "[" after whitespace) one at a
+    time, as `decoder.decode(text)` would list them, with its errors (`JSONDecodeError` at
+    the same place in `text`): one value held at a time, not the whole array's."""
+    pos = _past_space(text, 0)
+    if not text.startswith("[", pos):  # other whitespace first (`str.lstrip`'s, not JSON's)
+        raise json.JSONDecodeError("Expecting value", text, pos)
+    pos = _past_space(text, pos + 1)
+    if text.startswith("]", pos):
+        pos += 1
+    else:
+        while True:
+            value, pos = decoder.raw_decode(text, pos)
+            yield value
+            pos = _past_space(text, pos)
+            if text.startswith(",", pos):
+                pos = _past_space(text, pos + 1)
+                continue
+            if text.startswith("]", pos):
+                pos += 1
+                break
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+    pos = _past_space(text, pos)
+    if pos != len(text):
+        raise json.JSONDecodeError("Extra data", text, pos)
+
+
+def _records_json_array(text: str, where: str) -> Iterator[tuple[str, Any]] | None:
     """A `.json` file holding one JSON array of objects (as ShareGPT's exports and many
     datasets ship, pretty-printed or on one line): its records, each named by its place in
     the array (one that is no object refused as that record); None where the text is no
     array, or the file is named as JSON Lines
     (`.jsonl`, `.ndjson`: read line by line, an array there refused at its line). An array
     broken by a syntax error is a `CorpusError` naming the line, unless its first line reads
-    alone as JSON (JSON Lines whose first record is a list: the line reader says so)."""
+    alone as JSON (JSON Lines whose first record is a list: the line reader says so).
+
+    Read twice, a record at a time: checked whole first (a syntax error, a key named twice),
+    then its records made one by one as they are used, so that a table's `limit` holds that
+    many, not every record of the file (a 243 MB array with limit = 1000 peaked at 1.6 GB)."""
     if Path(where).suffix.lower() != ".json" or not text.lstrip().startswith("["):
         return None
     marked: list[str] = []  # the keys objects name twice (`_marking_keys`)
+    checking = json.JSONDecoder(object_pairs_hook=lambda p: _marking_keys(p, marked))
+    twice: tuple[str, str] | None = None  # the first record naming a key twice, and the key
     try:
-        document = json.loads(text, object_pairs_hook=lambda p: _marking_keys(p, marked))
+        for i, record in enumerate(_array_values(text, checking), start=1):
+            if marked and twice is None and (key := _key_twice(record)) is not None:
+                twice = (f"{where}, record {i} of the array", key)
+            del record
     except RecursionError:  # the line reader names the line
         return None
     except json.JSONDecodeError as exc:
@@ -397,15 +455,12 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
         return None
     except ValueError:  # e.g. an integer beyond Python's digit limit: the line reader names it
         return None
-    if not isinstance(document, list):
-        return None
     # A record that is no object (null, text, a list) is refused by its place in the array
     # (`_prompt`), not at a line of a file that is valid JSON; so is one naming a key twice.
-    records = [(f"{where}, record {i} of the array", r) for i, r in enumerate(document, start=1)]
-    for at, record in records if marked else ():
-        if (key := _key_twice(record)) is not None:
-            raise _refuse_key_twice(key, at)
-    return records
+    if twice is not None:
+        raise _refuse_key_twice(twice[1], twice[0])
+    values = _array_values(text, json.JSONDecoder())
+    return ((f"{where}, record {i} of the array", r) for i, r in enumerate(values, start=1))
 
 
 def _refuse_json_object(text: str, where: str) -> None:
