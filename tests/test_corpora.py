@@ -338,8 +338,19 @@ def test_a_deep_json_array_record_naming_a_key_twice_is_one_line(
         finally:
             sys.setrecursionlimit(limit)
 
+    class Roomy(json.JSONDecoder):  # an array is read a record at a time: the same room
+        def raw_decode(self, *args: Any, **kwargs: Any) -> Any:
+            limit = sys.getrecursionlimit()
+            sys.setrecursionlimit(limit * 10)
+            try:
+                return super().raw_decode(*args, **kwargs)
+            finally:
+                sys.setrecursionlimit(limit)
+
     monkeypatch.setattr(
-        loaders, "json", types.SimpleNamespace(loads=roomy, JSONDecodeError=json.JSONDecodeError)
+        loaders,
+        "json",
+        types.SimpleNamespace(loads=roomy, JSONDecoder=Roomy, JSONDecodeError=json.JSONDecodeError),
     )
     depth = 3 * sys.getrecursionlimit()
     deep = "[" * depth + '{"a": 1, "a": 2}' + "]" * depth

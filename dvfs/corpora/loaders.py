@@ -8,6 +8,7 @@ role/content dicts, or ShareGPT-style from/value). Errors name the file and the 
 
 from __future__ import annotations
 
+import codecs
 import csv
 import difflib
 import hashlib
@@ -27,6 +28,11 @@ from dvfs.errors import CorpusError, CorpusUnavailableError
 FORMATS = ("jsonl", "csv", "parquet")
 #: Corpus files above this size are refused before reading: sample them into a smaller file.
 MAX_CORPUS_BYTES = 1 << 30
+#: The longest record read (a line of JSON Lines or CSV) and the most text one prompt holds: some
+#: 4 million tokens, past any model's context, and a sweep trims a prompt to the campaign's
+#: workload.input_tokens anyway. A longer line is refused having held no more than this of it
+#: (a 240 MB one-prompt file took 3.4 GB to list), a longer prompt before its tokens are counted.
+MAX_PROMPT_BYTES = 16 << 20
 #: The longest CSV cell read (csv's default of 128 KiB is shorter than a long-context prompt).
 MAX_CSV_FIELD_CHARS = 64 << 20
 SPEC_KEYS = {
@@ -131,19 +137,32 @@ class _Lines:
         self.blank = True  # only whitespace so far
         self.binary: CorpusError | None = None  # the first line holding a NUL
         self.not_utf8: CorpusError | None = None  # the first line that is not UTF-8
+        self.too_long: CorpusError | None = None  # the first line over MAX_PROMPT_BYTES
+        self.longest_held = 0  # the most bytes of one line held at once
 
-    def _raw(self) -> Iterator[bytes]:
+    def _raw(self, *, bounded: bool = True, refuse_long: bool = True) -> Iterator[bytes]:
         """Each line's bytes; a line holding a NUL only up to the piece that holds it (read no
         further: the file is refused there), so that a disk image with no line end in it is
-        not read whole into one line (twice its size, as `readline` joins it)."""
+        not read whole into one line (twice its size, as `readline` joins it). `bounded`: a
+        line longer than `MAX_PROMPT_BYTES` is not held but skipped (`_skip_long`), refused
+        where `refuse_long`."""
+        bound = MAX_PROMPT_BYTES if bounded else None
         try:
             while piece := self.stream.readline(_PIECE):
                 pieces = [piece]
+                size = len(piece)
                 while not piece.endswith(b"\n") and b"\x00" not in piece:
+                    if bound is not None and size > bound:
+                        break
                     piece = self.stream.readline(_PIECE)
                     if not piece:
                         break
                     pieces.append(piece)
+                    size += len(piece)
+                self.longest_held = max(self.longest_held, size)
+                if bound is not None and size > bound and b"\x00" not in pieces[-1]:
+                    self._skip_long(pieces, refuse_long)
+                    continue
                 raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
                 del pieces
                 self.digest.update(raw)
@@ -153,6 +172,41 @@ class _Lines:
                 yield raw
         except OSError as exc:
             raise CorpusError(f"{self.unreadable}: {exc.strerror}") from exc
+
+    def _skip_long(self, pieces: list[bytes], refuse: bool) -> None:
+        """Read the rest of a line longer than `MAX_PROMPT_BYTES` a piece at a time, holding
+        none: hashed, and checked for a NUL and UTF-8 as any line (`finish` refuses the file
+        for either first); then, where `refuse`, refused (`too_long`). `pieces`: the line's
+        start, read so far."""
+        self.lineno += 1
+        self.blank = False  # refused as too long, not as an empty file
+        decoder = codecs.getincrementaldecoder("utf-8-sig" if self.lineno == 1 else "utf-8")()
+        pending = list(pieces)
+        pieces.clear()
+        while piece := (pending.pop(0) if pending else self.stream.readline(_PIECE)):
+            self.digest.update(piece)
+            if b"\x00" in piece:
+                self._decoded(piece)  # refused: a binary file
+            if self.not_utf8 is None:
+                try:
+                    decoder.decode(piece)
+                except UnicodeDecodeError as exc:
+                    self.not_utf8 = CorpusError(
+                        f"{self.where}, line {self.lineno}: not UTF-8 text (byte "
+                        f"0x{exc.object[exc.start]:02x}): save the file as UTF-8"
+                    )
+            if piece.endswith(b"\n"):
+                break
+        if self.too_long is None:
+            self.too_long = CorpusError(
+                f"{self.where}, line {self.lineno}: a record longer than dvfs's limit of "
+                f"{_bound()} (some 4 million tokens, past any "
+                "model's context), not read: cut its prompt to the campaign's "
+                "workload.input_tokens (longer ones are trimmed to it), or give each record "
+                "a line of its own"
+            )
+        if refuse:
+            raise self.too_long
 
     def _decoded(self, raw: bytes) -> str | None:
         """`raw` as text; None (the refusal kept in `not_utf8`) where it is no UTF-8. A NUL
@@ -175,10 +229,11 @@ class _Lines:
                 )
             return None
 
-    def lines(self) -> Iterator[str]:
+    def lines(self, *, bounded: bool = True) -> Iterator[str]:
         """Each line as text, its "\\n" kept; a line that is no UTF-8 ends them, refused
-        once the rest of the file holds no NUL (`finish`)."""
-        for raw in self._raw():
+        once the rest of the file holds no NUL (`finish`); `bounded`: one longer than
+        `MAX_PROMPT_BYTES` too (`_raw`)."""
+        for raw in self._raw(bounded=bounded):
             text = self._decoded(raw)
             if text is None:
                 self.finish()
@@ -187,7 +242,7 @@ class _Lines:
 
     def only_whitespace(self) -> bool:
         """Whether the file holds only whitespace (read until it holds more)."""
-        for _ in self._raw():
+        for _ in self._raw(refuse_long=False):
             if not self.blank:
                 break
         return self.blank
@@ -205,15 +260,27 @@ class _Lines:
 
     def whole(self, read: list[str]) -> str:
         """The text of the file: the lines `read` so far and the rest (a JSON document, which
-        is parsed whole)."""
-        return "".join([*read, *self.lines()])
+        is parsed whole, its records' prompts bounded once read: `_prompt`). Gathered as bytes,
+        each line checked as `lines` checks it, and decoded once: not kept as a string per line
+        as well (some 50 bytes more each, a GB for a pretty-printed ShareGPT export)."""
+        data = bytearray("".join(read).encode())
+        for raw in self._raw(bounded=False):
+            text = self._decoded(raw)
+            if text is None:
+                self.finish()  # refused: no UTF-8 (or a NUL further on)
+            elif self.lineno == 1:  # its byte-order mark dropped
+                data += text.encode()
+            else:
+                data += raw
+            del text
+        return data.decode("utf-8")
 
     def finish(self) -> None:
         """Read the rest of the file: its hash whole, and the refusal the whole file's check
         made first (a NUL, then the first line that is no UTF-8), if any."""
         if self.binary is not None:
             raise self.binary
-        for raw in self._raw():
+        for raw in self._raw(refuse_long=False):
             if self.not_utf8 is None:
                 self._decoded(raw)
             elif b"\x00" in raw:
@@ -229,6 +296,13 @@ class _Lines:
         except CorpusError as whole:
             return whole
         return _empty_file(self.where) if self.blank else exc
+
+
+def _bound() -> str:
+    """`MAX_PROMPT_BYTES` in words."""
+    if MAX_PROMPT_BYTES % (1 << 20) == 0:
+        return f"{MAX_PROMPT_BYTES >> 20} MiB"
+    return f"{MAX_PROMPT_BYTES:,} bytes"
 
 
 def _empty_file(where: str) -> CorpusError:
@@ -308,19 +382,65 @@ def _refuse_key_twice(key: str, at: str) -> CorpusError:
     )
 
 
-def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
+#: JSON's whitespace, as `json` skips it between an array's values.
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _past_space(text: str, pos: int) -> int:
+    """Where the JSON whitespace from `pos` on ends."""
+    match = _JSON_SPACE.match(text, pos)
+    return match.end() if match else pos
+
+
+def _array_values(text: str, decoder: json.JSONDecoder) -> Iterator[Any]:
+    """The values of the JSON array `text` (which starts with "[" after whitespace) one at a
+    time, as `decoder.decode(text)` would list them, with its errors (`JSONDecodeError` at
+    the same place in `text`): one value held at a time, not the whole array's."""
+    pos = _past_space(text, 0)
+    if not text.startswith("[", pos):  # other whitespace first (`str.lstrip`'s, not JSON's)
+        raise json.JSONDecodeError("Expecting value", text, pos)
+    pos = _past_space(text, pos + 1)
+    if text.startswith("]", pos):
+        pos += 1
+    else:
+        while True:
+            value, pos = decoder.raw_decode(text, pos)
+            yield value
+            pos = _past_space(text, pos)
+            if text.startswith(",", pos):
+                pos = _past_space(text, pos + 1)
+                continue
+            if text.startswith("]", pos):
+                pos += 1
+                break
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+    pos = _past_space(text, pos)
+    if pos != len(text):
+        raise json.JSONDecodeError("Extra data", text, pos)
+
+
+def _records_json_array(text: str, where: str) -> Iterator[tuple[str, Any]] | None:
     """A `.json` file holding one JSON array of objects (as ShareGPT's exports and many
     datasets ship, pretty-printed or on one line): its records, each named by its place in
     the array (one that is no object refused as that record); None where the text is no
     array, or the file is named as JSON Lines
     (`.jsonl`, `.ndjson`: read line by line, an array there refused at its line). An array
     broken by a syntax error is a `CorpusError` naming the line, unless its first line reads
-    alone as JSON (JSON Lines whose first record is a list: the line reader says so)."""
+    alone as JSON (JSON Lines whose first record is a list: the line reader says so).
+
+    Read twice, a record at a time: checked whole first (a syntax error, a key named twice),
+    then its records made one by one as they are used, so that a table's `limit` holds that
+    many, not every record of the file (a 243 MB array with limit = 1000 peaked at 1.6 GB)."""
     if Path(where).suffix.lower() != ".json" or not text.lstrip().startswith("["):
         return None
     marked: list[str] = []  # the keys objects name twice (`_marking_keys`)
+    checking = json.JSONDecoder(object_pairs_hook=lambda p: _marking_keys(p, marked))
+    twice: tuple[str, str] | None = None  # the first record naming a key twice, and the key
     try:
-        document = json.loads(text, object_pairs_hook=lambda p: _marking_keys(p, marked))
+        for i, record in enumerate(_array_values(text, checking), start=1):
+            if marked and twice is None and (key := _key_twice(record)) is not None:
+                twice = (f"{where}, record {i} of the array", key)
+            del record
     except RecursionError:  # the line reader names the line
         return None
     except json.JSONDecodeError as exc:
@@ -335,15 +455,12 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
         return None
     except ValueError:  # e.g. an integer beyond Python's digit limit: the line reader names it
         return None
-    if not isinstance(document, list):
-        return None
     # A record that is no object (null, text, a list) is refused by its place in the array
     # (`_prompt`), not at a line of a file that is valid JSON; so is one naming a key twice.
-    records = [(f"{where}, record {i} of the array", r) for i, r in enumerate(document, start=1)]
-    for at, record in records if marked else ():
-        if (key := _key_twice(record)) is not None:
-            raise _refuse_key_twice(key, at)
-    return records
+    if twice is not None:
+        raise _refuse_key_twice(twice[1], twice[0])
+    values = _array_values(text, json.JSONDecoder())
+    return ((f"{where}, record {i} of the array", r) for i, r in enumerate(values, start=1))
 
 
 def _refuse_json_object(text: str, where: str) -> None:
@@ -489,21 +606,40 @@ def _records_csv(source: _Lines, where: str, key: str = "") -> Iterator[tuple[st
         csv.field_size_limit(previous)
 
 
+#: Parquet rows made Python records at once: a file's rows are read a batch at a time, so that
+#: a table's `limit` of a large file holds no more than that many (all of a 194 MB file's rows
+#: took 1.6 GB for 10 prompts).
+_PARQUET_ROWS = 1024
+
+
 def _records_parquet(source: _Lines, where: str) -> Iterator[tuple[str, Any]]:
-    data = source.read_all()  # a columnar file: read whole
+    data = source.read_all()  # a columnar file: read whole (its hash too)
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise CorpusUnavailableError(
             f"{where}: reading Parquet needs pyarrow: pip install 'dvfs[parquet]'"
         ) from exc
-    try:
-        table = pq.read_table(io.BytesIO(data))
-    except Exception as exc:  # pyarrow raises several types for a damaged file
+
+    def unreadable(exc: Exception) -> CorpusError:
         detail = " ".join(str(exc).split())
-        raise CorpusError(f"{where}: not a readable Parquet file ({detail})") from exc
-    for i, row in enumerate(table.to_pylist(), start=1):
-        yield f"{where}, row {i}", row
+        return CorpusError(f"{where}: not a readable Parquet file ({detail})")
+
+    try:
+        batches = pq.ParquetFile(io.BytesIO(data)).iter_batches(batch_size=_PARQUET_ROWS)
+    except Exception as exc:  # pyarrow raises several types for a damaged file
+        raise unreadable(exc) from exc
+    i = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # a damaged row group
+            raise unreadable(exc) from exc
+        if batch is None:
+            return
+        for row in batch.to_pylist():
+            i += 1
+            yield f"{where}, row {i}", row
 
 
 READERS = {"jsonl": _records_jsonl, "csv": _records_csv, "parquet": _records_parquet}
@@ -604,6 +740,14 @@ def _prompt(
         messages: tuple[Message, ...] = (Message("user", value),)
     else:
         messages = chat_messages(value, where, key)
+    chars = sum(len(m.content) for m in messages)
+    if chars > MAX_PROMPT_BYTES:  # a JSON array's, a Parquet file's: no line bounded it
+        raise CorpusError(
+            f"{where}: a prompt of {chars:,} characters, over dvfs's limit of "
+            f"{_bound()} of text (some 4 million tokens, past any "
+            "model's context): cut it to the campaign's workload.input_tokens (longer prompts "
+            "are trimmed to it)"
+        )
     ident = str(record.get("id") or record.get("task_id") or f"{name}-{index:05d}")
     _refuse_lone_surrogate(ident, where, "its id")
     try:
@@ -744,9 +888,8 @@ def _prompts(
     """The prompts of `records`, up to the table's `limit`."""
     limit = spec.get("limit")
     prompts = []
-    for index, (at, record) in enumerate(records):
-        if limit is not None and index >= limit:
-            break
+    # No record past the limit is read as one (a line past it too long to read is no refusal)
+    for index, (at, record) in enumerate(itertools.islice(records, limit)):
         prompts.append(_prompt(record, spec, at, index, name, count_tokens))
     return prompts
 
