@@ -2307,3 +2307,32 @@ def test_a_reset_advised_for_a_relative_state_folder_names_it_from_anywhere(
     monkeypatch.delenv("DVFS_STATE_DIR", raising=False)
     advice = safety.reset_command(Path("state"))
     assert advice == f"`dvfs gpu reset --state-dir {shlex.quote(str(tmp_path / 'state'))}`"
+
+
+def test_a_restore_puts_every_gpu_back_past_state_files_it_cannot_remove(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither state file can be removed (the folder remounted read-only): both GPUs are put
+    back still, the error is raised once, after, and both files stay for `dvfs gpu reset`."""
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    tried: list[str] = []
+
+    def read_only(self: StateStore, uuid: str) -> None:
+        tried.append(uuid)
+        raise PermissionError(13, "Read-only file system", str(self.path(uuid)))
+
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+        with (
+            pytest.raises(PermissionError),
+            KnobController(gpus, change_log=store) as knobs,
+        ):
+            knobs.apply(KnobSetting(1500, 400))
+            monkeypatch.setattr(StateStore, "clear", read_only)
+        uuids = [g.identity.uuid for g in gpus]
+        assert tried == uuids
+        assert sorted(store.left_by_this_process()) == sorted(uuids)
+    for index in (0, 1):
+        assert nvml.fake_device_state(index)["locked_clocks"] is None
