@@ -222,3 +222,45 @@ def test_a_signal_landing_as_a_call_overruns_its_deadline_still_marks_it(
     assert caught.value.hung == "hung"
     assert ran == []
     gate.set()
+
+
+def test_an_interrupted_call_queued_behind_another_threads_slow_call_lets_the_restore_run(
+    sigint_raises,
+) -> None:
+    """A sampler thread's slow read in the driver, the main thread's call queued behind it
+    and interrupted there (never started): once the read returns, the queued call runs, then
+    the restore, in that order, none failing."""
+    worker = CallWorker("t")
+    gate, in_driver = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def slow_read() -> str:
+        in_driver.set()
+        gate.wait()
+        order.append("read")
+        return "read"
+
+    sampler = threading.Thread(target=lambda: worker.call(slow_read, (), FAR), daemon=True)
+    sampler.start()
+    in_driver.wait()
+
+    def queued_setter() -> str:
+        order.append("setter")
+        return "set"
+
+    with pytest.MonkeyPatch.context() as mp:
+        original = deadline.lock_left_unheld_is_the_interruption
+
+        def interrupting():  # type: ignore[no-untyped-def]
+            _interrupt_main()  # (the call is queued: it lands as its wait begins)
+            return original()
+
+        mp.setattr(deadline, "lock_left_unheld_is_the_interruption", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            worker.call(queued_setter, (), FAR)
+    opener = threading.Thread(target=gate.set, daemon=True)
+    opener.start()
+    assert worker.call(lambda: order.append("restore") or "restored", (), FAR) == "restored"
+    opener.join()
+    sampler.join()
+    assert order == ["read", "setter", "restore"]
