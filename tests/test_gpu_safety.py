@@ -2307,3 +2307,76 @@ def test_a_reset_advised_for_a_relative_state_folder_names_it_from_anywhere(
     monkeypatch.delenv("DVFS_STATE_DIR", raising=False)
     advice = safety.reset_command(Path("state"))
     assert advice == f"`dvfs gpu reset --state-dir {shlex.quote(str(tmp_path / 'state'))}`"
+
+
+def test_a_restore_puts_every_gpu_back_past_state_files_it_cannot_remove(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither state file can be removed (the folder remounted read-only): both GPUs are put
+    back still, the error is raised once, after, and both files stay for `dvfs gpu reset`."""
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    tried: list[str] = []
+
+    def read_only(self: StateStore, uuid: str) -> None:
+        tried.append(uuid)
+        raise PermissionError(13, "Read-only file system", str(self.path(uuid)))
+
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+        with (
+            pytest.raises(PermissionError),
+            KnobController(gpus, change_log=store) as knobs,
+        ):
+            knobs.apply(KnobSetting(1500, 400))
+            monkeypatch.setattr(StateStore, "clear", read_only)
+        uuids = [g.identity.uuid for g in gpus]
+        assert tried == uuids
+        assert sorted(store.left_by_this_process()) == sorted(uuids)
+    for index in (0, 1):
+        assert nvml.fake_device_state(index)["locked_clocks"] is None
+
+
+def test_a_sigterm_during_a_slow_read_restores_once_the_read_returns(
+    nvml, hang, tmp_path: Path, dispositions
+) -> None:
+    """A sweep's SIGTERM lands while a read is in the driver, slow but within its deadline:
+    the controller's restore waits for the read, then puts the GPU back (never failing "at
+    once" as after a hung call), the state file removed, and the signal still ends the run."""
+    import threading
+
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+    from dvfs.signals import Interrupted
+
+    store = StateStore(tmp_path / "dvfs-state")
+    main = threading.main_thread().ident or 0
+    restored = threading.Event()
+
+    def sigterm_then_let_go() -> None:
+        wait_for(nvml.fake_hangs_started, "the read is stuck in NVML")
+        signal.pthread_kill(main, signal.SIGTERM)
+        os.environ.pop("DVFS_FAKE_NVML_HANG", None)
+        while not restored.is_set():  # (a release just before the read waits is lost)
+            nvml.fake_release_hangs()
+            time.sleep(0.05)
+
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=3600) as (gpu,):
+        helper = threading.Thread(target=sigterm_then_let_go, daemon=True)
+        try:
+            with (
+                pytest.raises(Interrupted),
+                KnobController([gpu], change_log=store) as knobs,
+            ):
+                knobs.apply(KnobSetting(1500, 400))
+                hang("nvmlDeviceGetTotalEnergyConsumption")
+                helper.start()
+                gpu.energy_mj()
+        finally:
+            restored.set()
+            if helper.is_alive():
+                helper.join()
+        assert not store.pending(gpu.identity.uuid)
+    assert [c["ok"] for c in nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")] == [True]
+    assert_as_found(nvml, tmp_path / "dvfs-state")

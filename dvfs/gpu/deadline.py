@@ -132,6 +132,11 @@ class CallWorker:
                 queued = True
             with lock_left_unheld_is_the_interruption():  # a Ctrl-C as the wait wakes
                 finished = job.done.wait(deadline_s)
+            if not finished:  # (in the `try`: a signal landing as it is marked marks it too)
+                with self._lock:
+                    if not job.done.is_set():
+                        self._hung = job
+                        raise DeadlineExceeded(name, deadline_s, None, 0.0)
         except BaseException:
             # A signal's exception, the restore next, and the call still in the driver: left
             # as it was, the restore queued behind it and waited a deadline of its own (with
@@ -141,11 +146,6 @@ class CallWorker:
                     if not job.done.is_set():
                         self._hung = job
             raise
-        if not finished:
-            with self._lock:
-                if not job.done.is_set():
-                    self._hung = job
-                    raise DeadlineExceeded(name, deadline_s, None, 0.0)
         if job.error is not None:
             raise job.error
         return job.result
