@@ -756,7 +756,9 @@ def test_a_server_gpu_that_did_not_open_leaves_the_servers_energy_per_token_unkn
     figure stays, and a server that runs on GPU 1 alone keeps its own."""
     nvml.fake_update_device(0, lost=True)
     nvml.fake_set_load(1, 0.5)
-    args = ("monitor", "--once", "--interval", "0.1")
+    # Each read of the page must come within the interval (at least 0.5 s): 2 s, so that a
+    # loaded machine's slow answer from the page's thread is not a page not read (NaN).
+    args = ("monitor", "--once", "--interval", "2")
     with GeneratingMetrics().serving() as url:
         both = dvfs_in_process(*args, "--url", url, "--gpu", "0", "--gpu", "1", env=env)
         alone = dvfs_in_process(*args, "--url", url, "--gpu", "1", env=env)
