@@ -19,13 +19,30 @@ from dvfs.gpu.deadline import CallWorker, DeadlineExceeded
 FAR = 3600.0  # a deadline no test reaches on the wall clock
 
 
+#: Set by `_interrupt_main` until its SIGINT has raised in the main thread (`_raise_armed`);
+#: `_SENDING` held while one is sent, and by the fixture as it puts the handler back.
+_ARMED, _RAISED = threading.Event(), threading.Event()
+_SENDING = threading.Lock()
+
+
+def _raise_armed(signum: int, frame: object) -> None:
+    """KeyboardInterrupt once for each `_interrupt_main`; a SIGINT sent again after it is
+    ignored."""
+    if _ARMED.is_set():
+        _ARMED.clear()
+        _RAISED.set()
+        raise KeyboardInterrupt
+
+
 @pytest.fixture
 def sigint_raises() -> Iterator[None]:
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, _raise_armed)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        with _SENDING:  # no SIGINT of a thread still sending reaches the handler put back
+            _ARMED.clear()
+            signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture
@@ -41,7 +58,18 @@ def later(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def _interrupt_main() -> None:
-    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+    """SIGINT to the main thread until it has raised there: a signal landing just before the
+    main thread's wait blocks wakes no wait (the handler runs only once the wait ends, here
+    an hour on), so it is sent again (ignored once one has raised)."""
+    _RAISED.clear()
+    _ARMED.set()
+    while True:
+        with _SENDING:
+            if not _ARMED.is_set():  # raised, or the test is over
+                return
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        if _RAISED.wait(0.2):
+            return
 
 
 class Stuck:
