@@ -44,16 +44,12 @@ def edit_record(uuid: str, **fields: object) -> None:
     record_path().write_text(json.dumps(entries, indent=2))
 
 
-def test_an_earlier_cap_an_older_dvfs_left_beside_another_cap_is_not_taken_for_dvfs(
+def _stopped_changing_500_to_450_w(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A signal ending `cap apply`'s change from dvfs's 500 W to 450 W records 500 W as dvfs's
-    earlier cap (`power_limit_earlier_mw`). An older dvfs, which does not know the field,
-    then capped the GPU at 400 W and carried it along unchanged; the operator set 500 W of
-    their own since. `cap reset --applied` took that 500 W for dvfs's earlier cap and put
-    back the 600 W dvfs's first cap replaced over the operator's limit. The earlier cap is
-    bound to the cap it was recorded beside: beside another, it is stale, and the reset
-    leaves the limit as it is, failing in one line that says what to do."""
+) -> tuple[str, Path]:
+    """GPU 0 (the operator's 600 W before dvfs) capped at 500 W by `cap apply`, then a SIGTERM
+    inside the change to 450 W (the record keeps 500 W as dvfs's earlier cap): its UUID and
+    the caps file (450 W)."""
     import signal
 
     uuid = nvml.fake_device_state(0)["uuid"]
@@ -70,6 +66,20 @@ def test_an_earlier_cap_an_older_dvfs_left_beside_another_cap_is_not_taken_for_d
     monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", stopped)
     assert CliRunner().invoke(cli, ["cap", "apply", str(caps)]).exit_code == 143
     monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", real)
+    return uuid, caps
+
+
+def test_an_earlier_cap_an_older_dvfs_left_beside_another_cap_is_not_taken_for_dvfs(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal ending `cap apply`'s change from dvfs's 500 W to 450 W records 500 W as dvfs's
+    earlier cap (`power_limit_earlier_mw`). An older dvfs, which does not know the field,
+    then capped the GPU at 400 W and carried it along unchanged; the operator set 500 W of
+    their own since. `cap reset --applied` took that 500 W for dvfs's earlier cap and put
+    back the 600 W dvfs's first cap replaced over the operator's limit. The earlier cap is
+    bound to the cap it was recorded beside: beside another, it is stale, and the reset
+    leaves the limit as it is, failing in one line that says what to do."""
+    uuid, caps = _stopped_changing_500_to_450_w(nvml, tmp_path, monkeypatch)
     assert json.loads(record_path().read_text())[uuid]["power_limit_earlier_mw"] == 500_000
     # an older dvfs's `cap apply` of 400 W: {**entry, power_limit_mw: 400000}, the rest kept
     nvml.fake_update_device(0, power_limit_mw=400_000)
@@ -202,22 +212,7 @@ def test_an_earlier_cap_a_dvfs_before_earlier_for_recorded_is_honoured_after_an_
     refused the GPU still at dvfs's 500 W (exit 1), where that dvfs put back the operator's
     600 W (and recorded it as what the next cap replaced). It is taken as written beside the
     cap the entry lists, as that dvfs took it."""
-    import signal
-
-    uuid = nvml.fake_device_state(0)["uuid"]
-    nvml.fake_update_device(0, power_limit_mw=600_000)  # the operator's, before dvfs
-    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=500.0))
-    invoke("cap", "apply", str(caps))
-    write_caps(caps, GpuCap(uuid=uuid, power_limit_w=450.0))
-
-    def stopped(handle: object, limit_mw: int) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    real = nvml.nvmlDeviceSetPowerManagementLimit
-    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0")
-    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", stopped)
-    assert CliRunner().invoke(cli, ["cap", "apply", str(caps)]).exit_code == 143
-    monkeypatch.setattr(nvml, "nvmlDeviceSetPowerManagementLimit", real)
+    uuid, caps = _stopped_changing_500_to_450_w(nvml, tmp_path, monkeypatch)
     # the entry as that dvfs wrote it: the earlier cap beside the 450 W, no key saying so
     entries = json.loads(record_path().read_text())
     assert entries[uuid].pop("power_limit_earlier_for_mw") == 450_000
