@@ -98,16 +98,14 @@ def test_an_earlier_cap_an_older_dvfs_left_beside_another_cap_is_not_taken_for_d
     assert not record_path().exists()
 
 
-def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_path: Path) -> None:
-    """The next `cap apply` took the operator's 500 W for dvfs's stale earlier cap too, and
-    recorded the 600 W dvfs's first cap replaced as the limit its cap replaced, for `cap
-    reset --applied` to put back over the operator's. Whose it is cannot be told: the apply
-    is refused in one line, nothing capped, until the operator sets the limit they want."""
+def _holding_a_stale_earlier_cap(nvml, tmp_path: Path) -> tuple[str, Path]:
+    """GPU 0 (the operator's 600 W before dvfs) capped at 450 W, then an older dvfs carried a
+    newer one's earlier cap (500 W, written beside 450 W) along to its own 400 W cap, and the
+    operator set 500 W since: its UUID and the caps file (450 W)."""
     uuid = nvml.fake_device_state(0)["uuid"]
     nvml.fake_update_device(0, power_limit_mw=600_000)
     caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=450.0))
     invoke("cap", "apply", str(caps))
-    # an older dvfs carried a newer one's earlier cap (written beside 450 W) to its 400 W cap
     edit_record(
         uuid,
         power_limit_mw=400_000,
@@ -115,6 +113,15 @@ def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_p
         power_limit_earlier_for_mw=450_000,
     )
     nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    return uuid, caps
+
+
+def test_a_stale_earlier_cap_is_not_taken_for_dvfs_by_the_next_apply(nvml, tmp_path: Path) -> None:
+    """The next `cap apply` took the operator's 500 W for dvfs's stale earlier cap too, and
+    recorded the 600 W dvfs's first cap replaced as the limit its cap replaced, for `cap
+    reset --applied` to put back over the operator's. Whose it is cannot be told: the apply
+    is refused in one line, nothing capped, until the operator sets the limit they want."""
+    uuid, caps = _holding_a_stale_earlier_cap(nvml, tmp_path)
     write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500, power_limit_w=420.0))
     for dry_run in (["--dry-run"], []):
         said = invoke("cap", "apply", str(caps), *dry_run, code=1)
@@ -134,17 +141,7 @@ def test_a_doubtful_limit_refusal_says_how_to_keep_that_limit(nvml, tmp_path: Pa
     operator whose limit is the doubtful 500 W set it again, and met the same refusal, for
     ever. It says how to keep that limit (the GPU's defaults first, which drop dvfs's record
     of it), and doing so, the next apply and reset take the 500 W for the operator's."""
-    uuid = nvml.fake_device_state(0)["uuid"]
-    nvml.fake_update_device(0, power_limit_mw=600_000)
-    caps = write_caps(tmp_path / "caps.toml", GpuCap(uuid=uuid, power_limit_w=450.0))
-    invoke("cap", "apply", str(caps))
-    edit_record(
-        uuid,
-        power_limit_mw=400_000,
-        power_limit_earlier_mw=500_000,
-        power_limit_earlier_for_mw=450_000,
-    )
-    nvml.fake_update_device(0, power_limit_mw=500_000)  # the operator's since
+    uuid, caps = _holding_a_stale_earlier_cap(nvml, tmp_path)
     invoke("cap", "apply", str(caps), code=1)
     nvml.fake_update_device(0, power_limit_mw=500_000)  # `nvidia-smi -i 0 -pl 500` again
     said = invoke("cap", "apply", str(caps), code=1)
