@@ -2868,6 +2868,28 @@ def test_an_empty_output_path_is_refused(
     assert list(work.iterdir()) == []
 
 
+def _netcdf_output_refused(
+    name: str, out: str, shared: dict[str, Path], tmp_path: Path
+) -> tuple[str, Path]:
+    """Command `name` (OUTPUT_FILES, OUTPUT_FOLDERS) writing its netCDF output to `out` in an
+    empty folder: refused as click's usage error of -o/--out (exit 2); its message on one line,
+    and the folder."""
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    places = {
+        **{k: str(v) for k, v in shared.items()},
+        "campaign": str(tmp_path / "tiny.toml"),
+        "out": str(work / out),
+    }
+    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in argv])
+    assert result.exit_code == 2, result.output
+    error = " ".join(result.stderr.split())
+    assert "Error: Invalid value for '-o' / '--out': cannot write " in error, error
+    return error, work
+
+
 @pytest.mark.parametrize(
     ("name", "out"),
     [
@@ -2886,19 +2908,7 @@ def test_a_netcdf_output_with_a_backslash_is_refused(
     "cannot use a\\b.nc: permission denied" (a roofline after measuring, a sweep after its
     whole campaign), and where a folder `a` was, netCDF wrote `a/b.nc` instead. It is click's
     usage error naming the option and the reason, before any work; nothing is written."""
-    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
-    work = tmp_path / "work"
-    work.mkdir()
-    places = {
-        **{k: str(v) for k, v in shared.items()},
-        "campaign": str(tmp_path / "tiny.toml"),
-        "out": str(work / out),
-    }
-    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
-    result = CliRunner().invoke(cli, [_fill(a, places) for a in argv])
-    assert result.exit_code == 2, result.output
-    error = " ".join(result.stderr.split())
-    assert "Error: Invalid value for '-o' / '--out': cannot write " in error, error
+    error, work = _netcdf_output_refused(name, out, shared, tmp_path)
     assert "netCDF reads a backslash in a path as '/'" in error, error
     assert list(work.iterdir()) == []
 
@@ -2921,19 +2931,7 @@ def test_a_netcdf_output_whose_path_is_not_utf8_is_refused(
     any work; nothing is written. A cube at such a path, given to read, is named so too."""
     import shutil
 
-    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
-    work = tmp_path / "work"
-    work.mkdir()
-    places = {
-        **{k: str(v) for k, v in shared.items()},
-        "campaign": str(tmp_path / "tiny.toml"),
-        "out": str(work / out),
-    }
-    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
-    result = CliRunner().invoke(cli, [_fill(a, places) for a in argv])
-    assert result.exit_code == 2, result.output
-    error = " ".join(result.stderr.split())
-    assert "Error: Invalid value for '-o' / '--out': cannot write " in error, error
+    error, work = _netcdf_output_refused(name, out, shared, tmp_path)
     assert "netCDF takes paths in UTF-8 alone" in error and "choose a path in UTF-8" in error
     assert list(work.iterdir()) == []
     folder = tmp_path / "r\udcffn"
