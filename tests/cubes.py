@@ -103,3 +103,16 @@ def as_twin_sweep(ds: xr.Dataset, *, uuid: str, gpu_name: str, campaign: str) ->
         campaign=json.dumps({"name": campaign, "workload": {"batch": [1]}}),
     )
     return ds
+
+
+def one_usable_stock_repeat_cube() -> xr.Dataset:
+    """Three clocks and three repeats, TPOT 10 ms x 2000 MHz / clock (20, 13.3 and 10 ms:
+    1500 MHz meets a 16 ms target) and energy 0.5 + (clock / 2000)^2 J, only the first repeat
+    at stock (2000 MHz) usable: an answer to `--slo tpot_p50<=16ms` whose saving is unknown."""
+    return make_cube(
+        clocks=[1000, 1500, 2000],
+        repeats=3,
+        latency=lambda c, *_: 10.0 * 2000 / c,
+        energy=lambda c, *_: 0.5 + (c / 2000) ** 2,
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r >= 1),
+    )

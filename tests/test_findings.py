@@ -173,20 +173,14 @@ def test_an_answer_with_no_stock_energy_is_a_saving_unknown_not_none() -> None:
     """With --slo, stock measured in three repeats of which one is usable has no stock energy
     (it needs two), yet 1500 MHz meets the limit: the findings said "0 of 1 ... groups save
     energy" with nothing more, and "No cell at stock was measured", which it was."""
-    from cubes import make_cube
+    from cubes import one_usable_stock_repeat_cube
 
     from dvfs.analysis.headroom import headroom
     from dvfs.analysis.targets import parse_slo
     from dvfs.report.findings import energy_finding, headroom_finding
     from dvfs.report.headroom import headroom_document
 
-    cube = make_cube(
-        clocks=[1000, 1500, 2000],
-        repeats=3,
-        latency=lambda c, *_: 10.0 * 2000 / c,  # 20, 13.3 and 10 ms: 1500 MHz meets 16 ms
-        energy=lambda c, *_: 0.5 + (c / 2000) ** 2,
-        valid=lambda c, p, b, d, k, r: not (c == 2000 and r >= 1),  # one usable stock repeat
-    )
+    cube = one_usable_stock_repeat_cube()
     document = headroom_document(headroom(cube, target=parse_slo("tpot_p50<=16ms")), cube)
     assert document["rows"][0]["feasible"] and document["rows"][0]["saving"] is None
     found = headroom_finding(document, ())

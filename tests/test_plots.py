@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from conftest import SMALL_EXACT, figures_drawn_only, replace_block, unsaved_figure
-from cubes import make_cube
+from cubes import make_cube, one_usable_stock_repeat_cube
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from matplotlib.figure import Figure
@@ -978,13 +978,7 @@ def test_the_headroom_map_names_an_answer_that_has_no_saving() -> None:
     from dvfs.analysis.targets import parse_slo
     from dvfs.report.headroom import headroom_document, headroom_table_rows
 
-    cube = make_cube(
-        clocks=[1000, 1500, 2000],
-        repeats=3,
-        latency=lambda c, *_: 10.0 * 2000 / c,  # 20, 13.3 and 10 ms: 1500 MHz meets 16 ms
-        energy=lambda c, *_: 0.5 + (c / 2000) ** 2,
-        valid=lambda c, p, b, d, k, r: not (c == 2000 and r >= 1),  # one usable stock repeat
-    )
+    cube = one_usable_stock_repeat_cube()
     result = headroom(cube, target=parse_slo("tpot_p50<=16ms"))
     row = headroom_table_rows(headroom_document(result, cube))[1][0]
     assert row[3] == "1500/700" and row[7] == "-", row  # the table: the setting, no saving

@@ -37,7 +37,7 @@ from dvfs.report.html import render_html
 from dvfs.report.markdown import md_escape, render_markdown
 from dvfs.report.model import Code, Document, Facts, Figure, Finding, Paragraph, Section, Table
 from tests.bad_inputs import failing_writes
-from tests.cubes import make_cube
+from tests.cubes import make_cube, one_usable_stock_repeat_cube
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -585,13 +585,7 @@ def test_the_caps_table_recommends_no_cap_whose_saving_is_unknown() -> None:
     that may spend more than stock. It says no cap, why and what to do, as `dvfs cap plan`."""
     from dvfs.analysis.targets import parse_slo
 
-    cube = make_cube(
-        clocks=[1000, 1500, 2000],
-        repeats=3,
-        latency=lambda c, *_: 10.0 * 2000 / c,  # 20, 13.3 and 10 ms: 1500 MHz meets 16 ms
-        energy=lambda c, *_: 0.5 + (c / 2000) ** 2,
-        valid=lambda c, p, b, d, k, r: not (c == 2000 and r >= 1),  # one usable stock repeat
-    )
+    cube = one_usable_stock_repeat_cube()
     cube.attrs["gpu_uuids"] = "GPU-1234"
     options = ReportOptions(parse_slo("tpot_p50<=16ms"))
     caps = build_document(cube, options, [], generated="now").sections[-1].blocks[1]
