@@ -431,14 +431,9 @@ def test_acceptance_keeps_the_row_of_a_drafter_that_failed_everywhere() -> None:
     assert [t.get_text() for t in ax.texts] == ["3.00", "3.00", "-", "-"]
 
 
-def test_acceptance_has_no_row_for_none_whether_measured_or_failed() -> None:
-    """none speculates not, so the acceptance map has no row of it when it is measured; when
-    every none cell failed (its server never came up) the map grew a row "none" of "-" beside
-    the drafters that speculate, as if none had an accept length to measure. A drafter its
-    campaign runs without speculation has no row either way; a failed speculative drafter
-    keeps its row."""
-    from dvfs.plots import draw_acceptance
-
+def _with_dflash_as_eagle3() -> xr.Dataset:
+    """A one-batch cube (code, math) of none and eagle3, and dflash measured as eagle3, its
+    campaign naming each drafter's algorithm."""
     cube = small_cube([1], corpora=("code", "math"))
     cube = xr.concat(
         [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
@@ -452,6 +447,18 @@ def test_acceptance_has_no_row_for_none_whether_measured_or_failed() -> None:
             ]
         }
     )
+    return cube
+
+
+def test_acceptance_has_no_row_for_none_whether_measured_or_failed() -> None:
+    """none speculates not, so the acceptance map has no row of it when it is measured; when
+    every none cell failed (its server never came up) the map grew a row "none" of "-" beside
+    the drafters that speculate, as if none had an accept length to measure. A drafter its
+    campaign runs without speculation has no row either way; a failed speculative drafter
+    keeps its row."""
+    from dvfs.plots import draw_acceptance
+
+    cube = _with_dflash_as_eagle3()
     failed = cube["drafter"].isin(["none", "dflash"])
     for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms", "accept_length"):
         cube[name] = cube[name].where(~failed)
@@ -468,19 +475,7 @@ def test_acceptance_keeps_the_row_of_a_drafter_whose_cells_record_no_accept_leng
     map, as if never asked for. It keeps a row of "-", as `dvfs compare`'s table does."""
     from dvfs.plots import draw_acceptance
 
-    cube = small_cube([1], corpora=("code", "math"))
-    cube = xr.concat(
-        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
-    )
-    cube.attrs["campaign"] = json.dumps(
-        {
-            "drafters": [
-                {"name": "none", "algorithm": None},
-                {"name": "eagle3", "algorithm": "EAGLE3"},
-                {"name": "dflash", "algorithm": "DFLASH"},
-            ]
-        }
-    )
+    cube = _with_dflash_as_eagle3()
     cube["accept_length"] = cube["accept_length"].where(cube["drafter"] != "dflash")
     ax = draw_acceptance(cube).axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["eagle3", "dflash"]
