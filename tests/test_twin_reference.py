@@ -201,3 +201,41 @@ def test_a_speculative_iteration_keeps_its_physical_bounds(
         assert np.all((timing.power_w <= limit_w * (1 + 1e-12)) | floor)
         seconds.append(timing.total_s)
     assert seconds[1] <= seconds[0] * (1 + 1e-12)
+
+
+def capped_round_s(key: str, clock_mhz: int, limit_w: float) -> float:
+    """The third of three like rounds (n-gram drafting, batch 64, code) on a twin GPU with its
+    traps on, locked at `clock_mhz` under `limit_w`, idle for 5 s first: its seconds. Each
+    clock on a fresh GPU, so the rounds differ only in the clock."""
+    clock = VirtualClock()
+    device = TwinDevice(gpu_profile(key), clock, 0)
+    device.locked_mhz = (clock_mhz, clock_mhz)
+    device.power_limit_w = limit_w
+    engine = TwinEngine(TwinNode([device]), LLAMA8B)
+    engine.start(DrafterSpec("ngram", "NGRAM", None, None, None, 12))
+    clock.sleep(5.0)
+    prompts = sample_prompts(load_corpus("code"), 64, input_tokens=(16, 2048), seed=5)
+    for _ in range(3):
+        result = engine.run(Workload(64, prompts, "code", 256, 0.0, True, "fixed", seed=5))
+    return (result.ended_ns - result.started_ns) / 1e9
+
+
+@pytest.mark.parametrize("key", ["h100-sxm", "h200-sxm"])
+def test_a_higher_locked_clock_never_slows_a_capped_round_on_a_warming_die(key: str) -> None:
+    """Under a binding cap, the die's leakage above its idle temperature counts against the
+    limit (`TwinDevice.effective_power_limit_w`). It was counted in 5 W steps: on an H100 the
+    third round at 1755 MHz started 0.02 C warmer than at 1740 MHz (39.50 against 39.48 C),
+    crossed a step, ran under 245 W instead of 250 W, and took 1.2% longer (5.045 s against
+    4.983 s), as did every clock above; a real limiter counts the 0.01 W that 0.02 C leaks.
+    Counted exactly, a higher clock may still cost a capped round a few parts in 100,000 (its
+    idle gaps draw more, the die runs warmer and leaks more: 4e-5 a 15 MHz step on the H200),
+    never a step of the limit."""
+    clocks = sorted(gpu_profile(key).supported_sm_clocks_mhz())
+    grid = [c for c in clocks if c >= 1500]
+    seconds = [capped_round_s(key, c, 250.0) for c in grid]
+    slower = [
+        (grid[i], grid[i + 1], seconds[i + 1] / seconds[i] - 1)
+        for i in range(len(grid) - 1)
+        if seconds[i + 1] > seconds[i] * (1 + 1e-3)
+    ]
+    assert slower == []

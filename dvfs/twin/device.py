@@ -25,10 +25,6 @@ from dvfs.twin.profiles import GpuProfile
 from dvfs.twin.scalars import zero_d
 from dvfs.twin.timeline import Readings, Timeline, Transition, Work, sensor_of, thermal_of
 
-#: A hot die's extra leakage is taken off the power limit the cap search sees in steps of
-#: this many watts (the GPU's own limiter counts leakage; steps keep the searches reusable).
-LEAKAGE_LIMIT_STEP_W = 5.0
-
 #: A nanosecond in seconds, as a 0-d array (`dvfs.twin.scalars`)
 (_NS_S,) = zero_d(1e-9)
 
@@ -114,14 +110,16 @@ class TwinDevice:
 
     def effective_power_limit_w(self, limit_w: float | None = None) -> float:
         """The limit left for the power model's draw: leakage above the reference temperature
-        (the die now) counts against it, in steps of `LEAKAGE_LIMIT_STEP_W`."""
+        (the die now) counts against it, as the GPU's own limiter counts it: exactly (it was
+        counted in 5 W steps, so a die 0.02 C warmer could lose 5 W of limit and a higher
+        locked clock run a capped round 1.2% slower)."""
         limit = self._power_limit_w if limit_w is None else limit_w
         k = self._thermal.leakage_w_per_c
         if k == 0.0:
             return limit
         temp, _ = self._timeline.state_at(self.clock.now_ns())
         extra = k * (temp - self._thermal.reference_c)
-        return limit - LEAKAGE_LIMIT_STEP_W * round(extra / LEAKAGE_LIMIT_STEP_W)
+        return limit - extra
 
     def _change_knobs(self, locked: tuple[int, int] | None, limit_w: float) -> None:
         now = self.clock.now_ns()
