@@ -534,6 +534,30 @@ def test_the_headroom_map_names_a_power_limit_as_the_table_does() -> None:
         assert texts == [f"20%\n1980 MHz\n{limit:g} W"], texts
 
 
+def test_the_headroom_maps_key_names_only_what_a_cell_shows() -> None:
+    """The key listed "power limit capped below 700 W" and "no answer" on every map, where no
+    cell was outlined or grey too: a reader looks for the cap the key promises."""
+    from dvfs.analysis.targets import Target, parse_slo
+    from dvfs.plots import draw_headroom
+
+    def key(cap_saves: bool, target: Target) -> list[str]:
+        cube = make_cube(
+            clocks=[1005, 1980],
+            limits=[400.0, 700.0],
+            energy=lambda c, p, *_: 0.8 if cap_saves and p == 400.0 else 1.0,
+            latency=lambda c, *_: 10.0 if c == 1980 else 30.0,  # 1005 MHz is too slow
+        )
+        fig = draw_headroom(headroom(cube, target=target))
+        return [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+
+    preserve = Target("preserve", slack=0.05)
+    assert key(cap_saves=True, target=preserve) == ["power limit capped below 700 W"]
+    assert key(cap_saves=False, target=preserve) == []  # stock chosen: nothing outlined
+    assert key(cap_saves=False, target=parse_slo("tpot_p50<=1ms")) == [
+        "no answer (the cell says why)"
+    ]
+
+
 def test_the_chosen_star_sits_on_the_point_drawn_for_its_setting() -> None:
     """Stock's third repeat flagged (its other two still the reference): headroom's chosen
     energy is over the two repeats paired with it, the point drawn for 1500 MHz over all three

@@ -120,7 +120,8 @@ def _colorbar_and_key(
     else:
         cax = box.inset_axes((0.0, 0.8, 0.9, 0.1))
         fig.colorbar(image, cax=cax, orientation="horizontal", label=label)
-    box.legend(handles=key, loc="upper left", bbox_to_anchor=(0.0, 0.45), frameon=False)
+    if key:
+        box.legend(handles=key, loc="upper left", bbox_to_anchor=(0.0, 0.45), frameon=False)
 
 
 def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
@@ -250,10 +251,12 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
     norm = shared_norm([saving])
     cmap = _cmap("Greens")
-    key = [
-        Patch(label=f"power limit capped below {stock_limit:g} W", **CAP_OUTLINE),
-        Patch(facecolor=MISSING_COLOR, label="no answer (the cell says why)"),
-    ]
+    # the key names only what some cell shows: an outline no cell has read as a finding
+    key: list[Any] = []
+    if capped.any():
+        key.append(Patch(label=f"power limit capped below {stock_limit:g} W", **CAP_OUTLINE))
+    if not answered.all():
+        key.append(Patch(facecolor=MISSING_COLOR, label="no answer (the cell says why)"))
     if unknown.any():
         no_saving = f"{UNKNOWN_SAVING}: an answer, but no energy at {versus} to save against"
         key.append(Patch(label=no_saving, **UNKNOWN_CELL))
@@ -270,8 +273,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     # the side column (no free slot) holds the colour bar and the key: as wide as its widest
     # line, from 0.15 in into the column ("x% in noise: ..." ran past the figure's edge)
     widest = max(
-        *(text_width_in(str(p.get_label()), 9) + 0.5 for p in key),
-        text_width_in(f"{bar_label}:", 10),
+        [text_width_in(str(p.get_label()), 9) + 0.5 for p in key]
+        + [text_width_in(f"{bar_label}:", 10)]
     )
     side = 0.0 if len(corpora) < rows * cols else max(3.2, widest + 0.3)
     # a search that kept one knob at stock says so: the answers are that search's
