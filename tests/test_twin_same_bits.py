@@ -36,7 +36,13 @@ def reference_time_passes(gpu, passes: physics.Passes, sm_clock_mhz) -> physics.
         f = clocks
         bandwidth, scale = physics.bandwidth_bytes_s(gpu, f), physics.dynamic_scale(gpu, f)
     useful_s = passes.flops / gpu.peak_flops(f)
-    compute_s = useful_s * (gpu.gemm_efficiency / physics.gemm_efficiency(gpu, passes.tokens))
+    stretch = gpu.gemm_efficiency / physics.gemm_efficiency(gpu, passes.tokens)
+    # the weight GEMMs' FLOPs are stretched by their tile and wave quantisation, the attention's not
+    attention = passes.attention_flops
+    gemm_share = ((passes.flops - attention) * stretch + attention) / np.maximum(
+        passes.flops, 1e-300
+    )
+    compute_s = useful_s * np.where(attention > 0, gemm_share, stretch)
     slow = passes.verify_kv_bytes * (1.0 / gpu.verify_attention_efficiency - 1.0)
     memory_s = (passes.bytes + slow) / bandwidth
     p = physics.ROOFLINE_BLEND

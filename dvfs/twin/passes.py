@@ -78,7 +78,11 @@ class PassBuilder:
         )
         launched = np.full(len(flops), launches)
         m = np.asarray(tokens, dtype=float)
-        self.parts.append(Passes(flops, bytes_, layers, comm, calls, launched, m))
+        attention = np.asarray(attn_flops, dtype=float) / self.tp
+        zeros = np.zeros(len(flops))
+        self.parts.append(
+            Passes(flops, bytes_, layers, comm, calls, launched, m, zeros, zeros, zeros, attention)
+        )
 
     def add_host(self, count: int) -> None:
         """Host-only steps (n-gram lookup): pure per-pass overhead, no GPU work."""
@@ -128,13 +132,14 @@ def decode_passes(
     speculative = plan is not None and k > 1
     # Columns of an (iterations x passes) block per field: drafts, verify, draft-extend.
     # Fields: FLOPs, bytes, layers, comm bytes, comm calls, tokens, verify-attention KV
-    # bytes, requests and tokens of the host's speculative bookkeeping.
+    # bytes, requests and tokens of the host's speculative bookkeeping, attention FLOPs.
     verify_fields = (
         *verify,
         verify_tokens,
         ctx_kv_bytes / builder.tp if speculative else zeros,
         active if speculative else zeros,
         verify_tokens if speculative else zeros,
+        verify_attn / builder.tp,
     )
     blocks: list[tuple[np.ndarray, ...]] = []
     tail: tuple[np.ndarray, ...] = ()
@@ -152,16 +157,17 @@ def decode_passes(
             attn_tokens = [*tokens[:-1], emitted]
             writes = [*tokens[:-1], emitted]
         per_token = draft.attention_flops_per_token(mean_ctx)
+        draft_attn = np.stack([per_token * t for t in attn_tokens], axis=1)
         counted = count_passes(
             draft,
             builder.tp,
             np.stack(tokens, axis=1),
             (draft.kv_bytes_read(mean_ctx) * active)[:, None],
-            np.stack([per_token * t for t in attn_tokens], axis=1),
+            draft_attn,
             np.stack(writes, axis=1),
         )
         none = np.zeros((n_iter, len(tokens)))
-        drafts = (*counted, np.stack(tokens, axis=1), none, none, none)
+        drafts = (*counted, np.stack(tokens, axis=1), none, none, none, draft_attn / builder.tp)
         if plan.family == "dflash":
             blocks.append(tuple(drafts))
         else:
@@ -179,7 +185,7 @@ def decode_passes(
         launches[:, : verify_column(plan, width)] = 0.0
         launches[:, 0] = DRAFT_LAUNCH_SHARE
         launches[:, verify_column(plan, width) + 1 :] = DRAFT_LAUNCH_SHARE
-    flops, bytes_, layers, comm, calls, m, verify_kv, requests, spec_tokens = (
+    flops, bytes_, layers, comm, calls, m, verify_kv, requests, spec_tokens, attention = (
         field.reshape(-1) for field in fields
     )
     builder.parts.append(
@@ -194,6 +200,7 @@ def decode_passes(
             verify_kv,
             requests,
             spec_tokens,
+            attention,
         )
     )
     return width

@@ -62,12 +62,22 @@ class Passes:
     #: (`GpuProfile.spec_host_per_request_s`, `spec_host_per_token_s`); None: none.
     spec_requests: np.ndarray = None  # type: ignore[assignment]
     spec_tokens: np.ndarray = None  # type: ignore[assignment]
+    #: FLOPs (of `flops`) of the attention's scores and values: not the weight GEMMs, whose
+    #: tile and wave quantisation at `tokens` rows (`gemm_efficiency`) does not stretch them;
+    #: None: none (every FLOP a weight GEMM's).
+    attention_flops: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n = len(self.flops)
         if self.launches is None:
             object.__setattr__(self, "launches", np.ones(n))
-        for name in ("tokens", "verify_kv_bytes", "spec_requests", "spec_tokens"):
+        for name in (
+            "tokens",
+            "verify_kv_bytes",
+            "spec_requests",
+            "spec_tokens",
+            "attention_flops",
+        ):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(n))
         for name in Passes.__dataclass_fields__:
@@ -283,7 +293,8 @@ class _PassTerms:
     """What `time_passes` derives from a pass sequence whatever the clock, elementwise."""
 
     #: gemm_efficiency (large M) / gemm_efficiency at the passes' tokens: the tile and wave
-    #: quantisation's stretch of the compute time
+    #: quantisation's stretch of the compute time (of its weight GEMMs' share: the attention's
+    #: FLOPs are not stretched)
     stretch: np.ndarray
     #: the bytes, a verify pass's KV-cache reads counted at the custom-mask kernel's cost
     memory_bytes: np.ndarray
@@ -314,8 +325,19 @@ def _pass_terms(gpu: GpuProfile, passes: Passes) -> _PassTerms:
     known = passes.__dict__.get(_CONSTANTS)
     if known is not None and known[0] is gpu:
         return known[1]
+    stretch = gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens)
+    attention = passes.attention_flops
+    if np.any(attention > 0):
+        # Only the weight GEMMs' FLOPs are padded to whole tiles and waves of M = tokens rows;
+        # the attention's are the pass's own whatever its M (stretched too, a prompt's attention
+        # weighed by the M of the chunk it ended in: a prompt one token longer, whose last
+        # chunk's M rose from 6 to 13, prefilled 34% faster).
+        gemm = passes.flops - attention
+        stretch = np.where(
+            attention > 0, (gemm * stretch + attention) / np.maximum(passes.flops, 1e-300), stretch
+        )
     terms = _PassTerms(
-        stretch=gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens),
+        stretch=stretch,
         # A verify pass's attention reads the KV cache through a custom-mask (tree) kernel at
         # a fraction of the bandwidth plain decode attention reaches: its bytes take longer.
         memory_bytes=passes.bytes

@@ -55,6 +55,9 @@ DRAFTERS_CHANGED_SINCE_REFERENCE = {
     "dflash": "its Romansh acceptance corrected to the romansh rule (3.30 -> 2.85, 737e4be); its "
     "cells share one simulated timeline, so those of every corpus move",
 }
+ATTENTION_FIX = (
+    "the weight GEMMs' tile and wave quantisation no longer stretches a pass's attention FLOPs"
+)
 #: Physics fixes made after the reference, applied to its extracted copy (path, the text the
 #: reference has, the fixed text), so that its cube stays the one the working tree must give.
 REFERENCE_PHYSICS_FIXES = (
@@ -63,6 +66,69 @@ REFERENCE_PHYSICS_FIXES = (
         "return limit - LEAKAGE_LIMIT_STEP_W * round(extra / LEAKAGE_LIMIT_STEP_W)",
         "return limit - extra",
         "a warm die's leakage counts against the power limit exactly, not in 5 W steps",
+    ),
+    # A pass's attention FLOPs (a new Passes field, set where passes are counted) are not
+    # stretched by the weight GEMMs' tile and wave quantisation: the same numbers as the
+    # working tree's `_pass_terms`.
+    (
+        "dvfs/twin/physics.py",
+        "    spec_tokens: np.ndarray = None  # type: ignore[assignment]\n",
+        "    spec_tokens: np.ndarray = None  # type: ignore[assignment]\n"
+        "    attention_flops: np.ndarray = None  # type: ignore[assignment]\n",
+        ATTENTION_FIX,
+    ),
+    (
+        "dvfs/twin/physics.py",
+        'for name in ("tokens", "verify_kv_bytes", "spec_requests", "spec_tokens"):',
+        'for name in ("tokens", "verify_kv_bytes", "spec_requests", "spec_tokens",'
+        ' "attention_flops"):',
+        ATTENTION_FIX,
+    ),
+    (
+        "dvfs/twin/physics.py",
+        "    compute_s = useful_s * (gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens))\n",
+        "    gemm_stretch = gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens)\n"
+        "    attn_flops = passes.attention_flops\n"
+        "    gemm_stretch = np.where(attn_flops > 0, ((passes.flops - attn_flops) * gemm_stretch"
+        " + attn_flops) / np.maximum(passes.flops, 1e-300), gemm_stretch)\n"
+        "    compute_s = useful_s * gemm_stretch\n",
+        ATTENTION_FIX,
+    ),
+    (
+        "dvfs/twin/passes.py",
+        "        self.parts.append(Passes(flops, bytes_, layers, comm, calls, launched, m))",
+        "        zeros = np.zeros(len(flops))\n"
+        "        attention = np.asarray(attn_flops, dtype=float) / self.tp\n"
+        "        self.parts.append(Passes(flops, bytes_, layers, comm, calls, launched, m,"
+        " zeros, zeros, zeros, attention))",
+        ATTENTION_FIX,
+    ),
+    (
+        "dvfs/twin/passes.py",
+        "        verify_tokens if speculative else zeros,\n    )",
+        "        verify_tokens if speculative else zeros,\n"
+        "        verify_attn / builder.tp,\n    )",
+        ATTENTION_FIX,
+    ),
+    (
+        "dvfs/twin/passes.py",
+        "        drafts = (*counted, np.stack(tokens, axis=1), none, none, none)",
+        "        drafts = (*counted, np.stack(tokens, axis=1), none, none, none,"
+        " np.stack([per_token * t for t in attn_tokens], axis=1) / builder.tp)",
+        ATTENTION_FIX,
+    ),
+    (
+        "dvfs/twin/passes.py",
+        "    flops, bytes_, layers, comm, calls, m, verify_kv, requests, spec_tokens = (",
+        "    flops, bytes_, layers, comm, calls, m, verify_kv, requests, spec_tokens,"
+        " attention = (",
+        ATTENTION_FIX,
+    ),
+    (
+        "dvfs/twin/passes.py",
+        "            spec_tokens,\n        )\n    )\n    return width",
+        "            spec_tokens,\n            attention,\n        )\n    )\n    return width",
+        ATTENTION_FIX,
     ),
 )
 TARGET_SWEEP_CPU_S = 15.0
