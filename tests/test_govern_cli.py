@@ -953,6 +953,73 @@ def test_sigterm_while_a_governed_gpus_nvml_call_hangs_ends_within_its_deadline(
     assert (state / f"{uuid}.json").exists()  # for that reset
 
 
+def test_a_stop_puts_back_the_gpus_that_answer_while_others_restores_hang(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl stop` of a governor of 8 GPUs whose driver calls hang on GPUs 0-5: the
+    restore went one GPU after another, each hung one costing its deadline (10 s: a minute for
+    six, dvfs-govern.service's TimeoutStopSec), so systemd's SIGKILL came before GPUs 6 and 7
+    were put back, and all eight kept the governor's caps. The GPUs are now put back side by
+    side: GPUs 6 and 7 are back (their state files gone) while the restores of 0-5 are still
+    in the driver (here for an hour: their deadline), and the SIGKILL leaves 0-5 as the state
+    files say, for `dvfs gpu reset` (ExecStopPost) once they answer; a restart is refused."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", ",".join(["h100-sxm"] * 8))
+    nvml.fake_reset_state()
+    hung = {
+        "DVFS_FAKE_NVML_DEVICES": ",".join(["h100-sxm"] * 8),
+        "DVFS_NVML_DEADLINE_S": "3600",  # a hung call outlasts the test
+        "DVFS_FAKE_NVML_HANG": ",".join(
+            f"nvmlDeviceResetGpuLockedClocks@{i}=inf" for i in range(6)
+        ),
+    }
+    gpus = [f"--gpu={i}" for i in range(1, 8)]
+    proc, log = start_governor(tmp_path, {**env, **hung}, stub, *gpus)
+    state = Path(env["DVFS_STATE_DIR"])
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(8)]
+
+    def back(i: int) -> bool:
+        found = nvml.fake_device_state(i)
+        return found["locked_clocks"] is None and found["power_limit_mw"] == 700_000
+
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        assert all(nvml.fake_device_state(i)["locked_clocks"] == [210, 1200] for i in range(8))
+        proc.send_signal(signal.SIGTERM)
+        wait_for(
+            lambda: back(6) and back(7) and len(nvml.fake_hangs_started()) == 6,
+            "GPUs 6 and 7 put back while the restores of GPUs 0-5 hang",
+            log,
+        )
+        wait_for(
+            lambda: not any((state / f"{uuids[i]}.json").exists() for i in (6, 7)),
+            "the state files of GPUs 6 and 7 removed",
+            log,
+        )
+        assert proc.poll() is None, log.read_text()  # GPUs 0-5's restores: still in the driver
+        proc.kill()  # systemd, at TimeoutStopSec
+        proc.wait(timeout=STUCK_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    started = nvml.fake_hangs_started()
+    assert sorted(h["index"] for h in started) == list(range(6))
+    assert {h["fn"] for h in started} == {"nvmlDeviceResetGpuLockedClocks"}
+    # what the fake NVML saw: the resets of GPUs 6 and 7 (those of 0-5 never returned)
+    resets = nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")
+    assert sorted(c["index"] for c in resets) == [6, 7] and all(c["ok"] for c in resets)
+    for i in range(6):  # still capped, as their state files say
+        found = nvml.fake_device_state(i)
+        assert found["locked_clocks"] == [210, 1200] and found["power_limit_mw"] == 400_000
+        assert (state / f"{uuids[i]}.json").exists()
+    assert "Traceback" not in log.read_text()
+    again = dvfs_in_process(
+        *("govern", "--plan", str(tmp_path / "plan.toml"), "--url", stub, "--gpu", "6"),
+        *("--listen", "off", "--max-intervals", "1", "--gpu", "0"),
+        env=env,
+    )
+    assert again.returncode == 3 and "dvfs gpu reset" in again.stderr, again.stderr
+
+
 def test_a_hung_read_stops_the_governor_at_its_deadline_in_one_line(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:
