@@ -953,6 +953,28 @@ def test_sigterm_while_a_governed_gpus_nvml_call_hangs_ends_within_its_deadline(
     assert (state / f"{uuid}.json").exists()  # for that reset
 
 
+def _eight_gpus_whose_resets_hang_on_0_to_5(
+    nvml, monkeypatch: pytest.MonkeyPatch, deadline_s: str
+) -> dict[str, str]:
+    """Eight fake GPUs, where nvmlDeviceResetGpuLockedClocks (the clock's restore) hangs in
+    the driver on GPUs 0-5, each call `deadline_s` at most: the governor's environment."""
+    eight = ",".join(["h100-sxm"] * 8)
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", eight)
+    nvml.fake_reset_state()
+    return {
+        "DVFS_FAKE_NVML_DEVICES": eight,
+        "DVFS_NVML_DEADLINE_S": deadline_s,
+        "DVFS_FAKE_NVML_HANG": ",".join(
+            f"nvmlDeviceResetGpuLockedClocks@{i}=inf" for i in range(6)
+        ),
+    }
+
+
+def _put_back(nvml, index: int) -> bool:
+    found = nvml.fake_device_state(index)
+    return found["locked_clocks"] is None and found["power_limit_mw"] == 700_000
+
+
 def test_a_stop_puts_back_the_gpus_that_answer_while_others_restores_hang(
     tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -963,30 +985,19 @@ def test_a_stop_puts_back_the_gpus_that_answer_while_others_restores_hang(
     side: GPUs 6 and 7 are back (their state files gone) while the restores of 0-5 are still
     in the driver (here for an hour: their deadline), and the SIGKILL leaves 0-5 as the state
     files say, for `dvfs gpu reset` (ExecStopPost) once they answer; a restart is refused."""
-    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", ",".join(["h100-sxm"] * 8))
-    nvml.fake_reset_state()
-    hung = {
-        "DVFS_FAKE_NVML_DEVICES": ",".join(["h100-sxm"] * 8),
-        "DVFS_NVML_DEADLINE_S": "3600",  # a hung call outlasts the test
-        "DVFS_FAKE_NVML_HANG": ",".join(
-            f"nvmlDeviceResetGpuLockedClocks@{i}=inf" for i in range(6)
-        ),
-    }
+    hung = _eight_gpus_whose_resets_hang_on_0_to_5(nvml, monkeypatch, "3600")  # outlasts it
     gpus = [f"--gpu={i}" for i in range(1, 8)]
     proc, log = start_governor(tmp_path, {**env, **hung}, stub, *gpus)
     state = Path(env["DVFS_STATE_DIR"])
     uuids = [nvml.fake_device_state(i)["uuid"] for i in range(8)]
-
-    def back(i: int) -> bool:
-        found = nvml.fake_device_state(i)
-        return found["locked_clocks"] is None and found["power_limit_mw"] == 700_000
-
     try:
         wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
         assert all(nvml.fake_device_state(i)["locked_clocks"] == [210, 1200] for i in range(8))
         proc.send_signal(signal.SIGTERM)
         wait_for(
-            lambda: back(6) and back(7) and len(nvml.fake_hangs_started()) == 6,
+            lambda: (
+                _put_back(nvml, 6) and _put_back(nvml, 7) and len(nvml.fake_hangs_started()) == 6
+            ),
             "GPUs 6 and 7 put back while the restores of GPUs 0-5 hang",
             log,
         )
@@ -1018,6 +1029,44 @@ def test_a_stop_puts_back_the_gpus_that_answer_while_others_restores_hang(
         env=env,
     )
     assert again.returncode == 3 and "dvfs gpu reset" in again.stderr, again.stderr
+
+
+def test_a_stop_whose_restores_hang_on_several_gpus_says_which_and_the_reset_in_one_line(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop whose restores hang on GPUs 0-5 of 8, each to its deadline: the line named each
+    GPU's failure whole (its UUID twice, the driver's advice each time), past the bound of an
+    error line, which cut it off before the GPUs that keep the governor's caps and the `dvfs
+    gpu reset` to run. GPUs failing alike are now named once, and the line ends with both;
+    GPUs 6 and 7 are back, GPUs 0-5's state files kept; exit 1."""
+    # a deadline a healthy call keeps however loaded the machine (the stop waits it out)
+    hung = _eight_gpus_whose_resets_hang_on_0_to_5(nvml, monkeypatch, "5")
+    proc, log = start_governor(
+        tmp_path, {**env, **hung}, stub, *(f"--gpu={i}" for i in range(1, 8))
+    )
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STUCK_S) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [line] = lines(log, "Error:")
+    state = Path(env["DVFS_STATE_DIR"])
+    assert line.startswith("Error: stopped (received SIGTERM); put GPU 6, GPU 7 back as found; ")
+    six = "GPU 0, GPU 1, GPU 2, GPU 3, GPU 4, GPU 5"
+    assert (
+        f"could not restore GPU settings: {six}: nvmlDeviceResetGpuLockedClocks on each did not "
+        "return within 5 s; the driver is not responding" in line
+    ), line
+    assert line.endswith(
+        f"; {six} keep the governor's settings: once they answer again (after a GPU reset or a "
+        f"reboot), `dvfs gpu reset 0 1 2 3 4 5 --state-dir {state}` puts back what the state "
+        "files recorded"
+    ), line
+    assert _put_back(nvml, 6) and _put_back(nvml, 7) and "Traceback" not in log.read_text()
+    kept = {p.name for p in state.glob("GPU-*.json")}
+    assert kept == {f"{nvml.fake_device_state(i)['uuid']}.json" for i in range(6)}
 
 
 def test_a_hung_read_stops_the_governor_at_its_deadline_in_one_line(

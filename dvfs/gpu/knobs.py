@@ -61,6 +61,25 @@ class GatheredFailures:
         self.needs_root |= isinstance(exc, GpuPermissionError)
         self.messages.append(f"{prefix}{exc}{suffix}")
 
+    def add_per_gpu(self, failed: Sequence[tuple[Gpu, GpuError]]) -> None:
+        """Each GPU's failure as "GPU N (UUID): what failed", but GPUs that failed alike (the
+        same call hung on each, its text naming its own GPU) in one: "GPU 0, GPU 1: what failed
+        on each". Eight GPUs' whole texts overran the line's bound (`MAX_MESSAGE_CHARS`), and
+        the end of the line, which GPUs keep what and the reset to run, was cut off."""
+        groups: dict[str, list[tuple[Gpu, GpuError]]] = {}
+        for gpu, exc in failed:
+            name = f"GPU {gpu.identity.index} ({gpu.identity.uuid})"
+            text = str(exc).removeprefix(f"{name}: ").replace(name, "each")
+            groups.setdefault(text, []).append((gpu, exc))
+        for text, alike in groups.items():
+            if len(alike) == 1:
+                gpu, exc = alike[0]
+                self.add(exc, f"GPU {gpu.identity.index} ({gpu.identity.uuid}): ")
+                continue
+            self.needs_root |= any(isinstance(exc, GpuPermissionError) for _, exc in alike)
+            names = ", ".join(f"GPU {gpu.identity.index}" for gpu, _ in alike)
+            self.messages.append(f"{names}: {text}")
+
     def raise_if_any(self, head: str, tail: str = "") -> None:
         """Raise `head` + every message + `tail` as one error, if anything failed."""
         if self.messages:
@@ -276,9 +295,8 @@ class KnobController:
                     except OSError as exc:
                         unremoved.append(exc)
             failures = GatheredFailures()
-            for gpu in changed:  # said in the GPUs' order, whichever failed first
-                for error in failed.get(gpu.identity.uuid, []):
-                    failures.add(error, f"GPU {gpu.identity.index} ({gpu.identity.uuid}): ")
+            # said in the GPUs' order, whichever failed first, GPUs failing alike named once
+            failures.add_per_gpu([(g, e) for g in changed for e in failed.get(g.identity.uuid, [])])
             failures.raise_if_any(
                 "could not restore GPU settings: ",
                 f". {self.reset_advice()}{RETRIES}",
