@@ -1069,6 +1069,65 @@ def test_a_stop_whose_restores_hang_on_several_gpus_says_which_and_the_reset_in_
     assert kept == {f"{nvml.fake_device_state(i)['uuid']}.json" for i in range(6)}
 
 
+def test_gpu_reset_after_a_sigkill_puts_back_the_gpus_that_answer_while_others_hang(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The governor unit's ExecStopPost (`dvfs gpu reset`) after a SIGKILL left eight GPUs'
+    state files, with the driver's calls hanging on GPUs 0-5: it restored one GPU after another,
+    a deadline each (10 s: a minute for six, the unit's stop timeout again), so systemd killed
+    it before GPUs 6 and 7. It now puts them back side by side: GPUs 6 and 7 are back, said,
+    their state files gone, while 0-5's resets are still in the driver (an hour here); 0-5's
+    state files stay for the reset that runs once they answer, which puts them back."""
+    hung = _eight_gpus_whose_resets_hang_on_0_to_5(nvml, monkeypatch, "3600")  # outlasts it
+    proc, log = start_governor(tmp_path, env, stub, *(f"--gpu={i}" for i in range(1, 8)))
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        proc.kill()
+        proc.wait(timeout=STUCK_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = Path(env["DVFS_STATE_DIR"])
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(8)]
+    assert all((state / f"{u}.json").exists() for u in uuids)
+    said = tmp_path / "reset.log"
+    with said.open("wb") as out:
+        reset = subprocess.Popen(
+            [sys.executable, "-m", "dvfs", "gpu", "reset"],
+            env={**env, **hung},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(
+            lambda: (
+                all(_put_back(nvml, i) for i in (6, 7))
+                and not any((state / f"{uuids[i]}.json").exists() for i in (6, 7))
+                and len(lines(said, "restored GPU")) == 2
+            ),
+            "GPUs 6 and 7 put back while the resets of GPUs 0-5 hang",
+            said,
+        )
+        assert reset.poll() is None, said.read_text()  # GPUs 0-5's resets: still in the driver
+        reset.kill()  # systemd, at the stop timeout
+        reset.wait(timeout=STUCK_S)
+    finally:
+        if reset.poll() is None:
+            reset.kill()
+    assert sorted(h["index"] for h in nvml.fake_hangs_started()) == list(range(6))
+    assert {line.split(" (")[0] for line in lines(said, "restored GPU")} == {
+        "restored GPU 6",
+        "restored GPU 7",
+    }
+    for i in range(6):
+        assert nvml.fake_device_state(i)["locked_clocks"] == [210, 1200]
+        assert (state / f"{uuids[i]}.json").exists()
+    # once the driver answers again
+    again = dvfs_in_process("gpu", "reset", env=env)
+    assert again.returncode == 0, again.stderr
+    assert all(_put_back(nvml, i) for i in range(8)) and not list(state.glob("GPU-*.json"))
+
+
 def test_a_hung_read_stops_the_governor_at_its_deadline_in_one_line(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:

@@ -61,11 +61,12 @@ class GatheredFailures:
         self.needs_root |= isinstance(exc, GpuPermissionError)
         self.messages.append(f"{prefix}{exc}{suffix}")
 
-    def add_per_gpu(self, failed: Sequence[tuple[Gpu, GpuError]]) -> None:
-        """Each GPU's failure as "GPU N (UUID): what failed", but GPUs that failed alike (the
-        same call hung on each, its text naming its own GPU) in one: "GPU 0, GPU 1: what failed
-        on each". Eight GPUs' whole texts overran the line's bound (`MAX_MESSAGE_CHARS`), and
-        the end of the line, which GPUs keep what and the reset to run, was cut off."""
+    def add_per_gpu(self, failed: Sequence[tuple[Gpu, GpuError]], *, named: bool = True) -> None:
+        """Each GPU's failure as "GPU N (UUID): what failed" (with `named`; else as it reads),
+        but GPUs that failed alike (the same call hung on each, its text naming its own GPU)
+        in one: "GPU 0, GPU 1: what failed on each". Eight GPUs' whole texts overran the line's
+        bound (`MAX_MESSAGE_CHARS`), and its end, which GPUs keep what and the reset to run,
+        was cut off."""
         groups: dict[str, list[tuple[Gpu, GpuError]]] = {}
         for gpu, exc in failed:
             name = f"GPU {gpu.identity.index} ({gpu.identity.uuid})"
@@ -74,7 +75,7 @@ class GatheredFailures:
         for text, alike in groups.items():
             if len(alike) == 1:
                 gpu, exc = alike[0]
-                self.add(exc, f"GPU {gpu.identity.index} ({gpu.identity.uuid}): ")
+                self.add(exc, f"GPU {gpu.identity.index} ({gpu.identity.uuid}): " if named else "")
                 continue
             self.needs_root |= any(isinstance(exc, GpuPermissionError) for _, exc in alike)
             names = ", ".join(f"GPU {gpu.identity.index}" for gpu, _ in alike)
@@ -267,7 +268,7 @@ class KnobController:
         Termination signals are held back while restoring (and delivered after), so one more
         Ctrl-C cannot leave a GPU half restored; the one after that gives up on the restore
         (`RestoreAbandoned`), and a hung NVML call ends at its deadline, so a restore never
-        holds signals forever. The GPUs are put back side by side (`_put_back`), each state
+        holds signals forever. The GPUs are put back side by side (`side_by_side`), each state
         file removed as its GPU is back: GPUs whose driver calls hang cost one deadline in all,
         not one each, so the GPUs that answer are back within it (before a unit's stop timeout
         and its SIGKILL). What was not restored stays in the state file for `dvfs gpu reset`.
@@ -285,7 +286,7 @@ class KnobController:
             # `dvfs gpu reset`, its GPU put back: raised once every GPU is, not before the
             # next GPU's restore (which it skipped, leaving that GPU capped)
             unremoved: list[OSError] = []
-            for gpu, errors in _put_back(changed, self._restore_one):
+            for gpu, errors in side_by_side(changed, self._restore_one):
                 uuid = gpu.identity.uuid
                 if errors:
                     failed[uuid] = errors
@@ -456,7 +457,7 @@ class KnobController:
             self._current[uuid] = current
 
 
-def _put_back(
+def side_by_side(
     gpus: Sequence[Gpu], restore_one: Callable[[Gpu], list[GpuError]]
 ) -> Iterator[tuple[Gpu, list[GpuError]]]:
     """`restore_one` run on every GPU of `gpus` at once, one thread each (one GPU: in this
