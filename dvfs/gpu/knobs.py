@@ -13,7 +13,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -25,6 +25,7 @@ from dvfs.errors import (
     JournalError,
 )
 from dvfs.gpu.base import Gpu
+from dvfs.gpu.deadline import given_up_with
 from dvfs.signals import restoring, signals_raise
 
 log = logging.getLogger(__name__)
@@ -286,15 +287,16 @@ class KnobController:
             # `dvfs gpu reset`, its GPU put back: raised once every GPU is, not before the
             # next GPU's restore (which it skipped, leaving that GPU capped)
             unremoved: list[OSError] = []
-            for gpu, errors in side_by_side(changed, self._restore_one):
-                uuid = gpu.identity.uuid
-                if errors:
-                    failed[uuid] = errors
-                elif self.change_log is not None:
-                    try:
-                        self.change_log.clear(uuid)
-                    except OSError as exc:
-                        unremoved.append(exc)
+            with contextlib.closing(side_by_side(changed, self._restore_one)) as finishing:
+                for gpu, errors in finishing:
+                    uuid = gpu.identity.uuid
+                    if errors:
+                        failed[uuid] = errors
+                    elif self.change_log is not None:
+                        try:
+                            self.change_log.clear(uuid)
+                        except OSError as exc:
+                            unremoved.append(exc)
             failures = GatheredFailures()
             # said in the GPUs' order, whichever failed first, GPUs failing alike named once
             failures.add_per_gpu([(g, e) for g in changed for e in failed.get(g.identity.uuid, [])])
@@ -459,7 +461,7 @@ class KnobController:
 
 def side_by_side(
     gpus: Sequence[Gpu], restore_one: Callable[[Gpu], list[GpuError]]
-) -> Iterator[tuple[Gpu, list[GpuError]]]:
+) -> Generator[tuple[Gpu, list[GpuError]], None, None]:
     """`restore_one` run on every GPU of `gpus` at once, one thread each (one GPU: in this
     thread), each GPU with what failed on it as soon as it is done, in the order they finish.
     Every GPU's calls run on its own NVML worker with a deadline each (`dvfs.gpu.deadline`):
@@ -468,32 +470,41 @@ def side_by_side(
     answer were put back); side by side, one deadline in all. The wait here is the main
     thread's, where a signal lands (`restoring`: a second one gives up on the restore, the
     threads left behind as a hung call's worker is); an error other than a GPU's (a bug) is
-    raised once every GPU is done."""
+    raised once every GPU is done. Given up on (a signal raising as it waits, the caller's
+    error, the generator closed early: use it in `contextlib.closing`), the threads begin no
+    NVML call after (`given_up_with`): the command goes on to release the GPUs' locks and shut
+    NVML down, and a GPU's state file, kept, says it is not put back."""
     if len(gpus) < 2:
         for gpu in gpus:
             yield gpu, restore_one(gpu)
         return
     done: queue.SimpleQueue[tuple[Gpu, list[GpuError], BaseException | None]] = queue.SimpleQueue()
+    stop = threading.Event()
 
     def run(gpu: Gpu) -> None:
         try:
-            done.put((gpu, restore_one(gpu), None))
+            with given_up_with(stop):
+                restored = restore_one(gpu)
+            done.put((gpu, restored, None))
         except BaseException as exc:  # handed to the waiting thread, never lost in this one
             done.put((gpu, [], exc))
 
-    for gpu in gpus:
-        threading.Thread(
-            target=run, args=(gpu,), name=f"restore-gpu{gpu.identity.index}", daemon=True
-        ).start()
-    crashed: BaseException | None = None
-    for _ in gpus:
-        gpu, errors, crash = done.get()  # a signal's handler runs (and may raise) as it waits
-        if crash is not None:
-            crashed = crashed or crash
-            continue
-        yield gpu, errors
-    if crashed is not None:
-        raise crashed
+    try:
+        for gpu in gpus:
+            threading.Thread(
+                target=run, args=(gpu,), name=f"restore-gpu{gpu.identity.index}", daemon=True
+            ).start()
+        crashed: BaseException | None = None
+        for _ in gpus:
+            gpu, errors, crash = done.get()  # a signal's handler runs (and may raise) as it waits
+            if crash is not None:
+                crashed = crashed or crash
+                continue
+            yield gpu, errors
+        if crashed is not None:
+            raise crashed
+    finally:
+        stop.set()  # every thread is done, or the restore was given up on: none goes on
 
 
 def check_one_stock_limit(

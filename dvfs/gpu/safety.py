@@ -634,34 +634,39 @@ def restore_pending(
     # governor unit's ExecStopPost, under its stop timeout)
     changed = [g for g in gpus if g.identity.uuid in recorded]
     failed: dict[str, list[GpuError]] = {}
-    for gpu, errors in side_by_side(changed, put_back):
-        if errors:
-            failed[gpu.identity.uuid] = errors
-            continue
-        store.clear(gpu.identity.uuid)
-        for pending in recorded[gpu.identity.uuid]:
-            original, limit = pending.original, pending.original.power_limit_mw
-            lock = (
-                f"clocks locked to {original.sm_clock_lock_mhz[0]}-"
-                f"{original.sm_clock_lock_mhz[1]} MHz"
-                if original.sm_clock_lock_mhz
-                else "clocks unlocked"
-            )
-            power = (
-                f"power limit {limit / 1000:g} W"
-                if limit is not None
-                else "power limit not supported, left be"
-            )
-            done.append(
-                f"restored GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, {power} "
-                f"(as before {pending.command!r} pid {pending.pid})"
-            )
-            note(done[-1])
+    with contextlib.closing(side_by_side(changed, put_back)) as finishing:
+        for gpu, errors in finishing:
+            if errors:
+                failed[gpu.identity.uuid] = errors
+                continue
+            store.clear(gpu.identity.uuid)
+            for pending in recorded[gpu.identity.uuid]:
+                done.append(_restored_line(gpu, pending))
+                note(done[-1])
     failures.add_per_gpu(
         [(g, e) for g in changed for e in failed.get(g.identity.uuid, [])], named=False
     )
     failures.raise_if_any("could not restore: ")
     return done
+
+
+def _restored_line(gpu: Gpu, pending: PendingRestore) -> str:
+    """What `restore_pending` says of a GPU put back as `pending` recorded."""
+    original, limit = pending.original, pending.original.power_limit_mw
+    lock = (
+        f"clocks locked to {original.sm_clock_lock_mhz[0]}-{original.sm_clock_lock_mhz[1]} MHz"
+        if original.sm_clock_lock_mhz
+        else "clocks unlocked"
+    )
+    power = (
+        f"power limit {limit / 1000:g} W"
+        if limit is not None
+        else "power limit not supported, left be"
+    )
+    return (
+        f"restored GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, {power} "
+        f"(as before {pending.command!r} pid {pending.pid})"
+    )
 
 
 def _put_back_recorded(gpu: Gpu, original: GpuSettings) -> None:
