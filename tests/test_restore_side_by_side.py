@@ -213,3 +213,97 @@ def test_gpu_reset_interrupted_begins_no_restore_call_after(
         assert nvml.fake_device_state(1)["power_limit_mw"] == 400_000
         assert store.path(uuids[1]).exists() and not store.path(uuids[0]).exists()
         assert [line.split(" (")[0] for line in said] == ["restored GPU 0"]
+
+
+def test_failures_are_said_in_the_gpus_order_whichever_finishes_first(
+    nvml, hang, tmp_path: Path
+) -> None:
+    """GPU 0's restore fails after GPU 1's (its failing call held in the driver until GPU 1's
+    thread is done): the line still names GPU 0 first, both files kept, exit as before."""
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    unknown = {RESET: nvml.NVML_ERROR_UNKNOWN}
+    with open_nvml_gpus([0, 1], nvml=nvml, deadline_s=3600) as gpus:
+
+        def release_once_gpu_1_is_done() -> None:
+            wait_for(nvml.fake_hangs_started, "GPU 0's reset is stuck in NVML")
+            wait_for(
+                lambda: not any(t.name == "restore-gpu1" for t in _restore_threads()),
+                "GPU 1's restore is done",
+            )
+            _release(nvml)
+
+        releaser = threading.Thread(target=release_once_gpu_1_is_done, daemon=True)
+        with pytest.raises(GpuError) as caught, KnobController(gpus, change_log=store) as knobs:
+            knobs.apply(KnobSetting(1500, None))
+            for index in (0, 1):
+                nvml.fake_update_device(index, errors=unknown)
+            hang(f"{RESET}@0")
+            releaser.start()
+        releaser.join()
+        said = str(caught.value)
+        first, second = said.index("GPU 0 ("), said.index("GPU 1 (")
+        assert said.startswith("could not restore GPU settings: GPU 0 (") and first < second
+        assert said.endswith("retries from the state file."), said
+        assert all(store.path(g.identity.uuid).exists() for g in gpus)
+
+
+@pytest.mark.parametrize("bug", [RuntimeError("a bug"), KeyboardInterrupt()])
+def test_an_error_in_a_restore_thread_is_raised_and_leaves_its_gpus_state_file(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: BaseException
+) -> None:
+    """A restore thread's own error (a bug; a KeyboardInterrupt, which no signal raises there)
+    is raised in the waiting thread once every GPU is done, never lost: its GPU is not taken
+    as back (its state file stays), the other GPU is put back, its file removed."""
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+
+        def broken() -> None:
+            raise bug
+
+        with pytest.raises(type(bug)), KnobController(gpus, change_log=store) as knobs:
+            knobs.apply(KnobSetting(1500, 400))
+            monkeypatch.setattr(gpus[0], "reset_sm_clock", broken)
+        assert store.path(gpus[0].identity.uuid).exists()
+        assert not store.path(gpus[1].identity.uuid).exists()
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
+@pytest.mark.parametrize("fault", ["lost", "limit refused"])
+def test_one_gpu_failing_leaves_the_other_back_and_its_own_state_file(
+    nvml, tmp_path: Path, fault: str
+) -> None:
+    """GPU 1 fallen off the bus, or its power limit's restore refused after its clock's went
+    back: GPU 0 is put back and its file removed; GPU 1's file stays, the line names GPU 1
+    alone (no grouping with one GPU), and a clock put back is known as back."""
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+        uuids = [g.identity.uuid for g in gpus]
+        with pytest.raises(GpuError) as caught, KnobController(gpus, change_log=store) as knobs:
+            knobs.apply(KnobSetting(1500, 400))
+            if fault == "lost":
+                nvml.fake_update_device(1, lost=True)
+            else:
+                refused = {SET_LIMIT: nvml.NVML_ERROR_INVALID_ARGUMENT}
+                nvml.fake_update_device(1, errors=refused)
+        said = str(caught.value)
+        assert said.startswith(f"could not restore GPU settings: GPU 1 ({uuids[1]}): "), said
+        assert "GPU 0" not in said, said
+        assert store.path(uuids[1]).exists() and not store.path(uuids[0]).exists()
+        if fault == "limit refused":
+            assert knobs.current[uuids[1]].sm_clock_lock_mhz is None
+            assert nvml.fake_device_state(1)["locked_clocks"] is None
+            assert nvml.fake_device_state(1)["power_limit_mw"] == 400_000
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
