@@ -953,6 +953,181 @@ def test_sigterm_while_a_governed_gpus_nvml_call_hangs_ends_within_its_deadline(
     assert (state / f"{uuid}.json").exists()  # for that reset
 
 
+def _eight_gpus_whose_resets_hang_on_0_to_5(
+    nvml, monkeypatch: pytest.MonkeyPatch, deadline_s: str
+) -> dict[str, str]:
+    """Eight fake GPUs, where nvmlDeviceResetGpuLockedClocks (the clock's restore) hangs in
+    the driver on GPUs 0-5, each call `deadline_s` at most: the governor's environment."""
+    eight = ",".join(["h100-sxm"] * 8)
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", eight)
+    nvml.fake_reset_state()
+    return {
+        "DVFS_FAKE_NVML_DEVICES": eight,
+        "DVFS_NVML_DEADLINE_S": deadline_s,
+        "DVFS_FAKE_NVML_HANG": ",".join(
+            f"nvmlDeviceResetGpuLockedClocks@{i}=inf" for i in range(6)
+        ),
+    }
+
+
+def _put_back(nvml, index: int) -> bool:
+    found = nvml.fake_device_state(index)
+    return found["locked_clocks"] is None and found["power_limit_mw"] == 700_000
+
+
+def test_a_stop_puts_back_the_gpus_that_answer_while_others_restores_hang(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl stop` of a governor of 8 GPUs whose driver calls hang on GPUs 0-5: the
+    restore went one GPU after another, each hung one costing its deadline (10 s: a minute for
+    six, dvfs-govern.service's TimeoutStopSec), so systemd's SIGKILL came before GPUs 6 and 7
+    were put back, and all eight kept the governor's caps. The GPUs are now put back side by
+    side: GPUs 6 and 7 are back (their state files gone) while the restores of 0-5 are still
+    in the driver (here for an hour: their deadline), and the SIGKILL leaves 0-5 as the state
+    files say, for `dvfs gpu reset` (ExecStopPost) once they answer; a restart is refused."""
+    hung = _eight_gpus_whose_resets_hang_on_0_to_5(nvml, monkeypatch, "3600")  # outlasts it
+    gpus = [f"--gpu={i}" for i in range(1, 8)]
+    proc, log = start_governor(tmp_path, {**env, **hung}, stub, *gpus)
+    state = Path(env["DVFS_STATE_DIR"])
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(8)]
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        assert all(nvml.fake_device_state(i)["locked_clocks"] == [210, 1200] for i in range(8))
+        proc.send_signal(signal.SIGTERM)
+        wait_for(
+            lambda: (
+                _put_back(nvml, 6) and _put_back(nvml, 7) and len(nvml.fake_hangs_started()) == 6
+            ),
+            "GPUs 6 and 7 put back while the restores of GPUs 0-5 hang",
+            log,
+        )
+        wait_for(
+            lambda: not any((state / f"{uuids[i]}.json").exists() for i in (6, 7)),
+            "the state files of GPUs 6 and 7 removed",
+            log,
+        )
+        assert proc.poll() is None, log.read_text()  # GPUs 0-5's restores: still in the driver
+        proc.kill()  # systemd, at TimeoutStopSec
+        proc.wait(timeout=STUCK_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    started = nvml.fake_hangs_started()
+    assert sorted(h["index"] for h in started) == list(range(6))
+    assert {h["fn"] for h in started} == {"nvmlDeviceResetGpuLockedClocks"}
+    # what the fake NVML saw: the resets of GPUs 6 and 7 (those of 0-5 never returned)
+    resets = nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")
+    assert sorted(c["index"] for c in resets) == [6, 7] and all(c["ok"] for c in resets)
+    for i in range(6):  # still capped, as their state files say
+        found = nvml.fake_device_state(i)
+        assert found["locked_clocks"] == [210, 1200] and found["power_limit_mw"] == 400_000
+        assert (state / f"{uuids[i]}.json").exists()
+    assert "Traceback" not in log.read_text()
+    again = dvfs_in_process(
+        *("govern", "--plan", str(tmp_path / "plan.toml"), "--url", stub, "--gpu", "6"),
+        *("--listen", "off", "--max-intervals", "1", "--gpu", "0"),
+        env=env,
+    )
+    assert again.returncode == 3 and "dvfs gpu reset" in again.stderr, again.stderr
+
+
+def test_a_stop_whose_restores_hang_on_several_gpus_says_which_and_the_reset_in_one_line(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop whose restores hang on GPUs 0-5 of 8, each to its deadline: the line named each
+    GPU's failure whole (its UUID twice, the driver's advice each time), past the bound of an
+    error line, which cut it off before the GPUs that keep the governor's caps and the `dvfs
+    gpu reset` to run. GPUs failing alike are now named once, and the line ends with both;
+    GPUs 6 and 7 are back, GPUs 0-5's state files kept; exit 1."""
+    # a deadline a healthy call keeps however loaded the machine (the stop waits it out)
+    hung = _eight_gpus_whose_resets_hang_on_0_to_5(nvml, monkeypatch, "5")
+    proc, log = start_governor(
+        tmp_path, {**env, **hung}, stub, *(f"--gpu={i}" for i in range(1, 8))
+    )
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STUCK_S) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [line] = lines(log, "Error:")
+    state = Path(env["DVFS_STATE_DIR"])
+    assert line.startswith("Error: stopped (received SIGTERM); put GPU 6, GPU 7 back as found; ")
+    six = "GPU 0, GPU 1, GPU 2, GPU 3, GPU 4, GPU 5"
+    assert (
+        f"could not restore GPU settings: {six}: nvmlDeviceResetGpuLockedClocks on each did not "
+        "return within 5 s; the driver is not responding" in line
+    ), line
+    assert line.endswith(
+        f"; {six} keep the governor's settings: once they answer again (after a GPU reset or a "
+        f"reboot), `dvfs gpu reset 0 1 2 3 4 5 --state-dir {state}` puts back what the state "
+        "files recorded"
+    ), line
+    assert _put_back(nvml, 6) and _put_back(nvml, 7) and "Traceback" not in log.read_text()
+    kept = {p.name for p in state.glob("GPU-*.json")}
+    assert kept == {f"{nvml.fake_device_state(i)['uuid']}.json" for i in range(6)}
+
+
+def test_gpu_reset_after_a_sigkill_puts_back_the_gpus_that_answer_while_others_hang(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The governor unit's ExecStopPost (`dvfs gpu reset`) after a SIGKILL left eight GPUs'
+    state files, with the driver's calls hanging on GPUs 0-5: it restored one GPU after another,
+    a deadline each (10 s: a minute for six, the unit's stop timeout again), so systemd killed
+    it before GPUs 6 and 7. It now puts them back side by side: GPUs 6 and 7 are back, said,
+    their state files gone, while 0-5's resets are still in the driver (an hour here); 0-5's
+    state files stay for the reset that runs once they answer, which puts them back."""
+    hung = _eight_gpus_whose_resets_hang_on_0_to_5(nvml, monkeypatch, "3600")  # outlasts it
+    proc, log = start_governor(tmp_path, env, stub, *(f"--gpu={i}" for i in range(1, 8)))
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        proc.kill()
+        proc.wait(timeout=STUCK_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = Path(env["DVFS_STATE_DIR"])
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(8)]
+    assert all((state / f"{u}.json").exists() for u in uuids)
+    said = tmp_path / "reset.log"
+    with said.open("wb") as out:
+        reset = subprocess.Popen(
+            [sys.executable, "-m", "dvfs", "gpu", "reset"],
+            env={**env, **hung},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(
+            lambda: (
+                all(_put_back(nvml, i) for i in (6, 7))
+                and not any((state / f"{uuids[i]}.json").exists() for i in (6, 7))
+                and len(lines(said, "restored GPU")) == 2
+            ),
+            "GPUs 6 and 7 put back while the resets of GPUs 0-5 hang",
+            said,
+        )
+        assert reset.poll() is None, said.read_text()  # GPUs 0-5's resets: still in the driver
+        reset.kill()  # systemd, at the stop timeout
+        reset.wait(timeout=STUCK_S)
+    finally:
+        if reset.poll() is None:
+            reset.kill()
+    assert sorted(h["index"] for h in nvml.fake_hangs_started()) == list(range(6))
+    assert {line.split(" (")[0] for line in lines(said, "restored GPU")} == {
+        "restored GPU 6",
+        "restored GPU 7",
+    }
+    for i in range(6):
+        assert nvml.fake_device_state(i)["locked_clocks"] == [210, 1200]
+        assert (state / f"{uuids[i]}.json").exists()
+    # once the driver answers again
+    again = dvfs_in_process("gpu", "reset", env=env)
+    assert again.returncode == 0, again.stderr
+    assert all(_put_back(nvml, i) for i in range(8)) and not list(state.glob("GPU-*.json"))
+
+
 def test_a_hung_read_stops_the_governor_at_its_deadline_in_one_line(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:

@@ -16,11 +16,12 @@ The deadline comes from $DVFS_NVML_DEADLINE_S (seconds, default 10; 0 turns it o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from dvfs.errors import GpuError, GpuValueError
@@ -52,6 +53,36 @@ def default_deadline_s() -> float | None:
             f"{DEADLINE_ENV}={raw!r} is not a number of seconds (>= 0; 0 turns the deadline off)"
         )
     return value or None
+
+
+class CallGivenUpError(GpuError):
+    """A call not begun: the work of the thread that asked for it was given up on meanwhile
+    (`given_up_with`)."""
+
+
+#: The event that gives up on this thread's calls (`given_up_with`), where one does.
+_given_up = threading.local()
+
+
+@contextlib.contextmanager
+def given_up_with(stop: threading.Event) -> Iterator[None]:
+    """Within the block, every call this thread makes through a `CallWorker` fails at once
+    (`CallGivenUpError`) once `stop` is set, instead of being begun: a GPU's restore on its own
+    thread (`dvfs.gpu.knobs.side_by_side`) given up on (a second signal, a `gpu reset`
+    interrupted) starts no NVML call after, nor once the one it waits out (a call a signal
+    left in the driver) returns, while the command releases the GPUs' locks and shuts NVML
+    down."""
+    _given_up.stop = stop
+    try:
+        yield
+    finally:
+        _given_up.stop = None
+
+
+def _refuse_if_given_up(name: str) -> None:
+    stop: threading.Event | None = getattr(_given_up, "stop", None)
+    if stop is not None and stop.is_set():
+        raise CallGivenUpError(f"{name} was not attempted: the restore was given up on")
 
 
 class DeadlineExceeded(Exception):  # noqa: N818  (internal; callers raise GpuTimeoutError)
@@ -108,9 +139,11 @@ class CallWorker:
     def call(self, fn: Callable[..., T], args: tuple[Any, ...], deadline_s: float | None) -> T:
         """`fn(*args)` within `deadline_s` seconds (None: directly, in this thread)."""
         name = getattr(fn, "__name__", repr(fn))
+        _refuse_if_given_up(name)
         if deadline_s is None:
             return fn(*args)
         self._wait_out_left_behind()
+        _refuse_if_given_up(name)  # (given up on while it waited)
         job = _Job(fn, args, name, deadline_s)
         queued = False
         try:

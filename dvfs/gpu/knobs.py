@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -23,6 +25,7 @@ from dvfs.errors import (
     JournalError,
 )
 from dvfs.gpu.base import Gpu
+from dvfs.gpu.deadline import given_up_with
 from dvfs.signals import restoring, signals_raise
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,26 @@ class GatheredFailures:
     def add(self, exc: GpuError, prefix: str = "", suffix: str = "") -> None:
         self.needs_root |= isinstance(exc, GpuPermissionError)
         self.messages.append(f"{prefix}{exc}{suffix}")
+
+    def add_per_gpu(self, failed: Sequence[tuple[Gpu, GpuError]], *, named: bool = True) -> None:
+        """Each GPU's failure as "GPU N (UUID): what failed" (with `named`; else as it reads),
+        but GPUs that failed alike (the same call hung on each, its text naming its own GPU)
+        in one: "GPU 0, GPU 1: what failed on each". Eight GPUs' whole texts overran the line's
+        bound (`MAX_MESSAGE_CHARS`), and its end, which GPUs keep what and the reset to run,
+        was cut off."""
+        groups: dict[str, list[tuple[Gpu, GpuError]]] = {}
+        for gpu, exc in failed:
+            name = f"GPU {gpu.identity.index} ({gpu.identity.uuid})"
+            text = str(exc).removeprefix(f"{name}: ").replace(name, "each")
+            groups.setdefault(text, []).append((gpu, exc))
+        for text, alike in groups.items():
+            if len(alike) == 1:
+                gpu, exc = alike[0]
+                self.add(exc, f"GPU {gpu.identity.index} ({gpu.identity.uuid}): " if named else "")
+                continue
+            self.needs_root |= any(isinstance(exc, GpuPermissionError) for _, exc in alike)
+            names = ", ".join(f"GPU {gpu.identity.index}" for gpu, _ in alike)
+            self.messages.append(f"{names}: {text}")
 
     def raise_if_any(self, head: str, tail: str = "") -> None:
         """Raise `head` + every message + `tail` as one error, if anything failed."""
@@ -246,38 +269,55 @@ class KnobController:
         Termination signals are held back while restoring (and delivered after), so one more
         Ctrl-C cannot leave a GPU half restored; the one after that gives up on the restore
         (`RestoreAbandoned`), and a hung NVML call ends at its deadline, so a restore never
-        holds signals forever. What was not restored stays in the state file for `dvfs gpu reset`.
+        holds signals forever. The GPUs are put back side by side (`side_by_side`), each state
+        file removed as its GPU is back: GPUs whose driver calls hang cost one deadline in all,
+        not one each, so the GPUs that answer are back within it (before a unit's stop timeout
+        and its SIGKILL). What was not restored stays in the state file for `dvfs gpu reset`.
         """
         with restoring(reset=self.reset_advice()):  # the reset that reads its state files
-            failures = GatheredFailures()
-            # A state file that cannot be removed (its folder remounted read-only) stays for
-            # `dvfs gpu reset`, its GPU put back: raised once every GPU is, not before the
-            # next GPU's restore (which it skipped, leaving that GPU capped)
-            unremoved: list[OSError] = []
+            changed = []
             for gpu in self.gpus:
                 uuid = gpu.identity.uuid
                 original = self._snapshot.get(uuid)
                 current = self._current.get(uuid)
-                if original is None or current is None or current == original:
-                    continue
-                try:
-                    self._write(gpu, uuid, current, original)
-                    log.info("restored GPU %s to %s", gpu.identity.index, original)
-                except GpuError as exc:
-                    failures.add(exc, f"GPU {gpu.identity.index} ({uuid}): ")
-                    self._restore_limit_alone(gpu, uuid, original, exc, failures)
-                    continue
-                if self.change_log is not None:
-                    try:
-                        self.change_log.clear(uuid)
-                    except OSError as exc:
-                        unremoved.append(exc)
+                if original is not None and current is not None and current != original:
+                    changed.append(gpu)
+            failed: dict[str, list[GpuError]] = {}
+            # A state file that cannot be removed (its folder remounted read-only) stays for
+            # `dvfs gpu reset`, its GPU put back: raised once every GPU is, not before the
+            # next GPU's restore (which it skipped, leaving that GPU capped)
+            unremoved: list[OSError] = []
+            with contextlib.closing(side_by_side(changed, self._restore_one)) as finishing:
+                for gpu, errors in finishing:
+                    uuid = gpu.identity.uuid
+                    if errors:
+                        failed[uuid] = errors
+                    elif self.change_log is not None:
+                        try:
+                            self.change_log.clear(uuid)
+                        except OSError as exc:
+                            unremoved.append(exc)
+            failures = GatheredFailures()
+            # said in the GPUs' order, whichever failed first, GPUs failing alike named once
+            failures.add_per_gpu([(g, e) for g in changed for e in failed.get(g.identity.uuid, [])])
             failures.raise_if_any(
                 "could not restore GPU settings: ",
                 f". {self.reset_advice()}{RETRIES}",
             )
             if unremoved:
                 raise unremoved[0]
+
+    def _restore_one(self, gpu: Gpu) -> list[GpuError]:
+        """Put one GPU back to its snapshot; what failed (none: it is back as found)."""
+        uuid = gpu.identity.uuid
+        original = self._snapshot[uuid]
+        try:
+            self._write(gpu, uuid, self._current[uuid], original)
+        except GpuError as exc:
+            again = self._restore_limit_alone(gpu, uuid, original, exc)
+            return [exc] if again is None else [exc, again]
+        log.info("restored GPU %s to %s", gpu.identity.index, original)
+        return []
 
     def reset_advice(self) -> str:
         """The `dvfs gpu reset` that reads this controller's state files (with --state-dir
@@ -288,16 +328,11 @@ class KnobController:
         return told() if callable(told) else "`dvfs gpu reset`"
 
     def _restore_limit_alone(
-        self,
-        gpu: Gpu,
-        uuid: str,
-        original: GpuSettings,
-        exc: GpuError,
-        failures: GatheredFailures,
-    ) -> None:
+        self, gpu: Gpu, uuid: str, original: GpuSettings, exc: GpuError
+    ) -> GpuError | None:
         """After NVML refused the clock's restore (which changed nothing and says nothing of
         the power limit), the power limit is put back still: it was left capped, and so by
-        `dvfs gpu reset` too while the clock's reset kept failing."""
+        `dvfs gpu reset` too while the clock's reset kept failing. Returns its own failure."""
         held = self._current.get(uuid)
         if (
             not isinstance(exc, REFUSED)
@@ -305,12 +340,13 @@ class KnobController:
             or held.sm_clock_lock_mhz == original.sm_clock_lock_mhz
             or held.power_limit_mw == original.power_limit_mw
         ):
-            return
+            return None
         try:
             self._write(gpu, uuid, held, replace(held, power_limit_mw=original.power_limit_mw))
-            log.info("restored GPU %s's power limit, not its clock", gpu.identity.index)
         except GpuError as again:
-            failures.add(again, f"GPU {gpu.identity.index} ({uuid}): ")
+            return again
+        log.info("restored GPU %s's power limit, not its clock", gpu.identity.index)
+        return None
 
     # -- applying -----------------------------------------------------------------------------
     def target(self, gpu: Gpu, setting: KnobSetting) -> GpuSettings:
@@ -421,6 +457,54 @@ class KnobController:
                 raise
             current = replace(current, power_limit_mw=want.power_limit_mw)
             self._current[uuid] = current
+
+
+def side_by_side(
+    gpus: Sequence[Gpu], restore_one: Callable[[Gpu], list[GpuError]]
+) -> Generator[tuple[Gpu, list[GpuError]], None, None]:
+    """`restore_one` run on every GPU of `gpus` at once, one thread each (one GPU: in this
+    thread), each GPU with what failed on it as soon as it is done, in the order they finish.
+    Every GPU's calls run on its own NVML worker with a deadline each (`dvfs.gpu.deadline`):
+    one after another, GPUs whose driver calls hang cost a deadline each before the next GPU
+    was tried (six at 10 s: a minute, a unit's stop timeout, its SIGKILL before the GPUs that
+    answer were put back); side by side, one deadline in all. The wait here is the main
+    thread's, where a signal lands (`restoring`: a second one gives up on the restore, the
+    threads left behind as a hung call's worker is); an error other than a GPU's (a bug) is
+    raised once every GPU is done. Given up on (a signal raising as it waits, the caller's
+    error, the generator closed early: use it in `contextlib.closing`), the threads begin no
+    NVML call after (`given_up_with`): the command goes on to release the GPUs' locks and shut
+    NVML down, and a GPU's state file, kept, says it is not put back."""
+    if len(gpus) < 2:
+        for gpu in gpus:
+            yield gpu, restore_one(gpu)
+        return
+    done: queue.SimpleQueue[tuple[Gpu, list[GpuError], BaseException | None]] = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def run(gpu: Gpu) -> None:
+        try:
+            with given_up_with(stop):
+                restored = restore_one(gpu)
+            done.put((gpu, restored, None))
+        except BaseException as exc:  # handed to the waiting thread, never lost in this one
+            done.put((gpu, [], exc))
+
+    try:
+        for gpu in gpus:
+            threading.Thread(
+                target=run, args=(gpu,), name=f"restore-gpu{gpu.identity.index}", daemon=True
+            ).start()
+        crashed: BaseException | None = None
+        for _ in gpus:
+            gpu, errors, crash = done.get()  # a signal's handler runs (and may raise) as it waits
+            if crash is not None:
+                crashed = crashed or crash
+                continue
+            yield gpu, errors
+        if crashed is not None:
+            raise crashed
+    finally:
+        stop.set()  # every thread is done, or the restore was given up on: none goes on
 
 
 def check_one_stock_limit(

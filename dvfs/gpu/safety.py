@@ -33,12 +33,13 @@ from typing import Any
 from dvfs.errors import (
     DvfsError,
     GpuBusyError,
+    GpuError,
     GpuLockFileError,
     GpuStateError,
     StateFolderError,
 )
 from dvfs.gpu.base import Gpu
-from dvfs.gpu.knobs import REFUSED, GatheredFailures, GpuSettings
+from dvfs.gpu.knobs import REFUSED, GatheredFailures, GpuSettings, side_by_side
 
 ROOT_STATE_DIR = Path("/var/lib/dvfs")
 #: The kernel's id of this boot (Linux): dvfs's records carry it (the caps record's entries, a
@@ -605,13 +606,11 @@ def restore_pending(
 
     Failures are gathered and raised together after every GPU was tried.
     """
-    from dvfs.errors import GpuError
-
     done: list[str] = []
     failures = GatheredFailures()
+    recorded: dict[str, list[PendingRestore]] = {}
     for gpu in gpus:
         for pending in store.pending(gpu.identity.uuid):
-            original = pending.original
             if pending.before_this_boot:  # the reboot reset the GPU: nothing to put back
                 store.clear(gpu.identity.uuid)
                 done.append(
@@ -621,38 +620,68 @@ def restore_pending(
                 )
                 note(done[-1])
                 continue
-            try:
-                refused: GpuError | None = None
-                try:
-                    if original.sm_clock_lock_mhz:
-                        gpu.lock_sm_clock(*original.sm_clock_lock_mhz)
-                    else:
-                        gpu.reset_sm_clock()
-                except REFUSED as exc:  # changed nothing: the power limit goes back still
-                    refused = exc
-                limit = original.power_limit_mw  # None: not supported, so never changed
-                if limit is not None and gpu.power_limit_mw() != limit:
-                    gpu.set_power_limit_mw(limit)
-                if refused is not None:
-                    raise refused
-                store.clear(gpu.identity.uuid)
-                lock = (
-                    f"clocks locked to {original.sm_clock_lock_mhz[0]}-"
-                    f"{original.sm_clock_lock_mhz[1]} MHz"
-                    if original.sm_clock_lock_mhz
-                    else "clocks unlocked"
-                )
-                power = (
-                    f"power limit {limit / 1000:g} W"
-                    if limit is not None
-                    else "power limit not supported, left be"
-                )
-                done.append(
-                    f"restored GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, {power} "
-                    f"(as before {pending.command!r} pid {pending.pid})"
-                )
+            recorded.setdefault(gpu.identity.uuid, []).append(pending)
+
+    def put_back(gpu: Gpu) -> list[GpuError]:
+        try:
+            for pending in recorded[gpu.identity.uuid]:
+                _put_back_recorded(gpu, pending.original)
+        except GpuError as exc:
+            return [exc]
+        return []
+
+    # side by side: GPUs whose driver calls hang cost one deadline in all, not one each (the
+    # governor unit's ExecStopPost, under its stop timeout)
+    changed = [g for g in gpus if g.identity.uuid in recorded]
+    failed: dict[str, list[GpuError]] = {}
+    with contextlib.closing(side_by_side(changed, put_back)) as finishing:
+        for gpu, errors in finishing:
+            if errors:
+                failed[gpu.identity.uuid] = errors
+                continue
+            store.clear(gpu.identity.uuid)
+            for pending in recorded[gpu.identity.uuid]:
+                done.append(_restored_line(gpu, pending))
                 note(done[-1])
-            except GpuError as exc:
-                failures.add(exc)
+    failures.add_per_gpu(
+        [(g, e) for g in changed for e in failed.get(g.identity.uuid, [])], named=False
+    )
     failures.raise_if_any("could not restore: ")
     return done
+
+
+def _restored_line(gpu: Gpu, pending: PendingRestore) -> str:
+    """What `restore_pending` says of a GPU put back as `pending` recorded."""
+    original, limit = pending.original, pending.original.power_limit_mw
+    lock = (
+        f"clocks locked to {original.sm_clock_lock_mhz[0]}-{original.sm_clock_lock_mhz[1]} MHz"
+        if original.sm_clock_lock_mhz
+        else "clocks unlocked"
+    )
+    power = (
+        f"power limit {limit / 1000:g} W"
+        if limit is not None
+        else "power limit not supported, left be"
+    )
+    return (
+        f"restored GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, {power} "
+        f"(as before {pending.command!r} pid {pending.pid})"
+    )
+
+
+def _put_back_recorded(gpu: Gpu, original: GpuSettings) -> None:
+    """Put back what a state file recorded for `gpu`: its clock lock (or none) and its power
+    limit, which goes back even where NVML refused the clock's (that changed nothing)."""
+    refused: GpuError | None = None
+    try:
+        if original.sm_clock_lock_mhz:
+            gpu.lock_sm_clock(*original.sm_clock_lock_mhz)
+        else:
+            gpu.reset_sm_clock()
+    except REFUSED as exc:  # changed nothing: the power limit goes back still
+        refused = exc
+    limit = original.power_limit_mw  # None: not supported, so never changed
+    if limit is not None and gpu.power_limit_mw() != limit:
+        gpu.set_power_limit_mw(limit)
+    if refused is not None:
+        raise refused
