@@ -101,6 +101,21 @@ def test_systemd_analyze_verifies_each_unit(tmp_path: Path, name: str) -> None:
 GOVERN = UNIT.parent / "dvfs-govern.service"
 
 
+def test_the_governors_stop_timeout_outlasts_its_restore_at_the_default_deadline() -> None:
+    """A stop puts the GPUs back side by side; on GPUs whose NVML calls each return just
+    inside the deadline it waits out a call the signal left, then the clock's reset and the
+    power limit's range, default and set, and NVML's shutdown at the exit: six deadlines. At
+    60 s the unit's SIGKILL could land on the last of them (the README said three and 40 s)."""
+    from dvfs.gpu.deadline import DEFAULT_DEADLINE_S
+
+    stop_deadlines = 1 + 1 + 3 + 1
+    [timeout] = [v for k, v in directives("Service", GOVERN) if k == "TimeoutStopSec"]
+    assert int(timeout) > stop_deadlines * DEFAULT_DEADLINE_S, timeout
+    readme = " ".join((UNIT.parent.parent / "README.md").read_text().split())
+    said = f"{stop_deadlines * DEFAULT_DEADLINE_S:g} s at the default {DEFAULT_DEADLINE_S:g} s"
+    assert said in readme and f"`TimeoutStopSec` ({timeout} s)" in readme
+
+
 def govern_directives(section: str) -> list[tuple[str, str]]:
     """(key, value) pairs of one section of the governor's unit."""
     pairs, current = [], None
