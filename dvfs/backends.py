@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from dvfs.engines.base import Engine
     from dvfs.engines.sglang_args import LaunchHelp
     from dvfs.gpu.base import Gpu
-    from dvfs.twin.profiles import GpuProfile
+    from dvfs.twin.profiles import GpuProfile, ModelProfile
     from dvfs.twin.textprior import TextProfile
 
 
@@ -620,6 +620,13 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
             )
         )
     asked, key, said = max(asks, key=lambda a: a[0])
+    longest_all = max(
+        (p.input_tokens for c in corpora.values() for p in eligible_prompts(c, w.input_tokens)),
+        default=0,
+    )
+    wide = _window_overrun(campaign, model, asked, said, longest_all)
+    if wide is not None:
+        return wide
     over, longest_over = [], 0
     for name, corpus in corpora.items():
         lengths = [p.input_tokens for p in eligible_prompts(corpus, w.input_tokens)]
@@ -655,6 +662,55 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
         f"{'; '.join(over)}: with {said}{slots} that exceeds the "
         f"{whose}, and SGLang refuses such requests; {todo}"
     )
+
+
+def _window_overrun(
+    campaign: Campaign, model: ModelProfile, asked: int, said: str, longest: int
+) -> str | None:
+    """A drafter whose verify window (`dvfs.twin.limits.draft_window`: a DFLASH block, the
+    tokens an n-gram, standalone or EAGLE tree verifies, an EAGLE tree's drafts) leaves the
+    longest prompt (`longest` tokens) no room in its server's context with the `asked` new
+    tokens: one line naming the drafter's key, its value and the most that fits. The window's
+    tokens sit past the request's own in its context-length-wide row of SGLang's token-to-KV
+    map (for the EAGLE family SGLang refuses the request ahead); a number past it ended the
+    twin's sweep in an internal error (a block of 2**63 - 1 tokens overflowed its pass
+    arithmetic). None: every drafter's fits; or the prompts themselves leave no room, or an
+    EAGLE-family window leaves the shorter prompts room (SGLang refuses the longer ones): the
+    corpus line says so, and offers an input bound."""
+    from dvfs.twin.drafting import plan_drafter
+    from dvfs.twin.limits import EAGLE_ALGORITHMS, draft_window, served_context_length
+
+    engine_args, env = campaign.engine.sglang.extra_args, campaign.engine.sglang.env
+    shortest = campaign.workload.input_tokens[0]
+    for drafter in campaign.drafters:
+        plan = plan_drafter(drafter, model)
+        window = draft_window(plan)
+        served = served_context_length(model, [*engine_args, *drafter.extra_args], env)
+        most = served - max(longest, shortest) - asked
+        if plan is None or not served or window <= most or most < 2:
+            continue  # (most < 2: no verify fits past the prompts, which are the problem)
+        if plan.algorithm in EAGLE_ALGORITHMS and shortest + window + asked <= served:
+            continue  # SGLang refuses the longer prompts: the corpus line offers an input bound
+        if plan.algorithm == "DFLASH":
+            key, value, bound = "block_size", window, most
+        elif plan.algorithm == "NGRAM":
+            key, value, bound = "num_draft_tokens", window, most
+        elif plan.topk == 1:  # SGLang forces num_draft_tokens = num_steps + 1
+            key, value, bound = "num_steps", plan.num_steps, most - 1
+        elif plan.topk * plan.num_steps >= plan.verify_tokens:
+            key, value, bound = "eagle_topk x num_steps", window, most
+        else:
+            key, value, bound = "num_draft_tokens", window, most
+        whose = f"context length of {model.hf_name or model.key} ({served} tokens)"
+        if served != model.context_length:
+            whose = f"context length its server is started with (--context-length {served})"
+        return (
+            f"drafters.{drafter.name}.{key} = {value} is above {bound}: each verify pass "
+            f"places {window} tokens past a request's own, which with the longest prompt "
+            f"({max(longest, shortest)} tokens) and {said} must fit in the {whose}; give "
+            f"{key} at most {bound}"
+        )
+    return None
 
 
 def twin_inflight_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> str | None:

@@ -224,6 +224,17 @@ def reserved_tokens(plan: DraftPlan | None) -> int:
     return max(plan.topk * plan.num_steps, plan.verify_tokens)
 
 
+def draft_window(plan: DraftPlan | None) -> int:
+    """The tokens a verify pass of a drafter (`plan`; None: no speculation) places past a
+    request's own, into the request's row of SGLang's token-to-KV map, which is context-length
+    wide (`reserved_tokens` counts them for the EAGLE family, which SGLang reserves ahead): the
+    most of its tree's drafts (top-k x steps) and the tokens it verifies (num_draft_tokens, a
+    DFLASH block). 0: no speculation."""
+    if plan is None:
+        return 0
+    return max(plan.topk * plan.num_steps, plan.verify_tokens)
+
+
 def context_refusal(input_tokens: int, max_new_tokens: int, context_length: int) -> str | None:
     """SGLang's refusal of a request of `input_tokens` (its reserved slots included) asking for
     `max_new_tokens` against a model's `context_length` (0.5.23: the input alone must be

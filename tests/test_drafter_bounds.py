@@ -1,0 +1,155 @@
+"""A drafter's numbers out of bounds are refused in one line naming the key, its value and the
+bound, exit 2, by the sweep, its dry run (with the twin's estimate and without) and the doctor
+alike, never an internal error: the most tokens a verify pass may place past a request's own in
+its server's context (a DFLASH block, the tokens an n-gram, standalone or EAGLE tree verifies),
+and the candidates an EAGLE-family draft tree holds (SGLang picks num_draft_tokens - 1 of
+them). The bound each line names is then accepted."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bad_inputs import TINY, campaign
+from click.testing import CliRunner, Result
+from conftest import write
+
+from dvfs.cli import cli
+
+#: The largest integer TOML holds: a block of it overflowed the twin's pass arithmetic ("numpy
+#: overflow", then "internal error: ValueError: run_load returned without advancing the clock").
+HUGE = 2**63 - 1
+
+#: TINY (the exact twin, Llama-3.1-8B, 131072 tokens of context) with one drafter of each kind
+#: whose verify window is a number of the campaign's.
+DRAFTERS = {
+    **TINY["drafters"],
+    "dflash": {
+        "algorithm": "DFLASH",
+        "draft_model": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+        "block_size": 16,
+    },
+    "ngram": {"algorithm": "NGRAM", "num_draft_tokens": 12},
+    "standalone": {
+        "algorithm": "STANDALONE",
+        "draft_model": "meta-llama/Llama-3.2-1B-Instruct",
+        "num_steps": 4,
+        "eagle_topk": 1,
+        "num_draft_tokens": 5,
+    },
+    "tree": {
+        "algorithm": "EAGLE3",
+        "draft_model": "eagle3-llama-3.1-8b",
+        "num_steps": 5,
+        "eagle_topk": 4,
+        "num_draft_tokens": 8,
+    },
+}
+
+
+def invoke(*args: str) -> Result:
+    """The CLI in process; a refusal is an exit code and a line, never an exception."""
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _campaign(tmp_path: Path, name: str, *edits: tuple[str, object]) -> Path:
+    text = campaign(("drafters", copy.deepcopy(DRAFTERS)), *edits)
+    return write(tmp_path / f"{name}.toml", text)
+
+
+def _refused_everywhere(tmp_path: Path, path: Path, said: str) -> str:
+    """The sweep (before it makes a journal), the dry run with the twin's estimate and without
+    it, and the doctor each refuse `path` with exit 2 in one line holding `said`, no traceback;
+    that line (the sweep's)."""
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(path), "--out", str(out), "--no-progress")
+    assert swept.exit_code == 2, swept.output
+    errors = [line for line in swept.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and said in errors[0], swept.output
+    assert "Traceback" not in swept.output and "internal error" not in swept.output
+    assert not (out / "journal.jsonl").exists()
+    for estimate in ([], ["--no-estimate"]):
+        dry = invoke("sweep", str(path), "--out", str(out), "--dry-run", "--json", *estimate)
+        assert dry.exit_code == 2, dry.output
+        assert _said(dry.output, "problems", lambda p: p) == [errors[0]], dry.output
+    doctor = invoke("doctor", str(path), "--out", str(out), "--json")
+    assert doctor.exit_code == 2, doctor.output
+    assert _said(doctor.output, None, lambda c: c["detail"] if c["status"] == "fail" else None) == [
+        errors[0]
+    ], doctor.output
+    return errors[0]
+
+
+def _said(output: str, key: str | None, pick: Callable[[Any], str | None]) -> list[str]:
+    """What a --json command refused with, as "Error: LINE" lines: the campaign's load error
+    (one line, no JSON), else what `pick` finds in the JSON document (under `key`)."""
+    if output.startswith("Error:"):
+        return output.splitlines()
+    found = json.loads(output)
+    return [f"Error: {p}" for p in map(pick, found[key] if key else found) if p is not None]
+
+
+@pytest.mark.parametrize(
+    ("edit", "key"),
+    [
+        (("drafters.dflash.block_size", HUGE), "drafters.dflash.block_size"),
+        (("drafters.ngram.num_draft_tokens", HUGE), "drafters.ngram.num_draft_tokens"),
+        (("drafters.standalone.num_steps", 200_000), "drafters.standalone.num_steps"),
+        (("drafters.tree.eagle_topk", 200_000), "drafters.tree.eagle_topk x num_steps"),
+    ],
+)
+def test_a_verify_window_past_the_context_is_refused_naming_the_key_and_the_bound(
+    tmp_path: Path, edit: tuple[str, int], key: str
+) -> None:
+    """block_size = 2**63 - 1 ended the dry run's estimate and the sweep in "internal error:
+    ValueError: run_load returned without advancing the clock" after a numpy overflow warning;
+    an n-gram drafter's num_draft_tokens alike; a standalone drafter of 200000 steps was
+    measured as if a verify of 200001 tokens past a prompt fitted Llama-3.1-8B's 131072; an
+    EAGLE tree of top 200000 was refused by the corpus line, telling to lower output_tokens "to
+    at most -869658". Each is refused naming its key, value and bound; the bound followed is
+    accepted, one more refused."""
+    name, value = edit
+    if name.endswith("num_steps"):  # eagle_topk = 1: num_draft_tokens = num_steps + 1
+        path = _campaign(tmp_path, "c", edit, ("drafters.standalone.num_draft_tokens", value + 1))
+    else:
+        path = _campaign(tmp_path, "c", edit)
+    line = _refused_everywhere(tmp_path, path, f"{key} = {value * 5 if 'x' in key else value}")
+    found = re.search(r"is above (\d+):.* at most (\d+)$", line)
+    assert found and found[1] == found[2], line
+    bound = int(found[1])
+    assert 0 < bound < 131072, line
+    for tokens, code in ((bound, 0), (bound + 1, 2)):
+        if name.endswith("num_steps"):
+            edits: list[tuple[str, object]] = [
+                (name, tokens),
+                ("drafters.standalone.num_draft_tokens", tokens + 1),
+            ]
+        elif name.endswith("eagle_topk"):  # one step: the tree's window is its top-k
+            edits = [(name, tokens), ("drafters.tree.num_steps", 1)]
+        else:
+            edits = [(name, tokens)]
+        at = _campaign(tmp_path, f"at-{tokens}", *edits)
+        plan = invoke("sweep", str(at), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate")
+        assert plan.exit_code == code, plan.output
+
+
+def test_more_draft_tokens_than_the_eagle_tree_holds_are_refused_at_load(tmp_path: Path) -> None:
+    """SGLang verifies num_draft_tokens - 1 drafts picked from the eagle_topk + (num_steps - 1)
+    x eagle_topk^2 candidates its tree drafted (`torch.topk` over them, which fails with
+    more): 5 steps of top 4 hold 68, so num_draft_tokens = 2**63 - 1 (or 70) was accepted
+    and, on SGLang, failed the arm's first decode. It is refused at load naming the key, its
+    value and the bound, which is then accepted."""
+    path = _campaign(tmp_path, "c", ("drafters.tree.num_draft_tokens", HUGE))
+    line = _refused_everywhere(
+        tmp_path, path, f"drafters.tree.num_draft_tokens: {HUGE} is above 69"
+    )
+    assert "at most 69" in line, line
+    for tokens, code in ((69, 0), (70, 2)):
+        at = _campaign(tmp_path, f"at-{tokens}", ("drafters.tree.num_draft_tokens", tokens))
+        plan = invoke("sweep", str(at), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate")
+        assert plan.exit_code == code, plan.output
