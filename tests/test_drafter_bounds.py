@@ -153,3 +153,38 @@ def test_more_draft_tokens_than_the_eagle_tree_holds_are_refused_at_load(tmp_pat
         at = _campaign(tmp_path, f"at-{tokens}", ("drafters.tree.num_draft_tokens", tokens))
         plan = invoke("sweep", str(at), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate")
         assert plan.exit_code == code, plan.output
+
+
+# -- the other numeric fields, fuzzed alike ---------------------------------------------------
+
+
+def _refused_at_load(tmp_path: Path, edit: tuple[str, object], said: str) -> None:
+    """`edit` refused at load, exit 2, in one line holding `said`: the dry run without the
+    estimate first (quick however the campaign runs), then with it, the sweep and the doctor."""
+    path = _campaign(tmp_path, "c", edit)
+    out = tmp_path / "out"
+    for argv in (
+        ["sweep", str(path), "--out", str(out), "--dry-run", "--no-estimate"],
+        ["sweep", str(path), "--out", str(out), "--dry-run"],
+        ["sweep", str(path), "--out", str(out), "--no-progress"],
+        ["doctor", str(path), "--out", str(out)],
+    ):
+        result = invoke(*argv)
+        assert result.exit_code == 2, result.output
+        lines = result.output.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error:"), result.output
+        assert said in lines[0], result.output
+    assert not (out / "journal.jsonl").exists()
+
+
+@pytest.mark.parametrize("period", [1e-9, 1e-300])
+def test_a_sample_period_below_a_millisecond_is_refused(tmp_path: Path, period: float) -> None:
+    """measurement.sample_period_s = 1e-9 (or 1e-300) passed (it is above 0 and min_window_s /
+    5) and the dry run's twin estimate ran for minutes, sampling every nanosecond of every
+    window; NVML's energy counter moves every 20-100 ms and a read takes about a millisecond.
+    Refused at load, naming the key, the value and the bound."""
+    _refused_at_load(
+        tmp_path,
+        ("measurement.sample_period_s", period),
+        f"measurement.sample_period_s: must be at least 0.001, got {period}",
+    )

@@ -267,6 +267,13 @@ def _workload(table: Table, user_corpora: dict[str, Any]) -> WorkloadConfig:
     )
 
 
+#: The shortest measurement.sample_period_s: NVML's energy counter moves every 20-100 ms and a
+#: read of it takes the order of a millisecond, so a shorter period reads the same value again,
+#: no faster; and the twin samples every period of every window, so 1e-9 s ran its dry run
+#: (1e9 samples a one-second window) for minutes.
+MIN_SAMPLE_PERIOD_S = 0.001
+
+
 def _measurement(table: Table) -> MeasurementConfig:
     m = MeasurementConfig(
         warmup_tokens=table.integer("warmup_tokens", 32, minimum=0),
@@ -274,7 +281,7 @@ def _measurement(table: Table) -> MeasurementConfig:
         max_rounds=table.integer("max_rounds", 32, minimum=1),
         repeats=table.integer("repeats", 1, minimum=1),
         seed=table.integer("seed", 0, minimum=0),
-        sample_period_s=table.seconds("sample_period_s", 0.02, strictly_positive=True),
+        sample_period_s=table.seconds("sample_period_s", 0.02, minimum=MIN_SAMPLE_PERIOD_S),
         idle_s=table.seconds("idle_s", 5.0, minimum=0.0),
         retries=table.integer("retries", 2, minimum=0),
         **_protocol(table),
