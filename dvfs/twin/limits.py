@@ -122,6 +122,32 @@ def weights_refusal(
     )
 
 
+def kv_pool_tokens(
+    target: ModelProfile,
+    draft: ModelProfile | None,
+    gpu: GpuProfile,
+    tp_size: int,
+    decode_graph_max_bs: int | None = None,
+    mem_fraction_static: float | None = None,
+    max_total_tokens: int | None = None,
+) -> int:
+    """About how many tokens SGLang's KV pool holds serving `target` (with `draft`) on
+    `tp_size` GPUs of `gpu`: the static memory (`weights_refusal`'s) the weights leave, over
+    the target's KV bytes a token, each GPU holding its share of both; at most
+    `max_total_tokens` (--max-total-tokens) where given. The draft model's own KV is not
+    counted: the pool is at most this. 0: the weights leave nothing."""
+    fraction = (
+        mem_fraction_static
+        if mem_fraction_static is not None
+        else default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
+    )
+    weights = weight_bytes(target) + (weight_bytes(draft, draft=True) if draft else 0.0)
+    left = gpu.memory_mib() * MIB * fraction - weights / tp_size
+    per_token = target.kv_bytes_per_token / tp_size
+    tokens = max(0, math.floor(left / per_token)) if per_token > 0 else 0
+    return min(tokens, max_total_tokens) if max_total_tokens else tokens
+
+
 #: The shortest abbreviations argparse reads as these flags in both SGLang 0.5.9 and 0.5.23 (the
 #: shortest prefix no other flag of either release's option table starts with; 0.5.23's
 #: --context-length-... flags make "--context" ambiguous there).
