@@ -206,3 +206,16 @@ def test_a_sample_period_below_a_millisecond_is_refused(tmp_path: Path, period: 
         ("measurement.sample_period_s", period),
         f"measurement.sample_period_s: must be at least 0.001, got {period}",
     )
+
+
+def test_a_thermal_slope_too_small_to_judge_is_refused(tmp_path: Path) -> None:
+    """measurement.thermal_slope_c_per_min = 1e-300 passed (it is above 0) and the dry run's
+    estimate and the sweep ended in "internal error: OverflowError: cannot convert float
+    infinity to integer": the thermal stabilisation judges a slope over 60 x 1 C / slope
+    seconds of NVML's whole-degree readings, an infinite window. Refused at load naming the
+    key, the value and the bound (1e-4 C/min: a window of 600000 s, under a week)."""
+    _refused_at_load(
+        tmp_path,
+        ("measurement.thermal_slope_c_per_min", 1e-300),
+        "measurement.thermal_slope_c_per_min: must be at least 0.0001, got 1e-300",
+    )

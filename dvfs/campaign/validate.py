@@ -267,6 +267,13 @@ def _workload(table: Table, user_corpora: dict[str, Any]) -> WorkloadConfig:
     )
 
 
+#: The least measurement.thermal_slope_c_per_min: a slope is told from NVML's whole-degree
+#: readings over 60 x 1 C / slope seconds (`dvfs.measure.baseline.slope_window_s`), 600000 s
+#: here, under the week a campaign's durations are held to (`dvfs.campaign.table.MAX_SECONDS`);
+#: 1e-300 made that window infinite, an internal error ("cannot convert float infinity to
+#: integer").
+MIN_THERMAL_SLOPE_C_PER_MIN = 1e-4
+
 #: The shortest measurement.sample_period_s: NVML's energy counter moves every 20-100 ms and a
 #: read of it takes the order of a millisecond, so a shorter period reads the same value again,
 #: no faster; and the twin samples every period of every window, so 1e-9 s ran its dry run
@@ -344,7 +351,10 @@ def _protocol(table: Table) -> dict[str, Any]:
         "warmup_every": table.string("warmup_every", WARMUP_EVERY[0], choices=WARMUP_EVERY),
         "settle": settle,
         "thermal_slope_c_per_min": table.number(
-            "thermal_slope_c_per_min", 1.0, strictly_positive=True
+            "thermal_slope_c_per_min",
+            1.0,
+            strictly_positive=True,
+            minimum=MIN_THERMAL_SLOPE_C_PER_MIN,
         ),
         "thermal_max_s": table.seconds("thermal_max_s", 120.0, minimum=0.0),
         "idle_per_setting": table.boolean("idle_per_setting", True),
