@@ -8,10 +8,12 @@ them). The bound each line names is then accepted."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from click.testing import CliRunner, Result
 from conftest import write
 
 from dvfs.cli import cli
+from dvfs.measure import plan
 
 #: The largest integer TOML holds: a block of it overflowed the twin's pass arithmetic ("numpy
 #: overflow", then "internal error: ValueError: run_load returned without advancing the clock").
@@ -219,3 +222,26 @@ def test_a_thermal_slope_too_small_to_judge_is_refused(tmp_path: Path) -> None:
         ("measurement.thermal_slope_c_per_min", 1e-300),
         "measurement.thermal_slope_c_per_min: must be at least 0.0001, got 1e-300",
     )
+
+
+def test_a_million_max_repeats_plans_without_a_key_for_every_repeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """measurement.max_repeats = 1048576 (the most a cube holds) ran `dvfs sweep --dry-run
+    --no-estimate` for minutes over an empty folder (and the sweep's start alike): the extra
+    repeats a journal holds were found by working out the key of every repeat each group may
+    take, 2**20 of them a group. They are read off the journal's finished keys: the dry run
+    works out a few keys a cell (counted; unfixed, it stops at the limit instead of minutes)."""
+    keys = itertools.count()
+
+    def dumps(*args: Any, **kwargs: Any) -> str:
+        if next(keys) > 100_000:
+            raise AssertionError("a key worked out for every repeat a group may take")
+        return json.dumps(*args, **kwargs)
+
+    monkeypatch.setattr(plan, "json", SimpleNamespace(dumps=dumps, loads=json.loads))
+    path = _campaign(tmp_path, "c", ("measurement.max_repeats", 1 << 20))
+    out = tmp_path / "out"
+    dry = invoke("sweep", str(path), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.output)["cells"] == 12  # 2 clocks x 6 drafters
