@@ -22,7 +22,7 @@ from click.testing import CliRunner, Result
 from conftest import write
 
 from dvfs.cli import cli
-from dvfs.measure import plan
+from dvfs.measure import baseline, plan
 
 #: The largest integer TOML holds: a block of it overflowed the twin's pass arithmetic ("numpy
 #: overflow", then "internal error: ValueError: run_load returned without advancing the clock").
@@ -245,3 +245,27 @@ def test_a_million_max_repeats_plans_without_a_key_for_every_repeat(
     dry = invoke("sweep", str(path), "--out", str(out), "--dry-run", "--no-estimate", "--json")
     assert dry.exit_code == 0, dry.output
     assert json.loads(dry.output)["cells"] == 12  # 2 clocks x 6 drafters
+
+
+def test_a_long_idle_baseline_is_judged_once_its_span_has_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """measurement.idle_s = 3600 ran the dry run's twin estimate of a 20-cell grid for 287 s
+    (1000 s: 22 s; a week: minutes without end in sight): each idle baseline judged whether
+    its counter windows spanned idle_s every quarter second, reading every sample so far each
+    time, quadratic in idle_s. No window spans idle_s before idle_s has passed, so it is judged
+    from then on only: the estimate's idle baselines judge a few times each (counted; unfixed,
+    it stops at the limit instead of taking minutes)."""
+    judged = itertools.count()
+    judge = baseline.counter_windows
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if next(judged) > 1000:
+            raise AssertionError("an idle baseline judged at every step before its span")
+        return judge(*args, **kwargs)
+
+    monkeypatch.setattr(baseline, "counter_windows", counted)
+    path = _campaign(tmp_path, "c", ("measurement.idle_s", 1000.0))
+    dry = invoke("sweep", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--json")
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.output)["estimate"]["from"] == "twin", dry.output
