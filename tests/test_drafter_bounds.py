@@ -269,3 +269,25 @@ def test_a_long_idle_baseline_is_judged_once_its_span_has_passed(
     dry = invoke("sweep", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--json")
     assert dry.exit_code == 0, dry.output
     assert json.loads(dry.output)["estimate"]["from"] == "twin", dry.output
+
+
+@pytest.mark.parametrize(
+    ("stop", "said"),
+    [
+        (HUGE, f"knobs.sm_clock: stop {HUGE} is not reached from 705 in steps of 15"),
+        (
+            HUGE - 7,
+            f"knobs.sm_clock: 705-{HUGE - 7} MHz in steps of 15 is 614,891,469,123,651,674 "
+            "clocks, more than a campaign may step through (1,000,000 at most",
+        ),
+    ],
+)
+def test_an_sm_clock_range_of_more_clocks_than_a_campaign_plans_is_refused(
+    tmp_path: Path, stop: int, said: str
+) -> None:
+    """knobs.sm_clock = {start = 705, stop = 2**63 - 1, step = 15} was listed in full at load:
+    "out of memory ... the input is too large for this machine", exit 1. Its clocks are counted
+    instead: a stop the steps miss is refused as before, and more clocks than a campaign may
+    step through (a million, each a cell at least) at load, naming the key, the count and the
+    bound."""
+    _refused_at_load(tmp_path, ("knobs.sm_clock", {"start": 705, "stop": stop, "step": 15}), said)

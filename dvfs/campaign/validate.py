@@ -126,12 +126,19 @@ def _clock_list(table: Table, value: Any) -> tuple[int, ...] | None:
             raise table.fail("sm_clock", "a range needs start, stop and step (MHz)")
         if start > stop:
             raise table.fail("sm_clock", f"start {start} is above stop {stop}")
-        values = list(range(start, stop + 1, step))
-        if values[-1] != stop:
+        if (stop - start) % step:
             raise table.fail(
                 "sm_clock", f"stop {stop} is not reached from {start} in steps of {step}"
             )
-        return tuple(values)
+        levels = (stop - start) // step + 1
+        if levels > MOST_CLOCK_LEVELS:  # counted, not listed: a list that long fills memory
+            raise table.fail(
+                "sm_clock",
+                f"{start}-{stop} MHz in steps of {step} is {levels:,} clocks, more than a "
+                f"campaign may step through ({MOST_CLOCK_LEVELS:,} at most, each a cell at "
+                "least); give a stop within the GPU's clocks or a larger step",
+            )
+        return tuple(range(start, stop + 1, step))
     if isinstance(value, list) and value:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
             raise table.fail("sm_clock", f"expected positive integers (MHz), got {show(value)}")
@@ -266,6 +273,11 @@ def _workload(table: Table, user_corpora: dict[str, Any]) -> WorkloadConfig:
         pool_size,
     )
 
+
+#: The most clocks an sm_clock range may step through: each is a cell at least, and no campaign
+#: plans more cells than a dry run lists (`dvfs.measure.plan.MOST_LISTED_CELLS`). A stop of
+#: 2**63 - 1 was listed in full: "out of memory", exit 1.
+MOST_CLOCK_LEVELS = 1_000_000
 
 #: The least measurement.thermal_slope_c_per_min: a slope is told from NVML's whole-degree
 #: readings over 60 x 1 C / slope seconds (`dvfs.measure.baseline.slope_window_s`), 600000 s
