@@ -291,3 +291,32 @@ def test_an_sm_clock_range_of_more_clocks_than_a_campaign_plans_is_refused(
     step through (a million, each a cell at least) at load, naming the key, the count and the
     bound."""
     _refused_at_load(tmp_path, ("knobs.sm_clock", {"start": 705, "stop": stop, "step": 15}), said)
+
+
+def test_a_batch_whose_cuda_graphs_leave_no_memory_names_the_batch_that_fits(
+    tmp_path: Path,
+) -> None:
+    """workload.batch = [50000] on the twin (a corpus of as many prompts): dvfs captures decode
+    CUDA graphs up to the largest batch, and SGLang's default static memory fraction reserves
+    2 MiB for each, so on an H100 it comes to below 0. The line said the GPU "has -31.1 GiB for
+    weights and KV cache" and to use more GPUs or a smaller model. It names the largest batch
+    that fits (then accepted; one more refused) and says "nothing"."""
+    lines = [json.dumps({"text": f"Prompt {i}: " + "word " * 40}) for i in range(50_000)]
+    write(tmp_path / "many.jsonl", "\n".join(lines) + "\n")
+    edits: list[tuple[str, object]] = [
+        ("drafters", {"none": {"algorithm": "none"}}),
+        ("workload.corpora", ["many"]),
+        ("corpus", {"many": {"path": "many.jsonl", "field": "text"}}),
+    ]
+    path = _campaign(tmp_path, "c", *edits, ("workload.batch", [50_000]))
+    out = str(tmp_path / "out")
+    dry = invoke("sweep", str(path), "--out", out, "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 2, dry.output
+    (line,) = json.loads(dry.output)["problems"]
+    assert "has nothing for weights and KV cache" in line, line
+    found = re.search(r"lower the largest batch \(workload.batch\) to at most (\d+)", line)
+    assert found, line
+    for batch, code in ((int(found[1]), 0), (int(found[1]) + 1, 2)):
+        at = _campaign(tmp_path, f"at-{batch}", *edits, ("workload.batch", [batch]))
+        plan = invoke("sweep", str(at), "--out", out, "--dry-run", "--no-estimate")
+        assert plan.exit_code == code, plan.output
