@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from dvfs.engines.base import Engine
     from dvfs.engines.sglang_args import LaunchHelp
     from dvfs.gpu.base import Gpu
-    from dvfs.twin.profiles import GpuProfile
+    from dvfs.twin.drafting import DraftPlan
+    from dvfs.twin.profiles import GpuProfile, ModelProfile
     from dvfs.twin.textprior import TextProfile
 
 
@@ -620,6 +621,13 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
             )
         )
     asked, key, said = max(asks, key=lambda a: a[0])
+    longest_all = max(
+        (p.input_tokens for c in corpora.values() for p in eligible_prompts(c, w.input_tokens)),
+        default=0,
+    )
+    wide = _window_overrun(campaign, model, asked, said, longest_all)
+    if wide is not None:
+        return wide
     over, longest_over = [], 0
     for name, corpus in corpora.items():
         lengths = [p.input_tokens for p in eligible_prompts(corpus, w.input_tokens)]
@@ -655,6 +663,120 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
         f"{'; '.join(over)}: with {said}{slots} that exceeds the "
         f"{whose}, and SGLang refuses such requests; {todo}"
     )
+
+
+def _window_overrun(
+    campaign: Campaign, model: ModelProfile, asked: int, said: str, longest: int
+) -> str | None:
+    """A drafter whose verify window (`dvfs.twin.limits.draft_window`: a DFLASH block, the
+    tokens an n-gram, standalone or EAGLE tree verifies, an EAGLE tree's drafts) leaves the
+    longest prompt (`longest` tokens) no room in its server's context with the `asked` new
+    tokens: one line naming the drafter's key, its value and the most that fits. The window's
+    tokens sit past the request's own in its context-length-wide row of SGLang's token-to-KV
+    map (for the EAGLE family SGLang refuses the request ahead); a number past it ended the
+    twin's sweep in an internal error (a block of 2**63 - 1 tokens overflowed its pass
+    arithmetic). None: every drafter's fits; or the prompts themselves leave no room, or an
+    EAGLE-family window leaves the shorter prompts room (SGLang refuses the longer ones): the
+    corpus line says so, and offers an input bound."""
+    from dvfs.twin.drafting import plan_drafter
+    from dvfs.twin.limits import EAGLE_ALGORITHMS, draft_window, served_context_length
+
+    engine_args, env = campaign.engine.sglang.extra_args, campaign.engine.sglang.env
+    shortest = campaign.workload.input_tokens[0]
+    for drafter in campaign.drafters:
+        plan = plan_drafter(drafter, model)
+        window = draft_window(plan)
+        served = served_context_length(model, [*engine_args, *drafter.extra_args], env)
+        most = served - max(longest, shortest) - asked
+        if plan is None or not served or window <= most or most < 2:
+            continue  # (most < 2: no verify fits past the prompts, which are the problem)
+        if plan.algorithm in EAGLE_ALGORITHMS and shortest + window + asked <= served:
+            continue  # SGLang refuses the longer prompts: the corpus line offers an input bound
+        key, value, bound = _window_key(plan, most)
+        whose = f"context length of {model.hf_name or model.key} ({served} tokens)"
+        if served != model.context_length:
+            whose = f"context length its server is started with (--context-length {served})"
+        return (
+            f"drafters.{drafter.name}.{key} = {value} is above {bound}: each verify pass "
+            f"places {window} tokens past a request's own, which with the longest prompt "
+            f"({max(longest, shortest)} tokens) and {said} must fit in the {whose}; give "
+            f"{key} at most {bound}"
+        )
+    return _window_pool_overrun(campaign, model, asked, said, max(longest, shortest))
+
+
+def _window_key(plan: DraftPlan, most: int) -> tuple[str, int, int]:
+    """The key of a drafter (`plan`) that sets its verify window, its value, and its bound
+    for a window of at most `most` tokens."""
+    from dvfs.twin.limits import draft_window
+
+    window = draft_window(plan)
+    if plan.algorithm == "DFLASH":
+        return "block_size", window, most
+    if plan.algorithm == "NGRAM":
+        return "num_draft_tokens", window, most
+    if plan.topk == 1:  # SGLang forces num_draft_tokens = num_steps + 1
+        return "num_steps", plan.num_steps, most - 1
+    if plan.topk * plan.num_steps >= plan.verify_tokens:
+        return "eagle_topk x num_steps", window, most
+    return "num_draft_tokens", window, most
+
+
+def _window_pool_overrun(
+    campaign: Campaign, model: ModelProfile, asked: int, said: str, longest: int
+) -> str | None:
+    """A drafter whose verify windows, at the campaign's largest batch, take the requests
+    past what the KV pool holds (`dvfs.twin.limits.kv_pool_tokens`) where without them they
+    fit: each of the batch's requests holds its prompt (the longest, `longest` tokens), the
+    `asked` new tokens and a verify window of KV cache at once, and SGLang retracts requests
+    the pool cannot hold, so the cell would not run at its batch. One line naming the
+    drafter's key, its value and the most that fits; a DFLASH block of 100000 tokens at batch
+    64 (6.4 million tokens of KV against Llama-3.1-8B's ~390000 on an H100) ran the dry run's
+    estimate for minutes. None: every drafter's fits, the GPU is unknown, or the batch
+    overflows the pool without them (no drafter's number is the fix)."""
+    from dvfs.twin.drafting import plan_drafter
+    from dvfs.twin.limits import (
+        draft_window,
+        given_max_total_tokens,
+        kv_pool_tokens,
+        mem_fraction_static,
+    )
+
+    gpu = _twin_gpu_profile(campaign)
+    if gpu is None:
+        return None
+    engine_args = campaign.engine.sglang.extra_args
+    batch = max(campaign.workload.batch_sizes)
+    for drafter in campaign.drafters:
+        plan = plan_drafter(drafter, model)
+        if plan is None:
+            continue
+        args = [*engine_args, *drafter.extra_args]
+        pool = kv_pool_tokens(
+            model,
+            plan.draft_model,
+            gpu,
+            campaign.engine.tp_size,
+            batch,
+            mem_fraction_static(args),
+            given_max_total_tokens(args),
+        )
+        window = draft_window(plan)
+        most = pool // batch - longest - asked
+        if window <= most or most < 2:  # (most < 2: the batch overflows it without them)
+            continue
+        key, value, bound = _window_key(plan, most)
+        need = batch * (longest + asked + window)
+        return (
+            f"drafters.{drafter.name}.{key} = {value} is above {bound}: at batch {batch} "
+            f"each request holds a verify pass's {window} tokens of KV cache past its own, and "
+            f"the {batch} requests, with the longest prompt ({longest} tokens) and {said}, "
+            f"then need {need} tokens of it, more than the ~{pool} that "
+            f"{model.hf_name or model.key} leaves on {gpu.nvml_name} (tp "
+            f"{campaign.engine.tp_size}): SGLang would retract requests, and the cell would "
+            f"not run at batch {batch}; give {key} at most {bound}"
+        )
+    return None
 
 
 def twin_inflight_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> str | None:

@@ -277,6 +277,8 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
             f"with eagle_topk = 1 SGLang forces num_draft_tokens = num_steps + 1 = {forced}, "
             f"not {draft_tokens}",
         )
+    if algorithm in EAGLE_TRIPLE and steps is not None and topk is not None:
+        _check_tree_size(table, steps, topk, draft_tokens)
     if engine.backend == "twin" and algorithm in ("DSPARK", "UNO"):
         raise table.fail(
             "algorithm",
@@ -286,6 +288,23 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
     if engine.backend == "twin":
         _check_twin_drafter(table, spec, engine)
     return spec
+
+
+def _check_tree_size(table: Table, steps: int, topk: int, draft_tokens: int) -> None:
+    """An EAGLE-family tree verifies num_draft_tokens - 1 drafts picked from the candidates
+    its steps drafted: eagle_topk at the first step, eagle_topk x eagle_topk at each later one
+    (SGLang's `build_tree_kernel_efficient_preprocess`: `torch.topk(score_list,
+    num_verify_tokens - 1)` over them, which fails with more). SGLang starts with more, and the
+    drafter's arm would fail at its first decode."""
+    most = topk + (steps - 1) * topk * topk + 1
+    if draft_tokens > most:
+        raise table.fail(
+            "num_draft_tokens",
+            f"{draft_tokens} is above {most}: SGLang's draft tree holds eagle_topk + "
+            f"(num_steps - 1) x eagle_topk^2 = {most - 1} candidates ({steps} steps, top "
+            f"{topk}), plus the verified token; give num_draft_tokens at most {most}, or more "
+            "num_steps or eagle_topk",
+        )
 
 
 def _check_twin_drafter(table: Table, spec: DrafterSpec, engine: EngineConfig) -> None:

@@ -126,12 +126,19 @@ def _clock_list(table: Table, value: Any) -> tuple[int, ...] | None:
             raise table.fail("sm_clock", "a range needs start, stop and step (MHz)")
         if start > stop:
             raise table.fail("sm_clock", f"start {start} is above stop {stop}")
-        values = list(range(start, stop + 1, step))
-        if values[-1] != stop:
+        if (stop - start) % step:
             raise table.fail(
                 "sm_clock", f"stop {stop} is not reached from {start} in steps of {step}"
             )
-        return tuple(values)
+        levels = (stop - start) // step + 1
+        if levels > MOST_CLOCK_LEVELS:  # counted, not listed: a list that long fills memory
+            raise table.fail(
+                "sm_clock",
+                f"{start}-{stop} MHz in steps of {step} is {levels:,} clocks, more than a "
+                f"campaign may step through ({MOST_CLOCK_LEVELS:,} at most, each a cell at "
+                "least); give a stop within the GPU's clocks or a larger step",
+            )
+        return tuple(range(start, stop + 1, step))
     if isinstance(value, list) and value:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
             raise table.fail("sm_clock", f"expected positive integers (MHz), got {show(value)}")
@@ -267,6 +274,25 @@ def _workload(table: Table, user_corpora: dict[str, Any]) -> WorkloadConfig:
     )
 
 
+#: The most clocks an sm_clock range may step through: each is a cell at least, and no campaign
+#: plans more cells than a dry run lists (`dvfs.measure.plan.MOST_LISTED_CELLS`). A stop of
+#: 2**63 - 1 was listed in full: "out of memory", exit 1.
+MOST_CLOCK_LEVELS = 1_000_000
+
+#: The least measurement.thermal_slope_c_per_min: a slope is told from NVML's whole-degree
+#: readings over 60 x 1 C / slope seconds (`dvfs.measure.baseline.slope_window_s`), 600000 s
+#: here, under the week a campaign's durations are held to (`dvfs.campaign.table.MAX_SECONDS`);
+#: 1e-300 made that window infinite, an internal error ("cannot convert float infinity to
+#: integer").
+MIN_THERMAL_SLOPE_C_PER_MIN = 1e-4
+
+#: The shortest measurement.sample_period_s: NVML's energy counter moves every 20-100 ms and a
+#: read of it takes the order of a millisecond, so a shorter period reads the same value again,
+#: no faster; and the twin samples every period of every window, so 1e-9 s ran its dry run
+#: (1e9 samples a one-second window) for minutes.
+MIN_SAMPLE_PERIOD_S = 0.001
+
+
 def _measurement(table: Table) -> MeasurementConfig:
     m = MeasurementConfig(
         warmup_tokens=table.integer("warmup_tokens", 32, minimum=0),
@@ -274,7 +300,7 @@ def _measurement(table: Table) -> MeasurementConfig:
         max_rounds=table.integer("max_rounds", 32, minimum=1),
         repeats=table.integer("repeats", 1, minimum=1),
         seed=table.integer("seed", 0, minimum=0),
-        sample_period_s=table.seconds("sample_period_s", 0.02, strictly_positive=True),
+        sample_period_s=table.seconds("sample_period_s", 0.02, minimum=MIN_SAMPLE_PERIOD_S),
         idle_s=table.seconds("idle_s", 5.0, minimum=0.0),
         retries=table.integer("retries", 2, minimum=0),
         **_protocol(table),
@@ -337,7 +363,10 @@ def _protocol(table: Table) -> dict[str, Any]:
         "warmup_every": table.string("warmup_every", WARMUP_EVERY[0], choices=WARMUP_EVERY),
         "settle": settle,
         "thermal_slope_c_per_min": table.number(
-            "thermal_slope_c_per_min", 1.0, strictly_positive=True
+            "thermal_slope_c_per_min",
+            1.0,
+            strictly_positive=True,
+            minimum=MIN_THERMAL_SLOPE_C_PER_MIN,
         ),
         "thermal_max_s": table.seconds("thermal_max_s", 120.0, minimum=0.0),
         "idle_per_setting": table.boolean("idle_per_setting", True),

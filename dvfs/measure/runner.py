@@ -1534,13 +1534,27 @@ def journaled_repeats(m: MeasurementConfig, cells: Sequence[Cell], done: set[str
     resumed run counts them done, beside the planned cells it skips."""
     if m.max_repeats <= m.repeats:
         return []
-    more = (
-        replace(cell, repeat=n)
-        for cell in cells
-        if cell.repeat == 0
-        for n in range(m.repeats, m.max_repeats)
-    )
-    return [cell for cell in more if cell.key in done]
+    # Read off the finished keys (each an extra repeat of a planned group or not), not
+    # walked over every repeat a group may take: max_repeats = 1048576 made the dry run and
+    # the sweep's start work out 2**20 keys a group, minutes for an empty journal.
+    planned = {_group(cell): (i, cell) for i, cell in enumerate(cells) if cell.repeat == 0}
+    found = []
+    for key in done:
+        try:
+            fields = json.loads(key)
+            repeat = fields["repeat"]
+            at = planned.get(tuple(fields[name] for name in _GROUP_FIELDS))
+        except (ValueError, TypeError, KeyError):  # no cell's key (a list unhashable)
+            continue
+        if not isinstance(repeat, int) or not m.repeats <= repeat < m.max_repeats:
+            continue
+        if at is not None and (more := replace(at[1], repeat=repeat)).key == key:
+            found.append((at[0], repeat, more))
+    return [cell for _, _, cell in sorted(found, key=operator.itemgetter(0, 1))]
+
+
+#: The fields of a cell `_group` keeps, in its order.
+_GROUP_FIELDS = ("drafter", "sm_clock_mhz", "power_limit_w", "batch", "corpus")
 
 
 def _group(cell: Cell) -> tuple:

@@ -108,6 +108,17 @@ def weights_refusal(
     with_draft = f" with draft model {draft.hf_name or draft.key}" if draft else ""
     whose = "the campaign's --mem-fraction-static" if given else "SGLang's default one"
     todo = f"use {MORE_GPUS} or a smaller model"
+    batch = (
+        None
+        if given or decode_graph_max_bs is None
+        else _largest_graph_batch(need, gpu, tp_size, decode_graph_max_bs)
+    )
+    if batch is not None:  # the decode CUDA graphs' reserve, the batch's, left it too little
+        todo = (
+            f"lower the largest batch (workload.batch) to at most {batch}: SGLang's default "
+            f"fraction reserves 2 MiB for each decode CUDA-graph batch size up to it, "
+            f"{decode_graph_max_bs} here; or {todo}"
+        )
     if given:  # a fraction the campaign set too low: raising it is the first way out
         least = (math.floor(need / (gpu.memory_mib() * MIB) * 100) + 1) / 100
         if least <= default:
@@ -115,11 +126,56 @@ def weights_refusal(
                 f"raise --mem-fraction-static to at least {least:.2f} (SGLang's default here "
                 f"is {default:g}), or {todo}"
             )
+    room = f"{have / GIB:.1f} GiB" if have > 0 else "nothing"  # (a fraction below 0)
     return (
         f"{name}{with_draft} does not fit: its weights need {need / GIB:.1f} GiB per GPU "
-        f"(tp {tp_size}) but {gpu.nvml_name} has {have / GIB:.1f} GiB for weights and KV cache "
+        f"(tp {tp_size}) but {gpu.nvml_name} has {room} for weights and KV cache "
         f"(static memory fraction {fraction:g}, {whose}), too little for SGLang to start: {todo}"
     )
+
+
+def _largest_graph_batch(need: float, gpu: GpuProfile, tp_size: int, most: int) -> int | None:
+    """The largest decode CUDA-graph batch size below `most` whose reserve leaves SGLang's
+    default static memory room for `need` bytes of weights a GPU; None: none does (the weights
+    do not fit at batch 1), or `most` does."""
+
+    def fits(batch: int) -> bool:
+        fraction = default_mem_fraction_static(gpu, tp_size, batch)
+        return need < gpu.memory_mib() * MIB * fraction
+
+    if fits(most) or not fits(1):
+        return None
+    low, high = 1, most  # fits(low), not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def kv_pool_tokens(
+    target: ModelProfile,
+    draft: ModelProfile | None,
+    gpu: GpuProfile,
+    tp_size: int,
+    decode_graph_max_bs: int | None = None,
+    mem_fraction_static: float | None = None,
+    max_total_tokens: int | None = None,
+) -> int:
+    """About how many tokens SGLang's KV pool holds serving `target` (with `draft`) on
+    `tp_size` GPUs of `gpu`: the static memory (`weights_refusal`'s) the weights leave, over
+    the target's KV bytes a token, each GPU holding its share of both; at most
+    `max_total_tokens` (--max-total-tokens) where given. The draft model's own KV is not
+    counted: the pool is at most this. 0: the weights leave nothing."""
+    fraction = (
+        mem_fraction_static
+        if mem_fraction_static is not None
+        else default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
+    )
+    weights = weight_bytes(target) + (weight_bytes(draft, draft=True) if draft else 0.0)
+    left = gpu.memory_mib() * MIB * fraction - weights / tp_size
+    per_token = target.kv_bytes_per_token / tp_size
+    tokens = max(0, math.floor(left / per_token)) if per_token > 0 else 0
+    return min(tokens, max_total_tokens) if max_total_tokens else tokens
 
 
 #: The shortest abbreviations argparse reads as these flags in both SGLang 0.5.9 and 0.5.23 (the
@@ -220,6 +276,17 @@ def reserved_tokens(plan: DraftPlan | None) -> int:
     for a drafter (`plan`; None: no speculation): an EAGLE-family drafter's draft tokens,
     nothing for the others."""
     if plan is None or plan.algorithm not in EAGLE_ALGORITHMS:
+        return 0
+    return max(plan.topk * plan.num_steps, plan.verify_tokens)
+
+
+def draft_window(plan: DraftPlan | None) -> int:
+    """The tokens a verify pass of a drafter (`plan`; None: no speculation) places past a
+    request's own, into the request's row of SGLang's token-to-KV map, which is context-length
+    wide (`reserved_tokens` counts them for the EAGLE family, which SGLang reserves ahead): the
+    most of its tree's drafts (top-k x steps) and the tokens it verifies (num_draft_tokens, a
+    DFLASH block). 0: no speculation."""
+    if plan is None:
         return 0
     return max(plan.topk * plan.num_steps, plan.verify_tokens)
 
