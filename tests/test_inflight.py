@@ -498,7 +498,7 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
     level's energy per token agrees within the two intervals, the stepped decode's longer
     context carried back to the per-level cells' (the drift fitted across its segments).
     Every NVML trap is on but leakage: a group's levels share one die temperature, a per-level
-    cell runs nearer its own level's, and leakage would compare the temperatures (0.5-1.1% at
+    cell runs nearer its own level's, and leakage would compare the temperatures (0.6-0.9% at
     700 W, batch 8, README's "In-flight stepping"), not the methods."""
     with twin_runner(tmp_path) as runner:
         assert runner.settle_s >= runner.gpus[0].device.profile.settle_time_s  # type: ignore[attr-defined]

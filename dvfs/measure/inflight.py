@@ -44,7 +44,7 @@ value, the slope and the factor (`inflight.context`), and each segment's energy 
 Limits: fixed batches only; a group's levels share one die temperature (the die responds
 over tens of seconds, a segment lasts about one), near the steady temperature of the group's
 mean power, where a per-level cell runs nearer its own level's: with leakage, a level whose
-power is well above the group's mean comes out below a per-level cell (0.5-1.1% at 700 W,
+power is well above the group's mean comes out below a per-level cell (0.6-0.9% at 700 W,
 batch 8 on the twin; README, "In-flight stepping"); a nonlinear drift cancels
 only in part, and the context factor
 assumes one relative slope for every level (its uncertainty is not in the interval): a level
