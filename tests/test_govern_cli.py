@@ -1275,13 +1275,54 @@ def test_a_page_that_trickles_in_is_a_server_not_answering(
             *("--url", url, "--gpu", "0", "--interval", "0.2", "--max-intervals", "1"),
             env=env,
         )
-    said = f"cannot read {url}/metrics: its page did not come within 0.5 s"
+    # (a dry run's first read, whether there is a server at all, is given 5 s: the page's
+    # 6 s are still too long)
+    within = "0.5 s" if command[0] == "monitor" else "5 s"
+    said = f"cannot read {url}/metrics: its page did not come within {within}"
     assert said in result.stderr, result.stderr
     if command[0] == "monitor":
         assert result.returncode == 0 and "dvfs_server_up 0.0" in result.stdout, result.stdout
     else:  # a dry run with no load to preview
         assert result.returncode == 1 and "is not answering" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+class SlowFirstMetrics(CountingMetrics):
+    """A loopback /metrics page whose first answer comes `delay_s` late (a healthy server on a
+    loaded machine, slow to answer at first), every later one at once."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        super().__init__()
+
+    def page(self) -> bytes:
+        if self.requests == 1:
+            time.sleep(self.delay_s)
+        return super().page()
+
+
+def test_a_dry_run_waits_for_a_server_slow_to_answer_its_first_read(
+    tmp_path: Path, env: dict[str, str], nvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run's first read decides whether there is a server to preview: it got the
+    interval's deadline (0.5 s for an --interval of 0.1 s), so a healthy server slower than
+    that to answer (a loaded machine) was "not answering", exit 1, with advice to start SGLang
+    there. That read now gets the longest deadline of any (5 s): here a first answer 1 s late
+    is previewed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.toml").write_text(PLAN)
+    server = SlowFirstMetrics(delay_s=1.0)
+    with server.serving() as url:
+        result = dvfs_in_process(
+            *("govern", "--plan", "plan.toml", "--dry-run", "--listen", "off"),
+            *("--url", url, "--gpu", "0", "--interval", "0.1", "--max-intervals", "1"),
+            env=env,
+        )
+    assert result.returncode == 0, result.stderr
+    assert "not answering" not in result.stderr, result.stderr
+    assert "would set running batch 2 -> " in result.stderr, result.stderr  # the page's batch
+    assert server.requests >= 2  # the first read, then the interval's
+    assert nvml.fake_calls() == []
 
 
 class HugeMetrics(CountingMetrics):

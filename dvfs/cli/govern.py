@@ -12,6 +12,7 @@ restored first.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -173,8 +174,15 @@ def _told_when_stopped(dry_run: bool) -> Iterator[None]:
         raise
 
 
+#: The longest a read of the server's /metrics may take: an --interval's read gets its
+#: interval (0.5 s at least), up to this; a dry run's first read, which decides whether there
+#: is a server to preview at all, gets this whole: a server slow to answer (a loaded machine)
+#: is not one that does not answer.
+LONGEST_READ_S = 5.0
+
+
 def _timeout(interval: float) -> float:
-    return min(5.0, max(0.5, interval))
+    return min(LONGEST_READ_S, max(0.5, interval))
 
 
 @click.command()
@@ -207,7 +215,8 @@ def _timeout(interval: float) -> float:
 @click.option(
     "--dry-run",
     is_flag=True,
-    help="Print what would change; change nothing (exit 1 if the server does not answer).",
+    help="Print what would change; change nothing (exit 1 if the server does not answer "
+    f"within {LONGEST_READ_S:g} s).",
 )
 @click.option(
     "--allow-simulated",
@@ -310,7 +319,8 @@ def govern(
     ):
         check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
         if dry_run:
-            check_server_for_dry_run(scraper, url, gpus, records)
+            first_read = functools.partial(scraper, timeout_s=LONGEST_READ_S)
+            check_server_for_dry_run(first_read, url, gpus, records)
         note(
             f"governing {gpu_names(gpus)} from {plan_path} ({len(plan.steps)} step(s), drafter "
             f"{plan.drafter}), reading {redact_url(url)} every {interval:g}s"

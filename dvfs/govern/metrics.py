@@ -198,17 +198,19 @@ class ServerReader:
         self.timeout_s = timeout_s
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
 
-    def __call__(self) -> ServerSample:
+    def __call__(self, timeout_s: float | None = None) -> ServerSample:
         """Read and parse the server's /metrics; every failure is one ScrapeError line. The
-        whole page must come within the timeout: httpx's bounds each wait for bytes alone, so
-        a page trickling in a few bytes at a time would hold the loop (a governor at a cap
-        the load has outgrown) for as long as it trickles."""
+        whole page must come within the timeout (the reader's, or `timeout_s` for this read):
+        httpx's bounds each wait for bytes alone, so a page trickling in a few bytes at a time
+        would hold the loop (a governor at a cap the load has outgrown) for as long as it
+        trickles."""
         import httpx
 
         address = self.shown
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
-            with self._client.stream("GET", self.address) as response:
+            with self._client.stream("GET", self.address, timeout=timeout_s) as response:
                 chunks = []
                 size = 0
                 for chunk in response.iter_bytes():
@@ -221,8 +223,7 @@ class ServerReader:
                         )
                     if time.monotonic() > deadline:
                         raise ServerDownError(
-                            f"cannot read {address}: its page did not come within "
-                            f"{self.timeout_s:g} s"
+                            f"cannot read {address}: its page did not come within {timeout_s:g} s"
                         )
                 text = _decoded(b"".join(chunks), response.encoding)
         except httpx.HTTPError as exc:
