@@ -330,8 +330,13 @@ def test_gpu_reset_says_a_lock_record_from_before_the_reboot_is_cleared_as_such(
 
 
 def test_dry_run_prints_and_calls_no_setter(
-    tmp_path: Path, env: dict[str, str], nvml, stub: str
+    tmp_path: Path, env: dict[str, str], nvml, stub: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import dvfs.cli.govern
+
+    # each interval's read gets 5 s, not the 0.5 s of a 0.1 s interval: a loaded machine's
+    # slow stub would read as a server not answering, and the change counted would differ
+    monkeypatch.setattr(dvfs.cli.govern, "_timeout", lambda interval: 5.0)
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
     result = dvfs_in_process(
@@ -1216,6 +1221,10 @@ def test_a_run_reads_the_server_every_interval_over_one_connection(
     """Each interval's read of /metrics goes through the one client of the run: a client per
     read built a TLS context and a connection every interval (most of a governor's CPU). The
     dry run reads once to check the server, then once per interval; `monitor --once` twice."""
+    import dvfs.cli.govern
+
+    # a read timed out on a loaded machine would open a second connection: 5 s each
+    monkeypatch.setattr(dvfs.cli.govern, "_timeout", lambda interval: 5.0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plan.toml").write_text(PLAN)
     server = CountingMetrics()
