@@ -626,6 +626,8 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
         default=0,
     )
     wide = _window_overrun(campaign, model, asked, said, longest_all)
+    if wide is None:
+        wide = _window_pool_overrun(campaign, model, asked, said, corpora)
     if wide is not None:
         return wide
     over, longest_over = [], 0
@@ -702,7 +704,7 @@ def _window_overrun(
             f"({max(longest, shortest)} tokens) and {said} must fit in the {whose}; give "
             f"{key} at most {bound}"
         )
-    return _window_pool_overrun(campaign, model, asked, said, max(longest, shortest))
+    return None
 
 
 def _window_key(plan: DraftPlan, most: int) -> tuple[str, int, int]:
@@ -723,17 +725,26 @@ def _window_key(plan: DraftPlan, most: int) -> tuple[str, int, int]:
 
 
 def _window_pool_overrun(
-    campaign: Campaign, model: ModelProfile, asked: int, said: str, longest: int
+    campaign: Campaign,
+    model: ModelProfile,
+    asked: int,
+    said: str,
+    corpora: Mapping[str, Corpus],
 ) -> str | None:
     """A drafter whose verify windows, at the campaign's largest batch, take the requests
-    past what the KV pool holds (`dvfs.twin.limits.kv_pool_tokens`) where without them they
-    fit: each of the batch's requests holds its prompt (the longest, `longest` tokens), the
+    past what the KV pool holds (`dvfs.twin.limits.kv_pool_tokens`, at most what SGLang's
+    holds) where without them they fit: each of the batch's requests holds its prompt, the
     `asked` new tokens and a verify window of KV cache at once, and SGLang retracts requests
-    the pool cannot hold, so the cell would not run at its batch. One line naming the
-    drafter's key, its value and the most that fits; a DFLASH block of 100000 tokens at batch
-    64 (6.4 million tokens of KV against Llama-3.1-8B's ~390000 on an H100) ran the dry run's
-    estimate for minutes. None: every drafter's fits, the GPU is unknown, or the batch
-    overflows the pool without them (no drafter's number is the fix)."""
+    the pool cannot hold, so the cell would not run at its batch. The prompts counted are the
+    fewest a batch can draw (`dvfs.corpora.sampling.sample_prompts` draws distinct ones): the
+    batch's shortest of a corpus, so this says only where every draw of that corpus overflows;
+    counting the longest prompt for each request refused a batch whose prompts are mostly far
+    shorter, which SGLang serves. One line naming the drafter's key, its value and the most
+    that fits; a DFLASH block of 100000 tokens at batch 64 (6.4 million tokens of KV against
+    Llama-3.1-8B's ~390000 on an H100) ran the dry run's estimate for minutes. None: every
+    drafter's fits, the GPU is unknown, or the batch overflows the pool without them (no
+    drafter's number is the fix)."""
+    from dvfs.corpora.sampling import eligible_prompts
     from dvfs.twin.drafting import plan_drafter
     from dvfs.twin.limits import (
         draft_window,
@@ -747,6 +758,18 @@ def _window_pool_overrun(
         return None
     engine_args = campaign.engine.sglang.extra_args
     batch = max(campaign.workload.batch_sizes)
+    # The tokens of the fewest-token draw of `batch` distinct prompts of each corpus that has
+    # that many (one with fewer is the corpus line's).
+    least = {
+        name: sum(sorted(lengths)[:batch])
+        for name, corpus in corpora.items()
+        if len(
+            lengths := [
+                p.input_tokens for p in eligible_prompts(corpus, campaign.workload.input_tokens)
+            ]
+        )
+        >= batch
+    }
     for drafter in campaign.drafters:
         plan = plan_drafter(drafter, model)
         if plan is None:
@@ -762,16 +785,24 @@ def _window_pool_overrun(
             given_max_total_tokens(args),
         )
         window = draft_window(plan)
-        most = pool // batch - longest - asked
-        if window <= most or most < 2:  # (most < 2: the batch overflows it without them)
+        # The most each request's window may take with each corpus's fewest prompt tokens;
+        # below 2, the batch overflows the pool without it (no drafter's number is the fix).
+        fits = {name: (pool - prompts) // batch - asked for name, prompts in least.items()}
+        fits = {name: most for name, most in fits.items() if most >= 2}
+        if not fits:
+            continue
+        corpus = min(fits, key=lambda name: fits[name])
+        most = fits[corpus]
+        if window <= most:
             continue
         key, value, bound = _window_key(plan, most)
-        need = batch * (longest + asked + window)
+        need = least[corpus] + batch * (asked + window)
         return (
             f"drafters.{drafter.name}.{key} = {value} is above {bound}: at batch {batch} "
             f"each request holds a verify pass's {window} tokens of KV cache past its own, and "
-            f"the {batch} requests, with the longest prompt ({longest} tokens) and {said}, "
-            f"then need {need} tokens of it, more than the ~{pool} that "
+            f"the {batch} requests, with {said} and the fewest prompt tokens corpus "
+            f"{corpus!r} can give them ({least[corpus]}, its {batch} shortest prompts), then "
+            f"need at least {need} tokens of it, more than the ~{pool} that "
             f"{model.hf_name or model.key} leaves on {gpu.nvml_name} (tp "
             f"{campaign.engine.tp_size}): SGLang would retract requests, and the cell would "
             f"not run at batch {batch}; give {key} at most {bound}"

@@ -159,6 +159,43 @@ def test_verify_windows_past_the_kv_pool_at_the_largest_batch_are_refused(tmp_pa
         assert plan.exit_code == code, plan.output
 
 
+def test_a_batch_whose_prompts_hold_the_kv_pool_with_their_windows_is_not_refused(
+    tmp_path: Path,
+) -> None:
+    """The KV-pool check counted the corpus's longest prompt for every request of the largest
+    batch: 64 requests of code's 730-token prompt (its mean is under 200) with 822 new tokens
+    and an n-gram drafter's 12 were "100096 tokens, more than the ~100000" of a
+    --max-total-tokens 100000 pool, and the campaign refused ("give num_draft_tokens at most
+    10"), though the 64 longest prompts a batch can draw (distinct ones) hold the pool with
+    room, windows doubled for SGLang's decode reserve included: SGLang serves every cell. Not
+    refused; a window no draw's batch holds still is."""
+    from dvfs.campaign.validate import load_campaign
+    from dvfs.corpora.prepare import counted_corpora
+    from dvfs.corpora.sampling import eligible_prompts
+
+    pool, batch, window = 100_000, 64, 12
+    drafters = {"none": {"algorithm": "none"}, "ngram": {"algorithm": "NGRAM"}}
+    edits: list[tuple[str, object]] = [
+        ("drafters", drafters),
+        ("drafters.ngram.num_draft_tokens", window),
+        ("engine.sglang.extra_args", ["--max-total-tokens", str(pool)]),
+        ("workload.batch", [1, batch]),
+    ]
+    loaded = load_campaign(write(tmp_path / "probe.toml", campaign(*edits)))
+    corpus = counted_corpora(loaded)[0]["code"]
+    lengths = sorted(p.input_tokens for p in eligible_prompts(corpus, loaded.workload.input_tokens))
+    output = pool // batch - lengths[-1] - window + 2  # the longest prompt's window overflows
+    assert batch * (lengths[-1] + output + window) > pool  # as the check counted it
+    assert sum(lengths[-batch:]) + batch * (output + 2 * window) <= pool  # any draw fits
+    path = _campaign(tmp_path, "c", *edits, ("workload.output_tokens", output))
+    dry = invoke("sweep", str(path), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate")
+    assert dry.exit_code == 0, dry.output
+    huge = pool // batch  # a window no batch of prompts and new tokens leaves room for
+    path = _campaign(tmp_path, "h", *edits, ("drafters.ngram.num_draft_tokens", huge))
+    line = _refused_everywhere(tmp_path, path, f"num_draft_tokens = {huge} is above")
+    assert "at batch 64" in line and "KV cache" in line, line
+
+
 def test_more_draft_tokens_than_the_eagle_tree_holds_are_refused_at_load(tmp_path: Path) -> None:
     """SGLang verifies num_draft_tokens - 1 drafts picked from the eagle_topk + (num_steps - 1)
     x eagle_topk^2 candidates its tree drafted (`torch.topk` over them, which fails with
