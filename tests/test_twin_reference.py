@@ -227,9 +227,11 @@ def test_a_higher_locked_clock_never_slows_a_capped_round_on_a_warming_die(key: 
     third round at 1755 MHz started 0.02 C warmer than at 1740 MHz (39.50 against 39.48 C),
     crossed a step, ran under 245 W instead of 250 W, and took 1.2% longer (5.045 s against
     4.983 s), as did every clock above; a real limiter counts the 0.01 W that 0.02 C leaks.
-    Counted exactly, a higher clock may still cost a capped round a few parts in 100,000 (its
-    idle gaps draw more, the die runs warmer and leaks more: 4e-5 a 15 MHz step on the H200),
-    never a step of the limit."""
+    Counted exactly, a higher clock may still cost this capped round a few parts in 100,000
+    (its idle gaps draw more, the die runs warmer and leaks more: 4e-5 a 15 MHz step on the
+    H200), never a step of the limit. Elsewhere a pass within hundredths of a watt of the
+    limit may drop one 15 MHz bin for that warmer die: up to 0.55% of a round, less than the
+    step's own gain (`tests/test_twin_monotone.py` holds that bound)."""
     clocks = sorted(gpu_profile(key).supported_sm_clocks_mhz())
     grid = [c for c in clocks if c >= 1500]
     seconds = [capped_round_s(key, c, 250.0) for c in grid]
