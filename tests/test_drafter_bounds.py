@@ -284,6 +284,25 @@ def test_a_million_max_repeats_plans_without_a_key_for_every_repeat(
     assert json.loads(dry.output)["cells"] == 12  # 2 clocks x 6 drafters
 
 
+def test_a_journal_key_whose_repeat_is_true_is_no_extra_repeat(tmp_path: Path) -> None:
+    """Extra repeats are read off the journal's finished keys: one whose repeat is JSON `true`
+    (a hand-edited journal) passed for repeat 1, as Python's True is an int, and a resumed
+    sweep counted a cell no dvfs measured. Only a whole number is a repeat."""
+    from dataclasses import replace
+
+    from dvfs.campaign.validate import load_campaign
+    from dvfs.measure.runner import journaled_repeats
+
+    campaign = load_campaign(_campaign(tmp_path, "c", ("measurement.max_repeats", 3)))
+    cells = plan.plan_cells(campaign)
+    measured = replace(cells[0], repeat=1).key
+    forged = json.dumps({**json.loads(measured), "repeat": True}, sort_keys=True)
+    assert journaled_repeats(campaign.measurement, cells, {measured}) == [
+        replace(cells[0], repeat=1)
+    ]
+    assert journaled_repeats(campaign.measurement, cells, {forged}) == []
+
+
 def test_a_long_idle_baseline_is_judged_once_its_span_has_passed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

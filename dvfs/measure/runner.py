@@ -1546,7 +1546,8 @@ def journaled_repeats(m: MeasurementConfig, cells: Sequence[Cell], done: set[str
             at = planned.get(tuple(fields[name] for name in _GROUP_FIELDS))
         except (ValueError, TypeError, KeyError):  # no cell's key (a list unhashable)
             continue
-        if not isinstance(repeat, int) or not m.repeats <= repeat < m.max_repeats:
+        # (a JSON true is no repeat, though Python's True is an int)
+        if type(repeat) is not int or not m.repeats <= repeat < m.max_repeats:
             continue
         if at is not None and (more := replace(at[1], repeat=repeat)).key == key:
             found.append((at[0], repeat, more))
