@@ -5,11 +5,11 @@ of weights (plus the KV cache it reads, and the KV of its B k tokens it writes).
 point (FLOP per byte at which compute time equals memory time; it falls with the SM clock) the
 pass is compute-bound: lowering the clock then costs latency, and wasted drafts cost energy.
 
-The ridge is the twin's: achievable FLOP/s (GEMM efficiency at the pass's token count,
-`dvfs.twin.physics.gemm_efficiency`) over achievable bandwidth (a speculative verify pass's
-KV-cache reads at the verify attention's lower bandwidth), at the same context length the
-twin's workload runs at, so the analysis and the twin's physics agree on where a pass turns
-compute-bound.
+The ridge is the twin's: achievable FLOP/s (GEMM efficiency at the pass's token count for
+its weight GEMMs' FLOPs, `dvfs.twin.physics.compute_stretch`) over achievable bandwidth (a
+speculative verify pass's KV-cache reads at the verify attention's lower bandwidth), at the
+same context length the twin's workload runs at, so the analysis and the twin's physics agree
+on where a pass turns compute-bound.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def roofline(
     import xarray as xr
 
     from dvfs.twin.fit import achievable_ridge_point
-    from dvfs.twin.physics import gemm_efficiency
+    from dvfs.twin.physics import compute_stretch
     from dvfs.twin.profiles import find_model_profile, recorded_gpu_profile
 
     model_name = cube.attrs.get("twin_model") or cube.attrs.get("model")
@@ -314,6 +314,8 @@ def roofline(
     # compute time at a higher intensity. `stretch`: its memory time over its bytes' at the
     # bandwidth.
     stretch = np.ones_like(intensity)
+    attention = np.zeros_like(intensity)  # the pass's attention FLOPs (of `flops`)
+    all_flops = np.zeros_like(intensity)
     slow = 0.0 if gpu is None else 1.0 / gpu.verify_attention_efficiency - 1.0
     for i, batch in enumerate(batches):
         for j, drafter in enumerate(drafters):
@@ -322,10 +324,9 @@ def roofline(
                 intensity[i, j] = tokens[i, j] = np.nan
                 continue
             n = batch * width
-            flops = (
-                2.0 * model.active_matmul_params * n
-                + float(model.attention_flops_per_token(context)) * n
-            )
+            attention[i, j] = float(model.attention_flops_per_token(context)) * n
+            flops = 2.0 * model.active_matmul_params * n + attention[i, j]
+            all_flops[i, j] = flops
             # the weights once, each request's KV cache at the context, and the KV of every
             # token it verifies written (drafts too: SGLang frees the rejected slots after), as
             # the twin's physics counts the pass (`dvfs.twin.passes.count_passes`)
@@ -379,10 +380,14 @@ def roofline(
         coords={"batch": batches, "drafter": drafters, "sm_clock": clocks.astype(int)},
     )
     # A pass of fewer tokens than fill its GEMMs' tiles and waves reaches less of the peak
-    # FLOP/s, so it meets the bandwidth at a lower intensity: the large-M ridge times that share;
-    # a speculative verify pass's slower KV-cache reads raise it again (`stretch`).
+    # FLOP/s, so it meets the bandwidth at a lower intensity: the large-M ridge times that share
+    # (of its weight GEMMs' FLOPs only: its attention's are not padded, as the twin's physics
+    # times them, `compute_stretch`); a speculative verify pass's slower KV-cache reads raise
+    # it again (`stretch`).
     share = (
-        np.ones_like(tokens) if gpu is None else gemm_efficiency(gpu, tokens) / gpu.gemm_efficiency
+        np.ones_like(tokens)
+        if gpu is None
+        else 1.0 / compute_stretch(gpu, tokens, all_flops, attention)
     )
     result["verify_ridge_point"] = (
         result["ridge_point"] * xr.DataArray(share * stretch, dims=("batch", "drafter"))

@@ -188,8 +188,9 @@ def gemm_efficiency(gpu: GpuProfile, tokens: float | np.ndarray) -> np.ndarray:
     tiles' rows (tile quantisation). The tiles (`gemm_n_tiles` across the output columns per
     row of tiles) run in waves over the SMs, and the last wave leaves SMs idle (wave
     quantisation). Both are 1 for a profile that sets 0; M <= 0 means unknown: the large-M
-    figure. The twin's pass timing and the roofline analysis both call this, so their ridge
-    points agree.
+    figure. The twin's pass timing and the roofline analysis both call this (through
+    `compute_stretch`, for the weight GEMMs' share of a pass's FLOPs), so their ridge points
+    agree.
     """
     m = np.asarray(tokens, dtype=float)
     eff = np.full(m.shape, float(gpu.gemm_efficiency))
@@ -205,10 +206,33 @@ def gemm_efficiency(gpu: GpuProfile, tokens: float | np.ndarray) -> np.ndarray:
     return np.where(known, eff * quantised, eff)
 
 
+def compute_stretch(
+    gpu: GpuProfile, tokens: np.ndarray, flops: np.ndarray, attention_flops: np.ndarray
+) -> np.ndarray:
+    """A pass's compute time over its FLOPs' at the large-M GEMM efficiency, elementwise: the
+    weight GEMMs' tile and wave quantisation at M = `tokens` rows (`gemm_efficiency`) stretches
+    their share of `flops`, not the `attention_flops` (of `flops`), which are the attention's
+    own whatever the pass's M. The twin's pass timing (`time_passes`) and the roofline
+    analysis's verify ridge both take it from here, so they agree."""
+    stretch = gpu.gemm_efficiency / gemm_efficiency(gpu, tokens)
+    attention = np.asarray(attention_flops, dtype=float)
+    if np.any(attention > 0):
+        # Only the weight GEMMs' FLOPs are padded to whole tiles and waves of M = tokens rows.
+        # (Stretching the attention's too weighed a prompt's attention by the M of the chunk
+        # it ended in: a prompt one token longer, whose last chunk's M rose from 6 to 13,
+        # prefilled 34% faster.)
+        gemm = flops - attention
+        stretch = np.where(
+            attention > 0, (gemm * stretch + attention) / np.maximum(flops, 1e-300), stretch
+        )
+    return stretch
+
+
 def compute_time_s(
     gpu: GpuProfile, flops: np.ndarray, tokens: np.ndarray, sm_clock_mhz: float | np.ndarray
 ) -> np.ndarray:
-    """Tensor time of `flops` at the GEMM efficiency of `tokens` rows, at a clock."""
+    """Tensor time of `flops` (weight GEMMs' all: no attention, `compute_stretch`) at the GEMM
+    efficiency of `tokens` rows, at a clock."""
     peak = gpu.sm_count * gpu.flop_per_clk_per_sm * np.asarray(sm_clock_mhz, dtype=float) * 1e6
     return np.asarray(flops, dtype=float) / (peak * gemm_efficiency(gpu, tokens))
 
@@ -325,19 +349,8 @@ def _pass_terms(gpu: GpuProfile, passes: Passes) -> _PassTerms:
     known = passes.__dict__.get(_CONSTANTS)
     if known is not None and known[0] is gpu:
         return known[1]
-    stretch = gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens)
-    attention = passes.attention_flops
-    if np.any(attention > 0):
-        # Only the weight GEMMs' FLOPs are padded to whole tiles and waves of M = tokens rows;
-        # the attention's are the pass's own whatever its M (stretched too, a prompt's attention
-        # weighed by the M of the chunk it ended in: a prompt one token longer, whose last
-        # chunk's M rose from 6 to 13, prefilled 34% faster).
-        gemm = passes.flops - attention
-        stretch = np.where(
-            attention > 0, (gemm * stretch + attention) / np.maximum(passes.flops, 1e-300), stretch
-        )
     terms = _PassTerms(
-        stretch=stretch,
+        stretch=compute_stretch(gpu, passes.tokens, passes.flops, passes.attention_flops),
         # A verify pass's attention reads the KV cache through a custom-mask (tree) kernel at
         # a fraction of the bandwidth plain decode attention reaches: its bytes take longer.
         memory_bytes=passes.bytes
