@@ -705,8 +705,27 @@ def schedule(
     timing.
 
     Remembered for the last few (phases, clock, limit): a Schedule is immutable, and a cell's
-    thermal stabilisation runs the same planned round at the same knobs again and again."""
+    thermal stabilisation runs the same planned round at the same knobs again and again. A
+    limit no pass reaches at the requested clock changes nothing, so every such limit shares
+    one schedule: the limit a warm die leaves (`TwinDevice.effective_power_limit_w`) differs
+    a little at every run, and would otherwise make each a new schedule (and its thermal terms
+    new on every device)."""
+    if _peak_power_w(gpu, phases, requested_mhz) <= power_limit_w:
+        power_limit_w = _UNREACHED_LIMIT_W
     return _remembered_schedule(gpu, phases, requested_mhz, power_limit_w)
+
+
+#: The limit `schedule` remembers a schedule under when no pass reaches the one it was given.
+_UNREACHED_LIMIT_W = float("inf")
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_power_w(gpu: GpuProfile, phases: tuple[Passes, ...], requested_mhz: int) -> float:
+    """The highest power of any of the phases' passes at the requested clock (-inf: none)."""
+    whole = _requested_timing(
+        gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz
+    )
+    return float(np.maximum.reduce(whole.power_w)) if len(whole.power_w) else -np.inf
 
 
 #: Where `_requested_timing` keeps a pass sequence's durations and powers, beside its
