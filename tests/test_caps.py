@@ -2483,7 +2483,9 @@ def test_show_and_monitor_without_root_see_the_caps_root_applied(
     # `dvfs govern --dry-run` needs no root either, and previews under the same static caps.
     from dvfs.govern.metrics import ServerReader, ServerSample
 
-    monkeypatch.setattr(ServerReader, "__call__", lambda self: ServerSample(1, 0.0, None))
+    monkeypatch.setattr(
+        ServerReader, "__call__", lambda self, timeout_s=None: ServerSample(1, 0.0, None)
+    )
     plan = tmp_path / "plan.toml"
     plan.write_text(
         'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
