@@ -132,9 +132,10 @@ def reachable_gpus(
     """Every GPU (with `visible`, every one it gives the job: `dvfs.gpu.nvml.every_gpu`) as NVML
     indices, or the GPUs `devices` names (as named), split into those that open and the errors
     of those that do not (fallen off the bus, needing a reset, any other NVML error on that GPU,
-    a call on it that hangs), each opened on its own, read-only, and closed: so that a command
-    over every GPU or the GPUs named (`gpu reset`, `cap reset`, `monitor`) acts on the others,
-    then names the lost ones (`lost_gpus`). A permission refusal of a GPU named, or of every
+    a call on it that hangs), each opened on its own, read-only, side by side (GPUs whose
+    driver hangs cost one deadline in all), and closed: so that a command over every GPU or
+    the GPUs named (`gpu reset`, `cap reset`, `monitor`) acts on the others, then names the
+    lost ones (`lost_gpus`), in the order named. A permission refusal of a GPU named, or of every
     GPU, stops the command (exit 4), as NVML failing to start (no driver) does; so does a named
     GPU that is not on this machine at all (a typo). A GPU NVML has no permission to talk to
     while it talks to others is no GPU of this process, not in "every GPU" (`every_gpu`).
@@ -152,7 +153,8 @@ def reachable_gpus(
     only on a GPU it changes (`gpu reset` with nothing recorded for it, `cap apply` of a file
     that does not name it, which sets aside one it names itself): that GPU, which cannot
     change, must not fail the command on every run."""
-    from dvfs.gpu.nvml import every_gpu, nvml_session
+    from dvfs.gpu.knobs import side_by_side
+    from dvfs.gpu.nvml import every_gpu, nvml_session, open_device
 
     named: list[int | str] = list(devices)
     # NVML itself first, named GPUs or not: a missing driver is no one GPU's loss (it was
@@ -160,11 +162,13 @@ def reachable_gpus(
     with nvml_session(nvml) as module:
         if not named:
             named = list(every_gpu(module, visible=visible))
-    openable: list[int | str] = []
-    failed: list[tuple[int | str, GpuError]] = []
-    for device in named:
-        try:
-            with open_gpus([device], nvml=nvml, allow_mig=True) as (gpu,):
+        # NVML held for the probes; each GPU opened on its own (its own NVML worker, deadline)
+
+        def probe(entry: tuple[int, int | str]) -> GpuError | None:
+            """Why the GPU named `entry[1]` does not open, or None where it does."""
+            device = entry[1]
+            try:
+                gpu = open_device(module, device, allow_mig=True)
                 if read:
                     try:
                         gpu.power_limit_mw()
@@ -179,15 +183,34 @@ def reachable_gpus(
                         if supported:
                             gpu.power_limit_range()
                         gpu.sm_clock_mhz()
-                openable.append(device)
-        except GpuPermissionError:
-            raise
-        except GpuError as exc:
-            if devices and isinstance(exc, GpuNotFoundError):
-                raise  # no such GPU here at all: a typo, not a lost GPU
-            exc.index = device if isinstance(device, int) else None
-            exc.uuid = device if isinstance(device, str) else None
-            failed.append((device, exc))
+            except GpuError as exc:
+                return exc
+            return None
+
+        # Side by side (`side_by_side`, as restores are): GPUs whose driver hangs whole cost
+        # one deadline in all, not one each before the command acts on any (six at 10 s: a
+        # minute before `dvfs gpu reset`, the governor unit's ExecStopPost, put any back).
+        # Said in the GPUs' order, whichever answers first; a Ctrl-C gives up on the rest.
+        entries = list(enumerate(named))
+        outcomes: dict[int, GpuError | None] = {}
+        probing = side_by_side(entries, probe, named=lambda entry: f"probe-gpu{entry[1]}")
+        with contextlib.closing(probing) as finishing:
+            for (position, _), outcome in finishing:
+                outcomes[position] = outcome
+    openable: list[int | str] = []
+    failed: list[tuple[int | str, GpuError]] = []
+    for position, device in entries:
+        exc = outcomes[position]
+        if exc is None:
+            openable.append(device)
+            continue
+        if isinstance(exc, GpuPermissionError):
+            raise exc
+        if devices and isinstance(exc, GpuNotFoundError):
+            raise exc  # no such GPU here at all: a typo, not a lost GPU
+        exc.index = device if isinstance(device, int) else None
+        exc.uuid = device if isinstance(device, str) else None
+        failed.append((device, exc))
     if any(exc.index is None for _, exc in failed):
         _lost_indices([exc for _, exc in failed], nvml)
     return openable, _named_once(failed)

@@ -58,7 +58,7 @@ class IncomparableCellsError(CubeError):
 
 class GpuError(DvfsError):
     """A GPU operation failed. `index`: the NVML index of the GPU that would not open, where a
-    command opening every GPU one by one knows it (`dvfs.backends.reachable_gpus`: for one
+    command opening every GPU on its own knows it (`dvfs.backends.reachable_gpus`: for one
     named by UUID, where its UUID or NVML's list of UUIDs tells); `uuid`: the UUID it was named
     by where it was named so."""
 

@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from dvfs.errors import (
     GpuError,
@@ -27,6 +27,10 @@ from dvfs.errors import (
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.deadline import given_up_with
 from dvfs.signals import restoring, signals_raise
+
+#: What `side_by_side` runs one thread each for (a GPU), and what each thread gives back.
+Item = TypeVar("Item")
+Done = TypeVar("Done")
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +291,8 @@ class KnobController:
             # `dvfs gpu reset`, its GPU put back: raised once every GPU is, not before the
             # next GPU's restore (which it skipped, leaving that GPU capped)
             unremoved: list[OSError] = []
-            with contextlib.closing(side_by_side(changed, self._restore_one)) as finishing:
+            restoring_all = side_by_side(changed, self._restore_one, named=restore_thread)
+            with contextlib.closing(restoring_all) as finishing:
                 for gpu, errors in finishing:
                     uuid = gpu.identity.uuid
                     if errors:
@@ -460,10 +465,14 @@ class KnobController:
 
 
 def side_by_side(
-    gpus: Sequence[Gpu], restore_one: Callable[[Gpu], list[GpuError]]
-) -> Generator[tuple[Gpu, list[GpuError]], None, None]:
-    """`restore_one` run on every GPU of `gpus` at once, one thread each (one GPU: in this
-    thread), each GPU with what failed on it as soon as it is done, in the order they finish.
+    gpus: Sequence[Item],
+    restore_one: Callable[[Item], Done],
+    *,
+    named: Callable[[Item], str],
+) -> Generator[tuple[Item, Done], None, None]:
+    """`restore_one` run on every GPU of `gpus` at once, one thread each (`named`; one GPU: in
+    this thread), each GPU with what failed on it as soon as it is done, in the order they
+    finish. `dvfs.backends.reachable_gpus` probes GPUs not yet opened so (`gpus` their names).
     Every GPU's calls run on its own NVML worker with a deadline each (`dvfs.gpu.deadline`):
     one after another, GPUs whose driver calls hang cost a deadline each before the next GPU
     was tried (six at 10 s: a minute, a unit's stop timeout, its SIGKILL before the GPUs that
@@ -478,22 +487,21 @@ def side_by_side(
         for gpu in gpus:
             yield gpu, restore_one(gpu)
         return
-    done: queue.SimpleQueue[tuple[Gpu, list[GpuError], BaseException | None]] = queue.SimpleQueue()
+    # (a GPU, what `restore_one` gave back, or the error it raised instead)
+    done: queue.SimpleQueue[tuple[Item, Any, BaseException | None]] = queue.SimpleQueue()
     stop = threading.Event()
 
-    def run(gpu: Gpu) -> None:
+    def run(gpu: Item) -> None:
         try:
             with given_up_with(stop):
                 restored = restore_one(gpu)
             done.put((gpu, restored, None))
         except BaseException as exc:  # handed to the waiting thread, never lost in this one
-            done.put((gpu, [], exc))
+            done.put((gpu, None, exc))
 
     try:
         for gpu in gpus:
-            threading.Thread(
-                target=run, args=(gpu,), name=f"restore-gpu{gpu.identity.index}", daemon=True
-            ).start()
+            threading.Thread(target=run, args=(gpu,), name=named(gpu), daemon=True).start()
         crashed: BaseException | None = None
         for _ in gpus:
             gpu, errors, crash = done.get()  # a signal's handler runs (and may raise) as it waits
@@ -505,6 +513,11 @@ def side_by_side(
             raise crashed
     finally:
         stop.set()  # every thread is done, or the restore was given up on: none goes on
+
+
+def restore_thread(gpu: Gpu) -> str:
+    """The name of the thread `side_by_side` puts `gpu` back in."""
+    return f"restore-gpu{gpu.identity.index}"
 
 
 def check_one_stock_limit(

@@ -39,7 +39,13 @@ from dvfs.errors import (
     StateFolderError,
 )
 from dvfs.gpu.base import Gpu
-from dvfs.gpu.knobs import REFUSED, GatheredFailures, GpuSettings, side_by_side
+from dvfs.gpu.knobs import (
+    REFUSED,
+    GatheredFailures,
+    GpuSettings,
+    restore_thread,
+    side_by_side,
+)
 
 ROOT_STATE_DIR = Path("/var/lib/dvfs")
 #: The kernel's id of this boot (Linux): dvfs's records carry it (the caps record's entries, a
@@ -634,7 +640,7 @@ def restore_pending(
     # governor unit's ExecStopPost, under its stop timeout)
     changed = [g for g in gpus if g.identity.uuid in recorded]
     failed: dict[str, list[GpuError]] = {}
-    with contextlib.closing(side_by_side(changed, put_back)) as finishing:
+    with contextlib.closing(side_by_side(changed, put_back, named=restore_thread)) as finishing:
         for gpu, errors in finishing:
             if errors:
                 failed[gpu.identity.uuid] = errors
