@@ -940,3 +940,29 @@ def test_a_cube_of_fewer_measurements_than_figures_names_them_undetermined(cells
     assert len(fit.undetermined) >= unseen
     for name in fit.undetermined:
         assert fit.std_errors[name] > 0.5 * abs(getattr(fit.profile, name)), name
+
+
+def test_the_worst_cells_of_a_cube_that_left_a_knob_unset_say_not_set(tmp_path: Path) -> None:
+    """A power-limit-only cube files its cells under the unlocked SM clock's maximum, and a
+    clock-only one under the limit as found: the fit named its worst cells `sm_clock=1980` (or
+    `power_limit=700`), a lock no cell ran at, where headroom, compare, report and `cube info`
+    say "not set"."""
+    for knob, line in (
+        ("sm_clock", "sm_clock = [1980, 1410, 1005, 600]\n"),
+        ("power_limit", "power_limit = [700, 250]\n"),
+    ):
+        assert line in FIT_CAMPAIGN
+        folder = tmp_path / knob
+        folder.mkdir()
+        campaign = write(folder / "c.toml", FIT_CAMPAIGN.replace(line, ""))
+        truth_swept(campaign, folder / "t")
+        out = folder / "p.toml"
+        fit = fit_to(folder / "t", out)
+        assert fit.exit_code == 0, fit.output
+        worst = tomllib.loads(out.read_text())["fit"]["worst_cells"]
+        assert set(worst) == set(OBSERVABLES)
+        for label in worst.values():
+            assert f"{knob}=not set " in label, label
+            other = "power_limit" if knob == "sm_clock" else "sm_clock"
+            assert re.search(rf"\b{other}=[0-9]+ ", label), label
+        assert f"{knob}=not set" in " ".join(fit.output.split())
