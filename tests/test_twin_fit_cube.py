@@ -966,3 +966,35 @@ def test_the_worst_cells_of_a_cube_that_left_a_knob_unset_say_not_set(tmp_path: 
             other = "power_limit" if knob == "sm_clock" else "sm_clock"
             assert re.search(rf"\b{other}=[0-9]+ ", label), label
         assert f"{knob}=not set" in " ".join(fit.output.split())
+
+
+def test_an_observable_no_cell_records_is_said_and_none_at_all_is_one_line(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    """A cube whose cells record no mean power (NaN: a GPU that reported none) was fitted on
+    energy and time per token alone with nothing said, its residual line simply missing; one
+    that records none of the three observables (finite and above 0) was "fitted" on nothing,
+    every figure kept near the base, and a profile written. Now a note, and one line (exit 2)."""
+    out = tmp_path / "p.toml"
+    ds = _raw(made["truth"] / "cube.nc")
+    ds.assign(power_mean_w=ds["power_mean_w"] * np.nan).to_netcdf(tmp_path / "nopower.nc")
+    result = invoke("twin", "fit", str(tmp_path / "nopower.nc"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    notes = tomllib.loads(out.read_text())["fit"]["notes"]
+    assert (
+        "no cell records power_mean_w (finite and above 0): fitted on energy_per_token_j, "
+        "time_per_token_ms alone"
+    ) in notes
+    out.unlink()
+    ds.assign(
+        power_mean_w=ds["power_mean_w"] * np.nan,
+        decode_time_s=ds["decode_time_s"] * np.nan,
+        energy_per_token_j=-ds["energy_per_token_j"],
+    ).to_netcdf(tmp_path / "none.nc")
+    result = invoke("twin", "fit", str(tmp_path / "none.nc"), "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: {tmp_path / 'none.nc'}: no cell records energy_per_token_j, time_per_token_ms, "
+        "power_mean_w (finite and above 0): nothing to fit"
+    ]
+    assert not out.exists()
