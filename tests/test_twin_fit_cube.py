@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -998,3 +999,25 @@ def test_an_observable_no_cell_records_is_said_and_none_at_all_is_one_line(
         "power_mean_w (finite and above 0): nothing to fit"
     ]
     assert not out.exists()
+
+
+def test_a_sweep_folder_without_its_cube_says_to_build_it(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    """A sweep stopped before it wrote cube.nc leaves its journal: fitting its folder said it
+    was "neither a roofline file nor a cube"; now one line naming the command that builds the
+    cube, which the fit then takes."""
+    folder = tmp_path / "stopped sweep"
+    folder.mkdir()
+    shutil.copy(made["truth"] / "journal.jsonl", folder / "journal.jsonl")
+    out = tmp_path / "p.toml"
+    result = invoke("twin", "fit", str(folder), "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: {folder} holds a sweep journal but no cube.nc: build the cube from it with "
+        f"`dvfs cube build '{folder}'`, then fit again"
+    ]
+    assert not out.exists()
+    assert invoke("cube", "build", str(folder)).exit_code == 0
+    result = invoke("twin", "fit", str(folder), "-o", str(out), "--base", "h100-sxm:none")
+    assert result.exit_code == 0, result.output

@@ -7,6 +7,7 @@ the twin with such a profile, in virtual time, through the ordinary sweep pipeli
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,15 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
     from dvfs.twin.fit import fit_input_kind
 
     kind = fit_input_kind(source)
+    if kind is None and source.is_dir():
+        from dvfs.measure.journal import JOURNAL_NAME
+
+        if (source / JOURNAL_NAME).is_file():  # a sweep stopped before it wrote its cube
+            fail(
+                f"{source} holds a sweep journal but no cube.nc: build the cube from it with "
+                f"`dvfs cube build {shlex.quote(str(source))}`, then fit again",
+                2,
+            )
     if kind is None:
         raise click.UsageError(
             f"{source} is neither a roofline file (`dvfs gpu roofline -o FILE`) nor a cube "
