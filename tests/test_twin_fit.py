@@ -616,7 +616,11 @@ def test_a_fit_name_no_campaign_can_name_as_that_fit_is_refused_before_the_fit(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("name", ["h100-sxm:none", "h200-sxm:-leakage", "my:fit", ""])
+# the last two as TOML escapes in the table's header: a newline and DEL in the name, which
+# `twin fit --name` refuses, went into the cube's twin_profile and every line that names it
+@pytest.mark.parametrize(
+    "name", ["h100-sxm:none", "h200-sxm:-leakage", "my:fit", "", "my\\nfit", "my\\u007ffit"]
+)
 def test_predict_refuses_a_profile_whose_name_a_campaign_reads_as_another(
     small_campaign: Path, tmp_path: Path, name: str
 ) -> None:
@@ -713,3 +717,44 @@ def test_predict_keeps_the_trap_list_the_campaigns_gpu_profile_names(
         assert result.exit_code == 0, result.output
         ds = open_cube(out / "cube.nc")
         assert ds.attrs["twin_profile"] == f"my-h100{traps_named}"
+
+
+def test_predict_refuses_a_figure_far_beyond_any_gpu_in_one_line(
+    small_campaign: Path, tmp_path: Path
+) -> None:
+    """A hand-edited profile's figure a thousand times the twin's own GPUs' is no GPU (a typo,
+    a unit slip): refused in one line before anything runs (exit 2). A settle time or an energy
+    counter period of 1e300 s was an internal error (an int of infinity), a bandwidth knee of
+    1e300 MHz another (run_load never advanced the clock), and a host overhead of 1e6 s ran
+    the prediction out of memory. A figure at the bound still loads."""
+    fit = fit_roofline(twin_roofline(true_profile()), H100, key="my-h100")
+    text = profile_toml(fit)
+    out = tmp_path / "o"
+    path = tmp_path / "p.toml"
+
+    def edited(field: str, value: object) -> str:
+        assert f"\n{field} = " in text
+        return "\n".join(
+            f"{field} = {value}" if line.startswith(f"{field} = ") else line
+            for line in text.splitlines()
+        )
+
+    for field, value in (
+        ("settle_time_s", 1e300),
+        ("energy_counter_period_s", 1e300),
+        ("bandwidth_knee_mhz", 1e300),
+        ("host_overhead_s", 1e6),
+        ("gemm_tile_tokens", 10**15),
+    ):
+        path.write_text(edited(field, value) + "\n")
+        args = ["twin", "predict", str(small_campaign), "--profile", str(path), "-o", str(out)]
+        result = CliRunner().invoke(cli, [*args, "--no-progress"])
+        assert result.exit_code == 2, (field, result.output)
+        assert result.output.strip().splitlines() == [
+            f"Error: {path} [gpu.my-h100]: {field} = {value!r} is over 1000 times the twin's "
+            f"own GPUs' ({getattr(H100, field):g}), beyond any GPU: write the profile again "
+            "with `dvfs twin fit`"
+        ], field
+        assert not out.exists()
+    path.write_text(edited("settle_time_s", 1000 * H100.settle_time_s) + "\n")
+    assert load_profile(path).settle_time_s == 1000 * H100.settle_time_s

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -940,3 +941,83 @@ def test_a_cube_of_fewer_measurements_than_figures_names_them_undetermined(cells
     assert len(fit.undetermined) >= unseen
     for name in fit.undetermined:
         assert fit.std_errors[name] > 0.5 * abs(getattr(fit.profile, name)), name
+
+
+def test_the_worst_cells_of_a_cube_that_left_a_knob_unset_say_not_set(tmp_path: Path) -> None:
+    """A power-limit-only cube files its cells under the unlocked SM clock's maximum, and a
+    clock-only one under the limit as found: the fit named its worst cells `sm_clock=1980` (or
+    `power_limit=700`), a lock no cell ran at, where headroom, compare, report and `cube info`
+    say "not set"."""
+    for knob, line in (
+        ("sm_clock", "sm_clock = [1980, 1410, 1005, 600]\n"),
+        ("power_limit", "power_limit = [700, 250]\n"),
+    ):
+        assert line in FIT_CAMPAIGN
+        folder = tmp_path / knob
+        folder.mkdir()
+        campaign = write(folder / "c.toml", FIT_CAMPAIGN.replace(line, ""))
+        truth_swept(campaign, folder / "t")
+        out = folder / "p.toml"
+        fit = fit_to(folder / "t", out)
+        assert fit.exit_code == 0, fit.output
+        worst = tomllib.loads(out.read_text())["fit"]["worst_cells"]
+        assert set(worst) == set(OBSERVABLES)
+        for label in worst.values():
+            assert f"{knob}=not set " in label, label
+            other = "power_limit" if knob == "sm_clock" else "sm_clock"
+            assert re.search(rf"\b{other}=[0-9]+ ", label), label
+        assert f"{knob}=not set" in " ".join(fit.output.split())
+
+
+def test_an_observable_no_cell_records_is_said_and_none_at_all_is_one_line(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    """A cube whose cells record no mean power (NaN: a GPU that reported none) was fitted on
+    energy and time per token alone with nothing said, its residual line simply missing; one
+    that records none of the three observables (finite and above 0) was "fitted" on nothing,
+    every figure kept near the base, and a profile written. Now a note, and one line (exit 2)."""
+    out = tmp_path / "p.toml"
+    ds = _raw(made["truth"] / "cube.nc")
+    ds.assign(power_mean_w=ds["power_mean_w"] * np.nan).to_netcdf(tmp_path / "nopower.nc")
+    result = invoke("twin", "fit", str(tmp_path / "nopower.nc"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    notes = tomllib.loads(out.read_text())["fit"]["notes"]
+    assert (
+        "no cell records power_mean_w (finite and above 0): fitted on energy_per_token_j, "
+        "time_per_token_ms alone"
+    ) in notes
+    out.unlink()
+    ds.assign(
+        power_mean_w=ds["power_mean_w"] * np.nan,
+        decode_time_s=ds["decode_time_s"] * np.nan,
+        energy_per_token_j=-ds["energy_per_token_j"],
+    ).to_netcdf(tmp_path / "none.nc")
+    result = invoke("twin", "fit", str(tmp_path / "none.nc"), "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: {tmp_path / 'none.nc'}: no cell records energy_per_token_j, time_per_token_ms, "
+        "power_mean_w (finite and above 0): nothing to fit"
+    ]
+    assert not out.exists()
+
+
+def test_a_sweep_folder_without_its_cube_says_to_build_it(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    """A sweep stopped before it wrote cube.nc leaves its journal: fitting its folder said it
+    was "neither a roofline file nor a cube"; now one line naming the command that builds the
+    cube, which the fit then takes."""
+    folder = tmp_path / "stopped sweep"
+    folder.mkdir()
+    shutil.copy(made["truth"] / "journal.jsonl", folder / "journal.jsonl")
+    out = tmp_path / "p.toml"
+    result = invoke("twin", "fit", str(folder), "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: {folder} holds a sweep journal but no cube.nc: build the cube from it with "
+        f"`dvfs cube build '{folder}'`, then fit again"
+    ]
+    assert not out.exists()
+    assert invoke("cube", "build", str(folder)).exit_code == 0
+    result = invoke("twin", "fit", str(folder), "-o", str(out), "--base", "h100-sxm:none")
+    assert result.exit_code == 0, result.output

@@ -291,3 +291,28 @@ def test_the_twins_roofline_is_the_one_the_readme_states() -> None:
         tokens=best["m"] * one,
     )
     assert physics.time_passes(bare, passes, 1980).power_w[0] == pytest.approx(738, abs=1)
+
+
+def test_a_pass_with_no_work_and_no_host_time_draws_idle_power() -> None:
+    """An n-gram drafter's draft step launches no kernel: on a profile whose host_overhead_s is
+    0 (a hand-edited or fitted one; the cube fit's bound is 0) it takes no time. It draws idle
+    power, not 0/0: a NaN there stalled the cell's energy counter, and `dvfs twin predict`
+    flagged every n-gram and DFlash cell counter_stalled (invalid)."""
+    bare = dataclasses.replace(EXACT_H100, host_overhead_s=0.0)
+    builder = PassBuilder(1)
+    builder.add_host(2)
+    builder.parts.append(decode_passes(4))
+    passes = physics.Passes.concat(builder.parts)
+    for clock in (1980, np.array([1980.0, 1500.0, 1005.0])):
+        timing = physics.time_passes(bare, passes, clock)
+        assert timing.duration_s[:2].tolist() == [0.0, 0.0]
+        assert timing.duration_s[2] > 0
+        assert np.isfinite(timing.power_w).all()
+        assert timing.power_w[:2].tolist() == [bare.idle_power_w] * 2
+        assert timing.tensor_util[:2].tolist() == [0.0, 0.0]
+        assert timing.memory_util[:2].tolist() == [0.0, 0.0]
+    # a timing remembered at a requested clock works its utilisations out again the same way
+    for _ in range(2):
+        again = physics._requested_timing(bare, passes, 1980.0)
+        assert again.power_w[:2].tolist() == [bare.idle_power_w] * 2
+        assert again.tensor_util[:2].tolist() == again.memory_util[:2].tolist() == [0.0, 0.0]

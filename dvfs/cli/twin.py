@@ -7,6 +7,7 @@ the twin with such a profile, in virtual time, through the ordinary sweep pipeli
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,15 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
     from dvfs.twin.fit import fit_input_kind
 
     kind = fit_input_kind(source)
+    if kind is None and source.is_dir():
+        from dvfs.measure.journal import JOURNAL_NAME
+
+        if (source / JOURNAL_NAME).is_file():  # a sweep stopped before it wrote its cube
+            fail(
+                f"{source} holds a sweep journal but no cube.nc: build the cube from it with "
+                f"`dvfs cube build {shlex.quote(str(source))}`, then fit again",
+                2,
+            )
     if kind is None:
         raise click.UsageError(
             f"{source} is neither a roofline file (`dvfs gpu roofline -o FILE`) nor a cube "
@@ -285,13 +295,19 @@ def predict(
 
     campaign = load_campaign(campaign_path)
     profile = load_profile(profile_path)
-    if not profile.key.strip() or any(c in profile.key for c in _NOT_IN_A_NAME):
+    if (
+        not profile.key.strip()
+        or any(c in profile.key for c in _NOT_IN_A_NAME)
+        or any(ord(c) < 32 or ord(c) == 127 for c in profile.key)
+    ):
         # `h100-sxm:none` would run the shipped H100 without its traps, the file's figures
-        # unused, and an empty name the campaign's own `gpu.profile`
+        # unused, and an empty name the campaign's own `gpu.profile`; a control character
+        # (which `fit --name` refuses) would go into every line that names the profile
         raise CampaignError(
             f"{profile_path} [gpu.{profile.key!r}]: a campaign cannot name this profile (a "
-            "profile's name is not blank and holds no ':', which starts a trap list, nor a quote "
-            "or a backslash): rename the table, or fit again with `dvfs twin fit --name`"
+            "profile's name is not blank and holds no ':', which starts a trap list, nor a quote, "
+            "a backslash or a control character): rename the table, or fit again with `dvfs "
+            "twin fit --name`"
         )
     digest = profile_digest(profile)  # before it is lent, when it would pass for shipped
     # the campaign's trap list (`h100-sxm:none`) says which of NVML's traps to simulate: it

@@ -545,6 +545,7 @@ def load_profile(path: Path) -> GpuProfile:
                 f"{path} [gpu.{key}]: {f.name} = {value!r} is not {kind}; write the profile "
                 "again with `dvfs twin fit`"
             )
+    _refuse_far_beyond_shipped(path, key, table)
     for low, high in _ORDERED:
         if table[low] > table[high]:
             raise CampaignError(
@@ -558,6 +559,32 @@ def load_profile(path: Path) -> GpuProfile:
             "(the die would heat without bound): lower one of them"
         )
     return GpuProfile(key=key, **table)
+
+
+#: A profile file's figure may be at most this many times the largest the twin's shipped GPUs
+#: state: further is no GPU (a typo, a unit slip), and there the twin's arithmetic breaks down
+#: (times past int64 nanoseconds, a sweep that never ends, an exp that overflows).
+BEYOND_SHIPPED = 1000.0
+
+
+def _refuse_far_beyond_shipped(path: Path, key: str, table: dict[str, Any]) -> None:
+    """A figure `BEYOND_SHIPPED` times the shipped GPUs' largest is refused in one line (a
+    host overhead of 1e6 s ran a prediction out of memory; a settle time or a counter period
+    of 1e300 s, a bandwidth knee of 1e300 MHz, were internal errors)."""
+    from dvfs.twin import profiles
+
+    shipped = list(profiles.gpu_profiles().values())
+    for f in fields(GpuProfile):
+        value = table.get(f.name)
+        if f.type == "str" or not isinstance(value, int | float):
+            continue
+        most = max(float(getattr(p, f.name)) for p in shipped)
+        if most > 0 and value > BEYOND_SHIPPED * most:
+            raise CampaignError(
+                f"{path} [gpu.{key}]: {f.name} = {value!r} is over {BEYOND_SHIPPED:g} times the "
+                f"twin's own GPUs' ({most:g}), beyond any GPU: write the profile again with "
+                "`dvfs twin fit`"
+            )
 
 
 #: Profile figures the twin divides by or steps with: zero is no GPU.

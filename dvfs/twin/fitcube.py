@@ -150,6 +150,23 @@ def fit_cube_cells(
 ) -> CubeFit:
     """Fit `params` of `base` to the measured cells (`predict.cube_cells`)."""
     notes = list(cells.notes)
+    # an observable no cell records (finite, above 0) has zero residuals everywhere: the fit
+    # sees the others alone, and the summary has no line for it
+    unread = [
+        name
+        for name in OBSERVABLES
+        if not (np.isfinite(cells.measured[name]) & (cells.measured[name] > 0)).any()
+    ]
+    if len(unread) == len(OBSERVABLES):
+        raise FitError(
+            f"{source or 'the cube'}: no cell records {', '.join(OBSERVABLES)} (finite and "
+            "above 0): nothing to fit"
+        )
+    if unread:
+        notes.append(
+            f"no cell records {' or '.join(unread)} (finite and above 0): fitted on "
+            f"{', '.join(n for n in OBSERVABLES if n not in unread)} alone"
+        )
     lower = np.array([p.lower for p in params])
     upper = np.array([p.upper for p in params])
     start = np.array([float(getattr(base, p.name)) for p in params])

@@ -415,15 +415,16 @@ def _timed(
     busy_s += terms.kernel_cycles / f_hz
     busy_s += terms.comm_s
     duration_s = busy_s + terms.host_s
+    per_s = _per_pass_s(duration_s)
     # Tensor power follows the useful FLOPs: the padding of a GEMM's last tile multiplies
     # zeros, which switch little (the same matmul draws less power on zeros, G11), and the
     # SMs a last wave leaves idle draw none; so utilisation is at the large-M efficiency.
-    tensor_util = np.divide(useful_s, duration_s, out=useful_s)
-    memory_util = passes.bytes / duration_s
+    tensor_util = np.divide(useful_s, per_s, out=useful_s)
+    memory_util = passes.bytes / per_s
     memory_util /= hbm_bytes_s
     # power = idle + busy x SM power x s + tensor util x tensor power x s + memory util x
     # memory power, summed left to right
-    power_w = np.divide(busy_s, duration_s, out=busy_s)
+    power_w = np.divide(busy_s, per_s, out=busy_s)
     power_w *= sm_w
     power_w *= scale
     power_w += idle_w
@@ -443,15 +444,27 @@ def _timed(
     )
 
 
+def _per_pass_s(duration_s: np.ndarray) -> np.ndarray:
+    """What `_timed` divides a pass's work by to get its utilisation and power: its duration,
+    or 1 s for a pass that takes none (no FLOPs, no bytes, no kernels and no host time: a
+    model-free drafter's draft pass on a profile whose `host_overhead_s` is 0), whose work is
+    0 too, so it draws idle power rather than 0/0 (NaN, which stalled the cell's energy
+    counter). The same array, so the same bits, where every pass takes time."""
+    if duration_s.all():
+        return duration_s
+    return np.where(duration_s > 0, duration_s, 1.0)
+
+
 def _utilisations(
     gpu: GpuProfile, passes: Passes, sm_clock_mhz: float, duration_s: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """`_timed`'s tensor and memory utilisation at one clock, from the passes' durations
     there: its steps from those on (the same bits)."""
     (peak, _, _, _), constants = _clock_factors(gpu, float(sm_clock_mhz))
+    per_s = _per_pass_s(duration_s)
     tensor_util = passes.flops / peak
-    np.divide(tensor_util, duration_s, out=tensor_util)
-    memory_util = passes.bytes / duration_s
+    np.divide(tensor_util, per_s, out=tensor_util)
+    memory_util = passes.bytes / per_s
     memory_util /= constants[2]  # the HBM peak (B/s)
     return tensor_util, memory_util
 

@@ -245,6 +245,7 @@ def cube_cells(
     from dvfs.corpora.prepare import counted_corpora
     from dvfs.corpora.sampling import sample_prompts
     from dvfs.corpora.tokens import download_hint
+    from dvfs.cube.knobs import swept_knobs
     from dvfs.cube.prompts import campaign_of, check_same_corpora
     from dvfs.twin.profiles import model_profile
 
@@ -387,8 +388,15 @@ def cube_cells(
             tokens.append(n_tokens)
             request_tokens.append(n_tokens / batch)
         cell_group[i] = groups[key]
+    # a knob the campaign never set reads "not set", as every analysis says it, not the stock
+    # value its cells are filed under (a power-limit-only cube's SM clock is no lock)
+    clock_set, limit_set = swept_knobs(ds)
+    unset = {d for d, s in (("sm_clock", clock_set), ("power_limit", limit_set)) if not s}
     names = [
-        " ".join(f"{d}={_label(ds, d, int(j))}" for d, j in zip(dims, row, strict=True))
+        " ".join(
+            f"{d}={'not set' if d in unset else _label(ds, d, int(j))}"
+            for d, j in zip(dims, row, strict=True)
+        )
         for row in index
     ]
     return CubeCells(
