@@ -378,15 +378,38 @@ def test_a_fleet_worker_whose_attached_server_is_replaced_stops_the_sweep_in_its
         assert "GPU settings restored." in result.output.splitlines()
 
 
+#: What Ray's memory monitor says of a worker it killed (an OutOfMemoryError's message).
+OOM_MESSAGE = (
+    "Task was killed due to the node running low on memory.\nMemory on the node (IP: "
+    "127.0.0.1, ID: 1a2b) where the lease was running was 22.56GB / 23.54GB (0.958417), which "
+    "exceeds the memory usage threshold of 0.95."
+)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["gpu-lost", "actor-killed"])
+@pytest.mark.parametrize("how", ["gpu-lost", "actor-killed", "oom-killed"])
 def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
-    ray_nvml, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_nvml, ray_cluster, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Real GPUs (the fake NVML's two) on Ray: a worker whose GPU falls off the bus, or whose
     actor is killed, after it set the GPU's knobs cannot put them back. Every cell is measured
     by the other, yet the sweep ends with exit 1 naming the GPUs, the node and `dvfs gpu
-    reset` (it ended 0, the GPU left locked, as the local executor's sweep no longer does)."""
+    reset` (it ended 0, the GPU left locked, as the local executor's sweep no longer does).
+    `oom-killed`: killed by Ray's memory monitor as its node ran low on memory, which SIGKILLs
+    the actor's process and answers its calls with an OutOfMemoryError (not a RayActorError):
+    the worker was said lost, but its GPUs were not (the sweep ended 0, the GPU locked)."""
+    if how == "oom-killed":
+        import ray.exceptions
+
+        get = ray_cluster.get  # type: ignore[attr-defined]
+
+        def get_as_the_memory_monitor_says(*args, **kwargs):  # type: ignore[no-untyped-def]
+            try:
+                return get(*args, **kwargs)
+            except ray.exceptions.RayActorError:
+                raise ray.exceptions.OutOfMemoryError(OOM_MESSAGE) from None
+
+        monkeypatch.setattr(ray_cluster, "get", get_as_the_memory_monitor_says)
     from nvml_support import NVML_CAMPAIGN
 
     # (16 tokens: no cell's validity is read here; each token is played out in real time)
@@ -420,6 +443,9 @@ def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     assert result.exit_code == 1, result.output
     last = result.stderr.strip().splitlines()[-1]
     assert "NOT restored" in last and "dvfs gpu reset" in last, result.output
+    if how == "oom-killed":
+        said = f"/gpu{lost[0]} lost (OutOfMemoryError: Task was killed due to the node running"
+        assert said in result.output and "internal error" not in result.output, result.output
     gpu = ray_nvml.fake_device_state(lost[0])
     assert gpu["locked_clocks"] is not None  # what the sweep's last line is about
     if how == "gpu-lost":
@@ -1573,6 +1599,97 @@ def test_an_observe_only_actor_that_dies_names_no_settings_kept_nor_reset(actuat
         return
     assert "settings" not in opening and "reset" not in opening, opening
     assert not said and "reset" not in record and not executor.unrestored, said
+
+
+def _ray_error(name: str) -> BaseException:
+    """Ray's own error `name` of a call whose actor's process is gone, as `ray.get` raises it."""
+    import ray.exceptions
+
+    kind = getattr(ray.exceptions, name)
+    if name == "ObjectLostError":
+        return kind("ab" * 28, None, "")
+    return kind() if name == "WorkerCrashedError" else kind(OOM_MESSAGE)
+
+
+@pytest.mark.parametrize(
+    "error", ["OutOfMemoryError", "NodeDiedError", "WorkerCrashedError", "ObjectLostError"]
+)
+def test_a_worker_ray_kills_as_it_opens_is_one_line_not_an_internal_error(error: str) -> None:
+    """Real GPUs on Ray: a worker's actor killed as it opens by Ray's memory monitor (the node
+    short of memory: an OutOfMemoryError, a RayError but not a RayActorError), or lost with
+    its node, or whose worker process crashed. It came out of the run as Ray's own error, which
+    the sweep said as "internal error: OutOfMemoryError: ...; please report it": one line
+    saying what befell it, its node's reset, and to rerun."""
+    from dvfs.errors import DvfsError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    actor_class, get = _actors_n1_dies_opening(
+        {"n1/gpu0": "`dvfs gpu reset --state-dir /s`", "n2/gpu0": "`dvfs gpu reset`"}
+    )
+
+    def killed(ref, timeout=None):  # type: ignore[no-untyped-def]
+        try:
+            return get(ref, timeout)
+        except ActorDiedError:
+            raise _ray_error(error) from None
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, killed, 2, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2
+    )
+    with pytest.raises(DvfsError) as died:
+        RayExecutor(Path("out"))._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    line = str(died.value)
+    assert "\n" not in line and "settings it set: `dvfs gpu reset --state-dir /s` there" in line
+    if error == "OutOfMemoryError":
+        assert line.startswith(
+            "a Ray worker was killed as it started: its node ran out of memory (OutOfMemoryError: "
+            "Task was killed due to the node running low on memory.)"
+        ), line
+        assert line.endswith("free memory on that node (its other jobs) and rerun the same command")
+    else:
+        assert line.startswith(f"a Ray worker died as it started ({error}"), line
+
+
+@pytest.mark.parametrize(
+    "error", ["OutOfMemoryError", "NodeDiedError", "WorkerCrashedError", "ObjectLostError"]
+)
+def test_a_worker_ray_kills_mid_sweep_or_as_it_closes_is_lost_with_its_gpus(error: str) -> None:
+    """Real GPUs on Ray: an actor killed by Ray's memory monitor (or lost with its node, or
+    crashed) while it measured a cell, or as it was asked to close. Its process is gone, its
+    GPUs as it set them: the loss names `dvfs gpu reset` on its node and the sweep's last line
+    its GPUs, as for an actor that died. It was said lost without a reset (the sweep ended 0,
+    the GPUs locked), and a close it never answered was taken for a failed restore."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    actor_class, get = _actors_n1_dies_opening({"n1/gpu0": "`dvfs gpu reset`"})
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 1, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}]
+    )
+    said: list[str] = []
+    lost: list[dict] = []  # type: ignore[type-arg]
+    mid = types.SimpleNamespace(
+        campaign=fleet.campaign,
+        note=said.append,
+        lost=lambda label, cell, why, record: lost.append(record),
+    )
+    executor = RayExecutor(Path("out"))
+    executor._lost(mid, "n1/gpu0", None, _ray_error(error))  # type: ignore[arg-type]
+    [record] = lost
+    assert record["error"].startswith(error), record
+    assert record["reset"] == "run `dvfs gpu reset` on n1", record
+    assert said == ["worker n1/gpu0 died without restoring its GPUs: run `dvfs gpu reset` on n1"]
+    assert executor.unrestored == {"n1": ["the GPUs of worker n1/gpu0 (its actor died)"]}
+
+    def close_killed(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, tuple) and ref[0] == "close":
+            raise _ray_error(error)
+        return get(ref, timeout)
+
+    fake.get = close_killed
+    closing = RayExecutor(Path("out"))
+    closing._close(fake, fleet.campaign, {"n1/gpu0": actor_class.options().remote()})
+    assert closing.unrestored == {"n1": ["the GPUs of worker n1/gpu0 (its actor died)"]}
+    assert not closing.close_errors, closing.close_errors
 
 
 def test_a_ray_fleet_lost_on_two_nodes_keeps_the_resume_within_the_line() -> None:

@@ -719,6 +719,13 @@ class RayExecutor:
                     raise
                 text = str(exc).strip()
                 why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else ""
+                if out_of_memory(exc):
+                    raise DvfsError(
+                        f"a Ray worker was killed as it started: its node ran out of memory "
+                        f"({why or type(exc).__name__})"
+                        f"{reset() if reset is not None else ''}; free memory on that node "
+                        "(its other jobs) and rerun the same command"
+                    ) from exc
                 raise DvfsError(
                     f"a Ray worker died as it started ({why or type(exc).__name__}): its node "
                     f"may have gone down or run out of memory (see Ray's logs there)"
@@ -904,6 +911,29 @@ class RayExecutor:
         fleet.lost(label, cell, bounded_why(why), record)
 
 
+#: Ray's errors of a call whose actor's process is gone: the actor died (`ray.kill`, a
+#: signal), Ray's memory monitor killed it as its node ran low on memory (OutOfMemoryError,
+#: not a RayActorError: an ordinary loss on a busy cluster), its node died, its worker crashed,
+#: or the unit it returned was lost with its node (an actor's unit is not retried).
+GONE = (
+    "RayActorError",
+    "ActorDiedError",
+    "ActorUnavailableError",
+    "OutOfMemoryError",
+    "NodeDiedError",
+    "WorkerCrashedError",
+    "ObjectLostError",
+    "ObjectReconstructionFailedError",
+)
+
+
 def actor_gone(exc: BaseException) -> bool:
-    """Whether a Ray call failed because its actor's process is gone (killed, or its node)."""
-    return type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+    """Whether a Ray call failed because its actor's process is gone (killed, by Ray's memory
+    monitor too, or with its node). Its exact type: what a worker raised comes back as a
+    `RayTaskError(...)` of its own name."""
+    return type(exc).__name__ in GONE
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether Ray's memory monitor killed the actor (its node ran low on memory)."""
+    return type(exc).__name__ == "OutOfMemoryError"
