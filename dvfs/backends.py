@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,8 +303,64 @@ def _named_once(failed: Sequence[tuple[int | str, GpuError]]) -> list[GpuError]:
 
 
 def lost_gpus(lost: Sequence[GpuError]) -> GpuError:
-    """The one error (exit 1, one line) naming every GPU `reachable_gpus` could not open."""
-    return lost[0] if len(lost) == 1 else GpuUnavailableError("; ".join(str(e) for e in lost))
+    """The one error (exit 1, one line) naming every GPU `reachable_gpus` could not open: GPUs
+    that failed alike (the same call hung on each, each fallen off the bus) said once, as
+    "GPU 0, GPU 1: what failed on each", and a hung call's advice (`NOT_RESPONDING`) once,
+    after the last hung call. Each GPU's whole text, the advice in every one, made six hung
+    GPUs' line overrun the bound of an error line (`MAX_MESSAGE_CHARS`), and its end, what
+    to run, was cut off."""
+    return lost[0] if len(lost) == 1 else GpuUnavailableError(lost_line(lost))
+
+
+#: A GPU as an error's text names it by its index: "GPU 3", or "GPU 3 (GPU-...)".
+_BY_INDEX = r"GPU (?P<index>{index})(?!\d)(?: \(GPU-[0-9A-Fa-f-]+\))?"
+
+
+def _own_name(exc: GpuError, text: str) -> tuple[str, re.Pattern[str]] | None:
+    """How `text` (`exc`'s) first names its GPU, and every way it names it (its index, the
+    UUID it was named by), for `lost_line` to say "each" in their place; None where it does not
+    name it. Where a GPU's index is not known (named by a UUID NVML could not match), its
+    text's first "GPU N" is its (the GPU each opening names in its errors)."""
+    known = None if exc.index is None else str(exc.index)
+    ways = [_BY_INDEX.format(index=known or r"\d+")]
+    if exc.uuid:
+        ways.append(re.escape(exc.uuid))
+    found = re.search("|".join(ways), text, re.IGNORECASE)
+    if found is None:
+        return None
+    index = found.group("index") or known
+    own = [] if index is None else [_BY_INDEX.format(index=index)]
+    if exc.uuid:
+        own.append(re.escape(exc.uuid))
+    return found.group(0), re.compile("|".join(own), re.IGNORECASE)
+
+
+def lost_line(lost: Sequence[GpuError]) -> str:
+    """The line of `lost_gpus`: every GPU of `lost` named, in their order, those that failed
+    alike in one entry (at the first of them), a hung call's advice after the last."""
+    from dvfs.gpu.deadline import NOT_RESPONDING
+
+    # what failed on each, its own name as "each" (or its whole text where that does not say
+    # which GPU it is): the names of the GPUs it failed on, and the text of the first
+    groups: dict[str, tuple[list[str], str]] = {}
+    for number, exc in enumerate(lost):
+        text = str(exc)
+        named = _own_name(exc, text)
+        if named is None:
+            groups[f"{number}\0{text}"] = ([], text)
+            continue
+        name, own = named
+        alike = own.sub("each", text).removeprefix("each: ")
+        groups.setdefault(alike, ([], text))[0].append(name)
+    said = [
+        f"{', '.join(names)}: {alike}" if len(names) > 1 else text
+        for alike, (names, text) in groups.items()
+    ]
+    advice = f"; {NOT_RESPONDING}"
+    hung = [n for n, entry in enumerate(said) if entry.endswith(advice)]
+    return "; ".join(
+        entry.removesuffix(advice) if n in hung[:-1] else entry for n, entry in enumerate(said)
+    )
 
 
 def with_lost_rows(

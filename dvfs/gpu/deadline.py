@@ -35,6 +35,14 @@ DEADLINE_ENV = "DVFS_NVML_DEADLINE_S"
 IDLE_EXIT_S = 2.0
 
 
+#: What a hung call's error (`DeadlineExceeded.describe`) ends with, after "; ": said once in a
+#: line naming several GPUs' (`dvfs.backends.lost_gpus`).
+NOT_RESPONDING = (
+    "the driver is not responding (see `nvidia-smi` and the kernel log for Xid errors; "
+    f"${DEADLINE_ENV} sets the deadline)"
+)
+
+
 class GpuTimeoutError(GpuError):
     """An NVML call did not return within its deadline: the driver or the GPU is not responding."""
 
@@ -104,10 +112,7 @@ class DeadlineExceeded(Exception):  # noqa: N818  (internal; callers raise GpuTi
                 f"{self.name} on {where} was not attempted: {self.hung} has not returned for "
                 f"{self.hung_for_s:.0f} s"
             )
-        return (
-            f"{what}; the driver is not responding (see `nvidia-smi` and the kernel log for Xid "
-            f"errors; ${DEADLINE_ENV} sets the deadline)"
-        )
+        return f"{what}; {NOT_RESPONDING}"
 
 
 class _Job:

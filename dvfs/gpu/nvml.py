@@ -691,27 +691,44 @@ def open_device(
 def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[str]:
     """The UUID of every GPU NVML sees, by NVML index (what CUDA_VISIBLE_DEVICES is read
     against); "" for a GPU whose UUID NVML cannot read: fallen off the bus, needing a reset,
-    any NVML error on that GPU (an index entry names it, and a UUID entry no other GPU matches
-    where it is the only one: `dvfs.gpu.visible`; opening it then names its error). One such
-    GPU must not refuse every command on the others; an error of NVML itself (not initialised,
-    no driver) still stops."""
+    any NVML error on that GPU, a call on it that overran its deadline (an index entry names
+    it, and a UUID entry no other GPU matches where it is the only one: `dvfs.gpu.visible`;
+    opening it then names its error). One such GPU must not refuse every command on the
+    others; an error of NVML itself (not initialised, no driver) still stops. Each GPU is read
+    on its own NVML worker, side by side (`dvfs.gpu.knobs.side_by_side`): on one worker, the
+    GPUs after one whose call hung were refused at once ("not attempted"), and that refusal
+    stopped the whole listing; one after another, GPUs whose driver hangs whole would cost a
+    deadline each."""
+    from dvfs.gpu.knobs import side_by_side
+
     errors = NvmlErrors(nvml)
     limit = resolve_deadline_s(deadline_s)
+
+    def read(index: int) -> str:
+        """GPU `index`'s UUID, "" where it is that GPU's own error that NVML cannot say it."""
+        worker = CallWorker(f"uuid-gpu{index}")
+        where = f"GPU {index}"
+        try:
+            handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
+            return _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
+        except GpuTimeoutError:
+            return ""  # its driver hangs: that GPU's, as its opening then says
+        except Exception as exc:
+            if not errors.is_nvml_error(exc) or errors.machine_wide(exc):
+                raise
+            return ""
+        finally:
+            worker.close()
+
     worker = CallWorker("nvml-uuids")
     try:
         with errors.translated("cannot list GPUs"):
             count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
-            uuids = []
-            for index in range(count):
-                where = f"GPU {index}"
-                try:
-                    handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
-                    uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
-                except Exception as exc:
-                    if not errors.is_nvml_error(exc) or errors.machine_wide(exc):
-                        raise
-                    uuid = ""
-                uuids.append(uuid)
+            uuids = [""] * count
+            reading = side_by_side(list(range(count)), read, named=lambda i: f"uuid-gpu{i}")
+            with contextlib.closing(reading) as finishing:
+                for index, uuid in finishing:
+                    uuids[index] = uuid
     finally:
         worker.close()
     return uuids

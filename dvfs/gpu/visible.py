@@ -13,10 +13,10 @@ reads them, and refuses a GPU outside them (`check`). Entries, read in order as 
   this assumes `CUDA_DEVICE_ORDER=PCI_BUS_ID` order;
 - a MIG instance (`MIG-...`): refused, since dvfs meters and controls whole GPUs.
 
-A GPU fallen off the bus (or needing a reset, or failing NVML otherwise) has no UUID NVML
-can read ("" among the machine's UUIDs): a UUID entry that names no other GPU is taken for it
-where it is the one such GPU (opening it then names its error, rather than the variable being
-blamed); with several, none is.
+A GPU fallen off the bus (or needing a reset, or failing NVML otherwise, or hanging) has no
+UUID NVML can read ("" among the machine's UUIDs): a UUID entry that names no other GPU is
+taken for it where it is the one such GPU (opening it then names its error, rather than the
+variable being blamed); with several, none is.
 
 CUDA stops at the first entry it cannot read (`-1`, an index past the last GPU, a UUID not
 here), seeing only the GPUs before it; so does this. Pure functions over the machine's UUIDs
