@@ -200,3 +200,55 @@ def test_a_named_gpu_refused_or_not_found_still_stops_the_reset_while_another_ha
     assert out == "" and nvml.fake_calls() == []
     assert state_files(env, nvml) == list(range(8))
     assert "Traceback" not in err
+
+
+def test_warnings_of_gpus_probed_side_by_side_are_logged_in_the_gpus_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two GPUs whose ECC mode the driver will not read (a warning each, "taken as not known")
+    probed side by side, GPU 0's read held in the driver until GPU 1's probe has warned and is
+    in its power limit's read: the warnings are said GPU 0 first, as one after another, not in
+    the order the probes warned (which changes from run to run: GPU 1's first here)."""
+    import logging
+    import threading
+
+    from nvml_support import fresh_fake
+
+    from dvfs.backends import reachable_gpus
+
+    nvml = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h100-sxm")
+    for index in (0, 1):
+        nvml.fake_update_device(
+            index, errors={"nvmlDeviceGetEccMode": nvml.NVML_ERROR_NO_PERMISSION}
+        )
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    monkeypatch.setenv(
+        "DVFS_FAKE_NVML_HANG", "nvmlDeviceGetEccMode@0=inf,nvmlDeviceGetPowerManagementLimit@1=inf"
+    )
+    finished = threading.Event()
+
+    def release() -> None:
+        # both in the driver: GPU 1 past its ECC read (warned), GPU 0 before its own
+        deadline = time.monotonic() + STUCK_S
+        while len(nvml.fake_hangs_started()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "")
+        while not finished.is_set():  # (a hang begun after one release waits for the next)
+            nvml.fake_release_hangs()
+            finished.wait(0.05)
+
+    releasing = threading.Thread(target=release, daemon=True)
+    releasing.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dvfs"):
+            openable, lost = reachable_gpus(nvml=nvml)
+    finally:
+        finished.set()
+        releasing.join()
+    assert sorted((h["fn"], h["index"]) for h in nvml.fake_hangs_started()) == [
+        ("nvmlDeviceGetEccMode", 0),
+        ("nvmlDeviceGetPowerManagementLimit", 1),
+    ]
+    assert (openable, lost) == ([0, 1], [])
+    said = [r.getMessage() for r in caplog.records if "taken as not known" in r.getMessage()]
+    assert [m.split(":")[0] for m in said] == ["GPU 0", "GPU 1"], said
