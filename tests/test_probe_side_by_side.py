@@ -252,3 +252,51 @@ def test_warnings_of_gpus_probed_side_by_side_are_logged_in_the_gpus_order(
     assert (openable, lost) == ([0, 1], [])
     said = [r.getMessage() for r in caplog.records if "taken as not known" in r.getMessage()]
     assert [m.split(":")[0] for m in said] == ["GPU 0", "GPU 1"], said
+
+
+def test_a_ctrl_c_while_gpus_are_probed_shuts_nvml_down_once_and_the_probes_begin_nothing_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGINT to the main thread while GPUs 0 and 1 hang in their opening (GPU 2 answers):
+    the probe raises KeyboardInterrupt at once (no deadline waited: an hour here), NVML is
+    shut down once (its reference count back to 0, no "nvmlShutdown failed"), and the hung
+    probes, once their calls return, begin no NVML call after (the calls of GPU 0's and 1's
+    opening that follow would hang too, and none began: `given_up_with`); their threads end."""
+    import logging
+    import threading
+
+    from nvml_support import fresh_fake
+
+    from dvfs.backends import reachable_gpus
+
+    nvml = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h100-sxm,h100-sxm")
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "nvmlDeviceGetUUID@0=inf,nvmlDeviceGetUUID@1=inf")
+    main = threading.main_thread().ident
+    assert main == threading.get_ident()
+    nvml.nvmlInit()  # another user of NVML in this process: the hung calls, released, succeed
+
+    def interrupt() -> None:
+        wait_for(lambda: len(nvml.fake_hangs_started()) == 2, "GPUs 0 and 1 hung")
+        signal.pthread_kill(main, signal.SIGINT)  # type: ignore[arg-type]
+
+    interrupting = threading.Thread(target=interrupt, daemon=True)
+    interrupting.start()
+    with caplog.at_level(logging.WARNING, logger="dvfs"), pytest.raises(KeyboardInterrupt):
+        reachable_gpus(nvml=nvml)
+    interrupting.join()
+    assert nvml.fake_init_count() == 1  # dvfs's own reference dropped, once
+    probes = [t for t in threading.enumerate() if t.name.startswith("probe-gpu")]
+    assert sorted(t.name for t in probes) == ["probe-gpu0", "probe-gpu1"]
+    # every call on GPUs 0 and 1 from here would hang and be recorded
+    monkeypatch.setenv(
+        "DVFS_FAKE_NVML_HANG",
+        ",".join(f"{fn}@{i}=inf" for i in (0, 1) for fn in WHOLE if fn != "nvmlDeviceGetUUID"),
+    )
+    while any(t.is_alive() for t in probes):
+        nvml.fake_release_hangs()
+        for t in probes:
+            t.join(0.05)
+    assert [h["fn"] for h in nvml.fake_hangs_started()] == ["nvmlDeviceGetUUID"] * 2
+    nvml.nvmlShutdown()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
