@@ -155,7 +155,7 @@ def reachable_gpus(
     that does not name it, which sets aside one it names itself): that GPU, which cannot
     change, must not fail the command on every run."""
     from dvfs.gpu.knobs import side_by_side
-    from dvfs.gpu.nvml import every_gpu, nvml_session, open_device
+    from dvfs.gpu.nvml import every_gpu, log_held, nvml_session, open_device, warnings_held
 
     named: list[int | str] = list(devices)
     # NVML itself first, named GPUs or not: a missing driver is no one GPU's loss (it was
@@ -165,9 +165,14 @@ def reachable_gpus(
             named = list(every_gpu(module, visible=visible))
         # NVML held for the probes; each GPU opened on its own (its own NVML worker, deadline)
 
-        def probe(entry: tuple[int, int | str]) -> GpuError | None:
-            """Why the GPU named `entry[1]` does not open, or None where it does."""
-            device = entry[1]
+        def probe(entry: tuple[int, int | str]) -> tuple[GpuError | None, list[str]]:
+            """Why the GPU named `entry[1]` does not open, or None where it does, with the
+            warnings its opening gave (`warnings_held`: logged in the GPUs' order)."""
+            with warnings_held() as held:
+                return opening(entry[1]), held
+
+        def opening(device: int | str) -> GpuError | None:
+            """Why the GPU named `device` does not open, or None where it does."""
             try:
                 gpu = open_device(module, device, allow_mig=True)
                 if read:
@@ -193,7 +198,7 @@ def reachable_gpus(
         # minute before `dvfs gpu reset`, the governor unit's ExecStopPost, put any back).
         # Said in the GPUs' order, whichever answers first; a Ctrl-C gives up on the rest.
         entries = list(enumerate(named))
-        outcomes: dict[int, GpuError | None] = {}
+        outcomes: dict[int, tuple[GpuError | None, list[str]]] = {}
         probing = side_by_side(entries, probe, named=lambda entry: f"probe-gpu{entry[1]}")
         with contextlib.closing(probing) as finishing:
             for (position, _), outcome in finishing:
@@ -201,7 +206,8 @@ def reachable_gpus(
     openable: list[int | str] = []
     failed: list[tuple[int | str, GpuError]] = []
     for position, device in entries:
-        exc = outcomes[position]
+        exc, warned = outcomes[position]
+        log_held(warned)
         if exc is None:
             openable.append(device)
             continue

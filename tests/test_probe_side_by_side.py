@@ -202,3 +202,103 @@ def test_a_named_gpu_refused_or_not_found_still_stops_the_reset_while_another_ha
     assert out == "" and nvml.fake_calls() == []
     assert state_files(env, nvml) == list(range(8))
     assert "Traceback" not in err
+
+
+def test_warnings_of_gpus_probed_side_by_side_are_logged_in_the_gpus_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two GPUs whose ECC mode the driver will not read (a warning each, "taken as not known")
+    probed side by side, GPU 0's read held in the driver until GPU 1's probe has warned and is
+    in its power limit's read: the warnings are said GPU 0 first, as one after another, not in
+    the order the probes warned (which changes from run to run: GPU 1's first here)."""
+    import logging
+    import threading
+
+    from nvml_support import fresh_fake
+
+    from dvfs.backends import reachable_gpus
+
+    nvml = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h100-sxm")
+    for index in (0, 1):
+        nvml.fake_update_device(
+            index, errors={"nvmlDeviceGetEccMode": nvml.NVML_ERROR_NO_PERMISSION}
+        )
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    monkeypatch.setenv(
+        "DVFS_FAKE_NVML_HANG", "nvmlDeviceGetEccMode@0=inf,nvmlDeviceGetPowerManagementLimit@1=inf"
+    )
+    finished = threading.Event()
+
+    def release() -> None:
+        # both in the driver: GPU 1 past its ECC read (warned), GPU 0 before its own
+        deadline = time.monotonic() + STUCK_S
+        while len(nvml.fake_hangs_started()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "")
+        while not finished.is_set():  # (a hang begun after one release waits for the next)
+            nvml.fake_release_hangs()
+            finished.wait(0.05)
+
+    releasing = threading.Thread(target=release, daemon=True)
+    releasing.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dvfs"):
+            openable, lost = reachable_gpus(nvml=nvml)
+    finally:
+        finished.set()
+        releasing.join()
+    assert sorted((h["fn"], h["index"]) for h in nvml.fake_hangs_started()) == [
+        ("nvmlDeviceGetEccMode", 0),
+        ("nvmlDeviceGetPowerManagementLimit", 1),
+    ]
+    assert (openable, lost) == ([0, 1], [])
+    said = [r.getMessage() for r in caplog.records if "taken as not known" in r.getMessage()]
+    assert [m.split(":")[0] for m in said] == ["GPU 0", "GPU 1"], said
+
+
+def test_a_ctrl_c_while_gpus_are_probed_shuts_nvml_down_once_and_the_probes_begin_nothing_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGINT to the main thread while GPUs 0 and 1 hang in their opening (GPU 2 answers):
+    the probe raises KeyboardInterrupt at once (no deadline waited: an hour here), NVML is
+    shut down once (its reference count back to 0, no "nvmlShutdown failed"), and the hung
+    probes, once their calls return, begin no NVML call after (the calls of GPU 0's and 1's
+    opening that follow would hang too, and none began: `given_up_with`); their threads end."""
+    import logging
+    import threading
+
+    from nvml_support import fresh_fake
+
+    from dvfs.backends import reachable_gpus
+
+    nvml = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h100-sxm,h100-sxm")
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "nvmlDeviceGetUUID@0=inf,nvmlDeviceGetUUID@1=inf")
+    main = threading.main_thread().ident
+    assert main == threading.get_ident()
+    nvml.nvmlInit()  # another user of NVML in this process: the hung calls, released, succeed
+
+    def interrupt() -> None:
+        wait_for(lambda: len(nvml.fake_hangs_started()) == 2, "GPUs 0 and 1 hung")
+        signal.pthread_kill(main, signal.SIGINT)  # type: ignore[arg-type]
+
+    interrupting = threading.Thread(target=interrupt, daemon=True)
+    interrupting.start()
+    with caplog.at_level(logging.WARNING, logger="dvfs"), pytest.raises(KeyboardInterrupt):
+        reachable_gpus(nvml=nvml)
+    interrupting.join()
+    assert nvml.fake_init_count() == 1  # dvfs's own reference dropped, once
+    probes = [t for t in threading.enumerate() if t.name.startswith("probe-gpu")]
+    assert sorted(t.name for t in probes) == ["probe-gpu0", "probe-gpu1"]
+    # every call on GPUs 0 and 1 from here would hang and be recorded
+    monkeypatch.setenv(
+        "DVFS_FAKE_NVML_HANG",
+        ",".join(f"{fn}@{i}=inf" for i in (0, 1) for fn in WHOLE if fn != "nvmlDeviceGetUUID"),
+    )
+    while any(t.is_alive() for t in probes):
+        nvml.fake_release_hangs()
+        for t in probes:
+            t.join(0.05)
+    assert [h["fn"] for h in nvml.fake_hangs_started()] == ["nvmlDeviceGetUUID"] * 2
+    nvml.nvmlShutdown()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -74,6 +75,31 @@ from dvfs.gpu.visible import check as check_visible
 from dvfs.gpu.visible import resolve as resolve_visible
 
 log = logging.getLogger(__name__)
+
+#: Where this thread keeps its warnings of a GPU's opening (`warnings_held`), where it does.
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def warnings_held() -> Iterator[list[str]]:
+    """Within the block, this thread's warnings of a GPU's opening (`NvmlGpu._unread`) are kept
+    in the list yielded instead of logged: GPUs probed side by side
+    (`dvfs.backends.reachable_gpus`) warn in the order they finish, which changes from run to
+    run; the caller logs each GPU's (`log_held`) in the GPUs' order, as one after another."""
+    held: list[str] = []
+    _held.warnings = held
+    try:
+        yield held
+    finally:
+        _held.warnings = None
+
+
+def log_held(warnings: Sequence[str]) -> None:
+    """Log the warnings `warnings_held` kept, as they would have been."""
+    for warning in warnings:
+        log.warning("%s", warning)
+
+
 T = TypeVar("T")
 
 # NVML field id for instantaneous board power and its scope (nvml.h).
@@ -224,7 +250,11 @@ class NvmlGpu:
         )
         if not (own or isinstance(exc, GpuPermissionError)):
             raise exc
-        log.warning("%s; taken as not known", exc)
+        held: list[str] | None = getattr(_held, "warnings", None)
+        if held is None:
+            log.warning("%s; taken as not known", exc)
+        else:
+            held.append(f"{exc}; taken as not known")
         return ""
 
     def _memory_clocks(self) -> list[int]:
