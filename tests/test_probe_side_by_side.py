@@ -257,7 +257,10 @@ def test_warnings_of_gpus_probed_side_by_side_are_logged_in_the_gpus_order(
 
 
 def test_a_ctrl_c_while_gpus_are_probed_shuts_nvml_down_once_and_the_probes_begin_nothing_after(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
 ) -> None:
     """A SIGINT to the main thread while GPUs 0 and 1 hang in their opening (GPU 2 answers):
     the probe raises KeyboardInterrupt at once (no deadline waited: an hour here), NVML is
@@ -276,6 +279,10 @@ def test_a_ctrl_c_while_gpus_are_probed_shuts_nvml_down_once_and_the_probes_begi
     monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "nvmlDeviceGetUUID@0=inf,nvmlDeviceGetUUID@1=inf")
     main = threading.main_thread().ident
     assert main == threading.get_ident()
+    # the SIGINT below raises KeyboardInterrupt whatever disposition the runner left (a job
+    # started in a shell's background ignores SIGINT, and Python then keeps it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     nvml.nvmlInit()  # another user of NVML in this process: the hung calls, released, succeed
 
     def interrupt() -> None:
