@@ -597,51 +597,71 @@ def device_count(nvml: ModuleType, *, deadline_s: float | None = None) -> int:
 def gpu_processes(nvml: ModuleType, *, deadline_s: float | None = None) -> list[GpuProcesses]:
     """Every GPU NVML sees (not only the campaign's) with the compute PIDs on it: where a server
     really runs. Read-only, each call within the deadline; a GPU whose processes NVML cannot
-    list (NotSupported, NoPermission, an NVML error on it) has `pids` None and says why. Each
-    GPU's used and total memory too, and each listed process's own (usedGpuMemory, where NVML
-    gives it): where a server NVML names by PIDs dvfs cannot see took its memory."""
+    list (NotSupported, NoPermission, an NVML error on it, a call on it that overran its
+    deadline) has `pids` None and says why. Each GPU's used and total memory too, and each
+    listed process's own (usedGpuMemory, where NVML gives it): where a server NVML names by
+    PIDs dvfs cannot see took its memory. Each GPU is read on its own NVML worker, side by side
+    (`dvfs.gpu.knobs.side_by_side`), as `machine_uuids`: on one worker, the GPUs after one
+    whose call hung were refused at once ("not attempted"), their processes unknown though
+    they answer (the server's GPU not found, a tenant check with nothing to go on)."""
+    from dvfs.gpu.knobs import side_by_side
+
     errors = NvmlErrors(nvml)
     limit = resolve_deadline_s(deadline_s)
+
+    def read(index: int) -> GpuProcesses:
+        worker = CallWorker(f"processes-gpu{index}")
+        try:
+            return _read_processes(nvml, errors, worker, limit, index)
+        finally:
+            worker.close()
+
     worker = CallWorker("nvml-processes")
-    found = []
     try:
         with errors.translated("cannot count GPUs"):
             count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
-        for index in range(count):
-            where, uuid, handle = f"GPU {index}", UNREAD_UUID, None
-            pids: frozenset[int] | None = None
-            why, own = "", {}
-            try:
-                with errors.translated(f"GPU {index}: cannot list compute processes"):
-                    handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
-                    uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
-                    procs = _bounded(worker, limit, where, process_lister(nvml), handle)
-            except GpuError as exc:
-                why = str(exc)
-            else:
-                pids = frozenset(int(p.pid) for p in procs)
-                own = {
-                    int(p.pid): int(used)
-                    for p in procs
-                    if isinstance(used := getattr(p, "usedGpuMemory", None), int)
-                }
-            used = total = None
-            memory_why = "no handle"
-            if handle is not None:
-                try:
-                    with errors.translated(f"GPU {index}: cannot read its memory"):
-                        read = nvml.nvmlDeviceGetMemoryInfo
-                        memory = _bounded(worker, limit, where, read, handle)
-                        used, total = int(memory.used), int(memory.total)
-                        memory_why = ""
-                except GpuError as exc:
-                    memory_why = str(exc)
-            found.append(
-                GpuProcesses(index, uuid, pids, why, used, total, memory_why, process_bytes=own)
-            )
     finally:
         worker.close()
-    return found
+    found: list[GpuProcesses | None] = [None] * count
+    reading = side_by_side(list(range(count)), read, named=lambda i: f"processes-gpu{i}")
+    with contextlib.closing(reading) as finishing:
+        for index, listed in finishing:
+            found[index] = listed
+    return [listed for listed in found if listed is not None]
+
+
+def _read_processes(
+    nvml: ModuleType, errors: NvmlErrors, worker: CallWorker, limit: float | None, index: int
+) -> GpuProcesses:
+    """GPU `index`'s compute processes and memory (`gpu_processes`), on `worker`."""
+    where, uuid, handle = f"GPU {index}", UNREAD_UUID, None
+    pids: frozenset[int] | None = None
+    why, own = "", {}
+    try:
+        with errors.translated(f"GPU {index}: cannot list compute processes"):
+            handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
+            uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
+            procs = _bounded(worker, limit, where, process_lister(nvml), handle)
+    except GpuError as exc:
+        why = str(exc)
+    else:
+        pids = frozenset(int(p.pid) for p in procs)
+        own = {
+            int(p.pid): int(used)
+            for p in procs
+            if isinstance(used := getattr(p, "usedGpuMemory", None), int)
+        }
+    used = total = None
+    memory_why = "no handle"
+    if handle is not None:
+        try:
+            with errors.translated(f"GPU {index}: cannot read its memory"):
+                memory = _bounded(worker, limit, where, nvml.nvmlDeviceGetMemoryInfo, handle)
+                used, total = int(memory.used), int(memory.total)
+                memory_why = ""
+        except GpuError as exc:
+            memory_why = str(exc)
+    return GpuProcesses(index, uuid, pids, why, used, total, memory_why, process_bytes=own)
 
 
 def processes_probe(
