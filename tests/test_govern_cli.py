@@ -192,6 +192,22 @@ def lines(log: Path, marker: str) -> list[str]:
     return [line for line in log.read_text(errors="replace").splitlines() if marker in line]
 
 
+def governor_killed_at_its_first_setting(
+    tmp_path: Path, env: dict[str, str], url: str, *extra: str
+) -> Path:
+    """A governor started (`start_governor`), SIGKILLed once it has set its first batch's
+    settings, as systemd's kill or a crash would leave it; its log."""
+    proc, log = start_governor(tmp_path, env, url, *extra)
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        proc.kill()
+        proc.wait(timeout=STUCK_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log
+
+
 def test_the_governor_follows_the_load_and_sigterm_restores(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:
@@ -262,14 +278,7 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
 def test_sigkill_leaves_a_state_file_that_gpu_reset_restores(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:
-    proc, log = start_governor(tmp_path, env, stub, "--max-intervals", "3000")
-    try:
-        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
-        proc.kill()
-        proc.wait(timeout=STUCK_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    governor_killed_at_its_first_setting(tmp_path, env, stub, "--max-intervals", "3000")
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
     assert list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
     assert "locked 210-1200 MHz by dvfs govern" in cap_show(env)  # still in force: shown
@@ -1084,14 +1093,7 @@ def test_gpu_reset_after_a_sigkill_puts_back_the_gpus_that_answer_while_others_h
     their state files gone, while 0-5's resets are still in the driver (an hour here); 0-5's
     state files stay for the reset that runs once they answer, which puts them back."""
     hung = _eight_gpus_whose_resets_hang_on_0_to_5(nvml, monkeypatch, "3600")  # outlasts it
-    proc, log = start_governor(tmp_path, env, stub, *(f"--gpu={i}" for i in range(1, 8)))
-    try:
-        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
-        proc.kill()
-        proc.wait(timeout=STUCK_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    governor_killed_at_its_first_setting(tmp_path, env, stub, *(f"--gpu={i}" for i in range(1, 8)))
     state = Path(env["DVFS_STATE_DIR"])
     uuids = [nvml.fake_device_state(i)["uuid"] for i in range(8)]
     assert all((state / f"{u}.json").exists() for u in uuids)
