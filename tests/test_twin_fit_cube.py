@@ -1021,3 +1021,25 @@ def test_a_sweep_folder_without_its_cube_says_to_build_it(
     assert invoke("cube", "build", str(folder)).exit_code == 0
     result = invoke("twin", "fit", str(folder), "-o", str(out), "--base", "h100-sxm:none")
     assert result.exit_code == 0, result.output
+
+
+def test_predict_refuses_an_idle_clock_above_the_gpus_highest(tmp_path: Path) -> None:
+    """NVML never reports an idle SM clock above the highest the GPU runs at: a hand-edited
+    idle_sm_clock_mhz of 2500 on a 1980 MHz GPU was swept, its idle baseline drawing the
+    dynamic power of a clock no lock reaches. One line, exit 2, naming the file and both
+    figures; nothing swept."""
+    profile = profile_file(tmp_path / "edited.toml", TRUTH)
+    text, count = re.subn(
+        "^idle_sm_clock_mhz = .*$", "idle_sm_clock_mhz = 2500", profile.read_text(), flags=re.M
+    )
+    assert count == 1 and TRUTH.max_sm_clock_mhz < 2500
+    profile.write_text(text)
+    campaign = write(tmp_path / "c.toml", FIT_CAMPAIGN)
+    result = invoke(
+        "twin", "predict", str(campaign), "--profile", str(profile), "-o", str(tmp_path / "x")
+    )
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    expected = f"idle_sm_clock_mhz = 2500 is above max_sm_clock_mhz = {TRUTH.max_sm_clock_mhz}"
+    assert f"{profile} [gpu.{TRUTH.key}]: {expected}" in result.output
+    assert not (tmp_path / "x").exists()

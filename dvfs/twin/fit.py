@@ -620,6 +620,8 @@ _SHARES = {
 #: Pairs (low, high) a profile must keep in order.
 _ORDERED = (
     ("min_sm_clock_mhz", "max_sm_clock_mhz"),
+    # NVML's idle clock may lie below the lowest lockable clock, never above the highest.
+    ("idle_sm_clock_mhz", "max_sm_clock_mhz"),
     ("power_limit_min_w", "power_limit_default_w"),
     ("power_limit_default_w", "power_limit_max_w"),
     ("voltage_min_v", "voltage_max_v"),
