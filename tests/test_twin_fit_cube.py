@@ -212,7 +212,7 @@ def test_fit_recovers_the_figures_the_cube_was_made_with(made: dict[str, Path]) 
 def test_the_profile_file_holds_the_residuals(made: dict[str, Path]) -> None:
     doc = tomllib.loads(made["fitted"].read_text())
     fit = doc["fit"]
-    assert fit["base"] == "h100-sxm" and fit["fitted"] == [p.name for p in CUBE_FIT_PARAMETERS]
+    assert fit["base"] == "h100-sxm:none" and fit["fitted"] == [p.name for p in CUBE_FIT_PARAMETERS]
     assert fit["residuals"]["cells"] == CELLS
     for name in OBSERVABLES:
         assert 0 <= fit["residuals"][f"{name}_rel_rms"] < 0.005, name
@@ -511,7 +511,10 @@ def test_a_real_gpus_cube_is_fitted_on_its_own_model_not_its_campaigns_twin(
     assert ds.attrs["gpu_backend"] == "twin" and ds.attrs["twin_profile"] == "h100-sxm:none"
     result = invoke("twin", "fit", str(out), "-o", str(tmp_path / "q.toml"))
     assert result.exit_code == 0, result.output
-    assert "(base h100-sxm)" in " ".join(result.output.split()), result.output
+    # named with its trap list, on screen and in the file: plain "h100-sxm" is the twin with
+    # every trap on, which this base (and so the fit's figures) is not
+    assert "(base h100-sxm:none)" in " ".join(result.output.split()), result.output
+    assert tomllib.loads((tmp_path / "q.toml").read_text())["fit"]["base"] == "h100-sxm:none"
 
 
 def test_a_cube_fit_against_a_slower_gpus_base_says_an_efficiency_stopped_at_its_bound(

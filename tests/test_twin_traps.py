@@ -245,6 +245,9 @@ def test_the_shipped_profiles_simulate_every_trap_and_each_switches_off() -> Non
             assert name not in traps.active(traps.without(profile, name))
             assert traps.active(traps.only(profile, name)) == (name,)
         assert traps.active(traps.without(profile)) == ()
+        # every trap named to keep is the profile itself (it was every trap off)
+        assert traps.only(profile, *traps.TRAPS) == profile
+        assert gpu_profile(f"{profile.key}:{','.join(traps.TRAPS)}") == profile
     with pytest.raises(ValueError, match="unknown trap"):
         traps.without(H100, "gremlins")
 
@@ -263,6 +266,26 @@ def test_a_trap_list_that_names_no_trap_to_keep_or_drop_is_refused(key: str) -> 
     assert traps.active(gpu_profile("h100-sxm:-settle")) == tuple(
         t for t in traps.TRAPS if t != "settle"
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["h100-sxm", "h200-sxm"]),
+    st.lists(st.sampled_from(list(traps.TRAPS)), unique=True),
+)
+def test_a_profile_with_any_traps_off_is_spelled_as_the_key_that_reads_back_as_it(
+    key: str, kept: list[str]
+) -> None:
+    """A fit names its base profile in its file and on screen: a twin cube swept on
+    `h100-sxm:none` was said fitted on base `h100-sxm` (every trap on). Each trap selection is
+    spelled as a key `gpu_profile` reads back as the same profile; the shipped one as its key."""
+    from dvfs.twin.profiles import spelled_key
+
+    profile = traps.only(gpu_profile(key), *kept)
+    spelled = spelled_key(profile)
+    assert gpu_profile(spelled) == profile
+    assert (spelled == key) == (set(kept) == set(traps.TRAPS))
+    assert spelled_key(dataclasses.replace(profile, idle_power_w=1.0)) == key  # not a twin's own
 
 
 # -- through the device and its Gpu, as the sampler and the meter see them ----------------------

@@ -189,7 +189,7 @@ def _fit_roofline(source: Path, out_path: Path, base: str | None, name: str | No
     out = console()
     p = result.profile
     out.print(
-        f"[bold]{escape(p.key)}[/bold] fitted from {escape(str(source))} (base {profile.key})"
+        f"[bold]{escape(p.key)}[/bold] fitted from {escape(str(source))} (base {result.base})"
     )
     out.print(
         f"  gemm_efficiency {p.gemm_efficiency:.4g}, hbm_efficiency {p.hbm_efficiency:.4g}, "
@@ -233,7 +233,7 @@ def _fit_cube(
     r = result.residuals
     out.print(
         f"[bold]{escape(result.profile.key)}[/bold] fitted from {escape(str(source))} (base "
-        f"{profile.key}): {r['cells']:.0f} cells, {r['solver_steps']:.0f} solver steps"
+        f"{result.base}): {r['cells']:.0f} cells, {r['solver_steps']:.0f} solver steps"
     )
     for field in result.fitted:
         value = float(getattr(result.profile, field))

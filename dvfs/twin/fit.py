@@ -40,7 +40,7 @@ import numpy as np
 from dvfs.errors import CampaignError, DvfsError
 from dvfs.toml_text import refuse_beyond_64_bits, toml_value
 from dvfs.twin import physics
-from dvfs.twin.profiles import GpuProfile
+from dvfs.twin.profiles import GpuProfile, spelled_key
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -412,8 +412,9 @@ def fit_roofline(
         float(np.max(np.abs(ridge / measured_ridge - 1.0))) if bound.any() else math.nan
     )
     tokens, by_shape = _gemm_curve(ds, base, clocks, seen)
+    base_key = spelled_key(base)
     return RooflineFit(
-        profile, base.key, source, tuple(changes), residuals, tokens, by_shape, tuple(notes)
+        profile, base_key, source, tuple(changes), residuals, tokens, by_shape, tuple(notes)
     )
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from dvfs.twin.fit import FitError
 from dvfs.twin.predict import OBSERVABLES, CubeCells, predict
-from dvfs.twin.profiles import GpuProfile
+from dvfs.twin.profiles import GpuProfile, spelled_key
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ def fit_cube_cells(
     residual_stats["solver_steps"] = float(evaluations)
     return CubeFit(
         profile=profile,
-        base=base.key,
+        base=spelled_key(base),
         source=source,
         fitted=tuple(p.name for p in params),
         residuals=residual_stats,

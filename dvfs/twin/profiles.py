@@ -169,9 +169,11 @@ def without(profile: GpuProfile, *names: str) -> GpuProfile:
 
 
 def only(profile: GpuProfile, *names: str) -> GpuProfile:
-    """`profile` with every trap off but the named ones."""
+    """`profile` with every trap off but the named ones (all named: `profile` as it is)."""
     _check(names)
-    return without(profile, *(n for n in TRAPS if n not in names))
+    drop = tuple(n for n in TRAPS if n not in names)
+    # `without` with no names turns every trap off: naming them all kept none
+    return without(profile, *drop) if drop else profile
 
 
 def active(profile: GpuProfile) -> tuple[str, ...]:
@@ -441,6 +443,23 @@ def gpu_profile(key: str) -> GpuProfile:
         )
     # 'KEY:' (an empty list after the colon) is refused by `_with_traps`, not taken as KEY
     return _with_traps(profiles[base], spec) if ":" in key else profiles[base]
+
+
+def spelled_key(profile: GpuProfile) -> str:
+    """The key `gpu_profile` reads back as `profile`: a shipped GPU with some of its traps
+    off is `h100-sxm:none`, `h100-sxm:leakage,settle` or `h100-sxm:-leakage`, not plain
+    `h100-sxm` (a fit's base named so said the traps were on where its figures had them off);
+    any other profile is its own key."""
+    shipped = gpu_profiles().get(profile.key)
+    if shipped is None or shipped == profile:
+        return profile.key
+    traps = active(profile)
+    if only(shipped, *traps) != profile:
+        return profile.key
+    off = [t for t in TRAPS if t not in traps]
+    if traps and len(off) < len(traps):  # the shorter spelling: all but these
+        return f"{profile.key}:{','.join('-' + t for t in off)}"
+    return f"{profile.key}:{','.join(traps) or 'none'}"
 
 
 def _with_traps(profile: GpuProfile, spec: str) -> GpuProfile:
