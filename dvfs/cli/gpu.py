@@ -272,6 +272,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     from dvfs.backends import lost_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_gpus
     from dvfs.errors import GpuBusyError, GpuError
+    from dvfs.gpu.knobs import RestoreBugError
     from dvfs.gpu.safety import default_state_dir, state_dir_flag
 
     out = console()
@@ -318,6 +319,10 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             # A GPU that failed to restore (or whose state file is unreadable, left as it is)
             # must not hide one fallen off the bus: both named.
             raise type(exc)(f"{exc}; {lost_gpus(lost)}") from None
+        except RestoreBugError as exc:  # an internal error: nor must a bug hide it
+            if not lost:
+                raise
+            raise RestoreBugError(f"{exc}; {lost_gpus(lost)}") from exc.__cause__
     if not acted:
         # A GPU that does not open may hold a state file (a governor it left): not "none".
         which = "the GPUs that open" if lost or withheld else "these GPUs"
