@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -320,3 +322,87 @@ def test_gpu_reset_says_the_gpus_back_while_one_before_them_hangs(
     ]
     assert said[2].startswith("restored GPU 1 ("), said
     assert all(_back(nvml, i) for i in range(3))
+
+
+# -- `dvfs gpu list` and `permitted` beside a hung GPU ---------------------------------------
+
+STUCK_S = 120.0  # a run that takes this long is stuck, not slow
+HANDLE = "nvmlDeviceGetHandleByIndex"
+
+
+def test_permitted_asks_every_gpu_beside_one_whose_handle_hangs(
+    nvml: ModuleType, hang: Callable[..., None]
+) -> None:
+    """GPU 0's handle hangs in the driver, and NVML has no permission to talk to GPU 2 (a
+    job's device cgroup withholds it). On one worker, GPU 2 was "not attempted" after GPU 0's
+    overrun and kept, as if this process's. Now each GPU is asked on its own: GPU 0 kept (its
+    opening names it), GPU 1 kept, GPU 2 left out."""
+    from dvfs.gpu.nvml import nvml_session, permitted
+
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    hang(f"{HANDLE}@0")
+    with nvml_session(nvml, deadline_s=5) as module:
+        assert permitted(module, [0, 1, 2], deadline_s=5) == [0, 1]
+    assert [h["index"] for h in nvml.fake_hangs_started()] == [0]
+
+
+def test_gpu_list_lists_the_gpus_beside_a_hung_one_and_one_it_may_not_talk_to(
+    nvml: ModuleType, env: dict[str, str]
+) -> None:
+    """`dvfs gpu list` with GPU 0's handle hanging in the driver and GPU 2 withheld (NO
+    PERMISSION): GPU 2 was kept among "every GPU" (see above), and its opening's permission
+    refusal failed the whole list, exit 4, GPU 1 unlisted. Now GPU 1 is listed, GPU 0 named as
+    hung, exit 1, and GPU 2 is no GPU of this process. (A child process: the hung call never
+    returns, and the child exits with it.)"""
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    child = {**env, "DVFS_NVML_DEADLINE_S": "5", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@0=inf"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 1, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["index"] for r in rows] == [0, 1], rows
+    assert rows[1]["uuid"] == nvml.fake_device_state(1)["uuid"]
+    assert rows[0]["error"].startswith(f"{HANDLE} on GPU 0 did not return within 5 s"), rows
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith(f"Error: {HANDLE} on GPU 0 did not return within 5 s"), error
+
+
+def test_gpu_list_reads_the_gpus_side_by_side(
+    nvml: ModuleType, hang: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs gpu list` with GPU 0's and GPU 1's UUID reads held in the driver: one after
+    another, GPU 1 was asked only once GPU 0's call returned or overran its deadline (GPUs
+    whose driver hangs cost a deadline each before the list was shown). Now both calls are in
+    the driver at once; released, every GPU is listed."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    hang("nvmlDeviceGetUUID@0", "nvmlDeviceGetUUID@1")
+    both: list[bool] = []
+
+    def release_once_both_hang() -> None:
+        try:
+            wait_for(
+                lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 1},
+                "GPU 0's and GPU 1's reads in the driver at once",
+                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
+            )
+            both.append(True)
+        finally:
+            _release(nvml)
+
+    releaser = threading.Thread(target=release_once_both_hang, daemon=True)
+    releaser.start()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the fake whose hangs the test releases
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    result = CliRunner().invoke(cli, ["gpu", "list", "--json"])
+    releaser.join()
+    assert both == [True]
+    assert result.exit_code == 0, result.output
+    assert [r["index"] for r in json.loads(result.stdout)] == [0, 1, 2]
