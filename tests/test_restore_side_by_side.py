@@ -255,19 +255,22 @@ def test_failures_are_said_in_the_gpus_order_whichever_finishes_first(
 def test_an_error_in_a_restore_thread_is_raised_and_leaves_its_gpus_state_file(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: BaseException
 ) -> None:
-    """A restore thread's own error (a bug; a KeyboardInterrupt, which no signal raises there)
-    is raised in the waiting thread once every GPU is done, never lost: its GPU is not taken
-    as back (its state file stays), the other GPU is put back, its file removed."""
-    from dvfs.gpu.knobs import KnobController, KnobSetting
+    """A restore thread's own error (a bug, raised as `RestoreBugError` naming every GPU's
+    failure: tests/test_restore_leftovers.py; a KeyboardInterrupt, which no signal raises
+    there, as it is) is raised in the waiting thread once every GPU is done, never lost: its
+    GPU is not taken as back (its state file stays), the other GPU is put back, its file
+    removed."""
+    from dvfs.gpu.knobs import KnobController, KnobSetting, RestoreBugError
     from dvfs.gpu.safety import StateStore
 
     store = StateStore(tmp_path / "dvfs-state")
+    raised = RestoreBugError if isinstance(bug, Exception) else type(bug)
     with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
 
         def broken() -> None:
             raise bug
 
-        with pytest.raises(type(bug)), KnobController(gpus, change_log=store) as knobs:
+        with pytest.raises(raised), KnobController(gpus, change_log=store) as knobs:
             knobs.apply(KnobSetting(1500, 400))
             monkeypatch.setattr(gpus[0], "reset_sm_clock", broken)
         assert store.path(gpus[0].identity.uuid).exists()

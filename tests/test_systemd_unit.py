@@ -96,6 +96,26 @@ def test_systemd_analyze_verifies_each_unit(tmp_path: Path, name: str) -> None:
     assert result.stderr.strip() == "", result.stderr  # no warnings (unknown keys, bad values)
 
 
+def test_the_caps_units_stop_timeout_outlasts_its_reset_of_eight_hung_gpus() -> None:
+    """`cap reset --applied` (ExecStop) resets the GPUs one after another, a GPU whose driver
+    hangs costing a deadline (its later calls then fail at once): eight such GPUs, one more
+    deadline for the GPUs' permission check and probe side by side (a GPU hung there is not
+    reset), and NVML's two starts, count and two shutdowns, each just inside its deadline:
+    fourteen. The unit ran under systemd's default 90 s stop timeout, whose SIGKILL came
+    before the last GPUs were reset."""
+    from dvfs.gpu.deadline import DEFAULT_DEADLINE_S
+
+    gpus = 8
+    stop_deadlines = gpus + 1 + 5
+    [timeout] = values("TimeoutStopSec")
+    assert int(timeout) > stop_deadlines * DEFAULT_DEADLINE_S, timeout
+    readme = " ".join((UNIT.parent.parent / "README.md").read_text().split())
+    said = f"take at most {stop_deadlines * DEFAULT_DEADLINE_S:g} s at the default "
+    assert said + f"{DEFAULT_DEADLINE_S:g} s" in readme
+    assert f"`TimeoutStopSec` ({timeout} s)" in readme
+    assert f"over GPUs + {1 + 5} deadlines" in readme
+
+
 # --------------------------------------------------------------------------- dvfs-govern.service
 
 GOVERN = UNIT.parent / "dvfs-govern.service"

@@ -1746,6 +1746,7 @@ def reset_gpus(
     DEVICES too: run again without them, --defaults resets every GPU), said to run again where
     a lock cannot be written in `directory`; `caps_command`, the `cap reset` of the same GPUs,
     where --defaults cannot rewrite the caps record."""
+    from dvfs.gpu.knobs import RestoreBugError
     from dvfs.gpu.safety import GpuLocks, StateStore, restore_pending
     from dvfs.signals import signals_raise
 
@@ -1818,10 +1819,13 @@ def reset_gpus(
         # One GPU failing to restore must not keep the others from their defaults, nor leave
         # what was restored unsaid: each is noted once done, the failures raised at the end.
         failed: list[GpuError] = unreadable
+        bug: RestoreBugError | None = None
         try:
             restore_pending(with_state, store, note)
         except GpuError as exc:
             failed.append(exc)
+        except RestoreBugError as exc:  # raised once the others are reset, naming them all
+            bug = exc
         finally:  # a governor that died left its lock record: gone with what it changed
             for gpu in [*with_state, *stale]:
                 if not store.pending(gpu.identity.uuid):
@@ -1850,6 +1854,9 @@ def reset_gpus(
                 )
             except GpuError as exc:
                 failed.append(exc)
+        if bug is not None:
+            told = [str(e) for e in [*failed, *damaged]]
+            raise RestoreBugError("; ".join([str(bug), *told])) from bug.__cause__
         _raise_all(failed, damaged)
     return True
 

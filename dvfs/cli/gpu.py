@@ -96,22 +96,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
         with open_cli_gpus((), twin, allow_mig=True) as gpus:
             rows = [gpu_summary(g) for g in gpus]
     else:
-        from dvfs.gpu.nvml import every_gpu, nvml_session
-
-        with nvml_session() as module:
-            indices = every_gpu(module)  # those NVML lets this process talk to
-        # One at a time: a GPU fallen off the bus, or failing NVML otherwise (needing a
-        # reset), must not hide the others (nor which it is); a permission refusal of them
-        # all is no one GPU's (exit 4).
-        for index in indices:
-            try:
-                with open_cli_gpus((str(index),), None, allow_mig=True) as (one,):
-                    rows.append(gpu_summary(one))
-            except GpuPermissionError:
-                raise
-            except GpuError as exc:
-                lost.append(exc)
-                rows.append({"index": index, "error": str(exc)})
+        rows, lost = _listed_rows()
     note = TWIN_LIST_NOTE.format(profile=twin) if twin else None
     if as_json:
         echo_json(rows)
@@ -169,6 +154,47 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
         console(stderr=True).print(note, highlight=False, soft_wrap=True)
     if lost:
         raise lost_gpus(lost)
+
+
+def _listed_rows() -> tuple[list[dict[str, Any]], list[GpuError]]:
+    """`gpu list`'s row of every GPU NVML lets this process talk to, in their order, and the
+    errors of those that do not open or read (a row naming the error each). Each GPU on its
+    own (a GPU fallen off the bus, or failing NVML otherwise, needing a reset, must not hide
+    the others, nor which it is) and side by side (`side_by_side`, each GPU's calls on its own
+    NVML worker): one after another, GPUs whose driver hangs cost a deadline each before the
+    list was shown. A permission refusal of them all is no one GPU's (exit 4)."""
+    from dvfs.gpu.describe import gpu_summary
+    from dvfs.gpu.knobs import side_by_side
+    from dvfs.gpu.nvml import every_gpu, log_held, nvml_session, open_device, warnings_held
+
+    def read(index: int) -> tuple[dict[str, Any] | GpuError, list[str]]:
+        with warnings_held() as held:  # logged in the GPUs' order, whichever answers first
+            try:
+                return gpu_summary(open_device(module, index, allow_mig=True)), held
+            except GpuError as exc:
+                return exc, held
+
+    with nvml_session() as module:
+        indices = every_gpu(module)  # those NVML lets this process talk to
+        read_all = side_by_side(indices, read, named=lambda index: f"list-gpu{index}")
+        outcomes: dict[int, tuple[dict[str, Any] | GpuError, list[str]]] = {}
+        with contextlib.closing(read_all) as finishing:
+            for index, outcome in finishing:
+                outcomes[index] = outcome
+    rows: list[dict[str, Any]] = []
+    lost: list[GpuError] = []
+    for index in indices:
+        row, warned = outcomes[index]
+        log_held(warned)
+        if isinstance(row, GpuPermissionError):
+            raise row
+        if isinstance(row, GpuError):
+            row.index = index
+            lost.append(row)
+            rows.append({"index": index, "error": str(row)})
+            continue
+        rows.append(row)
+    return rows, lost
 
 
 @gpu.command("info")
@@ -272,6 +298,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     from dvfs.backends import lost_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_gpus
     from dvfs.errors import GpuBusyError, GpuError
+    from dvfs.gpu.knobs import RestoreBugError
     from dvfs.gpu.safety import default_state_dir, state_dir_flag
 
     out = console()
@@ -318,6 +345,10 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             # A GPU that failed to restore (or whose state file is unreadable, left as it is)
             # must not hide one fallen off the bus: both named.
             raise type(exc)(f"{exc}; {lost_gpus(lost)}") from None
+        except RestoreBugError as exc:  # an internal error: nor must a bug hide it
+            if not lost:
+                raise
+            raise RestoreBugError(f"{exc}; {lost_gpus(lost)}") from exc.__cause__
     if not acted:
         # A GPU that does not open may hold a state file (a governor it left): not "none".
         which = "the GPUs that open" if lost or withheld else "these GPUs"

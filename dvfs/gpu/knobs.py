@@ -93,6 +93,41 @@ class GatheredFailures:
             raise cls(head + "; ".join(self.messages) + tail)
 
 
+class RestoreBugError(Exception):
+    """A bug (an error other than a GPU's) in one GPU's restore thread, raised once every GPU
+    was tried, its line naming every GPU's outcome (the others' failures too) and the reset to
+    run: no `DvfsError`, so the command reports it as an internal error, one line."""
+
+
+def restore_guarded(
+    restore_one: Callable[[Item], Done], bugs: dict[int, Exception]
+) -> Callable[[Item], Done | None]:
+    """`restore_one`, whose own error other than a GPU's (a bug) is kept in `bugs` (by the
+    item's id) and gives None: raised from its thread, it was raised alone once every GPU was
+    done (`side_by_side`), and the other GPUs' failures, gathered meanwhile, were lost with
+    it, their state files kept without a word of why."""
+
+    def guarded(item: Item) -> Done | None:
+        try:
+            return restore_one(item)
+        except GpuError:
+            raise
+        except Exception as exc:  # its GPU not known to be back: its state file stays
+            bugs[id(item)] = exc
+            return None
+
+    return guarded
+
+
+def bug_as_failure(bug: Exception, gpu: Gpu | None = None) -> GpuError:
+    """A restore thread's bug as the failure `GatheredFailures` says of its GPU (`gpu`: named
+    in it, for a line whose GPUs' failures name their own)."""
+    said = str(bug).strip().splitlines()
+    what = f"{type(bug).__name__}: {said[0]}" if said else type(bug).__name__
+    named = "" if gpu is None else f"GPU {gpu.identity.index} ({gpu.identity.uuid}): "
+    return GpuError(f"{named}its restore stopped on a bug in dvfs ({what})")
+
+
 @dataclass(frozen=True)
 class GpuSettings:
     """What dvfs may change on one GPU: an SM clock lock (None = unlocked) and the power limit
@@ -291,10 +326,14 @@ class KnobController:
             # `dvfs gpu reset`, its GPU put back: raised once every GPU is, not before the
             # next GPU's restore (which it skipped, leaving that GPU capped)
             unremoved: list[OSError] = []
-            restoring_all = side_by_side(changed, self._restore_one, named=restore_thread)
+            bugs: dict[int, Exception] = {}
+            restore_one = restore_guarded(self._restore_one, bugs)
+            restoring_all = side_by_side(changed, restore_one, named=restore_thread)
             with contextlib.closing(restoring_all) as finishing:
                 for gpu, errors in finishing:
                     uuid = gpu.identity.uuid
+                    if errors is None:  # a bug (`bugs`): not known to be back, its file stays
+                        continue
                     if errors:
                         failed[uuid] = errors
                     elif self.change_log is not None:
@@ -304,11 +343,22 @@ class KnobController:
                             unremoved.append(exc)
             failures = GatheredFailures()
             # said in the GPUs' order, whichever failed first, GPUs failing alike named once
-            failures.add_per_gpu([(g, e) for g in changed for e in failed.get(g.identity.uuid, [])])
-            failures.raise_if_any(
-                "could not restore GPU settings: ",
-                f". {self.reset_advice()}{RETRIES}",
+            failures.add_per_gpu(
+                [
+                    (g, e)
+                    for g in changed
+                    for e in (
+                        [bug_as_failure(bugs[id(g)])]
+                        if id(g) in bugs
+                        else failed.get(g.identity.uuid, [])
+                    )
+                ]
             )
+            head, tail = "could not restore GPU settings: ", f". {self.reset_advice()}{RETRIES}"
+            if bugs:  # an internal error, still naming every GPU's failure and the reset
+                first = next(bugs[id(g)] for g in changed if id(g) in bugs)
+                raise RestoreBugError(head + "; ".join(failures.messages) + tail) from first
+            failures.raise_if_any(head, tail)
             if unremoved:
                 raise unremoved[0]
 
@@ -469,6 +519,8 @@ def side_by_side(
     restore_one: Callable[[Item], Done],
     *,
     named: Callable[[Item], str],
+    stalled: Callable[[], None] | None = None,
+    stall_s: float = 1.0,
 ) -> Generator[tuple[Item, Done], None, None]:
     """`restore_one` run on every GPU of `gpus` at once, one thread each (`named`; one GPU: in
     this thread), each GPU with what failed on it as soon as it is done, in the order they
@@ -482,7 +534,10 @@ def side_by_side(
     raised once every GPU is done. Given up on (a signal raising as it waits, the caller's
     error, the generator closed early: use it in `contextlib.closing`), the threads begin no
     NVML call after (`given_up_with`): the command goes on to release the GPUs' locks and shut
-    NVML down, and a GPU's state file, kept, says it is not put back."""
+    NVML down, and a GPU's state file, kept, says it is not put back. `stalled`, where given,
+    is called once in each wait for the next GPU that outlasts `stall_s` (a GPU still in its
+    driver: a caller holding back what it says of the GPUs done, to say them in the GPUs'
+    order, says them then)."""
     if len(gpus) < 2:
         for gpu in gpus:
             yield gpu, restore_one(gpu)
@@ -504,7 +559,12 @@ def side_by_side(
             threading.Thread(target=run, args=(gpu,), name=named(gpu), daemon=True).start()
         crashed: BaseException | None = None
         for _ in gpus:
-            gpu, errors, crash = done.get()  # a signal's handler runs (and may raise) as it waits
+            try:  # a signal's handler runs (and may raise) as it waits
+                gpu, errors, crash = done.get(timeout=None if stalled is None else stall_s)
+            except queue.Empty:  # (only a wait with a timeout, where `stalled` is given)
+                if stalled is not None:
+                    stalled()
+                gpu, errors, crash = done.get()
             if crash is not None:
                 crashed = crashed or crash
                 continue

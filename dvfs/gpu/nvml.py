@@ -805,24 +805,37 @@ def permitted(
     returns NO_PERMISSION (nvml.h), as it does for the GPUs a job's device cgroup withholds:
     they are no GPU of this process, as nvidia-smi leaves them out. Where NVML refuses every
     one, all are kept: a permission problem of the whole machine, which opening them says
-    (exit 4). Any other error on a GPU keeps it, for its opening to name."""
+    (exit 4). Any other error on a GPU keeps it, for its opening to name. Each GPU is asked on
+    its own NVML worker, side by side (`dvfs.gpu.knobs.side_by_side`), as `machine_uuids`: on
+    one worker, the GPUs after one whose call hung were "not attempted" and kept, one NVML has
+    no permission to talk to among them too, whose opening then refused every command over
+    every GPU (exit 4: `dvfs gpu list`, `gpu reset`, `cap reset`); one after another, GPUs
+    whose driver hangs would cost a deadline each."""
+    from dvfs.gpu.knobs import side_by_side
+
     errors = NvmlErrors(nvml)
     refused = int(getattr(nvml, "NVML_ERROR_NO_PERMISSION", 4))
     limit = resolve_deadline_s(deadline_s)
-    worker = CallWorker("nvml-permitted")
-    kept = []
-    try:
-        for index in indices:
-            try:
-                _bounded(worker, limit, f"GPU {index}", nvml.nvmlDeviceGetHandleByIndex, index)
-            except Exception as exc:
-                if errors.is_nvml_error(exc) and getattr(exc, "value", None) == refused:
-                    continue
-                if not errors.is_nvml_error(exc) and not isinstance(exc, GpuTimeoutError):
-                    raise
-            kept.append(index)
-    finally:
-        worker.close()
+
+    def allowed(index: int) -> bool:
+        worker = CallWorker(f"permitted-gpu{index}")
+        try:
+            _bounded(worker, limit, f"GPU {index}", nvml.nvmlDeviceGetHandleByIndex, index)
+        except Exception as exc:
+            if errors.is_nvml_error(exc) and getattr(exc, "value", None) == refused:
+                return False
+            if not errors.is_nvml_error(exc) and not isinstance(exc, GpuTimeoutError):
+                raise
+        finally:
+            worker.close()
+        return True
+
+    asked = side_by_side(list(indices), allowed, named=lambda index: f"permitted-gpu{index}")
+    answers: dict[int, bool] = {}
+    with contextlib.closing(asked) as finishing:
+        for index, answer in finishing:
+            answers[index] = answer
+    kept = [index for index in indices if answers[index]]
     return kept or list(indices)
 
 

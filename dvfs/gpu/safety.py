@@ -43,6 +43,9 @@ from dvfs.gpu.knobs import (
     REFUSED,
     GatheredFailures,
     GpuSettings,
+    RestoreBugError,
+    bug_as_failure,
+    restore_guarded,
     restore_thread,
     side_by_side,
 )
@@ -601,24 +604,49 @@ def _busy(gpu: Gpu, owner: str) -> str:
     )
 
 
+#: How long `restore_pending` holds back the line of a GPU put back while a GPU before it is
+#: still being put back (to say them in the GPUs' order) before it says it all the same.
+HOLD_LINES_S = 1.0
+
+
 def restore_pending(
-    gpus: Sequence[Gpu], store: StateStore, note: Callable[[str], None] = lambda line: None
+    gpus: Sequence[Gpu],
+    store: StateStore,
+    note: Callable[[str], None] = lambda line: None,
+    *,
+    hold_s: float = HOLD_LINES_S,
 ) -> list[str]:
     """Put back the settings recorded in state files for these GPUs; returns what was done,
-    and `note` hears each line once done (a failure, raised at the end, loses the list).
+    and `note` hears each line once done (a failure, raised at the end, loses the list), in
+    the GPUs' order (the GPUs are put back side by side and finish in any order): a GPU's line
+    is said as soon as it and every GPU before it are done, or, where one before it is still
+    in its driver after `hold_s` (hung: a deadline, 10 s, each call), at once: held back for
+    that GPU, the lines of the GPUs put back were lost to a unit's SIGKILL at its stop timeout
+    (the GPUs back, their state files gone, and nothing said of them).
     A file written before the last reboot is dropped instead: the reboot reset the GPU, and
     putting the earlier boot's settings back (static caps included, whose record that reboot
     voided) would leave the GPU changed where no record says so.
 
-    Failures are gathered and raised together after every GPU was tried.
+    Failures are gathered and raised together after every GPU was tried: a state file that
+    cannot be removed (a folder remounted read-only, a busy file) too, its GPU put back, so
+    that the GPUs after it are still put back; and a bug in one GPU's restore
+    (`RestoreBugError`), its line naming the other GPUs' failures and the reset to run.
     """
     done: list[str] = []
     failures = GatheredFailures()
+    unremoved: list[tuple[Gpu, OSError]] = []
+
+    def clear(gpu: Gpu) -> None:
+        try:
+            store.clear(gpu.identity.uuid)
+        except OSError as exc:  # said once every GPU was tried, not before the next one
+            unremoved.append((gpu, exc))
+
     recorded: dict[str, list[PendingRestore]] = {}
     for gpu in gpus:
         for pending in store.pending(gpu.identity.uuid):
             if pending.before_this_boot:  # the reboot reset the GPU: nothing to put back
-                store.clear(gpu.identity.uuid)
+                clear(gpu)
                 done.append(
                     f"dropped the state file of GPU {gpu.identity.index} ({gpu.identity.uuid}): "
                     f"the reboot since dvfs {pending.command!r} (pid {pending.pid}) changed it "
@@ -640,20 +668,78 @@ def restore_pending(
     # governor unit's ExecStopPost, under its stop timeout)
     changed = [g for g in gpus if g.identity.uuid in recorded]
     failed: dict[str, list[GpuError]] = {}
-    with contextlib.closing(side_by_side(changed, put_back, named=restore_thread)) as finishing:
+    bugs: dict[int, Exception] = {}
+    finished: set[str] = set()
+    said: set[str] = set()  # the GPUs whose lines are said (or that have none: failed, a bug)
+
+    def say(gpu: Gpu) -> None:
+        said.add(gpu.identity.uuid)
+        if gpu.identity.uuid in failed or id(gpu) in bugs:
+            return
+        for pending in recorded[gpu.identity.uuid]:
+            done.append(_restored_line(gpu, pending))
+            note(done[-1])
+
+    def say_held() -> None:  # a GPU before them still in its driver: said all the same
+        for gpu in changed:
+            if gpu.identity.uuid in finished and gpu.identity.uuid not in said:
+                say(gpu)
+
+    restoring_all = side_by_side(
+        changed,
+        restore_guarded(put_back, bugs),
+        named=restore_thread,
+        stalled=say_held,
+        stall_s=hold_s,
+    )
+    with contextlib.closing(restoring_all) as finishing:
         for gpu, errors in finishing:
+            finished.add(gpu.identity.uuid)
             if errors:
                 failed[gpu.identity.uuid] = errors
-                continue
-            store.clear(gpu.identity.uuid)
-            for pending in recorded[gpu.identity.uuid]:
-                done.append(_restored_line(gpu, pending))
-                note(done[-1])
+            elif errors is not None:  # (None: a bug, `bugs`; not known to be back)
+                clear(gpu)  # at once, whatever GPU before it is still being put back
+            for first in changed:  # those done, up to the first GPU not done, in order
+                if first.identity.uuid not in finished:
+                    break
+                if first.identity.uuid not in said:
+                    say(first)
     failures.add_per_gpu(
-        [(g, e) for g in changed for e in failed.get(g.identity.uuid, [])], named=False
+        [
+            (g, e)
+            for g in changed
+            for e in (
+                [bug_as_failure(bugs[id(g)], g)]
+                if id(g) in bugs
+                else failed.get(g.identity.uuid, [])
+            )
+        ],
+        named=False,
     )
-    failures.raise_if_any("could not restore: ")
+    if unremoved:
+        failures.messages.append(_unremoved_line(unremoved, store))
+    head = "could not restore: "
+    if bugs:  # an internal error, still naming every GPU's failure and the reset to run
+        first_bug = next(bugs[id(g)] for g in changed if id(g) in bugs)
+        tail = f". The GPUs not restored keep their state files: {store.reset_command()} retries"
+        raise RestoreBugError(head + "; ".join(failures.messages) + tail) from first_bug
+    if unremoved and len(failures.messages) == 1:
+        raise StateFolderError(failures.messages[0]) from unremoved[0][1]
+    failures.raise_if_any(head)
     return done
+
+
+def _unremoved_line(unremoved: Sequence[tuple[Gpu, OSError]], store: StateStore) -> str:
+    """What `restore_pending` says of the state files it could not remove, their GPUs put back
+    (or their files from before the last reboot) all the same."""
+    which = ", ".join(f"GPU {g.identity.index} ({g.identity.uuid})" for g, _ in unremoved)
+    whys = sorted({f"{record_problem(exc)}" for _, exc in unremoved})
+    return (
+        f"cannot remove the state file of {which} in {store.directory} ({'; '.join(whys)}), "
+        "though nothing it records is left to restore: while it stays, sweeps and `dvfs cap "
+        "apply` refuse the GPU; once the folder can be written (a read-only mount, a file in "
+        f"use), run {store.reset_command()} again, or remove the file"
+    )
 
 
 def _restored_line(gpu: Gpu, pending: PendingRestore) -> str:

@@ -958,7 +958,10 @@ def nvmlDeviceGetCount() -> int:
 
 
 def nvmlDeviceGetHandleByIndex(index: int) -> FakeNvmlDeviceHandle:
-    """Handle for a device index (``InvalidArgument`` if out of range)."""
+    """Handle for a device index (``InvalidArgument`` if out of range); hangs as
+    ``DVFS_FAKE_NVML_HANG`` says for that index."""
+    if isinstance(index, int) and not isinstance(index, bool) and index >= 0:
+        _maybe_hang("nvmlDeviceGetHandleByIndex", FakeNvmlDeviceHandle(index, ""))
     _check_init()
     _check_uint(index)
     with _transaction(write=False) as state:

@@ -1,0 +1,408 @@
+"""What the GPUs' side-by-side restore left to fix (`dvfs.gpu.knobs.KnobController.restore`,
+`dvfs.gpu.safety.restore_pending`, `dvfs gpu reset`): a bug in one GPU's restore thread hid the
+other GPUs' failures; a state file that could not be removed stopped the GPUs after it; the
+reset said its GPUs in the order their threads finished. Runs the real NVML backend against
+the fake pynvml; every wait is on an event or a fake NVML hang (never a wall-clock bound)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from nvml_support import dvfs_in_process, load_fake, root_fake_env
+
+from dvfs.gpu.nvml import open_nvml_gpus
+
+RESET = "nvmlDeviceResetGpuLockedClocks"
+THREE = "h100-sxm,h100-sxm,h100-sxm"
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    environment = root_fake_env(tmp_path, monkeypatch)
+    environment["DVFS_FAKE_NVML_DEVICES"] = THREE
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", THREE)
+    return environment
+
+
+@pytest.fixture
+def nvml(env: dict[str, str]) -> ModuleType:
+    module = load_fake()
+    module.fake_reset_state()
+    return module
+
+
+@pytest.fixture
+def hang(nvml: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
+    """Make fake NVML calls hang until released (`hang("nvmlX@1")`: on GPU 1 only)."""
+
+    def start(*calls: str) -> None:
+        monkeypatch.setenv("DVFS_FAKE_NVML_HANG", ",".join(f"{c}=inf" for c in calls))
+
+    yield start
+    _release(nvml)
+
+
+def _release(nvml: ModuleType) -> None:
+    os.environ.pop("DVFS_FAKE_NVML_HANG", None)
+    nvml.fake_release_hangs()
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 120) -> None:
+    """Poll until `condition` holds (the bound only keeps a broken test from hanging)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def _left_changed(nvml: ModuleType, store: Any, gpus: list[Any]) -> None:
+    """Every GPU capped (1500 MHz, 400 W) with a state file each, as a killed run leaves them."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    for index, gpu in enumerate(gpus):
+        store.record(GpuSettings(gpu.identity.uuid, None, 700_000))
+        nvml.fake_update_device(index, locked_clocks=[1500, 1500], power_limit_mw=400_000)
+
+
+def _back(nvml: ModuleType, index: int) -> bool:
+    state = nvml.fake_device_state(index)
+    return state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
+
+
+# -- a bug in one GPU's restore thread -------------------------------------------------------
+
+
+def test_a_bug_in_one_restore_thread_still_names_the_other_gpus_failures(
+    nvml: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three GPUs put back side by side: GPU 0's restore thread hits a bug (a RuntimeError, no
+    NVML error), GPU 1 has fallen off the bus, GPU 2 goes back. The bug was raised alone:
+    GPU 1's failure went unsaid, its state file kept without a word. Now one internal error
+    names GPU 0's bug and GPU 1's failure, in the GPUs' order, and the reset that retries;
+    the state files of GPUs 0 and 1 stay, GPU 2's is gone."""
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        uuids = [g.identity.uuid for g in gpus]
+
+        def broken() -> None:
+            raise RuntimeError("a bug")
+
+        with (
+            pytest.raises(Exception) as caught,
+            KnobController(gpus, change_log=store) as knobs,
+        ):
+            knobs.apply(KnobSetting(1500, 400))
+            monkeypatch.setattr(gpus[0], "reset_sm_clock", broken)
+            nvml.fake_update_device(1, lost=True)
+        # no DvfsError: an internal error, said as such
+        assert type(caught.value).__name__ == "RestoreBugError", repr(caught.value)
+        said = str(caught.value)
+        assert said.startswith(
+            f"could not restore GPU settings: GPU 0 ({uuids[0]}): its restore stopped on a bug "
+            "in dvfs (RuntimeError: a bug); "
+            f"GPU 1 ({uuids[1]}): GPU 1: cannot reset locked SM clocks: the GPU has fallen off "
+            "the bus"
+        ), said
+        assert said.endswith(f". {store.reset_command()} retries from the state file."), said
+        assert "GPU 2" not in said, said
+        assert isinstance(caught.value.__cause__, RuntimeError)  # its traceback, with -vv
+        assert [store.path(u).exists() for u in uuids] == [True, True, False]
+    assert _back(nvml, 2)
+
+
+def test_gpu_reset_with_a_bug_in_one_restore_names_every_gpu_and_the_reset(
+    nvml: ModuleType, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs gpu reset` on three GPUs with state files: GPU 0's restore hits a bug, GPU 1's
+    clock reset fails (an NVML error), GPU 2 goes back. The bug was an internal error naming
+    the bug alone, GPU 1's failure unsaid. Now: GPU 2 said restored, then one internal-error
+    line naming GPU 0's bug, GPU 1's failure and the reset to run again; exit 1; the state
+    files of GPUs 0 and 1 stay."""
+    import dvfs.gpu.safety as safety
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+    nvml.fake_update_device(1, errors={RESET: nvml.NVML_ERROR_UNKNOWN})
+    put_back = safety._put_back_recorded
+
+    def buggy(gpu: Any, original: Any) -> None:
+        if gpu.identity.index == 0:
+            raise KeyError("a bug")
+        put_back(gpu, original)
+
+    monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith(
+        "Error: internal error: RestoreBugError: could not restore: GPU 0 "
+        f"({uuids[0]}): its restore stopped on a bug in dvfs (KeyError: 'a bug'); "
+        "GPU 1: cannot reset locked SM clocks"
+    ), error
+    assert f"keep their state files: {store.reset_command()} retries; please report" in error
+    said = " ".join(result.stdout.split())
+    assert f"restored GPU 2 ({uuids[2]})" in said and "restored GPU 0" not in said, said
+    assert [store.path(u).exists() for u in uuids] == [True, True, False]
+    assert _back(nvml, 2) and not _back(nvml, 1)
+
+
+# -- a state file that cannot be removed -----------------------------------------------------
+
+
+def _unremovable(
+    monkeypatch: pytest.MonkeyPatch, uuid: str, code: int, then: Callable[[], None] = lambda: None
+) -> list[str]:
+    """`StateStore.clear` of `uuid`'s file fails with `code` (a read-only folder, a busy file),
+    `then` run first; returns the UUIDs whose clear was tried."""
+    from dvfs.gpu.safety import StateStore
+
+    tried: list[str] = []
+    clear = StateStore.clear
+
+    def failing(self: StateStore, which: str) -> None:
+        tried.append(which)
+        if which == uuid:
+            then()
+            raise OSError(code, os.strerror(code), str(self.path(which)))
+        clear(self, which)
+
+    monkeypatch.setattr(StateStore, "clear", failing)
+    return tried
+
+
+def test_a_stale_state_file_that_cannot_be_removed_does_not_stop_the_other_restores(
+    nvml: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 0's state file is from before the last reboot (dropped, not restored) and its
+    folder refuses the removal (EBUSY); GPUs 1 and 2 hold this boot's. The OSError stopped
+    `restore_pending` before any GPU: GPUs 1 and 2 stayed capped. Now both are put back, their
+    files removed, and one line names GPU 0's file and what to do (exit 1)."""
+    from dvfs.errors import StateFolderError
+    from dvfs.gpu.safety import StateStore, restore_pending
+
+    store = StateStore(tmp_path / "dvfs-state")
+    said: list[str] = []
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+        stale = json.loads(store.path(uuids[0]).read_text())
+        stale["boot"] = "an-earlier-boot"
+        store.path(uuids[0]).write_text(json.dumps(stale))
+        _unremovable(monkeypatch, uuids[0], errno.EBUSY)
+        with pytest.raises(StateFolderError) as caught:
+            restore_pending(gpus, store, said.append)
+    assert _back(nvml, 1) and _back(nvml, 2)
+    assert [store.path(u).exists() for u in uuids] == [True, False, False]
+    line = str(caught.value)
+    assert line.startswith(
+        f"cannot remove the state file of GPU 0 ({uuids[0]}) in {store.directory} "
+        "(Device or resource busy)"
+    ), line
+    assert line.endswith(f"run {store.reset_command()} again, or remove the file"), line
+    assert [x.split(" (")[0] for x in said] == [
+        "dropped the state file of GPU 0",
+        "restored GPU 1",
+        "restored GPU 2",
+    ]
+
+
+def test_a_restored_gpus_state_file_that_cannot_be_removed_does_not_stop_the_others(
+    nvml: ModuleType, hang: Callable[..., None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 0 is put back first (GPU 1's clock reset held in the driver meanwhile) and its
+    state file cannot be removed (a read-only folder). The OSError gave the restore up:
+    GPU 1's thread, its held call back, began no call after and stayed capped. Now GPU 1 is
+    put back too, its file removed, and GPU 0's named in one line with what to do."""
+    from dvfs.errors import StateFolderError
+    from dvfs.gpu.safety import StateStore, restore_pending
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+        hang(f"{RESET}@1")
+        tried = _unremovable(monkeypatch, uuids[0], errno.EROFS)
+        releaser = threading.Thread(
+            target=lambda: (wait_for(lambda: uuids[0] in tried, "GPU 0's file"), _release(nvml)),
+            daemon=True,
+        )
+        releaser.start()
+        with pytest.raises(StateFolderError) as caught:
+            restore_pending(gpus, store)
+        releaser.join()
+        for thread in [t for t in threading.enumerate() if t.name.startswith("restore-gpu")]:
+            thread.join()
+    assert _back(nvml, 0) and _back(nvml, 1)
+    assert [store.path(u).exists() for u in uuids] == [True, False]
+    assert "Read-only file system" in str(caught.value), caught.value
+
+
+# -- the reset's lines in the GPUs' order ----------------------------------------------------
+
+
+def test_gpu_reset_says_its_gpus_in_their_order_whichever_is_back_first(
+    nvml: ModuleType, hang: Callable[..., None], tmp_path: Path
+) -> None:
+    """GPU 0's clock reset is held in the driver until GPUs 1 and 2 are back (their state
+    files removed at once): the lines came in the order the threads finished (GPU 1, GPU 2,
+    GPU 0). Now in the GPUs' order, as the list returned (lines held for as long as GPU 0
+    takes here: `hold_s`)."""
+    from dvfs.gpu.safety import StateStore, restore_pending
+
+    store = StateStore(tmp_path / "dvfs-state")
+    said: list[str] = []
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+        hang(f"{RESET}@0")
+
+        def release_once_the_others_are_back() -> None:
+            wait_for(nvml.fake_hangs_started, "GPU 0's reset is stuck in NVML")
+            wait_for(
+                lambda: not any(store.path(u).exists() for u in uuids[1:]), "GPUs 1, 2 are back"
+            )
+            _release(nvml)
+
+        releaser = threading.Thread(target=release_once_the_others_are_back, daemon=True)
+        releaser.start()
+        done = restore_pending(gpus, store, said.append, hold_s=3600)
+        releaser.join()
+    order = ["restored GPU 0", "restored GPU 1", "restored GPU 2"]
+    assert [x.split(" (")[0] for x in said] == order, said
+    assert done == said
+    assert all(_back(nvml, i) for i in range(3))
+
+
+def test_gpu_reset_says_the_gpus_back_while_one_before_them_hangs(
+    nvml: ModuleType, hang: Callable[..., None], tmp_path: Path
+) -> None:
+    """GPU 1's clock reset hangs: GPU 2's line, held back for GPU 1, is said all the same once
+    GPU 1 outlasts `hold_s` (0 here), while it still hangs, as GPU 0's: a unit's SIGKILL then
+    finds both said. GPU 1's comes once it is back. (`dvfs gpu reset` killed so:
+    tests/test_govern_cli.py, `test_gpu_reset_after_a_sigkill_puts_back_the_gpus_that_answer_
+    while_others_hang`.)"""
+    from dvfs.gpu.safety import StateStore, restore_pending
+
+    store = StateStore(tmp_path / "dvfs-state")
+    said: list[str] = []
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        hang(f"{RESET}@1")
+        seen: list[list[str]] = []
+
+        def release_once_the_others_are_said() -> None:
+            wait_for(lambda: len(said) == 2, "GPU 0's and GPU 2's lines")
+            seen.append(list(said))  # GPU 1 still held in the driver
+            _release(nvml)
+
+        releaser = threading.Thread(target=release_once_the_others_are_said, daemon=True)
+        releaser.start()
+        restore_pending(gpus, store, said.append, hold_s=0)
+        releaser.join()
+    # (GPU 0 and GPU 2 in either order: at `hold_s` 0, whichever is back first is said)
+    assert [sorted(x.split(" (")[0] for x in s) for s in seen] == [
+        ["restored GPU 0", "restored GPU 2"]
+    ]
+    assert said[2].startswith("restored GPU 1 ("), said
+    assert all(_back(nvml, i) for i in range(3))
+
+
+# -- `dvfs gpu list` and `permitted` beside a hung GPU ---------------------------------------
+
+STUCK_S = 120.0  # a run that takes this long is stuck, not slow
+HANDLE = "nvmlDeviceGetHandleByIndex"
+
+
+def test_permitted_asks_every_gpu_beside_one_whose_handle_hangs(
+    nvml: ModuleType, hang: Callable[..., None]
+) -> None:
+    """GPU 0's handle hangs in the driver, and NVML has no permission to talk to GPU 2 (a
+    job's device cgroup withholds it). On one worker, GPU 2 was "not attempted" after GPU 0's
+    overrun and kept, as if this process's. Now each GPU is asked on its own: GPU 0 kept (its
+    opening names it), GPU 1 kept, GPU 2 left out."""
+    from dvfs.gpu.nvml import nvml_session, permitted
+
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    hang(f"{HANDLE}@0")
+    with nvml_session(nvml, deadline_s=5) as module:
+        assert permitted(module, [0, 1, 2], deadline_s=5) == [0, 1]
+    assert [h["index"] for h in nvml.fake_hangs_started()] == [0]
+
+
+def test_gpu_list_lists_the_gpus_beside_a_hung_one_and_one_it_may_not_talk_to(
+    nvml: ModuleType, env: dict[str, str]
+) -> None:
+    """`dvfs gpu list` with GPU 0's handle hanging in the driver and GPU 2 withheld (NO
+    PERMISSION): GPU 2 was kept among "every GPU" (see above), and its opening's permission
+    refusal failed the whole list, exit 4, GPU 1 unlisted. Now GPU 1 is listed, GPU 0 named as
+    hung, exit 1, and GPU 2 is no GPU of this process. (A child process: the hung call never
+    returns, and the child exits with it.)"""
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    child = {**env, "DVFS_NVML_DEADLINE_S": "5", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@0=inf"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 1, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["index"] for r in rows] == [0, 1], rows
+    assert rows[1]["uuid"] == nvml.fake_device_state(1)["uuid"]
+    assert rows[0]["error"].startswith(f"{HANDLE} on GPU 0 did not return within 5 s"), rows
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith(f"Error: {HANDLE} on GPU 0 did not return within 5 s"), error
+
+
+def test_gpu_list_reads_the_gpus_side_by_side(
+    nvml: ModuleType, hang: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs gpu list` with GPU 0's and GPU 1's UUID reads held in the driver: one after
+    another, GPU 1 was asked only once GPU 0's call returned or overran its deadline (GPUs
+    whose driver hangs cost a deadline each before the list was shown). Now both calls are in
+    the driver at once; released, every GPU is listed."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    hang("nvmlDeviceGetUUID@0", "nvmlDeviceGetUUID@1")
+    both: list[bool] = []
+
+    def release_once_both_hang() -> None:
+        try:
+            wait_for(
+                lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 1},
+                "GPU 0's and GPU 1's reads in the driver at once",
+                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
+            )
+            both.append(True)
+        finally:
+            _release(nvml)
+
+    releaser = threading.Thread(target=release_once_both_hang, daemon=True)
+    releaser.start()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the fake whose hangs the test releases
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    result = CliRunner().invoke(cli, ["gpu", "list", "--json"])
+    releaser.join()
+    assert both == [True]
+    assert result.exit_code == 0, result.output
+    assert [r["index"] for r in json.loads(result.stdout)] == [0, 1, 2]
