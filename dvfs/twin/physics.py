@@ -534,7 +534,8 @@ def operating_point(
     if len(over) == 0:
         return OperatingPoint(int(requested_mhz), False, timing)
     if len(passes) <= CAP_MEMO_MAX_PASSES:
-        return _remembered_cap(gpu, _SameContent(passes, timing), requested_mhz, power_limit_w)
+        known = _remembered_cap(gpu, _SameContent(passes))
+        return known.point(gpu, over, requested_mhz, power_limit_w)
     return _capped_point(gpu, passes, over, requested_mhz, power_limit_w)
 
 
@@ -542,13 +543,21 @@ def _capped_point(
     gpu: GpuProfile, passes: Passes, over: np.ndarray, requested_mhz: int, power_limit_w: float
 ) -> OperatingPoint:
     """`operating_point` of passes some of which (`over`) draw more than the limit."""
+    capped = time_passes(gpu, passes, _pass_clocks(gpu, passes, over, requested_mhz, power_limit_w))
+    return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+
+
+def _pass_clocks(
+    gpu: GpuProfile, passes: Passes, over: np.ndarray, requested_mhz: int, power_limit_w: float
+) -> np.ndarray:
+    """Each pass's clock under the limit (`_capped_point`'s): the requested one, or for those
+    at `over` the highest supported one whose power fits (`_capped_clocks`)."""
     clocks = _clocks_up_to(gpu, int(requested_mhz))
     if len(clocks) == 0:
         raise ValueError(f"no supported SM clock at or below {requested_mhz} MHz")
     pass_clocks = np.full(len(passes), float(requested_mhz))
     pass_clocks[over] = _capped_clocks(gpu, passes, over, clocks, power_limit_w)
-    capped = time_passes(gpu, passes, pass_clocks)
-    return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+    return pass_clocks
 
 
 #: `operating_point` remembers the capped points of phases of at most this many passes by
@@ -557,15 +566,13 @@ CAP_MEMO_MAX_PASSES = 16
 
 
 class _SameContent:
-    """A pass sequence compared and hashed by its content (`_content`), and its timing at the
-    requested clock (not compared): a key under which the same passes find what was worked
-    out for another sequence equal to them."""
+    """A pass sequence compared and hashed by its content (`_content`): a key under which the
+    same passes find what was worked out for another sequence equal to them."""
 
-    __slots__ = ("passes", "timing", "key", "_hash")
+    __slots__ = ("passes", "key", "_hash")
 
-    def __init__(self, passes: Passes, timing: PassTiming) -> None:
+    def __init__(self, passes: Passes) -> None:
         self.passes = passes
-        self.timing: PassTiming | None = timing
         self.key = _content(passes)
         self._hash = hash(self.key)
 
@@ -576,25 +583,60 @@ class _SameContent:
         return self._hash
 
 
+#: The most capped points `_CappedPoints` keeps for one phase (the oldest dropped past it).
+CAP_POINTS_KEPT = 64
+
+
+class _CappedPoints:
+    """The capped points of one short phase's content (`_remembered_cap`): its passes (the
+    first sequence seen with that content, whose power table `_capped_clocks` keeps), and
+    each point by the requested clock and the clocks the search gave its passes.
+
+    The search's clocks are all a point depends on: the limit enters only through which
+    clocks fit it, and the limit a warm die leaves (`TwinDevice.effective_power_limit_w`)
+    differs a little at every run, so a point remembered by the limit was never found again.
+    The same clocks give the same timing (the same arithmetic on the same numbers), kept
+    with read-only arrays (shared)."""
+
+    __slots__ = ("passes", "points", "lock")
+
+    def __init__(self, passes: Passes) -> None:
+        self.passes = passes
+        self.points: dict[tuple[int, bytes], OperatingPoint] = {}
+        self.lock = threading.Lock()  # a local fleet's workers schedule in threads
+
+    def point(
+        self, gpu: GpuProfile, over: np.ndarray, requested_mhz: int, power_limit_w: float
+    ) -> OperatingPoint:
+        """`operating_point` of the phase at the requested clock under the limit, where the
+        passes at `over` draw more than it."""
+        passes = self.passes
+        with self.lock:  # (the power table kept with the passes is replaced as it goes)
+            pass_clocks = _pass_clocks(gpu, passes, over, requested_mhz, power_limit_w)
+        key = (int(requested_mhz), pass_clocks.tobytes())
+        known = self.points.get(key)
+        if known is not None:
+            return known
+        capped = time_passes(gpu, passes, pass_clocks)
+        for values in (capped.duration_s, capped.power_w, capped.tensor_util, capped.memory_util):
+            values.flags.writeable = False
+        if capped.clocks_mhz is not None:
+            capped.clocks_mhz.flags.writeable = False
+        point = OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+        with self.lock:
+            self.points[key] = point
+            while len(self.points) > CAP_POINTS_KEPT:
+                del self.points[next(iter(self.points))]  # the oldest
+        return point
+
+
 @functools.lru_cache(maxsize=1024)
-def _remembered_cap(
-    gpu: GpuProfile, phase: _SameContent, requested_mhz: int, power_limit_w: float
-) -> OperatingPoint:
-    """`operating_point` of a short phase over the limit, remembered by the phase's content: a
-    sweep's rounds at one knob setting differ in their seeds, and so in their decode phases,
-    but their prefill (and short drain) phases are the same passes, whose search over the
-    clocks costs far more than their timing. The point's arrays are read-only (shared)."""
-    timing = phase.timing
-    assert timing is not None  # (a key's own, until its point is worked out)
-    over = np.flatnonzero(timing.power_w > power_limit_w)
-    point = _capped_point(gpu, phase.passes, over, requested_mhz, power_limit_w)
-    capped = point.timing
-    for values in (capped.duration_s, capped.power_w, capped.tensor_util, capped.memory_util):
-        values.flags.writeable = False
-    if capped.clocks_mhz is not None:
-        capped.clocks_mhz.flags.writeable = False
-    phase.timing = None  # not kept with the key
-    return point
+def _remembered_cap(gpu: GpuProfile, phase: _SameContent) -> _CappedPoints:
+    """The capped points of a short phase over the limit, remembered by the phase's content
+    (`_CappedPoints`, for `gpu`): a sweep's rounds at one knob setting differ in their seeds,
+    and so in their decode phases, but their prefill (and short drain) phases are the same
+    passes, whose search over the clocks costs far more than their timing."""
+    return _CappedPoints(phase.passes)
 
 
 #: Where `_content` keeps a sequence's content beside its fields (as `_CONSTANTS`).
