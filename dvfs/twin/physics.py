@@ -450,7 +450,8 @@ def _per_pass_s(duration_s: np.ndarray) -> np.ndarray:
     model-free drafter's draft pass on a profile whose `host_overhead_s` is 0), whose work is
     0 too, so it draws idle power rather than 0/0 (NaN, which stalled the cell's energy
     counter). The same array, so the same bits, where every pass takes time."""
-    if duration_s.all():
+    # (np.logical_and.reduce to bool is what ndarray.all calls, without its dispatch)
+    if np.logical_and.reduce(duration_s, None, bool):
         return duration_s
     return np.where(duration_s > 0, duration_s, 1.0)
 
@@ -794,6 +795,10 @@ _KEPT: collections.deque[tuple[weakref.ref[Passes], tuple[GpuProfile, float], in
 _KEPT_SIZE = [0]  # the bytes `_KEPT` counts
 _KEPT_LOCK = threading.Lock()  # a local fleet's workers schedule in threads
 REQUESTED_TIMINGS_BYTES = 8 << 20
+#: The last timing `_requested_timing` worked out, whole: (passes, profile, clock, timing).
+#: `schedule` asks for it twice (the peak power, then the schedule), and the second gets it
+#: as it is rather than its utilisations worked out again (the same numbers).
+_LAST_TIMING: list[tuple[Passes, GpuProfile, float, PassTiming] | None] = [None]
 
 
 def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> PassTiming:
@@ -803,6 +808,9 @@ def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> 
     clock (the same inputs, the same numbers); the utilisations, a few steps from those, are
     worked out again (`_utilisations`: half the memory kept). Read-only arrays, shared by the
     schedules made from them."""
+    last = _LAST_TIMING[0]
+    if last is not None and last[0] is passes and last[1] is gpu and last[2] == requested_mhz:
+        return last[3]
     key = (gpu, requested_mhz)
     kept = passes.__dict__.get(_REQUESTED)
     if kept is not None:
@@ -828,6 +836,7 @@ def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> 
             gone = held()
             if gone is not None:
                 gone.__dict__[_REQUESTED].pop(old, None)
+    _LAST_TIMING[0] = (passes, gpu, requested_mhz, timing)
     return timing
 
 
