@@ -819,7 +819,9 @@ def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> 
             duration_s, power_w = known
             tensor_util, memory_util = _utilisations(gpu, passes, requested_mhz, duration_s)
             tensor_util.flags.writeable = memory_util.flags.writeable = False
-            return PassTiming(float(requested_mhz), duration_s, power_w, tensor_util, memory_util)
+            timing = PassTiming(float(requested_mhz), duration_s, power_w, tensor_util, memory_util)
+            _LAST_TIMING[0] = (passes, gpu, requested_mhz, timing)
+            return timing
     timing = time_passes(gpu, passes, requested_mhz)
     for a in (timing.duration_s, timing.power_w, timing.tensor_util, timing.memory_util):
         a.flags.writeable = False
