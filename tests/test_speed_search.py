@@ -177,6 +177,33 @@ def test_a_round_searched_down_the_clocks_finds_what_the_replaced_bisection_foun
     assert 0 < len(tables) < 4  # timed at the top (and where a lower limit makes more hot)
 
 
+def test_a_short_phase_under_limits_a_warm_die_leaves_finds_its_remembered_points() -> None:
+    """A short phase's capped points are remembered by the clocks the search gives it, not by
+    the limit: the limit a warm die leaves differs a little at every run, and a limit a little
+    off finds the point the same clocks gave (the same object), equal to the replaced
+    bisection's at that limit; a limit that changes the clocks finds another."""
+    gpu = gpu_profile("h100-sxm")
+    phase = passes_of(4, 2048, 16.0)
+    physics._remembered_cap.cache_clear()
+    try:
+        peak = float(physics.time_passes(gpu, phase, 1980).power_w.max())
+        first = physics.operating_point(gpu, fresh_copy(phase), 1980, peak - 60.0)
+        assert first.power_capped
+        found = 0
+        for limit_w in (peak - 60.0 + 1e-6, peak - 60.0 - 1e-6):
+            got = physics.operating_point(gpu, fresh_copy(phase), 1980, limit_w)
+            assert_same_point(got, replaced_operating_point(gpu, phase, 1980, limit_w))
+            if np.array_equal(got.timing.pass_clocks_mhz, first.timing.pass_clocks_mhz):
+                assert got is first  # the same content, the same clocks: remembered
+                found += 1
+        assert found
+        lower = physics.operating_point(gpu, fresh_copy(phase), 1980, peak - 250.0)
+        assert_same_point(lower, replaced_operating_point(gpu, phase, 1980, peak - 250.0))
+        assert not np.array_equal(lower.timing.pass_clocks_mhz, first.timing.pass_clocks_mhz)
+    finally:
+        physics._remembered_cap.cache_clear()
+
+
 def fresh_copy(passes: Passes) -> Passes:
     """The same passes as a new sequence: nothing remembered with it."""
     return Passes(*(getattr(passes, f).copy() for f in Passes.__dataclass_fields__))

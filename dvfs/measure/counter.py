@@ -257,7 +257,8 @@ class TokenCurve:
         t = curve._ns.astype(np.float64)
         whole = np.asarray(tokens).dtype.kind in "iu"
         if whole and len(t) and bool(_ALL(t[1:] > t[:-1])):
-            curve._steps = (t, np.cumsum(curve._tokens))
+            # (np.add.accumulate is what ndarray.cumsum calls on a 1-d float64 array)
+            curve._steps = (t, np.add.accumulate(curve._tokens))
         return curve
 
     @classmethod

@@ -450,7 +450,8 @@ def _per_pass_s(duration_s: np.ndarray) -> np.ndarray:
     model-free drafter's draft pass on a profile whose `host_overhead_s` is 0), whose work is
     0 too, so it draws idle power rather than 0/0 (NaN, which stalled the cell's energy
     counter). The same array, so the same bits, where every pass takes time."""
-    if duration_s.all():
+    # (np.logical_and.reduce to bool is what ndarray.all calls, without its dispatch)
+    if np.logical_and.reduce(duration_s, None, bool):
         return duration_s
     return np.where(duration_s > 0, duration_s, 1.0)
 
@@ -534,7 +535,8 @@ def operating_point(
     if len(over) == 0:
         return OperatingPoint(int(requested_mhz), False, timing)
     if len(passes) <= CAP_MEMO_MAX_PASSES:
-        return _remembered_cap(gpu, _SameContent(passes, timing), requested_mhz, power_limit_w)
+        known = _remembered_cap(gpu, _SameContent(passes))
+        return known.point(gpu, over, requested_mhz, power_limit_w)
     return _capped_point(gpu, passes, over, requested_mhz, power_limit_w)
 
 
@@ -542,13 +544,21 @@ def _capped_point(
     gpu: GpuProfile, passes: Passes, over: np.ndarray, requested_mhz: int, power_limit_w: float
 ) -> OperatingPoint:
     """`operating_point` of passes some of which (`over`) draw more than the limit."""
+    capped = time_passes(gpu, passes, _pass_clocks(gpu, passes, over, requested_mhz, power_limit_w))
+    return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+
+
+def _pass_clocks(
+    gpu: GpuProfile, passes: Passes, over: np.ndarray, requested_mhz: int, power_limit_w: float
+) -> np.ndarray:
+    """Each pass's clock under the limit (`_capped_point`'s): the requested one, or for those
+    at `over` the highest supported one whose power fits (`_capped_clocks`)."""
     clocks = _clocks_up_to(gpu, int(requested_mhz))
     if len(clocks) == 0:
         raise ValueError(f"no supported SM clock at or below {requested_mhz} MHz")
     pass_clocks = np.full(len(passes), float(requested_mhz))
     pass_clocks[over] = _capped_clocks(gpu, passes, over, clocks, power_limit_w)
-    capped = time_passes(gpu, passes, pass_clocks)
-    return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+    return pass_clocks
 
 
 #: `operating_point` remembers the capped points of phases of at most this many passes by
@@ -557,15 +567,13 @@ CAP_MEMO_MAX_PASSES = 16
 
 
 class _SameContent:
-    """A pass sequence compared and hashed by its content (`_content`), and its timing at the
-    requested clock (not compared): a key under which the same passes find what was worked
-    out for another sequence equal to them."""
+    """A pass sequence compared and hashed by its content (`_content`): a key under which the
+    same passes find what was worked out for another sequence equal to them."""
 
-    __slots__ = ("passes", "timing", "key", "_hash")
+    __slots__ = ("passes", "key", "_hash")
 
-    def __init__(self, passes: Passes, timing: PassTiming) -> None:
+    def __init__(self, passes: Passes) -> None:
         self.passes = passes
-        self.timing: PassTiming | None = timing
         self.key = _content(passes)
         self._hash = hash(self.key)
 
@@ -576,25 +584,60 @@ class _SameContent:
         return self._hash
 
 
+#: The most capped points `_CappedPoints` keeps for one phase (the oldest dropped past it).
+CAP_POINTS_KEPT = 64
+
+
+class _CappedPoints:
+    """The capped points of one short phase's content (`_remembered_cap`): its passes (the
+    first sequence seen with that content, whose power table `_capped_clocks` keeps), and
+    each point by the requested clock and the clocks the search gave its passes.
+
+    The search's clocks are all a point depends on: the limit enters only through which
+    clocks fit it, and the limit a warm die leaves (`TwinDevice.effective_power_limit_w`)
+    differs a little at every run, so a point remembered by the limit was never found again.
+    The same clocks give the same timing (the same arithmetic on the same numbers), kept
+    with read-only arrays (shared)."""
+
+    __slots__ = ("passes", "points", "lock")
+
+    def __init__(self, passes: Passes) -> None:
+        self.passes = passes
+        self.points: dict[tuple[int, bytes], OperatingPoint] = {}
+        self.lock = threading.Lock()  # a local fleet's workers schedule in threads
+
+    def point(
+        self, gpu: GpuProfile, over: np.ndarray, requested_mhz: int, power_limit_w: float
+    ) -> OperatingPoint:
+        """`operating_point` of the phase at the requested clock under the limit, where the
+        passes at `over` draw more than it."""
+        passes = self.passes
+        with self.lock:  # (the power table kept with the passes is replaced as it goes)
+            pass_clocks = _pass_clocks(gpu, passes, over, requested_mhz, power_limit_w)
+        key = (int(requested_mhz), pass_clocks.tobytes())
+        known = self.points.get(key)
+        if known is not None:
+            return known
+        capped = time_passes(gpu, passes, pass_clocks)
+        for values in (capped.duration_s, capped.power_w, capped.tensor_util, capped.memory_util):
+            values.flags.writeable = False
+        if capped.clocks_mhz is not None:
+            capped.clocks_mhz.flags.writeable = False
+        point = OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+        with self.lock:
+            self.points[key] = point
+            while len(self.points) > CAP_POINTS_KEPT:
+                del self.points[next(iter(self.points))]  # the oldest
+        return point
+
+
 @functools.lru_cache(maxsize=1024)
-def _remembered_cap(
-    gpu: GpuProfile, phase: _SameContent, requested_mhz: int, power_limit_w: float
-) -> OperatingPoint:
-    """`operating_point` of a short phase over the limit, remembered by the phase's content: a
-    sweep's rounds at one knob setting differ in their seeds, and so in their decode phases,
-    but their prefill (and short drain) phases are the same passes, whose search over the
-    clocks costs far more than their timing. The point's arrays are read-only (shared)."""
-    timing = phase.timing
-    assert timing is not None  # (a key's own, until its point is worked out)
-    over = np.flatnonzero(timing.power_w > power_limit_w)
-    point = _capped_point(gpu, phase.passes, over, requested_mhz, power_limit_w)
-    capped = point.timing
-    for values in (capped.duration_s, capped.power_w, capped.tensor_util, capped.memory_util):
-        values.flags.writeable = False
-    if capped.clocks_mhz is not None:
-        capped.clocks_mhz.flags.writeable = False
-    phase.timing = None  # not kept with the key
-    return point
+def _remembered_cap(gpu: GpuProfile, phase: _SameContent) -> _CappedPoints:
+    """The capped points of a short phase over the limit, remembered by the phase's content
+    (`_CappedPoints`, for `gpu`): a sweep's rounds at one knob setting differ in their seeds,
+    and so in their decode phases, but their prefill (and short drain) phases are the same
+    passes, whose search over the clocks costs far more than their timing."""
+    return _CappedPoints(phase.passes)
 
 
 #: Where `_content` keeps a sequence's content beside its fields (as `_CONSTANTS`).
@@ -752,6 +795,10 @@ _KEPT: collections.deque[tuple[weakref.ref[Passes], tuple[GpuProfile, float], in
 _KEPT_SIZE = [0]  # the bytes `_KEPT` counts
 _KEPT_LOCK = threading.Lock()  # a local fleet's workers schedule in threads
 REQUESTED_TIMINGS_BYTES = 8 << 20
+#: The last timing `_requested_timing` worked out, whole: (passes, profile, clock, timing).
+#: `schedule` asks for it twice (the peak power, then the schedule), and the second gets it
+#: as it is rather than its utilisations worked out again (the same numbers).
+_LAST_TIMING: list[tuple[Passes, GpuProfile, float, PassTiming] | None] = [None]
 
 
 def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> PassTiming:
@@ -761,6 +808,9 @@ def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> 
     clock (the same inputs, the same numbers); the utilisations, a few steps from those, are
     worked out again (`_utilisations`: half the memory kept). Read-only arrays, shared by the
     schedules made from them."""
+    last = _LAST_TIMING[0]
+    if last is not None and last[0] is passes and last[1] is gpu and last[2] == requested_mhz:
+        return last[3]
     key = (gpu, requested_mhz)
     kept = passes.__dict__.get(_REQUESTED)
     if kept is not None:
@@ -769,7 +819,9 @@ def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> 
             duration_s, power_w = known
             tensor_util, memory_util = _utilisations(gpu, passes, requested_mhz, duration_s)
             tensor_util.flags.writeable = memory_util.flags.writeable = False
-            return PassTiming(float(requested_mhz), duration_s, power_w, tensor_util, memory_util)
+            timing = PassTiming(float(requested_mhz), duration_s, power_w, tensor_util, memory_util)
+            _LAST_TIMING[0] = (passes, gpu, requested_mhz, timing)
+            return timing
     timing = time_passes(gpu, passes, requested_mhz)
     for a in (timing.duration_s, timing.power_w, timing.tensor_util, timing.memory_util):
         a.flags.writeable = False
@@ -786,6 +838,7 @@ def _requested_timing(gpu: GpuProfile, passes: Passes, requested_mhz: float) -> 
             gone = held()
             if gone is not None:
                 gone.__dict__[_REQUESTED].pop(old, None)
+    _LAST_TIMING[0] = (passes, gpu, requested_mhz, timing)
     return timing
 
 
