@@ -406,3 +406,122 @@ def test_gpu_list_reads_the_gpus_side_by_side(
     assert both == [True]
     assert result.exit_code == 0, result.output
     assert [r["index"] for r in json.loads(result.stdout)] == [0, 1, 2]
+
+
+# -- `dvfs cap reset` side by side ----------------------------------------------------------
+
+
+def _capped(nvml: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`dvfs cap apply` of a 1500 MHz clock cap and a 400 W limit on every fake GPU (in this
+    process, the fake installed as `pynvml`); their UUIDs."""
+    from click.testing import CliRunner
+
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+    from dvfs.cli import cli
+
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the fake whose hangs the test releases
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(3)]
+    caps = tmp_path / "caps.toml"
+    entries = (GpuCap(uuid=u, sm_clock_max_mhz=1500, power_limit_w=400) for u in uuids)
+    caps.write_text(dump_caps(CapsFile(tuple(entries))))
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 0, result.output
+    assert all(nvml.fake_device_state(i)["locked_clocks"] is not None for i in range(3))
+    return uuids
+
+
+def _recorded(env: dict[str, str]) -> set[str]:
+    """The GPUs dvfs's caps record lists (none where it is gone)."""
+    path = Path(env["DVFS_STATE_DIR"]) / "caps-applied.json"
+    return set(json.loads(path.read_text())) if path.exists() else set()
+
+
+def test_cap_reset_resets_the_gpus_side_by_side(
+    nvml: ModuleType,
+    env: dict[str, str],
+    hang: Callable[..., None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`dvfs cap reset --applied` (the caps unit's ExecStop) with GPU 0's and GPU 1's clock
+    resets held in the driver: one after another, GPU 1 was reset only once GPU 0's call
+    returned or overran its deadline (eight hung GPUs: eight deadlines, past the unit's stop
+    timeout, whose SIGKILL left the last GPUs capped). Now both calls are in the driver at
+    once; released, every GPU is reset, said in the GPUs' order, and the record is gone."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    _capped(nvml, tmp_path, monkeypatch)
+    hang(f"{RESET}@0", f"{RESET}@1")
+    both: list[bool] = []
+
+    def release_once_both_hang() -> None:
+        try:
+            wait_for(
+                lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 1},
+                "GPU 0's and GPU 1's clock resets in the driver at once",
+                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
+            )
+            both.append(True)
+        finally:
+            _release(nvml)
+
+    releaser = threading.Thread(target=release_once_both_hang, daemon=True)
+    releaser.start()
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
+    releaser.join()
+    assert both == [True]
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert [x.split(" (")[0] for x in lines] == ["GPU 0", "GPU 1", "GPU 2"], lines
+    assert all(_back(nvml, i) for i in range(3))
+    assert _recorded(env) == set()
+
+
+def test_cap_reset_says_the_gpus_in_order_and_keeps_only_the_failed_ones_recorded(
+    nvml: ModuleType,
+    env: dict[str, str],
+    hang: Callable[..., None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU 0's clock reset held in the driver until GPU 2 is reset, GPU 1's refused by the
+    driver (an unknown error): GPU 0's line comes before GPU 2's though GPU 2 was back first,
+    GPU 1 is named once every GPU was tried (exit 1), and the caps record keeps exactly GPU 1,
+    the one not reset."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    nvml.fake_update_device(1, errors={RESET: nvml.NVML_ERROR_UNKNOWN})
+    hang(f"{RESET}@0")
+    first: list[bool] = []
+
+    def release_once_gpu_2_is_reset() -> None:
+        try:
+            wait_for(
+                lambda: uuids[2] not in _recorded(env) and nvml.fake_hangs_started(),
+                "GPU 2 reset while GPU 0 hangs",
+                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
+            )
+            first.append(True)  # GPU 2 back, GPU 0 still in the driver
+        finally:
+            _release(nvml)
+
+    releaser = threading.Thread(target=release_once_gpu_2_is_reset, daemon=True)
+    releaser.start()
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
+    releaser.join()
+    assert first == [True]
+    assert result.exit_code == 1, result.output
+    lines = result.stdout.splitlines()
+    assert [x.split(" (")[0] for x in lines] == ["GPU 0", "GPU 2"], lines
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith("Error: could not reset caps: GPU 1: "), error
+    assert "Traceback" not in result.output
+    assert _back(nvml, 0) and _back(nvml, 2) and not _back(nvml, 1)
+    assert _recorded(env) == {uuids[1]}
