@@ -525,3 +525,33 @@ def test_cap_reset_says_the_gpus_in_order_and_keeps_only_the_failed_ones_recorde
     assert "Traceback" not in result.output
     assert _back(nvml, 0) and _back(nvml, 2) and not _back(nvml, 1)
     assert _recorded(env) == {uuids[1]}
+
+
+def test_cap_reset_resets_the_others_beside_a_gpu_whose_mig_read_hangs(
+    nvml: ModuleType,
+    env: dict[str, str],
+    hang: Callable[..., None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU 0's MIG mode read (`cap reset` leaves MIG GPUs alone) hangs in the driver past its
+    deadline: it was read one GPU after another before any reset, and its overrun failed the
+    whole reset (exit 1, "nvmlDeviceGetMigMode on GPU 0 did not return"), every GPU left
+    capped. Now the GPUs are read side by side and one that cannot be read is reset with the
+    others, its failure named: GPUs 1 and 2 reset, the record keeping GPU 0 alone."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    hang("nvmlDeviceGetMigMode@0")
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "5")
+    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = result.stdout.splitlines()
+    assert [x.split(" (")[0] for x in lines] == ["GPU 1", "GPU 2"], lines
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith("Error: ") and "GPU 0" in error, error
+    assert _back(nvml, 1) and _back(nvml, 2) and not _back(nvml, 0)
+    assert _recorded(env) == {uuids[0]}
