@@ -324,6 +324,47 @@ def test_gpu_reset_says_the_gpus_back_while_one_before_them_hangs(
     assert all(_back(nvml, i) for i in range(3))
 
 
+def test_a_signal_while_lines_are_held_says_the_gpus_back_before_it_ends_the_reset(
+    nvml: ModuleType, hang: Callable[..., None], tmp_path: Path
+) -> None:
+    """GPU 0's clock reset hangs; GPUs 1 and 2 are back, their state files gone, their lines
+    held for GPU 0 (`hold_s`). A SIGTERM then (`dvfs gpu reset` raises on the first one:
+    Ctrl-C, a unit's stop) ended the reset with their lines never said: nothing told that
+    GPUs 1 and 2 were put back, and no state file is left to. They are said before it ends
+    the reset, in the GPUs' order."""
+    import signal
+
+    from dvfs.gpu.safety import StateStore, restore_pending
+    from dvfs.signals import Interrupted, signals_raise
+
+    store = StateStore(tmp_path / "dvfs-state")
+    said: list[str] = []
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+        hang(f"{RESET}@0")
+
+        def signal_once_the_others_are_back() -> None:
+            wait_for(nvml.fake_hangs_started, "GPU 0's reset is stuck in NVML")
+            wait_for(
+                lambda: not any(store.path(u).exists() for u in uuids[1:]), "GPUs 1, 2 are back"
+            )
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signaller = threading.Thread(target=signal_once_the_others_are_back, daemon=True)
+        try:
+            with signals_raise(), pytest.raises(Interrupted):
+                signaller.start()
+                restore_pending(gpus, store, said.append, hold_s=3600)
+        finally:
+            signaller.join()
+            _release(nvml)
+            for thread in [t for t in threading.enumerate() if t.name.startswith("restore-gpu")]:
+                thread.join()
+    assert [x.split(" (")[0] for x in said] == ["restored GPU 1", "restored GPU 2"], said
+    assert store.path(uuids[0]).exists()
+
+
 # -- `dvfs gpu list` and `permitted` beside a hung GPU ---------------------------------------
 
 STUCK_S = 120.0  # a run that takes this long is stuck, not slow
