@@ -596,3 +596,59 @@ def test_cap_reset_resets_the_others_beside_a_gpu_whose_mig_read_hangs(
     assert error.startswith("Error: ") and "GPU 0" in error, error
     assert _back(nvml, 1) and _back(nvml, 2) and not _back(nvml, 0)
     assert _recorded(env) == {uuids[0]}
+
+
+def test_a_signal_during_cap_reset_leaves_no_gpu_with_its_entry_gone_and_its_state_file_kept(
+    nvml: ModuleType,
+    env: dict[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead dvfs run's state file on GPU 1, whose caps record entry and state file a reset
+    drops together (one GPU after another, a signal held back between them). With the GPUs
+    reset side by side, a SIGTERM (the caps unit's stop) raised at once in the waiting thread
+    while GPU 1's thread was between the two: the command ended with GPU 1's entry gone and
+    its state file kept, for `dvfs gpu reset` to put back what that run found (dvfs's caps)
+    with no record of them. The reset now ends once that GPU's are both done."""
+    import signal
+
+    from dvfs.caps import AppliedCaps, GovernorLocks, reset_caps
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+    from dvfs.signals import Interrupted, signals_raise
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    directory = Path(env["DVFS_STATE_DIR"])
+    store = StateStore(directory)
+    store.record(GpuSettings(uuids[1], None, 700_000))  # as a run killed with SIGKILL left it
+    between, checked = threading.Event(), threading.Event()
+    clear = GovernorLocks.clear
+
+    def clear_after_the_signal(self: Any, uuid: str) -> None:
+        if uuid == uuids[1]:  # GPU 1's entry dropped, its state file not yet
+            between.set()
+            checked.wait(5)  # (the test's look, after the signal: none where the reset waits)
+        clear(self, uuid)
+
+    monkeypatch.setattr(GovernorLocks, "clear", clear_after_the_signal)
+
+    def signal_once_between() -> None:
+        wait_for(between.is_set, "GPU 1 between its entry and its state file")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signaller = threading.Thread(target=signal_once_between, daemon=True)
+    try:
+        with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+            with signals_raise(), pytest.raises(Interrupted):
+                signaller.start()
+                reset_caps(gpus, AppliedCaps(directory))
+            # as the command ends: both gone, or both kept
+            entry, file = uuids[1] in _recorded(env), store.path(uuids[1]).exists()
+            checked.set()
+            for thread in threading.enumerate():
+                if thread.name.startswith("caps-reset-gpu"):
+                    thread.join()
+    finally:
+        checked.set()
+        signaller.join()
+    assert entry == file, (entry, file)

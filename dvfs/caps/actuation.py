@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -1281,6 +1282,8 @@ def reset_caps(
                     "it, then reset again"
                 )
     solo = len(gpus) < 2  # one GPU: reset in this thread, where a signal lands (`held_back`)
+    recording = threading.Lock()  # held by a GPU's thread as it drops its entry and state file
+    given_up: list[bool] = []  # the reset ended (a signal): no thread begins dropping them
 
     def reset_one(gpu: Gpu) -> str | GpuError | _Unrecorded:
         """One GPU reset (its entry dropped once it is, a signal after it or not): its line,
@@ -1385,9 +1388,12 @@ def reset_caps(
                 raise refused
             power = _power_words(power, default, limit=limit)
             # The entry and a dead run's state file go together, a signal held back between
-            # them: the file left alone, `dvfs gpu reset` put back what that run found (dvfs's
-            # caps) with no record of them.
-            with held_back():
+            # them (in this thread; in a GPU's own, the reset given up on waits for them:
+            # `recording`): the file left alone, `dvfs gpu reset` put back what that run found
+            # (dvfs's caps) with no record of them.
+            with held_back(), recording:
+                if given_up:  # (the reset ended: this GPU's entry and file kept, both)
+                    return GpuError(f"GPU {ident.index} ({ident.uuid}): its reset was given up")
                 try:
                     # (a GPU the record does not list needs no write: an unwritable record must
                     # not keep the GPUs after it capped, said to list caps it never listed)
@@ -1427,20 +1433,26 @@ def reset_caps(
     )
     taken = 0  # the GPUs, in order, whose outcome is taken (a line said, or a failure kept)
     unrecorded: list[_Unrecorded] = []
-    with contextlib.closing(resetting) as finishing:
-        for gpu, outcome in finishing:
-            outcomes[id(gpu)] = outcome
-            while taken < len(gpus) and id(gpus[taken]) in outcomes:
-                first = outcomes[id(gpus[taken])]
-                taken += 1
-                if isinstance(first, str):
-                    done.append(first)
-                    if not solo:  # (one GPU's is said in its reset, before a signal held back)
-                        note(first)
-                elif isinstance(first, _Unrecorded):
-                    unrecorded.append(first)
-                else:
-                    failures.add(first)
+    try:
+        with contextlib.closing(resetting) as finishing:
+            for gpu, outcome in finishing:
+                outcomes[id(gpu)] = outcome
+                while taken < len(gpus) and id(gpus[taken]) in outcomes:
+                    first = outcomes[id(gpus[taken])]
+                    taken += 1
+                    if isinstance(first, str):
+                        done.append(first)
+                        if not solo:  # (one GPU's is said in its reset, before a signal held back)
+                            note(first)
+                    elif isinstance(first, _Unrecorded):
+                        unrecorded.append(first)
+                    else:
+                        failures.add(first)
+    except BaseException:  # a signal as it waits (the caps unit's stop): a GPU's thread between
+        # its entry and its state file finishes both before the command ends, and none begins
+        with recording:
+            given_up.append(True)
+        raise
     if unrecorded:
         raise CapsRecordError(
             "; ".join([*failures.messages, _unrecorded(unrecorded, record.path, command)])
