@@ -324,6 +324,47 @@ def test_gpu_reset_says_the_gpus_back_while_one_before_them_hangs(
     assert all(_back(nvml, i) for i in range(3))
 
 
+def test_a_signal_while_lines_are_held_says_the_gpus_back_before_it_ends_the_reset(
+    nvml: ModuleType, hang: Callable[..., None], tmp_path: Path
+) -> None:
+    """GPU 0's clock reset hangs; GPUs 1 and 2 are back, their state files gone, their lines
+    held for GPU 0 (`hold_s`). A SIGTERM then (`dvfs gpu reset` raises on the first one:
+    Ctrl-C, a unit's stop) ended the reset with their lines never said: nothing told that
+    GPUs 1 and 2 were put back, and no state file is left to. They are said before it ends
+    the reset, in the GPUs' order."""
+    import signal
+
+    from dvfs.gpu.safety import StateStore, restore_pending
+    from dvfs.signals import Interrupted, signals_raise
+
+    store = StateStore(tmp_path / "dvfs-state")
+    said: list[str] = []
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+        hang(f"{RESET}@0")
+
+        def signal_once_the_others_are_back() -> None:
+            wait_for(nvml.fake_hangs_started, "GPU 0's reset is stuck in NVML")
+            wait_for(
+                lambda: not any(store.path(u).exists() for u in uuids[1:]), "GPUs 1, 2 are back"
+            )
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signaller = threading.Thread(target=signal_once_the_others_are_back, daemon=True)
+        try:
+            with signals_raise(), pytest.raises(Interrupted):
+                signaller.start()
+                restore_pending(gpus, store, said.append, hold_s=3600)
+        finally:
+            signaller.join()
+            _release(nvml)
+            for thread in [t for t in threading.enumerate() if t.name.startswith("restore-gpu")]:
+                thread.join()
+    assert [x.split(" (")[0] for x in said] == ["restored GPU 1", "restored GPU 2"], said
+    assert store.path(uuids[0]).exists()
+
+
 # -- `dvfs gpu list` and `permitted` beside a hung GPU ---------------------------------------
 
 STUCK_S = 120.0  # a run that takes this long is stuck, not slow
@@ -406,3 +447,208 @@ def test_gpu_list_reads_the_gpus_side_by_side(
     assert both == [True]
     assert result.exit_code == 0, result.output
     assert [r["index"] for r in json.loads(result.stdout)] == [0, 1, 2]
+
+
+# -- `dvfs cap reset` side by side ----------------------------------------------------------
+
+
+def _capped(nvml: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`dvfs cap apply` of a 1500 MHz clock cap and a 400 W limit on every fake GPU (in this
+    process, the fake installed as `pynvml`); their UUIDs."""
+    from click.testing import CliRunner
+
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+    from dvfs.cli import cli
+
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the fake whose hangs the test releases
+    uuids = [nvml.fake_device_state(i)["uuid"] for i in range(3)]
+    caps = tmp_path / "caps.toml"
+    entries = (GpuCap(uuid=u, sm_clock_max_mhz=1500, power_limit_w=400) for u in uuids)
+    caps.write_text(dump_caps(CapsFile(tuple(entries))))
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 0, result.output
+    assert all(nvml.fake_device_state(i)["locked_clocks"] is not None for i in range(3))
+    return uuids
+
+
+def _recorded(env: dict[str, str]) -> set[str]:
+    """The GPUs dvfs's caps record lists (none where it is gone)."""
+    path = Path(env["DVFS_STATE_DIR"]) / "caps-applied.json"
+    return set(json.loads(path.read_text())) if path.exists() else set()
+
+
+def test_cap_reset_resets_the_gpus_side_by_side(
+    nvml: ModuleType,
+    env: dict[str, str],
+    hang: Callable[..., None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`dvfs cap reset --applied` (the caps unit's ExecStop) with GPU 0's and GPU 1's clock
+    resets held in the driver: one after another, GPU 1 was reset only once GPU 0's call
+    returned or overran its deadline (eight hung GPUs: eight deadlines, past the unit's stop
+    timeout, whose SIGKILL left the last GPUs capped). Now both calls are in the driver at
+    once; released, every GPU is reset, said in the GPUs' order, and the record is gone."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    _capped(nvml, tmp_path, monkeypatch)
+    hang(f"{RESET}@0", f"{RESET}@1")
+    both: list[bool] = []
+
+    def release_once_both_hang() -> None:
+        try:
+            wait_for(
+                lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 1},
+                "GPU 0's and GPU 1's clock resets in the driver at once",
+                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
+            )
+            both.append(True)
+        finally:
+            _release(nvml)
+
+    releaser = threading.Thread(target=release_once_both_hang, daemon=True)
+    releaser.start()
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
+    releaser.join()
+    assert both == [True]
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert [x.split(" (")[0] for x in lines] == ["GPU 0", "GPU 1", "GPU 2"], lines
+    assert all(_back(nvml, i) for i in range(3))
+    assert _recorded(env) == set()
+
+
+def test_cap_reset_says_the_gpus_in_order_and_keeps_only_the_failed_ones_recorded(
+    nvml: ModuleType,
+    env: dict[str, str],
+    hang: Callable[..., None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU 0's clock reset held in the driver until GPU 2 is reset, GPU 1's refused by the
+    driver (an unknown error): GPU 0's line comes before GPU 2's though GPU 2 was back first,
+    GPU 1 is named once every GPU was tried (exit 1), and the caps record keeps exactly GPU 1,
+    the one not reset."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    nvml.fake_update_device(1, errors={RESET: nvml.NVML_ERROR_UNKNOWN})
+    hang(f"{RESET}@0")
+    first: list[bool] = []
+
+    def release_once_gpu_2_is_reset() -> None:
+        try:
+            wait_for(
+                lambda: uuids[2] not in _recorded(env) and nvml.fake_hangs_started(),
+                "GPU 2 reset while GPU 0 hangs",
+                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
+            )
+            first.append(True)  # GPU 2 back, GPU 0 still in the driver
+        finally:
+            _release(nvml)
+
+    releaser = threading.Thread(target=release_once_gpu_2_is_reset, daemon=True)
+    releaser.start()
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
+    releaser.join()
+    assert first == [True]
+    assert result.exit_code == 1, result.output
+    lines = result.stdout.splitlines()
+    assert [x.split(" (")[0] for x in lines] == ["GPU 0", "GPU 2"], lines
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith("Error: could not reset caps: GPU 1: "), error
+    assert "Traceback" not in result.output
+    assert _back(nvml, 0) and _back(nvml, 2) and not _back(nvml, 1)
+    assert _recorded(env) == {uuids[1]}
+
+
+def test_cap_reset_resets_the_others_beside_a_gpu_whose_mig_read_hangs(
+    nvml: ModuleType,
+    env: dict[str, str],
+    hang: Callable[..., None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU 0's MIG mode read (`cap reset` leaves MIG GPUs alone) hangs in the driver past its
+    deadline: it was read one GPU after another before any reset, and its overrun failed the
+    whole reset (exit 1, "nvmlDeviceGetMigMode on GPU 0 did not return"), every GPU left
+    capped. Now the GPUs are read side by side and one that cannot be read is reset with the
+    others, its failure named: GPUs 1 and 2 reset, the record keeping GPU 0 alone."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    hang("nvmlDeviceGetMigMode@0")
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "5")
+    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = result.stdout.splitlines()
+    assert [x.split(" (")[0] for x in lines] == ["GPU 1", "GPU 2"], lines
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith("Error: ") and "GPU 0" in error, error
+    assert _back(nvml, 1) and _back(nvml, 2) and not _back(nvml, 0)
+    assert _recorded(env) == {uuids[0]}
+
+
+def test_a_signal_during_cap_reset_leaves_no_gpu_with_its_entry_gone_and_its_state_file_kept(
+    nvml: ModuleType,
+    env: dict[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead dvfs run's state file on GPU 1, whose caps record entry and state file a reset
+    drops together (one GPU after another, a signal held back between them). With the GPUs
+    reset side by side, a SIGTERM (the caps unit's stop) raised at once in the waiting thread
+    while GPU 1's thread was between the two: the command ended with GPU 1's entry gone and
+    its state file kept, for `dvfs gpu reset` to put back what that run found (dvfs's caps)
+    with no record of them. The reset now ends once that GPU's are both done."""
+    import signal
+
+    from dvfs.caps import AppliedCaps, GovernorLocks, reset_caps
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+    from dvfs.signals import Interrupted, signals_raise
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    directory = Path(env["DVFS_STATE_DIR"])
+    store = StateStore(directory)
+    store.record(GpuSettings(uuids[1], None, 700_000))  # as a run killed with SIGKILL left it
+    between, checked = threading.Event(), threading.Event()
+    clear = GovernorLocks.clear
+
+    def clear_after_the_signal(self: Any, uuid: str) -> None:
+        if uuid == uuids[1]:  # GPU 1's entry dropped, its state file not yet
+            between.set()
+            checked.wait(5)  # (the test's look, after the signal: none where the reset waits)
+        clear(self, uuid)
+
+    monkeypatch.setattr(GovernorLocks, "clear", clear_after_the_signal)
+
+    def signal_once_between() -> None:
+        wait_for(between.is_set, "GPU 1 between its entry and its state file")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signaller = threading.Thread(target=signal_once_between, daemon=True)
+    try:
+        with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+            with signals_raise(), pytest.raises(Interrupted):
+                signaller.start()
+                reset_caps(gpus, AppliedCaps(directory))
+            # as the command ends: both gone, or both kept
+            entry, file = uuids[1] in _recorded(env), store.path(uuids[1]).exists()
+            checked.set()
+            for thread in threading.enumerate():
+                if thread.name.startswith("caps-reset-gpu"):
+                    thread.join()
+    finally:
+        checked.set()
+        signaller.join()
+    assert entry == file, (entry, file)

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -39,6 +40,7 @@ from dvfs.gpu.knobs import (
     GatheredFailures,
     KnobController,
     power_limit_or_none,
+    side_by_side,
 )
 from dvfs.gpu.safety import before_this_boot, boot_id, record_problem, state_dir_command
 
@@ -1279,7 +1281,13 @@ def reset_caps(
                     f"{_a_folder(path).removesuffix('; remove it')}; nothing was reset: remove "
                     "it, then reset again"
                 )
-    for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
+    solo = len(gpus) < 2  # one GPU: reset in this thread, where a signal lands (`held_back`)
+    recording = threading.Lock()  # held by a GPU's thread as it drops its entry and state file
+    given_up: list[bool] = []  # the reset ended (a signal): no thread begins dropping them
+
+    def reset_one(gpu: Gpu) -> str | GpuError | _Unrecorded:
+        """One GPU reset (its entry dropped once it is, a signal after it or not): its line,
+        or what failed on it."""
         ident = gpu.identity
         try:
             unlock, limit = True, True
@@ -1380,9 +1388,12 @@ def reset_caps(
                 raise refused
             power = _power_words(power, default, limit=limit)
             # The entry and a dead run's state file go together, a signal held back between
-            # them: the file left alone, `dvfs gpu reset` put back what that run found (dvfs's
-            # caps) with no record of them.
-            with held_back():
+            # them (in this thread; in a GPU's own, the reset given up on waits for them:
+            # `recording`): the file left alone, `dvfs gpu reset` put back what that run found
+            # (dvfs's caps) with no record of them.
+            with held_back(), recording:
+                if given_up:  # (the reset ended: this GPU's entry and file kept, both)
+                    return GpuError(f"GPU {ident.index} ({ident.uuid}): its reset was given up")
                 try:
                     # (a GPU the record does not list needs no write: an unwritable record must
                     # not keep the GPUs after it capped, said to list caps it never listed)
@@ -1390,21 +1401,9 @@ def reset_caps(
                         record.update(ident.uuid, None)
                 except OSError as exc:
                     # The GPU is at its defaults, its caps still recorded (`cap show` and sweeps
-                    # take them for in force): said so, and no other GPU is reset, so the record
-                    # lists no more that are not; the GPUs reset before it are said (`note`).
-                    why = record_problem(exc)
-                    raise CapsRecordError(
-                        "; ".join(
-                            [
-                                *failures.messages,
-                                f"GPU {ident.index} ({ident.uuid}) was reset (clocks unlocked, "
-                                f"{power}), but {exc.filename or record.path} cannot be written "
-                                f"({why[:1].lower() + why[1:]}), so it still lists that GPU's "
-                                f"caps, and no GPU after it was reset: {_remedy(exc)}, then run "
-                                f"`{state_dir_command(command, record.path.parent)}` again",
-                            ]
-                        )
-                    ) from exc
+                    # take them for in force, never less than the GPU holds): said once every
+                    # GPU was tried, with the others' failures (`_unrecorded`).
+                    return _Unrecorded(gpu, power, exc)
                 GovernorLocks(record.path.parent).clear(ident.uuid)
                 clocks = (
                     "clocks unlocked" if unlock else "clocks left as they are (dvfs locked none)"
@@ -1418,12 +1417,74 @@ def reset_caps(
                         now = "from before the last reboot, which reset the GPU"
                     line += f"; {_left_by(store, ident.uuid)}: dropped, {now}"
                     store.clear(ident.uuid)
-                done.append(line)
-                note(line)  # (said before a signal held back ends the reset)
+                if solo:
+                    note(line)  # (said before a signal held back ends the reset)
+                return line
         except GpuError as exc:
-            failures.add(exc)
+            return exc
+
+    # Side by side (`side_by_side`, each GPU's calls on its own NVML worker): one after another,
+    # GPUs whose driver hangs cost a deadline each (eight: 80 s of the caps unit's stop, whose
+    # SIGKILL came before the last were reset). Said in the GPUs' order, a GPU's line as soon as
+    # it and every GPU before it are done; the failures once every GPU was tried.
+    outcomes: dict[int, str | GpuError | _Unrecorded] = {}
+    resetting = side_by_side(
+        gpus, reset_one, named=lambda gpu: f"caps-reset-gpu{gpu.identity.index}"
+    )
+    taken = 0  # the GPUs, in order, whose outcome is taken (a line said, or a failure kept)
+    unrecorded: list[_Unrecorded] = []
+    try:
+        with contextlib.closing(resetting) as finishing:
+            for gpu, outcome in finishing:
+                outcomes[id(gpu)] = outcome
+                while taken < len(gpus) and id(gpus[taken]) in outcomes:
+                    first = outcomes[id(gpus[taken])]
+                    taken += 1
+                    if isinstance(first, str):
+                        done.append(first)
+                        if not solo:  # (one GPU's is said in its reset, before a signal held back)
+                            note(first)
+                    elif isinstance(first, _Unrecorded):
+                        unrecorded.append(first)
+                    else:
+                        failures.add(first)
+    except BaseException:  # a signal as it waits (the caps unit's stop): a GPU's thread between
+        # its entry and its state file finishes both before the command ends, and none begins
+        with recording:
+            given_up.append(True)
+        raise
+    if unrecorded:
+        raise CapsRecordError(
+            "; ".join([*failures.messages, _unrecorded(unrecorded, record.path, command)])
+        ) from unrecorded[0].exc
     failures.raise_if_any("could not reset caps: ")
     return done
+
+
+@dataclass(frozen=True)
+class _Unrecorded:
+    """A GPU `reset_caps` reset whose entry it could not drop from the caps record: `power`,
+    what it did to its power limit; `exc`, why the record cannot be written."""
+
+    gpu: Gpu
+    power: str
+    exc: OSError
+
+
+def _unrecorded(unrecorded: Sequence[_Unrecorded], path: Path, command: str) -> str:
+    """What `reset_caps` says of the GPUs it reset whose caps the record still lists."""
+    first = unrecorded[0].exc
+    why = record_problem(first)
+    reset = ", ".join(
+        f"GPU {u.gpu.identity.index} ({u.gpu.identity.uuid}) was reset (clocks unlocked, {u.power})"
+        for u in unrecorded
+    )
+    which = "that GPU's" if len(unrecorded) == 1 else "those GPUs'"
+    return (
+        f"{reset}, but {first.filename or path} cannot be written "
+        f"({why[:1].lower() + why[1:]}), so it still lists {which} caps: {_remedy(first)}, "
+        f"then run `{state_dir_command(command, path.parent)}` again"
+    )
 
 
 def _power_words(power: str, default: int | None, *, limit: bool) -> str:

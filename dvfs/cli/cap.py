@@ -755,7 +755,7 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
     # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them; one
     # named here is refused, saying so, not with the sweep's "choose another GPU".
     with open_gpus(named, visible=visible, allow_mig=True) as found:
-        gpus = [g for g in found if not g.mig_enabled()]
+        gpus = _without_mig(found)
         if devices and len(gpus) < len(found):
             raise _named_mig([g for g in found if g not in gpus], state_dir or default_state_dir())
         # A GPU that fails is named once the others are reset, with those held and lost.
@@ -839,6 +839,31 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
         raise GpuPermissionError("; ".join(p for p in (withheld, lost_too) if p))
     if lost:
         raise lost_gpus(lost)
+
+
+def _without_mig(gpus: Sequence[Gpu]) -> list[Gpu]:
+    """Those of `gpus` without MIG enabled, in order, `cap reset`'s to reset. Read side by
+    side (`side_by_side`, each GPU's call on its own NVML worker): one after another, each GPU
+    whose driver hangs cost a deadline before any GPU was reset, and one read's overrun failed
+    the whole reset, every GPU left capped. A GPU whose mode cannot be read is kept: its reset
+    (whose calls then fail at once) names it, once the others are reset."""
+    import contextlib
+
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import side_by_side
+
+    def mig(gpu: Gpu) -> bool:
+        try:
+            return gpu.mig_enabled()
+        except GpuError:
+            return False
+
+    asked = side_by_side(gpus, mig, named=lambda gpu: f"mig-gpu{gpu.identity.index}")
+    enabled: dict[int, bool] = {}
+    with contextlib.closing(asked) as finishing:
+        for gpu, answer in finishing:
+            enabled[id(gpu)] = answer
+    return [g for g in gpus if not enabled[id(g)]]
 
 
 def _warn_damaged(directory: Path, gpus: Sequence[Gpu]) -> None:

@@ -693,17 +693,22 @@ def restore_pending(
         stall_s=hold_s,
     )
     with contextlib.closing(restoring_all) as finishing:
-        for gpu, errors in finishing:
-            finished.add(gpu.identity.uuid)
-            if errors:
-                failed[gpu.identity.uuid] = errors
-            elif errors is not None:  # (None: a bug, `bugs`; not known to be back)
-                clear(gpu)  # at once, whatever GPU before it is still being put back
-            for first in changed:  # those done, up to the first GPU not done, in order
-                if first.identity.uuid not in finished:
-                    break
-                if first.identity.uuid not in said:
-                    say(first)
+        try:
+            for gpu, errors in finishing:
+                finished.add(gpu.identity.uuid)
+                if errors:
+                    failed[gpu.identity.uuid] = errors
+                elif errors is not None:  # (None: a bug, `bugs`; not known to be back)
+                    clear(gpu)  # at once, whatever GPU before it is still being put back
+                for first in changed:  # those done, up to the first GPU not done, in order
+                    if first.identity.uuid not in finished:
+                        break
+                    if first.identity.uuid not in said:
+                        say(first)
+        except BaseException:  # a signal as it waits (the first, under `signals_raise`):
+            # the GPUs back, their state files gone, are said before it ends the reset
+            say_held()
+            raise
     failures.add_per_gpu(
         [
             (g, e)
