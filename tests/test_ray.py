@@ -1772,3 +1772,39 @@ def test_the_actors_are_asked_to_close_at_once_so_their_restores_run_side_by_sid
         "get close node-b/w1",
     ], events
     assert executor.unrestored == {"node-b": ["GPU-b"]}
+
+
+@pytest.mark.parametrize("failure", ["another-version", "system-error"])
+def test_a_cluster_ray_cannot_join_for_another_reason_is_one_line(
+    tmp_path: Path, monkeypatch, failure: str
+) -> None:
+    """--address of a running cluster that Ray's join refuses other than with a
+    ConnectionError: one started with another Ray or Python (Ray's RuntimeError "Version
+    mismatch: ...", raised as its own check raises it), or a RaySystemError. Each was an
+    internal error ("please report it") of Ray's first line, not what to do."""
+    import ray._private.utils
+    import ray.exceptions
+
+    def init(**kwargs: object) -> None:
+        if failure == "another-version":
+            ray._private.utils.check_version_info(
+                {"ray_version": "2.9.3", "python_version": "3.10.12"}, "127.0.0.1"
+            )
+        raise ray.exceptions.RaySystemError("the raylet of this node died")
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "o"
+    result = sweep(str(campaign), "--executor", "ray", "--address", "auto", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("Error: could not join the Ray cluster at --address auto ("), line
+    assert "internal error" not in line and "Traceback" not in result.output
+    if failure == "another-version":
+        assert "cluster: Ray 2.9.3, Python 3.10.12" in line, line
+        assert "pip install 'ray==2.9.3'" in line, line
+    else:
+        assert "RaySystemError: System error: the raylet of this node died" in line, line
+        assert "ray status" in line, line
+    assert not (out / "journal.jsonl").exists()

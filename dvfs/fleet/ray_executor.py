@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import signal
 import socket
 import threading
@@ -95,6 +96,33 @@ def no_cluster_error(address: str, why: str) -> DvfsError:
         "--head` on the head node, `ray start --address HEAD:6379` on the others), or leave "
         "out --address to run Ray on this machine only"
     )
+
+
+def join_error(address: str, exc: BaseException) -> DvfsError:
+    """The one line for a cluster at --address that Ray's join refused other than for want of
+    one there: one started with another Ray or Python (Ray's "Version mismatch: ..."), or
+    Ray's own failure (a RaySystemError)."""
+    text = str(exc).strip()
+    versions = re.findall(r"Ray: (\S+)\s+Python: (\S+)", text)
+    if text.startswith("Version mismatch") and len(versions) == 2:
+        (ray_there, python_there), (ray_here, python_here) = versions
+        return DvfsError(
+            f"could not join the Ray cluster at --address {address} (another Ray or Python: "
+            f"cluster: Ray {ray_there}, Python {python_there}; here: Ray {ray_here}, Python "
+            f"{python_here}): run dvfs where they match the cluster's (pip install "
+            f"'ray=={ray_there}' on Python {python_there}), or on a node of the cluster"
+        )
+    return DvfsError(
+        f"could not join the Ray cluster at --address {address} ({ray_why(exc)}): check the "
+        "cluster (`ray status` on its head node, Ray's logs in /tmp/ray/session_latest/logs "
+        "there) and rerun the same command"
+    )
+
+
+def ray_why(exc: BaseException) -> str:
+    """A Ray error in a few words: its type and its message's first line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def unreachable(address: str, ray: Any = None, timeout_s: float = ADDRESS_PROBE_S) -> str | None:
@@ -444,6 +472,8 @@ class RayExecutor:
                 except ConnectionError as exc:  # an OSError: not about the --out folder
                     why = str(exc).split(". ")[0].rstrip(".")  # not Ray's own CLI advice
                     raise no_cluster_error(self.address, why) from exc
+                except Exception as exc:  # another Ray's cluster, Ray's system error
+                    raise join_error(self.address, exc) from exc
             else:
                 if os.environ.get("RAY_ADDRESS") and note is not None and not self._address_noted:
                     self._address_noted = True
