@@ -1808,3 +1808,82 @@ def test_a_cluster_ray_cannot_join_for_another_reason_is_one_line(
         assert "RaySystemError: System error: the raylet of this node died" in line, line
         assert "ray status" in line, line
     assert not (out / "journal.jsonl").exists()
+
+
+def ray_errors() -> list:  # type: ignore[type-arg]
+    """Ray's errors other than a dead actor's, built as Ray builds them: (id, the error)."""
+    import ray.exceptions as rex
+
+    def wrapped(cause: BaseException) -> BaseException:
+        # what an actor's method that raised `cause` answers (Ray's own wrapper)
+        error = rex.RayTaskError("WorkerActor.open", "Traceback (most recent call last):", cause)
+        return error.as_instanceof_cause()
+
+    full = "Failed to put object 00ff in object store because it is full. Object size is 9 bytes."
+    return [
+        ("object-store-full", rex.ObjectStoreFullError(full)),
+        ("object-store-full-in-the-actor", wrapped(rex.ObjectStoreFullError(full))),
+        ("out-of-disk", rex.OutOfDiskError("Failed to put object 00ff in object store")),
+        ("cancelled", rex.TaskCancelledError(error_message="the task was cancelled")),
+        ("get-timeout", rex.GetTimeoutError("Get timed out: some object(s) not ready.")),
+        ("system-error", rex.RaySystemError("the raylet died")),
+    ]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in ray_errors()])
+def test_a_ray_error_as_the_workers_open_is_one_line_naming_the_reset(name: str) -> None:
+    """Real GPUs: one actor's open answers one of Ray's errors other than a dead actor's (the
+    object store full, a cancelled task, a timeout, Ray's system error). The run fails in one
+    dvfs line that names it, says what to do and that its GPUs may keep what it set (its
+    worker may have opened them), and closes the actor that opened: it raised Ray's error
+    raw, an internal error (a GetTimeoutError, an OSError, even "cannot use DIR")."""
+    from dvfs.errors import DvfsError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    error = dict(ray_errors())[name]
+    closed: list[str] = []
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            self.open = types.SimpleNamespace(remote=lambda: ("open", self))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", self))
+            self.unrestored = types.SimpleNamespace(remote=lambda: [])
+            told = [label.split("/")[0], "`dvfs gpu reset --state-dir /s`"]
+            self.reset_command = types.SimpleNamespace(remote=lambda: told)
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if isinstance(ref, tuple):
+            what, actor = ref
+            if what == "open" and actor.label == "n1/gpu1":
+                raise error
+            if what == "close":
+                closed.append(actor.label)
+            return {"worker": actor.label} if what == "open" else None
+        return ref
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}]
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(DvfsError) as raised:
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert not isinstance(raised.value, OSError)  # not worded as the --out folder's fault
+    (line,) = str(raised.value).splitlines()
+    assert line.startswith("Ray failed as a worker started ("), line
+    cause = getattr(error, "cause", error)
+    assert f"{type(cause).__name__}: " in line or line.count(type(cause).__name__) == 1, line
+    assert "`dvfs gpu reset --state-dir /s` there" in line, line
+    assert "rerun the same command" in line, line
+    if "full" in name or "disk" in name:
+        assert "ray memory" in line and "df" in line, line
+    else:
+        assert "ray status" in line, line
+    assert closed == ["n1/gpu0"]  # the one that opened put its GPUs back

@@ -745,6 +745,14 @@ class RayExecutor:
                 if not waiting:
                     return list(ray.get(refs))
             except Exception as exc:
+                failure = None if actor_gone(exc) else ray_failure(exc)
+                if failure is not None:
+                    # Ray's own (its object store full, a timeout, its system error), not
+                    # the worker's: the actor may live on, its GPUs opened, and is killed.
+                    raise DvfsError(
+                        f"Ray failed as a worker started ({ray_why(failure)})"
+                        f"{reset() if reset is not None else ''}; {ray_advice(failure)}"
+                    ) from exc
                 if not actor_gone(exc):
                     raise
                 text = str(exc).strip()
@@ -967,3 +975,31 @@ def actor_gone(exc: BaseException) -> bool:
 def out_of_memory(exc: BaseException) -> bool:
     """Whether Ray's memory monitor killed the actor (its node ran low on memory)."""
     return type(exc).__name__ == "OutOfMemoryError"
+
+
+def ray_failure(exc: BaseException) -> BaseException | None:
+    """Ray's own error in `exc` (a `ray.exceptions.RayError` other than a worker's: its object
+    store full, a cancelled task, a timeout, its system error), as raised or as the actor's
+    method answered it (inside Ray's `RayTaskError`); None where `exc` is not Ray's (a worker's
+    own error: a dvfs line, or a bug)."""
+    cause = getattr(exc, "cause", None)
+    if _named(exc, "RayTaskError"):
+        return cause if isinstance(cause, BaseException) and _named(cause, "RayError") else None
+    return exc if _named(exc, "RayError") else None
+
+
+def _named(exc: BaseException, name: str) -> bool:
+    return any(klass.__name__ == name for klass in type(exc).__mro__)
+
+
+def ray_advice(failure: BaseException) -> str:
+    """What to do about Ray's own error (`ray_failure`)."""
+    if type(failure).__name__ in ("ObjectStoreFullError", "OutOfDiskError"):
+        return (
+            "free memory and disk on the cluster's nodes (`ray memory`, `df`), then rerun the "
+            "same command"
+        )
+    return (
+        "check the cluster (`ray status`, Ray's logs in /tmp/ray/session_latest/logs on its "
+        "nodes), then rerun the same command"
+    )
