@@ -1887,3 +1887,52 @@ def test_a_ray_error_as_the_workers_open_is_one_line_naming_the_reset(name: str)
     else:
         assert "ray status" in line, line
     assert closed == ["n1/gpu0"]  # the one that opened put its GPUs back
+
+
+@pytest.mark.parametrize("name", ["get-timeout", "system-error"])
+def test_a_close_ray_lost_names_the_gpus_left_changed(name: str) -> None:
+    """Real GPUs: an actor's close answers one of Ray's errors other than a dead actor's (a
+    close that did not finish in time, Ray's system error), and its actor is then killed:
+    its GPUs may keep what it set. The sweep names them and the reset (it noted nothing, and
+    the sweep ended 0 with the GPU changed)."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    error = dict(ray_errors())[name]
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            self.open = types.SimpleNamespace(remote=lambda: ("open", self))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", self))
+            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", self))
+            self.close_error = types.SimpleNamespace(remote=lambda: ("close_error", self))
+            told = [label.split("/")[0], "`dvfs gpu reset --state-dir /s`"]
+            self.reset_command = types.SimpleNamespace(remote=lambda: told)
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if isinstance(ref, tuple):
+            what, actor = ref
+            if what == "open":
+                return {"worker": actor.label}
+            if actor.label == "n1/gpu1" and what in ("close", "unrestored"):
+                raise error  # (its close still runs: what is asked after it waits too)
+            return [] if what == "unrestored" else None
+        return ref
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}]
+    )
+    executor = RayExecutor(Path("out"))
+    executor._drive = lambda *args: None  # type: ignore[method-assign]
+    executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    (what,) = executor.unrestored["n1"]
+    assert what.startswith("the GPUs of worker n1/gpu1 (its close failed: "), what
+    assert type(error).__name__ in what, what
+    assert executor.reset_first().endswith("run `dvfs gpu reset --state-dir /s` on n1")

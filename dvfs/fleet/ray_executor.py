@@ -669,11 +669,13 @@ class RayExecutor:
             try:
                 ray.get(asked[label], timeout=OPEN_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
+                cause = getattr(exc, "cause", None)
                 if actor_gone(exc):  # killed after its last unit, before it could close
                     self._note_died(campaign, label)
-                else:  # what the worker raised, not Ray's wrapper
-                    cause = getattr(exc, "cause", None)
-                    self.close_errors.append(cause if isinstance(cause, BaseException) else exc)
+                elif isinstance(cause, BaseException):  # what the worker raised
+                    self.close_errors.append(cause)
+                else:  # Ray's own (a timeout, its system error): killed, maybe not closed
+                    self._note_died(campaign, label, f"its close failed: {ray_why(exc)}")
             except BaseException:
                 for rest in closing[closing.index(label) :]:
                     self._note_died(campaign, rest, "its close was given up")
