@@ -1827,7 +1827,20 @@ def ray_errors() -> list:  # type: ignore[type-arg]
         ("cancelled", rex.TaskCancelledError(error_message="the task was cancelled")),
         ("get-timeout", rex.GetTimeoutError("Get timed out: some object(s) not ready.")),
         ("system-error", rex.RaySystemError("the raylet died")),
+        # as a real Ray answers an actor whose runtime_env (its job's) could not be set up
+        ("runtime-env", rex.RuntimeEnvSetupError(error_message=RUNTIME_ENV_FAILED)),
+        ("unschedulable", rex.ActorUnschedulableError("its node affinity's node is dead")),
     ]
+
+
+#: What Ray 2.60 said of an actor given runtime_env={"conda": ...} on a node without conda.
+RUNTIME_ENV_FAILED = (
+    "Could not create the actor because its associated runtime env failed to be created.\n"
+    "[Node 127.0.0.1] Traceback (most recent call last):\n"
+    '  File "ray/_private/runtime_env/conda_utils.py", line 195, in get_conda_info_json\n'
+    '    raise ValueError(f"Could not find Conda executable at {conda_path}.")\n'
+    "ValueError: Could not find Conda executable at conda."
+)
 
 
 @pytest.mark.parametrize("name", [n for n, _ in ray_errors()])
@@ -1880,10 +1893,19 @@ def test_a_ray_error_as_the_workers_open_is_one_line_naming_the_reset(name: str)
     assert line.startswith("Ray failed as a worker started ("), line
     cause = getattr(error, "cause", error)
     assert f"{type(cause).__name__}: " in line or line.count(type(cause).__name__) == 1, line
-    assert "`dvfs gpu reset --state-dir /s` there" in line, line
+    # a worker whose process never ran opened no GPU: no reset to run
+    started = name not in ("runtime-env", "unschedulable")
+    assert ("`dvfs gpu reset --state-dir /s` there" in line) == started, line
     assert "rerun the same command" in line, line
     if "full" in name or "disk" in name:
         assert "ray memory" in line and "df" in line, line
+    elif name == "runtime-env":
+        why = (
+            "(RuntimeEnvSetupError: Failed to set up runtime environment: ValueError: Could "
+            "not find Conda executable at conda.)"
+        )
+        assert why in line, line
+        assert "runtime_env" in line and "ray job submit" in line, line
     else:
         assert "ray status" in line, line
     assert closed == ["n1/gpu0"]  # the one that opened put its GPUs back

@@ -120,9 +120,15 @@ def join_error(address: str, exc: BaseException) -> DvfsError:
 
 
 def ray_why(exc: BaseException) -> str:
-    """A Ray error in a few words: its type and its message's first line."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    """A Ray error in a few words: its type and its message's first line (a runtime_env's
+    failure's, "Failed to set up runtime environment.", with its traceback's last: why)."""
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    why = lines[0]
+    if type(exc).__name__ == "RuntimeEnvSetupError" and len(lines) > 1:
+        why = f"{why.rstrip('.')}: {lines[-1].strip()}"
+    return f"{type(exc).__name__}: {why}"
 
 
 def unreachable(address: str, ray: Any = None, timeout_s: float = ADDRESS_PROBE_S) -> str | None:
@@ -751,9 +757,11 @@ class RayExecutor:
                 if failure is not None:
                     # Ray's own (its object store full, a timeout, its system error), not
                     # the worker's: the actor may live on, its GPUs opened, and is killed.
+                    started = type(failure).__name__ not in NEVER_STARTED
                     raise DvfsError(
                         f"Ray failed as a worker started ({ray_why(failure)})"
-                        f"{reset() if reset is not None else ''}; {ray_advice(failure)}"
+                        f"{reset() if reset is not None and started else ''}; "
+                        f"{ray_advice(failure)}"
                     ) from exc
                 if not actor_gone(exc):
                     raise
@@ -994,8 +1002,18 @@ def _named(exc: BaseException, name: str) -> bool:
     return any(klass.__name__ == name for klass in type(exc).__mro__)
 
 
+#: Ray's errors of an actor whose process never ran (its worker opened no GPU): its
+#: runtime_env could not be set up (dvfs gives none: its Ray job's), or it cannot be placed.
+NEVER_STARTED = ("RuntimeEnvSetupError", "ActorUnschedulableError")
+
+
 def ray_advice(failure: BaseException) -> str:
     """What to do about Ray's own error (`ray_failure`)."""
+    if type(failure).__name__ == "RuntimeEnvSetupError":
+        return (
+            "dvfs sets no runtime_env: fix or drop the one its Ray job was given (`ray job "
+            "submit --runtime-env` or --working-dir), then rerun the same command"
+        )
     if type(failure).__name__ in ("ObjectStoreFullError", "OutOfDiskError"):
         return (
             "free memory and disk on the cluster's nodes (`ray memory`, `df`), then rerun the "
