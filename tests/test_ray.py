@@ -1958,3 +1958,49 @@ def test_a_close_ray_lost_names_the_gpus_left_changed(name: str) -> None:
     assert what.startswith("the GPUs of worker n1/gpu1 (its close failed: "), what
     assert type(error).__name__ in what, what
     assert executor.reset_first().endswith("run `dvfs gpu reset --state-dir /s` on n1")
+
+
+@pytest.mark.timeout(300)
+def test_a_unit_ray_itself_failed_closes_its_worker_and_restores_its_gpus(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs (the fake NVML's two) on Ray: the first unit handed out is answered by Ray's
+    own error (a RaySystemError, Ray's real class), not its actor's death nor its worker's
+    raise: the actor lives on, its worker open, its GPU set. Its worker is closed (its GPU put
+    back) and the other measures every cell: exit 0, no reset to run (the actor was killed
+    with its GPU locked, and the sweep ended 1 asking for `dvfs gpu reset`)."""
+    import ray.exceptions
+
+    from dvfs.fleet.driver import Fleet
+
+    get, started = ray_cluster.get, Fleet.started  # type: ignore[attr-defined]
+    armed: list[bool] = []
+
+    def start(self: Fleet, worker: str, unit) -> None:  # type: ignore[no-untyped-def]
+        armed.append(True)
+        started(self, worker, unit)
+
+    def get_as_ray_fails(ref, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if armed and armed[0] and not isinstance(ref, list) and not args and not kwargs:
+            armed[0] = False  # once: the first unit's answer
+            raise ray.exceptions.RaySystemError("the raylet lost the unit's answer")
+        return get(ref, *args, **kwargs)
+
+    monkeypatch.setattr(Fleet, "started", start)
+    monkeypatch.setattr(ray_cluster, "get", get_as_ray_fails)
+    from nvml_support import NVML_CAMPAIGN
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=3))
+    out = tmp_path / "out"
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert armed and armed[0] is False, result.output  # the failure was injected
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "lost (RaySystemError: System error: the raylet lost the unit's answer)" in said
+    assert "NOT restored" not in result.output and "internal error" not in result.output
+    assert ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")  # the GPUs were set
+    assert all(ray_nvml.fake_device_state(i)["locked_clocks"] is None for i in range(2))
+    records = list(read_records(out / "journal.jsonl"))
+    cells = [r["key"] for r in records if r["type"] == "cell"]
+    assert len(cells) == len(set(cells)) == 12 and (out / "cube.nc").is_file()
+    assert [r["type"] for r in records].count("worker_lost") == 1

@@ -841,7 +841,12 @@ class RayExecutor:
                         shipment = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001  (its actor died, or its worker raised)
                         self._lost(fleet, label, unit, exc)
-                        self._left(ray, label, alive[label], failed=True)
+                        if not actor_gone(exc) and ray_failure(exc) is exc:
+                            # Ray's own (not its worker's raise, which closed it): the actor
+                            # lives on, its GPUs set, and is closed before it is killed.
+                            self._close(ray, fleet.campaign, {label: alive[label]})
+                        else:
+                            self._left(ray, label, alive[label], failed=True)
                         alive.pop(label, None)
                         if pacer is not None:
                             pacer.leave(label)
