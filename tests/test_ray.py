@@ -1772,3 +1772,235 @@ def test_the_actors_are_asked_to_close_at_once_so_their_restores_run_side_by_sid
         "get close node-b/w1",
     ], events
     assert executor.unrestored == {"node-b": ["GPU-b"]}
+
+
+@pytest.mark.parametrize("failure", ["another-version", "system-error"])
+def test_a_cluster_ray_cannot_join_for_another_reason_is_one_line(
+    tmp_path: Path, monkeypatch, failure: str
+) -> None:
+    """--address of a running cluster that Ray's join refuses other than with a
+    ConnectionError: one started with another Ray or Python (Ray's RuntimeError "Version
+    mismatch: ...", raised as its own check raises it), or a RaySystemError. Each was an
+    internal error ("please report it") of Ray's first line, not what to do."""
+    import ray._private.utils
+    import ray.exceptions
+
+    def init(**kwargs: object) -> None:
+        if failure == "another-version":
+            ray._private.utils.check_version_info(
+                {"ray_version": "2.9.3", "python_version": "3.10.12"}, "127.0.0.1"
+            )
+        raise ray.exceptions.RaySystemError("the raylet of this node died")
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "o"
+    result = sweep(str(campaign), "--executor", "ray", "--address", "auto", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("Error: could not join the Ray cluster at --address auto ("), line
+    assert "internal error" not in line and "Traceback" not in result.output
+    if failure == "another-version":
+        assert "cluster: Ray 2.9.3, Python 3.10.12" in line, line
+        assert "pip install 'ray==2.9.3'" in line, line
+    else:
+        assert "RaySystemError: System error: the raylet of this node died" in line, line
+        assert "ray status" in line, line
+    assert not (out / "journal.jsonl").exists()
+
+
+def ray_errors() -> list:  # type: ignore[type-arg]
+    """Ray's errors other than a dead actor's, built as Ray builds them: (id, the error)."""
+    import ray.exceptions as rex
+
+    def wrapped(cause: BaseException) -> BaseException:
+        # what an actor's method that raised `cause` answers (Ray's own wrapper)
+        error = rex.RayTaskError("WorkerActor.open", "Traceback (most recent call last):", cause)
+        return error.as_instanceof_cause()
+
+    full = "Failed to put object 00ff in object store because it is full. Object size is 9 bytes."
+    return [
+        ("object-store-full", rex.ObjectStoreFullError(full)),
+        ("object-store-full-in-the-actor", wrapped(rex.ObjectStoreFullError(full))),
+        ("out-of-disk", rex.OutOfDiskError("Failed to put object 00ff in object store")),
+        ("cancelled", rex.TaskCancelledError(error_message="the task was cancelled")),
+        ("get-timeout", rex.GetTimeoutError("Get timed out: some object(s) not ready.")),
+        ("system-error", rex.RaySystemError("the raylet died")),
+        # as a real Ray answers an actor whose runtime_env (its job's) could not be set up
+        ("runtime-env", rex.RuntimeEnvSetupError(error_message=RUNTIME_ENV_FAILED)),
+        ("unschedulable", rex.ActorUnschedulableError("its node affinity's node is dead")),
+    ]
+
+
+#: What Ray 2.60 said of an actor given runtime_env={"conda": ...} on a node without conda.
+RUNTIME_ENV_FAILED = (
+    "Could not create the actor because its associated runtime env failed to be created.\n"
+    "[Node 127.0.0.1] Traceback (most recent call last):\n"
+    '  File "ray/_private/runtime_env/conda_utils.py", line 195, in get_conda_info_json\n'
+    '    raise ValueError(f"Could not find Conda executable at {conda_path}.")\n'
+    "ValueError: Could not find Conda executable at conda."
+)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in ray_errors()])
+def test_a_ray_error_as_the_workers_open_is_one_line_naming_the_reset(name: str) -> None:
+    """Real GPUs: one actor's open answers one of Ray's errors other than a dead actor's (the
+    object store full, a cancelled task, a timeout, Ray's system error). The run fails in one
+    dvfs line that names it, says what to do and that its GPUs may keep what it set (its
+    worker may have opened them), and closes the actor that opened: it raised Ray's error
+    raw, an internal error (a GetTimeoutError, an OSError, even "cannot use DIR")."""
+    from dvfs.errors import DvfsError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    error = dict(ray_errors())[name]
+    closed: list[str] = []
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            self.open = types.SimpleNamespace(remote=lambda: ("open", self))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", self))
+            self.unrestored = types.SimpleNamespace(remote=lambda: [])
+            told = [label.split("/")[0], "`dvfs gpu reset --state-dir /s`"]
+            self.reset_command = types.SimpleNamespace(remote=lambda: told)
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if isinstance(ref, tuple):
+            what, actor = ref
+            if what == "open" and actor.label == "n1/gpu1":
+                raise error
+            if what == "close":
+                closed.append(actor.label)
+            return {"worker": actor.label} if what == "open" else None
+        return ref
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}]
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(DvfsError) as raised:
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert not isinstance(raised.value, OSError)  # not worded as the --out folder's fault
+    (line,) = str(raised.value).splitlines()
+    assert line.startswith("Ray failed as a worker started ("), line
+    cause = getattr(error, "cause", error)
+    assert f"{type(cause).__name__}: " in line or line.count(type(cause).__name__) == 1, line
+    # a worker whose process never ran opened no GPU: no reset to run
+    started = name not in ("runtime-env", "unschedulable")
+    assert ("`dvfs gpu reset --state-dir /s` there" in line) == started, line
+    assert "rerun the same command" in line, line
+    if "full" in name or "disk" in name:
+        assert "ray memory" in line and "df" in line, line
+    elif name == "runtime-env":
+        why = (
+            "(RuntimeEnvSetupError: Failed to set up runtime environment: ValueError: Could "
+            "not find Conda executable at conda.)"
+        )
+        assert why in line, line
+        assert "runtime_env" in line and "ray job submit" in line, line
+    else:
+        assert "ray status" in line, line
+    assert closed == ["n1/gpu0"]  # the one that opened put its GPUs back
+
+
+@pytest.mark.parametrize("name", ["get-timeout", "system-error"])
+def test_a_close_ray_lost_names_the_gpus_left_changed(name: str) -> None:
+    """Real GPUs: an actor's close answers one of Ray's errors other than a dead actor's (a
+    close that did not finish in time, Ray's system error), and its actor is then killed:
+    its GPUs may keep what it set. The sweep names them and the reset (it noted nothing, and
+    the sweep ended 0 with the GPU changed)."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    error = dict(ray_errors())[name]
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            self.open = types.SimpleNamespace(remote=lambda: ("open", self))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", self))
+            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", self))
+            self.close_error = types.SimpleNamespace(remote=lambda: ("close_error", self))
+            told = [label.split("/")[0], "`dvfs gpu reset --state-dir /s`"]
+            self.reset_command = types.SimpleNamespace(remote=lambda: told)
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if isinstance(ref, tuple):
+            what, actor = ref
+            if what == "open":
+                return {"worker": actor.label}
+            if actor.label == "n1/gpu1" and what in ("close", "unrestored"):
+                raise error  # (its close still runs: what is asked after it waits too)
+            return [] if what == "unrestored" else None
+        return ref
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}]
+    )
+    executor = RayExecutor(Path("out"))
+    executor._drive = lambda *args: None  # type: ignore[method-assign]
+    executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    (what,) = executor.unrestored["n1"]
+    assert what.startswith("the GPUs of worker n1/gpu1 (its close failed: "), what
+    assert type(error).__name__ in what, what
+    assert executor.reset_first().endswith("run `dvfs gpu reset --state-dir /s` on n1")
+
+
+@pytest.mark.timeout(300)
+def test_a_unit_ray_itself_failed_closes_its_worker_and_restores_its_gpus(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs (the fake NVML's two) on Ray: the first unit handed out is answered by Ray's
+    own error (a RaySystemError, Ray's real class), not its actor's death nor its worker's
+    raise: the actor lives on, its worker open, its GPU set. Its worker is closed (its GPU put
+    back) and the other measures every cell: exit 0, no reset to run (the actor was killed
+    with its GPU locked, and the sweep ended 1 asking for `dvfs gpu reset`)."""
+    import ray.exceptions
+
+    from dvfs.fleet.driver import Fleet
+
+    get, started = ray_cluster.get, Fleet.started  # type: ignore[attr-defined]
+    armed: list[bool] = []
+
+    def start(self: Fleet, worker: str, unit) -> None:  # type: ignore[no-untyped-def]
+        armed.append(True)
+        started(self, worker, unit)
+
+    def get_as_ray_fails(ref, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if armed and armed[0] and not isinstance(ref, list) and not args and not kwargs:
+            armed[0] = False  # once: the first unit's answer
+            raise ray.exceptions.RaySystemError("the raylet lost the unit's answer")
+        return get(ref, *args, **kwargs)
+
+    monkeypatch.setattr(Fleet, "started", start)
+    monkeypatch.setattr(ray_cluster, "get", get_as_ray_fails)
+    from nvml_support import NVML_CAMPAIGN
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=3))
+    out = tmp_path / "out"
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert armed and armed[0] is False, result.output  # the failure was injected
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "lost (RaySystemError: System error: the raylet lost the unit's answer)" in said
+    assert "NOT restored" not in result.output and "internal error" not in result.output
+    assert ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")  # the GPUs were set
+    assert all(ray_nvml.fake_device_state(i)["locked_clocks"] is None for i in range(2))
+    records = list(read_records(out / "journal.jsonl"))
+    cells = [r["key"] for r in records if r["type"] == "cell"]
+    assert len(cells) == len(set(cells)) == 12 and (out / "cube.nc").is_file()
+    assert [r["type"] for r in records].count("worker_lost") == 1

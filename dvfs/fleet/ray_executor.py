@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import signal
 import socket
 import threading
@@ -95,6 +96,39 @@ def no_cluster_error(address: str, why: str) -> DvfsError:
         "--head` on the head node, `ray start --address HEAD:6379` on the others), or leave "
         "out --address to run Ray on this machine only"
     )
+
+
+def join_error(address: str, exc: BaseException) -> DvfsError:
+    """The one line for a cluster at --address that Ray's join refused other than for want of
+    one there: one started with another Ray or Python (Ray's "Version mismatch: ..."), or
+    Ray's own failure (a RaySystemError)."""
+    text = str(exc).strip()
+    versions = re.findall(r"Ray: (\S+)\s+Python: (\S+)", text)
+    if text.startswith("Version mismatch") and len(versions) == 2:
+        (ray_there, python_there), (ray_here, python_here) = versions
+        return DvfsError(
+            f"could not join the Ray cluster at --address {address} (another Ray or Python: "
+            f"cluster: Ray {ray_there}, Python {python_there}; here: Ray {ray_here}, Python "
+            f"{python_here}): run dvfs where they match the cluster's (pip install "
+            f"'ray=={ray_there}' on Python {python_there}), or on a node of the cluster"
+        )
+    return DvfsError(
+        f"could not join the Ray cluster at --address {address} ({ray_why(exc)}): check the "
+        "cluster (`ray status` on its head node, Ray's logs in /tmp/ray/session_latest/logs "
+        "there) and rerun the same command"
+    )
+
+
+def ray_why(exc: BaseException) -> str:
+    """A Ray error in a few words: its type and its message's first line (a runtime_env's
+    failure's, "Failed to set up runtime environment.", with its traceback's last: why)."""
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    why = lines[0]
+    if type(exc).__name__ == "RuntimeEnvSetupError" and len(lines) > 1:
+        why = f"{why.rstrip('.')}: {lines[-1].strip()}"
+    return f"{type(exc).__name__}: {why}"
 
 
 def unreachable(address: str, ray: Any = None, timeout_s: float = ADDRESS_PROBE_S) -> str | None:
@@ -444,6 +478,8 @@ class RayExecutor:
                 except ConnectionError as exc:  # an OSError: not about the --out folder
                     why = str(exc).split(". ")[0].rstrip(".")  # not Ray's own CLI advice
                     raise no_cluster_error(self.address, why) from exc
+                except Exception as exc:  # another Ray's cluster, Ray's system error
+                    raise join_error(self.address, exc) from exc
             else:
                 if os.environ.get("RAY_ADDRESS") and note is not None and not self._address_noted:
                     self._address_noted = True
@@ -639,11 +675,13 @@ class RayExecutor:
             try:
                 ray.get(asked[label], timeout=OPEN_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
+                cause = getattr(exc, "cause", None)
                 if actor_gone(exc):  # killed after its last unit, before it could close
                     self._note_died(campaign, label)
-                else:  # what the worker raised, not Ray's wrapper
-                    cause = getattr(exc, "cause", None)
-                    self.close_errors.append(cause if isinstance(cause, BaseException) else exc)
+                elif isinstance(cause, BaseException):  # what the worker raised
+                    self.close_errors.append(cause)
+                else:  # Ray's own (a timeout, its system error): killed, maybe not closed
+                    self._note_died(campaign, label, f"its close failed: {ray_why(exc)}")
             except BaseException:
                 for rest in closing[closing.index(label) :]:
                     self._note_died(campaign, rest, "its close was given up")
@@ -715,6 +753,16 @@ class RayExecutor:
                 if not waiting:
                     return list(ray.get(refs))
             except Exception as exc:
+                failure = None if actor_gone(exc) else ray_failure(exc)
+                if failure is not None:
+                    # Ray's own (its object store full, a timeout, its system error), not
+                    # the worker's: the actor may live on, its GPUs opened, and is killed.
+                    started = type(failure).__name__ not in NEVER_STARTED
+                    raise DvfsError(
+                        f"Ray failed as a worker started ({ray_why(failure)})"
+                        f"{reset() if reset is not None and started else ''}; "
+                        f"{ray_advice(failure)}"
+                    ) from exc
                 if not actor_gone(exc):
                     raise
                 text = str(exc).strip()
@@ -793,7 +841,12 @@ class RayExecutor:
                         shipment = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001  (its actor died, or its worker raised)
                         self._lost(fleet, label, unit, exc)
-                        self._left(ray, label, alive[label], failed=True)
+                        if not actor_gone(exc) and ray_failure(exc) is exc:
+                            # Ray's own (not its worker's raise, which closed it): the actor
+                            # lives on, its GPUs set, and is closed before it is killed.
+                            self._close(ray, fleet.campaign, {label: alive[label]})
+                        else:
+                            self._left(ray, label, alive[label], failed=True)
                         alive.pop(label, None)
                         if pacer is not None:
                             pacer.leave(label)
@@ -937,3 +990,41 @@ def actor_gone(exc: BaseException) -> bool:
 def out_of_memory(exc: BaseException) -> bool:
     """Whether Ray's memory monitor killed the actor (its node ran low on memory)."""
     return type(exc).__name__ == "OutOfMemoryError"
+
+
+def ray_failure(exc: BaseException) -> BaseException | None:
+    """Ray's own error in `exc` (a `ray.exceptions.RayError` other than a worker's: its object
+    store full, a cancelled task, a timeout, its system error), as raised or as the actor's
+    method answered it (inside Ray's `RayTaskError`); None where `exc` is not Ray's (a worker's
+    own error: a dvfs line, or a bug)."""
+    cause = getattr(exc, "cause", None)
+    if _named(exc, "RayTaskError"):
+        return cause if isinstance(cause, BaseException) and _named(cause, "RayError") else None
+    return exc if _named(exc, "RayError") else None
+
+
+def _named(exc: BaseException, name: str) -> bool:
+    return any(klass.__name__ == name for klass in type(exc).__mro__)
+
+
+#: Ray's errors of an actor whose process never ran (its worker opened no GPU): its
+#: runtime_env could not be set up (dvfs gives none: its Ray job's), or it cannot be placed.
+NEVER_STARTED = ("RuntimeEnvSetupError", "ActorUnschedulableError")
+
+
+def ray_advice(failure: BaseException) -> str:
+    """What to do about Ray's own error (`ray_failure`)."""
+    if type(failure).__name__ == "RuntimeEnvSetupError":
+        return (
+            "dvfs sets no runtime_env: fix or drop the one its Ray job was given (`ray job "
+            "submit --runtime-env` or --working-dir), then rerun the same command"
+        )
+    if type(failure).__name__ in ("ObjectStoreFullError", "OutOfDiskError"):
+        return (
+            "free memory and disk on the cluster's nodes (`ray memory`, `df`), then rerun the "
+            "same command"
+        )
+    return (
+        "check the cluster (`ray status`, Ray's logs in /tmp/ray/session_latest/logs on its "
+        "nodes), then rerun the same command"
+    )
