@@ -300,6 +300,27 @@ def test_values_that_add_up_past_the_largest_number_are_a_page_not_read(rows: st
     assert len(notes) == 1 and "too large" in notes[0]
 
 
+@pytest.mark.parametrize(
+    "page",
+    [
+        '{"status": "' + "y" * 4_000_000 + '"}',  # a JSON page on one line: not SGLang's
+        "sglang:num_running_reqs 2\n\x1b[2J\x00bad\x7f line\n",  # control characters
+    ],
+    ids=["long-line", "control-characters"],
+)
+def test_a_page_that_is_not_prometheus_text_is_said_in_one_short_printable_line(page: str) -> None:
+    """The parser's complaint quotes the page's line it stopped at, which went into the
+    journal whole: a page on one line of megabytes (a JSON endpoint at --url: up to the 16 MiB
+    read) was a note of megabytes, each time it changed, and a control character in it made
+    journalctl show the note as "blob data". The line is quoted short and escaped."""
+    with pytest.raises(ScrapeError) as caught:
+        parse_server_metrics(page)
+    said = str(caught.value)
+    assert said.startswith("the server's /metrics is not Prometheus text ("), said
+    assert len(said) <= 300, said[:400]
+    assert said.isprintable(), said
+
+
 @pytest.mark.parametrize("charset", ["base64", "rot13", "idna", "punycode", "undefined", "utf-8"])
 def test_a_page_in_a_charset_that_is_no_text_encoding_is_read_as_utf8(charset: str) -> None:
     """A Content-Type naming a bytes codec (base64, rot13) or one that cannot decode with
