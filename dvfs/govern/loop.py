@@ -10,7 +10,9 @@ GPU may still clock down. The static caps in force at start are a ceiling and th
 stock (`Ceiling`), and the lock it holds is recorded for `cap show` and `dvfs monitor`
 (`GovernorLocks`). `--dry-run` builds none of this and calls no setter. A GPU that stops
 answering NVML (`GpuReading.error`) stops the governor (`GpuSilentError`, the others restored);
-the monitor notes it once, and once when it is back, and exports it as not up.
+the monitor notes it once, and once when it is back, and exports it as not up. A read of the
+server that fails within `SERVER_GRACE_S` of the last one answered keeps the setting in force;
+past it the batch is unknown, and the governor holds stock (`dvfs.govern.policy`).
 """
 
 from __future__ import annotations
