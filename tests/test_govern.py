@@ -300,6 +300,27 @@ def test_values_that_add_up_past_the_largest_number_are_a_page_not_read(rows: st
     assert len(notes) == 1 and "too large" in notes[0]
 
 
+@pytest.mark.parametrize(
+    "page",
+    [
+        '{"status": "' + "y" * 4_000_000 + '"}',  # a JSON page on one line: not SGLang's
+        "sglang:num_running_reqs 2\n\x1b[2J\x00bad\x7f line\n",  # control characters
+    ],
+    ids=["long-line", "control-characters"],
+)
+def test_a_page_that_is_not_prometheus_text_is_said_in_one_short_printable_line(page: str) -> None:
+    """The parser's complaint quotes the page's line it stopped at, which went into the
+    journal whole: a page on one line of megabytes (a JSON endpoint at --url: up to the 16 MiB
+    read) was a note of megabytes, each time it changed, and a control character in it made
+    journalctl show the note as "blob data". The line is quoted short and escaped."""
+    with pytest.raises(ScrapeError) as caught:
+        parse_server_metrics(page)
+    said = str(caught.value)
+    assert said.startswith("the server's /metrics is not Prometheus text ("), said
+    assert len(said) <= 300, said[:400]
+    assert said.isprintable(), said
+
+
 @pytest.mark.parametrize("charset", ["base64", "rot13", "idna", "punycode", "undefined", "utf-8"])
 def test_a_page_in_a_charset_that_is_no_text_encoding_is_read_as_utf8(charset: str) -> None:
     """A Content-Type naming a bytes codec (base64, rot13) or one that cannot decode with
@@ -1075,21 +1096,23 @@ def _scripted(batches: list[int | None]) -> Callable[[], ServerSample]:
 
 
 def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
-    """The server drops out mid-run: the fallback to stock is named as that, not as a batch
-    above the plan; its return, and the dry run's calls (none), as they are."""
+    """The server drops out mid-run for longer than the grace (`SERVER_GRACE_S`, 5 s): the
+    setting in force is held until 5 s after its last answer, then the fallback to stock is
+    named as that, not as a batch above the plan; its return, and the dry run's calls (none),
+    as they are."""
     from dvfs.backends import open_gpus
 
-    scraper = _scripted([0, None, None, 0])
+    scraper = _scripted([0, *[None] * 6, 0])
 
-    time, lines = VirtualTime(), []
+    time, lines, live = VirtualTime(), [], LiveMetrics()
     with open_gpus([0]) as gpus:
         changes = govern(
             PLAN,
             gpus,
             scraper,
             PolicyParams(dwell_s=0.0),
-            Ticker(1.0, 4, clock=time.clock, sleep=time.sleep),
-            live=LiveMetrics(),
+            Ticker(1.0, 8, clock=time.clock, sleep=time.sleep),
+            live=live,
             note=lines.append,
             dry_run=True,
         )
@@ -1102,14 +1125,60 @@ def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
         "static caps in force, the ceiling of every step and what the plan calls stock: "
         "GPU 0: SM clock unlocked, power limit 700 W",
         f"{planned} (at 0.000 s)",
-        "server: cannot read http://127.0.0.1:1/metrics: refused",
+        "server: cannot read http://127.0.0.1:1/metrics: refused; the setting in force is "
+        "held (stock if it does not answer within 5 s of its last answer)",
         "dry run, nothing changed: would set SM clock stock, power limit stock while the "
         "server's batch cannot be read; GPU 0: SM clock unlocked (stock: no static clock cap "
-        "in force), power limit 700 W (stock: the limit in force at start) (at 1.000 s)",
+        "in force), power limit 700 W (stock: the limit in force at start) (at 5.000 s)",
         "server: /metrics answers again",
-        f"{planned} (at 3.000 s)",
+        f"{planned} (at 7.000 s)",
     ]
     assert nvml.fake_calls() == []
+    assert live.latest().server_read_failures == 6
+
+
+def test_a_read_that_fails_between_answered_ones_keeps_the_setting_in_force(
+    nvml, tmp_path: Path
+) -> None:
+    """A read of the server that failed (one timed out on a loaded machine: a 0.05 s
+    --interval's reads get 0.5 s) counted as a server gone: the governor went to stock at
+    once, within the dwell, and the dwell then held stock for 10 s, a change each way, every
+    time one read missed. A read that fails within 5 s of the last answered one keeps the
+    setting in force, said once in the log, each failure counted in
+    dvfs_server_read_failures_total; the server's return is said, nothing set."""
+    from dvfs.backends import open_gpus
+
+    scraper = _scripted([0, None, 0, None, None, 0, 0])
+    time, lines, live = VirtualTime(), [], LiveMetrics()
+    with open_gpus([0]) as gpus:
+        changes = govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=10.0),
+            Ticker(1.0, 7, clock=time.clock, sleep=time.sleep),
+            live=live,
+            note=lines.append,
+            state_dir=tmp_path / "state",
+        )
+        locks = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")]
+        assert nvml.fake_device_state(0)["locked_clocks"] is None  # restored at the end
+    assert changes == 1, lines
+    assert locks == [[210, 1200]], lines
+    assert not nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")[:-1], lines
+    assert not [line for line in lines if "cannot be read" in line], lines
+    assert lines[2:] == [
+        "server: cannot read http://127.0.0.1:1/metrics: refused; the setting in force is "
+        "held (stock if it does not answer within 5 s of its last answer)",
+        "server: /metrics answers again",
+        "server: cannot read http://127.0.0.1:1/metrics: refused; the setting in force is "
+        "held (stock if it does not answer within 5 s of its last answer)",
+        "server: /metrics answers again",
+    ]
+    last = live.latest()
+    assert (last.server_read_failures, last.plan_batch, last.changes) == (3, 1, 1)
+    page = series(render(live))
+    assert page[("dvfs_server_read_failures_total", ())] == 3.0
 
 
 @pytest.mark.parametrize("dry_run", [True, False])

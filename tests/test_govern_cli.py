@@ -1336,6 +1336,62 @@ def test_a_dry_run_waits_for_a_server_slow_to_answer_its_first_read(
     assert nvml.fake_calls() == []
 
 
+class OneReadHangsMetrics(CountingMetrics):
+    """A loopback /metrics page whose read number `hung` is not answered until `release` is
+    set (a server stalled past the reader's deadline), every other read at once."""
+
+    def __init__(self, hung: int) -> None:
+        self.hung = hung
+        self.release = threading.Event()
+        super().__init__()
+
+    def page(self) -> bytes:
+        if self.requests == self.hung:
+            self.release.wait(STUCK_S)
+        return super().page()
+
+    def send(self, out: BinaryIO, body: bytes) -> None:
+        with contextlib.suppress(OSError):  # the reader gave up: it hung up
+            out.write(body)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass
+
+
+def test_a_read_past_its_deadline_keeps_the_governors_setting(
+    tmp_path: Path, env: dict[str, str], nvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A governor at --interval 0.05 gives each read of /metrics 0.5 s; one that missed it (a
+    loaded machine) put the GPUs at stock at once ("while the server's batch cannot be read",
+    within the dwell), and the dwell held them there for 10 s: a change each way, the caps
+    lost, for one late read. The setting in force is now held, the miss said once. (The grace,
+    5 s after the last answered read, is made endless: no stall of a loaded machine outlasts
+    it.)"""
+    import dvfs.govern.loop
+
+    monkeypatch.setattr(dvfs.govern.loop, "SERVER_GRACE_S", math.inf, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.toml").write_text(PLAN)
+    server = OneReadHangsMetrics(hung=2)
+    try:
+        with server.serving() as url:
+            result = dvfs_in_process(
+                *("govern", "--plan", "plan.toml", "--listen", "off", "--gpu", "0"),
+                *("--url", url, "--interval", "0.05", "--max-intervals", "4"),
+                env=env,
+            )
+    finally:
+        server.release.set()
+    assert result.returncode == 0, result.stderr
+    assert "timed out; the setting in force is held (stock if it does not answer" in (
+        result.stderr
+    ), result.stderr
+    assert "cannot be read" not in result.stderr, result.stderr
+    assert len(re.findall(r" dvfs: set ", result.stderr)) == 1, result.stderr
+    assert server.requests >= 3  # the answered read, the one that hung, one answered after
+    assert [c["args"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")] == [[210, 1500]]
+
+
 class HugeMetrics(CountingMetrics):
     """A loopback /metrics page of SGLang's lines after a comment of 17 MiB (a wrong --url, a
     broken server: one without end was read whole until the timeout, gigabytes a second)."""

@@ -20,7 +20,8 @@ again, not NaN (a counter's rate() would carry a NaN); its lock series, from dvf
 stay. A GPU that did not open as the monitor started has dvfs_gpu_up 0 alone, its uuid empty (its
 gpu empty instead where it was named by UUID: `LiveMetrics.unopened`).
 
-and for the server: dvfs_server_up, dvfs_server_running_requests,
+and for the server: dvfs_server_up, dvfs_server_read_failures_total (reads that failed),
+dvfs_server_running_requests,
 dvfs_server_generated_tokens_total, dvfs_server_spec_accept_length (with speculation),
 dvfs_server_energy_per_token_joules (its GPUs: those --gpu names, else those it is found on,
 else every GPU read, `dvfs.govern.servergpus`; NaN where one of those did not answer,
@@ -69,6 +70,8 @@ class Snapshot:
     governed: bool = False
     changes: int = 0
     plan_batch: int = 0
+    #: reads of the server's /metrics that failed since the start
+    server_read_failures: int = 0
 
 
 @dataclass
@@ -208,6 +211,12 @@ class LiveCollector:
             "dvfs_server_up",
             "Whether the server's /metrics answered.",
             value=int(bool(snap.server_up)),
+        )
+        yield CounterMetricFamily(
+            "dvfs_server_read_failures",
+            "Reads of the server's /metrics that failed (not answering, timed out, not "
+            "SGLang's page) since the start.",
+            value=snap.server_read_failures,
         )
         yield GaugeMetricFamily(
             "dvfs_server_running_requests",

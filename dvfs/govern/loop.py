@@ -10,7 +10,9 @@ GPU may still clock down. The static caps in force at start are a ceiling and th
 stock (`Ceiling`), and the lock it holds is recorded for `cap show` and `dvfs monitor`
 (`GovernorLocks`). `--dry-run` builds none of this and calls no setter. A GPU that stops
 answering NVML (`GpuReading.error`) stops the governor (`GpuSilentError`, the others restored);
-the monitor notes it once, and once when it is back, and exports it as not up.
+the monitor notes it once, and once when it is back, and exports it as not up. A read of the
+server that fails within `SERVER_GRACE_S` of the last one answered keeps the setting in force;
+past it the batch is unknown, and the governor holds stock (`dvfs.govern.policy`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from dvfs.govern.metrics import (
     server_energy_per_token,
 )
 from dvfs.govern.plan import BatchPlan, Setting
-from dvfs.govern.policy import PolicyParams, PolicyState, decide
+from dvfs.govern.policy import Decision, PolicyParams, PolicyState, decide
 from dvfs.govern.servergpus import ServerGpus
 from dvfs.gpu.base import Gpu, gpu_names, unsupported_clock
 from dvfs.gpu.knobs import (
@@ -297,16 +299,20 @@ class Watch:
     #: A GPU to count did not open (the monitor exports it as not up): where every GPU counts
     #: (named with --gpu, or the server's not found), the server's energy is unknown.
     unopened: bool = False
+    #: Reads of the server that failed since the start (dvfs_server_read_failures_total).
+    failed_reads: int = 0
 
-    def server(self) -> ServerSample | None:
-        """This interval's server sample; None (after one note per outage) when unreadable."""
+    def server(self, held: str = "") -> ServerSample | None:
+        """This interval's server sample; None (after one note per outage, `held` added to it:
+        what the governor does meanwhile) when unreadable."""
         if self.scraper is None:
             return None
         try:
             sample = self.scraper()
         except ScrapeError as exc:
+            self.failed_reads += 1
             if str(exc) != self.last_error:
-                self.note(f"server: {exc}")
+                self.note(f"server: {exc}{held}")
             self.last_error = str(exc)
             return None
         if self.last_error is not None:
@@ -375,6 +381,7 @@ class Watch:
             generated_tokens=None if sample is None else sample.generated_tokens,
             accept_length=None if sample is None else sample.accept_length,
             energy_per_token_j=server_ept,
+            server_read_failures=self.failed_reads,
         )
 
     def _follow(self, readings: Sequence[GpuReading]) -> None:
@@ -409,6 +416,11 @@ class Watch:
         if self.gpu_notes:
             self.note(f"{name} answers again")
 
+
+#: How long after the server's last answered read the governor keeps the setting in force while
+#: its reads fail (a read timed out on a loaded machine, a server restarting): as old as a 5 s
+#: --interval's batch always is. Past it the batch is unknown, and the GPUs go to stock.
+SERVER_GRACE_S = 5.0
 
 #: Intervals in a row a GPU that stopped answering must answer before the monitor says it is
 #: back (`Watch`): one that keeps stopping and answering is one outage in the log.
@@ -681,6 +693,7 @@ def govern(
     else:
         context = guarded(gpus, state_dir)
     start: float | None = None
+    answered_at: float | None = None  # the interval of the server's last answered read
     held: list[KnobController] = []
     try:
         with context as knobs:
@@ -695,13 +708,33 @@ def govern(
             )
             for now in ticker:
                 start = now if start is None else start
-                sample = watch.server()
-                if sample is not None and not warned:
-                    warned, warning = speculation_warning(plan, sample)
-                    if warning:
-                        note(f"warning: {warning}")
+                # A read that fails soon after one that answered (a read timed out on a loaded
+                # machine) keeps the setting in force: the batch it read is recent still. Each
+                # such read went to stock at once and the dwell held stock after it: a 0.05 s
+                # governor whose read missed its 0.5 s lost its caps for the dwell.
+                holding = (
+                    state.band is not None
+                    and answered_at is not None
+                    and now - answered_at < SERVER_GRACE_S
+                )
+                sample = watch.server(
+                    f"; the setting in force is held (stock if it does not answer within "
+                    f"{SERVER_GRACE_S:g} s of its last answer)"
+                    if holding
+                    else ""
+                )
+                if sample is not None:
+                    answered_at = now
+                    if not warned:
+                        warned, warning = speculation_warning(plan, sample)
+                        if warning:
+                            note(f"warning: {warning}")
                 batch = None if sample is None else sample.running
-                decision = decide(plan, state, batch, now, params)
+                decision = (
+                    Decision(state, False, state.band)
+                    if sample is None and holding
+                    else decide(plan, state, batch, now, params)
+                )
                 # A setting the static caps make what the GPUs hold already (a first setting
                 # of stock; a step above the static cap while one at or above it is in force)
                 # changes nothing, to log as set or count.

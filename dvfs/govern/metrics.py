@@ -115,7 +115,7 @@ def parse_server_metrics(text: str) -> ServerSample:
                 elif sample.name == GEN_THROUGHPUT:
                     throughput.append(value)
     except ValueError as exc:
-        raise ScrapeError(f"the server's /metrics is not Prometheus text ({exc})") from exc
+        raise ScrapeError(f"the server's /metrics is not Prometheus text ({_quoted(exc)})") from exc
     if not running_seen:
         raise ScrapeError(
             f"the server's /metrics has no {RUNNING}: is it SGLang, started with --enable-metrics?"
@@ -136,6 +136,18 @@ def parse_server_metrics(text: str) -> ServerSample:
         decoded_tokens=sum(decoded.values()) if decoded else None,
         decode_logged=any(v > 0 for v in throughput) if throughput else None,
     )
+
+
+#: The most characters of the parser's complaint said in a note (it quotes the page's line).
+QUOTED_CHARS = 160
+
+
+def _quoted(exc: ValueError) -> str:
+    """The parser's complaint, which quotes the page's line it stopped at, as a short printable
+    excerpt: a page of one line of megabytes (a JSON endpoint at --url) went into the journal
+    whole, and a control character made journalctl show the note as blob data."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc)[: QUOTED_CHARS + 1])
+    return text if len(text) <= QUOTED_CHARS else text[: QUOTED_CHARS - 3] + "..."
 
 
 def _most_in_group(
