@@ -301,24 +301,43 @@ class Watch:
     unopened: bool = False
     #: Reads of the server that failed since the start (dvfs_server_read_failures_total).
     failed_reads: int = 0
+    #: The server's outage noted and its return not yet (`STEADY_INTERVALS`, as a GPU's): the
+    #: reads that failed in it, and how many answered in a row since the last that failed.
+    server_outage: tuple[int, int] | None = None
 
     def server(self, held: str = "") -> ServerSample | None:
-        """This interval's server sample; None (after one note per outage, `held` added to it:
-        what the governor does meanwhile) when unreadable."""
+        """This interval's server sample; None when unreadable. An outage is noted once (`held`
+        added: what the governor does meanwhile), and again only where a read fails otherwise
+        than the read noted last; its end once the server has answered `STEADY_INTERVALS`
+        reads in a row (or at the end, `settle`), with the reads that failed in it: a server
+        that flaps is one outage, not two lines a missed read."""
         if self.scraper is None:
             return None
         try:
             sample = self.scraper()
         except ScrapeError as exc:
             self.failed_reads += 1
-            if str(exc) != self.last_error:
+            failed = 0 if self.server_outage is None else self.server_outage[0]
+            if failed == 0 or str(exc) != self.last_error:
                 self.note(f"server: {exc}{held}")
-            self.last_error = str(exc)
+                self.last_error = str(exc)
+            self.server_outage = (failed + 1, 0)
             return None
-        if self.last_error is not None:
-            self.note("server: /metrics answers again")
-        self.last_error = None
+        if self.server_outage is not None:
+            failed, steady = self.server_outage
+            self.server_outage = (failed, steady + 1)
+            if steady + 1 >= STEADY_INTERVALS:
+                self._server_back()
         return sample
+
+    def _server_back(self) -> None:
+        if self.server_outage is None:
+            return
+        failed, _ = self.server_outage
+        self.server_outage = None
+        self.last_error = None
+        reads = "read" if failed == 1 else "reads"
+        self.note(f"server: /metrics answers again ({failed} {reads} of it failed meanwhile)")
 
     def snapshot(
         self,
@@ -407,9 +426,11 @@ class Watch:
 
     def settle(self) -> None:
         """At the end of a run: note each GPU whose outage is open but that answered its
-        last read as answering again."""
+        last read as answering again, and the server likewise."""
         for uuid in [u for u in self.outage if u not in self.silent]:
             self._back(uuid)
+        if self.server_outage is not None and self.server_outage[1] > 0:
+            self._server_back()
 
     def _back(self, uuid: str) -> None:
         name, _ = self.outage.pop(uuid)
@@ -821,6 +842,8 @@ def govern(
         if fault is None or state_dir is None:
             raise
         raise DvfsError(_state_folder_line(fault, gpus, state_dir)) from exc
+    finally:
+        watch.settle()  # a server outage still open whose last read answered: said back
     return changes
 
 
