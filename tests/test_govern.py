@@ -1180,6 +1180,35 @@ def test_a_read_that_fails_between_answered_ones_keeps_the_setting_in_force(
     assert page[("dvfs_server_read_failures_total", ())] == 3.0
 
 
+def test_at_an_interval_of_the_grace_or_more_a_failed_read_goes_to_stock(nvml) -> None:
+    """At --interval 5 s (SERVER_GRACE_S) or more, a read that fails goes to stock at once, as
+    before the grace: no answered read is recent. The grace was measured between the reads'
+    wake-ups, so one answered read that woke late (a loaded machine: a sleep overran by
+    10 ms) put the next, on time, less than 5 s after it: its failure held the setting in
+    force for a whole interval more, 10 s without a reading."""
+    from dvfs.backends import open_gpus
+
+    time, lines = VirtualTime(), []
+    late = iter([0.01])
+
+    def sleep(seconds: float) -> None:  # the first sleep overruns by 10 ms, no other
+        time.sleep(seconds + next(late, 0.0))
+
+    with open_gpus([0]) as gpus:
+        govern(
+            PLAN,
+            gpus,
+            _scripted([0, 0, None]),
+            PolicyParams(dwell_s=0.0),
+            Ticker(5.0, 3, clock=time.clock, sleep=sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            dry_run=True,
+        )
+    assert lines[2] == "server: cannot read http://127.0.0.1:1/metrics: refused", lines
+    assert "cannot be read" in lines[3] and lines[3].endswith("(at 10.000 s)"), lines
+
+
 def test_a_flapping_server_is_one_outage_in_the_log(nvml, tmp_path: Path) -> None:
     """A server whose reads failed one in two (a loaded machine's reads missing their
     deadline) logged two lines a missed read, the monitor's and the governor's alike: a

@@ -255,9 +255,9 @@ def govern(
     Every INTERVAL reads the running requests from the server's /metrics; when the batch leaves
     the band in force, takes a new band around it (--hysteresis) and applies the plan's least
     aggressive setting over it (stock when the server has not answered for 5 s; a read that
-    fails sooner keeps the setting in force), under the same safety layer as `dvfs cap apply`.
-    A batch the setting in force does not cover gets a looser one at once; any other change
-    waits until --dwell after the last. The static caps in force at
+    fails sooner keeps the setting in force at an INTERVAL under 5 s), under the same safety
+    layer as `dvfs cap apply`. A batch the setting in force does not cover gets a looser one
+    at once; any other change waits until --dwell after the last. The static caps in force at
     start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
     A GPU fallen off the bus is refused, exit 1, with --gpu or not: none is governed. A governed
     GPU that stops answering NVML stops the governor, exit 1, the others put back. With no

@@ -733,9 +733,13 @@ def govern(
                 # machine) keeps the setting in force: the batch it read is recent still. Each
                 # such read went to stock at once and the dwell held stock after it: a 0.05 s
                 # governor whose read missed its 0.5 s lost its caps for the dwell.
+                # At an --interval of the grace or more no answered read is recent: a failed
+                # one goes to stock, as before (one that woke late put the next, on time,
+                # under the grace after it).
                 holding = (
                     state.band is not None
                     and answered_at is not None
+                    and ticker.interval_s < SERVER_GRACE_S
                     and now - answered_at < SERVER_GRACE_S
                 )
                 sample = watch.server(
