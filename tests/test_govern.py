@@ -1209,6 +1209,45 @@ def test_at_an_interval_of_the_grace_or_more_a_failed_read_goes_to_stock(nvml) -
     assert "cannot be read" in lines[3] and lines[3].endswith("(at 10.000 s)"), lines
 
 
+@pytest.mark.parametrize(("interval", "stock_at"), [(4.0, 4.0), (0.7, 4.9)])
+def test_a_read_that_hangs_past_the_grace_goes_to_stock(
+    nvml, interval: float, stock_at: float
+) -> None:
+    """A server that hangs (its reads time out, the interval's time each, 4 s at --interval
+    4): the grace was judged as each read started, so a read starting 4 s after the last
+    answered one kept the setting in force when it failed, at 8 s, and the next, starting
+    at 10 s, went to stock as it failed, at 14 s: the grace of 5 s held the setting 14 s
+    without a reading, 6 s more than before it. A failed read is judged as it fails: no
+    setting is held past 5 s after the last answered read but for the read that ends there
+    (at --interval 0.7 the read started at 4.9 s fails at 5.6 s and goes to stock; it held,
+    and the next read, started at 5.95 s, went to stock at 6.65 s). The line says the
+    interval the read started."""
+    from dvfs.backends import open_gpus
+
+    time, lines = VirtualTime(), []
+    script = iter([0, *[None] * 20])
+
+    def scraper() -> ServerSample:  # a read that hangs until it times out
+        if next(script) is None:
+            time.sleep(max(0.5, interval))
+            raise ServerDownError("cannot read http://127.0.0.1:1/metrics: timed out")
+        return ServerSample(0, None, None)
+
+    with open_gpus([0]) as gpus:
+        govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(interval, 20, clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            dry_run=True,
+        )
+    stock = [line for line in lines if "cannot be read" in line]
+    assert len(stock) == 1 and stock[0].endswith(f"(at {stock_at:.3f} s)"), lines
+
+
 def test_a_flapping_server_is_one_outage_in_the_log(nvml, tmp_path: Path) -> None:
     """A server whose reads failed one in two (a loaded machine's reads missing their
     deadline) logged two lines a missed read, the monitor's and the governor's alike: a

@@ -305,9 +305,10 @@ class Watch:
     #: reads that failed in it, and how many answered in a row since the last that failed.
     server_outage: tuple[int, int] | None = None
 
-    def server(self, held: str = "") -> ServerSample | None:
-        """This interval's server sample; None when unreadable. An outage is noted once (`held`
-        added: what the governor does meanwhile), and again only where a read fails otherwise
+    def server(self, held: Callable[[], str] = str) -> ServerSample | None:
+        """This interval's server sample; None when unreadable. `held` is called as a read
+        fails: what the governor does meanwhile, added to its note. An outage is noted once,
+        and again only where a read fails otherwise
         than the read noted last; its end once the server has answered `STEADY_INTERVALS`
         reads in a row (or at the end, `settle`), with the reads that failed in it: a server
         that flaps is one outage, not two lines a missed read."""
@@ -317,9 +318,10 @@ class Watch:
             sample = self.scraper()
         except ScrapeError as exc:
             self.failed_reads += 1
+            meanwhile = held()
             failed = 0 if self.server_outage is None else self.server_outage[0]
             if failed == 0 or str(exc) != self.last_error:
-                self.note(f"server: {exc}{held}")
+                self.note(f"server: {exc}{meanwhile}")
                 self.last_error = str(exc)
             self.server_outage = (failed + 1, 0)
             return None
@@ -727,27 +729,39 @@ def govern(
                 + ": "
                 + per_gpu(gpus, {u: c.describe() for u, c in ceilings.items()})
             )
-            for now in ticker:
-                start = now if start is None else start
-                # A read that fails soon after one that answered (a read timed out on a loaded
-                # machine) keeps the setting in force: the batch it read is recent still. Each
-                # such read went to stock at once and the dwell held stock after it: a 0.05 s
-                # governor whose read missed its 0.5 s lost its caps for the dwell.
-                # At an --interval of the grace or more no answered read is recent: a failed
-                # one goes to stock, as before (one that woke late put the next, on time,
-                # under the grace after it).
+            holding = False  # this interval's failed read keeps the setting in force
+
+            def grace() -> str:
+                """As a read of the server fails: whether it keeps the setting in force, and
+                how the note of an outage says it.
+
+                A read that fails soon after one that answered (a read timed out on a loaded
+                machine) keeps the setting in force: the batch it read is recent still. Each
+                such read went to stock at once and the dwell held stock after it: a 0.05 s
+                governor whose read missed its 0.5 s lost its caps for the dwell. Judged as
+                the read fails, not as it started: a read that hung for its timeout (the
+                interval's) would hold the setting until the next one failed, past the grace
+                by an interval and two timeouts. At an --interval of the grace or more no
+                answered read is recent: a failed one goes to stock, as before (one that woke
+                late put the next, on time, under the grace after it)."""
+                nonlocal holding
                 holding = (
                     state.band is not None
                     and answered_at is not None
                     and ticker.interval_s < SERVER_GRACE_S
-                    and now - answered_at < SERVER_GRACE_S
+                    and ticker.clock() - answered_at < SERVER_GRACE_S
                 )
-                sample = watch.server(
-                    f"; the setting in force is held (stock if it does not answer within "
+                if not holding:
+                    return ""
+                return (
+                    "; the setting in force is held (stock if it does not answer within "
                     f"{SERVER_GRACE_S:g} s of its last answer)"
-                    if holding
-                    else ""
                 )
+
+            for now in ticker:
+                start = now if start is None else start
+                holding = False
+                sample = watch.server(grace)
                 if sample is not None:
                     answered_at = now
                     if not warned:
