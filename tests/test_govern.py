@@ -1605,7 +1605,7 @@ def _governed_until_one_is_silent(
     return stopped.value
 
 
-@pytest.mark.parametrize("load", ["steady", "rising"])
+@pytest.mark.parametrize("load", ["steady", "rising", "held"])
 def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_other(
     nvml, tmp_path: Path, load: str
 ) -> None:
@@ -1613,17 +1613,22 @@ def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_ot
     next change, whose failure to set the lost GPU was then hidden behind the restore's
     failure on it, the other GPU's restore unsaid. It now stops at the interval the GPU does
     not answer (a read, or a change), in one error naming the GPU and NVML's error, the other
-    GPU put back as found, and how the lost one is put back; its state file is kept."""
+    GPU put back as found, and how the lost one is put back; its state file is kept. So too
+    while a failed read of the server holds the setting in force (`SERVER_GRACE_S`)."""
     from dvfs.errors import GpuError
 
-    batches = iter([1, 1, 1, 1] if load == "steady" else [1, 1, 20, 20])
+    scripts = {"steady": [1, 1, 1, 1], "rising": [1, 1, 20, 20], "held": [1, 1, None, None]}
+    batches = iter(scripts[load])
     count = [0]
 
     def scraper() -> ServerSample:
         count[0] += 1
         if count[0] == 3:  # lost before this interval's change (rising) or read (steady)
             nvml.fake_update_device(0, lost=True)
-        return ServerSample(next(batches), None, None)
+        batch = next(batches)
+        if batch is None:  # within the grace: the setting in force held
+            raise ServerDownError("cannot read http://127.0.0.1:1/metrics: timed out")
+        return ServerSample(batch, None, None)
 
     lines: list[str] = []
     state = tmp_path / "state"
@@ -1637,6 +1642,7 @@ def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_ot
     assert "GPU 0 could not be put back" in line
     assert f"`dvfs gpu reset --state-dir {state}` puts back" in line, line  # the governor's
     assert count[0] == 3 and not any("stopped answering" in x for x in lines)  # said once
+    assert (load == "held") == ("the setting in force is held" in lines[-1]), lines
     healthy = nvml.fake_device_state(1)
     assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
     assert [p.name for p in state.glob("GPU-*.json")] == [f"{uuid}.json"]
