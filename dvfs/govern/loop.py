@@ -308,10 +308,10 @@ class Watch:
     def server(self, held: Callable[[], str] = str) -> ServerSample | None:
         """This interval's server sample; None when unreadable. `held` is called as a read
         fails: what the governor does meanwhile, added to its note. An outage is noted once,
-        and again only where a read fails otherwise
-        than the read noted last; its end once the server has answered `STEADY_INTERVALS`
-        reads in a row (or at the end, `settle`), with the reads that failed in it: a server
-        that flaps is one outage, not two lines a missed read."""
+        and again only where a read fails otherwise than the read noted last; its end once the
+        server has answered `STEADY_INTERVALS` reads in a row (or at the end, `settle`), with
+        the reads that failed in it: a server that flaps is one outage, not two lines a missed
+        read."""
         if self.scraper is None:
             return None
         try:
