@@ -47,6 +47,9 @@ TWIN_RESOURCE = "twin_gpu"
 NAMESPACE = "dvfs"
 #: Seconds an actor may take to open its GPUs and server before the run gives up.
 OPEN_TIMEOUT_S = 1800.0
+#: Seconds the actors are given, all together, to close (stop their servers, restore their
+#: GPUs) before those that did not are killed, their GPUs named for `dvfs gpu reset`.
+CLOSE_TIMEOUT_S = 1800.0
 #: Seconds of waiting for the actors to start before a note says so.
 OPEN_NOTE_S = 30.0
 #: Seconds an actor that died as it started waits for the others to tell their nodes' reset
@@ -665,28 +668,65 @@ class RayExecutor:
 
     def _close(self, ray: Any, campaign: Any, alive: dict[str, Any]) -> None:
         """Close each actor (it restores its GPUs) and note the GPUs any left changed. The
-        closes are asked of every actor at once, so the actors stop their servers and restore
-        their GPUs side by side (a fleet's end waits for the slowest, not for the sum). A
-        further signal while they close gives up waiting: the actors not closed yet are
-        killed with their GPUs as they set them, which the sweep's last line names."""
-        closing = list(alive)
-        asked = {label: actor.close.remote() for label, actor in alive.items()}
-        for label, actor in alive.items():
-            try:
-                ray.get(asked[label], timeout=OPEN_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
-                cause = getattr(exc, "cause", None)
-                if actor_gone(exc):  # killed after its last unit, before it could close
-                    self._note_died(campaign, label)
-                elif isinstance(cause, BaseException):  # what the worker raised
-                    self.close_errors.append(cause)
-                else:  # Ray's own (a timeout, its system error): killed, maybe not closed
-                    self._note_died(campaign, label, f"its close failed: {ray_why(exc)}")
-            except BaseException:
-                for rest in closing[closing.index(label) :]:
-                    self._note_died(campaign, rest, "its close was given up")
-                raise
-            self._left(ray, label, actor)
+        closes are asked of every actor at once and awaited together under one bound
+        (`CLOSE_TIMEOUT_S`), so the actors stop their servers and restore their GPUs side by
+        side (a fleet's end waits for the slowest, not for the sum), and those that did not
+        answer by then (their node cut off) are killed, their GPUs named as left changed with
+        their node's reset: each was waited for in turn, half an hour each. A further signal
+        while they close gives up waiting: the actors not closed yet are killed with their
+        GPUs as they set them, which the sweep's last line names."""
+        if not alive:
+            return
+        done: list[str] = []
+        try:
+            # An actor answers in order: its `unrestored` once its close has run.
+            asked = {
+                label: (actor.close.remote(), actor.unrestored.remote())
+                for label, actor in alive.items()
+            }
+            refs = [ref for pair in asked.values() for ref in pair]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT_S)
+            for label, actor in alive.items():
+                closing, left = asked[label]
+                if closing in ready:
+                    self._closed(ray, campaign, label, closing, left if left in ready else None)
+                else:  # its close still runs (its node cut off, a restore stuck): given up
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor)
+                    self._note_died(
+                        campaign, label, f"its close did not end within {CLOSE_TIMEOUT_S:g} s"
+                    )
+                done.append(label)
+        except BaseException:
+            for label in alive:
+                if label not in done:
+                    self._note_died(campaign, label, "its close was given up")
+            raise
+
+    def _closed(self, ray: Any, campaign: Any, label: str, closing: Any, left: Any | None) -> None:
+        """Note what the close `closing` of `label`'s actor answered, and the GPUs it left
+        changed (`left`: its `unrestored`, None where it did not answer in time)."""
+        try:
+            ray.get(closing)
+        except Exception as exc:  # noqa: BLE001  (a close that raised: its `unrestored` tells)
+            cause = getattr(exc, "cause", None)
+            if actor_gone(exc):  # killed after its last unit, before it could close
+                self._note_died(campaign, label)
+                return
+            if not isinstance(cause, BaseException):  # Ray's own (its system error)
+                self._note_died(campaign, label, f"its close failed: {ray_why(exc)}")
+                return
+            self.close_errors.append(cause)  # what the worker raised
+            if left is None:  # which GPUs it left changed is not known: all of them
+                self._note_died(campaign, label, f"its close failed: {type(cause).__name__}")
+                return
+        if left is None:  # its close answered: it restored its GPUs
+            return
+        with contextlib.suppress(Exception):  # a dead actor: its close said so
+            gpus = ray.get(left)
+            if gpus:
+                host = label.split("/", 1)[0]
+                self.unrestored.setdefault(host, []).extend(str(u) for u in gpus)
 
     def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
         """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
