@@ -1554,6 +1554,36 @@ def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -
     assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
 
 
+@pytest.mark.parametrize("name", ["system-error", "object-store-full-in-the-actor"])
+def test_a_ray_error_as_an_actor_opens_names_its_own_nodes_reset_on_mixed_nodes(name: str) -> None:
+    """As for an actor that died opening: real GPUs on two nodes whose resets differ (one with
+    --state-dir), and the actor on the first answers its open with Ray's own error (not its
+    death). Its line said a plain `dvfs gpu reset` there, which finds no state file on that
+    node: it names the one that actor told."""
+    from dvfs.errors import DvfsError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    actor_class, get = _actors_n1_dies_opening(
+        {"n1/gpu0": "`dvfs gpu reset --state-dir /s`", "n2/gpu0": "`dvfs gpu reset`"}
+    )
+    error = dict(ray_errors())[name]
+
+    def failing(ref, timeout=None):  # type: ignore[no-untyped-def]
+        try:
+            return get(ref, timeout)
+        except ActorDiedError:
+            raise error from None
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, failing, 2, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2
+    )
+    with pytest.raises(DvfsError) as raised:
+        RayExecutor(Path("out"))._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    line = str(raised.value)
+    assert line.startswith("Ray failed as a worker started ("), line
+    assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
+
+
 @pytest.mark.parametrize("actuation", [True, False])
 def test_an_observe_only_actor_that_dies_names_no_settings_kept_nor_reset(actuation: bool) -> None:
     """An --observe-only Ray fleet on real GPUs changes no GPU setting: an actor that died as

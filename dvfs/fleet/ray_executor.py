@@ -741,15 +741,16 @@ class RayExecutor:
 
     @staticmethod
     def _told_by_dead(ray: Any, refs: list[Any], told: list[Any]) -> str | None:
-        """The reset command an actor whose `open` (of `refs`) found it dead had told (`told`,
-        in the same order) before it died; None where none had."""
+        """The reset command an actor whose `open` (of `refs`) found it dead, or answered with
+        Ray's own error (`ray_failure`: the actor may live on, its GPUs set), had told
+        (`told`, in the same order) before; None where none had."""
         for ref, answer in zip(refs, told, strict=False):
             try:
                 ready, _ = ray.wait([ref], num_returns=1, timeout=0)
                 if ready:
                     ray.get(ready)
             except Exception as exc:  # noqa: BLE001
-                if actor_gone(exc):
+                if actor_gone(exc) or ray_failure(exc) is not None:
                     with contextlib.suppress(Exception):  # it died before it answered
                         ready, _ = ray.wait([answer], num_returns=1, timeout=0)
                         if ready:
