@@ -588,6 +588,7 @@ def test_a_ray_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_t
         f"again, run {reset} first"
     ), result.output
     assert ray_nvml.fake_device_state(1)["locked_clocks"] is not None  # what it is about
+    assert "NOT restored" not in result.output  # the line names them: not twice
     assert "Traceback" not in result.output
 
 
@@ -1582,6 +1583,49 @@ def test_a_ray_error_as_an_actor_opens_names_its_own_nodes_reset_on_mixed_nodes(
     line = str(raised.value)
     assert line.startswith("Ray failed as a worker started ("), line
     assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
+
+
+def test_gpus_the_closes_leave_changed_after_a_worker_died_starting_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs on two nodes: the actor on n1 dies as it opens (the run fails in its line,
+    naming n1's reset), then the actor that opened on n2 is closed and NVML refuses its
+    restore, GPU-n2 left changed. The sweep said the line alone: GPU-n2, on another node with
+    its own reset, was never named. It is, with n2's reset, beside the line."""
+    import ray.exceptions
+    from conftest import TINY_EXACT
+
+    from dvfs.errors import GpuError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    actor_class, get = _actors_n1_dies_opening(
+        {"n1/gpu0": "`dvfs gpu reset`", "n2/gpu0": "`dvfs gpu reset --state-dir /s`"}
+    )
+
+    def restore_refused(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if ref == ("close", "n2/gpu0"):
+            refused = GpuError("GPU 0: cannot reset the locked clocks: NVML refused (Unknown)")
+            raise ray.exceptions.RayTaskError("close", "", refused).as_instanceof_cause()
+        if ref == ("unrestored", "n2/gpu0"):
+            return ["GPU-n2"]
+        return get(ref, timeout)
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, restore_refused, 2, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2
+    )
+
+    def run(self: RayExecutor, _fleet: object, groups: object) -> None:
+        self._run(fake, fleet, [], False)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RayExecutor, "__call__", run)
+    campaign = write(tmp_path / "campaign.toml", TINY_EXACT)
+    result = sweep(str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(tmp_path))
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.stderr.split())
+    assert "a Ray worker died as it started" in said, said
+    assert "GPU settings NOT restored for GPU-n2 on n2: " in said, said
+    assert "NVML refused" in said and "`dvfs gpu reset --state-dir /s` on n2" in said, said
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("actuation", [True, False])

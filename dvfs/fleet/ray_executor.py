@@ -416,6 +416,8 @@ class RayExecutor:
         #: A worker's attached server found replaced (`ServerReplacedError`): the sweep stops
         #: in its line, which says what to restart, where every worker is lost.
         self.replaced: ServerReplacedError | None = None
+        #: The GPUs of `unrestored` the line the run failed in names (`_reset_said`).
+        self._said: dict[str, list[str]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         twin = not real_gpus(fleet.campaign)
@@ -919,11 +921,11 @@ class RayExecutor:
             if self.replaced is not None and not self.unrestored:
                 raise self.replaced  # a rerun on that server would meet it again
             # Every worker lost: the cells left, and the resets to run before resuming.
-            fleet.check_finished(self.reset_first())
+            fleet.check_finished(self._reset_said())
         if not fleet.finished and alive:
             # A refusal's own line, when the driver retired them (with the resets to run
             # first where the others were lost with their GPUs changed).
-            fleet.check_finished(self.reset_first())
+            fleet.check_finished(self._reset_said())
             raise DvfsError(
                 f"the Ray workers stopped with cells left; {resume_advice(fleet.fresh)}"
             )
@@ -970,6 +972,21 @@ class RayExecutor:
             )
             if closing is not None:
                 self.close_errors.append(closing)
+
+    def _reset_said(self) -> str:
+        """`reset_first`, for the line the run may end in: the GPUs it names are then said
+        (`unsaid`)."""
+        self._said = {host: list(gpus) for host, gpus in self.unrestored.items()}
+        return self.reset_first()
+
+    def unsaid(self) -> dict[str, list[str]]:
+        """The GPUs of `unrestored` that no line of the run named (those the actors' closes
+        left changed after the run failed in its line): the sweep names them beside it."""
+        left = {
+            host: [gpu for gpu in gpus if gpu not in self._said.get(host, [])]
+            for host, gpus in self.unrestored.items()
+        }
+        return {host: gpus for host, gpus in left.items() if gpus}
 
     def reset_first(self) -> str:
         """Where workers left GPUs changed: the nodes and each one's `dvfs gpu reset`, to run
