@@ -2185,3 +2185,39 @@ def test_a_close_not_answered_in_time_is_given_up_and_the_others_read() -> None:
         "a": ["GPU-a"],
         "b": ["the GPUs of worker b/w1 (its close did not end within 1800 s)"],
     }
+
+
+def test_a_signal_while_the_actors_close_names_only_those_not_closed_yet() -> None:
+    """A second Ctrl-C while the driver waits for the actors' closes: one had closed by then
+    (its GPUs put back, but for `GPU-a`, which NVML would not restore), the other not. Every
+    actor was named as given up, its GPUs left changed, the one that had restored them too.
+    Those that closed by then are read as ever; only the others are given up."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Method:
+        def __init__(self, label: str, name: str, answer: object) -> None:
+            self.label, self.name, self.answer = label, name, answer
+
+        def remote(self) -> tuple[str, str, object]:
+            return (self.name, self.label, self.answer)
+
+    class Actor:
+        def __init__(self, label: str, left: list[str]) -> None:
+            self.close = Method(label, "close", None)
+            self.unrestored = Method(label, "unrestored", left)
+
+    def wait(refs: list, *, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
+        if timeout:
+            raise KeyboardInterrupt  # the user's next Ctrl-C, while the driver waits
+        return [r for r in refs if r[1] == "a/w0"], [r for r in refs if r[1] != "a/w0"]
+
+    ray = types.SimpleNamespace(get=lambda ref, timeout=None: ref[2], wait=wait)
+    campaign = types.SimpleNamespace(gpu=types.SimpleNamespace(backend="nvml", actuation=True))
+    alive = {"a/w0": Actor("a/w0", ["GPU-a"]), "b/w1": Actor("b/w1", [])}
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._close(ray, campaign, alive)  # type: ignore[arg-type]
+    assert executor.unrestored == {
+        "a": ["GPU-a"],
+        "b": ["the GPUs of worker b/w1 (its close was given up)"],
+    }

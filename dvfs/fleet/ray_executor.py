@@ -680,6 +680,8 @@ class RayExecutor:
         if not alive:
             return
         done: list[str] = []
+        asked: dict[str, tuple[Any, Any]] = {}
+        waited = False
         try:
             # An actor answers in order: its `unrestored` once its close has run.
             asked = {
@@ -688,6 +690,7 @@ class RayExecutor:
             }
             refs = [ref for pair in asked.values() for ref in pair]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT_S)
+            waited = True
             for label, actor in alive.items():
                 closing, left = asked[label]
                 if closing in ready:
@@ -700,9 +703,20 @@ class RayExecutor:
                     )
                 done.append(label)
         except BaseException:
-            for label in alive:
-                if label not in done:
-                    self._note_died(campaign, label, "its close was given up")
+            try:
+                if asked and not waited:  # a signal as they closed: those that did are read
+                    refs = [ref for pair in asked.values() for ref in pair]
+                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                    for label, (closing, left) in asked.items():
+                        if closing in ready and left in ready:
+                            self._closed(ray, campaign, label, closing, left)
+                            done.append(label)
+            except Exception:  # noqa: BLE001, S110  (not known: given up, as the rest)
+                pass
+            finally:
+                for label in alive:
+                    if label not in done:
+                        self._note_died(campaign, label, "its close was given up")
             raise
 
     def _closed(self, ray: Any, campaign: Any, label: str, closing: Any, left: Any | None) -> None:
