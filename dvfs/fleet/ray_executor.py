@@ -416,7 +416,7 @@ class RayExecutor:
         #: A worker's attached server found replaced (`ServerReplacedError`): the sweep stops
         #: in its line, which says what to restart, where every worker is lost.
         self.replaced: ServerReplacedError | None = None
-        #: The GPUs of `unrestored` the line the run failed in names (`_reset_said`).
+        #: The GPUs of `unrestored` the line the run failed in names (`_check_finished`).
         self._said: dict[str, list[str]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
@@ -935,11 +935,11 @@ class RayExecutor:
             if self.replaced is not None and not self.unrestored:
                 raise self.replaced  # a rerun on that server would meet it again
             # Every worker lost: the cells left, and the resets to run before resuming.
-            fleet.check_finished(self._reset_said())
+            self._check_finished(fleet)
         if not fleet.finished and alive:
             # A refusal's own line, when the driver retired them (with the resets to run
             # first where the others were lost with their GPUs changed).
-            fleet.check_finished(self._reset_said())
+            self._check_finished(fleet)
             raise DvfsError(
                 f"the Ray workers stopped with cells left; {resume_advice(fleet.fresh)}"
             )
@@ -987,11 +987,15 @@ class RayExecutor:
             if closing is not None:
                 self.close_errors.append(closing)
 
-    def _reset_said(self) -> str:
-        """`reset_first`, for the line the run may end in: the GPUs it names are then said
-        (`unsaid`)."""
-        self._said = {host: list(gpus) for host, gpus in self.unrestored.items()}
-        return self.reset_first()
+    def _check_finished(self, fleet: Fleet) -> None:
+        """`fleet.check_finished` with the resets to run first (`reset_first`): the GPUs its
+        line names, where it raises one, are said (`unsaid`)."""
+        said = {host: list(gpus) for host, gpus in self.unrestored.items()}
+        try:
+            fleet.check_finished(self.reset_first())
+        except BaseException:
+            self._said = said
+            raise
 
     def unsaid(self) -> dict[str, list[str]]:
         """The GPUs of `unrestored` that no line of the run named (those the actors' closes
