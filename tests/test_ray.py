@@ -588,6 +588,7 @@ def test_a_ray_fleet_whose_worker_was_retired_and_the_other_lost_its_gpu_names_t
         f"again, run {reset} first"
     ), result.output
     assert ray_nvml.fake_device_state(1)["locked_clocks"] is not None  # what it is about
+    assert "NOT restored" not in result.output  # the line names them: not twice
     assert "Traceback" not in result.output
 
 
@@ -1554,6 +1555,79 @@ def test_an_actor_that_dies_opening_names_its_own_nodes_reset_on_mixed_nodes() -
     assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
 
 
+@pytest.mark.parametrize("name", ["system-error", "object-store-full-in-the-actor"])
+def test_a_ray_error_as_an_actor_opens_names_its_own_nodes_reset_on_mixed_nodes(name: str) -> None:
+    """As for an actor that died opening: real GPUs on two nodes whose resets differ (one with
+    --state-dir), and the actor on the first answers its open with Ray's own error (not its
+    death). Its line said a plain `dvfs gpu reset` there, which finds no state file on that
+    node: it names the one that actor told."""
+    from dvfs.errors import DvfsError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    actor_class, get = _actors_n1_dies_opening(
+        {"n1/gpu0": "`dvfs gpu reset --state-dir /s`", "n2/gpu0": "`dvfs gpu reset`"}
+    )
+    error = dict(ray_errors())[name]
+
+    def failing(ref, timeout=None):  # type: ignore[no-untyped-def]
+        try:
+            return get(ref, timeout)
+        except ActorDiedError:
+            raise error from None
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, failing, 2, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2
+    )
+    with pytest.raises(DvfsError) as raised:
+        RayExecutor(Path("out"))._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    line = str(raised.value)
+    assert line.startswith("Ray failed as a worker started ("), line
+    assert "settings it set: `dvfs gpu reset --state-dir /s` there" in line, line
+
+
+def test_gpus_the_closes_leave_changed_after_a_worker_died_starting_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs on two nodes: the actor on n1 dies as it opens (the run fails in its line,
+    naming n1's reset), then the actor that opened on n2 is closed and NVML refuses its
+    restore, GPU-n2 left changed. The sweep said the line alone: GPU-n2, on another node with
+    its own reset, was never named. It is, with n2's reset, beside the line."""
+    import ray.exceptions
+    from conftest import TINY_EXACT
+
+    from dvfs.errors import GpuError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    actor_class, get = _actors_n1_dies_opening(
+        {"n1/gpu0": "`dvfs gpu reset`", "n2/gpu0": "`dvfs gpu reset --state-dir /s`"}
+    )
+
+    def restore_refused(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if ref == ("close", "n2/gpu0"):
+            refused = GpuError("GPU 0: cannot reset the locked clocks: NVML refused (Unknown)")
+            raise ray.exceptions.RayTaskError("close", "", refused).as_instanceof_cause()
+        if ref == ("unrestored", "n2/gpu0"):
+            return ["GPU-n2"]
+        return get(ref, timeout)
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, restore_refused, 2, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2
+    )
+
+    def run(self: RayExecutor, _fleet: object, groups: object) -> None:
+        self._run(fake, fleet, [], False)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RayExecutor, "__call__", run)
+    campaign = write(tmp_path / "campaign.toml", TINY_EXACT)
+    result = sweep(str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(tmp_path))
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.stderr.split())
+    assert "a Ray worker died as it started" in said, said
+    assert "GPU settings NOT restored for GPU-n2 on n2: " in said, said
+    assert "NVML refused" in said and "`dvfs gpu reset --state-dir /s` on n2" in said, said
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("actuation", [True, False])
 def test_an_observe_only_actor_that_dies_names_no_settings_kept_nor_reset(actuation: bool) -> None:
     """An --observe-only Ray fleet on real GPUs changes no GPU setting: an actor that died as
@@ -1759,15 +1833,20 @@ def test_the_actors_are_asked_to_close_at_once_so_their_restores_run_side_by_sid
         events.append(f"get {ref[0]} {ref[1]}")
         return ref[2]
 
-    ray = types.SimpleNamespace(get=get)
+    def wait(refs: list, *, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
+        events.append(f"wait {len(refs)}")
+        return list(refs), []
+
+    ray = types.SimpleNamespace(get=get, wait=wait)
     campaign = types.SimpleNamespace(gpu=types.SimpleNamespace(backend="twin", actuation=True))
     alive = {"node-a/w0": Actor("node-a/w0", []), "node-b/w1": Actor("node-b/w1", ["GPU-b"])}
     executor = RayExecutor(Path("out"))
     executor._close(ray, campaign, alive)  # type: ignore[arg-type]
-    closes = [e for e in events if " close " in e]
+    closes = [e for e in events if " close " in e or e.startswith("wait")]
     assert closes == [
         "ask close node-a/w0",
         "ask close node-b/w1",
+        "wait 4",  # every close (and what each left changed) awaited together
         "get close node-a/w0",
         "get close node-b/w1",
     ], events
@@ -2004,3 +2083,141 @@ def test_a_unit_ray_itself_failed_closes_its_worker_and_restores_its_gpus(
     cells = [r["key"] for r in records if r["type"] == "cell"]
     assert len(cells) == len(set(cells)) == 12 and (out / "cube.nc").is_file()
     assert [r["type"] for r in records].count("worker_lost") == 1
+
+
+@pytest.mark.timeout(300)
+def test_actors_whose_close_never_answers_are_killed_and_their_gpus_named(
+    ray_cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs, Ray's real actors: at a fleet's end two actors never answer their close (their
+    node cut off, a restore stuck). Their closes were awaited in turn, half an hour each, then
+    what each left changed half an hour more, and the actors were left running. All the closes
+    are awaited together under one bound (`CLOSE_TIMEOUT_S`, made short here): those that did
+    not answer are killed, and their GPUs named as left changed with their node's reset."""
+    from dvfs.fleet import ray_executor
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Stuck:
+        def close(self) -> None:
+            threading.Event().wait()  # never answers
+
+        def unrestored(self) -> list[str]:
+            return []
+
+        def ping(self) -> str:
+            return "up"
+
+    # Both bounds short: the run's before this change waited on each close with the open's.
+    monkeypatch.setattr(ray_executor, "CLOSE_TIMEOUT_S", 1.0, raising=False)
+    monkeypatch.setattr(ray_executor, "OPEN_TIMEOUT_S", 1.0)
+    stuck = ray_cluster.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(Stuck)  # type: ignore[attr-defined]
+    alive = {"n1/gpu0": stuck.remote(), "n2/gpu0": stuck.remote()}
+    ray_cluster.get([a.ping.remote() for a in alive.values()])  # type: ignore[attr-defined]
+    kill = ray_cluster.kill  # type: ignore[attr-defined]
+    killed: list[object] = []
+
+    def spy(actor: object, **kwargs: object) -> None:
+        killed.append(actor)
+        kill(actor, **kwargs)
+
+    monkeypatch.setattr(ray_cluster, "kill", spy)
+    campaign = types.SimpleNamespace(gpu=types.SimpleNamespace(backend="nvml", actuation=True))
+    executor = RayExecutor(Path("out"))
+    executor.resets = {"n1": "`dvfs gpu reset --state-dir /s`", "n2": "`dvfs gpu reset`"}
+    try:
+        executor._close(ray_cluster, campaign, alive)
+        assert killed == list(alive.values())
+        assert executor.unrestored == {
+            host: [f"the GPUs of worker {host}/gpu0 (its close did not end within 1 s)"]
+            for host in ("n1", "n2")
+        }
+        assert executor.reset_first().endswith(
+            "run `dvfs gpu reset --state-dir /s` on n1, `dvfs gpu reset` on n2"
+        ), executor.reset_first()
+        assert not executor.close_errors, executor.close_errors
+    finally:
+        for actor in alive.values():
+            kill(actor)  # the shared cluster whole for the next test
+
+
+def test_a_close_not_answered_in_time_is_given_up_and_the_others_read() -> None:
+    """Of two actors asked to close, one answers (its GPU `GPU-a` left changed, a restore
+    NVML refused) and one does not within the bound: the driver never waits on the one that
+    did not (a `get` of it would wait as long again), kills it and names its GPUs; the one that
+    answered is read as ever, and its GPUs not named as its actor's."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    hung: list[str] = []
+
+    class Method:
+        def __init__(self, label: str, name: str, answer: object) -> None:
+            self.label, self.name, self.answer = label, name, answer
+
+        def remote(self) -> tuple[str, str, object]:
+            return (self.name, self.label, self.answer)
+
+    class Actor:
+        def __init__(self, label: str, left: list[str]) -> None:
+            self.label = label
+            self.close = Method(label, "close", None)
+            self.unrestored = Method(label, "unrestored", left)
+
+    def get(ref: tuple[str, str, object], timeout: float | None = None) -> object:
+        if ref[1] == "b/w1":
+            hung.append(ref[0])  # Ray's get would wait for it (until its timeout)
+            import ray.exceptions
+
+            raise ray.exceptions.GetTimeoutError("Get timed out")
+        return ref[2]
+
+    def wait(refs: list, *, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
+        return [r for r in refs if r[1] != "b/w1"], [r for r in refs if r[1] == "b/w1"]
+
+    killed: list[str] = []
+    ray = types.SimpleNamespace(get=get, wait=wait, kill=lambda actor: killed.append(actor.label))
+    campaign = types.SimpleNamespace(gpu=types.SimpleNamespace(backend="nvml", actuation=True))
+    alive = {"a/w0": Actor("a/w0", ["GPU-a"]), "b/w1": Actor("b/w1", [])}
+    executor = RayExecutor(Path("out"))
+    executor._close(ray, campaign, alive)  # type: ignore[arg-type]
+    assert not hung, hung
+    assert killed == ["b/w1"]
+    assert executor.unrestored == {
+        "a": ["GPU-a"],
+        "b": ["the GPUs of worker b/w1 (its close did not end within 1800 s)"],
+    }
+
+
+def test_a_signal_while_the_actors_close_names_only_those_not_closed_yet() -> None:
+    """A second Ctrl-C while the driver waits for the actors' closes: one had closed by then
+    (its GPUs put back, but for `GPU-a`, which NVML would not restore), the other not. Every
+    actor was named as given up, its GPUs left changed, the one that had restored them too.
+    Those that closed by then are read as ever; only the others are given up."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Method:
+        def __init__(self, label: str, name: str, answer: object) -> None:
+            self.label, self.name, self.answer = label, name, answer
+
+        def remote(self) -> tuple[str, str, object]:
+            return (self.name, self.label, self.answer)
+
+    class Actor:
+        def __init__(self, label: str, left: list[str]) -> None:
+            self.close = Method(label, "close", None)
+            self.unrestored = Method(label, "unrestored", left)
+
+    def wait(refs: list, *, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
+        if timeout:
+            raise KeyboardInterrupt  # the user's next Ctrl-C, while the driver waits
+        return [r for r in refs if r[1] == "a/w0"], [r for r in refs if r[1] != "a/w0"]
+
+    ray = types.SimpleNamespace(get=lambda ref, timeout=None: ref[2], wait=wait)
+    campaign = types.SimpleNamespace(gpu=types.SimpleNamespace(backend="nvml", actuation=True))
+    alive = {"a/w0": Actor("a/w0", ["GPU-a"]), "b/w1": Actor("b/w1", [])}
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._close(ray, campaign, alive)  # type: ignore[arg-type]
+    assert executor.unrestored == {
+        "a": ["GPU-a"],
+        "b": ["the GPUs of worker b/w1 (its close was given up)"],
+    }

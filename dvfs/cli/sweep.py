@@ -628,7 +628,7 @@ def run_fleet(
     """Run the sweep on one worker per GPU group and report each worker; returns the
     `FleetOutcome`."""
     from dvfs.cli.fleet_progress import RichFleetProgress
-    from dvfs.errors import ServerReplacedError
+    from dvfs.errors import DvfsError, ServerReplacedError
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
     from dvfs.preflight import fleet_models
@@ -671,6 +671,13 @@ def run_fleet(
             err.print(status, soft_wrap=True)
         else:
             err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
+        raise
+    except DvfsError:
+        # The run failed in its own line (a worker that died as it started, a refusal), and
+        # the other actors' closes, after it, left GPUs changed that the line cannot name.
+        left = run_on.unsaid() if executor == "ray" else {}
+        if left:
+            err.print(_ray_unrestored(left, run_on.close_errors, run_on.resets), soft_wrap=True)
         raise
     report_fleet(outcome, fresh=fresh, shard=shard)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success

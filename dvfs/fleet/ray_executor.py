@@ -47,6 +47,9 @@ TWIN_RESOURCE = "twin_gpu"
 NAMESPACE = "dvfs"
 #: Seconds an actor may take to open its GPUs and server before the run gives up.
 OPEN_TIMEOUT_S = 1800.0
+#: Seconds the actors are given, all together, to close (stop their servers, restore their
+#: GPUs) before those that did not are killed, their GPUs named for `dvfs gpu reset`.
+CLOSE_TIMEOUT_S = 1800.0
 #: Seconds of waiting for the actors to start before a note says so.
 OPEN_NOTE_S = 30.0
 #: Seconds an actor that died as it started waits for the others to tell their nodes' reset
@@ -413,6 +416,8 @@ class RayExecutor:
         #: A worker's attached server found replaced (`ServerReplacedError`): the sweep stops
         #: in its line, which says what to restart, where every worker is lost.
         self.replaced: ServerReplacedError | None = None
+        #: The GPUs of `unrestored` the line the run failed in names (`_check_finished`).
+        self._said: dict[str, list[str]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         twin = not real_gpus(fleet.campaign)
@@ -665,28 +670,79 @@ class RayExecutor:
 
     def _close(self, ray: Any, campaign: Any, alive: dict[str, Any]) -> None:
         """Close each actor (it restores its GPUs) and note the GPUs any left changed. The
-        closes are asked of every actor at once, so the actors stop their servers and restore
-        their GPUs side by side (a fleet's end waits for the slowest, not for the sum). A
-        further signal while they close gives up waiting: the actors not closed yet are
-        killed with their GPUs as they set them, which the sweep's last line names."""
-        closing = list(alive)
-        asked = {label: actor.close.remote() for label, actor in alive.items()}
-        for label, actor in alive.items():
+        closes are asked of every actor at once and awaited together under one bound
+        (`CLOSE_TIMEOUT_S`), so the actors stop their servers and restore their GPUs side by
+        side (a fleet's end waits for the slowest, not for the sum), and those that did not
+        answer by then (their node cut off) are killed, their GPUs named as left changed with
+        their node's reset: each was waited for in turn, half an hour each. A further signal
+        while they close gives up waiting: the actors not closed yet are killed with their
+        GPUs as they set them, which the sweep's last line names."""
+        if not alive:
+            return
+        done: list[str] = []
+        asked: dict[str, tuple[Any, Any]] = {}
+        waited = False
+        try:
+            # An actor answers in order: its `unrestored` once its close has run.
+            asked = {
+                label: (actor.close.remote(), actor.unrestored.remote())
+                for label, actor in alive.items()
+            }
+            refs = [ref for pair in asked.values() for ref in pair]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT_S)
+            waited = True
+            for label, actor in alive.items():
+                closing, left = asked[label]
+                if closing in ready:
+                    self._closed(ray, campaign, label, closing, left if left in ready else None)
+                else:  # its close still runs (its node cut off, a restore stuck): given up
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor)
+                    self._note_died(
+                        campaign, label, f"its close did not end within {CLOSE_TIMEOUT_S:g} s"
+                    )
+                done.append(label)
+        except BaseException:
             try:
-                ray.get(asked[label], timeout=OPEN_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
-                cause = getattr(exc, "cause", None)
-                if actor_gone(exc):  # killed after its last unit, before it could close
-                    self._note_died(campaign, label)
-                elif isinstance(cause, BaseException):  # what the worker raised
-                    self.close_errors.append(cause)
-                else:  # Ray's own (a timeout, its system error): killed, maybe not closed
-                    self._note_died(campaign, label, f"its close failed: {ray_why(exc)}")
-            except BaseException:
-                for rest in closing[closing.index(label) :]:
-                    self._note_died(campaign, rest, "its close was given up")
-                raise
-            self._left(ray, label, actor)
+                if asked and not waited:  # a signal as they closed: those that did are read
+                    refs = [ref for pair in asked.values() for ref in pair]
+                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                    for label, (closing, left) in asked.items():
+                        if closing in ready and left in ready:
+                            self._closed(ray, campaign, label, closing, left)
+                            done.append(label)
+            except Exception:  # noqa: BLE001, S110  (not known: given up, as the rest)
+                pass
+            finally:
+                for label in alive:
+                    if label not in done:
+                        self._note_died(campaign, label, "its close was given up")
+            raise
+
+    def _closed(self, ray: Any, campaign: Any, label: str, closing: Any, left: Any | None) -> None:
+        """Note what the close `closing` of `label`'s actor answered, and the GPUs it left
+        changed (`left`: its `unrestored`, None where it did not answer in time)."""
+        try:
+            ray.get(closing)
+        except Exception as exc:  # noqa: BLE001  (a close that raised: its `unrestored` tells)
+            cause = getattr(exc, "cause", None)
+            if actor_gone(exc):  # killed after its last unit, before it could close
+                self._note_died(campaign, label)
+                return
+            if not isinstance(cause, BaseException):  # Ray's own (its system error)
+                self._note_died(campaign, label, f"its close failed: {ray_why(exc)}")
+                return
+            self.close_errors.append(cause)  # what the worker raised
+            if left is None:  # which GPUs it left changed is not known: all of them
+                self._note_died(campaign, label, f"its close failed: {type(cause).__name__}")
+                return
+        if left is None:  # its close answered: it restored its GPUs
+            return
+        with contextlib.suppress(Exception):  # a dead actor: its close said so
+            gpus = ray.get(left)
+            if gpus:
+                host = label.split("/", 1)[0]
+                self.unrestored.setdefault(host, []).extend(str(u) for u in gpus)
 
     def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
         """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
@@ -701,15 +757,16 @@ class RayExecutor:
 
     @staticmethod
     def _told_by_dead(ray: Any, refs: list[Any], told: list[Any]) -> str | None:
-        """The reset command an actor whose `open` (of `refs`) found it dead had told (`told`,
-        in the same order) before it died; None where none had."""
+        """The reset command an actor whose `open` (of `refs`) found it dead, or answered with
+        Ray's own error (`ray_failure`: the actor may live on, its GPUs set), had told
+        (`told`, in the same order) before; None where none had."""
         for ref, answer in zip(refs, told, strict=False):
             try:
                 ready, _ = ray.wait([ref], num_returns=1, timeout=0)
                 if ready:
                     ray.get(ready)
             except Exception as exc:  # noqa: BLE001
-                if actor_gone(exc):
+                if actor_gone(exc) or ray_failure(exc) is not None:
                     with contextlib.suppress(Exception):  # it died before it answered
                         ready, _ = ray.wait([answer], num_returns=1, timeout=0)
                         if ready:
@@ -878,11 +935,11 @@ class RayExecutor:
             if self.replaced is not None and not self.unrestored:
                 raise self.replaced  # a rerun on that server would meet it again
             # Every worker lost: the cells left, and the resets to run before resuming.
-            fleet.check_finished(self.reset_first())
+            self._check_finished(fleet)
         if not fleet.finished and alive:
             # A refusal's own line, when the driver retired them (with the resets to run
             # first where the others were lost with their GPUs changed).
-            fleet.check_finished(self.reset_first())
+            self._check_finished(fleet)
             raise DvfsError(
                 f"the Ray workers stopped with cells left; {resume_advice(fleet.fresh)}"
             )
@@ -929,6 +986,25 @@ class RayExecutor:
             )
             if closing is not None:
                 self.close_errors.append(closing)
+
+    def _check_finished(self, fleet: Fleet) -> None:
+        """`fleet.check_finished` with the resets to run first (`reset_first`): the GPUs its
+        line names, where it raises one, are said (`unsaid`)."""
+        said = {host: list(gpus) for host, gpus in self.unrestored.items()}
+        try:
+            fleet.check_finished(self.reset_first())
+        except BaseException:
+            self._said = said
+            raise
+
+    def unsaid(self) -> dict[str, list[str]]:
+        """The GPUs of `unrestored` that no line of the run named (those the actors' closes
+        left changed after the run failed in its line): the sweep names them beside it."""
+        left = {
+            host: [gpu for gpu in gpus if gpu not in self._said.get(host, [])]
+            for host, gpus in self.unrestored.items()
+        }
+        return {host: gpus for host, gpus in left.items() if gpus}
 
     def reset_first(self) -> str:
         """Where workers left GPUs changed: the nodes and each one's `dvfs gpu reset`, to run
