@@ -981,3 +981,15 @@ def test_an_empty_corpus_file_says_what_to_do(tmp_path: Path, content: str) -> N
         assert result.exit_code == 2, (args, result.output)
         assert f"{tmp_path / 'mine.jsonl'} is empty (or only whitespace): write the" in said, said
         assert "or point the campaign's path for this corpus at the file" in said, said
+
+
+def test_the_readme_names_every_key_of_a_corpus_table() -> None:
+    """A `[corpus.NAME]` table takes `format` (a file whose extension names no format) and
+    `description` (shown by `dvfs corpus list`) too, which the README's Corpora section never
+    named: a `.txt` file was refused with "set format to one of ...", a key it did not show."""
+    from dvfs.corpora.loaders import SPEC_KEYS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Corpora\n", 1)[1].split("\n## ", 1)[0]
+    for key in sorted(SPEC_KEYS):
+        assert f"\n{key} = " in section or f"`{key} = " in section or f"`{key}`" in section, key
