@@ -490,11 +490,14 @@ def _gpu_checks(
             except CapsRecordError as exc:  # dvfs's own record, named: not the driver's
                 checks.append(Check("caps", FAIL, str(exc)))
                 locks, limits = {}, {}
+            # A GPU a dvfs run changed (its state file: a dead run's, named in the state check
+            # with the reset that puts it back, or a running one's) holds that run's lock
+            changed = {p.original.uuid for p in pending}
             for g in gpus:
                 checks.append(
                     _held_knobs(
                         g,
-                        locked_by_dvfs=g.identity.uuid in locks,
+                        locked_by_dvfs=g.identity.uuid in locks or g.identity.uuid in changed,
                         observe_only=not campaign.gpu.actuation,
                     )
                 )

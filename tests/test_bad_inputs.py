@@ -2820,12 +2820,15 @@ def test_an_output_under_a_tilde_no_shell_expanded_is_refused_before_the_work(
 def test_a_folder_really_named_tilde_is_written_into(
     shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The refusal above is of a '~' no folder here is named: one the user made is used."""
+    """The refusal above is of a '~' no folder here is named: one the user made is used (the
+    README said only that such a path is refused, and `./~/x` written into a folder '~')."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "~").mkdir()
     result = CliRunner().invoke(cli, _argv("headroom-o", shared, Path("~/h.json")))
     assert result.exit_code == 0, result.output
     assert (tmp_path / "~" / "h.json").is_file()
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "and so is `~/x` once a folder here is named `~`" in readme
 
 
 @pytest.mark.parametrize("name", ["headroom-o", "plot-o"])  # a file option, a folder one

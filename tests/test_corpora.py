@@ -981,3 +981,36 @@ def test_an_empty_corpus_file_says_what_to_do(tmp_path: Path, content: str) -> N
         assert result.exit_code == 2, (args, result.output)
         assert f"{tmp_path / 'mine.jsonl'} is empty (or only whitespace): write the" in said, said
         assert "or point the campaign's path for this corpus at the file" in said, said
+
+
+def test_the_readme_names_every_key_of_a_corpus_table() -> None:
+    """A `[corpus.NAME]` table takes `format` (a file whose extension names no format) and
+    `description` (shown by `dvfs corpus list`) too, which the README's Corpora section never
+    named: a `.txt` file was refused with "set format to one of ...", a key it did not show."""
+    from dvfs.corpora.loaders import SPEC_KEYS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Corpora\n", 1)[1].split("\n## ", 1)[0]
+    for key in sorted(SPEC_KEYS):
+        assert f"\n{key} = " in section or f"`{key} = " in section or f"`{key}`" in section, key
+
+
+@pytest.mark.parametrize("indent", [None, 2], ids=["one-line", "pretty-printed"])
+@pytest.mark.parametrize("name", ["p.jsonl", "p.txt"])
+def test_a_json_array_in_a_file_not_named_json_is_refused_saying_to_name_it_so(
+    tmp_path: Path, name: str, indent: int | None
+) -> None:
+    """A JSON array of records (ShareGPT's export) saved as .jsonl, or read with
+    `format = "jsonl"`, is read as JSON Lines, one object a line: it was refused with "line 1:
+    expected an object with fields, got a list" or "line 1: not valid JSON", neither saying
+    that the same file named .json is read as its records (README, Corpora)."""
+    records = [{"text": "first prompt"}, {"text": "second prompt"}]
+    write(tmp_path / name, json.dumps(records, indent=indent) + "\n")
+    spec = {"path": name, "field": "text", "format": "jsonl"}
+    with pytest.raises(CorpusError) as refused:
+        load(tmp_path, "mine", spec)
+    said = str(refused.value)
+    assert f"{name}, line 1: " in said, said
+    assert "a JSON array of records is read from a file named .json" in said, said
+    write(tmp_path / "p.json", json.dumps(records, indent=indent) + "\n")
+    assert len(load(tmp_path, "mine", {**spec, "path": "p.json"}).prompts) == 2

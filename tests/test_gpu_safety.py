@@ -2381,3 +2381,21 @@ def test_a_sigterm_during_a_slow_read_restores_once_the_read_returns(
         assert not store.pending(gpu.identity.uuid)
     assert [c["ok"] for c in nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")] == [True]
     assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_doctor_does_not_blame_a_dead_runs_clock_lock_on_something_outside_dvfs(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A sweep killed with SIGKILL leaves its GPU locked and its state file. doctor failed the
+    state check, naming the dead dvfs run and `dvfs gpu reset`, and then warned in `held knobs`
+    that the GPU's clocks "may be locked or set outside dvfs" (unlock: nvidia-smi -rgc): the
+    lock is that dvfs run's, which the reset puts back. Once reset, nothing is held."""
+    store, uuid = _locked_with_a_state_file(nvml, tmp_path, 0)
+    campaign = campaign_file(tmp_path)
+    checked = doctor_checks(campaign, tmp_path / "out", env)
+    assert checked["state"]["status"] == "fail", checked["state"]
+    assert "dvfs gpu reset" in checked["state"]["detail"], checked["state"]
+    held = checked["held knobs GPU 0"]
+    assert "outside dvfs" not in held["detail"].replace("held outside dvfs seen", ""), held
+    assert held["status"] == "ok", held
+    assert store.pending(uuid), "doctor changes nothing"

@@ -1046,3 +1046,31 @@ def test_predict_refuses_an_idle_clock_above_the_gpus_highest(tmp_path: Path) ->
     expected = f"idle_sm_clock_mhz = 2500 is above max_sm_clock_mhz = {TRUTH.max_sm_clock_mhz}"
     assert f"{profile} [gpu.{TRUTH.key}]: {expected}" in result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_a_cube_without_a_valid_cell_is_refused_as_the_analyses_refuse_it(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """A sweep whose every cell was flagged invalid (too short an output for the counter, say)
+    left nothing to fit. `dvfs twin fit` said only "has no valid measured cell to fit", exit
+    2, after re-reading the corpora: not what to do, and not as `dvfs headroom` and every
+    other analysis refuse that cube (exit 1, saying what measures a valid cell)."""
+    ds = _raw(small_sweep / "cube.nc")
+    ds["valid"][:] = 0
+    ds.to_netcdf(tmp_path / "flagged.nc")
+    out = tmp_path / "p.toml"
+    result = invoke("twin", "fit", str(tmp_path / "flagged.nc"), "-o", str(out))
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    said = " ".join(line.split())
+    assert "has no valid measured cell (every cell was measured and flagged invalid)" in said
+    assert "nothing to fit" in said and "nothing to analyse" not in said, said
+    assert "`dvfs cube info`" in said and "`dvfs sweep` again with --fresh" in said, said
+    assert not out.exists()
+    headroom = invoke("headroom", str(tmp_path / "flagged.nc"))
+    assert headroom.exit_code == 1
+    assert said.replace("nothing to fit", "nothing to analyse") == " ".join(
+        headroom.output.strip().split()
+    )
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "refused by every analysis (and by `dvfs twin fit CUBE`), exit 1" in readme

@@ -219,12 +219,16 @@ def _open(source: Path) -> tuple[xr.Dataset, Path]:
 def _fit_cube(
     source: Path, out_path: Path, base: str | None, name: str | None, max_cells: int
 ) -> None:
+    from dvfs.cube.files import refuse_without_a_valid_cell
     from dvfs.outputs import write_text
     from dvfs.twin.fit import profile_toml
     from dvfs.twin.fitcube import fit_cube_cells
     from dvfs.twin.predict import OBSERVABLES, cube_cells
 
     ds, path = _open(source)
+    if "valid" in ds:  # one without it is named among the variables the fit needs
+        # as the analyses refuse it, saying what measures one, before the corpora are read
+        refuse_without_a_valid_cell(source, ds, "nothing to fit")
     cells = cube_cells(ds, path, max_cells=max_cells)
     profile = _base_profile(dict(ds.attrs), source, base)
     result = fit_cube_cells(cells, profile, key=name, source=str(source))

@@ -535,18 +535,32 @@ def _reads_alone(line: str) -> bool:
     return True
 
 
+#: What an array read as JSON Lines (a file not named .json) is told: ShareGPT's export is one.
+_ARRAY_NAMED_JSON = (
+    "a JSON array of records is read from a file named .json: name it so (JSON Lines hold one "
+    "object per line)"
+)
+
+
 def _records_jsonl_lines(
     numbered: Iterator[tuple[int, str]], where: str
 ) -> Iterator[tuple[str, Any]]:
+    # a file whose first record opens an array (not named .json, so read as JSON Lines): its
+    # first line is refused, as a list or as JSON cut short, saying to name it .json
+    array: bool | None = None
     for lineno, line in numbered:
         if not line.strip():
             continue
         at = f"{where}, line {lineno}"
+        if array is None:
+            array = line.lstrip().startswith("[") and Path(where).suffix.lower() != ".json"
         try:
             record = json.loads(line, object_pairs_hook=_unique_keys)
         except _KeyTwice as exc:
             raise _refuse_key_twice(exc.key, at) from None
         except json.JSONDecodeError as exc:
+            if array:
+                raise CorpusError(f"{at}: not valid JSON ({exc.msg}); {_ARRAY_NAMED_JSON}") from exc
             raise CorpusError(
                 f"{at}: not valid JSON ({exc.msg}); JSON Lines hold one complete object per line"
             ) from exc
@@ -555,6 +569,10 @@ def _records_jsonl_lines(
         except ValueError as exc:  # e.g. an integer beyond Python's digit limit
             reason = str(exc).split(";")[0]
             raise CorpusError(f"{at}: not usable JSON ({reason})") from exc
+        if array and isinstance(record, list):
+            raise CorpusError(
+                f"{at}: expected an object with fields, got a list; {_ARRAY_NAMED_JSON}"
+            )
         yield at, record
 
 

@@ -306,7 +306,22 @@ def open_cube(path: str | Path) -> xr.Dataset:
     return check_cube(loaded, where=str(path), hint=_rebuild_hint(path))
 
 
-def _nothing_valid(path: Path, ds: xr.Dataset) -> str:
+def refuse_without_a_valid_cell(path: Path, ds: xr.Dataset, nothing: str) -> xr.Variable:
+    """The cube's valid measured cells (a mask); refused in one line where it holds none,
+    saying `nothing` ("nothing to analyse", "nothing to fit") and what measures one: an
+    analysis, and `dvfs twin fit`, would otherwise work from nothing."""
+    # The Dataset's Variables, not DataArrays: one Dataset's, they have nothing to align,
+    # and aligning them took a sixth of opening a small cube to analyse
+    variables = ds.variables
+    valid = variables["valid"].fillna(0) > 0
+    if "cell_status" in ds:
+        valid = valid & (variables["cell_status"] == 1)
+    if not bool(valid.any()):
+        raise CubeError(_nothing_valid(path, ds, nothing))
+    return valid
+
+
+def _nothing_valid(path: Path, ds: xr.Dataset, nothing: str) -> str:
     """The refusal of a cube with no valid measured cell, with what measures one: where every
     cell (a shard's cube: every one of its own) was measured and flagged, a rerun measures
     none of them again, so the campaign changes and the sweep (each shard's, each merged
@@ -352,13 +367,13 @@ def _nothing_valid(path: Path, ds: xr.Dataset) -> str:
         else:
             again = f"run `dvfs sweep` {fresh}"
         return (
-            f"{path} has no valid measured cell ({what}): nothing to analyse; change the "
+            f"{path} has no valid measured cell ({what}): {nothing}; change the "
             f"campaign as `dvfs cube info` advises for its flags, then {again}"
         )
     then = resume_advice("the cells left", shards) if shards else "rerun `dvfs sweep`"
     said = (
         f"{path} has no valid measured cell (every cell is missing, failed or flagged "
-        "invalid): nothing to analyse; "
+        f"invalid): {nothing}; "
     )
     unfit = unfit_left(ds) if "cell_status" in ds else {}
     if unfit:  # failed cells SGLang would not start the server of: a rerun fails them again
@@ -377,14 +392,8 @@ def open_analysable(path: str | Path) -> xr.Dataset:
                 f"{path} has no {name} variable, which every analysis needs: "
                 "rebuild it with `dvfs cube build`"
             )
-    # The Dataset's Variables, not DataArrays: one Dataset's, they have nothing to align,
-    # and aligning them took a sixth of opening a small cube to analyse
+    valid = refuse_without_a_valid_cell(path, ds, "nothing to analyse")
     variables = ds.variables
-    valid = variables["valid"].fillna(0) > 0
-    if "cell_status" in ds:
-        valid = valid & (variables["cell_status"] == 1)
-    if not bool(valid.any()):
-        raise CubeError(_nothing_valid(path, ds))
     served = arm_differences(ds)
     if served:
         more = f" (and {len(served) - 3} more)" if len(served) > 3 else ""
