@@ -393,3 +393,61 @@ def test_a_plan_caps_within_the_grid_below_stock_and_safe_for_every_corpus(
                 continue
             (cap,) = caps.caps
             assert (cap.sm_clock_max_mhz, cap.power_limit_w) == setting
+
+
+@settings(max_examples=60)
+@given(
+    cubes(holes=False),
+    st.sampled_from([*CLOCKS, 2100]),
+    st.sampled_from([*LIMITS, 650.0]),
+    st.sampled_from([0.0, 0.2]),
+)
+def test_the_reference_is_stock_on_every_knob_the_grid_swept_it_on(
+    cube, stock_clock, stock_limit, slack
+) -> None:
+    """Where the grid lacks stock, the reference is the closest setting the cube has: the
+    stock value of each knob the grid holds it on, the top of the grid on the other; never
+    a setting above a stock value the grid holds, nor said "not swept" where it was."""
+    cube.attrs.update(stock_sm_clock_mhz=stock_clock, stock_power_limit_w=stock_limit)
+    clocks = [int(c) for c in cube["sm_clock"].values]
+    limits = [float(p) for p in cube["power_limit"].values]
+    ref = reference_setting(cube)
+    assert ref.sm_clock == (stock_clock if stock_clock in clocks else max(clocks))
+    assert ref.power_limit == (stock_limit if stock_limit in limits else max(limits))
+    assert ref.is_stock == (stock_clock in clocks and stock_limit in limits)
+    words = ref.describe()
+    if stock_clock in clocks:
+        assert (
+            f"{stock_clock} MHz not swept" not in words
+            and f"stock {stock_clock} MHz /" not in words
+        )
+    if stock_limit in limits:
+        assert f"{stock_limit:g} W not swept" not in words
+    result = headroom(cube, target=Target("preserve", slack=slack))
+    assert result.attrs["reference_power_limit_w"] == ref.power_limit
+    for row in answers(result).values():
+        if row["feasible"] and len(limits) > 1:
+            assert row["lowest_feasible_power_limit"] <= ref.power_limit
+
+
+def test_a_grid_without_the_stock_clock_is_referenced_at_the_stock_power_limit() -> None:
+    """The clock grid stops below stock (1980 MHz) and the power limits swept reach above the
+    GPU's stock limit (600 W, the limit found at start, below its maximum): the reference was
+    1800 MHz / 700 W, "stock 1980 MHz / 600 W not swept" though 600 W was, every saving counted
+    from a power limit above stock and the power headroom from 700 W. It is 1800 MHz / 600 W."""
+    cube = make_cube(
+        clocks=[1200, 1500, 1800],
+        limits=[400.0, 600.0, 700.0],
+        stock_clock=1980,
+        stock_limit=600.0,
+        latency=lambda c, *_: 10.0 * 1980 / c,
+        energy=lambda c, p, *_: (c / 1980) ** 2 + p / 1000,
+    )
+    ref = reference_setting(cube)
+    assert (ref.sm_clock, ref.power_limit, ref.is_stock) == (1800, 600.0, False)
+    assert ref.describe() == "top of the grid (1800 MHz / 600 W; stock 1980 MHz not swept)"
+    row = headroom(cube, target=Target("preserve", slack=0.3)).sel(
+        batch=1, drafter="none", corpus="code"
+    )
+    assert float(row["stock_energy_per_token_j"]) == pytest.approx((1800 / 1980) ** 2 + 0.6)
+    assert float(row["headroom_w"]) == 200.0
