@@ -114,6 +114,18 @@ ANSWERS = (
     "saving_within_noise",
     "saving_set_aside_within_noise",
     "cap_not_binding",
+    "headroom_mhz",
+    "headroom_w",
+    "chosen_latency_ms",
+    "target_ms",
+    "stock_energy_per_token_j",
+    "short_settings",
+    "unmeasured_settings",
+    "invalid_settings",
+    "headroom_mhz_is_lower_bound",
+    "headroom_w_is_lower_bound",
+    "chosen_at_grid_edge",
+    "chosen_invalid_below",
 )
 
 
@@ -195,8 +207,15 @@ def test_the_chosen_setting_meets_the_target_on_its_own_bound(cube, target, conf
             )
             stock_ok = (stock["valid"] > 0) & (stock["cell_status"] == 1)
             stock_lat = stock[target.variable].sel(quantile=target.quantile).where(stock_ok).values
-            if target.mode == "vs-baseline" and d != base:
-                continue  # unpaired: test_the_unpaired_bound_... below
+            if target.mode == "vs-baseline" and d != base:  # unpaired, each mean bounded
+                side = (1 + confidence) / 2
+                mine, theirs = latency[~np.isnan(latency)], stock_lat[~np.isnan(stock_lat)]
+                assert min(len(mine), len(theirs)) >= min(2, repeats)
+                low = 2 * theirs.mean() - upper_bound(theirs, side)
+                bound = upper_bound(mine, side) / low if low > 0 else math.inf
+                assert row["latency_bound"] == pytest.approx(bound, rel=1e-9)
+                assert bound <= threshold * (1 + 1e-9)
+                continue
             x = latency / stock_lat
         x = x[~np.isnan(x)]
         assert len(x) >= min(2, repeats)
@@ -324,7 +343,7 @@ def two_arm_cube(mine: np.ndarray, base: np.ndarray, repeats: int) -> xr.Dataset
     )
 
 
-@settings(max_examples=30)
+@settings(max_examples=10)  # three comparisons an example
 @given(st.integers(1, 3), st.data())
 def test_equal_arms_neither_save_nor_cost_and_swapping_flips_the_verdict(repeats, data) -> None:
     """Two arms with the same energies: a ratio of 1 at stock and at equal latency, never
@@ -451,3 +470,178 @@ def test_a_grid_without_the_stock_clock_is_referenced_at_the_stock_power_limit()
     )
     assert float(row["stock_energy_per_token_j"]) == pytest.approx((1800 / 1980) ** 2 + 0.6)
     assert float(row["headroom_w"]) == 200.0
+
+
+@settings(max_examples=40)
+@given(cubes(), targets, st.sampled_from(["sm_clock", "power_limit"]))
+def test_searching_one_knob_finds_no_setting_searching_both_does_not(cube, target, knob) -> None:
+    """`--knob` holds the other knob at the reference: a subset of the settings, each judged
+    the same, so no more feasible settings and no lower feasible value."""
+    one = answers(headroom(cube, target=target, knob=knob))
+    both = answers(headroom(cube, target=target))
+    for key, a in one.items():
+        b = both[key]
+        assert b["feasible_settings"] >= a["feasible_settings"]
+        assert b["judged_settings"] >= a["judged_settings"]
+        if a["feasible"]:
+            assert b["lowest_feasible_sm_clock"] <= a["lowest_feasible_sm_clock"]
+            assert b["lowest_feasible_power_limit"] <= a["lowest_feasible_power_limit"]
+
+
+@settings(max_examples=40)
+@given(cubes(), targets, st.sampled_from([(0.8, 0.95), (0.95, 0.99), (0.8, 0.99)]))
+def test_more_confidence_never_admits_more_settings(cube, target, levels) -> None:
+    low, high = levels
+    loose = answers(headroom(cube, target=target, confidence=low))
+    strict = answers(headroom(cube, target=target, confidence=high))
+    for key, a in strict.items():
+        b = loose[key]
+        assert a["feasible_settings"] <= b["feasible_settings"]
+        if a["feasible"]:
+            assert b["lowest_feasible_sm_clock"] <= a["lowest_feasible_sm_clock"]
+            assert b["lowest_feasible_power_limit"] <= a["lowest_feasible_power_limit"]
+
+
+@settings(max_examples=40)
+@given(cubes(), targets, st.sampled_from([1e-3, 0.5, 4.0, 1000.0]))
+def test_the_energy_unit_changes_no_choice(cube, target, scale) -> None:
+    """Every energy per token scaled alike (J to mJ, say): the same choices and savings."""
+    scaled = cube.copy(deep=True)
+    scaled["energy_per_token_j"] = cube["energy_per_token_j"] * scale
+    first = answers(headroom(cube, target=target))
+    second = answers(headroom(scaled, target=target))
+    for key, a in first.items():
+        b = second[key]
+        for name in ("chosen_sm_clock", "chosen_power_limit", "saving_within_noise"):
+            assert same(a[name], b[name]), (key, name)
+        if not math.isnan(a["saving"]):
+            assert b["saving"] == pytest.approx(a["saving"], abs=1e-12)
+
+
+@settings(max_examples=40)
+@given(cubes(), targets)
+def test_a_rows_answer_depends_on_its_own_cells_alone(cube, target) -> None:
+    """Each (batch, drafter, corpus) is judged on its own cells (and, against a baseline, the
+    baseline's): a cube cut to one batch gives that batch's rows unchanged."""
+    whole = answers(headroom(cube, target=target))
+    for b in BATCHES:
+        part = answers(headroom(cube.sel(batch=[b]), target=target))
+        for key, row in part.items():
+            for name, value in row.items():
+                assert same(value, whole[key][name]), (key, name)
+
+
+@settings(max_examples=25)
+@given(cubes(), cubes(), targets, st.data())
+def test_a_merged_cubes_rows_are_each_gpus_own(first, second, target, data) -> None:
+    """Two GPUs' cubes merged (grids and stock settings may differ): each GPU's rows are
+    those of its own cube."""
+    from dvfs.cube.merge import merge_cubes
+
+    assume(first.sizes["repeat"] == second.sizes["repeat"])
+    own = []
+    for k, cube in enumerate((first, second)):
+        clocks = [int(c) for c in cube["sm_clock"].values]
+        limits = [float(p) for p in cube["power_limit"].values]
+        cube.attrs["stock_sm_clock_mhz"] = data.draw(st.sampled_from([max(clocks), 2100]))
+        cube.attrs["stock_power_limit_w"] = data.draw(st.sampled_from([*limits, 650.0]))
+        uuid = f"GPU-{k}{k}{k}{k}0000-0000-0000-0000-000000000000"
+        own.append(as_twin_sweep(cube, uuid=uuid, gpu_name="NVIDIA H100 80GB HBM3", campaign="m"))
+    merged = headroom(merge_cubes(own), target=target)
+    for cube in own:
+        alone = answers(headroom(cube, target=target))
+        mine = answers(merged.sel(gpu=cube.attrs["gpu_uuids"]))
+        for key, row in alone.items():
+            for name, value in row.items():
+                assert same(value, mine[key][name]), (key, name, value, mine[key][name])
+
+
+@settings(max_examples=15)
+@given(
+    st.lists(st.floats(0.3, 3.0), min_size=3, max_size=3, unique=True),
+    st.permutations([0, 1, 2]),
+)
+def test_the_break_even_batch_is_where_a_rising_ratio_crosses_one(ratios, order) -> None:
+    """One repeat, no stated interval: each batch's point ratio is judged. Ratios rising with
+    the batch and crossing 1 once: the break-even batch is the first at or above 1, whatever
+    order the cube's batch axis is in."""
+    ratios = sorted(ratios)
+    batches = [1, 4, 16]
+    mine = np.array([[ratios[k] for k in range(3)]] * 2).reshape(2, 3, 1)
+    base = np.ones((2, 3, 1))
+    cube = two_arm_cube(mine, base, 1)
+    cube = cube.isel(batch=list(order))
+    result = compare(cube).sel(drafter="eagle3", corpus="code")
+    stops = [b for b, r in zip(batches, ratios, strict=True) if r >= 1]
+    expected = stops[0] if stops else math.nan
+    assert same(float(result["break_even_batch_equal_clock"]), expected)
+    assert same(float(result["break_even_batch_equal_latency"]), expected)
+    said = str(result["break_even_equal_clock"].values)
+    if not stops:
+        assert said == "saves at every batch"
+    elif stops[0] == 1:
+        assert said == "never saves"
+    else:
+        assert said == f"saves up to batch {batches[batches.index(stops[0]) - 1]}"
+
+
+@settings(max_examples=15)
+@given(cubes(), st.sampled_from([0.8, 0.95]))
+def test_equal_latency_compares_the_settings_headroom_chooses(cube, confidence) -> None:
+    """At equal latency each arm sits at headroom's choice for the baseline's stock latency
+    (the drafter under --vs-baseline, the baseline under --preserve, one latency for both):
+    the ratio is the geometric mean over the repeats valid at both settings of their
+    energies' ratio."""
+    result = compare(cube, confidence=confidence)
+    mine = headroom(cube, target=Target("vs-baseline"), confidence=confidence)
+    theirs = headroom(cube, target=Target("preserve"), confidence=confidence)
+    usable = (cube["valid"] > 0) & (cube["cell_status"] == 1)
+    energy = cube["energy_per_token_j"].where(usable)
+    for b in BATCHES:
+        for d in DRAFTERS:
+            at = {"batch": b, "corpus": "code"}
+            one, base = mine.sel(drafter=d, **at), theirs.sel(drafter="none", **at)
+            ratio = float(result["energy_ratio_equal_latency"].sel(drafter=d, **at))
+            if not (bool(one["feasible"]) and bool(base["feasible"])):
+                assert math.isnan(ratio)
+                continue
+            e = energy.sel(
+                drafter=d,
+                sm_clock=int(one["chosen_sm_clock"]),
+                power_limit=float(one["chosen_power_limit"]),
+                **at,
+            ).values
+            f = energy.sel(
+                drafter="none",
+                sm_clock=int(base["chosen_sm_clock"]),
+                power_limit=float(base["chosen_power_limit"]),
+                **at,
+            ).values
+            both = ~np.isnan(e) & ~np.isnan(f)
+            if not both.any():
+                assert math.isnan(ratio)
+                continue
+            expected = math.exp(np.mean(np.log(e[both] / f[both])))
+            assert ratio == pytest.approx(expected, rel=1e-9)
+
+
+@settings(max_examples=40)
+@given(cubes(), targets)
+def test_with_one_repeat_the_latency_shown_is_the_bound_in_ms(cube, target) -> None:
+    """One repeat: no interval, the point value is compared, so the chosen setting's latency
+    (ms) is within the target (ms), and its bound is that latency (an SLO's, in ms) or its
+    ratio to the reference's (a ratio, compared with 1 + slack)."""
+    cube = cube.isel(repeat=[0])
+    result = headroom(cube, target=target)
+    for b in BATCHES:
+        for d in DRAFTERS:
+            r = result.sel(batch=b, drafter=d, corpus="code")
+            if not bool(r["feasible"]):
+                continue
+            shown, target_ms = float(r["chosen_latency_ms"]), float(r["target_ms"])
+            assert shown <= target_ms * (1 + 1e-9)
+            bound = float(r["latency_bound"])
+            if target.mode == "slo":
+                assert bound == shown
+            else:
+                assert bound == pytest.approx(shown / float(r["reference_latency_ms"]), rel=1e-12)
