@@ -125,8 +125,8 @@ REPEATS_USED = ("bound_repeats_min", "bound_repeats_max")
 @dataclass(frozen=True)
 class Reference:
     """The setting every analysis compares with: stock, or, where the grid lacks it, the
-    closest the cube has (its top clock and top power limit). `stock_*` are the GPU's stock
-    values, whether swept or not."""
+    closest the cube has (per knob its stock value where swept, else the grid's top). `stock_*`
+    are the GPU's stock values, whether swept or not."""
 
     sm_clock: int
     power_limit: float
@@ -171,9 +171,13 @@ def reference_setting(cube: xr.Dataset) -> Reference:
     limits = [float(p) for p in cube["power_limit"].values]
     stock_clock = int(cube.attrs.get("stock_sm_clock_mhz", max(clocks)))
     stock_limit = float(cube.attrs.get("stock_power_limit_w", max(limits)))
-    if stock_clock in clocks and stock_limit in limits:
-        return Reference(stock_clock, stock_limit, True, stock_clock, stock_limit)
-    return Reference(max(clocks), max(limits), False, stock_clock, stock_limit)
+    # Per knob: its stock value where the grid holds it, else the grid's top. Both tops
+    # where only one knob's stock is missing would put the reference at a power limit above
+    # a stock limit swept (one found lowered at start), said "not swept".
+    clock = stock_clock if stock_clock in clocks else max(clocks)
+    limit = stock_limit if stock_limit in limits else max(limits)
+    is_stock = clock == stock_clock and limit == stock_limit
+    return Reference(clock, limit, is_stock, stock_clock, stock_limit)
 
 
 #: How near the grid's lowest power limit must be to the GPU's lowest allowed one to be it (W):

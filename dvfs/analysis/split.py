@@ -283,7 +283,7 @@ def _attrs(ds: xr.Dataset) -> None:
 
 def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
     """Energy per output token by part (`SPLIT_PARTS`) per (drafter, batch, corpus), at the
-    cube's reference setting (stock, else the top clock and limit), averaged over repeats:
+    cube's reference setting (`reference_setting`: stock, else the closest), averaged over repeats:
     the exact split where the cells carry one, else the estimate (its verification and
     overhead under "verify", overhead NaN). Never averaged over corpora: a drafter's split
     moves with its acceptance on each corpus, and a partial cube's corpora differ from

@@ -759,5 +759,5 @@ def limit_handles(styles: dict[float, LimitStyle], *, lines: bool = True) -> lis
 
 
 def stock_label(sm_clock: int, power_limit_w: float, is_stock: bool) -> str:
-    what = "stock" if is_stock else "reference (top clock and limit)"
+    what = "stock" if is_stock else "reference (top of the grid)"
     return f"{what}: {sm_clock} MHz, {power_limit_w:g} W"
