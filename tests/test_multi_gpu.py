@@ -948,6 +948,57 @@ def test_a_refusal_with_a_reset_after_it_keeps_both_within_the_line(tmp_path: Pa
     assert "speculative_option_00: 1 -> 2" in line and " more)" in line, line
 
 
+@pytest.mark.parametrize("nvml_error", [999, 4])  # NVML Unknown, NoPermission
+def test_a_refusal_that_ends_a_fleet_names_the_gpus_the_others_closes_left_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nvml_error: int
+) -> None:
+    """Real GPUs (the fake NVML's two): worker gpu0 is refused its cells (no root: a refusal
+    that ends the run in its own line, exit 4), gpu1 measures a cell, dies on its next, and
+    NVML refuses the restore of its GPU as it closes, left at the cell's clock and power
+    limit. The sweep said the refusal alone (the restore only in a note above it): nothing
+    near the end named the GPU left changed nor `dvfs gpu reset`. It is named beside the
+    refusal, with the restore's own error and the reset, as a finished fleet says it; the
+    exit code stays the refusal's."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet.worker import Worker
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    nvml.fake_update_device(1, errors={"nvmlDeviceResetGpuLockedClocks": nvml_error})
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    calls = {"gpu1": 0}
+    run = Worker.run
+    why = "GPU 0: permission denied (test): run as root, or use `dvfs sweep --observe-only`"
+
+    def refused_and_lost(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu0":
+            raise GpuPermissionError(why)
+        calls["gpu1"] += 1
+        if calls["gpu1"] == 2:
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", refused_and_lost)
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 4, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"Error: {why}", result.stderr
+    uuid = nvml.fake_device_state(1)["uuid"]
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None  # what the line is about
+    named = lines[-2]
+    assert named.startswith(f"GPU settings NOT restored for {uuid}: "), result.stderr
+    assert "cannot reset locked SM clocks" in named, named
+    assert f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`" in named, named
+    assert "Traceback" not in result.stderr
+
+
 def test_a_fleet_without_root_keeps_the_permission_refusal_not_every_worker_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -675,9 +675,15 @@ def run_fleet(
     except DvfsError:
         # The run failed in its own line (a worker that died as it started, a refusal), and
         # the other actors' closes, after it, left GPUs changed that the line cannot name.
-        left = run_on.unsaid() if executor == "ray" else {}
-        if left:
-            err.print(_ray_unrestored(left, run_on.close_errors, run_on.resets), soft_wrap=True)
+        if executor == "ray":
+            left = run_on.unsaid()
+            if left:
+                err.print(_ray_unrestored(left, run_on.close_errors, run_on.resets), soft_wrap=True)
+        else:  # the same where a local worker's refusal, or one that could not open, ends it
+            kept, state_dir = run_on.unsaid(campaign)
+            if kept:
+                errors = list(run_on.close_errors.values())
+                err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
         raise
     report_fleet(outcome, fresh=fresh, shard=shard)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
@@ -692,17 +698,24 @@ def run_fleet(
         kept, state_dir = unrestored_gpus(campaign)
         if kept:  # every cell may be in, but a GPU keeps the sweep's settings: not a success
             errors = list(run_on.close_errors.values())
-            why = _restores_failed(errors) or (
-                f"a worker lost its GPU before it could put them back; run "
-                f"{_reset(state_dir)} once the GPU answers again"
-            )
-            err.print(
-                f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: {why} (state in "
-                f"{escape(str(state_dir))}).",
-                soft_wrap=True,
-            )
+            err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
             raise SystemExit(_restore_exit_code(errors))
     return outcome
+
+
+def _local_unrestored(
+    kept: Sequence[str], state_dir: Path | None, errors: Sequence[BaseException]
+) -> str:
+    """The line naming the GPUs a local fleet left changed (`kept`), why (the restores' own
+    errors, else a GPU lost) and the `dvfs gpu reset` to run, as markup."""
+    why = _restores_failed(errors) or (
+        f"a worker lost its GPU before it could put them back; run "
+        f"{_reset(state_dir)} once the GPU answers again"
+    )
+    return (
+        f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: {why} (state in "
+        f"{escape(str(state_dir))})."
+    )
 
 
 def _reset(state_dir: Path | None) -> str:

@@ -104,6 +104,8 @@ class LocalExecutor:
         #: What each worker's close raised (a restore of its GPUs that NVML refused, or whose
         #: GPU was lost), by worker: the sweep's error line where a GPU was left changed.
         self.close_errors: dict[str, BaseException] = {}
+        #: The GPUs left changed that the line the run failed in names (`_reset_first`).
+        self._said: list[str] = []
 
     def check_gpus(self, campaign: Campaign, groups: Sequence[Group]) -> None:
         """Refuse, before any worker opens its GPUs, what the workers' sessions would refuse
@@ -284,6 +286,7 @@ class LocalExecutor:
         kept = [p.original.uuid for p in store.pending() if p.pid == os.getpid()]
         if not kept:
             return ""
+        self._said = kept
         # Their count where several (the line names each worker's GPU already, and must
         # stay within an error line's bound with the reset and the resume in it).
         whose = kept[0] if len(kept) == 1 else f"{len(kept)} GPUs"
@@ -292,6 +295,21 @@ class LocalExecutor:
             f"the settings of {whose} could not be restored: once {they} again, run "
             f"{store.reset_command()}"
         )
+
+    def unsaid(self, campaign: Campaign) -> tuple[list[str], Path | None]:
+        """The GPUs this process left changed (their state files kept) that no line of the run
+        named, with their state folder: those the workers' closes left changed where the run
+        failed in a worker's own line (a refusal, one that could not open); the sweep names
+        them beside it. None on the twin."""
+        from dvfs.backends import real_gpus
+
+        if not real_gpus(campaign):
+            return [], None
+        from dvfs.gpu.safety import StateStore
+
+        store = StateStore(self.state_dir)
+        kept = [uuid for uuid in store.left_by_this_process() if uuid not in self._said]
+        return kept, store.directory
 
     @staticmethod
     def _drain(
