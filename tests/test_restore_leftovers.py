@@ -6,6 +6,7 @@ the fake pynvml; every wait is on an event or a fake NVML hang (never a wall-clo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -64,6 +65,28 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 120)
     while not condition():
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def released_once(
+    nvml: ModuleType, condition: Callable[[], object], what: str
+) -> Iterator[list[bool]]:
+    """Within the block, the fake's hung calls are released once `condition` holds (or the
+    wait gives up); yields a list that holds True if the condition was met before release."""
+    met: list[bool] = []
+
+    def release() -> None:
+        try:
+            # (inside the suite's per-test timeout, to say what failed)
+            wait_for(condition, what, timeout_s=60)
+            met.append(True)
+        finally:
+            _release(nvml)
+
+    releaser = threading.Thread(target=release, daemon=True)
+    releaser.start()
+    yield met
+    releaser.join()
 
 
 def _left_changed(nvml: ModuleType, store: Any, gpus: list[Any]) -> None:
@@ -425,25 +448,14 @@ def test_gpu_list_reads_the_gpus_side_by_side(
     from dvfs.cli import cli
 
     hang("nvmlDeviceGetUUID@0", "nvmlDeviceGetUUID@1")
-    both: list[bool] = []
-
-    def release_once_both_hang() -> None:
-        try:
-            wait_for(
-                lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 1},
-                "GPU 0's and GPU 1's reads in the driver at once",
-                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
-            )
-            both.append(True)
-        finally:
-            _release(nvml)
-
-    releaser = threading.Thread(target=release_once_both_hang, daemon=True)
-    releaser.start()
     monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the fake whose hangs the test releases
     monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
-    result = CliRunner().invoke(cli, ["gpu", "list", "--json"])
-    releaser.join()
+    with released_once(
+        nvml,
+        lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 1},
+        "GPU 0's and GPU 1's reads in the driver at once",
+    ) as both:
+        result = CliRunner().invoke(cli, ["gpu", "list", "--json"])
     assert both == [True]
     assert result.exit_code == 0, result.output
     assert [r["index"] for r in json.loads(result.stdout)] == [0, 1, 2]
@@ -495,24 +507,13 @@ def test_cap_reset_resets_the_gpus_side_by_side(
 
     _capped(nvml, tmp_path, monkeypatch)
     hang(f"{RESET}@0", f"{RESET}@1")
-    both: list[bool] = []
-
-    def release_once_both_hang() -> None:
-        try:
-            wait_for(
-                lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 1},
-                "GPU 0's and GPU 1's clock resets in the driver at once",
-                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
-            )
-            both.append(True)
-        finally:
-            _release(nvml)
-
-    releaser = threading.Thread(target=release_once_both_hang, daemon=True)
-    releaser.start()
     monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
-    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
-    releaser.join()
+    with released_once(
+        nvml,
+        lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 1},
+        "GPU 0's and GPU 1's clock resets in the driver at once",
+    ) as both:
+        result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
     assert both == [True]
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
@@ -539,25 +540,14 @@ def test_cap_reset_says_the_gpus_in_order_and_keeps_only_the_failed_ones_recorde
     uuids = _capped(nvml, tmp_path, monkeypatch)
     nvml.fake_update_device(1, errors={RESET: nvml.NVML_ERROR_UNKNOWN})
     hang(f"{RESET}@0")
-    first: list[bool] = []
-
-    def release_once_gpu_2_is_reset() -> None:
-        try:
-            wait_for(
-                lambda: uuids[2] not in _recorded(env) and nvml.fake_hangs_started(),
-                "GPU 2 reset while GPU 0 hangs",
-                timeout_s=60,  # (inside the suite's per-test timeout, to say what failed)
-            )
-            first.append(True)  # GPU 2 back, GPU 0 still in the driver
-        finally:
-            _release(nvml)
-
-    releaser = threading.Thread(target=release_once_gpu_2_is_reset, daemon=True)
-    releaser.start()
     monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
-    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
-    releaser.join()
-    assert first == [True]
+    with released_once(
+        nvml,
+        lambda: uuids[2] not in _recorded(env) and nvml.fake_hangs_started(),
+        "GPU 2 reset while GPU 0 hangs",
+    ) as first:
+        result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
+    assert first == [True]  # GPU 2 was back while GPU 0 was still in the driver
     assert result.exit_code == 1, result.output
     lines = result.stdout.splitlines()
     assert [x.split(" (")[0] for x in lines] == ["GPU 0", "GPU 2"], lines
