@@ -10,6 +10,7 @@ import json
 import tomllib
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner, Result
 from cubes import as_twin_sweep, make_cube
 
@@ -91,3 +92,15 @@ def test_a_per_batch_plan_holds_no_setting_with_a_knob_above_stock(tmp_path: Pat
     assert said == ["batch 1: SM clock stock, power limit stock"], plan.stderr
     notes = " ".join(plan.stderr.split())
     assert f"Note: {ABOVE}" in notes, plan.stderr
+
+
+@pytest.mark.usefixtures("unsaved_figures")
+def test_the_reports_caps_say_why_a_setting_above_stock_is_not_capped(tmp_path: Path) -> None:
+    report = tmp_path / "report.md"
+    run("report", str(above_stock_cube(tmp_path)), "--slack", "5%", "-o", str(report))
+    table = report.read_text().split("Caps per batch and drafter")[1].split("To write")[0]
+    one = [line for line in table.splitlines() if line.startswith("| 1 |")]
+    eight = [line for line in table.splitlines() if line.startswith("| 8 |")]
+    assert len(one) == 1 and "1500 MHz" not in one[0], table
+    assert "a knob above stock" in one[0], table
+    assert len(eight) == 1 and "1500 MHz" in eight[0] and "above stock" not in eight[0], table
