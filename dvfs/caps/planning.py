@@ -260,11 +260,14 @@ def plan_caps(
             GpuCap(uuid=u, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap) for u in targets
         ]
     chosen = f"for batch {batch}, drafter {drafter!r}, corpus {corpus}"
+    above = above_stock_note(doc, [r for group in groups.values() for r in group])
     if not caps:
         noise = any(r.get("saving_set_aside_within_noise") for r in rows)
         raise CapsError(
-            f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap"
+            f"the {'plan' if above else 'chosen setting'} is {'; '.join(at_stock)} {chosen}: "
+            "nothing to cap"
             + (f" ({NOISE_NOTE})" if noise else "")
+            + (f" ({above})" if above else "")
         )
     # A merged document's other GPUs (or models) may still be capped where these are not: the
     # file leaves these out, as a knob at stock is left out, and says so.
@@ -285,6 +288,7 @@ def plan_caps(
         "corpus": corpus,
         "grid_edge": GRID_EDGE_NOTE if edge else None,
         "not_capped": not_capped,
+        "above_stock": above,
     }
     return CapsFile(tuple(caps), meta)
 
@@ -389,18 +393,70 @@ def model_of(doc: dict[str, Any], row: dict[str, Any]) -> str | None:
     return str(names[label])
 
 
+#: Why a row whose chosen setting has a knob above stock is planned at stock on both knobs.
+ABOVE_STOCK_NOTE = (
+    "a cap only lowers a knob from stock, so that setting cannot be held, and capping the other "
+    "knob alone would run a setting never measured: planned at stock"
+)
+
+
+def above_stock(doc: dict[str, Any], row: dict[str, Any]) -> str | None:
+    """Which knob of a row's chosen setting is above its GPU's stock value (a grid that swept
+    a power limit above the default, say), said as `the power limit is above stock (600 W)`;
+    None where neither is. Caps cannot hold such a setting: a cap only lowers a knob."""
+    chosen = row.get("chosen")
+    if not row.get("feasible") or not isinstance(chosen, dict):
+        return None
+    stock_clock, stock_limit = stock_of(_reference_for(doc["reference"], row.get("gpu")))
+    clock, limit = chosen.get("sm_clock_mhz"), chosen.get("power_limit_w")
+    above = []
+    if clock is not None and clock > stock_clock:
+        above.append(f"the SM clock is above stock ({stock_clock} MHz)")
+    if limit is not None and limit > stock_limit:
+        above.append(f"the power limit is above stock ({stock_limit:g} W)")
+    return " and ".join(above) or None
+
+
+def above_stock_note(doc: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str | None:
+    """One line naming each row (batch, corpus, GPU) whose chosen setting has a knob above
+    stock, that setting and why it is planned at stock; None where no row's has."""
+    parts = []
+    for r in rows:
+        why = above_stock(doc, r)
+        if why is None:
+            continue
+        chosen = r["chosen"]
+        clock = chosen.get("sm_clock_mhz")
+        limit = chosen.get("power_limit_w")
+        setting = "{} / {}".format(
+            "stock" if clock is None else f"{clock} MHz",
+            "stock" if limit is None else f"{limit:g} W",
+        )
+        where = f" on {str(r['gpu'])[:16]}" if r.get("gpu") else ""
+        parts.append(f"batch {r['batch']}, corpus {r['corpus']}{where} chose {setting}, but {why}")
+    return f"{'; '.join(parts)}: {ABOVE_STOCK_NOTE}" if parts else None
+
+
 def least_aggressive(
     doc: dict[str, Any], group: Sequence[dict[str, Any]]
 ) -> tuple[int | None, float | None]:
     """Per knob the highest value chosen over the rows (corpora, GPUs): the SM clock cap (MHz)
     and power limit (W), None (stock) where any row chose its GPU's stock value or above, or
-    chose nothing. Safe for every row as long as latency does not rise when a knob goes up."""
+    chose nothing. Safe for every row as long as latency does not rise when a knob goes up.
+    A row whose chosen setting has a knob above stock (`above_stock`) counts as stock on both
+    knobs: a cap cannot raise that knob, and the other capped alone is a setting never
+    measured, below the chosen one on the first knob."""
     clock_cap: int | None = None
     limit_cap: float | None = None
     clock_stock = limit_stock = False
     for r in group:
         stock_clock, stock_limit = stock_of(_reference_for(doc["reference"], r.get("gpu")))
         clock, limit = r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]
+        if (clock is not None and clock > stock_clock) or (
+            limit is not None and limit > stock_limit
+        ):
+            clock_stock = limit_stock = True
+            continue
         if clock is None or clock >= stock_clock:
             clock_stock = True
         else:
@@ -447,9 +503,10 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
     (`corpus` "worst-case") and across the GPUs of a merged document, all of one model: the
     plan names the model `dvfs govern` checks each GPU against.
 
-    A batch with no feasible setting, whose chosen setting is stock, or whose saving is unknown
-    (`unknown_saving`: no cap, as `plan_caps` plans none), is planned at stock: the governor
-    then leaves the GPU alone at that load.
+    A batch with no feasible setting, whose chosen setting is stock or has a knob above stock
+    (`above_stock`: no cap holds it), or whose saving is unknown (`unknown_saving`: no cap, as
+    `plan_caps` plans none), is planned at stock: the governor then leaves the GPU alone at
+    that load.
     """
     from dvfs.govern.plan import BatchPlan
 
@@ -483,6 +540,7 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
     edge_batches = []
     noise_batches = []  # planned at stock where a lower setting's saving was within the noise
     unknown_batches = []  # planned at stock where the chosen setting's saving is unknown
+    above_rows = []  # chose a knob above stock, which no cap holds: planned at stock
     for batch in sorted({int(r["batch"]) for r in rows}):
         group = [r for r in rows if int(r["batch"]) == batch]
         step = _batch_step(doc, batch, group)
@@ -493,11 +551,15 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
             noise_batches.append(str(batch))
         if all(r["feasible"] for r in group) and unknown_saving(doc, group):
             unknown_batches.append(str(batch))
+        elif all(r["feasible"] for r in group):
+            above_rows += [r for r in group if above_stock(doc, r)]
+    above = above_stock_note(doc, above_rows)
     if all(step.setting.is_stock for step in steps) and (
-        any(r.get("saving_set_aside_within_noise") for r in rows) or unknown_batches
+        any(r.get("saving_set_aside_within_noise") for r in rows) or unknown_batches or above
     ):
         why = [NOISE_NOTE] if noise_batches else []
         why += [f"batch {', '.join(unknown_batches)}: {UNKNOWN_NOTE}"] if unknown_batches else []
+        why += [above] if above else []
         raise CapsError(
             "per-batch plan: every step is stock, so there is nothing to govern (drafter "
             f"{drafter!r}, corpus {corpus}); {'; '.join(why)}"
@@ -526,6 +588,7 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
             if unknown_batches
             else None
         ),
+        "above_stock": above,
     }
     try:
         return BatchPlan(tuple(steps), measured_on, drafter, meta)
@@ -535,10 +598,13 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
 
 def _batch_step(doc: dict[str, Any], batch: int, group: list[dict[str, Any]]) -> BatchStep:
     """One batch's step: stock when any corpus (or GPU) has no feasible setting; else per knob
-    the highest chosen value, a knob at or above the GPU's stock value left at stock."""
+    the highest chosen value, a knob at or above the GPU's stock value left at stock (both
+    knobs where a row chose one above stock: `least_aggressive`)."""
     from dvfs.govern.plan import BatchStep, Setting
 
     if not all(r["feasible"] for r in group) or unknown_saving(doc, group):
+        return BatchStep(batch, Setting())
+    if any(above_stock(doc, r) for r in group):  # no energy: the chosen setting's is not stock's
         return BatchStep(batch, Setting())
     # The planned energies are meaningful for one corpus on one GPU only.
     single = group[0] if len(group) == 1 else {}

@@ -153,7 +153,7 @@ def plan(
             f"({escape(str(caps.meta.get('measured_on')))}), not from measurements of real "
             "GPUs; `dvfs cap apply` refuses them unless given --allow-simulated.[/yellow]"
         )
-    for note in ("grid_edge", "not_capped"):
+    for note in ("grid_edge", "not_capped", "above_stock"):
         if caps.meta.get(note):
             err.print(f"[yellow]Note: {escape(str(caps.meta[note]))}.[/yellow]")
     if out_path is None:
@@ -200,7 +200,7 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
         )
     for step in plan.steps:
         err.print(f"batch {step.batch}: {escape(step.setting.describe())}")
-    for note in ("grid_edge", "within_noise", "saving_unknown"):
+    for note in ("grid_edge", "within_noise", "saving_unknown", "above_stock"):
         if plan.meta.get(note):
             err.print(f"[yellow]Note: {escape(str(plan.meta[note]))}.[/yellow]")
     err.print(

@@ -376,7 +376,13 @@ def per_gpu_documents(room: dict[str, Any], names: dict[str, str]) -> list[dict[
 
 def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str, ...]]:
     from dvfs.caps.files import is_twin_name
-    from dvfs.caps.planning import NOISE_NOTE, plan_caps, twin_model, unknown_saving
+    from dvfs.caps.planning import (
+        ABOVE_STOCK_NOTE,
+        NOISE_NOTE,
+        plan_caps,
+        twin_model,
+        unknown_saving,
+    )
     from dvfs.errors import CapsError
 
     group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
@@ -406,6 +412,8 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
         why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
         if why.startswith("stock") and NOISE_NOTE in str(exc):  # `dvfs cap plan` says why
             why += " (a lower setting's saving is within the measurement noise)"
+        if why.startswith("stock") and ABOVE_STOCK_NOTE in str(exc):  # as `dvfs cap plan` says
+            why += " (the chosen setting has a knob above stock, which a cap cannot hold)"
         return [(*lead, label, "stock", "stock", why) for label in labels]
     rows: list[tuple[str, ...]] = []
     # A cap at the lowest setting swept is where the grid stopped, not an optimum.

@@ -1,0 +1,106 @@
+"""A cap only lowers a knob from stock: a chosen setting with a knob ABOVE stock (a grid that
+swept power limits above the GPU's default) cannot be held by caps, so `dvfs cap plan` plans
+that row at stock on both knobs and says so, end to end through the CLI. On the old code it
+capped the clock and left the limit at stock, below the chosen one: 1500 MHz / 600 W, a
+setting that missed the target (17.2 ms against 10.5 ms) where 1500 MHz / 700 W met it."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from cubes import as_twin_sweep, make_cube
+
+from dvfs.cli import cli
+from dvfs.cube import write_cube
+
+UUID = "GPU-aaaaaaaa-0000-4000-8000-000000000001"
+ABOVE = "batch 1, corpus code chose 1500 MHz / 700 W, but the power limit is above stock (600 W)"
+
+
+def run(*args: str, code: int = 0) -> Result:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result
+
+
+def latency(clock: int, limit: float, batch: int, *_: object) -> float:
+    """Stock is 1980 MHz / 600 W (10 ms). At batch 1, 1500 MHz meets the target only at the
+    700 W limit above stock; at batch 8 it does at stock's 600 W as well."""
+    if clock == 1000:
+        return 20.0
+    if clock == 1500:
+        return 10.4 if limit >= (700.0 if batch == 1 else 600.0) else 17.2
+    return 10.0 if limit >= 600.0 else 17.0
+
+
+def above_stock_cube(tmp_path: Path) -> Path:
+    ds = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[400.0, 600.0, 700.0],
+        batches=[1, 8],
+        latency=latency,
+        energy=lambda clock, limit, *_: clock / 1000 + limit / 10000,
+        stock_clock=1980,
+        stock_limit=600.0,
+    )
+    return write_cube(
+        as_twin_sweep(ds, uuid=UUID, gpu_name="NVIDIA H100 80GB HBM3 (twin)", campaign="above"),
+        tmp_path / "cube.nc",
+    )
+
+
+def headroom_json(tmp_path: Path) -> Path:
+    cube = above_stock_cube(tmp_path)
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(cube), "--slack", "5%", "--json", "-o", str(saved))
+    room = json.loads(saved.read_text())
+    chosen = {r["batch"]: r["chosen"] for r in room["rows"]}
+    # headroom's own answer stands: the limit above stock at batch 1
+    assert chosen == {
+        1: {"sm_clock_mhz": 1500, "power_limit_w": 700.0},
+        8: {"sm_clock_mhz": 1500, "power_limit_w": 600.0},
+    }
+    return saved
+
+
+def test_a_static_plan_holds_no_setting_with_a_knob_above_stock(tmp_path: Path) -> None:
+    saved = headroom_json(tmp_path)
+    refused = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none", code=2)
+    assert "nothing to cap" in refused.output and ABOVE in refused.output, refused.output
+    assert "1500 MHz / 600 W" not in refused.output
+    # batch 8's setting is below stock on the clock, at stock on the limit: capped as before
+    plan = run("cap", "plan", str(saved), "--batch", "8", "--drafter", "none")
+    (cap,) = tomllib.loads(plan.stdout)["model"]
+    assert cap["sm_clock_max_mhz"] == 1500 and "power_limit_w" not in cap
+    assert "above stock" not in plan.output
+
+
+def test_a_per_batch_plan_holds_no_setting_with_a_knob_above_stock(tmp_path: Path) -> None:
+    saved = headroom_json(tmp_path)
+    plan = run("cap", "plan", str(saved), "--per-batch", "--drafter", "none")
+    doc = tomllib.loads(plan.stdout)
+    one, eight = doc["batch"]
+    assert one == {"batch": 1}  # stock on both knobs
+    assert eight["sm_clock_mhz"] == 1500 and "power_limit_w" not in eight
+    assert ABOVE in doc["meta"]["above_stock"]
+    assert "batch 8" not in doc["meta"]["above_stock"]
+    said = [line for line in plan.stderr.splitlines() if line.startswith("batch 1:")]
+    assert said == ["batch 1: SM clock stock, power limit stock"], plan.stderr
+    notes = " ".join(plan.stderr.split())
+    assert f"Note: {ABOVE}" in notes, plan.stderr
+
+
+@pytest.mark.usefixtures("unsaved_figures")
+def test_the_reports_caps_say_why_a_setting_above_stock_is_not_capped(tmp_path: Path) -> None:
+    report = tmp_path / "report.md"
+    run("report", str(above_stock_cube(tmp_path)), "--slack", "5%", "-o", str(report))
+    table = report.read_text().split("Caps per batch and drafter")[1].split("To write")[0]
+    one = [line for line in table.splitlines() if line.startswith("| 1 |")]
+    eight = [line for line in table.splitlines() if line.startswith("| 8 |")]
+    assert len(one) == 1 and "1500 MHz" not in one[0], table
+    assert "a knob above stock" in one[0], table
+    assert len(eight) == 1 and "1500 MHz" in eight[0] and "above stock" not in eight[0], table
