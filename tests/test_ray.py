@@ -1906,6 +1906,8 @@ def ray_errors() -> list:  # type: ignore[type-arg]
         ("cancelled", rex.TaskCancelledError(error_message="the task was cancelled")),
         ("get-timeout", rex.GetTimeoutError("Get timed out: some object(s) not ready.")),
         ("system-error", rex.RaySystemError("the raylet died")),
+        # an actor unreachable for now (restarting, its network): it may answer again
+        ("actor-unavailable", rex.ActorUnavailableError("the actor is restarting", None)),
         # as a real Ray answers an actor whose runtime_env (its job's) could not be set up
         ("runtime-env", rex.RuntimeEnvSetupError(error_message=RUNTIME_ENV_FAILED)),
         ("unschedulable", rex.ActorUnschedulableError("its node affinity's node is dead")),
@@ -1990,7 +1992,7 @@ def test_a_ray_error_as_the_workers_open_is_one_line_naming_the_reset(name: str)
     assert closed == ["n1/gpu0"]  # the one that opened put its GPUs back
 
 
-@pytest.mark.parametrize("name", ["get-timeout", "system-error"])
+@pytest.mark.parametrize("name", ["get-timeout", "system-error", "actor-unavailable"])
 def test_a_close_ray_lost_names_the_gpus_left_changed(name: str) -> None:
     """Real GPUs: an actor's close answers one of Ray's errors other than a dead actor's (a
     close that did not finish in time, Ray's system error), and its actor is then killed:
@@ -2324,7 +2326,7 @@ def test_a_worker_that_raised_on_a_cut_off_node_stalls_no_one_and_its_gpus_are_n
     }
 
 
-@pytest.mark.parametrize("name", ["system-error"])
+@pytest.mark.parametrize("name", ["system-error", "actor-unavailable"])
 def test_a_unit_ray_failed_closes_its_actor_while_the_others_go_on(name: str) -> None:
     """Real GPUs: Ray failed a worker's unit (its system error; its actor unreachable for a
     while, restarting or its network), and the actor's close answers only once the other worker

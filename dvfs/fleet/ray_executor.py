@@ -1102,10 +1102,12 @@ class RayExecutor:
 #: signal), Ray's memory monitor killed it as its node ran low on memory (OutOfMemoryError,
 #: not a RayActorError: an ordinary loss on a busy cluster), its node died, its worker crashed,
 #: or the unit it returned was lost with its node (an actor's unit is not retried).
+#: Not ActorUnavailableError: Ray's word for an actor unreachable for now (restarting, its
+#: network), which may answer again: it is closed under the bound like any other, its GPUs
+#: named only where its close does not answer.
 GONE = (
     "RayActorError",
     "ActorDiedError",
-    "ActorUnavailableError",
     "OutOfMemoryError",
     "NodeDiedError",
     "WorkerCrashedError",
