@@ -1906,6 +1906,8 @@ def ray_errors() -> list:  # type: ignore[type-arg]
         ("cancelled", rex.TaskCancelledError(error_message="the task was cancelled")),
         ("get-timeout", rex.GetTimeoutError("Get timed out: some object(s) not ready.")),
         ("system-error", rex.RaySystemError("the raylet died")),
+        # an actor unreachable for now (restarting, its network): it may answer again
+        ("actor-unavailable", rex.ActorUnavailableError("the actor is restarting", None)),
         # as a real Ray answers an actor whose runtime_env (its job's) could not be set up
         ("runtime-env", rex.RuntimeEnvSetupError(error_message=RUNTIME_ENV_FAILED)),
         ("unschedulable", rex.ActorUnschedulableError("its node affinity's node is dead")),
@@ -1990,7 +1992,7 @@ def test_a_ray_error_as_the_workers_open_is_one_line_naming_the_reset(name: str)
     assert closed == ["n1/gpu0"]  # the one that opened put its GPUs back
 
 
-@pytest.mark.parametrize("name", ["get-timeout", "system-error"])
+@pytest.mark.parametrize("name", ["get-timeout", "system-error", "actor-unavailable"])
 def test_a_close_ray_lost_names_the_gpus_left_changed(name: str) -> None:
     """Real GPUs: an actor's close answers one of Ray's errors other than a dead actor's (a
     close that did not finish in time, Ray's system error), and its actor is then killed:
@@ -2221,3 +2223,128 @@ def test_a_signal_while_the_actors_close_names_only_those_not_closed_yet() -> No
         "a": ["GPU-a"],
         "b": ["the GPUs of worker b/w1 (its close was given up)"],
     }
+
+
+def drive_two_workers(error: BaseException, answers_after: int | None):  # type: ignore[no-untyped-def]
+    """`RayExecutor._drive` over stand-ins of Ray and a fleet of four units on two real-GPU
+    workers: the first unit of worker `a/w0` answers `error`; what its actor is asked then
+    (its close, what it left changed) answers once `b/w1` shipped `answers_after` units
+    (None: never, its node cut off). The executor and what happened, in order."""
+    import ray.exceptions
+
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    events: list[str] = []
+    queue = ["u0", "u1", "u2", "u3"]
+    shipped: list[str] = []
+    killed: list[str] = []
+
+    class Method:
+        def __init__(self, label: str, name: str) -> None:
+            self.label, self.name = label, name
+
+        def remote(self, *args: object) -> tuple[object, ...]:
+            events.append(f"ask {self.name} {self.label}")
+            return (self.name, self.label, *args)
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            for name in ("run", "close", "unrestored", "close_error"):
+                setattr(self, name, Method(label, name))
+
+    def ready(ref: tuple[object, ...]) -> bool:
+        if ref[0] == "run" or ref[1] != "a/w0":
+            return True
+        return answers_after is not None and len(shipped) >= answers_after
+
+    def wait(refs: list, *, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
+        done = [r for r in refs if ready(r)][:num_returns]
+        return done, [r for r in refs if r not in done]
+
+    def get(ref: tuple[object, ...], timeout: float | None = None) -> object:
+        if not ready(ref):
+            events.append(f"hung {ref[0]} {ref[1]}")  # Ray's get waits for it (its timeout)
+            raise ray.exceptions.GetTimeoutError("Get timed out")
+        events.append(f"get {ref[0]} {ref[1]}")
+        if ref[0] == "run":
+            if ref[1] == "a/w0":
+                raise error
+            cell = types.SimpleNamespace(drafter=None)
+            return types.SimpleNamespace(unit=ref[2], cell=cell, gpu_time_s=1.0)
+        return [] if ref[0] == "unrestored" else None
+
+    def lost(label: str, cell: str, why: str, record: dict) -> None:  # type: ignore[type-arg]
+        events.append(f"lost {label} {cell}")
+        queue.insert(0, cell)
+
+    def ship(label: str, shipment: types.SimpleNamespace) -> None:
+        events.append(f"shipped {label} {shipment.unit}")
+        shipped.append(shipment.unit)
+
+    campaign = types.SimpleNamespace(gpu=types.SimpleNamespace(backend="nvml", actuation=True))
+
+    class Fleet(types.SimpleNamespace):
+        @property
+        def finished(self) -> bool:
+            return len(shipped) == 4
+
+    fleet = Fleet(
+        campaign=campaign,
+        take=lambda label, drafter: queue.pop(0) if queue else None,
+        started=lambda label, unit: None,
+        shipped=ship,
+        lost=lost,
+        has_cells=lambda label: False,
+        note=lambda message: events.append(f"note {message}"),
+    )
+    ray = types.SimpleNamespace(get=get, wait=wait, kill=lambda actor: killed.append(actor.label))
+    alive = {"a/w0": Actor("a/w0"), "b/w1": Actor("b/w1")}
+    executor = RayExecutor(Path("out"))
+    executor._drive(ray, fleet, alive, False)  # type: ignore[arg-type]
+    return executor, events, killed, shipped
+
+
+def test_a_worker_that_raised_on_a_cut_off_node_stalls_no_one_and_its_gpus_are_named() -> None:
+    """Real GPUs: a worker raised in its unit, and its actor's node is cut off as the driver
+    asks what its close left changed. Two gets in turn waited for it, half an hour each, the
+    other worker idle, and the actor was left running with its GPUs unnamed. It is read as it
+    answers while the other goes on; not answered by the run's end (under the close bound),
+    its actor is killed and its GPUs named."""
+    import ray.exceptions
+
+    raised = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", RuntimeError("boom"))
+    executor, events, killed, shipped = drive_two_workers(raised.as_instanceof_cause(), None)
+    assert not [e for e in events if e.startswith("hung")], events
+    assert sorted(shipped) == ["u0", "u1", "u2", "u3"]  # the other worker took its unit
+    assert killed == ["a/w0"]
+    assert executor.unrestored == {
+        "a": [
+            "the GPUs of worker a/w0 (its word on the GPUs it left changed did not come "
+            "within 1800 s)"
+        ]
+    }
+
+
+@pytest.mark.parametrize("name", ["system-error", "actor-unavailable"])
+def test_a_unit_ray_failed_closes_its_actor_while_the_others_go_on(name: str) -> None:
+    """Real GPUs: Ray failed a worker's unit (its system error; its actor unreachable for a
+    while, restarting or its network), and the actor's close answers only once the other worker
+    shipped two units. The driver waited on that close (up to the close bound) with the other
+    worker idle, then, the close not yet answered, killed it and named its GPUs; an unreachable
+    actor was taken for dead: never closed, its GPUs named. Its close is now read as it
+    answers while the other goes on: its GPUs restored, nothing named, nothing killed."""
+    import ray.exceptions
+
+    error = {
+        "system-error": ray.exceptions.RaySystemError("the raylet died"),
+        "actor-unavailable": ray.exceptions.ActorUnavailableError("it is restarting", None),
+    }[name]
+    executor, events, killed, shipped = drive_two_workers(error, 2)
+    assert not [e for e in events if e.startswith("hung")], events
+    assert sorted(shipped) == ["u0", "u1", "u2", "u3"]
+    assert killed == []
+    assert executor.unrestored == {}, executor.unrestored
+    assert "ask close a/w0" in events
+    # the other worker shipped its first units while the close ran
+    assert events.index("get close a/w0") > events.index("shipped b/w1 u1"), events

@@ -866,6 +866,9 @@ class RayExecutor:
         idle = list(alive)
         exhausted: list[str] = []  # found the queue empty; back if a lost cell returns
         times: dict[str, float] = dict.fromkeys(alive, 0.0)
+        # Lost workers whose actors are asked what they left changed (closed first where Ray
+        # failed their unit): label -> (actor, first ref, second ref, whether closed).
+        retiring: dict[str, tuple[Any, Any, Any, bool]] = {}
 
         def feed() -> None:
             # Again while a worker ran out in the pass: it left the pacer, so one that waited
@@ -898,12 +901,15 @@ class RayExecutor:
                         shipment = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001  (its actor died, or its worker raised)
                         self._lost(fleet, label, unit, exc)
+                        actor = alive[label]
                         if not actor_gone(exc) and ray_failure(exc) is exc:
                             # Ray's own (not its worker's raise, which closed it): the actor
                             # lives on, its GPUs set, and is closed before it is killed.
-                            self._close(ray, fleet.campaign, {label: alive[label]})
+                            asked = (actor.close.remote(), actor.unrestored.remote(), True)
                         else:
-                            self._left(ray, label, alive[label], failed=True)
+                            asked = (actor.unrestored.remote(), actor.close_error.remote(), False)
+                        # Read as it answers: the other workers go on meanwhile.
+                        retiring[label] = (actor, *asked)
                         alive.pop(label, None)
                         if pacer is not None:
                             pacer.leave(label)
@@ -924,12 +930,23 @@ class RayExecutor:
                         idle.append(back)
                         if pacer is not None:
                             pacer.free(back, times[back])
+                if retiring:
+                    self._retire(ray, fleet.campaign, retiring, 0.0)
                 feed()
+            if retiring:  # before the run's end reads what they left changed
+                self._retire(ray, fleet.campaign, retiring, CLOSE_TIMEOUT_S)
         except (KeyboardInterrupt, Interrupted):
             # Ctrl-C or SIGTERM: each actor still finishes its unit in flight (its `close`
             # waits behind it), so journal what they finish, as the local executor does,
             # before the interruption goes on (a second signal gives up waiting).
-            self._collect(ray, fleet, pending)
+            try:
+                self._collect(ray, fleet, pending)
+            finally:
+                self._retire(ray, fleet.campaign, retiring, CLOSE_TIMEOUT_S)
+            raise
+        except BaseException:
+            # The run failed: the lost workers' GPUs are known (or named) before it ends.
+            self._retire(ray, fleet.campaign, retiring, CLOSE_TIMEOUT_S)
             raise
         if not fleet.finished and not alive:
             if self.replaced is not None and not self.unrestored:
@@ -973,17 +990,58 @@ class RayExecutor:
         self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} ({why})")
         return True
 
-    def _left(self, ray: Any, label: str, actor: Any, failed: bool = False) -> None:
-        """Note the GPUs an actor that closed (or whose worker raised: `failed`, and what its
-        close raised then) left changed."""
+    def _retire(
+        self,
+        ray: Any,
+        campaign: Any,
+        retiring: dict[str, tuple[Any, Any, Any, bool]],
+        wait_s: float,
+    ) -> None:
+        """Read the lost workers' actors of `retiring` that answered within `wait_s` (0: those
+        that did by now), and drop them from it. One whose worker raised (it closed itself)
+        answered its `unrestored` and `close_error`; one whose unit Ray failed, its `close`
+        and `unrestored`. With a bound (`wait_s` > 0) all are awaited together, and those that
+        did not answer in it (their node cut off) are killed, their GPUs named as left
+        changed: each was awaited in turn, half an hour a call, the other workers waiting."""
+        if not retiring:
+            return
+        done: list[str] = []
+        try:
+            refs = [ref for _, first, second, _ in retiring.values() for ref in (first, second)]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+            for label, (actor, first, second, closes) in retiring.items():
+                if closes and first in ready:
+                    self._closed(ray, campaign, label, first, second if second in ready else None)
+                elif not closes and first in ready and second in ready:
+                    self._left(ray, label, first, second)
+                elif wait_s <= 0:
+                    continue
+                else:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor)
+                    what = "its close" if closes else "its word on the GPUs it left changed"
+                    self._note_died(campaign, label, f"{what} did not come within {wait_s:g} s")
+                done.append(label)
+        except BaseException:
+            if wait_s > 0:  # a signal as they closed: the rest given up
+                for label in retiring:
+                    if label not in done:
+                        self._note_died(campaign, label, "its close was given up")
+                done = list(retiring)
+            raise
+        finally:
+            for label in done:
+                retiring.pop(label, None)
+
+    def _left(self, ray: Any, label: str, unrestored: Any, close_error: Any) -> None:
+        """Note the GPUs an actor whose worker raised (and closed) left changed (`unrestored`,
+        its answer), and what its close raised then (`close_error`)."""
         with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
-            left = ray.get(actor.unrestored.remote(), timeout=OPEN_TIMEOUT_S)
+            left = ray.get(unrestored)
             if left:
                 host = label.split("/", 1)[0]
                 self.unrestored.setdefault(host, []).extend(str(u) for u in left)
-            closing = (
-                ray.get(actor.close_error.remote(), timeout=OPEN_TIMEOUT_S) if failed else None
-            )
+            closing = ray.get(close_error)
             if closing is not None:
                 self.close_errors.append(closing)
 
@@ -1044,10 +1102,12 @@ class RayExecutor:
 #: signal), Ray's memory monitor killed it as its node ran low on memory (OutOfMemoryError,
 #: not a RayActorError: an ordinary loss on a busy cluster), its node died, its worker crashed,
 #: or the unit it returned was lost with its node (an actor's unit is not retried).
+#: Not ActorUnavailableError: Ray's word for an actor unreachable for now (restarting, its
+#: network), which may answer again: it is closed under the bound like any other, its GPUs
+#: named only where its close does not answer.
 GONE = (
     "RayActorError",
     "ActorDiedError",
-    "ActorUnavailableError",
     "OutOfMemoryError",
     "NodeDiedError",
     "WorkerCrashedError",
