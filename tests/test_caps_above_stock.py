@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import xarray as xr
 from click.testing import CliRunner, Result
 from cubes import as_twin_sweep, make_cube
 
@@ -37,8 +38,8 @@ def latency(clock: int, limit: float, batch: int, *_: object) -> float:
     return 10.0 if limit >= 600.0 else 17.0
 
 
-def above_stock_cube(tmp_path: Path) -> Path:
-    ds = make_cube(
+def above_stock_ds() -> xr.Dataset:
+    return make_cube(
         clocks=[1000, 1500, 1980],
         limits=[400.0, 600.0, 700.0],
         batches=[1, 8],
@@ -47,6 +48,10 @@ def above_stock_cube(tmp_path: Path) -> Path:
         stock_clock=1980,
         stock_limit=600.0,
     )
+
+
+def above_stock_cube(tmp_path: Path) -> Path:
+    ds = above_stock_ds()
     return write_cube(
         as_twin_sweep(ds, uuid=UUID, gpu_name="NVIDIA H100 80GB HBM3 (twin)", campaign="above"),
         tmp_path / "cube.nc",
@@ -104,3 +109,19 @@ def test_the_reports_caps_say_why_a_setting_above_stock_is_not_capped(tmp_path: 
     assert len(one) == 1 and "1500 MHz" not in one[0], table
     assert "a knob above stock" in one[0], table
     assert len(eight) == 1 and "1500 MHz" in eight[0] and "above stock" not in eight[0], table
+
+
+def test_the_headroom_map_names_a_chosen_limit_above_stock() -> None:
+    """The map named a cell's power limit only where capped below the reference's (600 W):
+    batch 1's 1500 MHz / 700 W read "1500 MHz" alone, the stock limit, the setting plan45's
+    caps would have run and which misses the target. It names 700 W, without a cap outline."""
+    from dvfs.analysis.headroom import Target, headroom
+    from dvfs.plots import draw_headroom
+
+    result = headroom(above_stock_ds(), target=Target("preserve", slack=0.05))
+    fig = draw_headroom(result)
+    cells = [" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts]
+    one = [c for c in cells if "1500 MHz" in c]
+    assert len(one) == 2 and any(c.endswith("1500 MHz 700 W") for c in one), cells
+    assert not any(c.endswith("600 W") for c in one), cells  # batch 8: at the reference's
+    assert not [p for ax in fig.axes for p in ax.patches if p.get_gid() == "cap"]
