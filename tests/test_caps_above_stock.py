@@ -125,3 +125,37 @@ def test_the_headroom_map_names_a_chosen_limit_above_stock() -> None:
     assert len(one) == 2 and any(c.endswith("1500 MHz 700 W") for c in one), cells
     assert not any(c.endswith("600 W") for c in one), cells  # batch 8: at the reference's
     assert not [p for ax in fig.axes for p in ax.patches if p.get_gid() == "cap"]
+
+
+def test_a_merged_plan_does_not_call_a_gpu_above_stock_at_stock(tmp_path: Path) -> None:
+    """A merged document: the H100 (stock 600 W) chose 1500 MHz / 700 W, the H200 (stock
+    700 W) 1000 MHz. The H200 is capped and the H100 left out, but [meta] not_capped said
+    "the chosen setting is stock (1980 MHz, 600 W)" on the H100 beside an above_stock note
+    naming its chosen 1500 MHz / 700 W: it says the plan is stock there."""
+    h100, h200 = "NVIDIA H100 80GB HBM3 (twin)", "NVIDIA H200 (twin)"
+    a = write_cube(
+        as_twin_sweep(above_stock_ds(), uuid=UUID, gpu_name=h100, campaign="m"), tmp_path / "a.nc"
+    )
+    other = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[400.0, 600.0, 700.0],
+        batches=[1, 8],
+        latency=lambda clock, limit, *_: 10.0 if limit >= 700.0 else 30.0,
+        energy=lambda clock, limit, *_: clock / 1000 + limit / 10000,
+        stock_clock=1980,
+        stock_limit=700.0,
+    )
+    uuid_b = "GPU-bbbbbbbb-0000-4000-8000-000000000002"
+    b = write_cube(
+        as_twin_sweep(other, uuid=uuid_b, gpu_name=h200, campaign="m"), tmp_path / "b.nc"
+    )
+    run("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(tmp_path / "m.nc"), "--slack", "5%", "--json", "-o", str(saved))
+    plan = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none")
+    caps = tomllib.loads(plan.stdout)
+    assert [(c["name"], c["sm_clock_max_mhz"]) for c in caps["model"]] == [(h200, 1000)]
+    assert "1500 MHz / 700 W" in caps["meta"]["above_stock"]
+    not_capped = caps["meta"]["not_capped"]
+    assert f"the plan is stock (1980 MHz, 600 W) on {h100}" in not_capped, not_capped
+    assert "the chosen setting is stock" not in not_capped
