@@ -159,3 +159,28 @@ def test_a_merged_plan_does_not_call_a_gpu_above_stock_at_stock(tmp_path: Path) 
     not_capped = caps["meta"]["not_capped"]
     assert f"the plan is stock (1980 MHz, 600 W) on {h100}" in not_capped, not_capped
     assert "the chosen setting is stock" not in not_capped
+
+
+def test_the_curves_never_call_a_limit_above_stock_a_cap() -> None:
+    """The energy-vs-clock and Pareto keys named every limit but the reference's a cap: on a
+    grid of 400, 600 and 700 W with stock 600 W, "700 W power limit (cap)", a limit above
+    stock that no cap sets. It is named above stock; 400 W is still a cap."""
+    from dvfs.analysis.headroom import Target, headroom, reference_setting
+    from dvfs.plots import draw_energy_vs_clock, draw_pareto
+    from dvfs.plots.style import limit_styles
+
+    ds = above_stock_ds()
+    ref = reference_setting(ds)
+    styles = limit_styles([400.0, 600.0, 700.0], ref.power_limit, ref.stock_power_limit)
+    assert [s.label for s in styles.values()] == [
+        "700 W power limit (above stock)",
+        "600 W power limit (stock)",
+        "400 W power limit (cap)",
+    ]
+    target = Target("preserve", slack=0.05)
+    result = headroom(ds, target=target)
+    for fig in (draw_energy_vs_clock(ds, "code"), draw_pareto(ds, result, target, "code")):
+        legends = [*fig.legends, *(a.get_legend() for a in fig.axes if a.get_legend())]
+        labels = [t.get_text() for legend in legends for t in legend.get_texts()]
+        assert "700 W power limit (above stock)" in labels, labels
+        assert not [label for label in labels if "700 W" in label and "cap" in label], labels
