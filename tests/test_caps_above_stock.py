@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import xarray as xr
 from click.testing import CliRunner, Result
 from cubes import as_twin_sweep, make_cube
 
@@ -37,8 +38,8 @@ def latency(clock: int, limit: float, batch: int, *_: object) -> float:
     return 10.0 if limit >= 600.0 else 17.0
 
 
-def above_stock_cube(tmp_path: Path) -> Path:
-    ds = make_cube(
+def above_stock_ds() -> xr.Dataset:
+    return make_cube(
         clocks=[1000, 1500, 1980],
         limits=[400.0, 600.0, 700.0],
         batches=[1, 8],
@@ -47,6 +48,10 @@ def above_stock_cube(tmp_path: Path) -> Path:
         stock_clock=1980,
         stock_limit=600.0,
     )
+
+
+def above_stock_cube(tmp_path: Path) -> Path:
+    ds = above_stock_ds()
     return write_cube(
         as_twin_sweep(ds, uuid=UUID, gpu_name="NVIDIA H100 80GB HBM3 (twin)", campaign="above"),
         tmp_path / "cube.nc",
@@ -104,3 +109,78 @@ def test_the_reports_caps_say_why_a_setting_above_stock_is_not_capped(tmp_path: 
     assert len(one) == 1 and "1500 MHz" not in one[0], table
     assert "a knob above stock" in one[0], table
     assert len(eight) == 1 and "1500 MHz" in eight[0] and "above stock" not in eight[0], table
+
+
+def test_the_headroom_map_names_a_chosen_limit_above_stock() -> None:
+    """The map named a cell's power limit only where capped below the reference's (600 W):
+    batch 1's 1500 MHz / 700 W read "1500 MHz" alone, the stock limit, the setting plan45's
+    caps would have run and which misses the target. It names 700 W, without a cap outline."""
+    from dvfs.analysis.headroom import Target, headroom
+    from dvfs.plots import draw_headroom
+
+    result = headroom(above_stock_ds(), target=Target("preserve", slack=0.05))
+    fig = draw_headroom(result)
+    cells = [" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts]
+    one = [c for c in cells if "1500 MHz" in c]
+    assert len(one) == 2 and any(c.endswith("1500 MHz 700 W") for c in one), cells
+    assert not any(c.endswith("600 W") for c in one), cells  # batch 8: at the reference's
+    assert not [p for ax in fig.axes for p in ax.patches if p.get_gid() == "cap"]
+
+
+def test_a_merged_plan_does_not_call_a_gpu_above_stock_at_stock(tmp_path: Path) -> None:
+    """A merged document: the H100 (stock 600 W) chose 1500 MHz / 700 W, the H200 (stock
+    700 W) 1000 MHz. The H200 is capped and the H100 left out, but [meta] not_capped said
+    "the chosen setting is stock (1980 MHz, 600 W)" on the H100 beside an above_stock note
+    naming its chosen 1500 MHz / 700 W: it says the plan is stock there."""
+    h100, h200 = "NVIDIA H100 80GB HBM3 (twin)", "NVIDIA H200 (twin)"
+    a = write_cube(
+        as_twin_sweep(above_stock_ds(), uuid=UUID, gpu_name=h100, campaign="m"), tmp_path / "a.nc"
+    )
+    other = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[400.0, 600.0, 700.0],
+        batches=[1, 8],
+        latency=lambda clock, limit, *_: 10.0 if limit >= 700.0 else 30.0,
+        energy=lambda clock, limit, *_: clock / 1000 + limit / 10000,
+        stock_clock=1980,
+        stock_limit=700.0,
+    )
+    uuid_b = "GPU-bbbbbbbb-0000-4000-8000-000000000002"
+    b = write_cube(
+        as_twin_sweep(other, uuid=uuid_b, gpu_name=h200, campaign="m"), tmp_path / "b.nc"
+    )
+    run("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(tmp_path / "m.nc"), "--slack", "5%", "--json", "-o", str(saved))
+    plan = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none")
+    caps = tomllib.loads(plan.stdout)
+    assert [(c["name"], c["sm_clock_max_mhz"]) for c in caps["model"]] == [(h200, 1000)]
+    assert "1500 MHz / 700 W" in caps["meta"]["above_stock"]
+    not_capped = caps["meta"]["not_capped"]
+    assert f"the plan is stock (1980 MHz, 600 W) on {h100}" in not_capped, not_capped
+    assert "the chosen setting is stock" not in not_capped
+
+
+def test_the_curves_never_call_a_limit_above_stock_a_cap() -> None:
+    """The energy-vs-clock and Pareto keys named every limit but the reference's a cap: on a
+    grid of 400, 600 and 700 W with stock 600 W, "700 W power limit (cap)", a limit above
+    stock that no cap sets. It is named above stock; 400 W is still a cap."""
+    from dvfs.analysis.headroom import Target, headroom, reference_setting
+    from dvfs.plots import draw_energy_vs_clock, draw_pareto
+    from dvfs.plots.style import limit_styles
+
+    ds = above_stock_ds()
+    ref = reference_setting(ds)
+    styles = limit_styles([400.0, 600.0, 700.0], ref.power_limit, ref.stock_power_limit)
+    assert [s.label for s in styles.values()] == [
+        "700 W power limit (above stock)",
+        "600 W power limit (stock)",
+        "400 W power limit (cap)",
+    ]
+    target = Target("preserve", slack=0.05)
+    result = headroom(ds, target=target)
+    for fig in (draw_energy_vs_clock(ds, "code"), draw_pareto(ds, result, target, "code")):
+        legends = [*fig.legends, *(a.get_legend() for a in fig.axes if a.get_legend())]
+        labels = [t.get_text() for legend in legends for t in legend.get_texts()]
+        assert "700 W power limit (above stock)" in labels, labels
+        assert not [label for label in labels if "700 W" in label and "cap" in label], labels

@@ -271,8 +271,10 @@ def plan_caps(
         )
     # A merged document's other GPUs (or models) may still be capped where these are not: the
     # file leaves these out, as a knob at stock is left out, and says so.
+    # where a row chose a knob above stock, its GPUs' setting is not stock but planned at it
     not_capped = (
-        f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap there, so the "
+        f"the {'plan' if above else 'chosen setting'} is {'; '.join(at_stock)} {chosen}: "
+        "nothing to cap there, so the "
         "file leaves those GPUs out (they keep any caps they hold; `dvfs cap reset` clears them)"
         if at_stock
         else None

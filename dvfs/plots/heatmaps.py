@@ -182,7 +182,7 @@ def _answer_label(
     saving: float,
     clock: float,
     limit: float,
-    capped: bool,
+    named: bool,
     clock_locked: bool,
     mark: str = "",
     set_aside: float = np.nan,
@@ -197,7 +197,7 @@ def _answer_label(
     # the limit as the table, `dvfs cap plan` and the key write it (250.5 W, not 250 W)
     if not clock_locked:
         return f"{said}\n{limit:g} W{aside}"
-    return f"{said}\n{clock:.0f} MHz" + (f"\n{limit:g} W" if capped else "") + aside
+    return f"{said}\n{clock:.0f} MHz" + (f"\n{limit:g} W" if named else "") + aside
 
 
 @styled
@@ -226,6 +226,9 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     limit = chosen["chosen_power_limit"].transpose(*order).values
     stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
     capped = np.isfinite(limit) & (limit < stock_limit)
+    # a limit above the reference's (a grid that swept above the stock limit) is named too,
+    # not outlined: left out, the cell read as the reference's limit, a setting not chosen
+    named = capped | (np.isfinite(limit) & (limit > stock_limit))
     # a saving within the measurement noise (the table's ≈): no saving is shown to exist
     noise = (
         chosen["saving_within_noise"].transpose(*order).values.astype(bool)
@@ -294,7 +297,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         f"{chosen.attrs.get('target', 'the target')}"
         f"{moved.get(str(chosen.attrs.get('knob', 'both')), '')}{nothing}\n"
         + (
-            "cell: saving, SM clock lock, and the power limit when capped"
+            "cell: saving, SM clock lock, and the power limit when not the reference's"
             if clock_locked
             else "cell: saving and the power limit (SM clock not set: the GPU's own)"
         )
@@ -316,7 +319,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
                     saving[k, i, j],
                     clock[k, i, j],
                     limit[k, i, j],
-                    capped[k, i, j],
+                    named[k, i, j],
                     clock_locked,
                     NOISE_MARK if noise[k, i, j] else "",
                     aside[k, i, j],

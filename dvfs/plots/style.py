@@ -666,7 +666,8 @@ def cap_marker(cap: int) -> Marker:
 def limit_styles(
     limits: Iterable[float], reference_limit_w: float, stock_limit_w: float | None = None
 ) -> dict[float, LimitStyle]:
-    """How each power limit is drawn: the reference's solid, each below it a cap. The
+    """How each power limit is drawn: the reference's solid, each below it a cap (one above
+    it, a grid that swept above the stock limit, "above stock"). The
     reference is named stock only where it is the GPU's stock limit (`stock_limit_w`, None:
     it is), else the top of the grid, as `dvfs headroom` names it."""
     styles: dict[float, LimitStyle] = {}
@@ -681,7 +682,9 @@ def limit_styles(
                 limit,
                 LIMIT_LINESTYLES[caps % len(LIMIT_LINESTYLES)],
                 cap_marker(caps),
-                f"{limit:g} W power limit (cap)",
+                # above the reference's limit, which is then stock's: a limit raised, no cap
+                f"{limit:g} W power limit "
+                + ("(cap)" if limit < reference_limit_w else "(above stock)"),
             )
             caps += 1
     return styles
