@@ -474,7 +474,7 @@ def test_a_grid_without_the_stock_clock_is_referenced_at_the_stock_power_limit()
     )
     ref = reference_setting(cube)
     assert (ref.sm_clock, ref.power_limit, ref.is_stock) == (1800, 600.0, False)
-    assert ref.describe() == "top of the grid (1800 MHz / 600 W; stock 1980 MHz not swept)"
+    assert ref.describe() == "1800 MHz (top of the grid; stock 1980 MHz not swept) / 600 W (stock)"
     row = headroom(cube, target=Target("preserve", slack=0.3)).sel(
         batch=1, drafter="none", corpus="code"
     )

@@ -274,8 +274,8 @@ def test_merged_gpus_of_two_reference_kinds_are_each_said_as_their_own(tmp_path:
     merged = mixed_references(tmp_path)
     said = " ".join(run("headroom", str(merged), "--slack", "5%").stdout.split())
     assert (
-        "reference: each GPU's own: GPU-aaaaaaaa stock (1980 MHz / 700 W), GPU-bbbbbbbb top of "
-        "the grid (1980 MHz / 700 W; stock 600 W not swept)"
+        "reference: each GPU's own: GPU-aaaaaaaa stock (1980 MHz / 700 W), GPU-bbbbbbbb 1980 MHz "
+        "(stock) / 700 W (top of the grid; stock 600 W not swept)"
     ) in said
     report = tmp_path / "report.md"
     run("report", str(merged), "--slack", "5%", "-o", str(report))
@@ -336,4 +336,4 @@ def test_a_gpu_whose_stock_clock_tops_no_other_is_referenced_on_its_own_grid(
         (own,) = json.loads(run("headroom", str(cube), "--slack", "5%", "--json").stdout)["rows"]
         assert row["chosen"] == own["chosen"] and row["headroom_w"] == own["headroom_w"] == 100
     info = " ".join(run("cube", "info", str(out)).stdout.split())
-    assert "GPU-bbbbbbbb top of the grid (1755 MHz / 500 W; stock 600 W not swept)" in info
+    assert "GPU-bbbbbbbb 1755 MHz (stock) / 500 W (top of the grid; stock 600 W not swept)" in info

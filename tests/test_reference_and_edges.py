@@ -37,8 +37,9 @@ EDGE = replace_block(
     'corpora = ["code"]',
 )
 
-#: The reference every command must name for EDGE: its grid's top, stock being 1980 MHz.
-TOP_OF_GRID = "top of the grid (1800 MHz / 700 W; stock 1980 MHz not swept)"
+#: The reference every command must name for EDGE: its grid's top clock (stock 1980 MHz not
+#: swept) at its stock power limit.
+TOP_OF_GRID = "1800 MHz (top of the grid; stock 1980 MHz not swept) / 700 W (stock)"
 
 
 def run(*args: str) -> CliRunner:

@@ -135,8 +135,9 @@ class Reference:
     stock_power_limit: float | None = None
 
     def describe(self) -> str:
-        """The one wording every command uses: "stock (1980 MHz / 700 W)", or "top of the
-        grid (1800 MHz / 700 W; stock 1980 MHz not swept)"."""
+        """The one wording every command uses: "stock (1980 MHz / 700 W)", "top of the grid
+        (1800 MHz / 700 W; stock 1980 MHz / 600 W not swept)", or, one knob at stock, each
+        as what it is: "1800 MHz (top of the grid; stock 1980 MHz not swept) / 600 W (stock)"."""
         return describe_reference(
             self.sm_clock,
             self.power_limit,
@@ -162,6 +163,15 @@ def describe_reference(
         missing.append(f"{stock_sm_clock} MHz")
     if stock_power_limit is not None and stock_power_limit != power_limit:
         missing.append(f"{stock_power_limit:g} W")
+    clock_stock = stock_sm_clock is not None and stock_sm_clock == sm_clock
+    limit_stock = stock_power_limit is not None and stock_power_limit == power_limit
+    if power_limit is not None and len(missing) == 1 and (clock_stock or limit_stock):
+        # one knob at stock, the other at the grid's top: each said as what it is, so the
+        # stock one is not taken for the grid's top
+        top = f"(top of the grid; stock {missing[0]} not swept)"
+        clock = f"{sm_clock} MHz " + ("(stock)" if clock_stock else top)
+        limit = f"{power_limit:g} W " + ("(stock)" if limit_stock else top)
+        return f"{clock} / {limit}"
     not_swept = f"; stock {' / '.join(missing)} not swept" if missing else ""
     return f"top of the grid ({setting}{not_swept})"
 
