@@ -184,3 +184,40 @@ def test_the_curves_never_call_a_limit_above_stock_a_cap() -> None:
         labels = [t.get_text() for legend in legends for t in legend.get_texts()]
         assert "700 W power limit (above stock)" in labels, labels
         assert not [label for label in labels if "700 W" in label and "cap" in label], labels
+
+
+def test_a_limit_between_stock_and_the_grids_top_is_above_stock_not_a_cap() -> None:
+    """The grid swept 650 and 700 W, not the stock limit (600 W): the reference is the grid's
+    top, 700 W, and the keys called 650 W "power limit (cap)", a limit below the reference but
+    above stock, which no cap sets. Each limit is named against stock: 650 W above stock, the
+    reference the top of the grid (above stock too)."""
+    from dvfs.analysis.headroom import Target, headroom, reference_setting
+    from dvfs.plots import draw_energy_vs_clock, draw_pareto
+    from dvfs.plots.style import limit_styles
+
+    ds = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[650.0, 700.0],
+        batches=[1, 8],
+        latency=latency,
+        energy=lambda clock, limit, *_: clock / 1000 + limit / 10000,
+        stock_clock=1980,
+        stock_limit=600.0,
+    )
+    ref = reference_setting(ds)
+    assert (ref.power_limit, ref.stock_power_limit) == (700.0, 600.0)
+    styles = limit_styles([650.0, 700.0], ref.power_limit, ref.stock_power_limit)
+    assert [s.label for s in styles.values()] == [
+        "700 W power limit (top of the grid, above stock)",
+        "650 W power limit (above stock)",
+    ]
+    # a grid reaching below stock still caps there
+    styles = limit_styles([400.0, 650.0, 700.0], 700.0, 600.0)
+    assert styles[400.0].label == "400 W power limit (cap)"
+    target = Target("preserve", slack=0.05)
+    result = headroom(ds, target=target)
+    for fig in (draw_energy_vs_clock(ds, "code"), draw_pareto(ds, result, target, "code")):
+        legends = [*fig.legends, *(a.get_legend() for a in fig.axes if a.get_legend())]
+        labels = [t.get_text() for legend in legends for t in legend.get_texts()]
+        assert "650 W power limit (above stock)" in labels, labels
+        assert not [label for label in labels if "cap" in label], labels

@@ -666,25 +666,27 @@ def cap_marker(cap: int) -> Marker:
 def limit_styles(
     limits: Iterable[float], reference_limit_w: float, stock_limit_w: float | None = None
 ) -> dict[float, LimitStyle]:
-    """How each power limit is drawn: the reference's solid, each below it a cap (one above
-    it, a grid that swept above the stock limit, "above stock"). The
-    reference is named stock only where it is the GPU's stock limit (`stock_limit_w`, None:
-    it is), else the top of the grid, as `dvfs headroom` names it."""
+    """How each power limit is drawn: the reference's solid, the others dashed/dotted. Each
+    is named against the GPU's stock limit (`stock_limit_w`; None: the reference is it): one
+    below it a cap, one above it (a grid that swept above the stock limit) "above stock". The
+    reference is named stock only where it is the GPU's stock limit, else the top of the
+    grid, as `dvfs headroom` names it (and above stock where it is)."""
     styles: dict[float, LimitStyle] = {}
     caps = 0
-    stock = stock_limit_w is None or reference_limit_w == stock_limit_w
+    stock_w = reference_limit_w if stock_limit_w is None else stock_limit_w
     for limit in sorted({float(v) for v in limits}, reverse=True):
         if limit == reference_limit_w:
-            what = "stock" if stock else "top of the grid"
+            what = "stock" if limit == stock_w else "top of the grid"
+            what += ", above stock" if limit > stock_w else ""
             styles[limit] = LimitStyle(limit, "-", "o", f"{limit:g} W power limit ({what})")
         else:
             styles[limit] = LimitStyle(
                 limit,
                 LIMIT_LINESTYLES[caps % len(LIMIT_LINESTYLES)],
                 cap_marker(caps),
-                # above the reference's limit, which is then stock's: a limit raised, no cap
-                f"{limit:g} W power limit "
-                + ("(cap)" if limit < reference_limit_w else "(above stock)"),
+                # a grid without the stock limit may hold limits between it and its top: those
+                # are above stock, no cap, though below the reference
+                f"{limit:g} W power limit " + ("(cap)" if limit < stock_w else "(above stock)"),
             )
             caps += 1
     return styles
