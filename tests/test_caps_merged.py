@@ -337,3 +337,43 @@ def test_a_gpu_whose_stock_clock_tops_no_other_is_referenced_on_its_own_grid(
         assert row["chosen"] == own["chosen"] and row["headroom_w"] == own["headroom_w"] == 100
     info = " ".join(run("cube", "info", str(out)).stdout.split())
     assert "GPU-bbbbbbbb 1755 MHz (stock) / 500 W (top of the grid; stock 600 W not swept)" in info
+
+
+def test_a_gpu_that_did_not_sweep_its_stock_limit_is_referenced_on_its_own_grid(
+    tmp_path: Path,
+) -> None:
+    """GPU A swept 300 and 600 W, GPU B 300, 600 and 700 W, both of stock 700 W. The merged
+    axis holds 700 W (B's), so A's stock limit looked swept: its reference was 700 W, where
+    it has no cell, and headroom gave it "no valid reference cell (not measured yet)". Each
+    GPU's reference is now from its own grid (A's 1980 MHz / 600 W, the top of it), its answer
+    its own cube's, and A's cells at 700 W are not counted as waiting to be measured."""
+    cubes = []
+    for path, uuid, limits in (
+        ("a.nc", UUID_A, [300.0, 600.0]),
+        ("b.nc", UUID_B, [300.0, 600.0, 700.0]),
+    ):
+        ds = make_cube(
+            clocks=[1500, 1980],
+            limits=limits,
+            repeats=2,
+            latency=lambda clock, *_: 10.0 * 1980 / clock,
+            energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
+            stock_clock=1980,
+            stock_limit=700.0,
+        )
+        ds = as_twin_sweep(ds, uuid=uuid, gpu_name=H100, campaign="m")
+        cubes.append(write_cube(ds, tmp_path / path))
+    out = tmp_path / "merged.nc"
+    run("cube", "merge", *map(str, cubes), "-o", str(out))
+    doc = json.loads(run("headroom", str(out), "--slack", "30%", "--json").stdout)
+    per_gpu = doc["reference"]["per_gpu"]
+    assert [
+        (per_gpu[u]["sm_clock_mhz"], per_gpu[u]["power_limit_w"], per_gpu[u]["is_stock"])
+        for u in (UUID_A, UUID_B)
+    ] == [(1980, 600.0, False), (1980, 700.0, True)]
+    for cube, row in zip(cubes, doc["rows"], strict=True):
+        (own,) = json.loads(run("headroom", str(cube), "--slack", "30%", "--json").stdout)["rows"]
+        assert row["chosen"] == own["chosen"] is not None
+        assert row["headroom_w"] == own["headroom_w"]
+    said = " ".join(run("headroom", str(out), "--slack", "30%").stdout.split())
+    assert "not measured yet" not in said and "partial cube" not in said, said

@@ -1380,6 +1380,11 @@ def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
 
     one = cube.sel(gpu=gpu, drop=True)
     stock = json.loads(cube.attrs.get("merged_from", "{}")).get(str(gpu), {})
+    # its own grid where the merge recorded it: the merged axes hold other GPUs' settings,
+    # where this one has no cell (its stock limit another's, not its own grid's)
+    own = own_axes(one, stock)
+    if own:
+        one = one.isel(own)
     attrs = dict(cube.attrs)
     for key in ("stock_sm_clock_mhz", "stock_power_limit_w"):
         if stock.get(key) not in (None, "None"):
@@ -1388,6 +1393,30 @@ def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
         if stock.get(key) not in (None, "None"):
             attrs[key] = stock[key]
     return own_grid(one.assign_attrs(attrs))
+
+
+#: Each merged GPU's own knob axes, as `dvfs cube merge` keeps them in `merged_from`.
+GRID_ATTRS = {"sm_clock": "grid_sm_clock_mhz", "power_limit": "grid_power_limit_w"}
+
+
+def own_axes(one: xr.Dataset, source: object) -> dict[str, np.ndarray]:
+    """Per knob, the indices along `one`'s (merged) axis of its GPU's own grid as its merge
+    recorded it (`source`: its `merged_from` entry); only knobs whose grid is recorded (an
+    older merge's is not) and leaves out settings, and keeps at least one."""
+    out: dict[str, np.ndarray] = {}
+    if not isinstance(source, dict):
+        return out
+    for dim, key in GRID_ATTRS.items():
+        grid = source.get(key)
+        if not isinstance(grid, list) or dim not in one.coords:
+            continue
+        try:
+            keep = np.isin(one[dim].values.astype(float), np.asarray(grid, dtype=float))
+        except (TypeError, ValueError):
+            continue
+        if keep.any() and not keep.all():
+            out[dim] = np.flatnonzero(keep)
+    return out
 
 
 def own_grid(one: xr.Dataset) -> xr.Dataset:
@@ -1529,8 +1558,12 @@ def grid_cells(cube: xr.Dataset) -> np.ndarray:
     """Which cells (`cell_status`'s axes) are in the grid of the GPU they belong to: all of
     them, but in a merged cube a stock knob's settings other than the GPU's own (another
     GPU's stock setting on the merged axis: `data_grid_knobs`). A GPU's own is the stock
-    setting its cube recorded (`merged_from`), measured yet or not, and any it measured at."""
+    setting its cube recorded (`merged_from`), measured yet or not, and any it measured at.
+    Where the merge recorded each GPU's own axes (`own_axes`), settings off them are outside
+    its grid too."""
     import json
+
+    import xarray as xr
 
     status = cube["cell_status"]
     in_grid = np.ones(status.shape, dtype=bool)
@@ -1541,6 +1574,16 @@ def grid_cells(cube: xr.Dataset) -> np.ndarray:
             sources = {}
         if not isinstance(sources, dict):
             sources = {}
+        for dim in GRID_ATTRS:  # each GPU's own grid, where its merge recorded it
+            keep = np.ones((cube.sizes["gpu"], cube.sizes[dim]), dtype=bool)
+            for i, label in enumerate(cube["gpu"].values):
+                own_indices = own_axes(cube, sources.get(str(label))).get(dim)
+                if own_indices is not None:
+                    keep[i] = np.isin(np.arange(cube.sizes[dim]), own_indices)
+            grid = xr.DataArray(
+                keep, dims=("gpu", dim), coords={d: status[d] for d in ("gpu", dim)}
+            )
+            in_grid &= grid.broadcast_like(status).transpose(*status.dims).values
         for dim in data_grid_knobs(cube):  # a stock knob: each GPU's own setting
             others = [d for d in status.dims if d not in ("gpu", dim)]
             seen = (status != STATUS_MISSING).any(others).transpose("gpu", dim)

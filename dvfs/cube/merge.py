@@ -321,6 +321,18 @@ SOURCE_KEYS = (
 )
 
 
+#: Each source cube's knob axes, as `merged_from` keeps them (`dvfs.analysis.headroom`
+#: cuts each GPU of the merge to its own grid by them).
+SOURCE_GRIDS = {"sm_clock": "grid_sm_clock_mhz", "power_limit": "grid_power_limit_w"}
+
+
+def _axis(ds: xr.Dataset, dim: str) -> list[float] | None:
+    """A source cube's `dim` axis as a list of numbers; None where it has none."""
+    if dim not in ds.coords:
+        return None
+    return [float(v) for v in np.ravel(ds[dim].values)]
+
+
 #: The `SOURCE_KEYS` that hold numbers per GPU (or a range): kept as JSON lists.
 SOURCE_LISTS = ("power_limit_range_w", "sm_clock_range_mhz", "counter_update_period_s")
 
@@ -459,7 +471,12 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         # Each GPU's cube's own provenance: its corpora, token counts, servers, pinning...
         merged_from=json.dumps(
             {
-                label: {k: _source_value(k, ds.attrs.get(k)) for k in SOURCE_KEYS}
+                label: {
+                    **{k: _source_value(k, ds.attrs.get(k)) for k in SOURCE_KEYS},
+                    # its own grid: the merged axes are the union, where another GPU's
+                    # settings are no cells of this one's (its reference is on its own grid)
+                    **{key: _axis(ds, dim) for dim, key in SOURCE_GRIDS.items()},
+                }
                 for label, ds in zip(labels, cubes, strict=True)
             }
         ),
