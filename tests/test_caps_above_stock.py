@@ -221,3 +221,30 @@ def test_a_limit_between_stock_and_the_grids_top_is_above_stock_not_a_cap() -> N
         labels = [t.get_text() for legend in legends for t in legend.get_texts()]
         assert "650 W power limit (above stock)" in labels, labels
         assert not [label for label in labels if "cap" in label], labels
+
+
+def test_the_headroom_map_outlines_no_limit_above_stock_as_a_cap() -> None:
+    """The same grid (650 and 700 W, stock 600 W): batch 8 chooses 1500 MHz / 650 W, and the
+    headroom map outlined the cell and keyed it "power limit capped below 700 W", the
+    reference's limit, though 650 W is above stock. No cell is outlined; the limit is still
+    named in the cell."""
+    from dvfs.analysis.headroom import Target, headroom
+    from dvfs.plots import draw_headroom
+
+    ds = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[650.0, 700.0],
+        batches=[1, 8],
+        latency=latency,
+        energy=lambda clock, limit, *_: clock / 1000 + limit / 10000,
+        stock_clock=1980,
+        stock_limit=600.0,
+    )
+    result = headroom(ds, target=Target("preserve", slack=0.05))
+    row = result.sel(batch=8, drafter="none", corpus="code")
+    assert (float(row["chosen_sm_clock"]), float(row["chosen_power_limit"])) == (1500, 650)
+    fig = draw_headroom(result)
+    texts = [t.get_text() for t in fig.findobj(lambda o: hasattr(o, "get_text"))]
+    assert not [t for t in texts if "capped" in t], texts
+    assert any("650 W" in t for t in texts), texts
+    assert not [p for ax in fig.axes for p in ax.patches if p.get_gid() == "cap"]

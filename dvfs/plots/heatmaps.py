@@ -224,11 +224,14 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     unknown = answered & ~np.isfinite(saving)
     clock = chosen["chosen_sm_clock"].transpose(*order).values
     limit = chosen["chosen_power_limit"].transpose(*order).values
-    stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
+    ref_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
+    # a cap is below the GPU's stock limit: where the grid lacks it and reaches above it, the
+    # reference (the grid's top) is above stock, and a limit between them no cap
+    stock_limit = min(ref_limit, float(chosen.attrs.get("stock_power_limit_w", ref_limit)))
     capped = np.isfinite(limit) & (limit < stock_limit)
-    # a limit above the reference's (a grid that swept above the stock limit) is named too,
-    # not outlined: left out, the cell read as the reference's limit, a setting not chosen
-    named = capped | (np.isfinite(limit) & (limit > stock_limit))
+    # a limit other than the reference's (one above stock too) is named, not outlined: left
+    # out, the cell read as the reference's limit, a setting not chosen
+    named = capped | (np.isfinite(limit) & np.isfinite(ref_limit) & (limit != ref_limit))
     # a saving within the measurement noise (the table's ≈): no saving is shown to exist
     noise = (
         chosen["saving_within_noise"].transpose(*order).values.astype(bool)
