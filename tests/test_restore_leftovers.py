@@ -642,3 +642,93 @@ def test_a_signal_during_cap_reset_leaves_no_gpu_with_its_entry_gone_and_its_sta
         checked.set()
         signaller.join()
     assert entry == file, (entry, file)
+
+
+# -- second round: opening side by side, lines and files never dropped -----------------------
+
+
+def _after_the_probe(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None]) -> None:
+    """`reachable_gpus` as it is, `then` run once it has probed every GPU: a GPU that begins
+    hanging, or falls off the bus, between its probe and its opening."""
+    import dvfs.backends as backends
+
+    probe = backends.reachable_gpus
+
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        found = probe(*args, **kwargs)
+        then()
+        return found
+
+    monkeypatch.setattr(backends, "reachable_gpus", probed)
+
+
+def test_gpu_reset_opens_the_gpus_side_by_side_and_restores_beside_one_lost_since_its_probe(
+    nvml: ModuleType,
+    env: dict[str, str],
+    hang: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`dvfs gpu reset` on three GPUs with state files: once they are probed, GPU 0's and GPU
+    2's handles begin hanging in the driver and GPU 1 falls off the bus. They were opened one
+    after another (GPU 2 only once GPU 0's call returned: a deadline each, past a unit's stop
+    timeout), and GPU 1's failure to open failed the whole reset, nothing restored. Now both
+    handles are asked at once; released, GPUs 0 and 2 are restored and said, GPU 1 is named
+    (exit 1), its state file kept."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+    from dvfs.gpu.safety import StateStore
+
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the fake whose hangs the test releases
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+
+    def fail() -> None:
+        nvml.fake_update_device(1, errors={HANDLE: nvml.NVML_ERROR_GPU_IS_LOST})
+        hang(f"{HANDLE}@0", f"{HANDLE}@2")
+
+    _after_the_probe(monkeypatch, fail)
+    with released_once(
+        nvml,
+        lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 2},
+        "GPU 0's and GPU 2's handles in the driver at once",
+    ) as both:
+        result = CliRunner().invoke(cli, ["gpu", "reset"])
+    assert both == [True]
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.stdout.split())  # (a line wrapped at the terminal's width)
+    assert said.count("restored GPU") == 2, said
+    assert said.index(f"restored GPU 0 ({uuids[0]})") < said.index(f"restored GPU 2 ({uuids[2]})")
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith("Error: ") and "GPU 1" in error and "GPU is lost" in error, error
+    assert [store.path(u).exists() for u in uuids] == [False, True, False]
+    assert _back(nvml, 0) and _back(nvml, 2) and not _back(nvml, 1)
+
+
+def test_cap_reset_resets_the_others_beside_a_gpu_lost_between_its_probe_and_its_opening(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs cap reset` with GPU 1 fallen off the bus once the GPUs are probed: its failure to
+    open failed the whole reset, every GPU left capped. Now GPUs 0 and 2 are reset and said,
+    GPU 1 named (exit 1), the caps record keeping GPU 1 alone."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    _after_the_probe(
+        monkeypatch,
+        lambda: nvml.fake_update_device(1, errors={HANDLE: nvml.NVML_ERROR_GPU_IS_LOST}),
+    )
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1, result.output
+    assert [x.split(" (")[0] for x in result.stdout.splitlines()] == ["GPU 0", "GPU 2"]
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith("Error: ") and "GPU 1" in error and "GPU is lost" in error, error
+    assert "Traceback" not in result.output
+    assert _back(nvml, 0) and _back(nvml, 2) and not _back(nvml, 1)
+    assert _recorded(env) == {uuids[1]}
