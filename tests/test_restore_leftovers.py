@@ -732,3 +732,42 @@ def test_cap_reset_resets_the_others_beside_a_gpu_lost_between_its_probe_and_its
     assert "Traceback" not in result.output
     assert _back(nvml, 0) and _back(nvml, 2) and not _back(nvml, 1)
     assert _recorded(env) == {uuids[1]}
+
+
+@pytest.mark.parametrize("failing", ["a GPU error", "a bug"])
+def test_gpu_reset_failing_still_names_the_state_files_of_gpus_nvml_withholds(
+    nvml: ModuleType, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """`dvfs gpu reset` with state files on three GPUs, NVML withholding GPU 2 (no permission)
+    and GPU 1's restore failing (an NVML error, or a bug in its restore). The line naming GPU
+    2's state file (it may be a GPU's this process may not talk to) was dropped: only GPU 1's
+    failure was said. Now both, in one line; exit 4 for a GPU error (as without it), GPU 0
+    restored all the same."""
+    import dvfs.gpu.safety as safety
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    if failing == "a GPU error":
+        nvml.fake_update_device(1, errors={RESET: nvml.NVML_ERROR_UNKNOWN})
+    else:
+        put_back = safety._put_back_recorded
+
+        def buggy(gpu: Any, original: Any) -> None:
+            if gpu.identity.index == 1:
+                raise KeyError("a bug")
+            put_back(gpu, original)
+
+        monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == (4 if failing == "a GPU error" else 1), result.stderr
+    said = " ".join(result.stdout.split())  # (a line wrapped at the terminal's width)
+    assert said.startswith(f"restored GPU 0 ({uuids[0]})") and said.count("restored") == 1, said
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    failure = "cannot reset locked SM clocks" if failing == "a GPU error" else "KeyError"
+    assert failure in error, error
+    assert f"record {uuids[2]}, none of the GPUs this process may talk to" in error, error
+    assert [store.path(u).exists() for u in uuids] == [False, True, True]

@@ -344,15 +344,18 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
                 caps_command=shlex.join(["dvfs", "cap", "reset", *named]),
             )
         except GpuError as exc:
-            if not lost or isinstance(exc, GpuBusyError):
+            if not (lost or withheld) or isinstance(exc, GpuBusyError):
                 raise  # a GPU named that another dvfs holds: refused before any change
             # A GPU that failed to restore (or whose state file is unreadable, left as it is)
-            # must not hide one fallen off the bus: both named.
-            raise type(exc)(f"{exc}; {lost_gpus(lost)}") from None
-        except RestoreBugError as exc:  # an internal error: nor must a bug hide it
-            if not lost:
+            # must not hide one fallen off the bus, nor the state files (caps) of GPUs NVML
+            # may not talk to: all named (exit 4 with the latter, as without the failure).
+            told = "; ".join(p for p in (str(exc), withheld, lost and str(lost_gpus(lost))) if p)
+            raise (GpuPermissionError if withheld else type(exc))(told) from None
+        except RestoreBugError as exc:  # an internal error: nor must a bug hide them
+            if not (lost or withheld):
                 raise
-            raise RestoreBugError(f"{exc}; {lost_gpus(lost)}") from exc.__cause__
+            told = "; ".join(p for p in (str(exc), withheld, lost and str(lost_gpus(lost))) if p)
+            raise RestoreBugError(told) from exc.__cause__
     if not acted:
         # A GPU that does not open may hold a state file (a governor it left): not "none".
         which = "the GPUs that open" if lost or withheld else "these GPUs"
