@@ -771,3 +771,34 @@ def test_gpu_reset_failing_still_names_the_state_files_of_gpus_nvml_withholds(
     assert failure in error, error
     assert f"record {uuids[2]}, none of the GPUs this process may talk to" in error, error
     assert [store.path(u).exists() for u in uuids] == [False, True, True]
+
+
+def test_a_restore_failing_on_one_gpu_names_the_state_file_it_could_not_remove(
+    nvml: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep's restore: GPU 1 has fallen off the bus, GPU 0 is put back but its state file
+    cannot be removed (a read-only folder). Only GPU 1's failure was said: GPU 0's file, kept,
+    went unmentioned. Now the same line names it too."""
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+        uuids = [g.identity.uuid for g in gpus]
+        with (
+            pytest.raises(GpuError) as caught,
+            KnobController(gpus, change_log=store) as knobs,
+        ):
+            knobs.apply(KnobSetting(1500, 400))
+            _unremovable(monkeypatch, uuids[0], errno.EROFS)
+            nvml.fake_update_device(1, lost=True)
+    said = str(caught.value)
+    assert said.startswith(f"could not restore GPU settings: GPU 1 ({uuids[1]}): "), said
+    assert (
+        f"GPU 0 ({uuids[0]}) is back as found, but its state file {store.path(uuids[0])} "
+        "cannot be removed (Read-only file system)"
+    ) in said, said
+    assert said.endswith(f". {store.reset_command()} retries from the state file."), said
+    assert _back(nvml, 0)
+    assert [store.path(u).exists() for u in uuids] == [True, True]
