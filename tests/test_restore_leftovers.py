@@ -802,3 +802,66 @@ def test_a_restore_failing_on_one_gpu_names_the_state_file_it_could_not_remove(
     assert said.endswith(f". {store.reset_command()} retries from the state file."), said
     assert _back(nvml, 0)
     assert [store.path(u).exists() for u in uuids] == [True, True]
+
+
+def test_a_bug_in_one_cap_reset_thread_says_the_gpus_reset_first(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs cap reset` on three capped GPUs, GPU 0's reset hitting a bug (no GPU's error):
+    raised once every GPU was done, the lines of GPUs 1 and 2, reset, were lost. Now they are
+    said, then one internal-error line names GPU 0's bug; the record keeps GPU 0 alone."""
+    from click.testing import CliRunner
+
+    import dvfs.caps.actuation as actuation
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    default = actuation._default_or_none
+
+    def buggy(gpu: Any) -> Any:
+        if gpu.identity.index == 0:
+            raise KeyError("a bug")
+        return default(gpu)
+
+    monkeypatch.setattr(actuation, "_default_or_none", buggy)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1, result.output
+    assert [x.split(" (")[0] for x in result.stdout.splitlines()] == ["GPU 1", "GPU 2"]
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith(
+        "Error: internal error: RestoreBugError: could not reset caps: GPU 0 "
+        f"({uuids[0]}): its reset stopped on a bug in dvfs (KeyError: 'a bug')"
+    ), error
+    assert _back(nvml, 1) and _back(nvml, 2)
+    assert _recorded(env) == {uuids[0]}
+
+
+def test_gpu_reset_with_a_bug_says_the_reset_that_retries_at_the_end_of_its_line(
+    nvml: ModuleType, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs gpu reset`: GPU 0's restore hits a bug and GPU 2's state file is unreadable
+    (damaged). "`dvfs gpu reset` retries" came mid-line, GPU 2's failure after it. Now GPU 2's
+    failure comes before it, the advice ending the line (before the report request)."""
+    import dvfs.gpu.safety as safety
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+    store.path(uuids[2]).write_text("{not json")
+    put_back = safety._put_back_recorded
+
+    def buggy(gpu: Any, original: Any) -> None:
+        if gpu.identity.index == 0:
+            raise KeyError("a bug")
+        put_back(gpu, original)
+
+    monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    advice = f"keep their state files: {store.reset_command()} retries"
+    assert f"{advice}; please report" in error, error
+    assert error.count(advice) == 1 and error.index(uuids[2]) < error.index(advice), error
+    assert [store.path(u).exists() for u in uuids] == [True, False, True]

@@ -132,13 +132,13 @@ def restore_guarded(
     return guarded
 
 
-def bug_as_failure(bug: Exception, gpu: Gpu | None = None) -> GpuError:
+def bug_as_failure(bug: Exception, gpu: Gpu | None = None, *, of: str = "restore") -> GpuError:
     """A restore thread's bug as the failure `GatheredFailures` says of its GPU (`gpu`: named
     in it, for a line whose GPUs' failures name their own)."""
     said = str(bug).strip().splitlines()
     what = f"{type(bug).__name__}: {said[0]}" if said else type(bug).__name__
     named = "" if gpu is None else f"GPU {gpu.identity.index} ({gpu.identity.uuid}): "
-    return GpuError(f"{named}its restore stopped on a bug in dvfs ({what})")
+    return GpuError(f"{named}its {of} stopped on a bug in dvfs ({what})")
 
 
 @dataclass(frozen=True)
