@@ -91,10 +91,12 @@ def open_gpus(
     allow_mig: bool = False,
     nvml: ModuleType | None = None,
     visible: Visible | None = None,
+    lost: list[GpuError] | None = None,
 ) -> Iterator[list[Gpu]]:
     """GPUs by index or UUID: twins of profile `twin` in virtual time (GPU 0 when none is
     named), else real ones over NVML (every GPU when none is named), held to `visible` (see
-    `job_gpus`) when a command changes or meters them."""
+    `job_gpus`) when a command changes or meters them; with `lost`, real GPUs that do not
+    open are added to it and left out (`dvfs.gpu.nvml.open_nvml_gpus`)."""
     if twin:
         from dvfs.clock import VirtualClock
 
@@ -116,7 +118,7 @@ def open_gpus(
     from dvfs.gpu.nvml import open_nvml_gpus
 
     with open_nvml_gpus(
-        list(devices) or None, nvml=nvml, allow_mig=allow_mig, visible=visible
+        list(devices) or None, nvml=nvml, allow_mig=allow_mig, visible=visible, lost=lost
     ) as gpus:
         yield list(gpus)
 

@@ -642,3 +642,226 @@ def test_a_signal_during_cap_reset_leaves_no_gpu_with_its_entry_gone_and_its_sta
         checked.set()
         signaller.join()
     assert entry == file, (entry, file)
+
+
+# -- second round: opening side by side, lines and files never dropped -----------------------
+
+
+def _after_the_probe(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None]) -> None:
+    """`reachable_gpus` as it is, `then` run once it has probed every GPU: a GPU that begins
+    hanging, or falls off the bus, between its probe and its opening."""
+    import dvfs.backends as backends
+
+    probe = backends.reachable_gpus
+
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        found = probe(*args, **kwargs)
+        then()
+        return found
+
+    monkeypatch.setattr(backends, "reachable_gpus", probed)
+
+
+def test_gpu_reset_opens_the_gpus_side_by_side_and_restores_beside_one_lost_since_its_probe(
+    nvml: ModuleType,
+    env: dict[str, str],
+    hang: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`dvfs gpu reset` on three GPUs with state files: once they are probed, GPU 0's and GPU
+    2's handles begin hanging in the driver and GPU 1 falls off the bus. They were opened one
+    after another (GPU 2 only once GPU 0's call returned: a deadline each, past a unit's stop
+    timeout), and GPU 1's failure to open failed the whole reset, nothing restored. Now both
+    handles are asked at once; released, GPUs 0 and 2 are restored and said, GPU 1 is named
+    (exit 1), its state file kept."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+    from dvfs.gpu.safety import StateStore
+
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the fake whose hangs the test releases
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "3600")
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+
+    def fail() -> None:
+        nvml.fake_update_device(1, errors={HANDLE: nvml.NVML_ERROR_GPU_IS_LOST})
+        hang(f"{HANDLE}@0", f"{HANDLE}@2")
+
+    _after_the_probe(monkeypatch, fail)
+    with released_once(
+        nvml,
+        lambda: {h["index"] for h in nvml.fake_hangs_started()} == {0, 2},
+        "GPU 0's and GPU 2's handles in the driver at once",
+    ) as both:
+        result = CliRunner().invoke(cli, ["gpu", "reset"])
+    assert both == [True]
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.stdout.split())  # (a line wrapped at the terminal's width)
+    assert said.count("restored GPU") == 2, said
+    assert said.index(f"restored GPU 0 ({uuids[0]})") < said.index(f"restored GPU 2 ({uuids[2]})")
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith("Error: ") and "GPU 1" in error and "GPU is lost" in error, error
+    assert [store.path(u).exists() for u in uuids] == [False, True, False]
+    assert _back(nvml, 0) and _back(nvml, 2) and not _back(nvml, 1)
+
+
+def test_cap_reset_resets_the_others_beside_a_gpu_lost_between_its_probe_and_its_opening(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs cap reset` with GPU 1 fallen off the bus once the GPUs are probed: its failure to
+    open failed the whole reset, every GPU left capped. Now GPUs 0 and 2 are reset and said,
+    GPU 1 named (exit 1), the caps record keeping GPU 1 alone."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    _after_the_probe(
+        monkeypatch,
+        lambda: nvml.fake_update_device(1, errors={HANDLE: nvml.NVML_ERROR_GPU_IS_LOST}),
+    )
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1, result.output
+    assert [x.split(" (")[0] for x in result.stdout.splitlines()] == ["GPU 0", "GPU 2"]
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith("Error: ") and "GPU 1" in error and "GPU is lost" in error, error
+    assert "Traceback" not in result.output
+    assert _back(nvml, 0) and _back(nvml, 2) and not _back(nvml, 1)
+    assert _recorded(env) == {uuids[1]}
+
+
+@pytest.mark.parametrize("failing", ["a GPU error", "a bug"])
+def test_gpu_reset_failing_still_names_the_state_files_of_gpus_nvml_withholds(
+    nvml: ModuleType, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """`dvfs gpu reset` with state files on three GPUs, NVML withholding GPU 2 (no permission)
+    and GPU 1's restore failing (an NVML error, or a bug in its restore). The line naming GPU
+    2's state file (it may be a GPU's this process may not talk to) was dropped: only GPU 1's
+    failure was said. Now both, in one line; exit 4 for a GPU error (as without it), GPU 0
+    restored all the same."""
+    import dvfs.gpu.safety as safety
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    if failing == "a GPU error":
+        nvml.fake_update_device(1, errors={RESET: nvml.NVML_ERROR_UNKNOWN})
+    else:
+        put_back = safety._put_back_recorded
+
+        def buggy(gpu: Any, original: Any) -> None:
+            if gpu.identity.index == 1:
+                raise KeyError("a bug")
+            put_back(gpu, original)
+
+        monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == (4 if failing == "a GPU error" else 1), result.stderr
+    said = " ".join(result.stdout.split())  # (a line wrapped at the terminal's width)
+    assert said.startswith(f"restored GPU 0 ({uuids[0]})") and said.count("restored") == 1, said
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    failure = "cannot reset locked SM clocks" if failing == "a GPU error" else "KeyError"
+    assert failure in error, error
+    assert f"record {uuids[2]}, none of the GPUs this process may talk to" in error, error
+    assert [store.path(u).exists() for u in uuids] == [False, True, True]
+
+
+def test_a_restore_failing_on_one_gpu_names_the_state_file_it_could_not_remove(
+    nvml: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep's restore: GPU 1 has fallen off the bus, GPU 0 is put back but its state file
+    cannot be removed (a read-only folder). Only GPU 1's failure was said: GPU 0's file, kept,
+    went unmentioned. Now the same line names it too."""
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0, 1], nvml=nvml) as gpus:
+        uuids = [g.identity.uuid for g in gpus]
+        with (
+            pytest.raises(GpuError) as caught,
+            KnobController(gpus, change_log=store) as knobs,
+        ):
+            knobs.apply(KnobSetting(1500, 400))
+            _unremovable(monkeypatch, uuids[0], errno.EROFS)
+            nvml.fake_update_device(1, lost=True)
+    said = str(caught.value)
+    assert said.startswith(f"could not restore GPU settings: GPU 1 ({uuids[1]}): "), said
+    assert (
+        f"GPU 0 ({uuids[0]}) is back as found, but its state file {store.path(uuids[0])} "
+        "cannot be removed (Read-only file system)"
+    ) in said, said
+    assert said.endswith(f". {store.reset_command()} retries from the state file."), said
+    assert _back(nvml, 0)
+    assert [store.path(u).exists() for u in uuids] == [True, True]
+
+
+def test_a_bug_in_one_cap_reset_thread_says_the_gpus_reset_first(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs cap reset` on three capped GPUs, GPU 0's reset hitting a bug (no GPU's error):
+    raised once every GPU was done, the lines of GPUs 1 and 2, reset, were lost. Now they are
+    said, then one internal-error line names GPU 0's bug; the record keeps GPU 0 alone."""
+    from click.testing import CliRunner
+
+    import dvfs.caps.actuation as actuation
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    default = actuation._default_or_none
+
+    def buggy(gpu: Any) -> Any:
+        if gpu.identity.index == 0:
+            raise KeyError("a bug")
+        return default(gpu)
+
+    monkeypatch.setattr(actuation, "_default_or_none", buggy)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1, result.output
+    assert [x.split(" (")[0] for x in result.stdout.splitlines()] == ["GPU 1", "GPU 2"]
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith(
+        "Error: internal error: RestoreBugError: could not reset caps: GPU 0 "
+        f"({uuids[0]}): its reset stopped on a bug in dvfs (KeyError: 'a bug')"
+    ), error
+    assert _back(nvml, 1) and _back(nvml, 2)
+    assert _recorded(env) == {uuids[0]}
+
+
+def test_gpu_reset_with_a_bug_says_the_reset_that_retries_at_the_end_of_its_line(
+    nvml: ModuleType, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs gpu reset`: GPU 0's restore hits a bug and GPU 2's state file is unreadable
+    (damaged). "`dvfs gpu reset` retries" came mid-line, GPU 2's failure after it. Now GPU 2's
+    failure comes before it, the advice ending the line (before the report request)."""
+    import dvfs.gpu.safety as safety
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+    store.path(uuids[2]).write_text("{not json")
+    put_back = safety._put_back_recorded
+
+    def buggy(gpu: Any, original: Any) -> None:
+        if gpu.identity.index == 0:
+            raise KeyError("a bug")
+        put_back(gpu, original)
+
+    monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    advice = f"keep their state files: {store.reset_command()} retries"
+    assert f"{advice}; please report" in error, error
+    assert error.count(advice) == 1 and error.index(uuids[2]) < error.index(advice), error
+    assert [store.path(u).exists() for u in uuids] == [True, False, True]

@@ -39,7 +39,10 @@ from dvfs.gpu.knobs import (
     ChangeLog,
     GatheredFailures,
     KnobController,
+    RestoreBugError,
+    bug_as_failure,
     power_limit_or_none,
+    restore_guarded,
     side_by_side,
 )
 from dvfs.gpu.safety import before_this_boot, boot_id, record_problem, state_dir_command
@@ -1427,9 +1430,15 @@ def reset_caps(
     # GPUs whose driver hangs cost a deadline each (eight: 80 s of the caps unit's stop, whose
     # SIGKILL came before the last were reset). Said in the GPUs' order, a GPU's line as soon as
     # it and every GPU before it are done; the failures once every GPU was tried.
-    outcomes: dict[int, str | GpuError | _Unrecorded] = {}
+    # A bug in a GPU's thread (no GPU's error) is kept (`restore_guarded`) and raised once
+    # every GPU was tried, after the lines of the GPUs reset: raised from its thread, it was
+    # raised alone, those lines (and the other GPUs' failures) unsaid.
+    outcomes: dict[int, str | GpuError | _Unrecorded | None] = {}
+    bugs: dict[int, Exception] = {}
     resetting = side_by_side(
-        gpus, reset_one, named=lambda gpu: f"caps-reset-gpu{gpu.identity.index}"
+        gpus,
+        restore_guarded(reset_one, bugs),
+        named=lambda gpu: f"caps-reset-gpu{gpu.identity.index}",
     )
     taken = 0  # the GPUs, in order, whose outcome is taken (a line said, or a failure kept)
     unrecorded: list[_Unrecorded] = []
@@ -1446,6 +1455,9 @@ def reset_caps(
                             note(first)
                     elif isinstance(first, _Unrecorded):
                         unrecorded.append(first)
+                    elif first is None:  # a bug (`bugs`): said with the failures
+                        bugged = gpus[taken - 1]
+                        failures.add(bug_as_failure(bugs[id(bugged)], bugged, of="reset"))
                     else:
                         failures.add(first)
     except BaseException:  # a signal as it waits (the caps unit's stop): a GPU's thread between
@@ -1454,9 +1466,14 @@ def reset_caps(
             given_up.append(True)
         raise
     if unrecorded:
-        raise CapsRecordError(
-            "; ".join([*failures.messages, _unrecorded(unrecorded, record.path, command)])
-        ) from unrecorded[0].exc
+        failures.messages.append(_unrecorded(unrecorded, record.path, command))
+    if bugs:  # an internal error, still naming every GPU's failure
+        first_bug = next(bugs[id(g)] for g in gpus if id(g) in bugs)
+        raise RestoreBugError(
+            "could not reset caps: " + "; ".join(failures.messages)
+        ) from first_bug
+    if unrecorded:
+        raise CapsRecordError("; ".join(failures.messages)) from unrecorded[0].exc
     failures.raise_if_any("could not reset caps: ")
     return done
 
@@ -1680,7 +1697,11 @@ def reset_locked(
     command: str = "dvfs cap reset",
     *,
     applied_only: bool = False,
-) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | CapsRecordError | None]:
+) -> tuple[
+    list[str],
+    list[tuple[Gpu, GpuBusyError]],
+    GpuError | CapsRecordError | RestoreBugError | None,
+]:
     """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
     holds are left alone and returned (with their refusals) beside what was done on the others, so
     that one running governor does not keep every other GPU capped (`cap reset` at the caps
@@ -1719,7 +1740,8 @@ def reset_locked(
                 command=command,
                 applied_only=applied_only,
             )
-        except (GpuError, CapsRecordError) as exc:  # said beside the GPUs reset before it
+        except (GpuError, CapsRecordError, RestoreBugError) as exc:  # said beside the GPUs
+            # reset (a bug in a GPU's reset too: raised, the lines of those reset were lost)
             return lines, busy, exc
         return lines, busy, None
 
@@ -1807,8 +1829,7 @@ def reset_gpus(
     DEVICES too: run again without them, --defaults resets every GPU), said to run again where
     a lock cannot be written in `directory`; `caps_command`, the `cap reset` of the same GPUs,
     where --defaults cannot rewrite the caps record."""
-    from dvfs.gpu.knobs import RestoreBugError
-    from dvfs.gpu.safety import GpuLocks, StateStore, restore_pending
+    from dvfs.gpu.safety import GpuLocks, StateStore, bug_advice, restore_pending
     from dvfs.signals import signals_raise
 
     store = StateStore(directory)
@@ -1915,9 +1936,17 @@ def reset_gpus(
                 )
             except GpuError as exc:
                 failed.append(exc)
-        if bug is not None:
+            except RestoreBugError as exc:  # a bug in a GPU's reset: with the restore's, if any
+                if bug is None:
+                    bug = exc
+                else:
+                    failed.append(GpuError(str(exc)))
+        if bug is not None:  # the other failures before the advice, which ends the line
             told = [str(e) for e in [*failed, *damaged]]
-            raise RestoreBugError("; ".join([str(bug), *told])) from bug.__cause__
+            advice = bug_advice(store)
+            said = str(bug).removesuffix(advice)
+            ending = advice if said != str(bug) else ""
+            raise RestoreBugError("; ".join([said, *told]) + ending) from bug.__cause__
         _raise_all(failed, damaged)
     return True
 

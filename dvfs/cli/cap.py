@@ -754,7 +754,9 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
         raise lost_gpus(lost)
     # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them; one
     # named here is refused, saying so, not with the sweep's "choose another GPU".
-    with open_gpus(named, visible=visible, allow_mig=True) as found:
+    # (opened side by side; one that began hanging or fell off the bus since it was probed is
+    # named with those lost, the others reset)
+    with open_gpus(named, visible=visible, allow_mig=True, lost=lost) as found:
         gpus = _without_mig(found)
         if devices and len(gpus) < len(found):
             raise _named_mig([g for g in found if g not in gpus], state_dir or default_state_dir())

@@ -39,11 +39,13 @@ def open_cli_gpus(
     *,
     allow_mig: bool = False,
     naming: str | None = None,
+    lost: list[GpuError] | None = None,
 ) -> Iterator[list[Any]]:
     """GPUs named on the command line (all when none are named), from `dvfs.backends`; a UUID
     given to the twin is a usage error. `naming` (how the command names GPUs, as
     `dvfs.gpu.visible.SWEEP_NAMING`) for a command that changes or meters them: real GPUs are
-    then held to CUDA_VISIBLE_DEVICES (`dvfs.backends.job_gpus`)."""
+    then held to CUDA_VISIBLE_DEVICES (`dvfs.backends.job_gpus`). With `lost`, a real GPU that
+    does not open is added to it and left out (`dvfs.gpu.nvml.open_nvml_gpus`)."""
     from dvfs.backends import job_gpus, open_gpus, parse_devices
 
     parsed = parse_devices(devices)
@@ -53,7 +55,7 @@ def open_cli_gpus(
             f"the twin's GPUs are named by index (0, 1, ...), not by UUID: {named[0]}"
         )
     visible = job_gpus(naming) if naming is not None and not twin else None
-    with open_gpus(parsed, twin=twin, allow_mig=allow_mig, visible=visible) as gpus:
+    with open_gpus(parsed, twin=twin, allow_mig=allow_mig, visible=visible, lost=lost) as gpus:
         yield gpus
 
 
@@ -315,7 +317,9 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     if not devices and lost:
         raise lost_gpus(lost)
     directory = state_dir or default_state_dir()
-    with open_cli_gpus(devices, None, allow_mig=True) as gpus:
+    # (opened side by side; one that began hanging or fell off the bus since it was probed is
+    # named with those lost, the others restored)
+    with open_cli_gpus(devices, None, allow_mig=True, lost=lost) as gpus:
         # every GPU leaves out one NVML may not talk to: a state file none of those opened
         # has may be its, left unrestored, which must not read as "nothing to restore"
         withheld = _withheld_state(directory, gpus) if every else ""
@@ -340,15 +344,18 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
                 caps_command=shlex.join(["dvfs", "cap", "reset", *named]),
             )
         except GpuError as exc:
-            if not lost or isinstance(exc, GpuBusyError):
+            if not (lost or withheld) or isinstance(exc, GpuBusyError):
                 raise  # a GPU named that another dvfs holds: refused before any change
             # A GPU that failed to restore (or whose state file is unreadable, left as it is)
-            # must not hide one fallen off the bus: both named.
-            raise type(exc)(f"{exc}; {lost_gpus(lost)}") from None
-        except RestoreBugError as exc:  # an internal error: nor must a bug hide it
-            if not lost:
+            # must not hide one fallen off the bus, nor the state files (caps) of GPUs NVML
+            # may not talk to: all named (exit 4 with the latter, as without the failure).
+            told = "; ".join(p for p in (str(exc), withheld, lost and str(lost_gpus(lost))) if p)
+            raise (GpuPermissionError if withheld else type(exc))(told) from None
+        except RestoreBugError as exc:  # an internal error: nor must a bug hide them
+            if not (lost or withheld):
                 raise
-            raise RestoreBugError(f"{exc}; {lost_gpus(lost)}") from exc.__cause__
+            told = "; ".join(p for p in (str(exc), withheld, lost and str(lost_gpus(lost))) if p)
+            raise RestoreBugError(told) from exc.__cause__
     if not acted:
         # A GPU that does not open may hold a state file (a governor it left): not "none".
         which = "the GPUs that open" if lost or withheld else "these GPUs"

@@ -99,6 +99,19 @@ class RestoreBugError(Exception):
     run: no `DvfsError`, so the command reports it as an internal error, one line."""
 
 
+def _unremoved(unremoved: Sequence[tuple[Gpu, OSError]]) -> str:
+    """What `KnobController.restore` says, beside other GPUs' failures, of the state files it
+    could not remove, their GPUs back as found."""
+    lines = []
+    for gpu, exc in unremoved:
+        path = f" {exc.filename}" if exc.filename else ""
+        lines.append(
+            f"GPU {gpu.identity.index} ({gpu.identity.uuid}) is back as found, but its state "
+            f"file{path} cannot be removed ({exc.strerror or exc}): it stays"
+        )
+    return "; ".join(lines)
+
+
 def restore_guarded(
     restore_one: Callable[[Item], Done], bugs: dict[int, Exception]
 ) -> Callable[[Item], Done | None]:
@@ -119,13 +132,13 @@ def restore_guarded(
     return guarded
 
 
-def bug_as_failure(bug: Exception, gpu: Gpu | None = None) -> GpuError:
+def bug_as_failure(bug: Exception, gpu: Gpu | None = None, *, of: str = "restore") -> GpuError:
     """A restore thread's bug as the failure `GatheredFailures` says of its GPU (`gpu`: named
     in it, for a line whose GPUs' failures name their own)."""
     said = str(bug).strip().splitlines()
     what = f"{type(bug).__name__}: {said[0]}" if said else type(bug).__name__
     named = "" if gpu is None else f"GPU {gpu.identity.index} ({gpu.identity.uuid}): "
-    return GpuError(f"{named}its restore stopped on a bug in dvfs ({what})")
+    return GpuError(f"{named}its {of} stopped on a bug in dvfs ({what})")
 
 
 @dataclass(frozen=True)
@@ -325,7 +338,7 @@ class KnobController:
             # A state file that cannot be removed (its folder remounted read-only) stays for
             # `dvfs gpu reset`, its GPU put back: raised once every GPU is, not before the
             # next GPU's restore (which it skipped, leaving that GPU capped)
-            unremoved: list[OSError] = []
+            unremoved: list[tuple[Gpu, OSError]] = []
             bugs: dict[int, Exception] = {}
             restore_one = restore_guarded(self._restore_one, bugs)
             restoring_all = side_by_side(changed, restore_one, named=restore_thread)
@@ -340,7 +353,7 @@ class KnobController:
                         try:
                             self.change_log.clear(uuid)
                         except OSError as exc:
-                            unremoved.append(exc)
+                            unremoved.append((gpu, exc))
             failures = GatheredFailures()
             # said in the GPUs' order, whichever failed first, GPUs failing alike named once
             failures.add_per_gpu(
@@ -354,13 +367,15 @@ class KnobController:
                     )
                 ]
             )
+            if unremoved and (bugs or failures.messages):  # named with them, never left unsaid
+                failures.messages.append(_unremoved(unremoved))
             head, tail = "could not restore GPU settings: ", f". {self.reset_advice()}{RETRIES}"
             if bugs:  # an internal error, still naming every GPU's failure and the reset
                 first = next(bugs[id(g)] for g in changed if id(g) in bugs)
                 raise RestoreBugError(head + "; ".join(failures.messages) + tail) from first
             failures.raise_if_any(head, tail)
             if unremoved:
-                raise unremoved[0]
+                raise unremoved[0][1]
 
     def _restore_one(self, gpu: Gpu) -> list[GpuError]:
         """Put one GPU back to its snapshot; what failed (none: it is back as found)."""

@@ -893,16 +893,52 @@ def open_nvml_gpus(
     allow_mig: bool = False,
     deadline_s: float | None = None,
     visible: Visible | None = None,
+    lost: list[GpuError] | None = None,
 ) -> Iterator[list[NvmlGpu]]:
     """The campaign's GPUs (every GPU when `devices` is None), NVML initialised around them;
     `deadline_s` as for `open_device`. With `visible` (the process's CUDA_VISIBLE_DEVICES, for
     a command that changes or meters them), a GPU it does not give the job is refused, exit 2
-    (`dvfs.gpu.visible`), and "every GPU" means every GPU it gives."""
+    (`dvfs.gpu.visible`), and "every GPU" means every GPU it gives.
+
+    The GPUs are opened side by side (`dvfs.gpu.knobs.side_by_side`, each on its own NVML
+    worker): GPUs whose driver hangs cost one deadline in all, as when `reachable_gpus`
+    probed them (a unit's stop timeout assumes so). The first GPU, in the GPUs' order, that
+    does not open fails the whole; with `lost` (a command acting on the others: `gpu reset`,
+    `cap reset`), the error of each GPU that does not open (one that began hanging, or fell
+    off the bus, since it was probed) is added to it, its `index` or `uuid` set as named, and
+    the others are yielded, in order."""
+    from dvfs.gpu.knobs import side_by_side
+
     with nvml_session(nvml, deadline_s=deadline_s) as module:
         if devices is None:
             devices = every_gpu(module, visible=visible, deadline_s=deadline_s)
-        gpus = [open_device(module, d, allow_mig=allow_mig, deadline_s=deadline_s) for d in devices]
-        _refuse_named_twice(devices, gpus)
+
+        def opening(entry: tuple[int, int | str]) -> NvmlGpu | GpuError:
+            try:
+                return open_device(module, entry[1], allow_mig=allow_mig, deadline_s=deadline_s)
+            except GpuError as exc:
+                return exc
+
+        entries = list(enumerate(devices))
+        outcomes: dict[int, NvmlGpu | GpuError] = {}
+        opening_all = side_by_side(entries, opening, named=lambda entry: f"open-gpu{entry[1]}")
+        with contextlib.closing(opening_all) as finishing:
+            for (position, _), outcome in finishing:
+                outcomes[position] = outcome
+        opened: list[int | str] = []
+        gpus: list[NvmlGpu] = []
+        for position, device in entries:
+            outcome = outcomes[position]
+            if isinstance(outcome, GpuError):
+                if lost is None:
+                    raise outcome
+                outcome.index = device if isinstance(device, int) else outcome.index
+                outcome.uuid = device if isinstance(device, str) else outcome.uuid
+                lost.append(outcome)
+                continue
+            opened.append(device)
+            gpus.append(outcome)
+        _refuse_named_twice(opened, gpus)
         if visible is not None:
             check_visible(
                 [(g.identity.index, g.identity.uuid) for g in gpus],

@@ -726,12 +726,18 @@ def restore_pending(
     head = "could not restore: "
     if bugs:  # an internal error, still naming every GPU's failure and the reset to run
         first_bug = next(bugs[id(g)] for g in changed if id(g) in bugs)
-        tail = f". The GPUs not restored keep their state files: {store.reset_command()} retries"
+        tail = bug_advice(store)
         raise RestoreBugError(head + "; ".join(failures.messages) + tail) from first_bug
     if unremoved and len(failures.messages) == 1:
         raise StateFolderError(failures.messages[0]) from unremoved[0][1]
     failures.raise_if_any(head)
     return done
+
+
+def bug_advice(store: StateStore) -> str:
+    """The end of `restore_pending`'s `RestoreBugError` line: the reset that retries (kept at
+    the end of the line where more failures join it: `dvfs.caps.reset_gpus`)."""
+    return f". The GPUs not restored keep their state files: {store.reset_command()} retries"
 
 
 def _unremoved_line(unremoved: Sequence[tuple[Gpu, OSError]], store: StateStore) -> str:
