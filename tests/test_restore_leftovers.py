@@ -89,6 +89,21 @@ def released_once(
     releaser.join()
 
 
+def _bug_in_the_restore_of(monkeypatch: pytest.MonkeyPatch, index: int) -> None:
+    """`dvfs gpu reset`'s put-back of GPU `index` raises a KeyError (a bug in dvfs, no NVML
+    error); the other GPUs' are as they are."""
+    import dvfs.gpu.safety as safety
+
+    put_back = safety._put_back_recorded
+
+    def buggy(gpu: Any, original: Any) -> None:
+        if gpu.identity.index == index:
+            raise KeyError("a bug")
+        put_back(gpu, original)
+
+    monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+
+
 def _left_changed(nvml: ModuleType, store: Any, gpus: list[Any]) -> None:
     """Every GPU capped (1500 MHz, 400 W) with a state file each, as a killed run leaves them."""
     from dvfs.gpu.knobs import GpuSettings
@@ -155,7 +170,6 @@ def test_gpu_reset_with_a_bug_in_one_restore_names_every_gpu_and_the_reset(
     the bug alone, GPU 1's failure unsaid. Now: GPU 2 said restored, then one internal-error
     line naming GPU 0's bug, GPU 1's failure and the reset to run again; exit 1; the state
     files of GPUs 0 and 1 stay."""
-    import dvfs.gpu.safety as safety
     from dvfs.gpu.safety import StateStore
 
     store = StateStore(Path(env["DVFS_STATE_DIR"]))
@@ -163,14 +177,7 @@ def test_gpu_reset_with_a_bug_in_one_restore_names_every_gpu_and_the_reset(
         _left_changed(nvml, store, gpus)
         uuids = [g.identity.uuid for g in gpus]
     nvml.fake_update_device(1, errors={RESET: nvml.NVML_ERROR_UNKNOWN})
-    put_back = safety._put_back_recorded
-
-    def buggy(gpu: Any, original: Any) -> None:
-        if gpu.identity.index == 0:
-            raise KeyError("a bug")
-        put_back(gpu, original)
-
-    monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+    _bug_in_the_restore_of(monkeypatch, 0)
     result = dvfs_in_process("gpu", "reset", env=env)
     assert result.returncode == 1, result.stdout + result.stderr
     [error] = [x for x in result.stderr.splitlines() if x.strip()]
@@ -743,7 +750,6 @@ def test_gpu_reset_failing_still_names_the_state_files_of_gpus_nvml_withholds(
     2's state file (it may be a GPU's this process may not talk to) was dropped: only GPU 1's
     failure was said. Now both, in one line; exit 4 for a GPU error (as without it), GPU 0
     restored all the same."""
-    import dvfs.gpu.safety as safety
     from dvfs.gpu.safety import StateStore
 
     store = StateStore(Path(env["DVFS_STATE_DIR"]))
@@ -754,14 +760,7 @@ def test_gpu_reset_failing_still_names_the_state_files_of_gpus_nvml_withholds(
     if failing == "a GPU error":
         nvml.fake_update_device(1, errors={RESET: nvml.NVML_ERROR_UNKNOWN})
     else:
-        put_back = safety._put_back_recorded
-
-        def buggy(gpu: Any, original: Any) -> None:
-            if gpu.identity.index == 1:
-                raise KeyError("a bug")
-            put_back(gpu, original)
-
-        monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+        _bug_in_the_restore_of(monkeypatch, 1)
     result = dvfs_in_process("gpu", "reset", env=env)
     assert result.returncode == (4 if failing == "a GPU error" else 1), result.stderr
     said = " ".join(result.stdout.split())  # (a line wrapped at the terminal's width)
@@ -842,7 +841,6 @@ def test_gpu_reset_with_a_bug_says_the_reset_that_retries_at_the_end_of_its_line
     """`dvfs gpu reset`: GPU 0's restore hits a bug and GPU 2's state file is unreadable
     (damaged). "`dvfs gpu reset` retries" came mid-line, GPU 2's failure after it. Now GPU 2's
     failure comes before it, the advice ending the line (before the report request)."""
-    import dvfs.gpu.safety as safety
     from dvfs.gpu.safety import StateStore
 
     store = StateStore(Path(env["DVFS_STATE_DIR"]))
@@ -850,14 +848,7 @@ def test_gpu_reset_with_a_bug_says_the_reset_that_retries_at_the_end_of_its_line
         _left_changed(nvml, store, gpus)
         uuids = [g.identity.uuid for g in gpus]
     store.path(uuids[2]).write_text("{not json")
-    put_back = safety._put_back_recorded
-
-    def buggy(gpu: Any, original: Any) -> None:
-        if gpu.identity.index == 0:
-            raise KeyError("a bug")
-        put_back(gpu, original)
-
-    monkeypatch.setattr(safety, "_put_back_recorded", buggy)
+    _bug_in_the_restore_of(monkeypatch, 0)
     result = dvfs_in_process("gpu", "reset", env=env)
     assert result.returncode == 1, result.stdout + result.stderr
     [error] = [x for x in result.stderr.splitlines() if x.strip()]
