@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -661,3 +662,32 @@ def test_concurrent_processes_keep_the_state_file_valid(state_path: Path) -> Non
     assert len(state["calls"]) == 120
     assert all(c["ok"] for c in state["calls"])
     assert not [p for p in state_path.parent.iterdir() if p.suffix == ".tmp"]
+
+
+def test_a_release_between_a_hangs_log_line_and_its_wait_ends_that_hang(
+    gpu: tuple[ModuleType, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test releases hung calls once `fake_hangs_started` lists them; a call listed but not
+    yet waiting missed a release that set and cleared an event at once, and hung for good (a
+    `cap reset` test ran into the suite's 120 s timeout once). The release now ends every hang
+    begun before it, whether or not it was waiting yet."""
+    nv, handle = gpu
+    monkeypatch.setenv("DVFS_FAKE_NVML_HANG", "nvmlDeviceGetName=inf")
+    logged = nv.json.dumps
+
+    def release_as_it_logs(record: Any) -> str:
+        line = logged(record)
+        os.environ.pop("DVFS_FAKE_NVML_HANG", None)
+        nv.fake_release_hangs()  # the releaser acts here, before the call waits
+        return line
+
+    monkeypatch.setattr(nv.json, "dumps", release_as_it_logs)
+    call = threading.Thread(target=nv.nvmlDeviceGetName, args=(handle,), daemon=True)
+    call.start()
+    call.join(timeout=60)  # (only a guard: a hang missed is a hang for good)
+    stuck = call.is_alive()
+    monkeypatch.setattr(nv.json, "dumps", logged)
+    nv.fake_release_hangs()
+    call.join()
+    assert not stuck, "a release between the hang's log line and its wait was lost"
+    assert [h["fn"] for h in nv.fake_hangs_started()] == ["nvmlDeviceGetName"]

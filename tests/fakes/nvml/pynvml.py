@@ -807,7 +807,11 @@ def _device(
     return dev, FAKE_PROFILES[dev["profile"]]
 
 
-_hang_release = threading.Event()
+#: Hangs end when `fake_release_hangs` moves the generation on: a call that began hanging in
+#: an earlier generation returns even if it was not waiting yet when the release came (an
+#: event set and cleared at once was missed by a call between its log line and its wait).
+_hang_release = threading.Condition()
+_hang_generation = 0
 
 
 def _hang_seconds(fn_name: str, index: int | None) -> float | None:
@@ -828,9 +832,14 @@ def _maybe_hang(fn_name: str, handle: Any) -> None:
     seconds = _hang_seconds(fn_name, index)
     if seconds is None:
         return
+    with _hang_release:
+        began = _hang_generation
     with open(_state_path() + ".hangs", "a") as log:
         log.write(json.dumps({"fn": fn_name, "index": index, "pid": os.getpid()}) + "\n")
-    _hang_release.wait(None if math.isinf(seconds) else seconds)
+    with _hang_release:
+        _hang_release.wait_for(
+            lambda: _hang_generation != began, None if math.isinf(seconds) else seconds
+        )
 
 
 def _get(
@@ -1596,8 +1605,10 @@ def fake_hangs_started() -> list[dict[str, Any]]:
 def fake_release_hangs() -> None:
     """End every hang in progress in this process (unset ``DVFS_FAKE_NVML_HANG`` first, or
     the next call hangs again)."""
-    _hang_release.set()
-    _hang_release.clear()
+    global _hang_generation
+    with _hang_release:
+        _hang_generation += 1
+        _hang_release.notify_all()
 
 
 def fake_init_count() -> int:
