@@ -2130,7 +2130,7 @@ def test_actors_whose_close_never_answers_are_killed_and_their_gpus_named(
         executor._close(ray_cluster, campaign, alive)
         assert killed == list(alive.values())
         assert executor.unrestored == {
-            host: [f"the GPUs of worker {host}/gpu0 (its close did not end within 1 s)"]
+            host: [f"the GPUs of worker {host}/gpu0 (its close did not come within 1 s)"]
             for host in ("n1", "n2")
         }
         assert executor.reset_first().endswith(
@@ -2185,7 +2185,7 @@ def test_a_close_not_answered_in_time_is_given_up_and_the_others_read() -> None:
     assert killed == ["b/w1"]
     assert executor.unrestored == {
         "a": ["GPU-a"],
-        "b": ["the GPUs of worker b/w1 (its close did not end within 1800 s)"],
+        "b": ["the GPUs of worker b/w1 (its close did not come within 1800 s)"],
     }
 
 
@@ -2348,3 +2348,128 @@ def test_a_unit_ray_failed_closes_its_actor_while_the_others_go_on(name: str) ->
     assert "ask close a/w0" in events
     # the other worker shipped its first units while the close ran
     assert events.index("get close a/w0") > events.index("shipped b/w1 u1"), events
+
+
+def run_lost_and_live(executor, signal_at_end: bool):  # type: ignore[no-untyped-def]
+    """`executor._run` (a `RayExecutor`'s) over stand-ins of Ray and a fleet of four units on
+    two real-GPU workers: the first unit of worker `a/w0` raises, and what its actor is asked
+    then (which GPUs it left changed: `GPU-a`; what its close raised) does not answer (its node
+    cut off); `b/w1` runs the rest. With `signal_at_end`, a Ctrl-C comes as the driver waits at
+    the run's end, once `a/w0` answered. The bounded waits on the actors' ends (the refs
+    awaited, the bound) and the units shipped."""
+    import ray.exceptions
+
+    class Method:
+        def __init__(self, label: str, name: str) -> None:
+            self.label, self.name = label, name
+
+        def remote(self, *args: object) -> tuple[object, ...]:
+            return (self.name, self.label, *args)
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            for name in ("open", "reset_command", "run", "close", "unrestored", "close_error"):
+                setattr(self, name, Method(label, name))
+
+    labels = iter(["a/w0", "b/w1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    raised = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", RuntimeError("boom"))
+    ending = {"close", "unrestored", "close_error"}
+    bounded: list[tuple[set, float]] = []  # type: ignore[type-arg]
+
+    def ready(ref: tuple[object, ...]) -> bool:
+        return not (ref[1] == "a/w0" and ref[0] in ending) or bool(bounded and signal_at_end)
+
+    def wait(refs: list, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
+        if timeout and any(r[0] in ending for r in refs):
+            bounded.append(({r[:2] for r in refs}, timeout))
+            if signal_at_end:
+                raise KeyboardInterrupt  # the user's Ctrl-C, as the driver waits
+        done = [r for r in refs if ready(r)][:num_returns]
+        return done, [r for r in refs if r not in done]
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        assert ready(ref), ref  # Ray's get would wait for it
+        if ref[0] == "open":
+            return {"worker": ref[1]}
+        if ref[0] == "reset_command":
+            return (ref[1].split("/")[0], "`dvfs gpu reset`")
+        if ref[0] == "run":
+            if ref[1] == "a/w0":
+                raise raised.as_instanceof_cause()
+            return types.SimpleNamespace(
+                unit=ref[2], cell=types.SimpleNamespace(drafter=None), gpu_time_s=1.0
+            )
+        if ref[0] == "unrestored":
+            return ["GPU-a"] if ref[1] == "a/w0" else []
+        return None
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}], wait=wait
+    )
+    queue = ["u0", "u1", "u2", "u3"]
+    shipped: list[str] = []
+
+    class Fleet(types.SimpleNamespace):
+        @property
+        def finished(self) -> bool:
+            return len(shipped) == 4
+
+    run_fleet = Fleet(
+        **vars(fleet),
+        take=lambda label, drafter: queue.pop(0) if queue else None,
+        started=lambda label, unit: None,
+        shipped=lambda label, shipment: shipped.append(shipment.unit),
+        lost=lambda label, cell, why, record: queue.insert(0, cell),
+        has_cells=lambda label: False,
+    )
+    executor._run(fake, run_fleet, [], False)
+    return bounded, shipped
+
+
+def test_the_runs_end_awaits_the_lost_and_the_live_actors_under_one_bound() -> None:
+    """Real GPUs: a worker raised in its unit and its actor's node is cut off as the driver
+    asks what it left changed; the other worker runs the rest. At the run's end the lost
+    actor's answers were awaited under the close bound, then the live actor's close under it
+    again, one after the other: a cut-off node held the sweep's end twice `CLOSE_TIMEOUT_S`.
+    Both are awaited in one wait, under one bound."""
+    from dvfs.fleet.ray_executor import CLOSE_TIMEOUT_S, RayExecutor
+
+    executor = RayExecutor(Path("out"))
+    bounded, shipped = run_lost_and_live(executor, False)
+    assert sorted(shipped) == ["u0", "u1", "u2", "u3"]  # the other worker took its unit
+    assert bounded == [
+        (
+            {
+                ("unrestored", "a/w0"),
+                ("close_error", "a/w0"),
+                ("close", "b/w1"),
+                ("unrestored", "b/w1"),
+            },
+            CLOSE_TIMEOUT_S,
+        )
+    ], bounded
+    assert executor.unrestored == {
+        "a": [
+            "the GPUs of worker a/w0 (its word on the GPUs it left changed did not come "
+            f"within {CLOSE_TIMEOUT_S:g} s)"
+        ]
+    }
+
+
+def test_a_signal_at_the_runs_end_reads_the_lost_actor_that_answered_by_then() -> None:
+    """Real GPUs: a Ctrl-C as the driver waits at the run's end for a lost worker's actor
+    (`run_lost_and_live`), which answered by then (`GPU-a` left changed), and the live one's
+    close. The lost actor was given up, its GPUs named as set, and `GPU-a` unsaid: as for the
+    live ones' closes, what answered by then is read, and only the rest given up."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        run_lost_and_live(executor, True)
+    assert executor.unrestored == {"a": ["GPU-a"]}, executor.unrestored
