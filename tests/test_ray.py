@@ -2473,3 +2473,89 @@ def test_a_signal_at_the_runs_end_reads_the_lost_actor_that_answered_by_then() -
     with pytest.raises(KeyboardInterrupt):
         run_lost_and_live(executor, True)
     assert executor.unrestored == {"a": ["GPU-a"]}, executor.unrestored
+
+
+def test_a_refusal_names_the_gpus_the_live_closes_left_changed_beside_its_line() -> None:
+    """Real GPUs: worker `a/w0` raised in its first unit (its actor left `GPU-a` changed),
+    then the driver refused `b/w1`'s server with cells left, and `b/w1`'s close at the run's
+    end failed to restore `GPU-b` (NVML refused). The refusal's line gives the reset of the
+    lost worker's node first, as it did before the live actors' closes were awaited with the
+    lost ones; `GPU-b`, which its close left changed after the line, is said beside it
+    (`unsaid`), with what its restore raised: it was folded into the line, by its node alone,
+    and what NVML refused was said nowhere."""
+    import ray.exceptions
+
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.errors import GpuError, JournalError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Method:
+        def __init__(self, label: str, name: str) -> None:
+            self.label, self.name = label, name
+
+        def remote(self, *args: object) -> tuple[object, ...]:
+            return (self.name, self.label, *args)
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            for name in ("open", "reset_command", "run", "close", "unrestored", "close_error"):
+                setattr(self, name, Method(label, name))
+
+    labels = iter(["a/w0", "b/w1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    raised = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", RuntimeError("boom"))
+    nvml = GpuError("could not restore GPU settings: GPU 0: NVML refused (test)")
+    restore = ray.exceptions.RayTaskError("WorkerActor.close", "Traceback", nvml)
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref[0] == "open":
+            return {"worker": ref[1]}
+        if ref[0] == "reset_command":
+            return (ref[1].split("/")[0], "`dvfs gpu reset`")
+        if ref[0] == "run":
+            if ref[1] == "a/w0":
+                raise raised.as_instanceof_cause()
+            return types.SimpleNamespace(
+                unit=ref[2], cell=types.SimpleNamespace(drafter=None), gpu_time_s=1.0
+            )
+        if ref[0] == "close" and ref[1] == "b/w1":
+            raise restore.as_instanceof_cause()
+        if ref[0] == "unrestored":
+            return ["GPU-a"] if ref[1] == "a/w0" else ["GPU-b"]
+        return None
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}]
+    )
+    queue = ["u0", "u1", "u2"]
+    refused: list[str] = []
+
+    def check_finished(reset: str) -> None:
+        raise JournalError("refused (test)" + (f"; and {reset} first" if reset else ""))
+
+    run_fleet = types.SimpleNamespace(
+        **vars(fleet),
+        finished=False,
+        fresh=False,
+        take=lambda label, drafter: None if refused or not queue else queue.pop(0),
+        started=lambda label, unit: None,
+        shipped=lambda label, shipment: refused.append(label),  # then its server refused
+        lost=lambda label, cell, why, record: queue.insert(0, cell),
+        has_cells=lambda label: False,
+        check_finished=check_finished,
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(JournalError) as line:
+        executor._run(fake, run_fleet, [], False)
+    assert str(line.value) == (
+        "refused (test); and GPU settings were left unrestored on a: once the GPUs answer "
+        "again, run `dvfs gpu reset` on a first"
+    ), line.value
+    assert executor.unsaid() == {"b": ["GPU-b"]}, executor.unrestored
+    said = _ray_unrestored(executor.unsaid(), executor.close_errors, executor.resets)
+    assert "GPU-b on b: could not restore GPU settings: GPU 0: NVML refused (test)" in said

@@ -433,6 +433,8 @@ class RayExecutor:
         self.replaced: ServerReplacedError | None = None
         #: The GPUs of `unrestored` the line the run failed in names (`_check_finished`).
         self._said: dict[str, list[str]] = {}
+        #: Each worker's entries of `unrestored` (node, GPU), by its label (`_leave`).
+        self._left_by: dict[str, list[tuple[str, str]]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         twin = not real_gpus(fleet.campaign)
@@ -799,10 +801,7 @@ class RayExecutor:
         if left is None:  # its close answered: it restored its GPUs
             return
         with contextlib.suppress(Exception):  # a dead actor: its close said so
-            gpus = ray.get(left)
-            if gpus:
-                host = label.split("/", 1)[0]
-                self.unrestored.setdefault(host, []).extend(str(u) for u in gpus)
+            self._leave(label, ray.get(left) or ())
 
     def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
         """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
@@ -990,7 +989,7 @@ class RayExecutor:
                             pacer.free(back, times[back])
                 self._settle(ray, fleet.campaign, retiring, 0.0)
                 feed()
-            live = bool(alive)  # with cells left: a refusal retired them (its line below)
+            live = list(alive)  # with cells left: a refusal retired them (its line below)
         except (KeyboardInterrupt, Interrupted):
             # Ctrl-C or SIGTERM: each actor still finishes its unit in flight (its `close`
             # waits behind it), so journal what they finish, as the local executor does,
@@ -1011,8 +1010,9 @@ class RayExecutor:
             self._check_finished(fleet)
         if not fleet.finished and live:
             # A refusal's own line, when the driver retired them (with the resets to run
-            # first where the others were lost with their GPUs changed).
-            self._check_finished(fleet)
+            # first where the others were lost with their GPUs changed); what the retired
+            # ones' closes left changed is said beside it, with what their restores raised.
+            self._check_finished(fleet, after=live)
             raise DvfsError(
                 f"the Ray workers stopped with cells left; {resume_advice(fleet.fresh)}"
             )
@@ -1042,9 +1042,16 @@ class RayExecutor:
         not --observe-only, which sets nothing)."""
         if not real_gpus(campaign) or not campaign.gpu.actuation:
             return False
-        host = label.split("/", 1)[0]
-        self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} ({why})")
+        self._leave(label, [f"the GPUs of worker {label} ({why})"])
         return True
+
+    def _leave(self, label: str, gpus: Sequence[Any]) -> None:
+        """Note `gpus` (UUIDs, or a worker's GPUs in words) as left changed by `label`'s worker,
+        on its node."""
+        host = label.split("/", 1)[0]
+        for gpu in gpus:
+            self.unrestored.setdefault(host, []).append(str(gpu))
+            self._left_by.setdefault(label, []).append((host, str(gpu)))
 
     def _raised(self, ray: Any, label: str, actor: Any) -> Asked:
         """`label`'s actor, whose worker raised in its unit (and closed itself), asked which
@@ -1061,20 +1068,26 @@ class RayExecutor:
         """Note the GPUs an actor whose worker raised (and closed) left changed (`unrestored`,
         its answer), and what its close raised then (`close_error`)."""
         with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
-            left = ray.get(unrestored)
-            if left:
-                host = label.split("/", 1)[0]
-                self.unrestored.setdefault(host, []).extend(str(u) for u in left)
+            self._leave(label, ray.get(unrestored) or ())
             closing = ray.get(close_error)
             if closing is not None:
                 self.close_errors.append(closing)
 
-    def _check_finished(self, fleet: Fleet) -> None:
+    def _check_finished(self, fleet: Fleet, after: Sequence[str] = ()) -> None:
         """`fleet.check_finished` with the resets to run first (`reset_first`): the GPUs its
-        line names, where it raises one, are said (`unsaid`)."""
-        said = {host: list(gpus) for host, gpus in self.unrestored.items()}
+        line names, where it raises one, are said (`unsaid`). Not those the closes of the workers
+        of `after` left changed (those a refusal retired): said beside its line, by GPU, with
+        what their restores raised (`close_errors`), as when they closed after it."""
+        later = [entry for label in after for entry in self._left_by.get(label, [])]
+        said: dict[str, list[str]] = {}
+        for host, gpus in self.unrestored.items():
+            for gpu in gpus:
+                if (host, gpu) in later:
+                    later.remove((host, gpu))
+                else:
+                    said.setdefault(host, []).append(gpu)
         try:
-            fleet.check_finished(self.reset_first())
+            fleet.check_finished(self.reset_first(said))
         except BaseException:
             self._said = said
             raise
@@ -1088,17 +1101,19 @@ class RayExecutor:
         }
         return {host: gpus for host, gpus in left.items() if gpus}
 
-    def reset_first(self) -> str:
-        """Where workers left GPUs changed: the nodes and each one's `dvfs gpu reset`, to run
-        before the sweep resumes (`Fleet.check_finished`'s `reset`); "" where none did."""
-        if not self.unrestored:
+    def reset_first(self, left: dict[str, list[str]] | None = None) -> str:
+        """Where workers left GPUs changed (`left`: of `unrestored`, all by default): the nodes
+        and each one's `dvfs gpu reset`, to run before the sweep resumes
+        (`Fleet.check_finished`'s `reset`); "" where none did."""
+        left = self.unrestored if left is None else left
+        if not left:
             return ""
         by_command: dict[str, list[str]] = {}
-        for host in self.unrestored:
+        for host in left:
             by_command.setdefault(self.reset_on(host), []).append(host)
         run = ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
         return (
-            f"GPU settings were left unrestored on {', '.join(self.unrestored)}: once the GPUs "
+            f"GPU settings were left unrestored on {', '.join(left)}: once the GPUs "
             f"answer again, run {run}"
         )
 
