@@ -2225,11 +2225,17 @@ def test_a_signal_while_the_actors_close_names_only_those_not_closed_yet() -> No
     }
 
 
-def drive_two_workers(error: BaseException, answers_after: int | None):  # type: ignore[no-untyped-def]
+def drive_two_workers(  # type: ignore[no-untyped-def]
+    error: BaseException,
+    answers_after: int | None,
+    left: tuple[list[str], int] | None = None,
+):
     """`RayExecutor._drive` over stand-ins of Ray and a fleet of four units on two real-GPU
     workers: the first unit of worker `a/w0` answers `error`; what its actor is asked then
     (its close, what it left changed) answers once `b/w1` shipped `answers_after` units
-    (None: never, its node cut off). The executor and what happened, in order."""
+    (None: never, its node cut off). `left`: the GPUs its `unrestored` answers, once `b/w1`
+    shipped how many units (by default none, with the rest). The executor and what happened,
+    in order."""
     import ray.exceptions
 
     from dvfs.fleet.ray_executor import RayExecutor
@@ -2256,6 +2262,8 @@ def drive_two_workers(error: BaseException, answers_after: int | None):  # type:
     def ready(ref: tuple[object, ...]) -> bool:
         if ref[0] == "run" or ref[1] != "a/w0":
             return True
+        if ref[0] == "unrestored" and left is not None:
+            return len(shipped) >= left[1]
         return answers_after is not None and len(shipped) >= answers_after
 
     def wait(refs: list, *, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
@@ -2272,7 +2280,9 @@ def drive_two_workers(error: BaseException, answers_after: int | None):  # type:
                 raise error
             cell = types.SimpleNamespace(drafter=None)
             return types.SimpleNamespace(unit=ref[2], cell=cell, gpu_time_s=1.0)
-        return [] if ref[0] == "unrestored" else None
+        if ref[0] == "unrestored":
+            return left[0] if left is not None and ref[1] == "a/w0" else []
+        return None
 
     def lost(label: str, cell: str, why: str, record: dict) -> None:  # type: ignore[type-arg]
         events.append(f"lost {label} {cell}")
@@ -2559,3 +2569,19 @@ def test_a_refusal_names_the_gpus_the_live_closes_left_changed_beside_its_line()
     assert executor.unsaid() == {"b": ["GPU-b"]}, executor.unrestored
     said = _ray_unrestored(executor.unsaid(), executor.close_errors, executor.resets)
     assert "GPU-b on b: could not restore GPU settings: GPU 0: NVML refused (test)" in said
+
+
+def test_a_unit_ray_failed_whose_close_answered_before_its_word_on_its_gpus_names_them() -> None:
+    """Real GPUs: Ray failed a worker's unit (its actor unreachable for a while), and the
+    driver asked the actor's close and which GPUs it left changed. The close answered (the
+    unit ran on and its worker, which raised, had closed itself: nothing left to close) before
+    its word on the GPUs, at one of the driver's looks as the other worker went on: it was read
+    as restored at once and `GPU-a`, which the actor named a moment later, went unsaid. It is
+    read once both answered."""
+    import ray.exceptions
+
+    error = ray.exceptions.ActorUnavailableError("it is restarting", None)
+    executor, events, killed, shipped = drive_two_workers(error, 1, (["GPU-a"], 2))
+    assert sorted(shipped) == ["u0", "u1", "u2", "u3"]
+    assert killed == []
+    assert executor.unrestored == {"a": ["GPU-a"]}, (executor.unrestored, events)

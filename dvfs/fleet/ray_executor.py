@@ -68,7 +68,8 @@ class Asked(NamedTuple):
     actor: Any
     #: Every answer awaited: each of them answered, the actor is read whatever stopped the wait.
     refs: tuple[Any, ...]
-    #: Those whose answers are enough to read it once the wait ends (of `refs`).
+    #: Those whose answers are enough to read it once a bounded wait ends (of `refs`); one
+    #: read as it answers waits for all of `refs`.
     needed: tuple[Any, ...]
     #: Reads its answers, given which of `refs` answered (`answered(ref)`).
     read: Callable[[Callable[[Any], bool]], None]
@@ -738,9 +739,11 @@ class RayExecutor:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=bound)
             waited = True
             for label, entry in asked.items():
-                if all(ref in ready for ref in entry.needed):
+                # Read as it answers: once all of it has (a close that answered before its
+                # word on the GPUs it left changed is not read as restored: that word comes).
+                if all(ref in ready for ref in (entry.refs if bound <= 0 else entry.needed)):
                     entry.read(lambda ref: ref in ready)
-                elif bound <= 0:  # read as it answers
+                elif bound <= 0:
                     continue
                 else:  # its close still runs (its node cut off, a restore stuck): given up
                     with contextlib.suppress(Exception):
