@@ -2130,7 +2130,7 @@ def test_actors_whose_close_never_answers_are_killed_and_their_gpus_named(
         executor._close(ray_cluster, campaign, alive)
         assert killed == list(alive.values())
         assert executor.unrestored == {
-            host: [f"the GPUs of worker {host}/gpu0 (its close did not end within 1 s)"]
+            host: [f"the GPUs of worker {host}/gpu0 (its close did not come within 1 s)"]
             for host in ("n1", "n2")
         }
         assert executor.reset_first().endswith(
@@ -2185,7 +2185,7 @@ def test_a_close_not_answered_in_time_is_given_up_and_the_others_read() -> None:
     assert killed == ["b/w1"]
     assert executor.unrestored == {
         "a": ["GPU-a"],
-        "b": ["the GPUs of worker b/w1 (its close did not end within 1800 s)"],
+        "b": ["the GPUs of worker b/w1 (its close did not come within 1800 s)"],
     }
 
 
@@ -2225,11 +2225,17 @@ def test_a_signal_while_the_actors_close_names_only_those_not_closed_yet() -> No
     }
 
 
-def drive_two_workers(error: BaseException, answers_after: int | None):  # type: ignore[no-untyped-def]
+def drive_two_workers(  # type: ignore[no-untyped-def]
+    error: BaseException,
+    answers_after: int | None,
+    left: tuple[list[str], int] | None = None,
+):
     """`RayExecutor._drive` over stand-ins of Ray and a fleet of four units on two real-GPU
     workers: the first unit of worker `a/w0` answers `error`; what its actor is asked then
     (its close, what it left changed) answers once `b/w1` shipped `answers_after` units
-    (None: never, its node cut off). The executor and what happened, in order."""
+    (None: never, its node cut off). `left`: the GPUs its `unrestored` answers, once `b/w1`
+    shipped how many units (by default none, with the rest). The executor and what happened,
+    in order."""
     import ray.exceptions
 
     from dvfs.fleet.ray_executor import RayExecutor
@@ -2256,6 +2262,8 @@ def drive_two_workers(error: BaseException, answers_after: int | None):  # type:
     def ready(ref: tuple[object, ...]) -> bool:
         if ref[0] == "run" or ref[1] != "a/w0":
             return True
+        if ref[0] == "unrestored" and left is not None:
+            return len(shipped) >= left[1]
         return answers_after is not None and len(shipped) >= answers_after
 
     def wait(refs: list, *, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
@@ -2272,7 +2280,9 @@ def drive_two_workers(error: BaseException, answers_after: int | None):  # type:
                 raise error
             cell = types.SimpleNamespace(drafter=None)
             return types.SimpleNamespace(unit=ref[2], cell=cell, gpu_time_s=1.0)
-        return [] if ref[0] == "unrestored" else None
+        if ref[0] == "unrestored":
+            return left[0] if left is not None and ref[1] == "a/w0" else []
+        return None
 
     def lost(label: str, cell: str, why: str, record: dict) -> None:  # type: ignore[type-arg]
         events.append(f"lost {label} {cell}")
@@ -2348,3 +2358,230 @@ def test_a_unit_ray_failed_closes_its_actor_while_the_others_go_on(name: str) ->
     assert "ask close a/w0" in events
     # the other worker shipped its first units while the close ran
     assert events.index("get close a/w0") > events.index("shipped b/w1 u1"), events
+
+
+def run_lost_and_live(executor, signal_at_end: bool):  # type: ignore[no-untyped-def]
+    """`executor._run` (a `RayExecutor`'s) over stand-ins of Ray and a fleet of four units on
+    two real-GPU workers: the first unit of worker `a/w0` raises, and what its actor is asked
+    then (which GPUs it left changed: `GPU-a`; what its close raised) does not answer (its node
+    cut off); `b/w1` runs the rest. With `signal_at_end`, a Ctrl-C comes as the driver waits at
+    the run's end, once `a/w0` answered. The bounded waits on the actors' ends (the refs
+    awaited, the bound) and the units shipped."""
+    import ray.exceptions
+
+    class Method:
+        def __init__(self, label: str, name: str) -> None:
+            self.label, self.name = label, name
+
+        def remote(self, *args: object) -> tuple[object, ...]:
+            return (self.name, self.label, *args)
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            for name in ("open", "reset_command", "run", "close", "unrestored", "close_error"):
+                setattr(self, name, Method(label, name))
+
+    labels = iter(["a/w0", "b/w1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    raised = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", RuntimeError("boom"))
+    ending = {"close", "unrestored", "close_error"}
+    bounded: list[tuple[set, float]] = []  # type: ignore[type-arg]
+
+    def ready(ref: tuple[object, ...]) -> bool:
+        return not (ref[1] == "a/w0" and ref[0] in ending) or bool(bounded and signal_at_end)
+
+    def wait(refs: list, num_returns: int, timeout: float) -> tuple[list, list]:  # type: ignore[type-arg]
+        if timeout and any(r[0] in ending for r in refs):
+            bounded.append(({r[:2] for r in refs}, timeout))
+            if signal_at_end:
+                raise KeyboardInterrupt  # the user's Ctrl-C, as the driver waits
+        done = [r for r in refs if ready(r)][:num_returns]
+        return done, [r for r in refs if r not in done]
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        assert ready(ref), ref  # Ray's get would wait for it
+        if ref[0] == "open":
+            return {"worker": ref[1]}
+        if ref[0] == "reset_command":
+            return (ref[1].split("/")[0], "`dvfs gpu reset`")
+        if ref[0] == "run":
+            if ref[1] == "a/w0":
+                raise raised.as_instanceof_cause()
+            return types.SimpleNamespace(
+                unit=ref[2], cell=types.SimpleNamespace(drafter=None), gpu_time_s=1.0
+            )
+        if ref[0] == "unrestored":
+            return ["GPU-a"] if ref[1] == "a/w0" else []
+        return None
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}], wait=wait
+    )
+    queue = ["u0", "u1", "u2", "u3"]
+    shipped: list[str] = []
+
+    class Fleet(types.SimpleNamespace):
+        @property
+        def finished(self) -> bool:
+            return len(shipped) == 4
+
+    run_fleet = Fleet(
+        **vars(fleet),
+        take=lambda label, drafter: queue.pop(0) if queue else None,
+        started=lambda label, unit: None,
+        shipped=lambda label, shipment: shipped.append(shipment.unit),
+        lost=lambda label, cell, why, record: queue.insert(0, cell),
+        has_cells=lambda label: False,
+    )
+    executor._run(fake, run_fleet, [], False)
+    return bounded, shipped
+
+
+def test_the_runs_end_awaits_the_lost_and_the_live_actors_under_one_bound() -> None:
+    """Real GPUs: a worker raised in its unit and its actor's node is cut off as the driver
+    asks what it left changed; the other worker runs the rest. At the run's end the lost
+    actor's answers were awaited under the close bound, then the live actor's close under it
+    again, one after the other: a cut-off node held the sweep's end twice `CLOSE_TIMEOUT_S`.
+    Both are awaited in one wait, under one bound."""
+    from dvfs.fleet.ray_executor import CLOSE_TIMEOUT_S, RayExecutor
+
+    executor = RayExecutor(Path("out"))
+    bounded, shipped = run_lost_and_live(executor, False)
+    assert sorted(shipped) == ["u0", "u1", "u2", "u3"]  # the other worker took its unit
+    assert bounded == [
+        (
+            {
+                ("unrestored", "a/w0"),
+                ("close_error", "a/w0"),
+                ("close", "b/w1"),
+                ("unrestored", "b/w1"),
+            },
+            CLOSE_TIMEOUT_S,
+        )
+    ], bounded
+    assert executor.unrestored == {
+        "a": [
+            "the GPUs of worker a/w0 (its word on the GPUs it left changed did not come "
+            f"within {CLOSE_TIMEOUT_S:g} s)"
+        ]
+    }
+
+
+def test_a_signal_at_the_runs_end_reads_the_lost_actor_that_answered_by_then() -> None:
+    """Real GPUs: a Ctrl-C as the driver waits at the run's end for a lost worker's actor
+    (`run_lost_and_live`), which answered by then (`GPU-a` left changed), and the live one's
+    close. The lost actor was given up, its GPUs named as set, and `GPU-a` unsaid: as for the
+    live ones' closes, what answered by then is read, and only the rest given up."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        run_lost_and_live(executor, True)
+    assert executor.unrestored == {"a": ["GPU-a"]}, executor.unrestored
+
+
+def test_a_refusal_names_the_gpus_the_live_closes_left_changed_beside_its_line() -> None:
+    """Real GPUs: worker `a/w0` raised in its first unit (its actor left `GPU-a` changed),
+    then the driver refused `b/w1`'s server with cells left, and `b/w1`'s close at the run's
+    end failed to restore `GPU-b` (NVML refused). The refusal's line gives the reset of the
+    lost worker's node first, as it did before the live actors' closes were awaited with the
+    lost ones; `GPU-b`, which its close left changed after the line, is said beside it
+    (`unsaid`), with what its restore raised: it was folded into the line, by its node alone,
+    and what NVML refused was said nowhere."""
+    import ray.exceptions
+
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.errors import GpuError, JournalError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Method:
+        def __init__(self, label: str, name: str) -> None:
+            self.label, self.name = label, name
+
+        def remote(self, *args: object) -> tuple[object, ...]:
+            return (self.name, self.label, *args)
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            for name in ("open", "reset_command", "run", "close", "unrestored", "close_error"):
+                setattr(self, name, Method(label, name))
+
+    labels = iter(["a/w0", "b/w1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    raised = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", RuntimeError("boom"))
+    nvml = GpuError("could not restore GPU settings: GPU 0: NVML refused (test)")
+    restore = ray.exceptions.RayTaskError("WorkerActor.close", "Traceback", nvml)
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref[0] == "open":
+            return {"worker": ref[1]}
+        if ref[0] == "reset_command":
+            return (ref[1].split("/")[0], "`dvfs gpu reset`")
+        if ref[0] == "run":
+            if ref[1] == "a/w0":
+                raise raised.as_instanceof_cause()
+            return types.SimpleNamespace(
+                unit=ref[2], cell=types.SimpleNamespace(drafter=None), gpu_time_s=1.0
+            )
+        if ref[0] == "close" and ref[1] == "b/w1":
+            raise restore.as_instanceof_cause()
+        if ref[0] == "unrestored":
+            return ["GPU-a"] if ref[1] == "a/w0" else ["GPU-b"]
+        return None
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}]
+    )
+    queue = ["u0", "u1", "u2"]
+    refused: list[str] = []
+
+    def check_finished(reset: str) -> None:
+        raise JournalError("refused (test)" + (f"; and {reset} first" if reset else ""))
+
+    run_fleet = types.SimpleNamespace(
+        **vars(fleet),
+        finished=False,
+        fresh=False,
+        take=lambda label, drafter: None if refused or not queue else queue.pop(0),
+        started=lambda label, unit: None,
+        shipped=lambda label, shipment: refused.append(label),  # then its server refused
+        lost=lambda label, cell, why, record: queue.insert(0, cell),
+        has_cells=lambda label: False,
+        check_finished=check_finished,
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(JournalError) as line:
+        executor._run(fake, run_fleet, [], False)
+    assert str(line.value) == (
+        "refused (test); and GPU settings were left unrestored on a: once the GPUs answer "
+        "again, run `dvfs gpu reset` on a first"
+    ), line.value
+    assert executor.unsaid() == {"b": ["GPU-b"]}, executor.unrestored
+    said = _ray_unrestored(executor.unsaid(), executor.close_errors, executor.resets)
+    assert "GPU-b on b: could not restore GPU settings: GPU 0: NVML refused (test)" in said
+
+
+def test_a_unit_ray_failed_whose_close_answered_before_its_word_on_its_gpus_names_them() -> None:
+    """Real GPUs: Ray failed a worker's unit (its actor unreachable for a while), and the
+    driver asked the actor's close and which GPUs it left changed. The close answered (the
+    unit ran on and its worker, which raised, had closed itself: nothing left to close) before
+    its word on the GPUs, at one of the driver's looks as the other worker went on: it was read
+    as restored at once and `GPU-a`, which the actor named a moment later, went unsaid. It is
+    read once both answered."""
+    import ray.exceptions
+
+    error = ray.exceptions.ActorUnavailableError("it is restarting", None)
+    executor, events, killed, shipped = drive_two_workers(error, 1, (["GPU-a"], 2))
+    assert sorted(shipped) == ["u0", "u1", "u2", "u3"]
+    assert killed == []
+    assert executor.unrestored == {"a": ["GPU-a"]}, (executor.unrestored, events)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from dvfs.backends import real_gpus, virtual_time
 from dvfs.errors import CampaignError, DvfsError, ServerReplacedError
@@ -59,6 +59,22 @@ TOLD_WAIT_S = 10.0
 
 class RayMissingError(DvfsError):
     exit_code = 2
+
+
+class Asked(NamedTuple):
+    """What the driver asked a worker's actor as it ends (its close, what it left changed),
+    awaited by `RayExecutor._settle`."""
+
+    actor: Any
+    #: Every answer awaited: each of them answered, the actor is read whatever stopped the wait.
+    refs: tuple[Any, ...]
+    #: Those whose answers are enough to read it once a bounded wait ends (of `refs`); one
+    #: read as it answers waits for all of `refs`.
+    needed: tuple[Any, ...]
+    #: Reads its answers, given which of `refs` answered (`answered(ref)`).
+    read: Callable[[Callable[[Any], bool]], None]
+    #: What did not come, where the bound ran out: "its close".
+    what: str
 
 
 #: What `import_ray` (`dvfs sweep --executor ray`) and `dvfs doctor --executor ray` say where
@@ -418,6 +434,8 @@ class RayExecutor:
         self.replaced: ServerReplacedError | None = None
         #: The GPUs of `unrestored` the line the run failed in names (`_check_finished`).
         self._said: dict[str, list[str]] = {}
+        #: Each worker's entries of `unrestored` (node, GPU), by its label (`_leave`).
+        self._left_by: dict[str, list[tuple[str, str]]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         twin = not real_gpus(fleet.campaign)
@@ -659,7 +677,7 @@ class RayExecutor:
             self._drive(ray, fleet, alive, virtual_time(campaign))
         finally:
             try:
-                self._close(ray, campaign, alive)
+                self._close(ray, campaign, alive)  # those opened, where `_drive` closed none
             finally:
                 # Those that answered, however the run ended (a signal as they opened): the
                 # line naming GPUs left changed gives their node's reset.
@@ -668,56 +686,103 @@ class RayExecutor:
                 for actor in actors:
                     ray.kill(actor)
 
-    def _close(self, ray: Any, campaign: Any, alive: dict[str, Any]) -> None:
-        """Close each actor (it restores its GPUs) and note the GPUs any left changed. The
-        closes are asked of every actor at once and awaited together under one bound
-        (`CLOSE_TIMEOUT_S`), so the actors stop their servers and restore their GPUs side by
-        side (a fleet's end waits for the slowest, not for the sum), and those that did not
-        answer by then (their node cut off) are killed, their GPUs named as left changed with
-        their node's reset: each was waited for in turn, half an hour each. A further signal
-        while they close gives up waiting: the actors not closed yet are killed with their
-        GPUs as they set them, which the sweep's last line names."""
-        if not alive:
+    def _close(
+        self,
+        ray: Any,
+        campaign: Any,
+        alive: dict[str, Any],
+        retiring: dict[str, Asked] | None = None,
+    ) -> None:
+        """Close each actor of `alive` (it restores its GPUs) and note the GPUs any left
+        changed; the lost workers' actors of `retiring` (`_drive`'s, asked what they left
+        changed) are awaited with them, and dropped from it. The closes are asked of every
+        actor at once and awaited together, with the lost ones' answers, under one bound
+        (`CLOSE_TIMEOUT_S`, `_settle`), so the actors stop their servers and restore their GPUs
+        side by side (a fleet's end waits for the slowest, not for the sum, nor for the lost
+        ones first): each was waited for in turn, half an hour each. A further signal as they
+        are asked gives up waiting, as one while they close (`_give_up`)."""
+        asked: dict[str, Asked] = {} if retiring is None else retiring
+        try:
+            for label, actor in alive.items():
+                asked[label] = self._closing(ray, campaign, label, actor)
+        except BaseException:
+            for label in alive:
+                if label not in asked:  # not asked: given up, as the rest
+                    self._note_died(campaign, label, "its close was given up")
+            self._give_up(ray, campaign, asked)
+            raise
+        self._settle(ray, campaign, asked, CLOSE_TIMEOUT_S)
+
+    def _closing(self, ray: Any, campaign: Any, label: str, actor: Any) -> Asked:
+        """`label`'s actor asked to close (Ray's failure of its unit left it alive, its GPUs
+        set; or the run's end) and, once it has (an actor answers in order), which GPUs it
+        left changed: read once its close answered."""
+        closing, left = actor.close.remote(), actor.unrestored.remote()
+
+        def read(answered: Callable[[Any], bool]) -> None:
+            self._closed(ray, campaign, label, closing, left if answered(left) else None)
+
+        return Asked(actor, (closing, left), (closing,), read, "its close")
+
+    def _settle(self, ray: Any, campaign: Any, asked: dict[str, Asked], bound: float) -> None:
+        """Read the actors of `asked` whose answers came within `bound` (0: those that
+        answered by now), and drop them from it. All are awaited in one wait, however many;
+        with a bound (> 0), those that did not answer in it (their node cut off, a restore
+        stuck) are killed, their GPUs named as left changed with their node's reset. A signal
+        while they are awaited gives up waiting (`_give_up`)."""
+        if not asked:
             return
         done: list[str] = []
-        asked: dict[str, tuple[Any, Any]] = {}
         waited = False
         try:
-            # An actor answers in order: its `unrestored` once its close has run.
-            asked = {
-                label: (actor.close.remote(), actor.unrestored.remote())
-                for label, actor in alive.items()
-            }
-            refs = [ref for pair in asked.values() for ref in pair]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT_S)
+            refs = [ref for entry in asked.values() for ref in entry.refs]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=bound)
             waited = True
-            for label, actor in alive.items():
-                closing, left = asked[label]
-                if closing in ready:
-                    self._closed(ray, campaign, label, closing, left if left in ready else None)
+            for label, entry in asked.items():
+                # Read as it answers: once all of it has (a close that answered before its
+                # word on the GPUs it left changed is not read as restored: that word comes).
+                if all(ref in ready for ref in (entry.refs if bound <= 0 else entry.needed)):
+                    entry.read(lambda ref: ref in ready)
+                elif bound <= 0:
+                    continue
                 else:  # its close still runs (its node cut off, a restore stuck): given up
                     with contextlib.suppress(Exception):
-                        ray.kill(actor)
+                        ray.kill(entry.actor)
                     self._note_died(
-                        campaign, label, f"its close did not end within {CLOSE_TIMEOUT_S:g} s"
+                        campaign, label, f"{entry.what} did not come within {bound:g} s"
                     )
                 done.append(label)
         except BaseException:
-            try:
-                if asked and not waited:  # a signal as they closed: those that did are read
-                    refs = [ref for pair in asked.values() for ref in pair]
-                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                    for label, (closing, left) in asked.items():
-                        if closing in ready and left in ready:
-                            self._closed(ray, campaign, label, closing, left)
-                            done.append(label)
-            except Exception:  # noqa: BLE001, S110  (not known: given up, as the rest)
-                pass
-            finally:
-                for label in alive:
-                    if label not in done:
-                        self._note_died(campaign, label, "its close was given up")
+            if bound > 0:  # a signal as they closed
+                for label in done:
+                    asked.pop(label, None)
+                done = []
+                self._give_up(ray, campaign, asked, read=not waited)
             raise
+        finally:
+            for label in done:
+                asked.pop(label, None)
+
+    def _give_up(
+        self, ray: Any, campaign: Any, asked: dict[str, Asked], *, read: bool = True
+    ) -> None:
+        """A signal as the actors of `asked` close: those that answered by now are read (with
+        `read`), and the others are given up (killed with the run, their GPUs as they set them,
+        which the sweep's last line names); `asked` is left empty."""
+        try:
+            if asked and read:
+                refs = [ref for entry in asked.values() for ref in entry.refs]
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                for label, entry in list(asked.items()):
+                    if all(ref in ready for ref in entry.refs):
+                        entry.read(lambda ref: ref in ready)
+                        asked.pop(label)
+        except Exception:  # noqa: BLE001, S110  (not known: given up, as the rest)
+            pass
+        finally:
+            for label in asked:
+                self._note_died(campaign, label, "its close was given up")
+            asked.clear()
 
     def _closed(self, ray: Any, campaign: Any, label: str, closing: Any, left: Any | None) -> None:
         """Note what the close `closing` of `label`'s actor answered, and the GPUs it left
@@ -739,10 +804,7 @@ class RayExecutor:
         if left is None:  # its close answered: it restored its GPUs
             return
         with contextlib.suppress(Exception):  # a dead actor: its close said so
-            gpus = ray.get(left)
-            if gpus:
-                host = label.split("/", 1)[0]
-                self.unrestored.setdefault(host, []).extend(str(u) for u in gpus)
+            self._leave(label, ray.get(left) or ())
 
     def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
         """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
@@ -867,8 +929,8 @@ class RayExecutor:
         exhausted: list[str] = []  # found the queue empty; back if a lost cell returns
         times: dict[str, float] = dict.fromkeys(alive, 0.0)
         # Lost workers whose actors are asked what they left changed (closed first where Ray
-        # failed their unit): label -> (actor, first ref, second ref, whether closed).
-        retiring: dict[str, tuple[Any, Any, Any, bool]] = {}
+        # failed their unit), by label: read as they answer, the rest with the closes at the end.
+        retiring: dict[str, Asked] = {}
 
         def feed() -> None:
             # Again while a worker ran out in the pass: it left the pacer, so one that waited
@@ -905,12 +967,10 @@ class RayExecutor:
                         if not actor_gone(exc) and ray_failure(exc) is exc:
                             # Ray's own (not its worker's raise, which closed it): the actor
                             # lives on, its GPUs set, and is closed before it is killed.
-                            asked = (actor.close.remote(), actor.unrestored.remote(), True)
-                        else:
-                            asked = (actor.unrestored.remote(), actor.close_error.remote(), False)
-                        # Read as it answers: the other workers go on meanwhile.
-                        retiring[label] = (actor, *asked)
-                        alive.pop(label, None)
+                            retiring[label] = self._closing(ray, fleet.campaign, label, actor)
+                        else:  # read as it answers: the other workers go on meanwhile
+                            retiring[label] = self._raised(ray, label, actor)
+                        alive.pop(label)
                         if pacer is not None:
                             pacer.leave(label)
                         for back in exhausted:  # its cell is in the queue again
@@ -930,33 +990,32 @@ class RayExecutor:
                         idle.append(back)
                         if pacer is not None:
                             pacer.free(back, times[back])
-                if retiring:
-                    self._retire(ray, fleet.campaign, retiring, 0.0)
+                self._settle(ray, fleet.campaign, retiring, 0.0)
                 feed()
-            if retiring:  # before the run's end reads what they left changed
-                self._retire(ray, fleet.campaign, retiring, CLOSE_TIMEOUT_S)
+            live = list(alive)  # with cells left: a refusal retired them (its line below)
         except (KeyboardInterrupt, Interrupted):
             # Ctrl-C or SIGTERM: each actor still finishes its unit in flight (its `close`
             # waits behind it), so journal what they finish, as the local executor does,
             # before the interruption goes on (a second signal gives up waiting).
+            self._collect(ray, fleet, pending)
+            raise
+        finally:
+            # However the run ends (its failure, a signal), the lost workers' GPUs are known
+            # (or named) before it does; the live ones close meanwhile, under the same bound.
             try:
-                self._collect(ray, fleet, pending)
+                self._close(ray, fleet.campaign, alive, retiring)
             finally:
-                self._retire(ray, fleet.campaign, retiring, CLOSE_TIMEOUT_S)
-            raise
-        except BaseException:
-            # The run failed: the lost workers' GPUs are known (or named) before it ends.
-            self._retire(ray, fleet.campaign, retiring, CLOSE_TIMEOUT_S)
-            raise
-        if not fleet.finished and not alive:
+                alive.clear()  # closed: not again as the run ends
+        if not fleet.finished and not live:
             if self.replaced is not None and not self.unrestored:
                 raise self.replaced  # a rerun on that server would meet it again
             # Every worker lost: the cells left, and the resets to run before resuming.
             self._check_finished(fleet)
-        if not fleet.finished and alive:
+        if not fleet.finished and live:
             # A refusal's own line, when the driver retired them (with the resets to run
-            # first where the others were lost with their GPUs changed).
-            self._check_finished(fleet)
+            # first where the others were lost with their GPUs changed); what the retired
+            # ones' closes left changed is said beside it, with what their restores raised.
+            self._check_finished(fleet, after=live)
             raise DvfsError(
                 f"the Ray workers stopped with cells left; {resume_advice(fleet.fresh)}"
             )
@@ -986,71 +1045,52 @@ class RayExecutor:
         not --observe-only, which sets nothing)."""
         if not real_gpus(campaign) or not campaign.gpu.actuation:
             return False
-        host = label.split("/", 1)[0]
-        self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} ({why})")
+        self._leave(label, [f"the GPUs of worker {label} ({why})"])
         return True
 
-    def _retire(
-        self,
-        ray: Any,
-        campaign: Any,
-        retiring: dict[str, tuple[Any, Any, Any, bool]],
-        wait_s: float,
-    ) -> None:
-        """Read the lost workers' actors of `retiring` that answered within `wait_s` (0: those
-        that did by now), and drop them from it. One whose worker raised (it closed itself)
-        answered its `unrestored` and `close_error`; one whose unit Ray failed, its `close`
-        and `unrestored`. With a bound (`wait_s` > 0) all are awaited together, and those that
-        did not answer in it (their node cut off) are killed, their GPUs named as left
-        changed: each was awaited in turn, half an hour a call, the other workers waiting."""
-        if not retiring:
-            return
-        done: list[str] = []
-        try:
-            refs = [ref for _, first, second, _ in retiring.values() for ref in (first, second)]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-            for label, (actor, first, second, closes) in retiring.items():
-                if closes and first in ready:
-                    self._closed(ray, campaign, label, first, second if second in ready else None)
-                elif not closes and first in ready and second in ready:
-                    self._left(ray, label, first, second)
-                elif wait_s <= 0:
-                    continue
-                else:
-                    with contextlib.suppress(Exception):
-                        ray.kill(actor)
-                    what = "its close" if closes else "its word on the GPUs it left changed"
-                    self._note_died(campaign, label, f"{what} did not come within {wait_s:g} s")
-                done.append(label)
-        except BaseException:
-            if wait_s > 0:  # a signal as they closed: the rest given up
-                for label in retiring:
-                    if label not in done:
-                        self._note_died(campaign, label, "its close was given up")
-                done = list(retiring)
-            raise
-        finally:
-            for label in done:
-                retiring.pop(label, None)
+    def _leave(self, label: str, gpus: Sequence[Any]) -> None:
+        """Note `gpus` (UUIDs, or a worker's GPUs in words) as left changed by `label`'s worker,
+        on its node."""
+        host = label.split("/", 1)[0]
+        for gpu in gpus:
+            self.unrestored.setdefault(host, []).append(str(gpu))
+            self._left_by.setdefault(label, []).append((host, str(gpu)))
+
+    def _raised(self, ray: Any, label: str, actor: Any) -> Asked:
+        """`label`'s actor, whose worker raised in its unit (and closed itself), asked which
+        GPUs it left changed and what its close raised: read once both answered."""
+        unrestored, close_error = actor.unrestored.remote(), actor.close_error.remote()
+
+        def read(answered: Callable[[Any], bool]) -> None:
+            self._left(ray, label, unrestored, close_error)
+
+        refs = (unrestored, close_error)
+        return Asked(actor, refs, refs, read, "its word on the GPUs it left changed")
 
     def _left(self, ray: Any, label: str, unrestored: Any, close_error: Any) -> None:
         """Note the GPUs an actor whose worker raised (and closed) left changed (`unrestored`,
         its answer), and what its close raised then (`close_error`)."""
         with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
-            left = ray.get(unrestored)
-            if left:
-                host = label.split("/", 1)[0]
-                self.unrestored.setdefault(host, []).extend(str(u) for u in left)
+            self._leave(label, ray.get(unrestored) or ())
             closing = ray.get(close_error)
             if closing is not None:
                 self.close_errors.append(closing)
 
-    def _check_finished(self, fleet: Fleet) -> None:
+    def _check_finished(self, fleet: Fleet, after: Sequence[str] = ()) -> None:
         """`fleet.check_finished` with the resets to run first (`reset_first`): the GPUs its
-        line names, where it raises one, are said (`unsaid`)."""
-        said = {host: list(gpus) for host, gpus in self.unrestored.items()}
+        line names, where it raises one, are said (`unsaid`). Not those the closes of the workers
+        of `after` left changed (those a refusal retired): said beside its line, by GPU, with
+        what their restores raised (`close_errors`), as when they closed after it."""
+        later = [entry for label in after for entry in self._left_by.get(label, [])]
+        said: dict[str, list[str]] = {}
+        for host, gpus in self.unrestored.items():
+            for gpu in gpus:
+                if (host, gpu) in later:
+                    later.remove((host, gpu))
+                else:
+                    said.setdefault(host, []).append(gpu)
         try:
-            fleet.check_finished(self.reset_first())
+            fleet.check_finished(self.reset_first(said))
         except BaseException:
             self._said = said
             raise
@@ -1064,17 +1104,19 @@ class RayExecutor:
         }
         return {host: gpus for host, gpus in left.items() if gpus}
 
-    def reset_first(self) -> str:
-        """Where workers left GPUs changed: the nodes and each one's `dvfs gpu reset`, to run
-        before the sweep resumes (`Fleet.check_finished`'s `reset`); "" where none did."""
-        if not self.unrestored:
+    def reset_first(self, left: dict[str, list[str]] | None = None) -> str:
+        """Where workers left GPUs changed (`left`: of `unrestored`, all by default): the nodes
+        and each one's `dvfs gpu reset`, to run before the sweep resumes
+        (`Fleet.check_finished`'s `reset`); "" where none did."""
+        left = self.unrestored if left is None else left
+        if not left:
             return ""
         by_command: dict[str, list[str]] = {}
-        for host in self.unrestored:
+        for host in left:
             by_command.setdefault(self.reset_on(host), []).append(host)
         run = ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
         return (
-            f"GPU settings were left unrestored on {', '.join(self.unrestored)}: once the GPUs "
+            f"GPU settings were left unrestored on {', '.join(left)}: once the GPUs "
             f"answer again, run {run}"
         )
 
