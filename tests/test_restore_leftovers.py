@@ -856,3 +856,37 @@ def test_gpu_reset_with_a_bug_says_the_reset_that_retries_at_the_end_of_its_line
     assert f"{advice}; please report" in error, error
     assert error.count(advice) == 1 and error.index(uuids[2]) < error.index(advice), error
     assert [store.path(u).exists() for u in uuids] == [True, False, True]
+
+
+def test_cap_reset_with_a_bug_beside_a_lost_gpu_shows_the_bugs_traceback_with_vv(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs -vv cap reset`: GPU 0's reset hits a bug, GPU 1 fell off the bus since its probe.
+    The bug's line, joined with GPU 1's, was raised anew without its cause: -vv printed a
+    traceback ending in the CLI, the bug's own frames (what a report needs) gone. Now the
+    joined line keeps the bug as its cause, its traceback shown as without a lost GPU."""
+    from click.testing import CliRunner
+
+    import dvfs.caps.actuation as actuation
+    from dvfs.cli import cli
+
+    _capped(nvml, tmp_path, monkeypatch)
+    default = actuation._default_or_none
+
+    def buggy_reset_of_gpu_0(gpu: Any) -> Any:
+        if gpu.identity.index == 0:
+            raise KeyError("a bug")
+        return default(gpu)
+
+    monkeypatch.setattr(actuation, "_default_or_none", buggy_reset_of_gpu_0)
+    _after_the_probe(
+        monkeypatch,
+        lambda: nvml.fake_update_device(1, errors={HANDLE: nvml.NVML_ERROR_GPU_IS_LOST}),
+    )
+    result = CliRunner().invoke(cli, ["-vv", "cap", "reset"])
+    assert result.exit_code == 1, result.output
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: internal error: RestoreBugError: could not reset caps"), error
+    assert "GPU 1" in error and "GPU is lost" in error, error
+    assert "in buggy_reset_of_gpu_0" in result.stderr, result.stderr  # the bug's own frame
+    assert "KeyError: 'a bug'" in result.stderr, result.stderr

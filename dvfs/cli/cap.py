@@ -834,7 +834,9 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
     if failed:
         if not held and not lost and not withheld:
             raise failed
-        raise type(failed)("; ".join(p for p in (str(failed), held, withheld, lost_too) if p))
+        # (a bug's cause kept: its traceback, with -vv, as where nothing is joined to it)
+        joined = "; ".join(p for p in (str(failed), held, withheld, lost_too) if p)
+        raise type(failed)(joined) from failed.__cause__
     if held:
         raise GpuStateError("; ".join(p for p in (held, withheld, lost_too) if p))
     if withheld:
