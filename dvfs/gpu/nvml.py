@@ -749,6 +749,23 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
     GPUs after one whose call hung were refused at once ("not attempted"), and that refusal
     stopped the whole listing; one after another, GPUs whose driver hangs whole would cost a
     deadline each."""
+    errors = NvmlErrors(nvml)
+    limit = resolve_deadline_s(deadline_s)
+    worker = CallWorker("nvml-uuids")
+    try:
+        with errors.translated("cannot list GPUs"):
+            count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
+            return uuids_of(nvml, range(count), deadline_s=deadline_s)
+    finally:
+        worker.close()
+
+
+def uuids_of(
+    nvml: ModuleType, indices: Sequence[int], *, deadline_s: float | None = None
+) -> list[str]:
+    """The UUIDs of the GPUs `indices` names, in their order, each read on its own NVML worker,
+    side by side (`machine_uuids`); "" for a GPU whose UUID NVML cannot read (that GPU's own
+    error, a call on it that overran its deadline). An error of NVML itself still stops."""
     from dvfs.gpu.knobs import side_by_side
 
     errors = NvmlErrors(nvml)
@@ -770,18 +787,12 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
         finally:
             worker.close()
 
-    worker = CallWorker("nvml-uuids")
-    try:
-        with errors.translated("cannot list GPUs"):
-            count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
-            uuids = [""] * count
-            reading = side_by_side(list(range(count)), read, named=lambda i: f"uuid-gpu{i}")
-            with contextlib.closing(reading) as finishing:
-                for index, uuid in finishing:
-                    uuids[index] = uuid
-    finally:
-        worker.close()
-    return uuids
+    uuids: dict[int, str] = {}
+    reading = side_by_side(list(indices), read, named=lambda i: f"uuid-gpu{i}")
+    with errors.translated("cannot read the GPUs' UUIDs"), contextlib.closing(reading) as finishing:
+        for index, uuid in finishing:
+            uuids[index] = uuid
+    return [uuids[index] for index in indices]
 
 
 def every_gpu(
