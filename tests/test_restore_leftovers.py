@@ -890,3 +890,60 @@ def test_cap_reset_with_a_bug_beside_a_lost_gpu_shows_the_bugs_traceback_with_vv
     assert "GPU 1" in error and "GPU is lost" in error, error
     assert "in buggy_reset_of_gpu_0" in result.stderr, result.stderr  # the bug's own frame
     assert "KeyError: 'a bug'" in result.stderr, result.stderr
+
+
+# -- a lost GPU's record, and the line of records NVML may withhold ----------------------------
+
+
+def _lost_and_withheld(nvml: ModuleType) -> None:
+    """GPU 1 falls off the bus after its UUID is read (its power limit read fails), NVML
+    withholds GPU 2 (no permission): GPU 1's UUID is known, GPU 2's is not."""
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    lost = {"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_GPU_IS_LOST}
+    nvml.fake_update_device(1, errors=lost)
+
+
+def test_gpu_reset_names_a_lost_gpus_state_file_once_not_with_the_withheld_ones(
+    nvml: ModuleType, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset` with state files on three GPUs, GPU 1 fallen off the bus (its UUID
+    read) and GPU 2 withheld by NVML. GPU 1's state file was named twice: among the files of
+    "none of the GPUs this process may talk to" (run with sudo) and as a GPU fallen off the
+    bus (a reset or reboot). Now the withheld line names GPU 2's file alone; GPU 1 is named
+    once, as lost; exit 4 (GPU 2's file) as before; GPU 0 restored."""
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+    _lost_and_withheld(nvml)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == 4, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert f"record {uuids[2]}, none of the GPUs this process may talk to" in error, error
+    assert uuids[1] not in error, error
+    assert "GPU 1: cannot read the power limit: the GPU has fallen off the bus" in error, error
+    assert [store.path(u).exists() for u in uuids] == [False, True, True]
+
+
+def test_cap_reset_names_a_lost_gpus_caps_once_not_with_the_withheld_ones(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs cap reset` with caps on three GPUs, GPU 1 fallen off the bus (its UUID read) and
+    GPU 2 withheld by NVML: GPU 1's caps were named among those of "none of the GPUs this
+    process may talk to" (run with sudo) beside GPU 1 named fallen off the bus. Now GPU 1 is
+    named once, as lost; GPU 2's caps in the withheld line; exit 4."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    _lost_and_withheld(nvml)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 4, result.output
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert f"holds caps for {uuids[2]}, none of the GPUs this process may talk to" in error
+    assert uuids[1] not in error, error
+    assert "GPU 1: cannot read the power limit: the GPU has fallen off the bus" in error, error
+    assert _back(nvml, 0) and not _back(nvml, 1)
