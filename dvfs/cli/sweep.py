@@ -672,7 +672,7 @@ def run_fleet(
         else:
             err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
-    except DvfsError:
+    except DvfsError as exc:
         # The run failed in its own line (a worker that died as it started, a refusal), and
         # the other actors' closes, after it, left GPUs changed that the line cannot name.
         if executor == "ray":
@@ -681,9 +681,19 @@ def run_fleet(
                 err.print(_ray_unrestored(left, run_on.close_errors, run_on.resets), soft_wrap=True)
         else:  # the same where a local worker's refusal, or one that could not open, ends it
             kept, state_dir = run_on.unsaid(campaign)
+            errors = list(run_on.close_errors.values())
+            # A GPU the run's own line names is said there: a worker's close whose restore
+            # NVML refused for want of root, that refusal ending the run (its line was said
+            # twice, first in the line naming the GPUs left changed)
+            kept = [uuid for uuid in kept if uuid not in str(exc)]
             if kept:
-                errors = list(run_on.close_errors.values())
-                err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
+                others = [e for e in errors if e is not exc]
+                err.print(_local_unrestored(kept, state_dir, others), soft_wrap=True)
+                # A restore that needs root: exit 4, as a finished fleet's or one GPU's
+                # sweep; the refusal's 2 or 3 hid that root must put the GPUs back. The
+                # refusal's own line is still the last.
+                if _restore_exit_code(errors) == 4:
+                    exc.exit_code = 4
         raise
     report_fleet(outcome, fresh=fresh, shard=shard)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
