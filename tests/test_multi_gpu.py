@@ -1093,6 +1093,59 @@ def test_a_restore_refused_for_root_that_ends_a_fleet_is_said_once(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("verbose", [[], ["-vv"]])
+def test_a_bug_in_a_workers_restore_is_an_internal_error_with_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verbose: list[str]
+) -> None:
+    """A fleet whose gpu1 measures every cell (gpu0's server dies at once) and whose restore
+    of GPU 1 hits a bug in dvfs (a RuntimeError, no NVML error), the GPU left changed. The
+    sweep ended "a worker lost its GPU before it could put them back; run `dvfs gpu reset`
+    once the GPU answers again": a GPU that never stopped answering, the bug said nowhere
+    but a note, no internal error and no traceback with -vv. Now the bug is the run's
+    internal-error line (its restore's own words and the reset), with its traceback under
+    -vv, as one GPU's sweep says it; exit 1."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.fleet.worker import Worker
+    from dvfs.gpu.nvml import NvmlGpu
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    reset = NvmlGpu.reset_sm_clock
+    run = Worker.run
+
+    def buggy_reset_of_gpu_1(self: NvmlGpu) -> None:
+        if self.index == 1:
+            raise RuntimeError("a bug")
+        reset(self)
+
+    def gpu0_dies(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu0":
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", buggy_reset_of_gpu_1)
+    monkeypatch.setattr(Worker, "run", gpu0_dies)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*verbose, *argv, env=env)
+    assert result.returncode == 1, result.stderr
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None  # what the line is about
+    uuid = nvml.fake_device_state(1)["uuid"]
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    assert last.startswith(
+        f"Error: internal error: RestoreBugError: could not restore GPU settings: GPU 1 ({uuid}): "
+        "its restore stopped on a bug in dvfs (RuntimeError: a bug)"
+    ), result.stderr
+    assert f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`" in last, last
+    assert "lost its GPU" not in result.stderr and "answers again" not in result.stderr
+    assert ("in buggy_reset_of_gpu_1" in result.stderr) is bool(verbose), result.stderr
+
+
 def test_a_fleet_without_root_keeps_the_permission_refusal_not_every_worker_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

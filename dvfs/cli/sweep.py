@@ -703,12 +703,23 @@ def run_fleet(
         )
         raise SystemExit(_restore_exit_code(run_on.close_errors))
     if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
+        from dvfs.gpu.knobs import RestoreBugError
         from dvfs.sweep import unrestored_gpus
 
         kept, state_dir = unrestored_gpus(campaign)
         if kept:  # every cell may be in, but a GPU keeps the sweep's settings: not a success
             errors = list(run_on.close_errors.values())
-            err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
+            # A bug in a worker's restore (no GPU's error) is the run's internal error, as one
+            # GPU's sweep says it, its traceback with -vv: it was "a worker lost its GPU",
+            # the bug said in a note alone. The GPUs its line names are said there.
+            bug = next((e for e in errors if isinstance(e, RestoreBugError)), None)
+            if bug is not None:
+                kept = tuple(uuid for uuid in kept if uuid not in str(bug))
+                errors = [e for e in errors if e is not bug]
+            if kept:
+                err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
+            if bug is not None:
+                raise bug
             raise SystemExit(_restore_exit_code(errors))
     return outcome
 
