@@ -947,3 +947,23 @@ def test_cap_reset_names_a_lost_gpus_caps_once_not_with_the_withheld_ones(
     assert uuids[1] not in error, error
     assert "GPU 1: cannot read the power limit: the GPU has fallen off the bus" in error, error
     assert _back(nvml, 0) and not _back(nvml, 1)
+
+
+def test_cap_show_warns_of_withheld_caps_without_a_lost_gpus_own(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs cap show` with caps on three GPUs, GPU 1 fallen off the bus (its UUID read) and
+    GPU 2 withheld by NVML: the warning of caps "none of the GPUs this process may talk to"
+    named GPU 1's too, beside GPU 1 named fallen off the bus. Now GPU 2's alone; exit 1."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    _lost_and_withheld(nvml)
+    result = CliRunner().invoke(cli, ["cap", "show"])
+    assert result.exit_code == 1, result.output
+    [warning] = [x for x in result.stderr.splitlines() if x.startswith("warning: ")]
+    assert f"holds caps for {uuids[2]}, none of the GPUs this process may talk to" in warning
+    assert uuids[1] not in warning, warning
+    assert "GPU 1: cannot read the power limit" in result.stderr.splitlines()[-1], result.stderr
