@@ -1146,6 +1146,62 @@ def test_a_bug_in_a_workers_restore_is_an_internal_error_with_its_traceback(
     assert ("in buggy_reset_of_gpu_1" in result.stderr) is bool(verbose), result.stderr
 
 
+def test_a_refusal_that_ends_a_fleet_says_a_bug_in_another_workers_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpu0 refused its cells (a GPU held: exit 3), gpu1 measuring a cell, then losing its
+    server, its restore hitting a bug in dvfs (a RuntimeError), its GPU left changed. The line
+    naming that GPU said "a worker lost its GPU before it could put them back; run `dvfs gpu
+    reset` once the GPU answers again": a GPU that never stopped answering, the bug unsaid.
+    Now it says the restore's own words (a bug in dvfs) and the reset; the refusal's line and
+    exit code stay."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuStateError
+    from dvfs.fleet.worker import Worker
+    from dvfs.gpu.nvml import NvmlGpu
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    reset = NvmlGpu.reset_sm_clock
+    run = Worker.run
+    calls = {"gpu1": 0}
+    error = GpuStateError("GPU 0 is held (test): stop that dvfs, then run the sweep again")
+
+    def buggy_reset_of_gpu_1(self: NvmlGpu) -> None:
+        if self.index == 1:
+            raise RuntimeError("a bug")
+        reset(self)
+
+    def refused_and_lost(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu0":
+            raise error
+        calls["gpu1"] += 1
+        if calls["gpu1"] == 2:
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", buggy_reset_of_gpu_1)
+    monkeypatch.setattr(Worker, "run", refused_and_lost)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"Error: {error}", result.stderr
+    uuid = nvml.fake_device_state(1)["uuid"]
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None  # what the line is about
+    named = lines[-2]
+    assert named.startswith(f"GPU settings NOT restored for {uuid}: "), result.stderr
+    assert "its restore stopped on a bug in dvfs (RuntimeError: a bug)" in named, named
+    assert f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`" in named, named
+    assert "lost its GPU" not in named and "answers again" not in named, named
+
+
 def test_a_fleet_without_root_keeps_the_permission_refusal_not_every_worker_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -748,17 +748,18 @@ def _reset(state_dir: Path | None) -> str:
 
 
 def _restores_failed(errors: Sequence[BaseException], *, reset: bool = True) -> str:
-    """What the workers' restores that failed said (NVML refusing a reset, a GPU lost), as
+    """What the workers' restores that failed said (NVML refusing a reset, a GPU lost, a bug), as
     one GPU's sweep says it, the `dvfs gpu reset` each names said once, after them all
     (`reset` False: not at all, for a line that names each node's); "" where none did (a
     worker's process died)."""
     from dvfs.errors import GpuError
-    from dvfs.gpu.knobs import RETRIES, restore_error_parts
+    from dvfs.gpu.knobs import RETRIES, RestoreBugError, restore_error_parts
 
     said: list[str] = []
     resets: list[str] = []
     for error in errors:
-        if isinstance(error, GpuError):
+        # (a bug in a restore too: its line names the GPU and the bug, not a GPU lost)
+        if isinstance(error, GpuError | RestoreBugError):
             text, command = restore_error_parts(str(error))
             said.append(text.rstrip("."))
             if command and command not in resets:
