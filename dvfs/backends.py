@@ -160,11 +160,13 @@ def reachable_gpus(
     from dvfs.gpu.nvml import every_gpu, log_held, nvml_session, open_device, warnings_held
 
     named: list[int | str] = list(devices)
+    # every GPU: those whose handle hung as they were listed, named as lost, not asked again
+    hung: dict[int, GpuError] = {}
     # NVML itself first, named GPUs or not: a missing driver is no one GPU's loss (it was
     # said once per GPU named, as if each had fallen off the bus)
     with nvml_session(nvml) as module:
         if not named:
-            named = list(every_gpu(module, visible=visible))
+            named = list(every_gpu(module, visible=visible, hung=hung))
         # NVML held for the probes; each GPU opened on its own (its own NVML worker, deadline)
 
         def probe(entry: tuple[int, int | str]) -> tuple[GpuError | None, list[str]]:
@@ -175,6 +177,8 @@ def reachable_gpus(
 
         def opening(device: int | str) -> GpuError | None:
             """Why the GPU named `device` does not open, or None where it does."""
+            if isinstance(device, int) and device in hung:
+                return hung[device]
             try:
                 gpu = open_device(module, device, allow_mig=True)
                 if read:

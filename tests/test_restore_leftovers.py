@@ -443,6 +443,31 @@ def test_gpu_list_lists_the_gpus_beside_a_hung_one_and_one_it_may_not_talk_to(
     assert error.startswith(f"Error: {HANDLE} on GPU 0 did not return within 5 s"), error
 
 
+@pytest.mark.parametrize("command", [["gpu", "list"], ["gpu", "reset"], ["cap", "reset"]])
+def test_a_gpu_whose_handle_hangs_is_asked_once_by_a_command_over_every_gpu(
+    nvml: ModuleType, env: dict[str, str], command: list[str]
+) -> None:
+    """`dvfs gpu list`, `gpu reset`, `cap reset` over every GPU with GPU 1's handle hanging in
+    the driver: listing every GPU (`permitted`) waited its deadline for that handle, then
+    opening GPU 1 asked for it again, a deadline more (two before `gpu reset`, the governor
+    unit's ExecStopPost, named the GPU). Now its handle is asked once: GPU 1 named with the
+    first call's error, the others acted on, exit 1. (A child process: the hung call never
+    returns, and the child exits with it.)"""
+    child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", *command],
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 1, result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith(f"Error: {HANDLE} on GPU 1 did not return within 1 s"), error
+    asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
+    assert len(asked) == 1, asked
+
+
 def test_gpu_list_reads_the_gpus_side_by_side(
     nvml: ModuleType, hang: Callable[..., None], monkeypatch: pytest.MonkeyPatch
 ) -> None:

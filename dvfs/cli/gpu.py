@@ -170,14 +170,17 @@ def _listed_rows() -> tuple[list[dict[str, Any]], list[GpuError]]:
     from dvfs.gpu.nvml import every_gpu, log_held, nvml_session, open_device, warnings_held
 
     def read(index: int) -> tuple[dict[str, Any] | GpuError, list[str]]:
+        if index in hung:  # its handle hung as every GPU was listed: not asked again
+            return hung[index], []
         with warnings_held() as held:  # logged in the GPUs' order, whichever answers first
             try:
                 return gpu_summary(open_device(module, index, allow_mig=True)), held
             except GpuError as exc:
                 return exc, held
 
+    hung: dict[int, GpuError] = {}
     with nvml_session() as module:
-        indices = every_gpu(module)  # those NVML lets this process talk to
+        indices = every_gpu(module, hung=hung)  # those NVML lets this process talk to
         read_all = side_by_side(indices, read, named=lambda index: f"list-gpu{index}")
         outcomes: dict[int, tuple[dict[str, Any] | GpuError, list[str]]] = {}
         with contextlib.closing(read_all) as finishing:
