@@ -160,11 +160,13 @@ def reachable_gpus(
     from dvfs.gpu.nvml import every_gpu, log_held, nvml_session, open_device, warnings_held
 
     named: list[int | str] = list(devices)
+    # every GPU: those whose handle hung as they were listed, named as lost, not asked again
+    hung: dict[int, GpuError] = {}
     # NVML itself first, named GPUs or not: a missing driver is no one GPU's loss (it was
     # said once per GPU named, as if each had fallen off the bus)
     with nvml_session(nvml) as module:
         if not named:
-            named = list(every_gpu(module, visible=visible))
+            named = list(every_gpu(module, visible=visible, hung=hung))
         # NVML held for the probes; each GPU opened on its own (its own NVML worker, deadline)
 
         def probe(entry: tuple[int, int | str]) -> tuple[GpuError | None, list[str]]:
@@ -175,6 +177,8 @@ def reachable_gpus(
 
         def opening(device: int | str) -> GpuError | None:
             """Why the GPU named `device` does not open, or None where it does."""
+            if isinstance(device, int) and device in hung:
+                return hung[device]
             try:
                 gpu = open_device(module, device, allow_mig=True)
                 if read:
@@ -235,15 +239,36 @@ def withheld_gpus(nvml: ModuleType | None = None) -> list[int]:
         return refused_gpus(module)
 
 
-def withheld_records_line(records: Sequence[str], holds: str, left: str, command: str) -> str:
+def withheld_records_line(
+    records: Sequence[str],
+    holds: str,
+    left: str,
+    command: str,
+    lost: Sequence[GpuError] = (),
+) -> str:
     """The line for records (`holds` them: state files, caps) of GPUs none of those a command
     over every GPU opened, where NVML withholds GPUs from this process (such records may be
     theirs): what was `left` undone, and to rerun `command` as a user the GPUs admit. "" where
-    there are no such records or NVML withholds none."""
+    there are no such records or NVML withholds none. A record of a GPU of `lost` (those that
+    did not open, `reachable_gpus`) whose UUID NVML still reads is that GPU's, named with
+    those lost: not here too, with a sudo that would not help it (one GPU, two lines of
+    advice). (A GPU whose calls hang is not asked again: a deadline more; its record stays
+    here, as one whose UUID NVML cannot read.)"""
     if not records:
         return ""
-    refused = withheld_gpus()
-    if not refused:
+    from dvfs.gpu.deadline import GpuTimeoutError
+    from dvfs.gpu.nvml import nvml_session, refused_gpus, uuids_of
+
+    with nvml_session() as module:
+        refused = refused_gpus(module)
+        if not refused:
+            return ""
+        answering = [
+            e.index for e in lost if e.index is not None and not isinstance(e, GpuTimeoutError)
+        ]
+        theirs = set(uuids_of(module, answering)) if answering else set()
+    records = [r for r in records if r not in theirs]
+    if not records:
         return ""
     named = ", ".join(f"GPU {i}" for i in refused)
     return (
@@ -253,7 +278,13 @@ def withheld_records_line(records: Sequence[str], holds: str, left: str, command
     )
 
 
-def withheld_caps_line(directory: Path, found: Sequence[Gpu], left: str, command: str) -> str:
+def withheld_caps_line(
+    directory: Path,
+    found: Sequence[Gpu],
+    left: str,
+    command: str,
+    lost: Sequence[GpuError] = (),
+) -> str:
     """The line naming the GPUs dvfs's caps record (in `directory`) holds caps for that none of
     `found` (every GPU a reset took) is, where NVML counts GPUs it has no permission to talk to
     (every GPU leaves them out, their UUIDs unreadable: such caps may be one's, left in force):
@@ -268,7 +299,7 @@ def withheld_caps_line(directory: Path, found: Sequence[Gpu], left: str, command
         return ""
     opened = {g.identity.uuid for g in found}
     others = [uuid for uuid in recorded if uuid not in opened]
-    return withheld_records_line(others, "dvfs's caps record holds caps for", left, command)
+    return withheld_records_line(others, "dvfs's caps record holds caps for", left, command, lost)
 
 
 def _lost_indices(lost: Sequence[GpuError], nvml: ModuleType | None) -> None:

@@ -999,6 +999,209 @@ def test_a_refusal_that_ends_a_fleet_names_the_gpus_the_others_closes_left_chang
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("refusal", ["a GPU held (3)", "a campaign refused (2)"])
+def test_a_refusal_that_ends_a_fleet_exits_4_where_a_restore_left_changed_needs_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    """As above, gpu0 refused its cells (a GPU held: exit 3; a campaign refused: exit 2) and
+    gpu1's restore refused for want of root (NVML NoPermission), its GPU left changed. The
+    sweep exited with the refusal's code: a 4 (needs root), which a finished fleet or one
+    GPU's sweep gives a restore that needs root, was hidden, and a wrapper reading the code
+    never learnt that GPUs were left for root to put back. Now exit 4; both lines still
+    said, the refusal's last."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import CampaignError, GpuStateError
+    from dvfs.fleet.worker import Worker
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    refused = {"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NO_PERMISSION}
+    nvml.fake_update_device(1, errors=refused)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    calls = {"gpu1": 0}
+    run = Worker.run
+    error = (
+        GpuStateError("GPU 0 is held (test): stop that dvfs, then run the sweep again")
+        if refusal.startswith("a GPU held")
+        else CampaignError("the campaign is refused (test): fix it, then run the sweep again")
+    )
+    assert error.exit_code == int(refusal[-2])
+
+    def refused_and_lost(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu0":
+            raise error
+        calls["gpu1"] += 1
+        if calls["gpu1"] == 2:
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", refused_and_lost)
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 4, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"Error: {error}", result.stderr
+    uuid = nvml.fake_device_state(1)["uuid"]
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None  # what the code is about
+    assert lines[-2].startswith(f"GPU settings NOT restored for {uuid}: "), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_restore_refused_for_root_that_ends_a_fleet_is_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both workers lost (their servers die on their second cell), NVML refusing gpu1's
+    restore for want of root, its GPU left changed: that refusal ends the run in its own line,
+    exit 4. The output ended in the same restore error twice: a "GPU settings NOT restored"
+    line, then the Error line. Now the Error line alone (the worker's note above, as ever)."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.fleet.worker import Worker
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    refused = {"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NO_PERMISSION}
+    nvml.fake_update_device(1, errors=refused)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    calls = {"gpu0": 0, "gpu1": 0}
+    run = Worker.run
+
+    def dying(self: Worker, cell):  # type: ignore[no-untyped-def]
+        calls[self.label] += 1
+        if calls[self.label] == 2:
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", dying)
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 4, result.stderr
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    uuid = nvml.fake_device_state(1)["uuid"]
+    assert last.startswith(f"Error: could not restore GPU settings: GPU 1 ({uuid}): "), last
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None  # what the line is about
+    assert "GPU settings NOT restored" not in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("verbose", [[], ["-vv"]])
+def test_a_bug_in_a_workers_restore_is_an_internal_error_with_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verbose: list[str]
+) -> None:
+    """A fleet whose gpu1 measures every cell (gpu0's server dies at once) and whose restore
+    of GPU 1 hits a bug in dvfs (a RuntimeError, no NVML error), the GPU left changed. The
+    sweep ended "a worker lost its GPU before it could put them back; run `dvfs gpu reset`
+    once the GPU answers again": a GPU that never stopped answering, the bug said nowhere
+    but a note, no internal error and no traceback with -vv. Now the bug is the run's
+    internal-error line (its restore's own words and the reset), with its traceback under
+    -vv, as one GPU's sweep says it; exit 1."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.fleet.worker import Worker
+    from dvfs.gpu.nvml import NvmlGpu
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    reset = NvmlGpu.reset_sm_clock
+    run = Worker.run
+
+    def buggy_reset_of_gpu_1(self: NvmlGpu) -> None:
+        if self.index == 1:
+            raise RuntimeError("a bug")
+        reset(self)
+
+    def gpu0_dies(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu0":
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", buggy_reset_of_gpu_1)
+    monkeypatch.setattr(Worker, "run", gpu0_dies)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*verbose, *argv, env=env)
+    assert result.returncode == 1, result.stderr
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None  # what the line is about
+    uuid = nvml.fake_device_state(1)["uuid"]
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    assert last.startswith(
+        f"Error: internal error: RestoreBugError: could not restore GPU settings: GPU 1 ({uuid}): "
+        "its restore stopped on a bug in dvfs (RuntimeError: a bug)"
+    ), result.stderr
+    assert f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`" in last, last
+    assert "lost its GPU" not in result.stderr and "answers again" not in result.stderr
+    assert ("in buggy_reset_of_gpu_1" in result.stderr) is bool(verbose), result.stderr
+
+
+def test_a_refusal_that_ends_a_fleet_says_a_bug_in_another_workers_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpu0 refused its cells (a GPU held: exit 3), gpu1 measuring a cell, then losing its
+    server, its restore hitting a bug in dvfs (a RuntimeError), its GPU left changed. The line
+    naming that GPU said "a worker lost its GPU before it could put them back; run `dvfs gpu
+    reset` once the GPU answers again": a GPU that never stopped answering, the bug unsaid.
+    Now it says the restore's own words (a bug in dvfs) and the reset; the refusal's line and
+    exit code stay."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuStateError
+    from dvfs.fleet.worker import Worker
+    from dvfs.gpu.nvml import NvmlGpu
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    reset = NvmlGpu.reset_sm_clock
+    run = Worker.run
+    calls = {"gpu1": 0}
+    error = GpuStateError("GPU 0 is held (test): stop that dvfs, then run the sweep again")
+
+    def buggy_reset_of_gpu_1(self: NvmlGpu) -> None:
+        if self.index == 1:
+            raise RuntimeError("a bug")
+        reset(self)
+
+    def refused_and_lost(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu0":
+            raise error
+        calls["gpu1"] += 1
+        if calls["gpu1"] == 2:
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", buggy_reset_of_gpu_1)
+    monkeypatch.setattr(Worker, "run", refused_and_lost)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"Error: {error}", result.stderr
+    uuid = nvml.fake_device_state(1)["uuid"]
+    assert nvml.fake_device_state(1)["locked_clocks"] is not None  # what the line is about
+    named = lines[-2]
+    assert named.startswith(f"GPU settings NOT restored for {uuid}: "), result.stderr
+    assert "its restore stopped on a bug in dvfs (RuntimeError: a bug)" in named, named
+    assert f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`" in named, named
+    assert "lost its GPU" not in named and "answers again" not in named, named
+
+
 def test_a_fleet_without_root_keeps_the_permission_refusal_not_every_worker_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

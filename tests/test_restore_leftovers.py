@@ -443,6 +443,31 @@ def test_gpu_list_lists_the_gpus_beside_a_hung_one_and_one_it_may_not_talk_to(
     assert error.startswith(f"Error: {HANDLE} on GPU 0 did not return within 5 s"), error
 
 
+@pytest.mark.parametrize("command", [["gpu", "list"], ["gpu", "reset"], ["cap", "reset"]])
+def test_a_gpu_whose_handle_hangs_is_asked_once_by_a_command_over_every_gpu(
+    nvml: ModuleType, env: dict[str, str], command: list[str]
+) -> None:
+    """`dvfs gpu list`, `gpu reset`, `cap reset` over every GPU with GPU 1's handle hanging in
+    the driver: listing every GPU (`permitted`) waited its deadline for that handle, then
+    opening GPU 1 asked for it again, a deadline more (two before `gpu reset`, the governor
+    unit's ExecStopPost, named the GPU). Now its handle is asked once: GPU 1 named with the
+    first call's error, the others acted on, exit 1. (A child process: the hung call never
+    returns, and the child exits with it.)"""
+    child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", *command],
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 1, result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith(f"Error: {HANDLE} on GPU 1 did not return within 1 s"), error
+    asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
+    assert len(asked) == 1, asked
+
+
 def test_gpu_list_reads_the_gpus_side_by_side(
     nvml: ModuleType, hang: Callable[..., None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -856,3 +881,114 @@ def test_gpu_reset_with_a_bug_says_the_reset_that_retries_at_the_end_of_its_line
     assert f"{advice}; please report" in error, error
     assert error.count(advice) == 1 and error.index(uuids[2]) < error.index(advice), error
     assert [store.path(u).exists() for u in uuids] == [True, False, True]
+
+
+def test_cap_reset_with_a_bug_beside_a_lost_gpu_shows_the_bugs_traceback_with_vv(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs -vv cap reset`: GPU 0's reset hits a bug, GPU 1 fell off the bus since its probe.
+    The bug's line, joined with GPU 1's, was raised anew without its cause: -vv printed a
+    traceback ending in the CLI, the bug's own frames (what a report needs) gone. Now the
+    joined line keeps the bug as its cause, its traceback shown as without a lost GPU."""
+    from click.testing import CliRunner
+
+    import dvfs.caps.actuation as actuation
+    from dvfs.cli import cli
+
+    _capped(nvml, tmp_path, monkeypatch)
+    default = actuation._default_or_none
+
+    def buggy_reset_of_gpu_0(gpu: Any) -> Any:
+        if gpu.identity.index == 0:
+            raise KeyError("a bug")
+        return default(gpu)
+
+    monkeypatch.setattr(actuation, "_default_or_none", buggy_reset_of_gpu_0)
+    _after_the_probe(
+        monkeypatch,
+        lambda: nvml.fake_update_device(1, errors={HANDLE: nvml.NVML_ERROR_GPU_IS_LOST}),
+    )
+    result = CliRunner().invoke(cli, ["-vv", "cap", "reset"])
+    assert result.exit_code == 1, result.output
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: internal error: RestoreBugError: could not reset caps"), error
+    assert "GPU 1" in error and "GPU is lost" in error, error
+    assert "in buggy_reset_of_gpu_0" in result.stderr, result.stderr  # the bug's own frame
+    assert "KeyError: 'a bug'" in result.stderr, result.stderr
+
+
+# -- a lost GPU's record, and the line of records NVML may withhold ----------------------------
+
+
+def _lost_and_withheld(nvml: ModuleType) -> None:
+    """GPU 1 falls off the bus after its UUID is read (its power limit read fails), NVML
+    withholds GPU 2 (no permission): GPU 1's UUID is known, GPU 2's is not."""
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    lost = {"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_GPU_IS_LOST}
+    nvml.fake_update_device(1, errors=lost)
+
+
+def test_gpu_reset_names_a_lost_gpus_state_file_once_not_with_the_withheld_ones(
+    nvml: ModuleType, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset` with state files on three GPUs, GPU 1 fallen off the bus (its UUID
+    read) and GPU 2 withheld by NVML. GPU 1's state file was named twice: among the files of
+    "none of the GPUs this process may talk to" (run with sudo) and as a GPU fallen off the
+    bus (a reset or reboot). Now the withheld line names GPU 2's file alone; GPU 1 is named
+    once, as lost; exit 4 (GPU 2's file) as before; GPU 0 restored."""
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+        uuids = [g.identity.uuid for g in gpus]
+    _lost_and_withheld(nvml)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == 4, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert f"record {uuids[2]}, none of the GPUs this process may talk to" in error, error
+    assert uuids[1] not in error, error
+    assert "GPU 1: cannot read the power limit: the GPU has fallen off the bus" in error, error
+    assert [store.path(u).exists() for u in uuids] == [False, True, True]
+
+
+def test_cap_reset_names_a_lost_gpus_caps_once_not_with_the_withheld_ones(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs cap reset` with caps on three GPUs, GPU 1 fallen off the bus (its UUID read) and
+    GPU 2 withheld by NVML: GPU 1's caps were named among those of "none of the GPUs this
+    process may talk to" (run with sudo) beside GPU 1 named fallen off the bus. Now GPU 1 is
+    named once, as lost; GPU 2's caps in the withheld line; exit 4."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    _lost_and_withheld(nvml)
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 4, result.output
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert f"holds caps for {uuids[2]}, none of the GPUs this process may talk to" in error
+    assert uuids[1] not in error, error
+    assert "GPU 1: cannot read the power limit: the GPU has fallen off the bus" in error, error
+    assert _back(nvml, 0) and not _back(nvml, 1)
+
+
+def test_cap_show_warns_of_withheld_caps_without_a_lost_gpus_own(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs cap show` with caps on three GPUs, GPU 1 fallen off the bus (its UUID read) and
+    GPU 2 withheld by NVML: the warning of caps "none of the GPUs this process may talk to"
+    named GPU 1's too, beside GPU 1 named fallen off the bus. Now GPU 2's alone; exit 1."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    uuids = _capped(nvml, tmp_path, monkeypatch)
+    _lost_and_withheld(nvml)
+    result = CliRunner().invoke(cli, ["cap", "show"])
+    assert result.exit_code == 1, result.output
+    [warning] = [x for x in result.stderr.splitlines() if x.startswith("warning: ")]
+    assert f"holds caps for {uuids[2]}, none of the GPUs this process may talk to" in warning
+    assert uuids[1] not in warning, warning
+    assert "GPU 1: cannot read the power limit" in result.stderr.splitlines()[-1], result.stderr

@@ -676,7 +676,11 @@ def show(as_json: bool, state_dir: Path | None) -> None:
             # every GPU leaves out one NVML may not talk to: caps recorded for none of those
             # shown may be its, in force, which must not read as no caps there
             withheld = withheld_caps_line(
-                directory, gpus, "they are not shown", state_dir_command("dvfs cap show", directory)
+                directory,
+                gpus,
+                "they are not shown",
+                state_dir_command("dvfs cap show", directory),
+                lost,
             )
     if withheld:
         click.echo(f"warning: {withheld}", err=True)  # one line, unwrapped
@@ -830,11 +834,13 @@ def reset(devices: tuple[str, ...], applied: bool, state_dir: Path | None) -> No
     lost_too = str(lost_gpus(lost)) if lost else ""
     # every GPU leaves out one NVML may not talk to: caps recorded for none of those found may
     # be its, left in force, which must not read as every GPU reset
-    withheld = "" if devices or visible else _withheld_caps(directory, found)
+    withheld = "" if devices or visible else _withheld_caps(directory, found, lost)
     if failed:
         if not held and not lost and not withheld:
             raise failed
-        raise type(failed)("; ".join(p for p in (str(failed), held, withheld, lost_too) if p))
+        # (a bug's cause kept: its traceback, with -vv, as where nothing is joined to it)
+        joined = "; ".join(p for p in (str(failed), held, withheld, lost_too) if p)
+        raise type(failed)(joined) from failed.__cause__
     if held:
         raise GpuStateError("; ".join(p for p in (held, withheld, lost_too) if p))
     if withheld:
@@ -933,7 +939,7 @@ def _named_mig(mig: Sequence[Gpu], directory: Path) -> Exception:
     )
 
 
-def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
+def _withheld_caps(directory: Path, found: Sequence[Gpu], lost: Sequence[GpuError]) -> str:
     """The line naming the GPUs dvfs's caps record holds caps for that none of `found` (every
     GPU) is, where NVML counts GPUs it has no permission to talk to (every GPU leaves them out,
     their UUIDs unreadable: such caps may be one's); "" where there are none."""
@@ -942,4 +948,4 @@ def _withheld_caps(directory: Path, found: Sequence[Gpu]) -> str:
 
     # (run with sudo, which drops $DVFS_STATE_DIR: the folder is named where not the default)
     command = f"dvfs cap reset{state_dir_flag(directory)}"
-    return withheld_caps_line(directory, found, "those caps were not reset", command)
+    return withheld_caps_line(directory, found, "those caps were not reset", command, lost)

@@ -170,14 +170,17 @@ def _listed_rows() -> tuple[list[dict[str, Any]], list[GpuError]]:
     from dvfs.gpu.nvml import every_gpu, log_held, nvml_session, open_device, warnings_held
 
     def read(index: int) -> tuple[dict[str, Any] | GpuError, list[str]]:
+        if index in hung:  # its handle hung as every GPU was listed: not asked again
+            return hung[index], []
         with warnings_held() as held:  # logged in the GPUs' order, whichever answers first
             try:
                 return gpu_summary(open_device(module, index, allow_mig=True)), held
             except GpuError as exc:
                 return exc, held
 
+    hung: dict[int, GpuError] = {}
     with nvml_session() as module:
-        indices = every_gpu(module)  # those NVML lets this process talk to
+        indices = every_gpu(module, hung=hung)  # those NVML lets this process talk to
         read_all = side_by_side(indices, read, named=lambda index: f"list-gpu{index}")
         outcomes: dict[int, tuple[dict[str, Any] | GpuError, list[str]]] = {}
         with contextlib.closing(read_all) as finishing:
@@ -322,7 +325,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     with open_cli_gpus(devices, None, allow_mig=True, lost=lost) as gpus:
         # every GPU leaves out one NVML may not talk to: a state file none of those opened
         # has may be its, left unrestored, which must not read as "nothing to restore"
-        withheld = _withheld_state(directory, gpus) if every else ""
+        withheld = _withheld_state(directory, gpus, lost) if every else ""
         if every and defaults:  # --defaults resets every GPU's caps too, as `cap reset` does
             from dvfs.backends import withheld_caps_line
 
@@ -331,6 +334,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
                 gpus,
                 "those caps were not reset",
                 f"dvfs gpu reset --defaults{state_dir_flag(directory)}",
+                lost,
             )
             withheld = "; ".join(p for p in (withheld, caps) if p)
         try:
@@ -371,10 +375,11 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
         raise lost_gpus(lost)
 
 
-def _withheld_state(directory: Path, gpus: Sequence[Gpu]) -> str:
+def _withheld_state(directory: Path, gpus: Sequence[Gpu], lost: Sequence[GpuError]) -> str:
     """The line naming the state files in `directory` that none of `gpus` (every GPU) has,
     where NVML counts GPUs it has no permission to talk to (every GPU leaves them out, their
-    UUIDs unreadable: such a file may be one's); "" where there is none."""
+    UUIDs unreadable: such a file may be one's); "" where there is none. The file of a GPU of
+    `lost` whose UUID NVML reads is left to the line naming it (`withheld_records_line`)."""
     from dvfs.backends import withheld_records_line
     from dvfs.gpu.safety import state_dir_flag
 
@@ -386,6 +391,7 @@ def _withheld_state(directory: Path, gpus: Sequence[Gpu]) -> str:
         f"state files in {directory} record",
         "their settings were not restored",
         f"dvfs gpu reset{state_dir_flag(directory)}",  # run with sudo, which drops the env
+        lost,
     )
 
 

@@ -672,7 +672,7 @@ def run_fleet(
         else:
             err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
-    except DvfsError:
+    except DvfsError as exc:
         # The run failed in its own line (a worker that died as it started, a refusal), and
         # the other actors' closes, after it, left GPUs changed that the line cannot name.
         if executor == "ray":
@@ -681,9 +681,19 @@ def run_fleet(
                 err.print(_ray_unrestored(left, run_on.close_errors, run_on.resets), soft_wrap=True)
         else:  # the same where a local worker's refusal, or one that could not open, ends it
             kept, state_dir = run_on.unsaid(campaign)
+            errors = list(run_on.close_errors.values())
+            # A GPU the run's own line names is said there: a worker's close whose restore
+            # NVML refused for want of root, that refusal ending the run (its line was said
+            # twice, first in the line naming the GPUs left changed)
+            kept = [uuid for uuid in kept if uuid not in str(exc)]
             if kept:
-                errors = list(run_on.close_errors.values())
-                err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
+                others = [e for e in errors if e is not exc]
+                err.print(_local_unrestored(kept, state_dir, others), soft_wrap=True)
+                # A restore that needs root: exit 4, as a finished fleet's or one GPU's
+                # sweep; the refusal's 2 or 3 hid that root must put the GPUs back. The
+                # refusal's own line is still the last.
+                if _restore_exit_code(errors) == 4:
+                    exc.exit_code = 4
         raise
     report_fleet(outcome, fresh=fresh, shard=shard)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
@@ -693,12 +703,23 @@ def run_fleet(
         )
         raise SystemExit(_restore_exit_code(run_on.close_errors))
     if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
+        from dvfs.gpu.knobs import RestoreBugError
         from dvfs.sweep import unrestored_gpus
 
         kept, state_dir = unrestored_gpus(campaign)
         if kept:  # every cell may be in, but a GPU keeps the sweep's settings: not a success
             errors = list(run_on.close_errors.values())
-            err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
+            # A bug in a worker's restore (no GPU's error) is the run's internal error, as one
+            # GPU's sweep says it, its traceback with -vv: it was "a worker lost its GPU",
+            # the bug said in a note alone. The GPUs its line names are said there.
+            bug = next((e for e in errors if isinstance(e, RestoreBugError)), None)
+            if bug is not None:
+                kept = tuple(uuid for uuid in kept if uuid not in str(bug))
+                errors = [e for e in errors if e is not bug]
+            if kept:
+                err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
+            if bug is not None:
+                raise bug
             raise SystemExit(_restore_exit_code(errors))
     return outcome
 
@@ -727,17 +748,18 @@ def _reset(state_dir: Path | None) -> str:
 
 
 def _restores_failed(errors: Sequence[BaseException], *, reset: bool = True) -> str:
-    """What the workers' restores that failed said (NVML refusing a reset, a GPU lost), as
+    """What the workers' restores that failed said (NVML refusing a reset, a GPU lost, a bug), as
     one GPU's sweep says it, the `dvfs gpu reset` each names said once, after them all
     (`reset` False: not at all, for a line that names each node's); "" where none did (a
     worker's process died)."""
     from dvfs.errors import GpuError
-    from dvfs.gpu.knobs import RETRIES, restore_error_parts
+    from dvfs.gpu.knobs import RETRIES, RestoreBugError, restore_error_parts
 
     said: list[str] = []
     resets: list[str] = []
     for error in errors:
-        if isinstance(error, GpuError):
+        # (a bug in a restore too: its line names the GPU and the bug, not a GPU lost)
+        if isinstance(error, GpuError | RestoreBugError):
             text, command = restore_error_parts(str(error))
             said.append(text.rstrip("."))
             if command and command not in resets:

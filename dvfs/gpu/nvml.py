@@ -749,6 +749,23 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
     GPUs after one whose call hung were refused at once ("not attempted"), and that refusal
     stopped the whole listing; one after another, GPUs whose driver hangs whole would cost a
     deadline each."""
+    errors = NvmlErrors(nvml)
+    limit = resolve_deadline_s(deadline_s)
+    worker = CallWorker("nvml-uuids")
+    try:
+        with errors.translated("cannot list GPUs"):
+            count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
+            return uuids_of(nvml, range(count), deadline_s=deadline_s)
+    finally:
+        worker.close()
+
+
+def uuids_of(
+    nvml: ModuleType, indices: Sequence[int], *, deadline_s: float | None = None
+) -> list[str]:
+    """The UUIDs of the GPUs `indices` names, in their order, each read on its own NVML worker,
+    side by side (`machine_uuids`); "" for a GPU whose UUID NVML cannot read (that GPU's own
+    error, a call on it that overran its deadline). An error of NVML itself still stops."""
     from dvfs.gpu.knobs import side_by_side
 
     errors = NvmlErrors(nvml)
@@ -770,35 +787,38 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
         finally:
             worker.close()
 
-    worker = CallWorker("nvml-uuids")
-    try:
-        with errors.translated("cannot list GPUs"):
-            count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
-            uuids = [""] * count
-            reading = side_by_side(list(range(count)), read, named=lambda i: f"uuid-gpu{i}")
-            with contextlib.closing(reading) as finishing:
-                for index, uuid in finishing:
-                    uuids[index] = uuid
-    finally:
-        worker.close()
-    return uuids
+    uuids: dict[int, str] = {}
+    reading = side_by_side(list(indices), read, named=lambda i: f"uuid-gpu{i}")
+    with errors.translated("cannot read the GPUs' UUIDs"), contextlib.closing(reading) as finishing:
+        for index, uuid in finishing:
+            uuids[index] = uuid
+    return [uuids[index] for index in indices]
 
 
 def every_gpu(
-    nvml: ModuleType, *, visible: Visible | None = None, deadline_s: float | None = None
+    nvml: ModuleType,
+    *,
+    visible: Visible | None = None,
+    deadline_s: float | None = None,
+    hung: dict[int, GpuError] | None = None,
 ) -> list[int]:
     """What "every GPU" means to a command, as NVML indices: every GPU NVML lets this process
-    talk to (`permitted`), or with `visible` every one it gives the job (all of them where it
-    gives none, for `check` to refuse in one line). NVML must be initialised."""
+    talk to (`permitted`, which fills `hung`), or with `visible` every one it gives the job
+    (all of them where it gives none, for `check` to refuse in one line). NVML must be
+    initialised."""
     devices = list(range(device_count(nvml, deadline_s=deadline_s)))
     if visible is not None:
         uuids = machine_uuids(nvml, deadline_s=deadline_s)
         return list(resolve_visible(visible.value, uuids).indices) or devices
-    return permitted(nvml, devices, deadline_s=deadline_s)
+    return permitted(nvml, devices, deadline_s=deadline_s, hung=hung)
 
 
 def permitted(
-    nvml: ModuleType, indices: Sequence[int], *, deadline_s: float | None = None
+    nvml: ModuleType,
+    indices: Sequence[int],
+    *,
+    deadline_s: float | None = None,
+    hung: dict[int, GpuError] | None = None,
 ) -> list[int]:
     """`indices` less the GPUs NVML has no permission to talk to. nvmlDeviceGetCount (its
     `_v2`) counts every GPU of the machine, also those for which nvmlDeviceGetHandleByIndex
@@ -810,7 +830,10 @@ def permitted(
     one worker, the GPUs after one whose call hung were "not attempted" and kept, one NVML has
     no permission to talk to among them too, whose opening then refused every command over
     every GPU (exit 4: `dvfs gpu list`, `gpu reset`, `cap reset`); one after another, GPUs
-    whose driver hangs would cost a deadline each."""
+    whose driver hangs would cost a deadline each. `hung` (where given) gets the error of each
+    GPU whose handle did not come within the deadline, for the command to name it as it
+    names a GPU that does not open, not to ask it again: its opening, which asks for the same
+    handle, cost one deadline more (`gpu list`, `gpu reset`, `cap reset` with a hung GPU)."""
     from dvfs.gpu.knobs import side_by_side
 
     errors = NvmlErrors(nvml)
@@ -826,6 +849,8 @@ def permitted(
                 return False
             if not errors.is_nvml_error(exc) and not isinstance(exc, GpuTimeoutError):
                 raise
+            if isinstance(exc, GpuTimeoutError) and hung is not None:
+                hung[index] = exc
         finally:
             worker.close()
         return True
