@@ -787,7 +787,9 @@ def restart_as_it_was(changes: Iterable[str], attached: bool = False) -> str:
 #: - the scheduler's priority queue, pipeline dynamic chunking and the prefill admission delay
 #:   (`min_free_slots_delay`); watermarking (other sampled tokens); ModelOpt quantization at
 #:   load (`quantize_and_serve`); and the tokenizer's mode and backend (the same prompt split
-#:   into other tokens): never set by either release.
+#:   into other tokens): never set by either release. (0.5.23's scheduler holds prefills back
+#:   for DFLASH and DSPARK where `min_free_slots_delay` is unset, its arg left None: compared
+#:   apart, `admission_hold`.)
 #: The args deliberately not compared are named, with their reasons, in
 #: `dvfs.records.uncompared.NOT_COMPARED`.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
@@ -1015,6 +1017,7 @@ ARMS_PINNED: dict[str, tuple[str, str]] = {
     "decode_cuda_graphs": ("decode CUDA graphs", "decode CUDA graph at batch "),
     "overlap_schedule": ("overlap scheduler", "overlap scheduler disabled ("),
     "random_seed": ("random seed", "random seed (random_seed): "),
+    "admission_hold": ("prefill admission hold", "prefill admission hold "),
 }
 
 
@@ -1029,7 +1032,14 @@ def begun_unpinned(pinned: Iterable[str], changes: Iterable[str]) -> str | None:
     texts = list(changes)
     if not any(t.startswith(ARMS_PINNED[key][1]) for key in missing for t in texts):
         return None
-    what = " and ".join(ARMS_PINNED[key][0] for key in missing)
+    # The admission hold is named only where the servers differ in it: it is a DFLASH or
+    # DSPARK arm's alone, where the other pins are every speculative arm's.
+    named = [
+        key
+        for key in missing
+        if key != "admission_hold" or any(t.startswith(ARMS_PINNED[key][1]) for t in texts)
+    ]
+    what = " and ".join(ARMS_PINNED[key][0] for key in named)
     return f"begun by an earlier dvfs, which did not give every drafter the same {what}"
 
 
@@ -1067,6 +1077,42 @@ def decode_graph(args: Mapping[str, Any], batch: int) -> int | str | None:
     return min(fits) if fits else "eager"
 
 
+#: The algorithms whose server SGLang 0.5.23 holds new prefills back for (the DFlash family:
+#: speculative/spec_info.py `is_dflash_family`), where `--min-free-slots-delay` is not given.
+ADMISSION_HOLD_ALGORITHMS = ("DFLASH", "DSPARK")
+
+
+def admission_hold(args: Mapping[str, Any]) -> int | str | None:
+    """How many free running-request slots a server waits for before it admits new requests'
+    prefills while others run: a number (the hold), "off" (it admits them as slots free), or
+    None where the args do not say (a release without `min_free_slots_delay`: 0.5.9).
+
+    SGLang 0.5.23 decides it in the scheduler, not in its args (managers/
+    min_free_slots_delayer.py `resolve_min_free_slots`, scheduler.py
+    `_get_new_batch_prefill_raw`): a given `--min-free-slots-delay` N holds min(N,
+    max_running_requests) slots (1 or less: off); unset, a DFLASH or DSPARK server with
+    max_running_requests of 8 or more holds min(4, max(2, (max_running_requests + 5) // 6)),
+    any other server none. Both report `min_free_slots_delay` None, so left alone a plain
+    arm admits a request as soon as one finishes where a DFLASH arm waits for 4 to: a batch
+    run at other concurrency. dvfs gives every arm one value (`dvfs.engines.sglang_args`).
+    """
+    if "min_free_slots_delay" not in args:
+        return None
+    try:
+        running = max(0, int(args["max_running_requests"]))
+        given = args["min_free_slots_delay"]
+        given = None if given is None else int(given)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if given is not None:
+        hold = min(given, running)
+        return hold if hold > 1 else "off"
+    algorithm = str(args.get("speculative_algorithm") or "").upper()
+    if algorithm in ADMISSION_HOLD_ALGORITHMS and running >= 8:
+        return min(4, max(2, (running + 5) // 6))
+    return "off"
+
+
 def arm_changes(
     before: Mapping[str, Any],
     now: Mapping[str, Any],
@@ -1076,7 +1122,8 @@ def arm_changes(
     """What differs between two server records of one journal, of the same drafter or not
     ("engine version: A -> B", "dtype: None -> 'float16'"): the engine, its version and
     attention kernels (`SERVER_INVARIANTS`), the `ARM_ARGS`, and the decode CUDA graph each
-    replays at each of `batch_sizes` (`decode_graph`). Arms that differ here would compare
+    replays at each of `batch_sizes` (`decode_graph`), and the free slots each waits for
+    before it admits new prefills (`admission_hold`). Arms that differ here would compare
     software or settings, not drafters. Where both records name one engine and version, an arg
     (or decode CUDA graph) one reports and the other not is a change too ("dtype (dtype): not
     reported -> 'float16'"): one SGLang reports every arg it has, so the servers cannot be
@@ -1108,7 +1155,16 @@ def arm_changes(
                     f"decode CUDA graph at batch {batch}: {_or_unreported(a)} -> "
                     f"{_or_unreported(b)}"
                 )
+        hold_a, hold_b = admission_hold(old), admission_hold(new)
+        if hold_a is not None and hold_b is not None and hold_a != hold_b:
+            changes.append(
+                f"prefill admission hold (free slots awaited): {_hold(hold_a)} -> {_hold(hold_b)}"
+            )
     return changes
+
+
+def _hold(hold: int | str) -> str:
+    return hold if isinstance(hold, str) else f"{hold} slots"
 
 
 #: How `arm_changes` names an arg (or decode CUDA graph) a server's record does not report.

@@ -1,0 +1,178 @@
+"""SGLang 0.5.23's prefill admission hold: a DFLASH or DSPARK server whose
+`--min-free-slots-delay` is unset waits for up to 4 free running-request slots before it
+admits new requests' prefills (managers/min_free_slots_delayer.py `resolve_min_free_slots`,
+used by scheduler.py `_get_new_batch_prefill_raw`), where a plain server admits each as a slot
+frees. Both report `min_free_slots_delay` None, so the arms' args alone look alike: dvfs turns
+the hold off for every arm (`admission_hold_args`), names it (`admission_hold`), compares it at
+each server start and in the cube (`arm_changes`) and records it as pinned (`arms_pinned`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from sglang_support import load_stub, stub_campaign
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.engines.sglang_args import launch_argv
+from dvfs.measure.journal import read_records
+from dvfs.records import ARMS_PINNED, admission_hold, arm_changes, begun_unpinned
+
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+DFLASH = ("--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "d")
+DSPARK = ("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "d")
+TWO = (
+    '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.dflash]\nalgorithm = "DFLASH"\n'
+    'draft_model = "draft/dflash"\n'
+)
+HELD = "prefill admission hold (free slots awaited): "
+
+
+@pytest.fixture(scope="module")
+def stub() -> ModuleType:
+    return load_stub()
+
+
+def resolve(stub: ModuleType, version: str, *argv: str) -> dict[str, Any]:
+    args, _ = stub.parse_launch_argv(
+        ["--model-path", LLAMA, *argv], stub.StubConfig(version=version), None
+    )
+    return dict(args)
+
+
+def record(args: dict[str, Any]) -> dict[str, Any]:
+    return {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3", "args": args}
+
+
+def campaign_file(tmp_path: Path, drafters: str, batch: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f'[gpu]\nbackend = "twin"\nprofile = "h100-sxm"\n\n[engine]\nbackend = "sglang"\n'
+        f'model = "{LLAMA}"\n{drafters}\n[workload]\nbatch = {batch}\ncorpora = ["code"]\n'
+    )
+    return path
+
+
+def test_the_hold_follows_sglangs_rule() -> None:
+    def hold(algorithm: str | None, running: int, given: int | None = None) -> Any:
+        return admission_hold(
+            {
+                "speculative_algorithm": algorithm,
+                "max_running_requests": running,
+                "min_free_slots_delay": given,
+            }
+        )
+
+    assert [hold("DFLASH", n) for n in (7, 8, 12, 13, 19, 20, 256)] == [
+        "off", 2, 2, 3, 4, 4, 4,
+    ]  # fmt: skip
+    assert hold("DSPARK", 32) == 4 and hold("dflash", 32) == 4
+    assert {hold(a, 32) for a in (None, "EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "UNO")} == {"off"}
+    # A given value wins for every algorithm, capped by the running requests; 1 or less: off.
+    assert [hold(None, 32, 3), hold("DFLASH", 32, 1), hold("DFLASH", 32, 0)] == [3, "off", "off"]
+    assert hold(None, 2, 6) == 2 and hold(None, 1, 6) == "off"
+    # A release without the arg (0.5.9), or args that do not say: unknown, not compared.
+    assert admission_hold({"max_running_requests": 32}) is None
+    assert admission_hold({"min_free_slots_delay": None}) is None
+
+
+def test_sglang_0_5_23_holds_a_dflash_arm_alone_unless_dvfs_says_otherwise(
+    stub: ModuleType, tmp_path: Path
+) -> None:
+    """Through the real 0.5.23 option table: left to SGLang, a DFLASH (or DSPARK) arm holds
+    prefills back where the plain arm does not, and its args do not show it; with the argv
+    dvfs builds, every arm admits alike."""
+    given = ("--max-running-requests", "32", "--random-seed", "1")
+    plain = resolve(stub, "0.5.23", *given)
+    for drafter in (DFLASH, DSPARK):
+        held = resolve(stub, "0.5.23", *given, *drafter)
+        assert plain["min_free_slots_delay"] is None and held["min_free_slots_delay"] is None
+        assert arm_changes(record(plain), record(held), [32]) == [f"{HELD}off -> 4 slots"]
+    campaign = load_campaign(campaign_file(tmp_path, TWO, "[4, 32]"))
+    resolved = {}
+    for drafter in campaign.drafters:
+        argv = launch_argv(campaign, drafter, port=31000, version="0.5.23")
+        at = argv.index("--min-free-slots-delay")
+        assert argv[at + 1] == "1", argv
+        resolved[drafter.name] = record(resolve(stub, "0.5.23", *argv[5:]))
+        assert admission_hold(resolved[drafter.name]["args"]) == "off"
+    assert arm_changes(resolved["none"], resolved["dflash"], [4, 32]) == []
+
+
+def test_only_a_campaign_with_a_held_drafter_on_0_5_23_gets_the_flag(tmp_path: Path) -> None:
+    eagle = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    campaign = load_campaign(campaign_file(tmp_path, eagle, "[32]"))
+    for drafter in campaign.drafters:
+        argv = launch_argv(campaign, drafter, port=31000, version="0.5.23")
+        assert not [a for a in argv if a.startswith("--min-free")], argv
+    held = load_campaign(campaign_file(tmp_path, TWO, "[32]"))
+    help_without = "usage: launch_server [--model-path MODEL_PATH] [--port PORT]"
+    argv = launch_argv(held, held.drafters[0], port=31000, help_text=help_without)
+    assert "--min-free-slots-delay" not in argv  # a release without the hold: nothing to turn off
+    with_flag = help_without + " [--min-free-slots-delay MIN_FREE_SLOTS_DELAY]"
+    argv = launch_argv(held, held.drafters[0], port=31000, help_text=with_flag)
+    assert argv[argv.index("--min-free-slots-delay") + 1] == "1"
+
+
+def test_a_journal_begun_without_the_pin_names_it() -> None:
+    change = f"{HELD}off -> 4 slots"
+    pinned = [k for k in ARMS_PINNED if k != "admission_hold"]
+    said = "begun by an earlier dvfs, which did not give every drafter the same "
+    assert begun_unpinned(pinned, [change]) == said + "prefill admission hold"
+    assert begun_unpinned(tuple(ARMS_PINNED), [change]) is None
+    # A journal that pinned nothing, whose arms differ in their decode graphs alone, is told
+    # what it was always told.
+    graphs = "decode CUDA graph at batch 6: eager -> 6"
+    assert begun_unpinned((), [graphs]) == said + "decode CUDA graphs and overlap scheduler"
+
+
+@pytest.mark.slow
+def test_a_sweep_holds_every_arm_alike_and_refuses_a_server_that_holds_otherwise(
+    tmp_path: Path,
+) -> None:
+    """End to end on the stub (0.5.23): the journal's servers both report the hold turned
+    off, the header and cube record it as pinned; a resume of a journal whose DFLASH server
+    held prefills back (an earlier dvfs's) is refused at that server's start, and its cube
+    is not built, each saying why in one line."""
+    path, _ = stub_campaign(
+        tmp_path, drafters=TWO, batch="[8]", knobs="sm_clock = [1980]\nsettle_s = 0.0"
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    servers = {r["drafter"]: r["args"] for r in records if r["type"] == "server"}
+    assert {d: a["min_free_slots_delay"] for d, a in servers.items()} == {"none": 1, "dflash": 1}
+    [header] = [r for r in records if r["type"] == "header"]
+    assert "admission_hold" in header["arms_pinned"]
+    import xarray as xr
+
+    with xr.open_dataset(out / "cube.nc") as cube:
+        assert "admission_hold" in str(cube.attrs["arms_pinned"]).split(",")
+    # As an earlier dvfs left it: the DFLASH server held 2 slots (batch 8), nothing pinned.
+    for r in records:
+        if r["type"] == "header":
+            r["arms_pinned"] = [k for k in r["arms_pinned"] if k != "admission_hold"]
+        if r["type"] == "server" and r["drafter"] == "dflash":
+            r["args"]["min_free_slots_delay"] = None
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / "cube.nc").unlink()
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 1, built.output
+    [line] = built.output.strip().splitlines()
+    assert f"{HELD}off -> 2 slots" in line, line
+    assert "which did not give every drafter the same prefill admission hold" in line, line
+    kept = [r for r in records if r["type"] != "cell" or r["cell"]["drafter"] != "dflash"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    resumed = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert resumed.exit_code == 1, resumed.output
+    last = resumed.output.strip().splitlines()[-1]
+    assert f"{HELD}2 slots -> off" in last, last
+    assert "which did not give every drafter the same prefill admission hold" in last, last
