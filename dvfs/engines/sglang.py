@@ -81,6 +81,7 @@ from dvfs.engines.sglang_client import (
     SglangClient,
     accept_length_of,
     hung_probe_s,
+    running_cap_of,
 )
 from dvfs.engines.sglang_refusals import StartRefusal, start_refusal, terminal_safe
 from dvfs.errors import (
@@ -943,6 +944,17 @@ class SglangEngine:
             raise EngineError(
                 f"{where} caps running requests at {running}, below the largest batch "
                 f"{largest}{fix}"
+            )
+        # Its scheduler may run fewer than the arg says (`running_cap_of`): the rest of each
+        # batch would queue, in this arm alone where another has more memory (no draft).
+        cap = running_cap_of(info)
+        if cap is not None and cap < largest:
+            raise EngineError(
+                f"{where} runs at most {cap} requests at once (its scheduler lowered "
+                f"--max-running-requests to what its KV pool or Mamba state cache holds), "
+                f"below the largest batch {largest}: give SGLang more memory for it "
+                "(--mem-fraction-static, --max-mamba-cache-size in engine.sglang.extra_args) "
+                f"or lower the largest batch{fix}"
             )
         return self._check_kernels(drafter, args)
 
