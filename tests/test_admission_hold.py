@@ -50,11 +50,12 @@ def record(args: dict[str, Any]) -> dict[str, Any]:
     return {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3", "args": args}
 
 
-def campaign_file(tmp_path: Path, drafters: str, batch: str) -> Path:
+def campaign_file(tmp_path: Path, drafters: str, batch: str, engine_extra: str = "") -> Path:
     path = tmp_path / "c.toml"
     path.write_text(
         f'[gpu]\nbackend = "twin"\nprofile = "h100-sxm"\n\n[engine]\nbackend = "sglang"\n'
-        f'model = "{LLAMA}"\n{drafters}\n[workload]\nbatch = {batch}\ncorpora = ["code"]\n'
+        f'model = "{LLAMA}"\n\n[engine.sglang]\n{engine_extra}\n{drafters}\n'
+        f'[workload]\nbatch = {batch}\ncorpora = ["code"]\n'
     )
     return path
 
@@ -118,6 +119,14 @@ def test_only_a_campaign_with_a_held_drafter_on_0_5_23_gets_the_flag(tmp_path: P
     with_flag = help_without + " [--min-free-slots-delay MIN_FREE_SLOTS_DELAY]"
     argv = launch_argv(held, held.drafters[0], port=31000, help_text=with_flag)
     assert argv[argv.index("--min-free-slots-delay") + 1] == "1"
+    # 0.5.23 refuses the flag with pipeline parallelism (and DFLASH with it): not passed, so
+    # the plain arm still starts.
+    for given in ('"--pp-size", "2"', '"--pipeline-parallel-size=2"'):
+        piped = load_campaign(campaign_file(tmp_path, TWO, "[32]", f"extra_args = [{given}]"))
+        argv = launch_argv(piped, piped.drafters[0], port=31000, version="0.5.23")
+        assert "--min-free-slots-delay" not in argv, argv
+    one = load_campaign(campaign_file(tmp_path, TWO, "[32]", 'extra_args = ["--pp-size", "1"]'))
+    assert "--min-free-slots-delay" in launch_argv(one, one.drafters[0], port=1, version="0.5.23")
 
 
 def test_a_journal_begun_without_the_pin_names_it() -> None:

@@ -709,14 +709,21 @@ def admission_hold_args(campaign: Campaign, *, legacy: bool, help_text: str | No
     """`--min-free-slots-delay 1` for every arm where 0.5.23's rules (not `legacy`) hold some
     drafter's new prefills back (DFLASH, DSPARK: `dvfs.records.ADMISSION_HOLD_ALGORITHMS`)
     and none other's, so that every arm admits a request as soon as a slot frees; nothing
-    where no drafter is held, or where this SGLang's `launch_server --help` (`help_text`,
-    when read) lists no such flag (a release without the hold)."""
+    where no drafter is held, where this SGLang's `launch_server --help` (`help_text`, when
+    read) lists no such flag (a release without the hold), or where engine.sglang.extra_args
+    ask for pipeline parallelism (0.5.23 refuses the flag there, validation_hook.py
+    `check_pipeline_parallel_compat`, and serves no DFLASH or DSPARK drafter either)."""
     from dvfs.records import ADMISSION_HOLD_ALGORITHMS
 
     if legacy or not any(d.algorithm in ADMISSION_HOLD_ALGORITHMS for d in campaign.drafters):
         return []
     if help_text is not None and ADMISSION_HOLD_FLAG not in help_text:
         return []
+    extra = campaign.engine.sglang.extra_args
+    for flag in ("--pp-size", "--pipeline-parallel-size"):
+        given = given_value(extra, flag)
+        if given is not None and given.strip() not in ("", "1"):
+            return []
     return [ADMISSION_HOLD_FLAG, "1"]
 
 

@@ -1092,9 +1092,11 @@ def admission_hold(args: Mapping[str, Any]) -> int | str | None:
     `_get_new_batch_prefill_raw`): a given `--min-free-slots-delay` N holds min(N,
     max_running_requests) slots (1 or less: off); unset, a DFLASH or DSPARK server with
     max_running_requests of 8 or more holds min(4, max(2, (max_running_requests + 5) // 6)),
-    any other server none. Both report `min_free_slots_delay` None, so left alone a plain
-    arm admits a request as soon as one finishes where a DFLASH arm waits for 4 to: a batch
-    run at other concurrency. dvfs gives every arm one value (`dvfs.engines.sglang_args`).
+    any other server none (the scheduler's max_running_requests: the arg, unless its KV pool
+    lowers it, and then dvfs refuses the server, `dvfs.engines.sglang_client.running_cap_of`).
+    Both report `min_free_slots_delay` None, so left alone a plain arm admits a request as
+    soon as one finishes where a DFLASH arm waits for 4 to: a batch run at other
+    concurrency. dvfs gives every arm one value (`dvfs.engines.sglang_args`).
     """
     if "min_free_slots_delay" not in args:
         return None
