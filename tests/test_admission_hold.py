@@ -185,3 +185,56 @@ def test_a_sweep_holds_every_arm_alike_and_refuses_a_server_that_holds_otherwise
     last = resumed.output.strip().splitlines()[-1]
     assert f"{HELD}2 slots -> off" in last, last
     assert "which did not give every drafter the same prefill admission hold" in last, last
+
+
+def test_an_earlier_dvfss_unset_delay_compares_with_this_ones_1_where_neither_holds() -> None:
+    """An earlier dvfs left `--min-free-slots-delay` unset, this one gives every arm 1: for a
+    server that does not hold (a plain or EAGLE arm) both are off, its one effect in 0.5.23
+    (the scheduler's `resolve_min_free_slots` is its only reader), so they compare; a DFLASH
+    server that held is told apart by its hold alone."""
+
+    def server(algorithm: str | None, given: int | None) -> dict[str, Any]:
+        return record(
+            {
+                "speculative_algorithm": algorithm,
+                "max_running_requests": 32,
+                "min_free_slots_delay": given,
+            }
+        )
+
+    for algorithm in (None, "EAGLE3", "DFLASH"):
+        assert arm_changes(server(None, None), server(algorithm, 1), [32]) == [], algorithm
+    assert arm_changes(server("DFLASH", None), server("DFLASH", 1), [32]) == [
+        f"{HELD}4 slots -> off"
+    ]
+    # A delay that holds differs as the hold it makes.
+    assert arm_changes(server(None, 1), server(None, 6), [32]) == [f"{HELD}off -> 6 slots"]
+
+
+@pytest.mark.slow
+def test_a_journal_an_earlier_dvfs_began_on_its_plain_arm_resumes(tmp_path: Path) -> None:
+    """An earlier dvfs's journal (no pin, no flag) whose plain arm alone was measured: this
+    dvfs's DFLASH server (1: off) admits as that plain server did (unset: off), so the resume
+    measures it rather than refusing it for a flag that changes nothing."""
+    path, _ = stub_campaign(
+        tmp_path, drafters=TWO, batch="[8]", knobs="sm_clock = [1980]\nsettle_s = 0.0"
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    journal = out / "journal.jsonl"
+    kept = []
+    for r in read_records(journal):
+        if r["type"] == "header":
+            r["arms_pinned"] = [k for k in r["arms_pinned"] if k != "admission_hold"]
+        if r["type"] == "server":
+            r["args"]["min_free_slots_delay"] = None
+        drafter = r["cell"]["drafter"] if r["type"] == "cell" else r.get("drafter")
+        if drafter == "dflash":  # its arm not begun
+            continue
+        kept.append(r)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    resumed = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert resumed.exit_code == 0, resumed.output
+    cells = [r for r in read_records(journal) if r["type"] == "cell"]
+    assert {c["cell"]["drafter"]: c["status"] for c in cells} == {"none": "ok", "dflash": "ok"}

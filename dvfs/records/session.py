@@ -1140,9 +1140,14 @@ def arm_changes(
     given = None if pinned is None else set(pinned)
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         one_release = _one_release(before, now)
+        hold_a, hold_b = admission_hold(old), admission_hold(new)
         for key, label in ARM_ARGS.items():
             if given is not None and key in DRAWN_ARM_ARGS and key not in given:
                 continue  # each server of an earlier dvfs's journal drew its own
+            if key == "min_free_slots_delay" and hold_a is not None and hold_b is not None:
+                # Its one effect, the hold, is compared below: unset and 1 are both "off"
+                # for a plain arm, so an earlier dvfs's (unset) and this one's (1) compare.
+                continue
             if key in old and key in new:
                 if old[key] != new[key]:
                     changes.append(f"{label} ({key}): {old[key]!r} -> {new[key]!r}")
@@ -1157,7 +1162,6 @@ def arm_changes(
                     f"decode CUDA graph at batch {batch}: {_or_unreported(a)} -> "
                     f"{_or_unreported(b)}"
                 )
-        hold_a, hold_b = admission_hold(old), admission_hold(new)
         if hold_a is not None and hold_b is not None and hold_a != hold_b:
             changes.append(
                 f"prefill admission hold (free slots awaited): {_hold(hold_a)} -> {_hold(hold_b)}"
