@@ -129,6 +129,26 @@ def test_only_a_campaign_with_a_held_drafter_on_0_5_23_gets_the_flag(tmp_path: P
     assert "--min-free-slots-delay" in launch_argv(one, one.drafters[0], port=1, version="0.5.23")
 
 
+def test_pipeline_parallelism_abbreviated_gets_no_flag_either(
+    stub: ModuleType, tmp_path: Path
+) -> None:
+    """0.5.23's argparse reads an abbreviation of --pp-size or --pipeline-parallel-size as
+    the flag itself (its option table, through the stub's parser), and then refuses
+    --min-free-slots-delay (validation_hook.py `check_pipeline_parallel_compat`): every arm
+    would fail to start."""
+    parser = stub.build_parser("0.5.23")
+    for given in (("--pp-s", "2"), ("--pp-siz=2",), ("--pi", "2"), ("--pipeline=2",)):
+        assert parser.parse_args(["--model-path", LLAMA, *given]).pp_size == 2, given
+        listed = ", ".join(f'"{t}"' for t in given)
+        piped = load_campaign(campaign_file(tmp_path, TWO, "[32]", f"extra_args = [{listed}]"))
+        argv = launch_argv(piped, piped.drafters[0], port=31000, version="0.5.23")
+        assert "--min-free-slots-delay" not in argv, argv
+    # The last one given wins, as in argparse.
+    last = 'extra_args = ["--pi", "2", "--pp-size", "1"]'
+    one = load_campaign(campaign_file(tmp_path, TWO, "[32]", last))
+    assert "--min-free-slots-delay" in launch_argv(one, one.drafters[0], port=1, version="0.5.23")
+
+
 def test_a_journal_begun_without_the_pin_names_it() -> None:
     change = f"{HELD}off -> 4 slots"
     pinned = [k for k in ARMS_PINNED if k != "admission_hold"]

@@ -719,12 +719,32 @@ def admission_hold_args(campaign: Campaign, *, legacy: bool, help_text: str | No
         return []
     if help_text is not None and ADMISSION_HOLD_FLAG not in help_text:
         return []
-    extra = campaign.engine.sglang.extra_args
-    for flag in ("--pp-size", "--pipeline-parallel-size"):
-        given = given_value(extra, flag)
-        if given is not None and given.strip() not in ("", "1"):
-            return []
+    if _pipeline_parallel(campaign.engine.sglang.extra_args):
+        return []
     return [ADMISSION_HOLD_FLAG, "1"]
+
+
+#: 0.5.23's pipeline-parallel flags and the shortest abbreviation its argparse reads as each
+#: (its option table: "--pp" is ambiguous with --pp-max-micro-batch-size).
+PIPELINE_FLAGS_0523 = {"--pp-size": "--pp-s", "--pipeline-parallel-size": "--pi"}
+
+
+def _pipeline_parallel(tokens: Sequence[str]) -> bool:
+    """Whether `tokens` (engine.sglang.extra_args) set 0.5.23's pipeline-parallel size above 1
+    as its argparse reads them: either flag, abbreviated or not, `=VALUE` or not, the last
+    one. A value that is not a number is SGLang's to refuse."""
+    value = None
+    for i, token in enumerate(tokens):
+        name, eq, rest = token.partition("=")
+        if any(
+            len(name) >= len(shortest) and flag.startswith(name)
+            for flag, shortest in PIPELINE_FLAGS_0523.items()
+        ):
+            value = rest if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
+    try:
+        return value is not None and int(value) > 1
+    except ValueError:
+        return False
 
 
 def speculative_args(drafter: DrafterSpec) -> list[str]:
