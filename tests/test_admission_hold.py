@@ -83,6 +83,35 @@ def test_the_hold_follows_sglangs_rule() -> None:
     assert admission_hold({"min_free_slots_delay": None}) is None
 
 
+def test_the_hold_is_known_without_a_running_cap_and_is_each_dp_ranks(stub: ModuleType) -> None:
+    """A plain server started without --max-running-requests (an attached one) reports it None
+    (0.5.23 resolves it in the scheduler), a DFLASH one 48 (speculative_hook.py): the plain one
+    holds nothing whatever it is, so the DFLASH arm's hold is still seen. With attention DP
+    the scheduler holds by each rank's share of the arg (kv_cache_configurator.py
+    `resolve_max_num_reqs`)."""
+    plain = resolve(stub, "0.5.23", "--random-seed", "1")
+    dflash = resolve(stub, "0.5.23", "--random-seed", "1", *DFLASH)
+    assert plain["max_running_requests"] is None and dflash["max_running_requests"] == 48
+    assert admission_hold(plain) == "off"
+    assert arm_changes(record(plain), record(dflash), [8]) == [f"{HELD}off -> 4 slots"]
+    assert admission_hold({**plain, "min_free_slots_delay": 1}) == "off"
+    assert admission_hold({**plain, "min_free_slots_delay": 6}) is None  # min(6, unknown)
+
+    def held(running: int, ranks: int, given: int | None = None) -> Any:
+        return admission_hold(
+            {
+                "speculative_algorithm": "DFLASH",
+                "max_running_requests": running,
+                "attn_dp_size": ranks,
+                "min_free_slots_delay": given,
+            }
+        )
+
+    assert [held(12, 1), held(12, 2), held(32, 2), held(64, 2), held(8, 2, 6)] == [
+        2, "off", 3, 4, 4,
+    ]  # fmt: skip
+
+
 def test_sglang_0_5_23_holds_a_dflash_arm_alone_unless_dvfs_says_otherwise(
     stub: ModuleType, tmp_path: Path
 ) -> None:

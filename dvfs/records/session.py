@@ -1092,25 +1092,38 @@ def admission_hold(args: Mapping[str, Any]) -> int | str | None:
     `_get_new_batch_prefill_raw`): a given `--min-free-slots-delay` N holds min(N,
     max_running_requests) slots (1 or less: off); unset, a DFLASH or DSPARK server with
     max_running_requests of 8 or more holds min(4, max(2, (max_running_requests + 5) // 6)),
-    any other server none (the scheduler's max_running_requests: the arg, unless its KV pool
-    lowers it, and then dvfs refuses the server, `dvfs.engines.sglang_client.running_cap_of`).
+    any other server none (the scheduler's max_running_requests: the arg split over its
+    attention DP ranks, unless its KV pool lowers it further, which dvfs refuses below the
+    largest batch, `dvfs.engines.sglang_client.running_cap_of`).
     Both report `min_free_slots_delay` None, so left alone a plain arm admits a request as
     soon as one finishes where a DFLASH arm waits for 4 to: a batch run at other
     concurrency. dvfs gives every arm one value (`dvfs.engines.sglang_args`).
     """
-    if "min_free_slots_delay" not in args:
+    if "min_free_slots_delay" not in args or "speculative_algorithm" not in args:
         return None
     try:
-        running = max(0, int(args["max_running_requests"]))
         given = args["min_free_slots_delay"]
         given = None if given is None else int(given)
+    except (TypeError, ValueError):
+        return None
+    algorithm = str(args["speculative_algorithm"] or "").upper()
+    if (given is None and algorithm not in ADMISSION_HOLD_ALGORITHMS) or (
+        given is not None and given <= 1
+    ):
+        # Off whatever max_running_requests is: a plain server's is None where not given
+        # (0.5.23 resolves it in the scheduler; DFLASH and DSPARK set 48 in their args).
+        return "off"
+    try:
+        # The scheduler's is each DP rank's: the arg split over the attention DP groups
+        # (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`).
+        ranks = max(1, int(args.get("attn_dp_size") or 1))
+        running = max(1, int(args["max_running_requests"]) // ranks)
     except (KeyError, TypeError, ValueError):
         return None
     if given is not None:
         hold = min(given, running)
         return hold if hold > 1 else "off"
-    algorithm = str(args.get("speculative_algorithm") or "").upper()
-    if algorithm in ADMISSION_HOLD_ALGORITHMS and running >= 8:
+    if running >= 8:
         return min(4, max(2, (running + 5) // 6))
     return "off"
 
