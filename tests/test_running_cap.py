@@ -29,6 +29,16 @@ def test_the_cap_is_the_schedulers_summed_over_its_dp_ranks() -> None:
     assert running_cap_of(info(3, None)) is None
     assert running_cap_of(info("x")) is None and running_cap_of(info(True)) is None
     assert running_cap_of({}) is None and running_cap_of({"internal_states": None}) is None
+    # An answer that is not a list of ranks' states, or a rank that is no state: unknown, not
+    # a traceback nor the other ranks' cap alone (a false refusal).
+    for states in (5, 2.5, "x", {"effective_max_running_requests_per_dp": 8}):
+        assert running_cap_of({"internal_states": states}) is None, states
+    assert (
+        running_cap_of({"internal_states": [{"effective_max_running_requests_per_dp": 4}, None]})
+        is None
+    )
+    assert running_cap_of(info(6.0)) == 6 and running_cap_of(info(6.5)) is None
+    assert running_cap_of(info(float("inf"))) is None and running_cap_of(info(float("nan"))) is None
 
 
 def test_a_server_whose_scheduler_runs_fewer_than_the_largest_batch_is_refused(
