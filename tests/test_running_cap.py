@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from sglang_support import running, stub_campaign
 
+from dvfs.campaign import load_campaign
 from dvfs.cli import cli
+from dvfs.clock import MonotonicClock
+from dvfs.engines.sglang import SglangEngine
 from dvfs.engines.sglang_client import running_cap_of
+from dvfs.errors import EngineError
 from dvfs.measure.journal import read_records
 
 
@@ -72,3 +77,34 @@ def test_a_server_whose_scheduler_runs_the_largest_batch_measures(tmp_path: Path
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
+
+
+def test_a_cap_split_over_attention_dp_ranks_is_named_as_such(tmp_path: Path) -> None:
+    """0.5.23 gives each attention DP rank max(1, max_running_requests // attn_dp_size)
+    (kv_cache_configurator.py `resolve_max_num_reqs`): the largest batch 9 over 2 ranks runs
+    8 at most, which no memory raises, so the refusal says what does; a rank's share lowered
+    further is the KV pool's."""
+    path, marker = stub_campaign(tmp_path, batch="[1, 9]", knobs="sm_clock = [1980]")
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    drafter = campaign.drafters[0]
+
+    def refusal(*caps: int) -> str:
+        info = {
+            "model_path": campaign.engine.model,
+            "speculative_algorithm": None,
+            "max_running_requests": 9,
+            "attn_dp_size": len(caps),
+            "attention_backend": "fa3",
+            "internal_states": [{"effective_max_running_requests_per_dp": c} for c in caps],
+        }
+        with pytest.raises(EngineError) as refused:
+            engine._check_resolved(drafter, info)
+        return str(refused.value)
+
+    split = refusal(4, 4)
+    assert "runs at most 8 requests at once, below the largest batch 9" in split, split
+    assert "over its 2 attention DP ranks, 4 each" in split, split
+    assert "multiple of 2" in split and "KV pool" not in split, split
+    assert "KV pool" in refusal(4, 3) and "KV pool" in refusal(5)
+    assert running(marker) == []
