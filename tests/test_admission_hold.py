@@ -84,7 +84,7 @@ def test_the_hold_follows_sglangs_rule() -> None:
 
 
 def test_the_hold_is_known_without_a_running_cap_and_is_each_dp_ranks(stub: ModuleType) -> None:
-    """A plain server started without --max-running-requests (an attached one) reports it None
+    """A plain server started without --max-running-requests (dvfs always gives it) reports None
     (0.5.23 resolves it in the scheduler), a DFLASH one 48 (speculative_hook.py): the plain one
     holds nothing whatever it is, so the DFLASH arm's hold is still seen. With attention DP
     the scheduler holds by each rank's share of the arg (kv_cache_configurator.py
