@@ -73,7 +73,12 @@ def test_cube_info_shows_the_invariants_and_the_groups_a_resume_left_across_gpus
     assert held["arms_on_one_gpu"] is True
     assert held["groups_across_gpus"] == across
     assert held["corpora"] == {name: c["content_hash"] for name, c in hashes.items()}
-    assert held["arms_pinned"] == ["decode CUDA graphs", "overlap scheduler", "random seed"]
+    assert held["arms_pinned"] == [
+        "decode CUDA graphs",
+        "overlap scheduler",
+        "random seed",
+        "prefill admission hold",
+    ]
 
 
 def test_cube_info_says_each_group_ran_on_one_gpu(tiny_sweep: Path) -> None:

@@ -81,6 +81,7 @@ from dvfs.engines.sglang_client import (
     SglangClient,
     accept_length_of,
     hung_probe_s,
+    running_cap_of,
 )
 from dvfs.engines.sglang_refusals import StartRefusal, start_refusal, terminal_safe
 from dvfs.errors import (
@@ -944,6 +945,11 @@ class SglangEngine:
                 f"{where} caps running requests at {running}, below the largest batch "
                 f"{largest}{fix}"
             )
+        # Its scheduler may run fewer than the arg says (`running_cap_of`): the rest of each
+        # batch would queue, in this arm alone where another has more memory (no draft).
+        cap = running_cap_of(info)
+        if cap is not None and cap < largest:
+            raise EngineError(f"{where} {running_cap_refusal(cap, largest, args)}{fix}")
         return self._check_kernels(drafter, args)
 
     def _gpus_now(self) -> list[GpuProcesses] | None:
@@ -1303,6 +1309,31 @@ def server_record_of(drafter: str, info: dict[str, Any]) -> dict[str, Any]:
         "attention_backend": Kernels.from_args(args).label,
         "args": args,
     }
+
+
+def running_cap_refusal(cap: int, largest: int, args: Mapping[str, Any]) -> str:
+    """Why a server whose scheduler runs at most `cap` requests (`running_cap_of`) cannot
+    serve the largest batch, after "the server", from its resolved `args`: 0.5.23 gives each
+    attention DP rank max(1, max_running_requests // attn_dp_size)
+    (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), which no memory raises,
+    then lowers a rank's share to what its KV pool or Mamba state cache holds."""
+    said = f"runs at most {cap} requests at once, below the largest batch {largest}"
+    try:
+        ranks = max(1, int(args.get("attn_dp_size") or 1))
+        running = int(args["max_running_requests"])
+    except (KeyError, TypeError, ValueError):
+        ranks, running = 1, 0
+    if ranks > 1 and cap == max(1, running // ranks) * ranks:
+        return (
+            f"{said} (its scheduler splits --max-running-requests {running} over its {ranks} "
+            f"attention DP ranks, {cap // ranks} each): make the largest batch a multiple of "
+            f"{ranks}"
+        )
+    return (
+        f"{said} (its scheduler lowered --max-running-requests to what its KV pool or Mamba "
+        "state cache holds): give SGLang more memory for it (--mem-fraction-static, "
+        "--max-mamba-cache-size in engine.sglang.extra_args) or lower the largest batch"
+    )
 
 
 def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:

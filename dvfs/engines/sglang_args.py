@@ -18,6 +18,11 @@
   server starts (`arm_mismatches`). The flags looked for in extra_args are matched as SGLang's
   argparse matches them, abbreviations included (`SHORTEST_PREFIXES`).
 - DFLASH (a block drafter) exists from 0.5.23; its block size is --speculative-num-draft-tokens.
+- On 0.5.23's rules, `--min-free-slots-delay 1` for every arm of a campaign with a DFLASH or
+  DSPARK drafter (`admission_hold_args`): left unset, 0.5.23's scheduler holds such a server's
+  new prefills until up to 4 running-request slots are free (managers/
+  min_free_slots_delayer.py), where a plain arm admits each request as a slot frees, so the
+  arms would run their batches at other concurrency (`dvfs.records.admission_hold`).
 - `--attention-backend` always (engine.sglang.attention_backend, fa3 unless "auto"): left to
   itself SGLang 0.5.9 / 0.5.23 picks fa3 on Hopper, except flashinfer when --speculative-eagle-topk
   is above 1 (or is 1 with --page-size above 1), so "EAGLE vs none" would also compare kernels;
@@ -696,6 +701,52 @@ def _check_algorithm(drafter: DrafterSpec, version: tuple[int, ...] | None) -> N
         )
 
 
+#: What turns 0.5.23's prefill admission hold off (1: "1 disables", its --help says).
+ADMISSION_HOLD_FLAG = "--min-free-slots-delay"
+
+
+def admission_hold_args(campaign: Campaign, *, legacy: bool, help_text: str | None) -> list[str]:
+    """`--min-free-slots-delay 1` for every arm where 0.5.23's rules (not `legacy`) hold some
+    drafter's new prefills back (DFLASH, DSPARK: `dvfs.records.ADMISSION_HOLD_ALGORITHMS`)
+    and none other's, so that every arm admits a request as soon as a slot frees; nothing
+    where no drafter is held, where this SGLang's `launch_server --help` (`help_text`, when
+    read) lists no such flag (a release without the hold), or where engine.sglang.extra_args
+    ask for pipeline parallelism (0.5.23 refuses the flag there, validation_hook.py
+    `check_pipeline_parallel_compat`, and serves no DFLASH or DSPARK drafter either)."""
+    from dvfs.records import ADMISSION_HOLD_ALGORITHMS
+
+    if legacy or not any(d.algorithm in ADMISSION_HOLD_ALGORITHMS for d in campaign.drafters):
+        return []
+    if help_text is not None and ADMISSION_HOLD_FLAG not in help_text:
+        return []
+    if _pipeline_parallel(campaign.engine.sglang.extra_args):
+        return []
+    return [ADMISSION_HOLD_FLAG, "1"]
+
+
+#: 0.5.23's pipeline-parallel flags and the shortest abbreviation its argparse reads as each
+#: (its option table: "--pp" is ambiguous with --pp-max-micro-batch-size).
+PIPELINE_FLAGS_0523 = {"--pp-size": "--pp-s", "--pipeline-parallel-size": "--pi"}
+
+
+def _pipeline_parallel(tokens: Sequence[str]) -> bool:
+    """Whether `tokens` (engine.sglang.extra_args) set 0.5.23's pipeline-parallel size above 1
+    as its argparse reads them: either flag, abbreviated or not, `=VALUE` or not, the last
+    one. A value that is not a number is SGLang's to refuse."""
+    value = None
+    for i, token in enumerate(tokens):
+        name, eq, rest = token.partition("=")
+        if any(
+            len(name) >= len(shortest) and flag.startswith(name)
+            for flag, shortest in PIPELINE_FLAGS_0523.items()
+        ):
+            value = rest if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
+    try:
+        return value is not None and int(value) > 1
+    except ValueError:
+        return False
+
+
 def speculative_args(drafter: DrafterSpec) -> list[str]:
     """The drafter's speculative flags, all-or-none for the EAGLE numbers."""
     if drafter.algorithm is None:
@@ -753,9 +804,8 @@ def launch_argv(
     _check_algorithm(drafter, parsed)
     largest = max(campaign.workload.batch_sizes)
     graph_flag = cuda_graph_flag(help_text, parsed)
-    overlap = _overlap_plan(
-        campaign, legacy=graph_flag == OLD_CUDA_GRAPH_FLAG, env=launch_env(campaign)
-    )
+    legacy = graph_flag == OLD_CUDA_GRAPH_FLAG
+    overlap = _overlap_plan(campaign, legacy=legacy, env=launch_env(campaign))
     argv = [
         *server_command(campaign),
         "--model-path",
@@ -774,6 +824,7 @@ def launch_argv(
         GRAPH_SIZES_FLAG[graph_flag],
         *(str(b) for b in graph_batch_sizes(campaign.workload.batch_sizes)),
         *(["--disable-overlap-schedule"] if overlap.pin else []),
+        *admission_hold_args(campaign, legacy=legacy, help_text=help_text),
         "--enable-metrics",
         # one seed for every drafter's server: SGLang draws a random one at each start
         "--random-seed",

@@ -192,6 +192,29 @@ def accept_length_of(info: dict[str, Any]) -> float | None:
     return float(np.mean(values)) if values and any(values) else None
 
 
+def running_cap_of(info: dict[str, Any]) -> int | None:
+    """How many requests the server's scheduler runs at once, from a /server_info answer
+    `info`: SGLang 0.5.23's `internal_states[i].effective_max_running_requests_per_dp`
+    (scheduler_components/internal_state.py), summed over its DP ranks, which is
+    --max-running-requests lowered to what the KV pool or a hybrid model's Mamba state cache
+    holds (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), so it may be below
+    the arg the server reports. None where not every rank reports it as a whole number (0.5.9
+    reports none), or the answer has no list of ranks."""
+    states = info.get("internal_states")
+    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
+        return None  # a rank that is not a state does not report it either
+    caps: list[Any] = [s.get("effective_max_running_requests_per_dp") for s in states]
+    if not caps or any(c is None or isinstance(c, bool) for c in caps):
+        return None
+    try:
+        whole = [int(c) for c in caps]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if any(isinstance(c, float) and c != w for c, w in zip(caps, whole, strict=True)):
+        return None
+    return sum(whole)
+
+
 class SglangClient:
     """One server's HTTP API. Proxies from the environment are ignored (loopback stays local).
 

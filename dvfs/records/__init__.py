@@ -25,6 +25,7 @@ from dvfs.records.header import (
     repeat_rule,
 )
 from dvfs.records.session import (
+    ADMISSION_HOLD_ALGORITHMS,
     ARM_ARGS,
     ARMS_PINNED,
     GPU_INVARIANTS,
@@ -36,6 +37,7 @@ from dvfs.records.session import (
     Server,
     Session,
     Stock,
+    admission_hold,
     arm_changes,
     begun_unpinned,
     corpus_changes,
@@ -60,6 +62,7 @@ from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, n
 
 __all__ = [
     "ARMS_PINNED",
+    "ADMISSION_HOLD_ALGORITHMS",
     "ARM_ARGS",
     "GPU_INVARIANTS",
     "GPU_TIME_KEYS",
@@ -84,6 +87,7 @@ __all__ = [
     "Server",
     "Session",
     "Stock",
+    "admission_hold",
     "arm_changes",
     "begun_unpinned",
     "check_version",

@@ -787,7 +787,9 @@ def restart_as_it_was(changes: Iterable[str], attached: bool = False) -> str:
 #: - the scheduler's priority queue, pipeline dynamic chunking and the prefill admission delay
 #:   (`min_free_slots_delay`); watermarking (other sampled tokens); ModelOpt quantization at
 #:   load (`quantize_and_serve`); and the tokenizer's mode and backend (the same prompt split
-#:   into other tokens): never set by either release.
+#:   into other tokens): never set by either release. (0.5.23's scheduler holds prefills back
+#:   for DFLASH and DSPARK where `min_free_slots_delay` is unset, its arg left None: compared
+#:   apart, `admission_hold`.)
 #: The args deliberately not compared are named, with their reasons, in
 #: `dvfs.records.uncompared.NOT_COMPARED`.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
@@ -1015,6 +1017,7 @@ ARMS_PINNED: dict[str, tuple[str, str]] = {
     "decode_cuda_graphs": ("decode CUDA graphs", "decode CUDA graph at batch "),
     "overlap_schedule": ("overlap scheduler", "overlap scheduler disabled ("),
     "random_seed": ("random seed", "random seed (random_seed): "),
+    "admission_hold": ("prefill admission hold", "prefill admission hold "),
 }
 
 
@@ -1029,7 +1032,14 @@ def begun_unpinned(pinned: Iterable[str], changes: Iterable[str]) -> str | None:
     texts = list(changes)
     if not any(t.startswith(ARMS_PINNED[key][1]) for key in missing for t in texts):
         return None
-    what = " and ".join(ARMS_PINNED[key][0] for key in missing)
+    # The admission hold is named only where the servers differ in it: it is a DFLASH or
+    # DSPARK arm's alone, where the other pins are every speculative arm's.
+    named = [
+        key
+        for key in missing
+        if key != "admission_hold" or any(t.startswith(ARMS_PINNED[key][1]) for t in texts)
+    ]
+    what = " and ".join(ARMS_PINNED[key][0] for key in named)
     return f"begun by an earlier dvfs, which did not give every drafter the same {what}"
 
 
@@ -1067,6 +1077,57 @@ def decode_graph(args: Mapping[str, Any], batch: int) -> int | str | None:
     return min(fits) if fits else "eager"
 
 
+#: The algorithms whose server SGLang 0.5.23 holds new prefills back for (the DFlash family:
+#: speculative/spec_info.py `is_dflash_family`), where `--min-free-slots-delay` is not given.
+ADMISSION_HOLD_ALGORITHMS = ("DFLASH", "DSPARK")
+
+
+def admission_hold(args: Mapping[str, Any]) -> int | str | None:
+    """How many free running-request slots a server waits for before it admits new requests'
+    prefills while others run: a number (the hold), "off" (it admits them as slots free), or
+    None where the args do not say (a release without `min_free_slots_delay`: 0.5.9).
+
+    SGLang 0.5.23 decides it in the scheduler, not in its args (managers/
+    min_free_slots_delayer.py `resolve_min_free_slots`, scheduler.py
+    `_get_new_batch_prefill_raw`): a given `--min-free-slots-delay` N holds min(N,
+    max_running_requests) slots (1 or less: off); unset, a DFLASH or DSPARK server with
+    max_running_requests of 8 or more holds min(4, max(2, (max_running_requests + 5) // 6)),
+    any other server none (the scheduler's max_running_requests: the arg split over its
+    attention DP ranks, unless its KV pool lowers it further, which dvfs refuses below the
+    largest batch, `dvfs.engines.sglang_client.running_cap_of`).
+    Both report `min_free_slots_delay` None, so left alone a plain arm admits a request as
+    soon as one finishes where a DFLASH arm waits for 4 to: a batch run at other
+    concurrency. dvfs gives every arm one value (`dvfs.engines.sglang_args`).
+    """
+    if "min_free_slots_delay" not in args or "speculative_algorithm" not in args:
+        return None
+    try:
+        given = args["min_free_slots_delay"]
+        given = None if given is None else int(given)
+    except (TypeError, ValueError):
+        return None
+    algorithm = str(args["speculative_algorithm"] or "").upper()
+    if (given is None and algorithm not in ADMISSION_HOLD_ALGORITHMS) or (
+        given is not None and given <= 1
+    ):
+        # Off whatever max_running_requests is: a plain server's is None where not given
+        # (0.5.23 resolves it in the scheduler; DFLASH and DSPARK set 48 in their args).
+        return "off"
+    try:
+        # The scheduler's is each DP rank's: the arg split over the attention DP groups
+        # (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`).
+        ranks = max(1, int(args.get("attn_dp_size") or 1))
+        running = max(1, int(args["max_running_requests"]) // ranks)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if given is not None:
+        hold = min(given, running)
+        return hold if hold > 1 else "off"
+    if running >= 8:
+        return min(4, max(2, (running + 5) // 6))
+    return "off"
+
+
 def arm_changes(
     before: Mapping[str, Any],
     now: Mapping[str, Any],
@@ -1076,7 +1137,8 @@ def arm_changes(
     """What differs between two server records of one journal, of the same drafter or not
     ("engine version: A -> B", "dtype: None -> 'float16'"): the engine, its version and
     attention kernels (`SERVER_INVARIANTS`), the `ARM_ARGS`, and the decode CUDA graph each
-    replays at each of `batch_sizes` (`decode_graph`). Arms that differ here would compare
+    replays at each of `batch_sizes` (`decode_graph`), and the free slots each waits for
+    before it admits new prefills (`admission_hold`). Arms that differ here would compare
     software or settings, not drafters. Where both records name one engine and version, an arg
     (or decode CUDA graph) one reports and the other not is a change too ("dtype (dtype): not
     reported -> 'float16'"): one SGLang reports every arg it has, so the servers cannot be
@@ -1091,9 +1153,14 @@ def arm_changes(
     given = None if pinned is None else set(pinned)
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         one_release = _one_release(before, now)
+        hold_a, hold_b = admission_hold(old), admission_hold(new)
         for key, label in ARM_ARGS.items():
             if given is not None and key in DRAWN_ARM_ARGS and key not in given:
                 continue  # each server of an earlier dvfs's journal drew its own
+            if key == "min_free_slots_delay" and hold_a is not None and hold_b is not None:
+                # Its one effect, the hold, is compared below: unset and 1 are both "off"
+                # for a plain arm, so an earlier dvfs's (unset) and this one's (1) compare.
+                continue
             if key in old and key in new:
                 if old[key] != new[key]:
                     changes.append(f"{label} ({key}): {old[key]!r} -> {new[key]!r}")
@@ -1108,7 +1175,15 @@ def arm_changes(
                     f"decode CUDA graph at batch {batch}: {_or_unreported(a)} -> "
                     f"{_or_unreported(b)}"
                 )
+        if hold_a is not None and hold_b is not None and hold_a != hold_b:
+            changes.append(
+                f"prefill admission hold (free slots awaited): {_hold(hold_a)} -> {_hold(hold_b)}"
+            )
     return changes
+
+
+def _hold(hold: int | str) -> str:
+    return hold if isinstance(hold, str) else f"{hold} slots"
 
 
 #: How `arm_changes` names an arg (or decode CUDA graph) a server's record does not report.

@@ -103,6 +103,11 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
 - ``abort_route`` (true): false plays a server without ``/abort_request`` (404).
 - ``context_len`` (131072): the model's context length (its config.json's), served unless
   ``--context-length`` gives another; see "Context" below.
+- ``running_cap`` (null): what 0.5.23's /server_info reports as
+  ``internal_states[0].effective_max_running_requests_per_dp``, the scheduler's own cap on
+  running requests (SGLang lowers ``--max-running-requests`` to what its KV pool or Mamba
+  state cache holds: mem_cache/kv_cache_configurator.py ``resolve_max_num_reqs``); null: the
+  resolved ``max_running_requests`` (2048 where none).  0.5.9 reports none.
 - ``abort_ignored`` (false): true answers ``/abort_request`` 200 but aborts nothing.
 - ``hold_unfinished`` (false): true plays a round whose other requests are always
   still running when its first request finishes, however slow the machine: once a
@@ -564,6 +569,7 @@ class StubConfig:
     max_lifetime_s: float = 600.0
     abort_route: bool = True
     context_len: int = 131072
+    running_cap: int | None = None
     abort_ignored: bool = False
     hold_unfinished: bool = False
     hold_after_requests: int | None = None
@@ -1956,6 +1962,12 @@ class Stub:
         """/server_info: resolved args, version, internal_states."""
         with self.lock:
             state: dict[str, Any] = {"last_gen_throughput": self.last_gen_throughput}
+            if self.version != "0.5.9":  # scheduler_components/internal_state.py
+                cap = self.cfg.running_cap
+                running = self.args.get("max_running_requests")
+                state["effective_max_running_requests_per_dp"] = (
+                    cap if cap is not None else int(running or 2048)
+                )
             if self.spec is not None:
                 average = self.block_accept_length()
                 if average is not None:

@@ -1,0 +1,110 @@
+"""The scheduler's own cap on running requests: SGLang 0.5.23 lowers --max-running-requests to
+what the KV pool or a hybrid model's Mamba state cache holds (mem_cache/
+kv_cache_configurator.py `resolve_max_num_reqs`) and reports the result only in /server_info's
+`internal_states[i].effective_max_running_requests_per_dp`, its args still saying what was
+asked. A drafter's server whose scheduler runs fewer requests than the largest batch would
+queue the rest of each batch, in that arm alone (a draft takes memory a plain arm has): refused
+at start, as a server whose arg caps them is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from sglang_support import running, stub_campaign
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.clock import MonotonicClock
+from dvfs.engines.sglang import SglangEngine
+from dvfs.engines.sglang_client import running_cap_of
+from dvfs.errors import EngineError
+from dvfs.measure.journal import read_records
+
+
+def test_the_cap_is_the_schedulers_summed_over_its_dp_ranks() -> None:
+    def info(*caps: object) -> dict[str, object]:
+        return {"internal_states": [{"effective_max_running_requests_per_dp": c} for c in caps]}
+
+    assert running_cap_of(info(6)) == 6
+    assert running_cap_of(info(3, 3)) == 6
+    # Not reported by every rank (0.5.9 reports none), or not a number: unknown.
+    assert running_cap_of({"internal_states": [{"last_gen_throughput": 1.0}]}) is None
+    assert running_cap_of(info(3, None)) is None
+    assert running_cap_of(info("x")) is None and running_cap_of(info(True)) is None
+    assert running_cap_of({}) is None and running_cap_of({"internal_states": None}) is None
+    # An answer that is not a list of ranks' states, or a rank that is no state: unknown, not
+    # a traceback nor the other ranks' cap alone (a false refusal).
+    for states in (5, 2.5, "x", {"effective_max_running_requests_per_dp": 8}):
+        assert running_cap_of({"internal_states": states}) is None, states
+    assert (
+        running_cap_of({"internal_states": [{"effective_max_running_requests_per_dp": 4}, None]})
+        is None
+    )
+    assert running_cap_of(info(6.0)) == 6 and running_cap_of(info(6.5)) is None
+    assert running_cap_of(info(float("inf"))) is None and running_cap_of(info(float("nan"))) is None
+
+
+def test_a_server_whose_scheduler_runs_fewer_than_the_largest_batch_is_refused(
+    tmp_path: Path,
+) -> None:
+    path, marker = stub_campaign(
+        tmp_path,
+        stub={"running_cap": 2},
+        batch="[1, 4]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        retries=0,
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code != 0, result.output
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert cells and {c["status"] for c in cells} == {"failed"}, cells
+    for cell in cells:
+        assert "runs at most 2 requests at once" in cell["error"], cell["error"]
+        assert "below the largest batch 4" in cell["error"], cell["error"]
+    assert running(marker) == []
+
+
+def test_a_server_whose_scheduler_runs_the_largest_batch_measures(tmp_path: Path) -> None:
+    path, _ = stub_campaign(
+        tmp_path,
+        stub={"running_cap": 4},
+        batch="[1, 4]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_cap_split_over_attention_dp_ranks_is_named_as_such(tmp_path: Path) -> None:
+    """0.5.23 gives each attention DP rank max(1, max_running_requests // attn_dp_size)
+    (kv_cache_configurator.py `resolve_max_num_reqs`): the largest batch 9 over 2 ranks runs
+    8 at most, which no memory raises, so the refusal says what does; a rank's share lowered
+    further is the KV pool's."""
+    path, marker = stub_campaign(tmp_path, batch="[1, 9]", knobs="sm_clock = [1980]")
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    drafter = campaign.drafters[0]
+
+    def refusal(*caps: int) -> str:
+        info = {
+            "model_path": campaign.engine.model,
+            "speculative_algorithm": None,
+            "max_running_requests": 9,
+            "attn_dp_size": len(caps),
+            "attention_backend": "fa3",
+            "internal_states": [{"effective_max_running_requests_per_dp": c} for c in caps],
+        }
+        with pytest.raises(EngineError) as refused:
+            engine._check_resolved(drafter, info)
+        return str(refused.value)
+
+    split = refusal(4, 4)
+    assert "runs at most 8 requests at once, below the largest batch 9" in split, split
+    assert "over its 2 attention DP ranks, 4 each" in split, split
+    assert "multiple of 2" in split and "KV pool" not in split, split
+    assert "KV pool" in refusal(4, 3) and "KV pool" in refusal(5)
+    assert running(marker) == []
