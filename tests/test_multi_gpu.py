@@ -1142,6 +1142,8 @@ def test_a_bug_in_a_workers_restore_is_an_internal_error_with_its_traceback(
         "its restore stopped on a bug in dvfs (RuntimeError: a bug)"
     ), result.stderr
     assert f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`" in last, last
+    # one sentence's end before the hint, not "... retries from the state file.; please"
+    assert "retries from the state file; please report it" in last, last
     assert "lost its GPU" not in result.stderr and "answers again" not in result.stderr
     assert ("in buggy_reset_of_gpu_1" in result.stderr) is bool(verbose), result.stderr
 
