@@ -291,10 +291,32 @@ class LocalExecutor:
         # stay within an error line's bound with the reset and the resume in it).
         whose = kept[0] if len(kept) == 1 else f"{len(kept)} GPUs"
         they = "it answers" if len(kept) == 1 else "they answer"
+        root, bug = self._restores_refused(kept)
+        if root or bug:  # no GPU lost: "once it answers again" told to wait for nothing
+            why = ["for want of root"] if root else []
+            if bug:
+                why.append("a bug in dvfs stopped the restore, said above: please report it")
+            return (
+                f"the settings of {whose} could not be restored ({'; '.join(why)}): run "
+                f"{store.reset_command()}{' as root' if root else ''}"
+            )
         return (
             f"the settings of {whose} could not be restored: once {they} again, run "
             f"{store.reset_command()}"
         )
+
+    def _restores_refused(self, kept: Sequence[str]) -> tuple[bool, bool]:
+        """Whether the workers' restores that left `kept` changed were refused for want of
+        root, and whether one stopped on a bug in dvfs (its line names the GPUs: else they
+        were lost, and are reset once they answer again)."""
+        from dvfs.errors import GpuPermissionError
+        from dvfs.gpu.knobs import RestoreBugError
+
+        errors = [e for e in self.close_errors.values() if any(u in str(e) for u in kept)]
+        root = any(
+            isinstance(e, GpuPermissionError) or getattr(e, "needs_root", False) for e in errors
+        )
+        return root, any(isinstance(e, RestoreBugError) for e in errors)
 
     def unsaid(self, campaign: Campaign) -> tuple[list[str], Path | None]:
         """The GPUs this process left changed (their state files kept) that no line of the run
