@@ -864,13 +864,18 @@ def permitted(
     return kept or list(indices)
 
 
-def refused_gpus(nvml: ModuleType, *, deadline_s: float | None = None) -> list[int]:
+def refused_gpus(
+    nvml: ModuleType, *, deadline_s: float | None = None, hung: Sequence[int] = ()
+) -> list[int]:
     """The NVML indices `every_gpu` (without `visible`) leaves out: the GPUs NVML counts but
     has no permission to talk to (`permitted`), whose UUIDs it cannot read either. A command
     over every GPU that a file names by UUID (`cap apply`) must not read such a GPU's UUID as
-    "not on this host"; none where NVML refuses every GPU (opening them says so, exit 4)."""
+    "not on this host"; none where NVML refuses every GPU (opening them says so, exit 4).
+    `hung`: GPUs whose calls already hung in this command, kept unasked (as `permitted` keeps
+    one whose handle hangs): asked again, each cost a deadline more."""
     devices = list(range(device_count(nvml, deadline_s=deadline_s)))
-    kept = set(permitted(nvml, devices, deadline_s=deadline_s))
+    asked = [index for index in devices if index not in hung]
+    kept = set(permitted(nvml, asked, deadline_s=deadline_s)) | set(hung)
     return [index for index in devices if index not in kept]
 
 
