@@ -1022,3 +1022,34 @@ def test_cap_show_warns_of_withheld_caps_without_a_lost_gpus_own(
     assert f"holds caps for {uuids[2]}, none of the GPUs this process may talk to" in warning
     assert uuids[1] not in warning, warning
     assert "GPU 1: cannot read the power limit" in result.stderr.splitlines()[-1], result.stderr
+
+
+def test_refused_gpus_beside_a_gpu_known_hung_still_names_those_nvml_refuses() -> None:
+    """`refused_gpus` with GPU 1 known to hang (not asked again) and NVML refusing GPU 0, the
+    only GPU asked: GPU 0 is refused, as when GPU 1 was asked and kept for its hang. (Left out
+    of the GPUs asked, GPU 1 made GPU 0 "every GPU asked refused", a permission problem of the
+    whole machine, and nothing was named.)"""
+    import types
+
+    from dvfs.gpu.nvml import refused_gpus
+
+    class NVMLError(Exception):
+        def __init__(self, value: int) -> None:
+            super().__init__(value)
+            self.value = value
+
+    asked: list[int] = []
+
+    def handle(index: int) -> object:
+        asked.append(index)
+        raise NVMLError(4)  # NoPermission
+
+    module = types.SimpleNamespace(
+        NVML_ERROR_NO_PERMISSION=4,
+        NVMLError=NVMLError,
+        nvmlDeviceGetHandleByIndex=handle,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetCount_v2=lambda: 2,
+    )
+    assert refused_gpus(module, hung=[1]) == [0]
+    assert asked == [0]
