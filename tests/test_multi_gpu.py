@@ -1438,16 +1438,18 @@ def test_a_signal_landing_as_the_drivers_queue_takes_its_lock_back_is_the_interr
     assert next_event(events) == ("exit", "gpu0")
 
 
-@pytest.mark.parametrize("root", [False, True])
+@pytest.mark.parametrize("case", ["bug", "root", "lost"])
 def test_every_worker_lost_says_why_a_restore_left_gpus_changed_not_once_they_answer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """Two workers of two GPUs each (engine.tp_size = 2), both servers dying on their second
-    cell; gpu0+1's restore stops on a bug in dvfs for GPU 0 and (`root`) NVML refuses GPU 1's
-    for want of root. The every-worker-lost line said "could not be restored: once they
-    answer again, run `dvfs gpu reset`": GPUs that never stopped answering, and no word that
-    the reset needs root. Now it says why (root, a bug said above) and the reset, as root
-    where a restore needed it."""
+    cell; gpu0+1's restore stops on a bug in dvfs for GPU 0 and ("root") NVML refuses GPU 1's
+    for want of root, or ("lost") GPU 2 falls off the bus. The every-worker-lost line said
+    "could not be restored: once they answer again, run `dvfs gpu reset`": GPUs that never
+    stopped answering, and no word that the reset needs root. Now it says why (root, a bug
+    said above) and the reset, as root where a restore needed it, once they answer again
+    where a GPU was lost."""
+    root = case == "root"
     from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
     from dvfs.fleet.worker import Worker
@@ -1471,6 +1473,8 @@ def test_every_worker_lost_says_why_a_restore_left_gpus_changed_not_once_they_an
     def dying(self: Worker, cell):  # type: ignore[no-untyped-def]
         calls[self.label] += 1
         if calls[self.label] == 2:
+            if case == "lost" and self.label == "gpu2+3":
+                nvml.fake_update_device(2, lost=True)
             raise RuntimeError("the server died")
         return run(self, cell)
 
@@ -1489,9 +1493,10 @@ def test_every_worker_lost_says_why_a_restore_left_gpus_changed_not_once_they_an
     last = " ".join(result.stderr.strip().splitlines()[-1].split())
     assert last.startswith("Error: every worker was lost with "), result.stderr
     assert nvml.fake_device_state(0)["locked_clocks"] is not None  # what the line is about
-    assert "answer" not in last, last
+    assert ("answer" in last) is (case == "lost"), last
     command = f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`"
     why = "(for want of root; " if root else "("
     assert f"could not be restored {why}a bug in dvfs stopped the restore, said above" in last
-    assert f"run {command}{' as root' if root else ''}, then rerun the same command" in last
+    when = "once they answer again, " if case == "lost" else ""
+    assert f"{when}run {command}{' as root' if root else ''}, then rerun the same" in last, last
     assert "Traceback" not in result.stderr

@@ -662,14 +662,17 @@ def test_a_bug_in_a_ray_workers_restore_is_the_runs_internal_error(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("gpu0", ["answers", "off the bus"])
 def test_a_ray_fleet_lost_whole_with_a_restore_that_needs_root_exits_4_and_says_root(
-    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu0: str
 ) -> None:
-    """Both Ray workers lost after their first cell (NVML fails their energy counters), and
-    NVML refused GPU 1's restore for want of root. The sweep exited 1 with "GPU settings were
-    left unrestored on NODE: once the GPUs answer again, run `dvfs gpu reset`": GPUs that never
-    stopped answering, root unsaid, where the local fleet exits 4 (README's exit codes: a
-    restore that needs root). Now exit 4, the line saying the reset is to run as root."""
+    """Both Ray workers lost after their first cell (NVML fails their energy counters; or
+    GPU 0 falls off the bus, its restore failing too), and NVML refused GPU 1's restore for
+    want of root. The sweep exited 1 with "GPU settings were left unrestored on NODE: once the
+    GPUs answer again, run `dvfs gpu reset`": root unsaid (and GPU 1 never stopped answering),
+    where the local fleet exits 4 (README's exit codes: a restore that needs root). Now exit
+    4, the line saying the reset is to run as root (once the GPUs answer again where one was
+    lost)."""
     from nvml_support import NVML_CAMPAIGN
 
     from dvfs.fleet.driver import Fleet
@@ -679,6 +682,9 @@ def test_a_ray_fleet_lost_whole_with_a_restore_that_needs_root_exits_4_and_says_
     def lose(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
         ship(self, worker, shipment)  # in the driver's thread, as the driver journals it
         index = int(worker.rsplit("gpu", 1)[1])
+        if index == 0 and gpu0 == "off the bus":
+            ray_nvml.fake_update_device(0, lost=True)
+            return
         errors = {"nvmlDeviceGetTotalEnergyConsumption": 999}
         if index == 1:
             errors["nvmlDeviceResetGpuLockedClocks"] = 4  # NoPermission
@@ -692,9 +698,13 @@ def test_a_ray_fleet_lost_whole_with_a_restore_that_needs_root_exits_4_and_says_
     host = platform.node()
     reset = f"`dvfs gpu reset --state-dir {os.environ['DVFS_STATE_DIR']}` on {host}"
     assert last.startswith("Error: every worker was lost with "), result.output
+    if gpu0 == "answers":
+        said = f"{host} for want of root: run {reset} as root"
+    else:
+        said = f"{host} (for want of root on {host}): once the GPUs answer again, run {reset}, "
+        said += f"as root on {host}"
     assert last.endswith(
-        f"GPU settings were left unrestored on {host} for want of root: run {reset} as root, "
-        "then rerun the same command to resume"
+        f"GPU settings were left unrestored on {said}, then rerun the same command to resume"
     ), last
     assert ray_nvml.fake_device_state(1)["locked_clocks"] is not None  # what it is about
     assert "Traceback" not in result.output

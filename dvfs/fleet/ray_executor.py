@@ -1076,13 +1076,16 @@ class RayExecutor:
             if closing is not None:
                 self.close_errors.append(closing)
 
-    def _for_root(self, left: dict[str, list[str]]) -> list[str]:
+    def _for_root(self, left: dict[str, list[str]]) -> tuple[list[str], bool]:
         """The nodes of `left` (GPUs left changed, by node) where NVML refused a restore of
-        one of those GPUs for want of root (`close_errors`)."""
+        one of those GPUs for want of root (`close_errors`), and whether it refused every
+        GPU of `left` so (none lost, to reset once it answers again)."""
         from dvfs.errors import GpuPermissionError
 
         refused = [str(e) for e in self.close_errors if isinstance(e, GpuPermissionError)]
-        return [h for h, gpus in left.items() if any(g in e for g in gpus for e in refused)]
+        root = [h for h, gpus in left.items() if any(g in e for g in gpus for e in refused)]
+        every = all(any(g in e for e in refused) for gpus in left.values() for g in gpus)
+        return root, every
 
     def unsaid_errors(self) -> list[BaseException]:
         """What the actors' closes raised (`close_errors`), less the errors of GPUs the line
@@ -1132,8 +1135,8 @@ class RayExecutor:
         run = ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
         # A node whose restore NVML refused for want of root: its GPUs answer, and its reset
         # needs root ("once the GPUs answer again" told to wait for nothing, root unsaid).
-        root = self._for_root(left)
-        if root and len(root) == len(left):
+        root, every = self._for_root(left)
+        if every:
             return (
                 f"GPU settings were left unrestored on {', '.join(left)} for want of root: "
                 f"run {run} as root"
