@@ -259,8 +259,10 @@ def withheld_records_line(
     from dvfs.gpu.deadline import GpuTimeoutError
     from dvfs.gpu.nvml import nvml_session, refused_gpus, uuids_of
 
+    # a GPU whose calls hung is not asked again (`refused_gpus`): a deadline more
+    hung = [e.index for e in lost if e.index is not None and isinstance(e, GpuTimeoutError)]
     with nvml_session() as module:
-        refused = refused_gpus(module)
+        refused = refused_gpus(module, hung=hung)
         if not refused:
             return ""
         answering = [

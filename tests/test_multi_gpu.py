@@ -1142,6 +1142,8 @@ def test_a_bug_in_a_workers_restore_is_an_internal_error_with_its_traceback(
         "its restore stopped on a bug in dvfs (RuntimeError: a bug)"
     ), result.stderr
     assert f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`" in last, last
+    # one sentence's end before the hint, not "... retries from the state file.; please"
+    assert "retries from the state file; please report it" in last, last
     assert "lost its GPU" not in result.stderr and "answers again" not in result.stderr
     assert ("in buggy_reset_of_gpu_1" in result.stderr) is bool(verbose), result.stderr
 
@@ -1434,3 +1436,67 @@ def test_a_signal_landing_as_the_drivers_queue_takes_its_lock_back_is_the_interr
     del events.not_empty._acquire_restore  # the queue as it was: it works on
     events.put(("exit", "gpu0"))
     assert next_event(events) == ("exit", "gpu0")
+
+
+@pytest.mark.parametrize("case", ["bug", "root", "lost"])
+def test_every_worker_lost_says_why_a_restore_left_gpus_changed_not_once_they_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Two workers of two GPUs each (engine.tp_size = 2), both servers dying on their second
+    cell; gpu0+1's restore stops on a bug in dvfs for GPU 0 and ("root") NVML refuses GPU 1's
+    for want of root, or ("lost") GPU 2 falls off the bus. The every-worker-lost line said
+    "could not be restored: once they answer again, run `dvfs gpu reset`": GPUs that never
+    stopped answering, and no word that the reset needs root. Now it says why (root, a bug
+    said above) and the reset, as root where a restore needed it, once they answer again
+    where a GPU was lost."""
+    root = case == "root"
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.fleet.worker import Worker
+    from dvfs.gpu.nvml import NvmlGpu
+
+    four = ",".join(["h100-sxm"] * 4)
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_FAKE_NVML_DEVICES=four)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    reset = NvmlGpu.reset_sm_clock
+    run = Worker.run
+    calls = {"gpu0+1": 0, "gpu2+3": 0}
+
+    def buggy_reset_of_gpu_0(self: NvmlGpu) -> None:
+        if self.index == 0:
+            raise RuntimeError("a bug")
+        reset(self)
+
+    def dying(self: Worker, cell):  # type: ignore[no-untyped-def]
+        calls[self.label] += 1
+        if calls[self.label] == 2:
+            if case == "lost" and self.label == "gpu2+3":
+                nvml.fake_update_device(2, lost=True)
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", buggy_reset_of_gpu_0)
+    monkeypatch.setattr(Worker, "run", dying)
+    if root:
+        refused = {"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NO_PERMISSION}
+        nvml.fake_update_device(1, errors=refused)
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=2).replace("[0]", "[0, 1]")
+    tp = replace_block(text, 'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+    campaign = write(tmp_path / "nvml.toml", tp)
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-3", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 1, result.stderr
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    assert last.startswith("Error: every worker was lost with "), result.stderr
+    assert nvml.fake_device_state(0)["locked_clocks"] is not None  # what the line is about
+    assert ("answer" in last) is (case == "lost"), last
+    command = f"`dvfs gpu reset --state-dir {tmp_path / 'dvfs-state'}`"
+    why = "(for want of root; " if root else "("
+    assert f"could not be restored {why}a bug in dvfs stopped the restore, said above" in last
+    when = "once they answer again, " if case == "lost" else ""
+    assert f"{when}run {command}{' as root' if root else ''}, then rerun the same" in last, last
+    assert "Traceback" not in result.stderr

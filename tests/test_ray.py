@@ -619,6 +619,143 @@ def test_a_restore_nvml_refuses_on_ray_says_why_as_one_gpus_sweep(
 
 
 @pytest.mark.timeout(300)
+def test_a_bug_in_a_ray_workers_restore_is_the_runs_internal_error(
+    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every cell measured on Ray, then the restore of the GPU that measured the first cell
+    stopped on a bug in dvfs (the fake given a value it cannot read as an NVML code: a
+    ValueError in the restore's call, no GPU's error). The sweep ended "GPU settings NOT
+    restored ...", the bug in that line alone, where the local fleet (and one GPU's sweep)
+    makes it the run's internal error, its traceback with -vv. Now the same, naming the
+    node: exit 1, the cube written."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.fleet.driver import Fleet
+
+    ship = Fleet.shipped
+    buggy: list[int] = []
+
+    def bug_in_its_restore(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        ship(self, worker, shipment)  # in the driver's thread, as the driver journals it
+        if not buggy:  # the first GPU to measure a cell (its clocks set)
+            buggy.append(int(worker.rsplit("gpu", 1)[1]))
+            reset = {"nvmlDeviceResetGpuLockedClocks": "a bug"}
+            ray_nvml.fake_update_device(buggy[0], errors=reset)
+
+    monkeypatch.setattr(Fleet, "shipped", bug_in_its_restore)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    index = buggy[0]
+    uuid = ray_nvml.fake_device_state(index)["uuid"]
+    assert last.startswith(
+        f"Error: internal error: RestoreBugError: on {platform.node()}: could not restore GPU "
+        f"settings: GPU {index} ({uuid}): its restore stopped on a bug in dvfs (ValueError: "
+    ), result.output
+    assert "dvfs gpu reset" in last and "please report it" in last, last
+    assert "NOT restored" not in result.output, result.output  # the GPU named once
+    assert ray_nvml.fake_device_state(index)["locked_clocks"] is not None  # what it is about
+    assert ray_nvml.fake_device_state(1 - index)["locked_clocks"] is None
+    assert (out / "cube.nc").is_file()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("gpu0", ["answers", "off the bus"])
+def test_a_ray_fleet_lost_whole_with_a_restore_that_needs_root_exits_4_and_says_root(
+    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu0: str
+) -> None:
+    """Both Ray workers lost after their first cell (NVML fails their energy counters; or
+    GPU 0 falls off the bus, its restore failing too), and NVML refused GPU 1's restore for
+    want of root. The sweep exited 1 with "GPU settings were left unrestored on NODE: once the
+    GPUs answer again, run `dvfs gpu reset`": root unsaid (and GPU 1 never stopped answering),
+    where the local fleet exits 4 (README's exit codes: a restore that needs root). Now exit
+    4, the line saying the reset is to run as root (once the GPUs answer again where one was
+    lost)."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.fleet.driver import Fleet
+
+    ship = Fleet.shipped
+
+    def lose(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        ship(self, worker, shipment)  # in the driver's thread, as the driver journals it
+        index = int(worker.rsplit("gpu", 1)[1])
+        if index == 0 and gpu0 == "off the bus":
+            ray_nvml.fake_update_device(0, lost=True)
+            return
+        errors = {"nvmlDeviceGetTotalEnergyConsumption": 999}
+        if index == 1:
+            errors["nvmlDeviceResetGpuLockedClocks"] = 4  # NoPermission
+        ray_nvml.fake_update_device(index, errors=errors)
+
+    monkeypatch.setattr(Fleet, "shipped", lose)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 4, result.output
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    host = platform.node()
+    reset = f"`dvfs gpu reset --state-dir {os.environ['DVFS_STATE_DIR']}` on {host}"
+    assert last.startswith("Error: every worker was lost with "), result.output
+    if gpu0 == "answers":
+        said = f"{host} for want of root: run {reset} as root"
+    else:
+        said = f"{host} (for want of root on {host}): once the GPUs answer again, run {reset}, "
+        said += f"as root on {host}"
+    assert last.endswith(
+        f"GPU settings were left unrestored on {said}, then rerun the same command to resume"
+    ), last
+    assert ray_nvml.fake_device_state(1)["locked_clocks"] is not None  # what it is about
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(300)
+def test_a_refusal_on_ray_names_each_restores_error_once_and_exits_4_for_root(
+    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs on Ray: gpu0 retired (its server refused), its close at the run's end
+    refused by NVML for want of root; gpu1's GPU off the bus after its first cell, its
+    restore failing. The refusal's line names gpu1's node and reset first; the line before it
+    named GPU 0 with both restores' errors, GPU 1's (fallen off the bus, named in the
+    refusal's line already) as if GPU 0's, and the sweep exited 1 where the local fleet exits
+    4 for a restore that needs root. Now GPU 0's line has GPU 0's error alone; exit 4."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.fleet.driver import Fleet
+
+    why = "the server of drafter 'none' on gpu0 differs (test): rerun with --fresh"
+    ship = Fleet.shipped
+
+    def lose(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        ship(self, worker, shipment)
+        if worker.endswith("/gpu1"):  # in the driver's thread, as the driver journals it
+            ray_nvml.fake_update_device(1, lost=True)
+
+    refuse_servers_on(monkeypatch, "gpu0", why)
+    monkeypatch.setattr(Fleet, "shipped", lose)
+    ray_nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 4})
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=3))
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 4, result.output
+    lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
+    host = platform.node()
+    reset = f"`dvfs gpu reset --state-dir {os.environ['DVFS_STATE_DIR']}` on {host}"
+    assert lines[-1] == (
+        f"Error: {why}; and GPU settings were left unrestored on {host}: once the GPUs answer "
+        f"again, run {reset} first"
+    ), result.output
+    uuid0 = ray_nvml.fake_device_state(0)["uuid"]
+    assert lines[-2].startswith(
+        f"GPU settings NOT restored for {uuid0} on {host}: could not restore GPU settings: "
+        f"GPU 0 ({uuid0}): GPU 0: cannot reset locked SM clocks: permission denied"
+    ), result.output
+    assert "GPU 1" not in lines[-2], lines[-2]
+    assert lines[-2].endswith(f"; run {reset}."), lines[-2]
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(300)
 def test_a_finished_folder_is_not_done_for_a_ray_cluster_with_another_gpu_model(
     ray_nvml, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

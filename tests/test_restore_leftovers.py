@@ -468,6 +468,36 @@ def test_a_gpu_whose_handle_hangs_is_asked_once_by_a_command_over_every_gpu(
     assert len(asked) == 1, asked
 
 
+@pytest.mark.parametrize("defaults", [[], ["--defaults"]])
+def test_gpu_reset_asks_a_hung_gpu_with_a_state_file_once(
+    nvml: ModuleType, env: dict[str, str], defaults: list[str]
+) -> None:
+    """As above, `dvfs gpu reset` over every GPU with GPU 1's handle hanging, but every GPU
+    left changed with a state file (a killed run's). GPU 1's file, none of the GPUs opened,
+    sent the reset to ask which GPUs NVML withholds (`withheld_gpus`, `permitted`), which asked
+    GPU 1's handle again: a deadline more before the command ended. Now GPU 1 is asked once:
+    named with its error, GPUs 0 and 2 restored, exit 1."""
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+    child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "reset", *defaults],
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 1, result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert error.startswith(f"Error: {HANDLE} on GPU 1 did not return within 1 s"), error
+    asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
+    assert len(asked) == 1, asked
+    assert _back(nvml, 0) and _back(nvml, 2)
+
+
 def test_gpu_list_reads_the_gpus_side_by_side(
     nvml: ModuleType, hang: Callable[..., None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -992,3 +1022,34 @@ def test_cap_show_warns_of_withheld_caps_without_a_lost_gpus_own(
     assert f"holds caps for {uuids[2]}, none of the GPUs this process may talk to" in warning
     assert uuids[1] not in warning, warning
     assert "GPU 1: cannot read the power limit" in result.stderr.splitlines()[-1], result.stderr
+
+
+def test_refused_gpus_beside_a_gpu_known_hung_still_names_those_nvml_refuses() -> None:
+    """`refused_gpus` with GPU 1 known to hang (not asked again) and NVML refusing GPU 0, the
+    only GPU asked: GPU 0 is refused, as when GPU 1 was asked and kept for its hang. (Left out
+    of the GPUs asked, GPU 1 made GPU 0 "every GPU asked refused", a permission problem of the
+    whole machine, and nothing was named.)"""
+    import types
+
+    from dvfs.gpu.nvml import refused_gpus
+
+    class NVMLError(Exception):
+        def __init__(self, value: int) -> None:
+            super().__init__(value)
+            self.value = value
+
+    asked: list[int] = []
+
+    def handle(index: int) -> object:
+        asked.append(index)
+        raise NVMLError(4)  # NoPermission
+
+    module = types.SimpleNamespace(
+        NVML_ERROR_NO_PERMISSION=4,
+        NVMLError=NVMLError,
+        nvmlDeviceGetHandleByIndex=handle,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetCount_v2=lambda: 2,
+    )
+    assert refused_gpus(module, hung=[1]) == [0]
+    assert asked == [0]

@@ -823,7 +823,12 @@ def _internal_error(exc: BaseException) -> NoReturn:
         # -vv is dvfs's own option, not the command's: after the command it is refused
         hint = "please report it; rerun as `dvfs -vv COMMAND ...` for the traceback"
     detail = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {detail[0]}" if detail else type(exc).__name__
+    first = detail[0] if detail else ""
+    if first.endswith(".") and not first.endswith(".."):
+        # a sentence's own full stop before "; please report it" (a restore bug's line ends
+        # "... retries from the state file.": it read "file.; please")
+        first = first[:-1]
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     fail(f"internal error: {text}; {hint}")
 
 

@@ -678,7 +678,12 @@ def run_fleet(
         if executor == "ray":
             left = run_on.unsaid()
             if left:
-                err.print(_ray_unrestored(left, run_on.close_errors, run_on.resets), soft_wrap=True)
+                # (the errors of GPUs the run's line named are not said again, as others')
+                said = _ray_unrestored(left, run_on.unsaid_errors(), run_on.resets)
+                err.print(said, soft_wrap=True)
+            # A restore that needs root: exit 4, as the local fleet's (`_restore_exit_code`)
+            if run_on.unrestored and _restore_exit_code(run_on.close_errors) == 4:
+                exc.exit_code = 4
         else:  # the same where a local worker's refusal, or one that could not open, ends it
             kept, state_dir = run_on.unsaid(campaign)
             errors = list(run_on.close_errors.values())
@@ -697,11 +702,23 @@ def run_fleet(
         raise
     report_fleet(outcome, fresh=fresh, shard=shard)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
-        err.print(
-            _ray_unrestored(run_on.unrestored, run_on.close_errors, run_on.resets),
-            soft_wrap=True,
-        )
-        raise SystemExit(_restore_exit_code(run_on.close_errors))
+        from dvfs.gpu.knobs import RestoreBugError
+
+        left, errors = dict(run_on.unrestored), list(run_on.close_errors)
+        # A bug in a worker's restore is the run's internal error, as the local fleet's: the
+        # GPUs its line names are said there, with its node.
+        bug = next((e for e in errors if isinstance(e, RestoreBugError)), None)
+        if bug is not None:
+            hosts = [h for h, gpus in left.items() if any(g in str(bug) for g in gpus)]
+            left = {h: [g for g in gpus if g not in str(bug)] for h, gpus in left.items()}
+            left = {h: gpus for h, gpus in left.items() if gpus}
+            errors = [e for e in errors if e is not bug]
+        if left:
+            err.print(_ray_unrestored(left, errors, run_on.resets), soft_wrap=True)
+        if bug is not None:
+            where = f"on {', '.join(hosts)}: " if hosts else ""
+            raise RestoreBugError(f"{where}{bug}") from bug
+        raise SystemExit(_restore_exit_code(errors))
     if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
         from dvfs.gpu.knobs import RestoreBugError
         from dvfs.sweep import unrestored_gpus

@@ -291,10 +291,38 @@ class LocalExecutor:
         # stay within an error line's bound with the reset and the resume in it).
         whose = kept[0] if len(kept) == 1 else f"{len(kept)} GPUs"
         they = "it answers" if len(kept) == 1 else "they answer"
+        root, bug, lost = self._restores_refused(kept)
+        if root or bug:  # not (only) GPUs lost: "once it answers again" waited for nothing
+            why = ["for want of root"] if root else []
+            if bug:
+                why.append("a bug in dvfs stopped the restore, said above: please report it")
+            when = f"once {they} again, " if lost else ""
+            return (
+                f"the settings of {whose} could not be restored ({'; '.join(why)}): {when}run "
+                f"{store.reset_command()}{' as root' if root else ''}"
+            )
         return (
             f"the settings of {whose} could not be restored: once {they} again, run "
             f"{store.reset_command()}"
         )
+
+    def _restores_refused(self, kept: Sequence[str]) -> tuple[bool, bool, bool]:
+        """Whether the workers' restores that left `kept` changed were refused for want of
+        root, whether one stopped on a bug in dvfs (their lines name the GPUs), and whether
+        a GPU of `kept` neither names was lost (reset once it answers again)."""
+        from dvfs.errors import GpuPermissionError
+        from dvfs.gpu.knobs import RestoreBugError
+
+        def is_root(e: BaseException) -> bool:
+            return isinstance(e, GpuPermissionError) or bool(getattr(e, "needs_root", False))
+
+        errors = [
+            e for e in self.close_errors.values() if is_root(e) or isinstance(e, RestoreBugError)
+        ]
+        errors = [e for e in errors if any(u in str(e) for u in kept)]
+        lost = any(not any(u in str(e) for e in errors) for u in kept)
+        bug = any(isinstance(e, RestoreBugError) for e in errors)
+        return any(is_root(e) for e in errors), bug, lost
 
     def unsaid(self, campaign: Campaign) -> tuple[list[str], Path | None]:
         """The GPUs this process left changed (their state files kept) that no line of the run

@@ -1076,6 +1076,24 @@ class RayExecutor:
             if closing is not None:
                 self.close_errors.append(closing)
 
+    def _for_root(self, left: dict[str, list[str]]) -> tuple[list[str], bool]:
+        """The nodes of `left` (GPUs left changed, by node) where NVML refused a restore of
+        one of those GPUs for want of root (`close_errors`), and whether it refused every
+        GPU of `left` so (none lost, to reset once it answers again)."""
+        from dvfs.errors import GpuPermissionError
+
+        refused = [str(e) for e in self.close_errors if isinstance(e, GpuPermissionError)]
+        root = [h for h, gpus in left.items() if any(g in e for g in gpus for e in refused)]
+        every = all(any(g in e for e in refused) for gpus in left.values() for g in gpus)
+        return root, every
+
+    def unsaid_errors(self) -> list[BaseException]:
+        """What the actors' closes raised (`close_errors`), less the errors of GPUs the line
+        the run failed in named (`_check_finished`): said beside the GPUs of `unsaid`, an
+        error of those named already was said again, as another GPU's."""
+        said = [gpu for gpus in self._said.values() for gpu in gpus]
+        return [e for e in self.close_errors if not any(gpu in str(e) for gpu in said)]
+
     def _check_finished(self, fleet: Fleet, after: Sequence[str] = ()) -> None:
         """`fleet.check_finished` with the resets to run first (`reset_first`): the GPUs its
         line names, where it raises one, are said (`unsaid`). Not those the closes of the workers
@@ -1115,6 +1133,20 @@ class RayExecutor:
         for host in left:
             by_command.setdefault(self.reset_on(host), []).append(host)
         run = ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
+        # A node whose restore NVML refused for want of root: its GPUs answer, and its reset
+        # needs root ("once the GPUs answer again" told to wait for nothing, root unsaid).
+        root, every = self._for_root(left)
+        if every:
+            return (
+                f"GPU settings were left unrestored on {', '.join(left)} for want of root: "
+                f"run {run} as root"
+            )
+        if root:
+            return (
+                f"GPU settings were left unrestored on {', '.join(left)} (for want of root on "
+                f"{', '.join(root)}): once the GPUs answer again, run {run}, as root on "
+                f"{', '.join(root)}"
+            )
         return (
             f"GPU settings were left unrestored on {', '.join(left)}: once the GPUs "
             f"answer again, run {run}"

@@ -96,7 +96,10 @@ class GatheredFailures:
 class RestoreBugError(Exception):
     """A bug (an error other than a GPU's) in one GPU's restore thread, raised once every GPU
     was tried, its line naming every GPU's outcome (the others' failures too) and the reset to
-    run: no `DvfsError`, so the command reports it as an internal error, one line."""
+    run: no `DvfsError`, so the command reports it as an internal error, one line.
+    `needs_root`: another GPU's restore was refused for want of root (named in the line)."""
+
+    needs_root = False
 
 
 def _unremoved(unremoved: Sequence[tuple[Gpu, OSError]]) -> str:
@@ -372,7 +375,9 @@ class KnobController:
             head, tail = "could not restore GPU settings: ", f". {self.reset_advice()}{RETRIES}"
             if bugs:  # an internal error, still naming every GPU's failure and the reset
                 first = next(bugs[id(g)] for g in changed if id(g) in bugs)
-                raise RestoreBugError(head + "; ".join(failures.messages) + tail) from first
+                bug = RestoreBugError(head + "; ".join(failures.messages) + tail)
+                bug.needs_root = failures.needs_root
+                raise bug from first
             failures.raise_if_any(head, tail)
             if unremoved:
                 raise unremoved[0][1]

@@ -819,6 +819,7 @@ def permitted(
     *,
     deadline_s: float | None = None,
     hung: dict[int, GpuError] | None = None,
+    known_hung: Sequence[int] = (),
 ) -> list[int]:
     """`indices` less the GPUs NVML has no permission to talk to. nvmlDeviceGetCount (its
     `_v2`) counts every GPU of the machine, also those for which nvmlDeviceGetHandleByIndex
@@ -833,7 +834,9 @@ def permitted(
     whose driver hangs would cost a deadline each. `hung` (where given) gets the error of each
     GPU whose handle did not come within the deadline, for the command to name it as it
     names a GPU that does not open, not to ask it again: its opening, which asks for the same
-    handle, cost one deadline more (`gpu list`, `gpu reset`, `cap reset` with a hung GPU)."""
+    handle, cost one deadline more (`gpu list`, `gpu reset`, `cap reset` with a hung GPU).
+    `known_hung`: GPUs whose calls already hung in this command, kept unasked, as one whose
+    handle hangs is kept: asked again, each cost a deadline more."""
     from dvfs.gpu.knobs import side_by_side
 
     errors = NvmlErrors(nvml)
@@ -841,6 +844,8 @@ def permitted(
     limit = resolve_deadline_s(deadline_s)
 
     def allowed(index: int) -> bool:
+        if index in known_hung:
+            return True
         worker = CallWorker(f"permitted-gpu{index}")
         try:
             _bounded(worker, limit, f"GPU {index}", nvml.nvmlDeviceGetHandleByIndex, index)
@@ -864,13 +869,16 @@ def permitted(
     return kept or list(indices)
 
 
-def refused_gpus(nvml: ModuleType, *, deadline_s: float | None = None) -> list[int]:
+def refused_gpus(
+    nvml: ModuleType, *, deadline_s: float | None = None, hung: Sequence[int] = ()
+) -> list[int]:
     """The NVML indices `every_gpu` (without `visible`) leaves out: the GPUs NVML counts but
     has no permission to talk to (`permitted`), whose UUIDs it cannot read either. A command
     over every GPU that a file names by UUID (`cap apply`) must not read such a GPU's UUID as
-    "not on this host"; none where NVML refuses every GPU (opening them says so, exit 4)."""
+    "not on this host"; none where NVML refuses every GPU (opening them says so, exit 4).
+    `hung`: GPUs whose calls already hung in this command, not asked again (`permitted`)."""
     devices = list(range(device_count(nvml, deadline_s=deadline_s)))
-    kept = set(permitted(nvml, devices, deadline_s=deadline_s))
+    kept = set(permitted(nvml, devices, deadline_s=deadline_s, known_hung=hung))
     return [index for index in devices if index not in kept]
 
 
