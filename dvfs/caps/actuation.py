@@ -857,7 +857,8 @@ def plan_actions(
         limit = None
         if cap.power_limit_w is not None:
             limit = round(cap.power_limit_w * 1000)
-            found.append(gpu.power_limit_range().outside(limit))
+            limits = gpu.power_limit_range()
+            found.append(limits.outside(limit) or _above_default(limit, limits.default_mw))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
         doubt, back, refused = _power_plan(limit, earlier, gpu, directory)
@@ -1545,6 +1546,20 @@ def _stale_or_none(store: StateStore, uuid: str) -> bool:
     except GpuStateError:
         return False
     return bool(pending) and all(p.before_this_boot for p in pending)
+
+
+def _above_default(limit_mw: int, default_mw: int) -> str | None:
+    """Why a power cap above the GPU's default limit is none (a driver update lowered the
+    default below the stock the file was planned against, or a hand edit): set, it would raise
+    the GPU's power above its stock, a setting never measured. None when it is no higher."""
+    if limit_mw <= default_mw:
+        return None
+    return (
+        f"power limit {limit_mw / 1000:g} W is above the GPU's default power limit "
+        f"{default_mw / 1000:g} W (its stock now, lowered by a driver update perhaps): a cap only "
+        "lowers a knob; plan the caps again with `dvfs cap plan` from a cube measured at this "
+        "stock, or remove that power_limit_w"
+    )
 
 
 def _limit_replaced(
