@@ -411,15 +411,22 @@ def _spoiled_power(
     limit it replaced (nothing to tell), or NVML does not support its power limit."""
     power = entry.get("power_limit_mw")
     before = entry.get("power_limit_before_mw")
-    if power is None or _positive_int(power) or current is None:
+    if power is None or current is None:
         return ""
+    what = "no power limit in mW"
+    if _positive_int(power):  # a limit dvfs set on this GPU, unless no GPU here takes it (a
+        # hand edit): the GPU's own limit would then be taken for an operator's set since
+        limits = gpu.power_limit_range()
+        if limits.outside(power) is None:
+            return ""
+        what = f"outside this GPU's range {limits.describe_w()}, no cap dvfs set"
     if _positive_int(before) and current == before:
         return ""
     index = gpu.identity.index
     return (
         f"GPU {index}'s power limit {current / 1000:g} W was left as it is: dvfs's caps record "
-        f"says dvfs capped it, but its power_limit_mw is {json.dumps(power)[:40]}, no power "
-        "limit in mW, so whether the GPU holds that cap cannot be told; write dvfs's cap there "
+        f"says dvfs capped it, but its power_limit_mw is {json.dumps(power)[:40]}, {what}, "
+        "so whether the GPU holds that cap cannot be told; write dvfs's cap there "
         f"in mW and run this again, or put back its default with `{_reset(index, directory)}`"
     )
 
