@@ -3063,6 +3063,34 @@ def test_every_gpus_invalid_cap_is_reported_together(nvml, tmp_path: Path) -> No
     assert nvml.fake_calls() == []
 
 
+def test_a_power_cap_above_the_gpus_default_now_is_refused(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver update lowered the GPU's default power limit (700 W to 400 W) below the caps
+    file's 450 W, planned against the old stock. `cap apply` (the caps unit at boot) set 450 W
+    "from 400 W", exit 0: a "cap" that raised the GPU's power above its stock, a setting never
+    measured. It is refused with the other invalid caps, exit 2, naming the default now and
+    changing nothing; a cap at the default still applies."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    monkeypatch.setitem(nvml.FAKE_PROFILES["h100-sxm"], "power_default_mw", 400_000)
+    for index in (0, 1):  # what the new driver's default is at boot
+        nvml.fake_update_device(index, power_limit_mw=400_000)
+    caps = write_caps(
+        tmp_path / "caps.toml", GpuCap(uuid, sm_clock_max_mhz=1410, power_limit_w=450)
+    )
+    for extra in ((), ("--dry-run",)):
+        result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *extra])
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.splitlines()
+        assert "GPU 0: power limit 450 W is above the GPU's default power limit 400 W" in line
+        assert "cap plan" in line, line
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 400_000
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    write_caps(caps, GpuCap(uuid, sm_clock_max_mhz=1410, power_limit_w=400))
+    invoke("cap", "apply", str(caps))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 400_000
+
+
 def test_a_refused_apply_does_not_print_the_change_as_done(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

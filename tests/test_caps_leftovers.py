@@ -341,6 +341,32 @@ def test_a_damaged_power_limit_spoils_that_knob_alone(
     assert not record_path().exists()
 
 
+@pytest.mark.parametrize("edited", [900_000, 50_000])
+def test_a_power_limit_no_gpu_here_takes_in_the_record_is_damaged_too(
+    nvml, tmp_path: Path, edited: int
+) -> None:
+    """A caps record entry's power_limit_mw hand-edited to a limit outside the GPU's range (900
+    W above its 700 W top, 50 W below its 200 W floor), a cap dvfs never set, was taken for
+    dvfs's cap all the same: the GPU's 450 W (dvfs's real cap) then read as an operator's limit
+    set since, so the caps unit's `cap apply` recorded it as the limit its cap replaced (exit
+    0), and the unit's stop put that 450 W "back", leaving the cap on the GPU for good. Such a
+    value spoils the power limit as a damaged one does: left as it is, in one line naming it
+    and what to do (exit 1), the clock done, the other GPU honoured."""
+    uuids, caps = _both_capped(nvml, tmp_path, sm_clock_max_mhz=1500, power_limit_w=450.0)
+    edit_record(uuids[0], power_limit_mw=edited)
+    said = invoke("cap", "apply", str(caps), code=1)
+    assert "power limit 450 W was left as it is" in said, said
+    assert f"power_limit_mw is {edited}" in said and "outside this GPU's range 200-700 W" in said
+    assert [nvml.fake_device_state(i)["power_limit_mw"] for i in (0, 1)] == [450_000] * 2
+    assert json.loads(record_path().read_text())[uuids[0]]["power_limit_before_mw"] == 600_000
+    said = invoke("cap", "reset", "--applied", code=1)
+    reset = f"`dvfs cap reset 0 --state-dir {os.environ['DVFS_STATE_DIR']}`"
+    assert "power limit 450 W was left as it is" in said and reset in said, said
+    assert nvml.fake_device_state(0)["locked_clocks"] is None, said
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000, said
+    assert list(json.loads(record_path().read_text())) == [uuids[0]]  # its doubt kept
+
+
 @pytest.mark.parametrize("damaged", ["1500", [1500, 210], []])
 def test_a_damaged_clock_lock_spoils_that_knob_alone(nvml, tmp_path: Path, damaged: object) -> None:
     """A caps record entry's lock_mhz hand-edited ("1500", the clocks swapped) refused the

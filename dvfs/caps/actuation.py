@@ -411,15 +411,22 @@ def _spoiled_power(
     limit it replaced (nothing to tell), or NVML does not support its power limit."""
     power = entry.get("power_limit_mw")
     before = entry.get("power_limit_before_mw")
-    if power is None or _positive_int(power) or current is None:
+    if power is None or current is None:
         return ""
+    what = "no power limit in mW"
+    if _positive_int(power):  # a limit dvfs set on this GPU, unless no GPU here takes it (a
+        # hand edit): the GPU's own limit would then be taken for an operator's set since
+        limits = gpu.power_limit_range()
+        if limits.outside(power) is None:
+            return ""
+        what = f"outside this GPU's range {limits.describe_w()}, no cap dvfs set"
     if _positive_int(before) and current == before:
         return ""
     index = gpu.identity.index
     return (
         f"GPU {index}'s power limit {current / 1000:g} W was left as it is: dvfs's caps record "
-        f"says dvfs capped it, but its power_limit_mw is {json.dumps(power)[:40]}, no power "
-        "limit in mW, so whether the GPU holds that cap cannot be told; write dvfs's cap there "
+        f"says dvfs capped it, but its power_limit_mw is {json.dumps(power)[:40]}, {what}, "
+        "so whether the GPU holds that cap cannot be told; write dvfs's cap there "
         f"in mW and run this again, or put back its default with `{_reset(index, directory)}`"
     )
 
@@ -857,7 +864,8 @@ def plan_actions(
         limit = None
         if cap.power_limit_w is not None:
             limit = round(cap.power_limit_w * 1000)
-            found.append(gpu.power_limit_range().outside(limit))
+            limits = gpu.power_limit_range()
+            found.append(limits.outside(limit) or _above_default(limit, limits.default_mw))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
         doubt, back, refused = _power_plan(limit, earlier, gpu, directory)
@@ -1545,6 +1553,20 @@ def _stale_or_none(store: StateStore, uuid: str) -> bool:
     except GpuStateError:
         return False
     return bool(pending) and all(p.before_this_boot for p in pending)
+
+
+def _above_default(limit_mw: int, default_mw: int) -> str | None:
+    """Why a power cap above the GPU's default limit is none (a driver update lowered the
+    default below the stock the file was planned against, or a hand edit): set, it would raise
+    the GPU's power above its stock, a setting never measured. None when it is no higher."""
+    if limit_mw <= default_mw:
+        return None
+    return (
+        f"power limit {limit_mw / 1000:g} W is above the GPU's default power limit "
+        f"{default_mw / 1000:g} W (its stock now, lowered by a driver update perhaps): a cap only "
+        "lowers a knob; plan the caps again with `dvfs cap plan` from a cube measured at this "
+        "stock, or remove that power_limit_w"
+    )
 
 
 def _limit_replaced(
