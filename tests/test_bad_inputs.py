@@ -1247,6 +1247,91 @@ ATTRIBUTE_CASES += [
 ]
 
 
+def _merged_with(change: Callable[[dict[str, Any]], Any]) -> Writer:
+    """The shared cube merged with itself on another GPU, its `merged_from` (each source's
+    provenance, by its GPU's label) replaced by `change(sources)`: text as it is, else JSON."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        from dvfs.cube import open_cube, write_cube
+        from dvfs.cube.merge import merge_cubes
+
+        cube = open_cube(env["cube"])
+        merged = merge_cubes([cube, _on_another_gpu(cube)])
+        value = change(json.loads(merged.attrs["merged_from"]))
+        text = value if isinstance(value, str) else json.dumps(value)
+        write_cube(merged.assign_attrs(merged_from=text), path)
+
+    return Writer(make, same=True)
+
+
+#: A merged cube's sources (`merged_from`) that are not a JSON object of one object per GPU:
+#: its analyses, summary and report stopped on an "internal error ... please report it".
+BAD_MERGED_FROM = {
+    "not-json": lambda s: "{x",
+    "number": lambda s: "5",
+    "a-list": lambda s: "[1]",
+    "null": lambda s: "null",
+    "one-string": lambda s: '"GPU-a"',
+    "sources-numbers": lambda s: dict.fromkeys(s, 5),
+    "sources-lists": lambda s: dict.fromkeys(s, [1]),
+}
+_MERGED_FROM_CUBES = {kind: _merged_with(change) for kind, change in BAD_MERGED_FROM.items()}
+
+ATTRIBUTE_CASES += [
+    C(
+        f"cube-merged-from-{kind}-{cmd}",
+        argv,
+        files={"cube.nc": _MERGED_FROM_CUBES[kind]},
+        code=1,
+        says=("cube.nc", "merged_from", "dvfs cube merge"),
+    )
+    for kind in BAD_MERGED_FROM
+    for cmd, argv in (
+        ("info", ["cube", "info", "{tmp}/cube.nc"]),
+        ("headroom", ["headroom", "{tmp}/cube.nc"]),
+        ("compare", ["compare", "{tmp}/cube.nc"]),
+        ("report", ["report", "{tmp}/cube.nc", "-o", "{tmp}/r.md"]),
+        ("plot", ["plot", "{tmp}/cube.nc", "-o", "{tmp}/plots"]),
+    )
+]
+
+#: A merged cube's sources readable as such, one value of a GPU's own not: read as not
+#: recorded (an older merge's "None"), as the cube's other readers of it do, not an
+#: "internal error ... please report it".
+UNRECORDED_MERGED_FROM = {
+    "empty": lambda s: "",
+    "stock-limit-text": lambda s: {k: {**v, "stock_power_limit_w": "abc"} for k, v in s.items()},
+    "stock-limit-list": lambda s: {k: {**v, "stock_power_limit_w": [1]} for k, v in s.items()},
+    "stock-clock-text": lambda s: {k: {**v, "stock_sm_clock_mhz": "abc"} for k, v in s.items()},
+    "stock-clock-object": lambda s: {k: {**v, "stock_sm_clock_mhz": {}} for k, v in s.items()},
+    "stock-clock-inf": lambda s: {k: {**v, "stock_sm_clock_mhz": "inf"} for k, v in s.items()},
+    "stock-limit-nan": lambda s: {k: {**v, "stock_power_limit_w": "nan"} for k, v in s.items()},
+}
+_UNRECORDED_CUBES = {kind: _merged_with(c) for kind, c in UNRECORDED_MERGED_FROM.items()}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cube", "info", "{cube}"],
+        ["headroom", "{cube}", "--slack", "50%"],
+        ["compare", "{cube}"],
+        ["report", "{cube}", "-o", "{tmp}/r.md", "--slack", "50%"],
+    ],
+    ids=["info", "headroom", "compare", "report"],
+)
+@pytest.mark.parametrize("kind", list(UNRECORDED_MERGED_FROM))
+def test_a_merged_cube_with_a_sources_value_unreadable_reads_it_as_not_recorded(
+    kind: str, argv: list[str], shared: dict[str, Path], tmp_path: Path
+) -> None:
+    cube = tmp_path / "cube.nc"
+    _UNRECORDED_CUBES[kind].write(cube, shared)
+    args = [a.replace("{cube}", str(cube)).replace("{tmp}", str(tmp_path)) for a in argv]
+    result = CliRunner().invoke(cli, args)
+    assert "internal error" not in result.output, result.output
+    assert result.exit_code == 0, result.output
+
+
 def test_a_cube_with_no_corpora_attribute_is_an_older_one(
     shared: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -326,6 +326,9 @@ JSON_SHAPES = {
     # each corpus's hashes, which `twin fit` and `cube merge` check prompts by: unreadable, it
     # read as an older cube's (none recorded), and nothing was checked
     "corpora": (dict, object, "a JSON object of each corpus's provenance"),
+    # a merged cube's sources, each GPU's stock setting, own grid and provenance, which its
+    # analyses, summary and report read by the GPU's label
+    "merged_from": (dict, dict, "a JSON object of each merged GPU's provenance"),
 }
 
 
