@@ -1349,6 +1349,48 @@ def test_a_cube_with_no_corpora_attribute_is_an_older_one(
         assert result.exit_code == 0, (kind, result.output)
 
 
+def _bytes_read() -> int:
+    """The bytes this process has read so far (the kernel's count, cache hits included)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs /proc/self/io")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cube", "build", "{run}", "-o", "{tmp}/b.nc"],
+        ["cube", "merge", "{journal}", "-o", "{tmp}/m.nc"],
+    ],
+    ids=["cube-build", "cube-merge"],
+)
+def test_a_journal_whose_records_end_in_a_run_of_zeros_is_not_read_to_its_end(
+    argv: list[str], shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """A journal whose records are followed by a gigabyte of zero bytes and no newline (a file
+    extended but never written: a crash on some file systems, a sparse copy): the record too
+    long is refused in one line, once the first 64 MiB of it are read. Saying which lines to
+    delete read the rest of that line to its end, chunk by chunk: a 20 GiB tail took minutes,
+    and a SIGTERM waited for it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    journal = run / "journal.jsonl"
+    journal.write_bytes(shared["journal"].read_bytes())
+    tail = 1 << 30
+    with open(journal, "r+b") as f:
+        f.truncate(journal.stat().st_size + tail)  # sparse: costs no disk
+    args = [a.format(run=run, journal=journal, tmp=tmp_path) for a in argv]
+    before = _bytes_read()
+    result = CliRunner().invoke(cli, args)
+    read = _bytes_read() - before
+    assert result.exit_code == 1, result.output
+    assert "longer than 64 MiB" in result.stderr, result.output
+    assert "Traceback" not in result.output, result.output
+    assert read < tail // 2, f"read {read >> 20} MiB of a journal's {tail >> 20} MiB of zeros"
+
+
 def _without_attr(ds: Any, name: str) -> Any:
     ds = ds.copy()
     ds.attrs.pop(name, None)
