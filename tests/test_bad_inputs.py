@@ -380,6 +380,22 @@ def _parquet(rows: list[dict[str, Any]]) -> bytes:
     return buf.getvalue()
 
 
+def _parquet_not_utf8() -> bytes:
+    """A Parquet file whose text column holds Latin-1 bytes (Parquet's writers check no text:
+    a converted export, a hand-made file). Written uncompressed, so that one letter of the
+    text is changed in place."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(prompts(4)), buf, compression="none")
+    data = buf.getvalue()
+    assert b"Prompt" in data
+    return data.replace(b"Prompt", b"Pr\xe9mpt")  # same length: the file stays whole
+
+
 def _huge_corpus(path: Path, env: dict[str, Path]) -> None:
     from dvfs.corpora.loaders import MAX_CORPUS_BYTES
 
@@ -499,6 +515,21 @@ CORPUS_CASES = [
         "text",
     ),
     corpus_case("parquet-empty", "mine.parquet", "", "mine.parquet", "empty"),
+    # its rows were made Python text outside the reader's checks: the campaign file was named
+    # "not UTF-8 text" (exit 1), not the Parquet file
+    *(
+        corpus_case(
+            f"parquet-text-not-utf8-via-{via}",
+            "mine.parquet",
+            lambda tmp: _parquet_not_utf8(),
+            "mine.parquet",
+            "row 1",
+            "utf-8",
+            via=via,
+            chatty=via == "sweep",
+        )
+        for via in ("show", "list", "sweep")
+    ),
     corpus_case("unknown-extension", "mine.txt", "hello\n", "mine.txt", "format"),
     corpus_case("via-list-binary", "mine.jsonl", binary_bytes(), "mine.jsonl", via="list"),
     corpus_case("via-list-missing", "mine.jsonl", None, "mine.jsonl", via="list"),

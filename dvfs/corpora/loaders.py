@@ -655,7 +655,19 @@ def _records_parquet(source: _Lines, where: str) -> Iterator[tuple[str, Any]]:
             raise unreadable(exc) from exc
         if batch is None:
             return
-        for row in batch.to_pylist():
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:  # a text column holding other bytes: Parquet checks none
+            rows = []
+            for k in range(batch.num_rows):
+                try:
+                    rows.append(batch.slice(k, 1).to_pylist()[0])
+                except UnicodeDecodeError as exc:
+                    raise CorpusError(
+                        f"{where}, row {i + k + 1}: not UTF-8 text (byte "
+                        f"0x{exc.object[exc.start]:02x}): save the file's text as UTF-8"
+                    ) from exc
+        for row in rows:
             i += 1
             yield f"{where}, row {i}", row
 
