@@ -1169,6 +1169,9 @@ BAD_ATTRIBUTES: dict[str, tuple[str, Any]] = {
     "campaign-source-number": ("campaign_source", 5),
     "corpora-number": ("corpora", 5),
     "tp-size-text": ("tp_size", "two"),
+    # the stock clock, the reference's coordinate: "internal error" where it was made an integer
+    "stock-clock-nan": ("stock_sm_clock_mhz", float("nan")),
+    "stock-clock-inf": ("stock_sm_clock_mhz", float("inf")),
     # A GPU's ECC mode or VBIOS hand-edited: a newline or a terminal's escape broke the lines
     # `cube info`, the report and `compare` print it in.
     "ecc-mode-list": ("ecc_mode", [1, 2]),
@@ -1246,7 +1249,7 @@ ATTRIBUTE_CASES += [
         says=("cube.nc", attr, "dvfs cube build"),
     )
     for kind, (attr, _) in BAD_ATTRIBUTES.items()
-    if kind.startswith(("ecc-mode", "vbios"))
+    if kind.startswith(("ecc-mode", "vbios", "stock-clock"))
 ]
 
 #: JSON attributes the commands index into, of another shape: (attribute, text, the command).

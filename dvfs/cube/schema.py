@@ -315,6 +315,10 @@ def _attribute_problem(ds: xr.Dataset) -> str | None:
             and value.dtype.kind in "iuf"  # one per GPU
         ):
             return f"its {name} attribute holds {shown}, not a number"
+        elif kind == "int" and not np.isfinite(np.asarray(value, dtype=float)).all():
+            # dvfs writes a whole number there (the stock clock the analyses take as their
+            # reference's coordinate): NaN or infinity is a hand-edited cube's
+            return f"its {name} attribute holds {shown}, not a whole number"
     return _gpu_names_problem(ds) or _json_shape_problem(ds)
 
 
