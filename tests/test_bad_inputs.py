@@ -1521,6 +1521,26 @@ GPU_CASES = [
         )
         for argv in (["cap", "reset"], ["gpu", "settle", "--gpu", "0", "--clocks", "1980,1500"])
     ),
+    # the caps record's lock a link in a loop: a reset and a dry run stopped on an "internal
+    # error" (pathlib's RuntimeError) looking for the folder it leads into
+    *(
+        C(
+            f"caps-record-lock-link-loop-{name}",
+            [*argv, "--state-dir", "{tmp}/state"],
+            files={
+                "caps.toml": GOOD_CAPS,
+                "state/caps-applied.json.lock": Writer(lambda p, e: p.symlink_to(p.name)),
+            },
+            nvml=True,
+            code=1,
+            says=("caps-applied.json.lock", "symbolic links"),
+        )
+        for name, argv in (
+            ("cap-reset", ["cap", "reset"]),
+            ("cap-apply-dry-run", ["cap", "apply", "{tmp}/caps.toml", "--dry-run"]),
+            ("cap-apply", ["cap", "apply", "{tmp}/caps.toml"]),
+        )
+    ),
     C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",), code=2),
     C(
         "gpu-reset-no-such-uuid",
