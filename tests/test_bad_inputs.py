@@ -2057,6 +2057,30 @@ MORE_CASES = (
                 ),
             )
         ),
+        # sweep.lock a link into a folder that is not there: "cannot use run as the output
+        # folder (run/sweep.lock): No such file or directory", neither the link nor a way out
+        # named.
+        *(
+            C(
+                f"sweep-lock-a-link-into-no-folder-{id}",
+                [*argv, "{tmp}/run", "--no-progress"],
+                files={
+                    "c.toml": GOOD_TEXT,
+                    "p.toml": _TWIN_PROFILE,
+                    "run/sweep.lock": Writer(lambda p, e: p.symlink_to("missing/sweep.lock")),
+                },
+                code=1,
+                says=("run/sweep.lock", "missing/sweep.lock", "does not exist", "--out"),
+            )
+            for id, argv in (
+                ("sweep", ["sweep", "{tmp}/c.toml", "--out"]),
+                (
+                    "twin-predict",
+                    ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o"],
+                ),
+                ("demo", ["demo", "--out"]),
+            )
+        ),
         # Something in the way of a file or folder the command makes from its output option (a
         # figure in --out, report.md's figures folder beside it): "give a file's path for
         # path", "remove it or choose another path", "give a file's path for --out" (a folder
