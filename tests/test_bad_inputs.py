@@ -10,6 +10,7 @@ Damaged files are generated in tmp_path at test time (see tests/bad_inputs.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import shlex
@@ -3644,6 +3645,48 @@ def test_a_figure_cut_short_keeps_the_old_one(
     assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     assert first.read_bytes() == b"OLD\n"
     assert [p.name for p in out.iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("via", ["show", "sweep"])
+def test_a_corpus_package_resource_that_is_a_named_pipe_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
+) -> None:
+    """A user corpus's `package`/`resource` naming a FIFO in the package's folder: it was opened
+    and waited on for ever while no program wrote to it (a `path` naming one is refused). A
+    writer stands by here, so that a command that opens it reads a corpus and ends."""
+    import os
+    import threading
+
+    package = tmp_path / "dvfs_bad_inputs_fifo_pkg"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    fifo = package / "data" / "prompts.jsonl"
+    os.mkfifo(fifo)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, package.name, raising=False)
+    spec = {"package": package.name, "resource": "data/prompts.jsonl", "field": "text"}
+    (tmp_path / "c.toml").write_text(user_corpus_campaign(spec), encoding="utf-8")
+
+    def feed() -> None:
+        with contextlib.suppress(OSError), open(fifo, "wb") as f:
+            f.write(jsonl(prompts(4)).encode())
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    argv = {
+        "show": ["corpus", "show", "mine", "--campaign", str(tmp_path / "c.toml")],
+        "sweep": ["sweep", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o"), "--no-progress"],
+    }[via]
+    try:
+        result = CliRunner().invoke(cli, argv)
+    finally:  # the writer, if the command never opened the pipe, let go
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        feeder.join()
+    check_one_clean_error(
+        result,
+        Case("corpus-package-resource-fifo", argv, code=2, says=("prompts.jsonl", "regular file")),
+        {},
+    )
 
 
 @pytest.mark.parametrize("writer_done", [True, False], ids=["written", "writing"])
