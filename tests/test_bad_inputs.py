@@ -1016,6 +1016,9 @@ CUBE_FILES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "not-a-dvfs-cube": (Writer(_not_dvfs_cube, same=True), ("cube.nc", "dvfs")),
     "future-schema": (_cube_with(_future_schema), ("cube.nc", "99")),
     "missing-dimension": (_cube_with(lambda ds: ds.isel(repeat=0, drop=True)), ("cube.nc",)),
+    # "no cube at cube.nc: run `dvfs sweep` or `dvfs cube build` first", whose cube then
+    # failed to be written through the link
+    "link-in-a-loop": (Writer(lambda p, e: p.symlink_to(p.name)), ("cube.nc", "a loop")),
 }
 
 
@@ -1127,7 +1130,8 @@ CUBE_CASES = (
         )
         for kind, (content, says) in CUBE_FILES.items()
         for cmd, argv in CUBE_COMMANDS.items()
-        if cmd == "info" or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube")
+        if cmd == "info"
+        or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube", "link-in-a-loop")
     ]
     + [
         C(f"cube-{cmd}-{kind}", argv, files={"cube.nc": content}, code=1, says=says)
