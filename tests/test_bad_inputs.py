@@ -2011,6 +2011,13 @@ MORE_CASES = (
                     ("r.nc", "no regular file"),
                 ),
                 ("json-view", '{"schema": "dvfs.roofline/1"}\n', ("r.nc", "JSON", "-o FILE")),
+                # "no roofline file at r.nc (write one with `dvfs gpu roofline`)", which then
+                # failed on the link
+                (
+                    "link-in-a-loop",
+                    Writer(lambda path, env: path.symlink_to(path.name)),
+                    ("r.nc", "a loop", "-o FILE"),
+                ),
             )
         ),
         # A folder where `dvfs cube build DIR` writes DIR/cube.nc by default: "give a file's
