@@ -460,6 +460,19 @@ def folder_problem(exc: OSError, out_dir: Path) -> str:
     broken = _broken_link(out_dir) if exc.errno == errno.EEXIST else None
     if broken:
         return broken
+    linked = exc.filename if exc.errno == errno.ENOENT else None
+    if (
+        linked
+        and os.path.islink(linked)
+        and not os.path.isdir(os.path.dirname(os.path.realpath(linked)))
+    ):
+        # a file of the folder's (its sweep.lock) a link into a folder that is not there: it
+        # was "No such file or directory", neither the link nor a way out named
+        return (
+            f"cannot use {out_dir} as the output folder: {linked} is a symbolic link to "
+            f"{os.readlink(linked)}, in a folder that does not exist: remove the link (or make "
+            "that folder), or choose another --out"
+        )
     doing = f"use {out_dir} as the output folder"
     return describe_os_error(exc, doing, show_file=exc.filename != str(out_dir))
 

@@ -10,6 +10,7 @@ Damaged files are generated in tmp_path at test time (see tests/bad_inputs.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import shlex
@@ -380,6 +381,22 @@ def _parquet(rows: list[dict[str, Any]]) -> bytes:
     return buf.getvalue()
 
 
+def _parquet_not_utf8() -> bytes:
+    """A Parquet file whose text column holds Latin-1 bytes (Parquet's writers check no text:
+    a converted export, a hand-made file). Written uncompressed, so that one letter of the
+    text is changed in place."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(prompts(4)), buf, compression="none")
+    data = buf.getvalue()
+    assert b"Prompt" in data
+    return data.replace(b"Prompt", b"Pr\xe9mpt")  # same length: the file stays whole
+
+
 def _huge_corpus(path: Path, env: dict[str, Path]) -> None:
     from dvfs.corpora.loaders import MAX_CORPUS_BYTES
 
@@ -499,6 +516,21 @@ CORPUS_CASES = [
         "text",
     ),
     corpus_case("parquet-empty", "mine.parquet", "", "mine.parquet", "empty"),
+    # its rows were made Python text outside the reader's checks: the campaign file was named
+    # "not UTF-8 text" (exit 1), not the Parquet file
+    *(
+        corpus_case(
+            f"parquet-text-not-utf8-via-{via}",
+            "mine.parquet",
+            lambda tmp: _parquet_not_utf8(),
+            "mine.parquet",
+            "row 1",
+            "utf-8",
+            via=via,
+            chatty=via == "sweep",
+        )
+        for via in ("show", "list", "sweep")
+    ),
     corpus_case("unknown-extension", "mine.txt", "hello\n", "mine.txt", "format"),
     corpus_case("via-list-binary", "mine.jsonl", binary_bytes(), "mine.jsonl", via="list"),
     corpus_case("via-list-missing", "mine.jsonl", None, "mine.jsonl", via="list"),
@@ -984,6 +1016,9 @@ CUBE_FILES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "not-a-dvfs-cube": (Writer(_not_dvfs_cube, same=True), ("cube.nc", "dvfs")),
     "future-schema": (_cube_with(_future_schema), ("cube.nc", "99")),
     "missing-dimension": (_cube_with(lambda ds: ds.isel(repeat=0, drop=True)), ("cube.nc",)),
+    # "no cube at cube.nc: run `dvfs sweep` or `dvfs cube build` first", whose cube then
+    # failed to be written through the link
+    "link-in-a-loop": (Writer(lambda p, e: p.symlink_to(p.name)), ("cube.nc", "a loop")),
 }
 
 
@@ -1095,7 +1130,8 @@ CUBE_CASES = (
         )
         for kind, (content, says) in CUBE_FILES.items()
         for cmd, argv in CUBE_COMMANDS.items()
-        if cmd == "info" or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube")
+        if cmd == "info"
+        or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube", "link-in-a-loop")
     ]
     + [
         C(f"cube-{cmd}-{kind}", argv, files={"cube.nc": content}, code=1, says=says)
@@ -1138,6 +1174,9 @@ BAD_ATTRIBUTES: dict[str, tuple[str, Any]] = {
     "campaign-source-number": ("campaign_source", 5),
     "corpora-number": ("corpora", 5),
     "tp-size-text": ("tp_size", "two"),
+    # the stock clock, the reference's coordinate: "internal error" where it was made an integer
+    "stock-clock-nan": ("stock_sm_clock_mhz", float("nan")),
+    "stock-clock-inf": ("stock_sm_clock_mhz", float("inf")),
     # A GPU's ECC mode or VBIOS hand-edited: a newline or a terminal's escape broke the lines
     # `cube info`, the report and `compare` print it in.
     "ecc-mode-list": ("ecc_mode", [1, 2]),
@@ -1215,7 +1254,7 @@ ATTRIBUTE_CASES += [
         says=("cube.nc", attr, "dvfs cube build"),
     )
     for kind, (attr, _) in BAD_ATTRIBUTES.items()
-    if kind.startswith(("ecc-mode", "vbios"))
+    if kind.startswith(("ecc-mode", "vbios", "stock-clock"))
 ]
 
 #: JSON attributes the commands index into, of another shape: (attribute, text, the command).
@@ -1247,6 +1286,91 @@ ATTRIBUTE_CASES += [
 ]
 
 
+def _merged_with(change: Callable[[dict[str, Any]], Any]) -> Writer:
+    """The shared cube merged with itself on another GPU, its `merged_from` (each source's
+    provenance, by its GPU's label) replaced by `change(sources)`: text as it is, else JSON."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        from dvfs.cube import open_cube, write_cube
+        from dvfs.cube.merge import merge_cubes
+
+        cube = open_cube(env["cube"])
+        merged = merge_cubes([cube, _on_another_gpu(cube)])
+        value = change(json.loads(merged.attrs["merged_from"]))
+        text = value if isinstance(value, str) else json.dumps(value)
+        write_cube(merged.assign_attrs(merged_from=text), path)
+
+    return Writer(make, same=True)
+
+
+#: A merged cube's sources (`merged_from`) that are not a JSON object of one object per GPU:
+#: its analyses, summary and report stopped on an "internal error ... please report it".
+BAD_MERGED_FROM = {
+    "not-json": lambda s: "{x",
+    "number": lambda s: "5",
+    "a-list": lambda s: "[1]",
+    "null": lambda s: "null",
+    "one-string": lambda s: '"GPU-a"',
+    "sources-numbers": lambda s: dict.fromkeys(s, 5),
+    "sources-lists": lambda s: dict.fromkeys(s, [1]),
+}
+_MERGED_FROM_CUBES = {kind: _merged_with(change) for kind, change in BAD_MERGED_FROM.items()}
+
+ATTRIBUTE_CASES += [
+    C(
+        f"cube-merged-from-{kind}-{cmd}",
+        argv,
+        files={"cube.nc": _MERGED_FROM_CUBES[kind]},
+        code=1,
+        says=("cube.nc", "merged_from", "dvfs cube merge"),
+    )
+    for kind in BAD_MERGED_FROM
+    for cmd, argv in (
+        ("info", ["cube", "info", "{tmp}/cube.nc"]),
+        ("headroom", ["headroom", "{tmp}/cube.nc"]),
+        ("compare", ["compare", "{tmp}/cube.nc"]),
+        ("report", ["report", "{tmp}/cube.nc", "-o", "{tmp}/r.md"]),
+        ("plot", ["plot", "{tmp}/cube.nc", "-o", "{tmp}/plots"]),
+    )
+]
+
+#: A merged cube's sources readable as such, one value of a GPU's own not: read as not
+#: recorded (an older merge's "None"), as the cube's other readers of it do, not an
+#: "internal error ... please report it".
+UNRECORDED_MERGED_FROM = {
+    "empty": lambda s: "",
+    "stock-limit-text": lambda s: {k: {**v, "stock_power_limit_w": "abc"} for k, v in s.items()},
+    "stock-limit-list": lambda s: {k: {**v, "stock_power_limit_w": [1]} for k, v in s.items()},
+    "stock-clock-text": lambda s: {k: {**v, "stock_sm_clock_mhz": "abc"} for k, v in s.items()},
+    "stock-clock-object": lambda s: {k: {**v, "stock_sm_clock_mhz": {}} for k, v in s.items()},
+    "stock-clock-inf": lambda s: {k: {**v, "stock_sm_clock_mhz": "inf"} for k, v in s.items()},
+    "stock-limit-nan": lambda s: {k: {**v, "stock_power_limit_w": "nan"} for k, v in s.items()},
+}
+_UNRECORDED_CUBES = {kind: _merged_with(c) for kind, c in UNRECORDED_MERGED_FROM.items()}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cube", "info", "{cube}"],
+        ["headroom", "{cube}", "--slack", "50%"],
+        ["compare", "{cube}"],
+        ["report", "{cube}", "-o", "{tmp}/r.md", "--slack", "50%"],
+    ],
+    ids=["info", "headroom", "compare", "report"],
+)
+@pytest.mark.parametrize("kind", list(UNRECORDED_MERGED_FROM))
+def test_a_merged_cube_with_a_sources_value_unreadable_reads_it_as_not_recorded(
+    kind: str, argv: list[str], shared: dict[str, Path], tmp_path: Path
+) -> None:
+    cube = tmp_path / "cube.nc"
+    _UNRECORDED_CUBES[kind].write(cube, shared)
+    args = [a.replace("{cube}", str(cube)).replace("{tmp}", str(tmp_path)) for a in argv]
+    result = CliRunner().invoke(cli, args)
+    assert "internal error" not in result.output, result.output
+    assert result.exit_code == 0, result.output
+
+
 def test_a_cube_with_no_corpora_attribute_is_an_older_one(
     shared: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -1262,6 +1386,48 @@ def test_a_cube_with_no_corpora_attribute_is_an_older_one(
         write_cube(change(open_cube(shared["cube"])), path)
         result = CliRunner().invoke(cli, ["cube", "info", str(path)])
         assert result.exit_code == 0, (kind, result.output)
+
+
+def _bytes_read() -> int:
+    """The bytes this process has read so far (the kernel's count, cache hits included)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs /proc/self/io")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cube", "build", "{run}", "-o", "{tmp}/b.nc"],
+        ["cube", "merge", "{journal}", "-o", "{tmp}/m.nc"],
+    ],
+    ids=["cube-build", "cube-merge"],
+)
+def test_a_journal_whose_records_end_in_a_run_of_zeros_is_not_read_to_its_end(
+    argv: list[str], shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """A journal whose records are followed by a gigabyte of zero bytes and no newline (a file
+    extended but never written: a crash on some file systems, a sparse copy): the record too
+    long is refused in one line, once the first 64 MiB of it are read. Saying which lines to
+    delete read the rest of that line to its end, chunk by chunk: a 20 GiB tail took minutes,
+    and a SIGTERM waited for it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    journal = run / "journal.jsonl"
+    journal.write_bytes(shared["journal"].read_bytes())
+    tail = 1 << 30
+    with open(journal, "r+b") as f:
+        f.truncate(journal.stat().st_size + tail)  # sparse: costs no disk
+    args = [a.format(run=run, journal=journal, tmp=tmp_path) for a in argv]
+    before = _bytes_read()
+    result = CliRunner().invoke(cli, args)
+    read = _bytes_read() - before
+    assert result.exit_code == 1, result.output
+    assert "longer than 64 MiB" in result.stderr, result.output
+    assert "Traceback" not in result.output, result.output
+    assert read < tail // 2, f"read {read >> 20} MiB of a journal's {tail >> 20} MiB of zeros"
 
 
 def _without_attr(ds: Any, name: str) -> Any:
@@ -1359,6 +1525,26 @@ GPU_CASES = [
             says=("/dev/null", "a device", "choose another --state-dir"),
         )
         for argv in (["cap", "reset"], ["gpu", "settle", "--gpu", "0", "--clocks", "1980,1500"])
+    ),
+    # the caps record's lock a link in a loop: a reset and a dry run stopped on an "internal
+    # error" (pathlib's RuntimeError) looking for the folder it leads into
+    *(
+        C(
+            f"caps-record-lock-link-loop-{name}",
+            [*argv, "--state-dir", "{tmp}/state"],
+            files={
+                "caps.toml": GOOD_CAPS,
+                "state/caps-applied.json.lock": Writer(lambda p, e: p.symlink_to(p.name)),
+            },
+            nvml=True,
+            code=1,
+            says=("caps-applied.json.lock", "symbolic links"),
+        )
+        for name, argv in (
+            ("cap-reset", ["cap", "reset"]),
+            ("cap-apply-dry-run", ["cap", "apply", "{tmp}/caps.toml", "--dry-run"]),
+            ("cap-apply", ["cap", "apply", "{tmp}/caps.toml"]),
+        )
     ),
     C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",), code=2),
     C(
@@ -1825,6 +2011,13 @@ MORE_CASES = (
                     ("r.nc", "no regular file"),
                 ),
                 ("json-view", '{"schema": "dvfs.roofline/1"}\n', ("r.nc", "JSON", "-o FILE")),
+                # "no roofline file at r.nc (write one with `dvfs gpu roofline`)", which then
+                # failed on the link
+                (
+                    "link-in-a-loop",
+                    Writer(lambda path, env: path.symlink_to(path.name)),
+                    ("r.nc", "a loop", "-o FILE"),
+                ),
             )
         ),
         # A folder where `dvfs cube build DIR` writes DIR/cube.nc by default: "give a file's
@@ -1874,6 +2067,30 @@ MORE_CASES = (
                     "twin-predict",
                     ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o"],
                 ),
+            )
+        ),
+        # sweep.lock a link into a folder that is not there: "cannot use run as the output
+        # folder (run/sweep.lock): No such file or directory", neither the link nor a way out
+        # named.
+        *(
+            C(
+                f"sweep-lock-a-link-into-no-folder-{id}",
+                [*argv, "{tmp}/run", "--no-progress"],
+                files={
+                    "c.toml": GOOD_TEXT,
+                    "p.toml": _TWIN_PROFILE,
+                    "run/sweep.lock": Writer(lambda p, e: p.symlink_to("missing/sweep.lock")),
+                },
+                code=1,
+                says=("run/sweep.lock", "missing/sweep.lock", "does not exist", "--out"),
+            )
+            for id, argv in (
+                ("sweep", ["sweep", "{tmp}/c.toml", "--out"]),
+                (
+                    "twin-predict",
+                    ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o"],
+                ),
+                ("demo", ["demo", "--out"]),
             )
         ),
         # Something in the way of a file or folder the command makes from its output option (a
@@ -3439,6 +3656,48 @@ def test_a_figure_cut_short_keeps_the_old_one(
     assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     assert first.read_bytes() == b"OLD\n"
     assert [p.name for p in out.iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("via", ["show", "sweep"])
+def test_a_corpus_package_resource_that_is_a_named_pipe_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
+) -> None:
+    """A user corpus's `package`/`resource` naming a FIFO in the package's folder: it was opened
+    and waited on for ever while no program wrote to it (a `path` naming one is refused). A
+    writer stands by here, so that a command that opens it reads a corpus and ends."""
+    import os
+    import threading
+
+    package = tmp_path / "dvfs_bad_inputs_fifo_pkg"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    fifo = package / "data" / "prompts.jsonl"
+    os.mkfifo(fifo)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, package.name, raising=False)
+    spec = {"package": package.name, "resource": "data/prompts.jsonl", "field": "text"}
+    (tmp_path / "c.toml").write_text(user_corpus_campaign(spec), encoding="utf-8")
+
+    def feed() -> None:
+        with contextlib.suppress(OSError), open(fifo, "wb") as f:
+            f.write(jsonl(prompts(4)).encode())
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    argv = {
+        "show": ["corpus", "show", "mine", "--campaign", str(tmp_path / "c.toml")],
+        "sweep": ["sweep", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o"), "--no-progress"],
+    }[via]
+    try:
+        result = CliRunner().invoke(cli, argv)
+    finally:  # the writer, if the command never opened the pipe, let go
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        feeder.join()
+    check_one_clean_error(
+        result,
+        Case("corpus-package-resource-fifo", argv, code=2, says=("prompts.jsonl", "regular file")),
+        {},
+    )
 
 
 @pytest.mark.parametrize("writer_done", [True, False], ids=["written", "writing"])

@@ -1376,10 +1376,10 @@ def _maybe_float(value: object) -> float | None:
 def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
     """One GPU of a merged cube, with that GPU's own stock setting as its reference, and along
     a knob its campaign left at stock only its own settings (`own_grid`)."""
-    import json
+    from dvfs.cube.attrs import merged_sources
 
     one = cube.sel(gpu=gpu, drop=True)
-    stock = json.loads(cube.attrs.get("merged_from", "{}")).get(str(gpu), {})
+    stock = merged_sources(cube).get(str(gpu), {})
     # its own grid where the merge recorded it: the merged axes hold other GPUs' settings,
     # where this one has no cell (its stock limit another's, not its own grid's)
     own = own_axes(one, stock)
@@ -1387,8 +1387,12 @@ def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
         one = one.isel(own)
     attrs = dict(cube.attrs)
     for key in ("stock_sm_clock_mhz", "stock_power_limit_w"):
-        if stock.get(key) not in (None, "None"):
-            attrs[key] = float(stock[key])
+        try:  # "None" or none: not recorded (an older merge's), as `grid_cells` reads it
+            value = float(stock[key])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if math.isfinite(value):  # "inf", "nan": a hand-edited cube's, no setting either
+            attrs[key] = value
     for key in ("power_limit_range_w", "sm_clock_range_mhz"):  # its own GPU's ranges
         if stock.get(key) not in (None, "None"):
             attrs[key] = stock[key]

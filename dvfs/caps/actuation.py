@@ -348,9 +348,15 @@ class AppliedCaps:
         path = self.path.with_name(f"{self.path.name}.lock")
         if path.is_dir():
             raise CapsRecordError(_a_folder(path))
-        if path.is_symlink() and not path.exists() and not path.resolve().parent.is_dir():
-            # a link to a file in a folder that is not there: the apply's open cannot make it
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        if path.is_symlink() and not path.exists():
+            try:
+                os.stat(path)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # a link in a loop, which no open gets through
+                    raise OSError(exc.errno, exc.strerror, str(path)) from None
+            if not Path(os.path.realpath(path)).parent.is_dir():
+                # a link to a file in a folder that is not there: the apply's open cannot make it
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
 
     def _open_lock(self) -> int:
         """The record's lock file, opened (made if missing) without blocking: a FIFO in its
@@ -1282,6 +1288,11 @@ def reset_caps(
             raise CapsRecordError(
                 f"cannot open {exc.filename}: it links into a folder that is not there; nothing "
                 "was reset: remove the link, then reset again"
+            ) from exc
+        except OSError as exc:  # a link in a loop (`refuse_a_folder_lock` raises no other)
+            raise CapsRecordError(
+                f"cannot open {exc.filename}: too many levels of symbolic links (a link in a "
+                "loop); nothing was reset: remove the link, then reset again"
             ) from exc
     governed = GovernorLocks(store.directory)
     for gpu in gpus:  # so is a folder where a GPU's state file or governor record goes, which

@@ -655,7 +655,19 @@ def _records_parquet(source: _Lines, where: str) -> Iterator[tuple[str, Any]]:
             raise unreadable(exc) from exc
         if batch is None:
             return
-        for row in batch.to_pylist():
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:  # a text column holding other bytes: Parquet checks none
+            rows = []
+            for k in range(batch.num_rows):
+                try:
+                    rows.append(batch.slice(k, 1).to_pylist()[0])
+                except UnicodeDecodeError as exc:
+                    raise CorpusError(
+                        f"{where}, row {i + k + 1}: not UTF-8 text (byte "
+                        f"0x{exc.object[exc.start]:02x}): save the file's text as UTF-8"
+                    ) from exc
+        for row in rows:
             i += 1
             yield f"{where}, row {i}", row
 
@@ -838,7 +850,10 @@ def _open_source(spec: dict[str, Any], base_dir: str) -> tuple[IO[bytes], str, s
         )
     unreadable = f"cannot read resource {resource!r} of package {package!r}"
     try:
-        stream = resources.files(package).joinpath(resource).open("rb")
+        target = resources.files(package).joinpath(resource)
+        if isinstance(target, Path):  # a package in a folder (not a zip): checked as a path is
+            _refuse_resource_file(target, package, resource)
+        stream = target.open("rb")
     except ModuleNotFoundError as exc:
         raise CorpusUnavailableError(
             f"package {package!r} is not installed in this environment"
@@ -848,6 +863,28 @@ def _open_source(spec: dict[str, Any], base_dir: str) -> tuple[IO[bytes], str, s
     except OSError as exc:
         raise CorpusError(f"{unreadable}: {exc.strerror}") from exc
     return stream, f"{package}:{resource}", f"package {package}, resource {resource}", unreadable
+
+
+def _refuse_resource_file(target: Path, package: str, resource: str) -> None:
+    """A package resource that is no regular file, or too large, refused as a `path` is: a
+    named pipe was opened and waited on for ever, no program writing to it. One that cannot be
+    read is left to the open, which says it in its own words."""
+    try:
+        info = target.stat()
+    except OSError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        return  # "has no resource", as the open says
+    if not stat.S_ISREG(info.st_mode):
+        raise CorpusError(
+            f"resource {resource!r} of package {package!r} ({target}) is not a regular file: "
+            "name a data file"
+        )
+    if info.st_size > MAX_CORPUS_BYTES:
+        raise CorpusError(
+            f"resource {resource!r} of package {package!r} holds {info.st_size:,} bytes, above "
+            f"dvfs's limit of {MAX_CORPUS_BYTES / (1 << 30):g} GiB: sample it into a smaller file"
+        )
 
 
 def _hf_records(spec: dict[str, Any]) -> tuple[Iterator[tuple[str, Any]], str]:

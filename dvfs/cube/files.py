@@ -9,6 +9,7 @@ works.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shlex
 import threading
@@ -285,6 +286,11 @@ def open_cube(path: str | Path) -> xr.Dataset:
     if path.name == path.parent.name == CUBE_NAME and not os.path.lexists(path):
         raise CubeError(_folder_in_the_cubes_place(path.parent))  # that folder given, or joined
     if not path.exists():
+        if _link_in_a_loop(path):  # not "no cube at": a cube built there fails on the link
+            raise CubeError(
+                f"{path} is a symbolic link in a loop (it leads back to itself), not a cube: "
+                f"remove the link, then {_rebuild_hint(path)}"
+            )
         raise CubeError(f"no cube at {path}: run `dvfs sweep` or `dvfs cube build` first")
     if not path.is_file():  # netCDF is read by seeking: a FIFO would be waited on for ever
         raise CubeError(
@@ -304,6 +310,14 @@ def open_cube(path: str | Path) -> xr.Dataset:
             f"{path} is not a readable netCDF cube ({_first_line(exc)}): {_rebuild_hint(path)}"
         ) from exc
     return check_cube(loaded, where=str(path), hint=_rebuild_hint(path))
+
+
+def _link_in_a_loop(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def refuse_without_a_valid_cell(path: Path, ds: xr.Dataset, nothing: str) -> xr.Variable:

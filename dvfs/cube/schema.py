@@ -315,6 +315,10 @@ def _attribute_problem(ds: xr.Dataset) -> str | None:
             and value.dtype.kind in "iuf"  # one per GPU
         ):
             return f"its {name} attribute holds {shown}, not a number"
+        elif kind == "int" and not np.isfinite(np.asarray(value, dtype=float)).all():
+            # dvfs writes a whole number there (the stock clock the analyses take as their
+            # reference's coordinate): NaN or infinity is a hand-edited cube's
+            return f"its {name} attribute holds {shown}, not a whole number"
     return _gpu_names_problem(ds) or _json_shape_problem(ds)
 
 
@@ -326,6 +330,9 @@ JSON_SHAPES = {
     # each corpus's hashes, which `twin fit` and `cube merge` check prompts by: unreadable, it
     # read as an older cube's (none recorded), and nothing was checked
     "corpora": (dict, object, "a JSON object of each corpus's provenance"),
+    # a merged cube's sources, each GPU's stock setting, own grid and provenance, which its
+    # analyses, summary and report read by the GPU's label
+    "merged_from": (dict, dict, "a JSON object of each merged GPU's provenance"),
 }
 
 

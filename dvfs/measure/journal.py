@@ -737,14 +737,15 @@ def _line_type(raw: bytes) -> str | None:
 def _session_span(path: Path, line: int) -> tuple[int, int]:
     """The last line of the session record at `line`'s span (the lines after it up to the next
     session's, or the file's end), and the cell records in it; (line, 0) where the file cannot
-    be read again."""
+    be read again. A line too long to hold ends the span there: what follows it is not read
+    (a journal's records followed by gigabytes of zero bytes and no newline, a file extended but
+    never written, took minutes to read to its end)."""
     end = cells = number = 0
     try:
         with open(path, "rb") as f:
             while raw := f.readline(MAX_LINE_BYTES):
-                chunk = raw  # the rest of a line too long to hold: its start says what it is
-                while not chunk.endswith(b"\n") and (chunk := f.readline(MAX_LINE_BYTES)):
-                    pass
+                if len(raw) == MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    break  # no record is that long: damage, and no line after it is told
                 number += 1
                 if number <= line or not raw.strip():
                     continue

@@ -9,8 +9,10 @@ Everything here is a pure function of the measurements except `write` and `read`
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +168,15 @@ def read(path: Path) -> xr.Dataset:
     import xarray as xr
 
     if not path.exists():
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # not "no roofline file": one written there fails too
+                raise RooflineFileError(
+                    f"{path} is a symbolic link in a loop (it leads back to itself), not a "
+                    "roofline file: remove the link, or give the file `dvfs gpu roofline -o "
+                    "FILE` wrote"
+                ) from None
         raise RooflineFileError(f"no roofline file at {path} (write one with `dvfs gpu roofline`)")
     if not path.is_file():  # netCDF is read by seeking: a FIFO would be waited on for ever
         raise RooflineFileError(
