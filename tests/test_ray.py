@@ -2366,13 +2366,14 @@ def drive_two_workers(  # type: ignore[no-untyped-def]
     error: BaseException,
     answers_after: int | None,
     left: tuple[list[str], int] | None = None,
+    b_error: BaseException | None = None,
 ):
     """`RayExecutor._drive` over stand-ins of Ray and a fleet of four units on two real-GPU
     workers: the first unit of worker `a/w0` answers `error`; what its actor is asked then
     (its close, what it left changed) answers once `b/w1` shipped `answers_after` units
     (None: never, its node cut off). `left`: the GPUs its `unrestored` answers, once `b/w1`
-    shipped how many units (by default none, with the rest). The executor and what happened,
-    in order."""
+    shipped how many units (by default none, with the rest). `b_error`: what `b/w1`'s units
+    answer (by default, each its shipment). The executor and what happened, in order."""
     import ray.exceptions
 
     from dvfs.fleet.ray_executor import RayExecutor
@@ -2415,6 +2416,8 @@ def drive_two_workers(  # type: ignore[no-untyped-def]
         if ref[0] == "run":
             if ref[1] == "a/w0":
                 raise error
+            if b_error is not None:
+                raise b_error
             cell = types.SimpleNamespace(drafter=None)
             return types.SimpleNamespace(unit=ref[2], cell=cell, gpu_time_s=1.0)
         if ref[0] == "unrestored":
@@ -2435,6 +2438,11 @@ def drive_two_workers(  # type: ignore[no-untyped-def]
         @property
         def finished(self) -> bool:
             return len(shipped) == 4
+
+        def check_finished(self, reset: str = "") -> None:
+            from dvfs.errors import JournalError
+
+            raise JournalError(f"every worker was lost with {4 - len(shipped)} cell(s) left")
 
     fleet = Fleet(
         campaign=campaign,
@@ -2722,3 +2730,31 @@ def test_a_unit_ray_failed_whose_close_answered_before_its_word_on_its_gpus_name
     assert sorted(shipped) == ["u0", "u1", "u2", "u3"]
     assert killed == []
     assert executor.unrestored == {"a": ["GPU-a"]}, (executor.unrestored, events)
+
+
+@pytest.mark.parametrize("code", [3, 4])
+def test_a_refusal_every_ray_worker_meets_keeps_its_line_and_exit_code(code: int) -> None:
+    """Real GPUs: both workers raise a refusal in their first unit (a GPU another dvfs holds,
+    exit 3; a setter that needs root, exit 4), which a rerun would meet again. Ray took them
+    for lost workers: the run ended "every worker was lost", exit 1, the refusal's line a
+    loss among others. It ends in the refusal's own line and exit code, as the local fleet's
+    (`LocalExecutor._drive`)."""
+    import ray.exceptions
+
+    from dvfs.errors import DvfsError, GpuBusyError, GpuPermissionError
+
+    refusal: DvfsError = (
+        GpuBusyError("GPU 0 is in use by another dvfs process (pid 42)", "42")
+        if code == 3
+        else GpuPermissionError("GPU 0: cannot lock SM clocks: permission denied")
+    )
+
+    def raised(error: BaseException) -> BaseException:
+        wrapped = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", error)
+        return wrapped.as_instanceof_cause()
+
+    with pytest.raises(DvfsError) as ended:
+        drive_two_workers(raised(refusal), 0, b_error=raised(refusal))
+    assert str(ended.value) == str(refusal)
+    assert ended.value.exit_code == code
+    assert "every worker was lost" not in str(ended.value)

@@ -432,6 +432,11 @@ class RayExecutor:
         #: A worker's attached server found replaced (`ServerReplacedError`): the sweep stops
         #: in its line, which says what to restart, where every worker is lost.
         self.replaced: ServerReplacedError | None = None
+        #: The first refusal a worker raised in its unit (a dvfs error of an exit code other
+        #: than 1: a GPU that needs root, one another process holds), which a rerun would meet
+        #: again: the run ends in its line and exit code where cells are left, as the local
+        #: fleet's, not "every worker was lost", exit 1.
+        self.refusal: DvfsError | None = None
         #: The GPUs of `unrestored` the line the run failed in names (`_check_finished`).
         self._said: dict[str, list[str]] = {}
         #: Each worker's entries of `unrestored` (node, GPU), by its label (`_leave`).
@@ -1006,6 +1011,11 @@ class RayExecutor:
                 self._close(ray, fleet.campaign, alive, retiring)
             finally:
                 alive.clear()  # closed: not again as the run ends
+        if not fleet.finished and self.refusal is not None:
+            # A worker's refusal (a rerun would meet it again) keeps its own line and exit
+            # code, as the local fleet's; the GPUs the closes left changed are said beside it
+            # (`unsaid`, all of them: its line names none).
+            raise self.refusal
         if not fleet.finished and not live:
             if self.replaced is not None and not self.unrestored:
                 raise self.replaced  # a rerun on that server would meet it again
@@ -1158,6 +1168,8 @@ class RayExecutor:
             why = f"{type(cause).__name__}: {cause}"
             if isinstance(cause, ServerReplacedError) and self.replaced is None:
                 self.replaced = cause
+            if isinstance(cause, DvfsError) and cause.exit_code != 1 and self.refusal is None:
+                self.refusal = cause
         else:
             text = str(exc).strip()
             why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
