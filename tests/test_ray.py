@@ -2758,3 +2758,39 @@ def test_a_refusal_every_ray_worker_meets_keeps_its_line_and_exit_code(code: int
     assert str(ended.value) == str(refusal)
     assert ended.value.exit_code == code
     assert "every worker was lost" not in str(ended.value)
+
+
+def test_an_interrupted_ray_sweep_says_why_a_restore_was_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs: SIGTERM, and as the actors close NVML refuses a restore for want of root on
+    n2. The interrupted sweep's line said "a worker lost its GPU ... once the GPU answers
+    again" (its restores' errors were not handed to it), which waits for nothing and hides
+    that the reset needs root. It says the restore's own error, and the reset."""
+    from conftest import TINY_EXACT
+
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet.ray_executor import RayExecutor
+    from dvfs.signals import Interrupted
+
+    refused = GpuPermissionError(
+        "could not restore GPU settings: GPU 0 (GPU-n2): GPU 0: cannot reset locked SM clocks: "
+        "permission denied"
+    )
+
+    def run(self: RayExecutor, _fleet: object, groups: object) -> None:
+        self.unrestored = {"n2": ["GPU-n2"]}
+        self.close_errors = [refused]
+        self.resets = {"n2": "`dvfs gpu reset --state-dir /s`"}
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(RayExecutor, "__call__", run)
+    campaign = write(tmp_path / "campaign.toml", TINY_EXACT)
+    result = sweep(str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(tmp_path))
+    assert result.exit_code == 143, result.output
+    said = " ".join(result.stderr.split())
+    assert "GPU settings NOT restored for GPU-n2 on n2: " in said, said
+    assert "cannot reset locked SM clocks: permission denied" in said, said
+    assert "`dvfs gpu reset --state-dir /s` on n2" in said, said
+    assert "once the GPU answers again" not in said, said
+    assert "Traceback" not in result.output
