@@ -2367,13 +2367,16 @@ def drive_two_workers(  # type: ignore[no-untyped-def]
     answers_after: int | None,
     left: tuple[list[str], int] | None = None,
     b_error: BaseException | None = None,
+    closing: BaseException | None = None,
 ):
     """`RayExecutor._drive` over stand-ins of Ray and a fleet of four units on two real-GPU
     workers: the first unit of worker `a/w0` answers `error`; what its actor is asked then
     (its close, what it left changed) answers once `b/w1` shipped `answers_after` units
     (None: never, its node cut off). `left`: the GPUs its `unrestored` answers, once `b/w1`
     shipped how many units (by default none, with the rest). `b_error`: what `b/w1`'s units
-    answer (by default, each its shipment). The executor and what happened, in order."""
+    answer (by default, each its shipment). `closing`: what `a/w0`'s `close_error` answers
+    (what its worker's close raised as its failed unit closed it). The executor and what
+    happened, in order."""
     import ray.exceptions
 
     from dvfs.fleet.ray_executor import RayExecutor
@@ -2422,6 +2425,8 @@ def drive_two_workers(  # type: ignore[no-untyped-def]
             return types.SimpleNamespace(unit=ref[2], cell=cell, gpu_time_s=1.0)
         if ref[0] == "unrestored":
             return left[0] if left is not None and ref[1] == "a/w0" else []
+        if ref[0] == "close_error" and ref[1] == "a/w0":
+            return closing
         return None
 
     def lost(label: str, cell: str, why: str, record: dict) -> None:  # type: ignore[type-arg]
@@ -2794,3 +2799,30 @@ def test_an_interrupted_ray_sweep_says_why_a_restore_was_refused(
     assert "`dvfs gpu reset --state-dir /s` on n2" in said, said
     assert "once the GPU answers again" not in said, said
     assert "Traceback" not in result.output
+
+
+def test_a_unit_ray_failed_whose_worker_closed_with_an_error_says_it_and_exits_4() -> None:
+    """Real GPUs: Ray failed a worker's unit (its actor unreachable for a while), and inside the
+    actor the unit had raised, its worker closed, NVML refusing the restore for want of root.
+    The driver closed the actor (a no-op: closed already) and named its GPU from its word,
+    but never asked what that first close raised (`close_error`, which a worker's own raise
+    asks): the sweep named no cause, said "once the GPU answers again" and exited 1, not 4.
+    Now the restore's error is kept (`close_errors`), as for a worker that raised."""
+    import ray.exceptions
+
+    from dvfs.cli.sweep import _restore_exit_code
+    from dvfs.errors import GpuPermissionError
+
+    refused = GpuPermissionError(
+        "could not restore GPU settings: GPU 0 (GPU-a): GPU 0: cannot reset locked SM clocks: "
+        "permission denied"
+    )
+    error = ray.exceptions.ActorUnavailableError("it is restarting", None)
+    executor, events, killed, shipped = drive_two_workers(
+        error, 0, left=(["GPU-a"], 0), closing=refused
+    )
+    assert sorted(shipped) == ["u0", "u1", "u2", "u3"]
+    assert executor.unrestored == {"a": ["GPU-a"]}
+    assert [str(e) for e in executor.close_errors] == [str(refused)]
+    assert _restore_exit_code(executor.close_errors) == 4  # the sweep's exit code
+    assert "for want of root: run `dvfs gpu reset` on a as root" in executor.reset_first()

@@ -718,16 +718,28 @@ class RayExecutor:
             raise
         self._settle(ray, campaign, asked, CLOSE_TIMEOUT_S)
 
-    def _closing(self, ray: Any, campaign: Any, label: str, actor: Any) -> Asked:
+    def _closing(
+        self, ray: Any, campaign: Any, label: str, actor: Any, *, failed: bool = False
+    ) -> Asked:
         """`label`'s actor asked to close (Ray's failure of its unit left it alive, its GPUs
         set; or the run's end) and, once it has (an actor answers in order), which GPUs it
-        left changed: read once its close answered."""
+        left changed: read once its close answered. `failed`: Ray failed its unit, inside
+        which its worker may have raised and closed itself (its close now a no-op): what that
+        close raised (`close_error`, a restore NVML refused for want of root) is asked too, as
+        `_raised` asks it, and kept in `close_errors` (the cause said, exit 4 for root)."""
         closing, left = actor.close.remote(), actor.unrestored.remote()
+        raised = actor.close_error.remote() if failed else None
 
         def read(answered: Callable[[Any], bool]) -> None:
             self._closed(ray, campaign, label, closing, left if answered(left) else None)
+            if raised is not None and answered(raised):
+                with contextlib.suppress(Exception):  # a dead actor: its close said so
+                    error = ray.get(raised)
+                    if error is not None:
+                        self.close_errors.append(error)
 
-        return Asked(actor, (closing, left), (closing,), read, "its close")
+        refs = (closing, left) if raised is None else (closing, left, raised)
+        return Asked(actor, refs, (closing,), read, "its close")
 
     def _settle(self, ray: Any, campaign: Any, asked: dict[str, Asked], bound: float) -> None:
         """Read the actors of `asked` whose answers came within `bound` (0: those that
@@ -972,7 +984,9 @@ class RayExecutor:
                         if not actor_gone(exc) and ray_failure(exc) is exc:
                             # Ray's own (not its worker's raise, which closed it): the actor
                             # lives on, its GPUs set, and is closed before it is killed.
-                            retiring[label] = self._closing(ray, fleet.campaign, label, actor)
+                            retiring[label] = self._closing(
+                                ray, fleet.campaign, label, actor, failed=True
+                            )
                         else:  # read as it answers: the other workers go on meanwhile
                             retiring[label] = self._raised(ray, label, actor)
                         alive.pop(label)
