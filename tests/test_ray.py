@@ -2826,3 +2826,57 @@ def test_a_unit_ray_failed_whose_worker_closed_with_an_error_says_it_and_exits_4
     assert [str(e) for e in executor.close_errors] == [str(refused)]
     assert _restore_exit_code(executor.close_errors) == 4  # the sweep's exit code
     assert "for want of root: run `dvfs gpu reset` on a as root" in executor.reset_first()
+
+
+def test_a_signal_as_actors_still_open_names_their_gpus_and_reset() -> None:
+    """Real GPUs: Ctrl-C while two actors on n1 are still inside `open` (a measured settle
+    sets their clocks there) and a third waits to be placed. The run killed them all, and
+    named none: the two on n1 left their GPUs as the settle set them, their state files
+    kept, unsaid. They are named now, with the reset their node told; the one never placed
+    (it told nothing: it opened nothing) is not."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
+            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", label))
+            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", label))
+
+    labels = iter(["n1/gpu0", "n1/gpu1", "n2/gpu0"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    signalled: list[int] = []
+
+    def ready(ref: tuple[str, str]) -> bool:
+        return ref[0] == "told" and ref[1].startswith("n1/")  # n2's was never placed
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        if any(r[0] == "open" for r in refs) and not signalled:
+            signalled.append(1)
+            raise KeyboardInterrupt  # Ctrl-C while they open
+        done = [r for r in refs if ready(r)]
+        return done, [r for r in refs if r not in done]
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        assert ready(ref), ref
+        return (ref[1].split("/")[0], "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 3, lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}], wait=wait
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert executor.unrestored == {
+        "n1": [
+            "the GPUs of Ray actor dvfs-0 (killed as it opened them)",
+            "the GPUs of Ray actor dvfs-1 (killed as it opened them)",
+        ]
+    }
+    line = _ray_unrestored(executor.unrestored, resets=executor.resets)
+    assert "run `dvfs gpu reset --state-dir /s` on n1" in line, line

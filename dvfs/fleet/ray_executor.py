@@ -670,6 +670,9 @@ class RayExecutor:
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
                 alive = self._opened(ray, dict(zip(refs, actors, strict=True)))
+                # Those still inside `open` are killed with the run (a measured settle may
+                # have set their clocks): named, with their node's reset.
+                self._opening(ray, campaign, refs, told)
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
                     raise cause from None
@@ -822,6 +825,29 @@ class RayExecutor:
             return
         with contextlib.suppress(Exception):  # a dead actor: its close said so
             self._leave(label, ray.get(left) or ())
+
+    def _opening(self, ray: Any, campaign: Any, refs: list[Any], told: list[Any]) -> None:
+        """Note the GPUs of the actors still inside `open` (of `refs`) as the run stops: they
+        are killed with it, their GPUs as their opening left them (a measured settle sets
+        their clocks; their state files kept). Those that told their node (`told`, in the same
+        order: placed and started) and whose open has not answered; not on the twin, nor
+        --observe-only, which sets nothing."""
+        if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
+            return
+        try:
+            opened, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            started, _ = ray.wait(told, num_returns=len(told), timeout=0)
+            for i, (ref, answer) in enumerate(zip(refs, told, strict=False)):
+                if ref in opened or answer not in started:
+                    continue
+                with contextlib.suppress(Exception):  # it died before it answered
+                    host = str(ray.get(answer)[0])
+                    self._leave(
+                        f"{host}/dvfs-{i}",
+                        [f"the GPUs of Ray actor dvfs-{i} (killed as it opened them)"],
+                    )
+        except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
+            pass
 
     def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
         """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
