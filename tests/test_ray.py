@@ -2880,3 +2880,33 @@ def test_a_signal_as_actors_still_open_names_their_gpus_and_reset() -> None:
     }
     line = _ray_unrestored(executor.unrestored, resets=executor.resets)
     assert "run `dvfs gpu reset --state-dir /s` on n1" in line, line
+
+
+@pytest.mark.timeout(300)
+def test_a_refusal_both_real_ray_workers_meet_ends_in_its_line_and_exit_4(
+    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs on Ray: after each worker's first cell NVML refuses to lock SM clocks for
+    want of root, a refusal a rerun would meet again. Ray took each worker for lost: "every
+    worker was lost", exit 1. The sweep ends in the refusal's own line, exit 4, as the local
+    fleet's."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.fleet.driver import Fleet
+
+    ship = Fleet.shipped
+
+    def refuse(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        ship(self, worker, shipment)  # in the driver's thread, as the driver journals it
+        index = int(worker.rsplit("gpu", 1)[1])
+        ray_nvml.fake_update_device(index, errors={"nvmlDeviceSetGpuLockedClocks": 4})
+
+    monkeypatch.setattr(Fleet, "shipped", refuse)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 4, result.output
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    assert last.startswith("Error: "), result.output
+    assert "permission denied" in last, result.output
+    assert "every worker was lost" not in result.output, result.output
+    assert "Traceback" not in result.output
