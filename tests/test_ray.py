@@ -2366,13 +2366,17 @@ def drive_two_workers(  # type: ignore[no-untyped-def]
     error: BaseException,
     answers_after: int | None,
     left: tuple[list[str], int] | None = None,
+    b_error: BaseException | None = None,
+    closing: BaseException | None = None,
 ):
     """`RayExecutor._drive` over stand-ins of Ray and a fleet of four units on two real-GPU
     workers: the first unit of worker `a/w0` answers `error`; what its actor is asked then
     (its close, what it left changed) answers once `b/w1` shipped `answers_after` units
     (None: never, its node cut off). `left`: the GPUs its `unrestored` answers, once `b/w1`
-    shipped how many units (by default none, with the rest). The executor and what happened,
-    in order."""
+    shipped how many units (by default none, with the rest). `b_error`: what `b/w1`'s units
+    answer (by default, each its shipment). `closing`: what `a/w0`'s `close_error` answers
+    (what its worker's close raised as its failed unit closed it). The executor and what
+    happened, in order."""
     import ray.exceptions
 
     from dvfs.fleet.ray_executor import RayExecutor
@@ -2415,10 +2419,14 @@ def drive_two_workers(  # type: ignore[no-untyped-def]
         if ref[0] == "run":
             if ref[1] == "a/w0":
                 raise error
+            if b_error is not None:
+                raise b_error
             cell = types.SimpleNamespace(drafter=None)
             return types.SimpleNamespace(unit=ref[2], cell=cell, gpu_time_s=1.0)
         if ref[0] == "unrestored":
             return left[0] if left is not None and ref[1] == "a/w0" else []
+        if ref[0] == "close_error" and ref[1] == "a/w0":
+            return closing
         return None
 
     def lost(label: str, cell: str, why: str, record: dict) -> None:  # type: ignore[type-arg]
@@ -2435,6 +2443,11 @@ def drive_two_workers(  # type: ignore[no-untyped-def]
         @property
         def finished(self) -> bool:
             return len(shipped) == 4
+
+        def check_finished(self, reset: str = "") -> None:
+            from dvfs.errors import JournalError
+
+            raise JournalError(f"every worker was lost with {4 - len(shipped)} cell(s) left")
 
     fleet = Fleet(
         campaign=campaign,
@@ -2722,3 +2735,178 @@ def test_a_unit_ray_failed_whose_close_answered_before_its_word_on_its_gpus_name
     assert sorted(shipped) == ["u0", "u1", "u2", "u3"]
     assert killed == []
     assert executor.unrestored == {"a": ["GPU-a"]}, (executor.unrestored, events)
+
+
+@pytest.mark.parametrize("code", [3, 4])
+def test_a_refusal_every_ray_worker_meets_keeps_its_line_and_exit_code(code: int) -> None:
+    """Real GPUs: both workers raise a refusal in their first unit (a GPU another dvfs holds,
+    exit 3; a setter that needs root, exit 4), which a rerun would meet again. Ray took them
+    for lost workers: the run ended "every worker was lost", exit 1, the refusal's line a
+    loss among others. It ends in the refusal's own line and exit code, as the local fleet's
+    (`LocalExecutor._drive`)."""
+    import ray.exceptions
+
+    from dvfs.errors import DvfsError, GpuBusyError, GpuPermissionError
+
+    refusal: DvfsError = (
+        GpuBusyError("GPU 0 is in use by another dvfs process (pid 42)", "42")
+        if code == 3
+        else GpuPermissionError("GPU 0: cannot lock SM clocks: permission denied")
+    )
+
+    def raised(error: BaseException) -> BaseException:
+        wrapped = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", error)
+        return wrapped.as_instanceof_cause()
+
+    with pytest.raises(DvfsError) as ended:
+        drive_two_workers(raised(refusal), 0, b_error=raised(refusal))
+    assert str(ended.value) == str(refusal)
+    assert ended.value.exit_code == code
+    assert "every worker was lost" not in str(ended.value)
+
+
+def test_an_interrupted_ray_sweep_says_why_a_restore_was_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs: SIGTERM, and as the actors close NVML refuses a restore for want of root on
+    n2. The interrupted sweep's line said "a worker lost its GPU ... once the GPU answers
+    again" (its restores' errors were not handed to it), which waits for nothing and hides
+    that the reset needs root. It says the restore's own error, and the reset."""
+    from conftest import TINY_EXACT
+
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet.ray_executor import RayExecutor
+    from dvfs.signals import Interrupted
+
+    refused = GpuPermissionError(
+        "could not restore GPU settings: GPU 0 (GPU-n2): GPU 0: cannot reset locked SM clocks: "
+        "permission denied"
+    )
+
+    def run(self: RayExecutor, _fleet: object, groups: object) -> None:
+        self.unrestored = {"n2": ["GPU-n2"]}
+        self.close_errors = [refused]
+        self.resets = {"n2": "`dvfs gpu reset --state-dir /s`"}
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(RayExecutor, "__call__", run)
+    campaign = write(tmp_path / "campaign.toml", TINY_EXACT)
+    result = sweep(str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(tmp_path))
+    assert result.exit_code == 143, result.output
+    said = " ".join(result.stderr.split())
+    assert "GPU settings NOT restored for GPU-n2 on n2: " in said, said
+    assert "cannot reset locked SM clocks: permission denied" in said, said
+    assert "`dvfs gpu reset --state-dir /s` on n2" in said, said
+    assert "once the GPU answers again" not in said, said
+    assert "Traceback" not in result.output
+
+
+def test_a_unit_ray_failed_whose_worker_closed_with_an_error_says_it_and_exits_4() -> None:
+    """Real GPUs: Ray failed a worker's unit (its actor unreachable for a while), and inside the
+    actor the unit had raised, its worker closed, NVML refusing the restore for want of root.
+    The driver closed the actor (a no-op: closed already) and named its GPU from its word,
+    but never asked what that first close raised (`close_error`, which a worker's own raise
+    asks): the sweep named no cause, said "once the GPU answers again" and exited 1, not 4.
+    Now the restore's error is kept (`close_errors`), as for a worker that raised."""
+    import ray.exceptions
+
+    from dvfs.cli.sweep import _restore_exit_code
+    from dvfs.errors import GpuPermissionError
+
+    refused = GpuPermissionError(
+        "could not restore GPU settings: GPU 0 (GPU-a): GPU 0: cannot reset locked SM clocks: "
+        "permission denied"
+    )
+    error = ray.exceptions.ActorUnavailableError("it is restarting", None)
+    executor, events, killed, shipped = drive_two_workers(
+        error, 0, left=(["GPU-a"], 0), closing=refused
+    )
+    assert sorted(shipped) == ["u0", "u1", "u2", "u3"]
+    assert executor.unrestored == {"a": ["GPU-a"]}
+    assert [str(e) for e in executor.close_errors] == [str(refused)]
+    assert _restore_exit_code(executor.close_errors) == 4  # the sweep's exit code
+    assert "for want of root: run `dvfs gpu reset` on a as root" in executor.reset_first()
+
+
+def test_a_signal_as_actors_still_open_names_their_gpus_and_reset() -> None:
+    """Real GPUs: Ctrl-C while two actors on n1 are still inside `open` (a measured settle
+    sets their clocks there) and a third waits to be placed. The run killed them all, and
+    named none: the two on n1 left their GPUs as the settle set them, their state files
+    kept, unsaid. They are named now, with the reset their node told; the one never placed
+    (it told nothing: it opened nothing) is not."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
+            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", label))
+            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", label))
+
+    labels = iter(["n1/gpu0", "n1/gpu1", "n2/gpu0"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    signalled: list[int] = []
+
+    def ready(ref: tuple[str, str]) -> bool:
+        return ref[0] == "told" and ref[1].startswith("n1/")  # n2's was never placed
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        if any(r[0] == "open" for r in refs) and not signalled:
+            signalled.append(1)
+            raise KeyboardInterrupt  # Ctrl-C while they open
+        done = [r for r in refs if ready(r)]
+        return done, [r for r in refs if r not in done]
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        assert ready(ref), ref
+        return (ref[1].split("/")[0], "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 3, lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}], wait=wait
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert executor.unrestored == {
+        "n1": [
+            "the GPUs of Ray actor dvfs-0 (killed as it opened them)",
+            "the GPUs of Ray actor dvfs-1 (killed as it opened them)",
+        ]
+    }
+    line = _ray_unrestored(executor.unrestored, resets=executor.resets)
+    assert "run `dvfs gpu reset --state-dir /s` on n1" in line, line
+
+
+@pytest.mark.timeout(300)
+def test_a_refusal_both_real_ray_workers_meet_ends_in_its_line_and_exit_4(
+    ray_nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs on Ray: after each worker's first cell NVML refuses to lock SM clocks for
+    want of root, a refusal a rerun would meet again. Ray took each worker for lost: "every
+    worker was lost", exit 1. The sweep ends in the refusal's own line, exit 4, as the local
+    fleet's."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.fleet.driver import Fleet
+
+    ship = Fleet.shipped
+
+    def refuse(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        ship(self, worker, shipment)  # in the driver's thread, as the driver journals it
+        index = int(worker.rsplit("gpu", 1)[1])
+        ray_nvml.fake_update_device(index, errors={"nvmlDeviceSetGpuLockedClocks": 4})
+
+    monkeypatch.setattr(Fleet, "shipped", refuse)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 4, result.output
+    last = " ".join(result.stderr.strip().splitlines()[-1].split())
+    assert last.startswith("Error: "), result.output
+    assert "permission denied" in last, result.output
+    assert "every worker was lost" not in result.output, result.output
+    assert "Traceback" not in result.output

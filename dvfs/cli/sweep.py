@@ -666,7 +666,9 @@ def run_fleet(
     except (KeyboardInterrupt, Interrupted, ServerReplacedError) as exc:
         status = _after_interruption_told(err, campaign, out_dir, shard)
         if executor == "ray" and run_on.unrestored:
-            status = _ray_unrestored(run_on.unrestored, resets=run_on.resets)
+            # With what the closes' restores raised (NVML refusing one for want of root): not
+            # "a worker lost its GPU ... once the GPU answers again", which waits for nothing.
+            status = _ray_unrestored(run_on.unrestored, run_on.close_errors, run_on.resets)
         if isinstance(exc, ServerReplacedError):  # its own line says how to resume
             err.print(status, soft_wrap=True)
         else:

@@ -432,6 +432,11 @@ class RayExecutor:
         #: A worker's attached server found replaced (`ServerReplacedError`): the sweep stops
         #: in its line, which says what to restart, where every worker is lost.
         self.replaced: ServerReplacedError | None = None
+        #: The first refusal a worker raised in its unit (a dvfs error of an exit code other
+        #: than 1: a GPU that needs root, one another process holds), which a rerun would meet
+        #: again: the run ends in its line and exit code where cells are left, as the local
+        #: fleet's, not "every worker was lost", exit 1.
+        self.refusal: DvfsError | None = None
         #: The GPUs of `unrestored` the line the run failed in names (`_check_finished`).
         self._said: dict[str, list[str]] = {}
         #: Each worker's entries of `unrestored` (node, GPU), by its label (`_leave`).
@@ -665,6 +670,9 @@ class RayExecutor:
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
                 alive = self._opened(ray, dict(zip(refs, actors, strict=True)))
+                # Those still inside `open` are killed with the run (a measured settle may
+                # have set their clocks): named, with their node's reset.
+                self._opening(ray, campaign, refs, told)
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
                     raise cause from None
@@ -713,16 +721,28 @@ class RayExecutor:
             raise
         self._settle(ray, campaign, asked, CLOSE_TIMEOUT_S)
 
-    def _closing(self, ray: Any, campaign: Any, label: str, actor: Any) -> Asked:
+    def _closing(
+        self, ray: Any, campaign: Any, label: str, actor: Any, *, failed: bool = False
+    ) -> Asked:
         """`label`'s actor asked to close (Ray's failure of its unit left it alive, its GPUs
         set; or the run's end) and, once it has (an actor answers in order), which GPUs it
-        left changed: read once its close answered."""
+        left changed: read once its close answered. `failed`: Ray failed its unit, inside
+        which its worker may have raised and closed itself (its close now a no-op): what that
+        close raised (`close_error`, a restore NVML refused for want of root) is asked too, as
+        `_raised` asks it, and kept in `close_errors` (the cause said, exit 4 for root)."""
         closing, left = actor.close.remote(), actor.unrestored.remote()
+        raised = actor.close_error.remote() if failed else None
 
         def read(answered: Callable[[Any], bool]) -> None:
             self._closed(ray, campaign, label, closing, left if answered(left) else None)
+            if raised is not None and answered(raised):
+                with contextlib.suppress(Exception):  # a dead actor: its close said so
+                    error = ray.get(raised)
+                    if error is not None:
+                        self.close_errors.append(error)
 
-        return Asked(actor, (closing, left), (closing,), read, "its close")
+        refs = (closing, left) if raised is None else (closing, left, raised)
+        return Asked(actor, refs, (closing,), read, "its close")
 
     def _settle(self, ray: Any, campaign: Any, asked: dict[str, Asked], bound: float) -> None:
         """Read the actors of `asked` whose answers came within `bound` (0: those that
@@ -805,6 +825,29 @@ class RayExecutor:
             return
         with contextlib.suppress(Exception):  # a dead actor: its close said so
             self._leave(label, ray.get(left) or ())
+
+    def _opening(self, ray: Any, campaign: Any, refs: list[Any], told: list[Any]) -> None:
+        """Note the GPUs of the actors still inside `open` (of `refs`) as the run stops: they
+        are killed with it, their GPUs as their opening left them (a measured settle sets
+        their clocks; their state files kept). Those that told their node (`told`, in the same
+        order: placed and started) and whose open has not answered; not on the twin, nor
+        --observe-only, which sets nothing."""
+        if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
+            return
+        try:
+            opened, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            started, _ = ray.wait(told, num_returns=len(told), timeout=0)
+            for i, (ref, answer) in enumerate(zip(refs, told, strict=False)):
+                if ref in opened or answer not in started:
+                    continue
+                with contextlib.suppress(Exception):  # it died before it answered
+                    host = str(ray.get(answer)[0])
+                    self._leave(
+                        f"{host}/dvfs-{i}",
+                        [f"the GPUs of Ray actor dvfs-{i} (killed as it opened them)"],
+                    )
+        except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
+            pass
 
     def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
         """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
@@ -967,7 +1010,9 @@ class RayExecutor:
                         if not actor_gone(exc) and ray_failure(exc) is exc:
                             # Ray's own (not its worker's raise, which closed it): the actor
                             # lives on, its GPUs set, and is closed before it is killed.
-                            retiring[label] = self._closing(ray, fleet.campaign, label, actor)
+                            retiring[label] = self._closing(
+                                ray, fleet.campaign, label, actor, failed=True
+                            )
                         else:  # read as it answers: the other workers go on meanwhile
                             retiring[label] = self._raised(ray, label, actor)
                         alive.pop(label)
@@ -1006,6 +1051,11 @@ class RayExecutor:
                 self._close(ray, fleet.campaign, alive, retiring)
             finally:
                 alive.clear()  # closed: not again as the run ends
+        if not fleet.finished and self.refusal is not None:
+            # A worker's refusal (a rerun would meet it again) keeps its own line and exit
+            # code, as the local fleet's; the GPUs the closes left changed are said beside it
+            # (`unsaid`, all of them: its line names none).
+            raise self.refusal
         if not fleet.finished and not live:
             if self.replaced is not None and not self.unrestored:
                 raise self.replaced  # a rerun on that server would meet it again
@@ -1158,6 +1208,8 @@ class RayExecutor:
             why = f"{type(cause).__name__}: {cause}"
             if isinstance(cause, ServerReplacedError) and self.replaced is None:
                 self.replaced = cause
+            if isinstance(cause, DvfsError) and cause.exit_code != 1 and self.refusal is None:
+                self.refusal = cause
         else:
             text = str(exc).strip()
             why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
