@@ -1373,6 +1373,45 @@ def _govern_capped(
 
 
 @pytest.mark.parametrize("dry_run", [True, False])
+def test_a_static_lock_outside_the_gpus_clocks_in_the_caps_record_is_refused(
+    nvml, tmp_path: Path, dry_run: bool
+) -> None:
+    """A caps record whose lock_mhz was hand-edited to 210-5000 MHz (above the GPU's 1980 MHz
+    top clock, a cap dvfs never set) was the governor's static cap and stock: "SM clock locked
+    210-5000 MHz", its steps held under it, and at the end the restore of 210-5000 MHz failed
+    ("could not restore"), the GPU left at its last step (210-1200 MHz, 400 W). It is refused
+    as a damaged record is, in one line naming the line and the reset that drops the entry,
+    before any GPU is changed; `dvfs cap reset --applied` then lets the governor start."""
+    from dvfs.backends import open_gpus
+    from dvfs.caps.actuation import AppliedCaps
+
+    state = tmp_path / "state"
+    time, lines = VirtualTime(), []
+    with open_gpus([0]) as gpus:
+        uuid = gpus[0].identity.uuid
+        AppliedCaps(state).update(uuid, {"lock_mhz": [210, 5000]})
+        with pytest.raises(CapsError) as refused:
+            govern(
+                PLAN,
+                gpus,
+                _scripted([0, 0]),
+                PolicyParams(dwell_s=0.0),
+                Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
+                live=LiveMetrics(),
+                note=lines.append,
+                dry_run=dry_run,
+                state_dir=state,
+            )
+    said = str(refused.value)
+    assert "\n" not in said and "caps-applied.json line " in said, said
+    assert f"is damaged for GPU {uuid}: lock_mhz is [210, 5000], outside GPU 0's SM clocks" in said
+    assert f"`dvfs cap reset --applied --state-dir {state} {uuid}`" in said, said
+    assert nvml.fake_calls("nvmlDeviceSetGpuLockedClocks") == []
+    assert nvml.fake_calls("nvmlDeviceSetPowerManagementLimit") == []
+    assert not list(state.glob("GPU-*.json")) and not list(state.glob("governed-*"))
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
 def test_a_step_the_static_caps_hold_already_is_no_change(
     nvml, tmp_path: Path, dry_run: bool
 ) -> None:

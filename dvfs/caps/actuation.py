@@ -165,21 +165,8 @@ class AppliedCaps:
         for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
             spoiled = _spoiled_knobs(r) if checked else {}
             if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
-                from dvfs.gpu.safety import state_dir_flag
-
                 key, problem = next(iter(spoiled.items()))
-                what = "clock lock" if key == "lock_mhz" else "power limit"
-                # (a damaged lock alone: `--applied` unlocks it and puts back the limit dvfs's
-                # cap replaced, known still, not the default over an operator's own)
-                applied = "" if "power_limit_mw" in spoiled else " --applied"
-                raise CapsRecordError(
-                    f"{self.path} line {self.line_of(uuid, key)} is damaged for GPU "
-                    f"{uuid[:48]}: {problem}; this command must know the {what} dvfs's cap "
-                    "holds on that GPU (to put it back, or to tell it from the GPU's own), so "
-                    "it refuses the record: write it there, or reset that GPU with `dvfs cap "
-                    f"reset{applied}{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops "
-                    "its entry alone"
-                )
+                raise self._damaged(uuid, key, problem, power="power_limit_mw" in spoiled)
         return {
             u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
         }
@@ -198,8 +185,46 @@ class AppliedCaps:
         found = (i for i in range(start, len(lines)) if f'"{key}"' in lines[i])
         return next(found, start) + 1
 
+    def _damaged(self, uuid: str, key: str, problem: str, *, power: bool) -> CapsRecordError:
+        """The refusal of a record whose entry's `key` is damaged (`problem`, in words) by a
+        reader that must know that knob's value. `power`: its power limit is damaged too."""
+        from dvfs.gpu.safety import state_dir_flag
+
+        what = "clock lock" if key == "lock_mhz" else "power limit"
+        # (a damaged lock alone: `--applied` unlocks it and puts back the limit dvfs's cap
+        # replaced, known still, not the default over an operator's own)
+        applied = "" if power else " --applied"
+        return CapsRecordError(
+            f"{self.path} line {self.line_of(uuid, key)} is damaged for GPU "
+            f"{uuid[:48]}: {problem}; this command must know the {what} dvfs's cap "
+            "holds on that GPU (to put it back, or to tell it from the GPU's own), so "
+            "it refuses the record: write it there, or reset that GPU with `dvfs cap "
+            f"reset{applied}{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops "
+            "its entry alone"
+        )
+
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
+
+    def locks_on(self, gpus: Sequence[Gpu]) -> dict[str, tuple[int, int]]:
+        """`locks`, each of these GPUs' checked against its SM clocks: a lock outside them (a
+        hand edit: a clock above the GPU's top one) is no cap dvfs set, and a sweep or a
+        governor that took it for the GPU's stock held it as its ceiling and failed to put it
+        back at the end ("could not restore"), the GPU left at its last step: refused, as a
+        damaged entry is, before any GPU is changed."""
+        locks = self.locks()
+        for gpu in gpus:
+            lock = locks.get(gpu.identity.uuid)
+            if lock is None:
+                continue
+            supported = gpu.supported_sm_clocks_mhz()  # (NVML takes any clock within them)
+            if lock[0] < min(supported) or lock[1] > max(supported):
+                problem = (
+                    f"lock_mhz is [{lock[0]}, {lock[1]}], outside GPU {gpu.identity.index}'s SM "
+                    f"clocks {min(supported)}-{max(supported)} MHz, no cap dvfs set"
+                )
+                raise self._damaged(gpu.identity.uuid, "lock_mhz", problem, power=False)
+        return locks
 
     def damaged_lines(self, index: dict[str, int] | None = None) -> list[str]:
         """A warning line for each damaged limit a GPU's entry names beside its caps
@@ -302,7 +327,7 @@ class AppliedCaps:
             gpus,
             actuation=actuation,
             change_log=change_log,
-            prior_locks=self.locks(),
+            prior_locks=self.locks_on(gpus),
             applied_power_mw=self.power_limits_held(gpus),
             stock_without_caps=True,
         )

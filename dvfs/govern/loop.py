@@ -643,7 +643,7 @@ def guarded(gpus: Sequence[Gpu], state_dir: Path) -> Iterator[KnobController]:
         for gpu in gpus:  # no unrestored change, no governor: a record left is stale
             record.clear(gpu.identity.uuid)
         controller = CappedKnobs(
-            gpus, change_log=store, prior_locks=AppliedCaps(state_dir).locks(), record=record
+            gpus, change_log=store, prior_locks=AppliedCaps(state_dir).locks_on(gpus), record=record
         )
         with controller as knobs:
             yield knobs
@@ -658,7 +658,7 @@ def static_caps(
         return {g.identity.uuid: knobs.ceiling(g) for g in gpus}
     from dvfs.caps.actuation import AppliedCaps
 
-    locks = {} if state_dir is None else AppliedCaps(state_dir).locks()
+    locks = {} if state_dir is None else AppliedCaps(state_dir).locks_on(gpus)
     return {
         g.identity.uuid: Ceiling.of(g, locks.get(g.identity.uuid), power_limit_or_none(g))
         for g in gpus
