@@ -1560,6 +1560,36 @@ def test_the_loop_refuses_a_gpu_with_unrestored_changes(nvml, tmp_path: Path) ->
     assert not nvml.fake_calls()
 
 
+def test_a_plans_power_step_above_the_gpus_default_now_is_refused(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver update lowered the GPU's default power limit (700 W to 400 W) below a plan's
+    420 W step, planned against the old stock; the GPU held 450 W (a cap set above the new
+    default before `cap apply` refused one), so the governor's ceiling let the step through
+    and it set 420 W, above the GPU's stock, a setting never measured, where `cap apply`
+    refuses the same cap. The plan is refused before any change in `cap apply`'s words,
+    naming the step; a step at the default is followed."""
+    from dvfs.backends import open_gpus
+
+    monkeypatch.setitem(nvml.FAKE_PROFILES["h100-sxm"], "power_default_mw", 400_000)
+    nvml.fake_update_device(0, power_limit_mw=450_000)
+    above = BatchPlan(
+        (BatchStep(1, Setting(1200, 420.0)), BatchStep(4, Setting(1500, None))),
+        PLAN.measured_on,
+        "none",
+    )
+    with open_gpus([0]) as gpus:
+        with pytest.raises(CapsError) as refused:
+            check_plan_against(above, gpus, where="p", allow_simulated=False)
+        said = str(refused.value)
+        assert "\n" not in said and said.startswith("p: step batch 1: "), said
+        assert "power limit 420 W is above the GPU's default power limit 400 W" in said, said
+        assert "GPU 0" in said and "dvfs cap plan" in said, said
+        at = BatchPlan((BatchStep(1, Setting(1200, 400.0)),), PLAN.measured_on, "none")
+        check_plan_against(at, gpus, where="p", allow_simulated=False)
+    assert not nvml.fake_calls("nvmlDeviceSetPowerManagementLimit")
+
+
 def test_a_gpu_that_stops_answering_is_logged_once_and_exported_as_not_up(nvml) -> None:
     """A GPU lost while `dvfs monitor` ran went silent: its series turned NaN (a counter's
     among them) with no log line. One line names it and NVML's error when it stops

@@ -896,7 +896,7 @@ def plan_actions(
         if cap.power_limit_w is not None:
             limit = round(cap.power_limit_w * 1000)
             limits = gpu.power_limit_range()
-            found.append(limits.outside(limit) or _above_default(limit, limits.default_mw))
+            found.append(limits.outside(limit) or above_default(limit, limits.default_mw))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
         doubt, back, refused = _power_plan(limit, earlier, gpu, directory)
@@ -1591,16 +1591,20 @@ def _stale_or_none(store: StateStore, uuid: str) -> bool:
     return bool(pending) and all(p.before_this_boot for p in pending)
 
 
-def _above_default(limit_mw: int, default_mw: int) -> str | None:
+def above_default(
+    limit_mw: float, default_mw: int, *, plan: str = "the caps", command: str = "dvfs cap plan"
+) -> str | None:
     """Why a power cap above the GPU's default limit is none (a driver update lowered the
     default below the stock the file was planned against, or a hand edit): set, it would raise
-    the GPU's power above its stock, a setting never measured. None when it is no higher."""
+    the GPU's power above its stock, a setting never measured. None when it is no higher.
+    `plan` and `command`: what to plan again and how (a caps file's, or a per-batch plan's
+    step, which `dvfs govern` refuses alike)."""
     if limit_mw <= default_mw:
         return None
     return (
         f"power limit {limit_mw / 1000:g} W is above the GPU's default power limit "
         f"{default_mw / 1000:g} W (its stock now, lowered by a driver update perhaps): a cap only "
-        "lowers a knob; plan the caps again with `dvfs cap plan` from a cube measured at this "
+        f"lowers a knob; plan {plan} again with `{command}` from a cube measured at this "
         "stock, or remove that power_limit_w"
     )
 
