@@ -226,6 +226,26 @@ class AppliedCaps:
                 raise self._damaged(gpu.identity.uuid, "lock_mhz", problem, power=False)
         return locks
 
+    def refuse_power_outside(self, gpus: Sequence[Gpu]) -> None:
+        """Refuse the record, as a damaged entry is, where its `power_limit_mw` for one of these
+        GPUs is outside that GPU's range (a hand edit, a cap dvfs never set there): a
+        measurement must know dvfs's cap to measure stock without it, and took the GPU's limit
+        (dvfs's real cap) for an operator's own, its stock, so production caps passed as stock
+        in a cube. `cap apply` and `cap reset --applied` leave that limit as it is instead
+        (`_spoiled_power`)."""
+        limits_mw = self.power_limits_mw()
+        for gpu in gpus:
+            limit = limits_mw.get(gpu.identity.uuid)
+            if limit is None or power_limit_or_none(gpu) is None:
+                continue
+            limits = gpu.power_limit_range()
+            if limits.outside(limit) is not None:
+                problem = (
+                    f"power_limit_mw is {limit}, outside GPU {gpu.identity.index}'s range "
+                    f"{limits.describe_w()}, no cap dvfs set"
+                )
+                raise self._damaged(gpu.identity.uuid, "power_limit_mw", problem, power=True)
+
     def damaged_lines(self, index: dict[str, int] | None = None) -> list[str]:
         """A warning line for each damaged limit a GPU's entry names beside its caps
         (`_damaged_before`: the one dvfs's cap replaced, or `EARLIER`), which every reader
@@ -323,6 +343,7 @@ class AppliedCaps:
         restores the caps recorded here, and measures stock as the GPUs' own stock, not under
         them (unlocked clocks, the default power limit), so production caps never pass as
         stock in a cube."""
+        self.refuse_power_outside(gpus)
         return KnobController(
             gpus,
             actuation=actuation,
