@@ -4328,3 +4328,56 @@ def test_a_sweeps_refusal_of_a_damaged_clock_lock_names_the_reset_that_keeps_the
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
     assert nvml.fake_device_state(0)["locked_clocks"] is None
     assert not (state / "caps-applied.json").exists()
+
+
+def test_a_sweep_refuses_a_clock_lock_outside_the_gpus_clocks_in_the_caps_record(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps record whose lock_mhz was hand-edited to 210-5000 MHz (above the GPU's 1980 MHz
+    top, a cap dvfs never set) passed as dvfs's cap: the sweep measured, then failed to put
+    back 210-5000 MHz ("could not restore"), the GPU left at its last setting and the
+    record's lock in a state file. Refused as a damaged lock is, before any GPU is changed,
+    naming the line and the `cap reset --applied` that drops the entry; the sweep then runs."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    apply_caps(tmp_path, 1500, None)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    entries = json.loads((state / "caps-applied.json").read_text())
+    entries[uuid]["lock_mhz"] = [210, 5000]  # a hand edit
+    (state / "caps-applied.json").write_text(json.dumps(entries, indent=2))
+    calls = len(nvml.fake_calls())
+    campaign = _stock_campaign(tmp_path)
+    told = " ".join(invoke("sweep", str(campaign), "--out", str(tmp_path / "out"), code=1).split())
+    assert "lock_mhz is [210, 5000], outside GPU 0's SM clocks 210-1980 MHz" in told, told
+    reset = f"dvfs cap reset --applied --state-dir {state} {uuid}"
+    assert f"`{reset}`" in told, told
+    assert not [c for c in nvml.fake_calls()[calls:] if "Set" in c["fn"] or "Reset" in c["fn"]]
+    assert not list(state.glob("GPU-*.json"))
+    invoke(*shlex.split(reset)[1:])
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    invoke("sweep", str(campaign), "--out", str(tmp_path / "out2"), "--no-progress")
+
+
+def test_a_sweep_refuses_a_power_limit_outside_the_gpus_range_in_the_caps_record(
+    nvml, tmp_path: Path
+) -> None:
+    """A caps record whose power_limit_mw was hand-edited to 900 W (above the GPU's 700 W top,
+    a cap dvfs never set) hid dvfs's real 450 W cap from the sweep: the GPU's 450 W read as an
+    operator's limit, its stock, so the cube's stock was measured under dvfs's production cap.
+    Refused as a damaged power limit is, naming the line and the `cap reset` that drops the
+    entry, before any GPU is changed; the sweep then runs."""
+    uuid = apply_caps(tmp_path, 1500, 450.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    entries = json.loads((state / "caps-applied.json").read_text())
+    entries[uuid]["power_limit_mw"] = 900_000  # a hand edit
+    (state / "caps-applied.json").write_text(json.dumps(entries, indent=2))
+    calls = len(nvml.fake_calls())
+    campaign = _stock_campaign(tmp_path)
+    told = " ".join(invoke("sweep", str(campaign), "--out", str(tmp_path / "out"), code=1).split())
+    assert "power_limit_mw is 900000, outside GPU 0's range 200-700 W" in told, told
+    reset = f"dvfs cap reset --state-dir {state} {uuid}"
+    assert f"`{reset}`" in told, told
+    assert not [c for c in nvml.fake_calls()[calls:] if "Set" in c["fn"] or "Reset" in c["fn"]]
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    invoke(*shlex.split(reset)[1:])
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+    invoke("sweep", str(campaign), "--out", str(tmp_path / "out2"), "--no-progress")

@@ -540,3 +540,16 @@ def test_cap_show_shows_a_governor_records_pid_and_time_as_written(nvml) -> None
     (state / f"governed-{uuid}.json").write_text(json.dumps(record))
     said = invoke("cap", "show")
     assert "dvfs govern (pid [/y], since [bold]t[/bold]" in said, said
+
+
+def test_cap_show_says_no_time_for_an_entry_without_one(nvml, tmp_path: Path) -> None:
+    """A caps record entry without its `applied` time (a hand edit, or an older dvfs) made
+    `cap show` say "from caps.toml at None"; the time is left out where there is none, and
+    an entry's time is shown as before."""
+    uuids, caps = _both_capped(nvml, tmp_path, sm_clock_max_mhz=1500)
+    entries = json.loads(record_path().read_text())
+    del entries[uuids[0]]["applied"]
+    record_path().write_text(json.dumps(entries, indent=2))
+    said = invoke("cap", "show")
+    assert "at None" not in said and f"from {caps}" in said, said
+    assert f"from {caps} at {entries[uuids[1]]['applied']}" in said, said

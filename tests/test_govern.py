@@ -1373,6 +1373,45 @@ def _govern_capped(
 
 
 @pytest.mark.parametrize("dry_run", [True, False])
+def test_a_static_lock_outside_the_gpus_clocks_in_the_caps_record_is_refused(
+    nvml, tmp_path: Path, dry_run: bool
+) -> None:
+    """A caps record whose lock_mhz was hand-edited to 210-5000 MHz (above the GPU's 1980 MHz
+    top clock, a cap dvfs never set) was the governor's static cap and stock: "SM clock locked
+    210-5000 MHz", its steps held under it, and at the end the restore of 210-5000 MHz failed
+    ("could not restore"), the GPU left at its last step (210-1200 MHz, 400 W). It is refused
+    as a damaged record is, in one line naming the line and the reset that drops the entry,
+    before any GPU is changed; `dvfs cap reset --applied` then lets the governor start."""
+    from dvfs.backends import open_gpus
+    from dvfs.caps.actuation import AppliedCaps
+
+    state = tmp_path / "state"
+    time, lines = VirtualTime(), []
+    with open_gpus([0]) as gpus:
+        uuid = gpus[0].identity.uuid
+        AppliedCaps(state).update(uuid, {"lock_mhz": [210, 5000]})
+        with pytest.raises(CapsError) as refused:
+            govern(
+                PLAN,
+                gpus,
+                _scripted([0, 0]),
+                PolicyParams(dwell_s=0.0),
+                Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
+                live=LiveMetrics(),
+                note=lines.append,
+                dry_run=dry_run,
+                state_dir=state,
+            )
+    said = str(refused.value)
+    assert "\n" not in said and "caps-applied.json line " in said, said
+    assert f"is damaged for GPU {uuid}: lock_mhz is [210, 5000], outside GPU 0's SM clocks" in said
+    assert f"`dvfs cap reset --applied --state-dir {state} {uuid}`" in said, said
+    assert nvml.fake_calls("nvmlDeviceSetGpuLockedClocks") == []
+    assert nvml.fake_calls("nvmlDeviceSetPowerManagementLimit") == []
+    assert not list(state.glob("GPU-*.json")) and not list(state.glob("governed-*"))
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
 def test_a_step_the_static_caps_hold_already_is_no_change(
     nvml, tmp_path: Path, dry_run: bool
 ) -> None:
@@ -1519,6 +1558,36 @@ def test_the_loop_refuses_a_gpu_with_unrestored_changes(nvml, tmp_path: Path) ->
             odd = BatchPlan((BatchStep(1, Setting(1234, None)),), PLAN.measured_on, "none")
             check_plan_against(odd, gpus, where="p", allow_simulated=False)
     assert not nvml.fake_calls()
+
+
+def test_a_plans_power_step_above_the_gpus_default_now_is_refused(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver update lowered the GPU's default power limit (700 W to 400 W) below a plan's
+    420 W step, planned against the old stock; the GPU held 450 W (a cap set above the new
+    default before `cap apply` refused one), so the governor's ceiling let the step through
+    and it set 420 W, above the GPU's stock, a setting never measured, where `cap apply`
+    refuses the same cap. The plan is refused before any change in `cap apply`'s words,
+    naming the step; a step at the default is followed."""
+    from dvfs.backends import open_gpus
+
+    monkeypatch.setitem(nvml.FAKE_PROFILES["h100-sxm"], "power_default_mw", 400_000)
+    nvml.fake_update_device(0, power_limit_mw=450_000)
+    above = BatchPlan(
+        (BatchStep(1, Setting(1200, 420.0)), BatchStep(4, Setting(1500, None))),
+        PLAN.measured_on,
+        "none",
+    )
+    with open_gpus([0]) as gpus:
+        with pytest.raises(CapsError) as refused:
+            check_plan_against(above, gpus, where="p", allow_simulated=False)
+        said = str(refused.value)
+        assert "\n" not in said and said.startswith("p: step batch 1: "), said
+        assert "power limit 420 W is above the GPU's default power limit 400 W" in said, said
+        assert "GPU 0" in said and "dvfs cap plan" in said, said
+        at = BatchPlan((BatchStep(1, Setting(1200, 400.0)),), PLAN.measured_on, "none")
+        check_plan_against(at, gpus, where="p", allow_simulated=False)
+    assert not nvml.fake_calls("nvmlDeviceSetPowerManagementLimit")
 
 
 def test_a_gpu_that_stops_answering_is_logged_once_and_exported_as_not_up(nvml) -> None:

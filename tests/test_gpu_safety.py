@@ -1354,6 +1354,44 @@ def test_gpu_reset_names_a_state_file_whose_lock_is_damaged(
     assert nvml.fake_calls() == [] and (state / f"{uuid}.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("lock", "power", "said"),
+    [
+        ([210, 1500], 900_000, "power_limit_mw is 900000, outside this GPU's range 200-700 W"),
+        ([210, 1500], 50_000, "power_limit_mw is 50000, outside this GPU's range 200-700 W"),
+        ([210, 5000], 500_000, "sm_clock_lock_mhz is [210, 5000], outside this GPU's SM clocks"),
+    ],
+)
+def test_gpu_reset_leaves_a_gpu_whose_state_file_holds_settings_outside_its_range(
+    nvml, env: dict[str, str], lock: list[int], power: int, said: str
+) -> None:
+    """A state file hand-edited to a power limit outside the GPU's range (900 W above its 700
+    W top, 50 W below its floor) or a lock above its clocks: `dvfs gpu reset` (the governor
+    unit's ExecStopPost) locked the clocks as recorded, then NVML refused the limit, "could
+    not restore: GPU 0: power limit 900 W is outside the allowed range", the file named
+    nowhere; or put back the limit past the refused lock. Such a file is damaged: the GPU is
+    left as it is (no setter called), the file kept, and one line names it and what to run;
+    GPU 1's own state file is still restored."""
+    state = _state_files(nvml, env, {1: [210, 1500]})
+    uuid = nvml.fake_device_state(0)["uuid"]
+    original = {"uuid": uuid, "sm_clock_lock_mhz": lock, "power_limit_mw": power}
+    (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = result.stderr.splitlines()
+    assert f"GPU 0 ({uuid}) was left as it is: its state file" in error, error
+    assert f"is damaged ({said}" in error and "internal error" not in error, error
+    assert "`dvfs gpu reset 0 --defaults --state-dir" in error, error
+    setters = ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks")
+    setters += ("nvmlDeviceSetPowerManagementLimit",)
+    assert not [c for c in nvml.fake_calls() if c["index"] == 0 and c["fn"] in setters]
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 650_000
+    assert (state / f"{uuid}.json").exists()
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1500]
+    assert f"restored GPU 1 ({nvml.fake_device_state(1)['uuid']})" in result.stdout
+
+
 def _state_files(nvml, env: dict[str, str], locks: dict[int, Any]) -> Path:
     """A state file per GPU of `locks` (its recorded lock; 500 W), as a dead dvfs left them."""
     state = Path(env["DVFS_STATE_DIR"])

@@ -165,21 +165,8 @@ class AppliedCaps:
         for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
             spoiled = _spoiled_knobs(r) if checked else {}
             if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
-                from dvfs.gpu.safety import state_dir_flag
-
                 key, problem = next(iter(spoiled.items()))
-                what = "clock lock" if key == "lock_mhz" else "power limit"
-                # (a damaged lock alone: `--applied` unlocks it and puts back the limit dvfs's
-                # cap replaced, known still, not the default over an operator's own)
-                applied = "" if "power_limit_mw" in spoiled else " --applied"
-                raise CapsRecordError(
-                    f"{self.path} line {self.line_of(uuid, key)} is damaged for GPU "
-                    f"{uuid[:48]}: {problem}; this command must know the {what} dvfs's cap "
-                    "holds on that GPU (to put it back, or to tell it from the GPU's own), so "
-                    "it refuses the record: write it there, or reset that GPU with `dvfs cap "
-                    f"reset{applied}{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops "
-                    "its entry alone"
-                )
+                raise self._damaged(uuid, key, problem, power="power_limit_mw" in spoiled)
         return {
             u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
         }
@@ -198,8 +185,66 @@ class AppliedCaps:
         found = (i for i in range(start, len(lines)) if f'"{key}"' in lines[i])
         return next(found, start) + 1
 
+    def _damaged(self, uuid: str, key: str, problem: str, *, power: bool) -> CapsRecordError:
+        """The refusal of a record whose entry's `key` is damaged (`problem`, in words) by a
+        reader that must know that knob's value. `power`: its power limit is damaged too."""
+        from dvfs.gpu.safety import state_dir_flag
+
+        what = "clock lock" if key == "lock_mhz" else "power limit"
+        # (a damaged lock alone: `--applied` unlocks it and puts back the limit dvfs's cap
+        # replaced, known still, not the default over an operator's own)
+        applied = "" if power else " --applied"
+        return CapsRecordError(
+            f"{self.path} line {self.line_of(uuid, key)} is damaged for GPU "
+            f"{uuid[:48]}: {problem}; this command must know the {what} dvfs's cap "
+            "holds on that GPU (to put it back, or to tell it from the GPU's own), so "
+            "it refuses the record: write it there, or reset that GPU with `dvfs cap "
+            f"reset{applied}{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops "
+            "its entry alone"
+        )
+
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
+
+    def locks_on(self, gpus: Sequence[Gpu]) -> dict[str, tuple[int, int]]:
+        """`locks`, each of these GPUs' checked against its SM clocks: a lock outside them (a
+        hand edit: a clock above the GPU's top one) is no cap dvfs set, and a sweep or a
+        governor that took it for the GPU's stock held it as its ceiling and failed to put it
+        back at the end ("could not restore"), the GPU left at its last step: refused, as a
+        damaged entry is, before any GPU is changed."""
+        locks = self.locks()
+        for gpu in gpus:
+            lock = locks.get(gpu.identity.uuid)
+            if lock is None:
+                continue
+            supported = gpu.supported_sm_clocks_mhz()  # (NVML takes any clock within them)
+            if lock[0] < min(supported) or lock[1] > max(supported):
+                problem = (
+                    f"lock_mhz is [{lock[0]}, {lock[1]}], outside GPU {gpu.identity.index}'s SM "
+                    f"clocks {min(supported)}-{max(supported)} MHz, no cap dvfs set"
+                )
+                raise self._damaged(gpu.identity.uuid, "lock_mhz", problem, power=False)
+        return locks
+
+    def refuse_power_outside(self, gpus: Sequence[Gpu]) -> None:
+        """Refuse the record, as a damaged entry is, where its `power_limit_mw` for one of these
+        GPUs is outside that GPU's range (a hand edit, a cap dvfs never set there): a
+        measurement must know dvfs's cap to measure stock without it, and took the GPU's limit
+        (dvfs's real cap) for an operator's own, its stock, so production caps passed as stock
+        in a cube. `cap apply` and `cap reset --applied` leave that limit as it is instead
+        (`_spoiled_power`)."""
+        limits_mw = self.power_limits_mw()
+        for gpu in gpus:
+            limit = limits_mw.get(gpu.identity.uuid)
+            if limit is None or power_limit_or_none(gpu) is None:
+                continue
+            limits = gpu.power_limit_range()
+            if limits.outside(limit) is not None:
+                problem = (
+                    f"power_limit_mw is {limit}, outside GPU {gpu.identity.index}'s range "
+                    f"{limits.describe_w()}, no cap dvfs set"
+                )
+                raise self._damaged(gpu.identity.uuid, "power_limit_mw", problem, power=True)
 
     def damaged_lines(self, index: dict[str, int] | None = None) -> list[str]:
         """A warning line for each damaged limit a GPU's entry names beside its caps
@@ -298,11 +343,12 @@ class AppliedCaps:
         restores the caps recorded here, and measures stock as the GPUs' own stock, not under
         them (unlocked clocks, the default power limit), so production caps never pass as
         stock in a cube."""
+        self.refuse_power_outside(gpus)
         return KnobController(
             gpus,
             actuation=actuation,
             change_log=change_log,
-            prior_locks=self.locks(),
+            prior_locks=self.locks_on(gpus),
             applied_power_mw=self.power_limits_held(gpus),
             stock_without_caps=True,
         )
@@ -871,7 +917,7 @@ def plan_actions(
         if cap.power_limit_w is not None:
             limit = round(cap.power_limit_w * 1000)
             limits = gpu.power_limit_range()
-            found.append(limits.outside(limit) or _above_default(limit, limits.default_mw))
+            found.append(limits.outside(limit) or above_default(limit, limits.default_mw))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         earlier = (applied or {}).get(ident.uuid, {})
         doubt, back, refused = _power_plan(limit, earlier, gpu, directory)
@@ -1566,16 +1612,20 @@ def _stale_or_none(store: StateStore, uuid: str) -> bool:
     return bool(pending) and all(p.before_this_boot for p in pending)
 
 
-def _above_default(limit_mw: int, default_mw: int) -> str | None:
+def above_default(
+    limit_mw: float, default_mw: int, *, plan: str = "the caps", command: str = "dvfs cap plan"
+) -> str | None:
     """Why a power cap above the GPU's default limit is none (a driver update lowered the
     default below the stock the file was planned against, or a hand edit): set, it would raise
-    the GPU's power above its stock, a setting never measured. None when it is no higher."""
+    the GPU's power above its stock, a setting never measured. None when it is no higher.
+    `plan` and `command`: what to plan again and how (a caps file's, or a per-batch plan's
+    step, which `dvfs govern` refuses alike)."""
     if limit_mw <= default_mw:
         return None
     return (
         f"power limit {limit_mw / 1000:g} W is above the GPU's default power limit "
         f"{default_mw / 1000:g} W (its stock now, lowered by a driver update perhaps): a cap only "
-        "lowers a knob; plan the caps again with `dvfs cap plan` from a cube measured at this "
+        f"lowers a knob; plan {plan} again with `{command}` from a cube measured at this "
         "stock, or remove that power_limit_w"
     )
 

@@ -707,10 +707,11 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
                 else ", no static clock cap"
             )
         source = (  # (text, as written: a hand-edited record's number or list too)
-            f", from {escape(str(r['caps_source']))} at {escape(str(r['applied']))}"
+            f", from {escape(str(r['caps_source']))}"
+            + ("" if r["applied"] is None else f" at {escape(str(r['applied']))}")
             if r["caps_source"]
             else ""
-        )
+        )  # (no time where the entry has none: a hand edit, never "at None")
         default = r["default_power_limit_w"]
         power = f"power limit {r['enforced_power_limit_w']:g} W" + (
             " enforced (NVML does not support setting it on this GPU)"

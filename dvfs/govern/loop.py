@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dvfs.caps.actuation import GovernorLocks, LockInForce
+from dvfs.caps.actuation import GovernorLocks, LockInForce, above_default
 from dvfs.errors import (
     CapsError,
     DvfsError,
@@ -246,7 +246,17 @@ def check_plan_against(
             of = f" of GPU {ident.index}"
             problem = None if clock is None else unsupported_clock(clock, supported, of=of)
             if problem is None and limit is not None and limits is not None:
+                # (a step above the default now is refused as `cap apply` refuses such a cap:
+                # under a limit in force above that default, the ceiling let it through)
                 problem = limits.outside(limit * 1000)
+                above = above_default(
+                    limit * 1000,
+                    limits.default_mw,
+                    plan="the batches",
+                    command="dvfs cap plan HEADROOM_JSON --per-batch",
+                )
+                if problem is None and above is not None:
+                    problem = f"GPU {ident.index}: {above}"
             if problem:
                 raise CapsError(f"{where}: step batch {step.batch}: {problem}")
 
@@ -643,7 +653,7 @@ def guarded(gpus: Sequence[Gpu], state_dir: Path) -> Iterator[KnobController]:
         for gpu in gpus:  # no unrestored change, no governor: a record left is stale
             record.clear(gpu.identity.uuid)
         controller = CappedKnobs(
-            gpus, change_log=store, prior_locks=AppliedCaps(state_dir).locks(), record=record
+            gpus, change_log=store, prior_locks=AppliedCaps(state_dir).locks_on(gpus), record=record
         )
         with controller as knobs:
             yield knobs
@@ -658,7 +668,7 @@ def static_caps(
         return {g.identity.uuid: knobs.ceiling(g) for g in gpus}
     from dvfs.caps.actuation import AppliedCaps
 
-    locks = {} if state_dir is None else AppliedCaps(state_dir).locks()
+    locks = {} if state_dir is None else AppliedCaps(state_dir).locks_on(gpus)
     return {
         g.identity.uuid: Ceiling.of(g, locks.get(g.identity.uuid), power_limit_or_none(g))
         for g in gpus

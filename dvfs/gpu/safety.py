@@ -659,6 +659,9 @@ def restore_pending(
     def put_back(gpu: Gpu) -> list[GpuError]:
         try:
             for pending in recorded[gpu.identity.uuid]:
+                damaged = _outside_gpu(gpu, pending, store)
+                if damaged is not None:  # (before any knob is set: the GPU left as it is)
+                    return [GpuStateError(damaged)]
                 _put_back_recorded(gpu, pending.original)
         except GpuError as exc:
             return [exc]
@@ -769,6 +772,39 @@ def _restored_line(gpu: Gpu, pending: PendingRestore) -> str:
     return (
         f"restored GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, {power} "
         f"(as before {pending.command!r} pid {pending.pid})"
+    )
+
+
+def _outside_gpu(gpu: Gpu, pending: PendingRestore, store: StateStore) -> str | None:
+    """Why a state file's recorded settings are none this GPU had (a hand edit: a power limit
+    outside its range, a clock lock outside its SM clocks), so damaged: restored, they
+    were set blindly, a knob changed before NVML refused the other, the file named nowhere.
+    None where both are this GPU's to set."""
+    original, index = pending.original, gpu.identity.index
+    problem = None
+    limit = original.power_limit_mw
+    if limit is not None:
+        try:
+            limits = gpu.power_limit_range()
+        except REFUSED:  # (no range to tell by: the restore's own call says what NVML does)
+            limits = None
+        if limits is not None and limits.outside(limit) is not None:
+            problem = f"power_limit_mw is {limit}, outside this GPU's range {limits.describe_w()}"
+    lock = original.sm_clock_lock_mhz
+    if problem is None and lock is not None:
+        supported = gpu.supported_sm_clocks_mhz()  # (NVML takes any clock within the range)
+        if lock[0] < min(supported) or lock[1] > max(supported):
+            problem = (
+                f"sm_clock_lock_mhz is [{lock[0]}, {lock[1]}], outside this GPU's SM clocks "
+                f"{min(supported)}-{max(supported)} MHz"
+            )
+    if problem is None:
+        return None
+    defaults = state_dir_command(f"dvfs gpu reset {index} --defaults", store.directory)
+    return (
+        f"GPU {index} ({gpu.identity.uuid}) was left as it is: its state file {pending.path} is "
+        f"damaged ({problem}: no setting dvfs read from it, a hand edit?); check the GPU's "
+        f"settings and remove the file by hand, then `{defaults}` puts back its driver defaults"
     )
 
 
