@@ -4400,3 +4400,28 @@ def test_a_cap_apply_dry_run_says_the_apply_would_fail_on_a_state_folder_it_cann
     check_one_clean_error(result, Case(f"cap-dry-run-{kind}", argv, code=1, says=words), places)
     assert sorted(p.name for p in state.iterdir()) == listing  # nothing written there
     assert "would apply to" not in result.stdout, result.stdout
+
+
+def test_doctor_says_the_sweeps_refusal_of_a_lock_linked_into_no_folder(tmp_path: Path) -> None:
+    """An --out folder whose sweep.lock is a symbolic link into a folder that is not there:
+    the sweep refuses it (7c763a3a), but `dvfs doctor` said "ok output folder: OUT: usable",
+    and the dry run planned it without a note, for `path.exists()` denies such a link is
+    there. Both now say the sweep's line."""
+    (tmp_path / "c.toml").write_text(campaign(), encoding="utf-8")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "sweep.lock").symlink_to("missing/sweep.lock")
+    argv = ["sweep", str(tmp_path / "c.toml"), "--out", str(out)]
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 1, swept.output
+    refusal = swept.stderr.strip().splitlines()[-1].removeprefix("Error: ")
+    assert "missing/sweep.lock, in a folder that does not exist" in refusal, refusal
+    doctor = CliRunner().invoke(cli, ["doctor", str(tmp_path / "c.toml"), "--out", str(out)])
+    assert doctor.exit_code == 1, doctor.output
+    # doctor wraps to the console's width, a long path mid-word too: compared without spaces
+    said = "".join(doctor.output.split())
+    assert "".join(f"FAIL output folder: {refusal}".split()) in said, doctor.output
+    dry = CliRunner().invoke(cli, [*argv, "--dry-run", "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    assert f"the sweep would stop: {refusal}" in " ".join(dry.stderr.split()), dry.output
+    assert not (out / "missing").exists()
