@@ -1842,7 +1842,53 @@ MORE_CASES = (
             says=("p.toml", "pipe"),
         ),
         corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
-        caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
+        # "caps file caps.toml does not exist", of a link that is there
+        caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml", "a loop"),
+        # A symbolic link in a loop (or one on the way to the file) given to a path the command
+        # reads: click said "Path 'cube.nc' does not exist", the plan "too many levels of
+        # symbolic links"; each now says the link is in a loop, as the cube paths do.
+        *(
+            C(
+                f"{id}-symlink-loop",
+                argv,
+                files={"c.toml": GOOD_TEXT, "p.toml": _TWIN_PROFILE, name: Writer(_symlink_loop)},
+                code=2,
+                says=(f"{{tmp}}/{name}", "a loop"),
+            )
+            for id, name, argv in (
+                ("twin-fit", "cube.nc", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/o.toml"]),
+                (
+                    "twin-predict-campaign",
+                    "l.toml",
+                    ["twin", "predict", "{tmp}/l.toml", "--profile", "{tmp}/p.toml", "-o", "o"],
+                ),
+                (
+                    "twin-predict-profile",
+                    "l.toml",
+                    ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/l.toml", "-o", "o"],
+                ),
+                ("cap-plan", "h.json", ["cap", "plan", "{tmp}/h.json", "--batch", "1"]),
+                (
+                    "govern-plan",
+                    "l.toml",
+                    [
+                        "govern",
+                        "--plan",
+                        "{tmp}/l.toml",
+                        "--url",
+                        "http://127.0.0.1:9",
+                        "--dry-run",
+                    ],
+                ),
+            )
+        ),
+        C(
+            "twin-fit-symlink-loop-on-the-way",
+            ["twin", "fit", "{tmp}/l/cube.nc", "-o", "{tmp}/o.toml"],
+            files={"l": Writer(_symlink_loop)},
+            code=2,
+            says=("on the way to {tmp}/l/cube.nc", "a loop"),
+        ),
         C(
             "cube-info-symlink-loop",
             ["cube", "info", "{tmp}/cube.nc"],

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from dvfs.cli.common import (
+    ExistingPath,
     OutputFile,
     OutputFolder,
     console,
@@ -66,7 +67,7 @@ def _once(ctx: click.Context, param: click.Parameter, values: tuple[Any, ...]) -
 
 
 @cap.command("plan")
-@click.argument("headroom_json", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.argument("headroom_json", type=ExistingPath(dir_okay=False))
 @click.option(
     "--batch",
     type=int,

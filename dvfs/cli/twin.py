@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dvfs.cli.common import (
+    ExistingPath,
     OutputFile,
     OutputFolder,
     console,
@@ -40,7 +41,7 @@ def twin() -> None:
 
 
 @twin.command("fit")
-@click.argument("source", type=click.Path(exists=True, path_type=Path), metavar="ROOFLINE_OR_CUBE")
+@click.argument("source", type=ExistingPath(), metavar="ROOFLINE_OR_CUBE")
 @click.option(
     "-o",
     "--out",
@@ -262,13 +263,13 @@ def _fit_cube(
 @twin.command("predict")
 @click.argument(
     "campaign_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=ExistingPath(dir_okay=False),
     metavar="CAMPAIGN",
 )
 @click.option(
     "--profile",
     "profile_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=ExistingPath(dir_okay=False),
     required=True,
     help="Profile TOML from `dvfs twin fit`.",
 )
