@@ -1882,6 +1882,31 @@ MORE_CASES = (
                 ),
             )
         ),
+        # A sweep folder whose cube.nc is no file (a FIFO, a device, a link in a loop, a
+        # folder): `twin fit DIR` said "holds a sweep journal but no cube.nc: build the cube",
+        # whose build fails on it (or writes into it); it says what `cube info DIR` says.
+        *(
+            C(
+                f"sweep-dir-cube-{kind}-{cmd}",
+                [*argv, "{tmp}/run"],
+                files={
+                    "run/journal.jsonl": lambda e: e["journal"].read_bytes(),
+                    "run/cube.nc": content,
+                },
+                code=1,
+                says=("run/cube.nc", said),
+            )
+            for kind, content, said in (
+                ("fifo", Writer(_fifo), "no regular file"),
+                ("link-to-dev-zero", Writer(_dev_zero), "no regular file"),
+                ("link-in-a-loop", Writer(_symlink_loop), "a loop"),
+                ("folder", DIR, "is a folder"),
+            )
+            for cmd, argv in (
+                ("twin-fit", ["twin", "fit", "-o", "{tmp}/p.toml"]),
+                ("cube-info", ["cube", "info"]),
+            )
+        ),
         C(
             "twin-fit-symlink-loop-on-the-way",
             ["twin", "fit", "{tmp}/l/cube.nc", "-o", "{tmp}/o.toml"],

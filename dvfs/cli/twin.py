@@ -77,8 +77,16 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
 
     kind = fit_input_kind(source)
     if kind is None and source.is_dir():
+        from dvfs.cube import CUBE_NAME, open_cube
+        from dvfs.inputs import link_loop_problem
         from dvfs.measure.journal import JOURNAL_NAME
 
+        cube = source / CUBE_NAME
+        if cube.exists() or link_loop_problem(cube):
+            # a cube.nc there that is no file (a FIFO, a device, a folder, a link in a loop):
+            # refused as `dvfs cube info` refuses it, not "no cube.nc: build the cube", whose
+            # build fails on it or writes into it
+            open_cube(cube)
         if (source / JOURNAL_NAME).is_file():  # a sweep stopped before it wrote its cube
             fail(
                 f"{source} holds a sweep journal but no cube.nc: build the cube from it with "
