@@ -3771,6 +3771,32 @@ def test_a_corpus_package_resource_that_is_a_named_pipe_is_refused_not_waited_on
     )
 
 
+@pytest.mark.parametrize(
+    ("resource", "content"),
+    [("p.jsonl", ""), ("p.jsonl", "\n  \n"), ("p.csv", "\n"), ("p.txt", "")],
+    ids=["empty", "whitespace", "csv-whitespace", "no-format"],
+)
+def test_an_empty_corpus_package_resource_names_the_package_not_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resource: str, content: str
+) -> None:
+    """A user corpus's `package`/`resource` naming an empty data file (or one of only
+    whitespace): it said to "point the campaign's path for this corpus at the file that holds
+    them", of a corpus that has no path but a package and resource. It names those."""
+    package = tmp_path / "dvfs_bad_inputs_empty_pkg"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "data" / resource).write_text(content)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, package.name, raising=False)
+    spec = {"package": package.name, "resource": f"data/{resource}", "field": "text"}
+    (tmp_path / "c.toml").write_text(user_corpus_campaign(spec), encoding="utf-8")
+    argv = ["corpus", "show", "mine", "--campaign", str(tmp_path / "c.toml")]
+    result = CliRunner().invoke(cli, argv)
+    says = (f"{package.name}:data/{resource} is empty", "package and resource")
+    check_one_clean_error(result, Case("corpus-package-empty", argv, code=2, says=says), {})
+    assert "campaign's path" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("writer_done", [True, False], ids=["written", "writing"])
 def test_a_campaign_from_a_pipe_is_read(tmp_path: Path, writer_done: bool) -> None:
     """`dvfs sweep <(generate) --dry-run`: the campaign comes through a pipe whose writer has
