@@ -229,14 +229,37 @@ def reachable_gpus(
     return openable, _named_once(failed)
 
 
-def withheld_gpus(nvml: ModuleType | None = None) -> list[int]:
+class WithheldGpus:
     """The GPUs NVML counts but has no permission to talk to, which every GPU (without
-    CUDA_VISIBLE_DEVICES) leaves out (`dvfs.gpu.nvml.refused_gpus`): a command over every GPU
-    that must not quietly act on fewer names them."""
-    from dvfs.gpu.nvml import nvml_session, refused_gpus
+    CUDA_VISIBLE_DEVICES) leaves out (`dvfs.gpu.nvml.refused_gpus`), asked of NVML once
+    however many of a command's lines need them (`gpu reset --defaults` asked for its state
+    files' line, then again for its caps'). A GPU of `lost` (those `reachable_gpus` could not
+    open) whose call hung is not asked again (`known_hung`): asked, its handle cost one NVML
+    deadline more (`monitor`, `cap apply`)."""
 
-    with nvml_session(nvml) as module:
-        return refused_gpus(module)
+    def __init__(self, lost: Sequence[GpuError] = (), nvml: ModuleType | None = None) -> None:
+        from dvfs.gpu.deadline import GpuTimeoutError
+
+        self.hung = [
+            e.index for e in lost if e.index is not None and isinstance(e, GpuTimeoutError)
+        ]
+        self.nvml = nvml
+        self._refused: list[int] | None = None
+
+    def __call__(self) -> list[int]:
+        if self._refused is None:
+            from dvfs.gpu.nvml import nvml_session, refused_gpus
+
+            with nvml_session(self.nvml) as module:
+                self._refused = refused_gpus(module, hung=self.hung)
+        return list(self._refused)
+
+
+def withheld_gpus(nvml: ModuleType | None = None, *, lost: Sequence[GpuError] = ()) -> list[int]:
+    """The GPUs NVML counts but has no permission to talk to, which every GPU (without
+    CUDA_VISIBLE_DEVICES) leaves out (`WithheldGpus`, a GPU of `lost` whose call hung not asked
+    again): a command over every GPU that must not quietly act on fewer names them."""
+    return WithheldGpus(lost, nvml)()
 
 
 def withheld_records_line(
@@ -245,6 +268,7 @@ def withheld_records_line(
     left: str,
     command: str,
     lost: Sequence[GpuError] = (),
+    withheld: WithheldGpus | None = None,
 ) -> str:
     """The line for records (`holds` them: state files, caps) of GPUs none of those a command
     over every GPU opened, where NVML withholds GPUs from this process (such records may be
@@ -253,22 +277,24 @@ def withheld_records_line(
     did not open, `reachable_gpus`) whose UUID NVML still reads is that GPU's, named with
     those lost: not here too, with a sudo that would not help it (one GPU, two lines of
     advice). (A GPU whose calls hang is not asked again: a deadline more; its record stays
-    here, as one whose UUID NVML cannot read.)"""
+    here, as one whose UUID NVML cannot read.) `withheld`: the command's `WithheldGpus`, asked
+    once for all its lines (by default, one of `lost`'s own)."""
     if not records:
         return ""
     from dvfs.gpu.deadline import GpuTimeoutError
-    from dvfs.gpu.nvml import nvml_session, refused_gpus, uuids_of
+    from dvfs.gpu.nvml import nvml_session, uuids_of
 
-    # a GPU whose calls hung is not asked again (`refused_gpus`): a deadline more
-    hung = [e.index for e in lost if e.index is not None and isinstance(e, GpuTimeoutError)]
-    with nvml_session() as module:
-        refused = refused_gpus(module, hung=hung)
-        if not refused:
-            return ""
-        answering = [
-            e.index for e in lost if e.index is not None and not isinstance(e, GpuTimeoutError)
-        ]
-        theirs = set(uuids_of(module, answering)) if answering else set()
+    # a GPU whose calls hung is not asked again (`WithheldGpus`): a deadline more
+    refused = (withheld or WithheldGpus(lost))()
+    if not refused:
+        return ""
+    answering = [
+        e.index for e in lost if e.index is not None and not isinstance(e, GpuTimeoutError)
+    ]
+    theirs: set[str] = set()
+    if answering:
+        with nvml_session() as module:
+            theirs = set(uuids_of(module, answering))
     records = [r for r in records if r not in theirs]
     if not records:
         return ""
@@ -286,6 +312,7 @@ def withheld_caps_line(
     left: str,
     command: str,
     lost: Sequence[GpuError] = (),
+    withheld: WithheldGpus | None = None,
 ) -> str:
     """The line naming the GPUs dvfs's caps record (in `directory`) holds caps for that none of
     `found` (every GPU a reset took) is, where NVML counts GPUs it has no permission to talk to
@@ -301,7 +328,9 @@ def withheld_caps_line(
         return ""
     opened = {g.identity.uuid for g in found}
     others = [uuid for uuid in recorded if uuid not in opened]
-    return withheld_records_line(others, "dvfs's caps record holds caps for", left, command, lost)
+    return withheld_records_line(
+        others, "dvfs's caps record holds caps for", left, command, lost, withheld
+    )
 
 
 def _lost_indices(lost: Sequence[GpuError], nvml: ModuleType | None) -> None:

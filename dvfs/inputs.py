@@ -4,6 +4,7 @@ line instead of being read until memory runs out. Pipes stay readable (`<(genera
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
@@ -30,6 +31,27 @@ def file_in_the_way(path: Path) -> Path:
     """The file where a folder of `path` should be, for a read of `path` that failed ENOTDIR
     (`afile/c.toml`): the nearest of its folders that exists (a file), else its parent."""
     return next((p for p in path.parents if p.exists()), path.parent)
+
+
+def link_loop_problem(path: str | bytes | os.PathLike[str]) -> str | None:
+    """What is wrong with `path` where it is, or leads through, a symbolic link in a loop
+    (`ln -s x x`), which no open gets through, and what to do; None otherwise. The reads that
+    ask `exists()` first said "does not exist" of it, of a link that is there."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return None
+    except (TypeError, ValueError):  # a NUL in it: said where it is opened
+        return None
+    else:
+        return None
+    text = os.fsdecode(path)
+    if os.path.islink(path):
+        said = f"{text} is a symbolic link in a loop (it never reaches a file)"
+    else:
+        said = f"a symbolic link on the way to {text} is in a loop"
+    return f"{said}: point it at the file, or give the file's own path"
 
 
 def read_limited(

@@ -407,6 +407,15 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
     # as root, the lock and the journals the sweep would write through another user's link
     for path in (lock, out_dir / JOURNAL_NAME, *folder_journals(out_dir)):
         check_links(path)
+    if (
+        not lock.exists()
+        and os.path.islink(lock)
+        and not os.path.isdir(os.path.dirname(os.path.realpath(lock)))
+    ):
+        # a link to nothing: the sweep creates its target, or fails where that target's folder
+        # is not there, as `folder_problem` says ("usable" here, the sweep refused it)
+        problem = OSError(errno.ENOENT, os.strerror(errno.ENOENT), str(lock))
+        raise JournalError(folder_problem(problem, out_dir))
     if lock.exists():
         try:
             # As the sweep opens it, less O_CREAT: a folder (EISDIR) or a lock the sweep may

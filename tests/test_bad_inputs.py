@@ -1842,7 +1842,78 @@ MORE_CASES = (
             says=("p.toml", "pipe"),
         ),
         corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
-        caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
+        # "caps file caps.toml does not exist", of a link that is there
+        caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml", "a loop"),
+        # A symbolic link in a loop (or one on the way to the file) given to a path the command
+        # reads: click said "Path 'cube.nc' does not exist", the plan "too many levels of
+        # symbolic links"; each now says the link is in a loop, as the cube paths do.
+        *(
+            C(
+                f"{id}-symlink-loop",
+                argv,
+                files={"c.toml": GOOD_TEXT, "p.toml": _TWIN_PROFILE, name: Writer(_symlink_loop)},
+                code=2,
+                says=(f"{{tmp}}/{name}", "a loop"),
+            )
+            for id, name, argv in (
+                ("twin-fit", "cube.nc", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/o.toml"]),
+                (
+                    "twin-predict-campaign",
+                    "l.toml",
+                    ["twin", "predict", "{tmp}/l.toml", "--profile", "{tmp}/p.toml", "-o", "o"],
+                ),
+                (
+                    "twin-predict-profile",
+                    "l.toml",
+                    ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/l.toml", "-o", "o"],
+                ),
+                ("cap-plan", "h.json", ["cap", "plan", "{tmp}/h.json", "--batch", "1"]),
+                (
+                    "govern-plan",
+                    "l.toml",
+                    [
+                        "govern",
+                        "--plan",
+                        "{tmp}/l.toml",
+                        "--url",
+                        "http://127.0.0.1:9",
+                        "--dry-run",
+                    ],
+                ),
+            )
+        ),
+        # A sweep folder whose cube.nc is no file (a FIFO, a device, a link in a loop, a
+        # folder): `twin fit DIR` said "holds a sweep journal but no cube.nc: build the cube",
+        # whose build fails on it (or writes into it); it says what `cube info DIR` says.
+        *(
+            C(
+                f"sweep-dir-cube-{kind}-{cmd}",
+                [*argv, "{tmp}/run"],
+                files={
+                    "run/journal.jsonl": lambda e: e["journal"].read_bytes(),
+                    "run/cube.nc": content,
+                },
+                code=1,
+                says=("run/cube.nc", said),
+            )
+            for kind, content, said in (
+                ("fifo", Writer(_fifo), "no regular file"),
+                ("link-to-dev-zero", Writer(_dev_zero), "no regular file"),
+                ("link-in-a-loop", Writer(_symlink_loop), "a loop"),
+                ("folder", DIR, "is a folder"),
+            )
+            for cmd, argv in (
+                ("twin-fit", ["twin", "fit", "-o", "{tmp}/p.toml"]),
+                ("cube-info", ["cube", "info"]),
+            )
+        ),
+        C(
+            "twin-fit-symlink-loop-on-the-way",
+            ["twin", "fit", "{tmp}/l/cube.nc", "-o", "{tmp}/o.toml"],
+            files={"l": Writer(_symlink_loop)},
+            code=2,
+            says=("on the way to {tmp}/l/cube.nc", "a loop"),
+        ),
         C(
             "cube-info-symlink-loop",
             ["cube", "info", "{tmp}/cube.nc"],
@@ -3700,6 +3771,32 @@ def test_a_corpus_package_resource_that_is_a_named_pipe_is_refused_not_waited_on
     )
 
 
+@pytest.mark.parametrize(
+    ("resource", "content"),
+    [("p.jsonl", ""), ("p.jsonl", "\n  \n"), ("p.csv", "\n"), ("p.txt", "")],
+    ids=["empty", "whitespace", "csv-whitespace", "no-format"],
+)
+def test_an_empty_corpus_package_resource_names_the_package_not_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resource: str, content: str
+) -> None:
+    """A user corpus's `package`/`resource` naming an empty data file (or one of only
+    whitespace): it said to "point the campaign's path for this corpus at the file that holds
+    them", of a corpus that has no path but a package and resource. It names those."""
+    package = tmp_path / "dvfs_bad_inputs_empty_pkg"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "data" / resource).write_text(content)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, package.name, raising=False)
+    spec = {"package": package.name, "resource": f"data/{resource}", "field": "text"}
+    (tmp_path / "c.toml").write_text(user_corpus_campaign(spec), encoding="utf-8")
+    argv = ["corpus", "show", "mine", "--campaign", str(tmp_path / "c.toml")]
+    result = CliRunner().invoke(cli, argv)
+    says = (f"{package.name}:data/{resource} is empty", "package and resource")
+    check_one_clean_error(result, Case("corpus-package-empty", argv, code=2, says=says), {})
+    assert "campaign's path" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("writer_done", [True, False], ids=["written", "writing"])
 def test_a_campaign_from_a_pipe_is_read(tmp_path: Path, writer_done: bool) -> None:
     """`dvfs sweep <(generate) --dry-run`: the campaign comes through a pipe whose writer has
@@ -4400,3 +4497,28 @@ def test_a_cap_apply_dry_run_says_the_apply_would_fail_on_a_state_folder_it_cann
     check_one_clean_error(result, Case(f"cap-dry-run-{kind}", argv, code=1, says=words), places)
     assert sorted(p.name for p in state.iterdir()) == listing  # nothing written there
     assert "would apply to" not in result.stdout, result.stdout
+
+
+def test_doctor_says_the_sweeps_refusal_of_a_lock_linked_into_no_folder(tmp_path: Path) -> None:
+    """An --out folder whose sweep.lock is a symbolic link into a folder that is not there:
+    the sweep refuses it (7c763a3a), but `dvfs doctor` said "ok output folder: OUT: usable",
+    and the dry run planned it without a note, for `path.exists()` denies such a link is
+    there. Both now say the sweep's line."""
+    (tmp_path / "c.toml").write_text(campaign(), encoding="utf-8")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "sweep.lock").symlink_to("missing/sweep.lock")
+    argv = ["sweep", str(tmp_path / "c.toml"), "--out", str(out)]
+    swept = CliRunner().invoke(cli, [*argv, "--no-progress"])
+    assert swept.exit_code == 1, swept.output
+    refusal = swept.stderr.strip().splitlines()[-1].removeprefix("Error: ")
+    assert "missing/sweep.lock, in a folder that does not exist" in refusal, refusal
+    doctor = CliRunner().invoke(cli, ["doctor", str(tmp_path / "c.toml"), "--out", str(out)])
+    assert doctor.exit_code == 1, doctor.output
+    # doctor wraps to the console's width, a long path mid-word too: compared without spaces
+    said = "".join(doctor.output.split())
+    assert "".join(f"FAIL output folder: {refusal}".split()) in said, doctor.output
+    dry = CliRunner().invoke(cli, [*argv, "--dry-run", "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    assert f"the sweep would stop: {refusal}" in " ".join(dry.stderr.split()), dry.output
+    assert not (out / "missing").exists()

@@ -34,8 +34,8 @@ def small_bound(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     made: list[Any] = []
     init = loaders._Lines.__init__
 
-    def spy(self: Any, *args: Any) -> None:
-        init(self, *args)
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
         made.append(self)
 
     monkeypatch.setattr(loaders._Lines, "__init__", spy)

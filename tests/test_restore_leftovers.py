@@ -498,6 +498,77 @@ def test_gpu_reset_asks_a_hung_gpu_with_a_state_file_once(
     assert _back(nvml, 0) and _back(nvml, 2)
 
 
+@pytest.mark.parametrize("command", ["monitor", "cap-apply", "cap-apply-dry-run"])
+def test_a_hung_gpu_is_asked_once_by_a_command_that_names_gpus_nvml_withholds(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, command: str
+) -> None:
+    """`dvfs monitor` and `dvfs cap apply` (a [[model]] entry) over every GPU with GPU 1's
+    handle hanging: once every GPU was opened, each asked which GPUs NVML withholds
+    (`withheld_gpus`, `permitted`), which asked GPU 1's handle again: a deadline more before
+    the command named the GPU. Now GPU 1 is asked once (`known_hung`): named with its error,
+    exit 1. (A child process: the hung call never returns, and the child exits with it.)"""
+    caps = tmp_path / "caps.toml"
+    caps.write_text('[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1500\n')
+    argv = {
+        "monitor": ["monitor", "--once"],
+        "cap-apply": ["cap", "apply", str(caps)],
+        "cap-apply-dry-run": ["cap", "apply", str(caps), "--dry-run"],
+    }[command]
+    child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", *argv],
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 1, result.stderr
+    error = [x for x in result.stderr.splitlines() if x.strip()][-1]
+    assert f"{HANDLE} on GPU 1 did not return within 1 s" in error, error
+    asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
+    assert len(asked) == 1, asked
+
+
+def test_gpu_reset_defaults_asks_which_gpus_nvml_withholds_once(
+    nvml: ModuleType, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs gpu reset --defaults` over every GPU with GPU 1's handle hanging and a state file
+    and caps on every GPU: GPU 1's state file, then its caps, each asked which GPUs NVML
+    withholds (`refused_gpus`: every other GPU's handle asked again). Now it is asked once:
+    GPU 0's handle (its every call logged by the fake, none held) asked as often as by the
+    reset without --defaults, which asks it for the state files alone."""
+    from dvfs.gpu.safety import StateStore
+
+    def asked_of_gpu_0(*flags: str) -> int:
+        import shutil
+
+        shutil.rmtree(env["DVFS_STATE_DIR"], ignore_errors=True)  # the run before's records
+        nvml.fake_reset_state()
+        _capped(nvml, tmp_path, monkeypatch)
+        store = StateStore(Path(env["DVFS_STATE_DIR"]))
+        with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+            _left_changed(nvml, store, gpus)
+        before = len(nvml.fake_hangs_started())
+        hangs = f"{HANDLE}@1=inf,{HANDLE}@0=0"  # GPU 0's: logged, returning at once
+        child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": hangs}
+        result = subprocess.run(
+            [sys.executable, "-m", "dvfs", "gpu", "reset", *flags],
+            env=child,
+            capture_output=True,
+            text=True,
+            timeout=STUCK_S,
+        )
+        assert result.returncode == 1, result.stderr
+        error = [x for x in result.stderr.splitlines() if x.strip()][-1]
+        assert f"{HANDLE} on GPU 1 did not return within 1 s" in error, error
+        assert _back(nvml, 0) and _back(nvml, 2)
+        started = nvml.fake_hangs_started()[before:]
+        assert len([h for h in started if h["index"] == 1]) == 1, started
+        return len([h for h in started if h["fn"] == HANDLE and h["index"] == 0])
+
+    assert asked_of_gpu_0("--defaults") == asked_of_gpu_0()
+
+
 def test_gpu_list_reads_the_gpus_side_by_side(
     nvml: ModuleType, hang: Callable[..., None], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -299,9 +299,11 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
 
 def load_caps(path: str | Path) -> CapsFile:
     path = Path(path)
+    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, link_loop_problem, read_text_limited
+
     if not path.exists():
-        raise CapsError(f"caps file {path} does not exist")
-    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, read_text_limited
+        loop = link_loop_problem(path)  # not "does not exist", of a link that is there
+        raise CapsError(f"caps file: {loop}" if loop else f"caps file {path} does not exist")
 
     try:
         data = tomllib.loads(

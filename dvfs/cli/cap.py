@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from dvfs.cli.common import (
+    ExistingPath,
     OutputFile,
     OutputFolder,
     console,
@@ -32,6 +33,7 @@ from dvfs.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from dvfs.backends import WithheldGpus
     from dvfs.caps import CapAction, CapsFile
     from dvfs.errors import GpuError
     from dvfs.gpu.base import Gpu
@@ -66,7 +68,7 @@ def _once(ctx: click.Context, param: click.Parameter, values: tuple[Any, ...]) -
 
 
 @cap.command("plan")
-@click.argument("headroom_json", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.argument("headroom_json", type=ExistingPath(dir_okay=False))
 @click.option(
     "--batch",
     type=int,
@@ -266,7 +268,7 @@ def apply(
     GPUs here that no entry names, are only noted. With --wait-for-driver, a kernel module not
     loaded yet is waited for (the caps unit at boot); nothing else is.
     """
-    from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
+    from dvfs.backends import WithheldGpus, lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
         AppliedCaps,
         CapsPartlyAppliedError,
@@ -295,10 +297,19 @@ def apply(
     # not leave the others at stock; it is named, exit 1, once they are capped. One whose power
     # limit NVML does not support is set aside only where the file names it (below).
     openable, lost = reachable_gpus(unsupported_ok=True)
+    # the GPUs NVML withholds, asked once (where a line needs them), a hung GPU not again
+    asked = WithheldGpus(lost)
     if not openable and lost:  # a withheld GPU the file names is said too, as where some open
         line = str(lost_gpus(lost))
         _refuse_unmatched_withheld(
-            caps, caps_file, [], allow_simulated, dry_run=dry_run, command=again, lost=line
+            caps,
+            caps_file,
+            [],
+            allow_simulated,
+            asked,
+            dry_run=dry_run,
+            command=again,
+            lost=line,
         )
         raise lost_gpus(lost)
     with open_gpus(openable, allow_mig=True) as opened:  # MIG GPUs: left alone (`plan_actions`)
@@ -324,6 +335,7 @@ def apply(
                 caps_file,
                 opened,
                 allow_simulated,
+                asked,
                 dry_run=dry_run,
                 command=again,
                 lost=lost_line,
@@ -331,11 +343,16 @@ def apply(
             raise
         if plan.unmatched:
             _refuse_withheld(
-                plan.unmatched, str(caps_file), dry_run=dry_run, lost=lost_line, command=again
+                plan.unmatched,
+                str(caps_file),
+                asked,
+                dry_run=dry_run,
+                lost=lost_line,
+                command=again,
             )
         # every GPU leaves out one NVML may not talk to: a [[model]] entry may name it (its
         # model cannot be read), left uncapped, which must not read as the file applied
-        withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run, command=again)
+        withheld = _withheld_models(caps, str(caps_file), asked, dry_run=dry_run, command=again)
         capped = {a.uuid for a in plan.actions if not a.refused}
         volatile = {
             g.identity.uuid: f"GPU {g.identity.index}"
@@ -450,17 +467,23 @@ def apply(
 
 
 def _refuse_withheld(
-    unmatched: Sequence[str], where: str, *, dry_run: bool, command: str, lost: str = ""
+    unmatched: Sequence[str],
+    where: str,
+    asked: WithheldGpus,
+    *,
+    dry_run: bool,
+    command: str,
+    lost: str = "",
 ) -> None:
     """Refuse (exit 4, nothing changed) a caps file naming GPU UUIDs none of the GPUs that open
     has, on a host where NVML counts GPUs it has no permission to talk to: "every GPU" leaves
     those out (`dvfs.gpu.nvml.every_gpu`), and their UUIDs cannot be read, so a UUID the file
     names may be one of theirs: a GPU the file names must not be skipped as "not on this host"
-    (exit 0 with --skip-missing), but refused as a GPU named on the command line is."""
-    from dvfs.backends import withheld_gpus
+    (exit 0 with --skip-missing), but refused as a GPU named on the command line is. `asked`:
+    the GPUs NVML withholds, asked once for the command."""
     from dvfs.errors import GpuPermissionError
 
-    refused = withheld_gpus()
+    refused = asked()
     if not refused:
         return
     gpus = ", ".join(f"GPU {i}" for i in refused)
@@ -474,18 +497,18 @@ def _refuse_withheld(
     )
 
 
-def _withheld_models(caps: CapsFile, where: str, *, dry_run: bool, command: str) -> str:
+def _withheld_models(
+    caps: CapsFile, where: str, asked: WithheldGpus, *, dry_run: bool, command: str
+) -> str:
     """The line naming the GPUs NVML counts but has no permission to talk to, where the caps
     file has [[model]] entries: every GPU leaves those GPUs out (`dvfs.gpu.nvml.every_gpu`) and
     their model cannot be read, so an entry for every GPU of a model may name one, which is
     not capped, and the `command` that caps it (`_apply_command`); "" where the file names
-    GPUs by UUID only or NVML withholds none."""
-    from dvfs.backends import withheld_gpus
-
+    GPUs by UUID only or NVML withholds none. `asked`: the GPUs NVML withholds, asked once."""
     models = [c.name for c in caps.caps if c.name]
     if not models:
         return ""
-    refused = withheld_gpus()
+    refused = asked()
     if not refused:
         return ""
     gpus = ", ".join(f"GPU {i}" for i in refused)
@@ -521,6 +544,7 @@ def _refuse_unmatched_withheld(
     caps_file: Path,
     opened: Sequence[Gpu],
     allow_simulated: bool,
+    asked: WithheldGpus,
     *,
     dry_run: bool,
     command: str,
@@ -542,7 +566,7 @@ def _refuse_unmatched_withheld(
     )
     if any(cap is not None for cap in named):
         return
-    withheld = _withheld_models(caps, str(caps_file), dry_run=dry_run, command=command)
+    withheld = _withheld_models(caps, str(caps_file), asked, dry_run=dry_run, command=command)
     if withheld:
         host = "; ".join(f"GPU {g.identity.index}, {g.identity.name}" for g in opened) or "none"
         raise GpuPermissionError(
@@ -552,7 +576,7 @@ def _refuse_unmatched_withheld(
         ) from None
     uuids = [c.uuid for c in caps.caps if c.uuid]
     if uuids:
-        _refuse_withheld(uuids, str(caps_file), dry_run=dry_run, command=command, lost=lost)
+        _refuse_withheld(uuids, str(caps_file), asked, dry_run=dry_run, command=command, lost=lost)
 
 
 def _set_aside_unsupported(

@@ -898,6 +898,24 @@ def _refuse_empty(
         path_type.fail(f"the path is empty: {instead}", param, ctx)
 
 
+class ExistingPath(click.Path):
+    """click.Path(exists=True, ...) for a path a command reads, that says a symbolic link in a
+    loop (`ln -s x x`, or one on the way to it) is that, in one usage error: click's own check
+    said "Path 'x' does not exist", of a link that is there, whose advice (make the file)
+    cannot be followed there, as the cube paths say it (`open_cube`); `link_loop_problem`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(exists=True, path_type=Path, **kwargs)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from dvfs.inputs import link_loop_problem
+
+        loop = link_loop_problem(value) if isinstance(value, str | bytes | os.PathLike) else None
+        if loop:
+            self.fail(loop, param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class OutputFile(click.Path):
     """An option naming the file a command writes. A path ending in '/' or '/.' (`"$DIR/."`)
     is refused (click's usage error) before any work: pathlib drops the slash and the '.', so

@@ -430,7 +430,8 @@ def monitor(
         raise lost_gpus(lost)
     if lost and not once:  # --once names them once, after its page
         note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
-    withheld = [] if devices else withheld_gpus()
+    # a GPU whose call hung (among `lost`) not asked again: a deadline more
+    withheld = [] if devices else withheld_gpus(lost=lost)
     if withheld:  # every GPU leaves them out: said, not a quietly shorter page
         gpus_named = ", ".join(f"GPU {i}" for i in withheld)
         note(

@@ -29,6 +29,7 @@ from dvfs.cli.common import (
 from dvfs.errors import GpuError, GpuPermissionError
 
 if TYPE_CHECKING:
+    from dvfs.backends import WithheldGpus
     from dvfs.gpu.base import Gpu
 
 
@@ -300,7 +301,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     Holds each GPU's lock while restoring, so it refuses a GPU named in DEVICES that a running
     dvfs is using.
     """
-    from dvfs.backends import lost_gpus, parse_devices, reachable_gpus
+    from dvfs.backends import WithheldGpus, lost_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_gpus
     from dvfs.errors import GpuBusyError, GpuError
     from dvfs.gpu.knobs import RestoreBugError
@@ -325,7 +326,9 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     with open_cli_gpus(devices, None, allow_mig=True, lost=lost) as gpus:
         # every GPU leaves out one NVML may not talk to: a state file none of those opened
         # has may be its, left unrestored, which must not read as "nothing to restore"
-        withheld = _withheld_state(directory, gpus, lost) if every else ""
+        # the GPUs NVML withholds, asked once for both lines, a hung GPU not asked again
+        asked = WithheldGpus(lost)
+        withheld = _withheld_state(directory, gpus, lost, asked) if every else ""
         if every and defaults:  # --defaults resets every GPU's caps too, as `cap reset` does
             from dvfs.backends import withheld_caps_line
 
@@ -335,6 +338,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
                 "those caps were not reset",
                 f"dvfs gpu reset --defaults{state_dir_flag(directory)}",
                 lost,
+                asked,
             )
             withheld = "; ".join(p for p in (withheld, caps) if p)
         try:
@@ -375,11 +379,14 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
         raise lost_gpus(lost)
 
 
-def _withheld_state(directory: Path, gpus: Sequence[Gpu], lost: Sequence[GpuError]) -> str:
+def _withheld_state(
+    directory: Path, gpus: Sequence[Gpu], lost: Sequence[GpuError], asked: WithheldGpus
+) -> str:
     """The line naming the state files in `directory` that none of `gpus` (every GPU) has,
     where NVML counts GPUs it has no permission to talk to (every GPU leaves them out, their
     UUIDs unreadable: such a file may be one's); "" where there is none. The file of a GPU of
-    `lost` whose UUID NVML reads is left to the line naming it (`withheld_records_line`)."""
+    `lost` whose UUID NVML reads is left to the line naming it (`withheld_records_line`).
+    `asked`: the GPUs NVML withholds, asked once for the command."""
     from dvfs.backends import withheld_records_line
     from dvfs.gpu.safety import state_dir_flag
 
@@ -392,6 +399,7 @@ def _withheld_state(directory: Path, gpus: Sequence[Gpu], lost: Sequence[GpuErro
         "their settings were not restored",
         f"dvfs gpu reset{state_dir_flag(directory)}",  # run with sudo, which drops the env
         lost,
+        asked,
     )
 
 

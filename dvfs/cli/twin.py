@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dvfs.cli.common import (
+    ExistingPath,
     OutputFile,
     OutputFolder,
     console,
@@ -40,7 +41,7 @@ def twin() -> None:
 
 
 @twin.command("fit")
-@click.argument("source", type=click.Path(exists=True, path_type=Path), metavar="ROOFLINE_OR_CUBE")
+@click.argument("source", type=ExistingPath(), metavar="ROOFLINE_OR_CUBE")
 @click.option(
     "-o",
     "--out",
@@ -76,8 +77,16 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
 
     kind = fit_input_kind(source)
     if kind is None and source.is_dir():
+        from dvfs.cube import CUBE_NAME, open_cube
+        from dvfs.inputs import link_loop_problem
         from dvfs.measure.journal import JOURNAL_NAME
 
+        cube = source / CUBE_NAME
+        if cube.exists() or link_loop_problem(cube):
+            # a cube.nc there that is no file (a FIFO, a device, a folder, a link in a loop):
+            # refused as `dvfs cube info` refuses it, not "no cube.nc: build the cube", whose
+            # build fails on it or writes into it
+            open_cube(cube)
         if (source / JOURNAL_NAME).is_file():  # a sweep stopped before it wrote its cube
             fail(
                 f"{source} holds a sweep journal but no cube.nc: build the cube from it with "
@@ -262,13 +271,13 @@ def _fit_cube(
 @twin.command("predict")
 @click.argument(
     "campaign_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=ExistingPath(dir_okay=False),
     metavar="CAMPAIGN",
 )
 @click.option(
     "--profile",
     "profile_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=ExistingPath(dir_okay=False),
     required=True,
     help="Profile TOML from `dvfs twin fit`.",
 )

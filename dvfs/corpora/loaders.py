@@ -130,8 +130,11 @@ class _Lines:
     refused it: the first NUL anywhere before the first line that is not UTF-8, either before
     a record's error found earlier (`refuse`), and a file of only whitespace as empty."""
 
-    def __init__(self, stream: IO[bytes], where: str, unreadable: str) -> None:
+    def __init__(
+        self, stream: IO[bytes], where: str, unreadable: str, *, packaged: bool = False
+    ) -> None:
         self.stream, self.where, self.unreadable = stream, where, unreadable
+        self.packaged = packaged  # a package's resource: said so where it is empty
         self.digest = hashlib.sha256()
         self.lineno = 0
         self.blank = True  # only whitespace so far
@@ -295,7 +298,7 @@ class _Lines:
             self.finish()
         except CorpusError as whole:
             return whole
-        return _empty_file(self.where) if self.blank else exc
+        return _empty_file(self.where, packaged=self.packaged) if self.blank else exc
 
 
 def _bound() -> str:
@@ -305,8 +308,16 @@ def _bound() -> str:
     return f"{MAX_PROMPT_BYTES:,} bytes"
 
 
-def _empty_file(where: str) -> CorpusError:
-    """A corpus file with no record in it (nothing, or only whitespace), with the way on."""
+def _empty_file(where: str, *, packaged: bool = False) -> CorpusError:
+    """A corpus file with no record in it (nothing, or only whitespace), with the way on: for
+    a package's resource (`packaged`), the package and resource the campaign names, not its
+    path (it has none), nor a file to write into inside an installed package."""
+    if packaged:
+        return CorpusError(
+            f"{where} is empty (or only whitespace): point the campaign's package and resource "
+            "for this corpus at the data file that holds the records (or reinstall the package "
+            "if that file should hold them)"
+        )
     return CorpusError(
         f"{where} is empty (or only whitespace): write the corpus's records into it, or point "
         "the campaign's path for this corpus at the file that holds them"
@@ -967,7 +978,7 @@ def _file_prompts(
     prompts = _prompts(records, name, spec, count_tokens)
     lines.finish()
     if lines.blank:
-        raise _empty_file(where)
+        raise _empty_file(where, packaged=lines.packaged)
     if not prompts:
         raise CorpusError(f"{where} holds no records")
     return prompts
@@ -988,12 +999,12 @@ def load_user_corpus(
     else:
         stream, where, source, unreadable = _open_source(spec, base_dir)
         with stream:
-            lines = _Lines(stream, where, unreadable)
+            lines = _Lines(stream, where, unreadable, packaged="package" in spec)
             try:
                 fmt = _format_of(spec, where)
             except CorpusError:
                 if lines.only_whitespace():  # said first, as of any empty file
-                    raise _empty_file(where) from None
+                    raise _empty_file(where, packaged=lines.packaged) from None
                 raise
             try:
                 prompts = _file_prompts(lines, fmt, name, spec, where, count_tokens)

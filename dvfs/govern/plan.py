@@ -267,11 +267,16 @@ def parse_plan(data: dict[str, Any], *, where: str) -> BatchPlan:
 
 def load_plan(path: str | Path) -> BatchPlan:
     path = Path(path)
+    from dvfs.inputs import link_loop_problem
+
+    loop = link_loop_problem(path)  # as `--profile` and the other paths read say it
+    if loop:
+        raise CapsError(f"per-batch plan: {loop}")
     try:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):  # (a file where a folder of its path goes)
         raise CapsError(f"per-batch plan {path} does not exist") from None
-    # (any other OSError, a link loop or a folder this user may not search, goes to the
+    # (any other OSError, a folder this user may not search, goes to the
     # command, which says it with what to do: `describe_os_error` is the CLI's)
     # a pipe (`--plan <(...)`) is read as a file is; a device (/dev/null) or a folder is none
     if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
