@@ -1500,3 +1500,34 @@ def test_every_worker_lost_says_why_a_restore_left_gpus_changed_not_once_they_an
     when = "once they answer again, " if case == "lost" else ""
     assert f"{when}run {command}{' as root' if root else ''}, then rerun the same" in last, last
     assert "Traceback" not in result.stderr
+
+
+def test_an_interrupted_fleet_says_why_a_restore_was_refused_and_to_reset_as_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C on a local fleet of two fake GPUs after its first cell, and NVML refusing, for
+    want of root, to unlock GPU 0's clocks as its worker closes. The interrupted sweep's line
+    said "GPU settings NOT fully restored for GPU-...: run `dvfs gpu reset`": neither the
+    restore's error nor that the reset needs root, which a Ray fleet's says. It says both."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+    from test_durability import _signal_after_first_cell_written
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 4})
+    _signal_after_first_cell_written(monkeypatch)  # Ctrl-C there
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    out = tmp_path / "out"
+    result = dvfs_in_process(
+        "sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress", env=env
+    )
+    assert result.returncode == 130, result.stderr
+    said = " ".join(result.stderr.split())
+    assert "GPU settings NOT fully restored for GPU-" in said, said
+    assert "permission denied" in said.split("NOT fully restored", 1)[1], said
+    assert " as root (state in " in said, said
+    assert "Run the same command again to resume" in said, said
+    assert "Traceback" not in said, said

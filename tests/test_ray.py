@@ -2910,3 +2910,93 @@ def test_a_refusal_both_real_ray_workers_meet_ends_in_its_line_and_exit_4(
     assert "permission denied" in last, result.output
     assert "every worker was lost" not in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def _three_opening_actors(closed: list[str]):  # type: ignore[no-untyped-def]
+    """An actor class of three real-GPU actors on n1 (their `open` answering their session,
+    their close noted in `closed`), and Ray's `get` over their answers."""
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.open = types.SimpleNamespace(remote=lambda: ("open", label))
+            self.close = types.SimpleNamespace(remote=lambda: ("close", label))
+            self.unrestored = types.SimpleNamespace(remote=lambda: ("unrestored", label))
+            self.reset_command = types.SimpleNamespace(remote=lambda: ("told", label))
+
+    labels = iter(["n1/gpu0", "n1/gpu1", "n1/gpu2"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref[0] == "open":
+            return {"worker": ref[1]}
+        if ref[0] == "close":
+            closed.append(ref[1])
+            return None
+        if ref[0] == "unrestored":
+            return []
+        return (ref[1].split("/")[0], "`dvfs gpu reset --state-dir /s`")
+
+    return actor_class, get
+
+
+def test_actors_whose_open_answers_as_the_run_stops_are_closed_or_named() -> None:
+    """Real GPUs: Ctrl-C while three actors open; their opens answer just after the driver
+    looked which had opened (none: nothing to close), before it looked which were still inside
+    `open` (none: every open had answered). Each look took the other's for its own: the three
+    were killed with their GPUs as their settle set them, neither closed nor named. Each is
+    now closed or named."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    closed: list[str] = []
+    actor_class, get = _three_opening_actors(closed)
+    looks: list[int] = []
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        if any(r[0] == "open" for r in refs):
+            looks.append(1)
+            if len(looks) == 1:
+                raise KeyboardInterrupt  # Ctrl-C while they open
+            if len(looks) == 2:  # the driver's first look after it: none opened yet
+                return [], list(refs)
+        return list(refs), []  # every open answered now
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 3, lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}], wait=wait
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    named = " ".join(executor.unrestored.get("n1", []))
+    for i, label in enumerate(["n1/gpu0", "n1/gpu1", "n1/gpu2"]):
+        assert label in closed or f"dvfs-{i} " in named, (closed, executor.unrestored)
+
+
+def test_a_signal_as_the_opened_actors_are_noted_closes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real GPUs: every actor opened (a measured settle set its clocks), and a signal lands
+    once their sessions came back, before the driver noted them as opened (as it sorts them).
+    None was closed and none named: the three were killed with their GPUs as they set them,
+    the sweep's line silent. They are closed."""
+    from dvfs.fleet import ray_executor
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    closed: list[str] = []
+    actor_class, get = _three_opening_actors(closed)
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 3, lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}]
+    )
+
+    def signalled(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # the signal, as the sessions are put in order
+
+    monkeypatch.setattr(ray_executor, "sorted", signalled, raising=False)
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert sorted(closed) == ["n1/gpu0", "n1/gpu1", "n1/gpu2"], executor.unrestored
+    assert executor.unrestored == {}

@@ -1037,10 +1037,14 @@ def escape(text: str) -> str:
     return rich_escape(text)
 
 
-def restore_status(left: Sequence[str], state_dir: Path | None) -> str:
+def restore_status(
+    left: Sequence[str], state_dir: Path | None, *, why: str = "", root: bool = False
+) -> str:
     """The line (markup) an interrupted command that changed GPUs ends with: restored, or the
     GPUs `left` changed with the `dvfs gpu reset` that reads their state files in `state_dir`
-    (None: the default folder's, which a plain `dvfs gpu reset` reads)."""
+    (None: the default folder's, which a plain `dvfs gpu reset` reads); `why`: what their
+    restores raised (markup), `root`: whether one was refused for want of root (the reset is
+    to run as root)."""
     if not left:
         return "GPU settings restored."
     from dvfs.gpu.safety import reset_command
@@ -1049,7 +1053,11 @@ def restore_status(left: Sequence[str], state_dir: Path | None) -> str:
         reset, where = "`dvfs gpu reset`", ""
     else:
         reset, where = escape(reset_command(state_dir)), f" (state in {escape(str(state_dir))})"
-    return f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run {reset}{where}."
+    because = f"{why}; " if why else ""
+    return (
+        f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: {because}run "
+        f"{reset}{' as root' if root else ''}{where}."
+    )
 
 
 def parse_shard(value: str | None) -> Any:

@@ -664,7 +664,10 @@ def run_fleet(
                 ),
             )
     except (KeyboardInterrupt, Interrupted, ServerReplacedError) as exc:
-        status = _after_interruption_told(err, campaign, out_dir, shard)
+        # A local worker's restore that failed as it closed (NVML refusing it for want of
+        # root): its error and the reset as root said, as a Ray fleet's line says them.
+        closed = list(run_on.close_errors.values()) if executor == "local" else []
+        status = _after_interruption_told(err, campaign, out_dir, shard, closed)
         if executor == "ray" and run_on.unrestored:
             # With what the closes' restores raised (NVML refusing one for want of root): not
             # "a worker lost its GPU ... once the GPU answers again", which waits for nothing.
@@ -869,10 +872,17 @@ def _refused_advice(summary: Any, failed: int | None = None) -> str:
     return f"{which} failed as their server was refused: {'; '.join(summary.refused_fixes)}, then "
 
 
-def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any = None) -> str:
+def _after_interruption_told(
+    err: Any,
+    campaign: Any,
+    out_dir: Path,
+    shard: Any = None,
+    errors: Sequence[BaseException] = (),
+) -> str:
     """After an interrupted sweep: say where its partial cube is (or why there is none; or
     that it is whole, a finished folder stopped before anything was left to measure) and
-    return the line on the GPUs' settings, to which the caller adds how to resume."""
+    return the line on the GPUs' settings, to which the caller adds how to resume; with what
+    the restores of the GPUs it names raised (`errors`: a local fleet's workers' closes)."""
     from dvfs.report.headroom import holds_no_session
     from dvfs.sweep import after_interruption
 
@@ -895,7 +905,12 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
     if left.cube_error is not None:
         cube = "cube" if left.whole else "partial cube"
         err.print(f"(no {cube}: {escape(left.cube_error)})", soft_wrap=True)
-    return restore_status(left.unrestored, left.state_dir)
+    from dvfs.errors import GpuPermissionError
+
+    errors = [e for e in errors if any(uuid in str(e) for uuid in left.unrestored)]
+    root = any(isinstance(e, GpuPermissionError) or getattr(e, "needs_root", False) for e in errors)
+    why = _restores_failed(errors, reset=False)  # the reset said after it, once
+    return restore_status(left.unrestored, left.state_dir, why=why, root=root)
 
 
 def _ray_unrestored(

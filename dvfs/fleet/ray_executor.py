@@ -666,20 +666,23 @@ class RayExecutor:
             try:
                 resource = TWIN_RESOURCE if twin else "GPU"
                 sessions = self._open(ray, fleet.note, refs, resource, reset)
+                # Noted as opened here, inside the guard: a signal landing once their sessions
+                # came back, before they were noted, left every actor unclosed and unnamed.
+                order = sorted(range(len(actors)), key=lambda i: str(sessions[i]["worker"]))
+                sessions = [sessions[i] for i in order]
+                alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
             except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
-                alive = self._opened(ray, dict(zip(refs, actors, strict=True)))
+                alive, answered = self._opened(ray, dict(zip(refs, actors, strict=True)))
                 # Those still inside `open` are killed with the run (a measured settle may
-                # have set their clocks): named, with their node's reset.
-                self._opening(ray, campaign, refs, told)
+                # have set their clocks): named, with their node's reset. By the same look as
+                # those that opened: an open that answered between two looks was in neither.
+                self._opening(ray, campaign, refs, told, answered)
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
                     raise cause from None
                 raise
-            order = sorted(range(len(actors)), key=lambda i: str(sessions[i]["worker"]))
-            sessions = [sessions[i] for i in order]
-            alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
             fleet.open(sessions)
             self._told(ray, told)
             self._drive(ray, fleet, alive, virtual_time(campaign))
@@ -826,16 +829,18 @@ class RayExecutor:
         with contextlib.suppress(Exception):  # a dead actor: its close said so
             self._leave(label, ray.get(left) or ())
 
-    def _opening(self, ray: Any, campaign: Any, refs: list[Any], told: list[Any]) -> None:
+    def _opening(
+        self, ray: Any, campaign: Any, refs: list[Any], told: list[Any], opened: list[Any]
+    ) -> None:
         """Note the GPUs of the actors still inside `open` (of `refs`) as the run stops: they
         are killed with it, their GPUs as their opening left them (a measured settle sets
         their clocks; their state files kept). Those that told their node (`told`, in the same
-        order: placed and started) and whose open has not answered; not on the twin, nor
-        --observe-only, which sets nothing."""
+        order: placed and started) and whose open had not answered (is not in `opened`, the
+        look `_opened` took: one answering since is neither closed nor skipped); not on the
+        twin, nor --observe-only, which sets nothing."""
         if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
             return
         try:
-            opened, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             started, _ = ray.wait(told, num_returns=len(told), timeout=0)
             for i, (ref, answer) in enumerate(zip(refs, told, strict=False)):
                 if ref in opened or answer not in started:
@@ -883,14 +888,15 @@ class RayExecutor:
         return self.resets.get(host, "`dvfs gpu reset`")
 
     @staticmethod
-    def _opened(ray: Any, actors: dict[Any, Any]) -> dict[str, Any]:
-        """The actors whose `open` (a ref of `actors`) returned a session by now, by label."""
+    def _opened(ray: Any, actors: dict[Any, Any]) -> tuple[dict[str, Any], list[Any]]:
+        """The actors whose `open` (a ref of `actors`) returned a session by now, by label, and
+        the refs that had answered then (a session or an error)."""
         ready, _ = ray.wait(list(actors), num_returns=len(actors), timeout=0)
         opened: dict[str, Any] = {}
         for ref in ready:
             with contextlib.suppress(Exception):  # one that could not open closed itself
                 opened[str(ray.get(ref)["worker"])] = actors[ref]
-        return opened
+        return opened, list(ready)
 
     @staticmethod
     def _open(
