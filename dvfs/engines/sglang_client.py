@@ -184,11 +184,29 @@ def _bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def _ranks(info: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """/server_info's `internal_states`, one state per scheduler rank; None where it is not a
+    list of objects (a rank that is no state reports nothing either)."""
+    states = info.get("internal_states")
+    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
+        return None
+    return states
+
+
 def accept_length_of(info: dict[str, Any]) -> float | None:
-    """`SglangClient.accept_length` from a /server_info answer `info` already read."""
-    states = info.get("internal_states") or []
-    raw = [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
-    values = [float(v) for v in raw if v is not None]
+    """`SglangClient.accept_length` from a /server_info answer `info` already read: unknown
+    (None) where any rank reports it as other than a finite number from 0 (a string, a bool,
+    NaN, a negative), or the answer has no list of ranks, rather than a traceback or a mean
+    that a malformed rank made up."""
+    states = _ranks(info)
+    if states is None:
+        return None
+    raw = [s.get("avg_spec_accept_length") for s in states]
+    values = [v for v in raw if v is not None]
+    if not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf for v in values
+    ):
+        return None
     return float(np.mean(values)) if values and any(values) else None
 
 
@@ -200,19 +218,22 @@ def running_cap_of(info: dict[str, Any]) -> int | None:
     holds (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), so it may be below
     the arg the server reports. None where not every rank reports it as a whole number (0.5.9
     reports none), or the answer has no list of ranks."""
-    states = info.get("internal_states")
-    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
-        return None  # a rank that is not a state does not report it either
+    states = _ranks(info)
+    if states is None:
+        return None
     caps: list[Any] = [s.get("effective_max_running_requests_per_dp") for s in states]
-    if not caps or any(c is None or isinstance(c, bool) for c in caps):
+    # SGLang gives each rank max(1, ...): a cap below 1, or one written as a string, is
+    # nothing it reports (a negative one would refuse the server for it)
+    if not caps or not all(
+        isinstance(c, int | float)
+        and not isinstance(c, bool)
+        and math.isfinite(c)
+        and c == int(c)
+        and c >= 1
+        for c in caps
+    ):
         return None
-    try:
-        whole = [int(c) for c in caps]
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if any(isinstance(c, float) and c != w for c, w in zip(caps, whole, strict=True)):
-        return None
-    return sum(whole)
+    return sum(int(c) for c in caps)
 
 
 class SglangClient:
@@ -325,6 +346,7 @@ class SglangClient:
     def server_info(self) -> dict[str, Any]:
         """/server_info (0.5.9 and 0.5.23 also serve it as /get_server_info, deprecated)."""
         httpx = _httpx()
+        answered = []
         for path in ("/server_info", "/get_server_info"):
             try:
                 status, answer = self._get(path)
@@ -332,12 +354,27 @@ class SglangClient:
                 raise EngineConnectionError(f"cannot read {path}: {exc}") from exc
             if status == 200:
                 try:
-                    return dict(json.loads(answer))
-                except ValueError as exc:
-                    raise EngineError(f"{path} did not answer JSON") from exc
+                    info = json.loads(answer)
+                except ValueError as exc:  # UnicodeDecodeError too: bytes that are not UTF-8
+                    raise EngineError(
+                        f"{self.shown_url}{path} did not answer JSON: is engine.sglang.url "
+                        "an SGLang server?"
+                    ) from exc
+                if not isinstance(info, dict):
+                    raise EngineError(
+                        f"{self.shown_url}{path} answered {json.dumps(info)[:40]}, not a "
+                        "JSON object: is engine.sglang.url an SGLang server?"
+                    )
+                return info
             if status in (401, 403):
                 raise EngineError(f"{self.shown_url} answered {status} to {path}: {KEY_HINT}")
-        raise EngineError(f"{self.shown_url} serves neither /server_info nor /get_server_info")
+            answered.append(f"{status} to {path}")
+        if all(a.startswith("404 ") for a in answered):
+            raise EngineError(f"{self.shown_url} serves neither /server_info nor /get_server_info")
+        raise EngineError(  # a 503 of a server still starting, or of a proxy before it
+            f"{self.shown_url} answered {' and '.join(answered)}: is the server up and "
+            "engine.sglang.url its address?"
+        )
 
     def accept_length(self) -> float | None:
         """The server's mean accept length since the last flush (0.5.9 and 0.5.23), over the
