@@ -123,21 +123,27 @@ class _RoundEnd:
         )
 
 
+#: The most a count in meta_info may be: every count SGLang reports (tokens, verify passes,
+#: drafts, retractions) is far below it, and it stays exact in float64 and int64 arrays.
+MOST_COUNT = 2**53
+
+
 def _whole(meta: dict[str, Any], names: str | Sequence[str], rid: str) -> int | None:
     """The first of `names` that `meta` (a chunk's meta_info) holds, as an int (None: none);
-    raises when it is not a whole number (a malformed answer, failing the request)."""
+    raises when it is not a whole number from 0 to MOST_COUNT (a malformed answer, failing
+    the request: a negative or huge count would be recorded as it is, or overflow an array)."""
     names = (names,) if isinstance(names, str) else names
     for name in names:
         value = meta.get(name)
         if value is None:
             continue
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MOST_COUNT:
             return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and 0 <= value <= MOST_COUNT:
             return int(value)
         raise EngineError(
             f"malformed answer from the server: meta_info.{name} of request {rid} is "
-            f"{json.dumps(value)[:60]}, not a whole number"
+            f"{json.dumps(value)[:60]}, not a whole number from 0 to 2**53"
         )
     return None
 
@@ -494,6 +500,17 @@ class SglangClient:
                                 f"not a list): {payload[:120]!r}"
                             )
                         count = len(ids)
+                    if count > params.max_new_tokens:  # never more than asked, stop or not
+                        said = (
+                            "meta_info.completion_tokens"
+                            if meta.get("completion_tokens") is not None
+                            else "the length of output_ids"
+                        )
+                        raise EngineError(
+                            f"malformed answer from the server: {said} of request {rid} is "
+                            f"{count}, more than the max_new_tokens {params.max_new_tokens} it "
+                            "asked"
+                        )
                     prompt_tokens = _whole(meta, "prompt_tokens", rid) or prompt_tokens
                     new = count - seen
                     if new > 0:
@@ -546,6 +563,7 @@ class SglangClient:
         verify = _whole(final, ("spec_verify_ct",), rid)
         accepted = _whole(final, ACCEPTED_DRAFTS, rid)
         proposed = _whole(final, PROPOSED_DRAFTS, rid)
+        _check_spec_counts(final, rid, seen, verify, accepted, proposed)
         return RequestTrace(
             sent_ns=sent_ns,
             chunk_ns=np.array(chunk_ns, dtype=np.int64),
@@ -720,6 +738,30 @@ def request_ids(tag: str, count: int) -> list[str]:
     round in `tag` (ended by "-") keeps rounds apart."""
     width = len(str(max(count - 1, 0)))
     return [f"{tag}-{i:0{width}d}" for i in range(count)]
+
+
+def _check_spec_counts(
+    final: dict[str, Any],
+    rid: str,
+    tokens: int,
+    verify: int | None,
+    accepted: int | None,
+    proposed: int | None,
+) -> None:
+    """Refuse speculative counters no server can report (they would be recorded as accept
+    lengths below 1 or acceptance rates above 1): more verify passes than the request's
+    `tokens` (each pass yields one token at least), or more drafts accepted than proposed."""
+    if verify is not None and verify > tokens:
+        raise EngineError(
+            f"malformed answer from the server: meta_info.spec_verify_ct of request {rid} is "
+            f"{verify}, more than its {tokens} tokens (each verify pass yields one at least)"
+        )
+    if accepted is not None and proposed is not None and accepted > proposed:
+        names = [n for n in (*ACCEPTED_DRAFTS, *PROPOSED_DRAFTS) if final.get(n) is not None]
+        raise EngineError(
+            f"malformed answer from the server: meta_info.{names[0]} of request {rid} is "
+            f"{accepted}, more than the {proposed} drafts proposed ({names[-1]})"
+        )
 
 
 def _kind(meta: dict[str, Any]) -> str:
