@@ -102,6 +102,26 @@ def test_the_stub_patches_nothing_once_cleared(client: SglangClient) -> None:
     assert client.server_info()["version"] == "0.5.23"
 
 
+HTML_PAGE = "<html>\n<head><title>503</title></head>\n<body>\n\x1b[1mBusy\n</body>\n</html>\n" * 200
+
+
+def test_an_html_error_page_on_generate_is_refused_in_one_line(client: SglangClient) -> None:
+    patch_stub(client, raw={"/generate": {"status": 503, "body": HTML_PAGE}})
+    with pytest.raises(EngineError) as caught:
+        generate(client)
+    message = one_line_refusal(caught.value)
+    assert "/generate answered HTTP 503: <html> <head>" in message and "\\x1b" in message
+    assert len(message) < 400
+
+
+def test_an_html_error_page_on_flush_cache_is_refused_in_one_line(client: SglangClient) -> None:
+    patch_stub(client, raw={"/flush_cache": {"status": 502, "body": HTML_PAGE}})
+    with pytest.raises(EngineError) as caught:
+        client.flush_cache(timeout_s=5.0)
+    message = one_line_refusal(caught.value)
+    assert message.startswith(f"{client.shown_url}/flush_cache answered 502: <html> <head>")
+
+
 @pytest.mark.parametrize(
     "body",
     [

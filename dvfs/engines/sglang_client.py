@@ -408,7 +408,8 @@ class SglangClient:
                     raise EngineError(f"/flush_cache answered {response.status_code}: {KEY_HINT}")
                 if response.status_code != 400 or time.monotonic() > deadline:
                     raise EngineError(
-                        f"/flush_cache answered {response.status_code}: {response.text[:200]}"
+                        f"{self.shown_url}/flush_cache answered {response.status_code}: "
+                        f"{one_line(response.text, 200)}"
                     )
                 time.sleep(0.1)
 
@@ -456,7 +457,7 @@ class SglangClient:
         try:
             async with client.stream("POST", self.base_url + "/generate", json=body) as response:
                 if response.status_code != 200:
-                    detail = (await response.aread()).decode(errors="replace")[:300]
+                    detail = one_line(await _head(response), 300)
                     if response.status_code in (401, 403):
                         detail = f"{detail} ({KEY_HINT})"
                     raise EngineError(f"/generate answered HTTP {response.status_code}: {detail}")
@@ -762,6 +763,29 @@ def _check_spec_counts(
             f"malformed answer from the server: meta_info.{names[0]} of request {rid} is "
             f"{accepted}, more than the {proposed} drafts proposed ({names[-1]})"
         )
+
+
+#: The most bytes of an error answer's body read for its message (an HTML page may be long).
+ERROR_BODY_BYTES = 4096
+
+
+async def _head(response: Any) -> str:
+    """The start of an error answer's body, as text: its first ERROR_BODY_BYTES bytes at most
+    (the rest is not read; the connection is closed with the stream)."""
+    head = b""
+    async for chunk in response.aiter_bytes():
+        head += chunk
+        if len(head) >= ERROR_BODY_BYTES:
+            break
+    return head[:ERROR_BODY_BYTES].decode(errors="replace")
+
+
+def one_line(text: str, limit: int) -> str:
+    """`text` (a server's answer) as one printable line of at most `limit` characters: an
+    HTML error page's lines joined, control characters escaped, so a refusal stays one line."""
+    flat = " ".join(text.split())
+    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in flat)
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _kind(meta: dict[str, Any]) -> str:
