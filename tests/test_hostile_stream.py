@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from sglang_support import one_line_refusal, patch_stub, patchable_stub
 
-from dvfs.engines.sglang_client import SamplingParams, SglangClient
+from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
 from dvfs.errors import EngineError
 
 NEW_TOKENS = 6
@@ -142,3 +142,11 @@ def test_a_generate_answer_that_is_no_sound_stream_is_refused(
     with pytest.raises(EngineError) as caught:
         generate(client)
     one_line_refusal(caught.value)
+
+
+def test_a_stream_cut_mid_chunk_is_a_broken_connection(client: SglangClient) -> None:
+    first = '{"text": " a", "meta_info": {"completion_tokens": 1, "finish_reason": null}}'
+    patch_stub(client, raw={"/generate": {"cut": True, "body": f"data: {first}\n\ndata: {{"}})
+    with pytest.raises(EngineConnectionError) as caught:
+        generate(client)
+    assert "connection to the server broke" in one_line_refusal(caught.value)

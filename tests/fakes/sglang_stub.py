@@ -115,7 +115,9 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   meta_info, and its ``raw`` (an object of route paths) answers a route, any method, with
   ``{"status": S, "body": B}`` instead: status S (200 if absent), body B whole (a string, each
   character U+0000..U+00FF one byte: bytes that are not UTF-8, a truncated JSON, an HTML
-  page), as a broken server or a proxy in front of it may; each absent key clears its patch.
+  page), as a broken server or a proxy in front of it may; with ``"cut": true`` B goes out as
+  one HTTP chunk that promises more bytes than it holds, and the connection is closed (a
+  stream cut mid-chunk). Each absent key clears its patch.
 - ``abort_ignored`` (false): true answers ``/abort_request`` 200 but aborts nothing.
 - ``hold_unfinished`` (false): true plays a round whose other requests are always
   still running when its first request finishes, however slow the machine: once a
@@ -2186,7 +2188,16 @@ class StubHandler(BaseHTTPRequestHandler):
         route = routes.get(path)
         refusal = self._unauthorized(path)
         raw = self.stub.patches.get("raw", {}).get(path) if self.stub.cfg.patch_route else None
-        if raw is not None:
+        if raw is not None and raw.get("cut"):
+            self.send_response(int(raw.get("status", 200)))
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            data = str(raw.get("body", "")).encode("latin-1")
+            self.wfile.write(b"%x\r\n%s" % (len(data) + 64, data))  # 64 bytes short
+            self.wfile.flush()
+            self.close_connection = True
+        elif raw is not None:
             body = str(raw.get("body", "")).encode("latin-1")
             self._send(int(raw.get("status", 200)), body, "text/html; charset=utf-8")
         elif refusal is not None:
