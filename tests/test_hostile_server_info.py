@@ -7,12 +7,16 @@ line naming the server, never a traceback and never a number the cube would reco
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_support import one_line_refusal, patch_stub, patchable_stub
+from sglang_support import one_line_refusal, patch_stub, patchable_stub, stub_campaign
+from sglang_support import running as running_processes
 
-from dvfs.engines.sglang import ContextRoom, log_interval
+from dvfs.campaign import load_campaign
+from dvfs.clock import MonotonicClock
+from dvfs.engines.sglang import ContextRoom, SglangEngine, log_interval
 from dvfs.engines.sglang_client import SglangClient, running_cap_of
 from dvfs.errors import EngineError
 
@@ -133,3 +137,29 @@ def test_a_server_info_answering_503_is_refused_by_its_status(client: SglangClie
         raw={"/server_info": {"status": 503, "body": "<html>\n<body>\nBusy\n</body>\n</html>"}},
     )
     assert client.server_info()["version"] == "0.5.23"
+
+
+@pytest.mark.parametrize(
+    "running", ["abc", "2", float("inf"), float("nan"), True, 2.5, [2], {"n": 2}], ids=repr
+)
+def test_a_hostile_max_running_requests_is_unknown_not_a_traceback(
+    tmp_path: Path, running: Any
+) -> None:
+    """The resolved --max-running-requests is checked against the largest batch: one that is
+    not a whole number is unknown there (the check is skipped), as the scheduler's own cap."""
+    path, marker = stub_campaign(tmp_path, batch="[1, 4]", knobs="sm_clock = [1980]")
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    info = {
+        "model_path": campaign.engine.model,
+        "speculative_algorithm": None,
+        "max_running_requests": running,
+        "attention_backend": "fa3",
+        "internal_states": [{"effective_max_running_requests_per_dp": 2}],
+    }
+    with pytest.raises(EngineError) as refused:  # refused for the scheduler's cap alone
+        engine._check_resolved(campaign.drafters[0], info)
+    assert "runs at most 2 requests at once" in one_line_refusal(refused.value)
+    info["internal_states"] = [{"effective_max_running_requests_per_dp": 4}]
+    engine._check_resolved(campaign.drafters[0], info)
+    assert running_processes(marker) == []

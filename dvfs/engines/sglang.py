@@ -940,8 +940,9 @@ class SglangEngine:
                 f"not {drafter.algorithm!r} as drafter {drafter.name!r} asks{fix}"
             )
         largest = max(self.campaign.workload.batch_sizes)
-        running = args.get("max_running_requests")
-        if running is not None and int(running) < largest:
+        # (not a whole number above 0, as no SGLang reports it: unknown, not a traceback)
+        running = _count(args.get("max_running_requests"))
+        if running is not None and running < largest:
             raise EngineError(
                 f"{where} caps running requests at {running}, below the largest batch "
                 f"{largest}{fix}"
@@ -1316,11 +1317,8 @@ def running_cap_refusal(cap: int, largest: int, args: Mapping[str, Any]) -> str:
     (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), which no memory raises,
     then lowers a rank's share to what its KV pool or Mamba state cache holds."""
     said = f"runs at most {cap} requests at once, below the largest batch {largest}"
-    try:
-        ranks = max(1, int(args.get("attn_dp_size") or 1))
-        running = int(args["max_running_requests"])
-    except (KeyError, TypeError, ValueError):
-        ranks, running = 1, 0
+    ranks = _count(args.get("attn_dp_size")) or 1
+    running = _count(args.get("max_running_requests")) or 0
     if ranks > 1 and cap == max(1, running // ranks) * ranks:
         return (
             f"{said} (its scheduler splits --max-running-requests {running} over its {ranks} "
