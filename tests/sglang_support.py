@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -9,8 +10,10 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 #: The stub server's source, which tests/test_sglang_stub.py starts as a script.
@@ -150,3 +153,52 @@ def attached_stub(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+@contextlib.contextmanager
+def patchable_stub(tmp: Path) -> Iterator[Any]:
+    """A client of one stub (0.5.23, no speculation, instant tokens) whose answers a test
+    patches (`patch_stub`): one server for a whole table of hostile answers."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang_client import SglangClient
+
+    port = free_port()
+    stub = attached_stub(
+        tmp,
+        "Qwen/Qwen2.5-7B-Instruct",
+        port,
+        patch_route=True,
+        startup_s=0.0,
+        ttft_s=0.0,
+        tpot_s=0.0,
+        max_lifetime_s=300,
+    )
+    try:
+        client = SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock())
+        client.wait_healthy(120.0, alive=lambda: stub.poll() is None)
+        yield client
+    finally:
+        stub.kill()
+        stub.wait()
+
+
+def patch_stub(client: Any, **patches: Any) -> None:
+    """Set what the stub behind `client` answers from now on (its `patch_route`); JSON as
+    Python writes it: NaN and Infinity as a broken server might."""
+    import httpx
+
+    answer = httpx.post(
+        client.base_url + "/_stub/patch",
+        content=json.dumps(patches),
+        headers={"Content-Type": "application/json"},
+        trust_env=False,
+        timeout=30.0,
+    )
+    assert answer.status_code == 200
+
+
+def one_line_refusal(exc: Exception) -> str:
+    """`exc`'s message, checked to be one line and no traceback."""
+    message = str(exc)
+    assert message and "\n" not in message and "Traceback" not in message, message
+    return message

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -939,8 +940,9 @@ class SglangEngine:
                 f"not {drafter.algorithm!r} as drafter {drafter.name!r} asks{fix}"
             )
         largest = max(self.campaign.workload.batch_sizes)
-        running = args.get("max_running_requests")
-        if running is not None and int(running) < largest:
+        # (not a whole number above 0, as no SGLang reports it: unknown, not a traceback)
+        running = _count(args.get("max_running_requests"))
+        if running is not None and running < largest:
             raise EngineError(
                 f"{where} caps running requests at {running}, below the largest batch "
                 f"{largest}{fix}"
@@ -1269,26 +1271,23 @@ class ContextRoom:
 
     @staticmethod
     def of(info: dict[str, Any]) -> ContextRoom | None:
-        """From a /server_info answer; None where it lacks `max_req_input_len`."""
-        try:
-            limit = int(info["max_req_input_len"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        if limit <= 0:
+        """From a /server_info answer; None where it lacks `max_req_input_len` as a whole
+        number above 0 (a string, a bool, a fraction or an infinity is none: SGLang reports
+        an int), a speculative arg that is none read as 0."""
+        limit = _count(info.get("max_req_input_len"))
+        if not limit:
             return None
         reserved = 0
         if str(info.get("speculative_algorithm") or "").upper() in RESERVING_ALGORITHMS:
-            numbers = []
-            for key in (
-                "speculative_eagle_topk",
-                "speculative_num_steps",
-                "speculative_num_draft_tokens",
-                "max_speculative_num_draft_tokens",
-            ):
-                try:
-                    numbers.append(int(info.get(key) or 0))
-                except (TypeError, ValueError):
-                    numbers.append(0)
+            numbers = [
+                _count(info.get(key)) or 0
+                for key in (
+                    "speculative_eagle_topk",
+                    "speculative_num_steps",
+                    "speculative_num_draft_tokens",
+                    "max_speculative_num_draft_tokens",
+                )
+            ]
             topk, steps, drafts, most = numbers
             reserved = max(topk * steps, drafts, most)
         return ContextRoom(limit, reserved)
@@ -1318,11 +1317,8 @@ def running_cap_refusal(cap: int, largest: int, args: Mapping[str, Any]) -> str:
     (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), which no memory raises,
     then lowers a rank's share to what its KV pool or Mamba state cache holds."""
     said = f"runs at most {cap} requests at once, below the largest batch {largest}"
-    try:
-        ranks = max(1, int(args.get("attn_dp_size") or 1))
-        running = int(args["max_running_requests"])
-    except (KeyError, TypeError, ValueError):
-        ranks, running = 1, 0
+    ranks = _count(args.get("attn_dp_size")) or 1
+    running = _count(args.get("max_running_requests")) or 0
     if ranks > 1 and cap == max(1, running // ranks) * ranks:
         return (
             f"{said} (its scheduler splits --max-running-requests {running} over its {ranks} "
@@ -1352,8 +1348,16 @@ def server_version(info: dict[str, Any]) -> tuple[int, ...] | None:
 
 
 def log_interval(info: dict[str, Any]) -> int:
-    """The server's decode_log_interval (/server_info), SGLang's default where it is missing."""
-    try:
-        return max(int(info.get("decode_log_interval") or DECODE_LOG_INTERVAL), 1)
-    except (TypeError, ValueError):
-        return DECODE_LOG_INTERVAL
+    """The server's decode_log_interval (/server_info), SGLang's default where it is missing
+    or not a whole number above 0."""
+    return _count(info.get("decode_log_interval")) or DECODE_LOG_INTERVAL
+
+
+def _count(value: object) -> int | None:
+    """`value` (read from /server_info) as a whole number above 0, or None where it is not
+    one: a string, a bool, a fraction, a negative, NaN or an infinity."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value != int(value) or value < 1:
+        return None
+    return int(value)

@@ -123,21 +123,27 @@ class _RoundEnd:
         )
 
 
+#: The most a count in meta_info may be: every count SGLang reports (tokens, verify passes,
+#: drafts, retractions) is far below it, and it stays exact in float64 and int64 arrays.
+MOST_COUNT = 2**53
+
+
 def _whole(meta: dict[str, Any], names: str | Sequence[str], rid: str) -> int | None:
     """The first of `names` that `meta` (a chunk's meta_info) holds, as an int (None: none);
-    raises when it is not a whole number (a malformed answer, failing the request)."""
+    raises when it is not a whole number from 0 to MOST_COUNT (a malformed answer, failing
+    the request: a negative or huge count would be recorded as it is, or overflow an array)."""
     names = (names,) if isinstance(names, str) else names
     for name in names:
         value = meta.get(name)
         if value is None:
             continue
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MOST_COUNT:
             return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and 0 <= value <= MOST_COUNT:
             return int(value)
         raise EngineError(
             f"malformed answer from the server: meta_info.{name} of request {rid} is "
-            f"{json.dumps(value)[:60]}, not a whole number"
+            f"{json.dumps(value)[:60]}, not a whole number from 0 to 2**53"
         )
     return None
 
@@ -184,11 +190,29 @@ def _bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def _ranks(info: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """/server_info's `internal_states`, one state per scheduler rank; None where it is not a
+    list of objects (a rank that is no state reports nothing either)."""
+    states = info.get("internal_states")
+    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
+        return None
+    return states
+
+
 def accept_length_of(info: dict[str, Any]) -> float | None:
-    """`SglangClient.accept_length` from a /server_info answer `info` already read."""
-    states = info.get("internal_states") or []
-    raw = [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
-    values = [float(v) for v in raw if v is not None]
+    """`SglangClient.accept_length` from a /server_info answer `info` already read: unknown
+    (None) where any rank reports it as other than a finite number from 0 (a string, a bool,
+    NaN, a negative), or the answer has no list of ranks, rather than a traceback or a mean
+    that a malformed rank made up."""
+    states = _ranks(info)
+    if states is None:
+        return None
+    raw = [s.get("avg_spec_accept_length") for s in states]
+    values = [v for v in raw if v is not None]
+    if not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf for v in values
+    ):
+        return None
     return float(np.mean(values)) if values and any(values) else None
 
 
@@ -200,19 +224,22 @@ def running_cap_of(info: dict[str, Any]) -> int | None:
     holds (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), so it may be below
     the arg the server reports. None where not every rank reports it as a whole number (0.5.9
     reports none), or the answer has no list of ranks."""
-    states = info.get("internal_states")
-    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
-        return None  # a rank that is not a state does not report it either
+    states = _ranks(info)
+    if states is None:
+        return None
     caps: list[Any] = [s.get("effective_max_running_requests_per_dp") for s in states]
-    if not caps or any(c is None or isinstance(c, bool) for c in caps):
+    # SGLang gives each rank max(1, ...): a cap below 1, or one written as a string, is
+    # nothing it reports (a negative one would refuse the server for it)
+    if not caps or not all(
+        isinstance(c, int | float)
+        and not isinstance(c, bool)
+        and math.isfinite(c)
+        and c == int(c)
+        and c >= 1
+        for c in caps
+    ):
         return None
-    try:
-        whole = [int(c) for c in caps]
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if any(isinstance(c, float) and c != w for c, w in zip(caps, whole, strict=True)):
-        return None
-    return sum(whole)
+    return sum(int(c) for c in caps)
 
 
 class SglangClient:
@@ -325,6 +352,7 @@ class SglangClient:
     def server_info(self) -> dict[str, Any]:
         """/server_info (0.5.9 and 0.5.23 also serve it as /get_server_info, deprecated)."""
         httpx = _httpx()
+        answered = []
         for path in ("/server_info", "/get_server_info"):
             try:
                 status, answer = self._get(path)
@@ -332,12 +360,27 @@ class SglangClient:
                 raise EngineConnectionError(f"cannot read {path}: {exc}") from exc
             if status == 200:
                 try:
-                    return dict(json.loads(answer))
-                except ValueError as exc:
-                    raise EngineError(f"{path} did not answer JSON") from exc
+                    info = json.loads(answer)
+                except ValueError as exc:  # UnicodeDecodeError too: bytes that are not UTF-8
+                    raise EngineError(
+                        f"{self.shown_url}{path} did not answer JSON: is engine.sglang.url "
+                        "an SGLang server?"
+                    ) from exc
+                if not isinstance(info, dict):
+                    raise EngineError(
+                        f"{self.shown_url}{path} answered {json.dumps(info)[:40]}, not a "
+                        "JSON object: is engine.sglang.url an SGLang server?"
+                    )
+                return info
             if status in (401, 403):
                 raise EngineError(f"{self.shown_url} answered {status} to {path}: {KEY_HINT}")
-        raise EngineError(f"{self.shown_url} serves neither /server_info nor /get_server_info")
+            answered.append(f"{status} to {path}")
+        if all(a.startswith("404 ") for a in answered):
+            raise EngineError(f"{self.shown_url} serves neither /server_info nor /get_server_info")
+        raise EngineError(  # a 503 of a server still starting, or of a proxy before it
+            f"{self.shown_url} answered {' and '.join(answered)}: is the server up and "
+            "engine.sglang.url its address?"
+        )
 
     def accept_length(self) -> float | None:
         """The server's mean accept length since the last flush (0.5.9 and 0.5.23), over the
@@ -365,7 +408,8 @@ class SglangClient:
                     raise EngineError(f"/flush_cache answered {response.status_code}: {KEY_HINT}")
                 if response.status_code != 400 or time.monotonic() > deadline:
                     raise EngineError(
-                        f"/flush_cache answered {response.status_code}: {response.text[:200]}"
+                        f"{self.shown_url}/flush_cache answered {response.status_code}: "
+                        f"{one_line(response.text, 200)}"
                     )
                 time.sleep(0.1)
 
@@ -413,7 +457,7 @@ class SglangClient:
         try:
             async with client.stream("POST", self.base_url + "/generate", json=body) as response:
                 if response.status_code != 200:
-                    detail = (await response.aread()).decode(errors="replace")[:300]
+                    detail = one_line(await _head(response), 300)
                     if response.status_code in (401, 403):
                         detail = f"{detail} ({KEY_HINT})"
                     raise EngineError(f"/generate answered HTTP {response.status_code}: {detail}")
@@ -457,6 +501,17 @@ class SglangClient:
                                 f"not a list): {payload[:120]!r}"
                             )
                         count = len(ids)
+                    if count > params.max_new_tokens:  # never more than asked, stop or not
+                        said = (
+                            "meta_info.completion_tokens"
+                            if meta.get("completion_tokens") is not None
+                            else "the length of output_ids"
+                        )
+                        raise EngineError(
+                            f"malformed answer from the server: {said} of request {rid} is "
+                            f"{count}, more than the max_new_tokens {params.max_new_tokens} it "
+                            "asked"
+                        )
                     prompt_tokens = _whole(meta, "prompt_tokens", rid) or prompt_tokens
                     new = count - seen
                     if new > 0:
@@ -509,6 +564,7 @@ class SglangClient:
         verify = _whole(final, ("spec_verify_ct",), rid)
         accepted = _whole(final, ACCEPTED_DRAFTS, rid)
         proposed = _whole(final, PROPOSED_DRAFTS, rid)
+        _check_spec_counts(final, rid, seen, verify, accepted, proposed)
         return RequestTrace(
             sent_ns=sent_ns,
             chunk_ns=np.array(chunk_ns, dtype=np.int64),
@@ -683,6 +739,53 @@ def request_ids(tag: str, count: int) -> list[str]:
     round in `tag` (ended by "-") keeps rounds apart."""
     width = len(str(max(count - 1, 0)))
     return [f"{tag}-{i:0{width}d}" for i in range(count)]
+
+
+def _check_spec_counts(
+    final: dict[str, Any],
+    rid: str,
+    tokens: int,
+    verify: int | None,
+    accepted: int | None,
+    proposed: int | None,
+) -> None:
+    """Refuse speculative counters no server can report (they would be recorded as accept
+    lengths below 1 or acceptance rates above 1): more verify passes than the request's
+    `tokens` (each pass yields one token at least), or more drafts accepted than proposed."""
+    if verify is not None and verify > tokens:
+        raise EngineError(
+            f"malformed answer from the server: meta_info.spec_verify_ct of request {rid} is "
+            f"{verify}, more than its {tokens} tokens (each verify pass yields one at least)"
+        )
+    if accepted is not None and proposed is not None and accepted > proposed:
+        names = [n for n in (*ACCEPTED_DRAFTS, *PROPOSED_DRAFTS) if final.get(n) is not None]
+        raise EngineError(
+            f"malformed answer from the server: meta_info.{names[0]} of request {rid} is "
+            f"{accepted}, more than the {proposed} drafts proposed ({names[-1]})"
+        )
+
+
+#: The most bytes of an error answer's body read for its message (an HTML page may be long).
+ERROR_BODY_BYTES = 4096
+
+
+async def _head(response: Any) -> str:
+    """The start of an error answer's body, as text: its first ERROR_BODY_BYTES bytes at most
+    (the rest is not read; the connection is closed with the stream)."""
+    head = b""
+    async for chunk in response.aiter_bytes():
+        head += chunk
+        if len(head) >= ERROR_BODY_BYTES:
+            break
+    return head[:ERROR_BODY_BYTES].decode(errors="replace")
+
+
+def one_line(text: str, limit: int) -> str:
+    """`text` (a server's answer) as one printable line of at most `limit` characters: an
+    HTML error page's lines joined, control characters escaped, so a refusal stays one line."""
+    flat = " ".join(text.split())
+    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in flat)
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _kind(meta: dict[str, Any]) -> str:

@@ -108,6 +108,16 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   running requests (SGLang lowers ``--max-running-requests`` to what its KV pool or Mamba
   state cache holds: mem_cache/kv_cache_configurator.py ``resolve_max_num_reqs``); null: the
   resolved ``max_running_requests`` (2048 where none).  0.5.9 reports none.
+- ``patch_route`` (false): true serves POST ``/_stub/patch``, whose JSON object body sets what
+  later answers carry, for a test that feeds dvfs hostile answers from one stub: its
+  ``server_info`` (an object) sets keys over /server_info's answer (``internal_states``
+  replaced whole), its ``final_meta`` (an object) sets keys over every final chunk's
+  meta_info, and its ``raw`` (an object of route paths) answers a route, any method, with
+  ``{"status": S, "body": B}`` instead: status S (200 if absent), body B whole (a string, each
+  character U+0000..U+00FF one byte: bytes that are not UTF-8, a truncated JSON, an HTML
+  page), as a broken server or a proxy in front of it may; with ``"cut": true`` B goes out as
+  one HTTP chunk that promises more bytes than it holds, and the connection is closed (a
+  stream cut mid-chunk). Each absent key clears its patch.
 - ``abort_ignored`` (false): true answers ``/abort_request`` 200 but aborts nothing.
 - ``hold_unfinished`` (false): true plays a round whose other requests are always
   still running when its first request finishes, however slow the machine: once a
@@ -571,6 +581,7 @@ class StubConfig:
     context_len: int = 131072
     running_cap: int | None = None
     abort_ignored: bool = False
+    patch_route: bool = False
     hold_unfinished: bool = False
     hold_after_requests: int | None = None
     nvml_device: int | None = None
@@ -830,7 +841,7 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise StubConfigError(f"{key} must be an integer >= 0, got {value!r}")
-    for key in ("natural_stop", "abort_route", "abort_ignored", "hold_unfinished"):
+    for key in ("natural_stop", "abort_route", "abort_ignored", "hold_unfinished", "patch_route"):
         if not isinstance(getattr(cfg, key), bool):
             raise StubConfigError(f"{key} must be true or false")
     failures = sorted([*START_FAILURES, "scheduler_killed"])
@@ -1478,6 +1489,8 @@ class Stub:
         self.cfg = cfg
         self.version = cfg.version
         self.args = args
+        #: What POST /_stub/patch set (``patch_route``): keys over answers, or a raw body.
+        self.patches: dict[str, Any] = {}
         self.spec = spec
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -1936,6 +1949,7 @@ class Stub:
             meta["decode_throughput"] = decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0
         if self.spec is not None:
             meta.update(self._spec_meta(sub))
+        meta.update(self.patches.get("final_meta") or {})
         return meta
 
     def _spec_meta(self, sub: SubRequest) -> dict[str, Any]:
@@ -2165,13 +2179,28 @@ class StubHandler(BaseHTTPRequestHandler):
             "/generate": ({"POST"}, lambda: self._generate(body)),
             "/abort_request": ({"POST"}, lambda: self._abort_request(body)),
         }
+        if self.stub.cfg.patch_route:
+            routes["/_stub/patch"] = ({"POST"}, lambda: self._patch(body))
         if path == "/metrics" and not self.stub.enable_metrics:
             routes.pop("/metrics")
         if not self.stub.cfg.abort_route:
             routes.pop("/abort_request")
         route = routes.get(path)
         refusal = self._unauthorized(path)
-        if refusal is not None:
+        raw = self.stub.patches.get("raw", {}).get(path) if self.stub.cfg.patch_route else None
+        if raw is not None and raw.get("cut"):
+            self.send_response(int(raw.get("status", 200)))
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            data = str(raw.get("body", "")).encode("latin-1")
+            self.wfile.write(b"%x\r\n%s" % (len(data) + 64, data))  # 64 bytes short
+            self.wfile.flush()
+            self.close_connection = True
+        elif raw is not None:
+            body = str(raw.get("body", "")).encode("latin-1")
+            self._send(int(raw.get("status", 200)), body, "text/html; charset=utf-8")
+        elif refusal is not None:
             self._json(refusal, {"error": "Unauthorized"})
         elif route is None:
             self._json(404, {"detail": "Not Found"})
@@ -2209,7 +2238,15 @@ class StubHandler(BaseHTTPRequestHandler):
         self._send(200, b"", "text/plain; charset=utf-8")
 
     def _server_info(self) -> None:
-        self._json(200, self.stub.server_info())
+        self._json(200, {**self.stub.server_info(), **self.stub.patches.get("server_info", {})})
+
+    def _patch(self, raw: bytes) -> None:
+        patches = json.loads(raw)
+        if not isinstance(patches, dict):
+            self._json(400, {"error": {"message": "a patch is a JSON object"}})
+            return
+        self.stub.patches = patches
+        self._json(200, {})
 
     def _flush_cache(self) -> None:
         reason = self.stub.flush_refusal()
