@@ -1757,7 +1757,22 @@ MORE_CASES = (
         for cmd, extra in (("plot", ["--out", "{tmp}/p"]), ("report", ["-o", "{tmp}/r.html"]))
     ]
     + [
-        camp_case("symlink-loop", Writer(_symlink_loop), "c.toml"),
+        # "cannot read campaign file c.toml: Too many levels of symbolic links": now said as
+        # the other paths read say it (`link_loop_problem`), by the sweep, doctor and corpus
+        camp_case("symlink-loop", Writer(_symlink_loop), "{tmp}/c.toml", "a loop"),
+        *(
+            C(
+                f"campaign-symlink-loop-{id}",
+                argv,
+                files={"c.toml": Writer(_symlink_loop)},
+                code=2,
+                says=("{tmp}/c.toml", "a loop"),
+            )
+            for id, argv in (
+                ("doctor", ["doctor", "{tmp}/c.toml"]),
+                ("corpus-list", ["corpus", "list", "--campaign", "{tmp}/c.toml"]),
+            )
+        ),
         # a file far larger than any of its kind (a wrong path): refused unread, not read until
         # memory runs out (/dev/zero is one too)
         camp_case("over-16mib", _over_limit("MAX_SETTINGS_BYTES"), "c.toml", "16 MiB"),
