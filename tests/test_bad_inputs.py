@@ -1972,6 +1972,16 @@ MORE_CASES = (
                 ("directory", DIR, ("is a folder", "move it aside"), *_DRY_RUN),
             )
         ),
+        # The sweep folder itself a symbolic link in a loop: `cube build` said "no journal at
+        # run/journal.jsonl ... is run the --out folder of a `dvfs sweep`?", of a link that is
+        # there; the loop is named, as the other paths read say it (`link_loop_problem`).
+        C(
+            "cube-build-folder-symlink-loop",
+            ["cube", "build", "{tmp}/run"],
+            files={"run": Writer(_symlink_loop)},
+            code=1,
+            says=("{tmp}/run is a symbolic link in a loop", "folder"),
+        ),
         # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
         journal_case("sparse-50g", Writer(lambda p, e: sparse_file(p, 50 << 30)), "64 MiB"),
         # A GPU's state file that is no regular file or far too large: a FIFO was waited on for
