@@ -1942,14 +1942,21 @@ MORE_CASES = (
                 argv,
                 files={"cube.nc": Writer(_fifo)},
                 code=code,
-                says=("cube.nc",),
+                says=("cube.nc", "no regular file"),
             )
             for cmd, argv, code in (
                 ("info", ["cube", "info", "{tmp}/cube.nc"], 1),
                 ("compare", ["compare", "{tmp}/cube.nc"], 1),
                 ("merge", ["cube", "merge", "{tmp}/cube.nc", "{cube}", "-o", "{tmp}/m.nc"], 1),
+                # twin fit said "neither a roofline file nor a cube (or it is damaged ...)"
                 ("twin-fit", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/p.toml"], 2),
             )
+        ),
+        C(
+            "twin-fit-dev-zero",
+            ["twin", "fit", "/dev/zero", "-o", "{tmp}/p.toml"],
+            code=2,
+            says=("/dev/zero", "no regular file"),
         ),
         journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
         # A journal that is no regular file: a FIFO was waited on for ever (`cube build`, the

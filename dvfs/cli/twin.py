@@ -93,6 +93,14 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
                 f"`dvfs cube build {shlex.quote(str(source))}`, then fit again",
                 2,
             )
+    if kind is None and source.exists() and not source.is_dir() and not source.is_file():
+        # a FIFO or a device (/dev/zero): said as `dvfs cube info` says it, not "neither a
+        # roofline file nor a cube (or it is damaged...)"; never opened, so never waited on
+        raise click.UsageError(
+            f"{source} is no regular file (a FIFO, a device), so neither a roofline file nor a "
+            "cube: give the file `dvfs gpu roofline -o FILE` wrote, or the cube.nc a sweep "
+            "wrote, or its folder"
+        )
     if kind is None:
         raise click.UsageError(
             f"{source} is neither a roofline file (`dvfs gpu roofline -o FILE`) nor a cube "
