@@ -1922,6 +1922,20 @@ MORE_CASES = (
                 ("cube-info", ["cube", "info"]),
             )
         ),
+        # The sweep folder's cube.nc a link into a folder that does not exist: twin fit said
+        # "build the cube with `dvfs cube build run`", which refuses to write through that link
+        C(
+            "twin-fit-sweep-dir-cube-link-into-no-folder",
+            ["twin", "fit", "{tmp}/run", "-o", "{tmp}/p.toml"],
+            files={
+                "run/journal.jsonl": lambda e: e["journal"].read_bytes(),
+                "run/cube.nc": Writer(
+                    lambda p, e: p.symlink_to(p.parent.parent / "nowhere" / "cube.nc")
+                ),
+            },
+            code=2,
+            says=("{tmp}/run/cube.nc", "{tmp}/nowhere", "make that folder", "dvfs cube build"),
+        ),
         C(
             "twin-fit-symlink-loop-on-the-way",
             ["twin", "fit", "{tmp}/l/cube.nc", "-o", "{tmp}/o.toml"],
