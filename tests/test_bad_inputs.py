@@ -3808,8 +3808,11 @@ def test_a_corpus_package_resource_that_is_a_named_pipe_is_refused_not_waited_on
     try:
         result = CliRunner().invoke(cli, argv)
     finally:  # the writer, if the command never opened the pipe, let go
-        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
-        feeder.join()
+        # (again until it has: a reader opened and closed before the writer's open() began
+        # left that open waiting for ever, and the join with it, in a loaded full-file run)
+        while feeder.is_alive():
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            feeder.join(0.05)
     check_one_clean_error(
         result,
         Case("corpus-package-resource-fifo", argv, code=2, says=("prompts.jsonl", "regular file")),
