@@ -33,10 +33,11 @@ def file_in_the_way(path: Path) -> Path:
     return next((p for p in path.parents if p.exists()), path.parent)
 
 
-def link_loop_problem(path: str | bytes | os.PathLike[str]) -> str | None:
+def link_loop_problem(path: str | bytes | os.PathLike[str], what: str = "file") -> str | None:
     """What is wrong with `path` where it is, or leads through, a symbolic link in a loop
     (`ln -s x x`), which no open gets through, and what to do; None otherwise. The reads that
-    ask `exists()` first said "does not exist" of it, of a link that is there."""
+    ask `exists()` first said "does not exist" of it, of a link that is there. `what` the path
+    should be: "file", or "folder" for one that names a folder."""
     try:
         os.stat(path)
     except OSError as exc:
@@ -48,10 +49,10 @@ def link_loop_problem(path: str | bytes | os.PathLike[str]) -> str | None:
         return None
     text = os.fsdecode(path)
     if os.path.islink(path):
-        said = f"{text} is a symbolic link in a loop (it never reaches a file)"
+        said = f"{text} is a symbolic link in a loop (it never reaches a {what})"
     else:
         said = f"a symbolic link on the way to {text} is in a loop"
-    return f"{said}: point it at the file, or give the file's own path"
+    return f"{said}: point it at the {what}, or give the {what}'s own path"
 
 
 def read_limited(

@@ -1757,7 +1757,22 @@ MORE_CASES = (
         for cmd, extra in (("plot", ["--out", "{tmp}/p"]), ("report", ["-o", "{tmp}/r.html"]))
     ]
     + [
-        camp_case("symlink-loop", Writer(_symlink_loop), "c.toml"),
+        # "cannot read campaign file c.toml: Too many levels of symbolic links": now said as
+        # the other paths read say it (`link_loop_problem`), by the sweep, doctor and corpus
+        camp_case("symlink-loop", Writer(_symlink_loop), "{tmp}/c.toml", "a loop"),
+        *(
+            C(
+                f"campaign-symlink-loop-{id}",
+                argv,
+                files={"c.toml": Writer(_symlink_loop)},
+                code=2,
+                says=("{tmp}/c.toml", "a loop"),
+            )
+            for id, argv in (
+                ("doctor", ["doctor", "{tmp}/c.toml"]),
+                ("corpus-list", ["corpus", "list", "--campaign", "{tmp}/c.toml"]),
+            )
+        ),
         # a file far larger than any of its kind (a wrong path): refused unread, not read until
         # memory runs out (/dev/zero is one too)
         camp_case("over-16mib", _over_limit("MAX_SETTINGS_BYTES"), "c.toml", "16 MiB"),
@@ -1907,6 +1922,20 @@ MORE_CASES = (
                 ("cube-info", ["cube", "info"]),
             )
         ),
+        # The sweep folder's cube.nc a link into a folder that does not exist: twin fit said
+        # "build the cube with `dvfs cube build run`", which refuses to write through that link
+        C(
+            "twin-fit-sweep-dir-cube-link-into-no-folder",
+            ["twin", "fit", "{tmp}/run", "-o", "{tmp}/p.toml"],
+            files={
+                "run/journal.jsonl": lambda e: e["journal"].read_bytes(),
+                "run/cube.nc": Writer(
+                    lambda p, e: p.symlink_to(p.parent.parent / "nowhere" / "cube.nc")
+                ),
+            },
+            code=2,
+            says=("{tmp}/run/cube.nc", "{tmp}/nowhere", "make that folder", "dvfs cube build"),
+        ),
         C(
             "twin-fit-symlink-loop-on-the-way",
             ["twin", "fit", "{tmp}/l/cube.nc", "-o", "{tmp}/o.toml"],
@@ -1927,14 +1956,21 @@ MORE_CASES = (
                 argv,
                 files={"cube.nc": Writer(_fifo)},
                 code=code,
-                says=("cube.nc",),
+                says=("cube.nc", "no regular file"),
             )
             for cmd, argv, code in (
                 ("info", ["cube", "info", "{tmp}/cube.nc"], 1),
                 ("compare", ["compare", "{tmp}/cube.nc"], 1),
                 ("merge", ["cube", "merge", "{tmp}/cube.nc", "{cube}", "-o", "{tmp}/m.nc"], 1),
+                # twin fit said "neither a roofline file nor a cube (or it is damaged ...)"
                 ("twin-fit", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/p.toml"], 2),
             )
+        ),
+        C(
+            "twin-fit-dev-zero",
+            ["twin", "fit", "/dev/zero", "-o", "{tmp}/p.toml"],
+            code=2,
+            says=("/dev/zero", "no regular file"),
         ),
         journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
         # A journal that is no regular file: a FIFO was waited on for ever (`cube build`, the
@@ -1956,6 +1992,16 @@ MORE_CASES = (
                 ("link-to-dev-zero", Writer(_dev_zero), ("no regular file",), *_DRY_RUN),
                 ("directory", DIR, ("is a folder", "move it aside"), *_DRY_RUN),
             )
+        ),
+        # The sweep folder itself a symbolic link in a loop: `cube build` said "no journal at
+        # run/journal.jsonl ... is run the --out folder of a `dvfs sweep`?", of a link that is
+        # there; the loop is named, as the other paths read say it (`link_loop_problem`).
+        C(
+            "cube-build-folder-symlink-loop",
+            ["cube", "build", "{tmp}/run"],
+            files={"run": Writer(_symlink_loop)},
+            code=1,
+            says=("{tmp}/run is a symbolic link in a loop", "folder"),
         ),
         # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
         journal_case("sparse-50g", Writer(lambda p, e: sparse_file(p, 50 << 30)), "64 MiB"),
@@ -3762,8 +3808,11 @@ def test_a_corpus_package_resource_that_is_a_named_pipe_is_refused_not_waited_on
     try:
         result = CliRunner().invoke(cli, argv)
     finally:  # the writer, if the command never opened the pipe, let go
-        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
-        feeder.join()
+        # (again until it has: a reader opened and closed before the writer's open() began
+        # left that open waiting for ever, and the join with it, in a loaded full-file run)
+        while feeder.is_alive():
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            feeder.join(0.05)
     check_one_clean_error(
         result,
         Case("corpus-package-resource-fifo", argv, code=2, says=("prompts.jsonl", "regular file")),

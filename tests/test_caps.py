@@ -4381,3 +4381,42 @@ def test_a_sweep_refuses_a_power_limit_outside_the_gpus_range_in_the_caps_record
     invoke(*shlex.split(reset)[1:])
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
     invoke("sweep", str(campaign), "--out", str(tmp_path / "out2"), "--no-progress")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said", "reset"),
+    [
+        (
+            "lock_mhz",
+            [210, 5000],
+            "lock_mhz is [210, 5000], outside GPU 0's SM clocks 210-1980 MHz",
+            "dvfs cap reset --applied",
+        ),
+        (
+            "power_limit_mw",
+            900_000,
+            "power_limit_mw is 900000, outside GPU 0's range 200-700 W",
+            "dvfs cap reset",
+        ),
+    ],
+)
+def test_cap_show_warns_of_a_caps_record_knob_outside_the_gpus_range(
+    nvml, tmp_path: Path, key: str, value: object, said: str, reset: str
+) -> None:
+    """A caps record hand-edited to a clock lock (or power limit) outside the GPU's range, which
+    sweeps and `dvfs govern` refuse as damaged: `cap show` showed "locked 210-5000 MHz by dvfs
+    cap apply" with no word of it. It warns, as it warns of a damaged entry, naming the line
+    and the reset that drops the entry, and still shows the GPU."""
+    uuid = apply_caps(tmp_path, 1500, 450.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    entries = json.loads((state / "caps-applied.json").read_text())
+    entries[uuid][key] = value  # a hand edit
+    (state / "caps-applied.json").write_text(json.dumps(entries, indent=2))
+    told = " ".join(invoke("cap", "show").split())
+    assert f"warning: dvfs's caps record {state / 'caps-applied.json'} line" in told, told
+    assert said in told, told
+    command = f"{reset} 0 --state-dir {state}"
+    assert f"`{command}`" in told, told
+    assert f"GPU 0 ({uuid}): power limit" in told, told  # still shown
+    invoke(*shlex.split(command)[1:])  # the advice followed: the entry dropped, no warning
+    assert "warning" not in invoke("cap", "show"), told

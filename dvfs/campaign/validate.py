@@ -473,7 +473,13 @@ def _demo_hint() -> str:
 
 def load_campaign(path: str | Path) -> Campaign:
     """Read and validate a campaign file."""
-    from dvfs.inputs import MAX_SETTINGS_BYTES, TOO_DEEP, file_in_the_way, read_text_limited
+    from dvfs.inputs import (
+        MAX_SETTINGS_BYTES,
+        TOO_DEEP,
+        file_in_the_way,
+        link_loop_problem,
+        read_text_limited,
+    )
 
     path = Path(path)
     try:
@@ -488,6 +494,11 @@ def load_campaign(path: str | Path) -> Campaign:
             "folder; check the path"
         ) from exc
     except OSError as exc:
+        # a link in a loop: "Too many levels of symbolic links" said neither which link nor
+        # what to do; said as the other paths read say it
+        loop = link_loop_problem(path)
+        if loop:
+            raise CampaignError(f"campaign file: {loop}") from exc
         raise CampaignError(f"cannot read campaign file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         line = exc.object[: exc.start].count(b"\n") + 1

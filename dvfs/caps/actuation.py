@@ -214,15 +214,8 @@ class AppliedCaps:
         damaged entry is, before any GPU is changed."""
         locks = self.locks()
         for gpu in gpus:
-            lock = locks.get(gpu.identity.uuid)
-            if lock is None:
-                continue
-            supported = gpu.supported_sm_clocks_mhz()  # (NVML takes any clock within them)
-            if lock[0] < min(supported) or lock[1] > max(supported):
-                problem = (
-                    f"lock_mhz is [{lock[0]}, {lock[1]}], outside GPU {gpu.identity.index}'s SM "
-                    f"clocks {min(supported)}-{max(supported)} MHz, no cap dvfs set"
-                )
+            problem = _lock_outside(gpu, locks.get(gpu.identity.uuid))
+            if problem:
                 raise self._damaged(gpu.identity.uuid, "lock_mhz", problem, power=False)
         return locks
 
@@ -235,16 +228,50 @@ class AppliedCaps:
         (`_spoiled_power`)."""
         limits_mw = self.power_limits_mw()
         for gpu in gpus:
-            limit = limits_mw.get(gpu.identity.uuid)
-            if limit is None or power_limit_or_none(gpu) is None:
-                continue
-            limits = gpu.power_limit_range()
-            if limits.outside(limit) is not None:
-                problem = (
-                    f"power_limit_mw is {limit}, outside GPU {gpu.identity.index}'s range "
-                    f"{limits.describe_w()}, no cap dvfs set"
-                )
+            problem = _power_outside(gpu, limits_mw.get(gpu.identity.uuid))
+            if problem:
                 raise self._damaged(gpu.identity.uuid, "power_limit_mw", problem, power=True)
+
+    def outside_lines(self, gpus: Sequence[Gpu]) -> list[str]:
+        """A warning line for each of these GPUs whose entry's clock lock or power limit is
+        outside the GPU's range (a hand edit), which sweeps and `dvfs govern` refuse as damaged
+        (`locks_on`, `refuse_power_outside`), for `cap show`, which showed it as dvfs's cap.
+        [] where the record cannot be read or is damaged otherwise (said as that is)."""
+        try:
+            locks, limits_mw = self.locks(), self.power_limits_mw()
+        except CapsError:
+            return []
+        lines = []
+        for gpu in gpus:
+            uuid, number = gpu.identity.uuid, gpu.identity.index
+            try:
+                lock = _lock_outside(gpu, locks.get(uuid))
+                power = _power_outside(gpu, limits_mw.get(uuid))
+            except GpuError:  # (what NVML cannot tell of that GPU is said where it is shown)
+                continue
+            for key, problem in (("lock_mhz", lock), ("power_limit_mw", power)):
+                if not problem:
+                    continue
+                damaged = (
+                    f"dvfs's caps record {self.path} line {self.line_of(uuid, key)} is damaged "
+                    f"for GPU {number} ({uuid}): {problem}"
+                )
+                if key == "lock_mhz":
+                    unlock = state_dir_command(
+                        f"dvfs cap reset --applied {number}", self.path.parent
+                    )
+                    lines.append(
+                        f"{damaged}; sweeps and `dvfs govern` refuse the record, having to put "
+                        f"that lock back: write dvfs's lock there, or `{unlock}`"
+                    )
+                else:
+                    default = state_dir_command(f"dvfs cap reset {number}", self.path.parent)
+                    lines.append(
+                        f"{damaged}; whether the GPU's power limit is dvfs's cap cannot be told, "
+                        "and sweeps and `dvfs govern` refuse the record: write dvfs's cap there "
+                        f"in mW, or put back the default with `{default}`"
+                    )
+        return lines
 
     def damaged_lines(self, index: dict[str, int] | None = None) -> list[str]:
         """A warning line for each damaged limit a GPU's entry names beside its caps
@@ -488,6 +515,34 @@ def _reset(index: int, directory: Path | None) -> str:
     read `directory`, the caps record's folder, where known."""
     command = f"dvfs cap reset {index}"
     return command if directory is None else state_dir_command(command, directory)
+
+
+def _lock_outside(gpu: Gpu, lock: tuple[int, int] | None) -> str | None:
+    """What is wrong with a caps record's clock lock outside the GPU's SM clocks (a hand edit:
+    a clock above its top one), in words; None for none, or one within them."""
+    if lock is None:
+        return None
+    supported = gpu.supported_sm_clocks_mhz()  # (NVML takes any clock within them)
+    if lock[0] >= min(supported) and lock[1] <= max(supported):
+        return None
+    return (
+        f"lock_mhz is [{lock[0]}, {lock[1]}], outside GPU {gpu.identity.index}'s SM clocks "
+        f"{min(supported)}-{max(supported)} MHz, no cap dvfs set"
+    )
+
+
+def _power_outside(gpu: Gpu, limit: int | None) -> str | None:
+    """What is wrong with a caps record's power limit outside the GPU's range (a hand edit),
+    in words; None for none, one within it, or a GPU without a power limit."""
+    if limit is None or power_limit_or_none(gpu) is None:
+        return None
+    limits = gpu.power_limit_range()
+    if limits.outside(limit) is None:
+        return None
+    return (
+        f"power_limit_mw is {limit}, outside GPU {gpu.identity.index}'s range "
+        f"{limits.describe_w()}, no cap dvfs set"
+    )
 
 
 def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:

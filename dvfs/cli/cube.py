@@ -65,10 +65,15 @@ def _build(sweep_dir: Path, out_path: Path | None) -> None:
         write_cubes,
     )
     from dvfs.fleet.shard_journal import shard_cube
+    from dvfs.inputs import link_loop_problem
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.outputs import check_link_target, is_stream
     from dvfs.report.headroom import holds_no_session
 
+    # the folder a link in a loop: "no journal at ..." said nothing of the link that is there
+    loop = link_loop_problem(sweep_dir, "folder")
+    if loop:
+        raise CubeError(f"sweep folder: {loop}")
     check_link_target(out_path or sweep_dir / CUBE_NAME)  # before the journals are read
     # into a pipe (`-o /dev/stdout | ...`) the cube alone: its line after it would be in it
     err = out_path is not None and is_stream(out_path)

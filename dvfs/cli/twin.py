@@ -7,6 +7,7 @@ the twin with such a profile, in virtual time, through the ordinary sweep pipeli
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,12 +88,29 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
             # refused as `dvfs cube info` refuses it, not "no cube.nc: build the cube", whose
             # build fails on it or writes into it
             open_cube(cube)
+        if (source / JOURNAL_NAME).is_file() and _link_into_no_folder(cube):
+            # `dvfs cube build` refuses to write through it: its advice alone was a dead end
+            fail(
+                f"{source} holds a sweep journal, and its cube.nc ({cube}) is a link to "
+                f"{os.path.realpath(cube)}, in a folder that does not exist, which `dvfs cube "
+                "build` cannot write through: make that folder (or remove the link), build the "
+                f"cube with `dvfs cube build {shlex.quote(str(source))}`, then fit again",
+                2,
+            )
         if (source / JOURNAL_NAME).is_file():  # a sweep stopped before it wrote its cube
             fail(
                 f"{source} holds a sweep journal but no cube.nc: build the cube from it with "
                 f"`dvfs cube build {shlex.quote(str(source))}`, then fit again",
                 2,
             )
+    if kind is None and source.exists() and not source.is_dir() and not source.is_file():
+        # a FIFO or a device (/dev/zero): said as `dvfs cube info` says it, not "neither a
+        # roofline file nor a cube (or it is damaged...)"; never opened, so never waited on
+        raise click.UsageError(
+            f"{source} is no regular file (a FIFO, a device), so neither a roofline file nor a "
+            "cube: give the file `dvfs gpu roofline -o FILE` wrote, or the cube.nc a sweep "
+            "wrote, or its folder"
+        )
     if kind is None:
         raise click.UsageError(
             f"{source} is neither a roofline file (`dvfs gpu roofline -o FILE`) nor a cube "
@@ -107,6 +125,19 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
         _fit_cube(source, out_path, base, name, max_cells)
     else:
         _fit_roofline(source, out_path, base, name)
+
+
+def _link_into_no_folder(path: Path) -> bool:
+    """Whether `path` is a symbolic link into a folder that does not exist, which the cube's
+    build refuses to write through (`check_link_target`)."""
+    from dvfs.errors import OutputRefusedError
+    from dvfs.outputs import check_link_target
+
+    try:
+        check_link_target(path)
+    except OutputRefusedError:
+        return True
+    return False
 
 
 #: What a profile's name may not hold: a campaign's `gpu.profile` reads ':' as the start of a
