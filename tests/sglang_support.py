@@ -156,9 +156,10 @@ def attached_stub(
 
 
 @contextlib.contextmanager
-def patchable_stub(tmp: Path) -> Iterator[Any]:
-    """A client of one stub (0.5.23, no speculation, instant tokens) whose answers a test
-    patches (`patch_stub`): one server for a whole table of hostile answers."""
+def patchable_stub(tmp: Path, **config: object) -> Iterator[Any]:
+    """A client of one stub (0.5.23, no speculation, instant tokens, its other `config`)
+    whose answers a test patches (`patch_stub`): one server for a whole table of hostile
+    answers."""
     from dvfs.clock import MonotonicClock
     from dvfs.engines.sglang_client import SglangClient
 
@@ -172,6 +173,7 @@ def patchable_stub(tmp: Path) -> Iterator[Any]:
         ttft_s=0.0,
         tpot_s=0.0,
         max_lifetime_s=300,
+        **config,
     )
     try:
         client = SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock())

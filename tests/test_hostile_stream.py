@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from sglang_support import one_line_refusal, patch_stub, patchable_stub
 
+from dvfs.engines.base import ABORTED
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
 from dvfs.errors import EngineError
 
@@ -65,18 +66,26 @@ def test_a_hostile_final_meta_field_is_refused(client: SglangClient, key: str, v
     assert key in one_line_refusal(caught.value)
 
 
-def test_more_accepted_drafts_than_proposed_are_refused(client: SglangClient) -> None:
+def test_more_drafts_accepted_than_proposed_are_read_as_an_adaptive_server_counts_them(
+    client: SglangClient,
+) -> None:
+    """SGLang 0.5.23 with --speculative-adaptive reports them: its TokenizerManager
+    (_calculate_spec_decoding_metrics) counts the drafts proposed as spec_verify_ct times its
+    own static speculative_num_draft_tokens - 1 (4 - 1 here), while the scheduler, its
+    steps raised at run time (adaptive_spec_params.py, candidate steps up to 7), sums each
+    verify pass's accepted drafts (batch_result_processor.py _resolve_spec_v2_tokens), a last
+    run past max_new_tokens whole: one pass accepting 5 drafts ends a 6-token request."""
     patch_stub(
         client,
         final_meta={
-            "spec_verify_ct": 3,
-            "spec_num_correct_drafts": 9,
-            "spec_num_proposed_drafts": 6,
+            "spec_verify_ct": 1,
+            "spec_num_correct_drafts": 5,
+            "spec_num_proposed_drafts": 3,
         },
     )
-    with pytest.raises(EngineError) as caught:
-        generate(client)
-    assert "spec_num_correct_drafts" in one_line_refusal(caught.value)
+    trace = generate(client)
+    assert (trace.completion_tokens, trace.spec_verify_ct) == (NEW_TOKENS, 1)
+    assert (trace.spec_accepted_drafts, trace.spec_proposed_drafts) == (5, 3)
 
 
 def test_sound_final_meta_fields_are_read(client: SglangClient) -> None:
@@ -150,3 +159,23 @@ def test_a_stream_cut_mid_chunk_is_a_broken_connection(client: SglangClient) -> 
     with pytest.raises(EngineConnectionError) as caught:
         generate(client)
     assert "connection to the server broke" in one_line_refusal(caught.value)
+
+
+def test_an_aborted_request_past_its_max_new_tokens_is_read(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SGLang 0.5.23 aborts a running request by its `to_finish` (scheduler.py abort_request),
+    which its next step reads before the length cap (schedule_batch.py
+    Req.update_finish_state): a speculative step appends its whole verified run first
+    (batch_result_processor.py process_batch_result_decode), and the final chunk's
+    completion_tokens is then every token (output_streamer.py: finished_len =
+    len(output_ids)), past max_new_tokens by up to a run less one. A round ended at its first
+    finish aborts such requests itself: they are read as reported, not refused."""
+    with patchable_stub(tmp_path_factory.mktemp("abort-past"), hold_unfinished=True) as client:
+        patch_stub(client, abort_meta={"completion_tokens": NEW_TOKENS + 3})
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        traces = client.run_batch(["one two", "three four"], params, "past", end_at_window=True)
+    kinds = sorted(t.finish_reason for t in traces)
+    assert kinds == sorted(["length", ABORTED])
+    aborted = next(t for t in traces if t.finish_reason == ABORTED)
+    assert aborted.completion_tokens == NEW_TOKENS + 3

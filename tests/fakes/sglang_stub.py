@@ -112,12 +112,13 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   later answers carry, for a test that feeds dvfs hostile answers from one stub: its
   ``server_info`` (an object) sets keys over /server_info's answer (``internal_states``
   replaced whole), its ``final_meta`` (an object) sets keys over every final chunk's
-  meta_info, and its ``raw`` (an object of route paths) answers a route, any method, with
-  ``{"status": S, "body": B}`` instead: status S (200 if absent), body B whole (a string, each
-  character U+0000..U+00FF one byte: bytes that are not UTF-8, a truncated JSON, an HTML
-  page), as a broken server or a proxy in front of it may; with ``"cut": true`` B goes out as
-  one HTTP chunk that promises more bytes than it holds, and the connection is closed (a
-  stream cut mid-chunk). Each absent key clears its patch.
+  meta_info, its ``abort_meta`` (an object) over an aborted request's final meta_info alone
+  (after ``final_meta``), and its ``raw`` (an object of route paths) answers a route, any
+  method, with ``{"status": S, "body": B}`` instead: status S (200 if absent), body B whole
+  (a string, each character U+0000..U+00FF one byte: bytes that are not UTF-8, a truncated
+  JSON, an HTML page), as a broken server or a proxy in front of it may; with ``"cut":
+  true`` B goes out as one HTTP chunk that promises more bytes than it holds, and the
+  connection is closed (a stream cut mid-chunk). Each absent key clears its patch.
 - ``abort_ignored`` (false): true answers ``/abort_request`` 200 but aborts nothing.
 - ``hold_unfinished`` (false): true plays a round whose other requests are always
   still running when its first request finishes, however slow the machine: once a
@@ -1950,6 +1951,8 @@ class Stub:
         if self.spec is not None:
             meta.update(self._spec_meta(sub))
         meta.update(self.patches.get("final_meta") or {})
+        if isinstance(sub.finish, dict) and sub.finish.get("type") == "abort":
+            meta.update(self.patches.get("abort_meta") or {})
         return meta
 
     def _spec_meta(self, sub: SubRequest) -> dict[str, Any]:
