@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from sglang_support import running, stub_campaign
+from sglang_support import attached_stub, free_port, running, stub_campaign
 
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
@@ -108,3 +108,77 @@ def test_a_cap_split_over_attention_dp_ranks_is_named_as_such(tmp_path: Path) ->
     assert "multiple of 2" in split and "KV pool" not in split, split
     assert "KV pool" in refusal(4, 3) and "KV pool" in refusal(5)
     assert running(marker) == []
+
+
+def _attached_sweep(tmp_path: Path, *argv: str) -> tuple[int, str]:
+    """A sweep of batches [1, 4] attached to a stub started by hand with launch flags `argv`:
+    its exit code and what it printed and journalled as errors."""
+    tmp_path.mkdir(exist_ok=True)
+    port = free_port()
+    path, model = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1, 4]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        retries=0,
+    )
+    server = attached_stub(tmp_path, model, port, *argv, startup_s=0.0, tpot_s=0.002)
+    try:
+        out = tmp_path / "out"
+        result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+        said = result.output
+        if (out / "journal.jsonl").exists():
+            said += "".join(
+                str(r.get("error"))
+                for r in read_records(out / "journal.jsonl")
+                if r["type"] == "cell"
+            )
+        return result.exit_code, said
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.slow
+def test_plain_data_parallelism_runs_the_arg_in_each_replica(tmp_path: Path) -> None:
+    """0.5.23's plain DP (--dp-size 2, no attention DP) gives each replica's scheduler the
+    whole --max-running-requests (only attn_dp_size splits it, kv_cache_configurator.py
+    `resolve_max_num_reqs`), and the DP controller deals requests out in turn: 2 x 2 runs the
+    largest batch 4, and is not refused for its arg below it."""
+    code, said = _attached_sweep(tmp_path, "--dp-size", "2", "--max-running-requests", "2")
+    assert code == 0, said
+
+
+@pytest.mark.slow
+def test_plain_data_parallelism_below_the_largest_batch_is_refused(tmp_path: Path) -> None:
+    code, said = _attached_sweep(tmp_path, "--dp-size", "2", "--max-running-requests", "1")
+    assert code != 0, said
+    assert "caps running requests at 1 in each of its 2 DP replicas" in said, said
+    assert "below the largest batch 4" in said, said
+
+
+def test_only_plain_dp_replicas_multiply_the_arg() -> None:
+    from dvfs.engines.sglang import dp_replicas
+
+    assert dp_replicas({}) == 1 and dp_replicas({"dp_size": None}) == 1
+    assert dp_replicas({"dp_size": 2, "attn_dp_size": 1}) == 2  # 0.5.23 plain DP
+    # 0.5.23 attention DP (its deprecated spelling resolves to dp_size 1)
+    assert dp_replicas({"dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": True}) == 1
+    # 0.5.9: dp_size counts attention DP ranks where enable_dp_attention is set
+    assert dp_replicas({"dp_size": 2, "enable_dp_attention": True}) == 1
+    assert dp_replicas({"dp_size": 2, "enable_dp_attention": False}) == 2
+    assert dp_replicas({"dp_size": "2"}) == 1 and dp_replicas({"dp_size": True}) == 1
+
+
+@pytest.mark.slow
+def test_attention_dp_splits_the_arg_over_its_ranks(tmp_path: Path) -> None:
+    """Attention DP splits --max-running-requests over its ranks instead: 4 over 2 runs the
+    largest batch 4; 4 over 3 runs 3 (1 each), refused as a split."""
+    flags = ("--max-running-requests", "4", "--attn-dp-size")
+    code, said = _attached_sweep(tmp_path / "two", *flags, "2")
+    assert code == 0, said
+    code, said = _attached_sweep(tmp_path / "three", *flags, "3")
+    assert code != 0, said
+    assert "runs at most 3 requests at once, below the largest batch 4" in said, said
+    assert "over its 3 attention DP ranks, 1 each" in said, said

@@ -876,7 +876,7 @@ class SglangEngine:
         # Refused at attach (`_check_resolved`), and not an arm arg: 0.5.9 leaves the decode
         # CUDA graphs as they were, so nothing above would tell a batch queued behind the cap.
         running, largest = now["args"].get("max_running_requests"), max(batches)
-        if isinstance(running, int) and running < largest:
+        if isinstance(running, int) and running * dp_replicas(now["args"]) < largest:
             was = before["args"].get("max_running_requests")
             # said once, with why it matters (`server_changes` names it too: a DRAFTER_ARGS)
             changes = [c for c in changes if not c.startswith("max_running_requests: ")]
@@ -942,9 +942,11 @@ class SglangEngine:
         largest = max(self.campaign.workload.batch_sizes)
         # (not a whole number above 0, as no SGLang reports it: unknown, not a traceback)
         running = _count(args.get("max_running_requests"))
-        if running is not None and running < largest:
+        replicas = dp_replicas(args)
+        if running is not None and running * replicas < largest:
+            across = f" in each of its {replicas} DP replicas" if replicas > 1 else ""
             raise EngineError(
-                f"{where} caps running requests at {running}, below the largest batch "
+                f"{where} caps running requests at {running}{across}, below the largest batch "
                 f"{largest}{fix}"
             )
         # Its scheduler may run fewer than the arg says (`running_cap_of`): the rest of each
@@ -1308,6 +1310,21 @@ def server_record_of(drafter: str, info: dict[str, Any]) -> dict[str, Any]:
         "attention_backend": Kernels.from_args(args).label,
         "args": args,
     }
+
+
+def dp_replicas(args: Mapping[str, Any]) -> int:
+    """How many plain data-parallel replicas a server's resolved `args` run, each a scheduler
+    given the whole --max-running-requests (and served in turn by the DP controller,
+    managers/data_parallel_controller.py), so the server runs that many times the arg at once.
+    SGLang 0.5.23 counts replicas with `dp_size` and attention DP ranks, which split the arg
+    (kv_cache_configurator.py `resolve_max_num_reqs`), with `attn_dp_size` (its deprecated
+    `--dp-size N --enable-dp-attention` resolves to `attn_dp_size` N, `dp_size` 1); 0.5.9,
+    which has no `attn_dp_size`, counts attention DP ranks with `dp_size` where
+    `enable_dp_attention` is set. 1 where the args do not say."""
+    replicas = _count(args.get("dp_size")) or 1
+    if "attn_dp_size" not in args and args.get("enable_dp_attention") is True:
+        return 1
+    return replicas
 
 
 def running_cap_refusal(cap: int, largest: int, args: Mapping[str, Any]) -> str:

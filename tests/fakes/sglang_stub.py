@@ -107,7 +107,9 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   ``internal_states[0].effective_max_running_requests_per_dp``, the scheduler's own cap on
   running requests (SGLang lowers ``--max-running-requests`` to what its KV pool or Mamba
   state cache holds: mem_cache/kv_cache_configurator.py ``resolve_max_num_reqs``); null: the
-  resolved ``max_running_requests`` (2048 where none).  0.5.9 reports none.
+  resolved ``max_running_requests`` (2048 where none) split over ``--attn-dp-size``.  0.5.9
+  reports none.  ``internal_states`` holds one state per DP scheduler: ``--dp-size`` replicas
+  of ``--attn-dp-size`` ranks, each with this cap.
 - ``patch_route`` (false): true serves POST ``/_stub/patch``, whose JSON object body sets what
   later answers carry, for a test that feeds dvfs hostile answers from one stub: its
   ``server_info`` (an object) sets keys over /server_info's answer (``internal_states``
@@ -358,7 +360,8 @@ SAMPLING_KEYS = frozenset(
 INT_DESTS = frozenset(
     {
         "port", "tp_size", "tensor_parallel_size", "pp_size", "pipeline_parallel_size",
-        "dp_size", "data_parallel_size", "ep_size", "expert_parallel_size",
+        "dp_size", "data_parallel_size", "attn_dp_size", "attention_data_parallel_size",
+        "ep_size", "expert_parallel_size",
         "max_running_requests", "max_total_tokens", "max_prefill_tokens",
         "chunked_prefill_size", "context_length", "cuda_graph_max_bs",
         "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill", "cuda_graph_bs",
@@ -1979,11 +1982,17 @@ class Stub:
         """/server_info: resolved args, version, internal_states."""
         with self.lock:
             state: dict[str, Any] = {"last_gen_throughput": self.last_gen_throughput}
+            # One state per DP scheduler (tokenizer_control_mixin.py fans the request out to
+            # each): dp_size replicas of attn_dp_size attention DP ranks.
+            attn = max(1, int(self.args.get("attn_dp_size") or 1))
+            ranks = max(1, int(self.args.get("dp_size") or 1)) * attn
             if self.version != "0.5.9":  # scheduler_components/internal_state.py
                 cap = self.cfg.running_cap
                 running = self.args.get("max_running_requests")
+                # Each scheduler's: the arg split over the attention DP ranks alone
+                # (kv_cache_configurator.py `resolve_max_num_reqs`), whole in each replica.
                 state["effective_max_running_requests_per_dp"] = (
-                    cap if cap is not None else int(running or 2048)
+                    cap if cap is not None else max(1, int(running or 2048) // attn)
                 )
             if self.spec is not None:
                 average = self.block_accept_length()
@@ -1994,7 +2003,7 @@ class Stub:
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.max_req_input_len,
             "version": self.version,
-            "internal_states": [state],
+            "internal_states": [dict(state) for _ in range(ranks)],
         }
 
     def block_accept_length(self) -> float | None:
