@@ -400,6 +400,50 @@ extra_args = {drafter_args}
     assert use in message.split("use ", 1)[1]
 
 
+@pytest.mark.parametrize(
+    ("where", "token"),
+    [("engine", "--speculative-adaptive"), ("drafter", "--speculative-adaptive"),
+     ("drafter", "--speculative-adaptive=true")],
+)  # fmt: skip
+def test_adaptive_speculation_is_refused_in_extra_args(
+    tmp_path: Path, where: str, token: str
+) -> None:
+    """SGLang 0.5.23's --speculative-adaptive changes an EAGLE drafter's steps at run time
+    (adaptive_spec_params.py, eagle_worker_v2.py apply_runtime_state), within a cell and
+    differently at each clock: refused in one line wherever extra_args could pass it on."""
+    engine_extra = f'extra_args = ["{token}"]' if where == "engine" else ""
+    extra = f'extra_args = ["{token}"]' if where == "drafter" else ""
+    drafters = f'\n[drafters.e]\nalgorithm = "EAGLE3"\ndraft_model = "d"\n{extra}\n'
+    with pytest.raises(CampaignError) as err:
+        _load(tmp_path, _campaign_text(engine_extra, drafters=drafters))
+    message = str(err.value)
+    key = "engine.sglang.extra_args" if where == "engine" else "drafters.e.extra_args"
+    assert f"c.toml: {key}: sets --speculative-adaptive:" in message, message
+    assert "within a cell and between clocks" in message and "\n" not in message
+    # its config file alone changes nothing (SGLang reads it with the flag only)
+    drafters = '\n[drafters.e]\nalgorithm = "EAGLE3"\ndraft_model = "d"\n'
+    drafters += 'extra_args = ["--speculative-adaptive-config", "a.json"]\n'
+    _load(tmp_path, _campaign_text(drafters=drafters))
+
+
+def test_adaptive_speculation_has_no_other_spelling_argparse_reads() -> None:
+    """Against 0.5.23's option table: every abbreviation of --speculative-adaptive is also one
+    of --speculative-adaptive-config (argparse refuses it as ambiguous), so the refusal of the
+    whole flag catches every spelling a server would take; 0.5.9 has no such option."""
+    from dvfs.campaign.sglang_flags import ADAPTIVE_FLAG, adaptive_flag
+
+    flags = [f for o in json.loads((TABLES / "0.5.23.json").read_text())["options"]
+             for f in o["flags"]]  # fmt: skip
+    assert ADAPTIVE_FLAG in flags
+    for cut in range(3, len(ADAPTIVE_FLAG)):
+        prefix = ADAPTIVE_FLAG[:cut]
+        assert prefix in flags or len([f for f in flags if f.startswith(prefix)]) > 1, prefix
+    assert adaptive_flag(ADAPTIVE_FLAG) and not adaptive_flag("--speculative-adaptive-config")
+    old = [f for o in json.loads((TABLES / "0.5.9.json").read_text())["options"]
+           for f in o["flags"]]  # fmt: skip
+    assert not [f for f in old if "adaptive" in f and f.startswith("--speculative")]
+
+
 def test_unmanaged_extra_args_pass() -> None:
     for token in ("--mem-fraction-static", "--kv-cache-dtype", "--page-size", "--no-such-flag"):
         assert managed_flag(token) is None

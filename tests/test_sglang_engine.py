@@ -1126,6 +1126,40 @@ def test_doctor_fails_an_attached_server_the_sweep_refuses(
     assert said in " ".join(checked.output.split())
 
 
+@pytest.mark.slow
+def test_an_attached_server_with_adaptive_speculation_is_refused(tmp_path: Path) -> None:
+    """An attached EAGLE3 server started with --speculative-adaptive (SGLang 0.5.23), which
+    its /server_info reports on: its drafter's steps change at run time, within a cell and
+    differently at each clock, so the sweep refuses it in one line (exit 5) and doctor fails
+    its engine check in the same words."""
+    port = free_port()
+    campaign, model = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.e]\nalgorithm = "EAGLE3"\ndraft_model = "d"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+    )
+    served = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d"]
+    server = attached_stub(tmp_path, model, port, *served, "--speculative-adaptive")
+    runner = CliRunner()
+    try:
+        out = tmp_path / "out"
+        swept = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+        checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    said = "runs with --speculative-adaptive (its /server_info says so)"
+    assert swept.exit_code == 5, swept.output
+    assert said in " ".join(swept.output.split()) and "Traceback" not in swept.output
+    assert "within a cell and between clocks" in " ".join(swept.output.split())
+    assert checked.exit_code == 1, checked.output
+    [failed] = [line for line in checked.output.splitlines() if line.startswith("FAIL")]
+    assert failed.startswith("FAIL engine:")
+    assert said in " ".join(checked.output.split())
+
+
 # -- another program on the started server's port ----------------------------------------------
 
 

@@ -23,8 +23,11 @@ from dvfs.campaign.model import (
     SglangConfig,
 )
 from dvfs.campaign.sglang_flags import (
+    ADAPTIVE_FLAG,
+    ADAPTIVE_WHY,
     ATTENTION_BACKENDS,
     DEFAULT_ATTENTION_BACKEND,
+    adaptive_flag,
     managed_flag,
     non_drafter_flag,
 )
@@ -72,6 +75,7 @@ def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:
         attention_backend=_attention_backend(sg),
     )
     refuse_managed_flags(sg, "extra_args", sglang.extra_args, "drafters.<name>")
+    refuse_adaptive(sg, sglang.extra_args)
     _refuse_config_file(sg, sglang.extra_args)
     _refuse_server_flags(sg, sglang.server_command)
     _check_visible_devices(sg, env, gpu)
@@ -106,6 +110,17 @@ def refuse_managed_flags(table: Table, key: str, args: tuple[str, ...], drafter:
             flag, use = found
             written = "" if token.split("=", 1)[0] == flag else f" (as {token!r})"
             raise table.fail(key, f"sets {flag}{written}, which dvfs sets itself; use {use}")
+
+
+def refuse_adaptive(table: Table, args: tuple[str, ...]) -> None:
+    """--speculative-adaptive (SGLang 0.5.23) makes the drafter's steps vary within a cell
+    and between clocks: each cell must measure one fixed drafter configuration."""
+    if any(adaptive_flag(token) for token in args):
+        raise table.fail(
+            "extra_args",
+            f"sets {ADAPTIVE_FLAG}: {ADAPTIVE_WHY}; remove it, and measure each step count "
+            "as a drafter of its own (num_steps)",
+        )
 
 
 #: The token of a server command that names SGLang's launcher: what follows it is
@@ -208,6 +223,7 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
     table.finish()
     refuse_managed_flags(table, "extra_args", extra, table.path)
     refuse_engine_flags(table, name, extra)
+    refuse_adaptive(table, extra)
     if algorithm == "NGRAM" and draft_model is not None:
         raise table.fail(
             "draft_model",

@@ -60,6 +60,26 @@ DRAFTER_FLAGS = (
 )
 
 
+#: SGLang 0.5.23's adaptive speculation (speculative/adaptive_spec_params.py, applied by
+#: eagle_worker_v2.py `apply_runtime_state`): an EAGLE/EAGLE3 drafter with topk 1 (other
+#: algorithms and setups fall back to static steps) changes its steps at run time from its
+#: accept rate, so within a cell and differently at each clock (timing drives it). Every
+#: shorter spelling is also a prefix of --speculative-adaptive-config, which argparse refuses.
+ADAPTIVE_FLAG = "--speculative-adaptive"
+#: Why a server with adaptive speculation is refused, in the words of both refusals (a
+#: campaign's extra_args, an attached server's /server_info).
+ADAPTIVE_WHY = (
+    "SGLang then changes an EAGLE drafter's speculative steps at run time from its accept "
+    "rate, so they would vary within a cell and between clocks, and a cell would measure no "
+    "one drafter"
+)
+
+
+def adaptive_flag(token: str) -> bool:
+    """Whether argparse would read `token` as --speculative-adaptive (`ADAPTIVE_FLAG`)."""
+    return token.split("=", 1)[0] == ADAPTIVE_FLAG
+
+
 def non_drafter_flag(token: str) -> str | None:
     """The flag `token` names when it is a flag but not a drafter's own (`DRAFTER_FLAGS`),
     else None (a drafter flag, or a value such as "16" or "-1"). Abbreviations count only

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dvfs.campaign.model import Campaign, DrafterSpec
+from dvfs.campaign.sglang_flags import ADAPTIVE_WHY
 from dvfs.clock import Clock
 from dvfs.corpora import Prompt
 from dvfs.engines.base import (
@@ -938,6 +939,14 @@ class SglangEngine:
             raise EngineError(
                 f"{where} runs speculative algorithm {algorithm!r}, "
                 f"not {drafter.algorithm!r} as drafter {drafter.name!r} asks{fix}"
+            )
+        # SGLang resolves --speculative-adaptive off where it cannot apply (its
+        # adaptive_unsupported_reason): what /server_info reports on is in force.
+        if args.get("speculative_adaptive") is True:
+            raise EngineError(
+                f"{where} runs with --speculative-adaptive (its /server_info says so): "
+                f"{ADAPTIVE_WHY}; start it without the flag, and measure each step count as a "
+                "drafter of its own (num_steps)"
             )
         largest = max(self.campaign.workload.batch_sizes)
         # (not a whole number above 0, as no SGLang reports it: unknown, not a traceback)
