@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -948,6 +949,34 @@ def test_a_refusal_with_a_reset_after_it_keeps_both_within_the_line(tmp_path: Pa
     assert "speculative_option_00: 1 -> 2" in line and " more)" in line, line
 
 
+def _gpu0_refused_gpu1_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], error: Exception
+) -> subprocess.CompletedProcess[str]:
+    """A two-GPU fleet sweep on the fake NVML whose worker gpu0 raises `error` on every cell
+    and whose gpu1 measures a cell, then its server dies on the next (both before any
+    restore): what the tests of a refusal ending a fleet beside a left-changed GPU share."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process
+
+    from dvfs.fleet.worker import Worker
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    calls = {"gpu1": 0}
+    run = Worker.run
+
+    def refused_and_lost(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu0":
+            raise error
+        calls["gpu1"] += 1
+        if calls["gpu1"] == 2:
+            raise RuntimeError("the server died")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", refused_and_lost)
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    return dvfs_in_process(*argv, env=env)
+
+
 @pytest.mark.parametrize("nvml_error", [999, 4])  # NVML Unknown, NoPermission
 def test_a_refusal_that_ends_a_fleet_names_the_gpus_the_others_closes_left_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nvml_error: int
@@ -959,10 +988,9 @@ def test_a_refusal_that_ends_a_fleet_names_the_gpus_the_others_closes_left_chang
     near the end named the GPU left changed nor `dvfs gpu reset`. It is named beside the
     refusal, with the restore's own error and the reset, as a finished fleet says it; the
     exit code stays the refusal's."""
-    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+    from nvml_support import fake_env, load_fake
 
     from dvfs.errors import GpuPermissionError
-    from dvfs.fleet.worker import Worker
 
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
     for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
@@ -970,23 +998,8 @@ def test_a_refusal_that_ends_a_fleet_names_the_gpus_the_others_closes_left_chang
     nvml = load_fake()
     nvml.fake_reset_state()
     nvml.fake_update_device(1, errors={"nvmlDeviceResetGpuLockedClocks": nvml_error})
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
-    calls = {"gpu1": 0}
-    run = Worker.run
     why = "GPU 0: permission denied (test): run as root, or use `dvfs sweep --observe-only`"
-
-    def refused_and_lost(self: Worker, cell):  # type: ignore[no-untyped-def]
-        if self.label == "gpu0":
-            raise GpuPermissionError(why)
-        calls["gpu1"] += 1
-        if calls["gpu1"] == 2:
-            raise RuntimeError("the server died")
-        return run(self, cell)
-
-    monkeypatch.setattr(Worker, "run", refused_and_lost)
-    out = tmp_path / "out"
-    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
-    result = dvfs_in_process(*argv, env=env)
+    result = _gpu0_refused_gpu1_lost(tmp_path, monkeypatch, env, GpuPermissionError(why))
     assert result.returncode == 4, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == f"Error: {why}", result.stderr
@@ -1009,10 +1022,9 @@ def test_a_refusal_that_ends_a_fleet_exits_4_where_a_restore_left_changed_needs_
     GPU's sweep gives a restore that needs root, was hidden, and a wrapper reading the code
     never learnt that GPUs were left for root to put back. Now exit 4; both lines still
     said, the refusal's last."""
-    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+    from nvml_support import fake_env, load_fake
 
     from dvfs.errors import CampaignError, GpuStateError
-    from dvfs.fleet.worker import Worker
 
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
     for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
@@ -1021,28 +1033,13 @@ def test_a_refusal_that_ends_a_fleet_exits_4_where_a_restore_left_changed_needs_
     nvml.fake_reset_state()
     refused = {"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NO_PERMISSION}
     nvml.fake_update_device(1, errors=refused)
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
-    calls = {"gpu1": 0}
-    run = Worker.run
     error = (
         GpuStateError("GPU 0 is held (test): stop that dvfs, then run the sweep again")
         if refusal.startswith("a GPU held")
         else CampaignError("the campaign is refused (test): fix it, then run the sweep again")
     )
     assert error.exit_code == int(refusal[-2])
-
-    def refused_and_lost(self: Worker, cell):  # type: ignore[no-untyped-def]
-        if self.label == "gpu0":
-            raise error
-        calls["gpu1"] += 1
-        if calls["gpu1"] == 2:
-            raise RuntimeError("the server died")
-        return run(self, cell)
-
-    monkeypatch.setattr(Worker, "run", refused_and_lost)
-    out = tmp_path / "out"
-    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
-    result = dvfs_in_process(*argv, env=env)
+    result = _gpu0_refused_gpu1_lost(tmp_path, monkeypatch, env, error)
     assert result.returncode == 4, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == f"Error: {error}", result.stderr
@@ -1157,10 +1154,9 @@ def test_a_refusal_that_ends_a_fleet_says_a_bug_in_another_workers_restore(
     reset` once the GPU answers again": a GPU that never stopped answering, the bug unsaid.
     Now it says the restore's own words (a bug in dvfs) and the reset; the refusal's line and
     exit code stay."""
-    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+    from nvml_support import fake_env, load_fake
 
     from dvfs.errors import GpuStateError
-    from dvfs.fleet.worker import Worker
     from dvfs.gpu.nvml import NvmlGpu
 
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
@@ -1169,8 +1165,6 @@ def test_a_refusal_that_ends_a_fleet_says_a_bug_in_another_workers_restore(
     nvml = load_fake()
     nvml.fake_reset_state()
     reset = NvmlGpu.reset_sm_clock
-    run = Worker.run
-    calls = {"gpu1": 0}
     error = GpuStateError("GPU 0 is held (test): stop that dvfs, then run the sweep again")
 
     def buggy_reset_of_gpu_1(self: NvmlGpu) -> None:
@@ -1178,20 +1172,8 @@ def test_a_refusal_that_ends_a_fleet_says_a_bug_in_another_workers_restore(
             raise RuntimeError("a bug")
         reset(self)
 
-    def refused_and_lost(self: Worker, cell):  # type: ignore[no-untyped-def]
-        if self.label == "gpu0":
-            raise error
-        calls["gpu1"] += 1
-        if calls["gpu1"] == 2:
-            raise RuntimeError("the server died")
-        return run(self, cell)
-
     monkeypatch.setattr(NvmlGpu, "reset_sm_clock", buggy_reset_of_gpu_1)
-    monkeypatch.setattr(Worker, "run", refused_and_lost)
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
-    out = tmp_path / "out"
-    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
-    result = dvfs_in_process(*argv, env=env)
+    result = _gpu0_refused_gpu1_lost(tmp_path, monkeypatch, env, error)
     assert result.returncode == 3, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == f"Error: {error}", result.stderr
