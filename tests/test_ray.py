@@ -2510,6 +2510,33 @@ def test_a_unit_ray_failed_closes_its_actor_while_the_others_go_on(name: str) ->
     assert events.index("get close a/w0") > events.index("shipped b/w1 u1"), events
 
 
+class _RefMethod:
+    """A fake actor method whose `.remote(...)` answers a ref naming the method, the actor's
+    label and the arguments, for the fake `ray.wait`/`ray.get` of a test to read."""
+
+    def __init__(self, label: str, name: str) -> None:
+        self.label, self.name = label, name
+
+    def remote(self, *args: object) -> tuple[object, ...]:
+        return (self.name, self.label, *args)
+
+
+class _RefActor:
+    def __init__(self, label: str) -> None:
+        self.label = label
+        for name in ("open", "reset_command", "run", "close", "unrestored", "close_error"):
+            setattr(self, name, _RefMethod(label, name))
+
+
+def _ref_actors(*labels: str) -> types.SimpleNamespace:
+    """A fake actor class whose `.options(...).remote(...)` makes `_RefActor`s labelled
+    `labels` in turn."""
+    names = iter(labels)
+    return types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: _RefActor(next(names)))
+    )
+
+
 def run_lost_and_live(executor, signal_at_end: bool):  # type: ignore[no-untyped-def]
     """`executor._run` (a `RayExecutor`'s) over stand-ins of Ray and a fleet of four units on
     two real-GPU workers: the first unit of worker `a/w0` raises, and what its actor is asked
@@ -2519,23 +2546,7 @@ def run_lost_and_live(executor, signal_at_end: bool):  # type: ignore[no-untyped
     awaited, the bound) and the units shipped."""
     import ray.exceptions
 
-    class Method:
-        def __init__(self, label: str, name: str) -> None:
-            self.label, self.name = label, name
-
-        def remote(self, *args: object) -> tuple[object, ...]:
-            return (self.name, self.label, *args)
-
-    class Actor:
-        def __init__(self, label: str) -> None:
-            self.label = label
-            for name in ("open", "reset_command", "run", "close", "unrestored", "close_error"):
-                setattr(self, name, Method(label, name))
-
-    labels = iter(["a/w0", "b/w1"])
-    actor_class = types.SimpleNamespace(
-        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
-    )
+    actor_class = _ref_actors("a/w0", "b/w1")
     raised = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", RuntimeError("boom"))
     ending = {"close", "unrestored", "close_error"}
     bounded: list[tuple[set, float]] = []  # type: ignore[type-arg]
@@ -2649,23 +2660,7 @@ def test_a_refusal_names_the_gpus_the_live_closes_left_changed_beside_its_line()
     from dvfs.errors import GpuError, JournalError
     from dvfs.fleet.ray_executor import RayExecutor
 
-    class Method:
-        def __init__(self, label: str, name: str) -> None:
-            self.label, self.name = label, name
-
-        def remote(self, *args: object) -> tuple[object, ...]:
-            return (self.name, self.label, *args)
-
-    class Actor:
-        def __init__(self, label: str) -> None:
-            self.label = label
-            for name in ("open", "reset_command", "run", "close", "unrestored", "close_error"):
-                setattr(self, name, Method(label, name))
-
-    labels = iter(["a/w0", "b/w1"])
-    actor_class = types.SimpleNamespace(
-        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
-    )
+    actor_class = _ref_actors("a/w0", "b/w1")
     raised = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback", RuntimeError("boom"))
     nvml = GpuError("could not restore GPU settings: GPU 0: NVML refused (test)")
     restore = ray.exceptions.RayTaskError("WorkerActor.close", "Traceback", nvml)
