@@ -443,6 +443,24 @@ def test_gpu_list_lists_the_gpus_beside_a_hung_one_and_one_it_may_not_talk_to(
     assert error.startswith(f"Error: {HANDLE} on GPU 0 did not return within 5 s"), error
 
 
+def _run_with_gpu1_handle_hung(nvml: ModuleType, env: dict[str, str], argv: list[str]) -> list[str]:
+    """`dvfs ARGV` in a child process (the hung call never returns, and the child exits with
+    it) with GPU 1's handle hanging in the driver for good, at a 1 s deadline: it must exit 1
+    having asked that handle once. Its standard error's non-blank lines."""
+    child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", *argv],
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 1, result.stderr
+    asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
+    assert len(asked) == 1, asked
+    return [x for x in result.stderr.splitlines() if x.strip()]
+
+
 @pytest.mark.parametrize("command", [["gpu", "list"], ["gpu", "reset"], ["cap", "reset"]])
 def test_a_gpu_whose_handle_hangs_is_asked_once_by_a_command_over_every_gpu(
     nvml: ModuleType, env: dict[str, str], command: list[str]
@@ -453,19 +471,8 @@ def test_a_gpu_whose_handle_hangs_is_asked_once_by_a_command_over_every_gpu(
     unit's ExecStopPost, named the GPU). Now its handle is asked once: GPU 1 named with the
     first call's error, the others acted on, exit 1. (A child process: the hung call never
     returns, and the child exits with it.)"""
-    child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
-    result = subprocess.run(
-        [sys.executable, "-m", "dvfs", *command],
-        env=child,
-        capture_output=True,
-        text=True,
-        timeout=STUCK_S,
-    )
-    assert result.returncode == 1, result.stderr
-    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    [error] = _run_with_gpu1_handle_hung(nvml, env, command)
     assert error.startswith(f"Error: {HANDLE} on GPU 1 did not return within 1 s"), error
-    asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
-    assert len(asked) == 1, asked
 
 
 @pytest.mark.parametrize("defaults", [[], ["--defaults"]])
@@ -482,19 +489,8 @@ def test_gpu_reset_asks_a_hung_gpu_with_a_state_file_once(
     store = StateStore(Path(env["DVFS_STATE_DIR"]))
     with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
         _left_changed(nvml, store, gpus)
-    child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
-    result = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "reset", *defaults],
-        env=child,
-        capture_output=True,
-        text=True,
-        timeout=STUCK_S,
-    )
-    assert result.returncode == 1, result.stderr
-    [error] = [x for x in result.stderr.splitlines() if x.strip()]
+    [error] = _run_with_gpu1_handle_hung(nvml, env, ["gpu", "reset", *defaults])
     assert error.startswith(f"Error: {HANDLE} on GPU 1 did not return within 1 s"), error
-    asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
-    assert len(asked) == 1, asked
     assert _back(nvml, 0) and _back(nvml, 2)
 
 
@@ -514,19 +510,8 @@ def test_a_hung_gpu_is_asked_once_by_a_command_that_names_gpus_nvml_withholds(
         "cap-apply": ["cap", "apply", str(caps)],
         "cap-apply-dry-run": ["cap", "apply", str(caps), "--dry-run"],
     }[command]
-    child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
-    result = subprocess.run(
-        [sys.executable, "-m", "dvfs", *argv],
-        env=child,
-        capture_output=True,
-        text=True,
-        timeout=STUCK_S,
-    )
-    assert result.returncode == 1, result.stderr
-    error = [x for x in result.stderr.splitlines() if x.strip()][-1]
+    error = _run_with_gpu1_handle_hung(nvml, env, argv)[-1]
     assert f"{HANDLE} on GPU 1 did not return within 1 s" in error, error
-    asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
-    assert len(asked) == 1, asked
 
 
 def test_gpu_reset_defaults_asks_which_gpus_nvml_withholds_once(
