@@ -572,6 +572,12 @@ EARLIER = "power_limit_earlier_mw"
 #: landed): that one is taken as written beside the `power_limit_mw` it lists, as that dvfs
 #: took it, so a plain upgrade after a stopped `cap apply` is not refused.
 EARLIER_FOR = "power_limit_earlier_for_mw"
+#: The GPU's default power limit when dvfs's cap replaced `power_limit_before_mw`: where the
+#: default differs now, the driver was reloaded since (in the same boot: rmmod and modprobe, an
+#: update without a reboot), which put its own default on the GPU, and the limit the cap
+#: replaced is the old driver's, not to be put back (`_limit_replaced`). Absent in a record an
+#: older dvfs wrote: the replaced limit is then put back as before.
+DEFAULT_THEN = "power_limit_default_then_mw"
 
 
 def _earlier_cap(entry: Mapping[str, Any]) -> int | None:
@@ -1171,6 +1177,7 @@ def apply_actions(
                             **applied.get(action.uuid, blank),
                             "power_limit_mw": None,
                             "power_limit_before_mw": None,
+                            DEFAULT_THEN: None,
                         }
                     ),
                 )
@@ -1209,6 +1216,11 @@ def apply_actions(
                     **stamp,
                     "power_limit_mw": limit,
                     "power_limit_before_mw": replaced,
+                    # the driver's default beside it: one reloaded since (the same boot)
+                    # makes the replaced limit the old driver's (`_limit_replaced`)
+                    DEFAULT_THEN: prior.get(DEFAULT_THEN)
+                    if dvfs_cap
+                    else gpu.power_limit_range().default_mw,
                 }
                 undo = partial(gpu.set_power_limit_mw, before) if limit != before else None
                 what = f"power limit {limit / 1000:g} W"
@@ -1712,6 +1724,15 @@ def _limit_replaced(
         return None, (
             f"power limit left at {current / 1000:g} W (set outside dvfs since `dvfs cap "
             f"apply` set {applied / 1000:g} W)"
+        )
+    then = recorded.get(DEFAULT_THEN)
+    if _positive_int(before) and _positive_int(then) and then != default and before != default:
+        # the driver reloaded since, its default now on the GPU (equal to dvfs's cap, or the
+        # line above left it as an operator's): the old driver's limit is not put back
+        return default, (
+            f"power limit {default / 1000:g} W (default: the GPU's default power limit was "
+            f"{then / 1000:g} W when dvfs's cap replaced {before / 1000:g} W, so the driver "
+            "was reloaded since and that limit is not put back)"
         )
     if before is not None and not known:  # damaged (`AppliedCaps.damaged_lines` says so)
         return default, (
