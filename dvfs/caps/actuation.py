@@ -52,6 +52,18 @@ if TYPE_CHECKING:
     from dvfs.gpu.safety import StateStore
 
 APPLIED_NAME = "caps-applied.json"
+#: The format of the caps record's entries this dvfs writes and reads, in each entry under
+#: `FORMAT_KEY` (in each entry, not beside them: an older dvfs carries an entry's keys it does
+#: not know along, so going back to one reads the record still). An entry without it was
+#: written before the key was: format 1. One of a later format (a newer dvfs, then a
+#: downgrade) is refused, not misread (`AppliedCaps._refuse_newer`).
+RECORD_FORMAT = 1
+FORMAT_KEY = "record_format"
+
+
+class NewerCapsRecordError(CapsRecordError):
+    """dvfs's caps record has an entry of a later format than `RECORD_FORMAT` (a newer dvfs
+    wrote it, then a downgrade): its line says what to do itself."""
 
 
 class CapsPartlyAppliedError(CapsError):
@@ -162,6 +174,7 @@ class AppliedCaps:
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects)"
                 + record_fix(self.path.parent)
             )
+        self._refuse_newer(data)
         for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
             spoiled = _spoiled_knobs(r) if checked else {}
             if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
@@ -170,6 +183,36 @@ class AppliedCaps:
         return {
             u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
         }
+
+    def _refuse_newer(self, data: dict[str, dict[str, Any]]) -> None:
+        """Refuse (`CapsRecordError`) a record with an entry of this boot in a format this dvfs
+        does not know (`RECORD_FORMAT`): a newer dvfs wrote it, whose keys this one could
+        misread or drop on its next write. An earlier boot's entry is dropped unread, as
+        ever."""
+        from dvfs.gpu.safety import state_dir_flag
+        from dvfs.version import __version__
+
+        for uuid, r in data.items():
+            found = r.get(FORMAT_KEY, 1)
+            if found == RECORD_FORMAT or before_this_boot(r.get("boot"), r.get("applied")):
+                continue
+            where = f"{self.path} line {self.line_of(uuid, FORMAT_KEY)}"
+            if not _positive_int(found):
+                raise CapsRecordError(
+                    f"{where} is damaged for GPU {uuid[:48]}: {FORMAT_KEY} is "
+                    f"{json.dumps(found)[:40]}, expected a format number"
+                    + record_fix(self.path.parent)
+                )
+            if found > RECORD_FORMAT:
+                raise NewerCapsRecordError(
+                    f"{where}: GPU {uuid[:48]}'s entry is in caps record format {found}, written "
+                    f"by a newer dvfs; this dvfs ({__version__}) reads format {RECORD_FORMAT} "
+                    "only: run the newer dvfs again (its `dvfs cap reset --applied"
+                    f"{state_dir_flag(self.path.parent)}` puts the GPUs back), or remove the "
+                    f"record, then reset the GPUs with `dvfs cap reset"
+                    f"{state_dir_flag(self.path.parent)}` (the limits dvfs's caps replaced are "
+                    "lost with it)"
+                )
 
     def line_of(self, uuid: str, key: str) -> int:
         """The line of the record that holds `key` of a GPU's entry (dvfs writes one key a
@@ -388,7 +431,9 @@ class AppliedCaps:
                 self.path.unlink()
             return
         ensure_dir(self.path.parent)
-        write_json_atomic(self.path, records)
+        write_json_atomic(
+            self.path, {u: {**r, FORMAT_KEY: RECORD_FORMAT} for u, r in records.items()}
+        )
 
     def update(self, uuid: str, entry: dict[str, Any] | None) -> None:
         """Set (or, with None, drop) one GPU's entry, read and written under a lock on the
@@ -1387,9 +1432,9 @@ def reset_caps(
             record.entries_as_written()
         except CapsError as exc:
             told = str(exc).removesuffix(record_fix(record.path.parent))
-            raise CapsRecordError(
-                f"{told}; nothing was reset: remove it, then reset again"
-            ) from exc
+            # (a newer dvfs's record: its line says what to do, this reset among it)
+            fix = "" if isinstance(exc, NewerCapsRecordError) else ": remove it, then reset again"
+            raise CapsRecordError(f"{told}; nothing was reset{fix}") from exc
         try:  # and so is its lock that cannot be opened, as `cap apply` refuses it
             record.refuse_a_folder_lock()
         except CapsRecordError as exc:  # a folder in its place
