@@ -153,7 +153,48 @@ class AppliedCaps:
     def _entries(self, *, checked: bool) -> dict[str, dict[str, Any]]:
         """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
         one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
-        damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
+        damaged entry it drops, as `cap reset` (the caps unit's stop) does. A record damaged
+        whole that was last written during an earlier boot (`written_before_this_boot`) holds
+        no cap in force, the reboot having reset its GPUs: read as none (`damaged_lines` says
+        so), the next write replacing it, not refused at every boot until removed by hand."""
+        try:
+            data = self._load()
+        except CapsRecordError:
+            if self.written_before_this_boot():
+                return {}
+            raise
+        self._refuse_newer(data)
+        for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
+            spoiled = _spoiled_knobs(r) if checked else {}
+            if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
+                key, problem = next(iter(spoiled.items()))
+                raise self._damaged(uuid, key, problem, power="power_limit_mw" in spoiled)
+        return {
+            u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
+        }
+
+    def written_before_this_boot(self) -> bool:
+        """Whether the record is a plain file last written before this boot began, by more
+        than a clock step (`BOOT_CLOCK_MARGIN_S`): every entry it holds is an earlier boot's.
+        False where that cannot be told."""
+        import stat
+
+        from dvfs.gpu.safety import BOOT_CLOCK_MARGIN_S, boot_started
+
+        started = boot_started()
+        try:
+            status = self.path.lstat()
+        except OSError:
+            return False
+        return (
+            started is not None
+            and stat.S_ISREG(status.st_mode)
+            and status.st_mtime < started - BOOT_CLOCK_MARGIN_S
+        )
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        """The record's JSON object of per-GPU objects ({} where there is none); CapsRecordError
+        where it is unreadable or no such object."""
         from dvfs.gpu.safety import load_record, record_problem, state_folder_problem
 
         try:  # (a FIFO is refused, not waited on for ever; a folder or a link in a loop is no
@@ -174,15 +215,7 @@ class AppliedCaps:
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects)"
                 + record_fix(self.path.parent)
             )
-        self._refuse_newer(data)
-        for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
-            spoiled = _spoiled_knobs(r) if checked else {}
-            if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
-                key, problem = next(iter(spoiled.items()))
-                raise self._damaged(uuid, key, problem, power="power_limit_mw" in spoiled)
-        return {
-            u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
-        }
+        return data
 
     def _refuse_newer(self, data: dict[str, dict[str, Any]]) -> None:
         """Refuse (`CapsRecordError`) a record with an entry of this boot in a format this dvfs
@@ -325,6 +358,17 @@ class AppliedCaps:
         saying so)."""
         from dvfs.gpu.safety import state_dir_flag
 
+        try:
+            self._load()
+        except CapsRecordError as exc:
+            if not self.written_before_this_boot():
+                return []  # (refused by its readers, saying so)
+            told = str(exc).removesuffix(record_fix(self.path.parent))
+            return [
+                f"dvfs's caps record {told.removeprefix(f'{self.path} ')}: {self.path} was "
+                "last written before this boot, whose reboot reset the GPUs it listed, so it "
+                "is read as holding no cap; the next `dvfs cap apply` replaces it"
+            ]
         try:
             entries = self.entries_as_written()
         except CapsError:
