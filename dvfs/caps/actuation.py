@@ -835,6 +835,37 @@ class GovernorLocks:
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: (r["lock_mhz"][0], r["lock_mhz"][1]) for u, r in self.read().items()}
 
+    def outside_lines(self, gpus: Sequence[Gpu]) -> list[str]:
+        """A warning line for each of these GPUs whose governor record's lock is outside the
+        GPU's SM clocks (a hand edit), no lock `dvfs govern` set, as `AppliedCaps.outside_lines`
+        says of the caps record's: `cap show` showed it as the lock in force without a word.
+        [] where the records cannot be read (refused, saying so, where they are shown)."""
+        try:
+            records = self.read()
+        except CapsError:
+            return []
+        lines = []
+        for gpu in gpus:
+            uuid, number = gpu.identity.uuid, gpu.identity.index
+            lock = records[uuid]["lock_mhz"] if uuid in records else None
+            try:
+                problem = _lock_outside(gpu, (lock[0], lock[1]) if lock else None)
+            except GpuError:  # (what NVML cannot tell of that GPU is said where it is shown)
+                continue
+            if not problem:
+                continue
+            reset = state_dir_command(f"dvfs cap reset {number}", self.directory)
+            pid = records[uuid].get("pid")
+            which = f" (pid {pid})" if _positive_int(pid) else ""
+            lines.append(
+                f"dvfs's governor record {self.path(uuid)} is damaged for GPU {number} "
+                f"({uuid}): {problem.removesuffix('no cap dvfs set')}no lock dvfs govern set; "
+                "the clock lock in force cannot be told from it: stop that governor"
+                f"{which} if it runs (it puts the GPU back and removes the record), else "
+                f"`{reset}` (the GPU reset whole, the record removed)"
+            )
+        return lines
+
 
 @dataclass(frozen=True)
 class LockInForce:

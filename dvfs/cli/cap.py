@@ -685,7 +685,7 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     (left out of every GPU), caps dvfs recorded for none of the GPUs shown are named in a
     warning line: they may be that GPU's, in force."""
     from dvfs.backends import open_gpus, reachable_gpus, withheld_caps_line
-    from dvfs.caps import AppliedCaps, caps_status
+    from dvfs.caps import AppliedCaps, GovernorLocks, caps_status
     from dvfs.gpu.safety import records_dir, state_dir_command
 
     # one lost GPU must not hide the others' caps, nor one that cannot read what is shown
@@ -700,6 +700,8 @@ def show(as_json: bool, state_dir: Path | None) -> None:
             # govern` refuse as damaged: it was shown as dvfs's cap, with no word of that
             for line in AppliedCaps(directory).outside_lines(gpus):
                 click.echo(f"warning: {line}", err=True)  # one line, unwrapped
+            for line in GovernorLocks(directory).outside_lines(gpus):  # (and a governor's)
+                click.echo(f"warning: {line}", err=True)
             rows = caps_status(gpus, directory)
             # every GPU leaves out one NVML may not talk to: caps recorded for none of those
             # shown may be its, in force, which must not read as no caps there
