@@ -52,6 +52,18 @@ if TYPE_CHECKING:
     from dvfs.gpu.safety import StateStore
 
 APPLIED_NAME = "caps-applied.json"
+#: The format of the caps record's entries this dvfs writes and reads, in each entry under
+#: `FORMAT_KEY` (in each entry, not beside them: an older dvfs carries an entry's keys it does
+#: not know along, so going back to one reads the record still). An entry without it was
+#: written before the key was: format 1. One of a later format (a newer dvfs, then a
+#: downgrade) is refused, not misread (`AppliedCaps._refuse_newer`).
+RECORD_FORMAT = 1
+FORMAT_KEY = "record_format"
+
+
+class NewerCapsRecordError(CapsRecordError):
+    """dvfs's caps record has an entry of a later format than `RECORD_FORMAT` (a newer dvfs
+    wrote it, then a downgrade): its line says what to do itself."""
 
 
 class CapsPartlyAppliedError(CapsError):
@@ -141,7 +153,48 @@ class AppliedCaps:
     def _entries(self, *, checked: bool) -> dict[str, dict[str, Any]]:
         """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
         one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
-        damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
+        damaged entry it drops, as `cap reset` (the caps unit's stop) does. A record damaged
+        whole that was last written during an earlier boot (`written_before_this_boot`) holds
+        no cap in force, the reboot having reset its GPUs: read as none (`damaged_lines` says
+        so), the next write replacing it, not refused at every boot until removed by hand."""
+        try:
+            data = self._load()
+        except CapsRecordError:
+            if self.written_before_this_boot():
+                return {}
+            raise
+        self._refuse_newer(data)
+        for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
+            spoiled = _spoiled_knobs(r) if checked else {}
+            if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
+                key, problem = next(iter(spoiled.items()))
+                raise self._damaged(uuid, key, problem, power="power_limit_mw" in spoiled)
+        return {
+            u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
+        }
+
+    def written_before_this_boot(self) -> bool:
+        """Whether the record is a plain file last written before this boot began, by more
+        than a clock step (`BOOT_CLOCK_MARGIN_S`): every entry it holds is an earlier boot's.
+        False where that cannot be told."""
+        import stat
+
+        from dvfs.gpu.safety import BOOT_CLOCK_MARGIN_S, boot_started
+
+        started = boot_started()
+        try:
+            status = self.path.lstat()
+        except OSError:
+            return False
+        return (
+            started is not None
+            and stat.S_ISREG(status.st_mode)
+            and status.st_mtime < started - BOOT_CLOCK_MARGIN_S
+        )
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        """The record's JSON object of per-GPU objects ({} where there is none); CapsRecordError
+        where it is unreadable or no such object."""
         from dvfs.gpu.safety import load_record, record_problem, state_folder_problem
 
         try:  # (a FIFO is refused, not waited on for ever; a folder or a link in a loop is no
@@ -162,14 +215,37 @@ class AppliedCaps:
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects)"
                 + record_fix(self.path.parent)
             )
-        for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
-            spoiled = _spoiled_knobs(r) if checked else {}
-            if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
-                key, problem = next(iter(spoiled.items()))
-                raise self._damaged(uuid, key, problem, power="power_limit_mw" in spoiled)
-        return {
-            u: r for u, r in data.items() if not before_this_boot(r.get("boot"), r.get("applied"))
-        }
+        return data
+
+    def _refuse_newer(self, data: dict[str, dict[str, Any]]) -> None:
+        """Refuse (`CapsRecordError`) a record with an entry of this boot in a format this dvfs
+        does not know (`RECORD_FORMAT`): a newer dvfs wrote it, whose keys this one could
+        misread or drop on its next write. An earlier boot's entry is dropped unread, as
+        ever."""
+        from dvfs.gpu.safety import state_dir_flag
+        from dvfs.version import __version__
+
+        for uuid, r in data.items():
+            found = r.get(FORMAT_KEY, 1)
+            if found == RECORD_FORMAT or before_this_boot(r.get("boot"), r.get("applied")):
+                continue
+            where = f"{self.path} line {self.line_of(uuid, FORMAT_KEY)}"
+            if not _positive_int(found):
+                raise CapsRecordError(
+                    f"{where} is damaged for GPU {uuid[:48]}: {FORMAT_KEY} is "
+                    f"{json.dumps(found)[:40]}, expected a format number"
+                    + record_fix(self.path.parent)
+                )
+            if found > RECORD_FORMAT:
+                raise NewerCapsRecordError(
+                    f"{where}: GPU {uuid[:48]}'s entry is in caps record format {found}, written "
+                    f"by a newer dvfs; this dvfs ({__version__}) reads format {RECORD_FORMAT} "
+                    "only: run the newer dvfs again (its `dvfs cap reset --applied"
+                    f"{state_dir_flag(self.path.parent)}` puts the GPUs back), or remove the "
+                    f"record, then reset the GPUs with `dvfs cap reset"
+                    f"{state_dir_flag(self.path.parent)}` (the limits dvfs's caps replaced are "
+                    "lost with it)"
+                )
 
     def line_of(self, uuid: str, key: str) -> int:
         """The line of the record that holds `key` of a GPU's entry (dvfs writes one key a
@@ -283,6 +359,17 @@ class AppliedCaps:
         from dvfs.gpu.safety import state_dir_flag
 
         try:
+            self._load()
+        except CapsRecordError as exc:
+            if not self.written_before_this_boot():
+                return []  # (refused by its readers, saying so)
+            told = str(exc).removesuffix(record_fix(self.path.parent))
+            return [
+                f"dvfs's caps record {told.removeprefix(f'{self.path} ')}: {self.path} was "
+                "last written before this boot, whose reboot reset the GPUs it listed, so it "
+                "is read as holding no cap; the next `dvfs cap apply` replaces it"
+            ]
+        try:
             entries = self.entries_as_written()
         except CapsError:
             return []
@@ -388,7 +475,9 @@ class AppliedCaps:
                 self.path.unlink()
             return
         ensure_dir(self.path.parent)
-        write_json_atomic(self.path, records)
+        write_json_atomic(
+            self.path, {u: {**r, FORMAT_KEY: RECORD_FORMAT} for u, r in records.items()}
+        )
 
     def update(self, uuid: str, entry: dict[str, Any] | None) -> None:
         """Set (or, with None, drop) one GPU's entry, read and written under a lock on the
@@ -572,6 +661,12 @@ EARLIER = "power_limit_earlier_mw"
 #: landed): that one is taken as written beside the `power_limit_mw` it lists, as that dvfs
 #: took it, so a plain upgrade after a stopped `cap apply` is not refused.
 EARLIER_FOR = "power_limit_earlier_for_mw"
+#: The GPU's default power limit when dvfs's cap replaced `power_limit_before_mw`: where the
+#: default differs now, the driver was reloaded since (in the same boot: rmmod and modprobe, an
+#: update without a reboot), which put its own default on the GPU, and the limit the cap
+#: replaced is the old driver's, not to be put back (`_limit_replaced`). Absent in a record an
+#: older dvfs wrote: the replaced limit is then put back as before.
+DEFAULT_THEN = "power_limit_default_then_mw"
 
 
 def _earlier_cap(entry: Mapping[str, Any]) -> int | None:
@@ -739,6 +834,37 @@ class GovernorLocks:
 
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: (r["lock_mhz"][0], r["lock_mhz"][1]) for u, r in self.read().items()}
+
+    def outside_lines(self, gpus: Sequence[Gpu]) -> list[str]:
+        """A warning line for each of these GPUs whose governor record's lock is outside the
+        GPU's SM clocks (a hand edit), no lock `dvfs govern` set, as `AppliedCaps.outside_lines`
+        says of the caps record's: `cap show` showed it as the lock in force without a word.
+        [] where the records cannot be read (refused, saying so, where they are shown)."""
+        try:
+            records = self.read()
+        except CapsError:
+            return []
+        lines = []
+        for gpu in gpus:
+            uuid, number = gpu.identity.uuid, gpu.identity.index
+            lock = records[uuid]["lock_mhz"] if uuid in records else None
+            try:
+                problem = _lock_outside(gpu, (lock[0], lock[1]) if lock else None)
+            except GpuError:  # (what NVML cannot tell of that GPU is said where it is shown)
+                continue
+            if not problem:
+                continue
+            reset = state_dir_command(f"dvfs cap reset {number}", self.directory)
+            pid = records[uuid].get("pid")
+            which = f" (pid {pid})" if _positive_int(pid) else ""
+            lines.append(
+                f"dvfs's governor record {self.path(uuid)} is damaged for GPU {number} "
+                f"({uuid}): {problem.removesuffix('no cap dvfs set')}no lock dvfs govern set; "
+                "the clock lock in force cannot be told from it: stop that governor"
+                f"{which} if it runs (it puts the GPU back and removes the record), else "
+                f"`{reset}` (the GPU reset whole, the record removed)"
+            )
+        return lines
 
 
 @dataclass(frozen=True)
@@ -1171,6 +1297,7 @@ def apply_actions(
                             **applied.get(action.uuid, blank),
                             "power_limit_mw": None,
                             "power_limit_before_mw": None,
+                            DEFAULT_THEN: None,
                         }
                     ),
                 )
@@ -1209,6 +1336,11 @@ def apply_actions(
                     **stamp,
                     "power_limit_mw": limit,
                     "power_limit_before_mw": replaced,
+                    # the driver's default beside it: one reloaded since (the same boot)
+                    # makes the replaced limit the old driver's (`_limit_replaced`)
+                    DEFAULT_THEN: prior.get(DEFAULT_THEN)
+                    if dvfs_cap
+                    else gpu.power_limit_range().default_mw,
                 }
                 undo = partial(gpu.set_power_limit_mw, before) if limit != before else None
                 what = f"power limit {limit / 1000:g} W"
@@ -1375,9 +1507,9 @@ def reset_caps(
             record.entries_as_written()
         except CapsError as exc:
             told = str(exc).removesuffix(record_fix(record.path.parent))
-            raise CapsRecordError(
-                f"{told}; nothing was reset: remove it, then reset again"
-            ) from exc
+            # (a newer dvfs's record: its line says what to do, this reset among it)
+            fix = "" if isinstance(exc, NewerCapsRecordError) else ": remove it, then reset again"
+            raise CapsRecordError(f"{told}; nothing was reset{fix}") from exc
         try:  # and so is its lock that cannot be opened, as `cap apply` refuses it
             record.refuse_a_folder_lock()
         except CapsRecordError as exc:  # a folder in its place
@@ -1712,6 +1844,15 @@ def _limit_replaced(
         return None, (
             f"power limit left at {current / 1000:g} W (set outside dvfs since `dvfs cap "
             f"apply` set {applied / 1000:g} W)"
+        )
+    then = recorded.get(DEFAULT_THEN)
+    if _positive_int(before) and _positive_int(then) and then != default and before != default:
+        # the driver reloaded since, its default now on the GPU (equal to dvfs's cap, or the
+        # line above left it as an operator's): the old driver's limit is not put back
+        return default, (
+            f"power limit {default / 1000:g} W (default: the GPU's default power limit was "
+            f"{then / 1000:g} W when dvfs's cap replaced {before / 1000:g} W, so the driver "
+            "was reloaded since and that limit is not put back)"
         )
     if before is not None and not known:  # damaged (`AppliedCaps.damaged_lines` says so)
         return default, (

@@ -284,6 +284,7 @@ def apply(
         GpuUnavailableError,
     )
     from dvfs.gpu.safety import default_state_dir, records_dir
+    from dvfs.signals import Interrupted
 
     caps = load_caps(caps_file)
     # once the file is read: a file refused is not waited on
@@ -384,6 +385,10 @@ def apply(
 
             try:
                 enforce_plan(plan, gpus, directory, str(caps_file.resolve()), done)
+            except (KeyboardInterrupt, Interrupted) as exc:
+                # the caps unit stopped (a shutdown) mid-apply: which GPUs are capped and which
+                # not whole said in the line, not "Interrupted" after the GPUs done alone
+                raise _stopped_applying(exc, plan.actions, applied, again, directory) from None
             except (GpuError, GpuPermissionError) as exc:
                 if type(exc) not in (GpuError, GpuPermissionError):
                     # refused before any change (held by another dvfs: exit 3), with the GPUs
@@ -521,6 +526,39 @@ def _withheld_models(
         f"{'would not be' if dry_run else 'was not' if one else 'were not'} capped; run "
         f"{command} as a user the GPUs admit (root, with sudo), or name the GPUs to cap by UUID "
         "([[gpu]] entries)"
+    )
+
+
+def _stopped_applying(
+    exc: BaseException,
+    actions: Sequence[CapAction],
+    applied: set[str],
+    again: str,
+    directory: Path,
+) -> BaseException:
+    """The line of a `cap apply` a signal stopped (SIGTERM: the caps unit's stop at shutdown)
+    while it changed the GPUs: those capped whole, and those not (untouched, or a knob in place
+    and dvfs's caps record listing it), with what finishes or undoes it. A signal given up on
+    mid-restore (`RestoreAbandoned`) says its own."""
+    import signal
+
+    from dvfs.gpu.safety import state_dir_command
+    from dvfs.signals import Interrupted, RestoreAbandoned
+
+    if isinstance(exc, RestoreAbandoned):
+        return exc
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    capped = [a for a in actions if not a.refused]
+    done = [f"GPU {a.index}" for a in capped if a.uuid in applied]
+    rest = [f"GPU {a.index}" for a in capped if a.uuid not in applied]
+    undo = state_dir_command("dvfs cap reset --applied", directory)
+    show = state_dir_command("dvfs cap show", directory)
+    return Interrupted(
+        signum,
+        f"received {signal.Signals(signum).name} while applying the caps: "
+        f"{'caps applied to ' + ', '.join(done) if done else 'no GPU capped whole'}; "
+        f"{', '.join(rest) or 'none'} not capped, or only in part (dvfs's caps record lists "
+        f"what each holds: `{show}`); `{again}` applies the rest, `{undo}` takes them off",
     )
 
 
@@ -685,7 +723,7 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     (left out of every GPU), caps dvfs recorded for none of the GPUs shown are named in a
     warning line: they may be that GPU's, in force."""
     from dvfs.backends import open_gpus, reachable_gpus, withheld_caps_line
-    from dvfs.caps import AppliedCaps, caps_status
+    from dvfs.caps import AppliedCaps, GovernorLocks, caps_status
     from dvfs.gpu.safety import records_dir, state_dir_command
 
     # one lost GPU must not hide the others' caps, nor one that cannot read what is shown
@@ -700,6 +738,8 @@ def show(as_json: bool, state_dir: Path | None) -> None:
             # govern` refuse as damaged: it was shown as dvfs's cap, with no word of that
             for line in AppliedCaps(directory).outside_lines(gpus):
                 click.echo(f"warning: {line}", err=True)  # one line, unwrapped
+            for line in GovernorLocks(directory).outside_lines(gpus):  # (and a governor's)
+                click.echo(f"warning: {line}", err=True)
             rows = caps_status(gpus, directory)
             # every GPU leaves out one NVML may not talk to: caps recorded for none of those
             # shown may be its, in force, which must not read as no caps there

@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -79,26 +80,40 @@ def wait_for_driver_option(what: str) -> Callable[[F], F]:
     )
 
 
-def wait_for_the_driver(wait_s: int, *, dry_run: bool = False) -> None:
+def wait_for_the_driver(
+    wait_s: int, *, dry_run: bool = False, nothing: str = "no cap applied"
+) -> None:
     """`--wait-for-driver`: return once NVML starts, or at once where it fails for any other
     reason (the command then says that failure itself); while the NVIDIA kernel module is not
     loaded, say so once and try again (`dvfs.gpu.nvml.wait_for_driver`), raising the failure
-    that says how long it waited where the wait runs out."""
+    that says how long it waited where the wait runs out. A signal meanwhile (the unit stopped,
+    the host shut down at boot) ends it in one line saying nothing was changed (`nothing`:
+    what the command did not do), not silently (exit 143 and no word in the journal)."""
     if not wait_s:
         return
     from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver, wait_span
+    from dvfs.signals import Interrupted, signals_raise
 
     # (a wait no longer than one poll tries again once, at its end: not "every 5 s" of 1 s)
     again = f"every {DRIVER_POLL_S:g} s" if wait_s > DRIVER_POLL_S else f"once, in {wait_s} s"
-    spent = wait_for_driver(
-        wait_s,
-        lambda: click.echo(
-            f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting "
-            f"{wait_span(wait_s)} for it, trying again {again}",
-            err=True,
-        ),
-        dry_run=dry_run,
-    )
+    try:
+        with signals_raise():
+            spent = wait_for_driver(
+                wait_s,
+                lambda: click.echo(
+                    f"the NVIDIA kernel module is not loaded yet (NVML says so): waiting "
+                    f"{wait_span(wait_s)} for it, trying again {again}",
+                    err=True,
+                ),
+                dry_run=dry_run,
+            )
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        raise Interrupted(
+            signum,
+            f"received {signal.Signals(signum).name} while waiting for the NVIDIA kernel module "
+            f"to load: nothing changed, {nothing}; start it again once the driver is loaded",
+        ) from None
     if spent is not None:  # the wait ran out: its line says so
         raise spent
 

@@ -292,7 +292,7 @@ def govern(
 
         raise CapsError(f"per-batch plan: {describe_os_error(exc)}") from exc
     # once the plan is read: a plan refused is not waited on; a dry run waits for nothing
-    wait_for_the_driver(0 if dry_run else wait_for_driver_s)
+    wait_for_the_driver(0 if dry_run else wait_for_driver_s, nothing="no GPU governed")
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
     visible = job_gpus("--gpu with {listed}")
@@ -412,7 +412,7 @@ def monitor(
     if url is not None:
         _check_url(url)
     directory = state_dir or records_dir()
-    wait_for_the_driver(wait_for_driver_s)
+    wait_for_the_driver(wait_for_driver_s, nothing="no GPU monitored")
 
     def locks() -> dict[str, LockInForce]:
         try:

@@ -1,0 +1,116 @@
+"""The caps unit at boot stopped (`systemctl stop`, a shutdown: SIGTERM) while it waits for the
+NVIDIA driver: the journal says in one line that it was stopped and that no cap was applied."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from nvml_support import fake_env
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_driver_wait_says_no_cap_was_applied(
+    tmp_path: Path, signum: int
+) -> None:
+    """`dvfs cap apply --wait-for-driver 300`, the kernel module not loaded yet, ended by
+    SIGTERM: it exited 143 saying nothing after its "waiting" line, so the journal did not
+    say whether any cap was in place. It says so in one line, and no GPU was changed."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_FAKE_NVML_DEVICES="h100-sxm")
+    listed = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    gpu = json.loads(listed.stdout)[0]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(f'[[gpu]]\nuuid = "{gpu["uuid"]}"\npower_limit_w = 450.0\n')
+    env["DVFS_FAKE_NVML_INIT_ERROR"] = "9"  # NVML_ERROR_DRIVER_NOT_LOADED
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dvfs", "cap", "apply", str(caps), "--wait-for-driver", "300"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    waiting = process.stderr.readline()  # once said, the wait has begun
+    assert "waiting up to 300 s" in waiting, waiting
+    process.send_signal(signum)
+    out, err = process.communicate()
+    assert process.returncode == 128 + signum, (out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, lines
+    name = signal.Signals(signum).name
+    assert lines[0] == (
+        f"Interrupted (received {name} while waiting for the NVIDIA kernel module to load: "
+        "nothing changed, no cap applied; start it again once the driver is loaded)."
+    ), lines
+    del env["DVFS_FAKE_NVML_INIT_ERROR"]
+    state = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(state.stdout)[0] == gpu
+
+
+def test_a_sigterm_mid_apply_says_which_gpus_are_capped_and_which_not(tmp_path: Path) -> None:
+    """The caps unit stopped (a shutdown) while `cap apply` capped the second of two GPUs:
+    the journal had "applied to GPU 0 ..." and "Interrupted (received SIGTERM).", with no word
+    of GPU 1, whose clock lock was in place already. The last line says GPU 0 is capped, GPU 1
+    not or in part, and what finishes or undoes it; `cap reset --applied` puts both back."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_NVML_DEADLINE_S="3600")
+    listed = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    uuids = [g["uuid"] for g in json.loads(listed.stdout)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        "".join(
+            f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1410\npower_limit_w = 450.0\n\n'
+            for u in uuids
+        )
+    )
+    hung = {**env, "DVFS_FAKE_NVML_HANG": "nvmlDeviceSetPowerManagementLimit@1=3600"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dvfs", "cap", "apply", str(caps)],
+        env=hung,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    first = process.stdout.readline()  # GPU 0 capped whole; GPU 1's power limit hangs
+    assert first.startswith("applied to GPU 0 "), first
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate()
+    assert process.returncode == 143, (out, err)
+    lines = err.splitlines()
+    assert "Traceback" not in err and len(lines) == 1, lines
+    assert lines[0].startswith(
+        "Interrupted (received SIGTERM while applying the caps: caps applied to GPU 0; GPU 1 "
+        "not capped, or only in part (dvfs's caps record lists what each holds: `dvfs cap show"
+    ), lines
+    assert (
+        f"`dvfs cap apply {caps}" in lines[0] and "` applies the rest, `dvfs cap reset " in lines[0]
+    )
+    reset = subprocess.run(
+        [sys.executable, "-m", "dvfs", "cap", "reset", "--applied"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert reset.returncode == 0, reset.stdout + reset.stderr

@@ -1,0 +1,56 @@
+"""A driver reloaded in the same boot (rmmod/modprobe, an update without a reboot) after the
+caps unit applied its caps: `cap reset --applied` (the unit's stop) must not put back a limit
+the old driver had, above the new driver's default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from nvml_support import installed_root_fake
+
+from dvfs.caps import CapsFile, GpuCap, dump_caps
+from dvfs.cli import cli
+
+
+@pytest.fixture
+def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    return installed_root_fake(tmp_path, monkeypatch)
+
+
+def _cli(*args: str) -> str:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_reset_after_a_reload_whose_default_is_the_cap_keeps_the_new_default(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caps unit capped GPU 0 at 450 W (from its 700 W default); the driver was then
+    reloaded in the same boot, its new default 450 W, which the GPU took: equal to dvfs's cap,
+    so `cap reset --applied` took it for dvfs's and put back the 700 W the old driver had,
+    above the GPU's stock now, a setting never measured. It puts back the default now."""
+    uuid = json.loads(_cli("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    _cli("cap", "apply", str(caps))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    monkeypatch.setitem(nvml.FAKE_PROFILES["h100-sxm"], "power_default_mw", 450_000)
+    nvml.fake_update_device(0, power_limit_mw=450_000)  # the reloaded driver's default
+    out = " ".join(_cli("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000, out
+    assert "default" in out and "700 W" in out, out
+
+
+def test_reset_without_a_reload_puts_back_the_limit_the_cap_replaced(nvml, tmp_path: Path) -> None:
+    """No reload: an operator's 600 W that dvfs's 450 W cap replaced comes back, as before."""
+    uuid = json.loads(_cli("gpu", "list", "--json"))[0]["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    _cli("cap", "apply", str(caps))
+    _cli("cap", "reset", "--applied")
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
