@@ -216,14 +216,14 @@ def accept_length_of(info: dict[str, Any]) -> float | None:
     return float(np.mean(values)) if values and any(values) else None
 
 
-def running_cap_of(info: dict[str, Any]) -> int | None:
-    """How many requests the server's scheduler runs at once, from a /server_info answer
-    `info`: SGLang 0.5.23's `internal_states[i].effective_max_running_requests_per_dp`
-    (scheduler_components/internal_state.py), summed over its DP ranks, which is
-    --max-running-requests lowered to what the KV pool or a hybrid model's Mamba state cache
-    holds (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), so it may be below
-    the arg the server reports. None where not every rank reports it as a whole number (0.5.9
-    reports none), or the answer has no list of ranks."""
+def rank_caps_of(info: dict[str, Any]) -> list[int] | None:
+    """Each DP rank's cap on running requests, from a /server_info answer `info`: SGLang
+    0.5.23's `internal_states[i].effective_max_running_requests_per_dp`
+    (scheduler_components/internal_state.py), which is --max-running-requests (split over
+    the attention DP ranks) lowered to what the rank's KV pool or a hybrid model's Mamba
+    state cache holds (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), so it
+    may be below the arg the server reports. None where not every rank reports it as a
+    whole number (0.5.9 reports none), or the answer has no list of ranks."""
     states = _ranks(info)
     if states is None:
         return None
@@ -239,7 +239,14 @@ def running_cap_of(info: dict[str, Any]) -> int | None:
         for c in caps
     ):
         return None
-    return sum(int(c) for c in caps)
+    return [int(c) for c in caps]
+
+
+def running_cap_of(info: dict[str, Any]) -> int | None:
+    """How many requests the server's scheduler runs at once, from a /server_info answer
+    `info`: `rank_caps_of` summed over its DP ranks (None where that is unknown)."""
+    caps = rank_caps_of(info)
+    return None if caps is None else sum(caps)
 
 
 class SglangClient:
