@@ -8,9 +8,11 @@ at start, as a server whose arg caps them is."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import xarray as xr
 from click.testing import CliRunner
 from sglang_support import attached_stub, free_port, running, stub_campaign
 
@@ -77,6 +79,12 @@ def test_a_server_whose_scheduler_runs_the_largest_batch_measures(tmp_path: Path
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
+    # What each arm's scheduler really ran is recorded with its server, journal and cube.
+    servers = [r for r in read_records(out / "journal.jsonl") if r["type"] == "server"]
+    assert servers and all(s["running_caps"] == [4] for s in servers), servers
+    with xr.open_dataset(out / "cube.nc") as ds:
+        recorded = json.loads(ds.attrs["server_args"])
+    assert recorded and all(s["running_caps"] == [4] for s in recorded.values()), recorded
 
 
 def test_a_cap_split_over_attention_dp_ranks_is_named_as_such(tmp_path: Path) -> None:

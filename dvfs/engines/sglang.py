@@ -766,6 +766,7 @@ class SglangEngine:
             ports=ports.to_json() if ports else None,
             model_commit=commit,
             model_files=model_files(model, commit, env, weights),
+            running_caps=_caps(info),
         )
 
     def _answered_by_another(
@@ -857,6 +858,7 @@ class SglangEngine:
                 else "unverified: an attached server's processes are not dvfs's to look up"
             ),
             prompt_format=self.formatter.settle(),
+            running_caps=_caps(info),
         )
 
     def _check_still_attached(self, info: dict[str, Any]) -> None:
@@ -1403,6 +1405,13 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
         "state cache holds): give SGLang more memory for it (--mem-fraction-static, "
         "--max-mamba-cache-size in engine.sglang.extra_args) or lower the largest batch"
     )
+
+
+def _caps(info: dict[str, Any]) -> tuple[int, ...] | None:
+    """Each DP rank's cap on running requests as /server_info `info` lists them, for the
+    server's record (`ServerInfo.running_caps`); None where it reports none."""
+    caps = rank_caps_of(info)
+    return tuple(caps) if caps else None
 
 
 def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:
