@@ -514,7 +514,7 @@ class SglangClient:
                     # reports every token (schedule_batch.py Req.update_finish_state,
                     # output_streamer.py), up to a run less one past max_new_tokens
                     if count > params.max_new_tokens and not (
-                        meta.get("finish_reason") is not None and _kind(meta) == "abort"
+                        meta.get("finish_reason") is not None and _kind(meta, rid) == "abort"
                     ):
                         said = (
                             "meta_info.completion_tokens"
@@ -536,7 +536,7 @@ class SglangClient:
                         seen = count
                     if meta.get("finish_reason") is not None:
                         final = meta
-                        if end is not None and _kind(meta) != "abort":
+                        if end is not None and _kind(meta, rid) != "abort":
                             end.running.discard(rid)
                             if end.due():
                                 end.task = asyncio.create_task(self._end_round(client, end))
@@ -558,10 +558,11 @@ class SglangClient:
         ours = end is not None and rid in end.aborted
         if not final and not ours:
             raise EngineError(f"the stream of request {rid} ended without a final chunk")
-        kind = _kind(final) if final else "abort"
+        kind = _kind(final, rid) if final else "abort"
         if kind == "abort" and not ours:
             finish = final.get("finish_reason")
             message = finish.get("message", "") if isinstance(finish, dict) else ""
+            message = one_line(str(message), 300)
             raise EngineError(f"the server aborted request {rid} after {seen} tokens {message}")
         if kind == "abort":
             kind = ABORTED  # aborted at the window's end: it keeps the tokens it received
@@ -792,10 +793,26 @@ def one_line(text: str, limit: int) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def _kind(meta: dict[str, Any]) -> str:
-    """A final chunk's finish reason: "length", "stop", "abort"."""
+#: The most characters of a finish reason's type kept (SGLang's are "length", "stop",
+#: "abort": schedule_batch.py `BaseFinishReason.to_json`).
+KIND_CHARS = 40
+
+
+def _kind(meta: dict[str, Any], rid: str) -> str:
+    """A final chunk's finish reason: "length", "stop", "abort" (SGLang's `{"type": ...}`,
+    or the type alone), as one short printable line. Any other value (a list, a null or
+    non-string type, a number) is no SGLang's: refused (EngineError) rather than read as its
+    string, which took a list that says abort for a request that finished."""
     finish = meta.get("finish_reason")
-    return str(finish.get("type")) if isinstance(finish, dict) else str(finish)
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if not isinstance(kind, str):
+        raise EngineError(
+            f"malformed answer from the server: request {rid} finished with finish_reason "
+            f"{one_line(repr(finish), 120)}, which no SGLang sends (an object with a string "
+            "type: length, stop or abort): measure with an SGLang server answering dvfs "
+            "directly, not through something that rewrites its answers"
+        )
+    return one_line(kind, KIND_CHARS)
 
 
 def probe_server(
