@@ -57,6 +57,7 @@ from dvfs.engines.sglang_args import (
     Kernels,
     LaunchHelp,
     ServerPorts,
+    cached_help,
     check_algorithms_known,
     check_arms_can_match,
     check_flags_known,
@@ -68,7 +69,6 @@ from dvfs.engines.sglang_args import (
     launch_argv,
     launch_env,
     parse_version,
-    probe_help,
     read_small,
     server_command,
     server_env,
@@ -583,8 +583,8 @@ class SglangEngine:
     def launch_help(self) -> str | None:
         if not self._help_probed:
             self._help_probed = True
-            self._help = probe_help(
-                server_command(self.campaign), env=server_env(self.campaign, self.gpu_uuids)
+            self._help = cached_help(
+                server_command(self.campaign), server_env(self.campaign, self.gpu_uuids)
             )
         return self._help
 
