@@ -252,3 +252,14 @@ def test_a_split_over_attention_dp_in_each_replica_is_named_as_such(tmp_path: Pa
     assert "runs at most 8 requests at once, below the largest batch 9" in said, said
     assert "over its 2 attention DP ranks, 2 each in each of its 2 DP replicas" in said, said
     assert "--max-running-requests 6 or more" in said and "KV pool" not in said, said
+
+
+@pytest.mark.slow
+def test_the_deprecated_dp_attention_spelling_splits_the_arg_too(tmp_path: Path) -> None:
+    """0.5.23 turns `--dp-size 2 --enable-dp-attention` into attn_dp_size 2, dp_size 1
+    (parallel_hook.py `_handle_deprecated_dp_attention`): one replica, whose arg 3 is below
+    the largest batch 4, not two replicas of 3 each."""
+    flags = ("--dp-size", "2", "--enable-dp-attention", "--max-running-requests", "3")
+    code, said = _attached_sweep(tmp_path, *flags)
+    assert code != 0, said
+    assert "caps running requests at 3, below the largest batch 4" in said, said
