@@ -226,6 +226,10 @@ def test_uneven_rank_caps_are_held_to_the_dp_controllers_turns(tmp_path: Path) -
     # (the rank dealt the third runs 3).
     assert _check(tmp_path / "b", 6, [3, 3], dp_size=2) is None
     assert _check(tmp_path / "c", 5, [3, 3], dp_size=2) is None
+    # Uneven caps below the batch too are said by the rank that queues, not by their sum
+    # (which [4, 1] runs no batch of 5 at once).
+    said = str(_check(tmp_path / "e", 6, [4, 1], dp_size=2))
+    assert "more than rank 1 runs (1)" in said and "at most 5" not in said, said
     # 5 over [3, 2]: the turn may start at rank 1, which is then dealt 3.
     assert "more than rank 1 runs (2)" in str(_check(tmp_path / "d", 5, [3, 2], dp_size=2))
 

@@ -1375,7 +1375,7 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
     if not short:
         return None
     total = sum(caps)
-    if total < largest:
+    if total < largest and len(set(caps)) == 1:
         said = f"runs at most {total} requests at once, below the largest batch {largest}"
     else:
         rank, cap = short[0]
