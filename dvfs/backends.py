@@ -586,14 +586,14 @@ def check_engine(campaign: Campaign) -> LaunchHelp | None:
     if simulated_engine(campaign):
         return None
     from dvfs.engines.sglang import check_servable
-    from dvfs.engines.sglang_args import LaunchHelp, probe_help, server_command, server_env
+    from dvfs.engines.sglang_args import LaunchHelp, cached_help, server_command, server_env
 
     probed: list[LaunchHelp] = []
 
     def launch_help() -> str | None:
         if not probed:
             env = server_env(campaign)
-            probed.append(LaunchHelp(probe_help(server_command(campaign), env=env)))
+            probed.append(LaunchHelp(cached_help(server_command(campaign), env)))
         return probed[0].text
 
     check_servable(campaign, launch_help)

@@ -62,7 +62,13 @@ REGISTRY = tuple(
         ("twin_profile", "str", "", "twin GPU profile, if simulated"),
         ("engine_backend", "str", "", "sglang or twin", True),
         ("engine_version", "str", "", "engine version(s)", True, True),
-        ("server_args", "json", "", "resolved server arguments per drafter"),
+        (
+            "server_args",
+            "json",
+            "",
+            "resolved server arguments per drafter (with running_caps, each DP rank's cap on "
+            "running requests as its scheduler reported it, where it reported one)",
+        ),
         ("arms_pinned", "str", "", "what dvfs gave every drafter's server alike (comma-separated)"),
         (
             "server_env",

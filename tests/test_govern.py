@@ -300,6 +300,25 @@ def test_values_that_add_up_past_the_largest_number_are_a_page_not_read(rows: st
     assert len(notes) == 1 and "too large" in notes[0]
 
 
+def test_a_running_batch_no_server_holds_is_a_page_not_read() -> None:
+    """A finite batch of 1e300 (a damaged page, another program at --url) reached the
+    governor's log line as a 301-digit batch: the page is one the server did not answer with
+    (the governor holds stock), said once, in one short line."""
+    from dvfs.govern.metrics import MAX_RUNNING
+
+    page = "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 1e300\n"
+    with pytest.raises(ScrapeError, match="is --url an SGLang server") as caught:
+        parse_server_metrics(page)
+    assert len(str(caught.value)) < 200 and "\n" not in str(caught.value)
+    notes: list[str] = []
+    watch = Watch([], lambda: parse_server_metrics(page), note=notes.append)
+    assert watch.server() is None and watch.server() is None
+    assert len(notes) == 1 and "1e+300" in notes[0], notes
+    # The most a server runs is still read.
+    most = f"sglang:num_running_reqs {MAX_RUNNING}\n"
+    assert parse_server_metrics(most).running == MAX_RUNNING
+
+
 @pytest.mark.parametrize(
     "page",
     [

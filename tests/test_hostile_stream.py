@@ -179,3 +179,31 @@ def test_an_aborted_request_past_its_max_new_tokens_is_read(
     assert kinds == sorted(["length", ABORTED])
     aborted = next(t for t in traces if t.finish_reason == ABORTED)
     assert aborted.completion_tokens == NEW_TOKENS + 3
+
+
+@pytest.mark.parametrize(
+    "finish",
+    [["abort"], {"type": ["abort"]}, {"type": None}, 7, [{"type": "x" * 100_000}]],
+    ids=["list", "type-list", "type-null", "number", "list-huge"],
+)
+def test_a_finish_reason_no_sglang_sends_is_refused_in_one_line(
+    client: SglangClient, finish: Any
+) -> None:
+    """SGLang's final chunk says why a request finished as {"type": "length" | "stop" |
+    "abort", ...}: any other value (a list that says abort, a null type) was read as its
+    string, a finish like any other, so a request a broken server or a proxy cut short
+    passed as measured. Refused in one short line, the value clipped."""
+    patch_stub(client, final_meta={"finish_reason": finish})
+    with pytest.raises(EngineError) as caught:
+        generate(client)
+    message = one_line_refusal(caught.value)
+    assert "finish_reason" in message and "no SGLang sends" in message, message
+    assert len(message) < 400, message
+
+
+def test_a_finish_reason_type_is_kept_as_one_short_line(client: SglangClient) -> None:
+    """A string type SGLang does not send is read as such (a later release may add one),
+    clipped to one short printable line."""
+    patch_stub(client, final_meta={"finish_reason": {"type": "odd\n" + "x" * 100_000}})
+    kind = generate(client).finish_reason
+    assert kind.startswith("odd x") and len(kind) <= 40 and kind.isprintable(), kind

@@ -8,9 +8,11 @@ at start, as a server whose arg caps them is."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import xarray as xr
 from click.testing import CliRunner
 from sglang_support import attached_stub, free_port, running, stub_campaign
 
@@ -77,6 +79,12 @@ def test_a_server_whose_scheduler_runs_the_largest_batch_measures(tmp_path: Path
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
+    # What each arm's scheduler really ran is recorded with its server, journal and cube.
+    servers = [r for r in read_records(out / "journal.jsonl") if r["type"] == "server"]
+    assert servers and all(s["running_caps"] == [4] for s in servers), servers
+    with xr.open_dataset(out / "cube.nc") as ds:
+        recorded = json.loads(ds.attrs["server_args"])
+    assert recorded and all(s["running_caps"] == [4] for s in recorded.values()), recorded
 
 
 def test_a_cap_split_over_attention_dp_ranks_is_named_as_such(tmp_path: Path) -> None:
@@ -182,3 +190,80 @@ def test_attention_dp_splits_the_arg_over_its_ranks(tmp_path: Path) -> None:
     assert code != 0, said
     assert "runs at most 3 requests at once, below the largest batch 4" in said, said
     assert "over its 3 attention DP ranks, 1 each" in said, said
+
+
+def _check(tmp_path: Path, batch: int, caps: list[int], **args: object) -> str | None:
+    """What `_check_resolved` says of a server whose DP ranks report `caps`, with resolved
+    `args` over a plain one's, for the largest batch `batch` (None: it passes)."""
+    tmp_path.mkdir(exist_ok=True)
+    path, _ = stub_campaign(tmp_path, batch=f"[1, {batch}]", knobs="sm_clock = [1980]")
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    info = {
+        "model_path": campaign.engine.model,
+        "speculative_algorithm": None,
+        "max_running_requests": batch,
+        "attention_backend": "fa3",
+        **args,
+        "internal_states": [{"effective_max_running_requests_per_dp": c} for c in caps],
+    }
+    try:
+        engine._check_resolved(campaign.drafters[0], info)
+    except EngineError as refused:
+        return str(refused)
+    return None
+
+
+def test_uneven_rank_caps_are_held_to_the_dp_controllers_turns(tmp_path: Path) -> None:
+    """The DP controller deals requests to its ranks in turn whatever each rank's cap
+    (data_parallel_controller.py `round_robin_scheduler`): a batch of 6 over ranks that run
+    [4, 2] hands 3 to each, and rank 1 queues one, though the caps sum to 6."""
+    said = _check(tmp_path / "a", 6, [4, 2], dp_size=2)
+    assert said is not None
+    assert "up to 3 to each, more than rank 1 runs (2)" in said, said
+    assert "KV pool" in said, said
+    # Even caps that hold each rank's turn pass, as an odd batch does over ranks of 3 and 3
+    # (the rank dealt the third runs 3).
+    assert _check(tmp_path / "b", 6, [3, 3], dp_size=2) is None
+    assert _check(tmp_path / "c", 5, [3, 3], dp_size=2) is None
+    # Uneven caps below the batch too are said by the rank that queues, not by their sum
+    # (which [4, 1] runs no batch of 5 at once).
+    said = str(_check(tmp_path / "e", 6, [4, 1], dp_size=2))
+    assert "more than rank 1 runs (1)" in said and "at most 5" not in said, said
+    # 5 over [3, 2]: the turn may start at rank 1, which is then dealt 3.
+    assert "more than rank 1 runs (2)" in str(_check(tmp_path / "d", 5, [3, 2], dp_size=2))
+
+
+def test_a_partial_list_of_ranks_refuses_nothing(tmp_path: Path) -> None:
+    """With elastic EP the ranks change while the server runs and, once it scales,
+    /server_info asks one rank of each attention DP group (tokenizer_control_mixin.py
+    `update_control_communicator_fan_out`): a list of fewer ranks than run is no count of
+    what the server runs, so nothing is refused from it."""
+    elastic = {"elastic_ep_backend": "mooncake", "tp_size": 4, "attn_dp_size": 4}
+    assert _check(tmp_path / "a", 8, [2], **elastic) is None
+    assert _check(tmp_path / "b", 8, [2, 2, 2, 2], elastic_ep_backend="nixl") is None
+    assert _check(tmp_path / "c", 8, [4], attn_dp_size=2) is None
+    # A whole list without elastic EP is still held to the largest batch.
+    assert "runs at most 4 requests" in str(_check(tmp_path / "d", 8, [2, 2], attn_dp_size=2))
+    assert "runs at most 2 requests" in str(_check(tmp_path / "e", 8, [2], elastic_ep_backend=None))
+
+
+def test_a_split_over_attention_dp_in_each_replica_is_named_as_such(tmp_path: Path) -> None:
+    """dp_size 2 replicas of attn_dp_size 2 ranks: --max-running-requests 5 is split 2 to a
+    rank (4 ranks, 8 at once, below the largest batch 9), which is the split, not the KV
+    pool."""
+    said = str(_check(tmp_path, 9, [2, 2, 2, 2], max_running_requests=5, dp_size=2, attn_dp_size=2))
+    assert "runs at most 8 requests at once, below the largest batch 9" in said, said
+    assert "over its 2 attention DP ranks, 2 each in each of its 2 DP replicas" in said, said
+    assert "--max-running-requests 6 or more" in said and "KV pool" not in said, said
+
+
+@pytest.mark.slow
+def test_the_deprecated_dp_attention_spelling_splits_the_arg_too(tmp_path: Path) -> None:
+    """0.5.23 turns `--dp-size 2 --enable-dp-attention` into attn_dp_size 2, dp_size 1
+    (parallel_hook.py `_handle_deprecated_dp_attention`): one replica, whose arg 3 is below
+    the largest batch 4, not two replicas of 3 each."""
+    flags = ("--dp-size", "2", "--enable-dp-attention", "--max-running-requests", "3")
+    code, said = _attached_sweep(tmp_path, *flags)
+    assert code != 0, said
+    assert "caps running requests at 3, below the largest batch 4" in said, said

@@ -108,6 +108,61 @@ def test_help_that_is_not_utf8_is_read_with_the_bytes_replaced() -> None:
     assert text is not None and "--model-path MODEL" in text and "\ufffd" in text
 
 
+def test_launch_help_is_probed_once_per_process_for_one_sglang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each SglangEngine built ran `launch_server --help` (SGLang's slow import) again: a
+    local fleet's workers, one engine each in one process, imported SGLang once each. Read
+    once for this Python's own sglang and the server's environment but its GPUs; again where
+    sglang changed, or could not run; every time for a wrapper (whose sglang is not told)."""
+    from collections.abc import Sequence
+
+    import dvfs.engines.sglang_args as sglang_args
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang import SglangEngine
+
+    probed: list[tuple[list[str], str | None]] = []
+    answers: list[str | None] = []
+
+    def probe(command: Sequence[str], timeout_s: float = 0.0, env: Any = None) -> str | None:
+        probed.append((list(command), (env or {}).get("CUDA_VISIBLE_DEVICES")))
+        return answers.pop(0) if answers else "--model-path MODEL"
+
+    identity: list[object] = ["/site/sglang/__init__.py", 1, 1, "0.5.23", "/here"]
+    monkeypatch.setattr(sglang_args, "probe_help", probe)
+    # (raising=False: a dvfs without the cache fails by its count, not by these)
+    monkeypatch.setattr(sglang_args, "sglang_identity", lambda: tuple(identity), raising=False)
+    monkeypatch.setattr(sglang_args, "_HELP_CACHE", {}, raising=False)
+    path, _ = stub_campaign(tmp_path, batch="[1, 2]", knobs="sm_clock = [1980]")
+    text = path.read_text()
+    start = text.index("server_command")
+    path.write_text(text[:start] + text[text.index("\n", start) + 1 :])  # the default command
+    campaign = load_campaign(path)
+
+    def build(*uuids: str) -> str | None:
+        engine = SglangEngine(
+            campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs", gpu_uuids=uuids
+        )
+        return engine.launch_help()
+
+    assert build() == build() == "--model-path MODEL"
+    assert len(probed) == 1
+    assert probed[0][0] == [sys.executable, "-m", "sglang.launch_server"]
+    assert build("GPU-a") == build("GPU-b") == "--model-path MODEL"  # other GPUs: the same
+    assert len(probed) == 1
+    identity[2] = 2  # sglang reinstalled in place
+    build()
+    assert len(probed) == 2
+    identity[2] = 3
+    answers.append(None)  # could not run: not kept
+    assert build() is None and build() == "--model-path MODEL"
+    assert len(probed) == 4
+    # A wrapper's (or another Python's) sglang is not this one's: probed at each build.
+    for _ in range(2):
+        assert sglang_args.cached_help(["env", "A=1", sys.executable, "-m", "x"]) is not None
+    assert len(probed) == 6
+
+
 def test_dry_run_shows_each_drafter_argv() -> None:
     result = CliRunner().invoke(
         cli,

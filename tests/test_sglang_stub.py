@@ -425,6 +425,45 @@ def test_server_accept_length_covers_the_whole_blocks_only(stub_module: ModuleTy
     assert "avg_spec_accept_length" not in info()
 
 
+def test_dp_attention_resolves_and_splits_the_cap_as_0523_does(stub_module: ModuleType) -> None:
+    """0.5.23 turns the deprecated `--dp-size N --enable-dp-attention` into attn_dp_size N,
+    dp_size 1 (arg_groups/parallel_hook.py `_handle_deprecated_dp_attention`), reports
+    enable_dp_attention as attn_dp_size > 1 (server_args.py `resolved_dict`), and each
+    rank's cap is the arg split over the attention DP ranks, lowered to what its KV pool
+    holds (`running_cap`), never raised by it (kv_cache_configurator.py
+    `resolve_max_num_reqs`); with no arg, the pool's estimate, not split."""
+
+    def served(*argv: str, version: str = "0.5.23", **cfg: Any) -> dict[str, Any]:
+        config = stub_module.StubConfig(version=version, **cfg)
+        args, spec = stub_module.parse_launch_argv(["--model-path", "m", *argv], config)
+        return dict(stub_module.Stub(config, args, spec).server_info())
+
+    def caps(info: dict[str, Any]) -> list[Any]:
+        return [s.get("effective_max_running_requests_per_dp") for s in info["internal_states"]]
+
+    old = served("--dp-size", "2", "--enable-dp-attention", "--max-running-requests", "4")
+    assert (old["dp_size"], old["attn_dp_size"], old["enable_dp_attention"]) == (1, 2, True)
+    assert caps(old) == [2, 2]
+    new = served("--attn-dp-size", "2", "--max-running-requests", "4")
+    assert (new["dp_size"], new["attn_dp_size"], new["enable_dp_attention"]) == (1, 2, True)
+    plain = served("--dp-size", "2", "--max-running-requests", "4")
+    assert (plain["dp_size"], plain["attn_dp_size"], plain["enable_dp_attention"]) == (2, 1, False)
+    assert caps(plain) == [4, 4]
+    # The KV pool lowers a rank's share, never raises it.
+    assert caps(served("--attn-dp-size", "2", "--max-running-requests", "4", running_cap=8)) == [
+        2, 2,
+    ]  # fmt: skip
+    assert caps(served("--attn-dp-size", "2", "--max-running-requests", "8", running_cap=3)) == [
+        3, 3,
+    ]  # fmt: skip
+    assert caps(served("--attn-dp-size", "2")) == [2048, 2048]
+    # 0.5.9 keeps the old spelling as given (dp_size counts the attention DP ranks) and
+    # reports no cap.
+    older = served("--dp-size", "2", "--enable-dp-attention", version="0.5.9")
+    assert (older["dp_size"], older["enable_dp_attention"]) == (2, True)
+    assert caps(older) == [None, None]
+
+
 # --------------------------------------------------------------------------- argv
 
 

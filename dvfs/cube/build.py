@@ -496,6 +496,8 @@ def _provenance(
             "args": redact_args(s.args),
             **({"model_commit": s.model_commit} if s.model_commit else {}),
             **({"model_files": dict(s.model_files)} if s.model_files else {}),
+            # what its scheduler really ran, each DP rank's cap (none from the twin)
+            **({"running_caps": list(s.running_caps)} if s.running_caps else {}),
         }
     versions = sorted({s.version for s in journal.servers})
     return {

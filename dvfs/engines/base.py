@@ -440,6 +440,11 @@ class ServerInfo:
     #: Its snapshot's files there, path to blob (`dvfs.engines.sglang.model_files`); empty
     #: where dvfs cannot tell.
     model_files: dict[str, str] | None = None
+    #: Each DP rank's cap on running requests as its scheduler reported it at start (SGLang
+    #: 0.5.23's `internal_states[i].effective_max_running_requests_per_dp`,
+    #: `dvfs.engines.sglang_client.rank_caps_of`): what the arm really ran, the arg lowered to
+    #: what each rank's KV pool holds. None: not reported (0.5.9, the twin).
+    running_caps: tuple[int, ...] | None = None
 
 
 class Engine(Protocol):

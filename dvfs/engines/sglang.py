@@ -57,6 +57,7 @@ from dvfs.engines.sglang_args import (
     Kernels,
     LaunchHelp,
     ServerPorts,
+    cached_help,
     check_algorithms_known,
     check_arms_can_match,
     check_flags_known,
@@ -68,7 +69,6 @@ from dvfs.engines.sglang_args import (
     launch_argv,
     launch_env,
     parse_version,
-    probe_help,
     read_small,
     server_command,
     server_env,
@@ -83,7 +83,7 @@ from dvfs.engines.sglang_client import (
     SglangClient,
     accept_length_of,
     hung_probe_s,
-    running_cap_of,
+    rank_caps_of,
 )
 from dvfs.engines.sglang_refusals import StartRefusal, start_refusal, terminal_safe
 from dvfs.errors import (
@@ -583,8 +583,8 @@ class SglangEngine:
     def launch_help(self) -> str | None:
         if not self._help_probed:
             self._help_probed = True
-            self._help = probe_help(
-                server_command(self.campaign), env=server_env(self.campaign, self.gpu_uuids)
+            self._help = cached_help(
+                server_command(self.campaign), server_env(self.campaign, self.gpu_uuids)
             )
         return self._help
 
@@ -766,6 +766,7 @@ class SglangEngine:
             ports=ports.to_json() if ports else None,
             model_commit=commit,
             model_files=model_files(model, commit, env, weights),
+            running_caps=_caps(info),
         )
 
     def _answered_by_another(
@@ -857,6 +858,7 @@ class SglangEngine:
                 else "unverified: an attached server's processes are not dvfs's to look up"
             ),
             prompt_format=self.formatter.settle(),
+            running_caps=_caps(info),
         )
 
     def _check_still_attached(self, info: dict[str, Any]) -> None:
@@ -958,11 +960,12 @@ class SglangEngine:
                 f"{where} caps running requests at {running}{across}, below the largest batch "
                 f"{largest}{fix}"
             )
-        # Its scheduler may run fewer than the arg says (`running_cap_of`): the rest of each
+        # Its scheduler may run fewer than the arg says (`rank_caps_of`): the rest of each
         # batch would queue, in this arm alone where another has more memory (no draft).
-        cap = running_cap_of(info)
-        if cap is not None and cap < largest:
-            raise EngineError(f"{where} {running_cap_refusal(cap, largest, args)}{fix}")
+        caps = rank_caps_of(info)
+        refusal = None if caps is None else running_cap_refusal(caps, largest, args)
+        if refusal is not None:
+            raise EngineError(f"{where} {refusal}{fix}")
         return self._check_kernels(drafter, args)
 
     def _gpus_now(self) -> list[GpuProcesses] | None:
@@ -1336,26 +1339,79 @@ def dp_replicas(args: Mapping[str, Any]) -> int:
     return replicas
 
 
-def running_cap_refusal(cap: int, largest: int, args: Mapping[str, Any]) -> str:
-    """Why a server whose scheduler runs at most `cap` requests (`running_cap_of`) cannot
-    serve the largest batch, after "the server", from its resolved `args`: 0.5.23 gives each
-    attention DP rank max(1, max_running_requests // attn_dp_size)
+def dp_ranks(args: Mapping[str, Any]) -> int:
+    """How many scheduler ranks (DP ranks, each with its own cap on running requests) a
+    server's resolved `args` say run at start: 0.5.23's `dp_size` replicas of `attn_dp_size`
+    attention DP ranks; 0.5.9's `dp_size` (which counts attention DP ranks too). 1 where the
+    args do not say."""
+    return (_count(args.get("dp_size")) or 1) * (_count(args.get("attn_dp_size")) or 1)
+
+
+def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) -> str | None:
+    """Why a server whose DP ranks run at most `caps` requests each (`rank_caps_of`) cannot
+    serve the largest batch, after "the server", from its resolved `args`; None where it can,
+    or where its list of ranks cannot tell.
+
+    The DP controller deals requests to its ranks in turn, whatever each rank's cap
+    (managers/data_parallel_controller.py `round_robin_scheduler`, the method "auto" resolves
+    to outside PD disaggregation; "total_requests" evens the ranks' counts alike): a batch of
+    B over N ranks hands ceil(B / N) to a rank, whichever rank the turn starts at, so every
+    rank must run that many or one queues (a sum of [4, 2] holds 6, yet 3 go to each).
+
+    With elastic EP (`elastic_ep_backend`) the ranks change while the server runs, and once
+    it scales, /server_info asks only each attention DP group's first rank
+    (tokenizer_control_mixin.py `update_control_communicator_fan_out`): a list shorter than
+    the ranks the args say run, or any list with elastic EP, is not a count of the ranks
+    that run, so nothing is refused from it (the arg's own check still holds).
+
+    0.5.23 gives each attention DP rank max(1, max_running_requests // attn_dp_size)
     (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), which no memory raises,
     then lowers a rank's share to what its KV pool or Mamba state cache holds."""
-    said = f"runs at most {cap} requests at once, below the largest batch {largest}"
-    ranks = _count(args.get("attn_dp_size")) or 1
-    running = _count(args.get("max_running_requests")) or 0
-    if ranks > 1 and cap == max(1, running // ranks) * ranks:
-        return (
-            f"{said} (its scheduler splits --max-running-requests {running} over its {ranks} "
-            f"attention DP ranks, {cap // ranks} each): make the largest batch a multiple of "
-            f"{ranks}"
+    if args.get("elastic_ep_backend") not in (None, "none") or len(caps) < dp_ranks(args):
+        return None
+    ranks = len(caps)
+    need = -(-largest // ranks)
+    short = [(i, c) for i, c in enumerate(caps) if c < need]
+    if not short:
+        return None
+    total = sum(caps)
+    if total < largest and len(set(caps)) == 1:
+        said = f"runs at most {total} requests at once, below the largest batch {largest}"
+    else:
+        rank, cap = short[0]
+        said = (
+            f"runs {total} requests at once over its {ranks} DP ranks ({caps}), but its DP "
+            f"controller deals a batch of {largest} to them in turn, up to {need} to each, "
+            f"more than rank {rank} runs ({cap}): the rest would queue"
         )
+    attn = _count(args.get("attn_dp_size")) or 1
+    running = _count(args.get("max_running_requests")) or 0
+    split = max(1, running // attn)
+    if attn > 1 and running and all(c == split for _, c in short):
+        replicas = ranks // attn
+        across = f" in each of its {replicas} DP replicas" if replicas > 1 else ""
+        why = (
+            f"its scheduler splits --max-running-requests {running} over its {attn} "
+            f"attention DP ranks, {split} each{across}"
+        )
+        if replicas > 1:
+            return (
+                f"{said} ({why}): give it --max-running-requests {attn * need} or more, or "
+                "lower the largest batch"
+            )
+        return f"{said} ({why}): make the largest batch a multiple of {attn}"
     return (
         f"{said} (its scheduler lowered --max-running-requests to what its KV pool or Mamba "
         "state cache holds): give SGLang more memory for it (--mem-fraction-static, "
         "--max-mamba-cache-size in engine.sglang.extra_args) or lower the largest batch"
     )
+
+
+def _caps(info: dict[str, Any]) -> tuple[int, ...] | None:
+    """Each DP rank's cap on running requests as /server_info `info` lists them, for the
+    server's record (`ServerInfo.running_caps`); None where it reports none."""
+    caps = rank_caps_of(info)
+    return tuple(caps) if caps else None
 
 
 def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:

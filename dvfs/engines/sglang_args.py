@@ -52,6 +52,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,6 +344,76 @@ def probe_help(
         return None
     text = result.stdout + result.stderr
     return text if "--model-path" in text else None
+
+
+#: `launch_server --help` texts this process has read (`cached_help`), by `_help_key`.
+_HELP_CACHE: dict[tuple[object, ...], str] = {}
+_HELP_LOCK = threading.Lock()
+#: What pins a server to its GPUs, which changes no option its --help lists (each fleet
+#: worker's server sees other GPUs): not part of the key.
+HELP_UNKEYED = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+
+
+def sglang_identity() -> tuple[object, ...] | None:
+    """Which sglang this Python's `-m sglang.launch_server` runs, as far as its files tell
+    without importing it: the package's path, its __init__'s size and modification time (a
+    reinstall in place changes them) and its distribution's version; None where it is not
+    found here or a `sglang` folder in this folder (first on `-m`'s path) may shadow it."""
+    from importlib import metadata
+
+    try:
+        spec = importlib.util.find_spec("sglang")
+        here = os.getcwd()
+    except (ImportError, ValueError, OSError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    if not os.environ.get("PYTHONSAFEPATH"):
+        importlib.invalidate_caches()
+        local = importlib.machinery.PathFinder.find_spec("sglang", [here])
+        if local is not None and local.origin != spec.origin:
+            return None
+    try:
+        found = os.stat(spec.origin)
+        version = metadata.version("sglang")
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    return (spec.origin, found.st_size, found.st_mtime_ns, version, here)
+
+
+def _help_key(command: Sequence[str], env: Mapping[str, str] | None) -> tuple[object, ...] | None:
+    """What one `launch_server --help` text holds for: this Python's own launcher (a
+    server_command is a wrapper or another Python, whose sglang this process cannot tell),
+    its sglang (`sglang_identity`) and the server's environment but its GPUs; None where
+    that cannot be told surely: the environment moves where Python finds packages, or sglang
+    is not found here."""
+    if list(command) != [sys.executable, "-m", LAUNCHER]:
+        return None
+    env = dict(os.environ if env is None else env)
+    moved = ("PYTHONPATH", "PYTHONHOME", *SEARCH_PATH_ENV)
+    if any(env.get(name) != os.environ.get(name) for name in moved):
+        return None  # the server's Python looks elsewhere than this one does
+    identity = sglang_identity()
+    if identity is None:
+        return None
+    kept = sorted((k, v) for k, v in env.items() if k not in HELP_UNKEYED)
+    return (tuple(command), identity, tuple(kept))
+
+
+def cached_help(command: Sequence[str], env: dict[str, str] | None = None) -> str | None:
+    """`probe_help`, once per process for each `_help_key` (a fleet's workers, each building
+    its engine, import SGLang for it once, not once each); probed every time where the key
+    cannot be told, and never kept where it could not run (it may run the next time)."""
+    key = _help_key(command, env)
+    if key is None:
+        return probe_help(command, env=env)
+    with _HELP_LOCK:  # one probe at a time: the others then read what it read
+        if key not in _HELP_CACHE:
+            text = probe_help(command, env=env)
+            if text is None:
+                return None
+            _HELP_CACHE[key] = text
+        return _HELP_CACHE[key]
 
 
 @dataclass(frozen=True)
@@ -852,7 +923,7 @@ def planned_launches(campaign: Campaign, *, here: bool = True) -> list[tuple[str
         raise EngineError("a campaign attached at engine.sglang.url starts no server to plan")
     check_predicted_kernels(campaign)
     pinned = campaign.engine.sglang.version
-    help_text = None if pinned else probe_help(server_command(campaign), env=server_env(campaign))
+    help_text = None if pinned else cached_help(server_command(campaign), server_env(campaign))
     if any(d.algorithm for d in campaign.drafters):
         check_algorithms_known(campaign, help_text)  # refused as the sweep refuses it
     check_arms_can_match(campaign, help_text)

@@ -216,14 +216,14 @@ def accept_length_of(info: dict[str, Any]) -> float | None:
     return float(np.mean(values)) if values and any(values) else None
 
 
-def running_cap_of(info: dict[str, Any]) -> int | None:
-    """How many requests the server's scheduler runs at once, from a /server_info answer
-    `info`: SGLang 0.5.23's `internal_states[i].effective_max_running_requests_per_dp`
-    (scheduler_components/internal_state.py), summed over its DP ranks, which is
-    --max-running-requests lowered to what the KV pool or a hybrid model's Mamba state cache
-    holds (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), so it may be below
-    the arg the server reports. None where not every rank reports it as a whole number (0.5.9
-    reports none), or the answer has no list of ranks."""
+def rank_caps_of(info: dict[str, Any]) -> list[int] | None:
+    """Each DP rank's cap on running requests, from a /server_info answer `info`: SGLang
+    0.5.23's `internal_states[i].effective_max_running_requests_per_dp`
+    (scheduler_components/internal_state.py), which is --max-running-requests (split over
+    the attention DP ranks) lowered to what the rank's KV pool or a hybrid model's Mamba
+    state cache holds (mem_cache/kv_cache_configurator.py `resolve_max_num_reqs`), so it
+    may be below the arg the server reports. None where not every rank reports it as a
+    whole number (0.5.9 reports none), or the answer has no list of ranks."""
     states = _ranks(info)
     if states is None:
         return None
@@ -239,7 +239,14 @@ def running_cap_of(info: dict[str, Any]) -> int | None:
         for c in caps
     ):
         return None
-    return sum(int(c) for c in caps)
+    return [int(c) for c in caps]
+
+
+def running_cap_of(info: dict[str, Any]) -> int | None:
+    """How many requests the server's scheduler runs at once, from a /server_info answer
+    `info`: `rank_caps_of` summed over its DP ranks (None where that is unknown)."""
+    caps = rank_caps_of(info)
+    return None if caps is None else sum(caps)
 
 
 class SglangClient:
@@ -507,7 +514,7 @@ class SglangClient:
                     # reports every token (schedule_batch.py Req.update_finish_state,
                     # output_streamer.py), up to a run less one past max_new_tokens
                     if count > params.max_new_tokens and not (
-                        meta.get("finish_reason") is not None and _kind(meta) == "abort"
+                        meta.get("finish_reason") is not None and _kind(meta, rid) == "abort"
                     ):
                         said = (
                             "meta_info.completion_tokens"
@@ -529,7 +536,7 @@ class SglangClient:
                         seen = count
                     if meta.get("finish_reason") is not None:
                         final = meta
-                        if end is not None and _kind(meta) != "abort":
+                        if end is not None and _kind(meta, rid) != "abort":
                             end.running.discard(rid)
                             if end.due():
                                 end.task = asyncio.create_task(self._end_round(client, end))
@@ -551,10 +558,11 @@ class SglangClient:
         ours = end is not None and rid in end.aborted
         if not final and not ours:
             raise EngineError(f"the stream of request {rid} ended without a final chunk")
-        kind = _kind(final) if final else "abort"
+        kind = _kind(final, rid) if final else "abort"
         if kind == "abort" and not ours:
             finish = final.get("finish_reason")
             message = finish.get("message", "") if isinstance(finish, dict) else ""
+            message = one_line(str(message), 300)
             raise EngineError(f"the server aborted request {rid} after {seen} tokens {message}")
         if kind == "abort":
             kind = ABORTED  # aborted at the window's end: it keeps the tokens it received
@@ -785,10 +793,26 @@ def one_line(text: str, limit: int) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def _kind(meta: dict[str, Any]) -> str:
-    """A final chunk's finish reason: "length", "stop", "abort"."""
+#: The most characters of a finish reason's type kept (SGLang's are "length", "stop",
+#: "abort": schedule_batch.py `BaseFinishReason.to_json`).
+KIND_CHARS = 40
+
+
+def _kind(meta: dict[str, Any], rid: str) -> str:
+    """A final chunk's finish reason: "length", "stop", "abort" (SGLang's `{"type": ...}`,
+    or the type alone), as one short printable line. Any other value (a list, a null or
+    non-string type, a number) is no SGLang's: refused (EngineError) rather than read as its
+    string, which took a list that says abort for a request that finished."""
     finish = meta.get("finish_reason")
-    return str(finish.get("type")) if isinstance(finish, dict) else str(finish)
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if not isinstance(kind, str):
+        raise EngineError(
+            f"malformed answer from the server: request {rid} finished with finish_reason "
+            f"{one_line(repr(finish), 120)}, which no SGLang sends (an object with a string "
+            "type: length, stop or abort): measure with an SGLang server answering dvfs "
+            "directly, not through something that rewrites its answers"
+        )
+    return one_line(kind, KIND_CHARS)
 
 
 def probe_server(

@@ -51,6 +51,12 @@ IN_GROUP = frozenset({TP_RANK, MOE_EP_RANK})
 MAX_PAGE_BYTES = 16 << 20
 
 
+#: The most requests a server's /metrics may say run at once: each running request holds a
+#: row of SGLang's req_to_token pool (context-length int32s) and its KV cache, which no GPU
+#: holds ten million of; more is a damaged page or another program at --url.
+MAX_RUNNING = 10_000_000
+
+
 class ScrapeError(DvfsError):
     """The server's /metrics could not be read or lacks what the governor needs."""
 
@@ -129,8 +135,15 @@ def parse_server_metrics(text: str) -> ServerSample:
         raise ScrapeError(
             "the server's /metrics holds values too large to add up: is --url an SGLang server?"
         )
+    running = sum(batches.values())
+    if running > MAX_RUNNING:
+        # finite yet no server's: a 1e300 reached the governor's log line as 301 digits
+        raise ScrapeError(
+            f"the server's /metrics says {running:.3g} requests are running, more than any "
+            f"server runs ({MAX_RUNNING:,} at most): is --url an SGLang server?"
+        )
     return ServerSample(
-        running=max(0, round(sum(batches.values()))),
+        running=max(0, round(running)),
         generated_tokens=sum(generated) if generated else None,
         accept_length=sum(accept) / len(accept) if accept else None,
         decoded_tokens=sum(decoded.values()) if decoded else None,

@@ -678,6 +678,7 @@ class Runner:
             ports=info.ports,
             model_commit=info.model_commit,
             model_files=dict(info.model_files or {}),
+            running_caps=list(info.running_caps) if info.running_caps else None,
         )
         record = server.to_json()
         try:

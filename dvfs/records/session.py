@@ -1352,6 +1352,11 @@ class Server:
     #: or an older record (an optional key within journal version 3). Where two servers'
     #: commits differ, only the files both snapshots hold are compared (`_files_changed`).
     model_files: dict[str, str] = field(default_factory=dict)
+    #: Each DP rank's cap on running requests as its scheduler reported it at start
+    #: (`dvfs.engines.base.ServerInfo.running_caps`), checked against the largest batch
+    #: (`dvfs.engines.sglang.running_cap_refusal`); None where the server reports none (0.5.9,
+    #: the twin) or an older record (an optional key within journal version 3).
+    running_caps: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -1368,6 +1373,7 @@ class Server:
             **({"ports": self.ports} if self.ports else {}),
             **({"model_commit": self.model_commit} if self.model_commit else {}),
             **({"model_files": dict(self.model_files)} if self.model_files else {}),
+            **({"running_caps": list(self.running_caps)} if self.running_caps else {}),
         }
 
     @classmethod
@@ -1385,7 +1391,18 @@ class Server:
             ports=record.get("ports") or None,
             model_commit=record.get("model_commit") or "",
             model_files=dict(record.get("model_files") or {}),
+            running_caps=_running_caps(record.get("running_caps")),
         )
+
+
+def _running_caps(value: Any) -> list[int] | None:
+    """A server record's `running_caps` as recorded: None where absent or damaged (a
+    hand-edited line: read as not known, not refused)."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in value):
+        return None
+    return list(value)
 
 
 def _clock_range(value: Any) -> tuple[float, float]:

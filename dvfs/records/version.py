@@ -39,6 +39,9 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       not tell): the Hugging Face Hub commit of the model it loaded, from its Hub cache.
       A server's optional `model_files` (within 3; absent: an earlier dvfs, or dvfs could
       not tell): that commit's snapshot in the Hub cache, each file's path to its blob.
+      A server's optional `running_caps` (within 3; absent: an earlier dvfs, or a server
+      that reports none: 0.5.9, the twin): each DP rank's cap on running requests as its
+      scheduler reported it at start.
       A session's optional `server_env_prefixes` (within 3, beside `server_env`; absent: an
       earlier dvfs's `dvfs.records.session.EARLIER_ENV_PREFIXES`): the name prefixes its
       `server_env` was recorded under.

@@ -103,13 +103,16 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
 - ``abort_route`` (true): false plays a server without ``/abort_request`` (404).
 - ``context_len`` (131072): the model's context length (its config.json's), served unless
   ``--context-length`` gives another; see "Context" below.
-- ``running_cap`` (null): what 0.5.23's /server_info reports as
-  ``internal_states[0].effective_max_running_requests_per_dp``, the scheduler's own cap on
-  running requests (SGLang lowers ``--max-running-requests`` to what its KV pool or Mamba
-  state cache holds: mem_cache/kv_cache_configurator.py ``resolve_max_num_reqs``); null: the
-  resolved ``max_running_requests`` (2048 where none) split over ``--attn-dp-size``.  0.5.9
-  reports none.  ``internal_states`` holds one state per DP scheduler: ``--dp-size`` replicas
-  of ``--attn-dp-size`` ranks, each with this cap.
+- ``running_cap`` (null): how many requests each DP rank's KV pool or Mamba state cache
+  holds: 0.5.23's /server_info reports
+  ``internal_states[i].effective_max_running_requests_per_dp``, the scheduler's own cap on
+  running requests, as the resolved ``max_running_requests`` split over the attention DP
+  ranks (2048 where none, not split), lowered to this (mem_cache/kv_cache_configurator.py
+  ``resolve_max_num_reqs``); null: not lowered.  0.5.23 turns the deprecated ``--dp-size N
+  --enable-dp-attention`` into ``attn_dp_size`` N, ``dp_size`` 1, and reports
+  ``enable_dp_attention`` as ``attn_dp_size`` > 1.  0.5.9 reports no cap.
+  ``internal_states`` holds one state per DP scheduler: ``--dp-size`` replicas of
+  ``--attn-dp-size`` ranks, each with this cap.
 - ``patch_route`` (false): true serves POST ``/_stub/patch``, whose JSON object body sets what
   later answers carry, for a test that feeds dvfs hostile answers from one stub: its
   ``server_info`` (an object) sets keys over /server_info's answer (``internal_states``
@@ -1048,6 +1051,18 @@ def _resolve_speculative(args: dict[str, Any], version: str, cfg: StubConfig) ->
         args["max_running_requests"] = 48
 
 
+def _resolve_dp_attention(args: dict[str, Any]) -> None:
+    """0.5.23's attention DP width: the deprecated `--dp-size N --enable-dp-attention` is
+    attn_dp_size N, dp_size 1 (arg_groups/parallel_hook.py `_handle_deprecated_dp_attention`),
+    and /server_info reports enable_dp_attention as attn_dp_size > 1 (server_args.py
+    `resolved_dict`)."""
+    attn = args.get("attn_dp_size")
+    args["attn_dp_size"] = attn = 1 if attn is None else attn
+    if args.get("enable_dp_attention") and attn == 1:
+        args["attn_dp_size"], args["dp_size"] = args.get("dp_size") or 1, 1
+    args["enable_dp_attention"] = args["attn_dp_size"] > 1
+
+
 def _resolve_attention(args: dict[str, Any]) -> None:
     """SGLang's attention-backend pick on Hopper for an MHA model (docstring, "Attention")."""
     prefill, decode = args.get("prefill_attention_backend"), args.get("decode_attention_backend")
@@ -1296,6 +1311,8 @@ def resolve_server_args(
         _resolve_hub_gguf(args, environ or {})
     if args.get("random_seed") is None:  # SGLang draws one at every start
         args["random_seed"] = random.randint(0, 1 << 30)
+    if version != "0.5.9":
+        _resolve_dp_attention(args)
     _resolve_attention(args)  # before the speculative defaults, as SGLang does
     _resolve_graphs(args, version)  # likewise (memory settings come first in both)
     _resolve_sampling_and_lora(args, version)
@@ -1990,9 +2007,12 @@ class Stub:
                 cap = self.cfg.running_cap
                 running = self.args.get("max_running_requests")
                 # Each scheduler's: the arg split over the attention DP ranks alone
-                # (kv_cache_configurator.py `resolve_max_num_reqs`), whole in each replica.
+                # (kv_cache_configurator.py `resolve_max_num_reqs`), whole in each replica,
+                # lowered (never raised) to what the rank's KV pool holds; with no arg, the
+                # pool's estimate (2048 at least), not split.
+                share = 2048 if running is None else max(1, int(running) // attn)
                 state["effective_max_running_requests_per_dp"] = (
-                    cap if cap is not None else max(1, int(running or 2048) // attn)
+                    share if cap is None else min(share, cap)
                 )
             if self.spec is not None:
                 average = self.block_accept_length()
