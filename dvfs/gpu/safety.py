@@ -501,6 +501,11 @@ class GpuLocks:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
                 except IsADirectoryError:
                     raise GpuLockFileError(_not_a_lock(path)) from None
+                except OSError:  # a link to no file, or in a loop: named, not "no such file"
+                    broken = _broken_lock_link(path)
+                    if broken is None:
+                        raise
+                    raise GpuLockFileError(broken) from None
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     os.close(fd)
                     raise GpuLockFileError(_not_a_lock(path))
@@ -533,8 +538,8 @@ class GpuLocks:
         path = self.directory / f"{gpu.identity.uuid}.lock"
         try:
             regular = stat.S_ISREG(os.stat(path).st_mode)
-        except OSError:  # none (never held here) or not to be looked at: hold() will say
-            return None
+        except OSError:  # none (never held here) or not to be looked at: hold() will say,
+            return _broken_lock_link(path)  # as it says a link to no file or in a loop
         return None if regular else _not_a_lock(path)
 
     def holder(self, gpu: Gpu) -> str | None:
@@ -594,6 +599,27 @@ def _not_a_lock(path: Path) -> str:
     return (
         f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock of dvfs's: "
         "move it aside (out of the state folder), then run the command again"
+    )
+
+
+def _broken_lock_link(path: Path) -> str | None:
+    """What is wrong with the GPU lock file `path` where it is a symbolic link to no file (its
+    target removed, or a folder of it) or in a loop (`link_loop_problem`), or None. Opening
+    it said "no such file or folder" of a link that is there (the state folder exists), or
+    "too many levels of symbolic links": no running dvfs holds a lock through either."""
+    from dvfs.inputs import link_loop_problem
+
+    if not os.path.islink(path):
+        return None
+    if link_loop_problem(path) is not None:
+        what = "a symbolic link in a loop"
+    elif not os.path.exists(path):
+        what = f"a symbolic link to {os.readlink(path)}, which does not exist"
+    else:
+        return None
+    return (
+        f"GPU lock file {path} is {what}, so no GPU lock of dvfs's: remove the link (dvfs makes "
+        "the lock file itself), then run the command again"
     )
 
 
