@@ -3707,6 +3707,36 @@ def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
     assert nvml.fake_device_state(0)["locked_clocks"] == before
 
 
+@pytest.mark.parametrize("command", ["apply", "dry-run", "reset"])
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_a_broken_link_in_place_of_a_gpus_lock_is_named_with_what_to_do(
+    nvml, tmp_path: Path, command: str, link: str
+) -> None:
+    """A GPU's lock file that is a symbolic link to no file (its target gone) made `cap apply`
+    say "cannot open X.lock: no such file or folder; check the path (does its folder
+    exist?)", of a folder that exists, and its dry run "would apply"; a link in a loop "too
+    many levels of symbolic links". Both are named as the link they are, with what to do
+    (remove it), exit 1 as a folder in the lock's place, the GPU unchanged."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    if command == "reset":
+        invoke("cap", "apply", str(caps))
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    path.symlink_to(path if link == "loop" else tmp_path / "gone" / "x.lock")
+    args = {"apply": ["apply", str(caps)], "dry-run": ["apply", str(caps), "--dry-run"]}
+    result = CliRunner().invoke(cli, ["cap", *args.get(command, ["reset"])])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"GPU lock file {path} is a symbolic link " in line, line
+    assert ("in a loop" if link == "loop" else "which does not exist") in line, line
+    assert "remove the link" in line and "Traceback" not in line, line
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
 @pytest.mark.parametrize(
     ("written", "said"),
     [('"1"', 'dvfs_caps = "1"'), ("2", "dvfs_caps = 2"), ("true", "dvfs_caps = true")],
