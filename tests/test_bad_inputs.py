@@ -1936,6 +1936,26 @@ MORE_CASES = (
             code=2,
             says=("{tmp}/run/cube.nc", "{tmp}/nowhere", "make that folder", "dvfs cube build"),
         ),
+        # The sweep folder's journal.jsonl a link in a loop or to no file, and no cube.nc:
+        # twin fit said "neither a roofline file nor a cube" of the sweep folder; it says what
+        # `cube build DIR` says of that journal.
+        *(
+            C(
+                f"twin-fit-sweep-dir-journal-{kind}",
+                ["twin", "fit", "{tmp}/run", "-o", "{tmp}/p.toml"],
+                files={"run/journal.jsonl": content},
+                code=1,
+                says=("run/journal.jsonl", said, "rerun its `dvfs sweep` command"),
+            )
+            for kind, content, said in (
+                ("link-in-a-loop", Writer(_symlink_loop), "a loop"),
+                (
+                    "link-to-no-file",
+                    Writer(lambda p, e: p.symlink_to(p.parent / "gone.jsonl")),
+                    "which does not exist",
+                ),
+            )
+        ),
         C(
             "twin-fit-symlink-loop-on-the-way",
             ["twin", "fit", "{tmp}/l/cube.nc", "-o", "{tmp}/o.toml"],

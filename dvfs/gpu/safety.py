@@ -548,8 +548,8 @@ class GpuLocks:
         path = self.directory / f"{gpu.identity.uuid}.lock"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: not waited on
-        except OSError:  # no lock file (never held here) or unreadable: hold() will say
-            return None
+        except OSError:  # no lock file (never held here) or unreadable: hold() will say;
+            return _broken_lock_link(path)  # a link to no file or in a loop, hold() refuses
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             return _not_a_lock(path)
