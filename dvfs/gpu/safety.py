@@ -516,7 +516,7 @@ class GpuLocks:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError as exc:
-                    owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+                    owner = _lock_owner(fd)
                     os.close(fd)
                     raise GpuBusyError(_busy(gpu, owner), owner) from exc
                 handles.append(fd)
@@ -556,7 +556,7 @@ class GpuLocks:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _busy(gpu, os.read(fd, 64).decode(errors="replace").strip() or "?")
+            return _busy(gpu, _lock_owner(fd))
         finally:
             os.close(fd)  # lets go of the shared lock where it was taken
         return None
@@ -589,10 +589,23 @@ def refuse_root_held(gpus: Sequence[Gpu], directory: Path) -> None:
         busy = root_holder(gpu, directory)
         if busy is not None:
             owner = "?"
-            with contextlib.suppress(OSError, UnicodeDecodeError):
-                lock = ROOT_STATE_DIR / f"{gpu.identity.uuid}.lock"
-                owner = lock.read_text(encoding="utf-8")[:64].strip() or "?"
+            lock = ROOT_STATE_DIR / f"{gpu.identity.uuid}.lock"
+            # read as `holder` read it for `busy`: 64 bytes at most, bytes not UTF-8 replaced
+            # (the whole file was read, and one not UTF-8 was "?" where `busy` named its pid),
+            # never waited on (a FIFO put there since)
+            with contextlib.suppress(OSError):
+                fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    owner = _lock_owner(fd)
+                finally:
+                    os.close(fd)
             raise GpuBusyError(busy, owner)
+
+
+def _lock_owner(fd: int) -> str:
+    """The pid a GPU lock's holder wrote in it (open as `fd`), as written: its first 64 bytes,
+    those not UTF-8 replaced; "?" where it wrote none."""
+    return os.read(fd, 64).decode(errors="replace").strip() or "?"
 
 
 def _not_a_lock(path: Path) -> str:
