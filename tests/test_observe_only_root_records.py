@@ -158,4 +158,3 @@ def test_the_pid_of_roots_lock_not_utf8_is_the_one_its_line_names(
             refuse_root_held(gpus, tmp_path / "user-state")
     assert refused.value.pid == "12\ufffd34", refused.value.pid
     assert f"(pid {refused.value.pid})" in str(refused.value), refused.value
-
