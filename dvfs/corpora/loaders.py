@@ -135,6 +135,9 @@ class _Lines:
     ) -> None:
         self.stream, self.where, self.unreadable = stream, where, unreadable
         self.packaged = packaged  # a package's resource: said so where it is empty
+        #: What the file was read as where not its reader's family (`READERS`): "json" for a
+        #: .json file's array, which `corpus show` labelled "jsonl"
+        self.read_as: str | None = None
         self.digest = hashlib.sha256()
         self.lineno = 0
         self.blank = True  # only whitespace so far
@@ -527,6 +530,7 @@ def _records_jsonl(source: _Lines, where: str) -> Iterator[tuple[str, Any]]:
             _refuse_json_object(text, where)
             array = _records_json_array(text, where)
             if array is not None:
+                source.read_as = "json"  # an array, not JSON Lines
                 yield from array
                 return
             yield from _records_jsonl_lines(enumerate(_lines(text), start=1), where)
@@ -1018,7 +1022,8 @@ def load_user_corpus(
                     f"corpus {where} does not fit in memory: sample it into a smaller file"
                 ) from exc
         digest = lines.digest.hexdigest()[:16]
-        return Corpus(name, tuple(prompts), f"{source} ({fmt}, sha256 {digest})")
+        read_as = lines.read_as or fmt
+        return Corpus(name, tuple(prompts), f"{source} ({read_as}, sha256 {digest})")
     prompts = _prompts(records, name, spec, count_tokens)
     if not prompts:
         raise CorpusError(f"{where} holds no records")
