@@ -845,6 +845,11 @@ def _open_source(spec: dict[str, Any], base_dir: str) -> tuple[IO[bytes], str, s
                 )
             stream: IO[bytes] = open(path, "rb")  # noqa: SIM115 (the caller's `with` closes it)
         except FileNotFoundError as exc:
+            if path.is_symlink():  # a link that is there, to no file: not "does not exist"
+                raise CorpusError(
+                    f"corpus file {path} is a symbolic link to {path.readlink()}, which does "
+                    "not exist: point it at the data file, or give the file's own path"
+                ) from exc
             raise CorpusError(f"corpus file {path} does not exist") from exc
         except NotADirectoryError as exc:  # was "cannot read corpus file ...: Not a directory"
             from dvfs.inputs import file_in_the_way
@@ -854,6 +859,13 @@ def _open_source(spec: dict[str, Any], base_dir: str) -> tuple[IO[bytes], str, s
                 "folder; check the corpus's path"
             ) from exc
         except OSError as exc:
+            from dvfs.inputs import link_loop_problem
+
+            # a link in a loop: said so, with what to do (it was "Too many levels of symbolic
+            # links"), as the campaign file's is
+            loop = link_loop_problem(path)
+            if loop is not None:
+                raise CorpusError(f"corpus path: {loop}") from exc
             # as a campaign file that cannot be read: the campaign's input, exit 2
             raise CorpusError(f"cannot read corpus file {path}: {exc.strerror}") from exc
         return stream, str(path), f"file {path}", f"cannot read corpus file {path}"
