@@ -3732,9 +3732,28 @@ def test_a_broken_link_in_place_of_a_gpus_lock_is_named_with_what_to_do(
     assert result.exit_code == 1, result.output
     [line] = result.stderr.splitlines()
     assert f"GPU lock file {path} is a symbolic link " in line, line
-    assert ("in a loop" if link == "loop" else "which does not exist") in line, line
+    assert ("in a loop" if link == "loop" else "in a folder that does not exist") in line, line
     assert "remove the link" in line and "Traceback" not in line, line
     assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
+@pytest.mark.parametrize("command", ["apply", "dry-run"])
+def test_a_gpus_lock_linked_to_a_file_to_make_in_a_folder_there_is_used(
+    nvml, tmp_path: Path, command: str
+) -> None:
+    """A GPU lock file that is a link to a file not there yet, in a folder that is: the apply
+    makes the lock there (as it always did), so its dry run says it would apply, not that a
+    link to no file refuses it."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "locks").mkdir()
+    path.symlink_to(tmp_path / "locks" / "gpu0.lock")
+    told = invoke("cap", "apply", str(caps), *(["--dry-run"] if command == "dry-run" else []))
+    said = "dry run, nothing changed: would apply to GPU 0" if command == "dry-run" else "applied"
+    assert said in told, told
 
 
 @pytest.mark.parametrize(
