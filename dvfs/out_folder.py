@@ -383,6 +383,15 @@ def check_out_usable(out_dir: Path, *, fresh: bool = False) -> None:
     broken = _broken_link(out_dir)
     if broken:  # not there, so its folder was probed: doctor said "usable"
         raise JournalError(broken)
+    from dvfs.inputs import link_loop_problem
+
+    # a link in a loop on the way to the folder, or in place of its lock: not there
+    # (`exists()`), so the folder above was probed and doctor said "usable", the dry run
+    # nothing, while the sweep refused it (a journal's is the journal check's)
+    for path in (out_dir, out_dir / LOCK_NAME):
+        if link_loop_problem(path) is not None:
+            problem = OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+            raise JournalError(folder_problem(problem, out_dir))
     kernel = kernel_folder(out_dir)
     if kernel:
         raise JournalError(kernel)
@@ -469,6 +478,14 @@ def folder_problem(exc: OSError, out_dir: Path) -> str:
     broken = _broken_link(out_dir) if exc.errno == errno.EEXIST else None
     if broken:
         return broken
+    if exc.errno == errno.ELOOP:
+        from dvfs.inputs import link_loop_problem
+
+        # a link in a loop on the way to the folder: "point it at the folder", not the
+        # journal's "point it at a file" after "Too many levels of symbolic links"
+        loop = link_loop_problem(out_dir, "folder")
+        if loop:
+            return f"cannot use {out_dir} as the output folder: {loop}, or choose another --out"
     linked = exc.filename if exc.errno == errno.ENOENT else None
     if (
         linked

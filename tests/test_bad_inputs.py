@@ -1936,6 +1936,26 @@ MORE_CASES = (
             code=2,
             says=("{tmp}/run/cube.nc", "{tmp}/nowhere", "make that folder", "dvfs cube build"),
         ),
+        # The sweep folder's journal.jsonl a link in a loop or to no file, and no cube.nc:
+        # twin fit said "neither a roofline file nor a cube" of the sweep folder; it says what
+        # `cube build DIR` says of that journal.
+        *(
+            C(
+                f"twin-fit-sweep-dir-journal-{kind}",
+                ["twin", "fit", "{tmp}/run", "-o", "{tmp}/p.toml"],
+                files={"run/journal.jsonl": content},
+                code=1,
+                says=("run/journal.jsonl", said, "rerun its `dvfs sweep` command"),
+            )
+            for kind, content, said in (
+                ("link-in-a-loop", Writer(_symlink_loop), "a loop"),
+                (
+                    "link-to-no-file",
+                    Writer(lambda p, e: p.symlink_to(p.parent / "gone.jsonl")),
+                    "which does not exist",
+                ),
+            )
+        ),
         C(
             "twin-fit-symlink-loop-on-the-way",
             ["twin", "fit", "{tmp}/l/cube.nc", "-o", "{tmp}/o.toml"],
@@ -3086,6 +3106,28 @@ def test_an_output_file_named_dash_is_refused_not_written_as_a_file_named_dash(
     assert "Error: Invalid value for '-o' / '--out" in error, error
     assert "give /dev/stdout for standard output, or ./- for a file of that name" in error, error
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["file", "on-the-way"])
+@pytest.mark.parametrize("name", list(OUTPUT_FILES))
+def test_an_output_file_through_a_link_in_a_loop_is_refused_before_the_work(
+    name: str, where: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o LOOP`, a symbolic link in a loop (`ln -s loop loop`), or a path through one: the
+    command did its work (`twin fit`: a minute's fit), then failed to write, "too many levels
+    of symbolic links; check the links in the path". It is click's usage error (exit 2)
+    naming the option and the loop, before any work (`link_loop_problem`)."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop.name)
+    out = loop if where == "file" else loop / "out.toml"
+    places = {**{k: str(v) for k, v in shared.items()}, "out": str(out)}
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in OUTPUT_FILES[name]])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = " ".join(result.stderr.split())
+    assert "Error: Invalid value for '-o' / '--out" in error, error
+    assert "in a loop" in error and str(out) in error, error
+    assert [p.name for p in tmp_path.iterdir()] == ["loop"]
 
 
 #: Options naming a folder a command writes into (or keeps its state in), "{out}" their value.

@@ -1221,6 +1221,22 @@ def test_the_check_cap_plan_suggests_runs_on_simulated_caps(nvml, tmp_path: Path
     assert nvml.fake_calls() == []
 
 
+@pytest.mark.parametrize("how", [("--batch", "16", "--drafter", "eagle3"), ("--per-batch",)])
+def test_a_cap_plan_that_cannot_write_its_file_prints_only_the_error(
+    tmp_path: Path, how: tuple[str, ...]
+) -> None:
+    """`cap plan -o FILE` printed its notes (simulated caps, the plan's batches) before the
+    write failed, as if the file had been made: the file is written first, its failure the
+    one line printed."""
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(twin_doc()))
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "afile" / "caps.toml"
+    told = invoke("cap", "plan", str(headroom), *how, "-o", str(out), code=1)
+    assert told.startswith("Error: cannot use"), told
+    assert len(told.splitlines()) == 1, told
+
+
 def test_the_check_cap_plan_suggests_says_it_runs_where_the_gpus_are(tmp_path: Path) -> None:
     """`cap plan -o FILE` of a twin cube's headroom, on a machine without a GPU driver, said
     "check it with: dvfs cap apply FILE --dry-run", which there fails on the missing driver:
@@ -3689,6 +3705,55 @@ def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
     # another --state-dir holds none of this folder's saved settings: the GPUs would stay capped
     assert "move it aside" in line and "another --state-dir" not in line, line
     assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
+@pytest.mark.parametrize("command", ["apply", "dry-run", "reset"])
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_a_broken_link_in_place_of_a_gpus_lock_is_named_with_what_to_do(
+    nvml, tmp_path: Path, command: str, link: str
+) -> None:
+    """A GPU's lock file that is a symbolic link to no file (its target gone) made `cap apply`
+    say "cannot open X.lock: no such file or folder; check the path (does its folder
+    exist?)", of a folder that exists, and its dry run "would apply"; a link in a loop "too
+    many levels of symbolic links". Both are named as the link they are, with what to do
+    (remove it), exit 1 as a folder in the lock's place, the GPU unchanged."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    if command == "reset":
+        invoke("cap", "apply", str(caps))
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    path.symlink_to(path if link == "loop" else tmp_path / "gone" / "x.lock")
+    args = {"apply": ["apply", str(caps)], "dry-run": ["apply", str(caps), "--dry-run"]}
+    result = CliRunner().invoke(cli, ["cap", *args.get(command, ["reset"])])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"GPU lock file {path} is a symbolic link " in line, line
+    assert ("in a loop" if link == "loop" else "in a folder that does not exist") in line, line
+    assert "remove the link" in line and "Traceback" not in line, line
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
+@pytest.mark.parametrize("command", ["apply", "dry-run"])
+def test_a_gpus_lock_linked_to_a_file_to_make_in_a_folder_there_is_used(
+    nvml, tmp_path: Path, command: str
+) -> None:
+    """A GPU lock file that is a link to a file not there yet, in a folder that is: the apply
+    makes the lock there (as it always did), so its dry run says it would apply, not that a
+    link to no file refuses it."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "locks").mkdir()
+    path.symlink_to(tmp_path / "locks" / "gpu0.lock")
+    told = invoke("cap", "apply", str(caps), *(["--dry-run"] if command == "dry-run" else []))
+    said = "dry run, nothing changed: would apply to GPU 0" if command == "dry-run" else "applied"
+    assert said in told, told
 
 
 @pytest.mark.parametrize(

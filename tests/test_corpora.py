@@ -1014,3 +1014,46 @@ def test_a_json_array_in_a_file_not_named_json_is_refused_saying_to_name_it_so(
     assert "a JSON array of records is read from a file named .json" in said, said
     write(tmp_path / "p.json", json.dumps(records, indent=indent) + "\n")
     assert len(load(tmp_path, "mine", {**spec, "path": "p.json"}).prompts) == 2
+
+
+def test_corpus_show_labels_a_json_array_json_and_json_lines_jsonl(tmp_path: Path) -> None:
+    """`corpus show` labelled a .json file's array "jsonl" (its reader's family name), though
+    it is no JSON Lines; it says what the file was read as: "json" for an array, "jsonl" for
+    JSON Lines (named .json or not)."""
+    records = [{"text": "write a function that adds two numbers"}, {"text": "explain recursion"}]
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    for name, body, label in (
+        ("a.json", json.dumps(records, indent=1), "json"),
+        ("l.json", "\n".join(json.dumps(r) for r in records), "jsonl"),
+        ("l.jsonl", "\n".join(json.dumps(r) for r in records), "jsonl"),
+    ):
+        write(tmp_path / name, body)
+        table = f'\n[corpus.mine]\npath = "{name}"\nfield = "text"\n'
+        campaign = write(tmp_path / f"{name}.toml", text + table)
+        args = ["corpus", "show", "mine", "--campaign", str(campaign), "--json"]
+        shown = CliRunner().invoke(cli, args)
+        assert shown.exit_code == 0, shown.output
+        source = json.loads(shown.output)["source"]
+        assert source.startswith(f"file {tmp_path / name} ({label}, sha256 "), source
+
+
+@pytest.mark.parametrize("link", ["loop", "loop-on-the-way", "to-no-file"])
+def test_a_corpus_path_that_is_a_broken_link_is_named_with_what_to_do(
+    tmp_path: Path, link: str
+) -> None:
+    """A corpus path that is a symbolic link in a loop (or one on the way to it) was "cannot
+    read corpus file X: Too many levels of symbolic links", naming no way out, and one to no
+    file "corpus file X does not exist", of a link that is there: each is named as the link
+    it is, with what to do (`link_loop_problem` for a loop)."""
+    (tmp_path / "l").symlink_to(tmp_path / "l")
+    (tmp_path / "gone.jsonl").symlink_to(tmp_path / "nowhere" / "p.jsonl")
+    path, said = {
+        "loop": ("l", "l is a symbolic link in a loop"),
+        "loop-on-the-way": ("l/p.jsonl", "a symbolic link on the way to"),
+        "to-no-file": ("gone.jsonl", f"a symbolic link to {tmp_path / 'nowhere' / 'p.jsonl'}"),
+    }[link]
+    with pytest.raises(CorpusError) as refused:
+        load(tmp_path, "x", {"path": path, "format": "jsonl", "field": "text"})
+    message = str(refused.value)
+    assert said in message and "point it at the" in message, message
+    assert not message.endswith(f"{tmp_path / path} does not exist"), message

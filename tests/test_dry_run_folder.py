@@ -664,6 +664,41 @@ def test_an_out_folder_linked_to_nothing_is_said_as_that_by_doctor_dry_run_and_s
         assert (target / "cube.nc").is_file() and os.path.islink(out)
 
 
+@pytest.mark.parametrize("where", ["on-the-way", "lock"])
+def test_an_out_folder_behind_a_link_loop_is_refused_by_doctor_dry_run_and_sweep_alike(
+    tmp_path: Path, where: str
+) -> None:
+    """--out LOOP/run (a symbolic link in a loop on the way to it), or a folder whose
+    sweep.lock is a link in a loop: `exists()` is False there, so the folder above was probed,
+    doctor said "usable" and the dry run nothing, while the sweep refused it. Each says the
+    sweep's line (a loop on the way: "point it at the folder", not at a file)."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    if where == "on-the-way":
+        out, words = loop / "run", f"a symbolic link on the way to {loop / 'run'} is in a loop"
+    else:
+        out, words = tmp_path / "out", "leads back to itself"
+        out.mkdir()
+        (out / "sweep.lock").symlink_to(out / "sweep.lock")
+    swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert swept.exit_code == 1, swept.output
+    [line] = swept.stderr.splitlines()
+    assert line.startswith(f"Error: cannot use {out} as the output folder"), line
+    assert words in line, line
+    if where == "on-the-way":
+        assert "point it at the folder" in line and "Too many levels" not in line, line
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    checked = {c["name"]: c for c in json.loads(doctor.stdout)}
+    assert doctor.exit_code == 1 and checked["output folder"]["status"] == "fail", checked
+    assert checked["output folder"]["detail"] == line.removeprefix("Error: ")
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate")
+    assert dry.exit_code == 0, dry.output
+    notes = [" ".join(n.split()) for n in dry.output.splitlines() if n.startswith("note:")]
+    [stop] = [n for n in notes if "sweep would stop" in n]
+    assert line.removeprefix("Error: ") in stop, stop
+
+
 def test_an_out_folder_on_a_read_only_mount_is_said_read_only_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1177,6 +1177,34 @@ def test_an_env_file_setting_the_gpus_is_read_as_e_is(nv: ModuleType, tmp_path: 
     assert "starts a container (docker run) not passed" in _doctor_warns(path, env)
 
 
+def test_an_env_file_beyond_the_settings_bound_is_not_read(tmp_path: Path) -> None:
+    """An `--env-file` was read whole, unbounded: /dev/zero-like (a disk image, a huge log
+    given by mistake) until memory ran out. One beyond the settings files' bound is not read
+    (as an unreadable one, warned of by doctor); bytes not UTF-8 in one read are replaced."""
+    from dvfs.engines.server_gpus import _env_files
+    from dvfs.inputs import MAX_SETTINGS_BYTES
+
+    huge = tmp_path / "huge.env"
+    with huge.open("wb") as f:
+        f.write(b"CUDA_VISIBLE_DEVICES=GPU-1\n")
+        f.truncate(MAX_SETTINGS_BYTES + 1)  # sparse: no disk used
+    small = tmp_path / "small.env"
+    small.write_bytes(b"HF_HOME=/c\xff\n")
+    command = ["docker", "run", "--env-file", str(huge), f"--env-file={small}", "IMG"]
+    assert _env_files(command) == ["HF_HOME=/c\ufffd"]
+
+
+def test_an_env_file_that_is_a_fifo_is_not_read(tmp_path: Path) -> None:
+    """An `--env-file` that is a FIFO (`<(...)` written down, a named pipe) was opened and
+    read blocking: doctor and the sweep waited on it for ever, and what they read of it the
+    container would not get. It is not read, as an unreadable file is not."""
+    from dvfs.engines.server_gpus import _env_files
+
+    fifo = tmp_path / "env.fifo"
+    os.mkfifo(fifo)
+    assert _env_files(["docker", "run", "--env-file", str(fifo), "IMG"]) == []
+
+
 def test_e_name_wins_over_an_env_files_value(nv: ModuleType, tmp_path: Path) -> None:
     """docker passes a container an `--env-file`'s variables, then `-e`'s over them: with
     `-e CUDA_VISIBLE_DEVICES` (dvfs's own) beside a shared env file setting

@@ -1112,6 +1112,25 @@ def test_doctor_does_not_call_a_gpu_whose_lock_is_no_file_a_running_dvfss(
     store.clear(uuid)
 
 
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_doctor_fails_the_lock_of_a_gpu_whose_lock_is_a_broken_link(
+    nvml, tmp_path: Path, env, link: str
+) -> None:
+    """A GPU lock file that is a symbolic link to no file (or in a loop), which the sweep
+    refuses ("remove the link"), passed doctor's lock check: "ok lock GPU 0: no other dvfs
+    holds it". The check fails, naming the link and what to do, as the sweep says it."""
+    state_dir = tmp_path / "dvfs-state"
+    state_dir.mkdir()
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        uuid = gpu.identity.uuid
+    lock = state_dir / f"{uuid}.lock"
+    lock.symlink_to(lock.name if link == "loop" else tmp_path / "gone" / "x.lock")
+    checked = doctor_checks(campaign_file(tmp_path), tmp_path / "out", env)["lock GPU 0"]
+    assert checked["status"] == "fail", checked
+    assert f"GPU lock file {lock} is a symbolic link" in checked["detail"], checked
+    assert "remove the link" in checked["detail"], checked
+
+
 def test_doctor_names_a_damaged_caps_record_as_such_not_as_the_driver(
     nvml, tmp_path: Path, env
 ) -> None:

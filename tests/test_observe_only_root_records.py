@@ -137,3 +137,24 @@ def test_the_observe_only_dry_run_without_root_reads_the_records_its_sweep_reads
     notes = [" ".join(n.split()) for n in dry.output.splitlines() if "sweep would stop" in n]
     assert len(notes) == 1 and refusal in notes[0], dry.output
     assert said.split("Error: ")[-1] in notes[0], (said, notes)
+
+
+def test_the_pid_of_roots_lock_not_utf8_is_the_one_its_line_names(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's run refused a GPU root's dvfs holds naming the pid in root's lock as read
+    (bytes not UTF-8 replaced), but gave the error's pid as "?" for such a lock: the lock was
+    read again, whole and as strict UTF-8. Both are its first bytes, read as `holder` reads
+    them."""
+    from dvfs.backends import open_gpus
+    from dvfs.errors import GpuBusyError
+    from dvfs.gpu.safety import GpuLocks, refuse_root_held
+
+    root = Path(os.environ["DVFS_STATE_DIR"])
+    with open_gpus([0]) as gpus, GpuLocks(root).hold(gpus):  # as root's sweep holds it
+        (root / f"{gpus[0].identity.uuid}.lock").write_bytes(b"12\xff34")
+        as_user(tmp_path, monkeypatch)
+        with pytest.raises(GpuBusyError) as refused:
+            refuse_root_held(gpus, tmp_path / "user-state")
+    assert refused.value.pid == "12\ufffd34", refused.value.pid
+    assert f"(pid {refused.value.pid})" in str(refused.value), refused.value

@@ -148,6 +148,9 @@ def plan(
         model_name=model_name,
     )
     text = dump_caps(caps)
+    if out_path is not None:  # written before any note: a failed write is its one line
+        make_parent(out_path)  # as `dvfs report -o` makes it
+        write_text(out_path, text)  # atomically: a failed write keeps the previous file
     err = console(stderr=True)
     if caps.simulated:
         err.print(
@@ -161,8 +164,6 @@ def plan(
     if out_path is None:
         click.echo(text, nl=False)
         return
-    make_parent(out_path)  # as `dvfs report -o` makes it
-    write_text(out_path, text)  # atomically: a failed write keeps the previous file
     import shlex
 
     # The command on a line of its own, never wrapped, its path quoted (and not taken for an
@@ -193,6 +194,9 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     # root that read refused a plan written in a user's folder (which `dvfs govern` as root
     # refuses: exit 2 after the file was written), a check of where the plan is followed from.
     parse_plan(tomllib.loads(text), where=str(out_path or "the plan"))
+    if out_path is not None:  # written before the steps and notes: a failed write is its one line
+        make_parent(out_path)  # as `dvfs report -o` makes it
+        write_text(out_path, text)  # atomically: a failed write keeps the previous file
     err = console(stderr=True)
     if plan.simulated:
         err.print(
@@ -212,8 +216,6 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     if out_path is None:
         click.echo(text, nl=False)
         return
-    make_parent(out_path)  # as `dvfs report -o` makes it
-    write_text(out_path, text)  # atomically: a failed write keeps the previous file
     import shlex
 
     # The command on a line of its own, never wrapped, its path quoted: it can be pasted.

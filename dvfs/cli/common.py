@@ -977,6 +977,13 @@ class OutputFile(click.Path):
                 param,
                 ctx,
             )
+        from dvfs.inputs import link_loop_problem
+
+        # A link in a loop, at the file or on the way to it: refused before the work (a twin
+        # fit's minute), not when its file is written ("too many levels of symbolic links").
+        loop = link_loop_problem(text) if text else None
+        if loop:
+            self.fail(loop, param, ctx)
         path = super().convert(value, param, ctx)
         if home_problem is not None and isinstance(path, Path):  # './~/x': '~' here, as written
             path = Path.cwd() / path

@@ -97,7 +97,14 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
                 f"cube with `dvfs cube build {shlex.quote(str(source))}`, then fit again",
                 2,
             )
-        if (source / JOURNAL_NAME).is_file():  # a sweep stopped before it wrote its cube
+        journal = source / JOURNAL_NAME
+        if os.path.lexists(journal) and not journal.exists():
+            from dvfs.cube.build import no_journal
+
+            # a link in a loop or to no file, where the cube is not: said as `dvfs cube build`
+            # says it, not "neither a roofline file nor a cube" of a sweep folder
+            raise no_journal(journal)
+        if journal.is_file():  # a sweep stopped before it wrote its cube
             fail(
                 f"{source} holds a sweep journal but no cube.nc: build the cube from it with "
                 f"`dvfs cube build {shlex.quote(str(source))}`, then fit again",

@@ -135,6 +135,9 @@ class _Lines:
     ) -> None:
         self.stream, self.where, self.unreadable = stream, where, unreadable
         self.packaged = packaged  # a package's resource: said so where it is empty
+        #: What the file was read as where not its reader's family (`READERS`): "json" for a
+        #: .json file's array, which `corpus show` labelled "jsonl"
+        self.read_as: str | None = None
         self.digest = hashlib.sha256()
         self.lineno = 0
         self.blank = True  # only whitespace so far
@@ -527,6 +530,7 @@ def _records_jsonl(source: _Lines, where: str) -> Iterator[tuple[str, Any]]:
             _refuse_json_object(text, where)
             array = _records_json_array(text, where)
             if array is not None:
+                source.read_as = "json"  # an array, not JSON Lines
                 yield from array
                 return
             yield from _records_jsonl_lines(enumerate(_lines(text), start=1), where)
@@ -841,6 +845,11 @@ def _open_source(spec: dict[str, Any], base_dir: str) -> tuple[IO[bytes], str, s
                 )
             stream: IO[bytes] = open(path, "rb")  # noqa: SIM115 (the caller's `with` closes it)
         except FileNotFoundError as exc:
+            if path.is_symlink():  # a link that is there, to no file: not "does not exist"
+                raise CorpusError(
+                    f"corpus file {path} is a symbolic link to {path.readlink()}, which does "
+                    "not exist: point it at the data file, or give the file's own path"
+                ) from exc
             raise CorpusError(f"corpus file {path} does not exist") from exc
         except NotADirectoryError as exc:  # was "cannot read corpus file ...: Not a directory"
             from dvfs.inputs import file_in_the_way
@@ -850,6 +859,13 @@ def _open_source(spec: dict[str, Any], base_dir: str) -> tuple[IO[bytes], str, s
                 "folder; check the corpus's path"
             ) from exc
         except OSError as exc:
+            from dvfs.inputs import link_loop_problem
+
+            # a link in a loop: said so, with what to do (it was "Too many levels of symbolic
+            # links"), as the campaign file's is
+            loop = link_loop_problem(path)
+            if loop is not None:
+                raise CorpusError(f"corpus path: {loop}") from exc
             # as a campaign file that cannot be read: the campaign's input, exit 2
             raise CorpusError(f"cannot read corpus file {path}: {exc.strerror}") from exc
         return stream, str(path), f"file {path}", f"cannot read corpus file {path}"
@@ -1018,7 +1034,8 @@ def load_user_corpus(
                     f"corpus {where} does not fit in memory: sample it into a smaller file"
                 ) from exc
         digest = lines.digest.hexdigest()[:16]
-        return Corpus(name, tuple(prompts), f"{source} ({fmt}, sha256 {digest})")
+        read_as = lines.read_as or fmt
+        return Corpus(name, tuple(prompts), f"{source} ({read_as}, sha256 {digest})")
     prompts = _prompts(records, name, spec, count_tokens)
     if not prompts:
         raise CorpusError(f"{where} holds no records")

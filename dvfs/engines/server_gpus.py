@@ -16,8 +16,10 @@ is the second line.
 from __future__ import annotations
 
 import csv
+import os
 import re
 import shlex
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -928,15 +930,32 @@ def _env_file_lines(command: Sequence[str]) -> list[tuple[str, str]]:
         if flag != "--env-file" or not (equals or index + 1 < len(command)):
             continue
         path = value if equals else command[index + 1]
-        try:
-            text = Path(path).read_text(errors="replace")
-        except OSError:
+        text = _read_env_file(Path(path))
+        if text is None:
             continue
         for line in text.splitlines():
             line = line.lstrip()
             if line and not line.startswith("#"):
                 found.append((path, line))
     return found
+
+
+def _read_env_file(path: Path) -> str | None:
+    """An `--env-file`'s text as docker reads it (bytes not UTF-8 replaced), or None where it
+    cannot be read: missing, unreadable, more than a settings file's bound (/dev/zero was read
+    until memory ran out), or no regular file (a FIFO was waited on for ever, and what dvfs
+    read of it the container would not get)."""
+    from dvfs.inputs import MAX_SETTINGS_BYTES, read_limited
+
+    def regular_only(opened: Path, info: os.stat_result) -> None:
+        if not stat.S_ISREG(info.st_mode):
+            raise EngineError(f"{opened} is no regular file")
+
+    try:
+        data = read_limited(path, MAX_SETTINGS_BYTES, EngineError, "env file", regular_only)
+    except (OSError, EngineError):
+        return None
+    return data.decode("utf-8", errors="replace")
 
 
 def _env_host(command: Sequence[str]) -> bool:

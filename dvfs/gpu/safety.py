@@ -501,6 +501,11 @@ class GpuLocks:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
                 except IsADirectoryError:
                     raise GpuLockFileError(_not_a_lock(path)) from None
+                except OSError:  # a link to no file, or in a loop: named, not "no such file"
+                    broken = _broken_lock_link(path)
+                    if broken is None:
+                        raise
+                    raise GpuLockFileError(broken) from None
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     os.close(fd)
                     raise GpuLockFileError(_not_a_lock(path))
@@ -511,7 +516,7 @@ class GpuLocks:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError as exc:
-                    owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+                    owner = _lock_owner(fd)
                     os.close(fd)
                     raise GpuBusyError(_busy(gpu, owner), owner) from exc
                 handles.append(fd)
@@ -533,8 +538,8 @@ class GpuLocks:
         path = self.directory / f"{gpu.identity.uuid}.lock"
         try:
             regular = stat.S_ISREG(os.stat(path).st_mode)
-        except OSError:  # none (never held here) or not to be looked at: hold() will say
-            return None
+        except OSError:  # none (never held here) or not to be looked at: hold() will say,
+            return _broken_lock_link(path)  # as it says a link to no file or in a loop
         return None if regular else _not_a_lock(path)
 
     def holder(self, gpu: Gpu) -> str | None:
@@ -543,15 +548,15 @@ class GpuLocks:
         path = self.directory / f"{gpu.identity.uuid}.lock"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: not waited on
-        except OSError:  # no lock file (never held here) or unreadable: hold() will say
-            return None
+        except OSError:  # no lock file (never held here) or unreadable: hold() will say;
+            return _broken_lock_link(path)  # a link to no file or in a loop, hold() refuses
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             return _not_a_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _busy(gpu, os.read(fd, 64).decode(errors="replace").strip() or "?")
+            return _busy(gpu, _lock_owner(fd))
         finally:
             os.close(fd)  # lets go of the shared lock where it was taken
         return None
@@ -584,16 +589,52 @@ def refuse_root_held(gpus: Sequence[Gpu], directory: Path) -> None:
         busy = root_holder(gpu, directory)
         if busy is not None:
             owner = "?"
-            with contextlib.suppress(OSError, UnicodeDecodeError):
-                lock = ROOT_STATE_DIR / f"{gpu.identity.uuid}.lock"
-                owner = lock.read_text(encoding="utf-8")[:64].strip() or "?"
+            lock = ROOT_STATE_DIR / f"{gpu.identity.uuid}.lock"
+            # read as `holder` read it for `busy`: 64 bytes at most, bytes not UTF-8 replaced
+            # (the whole file was read, and one not UTF-8 was "?" where `busy` named its pid),
+            # never waited on (a FIFO put there since)
+            with contextlib.suppress(OSError):
+                fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    owner = _lock_owner(fd)
+                finally:
+                    os.close(fd)
             raise GpuBusyError(busy, owner)
+
+
+def _lock_owner(fd: int) -> str:
+    """The pid a GPU lock's holder wrote in it (open as `fd`), as written: its first 64 bytes,
+    those not UTF-8 replaced; "?" where it wrote none."""
+    return os.read(fd, 64).decode(errors="replace").strip() or "?"
 
 
 def _not_a_lock(path: Path) -> str:
     return (
         f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock of dvfs's: "
         "move it aside (out of the state folder), then run the command again"
+    )
+
+
+def _broken_lock_link(path: Path) -> str | None:
+    """What is wrong with the GPU lock file `path` where it is a symbolic link to no file (its
+    target removed, or a folder of it) or in a loop (`link_loop_problem`), or None. Opening
+    it said "no such file or folder" of a link that is there (the state folder exists), or
+    "too many levels of symbolic links": no running dvfs holds a lock through either."""
+    from dvfs.inputs import link_loop_problem
+
+    if not os.path.islink(path):
+        return None
+    if link_loop_problem(path) is not None:
+        what = "a symbolic link in a loop"
+    elif not os.path.exists(path) and not os.path.isdir(os.path.dirname(os.path.realpath(path))):
+        # a link to a file not there yet, in a folder that is, is no problem: the lock is
+        # made there (O_CREAT), so the dry run and doctor pass it as the apply does
+        what = f"a symbolic link to {os.readlink(path)}, in a folder that does not exist"
+    else:
+        return None
+    return (
+        f"GPU lock file {path} is {what}, so no GPU lock of dvfs's: remove the link (dvfs makes "
+        "the lock file itself), then run the command again"
     )
 
 
