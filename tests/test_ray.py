@@ -751,7 +751,7 @@ def test_a_refusal_on_ray_names_each_restores_error_once_and_exits_4_for_root(
         f"GPU 0 ({uuid0}): GPU 0: cannot reset locked SM clocks: permission denied"
     ), result.output
     assert "GPU 1" not in lines[-2], lines[-2]
-    assert lines[-2].endswith(f"; run {reset}."), lines[-2]
+    assert lines[-2].endswith(f"; run {reset} as root."), lines[-2]  # NVML refused: root
     assert "Traceback" not in result.output
 
 
@@ -2995,3 +2995,23 @@ def test_a_signal_as_the_opened_actors_are_noted_closes_them(
         executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
     assert sorted(closed) == ["n1/gpu0", "n1/gpu1", "n1/gpu2"], executor.unrestored
     assert executor.unrestored == {}
+
+
+def test_the_ray_line_naming_gpus_a_root_refusal_left_says_to_reset_as_root() -> None:
+    """NVML refused n2's restore for want of root, and n1's GPU fell off the bus. The line
+    said "run `dvfs gpu reset` on n1, n2": not that n2's reset needs root, which the local
+    fleet's line and `reset_first` say. It says "as root" for n2, and not for n1."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.errors import GpuError, GpuPermissionError
+
+    refused = GpuPermissionError(
+        "could not restore GPU settings: GPU 0 (GPU-n2): GPU 0: cannot reset locked SM clocks: "
+        "permission denied"
+    )
+    lost = GpuError("could not restore GPU settings: GPU 0 (GPU-n1): GPU is lost")
+    line = " ".join(
+        _ray_unrestored({"n1": ["GPU-n1"], "n2": ["GPU-n2"]}, [lost, refused], {}).split()
+    )
+    assert "`dvfs gpu reset` on n1, `dvfs gpu reset` on n2 as root" in line, line
+    only = _ray_unrestored({"n2": ["GPU-n2"]}, [refused], {"n2": "`dvfs gpu reset --state-dir /s`"})
+    assert "run `dvfs gpu reset --state-dir /s` on n2 as root." in only, only

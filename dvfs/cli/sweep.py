@@ -923,11 +923,19 @@ def _ray_unrestored(
     told it, with the --state-dir that reads their state files where needed); why, where a
     worker's restore said it (`errors`: what the actors' closes raised)."""
     where = "; ".join(f"{', '.join(gpus)} on {host}" for host, gpus in left.items())
-    by_command: dict[str, list[str]] = {}
-    for host in left:
-        by_command.setdefault((resets or {}).get(host, "`dvfs gpu reset`"), []).append(host)
+    # A node where NVML refused a restore of its GPUs for want of root: its reset as root,
+    # as the local fleet's line and `reset_first` say it (it said a plain reset there).
+    root = _root_refused(errors)
+    by_command: dict[tuple[str, bool], list[str]] = {}
+    for host, gpus in left.items():
+        command = (resets or {}).get(host, "`dvfs gpu reset`")
+        as_root = any(gpu in text for gpu in gpus for text in root)
+        by_command.setdefault((command, as_root), []).append(host)
     run = escape(
-        ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
+        ", ".join(
+            f"{command} on {', '.join(hosts)}{' as root' if as_root else ''}"
+            for (command, as_root), hosts in by_command.items()
+        )
     )
     failed = _restores_failed(errors, reset=False)  # `run` names each node's
     if failed:
@@ -937,6 +945,18 @@ def _ray_unrestored(
         f"its actor died or was stopped, before it could put them back; run {run} once the GPU "
         "answers again."
     )
+
+
+def _root_refused(errors: Sequence[BaseException]) -> list[str]:
+    """The lines of the restores of `errors` that NVML refused for want of root (a
+    `GpuPermissionError`, or a bug's line naming another GPU's refusal: `needs_root`)."""
+    from dvfs.errors import GpuPermissionError
+
+    return [
+        str(e)
+        for e in errors
+        if isinstance(e, GpuPermissionError) or getattr(e, "needs_root", False)
+    ]
 
 
 def _journals_text(path: Path) -> str:
