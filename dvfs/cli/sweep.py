@@ -722,7 +722,10 @@ def run_fleet(
             err.print(_ray_unrestored(left, errors, run_on.resets), soft_wrap=True)
         if bug is not None:
             where = f"on {', '.join(hosts)}: " if hosts else ""
-            raise RestoreBugError(f"{where}{bug}") from bug
+            raised = RestoreBugError(f"{where}{bug}")
+            # another worker's restore needs root: exit 4 (`_internal_error`), not 1
+            raised.needs_root = bug.needs_root or _restore_exit_code(errors) == 4
+            raise raised from bug
         raise SystemExit(_restore_exit_code(errors))
     if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
         from dvfs.gpu.knobs import RestoreBugError
@@ -741,6 +744,9 @@ def run_fleet(
             if kept:
                 err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
             if bug is not None:
+                # Another worker's restore needs root: the internal error exits 4
+                # (`_internal_error`), as without the bug; a 1 hid that root must put it back.
+                bug.needs_root = bug.needs_root or _restore_exit_code(errors) == 4
                 raise bug
             raise SystemExit(_restore_exit_code(errors))
     return outcome
