@@ -3015,3 +3015,30 @@ def test_the_ray_line_naming_gpus_a_root_refusal_left_says_to_reset_as_root() ->
     assert "`dvfs gpu reset` on n1, `dvfs gpu reset` on n2 as root" in line, line
     only = _ray_unrestored({"n2": ["GPU-n2"]}, [refused], {"n2": "`dvfs gpu reset --state-dir /s`"})
     assert "run `dvfs gpu reset --state-dir /s` on n2 as root." in only, only
+
+
+def test_gpus_of_actors_killed_as_they_opened_are_reset_now_not_once_they_answer() -> None:
+    """The run stopped while two actors on n1 were still inside `open`: killed, their GPUs
+    named. The lines said to run the reset "once the GPU answers again": a GPU that never
+    stopped answering, its open killed before or after its settle set the clocks. They say to
+    run it now (it puts back what the open set; finds nothing to restore where it set
+    nothing); a GPU lost on n2 beside them still waits until it answers again."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    killed = {"n1": ["the GPUs of Ray actor dvfs-0 (killed as it opened them)"]}
+    resets = {"n1": "`dvfs gpu reset --state-dir /s`"}
+    line = " ".join(_ray_unrestored(killed, [], resets).split())
+    assert "answers again" not in line, line
+    assert "run `dvfs gpu reset --state-dir /s` on n1 now" in line, line
+    assert "nothing to restore" in line, line
+    executor = RayExecutor(Path("out"))
+    executor.unrestored, executor.resets = dict(killed), dict(resets)
+    first = executor.reset_first()
+    assert "answer again" not in first and " now" in first, first
+    lost = {**killed, "n2": ["the GPUs of worker n2/gpu0 (its actor died)"]}
+    line = " ".join(_ray_unrestored(lost, [], resets).split())
+    assert "on n1 now" in line and "once the GPU answers again" in line, line
+    executor.unrestored = dict(lost)
+    first = executor.reset_first()
+    assert "n1 now" in first and "answer again" in first, first

@@ -931,25 +931,44 @@ def _ray_unrestored(
     where = "; ".join(f"{', '.join(gpus)} on {host}" for host, gpus in left.items())
     # A node where NVML refused a restore of its GPUs for want of root: its reset as root,
     # as the local fleet's line and `reset_first` say it (it said a plain reset there).
+    from dvfs.fleet.ray_executor import KILLED_OPENING_RESET, killed_opening
+
     root = _root_refused(errors)
-    by_command: dict[tuple[str, bool], list[str]] = {}
+    failed = _restores_failed(errors, reset=False)  # `run` names each node's
+    by_command: dict[tuple[str, bool, bool], list[str]] = {}
     for host, gpus in left.items():
         command = (resets or {}).get(host, "`dvfs gpu reset`")
         as_root = any(gpu in text for gpu in gpus for text in root)
-        by_command.setdefault((command, as_root), []).append(host)
+        # Its actors killed as they opened: their GPUs answer, their reset is for now
+        now = all(killed_opening(gpu) for gpu in gpus)
+        by_command.setdefault((command, as_root, now), []).append(host)
+    killed = any(now for _, _, now in by_command)
+    lost = any(not now for _, _, now in by_command)
+    when = {True: " now", False: " once the GPU answers again" if killed else ""}
     run = escape(
         ", ".join(
             f"{command} on {', '.join(hosts)}{' as root' if as_root else ''}"
-            for (command, as_root), hosts in by_command.items()
+            f"{when[now] if now or not failed else ''}"
+            for (command, as_root, now), hosts in by_command.items()
         )
     )
-    failed = _restores_failed(errors, reset=False)  # `run` names each node's
     if failed:
         return f"[red]GPU settings NOT restored[/red] for {escape(where)}: {failed}; run {run}."
+    if not killed:
+        return (
+            f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, "
+            f"or its actor died or was stopped, before it could put them back; run {run} once "
+            "the GPU answers again."
+        )
+    why = "its actor was killed as it opened its GPUs, which may have set their clocks or not yet"
+    if lost:
+        why = (
+            "a worker lost its GPU, or its actor died, was stopped or was killed as it opened "
+            "its GPUs (which may have set their clocks or not yet), before it could put them back"
+        )
     return (
-        f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, or "
-        f"its actor died or was stopped, before it could put them back; run {run} once the GPU "
-        "answers again."
+        f"[red]GPU settings NOT restored[/red] for {escape(where)}: {why}; run {run} "
+        f"({KILLED_OPENING_RESET})."
     )
 
 

@@ -52,6 +52,22 @@ OPEN_TIMEOUT_S = 1800.0
 CLOSE_TIMEOUT_S = 1800.0
 #: Seconds of waiting for the actors to start before a note says so.
 OPEN_NOTE_S = 30.0
+#: How the GPUs of an actor killed inside its `open` are named (`_opening`): they never
+#: stopped answering, and its open may have set their clocks or not yet, so their reset is
+#: to run now, not "once the GPU answers again" (`killed_opening`).
+KILLED_OPENING = "killed as it opened them"
+#: What a reset of such GPUs does, said with it.
+KILLED_OPENING_RESET = (
+    "it puts back what the killed open set, and finds nothing to restore where it set nothing"
+)
+
+
+def killed_opening(gpu: str) -> bool:
+    """Whether `gpu` (an entry of `RayExecutor.unrestored`) names an actor killed inside its
+    `open`, whose GPUs still answer."""
+    return gpu.endswith(f"({KILLED_OPENING})")
+
+
 #: Seconds an actor that died as it started waits for the others to tell their nodes' reset
 #: command (`WorkerActor.reset_command`), which its line names.
 TOLD_WAIT_S = 10.0
@@ -849,7 +865,7 @@ class RayExecutor:
                     host = str(ray.get(answer)[0])
                     self._leave(
                         f"{host}/dvfs-{i}",
-                        [f"the GPUs of Ray actor dvfs-{i} (killed as it opened them)"],
+                        [f"the GPUs of Ray actor dvfs-{i} ({KILLED_OPENING})"],
                     )
         except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
             pass
@@ -1203,9 +1219,33 @@ class RayExecutor:
                 f"{', '.join(root)}): once the GPUs answer again, run {run}, as root on "
                 f"{', '.join(root)}"
             )
+        # An actor killed inside its `open`: its GPUs never stopped answering, reset now.
+        now = {h: g for h, g in left.items() if all(killed_opening(x) for x in g)}
+        if now:
+            run_now = self._runs(now)
+            if len(now) == len(left):
+                return (
+                    f"GPU settings may be left unrestored on {', '.join(left)} by workers "
+                    f"killed as they opened their GPUs: run {run_now} now ({KILLED_OPENING_RESET})"
+                )
+            rest = self._runs({h: g for h, g in left.items() if h not in now})
+            return (
+                f"GPU settings were left unrestored on {', '.join(left)}: run {run_now} now "
+                f"(workers killed as they opened their GPUs: {KILLED_OPENING_RESET}); once the "
+                f"other GPUs answer again, run {rest}"
+            )
         return (
             f"GPU settings were left unrestored on {', '.join(left)}: once the GPUs "
             f"answer again, run {run}"
+        )
+
+    def _runs(self, left: dict[str, list[str]]) -> str:
+        """Each node's `dvfs gpu reset` for the nodes of `left`, those of one command together."""
+        by_command: dict[str, list[str]] = {}
+        for host in left:
+            by_command.setdefault(self.reset_on(host), []).append(host)
+        return ", ".join(
+            f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items()
         )
 
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:
