@@ -1568,3 +1568,43 @@ def test_a_finished_fleet_with_a_restore_bug_and_a_root_refusal_exits_4(
     named = next(x for x in lines if x.startswith(f"GPU settings NOT restored for {refused}"))
     assert "permission denied" in named, named
     assert "Traceback" not in result.stderr
+
+
+def test_a_local_worker_whose_open_and_close_fail_keeps_the_closes_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A local worker's open failed and the close it ran then failed (NVML refusing the
+    restore for want of root): the run stops in the open's error, and the close's is kept
+    in `close_errors` (the line naming the GPU left changed says it, exit 4), not lost."""
+    import types
+
+    from dvfs import backends
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet import local
+
+    opened = RuntimeError("the server would not start")
+    refused = GpuPermissionError("could not restore GPU settings: GPU 0 (GPU-a): refused")
+
+    class Worker:
+        def __init__(self, campaign: object, group: tuple[int, ...], **kw: object) -> None:
+            self.label = f"gpu{group[0]}"
+            self.open_close_error: BaseException | None = None
+
+        def notes_live(self, sink: object) -> None:
+            pass
+
+        def open(self) -> None:
+            self.open_close_error = refused  # its own close, as the open failed
+            raise opened
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(local, "Worker", Worker)
+    monkeypatch.setattr(backends, "virtual_time", lambda campaign: False)
+    fleet = types.SimpleNamespace(campaign=None, corpora=None)
+    executor = local.LocalExecutor(tmp_path)
+    with pytest.raises(RuntimeError) as raised:
+        executor(fleet, [(0,)])  # type: ignore[arg-type]
+    assert raised.value is opened
+    assert executor.close_errors == {"gpu0": refused}

@@ -3042,3 +3042,86 @@ def test_gpus_of_actors_killed_as_they_opened_are_reset_now_not_once_they_answer
     executor.unrestored = dict(lost)
     first = executor.reset_first()
     assert "n1 now" in first and "answer again" in first, first
+
+
+def test_a_worker_whose_open_and_close_fail_raises_the_opens_error_and_keeps_the_closes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A worker's open failed, and the close it ran then failed too (NVML refusing the
+    restore of what the open set, for want of root). The close's error replaced the open's:
+    the run's line said the restore, not what stopped the worker. The open's error is raised;
+    the close's is kept (`open_close_error`) for the executor, and said by the actor's
+    `close_error`."""
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet.ray_executor import WorkerActor
+    from dvfs.fleet.worker import Worker
+
+    opened = RuntimeError("the server would not start")
+    refused = GpuPermissionError("could not restore GPU settings: GPU 0 (GPU-a): refused")
+
+    def fails(self: Worker) -> None:
+        raise opened
+
+    def close_fails(self: Worker) -> None:
+        raise refused
+
+    monkeypatch.setattr(Worker, "_claim_ports", fails)
+    monkeypatch.setattr(Worker, "close", close_fails)
+    worker = object.__new__(Worker)
+    worker.corpora, worker.out_dir, worker.label = ({}, "none"), tmp_path, "gpu0"  # type: ignore[assignment]
+    worker.open_close_error = None
+    with pytest.raises(RuntimeError) as raised:
+        worker.open()
+    assert raised.value is opened
+    assert worker.open_close_error is refused
+    actor = object.__new__(WorkerActor)
+    actor.worker = worker
+    assert actor.close_error() is refused
+
+
+def test_an_actor_whose_open_raised_is_asked_what_it_left_changed() -> None:
+    """Real GPUs: one actor's open raised (its worker closed itself, NVML refusing the restore
+    of what it set), the other opened. The run failed in the open's line, and the failed
+    actor's GPU left changed was asked of no one: unnamed, its restore's error lost. It is
+    asked (its `unrestored` and `close_error`) and named, with that error."""
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    opened = RuntimeError("the server would not start")
+    refused = GpuPermissionError("could not restore GPU settings: GPU 0 (GPU-b): refused")
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            for method in ("open", "close", "unrestored", "close_error", "reset_command"):
+                setattr(self, method, types.SimpleNamespace(remote=lambda m=method: (m, label)))
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        method, label = ref
+        if method == "open":
+            if label == "n1/gpu1":
+                raise opened
+            return {"worker": label}
+        if method == "unrestored":
+            return ["GPU-b"] if label == "n1/gpu1" else []
+        if method == "close_error":
+            return refused if label == "n1/gpu1" else None
+        if method == "close":
+            return None
+        return ("n1", "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}]
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(RuntimeError) as raised:
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert raised.value is opened
+    assert executor.unrestored == {"n1": ["GPU-b"]}, executor.unrestored
+    assert executor.close_errors == [refused]

@@ -392,8 +392,12 @@ class WorkerActor:
             raise
 
     def close_error(self) -> BaseException | None:
-        """What its worker's close raised as a failed unit closed it (None if nothing)."""
-        return getattr(self, "closing", None)
+        """What its worker's close raised as a failed unit or open closed it (None if
+        nothing)."""
+        closing = getattr(self, "closing", None)
+        if closing is None and self.worker is not None:
+            closing = self.worker.open_close_error
+        return closing
 
     def close(self) -> None:
         if self.worker is not None:
@@ -695,6 +699,9 @@ class RayExecutor:
                 # have set their clocks): named, with their node's reset. By the same look as
                 # those that opened: an open that answered between two looks was in neither.
                 self._opening(ray, campaign, refs, told, answered)
+                # Those whose open raised (their worker closed itself): asked which GPUs they
+                # left changed and what that close raised, as a worker that raised in a unit.
+                self._failed_opens(ray, campaign, dict(zip(refs, actors, strict=True)), told)
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
                     raise cause from None
@@ -869,6 +876,36 @@ class RayExecutor:
                     )
         except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
             pass
+
+    def _failed_opens(
+        self, ray: Any, campaign: Any, actors: dict[Any, Any], told: list[Any]
+    ) -> None:
+        """Note the GPUs the actors whose `open` (a ref of `actors`) raised their worker's
+        error left changed, and what their close raised (`_raised`): its open closed its
+        worker, which may have failed to restore what the open set. Not on the twin, nor
+        --observe-only, which sets nothing."""
+        if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
+            return
+        asked: dict[str, Asked] = {}
+        try:
+            ready, _ = ray.wait(list(actors), num_returns=len(actors), timeout=0)
+            for i, (ref, answer) in enumerate(zip(actors, told, strict=False)):
+                if ref not in ready:
+                    continue
+                try:
+                    ray.get(ref)
+                    continue  # opened: closed with the others
+                except Exception as exc:  # noqa: BLE001
+                    if actor_gone(exc) or ray_failure(exc) is not None:
+                        continue  # its open's line, or `_opening`, says it
+                host = "?"
+                with contextlib.suppress(Exception):  # it died before it answered
+                    host = str(ray.get(answer)[0])
+                label = f"{host}/dvfs-{i}"
+                asked[label] = self._raised(ray, label, actors[ref])
+        except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
+            pass
+        self._settle(ray, campaign, asked, CLOSE_TIMEOUT_S)
 
     def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
         """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
