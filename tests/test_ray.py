@@ -3125,3 +3125,33 @@ def test_an_actor_whose_open_raised_is_asked_what_it_left_changed() -> None:
     assert raised.value is opened
     assert executor.unrestored == {"n1": ["GPU-b"]}, executor.unrestored
     assert executor.close_errors == [refused]
+
+
+def test_a_signal_as_a_lost_actors_word_is_read_names_its_gpus_once() -> None:
+    """Real GPUs: a lost worker's actor answered which GPUs it left changed (GPU-a) and what
+    its close raised, and a signal landed as the driver read the second answer, the first
+    noted. Given up, the actor was named again as "the GPUs of worker n1/gpu0 (its close was
+    given up)": GPU-a said twice. It is named once."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Ref:
+        def __init__(self, what: str) -> None:
+            self.what = what
+
+    unrestored, close_error = Ref("unrestored"), Ref("close_error")
+    actor = types.SimpleNamespace(
+        unrestored=types.SimpleNamespace(remote=lambda: unrestored),
+        close_error=types.SimpleNamespace(remote=lambda: close_error),
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if ref is close_error:
+            raise KeyboardInterrupt  # the signal, as the second answer is read
+        return ["GPU-a"]
+
+    fake, fleet = fake_ray_fleet(None, get, 1, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}])
+    executor = RayExecutor(Path("out"))
+    asked = {"n1/gpu0": executor._raised(fake, "n1/gpu0", actor)}
+    with pytest.raises(KeyboardInterrupt):
+        executor._settle(fake, fleet.campaign, asked, 5.0)
+    assert len(executor.unrestored["n1"]) == 1, executor.unrestored

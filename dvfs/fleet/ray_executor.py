@@ -1154,6 +1154,8 @@ class RayExecutor:
         not --observe-only, which sets nothing)."""
         if not real_gpus(campaign) or not campaign.gpu.actuation:
             return False
+        if label in self._left_by:  # named already, by its own word: one GPU, one line
+            return True
         self._leave(label, [f"the GPUs of worker {label} ({why})"])
         return True
 
@@ -1179,11 +1181,17 @@ class RayExecutor:
     def _left(self, ray: Any, label: str, unrestored: Any, close_error: Any) -> None:
         """Note the GPUs an actor whose worker raised (and closed) left changed (`unrestored`,
         its answer), and what its close raised then (`close_error`)."""
+        # Both answers read before either is noted: a signal as the second was read left the
+        # first noted, and the actor given up named again (`_give_up`), its GPUs said twice.
+        gpus: Sequence[Any] = ()
+        closing = None
         with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
-            self._leave(label, ray.get(unrestored) or ())
+            gpus = ray.get(unrestored) or ()
+        with contextlib.suppress(Exception):
             closing = ray.get(close_error)
-            if closing is not None:
-                self.close_errors.append(closing)
+        self._leave(label, gpus)
+        if closing is not None:
+            self.close_errors.append(closing)
 
     def _for_root(self, left: dict[str, list[str]]) -> tuple[list[str], bool]:
         """The nodes of `left` (GPUs left changed, by node) where NVML refused a restore of
