@@ -3155,3 +3155,24 @@ def test_a_signal_as_a_lost_actors_word_is_read_names_its_gpus_once() -> None:
     with pytest.raises(KeyboardInterrupt):
         executor._settle(fake, fleet.campaign, asked, 5.0)
     assert len(executor.unrestored["n1"]) == 1, executor.unrestored
+
+
+def test_a_ray_fleet_lost_whole_with_a_restore_bug_says_the_bug_not_answers_again() -> None:
+    """Every Ray worker lost, and the restore of GPU-a on n1 stopped on a bug in dvfs. The
+    line's resets said "once the GPUs answer again" (a GPU that never stopped answering) and
+    nothing of the bug, which the local fleet's line says ("a bug in dvfs stopped the restore
+    ...: please report it"). It says the bug, and to run the reset now."""
+    from dvfs.fleet.ray_executor import RayExecutor
+    from dvfs.gpu.knobs import RestoreBugError
+
+    bug = RestoreBugError(
+        "could not restore GPU settings: GPU 0 (GPU-a): its restore stopped on a bug in dvfs "
+        "(RuntimeError: a bug). `dvfs gpu reset` retries from the state file."
+    )
+    executor = RayExecutor(Path("out"))
+    executor.unrestored, executor.close_errors = {"n1": ["GPU-a"]}, [bug]
+    executor.resets = {"n1": "`dvfs gpu reset --state-dir /s`"}
+    first = executor.reset_first()
+    assert "answer again" not in first, first
+    assert "a bug in dvfs" in first and "please report it" in first, first
+    assert "run `dvfs gpu reset --state-dir /s` on n1" in first, first

@@ -1253,6 +1253,27 @@ class RayExecutor:
         # A node whose restore NVML refused for want of root: its GPUs answer, and its reset
         # needs root ("once the GPUs answer again" told to wait for nothing, root unsaid).
         root, every = self._for_root(left)
+        # A node whose restore stopped on a bug in dvfs: its GPUs answer (not "once they
+        # answer again"), and the bug is said, as the local fleet's line says it.
+        from dvfs.errors import GpuPermissionError
+        from dvfs.gpu.knobs import RestoreBugError
+
+        bugs = [str(e) for e in self.close_errors if isinstance(e, RestoreBugError)]
+        buggy = [h for h, gpus in left.items() if any(g in e for g in gpus for e in bugs)]
+        if buggy:
+            told = bugs + [str(e) for e in self.close_errors if isinstance(e, GpuPermissionError)]
+            answering = all(any(g in e for e in told) for gpus in left.values() for g in gpus)
+            why = (
+                f"a bug in dvfs stopped the restore on {', '.join(buggy)}, said above: please "
+                "report it"
+            )
+            if root:
+                why += f"; for want of root on {', '.join(root)}"
+            when = "" if answering else "once the GPUs lost answer again, "
+            return (
+                f"GPU settings were left unrestored on {', '.join(left)} ({why}): {when}run "
+                f"{run}{', as root on ' + ', '.join(root) if root else ''}"
+            )
         if every:
             return (
                 f"GPU settings were left unrestored on {', '.join(left)} for want of root: "
