@@ -3176,3 +3176,62 @@ def test_a_ray_fleet_lost_whole_with_a_restore_bug_says_the_bug_not_answers_agai
     assert "answer again" not in first, first
     assert "a bug in dvfs" in first and "please report it" in first, first
     assert "run `dvfs gpu reset --state-dir /s` on n1" in first, first
+
+
+def test_actors_still_opening_as_another_fails_finish_opening_and_close() -> None:
+    """Real GPUs: one actor's open raised (a refusal) while the two others, placed, were still
+    inside `open`. They were killed with the run, their GPUs as the open left them, named for
+    a reset; the local fleet lets such workers finish opening and closes them (their GPUs
+    restored). They finish opening and close now; none is named."""
+    from dvfs.errors import GpuStateError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    refusal = GpuStateError("GPU 0 is held (test)")
+    closed: list[str] = []
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            for method in ("open", "close", "unrestored", "close_error", "reset_command"):
+                setattr(self, method, types.SimpleNamespace(remote=lambda m=method: (m, label)))
+
+    labels = iter(["n1/gpu0", "n1/gpu1", "n1/gpu2"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    waited: list[float] = []
+    refused: list[str] = []
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        # the others' opens answer once the driver, the run failed, waits for them
+        if any(r[0] == "open" for r in refs) and timeout and refused:
+            waited.append(timeout)
+        opening = not waited
+        done = [r for r in refs if not (opening and r[0] == "open" and r[1] != "n1/gpu0")]
+        return done, [r for r in refs if r not in done]
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        method, label = ref
+        if method == "open":
+            if label == "n1/gpu0":
+                refused.append(label)
+                raise refusal
+            return {"worker": label}
+        if method == "close":
+            closed.append(label)
+            return None
+        if method == "unrestored":
+            return []
+        if method == "close_error":
+            return None
+        return ("n1", "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 3, lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}], wait=wait
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(GpuStateError):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert sorted(closed) == ["n1/gpu1", "n1/gpu2"], (closed, executor.unrestored)
+    assert executor.unrestored == {}

@@ -692,6 +692,11 @@ class RayExecutor:
                 sessions = [sessions[i] for i in order]
                 alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
             except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
+                if not isinstance(exc, KeyboardInterrupt | Interrupted):
+                    # The run failed (not a signal): those placed and still opening finish
+                    # opening and close below, as the local fleet's workers do, their GPUs
+                    # restored, not killed as the open left them.
+                    self._finish_opening(ray, campaign, refs, told)
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
                 alive, answered = self._opened(ray, dict(zip(refs, actors, strict=True)))
@@ -876,6 +881,20 @@ class RayExecutor:
                     )
         except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
             pass
+
+    def _finish_opening(self, ray: Any, campaign: Any, refs: list[Any], told: list[Any]) -> None:
+        """Wait (within `CLOSE_TIMEOUT_S`) for the opens (`refs`) of the actors that told their
+        node (`told`, in the same order: placed and started) as the run fails, so that they
+        close rather than be killed inside `open`. Not those never placed (which may wait for
+        GPUs for good), nor on the twin or --observe-only (nothing to restore). A signal gives
+        up waiting: those still opening are killed and named, as before."""
+        if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
+            return
+        with contextlib.suppress(Exception, KeyboardInterrupt, Interrupted):
+            started, _ = ray.wait(told, num_returns=len(told), timeout=0)
+            opening = [ref for ref, answer in zip(refs, told, strict=False) if answer in started]
+            if opening:
+                ray.wait(opening, num_returns=len(opening), timeout=CLOSE_TIMEOUT_S)
 
     def _failed_opens(
         self, ray: Any, campaign: Any, actors: dict[Any, Any], told: list[Any]
