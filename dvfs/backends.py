@@ -299,6 +299,17 @@ def withheld_records_line(
     if not records:
         return ""
     named = ", ".join(f"GPU {i}" for i in refused)
+    # A GPU whose calls hung: its UUID unread, a record may be its, which sudo cannot help
+    # (one GPU, one advice: the reset once it answers, with the withheld GPUs' as root).
+    hung = [e.index for e in lost if e.index is not None and isinstance(e, GpuTimeoutError)]
+    if hung:
+        which = ", ".join(f"GPU {i}" for i in hung)
+        return (
+            f"{holds} {', '.join(records)}, none of the GPUs this process opened: they may be "
+            f"of {named} (the driver does not let it talk to them; NVML: no permission) or of "
+            f"{which} (its calls did not return), so {left}; once {which} answers again, run "
+            f"{command} as a user the GPUs admit (root, with sudo)"
+        )
     return (
         f"{holds} {', '.join(records)}, none of the GPUs this process may talk to: the driver "
         f"does not let it talk to {named} (NVML: no permission), so {left}; run {command} as a "

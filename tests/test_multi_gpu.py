@@ -1513,3 +1513,98 @@ def test_an_interrupted_fleet_says_why_a_restore_was_refused_and_to_reset_as_roo
     assert " as root (state in " in said, said
     assert "Run the same command again to resume" in said, said
     assert "Traceback" not in said, said
+
+
+def test_a_finished_fleet_with_a_restore_bug_and_a_root_refusal_exits_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet that measures every cell (the worker that runs the first cell loses its server
+    on its next: the other measures the rest, so both GPUs are set); NVML refuses the first
+    one's restore for want of root, and the other's restore hits a bug in dvfs. The bug's
+    internal error exited 1, hiding the 4 that tells the operator root must put a GPU back
+    (README: 4 is also a sweep whose GPUs a restore that needs root left changed). The
+    refused GPU's line says why; the bug is still the last line, exit 4."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet.worker import Worker
+    from dvfs.gpu.nvml import NvmlGpu
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    reset = NvmlGpu.reset_sm_clock
+    run = Worker.run
+    ran: list[str] = []
+
+    def refused_first_buggy_other(self: NvmlGpu) -> None:
+        if ran and self.index == int(ran[0][-1]):
+            raise GpuPermissionError(
+                f"GPU {self.index}: cannot reset locked SM clocks: permission denied"
+            )
+        if ran:
+            raise RuntimeError("a bug")
+        reset(self)
+
+    def first_dies_on_its_second(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if ran and self.label == ran[0] and "died" not in ran:
+            ran.append("died")
+            raise RuntimeError("the server died")
+        ran.append(self.label)
+        return run(self, cell)
+
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", refused_first_buggy_other)
+    monkeypatch.setattr(Worker, "run", first_dies_on_its_second)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    assert result.returncode == 4, result.stderr
+    lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
+    assert lines[-1].startswith("Error: internal error: RestoreBugError: "), result.stderr
+    refused = nvml.fake_device_state(int(ran[0][-1]))["uuid"]
+    named = next(x for x in lines if x.startswith(f"GPU settings NOT restored for {refused}"))
+    assert "permission denied" in named, named
+    assert "Traceback" not in result.stderr
+
+
+def test_a_local_worker_whose_open_and_close_fail_keeps_the_closes_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A local worker's open failed and the close it ran then failed (NVML refusing the
+    restore for want of root): the run stops in the open's error, and the close's is kept
+    in `close_errors` (the line naming the GPU left changed says it, exit 4), not lost."""
+    import types
+
+    from dvfs import backends
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet import local
+
+    opened = RuntimeError("the server would not start")
+    refused = GpuPermissionError("could not restore GPU settings: GPU 0 (GPU-a): refused")
+
+    class Worker:
+        def __init__(self, campaign: object, group: tuple[int, ...], **kw: object) -> None:
+            self.label = f"gpu{group[0]}"
+            self.open_close_error: BaseException | None = None
+
+        def notes_live(self, sink: object) -> None:
+            pass
+
+        def open(self) -> None:
+            self.open_close_error = refused  # its own close, as the open failed
+            raise opened
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(local, "Worker", Worker)
+    monkeypatch.setattr(backends, "virtual_time", lambda campaign: False)
+    fleet = types.SimpleNamespace(campaign=None, corpora=None)
+    executor = local.LocalExecutor(tmp_path)
+    with pytest.raises(RuntimeError) as raised:
+        executor(fleet, [(0,)])  # type: ignore[arg-type]
+    assert raised.value is opened
+    assert executor.close_errors == {"gpu0": refused}

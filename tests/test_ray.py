@@ -751,7 +751,7 @@ def test_a_refusal_on_ray_names_each_restores_error_once_and_exits_4_for_root(
         f"GPU 0 ({uuid0}): GPU 0: cannot reset locked SM clocks: permission denied"
     ), result.output
     assert "GPU 1" not in lines[-2], lines[-2]
-    assert lines[-2].endswith(f"; run {reset}."), lines[-2]
+    assert lines[-2].endswith(f"; run {reset} as root."), lines[-2]  # NVML refused: root
     assert "Traceback" not in result.output
 
 
@@ -2994,4 +2994,244 @@ def test_a_signal_as_the_opened_actors_are_noted_closes_them(
     with pytest.raises(KeyboardInterrupt):
         executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
     assert sorted(closed) == ["n1/gpu0", "n1/gpu1", "n1/gpu2"], executor.unrestored
+    assert executor.unrestored == {}
+
+
+def test_the_ray_line_naming_gpus_a_root_refusal_left_says_to_reset_as_root() -> None:
+    """NVML refused n2's restore for want of root, and n1's GPU fell off the bus. The line
+    said "run `dvfs gpu reset` on n1, n2": not that n2's reset needs root, which the local
+    fleet's line and `reset_first` say. It says "as root" for n2, and not for n1."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.errors import GpuError, GpuPermissionError
+
+    refused = GpuPermissionError(
+        "could not restore GPU settings: GPU 0 (GPU-n2): GPU 0: cannot reset locked SM clocks: "
+        "permission denied"
+    )
+    lost = GpuError("could not restore GPU settings: GPU 0 (GPU-n1): GPU is lost")
+    line = " ".join(
+        _ray_unrestored({"n1": ["GPU-n1"], "n2": ["GPU-n2"]}, [lost, refused], {}).split()
+    )
+    assert "`dvfs gpu reset` on n1, `dvfs gpu reset` on n2 as root" in line, line
+    only = _ray_unrestored({"n2": ["GPU-n2"]}, [refused], {"n2": "`dvfs gpu reset --state-dir /s`"})
+    assert "run `dvfs gpu reset --state-dir /s` on n2 as root." in only, only
+
+
+def test_gpus_of_actors_killed_as_they_opened_are_reset_now_not_once_they_answer() -> None:
+    """The run stopped while two actors on n1 were still inside `open`: killed, their GPUs
+    named. The lines said to run the reset "once the GPU answers again": a GPU that never
+    stopped answering, its open killed before or after its settle set the clocks. They say to
+    run it now (it puts back what the open set; finds nothing to restore where it set
+    nothing); a GPU lost on n2 beside them still waits until it answers again."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    killed = {"n1": ["the GPUs of Ray actor dvfs-0 (killed as it opened them)"]}
+    resets = {"n1": "`dvfs gpu reset --state-dir /s`"}
+    line = " ".join(_ray_unrestored(killed, [], resets).split())
+    assert "answers again" not in line, line
+    assert "run `dvfs gpu reset --state-dir /s` on n1 now" in line, line
+    assert "nothing to restore" in line, line
+    executor = RayExecutor(Path("out"))
+    executor.unrestored, executor.resets = dict(killed), dict(resets)
+    first = executor.reset_first()
+    assert "answer again" not in first and " now" in first, first
+    lost = {**killed, "n2": ["the GPUs of worker n2/gpu0 (its actor died)"]}
+    line = " ".join(_ray_unrestored(lost, [], resets).split())
+    assert "on n1 now" in line and "once the GPU answers again" in line, line
+    executor.unrestored = dict(lost)
+    first = executor.reset_first()
+    assert "n1 now" in first and "answer again" in first, first
+
+
+def test_a_worker_whose_open_and_close_fail_raises_the_opens_error_and_keeps_the_closes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A worker's open failed, and the close it ran then failed too (NVML refusing the
+    restore of what the open set, for want of root). The close's error replaced the open's:
+    the run's line said the restore, not what stopped the worker. The open's error is raised;
+    the close's is kept (`open_close_error`) for the executor, and said by the actor's
+    `close_error`."""
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet.ray_executor import WorkerActor
+    from dvfs.fleet.worker import Worker
+
+    opened = RuntimeError("the server would not start")
+    refused = GpuPermissionError("could not restore GPU settings: GPU 0 (GPU-a): refused")
+
+    def fails(self: Worker) -> None:
+        raise opened
+
+    def close_fails(self: Worker) -> None:
+        raise refused
+
+    monkeypatch.setattr(Worker, "_claim_ports", fails)
+    monkeypatch.setattr(Worker, "close", close_fails)
+    worker = object.__new__(Worker)
+    worker.corpora, worker.out_dir, worker.label = ({}, "none"), tmp_path, "gpu0"  # type: ignore[assignment]
+    worker.open_close_error = None
+    with pytest.raises(RuntimeError) as raised:
+        worker.open()
+    assert raised.value is opened
+    assert worker.open_close_error is refused
+    actor = object.__new__(WorkerActor)
+    actor.worker = worker
+    assert actor.close_error() is refused
+
+
+def test_an_actor_whose_open_raised_is_asked_what_it_left_changed() -> None:
+    """Real GPUs: one actor's open raised (its worker closed itself, NVML refusing the restore
+    of what it set), the other opened. The run failed in the open's line, and the failed
+    actor's GPU left changed was asked of no one: unnamed, its restore's error lost. It is
+    asked (its `unrestored` and `close_error`) and named, with that error."""
+    from dvfs.errors import GpuPermissionError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    opened = RuntimeError("the server would not start")
+    refused = GpuPermissionError("could not restore GPU settings: GPU 0 (GPU-b): refused")
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            for method in ("open", "close", "unrestored", "close_error", "reset_command"):
+                setattr(self, method, types.SimpleNamespace(remote=lambda m=method: (m, label)))
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        method, label = ref
+        if method == "open":
+            if label == "n1/gpu1":
+                raise opened
+            return {"worker": label}
+        if method == "unrestored":
+            return ["GPU-b"] if label == "n1/gpu1" else []
+        if method == "close_error":
+            return refused if label == "n1/gpu1" else None
+        if method == "close":
+            return None
+        return ("n1", "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}]
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(RuntimeError) as raised:
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert raised.value is opened
+    assert executor.unrestored == {"n1": ["GPU-b"]}, executor.unrestored
+    assert executor.close_errors == [refused]
+
+
+def test_a_signal_as_a_lost_actors_word_is_read_names_its_gpus_once() -> None:
+    """Real GPUs: a lost worker's actor answered which GPUs it left changed (GPU-a) and what
+    its close raised, and a signal landed as the driver read the second answer, the first
+    noted. Given up, the actor was named again as "the GPUs of worker n1/gpu0 (its close was
+    given up)": GPU-a said twice. It is named once."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    class Ref:
+        def __init__(self, what: str) -> None:
+            self.what = what
+
+    unrestored, close_error = Ref("unrestored"), Ref("close_error")
+    actor = types.SimpleNamespace(
+        unrestored=types.SimpleNamespace(remote=lambda: unrestored),
+        close_error=types.SimpleNamespace(remote=lambda: close_error),
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if ref is close_error:
+            raise KeyboardInterrupt  # the signal, as the second answer is read
+        return ["GPU-a"]
+
+    fake, fleet = fake_ray_fleet(None, get, 1, lambda: [{"Alive": True, "Resources": {"GPU": 1.0}}])
+    executor = RayExecutor(Path("out"))
+    asked = {"n1/gpu0": executor._raised(fake, "n1/gpu0", actor)}
+    with pytest.raises(KeyboardInterrupt):
+        executor._settle(fake, fleet.campaign, asked, 5.0)
+    assert len(executor.unrestored["n1"]) == 1, executor.unrestored
+
+
+def test_a_ray_fleet_lost_whole_with_a_restore_bug_says_the_bug_not_answers_again() -> None:
+    """Every Ray worker lost, and the restore of GPU-a on n1 stopped on a bug in dvfs. The
+    line's resets said "once the GPUs answer again" (a GPU that never stopped answering) and
+    nothing of the bug, which the local fleet's line says ("a bug in dvfs stopped the restore
+    ...: please report it"). It says the bug, and to run the reset now."""
+    from dvfs.fleet.ray_executor import RayExecutor
+    from dvfs.gpu.knobs import RestoreBugError
+
+    bug = RestoreBugError(
+        "could not restore GPU settings: GPU 0 (GPU-a): its restore stopped on a bug in dvfs "
+        "(RuntimeError: a bug). `dvfs gpu reset` retries from the state file."
+    )
+    executor = RayExecutor(Path("out"))
+    executor.unrestored, executor.close_errors = {"n1": ["GPU-a"]}, [bug]
+    executor.resets = {"n1": "`dvfs gpu reset --state-dir /s`"}
+    first = executor.reset_first()
+    assert "answer again" not in first, first
+    assert "a bug in dvfs" in first and "please report it" in first, first
+    assert "run `dvfs gpu reset --state-dir /s` on n1" in first, first
+
+
+def test_actors_still_opening_as_another_fails_finish_opening_and_close() -> None:
+    """Real GPUs: one actor's open raised (a refusal) while the two others, placed, were still
+    inside `open`. They were killed with the run, their GPUs as the open left them, named for
+    a reset; the local fleet lets such workers finish opening and closes them (their GPUs
+    restored). They finish opening and close now; none is named."""
+    from dvfs.errors import GpuStateError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    refusal = GpuStateError("GPU 0 is held (test)")
+    closed: list[str] = []
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            for method in ("open", "close", "unrestored", "close_error", "reset_command"):
+                setattr(self, method, types.SimpleNamespace(remote=lambda m=method: (m, label)))
+
+    labels = iter(["n1/gpu0", "n1/gpu1", "n1/gpu2"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    waited: list[float] = []
+    refused: list[str] = []
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        # the others' opens answer once the driver, the run failed, waits for them
+        if any(r[0] == "open" for r in refs) and timeout and refused:
+            waited.append(timeout)
+        opening = not waited
+        done = [r for r in refs if not (opening and r[0] == "open" and r[1] != "n1/gpu0")]
+        return done, [r for r in refs if r not in done]
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        method, label = ref
+        if method == "open":
+            if label == "n1/gpu0":
+                refused.append(label)
+                raise refusal
+            return {"worker": label}
+        if method == "close":
+            closed.append(label)
+            return None
+        if method == "unrestored":
+            return []
+        if method == "close_error":
+            return None
+        return ("n1", "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 3, lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}], wait=wait
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(GpuStateError):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert sorted(closed) == ["n1/gpu1", "n1/gpu2"], (closed, executor.unrestored)
     assert executor.unrestored == {}

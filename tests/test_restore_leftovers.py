@@ -443,10 +443,12 @@ def test_gpu_list_lists_the_gpus_beside_a_hung_one_and_one_it_may_not_talk_to(
     assert error.startswith(f"Error: {HANDLE} on GPU 0 did not return within 5 s"), error
 
 
-def _run_with_gpu1_handle_hung(nvml: ModuleType, env: dict[str, str], argv: list[str]) -> list[str]:
+def _run_with_gpu1_handle_hung(
+    nvml: ModuleType, env: dict[str, str], argv: list[str], code: int = 1
+) -> list[str]:
     """`dvfs ARGV` in a child process (the hung call never returns, and the child exits with
     it) with GPU 1's handle hanging in the driver for good, at a 1 s deadline: it must exit 1
-    having asked that handle once. Its standard error's non-blank lines."""
+    (`code`) having asked that handle once. Its standard error's non-blank lines."""
     child = {**env, "DVFS_NVML_DEADLINE_S": "1", "DVFS_FAKE_NVML_HANG": f"{HANDLE}@1=inf"}
     result = subprocess.run(
         [sys.executable, "-m", "dvfs", *argv],
@@ -455,7 +457,7 @@ def _run_with_gpu1_handle_hung(nvml: ModuleType, env: dict[str, str], argv: list
         text=True,
         timeout=STUCK_S,
     )
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == code, result.stderr
     asked = [h for h in nvml.fake_hangs_started() if h["fn"] == HANDLE and h["index"] == 1]
     assert len(asked) == 1, asked
     return [x for x in result.stderr.splitlines() if x.strip()]
@@ -1109,3 +1111,25 @@ def test_refused_gpus_beside_a_gpu_known_hung_still_names_those_nvml_refuses() -
     )
     assert refused_gpus(module, hung=[1]) == [0]
     assert asked == [0]
+
+
+def test_gpu_reset_with_a_hung_gpu_and_a_withheld_one_gives_the_records_one_advice(
+    nvml: ModuleType, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset` with state files on three GPUs, GPU 1's handle hanging and GPU 2
+    withheld by NVML (no permission). GPU 1's file (its UUID unreadable, its calls hung) was
+    named among the withheld GPUs' with "run it as a user the GPUs admit (root, with sudo)",
+    beside GPU 1 named as hung: for GPU 1, advice that cannot help (sudo does not make its
+    driver answer). The records' line says they may be the hung GPU's too, to run the reset
+    once it answers."""
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(Path(env["DVFS_STATE_DIR"]))
+    with open_nvml_gpus([0, 1, 2], nvml=nvml) as gpus:
+        _left_changed(nvml, store, gpus)
+    nvml.fake_update_device(2, errors={HANDLE: nvml.NVML_ERROR_NO_PERMISSION})
+    [error] = _run_with_gpu1_handle_hung(nvml, env, ["gpu", "reset"], code=4)
+    said = " ".join(error.split())
+    assert "GPU 1 (its calls did not return)" in said, said
+    assert "once GPU 1 answers again" in said, said
+    assert _back(nvml, 0)

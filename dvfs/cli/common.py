@@ -844,7 +844,12 @@ def _internal_error(exc: BaseException) -> NoReturn:
         # "... retries from the state file.": it read "file.; please")
         first = first[:-1]
     text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    fail(f"internal error: {text}; {hint}")
+    from dvfs.gpu.knobs import RestoreBugError
+
+    # A bug in a restore beside one NVML refused for want of root (`needs_root`): GPUs are
+    # left for root to put back, which 4 tells (README's exit codes); a 1 hid it.
+    code = 4 if isinstance(exc, RestoreBugError) and exc.needs_root else 1
+    fail(f"internal error: {text}; {hint}", code)
 
 
 def console(stderr: bool = False) -> Any:

@@ -722,7 +722,10 @@ def run_fleet(
             err.print(_ray_unrestored(left, errors, run_on.resets), soft_wrap=True)
         if bug is not None:
             where = f"on {', '.join(hosts)}: " if hosts else ""
-            raise RestoreBugError(f"{where}{bug}") from bug
+            raised = RestoreBugError(f"{where}{bug}")
+            # another worker's restore needs root: exit 4 (`_internal_error`), not 1
+            raised.needs_root = bug.needs_root or _restore_exit_code(errors) == 4
+            raise raised from bug
         raise SystemExit(_restore_exit_code(errors))
     if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
         from dvfs.gpu.knobs import RestoreBugError
@@ -741,6 +744,9 @@ def run_fleet(
             if kept:
                 err.print(_local_unrestored(kept, state_dir, errors), soft_wrap=True)
             if bug is not None:
+                # Another worker's restore needs root: the internal error exits 4
+                # (`_internal_error`), as without the bug; a 1 hid that root must put it back.
+                bug.needs_root = bug.needs_root or _restore_exit_code(errors) == 4
                 raise bug
             raise SystemExit(_restore_exit_code(errors))
     return outcome
@@ -923,20 +929,59 @@ def _ray_unrestored(
     told it, with the --state-dir that reads their state files where needed); why, where a
     worker's restore said it (`errors`: what the actors' closes raised)."""
     where = "; ".join(f"{', '.join(gpus)} on {host}" for host, gpus in left.items())
-    by_command: dict[str, list[str]] = {}
-    for host in left:
-        by_command.setdefault((resets or {}).get(host, "`dvfs gpu reset`"), []).append(host)
-    run = escape(
-        ", ".join(f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items())
-    )
+    # A node where NVML refused a restore of its GPUs for want of root: its reset as root,
+    # as the local fleet's line and `reset_first` say it (it said a plain reset there).
+    from dvfs.fleet.ray_executor import KILLED_OPENING_RESET, killed_opening
+
+    root = _root_refused(errors)
     failed = _restores_failed(errors, reset=False)  # `run` names each node's
+    by_command: dict[tuple[str, bool, bool], list[str]] = {}
+    for host, gpus in left.items():
+        command = (resets or {}).get(host, "`dvfs gpu reset`")
+        as_root = any(gpu in text for gpu in gpus for text in root)
+        # Its actors killed as they opened: their GPUs answer, their reset is for now
+        now = all(killed_opening(gpu) for gpu in gpus)
+        by_command.setdefault((command, as_root, now), []).append(host)
+    killed = any(now for _, _, now in by_command)
+    lost = any(not now for _, _, now in by_command)
+    when = {True: " now", False: " once the GPU answers again" if killed else ""}
+    run = escape(
+        ", ".join(
+            f"{command} on {', '.join(hosts)}{' as root' if as_root else ''}"
+            f"{when[now] if now or not failed else ''}"
+            for (command, as_root, now), hosts in by_command.items()
+        )
+    )
     if failed:
         return f"[red]GPU settings NOT restored[/red] for {escape(where)}: {failed}; run {run}."
+    if not killed:
+        return (
+            f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, "
+            f"or its actor died or was stopped, before it could put them back; run {run} once "
+            "the GPU answers again."
+        )
+    why = "its actor was killed as it opened its GPUs, which may have set their clocks or not yet"
+    if lost:
+        why = (
+            "a worker lost its GPU, or its actor died, was stopped or was killed as it opened "
+            "its GPUs (which may have set their clocks or not yet), before it could put them back"
+        )
     return (
-        f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, or "
-        f"its actor died or was stopped, before it could put them back; run {run} once the GPU "
-        "answers again."
+        f"[red]GPU settings NOT restored[/red] for {escape(where)}: {why}; run {run} "
+        f"({KILLED_OPENING_RESET})."
     )
+
+
+def _root_refused(errors: Sequence[BaseException]) -> list[str]:
+    """The lines of the restores of `errors` that NVML refused for want of root (a
+    `GpuPermissionError`, or a bug's line naming another GPU's refusal: `needs_root`)."""
+    from dvfs.errors import GpuPermissionError
+
+    return [
+        str(e)
+        for e in errors
+        if isinstance(e, GpuPermissionError) or getattr(e, "needs_root", False)
+    ]
 
 
 def _journals_text(path: Path) -> str:

@@ -193,6 +193,12 @@ class LocalExecutor:
                 except BaseException as exc:  # noqa: BLE001
                     self.close_errors[worker.label] = exc
                     events.put(("error", worker.label, exc, None))
+                else:
+                    # A failed open closed it, and that close failed: its error (the open's
+                    # was raised) names why a GPU was left changed, as a close's does.
+                    closing = getattr(worker, "open_close_error", None)
+                    if closing is not None:
+                        self.close_errors[worker.label] = closing
                 events.put(("exit", worker.label))
 
         threads = [

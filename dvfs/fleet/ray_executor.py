@@ -52,6 +52,22 @@ OPEN_TIMEOUT_S = 1800.0
 CLOSE_TIMEOUT_S = 1800.0
 #: Seconds of waiting for the actors to start before a note says so.
 OPEN_NOTE_S = 30.0
+#: How the GPUs of an actor killed inside its `open` are named (`_opening`): they never
+#: stopped answering, and its open may have set their clocks or not yet, so their reset is
+#: to run now, not "once the GPU answers again" (`killed_opening`).
+KILLED_OPENING = "killed as it opened them"
+#: What a reset of such GPUs does, said with it.
+KILLED_OPENING_RESET = (
+    "it puts back what the killed open set, and finds nothing to restore where it set nothing"
+)
+
+
+def killed_opening(gpu: str) -> bool:
+    """Whether `gpu` (an entry of `RayExecutor.unrestored`) names an actor killed inside its
+    `open`, whose GPUs still answer."""
+    return gpu.endswith(f"({KILLED_OPENING})")
+
+
 #: Seconds an actor that died as it started waits for the others to tell their nodes' reset
 #: command (`WorkerActor.reset_command`), which its line names.
 TOLD_WAIT_S = 10.0
@@ -376,8 +392,12 @@ class WorkerActor:
             raise
 
     def close_error(self) -> BaseException | None:
-        """What its worker's close raised as a failed unit closed it (None if nothing)."""
-        return getattr(self, "closing", None)
+        """What its worker's close raised as a failed unit or open closed it (None if
+        nothing)."""
+        closing = getattr(self, "closing", None)
+        if closing is None and self.worker is not None:
+            closing = self.worker.open_close_error
+        return closing
 
     def close(self) -> None:
         if self.worker is not None:
@@ -672,6 +692,11 @@ class RayExecutor:
                 sessions = [sessions[i] for i in order]
                 alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
             except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
+                if not isinstance(exc, KeyboardInterrupt | Interrupted):
+                    # The run failed (not a signal): those placed and still opening finish
+                    # opening and close below, as the local fleet's workers do, their GPUs
+                    # restored, not killed as the open left them.
+                    self._finish_opening(ray, campaign, refs, told)
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
                 alive, answered = self._opened(ray, dict(zip(refs, actors, strict=True)))
@@ -679,6 +704,9 @@ class RayExecutor:
                 # have set their clocks): named, with their node's reset. By the same look as
                 # those that opened: an open that answered between two looks was in neither.
                 self._opening(ray, campaign, refs, told, answered)
+                # Those whose open raised (their worker closed itself): asked which GPUs they
+                # left changed and what that close raised, as a worker that raised in a unit.
+                self._failed_opens(ray, campaign, dict(zip(refs, actors, strict=True)), told)
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
                     raise cause from None
@@ -849,10 +877,54 @@ class RayExecutor:
                     host = str(ray.get(answer)[0])
                     self._leave(
                         f"{host}/dvfs-{i}",
-                        [f"the GPUs of Ray actor dvfs-{i} (killed as it opened them)"],
+                        [f"the GPUs of Ray actor dvfs-{i} ({KILLED_OPENING})"],
                     )
         except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
             pass
+
+    def _finish_opening(self, ray: Any, campaign: Any, refs: list[Any], told: list[Any]) -> None:
+        """Wait (within `CLOSE_TIMEOUT_S`) for the opens (`refs`) of the actors that told their
+        node (`told`, in the same order: placed and started) as the run fails, so that they
+        close rather than be killed inside `open`. Not those never placed (which may wait for
+        GPUs for good), nor on the twin or --observe-only (nothing to restore). A signal gives
+        up waiting: those still opening are killed and named, as before."""
+        if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
+            return
+        with contextlib.suppress(Exception, KeyboardInterrupt, Interrupted):
+            started, _ = ray.wait(told, num_returns=len(told), timeout=0)
+            opening = [ref for ref, answer in zip(refs, told, strict=False) if answer in started]
+            if opening:
+                ray.wait(opening, num_returns=len(opening), timeout=CLOSE_TIMEOUT_S)
+
+    def _failed_opens(
+        self, ray: Any, campaign: Any, actors: dict[Any, Any], told: list[Any]
+    ) -> None:
+        """Note the GPUs the actors whose `open` (a ref of `actors`) raised their worker's
+        error left changed, and what their close raised (`_raised`): its open closed its
+        worker, which may have failed to restore what the open set. Not on the twin, nor
+        --observe-only, which sets nothing."""
+        if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
+            return
+        asked: dict[str, Asked] = {}
+        try:
+            ready, _ = ray.wait(list(actors), num_returns=len(actors), timeout=0)
+            for i, (ref, answer) in enumerate(zip(actors, told, strict=False)):
+                if ref not in ready:
+                    continue
+                try:
+                    ray.get(ref)
+                    continue  # opened: closed with the others
+                except Exception as exc:  # noqa: BLE001
+                    if actor_gone(exc) or ray_failure(exc) is not None:
+                        continue  # its open's line, or `_opening`, says it
+                host = "?"
+                with contextlib.suppress(Exception):  # it died before it answered
+                    host = str(ray.get(answer)[0])
+                label = f"{host}/dvfs-{i}"
+                asked[label] = self._raised(ray, label, actors[ref])
+        except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
+            pass
+        self._settle(ray, campaign, asked, CLOSE_TIMEOUT_S)
 
     def _told(self, ray: Any, told: list[Any], wait_s: float = 0.0) -> None:
         """Note the reset commands (`WorkerActor.reset_command`) the actors answered by now
@@ -1101,6 +1173,8 @@ class RayExecutor:
         not --observe-only, which sets nothing)."""
         if not real_gpus(campaign) or not campaign.gpu.actuation:
             return False
+        if label in self._left_by:  # named already, by its own word: one GPU, one line
+            return True
         self._leave(label, [f"the GPUs of worker {label} ({why})"])
         return True
 
@@ -1126,11 +1200,17 @@ class RayExecutor:
     def _left(self, ray: Any, label: str, unrestored: Any, close_error: Any) -> None:
         """Note the GPUs an actor whose worker raised (and closed) left changed (`unrestored`,
         its answer), and what its close raised then (`close_error`)."""
+        # Both answers read before either is noted: a signal as the second was read left the
+        # first noted, and the actor given up named again (`_give_up`), its GPUs said twice.
+        gpus: Sequence[Any] = ()
+        closing = None
         with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
-            self._leave(label, ray.get(unrestored) or ())
+            gpus = ray.get(unrestored) or ()
+        with contextlib.suppress(Exception):
             closing = ray.get(close_error)
-            if closing is not None:
-                self.close_errors.append(closing)
+        self._leave(label, gpus)
+        if closing is not None:
+            self.close_errors.append(closing)
 
     def _for_root(self, left: dict[str, list[str]]) -> tuple[list[str], bool]:
         """The nodes of `left` (GPUs left changed, by node) where NVML refused a restore of
@@ -1192,6 +1272,27 @@ class RayExecutor:
         # A node whose restore NVML refused for want of root: its GPUs answer, and its reset
         # needs root ("once the GPUs answer again" told to wait for nothing, root unsaid).
         root, every = self._for_root(left)
+        # A node whose restore stopped on a bug in dvfs: its GPUs answer (not "once they
+        # answer again"), and the bug is said, as the local fleet's line says it.
+        from dvfs.errors import GpuPermissionError
+        from dvfs.gpu.knobs import RestoreBugError
+
+        bugs = [str(e) for e in self.close_errors if isinstance(e, RestoreBugError)]
+        buggy = [h for h, gpus in left.items() if any(g in e for g in gpus for e in bugs)]
+        if buggy:
+            told = bugs + [str(e) for e in self.close_errors if isinstance(e, GpuPermissionError)]
+            answering = all(any(g in e for e in told) for gpus in left.values() for g in gpus)
+            why = (
+                f"a bug in dvfs stopped the restore on {', '.join(buggy)}, said above: please "
+                "report it"
+            )
+            if root:
+                why += f"; for want of root on {', '.join(root)}"
+            when = "" if answering else "once the GPUs lost answer again, "
+            return (
+                f"GPU settings were left unrestored on {', '.join(left)} ({why}): {when}run "
+                f"{run}{', as root on ' + ', '.join(root) if root else ''}"
+            )
         if every:
             return (
                 f"GPU settings were left unrestored on {', '.join(left)} for want of root: "
@@ -1203,9 +1304,33 @@ class RayExecutor:
                 f"{', '.join(root)}): once the GPUs answer again, run {run}, as root on "
                 f"{', '.join(root)}"
             )
+        # An actor killed inside its `open`: its GPUs never stopped answering, reset now.
+        now = {h: g for h, g in left.items() if all(killed_opening(x) for x in g)}
+        if now:
+            run_now = self._runs(now)
+            if len(now) == len(left):
+                return (
+                    f"GPU settings may be left unrestored on {', '.join(left)} by workers "
+                    f"killed as they opened their GPUs: run {run_now} now ({KILLED_OPENING_RESET})"
+                )
+            rest = self._runs({h: g for h, g in left.items() if h not in now})
+            return (
+                f"GPU settings were left unrestored on {', '.join(left)}: run {run_now} now "
+                f"(workers killed as they opened their GPUs: {KILLED_OPENING_RESET}); once the "
+                f"other GPUs answer again, run {rest}"
+            )
         return (
             f"GPU settings were left unrestored on {', '.join(left)}: once the GPUs "
             f"answer again, run {run}"
+        )
+
+    def _runs(self, left: dict[str, list[str]]) -> str:
+        """Each node's `dvfs gpu reset` for the nodes of `left`, those of one command together."""
+        by_command: dict[str, list[str]] = {}
+        for host in left:
+            by_command.setdefault(self.reset_on(host), []).append(host)
+        return ", ".join(
+            f"{command} on {', '.join(hosts)}" for command, hosts in by_command.items()
         )
 
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:

@@ -135,6 +135,10 @@ class Worker:
         self.slot = slot
         #: Its block of ports, when the engine starts servers of its own.
         self._block: PortBlock | None = None
+        #: What the close an open that failed ran raised (a restore of what the open set,
+        #: refused): the open's error is the one raised, what stopped the worker; this is
+        #: kept for the executor, which says it with the GPUs left changed.
+        self.open_close_error: BaseException | None = None
 
     def open(self) -> dict[str, Any]:
         """Open the group's backends and knobs, measure idle power; the session record (its
@@ -173,7 +177,12 @@ class Worker:
             )
             self._runner.open_session()
         except BaseException:
-            self.close()
+            # The open's error goes on, not the close's after it (which replaced it: the
+            # run's line said a restore, not what stopped the worker); that is kept.
+            try:
+                self.close()
+            except BaseException as closing:  # noqa: BLE001
+                self.open_close_error = closing
             raise
         session = self._journal.drain()[0]
         session["worker"] = self.label
