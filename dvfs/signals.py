@@ -190,3 +190,11 @@ def _deliver(signum: int, handler: Any) -> None:
     elif handler == signal.SIG_DFL:
         os.kill(os.getpid(), signum)  # the default action: usually terminate
     # SIG_IGN (or None: installed outside Python): ignored, as it would have been
+
+
+def interrupted_while(exc: BaseException, what: str) -> Interrupted:
+    """The `Interrupted` that ends a command a signal stopped (`exc`: its `Interrupted`, or the
+    KeyboardInterrupt SIGINT raises), its one line saying what the command was doing and what
+    that left: "received SIGTERM {what}"."""
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    return Interrupted(signum, f"received {signal.Signals(signum).name} {what}")

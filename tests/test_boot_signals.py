@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,58 @@ def test_a_sigterm_mid_apply_says_which_gpus_are_capped_and_which_not(tmp_path: 
         text=True,
     )
     assert reset.returncode == 0, reset.stdout + reset.stderr
+
+
+def test_a_sigterm_before_any_gpu_is_changed_says_no_cap_was_applied(tmp_path: Path) -> None:
+    """The caps unit stopped (a shutdown) once the driver was loaded but before `cap apply`
+    changed a GPU (an NVML read at boot hung while the caps were planned): it exited 143
+    without a word, the journal saying nothing of the caps, as the driver wait did before.
+    It says in one line that nothing was changed, and no GPU was."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_NVML_DEADLINE_S="3600")
+    listed = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    uuids = [g["uuid"] for g in json.loads(listed.stdout)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        "".join(
+            f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1410\npower_limit_w = 450.0\n\n'
+            for u in uuids
+        )
+    )
+    hung = {**env, "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetPowerManagementLimit@0=3600"}
+    hangs = tmp_path / "fake-nvml.json.hangs"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dvfs", "cap", "apply", str(caps), "--wait-for-driver", "300"],
+        env=hung,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not hangs.exists():  # the read hangs (the process would have ended otherwise)
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate()
+    assert process.returncode == 143, (out, err)
+    assert "Traceback" not in err and out == "", (out, err)
+    assert err.splitlines() == [
+        "Interrupted (received SIGTERM before any GPU was changed: nothing changed, no cap "
+        "applied; start it again)."
+    ], err
+    assert not (tmp_path / "dvfs-state" / "caps-applied.json").exists()
+    after = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert [g["uuid"] for g in json.loads(after.stdout)] == uuids
+    state = json.loads((tmp_path / "fake-nvml.json").read_text())
+    assert all(d["locked_clocks"] is None for d in state["devices"]), state["devices"]
+    assert all(d["power_limit_mw"] == 700_000 for d in state["devices"]), state["devices"]

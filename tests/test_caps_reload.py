@@ -54,3 +54,33 @@ def test_reset_without_a_reload_puts_back_the_limit_the_cap_replaced(nvml, tmp_p
     _cli("cap", "apply", str(caps))
     _cli("cap", "reset", "--applied")
     assert nvml.fake_device_state(0)["power_limit_mw"] == 600_000
+
+
+@pytest.mark.parametrize("damaged", ["700 W", 700_000.0, 0, True])
+def test_a_damaged_default_then_is_warned_of_and_the_old_limit_not_put_back(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: object
+) -> None:
+    """The caps unit capped GPU 0 at 450 W over an operator's 600 W; the driver was then
+    reloaded, its new default 450 W on the GPU; the record's default then was hand-edited
+    ("700 W"). It was passed over without a word: `cap reset --applied` put back the old
+    driver's 600 W, above the GPU's default now, as if no reload was. Whether one was cannot be
+    told: `cap show` warns of the key in one line, and the reset puts back the default now."""
+    uuid = json.loads(_cli("gpu", "list", "--json"))[0]["uuid"]
+    nvml.fake_update_device(0, power_limit_mw=600_000)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    _cli("cap", "apply", str(caps))
+    record = tmp_path / "dvfs-state" / "caps-applied.json"
+    data = json.loads(record.read_text())
+    data[uuid]["power_limit_default_then_mw"] = damaged
+    record.write_text(json.dumps(data, indent=2))
+    monkeypatch.setitem(nvml.FAKE_PROFILES["h100-sxm"], "power_default_mw", 450_000)
+    nvml.fake_update_device(0, power_limit_mw=450_000)  # the reloaded driver's default
+    shown = CliRunner().invoke(cli, ["cap", "show"])
+    assert shown.exit_code == 0, shown.output
+    [line] = [x for x in shown.stderr.splitlines() if "power_limit_default_then_mw" in x]
+    assert line.startswith(f"warning: dvfs's caps record {record} is damaged for GPU 0 "), line
+    assert f"power_limit_default_then_mw is {json.dumps(damaged)}, expected " in line, line
+    out = " ".join(_cli("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000, out
+    assert "power limit 450 W (default: " in out and "power_limit_default_then_mw" in out, out

@@ -414,6 +414,14 @@ class AppliedCaps:
                         f"{damaged}, but it lists no power limit dvfs set on that GPU, so the "
                         "value is not used: write null there"
                     )
+                elif key == DEFAULT_THEN:
+                    lines.append(
+                        f"{damaged}, expected the GPU's default power limit in mW when dvfs's cap "
+                        "replaced its limit, or null; its caps are honoured, but whether the "
+                        f"driver was reloaded since cannot be told, so {reset} puts back its "
+                        "default power limit, not the limit dvfs's cap replaced (perhaps the old "
+                        "driver's): to have that put back, write that default in mW there"
+                    )
                 elif key == EARLIER:
                     lines.append(
                         f"{damaged}, expected the power limit in mW of dvfs's earlier cap, which "
@@ -635,13 +643,15 @@ def _power_outside(gpu: Gpu, limit: int | None) -> str | None:
 
 
 def _damaged_before(record: dict[str, Any]) -> list[tuple[str, str]]:
-    """A caps record entry's damaged `power_limit_before_mw` (the limit dvfs's cap replaced) and
-    `EARLIER`, each as its key and value ("power_limit_before_mw is "600 W"") and its key; []
-    where both are a power limit in mW or absent or null. Such an entry's caps are honoured all
-    the same, the damaged value taken as unknown (a damaged replaced limit: `cap reset
-    --applied` puts back the default; a damaged earlier cap: none, as without one)."""
+    """A caps record entry's damaged `power_limit_before_mw` (the limit dvfs's cap replaced),
+    `EARLIER` and `DEFAULT_THEN`, each as its key and value ("power_limit_before_mw is "600
+    W"") and its key; [] where each is a power limit in mW or absent or null. Such an entry's
+    caps are honoured all the same, the damaged value taken as unknown (a damaged replaced
+    limit: `cap reset --applied` puts back the default; a damaged earlier cap: none, as
+    without one; a damaged default then: whether the driver was reloaded since cannot be
+    told, so the default, not the replaced limit, perhaps the old driver's)."""
     found = []
-    for key in ("power_limit_before_mw", EARLIER):
+    for key in ("power_limit_before_mw", EARLIER, DEFAULT_THEN):
         value = record.get(key)
         if value is not None and not _positive_int(value):
             found.append((f"{key} is {json.dumps(value)[:40]}", key))
@@ -1853,6 +1863,15 @@ def _limit_replaced(
             f"power limit {default / 1000:g} W (default: the GPU's default power limit was "
             f"{then / 1000:g} W when dvfs's cap replaced {before / 1000:g} W, so the driver "
             "was reloaded since and that limit is not put back)"
+        )
+    if _positive_int(before) and then is not None and not _positive_int(then) and before != default:
+        # damaged (`AppliedCaps.damaged_lines` says so): a reload since cannot be ruled out,
+        # and the replaced limit may be the old driver's, above the GPU's default now
+        return default, (
+            f"power limit {default / 1000:g} W (default: the caps record's {DEFAULT_THEN}, "
+            f"{json.dumps(then)[:40]}, is no power limit in mW, so whether the driver was "
+            f"reloaded since cannot be told and the {before / 1000:g} W dvfs's cap replaced is "
+            "not put back)"
         )
     if before is not None and not known:  # damaged (`AppliedCaps.damaged_lines` says so)
         return default, (

@@ -270,12 +270,43 @@ def apply(
     GPUs here that no entry names, are only noted. With --wait-for-driver, a kernel module not
     loaded yet is waited for (the caps unit at boot); nothing else is.
     """
+    from dvfs.caps import load_caps
+    from dvfs.signals import Interrupted, interrupted_while, signals_raise
+
+    caps = load_caps(caps_file)
+    # once the file is read: a file refused is not waited on
+    wait_for_the_driver(wait_for_driver_s, dry_run=dry_run)
+    # From here until a GPU is changed, a signal (the caps unit stopped: a shutdown while an
+    # NVML call at boot hangs) says in one line that nothing was, not exit 143 without a word;
+    # once one may be, `_stopped_applying` says what is capped.
+    changing: list[bool] = []
+    try:
+        with signals_raise():
+            _apply(caps, caps_file, dry_run, skip_missing, allow_simulated, state_dir, changing)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        if changing:
+            raise
+        raise interrupted_while(
+            exc, "before any GPU was changed: nothing changed, no cap applied; start it again"
+        ) from None
+
+
+def _apply(
+    caps: CapsFile,
+    caps_file: Path,
+    dry_run: bool,
+    skip_missing: bool,
+    allow_simulated: bool,
+    state_dir: Path | None,
+    changing: list[bool],
+) -> None:
+    """`apply` once the caps file is read and the driver loaded; `changing` is told (True
+    appended) once the GPUs may be changed."""
     from dvfs.backends import WithheldGpus, lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
         AppliedCaps,
         CapsPartlyAppliedError,
         enforce_plan,
-        load_caps,
         plan_actions,
     )
     from dvfs.errors import (
@@ -288,9 +319,6 @@ def apply(
     from dvfs.gpu.safety import default_state_dir, records_dir
     from dvfs.signals import Interrupted
 
-    caps = load_caps(caps_file)
-    # once the file is read: a file refused is not waited on
-    wait_for_the_driver(wait_for_driver_s, dry_run=dry_run)
     failed: GpuError | None = None  # writes that failed, once the other GPUs are capped
     # A dry run needs no root: it reads the caps in force where root recorded them.
     directory = state_dir or (records_dir() if dry_run else default_state_dir())
@@ -385,6 +413,7 @@ def apply(
                 applied.add(action.uuid)
                 click.echo(f"applied to {action.describe()}")
 
+            changing.append(True)
             try:
                 enforce_plan(plan, gpus, directory, str(caps_file.resolve()), done)
             except (KeyboardInterrupt, Interrupted) as exc:
@@ -542,22 +571,19 @@ def _stopped_applying(
     while it changed the GPUs: those capped whole, and those not (untouched, or a knob in place
     and dvfs's caps record listing it), with what finishes or undoes it. A signal given up on
     mid-restore (`RestoreAbandoned`) says its own."""
-    import signal
-
     from dvfs.gpu.safety import state_dir_command
-    from dvfs.signals import Interrupted, RestoreAbandoned
+    from dvfs.signals import RestoreAbandoned, interrupted_while
 
     if isinstance(exc, RestoreAbandoned):
         return exc
-    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
     capped = [a for a in actions if not a.refused]
     done = [f"GPU {a.index}" for a in capped if a.uuid in applied]
     rest = [f"GPU {a.index}" for a in capped if a.uuid not in applied]
     undo = state_dir_command("dvfs cap reset --applied", directory)
     show = state_dir_command("dvfs cap show", directory)
-    return Interrupted(
-        signum,
-        f"received {signal.Signals(signum).name} while applying the caps: "
+    return interrupted_while(
+        exc,
+        "while applying the caps: "
         f"{'caps applied to ' + ', '.join(done) if done else 'no GPU capped whole'}; "
         f"{', '.join(rest) or 'none'} not capped, or only in part (dvfs's caps record lists "
         f"what each holds: `{show}`); `{again}` applies the rest, `{undo}` takes them off",

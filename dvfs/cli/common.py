@@ -9,7 +9,6 @@ import importlib
 import json
 import os
 import re
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -92,7 +91,7 @@ def wait_for_the_driver(
     if not wait_s:
         return
     from dvfs.gpu.nvml import DRIVER_POLL_S, wait_for_driver, wait_span
-    from dvfs.signals import Interrupted, signals_raise
+    from dvfs.signals import Interrupted, interrupted_while, signals_raise
 
     # (a wait no longer than one poll tries again once, at its end: not "every 5 s" of 1 s)
     again = f"every {DRIVER_POLL_S:g} s" if wait_s > DRIVER_POLL_S else f"once, in {wait_s} s"
@@ -108,11 +107,10 @@ def wait_for_the_driver(
                 dry_run=dry_run,
             )
     except (KeyboardInterrupt, Interrupted) as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        raise Interrupted(
-            signum,
-            f"received {signal.Signals(signum).name} while waiting for the NVIDIA kernel module "
-            f"to load: nothing changed, {nothing}; start it again once the driver is loaded",
+        raise interrupted_while(
+            exc,
+            "while waiting for the NVIDIA kernel module to load: nothing changed, "
+            f"{nothing}; start it again once the driver is loaded",
         ) from None
     if spent is not None:  # the wait ran out: its line says so
         raise spent
