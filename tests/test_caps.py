@@ -3756,6 +3756,43 @@ def test_a_gpus_lock_linked_to_a_file_to_make_in_a_folder_there_is_used(
     assert said in told, told
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+@pytest.mark.parametrize("command", ["apply", "dry-run"])
+def test_as_root_a_users_link_in_place_of_a_gpus_lock_is_refused_not_written_through(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A shared state folder (1777, as /tmp) where a user put a link in place of a GPU's lock
+    file: root's `cap apply` opened its target to lock it, made it 0644, cut it and wrote its
+    pid there (any root file: /etc/shadow made readable by all), and its dry run said "would
+    apply". Both refuse it in one line, exit 1, as a lock in a loop, the target and the GPU
+    unchanged."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    state = tmp_path / "shared-state"
+    state.mkdir()
+    state.chmod(0o1777)
+    monkeypatch.setenv("DVFS_STATE_DIR", str(state))
+    secret = tmp_path / "shadow"
+    secret.write_text("root's\n")
+    secret.chmod(0o600)
+    lock = state / f"{uuid}.lock"
+    lock.symlink_to(secret)
+    os.chown(lock, nobody, nobody, follow_symlinks=False)
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    dry = ["--dry-run"] if command == "dry-run" else []
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *dry])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"GPU lock file {lock} goes through the symbolic link {lock}, owned by nobody" in line
+    assert "remove the link" in line and "Traceback" not in line, line
+    assert secret.read_text() == "root's\n" and secret.stat().st_mode & 0o7777 == 0o600
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
 @pytest.mark.parametrize(
     ("written", "said"),
     [('"1"', 'dvfs_caps = "1"'), ("2", "dvfs_caps = 2"), ("true", "dvfs_caps = true")],

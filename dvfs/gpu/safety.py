@@ -497,6 +497,9 @@ class GpuLocks:
         try:
             for gpu in gpus:
                 path = self.directory / f"{gpu.identity.uuid}.lock"
+                planted = _users_lock_link(path)
+                if planted is not None:  # as root, never opened (made 0644, cut) through it
+                    raise GpuLockFileError(planted)
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
                 except IsADirectoryError:
@@ -536,6 +539,9 @@ class GpuLocks:
         """What is wrong with `gpu`'s lock file where it is no regular file (a folder, a FIFO),
         which no running dvfs holds (`hold` refuses it), or None; opens nothing."""
         path = self.directory / f"{gpu.identity.uuid}.lock"
+        planted = _users_lock_link(path)  # as root, `hold` refuses it
+        if planted is not None:
+            return planted
         try:
             regular = stat.S_ISREG(os.stat(path).st_mode)
         except OSError:  # none (never held here) or not to be looked at: hold() will say,
@@ -546,6 +552,9 @@ class GpuLocks:
         """Why `hold` would refuse `gpu` now (another dvfs holds its lock), or None; creates
         and changes nothing (a shared lock tried and let go at once), for `dvfs doctor`."""
         path = self.directory / f"{gpu.identity.uuid}.lock"
+        planted = _users_lock_link(path)  # as root, `hold` refuses it: no dvfs holds it there
+        if planted is not None:
+            return planted
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: not waited on
         except OSError:  # no lock file (never held here) or unreadable: hold() will say;
@@ -613,6 +622,27 @@ def _not_a_lock(path: Path) -> str:
         f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock of dvfs's: "
         "move it aside (out of the state folder), then run the command again"
     )
+
+
+def _users_lock_link(path: Path) -> str | None:
+    """As root, what is wrong with the GPU lock file `path` where it goes through a symbolic
+    link another user may have placed (`dvfs.outputs.check_links`: in a state folder others may
+    write, as a shared one of 1777), or None. `hold` opens the lock to write it (made 0644, cut,
+    its pid written): through such a link, any root file (/etc/shadow) was made readable by all
+    and cut; and through one to a file to be made in that user's folder, they could remove the
+    lock root's dvfs held there, so that a second dvfs made another and held the GPU too."""
+    from dvfs.errors import OutputRefusedError
+    from dvfs.outputs import check_links
+
+    try:
+        check_links(
+            path,
+            "remove the link, as dvfs makes the lock file itself, or keep the state folder one "
+            "only root can write",
+        )
+    except OutputRefusedError as exc:
+        return f"GPU lock file {exc}"
+    return None
 
 
 def _broken_lock_link(path: Path) -> str | None:
