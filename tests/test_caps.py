@@ -3708,15 +3708,17 @@ def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
 
 
 @pytest.mark.parametrize("command", ["apply", "dry-run", "reset"])
-@pytest.mark.parametrize("link", ["dangling", "loop"])
+@pytest.mark.parametrize("link", ["dangling", "loop", "folder-name"])
 def test_a_broken_link_in_place_of_a_gpus_lock_is_named_with_what_to_do(
     nvml, tmp_path: Path, command: str, link: str
 ) -> None:
     """A GPU's lock file that is a symbolic link to no file (its target gone) made `cap apply`
     say "cannot open X.lock: no such file or folder; check the path (does its folder
     exist?)", of a folder that exists, and its dry run "would apply"; a link in a loop "too
-    many levels of symbolic links". Both are named as the link they are, with what to do
-    (remove it), exit 1 as a folder in the lock's place, the GPU unchanged."""
+    many levels of symbolic links"; a link to a folder's name that is none ("x.lock/"), where
+    the open makes no file, was "would apply" in the dry run. Each is named as the link it
+    is, with what to do (remove it), exit 1 as a folder in the lock's place, the GPU
+    unchanged."""
     uuid = nvml.fake_device_state(0)["uuid"]
     caps = tmp_path / "caps.toml"
     write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
@@ -3726,13 +3728,19 @@ def test_a_broken_link_in_place_of_a_gpus_lock_is_named_with_what_to_do(
     path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
-    path.symlink_to(path if link == "loop" else tmp_path / "gone" / "x.lock")
+    targets = {"loop": path, "dangling": tmp_path / "gone" / "x.lock", "folder-name": "x.lock/"}
+    path.symlink_to(targets[link])
     args = {"apply": ["apply", str(caps)], "dry-run": ["apply", str(caps), "--dry-run"]}
     result = CliRunner().invoke(cli, ["cap", *args.get(command, ["reset"])])
     assert result.exit_code == 1, result.output
     [line] = result.stderr.splitlines()
     assert f"GPU lock file {path} is a symbolic link " in line, line
-    assert ("in a loop" if link == "loop" else "in a folder that does not exist") in line, line
+    said = {
+        "loop": "in a loop",
+        "dangling": "in a folder that does not exist",
+        "folder-name": "to x.lock/, a folder's name that is no folder",
+    }
+    assert said[link] in line, line
     assert "remove the link" in line and "Traceback" not in line, line
     assert nvml.fake_device_state(0)["locked_clocks"] == before
 

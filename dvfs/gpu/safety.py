@@ -502,8 +502,8 @@ class GpuLocks:
                     raise GpuLockFileError(planted)
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
-                except IsADirectoryError:
-                    raise GpuLockFileError(_not_a_lock(path)) from None
+                except IsADirectoryError:  # a folder, or a link to a folder's name ("x/")
+                    raise GpuLockFileError(_broken_lock_link(path) or _not_a_lock(path)) from None
                 except OSError:  # a link to no file, or in a loop: named, not "no such file"
                     broken = _broken_lock_link(path)
                     if broken is None:
@@ -660,6 +660,10 @@ def _broken_lock_link(path: Path) -> str | None:
         # a link to a file not there yet, in a folder that is, is no problem: the lock is
         # made there (O_CREAT), so the dry run and doctor pass it as the apply does
         what = f"a symbolic link to {os.readlink(path)}, in a folder that does not exist"
+    elif not os.path.exists(path) and os.readlink(path).endswith("/"):
+        # a folder's name: no lock file is made there (the open says "is a directory"), which
+        # the dry run and doctor passed as a file to make
+        what = f"a symbolic link to {os.readlink(path)}, a folder's name that is no folder"
     else:
         return None
     return (
