@@ -3801,6 +3801,41 @@ def test_as_root_a_users_link_in_place_of_a_gpus_lock_is_refused_not_written_thr
     assert nvml.fake_device_state(0)["locked_clocks"] == before
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+@pytest.mark.parametrize("command", ["apply", "dry-run"])
+def test_as_root_a_users_link_in_place_of_the_caps_records_lock_is_refused(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A user's link in a shared state folder (1777) in place of the caps record's lock, to a
+    file to be made in a folder of theirs: root's `cap apply` made the lock there (theirs to
+    remove while held, so that two applies wrote the record at once) and its dry run said
+    "would apply". Both refuse it in one line, exit 1, before any GPU is changed."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    state, theirs = tmp_path / "shared-state", tmp_path / "theirs"
+    state.mkdir()
+    state.chmod(0o1777)
+    theirs.mkdir()
+    os.chown(theirs, nobody, nobody)
+    monkeypatch.setenv("DVFS_STATE_DIR", str(state))
+    lock = state / "caps-applied.json.lock"
+    lock.symlink_to(theirs / "record.lock")
+    os.chown(lock, nobody, nobody, follow_symlinks=False)
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    dry = ["--dry-run"] if command == "dry-run" else []
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *dry])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"caps record lock {lock} goes through the symbolic link {lock}, owned by nobody" in line
+    assert "remove the link" in line and "Traceback" not in line, line
+    assert not (theirs / "record.lock").exists()
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
 @pytest.mark.parametrize(
     ("written", "said"),
     [('"1"', 'dvfs_caps = "1"'), ("2", "dvfs_caps = 2"), ("true", "dvfs_caps = true")],

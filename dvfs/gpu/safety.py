@@ -497,7 +497,7 @@ class GpuLocks:
         try:
             for gpu in gpus:
                 path = self.directory / f"{gpu.identity.uuid}.lock"
-                planted = _users_lock_link(path)
+                planted = users_lock_link(path)
                 if planted is not None:  # as root, never opened (made 0644, cut) through it
                     raise GpuLockFileError(planted)
                 try:
@@ -539,7 +539,7 @@ class GpuLocks:
         """What is wrong with `gpu`'s lock file where it is no regular file (a folder, a FIFO),
         which no running dvfs holds (`hold` refuses it), or None; opens nothing."""
         path = self.directory / f"{gpu.identity.uuid}.lock"
-        planted = _users_lock_link(path)  # as root, `hold` refuses it
+        planted = users_lock_link(path)  # as root, `hold` refuses it
         if planted is not None:
             return planted
         try:
@@ -552,7 +552,7 @@ class GpuLocks:
         """Why `hold` would refuse `gpu` now (another dvfs holds its lock), or None; creates
         and changes nothing (a shared lock tried and let go at once), for `dvfs doctor`."""
         path = self.directory / f"{gpu.identity.uuid}.lock"
-        planted = _users_lock_link(path)  # as root, `hold` refuses it: no dvfs holds it there
+        planted = users_lock_link(path)  # as root, `hold` refuses it: no dvfs holds it there
         if planted is not None:
             return planted
         try:
@@ -624,8 +624,9 @@ def _not_a_lock(path: Path) -> str:
     )
 
 
-def _users_lock_link(path: Path) -> str | None:
-    """As root, what is wrong with the GPU lock file `path` where it goes through a symbolic
+def users_lock_link(path: Path, what: str = "GPU lock file") -> str | None:
+    """As root, what is wrong with the lock file `path` (`what`: a GPU's, or the caps record's)
+    where it goes through a symbolic
     link another user may have placed (`dvfs.outputs.check_links`: in a state folder others may
     write, as a shared one of 1777), or None. `hold` opens the lock to write it (made 0644, cut,
     its pid written): through such a link, any root file (/etc/shadow) was made readable by all
@@ -641,7 +642,7 @@ def _users_lock_link(path: Path) -> str | None:
             "only root can write",
         )
     except OutputRefusedError as exc:
-        return f"GPU lock file {exc}"
+        return f"{what} {exc}"
     return None
 
 
