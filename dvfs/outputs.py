@@ -168,13 +168,15 @@ def who_may_replace(folder: os.stat_result) -> str | None:
     return None
 
 
-def check_links(path: Path) -> None:
+def check_links(
+    path: Path, advice: str = "name the file itself, or write in a folder only root can write"
+) -> None:
     """As root, refuse an output path that goes through a symbolic link (itself or a folder
     above it) that another user may have placed: one in a folder anyone but root may write
     (`who_may_replace`), or one another user owns (in a sticky folder such as /tmp). Such a
     link points wherever its owner chose, so writing through it would let them replace any
     file root may write (/etc/dvfs/govern-plan.toml) with what dvfs writes. Links root alone
-    may place are followed."""
+    may place are followed. `advice`: what to do, said last."""
     if os.geteuid() != 0:
         return
     folder = "/"
@@ -211,8 +213,7 @@ def check_links(path: Path) -> None:
 
             raise OutputRefusedError(
                 f"{path} goes through the symbolic link {full}, {whose}: it may be pointed at "
-                "any file; as root dvfs refuses to write through it (name the file itself, or "
-                "write in a folder only root can write)"
+                f"any file; as root dvfs refuses to write through it ({advice})"
             )
         links += 1
         if target.startswith("/"):

@@ -3708,15 +3708,17 @@ def test_a_folder_in_place_of_a_gpus_lock_exits_1_not_as_a_gpu_in_use(
 
 
 @pytest.mark.parametrize("command", ["apply", "dry-run", "reset"])
-@pytest.mark.parametrize("link", ["dangling", "loop"])
+@pytest.mark.parametrize("link", ["dangling", "loop", "folder-name"])
 def test_a_broken_link_in_place_of_a_gpus_lock_is_named_with_what_to_do(
     nvml, tmp_path: Path, command: str, link: str
 ) -> None:
     """A GPU's lock file that is a symbolic link to no file (its target gone) made `cap apply`
     say "cannot open X.lock: no such file or folder; check the path (does its folder
     exist?)", of a folder that exists, and its dry run "would apply"; a link in a loop "too
-    many levels of symbolic links". Both are named as the link they are, with what to do
-    (remove it), exit 1 as a folder in the lock's place, the GPU unchanged."""
+    many levels of symbolic links"; a link to a folder's name that is none ("x.lock/"), where
+    the open makes no file, was "would apply" in the dry run. Each is named as the link it
+    is, with what to do (remove it), exit 1 as a folder in the lock's place, the GPU
+    unchanged."""
     uuid = nvml.fake_device_state(0)["uuid"]
     caps = tmp_path / "caps.toml"
     write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
@@ -3726,13 +3728,19 @@ def test_a_broken_link_in_place_of_a_gpus_lock_is_named_with_what_to_do(
     path = Path(os.environ["DVFS_STATE_DIR"]) / f"{uuid}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
-    path.symlink_to(path if link == "loop" else tmp_path / "gone" / "x.lock")
+    targets = {"loop": path, "dangling": tmp_path / "gone" / "x.lock", "folder-name": "x.lock/"}
+    path.symlink_to(targets[link])
     args = {"apply": ["apply", str(caps)], "dry-run": ["apply", str(caps), "--dry-run"]}
     result = CliRunner().invoke(cli, ["cap", *args.get(command, ["reset"])])
     assert result.exit_code == 1, result.output
     [line] = result.stderr.splitlines()
     assert f"GPU lock file {path} is a symbolic link " in line, line
-    assert ("in a loop" if link == "loop" else "in a folder that does not exist") in line, line
+    said = {
+        "loop": "in a loop",
+        "dangling": "in a folder that does not exist",
+        "folder-name": "to x.lock/, a folder's name that is no folder",
+    }
+    assert said[link] in line, line
     assert "remove the link" in line and "Traceback" not in line, line
     assert nvml.fake_device_state(0)["locked_clocks"] == before
 
@@ -3754,6 +3762,78 @@ def test_a_gpus_lock_linked_to_a_file_to_make_in_a_folder_there_is_used(
     told = invoke("cap", "apply", str(caps), *(["--dry-run"] if command == "dry-run" else []))
     said = "dry run, nothing changed: would apply to GPU 0" if command == "dry-run" else "applied"
     assert said in told, told
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+@pytest.mark.parametrize("command", ["apply", "dry-run"])
+def test_as_root_a_users_link_in_place_of_a_gpus_lock_is_refused_not_written_through(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A shared state folder (1777, as /tmp) where a user put a link in place of a GPU's lock
+    file: root's `cap apply` opened its target to lock it, made it 0644, cut it and wrote its
+    pid there (any root file: /etc/shadow made readable by all), and its dry run said "would
+    apply". Both refuse it in one line, exit 1, as a lock in a loop, the target and the GPU
+    unchanged."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    state = tmp_path / "shared-state"
+    state.mkdir()
+    state.chmod(0o1777)
+    monkeypatch.setenv("DVFS_STATE_DIR", str(state))
+    secret = tmp_path / "shadow"
+    secret.write_text("root's\n")
+    secret.chmod(0o600)
+    lock = state / f"{uuid}.lock"
+    lock.symlink_to(secret)
+    os.chown(lock, nobody, nobody, follow_symlinks=False)
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    dry = ["--dry-run"] if command == "dry-run" else []
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *dry])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"GPU lock file {lock} goes through the symbolic link {lock}, owned by nobody" in line
+    assert "remove the link" in line and "Traceback" not in line, line
+    assert secret.read_text() == "root's\n" and secret.stat().st_mode & 0o7777 == 0o600
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+@pytest.mark.parametrize("command", ["apply", "dry-run"])
+def test_as_root_a_users_link_in_place_of_the_caps_records_lock_is_refused(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A user's link in a shared state folder (1777) in place of the caps record's lock, to a
+    file to be made in a folder of theirs: root's `cap apply` made the lock there (theirs to
+    remove while held, so that two applies wrote the record at once) and its dry run said
+    "would apply". Both refuse it in one line, exit 1, before any GPU is changed."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    state, theirs = tmp_path / "shared-state", tmp_path / "theirs"
+    state.mkdir()
+    state.chmod(0o1777)
+    theirs.mkdir()
+    os.chown(theirs, nobody, nobody)
+    monkeypatch.setenv("DVFS_STATE_DIR", str(state))
+    lock = state / "caps-applied.json.lock"
+    lock.symlink_to(theirs / "record.lock")
+    os.chown(lock, nobody, nobody, follow_symlinks=False)
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    dry = ["--dry-run"] if command == "dry-run" else []
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *dry])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"caps record lock {lock} goes through the symbolic link {lock}, owned by nobody" in line
+    assert "remove the link" in line and "Traceback" not in line, line
+    assert not (theirs / "record.lock").exists()
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
 
 
 @pytest.mark.parametrize(

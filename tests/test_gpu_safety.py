@@ -1131,6 +1131,41 @@ def test_doctor_fails_the_lock_of_a_gpu_whose_lock_is_a_broken_link(
     assert "remove the link" in checked["detail"], checked
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+def test_as_root_no_second_dvfs_holds_a_gpu_through_a_users_lock_link(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A user's link in a shared state folder (1777) in place of a GPU's lock, to a file to be
+    made in a folder of theirs: root's dvfs made the lock there and held it, the user removed
+    it, and a second dvfs made another there and held the same GPU. As root the link is
+    refused by the lock (no GPU held through it) and by doctor's lock check."""
+    import pwd
+
+    from dvfs.errors import GpuLockFileError
+    from dvfs.gpu.safety import GpuLocks
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    state_dir, theirs = tmp_path / "dvfs-state", tmp_path / "theirs"
+    state_dir.mkdir()
+    state_dir.chmod(0o1777)
+    theirs.mkdir()
+    os.chown(theirs, nobody, nobody)
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        lock = state_dir / f"{gpus[0].identity.uuid}.lock"
+        lock.symlink_to(theirs / "gpu.lock")
+        os.chown(lock, nobody, nobody, follow_symlinks=False)
+        with (
+            pytest.raises(GpuLockFileError, match="owned by nobody") as refused,
+            GpuLocks(state_dir).hold(gpus),
+        ):
+            pass
+        assert "remove the link" in str(refused.value)
+    assert not (theirs / "gpu.lock").exists(), "no lock made in the user's folder"
+    checked = doctor_checks(campaign_file(tmp_path), tmp_path / "out", env)["lock GPU 0"]
+    assert checked["status"] == "fail", checked
+    assert f"GPU lock file {lock} goes through the symbolic link" in checked["detail"], checked
+
+
 def test_doctor_names_a_damaged_caps_record_as_such_not_as_the_driver(
     nvml, tmp_path: Path, env
 ) -> None:

@@ -515,7 +515,12 @@ class AppliedCaps:
         """`check_writable`'s refusal of a folder in the lock's place (`CapsRecordError`), or of
         a link to a file in a missing folder (`FileNotFoundError`), read without making
         anything: a dry run's, which may not write the state folder."""
+        from dvfs.gpu.safety import users_lock_link
+
         path = self.path.with_name(f"{self.path.name}.lock")
+        planted = users_lock_link(path, "caps record lock")  # as root, `_open_lock` refuses it
+        if planted is not None:
+            raise CapsRecordError(planted)
         if path.is_dir():
             raise CapsRecordError(_a_folder(path))
         if path.is_symlink() and not path.exists():
@@ -532,10 +537,15 @@ class AppliedCaps:
         """The record's lock file, opened (made if missing) without blocking: a FIFO in its
         place (which no reader may ever open) is locked as the file is, not waited on for ever,
         a GPU capped meanwhile."""
-        from dvfs.gpu.safety import ensure_dir
+        from dvfs.gpu.safety import ensure_dir, users_lock_link
 
         ensure_dir(self.path.parent)
         path = self.path.with_name(f"{self.path.name}.lock")
+        # as root, not through a user's link (a shared state folder): to a file of theirs to
+        # be made, they could remove the lock another `cap apply` holds, and two wrote the record
+        planted = users_lock_link(path, "caps record lock")
+        if planted is not None:
+            raise CapsRecordError(planted)
         try:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
         except IsADirectoryError:  # no bad --state-dir: a folder in the lock's place

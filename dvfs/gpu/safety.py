@@ -497,10 +497,13 @@ class GpuLocks:
         try:
             for gpu in gpus:
                 path = self.directory / f"{gpu.identity.uuid}.lock"
+                planted = users_lock_link(path)
+                if planted is not None:  # as root, never opened (made 0644, cut) through it
+                    raise GpuLockFileError(planted)
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
-                except IsADirectoryError:
-                    raise GpuLockFileError(_not_a_lock(path)) from None
+                except IsADirectoryError:  # a folder, or a link to a folder's name ("x/")
+                    raise GpuLockFileError(_broken_lock_link(path) or _not_a_lock(path)) from None
                 except OSError:  # a link to no file, or in a loop: named, not "no such file"
                     broken = _broken_lock_link(path)
                     if broken is None:
@@ -536,6 +539,9 @@ class GpuLocks:
         """What is wrong with `gpu`'s lock file where it is no regular file (a folder, a FIFO),
         which no running dvfs holds (`hold` refuses it), or None; opens nothing."""
         path = self.directory / f"{gpu.identity.uuid}.lock"
+        planted = users_lock_link(path)  # as root, `hold` refuses it
+        if planted is not None:
+            return planted
         try:
             regular = stat.S_ISREG(os.stat(path).st_mode)
         except OSError:  # none (never held here) or not to be looked at: hold() will say,
@@ -546,6 +552,9 @@ class GpuLocks:
         """Why `hold` would refuse `gpu` now (another dvfs holds its lock), or None; creates
         and changes nothing (a shared lock tried and let go at once), for `dvfs doctor`."""
         path = self.directory / f"{gpu.identity.uuid}.lock"
+        planted = users_lock_link(path)  # as root, `hold` refuses it: no dvfs holds it there
+        if planted is not None:
+            return planted
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: not waited on
         except OSError:  # no lock file (never held here) or unreadable: hold() will say;
@@ -615,6 +624,28 @@ def _not_a_lock(path: Path) -> str:
     )
 
 
+def users_lock_link(path: Path, what: str = "GPU lock file") -> str | None:
+    """As root, what is wrong with the lock file `path` (`what`: a GPU's, or the caps record's)
+    where it goes through a symbolic
+    link another user may have placed (`dvfs.outputs.check_links`: in a state folder others may
+    write, as a shared one of 1777), or None. `hold` opens the lock to write it (made 0644, cut,
+    its pid written): through such a link, any root file (/etc/shadow) was made readable by all
+    and cut; and through one to a file to be made in that user's folder, they could remove the
+    lock root's dvfs held there, so that a second dvfs made another and held the GPU too."""
+    from dvfs.errors import OutputRefusedError
+    from dvfs.outputs import check_links
+
+    try:
+        check_links(
+            path,
+            "remove the link, as dvfs makes the lock file itself, or keep the state folder one "
+            "only root can write",
+        )
+    except OutputRefusedError as exc:
+        return f"{what} {exc}"
+    return None
+
+
 def _broken_lock_link(path: Path) -> str | None:
     """What is wrong with the GPU lock file `path` where it is a symbolic link to no file (its
     target removed, or a folder of it) or in a loop (`link_loop_problem`), or None. Opening
@@ -630,6 +661,10 @@ def _broken_lock_link(path: Path) -> str | None:
         # a link to a file not there yet, in a folder that is, is no problem: the lock is
         # made there (O_CREAT), so the dry run and doctor pass it as the apply does
         what = f"a symbolic link to {os.readlink(path)}, in a folder that does not exist"
+    elif not os.path.exists(path) and os.readlink(path).endswith("/"):
+        # a folder's name: no lock file is made there (the open says "is a directory"), which
+        # the dry run and doctor passed as a file to make
+        what = f"a symbolic link to {os.readlink(path)}, a folder's name that is no folder"
     else:
         return None
     return (
