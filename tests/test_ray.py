@@ -3354,3 +3354,57 @@ def test_actors_still_opening_after_an_open_timeout_get_a_short_said_wait(
     assert sorted(closed) == ["n1/gpu1", "n1/gpu2"], (closed, executor.unrestored)
     [said] = [x for x in fleet.said if "still opening" in x]
     assert f"waiting up to {bounds[0]:g} s for the 2 still opening" in said, said
+
+
+def test_an_open_that_fails_between_the_drivers_looks_names_its_gpus_once() -> None:
+    """Real GPUs: Ctrl-C while two actors open; n1/gpu1's open raises (its worker closed
+    itself, leaving GPU-b changed) just after the driver looked which opens had answered
+    (none), before it asked those whose open raised. The first look named it as killed as it
+    opened, the second asked it and named GPU-b too: one actor's GPUs said twice. By the
+    same look, it is named once."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    opened = RuntimeError("the server would not start")
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            for method in ("open", "close", "unrestored", "close_error", "reset_command"):
+                setattr(self, method, types.SimpleNamespace(remote=lambda m=method: (m, label)))
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    looks: list[int] = []
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        if any(r[0] == "open" for r in refs):
+            looks.append(1)
+            if len(looks) == 1:
+                raise KeyboardInterrupt  # Ctrl-C while they open
+            if len(looks) == 2:  # the driver's first look after it: none answered yet
+                return [], list(refs)
+            done = [r for r in refs if r[1] == "n1/gpu1"]  # its open raised since
+            return done, [r for r in refs if r not in done]
+        return list(refs), []
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        method, label = ref
+        if method == "open":
+            raise opened
+        if method == "unrestored":
+            return ["GPU-b"]
+        if method == "close_error":
+            return None
+        return ("n1", "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}], wait=wait
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    named = executor.unrestored["n1"]
+    assert len([x for x in named if "dvfs-1" in x or x == "GPU-b"]) == 1, named

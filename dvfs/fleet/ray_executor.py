@@ -716,7 +716,10 @@ class RayExecutor:
                 self._opening(ray, campaign, refs, told, answered)
                 # Those whose open raised (their worker closed itself): asked which GPUs they
                 # left changed and what that close raised, as a worker that raised in a unit.
-                self._failed_opens(ray, campaign, dict(zip(refs, actors, strict=True)), told)
+                # By the same look again: one whose open raised since is named as opening.
+                self._failed_opens(
+                    ray, campaign, dict(zip(refs, actors, strict=True)), told, answered
+                )
                 if signalled is not None:  # 130 or 143, and the GPUs left changed named
                     raise signalled from None
                 cause = getattr(exc, "cause", None)
@@ -926,19 +929,25 @@ class RayExecutor:
         return None
 
     def _failed_opens(
-        self, ray: Any, campaign: Any, actors: dict[Any, Any], told: list[Any]
+        self,
+        ray: Any,
+        campaign: Any,
+        actors: dict[Any, Any],
+        told: list[Any],
+        answered: list[Any],
     ) -> None:
         """Note the GPUs the actors whose `open` (a ref of `actors`) raised their worker's
         error left changed, and what their close raised (`_raised`): its open closed its
-        worker, which may have failed to restore what the open set. Not on the twin, nor
+        worker, which may have failed to restore what the open set. Those of `answered`
+        alone (the look `_opened` took): one answering since is named by `_opening`, as
+        still opening (a second look named its GPUs twice). Not on the twin, nor
         --observe-only, which sets nothing."""
         if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
             return
         asked: dict[str, Asked] = {}
         try:
-            ready, _ = ray.wait(list(actors), num_returns=len(actors), timeout=0)
             for i, (ref, answer) in enumerate(zip(actors, told, strict=False)):
-                if ref not in ready:
+                if ref not in answered:
                     continue
                 try:
                     ray.get(ref)
