@@ -1608,3 +1608,51 @@ def test_a_local_worker_whose_open_and_close_fail_keeps_the_closes_error(
         executor(fleet, [(0,)])  # type: ignore[arg-type]
     assert raised.value is opened
     assert executor.close_errors == {"gpu0": refused}
+
+
+def test_a_fleet_whose_open_hits_a_bug_names_the_gpu_its_refused_restore_left_exit_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local fleet: gpu1's open locks its SM clock and then hits a bug in dvfs; the close
+    its open runs is refused (NVML: no root), leaving the clock locked. The open's error is
+    raised (the close's kept): an internal error, exit 1, and the GPU left changed was named
+    nowhere (before, the close's refusal was the line: GPU named, exit 4). The line names
+    it with the refusal and the reset, the bug's line is the last, exit 4."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuPermissionError
+    from dvfs.gpu.knobs import KnobSetting
+    from dvfs.gpu.nvml import NvmlGpu
+    from dvfs.measure.runner import Runner
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    opened = Runner.open_session
+
+    def buggy_open(self: Runner) -> None:
+        opened(self)
+        if self.gpus[0].identity.index == 1:
+            self.knobs.apply(KnobSetting(1500, None))
+            raise RuntimeError("a bug in the open")
+
+    def refused(self: NvmlGpu) -> None:
+        raise GpuPermissionError(
+            f"GPU {self.index}: cannot reset locked SM clocks: permission denied"
+        )
+
+    monkeypatch.setattr(Runner, "open_session", buggy_open)
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", refused)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
+    uuid = nvml.fake_device_state(1)["uuid"]
+    named = [x for x in lines if uuid in x]
+    assert len(named) == 1 and "permission denied" in named[0], result.stderr
+    assert lines[-1].startswith("Error: internal error: RuntimeError: a bug in the open"), lines
+    assert result.returncode == 4, result.stderr
+    assert "Traceback" not in result.stderr

@@ -3235,3 +3235,176 @@ def test_actors_still_opening_as_another_fails_finish_opening_and_close() -> Non
         executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
     assert sorted(closed) == ["n1/gpu1", "n1/gpu2"], (closed, executor.unrestored)
     assert executor.unrestored == {}
+
+
+def _one_refused_two_opening(closed: list[str], wait):  # type: ignore[no-untyped-def]
+    """A stand-in Ray and real-GPU fleet of three actors on n1 whose first one's open raises
+    a refusal (`GpuStateError`) while the two others are still inside `open` (`wait`: Ray's,
+    given which refusal was raised); their closes noted in `closed`, the fleet's notes in
+    `fleet.said`."""
+    from dvfs.errors import GpuStateError
+
+    refused: list[str] = []
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            for method in ("open", "close", "unrestored", "close_error", "reset_command"):
+                setattr(self, method, types.SimpleNamespace(remote=lambda m=method: (m, label)))
+
+    labels = iter(["n1/gpu0", "n1/gpu1", "n1/gpu2"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        method, label = ref
+        if method == "open":
+            if label == "n1/gpu0":
+                refused.append(label)
+                raise GpuStateError("GPU 0 is held (test)")
+            return {"worker": label}
+        if method == "close":
+            closed.append(label)
+            return None
+        if method == "unrestored":
+            return []
+        if method == "close_error":
+            return None
+        return ("n1", "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class,
+        get,
+        3,
+        lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}],
+        wait=lambda refs, num_returns, timeout: wait(refs, timeout, refused),
+    )
+    fleet.said = []
+    fleet.note = fleet.said.append
+    return fake, fleet
+
+
+def test_ctrl_c_while_actors_still_opening_are_waited_for_ends_in_the_signal() -> None:
+    """Real GPUs: one actor's open raised a refusal while two others were still inside `open`;
+    the driver waits for them to finish opening, and the operator presses Ctrl-C. The wait
+    swallowed the signal: the run ended in the refusal's line and exit code, not 130, the
+    signal lost. It ends in the signal (the sweep's 130, its line naming the GPUs left
+    changed), and the two killed as they opened are named for a reset now."""
+    from dvfs.cli.sweep import _ray_unrestored
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    closed: list[str] = []
+
+    def wait(refs, timeout, refused):  # type: ignore[no-untyped-def]
+        still = [r for r in refs if r[0] == "open" and r[1] != "n1/gpu0"]
+        if still and timeout and refused:
+            raise KeyboardInterrupt  # Ctrl-C while the driver waits for them
+        return [r for r in refs if r not in still], still
+
+    fake, fleet = _one_refused_two_opening(closed, wait)
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert closed == [], closed
+    assert executor.unrestored == {
+        "n1": [
+            "the GPUs of Ray actor dvfs-1 (killed as it opened them)",
+            "the GPUs of Ray actor dvfs-2 (killed as it opened them)",
+        ]
+    }, executor.unrestored
+    line = " ".join(_ray_unrestored(executor.unrestored, [], executor.resets).split())
+    assert "run `dvfs gpu reset --state-dir /s` on n1 now" in line, line
+
+
+def test_actors_still_opening_after_an_open_timeout_get_a_short_said_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real GPUs: the opens ran out of their bound (`OPEN_TIMEOUT_S`: an actor never placed)
+    while two placed actors were still inside `open`. The driver then waited for them up to
+    `CLOSE_TIMEOUT_S` more (half an hour after the half hour the timeout waited), unsaid. It
+    waits `OPENING_GRACE_S`, said in one note; a failure before the opens' bound waits no
+    longer than that bound."""
+    from dvfs.errors import DvfsError
+    from dvfs.fleet import ray_executor
+    from dvfs.fleet.ray_executor import CLOSE_TIMEOUT_S, RayExecutor
+
+    monkeypatch.setattr(ray_executor, "OPEN_TIMEOUT_S", 0.0)
+    closed: list[str] = []
+    bounds: list[float] = []
+
+    def wait(refs, timeout, refused):  # type: ignore[no-untyped-def]
+        if any(r[0] == "open" for r in refs) and timeout:
+            bounds.append(timeout)
+        opening = [r for r in refs if r[0] == "open" and r[1] != "n1/gpu0" and not bounds]
+        return [r for r in refs if r not in opening], opening
+
+    def never_placed(refs, timeout, refused):  # type: ignore[no-untyped-def]
+        done, waiting = wait(refs, timeout, refused)
+        unplaced = [r for r in done if r[1] == "n1/gpu0"]  # neither told nor opened
+        return [r for r in done if r not in unplaced], waiting + unplaced
+
+    fake, fleet = _one_refused_two_opening(closed, never_placed)
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(DvfsError, match="did not start within"):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert len(bounds) == 1 and bounds[0] < CLOSE_TIMEOUT_S, bounds  # not another half hour
+    assert bounds == [ray_executor.OPENING_GRACE_S], bounds
+    assert sorted(closed) == ["n1/gpu1", "n1/gpu2"], (closed, executor.unrestored)
+    [said] = [x for x in fleet.said if "still opening" in x]
+    assert f"waiting up to {bounds[0]:g} s for the 2 still opening" in said, said
+
+
+def test_an_open_that_fails_between_the_drivers_looks_names_its_gpus_once() -> None:
+    """Real GPUs: Ctrl-C while two actors open; n1/gpu1's open raises (its worker closed
+    itself, leaving GPU-b changed) just after the driver looked which opens had answered
+    (none), before it asked those whose open raised. The first look named it as killed as it
+    opened, the second asked it and named GPU-b too: one actor's GPUs said twice. By the
+    same look, it is named once."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    opened = RuntimeError("the server would not start")
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            for method in ("open", "close", "unrestored", "close_error", "reset_command"):
+                setattr(self, method, types.SimpleNamespace(remote=lambda m=method: (m, label)))
+
+    labels = iter(["n1/gpu0", "n1/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+    looks: list[int] = []
+
+    def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+        if any(r[0] == "open" for r in refs):
+            looks.append(1)
+            if len(looks) == 1:
+                raise KeyboardInterrupt  # Ctrl-C while they open
+            if len(looks) == 2:  # the driver's first look after it: none answered yet
+                return [], list(refs)
+            done = [r for r in refs if r[1] == "n1/gpu1"]  # its open raised since
+            return done, [r for r in refs if r not in done]
+        return list(refs), []
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        method, label = ref
+        if method == "open":
+            raise opened
+        if method == "unrestored":
+            return ["GPU-b"]
+        if method == "close_error":
+            return None
+        return ("n1", "`dvfs gpu reset --state-dir /s`")
+
+    fake, fleet = fake_ray_fleet(
+        actor_class, get, 2, lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}], wait=wait
+    )
+    executor = RayExecutor(Path("out"))
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    named = executor.unrestored["n1"]
+    assert len([x for x in named if "dvfs-1" in x or x == "GPU-b"]) == 1, named

@@ -842,11 +842,10 @@ def _internal_error(exc: BaseException) -> NoReturn:
         # "... retries from the state file.": it read "file.; please")
         first = first[:-1]
     text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    from dvfs.gpu.knobs import RestoreBugError
-
-    # A bug in a restore beside one NVML refused for want of root (`needs_root`): GPUs are
-    # left for root to put back, which 4 tells (README's exit codes); a 1 hid it.
-    code = 4 if isinstance(exc, RestoreBugError) and exc.needs_root else 1
+    # A bug in a restore beside one NVML refused for want of root, or a fleet's bug beside
+    # GPUs a refused restore left changed (`needs_root`): GPUs are left for root to put
+    # back, which 4 tells (README's exit codes); a 1 hid it.
+    code = 4 if getattr(exc, "needs_root", False) is True else 1
     fail(f"internal error: {text}; {hint}", code)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -628,7 +629,7 @@ def run_fleet(
     """Run the sweep on one worker per GPU group and report each worker; returns the
     `FleetOutcome`."""
     from dvfs.cli.fleet_progress import RichFleetProgress
-    from dvfs.errors import DvfsError, ServerReplacedError
+    from dvfs.errors import ServerReplacedError
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
     from dvfs.preflight import fleet_models
@@ -677,9 +678,10 @@ def run_fleet(
         else:
             err.print(f"{status} {_resume_advice(fresh)}", soft_wrap=True)
         raise
-    except DvfsError as exc:
-        # The run failed in its own line (a worker that died as it started, a refusal), and
-        # the other actors' closes, after it, left GPUs changed that the line cannot name.
+    except Exception as exc:
+        # The run failed in its own line (a worker that died as it started, a refusal, a bug
+        # in a worker's open whose own close's restore failed), and the other actors' closes,
+        # after it, left GPUs changed that the line cannot name.
         if executor == "ray":
             left = run_on.unsaid()
             if left:
@@ -688,7 +690,7 @@ def run_fleet(
                 err.print(said, soft_wrap=True)
             # A restore that needs root: exit 4, as the local fleet's (`_restore_exit_code`)
             if run_on.unrestored and _restore_exit_code(run_on.close_errors) == 4:
-                exc.exit_code = 4
+                _needs_root(exc)
         else:  # the same where a local worker's refusal, or one that could not open, ends it
             kept, state_dir = run_on.unsaid(campaign)
             errors = list(run_on.close_errors.values())
@@ -703,7 +705,7 @@ def run_fleet(
                 # sweep; the refusal's 2 or 3 hid that root must put the GPUs back. The
                 # refusal's own line is still the last.
                 if _restore_exit_code(errors) == 4:
-                    exc.exit_code = 4
+                    _needs_root(exc)
         raise
     report_fleet(outcome, fresh=fresh, shard=shard)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
@@ -750,6 +752,19 @@ def run_fleet(
                 raise bug
             raise SystemExit(_restore_exit_code(errors))
     return outcome
+
+
+def _needs_root(exc: Exception) -> None:
+    """Make the line `exc` ends the run in exit 4: GPUs are left for root to put back
+    (README's exit codes). A dvfs error's code; a bug's internal error (`needs_root`, read by
+    `_internal_error`), which exited 1."""
+    from dvfs.errors import DvfsError
+
+    if isinstance(exc, DvfsError):
+        exc.exit_code = 4
+    else:
+        with contextlib.suppress(AttributeError):  # one that takes no attribute keeps its 1
+            exc.needs_root = True  # type: ignore[attr-defined]
 
 
 def _local_unrestored(

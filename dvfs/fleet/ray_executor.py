@@ -52,6 +52,12 @@ OPEN_TIMEOUT_S = 1800.0
 CLOSE_TIMEOUT_S = 1800.0
 #: Seconds of waiting for the actors to start before a note says so.
 OPEN_NOTE_S = 30.0
+#: Seconds the actors placed and still opening as the run fails are waited for past the
+#: opens' own bound (`OPEN_TIMEOUT_S` from the start), so that they close rather than be
+#: killed inside `open` (`RayExecutor._finish_opening`): after an open timeout, which
+#: waited that long already, no further half hour; those still opening then are killed,
+#: their GPUs named for a reset now.
+OPENING_GRACE_S = 60.0
 #: How the GPUs of an actor killed inside its `open` are named (`_opening`): they never
 #: stopped answering, and its open may have set their clocks or not yet, so their reset is
 #: to run now, not "once the GPU answers again" (`killed_opening`).
@@ -669,6 +675,7 @@ class RayExecutor:
             # Asked first (an actor answers in order): known even for one that dies opening.
             told = [] if twin else [a.reset_command.remote() for a in actors]
             refs = [a.open.remote() for a in actors]
+            opens_due = time.monotonic() + OPEN_TIMEOUT_S  # as `_open` bounds them
 
             def reset() -> str:
                 # A worker's actor may die once it changed its GPUs (a measured settle);
@@ -692,11 +699,14 @@ class RayExecutor:
                 sessions = [sessions[i] for i in order]
                 alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
             except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
+                signalled: BaseException | None = None
                 if not isinstance(exc, KeyboardInterrupt | Interrupted):
                     # The run failed (not a signal): those placed and still opening finish
                     # opening and close below, as the local fleet's workers do, their GPUs
-                    # restored, not killed as the open left them.
-                    self._finish_opening(ray, campaign, refs, told)
+                    # restored, not killed as the open left them. A signal as they are
+                    # waited for stops the wait, and is what the run ends in (its exit code).
+                    bound = max(OPENING_GRACE_S, opens_due - time.monotonic())
+                    signalled = self._finish_opening(ray, fleet, refs, told, bound)
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
                 alive, answered = self._opened(ray, dict(zip(refs, actors, strict=True)))
@@ -706,7 +716,12 @@ class RayExecutor:
                 self._opening(ray, campaign, refs, told, answered)
                 # Those whose open raised (their worker closed itself): asked which GPUs they
                 # left changed and what that close raised, as a worker that raised in a unit.
-                self._failed_opens(ray, campaign, dict(zip(refs, actors, strict=True)), told)
+                # By the same look again: one whose open raised since is named as opening.
+                self._failed_opens(
+                    ray, campaign, dict(zip(refs, actors, strict=True)), told, answered
+                )
+                if signalled is not None:  # 130 or 143, and the GPUs left changed named
+                    raise signalled from None
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
                     raise cause from None
@@ -882,34 +897,57 @@ class RayExecutor:
         except Exception:  # noqa: BLE001, S110  (Ray cannot tell: the run's own line goes on)
             pass
 
-    def _finish_opening(self, ray: Any, campaign: Any, refs: list[Any], told: list[Any]) -> None:
-        """Wait (within `CLOSE_TIMEOUT_S`) for the opens (`refs`) of the actors that told their
-        node (`told`, in the same order: placed and started) as the run fails, so that they
-        close rather than be killed inside `open`. Not those never placed (which may wait for
-        GPUs for good), nor on the twin or --observe-only (nothing to restore). A signal gives
-        up waiting: those still opening are killed and named, as before."""
+    def _finish_opening(
+        self, ray: Any, fleet: Fleet, refs: list[Any], told: list[Any], bound: float
+    ) -> BaseException | None:
+        """Wait (within `bound` s, said in one note) for the opens (`refs`) of the actors that
+        told their node (`told`, in the same order: placed and started) as the run fails, so
+        that they close rather than be killed inside `open`. Not those never placed (which may
+        wait for GPUs for good), nor on the twin or --observe-only (nothing to restore). A
+        signal stops the wait and is returned, for the run to end in: those still opening are
+        then killed and named, as when a signal lands as they open."""
+        campaign = fleet.campaign
         if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
-            return
-        with contextlib.suppress(Exception, KeyboardInterrupt, Interrupted):
+            return None
+        try:
             started, _ = ray.wait(told, num_returns=len(told), timeout=0)
-            opening = [ref for ref, answer in zip(refs, told, strict=False) if answer in started]
+            placed = [ref for ref, answer in zip(refs, told, strict=False) if answer in started]
+            if not placed:
+                return None
+            _, opening = ray.wait(placed, num_returns=len(placed), timeout=0)
             if opening:
-                ray.wait(opening, num_returns=len(opening), timeout=CLOSE_TIMEOUT_S)
+                fleet.note(
+                    f"the run failed as the Ray workers opened: waiting up to {bound:g} s for "
+                    f"the {len(opening)} still opening their GPUs to finish, to close them "
+                    "(Ctrl-C stops waiting: their GPUs are then named for `dvfs gpu reset`)"
+                )
+                ray.wait(opening, num_returns=len(opening), timeout=bound)
+        except (KeyboardInterrupt, Interrupted) as exc:
+            return exc
+        except Exception:  # noqa: BLE001, S110  (Ray cannot tell: those opening are named)
+            pass
+        return None
 
     def _failed_opens(
-        self, ray: Any, campaign: Any, actors: dict[Any, Any], told: list[Any]
+        self,
+        ray: Any,
+        campaign: Any,
+        actors: dict[Any, Any],
+        told: list[Any],
+        answered: list[Any],
     ) -> None:
         """Note the GPUs the actors whose `open` (a ref of `actors`) raised their worker's
         error left changed, and what their close raised (`_raised`): its open closed its
-        worker, which may have failed to restore what the open set. Not on the twin, nor
+        worker, which may have failed to restore what the open set. Those of `answered`
+        alone (the look `_opened` took): one answering since is named by `_opening`, as
+        still opening (a second look named its GPUs twice). Not on the twin, nor
         --observe-only, which sets nothing."""
         if not told or not real_gpus(campaign) or not campaign.gpu.actuation:
             return
         asked: dict[str, Asked] = {}
         try:
-            ready, _ = ray.wait(list(actors), num_returns=len(actors), timeout=0)
             for i, (ref, answer) in enumerate(zip(actors, told, strict=False)):
-                if ref not in ready:
+                if ref not in answered:
                     continue
                 try:
                     ray.get(ref)
