@@ -220,7 +220,7 @@ def test_uneven_rank_caps_are_held_to_the_dp_controllers_turns(tmp_path: Path) -
     [4, 2] hands 3 to each, and rank 1 queues one, though the caps sum to 6."""
     said = _check(tmp_path / "a", 6, [4, 2], dp_size=2)
     assert said is not None
-    assert "up to 3 to each, more than rank 1 runs (2)" in said, said
+    assert "up to 3 to each, more than 1 of its ranks runs (2)" in said, said
     assert "KV pool" in said, said
     # Even caps that hold each rank's turn pass, as an odd batch does over ranks of 3 and 3
     # (the rank dealt the third runs 3).
@@ -229,9 +229,22 @@ def test_uneven_rank_caps_are_held_to_the_dp_controllers_turns(tmp_path: Path) -
     # Uneven caps below the batch too are said by the rank that queues, not by their sum
     # (which [4, 1] runs no batch of 5 at once).
     said = str(_check(tmp_path / "e", 6, [4, 1], dp_size=2))
-    assert "more than rank 1 runs (1)" in said and "at most 5" not in said, said
+    assert "more than 1 of its ranks runs (1)" in said and "at most 5" not in said, said
     # 5 over [3, 2]: the turn may start at rank 1, which is then dealt 3.
-    assert "more than rank 1 runs (2)" in str(_check(tmp_path / "d", 5, [3, 2], dp_size=2))
+    assert "more than 1 of its ranks runs (2)" in str(_check(tmp_path / "d", 5, [3, 2], dp_size=2))
+
+
+def test_a_rank_that_queues_is_not_named_by_its_place_in_the_answer(tmp_path: Path) -> None:
+    """/server_info lists the ranks' states in the order their replies reached the tokenizer
+    manager (managers/communicator.py `FanOutCommunicator.handle_recv` appends each), not by
+    DP rank, and no state says its rank (scheduler_components/internal_state.py): the
+    refusal must not send the user to "rank 1" where the answer came first from another
+    rank. Two answers listing the same caps in another order are refused alike."""
+    first = _check(tmp_path / "a", 9, [4, 2, 2], dp_size=3)
+    again = _check(tmp_path / "b", 9, [2, 4, 2], dp_size=3)
+    assert first is not None and first == again, (first, again)
+    assert "rank 1" not in first and "rank 0" not in first, first
+    assert "more than 2 of its ranks run (2)" in first, first
 
 
 def test_a_partial_list_of_ranks_refuses_nothing(tmp_path: Path) -> None:

@@ -464,6 +464,31 @@ def test_dp_attention_resolves_and_splits_the_cap_as_0523_does(stub_module: Modu
     assert caps(older) == [None, None]
 
 
+def test_dp_replicas_of_attention_dp_ranks_do_not_start_as_0523(stub_module: ModuleType) -> None:
+    """0.5.23 refuses `--dp-size` replicas beside `--attn-dp-size` ranks at start
+    (arg_groups/parallel_hook.py `handle_data_parallelism`: "data-parallel replicas combined with
+    attention data parallelism are not supported"); the stub started them, four ranks of a
+    layout no real server runs. The deprecated spelling beside --attn-dp-size is refused
+    alike (its handler then leaves dp_size as given)."""
+
+    def launch(*argv: str, version: str = "0.5.23") -> dict[str, Any]:
+        config = stub_module.StubConfig(version=version)
+        args, _ = stub_module.parse_launch_argv(["--model-path", "m", *argv], config)
+        return dict(args)
+
+    for argv in (
+        ("--dp-size", "2", "--attn-dp-size", "2"),
+        ("--dp-size", "2", "--attn-dp-size", "2", "--enable-dp-attention"),
+    ):
+        with pytest.raises(stub_module.LaunchError, match="not supported") as caught:
+            launch(*argv)
+        assert caught.value.kind == "ValueError"
+    # Either alone starts, as does 0.5.9's old spelling.
+    assert launch("--dp-size", "2")["dp_size"] == 2
+    assert launch("--attn-dp-size", "2")["attn_dp_size"] == 2
+    assert launch("--dp-size", "2", "--enable-dp-attention", version="0.5.9")["dp_size"] == 2
+
+
 # --------------------------------------------------------------------------- argv
 
 

@@ -443,7 +443,8 @@ class ServerInfo:
     #: Each DP rank's cap on running requests as its scheduler reported it at start (SGLang
     #: 0.5.23's `internal_states[i].effective_max_running_requests_per_dp`,
     #: `dvfs.engines.sglang_client.rank_caps_of`): what the arm really ran, the arg lowered to
-    #: what each rank's KV pool holds. None: not reported (0.5.9, the twin).
+    #: what each rank's KV pool holds, in the order /server_info lists them (that of the
+    #: ranks' replies, not their DP rank). None: not reported (0.5.9, the twin).
     running_caps: tuple[int, ...] | None = None
 
 

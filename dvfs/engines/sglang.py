@@ -1371,23 +1371,28 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
         return None
     ranks = len(caps)
     need = -(-largest // ranks)
-    short = [(i, c) for i, c in enumerate(caps) if c < need]
+    # /server_info lists the ranks' states as their replies came (communicator.py
+    # `FanOutCommunicator.handle_recv`), none saying its rank: a place in it is no DP rank,
+    # so the ranks that queue are counted, not named, and the caps said in one order.
+    short = sorted(c for c in caps if c < need)
     if not short:
         return None
     total = sum(caps)
     if total < largest and len(set(caps)) == 1:
         said = f"runs at most {total} requests at once, below the largest batch {largest}"
     else:
-        rank, cap = short[0]
+        run = "runs" if len(short) == 1 else "run"
+        least = f" (the fewest {short[0]})" if len(set(short)) > 1 else f" ({short[0]})"
         said = (
-            f"runs {total} requests at once over its {ranks} DP ranks ({caps}), but its DP "
-            f"controller deals a batch of {largest} to them in turn, up to {need} to each, "
-            f"more than rank {rank} runs ({cap}): the rest would queue"
+            f"runs {total} requests at once over its {ranks} DP ranks "
+            f"({sorted(caps, reverse=True)}), but its DP controller deals a batch of {largest} "
+            f"to them in turn, up to {need} to each, more than {len(short)} of its ranks "
+            f"{run}{least}: the rest would queue"
         )
     attn = _count(args.get("attn_dp_size")) or 1
     running = _count(args.get("max_running_requests")) or 0
     split = max(1, running // attn)
-    if attn > 1 and running and all(c == split for _, c in short):
+    if attn > 1 and running and all(c == split for c in short):
         replicas = ranks // attn
         across = f" in each of its {replicas} DP replicas" if replicas > 1 else ""
         why = (

@@ -110,8 +110,9 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   ranks (2048 where none, not split), lowered to this (mem_cache/kv_cache_configurator.py
   ``resolve_max_num_reqs``); null: not lowered.  0.5.23 turns the deprecated ``--dp-size N
   --enable-dp-attention`` into ``attn_dp_size`` N, ``dp_size`` 1, and reports
-  ``enable_dp_attention`` as ``attn_dp_size`` > 1.  0.5.9 reports no cap.
-  ``internal_states`` holds one state per DP scheduler: ``--dp-size`` replicas of
+  ``enable_dp_attention`` as ``attn_dp_size`` > 1, and refuses ``--dp-size`` replicas beside
+  ``--attn-dp-size`` ranks at start (exit 1).  0.5.9 reports no cap.
+  ``internal_states`` holds one state per DP scheduler: ``--dp-size`` replicas or
   ``--attn-dp-size`` ranks, each with this cap.
 - ``patch_route`` (false): true serves POST ``/_stub/patch``, whose JSON object body sets what
   later answers carry, for a test that feeds dvfs hostile answers from one stub: its
@@ -1060,6 +1061,13 @@ def _resolve_dp_attention(args: dict[str, Any]) -> None:
     args["attn_dp_size"] = attn = 1 if attn is None else attn
     if args.get("enable_dp_attention") and attn == 1:
         args["attn_dp_size"], args["dp_size"] = args.get("dp_size") or 1, 1
+    dp = args.get("dp_size") or 1
+    if args["attn_dp_size"] > 1 and dp > 1:  # parallel_hook.py `handle_data_parallelism`
+        raise LaunchError(
+            "ValueError",
+            f"--dp-size {dp} with --attn-dp-size {args['attn_dp_size']}: data-parallel "
+            "replicas combined with attention data parallelism are not supported.",
+        )
     args["enable_dp_attention"] = args["attn_dp_size"] > 1
 
 
