@@ -163,7 +163,7 @@ class AppliedCaps:
             if self.written_before_this_boot():
                 return {}
             raise
-        self._refuse_newer(data)
+        self._refuse_newer(data, checked=checked)
         for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
             spoiled = _spoiled_knobs(r) if checked else {}
             if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
@@ -217,24 +217,35 @@ class AppliedCaps:
             )
         return data
 
-    def _refuse_newer(self, data: dict[str, dict[str, Any]]) -> None:
+    def _refuse_newer(self, data: dict[str, dict[str, Any]], *, checked: bool = True) -> None:
         """Refuse (`CapsRecordError`) a record with an entry of this boot in a format this dvfs
         does not know (`RECORD_FORMAT`): a newer dvfs wrote it, whose keys this one could
         misread or drop on its next write. An earlier boot's entry is dropped unread, as
-        ever."""
+        ever. An entry whose format is damaged (no format number: null, "1", true or 1.0,
+        which Python's 1 == True == 1.0 would pass for format 1; a hand edit, no dvfs's) is
+        damaged for that GPU alone, as a damaged knob is (`_spoiled_knobs`): readers that must
+        know its caps (`checked`) refuse the record naming it; `cap apply` and `cap reset`
+        carry it as it is, its knobs checked each, and `damaged_lines` says so."""
         from dvfs.gpu.safety import state_dir_flag
         from dvfs.version import __version__
 
         for uuid, r in data.items():
             found = r.get(FORMAT_KEY, 1)
-            if found == RECORD_FORMAT or before_this_boot(r.get("boot"), r.get("applied")):
+            if before_this_boot(r.get("boot"), r.get("applied")):
+                continue
+            if _positive_int(found) and found == RECORD_FORMAT:
                 continue
             where = f"{self.path} line {self.line_of(uuid, FORMAT_KEY)}"
             if not _positive_int(found):
+                if not checked:
+                    continue
                 raise CapsRecordError(
-                    f"{where} is damaged for GPU {uuid[:48]}: {FORMAT_KEY} is "
-                    f"{json.dumps(found)[:40]}, expected a format number"
-                    + record_fix(self.path.parent)
+                    f"{where} is damaged for GPU {uuid[:48]}: {_damaged_format(found)}; this "
+                    "command must know the caps dvfs's record holds on that GPU (to put them "
+                    "back, or to tell them from the GPU's own), so it refuses the record: write "
+                    f"{RECORD_FORMAT} there, or reset that GPU with `dvfs cap reset"
+                    f"{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops its entry "
+                    "alone"
                 )
             if found > RECORD_FORMAT:
                 raise NewerCapsRecordError(
@@ -380,6 +391,17 @@ class AppliedCaps:
                 continue
             gpu = f"GPU {index[uuid]} ({uuid})" if index and uuid in index else f"GPU {uuid[:48]}"
             number = str(index[uuid]) if index and uuid in index else uuid[:48]
+            found = entry.get(FORMAT_KEY, 1)
+            if not _positive_int(found):  # (a later format's is refused, by `_refuse_newer`)
+                lines.append(
+                    f"dvfs's caps record {self.path} line {self.line_of(uuid, FORMAT_KEY)} is "
+                    f"damaged for {gpu}: {_damaged_format(found)}; its caps are read as format "
+                    f"{RECORD_FORMAT}'s, each checked, by `dvfs cap apply` and {reset}, but "
+                    "sweeps and `dvfs govern` refuse the record: write "
+                    f"{RECORD_FORMAT} there, or `"
+                    + state_dir_command(f"dvfs cap reset {number}", self.path.parent)
+                    + "`"
+                )
             spoiled = _spoiled_knobs(entry)
             for key, problem in spoiled.items():
                 damaged = (
@@ -740,6 +762,11 @@ def _doubtful_limit(
         f"{current / 1000:g} W: that reset, then `nvidia-smi -i {index} -pl {current / 1000:g}`;"
         " set again alone, it stays doubtful), then run this again"
     )
+
+
+def _damaged_format(found: Any) -> str:
+    """A caps record entry's damaged `FORMAT_KEY` (no format number), in words."""
+    return f"{FORMAT_KEY} is {json.dumps(found)[:40]}, expected a format number"
 
 
 def _positive_int(value: Any) -> TypeGuard[int]:
