@@ -1664,7 +1664,12 @@ def reset_caps(
                         record.update(
                             ident.uuid,
                             _without_earlier(
-                                {**entry, "power_limit_mw": None, "power_limit_before_mw": None}
+                                {
+                                    **entry,
+                                    "power_limit_mw": None,
+                                    "power_limit_before_mw": None,
+                                    DEFAULT_THEN: None,
+                                }
                             ),
                         )
                     except OSError as exc:  # said with the refusal, the GPUs after it reset
