@@ -54,6 +54,11 @@ def test_a_record_damaged_in_an_earlier_boot_does_not_fail_every_boot(
     [line] = [x for x in result.stderr.splitlines() if "caps record" in x]
     assert line.startswith("warning: dvfs's caps record "), line
     assert f"{record} was last written before this boot" in line, line
+    said = {
+        "unreadable": "warning: dvfs's caps record is unreadable (",
+        "not an object": "warning: dvfs's caps record is not a JSON object of per-GPU objects: ",
+    }
+    assert line.startswith(said[damage]) and "not a dvfs caps record" not in line, line
     assert "Traceback" not in result.output
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
     entry = next(iter(json.loads(record.read_text()).values()))

@@ -59,6 +59,8 @@ APPLIED_NAME = "caps-applied.json"
 #: downgrade) is refused, not misread (`AppliedCaps._refuse_newer`).
 RECORD_FORMAT = 1
 FORMAT_KEY = "record_format"
+#: What dvfs's caps record is, in words, for the line of one that is not.
+RECORD_SHAPE = "a JSON object of per-GPU objects"
 
 
 class NewerCapsRecordError(CapsRecordError):
@@ -212,7 +214,7 @@ class AppliedCaps:
             raise CapsRecordError(f"{self.path} is unreadable ({why}){fix}") from exc
         if not isinstance(data, dict) or not all(isinstance(r, dict) for r in data.values()):
             raise CapsRecordError(
-                f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects)"
+                f"{self.path} is not a dvfs caps record ({RECORD_SHAPE})"
                 + record_fix(self.path.parent)
             )
         return data
@@ -375,8 +377,13 @@ class AppliedCaps:
             if not self.written_before_this_boot():
                 return []  # (refused by its readers, saying so)
             told = str(exc).removesuffix(record_fix(self.path.parent))
+            told = told.removeprefix(f"{self.path} ")
+            # ("dvfs's caps record is not a JSON object ...", not "... is not a dvfs caps record")
+            told = told.replace(
+                f"is not a dvfs caps record ({RECORD_SHAPE})", f"is not {RECORD_SHAPE}"
+            )
             return [
-                f"dvfs's caps record {told.removeprefix(f'{self.path} ')}: {self.path} was "
+                f"dvfs's caps record {told}: {self.path} was "
                 "last written before this boot, whose reboot reset the GPUs it listed, so it "
                 "is read as holding no cap; the next `dvfs cap apply` replaces it"
             ]
