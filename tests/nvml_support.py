@@ -116,6 +116,13 @@ def root_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 
 
 @pytest.fixture(name="nvml")
+def installed_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The `nvml` fixture of tests that drive dvfs in process as root (`installed_root_fake`):
+    a module imports it to have it."""
+    return installed_root_fake(tmp_path, monkeypatch)
+
+
+@pytest.fixture(name="nvml")
 def fresh_nvml(env: dict[str, str]) -> ModuleType:
     """The fake pynvml on its default GPUs, fresh, in `env`'s state."""
     module = load_fake()

@@ -170,3 +170,60 @@ def test_a_sigterm_before_any_gpu_is_changed_says_no_cap_was_applied(tmp_path: P
     state = json.loads((tmp_path / "fake-nvml.json").read_text())
     assert all(d["locked_clocks"] is None for d in state["devices"]), state["devices"]
     assert all(d["power_limit_mw"] == 700_000 for d in state["devices"]), state["devices"]
+
+
+def test_a_sigterm_before_the_governor_changes_a_gpu_says_none_was_governed(
+    tmp_path: Path,
+) -> None:
+    """`dvfs govern --wait-for-driver` (the governor unit at boot) stopped once the driver was
+    loaded but before it changed a GPU (an NVML read hung as it opened the GPUs): it died of
+    the SIGTERM without a word, as `cap apply` did in the same window. It says in one line
+    that nothing was changed, exit 143, and no GPU was."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_NVML_DEADLINE_S="3600")
+    before = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\npower_limit_w = 400\n"
+    )
+    hung = {**env, "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetPowerManagementLimit@0=3600"}
+    hangs = tmp_path / "fake-nvml.json.hangs"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dvfs", "govern", "--plan", str(plan)]
+        + ["--url", "http://127.0.0.1:9", "--listen", "off", "--wait-for-driver", "300"],
+        env=hung,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not hangs.exists():  # the read hangs (the process would have ended otherwise)
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate()
+    assert process.returncode == 143, (out, err)
+    assert "Traceback" not in err and out == "", (out, err)
+    assert err.splitlines() == [
+        "Interrupted (received SIGTERM before any GPU was changed: nothing changed, no GPU "
+        "governed; start it again)."
+    ], err
+    assert not list((tmp_path / "dvfs-state").glob("governed-*.json"))
+    state = json.loads((tmp_path / "fake-nvml.json").read_text())
+    assert all(d["locked_clocks"] is None for d in state["devices"]), state["devices"]
+    assert all(d["power_limit_mw"] == 700_000 for d in state["devices"]), state["devices"]
+    after = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(after.stdout) == before

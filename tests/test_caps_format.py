@@ -9,15 +9,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from nvml_support import installed_root_fake
+from nvml_support import installed_nvml  # noqa: F401  (this module's `nvml` fixture)
 
 from dvfs.caps import CapsFile, GpuCap, dump_caps
 from dvfs.cli import cli
-
-
-@pytest.fixture
-def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    return installed_root_fake(tmp_path, monkeypatch)
 
 
 def _applied(tmp_path: Path) -> tuple[str, Path, Path]:
@@ -85,3 +80,44 @@ def test_a_newer_record_says_a_fix_this_dvfs_can_follow(nvml, tmp_path: Path) ->
     reset = CliRunner().invoke(cli, ["cap", "reset"])
     assert reset.exit_code == 0, reset.output
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+@pytest.mark.parametrize("damaged", [None, "1", True, 1.0])
+def test_a_format_that_is_no_format_number_is_damaged_for_that_gpu_alone(
+    nvml, tmp_path: Path, damaged: object
+) -> None:
+    """GPU 0's entry's format is no format number (a hand edit): true and 1.0 passed for
+    format 1 by Python's 1 == True == 1.0, and null or "1" refused the whole record, the caps
+    unit's stop resetting no GPU. It is damaged for GPU 0 alone, as a damaged knob is: `cap
+    show` and `cap reset --applied` warn of it in one line naming the GPU, the reset puts back
+    both GPUs, and readers that must know its caps (sweeps) refuse the record naming it."""
+    from dvfs.caps import AppliedCaps
+    from dvfs.errors import CapsRecordError
+
+    listed = CliRunner().invoke(cli, ["gpu", "list", "--json"])
+    uuids = [g["uuid"] for g in json.loads(listed.output)]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile(tuple(GpuCap(uuid=u, power_limit_w=450.0) for u in uuids))))
+    applied = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert applied.exit_code == 0, applied.output
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    data = json.loads(record.read_text())
+    data[uuids[0]]["record_format"] = damaged
+    record.write_text(json.dumps(data, indent=2))
+    shown = json.dumps(damaged)
+    with pytest.raises(CapsRecordError) as refused:
+        AppliedCaps(record.parent).read()
+    said = str(refused.value)
+    assert f"is damaged for GPU {uuids[0]}: record_format is {shown}, expected a format" in said
+    assert f"reset that GPU with `dvfs cap reset --state-dir {record.parent} {uuids[0]}`" in said
+    show = CliRunner().invoke(cli, ["cap", "show"])
+    assert show.exit_code == 0, show.output
+    [line] = [x for x in show.stderr.splitlines() if "record_format" in x]
+    assert f"is damaged for GPU 0 ({uuids[0]}): record_format is {shown}, " in line, line
+    result = CliRunner().invoke(cli, ["cap", "reset", "--applied"])
+    assert result.exit_code == 0, result.output
+    [line] = [x for x in result.stderr.splitlines() if "record_format" in x]
+    assert f"damaged for GPU 0 ({uuids[0]})" in line, line
+    assert "Traceback" not in result.output
+    assert [nvml.fake_device_state(i)["power_limit_mw"] for i in (0, 1)] == [700_000, 700_000]
+    assert not record.exists()

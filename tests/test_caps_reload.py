@@ -9,15 +9,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from nvml_support import installed_root_fake
+from nvml_support import installed_nvml  # noqa: F401  (this module's `nvml` fixture)
 
 from dvfs.caps import CapsFile, GpuCap, dump_caps
 from dvfs.cli import cli
-
-
-@pytest.fixture
-def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    return installed_root_fake(tmp_path, monkeypatch)
 
 
 def _cli(*args: str) -> str:
@@ -84,3 +79,38 @@ def test_a_damaged_default_then_is_warned_of_and_the_old_limit_not_put_back(
     out = " ".join(_cli("cap", "reset", "--applied").split())
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000, out
     assert "power limit 450 W (default: " in out and "power_limit_default_then_mw" in out, out
+
+
+def test_a_partial_reset_drops_the_default_then_with_the_limit(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `cap reset` whose clock unlock NVML refused put the power limit back and dropped the
+    entry's power_limit_mw and power_limit_before_mw, but kept power_limit_default_then_mw (the
+    apply path drops all three). An older dvfs, which carries keys it does not know, then
+    capped the GPU again after a driver reload: the stale default beside its new replaced
+    limit read as a reload since that cap, and `cap reset --applied` put back the default, not
+    the operator's limit that cap replaced."""
+    uuid = json.loads(_cli("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1200, power_limit_w=450.0),)))
+    )
+    _cli("cap", "apply", str(caps))
+    nvml.fake_update_device(
+        0, errors={"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NOT_SUPPORTED}
+    )
+    assert CliRunner().invoke(cli, ["cap", "reset", "0"]).exit_code == 1
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+    record = tmp_path / "dvfs-state" / "caps-applied.json"
+    data = json.loads(record.read_text())
+    assert data[uuid]["power_limit_mw"] is None, data
+    assert data[uuid].get("power_limit_default_then_mw") is None, data
+    # the driver reloaded (its default 600 W), an operator's 500 W, then an older dvfs's 450 W
+    # cap over it: that dvfs writes the limits it knows and carries the rest as they are
+    nvml.fake_update_device(0, errors={})
+    monkeypatch.setitem(nvml.FAKE_PROFILES["h100-sxm"], "power_default_mw", 600_000)
+    nvml.fake_update_device(0, power_limit_mw=450_000)
+    data[uuid].update(power_limit_mw=450_000, power_limit_before_mw=500_000)
+    record.write_text(json.dumps(data, indent=2))
+    out = " ".join(_cli("cap", "reset", "--applied").split())
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000, out

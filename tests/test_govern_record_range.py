@@ -11,15 +11,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from nvml_support import installed_root_fake
+from nvml_support import installed_nvml  # noqa: F401  (this module's `nvml` fixture)
 
 from dvfs.caps import GovernorLocks
 from dvfs.cli import cli
-
-
-@pytest.fixture
-def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    return installed_root_fake(tmp_path, monkeypatch)
 
 
 def _governed(lock: tuple[int, int]) -> tuple[str, Path]:

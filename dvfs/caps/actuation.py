@@ -59,6 +59,8 @@ APPLIED_NAME = "caps-applied.json"
 #: downgrade) is refused, not misread (`AppliedCaps._refuse_newer`).
 RECORD_FORMAT = 1
 FORMAT_KEY = "record_format"
+#: What dvfs's caps record is, in words, for the line of one that is not.
+RECORD_SHAPE = "a JSON object of per-GPU objects"
 
 
 class NewerCapsRecordError(CapsRecordError):
@@ -163,7 +165,7 @@ class AppliedCaps:
             if self.written_before_this_boot():
                 return {}
             raise
-        self._refuse_newer(data)
+        self._refuse_newer(data, checked=checked)
         for uuid, r in data.items():  # what sweeps, governors and `dvfs doctor` read of each
             spoiled = _spoiled_knobs(r) if checked else {}
             if spoiled and not before_this_boot(r.get("boot"), r.get("applied")):
@@ -212,29 +214,40 @@ class AppliedCaps:
             raise CapsRecordError(f"{self.path} is unreadable ({why}){fix}") from exc
         if not isinstance(data, dict) or not all(isinstance(r, dict) for r in data.values()):
             raise CapsRecordError(
-                f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects)"
+                f"{self.path} is not a dvfs caps record ({RECORD_SHAPE})"
                 + record_fix(self.path.parent)
             )
         return data
 
-    def _refuse_newer(self, data: dict[str, dict[str, Any]]) -> None:
+    def _refuse_newer(self, data: dict[str, dict[str, Any]], *, checked: bool = True) -> None:
         """Refuse (`CapsRecordError`) a record with an entry of this boot in a format this dvfs
         does not know (`RECORD_FORMAT`): a newer dvfs wrote it, whose keys this one could
         misread or drop on its next write. An earlier boot's entry is dropped unread, as
-        ever."""
+        ever. An entry whose format is damaged (no format number: null, "1", true or 1.0,
+        which Python's 1 == True == 1.0 would pass for format 1; a hand edit, no dvfs's) is
+        damaged for that GPU alone, as a damaged knob is (`_spoiled_knobs`): readers that must
+        know its caps (`checked`) refuse the record naming it; `cap apply` and `cap reset`
+        carry it as it is, its knobs checked each, and `damaged_lines` says so."""
         from dvfs.gpu.safety import state_dir_flag
         from dvfs.version import __version__
 
         for uuid, r in data.items():
             found = r.get(FORMAT_KEY, 1)
-            if found == RECORD_FORMAT or before_this_boot(r.get("boot"), r.get("applied")):
+            if before_this_boot(r.get("boot"), r.get("applied")):
+                continue
+            if _positive_int(found) and found == RECORD_FORMAT:
                 continue
             where = f"{self.path} line {self.line_of(uuid, FORMAT_KEY)}"
             if not _positive_int(found):
+                if not checked:
+                    continue
                 raise CapsRecordError(
-                    f"{where} is damaged for GPU {uuid[:48]}: {FORMAT_KEY} is "
-                    f"{json.dumps(found)[:40]}, expected a format number"
-                    + record_fix(self.path.parent)
+                    f"{where} is damaged for GPU {uuid[:48]}: {_damaged_format(found)}; this "
+                    "command must know the caps dvfs's record holds on that GPU (to put them "
+                    "back, or to tell them from the GPU's own), so it refuses the record: write "
+                    f"{RECORD_FORMAT} there, or reset that GPU with `dvfs cap reset"
+                    f"{state_dir_flag(self.path.parent)} {uuid[:48]}`, which drops its entry "
+                    "alone"
                 )
             if found > RECORD_FORMAT:
                 raise NewerCapsRecordError(
@@ -364,8 +377,13 @@ class AppliedCaps:
             if not self.written_before_this_boot():
                 return []  # (refused by its readers, saying so)
             told = str(exc).removesuffix(record_fix(self.path.parent))
+            told = told.removeprefix(f"{self.path} ")
+            # ("dvfs's caps record is not a JSON object ...", not "... is not a dvfs caps record")
+            told = told.replace(
+                f"is not a dvfs caps record ({RECORD_SHAPE})", f"is not {RECORD_SHAPE}"
+            )
             return [
-                f"dvfs's caps record {told.removeprefix(f'{self.path} ')}: {self.path} was "
+                f"dvfs's caps record {told}: {self.path} was "
                 "last written before this boot, whose reboot reset the GPUs it listed, so it "
                 "is read as holding no cap; the next `dvfs cap apply` replaces it"
             ]
@@ -380,6 +398,17 @@ class AppliedCaps:
                 continue
             gpu = f"GPU {index[uuid]} ({uuid})" if index and uuid in index else f"GPU {uuid[:48]}"
             number = str(index[uuid]) if index and uuid in index else uuid[:48]
+            found = entry.get(FORMAT_KEY, 1)
+            if not _positive_int(found):  # (a later format's is refused, by `_refuse_newer`)
+                lines.append(
+                    f"dvfs's caps record {self.path} line {self.line_of(uuid, FORMAT_KEY)} is "
+                    f"damaged for {gpu}: {_damaged_format(found)}; its caps are read as format "
+                    f"{RECORD_FORMAT}'s, each checked, by `dvfs cap apply` and {reset}, but "
+                    "sweeps and `dvfs govern` refuse the record: write "
+                    f"{RECORD_FORMAT} there, or `"
+                    + state_dir_command(f"dvfs cap reset {number}", self.path.parent)
+                    + "`"
+                )
             spoiled = _spoiled_knobs(entry)
             for key, problem in spoiled.items():
                 damaged = (
@@ -750,6 +779,11 @@ def _doubtful_limit(
         f"{current / 1000:g} W: that reset, then `nvidia-smi -i {index} -pl {current / 1000:g}`;"
         " set again alone, it stays doubtful), then run this again"
     )
+
+
+def _damaged_format(found: Any) -> str:
+    """A caps record entry's damaged `FORMAT_KEY` (no format number), in words."""
+    return f"{FORMAT_KEY} is {json.dumps(found)[:40]}, expected a format number"
 
 
 def _positive_int(value: Any) -> TypeGuard[int]:
@@ -1647,7 +1681,12 @@ def reset_caps(
                         record.update(
                             ident.uuid,
                             _without_earlier(
-                                {**entry, "power_limit_mw": None, "power_limit_before_mw": None}
+                                {
+                                    **entry,
+                                    "power_limit_mw": None,
+                                    "power_limit_before_mw": None,
+                                    DEFAULT_THEN: None,
+                                }
                             ),
                         )
                     except OSError as exc:  # said with the refusal, the GPUs after it reset

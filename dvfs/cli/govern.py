@@ -158,17 +158,37 @@ def _exporting(address: tuple[str, int] | None, live: Any) -> Iterator[None]:
 
 
 @contextmanager
-def _told_when_stopped(dry_run: bool) -> Iterator[None]:
+def _stopped_before_governing(governing: list[bool]) -> Iterator[None]:
+    """Signals raise within the block (`signals_raise`); one that comes before the governor
+    may change a GPU (`governing` still empty: the GPUs opened, the plan checked, at boot an
+    NVML call that hangs) ends it in one line saying nothing was changed, as `cap apply`'s
+    does, not exit 143 without a word in the journal."""
+    from dvfs.signals import Interrupted, interrupted_while, signals_raise
+
+    try:
+        with signals_raise():
+            yield
+    except (KeyboardInterrupt, Interrupted) as exc:
+        if governing:
+            raise
+        raise interrupted_while(
+            exc, "before any GPU was changed: nothing changed, no GPU governed; start it again"
+        ) from None
+
+
+@contextmanager
+def _told_when_stopped(dry_run: bool, governing: list[bool]) -> Iterator[None]:
     """A governor stopped by a signal (`systemctl stop`: SIGTERM) has put every GPU back by the
     time the signal's exception gets here (a restore that failed, or that a second signal
     abandoned, ends in another error, which says so): its log says it, as after
-    --max-intervals."""
+    --max-intervals. Before it governs (`governing` empty) `_stopped_before_governing` says
+    what the signal left."""
     from dvfs.signals import Interrupted, RestoreAbandoned
 
     try:
         yield
     except (KeyboardInterrupt, Interrupted) as exc:
-        if not dry_run and not isinstance(exc, RestoreAbandoned):
+        if governing and not dry_run and not isinstance(exc, RestoreAbandoned):
             why = "received SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
             note(f"stopped ({why}); GPU settings restored")
         raise
@@ -293,55 +313,61 @@ def govern(
         raise CapsError(f"per-batch plan: {describe_os_error(exc)}") from exc
     # once the plan is read: a plan refused is not waited on; a dry run waits for nothing
     wait_for_the_driver(0 if dry_run else wait_for_driver_s, nothing="no GPU governed")
-    params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
-    live = LiveMetrics()
-    visible = job_gpus("--gpu with {listed}")
-    if not devices:
-        # Every GPU is the server's: a server spanning a lost GPU is broken, and governing the
-        # rest would silently govern GPUs other than those meant; --gpu names them if intended.
-        # (a power limit NVML does not support is no loss: a plan that needs one is refused
-        # with the step and the GPU, `check_plan_against`)
-        openable, lost = reachable_gpus(visible, unsupported_ok=True)
-        if lost:
-            others = ", ".join(f"GPU {i}" for i in openable) or "none"
-            raise GpuUnavailableError(
-                f"{lost_gpus(lost)}; `dvfs govern` with no --gpu governs every GPU, so it "
-                "governs none while one does not open: name the GPUs the server runs on with --gpu "
-                f"(those that open: {others})"
+    # From here until the governor may change a GPU, a signal (the governor unit stopped: a
+    # shutdown while an NVML call at boot hangs) says in one line that nothing was, not
+    # exit 143 without a word; once it may, `_told_when_stopped` says the GPUs are back.
+    governing: list[bool] = []
+    with _stopped_before_governing(governing):
+        params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
+        live = LiveMetrics()
+        visible = job_gpus("--gpu with {listed}")
+        if not devices:
+            # Every GPU is the server's: a server spanning a lost GPU is broken, and governing
+            # the rest would silently govern GPUs other than those meant; --gpu names them if
+            # intended. (a power limit NVML does not support is no loss: a plan that needs one
+            # is refused with the step and the GPU, `check_plan_against`)
+            openable, lost = reachable_gpus(visible, unsupported_ok=True)
+            if lost:
+                others = ", ".join(f"GPU {i}" for i in openable) or "none"
+                raise GpuUnavailableError(
+                    f"{lost_gpus(lost)}; `dvfs govern` with no --gpu governs every GPU, so "
+                    "it governs none while one does not open: name the GPUs the server runs on "
+                    f"with --gpu (those that open: {others})"
+                )
+            if visible is None:
+                _refuse_withheld(openable)
+        # A dry run (no root needed) reads the static caps where root recorded them.
+        records = state_dir or (records_dir() if dry_run else default_state_dir())
+        with (
+            _told_when_stopped(dry_run, governing),
+            ServerReader(url, _timeout(interval)) as scraper,
+            open_gpus(parse_devices(devices), visible=visible) as gpus,
+        ):
+            check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
+            if dry_run:
+                first_read = functools.partial(scraper, timeout_s=LONGEST_READ_S)
+                check_server_for_dry_run(first_read, url, gpus, records)
+            note(
+                f"governing {gpu_names(gpus)} from {plan_path} ({len(plan.steps)} step(s), drafter "
+                f"{plan.drafter}), reading {redact_url(url)} every {interval:g}s"
+                + (", dry run: nothing will change" if dry_run else "")
             )
-        if visible is None:
-            _refuse_withheld(openable)
-    # A dry run (no root needed) reads the static caps where root recorded them.
-    records = state_dir or (records_dir() if dry_run else default_state_dir())
-    with (
-        _told_when_stopped(dry_run),
-        ServerReader(url, _timeout(interval)) as scraper,
-        open_gpus(parse_devices(devices), visible=visible) as gpus,
-    ):
-        check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
-        if dry_run:
-            first_read = functools.partial(scraper, timeout_s=LONGEST_READ_S)
-            check_server_for_dry_run(first_read, url, gpus, records)
-        note(
-            f"governing {gpu_names(gpus)} from {plan_path} ({len(plan.steps)} step(s), drafter "
-            f"{plan.drafter}), reading {redact_url(url)} every {interval:g}s"
-            + (", dry run: nothing will change" if dry_run else "")
-        )
-        # With no --gpu, the server's GPUs (where found) count in its energy per token
-        server_gpus = None if devices else ServerGpus(url, gpus, note, governing=True)
-        with _exporting(address, live):
-            changes = run_governor(
-                plan,
-                gpus,
-                scraper,
-                params,
-                Ticker(interval, max_intervals),
-                live=live,
-                note=note,
-                dry_run=dry_run,
-                state_dir=records,
-                server_gpus=server_gpus,
-            )
+            # With no --gpu, the server's GPUs (where found) count in its energy per token
+            server_gpus = None if devices else ServerGpus(url, gpus, note, governing=True)
+            with _exporting(address, live):
+                governing.append(True)
+                changes = run_governor(
+                    plan,
+                    gpus,
+                    scraper,
+                    params,
+                    Ticker(interval, max_intervals),
+                    live=live,
+                    note=note,
+                    dry_run=dry_run,
+                    state_dir=records,
+                    server_gpus=server_gpus,
+                )
     if dry_run:
         note(f"dry run stopped: {changes} change(s) would have been made, none was")
     else:
