@@ -1656,3 +1656,51 @@ def test_a_fleet_whose_open_hits_a_bug_names_the_gpu_its_refused_restore_left_ex
     assert lines[-1].startswith("Error: internal error: RuntimeError: a bug in the open"), lines
     assert result.returncode == 4, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_fleet_whose_open_fails_in_an_oserror_with_a_refused_restore_exits_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local fleet: gpu1's open locks its SM clock and then fails in an OSError (a file it
+    could not read); the close its open runs is refused (NVML: no root), leaving the clock
+    locked. The GPU was named with the refusal, but the run ended in the OSError's line,
+    exit 1 (README: 4, GPUs left for root to put back). It exits 4, the OSError's line the
+    last."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuPermissionError
+    from dvfs.gpu.knobs import KnobSetting
+    from dvfs.gpu.nvml import NvmlGpu
+    from dvfs.measure.runner import Runner
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    opened = Runner.open_session
+
+    def failing_open(self: Runner) -> None:
+        opened(self)
+        if self.gpus[0].identity.index == 1:
+            self.knobs.apply(KnobSetting(1500, None))
+            raise OSError(5, "Input/output error", "/tmp/a-file-the-open-read")
+
+    def refused(self: NvmlGpu) -> None:
+        raise GpuPermissionError(
+            f"GPU {self.index}: cannot reset locked SM clocks: permission denied"
+        )
+
+    monkeypatch.setattr(Runner, "open_session", failing_open)
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", refused)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
+    uuid = nvml.fake_device_state(1)["uuid"]
+    named = [x for x in lines if uuid in x]
+    assert len(named) == 1 and "permission denied" in named[0], result.stderr
+    assert lines[-1].startswith("Error: cannot use /tmp/a-file-the-open-read"), lines
+    assert result.returncode == 4, result.stderr
+    assert "Traceback" not in result.stderr

@@ -756,8 +756,8 @@ def run_fleet(
 
 def _needs_root(exc: Exception) -> None:
     """Make the line `exc` ends the run in exit 4: GPUs are left for root to put back
-    (README's exit codes). A dvfs error's code; a bug's internal error (`needs_root`, read by
-    `_internal_error`), which exited 1."""
+    (README's exit codes). A dvfs error's code; another's (an internal error, an OSError
+    the run failed in: `needs_root`, read by `dvfs.cli.common._failure_code`), which exited 1."""
     from dvfs.errors import DvfsError
 
     if isinstance(exc, DvfsError):
