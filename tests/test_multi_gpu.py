@@ -1701,6 +1701,31 @@ def test_a_fleet_whose_open_fails_in_an_oserror_with_a_refused_restore_exits_4(
     uuid = nvml.fake_device_state(1)["uuid"]
     named = [x for x in lines if uuid in x]
     assert len(named) == 1 and "permission denied" in named[0], result.stderr
+    assert f"reset --state-dir {tmp_path / 'dvfs-state'}` as root (state in " in named[0], named
     assert lines[-1].startswith("Error: cannot use /tmp/a-file-the-open-read"), lines
     assert result.returncode == 4, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_refused_restore_is_said_alike_by_the_local_fleet_and_ray() -> None:
+    """NVML refused a worker's restore for want of root. Ray's line named the refusal and
+    the reset to run "as root"; the local fleet's named the refusal and the reset ("...
+    retries from the state file") but not that it needs root. One wording for both."""
+    from dvfs.cli.sweep import _local_unrestored, _ray_unrestored
+    from dvfs.errors import GpuPermissionError
+
+    reset = "`dvfs gpu reset --state-dir /s`"
+    refusal = GpuPermissionError(
+        "could not restore GPU settings: GPU 1 (GPU-x): GPU 1: cannot reset locked SM clocks: "
+        f"permission denied. {reset} retries from the state file."
+    )
+    why = "could not restore GPU settings: GPU 1 (GPU-x): GPU 1: cannot reset locked SM clocks: "
+    why += "permission denied"
+    local = _local_unrestored(["GPU-x"], Path("/s"), [refusal])
+    assert local == (
+        f"[red]GPU settings NOT restored[/red] for GPU-x: {why}; run {reset} as root (state in /s)."
+    ), local
+    ray = _ray_unrestored({"n1": ["GPU-x"]}, [refusal], {"n1": reset})
+    assert ray == (
+        f"[red]GPU settings NOT restored[/red] for GPU-x on n1: {why}; run {reset} on n1 as root."
+    ), ray

@@ -771,15 +771,37 @@ def _local_unrestored(
     kept: Sequence[str], state_dir: Path | None, errors: Sequence[BaseException]
 ) -> str:
     """The line naming the GPUs a local fleet left changed (`kept`), why (the restores' own
-    errors, else a GPU lost) and the `dvfs gpu reset` to run, as markup."""
-    why = _restores_failed(errors) or (
-        f"a worker lost its GPU before it could put them back; run "
-        f"{_reset(state_dir)} once the GPU answers again"
-    )
-    return (
-        f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: {why} (state in "
-        f"{escape(str(state_dir))})."
-    )
+    errors, else a GPU lost) and the `dvfs gpu reset` to run (as root where NVML refused a
+    restore for want of root), as markup: a refused restore's in Ray's words
+    (`_not_restored`), less the node."""
+    state = f" (state in {escape(str(state_dir))})"
+    failed = _restores_failed(errors, reset=False)
+    if not failed:
+        return (
+            f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: a worker lost its GPU "
+            f"before it could put them back; run {_reset(state_dir)} once the GPU answers "
+            f"again{state}."
+        )
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import RestoreBugError, restore_error_parts
+
+    resets: list[str] = []
+    for error in errors:  # the resets the restores' own lines named, each once
+        if isinstance(error, GpuError | RestoreBugError):
+            command = restore_error_parts(str(error))[1]
+            if command and command not in resets:
+                resets.append(command)
+    run = escape(" or ".join(resets)) if resets else _reset(state_dir)
+    root = " as root" if _root_refused(errors) else ""
+    return _not_restored(", ".join(kept), failed, f"{run}{root}", state)
+
+
+def _not_restored(where: str, failed: str, run: str, tail: str = "") -> str:
+    """The line (markup) naming the GPUs `where` whose restores failed, what they said
+    (`failed`), and the `dvfs gpu reset` to run (`run`: with " as root" where NVML refused one
+    for want of root): the local fleet's and Ray's alike (Ray's `where` and `run` name each
+    node)."""
+    return f"[red]GPU settings NOT restored[/red] for {where}: {failed}; run {run}{tail}."
 
 
 def _reset(state_dir: Path | None) -> str:
@@ -968,7 +990,7 @@ def _ray_unrestored(
         )
     )
     if failed:
-        return f"[red]GPU settings NOT restored[/red] for {escape(where)}: {failed}; run {run}."
+        return _not_restored(escape(where), failed, run)
     if not killed:
         return (
             f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, "
