@@ -8,8 +8,10 @@ import shlex
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1729,3 +1731,107 @@ def test_a_refused_restore_is_said_alike_by_the_local_fleet_and_ray() -> None:
     assert ray == (
         f"[red]GPU settings NOT restored[/red] for GPU-x on n1: {why}; run {reset} on n1 as root."
     ), ray
+
+
+def _one_refused_one_opening(
+    monkeypatch: pytest.MonkeyPatch, fail_at: float, poll: Callable[[int], None]
+) -> tuple[Any, Any, threading.Event, list[str]]:
+    """A local fleet of two fake workers in virtual time: gpu0's open is refused (a GPU held)
+    at `fail_at` s, while gpu1's stays inside `open` until released (its event), or until the
+    driver has polled its event queue 40 times (then it notes "released by the polls"); each
+    poll once the refusal is in advances the virtual clock 600 s and calls `poll` with its
+    count. Returns the executor, the fleet (its notes in `fleet.said`), gpu1's release and
+    the log."""
+    from dvfs import backends
+    from dvfs.errors import GpuStateError
+    from dvfs.fleet import local
+
+    now = [0.0]
+    polls = [0]
+    release = threading.Event()
+    log: list[str] = []
+
+    class Worker:
+        def __init__(self, campaign: object, group: tuple[int, ...], **kw: object) -> None:
+            self.label = f"gpu{group[0]}"
+            self.open_close_error: BaseException | None = None
+
+        def notes_live(self, sink: object) -> None:
+            pass
+
+        def open(self) -> None:
+            if self.label == "gpu0":
+                now[0] = fail_at
+                raise GpuStateError("GPU 0 is held (test)")
+            while not release.wait(0.05):
+                if polls[0] >= 40:
+                    log.append("released by the polls")
+                    break
+            log.append("gpu1 opened")
+
+        def close(self) -> None:
+            log.append(f"{self.label} closed")
+
+    real_next = local.next_event
+
+    def next_event(events: Any) -> Any:
+        polls[0] += 1
+        if "refused" in log:  # the driver now waits for gpu1
+            now[0] += 600.0
+            poll(polls[0])
+        event = real_next(events)
+        if event is not None and event[0] == "error":
+            log.append("refused")
+        return event
+
+    monkeypatch.setattr(local, "Worker", Worker)
+    monkeypatch.setattr(local, "next_event", next_event)
+    monkeypatch.setattr(backends, "virtual_time", lambda campaign: False)
+    said: list[str] = []
+    fleet = types.SimpleNamespace(campaign=None, corpora=None, note=said.append, said=said)
+    executor = local.LocalExecutor(Path("out"))
+    executor.clock = lambda: now[0]
+    return executor, fleet, release, log
+
+
+@pytest.mark.parametrize(("fail_at", "bound"), [(0.0, 1800.0), (1900.0, 60.0)])
+def test_workers_still_opening_as_a_local_fleet_fails_get_ray_s_said_bounded_wait(
+    monkeypatch: pytest.MonkeyPatch, fail_at: float, bound: float
+) -> None:
+    """A local fleet: gpu0's open is refused while gpu1 is still inside `open`. The driver
+    waited for gpu1 to finish opening with no bound and no word (Ray's driver waits within
+    the opens' half hour, a minute past it at least, said in one note). It says the wait in
+    Ray's note and bounds it alike (virtual time): past the bound, the run fails in the
+    refusal's line with gpu1 still opening."""
+    from dvfs.errors import GpuStateError
+
+    executor, fleet, release, log = _one_refused_one_opening(monkeypatch, fail_at, lambda n: None)
+    try:
+        with pytest.raises(GpuStateError, match="GPU 0 is held"):
+            executor(fleet, [(0,), (1,)])  # type: ignore[arg-type]
+        assert "released by the polls" not in log and "gpu1 opened" not in log, log
+        from dvfs.fleet.local import opening_wait_note
+
+        assert fleet.said == [opening_wait_note("workers", bound, 1)], fleet.said
+        assert f"waiting up to {bound:g} s for the 1 still opening" in fleet.said[0]
+    finally:
+        release.set()
+
+
+def test_ctrl_c_while_a_local_fleet_waits_for_workers_still_opening_ends_in_the_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As Ray's: Ctrl-C while the driver waits for gpu1 still opening (gpu0's open refused)
+    stops the wait, and the run ends in the signal (130, the GPUs left changed named by the
+    sweep's interruption line), not in the refusal's line and code."""
+
+    def ctrl_c(n: int) -> None:
+        raise KeyboardInterrupt  # once the refusal is in: the driver is waiting for gpu1
+
+    executor, fleet, release, log = _one_refused_one_opening(monkeypatch, 0.0, ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            executor(fleet, [(0,), (1,)])  # type: ignore[arg-type]
+        assert "gpu1 opened" not in log and "released by the polls" not in log, log
+    finally:
+        release.set()
