@@ -1835,3 +1835,64 @@ def test_ctrl_c_while_a_local_fleet_waits_for_workers_still_opening_ends_in_the_
         assert "gpu1 opened" not in log and "released by the polls" not in log, log
     finally:
         release.set()
+
+
+def test_ctrl_c_while_a_local_fleet_waits_for_a_worker_opening_names_its_gpu_exit_130(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep of the wait above (fake NVML): gpu0's open is refused (a GPU held) while
+    gpu1's open has locked its SM clock and is still inside `open`; Ctrl-C as the driver
+    waits for it ends the run in 130, the interruption's line naming gpu1's GPU left changed
+    with the reset to run, not in the refusal's line and exit 3."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuStateError
+    from dvfs.fleet import local
+    from dvfs.gpu.knobs import KnobSetting
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    opened = Runner.open_session
+    locked = threading.Event()
+    release = threading.Event()
+
+    def open_session(self: Runner) -> None:
+        if self.gpus[0].identity.index == 0:
+            locked.wait()  # refused once gpu1 has changed its GPU
+            raise GpuStateError("GPU 0 is held by another dvfs (test)")
+        opened(self)
+        self.knobs.apply(KnobSetting(1500, None))
+        locked.set()
+        release.wait()
+
+    real_next = local.next_event
+
+    def next_event(events: Any) -> Any:
+        if "refused" in said:
+            raise KeyboardInterrupt  # Ctrl-C as the driver waits for gpu1
+        event = real_next(events)
+        if event is not None and event[0] == "error":
+            said.append("refused")
+        return event
+
+    said: list[str] = []
+    monkeypatch.setattr(Runner, "open_session", open_session)
+    monkeypatch.setattr(local, "next_event", next_event)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    try:
+        result = dvfs_in_process(*argv, env=env)
+    finally:
+        release.set()
+    lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
+    uuid = nvml.fake_device_state(1)["uuid"]
+    named = [x for x in lines if uuid in x]
+    assert len(named) == 1 and "NOT fully restored" in named[0], result.stderr
+    assert "dvfs gpu reset" in named[0], named
+    assert "held by another dvfs" not in result.stderr, result.stderr
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr
