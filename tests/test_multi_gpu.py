@@ -1814,6 +1814,7 @@ def test_workers_still_opening_as_a_local_fleet_fails_get_ray_s_said_bounded_wai
 
         assert fleet.said == [opening_wait_note("workers", bound, 1)], fleet.said
         assert f"waiting up to {bound:g} s for the 1 still opening" in fleet.said[0]
+        assert executor.left_opening == ["gpu1"], executor.left_opening
     finally:
         release.set()
 
@@ -1896,3 +1897,17 @@ def test_ctrl_c_while_a_local_fleet_waits_for_a_worker_opening_names_its_gpu_exi
     assert "held by another dvfs" not in result.stderr, result.stderr
     assert result.returncode == 130, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_gpus_of_a_local_worker_left_opening_are_named_for_a_reset_now() -> None:
+    """The run failed, and the wait for a worker still opening was given up: its GPUs, kept
+    in their state files, were named as "a worker lost its GPU ...: run the reset once the
+    GPU answers again", which waits for nothing (it answers; its open may have set its
+    clocks). As Ray's line for an actor killed as it opened: the reset is for now."""
+    from dvfs.cli.sweep import _local_unrestored
+    from dvfs.fleet.ray_executor import KILLED_OPENING_RESET
+    from dvfs.gpu.safety import reset_command
+
+    line = _local_unrestored(["GPU-x"], Path("/s"), [], opening=True)
+    assert f"run {reset_command(Path('/s'))} now ({KILLED_OPENING_RESET})" in line, line
+    assert "answers again" not in line and "lost its GPU" not in line, line

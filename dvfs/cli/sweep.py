@@ -700,7 +700,10 @@ def run_fleet(
             kept = [uuid for uuid in kept if uuid not in str(exc)]
             if kept:
                 others = [e for e in errors if e is not exc]
-                err.print(_local_unrestored(kept, state_dir, others), soft_wrap=True)
+                opening = bool(getattr(run_on, "left_opening", ()))
+                err.print(
+                    _local_unrestored(kept, state_dir, others, opening=opening), soft_wrap=True
+                )
                 # A restore that needs root: exit 4, as a finished fleet's or one GPU's
                 # sweep; the refusal's 2 or 3 hid that root must put the GPUs back. The
                 # refusal's own line is still the last.
@@ -768,14 +771,27 @@ def _needs_root(exc: Exception) -> None:
 
 
 def _local_unrestored(
-    kept: Sequence[str], state_dir: Path | None, errors: Sequence[BaseException]
+    kept: Sequence[str],
+    state_dir: Path | None,
+    errors: Sequence[BaseException],
+    *,
+    opening: bool = False,
 ) -> str:
     """The line naming the GPUs a local fleet left changed (`kept`), why (the restores' own
     errors, else a GPU lost) and the `dvfs gpu reset` to run (as root where NVML refused a
     restore for want of root), as markup: a refused restore's in Ray's words
-    (`_not_restored`), less the node."""
+    (`_not_restored`), less the node. `opening`: the run failed with workers still inside
+    `open` (their wait given up), whose GPUs answer: their reset is for now, as Ray's."""
     state = f" (state in {escape(str(state_dir))})"
     failed = _restores_failed(errors, reset=False)
+    if not failed and opening:
+        from dvfs.fleet.ray_executor import KILLED_OPENING_RESET
+
+        return (
+            f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: a worker was still "
+            "opening its GPUs as the run stopped waiting for it, which may have set their "
+            f"clocks or not yet; run {_reset(state_dir)} now ({KILLED_OPENING_RESET}){state}."
+        )
     if not failed:
         return (
             f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: a worker lost its GPU "

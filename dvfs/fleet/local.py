@@ -127,6 +127,9 @@ class LocalExecutor:
         self._said: list[str] = []
         #: The clock the wait for workers still opening as the run fails is bounded by.
         self.clock = time.monotonic
+        #: The workers still inside `open` once that wait was given up (their GPUs answer:
+        #: the line naming those left changed says to reset them now, as Ray's).
+        self.left_opening: list[str] = []
 
     def check_gpus(self, campaign: Campaign, groups: Sequence[Group]) -> None:
         """Refuse, before any worker opens its GPUs, what the workers' sessions would refuse
@@ -258,6 +261,7 @@ class LocalExecutor:
                 if still:
                     fleet.note(opening_wait_note("workers", bound, len(still)))
             self._drain(fleet, events, threads, opening=opening, due=due, clock=self.clock)
+            self.left_opening = [w.label for w in workers if w.label in opening]
             raise
 
     def _drive(
