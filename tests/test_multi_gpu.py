@@ -8,8 +8,10 @@ import shlex
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1656,3 +1658,256 @@ def test_a_fleet_whose_open_hits_a_bug_names_the_gpu_its_refused_restore_left_ex
     assert lines[-1].startswith("Error: internal error: RuntimeError: a bug in the open"), lines
     assert result.returncode == 4, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_fleet_whose_open_fails_in_an_oserror_with_a_refused_restore_exits_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local fleet: gpu1's open locks its SM clock and then fails in an OSError (a file it
+    could not read); the close its open runs is refused (NVML: no root), leaving the clock
+    locked. The GPU was named with the refusal, but the run ended in the OSError's line,
+    exit 1 (README: 4, GPUs left for root to put back). It exits 4, the OSError's line the
+    last."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuPermissionError
+    from dvfs.gpu.knobs import KnobSetting
+    from dvfs.gpu.nvml import NvmlGpu
+    from dvfs.measure.runner import Runner
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    opened = Runner.open_session
+
+    def failing_open(self: Runner) -> None:
+        opened(self)
+        if self.gpus[0].identity.index == 1:
+            self.knobs.apply(KnobSetting(1500, None))
+            raise OSError(5, "Input/output error", "/tmp/a-file-the-open-read")
+
+    def refused(self: NvmlGpu) -> None:
+        raise GpuPermissionError(
+            f"GPU {self.index}: cannot reset locked SM clocks: permission denied"
+        )
+
+    monkeypatch.setattr(Runner, "open_session", failing_open)
+    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", refused)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    result = dvfs_in_process(*argv, env=env)
+    lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
+    uuid = nvml.fake_device_state(1)["uuid"]
+    named = [x for x in lines if uuid in x]
+    assert len(named) == 1 and "permission denied" in named[0], result.stderr
+    assert f"reset --state-dir {tmp_path / 'dvfs-state'}` as root (state in " in named[0], named
+    assert lines[-1].startswith("Error: cannot use /tmp/a-file-the-open-read"), lines
+    assert result.returncode == 4, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_refused_restore_is_said_alike_by_the_local_fleet_and_ray() -> None:
+    """NVML refused a worker's restore for want of root. Ray's line named the refusal and
+    the reset to run "as root"; the local fleet's named the refusal and the reset ("...
+    retries from the state file") but not that it needs root. One wording for both."""
+    from dvfs.cli.sweep import _local_unrestored, _ray_unrestored
+    from dvfs.errors import GpuPermissionError
+
+    reset = "`dvfs gpu reset --state-dir /s`"
+    refusal = GpuPermissionError(
+        "could not restore GPU settings: GPU 1 (GPU-x): GPU 1: cannot reset locked SM clocks: "
+        f"permission denied. {reset} retries from the state file."
+    )
+    why = "could not restore GPU settings: GPU 1 (GPU-x): GPU 1: cannot reset locked SM clocks: "
+    why += "permission denied"
+    local = _local_unrestored(["GPU-x"], Path("/s"), [refusal])
+    assert local == (
+        f"[red]GPU settings NOT restored[/red] for GPU-x: {why}; run {reset} as root (state in /s)."
+    ), local
+    ray = _ray_unrestored({"n1": ["GPU-x"]}, [refusal], {"n1": reset})
+    assert ray == (
+        f"[red]GPU settings NOT restored[/red] for GPU-x on n1: {why}; run {reset} on n1 as root."
+    ), ray
+
+
+def _one_refused_one_opening(
+    monkeypatch: pytest.MonkeyPatch, fail_at: float, poll: Callable[[int], None]
+) -> tuple[Any, Any, threading.Event, list[str]]:
+    """A local fleet of two fake workers in virtual time: gpu0's open is refused (a GPU held)
+    at `fail_at` s, while gpu1's stays inside `open` until released (its event), or until the
+    driver has polled its event queue 40 times (then it notes "released by the polls"); each
+    poll once the refusal is in advances the virtual clock 600 s and calls `poll` with its
+    count. Returns the executor, the fleet (its notes in `fleet.said`), gpu1's release and
+    the log."""
+    from dvfs import backends
+    from dvfs.errors import GpuStateError
+    from dvfs.fleet import local
+
+    now = [0.0]
+    polls = [0]
+    release = threading.Event()
+    log: list[str] = []
+
+    class Worker:
+        def __init__(self, campaign: object, group: tuple[int, ...], **kw: object) -> None:
+            self.label = f"gpu{group[0]}"
+            self.open_close_error: BaseException | None = None
+
+        def notes_live(self, sink: object) -> None:
+            pass
+
+        def open(self) -> None:
+            if self.label == "gpu0":
+                now[0] = fail_at
+                raise GpuStateError("GPU 0 is held (test)")
+            while not release.wait(0.05):
+                if polls[0] >= 40:
+                    log.append("released by the polls")
+                    break
+            log.append("gpu1 opened")
+
+        def close(self) -> None:
+            log.append(f"{self.label} closed")
+
+    real_next = local.next_event
+
+    def next_event(events: Any) -> Any:
+        polls[0] += 1
+        if "refused" in log:  # the driver now waits for gpu1
+            now[0] += 600.0
+            poll(polls[0])
+        event = real_next(events)
+        if event is not None and event[0] == "error":
+            log.append("refused")
+        return event
+
+    monkeypatch.setattr(local, "Worker", Worker)
+    monkeypatch.setattr(local, "next_event", next_event)
+    monkeypatch.setattr(backends, "virtual_time", lambda campaign: False)
+    said: list[str] = []
+    fleet = types.SimpleNamespace(campaign=None, corpora=None, note=said.append, said=said)
+    executor = local.LocalExecutor(Path("out"))
+    executor.clock = lambda: now[0]
+    return executor, fleet, release, log
+
+
+@pytest.mark.parametrize(("fail_at", "bound"), [(0.0, 1800.0), (1900.0, 60.0)])
+def test_workers_still_opening_as_a_local_fleet_fails_get_ray_s_said_bounded_wait(
+    monkeypatch: pytest.MonkeyPatch, fail_at: float, bound: float
+) -> None:
+    """A local fleet: gpu0's open is refused while gpu1 is still inside `open`. The driver
+    waited for gpu1 to finish opening with no bound and no word (Ray's driver waits within
+    the opens' half hour, a minute past it at least, said in one note). It says the wait in
+    Ray's note and bounds it alike (virtual time): past the bound, the run fails in the
+    refusal's line with gpu1 still opening."""
+    from dvfs.errors import GpuStateError
+
+    executor, fleet, release, log = _one_refused_one_opening(monkeypatch, fail_at, lambda n: None)
+    try:
+        with pytest.raises(GpuStateError, match="GPU 0 is held"):
+            executor(fleet, [(0,), (1,)])  # type: ignore[arg-type]
+        assert "released by the polls" not in log and "gpu1 opened" not in log, log
+        from dvfs.fleet.local import opening_wait_note
+
+        assert fleet.said == [opening_wait_note("workers", bound, 1)], fleet.said
+        assert f"waiting up to {bound:g} s for the 1 still opening" in fleet.said[0]
+        assert executor.left_opening == ["gpu1"], executor.left_opening
+    finally:
+        release.set()
+
+
+def test_ctrl_c_while_a_local_fleet_waits_for_workers_still_opening_ends_in_the_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As Ray's: Ctrl-C while the driver waits for gpu1 still opening (gpu0's open refused)
+    stops the wait, and the run ends in the signal (130, the GPUs left changed named by the
+    sweep's interruption line), not in the refusal's line and code."""
+
+    def ctrl_c(n: int) -> None:
+        raise KeyboardInterrupt  # once the refusal is in: the driver is waiting for gpu1
+
+    executor, fleet, release, log = _one_refused_one_opening(monkeypatch, 0.0, ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            executor(fleet, [(0,), (1,)])  # type: ignore[arg-type]
+        assert "gpu1 opened" not in log and "released by the polls" not in log, log
+    finally:
+        release.set()
+
+
+def test_ctrl_c_while_a_local_fleet_waits_for_a_worker_opening_names_its_gpu_exit_130(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep of the wait above (fake NVML): gpu0's open is refused (a GPU held) while
+    gpu1's open has locked its SM clock and is still inside `open`; Ctrl-C as the driver
+    waits for it ends the run in 130, the interruption's line naming gpu1's GPU left changed
+    with the reset to run, not in the refusal's line and exit 3."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.errors import GpuStateError
+    from dvfs.fleet import local
+    from dvfs.gpu.knobs import KnobSetting
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    opened = Runner.open_session
+    locked = threading.Event()
+    release = threading.Event()
+
+    def open_session(self: Runner) -> None:
+        if self.gpus[0].identity.index == 0:
+            locked.wait()  # refused once gpu1 has changed its GPU
+            raise GpuStateError("GPU 0 is held by another dvfs (test)")
+        opened(self)
+        self.knobs.apply(KnobSetting(1500, None))
+        locked.set()
+        release.wait()
+
+    real_next = local.next_event
+
+    def next_event(events: Any) -> Any:
+        if "refused" in said:
+            raise KeyboardInterrupt  # Ctrl-C as the driver waits for gpu1
+        event = real_next(events)
+        if event is not None and event[0] == "error":
+            said.append("refused")
+        return event
+
+    said: list[str] = []
+    monkeypatch.setattr(Runner, "open_session", open_session)
+    monkeypatch.setattr(local, "next_event", next_event)
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    try:
+        result = dvfs_in_process(*argv, env=env)
+    finally:
+        release.set()
+    lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
+    uuid = nvml.fake_device_state(1)["uuid"]
+    named = [x for x in lines if uuid in x]
+    assert len(named) == 1 and "NOT fully restored" in named[0], result.stderr
+    assert "dvfs gpu reset" in named[0], named
+    assert "held by another dvfs" not in result.stderr, result.stderr
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_gpus_of_a_local_worker_left_opening_are_named_for_a_reset_now() -> None:
+    """The run failed, and the wait for a worker still opening was given up: its GPUs, kept
+    in their state files, were named as "a worker lost its GPU ...: run the reset once the
+    GPU answers again", which waits for nothing (it answers; its open may have set its
+    clocks). As Ray's line for an actor killed as it opened: the reset is for now."""
+    from dvfs.cli.sweep import _local_unrestored
+    from dvfs.fleet.ray_executor import KILLED_OPENING_RESET
+    from dvfs.gpu.safety import reset_command
+
+    line = _local_unrestored(["GPU-x"], Path("/s"), [], opening=True)
+    assert f"run {reset_command(Path('/s'))} now ({KILLED_OPENING_RESET})" in line, line
+    assert "answers again" not in line and "lost its GPU" not in line, line

@@ -302,28 +302,33 @@ def guard(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if _stdout_reader_gone():  # `dvfs ... | head`: stop quietly, as a SIGPIPE would
             _silence_stdout()
             sys.exit(1)  # as rich does for its own output
-        fail(describe_os_error(exc))
+        fail(describe_os_error(exc), _failure_code(exc))
     except OSError as exc:
         text = describe_os_error(exc)
         if _stdout_failed(exc):  # what it holds would fail again as the interpreter exits
             _silence_stdout()
-        fail(text)
+        fail(text, _failure_code(exc))
     except UnicodeError as exc:
-        fail(describe_unicode_error(exc))
-    except MemoryError:
+        fail(describe_unicode_error(exc), _failure_code(exc))
+    except MemoryError as exc:
         fail(
             f"out of memory working on {_inputs_text()}: the input is too large for this "
-            "machine; use a smaller input or a machine with more memory"
+            "machine; use a smaller input or a machine with more memory",
+            _failure_code(exc),
         )
     except RecursionError as exc:
         if not _path_params(files_only=True):
             _internal_error(exc)
-        fail(f"{_inputs_text()} is nested too deeply to read (a damaged file?); check the file")
+        fail(
+            f"{_inputs_text()} is nested too deeply to read (a damaged file?); check the file",
+            _failure_code(exc),
+        )
     except ImportError as exc:
         missing = exc.name or "a module"
         fail(
             f"cannot import {missing} ({exc}): install the package that provides it in this "
-            "environment, or reinstall dvfs"
+            "environment, or reinstall dvfs",
+            _failure_code(exc),
         )
     except Exception as exc:
         _internal_error(exc)
@@ -842,11 +847,15 @@ def _internal_error(exc: BaseException) -> NoReturn:
         # "... retries from the state file.": it read "file.; please")
         first = first[:-1]
     text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    # A bug in a restore beside one NVML refused for want of root, or a fleet's bug beside
-    # GPUs a refused restore left changed (`needs_root`): GPUs are left for root to put
-    # back, which 4 tells (README's exit codes); a 1 hid it.
-    code = 4 if getattr(exc, "needs_root", False) is True else 1
-    fail(f"internal error: {text}; {hint}", code)
+    fail(f"internal error: {text}; {hint}", _failure_code(exc))
+
+
+def _failure_code(exc: BaseException) -> int:
+    """The exit code of a failure that is not a dvfs error's (an internal error, an OSError):
+    1, but 4 where GPUs were left changed for root to put back (README's exit codes): a bug
+    in a restore beside one NVML refused for want of root, or a fleet's failure beside GPUs
+    a refused restore left changed (`needs_root`, `dvfs.cli.sweep._needs_root`); a 1 hid it."""
+    return 4 if getattr(exc, "needs_root", False) is True else 1
 
 
 def console(stderr: bool = False) -> Any:

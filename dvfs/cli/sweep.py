@@ -700,7 +700,10 @@ def run_fleet(
             kept = [uuid for uuid in kept if uuid not in str(exc)]
             if kept:
                 others = [e for e in errors if e is not exc]
-                err.print(_local_unrestored(kept, state_dir, others), soft_wrap=True)
+                opening = bool(getattr(run_on, "left_opening", ()))
+                err.print(
+                    _local_unrestored(kept, state_dir, others, opening=opening), soft_wrap=True
+                )
                 # A restore that needs root: exit 4, as a finished fleet's or one GPU's
                 # sweep; the refusal's 2 or 3 hid that root must put the GPUs back. The
                 # refusal's own line is still the last.
@@ -756,8 +759,8 @@ def run_fleet(
 
 def _needs_root(exc: Exception) -> None:
     """Make the line `exc` ends the run in exit 4: GPUs are left for root to put back
-    (README's exit codes). A dvfs error's code; a bug's internal error (`needs_root`, read by
-    `_internal_error`), which exited 1."""
+    (README's exit codes). A dvfs error's code; another's (an internal error, an OSError
+    the run failed in: `needs_root`, read by `dvfs.cli.common._failure_code`), which exited 1."""
     from dvfs.errors import DvfsError
 
     if isinstance(exc, DvfsError):
@@ -768,18 +771,53 @@ def _needs_root(exc: Exception) -> None:
 
 
 def _local_unrestored(
-    kept: Sequence[str], state_dir: Path | None, errors: Sequence[BaseException]
+    kept: Sequence[str],
+    state_dir: Path | None,
+    errors: Sequence[BaseException],
+    *,
+    opening: bool = False,
 ) -> str:
     """The line naming the GPUs a local fleet left changed (`kept`), why (the restores' own
-    errors, else a GPU lost) and the `dvfs gpu reset` to run, as markup."""
-    why = _restores_failed(errors) or (
-        f"a worker lost its GPU before it could put them back; run "
-        f"{_reset(state_dir)} once the GPU answers again"
-    )
-    return (
-        f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: {why} (state in "
-        f"{escape(str(state_dir))})."
-    )
+    errors, else a GPU lost) and the `dvfs gpu reset` to run (as root where NVML refused a
+    restore for want of root), as markup: a refused restore's in Ray's words
+    (`_not_restored`), less the node. `opening`: the run failed with workers still inside
+    `open` (their wait given up), whose GPUs answer: their reset is for now, as Ray's."""
+    state = f" (state in {escape(str(state_dir))})"
+    failed = _restores_failed(errors, reset=False)
+    if not failed and opening:
+        from dvfs.fleet.ray_executor import KILLED_OPENING_RESET
+
+        return (
+            f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: a worker was still "
+            "opening its GPUs as the run stopped waiting for it, which may have set their "
+            f"clocks or not yet; run {_reset(state_dir)} now ({KILLED_OPENING_RESET}){state}."
+        )
+    if not failed:
+        return (
+            f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: a worker lost its GPU "
+            f"before it could put them back; run {_reset(state_dir)} once the GPU answers "
+            f"again{state}."
+        )
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import RestoreBugError, restore_error_parts
+
+    resets: list[str] = []
+    for error in errors:  # the resets the restores' own lines named, each once
+        if isinstance(error, GpuError | RestoreBugError):
+            command = restore_error_parts(str(error))[1]
+            if command and command not in resets:
+                resets.append(command)
+    run = escape(" or ".join(resets)) if resets else _reset(state_dir)
+    root = " as root" if _root_refused(errors) else ""
+    return _not_restored(", ".join(kept), failed, f"{run}{root}", state)
+
+
+def _not_restored(where: str, failed: str, run: str, tail: str = "") -> str:
+    """The line (markup) naming the GPUs `where` whose restores failed, what they said
+    (`failed`), and the `dvfs gpu reset` to run (`run`: with " as root" where NVML refused one
+    for want of root): the local fleet's and Ray's alike (Ray's `where` and `run` name each
+    node)."""
+    return f"[red]GPU settings NOT restored[/red] for {where}: {failed}; run {run}{tail}."
 
 
 def _reset(state_dir: Path | None) -> str:
@@ -968,7 +1006,7 @@ def _ray_unrestored(
         )
     )
     if failed:
-        return f"[red]GPU settings NOT restored[/red] for {escape(where)}: {failed}; run {run}."
+        return _not_restored(escape(where), failed, run)
     if not killed:
         return (
             f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, "

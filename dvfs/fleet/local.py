@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +31,24 @@ from dvfs.fleet.worker import Worker
 #: also the longest a worker out of cells waits before looking at the queue again, though the
 #: driver wakes it at once when what it waits for may have changed.
 POLL_S = 0.2
+#: Seconds a fleet's workers have to open their GPUs, from the start (a Ray actor's open is
+#: given up after it: `dvfs.fleet.ray_executor`).
+OPEN_TIMEOUT_S = 1800.0
+#: Seconds the workers still opening as the run fails are waited for past the opens' own
+#: bound (`OPEN_TIMEOUT_S` from the start), so that they close, their GPUs restored, rather
+#: than be left inside `open` (Ray's actors killed there): after the opens' bound, which
+#: waited that long already, no further half hour.
+OPENING_GRACE_S = 60.0
+
+
+def opening_wait_note(workers: str, bound: float, opening: int) -> str:
+    """The one note a fleet whose run failed as its `workers` opened says as it waits up to
+    `bound` s for the `opening` still opening: the local fleet's and Ray's alike."""
+    return (
+        f"the run failed as the {workers} opened: waiting up to {bound:g} s for the {opening} "
+        "still opening their GPUs to finish, to close them (Ctrl-C stops waiting: their GPUs "
+        "are then named for `dvfs gpu reset`)"
+    )
 
 
 class VirtualPacer:
@@ -106,6 +125,11 @@ class LocalExecutor:
         self.close_errors: dict[str, BaseException] = {}
         #: The GPUs left changed that the line the run failed in names (`_reset_first`).
         self._said: list[str] = []
+        #: The clock the wait for workers still opening as the run fails is bounded by.
+        self.clock = time.monotonic
+        #: The workers still inside `open` once that wait was given up (their GPUs answer:
+        #: the line naming those left changed says to reset them now, as Ray's).
+        self.left_opening: list[str] = []
 
     def check_gpus(self, campaign: Campaign, groups: Sequence[Group]) -> None:
         """Refuse, before any worker opens its GPUs, what the workers' sessions would refuse
@@ -143,6 +167,9 @@ class LocalExecutor:
         from dvfs.backends import virtual_time
 
         paced: dict[str, VirtualPacer] = {}  # "pacer", set once the fleet is open (twin only)
+        #: The workers still inside `open`: waited for, within a bound, where the run fails.
+        opening = {w.label for w in workers}
+        opens_due = self.clock() + OPEN_TIMEOUT_S
 
         def body(worker: Worker) -> None:
             unit = None  # the cells in hand: one, or an in-flight group
@@ -152,7 +179,11 @@ class LocalExecutor:
             # announces takes its time.
             worker.notes_live(lambda message: events.put(("note", worker.label, message)))
             try:
-                events.put(("session", worker.label, worker.open()))
+                try:
+                    session = worker.open()
+                finally:
+                    opening.discard(worker.label)
+                events.put(("session", worker.label, session))
                 go.wait()
                 pacer = paced.get("pacer")
                 while not stop.is_set():
@@ -211,13 +242,26 @@ class LocalExecutor:
             labels = [w.label for w in workers]
             pacing = virtual_time(campaign)
             self._drive(fleet, events, go, labels, paced if pacing else None, news)
-        except BaseException:
+        except BaseException as exc:
+            failed_opening = not go.is_set()
             stop.set()
             go.set()
             with news:
                 news.notify_all()
             # Journal what the workers finish on their way out, then let the error go on.
-            self._drain(fleet, events, threads)
+            # Where the run failed as they opened (not a signal), those still opening are
+            # waited for as Ray's actors are: in one note, within the opens' own bound (a
+            # minute past it at least); a signal then stops the wait, and is what the run
+            # ends in (130 or 143), the GPUs left changed named, as Ray's.
+            due = None
+            if failed_opening and not _signal(exc):
+                bound = max(OPENING_GRACE_S, opens_due - self.clock())
+                due = self.clock() + bound
+                still = [w.label for w in workers if w.label in opening]
+                if still:
+                    fleet.note(opening_wait_note("workers", bound, len(still)))
+            self._drain(fleet, events, threads, opening=opening, due=due, clock=self.clock)
+            self.left_opening = [w.label for w in workers if w.label in opening]
             raise
 
     def _drive(
@@ -347,9 +391,24 @@ class LocalExecutor:
 
     @staticmethod
     def _drain(
-        fleet: Fleet, events: queue.Queue[tuple[Any, ...]], threads: list[threading.Thread]
+        fleet: Fleet,
+        events: queue.Queue[tuple[Any, ...]],
+        threads: list[threading.Thread],
+        *,
+        opening: set[str] | frozenset[str] = frozenset(),
+        due: float | None = None,
+        clock: Any = time.monotonic,
     ) -> None:
-        while any(t.is_alive() for t in threads) or not events.empty():
+        """Journal what the workers (`threads`) finish on their way out, until each has
+        closed; past `due` (of `clock`), those still inside `open` (`opening`) are no longer
+        waited for (the run fails in its line; their GPUs kept in their state files)."""
+
+        def waited(thread: threading.Thread) -> bool:
+            if not thread.is_alive():
+                return False
+            return due is None or clock() < due or thread.name[len("dvfs-") :] not in opening
+
+        while any(waited(t) for t in threads) or not events.empty():
             event = next_event(events)
             if event is None:
                 continue
@@ -370,6 +429,13 @@ def next_event(events: queue.Queue[tuple[Any, ...]]) -> tuple[Any, ...] | None:
             return events.get(timeout=POLL_S)
     except queue.Empty:
         return None
+
+
+def _signal(error: BaseException) -> bool:
+    """Whether `error` is a signal's (Ctrl-C, SIGTERM), not the run's failure."""
+    from dvfs.signals import Interrupted
+
+    return isinstance(error, KeyboardInterrupt | Interrupted)
 
 
 def _refusal(error: BaseException) -> bool:

@@ -36,7 +36,13 @@ from dvfs.backends import real_gpus, virtual_time
 from dvfs.errors import CampaignError, DvfsError, ServerReplacedError
 from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.driver import Fleet, bounded_why
-from dvfs.fleet.local import POLL_S, VirtualPacer
+from dvfs.fleet.local import (
+    OPEN_TIMEOUT_S,
+    OPENING_GRACE_S,
+    POLL_S,
+    VirtualPacer,
+    opening_wait_note,
+)
 from dvfs.measure.journal import resume_advice
 from dvfs.redact import redact_url
 from dvfs.signals import HANDLED, Interrupted
@@ -45,19 +51,16 @@ from dvfs.signals import HANDLED, Interrupted
 TWIN_RESOURCE = "twin_gpu"
 #: Ray's namespace for dvfs's actors (a test or an operator finds them there).
 NAMESPACE = "dvfs"
-#: Seconds an actor may take to open its GPUs and server before the run gives up.
-OPEN_TIMEOUT_S = 1800.0
+# `OPEN_TIMEOUT_S`: seconds an actor may take to open its GPUs and server before the run
+# gives up; `OPENING_GRACE_S`: seconds the actors placed and still opening as the run fails
+# are waited for past it (`RayExecutor._finish_opening`), so that they close rather than be
+# killed inside `open`; those still opening then are killed, their GPUs named for a reset
+# now. Both the local fleet's too (`dvfs.fleet.local`), which waits alike.
 #: Seconds the actors are given, all together, to close (stop their servers, restore their
 #: GPUs) before those that did not are killed, their GPUs named for `dvfs gpu reset`.
 CLOSE_TIMEOUT_S = 1800.0
 #: Seconds of waiting for the actors to start before a note says so.
 OPEN_NOTE_S = 30.0
-#: Seconds the actors placed and still opening as the run fails are waited for past the
-#: opens' own bound (`OPEN_TIMEOUT_S` from the start), so that they close rather than be
-#: killed inside `open` (`RayExecutor._finish_opening`): after an open timeout, which
-#: waited that long already, no further half hour; those still opening then are killed,
-#: their GPUs named for a reset now.
-OPENING_GRACE_S = 60.0
 #: How the GPUs of an actor killed inside its `open` are named (`_opening`): they never
 #: stopped answering, and its open may have set their clocks or not yet, so their reset is
 #: to run now, not "once the GPU answers again" (`killed_opening`).
@@ -916,11 +919,7 @@ class RayExecutor:
                 return None
             _, opening = ray.wait(placed, num_returns=len(placed), timeout=0)
             if opening:
-                fleet.note(
-                    f"the run failed as the Ray workers opened: waiting up to {bound:g} s for "
-                    f"the {len(opening)} still opening their GPUs to finish, to close them "
-                    "(Ctrl-C stops waiting: their GPUs are then named for `dvfs gpu reset`)"
-                )
+                fleet.note(opening_wait_note("Ray workers", bound, len(opening)))
                 ray.wait(opening, num_returns=len(opening), timeout=bound)
         except (KeyboardInterrupt, Interrupted) as exc:
             return exc
