@@ -261,16 +261,6 @@ def test_a_partial_list_of_ranks_refuses_nothing(tmp_path: Path) -> None:
     assert "runs at most 2 requests" in str(_check(tmp_path / "e", 8, [2], elastic_ep_backend=None))
 
 
-def test_a_split_over_attention_dp_in_each_replica_is_named_as_such(tmp_path: Path) -> None:
-    """dp_size 2 replicas of attn_dp_size 2 ranks: --max-running-requests 5 is split 2 to a
-    rank (4 ranks, 8 at once, below the largest batch 9), which is the split, not the KV
-    pool."""
-    said = str(_check(tmp_path, 9, [2, 2, 2, 2], max_running_requests=5, dp_size=2, attn_dp_size=2))
-    assert "runs at most 8 requests at once, below the largest batch 9" in said, said
-    assert "over its 2 attention DP ranks, 2 each in each of its 2 DP replicas" in said, said
-    assert "--max-running-requests 6 or more" in said and "KV pool" not in said, said
-
-
 @pytest.mark.slow
 def test_the_deprecated_dp_attention_spelling_splits_the_arg_too(tmp_path: Path) -> None:
     """0.5.23 turns `--dp-size 2 --enable-dp-attention` into attn_dp_size 2, dp_size 1

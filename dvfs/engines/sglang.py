@@ -1392,18 +1392,14 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
     attn = _count(args.get("attn_dp_size")) or 1
     running = _count(args.get("max_running_requests")) or 0
     split = max(1, running // attn)
+    # (0.5.23 refuses --dp-size replicas beside --attn-dp-size ranks, parallel_hook.py
+    # `handle_data_parallelism`, and 0.5.9 has no attn_dp_size: the ranks split are all
+    # the server's.)
     if attn > 1 and running and all(c == split for c in short):
-        replicas = ranks // attn
-        across = f" in each of its {replicas} DP replicas" if replicas > 1 else ""
         why = (
             f"its scheduler splits --max-running-requests {running} over its {attn} "
-            f"attention DP ranks, {split} each{across}"
+            f"attention DP ranks, {split} each"
         )
-        if replicas > 1:
-            return (
-                f"{said} ({why}): give it --max-running-requests {attn * need} or more, or "
-                "lower the largest batch"
-            )
         return f"{said} ({why}): make the largest batch a multiple of {attn}"
     return (
         f"{said} (its scheduler lowered --max-running-requests to what its KV pool or Mamba "
