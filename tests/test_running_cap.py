@@ -270,3 +270,43 @@ def test_the_deprecated_dp_attention_spelling_splits_the_arg_too(tmp_path: Path)
     code, said = _attached_sweep(tmp_path, *flags)
     assert code != 0, said
     assert "caps running requests at 3, below the largest batch 4" in said, said
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ['"--attn-dp-size", "2"', '"--attention-d=2"', '"--dp-size", "2", "--enable-dp-attention"'],
+)
+def test_dvfs_gives_each_attention_dp_rank_its_turn_of_an_odd_batch(
+    tmp_path: Path, extra: str
+) -> None:
+    """0.5.23 gives each of 2 attention DP ranks --max-running-requests // 2, and the DP
+    controller deals a batch of 5 to them in turn, 3 to one: the largest batch itself (2 a
+    rank) was refused by dvfs's own check of the server dvfs had started. dvfs gives 2 x 3."""
+    from sglang_support import load_stub
+
+    from dvfs.engines.sglang import running_cap_refusal
+    from dvfs.engines.sglang_args import launch_argv
+
+    stub = load_stub()
+    path, _ = stub_campaign(
+        tmp_path, batch="[1, 5]", sglang_extra=f"extra_args = [{extra}]", knobs="sm_clock = [1980]"
+    )
+    campaign = load_campaign(path)
+    argv = launch_argv(campaign, campaign.drafters[0], port=31000, version="0.5.23")
+    assert argv[argv.index("--max-running-requests") + 1] == "6", argv
+    start = argv.index("--model-path")
+    args, _ = stub.parse_launch_argv(argv[start:], stub.StubConfig(version="0.5.23"), None)
+    attn = int(args["attn_dp_size"])
+    assert attn == 2, args
+    caps = [max(1, int(args["max_running_requests"]) // attn)] * attn
+    assert running_cap_refusal(caps, 5, args) is None, caps
+
+
+def test_the_attention_dp_ranks_are_read_as_each_releases_argparse_reads_them() -> None:
+    from dvfs.engines.sglang_args import attention_dp_ranks
+
+    # Plain DP, a value that is no number, or a flag the release lacks: no split.
+    assert attention_dp_ranks(["--dp-size", "2"], legacy=False) == 1
+    assert attention_dp_ranks(["--attn-dp-size", "x"], legacy=False) == 1
+    assert attention_dp_ranks(["--attn-dp-size", "4"], legacy=True) == 1  # no such 0.5.9 flag
+    assert attention_dp_ranks(["--dp-size", "2", "--enable-dp-a"], legacy=True) == 2
