@@ -310,3 +310,70 @@ def test_the_attention_dp_ranks_are_read_as_each_releases_argparse_reads_them() 
     assert attention_dp_ranks(["--attn-dp-size", "x"], legacy=False) == 1
     assert attention_dp_ranks(["--attn-dp-size", "4"], legacy=True) == 1  # no such 0.5.9 flag
     assert attention_dp_ranks(["--dp-size", "2", "--enable-dp-a"], legacy=True) == 2
+
+
+def _pipeline_check(
+    tmp_path: Path, batch: int, states: list[dict[str, object]], **args: object
+) -> str | None:
+    """What `_check_resolved` says of a server with /server_info `states` and resolved `args`
+    over a plain one's, for the largest batch `batch` (None: it passes)."""
+    tmp_path.mkdir(exist_ok=True)
+    path, _ = stub_campaign(tmp_path, batch=f"[1, {batch}]", knobs="sm_clock = [1980]")
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    info = {
+        "model_path": campaign.engine.model,
+        "speculative_algorithm": None,
+        "max_running_requests": batch,
+        "attention_backend": "fa3",
+        **args,
+        "internal_states": states,
+    }
+    try:
+        engine._check_resolved(campaign.drafters[0], info)
+    except EngineError as refused:
+        return str(refused)
+    return None
+
+
+def test_pipeline_micro_batches_that_cannot_hold_the_batch_are_refused(tmp_path: Path) -> None:
+    """0.5.23's scheduler admits a request only while its running batch holds fewer than
+    pp_max_micro_batch_size (scheduler.py `get_num_allocatable_reqs`), which left unset is
+    max(1, max_running_requests // pp_size): 5 over 2 stages runs two micro-batches of 2, and
+    the fifth request of a batch of 5 queues, though the rank's cap (5) says it runs."""
+    cap = "effective_max_running_requests_per_dp"
+    two = {"pp_size": 2, "pp_async_batch_depth": 0}
+    said = _pipeline_check(tmp_path / "a", 5, [{cap: 5, "pp_max_micro_batch_size": 2}], **two)
+    assert said is not None and "runs at most 4 requests at once" in said, said
+    assert "--pp-max-micro-batch-size 3 or more" in said, said
+    # Worked out from the cap where the state does not say (the scheduler's default).
+    assert "at most 4" in str(_pipeline_check(tmp_path / "b", 5, [{cap: 5}], **two))
+    # A micro-batch per stage that holds its share passes, as an async depth's extra one does.
+    assert (
+        _pipeline_check(tmp_path / "c", 6, [{cap: 6, "pp_max_micro_batch_size": 3}], **two) is None
+    )
+    deep = {"pp_size": 2, "pp_async_batch_depth": 1}
+    assert (
+        _pipeline_check(tmp_path / "d", 5, [{cap: 5, "pp_max_micro_batch_size": 2}], **deep) is None
+    )
+    # Without pipeline parallelism the one running batch is capped by a given value too.
+    said = _pipeline_check(
+        tmp_path / "e", 4, [{cap: 4, "pp_max_micro_batch_size": 2}], pp_max_micro_batch_size=2
+    )
+    assert said is not None and "a batch of at most 2" in said, said
+    assert _pipeline_check(tmp_path / "f", 4, [{cap: 4}]) is None
+
+
+def test_dvfs_gives_each_pipeline_micro_batch_its_share_of_an_odd_batch(tmp_path: Path) -> None:
+    from dvfs.engines.sglang_args import launch_argv
+
+    for extra, want in (('"--pp-size", "2"', "6"), ('"--pi=3"', "6"), ('"--pp-size", "1"', "5")):
+        path, _ = stub_campaign(
+            tmp_path,
+            batch="[1, 5]",
+            sglang_extra=f"extra_args = [{extra}]",
+            knobs="sm_clock = [1980]",
+        )
+        campaign = load_campaign(path)
+        argv = launch_argv(campaign, campaign.drafters[0], port=31000, version="0.5.23")
+        assert argv[argv.index("--max-running-requests") + 1] == want, (extra, argv)

@@ -964,6 +964,8 @@ class SglangEngine:
         # batch would queue, in this arm alone where another has more memory (no draft).
         caps = rank_caps_of(info)
         refusal = None if caps is None else running_cap_refusal(caps, largest, args)
+        if refusal is None:
+            refusal = pipeline_cap_refusal(info, caps, largest, args)
         if refusal is not None:
             raise EngineError(f"{where} {refusal}{fix}")
         return self._check_kernels(drafter, args)
@@ -1405,6 +1407,54 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
         f"{said} (its scheduler lowered --max-running-requests to what its KV pool or Mamba "
         "state cache holds): give SGLang more memory for it (--mem-fraction-static, "
         "--max-mamba-cache-size in engine.sglang.extra_args) or lower the largest batch"
+    )
+
+
+def pipeline_cap_refusal(
+    info: dict[str, Any], caps: list[int] | None, largest: int, args: Mapping[str, Any]
+) -> str | None:
+    """Why a server's micro-batches cannot run the largest batch at once, after "the server",
+    from /server_info `info`, its ranks' `caps` (`rank_caps_of`) and resolved `args`; None
+    where they can, or where nothing says.
+
+    0.5.23's scheduler admits a request only while the running batch holds fewer than
+    `pp_max_micro_batch_size` (scheduler.py `get_num_allocatable_reqs`), whatever the
+    pipeline: with pipeline parallelism each of its pp_size + pp_async_batch_depth micro-
+    batches (scheduler_pp_mixin.py `init_pp_loop_state`) holds that many, and left unset it is
+    max(1, the rank's cap // pp_size) (scheduler.py), which a cap no multiple of pp_size
+    leaves short of the cap (5 over 2 stages runs 2 + 2); without it, the one running batch.
+    Each rank's value is its state's (`internal_states[i].pp_max_micro_batch_size`, the
+    resolved one), else the arg, else worked out from its cap; a rank is dealt up to
+    ceil(B / ranks) of a batch of B (`running_cap_refusal`, which also says why a list of
+    fewer ranks than run, or elastic EP's, refuses nothing)."""
+    states = info.get("internal_states")
+    ranks = len(states) if isinstance(states, list) else len(caps or [])
+    if args.get("elastic_ep_backend") not in (None, "none") or ranks < dp_ranks(args):
+        return None  # no count of the ranks that run (`running_cap_refusal`)
+    pp = _count(args.get("pp_size")) or 1
+    depth = args.get("pp_async_batch_depth")
+    depth = depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else 0
+    loop = pp + depth if pp > 1 else 1
+    given = _count(args.get("pp_max_micro_batch_size"))
+    micros: list[int] = []
+    for i in range(max(1, ranks)):
+        state = states[i] if isinstance(states, list) and i < len(states) else None
+        reported = _count(state.get("pp_max_micro_batch_size")) if isinstance(state, dict) else None
+        cap = caps[i] if caps is not None and i < len(caps) else None
+        micro = reported or given or (max(1, cap // pp) if cap is not None else None)
+        if micro is None:
+            return None
+        micros.append(micro)
+    need = -(-largest // max(1, ranks))
+    least = min(micros)
+    if loop * least >= need:
+        return None
+    where = f" in one of its {ranks} DP ranks" if ranks > 1 else ""
+    how = f"{loop} micro-batches of at most {least}" if loop > 1 else f"a batch of at most {least}"
+    return (
+        f"runs at most {loop * least} requests at once{where} ({how}, --pp-max-micro-batch-"
+        f"size), below the {need} a batch of {largest} gives it: give it "
+        f"--pp-max-micro-batch-size {-(-need // loop)} or more, or lower the largest batch"
     )
 
 

@@ -2,8 +2,8 @@
 
 - The three EAGLE numbers go together or not at all (SGLang asserts on a partial set).
 - `--max-running-requests` at least the largest batch: any speculative algorithm otherwise
-  caps it at 48 without saying so; under attention DP, rounded up to a multiple of the ranks,
-  which split it (`running_arg`).
+  caps it at 48 without saying so; under attention DP or pipeline parallelism, rounded up so
+  that the ranks and micro-batches that split it each hold their turn (`running_arg`).
 - CUDA graphs captured up to the largest batch: `--cuda-graph-max-bs` up to 0.5.9;
   0.5.23 split it into `--cuda-graph-max-bs-decode` / `-prefill`, and the old flag is then an
   ambiguous prefix that argparse rejects. Which one is read from `launch_server --help`,
@@ -866,14 +866,26 @@ def attention_dp_ranks(tokens: Sequence[str], *, legacy: bool) -> int:
         return 1
 
 
-def running_arg(largest: int, ranks: int) -> int:
-    """The --max-running-requests dvfs gives a server of `ranks` attention DP ranks so that
-    each rank holds its turn of the largest batch: the scheduler gives each rank
-    max_running_requests // ranks (0.5.23 kv_cache_configurator.py `resolve_max_num_reqs`),
-    and the DP controller deals a batch of B to them in turn, up to ceil(B / ranks) to one
-    (data_parallel_controller.py `round_robin_scheduler`), so B itself would leave a rank
-    short where B is no multiple of the ranks: ranks * ceil(B / ranks)."""
-    return ranks * -(-largest // ranks)
+def pipeline_stages(tokens: Sequence[str]) -> int:
+    """The pipeline-parallel size `tokens` (the extra_args) ask for as argparse reads them
+    (the last flag given); 1 where none is given or its value is not a number above 1."""
+    try:
+        return max(1, int(_last_value(tokens, PIPELINE_FLAGS_0523) or 1))
+    except ValueError:
+        return 1
+
+
+def running_arg(largest: int, ranks: int, stages: int = 1) -> int:
+    """The --max-running-requests dvfs gives a server of `ranks` attention DP ranks and
+    `stages` pipeline stages so that each rank holds its turn of the largest batch at once:
+    the scheduler gives each rank max_running_requests // ranks (0.5.23 kv_cache_configurator.py
+    `resolve_max_num_reqs`), and the DP controller deals a batch of B to them in turn, up to
+    ceil(B / ranks) to one (data_parallel_controller.py `round_robin_scheduler`); a rank's
+    pipeline runs its pp_size micro-batches of at most its share // pp_size each (scheduler.py
+    `pp_max_micro_batch_size`, `get_num_allocatable_reqs`). B itself would leave a rank, or a
+    micro-batch, short where B is no multiple of them: each rounded up to a whole turn."""
+    need = -(-largest // ranks)
+    return ranks * stages * -(-need // stages)
 
 
 def speculative_args(drafter: DrafterSpec) -> list[str]:
@@ -947,10 +959,11 @@ def launch_argv(
         *pinned,
         "--tp-size",
         str(campaign.engine.tp_size),
-        # the largest batch, rounded up to a whole turn of it for each attention DP rank
-        # (`running_arg`); CUDA graphs still to the largest batch, which no rank exceeds
+        # the largest batch, rounded up to a whole turn of it for each attention DP rank and
+        # pipeline micro-batch (`running_arg`); CUDA graphs still to the largest batch, which
+        # no rank exceeds
         "--max-running-requests",
-        str(running_arg(largest, attention_dp_ranks(extra, legacy=legacy))),
+        str(running_arg(largest, attention_dp_ranks(extra, legacy=legacy), pipeline_stages(extra))),
         graph_flag,
         str(largest),
         GRAPH_SIZES_FLAG[graph_flag],
