@@ -377,3 +377,50 @@ def test_dvfs_gives_each_pipeline_micro_batch_its_share_of_an_odd_batch(tmp_path
         campaign = load_campaign(path)
         argv = launch_argv(campaign, campaign.drafters[0], port=31000, version="0.5.23")
         assert argv[argv.index("--max-running-requests") + 1] == want, (extra, argv)
+
+
+def test_a_server_dealing_its_dp_ranks_requests_by_load_is_refused(tmp_path: Path) -> None:
+    """0.5.23's "total_requests" and "total_tokens" deal each request to the rank whose load
+    snapshot, read at most every 20 ms (data_parallel_controller.py `refresh_load_budget`),
+    looks least: which rank runs which request hangs on each arm's timing, and a rank may be
+    dealt more than its turn. Only round_robin ("auto" outside a PD prefill server) deals
+    alike; one rank deals nothing."""
+    for method in ("total_requests", "total_tokens", "follow_bootstrap_room"):
+        said = _check(tmp_path / method, 4, [2, 2], dp_size=2, load_balance_method=method)
+        assert said is not None and f"--load-balance-method {method}, not in turn" in said, said
+        assert "remove --load-balance-method from the extra_args" in said, said
+    for method in ("round_robin", "auto"):
+        assert _check(tmp_path / method, 4, [2, 2], dp_size=2, load_balance_method=method) is None
+    assert _check(tmp_path / "one", 4, [4], load_balance_method="total_requests") is None
+    prefill = {"load_balance_method": "auto", "disaggregation_mode": "prefill"}
+    assert "by --load-balance-method auto" in str(
+        _check(tmp_path / "pd", 4, [2, 2], dp_size=2, **prefill)
+    )
+
+
+def test_dvfs_gives_a_server_of_several_dp_ranks_round_robin(tmp_path: Path) -> None:
+    from sglang_support import load_stub
+
+    from dvfs.engines.sglang_args import launch_argv
+
+    stub = load_stub()
+    for extra, given in (
+        ('"--dp-size", "2"', True),
+        ('"--attn-dp-size", "2"', True),
+        ('"--dp-size", "2", "--enable-dp-attention"', True),
+        ('"--dp-size", "1"', False),
+        ("", False),
+    ):
+        path, _ = stub_campaign(
+            tmp_path,
+            batch="[1, 4]",
+            sglang_extra=f"extra_args = [{extra}]",
+            knobs="sm_clock = [1980]",
+        )
+        campaign = load_campaign(path)
+        argv = launch_argv(campaign, campaign.drafters[0], port=31000, version="0.5.23")
+        assert ("--load-balance-method" in argv) is given, (extra, argv)
+        if given:
+            assert argv[argv.index("--load-balance-method") + 1] == "round_robin", argv
+            start = argv.index("--model-path")
+            stub.parse_launch_argv(argv[start:], stub.StubConfig(version="0.5.23"), None)

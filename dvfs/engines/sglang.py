@@ -960,6 +960,15 @@ class SglangEngine:
                 f"{where} caps running requests at {running}{across}, below the largest batch "
                 f"{largest}{fix}"
             )
+        dealt = load_balance_refusal(args)
+        if dealt is not None:
+            how = (
+                "; start it with --load-balance-method round_robin" + fix
+                if attached
+                else "; remove --load-balance-method from the extra_args (dvfs gives a server "
+                "of several DP ranks round_robin)"
+            )
+            raise EngineError(f"{where} {dealt}{how}")
         # Its scheduler may run fewer than the arg says (`rank_caps_of`): the rest of each
         # batch would queue, in this arm alone where another has more memory (no draft).
         caps = rank_caps_of(info)
@@ -1356,9 +1365,11 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
 
     The DP controller deals requests to its ranks in turn, whatever each rank's cap
     (managers/data_parallel_controller.py `round_robin_scheduler`, the method "auto" resolves
-    to outside PD disaggregation; "total_requests" evens the ranks' counts alike): a batch of
-    B over N ranks hands ceil(B / N) to a rank, whichever rank the turn starts at, so every
-    rank must run that many or one queues (a sum of [4, 2] holds 6, yet 3 go to each).
+    to outside PD disaggregation, and the one dvfs holds servers of several ranks to,
+    `load_balance_refusal`): a batch of B over N ranks hands ceil(B / N) to a rank, whichever
+    rank the turn starts at, so every rank must run that many or one queues (a sum of [4, 2]
+    holds 6, yet 3 go to each). ("total_requests" and "total_tokens" deal by load snapshots
+    instead, which no turn bounds.)
 
     With elastic EP (`elastic_ep_backend`) the ranks change while the server runs, and once
     it scales, /server_info asks only each attention DP group's first rank
@@ -1407,6 +1418,37 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
         f"{said} (its scheduler lowered --max-running-requests to what its KV pool or Mamba "
         "state cache holds): give SGLang more memory for it (--mem-fraction-static, "
         "--max-mamba-cache-size in engine.sglang.extra_args) or lower the largest batch"
+    )
+
+
+#: The DP controller's methods that deal requests in turn (0.5.23 data_parallel_controller.py
+#: `round_robin_scheduler`); "auto" resolves to it outside a PD prefill server
+#: (serving_hook.py `handle_load_balance_method`).
+ROUND_ROBIN = "round_robin"
+
+
+def load_balance_refusal(args: Mapping[str, Any]) -> str | None:
+    """Why a server's DP controller deals requests to its ranks other than in turn, after
+    "the server", from its resolved `args`; None where it has one rank, deals in turn, or
+    the args do not say.
+
+    "total_requests" and "total_tokens" send each request to the rank whose load looks least
+    (data_parallel_controller.py `DPBudget.dispatch`), from the ranks' load snapshots, read
+    at most every 20 ms (`refresh_load_budget`, on time.perf_counter) and counted up between
+    reads: which rank runs which request, and how many one runs, hang on when the snapshots
+    were taken, so on each arm's timing (a drafter's steps are other lengths), and a rank
+    may be dealt more than its turn of a batch and queue it where the caps say it runs
+    (`running_cap_refusal`); "follow_bootstrap_room" (a PD prefill server's) deals by each
+    request's bootstrap room. Only "round_robin" deals alike in every arm."""
+    method = args.get("load_balance_method")
+    if not isinstance(method, str) or dp_ranks(args) < 2:
+        return None
+    if method == ROUND_ROBIN or (method == "auto" and args.get("disaggregation_mode") != "prefill"):
+        return None
+    return (
+        f"deals requests to its {dp_ranks(args)} DP ranks by --load-balance-method {method}, "
+        "not in turn: by load snapshots its DP controller reads on a timer, so which rank runs "
+        "which request (and whether one queues) hangs on each arm's timing"
     )
 
 

@@ -866,6 +866,21 @@ def attention_dp_ranks(tokens: Sequence[str], *, legacy: bool) -> int:
         return 1
 
 
+def load_balance_args(tokens: Sequence[str], *, legacy: bool) -> list[str]:
+    """`--load-balance-method round_robin` for a server of several DP ranks (`tokens`: the
+    extra_args; plain --dp-size replicas, or attention DP ranks), so that its DP controller
+    deals each arm's requests to its ranks in turn and not by load snapshots read on a timer
+    (`dvfs.engines.sglang.load_balance_refusal`); nothing for one rank, whose argv stays as
+    it was. Both releases have the flag and the choice (their option tables)."""
+    try:
+        plain = int(_last_value(tokens, DP_SIZE_FLAGS) or 1)
+    except ValueError:
+        plain = 1
+    if plain < 2 and attention_dp_ranks(tokens, legacy=legacy) < 2:
+        return []
+    return ["--load-balance-method", "round_robin"]
+
+
 def pipeline_stages(tokens: Sequence[str]) -> int:
     """The pipeline-parallel size `tokens` (the extra_args) ask for as argparse reads them
     (the last flag given); 1 where none is given or its value is not a number above 1."""
@@ -970,6 +985,7 @@ def launch_argv(
         *(str(b) for b in graph_batch_sizes(campaign.workload.batch_sizes)),
         *(["--disable-overlap-schedule"] if overlap.pin else []),
         *admission_hold_args(campaign, legacy=legacy, help_text=help_text),
+        *load_balance_args(extra, legacy=legacy),
         "--enable-metrics",
         # one seed for every drafter's server: SGLang draws a random one at each start
         "--random-seed",
