@@ -424,3 +424,38 @@ def test_dvfs_gives_a_server_of_several_dp_ranks_round_robin(tmp_path: Path) -> 
             assert argv[argv.index("--load-balance-method") + 1] == "round_robin", argv
             start = argv.index("--model-path")
             stub.parse_launch_argv(argv[start:], stub.StubConfig(version="0.5.23"), None)
+
+
+def test_a_closed_loop_over_several_dp_ranks_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A closed loop's replacement request goes to the DP controller's next rank in turn,
+    not to the rank whose request finished: each rank's share drifts, and one may queue."""
+    path, _ = stub_campaign(
+        tmp_path,
+        batch="[1, 4]",
+        knobs="sm_clock = [1980]",
+        workload_extra='mode = "closed-loop"\nignore_eos = true\npool_size = 40',
+    )
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+
+    def info(**args: object) -> dict[str, object]:
+        caps = [4] * (2 if args.get("dp_size") == 2 else 1)
+        return {
+            "model_path": campaign.engine.model,
+            "speculative_algorithm": None,
+            "max_running_requests": 4,
+            "attention_backend": "fa3",
+            **args,
+            "internal_states": [{"effective_max_running_requests_per_dp": c} for c in caps],
+        }
+
+    with caplog.at_level("WARNING"):
+        engine._check_resolved(campaign.drafters[0], info(dp_size=1))
+    assert "closed loop" not in caplog.text
+    with caplog.at_level("WARNING"):
+        engine._check_resolved(campaign.drafters[0], info(dp_size=2))
+    said = [r.getMessage() for r in caplog.records if "closed loop" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "runs 2 DP ranks" in said[0] and "next rank in turn" in said[0], said

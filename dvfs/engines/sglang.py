@@ -977,6 +977,9 @@ class SglangEngine:
             refusal = pipeline_cap_refusal(info, caps, largest, args)
         if refusal is not None:
             raise EngineError(f"{where} {refusal}{fix}")
+        drift = closed_loop_drift(self.campaign.workload.mode, args)
+        if drift is not None:
+            log.warning("%s %s", where, drift)
         return self._check_kernels(drafter, args)
 
     def _gpus_now(self) -> list[GpuProcesses] | None:
@@ -1449,6 +1452,25 @@ def load_balance_refusal(args: Mapping[str, Any]) -> str | None:
         f"deals requests to its {dp_ranks(args)} DP ranks by --load-balance-method {method}, "
         "not in turn: by load snapshots its DP controller reads on a timer, so which rank runs "
         "which request (and whether one queues) hangs on each arm's timing"
+    )
+
+
+def closed_loop_drift(mode: str, args: Mapping[str, Any]) -> str | None:
+    """What a closed-loop workload (`mode`) cannot hold on a server of several DP ranks, after
+    "the server", from its resolved `args`; None for a fixed batch or one rank. A finished
+    request's replacement goes to the DP controller's next rank in turn
+    (data_parallel_controller.py `round_robin_scheduler`), not to the rank it finished on,
+    so how many each rank runs drifts from B / ranks with the order requests finish in,
+    which each arm's steps change, and a rank may be dealt more than its cap (queued, unseen
+    by the caps checked at start): the batch is held whole, each rank's share of it not."""
+    ranks = dp_ranks(args)
+    if mode != "closed-loop" or ranks < 2:
+        return None
+    return (
+        f"runs {ranks} DP ranks: a closed loop keeps the batch in flight over them, but each "
+        "replacement goes to the next rank in turn, so each rank's share drifts with the "
+        "order requests finish in (each arm's own) and one may queue unseen; measure a "
+        "fixed batch (workload.mode) to hold each rank's share"
     )
 
 
