@@ -113,7 +113,7 @@ def test_a_cap_split_over_attention_dp_ranks_is_named_as_such(tmp_path: Path) ->
     split = refusal(4, 4)
     assert "runs at most 8 requests at once, below the largest batch 9" in split, split
     assert "over its 2 attention DP ranks, 4 each" in split, split
-    assert "multiple of 2" in split and "KV pool" not in split, split
+    assert "--max-running-requests 10 or more" in split and "KV pool" not in split, split
     assert "KV pool" in refusal(4, 3) and "KV pool" in refusal(5)
     assert running(marker) == []
 
@@ -459,3 +459,12 @@ def test_a_closed_loop_over_several_dp_ranks_is_warned_of(
     said = [r.getMessage() for r in caplog.records if "closed loop" in r.getMessage()]
     assert len(said) == 1 and "\n" not in said[0], said
     assert "runs 2 DP ranks" in said[0] and "next rank in turn" in said[0], said
+
+
+def test_an_attention_dp_split_is_told_the_arg_that_holds_each_turn(tmp_path: Path) -> None:
+    """--max-running-requests 4 over 3 attention DP ranks runs 1 a rank; a batch of 4 deals
+    up to 2 to one. A largest batch that is a multiple of 3 (6) would still queue: the arg
+    that holds every turn is 3 x 2."""
+    said = str(_check(tmp_path, 4, [1, 1, 1], max_running_requests=4, attn_dp_size=3))
+    assert "over its 3 attention DP ranks, 1 each" in said, said
+    assert "give it --max-running-requests 6 or more" in said and "multiple" not in said, said

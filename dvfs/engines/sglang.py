@@ -1416,7 +1416,8 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
             f"its scheduler splits --max-running-requests {running} over its {attn} "
             f"attention DP ranks, {split} each"
         )
-        return f"{said} ({why}): make the largest batch a multiple of {attn}"
+        # (a multiple of the ranks as the batch is no remedy where the arg is below it)
+        return f"{said} ({why}): give it --max-running-requests {attn * need} or more"
     return (
         f"{said} (its scheduler lowered --max-running-requests to what its KV pool or Mamba "
         "state cache holds): give SGLang more memory for it (--mem-fraction-static, "
