@@ -113,7 +113,7 @@ def test_a_cap_split_over_attention_dp_ranks_is_named_as_such(tmp_path: Path) ->
     split = refusal(4, 4)
     assert "runs at most 8 requests at once, below the largest batch 9" in split, split
     assert "over its 2 attention DP ranks, 4 each" in split, split
-    assert "multiple of 2" in split and "KV pool" not in split, split
+    assert "--max-running-requests 10 or more" in split and "KV pool" not in split, split
     assert "KV pool" in refusal(4, 3) and "KV pool" in refusal(5)
     assert running(marker) == []
 
@@ -261,16 +261,6 @@ def test_a_partial_list_of_ranks_refuses_nothing(tmp_path: Path) -> None:
     assert "runs at most 2 requests" in str(_check(tmp_path / "e", 8, [2], elastic_ep_backend=None))
 
 
-def test_a_split_over_attention_dp_in_each_replica_is_named_as_such(tmp_path: Path) -> None:
-    """dp_size 2 replicas of attn_dp_size 2 ranks: --max-running-requests 5 is split 2 to a
-    rank (4 ranks, 8 at once, below the largest batch 9), which is the split, not the KV
-    pool."""
-    said = str(_check(tmp_path, 9, [2, 2, 2, 2], max_running_requests=5, dp_size=2, attn_dp_size=2))
-    assert "runs at most 8 requests at once, below the largest batch 9" in said, said
-    assert "over its 2 attention DP ranks, 2 each in each of its 2 DP replicas" in said, said
-    assert "--max-running-requests 6 or more" in said and "KV pool" not in said, said
-
-
 @pytest.mark.slow
 def test_the_deprecated_dp_attention_spelling_splits_the_arg_too(tmp_path: Path) -> None:
     """0.5.23 turns `--dp-size 2 --enable-dp-attention` into attn_dp_size 2, dp_size 1
@@ -280,3 +270,201 @@ def test_the_deprecated_dp_attention_spelling_splits_the_arg_too(tmp_path: Path)
     code, said = _attached_sweep(tmp_path, *flags)
     assert code != 0, said
     assert "caps running requests at 3, below the largest batch 4" in said, said
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ['"--attn-dp-size", "2"', '"--attention-d=2"', '"--dp-size", "2", "--enable-dp-attention"'],
+)
+def test_dvfs_gives_each_attention_dp_rank_its_turn_of_an_odd_batch(
+    tmp_path: Path, extra: str
+) -> None:
+    """0.5.23 gives each of 2 attention DP ranks --max-running-requests // 2, and the DP
+    controller deals a batch of 5 to them in turn, 3 to one: the largest batch itself (2 a
+    rank) was refused by dvfs's own check of the server dvfs had started. dvfs gives 2 x 3."""
+    from sglang_support import load_stub
+
+    from dvfs.engines.sglang import running_cap_refusal
+    from dvfs.engines.sglang_args import launch_argv
+
+    stub = load_stub()
+    path, _ = stub_campaign(
+        tmp_path, batch="[1, 5]", sglang_extra=f"extra_args = [{extra}]", knobs="sm_clock = [1980]"
+    )
+    campaign = load_campaign(path)
+    argv = launch_argv(campaign, campaign.drafters[0], port=31000, version="0.5.23")
+    assert argv[argv.index("--max-running-requests") + 1] == "6", argv
+    start = argv.index("--model-path")
+    args, _ = stub.parse_launch_argv(argv[start:], stub.StubConfig(version="0.5.23"), None)
+    attn = int(args["attn_dp_size"])
+    assert attn == 2, args
+    caps = [max(1, int(args["max_running_requests"]) // attn)] * attn
+    assert running_cap_refusal(caps, 5, args) is None, caps
+
+
+def test_the_attention_dp_ranks_are_read_as_each_releases_argparse_reads_them() -> None:
+    from dvfs.engines.sglang_args import attention_dp_ranks
+
+    # Plain DP, a value that is no number, or a flag the release lacks: no split.
+    assert attention_dp_ranks(["--dp-size", "2"], legacy=False) == 1
+    assert attention_dp_ranks(["--attn-dp-size", "x"], legacy=False) == 1
+    assert attention_dp_ranks(["--attn-dp-size", "4"], legacy=True) == 1  # no such 0.5.9 flag
+    assert attention_dp_ranks(["--dp-size", "2", "--enable-dp-a"], legacy=True) == 2
+
+
+def _pipeline_check(
+    tmp_path: Path, batch: int, states: list[dict[str, object]], **args: object
+) -> str | None:
+    """What `_check_resolved` says of a server with /server_info `states` and resolved `args`
+    over a plain one's, for the largest batch `batch` (None: it passes)."""
+    tmp_path.mkdir(exist_ok=True)
+    path, _ = stub_campaign(tmp_path, batch=f"[1, {batch}]", knobs="sm_clock = [1980]")
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    info = {
+        "model_path": campaign.engine.model,
+        "speculative_algorithm": None,
+        "max_running_requests": batch,
+        "attention_backend": "fa3",
+        **args,
+        "internal_states": states,
+    }
+    try:
+        engine._check_resolved(campaign.drafters[0], info)
+    except EngineError as refused:
+        return str(refused)
+    return None
+
+
+def test_pipeline_micro_batches_that_cannot_hold_the_batch_are_refused(tmp_path: Path) -> None:
+    """0.5.23's scheduler admits a request only while its running batch holds fewer than
+    pp_max_micro_batch_size (scheduler.py `get_num_allocatable_reqs`), which left unset is
+    max(1, max_running_requests // pp_size): 5 over 2 stages runs two micro-batches of 2, and
+    the fifth request of a batch of 5 queues, though the rank's cap (5) says it runs."""
+    cap = "effective_max_running_requests_per_dp"
+    two = {"pp_size": 2, "pp_async_batch_depth": 0}
+    said = _pipeline_check(tmp_path / "a", 5, [{cap: 5, "pp_max_micro_batch_size": 2}], **two)
+    assert said is not None and "runs at most 4 requests at once" in said, said
+    assert "--pp-max-micro-batch-size 3 or more" in said, said
+    # Worked out from the cap where the state does not say (the scheduler's default).
+    assert "at most 4" in str(_pipeline_check(tmp_path / "b", 5, [{cap: 5}], **two))
+    # A micro-batch per stage that holds its share passes, as an async depth's extra one does.
+    assert (
+        _pipeline_check(tmp_path / "c", 6, [{cap: 6, "pp_max_micro_batch_size": 3}], **two) is None
+    )
+    deep = {"pp_size": 2, "pp_async_batch_depth": 1}
+    assert (
+        _pipeline_check(tmp_path / "d", 5, [{cap: 5, "pp_max_micro_batch_size": 2}], **deep) is None
+    )
+    # Without pipeline parallelism the one running batch is capped by a given value too.
+    said = _pipeline_check(
+        tmp_path / "e", 4, [{cap: 4, "pp_max_micro_batch_size": 2}], pp_max_micro_batch_size=2
+    )
+    assert said is not None and "a batch of at most 2" in said, said
+    assert _pipeline_check(tmp_path / "f", 4, [{cap: 4}]) is None
+
+
+def test_dvfs_gives_each_pipeline_micro_batch_its_share_of_an_odd_batch(tmp_path: Path) -> None:
+    from dvfs.engines.sglang_args import launch_argv
+
+    for extra, want in (('"--pp-size", "2"', "6"), ('"--pi=3"', "6"), ('"--pp-size", "1"', "5")):
+        path, _ = stub_campaign(
+            tmp_path,
+            batch="[1, 5]",
+            sglang_extra=f"extra_args = [{extra}]",
+            knobs="sm_clock = [1980]",
+        )
+        campaign = load_campaign(path)
+        argv = launch_argv(campaign, campaign.drafters[0], port=31000, version="0.5.23")
+        assert argv[argv.index("--max-running-requests") + 1] == want, (extra, argv)
+
+
+def test_a_server_dealing_its_dp_ranks_requests_by_load_is_refused(tmp_path: Path) -> None:
+    """0.5.23's "total_requests" and "total_tokens" deal each request to the rank whose load
+    snapshot, read at most every 20 ms (data_parallel_controller.py `refresh_load_budget`),
+    looks least: which rank runs which request hangs on each arm's timing, and a rank may be
+    dealt more than its turn. Only round_robin ("auto" outside a PD prefill server) deals
+    alike; one rank deals nothing."""
+    for method in ("total_requests", "total_tokens", "follow_bootstrap_room"):
+        said = _check(tmp_path / method, 4, [2, 2], dp_size=2, load_balance_method=method)
+        assert said is not None and f"--load-balance-method {method}, not in turn" in said, said
+        assert "remove --load-balance-method from the extra_args" in said, said
+    for method in ("round_robin", "auto"):
+        assert _check(tmp_path / method, 4, [2, 2], dp_size=2, load_balance_method=method) is None
+    assert _check(tmp_path / "one", 4, [4], load_balance_method="total_requests") is None
+    prefill = {"load_balance_method": "auto", "disaggregation_mode": "prefill"}
+    assert "by --load-balance-method auto" in str(
+        _check(tmp_path / "pd", 4, [2, 2], dp_size=2, **prefill)
+    )
+
+
+def test_dvfs_gives_a_server_of_several_dp_ranks_round_robin(tmp_path: Path) -> None:
+    from sglang_support import load_stub
+
+    from dvfs.engines.sglang_args import launch_argv
+
+    stub = load_stub()
+    for extra, given in (
+        ('"--dp-size", "2"', True),
+        ('"--attn-dp-size", "2"', True),
+        ('"--dp-size", "2", "--enable-dp-attention"', True),
+        ('"--dp-size", "1"', False),
+        ("", False),
+    ):
+        path, _ = stub_campaign(
+            tmp_path,
+            batch="[1, 4]",
+            sglang_extra=f"extra_args = [{extra}]",
+            knobs="sm_clock = [1980]",
+        )
+        campaign = load_campaign(path)
+        argv = launch_argv(campaign, campaign.drafters[0], port=31000, version="0.5.23")
+        assert ("--load-balance-method" in argv) is given, (extra, argv)
+        if given:
+            assert argv[argv.index("--load-balance-method") + 1] == "round_robin", argv
+            start = argv.index("--model-path")
+            stub.parse_launch_argv(argv[start:], stub.StubConfig(version="0.5.23"), None)
+
+
+def test_a_closed_loop_over_several_dp_ranks_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A closed loop's replacement request goes to the DP controller's next rank in turn,
+    not to the rank whose request finished: each rank's share drifts, and one may queue."""
+    path, _ = stub_campaign(
+        tmp_path,
+        batch="[1, 4]",
+        knobs="sm_clock = [1980]",
+        workload_extra='mode = "closed-loop"\nignore_eos = true\npool_size = 40',
+    )
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+
+    def info(**args: object) -> dict[str, object]:
+        caps = [4] * (2 if args.get("dp_size") == 2 else 1)
+        return {
+            "model_path": campaign.engine.model,
+            "speculative_algorithm": None,
+            "max_running_requests": 4,
+            "attention_backend": "fa3",
+            **args,
+            "internal_states": [{"effective_max_running_requests_per_dp": c} for c in caps],
+        }
+
+    with caplog.at_level("WARNING"):
+        engine._check_resolved(campaign.drafters[0], info(dp_size=1))
+    assert "closed loop" not in caplog.text
+    with caplog.at_level("WARNING"):
+        engine._check_resolved(campaign.drafters[0], info(dp_size=2))
+    said = [r.getMessage() for r in caplog.records if "closed loop" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "runs 2 DP ranks" in said[0] and "next rank in turn" in said[0], said
+
+
+def test_an_attention_dp_split_is_told_the_arg_that_holds_each_turn(tmp_path: Path) -> None:
+    """--max-running-requests 4 over 3 attention DP ranks runs 1 a rank; a batch of 4 deals
+    up to 2 to one. A largest batch that is a multiple of 3 (6) would still queue: the arg
+    that holds every turn is 3 x 2."""
+    said = str(_check(tmp_path, 4, [1, 1, 1], max_running_requests=4, attn_dp_size=3))
+    assert "over its 3 attention DP ranks, 1 each" in said, said
+    assert "give it --max-running-requests 6 or more" in said and "multiple" not in said, said

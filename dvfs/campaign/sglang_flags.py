@@ -29,7 +29,11 @@ MANAGED_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--attention-backend",), "engine.sglang.attention_backend"),
     (("--prefill-attention-backend",), "engine.sglang.attention_backend"),
     (("--decode-attention-backend",), "engine.sglang.attention_backend"),
-    (("--max-running-requests",), "workload.batch (dvfs sets it to the largest batch)"),
+    (
+        ("--max-running-requests",),
+        "workload.batch (dvfs sets it to the largest batch, rounded up to a whole turn for each "
+        "attention DP rank and pipeline micro-batch)",
+    ),
     (("--cuda-graph-max-bs",), "workload.batch (dvfs sets it to the largest batch)"),
     (("--cuda-graph-max-bs-decode",), "workload.batch (dvfs sets it to the largest batch)"),
     (("--cuda-graph-bs",), "workload.batch (dvfs captures a CUDA graph for each batch)"),

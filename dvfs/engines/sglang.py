@@ -960,12 +960,26 @@ class SglangEngine:
                 f"{where} caps running requests at {running}{across}, below the largest batch "
                 f"{largest}{fix}"
             )
+        dealt = load_balance_refusal(args)
+        if dealt is not None:
+            how = (
+                "; start it with --load-balance-method round_robin" + fix
+                if attached
+                else "; remove --load-balance-method from the extra_args (dvfs gives a server "
+                "of several DP ranks round_robin)"
+            )
+            raise EngineError(f"{where} {dealt}{how}")
         # Its scheduler may run fewer than the arg says (`rank_caps_of`): the rest of each
         # batch would queue, in this arm alone where another has more memory (no draft).
         caps = rank_caps_of(info)
         refusal = None if caps is None else running_cap_refusal(caps, largest, args)
+        if refusal is None:
+            refusal = pipeline_cap_refusal(info, caps, largest, args)
         if refusal is not None:
             raise EngineError(f"{where} {refusal}{fix}")
+        drift = closed_loop_drift(self.campaign.workload.mode, args)
+        if drift is not None:
+            log.warning("%s %s", where, drift)
         return self._check_kernels(drafter, args)
 
     def _gpus_now(self) -> list[GpuProcesses] | None:
@@ -1354,9 +1368,11 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
 
     The DP controller deals requests to its ranks in turn, whatever each rank's cap
     (managers/data_parallel_controller.py `round_robin_scheduler`, the method "auto" resolves
-    to outside PD disaggregation; "total_requests" evens the ranks' counts alike): a batch of
-    B over N ranks hands ceil(B / N) to a rank, whichever rank the turn starts at, so every
-    rank must run that many or one queues (a sum of [4, 2] holds 6, yet 3 go to each).
+    to outside PD disaggregation, and the one dvfs holds servers of several ranks to,
+    `load_balance_refusal`): a batch of B over N ranks hands ceil(B / N) to a rank, whichever
+    rank the turn starts at, so every rank must run that many or one queues (a sum of [4, 2]
+    holds 6, yet 3 go to each). ("total_requests" and "total_tokens" deal by load snapshots
+    instead, which no turn bounds.)
 
     With elastic EP (`elastic_ep_backend`) the ranks change while the server runs, and once
     it scales, /server_info asks only each attention DP group's first rank
@@ -1392,23 +1408,118 @@ def running_cap_refusal(caps: list[int], largest: int, args: Mapping[str, Any]) 
     attn = _count(args.get("attn_dp_size")) or 1
     running = _count(args.get("max_running_requests")) or 0
     split = max(1, running // attn)
+    # (0.5.23 refuses --dp-size replicas beside --attn-dp-size ranks, parallel_hook.py
+    # `handle_data_parallelism`, and 0.5.9 has no attn_dp_size: the ranks split are all
+    # the server's.)
     if attn > 1 and running and all(c == split for c in short):
-        replicas = ranks // attn
-        across = f" in each of its {replicas} DP replicas" if replicas > 1 else ""
         why = (
             f"its scheduler splits --max-running-requests {running} over its {attn} "
-            f"attention DP ranks, {split} each{across}"
+            f"attention DP ranks, {split} each"
         )
-        if replicas > 1:
-            return (
-                f"{said} ({why}): give it --max-running-requests {attn * need} or more, or "
-                "lower the largest batch"
-            )
-        return f"{said} ({why}): make the largest batch a multiple of {attn}"
+        # (a multiple of the ranks as the batch is no remedy where the arg is below it)
+        return f"{said} ({why}): give it --max-running-requests {attn * need} or more"
     return (
         f"{said} (its scheduler lowered --max-running-requests to what its KV pool or Mamba "
         "state cache holds): give SGLang more memory for it (--mem-fraction-static, "
         "--max-mamba-cache-size in engine.sglang.extra_args) or lower the largest batch"
+    )
+
+
+#: The DP controller's methods that deal requests in turn (0.5.23 data_parallel_controller.py
+#: `round_robin_scheduler`); "auto" resolves to it outside a PD prefill server
+#: (serving_hook.py `handle_load_balance_method`).
+ROUND_ROBIN = "round_robin"
+
+
+def load_balance_refusal(args: Mapping[str, Any]) -> str | None:
+    """Why a server's DP controller deals requests to its ranks other than in turn, after
+    "the server", from its resolved `args`; None where it has one rank, deals in turn, or
+    the args do not say.
+
+    "total_requests" and "total_tokens" send each request to the rank whose load looks least
+    (data_parallel_controller.py `DPBudget.dispatch`), from the ranks' load snapshots, read
+    at most every 20 ms (`refresh_load_budget`, on time.perf_counter) and counted up between
+    reads: which rank runs which request, and how many one runs, hang on when the snapshots
+    were taken, so on each arm's timing (a drafter's steps are other lengths), and a rank
+    may be dealt more than its turn of a batch and queue it where the caps say it runs
+    (`running_cap_refusal`); "follow_bootstrap_room" (a PD prefill server's) deals by each
+    request's bootstrap room. Only "round_robin" deals alike in every arm."""
+    method = args.get("load_balance_method")
+    if not isinstance(method, str) or dp_ranks(args) < 2:
+        return None
+    if method == ROUND_ROBIN or (method == "auto" and args.get("disaggregation_mode") != "prefill"):
+        return None
+    return (
+        f"deals requests to its {dp_ranks(args)} DP ranks by --load-balance-method {method}, "
+        "not in turn: by load snapshots its DP controller reads on a timer, so which rank runs "
+        "which request (and whether one queues) hangs on each arm's timing"
+    )
+
+
+def closed_loop_drift(mode: str, args: Mapping[str, Any]) -> str | None:
+    """What a closed-loop workload (`mode`) cannot hold on a server of several DP ranks, after
+    "the server", from its resolved `args`; None for a fixed batch or one rank. A finished
+    request's replacement goes to the DP controller's next rank in turn
+    (data_parallel_controller.py `round_robin_scheduler`), not to the rank it finished on,
+    so how many each rank runs drifts from B / ranks with the order requests finish in,
+    which each arm's steps change, and a rank may be dealt more than its cap (queued, unseen
+    by the caps checked at start): the batch is held whole, each rank's share of it not."""
+    ranks = dp_ranks(args)
+    if mode != "closed-loop" or ranks < 2:
+        return None
+    return (
+        f"runs {ranks} DP ranks: a closed loop keeps the batch in flight over them, but each "
+        "replacement goes to the next rank in turn, so each rank's share drifts with the "
+        "order requests finish in (each arm's own) and one may queue unseen; measure a "
+        "fixed batch (workload.mode) to hold each rank's share"
+    )
+
+
+def pipeline_cap_refusal(
+    info: dict[str, Any], caps: list[int] | None, largest: int, args: Mapping[str, Any]
+) -> str | None:
+    """Why a server's micro-batches cannot run the largest batch at once, after "the server",
+    from /server_info `info`, its ranks' `caps` (`rank_caps_of`) and resolved `args`; None
+    where they can, or where nothing says.
+
+    0.5.23's scheduler admits a request only while the running batch holds fewer than
+    `pp_max_micro_batch_size` (scheduler.py `get_num_allocatable_reqs`), whatever the
+    pipeline: with pipeline parallelism each of its pp_size + pp_async_batch_depth micro-
+    batches (scheduler_pp_mixin.py `init_pp_loop_state`) holds that many, and left unset it is
+    max(1, the rank's cap // pp_size) (scheduler.py), which a cap no multiple of pp_size
+    leaves short of the cap (5 over 2 stages runs 2 + 2); without it, the one running batch.
+    Each rank's value is its state's (`internal_states[i].pp_max_micro_batch_size`, the
+    resolved one), else the arg, else worked out from its cap; a rank is dealt up to
+    ceil(B / ranks) of a batch of B (`running_cap_refusal`, which also says why a list of
+    fewer ranks than run, or elastic EP's, refuses nothing)."""
+    states = info.get("internal_states")
+    ranks = len(states) if isinstance(states, list) else len(caps or [])
+    if args.get("elastic_ep_backend") not in (None, "none") or ranks < dp_ranks(args):
+        return None  # no count of the ranks that run (`running_cap_refusal`)
+    pp = _count(args.get("pp_size")) or 1
+    depth = args.get("pp_async_batch_depth")
+    depth = depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else 0
+    loop = pp + depth if pp > 1 else 1
+    given = _count(args.get("pp_max_micro_batch_size"))
+    micros: list[int] = []
+    for i in range(max(1, ranks)):
+        state = states[i] if isinstance(states, list) and i < len(states) else None
+        reported = _count(state.get("pp_max_micro_batch_size")) if isinstance(state, dict) else None
+        cap = caps[i] if caps is not None and i < len(caps) else None
+        micro = reported or given or (max(1, cap // pp) if cap is not None else None)
+        if micro is None:
+            return None
+        micros.append(micro)
+    need = -(-largest // max(1, ranks))
+    least = min(micros)
+    if loop * least >= need:
+        return None
+    where = f" in one of its {ranks} DP ranks" if ranks > 1 else ""
+    how = f"{loop} micro-batches of at most {least}" if loop > 1 else f"a batch of at most {least}"
+    return (
+        f"runs at most {loop * least} requests at once{where} ({how}, --pp-max-micro-batch-"
+        f"size), below the {need} a batch of {largest} gives it: give it "
+        f"--pp-max-micro-batch-size {-(-need // loop)} or more, or lower the largest batch"
     )
 
 

@@ -2,7 +2,8 @@
 
 - The three EAGLE numbers go together or not at all (SGLang asserts on a partial set).
 - `--max-running-requests` at least the largest batch: any speculative algorithm otherwise
-  caps it at 48 without saying so.
+  caps it at 48 without saying so; under attention DP or pipeline parallelism, rounded up so
+  that the ranks and micro-batches that split it each hold their turn (`running_arg`).
 - CUDA graphs captured up to the largest batch: `--cuda-graph-max-bs` up to 0.5.9;
   0.5.23 split it into `--cuda-graph-max-bs-decode` / `-prefill`, and the old flag is then an
   ambiguous prefix that argparse rejects. Which one is read from `launch_server --help`,
@@ -818,6 +819,90 @@ def _pipeline_parallel(tokens: Sequence[str]) -> bool:
         return False
 
 
+#: The flags that set attention data parallelism, per release (`legacy`: 0.5.9), with the
+#: shortest abbreviation its argparse reads as each (from the option tables): 0.5.23's
+#: `--attn-dp-size`, and the deprecated `--dp-size N --enable-dp-attention` both releases read
+#: as N attention DP ranks (0.5.23 parallel_hook.py `_handle_deprecated_dp_attention`).
+ATTN_DP_FLAGS_0523 = {
+    "--attn-dp-size": "--attn-d",
+    "--attention-data-parallel-size": "--attention-d",
+}
+DP_SIZE_FLAGS = {"--dp-size": "--dp", "--data-parallel-size": "--da"}
+ENABLE_DP_ATTENTION = {
+    True: ("--enable-dp-attention", "--enable-dp-a"),
+    False: ("--enable-dp-attention", "--enable-dp-attention"),
+}
+
+
+def _last_value(tokens: Sequence[str], flags: Mapping[str, str]) -> str | None:
+    """The value argparse keeps for any of `flags` (each with its shortest abbreviation) in
+    `tokens`: the last one given, `=VALUE` or the next token; None where none is given."""
+    value = None
+    for i, token in enumerate(tokens):
+        name, eq, rest = token.partition("=")
+        if name.startswith("--") and any(
+            len(name) >= len(shortest) and flag.startswith(name) for flag, shortest in flags.items()
+        ):
+            value = rest if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
+    return value
+
+
+def attention_dp_ranks(tokens: Sequence[str], *, legacy: bool) -> int:
+    """How many attention DP ranks `tokens` (the extra_args) ask for as the release's argparse
+    reads them: 0.5.23's --attn-dp-size where above 1, else --dp-size where
+    --enable-dp-attention is given (both releases); 1 otherwise, or where a value is not a
+    number (SGLang's to refuse)."""
+    try:
+        if not legacy:
+            attn = int(_last_value(tokens, ATTN_DP_FLAGS_0523) or 1)
+            if attn > 1:
+                return attn
+        flag, shortest = ENABLE_DP_ATTENTION[legacy]
+        enabled = any(
+            len(t) >= len(shortest) and flag.startswith(t) for t in tokens if t.startswith("--")
+        )
+        return max(1, int(_last_value(tokens, DP_SIZE_FLAGS) or 1)) if enabled else 1
+    except ValueError:
+        return 1
+
+
+def load_balance_args(tokens: Sequence[str], *, legacy: bool) -> list[str]:
+    """`--load-balance-method round_robin` for a server of several DP ranks (`tokens`: the
+    extra_args; plain --dp-size replicas, or attention DP ranks), so that its DP controller
+    deals each arm's requests to its ranks in turn and not by load snapshots read on a timer
+    (`dvfs.engines.sglang.load_balance_refusal`); nothing for one rank, whose argv stays as
+    it was. Both releases have the flag and the choice (their option tables)."""
+    try:
+        plain = int(_last_value(tokens, DP_SIZE_FLAGS) or 1)
+    except ValueError:
+        plain = 1
+    if plain < 2 and attention_dp_ranks(tokens, legacy=legacy) < 2:
+        return []
+    return ["--load-balance-method", "round_robin"]
+
+
+def pipeline_stages(tokens: Sequence[str]) -> int:
+    """The pipeline-parallel size `tokens` (the extra_args) ask for as argparse reads them
+    (the last flag given); 1 where none is given or its value is not a number above 1."""
+    try:
+        return max(1, int(_last_value(tokens, PIPELINE_FLAGS_0523) or 1))
+    except ValueError:
+        return 1
+
+
+def running_arg(largest: int, ranks: int, stages: int = 1) -> int:
+    """The --max-running-requests dvfs gives a server of `ranks` attention DP ranks and
+    `stages` pipeline stages so that each rank holds its turn of the largest batch at once:
+    the scheduler gives each rank max_running_requests // ranks (0.5.23 kv_cache_configurator.py
+    `resolve_max_num_reqs`), and the DP controller deals a batch of B to them in turn, up to
+    ceil(B / ranks) to one (data_parallel_controller.py `round_robin_scheduler`); a rank's
+    pipeline runs its pp_size micro-batches of at most its share // pp_size each (scheduler.py
+    `pp_max_micro_batch_size`, `get_num_allocatable_reqs`). B itself would leave a rank, or a
+    micro-batch, short where B is no multiple of them: each rounded up to a whole turn."""
+    need = -(-largest // ranks)
+    return ranks * stages * -(-need // stages)
+
+
 def speculative_args(drafter: DrafterSpec) -> list[str]:
     """The drafter's speculative flags, all-or-none for the EAGLE numbers."""
     if drafter.algorithm is None:
@@ -877,6 +962,7 @@ def launch_argv(
     graph_flag = cuda_graph_flag(help_text, parsed)
     legacy = graph_flag == OLD_CUDA_GRAPH_FLAG
     overlap = _overlap_plan(campaign, legacy=legacy, env=launch_env(campaign))
+    extra = [*sg.extra_args, *drafter.extra_args]  # as argparse reads them: in argv's order
     argv = [
         *server_command(campaign),
         "--model-path",
@@ -888,14 +974,18 @@ def launch_argv(
         *pinned,
         "--tp-size",
         str(campaign.engine.tp_size),
+        # the largest batch, rounded up to a whole turn of it for each attention DP rank and
+        # pipeline micro-batch (`running_arg`); CUDA graphs still to the largest batch, which
+        # no rank exceeds
         "--max-running-requests",
-        str(largest),
+        str(running_arg(largest, attention_dp_ranks(extra, legacy=legacy), pipeline_stages(extra))),
         graph_flag,
         str(largest),
         GRAPH_SIZES_FLAG[graph_flag],
         *(str(b) for b in graph_batch_sizes(campaign.workload.batch_sizes)),
         *(["--disable-overlap-schedule"] if overlap.pin else []),
         *admission_hold_args(campaign, legacy=legacy, help_text=help_text),
+        *load_balance_args(extra, legacy=legacy),
         "--enable-metrics",
         # one seed for every drafter's server: SGLang draws a random one at each start
         "--random-seed",

@@ -153,6 +153,12 @@ NOT_COMPARED: dict[str, tuple[str, tuple[str, ...]]] = {
             "cuda_graph_max_bs_decode",
         ),
     ),
+    "dp_dealing": (
+        "held to round_robin at start where the server has several DP ranks (dvfs gives it; "
+        "a server dealing by load snapshots is refused, `dvfs.engines.sglang."
+        "load_balance_refusal`), and dealing nothing where it has one",
+        ("load_balance_method",),
+    ),
     "deprecated": (
         "deprecated by 0.5.9: ignored, or read into the arg that replaced it",
         (
@@ -188,7 +194,7 @@ NOT_COMPARED: dict[str, tuple[str, tuple[str, ...]]] = {
             "hicache_storage_prefetch_policy", "hicache_storage_prefetch_retry_max_attempts",
             "hicache_storage_prefetch_retry_poll_interval", "kt_weight_path", "kv_canary",
             "kv_canary_real_data", "kv_canary_sweep_interval", "lmcache_config_file",
-            "load_balance_method", "lora_backend", "lora_target_modules",
+            "lora_backend", "lora_target_modules",
             "lora_use_virtual_experts", "mamba_full_memory_ratio", "mamba_radix_cache_strategy",
             "mamba_scheduler_strategy", "mamba_track_interval", "max_lora_chunk_size",
             "max_lora_rank", "max_loras_per_batch", "model_config_parser",
