@@ -4613,3 +4613,33 @@ def test_doctor_says_the_sweeps_refusal_of_a_lock_linked_into_no_folder(tmp_path
     assert dry.exit_code == 0, dry.output
     assert f"the sweep would stop: {refusal}" in " ".join(dry.stderr.split()), dry.output
     assert not (out / "missing").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "what"),
+    [
+        (["sweep", "{f}"], "campaign file"),
+        (["cap", "apply", "{f}"], "caps file"),
+        (["cap", "plan", "{f}", "--batch", "1", "--drafter", "none"], "headroom document"),
+        (["govern", "--plan", "{f}", "--dry-run"], "per-batch plan"),
+        (["twin", "predict", "{demo}", "--profile", "{f}", "-o", "{o}"], "twin profile"),
+    ],
+)
+def test_a_text_file_that_is_not_utf8_is_said_so_in_one_wording(
+    tmp_path: Path, args: list[str], what: str
+) -> None:
+    """A caps file, plan, headroom document or twin profile not UTF-8 (a binary file given by
+    mistake) said Python's codec message ("'utf-8' codec can't decode byte 0xff in position
+    2"), or its reason alone ("not UTF-8 text: invalid start byte"), where the campaign file's
+    reader names the byte, its line and what to do: each says it as the campaign's does."""
+    binary = tmp_path / "binary.dat"
+    binary.write_bytes(b"a\n\xff\n")
+    demo = Path(__file__).resolve().parent.parent / "sweeps" / "demo.toml"
+    words = [a.format(f=binary, o=tmp_path / "out", demo=demo) for a in args]
+    result = CliRunner().invoke(cli, words)
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line == (
+        f"Error: {binary} is not UTF-8 text (byte 0xff on line 2): is it the {what}? Save it "
+        "as UTF-8"
+    ), line
