@@ -4643,3 +4643,42 @@ def test_a_text_file_that_is_not_utf8_is_said_so_in_one_wording(
         f"Error: {binary} is not UTF-8 text (byte 0xff on line 2): is it the {what}? Save it "
         "as UTF-8"
     ), line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["twin", "fit", "{p}", "-o", "{o}"],
+        ["cap", "plan", "{p}", "--batch", "1", "--drafter", "none"],
+    ],
+)
+def test_an_input_path_through_a_file_names_the_file(tmp_path: Path, args: list[str]) -> None:
+    """`twin fit afile/x` (and every input checked so, `cap plan afile/x`) said click's "Path
+    'afile/x' does not exist.", where a campaign file's read says which part is a file: said
+    as it says it."""
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    words = [a.format(p=afile / "x", o=tmp_path / "p.toml") for a in args]
+    result = CliRunner().invoke(cli, words)
+    assert result.exit_code == 2, result.output
+    said = f"{afile / 'x'} does not exist: {afile} is a file, not a folder; check the path"
+    assert said in result.output and "Traceback" not in result.output, result.output
+
+
+def test_twin_fit_of_a_folder_whose_cube_is_a_link_to_nothing_names_the_link(
+    tmp_path: Path,
+) -> None:
+    """`twin fit DIR` whose cube.nc is a link to no file, and no journal beside it, said "DIR
+    is neither a roofline file nor a cube": the link is named, with what to do."""
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    (folder / "cube.nc").symlink_to(tmp_path / "gone" / "cube.nc")
+    result = CliRunner().invoke(cli, ["twin", "fit", str(folder), "-o", str(tmp_path / "p.toml")])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line == (
+        f"Error: {folder}'s cube.nc ({folder / 'cube.nc'}) is a symbolic link to "
+        f"{tmp_path / 'gone' / 'cube.nc'}, which does not exist: point it at the cube, or give "
+        "the cube's own path"
+    ), line
+    assert not (tmp_path / "p.toml").exists()

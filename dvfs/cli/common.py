@@ -920,17 +920,33 @@ class ExistingPath(click.Path):
     """click.Path(exists=True, ...) for a path a command reads, that says a symbolic link in a
     loop (`ln -s x x`, or one on the way to it) is that, in one usage error: click's own check
     said "Path 'x' does not exist", of a link that is there, whose advice (make the file)
-    cannot be followed there, as the cube paths say it (`open_cube`); `link_loop_problem`."""
+    cannot be followed there, as the cube paths say it (`open_cube`); `link_loop_problem`.
+    A path through a file (`afile/x`) names the file, as a campaign file's read does."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(exists=True, path_type=Path, **kwargs)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from dvfs.inputs import link_loop_problem
+        from dvfs.inputs import file_in_the_way, link_loop_problem
 
-        loop = link_loop_problem(value) if isinstance(value, str | bytes | os.PathLike) else None
+        path = value if isinstance(value, str | bytes | os.PathLike) else None
+        loop = link_loop_problem(path) if path is not None else None
         if loop:
             self.fail(loop, param, ctx)
+        try:
+            if path is not None:
+                os.stat(path)
+        except NotADirectoryError:
+            # `afile/x`: click said "Path 'afile/x' does not exist", not which part is a file
+            named = Path(os.fsdecode(value))
+            self.fail(
+                f"{named} does not exist: {file_in_the_way(named)} is a file, not a folder; "
+                "check the path",
+                param,
+                ctx,
+            )
+        except (OSError, TypeError, ValueError):
+            pass  # said by click's own check
         return super().convert(value, param, ctx)
 
 
