@@ -91,6 +91,22 @@ def read_text_limited(
 ) -> str:
     """`read_limited` as UTF-8 text with universal newlines, as `Path.read_text` reads it, less
     a leading UTF-8 byte-order mark (Windows editors save one; TOML and JSON parsers read it as
-    a stray character, "invalid statement at line 1, column 1" of a valid file)."""
-    text = read_limited(path, limit, error, what, check).decode("utf-8-sig")
+    a stray character, "invalid statement at line 1, column 1" of a valid file). Bytes that are
+    not UTF-8 raise `error` in one wording for every file read so (`not_utf8`), not Python's
+    codec message ("'utf-8' codec can't decode byte 0xff in position 2")."""
+    data = read_limited(path, limit, error, what, check)
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise error(not_utf8(path, exc, what)) from exc
     return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def not_utf8(path: Path, exc: UnicodeDecodeError, what: str) -> str:
+    """What is wrong with the file `path` (`what`: "campaign file") whose bytes `exc` could not
+    decode, and what to do: the byte and its line."""
+    line = bytes(exc.object[: exc.start]).count(b"\n") + 1
+    byte = f"0x{exc.object[exc.start]:02x}"
+    return (
+        f"{path} is not UTF-8 text (byte {byte} on line {line}): is it the {what}? Save it as UTF-8"
+    )

@@ -4613,3 +4613,72 @@ def test_doctor_says_the_sweeps_refusal_of_a_lock_linked_into_no_folder(tmp_path
     assert dry.exit_code == 0, dry.output
     assert f"the sweep would stop: {refusal}" in " ".join(dry.stderr.split()), dry.output
     assert not (out / "missing").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "what"),
+    [
+        (["sweep", "{f}"], "campaign file"),
+        (["cap", "apply", "{f}"], "caps file"),
+        (["cap", "plan", "{f}", "--batch", "1", "--drafter", "none"], "headroom document"),
+        (["govern", "--plan", "{f}", "--dry-run"], "per-batch plan"),
+        (["twin", "predict", "{demo}", "--profile", "{f}", "-o", "{o}"], "twin profile"),
+    ],
+)
+def test_a_text_file_that_is_not_utf8_is_said_so_in_one_wording(
+    tmp_path: Path, args: list[str], what: str
+) -> None:
+    """A caps file, plan, headroom document or twin profile not UTF-8 (a binary file given by
+    mistake) said Python's codec message ("'utf-8' codec can't decode byte 0xff in position
+    2"), or its reason alone ("not UTF-8 text: invalid start byte"), where the campaign file's
+    reader names the byte, its line and what to do: each says it as the campaign's does."""
+    binary = tmp_path / "binary.dat"
+    binary.write_bytes(b"a\n\xff\n")
+    demo = Path(__file__).resolve().parent.parent / "sweeps" / "demo.toml"
+    words = [a.format(f=binary, o=tmp_path / "out", demo=demo) for a in args]
+    result = CliRunner().invoke(cli, words)
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line == (
+        f"Error: {binary} is not UTF-8 text (byte 0xff on line 2): is it the {what}? Save it "
+        "as UTF-8"
+    ), line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["twin", "fit", "{p}", "-o", "{o}"],
+        ["cap", "plan", "{p}", "--batch", "1", "--drafter", "none"],
+    ],
+)
+def test_an_input_path_through_a_file_names_the_file(tmp_path: Path, args: list[str]) -> None:
+    """`twin fit afile/x` (and every input checked so, `cap plan afile/x`) said click's "Path
+    'afile/x' does not exist.", where a campaign file's read says which part is a file: said
+    as it says it."""
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    words = [a.format(p=afile / "x", o=tmp_path / "p.toml") for a in args]
+    result = CliRunner().invoke(cli, words)
+    assert result.exit_code == 2, result.output
+    said = f"{afile / 'x'} does not exist: {afile} is a file, not a folder; check the path"
+    assert said in result.output and "Traceback" not in result.output, result.output
+
+
+def test_twin_fit_of_a_folder_whose_cube_is_a_link_to_nothing_names_the_link(
+    tmp_path: Path,
+) -> None:
+    """`twin fit DIR` whose cube.nc is a link to no file, and no journal beside it, said "DIR
+    is neither a roofline file nor a cube": the link is named, with what to do."""
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    (folder / "cube.nc").symlink_to(tmp_path / "gone" / "cube.nc")
+    result = CliRunner().invoke(cli, ["twin", "fit", str(folder), "-o", str(tmp_path / "p.toml")])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line == (
+        f"Error: {folder}'s cube.nc ({folder / 'cube.nc'}) is a symbolic link to "
+        f"{tmp_path / 'gone' / 'cube.nc'}, which does not exist: point it at the cube, or give "
+        "the cube's own path"
+    ), line
+    assert not (tmp_path / "p.toml").exists()

@@ -428,3 +428,25 @@ def test_a_plan_of_another_schema_is_refused_as_written_with_the_way_on(
     assert result.exit_code == 2, result.output
     [told] = result.stderr.strip().splitlines()
     assert f"schema dvfs_batch_plan = {said} is not 1" in told, told
+
+
+@pytest.mark.parametrize("args", [["--per-batch"], ["--batch", "1", "--drafter", "eagle3"]])
+def test_cap_plan_to_a_stream_advises_no_command_on_it(tmp_path: Path, args: list[str]) -> None:
+    """`cap plan -o /dev/stdout` advised `dvfs cap apply /dev/stdout --dry-run` (and `dvfs
+    govern --plan /dev/stdout`), which reads no caps file: what it wrote went by. Written to a
+    stream (here a pipe's /dev/fd/N, as /dev/stdout is one), the plan is written as without
+    -o, and no command is advised on the stream."""
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row(1, "code", 1005, 300.0)])))
+    read, write = os.pipe()
+    stream = f"/dev/fd/{write}"
+    try:
+        result = CliRunner().invoke(cli, ["cap", "plan", str(headroom), *args, "-o", stream])
+    finally:
+        os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        written = pipe.read().decode()
+    assert result.exit_code == 0, result.output
+    assert stream not in result.output, result.output
+    assert "dvfs cap apply" not in result.output and "dvfs govern --plan" not in result.output
+    assert ("dvfs_batch_plan" if args == ["--per-batch"] else "[[gpu]]") in written, written

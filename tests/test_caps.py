@@ -1859,6 +1859,33 @@ def test_a_reset_refuses_a_record_lock_linked_into_a_missing_folder_before_any_r
     assert [nvml.fake_device_state(i)["locked_clocks"] for i in (0, 1)] == [None, None]
 
 
+@pytest.mark.parametrize("command", ["apply", "dry-run", "reset"])
+def test_a_record_lock_linked_to_a_folders_name_that_is_none_is_named_as_the_gpu_locks_is(
+    nvml, tmp_path: Path, command: str
+) -> None:
+    """The caps record's lock a link to a folder's name that is none ("x.lock/"), refused so
+    for a GPU's lock (`broken_lock_link`): its dry run said "would apply", and the apply and
+    reset "is unreadable (no regular file: a folder)" of a link to no folder. Each names the
+    link, with what to do, exit 1, the GPU unchanged."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    write_caps(caps, GpuCap(uuid=uuid, sm_clock_max_mhz=1500))
+    if command == "reset":
+        invoke("cap", "apply", str(caps))
+    before = nvml.fake_device_state(0)["locked_clocks"]
+    lock = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.unlink(missing_ok=True)
+    lock.symlink_to("x.lock/")
+    args = {"apply": ["apply", str(caps)], "dry-run": ["apply", str(caps), "--dry-run"]}
+    result = CliRunner().invoke(cli, ["cap", *args.get(command, ["reset"])])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    said = f"caps record lock {lock} is a symbolic link to x.lock/, a folder's name that is no"
+    assert said in line and "remove the link" in line and "Traceback" not in line, line
+    assert nvml.fake_device_state(0)["locked_clocks"] == before
+
+
 def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
     """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
     record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk

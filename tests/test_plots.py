@@ -1003,3 +1003,28 @@ def test_the_headroom_map_of_a_cube_with_nothing_swept_says_so() -> None:
     for cube, said in ((flat, True), (swept, False)):
         title = draw_headroom(headroom(cube, target=TARGET)).get_suptitle()
         assert ("nothing swept (one SM clock, one power limit)" in title) is said, title
+
+
+def test_plot_on_a_full_disk_leaves_no_empty_out_folder(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs plot --out NEW` whose first figure found the disk full (ENOSPC, simulated at the
+    write of the figure's bytes) said so, but left NEW behind, an empty folder it had made.
+    It is removed again, as `make_parent` removes an output file's folders."""
+    import errno
+
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    def full(self: Path, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    out = tmp_path / "new" / "plots"
+    result = CliRunner().invoke(cli, ["plot", str(small_sweep), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert "no space left on the device" in line and "Traceback" not in line, line
+    assert not (tmp_path / "new").exists()
+    assert list(tmp_path.iterdir()) == []

@@ -500,12 +500,6 @@ def load_campaign(path: str | Path) -> Campaign:
         if loop:
             raise CampaignError(f"campaign file: {loop}") from exc
         raise CampaignError(f"cannot read campaign file {path}: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        line = exc.object[: exc.start].count(b"\n") + 1
-        raise CampaignError(
-            f"{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} on line {line}): is "
-            "it the campaign file? Save it as UTF-8"
-        ) from exc
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -544,7 +544,7 @@ class AppliedCaps:
         """`check_writable`'s refusal of a folder in the lock's place (`CapsRecordError`), or of
         a link to a file in a missing folder (`FileNotFoundError`), read without making
         anything: a dry run's, which may not write the state folder."""
-        from dvfs.gpu.safety import users_lock_link
+        from dvfs.gpu.safety import broken_lock_link, users_lock_link
 
         path = self.path.with_name(f"{self.path.name}.lock")
         planted = users_lock_link(path, "caps record lock")  # as root, `_open_lock` refuses it
@@ -561,12 +561,17 @@ class AppliedCaps:
             if not Path(os.path.realpath(path)).parent.is_dir():
                 # a link to a file in a folder that is not there: the apply's open cannot make it
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+            # a link to a folder's name that is none ("x.lock/"): the apply's open says "is a
+            # directory" of it, where no lock file is made
+            broken = broken_lock_link(path, "caps record lock")
+            if broken is not None:
+                raise CapsRecordError(broken)
 
     def _open_lock(self) -> int:
         """The record's lock file, opened (made if missing) without blocking: a FIFO in its
         place (which no reader may ever open) is locked as the file is, not waited on for ever,
         a GPU capped meanwhile."""
-        from dvfs.gpu.safety import ensure_dir, users_lock_link
+        from dvfs.gpu.safety import broken_lock_link, ensure_dir, users_lock_link
 
         ensure_dir(self.path.parent)
         path = self.path.with_name(f"{self.path.name}.lock")
@@ -577,8 +582,10 @@ class AppliedCaps:
             raise CapsRecordError(planted)
         try:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
-        except IsADirectoryError:  # no bad --state-dir: a folder in the lock's place
-            raise CapsRecordError(_a_folder(path)) from None
+        except IsADirectoryError:  # no bad --state-dir: a folder in the lock's place, or a link
+            # to a folder's name that is none ("x.lock/"), named as the link it is
+            broken = broken_lock_link(path, "caps record lock")
+            raise CapsRecordError(broken or _a_folder(path)) from None
 
 
 def _a_folder(path: Path) -> str:

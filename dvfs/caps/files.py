@@ -315,8 +315,6 @@ def load_caps(path: str | Path) -> CapsFile:
         raise CapsError(
             f"{path}: not valid TOML: {TOO_DEEP} (a damaged file?); check the file"
         ) from exc
-    except UnicodeDecodeError as exc:
-        raise CapsError(f"{path}: not a caps file (not UTF-8 text: {exc.reason})") from exc
     refuse_beyond_64_bits(data, str(path), CapsError)
     return parse_caps(data, where=str(path))
 

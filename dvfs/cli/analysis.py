@@ -17,6 +17,7 @@ from dvfs.cli.common import (
     echo_json,
     escape,
     handle_errors,
+    make_folder,
     make_parent,
     on_terminal,
     option_given,
@@ -527,6 +528,7 @@ def plot(
 
     ds = open_analysable(cube_path)
     target = Target("preserve", metric, QUANTILE_NAMES[quantile], slack)
+    make_folder(out_dir)  # removed again if no figure is written there (a full disk)
     paths = plot_all(ds, out_dir, fmt=fmt, target=target, knob=knob, confidence=confidence)
     for journal in left_out_of(cube_path, ds):  # else the figures read as the whole campaign
         print_line(f"[yellow]{escape(left_out_note(journal))}[/yellow]", stderr=True)

@@ -126,7 +126,7 @@ def plan(
     the setting that kept latency within its target at the least energy.
     """
     from dvfs.caps import dump_caps, load_headroom, plan_caps
-    from dvfs.outputs import write_text
+    from dvfs.outputs import is_stream, write_text
 
     corpus = corpus or "worst-case"
     if per_batch:
@@ -164,6 +164,8 @@ def plan(
     if out_path is None:
         click.echo(text, nl=False)
         return
+    if is_stream(out_path):  # /dev/stdout, a pipe: no file a later command can read again
+        return
     import shlex
 
     # The command on a line of its own, never wrapped, its path quoted (and not taken for an
@@ -186,7 +188,7 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
 
     from dvfs.caps.planning import plan_per_batch
     from dvfs.govern.plan import dump_plan, parse_plan
-    from dvfs.outputs import write_text
+    from dvfs.outputs import is_stream, write_text
 
     plan = plan_per_batch(doc, drafter=drafter, corpus=corpus)
     text = dump_plan(plan)
@@ -215,6 +217,8 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     )
     if out_path is None:
         click.echo(text, nl=False)
+        return
+    if is_stream(out_path):  # /dev/stdout, a pipe: no file `dvfs govern` can read again
         return
     import shlex
 

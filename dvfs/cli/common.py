@@ -681,23 +681,32 @@ def make_parent(path: Path) -> None:
     from dvfs.outputs import check_link_target
 
     check_link_target(path)
+    make_folder(path.parent, path)
+
+
+def make_folder(folder: Path, path: Path | None = None) -> None:
+    """`folder`, made if missing, for the output `path` in it (or, None, the folder itself:
+    `dvfs plot --out`), as `make_parent` makes an output file's: the folders made are removed
+    again, where still empty, once the command is over (one whose first figure found the disk
+    full left its --out folder behind, empty); a failure names `path`."""
+    path = folder if path is None else path
     missing: list[Path] = []  # deepest first
-    folder = path.parent
-    while folder != folder.parent and not os.path.lexists(folder):
-        missing.append(folder)
-        folder = folder.parent
+    above = folder
+    while above != above.parent and not os.path.lexists(above):
+        missing.append(above)
+        above = above.parent
     if missing:
         _unexpanded_home(path, missing[-1])
         ctx = click.get_current_context(silent=True)
         if ctx is not None:
             ctx.call_on_close(functools.partial(_remove_empty, missing))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except FileExistsError as exc:  # a file where a folder of the path should be
         # or a link to nothing, or in a loop: not "a part of the path is a file"
-        for folder in (path.parent, *path.parent.parents):
-            if os.path.islink(folder) and _broken_link(folder) is not None:
-                raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), str(folder)) from exc
+        for linked in (folder, *folder.parents):
+            if os.path.islink(linked) and _broken_link(linked) is not None:
+                raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), str(linked)) from exc
         raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
@@ -928,17 +937,33 @@ class ExistingPath(click.Path):
     """click.Path(exists=True, ...) for a path a command reads, that says a symbolic link in a
     loop (`ln -s x x`, or one on the way to it) is that, in one usage error: click's own check
     said "Path 'x' does not exist", of a link that is there, whose advice (make the file)
-    cannot be followed there, as the cube paths say it (`open_cube`); `link_loop_problem`."""
+    cannot be followed there, as the cube paths say it (`open_cube`); `link_loop_problem`.
+    A path through a file (`afile/x`) names the file, as a campaign file's read does."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(exists=True, path_type=Path, **kwargs)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from dvfs.inputs import link_loop_problem
+        from dvfs.inputs import file_in_the_way, link_loop_problem
 
-        loop = link_loop_problem(value) if isinstance(value, str | bytes | os.PathLike) else None
+        path = value if isinstance(value, str | bytes | os.PathLike) else None
+        loop = link_loop_problem(path) if path is not None else None
         if loop:
             self.fail(loop, param, ctx)
+        try:
+            if path is not None:
+                os.stat(path)
+        except NotADirectoryError:
+            # `afile/x`: click said "Path 'afile/x' does not exist", not which part is a file
+            named = Path(os.fsdecode(value))
+            self.fail(
+                f"{named} does not exist: {file_in_the_way(named)} is a file, not a folder; "
+                "check the path",
+                param,
+                ctx,
+            )
+        except (OSError, TypeError, ValueError):
+            pass  # said by click's own check
         return super().convert(value, param, ctx)
 
 

@@ -110,6 +110,14 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
                 f"`dvfs cube build {shlex.quote(str(source))}`, then fit again",
                 2,
             )
+        if os.path.islink(cube) and not cube.exists():
+            # a link to no file (its cube moved or removed) and no journal: named, not
+            # "neither a roofline file nor a cube" of the folder
+            fail(
+                f"{source}'s cube.nc ({cube}) is a symbolic link to {os.readlink(cube)}, which "
+                "does not exist: point it at the cube, or give the cube's own path",
+                2,
+            )
     if kind is None and source.exists() and not source.is_dir() and not source.is_file():
         # a FIFO or a device (/dev/zero): said as `dvfs cube info` says it, not "neither a
         # roofline file nor a cube (or it is damaged...)"; never opened, so never waited on

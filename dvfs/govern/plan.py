@@ -299,8 +299,6 @@ def load_plan(path: str | Path) -> BatchPlan:
         raise CapsError(
             f"{path}: not valid TOML: {TOO_DEEP} (a damaged file?); check the file"
         ) from exc
-    except UnicodeDecodeError as exc:
-        raise CapsError(f"{path}: not a per-batch plan (not UTF-8 text: {exc.reason})") from exc
     refuse_beyond_64_bits(data, str(path), CapsError)
     return parse_plan(data, where=str(path))
 

@@ -503,9 +503,9 @@ class GpuLocks:
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
                 except IsADirectoryError:  # a folder, or a link to a folder's name ("x/")
-                    raise GpuLockFileError(_broken_lock_link(path) or _not_a_lock(path)) from None
+                    raise GpuLockFileError(broken_lock_link(path) or _not_a_lock(path)) from None
                 except OSError:  # a link to no file, or in a loop: named, not "no such file"
-                    broken = _broken_lock_link(path)
+                    broken = broken_lock_link(path)
                     if broken is None:
                         raise
                     raise GpuLockFileError(broken) from None
@@ -545,7 +545,7 @@ class GpuLocks:
         try:
             regular = stat.S_ISREG(os.stat(path).st_mode)
         except OSError:  # none (never held here) or not to be looked at: hold() will say,
-            return _broken_lock_link(path)  # as it says a link to no file or in a loop
+            return broken_lock_link(path)  # as it says a link to no file or in a loop
         return None if regular else _not_a_lock(path)
 
     def holder(self, gpu: Gpu) -> str | None:
@@ -558,7 +558,7 @@ class GpuLocks:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: not waited on
         except OSError:  # no lock file (never held here) or unreadable: hold() will say;
-            return _broken_lock_link(path)  # a link to no file or in a loop, hold() refuses
+            return broken_lock_link(path)  # a link to no file or in a loop, hold() refuses
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             return _not_a_lock(path)
@@ -646,30 +646,31 @@ def users_lock_link(path: Path, what: str = "GPU lock file") -> str | None:
     return None
 
 
-def _broken_lock_link(path: Path) -> str | None:
-    """What is wrong with the GPU lock file `path` where it is a symbolic link to no file (its
-    target removed, or a folder of it) or in a loop (`link_loop_problem`), or None. Opening
-    it said "no such file or folder" of a link that is there (the state folder exists), or
-    "too many levels of symbolic links": no running dvfs holds a lock through either."""
+def broken_lock_link(path: Path, what: str = "GPU lock file") -> str | None:
+    """What is wrong with the lock file `path` (`what`: a GPU's, or the caps record's) where it
+    is a symbolic link to no file (its target removed, or a folder of it), to a folder's name
+    that is none ("x.lock/"), or in a loop (`link_loop_problem`), or None. Opening it said "no
+    such file or folder" of a link that is there (the state folder exists), "is a directory",
+    or "too many levels of symbolic links": no running dvfs holds a lock through any."""
     from dvfs.inputs import link_loop_problem
 
     if not os.path.islink(path):
         return None
     if link_loop_problem(path) is not None:
-        what = "a symbolic link in a loop"
+        link = "a symbolic link in a loop"
     elif not os.path.exists(path) and not os.path.isdir(os.path.dirname(os.path.realpath(path))):
         # a link to a file not there yet, in a folder that is, is no problem: the lock is
         # made there (O_CREAT), so the dry run and doctor pass it as the apply does
-        what = f"a symbolic link to {os.readlink(path)}, in a folder that does not exist"
+        link = f"a symbolic link to {os.readlink(path)}, in a folder that does not exist"
     elif not os.path.exists(path) and os.readlink(path).endswith("/"):
         # a folder's name: no lock file is made there (the open says "is a directory"), which
         # the dry run and doctor passed as a file to make
-        what = f"a symbolic link to {os.readlink(path)}, a folder's name that is no folder"
+        link = f"a symbolic link to {os.readlink(path)}, a folder's name that is no folder"
     else:
         return None
     return (
-        f"GPU lock file {path} is {what}, so no GPU lock of dvfs's: remove the link (dvfs makes "
-        "the lock file itself), then run the command again"
+        f"{what} {path} is {link}, so no lock of dvfs's: remove the link (dvfs makes the lock "
+        "file itself), then run the command again"
     )
 
 
