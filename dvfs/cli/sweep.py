@@ -783,7 +783,7 @@ def _local_unrestored(
     (`_not_restored`), less the node. `opening`: the run failed with workers still inside
     `open` (their wait given up), whose GPUs answer: their reset is for now, as Ray's."""
     state = f" (state in {escape(str(state_dir))})"
-    failed = _restores_failed(errors, reset=False)
+    failed = _restores_failed(errors)
     if not failed and opening:
         from dvfs.fleet.ray_executor import KILLED_OPENING_RESET
 
@@ -828,27 +828,20 @@ def _reset(state_dir: Path | None) -> str:
     return "`dvfs gpu reset`" if state_dir is None else escape(reset_command(state_dir))
 
 
-def _restores_failed(errors: Sequence[BaseException], *, reset: bool = True) -> str:
+def _restores_failed(errors: Sequence[BaseException]) -> str:
     """What the workers' restores that failed said (NVML refusing a reset, a GPU lost, a bug), as
-    one GPU's sweep says it, the `dvfs gpu reset` each names said once, after them all
-    (`reset` False: not at all, for a line that names each node's); "" where none did (a
-    worker's process died)."""
+    one GPU's sweep says it, without the `dvfs gpu reset` each names (the fleet's line names each
+    node's); "" where none did (a worker's process died)."""
     from dvfs.errors import GpuError
-    from dvfs.gpu.knobs import RETRIES, RestoreBugError, restore_error_parts
+    from dvfs.gpu.knobs import RestoreBugError, restore_error_parts
 
     said: list[str] = []
-    resets: list[str] = []
     for error in errors:
         # (a bug in a restore too: its line names the GPU and the bug, not a GPU lost)
         if isinstance(error, GpuError | RestoreBugError):
-            text, command = restore_error_parts(str(error))
+            text, _command = restore_error_parts(str(error))
             said.append(text.rstrip("."))
-            if command and command not in resets:
-                resets.append(command)
-    if not said:
-        return ""
-    retry = f". {' or '.join(resets)}{RETRIES.rstrip('.')}" if reset and resets else ""
-    return escape("; ".join(said) + retry)
+    return escape("; ".join(said)) if said else ""
 
 
 def _restore_exit_code(errors: Sequence[BaseException]) -> int:
@@ -968,7 +961,7 @@ def _after_interruption_told(
 
     errors = [e for e in errors if any(uuid in str(e) for uuid in left.unrestored)]
     root = any(isinstance(e, GpuPermissionError) or getattr(e, "needs_root", False) for e in errors)
-    why = _restores_failed(errors, reset=False)  # the reset said after it, once
+    why = _restores_failed(errors)  # the reset said after it, once
     return restore_status(left.unrestored, left.state_dir, why=why, root=root)
 
 
@@ -987,7 +980,7 @@ def _ray_unrestored(
     from dvfs.fleet.ray_executor import KILLED_OPENING_RESET, killed_opening
 
     root = _root_refused(errors)
-    failed = _restores_failed(errors, reset=False)  # `run` names each node's
+    failed = _restores_failed(errors)  # `run` names each node's
     by_command: dict[tuple[str, bool, bool], list[str]] = {}
     for host, gpus in left.items():
         command = (resets or {}).get(host, "`dvfs gpu reset`")
