@@ -39,6 +39,9 @@ OPEN_TIMEOUT_S = 1800.0
 #: than be left inside `open` (Ray's actors killed there): after the opens' bound, which
 #: waited that long already, no further half hour.
 OPENING_GRACE_S = 60.0
+#: Seconds that wait runs before its note is said: workers that finish opening in that time
+#: leave the run's failure its one line (on the twin and at most real opens they do).
+OPENING_QUIET_S = 10.0
 
 
 def opening_wait_note(workers: str, bound: float, opening: int) -> str:
@@ -254,13 +257,14 @@ class LocalExecutor:
             # minute past it at least); a signal then stops the wait, and is what the run
             # ends in (130 or 143), the GPUs left changed named, as Ray's.
             due = None
+            said: tuple[float, float] | None = None
             if failed_opening and not _signal(exc):
                 bound = max(OPENING_GRACE_S, opens_due - self.clock())
                 due = self.clock() + bound
-                still = [w.label for w in workers if w.label in opening]
-                if still:
-                    fleet.note(opening_wait_note("workers", bound, len(still)))
-            self._drain(fleet, events, threads, opening=opening, due=due, clock=self.clock)
+                said = (self.clock() + min(OPENING_QUIET_S, bound), bound)
+            self._drain(
+                fleet, events, threads, opening=opening, due=due, clock=self.clock, said=said
+            )
             self.left_opening = [w.label for w in workers if w.label in opening]
             raise
 
@@ -398,17 +402,31 @@ class LocalExecutor:
         opening: set[str] | frozenset[str] = frozenset(),
         due: float | None = None,
         clock: Any = time.monotonic,
+        said: tuple[float, float] | None = None,
     ) -> None:
         """Journal what the workers (`threads`) finish on their way out, until each has
         closed; past `due` (of `clock`), those still inside `open` (`opening`) are no longer
-        waited for (the run fails in its line; their GPUs kept in their state files)."""
+        waited for (the run fails in its line; their GPUs kept in their state files). `said`:
+        (when, bound): from `when` on, while some are still opening, the wait's one note."""
+
+        def label(thread: threading.Thread) -> str:
+            return thread.name[len("dvfs-") :]
 
         def waited(thread: threading.Thread) -> bool:
             if not thread.is_alive():
                 return False
-            return due is None or clock() < due or thread.name[len("dvfs-") :] not in opening
+            return due is None or clock() < due or label(thread) not in opening
+
+        def say_the_wait() -> None:
+            nonlocal said
+            if said is not None and clock() >= said[0]:
+                still = [t for t in threads if t.is_alive() and label(t) in opening]
+                if still:
+                    fleet.note(opening_wait_note("workers", said[1], len(still)))
+                said = None
 
         while any(waited(t) for t in threads) or not events.empty():
+            say_the_wait()
             event = next_event(events)
             if event is None:
                 continue
@@ -416,6 +434,7 @@ class LocalExecutor:
                 fleet.shipped(event[1], event[2])
             elif event[0] == "note":
                 fleet.note(f"{event[1]}: {event[2]}")
+        say_the_wait()  # a wait given up past its quiet time (a clock that jumped) says it
 
 
 def next_event(events: queue.Queue[tuple[Any, ...]]) -> tuple[Any, ...] | None:
