@@ -64,12 +64,9 @@ def test_a_signal_during_the_driver_wait_says_no_cap_was_applied(
     assert json.loads(state.stdout)[0] == gpu
 
 
-def test_a_sigterm_mid_apply_says_which_gpus_are_capped_and_which_not(tmp_path: Path) -> None:
-    """The caps unit stopped (a shutdown) while `cap apply` capped the second of two GPUs:
-    the journal had "applied to GPU 0 ..." and "Interrupted (received SIGTERM).", with no word
-    of GPU 1, whose clock lock was in place already. The last line says GPU 0 is capped, GPU 1
-    not or in part, and what finishes or undoes it; `cap reset --applied` puts both back."""
-    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_NVML_DEADLINE_S="3600")
+def _caps_for_every_gpu(tmp_path: Path, env: dict[str, str]) -> tuple[Path, list[str]]:
+    """A caps file capping every GPU `dvfs gpu list` shows at 1410 MHz and 450 W, and their
+    UUIDs."""
     listed = subprocess.run(
         [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
         env=env,
@@ -85,6 +82,16 @@ def test_a_sigterm_mid_apply_says_which_gpus_are_capped_and_which_not(tmp_path: 
             for u in uuids
         )
     )
+    return caps, uuids
+
+
+def test_a_sigterm_mid_apply_says_which_gpus_are_capped_and_which_not(tmp_path: Path) -> None:
+    """The caps unit stopped (a shutdown) while `cap apply` capped the second of two GPUs:
+    the journal had "applied to GPU 0 ..." and "Interrupted (received SIGTERM).", with no word
+    of GPU 1, whose clock lock was in place already. The last line says GPU 0 is capped, GPU 1
+    not or in part, and what finishes or undoes it; `cap reset --applied` puts both back."""
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_NVML_DEADLINE_S="3600")
+    caps, _ = _caps_for_every_gpu(tmp_path, env)
     hung = {**env, "DVFS_FAKE_NVML_HANG": "nvmlDeviceSetPowerManagementLimit@1=3600"}
     process = subprocess.Popen(
         [sys.executable, "-m", "dvfs", "cap", "apply", str(caps)],
@@ -123,21 +130,7 @@ def test_a_sigterm_before_any_gpu_is_changed_says_no_cap_was_applied(tmp_path: P
     without a word, the journal saying nothing of the caps, as the driver wait did before.
     It says in one line that nothing was changed, and no GPU was."""
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_NVML_DEADLINE_S="3600")
-    listed = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    uuids = [g["uuid"] for g in json.loads(listed.stdout)]
-    caps = tmp_path / "caps.toml"
-    caps.write_text(
-        "".join(
-            f'[[gpu]]\nuuid = "{u}"\nsm_clock_max_mhz = 1410\npower_limit_w = 450.0\n\n'
-            for u in uuids
-        )
-    )
+    caps, uuids = _caps_for_every_gpu(tmp_path, env)
     hung = {**env, "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetPowerManagementLimit@0=3600"}
     hangs = tmp_path / "fake-nvml.json.hangs"
     process = subprocess.Popen(
