@@ -195,23 +195,8 @@ def test_attention_dp_splits_the_arg_over_its_ranks(tmp_path: Path) -> None:
 def _check(tmp_path: Path, batch: int, caps: list[int], **args: object) -> str | None:
     """What `_check_resolved` says of a server whose DP ranks report `caps`, with resolved
     `args` over a plain one's, for the largest batch `batch` (None: it passes)."""
-    tmp_path.mkdir(exist_ok=True)
-    path, _ = stub_campaign(tmp_path, batch=f"[1, {batch}]", knobs="sm_clock = [1980]")
-    campaign = load_campaign(path)
-    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
-    info = {
-        "model_path": campaign.engine.model,
-        "speculative_algorithm": None,
-        "max_running_requests": batch,
-        "attention_backend": "fa3",
-        **args,
-        "internal_states": [{"effective_max_running_requests_per_dp": c} for c in caps],
-    }
-    try:
-        engine._check_resolved(campaign.drafters[0], info)
-    except EngineError as refused:
-        return str(refused)
-    return None
+    states: list[dict[str, object]] = [{"effective_max_running_requests_per_dp": c} for c in caps]
+    return _pipeline_check(tmp_path, batch, states, **args)
 
 
 def test_uneven_rank_caps_are_held_to_the_dp_controllers_turns(tmp_path: Path) -> None:
