@@ -85,6 +85,28 @@ def _caps_for_every_gpu(tmp_path: Path, env: dict[str, str]) -> tuple[Path, list
     return caps, uuids
 
 
+def _sigterm_as_the_first_power_read_hangs(
+    tmp_path: Path, env: dict[str, str], args: list[str]
+) -> tuple[int, str, str]:
+    """`dvfs ARGS` with GPU 0's power-limit read hung (the fake NVML's hang file says when),
+    sent SIGTERM there: its exit code, stdout and stderr."""
+    hung = {**env, "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetPowerManagementLimit@0=3600"}
+    hangs = tmp_path / "fake-nvml.json.hangs"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dvfs", *args],
+        env=hung,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not hangs.exists():  # the read hangs (the process would have ended otherwise)
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate()
+    return process.returncode, out, err
+
+
 def test_a_sigterm_mid_apply_says_which_gpus_are_capped_and_which_not(tmp_path: Path) -> None:
     """The caps unit stopped (a shutdown) while `cap apply` capped the second of two GPUs:
     the journal had "applied to GPU 0 ..." and "Interrupted (received SIGTERM).", with no word
@@ -131,21 +153,10 @@ def test_a_sigterm_before_any_gpu_is_changed_says_no_cap_was_applied(tmp_path: P
     It says in one line that nothing was changed, and no GPU was."""
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_NVML_DEADLINE_S="3600")
     caps, uuids = _caps_for_every_gpu(tmp_path, env)
-    hung = {**env, "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetPowerManagementLimit@0=3600"}
-    hangs = tmp_path / "fake-nvml.json.hangs"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dvfs", "cap", "apply", str(caps), "--wait-for-driver", "300"],
-        env=hung,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    code, out, err = _sigterm_as_the_first_power_read_hangs(
+        tmp_path, env, ["cap", "apply", str(caps), "--wait-for-driver", "300"]
     )
-    while not hangs.exists():  # the read hangs (the process would have ended otherwise)
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate()
-    assert process.returncode == 143, (out, err)
+    assert code == 143, (out, err)
     assert "Traceback" not in err and out == "", (out, err)
     assert err.splitlines() == [
         "Interrupted (received SIGTERM before any GPU was changed: nothing changed, no cap "
@@ -187,22 +198,13 @@ def test_a_sigterm_before_the_governor_changes_a_gpu_says_none_was_governed(
         'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
         "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\npower_limit_w = 400\n"
     )
-    hung = {**env, "DVFS_FAKE_NVML_HANG": "nvmlDeviceGetPowerManagementLimit@0=3600"}
-    hangs = tmp_path / "fake-nvml.json.hangs"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dvfs", "govern", "--plan", str(plan)]
-        + ["--url", "http://127.0.0.1:9", "--listen", "off", "--wait-for-driver", "300"],
-        env=hung,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    code, out, err = _sigterm_as_the_first_power_read_hangs(
+        tmp_path,
+        env,
+        ["govern", "--plan", str(plan), "--url", "http://127.0.0.1:9", "--listen", "off"]
+        + ["--wait-for-driver", "300"],
     )
-    while not hangs.exists():  # the read hangs (the process would have ended otherwise)
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate()
-    assert process.returncode == 143, (out, err)
+    assert code == 143, (out, err)
     assert "Traceback" not in err and out == "", (out, err)
     assert err.splitlines() == [
         "Interrupted (received SIGTERM before any GPU was changed: nothing changed, no GPU "
