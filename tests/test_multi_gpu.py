@@ -1612,62 +1612,12 @@ def test_a_local_worker_whose_open_and_close_fail_keeps_the_closes_error(
     assert executor.close_errors == {"gpu0": refused}
 
 
-def test_a_fleet_whose_open_hits_a_bug_names_the_gpu_its_refused_restore_left_exit_4(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A local fleet: gpu1's open locks its SM clock and then hits a bug in dvfs; the close
-    its open runs is refused (NVML: no root), leaving the clock locked. The open's error is
-    raised (the close's kept): an internal error, exit 1, and the GPU left changed was named
-    nowhere (before, the close's refusal was the line: GPU named, exit 4). The line names
-    it with the refusal and the reset, the bug's line is the last, exit 4."""
-    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
-
-    from dvfs.errors import GpuPermissionError
-    from dvfs.gpu.knobs import KnobSetting
-    from dvfs.gpu.nvml import NvmlGpu
-    from dvfs.measure.runner import Runner
-
-    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
-        monkeypatch.setenv(key, env[key])
-    nvml = load_fake()
-    nvml.fake_reset_state()
-    opened = Runner.open_session
-
-    def buggy_open(self: Runner) -> None:
-        opened(self)
-        if self.gpus[0].identity.index == 1:
-            self.knobs.apply(KnobSetting(1500, None))
-            raise RuntimeError("a bug in the open")
-
-    def refused(self: NvmlGpu) -> None:
-        raise GpuPermissionError(
-            f"GPU {self.index}: cannot reset locked SM clocks: permission denied"
-        )
-
-    monkeypatch.setattr(Runner, "open_session", buggy_open)
-    monkeypatch.setattr(NvmlGpu, "reset_sm_clock", refused)
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
-    out = tmp_path / "out"
-    argv = ["sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress"]
-    result = dvfs_in_process(*argv, env=env)
-    lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
-    uuid = nvml.fake_device_state(1)["uuid"]
-    named = [x for x in lines if uuid in x]
-    assert len(named) == 1 and "permission denied" in named[0], result.stderr
-    assert lines[-1].startswith("Error: internal error: RuntimeError: a bug in the open"), lines
-    assert result.returncode == 4, result.stderr
-    assert "Traceback" not in result.stderr
-
-
-def test_a_fleet_whose_open_fails_in_an_oserror_with_a_refused_restore_exits_4(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A local fleet: gpu1's open locks its SM clock and then fails in an OSError (a file it
-    could not read); the close its open runs is refused (NVML: no root), leaving the clock
-    locked. The GPU was named with the refusal, but the run ended in the OSError's line,
-    exit 1 (README: 4, GPUs left for root to put back). It exits 4, the OSError's line the
-    last."""
+def _gpu1_open_fails_its_restore_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> tuple[Any, list[str], list[str]]:
+    """A local fleet of GPUs 0-1 whose gpu1 open locks its SM clock, then raises `error`, the
+    close its open runs refused (NVML: no root): the sweep's result, its stderr's lines
+    (spaces folded) and those naming gpu1's UUID."""
     from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
     from dvfs.errors import GpuPermissionError
@@ -1686,7 +1636,7 @@ def test_a_fleet_whose_open_fails_in_an_oserror_with_a_refused_restore_exits_4(
         opened(self)
         if self.gpus[0].identity.index == 1:
             self.knobs.apply(KnobSetting(1500, None))
-            raise OSError(5, "Input/output error", "/tmp/a-file-the-open-read")
+            raise error
 
     def refused(self: NvmlGpu) -> None:
         raise GpuPermissionError(
@@ -1701,7 +1651,37 @@ def test_a_fleet_whose_open_fails_in_an_oserror_with_a_refused_restore_exits_4(
     result = dvfs_in_process(*argv, env=env)
     lines = [" ".join(x.split()) for x in result.stderr.strip().splitlines()]
     uuid = nvml.fake_device_state(1)["uuid"]
-    named = [x for x in lines if uuid in x]
+    return result, lines, [x for x in lines if uuid in x]
+
+
+def test_a_fleet_whose_open_hits_a_bug_names_the_gpu_its_refused_restore_left_exit_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local fleet: gpu1's open locks its SM clock and then hits a bug in dvfs; the close
+    its open runs is refused (NVML: no root), leaving the clock locked. The open's error is
+    raised (the close's kept): an internal error, exit 1, and the GPU left changed was named
+    nowhere (before, the close's refusal was the line: GPU named, exit 4). The line names
+    it with the refusal and the reset, the bug's line is the last, exit 4."""
+    result, lines, named = _gpu1_open_fails_its_restore_refused(
+        tmp_path, monkeypatch, RuntimeError("a bug in the open")
+    )
+    assert len(named) == 1 and "permission denied" in named[0], result.stderr
+    assert lines[-1].startswith("Error: internal error: RuntimeError: a bug in the open"), lines
+    assert result.returncode == 4, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_fleet_whose_open_fails_in_an_oserror_with_a_refused_restore_exits_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local fleet: gpu1's open locks its SM clock and then fails in an OSError (a file it
+    could not read); the close its open runs is refused (NVML: no root), leaving the clock
+    locked. The GPU was named with the refusal, but the run ended in the OSError's line,
+    exit 1 (README: 4, GPUs left for root to put back). It exits 4, the OSError's line the
+    last."""
+    result, lines, named = _gpu1_open_fails_its_restore_refused(
+        tmp_path, monkeypatch, OSError(5, "Input/output error", "/tmp/a-file-the-open-read")
+    )
     assert len(named) == 1 and "permission denied" in named[0], result.stderr
     assert f"reset --state-dir {tmp_path / 'dvfs-state'}` as root (state in " in named[0], named
     assert lines[-1].startswith("Error: cannot use /tmp/a-file-the-open-read"), lines
