@@ -14,6 +14,18 @@ import pytest
 from nvml_support import fake_env
 
 
+def _listed(env: dict[str, str]) -> list[dict[str, object]]:
+    """What `dvfs gpu list --json` shows under `env`."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return list(json.loads(listed.stdout))
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_the_driver_wait_says_no_cap_was_applied(
     tmp_path: Path, signum: int
@@ -22,14 +34,8 @@ def test_a_signal_during_the_driver_wait_says_no_cap_was_applied(
     SIGTERM: it exited 143 saying nothing after its "waiting" line, so the journal did not
     say whether any cap was in place. It says so in one line, and no GPU was changed."""
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_FAKE_NVML_DEVICES="h100-sxm")
-    listed = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    gpu = json.loads(listed.stdout)[0]
+    listed_gpus = _listed(env)
+    gpu = listed_gpus[0]
     caps = tmp_path / "caps.toml"
     caps.write_text(f'[[gpu]]\nuuid = "{gpu["uuid"]}"\npower_limit_w = 450.0\n')
     env["DVFS_FAKE_NVML_INIT_ERROR"] = "9"  # NVML_ERROR_DRIVER_NOT_LOADED
@@ -54,27 +60,15 @@ def test_a_signal_during_the_driver_wait_says_no_cap_was_applied(
         "nothing changed, no cap applied; start it again once the driver is loaded)."
     ), lines
     del env["DVFS_FAKE_NVML_INIT_ERROR"]
-    state = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert json.loads(state.stdout)[0] == gpu
+    state_gpus = _listed(env)
+    assert state_gpus[0] == gpu
 
 
 def _caps_for_every_gpu(tmp_path: Path, env: dict[str, str]) -> tuple[Path, list[str]]:
     """A caps file capping every GPU `dvfs gpu list` shows at 1410 MHz and 450 W, and their
     UUIDs."""
-    listed = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    uuids = [g["uuid"] for g in json.loads(listed.stdout)]
+    listed_gpus = _listed(env)
+    uuids = [str(g["uuid"]) for g in listed_gpus]
     caps = tmp_path / "caps.toml"
     caps.write_text(
         "".join(
@@ -163,14 +157,8 @@ def test_a_sigterm_before_any_gpu_is_changed_says_no_cap_was_applied(tmp_path: P
         "applied; start it again)."
     ], err
     assert not (tmp_path / "dvfs-state" / "caps-applied.json").exists()
-    after = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert [g["uuid"] for g in json.loads(after.stdout)] == uuids
+    after_gpus = _listed(env)
+    assert [g["uuid"] for g in after_gpus] == uuids
     state = json.loads((tmp_path / "fake-nvml.json").read_text())
     assert all(d["locked_clocks"] is None for d in state["devices"]), state["devices"]
     assert all(d["power_limit_mw"] == 700_000 for d in state["devices"]), state["devices"]
@@ -184,15 +172,7 @@ def test_a_sigterm_before_the_governor_changes_a_gpu_says_none_was_governed(
     the SIGTERM without a word, as `cap apply` did in the same window. It says in one line
     that nothing was changed, exit 143, and no GPU was."""
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1", DVFS_NVML_DEADLINE_S="3600")
-    before = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
+    before = _listed(env)
     plan = tmp_path / "plan.toml"
     plan.write_text(
         'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
@@ -214,11 +194,5 @@ def test_a_sigterm_before_the_governor_changes_a_gpu_says_none_was_governed(
     state = json.loads((tmp_path / "fake-nvml.json").read_text())
     assert all(d["locked_clocks"] is None for d in state["devices"]), state["devices"]
     assert all(d["power_limit_mw"] == 700_000 for d in state["devices"]), state["devices"]
-    after = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "list", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert json.loads(after.stdout) == before
+    after_gpus = _listed(env)
+    assert after_gpus == before
